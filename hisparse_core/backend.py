@@ -1,0 +1,102 @@
+"""The backend interface: what an accelerator vendor implements, and how it is described."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from hisparse_core.geometry import RuntimeConfig
+from hisparse_core.host_pool import HostPool, HostPoolSpec
+from hisparse_core.runtime import CacheRuntime
+from hisparse_core.transfer import TransferEngine
+
+#: Version of the Backend/HostPool/CacheRuntime/TransferEngine interfaces. A backend built for
+#: another API version is listed as unavailable.
+API_VERSION = 1
+
+
+class Capability:
+    """Capability names a backend may declare. The conformance suite skips, with the reason, a
+    test that needs a capability the backend does not declare."""
+
+    FP8_DS_MLA = "row_format:fp8_ds_mla"
+    BF16_MLA = "row_format:bf16_mla"
+    SPECULATIVE_UNION = "speculative_union"  # several consecutive rows per request resolved as one union
+    INDEX_SHARING = "index_sharing"  # num_layers > 1: followers replay the leader's miss plan
+    SHARED_HOST_POOL = "shared_host_pool"  # HostPoolSpec(shared=True) across processes
+    CUDA_GRAPH = "cuda_graph"  # resolve(validate=False) + gather capturable in a CUDA graph
+    ASYNC_TRANSFERS = "async_transfers"  # enqueued and completed may be reported at different polls
+
+    ALL: ClassVar[frozenset[str]] = frozenset(
+        {FP8_DS_MLA, BF16_MLA, SPECULATIVE_UNION, INDEX_SHARING, SHARED_HOST_POOL, CUDA_GRAPH, ASYNC_TRANSFERS})
+
+
+class Backend(ABC):
+    """Factories for one platform's host pool, runtimes and transfer engine.
+
+    A backend class is named by a `BackendSpec` that its plugin registers through the
+    `hisparse_register_backends` hook; the registry imports and instantiates it only when it is
+    selected, and only after its probe said it can run here. Construction must be cheap and must
+    not allocate device memory; allocation happens in the factories. One instance serves one
+    worker process.
+    """
+
+    name: ClassVar[str]
+    version: ClassVar[str]
+    api_version: ClassVar[int] = API_VERSION
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device runtimes live on (e.g. `cpu`, `cuda:0`)."""
+
+    @abstractmethod
+    def create_host_pool(self, spec: HostPoolSpec) -> HostPool:
+        """Allocate (or, for a shared pool on rank > 0, map) the host pool.
+
+        Raises `CapacityError` if the memory cannot be had, `InvalidInputError` for a spec the
+        backend cannot serve (e.g. `shared=True` without the SHARED_HOST_POOL capability). The
+        caller (`HiSparseWorker`) owns the pool and releases it at shutdown.
+        """
+
+    @abstractmethod
+    def create_runtime(self, config: RuntimeConfig) -> CacheRuntime:
+        """Build an unbound runtime for one index group, with its state and workspace allocated
+        on `device`. Raises `InvalidInputError` for a geometry the backend cannot serve."""
+
+    @abstractmethod
+    def create_transfer_engine(self, host_pool: HostPool, runtimes: Sequence[CacheRuntime]) -> TransferEngine:
+        """Build the engine that runs offload commands for these bound runtimes."""
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "version": self.version, "api_version": self.api_version,
+                "capabilities": sorted(self.capabilities), "device": str(self.device)}
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """How a plugin describes a backend without importing it.
+
+    - `name`: unique; what users pass to `--backend` / `HISPARSE_BACKEND`.
+    - `factory`: "module:Class" of the `Backend` subclass, imported only on selection.
+    - `probe`: cheap check that returns None when the backend can run here, else the reason
+      ("no CUDA device", "cuda-python not installed: pip install 'hisparse[nvidia]'"). It must not
+      raise; the registry turns an exception into an unavailable status with the error.
+    - `priority`: automatic selection takes the highest available (reference_cpu is the lowest).
+    - `capabilities`, `version`, `api_version`: shown by `hisparse backends`; `api_version` must
+      equal `hisparse_core.API_VERSION`.
+    """
+
+    name: str
+    factory: str
+    probe: Callable[[], str | None]
+    priority: int = 0
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+    version: str = "0"
+    api_version: int = API_VERSION
+    description: str = ""

@@ -1,0 +1,59 @@
+"""The transfer engine: runs a step's copies on the backend's copy stream and tracks completion."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hisparse_core.runtime import CacheRuntime
+from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
+
+
+@dataclass(frozen=True, slots=True)
+class TransferProgress:
+    """Ids that became enqueued or completed since the last poll; each id is reported once."""
+
+    enqueued: tuple[int, ...] = ()
+    completed: tuple[int, ...] = ()
+    completed_host_copies: tuple[int, ...] = ()
+
+
+class TransferEngine(ABC):
+    """Executes offload work for every runtime of one worker, in submission order.
+
+    Created by `Backend.create_transfer_engine(host_pool, runtimes)` and driven by
+    `HiSparseWorker`, which forwards the coordinator's `OffloadCommand` in step phases. Work
+    is ordered: a later submission never completes before an earlier one (so a spill submitted
+    after a mirror sees the mirrored rows). A transfer id is *enqueued* once its copy is ordered
+    on the backend's stream (the GPU source block may be reused by later work) and *completed*
+    once the copy has landed in host memory (its host page may be published). Synchronous
+    backends may report both at once. Nothing here synchronizes the compute stream with the host.
+
+    In a shared host pool only the writer rank copies to host; other ranks still acknowledge the
+    transfer (enqueued and completed) once the writer's event says the rows are there.
+    """
+
+    @property
+    @abstractmethod
+    def runtimes(self) -> Sequence[CacheRuntime]: ...
+
+    @abstractmethod
+    def submit_row_mirrors(self, mirrors: Sequence[RowMirror]) -> None:
+        """Enqueue device-to-host copies of rows written this step, for every runtime."""
+
+    @abstractmethod
+    def submit_pages(self, transfers: Sequence[PageTransfer]) -> None:
+        """Enqueue page spills (device to host) and restores (host to device) for every runtime."""
+
+    @abstractmethod
+    def submit_host_copies(self, copies: Sequence[HostBlockCopy]) -> None:
+        """Enqueue host-to-host block copies for every runtime."""
+
+    @abstractmethod
+    def poll(self) -> TransferProgress:
+        """Report ids that became enqueued / completed since the last call (non-blocking)."""
+
+    @abstractmethod
+    def drain(self) -> TransferProgress:
+        """Wait for all submitted work, then report like `poll` (shutdown and tests)."""

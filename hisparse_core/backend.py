@@ -5,14 +5,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+# Annotation-only imports: plugins import BackendSpec from here, and a plugin module must not
+# pull in torch (every process that lists backends imports every plugin).
+if TYPE_CHECKING:
+    import torch
 
-from hisparse_core.geometry import RuntimeConfig
-from hisparse_core.host_pool import HostPool, HostPoolSpec
-from hisparse_core.runtime import CacheRuntime
-from hisparse_core.transfer import TransferEngine
+    from hisparse_core.geometry import RuntimeConfig
+    from hisparse_core.host_pool import HostPool, HostPoolSpec
+    from hisparse_core.runtime import CacheRuntime
+    from hisparse_core.transfer import TransferEngine
 
 #: Version of the Backend/HostPool/CacheRuntime/TransferEngine interfaces. A backend built for
 #: another API version is listed as unavailable.

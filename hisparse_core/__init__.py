@@ -1,9 +1,8 @@
 """hisparse: host-resident KV cache for sparse-attention LLMs, with pluggable backends.
 
-This package is platform-neutral: it never imports vLLM, CUDA or a backend at import time.
-Its public names resolve lazily (PEP 562), so `from hisparse_core import BackendSpec, hookimpl`
-in a backend's entry-point module does not import torch; names that need torch import it on
-first use.
+This package is platform-neutral: it never imports vLLM, CUDA or a backend. The names below are
+resolved lazily (PEP 562), so `import hisparse_core.hookspecs` from a backend's entry-point
+module does not import torch.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-#: Public name -> defining module.
 _EXPORTS: dict[str, str] = {
     "API_VERSION": "hisparse_core.backend",
     "Backend": "hisparse_core.backend",
@@ -52,40 +50,26 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _EXPORTS.get(name)
-    if module_name is None:
+    module = _EXPORTS.get(name)
+    if module is None:
         raise AttributeError(f"module 'hisparse_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return __all__
 
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pragma: no cover
     from hisparse_core.backend import API_VERSION, Backend, BackendSpec, Capability
-    from hisparse_core.errors import (
-        BackendError,
-        BackendNotFoundError,
-        BackendUnavailableError,
-        CapacityError,
-        HiSparseError,
-        InvalidCommandError,
-        InvalidInputError,
-        ProtocolError,
-    )
+    from hisparse_core.errors import (BackendError, BackendNotFoundError, BackendUnavailableError, CapacityError,
+                                      HiSparseError, InvalidCommandError, InvalidInputError, ProtocolError)
     from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat, RuntimeConfig
     from hisparse_core.hookspecs import hookimpl
     from hisparse_core.host_pool import HostPool, HostPoolSpec
     from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
     from hisparse_core.transfer import TransferEngine, TransferProgress
-    from hisparse_core.types import (
-        HostBlockCopy,
-        OffloadCommand,
-        PageTransfer,
-        ResidencyUpdate,
-        RowMirror,
-        WorkerMetadata,
-    )
+    from hisparse_core.types import (HostBlockCopy, OffloadCommand, PageTransfer, ResidencyUpdate, RowMirror,
+                                     WorkerMetadata)

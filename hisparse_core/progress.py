@@ -1,0 +1,75 @@
+"""A tiny progress bar on stderr for long CLI work (no third-party dependency).
+
+It redraws one line in place when stderr is a terminal and prints a few plain milestone lines
+otherwise (CI logs stay short). `enabled=False` makes every call a no-op.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import TracebackType
+from typing import TextIO
+
+
+class ProgressBar:
+    """`with ProgressBar(total, "decode") as bar: ... bar.update(1, note="hit 87%")`."""
+
+    def __init__(self, total: int, label: str, *, enabled: bool = True, stream: TextIO | None = None,
+                 width: int = 30, min_interval_s: float = 0.1) -> None:
+        if total < 0:
+            raise ValueError(f"ProgressBar total must be >= 0, got {total}")
+        self.total = total
+        self.label = label
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.min_interval_s = min_interval_s
+        self.done = 0
+        self.note = ""
+        self._start = time.perf_counter()
+        self._last_draw = 0.0
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._next_milestone = 0  # quarter marks printed when not a terminal
+
+    def update(self, n: int = 1, *, note: str | None = None) -> None:
+        self.done = min(self.total, self.done + n)
+        if note is not None:
+            self.note = note
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._tty:
+            if now - self._last_draw >= self.min_interval_s or self.done == self.total:
+                self._draw(now, end="")
+        else:
+            quarter = (4 * self.done) // self.total if self.total else 4
+            if quarter >= self._next_milestone:
+                self._draw(now, end="\n")
+                self._next_milestone = quarter + 1
+
+    def _draw(self, now: float, end: str) -> None:
+        self._last_draw = now
+        frac = self.done / self.total if self.total else 1.0
+        filled = int(frac * self.width)
+        elapsed = now - self._start
+        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
+        bar = "#" * filled + "-" * (self.width - filled)
+        text = (f"{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s"
+                + (f" eta {eta:4.1f}s" if frac < 1 and frac > 0 else "")
+                + (f"  {self.note}" if self.note else ""))
+        prefix = "\r\x1b[2K" if self._tty else ""
+        self.stream.write(prefix + text + end)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._tty:
+            self._draw(time.perf_counter(), end="\n")
+            self._tty = False  # drawn for the last time
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""The built-in replay engine behind `hisparse bench` and `hisparse run`."""

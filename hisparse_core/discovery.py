@@ -122,9 +122,12 @@ def parse_name_list(value: str | None) -> frozenset[str] | None:
     return frozenset(part.strip() for part in value.split(",") if part.strip())
 
 
-def error_summary(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+def error_summary(exc: BaseException, limit: int = 400) -> str:
+    """`"Type: message"` on one line (pluggy's validation errors put the point on a later line)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if len(text) > limit:
+        text = text[:limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def format_error(exc: BaseException) -> str:

@@ -97,7 +97,7 @@ class FakeSite:
 
         Returns the package name. `plugin_source_text` replaces the generated entry-point module.
         """
-        package = f"{self.prefix}_{name.replace('-', '_').replace('.', '_')}"
+        package = f"{self.prefix}_{(plugin or name).replace('-', '_').replace('.', '_')}"
         factory = f"{package}.backend:FakeBackend"
         files = {
             f"{package}/__init__.py": "",

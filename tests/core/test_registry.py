@@ -1,0 +1,325 @@
+"""The backend registry, in process: discovery, statuses, filters, selection and its messages.
+
+Most tests install throwaway distributions (`fake_site`) and discover only those, so they do not
+depend on which in-tree backends exist yet; the in-tree ones have their own tests at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+from core_support import FakeSite, module_exists, plugin_source
+
+from hisparse_core.backend import API_VERSION, Backend
+from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
+from hisparse_core.registry import BackendStatus, get_registry, resolve_backend_class, select_backend
+
+# --- statuses -------------------------------------------------------------------------------
+
+
+def test_available_backend_is_listed_with_its_spec(fake_site: FakeSite) -> None:
+    package = fake_site.backend("alpha", priority=7)
+    entry = fake_site.registry().get("alpha")
+    assert entry.status is BackendStatus.AVAILABLE and entry.available
+    assert (entry.priority, entry.version, entry.capabilities) == (7, "1.0", ("index_sharing",))
+    assert entry.reason is None and entry.error is None
+    assert entry.factory == f"{package}.backend:FakeBackend"
+    assert entry.plugin == "alpha" and entry.distribution == package.replace("_", "-")
+    assert entry.distribution_version == "1.0" and entry.api_version == API_VERSION
+
+
+def test_discovery_does_not_import_the_factory_module(fake_site: FakeSite) -> None:
+    package = fake_site.backend("lazy")
+    reg = fake_site.registry()
+    assert f"{package}.plugin" in sys.modules
+    assert f"{package}.backend" not in sys.modules
+    reg.resolve_backend_class("lazy")
+    assert f"{package}.backend" in sys.modules
+
+
+def test_probe_reason_makes_a_backend_unavailable(fake_site: FakeSite) -> None:
+    fake_site.backend("gpuonly", probe="return 'no CUDA device'")
+    entry = fake_site.registry().get("gpuonly")
+    assert entry.status is BackendStatus.UNAVAILABLE
+    assert entry.reason == "no CUDA device"
+    assert entry.error is None
+
+
+def test_probe_that_raises_is_unavailable_with_the_error(fake_site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
+    fake_site.backend("flaky", probe="raise OSError('driver query failed')")
+    with caplog.at_level(logging.WARNING):
+        entry = fake_site.registry().get("flaky")
+    assert entry.status is BackendStatus.UNAVAILABLE
+    assert entry.reason == "probe raised OSError: driver query failed"
+    assert "Traceback" in (entry.error or "") and "driver query failed" in (entry.error or "")
+    assert "probe raised OSError" in caplog.text
+
+
+@pytest.mark.parametrize("verdict", ["False", "''", "42"])
+def test_probe_returning_something_else_is_unavailable_and_says_what_was_expected(fake_site: FakeSite,
+                                                                                 verdict: str) -> None:
+    fake_site.backend("odd", probe=f"return {verdict}")
+    entry = fake_site.registry().get("odd")
+    assert entry.status is BackendStatus.UNAVAILABLE
+    assert entry.reason is not None and "expected None (can run) or a non-empty reason string" in entry.reason
+
+
+def test_api_version_mismatch_is_unavailable_without_probing(fake_site: FakeSite) -> None:
+    never = "raise AssertionError('a backend for another API version must not be probed')"
+    fake_site.backend("future", plugin_source_text=plugin_source(
+        "future", "x.y:Z", probe=never, extra=f", api_version={API_VERSION + 1}"))
+    entry = fake_site.registry().get("future")
+    assert entry.status is BackendStatus.UNAVAILABLE
+    assert entry.reason == (f"built for hisparse backend API version {API_VERSION + 1}; "
+                            f"this hisparse provides API version {API_VERSION}")
+
+
+def test_plugin_that_fails_to_import_is_broken_and_the_others_still_work(
+        fake_site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
+    fake_site.backend("good")
+    fake_site.backend("bad", plugin_source_text="raise RuntimeError('vendor SDK missing: libacme.so')\n")
+    with caplog.at_level(logging.WARNING, logger="hisparse_core"):
+        reg = fake_site.registry()
+    bad = reg.get("bad")
+    assert bad.status is BackendStatus.BROKEN
+    assert bad.reason == "RuntimeError: vendor SDK missing: libacme.so"
+    assert "Traceback" in (bad.error or "") and "libacme.so" in (bad.error or "")
+    assert reg.get("good").available
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "'bad'" in warnings[0].getMessage() and "broken" in warnings[0].getMessage()
+
+
+def test_plugin_without_a_hookimpl_is_broken_with_a_hint(fake_site: FakeSite) -> None:
+    fake_site.backend("nohook", plugin_source_text="def hisparse_register_backends(register):\n    pass\n")
+    entry = fake_site.registry().get("nohook")
+    assert entry.status is BackendStatus.BROKEN
+    assert entry.reason is not None and "no @hisparse_core.hookimpl hisparse_register_backends" in entry.reason
+
+
+def test_plugin_that_registers_nothing_is_broken(fake_site: FakeSite) -> None:
+    fake_site.backend("empty", plugin_source_text=(
+        "from hisparse_core import hookimpl\n\n@hookimpl\ndef hisparse_register_backends(register):\n    pass\n"))
+    entry = fake_site.registry().get("empty")
+    assert entry.status is BackendStatus.BROKEN
+    assert entry.reason is not None and "never called register(BackendSpec(...))" in entry.reason
+
+
+def test_misspelt_hook_is_caught_by_check_pending_for_that_plugin_only(fake_site: FakeSite) -> None:
+    fake_site.backend("fine")
+    fake_site.backend("typo", plugin_source_text=(
+        "from hisparse_core import hookimpl\n\n@hookimpl\ndef hisparse_register_backend(register):\n    pass\n"))
+    reg = fake_site.registry()
+    typo = reg.get("typo")
+    assert typo.status is BackendStatus.BROKEN
+    assert "hisparse_register_backend" in (typo.reason or "")
+    assert reg.get("fine").available
+
+
+def test_hookimpl_with_unknown_argument_is_broken(fake_site: FakeSite) -> None:
+    fake_site.backend("wrongarg", plugin_source_text=(
+        "from hisparse_core import hookimpl\n\n@hookimpl\ndef hisparse_register_backends(registrar):\n    pass\n"))
+    entry = fake_site.registry().get("wrongarg")
+    assert entry.status is BackendStatus.BROKEN
+    assert "registrar" in (entry.reason or "")
+
+
+def test_invalid_spec_is_rejected_naming_the_bad_value(fake_site: FakeSite) -> None:
+    fake_site.backend("badfactory", plugin_source_text=plugin_source("badfactory", "no_colon_here"))
+    entry = fake_site.registry().get("badfactory")
+    assert entry.status is BackendStatus.BROKEN
+    assert "factory 'no_colon_here'; expected 'module:Class'" in (entry.reason or "")
+
+
+def test_duplicate_backend_names_are_an_error_naming_both_plugins(fake_site: FakeSite) -> None:
+    fake_site.backend("dup", plugin="first")
+    fake_site.backend("dup", plugin="second", dist="second-dist")
+    reg = fake_site.registry()
+    names = {e.name: e for e in reg.entries()}
+    assert names["dup"].status is BackendStatus.BROKEN
+    assert names["second"].status is BackendStatus.BROKEN
+    for entry in (names["dup"], names["second"]):
+        assert "backend name 'dup' is registered twice" in (entry.reason or "")
+        assert "plugin 'first'" in (entry.reason or "") and "plugin 'second' (second-dist 1.0)" in (entry.reason or "")
+    with pytest.raises(BackendUnavailableError, match="registered twice"):
+        reg.select_backend("dup")
+
+
+# --- filters --------------------------------------------------------------------------------
+
+
+def test_disabled_plugins_are_not_imported_and_listed_as_unavailable(fake_site: FakeSite) -> None:
+    package = fake_site.backend("off")
+    fake_site.backend("on")
+    reg = fake_site.registry({"HISPARSE_DISABLED_PLUGINS": " off , other"})
+    off = reg.get("off")
+    assert off.status is BackendStatus.UNAVAILABLE
+    assert off.reason == "plugin 'off' is disabled by HISPARSE_DISABLED_PLUGINS"
+    assert f"{package}.plugin" not in sys.modules
+    assert reg.get("on").available
+
+
+def test_allowlist_loads_only_the_named_plugins(fake_site: FakeSite) -> None:
+    fake_site.backend("keep")
+    package = fake_site.backend("skip")
+    reg = fake_site.registry({"HISPARSE_PLUGINS": "keep"})
+    assert reg.get("keep").available
+    assert reg.get("skip").reason == "plugin 'skip' is not in HISPARSE_PLUGINS (keep)"
+    assert f"{package}.plugin" not in sys.modules
+
+
+def test_empty_allowlist_loads_nothing(fake_site: FakeSite) -> None:
+    fake_site.backend("any")
+    reg = fake_site.registry({"HISPARSE_PLUGINS": ""})
+    assert reg.get("any").reason == "plugin 'any' is not in HISPARSE_PLUGINS (<empty>)"
+    with pytest.raises(BackendUnavailableError, match="no hisparse backend is available"):
+        reg.choose(environ={})
+
+
+# --- selection ------------------------------------------------------------------------------
+
+
+def test_automatic_selection_takes_the_highest_priority_and_logs_why(
+        fake_site: FakeSite, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_site.backend("low", priority=1)
+    fake_site.backend("high", priority=50)
+    fake_site.backend("faster", priority=99, probe="return 'no Acme card'")
+    reg = fake_site.registry()
+    with caplog.at_level(logging.INFO, logger="hisparse_core.registry"):
+        backend = reg.select_backend()
+    assert isinstance(backend, Backend) and backend.name == "high"
+    assert caplog.messages[-1] == ("hisparse backend 'high' selected (automatic: highest priority among "
+                                   "[high (50), low (1)]); unavailable: faster (unavailable: no Acme card)")
+
+
+def test_priority_tie_is_broken_by_name_with_a_warning(fake_site: FakeSite,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    fake_site.backend("zeta", priority=5)
+    fake_site.backend("beta", priority=5)
+    reg = fake_site.registry()
+    with caplog.at_level(logging.WARNING, logger="hisparse_core.registry"):
+        selection = reg.choose(environ={})
+    assert selection.name == "beta" and not selection.explicit
+    assert "tie at the highest priority 5" in caplog.text and "HISPARSE_BACKEND" in caplog.text
+
+
+def test_explicit_unknown_backend_lists_what_is_available_and_why_not(fake_site: FakeSite) -> None:
+    fake_site.backend("ok", priority=3)
+    fake_site.backend("nope", probe="return 'needs an Acme card'")
+    reg = fake_site.registry()
+    with pytest.raises(BackendNotFoundError) as info:
+        reg.select_backend("missing")
+    assert str(info.value) == ("no hisparse backend named 'missing'; available: ok (priority 3); "
+                               "not available: nope (unavailable: needs an Acme card)")
+    assert isinstance(info.value, LookupError)
+
+
+def test_explicit_unavailable_backend_fails_with_its_reason_and_the_alternatives(fake_site: FakeSite) -> None:
+    fake_site.backend("ok", priority=3)
+    fake_site.backend("nope", probe="return 'needs an Acme card'")
+    reg = fake_site.registry()
+    with pytest.raises(BackendUnavailableError) as info:
+        reg.select_backend("nope")
+    message = str(info.value)
+    assert message.startswith("hisparse backend 'nope' is unavailable: needs an Acme card; available: ok (priority 3)")
+    assert "hisparse backends -v" in message
+
+
+def test_explicit_broken_backend_fails_with_its_error(fake_site: FakeSite) -> None:
+    fake_site.backend("ok")
+    fake_site.backend("bad", plugin_source_text="import not_a_real_module_xyz\n")
+    with pytest.raises(BackendUnavailableError, match="'bad' is broken: ModuleNotFoundError: No module named"):
+        fake_site.registry().select_backend("bad")
+
+
+def test_hisparse_backend_variable_selects(fake_site: FakeSite, monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    fake_site.backend("low", priority=1)
+    fake_site.backend("high", priority=50)
+    reg = fake_site.registry()
+    monkeypatch.setenv("HISPARSE_BACKEND", "low")
+    with caplog.at_level(logging.INFO, logger="hisparse_core.registry"):
+        assert reg.select_backend().name == "low"
+    assert "hisparse backend 'low' selected (explicit: HISPARSE_BACKEND=low)" in caplog.text
+    # The argument wins over the variable.
+    assert reg.select_backend("high").name == "high"
+
+
+def test_hisparse_backend_naming_an_unknown_backend_says_where_the_name_came_from(
+        fake_site: FakeSite, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_site.backend("only")
+    reg = fake_site.registry()
+    monkeypatch.setenv("HISPARSE_BACKEND", "typo")
+    with pytest.raises(BackendNotFoundError, match=r"no hisparse backend named 'typo' \(from HISPARSE_BACKEND\); "
+                                                   r"available: only \(priority 10\)"):
+        reg.select_backend()
+
+
+def test_nothing_available_lists_every_reason(fake_site: FakeSite) -> None:
+    fake_site.backend("a", probe="return 'no A'")
+    fake_site.backend("b", probe="return 'no B'")
+    with pytest.raises(BackendUnavailableError) as info:
+        fake_site.registry().select_backend()
+    assert "no hisparse backend is available here; available: none; not available: " in str(info.value)
+    assert "a (unavailable: no A)" in str(info.value) and "b (unavailable: no B)" in str(info.value)
+
+
+def test_factory_that_fails_to_import_marks_the_backend_broken(fake_site: FakeSite) -> None:
+    fake_site.backend("late", factory_source="raise ImportError('libacme.so: cannot open shared object')\n")
+    reg = fake_site.registry()
+    assert reg.get("late").available
+    with pytest.raises(BackendUnavailableError, match="factory '.*' failed to import: ImportError: libacme.so"):
+        reg.select_backend("late")
+    after = reg.get("late")
+    assert after.status is BackendStatus.BROKEN and "libacme.so" in (after.error or "")
+
+
+@pytest.mark.parametrize("source, needle", [
+    ("FakeBackend = 42\n", "is 42, not a subclass of hisparse_core.Backend"),
+    ("from hisparse_core.backend import Backend\nclass FakeBackend(Backend):\n    pass\n",
+     "is abstract: it does not implement create_host_pool, create_runtime, create_transfer_engine, device"),
+])
+def test_factory_must_be_a_concrete_backend_subclass(fake_site: FakeSite, source: str, needle: str) -> None:
+    fake_site.backend("shape", factory_source=source)
+    with pytest.raises(BackendUnavailableError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        fake_site.registry().resolve_backend_class("shape")
+
+
+def test_module_functions_use_one_cached_registry(fake_site: FakeSite, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = get_registry()
+    assert get_registry() is first
+    fake_site.backend("newcomer", priority=10_000)
+    assert all(e.name != "newcomer" for e in get_registry().entries())
+    reloaded = get_registry(reload=True)
+    assert reloaded is not first
+    assert reloaded.get("newcomer").available
+    assert select_backend().name == "newcomer"
+    assert resolve_backend_class("newcomer").__name__ == "FakeBackend"
+
+
+# --- the in-tree backends ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not module_exists("hisparse_reference_cpu.plugin"),
+                    reason="backends/reference_cpu/plugin.py is not there yet")
+def test_reference_cpu_is_discovered_and_selectable() -> None:
+    reg = get_registry(reload=True)
+    entry = reg.get("reference_cpu")
+    assert entry.available and entry.distribution == "hisparse"
+    assert entry.factory is not None and entry.factory.startswith("hisparse_reference_cpu.")
+    backend = reg.select_backend("reference_cpu")
+    assert backend.name == "reference_cpu" and str(backend.device) == "cpu"
+
+
+@pytest.mark.skipif(not module_exists("hisparse_nvidia.plugin"),
+                    reason="backends/nvidia/plugin.py is not there yet")
+def test_nvidia_is_unavailable_with_a_reason_on_a_machine_without_a_gpu() -> None:
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine may have an NVIDIA GPU")
+    entry = get_registry(reload=True).get("nvidia")
+    assert entry.status is BackendStatus.UNAVAILABLE, entry
+    assert entry.reason

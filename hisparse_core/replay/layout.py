@@ -1,0 +1,35 @@
+"""How a model's sparse layers split into index groups (one runtime per group)."""
+
+from __future__ import annotations
+
+import math
+
+from hisparse_core.errors import InvalidInputError
+
+
+def index_groups(num_layers: int, index_share: int) -> list[int]:
+    """Layers per index group: one indexer (a leader) per `index_share` consecutive layers, the
+    last group taking the remainder. `index_share=1` gives every layer its own indexer
+    (DeepSeek-V3.2); 4 is GLM-5.2's `index_topk_freq`."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
+        raise InvalidInputError(f"num_layers must be a positive int, got {num_layers!r}")
+    if isinstance(index_share, bool) or not isinstance(index_share, int) or index_share <= 0:
+        raise InvalidInputError(f"index_share must be a positive int, got {index_share!r}")
+    full, rest = divmod(num_layers, index_share)
+    return [index_share] * full + ([rest] if rest else [])
+
+
+def num_index_layers(num_layers: int, index_share: int) -> int:
+    """Layers that run an indexer (and keep indexer keys on the GPU)."""
+    return math.ceil(num_layers / index_share)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def hot_rows_for(top_k: int, hot_multiple: float, block_size: int) -> int:
+    """Hot-buffer rows for a buffer of `hot_multiple` x top-k, rounded up to whole blocks."""
+    if not hot_multiple >= 1.0:
+        raise InvalidInputError(f"the hot buffer must hold at least one top-k (multiple >= 1), got {hot_multiple}")
+    return round_up(math.ceil(top_k * hot_multiple), block_size)

@@ -44,6 +44,22 @@ def row_format(name: str) -> RowFormat:
         raise InvalidInputError(f"unknown row format {name!r}; expected one of {sorted(ROW_FORMATS)}") from None
 
 
+def register_row_format(fmt: RowFormat) -> RowFormat:
+    """Make `fmt` known by name, so `row_format(name)` and backends that check `ROW_FORMATS` accept it.
+
+    For integrations whose rows are not an MLA format (e.g. a standard-attention paged cache served
+    by the host tier). Registering an equal format again is a no-op; another format under a known
+    name raises `InvalidInputError`.
+    """
+    if not isinstance(fmt, RowFormat):
+        raise InvalidInputError(f"expected a RowFormat, got {type(fmt).__name__}")
+    known = ROW_FORMATS.get(fmt.name)
+    if known is not None and known != fmt:
+        raise InvalidInputError(f"row format {fmt.name!r} is already registered as {known}; got {fmt}")
+    ROW_FORMATS[fmt.name] = fmt
+    return fmt
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
     """Fixed geometry of one per-cache runtime (one index group: a leader layer and its followers).

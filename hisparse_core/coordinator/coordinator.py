@@ -42,12 +42,38 @@ Page states and transitions live in `pages.py`, transactions and acknowledgement
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
-from hisparse_core.coordinator.config import CoordinatorConfig
+from hisparse_core.coordinator.config import GIB, CoordinatorConfig
 from hisparse_core.coordinator.engine import GpuBlockAllocator, ScheduledRequest
+from hisparse_core.coordinator.host_blocks import NULL_BLOCK, HostBlockPool
+from hisparse_core.coordinator.imports import HostImport, ImportFootprint, choose_target
 from hisparse_core.coordinator.outputs import CoordinatorStats, ImportTarget, PrefixHit, TableUpdate
-from hisparse_core.types import OffloadCommand, WorkerMetadata
+from hisparse_core.coordinator.pages import (
+    CLEAN_STATES,
+    DIRTY,
+    LEASED_STATES,
+    LOST,
+    PENDING,
+    PINNED,
+    RELEASED,
+    Lifecycle,
+    RequestPages,
+)
+from hisparse_core.coordinator.prefix import block_hash, chain_hashes, root_hash
+from hisparse_core.coordinator.spill import HostCopyLedger, Transfer, TransferKind, TransferLedger
+from hisparse_core.errors import CapacityError, InvalidInputError, ProtocolError
+from hisparse_core.types import OffloadCommand, PageTransfer, ResidencyUpdate, RowMirror, WorkerMetadata
+
+logger = logging.getLogger(__name__)
+
+# A step's plan for one scheduled request: (record, view, num_computed, end, pages after the step).
+_Plan = tuple[RequestPages, ScheduledRequest, int, int, int]
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
 
 
 class HiSparseCoordinator:
@@ -59,37 +85,164 @@ class HiSparseCoordinator:
         Logs the realized capacity. Raises `CapacityError` if the pool cannot hold one
         `max_model_len` request plus the active tail.
         """
-        raise NotImplementedError
+        if not isinstance(config, CoordinatorConfig):
+            raise InvalidInputError(f"config must be a CoordinatorConfig, got {type(config).__name__}")
+        if not isinstance(gpu, GpuBlockAllocator):
+            raise InvalidInputError(f"gpu must implement GpuBlockAllocator, got {type(gpu).__name__}")
+        self._config = config
+        self._gpu = gpu
+        self._enabled = config.enabled
+        self._bs = config.block_size
+        self._groups = config.num_resident_groups
+        self._max_tokens = config.max_pages_per_request * config.block_size
+        self._watermark = config.watermark_for(gpu.num_blocks)
+        self._release_target = min(gpu.num_blocks, 2 * self._watermark)
+        self._requests: dict[str, RequestPages] = {}
+        self._detached: dict[RequestPages, None] = {}
+        self._candidates: dict[RequestPages, None] = {}          # running requests with releasable pages
+        self._readable: dict[int, tuple[RequestPages, int]] = {}  # released GPU block -> (request, page)
+        self._lost: list[tuple[RequestPages, int]] = []           # pages lost since the last command
+        self._hot_changed: list[RequestPages] = []                # hot buffers leased by the policy
+        self._import_choice: dict[str, ImportTarget] = {}
+        self._imports: dict[str, HostImport] = {}
+        self._transfers = TransferLedger()
+        self._copies = HostCopyLedger()
+        self._table_updates: tuple[TableUpdate, ...] = ()
+        self._counters = dict.fromkeys(("prefix_hit_tokens", "prefix_queried_tokens", "spills", "restores",
+                                        "released_pages", "lost_pages"), 0)
+        if not self._enabled:
+            self._host = HostBlockPool(2)
+            logger.info("HiSparse disabled: the coordinator tracks nothing and builds no offload command")
+            return
+        num_blocks = config.host_num_blocks
+        usable = num_blocks - 1
+        stride = config.host_block_stride
+        if usable < config.min_host_blocks:
+            raise CapacityError(
+                f"host_pool_gib={config.host_pool_gib} holds {max(num_blocks, 0)} blocks of {stride} bytes "
+                f"({config.num_layers} layers x {config.block_size} tokens x {config.row_bytes} B), {max(usable, 0)} "
+                f"usable after the null block; one max_model_len={config.max_model_len} request plus the "
+                f"{config.active_tail_pages}-page active tail needs {config.min_host_blocks} usable blocks, "
+                f"host_pool_gib >= {(config.min_host_blocks + 1) * stride / GIB:.3f}")
+        self._host = HostBlockPool(num_blocks)
+        logger.info(
+            "HiSparse host pool: %d blocks (%d usable + null) = %d tokens, %.3f GiB of the %s GiB budget; "
+            "block stride %d B (%d layers x %d tokens x %d B, aligned to %d); room for %.1f max_model_len "
+            "requests; GPU pressure watermark %d of %d blocks",
+            num_blocks, usable, usable * config.block_size, num_blocks * stride / GIB, config.host_pool_gib,
+            stride, config.num_layers, config.block_size, config.row_bytes, config.stride_alignment,
+            usable / config.max_pages_per_request, self._watermark, gpu.num_blocks)
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def config(self) -> CoordinatorConfig:
+        return self._config
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def null_block_id(self) -> int:
+        return NULL_BLOCK
+
+    @property
+    def host_num_blocks(self) -> int:
+        """Host blocks of the pool, the null block included (what the worker allocates)."""
+        return self._host.num_blocks if self._enabled else 0
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        """Host blocks available for allocation: free ones plus evictable cached ones."""
+        return self._host.num_free if self._enabled else 0
+
+    @property
+    def pressure_watermark(self) -> int:
+        return self._watermark
+
+    def has_request(self, request_id: str) -> bool:
+        """True for admitted requests and host imports in flight."""
+        return request_id in self._requests or request_id in self._imports
+
+    def first_resident_page(self, request_id: str) -> int:
+        """First page the engine must allocate resident blocks for (pages below are host-backed)."""
+        return self._request(request_id).first_resident_page
+
+    def source_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's host block per page (its source-table row)."""
+        return tuple(self._request(request_id).host)
+
+    def host_blocks_needed(self, request_id: str, total_tokens: int) -> int:
+        """Host blocks a step bringing this request to `total_tokens` tokens would allocate."""
+        rec = self._request(request_id)
+        return max(0, self._config.pages_for(total_tokens) - rec.num_pages)
 
     # -- admission -------------------------------------------------------------------------
 
     def lookup_prefix(self, token_ids: Sequence[int], *, extra_key: bytes | None = None,
                       max_tokens: int | None = None) -> PrefixHit:
         """Longest published prefix of `token_ids` (whole pages, at most `max_tokens`). Read-only."""
-        raise NotImplementedError
+        if not self._enabled:
+            return PrefixHit(0, ())
+        blocks, _ = self._walk_prefix(token_ids, root_hash(extra_key), self._cap(token_ids, max_tokens))
+        n = len(blocks) * self._bs
+        return PrefixHit(n, tuple(blocks))
 
     def add_request(self, request_id: str, token_ids: Sequence[int], *, extra_key: bytes | None = None,
                     max_prefix_tokens: int | None = None) -> int:
         """Admit a request and take its prefix hit; returns the hit in tokens (its first computed
         tokens). `max_prefix_tokens` caps the hit (engines that must compute at least one token
-        pass `len(prompt) - 1`); a cap inside a page copies that page on host (copy-on-write).
-        A hit leases the request's hot buffer; if the GPU pool cannot provide it, raises
-        `CapacityError` and nothing changes. Pages below `first_resident_page(request_id)` are
-        host-backed: the engine allocates resident blocks from that page on."""
-        raise NotImplementedError
-
-    def first_resident_page(self, request_id: str) -> int:
-        """First page the engine must allocate resident blocks for (pages below are host-backed)."""
-        raise NotImplementedError
-
-    def host_blocks_needed(self, request_id: str, num_new_tokens: int) -> int:
-        """Host blocks a step writing `num_new_tokens` more tokens of this request would allocate."""
-        raise NotImplementedError
-
-    @property
-    def num_free_host_blocks(self) -> int:
-        """Host blocks available for allocation: free ones plus evictable cached ones."""
-        raise NotImplementedError
+        pass `len(prompt) - 1`); a cap inside a page copies that page on host (copy-on-write)
+        and restores it to the page's resident blocks when the request first writes it.
+        A hit of at least one whole page leases the request's hot buffer; if the GPU pool cannot
+        provide it, raises `CapacityError` and nothing changes (retry with `max_prefix_tokens=0`).
+        Pages below `first_resident_page(request_id)` are host-backed: the engine allocates
+        resident blocks from that page on."""
+        if not self._enabled:
+            return 0
+        self._check_new_id(request_id)
+        cap = self._cap(token_ids, max_prefix_tokens)
+        root = root_hash(extra_key)
+        blocks, hashes = self._walk_prefix(token_ids, root, -(-cap // self._bs))
+        bs = self._bs
+        hit = min(len(blocks) * bs, cap)
+        full, partial = divmod(hit, bs)
+        held = blocks[:full + (1 if partial else 0)]
+        if partial:
+            unleased = sum(1 for b in held if self._host.lease_count(b) == 0)
+            if self._host.num_free - unleased < 1:
+                raise CapacityError(f"prefix hit of {hit} tokens needs 1 host block for the copy-on-write of "
+                                    f"page {full}; the pool has {self._host.num_free - unleased} allocatable")
+        hot = self._gpu.acquire(self._config.hot_blocks_per_request) if full else None
+        self._host.touch(blocks[:full])
+        rec = RequestPages(request_id, root, self._config.active_tail_pages)
+        rec.host = list(blocks[:full])
+        rec.gpu = [None] * full
+        rec.state = bytearray([LOST]) * full
+        rec.hashes = hashes[:full]
+        rec.num_sealed = rec.num_ready = rec.first_resident_page = full
+        rec.num_mirrored = hit
+        rec.hot = tuple(hot) if hot is not None else None
+        if partial:
+            src = blocks[full]
+            self._host.touch([src])         # pinned by the copy until a worker reports it
+            (dst,) = self._host.allocate(1)
+            self._host.touch([dst])
+            self._copies.open(src, dst, rec, full)
+            rec.host.append(dst)
+            rec.gpu.append(None)
+            rec.state.append(DIRTY)
+            rec.cow_pages.add(full)
+            rec.restore_page, rec.restore_source = full, src
+        self._requests[request_id] = rec
+        self._import_choice.pop(request_id, None)
+        self._counters["prefix_hit_tokens"] += hit
+        self._counters["prefix_queried_tokens"] += cap
+        if hit:
+            logger.debug("request %s: prefix hit of %d tokens (%d pages from host%s)", request_id, hit, full,
+                         f", page {full} copied on write" if partial else "")
+        return hit
 
     # -- per step --------------------------------------------------------------------------
 
@@ -102,11 +255,34 @@ class HiSparseCoordinator:
         request before changing anything: an unknown request, bad block ids or a host pool too
         small for the step raise and leave the state as it was.
         """
-        raise NotImplementedError
+        if not self._enabled:
+            return None
+        finished = tuple(finished)
+        preempted = tuple(preempted)
+        leaving = set(finished) | set(preempted)
+        if len(leaving) != len(finished) + len(preempted):
+            raise InvalidInputError(f"a request is listed twice among finished={finished} and preempted={preempted}")
+        for rid in leaving:
+            self._request_or_import(rid)
+        plans = self._validate(scheduled, leaving)
+        for rid in finished:
+            self.finish_request(rid)
+        for rid in preempted:
+            self.preempt_request(rid)
+
+        transfers: list[PageTransfer] = []
+        mirrors: list[RowMirror] = []
+        residency: dict[int, dict[int, tuple[int, ...]]] = {}
+        tables: list[TableUpdate] = []
+        for plan in plans:
+            self._apply_plan(plan, transfers, mirrors, residency, tables)
+        self._apply_pressure()
+        return self._build_command(transfers, mirrors, residency, tables)
 
     def take_table_updates(self) -> tuple[TableUpdate, ...]:
-        """Source (host) and hot table changes per state row since the last call."""
-        raise NotImplementedError
+        """Source (host) and hot table changes per state row made by the last `schedule_step`."""
+        out, self._table_updates = self._table_updates, ()
+        return out
 
     def update_from_workers(self, meta: WorkerMetadata, num_workers: int) -> None:
         """Apply acknowledgements (one worker's report or an aggregate of several).
@@ -116,21 +292,72 @@ class HiSparseCoordinator:
         released) once `num_workers` completions arrived. Raises `ProtocolError` for an unknown
         transfer or host copy, or more acknowledgements than workers, and then applies nothing.
         """
-        raise NotImplementedError
+        if not isinstance(meta, WorkerMetadata):
+            raise InvalidInputError(f"meta must be a WorkerMetadata, got {type(meta).__name__}")
+        if not _is_int(num_workers) or num_workers < 1:
+            raise InvalidInputError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if not self._enabled:
+            if not meta.is_empty():
+                raise ProtocolError("acknowledgements arrived but HiSparse is disabled and issued no transfers")
+            return
+        self._copies.check(meta.completed_host_copies)
+        enqueued, completed = self._transfers.acknowledge(meta, num_workers)
+        for t in enqueued:
+            self._gpu.release(t.gpu_blocks)
+        for t in completed:
+            self._complete_transfer(t)
+        for c in self._copies.acknowledge(meta.completed_host_copies):
+            self._host.release((c.src, c.dst))
+            owner = c.owner
+            owner.cow_pages.discard(c.page)
+            if owner.lifecycle is not Lifecycle.GONE:
+                self._advance_publication(owner)
 
     # -- leaving ---------------------------------------------------------------------------
 
     def finish_request(self, request_id: str) -> None:
         """The request is done: return its GPU and hot leases now. Pages whose spill is still in
         flight keep their host leases and are published when their last acknowledgement arrives
-        (detached publication); nothing is held after that."""
-        raise NotImplementedError
+        (detached publication); nothing is held after that. A host import in flight fails."""
+        if not self._enabled:
+            return
+        if self._end_import_or_choice(request_id):
+            return
+        rec = self._request(request_id)
+        del self._requests[request_id]
+        self._drop_gpu(rec)
+        if rec.pending_spills:
+            rec.lifecycle = Lifecycle.DETACHED
+            keep_from = rec.num_ready
+            release: list[int] = []
+            for p, b in enumerate(rec.host):
+                st = rec.state[p]
+                if p >= keep_from and p < rec.num_sealed and (st == PENDING or st in CLEAN_STATES):
+                    if st != PENDING:
+                        rec.state[p] = LOST
+                    continue
+                if b >= 0:
+                    release.append(b)
+                    rec.host[p] = -1
+            self._host.release(release)
+            self._detached[rec] = None
+        else:
+            rec.lifecycle = Lifecycle.GONE
+            self._release_host(rec)
 
     def preempt_request(self, request_id: str) -> None:
         """The request is preempted: return every lease now except transfer pins, which go when
         their acknowledgements arrive; unpublished pages are dropped. Re-admit it with
-        `add_request` (its published prefix is then a prefix hit)."""
-        raise NotImplementedError
+        `add_request` (its published prefix is then a prefix hit). A host import in flight fails."""
+        if not self._enabled:
+            return
+        if self._end_import_or_choice(request_id):
+            return
+        rec = self._request(request_id)
+        del self._requests[request_id]
+        rec.lifecycle = Lifecycle.GONE
+        self._drop_gpu(rec)
+        self._release_host(rec)
 
     # -- P/D import ------------------------------------------------------------------------
 
@@ -141,30 +368,464 @@ class HiSparseCoordinator:
         DEVICE if the whole prefix fits the GPU pool (plus `other_device_blocks` the engine needs
         for other groups, such as the indexer) and its host blocks fit; else HOST if the host
         blocks plus the hot buffer and active tail fit; else WAIT. The first DEVICE or HOST
-        answer is kept for the request; later calls answer that target or WAIT.
+        answer is kept for the request; later calls answer that target or WAIT. When HiSparse is
+        disabled the answer is always DEVICE (the engine's own admission decides).
         """
-        raise NotImplementedError
+        if not self._enabled:
+            return ImportTarget.DEVICE
+        if request_id in self._requests or request_id in self._imports:
+            raise InvalidInputError(f"request {request_id!r} is already admitted or importing; the import "
+                                    f"target is chosen before admission")
+        if not _is_int(num_tokens) or not 0 < num_tokens <= self._max_tokens:
+            raise InvalidInputError(f"num_tokens must be an int in [1, {self._max_tokens}], got {num_tokens!r}")
+        if not _is_int(other_device_blocks) or other_device_blocks < 0:
+            raise InvalidInputError(f"other_device_blocks must be an int >= 0, got {other_device_blocks!r}")
+        footprint = ImportFootprint.of(self._config, num_tokens, other_device_blocks)
+        kept = self._import_choice.get(request_id)
+        target = choose_target(footprint, kept, self._gpu.num_free_blocks, self._host.num_free)
+        if kept is None and target is not ImportTarget.WAIT:
+            self._import_choice[request_id] = target
+            logger.debug("request %s: import of %d tokens lands on %s (%s)", request_id, num_tokens,
+                         target.value, footprint)
+        return target
 
     def begin_host_import(self, request_id: str, token_ids: Sequence[int], num_tokens: int, *,
                           extra_key: bytes | None = None) -> tuple[int, ...]:
-        """Lease the host blocks (returned, in page order) and the hot buffer of a HOST import."""
-        raise NotImplementedError
+        """Lease the host blocks (returned, in page order) and the hot buffer of a HOST import.
+
+        Raises `CapacityError` (nothing leased) if either pool cannot provide them."""
+        if not self._enabled:
+            raise InvalidInputError("begin_host_import while HiSparse is disabled; imports land on the device")
+        if self._import_choice.get(request_id) is not ImportTarget.HOST:
+            raise InvalidInputError(f"request {request_id!r} has import target "
+                                    f"{self._import_choice.get(request_id)}; begin_host_import needs HOST "
+                                    f"from choose_import_target")
+        if request_id in self._imports or request_id in self._requests:
+            raise InvalidInputError(f"request {request_id!r} is already importing or admitted")
+        if not _is_int(num_tokens) or not 0 < num_tokens <= min(len(token_ids), self._max_tokens):
+            raise InvalidInputError(f"num_tokens must be an int in [1, min(len(token_ids)={len(token_ids)}, "
+                                    f"{self._max_tokens})], got {num_tokens!r}")
+        pages = self._config.pages_for(num_tokens)
+        if pages > self._host.num_free:
+            raise CapacityError(f"host import of {num_tokens} tokens needs {pages} host blocks; "
+                                f"{self._host.num_free} are allocatable")
+        hot = tuple(self._gpu.acquire(self._config.hot_blocks_per_request))
+        blocks = self._host.allocate(pages)
+        self._imports[request_id] = HostImport(request_id, token_ids, num_tokens, root_hash(extra_key), blocks, hot)
+        return tuple(blocks)
 
     def complete_host_import(self, request_id: str) -> None:
         """The imported pages are on host: admit the request with them as its prefix and publish
         its full pages. The partial last page is restored to its resident block when first
-        written."""
-        raise NotImplementedError
+        written; the engine allocates resident blocks from `first_resident_page` on."""
+        imp = self._take_import(request_id)
+        bs = self._bs
+        full, partial = divmod(imp.num_tokens, bs)
+        rec = RequestPages(request_id, imp.root, self._config.active_tail_pages)
+        rec.host = list(imp.host_blocks)
+        rec.gpu = [None] * len(rec.host)
+        rec.state = bytearray([LOST]) * full
+        rec.hashes = chain_hashes(imp.token_ids, bs, imp.root, 0, full)
+        rec.num_sealed = rec.first_resident_page = full
+        rec.num_mirrored = imp.num_tokens
+        rec.hot = imp.hot
+        if partial:
+            rec.state.append(DIRTY)
+            rec.restore_page, rec.restore_source = full, rec.host[full]
+        self._requests[request_id] = rec
+        self._import_choice.pop(request_id, None)
+        self._advance_publication(rec)
 
     def fail_host_import(self, request_id: str) -> None:
         """The import failed: release every lease it took and forget the request."""
-        raise NotImplementedError
+        imp = self._take_import(request_id)
+        self._host.release(imp.host_blocks)
+        self._gpu.release(imp.hot)
+        self._import_choice.pop(request_id, None)
 
     # -- introspection ---------------------------------------------------------------------
 
     def stats(self) -> CoordinatorStats:
-        raise NotImplementedError
+        host = self._host
+        c = self._counters
+        return CoordinatorStats(
+            host_blocks_total=host.capacity if self._enabled else 0,
+            host_blocks_used=host.num_leased if self._enabled else 0,
+            host_blocks_cached=host.num_cached if self._enabled else 0,
+            pending_transfers=len(self._transfers),
+            pending_host_copies=len(self._copies),
+            running_requests=len(self._requests),
+            detached_requests=len(self._detached),
+            pending_imports=len(self._imports),
+            prefix_hit_tokens=c["prefix_hit_tokens"],
+            prefix_queried_tokens=c["prefix_queried_tokens"],
+            published_blocks=host.num_published if self._enabled else 0,
+            spills=c["spills"],
+            restores=c["restores"],
+            released_pages=c["released_pages"],
+            lost_pages=c["lost_pages"],
+            evicted_blocks=host.evictions if self._enabled else 0,
+        )
 
     def has_pending_work(self) -> bool:
         """True while transfers or host copies await acknowledgements or queued work awaits a step."""
-        raise NotImplementedError
+        return bool(len(self._transfers) or len(self._copies) or self._lost or self._detached)
+
+    # -- internals: validation -------------------------------------------------------------
+
+    def _request(self, request_id: str) -> RequestPages:
+        rec = self._requests.get(request_id)
+        if rec is None:
+            raise InvalidInputError(f"unknown request {request_id!r}: not admitted (add_request or "
+                                    f"complete_host_import) or already finished/preempted")
+        return rec
+
+    def _request_or_import(self, request_id: str) -> None:
+        if request_id not in self._requests and request_id not in self._imports \
+                and request_id not in self._import_choice:
+            raise InvalidInputError(f"unknown request {request_id!r}: not admitted, importing or choosing an "
+                                    f"import target")
+
+    def _check_new_id(self, request_id: str) -> None:
+        if not isinstance(request_id, str):
+            raise InvalidInputError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._requests or request_id in self._imports:
+            raise InvalidInputError(f"request {request_id!r} is already admitted or importing")
+
+    def _cap(self, token_ids: Sequence[int], max_tokens: int | None) -> int:
+        n = len(token_ids)
+        if max_tokens is None:
+            return min(n, self._max_tokens)
+        if not _is_int(max_tokens) or max_tokens < 0:
+            raise InvalidInputError(f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
+        return min(n, max_tokens, self._max_tokens)
+
+    def _walk_prefix(self, token_ids: Sequence[int], root: bytes, max_pages: int) -> tuple[list[int], list[bytes]]:
+        """Published blocks of the longest prefix of whole pages (at most `max_pages`), with their hashes."""
+        bs = self._bs
+        pages = min(max_pages, len(token_ids) // bs)
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        parent = root
+        published = self._host.published_block
+        for p in range(pages):
+            parent = block_hash(parent, token_ids[p * bs:(p + 1) * bs])
+            b = published(parent)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(parent)
+        return blocks, hashes
+
+    def _validate(self, scheduled: Sequence[ScheduledRequest], leaving: set[str]) -> list[_Plan]:
+        bs, groups = self._bs, self._groups
+        max_tokens = self._max_tokens
+        num_gpu = self._gpu.num_blocks
+        requests = self._requests
+        plans: list[_Plan] = []
+        seen: set[str] = set()
+        states: set[int] = set()
+        host_needed = 0
+        for req in scheduled:
+            rid = req.request_id
+            rec = requests.get(rid)
+            if rec is None:
+                self._request(rid)
+            assert rec is not None
+            if rid in seen or rid in leaving:
+                raise InvalidInputError(f"request {rid!r} is scheduled twice, or scheduled and finished/preempted "
+                                        f"in the same step")
+            seen.add(rid)
+            si, nc, nn = req.state_index, req.num_computed_tokens, req.num_new_tokens
+            if not (_is_int(si) and _is_int(nc) and _is_int(nn)) or si < 0 or nc < 0 or nn < 0:
+                raise InvalidInputError(f"request {rid!r}: state_index={si!r}, num_computed_tokens={nc!r}, "
+                                        f"num_new_tokens={nn!r}; expected ints >= 0")
+            if si in states:
+                raise InvalidInputError(f"request {rid!r}: state_index {si} is used by another request this step")
+            states.add(si)
+            end = nc + nn
+            if end > max_tokens:
+                raise InvalidInputError(f"request {rid!r}: {end} tokens exceed max_model_len "
+                                        f"({self._config.max_model_len}, {max_tokens} in whole pages)")
+            if nc < rec.num_sealed * bs:
+                raise InvalidInputError(f"request {rid!r}: num_computed_tokens={nc} would rewrite sealed page "
+                                        f"{nc // bs}; {rec.num_sealed * bs} tokens are final")
+            if nc > len(req.token_ids):
+                raise InvalidInputError(f"request {rid!r}: num_computed_tokens={nc} but only "
+                                        f"{len(req.token_ids)} token ids")
+            pages_after = -(-end // bs)
+            first_new = rec.num_pages
+            if pages_after > first_new:
+                host_needed += pages_after - first_new
+            first_engine = rec.restore_page if 0 <= rec.restore_page < pages_after else first_new
+            if first_engine < pages_after:
+                table = req.resident_block_ids
+                if len(table) != groups:
+                    raise InvalidInputError(f"request {rid!r}: resident_block_ids has {len(table)} groups; "
+                                            f"expected {groups}")
+                for g, row in enumerate(table):
+                    if len(row) < pages_after:
+                        raise InvalidInputError(f"request {rid!r}: resident group {g} lists {len(row)} blocks; "
+                                                f"{pages_after} pages hold tokens after this step")
+                    for p in range(first_engine, pages_after):
+                        b = row[p]
+                        if not _is_int(b) or not 0 <= b < num_gpu:
+                            raise InvalidInputError(f"request {rid!r}: resident block {b!r} of page {p}, group "
+                                                    f"{g} is out of range; expected 0 <= id < {num_gpu}")
+            plans.append((rec, req, nc, end, pages_after))
+        if host_needed > self._host.num_free:
+            raise CapacityError(f"this step writes {host_needed} new pages but the host pool has "
+                                f"{self._host.num_free} allocatable blocks of {self._host.capacity}; the engine "
+                                f"must not schedule more than num_free_host_blocks allows")
+        return plans
+
+    # -- internals: the step ---------------------------------------------------------------
+
+    def _engine_blocks(self, req: ScheduledRequest, page: int) -> tuple[int, ...]:
+        table = req.resident_block_ids
+        if self._groups == 1:
+            return (table[0][page],)
+        return tuple(row[page] for row in table)
+
+    def _apply_plan(self, plan: _Plan, transfers: list[PageTransfer], mirrors: list[RowMirror],
+                    residency: dict[int, dict[int, tuple[int, ...]]], tables: list[TableUpdate]) -> None:
+        rec, req, nc, end, pages_after = plan
+        bs = self._bs
+        rec.token_ids = req.token_ids
+        si = req.state_index
+        if si != rec.state_index:
+            rec.state_index = si
+            rec.resend = True
+        old_pages = rec.num_pages
+        new_resident: list[int] = []
+        rp = rec.restore_page
+        if 0 <= rp < pages_after:
+            blocks = self._engine_blocks(req, rp)
+            rec.gpu[rp] = blocks
+            rec.restore_page = -1
+            new_resident.append(rp)
+            self._gpu.retain(blocks)
+            self._host.touch((rec.restore_source,))
+            t = self._transfers.open(TransferKind.RESTORE, rec, rp, rec.restore_source, blocks)
+            transfers.append(t.wire())
+            self._counters["restores"] += 1
+        if pages_after > old_pages:
+            hb = self._host.allocate(pages_after - old_pages)
+            rec.host.extend(hb)
+            for p in range(old_pages, pages_after):
+                rec.gpu.append(self._engine_blocks(req, p))
+                new_resident.append(p)
+            rec.state.extend(bytes(pages_after - old_pages))   # DIRTY == 0
+            if rec.promote_out_of_tail() and rec.alive:
+                self._candidates[rec] = None
+
+        # Rows the host does not have yet: written this step, or loaded into resident pages by
+        # someone else (num_computed beyond what was mirrored: a device-side import).
+        start = nc if nc < rec.num_mirrored else rec.num_mirrored
+        if start < end:
+            host, gpu = rec.host, rec.gpu
+            row = start
+            while row < end:
+                p, off = divmod(row, bs)
+                n = min(bs - off, end - row)
+                blocks = gpu[p]
+                assert blocks is not None
+                src = (blocks[0] * bs + off,) if len(blocks) == 1 else tuple(b * bs + off for b in blocks)
+                mirrors.append(RowMirror(src, host[p] * bs + off, n))
+                row += n
+        rec.num_mirrored = end
+
+        seal_to = nc // bs
+        if seal_to > rec.num_sealed:
+            first = rec.num_sealed
+            rec.hashes.extend(chain_hashes(req.token_ids, bs, rec.parent_hash(first), first, seal_to))
+            for p in range(first, seal_to):
+                blocks = rec.gpu[p]
+                assert blocks is not None and rec.state[p] == DIRTY
+                self._gpu.retain(blocks)
+                self._host.touch((rec.host[p],))
+                rec.state[p] = PENDING
+                rec.pending_spills += 1
+                transfers.append(self._transfers.open(TransferKind.SPILL, rec, p, rec.host[p], blocks).wire())
+            self._counters["spills"] += seal_to - first
+            rec.num_sealed = seal_to
+
+        if rec.resend:
+            rec.resend = False
+            rec.hot_changed = False
+            null = (-1,) * self._groups
+            rows = residency.setdefault(si, {})
+            for p, blocks in enumerate(rec.gpu):
+                rows[p] = blocks if blocks is not None else null
+            tables.append(TableUpdate(si, tuple(range(rec.num_pages)), tuple(rec.host), rec.hot or ()))
+        elif new_resident:
+            rows = residency.setdefault(si, {})
+            gpu = rec.gpu
+            for p in new_resident:
+                rows[p] = gpu[p]  # type: ignore[assignment]
+            if pages_after > old_pages:
+                tables.append(TableUpdate(si, tuple(range(old_pages, pages_after)), tuple(rec.host[old_pages:])))
+
+    def _apply_pressure(self) -> None:
+        gpu = self._gpu
+        if gpu.num_free_blocks >= self._watermark or not self._candidates:
+            return
+        target = self._release_target
+        budget = self._config.max_releases_per_step
+        exhausted: list[RequestPages] = []
+        released = 0
+        for rec in self._candidates:
+            if budget <= 0 or gpu.num_free_blocks >= target:
+                break
+            if rec.hot is None and not self._lease_hot(rec):
+                continue
+            while budget > 0 and gpu.num_free_blocks < target:
+                p = rec.pop_releasable()
+                if p is None:
+                    break
+                blocks = rec.gpu[p]
+                assert blocks is not None
+                rec.state[p] = RELEASED
+                for b in blocks:
+                    self._readable[b] = (rec, p)
+                gpu.release_readable(blocks, self._on_reuse)
+                budget -= 1
+                released += 1
+            if not rec.has_releasable():
+                exhausted.append(rec)
+        for rec in exhausted:
+            self._candidates.pop(rec, None)
+        if released:
+            self._counters["released_pages"] += released
+            logger.debug("GPU pressure: %d free blocks < watermark %d; released %d clean pages",
+                         gpu.num_free_blocks, self._watermark, released)
+
+    def _lease_hot(self, rec: RequestPages) -> bool:
+        try:
+            rec.hot = tuple(self._gpu.acquire(self._config.hot_blocks_per_request))
+        except CapacityError:
+            return False
+        rec.hot_changed = True
+        self._hot_changed.append(rec)
+        return True
+
+    def _on_reuse(self, block_id: int) -> None:
+        # Runs inside the engine's allocator: must not raise.
+        entry = self._readable.pop(block_id, None)
+        if entry is None:
+            return
+        rec, p = entry
+        blocks = rec.gpu[p]
+        if rec.state[p] != RELEASED or blocks is None:
+            return
+        rec.state[p] = LOST
+        for b in blocks:
+            self._readable.pop(b, None)
+        rec.gpu[p] = None
+        self._lost.append((rec, p))
+        self._counters["lost_pages"] += 1
+
+    def _build_command(self, transfers: list[PageTransfer], mirrors: list[RowMirror],
+                       residency: dict[int, dict[int, tuple[int, ...]]],
+                       tables: list[TableUpdate]) -> OffloadCommand | None:
+        if self._lost:
+            null = (-1,) * self._groups
+            for rec, p in self._lost:
+                if rec.alive and rec.state_index >= 0 and rec.state[p] == LOST:
+                    residency.setdefault(rec.state_index, {})[p] = null
+            self._lost.clear()
+        for rec in self._hot_changed:
+            if rec.hot_changed and rec.alive and rec.state_index >= 0:
+                rec.hot_changed = False
+                tables.append(TableUpdate(rec.state_index, hot_block_ids=rec.hot or ()))
+        self._hot_changed.clear()
+        self._table_updates = tuple(tables)
+        updates = []
+        groups = self._groups
+        for si, rows in residency.items():
+            pages = tuple(rows)
+            if groups == 1:
+                ids: tuple[tuple[int, ...], ...] = (tuple(v[0] for v in rows.values()),)
+            else:
+                ids = tuple(tuple(v[g] for v in rows.values()) for g in range(groups))
+            updates.append(ResidencyUpdate(si, pages, ids))
+        copies = self._copies.take_queued()
+        recycled = tuple(self._host.take_recycled())
+        if not (transfers or mirrors or updates or copies or recycled):
+            return None
+        return OffloadCommand(tuple(transfers), tuple(mirrors), tuple(updates), copies, recycled)
+
+    # -- internals: acknowledgements and leaving --------------------------------------------
+
+    def _complete_transfer(self, t: Transfer) -> None:
+        self._host.release((t.host_block,))
+        if t.kind is TransferKind.RESTORE:
+            return
+        rec, p = t.owner, t.page
+        rec.pending_spills -= 1
+        if rec.lifecycle is Lifecycle.RUNNING:
+            rec.state[p] = PINNED
+            if rec.file_clean(p):
+                self._candidates[rec] = None
+            self._advance_publication(rec)
+        elif rec.lifecycle is Lifecycle.DETACHED:
+            rec.state[p] = LOST
+            self._advance_publication(rec)
+            if not rec.pending_spills:
+                rec.lifecycle = Lifecycle.GONE
+                del self._detached[rec]
+                self._release_host(rec)
+
+    def _advance_publication(self, rec: RequestPages) -> None:
+        """Publish the durable, contiguous prefix: clean pages with no host copy pending."""
+        p = rec.num_ready
+        sealed = rec.num_sealed
+        state, host, hashes, cow = rec.state, rec.host, rec.hashes, rec.cow_pages
+        publish = self._host.publish
+        while p < sealed and state[p] in CLEAN_STATES and p not in cow and host[p] >= 0:
+            publish(host[p], hashes[p])
+            p += 1
+        rec.num_ready = p
+
+    def _drop_gpu(self, rec: RequestPages) -> None:
+        """Return the request's resident and hot leases (transfer pins stay with their transfers)."""
+        leased: list[int] = []
+        readable = self._readable
+        for p, blocks in enumerate(rec.gpu):
+            if blocks is None:
+                continue
+            st = rec.state[p]
+            if st in LEASED_STATES:
+                leased.extend(blocks)
+            elif st == RELEASED:
+                for b in blocks:
+                    readable.pop(b, None)
+            rec.gpu[p] = None
+        if leased:
+            self._gpu.release(leased)
+        if rec.hot is not None:
+            self._gpu.release(rec.hot)
+            rec.hot = None
+        rec.restore_page = -1
+        rec.forget_releasable()
+        self._candidates.pop(rec, None)
+
+    def _release_host(self, rec: RequestPages) -> None:
+        blocks = [b for b in rec.host if b >= 0]
+        self._host.release(blocks)
+        rec.host = [-1] * len(rec.host)
+
+    def _end_import_or_choice(self, request_id: str) -> bool:
+        if request_id in self._imports:
+            self.fail_host_import(request_id)
+            return True
+        if request_id not in self._requests and self._import_choice.pop(request_id, None) is not None:
+            return True
+        return False
+
+    def _take_import(self, request_id: str) -> HostImport:
+        imp = self._imports.pop(request_id, None)
+        if imp is None:
+            raise InvalidInputError(f"request {request_id!r} has no host import in flight "
+                                    f"(begin_host_import first)")
+        return imp

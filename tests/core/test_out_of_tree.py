@@ -1,0 +1,209 @@
+"""Out-of-tree backends, the way a vendor ships one: a separate distribution on the path.
+
+Each test writes a throwaway distribution (package + `*.dist-info` with METADATA and
+entry_points.txt) into tmp_path and runs fresh Python processes with it on PYTHONPATH, so
+discovery goes through `importlib.metadata` exactly as for a pip-installed package.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from core_support import module_exists, subprocess_env, write_dist
+
+pytestmark = pytest.mark.skipif(not module_exists("hisparse_reference_cpu.plugin"),
+                                reason="acme wraps the reference backend; backends/reference_cpu is not there yet")
+
+ACME_PRIORITY = 100
+
+ACME_PLUGIN = '''
+"""Entry point of the Acme backend: registers it; imports nothing heavy."""
+
+from hisparse_core import BackendSpec, hookimpl
+
+
+def probe():
+    return None
+
+
+@hookimpl
+def hisparse_register_backends(register):
+    register(BackendSpec(
+        name="acme",
+        factory="hisparse_acme.backend:AcmeBackend",
+        probe=probe,
+        priority={priority},
+        capabilities=frozenset({capabilities!r}),
+        version="1.0",
+        description="Acme accelerator (the reference backend under another name)",
+    ))
+'''
+
+ACME_BACKEND = '''
+"""The Acme backend: the reference CPU backend, renamed."""
+
+from {module} import {cls} as _Reference
+
+
+class AcmeBackend(_Reference):
+    name = "acme"
+    version = "1.0"
+'''
+
+
+def run_python(args: list[str], site: Path, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], env=subprocess_env(site), cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def list_json(site: Path, cwd: Path) -> tuple[dict[str, dict[str, Any]], str]:
+    proc = run_python(["-m", "hisparse_core", "backends", "--json"], site, cwd)
+    assert proc.returncode == 0, proc.stderr
+    return {d["name"]: d for d in json.loads(proc.stdout)}, proc.stderr
+
+
+SELECT = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+    from hisparse_core.registry import select_backend
+    backend = select_backend()
+    print(backend.name, type(backend).__module__, type(backend).__name__)
+""")
+
+
+@pytest.fixture
+def acme_site(tmp_path: Path) -> Path:
+    from hisparse_core.registry import get_registry
+
+    reference = get_registry(reload=True).get("reference_cpu")
+    assert reference.available and reference.factory, reference
+    module, cls = reference.factory.split(":")
+    site = tmp_path / "site"
+    write_dist(site, "hisparse-acme", {
+        "hisparse_acme/__init__.py": "",
+        "hisparse_acme/plugin.py": ACME_PLUGIN.format(priority=ACME_PRIORITY,
+                                                      capabilities=set(reference.capabilities)),
+        "hisparse_acme/backend.py": ACME_BACKEND.format(module=module, cls=cls),
+    }, {"acme": "hisparse_acme.plugin"})
+    return site
+
+
+def test_out_of_tree_backend_is_discovered_listed_and_auto_selected(acme_site: Path, tmp_path: Path) -> None:
+    entries, _ = list_json(acme_site, tmp_path)
+    acme = entries["acme"]
+    assert acme["status"] == "available" and acme["selected"] is True
+    assert acme["priority"] == ACME_PRIORITY and acme["version"] == "1.0"
+    assert acme["distribution"] == "hisparse-acme" and acme["distribution_version"] == "1.0"
+    assert acme["capabilities"] == entries["reference_cpu"]["capabilities"]
+    assert entries["reference_cpu"]["status"] == "available" and entries["reference_cpu"]["selected"] is False
+
+    proc = run_python(["-c", SELECT], acme_site, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["acme", "hisparse_acme.backend", "AcmeBackend"]
+    assert "hisparse backend 'acme' selected (automatic: highest priority among [acme (100), reference_cpu (0)" \
+        in proc.stderr
+
+
+def test_console_script_lists_the_out_of_tree_backend(acme_site: Path, tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "hisparse"
+    if not script.exists():
+        pytest.skip(f"no console script next to {sys.executable}")
+    proc = subprocess.run([str(script), "backends"], env=subprocess_env(acme_site), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[1:] if line.strip()}
+    assert rows["acme"][:4] == ["acme", "available", str(ACME_PRIORITY), "1.0"]
+    assert proc.stdout.splitlines()[-1].startswith("selected: acme (automatic")
+
+
+def test_hisparse_backend_variable_overrides_priority(acme_site: Path, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", SELECT], env=subprocess_env(acme_site, HISPARSE_BACKEND="reference_cpu"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "reference_cpu"
+    assert "selected (explicit: HISPARSE_BACKEND=reference_cpu)" in proc.stderr
+
+
+def _conformance_suite_missing() -> str | None:
+    if not module_exists("hisparse_conformance.plugin"):
+        return "hisparse_conformance.plugin is not there yet"
+    import importlib.util
+
+    spec = importlib.util.find_spec("hisparse_conformance")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not any(Path(loc).rglob("test_*.py") for loc in locations):
+        return "the conformance suite has no test modules yet"
+    return None
+
+
+@pytest.mark.slow
+def test_conformance_suite_passes_on_the_out_of_tree_backend(acme_site: Path, tmp_path: Path) -> None:
+    missing = _conformance_suite_missing()
+    if missing:
+        pytest.skip(missing)
+    # cwd outside the repository: the suite must run from the installed package alone.
+    proc = run_python(["-m", "pytest", "--pyargs", "hisparse_conformance", "--hisparse-backend", "acme",
+                       "-q", "-p", "no:cacheprovider"], acme_site, tmp_path, timeout=900)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and "acme" in proc.stdout + proc.stderr, tail
+
+
+BROKEN_PLUGIN = '''
+raise RuntimeError("acme driver exploded while importing the plugin")
+'''
+
+
+@pytest.fixture
+def broken_site(tmp_path: Path) -> Path:
+    site = tmp_path / "site"
+    write_dist(site, "hisparse-broken", {"hisparse_broken/__init__.py": "",
+                                         "hisparse_broken/plugin.py": BROKEN_PLUGIN},
+               {"broken": "hisparse_broken.plugin"}, version="0.3")
+    return site
+
+
+def test_broken_out_of_tree_backend_is_listed_and_reference_cpu_keeps_working(broken_site: Path,
+                                                                             tmp_path: Path) -> None:
+    entries, stderr = list_json(broken_site, tmp_path)
+    broken = entries["broken"]
+    assert broken["status"] == "broken"
+    assert broken["reason"] == "RuntimeError: acme driver exploded while importing the plugin"
+    assert "Traceback (most recent call last)" in broken["error"]
+    assert (broken["distribution"], broken["distribution_version"]) == ("hisparse-broken", "0.3")
+    assert entries["reference_cpu"]["status"] == "available" and entries["reference_cpu"]["selected"] is True
+    warnings = [line for line in stderr.splitlines() if line.startswith("WARNING") and "'broken'" in line]
+    assert len(warnings) == 1, stderr
+
+    proc = run_python(["-c", SELECT], broken_site, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "reference_cpu"
+    assert "unavailable: " in proc.stderr and "broken (broken: RuntimeError: acme driver exploded" in proc.stderr
+
+
+def test_selecting_the_broken_backend_explicitly_fails_listing_the_alternatives(broken_site: Path,
+                                                                               tmp_path: Path) -> None:
+    code = "from hisparse_core.registry import select_backend\nselect_backend('broken')\n"
+    proc = run_python(["-c", code], broken_site, tmp_path)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hisparse_core.errors.BackendUnavailableError: hisparse backend 'broken' is broken: "
+                           "RuntimeError: acme driver exploded")
+    assert "available: reference_cpu (priority 0)" in last
+
+
+def test_disabled_plugins_variable_hides_the_broken_backend(broken_site: Path, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hisparse_core", "backends", "--json"],
+                          env=subprocess_env(broken_site, HISPARSE_DISABLED_PLUGINS="broken"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    broken = {d["name"]: d for d in json.loads(proc.stdout)}["broken"]
+    assert broken["status"] == "unavailable"
+    assert broken["reason"] == "plugin 'broken' is disabled by HISPARSE_DISABLED_PLUGINS"
+    assert "'broken'" not in proc.stderr

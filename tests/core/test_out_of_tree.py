@@ -20,7 +20,7 @@ from core_support import module_exists, subprocess_env, write_dist
 pytestmark = pytest.mark.skipif(not module_exists("hisparse_reference_cpu.plugin"),
                                 reason="acme wraps the reference backend; backends/reference_cpu is not there yet")
 
-ACME_PRIORITY = 100
+ACME_PRIORITY = 1000
 
 ACME_PLUGIN = '''
 """Entry point of the Acme backend: registers it; imports nothing heavy."""
@@ -106,7 +106,7 @@ def test_out_of_tree_backend_is_discovered_listed_and_auto_selected(acme_site: P
     proc = run_python(["-c", SELECT], acme_site, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["acme", "hisparse_acme.backend", "AcmeBackend"]
-    assert "hisparse backend 'acme' selected (automatic: highest priority among [acme (100), reference_cpu (0)" \
+    assert "hisparse backend 'acme' selected (automatic: highest priority among [acme (1000), " \
         in proc.stderr
 
 

@@ -1,0 +1,198 @@
+"""Thin, checked wrappers over the CUDA driver API (`cuda.bindings.driver`).
+
+The backend talks to the driver for what PyTorch does not expose: loading NVRTC-built modules and
+launching their kernels on PyTorch's streams, registering host memory (`cuMemHostRegister`) and
+inter-process events. Every call's status is checked; a failure raises `CudaError` with the
+function name and the driver's error name and text.
+
+PyTorch owns the CUDA context (the device's primary context). Before touching the driver, callers
+run `ensure_context(device)`, which makes that context current on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from cuda.bindings import driver
+
+from hisparse_core.errors import BackendError
+
+
+#: Size of a CUipcEventHandle.
+IPC_HANDLE_BYTES = 64
+
+
+class CudaError(BackendError):
+    """A CUDA driver call failed."""
+
+
+def _name(err: Any) -> str:
+    try:
+        res, name = driver.cuGetErrorName(err)
+        text_res, text = driver.cuGetErrorString(err)
+        n = name.decode() if res == driver.CUresult.CUDA_SUCCESS and name else str(err)
+        t = text.decode() if text_res == driver.CUresult.CUDA_SUCCESS and text else ""
+        return f"{n} ({t})" if t else n
+    except Exception:  # noqa: BLE001 - error formatting must never mask the error itself
+        return str(err)
+
+
+def check(what: str, result: Any) -> Any:
+    """Unpack a `cuda.bindings` result tuple `(status, *values)`; raise `CudaError` on failure.
+
+    Returns None, the single value, or a tuple of values.
+    """
+    if isinstance(result, tuple):
+        err, values = result[0], result[1:]
+    else:
+        err, values = result, ()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{what} failed: {_name(err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+_local = threading.local()
+
+
+def ensure_context(device: torch.device) -> None:
+    """Make the primary context of `device` (the one PyTorch uses) current on this thread."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cache: dict[int, Any] = getattr(_local, "contexts", None) or {}
+    _local.contexts = cache
+    ctx = cache.get(index)
+    if ctx is None:
+        torch.cuda.init()
+        with torch.cuda.device(index):
+            torch.cuda.current_stream(index)  # PyTorch creates/sets its primary context
+        check("cuInit", driver.cuInit(0))
+        dev = check("cuDeviceGet", driver.cuDeviceGet(index))
+        ctx = check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(dev))
+        cache[index] = ctx
+    current = check("cuCtxGetCurrent", driver.cuCtxGetCurrent())
+    if current is None or int(current) != int(ctx):
+        check("cuCtxSetCurrent", driver.cuCtxSetCurrent(ctx))
+
+
+def device_attribute(device: torch.device, attribute: Any) -> int:
+    """A `CUdevice_attribute` of `device`."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    dev = check("cuDeviceGet", driver.cuDeviceGet(index))
+    return int(check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(attribute, dev)))
+
+
+class Function:
+    """One kernel of a loaded module."""
+
+    def __init__(self, module: Any, name: str) -> None:
+        self.name = name
+        self._module = module  # keeps the module alive as long as the function
+        self.handle = check(f"cuModuleGetFunction({name})", driver.cuModuleGetFunction(module, name.encode()))
+        self._dynamic_smem = 0
+
+    def allow_dynamic_smem(self, nbytes: int) -> None:
+        """Raise the kernel's dynamic shared-memory limit (needed above 48 KiB)."""
+        if nbytes > self._dynamic_smem:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(f"cuFuncSetAttribute({self.name}, max dynamic smem={nbytes})",
+                  driver.cuFuncSetAttribute(self.handle, attr, int(nbytes)))
+            self._dynamic_smem = nbytes
+
+    def launch(self, grid: tuple[int, int, int], block: int, smem: int, stream: int,
+               args: Sequence[ctypes._SimpleCData]) -> None:
+        """Enqueue the kernel on the CUDA stream handle `stream` (capturable in a CUDA graph).
+
+        `args` are ctypes scalars in the kernel's parameter order (c_void_p for pointers).
+        """
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        check(f"cuLaunchKernel({self.name})",
+              driver.cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, smem,
+                                    driver.CUstream(stream), ctypes.addressof(ptrs), 0))
+
+
+class Module:
+    """A loaded cubin (or PTX) image in the current context."""
+
+    def __init__(self, image: bytes) -> None:
+        self.handle = check("cuModuleLoadData", driver.cuModuleLoadData(image))
+        self._functions: dict[str, Function] = {}
+
+    def function(self, name: str) -> Function:
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = self._functions[name] = Function(self.handle, name)
+        return fn
+
+
+def host_register(ptr: int, nbytes: int) -> int:
+    """Page-lock and map `nbytes` of host memory at `ptr`; returns its device address."""
+    flags = (driver.CU_MEMHOSTREGISTER_PORTABLE | driver.CU_MEMHOSTREGISTER_DEVICEMAP)
+    check(f"cuMemHostRegister({nbytes} bytes)", driver.cuMemHostRegister(ptr, nbytes, flags))
+    return int(check("cuMemHostGetDevicePointer", driver.cuMemHostGetDevicePointer(ptr, 0)))
+
+
+def host_unregister(ptr: int) -> None:
+    check("cuMemHostUnregister", driver.cuMemHostUnregister(ptr))
+
+
+def host_device_pointer(ptr: int) -> int | None:
+    """Device address of page-locked host memory at `ptr`, or None if it is not registered."""
+    err, dptr = driver.cuMemHostGetDevicePointer(ptr, 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return None
+    return int(dptr)
+
+
+# ----------------------------------------------------------------------------- events
+
+def event_create(*, interprocess: bool) -> Any:
+    flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    if interprocess:
+        flags |= driver.CUevent_flags.CU_EVENT_INTERPROCESS
+    return check("cuEventCreate", driver.cuEventCreate(int(flags)))
+
+
+def event_destroy(event: Any) -> None:
+    check("cuEventDestroy", driver.cuEventDestroy(event))
+
+
+def event_record(event: Any, stream: int) -> None:
+    check("cuEventRecord", driver.cuEventRecord(event, driver.CUstream(stream)))
+
+
+def stream_wait_event(stream: int, event: Any) -> None:
+    check("cuStreamWaitEvent", driver.cuStreamWaitEvent(driver.CUstream(stream), event, 0))
+
+
+def event_done(event: Any) -> bool:
+    err = driver.cuEventQuery(event)
+    err = err[0] if isinstance(err, tuple) else err
+    if err == driver.CUresult.CUDA_SUCCESS:
+        return True
+    if err == driver.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    raise CudaError(f"cuEventQuery failed: {_name(err)}")
+
+
+def event_synchronize(event: Any) -> None:
+    check("cuEventSynchronize", driver.cuEventSynchronize(event))
+
+
+def ipc_event_handle(event: Any) -> bytes:
+    """The 64-byte handle another process opens with `ipc_open_event`."""
+    handle = check("cuIpcGetEventHandle", driver.cuIpcGetEventHandle(event))
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+def ipc_open_event(handle: bytes) -> Any:
+    """Open, in this process, an event another process created with `interprocess=True`."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise CudaError(f"an IPC event handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    h = driver.CUipcEventHandle()
+    ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_BYTES)
+    return check("cuIpcOpenEventHandle", driver.cuIpcOpenEventHandle(h))

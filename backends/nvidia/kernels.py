@@ -1,0 +1,119 @@
+"""Which kernel builds a runtime needs, their launch shapes, and loading them on a device.
+
+Kernels are specialised only by size class (threads per block, entries and LRU positions per
+thread, 16-byte vectors per row), never by the exact geometry, so a handful of builds serve every
+configuration and the disk cache stays small. `runtime_builds` lists the builds of one
+`RuntimeConfig`; `all_builds_for_ci` the representative set that CI compiles for sm_90.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RuntimeConfig
+
+from hisparse_nvidia.compiler import KernelBuild, compile_kernel
+
+#: Override of the resolver's threads per block (a power of two in [128, 1024]) for tuning.
+ENV_RESOLVE_THREADS = "HISPARSE_RESOLVE_THREADS"
+#: Threads per block of the copy kernels and the loads each thread keeps in flight.
+COPY_THREADS = 256
+COPY_UNROLL = 4
+MAINTAIN_THREADS = 256
+#: Bytes of static shared memory the resolver declares beyond its dynamic part (upper bound).
+_RESOLVE_STATIC_SMEM_SLACK = 64
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclass(frozen=True, slots=True)
+class ResolverShape:
+    """Launch shape of the resolver for one geometry."""
+
+    threads: int
+    entries_per_thread: int
+    lru_per_thread: int
+    hash_bits: int
+    dynamic_smem: int
+
+    @property
+    def build(self) -> KernelBuild:
+        return KernelBuild.of("resolve.cu", {"HS_NT": self.threads, "HS_EPT": self.entries_per_thread,
+                                          "HS_CPT": self.lru_per_thread})
+
+    @property
+    def static_smem(self) -> int:
+        slots = max(self.entries_per_thread, self.lru_per_thread) * (self.threads // 32)
+        return 4 * slots + _RESOLVE_STATIC_SMEM_SLACK
+
+
+def resolver_shape(config: RuntimeConfig, threads: int | None = None) -> ResolverShape:
+    """Threads, per-thread work and shared memory of the resolver for `config`."""
+    union = config.rows_per_request * config.top_k
+    h = config.hot_rows
+    if threads is None:
+        env = os.environ.get(ENV_RESOLVE_THREADS)
+        threads = int(env) if env else min(1024, max(128, _next_pow2(-(-max(union, h) // 4))))
+    if threads not in (128, 256, 512, 1024):
+        raise InvalidInputError(f"resolver threads per block must be 128, 256, 512 or 1024, got {threads}")
+    hash_slots = max(2, _next_pow2(2 * union))
+    smem = 4 * (2 * hash_slots + config.hot_blocks + 3 * config.rows_per_request) + 2 * h
+    return ResolverShape(threads, -(-union // threads), -(-h // threads), hash_slots.bit_length() - 1,
+                         -(-smem // 16) * 16)
+
+
+def copy_build(row_bytes: int) -> KernelBuild:
+    if row_bytes % 16:
+        raise InvalidInputError(f"row_bytes={row_bytes} must be a multiple of 16")
+    return KernelBuild.of("copy.cu", {"HS_VEC": row_bytes // 16, "HS_GNT": COPY_THREADS, "HS_UNROLL": COPY_UNROLL})
+
+
+MAINTAIN_BUILD = KernelBuild.of("maintain.cu")
+
+
+def runtime_builds(config: RuntimeConfig) -> list[KernelBuild]:
+    return [resolver_shape(config).build, copy_build(config.row_format.row_bytes), MAINTAIN_BUILD]
+
+
+def all_builds_for_ci() -> list[KernelBuild]:
+    """Every size class the tests and the benchmark use, for the CPU compile check."""
+    small = RuntimeConfig(max_batch_rows=4, max_requests=4, top_k=12, hot_rows=48, block_size=4, max_pages=8,
+                          rows_per_request=3)
+    prod = RuntimeConfig(max_batch_rows=128, max_requests=128, top_k=2048, hot_rows=4096, block_size=64,
+                         max_pages=512)
+    mtp = RuntimeConfig(max_batch_rows=64, max_requests=16, top_k=2048, hot_rows=10240, block_size=64,
+                        max_pages=2048, rows_per_request=4)
+    builds = {resolver_shape(c).build for c in (small, prod, mtp)}
+    builds |= {resolver_shape(prod, t).build for t in (256, 512)}
+    builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
+    builds.add(MAINTAIN_BUILD)
+    return sorted(builds, key=lambda b: (b.source, b.defines))
+
+
+class LoadedKernels:
+    """Compiled and loaded kernels of one build on one device (shared by runtimes)."""
+
+    _lock = threading.Lock()
+    _cache: dict[tuple[int, KernelBuild], object] = {}
+
+    @classmethod
+    def module(cls, device_index: int, arch: int, build: KernelBuild):  # noqa: ANN206 - driver.Module
+        from hisparse_nvidia.driver import Module
+
+        key = (device_index, build)
+        with cls._lock:
+            mod = cls._cache.get(key)
+            if mod is None:
+                compiled = compile_kernel(build, arch)
+                mod = cls._cache[key] = Module(compiled.image)
+            return mod
+
+
+def describe_builds(builds: Iterable[KernelBuild]) -> list[str]:
+    return [f"{b.source} {dict(b.defines)}" for b in builds]

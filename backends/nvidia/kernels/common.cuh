@@ -1,0 +1,59 @@
+// Shared helpers of the hisparse NVIDIA kernels. Compiled at run time by NVRTC (no system
+// headers), so the fixed-width types are declared here.
+#pragma once
+
+typedef int i32;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+typedef short i16;
+
+#define HS_FULL_MASK 0xffffffffu
+#define HS_INT_MAX 0x7fffffff
+
+// Knuth multiplicative hash of a non-negative host row into a table of 2^(32 - shift) buckets
+// (the high bits of the product, which mix every key bit).
+__device__ __forceinline__ u32 hs_hash(i32 key, u32 shift) {
+    return (static_cast<u32>(key) * 2654435761u) >> shift;
+}
+
+__device__ __forceinline__ u32 hs_lanemask_lt() {
+    u32 m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+
+// 16-byte loads/stores that bypass L1 (each byte is moved once per launch). Host rows are read
+// through their registered, device-mapped address (zero copy over PCIe).
+__device__ __forceinline__ uint4 hs_load16(const void* p) {
+    return __ldcg(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ void hs_store16(void* p, uint4 v) {
+    __stcg(reinterpret_cast<uint4*>(p), v);
+}
+
+// Exclusive scan, in place, of `n` counters in shared memory by the calling warp; returns the
+// total to every lane. The counters are visited in index order, so the scan follows the order
+// in which callers laid them out (chunk-major, warp-minor).
+__device__ __forceinline__ i32 hs_warp_exclusive_scan(i32* counts, i32 n) {
+    const i32 lane = threadIdx.x & 31;
+    const i32 per = (n + 31) / 32;
+    const i32 lo = lane * per;
+    const i32 hi = min(lo + per, n);
+    i32 local = 0;
+    for (i32 i = lo; i < hi; ++i) local += counts[i];
+    i32 incl = local;
+#pragma unroll
+    for (i32 d = 1; d < 32; d <<= 1) {
+        i32 v = __shfl_up_sync(HS_FULL_MASK, incl, d);
+        if (lane >= d) incl += v;
+    }
+    i32 run = incl - local;
+    for (i32 i = lo; i < hi; ++i) {
+        i32 c = counts[i];
+        counts[i] = run;
+        run += c;
+    }
+    return __shfl_sync(HS_FULL_MASK, incl, 31);
+}

@@ -1,0 +1,344 @@
+// The fused resolver (docs/resolver-contract.md): one thread block per batch row; the block of a
+// group's first row resolves the whole group (the speculative rows of one request) as one union.
+//
+// Compile-time constants (passed by the host as -D options):
+//   HS_NT   threads per block (a multiple of 32, at most 1024)
+//   HS_EPT  union entries per thread: ceil(rows_per_request * top_k / HS_NT)
+//   HS_CPT  LRU positions per thread: ceil(hot_rows / HS_NT)
+// Everything else (top_k, hot_rows, block_size, ...) is a run-time argument, so one build serves
+// every geometry of the same size class.
+//
+// Dynamic shared memory, in this order (the host computes the same size):
+//   keys[T]   i32  open-addressing hash of the union's host rows (-1: empty), T = 2^hash_bits
+//   vals[T]   i32  per key: first-reference index (>= 0), then -(slot + 1) once it has a slot
+//   htab[HB]  i32  the state row's hot_table row (HB = hot_rows / block_size)
+//   rowv[RPR] i32  valid entries per row of the group
+//   rowm[RPR] i32  misses first referenced per row of the group
+//   rowo[RPR] i32  exclusive prefix of rowm
+//   order[H]  i16  LRU slots after the walk: hit slots packed forward from 0 in LRU order,
+//                  evictable slots packed backward from H-1 in LRU order (E[m] = order[H-1-m])
+#include "common.cuh"
+
+#ifndef HS_NT
+#error "HS_NT must be defined"
+#endif
+#ifndef HS_EPT
+#error "HS_EPT must be defined"
+#endif
+#ifndef HS_CPT
+#error "HS_CPT must be defined"
+#endif
+
+#define HS_NW (HS_NT / 32)
+#define HS_SCAN_SLOTS ((HS_CPT > HS_EPT ? HS_CPT : HS_EPT) * HS_NW)
+
+// Adds, per row of the group, how many lanes of this warp have `flag` set. `rho` is the lane's
+// row within the group (-1 for lanes without an entry). Lanes sharing a row elect one adder.
+__device__ __forceinline__ void hs_count_per_row(i32* counters, i32 rho, bool flag) {
+    const u32 same = __match_any_sync(HS_FULL_MASK, rho);
+    const u32 set = __ballot_sync(HS_FULL_MASK, flag);
+    const i32 lane = threadIdx.x & 31;
+    if (rho >= 0 && lane == __ffs(same) - 1) {
+        const i32 c = __popc(same & set);
+        if (c) atomicAdd(&counters[rho], c);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
+    const i32* __restrict__ topk,            // [B, K]
+    const i32* __restrict__ row_state,       // [B]
+    const i32* __restrict__ seq_lens,        // [B]
+    const i32* __restrict__ source_table,    // [R, P]
+    const i32* __restrict__ resident_table,  // [R, P]
+    const i32* __restrict__ hot_table,       // [R, HB]
+    i32* __restrict__ hot_map,               // [R, H]
+    i16* __restrict__ lru,                   // [R, H]
+    i32* __restrict__ out_rows,              // [Bmax, K]
+    i32* __restrict__ out_valid,             // [Bmax]
+    i32* __restrict__ plan_host,             // [Bmax, K]
+    i32* __restrict__ plan_device,           // [Bmax, K]
+    i32* __restrict__ plan_counts,           // [Bmax]
+    u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
+    i32 B, i32 K, i32 H, i32 P, i32 bs, i32 rpr, i32 hash_bits) {
+    const i32 r = blockIdx.x;
+    const i32 tid = threadIdx.x;
+    const i32 lane = tid & 31;
+    const i32 warp = tid >> 5;
+
+    // ---- Which rows does this block write? ------------------------------------------------
+    // A group's first row leads; the group is at most `rpr` rows of the run. Follower rows leave
+    // the work to their leader. Rows past B, padding rows and rows past an over-long run (an
+    // input that validation rejects) are written as padding.
+    i32 q = -1;
+    i32 n = 0;
+    if (r < B) {
+        const i32 state = row_state[r];
+        if (state >= 0) {
+            i32 back = 0;
+            while (back < rpr && r - back - 1 >= 0 && row_state[r - back - 1] == state) ++back;
+            if (back == 0) {
+                q = state;
+                n = 1;
+                while (n < rpr && r + n < B && row_state[r + n] == state) ++n;
+            } else if (back < rpr) {
+                return;
+            }
+        }
+    }
+    if (q < 0) {
+        const i64 base = static_cast<i64>(r) * K;
+        for (i32 i = tid; i < K; i += HS_NT) {
+            out_rows[base + i] = -1;
+            plan_host[base + i] = -1;
+            plan_device[base + i] = -1;
+        }
+        if (tid == 0) {
+            out_valid[r] = 0;
+            plan_counts[r] = 0;
+        }
+        return;
+    }
+
+    extern __shared__ __align__(16) unsigned char hs_smem[];
+    const i32 T = 1 << hash_bits;
+    const u32 shift = 32u - static_cast<u32>(hash_bits);
+    const i32 HB = H / bs;
+    i32* keys = reinterpret_cast<i32*>(hs_smem);
+    i32* vals = keys + T;
+    i32* htab = vals + T;
+    i32* rowv = htab + HB;
+    i32* rowm = rowv + rpr;
+    i32* rowo = rowm + rpr;
+    i16* order = reinterpret_cast<i16*>(rowo + rpr);
+
+    __shared__ i32 s_scan[HS_SCAN_SLOTS];
+    __shared__ i32 s_unique;
+    __shared__ i32 s_resident;
+    __shared__ i32 s_hits;
+    __shared__ i32 s_misses;
+
+    const i64 qH = static_cast<i64>(q) * H;
+    const i64 qP = static_cast<i64>(q) * P;
+
+    // The LRU order does not depend on the top-k: start its loads first.
+    i32 slot[HS_CPT];
+#pragma unroll
+    for (i32 c = 0; c < HS_CPT; ++c) {
+        const i32 pos = c * HS_NT + tid;
+        slot[c] = pos < H ? static_cast<i32>(lru[qH + pos]) : -1;
+    }
+
+    for (i32 i = tid; i < T; i += HS_NT) {
+        keys[i] = -1;
+        vals[i] = HS_INT_MAX;
+    }
+    for (i32 i = tid; i < HB; i += HS_NT) htab[i] = hot_table[static_cast<i64>(q) * HB + i];
+    for (i32 i = tid; i < n; i += HS_NT) {
+        rowv[i] = 0;
+        rowm[i] = 0;
+    }
+    if (tid == 0) {
+        s_unique = 0;
+        s_resident = 0;
+    }
+    __syncthreads();
+
+    // ---- Classify every entry of the group; hash the host rows -----------------------------
+    const i32 total = n * K;
+    i32 host[HS_EPT];    // host row of a host entry, else -1
+    i32 out[HS_EPT];     // output row (resident entries now, host entries after the lookup)
+    i32 bucket[HS_EPT];  // hash bucket of a host entry
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 j = e * HS_NT + tid;
+        host[e] = -1;
+        out[e] = -1;
+        bucket[e] = -1;
+        i32 rho = -1;
+        if (j < total) {
+            rho = j / K;
+            const i32 i = j - rho * K;
+            const i32 row = r + rho;
+            const i32 t = topk[static_cast<i64>(row) * K + i];
+            if (t >= 0 && t < seq_lens[row]) {
+                const i32 p = t / bs;
+                const i32 o = t - p * bs;
+                if (p < P) {
+                    const i32 res = resident_table[qP + p];
+                    if (res >= 0) {
+                        out[e] = res * bs + o;
+                    } else {
+                        const i32 src = source_table[qP + p];
+                        if (src >= 0) host[e] = src * bs + o;
+                    }
+                }
+            }
+        }
+        const bool resident = out[e] >= 0;
+        hs_count_per_row(rowv, rho, resident || host[e] >= 0);
+        const u32 res_bal = __ballot_sync(HS_FULL_MASK, resident);
+        bool fresh = false;
+        if (host[e] >= 0) {
+            const i32 g = host[e];
+            u32 h = hs_hash(g, shift);
+            while (true) {
+                const i32 prev = atomicCAS(&keys[h], -1, g);
+                if (prev == -1 || prev == g) {
+                    fresh = prev == -1;
+                    break;
+                }
+                h = (h + 1) & static_cast<u32>(T - 1);
+            }
+            atomicMin(&vals[h], j);
+            bucket[e] = static_cast<i32>(h);
+        }
+        const u32 fresh_bal = __ballot_sync(HS_FULL_MASK, fresh);
+        if (lane == 0) {
+            if (res_bal) atomicAdd(&s_resident, __popc(res_bal));
+            if (fresh_bal) atomicAdd(&s_unique, __popc(fresh_bal));
+        }
+    }
+    __syncthreads();
+    const i32 n_unique = s_unique;
+
+    i32 n_misses = 0;
+    if (n_unique > 0) {  // uniform: every host entry goes through the hot state
+        // ---- Walk the LRU order: hit slots hold a row of the union ---------------------------
+        u32 hit_bal[HS_CPT];
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 pos = c * HS_NT + tid;
+            bool hit = false;
+            if (pos < H) {
+                const i32 held = hot_map[qH + slot[c]];
+                if (held >= 0) {
+                    u32 h = hs_hash(held, shift);
+                    i32 key;
+                    while ((key = keys[h]) != -1) {
+                        if (key == held) {
+                            hit = true;
+                            vals[h] = -(slot[c] + 1);
+                            break;
+                        }
+                        h = (h + 1) & static_cast<u32>(T - 1);
+                    }
+                }
+            }
+            hit_bal[c] = __ballot_sync(HS_FULL_MASK, hit);
+            if (lane == 0) s_scan[c * HS_NW + warp] = __popc(hit_bal[c]);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            const i32 hits = hs_warp_exclusive_scan(s_scan, HS_CPT * HS_NW);
+            if (lane == 0) s_hits = hits;
+        }
+        __syncthreads();
+        const u32 lt = hs_lanemask_lt();
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 pos = c * HS_NT + tid;
+            if (pos < H) {
+                const i32 hit_rank = s_scan[c * HS_NW + warp] + __popc(hit_bal[c] & lt);
+                if ((hit_bal[c] >> lane) & 1u) {
+                    order[hit_rank] = static_cast<i16>(slot[c]);
+                } else {
+                    order[H - 1 - (pos - hit_rank)] = static_cast<i16>(slot[c]);
+                }
+            }
+        }
+        __syncthreads();
+        const i32 n_hits = s_hits;
+        const i32 n_evictable = H - n_hits;
+
+        // ---- Misses in first-reference order take the oldest evictable slots ---------------
+        u32 miss_bal[HS_EPT];
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            const i32 j = e * HS_NT + tid;
+            const bool miss = bucket[e] >= 0 && vals[bucket[e]] == j;
+            miss_bal[e] = __ballot_sync(HS_FULL_MASK, miss);
+            if (lane == 0) s_scan[e * HS_NW + warp] = __popc(miss_bal[e]);
+            hs_count_per_row(rowm, j < total ? j / K : -1, miss);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            const i32 misses = hs_warp_exclusive_scan(s_scan, HS_EPT * HS_NW);
+            if (lane == 0) s_misses = misses;
+        } else if (tid == 32) {
+            i32 run = 0;
+            for (i32 rho = 0; rho < n; ++rho) {
+                rowo[rho] = run;
+                run += rowm[rho];
+            }
+        }
+        __syncthreads();
+        n_misses = s_misses;
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            if ((miss_bal[e] >> lane) & 1u) {
+                const i32 j = e * HS_NT + tid;
+                const i32 m = s_scan[e * HS_NW + warp] + __popc(miss_bal[e] & lt);
+                const i32 victim = order[H - 1 - m];
+                vals[bucket[e]] = -(victim + 1);
+                hot_map[qH + victim] = host[e];
+                const i32 rho = j / K;
+                const i64 at = static_cast<i64>(r + rho) * K + (m - rowo[rho]);
+                plan_host[at] = host[e];
+                plan_device[at] = htab[victim / bs] * bs + victim % bs;
+            }
+        }
+        // New order: untouched evictable slots, then the newly filled ones, then the hits.
+        const i32 keep = n_evictable - n_misses;
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 pos = c * HS_NT + tid;
+            if (pos < H) {
+                i32 s;
+                if (pos < keep) {
+                    s = order[H - 1 - (n_misses + pos)];
+                } else if (pos < n_evictable) {
+                    s = order[H - 1 - (pos - keep)];
+                } else {
+                    s = order[pos - n_evictable];
+                }
+                lru[qH + pos] = static_cast<i16>(s);
+            }
+        }
+        __syncthreads();
+        // Every key now has a slot: hits from the walk, misses from their victim.
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            if (bucket[e] >= 0) {
+                const i32 s = -vals[bucket[e]] - 1;
+                out[e] = htab[s / bs] * bs + s % bs;
+            }
+        }
+    }
+
+    // ---- Outputs of every row of the group --------------------------------------------------
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 j = e * HS_NT + tid;
+        if (j < total) out_rows[static_cast<i64>(r) * K + j] = out[e];
+    }
+    for (i32 j = tid; j < total; j += HS_NT) {
+        const i32 rho = j / K;
+        const i32 k = j - rho * K;
+        if (k >= rowm[rho]) {
+            const i64 at = static_cast<i64>(r) * K + j;
+            plan_host[at] = -1;
+            plan_device[at] = -1;
+        }
+    }
+    for (i32 rho = tid; rho < n; rho += HS_NT) {
+        out_valid[r + rho] = rowv[rho];
+        plan_counts[r + rho] = rowm[rho];
+    }
+    if (tid == 0) {
+        if (s_resident) atomicAdd(&stats[0], static_cast<u64>(s_resident));
+        if (n_unique) {
+            atomicAdd(&stats[1], static_cast<u64>(n_unique - n_misses));
+            if (n_misses) atomicAdd(&stats[2], static_cast<u64>(n_misses));
+        }
+    }
+}

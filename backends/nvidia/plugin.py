@@ -1,0 +1,65 @@
+"""Entry point of the `hisparse.backends` group: registers the NVIDIA CUDA backend.
+
+Imports nothing heavy at module level (no torch, no CUDA): every process that lists or selects a
+backend imports every plugin. The probe runs only when the registry asks and answers, cheapest
+check first, why the backend cannot run here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("hisparse")
+
+NAME = "nvidia"
+VERSION = "0.1.0"
+#: The `Capability` strings of `NvidiaBackend.capabilities`, spelled out so no torch is imported.
+CAPABILITIES = frozenset({
+    "row_format:fp8_ds_mla", "row_format:bf16_mla", "speculative_union", "index_sharing",
+    "shared_host_pool", "cuda_graph", "async_transfers",
+})
+
+
+def probe() -> str | None:
+    """None when an NVIDIA GPU is usable here, else the reason it is not."""
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return "cuda-python not installed: pip install 'hisparse[nvidia]'"
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no CUDA driver (libcuda not found)"
+    import torch
+
+    if torch.version.cuda is None:
+        return "torch has no CUDA (CPU build)"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return "no CUDA device"
+    try:
+        from cuda.bindings import nvrtc
+
+        err, *_ = nvrtc.nvrtcVersion()
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return "NVRTC unavailable: pip install 'cuda-python[all]'"
+    except Exception as exc:  # noqa: BLE001 - a missing libnvrtc raises from cuda.pathfinder
+        return f"NVRTC unavailable ({type(exc).__name__}): pip install 'hisparse[nvidia]'"
+    return None
+
+
+@hookimpl
+def hisparse_register_backends(register: Callable[[Any], None]) -> None:
+    from hisparse_core.backend import BackendSpec
+
+    register(BackendSpec(
+        name=NAME,
+        factory="hisparse_nvidia.backend:NvidiaBackend",
+        probe=probe,
+        priority=100,
+        capabilities=CAPABILITIES,
+        version=VERSION,
+        description="CUDA: fused GPU resolver with exact LRU, zero-copy multi-block gathers, NVRTC-built kernels",
+    ))

@@ -1,0 +1,442 @@
+"""`NvidiaRuntime`: the per-cache runtime on a CUDA device.
+
+State and workspaces are PyTorch tensors on the device; the work is done by the NVRTC-built
+kernels under `kernels/`, launched through the driver on PyTorch's current stream:
+
+- `hisparse_resolve` (resolve.cu): one thread block per batch row; the first row of a request's
+  group resolves the group's union against the request's hot map and exact LRU order, assigns
+  victims, writes the miss plan, the output rows and the counters. A group with no host entry
+  exits before touching its LRU (the resident fast path).
+- `hisparse_gather_plan` (copy.cu): copies the plan's host rows into their hot rows for one or
+  more layers, reading the registered host pool directly (zero-copy 16-byte loads). A batch row's
+  misses are spread over several thread blocks, so a single request is not limited to one block's
+  loads in flight.
+- `hisparse_copy_rows` (copy.cu): batched row mirrors and page spills (device to host), page
+  restores (host to device) and host block copies, for every layer in one launch.
+- maintain.cu: invalidation of written rows and recycled host blocks, and state resets.
+
+`resolve(validate=False)` and the plan copies read no value on the host and launch fixed-shape
+kernels, so they can be captured in a CUDA graph and replayed with new inputs in the same tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import RuntimeConfig
+from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
+from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
+
+from hisparse_nvidia import driver
+from hisparse_nvidia.host_pool import device_address_of_host
+from hisparse_nvidia.kernels import (
+    COPY_THREADS,
+    MAINTAIN_BUILD,
+    MAINTAIN_THREADS,
+    LoadedKernels,
+    copy_build,
+    resolver_shape,
+)
+from hisparse_nvidia.validation import (
+    check_int,
+    check_ints,
+    check_range,
+    check_sequence,
+    check_shapes,
+    check_span,
+    check_tensor,
+    check_values,
+)
+
+_HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
+_STAT_H2D, _STAT_D2H = 3, 4
+#: Upper bound on thread blocks per batch row of a plan copy.
+_MAX_BLOCKS_PER_ROW = 64
+
+
+def _i32(v: int) -> ctypes.c_int32:
+    return ctypes.c_int32(int(v))
+
+
+def _i64(v: int) -> ctypes.c_int64:
+    return ctypes.c_int64(int(v))
+
+
+def _ptr(t: torch.Tensor | int) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t if isinstance(t, int) else t.data_ptr())
+
+
+class NvidiaRuntime(CacheRuntime):
+    """Hot maps, LRU orders, result workspace and counters of one index group on a CUDA device.
+
+    Built by `NvidiaBackend.create_runtime(config)`; kernels are compiled (or loaded from the
+    disk cache) and loaded here, so construction may take a second on the first run.
+    """
+
+    def __init__(self, config: RuntimeConfig, device: torch.device, *, arch: int, num_sms: int,
+                 max_smem_per_block: int) -> None:
+        if not isinstance(config, RuntimeConfig):
+            raise InvalidInputError(f"config must be a RuntimeConfig, got {type(config).__name__}")
+        self.config = config
+        self._device = device
+        self._num_sms = num_sms
+        shape = resolver_shape(config)
+        if shape.dynamic_smem + shape.static_smem > max_smem_per_block:
+            raise InvalidInputError(
+                f"RuntimeConfig(top_k={config.top_k}, rows_per_request={config.rows_per_request}, "
+                f"hot_rows={config.hot_rows}, block_size={config.block_size}) needs "
+                f"{shape.dynamic_smem + shape.static_smem} bytes of shared memory per block; the device "
+                f"allows {max_smem_per_block}: lower rows_per_request * top_k or hot_rows")
+        self._shape = shape
+        r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
+        with torch.cuda.device(device):
+            self._hot_map = torch.full((r, h), -1, dtype=torch.int32, device=device)
+            self._lru = torch.arange(h, dtype=torch.int16, device=device).repeat(r, 1)
+            self._result = ResolveResult(
+                rows=torch.full((b, k), -1, dtype=torch.int32, device=device),
+                valid_counts=torch.zeros(b, dtype=torch.int32, device=device),
+                plan_host=torch.full((b, k), -1, dtype=torch.int32, device=device),
+                plan_device=torch.full((b, k), -1, dtype=torch.int32, device=device),
+                plan_counts=torch.zeros(b, dtype=torch.int32, device=device),
+            )
+            self._stats = torch.zeros(5, dtype=torch.int64, device=device)
+        driver.ensure_context(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        resolve_mod = LoadedKernels.module(index, arch, shape.build)
+        copy_mod = LoadedKernels.module(index, arch, copy_build(config.row_format.row_bytes))
+        maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)
+        self._k_resolve = resolve_mod.function("hisparse_resolve")
+        self._k_resolve.allow_dynamic_smem(shape.dynamic_smem)
+        self._k_gather = copy_mod.function("hisparse_gather_plan")
+        self._k_copy = copy_mod.function("hisparse_copy_rows")
+        self._k_inval_written = maint_mod.function("hisparse_invalidate_written")
+        self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
+        self._k_reset = maint_mod.function("hisparse_reset_rows")
+        self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
+        self._host: list[torch.Tensor] = []
+        self._dev: list[torch.Tensor] = []
+        self._host_bases: torch.Tensor | None = None
+        self._dev_bases: torch.Tensor | None = None
+        self._dev_strides: torch.Tensor | None = None
+        self._host_rows = 0
+        self._dev_rows = 0
+        self._resident_group = 0
+
+    # ----------------------------------------------------------------- storage
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def bound(self) -> bool:
+        return bool(self._host)
+
+    @property
+    def host_rows(self) -> int:
+        self._require_bound()
+        return self._host_rows
+
+    @property
+    def num_device_blocks(self) -> int:
+        self._require_bound()
+        return self._dev[0].shape[0]
+
+    @property
+    def resident_group(self) -> int:
+        return self._resident_group
+
+    def bind(self, host_layers: Sequence[torch.Tensor], device_layers: Sequence[torch.Tensor],
+             *, resident_group: int = 0) -> None:
+        """Attach the host pool's layer views and the device caches (see `CacheRuntime.bind`).
+
+        Host views must be registered host memory (`NvidiaBackend.create_host_pool`, or PyTorch
+        pinned memory) with contiguous rows. Device caches are `[num_blocks, block_size, width]`
+        with contiguous rows inside a block; blocks may be strided (a packed multi-layer slab), as
+        long as the stride keeps rows 16-byte aligned.
+        """
+        cfg = self.config
+        if self.bound:
+            raise InvalidInputError("runtime is already bound; bind is called once")
+        fmt, n = cfg.row_format, cfg.num_layers
+        for name, layers in (("host_layers", host_layers), ("device_layers", device_layers)):
+            if not isinstance(layers, Sequence) or len(layers) != n:
+                got = len(layers) if isinstance(layers, Sequence) else type(layers).__name__
+                raise InvalidInputError(f"{name} has {got} entries; expected num_layers={n}")
+        check_int("resident_group", resident_group, 0, 1 << 31)
+        cpu = torch.device("cpu")
+        host_bases: list[int] = []
+        dev_bases: list[int] = []
+        dev_strides: list[int] = []
+        rows = blocks = None
+        for layer in range(n):
+            h = host_layers[layer]
+            d = device_layers[layer]
+            check_tensor(f"host_layers[{layer}]", h, (rows, fmt.width), fmt.dtype, cpu)
+            rows = h.shape[0]
+            if rows == 0 or rows % cfg.block_size:
+                raise InvalidInputError(
+                    f"host_layers[{layer}] has {rows} rows; expected a positive multiple of "
+                    f"block_size={cfg.block_size}")
+            addr = device_address_of_host(h.data_ptr(), h.numel() * h.element_size())
+            if addr is None:
+                raise InvalidInputError(
+                    f"host_layers[{layer}] is not registered host memory; allocate the pool with "
+                    f"NvidiaBackend.create_host_pool (or pin it) so the GPU can read it directly")
+            host_bases.append(addr)
+            if not isinstance(d, torch.Tensor):
+                raise InvalidInputError(f"device_layers[{layer}] must be a torch.Tensor, got {type(d).__name__}")
+            if d.dtype != fmt.dtype or d.device != self._device or d.dim() != 3 or \
+                    tuple(d.shape[1:]) != (cfg.block_size, fmt.width) or (blocks is not None and d.shape[0] != blocks):
+                want = f"[{'*' if blocks is None else blocks}, {cfg.block_size}, {fmt.width}]"
+                raise InvalidInputError(
+                    f"device_layers[{layer}] is {d.dtype} {list(d.shape)} on {d.device}; expected {fmt.dtype} "
+                    f"{want} on {self._device}")
+            blocks = d.shape[0]
+            es = d.element_size()
+            if blocks == 0:
+                raise InvalidInputError(f"device_layers[{layer}] has 0 blocks; expected at least 1")
+            if d.stride(2) != 1 or d.stride(1) != fmt.width or (d.stride(0) * es) % 16 or d.data_ptr() % 16:
+                raise InvalidInputError(
+                    f"device_layers[{layer}] has strides {d.stride()} at address {d.data_ptr():#x}; expected "
+                    f"contiguous 16-byte aligned rows within each block")
+            dev_bases.append(d.data_ptr())
+            dev_strides.append(d.stride(0) * es)
+        assert rows is not None and blocks is not None
+        if rows * fmt.row_bytes // 16 >= 2**32 or blocks * cfg.block_size >= 2**31:
+            raise InvalidInputError("host or device caches exceed the 2^31-row addressing limit")
+        self._host = list(host_layers)
+        self._dev = list(device_layers)
+        self._host_rows = rows
+        self._dev_rows = blocks * cfg.block_size
+        with torch.cuda.device(self._device):
+            self._host_bases = torch.tensor(host_bases, dtype=torch.int64, device=self._device)
+            self._dev_bases = torch.tensor(dev_bases, dtype=torch.int64, device=self._device)
+            self._dev_strides = torch.tensor(dev_strides, dtype=torch.int64, device=self._device)
+        self._resident_group = resident_group
+
+    def _require_bound(self) -> None:
+        if not self._host:
+            raise InvalidInputError("runtime is not bound; call bind(host_layers, device_layers) first")
+
+    def _stream(self) -> int:
+        driver.ensure_context(self._device)
+        return torch.cuda.current_stream(self._device).cuda_stream
+
+    # ----------------------------------------------------------------- resolve
+
+    def resolve(self, inputs: ResolveInputs, *, gather: bool = True, validate: bool = True) -> ResolveResult:
+        self._require_bound()
+        cfg = self.config
+        b = check_shapes(inputs, cfg, self._device)
+        if validate:
+            check_values(inputs, cfg, num_device_blocks=self.num_device_blocks,
+                         host_blocks=self._host_rows // cfg.block_size)
+        out = self._result
+        shape = self._shape
+        self._k_resolve.launch(
+            (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
+            [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
+             _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
+             _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host), _ptr(out.plan_device),
+             _ptr(out.plan_counts), _ptr(self._stats),
+             _i32(b), _i32(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages), _i32(cfg.block_size),
+             _i32(cfg.rows_per_request), _i32(shape.hash_bits)])
+        self._last_rows = b
+        if gather:
+            self._gather(0, 1)
+        return out
+
+    @property
+    def result(self) -> ResolveResult:
+        return self._result
+
+    # ----------------------------------------------------------------- plan copies
+
+    def gather_misses(self, layer: int = 0) -> None:
+        self._require_bound()
+        check_int("layer", layer, 0, self.config.num_layers)
+        self._gather(layer, 1)
+
+    def replay_plan(self, layers: Sequence[int] | None = None) -> None:
+        self._require_bound()
+        n = self.config.num_layers
+        chosen = list(range(1, n)) if layers is None else check_ints("layers", layers, 0, n)
+        # One launch per run of consecutive layers.
+        start = 0
+        while start < len(chosen):
+            stop = start + 1
+            while stop < len(chosen) and chosen[stop] == chosen[stop - 1] + 1:
+                stop += 1
+            self._gather(chosen[start], stop - start)
+            start = stop
+
+    def _blocks_per_row(self, rows: int) -> int:
+        """Thread blocks per batch row of a copy: about two waves of the GPU in all."""
+        want = -(-2 * self._num_sms // max(1, rows))
+        return max(1, min(_MAX_BLOCKS_PER_ROW, want))
+
+    def _gather(self, first_layer: int, num_layers: int) -> None:
+        rows = self._last_rows
+        if rows == 0 or num_layers == 0:
+            return
+        cfg = self.config
+        out = self._result
+        self._k_gather.launch(
+            (self._blocks_per_row(rows * num_layers), rows, num_layers), COPY_THREADS, 0, self._stream(),
+            [_ptr(out.plan_host), _ptr(out.plan_device), _ptr(out.plan_counts), _i32(cfg.top_k),
+             _ptr(self._host_bases), _ptr(self._dev_bases), _ptr(self._dev_strides), _i32(first_layer),
+             _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)])
+
+    # ----------------------------------------------------------------- page and row copies
+
+    def check_mirrors(self, mirrors: Sequence[RowMirror]) -> list[tuple[int, int, int]]:
+        """Validate mirrors; returns `(device_row, host_row, num_rows)` per mirror."""
+        self._require_bound()
+        bs, g = self.config.block_size, self._resident_group
+        out: list[tuple[int, int, int]] = []
+        for i, m in enumerate(check_sequence("mirrors", mirrors, RowMirror)):
+            if len(m.source_starts) <= g:
+                raise InvalidInputError(
+                    f"mirrors[{i}].source_starts has {len(m.source_starts)} entries; expected one for "
+                    f"resident group {g}")
+            src, dst, n = m.source_starts[g], m.destination_start, m.num_rows
+            check_span(f"mirrors[{i}] source", src, n, self._dev_rows, bs)
+            check_span(f"mirrors[{i}] destination", dst, n, self._host_rows, bs)
+            out.append((src, dst, n))
+        return out
+
+    def check_pages(self, transfers: Sequence[PageTransfer], *, restore: bool | None) -> list[tuple[int, int]]:
+        """Validate page transfers; returns `(device_block, host_block)` per transfer.
+
+        `restore` is the direction every transfer must have (None: either)."""
+        self._require_bound()
+        g = self._resident_group
+        out: list[tuple[int, int]] = []
+        for i, t in enumerate(check_sequence("transfers", transfers, PageTransfer)):
+            if restore is not None and t.restore != restore:
+                want = "restore_pages" if t.restore else "spill_pages"
+                raise InvalidInputError(
+                    f"transfers[{i}] (id {t.transfer_id}) has restore={t.restore}; pass it to {want}")
+            if len(t.resident_block_ids) <= g:
+                raise InvalidInputError(
+                    f"transfers[{i}].resident_block_ids has {len(t.resident_block_ids)} entries; expected one "
+                    f"for resident group {g}")
+            dev = check_int(f"transfers[{i}].resident_block_ids[{g}]", t.resident_block_ids[g], 0,
+                            self.num_device_blocks)
+            host = check_int(f"transfers[{i}].host_block_id", t.host_block_id, 0,
+                             self._host_rows // self.config.block_size)
+            out.append((dev, host))
+        return out
+
+    def check_host_copies(self, copies: Sequence[HostBlockCopy]) -> list[tuple[int, int]]:
+        """Validate host block copies; returns `(src_block, dst_block)` per copy."""
+        self._require_bound()
+        blocks = self._host_rows // self.config.block_size
+        return [(check_int(f"copies[{i}].src_block_id", c.src_block_id, 0, blocks),
+                 check_int(f"copies[{i}].dst_block_id", c.dst_block_id, 0, blocks))
+                for i, c in enumerate(check_sequence("copies", copies, HostBlockCopy))]
+
+    def mirror_rows(self, mirrors: Sequence[RowMirror]) -> None:
+        spans = self.check_mirrors(mirrors)
+        pairs = [(src + o, dst + o) for src, dst, n in spans for o in range(n)]
+        self._copy_pairs(pairs, _DEVICE, _HOST, _STAT_D2H)
+
+    def spill_pages(self, transfers: Sequence[PageTransfer]) -> None:
+        pages = self.check_pages(transfers, restore=False)
+        self._copy_pairs(self._page_rows(pages, device_first=True), _DEVICE, _HOST, _STAT_D2H)
+
+    def restore_pages(self, transfers: Sequence[PageTransfer]) -> None:
+        pages = self.check_pages(transfers, restore=True)
+        self._copy_pairs(self._page_rows(pages, device_first=False), _HOST, _DEVICE, _STAT_H2D)
+
+    def copy_host_blocks(self, copies: Sequence[HostBlockCopy]) -> None:
+        pairs = self.check_host_copies(copies)
+        bs = self.config.block_size
+        rows = [(s * bs + o, d * bs + o) for s, d in pairs for o in range(bs)]
+        self._copy_pairs(rows, _HOST, _HOST, -1)
+
+    def _page_rows(self, pages: list[tuple[int, int]], *, device_first: bool) -> list[tuple[int, int]]:
+        bs = self.config.block_size
+        if device_first:
+            return [(dev * bs + o, host * bs + o) for dev, host in pages for o in range(bs)]
+        return [(host * bs + o, dev * bs + o) for dev, host in pages for o in range(bs)]
+
+    def _copy_pairs(self, pairs: list[tuple[int, int]], src_kind: int, dst_kind: int, stat: int) -> None:
+        """One launch copying rows `pairs` (source, destination) in every layer, on the current stream."""
+        if not pairs:
+            return
+        cfg = self.config
+        host = torch.from_numpy(np.asarray(pairs, dtype=np.int32).reshape(-1, 2)).pin_memory()
+        with torch.cuda.device(self._device):
+            dev_pairs = host.to(self._device, non_blocking=True)
+        n, layers = len(pairs), cfg.num_layers
+        blocks = max(1, min(4 * self._num_sms, -(-n * (cfg.row_format.row_bytes // 16) // COPY_THREADS)))
+        self._k_copy.launch(
+            (max(1, blocks // layers), 1, layers), COPY_THREADS, 0, self._stream(),
+            [_ptr(dev_pairs), _i32(n), _i32(src_kind), _i32(dst_kind), _ptr(self._host_bases),
+             _ptr(self._dev_bases), _ptr(self._dev_strides), _i32(0), _i32(cfg.block_size),
+             _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats), _i32(stat),
+             _i64(n * cfg.row_format.row_bytes)])
+
+    # ----------------------------------------------------------------- hot state
+
+    def invalidate_written_slots(self, state_rows: torch.Tensor, host_rows: torch.Tensor, *,
+                                 validate: bool = True) -> None:
+        """See `CacheRuntime.invalidate_written_slots`. `validate=False` skips the value checks
+        (a host synchronization); out-of-range state rows are then ignored by the kernel."""
+        self._require_bound()
+        states = check_tensor("state_rows", state_rows, (None,), torch.int32, self._device)
+        rows = check_tensor("host_rows", host_rows, (states.shape[0],), torch.int32, self._device)
+        if validate:
+            s_cpu, r_cpu = states.cpu(), rows.cpu()
+            check_range("state_rows", s_cpu, -1, self.config.max_requests)
+            check_range("host_rows (where state_rows >= 0)", r_cpu[s_cpu >= 0], 0, self._host_rows)
+        if states.shape[0] == 0:
+            return
+        self._k_inval_written.launch(
+            (states.shape[0], 1, 1), MAINTAIN_THREADS, 0, self._stream(),
+            [_ptr(states), _ptr(rows), _ptr(self._hot_map), _i32(self.config.hot_rows),
+             _i32(self.config.max_requests)])
+
+    def invalidate_host_blocks(self, block_ids: Sequence[int]) -> None:
+        self._require_bound()
+        blocks = check_ints("block_ids", block_ids, 0, self._host_rows // self.config.block_size)
+        if not blocks:
+            return
+        uniq = sorted(set(blocks))
+        dev = torch.tensor(uniq, dtype=torch.int32).pin_memory().to(self._device, non_blocking=True)
+        total = self.config.max_requests * self.config.hot_rows
+        grid = max(1, min(8 * self._num_sms, -(-total // MAINTAIN_THREADS)))
+        self._k_inval_blocks.launch(
+            (grid, 1, 1), MAINTAIN_THREADS, 0, self._stream(),
+            [_ptr(dev), _i32(len(uniq)), _ptr(self._hot_map), _i64(total), _i32(self.config.block_size)])
+
+    def reset_state(self, state_rows: Sequence[int] | None = None) -> None:
+        r = self.config.max_requests
+        chosen = list(range(r)) if state_rows is None else check_ints("state_rows", state_rows, 0, r)
+        if not chosen:
+            return
+        dev = torch.tensor(chosen, dtype=torch.int32).pin_memory().to(self._device, non_blocking=True)
+        self._k_reset.launch((len(chosen), 1, 1), MAINTAIN_THREADS, 0, self._stream(),
+                             [_ptr(dev), _ptr(self._hot_map), _ptr(self._lru), _i32(self.config.hot_rows)])
+
+    def hot_state(self, state_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = check_int("state_row", state_row, 0, self.config.max_requests)
+        torch.cuda.synchronize(self._device)  # work may sit on the transfer engine's stream
+        return self._hot_map[q].cpu(), self._lru[q].to(torch.int32).cpu()
+
+    # ----------------------------------------------------------------- counters
+
+    def stats(self) -> RuntimeStats:
+        torch.cuda.synchronize(self._device)  # copies on every stream have counted
+        s = self._stats.tolist()
+        return RuntimeStats(resident=s[0], hits=s[1], misses=s[2], h2d_bytes=s[3], d2h_bytes=s[4])
+
+    def reset_stats(self) -> None:
+        self._stats.zero_()

@@ -1,0 +1,230 @@
+"""The NVIDIA runtime against the CPU reference, bit for bit, on random engine-like steps.
+
+Every call is made on both runtimes with identical inputs; after each one the outputs, the miss
+plan, every state row's hot map and LRU order, the counters and every device and host byte must
+be equal. Needs a CUDA GPU (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RuntimeConfig
+from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
+
+from nvidia_support import Twin, random_step, random_tables, requires_gpu
+
+pytestmark = [requires_gpu, pytest.mark.gpu]
+
+
+def _small_config(rng: random.Random) -> tuple[RuntimeConfig, int, int]:
+    bs = rng.choice([1, 2, 4, 8])
+    k = rng.randint(1, 40)
+    rpr = rng.randint(1, 3)
+    hot_blocks = -(-rpr * k // bs) + rng.randint(0, 2)
+    r = rng.randint(1, 4)
+    p = rng.randint(1, 12)
+    cfg = RuntimeConfig(max_batch_rows=r * rpr + rng.randint(0, 2), max_requests=r, top_k=k,
+                        hot_rows=hot_blocks * bs, block_size=bs, max_pages=p, num_layers=rng.randint(1, 3),
+                        rows_per_request=rpr, row_format=rng.choice([FP8_DS_MLA, BF16_MLA]))
+    return cfg, r * p + 2, r * hot_blocks + r * p + 2
+
+
+def _maintenance(twin: Twin, rng: random.Random) -> None:
+    cfg = twin.cfg
+    bs = cfg.block_size
+    assert twin.tables is not None
+    src = twin.tables.source
+    if rng.random() < 0.4:
+        pairs = []
+        for _ in range(rng.randint(1, 4)):
+            q = rng.randrange(cfg.max_requests)
+            blocks = [b for b in src[q].tolist() if b >= 0]
+            if blocks:
+                pairs.append((q, rng.choice(blocks) * bs + rng.randrange(bs)))
+        pairs.append((-1, 0))
+        s = torch.tensor([q for q, _ in pairs], dtype=torch.int32)
+        g = torch.tensor([x for _, x in pairs], dtype=torch.int32)
+        twin.rt.invalidate_written_slots(s.to(twin.dev), g.to(twin.dev))
+        twin.ref.invalidate_written_slots(s, g)
+    if rng.random() < 0.3:
+        blocks = sorted({b for b in src.flatten().tolist() if b >= 0})
+        chosen = rng.sample(blocks, min(len(blocks), rng.randint(1, 3)))
+        twin.rt.invalidate_host_blocks(chosen)
+        twin.ref.invalidate_host_blocks(chosen)
+    if rng.random() < 0.2:
+        rows = rng.sample(range(cfg.max_requests), 1)
+        twin.rt.reset_state(rows)
+        twin.ref.reset_state(rows)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_small_geometries_match_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg, host_blocks, dev_blocks = _small_config(rng)
+    twin = Twin(cfg, host_blocks=host_blocks, num_device_blocks=dev_blocks, seed=seed)
+    try:
+        tables = random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=rng.choice([0, 0.3, 0.7]),
+                               null_share=rng.choice([0, 0.15]))
+        twin.set_tables(tables)
+        previous: dict = {}
+        for i in range(10):
+            step = random_step(cfg, rng, previous, locality=rng.choice([0.0, 0.5, 0.9, 1.0]),
+                               mask_share=rng.choice([0, 0.1]), padding_share=0.25)
+            twin.resolve(step, validate=rng.random() < 0.5)
+            if cfg.num_layers > 1 and rng.random() < 0.7:
+                twin.rt.replay_plan()
+                twin.ref.replay_plan()
+            twin.compare_all(f"seed {seed} step {i}")
+            _maintenance(twin, rng)
+            twin.compare_state(f"seed {seed} maintenance after step {i}")
+    finally:
+        twin.close()
+
+
+@pytest.mark.parametrize("rows_per_request", [1, 2])
+def test_production_geometry_matches_reference(rows_per_request: int) -> None:
+    """top-k 2048, 4096 hot rows per request (8192 with a speculative row), 656-byte rows, 32K contexts."""
+    rng = random.Random(100 + rows_per_request)
+    cfg = RuntimeConfig(max_batch_rows=6, max_requests=4, top_k=2048, hot_rows=4096 * rows_per_request,
+                        block_size=64, max_pages=512, num_layers=2, rows_per_request=rows_per_request)
+    host_blocks = cfg.max_requests * cfg.max_pages
+    dev_blocks = cfg.max_requests * cfg.hot_blocks + 1024
+    twin = Twin(cfg, host_blocks=host_blocks, num_device_blocks=dev_blocks, seed=rows_per_request)
+    try:
+        twin.set_tables(random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=0.05, null_share=0.01))
+        previous: dict = {}
+        for i in range(8):
+            step = random_step(cfg, rng, previous, locality=0.87, mask_share=0.01, padding_share=0.2)
+            twin.resolve(step)
+            twin.rt.replay_plan()
+            twin.ref.replay_plan()
+            twin.compare_all(f"step {i}")
+        assert twin.rt.stats().misses > 0 and twin.rt.stats().hits > 0
+    finally:
+        twin.close()
+
+
+def test_resident_fast_path_leaves_lru_untouched() -> None:
+    rng = random.Random(7)
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=64, hot_rows=128, block_size=16, max_pages=8)
+    twin = Twin(cfg, host_blocks=16, num_device_blocks=40, seed=7)
+    try:
+        tables = random_tables(cfg, 16, 40, rng, resident_share=0.0, null_share=0.0)
+        twin.set_tables(tables)
+        step = random_step(cfg, rng, {}, locality=0.0, padding_share=0.0, requests=[0])
+        twin.resolve(step)  # fill the hot buffer of state row 0
+        before = twin.rt.hot_state(0)
+        resident = tables.resident.clone()
+        resident[0] = torch.arange(cfg.max_pages, dtype=torch.int32) + 16  # every page resident
+        tables.resident = resident
+        twin.set_tables(tables)
+        twin.resolve(step)
+        after = twin.rt.hot_state(0)
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+        assert int(twin.rt.result.plan_counts.sum()) == 0
+        twin.compare_all("resident")
+    finally:
+        twin.close()
+
+
+def test_validation_rejects_and_changes_nothing() -> None:
+    rng = random.Random(3)
+    cfg = RuntimeConfig(max_batch_rows=3, max_requests=2, top_k=8, hot_rows=16, block_size=4, max_pages=4)
+    twin = Twin(cfg, host_blocks=10, num_device_blocks=20, seed=3)
+    try:
+        twin.set_tables(random_tables(cfg, 10, 20, rng, resident_share=0.2, null_share=0.0))
+        step = random_step(cfg, rng, {}, locality=0.0, padding_share=0.0, requests=[0, 1])
+        twin.resolve(step)
+        snapshot = [twin.rt.hot_state(q) for q in range(2)], twin.rt.stats()
+        bad = step.topk.clone()
+        bad[0, 0] = 10_000
+        with pytest.raises(InvalidInputError, match="topk"):
+            twin.rt.resolve(twin.inputs(type(step)(bad, step.row_state, step.seq_lens), device=True))
+        with pytest.raises(InvalidInputError, match="row_state"):
+            twin.rt.resolve(twin.inputs(type(step)(step.topk, step.row_state * 0 + 5, step.seq_lens), device=True))
+        with pytest.raises(InvalidInputError, match="dtype"):
+            twin.rt.resolve(twin.inputs(type(step)(step.topk.long(), step.row_state, step.seq_lens), device=True))
+        with pytest.raises(InvalidInputError, match="is on"):
+            twin.rt.resolve(twin.inputs(step, device=False))
+        after = [twin.rt.hot_state(q) for q in range(2)], twin.rt.stats()
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(snapshot[0], after[0]))
+        assert snapshot[1] == after[1]
+    finally:
+        twin.close()
+
+
+def test_out_of_context_positions_are_masked_without_validation() -> None:
+    rng = random.Random(4)
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=8, hot_rows=16, block_size=4, max_pages=4)
+    twin = Twin(cfg, host_blocks=10, num_device_blocks=20, seed=4)
+    try:
+        twin.set_tables(random_tables(cfg, 10, 20, rng, resident_share=0.3, null_share=0.0))
+        step = random_step(cfg, rng, {}, locality=0.0, padding_share=0.0, requests=[0, 1])
+        step.topk[0, :3] = torch.tensor([-7, 15, 10_000], dtype=torch.int32)
+        twin.resolve(step, validate=False)
+        twin.compare_all("masked")
+    finally:
+        twin.close()
+
+
+@pytest.mark.parametrize("fmt", [FP8_DS_MLA, BF16_MLA])
+def test_mirror_spill_restore_and_host_copies(fmt) -> None:  # noqa: ANN001
+    rng = random.Random(11)
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=16, hot_rows=32, block_size=8, max_pages=6,
+                        num_layers=3, row_format=fmt)
+    twin = Twin(cfg, host_blocks=14, num_device_blocks=30, seed=11)
+    try:
+        mirrors = [RowMirror((8 * 3 + 2,), 8 * 5 + 2, 4), RowMirror((8 * 7,), 8 * 1, 8)]
+        spills = [PageTransfer(1, 9, (12,)), PageTransfer(2, 3, (4,))]
+        restores = [PageTransfer(3, 6, (20,), restore=True)]
+        copies = [HostBlockCopy(9, 11), HostBlockCopy(2, 13)]
+        for rt in (twin.rt, twin.ref):
+            rt.mirror_rows(mirrors)
+            rt.spill_pages(spills)
+            rt.restore_pages(restores)
+            rt.copy_host_blocks(copies)
+        twin.compare_bytes("copies")
+        assert twin.rt.stats() == twin.ref.stats()
+        with pytest.raises(InvalidInputError, match="block boundary"):
+            twin.rt.mirror_rows([RowMirror((6,), 0, 4)])
+        with pytest.raises(InvalidInputError, match="restore"):
+            twin.rt.spill_pages(restores)
+    finally:
+        twin.close()
+
+
+def test_strided_device_blocks() -> None:
+    """Device caches that are views of a packed slab (block stride larger than one block)."""
+    cfg = RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=32, hot_rows=64, block_size=16, max_pages=8)
+    from hisparse_core.host_pool import HostPoolSpec
+    from hisparse_core.runtime import ResolveInputs
+    from hisparse_nvidia.backend import NvidiaBackend
+
+    be = NvidiaBackend()
+    dev = be.device
+    pool = be.create_host_pool(HostPoolSpec(num_layers=1, num_blocks=8, block_size=16))
+    try:
+        host = pool.layer_view(0)
+        host.view(torch.uint8).copy_(torch.randint(0, 256, (128, 656), dtype=torch.uint8))
+        slab = torch.zeros((12, 2, 16, 656), dtype=torch.uint8, device=dev)  # two "layers" per block
+        cache = slab[:, 1]
+        rt = be.create_runtime(cfg)
+        rt.bind([host], [cache])
+        i32 = torch.int32
+        inputs = ResolveInputs(torch.arange(32, dtype=i32, device=dev)[None] * 4, torch.zeros(1, dtype=i32, device=dev),
+                               torch.full((1,), 128, dtype=i32, device=dev),
+                               torch.arange(8, dtype=i32, device=dev)[None], torch.full((1, 8), -1, dtype=i32, device=dev),
+                               torch.tensor([[10, 3, 7, 1]], dtype=i32, device=dev))
+        out = rt.resolve(inputs)
+        rows = out.rows[0].long()
+        got = cache.reshape(-1, 656)[rows].cpu()
+        want = host[torch.arange(32) * 4]
+        assert torch.equal(got, want)
+        assert int(slab[:, 0].count_nonzero()) == 0  # the neighbouring layer is untouched
+    finally:
+        pool.release()

@@ -58,6 +58,7 @@ def check(what: str, result: Any) -> Any:
 
 
 _local = threading.local()
+_pdl_supported = True
 
 
 def ensure_context(device: torch.device) -> None:
@@ -104,22 +105,47 @@ class Function:
             self._dynamic_smem = nbytes
 
     def launch(self, grid: tuple[int, int, int], block: int, smem: int, stream: int,
-               args: Sequence[ctypes._SimpleCData]) -> None:
+               args: Sequence[ctypes._SimpleCData], *, overlap_previous: bool = False) -> None:
         """Enqueue the kernel on the CUDA stream handle `stream` (capturable in a CUDA graph).
 
         `args` are ctypes scalars in the kernel's parameter order (c_void_p for pointers).
+        `overlap_previous` launches with programmatic stream serialization (Hopper and newer):
+        the kernel may be scheduled while the previous kernel of the stream still runs, and
+        must itself wait (`griddepcontrol.wait`) before reading what that kernel wrote. Where
+        the driver refuses it, the launch falls back to an ordinary one.
         """
+        global _pdl_supported
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        hstream = driver.CUstream(stream)
+        if overlap_previous and _pdl_supported:
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+            config.sharedMemBytes = smem
+            config.hStream = hstream
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+            result = driver.cuLaunchKernelEx(config, self.handle, ctypes.addressof(ptrs), 0)
+            err = result[0] if isinstance(result, tuple) else result
+            if err == driver.CUresult.CUDA_SUCCESS:
+                return
+            if err not in (driver.CUresult.CUDA_ERROR_NOT_SUPPORTED, driver.CUresult.CUDA_ERROR_INVALID_VALUE):
+                raise CudaError(f"cuLaunchKernelEx({self.name}) failed: {_name(err)}")
+            _pdl_supported = False
         check(f"cuLaunchKernel({self.name})",
               driver.cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, smem,
-                                    driver.CUstream(stream), ctypes.addressof(ptrs), 0))
+                                    hstream, ctypes.addressof(ptrs), 0))
 
 
 class Module:
     """A loaded cubin (or PTX) image in the current context."""
 
     def __init__(self, image: bytes) -> None:
-        self.handle = check("cuModuleLoadData", driver.cuModuleLoadData(image))
+        buf = (ctypes.c_char * len(image)).from_buffer_copy(image)  # the driver copies the image
+        self.handle = check("cuModuleLoadData", driver.cuModuleLoadData(ctypes.addressof(buf)))
         self._functions: dict[str, Function] = {}
 
     def function(self, name: str) -> Function:

@@ -20,9 +20,14 @@ from hisparse_nvidia.compiler import KernelBuild, compile_kernel
 
 #: Override of the resolver's threads per block (a power of two in [128, 1024]) for tuning.
 ENV_RESOLVE_THREADS = "HISPARSE_RESOLVE_THREADS"
-#: Threads per block of the copy kernels and the loads each thread keeps in flight.
+#: Threads per block of the copy kernels, 16-byte loads each thread keeps in flight, and the load
+#: flavour (see kernels/common.cuh); each overridable by environment for tuning.
+ENV_COPY_THREADS = "HISPARSE_COPY_THREADS"
+ENV_COPY_UNROLL = "HISPARSE_COPY_UNROLL"
+ENV_COPY_LOAD = "HISPARSE_COPY_LOAD"
 COPY_THREADS = 256
 COPY_UNROLL = 4
+COPY_LOAD = 0
 MAINTAIN_THREADS = 256
 #: Bytes of static shared memory the resolver declares beyond its dynamic part (upper bound).
 _RESOLVE_STATIC_SMEM_SLACK = 64
@@ -68,17 +73,39 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None) -> Resolve
                          -(-smem // 16) * 16)
 
 
+@dataclass(frozen=True, slots=True)
+class CopyShape:
+    """Launch shape of the copy kernels."""
+
+    row_bytes: int
+    threads: int = COPY_THREADS
+    unroll: int = COPY_UNROLL
+    load: int = COPY_LOAD
+
+    @classmethod
+    def from_env(cls, row_bytes: int) -> CopyShape:
+        return cls(row_bytes, int(os.environ.get(ENV_COPY_THREADS, COPY_THREADS)),
+                   int(os.environ.get(ENV_COPY_UNROLL, COPY_UNROLL)), int(os.environ.get(ENV_COPY_LOAD, COPY_LOAD)))
+
+    @property
+    def build(self) -> KernelBuild:
+        if self.row_bytes % 16:
+            raise InvalidInputError(f"row_bytes={self.row_bytes} must be a multiple of 16")
+        if self.threads not in (128, 256, 512, 1024) or self.unroll not in (1, 2, 4, 8) or self.load not in range(4):
+            raise InvalidInputError(f"unsupported copy kernel shape {self}")
+        return KernelBuild.of("copy.cu", {"HS_VEC": self.row_bytes // 16, "HS_GNT": self.threads,
+                                          "HS_UNROLL": self.unroll, "HS_LOAD": self.load})
+
+
 def copy_build(row_bytes: int) -> KernelBuild:
-    if row_bytes % 16:
-        raise InvalidInputError(f"row_bytes={row_bytes} must be a multiple of 16")
-    return KernelBuild.of("copy.cu", {"HS_VEC": row_bytes // 16, "HS_GNT": COPY_THREADS, "HS_UNROLL": COPY_UNROLL})
+    return CopyShape(row_bytes).build
 
 
 MAINTAIN_BUILD = KernelBuild.of("maintain.cu")
 
 
 def runtime_builds(config: RuntimeConfig) -> list[KernelBuild]:
-    return [resolver_shape(config).build, copy_build(config.row_format.row_bytes), MAINTAIN_BUILD]
+    return [resolver_shape(config).build, CopyShape.from_env(config.row_format.row_bytes).build, MAINTAIN_BUILD]
 
 
 def all_builds_for_ci() -> list[KernelBuild]:
@@ -92,6 +119,7 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds = {resolver_shape(c).build for c in (small, prod, mtp)}
     builds |= {resolver_shape(prod, t).build for t in (256, 512)}
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
+    builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)
     return sorted(builds, key=lambda b: (b.source, b.defines))
 

@@ -22,6 +22,7 @@ kernels, so they can be captured in a CUDA graph and replayed with new inputs in
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,11 +36,10 @@ from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 from hisparse_nvidia import driver
 from hisparse_nvidia.host_pool import device_address_of_host
 from hisparse_nvidia.kernels import (
-    COPY_THREADS,
     MAINTAIN_BUILD,
     MAINTAIN_THREADS,
+    CopyShape,
     LoadedKernels,
-    copy_build,
     resolver_shape,
 )
 from hisparse_nvidia.validation import (
@@ -54,6 +54,8 @@ from hisparse_nvidia.validation import (
 )
 
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
+#: "0" turns off programmatic dependent launch of the plan copies (on by default).
+ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
 _STAT_H2D, _STAT_D2H = 3, 4
 #: Upper bound on thread blocks per batch row of a plan copy.
 _MAX_BLOCKS_PER_ROW = 64
@@ -108,7 +110,8 @@ class NvidiaRuntime(CacheRuntime):
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         resolve_mod = LoadedKernels.module(index, arch, shape.build)
-        copy_mod = LoadedKernels.module(index, arch, copy_build(config.row_format.row_bytes))
+        self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
+        copy_mod = LoadedKernels.module(index, arch, self._copy_shape.build)
         maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)
         self._k_resolve = resolve_mod.function("hisparse_resolve")
         self._k_resolve.allow_dynamic_smem(shape.dynamic_smem)
@@ -118,6 +121,7 @@ class NvidiaRuntime(CacheRuntime):
         self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
         self._k_reset = maint_mod.function("hisparse_reset_rows")
         self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
+        self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
         self._host_bases: torch.Tensor | None = None
@@ -288,10 +292,20 @@ class NvidiaRuntime(CacheRuntime):
         cfg = self.config
         out = self._result
         self._k_gather.launch(
-            (self._blocks_per_row(rows * num_layers), rows, num_layers), COPY_THREADS, 0, self._stream(),
+            (self._blocks_per_row(rows * num_layers), rows, num_layers), self._copy_shape.threads, 0, self._stream(),
             [_ptr(out.plan_host), _ptr(out.plan_device), _ptr(out.plan_counts), _i32(cfg.top_k),
              _ptr(self._host_bases), _ptr(self._dev_bases), _ptr(self._dev_strides), _i32(first_layer),
-             _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)])
+             _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
+            overlap_previous=self._overlap)
+
+    @property
+    def launch_shape(self) -> dict[str, int | bool]:
+        """The resolver's launch shape and options (for benchmarks and logs)."""
+        s = self._shape
+        c = self._copy_shape
+        return {"threads": s.threads, "entries_per_thread": s.entries_per_thread,
+                "lru_per_thread": s.lru_per_thread, "dynamic_smem": s.dynamic_smem, "overlap_launch": self._overlap,
+                "copy_threads": c.threads, "copy_unroll": c.unroll, "copy_load": c.load}
 
     # ----------------------------------------------------------------- page and row copies
 
@@ -376,9 +390,10 @@ class NvidiaRuntime(CacheRuntime):
         with torch.cuda.device(self._device):
             dev_pairs = host.to(self._device, non_blocking=True)
         n, layers = len(pairs), cfg.num_layers
-        blocks = max(1, min(4 * self._num_sms, -(-n * (cfg.row_format.row_bytes // 16) // COPY_THREADS)))
+        threads = self._copy_shape.threads
+        blocks = max(1, min(4 * self._num_sms, -(-n * (cfg.row_format.row_bytes // 16) // threads)))
         self._k_copy.launch(
-            (max(1, blocks // layers), 1, layers), COPY_THREADS, 0, self._stream(),
+            (max(1, blocks // layers), 1, layers), threads, 0, self._stream(),
             [_ptr(dev_pairs), _i32(n), _i32(src_kind), _i32(dst_kind), _ptr(self._host_bases),
              _ptr(self._dev_bases), _ptr(self._dev_strides), _i32(0), _i32(cfg.block_size),
              _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats), _i32(stat),

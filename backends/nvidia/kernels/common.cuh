@@ -24,9 +24,29 @@ __device__ __forceinline__ u32 hs_lanemask_lt() {
 }
 
 // 16-byte loads/stores that bypass L1 (each byte is moved once per launch). Host rows are read
-// through their registered, device-mapped address (zero copy over PCIe).
+// through their registered, device-mapped address (zero copy over PCIe). HS_LOAD picks the load:
+//   0  ld.global.cg                 (cache in L2 only)
+//   1  ld.global.nc.L1::no_allocate (read-only path)
+//   2  ld.global.cg.L2::128B        (L2 fetches whole 128-byte lines)
+//   3  ld.global.cg.L2::256B        (L2 fetches 256-byte blocks)
+#ifndef HS_LOAD
+#define HS_LOAD 0
+#endif
 __device__ __forceinline__ uint4 hs_load16(const void* p) {
-    return __ldcg(reinterpret_cast<const uint4*>(p));
+    uint4 v;
+#if HS_LOAD == 1
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#elif HS_LOAD == 2
+    asm volatile("ld.global.cg.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#elif HS_LOAD == 3
+    asm volatile("ld.global.cg.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
+    v = __ldcg(reinterpret_cast<const uint4*>(p));
+#endif
+    return v;
 }
 
 __device__ __forceinline__ void hs_store16(void* p, uint4 v) {

@@ -118,6 +118,9 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     u64* __restrict__ stats) {
     const i32 r = blockIdx.y;
     const i32 layer = layer_begin + blockIdx.z;
+    // Launched with programmatic stream serialization, this grid may start while the resolver
+    // still runs: wait for it (a no-op for an ordinary launch) before reading its plan.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     const i32 n = plan_counts[r];
     if (n <= 0) return;
     if (blockIdx.x == 0 && threadIdx.x == 0) {

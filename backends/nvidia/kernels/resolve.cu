@@ -60,6 +60,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32* __restrict__ plan_counts,           // [Bmax]
     u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
     i32 B, i32 K, i32 H, i32 P, i32 bs, i32 rpr, i32 hash_bits) {
+    // Let the gather that follows (launched with programmatic stream serialization) start its
+    // launch now; it still waits for this grid to complete before it reads the plan.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const i32 r = blockIdx.x;
     const i32 tid = threadIdx.x;
     const i32 lane = tid & 31;
@@ -119,14 +122,47 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 
     const i64 qH = static_cast<i64>(q) * H;
     const i64 qP = static_cast<i64>(q) * P;
+    const i32 total = n * K;
 
-    // The LRU order does not depend on the top-k: start its loads first.
+    // ---- Global loads first, all independent of shared memory, so their latencies overlap:
+    // the LRU order and what its slots hold, the top-k and the page tables of every entry.
     i32 slot[HS_CPT];
+    i32 held[HS_CPT];
 #pragma unroll
     for (i32 c = 0; c < HS_CPT; ++c) {
         const i32 pos = c * HS_NT + tid;
         slot[c] = pos < H ? static_cast<i32>(lru[qH + pos]) : -1;
     }
+    i32 host[HS_EPT];    // host row of a host entry, else -1
+    i32 out[HS_EPT];     // output row (resident entries now, host entries after the lookup)
+    i32 bucket[HS_EPT];  // hash bucket of a host entry
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 j = e * HS_NT + tid;
+        host[e] = -1;
+        out[e] = -1;
+        bucket[e] = -1;
+        if (j < total) {
+            const i32 rho = j / K;
+            const i32 row = r + rho;
+            const i32 t = topk[static_cast<i64>(row) * K + (j - rho * K)];
+            if (t >= 0 && t < seq_lens[row]) {
+                const i32 p = t / bs;
+                const i32 o = t - p * bs;
+                if (p < P) {
+                    const i32 res = resident_table[qP + p];
+                    const i32 src = source_table[qP + p];
+                    if (res >= 0) {
+                        out[e] = res * bs + o;
+                    } else if (src >= 0) {
+                        host[e] = src * bs + o;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (i32 c = 0; c < HS_CPT; ++c) held[c] = slot[c] >= 0 ? hot_map[qH + slot[c]] : -1;
 
     for (i32 i = tid; i < T; i += HS_NT) {
         keys[i] = -1;
@@ -143,37 +179,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     }
     __syncthreads();
 
-    // ---- Classify every entry of the group; hash the host rows -----------------------------
-    const i32 total = n * K;
-    i32 host[HS_EPT];    // host row of a host entry, else -1
-    i32 out[HS_EPT];     // output row (resident entries now, host entries after the lookup)
-    i32 bucket[HS_EPT];  // hash bucket of a host entry
+    // ---- Count valid and resident entries; hash the union's host rows ---------------------
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 j = e * HS_NT + tid;
-        host[e] = -1;
-        out[e] = -1;
-        bucket[e] = -1;
-        i32 rho = -1;
-        if (j < total) {
-            rho = j / K;
-            const i32 i = j - rho * K;
-            const i32 row = r + rho;
-            const i32 t = topk[static_cast<i64>(row) * K + i];
-            if (t >= 0 && t < seq_lens[row]) {
-                const i32 p = t / bs;
-                const i32 o = t - p * bs;
-                if (p < P) {
-                    const i32 res = resident_table[qP + p];
-                    if (res >= 0) {
-                        out[e] = res * bs + o;
-                    } else {
-                        const i32 src = source_table[qP + p];
-                        if (src >= 0) host[e] = src * bs + o;
-                    }
-                }
-            }
-        }
+        const i32 rho = j < total ? j / K : -1;
         const bool resident = out[e] >= 0;
         hs_count_per_row(rowv, rho, resident || host[e] >= 0);
         const u32 res_bal = __ballot_sync(HS_FULL_MASK, resident);
@@ -210,12 +220,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             const i32 pos = c * HS_NT + tid;
             bool hit = false;
             if (pos < H) {
-                const i32 held = hot_map[qH + slot[c]];
-                if (held >= 0) {
-                    u32 h = hs_hash(held, shift);
+                if (held[c] >= 0) {
+                    u32 h = hs_hash(held[c], shift);
                     i32 key;
                     while ((key = keys[h]) != -1) {
-                        if (key == held) {
+                        if (key == held[c]) {
                             hit = true;
                             vals[h] = -(slot[c] + 1);
                             break;

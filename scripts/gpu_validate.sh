@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# One-call GPU validation of the NVIDIA backend: environment, kernel build, the backend's GPU tests
+# against the CPU reference, the conformance suite, compute-sanitizer (memcheck, racecheck) and
+# the benchmark. Every stage logs to $OUT (default ./out) and the script ends with a summary; a
+# failing stage does not stop the later ones.
+#
+#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests conformance memcheck racecheck bench
+#
+# Stage time limits (seconds) come from T_ENV, T_TESTS, T_CONFORMANCE, T_MEMCHECK, T_RACECHECK and
+# T_BENCH; BENCH_ARGS passes extra arguments to bench/bench_nvidia.py.
+#
+# The machine needs python3 with torch (CUDA), cuda-python (cuda.bindings + NVRTC), pytest,
+# hypothesis, pluggy and numpy. The repository is used in place: a small shim directory maps the
+# hisparse_* import names to the source folders and declares the entry points, so nothing is
+# installed.
+set -u
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$REPO/out}
+mkdir -p "$OUT"
+STAGES=${*:-env tests conformance memcheck racecheck bench}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export HISPARSE_KERNEL_CACHE=${HISPARSE_KERNEL_CACHE:-/tmp/hisparse-kernels}
+
+# ---- import shim -----------------------------------------------------------------------------
+SHIM=/tmp/hisparse_shim
+rm -rf "$SHIM" && mkdir -p "$SHIM/hisparse-0.1.0.dist-info"
+ln -s "$REPO/hisparse_core" "$SHIM/hisparse_core"
+ln -s "$REPO/backends/nvidia" "$SHIM/hisparse_nvidia"
+ln -s "$REPO/backends/reference_cpu" "$SHIM/hisparse_reference_cpu"
+ln -s "$REPO/plugins/conformance" "$SHIM/hisparse_conformance"
+[ -d "$REPO/plugins/vllm" ] && ln -s "$REPO/plugins/vllm" "$SHIM/hisparse_vllm"
+printf 'Metadata-Version: 2.1\nName: hisparse\nVersion: 0.1.0\n' > "$SHIM/hisparse-0.1.0.dist-info/METADATA"
+python3 - "$REPO/pyproject.toml" > "$SHIM/hisparse-0.1.0.dist-info/entry_points.txt" <<'EOF'
+import sys, tomllib
+eps = tomllib.load(open(sys.argv[1], "rb"))["project"].get("entry-points", {})
+for group, entries in eps.items():
+    print(f"[{group}]")
+    for k, v in entries.items():
+        print(f"{k} = {v}")
+    print()
+EOF
+export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
+
+declare -A RC
+run() {  # run NAME TIMEOUT CMD...
+    local name=$1 limit=$2; shift 2
+    echo "=== [$name] $*" | tee "$OUT/$name.log"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >> "$OUT/$name.log" 2>&1
+    RC[$name]=$?
+    echo "=== [$name] rc=${RC[$name]} in $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+}
+
+for stage in $STAGES; do
+case $stage in
+env)
+    run env "${T_ENV:-80}" bash -c '
+        date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+        python3 -c "import sys, torch; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+        python3 -m pip list 2>/dev/null | grep -i -E "^(cuda|nvidia-cuda-nvrtc|pytest|hypothesis|pluggy|numpy) "
+        which compute-sanitizer
+        python3 -c "
+from hisparse_nvidia.plugin import probe; print(\"probe:\", probe())
+from hisparse_nvidia.compiler import nvrtc_version, supported_archs; print(\"nvrtc\", nvrtc_version(), supported_archs())
+import time
+from hisparse_nvidia.kernels import all_builds_for_ci
+from hisparse_nvidia.compiler import compile_kernel
+for b in all_builds_for_ci():
+    t = time.perf_counter(); c = compile_kernel(b, 90); print(b.source, dict(b.defines), c.kind, len(c.image), f\"{time.perf_counter() - t:.2f}s\")
+"
+        python3 -m hisparse_core backends 2>&1 | head -20'
+    ;;
+tests)
+    run tests "${T_TESTS:-140}" python3 -m pytest -q -rs -x -p no:cacheprovider tests/nvidia --junitxml="$OUT/tests.xml"
+    ;;
+conformance)
+    run conformance "${T_CONFORMANCE:-150}" python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance \
+        --hisparse-backend nvidia --hisparse-examples 25
+    ;;
+memcheck)
+    T=tests/nvidia/test_nvidia_runtime.py
+    run memcheck "${T_MEMCHECK:-110}" compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 --print-limit 50 \
+        python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[0]" \
+        "$T::test_small_geometries_match_reference[1]" "$T::test_small_geometries_match_reference[5]" \
+        "$T::test_production_geometry_matches_reference[1]" "$T::test_mirror_spill_restore_and_host_copies" \
+        "$T::test_strided_device_blocks" "$T::test_out_of_context_positions_are_masked_without_validation" \
+        "tests/nvidia/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" tests/nvidia/test_nvidia_transfer.py
+    ;;
+racecheck)
+    T=tests/nvidia/test_nvidia_runtime.py
+    run racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 99 --print-limit 50 \
+        python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[2]" \
+        "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[2]"
+    ;;
+bench)
+    run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}
+    ;;
+*)
+    echo "unknown stage $stage" ;;
+esac
+done
+
+echo
+echo "==================== summary ===================="
+for stage in $STAGES; do
+    echo "$stage: rc=${RC[$stage]:-not run}"
+done
+for stage in tests conformance memcheck racecheck; do
+    [ -f "$OUT/$stage.log" ] || continue
+    echo "--- $stage (tail)"
+    grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8
+done
+[ -f "$OUT/bench.log" ] && { echo "--- bench"; tail -20 "$OUT/bench.log"; }
+exit 0

@@ -72,7 +72,7 @@ for b in all_builds_for_ci():
         python3 -m hisparse_core backends 2>&1 | head -20'
     ;;
 tests)
-    run tests "${T_TESTS:-140}" python3 -m pytest -q -rs -x -p no:cacheprovider tests/nvidia --junitxml="$OUT/tests.xml"
+    run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
 conformance)
     run conformance "${T_CONFORMANCE:-150}" python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance \

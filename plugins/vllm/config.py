@@ -1,0 +1,74 @@
+"""`kv_connector_extra_config` of the connector: parsed and checked once, at start-up.
+
+Keys:
+
+- `host_pool_gib` (required, number > 0): usable host-cache capacity per data-parallel replica,
+  rounded down to whole host blocks.
+- `backend` (optional): hisparse backend name; absent, null or "auto" selects automatically
+  (the highest-priority available backend, or `$HISPARSE_BACKEND`).
+- `hot_buffer_size` (optional, int): hot-buffer rows (tokens) per request, a positive multiple
+  of the KV block size; default one block. On a stock engine the hot buffer is only leased for
+  requests that start from a host prefix; sparse attention reads through it.
+- `share_host_pool` (optional, bool, default true): tensor-parallel ranks of one node map one
+  physical pool where the backend can.
+
+Any other key is rejected, so a typo fails at start-up instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hisparse_core.errors import InvalidInputError
+
+KEYS = ("host_pool_gib", "backend", "hot_buffer_size", "share_host_pool")
+_PREFIX = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    host_pool_gib: float
+    backend: str | None = None
+    hot_buffer_size: int | None = None
+    share_host_pool: bool = True
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object] | None) -> ConnectorConfig:
+        """Parse `kv_connector_extra_config`; raises `InvalidInputError` (a `ValueError`) naming
+        the key, the bad value and what was expected."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            raise InvalidInputError(f"{_PREFIX} has unknown key(s) {unknown}; expected only {list(KEYS)}")
+        if "host_pool_gib" not in extra:
+            raise InvalidInputError(
+                f"{_PREFIX}['host_pool_gib'] is required: the host cache capacity in GiB per data-parallel "
+                "replica, e.g. {\"host_pool_gib\": 32}")
+        gib = extra["host_pool_gib"]
+        if isinstance(gib, bool) or not isinstance(gib, int | float) or not math.isfinite(gib) or gib <= 0:
+            raise InvalidInputError(f"{_PREFIX}['host_pool_gib'] must be a number > 0 (GiB), got {gib!r}")
+        backend = extra.get("backend")
+        if backend is not None and (not isinstance(backend, str) or not backend.strip()):
+            raise InvalidInputError(f"{_PREFIX}['backend'] must be a backend name or \"auto\", got {backend!r}")
+        if isinstance(backend, str) and backend.strip().lower() == "auto":
+            backend = None
+        hot = extra.get("hot_buffer_size")
+        if hot is not None and (isinstance(hot, bool) or not isinstance(hot, int) or hot <= 0):
+            raise InvalidInputError(f"{_PREFIX}['hot_buffer_size'] must be a positive int (rows per request), "
+                                    f"got {hot!r}")
+        share = extra.get("share_host_pool", True)
+        if not isinstance(share, bool):
+            raise InvalidInputError(f"{_PREFIX}['share_host_pool'] must be true or false, got {share!r}")
+        return cls(float(gib), backend.strip() if isinstance(backend, str) else None, hot, share)
+
+    def hot_rows(self, block_size: int) -> int:
+        """Hot-buffer rows per request for this block size (default: one block)."""
+        rows = block_size if self.hot_buffer_size is None else self.hot_buffer_size
+        if rows % block_size:
+            raise InvalidInputError(f"{_PREFIX}['hot_buffer_size']={rows} must be a multiple of the KV block size "
+                                    f"{block_size}")
+        if rows > 32768:
+            raise InvalidInputError(f"{_PREFIX}['hot_buffer_size']={rows} exceeds the 32768-row limit")
+        return rows

@@ -1,0 +1,188 @@
+"""`HiSparseOffloadConnector`: hisparse behind vLLM's public KV-connector API (v1, HMA).
+
+Standard role split: the scheduler-role instance wraps `HiSparseCoordinator`
+(`scheduler_side.py`), the worker-role instance wraps `HiSparseWorker` (`worker_side.py`).
+Metadata flows only through `build_connector_meta` -> `bind_connector_metadata` (scheduler to
+workers) and `build_connector_worker_meta` -> `aggregate` -> `update_connector_output`
+(workers to scheduler). `kv_connector_extra_config` is described in `config.py`; a bad value
+fails when the engine builds the connector, naming the key.
+
+On a stock engine this is the host tier: sealed pages are spilled to the host pool, prefixes
+published there are loaded instead of recomputed, blocks are freed only after their spills
+complete, and every finished transfer is reported once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hisparse_core.errors import ProtocolError
+from hisparse_core.registry import get_registry
+
+from hisparse_vllm.config import ConnectorConfig
+from hisparse_vllm.layout import HostTierLayout
+from hisparse_vllm.logs import route_to_vllm_handlers
+from hisparse_vllm.metadata import HiSparseConnectorMetadata
+from hisparse_vllm.scheduler_side import SchedulerSide
+from hisparse_vllm.stats import HiSparseConnectorStats, HiSparsePromMetrics
+from hisparse_vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """hisparse host-resident KV cache as a vLLM KV connector (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        route_to_vllm_handlers()
+        self._hs_config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._layout = HostTierLayout.from_kv_cache_config(kv_cache_config)
+        hot_rows = self._hs_config.hot_rows(self._layout.block_size)
+        selection = get_registry().choose(self._hs_config.backend)  # fails now for an unknown/unavailable name
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, self._hs_config, self._layout)
+        elif role == KVConnectorRole.WORKER:
+            self._worker = WorkerSide(vllm_config, self._hs_config, self._layout)
+        else:
+            raise ProtocolError(f"unsupported KV connector role {role!r}; expected SCHEDULER or WORKER")
+        logger.info("HiSparseOffloadConnector (%s): host_pool_gib=%s, backend %r (%s), hot buffer %d rows, "
+                    "shared TP pool %s", role.name.lower(), self._hs_config.host_pool_gib, selection.name,
+                    selection.explanation(), hot_rows, "allowed" if self._hs_config.share_host_pool else "off")
+
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise ProtocolError("scheduler-side connector method called on the worker-role instance")
+        return self._scheduler
+
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise ProtocolError("worker-side connector method called on the scheduler-role instance")
+        return self._worker
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        return self._sched()
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        return self._work()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped spill is a future miss, not lost output
+
+    # ================================================================= scheduler role
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched().bind(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(self._layout.num_groups))  # a load fills every group's blocks
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids), None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, (block_ids,)), None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
+    def reset_cache(self) -> bool | None:
+        return self._sched().reset_cache()
+
+    # ================================================================= worker role
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, HiSparseConnectorMetadata):
+            raise ProtocolError(f"bound metadata is {type(metadata).__name__}; expected HiSparseConnectorMetadata")
+        self._work().start_step(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv's command order; layers need no per-layer wait
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # spills run after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._work().finish_step()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._work().build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ================================================================= stats
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.stats()
+        if self._scheduler is not None and self._scheduler.bound:
+            return self._scheduler.stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HiSparseConnectorStats(data=data) if data is not None else HiSparseConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return HiSparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

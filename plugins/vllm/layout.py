@@ -1,0 +1,150 @@
+"""How vLLM's KV caches map onto the hisparse host pool.
+
+vLLM hands the worker one tensor per attention layer. On the CPU backend (layout "LBHNC") a layer
+is `[num_blocks, num_kv_heads, block_size, 2 * head_size]`: each block (page) is contiguous, but
+inside it the K and V rows of one token are spread over every head (head-major, K half then V
+half). GPU layouts differ again. A token's K+V bytes of one layer are therefore *not* one
+contiguous row in any vLLM layout, while a page of one layer is always one contiguous run of
+`page_size_bytes`.
+
+The mapping, used by both connector roles:
+
+- Host pool row format: `uint8` rows of `row_bytes = page_size_bytes / block_size` bytes (named
+  `vllm_page_<row_bytes>B`). Row `r` of a page is bytes `[r * row_bytes, (r + 1) * row_bytes)`
+  of that page; it is NOT token r. Whole pages are the unit that means something.
+- Host pool layers: every attention layer of every KV-cache group, in group order then layer
+  order. One host block holds one page of every layer.
+- Device view of a layer: the same bytes, viewed as `[num_blocks, block_size, row_bytes]`
+  `uint8` (no copy), so page transfers copy exactly vLLM's page bytes.
+- Resident group `g` is vLLM KV-cache group `g` (each page has one block id per group).
+
+Consequences: page spills and restores are exact (they copy pages); row mirrors of a partial
+page would copy page bytes, not token rows, so the worker side drops them and relies on the
+spill of the sealed page, which copies the whole page (see `worker_side.py`). Only sealed,
+spilled pages are ever published or loaded, so nothing reads a partially mirrored page.
+
+Only full-attention groups (`FullAttentionSpec`, `MLAAttentionSpec`) with one block size and one
+page size are supported; anything else fails at start-up naming the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hisparse_core.coordinator import CoordinatorConfig
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import RowFormat, register_row_format
+
+_SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierLayout:
+    """The host-pool geometry of one engine's KV caches (the same in the scheduler and workers)."""
+
+    block_size: int
+    page_bytes: int  # one page of one layer
+    num_device_blocks: int
+    group_layers: tuple[tuple[str, ...], ...]  # layer names per vLLM KV-cache group
+
+    def __post_init__(self) -> None:
+        if self.page_bytes % self.block_size:
+            raise InvalidInputError(f"KV page of {self.page_bytes} bytes is not divisible by block_size="
+                                    f"{self.block_size}; expected whole rows per token slot")
+        if self.row_bytes % 16:
+            raise InvalidInputError(f"KV page rows of {self.row_bytes} bytes (page {self.page_bytes} B / block_size "
+                                    f"{self.block_size}) are not a multiple of 16 bytes, which hisparse row "
+                                    "formats require")
+
+    @classmethod
+    def from_kv_cache_config(cls, kv_cache_config: object) -> HostTierLayout:
+        """Derive the layout from vLLM's `KVCacheConfig`; raises `InvalidInputError` naming the
+        group that cannot be served."""
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if not groups:
+            raise InvalidInputError("KVCacheConfig has no KV-cache groups; the host tier needs attention layers")
+        block_size = page_bytes = None
+        names: list[tuple[str, ...]] = []
+        for g, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            kind = type(spec).__name__
+            if kind not in _SUPPORTED_SPECS:
+                raise InvalidInputError(
+                    f"KV-cache group {g} ({len(group.layer_names)} layers) is a {kind}; the hisparse host tier "
+                    f"serves full-attention groups only ({', '.join(_SUPPORTED_SPECS)})")
+            if block_size is None:
+                block_size, page_bytes = spec.block_size, spec.page_size_bytes
+            elif (spec.block_size, spec.page_size_bytes) != (block_size, page_bytes):
+                raise InvalidInputError(
+                    f"KV-cache group {g} has block_size={spec.block_size}, page_size_bytes={spec.page_size_bytes}; "
+                    f"expected {block_size} and {page_bytes} like group 0 (one host pool row format)")
+            names.append(tuple(group.layer_names))
+        assert block_size is not None and page_bytes is not None
+        return cls(block_size, page_bytes, int(kv_cache_config.num_blocks), tuple(names))  # type: ignore[attr-defined]
+
+    # ----------------------------------------------------------------- derived geometry
+
+    @property
+    def row_bytes(self) -> int:
+        return self.page_bytes // self.block_size
+
+    @property
+    def row_format(self) -> RowFormat:
+        """The registered `uint8` row format of one page slice (see the module docstring)."""
+        return register_row_format(RowFormat(f"vllm_page_{self.row_bytes}B", torch.uint8, self.row_bytes))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(layers) for layers in self.group_layers)
+
+    def max_pages(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+    def coordinator_config(self, host_pool_gib: float, max_model_len: int, hot_rows: int) -> CoordinatorConfig:
+        """The coordinator's configuration. Also sizes the workers' pools (`host_num_blocks`), so
+        both roles agree on the block count without talking.
+
+        `pressure_watermark_blocks=0`: the coordinator never releases a running request's
+        resident pages, because vLLM's standard attention reads only resident pages.
+        """
+        return CoordinatorConfig(
+            host_pool_gib=host_pool_gib, num_layers=self.num_layers, block_size=self.block_size,
+            row_bytes=self.row_bytes, max_model_len=max_model_len, hot_blocks_per_request=hot_rows // self.block_size,
+            num_resident_groups=self.num_groups, pressure_watermark_blocks=0)
+
+    # ----------------------------------------------------------------- worker side
+
+    def device_views(self, kv_caches: Mapping[str, torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Per group, per layer: the layer's cache as `[num_blocks, block_size, row_bytes]` uint8.
+
+        Raises `InvalidInputError` if a layer is missing, not contiguous, or not the expected size.
+        """
+        out: list[list[torch.Tensor]] = []
+        expected = self.num_device_blocks * self.page_bytes
+        for g, layers in enumerate(self.group_layers):
+            views: list[torch.Tensor] = []
+            for name in layers:
+                t = kv_caches.get(name)
+                if t is None:
+                    raise InvalidInputError(f"register_kv_caches got no tensor for layer {name!r} of KV-cache group "
+                                            f"{g}; got {sorted(kv_caches)[:4]}...")
+                if not t.is_contiguous():
+                    raise InvalidInputError(
+                        f"KV cache of layer {name!r} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
+                        "the host tier needs each layer's pages in one run (a layer-major layout such as LBHNC)")
+                nbytes = t.numel() * t.element_size()
+                if nbytes != expected:
+                    raise InvalidInputError(
+                        f"KV cache of layer {name!r} has {nbytes} bytes; expected {self.num_device_blocks} blocks x "
+                        f"{self.page_bytes} B = {expected}")
+                views.append(t.view(-1).view(torch.uint8).view(self.num_device_blocks, self.block_size,
+                                                                self.row_bytes))
+            out.append(views)
+        return out

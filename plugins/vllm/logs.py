@@ -1,0 +1,27 @@
+"""Make hisparse's log lines visible in vLLM processes.
+
+vLLM configures only its own `vllm` logger, so INFO lines of `hisparse_*` loggers (backend
+selected and why, pool size, capacity) would vanish. `route_to_vllm_handlers()` gives those
+loggers vLLM's handlers and level, once, unless the application configured them itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+#: Top-level loggers of the hisparse packages a connector process runs.
+HISPARSE_LOGGERS = ("hisparse_core", "hisparse_vllm", "hisparse_reference_cpu", "hisparse_nvidia")
+
+
+def route_to_vllm_handlers() -> None:
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers:
+        return
+    for name in HISPARSE_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.handlers:
+            continue
+        for handler in vllm_logger.handlers:
+            logger.addHandler(handler)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(vllm_logger.level or logging.INFO)

@@ -1,0 +1,383 @@
+"""The connector's scheduler role: `HiSparseCoordinator` driven by vLLM's scheduler hooks.
+
+What it does on a stock vLLM engine (standard attention):
+
+- **Admission** (`get_num_new_matched_tokens`): the longest prefix of the request published in
+  the host pool, capped so at least one token is computed, beyond what vLLM's own GPU prefix
+  cache holds, is offered as an asynchronous load. A request is deferred (`None`) while the host
+  pool cannot hold the pages the running requests may still write plus this one's.
+- **Prefix loads** (`update_state_after_alloc`): the request is admitted to the coordinator with
+  that prefix (its host blocks are leased for it) and one restore per page is queued for the
+  next command, into the GPU blocks vLLM allocated (`loads.py`). When every worker completed
+  every page, the request is reported in `finished_recving`, once.
+- **Each step** (`build_connector_meta`): preemptions and admissions reach the coordinator, then
+  `schedule_step` plans the step (host blocks for new pages, spills of pages sealed by the
+  previous steps); the queued loads are prepended to its command.
+- **Acknowledgements** (`update_connector_output`): the aggregated worker metadata is split into
+  the coordinator's transfers and the loads; completed spills publish pages for prefix reuse.
+- **Finishing** (`request_finished_all_groups`): the coordinator lets go of the request; if a
+  spill or restore still reads one of its blocks, the blocks are freed only once every worker
+  completed it (`finished_sending`, once).
+
+Request identity stays here; the workers see transfer ids and block coordinates only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hisparse_core.coordinator import HiSparseCoordinator, PrefixHit
+from hisparse_core.errors import CapacityError, ProtocolError
+from hisparse_core.types import OffloadCommand, WorkerMetadata
+
+from hisparse_vllm.config import ConnectorConfig
+from hisparse_vllm.gpu_blocks import VllmGpuBlocks
+from hisparse_vllm.layout import HostTierLayout
+from hisparse_vllm.loads import LOAD_ID_BASE, LoadLedger, split_acks
+from hisparse_vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
+from hisparse_vllm.stats import HiSparseConnectorStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scheduled:
+    """A `hisparse_core.coordinator.ScheduledRequest` built from one vLLM scheduled request."""
+
+    request_id: str
+    state_index: int
+    num_computed_tokens: int
+    num_new_tokens: int
+    token_ids: Sequence[int]
+    resident_block_ids: Sequence[Sequence[int]]
+
+
+class _StateRows:
+    """Worker state rows (residency-table rows) of scheduled requests, lowest free first."""
+
+    def __init__(self, capacity: int) -> None:
+        self._free = list(range(capacity - 1, -1, -1))
+        self._rows: dict[str, int] = {}
+
+    def row(self, request_id: str) -> int:
+        row = self._rows.get(request_id)
+        if row is None:
+            if not self._free:
+                raise CapacityError(f"no free worker state row for request {request_id!r}; all {len(self._rows)} "
+                                    "rows (max_num_seqs) are held by scheduled requests")
+            row = self._rows[request_id] = self._free.pop()
+        return row
+
+    def release(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
+            self._free.sort(reverse=True)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+def _extra_key(request: Any) -> bytes | None:
+    """What besides the token ids identifies a prefix: LoRA adapter, cache salt, multimodal inputs."""
+    parts: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora:{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt:{salt}")
+    for f in getattr(request, "mm_features", None) or ():
+        parts.append(f"mm:{getattr(f, 'identifier', None) or getattr(f, 'mm_hash', '')}")
+    if not parts:
+        return None
+    return hashlib.sha256("\x1f".join(parts).encode()).digest()
+
+
+class SchedulerSide:
+    """Scheduler-role state of the connector (one per engine core)."""
+
+    def __init__(self, vllm_config: Any, config: ConnectorConfig, layout: HostTierLayout) -> None:
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            raise ProtocolError(f"hisparse connector: pipeline_parallel_size={pc.pipeline_parallel_size} is not "
+                                "supported; expected 1 (every worker must hold every layer of a host block)")
+        self._config = config
+        self._layout = layout
+        self._bs = layout.block_size
+        self._max_model_len = int(vllm_config.model_config.max_model_len)
+        self._num_workers = int(pc.world_size)
+        hot_rows = config.hot_rows(layout.block_size)
+        self._coord_config = layout.coordinator_config(config.host_pool_gib, self._max_model_len, hot_rows)
+        self._state_rows = _StateRows(int(vllm_config.scheduler_config.max_num_seqs))
+        self._coord: HiSparseCoordinator | None = None
+        self._gpu: VllmGpuBlocks | None = None
+        self._kv_manager: Any = None
+        self._requests: dict[str, Any] = {}  # admitted by vLLM (update_state_after_alloc) until they leave
+        self._incarnation: dict[str, int] = {}
+        self._pending_hits: dict[str, tuple[int, PrefixHit]] = {}
+        self._loads = LoadLedger()
+        self._inflight: dict[int, tuple[frozenset[int], int]] = {}  # coordinator transfer -> (GPU blocks, done)
+        self._delayed: dict[str, set[int]] = {}  # finished request -> transfers still reading its blocks
+        self._reset_hot = False
+        self._reported = {"prefix_hit_tokens": 0, "loaded_pages": 0}
+
+    # ----------------------------------------------------------------- binding
+
+    def bind(self, kv_cache_manager: Any) -> None:
+        if self._coord is not None:
+            raise ProtocolError("bind_kv_cache_manager called twice; the coordinator is bound once")
+        self._kv_manager = kv_cache_manager
+        self._gpu = VllmGpuBlocks(kv_cache_manager.block_pool)
+        self._coord = HiSparseCoordinator(self._coord_config, self._gpu)
+        logger.info("hisparse connector scheduler: %d layers x %d-token pages (%d B per layer page) in %d KV-cache "
+                    "group(s); %d worker(s); backend %s", self._layout.num_layers, self._bs, self._layout.page_bytes,
+                    self._layout.num_groups, self._num_workers, self._config.backend or "automatic")
+
+    @property
+    def bound(self) -> bool:
+        return self._coord is not None
+
+    @property
+    def coordinator(self) -> HiSparseCoordinator:
+        if self._coord is None:
+            raise ProtocolError("the scheduler has not bound its KV cache manager yet (bind_kv_cache_manager)")
+        return self._coord
+
+    @property
+    def gpu_blocks(self) -> VllmGpuBlocks:
+        self.coordinator
+        assert self._gpu is not None
+        return self._gpu
+
+    @property
+    def loads(self) -> LoadLedger:
+        return self._loads
+
+    # ----------------------------------------------------------------- admission
+
+    def _host_pages_reserved(self) -> int:
+        """Host blocks the admitted requests may still allocate (to their full length), counting
+        those vLLM admitted this step that reach the coordinator in `build_connector_meta`."""
+        coord, total = self.coordinator, 0
+        for rid, req in self._requests.items():
+            held = len(coord.source_block_ids(rid)) if coord.has_request(rid) else 0
+            total += max(0, self._max_pages(req) - held)
+        return total
+
+    def _max_pages(self, request: Any) -> int:
+        limit = request.num_prompt_tokens + int(getattr(request, "max_tokens", 0) or 0)
+        return -(-min(limit, self._max_model_len) // self._bs)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        coord = self.coordinator
+        rid = request.request_id
+        self._pending_hits.pop(rid, None)
+        self._retire_stale_incarnation(request)
+        need = self._max_pages(request)
+        free = coord.num_free_host_blocks - self._host_pages_reserved()
+        if need > free:
+            logger.debug("request %s waits for host blocks: needs up to %d, %d unreserved", rid, need, free)
+            return None, False
+        cap = (request.num_tokens - 1) // self._bs * self._bs
+        hit = coord.lookup_prefix(request.all_token_ids, extra_key=_extra_key(request), max_tokens=cap)
+        ext = hit.num_tokens - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        self._pending_hits[rid] = (num_computed_tokens, hit)
+        return ext, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        self._retire_stale_incarnation(request)
+        self._requests[rid] = request
+        pending = self._pending_hits.pop(rid, None)
+        if num_external_tokens == 0:
+            return
+        if pending is None:
+            raise ProtocolError(f"request {rid!r}: {num_external_tokens} external tokens allocated without a prefix "
+                                "offered by get_num_new_matched_tokens")
+        local, hit = pending
+        end = local + num_external_tokens
+        if end != hit.num_tokens or local % self._bs:
+            raise ProtocolError(f"request {rid!r}: vLLM allocated external tokens [{local}, {end}); the host prefix "
+                                f"offered covers [{local}, {hit.num_tokens}) in whole {self._bs}-token pages")
+        taken = self._admit(request, cap=end)
+        host = self.coordinator.source_block_ids(rid) if taken >= end else hit.host_block_ids
+        block_ids = blocks.get_block_ids()
+        pages = [(host[p], tuple(group[p] for group in block_ids)) for p in range(local // self._bs, end // self._bs)]
+        self._loads.plan(rid, pages)
+        logger.debug("request %s: loading %d host pages (tokens [%d, %d)) into GPU blocks", rid, len(pages), local,
+                     end)
+
+    def _admit(self, request: Any, cap: int) -> int:
+        coord, rid = self.coordinator, request.request_id
+        tokens, key = request.all_token_ids, _extra_key(request)
+        try:
+            hit = coord.add_request(rid, tokens, extra_key=key, max_prefix_tokens=cap)
+        except CapacityError as exc:
+            # The prefix hit leases a hot buffer; without GPU room, admit without the hit (its
+            # pages are then mirrored again as if computed here).
+            logger.debug("request %s: host prefix not taken (%s); admitting without it", rid, exc)
+            hit = coord.add_request(rid, tokens, extra_key=key, max_prefix_tokens=0)
+        self._incarnation[rid] = request.num_preemptions
+        return hit
+
+    def _retire_stale_incarnation(self, request: Any) -> None:
+        """A request preempted since its admission leaves the coordinator before it is re-admitted."""
+        rid = request.request_id
+        if rid in self._incarnation and self._incarnation[rid] != request.num_preemptions:
+            self._leave(rid, preempted=True)
+
+    def _leave(self, rid: str, *, preempted: bool) -> None:
+        coord = self.coordinator
+        if coord.has_request(rid):
+            with self.gpu_blocks.handover():
+                if preempted:
+                    coord.preempt_request(rid)
+                else:
+                    coord.finish_request(rid)
+        self._incarnation.pop(rid, None)
+        self._requests.pop(rid, None)
+        self._state_rows.release(rid)
+
+    # ----------------------------------------------------------------- per step
+
+    def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
+        coord = self.coordinator
+        for rid in scheduler_output.preempted_req_ids or ():
+            request = self._requests.get(rid)
+            if request is not None:
+                self._retire_stale_incarnation(request)
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        views: list[_Scheduled] = []
+        for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(rid)
+            if request is None:
+                raise ProtocolError(f"request {rid!r} is scheduled but the connector never saw it admitted "
+                                    "(update_state_after_alloc)")
+            self._retire_stale_incarnation(request)
+            nc = computed[rid]
+            if not coord.has_request(rid):
+                self._admit(request, cap=nc // self._bs * self._bs)
+            views.append(_Scheduled(rid, self._state_rows.row(rid), nc, num_new, request.all_token_ids,
+                                    self._kv_manager.get_block_ids(rid)))
+        command = coord.schedule_step(views)
+        coord.take_table_updates()  # the source/hot tables serve sparse attention, absent here
+        loads = self._loads.take_queued()
+        if loads:
+            command = OffloadCommand(loads) if command is None else OffloadCommand(
+                loads + command.page_transfers, command.row_mirrors, command.residency_updates,
+                command.host_block_copies, command.recycled_host_blocks)
+        if command is not None:
+            for t in command.page_transfers:
+                if t.transfer_id < LOAD_ID_BASE:  # the coordinator's spills and restores
+                    self._inflight[t.transfer_id] = (frozenset(t.resident_block_ids), 0)
+        reset, self._reset_hot = self._reset_hot, False
+        return HiSparseConnectorMetadata(command, reset_hot_state=reset)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, HiSparseWorkerMetadata):
+            raise ProtocolError(f"expected HiSparseWorkerMetadata from the workers, got {type(meta).__name__}")
+        coord_part, load_part = split_acks(meta.acks)
+        if not coord_part.is_empty():
+            self.coordinator.update_from_workers(coord_part, self._num_workers)
+        done = self._count_completions(coord_part)
+        recving = set(self._loads.acknowledge(load_part, self._num_workers)) if not load_part.is_empty() else set()
+        sending: set[str] = set()
+        for rid, pending in list(self._delayed.items()):
+            pending -= done
+            if not pending:
+                del self._delayed[rid]
+                sending.add(rid)
+        if recving:
+            connector_output.finished_recving = set(connector_output.finished_recving or ()) | recving
+        if sending:
+            connector_output.finished_sending = set(connector_output.finished_sending or ()) | sending
+
+    def _count_completions(self, acks: WorkerMetadata) -> set[int]:
+        done: set[int] = set()
+        for tid, n in acks.completed.items():
+            entry = self._inflight.get(tid)
+            if entry is None:
+                continue
+            blocks, count = entry
+            count += n
+            if count >= self._num_workers:
+                del self._inflight[tid]
+                done.add(tid)
+            else:
+                self._inflight[tid] = (blocks, count)
+        return done
+
+    # ----------------------------------------------------------------- finishing
+
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
+        """Returns True when vLLM must keep the blocks until `finished_sending` names the request."""
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._pending_hits.pop(rid, None)
+        self._leave(rid, preempted=False)
+        if self._loads.pending(rid):
+            # Aborted while its prefix loads: vLLM already holds the blocks until finished_recving.
+            return False
+        blocks = {b for group in block_ids for b in group}
+        pending = {tid for tid, (tb, _) in self._inflight.items() if tb & blocks}
+        if pending:
+            self._delayed[rid] = pending
+            return True
+        return False
+
+    # ----------------------------------------------------------------- state
+
+    def has_pending_work(self) -> bool:
+        return bool(self._coord is not None and self._coord.has_pending_work()) or bool(len(self._loads)) \
+            or bool(self._delayed)
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._delayed) or (self._gpu is not None and self._gpu.num_pins_on_freed_blocks() > 0)
+
+    def reset_cache(self) -> bool:
+        """Forget every published host prefix. Only when idle (no request, transfer or load in
+        flight): the coordinator is rebuilt empty, and the workers forget their hot state."""
+        coord = self.coordinator
+        stats = coord.stats()
+        busy = {"requests": stats.running_requests + stats.detached_requests + stats.pending_imports,
+                "transfers": stats.pending_transfers + stats.pending_host_copies, "loads": len(self._loads),
+                "delayed frees": len(self._delayed)}
+        if any(busy.values()):
+            logger.warning("hisparse host cache not reset: still in flight %s", {k: v for k, v in busy.items() if v})
+            return False
+        assert self._gpu is not None
+        self._coord = HiSparseCoordinator(self._coord_config, self._gpu)
+        self._inflight.clear()
+        self._reset_hot = True
+        self._reported["prefix_hit_tokens"] = 0  # the new coordinator counts from zero
+        logger.info("hisparse host cache reset: %d published blocks forgotten", stats.published_blocks)
+        return True
+
+    def stats(self) -> HiSparseConnectorStats:
+        s = self.coordinator.stats()
+        delta_hits = s.prefix_hit_tokens - self._reported["prefix_hit_tokens"]
+        delta_loaded = self._loads.loaded_pages - self._reported["loaded_pages"]
+        self._reported = {"prefix_hit_tokens": s.prefix_hit_tokens, "loaded_pages": self._loads.loaded_pages}
+        out = HiSparseConnectorStats().record(
+            host_pool_usage=s.host_usage, pending_transfers=s.pending_transfers + len(self._loads),
+            host_blocks_used=s.host_blocks_used, host_blocks_cached=s.host_blocks_cached,
+            host_blocks_total=s.host_blocks_total)
+        if delta_hits:
+            out.record(prefix_hit_tokens=delta_hits)
+        if delta_loaded:
+            out.record(prefix_loaded_tokens=delta_loaded * self._bs)
+        return out

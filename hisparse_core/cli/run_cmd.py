@@ -1,0 +1,169 @@
+"""`hisparse run`: an end-to-end decode replay through coordinator, worker and backend.
+
+Requests arrive (families of them share a prompt prefix), are admitted under a GPU KV budget and
+a host pool budget, prefill writes their KV, and decode steps run. Each step a synthetic indexer
+picks top-k positions per request and index group (calibrated so a contract LRU misses about 30%
+/ 13% / 7% with hot buffers of 1x / 2x / 4x top-k); every layer's sparse attention over the rows
+the backend resolved is compared with the same attention over an all-resident copy, and any
+difference fails the run naming the request, layer and position.
+
+Reports steps per second, hit rate, misses, bytes host<->device, host pool usage, GPU KV per
+request against all-resident, prefix-hit tokens, and the largest concurrency that fits the GPU
+budget with and without hisparse (measured, next to `hisparse plan`'s figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hisparse_core.errors import HiSparseError
+from hisparse_core.progress import ProgressBar
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    from hisparse_core.replay.engine import RunConfig
+    from hisparse_core.replay.report import human_bytes
+
+    d = RunConfig()
+    p = subparsers.add_parser("run", help="end-to-end decode replay: coordinator + worker + backend, checked "
+                                          "against an all-resident copy", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default=None,
+                   help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="draw hit rate over steps and concurrency against "
+                                                      "context length (needs matplotlib: hisparse[plot])")
+    w = p.add_argument_group("workload")
+    w.add_argument("--requests", type=int, default=d.requests, help=f"requests offered (default: {d.requests})")
+    w.add_argument("--context", type=int, default=d.context, help=f"prompt tokens (default: {d.context})")
+    w.add_argument("--decode-tokens", type=int, default=d.decode_tokens,
+                   help=f"tokens each request decodes (default: {d.decode_tokens})")
+    w.add_argument("--steps", type=int, default=d.steps, help=f"engine steps (default: {d.steps})")
+    w.add_argument("--arrival-every", type=int, default=d.arrival_every,
+                   help=f"steps between arrivals, 0: all at once (default: {d.arrival_every})")
+    w.add_argument("--prefix-groups", type=int, default=d.prefix_groups,
+                   help=f"families sharing a prompt prefix, 0: none (default: {d.prefix_groups})")
+    w.add_argument("--shared-prefix", type=float, default=d.shared_fraction,
+                   help=f"fraction of the prompt a family shares (default: {d.shared_fraction})")
+    w.add_argument("--concurrency", type=int, default=d.concurrency,
+                   help="most running requests; 0: as many as the GPU budget admits (default: 0)")
+    w.add_argument("--locality", type=float, default=d.locality,
+                   help="time scale of top-k drift; 1 = calibrated to published LRU miss rates (default: 1)")
+    m = p.add_argument_group("model and memory")
+    m.add_argument("--top-k", type=int, default=d.top_k, help=f"(default: {d.top_k})")
+    m.add_argument("--hot", type=float, default=d.hot_multiple,
+                   help=f"hot buffer in multiples of top-k (default: {d.hot_multiple})")
+    m.add_argument("--layers", type=int, default=d.layers, help=f"sparse layers (default: {d.layers})")
+    m.add_argument("--index-share", type=int, default=d.index_share,
+                   help=f"layers per indexer (default: {d.index_share})")
+    m.add_argument("--block-size", type=int, default=d.block_size, help=f"(default: {d.block_size})")
+    m.add_argument("--row-format", default=d.row_format, choices=["fp8_ds_mla", "bf16_mla"],
+                   help=f"(default: {d.row_format})")
+    m.add_argument("--indexer-bytes", type=int, default=d.indexer_bytes,
+                   help=f"indexer key bytes per token and indexer layer, kept on GPU (default: {d.indexer_bytes})")
+    m.add_argument("--gpu-kv", default=human_bytes(d.gpu_kv_bytes).replace(" ", ""),
+                   help=f"GPU KV budget (default: {human_bytes(d.gpu_kv_bytes)})")
+    m.add_argument("--host", default=human_bytes(d.host_bytes).replace(" ", ""),
+                   help=f"host pool budget (default: {human_bytes(d.host_bytes)})")
+    p.add_argument("--validate", action="store_true", help="resolve with value validation (slower)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from hisparse_core.planner import parse_bytes
+    from hisparse_core.replay.engine import RunConfig
+
+    return RunConfig(requests=args.requests, context=args.context, decode_tokens=args.decode_tokens,
+                     steps=args.steps, top_k=args.top_k, hot_multiple=args.hot, layers=args.layers,
+                     index_share=args.index_share, block_size=args.block_size, row_format=args.row_format,
+                     indexer_bytes=args.indexer_bytes, gpu_kv_bytes=parse_bytes(args.gpu_kv),
+                     host_bytes=parse_bytes(args.host), concurrency=args.concurrency,
+                     prefix_groups=args.prefix_groups, shared_fraction=args.shared_prefix,
+                     arrival_every=args.arrival_every, locality=args.locality, validate=args.validate,
+                     seed=args.seed)
+
+
+def _table(result) -> str:  # type: ignore[no-untyped-def]
+    from hisparse_core.replay.report import human_bytes, pct, render_table
+
+    s, c = result.summary(), result.config
+    per_req = s["gpu_kv_bytes_per_request_measured"]
+    base = s["gpu_kv_bytes_per_request_all_resident"]
+    reached = "" if s["gpu_limit_reached"] else " (GPU limit not reached: offer more requests or steps)"
+    rows = [
+        ("backend", f"{result.backend['name']} {result.backend['version']} on {result.backend['device']}"),
+        ("workload", f"{c['requests']} requests of {c['context']}+{c['decode_tokens']} tokens, {c['steps']} steps, "
+                     f"top-k {c['top_k']}, hot {c['hot_rows']} rows ({c['hot_multiple']}x), {c['layers']} layers "
+                     f"in index groups {c['index_groups']}, {c['row_format']}"),
+        ("budgets", f"GPU KV {human_bytes(c['gpu_kv_bytes'])} ({c['gpu_blocks']} blocks), host pool "
+                    f"{human_bytes(c['host_bytes'])} ({c['host_blocks']} blocks)"),
+        ("throughput", ""),
+        ("steps per second", f"{s['steps_per_s']:.2f} ({s['step_ms_mean']:.0f} ms/step; {s['decode_rows']} decode "
+                             f"rows, {s['decode_rows_per_s']:.1f}/s)"),
+        ("hot buffer", ""),
+        ("hit rate", f"{pct(s['hit_rate'])} (from peak concurrency on: {pct(s['hit_rate_from_peak'])})"),
+        ("misses", f"{s['misses']} ({pct(s['miss_rate_per_entry'])} of looked-up entries; "
+                   f"{s['resident_entries']} resident entries)"),
+        ("transfers", ""),
+        ("host->device", f"{human_bytes(s['bytes_h2d'])} ({s['rows_h2d']} rows)"),
+        ("device->host", human_bytes(s["bytes_d2h"])),
+        ("host pool peak", f"{s['host_pool_peak_blocks']} of {s['host_pool_blocks'] - 1} blocks "
+                           f"({pct(s['host_pool_peak_usage'])}, {human_bytes(s['host_pool_peak_bytes'])})"),
+        ("prefix-hit tokens", f"{s['prefix_hit_tokens']} (prefill computed {s['prefill_tokens_computed']} tokens)"),
+        ("requests", f"{s['requests_admitted']} admitted, {s['requests_finished']} finished"),
+        ("memory", ""),
+        ("GPU KV per request", f"{human_bytes(per_req)} at peak concurrency vs {human_bytes(base)} all-resident"
+                               + (f" ({base / per_req:.2f}x less)" if per_req == per_req and per_req else "")),
+        ("max concurrency", ""),
+        ("with hisparse", f"{s['max_concurrency_hisparse_measured']} measured{reached}; planner "
+                          f"{s['max_concurrency_hisparse_planned']}"),
+        ("all resident", f"{s['max_concurrency_all_resident_measured']} measured; planner "
+                         f"{s['max_concurrency_all_resident_planned']}"),
+        ("correctness", ""),
+        ("attention check", f"{s['attention_entries_checked']} entries compared, all byte-identical, "
+                            f"outputs equal"),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+    ]
+    return render_table(rows, "hisparse run")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hisparse_core.registry import select_backend
+    from hisparse_core.replay.attention import AttentionMismatch
+    from hisparse_core.replay.report import dumps, pct
+    from hisparse_core.replay.run import run_replay
+
+    try:
+        config = config_from_args(args)
+        backend = select_backend(args.backend)
+        with ProgressBar(config.steps, "run", enabled=not args.no_progress) as bar:
+            acc = {"hits": 0, "misses": 0}
+
+            def on_step(rec, engine) -> None:  # type: ignore[no-untyped-def]
+                acc["hits"] += rec.hits
+                acc["misses"] += rec.misses
+                looked = acc["hits"] + acc["misses"]
+                bar.update(1, note=f"running {rec.running}, waiting {rec.waiting}, hit "
+                                   f"{pct(acc['hits'] / looked) if looked else 'n/a'}")
+
+            result = run_replay(config, backend, on_step=on_step)
+        if args.plot:
+            from hisparse_core.replay.plot import write_plot
+
+            write_plot(result, config, args.plot)
+            logger.info("plot written to %s", args.plot)
+    except AttentionMismatch as exc:
+        print(f"hisparse run: FAILED: {exc}", file=sys.stderr)
+        return 1
+    except (HiSparseError, ValueError) as exc:
+        print(f"hisparse run: error: {exc}", file=sys.stderr)
+        return 2
+    print(dumps(result.to_json()) if args.json else _table(result))
+    return 0

@@ -1,0 +1,412 @@
+"""The replay engine: a small inference server that drives the real coordinator, worker and backend.
+
+It plays the engine side of `hisparse_core.coordinator` (a `SimpleGpuBlockPool` is its GPU
+allocator; `StepRequest`s are its scheduled requests) and hosts one `HiSparseWorker`:
+
+per step
+  1. finished requests leave (their indexer blocks and state rows are freed);
+  2. arrived requests are admitted FIFO while the GPU pool has one full admission free
+     (`planner` arithmetic: all pages of the request, its indexer blocks and a hot buffer) and
+     the host pool has a block for each of its pages; `add_request` takes any prefix hit;
+  3. the engine leases resident blocks for the pages written this step and calls
+     `schedule_step`; the table updates go into the source/hot tables, the command to
+     `worker.start_step`;
+  4. "forward": prefill writes the prompt rows (those not served by a prefix hit), decode writes
+     one row per request, into resident pages, and into each request's all-resident reference;
+  5. decode attention: the synthetic indexer picks top-k per request and index group, the
+     group's runtime resolves it (gather + follower replay), and `attention.check_layer`
+     compares every layer with the all-resident copy;
+  6. `worker.after_forward`, `build_metadata`, `update_from_workers`.
+
+The coordinator's pressure watermark is one full admission, so it releases clean pages (tail
+first, keeping the active tail) until the next admission fits, as `planner` assumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from hisparse_core.backend import Backend
+from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
+from hisparse_core.coordinator.config import GIB
+from hisparse_core.errors import CapacityError, InvalidInputError
+from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
+from hisparse_core.planner import ModelGeometry, Plan, PlanInputs, make_plan, published_miss_rate
+from hisparse_core.replay.attention import check_layer
+from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
+from hisparse_core.replay.kvdata import ReferenceKV, RowSource
+from hisparse_core.replay.layout import hot_rows_for, index_groups
+from hisparse_core.replay.workload import RequestSpec, make_workload
+from hisparse_core.runtime import ResolveInputs
+from hisparse_core.worker import CacheGroup, HiSparseWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """What `hisparse run` replays. Sizes are bytes; `context` is prompt tokens."""
+
+    requests: int = 16
+    context: int = 16384
+    decode_tokens: int = 32
+    steps: int = 48
+    top_k: int = 2048
+    hot_multiple: float = 2.0
+    layers: int = 2
+    index_share: int = 2
+    block_size: int = 64
+    row_format: str = "fp8_ds_mla"
+    indexer_bytes: int = 132
+    gpu_kv_bytes: int = 96 << 20
+    host_bytes: int = 256 << 20
+    concurrency: int = 0           # most running requests (state rows); 0: as many as the GPU allows
+    prefix_groups: int = 4
+    shared_fraction: float = 0.5
+    arrival_every: int = 1
+    locality: float = 1.0
+    tail_pages: int = 2
+    validate: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "context", "decode_tokens", "steps", "top_k", "layers", "index_share",
+                     "block_size", "gpu_kv_bytes", "host_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise InvalidInputError(f"run {name} must be a positive int, got {v!r}")
+        if self.concurrency < 0:
+            raise InvalidInputError(f"run concurrency must be >= 0 (0: GPU-bound), got {self.concurrency}")
+        row_format(self.row_format)
+        hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
+
+    @property
+    def fmt(self) -> RowFormat:
+        return row_format(self.row_format)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.context + self.decode_tokens
+
+    @property
+    def hot_rows(self) -> int:
+        return hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
+
+    def geometry(self) -> ModelGeometry:
+        return ModelGeometry("replay", self.layers, self.fmt.row_bytes, self.indexer_bytes, self.top_k,
+                             self.block_size, self.index_share)
+
+    def plan(self, miss_rate: float | None = None) -> Plan:
+        """The planner's figures for this configuration (requests of `context + decode_tokens`)."""
+        return make_plan(PlanInputs(self.geometry(), self.gpu_kv_bytes, self.host_bytes, self.max_tokens,
+                                    self.hot_rows, published_miss_rate(self.hot_multiple) if miss_rate is None
+                                    else miss_rate, self.tail_pages))
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one engine step did and measured."""
+
+    step: int
+    seconds: float
+    running: int
+    admitted: int
+    finished: int
+    waiting: int
+    prefill_tokens: int
+    decode_rows: int
+    resident: int
+    hits: int
+    misses: int
+    h2d_bytes: int
+    d2h_bytes: int
+    gpu_blocks_leased: int
+    host_blocks_used: int
+    checked_entries: int
+    gpu_bound: bool          # a waiting request was refused for lack of GPU blocks
+
+
+@dataclass(slots=True)
+class _Running:
+    spec: RequestSpec
+    state_index: int
+    blocks: list[int]
+    indexer_blocks: list[int]
+    tokens: list[int]
+    prefix_hit: int
+    indexer: SyntheticIndexer
+    ref: ReferenceKV
+    queries: torch.Tensor            # [layers, width] float32
+    computed: int = 0                # tokens whose KV is final
+    prefilled: bool = False
+    decoded: int = 0
+
+
+@dataclass(slots=True)
+class EngineTotals:
+    admitted: int = 0
+    finished: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    checked_entries: int = 0
+    peak_running: int = 0
+    peak_host_blocks: int = 0
+    gpu_bound_steps: int = 0
+    records: list[StepRecord] = field(default_factory=list)
+
+
+class ReplayEngine:
+    """One replay: build with a config and a backend, call `step()` `config.steps` times, `close()`."""
+
+    def __init__(self, config: RunConfig, backend: Backend) -> None:
+        c = self.config = config
+        self.backend = backend
+        self.fmt = c.fmt
+        self.plan = c.plan()
+        p = self.plan
+        bs = c.block_size
+        self.group_layers = index_groups(c.layers, c.index_share)
+        self.group_first_layer = [sum(self.group_layers[:g]) for g in range(len(self.group_layers))]
+        self.pages_per_request = p.pages_per_request
+        self.indexer_blocks = p.indexer_blocks_per_request
+        self.admission_blocks = p.admission_blocks
+        self.hot_blocks = p.hot_blocks_per_request
+        # State rows: the GPU can never hold more running requests than this bound.
+        upper = max(1, p.gpu_blocks // max(1, min(p.steady_blocks_per_request, p.baseline_blocks_per_request)))
+        self.max_running = c.concurrency if c.concurrency else upper
+        self.gpu = SimpleGpuBlockPool(p.gpu_blocks)
+        self.coordinator = HiSparseCoordinator(CoordinatorConfig(
+            host_pool_gib=c.host_bytes / GIB, num_layers=c.layers, block_size=bs, row_bytes=self.fmt.row_bytes,
+            max_model_len=c.max_tokens, hot_blocks_per_request=self.hot_blocks, active_tail_pages=c.tail_pages,
+            pressure_watermark_blocks=self.admission_blocks), self.gpu)
+        max_pages = p.pages_per_request
+        groups = [CacheGroup(RuntimeConfig(max_batch_rows=self.max_running, max_requests=self.max_running,
+                                           top_k=c.top_k, hot_rows=c.hot_rows, block_size=bs, max_pages=max_pages,
+                                           row_format=self.fmt, num_layers=n), resident_group=0,
+                             name=f"index group {g} (layers {self.group_first_layer[g]}-"
+                                  f"{self.group_first_layer[g] + n - 1})")
+                  for g, n in enumerate(self.group_layers)]
+        self.worker = HiSparseWorker(backend, groups, num_host_blocks=self.coordinator.host_num_blocks)
+        dev = backend.device
+        self.device_layers = [[torch.zeros((p.gpu_blocks, bs, self.fmt.width), dtype=self.fmt.dtype, device=dev)
+                               for _ in range(n)] for n in self.group_layers]
+        self.worker.register_caches(self.device_layers)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.source_table = torch.full((self.max_running, max_pages), -1, **i32)
+        self.hot_table = torch.full((self.max_running, self.hot_blocks), -1, **i32)
+        self.resident_table = self.worker.residency_table(0)
+        self.rows = RowSource(self.fmt, c.layers, seed=c.seed)
+        self.locality = DEFAULT_LOCALITY.scaled(c.locality)
+        self.waiting: deque[RequestSpec] = deque()
+        self.pending = deque(make_workload(c.requests, c.context, c.decode_tokens, prefix_groups=c.prefix_groups,
+                                           shared_fraction=c.shared_fraction, arrival_every=c.arrival_every))
+        self.running: list[_Running] = []
+        self.free_states = list(range(self.max_running - 1, -1, -1))
+        self.totals = EngineTotals()
+        self.step_no = 0
+        logger.info(
+            "replay: %d layers in index groups %s, top-k %d, hot buffer %d rows, %s; GPU pool %d blocks of %d B, "
+            "admission needs %d free (%d pages + %d indexer + %d hot); host pool %d blocks; state rows %d (%s)",
+            c.layers, self.group_layers, c.top_k, c.hot_rows, self.fmt.name, p.gpu_blocks, p.block_bytes,
+            self.admission_blocks, self.pages_per_request, self.indexer_blocks, self.hot_blocks,
+            self.coordinator.host_num_blocks, self.max_running,
+            "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint")
+
+    # ----------------------------------------------------------------------------- steps
+
+    def _finish(self) -> list[str]:
+        done = [r for r in self.running if r.decoded >= r.spec.decode_tokens]
+        for r in done:
+            self.running.remove(r)
+            self.gpu.release(r.indexer_blocks)
+            self.worker.reset_state([r.state_index])
+            self.source_table[r.state_index] = -1
+            self.hot_table[r.state_index] = -1
+            self.free_states.append(r.state_index)
+        self.totals.finished += len(done)
+        return [r.spec.request_id for r in done]
+
+    def _admit(self) -> tuple[int, bool]:
+        """Admit waiting requests FIFO while one full admission fits; (admitted, refused for GPU)."""
+        admitted = 0
+        c = self.config
+        while self.waiting and len(self.running) < self.max_running:
+            if self.gpu.num_free_blocks < self.admission_blocks:
+                return admitted, True
+            if self.coordinator.num_free_host_blocks < self.pages_per_request:
+                return admitted, False
+            spec = self.waiting[0]
+            tokens = spec.token_ids()
+            try:
+                hit = self.coordinator.add_request(spec.request_id, tokens[:spec.prompt_tokens],
+                                                   max_prefix_tokens=spec.prompt_tokens - 1)
+            except CapacityError:
+                return admitted, True
+            self.waiting.popleft()
+            first = self.coordinator.first_resident_page(spec.request_id)
+            prompt_pages = -(-spec.prompt_tokens // c.block_size)
+            indexer = self.gpu.acquire(self.indexer_blocks)
+            blocks = [-1] * first + self.gpu.acquire(prompt_pages - first)
+            gen = torch.Generator().manual_seed(c.seed * 1_000_003 + spec.index)
+            queries = torch.randn((c.layers, self.fmt.width), generator=gen) / 64.0
+            r = _Running(spec, self.free_states.pop(), blocks, indexer, tokens, hit,
+                         SyntheticIndexer(c.top_k, len(self.group_layers), self.locality, seed=c.seed,
+                                          request_id=spec.index),
+                         ReferenceKV(self.fmt, c.layers, spec.total_tokens), queries, computed=hit)
+            self.running.append(r)
+            admitted += 1
+            self.totals.prefix_hit_tokens += hit
+            logger.debug("step %d: admitted %s (state row %d, prefix hit %d tokens)", self.step_no,
+                         spec.request_id, r.state_index, hit)
+        return admitted, False
+
+    def _apply_tables(self) -> None:
+        for u in self.coordinator.take_table_updates():
+            if u.pages:
+                self.source_table[u.state_index, list(u.pages)] = torch.tensor(u.host_block_ids, dtype=torch.int32)
+            if u.hot_block_ids is not None:
+                row = self.hot_table[u.state_index]
+                row.fill_(-1)
+                if u.hot_block_ids:
+                    row[:len(u.hot_block_ids)] = torch.tensor(u.hot_block_ids, dtype=torch.int32)
+
+    def _write(self, r: _Running, start: int, end: int, *, device_from: int) -> None:
+        """Write the KV rows of positions [start, end) into the reference, and those from
+        `device_from` on into the request's resident pages."""
+        bs, width = self.config.block_size, self.fmt.width
+        for key, lo, hi in r.spec.content_keys(start, end):
+            positions = torch.arange(lo, hi)
+            dev_lo = max(lo, device_from)
+            if dev_lo < hi:
+                dpos = torch.arange(dev_lo, hi)
+                blocks = torch.tensor(r.blocks, dtype=torch.int64)[dpos // bs]
+                if bool((blocks < 0).any()):
+                    raise InvalidInputError(f"{r.spec.request_id}: writing a host-backed page")
+                dev_rows = (blocks * bs + dpos % bs).to(self.backend.device)
+            for layer in range(self.config.layers):
+                rows = self.rows.rows(key, positions, layer)
+                r.ref.write(layer, lo, rows)
+                if dev_lo < hi:
+                    g = next(i for i in range(len(self.group_layers)) if layer < self.group_first_layer[i]
+                             + self.group_layers[i])
+                    cache = self.device_layers[g][layer - self.group_first_layer[g]].view(-1, width)
+                    cache[dev_rows] = rows[dev_lo - lo:].to(cache.device)
+
+    def step(self) -> StepRecord:
+        t0 = time.perf_counter()
+        c, bs = self.config, self.config.block_size
+        while self.pending and self.pending[0].arrival_step <= self.step_no:
+            self.waiting.append(self.pending.popleft())
+        finished = self._finish()
+        admitted, gpu_bound = self._admit()
+
+        scheduled: list[StepRequest] = []
+        prefill: list[_Running] = []
+        decode: list[_Running] = []
+        for r in self.running:
+            if not r.prefilled:
+                nc, nn = r.prefix_hit, r.spec.prompt_tokens - r.prefix_hit
+                prefill.append(r)
+            else:
+                nc, nn = r.computed, 1
+                if nc % bs == 0 and nc // bs >= len(r.blocks):
+                    try:
+                        r.blocks.extend(self.gpu.acquire(1))
+                    except CapacityError as exc:
+                        raise CapacityError(f"step {self.step_no}: no GPU block for the next page of "
+                                            f"{r.spec.request_id}: {exc}. The admission reserve should prevent "
+                                            f"this") from None
+                decode.append(r)
+            scheduled.append(StepRequest(r.spec.request_id, r.state_index, nc, nn, r.tokens[:nc + nn], [r.blocks]))
+        command = self.coordinator.schedule_step(scheduled, finished=finished)
+        self._apply_tables()
+        self.worker.start_step(command)
+
+        # Forward: write this step's rows.
+        prefill_tokens = 0
+        for r in prefill:
+            self._write(r, 0, r.spec.prompt_tokens, device_from=r.prefix_hit)
+            prefill_tokens += r.spec.prompt_tokens - r.prefix_hit
+        for r in decode:
+            self._write(r, r.computed, r.computed + 1, device_from=r.computed)
+        checked = self._decode_attention(decode) if decode else 0
+
+        self.worker.after_forward()
+        self.coordinator.update_from_workers(self.worker.build_metadata(), 1)
+        for r in prefill:
+            r.computed, r.prefilled = r.spec.prompt_tokens, True
+        for r in decode:
+            r.computed += 1
+            r.decoded += 1
+
+        ws = self.worker.take_stats()
+        cs = self.coordinator.stats()
+        t = self.totals
+        t.admitted += admitted
+        t.prefill_tokens += prefill_tokens
+        t.checked_entries += checked
+        t.peak_running = max(t.peak_running, len(self.running))
+        t.peak_host_blocks = max(t.peak_host_blocks, cs.host_blocks_used)
+        t.gpu_bound_steps += int(gpu_bound)
+        rec = StepRecord(self.step_no, time.perf_counter() - t0, len(self.running), admitted, len(finished),
+                         len(self.waiting), prefill_tokens, len(decode), ws.resident, ws.hits, ws.misses,
+                         ws.h2d_bytes, ws.d2h_bytes, self.gpu.num_leased_blocks, cs.host_blocks_used, checked,
+                         gpu_bound)
+        t.records.append(rec)
+        self.step_no += 1
+        return rec
+
+    def _decode_attention(self, batch: list[_Running]) -> int:
+        dev = self.backend.device
+        n = len(batch)
+        seq = [r.computed + 1 for r in batch]
+        topk = np.stack([r.indexer.step(s) for r, s in zip(batch, seq, strict=True)], axis=1)  # [G, B, K]
+        i32 = dict(dtype=torch.int32, device=dev)
+        row_state = torch.tensor([r.state_index for r in batch], **i32)
+        seq_lens = torch.tensor(seq, **i32)
+        ids = [r.spec.request_id for r in batch]
+        checked = 0
+        for g, n_layers in enumerate(self.group_layers):
+            rt = self.worker.runtimes[g]
+            topk_g = torch.from_numpy(topk[g]).to(dev)
+            rt.resolve(ResolveInputs(topk_g, row_state, seq_lens, self.source_table, self.resident_table,
+                                     self.hot_table), gather=True, validate=self.config.validate)
+            if n_layers > 1:
+                rt.replay_plan()
+            rows = rt.result.rows[:n]
+            for li in range(n_layers):
+                layer = self.group_first_layer[g] + li
+                cache = self.device_layers[g][li].view(-1, self.fmt.width)
+                queries = torch.stack([r.queries[layer] for r in batch])
+                checked += check_layer(cache, rows, topk_g, [r.ref.data[layer] for r in batch], queries, ids, layer)
+        return checked
+
+    # ----------------------------------------------------------------------------- end
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+    def describe(self) -> dict[str, object]:
+        return {**asdict(self.config), "hot_rows": self.config.hot_rows, "index_groups": self.group_layers,
+                "row_bytes": self.fmt.row_bytes, "gpu_blocks": self.plan.gpu_blocks,
+                "block_bytes": self.plan.block_bytes, "host_blocks": self.coordinator.host_num_blocks,
+                "admission_blocks": self.admission_blocks, "state_rows": self.max_running}
+
+
+def measure_all_resident_concurrency(gpu_blocks: int, blocks_per_request: int) -> int:
+    """Admit all-resident requests (every page plus indexer blocks) into a fresh pool of the same
+    size until it refuses; the count of admitted requests."""
+    pool = SimpleGpuBlockPool(gpu_blocks)
+    n = 0
+    while True:
+        try:
+            pool.acquire(blocks_per_request)
+        except CapacityError:
+            return n
+        n += 1

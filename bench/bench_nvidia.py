@@ -179,7 +179,8 @@ class Bench:
         rt.reset_stats()
         us = self.time_graph(g, steps)
         st = rt.stats()
-        return us, {"hits": st.hits, "misses": st.misses, "threads": rt.launch_shape["threads"]}
+        phases = rt.resolver_phase_cycles(inp)
+        return us, {"hits": st.hits, "misses": st.misses, "threads": rt.launch_shape["threads"], "phases": phases}
 
     def resident(self, b: int, gather: bool) -> tuple[float, dict]:
         from hisparse_core.runtime import ResolveInputs
@@ -194,7 +195,8 @@ class Bench:
         rt.reset_stats()
         us = self.time_graph(g, steps)
         st = rt.stats()
-        return us, {"resident": st.resident, "hits": st.hits, "misses": st.misses}
+        phases = rt.resolver_phase_cycles(inp)
+        return us, {"resident": st.resident, "hits": st.hits, "misses": st.misses, "phases": phases}
 
     def misses(self, b: int, shift: int, steps: int, env: dict[str, str] | None = None,
                ) -> tuple[float, float, float, dict]:
@@ -222,8 +224,10 @@ class Bench:
         gather_us = self.time_graph(gather_g, steps)
         nbytes = round(per_row) * b * 656
         copy_us = self.time_graph(self.copy_graph(nbytes, steps), steps)
+        phases = rt.resolver_phase_cycles(inputs[0])
         return us, gather_us, copy_us, {"misses_per_row_step": per_row, "bytes": nbytes,
-                                        "hits_per_row_step": st.hits / (calls * b), "shape": rt.launch_shape}
+                                        "hits_per_row_step": st.hits / (calls * b), "shape": rt.launch_shape,
+                                        "phases": phases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         ok = "-" if r.passed is None else ("yes" if r.passed else "NO")
         print(f"{r.scenario:38} {r.batch:>4} {r.ours_us:9.2f} {r.baseline:>24} {base} {r.target:>24} {r.sglang:>20} "
               f"{ok:>4}  {r.note}")
+    print("\nresolver phases of block 0 (cycles since start: init, hash, walk, compact, rank, assign, end):")
+    for r in rows:
+        if "phases" in r.extra:
+            print(f"  {r.scenario.strip():38} B={r.batch:<4} {r.extra['phases']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": props.name, "torch": torch.__version__, "floor_us": floor,

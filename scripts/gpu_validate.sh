@@ -59,7 +59,7 @@ env)
         date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
         python3 -c "import sys, torch; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
         python3 -m pip list 2>/dev/null | grep -i -E "^(cuda|nvidia-cuda-nvrtc|pytest|hypothesis|pluggy|numpy) "
-        which compute-sanitizer
+        which compute-sanitizer; echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>&1)"
         python3 -c "
 from hisparse_nvidia.plugin import probe; print(\"probe:\", probe())
 from hisparse_nvidia.compiler import nvrtc_version, supported_archs; print(\"nvrtc\", nvrtc_version(), supported_archs())
@@ -80,7 +80,7 @@ conformance)
     ;;
 memcheck)
     T=tests/nvidia/test_nvidia_runtime.py
-    run memcheck "${T_MEMCHECK:-110}" compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 --print-limit 50 \
+    run memcheck "${T_MEMCHECK:-110}" compute-sanitizer --tool memcheck --report-api-errors no --leak-check no --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[0]" \
         "$T::test_small_geometries_match_reference[1]" "$T::test_small_geometries_match_reference[5]" \
         "$T::test_production_geometry_matches_reference[1]" "$T::test_mirror_spill_restore_and_host_copies" \
@@ -89,7 +89,7 @@ memcheck)
     ;;
 racecheck)
     T=tests/nvidia/test_nvidia_runtime.py
-    run racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 99 --print-limit 50 \
+    run racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --report-api-errors no --racecheck-report hazard --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[2]" \
         "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[2]"
     ;;

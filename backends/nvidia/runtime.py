@@ -122,6 +122,7 @@ class NvidiaRuntime(CacheRuntime):
         self._k_reset = maint_mod.function("hisparse_reset_rows")
         self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
+        self._prof: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
         self._host_bases: torch.Tensor | None = None
@@ -250,7 +251,8 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host), _ptr(out.plan_device),
              _ptr(out.plan_counts), _ptr(self._stats),
              _i32(b), _i32(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages), _i32(cfg.block_size),
-             _i32(cfg.rows_per_request), _i32(shape.hash_bits)])
+             _i32(cfg.rows_per_request), _i32(shape.hash_bits),
+             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)])
         self._last_rows = b
         if gather:
             self._gather(0, 1)
@@ -259,6 +261,23 @@ class NvidiaRuntime(CacheRuntime):
     @property
     def result(self) -> ResolveResult:
         return self._result
+
+    def resolver_phase_cycles(self, inputs: ResolveInputs, *, gather: bool = False) -> list[int]:
+        """Diagnostics: one resolve whose block 0 records `clock64()` at its phase boundaries.
+
+        Returns the cycles since kernel start at: shared-memory init, hashing the union, the LRU
+        walk's scan, the LRU compaction, the miss ranking, victim assignment, and the end (-1
+        for phases the call skipped, e.g. on the resident fast path). The call is a real resolve
+        (state changes as usual); it synchronizes, so never use it on the decode path.
+        """
+        prof = torch.full((8,), -1, dtype=torch.int64, device=self._device)
+        self._prof = prof
+        try:
+            self.resolve(inputs, gather=gather, validate=False)
+        finally:
+            self._prof = None
+        clocks = prof.tolist()
+        return [c - clocks[0] if c >= 0 else -1 for c in clocks[1:]]
 
     # ----------------------------------------------------------------- plan copies
 

@@ -112,5 +112,6 @@ def create_and_die(name: str) -> None:
     """A rank 0 that creates the shared pool and exits without releasing it (like a crash)."""
     from hisparse_nvidia.backend import NvidiaBackend
 
-    NvidiaBackend(0).create_host_pool(spec(name, 0))
-    os._exit(0)
+    pool = NvidiaBackend(0).create_host_pool(spec(name, 0))
+    assert pool.path is not None
+    os._exit(0)  # with the pool still referenced: no release, no finalizer

@@ -33,14 +33,18 @@
 #define HS_SCAN_SLOTS ((HS_CPT > HS_EPT ? HS_CPT : HS_EPT) * HS_NW)
 
 // Adds, per row of the group, how many lanes of this warp have `flag` set. `rho` is the lane's
-// row within the group (-1 for lanes without an entry). Lanes sharing a row elect one adder.
+// row within the group, -1 for lanes without an entry. A warp's entries are consecutive, so the
+// lanes with an entry are a prefix of the warp and their rows ascend: one ballot per row present
+// (at most two when top_k >= 32). Uniform per warp: every lane must call it.
 __device__ __forceinline__ void hs_count_per_row(i32* counters, i32 rho, bool flag) {
-    const u32 same = __match_any_sync(HS_FULL_MASK, rho);
-    const u32 set = __ballot_sync(HS_FULL_MASK, flag);
+    const u32 any = __ballot_sync(HS_FULL_MASK, flag && rho >= 0);
+    if (any == 0) return;
     const i32 lane = threadIdx.x & 31;
-    if (rho >= 0 && lane == __ffs(same) - 1) {
-        const i32 c = __popc(same & set);
-        if (c) atomicAdd(&counters[rho], c);
+    const i32 first = __shfl_sync(HS_FULL_MASK, rho, 0);
+    const i32 last = __reduce_max_sync(HS_FULL_MASK, rho);
+    for (i32 row = first; row <= last; ++row) {
+        const u32 set = __ballot_sync(HS_FULL_MASK, flag && rho == row);
+        if (lane == 0 && set) atomicAdd(&counters[row], __popc(set));
     }
 }
 
@@ -59,7 +63,8 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32* __restrict__ plan_device,           // [Bmax, K]
     i32* __restrict__ plan_counts,           // [Bmax]
     u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
-    i32 B, i32 K, i32 H, i32 P, i32 bs, i32 rpr, i32 hash_bits) {
+    i32 B, i32 K, i32 H, i32 P, i32 bs, i32 rpr, i32 hash_bits,
+    u64* __restrict__ prof) {                // diagnostics: phase clocks of block 0, or null
     // Let the gather that follows (launched with programmatic stream serialization) start its
     // launch now; it still waits for this grid to complete before it reads the plan.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -67,6 +72,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32 tid = threadIdx.x;
     const i32 lane = tid & 31;
     const i32 warp = tid >> 5;
+    const bool profiling = prof != nullptr && r == 0 && tid == 0;
+#define HS_MARK(k) \
+    if (profiling) prof[k] = clock64()
+    HS_MARK(0);
 
     // ---- Which rows does this block write? ------------------------------------------------
     // A group's first row leads; the group is at most `rpr` rows of the run. Follower rows leave
@@ -76,9 +85,13 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32 n = 0;
     if (r < B) {
         const i32 state = row_state[r];
+        const i32 before = r > 0 ? row_state[r - 1] : -1;  // loaded with `state`, not after it
         if (state >= 0) {
             i32 back = 0;
-            while (back < rpr && r - back - 1 >= 0 && row_state[r - back - 1] == state) ++back;
+            if (before == state) {
+                back = 1;
+                while (back < rpr && r - back - 1 >= 0 && row_state[r - back - 1] == state) ++back;
+            }
             if (back == 0) {
                 q = state;
                 n = 1;
@@ -178,6 +191,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         s_resident = 0;
     }
     __syncthreads();
+    HS_MARK(1);
 
     // ---- Count valid and resident entries; hash the union's host rows ---------------------
 #pragma unroll
@@ -209,6 +223,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         }
     }
     __syncthreads();
+    HS_MARK(2);
     const i32 n_unique = s_unique;
 
     i32 n_misses = 0;
@@ -242,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             if (lane == 0) s_hits = hits;
         }
         __syncthreads();
+        HS_MARK(3);
         const u32 lt = hs_lanemask_lt();
 #pragma unroll
         for (i32 c = 0; c < HS_CPT; ++c) {
@@ -256,6 +272,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             }
         }
         __syncthreads();
+        HS_MARK(4);
         const i32 n_hits = s_hits;
         const i32 n_evictable = H - n_hits;
 
@@ -281,6 +298,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             }
         }
         __syncthreads();
+        HS_MARK(5);
         n_misses = s_misses;
 #pragma unroll
         for (i32 e = 0; e < HS_EPT; ++e) {
@@ -314,6 +332,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             }
         }
         __syncthreads();
+        HS_MARK(6);
         // Every key now has a slot: hits from the walk, misses from their victim.
 #pragma unroll
         for (i32 e = 0; e < HS_EPT; ++e) {
@@ -343,6 +362,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         out_valid[r + rho] = rowv[rho];
         plan_counts[r + rho] = rowm[rho];
     }
+    HS_MARK(7);
     if (tid == 0) {
         if (s_resident) atomicAdd(&stats[0], static_cast<u64>(s_resident));
         if (n_unique) {

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hisparse_core.errors import ProtocolError
+from hisparse_core.errors import BackendError, InvalidInputError, ProtocolError
 from hisparse_core.registry import get_registry
 
 from hisparse_vllm.config import ConnectorConfig
@@ -68,7 +68,11 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._hs_config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self._layout = HostTierLayout.from_kv_cache_config(kv_cache_config)
         hot_rows = self._hs_config.hot_rows(self._layout.block_size)
-        selection = get_registry().choose(self._hs_config.backend)  # fails now for an unknown/unavailable name
+        self._layout.check_capacity(self._hs_config.host_pool_gib, vllm_config.model_config.max_model_len, hot_rows)
+        try:  # an unknown or unavailable backend fails now, in every role, not at the first step
+            selection = get_registry().choose(self._hs_config.backend)
+        except BackendError as exc:
+            raise InvalidInputError(f"kv_connector_extra_config['backend']={self._hs_config.backend!r}: {exc}") from exc
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

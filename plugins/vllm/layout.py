@@ -119,6 +119,20 @@ class HostTierLayout:
             row_bytes=self.row_bytes, max_model_len=max_model_len, hot_blocks_per_request=hot_rows // self.block_size,
             num_resident_groups=self.num_groups, pressure_watermark_blocks=0)
 
+    def check_capacity(self, host_pool_gib: float, max_model_len: int, hot_rows: int) -> CoordinatorConfig:
+        """The coordinator config, after checking the pool holds one `max_model_len` request plus
+        the active tail (and the null block); raises `InvalidInputError` naming `host_pool_gib`."""
+        cfg = self.coordinator_config(host_pool_gib, max_model_len, hot_rows)
+        need = cfg.min_host_blocks + 1
+        if cfg.host_num_blocks < need:
+            raise InvalidInputError(
+                f"kv_connector_extra_config['host_pool_gib']={host_pool_gib} holds {cfg.host_num_blocks} host blocks "
+                f"of {cfg.host_block_stride} B ({self.num_layers} layers x {self.block_size} tokens x "
+                f"{self.row_bytes} B); it needs at least {need} (one max_model_len={max_model_len} request, the "
+                f"{cfg.active_tail_pages}-page active tail and the null block): host_pool_gib >= "
+                f"{need * cfg.host_block_stride / 2**30:.6f}")
+        return cfg
+
     # ----------------------------------------------------------------- worker side
 
     def device_views(self, kv_caches: Mapping[str, torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -114,6 +114,7 @@ class Rig:
     steps: int = 0
     last_worker_metas: list[Any] = field(default_factory=list)  # each worker's own report, last step
     last_output: Any = None  # the (aggregated) ModelRunnerOutput the scheduler got, last step
+    connector_stats: list[dict[str, Any]] = field(default_factory=list)  # SchedulerStats.kv_connector_stats
 
     @classmethod
     def build(cls, config: VllmConfig, *, num_blocks: int = 64, num_workers: int = 1) -> Rig:
@@ -183,6 +184,8 @@ class Rig:
         self.last_output = output
         engine_outputs = self.scheduler.update_from_output(so, output)
         for eco in engine_outputs.values():
+            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+                self.connector_stats.append(eco.scheduler_stats.kv_connector_stats)
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)

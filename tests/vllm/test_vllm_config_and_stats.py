@@ -1,0 +1,150 @@
+"""Start-up checks, registration, stats and Prometheus metrics of the connector, against real vLLM."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
+
+import hisparse_vllm  # noqa: E402
+import vllm_support as vs  # noqa: E402
+from hisparse_vllm.connector import HiSparseOffloadConnector  # noqa: E402
+from hisparse_vllm.stats import HiSparseConnectorStats  # noqa: E402
+
+PREFIX = list(range(10, 90))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vs.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# ----------------------------------------------------------------- registration
+
+
+def test_entry_point_names_register_and_register_is_idempotent() -> None:
+    eps = {e.name: e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert eps.get("hisparse_kv_connector") == "hisparse_vllm:register"
+    hisparse_vllm.register()
+    hisparse_vllm.register()  # vLLM may load general plugins more than once per process
+    cls = KVConnectorFactory.get_connector_class_by_name(hisparse_vllm.CONNECTOR_NAME)
+    assert cls is HiSparseOffloadConnector and supports_hma(cls)
+    assert hisparse_vllm.CONNECTOR_NAME != "HiSparseConnector"
+    assert KVConnectorFactory.get_connector_class_by_name("HiSparseConnector") is not cls, "built-in untouched"
+
+
+def test_importing_the_plugin_package_imports_neither_vllm_nor_torch() -> None:
+    code = ("import sys, hisparse_vllm; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("module_path", ["hisparse_vllm", "hisparse_vllm.connector"])
+def test_loading_by_module_path_builds_both_roles(model_dir: Path, module_path: str) -> None:
+    config = vs.vllm_config(model_dir, module_path=module_path)
+    kvc = vs.kv_cache_config(32)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        connector = KVConnectorFactory.create_connector(config, role, kvc)
+        assert isinstance(connector, HiSparseOffloadConnector) and connector.role == role
+
+
+# ----------------------------------------------------------------- start-up checks
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"backend": "reference_cpu"}, r"\['host_pool_gib'\] is required"),
+    ({"host_pool_gib": 0}, r"\['host_pool_gib'\] must be a number > 0 \(GiB\), got 0"),
+    ({"host_pool_gib": -1.5}, r"got -1.5"),
+    ({"host_pool_gib": "32"}, r"got '32'"),
+    ({"host_pool_gib": True}, r"got True"),
+    ({"host_pool_gib": 1, "host_pool_gb": 1}, r"unknown key\(s\) \['host_pool_gb'\]"),
+    ({"host_pool_gib": 1, "backend": "no-such-backend"}, r"no hisparse backend named 'no-such-backend'"),
+    ({"host_pool_gib": 1, "backend": ""}, r"\['backend'\] must be a backend name"),
+    ({"host_pool_gib": 1, "hot_buffer_size": 24}, r"\['hot_buffer_size'\]=24 must be a multiple of the KV block size 16"),
+    ({"host_pool_gib": 1, "hot_buffer_size": 0}, r"\['hot_buffer_size'\] must be a positive int"),
+    ({"host_pool_gib": 1, "share_host_pool": "yes"}, r"\['share_host_pool'\] must be true or false"),
+    ({"host_pool_gib": 1e-4}, r"\['host_pool_gib'\]=0.0001 holds 6 host blocks.*needs at least 19 \(one max_model_len=256"),
+])
+def test_a_bad_extra_config_fails_at_start_up_naming_the_value(model_dir: Path, extra: dict[str, object],
+                                                               message: str) -> None:
+    config = vs.vllm_config(model_dir, extra=extra)
+    with pytest.raises(ValueError, match=message):
+        # What the engine core does first: build the scheduler, which builds and binds the connector.
+        vs.Rig.build(config, num_workers=0)
+
+
+def test_auto_backend_selects_automatically(model_dir: Path) -> None:
+    rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002, "backend": "auto"}))
+    assert rig.workers[0].worker_side.worker.backend.name == "reference_cpu"  # the only one available on CPU
+
+
+# ----------------------------------------------------------------- stats and metrics
+
+
+def test_stats_report_bytes_both_ways_host_usage_and_prefix_hits(model_dir: Path) -> None:
+    """What vLLM's stats path delivers: worker stats aggregated with the scheduler's, per step, in
+    `SchedulerStats.kv_connector_stats`, rebuilt by `build_kv_connector_stats` for logging."""
+    rig = vs.Rig.build(vs.vllm_config(model_dir))
+
+    def collected() -> HiSparseConnectorStats:
+        out = HiSparseConnectorStats()
+        for payload in rig.connector_stats:
+            out.aggregate(HiSparseOffloadConnector.build_kv_connector_stats(payload))
+        return out
+
+    rig.add("a", PREFIX + [5] * 20, max_tokens=4)
+    rig.step()
+    assert collected().last("host_pool_usage") > 0, "a running request leases host blocks"
+    rig.run()
+    page_bytes = 2 * vs.BLOCK * vs.HEADS * vs.HEAD_DIM * 4  # one layer's page: K and V, fp32
+    spilled = (100 + 3) // vs.BLOCK  # pages sealed by the last step that computed a token of "a"
+    assert collected().total("device_to_host_bytes") == spilled * page_bytes * len(vs.LAYERS)
+    assert collected().total("prefix_hit_tokens") == 0
+    assert rig.scheduler.reset_prefix_cache()
+    rig.add("b", PREFIX + [7] * 4, max_tokens=2)
+    rig.run()
+    stats = collected()
+    assert stats.total("prefix_hit_tokens") == 80 and stats.total("prefix_loaded_tokens") == 80
+    assert stats.total("host_to_device_bytes") == 5 * page_bytes * len(vs.LAYERS)
+    assert stats.total("device_to_host_bytes") == spilled * page_bytes * len(vs.LAYERS), "b's prefix came from host"
+    assert stats.total("hot_hits") == 0 and stats.total("hot_misses") == 0, "no sparse attention on a stock engine"
+    assert stats.last("pending_transfers") == 0 and stats.last("host_pool_usage") == 0
+    assert stats.last("host_blocks_cached") == spilled, "published pages stay cached for later prefix hits"
+    reduced = stats.reduce()
+    assert reduced["hisparse prefix_hit_tokens"] == 80 and reduced["hisparse host_pool_usage"] == 0
+    rig.assert_no_leaks()
+
+
+def test_prometheus_metrics_count_and_gauge(model_dir: Path) -> None:
+    config = vs.vllm_config(model_dir)
+    metrics = HiSparseOffloadConnector.build_prom_metrics(
+        config, {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["model_name", "engine"], {0: ["tiny", "0"]})
+    try:
+        data = HiSparseConnectorStats().record(hot_hits=3, hot_misses=1, host_to_device_bytes=4096,
+                                               device_to_host_bytes=8192, prefix_hit_tokens=64,
+                                               host_pool_usage=0.25, pending_transfers=2)
+        data.record(hot_hits=2, host_pool_usage=0.5)
+        metrics.observe(data.to_dict(), engine_idx=0)
+        labels = {"model_name": "tiny", "engine": "0"}
+        value = lambda name: REGISTRY.get_sample_value(name, labels)  # noqa: E731
+        assert value("vllm:hisparse_hot_hits_total") == 5
+        assert value("vllm:hisparse_hot_misses_total") == 1
+        assert value("vllm:hisparse_host_to_device_bytes_total") == 4096
+        assert value("vllm:hisparse_device_to_host_bytes_total") == 8192
+        assert value("vllm:hisparse_prefix_hit_tokens_total") == 64
+        assert value("vllm:hisparse_host_pool_usage_perc") == 0.5
+        assert value("vllm:hisparse_pending_transfers") == 2
+    finally:
+        for collector, names in list(REGISTRY._collector_to_names.items()):
+            if any(n.startswith("vllm:hisparse_") for n in names):
+                REGISTRY.unregister(collector)

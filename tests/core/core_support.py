@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import sys
 import textwrap
 import uuid
 from collections.abc import Mapping

@@ -246,7 +246,8 @@ def _class_problem(obj: object) -> str | None:
 
 
 _registry: BackendRegistry | None = None
-_registry_lock = threading.Lock()
+# Re-entrant: a probe that (wrongly) asks for the registry fails loudly instead of deadlocking.
+_registry_lock = threading.RLock()
 
 
 def get_registry(reload: bool = False) -> BackendRegistry:

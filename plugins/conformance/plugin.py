@@ -1,0 +1,163 @@
+"""pytest plugin of the hisparse conformance suite (entry point `pytest11: hisparse`).
+
+Passive by design, because pytest loads it in every session of every environment where hisparse
+is installed: it only adds options, a marker, fixtures and (when the suite runs) a report header.
+Nothing here imports torch or a backend until a fixture asks for one. Disable it with
+`-p no:hisparse`; run the suite with `pytest --pyargs hisparse_conformance --hisparse-backend NAME`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from hisparse_core.backend import Backend
+
+#: Used when neither --hisparse-backend nor $HISPARSE_BACKEND names a backend.
+DEFAULT_BACKEND = "reference_cpu"
+ENV_BACKEND = "HISPARSE_BACKEND"
+MARKER = "requires_capability"
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_backend_key = pytest.StashKey["Backend | BaseException"]()
+
+#: Set from --hisparse-examples at configure time; the suite's property tests read it when their
+#: modules are imported (which pytest does after configuring).
+examples_override: int | None = None
+
+# The suite's helpers assert too; have pytest rewrite them before any test module imports them.
+pytest.register_assert_rewrite("hisparse_conformance.model", "hisparse_conformance.scenario",
+                               "hisparse_conformance.rig", "hisparse_conformance.examples")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("hisparse", "hisparse conformance suite")
+    group.addoption("--hisparse-backend", action="store", default=None, metavar="NAME",
+                    help=f"backend the conformance suite tests (default: ${ENV_BACKEND}, else {DEFAULT_BACKEND})")
+    group.addoption("--hisparse-examples", action="store", type=int, default=None, metavar="N",
+                    help="hypothesis examples per property test of the suite (default: each test's own)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global examples_override
+    config.addinivalue_line(
+        "markers", f"{MARKER}(*names): skip unless the hisparse backend under test declares every capability "
+                   "named (hisparse_core.backend.Capability)")
+    examples = config.getoption("hisparse_examples")
+    if examples is not None and examples < 1:
+        raise pytest.UsageError(f"--hisparse-examples must be >= 1, got {examples}")
+    examples_override = examples
+
+
+def backend_name(config: pytest.Config) -> str:
+    """The backend the suite tests: the option, else the environment, else reference_cpu."""
+    return config.getoption("hisparse_backend") or os.environ.get(ENV_BACKEND) or DEFAULT_BACKEND
+
+
+def selected_backend(config: pytest.Config) -> Backend:
+    """Select (once per session) the backend under test through the registry.
+
+    Raises the registry's `BackendError` (not found, unavailable, broken) unchanged; selection is
+    attempted once, so every test that needs the backend reports the same reason.
+    """
+    cached = config.stash.get(_backend_key, None)
+    if cached is None:
+        from hisparse_core.registry import select_backend
+
+        try:
+            cached = select_backend(backend_name(config))
+        except Exception as exc:  # noqa: BLE001 -- remembered and re-raised for every test
+            cached = exc
+        config.stash[_backend_key] = cached
+    if isinstance(cached, BaseException):
+        raise cached
+    return cached
+
+
+def _suite_requested(config: pytest.Config) -> bool:
+    """Whether this session runs the suite (so the header may select a backend).
+
+    Unrelated sessions never pay for importing torch and a backend here.
+    """
+    if config.getoption("hisparse_backend"):
+        return True
+    for arg in config.args:
+        name = arg.split("::", 1)[0]
+        if name == "hisparse_conformance" or name.startswith("hisparse_conformance."):
+            return True
+        try:
+            path = Path(name).resolve()
+        except OSError:
+            continue
+        if path == _PACKAGE_DIR or _PACKAGE_DIR in path.parents:
+            return True
+    return False
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    if not _suite_requested(config):
+        return []
+    name = backend_name(config)
+    try:
+        backend = selected_backend(config)
+    except Exception as exc:  # noqa: BLE001 -- the header reports; the fixtures fail the tests
+        return [f"hisparse backend: {name} (cannot be selected: {type(exc).__name__}: {exc})"]
+    info = backend.describe()
+    caps = ", ".join(str(c) for c in info.get("capabilities", [])) or "none"  # type: ignore[union-attr]
+    return [f"hisparse backend: {info['name']} {info['version']} (api {info['api_version']}, "
+            f"device {info['device']})",
+            f"hisparse capabilities: {caps}"]
+
+
+@pytest.fixture(scope="session")
+def hisparse_backend(pytestconfig: pytest.Config) -> Backend:
+    """The backend under test (`--hisparse-backend`); fails the test if it cannot be selected.
+
+    Override this fixture in a conftest to test a backend instance the registry does not know.
+    """
+    try:
+        return selected_backend(pytestconfig)
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"hisparse backend {backend_name(pytestconfig)!r} cannot be selected: "
+                    f"{type(exc).__name__}: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def hisparse_reference() -> Backend:
+    """A `reference_cpu` backend, the oracle the backend under test is compared with."""
+    from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+    return ReferenceCpuBackend()
+
+
+@pytest.fixture(scope="session")
+def hisparse_capabilities(hisparse_backend: Backend) -> frozenset[str]:
+    """Capability names the backend under test declares."""
+    return frozenset(hisparse_backend.capabilities)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A marked test gets the capabilities fixture even if it does not ask for it, so the check
+    # below sees the backend the test actually uses (an overridden hisparse_backend included).
+    for item in items:
+        if item.get_closest_marker(MARKER) is not None:
+            names = getattr(item, "fixturenames", None)
+            if names is not None and "hisparse_capabilities" not in names:
+                names.append("hisparse_capabilities")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    required = {str(n) for m in item.iter_markers(MARKER) for n in m.args}
+    if not required:
+        return
+    have = getattr(item, "funcargs", {}).get("hisparse_capabilities")
+    if have is None:
+        raise pytest.UsageError(f"{item.nodeid}: @{MARKER} needs the hisparse_capabilities fixture")
+    missing = sorted(required - set(have))
+    if missing:
+        pytest.skip(f"backend lacks capability {', '.join(missing)}")

@@ -1,0 +1,151 @@
+"""Miss copies: gathered and replayed rows hold their host rows' bytes, hits copy nothing, and
+nothing else in the device caches is written. Bytes are compared as bytes, so bf16 rows whose
+random bits spell NaN compare exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hisparse_core.backend import Backend, Capability
+from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
+
+from hisparse_conformance.examples import examples
+from hisparse_conformance.lockstep import Lockstep
+from hisparse_conformance.model import ResolverModel
+from hisparse_conformance.rig import Rig, usable_format
+from hisparse_conformance.scenario import Step, build_scenario, random_bytes, scenario_params
+
+FORMATS = [
+    pytest.param(FP8_DS_MLA, marks=pytest.mark.requires_capability(Capability.FP8_DS_MLA), id="fp8_ds_mla"),
+    pytest.param(BF16_MLA, marks=pytest.mark.requires_capability(Capability.BF16_MLA), id="bf16_mla"),
+]
+
+
+def _changed_rows(before: torch.Tensor, after: torch.Tensor, row_bytes: int) -> set[int]:
+    diff = (before.reshape(-1, row_bytes) != after.reshape(-1, row_bytes)).any(dim=1)
+    return set(diff.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@examples(12)
+@given(data=st.data())
+def test_gathered_rows_hold_host_bytes(hisparse_backend: Backend, hisparse_reference: Backend, fmt: RowFormat,
+                                       data: st.DataObject) -> None:
+    """After resolve(gather=True) every host entry reads its host row (656-byte fp8 rows and
+    1152-byte bf16 rows alike) and the device caches equal the reference's."""
+    params = data.draw(scenario_params(rows_per_request=1, num_layers=1, row_format=fmt, max_steps=8))
+    scenario = build_scenario(params)
+    with Lockstep(hisparse_backend, hisparse_reference, scenario.layout, seed=params.seed) as run:
+        for step, work in scenario.steps:
+            problems = run.resolve(step) + run.apply(work)
+            assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.requires_capability(Capability.INDEX_SHARING)
+@pytest.mark.parametrize("fmt", FORMATS)
+@examples(12)
+@given(data=st.data())
+def test_followers_replay_the_leaders_plan(hisparse_backend: Backend, hisparse_reference: Backend,
+                                          fmt: RowFormat, data: st.DataObject) -> None:
+    """With num_layers > 1, replay_plan() brings every follower layer's rows to its host bytes."""
+    layers = data.draw(st.integers(2, 4), label="num_layers")
+    params = data.draw(scenario_params(rows_per_request=1, num_layers=layers, row_format=fmt, max_steps=8))
+    scenario = build_scenario(params)
+    with Lockstep(hisparse_backend, hisparse_reference, scenario.layout, seed=params.seed) as run:
+        for step, work in scenario.steps:
+            problems = run.resolve(step, replay=True) + run.apply(work)
+            assert not problems, "\n".join(problems[:10])
+
+
+@examples(20)
+@given(data=st.data())
+def test_deferred_gather_matches_fused_gather(hisparse_backend: Backend, data: st.DataObject) -> None:
+    """resolve(gather=False) copies nothing; gather_misses(0) then does what gather=True does."""
+    params = data.draw(scenario_params(rows_per_request=1, num_layers=1, row_format=usable_format(hisparse_backend),
+                                       max_steps=6))
+    scenario = build_scenario(params)
+    with Rig(hisparse_backend, scenario.layout, seed=params.seed) as fused, \
+            Rig(hisparse_backend, scenario.layout, seed=params.seed) as deferred:
+        for step, _ in scenario.steps:
+            want = fused.resolve(step, gather=True)
+            before = (deferred.device_cache_bytes(0), deferred.stats()[3])
+            got = deferred.resolve(step, gather=False)
+            assert got == want
+            assert torch.equal(deferred.device_cache_bytes(0), before[0]), "gather=False copied rows"
+            assert deferred.stats()[3] == before[1], "gather=False counted h2d bytes"
+            deferred.runtime.gather_misses(0)
+            assert torch.equal(deferred.device_cache_bytes(0), fused.device_cache_bytes(0))
+            assert deferred.stats() == fused.stats()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@examples(20)
+@given(data=st.data())
+def test_hits_copy_nothing(hisparse_backend: Backend, fmt: RowFormat, data: st.DataObject) -> None:
+    """Sentinel bytes written into every held hot row survive a call unless that row is one of the
+    call's victims: hits are served in place, and only plan rows are written (with host bytes).
+    Repeating a step makes every host entry a hit: no plan, no h2d bytes, no byte changes."""
+    params = data.draw(scenario_params(rows_per_request=1, num_layers=1, row_format=fmt, max_steps=6))
+    scenario = build_scenario(params)
+    cfg = scenario.layout.config
+    model = ResolverModel(cfg)
+    with Rig(hisparse_backend, scenario.layout, seed=params.seed) as rig:
+        for n, (step, _) in enumerate(scenario.steps):
+            t = step.tables
+            held_rows = [model.hot_row(t.hot, q, s) for q, st_ in enumerate(model.states)
+                         for s, g in enumerate(st_.hot_map) if g >= 0]
+            if held_rows:
+                rig.write_device_rows(0, held_rows, random_bytes((len(held_rows), fmt.row_bytes), params.seed, 3, n))
+            for repeat in (False, True):
+                before, h2d = rig.device_cache_bytes(0), rig.stats()[3]
+                out = rig.resolve(step)
+                want = model.resolve(step.topk, step.row_state, step.seq_lens, t.source, t.resident, t.hot)
+                plan = out.plan()
+                assert plan == want.plan()
+                changed = _changed_rows(before, rig.device_cache_bytes(0), fmt.row_bytes)
+                assert changed <= {d for _, d in plan}, f"rows written that are not in the plan: " \
+                                                        f"{sorted(changed - {d for _, d in plan})}"
+                assert rig.stats()[3] - h2d == len(plan) * fmt.row_bytes
+                if plan:
+                    assert torch.equal(rig.device_bytes(0, [d for _, d in plan]), rig.host_bytes(0, [h for h, _ in plan]))
+                if repeat:
+                    assert not plan, "a repeated step missed"
+
+
+@pytest.mark.requires_capability(Capability.INDEX_SHARING)
+@examples(15)
+@given(data=st.data())
+def test_each_layer_is_copied_only_when_asked(hisparse_backend: Backend, data: st.DataObject) -> None:
+    """gather_misses(layer) and replay_plan(layers) write exactly the layers named, with host
+    bytes into plan rows only, and count |misses| * row_bytes per layer copied."""
+    layers = data.draw(st.integers(2, 4), label="num_layers")
+    params = data.draw(scenario_params(rows_per_request=1, num_layers=layers,
+                                       row_format=usable_format(hisparse_backend), max_steps=4))
+    scenario = build_scenario(params)
+    row_bytes = scenario.layout.config.row_format.row_bytes
+    followers = list(range(1, layers))
+    with Rig(hisparse_backend, scenario.layout, seed=params.seed) as rig:
+        for step, _ in scenario.steps:
+            plan = rig.resolve(step, gather=False).plan()
+            follower = data.draw(st.sampled_from(followers), label="follower")
+            some = data.draw(st.lists(st.sampled_from(followers), min_size=1, unique=True), label="replayed")
+            for action, written in ((lambda: rig.runtime.gather_misses(follower), [follower]),
+                                    (lambda: rig.runtime.replay_plan(some), some),
+                                    (lambda: rig.runtime.gather_misses(0), [0]),
+                                    (lambda: rig.runtime.replay_plan(), followers)):
+                before = [rig.device_cache_bytes(layer) for layer in range(layers)]
+                h2d = rig.stats()[3]
+                action()
+                for layer in range(layers):
+                    changed = _changed_rows(before[layer], rig.device_cache_bytes(layer), row_bytes)
+                    if layer not in written:
+                        assert not changed, f"layer {layer} was written; only {written} were asked for"
+                        continue
+                    assert changed <= {d for _, d in plan}, f"layer {layer}: rows outside the plan were written"
+                    if plan:
+                        assert torch.equal(rig.device_bytes(layer, [d for _, d in plan]),
+                                           rig.host_bytes(layer, [h for h, _ in plan]))
+                assert rig.stats()[3] - h2d == len(plan) * row_bytes * len(written)

@@ -1,0 +1,121 @@
+"""The host pool: layer views of the right geometry that keep what is written, a layer-major
+private layout, idempotent release, and shared pools that peers see (docs/resolver-contract.md,
+hisparse_core/host_pool.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hisparse_core.backend import Backend, Capability
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
+from hisparse_core.host_pool import HostPoolSpec
+
+from hisparse_conformance.examples import examples
+from hisparse_conformance.rig import usable_format
+from hisparse_conformance.scenario import random_bytes
+
+FORMATS = [
+    pytest.param(FP8_DS_MLA, marks=pytest.mark.requires_capability(Capability.FP8_DS_MLA), id="fp8_ds_mla"),
+    pytest.param(BF16_MLA, marks=pytest.mark.requires_capability(Capability.BF16_MLA), id="bf16_mla"),
+]
+
+specs = st.builds(lambda layers, blocks, bs: (layers, blocks, bs), st.integers(1, 4), st.integers(1, 12),
+                  st.sampled_from([1, 2, 16, 64]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@examples(15)
+@given(geometry=specs, seed=st.integers(0, 2**32 - 1))
+def test_layer_views_keep_their_bytes(hisparse_backend: Backend, fmt: RowFormat,
+                                      geometry: tuple[int, int, int], seed: int) -> None:
+    layers, blocks, bs = geometry
+    spec = HostPoolSpec(num_layers=layers, num_blocks=blocks, block_size=bs, row_format=fmt)
+    with hisparse_backend.create_host_pool(spec) as pool:
+        assert pool.spec == spec and pool.nbytes == spec.nbytes and pool.is_writer and not pool.released
+        views = pool.layer_views()
+        assert len(views) == layers
+        written = []
+        for layer, view in enumerate(views):
+            assert view.shape == (blocks * bs, fmt.width) and view.dtype == fmt.dtype
+            assert view.device.type == "cpu", f"layer {layer} view is on {view.device}; host rows live on the host"
+            data = random_bytes((blocks * bs, fmt.row_bytes), seed, layer)
+            view.view(torch.uint8).copy_(data)
+            written.append(data)
+        for layer in range(layers):  # every write landed in its own layer, and a new view sees it
+            assert torch.equal(pool.layer_view(layer).view(torch.uint8).cpu(), written[layer]), f"layer {layer}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_private_pool_is_layer_major(hisparse_backend: Backend, fmt: RowFormat) -> None:
+    """Host row g of layer l is at base + (l * rows + g) * row_bytes (HostPoolSpec's layout)."""
+    spec = HostPoolSpec(num_layers=3, num_blocks=5, block_size=4, row_format=fmt)
+    with hisparse_backend.create_host_pool(spec) as pool:
+        base = pool.layer_view(0).data_ptr()
+        for layer in range(spec.num_layers):
+            view = pool.layer_view(layer)
+            assert view.is_contiguous()
+            assert view.data_ptr() - base == layer * spec.rows_per_layer * fmt.row_bytes
+
+
+def test_release_is_idempotent_and_final(hisparse_backend: Backend) -> None:
+    spec = HostPoolSpec(num_layers=2, num_blocks=3, block_size=2)
+    pool = hisparse_backend.create_host_pool(spec)
+    with pytest.raises(InvalidInputError):
+        pool.layer_view(2)
+    with pytest.raises(InvalidInputError):
+        pool.layer_view(-1)
+    pool.release()
+    assert pool.released
+    pool.release()
+    assert pool.released
+    with pytest.raises(InvalidInputError):
+        pool.layer_view(0)
+    with hisparse_backend.create_host_pool(spec) as other:
+        assert not other.released
+    assert other.released
+
+
+def test_shared_pool_needs_the_capability(hisparse_backend: Backend) -> None:
+    if Capability.SHARED_HOST_POOL in hisparse_backend.capabilities:
+        pytest.skip(f"backend declares {Capability.SHARED_HOST_POOL}")
+    spec = HostPoolSpec(num_layers=1, num_blocks=2, block_size=2, shared=True, name=f"conf-{uuid.uuid4().hex}")
+    with pytest.raises(InvalidInputError):
+        hisparse_backend.create_host_pool(spec)
+
+
+@pytest.mark.requires_capability(Capability.SHARED_HOST_POOL)
+def test_shared_pool_peers_see_the_writers_bytes(hisparse_backend: Backend) -> None:
+    """Rank 0 creates and writes a shared pool; rank 1, in another process as in tensor
+    parallelism, maps it and reads the same bytes in every layer."""
+    fmt = usable_format(hisparse_backend)
+    seed = random.SystemRandom().randrange(2**32)
+    spec = HostPoolSpec(num_layers=2, num_blocks=3, block_size=4, row_format=fmt, shared=True,
+                        name=f"hisparse-conformance-{os.getpid()}-{uuid.uuid4().hex[:12]}", world_size=2)
+    with hisparse_backend.create_host_pool(spec) as writer:
+        assert writer.is_writer
+        digests = []
+        for layer in range(spec.num_layers):
+            data = random_bytes((spec.rows_per_layer, fmt.row_bytes), seed, layer)
+            writer.layer_view(layer).view(torch.uint8).copy_(data)
+            digests.append(hashlib.sha256(data.numpy().tobytes()).hexdigest())
+        factory = f"{type(hisparse_backend).__module__}:{type(hisparse_backend).__qualname__}"
+        request = json.dumps({"factory": factory, "spec": {
+            "num_layers": spec.num_layers, "num_blocks": spec.num_blocks, "block_size": spec.block_size,
+            "row_format": fmt.name, "name": spec.name, "world_size": 2, "rank": 1}})
+        done = subprocess.run([sys.executable, "-m", "hisparse_conformance.peer", request], capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert done.returncode == 0, f"rank 1 failed:\n{done.stdout}\n{done.stderr}"
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        assert report == {"is_writer": False, "digests": digests}

@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         on_eval=lambda n, best: bar.update(1, note=f"{n} evals, best err {best:.4f}"))
     p = cal.params
     print(f"LocalityParams(persistence={p.persistence:.4f}, jitter={p.jitter:.4f}, refresh={p.refresh:.5f}, "
-          f"pool_multiple={p.pool_multiple}, recent_window={p.recent_window})")
+          f"pool_multiple={p.pool_multiple}, recent_fraction={p.recent_fraction:g})")
     for m in sorted(cal.targets):
         print(f"  hot buffer {m}x top-k: miss {cal.measured[m]:.2%} (target {cal.targets[m]:.2%})")
     print(f"  error (sum of squared log ratios): {cal.error:.5f}")

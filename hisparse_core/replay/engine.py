@@ -180,6 +180,11 @@ class ReplayEngine:
         # State rows: the GPU can never hold more running requests than this bound.
         upper = max(1, p.gpu_blocks // max(1, min(p.steady_blocks_per_request, p.baseline_blocks_per_request)))
         self.max_running = c.concurrency if c.concurrency else upper
+        if p.gpu_blocks < self.admission_blocks:
+            raise CapacityError(
+                f"GPU KV budget of {c.gpu_kv_bytes} B holds {p.gpu_blocks} blocks of {p.block_bytes} B; one admission "
+                f"of a {c.max_tokens}-token request needs {self.admission_blocks} ({self.pages_per_request} pages + "
+                f"{self.indexer_blocks} indexer + {self.hot_blocks} hot): raise --gpu-kv or lower --context")
         self.gpu = SimpleGpuBlockPool(p.gpu_blocks)
         self.coordinator = HiSparseCoordinator(CoordinatorConfig(
             host_pool_gib=c.host_bytes / GIB, num_layers=c.layers, block_size=bs, row_bytes=self.fmt.row_bytes,

@@ -4,8 +4,8 @@ Model (per request and index group). A *pool* of candidate positions, `pool_mult
 of them, drawn from the request's history (everything but the recent window). Each candidate
 carries a slow score, an AR(1) process with stationary variance 1 (`persistence` is its
 per-step coefficient), and every step sees an independent jitter on top of it. The step's top-k
-is the `recent_window` newest positions (local attention) plus the candidates with the highest
-slow+jitter scores. Each step every candidate is, with probability `refresh`, replaced by a
+is the `recent_fraction * top_k` newest positions (local attention; 64 at top-k 2048) plus the
+candidates with the highest slow+jitter scores. Each step every candidate is, with probability `refresh`, replaced by a
 fresh random history position with a fresh score: the slow drift of what the model attends to.
 
 - Jitter makes positions near the selection threshold flicker in and out: a hot buffer of
@@ -38,7 +38,7 @@ class LocalityParams:
     jitter: float
     refresh: float
     pool_multiple: float = 4.0
-    recent_window: int = 64
+    recent_fraction: float = 1 / 32
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.persistence < 1.0:
@@ -49,8 +49,8 @@ class LocalityParams:
             raise ValueError(f"refresh must be in [0, 1], got {self.refresh}")
         if self.pool_multiple < 1.0:
             raise ValueError(f"pool_multiple must be >= 1 (the pool must hold a top-k), got {self.pool_multiple}")
-        if self.recent_window < 0:
-            raise ValueError(f"recent_window must be >= 0, got {self.recent_window}")
+        if not 0.0 <= self.recent_fraction <= 1.0:
+            raise ValueError(f"recent_fraction must be in [0, 1], got {self.recent_fraction}")
 
     def scaled(self, locality: float) -> LocalityParams:
         """The same process observed on a time axis stretched by `locality` (> 0).
@@ -152,7 +152,7 @@ class SyntheticIndexer:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self._last_seq_len = seq_len
         k, rng, par = self.top_k, self._rng, self.params
-        recent = min(par.recent_window, seq_len, k)
+        recent = min(round(par.recent_fraction * k), seq_len, k)
         history = seq_len - recent
         out = np.full((self.num_groups, k), -1, dtype=np.int32)
         if history > 0:

@@ -29,7 +29,7 @@ def test_topk_is_distinct_and_in_context(seq_len: int) -> None:
 
 
 def test_recent_window_is_always_selected() -> None:
-    ix = SyntheticIndexer(128, 1, LocalityParams(0.9, 0.3, 0.02, recent_window=16), seed=0)
+    ix = SyntheticIndexer(128, 1, LocalityParams(0.9, 0.3, 0.02, recent_fraction=16 / 128), seed=0)
     for seq_len in range(2000, 2010):
         row = ix.step(seq_len)[0]
         assert set(range(seq_len - 16, seq_len)) <= set(row.tolist())

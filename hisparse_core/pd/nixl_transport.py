@@ -427,12 +427,12 @@ class NixlDecoderTransport(ImportTransport):
     def close(self) -> None:
         if self.closed:
             return
+        for engine_id in self._peers.engine_ids():  # disconnect first: nothing can land after this
+            self._unload(engine_id)
         for handle in list(self._live.values()):
             if not self.release(handle):
                 logger.error("closing %s with read %d still in flight; NIXL would not cancel it",
                              self._agent.name, handle.read_id)
-        for engine_id in self._peers.engine_ids():
-            self._unload(engine_id)
         self._live.clear()
         self._agent.close()
 

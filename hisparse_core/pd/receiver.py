@@ -4,10 +4,14 @@
 chunks; nothing is posted for a job that fails validation (a stale generation, an out-of-range
 page or block, a geometry mismatch): it is reported failed at the next `poll`. `poll()` posts
 queued chunks within the in-flight budget, checks posted reads, copies staged chunks into the
-host pool, fails requests whose reads errored or whose deadline passed, releases the reads of
-failed or cancelled requests, and returns the receives that ended. A failed request is reported
-only after every read it had in flight was released, so its host blocks may be reused the moment
-the scheduler sees the failure.
+host pool, fails requests whose reads errored or whose deadline passed, and returns the
+receives that ended.
+
+A failed or cancelled request is reported only once no read of it can still write: a read in
+flight to a live peer is left to finish; one to a peer that stopped answering (a deadline passed
+with reads in flight) is cancelled only after the connection to that peer was closed, which
+fails every import from it. So the scheduler may reuse a failed request's host blocks the moment
+it sees the failure.
 
 Landing: without a staging buffer, reads land directly in the host pool (which the transport
 registered); with one, each chunk is read into a staging slot and copied into the host blocks.
@@ -80,8 +84,8 @@ class HostImportReceiver:
     # -- peers ------------------------------------------------------------------------------
 
     def add_peer(self, handshake: PrefillHandshake) -> None:
-        """Hold `handshake` for its engine. A newer epoch replaces the older one; imports still
-        reading from the older generation fail (their pages belong to a dead registration)."""
+        """Hold `handshake` for its engine. A newer epoch replaces the older one (and drops the old
+        connection); imports still reading from the older generation fail."""
         if self._staging is not None and self._staging.slot_bytes < handshake.page_bytes:
             raise InvalidInputError(
                 f"staging slots of {self._staging.slot_bytes} B cannot hold one {handshake.page_bytes} B page of "
@@ -93,13 +97,20 @@ class HostImportReceiver:
             if record.plan.engine_id == handshake.engine_id and record.plan.epoch != handshake.epoch:
                 self._abort(record, f"stale handshake: prefill engine {handshake.engine_id!r} restarted "
                                     f"(epoch {record.plan.epoch} -> {handshake.epoch}) during the import")
+        self._release_orphans()
 
     def remove_peer(self, engine_id: str) -> None:
+        """Drop an engine's connection; its open imports fail."""
+        self._disconnect(engine_id, f"prefill engine {engine_id!r} was removed during the import")
+
+    def _disconnect(self, engine_id: str, reason: str) -> None:
+        """Close the connection to `engine_id` (so nothing more can land from it), fail its imports
+        and release their reads."""
         for record in self._ledger.records():
             if record.plan.engine_id == engine_id:
-                self._abort(record, f"prefill engine {engine_id!r} was removed during the import")
-        self._release_aborted()
+                self._abort(record, reason)
         self._transport.remove_peer(engine_id)
+        self._release_orphans()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -131,8 +142,9 @@ class HostImportReceiver:
                      plan.num_pages, plan.num_layers, plan.total_bytes, handshake.describe(), len(chunks))
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel an open import; it is reported failed ("cancelled") once its reads are released.
-        Returns False if the request has no open import."""
+        """Cancel an open import: nothing more is posted, reads in flight finish (or fail, or time
+        out) and the request is reported failed ("cancelled") once none is left. Returns False if
+        the request has no open import."""
         record = self._ledger.get(request_id)
         if record is None:
             return False
@@ -144,7 +156,7 @@ class HostImportReceiver:
         self._post()
         self._check()
         self._expire()
-        self._release_aborted()
+        self._release_orphans()
         report = self._ledger.settle()
         self._announce(report)
         return report
@@ -157,23 +169,18 @@ class HostImportReceiver:
         record = self._ledger.get(request_id)
         return None if record is None else record.phase
 
-    def close(self, *, drain_timeout_s: float = 5.0) -> RecvReport:
-        """Cancel every open import and release its reads. Returns the final report."""
+    def close(self) -> RecvReport:
+        """Fail every open import, drop the connections they read from, release their reads.
+        Returns the final report (the caller releases the failed imports' leases)."""
         if self._closed:
             return RecvReport()
-        for record in self._ledger.records():
-            self._abort(record, "cancelled: the decoder is shutting down")
-        deadline = time.monotonic() + drain_timeout_s
-        report = RecvReport()
-        while True:
-            self._release_aborted()
-            report = report.merge(self._ledger.settle())
-            if not len(self._ledger) or time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
+        engines = {record.plan.engine_id for record in self._ledger.records()}
+        for engine_id in sorted(engines):
+            self._disconnect(engine_id, "cancelled: the decoder is shutting down")
+        report = self._ledger.settle()
         if len(self._ledger):
-            logger.error("%d host import(s) still have reads the transport could not cancel after %.1fs",
-                         len(self._ledger), drain_timeout_s)
+            logger.error("%d host import(s) keep reads the transport could not cancel; their host blocks must "
+                         "not be reused", len(self._ledger))
         self._closed = True
         self._announce(report)
         return report
@@ -214,41 +221,54 @@ class HostImportReceiver:
                 budget -= 1
 
     def _check(self) -> None:
+        """Retire finished reads: land them (READING) or drop them (ABORTING)."""
         for record in self._ledger.records():
-            if record.phase is not ImportPhase.READING:
-                continue
             for read_id, read in list(record.in_flight.items()):
                 status = self._transport.check(read.handle)
                 if status.state is ReadState.IN_FLIGHT:
                     continue
-                if status.state is ReadState.FAILED:
-                    self._abort(record, f"read from {record.plan.engine_id!r} failed: {status.error}")
-                    break
                 if not self._transport.release(read.handle):  # a finished read always releases
                     continue
-                self._ledger.landed(record, read_id)
+                if status.state is ReadState.DONE and record.phase is ImportPhase.READING:
+                    self._ledger.landed(record, read_id)
+                    if read.staging_slot is not None:
+                        assert self._staging is not None
+                        self._staging.copy_out(read.staging_slot, read.chunk, self._pool, record.plan.page_bytes)
+                else:
+                    self._ledger.released(record, read_id)
+                    if status.state is ReadState.FAILED:
+                        self._abort(record, f"read from {record.plan.engine_id!r} failed: {status.error}")
                 if read.staging_slot is not None:
                     assert self._staging is not None
-                    try:
-                        self._staging.copy_out(read.staging_slot, read.chunk, self._pool, record.plan.page_bytes)
-                    finally:
-                        self._staging.release(read.staging_slot)
+                    self._staging.release(read.staging_slot)
 
     def _expire(self) -> None:
+        """A request past its deadline fails. If it still has reads in flight (also after a cancel)
+        the peer is not answering: its connection is closed, so no late write can land, and every
+        import reading from it fails."""
         now = self._clock()
         for record in self._ledger.records():
-            if record.phase is ImportPhase.READING and now > record.deadline:
-                self._abort(record, f"timed out after {self._config.timeout_s:g}s with "
-                                    f"{record.bytes_landed}/{record.plan.total_bytes} bytes landed from "
-                                    f"{record.plan.engine_id!r}")
+            if now <= record.deadline or record.request_id not in self._ledger:
+                continue
+            reason = (f"timed out after {self._config.timeout_s:g}s with {record.bytes_landed}/"
+                      f"{record.plan.total_bytes} bytes landed from {record.plan.engine_id!r}")
+            self._abort(record, reason)
+            if record.in_flight:
+                self._disconnect(record.plan.engine_id, f"prefill engine {record.plan.engine_id!r} stopped "
+                                                        f"answering reads (request {record.request_id} {reason})")
 
-    def _release_aborted(self) -> None:
+    def _release_orphans(self) -> None:
+        """Cancel the in-flight reads of aborted imports whose connection is gone; reads to a live
+        peer are left to finish (cancelling them could let a late write land in a reused block)."""
         for record in self._ledger.records():
             if record.phase is not ImportPhase.ABORTING:
                 continue
+            held = self._transport.peer(record.plan.engine_id)
+            if held is not None and held.epoch == record.plan.epoch:
+                continue
             for read_id, read in list(record.in_flight.items()):
                 if not self._transport.release(read.handle):
-                    continue  # cannot cancel yet; its destination stays reserved until it can
+                    continue
                 self._ledger.released(record, read_id)
                 if read.staging_slot is not None:
                     assert self._staging is not None

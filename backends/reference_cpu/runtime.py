@@ -40,6 +40,7 @@ class ReferenceRuntime(CacheRuntime):
             plan_counts=torch.zeros(b, dtype=torch.int32),
         )
         self._stats = RuntimeStats()
+        self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # as given to bind
         self._host: list[torch.Tensor] = []  # per layer [host_rows, row_bytes] uint8
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks * bs, row_bytes] uint8
         self._resident_group = 0
@@ -65,9 +66,19 @@ class ReferenceRuntime(CacheRuntime):
 
     @property
     def host_layers(self) -> list[torch.Tensor]:
-        """The bound host views as `uint8` rows (for the transfer engine and tests)."""
+        """The host views given to `bind`."""
         self._require_bound()
-        return list(self._host)
+        return list(self._bound[0])
+
+    @property
+    def device_layers(self) -> list[torch.Tensor]:
+        """The device caches given to `bind`."""
+        self._require_bound()
+        return list(self._bound[1])
+
+    @property
+    def resident_group(self) -> int:
+        return self._resident_group
 
     def bind(self, host_layers: Sequence[torch.Tensor], device_layers: Sequence[torch.Tensor],
              *, resident_group: int = 0) -> None:
@@ -94,6 +105,7 @@ class ReferenceRuntime(CacheRuntime):
                 check_tensor(f"{name}[{l}]", t, shape, fmt.dtype, CPU)
                 if not t.is_contiguous():
                     raise InvalidInputError(f"{name}[{l}] is not contiguous; expected contiguous rows")
+        self._bound = (list(host_layers), list(device_layers))
         self._host = [t.view(torch.uint8) for t in host_layers]
         self._dev = [t.view(-1, fmt.width).view(torch.uint8) for t in device_layers]
         self._resident_group = resident_group

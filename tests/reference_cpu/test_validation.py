@@ -217,9 +217,7 @@ BAD_CALLS: dict[str, Callable[[ReferenceRuntime], None]] = {
 def _grouped(rt: ReferenceRuntime, group: int) -> ReferenceRuntime:
     """A runtime over the same storage that reads resident group `group` of the wire objects."""
     other = ReferenceRuntime(rt.config)
-    width = CFG.row_format.width
-    other.bind([t.view(CFG.row_format.dtype) for t in rt.host_layers],
-               [t.view(CFG.row_format.dtype).view(-1, CFG.block_size, width) for t in rt._dev], resident_group=group)
+    other.bind(rt.host_layers, rt.device_layers, resident_group=group)
     return other
 
 

@@ -5,8 +5,9 @@ of them, drawn from the request's history (everything but the recent window). Ea
 carries a slow score, an AR(1) process with stationary variance 1 (`persistence` is its
 per-step coefficient), and every step sees an independent jitter on top of it. The step's top-k
 is the `recent_fraction * top_k` newest positions (local attention; 64 at top-k 2048) plus the
-candidates with the highest slow+jitter scores. Each step every candidate is, with probability `refresh`, replaced by a
-fresh random history position with a fresh score: the slow drift of what the model attends to.
+candidates with the highest slow+jitter scores. Each step every candidate is, with probability
+`refresh`, replaced by a fresh random history position with a fresh score: the slow drift of
+what the model attends to.
 
 - Jitter makes positions near the selection threshold flicker in and out: a hot buffer of
   1x top-k misses them, 2x-4x catches them (the LRU gain).

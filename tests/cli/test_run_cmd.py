@@ -115,3 +115,9 @@ def test_run_fails_on_a_wrong_row(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     code = main(["run", "--backend", "reference_cpu", *SMALL, "--steps", "4"])
     err = capsys.readouterr().err
     assert code == 1 and "FAILED" in err and "layer 1" in err and "position 700" in err and "req-0" in err
+
+
+def test_run_concurrency_cap() -> None:
+    doc = _run_json("--concurrency", "3", "--steps", "12")
+    s = doc["summary"]
+    assert s["max_concurrency_hisparse_measured"] == 3 and doc["config"]["state_rows"] == 3

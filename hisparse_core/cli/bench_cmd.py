@@ -39,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--row-format", default=d.row_format, choices=["fp8_ds_mla", "bf16_mla"])
     p.add_argument("--locality", type=float, default=d.locality,
                    help="time scale of top-k drift: 1 = calibrated to published LRU miss rates, >1 more local")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="first steps left out of the steady-state figures")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"first steps left out of the steady-state figures (default: {d.warmup}, at most steps-1)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
@@ -89,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig(requests=args.requests, context=args.context, steps=args.steps, top_k=args.top_k,
                              hot_multiple=args.hot, layers=args.layers, index_share=args.index_share,
                              block_size=args.block_size, tail_pages=args.tail_pages, row_format=args.row_format,
-                             locality=args.locality, warmup=args.warmup, seed=args.seed)
+                             locality=args.locality, seed=args.seed,
+                             warmup=args.warmup if args.warmup is not None else min(4, max(0, args.steps - 1)))
         backend = select_backend(args.backend)
         with ProgressBar(config.steps, "bench", enabled=not args.no_progress) as bar:
             totals = {"hits": 0, "misses": 0}

@@ -165,6 +165,25 @@ class Bench:
 
     # ------------------------------------------------------------------ scenarios
 
+    def profile_target(self) -> None:
+        """A few eager calls of each kind, for a profiler to attach to (`--profile-target`)."""
+        from hisparse_core.runtime import ResolveInputs
+
+        for b, resident in ((1, False), (64, False), (64, True)):
+            rt = self.runtime(b)
+            source, res, hot = self.tables(b, resident=resident)
+            inp = ResolveInputs(self.windows(b, 1, K)[0], torch.arange(b, dtype=torch.int32, device=self.dev),
+                                torch.full((b,), CTX, dtype=torch.int32, device=self.dev), source, res, hot)
+            for _ in range(3):
+                rt.resolve(inp, gather=False, validate=False)
+        rt = self.runtime(1)
+        source, res, hot = self.tables(1, resident=False)
+        state = torch.zeros(1, dtype=torch.int32, device=self.dev)
+        lens = torch.full((1,), CTX, dtype=torch.int32, device=self.dev)
+        for t in self.windows(1, 32, MISSES)[:12]:
+            rt.resolve(ResolveInputs(t, state, lens, source, res, hot), gather=True, validate=False)
+        torch.cuda.synchronize()
+
     def hits(self, b: int, threads: int | None = None) -> tuple[float, dict]:
         from hisparse_core.runtime import ResolveInputs
 
@@ -234,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=50, help="timed graph replays per figure (median)")
     ap.add_argument("--json", help="also write the table as JSON to this path")
+    ap.add_argument("--profile-target", action="store_true",
+                    help="only run a few eager resolves and gathers (hits B=1 and 64, resident B=64, 274 misses "
+                         "B=1) for a kernel profiler such as ncu, then exit")
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=V[,VAR=V]",
                     help="also time the miss scenarios with these tuning variables (e.g. HISPARSE_COPY_LOAD=2); "
                          "repeatable")
@@ -242,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_nvidia: no CUDA device", file=sys.stderr)
         return 2
     bench = Bench(args.replays)
+    if args.profile_target:
+        bench.profile_target()
+        bench.pool.release()
+        return 0
     rows: list[Row] = []
     floor = bench.time_graph(bench.floor_graph(32), 32)
     note_floor = f"graph node floor {floor:.2f} us"

@@ -4,7 +4,7 @@
 # the benchmark. Every stage logs to $OUT (default ./out) and the script ends with a summary; a
 # failing stage does not stop the later ones.
 #
-#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests conformance memcheck racecheck bench
+#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests conformance memcheck racecheck ncu bench
 #
 # Stage time limits (seconds) come from T_ENV, T_TESTS, T_CONFORMANCE, T_MEMCHECK, T_RACECHECK and
 # T_BENCH; BENCH_ARGS passes extra arguments to bench/bench_nvidia.py.
@@ -92,6 +92,12 @@ racecheck)
     run racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --report-api-errors no --racecheck-report hazard --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[2]" \
         "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[2]"
+    ;;
+ncu)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    run ncu "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
+        -k regex:hisparse_ --launch-skip 2 --launch-count 14 python3 bench/bench_nvidia.py --profile-target
     ;;
 bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}

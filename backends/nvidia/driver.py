@@ -105,10 +105,11 @@ class Function:
             self._dynamic_smem = nbytes
 
     def launch(self, grid: tuple[int, int, int], block: int, smem: int, stream: int,
-               args: Sequence[ctypes._SimpleCData], *, overlap_previous: bool = False) -> None:
+               args: Sequence[ctypes._SimpleCData | ctypes.Structure], *, overlap_previous: bool = False) -> None:
         """Enqueue the kernel on the CUDA stream handle `stream` (capturable in a CUDA graph).
 
-        `args` are ctypes scalars in the kernel's parameter order (c_void_p for pointers).
+        `args` are ctypes scalars (c_void_p for pointers) or structures passed by value, in the
+        kernel's parameter order.
         `overlap_previous` launches with programmatic stream serialization (Hopper and newer):
         the kernel may be scheduled while the previous kernel of the stream still runs, and
         must itself wait (`griddepcontrol.wait`) before reading what that kernel wrote. Where

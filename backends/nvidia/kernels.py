@@ -8,6 +8,7 @@ configuration and the disk cache stays small. `runtime_builds` lists the builds 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Iterable
@@ -33,6 +34,21 @@ MAINTAIN_THREADS = 256
 _RESOLVE_STATIC_SMEM_SLACK = 64
 
 
+class FastDiv(ctypes.Structure):
+    """Kernel argument `HsDiv` (kernels/common.cuh): divide non-negative ints by `d` with a
+    multiply-high and a shift, q = (umulhi(n, m) + n) >> s."""
+
+    _fields_ = [("d", ctypes.c_int32), ("m", ctypes.c_uint32), ("s", ctypes.c_uint32)]
+
+    @classmethod
+    def of(cls, d: int) -> FastDiv:
+        if d < 1 or d >= 2**31:
+            raise InvalidInputError(f"divisor {d} out of range [1, 2^31)")
+        s = (d - 1).bit_length()
+        m = ((1 << 32) * ((1 << s) - d)) // d + 1
+        return cls(d, m, s)
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -46,11 +62,12 @@ class ResolverShape:
     lru_per_thread: int
     hash_bits: int
     dynamic_smem: int
+    multi_row: bool = True
 
     @property
     def build(self) -> KernelBuild:
         return KernelBuild.of("resolve.cu", {"HS_NT": self.threads, "HS_EPT": self.entries_per_thread,
-                                          "HS_CPT": self.lru_per_thread})
+                                          "HS_CPT": self.lru_per_thread, "HS_MULTI": int(self.multi_row)})
 
     @property
     def static_smem(self) -> int:
@@ -70,7 +87,7 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None) -> Resolve
     hash_slots = max(2, _next_pow2(2 * union))
     smem = 4 * (2 * hash_slots + config.hot_blocks + 3 * config.rows_per_request) + 2 * h
     return ResolverShape(threads, -(-union // threads), -(-h // threads), hash_slots.bit_length() - 1,
-                         -(-smem // 16) * 16)
+                         -(-smem // 16) * 16, config.rows_per_request > 1)
 
 
 @dataclass(frozen=True, slots=True)

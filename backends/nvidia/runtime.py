@@ -39,6 +39,7 @@ from hisparse_nvidia.kernels import (
     MAINTAIN_BUILD,
     MAINTAIN_THREADS,
     CopyShape,
+    FastDiv,
     LoadedKernels,
     resolver_shape,
 )
@@ -250,8 +251,8 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
              _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host), _ptr(out.plan_device),
              _ptr(out.plan_counts), _ptr(self._stats),
-             _i32(b), _i32(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages), _i32(cfg.block_size),
-             _i32(cfg.rows_per_request), _i32(shape.hash_bits),
+             _i32(b), FastDiv.of(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages),
+             FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)])
         self._last_rows = b
         if gather:

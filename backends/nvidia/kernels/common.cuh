@@ -17,6 +17,18 @@ __device__ __forceinline__ u32 hs_hash(i32 key, u32 shift) {
     return (static_cast<u32>(key) * 2654435761u) >> shift;
 }
 
+// Division of non-negative ints (< 2^31) by a run-time divisor d >= 1 with a multiply and a
+// shift: m and s come from the host (kernels.FastDiv): q = (umulhi(n, m) + n) >> s.
+struct HsDiv {
+    i32 d;
+    u32 m;
+    u32 s;
+    __device__ __forceinline__ i32 div(i32 n) const {
+        return static_cast<i32>((__umulhi(static_cast<u32>(n), m) + static_cast<u32>(n)) >> s);
+    }
+    __device__ __forceinline__ i32 mod(i32 n) const { return n - div(n) * d; }
+};
+
 __device__ __forceinline__ u32 hs_lanemask_lt() {
     u32 m;
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
@@ -62,6 +74,7 @@ __device__ __forceinline__ i32 hs_warp_exclusive_scan(i32* counts, i32 n) {
     const i32 lo = lane * per;
     const i32 hi = min(lo + per, n);
     i32 local = 0;
+#pragma unroll 1
     for (i32 i = lo; i < hi; ++i) local += counts[i];
     i32 incl = local;
 #pragma unroll
@@ -70,6 +83,7 @@ __device__ __forceinline__ i32 hs_warp_exclusive_scan(i32* counts, i32 n) {
         if (lane >= d) incl += v;
     }
     i32 run = incl - local;
+#pragma unroll 1
     for (i32 i = lo; i < hi; ++i) {
         i32 c = counts[i];
         counts[i] = run;

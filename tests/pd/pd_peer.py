@@ -1,8 +1,8 @@
-"""A prefill engine in its own process, driven over a pipe by the P/D tests and the bench.
+"""Prefill engines in their own process, driven over a pipe by the P/D tests and the bench.
 
-The child fills real KV pages with fresh random bytes, serves them through `NixlPrefillServer`
-and answers commands; `PrefillPeer` is the parent's handle on it. Replies are plain picklable
-values (bytes, tensors, tuples).
+One child process hosts one or more prefill engines; each fills real KV pages with fresh random
+bytes and serves them through its own `NixlPrefillServer`. `PrefillPeer` is the parent's handle.
+Replies are plain picklable values (bytes, tensors, lists).
 """
 
 from __future__ import annotations
@@ -14,22 +14,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PEER_START_TIMEOUT_S = 60.0
+PEER_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
-class PeerSpec:
+class EngineSpec:
     engine_id: str
     num_layers: int
     num_pages: int
     block_size: int
     row_format: str = "fp8_ds_mla"
     epoch: int = 1
-    page_pad_rows: int = 0  # extra rows between pages (a strided, non-dense page layout)
-    env: tuple[tuple[str, str], ...] = ()
+    page_pad_rows: int = 0  # extra rows between pages: a strided, non-dense page layout
 
 
-def _make_pages(spec: PeerSpec) -> list[Any]:
+def _make_pages(spec: EngineSpec) -> list[Any]:
     import torch
 
     from hisparse_core.geometry import row_format
@@ -45,85 +44,103 @@ def _make_pages(spec: PeerSpec) -> list[Any]:
     return layers
 
 
-def _serve(conn: Any, spec: PeerSpec) -> None:  # runs in the child
-    for k, v in spec.env:
-        os.environ[k] = v
+class _Engine:
+    def __init__(self, spec: EngineSpec, epoch: int) -> None:
+        from hisparse_core.geometry import row_format
+        from hisparse_core.pd.nixl_transport import NixlPrefillServer
+
+        self.spec, self.epoch = spec, epoch
+        self.layers = _make_pages(spec)
+        self.server = NixlPrefillServer(spec.engine_id, epoch, self.layers, block_size=spec.block_size,
+                                        row_format=row_format(spec.row_format))
+
+
+def _serve(conn: Any, specs: tuple[EngineSpec, ...]) -> None:  # runs in the child
     import torch
 
-    from hisparse_core.geometry import row_format
-    from hisparse_core.pd.nixl_transport import NixlPrefillServer
-
-    fmt = row_format(spec.row_format)
-    epoch = spec.epoch
-    layers = _make_pages(spec)
-    server = NixlPrefillServer(spec.engine_id, epoch, layers, block_size=spec.block_size, row_format=fmt)
-    conn.send(("ready", server.handshake().to_bytes()))
+    engines = {s.engine_id: _Engine(s, s.epoch) for s in specs}
+    conn.send(("ready", {eid: e.server.handshake().to_bytes() for eid, e in engines.items()}))
     while True:
         cmd, *args = conn.recv()
-        if cmd == "remote":
-            rid, pages, num_tokens = args
-            conn.send(server.remote_prefill(rid, pages, num_tokens).to_bytes())
-        elif cmd == "pages":
-            (pages,) = args
-            idx = torch.tensor(list(pages), dtype=torch.long)
-            conn.send(torch.stack([layer[idx].contiguous() for layer in layers]))
-        elif cmd == "notices":
-            conn.send([(n.request_id, n.ok) for n in server.take_notices()])
-        elif cmd == "outstanding":
-            conn.send(sorted(server.outstanding))
-        elif cmd == "close":
-            server.close()
-            conn.send("closed")
-        elif cmd == "restart":
-            server.close()
-            epoch += 1
-            layers = _make_pages(spec)
-            server = NixlPrefillServer(spec.engine_id, epoch, layers, block_size=spec.block_size, row_format=fmt)
-            conn.send(server.handshake().to_bytes())
-        elif cmd == "exit":
-            server.close()
+        if cmd == "exit":
+            for e in engines.values():
+                e.server.close()
             conn.send("bye")
             return
+        eng = engines[args[0]]
+        if cmd == "remote":
+            _, rid, pages, num_tokens = args
+            conn.send(eng.server.remote_prefill(rid, pages, num_tokens).to_bytes())
+        elif cmd == "pages":
+            idx = torch.tensor(list(args[1]), dtype=torch.long)
+            conn.send(torch.stack([layer[idx].contiguous() for layer in eng.layers]))
+        elif cmd == "notices":
+            conn.send([(n.request_id, n.ok) for n in eng.server.take_notices()])
+        elif cmd == "outstanding":
+            conn.send(sorted(eng.server.outstanding))
+        elif cmd == "close":  # deregister the pages and drop the agent; the engine stops serving
+            eng.server.close()
+            conn.send("closed")
+        elif cmd == "restart":  # a new generation: new pages, new agent, epoch + 1
+            eng.server.close()
+            engines[args[0]] = eng = _Engine(eng.spec, eng.epoch + 1)
+            conn.send(eng.server.handshake().to_bytes())
         else:
             conn.send(("error", f"unknown command {cmd!r}"))
 
 
 class PrefillPeer:
-    """Parent-side handle of a prefill child process."""
+    """Parent-side handle of a prefill child process hosting `specs`."""
 
-    def __init__(self, spec: PeerSpec) -> None:
+    def __init__(self, *specs: EngineSpec, env: dict[str, str] | None = None) -> None:
         ctx = mp.get_context("spawn")
-        self.spec = spec
+        self.specs = {s.engine_id: s for s in specs}
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, spec), daemon=True, name=f"prefill-{spec.engine_id}")
-        self.process.start()
-        child.close()
-        self.handshake_bytes = b""
-
-    def wait_ready(self) -> bytes:
-        if not self._conn.poll(PEER_START_TIMEOUT_S):
-            raise TimeoutError(f"prefill {self.spec.engine_id} did not start in {PEER_START_TIMEOUT_S}s")
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})  # a spawned child copies the environment at start
         try:
-            tag, hs = self._conn.recv()
+            self.process = ctx.Process(target=_serve, args=(child, specs), daemon=True,
+                                       name="prefill-" + "+".join(self.specs))
+            self.process.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        child.close()
+        self.handshakes: dict[str, bytes] = {}
+
+    def wait_ready(self) -> None:
+        if not self._conn.poll(PEER_START_TIMEOUT_S):
+            raise TimeoutError(f"{self.process.name} did not start in {PEER_START_TIMEOUT_S}s")
+        try:
+            tag, handshakes = self._conn.recv()
         except EOFError:
             self.process.join(5)
-            raise RuntimeError(f"prefill {self.spec.engine_id} exited with code {self.process.exitcode} before "
-                               f"serving; see its traceback above") from None
+            raise RuntimeError(f"{self.process.name} exited with code {self.process.exitcode} before serving; "
+                               f"see its traceback above") from None
         assert tag == "ready", tag
-        self.handshake_bytes = hs
-        return hs
+        self.handshakes = handshakes
 
     def call(self, *cmd: Any, timeout_s: float = 30.0) -> Any:
         self._conn.send(cmd)
         if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"prefill {self.spec.engine_id} did not answer {cmd[0]!r} in {timeout_s}s")
+            raise TimeoutError(f"{self.process.name} did not answer {cmd[0]!r} in {timeout_s}s")
         return self._conn.recv()
 
-    def remote(self, request_id: str, pages: Sequence[int], num_tokens: int) -> bytes:
-        return self.call("remote", request_id, list(pages), num_tokens)
+    def remote(self, engine_id: str, request_id: str, pages: Sequence[int], num_tokens: int) -> bytes:
+        return self.call("remote", engine_id, request_id, list(pages), num_tokens)
 
-    def pages(self, pages: Sequence[int]) -> Any:
-        return self.call("pages", list(pages))
+    def pages(self, engine_id: str, pages: Sequence[int]) -> Any:
+        return self.call("pages", engine_id, list(pages))
+
+    def restart(self, engine_id: str) -> bytes:
+        self.handshakes[engine_id] = self.call("restart", engine_id)
+        return self.handshakes[engine_id]
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(self.process.pid, sig)
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -131,20 +148,19 @@ class PrefillPeer:
         self.process.join(10)
 
     def stop(self) -> None:
+        """Close every engine cleanly (deregistration included), then end the process."""
         if self.process.is_alive():
             try:
                 self.call("exit", timeout_s=10)
             except (TimeoutError, EOFError, BrokenPipeError, ConnectionError):
                 pass
-            self.process.join(10)
-        if self.process.is_alive():
-            self.kill()
+            self.process.join(2)  # UCX teardown in a dying process is not what these tests measure
+        self.kill()
         self._conn.close()
 
 
-def start_peers(*specs: PeerSpec) -> list[PrefillPeer]:
-    """Start several prefill children in parallel and wait until each serves."""
-    peers = [PrefillPeer(s) for s in specs]
+def start_peers(*peers: PrefillPeer) -> list[PrefillPeer]:
+    """Wait until each (already spawned, starting in parallel) peer serves."""
     try:
         for p in peers:
             p.wait_ready()
@@ -152,4 +168,4 @@ def start_peers(*specs: PeerSpec) -> list[PrefillPeer]:
         for p in peers:
             p.kill()
         raise
-    return peers
+    return list(peers)

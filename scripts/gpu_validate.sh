@@ -96,8 +96,8 @@ racecheck)
 ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     run ncu "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
-        --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
-        -k regex:hisparse_ --launch-skip 2 --launch-count 14 python3 bench/bench_nvidia.py --profile-target
+        --section WarpStateStats --section SchedulerStats --section InstructionStats --print-details all \
+        -k regex:hisparse_ --launch-skip 2 --launch-count 12 python3 bench/bench_nvidia.py --profile-target
     ;;
 bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}

@@ -85,7 +85,8 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None) -> Resolve
     if threads not in (128, 256, 512, 1024):
         raise InvalidInputError(f"resolver threads per block must be 128, 256, 512 or 1024, got {threads}")
     hash_slots = max(2, _next_pow2(2 * union))
-    smem = 4 * (2 * hash_slots + config.hot_blocks + 3 * config.rows_per_request) + 2 * h
+    # keys, vals, ent, held/order, slots (padded to 4 bytes), htab, three per-row counters.
+    smem = 4 * (2 * hash_slots + union + h) + 2 * (h + (h & 1)) + 4 * (config.hot_blocks + 3 * config.rows_per_request)
     return ResolverShape(threads, -(-union // threads), -(-h // threads), hash_slots.bit_length() - 1,
                          -(-smem // 16) * 16, config.rows_per_request > 1)
 

@@ -1,24 +1,35 @@
 // The fused resolver (docs/resolver-contract.md): one thread block per batch row; the block of a
 // group's first row resolves the whole group (the speculative rows of one request) as one union.
 //
+// The kernel is short on purpose. Measured on an H200, a block spends most of its time fetching
+// instructions: each new 128-byte line of straight-line code costs an instruction-cache miss that
+// every warp of the block waits for, so time grows with the bytes of code executed rather than
+// with the work. Hence: only the global loads are unrolled (to overlap their latencies); every
+// other phase is a rolled loop over per-item state kept in shared memory; helpers used twice are
+// calls, not inlined copies.
+//
 // Compile-time constants (passed by the host as -D options):
-//   HS_NT   threads per block (a multiple of 32, at most 1024)
-//   HS_EPT  union entries per thread: ceil(rows_per_request * top_k / HS_NT)
-//   HS_CPT  LRU positions per thread: ceil(hot_rows / HS_NT)
+//   HS_NT    threads per block (a multiple of 32, at most 1024)
+//   HS_EPT   union entries per thread: ceil(rows_per_request * top_k / HS_NT)
+//   HS_CPT   LRU positions per thread: ceil(hot_rows / HS_NT)
 //   HS_MULTI 1 when rows_per_request > 1 (groups of several rows); 0 compiles the per-row
-//           bookkeeping of multi-row groups out
+//            bookkeeping of multi-row groups out
 // Everything else (top_k, hot_rows, block_size, ...) is a run-time argument, so one build serves
 // every geometry of the same size class.
 //
 // Dynamic shared memory, in this order (the host computes the same size):
-//   keys[T]   i32  open-addressing hash of the union's host rows (-1: empty), T = 2^hash_bits
-//   vals[T]   i32  per key: first-reference index (>= 0), then -(slot + 1) once it has a slot
-//   htab[HB]  i32  the state row's hot_table row (HB = hot_rows / block_size)
-//   rowv[RPR] i32  valid entries per row of the group
-//   rowm[RPR] i32  misses first referenced per row of the group
-//   rowo[RPR] i32  exclusive prefix of rowm
-//   order[H]  i16  LRU slots after the walk: hit slots packed forward from 0 in LRU order,
-//                  evictable slots packed backward from H-1 in LRU order (E[m] = order[H-1-m])
+//   keys[T]    i32  open-addressing hash of the union's host rows (-1: empty), T = 2^hash_bits
+//   vals[T]    i32  per key: first-reference index (>= 0), then -(slot + 1) once it has a slot
+//   ent[U]     i32  per union entry j (U = rows_per_request * top_k): its output row if resident,
+//                   -1 if masked or null, -(2 + host row) for a host entry, which the hashing
+//                   phase turns into -(2 + bucket)
+//   held[H]    i32  per LRU position: the host row its slot holds; after the walk the same bytes
+//                   hold order[H] (i16): hit slots packed forward from 0 in LRU order, evictable
+//                   slots packed backward from H-1 in LRU order (E[m] = order[H-1-m])
+//   slot[H]    i16  per LRU position: its slot
+//   htab[HB]   i32  the state row's hot_table row (HB = hot_rows / block_size)
+//   rowv[RPR] rowm[RPR] rowo[RPR] i32  valid entries, misses first referenced, and the
+//                   exclusive prefix of rowm, per row of the group
 #include "common.cuh"
 
 #ifndef HS_NT
@@ -36,6 +47,9 @@
 
 #define HS_NW (HS_NT / 32)
 #define HS_SCAN_SLOTS ((HS_CPT > HS_EPT ? HS_CPT : HS_EPT) * HS_NW)
+
+// Exclusive scan of the per-warp counters by warp 0 (a call: one copy of the code for both uses).
+__device__ __noinline__ i32 hs_scan_counts(i32* counts, i32 n) { return hs_warp_exclusive_scan(counts, n); }
 
 // Adds, per row of the group, how many lanes of this warp have `flag` set. `rho` is the lane's
 // row within the group, -1 for lanes without an entry. A warp's entries are consecutive, so the
@@ -81,10 +95,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const i32 r = blockIdx.x;
     const i32 tid = threadIdx.x;
-    const i32 K = Kd.d;
-    const i32 bs = bsd.d;
     const i32 lane = tid & 31;
     const i32 warp = tid >> 5;
+    const i32 K = Kd.d;
+    const i32 bs = bsd.d;
     const bool profiling = prof != nullptr && r == 0 && tid == 0;
 #define HS_MARK(k) \
     if (profiling) prof[k] = clock64()
@@ -132,16 +146,22 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     extern __shared__ __align__(16) unsigned char hs_smem[];
     const i32 T = 1 << hash_bits;
     const u32 shift = 32u - static_cast<u32>(hash_bits);
+    const u32 tmask = static_cast<u32>(T - 1);
     const i32 HB = bsd.div(H);
+    const i32 U = rpr * K;
     i32* keys = reinterpret_cast<i32*>(hs_smem);
     i32* vals = keys + T;
-    i32* htab = vals + T;
+    i32* ent = vals + T;
+    i32* held = ent + U;
+    i16* order = reinterpret_cast<i16*>(held);  // reuses held[] after the walk
+    i16* slots = reinterpret_cast<i16*>(held + H);
+    i32* htab = reinterpret_cast<i32*>(slots + H + (H & 1));
     i32* rowv = htab + HB;
     i32* rowm = rowv + rpr;
     i32* rowo = rowm + rpr;
-    i16* order = reinterpret_cast<i16*>(rowo + rpr);
 
     __shared__ i32 s_scan[HS_SCAN_SLOTS];
+    __shared__ u32 s_bal[HS_SCAN_SLOTS];
     __shared__ i32 s_unique;
     __shared__ i32 s_resident;
     __shared__ i32 s_hits;
@@ -152,46 +172,56 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i64 qP = static_cast<i64>(q) * P;
     const i32 total = n * K;
 
-    // ---- Global loads first, all independent of shared memory, so their latencies overlap:
-    // the LRU order and what its slots hold, the top-k and the page tables of every entry.
-    i32 slot[HS_CPT];
-    i32 held[HS_CPT];
+    // ---- Global loads, unrolled so their latencies overlap; results go to shared memory ----
+    // Two dependent round trips: (LRU slots, top-k) then (what the slots hold, page tables).
+    {
+        i32 slot_r[HS_CPT];
+        i32 held_r[HS_CPT];
+        i32 t_r[HS_EPT];
+        i32 len_r[HS_EPT];
 #pragma unroll
-    for (i32 c = 0; c < HS_CPT; ++c) {
-        const i32 pos = c * HS_NT + tid;
-        slot[c] = pos < H ? static_cast<i32>(lru[qH + pos]) : -1;
-    }
-    i32 host[HS_EPT];    // host row of a host entry, else -1
-    i32 out[HS_EPT];     // output row (resident entries now, host entries after the lookup)
-    i32 bucket[HS_EPT];  // hash bucket of a host entry
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 pos = c * HS_NT + tid;
+            slot_r[c] = pos < H ? static_cast<i32>(lru[qH + pos]) : -1;
+        }
 #pragma unroll
-    for (i32 e = 0; e < HS_EPT; ++e) {
-        const i32 j = e * HS_NT + tid;
-        host[e] = -1;
-        out[e] = -1;
-        bucket[e] = -1;
-        if (j < total) {
-            const i32 rho = Kd.div(j);
-            const i32 row = r + rho;
-            const i32 t = topk[static_cast<i64>(row) * K + (j - rho * K)];
-            if (t >= 0 && t < seq_lens[row]) {
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            const i32 j = e * HS_NT + tid;
+            t_r[e] = -1;
+            len_r[e] = 0;
+            if (j < total) {
+                const i32 rho = multi ? Kd.div(j) : 0;
+                t_r[e] = topk[static_cast<i64>(r + rho) * K + (j - rho * K)];
+                len_r[e] = seq_lens[r + rho];
+            }
+        }
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) held_r[c] = slot_r[c] >= 0 ? hot_map[qH + slot_r[c]] : -1;
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            const i32 j = e * HS_NT + tid;
+            const i32 t = t_r[e];
+            i32 v = -1;
+            if (t >= 0 && t < len_r[e]) {
                 const i32 p = bsd.div(t);
                 const i32 o = t - p * bs;
                 if (p < P) {
                     const i32 res = resident_table[qP + p];
                     const i32 src = source_table[qP + p];
-                    if (res >= 0) {
-                        out[e] = res * bs + o;
-                    } else if (src >= 0) {
-                        host[e] = src * bs + o;
-                    }
+                    v = res >= 0 ? res * bs + o : (src >= 0 ? -2 - (src * bs + o) : -1);
                 }
+            }
+            if (j < total) ent[j] = v;
+        }
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 pos = c * HS_NT + tid;
+            if (pos < H) {
+                slots[pos] = static_cast<i16>(slot_r[c]);
+                held[pos] = held_r[c];
             }
         }
     }
-#pragma unroll
-    for (i32 c = 0; c < HS_CPT; ++c) held[c] = slot[c] >= 0 ? hot_map[qH + slot[c]] : -1;
-
 #pragma unroll 1
     for (i32 i = tid; i < T; i += HS_NT) {
         keys[i] = -1;
@@ -212,16 +242,15 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     HS_MARK(1);
 
     // ---- Count valid and resident entries; hash the union's host rows ---------------------
-#pragma unroll
+#pragma unroll 1
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 j = e * HS_NT + tid;
-        const i32 rho = j < total ? Kd.div(j) : -1;
-        const bool resident = out[e] >= 0;
-        hs_count_per_row(rowv, rho, resident || host[e] >= 0, multi);
-        const u32 res_bal = __ballot_sync(HS_FULL_MASK, resident);
+        const i32 v = j < total ? ent[j] : -1;
+        const bool resident = v >= 0;
+        hs_count_per_row(rowv, j < total ? (multi ? Kd.div(j) : 0) : -1, v != -1, multi);
         bool fresh = false;
-        if (host[e] >= 0) {
-            const i32 g = host[e];
+        if (v <= -2) {
+            const i32 g = -2 - v;
             u32 h = hs_hash(g, shift);
             while (true) {
                 const i32 prev = atomicCAS(&keys[h], -1, g);
@@ -229,11 +258,12 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
                     fresh = prev == -1;
                     break;
                 }
-                h = (h + 1) & static_cast<u32>(T - 1);
+                h = (h + 1) & tmask;
             }
             atomicMin(&vals[h], j);
-            bucket[e] = static_cast<i32>(h);
+            ent[j] = -2 - static_cast<i32>(h);
         }
+        const u32 res_bal = __ballot_sync(HS_FULL_MASK, resident);
         const u32 fresh_bal = __ballot_sync(HS_FULL_MASK, fresh);
         if (lane == 0) {
             if (res_bal) atomicAdd(&s_resident, __popc(res_bal));
@@ -247,46 +277,47 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32 n_misses = 0;
     if (n_unique > 0) {  // uniform: every host entry goes through the hot state
         // ---- Walk the LRU order: hit slots hold a row of the union ---------------------------
-        u32 hit_bal[HS_CPT];
-#pragma unroll
+#pragma unroll 1
         for (i32 c = 0; c < HS_CPT; ++c) {
             const i32 pos = c * HS_NT + tid;
             bool hit = false;
             if (pos < H) {
-                if (held[c] >= 0) {
-                    u32 h = hs_hash(held[c], shift);
+                const i32 g = held[pos];
+                if (g >= 0) {
+                    u32 h = hs_hash(g, shift);
                     i32 key;
                     while ((key = keys[h]) != -1) {
-                        if (key == held[c]) {
+                        if (key == g) {
                             hit = true;
-                            vals[h] = -(slot[c] + 1);
+                            vals[h] = -(static_cast<i32>(slots[pos]) + 1);
                             break;
                         }
-                        h = (h + 1) & static_cast<u32>(T - 1);
+                        h = (h + 1) & tmask;
                     }
                 }
             }
-            hit_bal[c] = __ballot_sync(HS_FULL_MASK, hit);
-            if (lane == 0) s_scan[c * HS_NW + warp] = __popc(hit_bal[c]);
+            const u32 bal = __ballot_sync(HS_FULL_MASK, hit);
+            if (lane == 0) {
+                s_bal[c * HS_NW + warp] = bal;
+                s_scan[c * HS_NW + warp] = __popc(bal);
+            }
         }
         __syncthreads();
         if (warp == 0) {
-            const i32 hits = hs_warp_exclusive_scan(s_scan, HS_CPT * HS_NW);
+            const i32 hits = hs_scan_counts(s_scan, HS_CPT * HS_NW);
             if (lane == 0) s_hits = hits;
         }
         __syncthreads();
         HS_MARK(3);
         const u32 lt = hs_lanemask_lt();
-#pragma unroll
-        for (i32 c = 0; c < HS_CPT; ++c) {
+#pragma unroll 1
+        for (i32 c = 0; c < HS_CPT; ++c) {  // held[] is dead: order[] may overwrite it
             const i32 pos = c * HS_NT + tid;
             if (pos < H) {
-                const i32 hit_rank = s_scan[c * HS_NW + warp] + __popc(hit_bal[c] & lt);
-                if ((hit_bal[c] >> lane) & 1u) {
-                    order[hit_rank] = static_cast<i16>(slot[c]);
-                } else {
-                    order[H - 1 - (pos - hit_rank)] = static_cast<i16>(slot[c]);
-                }
+                const u32 bal = s_bal[c * HS_NW + warp];
+                const i32 hit_rank = s_scan[c * HS_NW + warp] + __popc(bal & lt);
+                const i32 at = (bal >> lane) & 1u ? hit_rank : H - 1 - (pos - hit_rank);
+                order[at] = slots[pos];
             }
         }
         __syncthreads();
@@ -295,20 +326,26 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         const i32 n_evictable = H - n_hits;
 
         // ---- Misses in first-reference order take the oldest evictable slots ---------------
-        u32 miss_bal[HS_EPT];
-#pragma unroll
+#pragma unroll 1
         for (i32 e = 0; e < HS_EPT; ++e) {
             const i32 j = e * HS_NT + tid;
-            const bool miss = bucket[e] >= 0 && vals[bucket[e]] == j;
-            miss_bal[e] = __ballot_sync(HS_FULL_MASK, miss);
-            if (lane == 0) s_scan[e * HS_NW + warp] = __popc(miss_bal[e]);
-            hs_count_per_row(rowm, j < total ? Kd.div(j) : -1, miss, multi);
+            const i32 v = j < total ? ent[j] : -1;
+            const bool miss = v <= -2 && vals[-2 - v] == j;
+            const u32 bal = __ballot_sync(HS_FULL_MASK, miss);
+            if (lane == 0) {
+                s_bal[e * HS_NW + warp] = bal;
+                s_scan[e * HS_NW + warp] = __popc(bal);
+            }
+            if (multi) hs_count_per_row(rowm, j < total ? Kd.div(j) : -1, miss, true);
         }
         __syncthreads();
         if (warp == 0) {
-            const i32 misses = hs_warp_exclusive_scan(s_scan, HS_EPT * HS_NW);
-            if (lane == 0) s_misses = misses;
-        } else if (tid == 32) {
+            const i32 misses = hs_scan_counts(s_scan, HS_EPT * HS_NW);
+            if (lane == 0) {
+                s_misses = misses;
+                if (!multi) rowm[0] = misses;
+            }
+        } else if (tid == 32 && multi) {
             i32 run = 0;
 #pragma unroll 1
             for (i32 rho = 0; rho < n; ++rho) {
@@ -316,68 +353,64 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
                 run += rowm[rho];
             }
         }
+        if (tid == 64 && !multi) rowo[0] = 0;
         __syncthreads();
         HS_MARK(5);
         n_misses = s_misses;
-#pragma unroll
+#pragma unroll 1
         for (i32 e = 0; e < HS_EPT; ++e) {
-            if ((miss_bal[e] >> lane) & 1u) {
+            const u32 bal = s_bal[e * HS_NW + warp];
+            if ((bal >> lane) & 1u) {
                 const i32 j = e * HS_NT + tid;
-                const i32 m = s_scan[e * HS_NW + warp] + __popc(miss_bal[e] & lt);
+                const i32 b = -2 - ent[j];
+                const i32 m = s_scan[e * HS_NW + warp] + __popc(bal & lt);
                 const i32 victim = order[H - 1 - m];
-                vals[bucket[e]] = -(victim + 1);
-                hot_map[qH + victim] = host[e];
+                const i32 g = keys[b];
+                vals[b] = -(victim + 1);
+                hot_map[qH + victim] = g;
                 const i32 rho = multi ? Kd.div(j) : 0;
                 const i64 at = static_cast<i64>(r + rho) * K + (m - rowo[rho]);
                 const i32 vb = bsd.div(victim);
-                plan_host[at] = host[e];
+                plan_host[at] = g;
                 plan_device[at] = htab[vb] * bs + (victim - vb * bs);
             }
         }
         // New order: untouched evictable slots, then the newly filled ones, then the hits.
         const i32 keep = n_evictable - n_misses;
-#pragma unroll
+#pragma unroll 1
         for (i32 c = 0; c < HS_CPT; ++c) {
             const i32 pos = c * HS_NT + tid;
             if (pos < H) {
-                i32 s;
-                if (pos < keep) {
-                    s = order[H - 1 - (n_misses + pos)];
-                } else if (pos < n_evictable) {
-                    s = order[H - 1 - (pos - keep)];
-                } else {
-                    s = order[pos - n_evictable];
-                }
-                lru[qH + pos] = static_cast<i16>(s);
+                const i32 at = pos < keep ? H - 1 - (n_misses + pos)
+                                          : (pos < n_evictable ? H - 1 - (pos - keep) : pos - n_evictable);
+                lru[qH + pos] = order[at];
             }
         }
         __syncthreads();
         HS_MARK(6);
-        // Every key now has a slot: hits from the walk, misses from their victim.
-#pragma unroll
-        for (i32 e = 0; e < HS_EPT; ++e) {
-            if (bucket[e] >= 0) {
-                const i32 s = -vals[bucket[e]] - 1;
-                const i32 sb = bsd.div(s);
-                out[e] = htab[sb] * bs + (s - sb * bs);
-            }
-        }
     }
 
     // ---- Outputs of every row of the group --------------------------------------------------
-#pragma unroll
+    const i64 base = static_cast<i64>(r) * K;
+#pragma unroll 1
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 j = e * HS_NT + tid;
-        if (j < total) out_rows[static_cast<i64>(r) * K + j] = out[e];
+        if (j < total) {
+            i32 v = ent[j];
+            if (v <= -2) {  // a host entry: its key's slot, from the walk or a victim
+                const i32 s = -vals[-2 - v] - 1;
+                const i32 sb = bsd.div(s);
+                v = htab[sb] * bs + (s - sb * bs);
+            }
+            out_rows[base + j] = v;
+        }
     }
 #pragma unroll 1
     for (i32 j = tid; j < total; j += HS_NT) {
         const i32 rho = multi ? Kd.div(j) : 0;
-        const i32 k = j - rho * K;
-        if (k >= rowm[rho]) {
-            const i64 at = static_cast<i64>(r) * K + j;
-            plan_host[at] = -1;
-            plan_device[at] = -1;
+        if (j - rho * K >= rowm[rho]) {
+            plan_host[base + j] = -1;
+            plan_device[base + j] = -1;
         }
     }
 #pragma unroll 1

@@ -281,6 +281,11 @@ class SchedulerSide:
             for t in command.page_transfers:
                 if t.transfer_id < LOAD_ID_BASE:  # the coordinator's spills and restores
                     self._inflight[t.transfer_id] = (frozenset(t.resident_block_ids), 0)
+                    if t.restore:
+                        # A coordinator restore fills a page this step's forward writes into, so the
+                        # workers must run start_load_kv before the forward (as upstream does). Prefix
+                        # loads need not: their request is not in this step's batch.
+                        scheduler_output.has_sync_kv_loads = True
         reset, self._reset_hot = self._reset_hot, False
         return HiSparseConnectorMetadata(command, reset_hot_state=reset)
 

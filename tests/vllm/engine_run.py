@@ -43,7 +43,7 @@ def main(model_dir: str, with_connector: bool) -> dict[str, Any]:
             kv_connector="HiSparseOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"host_pool_gib": 0.05, "backend": "reference_cpu"})
     llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="float32", block_size=BLOCK,
-              max_model_len=512, max_num_seqs=4, enforce_eager=True, seed=0, **kwargs)
+              max_model_len=512, max_num_seqs=4, enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
     client = llm.llm_engine.engine_core
     scheduler = client.engine_core.scheduler
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -93,6 +93,7 @@ def main(model_dir: str, with_connector: bool) -> dict[str, Any]:
         report["drain3"] = drain()
         report["full_reset"] = llm.reset_prefix_cache(reset_connector=True)
         report["after_reset"] = host_stats()
+        report["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "hisparse" in m.name}
     return report
 
 

@@ -77,3 +77,17 @@ def test_host_pool_usage_returns_to_its_baseline_after_reset(reports: tuple[dict
     assert hisparse["after_batch2"]["published"] > 0 and hisparse["after_batch2"]["pending"] == 0
     assert hisparse["full_reset"] is True
     assert hisparse["after_reset"] == hisparse["baseline"]
+
+
+@pytest.mark.slow
+def test_prometheus_metrics_of_the_engine(reports: tuple[dict, dict]) -> None:
+    _, hisparse = reports
+    metrics = hisparse["metrics"]
+    page = 2 * 32 * vs.HEADS * vs.HEAD_DIM * 4 * len(vs.LAYERS)  # one host block: every layer's 32-token page
+    # Batch 2 and its corrupted rerun each load 2 x 6 pages.
+    assert metrics["vllm:hisparse_prefix_loaded_tokens"] == 2 * 2 * 192
+    assert metrics["vllm:hisparse_host_to_device_bytes"] == 2 * 2 * 6 * page
+    assert metrics["vllm:hisparse_device_to_host_bytes"] > 0
+    assert metrics["vllm:hisparse_prefix_hit_tokens"] > 0
+    assert metrics["vllm:hisparse_pending_transfers"] == 0
+    assert {"vllm:hisparse_hot_hits", "vllm:hisparse_hot_misses", "vllm:hisparse_host_pool_usage_perc"} <= set(metrics)

@@ -94,7 +94,7 @@ def test_resolver_shapes() -> None:
     prod = resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=2048, hot_rows=4096,
                                         block_size=64, max_pages=512))
     assert (prod.threads, prod.entries_per_thread, prod.lru_per_thread, prod.hash_bits) == (1024, 2, 4, 12)
-    assert prod.dynamic_smem <= 48 * 1024
+    assert prod.dynamic_smem <= 100 * 1024  # one block per SM with room to spare on Hopper (227 KB)
     with pytest.raises(InvalidInputError):
         resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=8, hot_rows=8, block_size=8,
                                      max_pages=1), threads=100)

@@ -55,7 +55,7 @@ from hisparse_nvidia.validation import (
 )
 
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
-#: "0" turns off programmatic dependent launch of the plan copies (on by default).
+#: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
 ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
 _STAT_H2D, _STAT_D2H = 3, 4
 #: Upper bound on thread blocks per batch row of a plan copy.
@@ -253,7 +253,8 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(out.plan_counts), _ptr(self._stats),
              _i32(b), FastDiv.of(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages),
              FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
-             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)])
+             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
+            overlap_previous=self._overlap)
         self._last_rows = b
         if gather:
             self._gather(0, 1)

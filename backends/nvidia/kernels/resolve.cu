@@ -90,8 +90,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
     i32 B, HsDiv Kd, i32 H, i32 P, HsDiv bsd, i32 rpr, i32 hash_bits,
     u64* __restrict__ prof) {                // diagnostics: phase clocks of block 0, or null
-    // Let the gather that follows (launched with programmatic stream serialization) start its
-    // launch now; it still waits for this grid to complete before it reads the plan.
+    // Launched with programmatic stream serialization, this grid may be scheduled while the
+    // previous kernel of the stream (the indexer, or the last step's copies) still runs: wait for
+    // it before touching memory (a no-op for an ordinary launch). Then let the gather that
+    // follows start its launch; it too waits for this grid to complete before reading the plan.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const i32 r = blockIdx.x;
     const i32 tid = threadIdx.x;
@@ -162,8 +165,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 
     __shared__ i32 s_scan[HS_SCAN_SLOTS];
     __shared__ u32 s_bal[HS_SCAN_SLOTS];
-    __shared__ i32 s_unique;
-    __shared__ i32 s_resident;
+    // Per-warp counts, summed by whoever needs them: one shared address written by all 32
+    // warps would serialize their atomics.
+    __shared__ i32 s_wres[HS_NW];
+    __shared__ i32 s_wuniq[HS_NW];
+    __shared__ i32 s_wvalid[HS_NW];
     __shared__ i32 s_hits;
     __shared__ i32 s_misses;
 
@@ -234,20 +240,16 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         rowv[i] = 0;
         rowm[i] = 0;
     }
-    if (tid == 0) {
-        s_unique = 0;
-        s_resident = 0;
-    }
     __syncthreads();
     HS_MARK(1);
 
     // ---- Count valid and resident entries; hash the union's host rows ---------------------
+    i32 res_acc = 0, uniq_acc = 0, valid_acc = 0;
 #pragma unroll 1
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 j = e * HS_NT + tid;
         const i32 v = j < total ? ent[j] : -1;
-        const bool resident = v >= 0;
-        hs_count_per_row(rowv, j < total ? (multi ? Kd.div(j) : 0) : -1, v != -1, multi);
+        if (multi) hs_count_per_row(rowv, j < total ? Kd.div(j) : -1, v != -1, true);
         bool fresh = false;
         if (v <= -2) {
             const i32 g = -2 - v;
@@ -263,16 +265,18 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             atomicMin(&vals[h], j);
             ent[j] = -2 - static_cast<i32>(h);
         }
-        const u32 res_bal = __ballot_sync(HS_FULL_MASK, resident);
-        const u32 fresh_bal = __ballot_sync(HS_FULL_MASK, fresh);
-        if (lane == 0) {
-            if (res_bal) atomicAdd(&s_resident, __popc(res_bal));
-            if (fresh_bal) atomicAdd(&s_unique, __popc(fresh_bal));
-        }
+        res_acc += __popc(__ballot_sync(HS_FULL_MASK, v >= 0));
+        uniq_acc += __popc(__ballot_sync(HS_FULL_MASK, fresh));
+        valid_acc += __popc(__ballot_sync(HS_FULL_MASK, v != -1));
+    }
+    if (lane == 0) {
+        s_wres[warp] = res_acc;
+        s_wuniq[warp] = uniq_acc;
+        s_wvalid[warp] = valid_acc;
     }
     __syncthreads();
     HS_MARK(2);
-    const i32 n_unique = s_unique;
+    const i32 n_unique = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wuniq[lane] : 0);
 
     i32 n_misses = 0;
     if (n_unique > 0) {  // uniform: every host entry goes through the hot state
@@ -413,14 +417,25 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             plan_device[base + j] = -1;
         }
     }
+    if (multi) {
 #pragma unroll 1
-    for (i32 rho = tid; rho < n; rho += HS_NT) {
-        out_valid[r + rho] = rowv[rho];
-        plan_counts[r + rho] = rowm[rho];
+        for (i32 rho = tid; rho < n; rho += HS_NT) {
+            out_valid[r + rho] = rowv[rho];
+            plan_counts[r + rho] = rowm[rho];
+        }
+    }
+    i32 n_resident = 0;
+    if (warp == 0) {
+        n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
+        const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
+        if (!multi && lane == 0) {
+            out_valid[r] = n_valid;
+            plan_counts[r] = rowm[0];
+        }
     }
     HS_MARK(7);
     if (tid == 0) {
-        if (s_resident) atomicAdd(&stats[0], static_cast<u64>(s_resident));
+        if (n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
         if (n_unique) {
             atomicAdd(&stats[1], static_cast<u64>(n_unique - n_misses));
             if (n_misses) atomicAdd(&stats[2], static_cast<u64>(n_misses));

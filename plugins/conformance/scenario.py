@@ -89,6 +89,8 @@ class ScenarioParams:
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
+    """A layout, its tables before the first step, and each step with the engine work after it."""
+
     layout: Layout
     tables: Tables
     steps: tuple[tuple[Step, Maintenance], ...]
@@ -214,6 +216,7 @@ def build_scenario(p: ScenarioParams) -> Scenario:
     cfg = layout.config
     tables = make_tables(layout, rng, resident_share=p.resident_share, null_share=p.null_share,
                          prefix_share=p.prefix_share)
+    initial = tables.copy()
     context = cfg.max_context
     seq = [rng.randint(0, context) for _ in range(cfg.max_requests)]
     previous: dict[tuple[int, int], list[int]] = {}
@@ -223,7 +226,7 @@ def build_scenario(p: ScenarioParams) -> Scenario:
                       _maintenance(rng, layout, tables, p.maintenance_share)))
         seq = [min(context, s + rng.randint(0, 2)) for s in seq]
         _spill_some(rng, tables)
-    return Scenario(layout, tables, tuple(steps))
+    return Scenario(layout, initial, tuple(steps))
 
 
 def _draw_step(rng: random.Random, p: ScenarioParams, layout: Layout, tables: Tables, seq: list[int],

@@ -16,7 +16,7 @@ from hisparse_conformance.examples import examples
 from hisparse_conformance.lockstep import Lockstep
 from hisparse_conformance.model import ResolverModel
 from hisparse_conformance.rig import Rig, usable_format
-from hisparse_conformance.scenario import Step, build_scenario, random_bytes, scenario_params
+from hisparse_conformance.scenario import build_scenario, random_bytes, scenario_params
 
 FORMATS = [
     pytest.param(FP8_DS_MLA, marks=pytest.mark.requires_capability(Capability.FP8_DS_MLA), id="fp8_ds_mla"),

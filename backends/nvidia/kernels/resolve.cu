@@ -245,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 
     // ---- Count valid and resident entries; hash the union's host rows ---------------------
     i32 res_acc = 0, uniq_acc = 0, valid_acc = 0;
-#pragma unroll 1
+#pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 j = e * HS_NT + tid;
         const i32 v = j < total ? ent[j] : -1;
@@ -281,26 +281,47 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32 n_misses = 0;
     if (n_unique > 0) {  // uniform: every host entry goes through the hot state
         // ---- Walk the LRU order: hit slots hold a row of the union ---------------------------
-#pragma unroll 1
+        // The first two buckets of every position are loaded together (at load factor 1/2 they
+        // settle almost every lookup), so a thread's lookups overlap instead of chaining.
+        i32 gk[HS_CPT];
+        u32 hk[HS_CPT];
+        i32 k0[HS_CPT];
+        i32 k1[HS_CPT];
+#pragma unroll
         for (i32 c = 0; c < HS_CPT; ++c) {
             const i32 pos = c * HS_NT + tid;
-            bool hit = false;
-            if (pos < H) {
-                const i32 g = held[pos];
-                if (g >= 0) {
-                    u32 h = hs_hash(g, shift);
+            gk[c] = pos < H ? held[pos] : -1;
+        }
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            hk[c] = gk[c] >= 0 ? hs_hash(gk[c], shift) : 0u;
+            k0[c] = keys[hk[c]];
+            k1[c] = keys[(hk[c] + 1) & tmask];
+        }
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 pos = c * HS_NT + tid;
+            const i32 g = gk[c];
+            i32 hb = -1;
+            if (g >= 0 && k0[c] != -1) {
+                if (k0[c] == g) {
+                    hb = static_cast<i32>(hk[c]);
+                } else if (k1[c] == g) {
+                    hb = static_cast<i32>((hk[c] + 1) & tmask);
+                } else if (k1[c] != -1) {  // rare: a longer probe sequence
+                    u32 h = (hk[c] + 2) & tmask;
                     i32 key;
                     while ((key = keys[h]) != -1) {
                         if (key == g) {
-                            hit = true;
-                            vals[h] = -(static_cast<i32>(slots[pos]) + 1);
+                            hb = static_cast<i32>(h);
                             break;
                         }
                         h = (h + 1) & tmask;
                     }
                 }
             }
-            const u32 bal = __ballot_sync(HS_FULL_MASK, hit);
+            if (hb >= 0) vals[hb] = -(static_cast<i32>(slots[pos]) + 1);
+            const u32 bal = __ballot_sync(HS_FULL_MASK, hb >= 0);
             if (lane == 0) {
                 s_bal[c * HS_NW + warp] = bal;
                 s_scan[c * HS_NW + warp] = __popc(bal);
@@ -314,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         __syncthreads();
         HS_MARK(3);
         const u32 lt = hs_lanemask_lt();
-#pragma unroll 1
+#pragma unroll
         for (i32 c = 0; c < HS_CPT; ++c) {  // held[] is dead: order[] may overwrite it
             const i32 pos = c * HS_NT + tid;
             if (pos < H) {
@@ -330,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         const i32 n_evictable = H - n_hits;
 
         // ---- Misses in first-reference order take the oldest evictable slots ---------------
-#pragma unroll 1
+#pragma unroll
         for (i32 e = 0; e < HS_EPT; ++e) {
             const i32 j = e * HS_NT + tid;
             const i32 v = j < total ? ent[j] : -1;
@@ -361,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         __syncthreads();
         HS_MARK(5);
         n_misses = s_misses;
-#pragma unroll 1
+#pragma unroll
         for (i32 e = 0; e < HS_EPT; ++e) {
             const u32 bal = s_bal[e * HS_NW + warp];
             if ((bal >> lane) & 1u) {
@@ -381,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         }
         // New order: untouched evictable slots, then the newly filled ones, then the hits.
         const i32 keep = n_evictable - n_misses;
-#pragma unroll 1
+#pragma unroll
         for (i32 c = 0; c < HS_CPT; ++c) {
             const i32 pos = c * HS_NT + tid;
             if (pos < H) {
@@ -396,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 
     // ---- Outputs of every row of the group --------------------------------------------------
     const i64 base = static_cast<i64>(r) * K;
-#pragma unroll 1
+#pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 j = e * HS_NT + tid;
         if (j < total) {

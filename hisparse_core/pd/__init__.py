@@ -32,6 +32,10 @@ _EXPORTS: dict[str, str] = {
     "HostImportReceiver": "hisparse_core.pd.receiver",
     "ReceiverConfig": "hisparse_core.pd.receiver",
     "HostImportScheduler": "hisparse_core.pd.importer",
+    "NixlConfig": "hisparse_core.pd.nixl_transport",
+    "NixlPrefillServer": "hisparse_core.pd.nixl_transport",
+    "NixlDecoderTransport": "hisparse_core.pd.nixl_transport",
+    "nixl_available": "hisparse_core.pd.nixl_transport",
 }
 
 __all__ = sorted(_EXPORTS)

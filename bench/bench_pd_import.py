@@ -43,7 +43,7 @@ def _prefill_main(conn: Any, num_layers: int, num_pages: int, block_size: int, e
     import torch
 
     from hisparse_core.geometry import FP8_DS_MLA
-    from hisparse_core.pd.nixl_transport import NixlPrefillServer
+    from hisparse_core.pd.nixl_transport import NixlConfig, NixlPrefillServer
 
     fmt = FP8_DS_MLA
     layers = []
@@ -51,9 +51,14 @@ def _prefill_main(conn: Any, num_layers: int, num_pages: int, block_size: int, e
         t = torch.empty((num_pages, block_size, fmt.width), dtype=torch.uint8)
         t.random_(0, 256)
         layers.append(t)
-    server = NixlPrefillServer("bench-prefill", 1, layers, block_size=block_size, row_format=fmt)
+    # No NIXL progress thread (it busy-polls a core the decoder could use): this loop drives progress.
+    server = NixlPrefillServer("bench-prefill", 1, layers, block_size=block_size, row_format=fmt,
+                               config=NixlConfig(progress_thread=False))
     conn.send(server.handshake().to_bytes())
     while True:
+        if not conn.poll(0.0005):
+            server.progress()
+            continue
         cmd, *args = conn.recv()
         if cmd == "remote":
             conn.send(server.remote_prefill(*args).to_bytes())

@@ -74,10 +74,15 @@ def nixl_available() -> str | None:
 @dataclass(frozen=True, slots=True)
 class NixlConfig:
     """- `backends`: NIXL backend plugins to instantiate (UCX moves DRAM and VRAM).
-    - `num_threads`: UCX worker threads (0: the plugin's default)."""
+    - `num_threads`: UCX worker threads (0: the plugin's default).
+    - `progress_thread`: run NIXL's progress thread. It busy-polls a core, so None (the default)
+      means: off on the decoder, whose receiver drives progress on every `poll`; on for a prefill
+      server, which otherwise needs its owner to call `progress()` every engine step (needed
+      when the transport makes the target serve reads, as UCX's tcp does)."""
 
     backends: tuple[str, ...] = ("UCX",)
     num_threads: int = 0
+    progress_thread: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.backends, tuple) or not self.backends or not all(
@@ -85,6 +90,8 @@ class NixlConfig:
             raise InvalidInputError(f"NixlConfig.backends must be a non-empty tuple of names, got {self.backends!r}")
         if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise InvalidInputError(f"NixlConfig.num_threads must be an int >= 0, got {self.num_threads!r}")
+        if self.progress_thread is not None and not isinstance(self.progress_thread, bool):
+            raise InvalidInputError(f"NixlConfig.progress_thread must be a bool or None, got {self.progress_thread!r}")
 
 
 def _mem_type(t: torch.Tensor) -> str:
@@ -102,18 +109,25 @@ def _span(t: torch.Tensor) -> Descriptor:
 class _Agent:
     """One NIXL agent and the memory it registered; `close` undoes both."""
 
-    def __init__(self, role: str, config: NixlConfig) -> None:
+    def __init__(self, role: str, config: NixlConfig, *, default_progress_thread: bool) -> None:
         api = load_nixl()
         self.name = f"hisparse-{role}-{uuid.uuid4().hex[:12]}"
-        cfg = api.nixl_agent_config(backends=list(config.backends), num_threads=config.num_threads)
+        progress = default_progress_thread if config.progress_thread is None else config.progress_thread
+        cfg = api.nixl_agent_config(enable_prog_thread=progress, backends=list(config.backends),
+                                    num_threads=config.num_threads)
         self.agent: Any = api.nixl_agent(self.name, cfg)
         missing = [b for b in config.backends if b not in self.agent.backends]
         if missing:
             raise BackendUnavailableError(f"NIXL agent {self.name!r} could not instantiate backend(s) {missing}; "
                                           f"available plugins: {self.agent.get_plugin_list()}")
         self._registrations: list[Any] = []
-        logger.info("NIXL agent %s up with backends %s (UCX_TLS=%s)", self.name, list(config.backends),
-                    os.environ.get("UCX_TLS", "<UCX default>"))
+        logger.info("NIXL agent %s up with backends %s (UCX_TLS=%s); progress thread %s", self.name,
+                    list(config.backends), os.environ.get("UCX_TLS", "<UCX default>"),
+                    "on" if progress else "off: progress is driven by poll()/progress() calls")
+
+    def progress(self) -> dict[str, list[bytes]]:
+        """Drive the backend once (what the progress thread would do); returns new notifications."""
+        return self.agent.get_new_notifs()
 
     def register(self, spans: Sequence[Descriptor], mem_type: str) -> None:
         descs = self.agent.get_reg_descs([(a, n, dev, "") for a, n, dev in spans], mem_type)
@@ -148,7 +162,7 @@ class NixlPrefillServer:
         self.engine_id = engine_id
         self.epoch = epoch
         self._layers = list(kv_layers)  # keep the pages alive while they are registered
-        self._agent = _Agent(f"prefill-{engine_id}-e{epoch}", config or NixlConfig())
+        self._agent = _Agent(f"prefill-{engine_id}-e{epoch}", config or NixlConfig(), default_progress_thread=True)
         try:
             for layer, t in enumerate(kv_layers):
                 self._agent.register([_span(t)], _mem_type(t))
@@ -158,6 +172,7 @@ class NixlPrefillServer:
             self._agent.close()
             raise
         self._outstanding: set[str] = set()
+        self._notices: list[ReadNotice] = []
         logger.info("prefill %s serving %d layers x %d pages (%.1f MiB registered)", self._handshake.describe(),
                     len(regions), self._handshake.num_pages,
                     sum(_span(t)[1] for t in kv_layers) / (1 << 20))
@@ -182,11 +197,11 @@ class NixlPrefillServer:
         """Requests handed out and not yet released by a decoder notice."""
         return frozenset(self._outstanding)
 
-    def take_notices(self) -> list[ReadNotice]:
-        """Notices received since the last call; their requests' pages may be freed."""
+    def progress(self) -> None:
+        """Drive the transport once and collect the decoders' notices. Call it every engine step
+        when the agent runs without a progress thread (`NixlConfig.progress_thread=False`)."""
         self._require_open()
-        out: list[ReadNotice] = []
-        for sender, messages in self._agent.agent.get_new_notifs().items():
+        for sender, messages in self._agent.progress().items():
             for raw in messages:
                 try:
                     notice = ReadNotice.from_bytes(raw)
@@ -194,7 +209,12 @@ class NixlPrefillServer:
                     logger.warning("prefill %s: ignoring a malformed notice from %s: %s", self.engine_id, sender, e)
                     continue
                 self._outstanding.discard(notice.request_id)
-                out.append(notice)
+                self._notices.append(notice)
+
+    def take_notices(self) -> list[ReadNotice]:
+        """Notices received since the last call; their requests' pages may be freed."""
+        self.progress()
+        out, self._notices = self._notices, []
         return out
 
     @property
@@ -244,7 +264,7 @@ class NixlDecoderTransport(ImportTransport):
 
     def __init__(self, host_pool: HostPool, *, staging: StagingBuffer | None = None,
                  config: NixlConfig | None = None) -> None:
-        self._agent = _Agent("decode", config or NixlConfig())
+        self._agent = _Agent("decode", config or NixlConfig(), default_progress_thread=False)
         self._local: list[tuple[int, int, str]] = []  # (start, end, mem type) of each registered region
         try:
             views = host_pool.layer_views()
@@ -395,6 +415,12 @@ class NixlDecoderTransport(ImportTransport):
             logger.warning("NIXL could not release transfer %r yet: %s: %s", xfer, type(e).__name__, e)
             return False
         return True
+
+    def progress(self) -> None:
+        if self.closed:
+            return
+        for sender, messages in self._agent.progress().items():
+            logger.debug("decoder %s ignores %d notification(s) from %s", self._agent.name, len(messages), sender)
 
     def notify(self, engine_id: str, notice: ReadNotice) -> bool:
         name = self._remote_names.get(engine_id)

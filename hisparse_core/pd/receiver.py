@@ -153,6 +153,7 @@ class HostImportReceiver:
 
     def poll(self) -> RecvReport:
         """Advance every import without blocking on the transport, and report ended receives."""
+        self._transport.progress()
         self._post()
         self._check()
         self._expire()

@@ -84,6 +84,10 @@ class ImportTransport(ABC):
         handle) if the transport cannot cancel it yet: its destination may still be written, so the
         caller must not reuse that memory and should retry later."""
 
+    def progress(self) -> None:
+        """Drive the transport once (the receiver calls it on every `poll`). A transport with its
+        own progress thread needs nothing here."""
+
     @abstractmethod
     def notify(self, engine_id: str, notice: ReadNotice) -> bool:
         """Tell the peer it may free a request's pages. Best effort: False if it could not be sent."""

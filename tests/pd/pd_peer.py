@@ -47,12 +47,14 @@ def _make_pages(spec: EngineSpec) -> list[Any]:
 class _Engine:
     def __init__(self, spec: EngineSpec, epoch: int) -> None:
         from hisparse_core.geometry import row_format
-        from hisparse_core.pd.nixl_transport import NixlPrefillServer
+        from hisparse_core.pd.nixl_transport import NixlConfig, NixlPrefillServer
 
         self.spec, self.epoch = spec, epoch
         self.layers = _make_pages(spec)
+        # No progress thread (it busy-polls a core): the serve loop drives progress, like an engine step.
         self.server = NixlPrefillServer(spec.engine_id, epoch, self.layers, block_size=spec.block_size,
-                                        row_format=row_format(spec.row_format))
+                                        row_format=row_format(spec.row_format),
+                                        config=NixlConfig(progress_thread=False))
 
 
 def _serve(conn: Any, specs: tuple[EngineSpec, ...]) -> None:  # runs in the child
@@ -61,6 +63,11 @@ def _serve(conn: Any, specs: tuple[EngineSpec, ...]) -> None:  # runs in the chi
     engines = {s.engine_id: _Engine(s, s.epoch) for s in specs}
     conn.send(("ready", {eid: e.server.handshake().to_bytes() for eid, e in engines.items()}))
     while True:
+        if not conn.poll(0.0005):
+            for e in engines.values():
+                if not e.server.closed:
+                    e.server.progress()
+            continue
         cmd, *args = conn.recv()
         if cmd == "exit":
             for e in engines.values():

@@ -70,6 +70,15 @@ def assert_landed(d: Decoder, peer: PrefillPeer, engine: str, rid: str, pages: l
         assert torch.equal(host, expected[layer]), (rid, layer)
 
 
+def wait_notices(peer: PrefillPeer, engine: str, want: set[str], timeout_s: float = 10.0) -> dict[str, bool]:
+    got: dict[str, bool] = {}
+    deadline = time.monotonic() + timeout_s
+    while not want <= set(got) and time.monotonic() < deadline:
+        got.update(peer.call("notices", engine))
+        time.sleep(0.01)
+    return got
+
+
 def assert_only_finished_hold_leases(d: Decoder) -> None:
     """Failed imports gave back every host block and hot-buffer block they leased."""
     pages = sum(len(d.jobs[rid].host_blocks) for rid in d.finished)
@@ -90,6 +99,8 @@ def test_descriptor_out_of_range_fails_before_any_read(decoder: Decoder, prefill
     assert "DescriptorRangeError" in reason and f"prefill page {PAGES}" in reason
     assert f"registered {PAGES} pages in layer 0" in reason
     assert d.transport.stats().reads_posted == 1  # only the good request's read was posted
+    notices = wait_notices(peer, "dense", {"oob", "good"})
+    assert (notices["oob"], notices["good"]) == (False, True)  # the prefill side may free both
     assert_landed(d, peer, "dense", "good", good)
     assert_only_finished_hold_leases(d)
 

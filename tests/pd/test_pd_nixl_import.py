@@ -115,8 +115,8 @@ def test_host_import_then_reference_cpu_decode_reads_the_prefill_bytes(prefill_p
                     got = device[layer].view(-1, WIDTH)[rows[i]]
                     assert torch.equal(got, expected[layer, page, off]), (layer, pos)
         assert runtime.stats().misses > 0 and runtime.stats().resident > 0
-        assert wait_notices(peer, engine, {"a"}) == {"a": True}
-        assert peer.call("outstanding", engine) == []
+        assert wait_notices(peer, engine, {"a"})["a"] is True  # the prefill side may free the pages
+        assert "a" not in peer.call("outstanding", engine)
     finally:
         failed = d.close()
     assert failed == []
@@ -146,7 +146,8 @@ def test_staged_imports_of_strided_pages_land_exactly(prefill_peers: dict[str, P
         stats = d.transport.stats()
         assert stats.reads_posted == -(-12 * LAYERS // 4) + -(-10 * LAYERS // 4)  # one slot-sized chunk per read
         assert staging.free_slots == 2
-        assert wait_notices(peer, engine, set(want)) == {"s1": True, "s2": True}
+        notices = wait_notices(peer, engine, set(want))
+        assert (notices["s1"], notices["s2"]) == (True, True)
     finally:
         d.close()
     assert d.transport.live_reads == 0 and d.transport.num_registrations == 0  # type: ignore[attr-defined]

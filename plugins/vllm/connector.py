@@ -66,7 +66,8 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         route_to_vllm_handlers()
         self._hs_config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self._layout = HostTierLayout.from_kv_cache_config(kv_cache_config)
+        self._layout = HostTierLayout.from_kv_cache_config(kv_cache_config,
+                                                           vllm_config.parallel_config.tensor_parallel_size)
         hot_rows = self._hs_config.hot_rows(self._layout.block_size)
         self._layout.check_capacity(self._hs_config.host_pool_gib, vllm_config.model_config.max_model_len, hot_rows)
         try:  # an unknown or unavailable backend fails now, in every role, not at the first step

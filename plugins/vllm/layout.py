@@ -23,6 +23,12 @@ page would copy page bytes, not token rows, so the worker side drops them and re
 spill of the sealed page, which copies the whole page (see `worker_side.py`). Only sealed,
 spilled pages are ever published or loaded, so nothing reads a partially mirrored page.
 
+Tensor parallelism: MLA caches (`MLAAttentionSpec`) are replicated across TP ranks, so every rank
+holds the same pages and the ranks may share one physical pool (rank 0 writes) of the whole
+`host_pool_gib`. Standard attention shards KV heads across ranks: each rank's page is a different
+shard, so each rank keeps a private pool of `host_pool_gib / tp_size`; together they hold the
+configured capacity, and every rank has the same number of host blocks (block ids are shared).
+
 Only full-attention groups (`FullAttentionSpec`, `MLAAttentionSpec`) with one block size and one
 page size are supported; anything else fails at start-up naming the group.
 """
@@ -49,6 +55,8 @@ class HostTierLayout:
     page_bytes: int  # one page of one layer
     num_device_blocks: int
     group_layers: tuple[tuple[str, ...], ...]  # layer names per vLLM KV-cache group
+    replicated: bool = False  # every rank holds the same pages (MLA)
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.page_bytes % self.block_size:
@@ -60,7 +68,7 @@ class HostTierLayout:
                                     "formats require")
 
     @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: object) -> HostTierLayout:
+    def from_kv_cache_config(cls, kv_cache_config: object, tp_size: int = 1) -> HostTierLayout:
         """Derive the layout from vLLM's `KVCacheConfig`; raises `InvalidInputError` naming the
         group that cannot be served."""
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
@@ -68,6 +76,7 @@ class HostTierLayout:
             raise InvalidInputError("KVCacheConfig has no KV-cache groups; the host tier needs attention layers")
         block_size = page_bytes = None
         names: list[tuple[str, ...]] = []
+        kinds: set[str] = set()
         for g, group in enumerate(groups):
             spec = group.kv_cache_spec
             kind = type(spec).__name__
@@ -82,8 +91,10 @@ class HostTierLayout:
                     f"KV-cache group {g} has block_size={spec.block_size}, page_size_bytes={spec.page_size_bytes}; "
                     f"expected {block_size} and {page_bytes} like group 0 (one host pool row format)")
             names.append(tuple(group.layer_names))
+            kinds.add(kind)
         assert block_size is not None and page_bytes is not None
-        return cls(block_size, page_bytes, int(kv_cache_config.num_blocks), tuple(names))  # type: ignore[attr-defined]
+        return cls(block_size, page_bytes, int(kv_cache_config.num_blocks), tuple(names),  # type: ignore[attr-defined]
+                   replicated=kinds == {"MLAAttentionSpec"}, tp_size=tp_size)
 
     # ----------------------------------------------------------------- derived geometry
 
@@ -107,15 +118,20 @@ class HostTierLayout:
     def max_pages(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
 
+    def rank_budget_gib(self, host_pool_gib: float) -> float:
+        """Host bytes (GiB) one rank's pool gets: all of it when ranks hold the same pages, else a
+        1/tp_size share (each rank stores its shard of every page)."""
+        return host_pool_gib if self.replicated or self.tp_size == 1 else host_pool_gib / self.tp_size
+
     def coordinator_config(self, host_pool_gib: float, max_model_len: int, hot_rows: int) -> CoordinatorConfig:
-        """The coordinator's configuration. Also sizes the workers' pools (`host_num_blocks`), so
-        both roles agree on the block count without talking.
+        """The coordinator's configuration, with this rank's share of `host_pool_gib`. Also sizes
+        the workers' pools (`host_num_blocks`), so both roles agree on the block count.
 
         `pressure_watermark_blocks=0`: the coordinator never releases a running request's
         resident pages, because vLLM's standard attention reads only resident pages.
         """
         return CoordinatorConfig(
-            host_pool_gib=host_pool_gib, num_layers=self.num_layers, block_size=self.block_size,
+            host_pool_gib=self.rank_budget_gib(host_pool_gib), num_layers=self.num_layers, block_size=self.block_size,
             row_bytes=self.row_bytes, max_model_len=max_model_len, hot_blocks_per_request=hot_rows // self.block_size,
             num_resident_groups=self.num_groups, pressure_watermark_blocks=0)
 
@@ -126,11 +142,13 @@ class HostTierLayout:
         need = cfg.min_host_blocks + 1
         if cfg.host_num_blocks < need:
             raise InvalidInputError(
-                f"kv_connector_extra_config['host_pool_gib']={host_pool_gib} holds {cfg.host_num_blocks} host blocks "
+                f"kv_connector_extra_config['host_pool_gib']={host_pool_gib}"
+                f"{'' if cfg.host_pool_gib == host_pool_gib else f' ({cfg.host_pool_gib:.6g} per TP rank)'} "
+                f"holds {cfg.host_num_blocks} host blocks "
                 f"of {cfg.host_block_stride} B ({self.num_layers} layers x {self.block_size} tokens x "
                 f"{self.row_bytes} B); it needs at least {need} (one max_model_len={max_model_len} request, the "
                 f"{cfg.active_tail_pages}-page active tail and the null block): host_pool_gib >= "
-                f"{need * cfg.host_block_stride / 2**30:.6f}")
+                f"{need * cfg.host_block_stride / 2**30 * host_pool_gib / cfg.host_pool_gib:.6f}")
         return cfg
 
     # ----------------------------------------------------------------- worker side

@@ -92,7 +92,13 @@ class WorkerSide:
                     device_layers.append([view])
         rank, world = _parallel_rank()
         pc = vc.parallel_config
-        share = cfg.share_host_pool and world > 1 and pc.pipeline_parallel_size == 1 and getattr(pc, "nnodes", 1) == 1
+        # One physical pool only where every rank holds the same pages (MLA) on one node.
+        share = (cfg.share_host_pool and world > 1 and layout.replicated and pc.pipeline_parallel_size == 1
+                 and getattr(pc, "nnodes", 1) == 1)
+        if world > 1 and not layout.replicated:
+            logger.info("hisparse: KV heads are sharded over %d TP ranks, so rank %d keeps a private pool of "
+                        "host_pool_gib/%d = %.4g GiB (its shard of every page)", world, rank, world,
+                        layout.rank_budget_gib(cfg.host_pool_gib))
         pool_name = f"{vc.kv_transfer_config.engine_id}-dp{pc.data_parallel_rank}" if share else None
         num_blocks = layout.coordinator_config(cfg.host_pool_gib, vc.model_config.max_model_len,
                                                hot_rows).host_num_blocks

@@ -148,3 +148,46 @@ def test_prometheus_metrics_count_and_gauge(model_dir: Path) -> None:
         for collector, names in list(REGISTRY._collector_to_names.items()):
             if any(n.startswith("vllm:hisparse_") for n in names):
                 REGISTRY.unregister(collector)
+
+
+# ----------------------------------------------------------------- layout
+
+
+def test_layout_shares_the_budget_by_tensor_parallel_shards_unless_pages_are_replicated() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_vllm.layout import HostTierLayout
+
+    sharded = HostTierLayout.from_kv_cache_config(vs.kv_cache_config(32), tp_size=2)
+    assert not sharded.replicated and sharded.rank_budget_gib(1.0) == 0.5
+    assert sharded.row_bytes == 2 * vs.HEADS * vs.HEAD_DIM * 4  # one token slot's share of a page
+    assert sharded.coordinator_config(1.0, 256, 16).host_num_blocks == (2**30 // 2) // (2 * 16 * 512)
+    mla = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["l0"], MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))])
+    replicated = HostTierLayout.from_kv_cache_config(mla, tp_size=8)
+    assert replicated.replicated and replicated.rank_budget_gib(1.0) == 1.0
+    swa = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["l0"], SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                                  sliding_window=64))])
+    with pytest.raises(InvalidInputError, match="KV-cache group 0 .* is a SlidingWindowSpec"):
+        HostTierLayout.from_kv_cache_config(swa)
+
+
+def test_device_views_are_the_kv_bytes_without_a_copy() -> None:
+    import torch
+
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_vllm.layout import HostTierLayout
+
+    layout = HostTierLayout.from_kv_cache_config(vs.kv_cache_config(8))
+    caches = {name: torch.randn(8, vs.HEADS, vs.BLOCK, 2 * vs.HEAD_DIM) for name in vs.LAYERS}
+    (views,) = layout.device_views(caches)
+    for view, name in zip(views, vs.LAYERS):
+        assert view.dtype == torch.uint8 and tuple(view.shape) == (8, vs.BLOCK, layout.row_bytes)
+        assert view.data_ptr() == caches[name].data_ptr()
+        assert torch.equal(view[3].reshape(-1), caches[name][3].reshape(-1).view(torch.uint8))
+    strided = {name: torch.randn(vs.HEADS, 8, vs.BLOCK, 2 * vs.HEAD_DIM).transpose(0, 1) for name in vs.LAYERS}
+    with pytest.raises(InvalidInputError, match="is not contiguous"):
+        layout.device_views(strided)

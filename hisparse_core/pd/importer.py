@@ -83,7 +83,8 @@ class HostImportScheduler:
                 self._coordinator.fail_host_import(rid)
                 raise
             self._imports[rid] = _HostImport(job, _Stage.QUEUED)
-            logger.info("request %s imports %d tokens into host blocks (%d pages) from %s@epoch%d", rid,
+            logger.info("request %s imports %d tokens into %d host blocks from %s@epoch%d: its prefix does not fit "
+                        "the device pools, but its host blocks and host-backed GPU footprint do", rid,
                         remote.num_tokens, len(blocks), remote.engine_id, remote.epoch)
         elif kind == "wait":
             logger.debug("request %s waits: neither the device pools nor the host pool can take %d tokens now",

@@ -164,10 +164,11 @@ class NixlPrefillServer:
         self._layers = list(kv_layers)  # keep the pages alive while they are registered
         self._agent = _Agent(f"prefill-{engine_id}-e{epoch}", config or NixlConfig(), default_progress_thread=True)
         try:
-            for layer, t in enumerate(kv_layers):
+            for t in kv_layers:
                 self._agent.register([_span(t)], _mem_type(t))
-            self._handshake = PrefillHandshake(engine_id, epoch, self._agent.name, self._agent.agent.get_agent_metadata(),
-                                               block_size, row_format.name, row_format.row_bytes, regions)
+            metadata = self._agent.agent.get_agent_metadata()
+            self._handshake = PrefillHandshake(engine_id, epoch, self._agent.name, metadata, block_size,
+                                               row_format.name, row_format.row_bytes, regions)
         except BaseException:
             self._agent.close()
             raise
@@ -191,6 +192,10 @@ class NixlPrefillServer:
             raise InvalidInputError(f"request {request_id!r} names pages {bad} beyond the {n} registered pages")
         self._outstanding.add(request_id)
         return remote
+
+    @property
+    def num_registrations(self) -> int:
+        return self._agent.num_registrations
 
     @property
     def outstanding(self) -> frozenset[str]:

@@ -20,7 +20,8 @@ def prefill_peers() -> Iterator[dict[str, PrefillPeer]]:
     reason = nixl_available()
     if reason is not None:
         pytest.skip(f"nixl unavailable: {reason}")
-    main = PrefillPeer(EngineSpec("dense", LAYERS, PAGES, BS), EngineSpec("strided", LAYERS, PAGES, BS, page_pad_rows=3),
+    main = PrefillPeer(EngineSpec("dense", LAYERS, PAGES, BS),
+                       EngineSpec("strided", LAYERS, PAGES, BS, page_pad_rows=3),
                        EngineSpec("epochs", LAYERS, PAGES, BS))
     victim = PrefillPeer(EngineSpec("victim", LAYERS, PAGES, BS))
     start_peers(main, victim)

@@ -8,6 +8,7 @@ through `reference_cpu` must gather exactly the prefill side's bytes, host-backe
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -151,3 +152,48 @@ def test_staged_imports_of_strided_pages_land_exactly(prefill_peers: dict[str, P
     finally:
         d.close()
     assert d.transport.live_reads == 0 and d.transport.num_registrations == 0  # type: ignore[attr-defined]
+
+
+def test_server_and_transport_in_one_process_guard_their_inputs() -> None:
+    from hisparse_core.errors import InvalidInputError, ProtocolError
+    from hisparse_core.geometry import FP8_DS_MLA
+    from hisparse_core.host_pool import HostPoolSpec
+    from hisparse_core.pd.messages import ReadNotice
+    from hisparse_core.pd.nixl_transport import NixlDecoderTransport, NixlPrefillServer
+
+    layers = [torch.randint(0, 256, (6, BS, WIDTH), dtype=torch.uint8) for _ in range(2)]
+    with pytest.raises(InvalidInputError, match=r"kv_layers\[0\] must be \[num_pages, 16, 656\]"):
+        NixlPrefillServer("p", 1, [layers[0][:, :8]], block_size=BS, row_format=FP8_DS_MLA)
+    server = NixlPrefillServer("p", 1, layers, block_size=BS, row_format=FP8_DS_MLA)
+    pool = ReferenceCpuBackend().create_host_pool(HostPoolSpec(2, 8, BS))
+    transport = NixlDecoderTransport(pool)
+    try:
+        assert server.num_registrations == 2 and transport.num_registrations == 1
+        with pytest.raises(InvalidInputError, match="pages \\[6\\] beyond the 6 registered pages"):
+            server.remote_prefill("r0", [1, 6], 20)
+        server.remote_prefill("r1", [4, 5], 20)
+        hs = server.handshake()
+        assert transport.add_peer(hs) is None and transport.add_peer(hs) is None  # idempotent
+        with pytest.raises(ProtocolError, match="differs from the one held"):
+            transport.add_peer(dataclasses.replace(hs, agent_name="someone-else"))
+        outside = [(pool.layer_view(0).data_ptr() - 4096, BS * WIDTH, 0)]
+        with pytest.raises(InvalidInputError, match="outside every region"):
+            transport.post_read("p", outside, [(hs.regions[0].page_address(0), BS * WIDTH, 0)])
+        local = [(pool.layer_view(1).data_ptr() + 3 * BS * WIDTH, BS * WIDTH, 0)]
+        handle = transport.post_read("p", local, [(hs.regions[1].page_address(5), BS * WIDTH, 0)])
+        deadline = time.monotonic() + 10
+        while transport.check(handle).state.value == "in_flight" and time.monotonic() < deadline:
+            transport.progress()
+        assert transport.check(handle).state.value == "done" and transport.release(handle)
+        assert torch.equal(pool.layer_view(1).view(-1, BS, WIDTH)[3], layers[1][5])
+        assert transport.notify("p", ReadNotice("r1", ok=True))
+        deadline = time.monotonic() + 10
+        while server.outstanding and time.monotonic() < deadline:
+            server.progress()
+            transport.progress()
+        assert server.take_notices() == [ReadNotice("r1", ok=True)] and server.outstanding == frozenset()
+    finally:
+        transport.close()
+        server.close()
+        server.close()
+    assert transport.num_registrations == 0 and transport.live_reads == 0 and server.num_registrations == 0

@@ -35,6 +35,7 @@ K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
+V1 = {"HISPARSE_RESOLVER": "1"}  # the previous resolver (resolve.cu), timed in the same run
 
 
 @dataclass
@@ -184,10 +185,10 @@ class Bench:
             rt.resolve(ResolveInputs(t, state, lens, source, res, hot), gather=True, validate=False)
         torch.cuda.synchronize()
 
-    def hits(self, b: int, threads: int | None = None) -> tuple[float, dict]:
+    def hits(self, b: int, env: dict[str, str] | None = None) -> tuple[float, dict]:
         from hisparse_core.runtime import ResolveInputs
 
-        rt = self.runtime(b, {"HISPARSE_RESOLVE_THREADS": str(threads)} if threads else None)
+        rt = self.runtime(b, env)
         source, res, hot = self.tables(b, resident=False)
         topk = self.windows(b, 1, K)[0]
         inp = ResolveInputs(topk, torch.arange(b, dtype=torch.int32, device=self.dev),
@@ -201,10 +202,10 @@ class Bench:
         phases = rt.resolver_phase_cycles(inp)
         return us, {"hits": st.hits, "misses": st.misses, "threads": rt.launch_shape["threads"], "phases": phases}
 
-    def resident(self, b: int, gather: bool) -> tuple[float, dict]:
+    def resident(self, b: int, gather: bool, env: dict[str, str] | None = None) -> tuple[float, dict]:
         from hisparse_core.runtime import ResolveInputs
 
-        rt = self.runtime(b)
+        rt = self.runtime(b, env)
         source, res, hot = self.tables(b, resident=True)
         topk = self.windows(b, 1, K)[0]
         inp = ResolveInputs(topk, torch.arange(b, dtype=torch.int32, device=self.dev),
@@ -277,12 +278,22 @@ def main(argv: list[str] | None = None) -> int:
         ok = info["misses"] == 0 and us <= target
         rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor, f"<= {target} us", sglang,
                         ok, f"misses={info['misses']} threads={info['threads']}", info))
+        us2, info2 = bench.hits(b, V1)
+        rows.append(Row("  (previous resolver v1)", b, us2, "graph node floor", floor, "-", "-", None,
+                        f"misses={info2['misses']}", info2))
         for threads in (256, 512):
-            us2, info2 = bench.hits(b, threads)
+            us2, info2 = bench.hits(b, {"HISPARSE_RESOLVE_THREADS": str(threads)})
             rows.append(Row(f"  (variant: {threads} threads)", b, us2, "graph node floor", floor, "-", "-", None,
                             f"misses={info2['misses']}", info2))
 
     variants = [dict(v.split("=") for v in spec.split(",")) for spec in args.variant]
+    us, gus, cus, info = bench.misses(1, MISSES, 32, V1)
+    rows.append(Row("  (previous resolver v1) 274 misses", 1, us, "contiguous pinned copy", cus, "-", "-", None,
+                    f"misses/step={info['misses_per_row_step']:.1f} gather-only={gus:.2f} us", info))
+    for threads in (256, 512):
+        us, gus, cus, info = bench.misses(1, MISSES, 32, {"HISPARSE_RESOLVE_THREADS": str(threads)})
+        rows.append(Row(f"  (variant: {threads} threads) 274 misses", 1, us, "contiguous pinned copy", cus, "-", "-",
+                        None, f"misses/step={info['misses_per_row_step']:.1f} gather-only={gus:.2f} us", info))
     for env in [None, *variants]:
         tag = "" if env is None else "  (variant " + ",".join(f"{k.replace('HISPARSE_', '')}={v}"
                                                               for k, v in env.items()) + ")"
@@ -309,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     us, info = bench.resident(64, gather=False)
     rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us", "-",
                     us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, "", info))
+    us, info = bench.resident(64, gather=False, env=V1)
+    rows.append(Row("  (previous resolver v1) all resident", 64, us, "graph node floor", floor, "-", "-", None, "",
+                    info))
+    for threads in (256, 512):
+        us, info = bench.resident(64, gather=False, env={"HISPARSE_RESOLVE_THREADS": str(threads)})
+        rows.append(Row(f"  (variant: {threads} threads) all resident", 64, us, "graph node floor", floor, "-", "-",
+                        None, "", info))
     us, info = bench.resident(64, gather=True)
     rows.append(Row("all resident, resolve+gather launch", 64, us, "graph node floor", floor, "<= 3 us", "-",
                     us <= 3.0, "gather kernel launched, nothing to copy", info))
@@ -325,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = "-" if r.passed is None else ("yes" if r.passed else "NO")
         print(f"{r.scenario:38} {r.batch:>4} {r.ours_us:9.2f} {r.baseline:>24} {base} {r.target:>24} {r.sglang:>20} "
               f"{ok:>4}  {r.note}")
-    print("\nresolver phases of block 0 (cycles since start: init, hash, walk, compact, rank, assign, end):")
+    print("\nresolver phases of block 0 (cycles since start at: v2 barrier 1 (loads), 2 (hash), 3 (walk), 4 (pack, flag misses), row split, assign + LRU, end; v1 init, hash, walk, compact, rank, assign, end):")
     for r in rows:
         if "phases" in r.extra:
             print(f"  {r.scenario.strip():38} B={r.batch:<4} {r.extra['phases']}")

@@ -4,7 +4,7 @@
 # the benchmark. Every stage logs to $OUT (default ./out) and the script ends with a summary; a
 # failing stage does not stop the later ones.
 #
-#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests conformance memcheck racecheck ncu bench
+#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests tests_threads conformance memcheck racecheck ncu bench
 #
 # Stage time limits (seconds) come from T_ENV, T_TESTS, T_CONFORMANCE, T_MEMCHECK, T_RACECHECK and
 # T_BENCH; BENCH_ARGS passes extra arguments to bench/bench_nvidia.py.
@@ -74,6 +74,10 @@ for b in all_builds_for_ci():
 tests)
     run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
+tests_threads)  # the resolver tests again with another block size (HISPARSE_RESOLVE_THREADS, default 512)
+    run tests_threads "${T_TESTS:-140}" env HISPARSE_RESOLVE_THREADS="${T_THREADS:-512}" python3 -m pytest -q -rs \
+        --maxfail=10 -p no:cacheprovider tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py
+    ;;
 conformance)
     run conformance "${T_CONFORMANCE:-150}" python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance \
         --hisparse-backend nvidia --hisparse-examples 25
@@ -112,7 +116,7 @@ echo "==================== summary ===================="
 for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
 done
-for stage in tests conformance memcheck racecheck; do
+for stage in tests tests_threads conformance memcheck racecheck; do
     [ -f "$OUT/$stage.log" ] || continue
     echo "--- $stage (tail)"
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8

@@ -1,18 +1,20 @@
-"""Maps the repository's top-level folders to their hisparse_-prefixed import names.
+"""Collects the packages of the repository's folders into one distribution.
 
-The tree keeps backends and plugins in descriptive folders (backends/nvidia, plugins/vllm);
-installed, they are hisparse_nvidia, hisparse_vllm, ... and nothing installs a top-level
-`backends` or `plugins` package. Everything else lives in pyproject.toml.
+Each backend and plugin keeps its package in a descriptive folder (backends/nvidia/hisparse_nvidia,
+plugins/vllm/hisparse_vllm, ...). The folder holding a package is its import root, so the folder
+name and the import name agree in every context (installed, editable, pytest's rootdir-based
+imports), and nothing installs a top-level `backends` or `plugins` package. Everything else lives
+in pyproject.toml.
 """
 
 from setuptools import find_packages, setup
 
 ROOTS = {
     "hisparse_core": "hisparse_core",
-    "hisparse_reference_cpu": "backends/reference_cpu",
-    "hisparse_nvidia": "backends/nvidia",
-    "hisparse_conformance": "plugins/conformance",
-    "hisparse_vllm": "plugins/vllm",
+    "hisparse_reference_cpu": "backends/reference_cpu/hisparse_reference_cpu",
+    "hisparse_nvidia": "backends/nvidia/hisparse_nvidia",
+    "hisparse_conformance": "plugins/conformance/hisparse_conformance",
+    "hisparse_vllm": "plugins/vllm/hisparse_vllm",
 }
 
 packages: list[str] = []

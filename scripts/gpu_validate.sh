@@ -26,10 +26,10 @@ export HISPARSE_KERNEL_CACHE=${HISPARSE_KERNEL_CACHE:-/tmp/hisparse-kernels}
 SHIM=/tmp/hisparse_shim
 rm -rf "$SHIM" && mkdir -p "$SHIM/hisparse-0.1.0.dist-info"
 ln -s "$REPO/hisparse_core" "$SHIM/hisparse_core"
-ln -s "$REPO/backends/nvidia" "$SHIM/hisparse_nvidia"
-ln -s "$REPO/backends/reference_cpu" "$SHIM/hisparse_reference_cpu"
-ln -s "$REPO/plugins/conformance" "$SHIM/hisparse_conformance"
-[ -d "$REPO/plugins/vllm" ] && ln -s "$REPO/plugins/vllm" "$SHIM/hisparse_vllm"
+ln -s "$REPO/backends/nvidia/hisparse_nvidia" "$SHIM/hisparse_nvidia"
+ln -s "$REPO/backends/reference_cpu/hisparse_reference_cpu" "$SHIM/hisparse_reference_cpu"
+ln -s "$REPO/plugins/conformance/hisparse_conformance" "$SHIM/hisparse_conformance"
+[ -d "$REPO/plugins/vllm/hisparse_vllm" ] && ln -s "$REPO/plugins/vllm/hisparse_vllm" "$SHIM/hisparse_vllm"
 printf 'Metadata-Version: 2.1\nName: hisparse\nVersion: 0.1.0\n' > "$SHIM/hisparse-0.1.0.dist-info/METADATA"
 python3 - "$REPO/pyproject.toml" > "$SHIM/hisparse-0.1.0.dist-info/entry_points.txt" <<'EOF'
 import sys, tomllib

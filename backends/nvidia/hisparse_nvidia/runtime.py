@@ -1,7 +1,7 @@
 """`NvidiaRuntime`: the per-cache runtime on a CUDA device.
 
 State and workspaces are PyTorch tensors on the device; the work is done by the NVRTC-built
-kernels under `kernels/`, launched through the driver on PyTorch's current stream:
+kernels under `cuda/`, launched through the driver on PyTorch's current stream:
 
 - `hisparse_resolve` (resolve.cu): one thread block per batch row; the first row of a request's
   group resolves the group's union against the request's hot map and exact LRU order, assigns

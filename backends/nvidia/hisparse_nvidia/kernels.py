@@ -28,7 +28,7 @@ RESOLVER_VERSION = 2
 #: Shared memory the version-2 resolver may take for a load factor of 1/4 (else 1/2).
 _RESOLVE2_SPARSE_HASH_LIMIT = 160 * 1024
 #: Threads per block of the copy kernels, 16-byte loads each thread keeps in flight, and the load
-#: flavour (see kernels/common.cuh); each overridable by environment for tuning.
+#: flavour (see cuda/common.cuh); each overridable by environment for tuning.
 ENV_COPY_THREADS = "HISPARSE_COPY_THREADS"
 ENV_COPY_UNROLL = "HISPARSE_COPY_UNROLL"
 ENV_COPY_LOAD = "HISPARSE_COPY_LOAD"
@@ -41,7 +41,7 @@ _RESOLVE_STATIC_SMEM_SLACK = 64
 
 
 class FastDiv(ctypes.Structure):
-    """Kernel argument `HsDiv` (kernels/common.cuh): divide non-negative ints by `d` with a
+    """Kernel argument `HsDiv` (cuda/common.cuh): divide non-negative ints by `d` with a
     multiply-high and a shift, q = (umulhi(n, m) + n) >> s."""
 
     _fields_ = [("d", ctypes.c_int32), ("m", ctypes.c_uint32), ("s", ctypes.c_uint32)]

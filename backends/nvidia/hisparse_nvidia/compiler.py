@@ -1,6 +1,6 @@
 """Run-time compilation of the CUDA C++ kernels with NVRTC, cached on disk.
 
-Users need no CUDA compiler: the sources under `kernels/` ship with the package and are compiled
+Users need no CUDA compiler: the sources under `cuda/` ship with the package and are compiled
 on first use for the device's architecture (`sm_90` on H100/H200) into a cubin. Each build is
 cached under `$HISPARSE_KERNEL_CACHE` (default `~/.cache/hisparse/kernels`), keyed by a hash of
 the source, its headers, the options, the architecture and the NVRTC version, so a later process
@@ -41,7 +41,7 @@ class KernelCompileError(BackendError):
 
 @dataclass(frozen=True, slots=True)
 class KernelBuild:
-    """One compilation unit: a source under `kernels/` and its `-D` definitions."""
+    """One compilation unit: a source under `cuda/` and its `-D` definitions."""
 
     source: str
     defines: tuple[tuple[str, int], ...] = ()
@@ -69,13 +69,13 @@ class CompiledKernel:
 
 
 def kernel_text(name: str) -> str:
-    """The text of a file under `kernels/` (sources and headers)."""
-    return resources.files("hisparse_nvidia").joinpath("kernels", name).read_text(encoding="utf-8")
+    """The text of a file under `cuda/` (sources and headers)."""
+    return resources.files("hisparse_nvidia").joinpath("cuda", name).read_text(encoding="utf-8")
 
 
 def kernel_sources() -> list[str]:
-    """Every `.cu` file shipped under `kernels/`."""
-    folder = resources.files("hisparse_nvidia").joinpath("kernels")
+    """Every `.cu` file shipped under `cuda/`."""
+    folder = resources.files("hisparse_nvidia").joinpath("cuda")
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".cu"))
 
 

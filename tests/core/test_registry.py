@@ -10,7 +10,7 @@ import logging
 import sys
 
 import pytest
-from core_support import FakeSite, module_exists, plugin_source
+from core_support import FakeSite, plugin_source
 
 from hisparse_core.backend import API_VERSION, Backend
 from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
@@ -302,8 +302,6 @@ def test_module_functions_use_one_cached_registry(fake_site: FakeSite, monkeypat
 # --- the in-tree backends ---------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not module_exists("hisparse_reference_cpu.plugin"),
-                    reason="backends/reference_cpu/plugin.py is not there yet")
 def test_reference_cpu_is_discovered_and_selectable() -> None:
     reg = get_registry(reload=True)
     entry = reg.get("reference_cpu")
@@ -313,8 +311,6 @@ def test_reference_cpu_is_discovered_and_selectable() -> None:
     assert backend.name == "reference_cpu" and str(backend.device) == "cpu"
 
 
-@pytest.mark.skipif(not module_exists("hisparse_nvidia.plugin"),
-                    reason="backends/nvidia/plugin.py is not there yet")
 def test_nvidia_is_unavailable_with_a_reason_on_a_machine_without_a_gpu() -> None:
     import shutil
 

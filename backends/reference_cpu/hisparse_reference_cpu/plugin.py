@@ -1,37 +1,32 @@
 """Entry point of the `hisparse.backends` group: registers the reference CPU backend.
 
-Imports nothing heavy. `hisparse_core`'s package `__init__` imports torch, so this module builds
-its hook marker from pluggy directly (same project name, hence the same marker) and imports
-`BackendSpec` only inside the hook.
+Imports nothing heavy: `hisparse_core.backend` and `hisparse_core.hookspecs` are torch-free, and
+the backend class is named by a string the registry imports only on selection.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
-from typing import Any
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("hisparse")
+from hisparse_core.backend import BackendSpec, Capability
+from hisparse_core.hookspecs import hookimpl
 
 NAME = "reference_cpu"
 VERSION = "0.1.0"
-#: The `Capability` strings of `ReferenceCpuBackend.capabilities`, spelled out so no torch is imported.
 CAPABILITIES = frozenset({
-    "row_format:fp8_ds_mla", "row_format:bf16_mla", "speculative_union", "index_sharing",
-    "shared_host_pool", "async_transfers",
+    Capability.FP8_DS_MLA, Capability.BF16_MLA, Capability.SPECULATIVE_UNION, Capability.INDEX_SHARING,
+    Capability.SHARED_HOST_POOL, Capability.ASYNC_TRANSFERS,
 })
 
 
 def probe() -> str | None:
-    """The reference backend runs wherever torch does."""
-    return None
+    """The reference backend runs wherever torch imports."""
+    return None if importlib.util.find_spec("torch") is not None else "torch is not installed"
 
 
 @hookimpl
-def hisparse_register_backends(register: Callable[[Any], None]) -> None:
-    from hisparse_core.backend import BackendSpec
-
+def hisparse_register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(BackendSpec(
         name=NAME,
         factory="hisparse_reference_cpu.backend:ReferenceCpuBackend",

@@ -10,18 +10,15 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 from collections.abc import Callable
-from typing import Any
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("hisparse")
+from hisparse_core.backend import BackendSpec, Capability
+from hisparse_core.hookspecs import hookimpl
 
 NAME = "nvidia"
 VERSION = "0.1.0"
-#: The `Capability` strings of `NvidiaBackend.capabilities`, spelled out so no torch is imported.
 CAPABILITIES = frozenset({
-    "row_format:fp8_ds_mla", "row_format:bf16_mla", "speculative_union", "index_sharing",
-    "shared_host_pool", "cuda_graph", "async_transfers",
+    Capability.FP8_DS_MLA, Capability.BF16_MLA, Capability.SPECULATIVE_UNION, Capability.INDEX_SHARING,
+    Capability.SHARED_HOST_POOL, Capability.CUDA_GRAPH, Capability.ASYNC_TRANSFERS,
 })
 
 
@@ -51,9 +48,7 @@ def probe() -> str | None:
 
 
 @hookimpl
-def hisparse_register_backends(register: Callable[[Any], None]) -> None:
-    from hisparse_core.backend import BackendSpec
-
+def hisparse_register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(BackendSpec(
         name=NAME,
         factory="hisparse_nvidia.backend:NvidiaBackend",

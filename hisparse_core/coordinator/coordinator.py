@@ -185,7 +185,7 @@ class HiSparseCoordinator:
         """Longest published prefix of `token_ids` (whole pages, at most `max_tokens`). Read-only."""
         if not self._enabled:
             return PrefixHit(0, ())
-        blocks, _ = self._walk_prefix(token_ids, root_hash(extra_key), self._cap(token_ids, max_tokens))
+        blocks, _ = self._walk_prefix(token_ids, root_hash(extra_key), self._cap(token_ids, max_tokens) // self._bs)
         n = len(blocks) * self._bs
         return PrefixHit(n, tuple(blocks))
 

@@ -25,26 +25,22 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import struct
 import threading
-import time
 import weakref
 
 import torch
 
-from hisparse_core.errors import CapacityError, InvalidInputError, ProtocolError
+from hisparse_core import shm
+from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.host_pool import OS_PAGE, HostPool, HostPoolSpec
 
 from hisparse_nvidia import driver
 from hisparse_nvidia.ipc import CHANNEL_END, WriterChannel
 
-SHM_DIR = "/dev/shm"
 HUGE_PAGE = 2 << 20
 #: Largest single cuMemHostRegister call (bytes, a multiple of 2 MiB).
 REGISTER_CHUNK_BYTES = 32 << 30
-_MAGIC = b"HISPARSE-NVPOOL1"
-_HEADER = struct.Struct("<16sqqqqq32sq")  # magic, pid, layers, blocks, block_size, width, format, nbytes
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_HEADER = shm.PoolHeader(b"HISPARSE-NVPOOL1", with_nbytes=True)
 assert _HEADER.size <= 512 and CHANNEL_END <= OS_PAGE
 
 # Registered ranges of every live pool of this process: host start -> (bytes, device start).
@@ -67,39 +63,7 @@ def device_address_of_host(ptr: int, nbytes: int) -> int | None:
 
 def shm_path(name: str) -> str:
     """The /dev/shm file backing the shared pool called `name`."""
-    if not _NAME.fullmatch(name):
-        raise InvalidInputError(
-            f"shared host pool name {name!r} is not a valid file name part; expected 1-128 of [A-Za-z0-9_.-]")
-    return os.path.join(SHM_DIR, f"hisparse_{name}.nvpool")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _header(spec: HostPoolSpec, pid: int) -> bytes:
-    fmt = spec.row_format
-    return _HEADER.pack(_MAGIC, pid, spec.num_layers, spec.num_blocks, spec.block_size, fmt.width,
-                        fmt.name.encode(), spec.nbytes)
-
-
-def _read_header(path: str) -> tuple[int, bytes, int] | None:
-    """(creator pid, header bytes, inode) of a published pool file, or None."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_HEADER.size)
-            inode = os.fstat(f.fileno()).st_ino
-    except FileNotFoundError:
-        return None
-    if len(raw) != _HEADER.size or not raw.startswith(_MAGIC):
-        return None
-    return _HEADER.unpack(raw)[1], raw, inode
+    return shm.shm_path(name, ".nvpool")
 
 
 def _remove_stale_temporaries(path: str) -> None:
@@ -111,7 +75,7 @@ def _remove_stale_temporaries(path: str) -> None:
         return
     for n in names:
         m = re.fullmatch(re.escape(base) + r"\.(\d+)\.tmp", n)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not shm.pid_alive(int(m.group(1))):
             try:
                 os.unlink(os.path.join(folder, n))
             except OSError:
@@ -262,11 +226,7 @@ class NvidiaHostPool(HostPool):
         return OS_PAGE + -(-self.spec.nbytes // OS_PAGE) * OS_PAGE
 
     def _create(self, path: str) -> None:
-        found = _read_header(path)
-        if found is not None and found[0] != os.getpid() and _pid_alive(found[0]):
-            raise InvalidInputError(
-                f"shared host pool {self.spec.name!r} ({path}) is in use by live process {found[0]}; "
-                f"expected a name no running instance uses")
+        shm.refuse_live_creator(path, _HEADER, self.spec)
         _remove_stale_temporaries(path)
         self._tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -276,7 +236,7 @@ class NvidiaHostPool(HostPool):
             except OSError as exc:
                 os.unlink(self._tmp)
                 raise CapacityError(f"could not size {self._tmp} to {self._file_bytes()} bytes: {exc}") from exc
-            os.pwrite(fd, _header(self.spec, os.getpid()), 0)
+            os.pwrite(fd, _HEADER.pack(self.spec, os.getpid()), 0)
             self._inode = os.fstat(fd).st_ino
             self._mm = mmap.mmap(fd, self._file_bytes(), flags=mmap.MAP_SHARED)
         finally:
@@ -284,27 +244,18 @@ class NvidiaHostPool(HostPool):
         self._path = path
 
     def _attach(self, path: str, timeout_s: float) -> None:
-        want = _header(self.spec, 0)[len(_MAGIC) + 8:]
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = _read_header(path)
-            if found is not None and _pid_alive(found[0]):
-                if found[1][len(_MAGIC) + 8:] != want:
-                    raise InvalidInputError(
-                        f"shared host pool {self.spec.name!r} ({path}) was created with another geometry; "
-                        f"expected layers/blocks/block_size/width/format of {self.spec}")
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    if os.fstat(fd).st_ino == found[2] and os.fstat(fd).st_size == self._file_bytes():
-                        self._mm = mmap.mmap(fd, self._file_bytes(), flags=mmap.MAP_SHARED)
-                        return
-                finally:
-                    os.close(fd)
-            if time.monotonic() > deadline:
-                raise ProtocolError(
-                    f"rank {self.spec.rank} waited {timeout_s}s for rank 0 to publish the shared host pool "
-                    f"{self.spec.name!r} at {path}")
-            time.sleep(0.01)
+        self._mm = shm.wait_for_creator(path, _HEADER, self.spec, timeout_s,
+                                        lambda found: self._map_published(path, found.inode))
+
+    def _map_published(self, path: str, inode: int) -> mmap.mmap | None:
+        """Map `path` if it is still file `inode` at full size; None (keep waiting) otherwise."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_ino == inode and os.fstat(fd).st_size == self._file_bytes():
+                return mmap.mmap(fd, self._file_bytes(), flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return None
 
     # ----------------------------------------------------------------- HostPool
 

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from hisparse_core import copy_checks
+from hisparse_core.checks import check_int, check_ints, check_range
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
@@ -43,16 +45,7 @@ from hisparse_nvidia.kernels import (
     LoadedKernels,
     resolver_shape,
 )
-from hisparse_nvidia.validation import (
-    check_int,
-    check_ints,
-    check_range,
-    check_sequence,
-    check_shapes,
-    check_span,
-    check_tensor,
-    check_values,
-)
+from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
 
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
 #: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
@@ -333,49 +326,23 @@ class NvidiaRuntime(CacheRuntime):
     def check_mirrors(self, mirrors: Sequence[RowMirror]) -> list[tuple[int, int, int]]:
         """Validate mirrors; returns `(device_row, host_row, num_rows)` per mirror."""
         self._require_bound()
-        bs, g = self.config.block_size, self._resident_group
-        out: list[tuple[int, int, int]] = []
-        for i, m in enumerate(check_sequence("mirrors", mirrors, RowMirror)):
-            if len(m.source_starts) <= g:
-                raise InvalidInputError(
-                    f"mirrors[{i}].source_starts has {len(m.source_starts)} entries; expected one for "
-                    f"resident group {g}")
-            src, dst, n = m.source_starts[g], m.destination_start, m.num_rows
-            check_span(f"mirrors[{i}] source", src, n, self._dev_rows, bs)
-            check_span(f"mirrors[{i}] destination", dst, n, self._host_rows, bs)
-            out.append((src, dst, n))
-        return out
+        return copy_checks.check_mirrors(mirrors, resident_group=self._resident_group,
+                                         block_size=self.config.block_size, device_rows=self._dev_rows,
+                                         host_rows=self._host_rows)
 
     def check_pages(self, transfers: Sequence[PageTransfer], *, restore: bool | None) -> list[tuple[int, int]]:
         """Validate page transfers; returns `(device_block, host_block)` per transfer.
 
         `restore` is the direction every transfer must have (None: either)."""
         self._require_bound()
-        g = self._resident_group
-        out: list[tuple[int, int]] = []
-        for i, t in enumerate(check_sequence("transfers", transfers, PageTransfer)):
-            if restore is not None and t.restore != restore:
-                want = "restore_pages" if t.restore else "spill_pages"
-                raise InvalidInputError(
-                    f"transfers[{i}] (id {t.transfer_id}) has restore={t.restore}; pass it to {want}")
-            if len(t.resident_block_ids) <= g:
-                raise InvalidInputError(
-                    f"transfers[{i}].resident_block_ids has {len(t.resident_block_ids)} entries; expected one "
-                    f"for resident group {g}")
-            dev = check_int(f"transfers[{i}].resident_block_ids[{g}]", t.resident_block_ids[g], 0,
-                            self.num_device_blocks)
-            host = check_int(f"transfers[{i}].host_block_id", t.host_block_id, 0,
-                             self._host_rows // self.config.block_size)
-            out.append((dev, host))
-        return out
+        return copy_checks.check_pages(transfers, restore=restore, resident_group=self._resident_group,
+                                       device_blocks=self.num_device_blocks,
+                                       host_blocks=self._host_rows // self.config.block_size)
 
     def check_host_copies(self, copies: Sequence[HostBlockCopy]) -> list[tuple[int, int]]:
         """Validate host block copies; returns `(src_block, dst_block)` per copy."""
         self._require_bound()
-        blocks = self._host_rows // self.config.block_size
-        return [(check_int(f"copies[{i}].src_block_id", c.src_block_id, 0, blocks),
-                 check_int(f"copies[{i}].dst_block_id", c.dst_block_id, 0, blocks))
-                for i, c in enumerate(check_sequence("copies", copies, HostBlockCopy))]
+        return copy_checks.check_host_copies(copies, host_blocks=self._host_rows // self.config.block_size)
 
     def mirror_rows(self, mirrors: Sequence[RowMirror]) -> None:
         spans = self.check_mirrors(mirrors)

@@ -32,6 +32,7 @@ from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.host_pool import HostPool
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine, TransferProgress
+from hisparse_core.transfer_checks import check_engine_pool, check_engine_runtimes, check_unique_ids
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 
 from hisparse_nvidia.host_pool import NvidiaHostPool
@@ -53,23 +54,16 @@ class NvidiaTransferEngine(TransferEngine):
     """Runs mirrors, page transfers and host copies for every bound `NvidiaRuntime` of a worker."""
 
     def __init__(self, host_pool: HostPool, runtimes: Sequence[CacheRuntime], *, peer_timeout_s: float = 120.0) -> None:
-        if not isinstance(host_pool, NvidiaHostPool):
-            raise InvalidInputError(f"host_pool must be an NvidiaHostPool, got {type(host_pool).__name__}")
-        if host_pool.released:
-            raise InvalidInputError("host_pool was released; expected a live pool")
-        if isinstance(runtimes, (str, bytes)) or not isinstance(runtimes, Sequence) or not runtimes:
-            raise InvalidInputError(f"runtimes must be a non-empty sequence of runtimes, got {runtimes!r}")
-        for i, rt in enumerate(runtimes):
-            if not isinstance(rt, NvidiaRuntime):
-                raise InvalidInputError(f"runtimes[{i}] is a {type(rt).__name__}; expected an NvidiaRuntime")
-            if not rt.bound:
-                raise InvalidInputError(f"runtimes[{i}] is not bound; bind it before building the engine")
-            if rt.device != host_pool.device:
+        pool = check_engine_pool(host_pool, NvidiaHostPool, "an NvidiaHostPool")
+
+        def same_device(i: int, rt: NvidiaRuntime) -> None:
+            if rt.device != pool.device:
                 raise InvalidInputError(f"runtimes[{i}] is on {rt.device}; the host pool is registered for "
-                                        f"{host_pool.device}")
-        self._pool = host_pool
+                                        f"{pool.device}")
+
+        self._runtimes = check_engine_runtimes(runtimes, NvidiaRuntime, "an NvidiaRuntime", same_device)
+        self._pool = pool
         self._device = host_pool.device
-        self._runtimes: tuple[NvidiaRuntime, ...] = tuple(runtimes)  # type: ignore[arg-type]
         self._stream = torch.cuda.Stream(self._device)
         self._pending: list[_Pending] = []
         self._epoch = 0  # host-write epochs submitted (the same count on every rank)
@@ -121,8 +115,8 @@ class NvidiaTransferEngine(TransferEngine):
     def submit_pages(self, transfers: Sequence[PageTransfer]) -> None:
         for rt in self._runtimes:
             rt.check_pages(transfers, restore=None)
-        _check_unique("transfer id", [t.transfer_id for t in transfers],
-                      {p.ident for p in self._pending if not p.host_copy})
+        check_unique_ids("transfer id", [t.transfer_id for t in transfers],
+                         {p.ident for p in self._pending if not p.host_copy})
         spills = [t for t in transfers if not t.restore]
         restores = [t for t in transfers if t.restore]
         if spills:
@@ -141,7 +135,7 @@ class NvidiaTransferEngine(TransferEngine):
         for rt in self._runtimes:
             rt.check_host_copies(copies)
         dsts = [c.dst_block_id for c in copies]
-        _check_unique("host copy destination block", dsts, {p.ident for p in self._pending if p.host_copy})
+        check_unique_ids("host copy destination block", dsts, {p.ident for p in self._pending if p.host_copy})
         if not copies:
             return
         event, epoch = self._host_writes([lambda rt=rt: rt.copy_host_blocks(copies) for rt in self._runtimes])
@@ -214,12 +208,3 @@ class NvidiaTransferEngine(TransferEngine):
             self._stream.synchronize()
         return self._report(wait=True)
 
-
-def _check_unique(what: str, ids: list[int], in_flight: set[int]) -> None:
-    """Each acknowledgement names one piece of work: ids are unique among everything unacknowledged."""
-    seen: set[int] = set()
-    for i in ids:
-        if i in in_flight or i in seen:
-            raise ProtocolError(f"{what} {i} is submitted while another with that id is still unacknowledged; "
-                                f"expected unique ids until completion is reported")
-        seen.add(i)

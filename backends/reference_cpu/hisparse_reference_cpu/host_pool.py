@@ -13,55 +13,19 @@ is told apart from the live one that replaces it.
 from __future__ import annotations
 
 import os
-import re
-import struct
-import time
 
 import torch
 
-from hisparse_core.errors import InvalidInputError, ProtocolError
+from hisparse_core import shm
+from hisparse_core.errors import InvalidInputError
 from hisparse_core.host_pool import OS_PAGE, HostPool, HostPoolSpec
 
-SHM_DIR = "/dev/shm"
-_MAGIC = b"HISPARSE-POOL-v1"
-_HEADER = struct.Struct("<16sqqqqq32s")  # magic, pid, layers, blocks, block_size, width, row format
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_HEADER = shm.PoolHeader(b"HISPARSE-POOL-v1")
 
 
 def shm_path(name: str) -> str:
     """The /dev/shm file that backs the shared pool called `name`."""
-    if not _NAME.fullmatch(name):
-        raise InvalidInputError(
-            f"shared host pool name {name!r} is not a valid file name part; expected 1-128 of [A-Za-z0-9_.-]")
-    return os.path.join(SHM_DIR, f"hisparse_{name}.pool")
-
-
-def _header(spec: HostPoolSpec, pid: int) -> bytes:
-    fmt = spec.row_format
-    return _HEADER.pack(_MAGIC, pid, spec.num_layers, spec.num_blocks, spec.block_size, fmt.width,
-                        fmt.name.encode())
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _read_header(path: str) -> tuple[int, bytes] | None:
-    """(creator pid, header bytes) of a published file, or None if it is absent or unreadable."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_HEADER.size)
-    except FileNotFoundError:
-        return None
-    if len(raw) != _HEADER.size or not raw.startswith(_MAGIC):
-        return None
-    return _HEADER.unpack(raw)[1], raw
+    return shm.shm_path(name, ".pool")
 
 
 class ReferenceHostPool(HostPool):
@@ -95,16 +59,12 @@ class ReferenceHostPool(HostPool):
         return data.view(fmt.dtype).view(self.spec.num_layers * self.spec.rows_per_layer, fmt.width)
 
     def _create(self, path: str) -> torch.Tensor:
-        found = _read_header(path)
-        if found is not None and found[0] != os.getpid() and _pid_alive(found[0]):
-            raise InvalidInputError(
-                f"shared host pool {self.spec.name!r} ({path}) is in use by live process {found[0]}; "
-                f"expected a name no running instance uses")
+        shm.refuse_live_creator(path, _HEADER, self.spec)
         tmp = f"{path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, self._file_bytes())
-            os.pwrite(fd, _header(self.spec, os.getpid()), 0)
+            os.pwrite(fd, _HEADER.pack(self.spec, os.getpid()), 0)
             self._inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)
@@ -118,22 +78,7 @@ class ReferenceHostPool(HostPool):
         return rows
 
     def _attach(self, path: str, timeout_s: float) -> torch.Tensor:
-        want = _header(self.spec, 0)[len(_MAGIC) + 8:]
-        deadline = time.monotonic() + timeout_s
-        while True:
-            found = _read_header(path)
-            if found is not None and _pid_alive(found[0]):
-                got = found[1][len(_MAGIC) + 8:]
-                if got != want:
-                    raise InvalidInputError(
-                        f"shared host pool {self.spec.name!r} ({path}) was created with another geometry; "
-                        f"expected layers/blocks/block_size/width/format of {self.spec}")
-                return self._map(path)
-            if time.monotonic() > deadline:
-                raise ProtocolError(
-                    f"rank {self.spec.rank} waited {timeout_s}s for rank 0 to publish the shared host pool "
-                    f"{self.spec.name!r} at {path}")
-            time.sleep(0.01)
+        return shm.wait_for_creator(path, _HEADER, self.spec, timeout_s, lambda _found: self._map(path))
 
     # ----------------------------------------------------------------- HostPool
 

@@ -12,15 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse_core.errors import InvalidInputError
-
-
-@dataclass(frozen=True, slots=True)
-class Group:
-    """A maximal run `[start, stop)` of consecutive batch rows sharing state row `state`."""
-
-    start: int
-    stop: int
-    state: int
+from hisparse_core.row_groups import groups_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,21 +29,6 @@ class Resolution:
     resident: int
     hits: int
     misses: int
-
-
-def groups_of(row_state: torch.Tensor) -> list[Group]:
-    """Maximal runs of equal, non-padding state rows, in batch order."""
-    states = row_state.tolist()
-    out: list[Group] = []
-    start = 0
-    while start < len(states):
-        stop = start + 1
-        while stop < len(states) and states[stop] == states[start]:
-            stop += 1
-        if states[start] != -1:
-            out.append(Group(start, stop, states[start]))
-        start = stop
-    return out
 
 
 def _first_reference_unique(host_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,18 +7,18 @@ is a no-op. Copies move bytes through `uint8` views, so they are exact for every
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
 
 import torch
 
+from hisparse_core import copy_checks
+from hisparse_core.checks import check_int, check_ints, check_range, check_tensor
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RuntimeConfig
+from hisparse_core.resolve_checks import check_resolve_shapes, check_resolve_values
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 
-from hisparse_reference_cpu.checks import check_int, check_ints, check_range, check_tensor
 from hisparse_reference_cpu.resolver import resolve_batch
-from hisparse_reference_cpu.validation import check_shapes, check_values
 
 CPU = torch.device("cpu")
 
@@ -121,9 +121,9 @@ class ReferenceRuntime(CacheRuntime):
     def resolve(self, inputs: ResolveInputs, *, gather: bool = True, validate: bool = True) -> ResolveResult:
         self._require_bound()
         cfg = self.config
-        check_shapes(inputs, cfg, CPU)
+        check_resolve_shapes(inputs, cfg, CPU)
         if validate:
-            check_values(inputs, cfg, num_device_blocks=self.num_device_blocks,
+            check_resolve_values(inputs, cfg, num_device_blocks=self.num_device_blocks,
                          host_blocks=self.host_rows // cfg.block_size)
         try:
             res = resolve_batch(inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table,
@@ -191,18 +191,9 @@ class ReferenceRuntime(CacheRuntime):
     def check_mirrors(self, mirrors: Sequence[RowMirror]) -> list[tuple[int, int, int]]:
         """Validate mirrors; returns `(device_row, host_row, num_rows)` per mirror."""
         self._require_bound()
-        bs, g = self.config.block_size, self._resident_group
-        out: list[tuple[int, int, int]] = []
-        for i, m in enumerate(_sequence("mirrors", mirrors, RowMirror)):
-            if len(m.source_starts) <= g:
-                raise InvalidInputError(
-                    f"mirrors[{i}].source_starts has {len(m.source_starts)} entries; expected one for "
-                    f"resident group {g}")
-            src, dst, n = m.source_starts[g], m.destination_start, m.num_rows
-            _check_span(f"mirrors[{i}] source", src, n, self._dev[0].shape[0], bs)
-            _check_span(f"mirrors[{i}] destination", dst, n, self.host_rows, bs)
-            out.append((src, dst, n))
-        return out
+        return copy_checks.check_mirrors(mirrors, resident_group=self._resident_group,
+                                         block_size=self.config.block_size, device_rows=self._dev[0].shape[0],
+                                         host_rows=self.host_rows)
 
     def mirror_rows(self, mirrors: Sequence[RowMirror]) -> None:
         spans = self.check_mirrors(mirrors)
@@ -216,23 +207,9 @@ class ReferenceRuntime(CacheRuntime):
 
         `restore` is the direction every transfer must have (None: either)."""
         self._require_bound()
-        g = self._resident_group
-        out: list[tuple[int, int]] = []
-        for i, t in enumerate(_sequence("transfers", transfers, PageTransfer)):
-            if restore is not None and t.restore != restore:
-                want = "restore_pages" if t.restore else "spill_pages"
-                raise InvalidInputError(
-                    f"transfers[{i}] (id {t.transfer_id}) has restore={t.restore}; pass it to {want}")
-            if len(t.resident_block_ids) <= g:
-                raise InvalidInputError(
-                    f"transfers[{i}].resident_block_ids has {len(t.resident_block_ids)} entries; expected one "
-                    f"for resident group {g}")
-            dev = check_int(f"transfers[{i}].resident_block_ids[{g}]", t.resident_block_ids[g], 0,
-                            self.num_device_blocks)
-            host = check_int(f"transfers[{i}].host_block_id", t.host_block_id, 0,
-                             self.host_rows // self.config.block_size)
-            out.append((dev, host))
-        return out
+        return copy_checks.check_pages(transfers, restore=restore, resident_group=self._resident_group,
+                                       device_blocks=self.num_device_blocks,
+                                       host_blocks=self.host_rows // self.config.block_size)
 
     def spill_pages(self, transfers: Sequence[PageTransfer]) -> None:
         pages = self.check_pages(transfers, restore=False)
@@ -253,10 +230,7 @@ class ReferenceRuntime(CacheRuntime):
     def check_host_copies(self, copies: Sequence[HostBlockCopy]) -> list[tuple[int, int]]:
         """Validate host block copies; returns `(src_block, dst_block)` per copy."""
         self._require_bound()
-        blocks = self.host_rows // self.config.block_size
-        return [(check_int(f"copies[{i}].src_block_id", c.src_block_id, 0, blocks),
-                 check_int(f"copies[{i}].dst_block_id", c.dst_block_id, 0, blocks))
-                for i, c in enumerate(_sequence("copies", copies, HostBlockCopy))]
+        return copy_checks.check_host_copies(copies, host_blocks=self.host_rows // self.config.block_size)
 
     def copy_host_blocks(self, copies: Sequence[HostBlockCopy]) -> None:
         pairs = self.check_host_copies(copies)
@@ -318,23 +292,3 @@ class ReferenceRuntime(CacheRuntime):
         self._stats = RuntimeStats(s.resident + resident, s.hits + hits, s.misses + misses,
                                    s.h2d_bytes + h2d_bytes, s.d2h_bytes + d2h_bytes)
 
-
-_T = TypeVar("_T")
-
-
-def _sequence(name: str, items: object, kind: type[_T]) -> list[_T]:
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-        raise InvalidInputError(f"{name} must be a sequence of {kind.__name__}, got {type(items).__name__}")
-    for i, x in enumerate(items):
-        if not isinstance(x, kind):
-            raise InvalidInputError(f"{name}[{i}] must be a {kind.__name__}, got {type(x).__name__}")
-    return list(items)
-
-
-def _check_span(name: str, start: int, n: int, limit: int, bs: int) -> None:
-    if start + n > limit:
-        raise InvalidInputError(f"{name} rows [{start}, {start + n}) exceed the {limit} rows bound; expected "
-                                f"a span inside the buffer")
-    if start // bs != (start + n - 1) // bs:
-        raise InvalidInputError(f"{name} rows [{start}, {start + n}) cross a block boundary (block_size={bs}); "
-                                f"expected the coordinator to split spans at page edges")

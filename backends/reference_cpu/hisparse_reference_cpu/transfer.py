@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hisparse_core.errors import InvalidInputError, ProtocolError
+from hisparse_core.checks import check_int
 from hisparse_core.host_pool import HostPool
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine, TransferProgress
+from hisparse_core.transfer_checks import check_engine_pool, check_engine_runtimes, check_unique_ids
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 
-from hisparse_reference_cpu.checks import check_int
 from hisparse_reference_cpu.runtime import ReferenceRuntime
 
 
@@ -34,19 +34,8 @@ class ReferenceTransferEngine(TransferEngine):
     """Executes mirrors, page transfers and host copies on every bound reference runtime."""
 
     def __init__(self, host_pool: HostPool, runtimes: Sequence[CacheRuntime], *, completion_lag: int = 1) -> None:
-        if not isinstance(host_pool, HostPool):
-            raise InvalidInputError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
-        if host_pool.released:
-            raise InvalidInputError("host_pool was released; expected a live pool")
-        if isinstance(runtimes, (str, bytes)) or not isinstance(runtimes, Sequence) or not runtimes:
-            raise InvalidInputError(f"runtimes must be a non-empty sequence of runtimes, got {runtimes!r}")
-        for i, rt in enumerate(runtimes):
-            if not isinstance(rt, ReferenceRuntime):
-                raise InvalidInputError(f"runtimes[{i}] is a {type(rt).__name__}; expected a ReferenceRuntime")
-            if not rt.bound:
-                raise InvalidInputError(f"runtimes[{i}] is not bound; bind it before building the engine")
-        self._pool = host_pool
-        self._runtimes: tuple[ReferenceRuntime, ...] = tuple(runtimes)
+        self._pool = check_engine_pool(host_pool, HostPool, "a HostPool")
+        self._runtimes = check_engine_runtimes(runtimes, ReferenceRuntime, "a ReferenceRuntime")
         self._lag = check_int("completion_lag", completion_lag, 0, 1 << 31)
         self._pending: list[_Pending] = []
         self._polls = 0
@@ -69,8 +58,8 @@ class ReferenceTransferEngine(TransferEngine):
     def submit_pages(self, transfers: Sequence[PageTransfer]) -> None:
         for rt in self._runtimes:
             rt.check_pages(transfers, restore=None)
-        _check_unique("transfer id", [t.transfer_id for t in transfers],
-                      {p.ident for p in self._pending if not p.host_copy})
+        check_unique_ids("transfer id", [t.transfer_id for t in transfers],
+                         {p.ident for p in self._pending if not p.host_copy})
         for t in transfers:
             for rt in self._runtimes:
                 if t.restore:
@@ -83,7 +72,7 @@ class ReferenceTransferEngine(TransferEngine):
         for rt in self._runtimes:
             rt.check_host_copies(copies)
         dsts = [c.dst_block_id for c in copies]
-        _check_unique("host copy destination block", dsts, {p.ident for p in self._pending if p.host_copy})
+        check_unique_ids("host copy destination block", dsts, {p.ident for p in self._pending if p.host_copy})
         if self._pool.is_writer:
             for rt in self._runtimes:
                 rt.copy_host_blocks(copies)
@@ -114,12 +103,3 @@ class ReferenceTransferEngine(TransferEngine):
             completed_host_copies=tuple(p.ident for p in done if p.host_copy),
         )
 
-
-def _check_unique(what: str, ids: list[int], in_flight: set[int]) -> None:
-    """Each acknowledgement names one piece of work: ids are unique among everything unacknowledged."""
-    seen: set[int] = set()
-    for i in ids:
-        if i in in_flight or i in seen:
-            raise ProtocolError(f"{what} {i} is submitted while another with that id is still unacknowledged; "
-                                f"expected unique ids until completion is reported")
-        seen.add(i)

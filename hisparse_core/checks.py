@@ -1,0 +1,78 @@
+"""Primitive argument checks shared by every backend.
+
+Each helper raises `InvalidInputError` naming the argument, the bad value and what was expected,
+and mutates nothing, so a runtime can run all of its checks before touching any state (a raising
+call is then a no-op).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+
+from hisparse_core.errors import InvalidInputError
+
+_T = TypeVar("_T")
+
+
+def check_int(name: str, value: object, lo: int, hi: int) -> int:
+    """`value` must be a plain int in `[lo, hi)`."""
+    # bool is an int subclass, but True as an index is always a caller's bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if not lo <= value < hi:
+        raise InvalidInputError(f"{name}={value} is out of range; expected [{lo}, {hi})")
+    return value
+
+
+def check_ints(name: str, values: object, lo: int, hi: int) -> list[int]:
+    """A sequence (not a string or tensor) of ints, each in `[lo, hi)`."""
+    if isinstance(values, (str, bytes, torch.Tensor)) or not isinstance(values, Sequence):
+        raise InvalidInputError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    return [check_int(f"{name}[{i}]", v, lo, hi) for i, v in enumerate(values)]
+
+
+def check_sequence(name: str, items: object, kind: type[_T]) -> list[_T]:
+    """A sequence (not a string) whose every item is a `kind`."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise InvalidInputError(f"{name} must be a sequence of {kind.__name__}, got {type(items).__name__}")
+    for i, x in enumerate(items):
+        if not isinstance(x, kind):
+            raise InvalidInputError(f"{name}[{i}] must be a {kind.__name__}, got {type(x).__name__}")
+    return list(items)
+
+
+def check_tensor(name: str, t: object, shape: tuple[int | None, ...], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """`t` must be a tensor of `dtype` on `device` with `shape` (None matches any extent)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise InvalidInputError(f"{name} has dtype {t.dtype}; expected {dtype}")
+    if t.device != device:
+        raise InvalidInputError(f"{name} is on {t.device}; expected {device}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want_s = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise InvalidInputError(f"{name} has shape {list(t.shape)}; expected {want_s}")
+    return t
+
+
+def check_range(name: str, values: torch.Tensor, lo: int, hi: int) -> None:
+    """Every element of `values` in `[lo, hi)`; the message names the first offender and its index."""
+    bad = (values < lo) | (values >= hi)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        index = first[0] if len(first) == 1 else first
+        raise InvalidInputError(f"{name}[{index}]={int(values[first])} is out of range; expected [{lo}, {hi})")
+
+
+def check_span(name: str, start: int, n: int, limit: int, bs: int) -> None:
+    """Rows `[start, start + n)` lie inside `limit` rows and inside one block of `bs` rows."""
+    if start + n > limit:
+        raise InvalidInputError(f"{name} rows [{start}, {start + n}) exceed the {limit} rows bound; expected "
+                                f"a span inside the buffer")
+    if start // bs != (start + n - 1) // bs:
+        raise InvalidInputError(f"{name} rows [{start}, {start + n}) cross a block boundary (block_size={bs}); "
+                                f"expected the coordinator to split spans at page edges")

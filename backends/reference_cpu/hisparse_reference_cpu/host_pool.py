@@ -7,7 +7,7 @@ Shared mode maps one file `/dev/shm/hisparse_<name>.pool` into every rank. The f
 one OS page of header (magic, creator pid, geometry) followed by the rows. Rank 0 builds it under
 a temporary name and renames it into place, so a peer never maps a half-built file; a peer also
 waits while the header names a dead creator, which is how a stale file left by a crashed rank 0
-is told apart from the live one that replaces it.
+is told apart from the live one that replaces it (the protocol is `hisparse_core.shm`).
 """
 
 from __future__ import annotations

@@ -234,7 +234,10 @@ class HiSparseCoordinator:
             rec.gpu.append(None)
             rec.state.append(DIRTY)
             rec.cow_pages.add(full)
-            rec.restore_page, rec.restore_source = full, src
+            # Restore from the private copy, not from `src`: the copy may be acknowledged (and `src`
+            # evicted) before the request is first scheduled; workers run a command's host copies
+            # before its restores, so the copy is complete either way.
+            rec.restore_page, rec.restore_source = full, dst
         self._requests[request_id] = rec
         self._import_choice.pop(request_id, None)
         self._counters["prefix_hit_tokens"] += hit

@@ -217,6 +217,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
         cap = data.draw(st.sampled_from([None, len(tokens) - 1, 0]))
         rid = self._new_rid()
         hit_view = self.coord.lookup_prefix(tokens, max_tokens=cap)
+        whole = self.coord.lookup_prefix(tokens)
+        for i, b in enumerate(whole.host_block_ids):
+            assert b in self.durable
+            for g in range(self.G):
+                assert self.host_mem[(g, b)] == [row_value(g, tokens, i * BS + o) for o in range(BS)]
         before = self._snapshot()
         try:
             hit = self.coord.add_request(rid, tokens, max_prefix_tokens=cap)
@@ -226,10 +231,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert hit >= hit_view.num_tokens
         assert hit // BS * BS == hit_view.num_tokens or hit > hit_view.num_tokens - BS
         # prefix hits hold exactly this prefix's rows, and only durable (completed) blocks
-        for i, b in enumerate(hit_view.host_block_ids):
-            assert b in self.durable
-            for g in range(self.G):
-                assert self.host_mem[(g, b)] == [row_value(g, tokens, i * BS + o) for o in range(BS)]
+        assert whole.host_block_ids[:len(hit_view.host_block_ids)] == hit_view.host_block_ids
         r = Req(rid, tokens, self._new_state(), hit, self.G)
         first = self.coord.first_resident_page(rid)
         for row in r.table:
@@ -298,12 +300,19 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     # -- rules: steps -------------------------------------------------------------------
 
-    @rule(data=st.data(), steps=st.integers(1, 4))
+    @rule(data=st.data(), steps=st.integers(1, 8))
     def steps(self, data: st.DataObject, steps: int) -> None:
         for _ in range(steps):
             self._step(data)
-            if data.draw(st.booleans()):
+            if data.draw(st.integers(0, 3)):
                 self.acknowledge(data)
+
+    @rule(data=st.data(), admissions=st.integers(1, 3), steps=st.integers(4, 12))
+    def busy_period(self, data: st.DataObject, admissions: int, steps: int) -> None:
+        """A burst of arrivals with shared prefixes, then steps that mostly acknowledge promptly."""
+        for _ in range(admissions):
+            self.admit(data)
+        self.steps(data, steps)
 
     def _step(self, data: st.DataObject) -> None:
         running = sorted(self.reqs)
@@ -453,7 +462,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
                         # reported in the next command, before anything can write the block.
                         lost = rec is not None and (rec, p) in self.coord._lost
                         assert lost or self.gpu.is_readable(b), f"{r.rid} page {p}: resident block {b} was reused"
-                        assert self.gpu_mem[b][:rows] == expect[g], f"{r.rid} page {p}: resident block {b} stale; writers {self.writers.get(b)}"
+                        assert self.gpu_mem[b][:rows] == expect[g], (f"{r.rid} page {p}: resident block {b} stale; writers {self.writers.get(b)}; "
+                                                                   f"got {self.gpu_mem[b][:rows]} want {expect[g]} tokens {r.tokens} computed {r.num_computed}")
                 else:
                     assert len(self.hot.get(si, ())) == self.config.hot_blocks_per_request, \
                         f"{r.rid} page {p} reads from host without a hot buffer"

@@ -51,7 +51,7 @@ class RequestPages:
     """Everything the coordinator knows about one admitted request."""
 
     __slots__ = (
-        "request_id", "root", "active_tail", "lifecycle", "state_index", "token_ids",
+        "request_id", "root", "active_tail", "lifecycle", "state_index",
         "host", "gpu", "state", "hashes",
         "num_mirrored", "num_sealed", "num_ready", "first_resident_page",
         "restore_page", "restore_source", "cow_pages", "hot", "hot_changed", "resend",
@@ -64,7 +64,6 @@ class RequestPages:
         self.active_tail = active_tail
         self.lifecycle = Lifecycle.RUNNING
         self.state_index = -1
-        self.token_ids: object = ()
         self.host: list[int] = []                      # host block per page (-1: lease returned)
         self.gpu: list[tuple[int, ...] | None] = []    # resident block per group, None if not leased
         self.state = bytearray()

@@ -86,6 +86,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.durable: set[int] = set()
         self.imports: dict[str, tuple[list[int], tuple[int, ...]]] = {}
         self.landings: list[Req] = []
+        self.host_imports_done = 0
+        self.detached_seen = False
         self.writers: dict[int, list[str]] = {}   # GPU block -> who wrote it (failure messages)
         host = self.coord._host
         real_publish, real_allocate = host.publish, host.allocate
@@ -244,7 +246,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         tokens = self._tokens(data)
         n = len(tokens)
         rid = self._new_rid()
-        other = data.draw(st.sampled_from([0, 0, 10_000]))   # 10_000: the device can never take it
+        # Other device groups (the indexer) that need room either way; the largest choice leaves
+        # exactly the host-backed footprint, so a long import can only land on host.
+        squeeze = self.gpu.num_free_blocks - self.config.hot_blocks_per_request - 2 * self.G
+        other = data.draw(st.sampled_from([0, max(0, squeeze), 10_000]))
         target = self.coord.choose_import_target(rid, n, other_device_blocks=other)
         assert self.coord.choose_import_target(rid, n, other_device_blocks=other) in (target, ImportTarget.WAIT)
         if target is ImportTarget.WAIT:
@@ -290,6 +295,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                                          for o in range(BS)]
         self.durable.update(blocks[:n // BS])
         self.coord.complete_host_import(rid)
+        self.host_imports_done += 1
         r = Req(rid, tokens, self._new_state(), n, self.G)
         first = self.coord.first_resident_page(rid)
         assert first == n // BS
@@ -516,6 +522,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert self.gpu.num_leased_blocks <= self.gpu.num_blocks
 
     @invariant()
+    def note_detached(self) -> None:
+        self.detached_seen = self.detached_seen or bool(self.coord._detached)
+
+    @invariant()
     def spill_sources_stay_leased(self) -> None:
         for tid, (_, blocks, _) in self.transfers.items():
             if self.enq_count[tid] < self.W:
@@ -547,6 +557,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
         s = self.coord.stats()
         for name in ("released_pages", "lost_pages", "restores", "evicted_blocks", "prefix_hit_tokens"):
             event(f"{name} > 0" if getattr(s, name) else f"{name} == 0")
+        event(f"detached publications > 0: {self.detached_seen}")
+        event(f"host imports completed > 0: {self.host_imports_done > 0}")
         assert not self.coord.has_pending_work(), s
         assert s.host_blocks_used == 0 and s.running_requests == 0 and s.detached_requests == 0, s
         assert self.gpu.num_free_blocks == self.gpu.num_blocks, "GPU lease leaked"

@@ -45,7 +45,7 @@ class CoordinatorConfig:
     active_tail_pages: int = 2
     stride_alignment: int = 1
     pressure_watermark_blocks: int | None = None
-    max_releases_per_step: int = 1024
+    max_releases_per_step: int = 256
     enabled: bool = True
 
     def __post_init__(self) -> None:

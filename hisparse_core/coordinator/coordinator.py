@@ -14,6 +14,12 @@ Per step the engine calls, in this order:
    out again is reported non-resident (-1) in the same step's command.
 4. After the step, `update_from_workers(meta, num_workers)` with the workers' acknowledgements.
 
+A GPU block the engine hands out again (to a request, a hot buffer or a device-side import) may
+still be listed as resident for the page released into it, until the next command says -1. So
+nothing may write a newly allocated block before the worker has applied the residency updates of
+the step that allocated it: forward writes and KV loads the worker starts in that step are fine.
+Host capacity for a step is checked before that step's `finished`/`preempted` are applied.
+
 Meaning of the command's parts (the worker contract):
 
 - `row_mirrors`: rows that the host copy does not have yet (rows written this step: prefill
@@ -717,30 +723,39 @@ class HiSparseCoordinator:
                 tables.append(TableUpdate(si, tuple(range(old_pages, pages_after)), tuple(rec.host[old_pages:])))
 
     def _apply_pressure(self) -> None:
+        """Below the watermark, release clean pages (tail-first within a request, requests in the order
+        they became releasable) until free blocks reach twice the watermark, at most
+        `max_releases_per_step` pages a step. A request leases its hot buffer before its first release."""
         gpu = self._gpu
-        if gpu.num_free_blocks >= self._watermark or not self._candidates:
+        free = gpu.num_free_blocks
+        if free >= self._watermark or not self._candidates:
             return
-        target = self._release_target
-        budget = self._config.max_releases_per_step
+        groups = self._groups
+        want = min(self._config.max_releases_per_step, -(-(self._release_target - free) // groups))
+        readable = self._readable
         exhausted: list[RequestPages] = []
         released = 0
         for rec in self._candidates:
-            if budget <= 0 or gpu.num_free_blocks >= target:
+            if want <= 0:
                 break
             if rec.hot is None and not self._lease_hot(rec):
                 continue
-            while budget > 0 and gpu.num_free_blocks < target:
+            blocks: list[int] = []
+            state, gpu_blocks = rec.state, rec.gpu
+            while want > 0:
                 p = rec.pop_releasable()
                 if p is None:
                     break
-                blocks = rec.gpu[p]
-                assert blocks is not None
-                rec.state[p] = RELEASED
-                for b in blocks:
-                    self._readable[b] = (rec, p)
+                page_blocks = gpu_blocks[p]
+                assert page_blocks is not None
+                state[p] = RELEASED
+                blocks.extend(page_blocks)
+                for b in page_blocks:
+                    readable[b] = (rec, p)
+                want -= 1
+            if blocks:
+                released += len(blocks) // groups
                 gpu.release_readable(blocks, self._on_reuse)
-                budget -= 1
-                released += 1
             if not rec.has_releasable():
                 exhausted.append(rec)
         for rec in exhausted:
@@ -748,7 +763,7 @@ class HiSparseCoordinator:
         if released:
             self._counters["released_pages"] += released
             logger.debug("GPU pressure: %d free blocks < watermark %d; released %d clean pages",
-                         gpu.num_free_blocks, self._watermark, released)
+                         free, self._watermark, released)
 
     def _lease_hot(self, rec: RequestPages) -> bool:
         try:

@@ -63,10 +63,10 @@ from hisparse_core.coordinator.pages import (
     LOST,
     PENDING,
     PINNED,
-    RELEASED,
     Lifecycle,
     RequestPages,
 )
+from hisparse_core.coordinator.policy import ResidencyPolicy
 from hisparse_core.coordinator.prefix import block_hash, chain_hashes, root_hash
 from hisparse_core.coordinator.spill import HostCopyLedger, Transfer, TransferKind, TransferLedger
 from hisparse_core.errors import CapacityError, InvalidInputError, ProtocolError
@@ -122,21 +122,15 @@ class HiSparseCoordinator:
         self._bs = config.block_size
         self._groups = config.num_resident_groups
         self._max_tokens = config.max_pages_per_request * config.block_size
-        self._watermark = config.watermark_for(gpu.num_blocks)
-        self._release_target = min(gpu.num_blocks, 2 * self._watermark)
+        self._policy = ResidencyPolicy(config, gpu)
         self._requests: dict[str, RequestPages] = {}
         self._detached: dict[RequestPages, None] = {}
-        self._candidates: dict[RequestPages, None] = {}          # running requests with releasable pages
-        self._readable: dict[int, tuple[RequestPages, int]] = {}  # released GPU block -> (request, page)
-        self._lost: list[tuple[RequestPages, int]] = []           # pages lost since the last command
-        self._hot_changed: list[RequestPages] = []                # hot buffers leased by the policy
         self._import_choice: dict[str, ImportTarget] = {}
         self._imports: dict[str, HostImport] = {}
         self._transfers = TransferLedger()
         self._copies = HostCopyLedger()
         self._table_updates: tuple[TableUpdate, ...] = ()
-        self._counters = dict.fromkeys(("prefix_hit_tokens", "prefix_queried_tokens", "spills", "restores",
-                                        "released_pages", "lost_pages"), 0)
+        self._counters = dict.fromkeys(("prefix_hit_tokens", "prefix_queried_tokens", "spills", "restores"), 0)
         if not self._enabled:
             self._host = HostBlockPool(2)
             logger.info("HiSparse disabled: the coordinator tracks nothing and builds no offload command")
@@ -158,7 +152,7 @@ class HiSparseCoordinator:
             "requests; GPU pressure watermark %d of %d blocks",
             num_blocks, usable, usable * config.block_size, num_blocks * stride / GIB, config.host_pool_gib,
             stride, config.num_layers, config.block_size, config.row_bytes, config.stride_alignment,
-            usable / config.max_pages_per_request, self._watermark, gpu.num_blocks)
+            usable / config.max_pages_per_request, self._policy.watermark, gpu.num_blocks)
 
     # -- properties ------------------------------------------------------------------------
 
@@ -186,7 +180,7 @@ class HiSparseCoordinator:
 
     @property
     def pressure_watermark(self) -> int:
-        return self._watermark
+        return self._policy.watermark
 
     def has_request(self, request_id: str) -> bool:
         """True for admitted requests and host imports in flight."""
@@ -307,7 +301,7 @@ class HiSparseCoordinator:
         tables: list[TableUpdate] = []
         for plan in plans:
             self._apply_plan(plan, transfers, mirrors, residency, tables)
-        self._apply_pressure()
+        self._policy.apply()
         return self._build_command(transfers, mirrors, residency, tables)
 
     def take_table_updates(self) -> tuple[TableUpdate, ...]:
@@ -493,14 +487,14 @@ class HiSparseCoordinator:
             published_blocks=host.num_published if self._enabled else 0,
             spills=c["spills"],
             restores=c["restores"],
-            released_pages=c["released_pages"],
-            lost_pages=c["lost_pages"],
+            released_pages=self._policy.released_pages,
+            lost_pages=self._policy.lost_pages,
             evicted_blocks=host.evictions if self._enabled else 0,
         )
 
     def has_pending_work(self) -> bool:
         """True while transfers or host copies await acknowledgements or queued work awaits a step."""
-        return bool(len(self._transfers) or len(self._copies) or self._lost or self._detached)
+        return bool(len(self._transfers) or len(self._copies) or self._policy.has_pending or self._detached)
 
     # -- internals: validation -------------------------------------------------------------
 
@@ -673,7 +667,7 @@ class HiSparseCoordinator:
                 new_resident.append(p)
             rec.state.extend(bytes(pages_after - old_pages))   # DIRTY == 0
             if rec.promote_out_of_tail() and rec.alive:
-                self._candidates[rec] = None
+                self._policy.note_releasable(rec)
 
         # Rows the host does not have yet: written this step, or loaded into resident pages by
         # someone else (num_computed beyond what was mirrored: a device-side import).
@@ -722,88 +716,17 @@ class HiSparseCoordinator:
             if pages_after > old_pages:
                 tables.append(TableUpdate(si, tuple(range(old_pages, pages_after)), tuple(rec.host[old_pages:])))
 
-    def _apply_pressure(self) -> None:
-        """Below the watermark, release clean pages (tail-first within a request, requests in the order
-        they became releasable) until free blocks reach twice the watermark, at most
-        `max_releases_per_step` pages a step. A request leases its hot buffer before its first release."""
-        gpu = self._gpu
-        free = gpu.num_free_blocks
-        if free >= self._watermark or not self._candidates:
-            return
-        groups = self._groups
-        want = min(self._config.max_releases_per_step, -(-(self._release_target - free) // groups))
-        readable = self._readable
-        exhausted: list[RequestPages] = []
-        released = 0
-        for rec in self._candidates:
-            if want <= 0:
-                break
-            if rec.hot is None and not self._lease_hot(rec):
-                continue
-            blocks: list[int] = []
-            state, gpu_blocks = rec.state, rec.gpu
-            while want > 0:
-                p = rec.pop_releasable()
-                if p is None:
-                    break
-                page_blocks = gpu_blocks[p]
-                assert page_blocks is not None
-                state[p] = RELEASED
-                blocks.extend(page_blocks)
-                for b in page_blocks:
-                    readable[b] = (rec, p)
-                want -= 1
-            if blocks:
-                released += len(blocks) // groups
-                gpu.release_readable(blocks, self._on_reuse)
-            if not rec.has_releasable():
-                exhausted.append(rec)
-        for rec in exhausted:
-            self._candidates.pop(rec, None)
-        if released:
-            self._counters["released_pages"] += released
-            logger.debug("GPU pressure: %d free blocks < watermark %d; released %d clean pages",
-                         free, self._watermark, released)
-
-    def _lease_hot(self, rec: RequestPages) -> bool:
-        try:
-            rec.hot = tuple(self._gpu.acquire(self._config.hot_blocks_per_request))
-        except CapacityError:
-            return False
-        rec.hot_changed = True
-        self._hot_changed.append(rec)
-        return True
-
-    def _on_reuse(self, block_id: int) -> None:
-        # Runs inside the engine's allocator: must not raise.
-        entry = self._readable.pop(block_id, None)
-        if entry is None:
-            return
-        rec, p = entry
-        blocks = rec.gpu[p]
-        if rec.state[p] != RELEASED or blocks is None:
-            return
-        rec.state[p] = LOST
-        for b in blocks:
-            self._readable.pop(b, None)
-        rec.gpu[p] = None
-        self._lost.append((rec, p))
-        self._counters["lost_pages"] += 1
-
     def _build_command(self, transfers: list[PageTransfer], mirrors: list[RowMirror],
                        residency: dict[int, dict[int, tuple[int, ...]]],
                        tables: list[TableUpdate]) -> OffloadCommand | None:
-        if self._lost:
-            null = (-1,) * self._groups
-            for rec, p in self._lost:
-                if rec.alive and rec.state_index >= 0 and rec.state[p] == LOST:
-                    residency.setdefault(rec.state_index, {})[p] = null
-            self._lost.clear()
-        for rec in self._hot_changed:
+        null = (-1,) * self._groups
+        for rec, p in self._policy.take_lost():
+            if rec.alive and rec.state_index >= 0 and rec.state[p] == LOST:
+                residency.setdefault(rec.state_index, {})[p] = null
+        for rec in self._policy.take_hot_leased():
             if rec.hot_changed and rec.alive and rec.state_index >= 0:
                 rec.hot_changed = False
                 tables.append(TableUpdate(rec.state_index, hot_block_ids=rec.hot or ()))
-        self._hot_changed.clear()
         self._table_updates = tuple(tables)
         updates = []
         groups = self._groups
@@ -831,7 +754,7 @@ class HiSparseCoordinator:
         if rec.lifecycle is Lifecycle.RUNNING:
             rec.state[p] = PINNED
             if rec.file_clean(p):
-                self._candidates[rec] = None
+                self._policy.note_releasable(rec)
             self._advance_publication(rec)
         elif rec.lifecycle is Lifecycle.DETACHED:
             rec.state[p] = LOST
@@ -854,17 +777,13 @@ class HiSparseCoordinator:
 
     def _drop_gpu(self, rec: RequestPages) -> None:
         """Return the request's resident and hot leases (transfer pins stay with their transfers)."""
+        self._policy.forget(rec)
         leased: list[int] = []
-        readable = self._readable
         for p, blocks in enumerate(rec.gpu):
             if blocks is None:
                 continue
-            st = rec.state[p]
-            if st in LEASED_STATES:
+            if rec.state[p] in LEASED_STATES:
                 leased.extend(blocks)
-            elif st == RELEASED:
-                for b in blocks:
-                    readable.pop(b, None)
             rec.gpu[p] = None
         if leased:
             self._gpu.release(leased)
@@ -873,7 +792,6 @@ class HiSparseCoordinator:
             rec.hot = None
         rec.restore_page = -1
         rec.forget_releasable()
-        self._candidates.pop(rec, None)
 
     def _release_host(self, rec: RequestPages) -> None:
         blocks = [b for b in rec.host if b >= 0]

@@ -466,7 +466,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     for g, b in enumerate(res):
                         # A page lost since the last step (its block handed out between steps) is
                         # reported in the next command, before anything can write the block.
-                        lost = rec is not None and (rec, p) in self.coord._lost
+                        lost = rec is not None and self.coord._policy.is_lost_pending(rec, p)
                         assert lost or self.gpu.is_readable(b), f"{r.rid} page {p}: resident block {b} was reused"
                         assert self.gpu_mem[b][:rows] == expect[g], (f"{r.rid} page {p}: resident block {b} stale; writers {self.writers.get(b)}; "
                                                                    f"got {self.gpu_mem[b][:rows]} want {expect[g]} tokens {r.tokens} computed {r.num_computed}")
@@ -487,7 +487,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 if r.worker_state == rec.state_index and p < -(-r.num_computed // BS):
                     worker = self.residency[r.worker_state][p]
                     if blocks is None:   # (a page lost since the last step is reported in the next command)
-                        assert worker[0] == -1 or (rec, p) in self.coord._lost, (r.rid, p, worker)
+                        assert worker[0] == -1 or self.coord._policy.is_lost_pending(rec, p), (r.rid, p, worker)
 
     @invariant()
     def leases_balance(self) -> None:
@@ -562,7 +562,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert not self.coord.has_pending_work(), s
         assert s.host_blocks_used == 0 and s.running_requests == 0 and s.detached_requests == 0, s
         assert self.gpu.num_free_blocks == self.gpu.num_blocks, "GPU lease leaked"
-        assert not self.coord._readable and not self.coord._candidates
+        self.coord._policy.check_idle()
 
 
 CoordinatorMachine.TestCase.settings = settings(

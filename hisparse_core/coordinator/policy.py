@@ -1,0 +1,143 @@
+"""The residency policy: when clean pages give their GPU blocks back, and what happens on reuse.
+
+While free GPU blocks stay at or above the watermark every page stays resident. Below it the
+policy releases clean, sealed pages outside the active tail, tail-first within a request and
+requests in the order they became releasable, until free blocks reach twice the watermark (at
+most `max_releases_per_step` pages a step). A request leases its hot buffer before its first
+release, so it can read released pages from host. A released page keeps its block readable until
+the engine hands the block out again; then the page is lost and its resident entry becomes -1
+in the next command.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hisparse_core.coordinator.config import CoordinatorConfig
+from hisparse_core.coordinator.engine import GpuBlockAllocator
+from hisparse_core.coordinator.pages import LOST, RELEASED, RequestPages
+from hisparse_core.errors import CapacityError
+
+logger = logging.getLogger(__name__)
+
+
+class ResidencyPolicy:
+    """Owns the releasable-request queue, the released-block map and the pages lost since the last command."""
+
+    def __init__(self, config: CoordinatorConfig, gpu: GpuBlockAllocator) -> None:
+        self._gpu = gpu
+        self._groups = config.num_resident_groups
+        self._hot_blocks = config.hot_blocks_per_request
+        self._max_releases = config.max_releases_per_step
+        self.watermark = config.watermark_for(gpu.num_blocks)
+        self._target = min(gpu.num_blocks, 2 * self.watermark)
+        self._candidates: dict[RequestPages, None] = {}          # running requests with releasable pages
+        self._readable: dict[int, tuple[RequestPages, int]] = {}  # released GPU block -> (request, page)
+        self._lost: list[tuple[RequestPages, int]] = []
+        self._hot_leased: list[RequestPages] = []
+        self.released_pages = 0
+        self.lost_pages = 0
+
+    def note_releasable(self, rec: RequestPages) -> None:
+        """`rec` has a releasable page now."""
+        self._candidates[rec] = None
+
+    def forget(self, rec: RequestPages) -> None:
+        """`rec` leaves: its released blocks no longer belong to anyone it cares about."""
+        self._candidates.pop(rec, None)
+        readable = self._readable
+        for p, blocks in enumerate(rec.gpu):
+            if blocks is not None and rec.state[p] == RELEASED:
+                for b in blocks:
+                    readable.pop(b, None)
+
+    def is_lost_pending(self, rec: RequestPages, page: int) -> bool:
+        """True if the page was lost since the last command (its -1 is not sent yet)."""
+        return (rec, page) in self._lost
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._lost)
+
+    def apply(self) -> None:
+        """Release pages if free GPU blocks are below the watermark."""
+        gpu = self._gpu
+        free = gpu.num_free_blocks
+        if free >= self.watermark or not self._candidates:
+            return
+        groups = self._groups
+        want = min(self._max_releases, -(-(self._target - free) // groups))
+        readable = self._readable
+        exhausted: list[RequestPages] = []
+        released = 0
+        for rec in self._candidates:
+            if want <= 0:
+                break
+            if rec.hot is None and not self._lease_hot(rec):
+                continue
+            blocks: list[int] = []
+            state, gpu_blocks = rec.state, rec.gpu
+            while want > 0:
+                p = rec.pop_releasable()
+                if p is None:
+                    break
+                page_blocks = gpu_blocks[p]
+                assert page_blocks is not None
+                state[p] = RELEASED
+                blocks.extend(page_blocks)
+                for b in page_blocks:
+                    readable[b] = (rec, p)
+                want -= 1
+            if blocks:
+                released += len(blocks) // groups
+                gpu.release_readable(blocks, self._on_reuse)
+            if not rec.has_releasable():
+                exhausted.append(rec)
+        for rec in exhausted:
+            self._candidates.pop(rec, None)
+        if released:
+            self.released_pages += released
+            logger.debug("GPU pressure: %d free blocks < watermark %d; released %d clean pages",
+                         free, self.watermark, released)
+
+    def take_lost(self) -> list[tuple[RequestPages, int]]:
+        out, self._lost = self._lost, []
+        return out
+
+    def take_hot_leased(self) -> list[RequestPages]:
+        out, self._hot_leased = self._hot_leased, []
+        return out
+
+    def _lease_hot(self, rec: RequestPages) -> bool:
+        try:
+            rec.hot = tuple(self._gpu.acquire(self._hot_blocks))
+        except CapacityError:
+            return False
+        rec.hot_changed = True
+        self._hot_leased.append(rec)
+        return True
+
+    def _on_reuse(self, block_id: int) -> None:
+        # Runs inside the engine's allocator: must not raise.
+        entry = self._readable.pop(block_id, None)
+        if entry is None:
+            return
+        rec, p = entry
+        blocks = rec.gpu[p]
+        if rec.state[p] != RELEASED or blocks is None:
+            return
+        rec.state[p] = LOST
+        for b in blocks:
+            self._readable.pop(b, None)
+        rec.gpu[p] = None
+        self._lost.append((rec, p))
+        self.lost_pages += 1
+
+    def check_idle(self) -> None:
+        """Nothing tracked for departed requests (tests, debugging)."""
+        for rec, _ in self._readable.values():
+            if not rec.alive:
+                raise AssertionError(f"released block of departed request {rec.request_id} still tracked")
+        for rec in self._candidates:
+            if not rec.alive:
+                raise AssertionError(f"departed request {rec.request_id} is still a release candidate")

@@ -42,8 +42,18 @@ Meaning of the command's parts (the worker contract):
 - `recycled_host_blocks`: host blocks handed out again this step after holding other contents;
   the worker forgets hot copies of their rows.
 
-Page states and transitions live in `pages.py`, transactions and acknowledgement counting in
-`spill.py`, the host pool and prefix map in `host_blocks.py`, P/D import choice in `imports.py`.
+A page is sealed, and its spill planned, in the first step whose `num_computed_tokens` covers
+it (one step after its last row was written), so rows of rejected speculative tokens are never
+sealed. The spill pins the page's GPU blocks and its host block. The enqueue acknowledgement of
+every worker drops the GPU pin: for a running request the page stays resident under the
+request's own lease (its resident entry changes only when the policy releases it and the block
+is reused); for a finished or preempted request that pin was the last lease, so the block goes
+back to the engine only once the copy is ordered. The completion acknowledgement of every worker
+makes the page clean, publishes the durable contiguous prefix and drops the host pin.
+
+Page states live in `pages.py`, transactions and acknowledgement counting in `spill.py`, the
+host pool and prefix map in `host_blocks.py`, the watermark policy in `policy.py`, the P/D
+import choice in `imports.py`.
 """
 
 from __future__ import annotations

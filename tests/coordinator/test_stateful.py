@@ -541,7 +541,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self._engine_release(r)
             self.coord.finish_request(rid)
         self._execute(self.coord.schedule_step([]), [])
-        while self.transfers or self.copies:
+        for _ in range(3):   # bounded: after a failed rule the bookkeeping may never converge
+            if not (self.transfers or self.copies):
+                break
             meta = WorkerMetadata()
             for w in range(self.W):
                 enq = sorted(self.unreported_enq[w])
@@ -552,6 +554,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             meta = meta.aggregate(WorkerMetadata.report(completed_host_copies=sorted(self.copies)))
             self.copies.clear()
             self._report(meta)
+        assert not self.transfers and not self.copies, f"acknowledgements never drained: {sorted(self.transfers)}"
         if self.hog:
             self.gpu.release(self.hog)
         s = self.coord.stats()

@@ -12,6 +12,9 @@ Scenarios:
   so the policy keeps releasing clean pages tail-first and the engine's allocations reuse them
   (pages lost, residency updates to -1).
 
+Per-step work is O(changes): the cost depends on the number of running requests, not on their
+context (compare `--context 16384`).
+
 Run: python bench/bench_coordinator.py [--requests 256] [--context 131072] [--steps 512]
 """
 

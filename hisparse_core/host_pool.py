@@ -79,9 +79,9 @@ class HostPool(ABC):
         """Layer `layer`'s `[num_blocks * block_size, width]` rows (a view, not a copy)."""
 
     @property
-    @abstractmethod
     def is_writer(self) -> bool:
         """True where this process writes the pool (always for private pools; rank 0 if shared)."""
+        return not self.spec.shared or self.spec.rank == 0
 
     @property
     @abstractmethod

@@ -266,10 +266,6 @@ class NvidiaHostPool(HostPool):
         return self._rows[layer * n:(layer + 1) * n]
 
     @property
-    def is_writer(self) -> bool:
-        return not self.spec.shared or self.spec.rank == 0
-
-    @property
     def released(self) -> bool:
         return self._rows is None
 

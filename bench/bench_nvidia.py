@@ -35,7 +35,8 @@ K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
-V1 = {"HISPARSE_RESOLVER": "1"}  # the previous resolver (resolve.cu), timed in the same run
+V2 = {"HISPARSE_RESOLVER": "2"}  # the previous resolver (one block per request), timed in the same run
+UNFUSED = {"HISPARSE_FUSED_GATHER": "0"}  # resolver v3 with the gather left to the copy kernel
 
 
 @dataclass
@@ -199,8 +200,7 @@ class Bench:
         rt.reset_stats()
         us = self.time_graph(g, steps)
         st = rt.stats()
-        phases = rt.resolver_phase_cycles(inp)
-        return us, {"hits": st.hits, "misses": st.misses, "threads": rt.launch_shape["threads"], "phases": phases}
+        return us, {"hits": st.hits, "misses": st.misses, "shape": rt.launch_shape, **self.phases(rt, inp)}
 
     def resident(self, b: int, gather: bool, env: dict[str, str] | None = None) -> tuple[float, dict]:
         from hisparse_core.runtime import ResolveInputs
@@ -215,8 +215,8 @@ class Bench:
         rt.reset_stats()
         us = self.time_graph(g, steps)
         st = rt.stats()
-        phases = rt.resolver_phase_cycles(inp)
-        return us, {"resident": st.resident, "hits": st.hits, "misses": st.misses, "phases": phases}
+        return us, {"resident": st.resident, "hits": st.hits, "misses": st.misses, "shape": rt.launch_shape,
+                    **self.phases(rt, inp)}
 
     def misses(self, b: int, shift: int, steps: int, env: dict[str, str] | None = None,
                ) -> tuple[float, float, float, dict]:
@@ -244,10 +244,16 @@ class Bench:
         gather_us = self.time_graph(gather_g, steps)
         nbytes = round(per_row) * b * 656
         copy_us = self.time_graph(self.copy_graph(nbytes, steps), steps)
-        phases = rt.resolver_phase_cycles(inputs[0])
         return us, gather_us, copy_us, {"misses_per_row_step": per_row, "bytes": nbytes,
                                         "hits_per_row_step": st.hits / (calls * b), "shape": rt.launch_shape,
-                                        "phases": phases}
+                                        **self.phases(rt, inputs[0])}
+
+    @staticmethod
+    def phases(rt, inp) -> dict:  # noqa: ANN001
+        """Phase clocks of block 0, recorded by the one-block resolvers (v1, v2) only."""
+        if rt.launch_shape["version"] == 3:
+            return {}
+        return {"phases": rt.resolver_phase_cycles(inp)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,44 +279,36 @@ def main(argv: list[str] | None = None) -> int:
     floor = bench.time_graph(bench.floor_graph(32), 32)
     note_floor = f"graph node floor {floor:.2f} us"
 
+    def tag(env: dict[str, str]) -> str:
+        return "  (" + ",".join(f"{k.replace('HISPARSE_', '').lower()}={v}" for k, v in env.items()) + ")"
+
     for b, target, sglang in ((1, 4.0, "17.0 us"), (64, 5.0, "20.5 us")):
         us, info = bench.hits(b)
         ok = info["misses"] == 0 and us <= target
         rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor, f"<= {target} us", sglang,
-                        ok, f"misses={info['misses']} threads={info['threads']}", info))
-        us2, info2 = bench.hits(b, V1)
-        rows.append(Row("  (previous resolver v1)", b, us2, "graph node floor", floor, "-", "-", None,
-                        f"misses={info2['misses']}", info2))
-        for threads in (256, 512):
-            us2, info2 = bench.hits(b, {"HISPARSE_RESOLVE_THREADS": str(threads)})
-            rows.append(Row(f"  (variant: {threads} threads)", b, us2, "graph node floor", floor, "-", "-", None,
+                        ok, f"misses={info['misses']} cluster={info['shape']['cluster']}", info))
+        for env in (V2, *({"HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 2, 4, 8))):
+            us2, info2 = bench.hits(b, env)
+            rows.append(Row(tag(env), b, us2, "graph node floor", floor, "-", "-", None,
                             f"misses={info2['misses']}", info2))
 
     variants = [dict(v.split("=") for v in spec.split(",")) for spec in args.variant]
-    us, gus, cus, info = bench.misses(1, MISSES, 32, V1)
-    rows.append(Row("  (previous resolver v1) 274 misses", 1, us, "contiguous pinned copy", cus, "-", "-", None,
-                    f"misses/step={info['misses_per_row_step']:.1f} gather-only={gus:.2f} us", info))
-    for threads in (256, 512):
-        us, gus, cus, info = bench.misses(1, MISSES, 32, {"HISPARSE_RESOLVE_THREADS": str(threads)})
-        rows.append(Row(f"  (variant: {threads} threads) 274 misses", 1, us, "contiguous pinned copy", cus, "-", "-",
-                        None, f"misses/step={info['misses_per_row_step']:.1f} gather-only={gus:.2f} us", info))
-    for env in [None, *variants]:
-        tag = "" if env is None else "  (variant " + ",".join(f"{k.replace('HISPARSE_', '')}={v}"
-                                                              for k, v in env.items()) + ")"
+    for env in [None, V2, UNFUSED, *variants]:
+        name = None if env is None else tag(env)
         us, gus, cus, info = bench.misses(1, MISSES, 32, env)
-        rows.append(Row(tag or "274 misses, resolve+gather", 1, us, "contiguous pinned copy", cus, "<= 10 us",
+        rows.append(Row(name or "274 misses, resolve+gather", 1, us, "contiguous pinned copy", cus, "<= 10 us",
                         "49 us (copy 6.3 us)",
                         None if env else us <= 10.0 and abs(info["misses_per_row_step"] - MISSES) < 0.5,
                         f"misses/step={info['misses_per_row_step']:.1f} gather-only={gus:.2f} us", info))
         us, gus, cus, info = bench.misses(32, MISSES, 32, env)
-        rows.append(Row(tag or "274 misses each, resolve+gather", 32, us, "contiguous pinned copy", cus,
+        rows.append(Row(name or "274 misses each, resolve+gather", 32, us, "contiguous pinned copy", cus,
                         "<= 1.15x copy", "1.35x copy",
                         None if env else us <= 1.15 * cus and abs(info["misses_per_row_step"] - MISSES) < 0.5,
                         f"ratio={us / cus:.2f}x misses/step={info['misses_per_row_step']:.1f} "
                         f"gather-only={gus:.2f} us", info))
         us, gus, cus, info = bench.misses(128, K, 16, env)
         gbs, cgbs = info["bytes"] / us / 1e3, info["bytes"] / cus / 1e3
-        rows.append(Row(tag or "every row a miss, resolve+gather", 128, us, "contiguous pinned copy", cus,
+        rows.append(Row(name or "every row a miss, resolve+gather", 128, us, "contiguous pinned copy", cus,
                         ">= 85% of copy bandwidth", "77%",
                         None if env else gbs >= 0.85 * cgbs and info["misses_per_row_step"] == K,
                         f"{gbs:.1f} GB/s vs copy {cgbs:.1f} GB/s = {100 * gbs / cgbs:.0f}% "
@@ -319,17 +317,14 @@ def main(argv: list[str] | None = None) -> int:
 
     us, info = bench.resident(64, gather=False)
     rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us", "-",
-                    us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, "", info))
-    us, info = bench.resident(64, gather=False, env=V1)
-    rows.append(Row("  (previous resolver v1) all resident", 64, us, "graph node floor", floor, "-", "-", None, "",
+                    us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, f"cluster={info['shape']['cluster']}",
                     info))
-    for threads in (256, 512):
-        us, info = bench.resident(64, gather=False, env={"HISPARSE_RESOLVE_THREADS": str(threads)})
-        rows.append(Row(f"  (variant: {threads} threads) all resident", 64, us, "graph node floor", floor, "-", "-",
-                        None, "", info))
+    for env in (V2, *({"HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 2, 4, 8))):
+        us, info = bench.resident(64, gather=False, env=env)
+        rows.append(Row(tag(env), 64, us, "graph node floor", floor, "-", "-", None, "", info))
     us, info = bench.resident(64, gather=True)
-    rows.append(Row("all resident, resolve+gather launch", 64, us, "graph node floor", floor, "<= 3 us", "-",
-                    us <= 3.0, "gather kernel launched, nothing to copy", info))
+    rows.append(Row("all resident, resolve+gather", 64, us, "graph node floor", floor, "<= 3 us", "-",
+                    us <= 3.0, "gather fused into the resolver, nothing to copy", info))
 
     props = torch.cuda.get_device_properties(bench.dev)
     print(f"\nhisparse nvidia bench: {props.name}, torch {torch.__version__}, top-k {K}, hot {H}, rows 656 B, "
@@ -343,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = "-" if r.passed is None else ("yes" if r.passed else "NO")
         print(f"{r.scenario:38} {r.batch:>4} {r.ours_us:9.2f} {r.baseline:>24} {base} {r.target:>24} {r.sglang:>20} "
               f"{ok:>4}  {r.note}")
-    print("\nresolver phases of block 0 (cycles since start at: v2 barrier 1 (loads), 2 (hash), 3 (walk), 4 (pack, flag misses), row split, assign + LRU, end; v1 init, hash, walk, compact, rank, assign, end):")
+    print("\nresolver v2 phases of block 0 (cycles since start at barrier 1 (loads), 2 (hash), 3 (walk), "
+          "4 (pack, flag misses), row split, assign + LRU, end):")
     for r in rows:
         if "phases" in r.extra:
             print(f"  {r.scenario.strip():38} B={r.batch:<4} {r.extra['phases']}")

@@ -4,7 +4,7 @@
 # the benchmark. Every stage logs to $OUT (default ./out) and the script ends with a summary; a
 # failing stage does not stop the later ones.
 #
-#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests tests_threads conformance memcheck racecheck ncu bench
+#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests tests_variants conformance memcheck racecheck ncu bench
 #
 # Stage time limits (seconds) come from T_ENV, T_TESTS, T_CONFORMANCE, T_MEMCHECK, T_RACECHECK and
 # T_BENCH; BENCH_ARGS passes extra arguments to bench/bench_nvidia.py.
@@ -74,9 +74,13 @@ for b in all_builds_for_ci():
 tests)
     run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
-tests_threads)  # the resolver tests again with another block size (HISPARSE_RESOLVE_THREADS, default 512)
-    run tests_threads "${T_TESTS:-140}" env HISPARSE_RESOLVE_THREADS="${T_THREADS:-512}" python3 -m pytest -q -rs \
-        --maxfail=10 -p no:cacheprovider tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py
+tests_variants)  # the resolver tests again on the other resolver shapes: v2, and v3 with 1 and 2 blocks
+    # per group row (the tests' small batches otherwise pick the widest cluster), the gather unfused
+    run tests_variants "${T_TESTS:-200}" bash -c '
+        set -u; rc=0; T="tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py"
+        for v in "HISPARSE_RESOLVER=2" "HISPARSE_RESOLVE_CLUSTER=1" "HISPARSE_RESOLVE_CLUSTER=2 HISPARSE_FUSED_GATHER=0"; do
+            echo "--- $v"; env $v python3 -m pytest -q -rs --maxfail=5 -p no:cacheprovider $T || rc=1
+        done; exit $rc'
     ;;
 conformance)
     run conformance "${T_CONFORMANCE:-150}" python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance \
@@ -116,7 +120,7 @@ echo "==================== summary ===================="
 for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
 done
-for stage in tests tests_threads conformance memcheck racecheck; do
+for stage in tests tests_variants conformance memcheck racecheck; do
     [ -f "$OUT/$stage.log" ] || continue
     echo "--- $stage (tail)"
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8

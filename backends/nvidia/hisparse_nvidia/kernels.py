@@ -21,10 +21,18 @@ from hisparse_nvidia.compiler import KernelBuild, compile_kernel
 
 #: Override of the resolver's threads per block (a power of two in [128, 1024]) for tuning.
 ENV_RESOLVE_THREADS = "HISPARSE_RESOLVE_THREADS"
-#: Resolver version: 2 (resolve2.cu, the default) or 1 (resolve.cu, the previous kernel, kept for
-#: comparison and as a fallback).
+#: Resolver version: 3 (resolve3.cu, one thread-block cluster per request; the default on sm_90
+#: and newer), 2 (resolve2.cu, one block per request; the default before Hopper, which has no
+#: clusters) or 1 (resolve.cu, the first kernel, kept as the benchmark's baseline).
 ENV_RESOLVER = "HISPARSE_RESOLVER"
 RESOLVER_VERSION = 2
+CLUSTER_RESOLVER_VERSION = 3
+#: Oldest compute capability (major * 10 + minor) with thread-block clusters.
+CLUSTER_MIN_ARCH = 90
+#: Forces the version-3 resolver's blocks per cluster (1, 2, 4 or 8 per group row) for tuning.
+ENV_RESOLVE_CLUSTER = "HISPARSE_RESOLVE_CLUSTER"
+#: Largest portable cluster.
+MAX_CLUSTER = 8
 #: Shared memory the version-2 resolver may take for a load factor of 1/4 (else 1/2).
 _RESOLVE2_SPARSE_HASH_LIMIT = 160 * 1024
 #: Threads per block of the copy kernels, 16-byte loads each thread keeps in flight, and the load
@@ -70,15 +78,25 @@ class ResolverShape:
     dynamic_smem: int
     multi_row: bool = True
     version: int = RESOLVER_VERSION
+    #: Version 3: blocks per cluster, blocks per group row, 16-byte vectors per row (fused gather).
+    cluster: int = 1
+    row_blocks: int = 1
+    row_vec: int = 0
 
     @property
     def build(self) -> KernelBuild:
+        if self.version == 3:
+            return KernelBuild.of("resolve3.cu", {"HS_NT": self.threads, "HS_C": self.cluster, "HS_CR": self.row_blocks,
+                                                  "HS_EPT": self.entries_per_thread, "HS_CPT": self.lru_per_thread,
+                                                  "HS_VEC": self.row_vec})
         source = "resolve2.cu" if self.version == 2 else "resolve.cu"
         return KernelBuild.of(source, {"HS_NT": self.threads, "HS_EPT": self.entries_per_thread,
                                        "HS_CPT": self.lru_per_thread, "HS_MULTI": int(self.multi_row)})
 
     @property
     def static_smem(self) -> int:
+        if self.version == 3:  # per-warp partials of every block: int4 + three i32 arrays
+            return 28 * self.cluster * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK
         if self.version == 2:  # five per-warp counter arrays
             return 4 * 5 * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK
         slots = max(self.entries_per_thread, self.lru_per_thread) * (self.threads // 32)
@@ -115,6 +133,57 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, version: i
                          -(-smem // 16) * 16, config.rows_per_request > 1, 1)
 
 
+def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
+    """The version-3 resolver's launch shapes for `config`, fewest blocks per cluster first.
+
+    A cluster holds `rows_per_request * row_blocks` blocks (at most 8), `row_blocks` of them per
+    row of a group. Threads per block are chosen so a thread holds about one top-k entry and two
+    LRU positions; each block's part of the hash set has room for the whole union, so an insert
+    always finds a bucket whatever the keys' hashes.
+    """
+    rpr, k, h = config.rows_per_request, config.top_k, config.hot_rows
+    if rpr > MAX_CLUSTER:
+        raise InvalidInputError(f"rows_per_request={rpr} exceeds the {MAX_CLUSTER} blocks of a cluster")
+    union = rpr * k
+    shapes = []
+    row_blocks = 1
+    while rpr * row_blocks <= MAX_CLUSTER:
+        c = rpr * row_blocks
+        cap = 1 << ((2048 // c).bit_length() - 1)  # c * threads / 32 <= 64 published partials
+        threads = min(1024, cap, max(64, _next_pow2(max(-(-k // row_blocks), -(-h // (2 * c))))))
+        ept = -(-k // (row_blocks * threads))
+        cpt = -(-h // (c * threads))
+        rest = 8 * cpt * threads + 8 * ept * threads + 4 * config.hot_blocks
+        if c == 1:
+            slots = _next_pow2(4 * union)
+            if 8 * slots + rest > _RESOLVE2_SPARSE_HASH_LIMIT:
+                slots = _next_pow2(2 * union)
+        else:
+            slots = _next_pow2(max(union + 1, -(-4 * union // c)))
+        smem = 8 * slots + rest
+        shapes.append(ResolverShape(threads, ept, cpt, slots.bit_length() - 1, -(-smem // 16) * 16, rpr > 1, 3, c,
+                                    row_blocks, config.row_format.row_bytes // 16))
+        row_blocks *= 2
+    return shapes
+
+
+def pick_cluster_shape(shapes: list[ResolverShape], batch_rows: int, rows_per_request: int, num_sms: int,
+                       forced_row_blocks: int | None = None) -> ResolverShape:
+    """The shape for a call of `batch_rows` rows: the most blocks per cluster that still gives
+    every group its own multiprocessors (at most one block per SM in all), else the fewest.
+    `forced_row_blocks` (from `HISPARSE_RESOLVE_CLUSTER`) picks the shape with that many blocks
+    per group row instead."""
+    if forced_row_blocks is not None:
+        for shape in shapes:
+            if shape.row_blocks == forced_row_blocks:
+                return shape
+        raise InvalidInputError(f"{ENV_RESOLVE_CLUSTER}={forced_row_blocks}: expected one of "
+                                f"{[s.row_blocks for s in shapes]}")
+    groups = -(-batch_rows // rows_per_request) if rows_per_request > 1 else batch_rows
+    fitting = [s for s in shapes if groups * s.cluster <= num_sms]
+    return fitting[-1] if fitting else shapes[0]
+
+
 @dataclass(frozen=True, slots=True)
 class CopyShape:
     """Launch shape of the copy kernels."""
@@ -146,8 +215,9 @@ def copy_build(row_bytes: int) -> KernelBuild:
 MAINTAIN_BUILD = KernelBuild.of("maintain.cu")
 
 
-def runtime_builds(config: RuntimeConfig) -> list[KernelBuild]:
-    return [resolver_shape(config).build, CopyShape.from_env(config.row_format.row_bytes).build, MAINTAIN_BUILD]
+def runtime_builds(config: RuntimeConfig, version: int = RESOLVER_VERSION) -> list[KernelBuild]:
+    resolvers = [s.build for s in cluster_resolver_shapes(config)] if version == 3 else [resolver_shape(config).build]
+    return [*resolvers, CopyShape.from_env(config.row_format.row_bytes).build, MAINTAIN_BUILD]
 
 
 def all_builds_for_ci() -> list[KernelBuild]:
@@ -160,6 +230,7 @@ def all_builds_for_ci() -> list[KernelBuild]:
                         max_pages=2048, rows_per_request=4)
     builds = {resolver_shape(c, version=v).build for c in (small, prod, mtp) for v in (1, 2)}
     builds |= {resolver_shape(prod, t, version=v).build for t in (256, 512) for v in (1, 2)}
+    builds |= {s.build for c in (small, prod, mtp) for s in cluster_resolver_shapes(c)}
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)

@@ -3,10 +3,12 @@
 State and workspaces are PyTorch tensors on the device; the work is done by the NVRTC-built
 kernels under `cuda/`, launched through the driver on PyTorch's current stream:
 
-- `hisparse_resolve` (resolve.cu): one thread block per batch row; the first row of a request's
-  group resolves the group's union against the request's hot map and exact LRU order, assigns
-  victims, writes the miss plan, the output rows and the counters. A group with no host entry
-  exits before touching its LRU (the resident fast path).
+- `hisparse_resolve` (resolve3.cu on sm_90 and newer, else resolve2.cu): the first row of a
+  request's group resolves the group's union against the request's hot map and exact LRU order,
+  assigns victims, writes the miss plan, the output rows and the counters. A group with no host
+  entry exits before touching its LRU (the resident fast path). Version 3 gives each group a
+  thread-block cluster (up to 8 SMs sharing the work through distributed shared memory; fewer as
+  the batch grows) and, with `gather=True`, copies the leader layer's misses in the same kernel.
 - `hisparse_gather_plan` (copy.cu): copies the plan's host rows into their hot rows for one or
   more layers, reading the registered host pool directly (zero-copy 16-byte loads). A batch row's
   misses are spread over several thread blocks, so a single request is not limited to one block's
@@ -40,9 +42,17 @@ from hisparse_nvidia.host_pool import device_address_of_host
 from hisparse_nvidia.kernels import (
     MAINTAIN_BUILD,
     MAINTAIN_THREADS,
+    CLUSTER_MIN_ARCH,
+    CLUSTER_RESOLVER_VERSION,
+    ENV_RESOLVE_CLUSTER,
+    ENV_RESOLVER,
+    RESOLVER_VERSION,
     CopyShape,
     FastDiv,
     LoadedKernels,
+    ResolverShape,
+    cluster_resolver_shapes,
+    pick_cluster_shape,
     resolver_shape,
 )
 from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
@@ -50,6 +60,10 @@ from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
 #: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
 ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
+#: "0" makes the version-3 resolver leave the leader layer's gather to the separate copy kernel.
+ENV_FUSED_GATHER = "HISPARSE_FUSED_GATHER"
+#: Padding rows (B..Bmax-1) each padding cluster of the version-3 resolver writes.
+_PAD_ROWS_PER_CLUSTER = 4
 _STAT_H2D, _STAT_D2H = 3, 4
 #: Upper bound on thread blocks per batch row of a plan copy.
 _MAX_BLOCKS_PER_ROW = 64
@@ -81,14 +95,20 @@ class NvidiaRuntime(CacheRuntime):
         self.config = config
         self._device = device
         self._num_sms = num_sms
-        shape = resolver_shape(config)
-        if shape.dynamic_smem + shape.static_smem > max_smem_per_block:
-            raise InvalidInputError(
-                f"RuntimeConfig(top_k={config.top_k}, rows_per_request={config.rows_per_request}, "
-                f"hot_rows={config.hot_rows}, block_size={config.block_size}) needs "
-                f"{shape.dynamic_smem + shape.static_smem} bytes of shared memory per block; the device "
-                f"allows {max_smem_per_block}: lower rows_per_request * top_k or hot_rows")
-        self._shape = shape
+        env = os.environ.get(ENV_RESOLVER)
+        version = int(env) if env else (CLUSTER_RESOLVER_VERSION if arch >= CLUSTER_MIN_ARCH else RESOLVER_VERSION)
+        if version == CLUSTER_RESOLVER_VERSION and arch < CLUSTER_MIN_ARCH:
+            raise InvalidInputError(f"{ENV_RESOLVER}=3 needs thread-block clusters (sm_90 or newer); this GPU is "
+                                    f"sm_{arch}")
+        shapes = cluster_resolver_shapes(config) if version == CLUSTER_RESOLVER_VERSION else \
+            [resolver_shape(config, version=version)]
+        for shape in shapes:
+            if shape.dynamic_smem + shape.static_smem > max_smem_per_block:
+                raise InvalidInputError(
+                    f"RuntimeConfig(top_k={config.top_k}, rows_per_request={config.rows_per_request}, "
+                    f"hot_rows={config.hot_rows}, block_size={config.block_size}) needs "
+                    f"{shape.dynamic_smem + shape.static_smem} bytes of shared memory per block; the device "
+                    f"allows {max_smem_per_block}: lower rows_per_request * top_k or hot_rows")
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         with torch.cuda.device(device):
             self._hot_map = torch.full((r, h), -1, dtype=torch.int32, device=device)
@@ -103,12 +123,20 @@ class NvidiaRuntime(CacheRuntime):
             self._stats = torch.zeros(5, dtype=torch.int64, device=device)
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        resolve_mod = LoadedKernels.module(index, arch, shape.build)
+        self._shapes = shapes
+        self._k_resolvers = []
+        for sh in shapes:
+            fn = LoadedKernels.module(index, arch, sh.build).function("hisparse_resolve")
+            fn.allow_dynamic_smem(sh.dynamic_smem)
+            self._k_resolvers.append(fn)
+        forced = os.environ.get(ENV_RESOLVE_CLUSTER)
+        self._forced_row_blocks = int(forced) if forced else None
+        if self._forced_row_blocks is not None:
+            pick_cluster_shape(shapes, 1, config.rows_per_request, num_sms, self._forced_row_blocks)  # checks it
+        self._fused_gather = version == CLUSTER_RESOLVER_VERSION and os.environ.get(ENV_FUSED_GATHER, "1") != "0"
         self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
         copy_mod = LoadedKernels.module(index, arch, self._copy_shape.build)
         maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)
-        self._k_resolve = resolve_mod.function("hisparse_resolve")
-        self._k_resolve.allow_dynamic_smem(shape.dynamic_smem)
         self._k_gather = copy_mod.function("hisparse_gather_plan")
         self._k_copy = copy_mod.function("hisparse_copy_rows")
         self._k_inval_written = maint_mod.function("hisparse_invalidate_written")
@@ -119,6 +147,7 @@ class NvidiaRuntime(CacheRuntime):
         self._prof: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
+        self._gather_bases = (0, 0, 0)  # leader layer: host base, device base, device block stride
         self._host_bases: torch.Tensor | None = None
         self._dev_bases: torch.Tensor | None = None
         self._dev_strides: torch.Tensor | None = None
@@ -217,6 +246,7 @@ class NvidiaRuntime(CacheRuntime):
             self._host_bases = torch.tensor(host_bases, dtype=torch.int64, device=self._device)
             self._dev_bases = torch.tensor(dev_bases, dtype=torch.int64, device=self._device)
             self._dev_strides = torch.tensor(dev_strides, dtype=torch.int64, device=self._device)
+        self._gather_bases = (host_bases[0], dev_bases[0], dev_strides[0])
         self._resident_group = resident_group
 
     def _require_bound(self) -> None:
@@ -237,8 +267,46 @@ class NvidiaRuntime(CacheRuntime):
             check_values(inputs, cfg, num_device_blocks=self.num_device_blocks,
                          host_blocks=self._host_rows // cfg.block_size)
         out = self._result
-        shape = self._shape
-        self._k_resolve.launch(
+        fused = False
+        if self._shapes[0].version == CLUSTER_RESOLVER_VERSION:
+            fused = gather and self._fused_gather
+            self._launch_cluster_resolver(inputs, b, fused)
+        else:
+            self._launch_block_resolver(inputs, b)
+        self._last_rows = b
+        if gather and not fused:
+            self._gather(0, 1)
+        return out
+
+    def _shape_for(self, rows: int) -> tuple[int, ResolverShape]:
+        if len(self._shapes) == 1:
+            return 0, self._shapes[0]
+        shape = pick_cluster_shape(self._shapes, rows, self.config.rows_per_request, self._num_sms,
+                                   self._forced_row_blocks)
+        return self._shapes.index(shape), shape
+
+    def _launch_cluster_resolver(self, inputs: ResolveInputs, b: int, fused: bool) -> None:
+        cfg = self.config
+        out = self._result
+        index, shape = self._shape_for(b)
+        pad = -(-(cfg.max_batch_rows - b) // _PAD_ROWS_PER_CLUSTER)
+        host_base, dev_base, dev_stride = self._gather_bases if fused else (0, 0, 0)
+        self._k_resolvers[index].launch(
+            ((b + pad) * shape.cluster, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
+            [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
+             _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
+             _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host), _ptr(out.plan_device),
+             _ptr(out.plan_counts), _ptr(self._stats),
+             _i32(b), _i32(cfg.max_batch_rows), FastDiv.of(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages),
+             FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
+             _ptr(host_base), _ptr(dev_base), _i64(dev_stride), _i64(self._host_rows), _i64(self._dev_rows)],
+            overlap_previous=self._overlap)
+
+    def _launch_block_resolver(self, inputs: ResolveInputs, b: int) -> None:
+        cfg = self.config
+        out = self._result
+        shape = self._shapes[0]
+        self._k_resolvers[0].launch(
             (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
@@ -248,10 +316,6 @@ class NvidiaRuntime(CacheRuntime):
              FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
             overlap_previous=self._overlap)
-        self._last_rows = b
-        if gather:
-            self._gather(0, 1)
-        return out
 
     @property
     def result(self) -> ResolveResult:
@@ -263,8 +327,12 @@ class NvidiaRuntime(CacheRuntime):
         Returns the cycles since kernel start at: shared-memory init, hashing the union, the LRU
         walk's scan, the LRU compaction, the miss ranking, victim assignment, and the end (-1
         for phases the call skipped, e.g. on the resident fast path). The call is a real resolve
-        (state changes as usual); it synchronizes, so never use it on the decode path.
+        (state changes as usual); it synchronizes, so never use it on the decode path. Only the
+        one-block resolvers (versions 1 and 2) record phases.
         """
+        if self._shapes[0].version == CLUSTER_RESOLVER_VERSION:
+            raise InvalidInputError("phase clocks are recorded by resolver versions 1 and 2 only "
+                                    f"({ENV_RESOLVER}=2); this runtime uses version 3")
         prof = torch.full((8,), -1, dtype=torch.int64, device=self._device)
         self._prof = prof
         try:
@@ -315,10 +383,11 @@ class NvidiaRuntime(CacheRuntime):
     @property
     def launch_shape(self) -> dict[str, int | bool]:
         """The resolver's launch shape and options (for benchmarks and logs)."""
-        s = self._shape
+        _, s = self._shape_for(self.config.max_batch_rows)
         c = self._copy_shape
-        return {"threads": s.threads, "entries_per_thread": s.entries_per_thread,
-                "lru_per_thread": s.lru_per_thread, "dynamic_smem": s.dynamic_smem, "overlap_launch": self._overlap,
+        return {"version": s.version, "cluster": s.cluster, "threads": s.threads,
+                "entries_per_thread": s.entries_per_thread, "lru_per_thread": s.lru_per_thread,
+                "dynamic_smem": s.dynamic_smem, "overlap_launch": self._overlap, "fused_gather": self._fused_gather,
                 "copy_threads": c.threads, "copy_unroll": c.unroll, "copy_load": c.load}
 
     # ----------------------------------------------------------------- page and row copies

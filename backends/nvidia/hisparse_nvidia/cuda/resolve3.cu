@@ -1,0 +1,662 @@
+// The fused resolver, version 3 (docs/resolver-contract.md): one thread-block *cluster* per
+// request (Hopper, sm_90). Same arguments and results as versions 1 and 2, plus an optional fused
+// gather of the leader layer.
+//
+// Why a cluster: versions 1 and 2 give a request one block (one SM), which then issues every
+// instruction of 2048 entries and 4096 LRU positions alone; measured, the SM is bound by
+// instructions issued (docs/gpu-validation.md). Here the request's work is split over HS_C blocks
+// on HS_C SMs, which share the state through distributed shared memory (DSMEM):
+//
+// - Entries: block c holds the union entries of one row of the group (rho = c / HS_CR) and a
+//   1 / HS_CR slice of that row's top-k, so per-row counts are sums over whole blocks and the
+//   union's first-reference order is (block, warp, lane, item) order.
+// - LRU positions: block c holds positions [c * PC, (c + 1) * PC), and the hot map of slots in
+//   the same range (hml), which other blocks read remotely during the walk.
+// - The hash set of the union's host rows is partitioned by key: the top bits of a row's hash
+//   name the block that holds its bucket. Buckets are 64-bit {first-reference j (later
+//   -(slot + 1)), host row}: insert with a remote 64-bit CAS, a repeated key lowers j with a
+//   remote atomicMin.
+// - Counts (valid, resident, host, unique; hits; misses) are published per warp into every
+//   block's shared memory before a cluster barrier, so after it each warp reads its prefixes and
+//   the totals locally, without a block barrier of its own.
+//
+// Phases and cluster barriers (single-row groups, no repeated miss):
+//   init buckets, arrive | loads, classify | wait | insert, publish | B1 | (no host entry: write,
+//   exit) walk: mark hit buckets, publish | B2 | evictable ranks, flag misses, publish | B3 |
+//   victims (remote read of the evictable list), hot map, plan, outputs, arrive | LRU stores,
+//   fused gather | wait, exit.
+// A group where some row repeats a miss adds one barrier before the repeats read its slot.
+//
+// Compile-time constants (-D by the host):
+//   HS_NT   threads per block (multiple of 32, at most 1024)
+//   HS_C    blocks per cluster (1..8); HS_CR blocks per row of the group (HS_C % HS_CR == 0)
+//   HS_EPT  entries per thread: ceil(top_k / (HS_CR * HS_NT))
+//   HS_CPT  LRU positions per thread: ceil(hot_rows / (HS_C * HS_NT))
+//   HS_VEC  16-byte vectors per row (for the fused gather)
+//   HS_C * HS_NT / 32 <= 64 (published partials: two per lane)
+//
+// Dynamic shared memory, in this order (the host computes the same size):
+//   pairs[Tc]  u64 buckets of this block's part of the hash set (Tc = 2^hash_bits)
+//   hml[PC]    i32 hot map of slots [c * PC, (c + 1) * PC)
+//   evl[PC]    i32 evictable slots of this block's positions, by evictable rank
+//   gl[EC]     int2 (host row, device row) of this block's misses, for the fused gather
+//   htab[HB]   i32 the state row's hot_table row
+#include "common.cuh"
+
+#ifndef HS_NT
+#error "HS_NT must be defined"
+#endif
+#ifndef HS_C
+#error "HS_C must be defined"
+#endif
+#ifndef HS_CR
+#define HS_CR HS_C
+#endif
+#ifndef HS_EPT
+#error "HS_EPT must be defined"
+#endif
+#ifndef HS_CPT
+#error "HS_CPT must be defined"
+#endif
+#ifndef HS_VEC
+#define HS_VEC 41
+#endif
+
+#define HS_NW (HS_NT / 32)
+#define HS_NP (HS_C * HS_NW)
+#define HS_EC (HS_EPT * HS_NT)
+#define HS_PC (HS_CPT * HS_NT)
+#define HS_EMPTY 0xffffffffffffffffull
+#define HS_ROW_BYTES (HS_VEC * 16)
+
+#if HS_NP > 64
+#error "HS_C * HS_NT / 32 must be at most 64"
+#endif
+#if HS_C % HS_CR != 0
+#error "HS_CR must divide HS_C"
+#endif
+
+// ---- Cluster primitives (a cluster of one block degenerates to block barriers) ---------------
+
+__device__ __forceinline__ u32 hs_rank() {
+#if HS_C > 1
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return 0;
+#endif
+}
+
+// The generic address of `p` (a shared-memory object of this block) in block `rank`'s shared memory.
+template <class T>
+__device__ __forceinline__ T* hs_remote(T* p, u32 rank) {
+#if HS_C > 1
+    u64 out;
+    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<u64>(p)), "r"(rank));
+    return reinterpret_cast<T*>(out);
+#else
+    return p;
+#endif
+}
+
+__device__ __forceinline__ void hs_arrive() {
+#if HS_C > 1
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void hs_wait() {
+#if HS_C > 1
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+
+__device__ __forceinline__ void hs_cluster_sync() {
+    hs_arrive();
+    hs_wait();
+}
+
+// ---- Published per-warp partials -------------------------------------------------------------
+
+// Lane k < HS_C of every warp stores the warp's value into block k's array at this warp's index.
+template <class T>
+__device__ __forceinline__ void hs_publish(T* arr, T value, u32 rank) {
+    const i32 lane = threadIdx.x & 31;
+    if (lane < HS_C) hs_remote(arr, static_cast<u32>(lane))[rank * HS_NW + (threadIdx.x >> 5)] = value;
+}
+
+// Sum of parts[lo, hi) and of parts[0, me) over the HS_NP published partials. Warp-uniform.
+struct HsSums {
+    i32 total;
+    i32 before;
+};
+
+__device__ __forceinline__ HsSums hs_sums(const i32* parts, i32 me) {
+    const i32 lane = threadIdx.x & 31;
+    const i32 a = lane < HS_NP ? parts[lane] : 0;
+    const i32 b = lane + 32 < HS_NP ? parts[lane + 32] : 0;
+    HsSums s;
+    s.total = __reduce_add_sync(HS_FULL_MASK, a + b);
+    s.before = __reduce_add_sync(HS_FULL_MASK, (lane < me ? a : 0) + (lane + 32 < me ? b : 0));
+    return s;
+}
+
+// Exclusive in-warp prefix of x (uniform call).
+__device__ __forceinline__ i32 hs_warp_excl(i32 x) {
+    const i32 lane = threadIdx.x & 31;
+    i32 incl = x;
+#pragma unroll
+    for (i32 d = 1; d < 32; d <<= 1) {
+        const i32 y = __shfl_up_sync(HS_FULL_MASK, incl, d);
+        if (lane >= d) incl += y;
+    }
+    return incl - x;
+}
+
+// The block holding host row g's bucket and the bucket's index there (any cluster size: the
+// product hash * HS_C splits into an owner, its high word, and a uniform fraction).
+__device__ __forceinline__ u32 hs_bucket(i32 g, u32 shift, u32& owner) {
+    const u32 hh = static_cast<u32>(g) * 2654435761u;
+    owner = HS_C > 1 ? __umulhi(hh, HS_C) : 0u;
+    return (hh * HS_C) >> shift;
+}
+
+// Sum over parts[stride * i + comp] for i in [lo, hi) of the HS_NP partials. Warp-uniform.
+__device__ __forceinline__ i32 hs_sum_of(const i32* parts, i32 stride, i32 comp, i32 lo, i32 hi) {
+    const i32 lane = threadIdx.x & 31;
+    const i32 a = lane < HS_NP && lane >= lo && lane < hi ? parts[stride * lane + comp] : 0;
+    const i32 b = lane + 32 < HS_NP && lane + 32 >= lo && lane + 32 < hi ? parts[stride * (lane + 32) + comp] : 0;
+    return __reduce_add_sync(HS_FULL_MASK, a + b);
+}
+
+__device__ __forceinline__ i32 hs_range_sum(const i32* parts, i32 lo, i32 hi) {
+    return hs_sum_of(parts, 1, 0, lo, hi);
+}
+
+// Writes a padding row (every entry -1, counts 0), this block's share of it.
+__device__ __forceinline__ void hs_pad_row(i32 row, i32 K, u32 rank, i32* out_rows, i32* out_valid,
+                                           i32* plan_host, i32* plan_device, i32* plan_counts) {
+    const i64 base = static_cast<i64>(row) * K;
+#pragma unroll 1
+    for (i32 i = rank * HS_NT + threadIdx.x; i < K; i += HS_C * HS_NT) {
+        out_rows[base + i] = -1;
+        plan_host[base + i] = -1;
+        plan_device[base + i] = -1;
+    }
+    if (rank == 0 && threadIdx.x == 0) {
+        out_valid[row] = 0;
+        plan_counts[row] = 0;
+    }
+}
+
+#if HS_C > 1
+#define HS_CLUSTER __cluster_dims__(HS_C, 1, 1)
+#else
+#define HS_CLUSTER
+#endif
+
+extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
+    const i32* __restrict__ topk,            // [B, K]
+    const i32* __restrict__ row_state,       // [B]
+    const i32* __restrict__ seq_lens,        // [B]
+    const i32* __restrict__ source_table,    // [R, P]
+    const i32* __restrict__ resident_table,  // [R, P]
+    const i32* __restrict__ hot_table,       // [R, HB]
+    i32* __restrict__ hot_map,               // [R, H]
+    i16* __restrict__ lru,                   // [R, H]
+    i32* __restrict__ out_rows,              // [Bmax, K]
+    i32* __restrict__ out_valid,             // [Bmax]
+    i32* __restrict__ plan_host,             // [Bmax, K]
+    i32* __restrict__ plan_device,           // [Bmax, K]
+    i32* __restrict__ plan_counts,           // [Bmax]
+    u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
+    i32 B, i32 Bmax, HsDiv Kd, i32 H, i32 P, HsDiv bsd, i32 rpr, i32 hash_bits,
+    const unsigned char* gather_host,        // leader layer's host rows (device-mapped), or null
+    unsigned char* gather_dev,               // leader layer's device cache
+    i64 gather_stride,                       // bytes between its device blocks
+    i64 host_rows, i64 dev_rows) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const u32 rank = hs_rank();
+    const i32 r = blockIdx.x / HS_C;  // the cluster's batch row
+    const i32 tid = threadIdx.x;
+    const i32 lane = tid & 31;
+    const i32 warp = tid >> 5;
+    const i32 K = Kd.d;
+    const i32 bs = bsd.d;
+
+    // Clusters past the batch write the padding rows B..Bmax-1 between them.
+    if (r >= B) {
+#pragma unroll 1
+        for (i32 row = r; row < Bmax; row += gridDim.x / HS_C - B) {
+            hs_pad_row(row, K, rank, out_rows, out_valid, plan_host, plan_device, plan_counts);
+        }
+        return;
+    }
+
+    extern __shared__ __align__(16) unsigned char hs_smem[];
+    const i32 T = 1 << hash_bits;
+    u64* pairs = reinterpret_cast<u64*>(hs_smem);
+    i32* hml = reinterpret_cast<i32*>(pairs + T);
+    i32* evl = hml + HS_PC;
+    int2* gl = reinterpret_cast<int2*>(evl + HS_PC);
+    i32* htab = reinterpret_cast<i32*>(gl + HS_EC);
+
+    __shared__ int4 p_count[HS_NP];  // per warp: valid, resident, host entries, unique host rows
+    __shared__ i32 p_hit[HS_NP];
+    __shared__ i32 p_miss[HS_NP];
+    __shared__ i32 p_dup[HS_NP];
+    i32* p_count_i = reinterpret_cast<i32*>(p_count);
+
+    // Empty this block's buckets, and let the others know once they are (release).
+    {
+        int4* pv = reinterpret_cast<int4*>(pairs);
+#pragma unroll 1
+        for (i32 i = tid; i < (T >> 1); i += HS_NT) pv[i] = make_int4(-1, -1, -1, -1);
+    }
+    hs_arrive();  // B0 (its wait comes before the first insert)
+
+    // ---- Which group does this cluster resolve? (as in versions 1 and 2) ----------------------
+    i32 q = -1;
+    i32 n = 0;
+    {
+        const i32 state = row_state[r];
+        const i32 before = r > 0 ? row_state[r - 1] : -1;
+        if (state >= 0) {
+            i32 back = 0;
+            if (before == state) {
+                back = 1;
+                while (back < rpr && r - back - 1 >= 0 && row_state[r - back - 1] == state) ++back;
+            }
+            if (back == 0) {
+                q = state;
+                n = 1;
+                while (n < rpr && r + n < B && row_state[r + n] == state) ++n;
+            } else if (back < rpr) {
+                hs_wait();  // B0: no block leaves while another may still be starting
+                return;
+            }
+        }
+    }
+    if (q < 0) {
+        hs_pad_row(r, K, rank, out_rows, out_valid, plan_host, plan_device, plan_counts);
+        hs_wait();
+        return;
+    }
+
+    // ---- Loads: top-k of this block's slice, then every per-state load at once ----------------
+    const i32 rho = static_cast<i32>(rank) / HS_CR;          // the group row of this block
+    const i32 i0 = (static_cast<i32>(rank) % HS_CR) * HS_EC + tid * HS_EPT;  // first top-k index
+    const i32 row = r + rho;
+    const bool row_in = rho < n;
+    const i32 len = row_in ? seq_lens[row] : 0;
+    const i64 rbase = static_cast<i64>(row) * K;
+    i32 t_r[HS_EPT];
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 i = i0 + e;
+        t_r[e] = row_in && i < K ? topk[rbase + i] : -1;
+    }
+    const i64 qH = static_cast<i64>(q) * H;
+    const i64 qP = static_cast<i64>(q) * P;
+    const i32 HB = bsd.div(H);
+    const i32 pos0 = static_cast<i32>(rank) * HS_PC + tid * HS_CPT;  // first LRU position (and slot)
+    i32 slot_r[HS_CPT];
+#pragma unroll
+    for (i32 k = 0; k < HS_CPT; ++k) {
+        const i32 pos = pos0 + k;
+        slot_r[k] = pos < H ? static_cast<i32>(lru[qH + pos]) : -1;
+        hml[tid * HS_CPT + k] = pos < H ? hot_map[qH + pos] : -1;
+    }
+#pragma unroll 1
+    for (i32 i = tid; i < HB; i += HS_NT) htab[i] = hot_table[static_cast<i64>(q) * HB + i];
+    i32 v_r[HS_EPT];  // output row if resident, -1 masked or null, -(2 + host row) host entry
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 t = t_r[e];
+        i32 v = -1;
+        if (t >= 0 && t < len) {
+            const i32 p = bsd.div(t);
+            const i32 o = t - p * bs;
+            if (p < P) {
+                const i32 res = resident_table[qP + p];
+                const i32 src = source_table[qP + p];
+                v = res >= 0 ? res * bs + o : (src >= 0 ? -2 - (src * bs + o) : -1);
+            }
+        }
+        v_r[e] = v;
+    }
+
+    // ---- Insert the host rows into the distributed hash set -----------------------------------
+    hs_wait();  // B0: every block's buckets are empty and every block runs
+    const u32 shift = 32u - static_cast<u32>(hash_bits);
+    const u32 tmask = static_cast<u32>(T - 1);
+    const i32 jbase = rho * K + i0;  // union index of entry 0 of this thread
+    u64* bucket_r[HS_EPT];
+    i32 n_valid_t = 0, n_res_t = 0, n_host_t = 0, n_win_t = 0;
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 v = v_r[e];
+        bucket_r[e] = nullptr;
+        n_valid_t += v != -1;
+        n_res_t += v >= 0;
+        if (v <= -2) {
+            ++n_host_t;
+            const i32 g = -2 - v;
+            const u32 j = static_cast<u32>(jbase + e);
+            const u64 word = (static_cast<u64>(static_cast<u32>(g)) << 32) | j;
+            u32 owner;
+            u32 h = hs_bucket(g, shift, owner);
+            u64* table = hs_remote(pairs, owner);
+            while (true) {
+                const u64 prev = atomicCAS(&table[h], HS_EMPTY, word);
+                if (prev == HS_EMPTY) {
+                    ++n_win_t;
+                    break;
+                }
+                if (static_cast<i32>(prev >> 32) == g) {
+                    if (static_cast<u32>(prev) > j) atomicMin(&table[h], word);
+                    break;
+                }
+                h = (h + 1) & tmask;
+            }
+            bucket_r[e] = &table[h];
+        }
+    }
+    hs_publish(p_count, make_int4(__reduce_add_sync(HS_FULL_MASK, n_valid_t), __reduce_add_sync(HS_FULL_MASK, n_res_t),
+                                  __reduce_add_sync(HS_FULL_MASK, n_host_t), __reduce_add_sync(HS_FULL_MASK, n_win_t)),
+               rank);
+    hs_cluster_sync();  // B1
+
+    const i32 me = static_cast<i32>(rank) * HS_NW + warp;  // this warp's index in the partials
+    const i32 row_lo = rho * HS_CR * HS_NW;                 // partials of this block's group row
+    const i32 row_hi = row_lo + HS_CR * HS_NW;
+    const i32 n_host = hs_sum_of(p_count_i, 4, 2, 0, HS_NP);
+    const i32 n_res = hs_sum_of(p_count_i, 4, 1, 0, HS_NP);
+    const i32 n_uniq = hs_sum_of(p_count_i, 4, 3, 0, HS_NP);
+    const i32 row_valid = hs_sum_of(p_count_i, 4, 0, row_lo, row_hi);
+    const bool leader = rank % HS_CR == 0 && tid == 0;  // writes its group row's counts
+
+    if (n_host == 0) {
+        // ---- Resident fast path: nothing touches the hot state -------------------------------
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            const i32 i = i0 + e;
+            if (row_in && i < K) {
+                out_rows[rbase + i] = v_r[e];
+                plan_host[rbase + i] = -1;
+                plan_device[rbase + i] = -1;
+            }
+        }
+        if (leader && row_in) {
+            out_valid[row] = row_valid;
+            plan_counts[row] = 0;
+        }
+        if (rank == 0 && tid == 0 && n_res) atomicAdd(&stats[0], static_cast<u64>(n_res));
+        return;  // no block touches another's shared memory after B1
+    }
+
+    // ---- Walk: a slot is a hit if the row it holds is a key ----------------------------------
+    u32 hflags = 0;
+    {
+        i32 g_r[HS_CPT];
+#pragma unroll
+        for (i32 k = 0; k < HS_CPT; ++k) {
+            const i32 s = slot_r[k];
+            g_r[k] = -1;
+            if (s >= 0) {
+                const u32 owner = static_cast<u32>(s / HS_PC);
+                g_r[k] = hs_remote(hml, owner)[s - static_cast<i32>(owner) * HS_PC];
+            }
+        }
+        u64* tab_r[HS_CPT];
+        u32 h_r[HS_CPT];
+        i32 k0[HS_CPT], k1[HS_CPT];
+#pragma unroll
+        for (i32 k = 0; k < HS_CPT; ++k) {
+            const i32 g = g_r[k];
+            tab_r[k] = pairs;
+            h_r[k] = 0;
+            k0[k] = -1;
+            k1[k] = -1;
+            if (g >= 0) {
+                u32 owner;
+                h_r[k] = hs_bucket(g, shift, owner);
+                tab_r[k] = hs_remote(pairs, owner);
+                // keys are the high words: stable after B1 while the low words are being marked
+                k0[k] = reinterpret_cast<const i32*>(&tab_r[k][h_r[k]])[1];
+                k1[k] = reinterpret_cast<const i32*>(&tab_r[k][(h_r[k] + 1) & tmask])[1];
+            }
+        }
+#pragma unroll
+        for (i32 k = 0; k < HS_CPT; ++k) {
+            const i32 g = g_r[k];
+            i32 hb = -1;
+            if (g >= 0 && k0[k] != -1) {
+                if (k0[k] == g) {
+                    hb = static_cast<i32>(h_r[k]);
+                } else if (k1[k] == g) {
+                    hb = static_cast<i32>((h_r[k] + 1) & tmask);
+                } else if (k1[k] != -1) {  // rare: a longer probe sequence
+                    u32 h = (h_r[k] + 2) & tmask;
+                    i32 key;
+                    while ((key = reinterpret_cast<const i32*>(&tab_r[k][h])[1]) != -1) {
+                        if (key == g) {
+                            hb = static_cast<i32>(h);
+                            break;
+                        }
+                        h = (h + 1) & tmask;
+                    }
+                }
+            }
+            if (hb >= 0) {
+                reinterpret_cast<i32*>(&tab_r[k][hb])[0] = -(slot_r[k] + 1);
+                hflags |= 1u << k;
+            }
+        }
+    }
+    const i32 n_hit_t = __popc(hflags);
+    const i32 h_excl_w = hs_warp_excl(n_hit_t);
+    hs_publish(p_hit, __reduce_add_sync(HS_FULL_MASK, n_hit_t), rank);
+    hs_cluster_sync();  // B2
+
+    // ---- Evictable ranks; outputs of hits; flag the misses ------------------------------------
+    const HsSums hs = hs_sums(p_hit, me);
+    const i32 n_hits = hs.total;
+    const i32 n_ev = H - n_hits;
+    const i32 hit_pre = hs.before + h_excl_w;  // hit positions before pos0
+    {
+        // local evictable rank = local position - local hits before it
+        const i32 hits_blk = hs.before - hs_range_sum(p_hit, static_cast<i32>(rank) * HS_NW, me);
+        i32 hr = hit_pre - hits_blk;  // hits of this block before pos0
+#pragma unroll
+        for (i32 k = 0; k < HS_CPT; ++k) {
+            if (slot_r[k] >= 0) {
+                const bool hit = (hflags >> k) & 1u;
+                if (!hit) evl[tid * HS_CPT + k - hr] = slot_r[k];
+                hr += hit;
+            }
+        }
+    }
+    u32 mflags = 0;
+    bool dup_t = false;
+    i32 out_r[HS_EPT];
+    i32 gslot_r[HS_EPT];
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        out_r[e] = v_r[e];
+        gslot_r[e] = 0;
+        if (v_r[e] <= -2) {
+            const i32 w = reinterpret_cast<const i32*>(bucket_r[e])[0];
+            if (w == jbase + e) {
+                mflags |= 1u << e;
+            } else if (w < 0) {
+                const i32 s = -w - 1;
+                const i32 sb = bsd.div(s);
+                out_r[e] = htab[sb] * bs + (s - sb * bs);
+            } else {
+                dup_t = true;  // repeats a miss first referenced by another entry
+            }
+        }
+    }
+    const i32 n_miss_t = __popc(mflags);
+    const i32 m_excl_w = hs_warp_excl(n_miss_t);
+    hs_publish(p_miss, __reduce_add_sync(HS_FULL_MASK, n_miss_t), rank);
+    hs_publish(p_dup, static_cast<i32>(__any_sync(HS_FULL_MASK, dup_t)), rank);
+    hs_cluster_sync();  // B3
+
+    // ---- Victims, hot map, plan, outputs ------------------------------------------------------
+    const HsSums ms = hs_sums(p_miss, me);
+    const i32 n_misses = ms.total;
+    const i32 row_mbound = hs_range_sum(p_miss, 0, row_lo);       // misses before this group row
+    const i32 row_misses = hs_range_sum(p_miss, row_lo, row_hi);  // misses of this group row
+    const bool any_dup = hs_range_sum(p_dup, 0, HS_NP) != 0;
+    // Evictable slots before each block c (positions before it, clamped to H, minus its hits
+    // before it), held by every thread for the victim lookup.
+    i32 ev_lo[HS_C];
+    {
+        const i32 a = lane < HS_NP ? p_hit[lane] : 0;
+        const i32 b = lane + 32 < HS_NP ? p_hit[lane + 32] : 0;
+        i32 ia = a, ib = b;
+#pragma unroll
+        for (i32 d = 1; d < 32; d <<= 1) {
+            const i32 ya = __shfl_up_sync(HS_FULL_MASK, ia, d);
+            const i32 yb = __shfl_up_sync(HS_FULL_MASK, ib, d);
+            if (lane >= d) {
+                ia += ya;
+                ib += yb;
+            }
+        }
+        const i32 ta = __shfl_sync(HS_FULL_MASK, ia, 31);
+#pragma unroll
+        for (i32 c = 0; c < HS_C; ++c) {
+            const i32 idx = c * HS_NW;  // exclusive prefix of the partials at idx
+            const i32 before = idx < 32 ? __shfl_sync(HS_FULL_MASK, ia - a, idx & 31)
+                                        : ta + __shfl_sync(HS_FULL_MASK, ib - b, idx & 31);
+            ev_lo[c] = min(c * HS_PC, H) - before;
+        }
+    }
+    i32 m = ms.before + m_excl_w;  // misses before this thread's first entry
+    const i32 blk_miss_before = ms.before - hs_range_sum(p_miss, 0, static_cast<i32>(rank) * HS_NW);
+    i32 lm = blk_miss_before + m_excl_w;  // this block's misses before this thread's first entry
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        if ((mflags >> e) & 1u) {
+            // E[m] is in the last block whose first evictable rank is <= m
+            i32 b = 0;
+            i32 lo = ev_lo[0];
+#pragma unroll
+            for (i32 c = 1; c < HS_C; ++c) {
+                if (ev_lo[c] <= m) {
+                    b = c;
+                    lo = ev_lo[c];
+                }
+            }
+            const i32 s = hs_remote(evl, static_cast<u32>(b))[m - lo];
+            const i32 g = -2 - v_r[e];
+            hot_map[qH + s] = g;
+            const i32 sb = bsd.div(s);
+            const i32 dev = htab[sb] * bs + (s - sb * bs);
+            const i64 at = rbase + (m - row_mbound);
+            plan_host[at] = g;
+            plan_device[at] = dev;
+            out_r[e] = dev;
+            gslot_r[e] = -(s + 1);
+            gl[lm] = make_int2(g, dev);
+            ++m;
+            ++lm;
+        }
+    }
+    if (any_dup) {
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            if ((mflags >> e) & 1u) reinterpret_cast<i32*>(bucket_r[e])[0] = gslot_r[e];
+        }
+        hs_cluster_sync();  // B4: repeats may read their slot
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            if (v_r[e] <= -2 && !((mflags >> e) & 1u) && out_r[e] <= -2) {
+                const i32 s = -reinterpret_cast<const i32*>(bucket_r[e])[0] - 1;
+                const i32 sb = bsd.div(s);
+                out_r[e] = htab[sb] * bs + (s - sb * bs);
+            }
+        }
+    }
+    hs_arrive();  // B5: this block reads no other block's shared memory from here on
+
+    // ---- Outputs, LRU order, counts --------------------------------------------------------
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 i = i0 + e;
+        if (row_in && i < K) {
+            out_rows[rbase + i] = out_r[e];
+            if (i >= row_misses) {
+                plan_host[rbase + i] = -1;
+                plan_device[rbase + i] = -1;
+            }
+        }
+    }
+    {
+        const i32 keep = n_ev - n_misses;
+        i32 hr = hit_pre;
+#pragma unroll
+        for (i32 k = 0; k < HS_CPT; ++k) {
+            const i32 pos = pos0 + k;
+            if (pos < H) {
+                const bool hit = (hflags >> k) & 1u;
+                const i32 er = pos - hr;  // evictable rank
+                const i32 at = hit ? n_ev + hr : (er < n_misses ? keep + er : er - n_misses);
+                lru[qH + at] = static_cast<i16>(slot_r[k]);
+                hr += hit;
+            }
+        }
+    }
+    if (leader && row_in) {
+        out_valid[row] = row_valid;
+        plan_counts[row] = row_misses;
+    }
+    if (rank == 0 && tid == 0) {
+        if (n_res) atomicAdd(&stats[0], static_cast<u64>(n_res));
+        if (n_uniq - n_misses) atomicAdd(&stats[1], static_cast<u64>(n_uniq - n_misses));
+        if (n_misses) atomicAdd(&stats[2], static_cast<u64>(n_misses));
+        if (gather_host != nullptr && n_misses) atomicAdd(&stats[3], static_cast<u64>(n_misses) * HS_ROW_BYTES);
+    }
+
+    // ---- Fused gather of the leader layer: this block's misses -------------------------------
+    if (gather_host != nullptr) {
+        const i32 nb = hs_range_sum(p_miss, static_cast<i32>(rank) * HS_NW, static_cast<i32>(rank + 1) * HS_NW);
+        if (nb > 0) {
+            __syncthreads();  // gl complete
+            const i32 total = nb * HS_VEC;
+#pragma unroll 1
+            for (i32 first = tid; first < total; first += 4 * HS_NT) {
+                uint4 v[4];
+                unsigned char* to[4];
+#pragma unroll
+                for (i32 u = 0; u < 4; ++u) {
+                    const i32 c = first + u * HS_NT;
+                    to[u] = nullptr;
+                    if (c < total) {
+                        const i32 e = c / HS_VEC;
+                        const i32 kk = c - e * HS_VEC;
+                        const int2 pr = gl[e];
+                        if (pr.x < host_rows && pr.y < dev_rows) {
+                            v[u] = hs_load16(gather_host + static_cast<i64>(pr.x) * HS_ROW_BYTES + kk * 16);
+                            const i32 blk = bsd.div(pr.y);
+                            to[u] = gather_dev + blk * gather_stride + static_cast<i64>(pr.y - blk * bs) * HS_ROW_BYTES +
+                                    kk * 16;
+                        }
+                    }
+                }
+#pragma unroll
+                for (i32 u = 0; u < 4; ++u) {
+                    if (to[u] != nullptr) hs_store16(to[u], v[u]);
+                }
+            }
+        }
+    }
+    hs_wait();  // B5
+}

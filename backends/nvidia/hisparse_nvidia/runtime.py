@@ -299,7 +299,8 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(out.plan_counts), _ptr(self._stats),
              _i32(b), _i32(cfg.max_batch_rows), FastDiv.of(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages),
              FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
-             _ptr(host_base), _ptr(dev_base), _i64(dev_stride), _i64(self._host_rows), _i64(self._dev_rows)],
+             _ptr(host_base), _ptr(dev_base), _i64(dev_stride), _i64(self._host_rows), _i64(self._dev_rows),
+             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
             overlap_previous=self._overlap)
 
     def _launch_block_resolver(self, inputs: ResolveInputs, b: int) -> None:
@@ -322,18 +323,16 @@ class NvidiaRuntime(CacheRuntime):
         return self._result
 
     def resolver_phase_cycles(self, inputs: ResolveInputs, *, gather: bool = False) -> list[int]:
-        """Diagnostics: one resolve whose block 0 records `clock64()` at its phase boundaries.
+        """Diagnostics: one resolve whose first block records `clock64()` at its phase boundaries.
 
-        Returns the cycles since kernel start at: shared-memory init, hashing the union, the LRU
-        walk's scan, the LRU compaction, the miss ranking, victim assignment, and the end (-1
-        for phases the call skipped, e.g. on the resident fast path). The call is a real resolve
-        (state changes as usual); it synchronizes, so never use it on the decode path. Only the
-        one-block resolvers (versions 1 and 2) record phases.
+        Versions 1 and 2 return the cycles since kernel start at: shared-memory init, hashing the
+        union, the LRU walk's scan, the LRU compaction, the miss ranking, victim assignment, and
+        the end. Version 3 returns them at: loads done, B0 (buckets empty), inserts done, B1, walk
+        done, B2, misses flagged, B3, victims assigned, fused gather done, end. -1 marks phases the
+        call skipped (e.g. on the resident fast path). The call is a real resolve (state changes
+        as usual); it synchronizes, so never use it on the decode path.
         """
-        if self._shapes[0].version == CLUSTER_RESOLVER_VERSION:
-            raise InvalidInputError("phase clocks are recorded by resolver versions 1 and 2 only "
-                                    f"({ENV_RESOLVER}=2); this runtime uses version 3")
-        prof = torch.full((8,), -1, dtype=torch.int64, device=self._device)
+        prof = torch.full((12,), -1, dtype=torch.int64, device=self._device)
         self._prof = prof
         try:
             self.resolve(inputs, gather=gather, validate=False)

@@ -15,7 +15,7 @@
 // - The hash set of the union's host rows is partitioned by key: the top bits of a row's hash
 //   name the block that holds its bucket. Buckets are 64-bit {first-reference j (later
 //   -(slot + 1)), host row}: insert with a remote 64-bit CAS, a repeated key lowers j with a
-//   remote atomicMin.
+//   CAS loop (a 64-bit atom.min is emulated by ptxas on the local block only, see hs_lower64).
 // - Counts (valid, resident, host, unique; hits; misses) are published per warp into every
 //   block's shared memory before a cluster barrier, so after it each warp reads its prefixes and
 //   the totals locally, without a block barrier of its own.
@@ -39,7 +39,8 @@
 //   pairs[Tc]  u64 buckets of this block's part of the hash set (Tc = 2^hash_bits)
 //   hml[PC]    i32 hot map of slots [c * PC, (c + 1) * PC)
 //   evl[PC]    i32 evictable slots of this block's positions, by evictable rank
-//   gl[EC]     int2 (host row, device row) of this block's misses, for the fused gather
+//   gl[EC]     int2 (host row, device row) of the misses this block found, for the fused gather
+//   gl2[EC+2]  int2 the pairs this block copies in the fused gather
 //   htab[HB]   i32 the state row's hot_table row
 #include "common.cuh"
 
@@ -88,21 +89,83 @@ __device__ __forceinline__ u32 hs_rank() {
 #endif
 }
 
-// The generic address of `p` (a shared-memory object of this block) in block `rank`'s shared memory.
-template <class T>
-__device__ __forceinline__ T* hs_remote(T* p, u32 rank) {
+// Distributed shared memory is addressed with explicit shared::cluster instructions on 32-bit
+// addresses (no generic pointers into another block's shared memory).
+__device__ __forceinline__ u32 hs_saddr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// The address of this block's shared byte `addr` in block `rank`'s shared memory.
+__device__ __forceinline__ u32 hs_map(u32 addr, u32 rank) {
 #if HS_C > 1
-    u64 out;
-    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<u64>(p)), "r"(rank));
-    return reinterpret_cast<T*>(out);
+    u32 out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
+    return out;
 #else
-    return p;
+    return addr;
 #endif
 }
 
+#if HS_C > 1
+#define HS_SPACE "shared::cluster"
+#else
+#define HS_SPACE "shared"
+#endif
+
+__device__ __forceinline__ i32 hs_ld32(u32 a) {
+    i32 v;
+    asm volatile("ld." HS_SPACE ".u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ int2 hs_ld64x2(u32 a) {
+    int2 v;
+    asm volatile("ld." HS_SPACE ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void hs_st32(u32 a, i32 v) {
+    asm volatile("st." HS_SPACE ".u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void hs_st128(u32 a, int4 v) {
+    asm volatile("st." HS_SPACE ".v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ u64 hs_cas64(u32 a, u64 expect, u64 value) {
+    u64 old;
+    asm volatile("atom." HS_SPACE ".cas.b64 %0, [%1], %2, %3;" : "=l"(old) : "r"(a), "l"(expect), "l"(value) : "memory");
+    return old;
+}
+
+// Lowers the first-reference index of a bucket whose key is already `word`'s key. A CAS loop:
+// 64-bit atom.min has no native shared-memory form, and the emulation ptxas emits for it runs on
+// the *calling* block's shared memory, which loses the update when the bucket is remote.
+__device__ __forceinline__ void hs_lower64(u32 a, u64 seen, u64 word) {
+    while (static_cast<u32>(seen) > static_cast<u32>(word)) {
+        const u64 now = hs_cas64(a, seen, word);
+        if (now == seen) break;
+        seen = now;
+    }
+}
+
+// HS_BARRIER 0 (default): release/acquire cluster barriers, which order every block's earlier
+// shared::cluster stores before the others' later reads (the memory model's guarantee; the
+// release costs a GPU-scope memory barrier). 1, for measurement only: a CTA-scope fence and a
+// relaxed arrive, which the PTX memory model does not promise to order remote stores.
+#ifndef HS_BARRIER
+#define HS_BARRIER 0
+#endif
+
 __device__ __forceinline__ void hs_arrive() {
 #if HS_C > 1
+#if HS_BARRIER == 1
+    asm volatile("fence.acq_rel.cta;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
 #endif
 }
 
@@ -122,10 +185,14 @@ __device__ __forceinline__ void hs_cluster_sync() {
 // ---- Published per-warp partials -------------------------------------------------------------
 
 // Lane k < HS_C of every warp stores the warp's value into block k's array at this warp's index.
-template <class T>
-__device__ __forceinline__ void hs_publish(T* arr, T value, u32 rank) {
+__device__ __forceinline__ void hs_publish(i32* arr, i32 value, u32 rank) {
     const i32 lane = threadIdx.x & 31;
-    if (lane < HS_C) hs_remote(arr, static_cast<u32>(lane))[rank * HS_NW + (threadIdx.x >> 5)] = value;
+    if (lane < HS_C) hs_st32(hs_map(hs_saddr(arr + rank * HS_NW + (threadIdx.x >> 5)), lane), value);
+}
+
+__device__ __forceinline__ void hs_publish4(int4* arr, int4 value, u32 rank) {
+    const i32 lane = threadIdx.x & 31;
+    if (lane < HS_C) hs_st128(hs_map(hs_saddr(arr + rank * HS_NW + (threadIdx.x >> 5)), lane), value);
 }
 
 // Sum of parts[lo, hi) and of parts[0, me) over the HS_NP published partials. Warp-uniform.
@@ -217,7 +284,8 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     const unsigned char* gather_host,        // leader layer's host rows (device-mapped), or null
     unsigned char* gather_dev,               // leader layer's device cache
     i64 gather_stride,                       // bytes between its device blocks
-    i64 host_rows, i64 dev_rows) {
+    i64 host_rows, i64 dev_rows,
+    u64* __restrict__ prof) {                // diagnostics: phase clocks of cluster 0's block 0, or null
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const u32 rank = hs_rank();
@@ -227,6 +295,10 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     const i32 warp = tid >> 5;
     const i32 K = Kd.d;
     const i32 bs = bsd.d;
+    const bool profiling = prof != nullptr && blockIdx.x == 0 && tid == 0;
+#define HS_MARK(k) \
+    if (profiling) prof[k] = clock64()
+    HS_MARK(0);
 
     // Clusters past the batch write the padding rows B..Bmax-1 between them.
     if (r >= B) {
@@ -243,7 +315,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     i32* hml = reinterpret_cast<i32*>(pairs + T);
     i32* evl = hml + HS_PC;
     int2* gl = reinterpret_cast<int2*>(evl + HS_PC);
-    i32* htab = reinterpret_cast<i32*>(gl + HS_EC);
+    i32* htab = reinterpret_cast<i32*>(gl + 2 * HS_EC + 2);
 
     __shared__ int4 p_count[HS_NP];  // per warp: valid, resident, host entries, unique host rows
     __shared__ i32 p_hit[HS_NP];
@@ -331,16 +403,19 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     }
 
     // ---- Insert the host rows into the distributed hash set -----------------------------------
+    HS_MARK(1);
     hs_wait();  // B0: every block's buckets are empty and every block runs
+    HS_MARK(2);
     const u32 shift = 32u - static_cast<u32>(hash_bits);
     const u32 tmask = static_cast<u32>(T - 1);
     const i32 jbase = rho * K + i0;  // union index of entry 0 of this thread
-    u64* bucket_r[HS_EPT];
+    const u32 pairs_a = hs_saddr(pairs);
+    u32 bucket_r[HS_EPT];  // shared::cluster address of each host entry's bucket
     i32 n_valid_t = 0, n_res_t = 0, n_host_t = 0, n_win_t = 0;
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 v = v_r[e];
-        bucket_r[e] = nullptr;
+        bucket_r[e] = 0;
         n_valid_t += v != -1;
         n_res_t += v >= 0;
         if (v <= -2) {
@@ -350,26 +425,28 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
             const u64 word = (static_cast<u64>(static_cast<u32>(g)) << 32) | j;
             u32 owner;
             u32 h = hs_bucket(g, shift, owner);
-            u64* table = hs_remote(pairs, owner);
+            const u32 table = hs_map(pairs_a, owner);
             while (true) {
-                const u64 prev = atomicCAS(&table[h], HS_EMPTY, word);
+                const u64 prev = hs_cas64(table + 8 * h, HS_EMPTY, word);
                 if (prev == HS_EMPTY) {
                     ++n_win_t;
                     break;
                 }
                 if (static_cast<i32>(prev >> 32) == g) {
-                    if (static_cast<u32>(prev) > j) atomicMin(&table[h], word);
+                    hs_lower64(table + 8 * h, prev, word);
                     break;
                 }
                 h = (h + 1) & tmask;
             }
-            bucket_r[e] = &table[h];
+            bucket_r[e] = table + 8 * h;
         }
     }
-    hs_publish(p_count, make_int4(__reduce_add_sync(HS_FULL_MASK, n_valid_t), __reduce_add_sync(HS_FULL_MASK, n_res_t),
+    HS_MARK(3);
+    hs_publish4(p_count, make_int4(__reduce_add_sync(HS_FULL_MASK, n_valid_t), __reduce_add_sync(HS_FULL_MASK, n_res_t),
                                   __reduce_add_sync(HS_FULL_MASK, n_host_t), __reduce_add_sync(HS_FULL_MASK, n_win_t)),
                rank);
     hs_cluster_sync();  // B1
+    HS_MARK(4);
 
     const i32 me = static_cast<i32>(rank) * HS_NW + warp;  // this warp's index in the partials
     const i32 row_lo = rho * HS_CR * HS_NW;                 // partials of this block's group row
@@ -396,6 +473,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
             plan_counts[row] = 0;
         }
         if (rank == 0 && tid == 0 && n_res) atomicAdd(&stats[0], static_cast<u64>(n_res));
+        HS_MARK(11);
         return;  // no block touches another's shared memory after B1
     }
 
@@ -403,32 +481,33 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     u32 hflags = 0;
     {
         i32 g_r[HS_CPT];
+        const u32 hml_a = hs_saddr(hml);
 #pragma unroll
         for (i32 k = 0; k < HS_CPT; ++k) {
             const i32 s = slot_r[k];
             g_r[k] = -1;
             if (s >= 0) {
                 const u32 owner = static_cast<u32>(s / HS_PC);
-                g_r[k] = hs_remote(hml, owner)[s - static_cast<i32>(owner) * HS_PC];
+                g_r[k] = hs_ld32(hs_map(hml_a + 4 * (s - static_cast<i32>(owner) * HS_PC), owner));
             }
         }
-        u64* tab_r[HS_CPT];
+        u32 tab_r[HS_CPT];
         u32 h_r[HS_CPT];
         i32 k0[HS_CPT], k1[HS_CPT];
 #pragma unroll
         for (i32 k = 0; k < HS_CPT; ++k) {
             const i32 g = g_r[k];
-            tab_r[k] = pairs;
+            tab_r[k] = 0;
             h_r[k] = 0;
             k0[k] = -1;
             k1[k] = -1;
             if (g >= 0) {
                 u32 owner;
                 h_r[k] = hs_bucket(g, shift, owner);
-                tab_r[k] = hs_remote(pairs, owner);
-                // keys are the high words: stable after B1 while the low words are being marked
-                k0[k] = reinterpret_cast<const i32*>(&tab_r[k][h_r[k]])[1];
-                k1[k] = reinterpret_cast<const i32*>(&tab_r[k][(h_r[k] + 1) & tmask])[1];
+                tab_r[k] = hs_map(pairs_a, owner);
+                // keys are the high words (+4): stable after B1 while the low words are being marked
+                k0[k] = hs_ld32(tab_r[k] + 8 * h_r[k] + 4);
+                k1[k] = hs_ld32(tab_r[k] + 8 * ((h_r[k] + 1) & tmask) + 4);
             }
         }
 #pragma unroll
@@ -443,7 +522,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
                 } else if (k1[k] != -1) {  // rare: a longer probe sequence
                     u32 h = (h_r[k] + 2) & tmask;
                     i32 key;
-                    while ((key = reinterpret_cast<const i32*>(&tab_r[k][h])[1]) != -1) {
+                    while ((key = hs_ld32(tab_r[k] + 8 * h + 4)) != -1) {
                         if (key == g) {
                             hb = static_cast<i32>(h);
                             break;
@@ -453,15 +532,17 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
                 }
             }
             if (hb >= 0) {
-                reinterpret_cast<i32*>(&tab_r[k][hb])[0] = -(slot_r[k] + 1);
+                hs_st32(tab_r[k] + 8 * hb, -(slot_r[k] + 1));
                 hflags |= 1u << k;
             }
         }
     }
+    HS_MARK(5);
     const i32 n_hit_t = __popc(hflags);
     const i32 h_excl_w = hs_warp_excl(n_hit_t);
     hs_publish(p_hit, __reduce_add_sync(HS_FULL_MASK, n_hit_t), rank);
     hs_cluster_sync();  // B2
+    HS_MARK(6);
 
     // ---- Evictable ranks; outputs of hits; flag the misses ------------------------------------
     const HsSums hs = hs_sums(p_hit, me);
@@ -490,7 +571,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
         out_r[e] = v_r[e];
         gslot_r[e] = 0;
         if (v_r[e] <= -2) {
-            const i32 w = reinterpret_cast<const i32*>(bucket_r[e])[0];
+            const i32 w = hs_ld32(bucket_r[e]);
             if (w == jbase + e) {
                 mflags |= 1u << e;
             } else if (w < 0) {
@@ -502,11 +583,13 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
             }
         }
     }
+    HS_MARK(7);
     const i32 n_miss_t = __popc(mflags);
     const i32 m_excl_w = hs_warp_excl(n_miss_t);
     hs_publish(p_miss, __reduce_add_sync(HS_FULL_MASK, n_miss_t), rank);
     hs_publish(p_dup, static_cast<i32>(__any_sync(HS_FULL_MASK, dup_t)), rank);
     hs_cluster_sync();  // B3
+    HS_MARK(8);
 
     // ---- Victims, hot map, plan, outputs ------------------------------------------------------
     const HsSums ms = hs_sums(p_miss, me);
@@ -555,7 +638,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
                     lo = ev_lo[c];
                 }
             }
-            const i32 s = hs_remote(evl, static_cast<u32>(b))[m - lo];
+            const i32 s = hs_ld32(hs_map(hs_saddr(evl + (m - lo)), static_cast<u32>(b)));
             const i32 g = -2 - v_r[e];
             hot_map[qH + s] = g;
             const i32 sb = bsd.div(s);
@@ -573,19 +656,22 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     if (any_dup) {
 #pragma unroll
         for (i32 e = 0; e < HS_EPT; ++e) {
-            if ((mflags >> e) & 1u) reinterpret_cast<i32*>(bucket_r[e])[0] = gslot_r[e];
+            if ((mflags >> e) & 1u) hs_st32(bucket_r[e], gslot_r[e]);
         }
         hs_cluster_sync();  // B4: repeats may read their slot
 #pragma unroll
         for (i32 e = 0; e < HS_EPT; ++e) {
             if (v_r[e] <= -2 && !((mflags >> e) & 1u) && out_r[e] <= -2) {
-                const i32 s = -reinterpret_cast<const i32*>(bucket_r[e])[0] - 1;
+                const i32 s = -hs_ld32(bucket_r[e]) - 1;
                 const i32 sb = bsd.div(s);
                 out_r[e] = htab[sb] * bs + (s - sb * bs);
             }
         }
     }
-    hs_arrive();  // B5: this block reads no other block's shared memory from here on
+    HS_MARK(9);
+    // B5: after it no block reads another's shared memory, except the fused gather's pair lists
+    // (read between B5 and B6)
+    hs_arrive();
 
     // ---- Outputs, LRU order, counts --------------------------------------------------------
 #pragma unroll
@@ -625,38 +711,82 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
         if (gather_host != nullptr && n_misses) atomicAdd(&stats[3], static_cast<u64>(n_misses) * HS_ROW_BYTES);
     }
 
-    // ---- Fused gather of the leader layer: this block's misses -------------------------------
+    // ---- Fused gather of the leader layer ------------------------------------------------------
+    // Block b copies misses [b * M / C, (b + 1) * M / C) of the cluster (whole rows; misses of one
+    // request often come from a few neighbouring top-k slices, i.e. from one or two blocks, so
+    // copying where they were found would leave the other SMs idle). Their (host row, device
+    // row) pairs are first staged from the finding blocks' lists into this block's gl2.
     if (gather_host != nullptr) {
-        const i32 nb = hs_range_sum(p_miss, static_cast<i32>(rank) * HS_NW, static_cast<i32>(rank + 1) * HS_NW);
-        if (nb > 0) {
-            __syncthreads();  // gl complete
-            const i32 total = nb * HS_VEC;
-#pragma unroll 1
-            for (i32 first = tid; first < total; first += 4 * HS_NT) {
-                uint4 v[4];
-                unsigned char* to[4];
+        hs_wait();  // B5: every block's gl is complete
+        const i32 mb = static_cast<i32>(rank) * n_misses / HS_C;
+        const i32 nb = (static_cast<i32>(rank) + 1) * n_misses / HS_C - mb;
+        i32 mb_lo[HS_C];  // misses found before each block
+        {
+            const i32 a = lane < HS_NP ? p_miss[lane] : 0;
+            const i32 b = lane + 32 < HS_NP ? p_miss[lane + 32] : 0;
+            i32 ia = a, ib = b;
 #pragma unroll
-                for (i32 u = 0; u < 4; ++u) {
-                    const i32 c = first + u * HS_NT;
-                    to[u] = nullptr;
-                    if (c < total) {
-                        const i32 e = c / HS_VEC;
-                        const i32 kk = c - e * HS_VEC;
-                        const int2 pr = gl[e];
-                        if (pr.x < host_rows && pr.y < dev_rows) {
-                            v[u] = hs_load16(gather_host + static_cast<i64>(pr.x) * HS_ROW_BYTES + kk * 16);
-                            const i32 blk = bsd.div(pr.y);
-                            to[u] = gather_dev + blk * gather_stride + static_cast<i64>(pr.y - blk * bs) * HS_ROW_BYTES +
-                                    kk * 16;
-                        }
+            for (i32 d = 1; d < 32; d <<= 1) {
+                const i32 ya = __shfl_up_sync(HS_FULL_MASK, ia, d);
+                const i32 yb = __shfl_up_sync(HS_FULL_MASK, ib, d);
+                if (lane >= d) {
+                    ia += ya;
+                    ib += yb;
+                }
+            }
+            const i32 ta = __shfl_sync(HS_FULL_MASK, ia, 31);
+#pragma unroll
+            for (i32 c = 0; c < HS_C; ++c) {
+                const i32 idx = c * HS_NW;
+                mb_lo[c] = idx < 32 ? __shfl_sync(HS_FULL_MASK, ia - a, idx & 31)
+                                    : ta + __shfl_sync(HS_FULL_MASK, ib - b, idx & 31);
+            }
+        }
+        int2* gl2 = gl + HS_EC;
+#pragma unroll 1
+        for (i32 x = tid; x < nb; x += HS_NT) {
+            const i32 mm = mb + x;
+            i32 owner = 0;
+            i32 lo = mb_lo[0];
+#pragma unroll
+            for (i32 c = 1; c < HS_C; ++c) {
+                if (mb_lo[c] <= mm) {
+                    owner = c;
+                    lo = mb_lo[c];
+                }
+            }
+            gl2[x] = hs_ld64x2(hs_map(hs_saddr(gl + (mm - lo)), static_cast<u32>(owner)));
+        }
+        hs_arrive();  // B6: no shared memory of another block is read after this
+        __syncthreads();  // gl2 complete
+        const i32 total = nb * HS_VEC;
+#pragma unroll 1
+        for (i32 first = tid; first < total; first += 4 * HS_NT) {
+            uint4 v[4];
+            unsigned char* to[4];
+#pragma unroll
+            for (i32 u = 0; u < 4; ++u) {
+                const i32 c = first + u * HS_NT;
+                to[u] = nullptr;
+                if (c < total) {
+                    const i32 e = c / HS_VEC;
+                    const i32 kk = c - e * HS_VEC;
+                    const int2 pr = gl2[e];
+                    if (pr.x < host_rows && pr.y < dev_rows) {
+                        v[u] = hs_load16(gather_host + static_cast<i64>(pr.x) * HS_ROW_BYTES + kk * 16);
+                        const i32 blk = bsd.div(pr.y);
+                        to[u] = gather_dev + blk * gather_stride + static_cast<i64>(pr.y - blk * bs) * HS_ROW_BYTES +
+                                kk * 16;
                     }
                 }
+            }
 #pragma unroll
-                for (i32 u = 0; u < 4; ++u) {
-                    if (to[u] != nullptr) hs_store16(to[u], v[u]);
-                }
+            for (i32 u = 0; u < 4; ++u) {
+                if (to[u] != nullptr) hs_store16(to[u], v[u]);
             }
         }
     }
-    hs_wait();  // B5
+    HS_MARK(10);
+    hs_wait();  // B5, or B6 after a fused gather
+    HS_MARK(11);
 }

@@ -86,9 +86,14 @@ def test_small_geometries_match_reference(seed: int) -> None:
         twin.close()
 
 
-@pytest.mark.parametrize("rows_per_request", [1, 2])
-def test_production_geometry_matches_reference(rows_per_request: int) -> None:
-    """top-k 2048, 4096 hot rows per request (8192 with a speculative row), 656-byte rows, 32K contexts."""
+@pytest.mark.parametrize(("rows_per_request", "row_blocks"), [(1, None), (2, None), (1, "4"), (1, "2"), (1, "1")])
+def test_production_geometry_matches_reference(rows_per_request: int, row_blocks: str | None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """top-k 2048, 4096 hot rows per request (8192 with a speculative row), 656-byte rows, 32K contexts.
+
+    `row_blocks` forces the cluster resolver's blocks per group row (small batches pick 8)."""
+    if row_blocks is not None:
+        monkeypatch.setenv("HISPARSE_RESOLVE_CLUSTER", row_blocks)
     rng = random.Random(100 + rows_per_request)
     cfg = RuntimeConfig(max_batch_rows=6, max_requests=4, top_k=2048, hot_rows=4096 * rows_per_request,
                         block_size=64, max_pages=512, num_layers=2, rows_per_request=rows_per_request)

@@ -129,7 +129,7 @@ class NvidiaRuntime(CacheRuntime):
             fn = LoadedKernels.module(index, arch, sh.build).function("hisparse_resolve")
             fn.allow_dynamic_smem(sh.dynamic_smem)
             self._k_resolvers.append(fn)
-        forced = os.environ.get(ENV_RESOLVE_CLUSTER)
+        forced = os.environ.get(ENV_RESOLVE_CLUSTER) if version == CLUSTER_RESOLVER_VERSION else None
         self._forced_row_blocks = int(forced) if forced else None
         if self._forced_row_blocks is not None:
             pick_cluster_shape(shapes, 1, config.rows_per_request, num_sms, self._forced_row_blocks)  # checks it

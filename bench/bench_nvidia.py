@@ -36,8 +36,7 @@ P, HB = CTX // BS, H // BS
 MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
 V2 = {"HISPARSE_RESOLVER": "2"}  # the previous resolver (one block per request), timed in the same run
-UNFUSED = {"HISPARSE_FUSED_GATHER": "0"}
-RELAXED = {"HISPARSE_RESOLVE_BARRIER": "1"}  # measurement only: what the cluster barriers' ordering costs  # resolver v3 with the gather left to the copy kernel
+UNFUSED = {"HISPARSE_FUSED_GATHER": "0"}  # resolver v3 with the gather left to the copy kernel
 
 
 @dataclass
@@ -286,13 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         ok = info["misses"] == 0 and us <= target
         rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor, f"<= {target} us", sglang,
                         ok, f"misses={info['misses']} cluster={info['shape']['cluster']}", info))
-        for env in (V2, *({"HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 2, 4, 8)), RELAXED):
+        for env in (V2, *({"HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 2, 4, 8))):
             us2, info2 = bench.hits(b, env)
             rows.append(Row(tag(env), b, us2, "graph node floor", floor, "-", "-", None,
                             f"misses={info2['misses']}", info2))
 
     variants = [dict(v.split("=") for v in spec.split(",")) for spec in args.variant]
-    for env in [None, V2, UNFUSED, RELAXED, *variants]:
+    for env in [None, V2, UNFUSED, *variants]:
         name = None if env is None else tag(env)
         us, gus, cus, info = bench.misses(1, MISSES, 32, env)
         rows.append(Row(name or "274 misses, resolve+gather", 1, us, "contiguous pinned copy", cus, "<= 10 us",

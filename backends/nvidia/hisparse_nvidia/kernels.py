@@ -31,9 +31,6 @@ CLUSTER_RESOLVER_VERSION = 3
 CLUSTER_MIN_ARCH = 90
 #: Forces the version-3 resolver's blocks per cluster (1, 2, 4 or 8 per group row) for tuning.
 ENV_RESOLVE_CLUSTER = "HISPARSE_RESOLVE_CLUSTER"
-#: "1" builds the version-3 resolver with relaxed cluster barriers, to measure what the ordering
-#: costs; the memory model does not promise that variant is correct, so never use it in serving.
-ENV_RESOLVE_BARRIER = "HISPARSE_RESOLVE_BARRIER"
 #: Largest portable cluster.
 MAX_CLUSTER = 8
 #: Shared memory the version-2 resolver may take for a load factor of 1/4 (else 1/2).
@@ -85,15 +82,13 @@ class ResolverShape:
     cluster: int = 1
     row_blocks: int = 1
     row_vec: int = 0
-    #: Version 3 cluster barriers: 0 release/acquire; 1 relaxed (measurement only, see resolve3.cu).
-    barrier: int = 0
 
     @property
     def build(self) -> KernelBuild:
         if self.version == 3:
             return KernelBuild.of("resolve3.cu", {"HS_NT": self.threads, "HS_C": self.cluster, "HS_CR": self.row_blocks,
                                                   "HS_EPT": self.entries_per_thread, "HS_CPT": self.lru_per_thread,
-                                                  "HS_VEC": self.row_vec, "HS_BARRIER": self.barrier})
+                                                  "HS_VEC": self.row_vec})
         source = "resolve2.cu" if self.version == 2 else "resolve.cu"
         return KernelBuild.of(source, {"HS_NT": self.threads, "HS_EPT": self.entries_per_thread,
                                        "HS_CPT": self.lru_per_thread, "HS_MULTI": int(self.multi_row)})
@@ -150,9 +145,6 @@ def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
     if rpr > MAX_CLUSTER:
         raise InvalidInputError(f"rows_per_request={rpr} exceeds the {MAX_CLUSTER} blocks of a cluster")
     union = rpr * k
-    barrier = int(os.environ.get(ENV_RESOLVE_BARRIER, "0"))
-    if barrier not in (0, 1):
-        raise InvalidInputError(f"{ENV_RESOLVE_BARRIER}={barrier}: expected 0 or 1")
     shapes = []
     row_blocks = 1
     while rpr * row_blocks <= MAX_CLUSTER:
@@ -170,7 +162,7 @@ def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
             slots = _next_pow2(max(union + 1, -(-4 * union // c)))
         smem = 8 * slots + rest
         shapes.append(ResolverShape(threads, ept, cpt, slots.bit_length() - 1, -(-smem // 16) * 16, rpr > 1, 3, c,
-                                    row_blocks, config.row_format.row_bytes // 16, barrier))
+                                    row_blocks, config.row_format.row_bytes // 16))
         row_blocks *= 2
     return shapes
 

@@ -150,22 +150,9 @@ __device__ __forceinline__ void hs_lower64(u32 a, u64 seen, u64 word) {
     }
 }
 
-// HS_BARRIER 0 (default): release/acquire cluster barriers, which order every block's earlier
-// shared::cluster stores before the others' later reads (the memory model's guarantee; the
-// release costs a GPU-scope memory barrier). 1, for measurement only: a CTA-scope fence and a
-// relaxed arrive, which the PTX memory model does not promise to order remote stores.
-#ifndef HS_BARRIER
-#define HS_BARRIER 0
-#endif
-
 __device__ __forceinline__ void hs_arrive() {
 #if HS_C > 1
-#if HS_BARRIER == 1
-    asm volatile("fence.acq_rel.cta;" ::: "memory");
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#else
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#endif
 #endif
 }
 

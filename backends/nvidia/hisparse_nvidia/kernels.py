@@ -169,10 +169,14 @@ def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
 
 def pick_cluster_shape(shapes: list[ResolverShape], batch_rows: int, rows_per_request: int, num_sms: int,
                        forced_row_blocks: int | None = None) -> ResolverShape:
-    """The shape for a call of `batch_rows` rows: the most blocks per cluster that still gives
-    every group its own multiprocessors (at most one block per SM in all), else the fewest.
-    `forced_row_blocks` (from `HISPARSE_RESOLVE_CLUSTER`) picks the shape with that many blocks
-    per group row instead."""
+    """The shape for a call of `batch_rows` rows: the widest cluster when every group still gets
+    its own multiprocessors, else the narrowest (one block per group row).
+
+    Why not something in between: each cluster barrier costs 1.2-3K cycles (its release is a
+    GPU-scope memory barrier), so a cluster pays off only when it spreads one group's work over
+    several otherwise idle SMs; once the batch fills the GPU, narrower is faster (measured on an
+    H200, docs/gpu-validation.md). `forced_row_blocks` (from `HISPARSE_RESOLVE_CLUSTER`) picks
+    the shape with that many blocks per group row instead."""
     if forced_row_blocks is not None:
         for shape in shapes:
             if shape.row_blocks == forced_row_blocks:
@@ -180,8 +184,7 @@ def pick_cluster_shape(shapes: list[ResolverShape], batch_rows: int, rows_per_re
         raise InvalidInputError(f"{ENV_RESOLVE_CLUSTER}={forced_row_blocks}: expected one of "
                                 f"{[s.row_blocks for s in shapes]}")
     groups = -(-batch_rows // rows_per_request) if rows_per_request > 1 else batch_rows
-    fitting = [s for s in shapes if groups * s.cluster <= num_sms]
-    return fitting[-1] if fitting else shapes[0]
+    return shapes[-1] if groups * shapes[-1].cluster <= num_sms else shapes[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,8 @@ from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
 #: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
 ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
-#: "0" makes the version-3 resolver leave the leader layer's gather to the separate copy kernel.
+#: "0" makes the version-3 resolver leave the leader layer's gather to the separate copy kernel
+#: also for batches that fill the GPU (small batches always use the copy kernel).
 ENV_FUSED_GATHER = "HISPARSE_FUSED_GATHER"
 #: Padding rows (B..Bmax-1) each padding cluster of the version-3 resolver writes.
 _PAD_ROWS_PER_CLUSTER = 4
@@ -269,7 +270,9 @@ class NvidiaRuntime(CacheRuntime):
         out = self._result
         fused = False
         if self._shapes[0].version == CLUSTER_RESOLVER_VERSION:
-            fused = gather and self._fused_gather
+            # The fused gather copies with the cluster's few SMs: a gain when the batch fills the
+            # GPU (narrowest shape), a loss against the many-block copy kernel for small batches.
+            fused = gather and self._fused_gather and self._shape_for(b)[0] == 0
             self._launch_cluster_resolver(inputs, b, fused)
         else:
             self._launch_block_resolver(inputs, b)

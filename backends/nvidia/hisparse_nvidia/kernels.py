@@ -139,7 +139,7 @@ def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
     A cluster holds `rows_per_request * row_blocks` blocks (at most 8), `row_blocks` of them per
     row of a group. Threads per block are chosen so a thread holds about one top-k entry and two
     LRU positions; each block's part of the hash set has room for the whole union, so an insert
-    always finds a bucket whatever the keys' hashes.
+    always finds a bucket whatever the keys' hashes, and every block holds the whole hot map.
     """
     rpr, k, h = config.rows_per_request, config.top_k, config.hot_rows
     if rpr > MAX_CLUSTER:
@@ -153,7 +153,7 @@ def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
         threads = min(1024, cap, max(64, _next_pow2(max(-(-k // row_blocks), -(-h // (2 * c))))))
         ept = -(-k // (row_blocks * threads))
         cpt = -(-h // (c * threads))
-        rest = 8 * cpt * threads + 16 * ept * threads + 16 + 4 * config.hot_blocks
+        rest = 4 * (-(-h // 4) * 4) + 4 * cpt * threads + 16 * ept * threads + 16 + 4 * config.hot_blocks
         if c == 1:
             slots = _next_pow2(4 * union)
             if 8 * slots + rest > _RESOLVE2_SPARSE_HASH_LIMIT:

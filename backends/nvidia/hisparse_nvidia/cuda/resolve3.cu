@@ -10,8 +10,8 @@
 // - Entries: block c holds the union entries of one row of the group (rho = c / HS_CR) and a
 //   1 / HS_CR slice of that row's top-k, so per-row counts are sums over whole blocks and the
 //   union's first-reference order is (block, warp, lane, item) order.
-// - LRU positions: block c holds positions [c * PC, (c + 1) * PC), and the hot map of slots in
-//   the same range (hml), which other blocks read remotely during the walk.
+// - LRU positions: block c walks positions [c * PC, (c + 1) * PC); every block holds the whole
+//   hot map (16 KB at 4096 hot rows, read from L2), so the walk reads what a slot holds locally.
 // - The hash set of the union's host rows is partitioned by key: the top bits of a row's hash
 //   name the block that holds its bucket. Buckets are 64-bit {first-reference j (later
 //   -(slot + 1)), host row}: insert with a remote 64-bit CAS, a repeated key lowers j with a
@@ -37,7 +37,7 @@
 //
 // Dynamic shared memory, in this order (the host computes the same size):
 //   pairs[Tc]  u64 buckets of this block's part of the hash set (Tc = 2^hash_bits)
-//   hml[PC]    i32 hot map of slots [c * PC, (c + 1) * PC)
+//   hmf[H4]    i32 the state row's whole hot map (H4 = H rounded up to 4)
 //   evl[PC]    i32 evictable slots of this block's positions, by evictable rank
 //   gl[EC]     int2 (host row, device row) of the misses this block found, for the fused gather
 //   gl2[EC+2]  int2 the pairs this block copies in the fused gather
@@ -299,8 +299,8 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     extern __shared__ __align__(16) unsigned char hs_smem[];
     const i32 T = 1 << hash_bits;
     u64* pairs = reinterpret_cast<u64*>(hs_smem);
-    i32* hml = reinterpret_cast<i32*>(pairs + T);
-    i32* evl = hml + HS_PC;
+    i32* hmf = reinterpret_cast<i32*>(pairs + T);
+    i32* evl = hmf + ((H + 3) & ~3);
     int2* gl = reinterpret_cast<int2*>(evl + HS_PC);
     i32* htab = reinterpret_cast<i32*>(gl + 2 * HS_EC + 2);
 
@@ -368,7 +368,14 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     for (i32 k = 0; k < HS_CPT; ++k) {
         const i32 pos = pos0 + k;
         slot_r[k] = pos < H ? static_cast<i32>(lru[qH + pos]) : -1;
-        hml[tid * HS_CPT + k] = pos < H ? hot_map[qH + pos] : -1;
+    }
+    if ((H & 3) == 0) {
+        const int4* src = reinterpret_cast<const int4*>(hot_map + qH);
+#pragma unroll 1
+        for (i32 i = tid; i < (H >> 2); i += HS_NT) reinterpret_cast<int4*>(hmf)[i] = src[i];
+    } else {
+#pragma unroll 1
+        for (i32 i = tid; i < H; i += HS_NT) hmf[i] = hot_map[qH + i];
     }
 #pragma unroll 1
     for (i32 i = tid; i < HB; i += HS_NT) htab[i] = hot_table[static_cast<i64>(q) * HB + i];
@@ -468,33 +475,25 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     u32 hflags = 0;
     {
         i32 g_r[HS_CPT];
-        const u32 hml_a = hs_saddr(hml);
 #pragma unroll
-        for (i32 k = 0; k < HS_CPT; ++k) {
-            const i32 s = slot_r[k];
-            g_r[k] = -1;
-            if (s >= 0) {
-                const u32 owner = static_cast<u32>(s / HS_PC);
-                g_r[k] = hs_ld32(hs_map(hml_a + 4 * (s - static_cast<i32>(owner) * HS_PC), owner));
-            }
-        }
+        for (i32 k = 0; k < HS_CPT; ++k) g_r[k] = slot_r[k] >= 0 ? hmf[slot_r[k]] : -1;
         u32 tab_r[HS_CPT];
         u32 h_r[HS_CPT];
-        i32 k0[HS_CPT], k1[HS_CPT];
+        i32 k0[HS_CPT];
 #pragma unroll
         for (i32 k = 0; k < HS_CPT; ++k) {
             const i32 g = g_r[k];
             tab_r[k] = 0;
             h_r[k] = 0;
             k0[k] = -1;
-            k1[k] = -1;
             if (g >= 0) {
                 u32 owner;
                 h_r[k] = hs_bucket(g, shift, owner);
                 tab_r[k] = hs_map(pairs_a, owner);
-                // keys are the high words (+4): stable after B1 while the low words are being marked
+                // keys are the high words (+4): stable after B1 while the low words are being marked.
+                // Each block's part of the set is at most 1/4 full (usually far less), so the first
+                // bucket settles almost every lookup: one remote load.
                 k0[k] = hs_ld32(tab_r[k] + 8 * h_r[k] + 4);
-                k1[k] = hs_ld32(tab_r[k] + 8 * ((h_r[k] + 1) & tmask) + 4);
             }
         }
 #pragma unroll
@@ -504,10 +503,8 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
             if (g >= 0 && k0[k] != -1) {
                 if (k0[k] == g) {
                     hb = static_cast<i32>(h_r[k]);
-                } else if (k1[k] == g) {
-                    hb = static_cast<i32>((h_r[k] + 1) & tmask);
-                } else if (k1[k] != -1) {  // rare: a longer probe sequence
-                    u32 h = (h_r[k] + 2) & tmask;
+                } else {  // a longer probe sequence
+                    u32 h = (h_r[k] + 1) & tmask;
                     i32 key;
                     while ((key = hs_ld32(tab_r[k] + 8 * h + 4)) != -1) {
                         if (key == g) {
@@ -536,7 +533,9 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     const i32 n_hits = hs.total;
     const i32 n_ev = H - n_hits;
     const i32 hit_pre = hs.before + h_excl_w;  // hit positions before pos0
-    {
+    // Every unique host row is held: no victim, no miss plan, no third barrier (uniform).
+    const bool no_miss = n_uniq == n_hits;
+    if (!no_miss) {
         // local evictable rank = local position - local hits before it
         const i32 hits_blk = hs.before - hs_range_sum(p_hit, static_cast<i32>(rank) * HS_NW, me);
         i32 hr = hit_pre - hits_blk;  // hits of this block before pos0
@@ -573,21 +572,23 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     HS_MARK(7);
     const i32 n_miss_t = __popc(mflags);
     const i32 m_excl_w = hs_warp_excl(n_miss_t);
-    hs_publish(p_miss, __reduce_add_sync(HS_FULL_MASK, n_miss_t), rank);
-    hs_publish(p_dup, static_cast<i32>(__any_sync(HS_FULL_MASK, dup_t)), rank);
-    hs_cluster_sync();  // B3
+    if (!no_miss) {
+        hs_publish(p_miss, __reduce_add_sync(HS_FULL_MASK, n_miss_t), rank);
+        hs_publish(p_dup, static_cast<i32>(__any_sync(HS_FULL_MASK, dup_t)), rank);
+        hs_cluster_sync();  // B3
+    }
     HS_MARK(8);
 
     // ---- Victims, hot map, plan, outputs ------------------------------------------------------
-    const HsSums ms = hs_sums(p_miss, me);
+    const HsSums ms = no_miss ? HsSums{0, 0} : hs_sums(p_miss, me);
     const i32 n_misses = ms.total;
-    const i32 row_mbound = hs_range_sum(p_miss, 0, row_lo);       // misses before this group row
-    const i32 row_misses = hs_range_sum(p_miss, row_lo, row_hi);  // misses of this group row
-    const bool any_dup = hs_range_sum(p_dup, 0, HS_NP) != 0;
+    const i32 row_mbound = no_miss ? 0 : hs_range_sum(p_miss, 0, row_lo);   // misses before this group row
+    const i32 row_misses = no_miss ? 0 : hs_range_sum(p_miss, row_lo, row_hi);  // misses of this group row
+    const bool any_dup = !no_miss && hs_range_sum(p_dup, 0, HS_NP) != 0;
     // Evictable slots before each block c (positions before it, clamped to H, minus its hits
     // before it), held by every thread for the victim lookup.
     i32 ev_lo[HS_C];
-    {
+    if (!no_miss) {
         const i32 a = lane < HS_NP ? p_hit[lane] : 0;
         const i32 b = lane + 32 < HS_NP ? p_hit[lane + 32] : 0;
         i32 ia = a, ib = b;
@@ -610,7 +611,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
         }
     }
     i32 m = ms.before + m_excl_w;  // misses before this thread's first entry
-    const i32 blk_miss_before = ms.before - hs_range_sum(p_miss, 0, static_cast<i32>(rank) * HS_NW);
+    const i32 blk_miss_before = no_miss ? 0 : ms.before - hs_range_sum(p_miss, 0, static_cast<i32>(rank) * HS_NW);
     i32 lm = blk_miss_before + m_excl_w;  // this block's misses before this thread's first entry
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
@@ -703,7 +704,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     // request often come from a few neighbouring top-k slices, i.e. from one or two blocks, so
     // copying where they were found would leave the other SMs idle). Their (host row, device
     // row) pairs are first staged from the finding blocks' lists into this block's gl2.
-    if (gather_host != nullptr) {
+    if (gather_host != nullptr && n_misses > 0) {
         hs_wait();  // B5: every block's gl is complete
         const i32 mb = static_cast<i32>(rank) * n_misses / HS_C;
         const i32 nb = (static_cast<i32>(rank) + 1) * n_misses / HS_C - mb;

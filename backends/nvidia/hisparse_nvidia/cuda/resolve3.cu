@@ -318,6 +318,20 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     }
     hs_arrive();  // B0 (its wait comes before the first insert)
 
+    // ---- This block's top-k slice and context length, loaded before the group is known ----------
+    // (in the same round trip as row_state; a row past the group is loaded and then dropped)
+    const i32 rho = static_cast<i32>(rank) / HS_CR;                          // the group row of this block
+    const i32 i0 = (static_cast<i32>(rank) % HS_CR) * HS_EC + tid * HS_EPT;  // first top-k index
+    const i32 row = r + rho;
+    const i64 rbase = static_cast<i64>(row) * K;
+    i32 t_r[HS_EPT];
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 i = i0 + e;
+        t_r[e] = row < B && i < K ? topk[rbase + i] : -1;
+    }
+    const i32 len_any = row < B ? seq_lens[row] : 0;
+
     // ---- Which group does this cluster resolve? (as in versions 1 and 2) ----------------------
     i32 q = -1;
     i32 n = 0;
@@ -346,19 +360,9 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
         return;
     }
 
-    // ---- Loads: top-k of this block's slice, then every per-state load at once ----------------
-    const i32 rho = static_cast<i32>(rank) / HS_CR;          // the group row of this block
-    const i32 i0 = (static_cast<i32>(rank) % HS_CR) * HS_EC + tid * HS_EPT;  // first top-k index
-    const i32 row = r + rho;
+    // ---- Every per-state load at once ------------------------------------------------------
     const bool row_in = rho < n;
-    const i32 len = row_in ? seq_lens[row] : 0;
-    const i64 rbase = static_cast<i64>(row) * K;
-    i32 t_r[HS_EPT];
-#pragma unroll
-    for (i32 e = 0; e < HS_EPT; ++e) {
-        const i32 i = i0 + e;
-        t_r[e] = row_in && i < K ? topk[rbase + i] : -1;
-    }
+    const i32 len = row_in ? len_any : 0;  // entries of rows past the group classify as masked
     const i64 qH = static_cast<i64>(q) * H;
     const i64 qP = static_cast<i64>(q) * P;
     const i32 HB = bsd.div(H);

@@ -104,3 +104,31 @@ def test_resolver_shapes() -> None:
     with pytest.raises(InvalidInputError):
         resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=8, hot_rows=8, block_size=8,
                                      max_pages=1), threads=100)
+
+
+def test_cluster_resolver_shapes_and_choice() -> None:
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_core.geometry import RuntimeConfig
+    from hisparse_nvidia.kernels import cluster_resolver_shapes, pick_cluster_shape
+
+    cfg = RuntimeConfig(max_batch_rows=128, max_requests=128, top_k=2048, hot_rows=4096, block_size=64, max_pages=512)
+    shapes = cluster_resolver_shapes(cfg)
+    assert [(s.cluster, s.threads, s.entries_per_thread, s.lru_per_thread) for s in shapes] == [
+        (1, 1024, 2, 4), (2, 1024, 1, 2), (4, 512, 1, 2), (8, 256, 1, 2)]
+    for s in shapes:
+        assert s.version == 3 and s.build.source == "resolve3.cu"
+        assert (1 << s.hash_bits) > cfg.top_k  # a block's part of the hash set holds the whole union
+        assert s.cluster * s.threads // 32 <= 64  # published per-warp partials: two per lane
+        assert s.dynamic_smem + s.static_smem <= 227 * 1024
+    # the widest cluster while every request gets its own SMs, else one block per request
+    assert [pick_cluster_shape(shapes, b, 1, 132).cluster for b in (1, 16, 17, 64, 128)] == [8, 8, 1, 1, 1]
+    assert pick_cluster_shape(shapes, 64, 1, 132, forced_row_blocks=2).cluster == 2
+    with pytest.raises(InvalidInputError, match="HISPARSE_RESOLVE_CLUSTER=3"):
+        pick_cluster_shape(shapes, 1, 1, 132, forced_row_blocks=3)
+    # speculative rows: a cluster holds rows_per_request * row_blocks blocks
+    mtp = RuntimeConfig(max_batch_rows=64, max_requests=16, top_k=2048, hot_rows=10240, block_size=64,
+                        max_pages=2048, rows_per_request=3)
+    assert [(s.cluster, s.row_blocks) for s in cluster_resolver_shapes(mtp)] == [(3, 1), (6, 2)]
+    with pytest.raises(InvalidInputError, match="rows_per_request=9"):
+        cluster_resolver_shapes(RuntimeConfig(max_batch_rows=9, max_requests=1, top_k=8, hot_rows=72, block_size=8,
+                                              max_pages=2, rows_per_request=9))

@@ -24,6 +24,7 @@ kernels, so they can be captured in a CUDA graph and replayed with new inputs in
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Sequence
 
@@ -46,6 +47,7 @@ from hisparse_nvidia.kernels import (
     CLUSTER_RESOLVER_VERSION,
     ENV_RESOLVE_CLUSTER,
     ENV_RESOLVER,
+    MAX_CLUSTER,
     RESOLVER_VERSION,
     CopyShape,
     FastDiv,
@@ -56,6 +58,8 @@ from hisparse_nvidia.kernels import (
     resolver_shape,
 )
 from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
+
+logger = logging.getLogger(__name__)
 
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
 #: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
@@ -97,7 +101,15 @@ class NvidiaRuntime(CacheRuntime):
         self._device = device
         self._num_sms = num_sms
         env = os.environ.get(ENV_RESOLVER)
-        version = int(env) if env else (CLUSTER_RESOLVER_VERSION if arch >= CLUSTER_MIN_ARCH else RESOLVER_VERSION)
+        if env:
+            version, why = int(env), f"{ENV_RESOLVER}={env}"
+        elif arch < CLUSTER_MIN_ARCH:
+            version, why = RESOLVER_VERSION, f"sm_{arch} has no thread-block clusters"
+        elif config.rows_per_request > MAX_CLUSTER:
+            version, why = RESOLVER_VERSION, (f"rows_per_request={config.rows_per_request} exceeds the "
+                                              f"{MAX_CLUSTER} blocks of a cluster")
+        else:
+            version, why = CLUSTER_RESOLVER_VERSION, f"sm_{arch} has thread-block clusters"
         if version == CLUSTER_RESOLVER_VERSION and arch < CLUSTER_MIN_ARCH:
             raise InvalidInputError(f"{ENV_RESOLVER}=3 needs thread-block clusters (sm_90 or newer); this GPU is "
                                     f"sm_{arch}")
@@ -135,6 +147,10 @@ class NvidiaRuntime(CacheRuntime):
         if self._forced_row_blocks is not None:
             pick_cluster_shape(shapes, 1, config.rows_per_request, num_sms, self._forced_row_blocks)  # checks it
         self._fused_gather = version == CLUSTER_RESOLVER_VERSION and os.environ.get(ENV_FUSED_GATHER, "1") != "0"
+        logger.info("nvidia runtime: resolver v%d (%s); blocks per cluster %s, threads per block %s, shared memory "
+                    "%s bytes; leader-layer gather %s", version, why, [sh.cluster for sh in shapes],
+                    [sh.threads for sh in shapes], [sh.dynamic_smem + sh.static_smem for sh in shapes],
+                    "fused into the one-block resolver" if self._fused_gather else "by the copy kernel")
         self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
         copy_mod = LoadedKernels.module(index, arch, self._copy_shape.build)
         maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)

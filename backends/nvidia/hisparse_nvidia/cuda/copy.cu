@@ -148,3 +148,88 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_copy_rows(
     HsListPair pair{pairs};
     hs_copy_rows(n, pair, src, dst, bs);
 }
+
+// ---- Bulk-copy gather (HS_BULK builds): whole rows through the Tensor Memory Accelerator ----------
+// Lane 0 of each warp moves HS_BULK_ROWS plan rows a round: 1-D bulk copies from the host rows into
+// the warp's shared-memory buffer (completion counted in bytes on the warp's mbarrier), then bulk
+// copies from there to the device rows. Rows are 16-byte multiples at 16-byte aligned addresses, as
+// bulk copies require. Same arguments and grid as hisparse_gather_plan.
+#define HS_GNW (HS_GNT / 32)
+// Rows in flight per warp: 4 while the buffers stay within 40 KB of static shared memory.
+#define HS_BULK_ROWS \
+    (HS_GNW * HS_ROW_BYTES * 4 <= 40960 ? 4 : (HS_GNW * HS_ROW_BYTES * 2 <= 40960 ? 2 : 1))
+
+__device__ __forceinline__ u32 hs_smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan_bulk(
+    const i32* __restrict__ plan_host, const i32* __restrict__ plan_device, const i32* __restrict__ plan_counts,
+    i32 K, const i64* __restrict__ host_bases, const i64* __restrict__ dev_bases,
+    const i64* __restrict__ dev_block_strides, i32 layer_begin, i32 bs, i64 host_rows, i64 dev_rows,
+    u64* __restrict__ stats) {
+    __shared__ __align__(128) unsigned char buf[HS_GNW][HS_BULK_ROWS][HS_ROW_BYTES];
+    __shared__ __align__(8) u64 bar[HS_GNW];
+    const i32 r = blockIdx.y;
+    const i32 layer = layer_begin + blockIdx.z;
+    const i32 warp = threadIdx.x >> 5;
+    const i32 lane = threadIdx.x & 31;
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const i32 n = min(plan_counts[r], K);
+    if (n <= 0) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
+    }
+    if (lane != 0) return;
+    const HsRows src = hs_rows(HS_KIND_HOST, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    const HsRows dst = hs_rows(HS_KIND_DEVICE, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    const i32* ph = plan_host + static_cast<i64>(r) * K;
+    const i32* pd = plan_device + static_cast<i64>(r) * K;
+    const u32 mbar = hs_smem_u32(&bar[warp]);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const i32 stride = gridDim.x * HS_GNW * HS_BULK_ROWS;
+    u32 parity = 0;
+#pragma unroll 1
+    for (i32 base = (blockIdx.x * HS_GNW + warp) * HS_BULK_ROWS; base < n; base += stride) {
+        unsigned char* to[HS_BULK_ROWS];
+        u32 bytes = 0;
+#pragma unroll
+        for (i32 u = 0; u < HS_BULK_ROWS; ++u) {
+            to[u] = nullptr;
+            const i32 e = base + u;
+            if (e < n) {
+                const i32 s = ph[e];
+                const i32 d = pd[e];
+                if (s >= 0 && s < src.limit && d >= 0 && d < dst.limit) {
+                    to[u] = dst.at(d, bs);
+                    bytes += HS_ROW_BYTES;
+                    asm volatile(
+                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                            hs_smem_u32(&buf[warp][u][0])),
+                        "l"(src.at(s, bs)), "r"(HS_ROW_BYTES), "r"(mbar)
+                        : "memory");
+                }
+            }
+        }
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
+        u32 done = 0;
+        while (!done) {
+            asm volatile(
+                "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                : "=r"(done)
+                : "r"(mbar), "r"(parity)
+                : "memory");
+        }
+        parity ^= 1u;
+#pragma unroll
+        for (i32 u = 0; u < HS_BULK_ROWS; ++u) {
+            if (to[u] != nullptr) {
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(to[u]),
+                             "r"(hs_smem_u32(&buf[warp][u][0])), "r"(HS_ROW_BYTES)
+                             : "memory");
+            }
+        }
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the buffer may be refilled
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // every store has landed
+}

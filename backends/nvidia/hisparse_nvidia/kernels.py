@@ -40,8 +40,6 @@ _RESOLVE2_SPARSE_HASH_LIMIT = 160 * 1024
 ENV_COPY_THREADS = "HISPARSE_COPY_THREADS"
 ENV_COPY_UNROLL = "HISPARSE_COPY_UNROLL"
 ENV_COPY_LOAD = "HISPARSE_COPY_LOAD"
-#: "1" gathers plan rows with bulk copies (the Tensor Memory Accelerator) instead of 16-byte loads.
-ENV_COPY_BULK = "HISPARSE_COPY_BULK"
 COPY_THREADS = 256
 COPY_UNROLL = 4
 COPY_LOAD = 0
@@ -197,25 +195,17 @@ class CopyShape:
     threads: int = COPY_THREADS
     unroll: int = COPY_UNROLL
     load: int = COPY_LOAD
-    #: 1: the plan gather uses `hisparse_gather_plan_bulk` (bulk copies) instead of 16-byte loads.
-    bulk: int = 0
 
     @classmethod
     def from_env(cls, row_bytes: int) -> CopyShape:
         return cls(row_bytes, int(os.environ.get(ENV_COPY_THREADS, COPY_THREADS)),
-                   int(os.environ.get(ENV_COPY_UNROLL, COPY_UNROLL)), int(os.environ.get(ENV_COPY_LOAD, COPY_LOAD)),
-                   int(os.environ.get(ENV_COPY_BULK, "0")))
-
-    @property
-    def gather_kernel(self) -> str:
-        return "hisparse_gather_plan_bulk" if self.bulk else "hisparse_gather_plan"
+                   int(os.environ.get(ENV_COPY_UNROLL, COPY_UNROLL)), int(os.environ.get(ENV_COPY_LOAD, COPY_LOAD)))
 
     @property
     def build(self) -> KernelBuild:
         if self.row_bytes % 16:
             raise InvalidInputError(f"row_bytes={self.row_bytes} must be a multiple of 16")
-        if self.threads not in (128, 256, 512, 1024) or self.unroll not in (1, 2, 4, 8) or self.load not in range(4) \
-                or self.bulk not in (0, 1):
+        if self.threads not in (128, 256, 512, 1024) or self.unroll not in (1, 2, 4, 8) or self.load not in range(4):
             raise InvalidInputError(f"unsupported copy kernel shape {self}")
         return KernelBuild.of("copy.cu", {"HS_VEC": self.row_bytes // 16, "HS_GNT": self.threads,
                                           "HS_UNROLL": self.unroll, "HS_LOAD": self.load})

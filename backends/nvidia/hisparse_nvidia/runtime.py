@@ -154,7 +154,7 @@ class NvidiaRuntime(CacheRuntime):
         self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
         copy_mod = LoadedKernels.module(index, arch, self._copy_shape.build)
         maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)
-        self._k_gather = copy_mod.function(self._copy_shape.gather_kernel)
+        self._k_gather = copy_mod.function("hisparse_gather_plan")
         self._k_copy = copy_mod.function("hisparse_copy_rows")
         self._k_inval_written = maint_mod.function("hisparse_invalidate_written")
         self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
@@ -406,7 +406,7 @@ class NvidiaRuntime(CacheRuntime):
         return {"version": s.version, "cluster": s.cluster, "threads": s.threads,
                 "entries_per_thread": s.entries_per_thread, "lru_per_thread": s.lru_per_thread,
                 "dynamic_smem": s.dynamic_smem, "overlap_launch": self._overlap, "fused_gather": self._fused_gather,
-                "copy_threads": c.threads, "copy_unroll": c.unroll, "copy_load": c.load, "copy_bulk": c.bulk}
+                "copy_threads": c.threads, "copy_unroll": c.unroll, "copy_load": c.load}
 
     # ----------------------------------------------------------------- page and row copies
 

@@ -92,14 +92,13 @@ def test_resolver_shapes() -> None:
     from hisparse_nvidia.kernels import resolver_shape
 
     cfg = RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=2048, hot_rows=4096, block_size=64, max_pages=512)
-    for version, bits in ((1, 12), (2, 13)):
-        prod = resolver_shape(cfg, version=version)
-        assert prod.version == version
-        assert (prod.threads, prod.entries_per_thread, prod.lru_per_thread, prod.hash_bits) == (1024, 2, 4, bits)
-        assert prod.dynamic_smem <= 100 * 1024  # one block per SM with room to spare on Hopper (227 KB)
+    prod = resolver_shape(cfg)
+    assert prod.version == 2 and prod.build.source == "resolve2.cu"
+    assert (prod.threads, prod.entries_per_thread, prod.lru_per_thread, prod.hash_bits) == (1024, 2, 4, 13)
+    assert prod.dynamic_smem <= 100 * 1024  # one block per SM with room to spare on Hopper (227 KB)
     mtp = RuntimeConfig(max_batch_rows=64, max_requests=16, top_k=2048, hot_rows=10240, block_size=64,
                         max_pages=2048, rows_per_request=4)
-    big = resolver_shape(mtp, version=2)
+    big = resolver_shape(mtp)
     assert big.dynamic_smem + big.static_smem <= 227 * 1024 and big.hash_bits == 14
     with pytest.raises(InvalidInputError):
         resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=8, hot_rows=8, block_size=8,

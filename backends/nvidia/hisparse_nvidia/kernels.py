@@ -19,11 +19,11 @@ from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RuntimeConfig
 
 from hisparse_nvidia.compiler import KernelBuild, compile_kernel
 
-#: Override of the resolver's threads per block (a power of two in [128, 1024]) for tuning.
+#: Override of the version-2 resolver's threads per block (a power of two in [128, 1024]) for tuning.
 ENV_RESOLVE_THREADS = "HISPARSE_RESOLVE_THREADS"
 #: Resolver version: 3 (resolve3.cu, one thread-block cluster per request; the default on sm_90
-#: and newer), 2 (resolve2.cu, one block per request; the default before Hopper, which has no
-#: clusters) or 1 (resolve.cu, the first kernel, kept as the benchmark's baseline).
+#: and newer) or 2 (resolve2.cu, one block per request; the default before Hopper, which has no
+#: clusters, and the benchmark's baseline).
 ENV_RESOLVER = "HISPARSE_RESOLVER"
 RESOLVER_VERSION = 2
 CLUSTER_RESOLVER_VERSION = 3
@@ -89,27 +89,22 @@ class ResolverShape:
             return KernelBuild.of("resolve3.cu", {"HS_NT": self.threads, "HS_C": self.cluster, "HS_CR": self.row_blocks,
                                                   "HS_EPT": self.entries_per_thread, "HS_CPT": self.lru_per_thread,
                                                   "HS_VEC": self.row_vec})
-        source = "resolve2.cu" if self.version == 2 else "resolve.cu"
-        return KernelBuild.of(source, {"HS_NT": self.threads, "HS_EPT": self.entries_per_thread,
+        return KernelBuild.of("resolve2.cu", {"HS_NT": self.threads, "HS_EPT": self.entries_per_thread,
                                        "HS_CPT": self.lru_per_thread, "HS_MULTI": int(self.multi_row)})
 
     @property
     def static_smem(self) -> int:
         if self.version == 3:  # per-warp partials of every block: int4 + three i32 arrays
             return 28 * self.cluster * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK
-        if self.version == 2:  # five per-warp counter arrays
-            return 4 * 5 * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK
-        slots = max(self.entries_per_thread, self.lru_per_thread) * (self.threads // 32)
-        return 4 * slots + _RESOLVE_STATIC_SMEM_SLACK
+        return 4 * 5 * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK  # five per-warp counter arrays
 
 
 def resolver_shape(config: RuntimeConfig, threads: int | None = None, version: int | None = None) -> ResolverShape:
-    """Threads, per-thread work and shared memory of the resolver for `config`."""
+    """Threads, per-thread work and shared memory of the one-block resolver (version 2) for `config`."""
     if version is None:
-        env = os.environ.get(ENV_RESOLVER)
-        version = int(env) if env else RESOLVER_VERSION
-    if version not in (1, 2):
-        raise InvalidInputError(f"resolver version must be 1 or 2, got {version}")
+        version = RESOLVER_VERSION
+    if version != 2:
+        raise InvalidInputError(f"resolver_shape describes version 2, got {version}")
     union = config.rows_per_request * config.top_k
     h = config.hot_rows
     if threads is None:
@@ -117,20 +112,14 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, version: i
         threads = int(env) if env else min(1024, max(128, _next_pow2(-(-max(union, h) // 4))))
     if threads not in (128, 256, 512, 1024):
         raise InvalidInputError(f"resolver threads per block must be 128, 256, 512 or 1024, got {threads}")
-    if version == 2:
-        # pairs (8 bytes a bucket), hm, order (padded to 4 bytes), htab, two per-row bounds.
-        rest = 4 * h + 2 * (h + (h & 1)) + 4 * (config.hot_blocks + 2 * (config.rows_per_request + 1))
-        hash_slots = max(4, _next_pow2(4 * union))
-        if 8 * hash_slots + rest > _RESOLVE2_SPARSE_HASH_LIMIT:
-            hash_slots = max(4, _next_pow2(2 * union))
-        smem = 8 * hash_slots + rest
-        return ResolverShape(threads, -(-union // threads), -(-h // threads), hash_slots.bit_length() - 1,
-                             -(-smem // 16) * 16, config.rows_per_request > 1, 2)
-    hash_slots = max(2, _next_pow2(2 * union))
-    # keys, vals, ent, held/order, slots (padded to 4 bytes), htab, three per-row counters.
-    smem = 4 * (2 * hash_slots + union + h) + 2 * (h + (h & 1)) + 4 * (config.hot_blocks + 3 * config.rows_per_request)
+    # pairs (8 bytes a bucket), hm, order (padded to 4 bytes), htab, two per-row bounds.
+    rest = 4 * h + 2 * (h + (h & 1)) + 4 * (config.hot_blocks + 2 * (config.rows_per_request + 1))
+    hash_slots = max(4, _next_pow2(4 * union))
+    if 8 * hash_slots + rest > _RESOLVE2_SPARSE_HASH_LIMIT:
+        hash_slots = max(4, _next_pow2(2 * union))
+    smem = 8 * hash_slots + rest
     return ResolverShape(threads, -(-union // threads), -(-h // threads), hash_slots.bit_length() - 1,
-                         -(-smem // 16) * 16, config.rows_per_request > 1, 1)
+                         -(-smem // 16) * 16, config.rows_per_request > 1, 2)
 
 
 def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
@@ -231,8 +220,8 @@ def all_builds_for_ci() -> list[KernelBuild]:
                          max_pages=512)
     mtp = RuntimeConfig(max_batch_rows=64, max_requests=16, top_k=2048, hot_rows=10240, block_size=64,
                         max_pages=2048, rows_per_request=4)
-    builds = {resolver_shape(c, version=v).build for c in (small, prod, mtp) for v in (1, 2)}
-    builds |= {resolver_shape(prod, t, version=v).build for t in (256, 512) for v in (1, 2)}
+    builds = {resolver_shape(c).build for c in (small, prod, mtp)}
+    builds |= {resolver_shape(prod, t).build for t in (256, 512)}
     builds |= {s.build for c in (small, prod, mtp) for s in cluster_resolver_shapes(c)}
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}

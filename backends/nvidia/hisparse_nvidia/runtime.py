@@ -110,11 +110,13 @@ class NvidiaRuntime(CacheRuntime):
                                               f"{MAX_CLUSTER} blocks of a cluster")
         else:
             version, why = CLUSTER_RESOLVER_VERSION, f"sm_{arch} has thread-block clusters"
+        if version not in (RESOLVER_VERSION, CLUSTER_RESOLVER_VERSION):
+            raise InvalidInputError(f"{ENV_RESOLVER}={env}: expected 2 or 3")
         if version == CLUSTER_RESOLVER_VERSION and arch < CLUSTER_MIN_ARCH:
             raise InvalidInputError(f"{ENV_RESOLVER}=3 needs thread-block clusters (sm_90 or newer); this GPU is "
                                     f"sm_{arch}")
         shapes = cluster_resolver_shapes(config) if version == CLUSTER_RESOLVER_VERSION else \
-            [resolver_shape(config, version=version)]
+            [resolver_shape(config)]
         for shape in shapes:
             if shape.dynamic_smem + shape.static_smem > max_smem_per_block:
                 raise InvalidInputError(
@@ -344,9 +346,8 @@ class NvidiaRuntime(CacheRuntime):
     def resolver_phase_cycles(self, inputs: ResolveInputs, *, gather: bool = False) -> list[int]:
         """Diagnostics: one resolve whose first block records `clock64()` at its phase boundaries.
 
-        Versions 1 and 2 return the cycles since kernel start at: shared-memory init, hashing the
-        union, the LRU walk's scan, the LRU compaction, the miss ranking, victim assignment, and
-        the end. Version 3 returns them at: loads done, B0 (buckets empty), inserts done, B1, walk
+        Version 2 returns the cycles since kernel start at its barriers 1 (loads), 2 (hash), 3
+        (walk), 4 (pack, flag misses), the row split, assignment and LRU, and the end. Version 3 returns them at: loads done, B0 (buckets empty), inserts done, B1, walk
         done, B2, misses flagged, B3, victims assigned, fused gather done, end. -1 marks phases the
         call skipped (e.g. on the resident fast path). The call is a real resolve (state changes
         as usual); it synchronizes, so never use it on the decode path.

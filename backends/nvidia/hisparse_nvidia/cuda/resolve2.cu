@@ -1,8 +1,9 @@
 // The fused resolver, version 2 (docs/resolver-contract.md): one thread block per batch row; the
 // block of a group's first row resolves the whole group (the speculative rows of one request) as
-// one union. Same arguments and results as resolve.cu (version 1, kept for comparison).
+// one union. The default before Hopper; resolve3.cu splits a request over a cluster.
 //
-// What changed against version 1, and why (docs/gpu-validation.md has the measurements):
+// What changed against version 1 (the first kernel, removed since; docs/gpu-validation.md has the
+// measurements):
 // - Two dependent global round trips instead of four: (row_state, top-k, seq_lens) then every
 //   per-state load at once (LRU order, the hot map in *slot* order into shared memory, the
 //   hot_table row, the page tables). The walk then reads what a slot holds from shared memory.
@@ -125,27 +126,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         }
     }
 
-    // ---- Which rows does this block write? (as in version 1) ---------------------------------
-    i32 q = -1;
-    i32 n = 0;
-    if (r < B) {
-        const i32 state = row_state[r];
-        const i32 before = r > 0 ? row_state[r - 1] : -1;
-        if (state >= 0) {
-            i32 back = 0;
-            if (before == state) {
-                back = 1;
-                while (back < rpr && r - back - 1 >= 0 && row_state[r - back - 1] == state) ++back;
-            }
-            if (back == 0) {
-                q = state;
-                n = 1;
-                while (n < rpr && r + n < B && row_state[r + n] == state) ++n;
-            } else if (back < rpr) {
-                return;
-            }
-        }
-    }
+    // ---- Which rows does this block write? --------------------------------------------------
+    i32 q;
+    const i32 n = hs_group_at(row_state, r, B, rpr, q);
+    if (n < 0) return;  // written by the block of the group's first row
     if (q < 0) {
         const i64 base = static_cast<i64>(r) * K;
 #pragma unroll 1

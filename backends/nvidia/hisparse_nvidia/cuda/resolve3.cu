@@ -1,8 +1,8 @@
 // The fused resolver, version 3 (docs/resolver-contract.md): one thread-block *cluster* per
-// request (Hopper, sm_90). Same arguments and results as versions 1 and 2, plus an optional fused
-// gather of the leader layer.
+// request (Hopper, sm_90). Same results as version 2 (resolve2.cu), plus an optional fused gather
+// of the leader layer.
 //
-// Why a cluster: versions 1 and 2 give a request one block (one SM), which then issues every
+// Why a cluster: versions 1 and 2 gave a request one block (one SM), which then issues every
 // instruction of 2048 entries and 4096 LRU positions alone; measured, the SM is bound by
 // instructions issued (docs/gpu-validation.md). Here the request's work is split over HS_C blocks
 // on HS_C SMs, which share the state through distributed shared memory (DSMEM):
@@ -198,6 +198,45 @@ __device__ __forceinline__ HsSums hs_sums(const i32* parts, i32 me) {
     return s;
 }
 
+// out[c] = parts[0] + ... + parts[c * HS_NW - 1]: what the blocks before block c published.
+// Warp-uniform.
+__device__ __forceinline__ void hs_block_prefixes(const i32* parts, i32 (&out)[HS_C]) {
+    const i32 lane = threadIdx.x & 31;
+    const i32 a = lane < HS_NP ? parts[lane] : 0;
+    const i32 b = lane + 32 < HS_NP ? parts[lane + 32] : 0;
+    i32 ia = a, ib = b;
+#pragma unroll
+    for (i32 d = 1; d < 32; d <<= 1) {
+        const i32 ya = __shfl_up_sync(HS_FULL_MASK, ia, d);
+        const i32 yb = __shfl_up_sync(HS_FULL_MASK, ib, d);
+        if (lane >= d) {
+            ia += ya;
+            ib += yb;
+        }
+    }
+    const i32 ta = __shfl_sync(HS_FULL_MASK, ia, 31);
+#pragma unroll
+    for (i32 c = 0; c < HS_C; ++c) {
+        const i32 idx = c * HS_NW;
+        out[c] = idx < 32 ? __shfl_sync(HS_FULL_MASK, ia - a, idx & 31) : ta + __shfl_sync(HS_FULL_MASK, ib - b, idx & 31);
+    }
+}
+
+// The block holding item x of a list laid out block after block, block c's part starting at
+// first[c] (non-decreasing): the last block whose part starts at or before x. Sets `start`.
+__device__ __forceinline__ u32 hs_holder(const i32 (&first)[HS_C], i32 x, i32& start) {
+    u32 b = 0;
+    start = first[0];
+#pragma unroll
+    for (i32 c = 1; c < HS_C; ++c) {
+        if (first[c] <= x) {
+            b = static_cast<u32>(c);
+            start = first[c];
+        }
+    }
+    return b;
+}
+
 // Exclusive in-warp prefix of x (uniform call).
 __device__ __forceinline__ i32 hs_warp_excl(i32 x) {
     const i32 lane = threadIdx.x & 31;
@@ -278,7 +317,6 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     const u32 rank = hs_rank();
     const i32 r = blockIdx.x / HS_C;  // the cluster's batch row
     const i32 tid = threadIdx.x;
-    const i32 lane = tid & 31;
     const i32 warp = tid >> 5;
     const i32 K = Kd.d;
     const i32 bs = bsd.d;
@@ -332,27 +370,12 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     }
     const i32 len_any = row < B ? seq_lens[row] : 0;
 
-    // ---- Which group does this cluster resolve? (as in versions 1 and 2) ----------------------
-    i32 q = -1;
-    i32 n = 0;
-    {
-        const i32 state = row_state[r];
-        const i32 before = r > 0 ? row_state[r - 1] : -1;
-        if (state >= 0) {
-            i32 back = 0;
-            if (before == state) {
-                back = 1;
-                while (back < rpr && r - back - 1 >= 0 && row_state[r - back - 1] == state) ++back;
-            }
-            if (back == 0) {
-                q = state;
-                n = 1;
-                while (n < rpr && r + n < B && row_state[r + n] == state) ++n;
-            } else if (back < rpr) {
-                hs_wait();  // B0: no block leaves while another may still be starting
-                return;
-            }
-        }
+    // ---- Which group does this cluster resolve? ------------------------------------------------
+    i32 q;
+    const i32 n = hs_group_at(row_state, r, B, rpr, q);
+    if (n < 0) {  // written by the cluster of the group's first row
+        hs_wait();  // B0: no block leaves while another may still be starting
+        return;
     }
     if (q < 0) {
         hs_pad_row(r, K, rank, out_rows, out_valid, plan_host, plan_device, plan_counts);
@@ -593,26 +616,9 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
     // before it), held by every thread for the victim lookup.
     i32 ev_lo[HS_C];
     if (!no_miss) {
-        const i32 a = lane < HS_NP ? p_hit[lane] : 0;
-        const i32 b = lane + 32 < HS_NP ? p_hit[lane + 32] : 0;
-        i32 ia = a, ib = b;
+        hs_block_prefixes(p_hit, ev_lo);  // hits before each block
 #pragma unroll
-        for (i32 d = 1; d < 32; d <<= 1) {
-            const i32 ya = __shfl_up_sync(HS_FULL_MASK, ia, d);
-            const i32 yb = __shfl_up_sync(HS_FULL_MASK, ib, d);
-            if (lane >= d) {
-                ia += ya;
-                ib += yb;
-            }
-        }
-        const i32 ta = __shfl_sync(HS_FULL_MASK, ia, 31);
-#pragma unroll
-        for (i32 c = 0; c < HS_C; ++c) {
-            const i32 idx = c * HS_NW;  // exclusive prefix of the partials at idx
-            const i32 before = idx < 32 ? __shfl_sync(HS_FULL_MASK, ia - a, idx & 31)
-                                        : ta + __shfl_sync(HS_FULL_MASK, ib - b, idx & 31);
-            ev_lo[c] = min(c * HS_PC, H) - before;
-        }
+        for (i32 c = 0; c < HS_C; ++c) ev_lo[c] = min(c * HS_PC, H) - ev_lo[c];
     }
     i32 m = ms.before + m_excl_w;  // misses before this thread's first entry
     const i32 blk_miss_before = no_miss ? 0 : ms.before - hs_range_sum(p_miss, 0, static_cast<i32>(rank) * HS_NW);
@@ -620,17 +626,9 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         if ((mflags >> e) & 1u) {
-            // E[m] is in the last block whose first evictable rank is <= m
-            i32 b = 0;
-            i32 lo = ev_lo[0];
-#pragma unroll
-            for (i32 c = 1; c < HS_C; ++c) {
-                if (ev_lo[c] <= m) {
-                    b = c;
-                    lo = ev_lo[c];
-                }
-            }
-            const i32 s = hs_ld32(hs_map(hs_saddr(evl + (m - lo)), static_cast<u32>(b)));
+            i32 lo;
+            const u32 b = hs_holder(ev_lo, m, lo);  // the block holding E[m]
+            const i32 s = hs_ld32(hs_map(hs_saddr(evl + (m - lo)), b));
             const i32 g = -2 - v_r[e];
             hot_map[qH + s] = g;
             const i32 sb = bsd.div(s);
@@ -713,41 +711,14 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT) hisparse_resolve(
         const i32 mb = static_cast<i32>(rank) * n_misses / HS_C;
         const i32 nb = (static_cast<i32>(rank) + 1) * n_misses / HS_C - mb;
         i32 mb_lo[HS_C];  // misses found before each block
-        {
-            const i32 a = lane < HS_NP ? p_miss[lane] : 0;
-            const i32 b = lane + 32 < HS_NP ? p_miss[lane + 32] : 0;
-            i32 ia = a, ib = b;
-#pragma unroll
-            for (i32 d = 1; d < 32; d <<= 1) {
-                const i32 ya = __shfl_up_sync(HS_FULL_MASK, ia, d);
-                const i32 yb = __shfl_up_sync(HS_FULL_MASK, ib, d);
-                if (lane >= d) {
-                    ia += ya;
-                    ib += yb;
-                }
-            }
-            const i32 ta = __shfl_sync(HS_FULL_MASK, ia, 31);
-#pragma unroll
-            for (i32 c = 0; c < HS_C; ++c) {
-                const i32 idx = c * HS_NW;
-                mb_lo[c] = idx < 32 ? __shfl_sync(HS_FULL_MASK, ia - a, idx & 31)
-                                    : ta + __shfl_sync(HS_FULL_MASK, ib - b, idx & 31);
-            }
-        }
+        hs_block_prefixes(p_miss, mb_lo);
         int2* gl2 = gl + HS_EC;
 #pragma unroll 1
         for (i32 x = tid; x < nb; x += HS_NT) {
             const i32 mm = mb + x;
-            i32 owner = 0;
-            i32 lo = mb_lo[0];
-#pragma unroll
-            for (i32 c = 1; c < HS_C; ++c) {
-                if (mb_lo[c] <= mm) {
-                    owner = c;
-                    lo = mb_lo[c];
-                }
-            }
-            gl2[x] = hs_ld64x2(hs_map(hs_saddr(gl + (mm - lo)), static_cast<u32>(owner)));
+            i32 lo;
+            const u32 owner = hs_holder(mb_lo, mm, lo);  // the block that found miss mm
+            gl2[x] = hs_ld64x2(hs_map(hs_saddr(gl + (mm - lo)), owner));
         }
         hs_arrive();  // B6: no shared memory of another block is read after this
         __syncthreads();  // gl2 complete

@@ -41,12 +41,12 @@ from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 from hisparse_nvidia import driver
 from hisparse_nvidia.host_pool import device_address_of_host
 from hisparse_nvidia.kernels import (
-    MAINTAIN_BUILD,
-    MAINTAIN_THREADS,
     CLUSTER_MIN_ARCH,
     CLUSTER_RESOLVER_VERSION,
     ENV_RESOLVE_CLUSTER,
     ENV_RESOLVER,
+    MAINTAIN_BUILD,
+    MAINTAIN_THREADS,
     MAX_CLUSTER,
     RESOLVER_VERSION,
     CopyShape,
@@ -82,6 +82,13 @@ def _i64(v: int) -> ctypes.c_int64:
     return ctypes.c_int64(int(v))
 
 
+def _env_int(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidInputError(f"{name}={value!r}: expected an integer") from None
+
+
 def _ptr(t: torch.Tensor | int) -> ctypes.c_void_p:
     return ctypes.c_void_p(t if isinstance(t, int) else t.data_ptr())
 
@@ -102,7 +109,7 @@ class NvidiaRuntime(CacheRuntime):
         self._num_sms = num_sms
         env = os.environ.get(ENV_RESOLVER)
         if env:
-            version, why = int(env), f"{ENV_RESOLVER}={env}"
+            version, why = _env_int(ENV_RESOLVER, env), f"{ENV_RESOLVER}={env}"
         elif arch < CLUSTER_MIN_ARCH:
             version, why = RESOLVER_VERSION, f"sm_{arch} has no thread-block clusters"
         elif config.rows_per_request > MAX_CLUSTER:
@@ -145,7 +152,7 @@ class NvidiaRuntime(CacheRuntime):
             fn.allow_dynamic_smem(sh.dynamic_smem)
             self._k_resolvers.append(fn)
         forced = os.environ.get(ENV_RESOLVE_CLUSTER) if version == CLUSTER_RESOLVER_VERSION else None
-        self._forced_row_blocks = int(forced) if forced else None
+        self._forced_row_blocks = _env_int(ENV_RESOLVE_CLUSTER, forced) if forced else None
         if self._forced_row_blocks is not None:
             pick_cluster_shape(shapes, 1, config.rows_per_request, num_sms, self._forced_row_blocks)  # checks it
         self._fused_gather = version == CLUSTER_RESOLVER_VERSION and os.environ.get(ENV_FUSED_GATHER, "1") != "0"
@@ -347,9 +354,10 @@ class NvidiaRuntime(CacheRuntime):
         """Diagnostics: one resolve whose first block records `clock64()` at its phase boundaries.
 
         Version 2 returns the cycles since kernel start at its barriers 1 (loads), 2 (hash), 3
-        (walk), 4 (pack, flag misses), the row split, assignment and LRU, and the end. Version 3 returns them at: loads done, B0 (buckets empty), inserts done, B1, walk
-        done, B2, misses flagged, B3, victims assigned, fused gather done, end. -1 marks phases the
-        call skipped (e.g. on the resident fast path). The call is a real resolve (state changes
+        (walk), 4 (pack, flag misses), the row split, assignment and LRU, and the end. Version 3
+        returns them at: loads done, B0 (buckets empty), inserts done, B1, walk done, B2, misses
+        flagged, B3, victims assigned, fused gather done, end. -1 marks phases the call skipped
+        (e.g. on the resident fast path). The call is a real resolve (state changes
         as usual); it synchronizes, so never use it on the decode path.
         """
         prof = torch.full((12,), -1, dtype=torch.int64, device=self._device)

@@ -20,12 +20,15 @@
 //   block's shared memory before a cluster barrier, so after it each warp reads its prefixes and
 //   the totals locally, without a block barrier of its own.
 //
-// Phases and cluster barriers (single-row groups, no repeated miss):
-//   init buckets, arrive | loads, classify | wait | insert, publish | B1 | (no host entry: write,
-//   exit) walk: mark hit buckets, publish | B2 | evictable ranks, flag misses, publish | B3 |
-//   victims (remote read of the evictable list), hot map, plan, outputs, arrive | LRU stores,
-//   fused gather | wait, exit.
-// A group where some row repeats a miss adds one barrier before the repeats read its slot.
+// Phases and cluster barriers (B0 is split: arrive after emptying the buckets, wait before the
+// first insert):
+//   loads, classify | B0 | insert, publish | B1 | (no host entry: write outputs, exit)
+//   walk: mark hit buckets, publish | B2 | (every unique row held: outputs of hits, skip to B5)
+//   evictable ranks, flag misses, publish | B3 | victims (remote read of the evictable list),
+//   hot map, plan | arrive B5 | outputs, LRU stores | wait B5, exit.
+// A group where some row repeats a miss adds a barrier (B4) before the repeats read its slot; the
+// fused gather waits at B5, stages its pairs from the finding blocks, and arrives/waits at B6.
+// Measured costs of each step are in docs/gpu-validation.md (phase clocks).
 //
 // Compile-time constants (-D by the host):
 //   HS_NT   threads per block (multiple of 32, at most 1024)

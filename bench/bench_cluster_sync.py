@@ -30,20 +30,10 @@ MODES = [
 
 
 def build(cluster: int) -> bytes:
-    from cuda.bindings import nvrtc
+    from hisparse_nvidia.compiler import compile_source
 
-    src = (Path(__file__).with_name("cluster_sync.cu")).read_bytes()
-    err, prog = nvrtc.nvrtcCreateProgram(src, b"cluster_sync.cu", 0, [], [])
-    opts = [b"--gpu-architecture=sm_90", f"-DHS_C={cluster}".encode()]
-    (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * n
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        raise SystemExit(log.decode())
-    _, n = nvrtc.nvrtcGetCUBINSize(prog)
-    image = b" " * n
-    nvrtc.nvrtcGetCUBIN(prog, image)
+    text = Path(__file__).with_name("cluster_sync.cu").read_text()
+    image, _log = compile_source(text, "cluster_sync.cu", ["--gpu-architecture=sm_90", f"-DHS_C={cluster}"])
     return image
 
 

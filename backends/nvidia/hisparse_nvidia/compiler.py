@@ -113,15 +113,19 @@ def _cache_dir() -> Path | None:
     return Path(value) if value else DEFAULT_CACHE
 
 
-def _compile(build: KernelBuild, target: str, output: str) -> tuple[bytes, str]:
+def compile_source(text: str, name: str, options: Sequence[str], output: str = "cubin") -> tuple[bytes, str]:
+    """Compile CUDA C++ `text` (file name `name` in messages) with NVRTC; returns (image, log).
+
+    `output` is "cubin" or "ptx". The headers under `cuda/` can be included by name. Not cached:
+    `compile_kernel` is the cached entry point for the package's own kernels.
+    """
     nvrtc = _nvrtc()
-    source = kernel_text(build.source).encode()
     headers = [kernel_text(h).encode() for h in HEADERS]
     prog = _check(nvrtc, "nvrtcCreateProgram",
-                  nvrtc.nvrtcCreateProgram(source, build.source.encode(), len(headers), headers,
+                  nvrtc.nvrtcCreateProgram(text.encode(), name.encode(), len(headers), headers,
                                            [h.encode() for h in HEADERS]))
     try:
-        opts = [o.encode() for o in build.options(target)]
+        opts = [o.encode() for o in options]
         result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err = result[0] if isinstance(result, tuple) else result
         size = _check(nvrtc, "nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
@@ -129,8 +133,7 @@ def _compile(build: KernelBuild, target: str, output: str) -> tuple[bytes, str]:
         _check(nvrtc, "nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(prog, log_buf))
         log = log_buf.rstrip(b"\x00 ").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise KernelCompileError(
-                f"NVRTC could not compile {build.source} for {target} with {build.options(target)}:\n{log}")
+            raise KernelCompileError(f"NVRTC could not compile {name} with {list(options)}:\n{log}")
         if output == "cubin":
             size = _check(nvrtc, "nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(prog))
             image = b" " * int(size)  # type: ignore[arg-type]
@@ -142,6 +145,10 @@ def _compile(build: KernelBuild, target: str, output: str) -> tuple[bytes, str]:
         return image, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _compile(build: KernelBuild, target: str, output: str) -> tuple[bytes, str]:
+    return compile_source(kernel_text(build.source), build.source, build.options(target), output)
 
 
 def _targets(arch: int) -> tuple[str, str]:

@@ -27,10 +27,9 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from hisparse_core.coordinator import HiSparseCoordinator, PrefixHit
+from hisparse_core.coordinator import HiSparseCoordinator, PrefixHit, StepRequest
 from hisparse_core.errors import CapacityError, ProtocolError
 from hisparse_core.types import OffloadCommand, WorkerMetadata
 
@@ -42,18 +41,6 @@ from hisparse_vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMeta
 from hisparse_vllm.stats import HiSparseConnectorStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Scheduled:
-    """A `hisparse_core.coordinator.ScheduledRequest` built from one vLLM scheduled request."""
-
-    request_id: str
-    state_index: int
-    num_computed_tokens: int
-    num_new_tokens: int
-    token_ids: Sequence[int]
-    resident_block_ids: Sequence[Sequence[int]]
 
 
 class _StateRows:
@@ -258,7 +245,7 @@ class SchedulerSide:
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        views: list[_Scheduled] = []
+        views: list[StepRequest] = []
         for rid, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(rid)
             if request is None:
@@ -268,8 +255,8 @@ class SchedulerSide:
             nc = computed[rid]
             if not coord.has_request(rid):
                 self._admit(request, cap=nc // self._bs * self._bs)
-            views.append(_Scheduled(rid, self._state_rows.row(rid), nc, num_new, request.all_token_ids,
-                                    self._kv_manager.get_block_ids(rid)))
+            views.append(StepRequest(rid, self._state_rows.row(rid), nc, num_new, request.all_token_ids,
+                                     self._kv_manager.get_block_ids(rid)))
         command = coord.schedule_step(views)
         coord.take_table_updates()  # the source/hot tables serve sparse attention, absent here
         loads = self._loads.take_queued()

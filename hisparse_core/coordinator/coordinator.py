@@ -354,13 +354,9 @@ class HiSparseCoordinator:
         """The request is done: return its GPU and hot leases now. Pages whose spill is still in
         flight keep their host leases and are published when their last acknowledgement arrives
         (detached publication); nothing is held after that. A host import in flight fails."""
-        if not self._enabled:
+        rec = self._leave(request_id)
+        if rec is None:
             return
-        if self._end_import_or_choice(request_id):
-            return
-        rec = self._request(request_id)
-        del self._requests[request_id]
-        self._drop_gpu(rec)
         if rec.pending_spills:
             rec.lifecycle = Lifecycle.DETACHED
             keep_from = rec.num_ready
@@ -384,15 +380,21 @@ class HiSparseCoordinator:
         """The request is preempted: return every lease now except transfer pins, which go when
         their acknowledgements arrive; unpublished pages are dropped. Re-admit it with
         `add_request` (its published prefix is then a prefix hit). A host import in flight fails."""
-        if not self._enabled:
+        rec = self._leave(request_id)
+        if rec is None:
             return
-        if self._end_import_or_choice(request_id):
-            return
+        rec.lifecycle = Lifecycle.GONE
+        self._release_host(rec)
+
+    def _leave(self, request_id: str) -> RequestPages | None:
+        """The common start of finishing and preempting: end an import in flight (then there is
+        nothing else to do: None), or forget the request and return its GPU leases."""
+        if not self._enabled or self._end_import_or_choice(request_id):
+            return None
         rec = self._request(request_id)
         del self._requests[request_id]
-        rec.lifecycle = Lifecycle.GONE
         self._drop_gpu(rec)
-        self._release_host(rec)
+        return rec
 
     # -- P/D import ------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,6 +165,16 @@ class PrefillPeer:
             self.process.join(2)  # UCX teardown in a dying process is not what these tests measure
         self.kill()
         self._conn.close()
+
+
+def wait_notices(peer: PrefillPeer, engine: str, want: set[str], timeout_s: float = 10.0) -> dict[str, bool]:
+    """Read notices sent to `engine` (request id -> the read succeeded) until every id in `want` came, or time is up."""
+    got: dict[str, bool] = {}
+    deadline = time.monotonic() + timeout_s
+    while not want <= set(got) and time.monotonic() < deadline:
+        got.update(peer.call("notices", engine))
+        time.sleep(0.01)
+    return got
 
 
 def start_peers(*peers: PrefillPeer) -> list[PrefillPeer]:

@@ -26,7 +26,7 @@ from hisparse_core.pd.nixl_transport import nixl_available
 from hisparse_core.pd.receiver import ReceiverConfig
 
 from pd_decoder import Decoder, make_decoder, prompt
-from pd_peer import PrefillPeer
+from pd_peer import PrefillPeer, wait_notices
 
 _NIXL = nixl_available()
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(_NIXL is not None, reason=f"nixl unavailable: {_NIXL}")]
@@ -68,15 +68,6 @@ def assert_landed(d: Decoder, peer: PrefillPeer, engine: str, rid: str, pages: l
     for layer in range(LAYERS):
         host = d.pool.layer_view(layer).view(-1, BS, WIDTH)[list(d.jobs[rid].host_blocks)]
         assert torch.equal(host, expected[layer]), (rid, layer)
-
-
-def wait_notices(peer: PrefillPeer, engine: str, want: set[str], timeout_s: float = 10.0) -> dict[str, bool]:
-    got: dict[str, bool] = {}
-    deadline = time.monotonic() + timeout_s
-    while not want <= set(got) and time.monotonic() < deadline:
-        got.update(peer.call("notices", engine))
-        time.sleep(0.01)
-    return got
 
 
 def assert_only_finished_hold_leases(d: Decoder) -> None:

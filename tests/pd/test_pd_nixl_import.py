@@ -25,7 +25,7 @@ from hisparse_core.runtime import ResolveInputs
 from hisparse_reference_cpu.backend import ReferenceCpuBackend
 
 from pd_decoder import Decoder, make_decoder, prompt
-from pd_peer import PrefillPeer
+from pd_peer import PrefillPeer, wait_notices
 
 _NIXL = nixl_available()
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(_NIXL is not None, reason=f"nixl unavailable: {_NIXL}")]
@@ -40,15 +40,6 @@ def nixl_decoder(*, staging: StagingBuffer | None = None) -> Decoder:
     return make_decoder(lambda pool, stg: NixlDecoderTransport(pool, staging=stg), num_layers=LAYERS, block_size=BS,
                         host_blocks=HOST_BLOCKS, gpu_blocks=GPU_BLOCKS, max_model_len=MAX_LEN, hot_blocks=HOT,
                         staging=staging, receiver_config=ReceiverConfig(timeout_s=20.0))
-
-
-def wait_notices(peer: PrefillPeer, engine: str, want: set[str], timeout_s: float = 10.0) -> dict[str, bool]:
-    got: dict[str, bool] = {}
-    deadline = time.monotonic() + timeout_s
-    while not want <= set(got) and time.monotonic() < deadline:
-        got.update(peer.call("notices", engine))
-        time.sleep(0.01)
-    return got
 
 
 def test_host_import_then_reference_cpu_decode_reads_the_prefill_bytes(prefill_peers: dict[str, PrefillPeer]) -> None:

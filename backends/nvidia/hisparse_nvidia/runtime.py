@@ -146,6 +146,7 @@ class NvidiaRuntime(CacheRuntime):
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._shapes = shapes
+        self._shape_by_rows: dict[int, tuple[int, ResolverShape]] = {}
         self._k_resolvers = []
         for sh in shapes:
             fn = LoadedKernels.module(index, arch, sh.build).function("hisparse_resolve")
@@ -295,10 +296,11 @@ class NvidiaRuntime(CacheRuntime):
         out = self._result
         fused = False
         if self._shapes[0].version == CLUSTER_RESOLVER_VERSION:
+            index, shape = self._shape_for(b)
             # The fused gather copies with the cluster's few SMs: a gain when the batch fills the
             # GPU (narrowest shape), a loss against the many-block copy kernel for small batches.
-            fused = gather and self._fused_gather and self._shape_for(b)[0] == 0
-            self._launch_cluster_resolver(inputs, b, fused)
+            fused = gather and self._fused_gather and index == 0
+            self._launch_cluster_resolver(inputs, b, index, shape, fused)
         else:
             self._launch_block_resolver(inputs, b)
         self._last_rows = b
@@ -307,24 +309,30 @@ class NvidiaRuntime(CacheRuntime):
         return out
 
     def _shape_for(self, rows: int) -> tuple[int, ResolverShape]:
-        if len(self._shapes) == 1:
-            return 0, self._shapes[0]
-        shape = pick_cluster_shape(self._shapes, rows, self.config.rows_per_request, self._num_sms,
-                                   self._forced_row_blocks)
-        return self._shapes.index(shape), shape
+        """The resolver shape (and its index in `_shapes`) for a call of `rows` batch rows."""
+        chosen = self._shape_by_rows.get(rows)
+        if chosen is None:
+            shape = pick_cluster_shape(self._shapes, rows, self.config.rows_per_request, self._num_sms,
+                                       self._forced_row_blocks)
+            chosen = self._shape_by_rows[rows] = (self._shapes.index(shape), shape)
+        return chosen
 
-    def _launch_cluster_resolver(self, inputs: ResolveInputs, b: int, fused: bool) -> None:
-        cfg = self.config
+    def _state_args(self, inputs: ResolveInputs) -> list[ctypes.c_void_p]:
+        """The resolvers' first arguments: inputs, hot state, results, counters."""
         out = self._result
-        index, shape = self._shape_for(b)
+        return [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
+                _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
+                _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host), _ptr(out.plan_device),
+                _ptr(out.plan_counts), _ptr(self._stats)]
+
+    def _launch_cluster_resolver(self, inputs: ResolveInputs, b: int, index: int, shape: ResolverShape,
+                                 fused: bool) -> None:
+        cfg = self.config
         pad = -(-(cfg.max_batch_rows - b) // _PAD_ROWS_PER_CLUSTER)
         host_base, dev_base, dev_stride = self._gather_bases if fused else (0, 0, 0)
         self._k_resolvers[index].launch(
             ((b + pad) * shape.cluster, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
-            [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
-             _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
-             _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host), _ptr(out.plan_device),
-             _ptr(out.plan_counts), _ptr(self._stats),
+            [*self._state_args(inputs),
              _i32(b), _i32(cfg.max_batch_rows), FastDiv.of(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages),
              FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
              _ptr(host_base), _ptr(dev_base), _i64(dev_stride), _i64(self._host_rows), _i64(self._dev_rows),
@@ -333,14 +341,10 @@ class NvidiaRuntime(CacheRuntime):
 
     def _launch_block_resolver(self, inputs: ResolveInputs, b: int) -> None:
         cfg = self.config
-        out = self._result
         shape = self._shapes[0]
         self._k_resolvers[0].launch(
             (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
-            [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
-             _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
-             _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host), _ptr(out.plan_device),
-             _ptr(out.plan_counts), _ptr(self._stats),
+            [*self._state_args(inputs),
              _i32(b), FastDiv.of(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages),
              FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],

@@ -35,8 +35,11 @@ K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
-V2 = {"HISPARSE_RESOLVER": "2"}  # the previous resolver (one block per request), timed in the same run
-UNFUSED = {"HISPARSE_FUSED_GATHER": "0"}  # resolver v3 with the gather left to the copy kernel
+# The earlier resolvers, timed in the same run: v2 (one block per request, sizes at run time) and
+# v3 (one thread-block cluster per request; its own shape choice, or a forced cluster width).
+V2 = {"HISPARSE_RESOLVER": "2"}
+V3 = {"HISPARSE_RESOLVER": "3"}
+V3_WIDTHS = [{"HISPARSE_RESOLVER": "3", "HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 8)]
 
 
 @dataclass
@@ -285,13 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         ok = info["misses"] == 0 and us <= target
         rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor, f"<= {target} us", sglang,
                         ok, f"misses={info['misses']} cluster={info['shape']['cluster']}", info))
-        for env in (V2, *({"HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 2, 4, 8))):
+        for env in (V2, *V3_WIDTHS):
             us2, info2 = bench.hits(b, env)
             rows.append(Row(tag(env), b, us2, "graph node floor", floor, "-", "-", None,
                             f"misses={info2['misses']}", info2))
 
     variants = [dict(v.split("=") for v in spec.split(",")) for spec in args.variant]
-    for env in [None, V2, UNFUSED, *variants]:
+    for env in [None, V2, V3, *variants]:
         name = None if env is None else tag(env)
         us, gus, cus, info = bench.misses(1, MISSES, 32, env)
         rows.append(Row(name or "274 misses, resolve+gather", 1, us, "contiguous pinned copy", cus, "<= 10 us",
@@ -317,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us", "-",
                     us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, f"cluster={info['shape']['cluster']}",
                     info))
-    for env in (V2, *({"HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 2, 4, 8))):
+    for env in (V2, *V3_WIDTHS):
         us, info = bench.resident(64, gather=False, env=env)
         rows.append(Row(tag(env), 64, us, "graph node floor", floor, "-", "-", None, "", info))
     us, info = bench.resident(64, gather=True)
     rows.append(Row("all resident, resolve+gather", 64, us, "graph node floor", floor, "<= 3 us", "-",
-                    us <= 3.0, "gather fused into the resolver, nothing to copy", info))
+                    us <= 3.0, "nothing to copy", info))
 
     props = torch.cuda.get_device_properties(bench.dev)
     print(f"\nhisparse nvidia bench: {props.name}, torch {torch.__version__}, top-k {K}, hot {H}, rows 656 B, "
@@ -337,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.scenario:38} {r.batch:>4} {r.ours_us:9.2f} {r.baseline:>24} {base} {r.target:>24} {r.sglang:>20} "
               f"{ok:>4}  {r.note}")
     print("\nresolver phases of the first block, cycles since start; v3: loads, B0, inserts, B1, walk, B2, "
-          "flagged, B3, assigned, gather, end; v2: barrier 1 (loads), 2 (hash), 3 (walk), 4 (pack, flag misses), "
+          "flagged, B3, assigned, gather, end; v2 and v4: barrier 1 (loads), 2 (hash), 3 (walk), 4 (pack, flag misses), "
           "row split, assign + LRU, end):")
     for r in rows:
         if "phases" in r.extra:

@@ -27,6 +27,9 @@ ENV_RESOLVE_THREADS = "HISPARSE_RESOLVE_THREADS"
 ENV_RESOLVER = "HISPARSE_RESOLVER"
 RESOLVER_VERSION = 2
 CLUSTER_RESOLVER_VERSION = 3
+#: Resolver version 4 (resolve4.cu): one block per request like version 2, compiled for one
+#: geometry (every size a constant); the default.
+GEOMETRY_RESOLVER_VERSION = 4
 #: Oldest compute capability (major * 10 + minor) with thread-block clusters.
 CLUSTER_MIN_ARCH = 90
 #: Forces the version-3 resolver's blocks per cluster (1, 2, 4 or 8 per group row) for tuning.
@@ -82,9 +85,15 @@ class ResolverShape:
     cluster: int = 1
     row_blocks: int = 1
     row_vec: int = 0
+    #: Version 4 is built for one geometry: (top_k, hot_rows, block_size, rows_per_request).
+    geometry: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     @property
     def build(self) -> KernelBuild:
+        if self.version == GEOMETRY_RESOLVER_VERSION:
+            k, h, bs, rpr = self.geometry
+            return KernelBuild.of("resolve4.cu", {"HS_NT": self.threads, "HS_K": k, "HS_H": h, "HS_BS": bs,
+                                                  "HS_RPR": rpr, "HS_TBITS": self.hash_bits})
         if self.version == 3:
             return KernelBuild.of("resolve3.cu", {"HS_NT": self.threads, "HS_C": self.cluster, "HS_CR": self.row_blocks,
                                                   "HS_EPT": self.entries_per_thread, "HS_CPT": self.lru_per_thread,
@@ -94,6 +103,8 @@ class ResolverShape:
 
     @property
     def static_smem(self) -> int:
+        if self.version == GEOMETRY_RESOLVER_VERSION:  # five per-warp counters, two per-row counters
+            return 4 * 5 * (self.threads // 32) + 8 * self.geometry[3] + _RESOLVE_STATIC_SMEM_SLACK
         if self.version == 3:  # per-warp partials of every block: int4 + three i32 arrays
             return 28 * self.cluster * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK
         return 4 * 5 * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK  # five per-warp counter arrays
@@ -120,6 +131,37 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, version: i
     smem = 8 * hash_slots + rest
     return ResolverShape(threads, -(-union // threads), -(-h // threads), hash_slots.bit_length() - 1,
                          -(-smem // 16) * 16, config.rows_per_request > 1, 2)
+
+
+def resolver4_shape(config: RuntimeConfig, threads: int | None = None) -> ResolverShape:
+    """The version-4 resolver's launch shape for `config`: one block per group, 1024 threads for
+    the production sizes (a thread holds about one top-k entry and two LRU positions, or more once
+    a block has 1024 threads), hash buckets for a load factor of 1/4 (1/2 when shared memory would
+    pass 160 KB). The kernel's index arithmetic is 32-bit, so the tables it addresses must stay
+    below 2^31 entries."""
+    rpr, k, h, bs = config.rows_per_request, config.top_k, config.hot_rows, config.block_size
+    union = rpr * k
+    for name, n in (("max_requests * hot_rows", config.max_requests * h),
+                    ("max_requests * max_pages", config.max_requests * config.max_pages),
+                    ("max_batch_rows * top_k", config.max_batch_rows * k)):
+        if n >= 2**31:
+            raise InvalidInputError(f"{name} = {n} must stay below 2^31 for the resolver's 32-bit indexing")
+    if threads is None:
+        env = os.environ.get(ENV_RESOLVE_THREADS)
+        threads = int(env) if env else min(1024, max(128, _next_pow2(-(-max(union, h) // 2))))
+    if threads not in (128, 256, 512, 1024):
+        raise InvalidInputError(f"resolver threads per block must be 128, 256, 512 or 1024, got {threads}")
+    ept, cpt = -(-union // threads), -(-h // threads)
+    if ept > 32 or cpt > 32:
+        raise InvalidInputError(f"RuntimeConfig(top_k={k}, rows_per_request={rpr}, hot_rows={h}) needs more than "
+                                f"32 entries or LRU positions per thread of a 1024-thread block")
+    rest = 4 * h + 4 * config.hot_blocks + 2 * h  # hm, htab, order (i16)
+    slots = _next_pow2(4 * union)
+    if 8 * slots + rest > _RESOLVE2_SPARSE_HASH_LIMIT:
+        slots = _next_pow2(2 * union)
+    smem = 8 * slots + rest
+    return ResolverShape(threads, ept, cpt, slots.bit_length() - 1, -(-smem // 16) * 16, rpr > 1,
+                         GEOMETRY_RESOLVER_VERSION, geometry=(k, h, bs, rpr))
 
 
 def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
@@ -207,8 +249,16 @@ def copy_build(row_bytes: int) -> KernelBuild:
 MAINTAIN_BUILD = KernelBuild.of("maintain.cu")
 
 
-def runtime_builds(config: RuntimeConfig, version: int = RESOLVER_VERSION) -> list[KernelBuild]:
-    resolvers = [s.build for s in cluster_resolver_shapes(config)] if version == 3 else [resolver_shape(config).build]
+def resolver_builds(config: RuntimeConfig, version: int) -> list[KernelBuild]:
+    if version == GEOMETRY_RESOLVER_VERSION:
+        return [resolver4_shape(config).build]
+    if version == CLUSTER_RESOLVER_VERSION:
+        return [s.build for s in cluster_resolver_shapes(config)]
+    return [resolver_shape(config).build]
+
+
+def runtime_builds(config: RuntimeConfig, version: int = GEOMETRY_RESOLVER_VERSION) -> list[KernelBuild]:
+    resolvers = resolver_builds(config, version)
     return [*resolvers, CopyShape.from_env(config.row_format.row_bytes).build, MAINTAIN_BUILD]
 
 
@@ -223,6 +273,7 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds = {resolver_shape(c).build for c in (small, prod, mtp)}
     builds |= {resolver_shape(prod, t).build for t in (256, 512)}
     builds |= {s.build for c in (small, prod, mtp) for s in cluster_resolver_shapes(c)}
+    builds |= {resolver4_shape(c).build for c in (small, prod, mtp)}
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)

@@ -43,11 +43,11 @@ from hisparse_nvidia.host_pool import device_address_of_host
 from hisparse_nvidia.kernels import (
     CLUSTER_MIN_ARCH,
     CLUSTER_RESOLVER_VERSION,
+    GEOMETRY_RESOLVER_VERSION,
     ENV_RESOLVE_CLUSTER,
     ENV_RESOLVER,
     MAINTAIN_BUILD,
     MAINTAIN_THREADS,
-    MAX_CLUSTER,
     RESOLVER_VERSION,
     CopyShape,
     FastDiv,
@@ -55,6 +55,7 @@ from hisparse_nvidia.kernels import (
     ResolverShape,
     cluster_resolver_shapes,
     pick_cluster_shape,
+    resolver4_shape,
     resolver_shape,
 )
 from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
@@ -110,20 +111,19 @@ class NvidiaRuntime(CacheRuntime):
         env = os.environ.get(ENV_RESOLVER)
         if env:
             version, why = _env_int(ENV_RESOLVER, env), f"{ENV_RESOLVER}={env}"
-        elif arch < CLUSTER_MIN_ARCH:
-            version, why = RESOLVER_VERSION, f"sm_{arch} has no thread-block clusters"
-        elif config.rows_per_request > MAX_CLUSTER:
-            version, why = RESOLVER_VERSION, (f"rows_per_request={config.rows_per_request} exceeds the "
-                                              f"{MAX_CLUSTER} blocks of a cluster")
         else:
-            version, why = CLUSTER_RESOLVER_VERSION, f"sm_{arch} has thread-block clusters"
-        if version not in (RESOLVER_VERSION, CLUSTER_RESOLVER_VERSION):
-            raise InvalidInputError(f"{ENV_RESOLVER}={env}: expected 2 or 3")
+            version, why = GEOMETRY_RESOLVER_VERSION, "the default"
+        if version not in (RESOLVER_VERSION, CLUSTER_RESOLVER_VERSION, GEOMETRY_RESOLVER_VERSION):
+            raise InvalidInputError(f"{ENV_RESOLVER}={env}: expected 2, 3 or 4")
         if version == CLUSTER_RESOLVER_VERSION and arch < CLUSTER_MIN_ARCH:
             raise InvalidInputError(f"{ENV_RESOLVER}=3 needs thread-block clusters (sm_90 or newer); this GPU is "
                                     f"sm_{arch}")
-        shapes = cluster_resolver_shapes(config) if version == CLUSTER_RESOLVER_VERSION else \
-            [resolver_shape(config)]
+        if version == CLUSTER_RESOLVER_VERSION:
+            shapes = cluster_resolver_shapes(config)
+        elif version == GEOMETRY_RESOLVER_VERSION:
+            shapes = [resolver4_shape(config)]
+        else:
+            shapes = [resolver_shape(config)]
         for shape in shapes:
             if shape.dynamic_smem + shape.static_smem > max_smem_per_block:
                 raise InvalidInputError(
@@ -342,6 +342,13 @@ class NvidiaRuntime(CacheRuntime):
     def _launch_block_resolver(self, inputs: ResolveInputs, b: int) -> None:
         cfg = self.config
         shape = self._shapes[0]
+        if shape.version == GEOMETRY_RESOLVER_VERSION:
+            self._k_resolvers[0].launch(
+                (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
+                [*self._state_args(inputs), _i32(b), _i32(cfg.max_pages),
+                 _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
+                overlap_previous=self._overlap)
+            return
         self._k_resolvers[0].launch(
             (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
             [*self._state_args(inputs),

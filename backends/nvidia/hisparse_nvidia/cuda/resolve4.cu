@@ -1,0 +1,584 @@
+// The fused resolver, version 4 (docs/resolver-contract.md): one thread block per batch row; the
+// block of a group's first row resolves the whole group (the speculative rows of one request) as
+// one union. Same phases as version 2, built for one geometry:
+//
+// - Every size is a compile-time constant (the runtime compiles one build per RuntimeConfig), so
+//   divisions by block_size and top_k, bounds and loop trips fold away and index arithmetic is
+//   32-bit. Version 2 was bound by instructions issued per warp (about 1,140 a warp, 17 cycles
+//   apart), not by memory or barriers.
+// - A thread owns consecutive entries and LRU positions and moves them with vector loads and
+//   stores (top-k, outputs, plan padding, LRU order, hot map).
+// - Block totals are warp reductions (`redux`) of per-warp counts published before a barrier;
+//   per-row counts of a multi-row group are shared-memory sums of per-warp ballots, so rows need
+//   no block scan of their own.
+//
+// Phases (barriers): loads and classification (1), hash inserts (2), LRU walk marks hit slots
+// (3), pack slots and flag misses (4), victims, outputs and the new LRU order; a fifth barrier
+// only when a miss is referenced twice. The resident fast path returns after barrier 1.
+//
+// Compile-time constants (-D, from kernels.resolver4_shape):
+//   HS_NT threads per block (multiple of 32, at most 1024)   HS_K top_k   HS_H hot_rows
+//   HS_BS block_size   HS_RPR rows_per_request   HS_TBITS log2 of the hash buckets
+//
+// Dynamic shared memory, in this order (kernels.resolver4_shape computes the same size):
+//   pairs[T] u64 hash buckets: high word the host row key (all ones: empty), low word the first
+//            referencing entry j, replaced by -(slot + 1) once the key is known to be held
+//   hm[H]    i32 hot_map row of the state row in slot order
+//   htab[HB] i32 the state row's hot_table row
+//   order[H] i16 hit slots packed forward from 0 in LRU order, evictable slots packed backward from
+//            H-1 in LRU order (E[m] = order[H-1-m])
+#include "common.cuh"
+
+#if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || !defined(HS_TBITS)
+#error "resolve4.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR and HS_TBITS"
+#endif
+
+#define HS_NW (HS_NT / 32)
+#define HS_U (HS_RPR * HS_K)
+#define HS_EPT ((HS_U + HS_NT - 1) / HS_NT)
+#define HS_CPT ((HS_H + HS_NT - 1) / HS_NT)
+#define HS_HB (HS_H / HS_BS)
+#define HS_T (1 << HS_TBITS)
+#define HS_EMPTY 0xffffffffffffffffull
+
+static_assert(HS_NT % 32 == 0 && HS_NT <= 1024, "threads per block");
+static_assert(HS_NW <= 32, "warp totals are reduced by one warp");
+static_assert(HS_H % HS_BS == 0, "hot_rows is a multiple of block_size");
+static_assert(HS_EPT <= 32 && HS_CPT <= 32, "per-thread flags are 32-bit masks");
+static_assert(HS_T >= 2 * HS_U && HS_T % 2 == 0, "hash load factor at most 1/2");
+static_assert(HS_RPR <= 32, "rows per request");
+
+// Entries move in vectors of HS_EV i32 (a thread's entries never straddle a vector boundary of a
+// row when HS_EV divides both HS_EPT and HS_K); LRU positions in vectors of HS_LV i16.
+#define HS_EV ((HS_EPT % 4 == 0 && HS_K % 4 == 0) ? 4 : ((HS_EPT % 2 == 0 && HS_K % 2 == 0) ? 2 : 1))
+#define HS_LV ((HS_CPT % 4 == 0 && HS_H % 4 == 0) ? 4 : ((HS_CPT % 2 == 0 && HS_H % 2 == 0) ? 2 : 1))
+
+template <int N>
+__device__ __forceinline__ void hs_ld_i32(const i32* p, i32* v) {
+    if constexpr (N == 4) {
+        const int4 x = *reinterpret_cast<const int4*>(p);
+        v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+    } else if constexpr (N == 2) {
+        const int2 x = *reinterpret_cast<const int2*>(p);
+        v[0] = x.x; v[1] = x.y;
+    } else {
+        v[0] = *p;
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void hs_st_i32(i32* p, const i32* v) {
+    if constexpr (N == 4) {
+        *reinterpret_cast<int4*>(p) = make_int4(v[0], v[1], v[2], v[3]);
+    } else if constexpr (N == 2) {
+        *reinterpret_cast<int2*>(p) = make_int2(v[0], v[1]);
+    } else {
+        *p = v[0];
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void hs_ld_i16(const i16* p, i32* v) {
+    if constexpr (N == 4) {
+        const uint2 x = *reinterpret_cast<const uint2*>(p);
+        v[0] = static_cast<i32>(x.x & 0xffffu); v[1] = static_cast<i32>(x.x >> 16);
+        v[2] = static_cast<i32>(x.y & 0xffffu); v[3] = static_cast<i32>(x.y >> 16);
+    } else if constexpr (N == 2) {
+        const u32 x = *reinterpret_cast<const u32*>(p);
+        v[0] = static_cast<i32>(x & 0xffffu); v[1] = static_cast<i32>(x >> 16);
+    } else {
+        v[0] = static_cast<i32>(static_cast<unsigned short>(*p));
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void hs_st_i16(i16* p, const i32* v) {
+    if constexpr (N == 4) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(static_cast<u32>(v[0]) | (static_cast<u32>(v[1]) << 16),
+                                                  static_cast<u32>(v[2]) | (static_cast<u32>(v[3]) << 16));
+    } else if constexpr (N == 2) {
+        *reinterpret_cast<u32*>(p) = static_cast<u32>(v[0]) | (static_cast<u32>(v[1]) << 16);
+    } else {
+        *p = static_cast<i16>(v[0]);
+    }
+}
+
+// Exclusive prefix of x over the lanes below the caller; the warp's sum in `total`.
+__device__ __forceinline__ i32 hs_warp_prefix(i32 x, i32& total) {
+    const i32 lane = threadIdx.x & 31;
+    i32 incl = x;
+#pragma unroll
+    for (i32 d = 1; d < 32; d <<= 1) {
+        const i32 y = __shfl_up_sync(HS_FULL_MASK, incl, d);
+        if (lane >= d) incl += y;
+    }
+    total = __shfl_sync(HS_FULL_MASK, incl, 31);
+    return incl - x;
+}
+
+// After a barrier that follows the per-warp publication of `totals`: the sum over the warps
+// before the caller's, and over every warp in `total`.
+__device__ __forceinline__ i32 hs_block_prefix(const i32* totals, i32& total) {
+    const i32 lane = threadIdx.x & 31;
+    const i32 x = lane < HS_NW ? totals[lane] : 0;
+    total = __reduce_add_sync(HS_FULL_MASK, x);
+    return __reduce_add_sync(HS_FULL_MASK, lane < (static_cast<i32>(threadIdx.x) >> 5) ? x : 0);
+}
+
+__device__ __forceinline__ i32 hs_hot_row(const i32* htab, i32 s) {
+    return htab[s / HS_BS] * HS_BS + s % HS_BS;
+}
+
+extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
+    const i32* __restrict__ topk,            // [B, K]
+    const i32* __restrict__ row_state,       // [B]
+    const i32* __restrict__ seq_lens,        // [B]
+    const i32* __restrict__ source_table,    // [R, P]
+    const i32* __restrict__ resident_table,  // [R, P]
+    const i32* __restrict__ hot_table,       // [R, HB]
+    i32* __restrict__ hot_map,               // [R, H]
+    i16* __restrict__ lru,                   // [R, H]
+    i32* __restrict__ out_rows,              // [Bmax, K]
+    i32* __restrict__ out_valid,             // [Bmax]
+    i32* __restrict__ plan_host,             // [Bmax, K]
+    i32* __restrict__ plan_device,           // [Bmax, K]
+    i32* __restrict__ plan_counts,           // [Bmax]
+    u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
+    i32 B, i32 P,
+    u64* __restrict__ prof) {                // diagnostics: phase clocks of block 0, or null
+    // Programmatic dependent launch: wait for the previous kernel of the stream before touching
+    // memory, then let the gather that follows start its launch (it waits for this grid).
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const i32 r = blockIdx.x;
+    const i32 tid = threadIdx.x;
+    const i32 lane = tid & 31;
+    const i32 warp = tid >> 5;
+    const bool profiling = prof != nullptr && r == 0 && tid == 0;
+#define HS_MARK(k) \
+    if (profiling) prof[k] = clock64()
+    HS_MARK(0);
+
+    // ---- Round trip 1: row state, the top-k entries this thread owns, context lengths ---------
+    // Entry j = tid * EPT + e of the union is entry j % K of row r + j / K. Rows past the group
+    // are loaded speculatively (multi-row builds) and dropped once the group is known.
+    const i32 j0 = tid * HS_EPT;
+    i32 t_r[HS_EPT];
+    i32 len_r[HS_EPT];
+    const i32 len0 = r < B ? seq_lens[r] : 0;
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; e += HS_EV) {
+        const i32 j = j0 + e;
+        const i32 rho = j / HS_K;
+        if (j < HS_U && r + rho < B) {
+            hs_ld_i32<HS_EV>(topk + (r + rho) * HS_K + (j - rho * HS_K), t_r + e);
+        } else {
+#pragma unroll
+            for (i32 v = 0; v < HS_EV; ++v) t_r[e + v] = -1;
+        }
+    }
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 rho = (j0 + e) / HS_K;
+        len_r[e] = (HS_RPR == 1 || rho == 0) ? len0 : (r + rho < B ? seq_lens[r + rho] : 0);
+    }
+
+    i32 q;
+    const i32 n = hs_group_at(row_state, r, B, HS_RPR, q);
+    if (n < 0) return;  // written by the block of the group's first row
+    if (q < 0) {        // padding row (or past B): -1 everywhere, counts 0
+        const i32 m1[4] = {-1, -1, -1, -1};
+#pragma unroll 1
+        for (i32 i = tid * 4; i < HS_K; i += HS_NT * 4) {
+            if constexpr (HS_K % 4 == 0) {
+                hs_st_i32<4>(out_rows + r * HS_K + i, m1);
+                hs_st_i32<4>(plan_host + r * HS_K + i, m1);
+                hs_st_i32<4>(plan_device + r * HS_K + i, m1);
+            } else {
+                for (i32 v = i; v < i + 4 && v < HS_K; ++v) {
+                    out_rows[r * HS_K + v] = -1;
+                    plan_host[r * HS_K + v] = -1;
+                    plan_device[r * HS_K + v] = -1;
+                }
+            }
+        }
+        if (tid == 0) {
+            out_valid[r] = 0;
+            plan_counts[r] = 0;
+        }
+        return;
+    }
+
+    extern __shared__ __align__(16) unsigned char hs_smem[];
+    u64* pairs = reinterpret_cast<u64*>(hs_smem);
+    i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
+    i32* htab = hm + HS_H;
+    i16* order = reinterpret_cast<i16*>(htab + HS_HB);
+
+    __shared__ i32 s_wvalid[HS_NW];
+    __shared__ i32 s_wres[HS_NW];
+    __shared__ i32 s_wuniq[HS_NW];
+    __shared__ i32 s_whit[HS_NW];
+    __shared__ i32 s_wmiss[HS_NW];
+    __shared__ i32 s_rvalid[HS_RPR];  // per group row (multi-row builds)
+    __shared__ i32 s_rmiss[HS_RPR];
+    __shared__ i32 s_dup;
+
+    const i32 total = n * HS_K;
+    const i32 qH = q * HS_H;  // < 2^31: checked by the host (max_requests * hot_rows)
+    const i32 qP = q * P;     // likewise max_requests * max_pages
+    const i32 p0 = tid * HS_CPT;
+
+    // ---- Round trip 2: LRU order, hot map, hot_table row, page tables of every entry ---------
+    i32 slot_r[HS_CPT];
+#pragma unroll
+    for (i32 c = 0; c < HS_CPT; c += HS_LV) {
+        if (p0 + c < HS_H) {
+            hs_ld_i16<HS_LV>(lru + qH + p0 + c, slot_r + c);
+        } else {
+#pragma unroll
+            for (i32 v = 0; v < HS_LV; ++v) slot_r[c + v] = 0;
+        }
+    }
+    // The hot map in slot order, 4 slots a thread a round when H allows (coalesced).
+    constexpr i32 HMV = HS_H % 4 == 0 ? 4 : 1;
+    constexpr i32 HM_ROUNDS = (HS_H / HMV + HS_NT - 1) / HS_NT;
+    i32 hm_r[HM_ROUNDS * HMV];
+#pragma unroll
+    for (i32 c = 0; c < HM_ROUNDS; ++c) {
+        const i32 i = (c * HS_NT + tid) * HMV;
+        if (i < HS_H) hs_ld_i32<HMV>(hot_map + qH + i, hm_r + c * HMV);
+    }
+    const i32 ht = tid < HS_HB ? hot_table[q * HS_HB + tid] : 0;
+    i32 res_r[HS_EPT];
+    i32 src_r[HS_EPT];
+    i32 o_r[HS_EPT];
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 j = j0 + e;
+        const i32 t = t_r[e];
+        res_r[e] = -1;
+        src_r[e] = -1;
+        o_r[e] = 0;
+        if (j < total && t >= 0 && t < len_r[e]) {
+            const i32 p = t / HS_BS;
+            o_r[e] = t - p * HS_BS;
+            if (p < P) {
+                res_r[e] = resident_table[qP + p];
+                src_r[e] = source_table[qP + p];
+            }
+        }
+    }
+    // Empty buckets while the loads are in flight.
+    {
+        int4* pv = reinterpret_cast<int4*>(pairs);
+#pragma unroll
+        for (i32 c = 0; c < (HS_T / 2 + HS_NT - 1) / HS_NT; ++c) {
+            if ((HS_T / 2) % HS_NT == 0 || c * HS_NT + tid < HS_T / 2) pv[c * HS_NT + tid] = make_int4(-1, -1, -1, -1);
+        }
+    }
+    if (tid == 0) s_dup = 0;
+    if (HS_RPR > 1 && tid < HS_RPR) {
+        s_rvalid[tid] = 0;
+        s_rmiss[tid] = 0;
+    }
+
+    // Classify: output row if resident, -1 if masked or null, -(2 + host row) for a host entry.
+    i32 v_r[HS_EPT];
+    u32 vflags = 0;
+    i32 n_res_t = 0;
+    bool any_host_t = false;
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 res = res_r[e];
+        const i32 src = src_r[e];
+        const i32 v = res >= 0 ? res * HS_BS + o_r[e] : (src >= 0 ? -2 - (src * HS_BS + o_r[e]) : -1);
+        v_r[e] = v;
+        if (v != -1) vflags |= 1u << e;
+        n_res_t += v >= 0;
+        any_host_t |= v <= -2;
+    }
+    {
+        const i32 wv = __reduce_add_sync(HS_FULL_MASK, __popc(vflags));
+        const i32 wr = __reduce_add_sync(HS_FULL_MASK, n_res_t);
+        if (lane == 0) {
+            s_wvalid[warp] = wv;
+            s_wres[warp] = wr;
+        }
+    }
+    const bool any_host = __syncthreads_or(any_host_t);  // barrier 1
+    HS_MARK(1);
+    const i32 base = r * HS_K;  // < 2^31: checked by the host (max_batch_rows * top_k)
+
+    // Per-row sums of a multi-row group: per-warp ballots added into shared counters.
+    auto row_sums = [&](u32 flags, i32* sums) {
+#pragma unroll 1
+        for (i32 rho = 0; rho < n; ++rho) {
+            i32 c = 0;
+#pragma unroll
+            for (i32 e = 0; e < HS_EPT; ++e) {
+                const i32 j = j0 + e;
+                c += __popc(__ballot_sync(HS_FULL_MASK, ((flags >> e) & 1u) && j / HS_K == rho));
+            }
+            if (lane == 0 && c) atomicAdd(&sums[rho], c);
+        }
+    };
+
+    if (!any_host) {
+        // ---- Resident fast path: nothing touches the hot state ------------------------------
+        if constexpr (HS_RPR > 1) {
+            if (n > 1) {
+                row_sums(vflags, s_rvalid);
+                __syncthreads();
+            }
+        }
+        i32 pad[HS_EV];
+#pragma unroll
+        for (i32 v = 0; v < HS_EV; ++v) pad[v] = -1;
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; e += HS_EV) {
+            const i32 j = j0 + e;
+            if (j < total) {
+                hs_st_i32<HS_EV>(out_rows + base + j, v_r + e);
+                hs_st_i32<HS_EV>(plan_host + base + j, pad);
+                hs_st_i32<HS_EV>(plan_device + base + j, pad);
+            }
+        }
+        if (warp == 0) {
+            const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
+            const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
+            if (lane < n) {
+                out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
+                plan_counts[r + lane] = 0;
+            }
+            if (lane == 0 && n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
+        }
+        HS_MARK(7);
+        return;
+    }
+
+    // ---- Hash the union's host rows: 64-bit buckets {key, first j} ---------------------------
+    u32 b_r[HS_EPT];
+    i32 n_win = 0;
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        b_r[e] = 0;
+        const i32 v = v_r[e];
+        if (v <= -2) {
+            const i32 g = -2 - v;
+            const u32 j = static_cast<u32>(j0 + e);
+            const u64 word = (static_cast<u64>(static_cast<u32>(g)) << 32) | j;
+            u32 h = hs_hash(g, 32 - HS_TBITS);
+            while (true) {
+                const u64 prev = atomicCAS(&pairs[h], HS_EMPTY, word);
+                if (prev == HS_EMPTY) {
+                    ++n_win;
+                    break;
+                }
+                if (static_cast<i32>(prev >> 32) == g) {
+                    if (static_cast<u32>(prev) > j) atomicMin(&pairs[h], word);
+                    break;
+                }
+                h = (h + 1) & (HS_T - 1);
+            }
+            b_r[e] = h;
+        }
+    }
+    {
+        const i32 wu = __reduce_add_sync(HS_FULL_MASK, n_win);
+        if (lane == 0) s_wuniq[warp] = wu;
+    }
+#pragma unroll
+    for (i32 c = 0; c < HM_ROUNDS; ++c) {
+        const i32 i = (c * HS_NT + tid) * HMV;
+        if (i < HS_H) hs_st_i32<HMV>(hm + i, hm_r + c * HMV);
+    }
+    if (tid < HS_HB) htab[tid] = ht;
+#pragma unroll 1
+    for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
+    if constexpr (HS_RPR > 1) {
+        if (n > 1) row_sums(vflags, s_rvalid);
+    }
+    __syncthreads();  // barrier 2
+    HS_MARK(2);
+
+    // ---- Walk the LRU order: a slot is a hit if the row it holds is a key ---------------------
+    // The first two buckets of every position are read together (at load factor <= 1/2 they
+    // settle almost every lookup), so a thread's lookups overlap instead of chaining.
+    u32 hflags = 0;
+    {
+        i32 gk[HS_CPT];
+        u32 hk[HS_CPT];
+        i32 k0[HS_CPT];
+        i32 k1[HS_CPT];
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) gk[c] = p0 + c < HS_H ? hm[slot_r[c]] : -1;
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            hk[c] = gk[c] >= 0 ? hs_hash(gk[c], 32 - HS_TBITS) : 0u;
+            k0[c] = static_cast<i32>(pairs[hk[c]] >> 32);
+            k1[c] = static_cast<i32>(pairs[(hk[c] + 1) & (HS_T - 1)] >> 32);
+        }
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 g = gk[c];
+            i32 hb = -1;
+            if (g >= 0 && k0[c] != -1) {
+                if (k0[c] == g) {
+                    hb = static_cast<i32>(hk[c]);
+                } else if (k1[c] == g) {
+                    hb = static_cast<i32>((hk[c] + 1) & (HS_T - 1));
+                } else if (k1[c] != -1) {  // rare: a longer probe sequence
+                    u32 h = (hk[c] + 2) & (HS_T - 1);
+                    i32 key;
+                    while ((key = static_cast<i32>(pairs[h] >> 32)) != -1) {
+                        if (key == g) {
+                            hb = static_cast<i32>(h);
+                            break;
+                        }
+                        h = (h + 1) & (HS_T - 1);
+                    }
+                }
+            }
+            if (hb >= 0) {
+                reinterpret_cast<i32*>(&pairs[hb])[0] = -(slot_r[c] + 1);  // low word (little endian)
+                hflags |= 1u << c;
+            }
+        }
+    }
+    i32 h_warp;
+    const i32 h_excl_w = hs_warp_prefix(__popc(hflags), h_warp);
+    if (lane == 0) s_whit[warp] = h_warp;
+    __syncthreads();  // barrier 3
+    HS_MARK(3);
+
+    // ---- Pack the slots (hits forward, evictable backward); hits' outputs; flag the misses ----
+    i32 n_hits;
+    {
+        i32 hr = hs_block_prefix(s_whit, n_hits) + h_excl_w;  // hit positions before this one
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 pos = p0 + c;
+            if (pos < HS_H) {
+                const bool hit = (hflags >> c) & 1u;
+                order[hit ? hr : HS_H - 1 - (pos - hr)] = static_cast<i16>(slot_r[c]);
+                hr += hit;
+            }
+        }
+    }
+    u32 mflags = 0;
+    u32 dflags = 0;  // repeats of a miss first referenced by another entry
+    i32 out_r[HS_EPT];
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        out_r[e] = v_r[e];
+        if (v_r[e] <= -2) {
+            const i32 w = static_cast<i32>(static_cast<u32>(pairs[b_r[e]]));
+            if (w == j0 + e) {
+                mflags |= 1u << e;
+            } else if (w >= 0) {
+                dflags |= 1u << e;
+            } else {
+                out_r[e] = hs_hot_row(htab, -w - 1);
+            }
+        }
+    }
+    if (dflags) s_dup = 1;
+    i32 m_warp;
+    const i32 m_excl_w = hs_warp_prefix(__popc(mflags), m_warp);
+    if (lane == 0) s_wmiss[warp] = m_warp;
+    if constexpr (HS_RPR > 1) {
+        if (n > 1) row_sums(mflags, s_rmiss);
+    }
+    __syncthreads();  // barrier 4
+    HS_MARK(4);
+
+    // ---- Misses take the oldest evictable slots; new LRU order; outputs ---------------------
+    i32 n_misses;
+    i32 m = hs_block_prefix(s_wmiss, n_misses) + m_excl_w;  // misses before j0
+    i32 rho_t = j0 / HS_K;  // row of the thread's first entry; rows of later entries follow
+    i32 mb = 0;             // misses in rows before rho_t
+    i32 mcnt = n_misses;    // misses of row rho_t
+    if constexpr (HS_RPR > 1) {
+        if (n > 1) {
+            for (i32 x = 0; x < rho_t && x < n; ++x) mb += s_rmiss[x];
+            mcnt = rho_t < n ? s_rmiss[rho_t] : 0;
+        }
+    }
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 j = j0 + e;
+        if constexpr (HS_RPR > 1) {
+            while (n > 1 && j < total && j / HS_K != rho_t) {  // the thread's entries cross a row boundary
+                mb += mcnt;
+                ++rho_t;
+                mcnt = s_rmiss[rho_t];
+            }
+        }
+        if ((mflags >> e) & 1u) {
+            const i32 s = order[HS_H - 1 - m];
+            const i32 g = -2 - v_r[e];
+            hot_map[qH + s] = g;
+            const i32 dev = hs_hot_row(htab, s);
+            if (s_dup) reinterpret_cast<i32*>(&pairs[b_r[e]])[0] = -(s + 1);
+            const i32 at = (r + rho_t) * HS_K + (m - mb);
+            plan_host[at] = g;
+            plan_device[at] = dev;
+            out_r[e] = dev;
+            ++m;
+        }
+        // Plan entries past the row's misses are -1 (the plan is packed from entry 0).
+        if (j < total && j - rho_t * HS_K >= mcnt) {
+            plan_host[base + j] = -1;
+            plan_device[base + j] = -1;
+        }
+    }
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; e += HS_EV) {
+        if (j0 + e < total) hs_st_i32<HS_EV>(out_rows + base + j0 + e, out_r + e);
+    }
+    {
+        const i32 n_evictable = HS_H - n_hits;
+        const i32 keep = n_evictable - n_misses;
+        i32 nl[HS_CPT];
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; ++c) {
+            const i32 pos = p0 + c;
+            const i32 at = pos < keep ? HS_H - 1 - (n_misses + pos)
+                                      : (pos < n_evictable ? HS_H - 1 - (pos - keep) : pos - n_evictable);
+            nl[c] = pos < HS_H ? order[at] : 0;
+        }
+#pragma unroll
+        for (i32 c = 0; c < HS_CPT; c += HS_LV) {
+            if (p0 + c < HS_H) hs_st_i16<HS_LV>(lru + qH + p0 + c, nl + c);
+        }
+    }
+    HS_MARK(5);
+    if (s_dup) {  // uniform: written before barrier 4
+        __syncthreads();
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) {
+            if ((dflags >> e) & 1u) {
+                const i32 s = -static_cast<i32>(static_cast<u32>(pairs[b_r[e]])) - 1;
+                out_rows[base + j0 + e] = hs_hot_row(htab, s);
+            }
+        }
+    }
+
+    // ---- Counts --------------------------------------------------------------------------------
+    if (warp == 0) {
+        const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
+        const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
+        const i32 n_unique = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wuniq[lane] : 0);
+        if (lane < n) {
+            out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
+            plan_counts[r + lane] = n > 1 ? s_rmiss[lane] : n_misses;
+        }
+        if (lane == 0) {
+            if (n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
+            if (n_unique - n_misses) atomicAdd(&stats[1], static_cast<u64>(n_unique - n_misses));
+            if (n_misses) atomicAdd(&stats[2], static_cast<u64>(n_misses));
+        }
+    }
+    HS_MARK(7);
+}

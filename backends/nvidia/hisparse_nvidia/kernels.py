@@ -142,7 +142,7 @@ def resolver4_shape(config: RuntimeConfig, threads: int | None = None) -> Resolv
     rpr, k, h, bs = config.rows_per_request, config.top_k, config.hot_rows, config.block_size
     union = rpr * k
     for name, n in (("max_requests * hot_rows", config.max_requests * h),
-                    ("max_requests * max_pages", config.max_requests * config.max_pages),
+                    ("max_requests * max_pages * block_size", config.max_requests * config.max_pages * bs),
                     ("max_batch_rows * top_k", config.max_batch_rows * k)):
         if n >= 2**31:
             raise InvalidInputError(f"{name} = {n} must stay below 2^31 for the resolver's 32-bit indexing")
@@ -155,7 +155,7 @@ def resolver4_shape(config: RuntimeConfig, threads: int | None = None) -> Resolv
     if ept > 32 or cpt > 32:
         raise InvalidInputError(f"RuntimeConfig(top_k={k}, rows_per_request={rpr}, hot_rows={h}) needs more than "
                                 f"32 entries or LRU positions per thread of a 1024-thread block")
-    rest = 4 * h + 4 * config.hot_blocks + 2 * h  # hm, htab, order (i16)
+    rest = 4 * h + 4 * config.hot_blocks + 2 * (h + (h & 1)) + 4 * -(-h // 4)  # hm, htab, order (i16), marks
     slots = _next_pow2(4 * union)
     if 8 * slots + rest > _RESOLVE2_SPARSE_HASH_LIMIT:
         slots = _next_pow2(2 * union)

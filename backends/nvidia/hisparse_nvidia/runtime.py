@@ -135,6 +135,9 @@ class NvidiaRuntime(CacheRuntime):
         with torch.cuda.device(device):
             self._hot_map = torch.full((r, h), -1, dtype=torch.int32, device=device)
             self._lru = torch.arange(h, dtype=torch.int16, device=device).repeat(r, 1)
+            # Version 4: the slot last filled for each logical position (a hint the kernel checks).
+            self._pos_slot = torch.full((r, config.max_pages * config.block_size) if version ==
+                                        GEOMETRY_RESOLVER_VERSION else (1, 1), -1, dtype=torch.int16, device=device)
             self._result = ResolveResult(
                 rows=torch.full((b, k), -1, dtype=torch.int32, device=device),
                 valid_counts=torch.zeros(b, dtype=torch.int32, device=device),
@@ -343,9 +346,11 @@ class NvidiaRuntime(CacheRuntime):
         cfg = self.config
         shape = self._shapes[0]
         if shape.version == GEOMETRY_RESOLVER_VERSION:
+            args = self._state_args(inputs)
+            args.insert(8, _ptr(self._pos_slot))
             self._k_resolvers[0].launch(
                 (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
-                [*self._state_args(inputs), _i32(b), _i32(cfg.max_pages),
+                [*args, _i32(b), _i32(cfg.max_pages),
                  _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
                 overlap_previous=self._overlap)
             return

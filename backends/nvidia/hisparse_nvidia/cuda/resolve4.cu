@@ -1,32 +1,35 @@
 // The fused resolver, version 4 (docs/resolver-contract.md): one thread block per batch row; the
 // block of a group's first row resolves the whole group (the speculative rows of one request) as
-// one union. Same phases as version 2, built for one geometry:
+// one union. What makes it fast:
 //
+// - A slot hint per logical position. The runtime keeps `pos_slot[q, t]`, the slot last filled for
+//   position t of state row q. An entry whose hinted slot holds exactly its host row is a hit
+//   found with one lookup: no hashing. A hint is only ever believed after that check, so a stale
+//   hint (the slot refilled, invalidated or reset since) costs nothing but the slow path.
+// - The slow path is exact. Entries whose hint fails are *candidates*; they are hashed (64-bit
+//   buckets {host row, first referencing entry}) and every held slot is looked up in that hash
+//   during the LRU walk, so a candidate held in another slot (two pages of the request mapped to
+//   one host block, or a page remapped since its row was loaded) is still a hit, as the contract
+//   says. Candidates not found held are the misses, in first-reference order.
+// - With no candidate (every host entry a hint hit) the step is three barriers: loads, hint
+//   checks, the LRU walk; the new LRU order is written straight from the walk's prefix sums.
 // - Every size is a compile-time constant (the runtime compiles one build per RuntimeConfig), so
-//   divisions by block_size and top_k, bounds and loop trips fold away and index arithmetic is
-//   32-bit. Version 2 was bound by instructions issued per warp (about 1,140 a warp, 17 cycles
-//   apart), not by memory or barriers.
-// - A thread owns consecutive entries and LRU positions and moves them with vector loads and
-//   stores (top-k, outputs, plan padding, LRU order, hot map).
-// - Block totals are warp reductions (`redux`) of per-warp counts published before a barrier;
-//   per-row counts of a multi-row group are shared-memory sums of per-warp ballots, so rows need
-//   no block scan of their own.
-//
-// Phases (barriers): loads and classification (1), hash inserts (2), LRU walk marks hit slots
-// (3), pack slots and flag misses (4), victims, outputs and the new LRU order; a fifth barrier
-// only when a miss is referenced twice. The resident fast path returns after barrier 1.
+//   divisions, bounds and loop trips fold away and index arithmetic is 32-bit; a thread owns
+//   consecutive entries and LRU positions and moves them with vector loads and stores.
 //
 // Compile-time constants (-D, from kernels.resolver4_shape):
 //   HS_NT threads per block (multiple of 32, at most 1024)   HS_K top_k   HS_H hot_rows
 //   HS_BS block_size   HS_RPR rows_per_request   HS_TBITS log2 of the hash buckets
 //
 // Dynamic shared memory, in this order (kernels.resolver4_shape computes the same size):
-//   pairs[T] u64 hash buckets: high word the host row key (all ones: empty), low word the first
-//            referencing entry j, replaced by -(slot + 1) once the key is known to be held
+//   pairs[T] u64 hash buckets of the candidates: high word the host row (all ones: empty), low
+//            word the first referencing entry j, replaced by -(slot + 1) once the row is found held
 //   hm[H]    i32 hot_map row of the state row in slot order
 //   htab[HB] i32 the state row's hot_table row
-//   order[H] i16 hit slots packed forward from 0 in LRU order, evictable slots packed backward from
-//            H-1 in LRU order (E[m] = order[H-1-m])
+//   order[H] i16 slow path: hit slots packed forward from 0 in LRU order, evictable slots packed
+//            backward from H-1 in LRU order (E[m] = order[H-1-m])
+//   mark[H]  u8  1 for a slot an entry's hint found holding its row (order and mark padded to
+//            4 bytes)
 #include "common.cuh"
 
 #if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || !defined(HS_TBITS)
@@ -138,6 +141,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32* __restrict__ hot_table,       // [R, HB]
     i32* __restrict__ hot_map,               // [R, H]
     i16* __restrict__ lru,                   // [R, H]
+    i16* __restrict__ pos_slot,              // [R, P * BS]: slot last filled for a position, or -1
     i32* __restrict__ out_rows,              // [Bmax, K]
     i32* __restrict__ out_valid,             // [Bmax]
     i32* __restrict__ plan_host,             // [Bmax, K]
@@ -159,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     if (profiling) prof[k] = clock64()
     HS_MARK(0);
 
-    // ---- Round trip 1: row state, the top-k entries this thread owns, context lengths ---------
+    // ---- Round trip 1: row states, the top-k entries this thread owns, context lengths --------
     // Entry j = tid * EPT + e of the union is entry j % K of row r + j / K. Rows past the group
     // are loaded speculatively (multi-row builds) and dropped once the group is known.
     const i32 j0 = tid * HS_EPT;
@@ -183,8 +187,16 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         len_r[e] = (HS_RPR == 1 || rho == 0) ? len0 : (r + rho < B ? seq_lens[r + rho] : 0);
     }
 
-    i32 q;
-    const i32 n = hs_group_at(row_state, r, B, HS_RPR, q);
+    i32 q = -1;
+    i32 n;
+    if constexpr (HS_RPR == 1) {  // hs_group_at for one row a group, both loads in one round trip
+        const i32 state = r < B ? row_state[r] : -1;
+        const i32 before = r > 0 && r < B ? row_state[r - 1] : -1;
+        n = state >= 0 && before != state ? 1 : 0;  // a repeat of the row before: padding (trusted input)
+        if (n) q = state;
+    } else {
+        n = hs_group_at(row_state, r, B, HS_RPR, q);
+    }
     if (n < 0) return;  // written by the block of the group's first row
     if (q < 0) {        // padding row (or past B): -1 everywhere, counts 0
         const i32 m1[4] = {-1, -1, -1, -1};
@@ -214,10 +226,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
     i32* htab = hm + HS_H;
     i16* order = reinterpret_cast<i16*>(htab + HS_HB);
+    unsigned char* mark = reinterpret_cast<unsigned char*>(order + HS_H + (HS_H & 1));
 
     __shared__ i32 s_wvalid[HS_NW];
     __shared__ i32 s_wres[HS_NW];
-    __shared__ i32 s_wuniq[HS_NW];
     __shared__ i32 s_whit[HS_NW];
     __shared__ i32 s_wmiss[HS_NW];
     __shared__ i32 s_rvalid[HS_RPR];  // per group row (multi-row builds)
@@ -226,10 +238,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 
     const i32 total = n * HS_K;
     const i32 qH = q * HS_H;  // < 2^31: checked by the host (max_requests * hot_rows)
-    const i32 qP = q * P;     // likewise max_requests * max_pages
+    const i32 qP = q * P;     // likewise max_requests * max_pages * block_size
     const i32 p0 = tid * HS_CPT;
 
-    // ---- Round trip 2: LRU order, hot map, hot_table row, page tables of every entry ---------
+    // ---- Round trip 2: LRU order, hot map, hot_table row, page tables and hints of every entry -
     i32 slot_r[HS_CPT];
 #pragma unroll
     for (i32 c = 0; c < HS_CPT; c += HS_LV) {
@@ -252,29 +264,32 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32 ht = tid < HS_HB ? hot_table[q * HS_HB + tid] : 0;
     i32 res_r[HS_EPT];
     i32 src_r[HS_EPT];
-    i32 o_r[HS_EPT];
+    i32 hint_r[HS_EPT];
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 j = j0 + e;
         const i32 t = t_r[e];
         res_r[e] = -1;
         src_r[e] = -1;
-        o_r[e] = 0;
-        if (j < total && t >= 0 && t < len_r[e]) {
-            const i32 p = t / HS_BS;
-            o_r[e] = t - p * HS_BS;
-            if (p < P) {
-                res_r[e] = resident_table[qP + p];
-                src_r[e] = source_table[qP + p];
-            }
+        hint_r[e] = -1;
+        if (j < total && t >= 0 && t < len_r[e] && t / HS_BS < P) {
+            res_r[e] = resident_table[qP + t / HS_BS];
+            src_r[e] = source_table[qP + t / HS_BS];
+            hint_r[e] = pos_slot[qP * HS_BS + t];
         }
     }
-    // Empty buckets while the loads are in flight.
+    // Empty buckets and marks while the loads are in flight.
     {
         int4* pv = reinterpret_cast<int4*>(pairs);
 #pragma unroll
         for (i32 c = 0; c < (HS_T / 2 + HS_NT - 1) / HS_NT; ++c) {
             if ((HS_T / 2) % HS_NT == 0 || c * HS_NT + tid < HS_T / 2) pv[c * HS_NT + tid] = make_int4(-1, -1, -1, -1);
+        }
+        u32* mv = reinterpret_cast<u32*>(mark);
+        constexpr i32 MW = (HS_H + 3) / 4;  // words of marks (the last one padded)
+#pragma unroll
+        for (i32 c = 0; c < (MW + HS_NT - 1) / HS_NT; ++c) {
+            if (c * HS_NT + tid < MW) mv[c * HS_NT + tid] = 0u;
         }
     }
     if (tid == 0) s_dup = 0;
@@ -282,6 +297,14 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         s_rvalid[tid] = 0;
         s_rmiss[tid] = 0;
     }
+#pragma unroll
+    for (i32 c = 0; c < HM_ROUNDS; ++c) {
+        const i32 i = (c * HS_NT + tid) * HMV;
+        if (i < HS_H) hs_st_i32<HMV>(hm + i, hm_r + c * HMV);
+    }
+    if (tid < HS_HB) htab[tid] = ht;
+#pragma unroll 1
+    for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
 
     // Classify: output row if resident, -1 if masked or null, -(2 + host row) for a host entry.
     i32 v_r[HS_EPT];
@@ -290,9 +313,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     bool any_host_t = false;
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 o = t_r[e] % HS_BS;
         const i32 res = res_r[e];
         const i32 src = src_r[e];
-        const i32 v = res >= 0 ? res * HS_BS + o_r[e] : (src >= 0 ? -2 - (src * HS_BS + o_r[e]) : -1);
+        const i32 v = res >= 0 ? res * HS_BS + o : (src >= 0 ? -2 - (src * HS_BS + o) : -1);
         v_r[e] = v;
         if (v != -1) vflags |= 1u << e;
         n_res_t += v >= 0;
@@ -317,12 +341,14 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             i32 c = 0;
 #pragma unroll
             for (i32 e = 0; e < HS_EPT; ++e) {
-                const i32 j = j0 + e;
-                c += __popc(__ballot_sync(HS_FULL_MASK, ((flags >> e) & 1u) && j / HS_K == rho));
+                c += __popc(__ballot_sync(HS_FULL_MASK, ((flags >> e) & 1u) && (j0 + e) / HS_K == rho));
             }
             if (lane == 0 && c) atomicAdd(&sums[rho], c);
         }
     };
+    i32 pad[HS_EV];
+#pragma unroll
+    for (i32 v = 0; v < HS_EV; ++v) pad[v] = -1;
 
     if (!any_host) {
         // ---- Resident fast path: nothing touches the hot state ------------------------------
@@ -332,9 +358,6 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
                 __syncthreads();
             }
         }
-        i32 pad[HS_EV];
-#pragma unroll
-        for (i32 v = 0; v < HS_EV; ++v) pad[v] = -1;
 #pragma unroll
         for (i32 e = 0; e < HS_EPT; e += HS_EV) {
             const i32 j = j0 + e;
@@ -357,56 +380,53 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         return;
     }
 
-    // ---- Hash the union's host rows: 64-bit buckets {key, first j} ---------------------------
+    // ---- Hints: an entry whose hinted slot holds its row is a hit; the rest are hashed --------
+    i32 out_r[HS_EPT];
     u32 b_r[HS_EPT];
-    i32 n_win = 0;
+    u32 cflags = 0;  // candidates
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
+        out_r[e] = v_r[e];
         b_r[e] = 0;
         const i32 v = v_r[e];
         if (v <= -2) {
             const i32 g = -2 - v;
-            const u32 j = static_cast<u32>(j0 + e);
-            const u64 word = (static_cast<u64>(static_cast<u32>(g)) << 32) | j;
-            u32 h = hs_hash(g, 32 - HS_TBITS);
-            while (true) {
-                const u64 prev = atomicCAS(&pairs[h], HS_EMPTY, word);
-                if (prev == HS_EMPTY) {
-                    ++n_win;
-                    break;
+            const i32 s = hint_r[e];
+            if (static_cast<u32>(s) < static_cast<u32>(HS_H) && hm[s] == g) {
+                mark[s] = 1;
+                out_r[e] = hs_hot_row(htab, s);
+            } else {
+                cflags |= 1u << e;
+                const u32 j = static_cast<u32>(j0 + e);
+                const u64 word = (static_cast<u64>(static_cast<u32>(g)) << 32) | j;
+                u32 h = hs_hash(g, 32 - HS_TBITS);
+                while (true) {
+                    const u64 prev = atomicCAS(&pairs[h], HS_EMPTY, word);
+                    if (prev == HS_EMPTY) break;
+                    if (static_cast<i32>(prev >> 32) == g) {
+                        if (static_cast<u32>(prev) > j) atomicMin(&pairs[h], word);
+                        break;
+                    }
+                    h = (h + 1) & (HS_T - 1);
                 }
-                if (static_cast<i32>(prev >> 32) == g) {
-                    if (static_cast<u32>(prev) > j) atomicMin(&pairs[h], word);
-                    break;
-                }
-                h = (h + 1) & (HS_T - 1);
+                b_r[e] = h;
             }
-            b_r[e] = h;
         }
     }
-    {
-        const i32 wu = __reduce_add_sync(HS_FULL_MASK, n_win);
-        if (lane == 0) s_wuniq[warp] = wu;
-    }
-#pragma unroll
-    for (i32 c = 0; c < HM_ROUNDS; ++c) {
-        const i32 i = (c * HS_NT + tid) * HMV;
-        if (i < HS_H) hs_st_i32<HMV>(hm + i, hm_r + c * HMV);
-    }
-    if (tid < HS_HB) htab[tid] = ht;
-#pragma unroll 1
-    for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
     if constexpr (HS_RPR > 1) {
         if (n > 1) row_sums(vflags, s_rvalid);
     }
-    __syncthreads();  // barrier 2
+    const bool any_cand = __syncthreads_or(cflags != 0);  // barrier 2
     HS_MARK(2);
 
-    // ---- Walk the LRU order: a slot is a hit if the row it holds is a key ---------------------
-    // The first two buckets of every position are read together (at load factor <= 1/2 they
-    // settle almost every lookup), so a thread's lookups overlap instead of chaining.
+    // ---- Walk the LRU order: hit slots are the marked ones, and (slow path) held slots whose row
+    // is a candidate. The first two buckets of a lookup are read together (load factor <= 1/2).
     u32 hflags = 0;
-    {
+#pragma unroll
+    for (i32 c = 0; c < HS_CPT; ++c) {
+        if (p0 + c < HS_H && mark[slot_r[c]]) hflags |= 1u << c;
+    }
+    if (any_cand) {
         i32 gk[HS_CPT];
         u32 hk[HS_CPT];
         i32 k0[HS_CPT];
@@ -451,35 +471,67 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     if (lane == 0) s_whit[warp] = h_warp;
     __syncthreads();  // barrier 3
     HS_MARK(3);
-
-    // ---- Pack the slots (hits forward, evictable backward); hits' outputs; flag the misses ----
     i32 n_hits;
-    {
-        i32 hr = hs_block_prefix(s_whit, n_hits) + h_excl_w;  // hit positions before this one
+    i32 hr = hs_block_prefix(s_whit, n_hits) + h_excl_w;  // hit positions before this thread's first
+
+    if (!any_cand) {
+        // ---- Every host entry a hint hit: no misses; evictable slots first, then the hits ------
 #pragma unroll
         for (i32 c = 0; c < HS_CPT; ++c) {
             const i32 pos = p0 + c;
             if (pos < HS_H) {
                 const bool hit = (hflags >> c) & 1u;
-                order[hit ? hr : HS_H - 1 - (pos - hr)] = static_cast<i16>(slot_r[c]);
+                lru[qH + (hit ? HS_H - n_hits + hr : pos - hr)] = static_cast<i16>(slot_r[c]);
                 hr += hit;
             }
+        }
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; e += HS_EV) {
+            const i32 j = j0 + e;
+            if (j < total) {
+                hs_st_i32<HS_EV>(out_rows + base + j, out_r + e);
+                hs_st_i32<HS_EV>(plan_host + base + j, pad);
+                hs_st_i32<HS_EV>(plan_device + base + j, pad);
+            }
+        }
+        if (warp == 0) {
+            const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
+            const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
+            if (lane < n) {
+                out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
+                plan_counts[r + lane] = 0;
+            }
+            if (lane == 0) {
+                if (n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
+                if (n_hits) atomicAdd(&stats[1], static_cast<u64>(n_hits));
+            }
+        }
+        HS_MARK(7);
+        return;
+    }
+
+    // ---- Slow path: pack the slots (hits forward, evictable backward); flag the misses -------
+#pragma unroll
+    for (i32 c = 0; c < HS_CPT; ++c) {
+        const i32 pos = p0 + c;
+        if (pos < HS_H) {
+            const bool hit = (hflags >> c) & 1u;
+            order[hit ? hr : HS_H - 1 - (pos - hr)] = static_cast<i16>(slot_r[c]);
+            hr += hit;
         }
     }
     u32 mflags = 0;
     u32 dflags = 0;  // repeats of a miss first referenced by another entry
-    i32 out_r[HS_EPT];
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
-        out_r[e] = v_r[e];
-        if (v_r[e] <= -2) {
+        if ((cflags >> e) & 1u) {
             const i32 w = static_cast<i32>(static_cast<u32>(pairs[b_r[e]]));
             if (w == j0 + e) {
                 mflags |= 1u << e;
             } else if (w >= 0) {
                 dflags |= 1u << e;
             } else {
-                out_r[e] = hs_hot_row(htab, -w - 1);
+                out_r[e] = hs_hot_row(htab, -w - 1);  // held in a slot its hint did not name
             }
         }
     }
@@ -519,6 +571,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             const i32 s = order[HS_H - 1 - m];
             const i32 g = -2 - v_r[e];
             hot_map[qH + s] = g;
+            pos_slot[qP * HS_BS + t_r[e]] = static_cast<i16>(s);
             const i32 dev = hs_hot_row(htab, s);
             if (s_dup) reinterpret_cast<i32*>(&pairs[b_r[e]])[0] = -(s + 1);
             const i32 at = (r + rho_t) * HS_K + (m - mb);
@@ -569,14 +622,13 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     if (warp == 0) {
         const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
         const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
-        const i32 n_unique = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wuniq[lane] : 0);
         if (lane < n) {
             out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
             plan_counts[r + lane] = n > 1 ? s_rmiss[lane] : n_misses;
         }
         if (lane == 0) {
             if (n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
-            if (n_unique - n_misses) atomicAdd(&stats[1], static_cast<u64>(n_unique - n_misses));
+            if (n_hits) atomicAdd(&stats[1], static_cast<u64>(n_hits));
             if (n_misses) atomicAdd(&stats[2], static_cast<u64>(n_misses));
         }
     }

@@ -38,6 +38,10 @@ ENV_RESOLVE_CLUSTER = "HISPARSE_RESOLVE_CLUSTER"
 MAX_CLUSTER = 8
 #: Shared memory the version-2 resolver may take for a load factor of 1/4 (else 1/2).
 _RESOLVE2_SPARSE_HASH_LIMIT = 160 * 1024
+#: Version 4 copies a request's two page-table rows into shared memory up to this many bytes (else
+#: it gathers them per entry from global memory); overridable for tuning and tests.
+ENV_RESOLVE_TABLES_SMEM = "HISPARSE_RESOLVE_TABLES_SMEM"
+RESOLVE4_TABLES_SMEM_LIMIT = 32 * 1024
 #: Threads per block of the copy kernels, 16-byte loads each thread keeps in flight, and the load
 #: flavour (see cuda/common.cuh); each overridable by environment for tuning.
 ENV_COPY_THREADS = "HISPARSE_COPY_THREADS"
@@ -85,15 +89,17 @@ class ResolverShape:
     cluster: int = 1
     row_blocks: int = 1
     row_vec: int = 0
-    #: Version 4 is built for one geometry: (top_k, hot_rows, block_size, rows_per_request).
-    geometry: tuple[int, int, int, int] = (0, 0, 0, 0)
+    #: Version 4 is built for one geometry: (top_k, hot_rows, block_size, rows_per_request,
+    #: max_pages, page tables in shared memory).
+    geometry: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
 
     @property
     def build(self) -> KernelBuild:
         if self.version == GEOMETRY_RESOLVER_VERSION:
-            k, h, bs, rpr = self.geometry
+            k, h, bs, rpr, p, tsmem = self.geometry
             return KernelBuild.of("resolve4.cu", {"HS_NT": self.threads, "HS_K": k, "HS_H": h, "HS_BS": bs,
-                                                  "HS_RPR": rpr, "HS_TBITS": self.hash_bits})
+                                                  "HS_RPR": rpr, "HS_P": p, "HS_TSMEM": tsmem,
+                                                  "HS_TBITS": self.hash_bits})
         if self.version == 3:
             return KernelBuild.of("resolve3.cu", {"HS_NT": self.threads, "HS_C": self.cluster, "HS_CR": self.row_blocks,
                                                   "HS_EPT": self.entries_per_thread, "HS_CPT": self.lru_per_thread,
@@ -155,13 +161,17 @@ def resolver4_shape(config: RuntimeConfig, threads: int | None = None) -> Resolv
     if ept > 32 or cpt > 32:
         raise InvalidInputError(f"RuntimeConfig(top_k={k}, rows_per_request={rpr}, hot_rows={h}) needs more than "
                                 f"32 entries or LRU positions per thread of a 1024-thread block")
-    rest = 4 * h + 4 * config.hot_blocks + 2 * (h + (h & 1)) + 4 * -(-h // 4)  # hm, htab, order (i16), marks
+    p = config.max_pages
+    limit = os.environ.get(ENV_RESOLVE_TABLES_SMEM)
+    tsmem = 8 * -(-p // 4) * 4 <= (int(limit) if limit else RESOLVE4_TABLES_SMEM_LIMIT)
+    # page-table rows, hm, htab, order (i16), marks
+    rest = (8 * -(-p // 4) * 4 if tsmem else 0) + 4 * h + 4 * config.hot_blocks + 2 * (h + (h & 1)) + 4 * -(-h // 4)
     slots = _next_pow2(4 * union)
     if 8 * slots + rest > _RESOLVE2_SPARSE_HASH_LIMIT:
         slots = _next_pow2(2 * union)
     smem = 8 * slots + rest
     return ResolverShape(threads, ept, cpt, slots.bit_length() - 1, -(-smem // 16) * 16, rpr > 1,
-                         GEOMETRY_RESOLVER_VERSION, geometry=(k, h, bs, rpr))
+                         GEOMETRY_RESOLVER_VERSION, geometry=(k, h, bs, rpr, p, int(tsmem)))
 
 
 def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:

@@ -346,11 +346,15 @@ class NvidiaRuntime(CacheRuntime):
         cfg = self.config
         shape = self._shapes[0]
         if shape.version == GEOMETRY_RESOLVER_VERSION:
+            for name in ("topk", "source_table", "resident_table"):  # read with 16-byte vector loads
+                if getattr(inputs, name).data_ptr() % 16:
+                    raise InvalidInputError(f"inputs.{name} starts at an address that is not 16-byte aligned "
+                                            f"({getattr(inputs, name).data_ptr():#x}); pass a tensor of its own")
             args = self._state_args(inputs)
             args.insert(8, _ptr(self._pos_slot))
             self._k_resolvers[0].launch(
                 (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
-                [*args, _i32(b), _i32(cfg.max_pages),
+                [*args, _i32(b),
                  _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
                 overlap_previous=self._overlap)
             return

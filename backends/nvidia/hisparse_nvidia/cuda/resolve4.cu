@@ -32,8 +32,9 @@
 //            4 bytes)
 #include "common.cuh"
 
-#if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || !defined(HS_TBITS)
-#error "resolve4.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR and HS_TBITS"
+#if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || \
+    !defined(HS_P) || !defined(HS_TBITS) || !defined(HS_TSMEM)
+#error "resolve4.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR, HS_P, HS_TBITS and HS_TSMEM"
 #endif
 
 #define HS_NW (HS_NT / 32)
@@ -43,6 +44,7 @@
 #define HS_HB (HS_H / HS_BS)
 #define HS_T (1 << HS_TBITS)
 #define HS_EMPTY 0xffffffffffffffffull
+#define HS_PT (HS_TSMEM ? (HS_P + 3) / 4 * 4 : 0)  // i32 of each page-table row in shared memory
 
 static_assert(HS_NT % 32 == 0 && HS_NT <= 1024, "threads per block");
 static_assert(HS_NW <= 32, "warp totals are reduced by one warp");
@@ -148,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32* __restrict__ plan_device,           // [Bmax, K]
     i32* __restrict__ plan_counts,           // [Bmax]
     u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
-    i32 B, i32 P,
+    i32 B,
     u64* __restrict__ prof) {                // diagnostics: phase clocks of block 0, or null
     // Programmatic dependent launch: wait for the previous kernel of the stream before touching
     // memory, then let the gather that follows start its launch (it waits for this grid).
@@ -197,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     } else {
         n = hs_group_at(row_state, r, B, HS_RPR, q);
     }
+    HS_MARK(8);
     if (n < 0) return;  // written by the block of the group's first row
     if (q < 0) {        // padding row (or past B): -1 everywhere, counts 0
         const i32 m1[4] = {-1, -1, -1, -1};
@@ -223,7 +226,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 
     extern __shared__ __align__(16) unsigned char hs_smem[];
     u64* pairs = reinterpret_cast<u64*>(hs_smem);
-    i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
+    i32* rtab = reinterpret_cast<i32*>(pairs + HS_T);  // resident_table row (HS_TSMEM builds)
+    i32* stab = rtab + HS_PT;                           // source_table row (HS_TSMEM builds)
+    i32* hm = stab + HS_PT;
     i32* htab = hm + HS_H;
     i16* order = reinterpret_cast<i16*>(htab + HS_HB);
     unsigned char* mark = reinterpret_cast<unsigned char*>(order + HS_H + (HS_H & 1));
@@ -235,13 +240,16 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     __shared__ i32 s_rvalid[HS_RPR];  // per group row (multi-row builds)
     __shared__ i32 s_rmiss[HS_RPR];
     __shared__ i32 s_dup;
+    __shared__ i32 s_any_host;
 
     const i32 total = n * HS_K;
-    const i32 qH = q * HS_H;  // < 2^31: checked by the host (max_requests * hot_rows)
-    const i32 qP = q * P;     // likewise max_requests * max_pages * block_size
+    const i32 qH = q * HS_H;   // < 2^31: checked by the host (max_requests * hot_rows)
+    const i32 qP = q * HS_P;   // likewise max_requests * max_pages * block_size
     const i32 p0 = tid * HS_CPT;
 
-    // ---- Round trip 2: LRU order, hot map, hot_table row, page tables and hints of every entry -
+    // ---- Round trip 2: LRU order, hot map, hot_table row, page-table rows, hints --------------
+    // Everything but the hints is read coalesced; the page tables go to shared memory whole
+    // (HS_TSMEM), since gathering them per entry costs a cache line per lane.
     i32 slot_r[HS_CPT];
 #pragma unroll
     for (i32 c = 0; c < HS_CPT; c += HS_LV) {
@@ -252,7 +260,6 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             for (i32 v = 0; v < HS_LV; ++v) slot_r[c + v] = 0;
         }
     }
-    // The hot map in slot order, 4 slots a thread a round when H allows (coalesced).
     constexpr i32 HMV = HS_H % 4 == 0 ? 4 : 1;
     constexpr i32 HM_ROUNDS = (HS_H / HMV + HS_NT - 1) / HS_NT;
     i32 hm_r[HM_ROUNDS * HMV];
@@ -262,20 +269,33 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         if (i < HS_H) hs_ld_i32<HMV>(hot_map + qH + i, hm_r + c * HMV);
     }
     const i32 ht = tid < HS_HB ? hot_table[q * HS_HB + tid] : 0;
-    i32 res_r[HS_EPT];
-    i32 src_r[HS_EPT];
+    constexpr i32 PV = HS_P % 4 == 0 ? 4 : 1;
+    constexpr i32 P_ROUNDS = HS_TSMEM ? (HS_P / PV + HS_NT - 1) / HS_NT : 0;
+    i32 rt_r[P_ROUNDS * PV + 1];
+    i32 st_r[P_ROUNDS * PV + 1];
+#pragma unroll
+    for (i32 c = 0; c < P_ROUNDS; ++c) {
+        const i32 i = (c * HS_NT + tid) * PV;
+        if (i < HS_P) {
+            hs_ld_i32<PV>(resident_table + qP + i, rt_r + c * PV);
+            hs_ld_i32<PV>(source_table + qP + i, st_r + c * PV);
+        }
+    }
     i32 hint_r[HS_EPT];
+    i32 res_r[HS_EPT];  // global gathers (builds without HS_TSMEM)
+    i32 src_r[HS_EPT];
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
-        const i32 j = j0 + e;
         const i32 t = t_r[e];
+        hint_r[e] = -1;
         res_r[e] = -1;
         src_r[e] = -1;
-        hint_r[e] = -1;
-        if (j < total && t >= 0 && t < len_r[e] && t / HS_BS < P) {
-            res_r[e] = resident_table[qP + t / HS_BS];
-            src_r[e] = source_table[qP + t / HS_BS];
+        if (j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P) {
             hint_r[e] = pos_slot[qP * HS_BS + t];
+            if constexpr (!HS_TSMEM) {
+                res_r[e] = resident_table[qP + t / HS_BS];
+                src_r[e] = source_table[qP + t / HS_BS];
+            }
         }
     }
     // Empty buckets and marks while the loads are in flight.
@@ -292,7 +312,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             if (c * HS_NT + tid < MW) mv[c * HS_NT + tid] = 0u;
         }
     }
-    if (tid == 0) s_dup = 0;
+    if (tid == 0) {
+        s_dup = 0;
+        s_any_host = 0;
+    }
     if (HS_RPR > 1 && tid < HS_RPR) {
         s_rvalid[tid] = 0;
         s_rmiss[tid] = 0;
@@ -305,32 +328,16 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     if (tid < HS_HB) htab[tid] = ht;
 #pragma unroll 1
     for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
-
-    // Classify: output row if resident, -1 if masked or null, -(2 + host row) for a host entry.
-    i32 v_r[HS_EPT];
-    u32 vflags = 0;
-    i32 n_res_t = 0;
-    bool any_host_t = false;
 #pragma unroll
-    for (i32 e = 0; e < HS_EPT; ++e) {
-        const i32 o = t_r[e] % HS_BS;
-        const i32 res = res_r[e];
-        const i32 src = src_r[e];
-        const i32 v = res >= 0 ? res * HS_BS + o : (src >= 0 ? -2 - (src * HS_BS + o) : -1);
-        v_r[e] = v;
-        if (v != -1) vflags |= 1u << e;
-        n_res_t += v >= 0;
-        any_host_t |= v <= -2;
-    }
-    {
-        const i32 wv = __reduce_add_sync(HS_FULL_MASK, __popc(vflags));
-        const i32 wr = __reduce_add_sync(HS_FULL_MASK, n_res_t);
-        if (lane == 0) {
-            s_wvalid[warp] = wv;
-            s_wres[warp] = wr;
+    for (i32 c = 0; c < P_ROUNDS; ++c) {
+        const i32 i = (c * HS_NT + tid) * PV;
+        if (i < HS_P) {
+            hs_st_i32<PV>(rtab + i, rt_r + c * PV);
+            hs_st_i32<PV>(stab + i, st_r + c * PV);
         }
     }
-    const bool any_host = __syncthreads_or(any_host_t);  // barrier 1
+    HS_MARK(9);
+    __syncthreads();  // barrier 1
     HS_MARK(1);
     const i32 base = r * HS_K;  // < 2^31: checked by the host (max_batch_rows * top_k)
 
@@ -350,46 +357,35 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 #pragma unroll
     for (i32 v = 0; v < HS_EV; ++v) pad[v] = -1;
 
-    if (!any_host) {
-        // ---- Resident fast path: nothing touches the hot state ------------------------------
-        if constexpr (HS_RPR > 1) {
-            if (n > 1) {
-                row_sums(vflags, s_rvalid);
-                __syncthreads();
-            }
-        }
-#pragma unroll
-        for (i32 e = 0; e < HS_EPT; e += HS_EV) {
-            const i32 j = j0 + e;
-            if (j < total) {
-                hs_st_i32<HS_EV>(out_rows + base + j, v_r + e);
-                hs_st_i32<HS_EV>(plan_host + base + j, pad);
-                hs_st_i32<HS_EV>(plan_device + base + j, pad);
-            }
-        }
-        if (warp == 0) {
-            const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
-            const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
-            if (lane < n) {
-                out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
-                plan_counts[r + lane] = 0;
-            }
-            if (lane == 0 && n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
-        }
-        HS_MARK(7);
-        return;
-    }
-
-    // ---- Hints: an entry whose hinted slot holds its row is a hit; the rest are hashed --------
+    // ---- Classify; a host entry whose hinted slot holds its row is a hit, the rest are hashed --
+    // v: the output row if resident, -1 if masked or null, -(2 + host row) for a host entry.
+    i32 v_r[HS_EPT];
     i32 out_r[HS_EPT];
     u32 b_r[HS_EPT];
+    u32 vflags = 0;
     u32 cflags = 0;  // candidates
+    i32 n_res_t = 0;
+    bool any_host_t = false;
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
-        out_r[e] = v_r[e];
+        const i32 t = t_r[e];
+        i32 res = res_r[e];
+        i32 src = src_r[e];
+        if constexpr (HS_TSMEM) {
+            if (j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P) {
+                res = rtab[t / HS_BS];
+                src = stab[t / HS_BS];
+            }
+        }
+        const i32 o = t % HS_BS;
+        const i32 v = res >= 0 ? res * HS_BS + o : (src >= 0 ? -2 - (src * HS_BS + o) : -1);
+        v_r[e] = v;
+        out_r[e] = v;
         b_r[e] = 0;
-        const i32 v = v_r[e];
+        if (v != -1) vflags |= 1u << e;
+        n_res_t += v >= 0;
         if (v <= -2) {
+            any_host_t = true;
             const i32 g = -2 - v;
             const i32 s = hint_r[e];
             if (static_cast<u32>(s) < static_cast<u32>(HS_H) && hm[s] == g) {
@@ -413,11 +409,44 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             }
         }
     }
+    {
+        const i32 wv = __reduce_add_sync(HS_FULL_MASK, __popc(vflags));
+        const i32 wr = __reduce_add_sync(HS_FULL_MASK, n_res_t);
+        if (lane == 0) {
+            s_wvalid[warp] = wv;
+            s_wres[warp] = wr;
+        }
+    }
+    if (any_host_t) s_any_host = 1;
     if constexpr (HS_RPR > 1) {
         if (n > 1) row_sums(vflags, s_rvalid);
     }
     const bool any_cand = __syncthreads_or(cflags != 0);  // barrier 2
     HS_MARK(2);
+
+    if (!s_any_host) {
+        // ---- Resident fast path: nothing touches the hot state ------------------------------
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; e += HS_EV) {
+            const i32 j = j0 + e;
+            if (j < total) {
+                hs_st_i32<HS_EV>(out_rows + base + j, v_r + e);
+                hs_st_i32<HS_EV>(plan_host + base + j, pad);
+                hs_st_i32<HS_EV>(plan_device + base + j, pad);
+            }
+        }
+        if (warp == 0) {
+            const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
+            const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
+            if (lane < n) {
+                out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
+                plan_counts[r + lane] = 0;
+            }
+            if (lane == 0 && n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
+        }
+        HS_MARK(7);
+        return;
+    }
 
     // ---- Walk the LRU order: hit slots are the marked ones, and (slow path) held slots whose row
     // is a candidate. The first two buckets of a lookup are read together (load factor <= 1/2).
@@ -481,10 +510,12 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             const i32 pos = p0 + c;
             if (pos < HS_H) {
                 const bool hit = (hflags >> c) & 1u;
-                lru[qH + (hit ? HS_H - n_hits + hr : pos - hr)] = static_cast<i16>(slot_r[c]);
+                const i32 to = hit ? HS_H - n_hits + hr : pos - hr;
+                if (to != pos) lru[qH + to] = static_cast<i16>(slot_r[c]);  // unchanged positions stay
                 hr += hit;
             }
         }
+        HS_MARK(10);
 #pragma unroll
         for (i32 e = 0; e < HS_EPT; e += HS_EV) {
             const i32 j = j0 + e;
@@ -494,6 +525,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
                 hs_st_i32<HS_EV>(plan_device + base + j, pad);
             }
         }
+        HS_MARK(11);
         if (warp == 0) {
             const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
             const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);

@@ -74,12 +74,14 @@ for b in all_builds_for_ci():
 tests)
     run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
-tests_variants)  # the resolver tests again: v4 gathering the page tables from global memory, and
-    # the earlier resolvers: v2, v3 with its own shape choice (the tests' small batches pick the
-    # widest cluster) and with one block per group row
+tests_variants)  # the resolver tests again on other builds: v4 without bulk copies, v4 gathering the
+    # page tables and hints per entry, v2, v3 with its own shape choice (the tests' small batches
+    # pick the widest cluster) and v3 with one block per group row. VARIANTS (';'-separated) overrides.
+    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_BULK=0;HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVER=2;HISPARSE_RESOLVER=3;HISPARSE_RESOLVER=3 HISPARSE_RESOLVE_CLUSTER=1"}
     run tests_variants "${T_TESTS:-200}" bash -c '
         set -u; rc=0; T="tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py"
-        for v in "HISPARSE_RESOLVE_TABLES_SMEM=0" "HISPARSE_RESOLVER=2" "HISPARSE_RESOLVER=3" "HISPARSE_RESOLVER=3 HISPARSE_RESOLVE_CLUSTER=1"; do
+        IFS=";" read -ra VS <<< "$VARIANTS"
+        for v in "${VS[@]}"; do
             echo "--- $v"; env $v python3 -m pytest -q -rs --maxfail=5 -p no:cacheprovider $T || rc=1
         done; exit $rc'
     ;;

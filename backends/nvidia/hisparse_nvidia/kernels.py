@@ -38,10 +38,11 @@ ENV_RESOLVE_CLUSTER = "HISPARSE_RESOLVE_CLUSTER"
 MAX_CLUSTER = 8
 #: Shared memory the version-2 resolver may take for a load factor of 1/4 (else 1/2).
 _RESOLVE2_SPARSE_HASH_LIMIT = 160 * 1024
-#: Version 4 copies a request's two page-table rows into shared memory up to this many bytes (else
-#: it gathers them per entry from global memory); overridable for tuning and tests.
-ENV_RESOLVE_TABLES_SMEM = "HISPARSE_RESOLVE_TABLES_SMEM"
-RESOLVE4_TABLES_SMEM_LIMIT = 32 * 1024
+#: Shared memory version 4 may fill with optional rows (page tables, position hints; otherwise
+#: gathered per entry), and "0" to turn its bulk copies off; both for tuning and tests.
+ENV_RESOLVE_SMEM = "HISPARSE_RESOLVE_SMEM"
+ENV_RESOLVE_BULK = "HISPARSE_RESOLVE_BULK"
+RESOLVE4_SMEM_BUDGET = 200 * 1024
 #: Threads per block of the copy kernels, 16-byte loads each thread keeps in flight, and the load
 #: flavour (see cuda/common.cuh); each overridable by environment for tuning.
 ENV_COPY_THREADS = "HISPARSE_COPY_THREADS"
@@ -89,17 +90,14 @@ class ResolverShape:
     cluster: int = 1
     row_blocks: int = 1
     row_vec: int = 0
-    #: Version 4 is built for one geometry: (top_k, hot_rows, block_size, rows_per_request,
-    #: max_pages, page tables in shared memory).
-    geometry: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0)
+    #: Version 4 is built for one geometry: its -D definitions beyond the thread count and hash size
+    #: (sizes of the RuntimeConfig and which rows it copies into shared memory).
+    defines: tuple[tuple[str, int], ...] = ()
 
     @property
     def build(self) -> KernelBuild:
         if self.version == GEOMETRY_RESOLVER_VERSION:
-            k, h, bs, rpr, p, tsmem = self.geometry
-            return KernelBuild.of("resolve4.cu", {"HS_NT": self.threads, "HS_K": k, "HS_H": h, "HS_BS": bs,
-                                                  "HS_RPR": rpr, "HS_P": p, "HS_TSMEM": tsmem,
-                                                  "HS_TBITS": self.hash_bits})
+            return KernelBuild.of("resolve4.cu", {"HS_NT": self.threads, "HS_TBITS": self.hash_bits, **dict(self.defines)})
         if self.version == 3:
             return KernelBuild.of("resolve3.cu", {"HS_NT": self.threads, "HS_C": self.cluster, "HS_CR": self.row_blocks,
                                                   "HS_EPT": self.entries_per_thread, "HS_CPT": self.lru_per_thread,
@@ -110,7 +108,7 @@ class ResolverShape:
     @property
     def static_smem(self) -> int:
         if self.version == GEOMETRY_RESOLVER_VERSION:  # five per-warp counters, two per-row counters
-            return 4 * 5 * (self.threads // 32) + 8 * self.geometry[3] + _RESOLVE_STATIC_SMEM_SLACK
+            return 4 * 4 * (self.threads // 32) + 8 * dict(self.defines)["HS_RPR"] + 16 + _RESOLVE_STATIC_SMEM_SLACK
         if self.version == 3:  # per-warp partials of every block: int4 + three i32 arrays
             return 28 * self.cluster * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK
         return 4 * 5 * (self.threads // 32) + _RESOLVE_STATIC_SMEM_SLACK  # five per-warp counter arrays
@@ -139,16 +137,22 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, version: i
                          -(-smem // 16) * 16, config.rows_per_request > 1, 2)
 
 
-def resolver4_shape(config: RuntimeConfig, threads: int | None = None) -> ResolverShape:
-    """The version-4 resolver's launch shape for `config`: one block per group, 1024 threads for
-    the production sizes (a thread holds about one top-k entry and two LRU positions, or more once
-    a block has 1024 threads), hash buckets for a load factor of 1/4 (1/2 when shared memory would
-    pass 160 KB). The kernel's index arithmetic is 32-bit, so the tables it addresses must stay
-    below 2^31 entries."""
-    rpr, k, h, bs = config.rows_per_request, config.top_k, config.hot_rows, config.block_size
+def resolver4_shape(config: RuntimeConfig, threads: int | None = None, arch: int = 90,
+                    max_smem: int = RESOLVE4_SMEM_BUDGET) -> ResolverShape:
+    """The version-4 resolver's launch shape for `config` on a device of compute capability `arch`.
+
+    One block per group: 1024 threads for the production sizes (a thread holds about one top-k
+    entry and two LRU positions, or more once a block has 1024 threads); hash buckets for a load
+    factor of at most 1/2 (only hint misses are hashed). On sm_90 and newer the request's rows
+    (hot map, LRU order, page tables, position hints) are copied into shared memory with the bulk
+    copy engine when their sizes are multiples of 16 bytes; the page tables and the hints only
+    while shared memory stays within `max_smem` (else they are gathered per entry). The kernel's
+    index arithmetic is 32-bit, so the tables it addresses must stay below 2^31 entries.
+    """
+    rpr, k, h, bs, p = config.rows_per_request, config.top_k, config.hot_rows, config.block_size, config.max_pages
     union = rpr * k
     for name, n in (("max_requests * hot_rows", config.max_requests * h),
-                    ("max_requests * max_pages * block_size", config.max_requests * config.max_pages * bs),
+                    ("max_requests * max_pages * block_size", config.max_requests * p * bs),
                     ("max_batch_rows * top_k", config.max_batch_rows * k)):
         if n >= 2**31:
             raise InvalidInputError(f"{name} = {n} must stay below 2^31 for the resolver's 32-bit indexing")
@@ -161,17 +165,22 @@ def resolver4_shape(config: RuntimeConfig, threads: int | None = None) -> Resolv
     if ept > 32 or cpt > 32:
         raise InvalidInputError(f"RuntimeConfig(top_k={k}, rows_per_request={rpr}, hot_rows={h}) needs more than "
                                 f"32 entries or LRU positions per thread of a 1024-thread block")
-    p = config.max_pages
-    limit = os.environ.get(ENV_RESOLVE_TABLES_SMEM)
-    tsmem = 8 * -(-p // 4) * 4 <= (int(limit) if limit else RESOLVE4_TABLES_SMEM_LIMIT)
-    # page-table rows, hm, htab, order (i16), marks
-    rest = (8 * -(-p // 4) * 4 if tsmem else 0) + 4 * h + 4 * config.hot_blocks + 2 * (h + (h & 1)) + 4 * -(-h // 4)
-    slots = _next_pow2(4 * union)
-    if 8 * slots + rest > _RESOLVE2_SPARSE_HASH_LIMIT:
-        slots = _next_pow2(2 * union)
-    smem = 8 * slots + rest
-    return ResolverShape(threads, ept, cpt, slots.bit_length() - 1, -(-smem // 16) * 16, rpr > 1,
-                         GEOMETRY_RESOLVER_VERSION, geometry=(k, h, bs, rpr, p, int(tsmem)))
+    budget_env = os.environ.get(ENV_RESOLVE_SMEM)
+    max_smem = int(budget_env) if budget_env else max_smem
+    bulk_env = os.environ.get(ENV_RESOLVE_BULK)
+    bulk = arch >= 90 and h % 8 == 0 and (bulk_env != "0")
+    slots = max(4, _next_pow2(2 * union))
+    # pairs, hm, htab, order (i16, padded), marks (padded), the LRU row (bulk builds)
+    smem = 8 * slots + 4 * h + 4 * config.hot_blocks + 2 * (h + (h & 1)) + 4 * -(-h // 4) + (2 * h if bulk else 0)
+    smem = -(-smem // 16) * 16
+    hints = bulk and (p * bs) % 8 == 0 and smem + 2 * p * bs <= max_smem
+    smem += 2 * p * bs if hints else 0
+    tables = bulk and p % 4 == 0 and smem + 8 * p <= max_smem
+    smem += 8 * p if tables else 0
+    defines = (("HS_K", k), ("HS_H", h), ("HS_BS", bs), ("HS_RPR", rpr), ("HS_P", p), ("HS_BULK", int(bulk)),
+               ("HS_TSMEM", int(tables)), ("HS_HSMEM", int(hints)))
+    return ResolverShape(threads, ept, cpt, slots.bit_length() - 1, smem, rpr > 1, GEOMETRY_RESOLVER_VERSION,
+                         defines=defines)
 
 
 def cluster_resolver_shapes(config: RuntimeConfig) -> list[ResolverShape]:
@@ -284,6 +293,7 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds |= {resolver_shape(prod, t).build for t in (256, 512)}
     builds |= {s.build for c in (small, prod, mtp) for s in cluster_resolver_shapes(c)}
     builds |= {resolver4_shape(c).build for c in (small, prod, mtp)}
+    builds |= {resolver4_shape(prod, arch=80).build, resolver4_shape(prod, max_smem=0).build}  # no bulk; gathers
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)

@@ -33,8 +33,11 @@
 #include "common.cuh"
 
 #if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || \
-    !defined(HS_P) || !defined(HS_TBITS) || !defined(HS_TSMEM)
-#error "resolve4.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR, HS_P, HS_TBITS and HS_TSMEM"
+    !defined(HS_P) || !defined(HS_TBITS) || !defined(HS_BULK) || !defined(HS_TSMEM) || !defined(HS_HSMEM)
+#error "resolve4.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR, HS_P, HS_TBITS, HS_BULK, HS_TSMEM and HS_HSMEM"
+#endif
+#if (HS_TSMEM || HS_HSMEM) && !HS_BULK
+#error "page tables and hints reach shared memory only by bulk copies"
 #endif
 
 #define HS_NW (HS_NT / 32)
@@ -44,7 +47,6 @@
 #define HS_HB (HS_H / HS_BS)
 #define HS_T (1 << HS_TBITS)
 #define HS_EMPTY 0xffffffffffffffffull
-#define HS_PT (HS_TSMEM ? (HS_P + 3) / 4 * 4 : 0)  // i32 of each page-table row in shared memory
 
 static_assert(HS_NT % 32 == 0 && HS_NT <= 1024, "threads per block");
 static_assert(HS_NW <= 32, "warp totals are reduced by one warp");
@@ -129,6 +131,38 @@ __device__ __forceinline__ i32 hs_block_prefix(const i32* totals, i32& total) {
     total = __reduce_add_sync(HS_FULL_MASK, x);
     return __reduce_add_sync(HS_FULL_MASK, lane < (static_cast<i32>(threadIdx.x) >> 5) ? x : 0);
 }
+
+__device__ __forceinline__ u32 hs_smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+template <int N>
+__device__ __forceinline__ void hs_lds_i16(const i16* p, i32* v) {
+    hs_ld_i16<N>(p, v);  // the same vector widths serve shared memory
+}
+
+#if HS_BULK
+// Copy engine (TMA) load of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
+// into shared memory, counted on the mbarrier `bar`; issued by one thread, in 32 KB pieces.
+__device__ __forceinline__ void hs_bulk_load(void* dst, const void* src, u32 bytes, u32 bar) {
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    const u32 d = hs_smem_u32(dst);
+#pragma unroll 1
+    for (u32 off = 0; off < bytes; off += 32768u) {
+        const u32 n = bytes - off < 32768u ? bytes - off : 32768u;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(d + off), "l"(s + off), "r"(n), "r"(bar) : "memory");
+    }
+}
+
+__device__ __forceinline__ void hs_bulk_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
+}
+#endif
 
 __device__ __forceinline__ i32 hs_hot_row(const i32* htab, i32 s) {
     return htab[s / HS_BS] * HS_BS + s % HS_BS;
@@ -226,10 +260,12 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 
     extern __shared__ __align__(16) unsigned char hs_smem[];
     u64* pairs = reinterpret_cast<u64*>(hs_smem);
-    i32* rtab = reinterpret_cast<i32*>(pairs + HS_T);  // resident_table row (HS_TSMEM builds)
-    i32* stab = rtab + HS_PT;                           // source_table row (HS_TSMEM builds)
-    i32* hm = stab + HS_PT;
-    i32* htab = hm + HS_H;
+    i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
+    i16* lru_s = reinterpret_cast<i16*>(hm + HS_H);                    // HS_BULK builds
+    i16* hints = lru_s + (HS_BULK ? HS_H : 0);                         // HS_HSMEM builds
+    i32* rtab = reinterpret_cast<i32*>(hints + (HS_HSMEM ? HS_P * HS_BS : 0));  // HS_TSMEM builds
+    i32* stab = rtab + (HS_TSMEM ? HS_P : 0);
+    i32* htab = stab + (HS_TSMEM ? HS_P : 0);
     i16* order = reinterpret_cast<i16*>(htab + HS_HB);
     unsigned char* mark = reinterpret_cast<unsigned char*>(order + HS_H + (HS_H & 1));
 
@@ -247,9 +283,35 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32 qP = q * HS_P;   // likewise max_requests * max_pages * block_size
     const i32 p0 = tid * HS_CPT;
 
-    // ---- Round trip 2: LRU order, hot map, hot_table row, page-table rows, hints --------------
-    // Everything but the hints is read coalesced; the page tables go to shared memory whole
-    // (HS_TSMEM), since gathering them per entry costs a cache line per lane.
+    // ---- Round trip 2: hot map, LRU order, page tables, position hints, hot_table row ---------
+    // Bulk builds have the copy engine move the request's rows into shared memory (no load or
+    // store instructions of their own); the rest read them with coalesced loads. Rows that do
+    // not fit (page tables, hints) are gathered per entry, at a cache line a lane.
+#if HS_BULK
+    __shared__ __align__(8) u64 s_bulk_bar;  // counts the bulk copies' bytes
+    const u32 bar = hs_smem_u32(&s_bulk_bar);
+    if (tid == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        constexpr u32 bytes = 4 * HS_H + 2 * HS_H + (HS_HSMEM ? 2 * HS_P * HS_BS : 0) + (HS_TSMEM ? 8 * HS_P : 0);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+        hs_bulk_load(hm, hot_map + qH, 4 * HS_H, bar);
+        hs_bulk_load(lru_s, lru + qH, 2 * HS_H, bar);
+        if constexpr (HS_HSMEM) hs_bulk_load(hints, pos_slot + qP * HS_BS, 2 * HS_P * HS_BS, bar);
+        if constexpr (HS_TSMEM) {
+            hs_bulk_load(rtab, resident_table + qP, 4 * HS_P, bar);
+            hs_bulk_load(stab, source_table + qP, 4 * HS_P, bar);
+        }
+    }
+#else
+    constexpr i32 HMV = HS_H % 4 == 0 ? 4 : 1;
+    constexpr i32 HM_ROUNDS = (HS_H / HMV + HS_NT - 1) / HS_NT;
+    i32 hm_r[HM_ROUNDS * HMV];
+#pragma unroll
+    for (i32 c = 0; c < HM_ROUNDS; ++c) {
+        const i32 i = (c * HS_NT + tid) * HMV;
+        if (i < HS_H) hs_ld_i32<HMV>(hot_map + qH + i, hm_r + c * HMV);
+    }
     i32 slot_r[HS_CPT];
 #pragma unroll
     for (i32 c = 0; c < HS_CPT; c += HS_LV) {
@@ -260,29 +322,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             for (i32 v = 0; v < HS_LV; ++v) slot_r[c + v] = 0;
         }
     }
-    constexpr i32 HMV = HS_H % 4 == 0 ? 4 : 1;
-    constexpr i32 HM_ROUNDS = (HS_H / HMV + HS_NT - 1) / HS_NT;
-    i32 hm_r[HM_ROUNDS * HMV];
-#pragma unroll
-    for (i32 c = 0; c < HM_ROUNDS; ++c) {
-        const i32 i = (c * HS_NT + tid) * HMV;
-        if (i < HS_H) hs_ld_i32<HMV>(hot_map + qH + i, hm_r + c * HMV);
-    }
+#endif
     const i32 ht = tid < HS_HB ? hot_table[q * HS_HB + tid] : 0;
-    constexpr i32 PV = HS_P % 4 == 0 ? 4 : 1;
-    constexpr i32 P_ROUNDS = HS_TSMEM ? (HS_P / PV + HS_NT - 1) / HS_NT : 0;
-    i32 rt_r[P_ROUNDS * PV + 1];
-    i32 st_r[P_ROUNDS * PV + 1];
-#pragma unroll
-    for (i32 c = 0; c < P_ROUNDS; ++c) {
-        const i32 i = (c * HS_NT + tid) * PV;
-        if (i < HS_P) {
-            hs_ld_i32<PV>(resident_table + qP + i, rt_r + c * PV);
-            hs_ld_i32<PV>(source_table + qP + i, st_r + c * PV);
-        }
-    }
-    i32 hint_r[HS_EPT];
-    i32 res_r[HS_EPT];  // global gathers (builds without HS_TSMEM)
+    i32 hint_r[HS_EPT];  // gathered (builds without HS_HSMEM)
+    i32 res_r[HS_EPT];   // gathered (builds without HS_TSMEM)
     i32 src_r[HS_EPT];
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
@@ -291,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         res_r[e] = -1;
         src_r[e] = -1;
         if (j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P) {
-            hint_r[e] = pos_slot[qP * HS_BS + t];
+            if constexpr (!HS_HSMEM) hint_r[e] = pos_slot[qP * HS_BS + t];
             if constexpr (!HS_TSMEM) {
                 res_r[e] = resident_table[qP + t / HS_BS];
                 src_r[e] = source_table[qP + t / HS_BS];
@@ -320,24 +363,31 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         s_rvalid[tid] = 0;
         s_rmiss[tid] = 0;
     }
+#if !HS_BULK
 #pragma unroll
     for (i32 c = 0; c < HM_ROUNDS; ++c) {
         const i32 i = (c * HS_NT + tid) * HMV;
         if (i < HS_H) hs_st_i32<HMV>(hm + i, hm_r + c * HMV);
     }
+#endif
     if (tid < HS_HB) htab[tid] = ht;
 #pragma unroll 1
     for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
-#pragma unroll
-    for (i32 c = 0; c < P_ROUNDS; ++c) {
-        const i32 i = (c * HS_NT + tid) * PV;
-        if (i < HS_P) {
-            hs_st_i32<PV>(rtab + i, rt_r + c * PV);
-            hs_st_i32<PV>(stab + i, st_r + c * PV);
-        }
-    }
     HS_MARK(9);
     __syncthreads();  // barrier 1
+#if HS_BULK
+    hs_bulk_wait(bar, 0);
+    i32 slot_r[HS_CPT];
+#pragma unroll
+    for (i32 c = 0; c < HS_CPT; c += HS_LV) {
+        if (p0 + c < HS_H) {
+            hs_lds_i16<HS_LV>(lru_s + p0 + c, slot_r + c);
+        } else {
+#pragma unroll
+            for (i32 v = 0; v < HS_LV; ++v) slot_r[c + v] = 0;
+        }
+    }
+#endif
     HS_MARK(1);
     const i32 base = r * HS_K;  // < 2^31: checked by the host (max_batch_rows * top_k)
 
@@ -369,10 +419,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 t = t_r[e];
+        const bool in_range = j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P;
         i32 res = res_r[e];
         i32 src = src_r[e];
         if constexpr (HS_TSMEM) {
-            if (j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P) {
+            if (in_range) {
                 res = rtab[t / HS_BS];
                 src = stab[t / HS_BS];
             }
@@ -387,7 +438,8 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         if (v <= -2) {
             any_host_t = true;
             const i32 g = -2 - v;
-            const i32 s = hint_r[e];
+            i32 s = hint_r[e];
+            if constexpr (HS_HSMEM) s = hints[t];
             if (static_cast<u32>(s) < static_cast<u32>(HS_H) && hm[s] == g) {
                 mark[s] = 1;
                 out_r[e] = hs_hot_row(htab, s);

@@ -40,6 +40,10 @@ MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV
 V2 = {"HISPARSE_RESOLVER": "2"}
 V3 = {"HISPARSE_RESOLVER": "3"}
 V3_WIDTHS = [{"HISPARSE_RESOLVER": "3", "HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 8)]
+# The default resolver with fewer threads per block (more entries and LRU positions per thread),
+# with the page tables and position hints gathered per entry, and without bulk copies.
+V4_THREADS = [{"HISPARSE_RESOLVE_THREADS": str(t)} for t in (512, 256)]
+V4_VARIANTS = [*V4_THREADS, {"HISPARSE_RESOLVE_SMEM": "0"}, {"HISPARSE_RESOLVE_BULK": "0"}]
 
 
 @dataclass
@@ -288,13 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         ok = info["misses"] == 0 and us <= target
         rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor, f"<= {target} us", sglang,
                         ok, f"misses={info['misses']} cluster={info['shape']['cluster']}", info))
-        for env in (V2, *V3_WIDTHS):
+        for env in (*V4_VARIANTS, V2, *V3_WIDTHS):
             us2, info2 = bench.hits(b, env)
             rows.append(Row(tag(env), b, us2, "graph node floor", floor, "-", "-", None,
                             f"misses={info2['misses']}", info2))
 
     variants = [dict(v.split("=") for v in spec.split(",")) for spec in args.variant]
-    for env in [None, V2, V3, *variants]:
+    for env in [None, V4_THREADS[0], V2, V3, *variants]:
         name = None if env is None else tag(env)
         us, gus, cus, info = bench.misses(1, MISSES, 32, env)
         rows.append(Row(name or "274 misses, resolve+gather", 1, us, "contiguous pinned copy", cus, "<= 10 us",
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us", "-",
                     us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, f"cluster={info['shape']['cluster']}",
                     info))
-    for env in (V2, *V3_WIDTHS):
+    for env in (*V4_VARIANTS, V2, *V3_WIDTHS):
         us, info = bench.resident(64, gather=False, env=env)
         rows.append(Row(tag(env), 64, us, "graph node floor", floor, "-", "-", None, "", info))
     us, info = bench.resident(64, gather=True)

@@ -41,9 +41,9 @@ V2 = {"HISPARSE_RESOLVER": "2"}
 V3 = {"HISPARSE_RESOLVER": "3"}
 V3_WIDTHS = [{"HISPARSE_RESOLVER": "3", "HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 8)]
 # The default resolver with fewer threads per block (more entries and LRU positions per thread),
-# with the page tables and position hints gathered per entry, and without bulk copies.
-V4_THREADS = [{"HISPARSE_RESOLVE_THREADS": str(t)} for t in (512, 256)]
-V4_VARIANTS = [*V4_THREADS, {"HISPARSE_RESOLVE_SMEM": "0"}, {"HISPARSE_RESOLVE_BULK": "0"}]
+# with the position hints gathered per entry, and with the page tables gathered too.
+V4_THREADS = [{"HISPARSE_RESOLVE_THREADS": str(t)} for t in (512,)]
+V4_VARIANTS = [*V4_THREADS, {"HISPARSE_RESOLVE_SMEM": str(100 * 1024)}, {"HISPARSE_RESOLVE_SMEM": "0"}]
 
 
 @dataclass

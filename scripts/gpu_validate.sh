@@ -74,10 +74,10 @@ for b in all_builds_for_ci():
 tests)
     run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
-tests_variants)  # the resolver tests again on other builds: v4 without bulk copies, v4 gathering the
-    # page tables and hints per entry, v2, v3 with its own shape choice (the tests' small batches
+tests_variants)  # the resolver tests again on other builds: v4 gathering the page tables and
+    # hints per entry, v2, v3 with its own shape choice (the tests' small batches
     # pick the widest cluster) and v3 with one block per group row. VARIANTS (';'-separated) overrides.
-    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_BULK=0;HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVER=2;HISPARSE_RESOLVER=3;HISPARSE_RESOLVER=3 HISPARSE_RESOLVE_CLUSTER=1"}
+    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVER=2;HISPARSE_RESOLVER=3;HISPARSE_RESOLVER=3 HISPARSE_RESOLVE_CLUSTER=1"}
     run tests_variants "${T_TESTS:-200}" bash -c '
         set -u; rc=0; T="tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py"
         IFS=";" read -ra VS <<< "$VARIANTS"

@@ -38,10 +38,9 @@ ENV_RESOLVE_CLUSTER = "HISPARSE_RESOLVE_CLUSTER"
 MAX_CLUSTER = 8
 #: Shared memory the version-2 resolver may take for a load factor of 1/4 (else 1/2).
 _RESOLVE2_SPARSE_HASH_LIMIT = 160 * 1024
-#: Shared memory version 4 may fill with optional rows (page tables, position hints; otherwise
-#: gathered per entry), and "0" to turn its bulk copies off; both for tuning and tests.
+#: Shared memory (bytes) version 4 may fill with optional rows (page tables, position hints;
+#: otherwise gathered per entry); overridable for tuning and tests.
 ENV_RESOLVE_SMEM = "HISPARSE_RESOLVE_SMEM"
-ENV_RESOLVE_BULK = "HISPARSE_RESOLVE_BULK"
 RESOLVE4_SMEM_BUDGET = 200 * 1024
 #: Threads per block of the copy kernels, 16-byte loads each thread keeps in flight, and the load
 #: flavour (see cuda/common.cuh); each overridable by environment for tuning.
@@ -137,17 +136,16 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, version: i
                          -(-smem // 16) * 16, config.rows_per_request > 1, 2)
 
 
-def resolver4_shape(config: RuntimeConfig, threads: int | None = None, arch: int = 90,
+def resolver4_shape(config: RuntimeConfig, threads: int | None = None,
                     max_smem: int = RESOLVE4_SMEM_BUDGET) -> ResolverShape:
-    """The version-4 resolver's launch shape for `config` on a device of compute capability `arch`.
+    """The version-4 resolver's launch shape for `config`.
 
     One block per group: 1024 threads for the production sizes (a thread holds about one top-k
     entry and two LRU positions, or more once a block has 1024 threads); hash buckets for a load
-    factor of at most 1/2 (only hint misses are hashed). On sm_90 and newer the request's rows
-    (hot map, LRU order, page tables, position hints) are copied into shared memory with the bulk
-    copy engine when their sizes are multiples of 16 bytes; the page tables and the hints only
-    while shared memory stays within `max_smem` (else they are gathered per entry). The kernel's
-    index arithmetic is 32-bit, so the tables it addresses must stay below 2^31 entries.
+    factor of at most 1/2 (only hint misses are hashed). The request's page-table rows and then its
+    position hints are read whole into shared memory while it stays within `max_smem` (and they
+    are whole 16-byte vectors); otherwise the kernel gathers them per entry. The kernel's index
+    arithmetic is 32-bit, so the tables it addresses must stay below 2^31 entries.
     """
     rpr, k, h, bs, p = config.rows_per_request, config.top_k, config.hot_rows, config.block_size, config.max_pages
     union = rpr * k
@@ -167,18 +165,16 @@ def resolver4_shape(config: RuntimeConfig, threads: int | None = None, arch: int
                                 f"32 entries or LRU positions per thread of a 1024-thread block")
     budget_env = os.environ.get(ENV_RESOLVE_SMEM)
     max_smem = int(budget_env) if budget_env else max_smem
-    bulk_env = os.environ.get(ENV_RESOLVE_BULK)
-    bulk = arch >= 90 and h % 8 == 0 and (bulk_env != "0")
     slots = max(4, _next_pow2(2 * union))
-    # pairs, hm, htab, order (i16, padded), marks (padded), the LRU row (bulk builds)
-    smem = 8 * slots + 4 * h + 4 * config.hot_blocks + 2 * (h + (h & 1)) + 4 * -(-h // 4) + (2 * h if bulk else 0)
+    # pairs, hm, htab, order (i16, padded), marks (padded)
+    smem = 8 * slots + 4 * h + 4 * config.hot_blocks + 2 * (h + (h & 1)) + 4 * -(-h // 4)
     smem = -(-smem // 16) * 16
-    hints = bulk and (p * bs) % 8 == 0 and smem + 2 * p * bs <= max_smem
-    smem += 2 * p * bs if hints else 0
-    tables = bulk and p % 4 == 0 and smem + 8 * p <= max_smem
+    tables = p % 4 == 0 and smem + 8 * p <= max_smem
     smem += 8 * p if tables else 0
-    defines = (("HS_K", k), ("HS_H", h), ("HS_BS", bs), ("HS_RPR", rpr), ("HS_P", p), ("HS_BULK", int(bulk)),
-               ("HS_TSMEM", int(tables)), ("HS_HSMEM", int(hints)))
+    hints = (p * bs) % 8 == 0 and smem + 2 * p * bs <= max_smem
+    smem += 2 * p * bs if hints else 0
+    defines = (("HS_K", k), ("HS_H", h), ("HS_BS", bs), ("HS_RPR", rpr), ("HS_P", p), ("HS_TSMEM", int(tables)),
+               ("HS_HSMEM", int(hints)))
     return ResolverShape(threads, ept, cpt, slots.bit_length() - 1, smem, rpr > 1, GEOMETRY_RESOLVER_VERSION,
                          defines=defines)
 
@@ -293,7 +289,7 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds |= {resolver_shape(prod, t).build for t in (256, 512)}
     builds |= {s.build for c in (small, prod, mtp) for s in cluster_resolver_shapes(c)}
     builds |= {resolver4_shape(c).build for c in (small, prod, mtp)}
-    builds |= {resolver4_shape(prod, arch=80).build, resolver4_shape(prod, max_smem=0).build}  # no bulk; gathers
+    builds |= {resolver4_shape(prod, max_smem=0).build, resolver4_shape(prod, max_smem=100 * 1024).build}  # gathers
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)

@@ -121,7 +121,7 @@ class NvidiaRuntime(CacheRuntime):
         if version == CLUSTER_RESOLVER_VERSION:
             shapes = cluster_resolver_shapes(config)
         elif version == GEOMETRY_RESOLVER_VERSION:
-            shapes = [resolver4_shape(config, arch=arch)]
+            shapes = [resolver4_shape(config)]
         else:
             shapes = [resolver_shape(config)]
         for shape in shapes:

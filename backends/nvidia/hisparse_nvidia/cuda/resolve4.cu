@@ -33,11 +33,11 @@
 #include "common.cuh"
 
 #if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || \
-    !defined(HS_P) || !defined(HS_TBITS) || !defined(HS_BULK) || !defined(HS_TSMEM) || !defined(HS_HSMEM)
-#error "resolve4.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR, HS_P, HS_TBITS, HS_BULK, HS_TSMEM and HS_HSMEM"
+    !defined(HS_P) || !defined(HS_TBITS) || !defined(HS_TSMEM) || !defined(HS_HSMEM)
+#error "resolve4.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR, HS_P, HS_TBITS, HS_TSMEM and HS_HSMEM"
 #endif
-#if (HS_TSMEM || HS_HSMEM) && !HS_BULK
-#error "page tables and hints reach shared memory only by bulk copies"
+#if (HS_TSMEM && HS_P % 4) || (HS_HSMEM && (HS_P * HS_BS) % 8)
+#error "rows read whole into shared memory must be whole 16-byte vectors"
 #endif
 
 #define HS_NW (HS_NT / 32)
@@ -131,38 +131,6 @@ __device__ __forceinline__ i32 hs_block_prefix(const i32* totals, i32& total) {
     total = __reduce_add_sync(HS_FULL_MASK, x);
     return __reduce_add_sync(HS_FULL_MASK, lane < (static_cast<i32>(threadIdx.x) >> 5) ? x : 0);
 }
-
-__device__ __forceinline__ u32 hs_smem_u32(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
-template <int N>
-__device__ __forceinline__ void hs_lds_i16(const i16* p, i32* v) {
-    hs_ld_i16<N>(p, v);  // the same vector widths serve shared memory
-}
-
-#if HS_BULK
-// Copy engine (TMA) load of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
-// into shared memory, counted on the mbarrier `bar`; issued by one thread, in 32 KB pieces.
-__device__ __forceinline__ void hs_bulk_load(void* dst, const void* src, u32 bytes, u32 bar) {
-    const unsigned char* s = static_cast<const unsigned char*>(src);
-    const u32 d = hs_smem_u32(dst);
-#pragma unroll 1
-    for (u32 off = 0; off < bytes; off += 32768u) {
-        const u32 n = bytes - off < 32768u ? bytes - off : 32768u;
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     ::"r"(d + off), "l"(s + off), "r"(n), "r"(bar) : "memory");
-    }
-}
-
-__device__ __forceinline__ void hs_bulk_wait(u32 bar, u32 parity) {
-    u32 done = 0;
-    while (!done) {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    }
-}
-#endif
 
 __device__ __forceinline__ i32 hs_hot_row(const i32* htab, i32 s) {
     return htab[s / HS_BS] * HS_BS + s % HS_BS;
@@ -261,8 +229,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     extern __shared__ __align__(16) unsigned char hs_smem[];
     u64* pairs = reinterpret_cast<u64*>(hs_smem);
     i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
-    i16* lru_s = reinterpret_cast<i16*>(hm + HS_H);                    // HS_BULK builds
-    i16* hints = lru_s + (HS_BULK ? HS_H : 0);                         // HS_HSMEM builds
+    i16* hints = reinterpret_cast<i16*>(hm + HS_H);                            // HS_HSMEM builds
     i32* rtab = reinterpret_cast<i32*>(hints + (HS_HSMEM ? HS_P * HS_BS : 0));  // HS_TSMEM builds
     i32* stab = rtab + (HS_TSMEM ? HS_P : 0);
     i32* htab = stab + (HS_TSMEM ? HS_P : 0);
@@ -284,26 +251,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32 p0 = tid * HS_CPT;
 
     // ---- Round trip 2: hot map, LRU order, page tables, position hints, hot_table row ---------
-    // Bulk builds have the copy engine move the request's rows into shared memory (no load or
-    // store instructions of their own); the rest read them with coalesced loads. Rows that do
-    // not fit (page tables, hints) are gathered per entry, at a cache line a lane.
-#if HS_BULK
-    __shared__ __align__(8) u64 s_bulk_bar;  // counts the bulk copies' bytes
-    const u32 bar = hs_smem_u32(&s_bulk_bar);
-    if (tid == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        constexpr u32 bytes = 4 * HS_H + 2 * HS_H + (HS_HSMEM ? 2 * HS_P * HS_BS : 0) + (HS_TSMEM ? 8 * HS_P : 0);
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-        hs_bulk_load(hm, hot_map + qH, 4 * HS_H, bar);
-        hs_bulk_load(lru_s, lru + qH, 2 * HS_H, bar);
-        if constexpr (HS_HSMEM) hs_bulk_load(hints, pos_slot + qP * HS_BS, 2 * HS_P * HS_BS, bar);
-        if constexpr (HS_TSMEM) {
-            hs_bulk_load(rtab, resident_table + qP, 4 * HS_P, bar);
-            hs_bulk_load(stab, source_table + qP, 4 * HS_P, bar);
-        }
-    }
-#else
+    // A random gather costs a cache line per lane, and the load/store unit is what bounds this
+    // kernel: rows that fit in shared memory (page tables, position hints) are read whole with
+    // coalesced 16-byte loads instead, and the entries look them up there.
     constexpr i32 HMV = HS_H % 4 == 0 ? 4 : 1;
     constexpr i32 HM_ROUNDS = (HS_H / HMV + HS_NT - 1) / HS_NT;
     i32 hm_r[HM_ROUNDS * HMV];
@@ -322,7 +272,24 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             for (i32 v = 0; v < HS_LV; ++v) slot_r[c + v] = 0;
         }
     }
-#endif
+    constexpr i32 T_ROUNDS = HS_TSMEM ? (HS_P / 4 + HS_NT - 1) / HS_NT : 0;  // int4 of each table row
+    int4 rt_r[T_ROUNDS + 1];
+    int4 st_r[T_ROUNDS + 1];
+#pragma unroll
+    for (i32 c = 0; c < T_ROUNDS; ++c) {
+        const i32 i = c * HS_NT + tid;
+        if (i < HS_P / 4) {
+            rt_r[c] = reinterpret_cast<const int4*>(resident_table + qP)[i];
+            st_r[c] = reinterpret_cast<const int4*>(source_table + qP)[i];
+        }
+    }
+    constexpr i32 H_ROUNDS = HS_HSMEM ? (HS_P * HS_BS / 8 + HS_NT - 1) / HS_NT : 0;  // int4 of the hint row
+    int4 hn_r[H_ROUNDS + 1];
+#pragma unroll
+    for (i32 c = 0; c < H_ROUNDS; ++c) {
+        const i32 i = c * HS_NT + tid;
+        if (i < HS_P * HS_BS / 8) hn_r[c] = reinterpret_cast<const int4*>(pos_slot + qP * HS_BS)[i];
+    }
     const i32 ht = tid < HS_HB ? hot_table[q * HS_HB + tid] : 0;
     i32 hint_r[HS_EPT];  // gathered (builds without HS_HSMEM)
     i32 res_r[HS_EPT];   // gathered (builds without HS_TSMEM)
@@ -363,31 +330,29 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         s_rvalid[tid] = 0;
         s_rmiss[tid] = 0;
     }
-#if !HS_BULK
 #pragma unroll
     for (i32 c = 0; c < HM_ROUNDS; ++c) {
         const i32 i = (c * HS_NT + tid) * HMV;
         if (i < HS_H) hs_st_i32<HMV>(hm + i, hm_r + c * HMV);
     }
-#endif
+#pragma unroll
+    for (i32 c = 0; c < T_ROUNDS; ++c) {
+        const i32 i = c * HS_NT + tid;
+        if (i < HS_P / 4) {
+            reinterpret_cast<int4*>(rtab)[i] = rt_r[c];
+            reinterpret_cast<int4*>(stab)[i] = st_r[c];
+        }
+    }
+#pragma unroll
+    for (i32 c = 0; c < H_ROUNDS; ++c) {
+        const i32 i = c * HS_NT + tid;
+        if (i < HS_P * HS_BS / 8) reinterpret_cast<int4*>(hints)[i] = hn_r[c];
+    }
     if (tid < HS_HB) htab[tid] = ht;
 #pragma unroll 1
     for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
     HS_MARK(9);
     __syncthreads();  // barrier 1
-#if HS_BULK
-    hs_bulk_wait(bar, 0);
-    i32 slot_r[HS_CPT];
-#pragma unroll
-    for (i32 c = 0; c < HS_CPT; c += HS_LV) {
-        if (p0 + c < HS_H) {
-            hs_lds_i16<HS_LV>(lru_s + p0 + c, slot_r + c);
-        } else {
-#pragma unroll
-            for (i32 v = 0; v < HS_LV; ++v) slot_r[c + v] = 0;
-        }
-    }
-#endif
     HS_MARK(1);
     const i32 base = r * HS_K;  // < 2^31: checked by the host (max_batch_rows * top_k)
 

@@ -35,16 +35,10 @@ K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
-# The earlier resolvers, timed in the same run: v2 (one block per request, sizes at run time) and
-# v3 (one thread-block cluster per request; its own shape choice, or a forced cluster width).
-V2 = {"HISPARSE_RESOLVER": "2"}
-V3 = {"HISPARSE_RESOLVER": "3"}
-V3_WIDTHS = [{"HISPARSE_RESOLVER": "3", "HISPARSE_RESOLVE_CLUSTER": str(c)} for c in (1, 8)]
-# The default resolver with fewer threads per block (more entries and LRU positions per thread),
-# with the position hints gathered per entry, and with the page tables gathered too.
-V4_THREADS = [{"HISPARSE_RESOLVE_THREADS": str(t)} for t in (512,)]
-V4_VARIANTS = [*V4_THREADS, {"HISPARSE_RESOLVE_SMEM": str(100 * 1024)}, {"HISPARSE_RESOLVE_SMEM": "0"}]
-
+# The resolver built with 512 threads per block, with the position hints gathered per entry
+# (page tables in shared memory), and with both gathered: timed in the same run.
+VARIANTS = [{"HISPARSE_RESOLVE_THREADS": "512"}, {"HISPARSE_RESOLVE_SMEM": str(100 * 1024)},
+            {"HISPARSE_RESOLVE_SMEM": "0"}]
 
 @dataclass
 class Row:
@@ -291,14 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         us, info = bench.hits(b)
         ok = info["misses"] == 0 and us <= target
         rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor, f"<= {target} us", sglang,
-                        ok, f"misses={info['misses']} cluster={info['shape']['cluster']}", info))
-        for env in (*V4_VARIANTS, V2, *V3_WIDTHS):
+                        ok, f"misses={info['misses']}", info))
+        for env in VARIANTS:
             us2, info2 = bench.hits(b, env)
             rows.append(Row(tag(env), b, us2, "graph node floor", floor, "-", "-", None,
                             f"misses={info2['misses']}", info2))
 
     variants = [dict(v.split("=") for v in spec.split(",")) for spec in args.variant]
-    for env in [None, V4_THREADS[0], V2, V3, *variants]:
+    for env in [None, *variants]:
         name = None if env is None else tag(env)
         us, gus, cus, info = bench.misses(1, MISSES, 32, env)
         rows.append(Row(name or "274 misses, resolve+gather", 1, us, "contiguous pinned copy", cus, "<= 10 us",
@@ -322,9 +316,8 @@ def main(argv: list[str] | None = None) -> int:
 
     us, info = bench.resident(64, gather=False)
     rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us", "-",
-                    us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, f"cluster={info['shape']['cluster']}",
-                    info))
-    for env in (*V4_VARIANTS, V2, *V3_WIDTHS):
+                    us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, "", info))
+    for env in VARIANTS:
         us, info = bench.resident(64, gather=False, env=env)
         rows.append(Row(tag(env), 64, us, "graph node floor", floor, "-", "-", None, "", info))
     us, info = bench.resident(64, gather=True)
@@ -343,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         ok = "-" if r.passed is None else ("yes" if r.passed else "NO")
         print(f"{r.scenario:38} {r.batch:>4} {r.ours_us:9.2f} {r.baseline:>24} {base} {r.target:>24} {r.sglang:>20} "
               f"{ok:>4}  {r.note}")
-    print("\nresolver phases of the first block, cycles since start; v3: loads, B0, inserts, B1, walk, B2, "
-          "flagged, B3, assigned, gather, end; v2 and v4: barrier 1 (loads), 2 (hash), 3 (walk), 4 (pack, flag misses), "
-          "row split, assign + LRU, end):")
+    print("\nresolver phases of the first block, cycles since start (NvidiaRuntime.resolver_phase_cycles): group "
+          "known, rows loaded, barrier 1, 2 (hints), 3 (LRU walk), LRU written or barrier 4, outputs written or "
+          "misses assigned, end:")
     for r in rows:
         if "phases" in r.extra:
             print(f"  {r.scenario.strip():38} B={r.batch:<4} {r.extra['phases']}")

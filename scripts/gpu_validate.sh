@@ -74,10 +74,10 @@ for b in all_builds_for_ci():
 tests)
     run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
-tests_variants)  # the resolver tests again on other builds: v4 gathering the page tables and
-    # hints per entry, v2, v3 with its own shape choice (the tests' small batches
-    # pick the widest cluster) and v3 with one block per group row. VARIANTS (';'-separated) overrides.
-    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVER=2;HISPARSE_RESOLVER=3;HISPARSE_RESOLVER=3 HISPARSE_RESOLVE_CLUSTER=1"}
+tests_variants)  # the resolver tests again with the page tables and position hints gathered per
+    # entry (HISPARSE_RESOLVE_SMEM=0), and with only the hints gathered. VARIANTS (';'-separated
+    # assignments) overrides the list.
+    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVE_SMEM=102400"}
     run tests_variants "${T_TESTS:-200}" bash -c '
         set -u; rc=0; T="tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py"
         IFS=";" read -ra VS <<< "$VARIANTS"
@@ -94,15 +94,17 @@ memcheck)
     run memcheck "${T_MEMCHECK:-110}" compute-sanitizer --tool memcheck --report-api-errors no --leak-check no --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[0]" \
         "$T::test_small_geometries_match_reference[1]" "$T::test_small_geometries_match_reference[5]" \
-        "$T::test_production_geometry_matches_reference[1-4]" "$T::test_production_geometry_matches_reference[2-None]" "$T::test_mirror_spill_restore_and_host_copies" \
+        "$T::test_production_geometry_matches_reference[1-None]" "$T::test_production_geometry_matches_reference[2-None]" "$T::test_production_geometry_matches_reference[1-0]" "$T::test_mirror_spill_restore_and_host_copies" \
         "$T::test_strided_device_blocks" "$T::test_out_of_context_positions_are_masked_without_validation" \
+        "$T::test_remapped_and_shared_host_blocks_match_reference[0]" \
         "tests/nvidia/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" tests/nvidia/test_nvidia_transfer.py
     ;;
 racecheck)
     T=tests/nvidia/test_nvidia_runtime.py
     run racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --report-api-errors no --racecheck-report hazard --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[2]" \
-        "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None]"
+        "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None]" \
+        "$T::test_remapped_and_shared_host_blocks_match_reference[1]"
     ;;
 ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

@@ -86,48 +86,42 @@ def test_probe_gives_a_reason_or_none() -> None:
     assert reason is None or isinstance(reason, str) and reason
 
 
-def test_resolver_shapes() -> None:
+def test_resolver_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     from hisparse_core.errors import InvalidInputError
     from hisparse_core.geometry import RuntimeConfig
-    from hisparse_nvidia.kernels import resolver_shape
+    from hisparse_nvidia.kernels import ENV_RESOLVE_SMEM, resolver_shape
 
     cfg = RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=2048, hot_rows=4096, block_size=64, max_pages=512)
     prod = resolver_shape(cfg)
-    assert prod.version == 2 and prod.build.source == "resolve2.cu"
-    assert (prod.threads, prod.entries_per_thread, prod.lru_per_thread, prod.hash_bits) == (1024, 2, 4, 13)
-    assert prod.dynamic_smem <= 100 * 1024  # one block per SM with room to spare on Hopper (227 KB)
+    assert prod.build.source == "resolve.cu"
+    assert (prod.threads, prod.entries_per_thread, prod.lru_per_thread, prod.hash_bits) == (1024, 2, 4, 12)
+    assert dict(prod.build.defines)["HS_K"] == 2048 and dict(prod.build.defines)["HS_P"] == 512
+    assert prod.tables_in_smem and prod.hints_in_smem  # 4 KB of page tables, 64 KB of hints
+    assert prod.dynamic_smem + prod.static_smem <= 227 * 1024
+    # Optional rows go to shared memory in order (page tables, then hints) while the budget allows.
+    partial = resolver_shape(cfg, max_smem=100 * 1024)
+    assert partial.tables_in_smem and not partial.hints_in_smem
+    assert partial.dynamic_smem == prod.dynamic_smem - 2 * 512 * 64
+    none = resolver_shape(cfg, max_smem=0)
+    assert not none.tables_in_smem and not none.hints_in_smem
+    monkeypatch.setenv(ENV_RESOLVE_SMEM, "0")
+    assert resolver_shape(cfg) == none
+    monkeypatch.setenv(ENV_RESOLVE_SMEM, "lots")
+    with pytest.raises(InvalidInputError, match="HISPARSE_RESOLVE_SMEM='lots'"):
+        resolver_shape(cfg)
+    monkeypatch.delenv(ENV_RESOLVE_SMEM)
+    # Speculative rows: the union of 4 rows, a 10K-row hot buffer, 128K-token contexts (hints gathered).
     mtp = RuntimeConfig(max_batch_rows=64, max_requests=16, top_k=2048, hot_rows=10240, block_size=64,
                         max_pages=2048, rows_per_request=4)
     big = resolver_shape(mtp)
-    assert big.dynamic_smem + big.static_smem <= 227 * 1024 and big.hash_bits == 14
-    with pytest.raises(InvalidInputError):
+    assert big.dynamic_smem + big.static_smem <= 227 * 1024 and big.hash_bits == 14 and not big.hints_in_smem
+    # Rows that are not whole 16-byte vectors are gathered.
+    odd = resolver_shape(RuntimeConfig(max_batch_rows=3, max_requests=2, top_k=7, hot_rows=21, block_size=3,
+                                       max_pages=5, rows_per_request=2))
+    assert not odd.tables_in_smem and not odd.hints_in_smem
+    with pytest.raises(InvalidInputError, match="threads"):
         resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=8, hot_rows=8, block_size=8,
                                      max_pages=1), threads=100)
-
-
-def test_cluster_resolver_shapes_and_choice() -> None:
-    from hisparse_core.errors import InvalidInputError
-    from hisparse_core.geometry import RuntimeConfig
-    from hisparse_nvidia.kernels import cluster_resolver_shapes, pick_cluster_shape
-
-    cfg = RuntimeConfig(max_batch_rows=128, max_requests=128, top_k=2048, hot_rows=4096, block_size=64, max_pages=512)
-    shapes = cluster_resolver_shapes(cfg)
-    assert [(s.cluster, s.threads, s.entries_per_thread, s.lru_per_thread) for s in shapes] == [
-        (1, 1024, 2, 4), (2, 1024, 1, 2), (4, 512, 1, 2), (8, 256, 1, 2)]
-    for s in shapes:
-        assert s.version == 3 and s.build.source == "resolve3.cu"
-        assert (1 << s.hash_bits) > cfg.top_k  # a block's part of the hash set holds the whole union
-        assert s.cluster * s.threads // 32 <= 64  # published per-warp partials: two per lane
-        assert s.dynamic_smem + s.static_smem <= 227 * 1024
-    # the widest cluster while every request gets its own SMs, else one block per request
-    assert [pick_cluster_shape(shapes, b, 1, 132).cluster for b in (1, 16, 17, 64, 128)] == [8, 8, 1, 1, 1]
-    assert pick_cluster_shape(shapes, 64, 1, 132, forced_row_blocks=2).cluster == 2
-    with pytest.raises(InvalidInputError, match="HISPARSE_RESOLVE_CLUSTER=3"):
-        pick_cluster_shape(shapes, 1, 1, 132, forced_row_blocks=3)
-    # speculative rows: a cluster holds rows_per_request * row_blocks blocks
-    mtp = RuntimeConfig(max_batch_rows=64, max_requests=16, top_k=2048, hot_rows=10240, block_size=64,
-                        max_pages=2048, rows_per_request=3)
-    assert [(s.cluster, s.row_blocks) for s in cluster_resolver_shapes(mtp)] == [(3, 1), (6, 2)]
-    with pytest.raises(InvalidInputError, match="rows_per_request=9"):
-        cluster_resolver_shapes(RuntimeConfig(max_batch_rows=9, max_requests=1, top_k=8, hot_rows=72, block_size=8,
-                                              max_pages=2, rows_per_request=9))
+    with pytest.raises(InvalidInputError, match="2\\^31"):
+        resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=4096, top_k=8, hot_rows=64, block_size=64,
+                                     max_pages=8192))

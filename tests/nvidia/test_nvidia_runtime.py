@@ -118,14 +118,15 @@ def test_remapped_and_shared_host_blocks_match_reference(seed: int) -> None:
         twin.close()
 
 
-@pytest.mark.parametrize(("rows_per_request", "row_blocks"), [(1, None), (2, None), (1, "4"), (1, "2"), (1, "1")])
-def test_production_geometry_matches_reference(rows_per_request: int, row_blocks: str | None,
+@pytest.mark.parametrize(("rows_per_request", "smem"), [(1, None), (2, None), (1, "0"), (1, str(100 * 1024))])
+def test_production_geometry_matches_reference(rows_per_request: int, smem: str | None,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """top-k 2048, 4096 hot rows per request (8192 with a speculative row), 656-byte rows, 32K contexts.
 
-    `row_blocks` forces the cluster resolver's blocks per group row (small batches pick 8)."""
-    if row_blocks is not None:
-        monkeypatch.setenv("HISPARSE_RESOLVE_CLUSTER", row_blocks)
+    `smem` limits the resolver's optional shared memory: "0" gathers the page tables and the
+    position hints per entry, 100 KB keeps the tables and gathers the hints."""
+    if smem is not None:
+        monkeypatch.setenv("HISPARSE_RESOLVE_SMEM", smem)
     rng = random.Random(100 + rows_per_request)
     cfg = RuntimeConfig(max_batch_rows=6, max_requests=4, top_k=2048, hot_rows=4096 * rows_per_request,
                         block_size=64, max_pages=512, num_layers=2, rows_per_request=rows_per_request)
@@ -133,6 +134,8 @@ def test_production_geometry_matches_reference(rows_per_request: int, row_blocks
     dev_blocks = cfg.max_requests * cfg.hot_blocks + 1024
     twin = Twin(cfg, host_blocks=host_blocks, num_device_blocks=dev_blocks, seed=rows_per_request)
     try:
+        shape = twin.rt.launch_shape  # the limit reached the build
+        assert (shape["tables_in_smem"], shape["hints_in_smem"]) == (smem != "0", smem is None), shape
         twin.set_tables(random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=0.05, null_share=0.01))
         previous: dict = {}
         for i in range(8):

@@ -3,12 +3,11 @@
 State and workspaces are PyTorch tensors on the device; the work is done by the NVRTC-built
 kernels under `cuda/`, launched through the driver on PyTorch's current stream:
 
-- `hisparse_resolve` (resolve3.cu on sm_90 and newer, else resolve2.cu): the first row of a
-  request's group resolves the group's union against the request's hot map and exact LRU order,
-  assigns victims, writes the miss plan, the output rows and the counters. A group with no host
-  entry exits before touching its LRU (the resident fast path). Version 3 gives each group a
-  thread-block cluster (up to 8 SMs sharing the work through distributed shared memory; fewer as
-  the batch grows) and, with `gather=True`, copies the leader layer's misses in the same kernel.
+- `hisparse_resolve` (resolve.cu): one thread block per request group resolves the group's
+  union against the request's hot map and exact LRU order, assigns victims, writes the miss plan,
+  the output rows and the counters. Entries are first checked against a per-position slot hint
+  (`_pos_slot`, kept by the kernel), and only the rest are hashed; a group with no host entry
+  exits before touching its LRU (the resident fast path). Compiled for the runtime's geometry.
 - `hisparse_gather_plan` (copy.cu): copies the plan's host rows into their hot rows for one or
   more layers, reading the registered host pool directly (zero-copy 16-byte loads). A batch row's
   misses are spread over several thread blocks, so a single request is not limited to one block's
@@ -41,21 +40,12 @@ from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 from hisparse_nvidia import driver
 from hisparse_nvidia.host_pool import device_address_of_host
 from hisparse_nvidia.kernels import (
-    CLUSTER_MIN_ARCH,
-    CLUSTER_RESOLVER_VERSION,
-    GEOMETRY_RESOLVER_VERSION,
-    ENV_RESOLVE_CLUSTER,
-    ENV_RESOLVER,
+    ENV_RESOLVE_SMEM,
     MAINTAIN_BUILD,
     MAINTAIN_THREADS,
-    RESOLVER_VERSION,
+    RESOLVE_SMEM_BUDGET,
     CopyShape,
-    FastDiv,
     LoadedKernels,
-    ResolverShape,
-    cluster_resolver_shapes,
-    pick_cluster_shape,
-    resolver4_shape,
     resolver_shape,
 )
 from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
@@ -65,11 +55,6 @@ logger = logging.getLogger(__name__)
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
 #: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
 ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
-#: "0" makes the version-3 resolver leave the leader layer's gather to the separate copy kernel
-#: also for batches that fill the GPU (small batches always use the copy kernel).
-ENV_FUSED_GATHER = "HISPARSE_FUSED_GATHER"
-#: Padding rows (B..Bmax-1) each padding cluster of the version-3 resolver writes.
-_PAD_ROWS_PER_CLUSTER = 4
 _STAT_H2D, _STAT_D2H = 3, 4
 #: Upper bound on thread blocks per batch row of a plan copy.
 _MAX_BLOCKS_PER_ROW = 64
@@ -81,13 +66,6 @@ def _i32(v: int) -> ctypes.c_int32:
 
 def _i64(v: int) -> ctypes.c_int64:
     return ctypes.c_int64(int(v))
-
-
-def _env_int(name: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidInputError(f"{name}={value!r}: expected an integer") from None
 
 
 def _ptr(t: torch.Tensor | int) -> ctypes.c_void_p:
@@ -108,36 +86,20 @@ class NvidiaRuntime(CacheRuntime):
         self.config = config
         self._device = device
         self._num_sms = num_sms
-        env = os.environ.get(ENV_RESOLVER)
-        if env:
-            version, why = _env_int(ENV_RESOLVER, env), f"{ENV_RESOLVER}={env}"
-        else:
-            version, why = GEOMETRY_RESOLVER_VERSION, "the default"
-        if version not in (RESOLVER_VERSION, CLUSTER_RESOLVER_VERSION, GEOMETRY_RESOLVER_VERSION):
-            raise InvalidInputError(f"{ENV_RESOLVER}={env}: expected 2, 3 or 4")
-        if version == CLUSTER_RESOLVER_VERSION and arch < CLUSTER_MIN_ARCH:
-            raise InvalidInputError(f"{ENV_RESOLVER}=3 needs thread-block clusters (sm_90 or newer); this GPU is "
-                                    f"sm_{arch}")
-        if version == CLUSTER_RESOLVER_VERSION:
-            shapes = cluster_resolver_shapes(config)
-        elif version == GEOMETRY_RESOLVER_VERSION:
-            shapes = [resolver4_shape(config)]
-        else:
-            shapes = [resolver_shape(config)]
-        for shape in shapes:
-            if shape.dynamic_smem + shape.static_smem > max_smem_per_block:
-                raise InvalidInputError(
-                    f"RuntimeConfig(top_k={config.top_k}, rows_per_request={config.rows_per_request}, "
-                    f"hot_rows={config.hot_rows}, block_size={config.block_size}) needs "
-                    f"{shape.dynamic_smem + shape.static_smem} bytes of shared memory per block; the device "
-                    f"allows {max_smem_per_block}: lower rows_per_request * top_k or hot_rows")
+        shape = resolver_shape(config)
+        if shape.dynamic_smem + shape.static_smem > max_smem_per_block:
+            raise InvalidInputError(
+                f"RuntimeConfig(top_k={config.top_k}, rows_per_request={config.rows_per_request}, "
+                f"hot_rows={config.hot_rows}, block_size={config.block_size}) needs "
+                f"{shape.dynamic_smem + shape.static_smem} bytes of shared memory per block; the device "
+                f"allows {max_smem_per_block}: lower rows_per_request * top_k or hot_rows")
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         with torch.cuda.device(device):
             self._hot_map = torch.full((r, h), -1, dtype=torch.int32, device=device)
             self._lru = torch.arange(h, dtype=torch.int16, device=device).repeat(r, 1)
-            # Version 4: the slot last filled for each logical position (a hint the kernel checks).
-            self._pos_slot = torch.full((r, config.max_pages * config.block_size) if version ==
-                                        GEOMETRY_RESOLVER_VERSION else (1, 1), -1, dtype=torch.int16, device=device)
+            # The slot last filled for each logical position: a hint the resolver checks, never trusts.
+            self._pos_slot = torch.full((r, config.max_pages * config.block_size), -1, dtype=torch.int16,
+                                        device=device)
             self._result = ResolveResult(
                 rows=torch.full((b, k), -1, dtype=torch.int32, device=device),
                 valid_counts=torch.zeros(b, dtype=torch.int32, device=device),
@@ -148,22 +110,17 @@ class NvidiaRuntime(CacheRuntime):
             self._stats = torch.zeros(5, dtype=torch.int64, device=device)
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self._shapes = shapes
-        self._shape_by_rows: dict[int, tuple[int, ResolverShape]] = {}
-        self._k_resolvers = []
-        for sh in shapes:
-            fn = LoadedKernels.module(index, arch, sh.build).function("hisparse_resolve")
-            fn.allow_dynamic_smem(sh.dynamic_smem)
-            self._k_resolvers.append(fn)
-        forced = os.environ.get(ENV_RESOLVE_CLUSTER) if version == CLUSTER_RESOLVER_VERSION else None
-        self._forced_row_blocks = _env_int(ENV_RESOLVE_CLUSTER, forced) if forced else None
-        if self._forced_row_blocks is not None:
-            pick_cluster_shape(shapes, 1, config.rows_per_request, num_sms, self._forced_row_blocks)  # checks it
-        self._fused_gather = version == CLUSTER_RESOLVER_VERSION and os.environ.get(ENV_FUSED_GATHER, "1") != "0"
-        logger.info("nvidia runtime: resolver v%d (%s); blocks per cluster %s, threads per block %s, shared memory "
-                    "%s bytes; leader-layer gather %s", version, why, [sh.cluster for sh in shapes],
-                    [sh.threads for sh in shapes], [sh.dynamic_smem + sh.static_smem for sh in shapes],
-                    "fused into the one-block resolver" if self._fused_gather else "by the copy kernel")
+        self._shape = shape
+        self._k_resolve = LoadedKernels.module(index, arch, shape.build).function("hisparse_resolve")
+        self._k_resolve.allow_dynamic_smem(shape.dynamic_smem)
+        logger.info("nvidia runtime: resolver built for top_k=%d hot_rows=%d block_size=%d rows_per_request=%d "
+                    "max_pages=%d: %d threads per block, %d bytes of shared memory; page tables %s, position hints "
+                    "%s (rows that would pass %d bytes, %s, are gathered per entry); position hints take %.1f MiB",
+                    config.top_k, config.hot_rows, config.block_size, config.rows_per_request, config.max_pages,
+                    shape.threads, shape.dynamic_smem + shape.static_smem,
+                    "in shared memory" if shape.tables_in_smem else "gathered",
+                    "in shared memory" if shape.hints_in_smem else "gathered", RESOLVE_SMEM_BUDGET, ENV_RESOLVE_SMEM,
+                    self._pos_slot.numel() * 2 / 2**20)
         self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
         copy_mod = LoadedKernels.module(index, arch, self._copy_shape.build)
         maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)
@@ -177,7 +134,6 @@ class NvidiaRuntime(CacheRuntime):
         self._prof: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
-        self._gather_bases = (0, 0, 0)  # leader layer: host base, device base, device block stride
         self._host_bases: torch.Tensor | None = None
         self._dev_bases: torch.Tensor | None = None
         self._dev_strides: torch.Tensor | None = None
@@ -276,7 +232,6 @@ class NvidiaRuntime(CacheRuntime):
             self._host_bases = torch.tensor(host_bases, dtype=torch.int64, device=self._device)
             self._dev_bases = torch.tensor(dev_bases, dtype=torch.int64, device=self._device)
             self._dev_strides = torch.tensor(dev_strides, dtype=torch.int64, device=self._device)
-        self._gather_bases = (host_bases[0], dev_bases[0], dev_strides[0])
         self._resident_group = resident_group
 
     def _require_bound(self) -> None:
@@ -296,75 +251,24 @@ class NvidiaRuntime(CacheRuntime):
         if validate:
             check_values(inputs, cfg, num_device_blocks=self.num_device_blocks,
                          host_blocks=self._host_rows // cfg.block_size)
+        for name in ("topk", "source_table", "resident_table"):  # read with vector loads of up to 16 bytes
+            if getattr(inputs, name).data_ptr() % 16:
+                raise InvalidInputError(f"inputs.{name} starts at {getattr(inputs, name).data_ptr():#x}, an address "
+                                        f"that is not 16-byte aligned; expected a tensor of its own (or a row slice)")
         out = self._result
-        fused = False
-        if self._shapes[0].version == CLUSTER_RESOLVER_VERSION:
-            index, shape = self._shape_for(b)
-            # The fused gather copies with the cluster's few SMs: a gain when the batch fills the
-            # GPU (narrowest shape), a loss against the many-block copy kernel for small batches.
-            fused = gather and self._fused_gather and index == 0
-            self._launch_cluster_resolver(inputs, b, index, shape, fused)
-        else:
-            self._launch_block_resolver(inputs, b)
+        shape = self._shape
+        self._k_resolve.launch(
+            (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
+            [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
+             _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
+             _ptr(self._pos_slot), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
+             _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b),
+             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
+            overlap_previous=self._overlap)
         self._last_rows = b
-        if gather and not fused:
+        if gather:
             self._gather(0, 1)
         return out
-
-    def _shape_for(self, rows: int) -> tuple[int, ResolverShape]:
-        """The resolver shape (and its index in `_shapes`) for a call of `rows` batch rows."""
-        chosen = self._shape_by_rows.get(rows)
-        if chosen is None:
-            shape = pick_cluster_shape(self._shapes, rows, self.config.rows_per_request, self._num_sms,
-                                       self._forced_row_blocks)
-            chosen = self._shape_by_rows[rows] = (self._shapes.index(shape), shape)
-        return chosen
-
-    def _state_args(self, inputs: ResolveInputs) -> list[ctypes.c_void_p]:
-        """The resolvers' first arguments: inputs, hot state, results, counters."""
-        out = self._result
-        return [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
-                _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
-                _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host), _ptr(out.plan_device),
-                _ptr(out.plan_counts), _ptr(self._stats)]
-
-    def _launch_cluster_resolver(self, inputs: ResolveInputs, b: int, index: int, shape: ResolverShape,
-                                 fused: bool) -> None:
-        cfg = self.config
-        pad = -(-(cfg.max_batch_rows - b) // _PAD_ROWS_PER_CLUSTER)
-        host_base, dev_base, dev_stride = self._gather_bases if fused else (0, 0, 0)
-        self._k_resolvers[index].launch(
-            ((b + pad) * shape.cluster, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
-            [*self._state_args(inputs),
-             _i32(b), _i32(cfg.max_batch_rows), FastDiv.of(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages),
-             FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
-             _ptr(host_base), _ptr(dev_base), _i64(dev_stride), _i64(self._host_rows), _i64(self._dev_rows),
-             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
-            overlap_previous=self._overlap)
-
-    def _launch_block_resolver(self, inputs: ResolveInputs, b: int) -> None:
-        cfg = self.config
-        shape = self._shapes[0]
-        if shape.version == GEOMETRY_RESOLVER_VERSION:
-            for name in ("topk", "source_table", "resident_table"):  # read with 16-byte vector loads
-                if getattr(inputs, name).data_ptr() % 16:
-                    raise InvalidInputError(f"inputs.{name} starts at an address that is not 16-byte aligned "
-                                            f"({getattr(inputs, name).data_ptr():#x}); pass a tensor of its own")
-            args = self._state_args(inputs)
-            args.insert(8, _ptr(self._pos_slot))
-            self._k_resolvers[0].launch(
-                (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
-                [*args, _i32(b),
-                 _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
-                overlap_previous=self._overlap)
-            return
-        self._k_resolvers[0].launch(
-            (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
-            [*self._state_args(inputs),
-             _i32(b), FastDiv.of(cfg.top_k), _i32(cfg.hot_rows), _i32(cfg.max_pages),
-             FastDiv.of(cfg.block_size), _i32(cfg.rows_per_request), _i32(shape.hash_bits),
-             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
-            overlap_previous=self._overlap)
 
     @property
     def result(self) -> ResolveResult:
@@ -373,14 +277,15 @@ class NvidiaRuntime(CacheRuntime):
     def resolver_phase_cycles(self, inputs: ResolveInputs, *, gather: bool = False) -> list[int]:
         """Diagnostics: one resolve whose first block records `clock64()` at its phase boundaries.
 
-        Version 2 returns the cycles since kernel start at its barriers 1 (loads), 2 (hash), 3
-        (walk), 4 (pack, flag misses), the row split, assignment and LRU, and the end. Version 3
-        returns them at: loads done, B0 (buckets empty), inserts done, B1, walk done, B2, misses
-        flagged, B3, victims assigned, fused gather done, end. -1 marks phases the call skipped
-        (e.g. on the resident fast path). The call is a real resolve (state changes
-        as usual); it synchronizes, so never use it on the decode path.
+        Returns the cycles since kernel start (after the wait for the previous kernel) at: 1, the
+        group known (row states, top-k and lengths loaded); 2, the request's rows loaded into
+        shared memory; 3, barrier 1; 4, barrier 2 (hints checked, candidates hashed); 5, barrier
+        3 (LRU walk); 6, the new LRU order written (every entry a hint hit) or barrier 4 (misses
+        flagged); 7, the outputs written or the misses assigned; 8, the end. -1 marks phases the
+        call skipped (the resident fast path ends after 4). The call is a real resolve (state
+        changes as usual); it synchronizes, so never use it on the decode path.
         """
-        prof = torch.full((12,), -1, dtype=torch.int64, device=self._device)
+        prof = torch.full((9,), -1, dtype=torch.int64, device=self._device)
         self._prof = prof
         try:
             self.resolve(inputs, gather=gather, validate=False)
@@ -430,12 +335,12 @@ class NvidiaRuntime(CacheRuntime):
     @property
     def launch_shape(self) -> dict[str, int | bool]:
         """The resolver's launch shape and options (for benchmarks and logs)."""
-        _, s = self._shape_for(self.config.max_batch_rows)
+        s = self._shape
         c = self._copy_shape
-        return {"version": s.version, "cluster": s.cluster, "threads": s.threads,
-                "entries_per_thread": s.entries_per_thread, "lru_per_thread": s.lru_per_thread,
-                "dynamic_smem": s.dynamic_smem, "overlap_launch": self._overlap, "fused_gather": self._fused_gather,
-                "copy_threads": c.threads, "copy_unroll": c.unroll, "copy_load": c.load}
+        return {"threads": s.threads, "entries_per_thread": s.entries_per_thread, "lru_per_thread": s.lru_per_thread,
+                "dynamic_smem": s.dynamic_smem, "tables_in_smem": s.tables_in_smem, "hints_in_smem": s.hints_in_smem,
+                "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
+                "copy_load": c.load}
 
     # ----------------------------------------------------------------- page and row copies
 

@@ -9,25 +9,12 @@ typedef unsigned long long u64;
 typedef short i16;
 
 #define HS_FULL_MASK 0xffffffffu
-#define HS_INT_MAX 0x7fffffff
 
 // Knuth multiplicative hash of a non-negative host row into a table of 2^(32 - shift) buckets
 // (the high bits of the product, which mix every key bit).
 __device__ __forceinline__ u32 hs_hash(i32 key, u32 shift) {
     return (static_cast<u32>(key) * 2654435761u) >> shift;
 }
-
-// Division of non-negative ints (< 2^31) by a run-time divisor d >= 1 with a multiply and a
-// shift: m and s come from the host (kernels.FastDiv): q = (umulhi(n, m) + n) >> s.
-struct HsDiv {
-    i32 d;
-    u32 m;
-    u32 s;
-    __device__ __forceinline__ i32 div(i32 n) const {
-        return static_cast<i32>((__umulhi(static_cast<u32>(n), m) + static_cast<u32>(n)) >> s);
-    }
-    __device__ __forceinline__ i32 mod(i32 n) const { return n - div(n) * d; }
-};
 
 // The group that batch row r starts (docs/resolver-contract.md): its length n >= 1, with its
 // state row in q. 0 (q = -1) when row r is past B or a padding row, which its own block writes as
@@ -50,12 +37,6 @@ __device__ __forceinline__ i32 hs_group_at(const i32* row_state, i32 r, i32 B, i
         return n;
     }
     return back < rpr ? -1 : 0;  // a run longer than rows_per_request: padding (trusted input only)
-}
-
-__device__ __forceinline__ u32 hs_lanemask_lt() {
-    u32 m;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-    return m;
 }
 
 // 16-byte loads/stores that bypass L1 (each byte is moved once per launch). Host rows are read
@@ -86,31 +67,4 @@ __device__ __forceinline__ uint4 hs_load16(const void* p) {
 
 __device__ __forceinline__ void hs_store16(void* p, uint4 v) {
     __stcg(reinterpret_cast<uint4*>(p), v);
-}
-
-// Exclusive scan, in place, of `n` counters in shared memory by the calling warp; returns the
-// total to every lane. The counters are visited in index order, so the scan follows the order
-// in which callers laid them out (chunk-major, warp-minor).
-__device__ __forceinline__ i32 hs_warp_exclusive_scan(i32* counts, i32 n) {
-    const i32 lane = threadIdx.x & 31;
-    const i32 per = (n + 31) / 32;
-    const i32 lo = lane * per;
-    const i32 hi = min(lo + per, n);
-    i32 local = 0;
-#pragma unroll 1
-    for (i32 i = lo; i < hi; ++i) local += counts[i];
-    i32 incl = local;
-#pragma unroll
-    for (i32 d = 1; d < 32; d <<= 1) {
-        i32 v = __shfl_up_sync(HS_FULL_MASK, incl, d);
-        if (lane >= d) incl += v;
-    }
-    i32 run = incl - local;
-#pragma unroll 1
-    for (i32 i = lo; i < hi; ++i) {
-        i32 c = counts[i];
-        counts[i] = run;
-        run += c;
-    }
-    return __shfl_sync(HS_FULL_MASK, incl, 31);
 }

@@ -21,15 +21,17 @@
 //   HS_NT threads per block (multiple of 32, at most 1024)   HS_K top_k   HS_H hot_rows
 //   HS_BS block_size   HS_RPR rows_per_request   HS_TBITS log2 of the hash buckets
 //
-// Dynamic shared memory, in this order (kernels.resolver4_shape computes the same size):
-//   pairs[T] u64 hash buckets of the candidates: high word the host row (all ones: empty), low
-//            word the first referencing entry j, replaced by -(slot + 1) once the row is found held
-//   hm[H]    i32 hot_map row of the state row in slot order
-//   htab[HB] i32 the state row's hot_table row
-//   order[H] i16 slow path: hit slots packed forward from 0 in LRU order, evictable slots packed
-//            backward from H-1 in LRU order (E[m] = order[H-1-m])
-//   mark[H]  u8  1 for a slot an entry's hint found holding its row (order and mark padded to
-//            4 bytes)
+// Dynamic shared memory, in this order (kernels.resolver_shape computes the same size):
+//   pairs[T]   u64 hash buckets of the candidates: high word the host row (all ones: empty), low
+//              word the first referencing entry j, replaced by -(slot + 1) once the row is found
+//              held
+//   hm[H]      i32 hot_map row of the state row in slot order (padded to 16 bytes)
+//   hints[P*BS] i16 the state row's position hints (HS_HSMEM builds)
+//   rtab[P], stab[P] i32 its resident_table and source_table rows (HS_TSMEM builds)
+//   htab[HB]   i32 its hot_table row
+//   order[H]   i16 slow path: hit slots packed forward from 0 in LRU order, evictable slots packed
+//              backward from H-1 in LRU order (E[m] = order[H-1-m]); padded to 4 bytes
+//   mark[H]    u8  1 for a slot an entry's hint found holding its row (padded to 4 bytes)
 #include "common.cuh"
 
 #if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || \
@@ -201,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     } else {
         n = hs_group_at(row_state, r, B, HS_RPR, q);
     }
-    HS_MARK(8);
+    HS_MARK(1);
     if (n < 0) return;  // written by the block of the group's first row
     if (q < 0) {        // padding row (or past B): -1 everywhere, counts 0
         const i32 m1[4] = {-1, -1, -1, -1};
@@ -229,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     extern __shared__ __align__(16) unsigned char hs_smem[];
     u64* pairs = reinterpret_cast<u64*>(hs_smem);
     i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
-    i16* hints = reinterpret_cast<i16*>(hm + HS_H);                            // HS_HSMEM builds
+    i16* hints = reinterpret_cast<i16*>(hm + (HS_H + 3) / 4 * 4);              // HS_HSMEM builds
     i32* rtab = reinterpret_cast<i32*>(hints + (HS_HSMEM ? HS_P * HS_BS : 0));  // HS_TSMEM builds
     i32* stab = rtab + (HS_TSMEM ? HS_P : 0);
     i32* htab = stab + (HS_TSMEM ? HS_P : 0);
@@ -351,9 +353,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     if (tid < HS_HB) htab[tid] = ht;
 #pragma unroll 1
     for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
-    HS_MARK(9);
+    HS_MARK(2);
     __syncthreads();  // barrier 1
-    HS_MARK(1);
+    HS_MARK(3);
     const i32 base = r * HS_K;  // < 2^31: checked by the host (max_batch_rows * top_k)
 
     // Per-row sums of a multi-row group: per-warp ballots added into shared counters.
@@ -439,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         if (n > 1) row_sums(vflags, s_rvalid);
     }
     const bool any_cand = __syncthreads_or(cflags != 0);  // barrier 2
-    HS_MARK(2);
+    HS_MARK(4);
 
     if (!s_any_host) {
         // ---- Resident fast path: nothing touches the hot state ------------------------------
@@ -461,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             }
             if (lane == 0 && n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
         }
-        HS_MARK(7);
+        HS_MARK(8);
         return;
     }
 
@@ -516,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32 h_excl_w = hs_warp_prefix(__popc(hflags), h_warp);
     if (lane == 0) s_whit[warp] = h_warp;
     __syncthreads();  // barrier 3
-    HS_MARK(3);
+    HS_MARK(5);
     i32 n_hits;
     i32 hr = hs_block_prefix(s_whit, n_hits) + h_excl_w;  // hit positions before this thread's first
 
@@ -532,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
                 hr += hit;
             }
         }
-        HS_MARK(10);
+        HS_MARK(6);
 #pragma unroll
         for (i32 e = 0; e < HS_EPT; e += HS_EV) {
             const i32 j = j0 + e;
@@ -542,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
                 hs_st_i32<HS_EV>(plan_device + base + j, pad);
             }
         }
-        HS_MARK(11);
+        HS_MARK(7);
         if (warp == 0) {
             const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
             const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
@@ -555,7 +557,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
                 if (n_hits) atomicAdd(&stats[1], static_cast<u64>(n_hits));
             }
         }
-        HS_MARK(7);
+        HS_MARK(8);
         return;
     }
 
@@ -592,7 +594,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         if (n > 1) row_sums(mflags, s_rmiss);
     }
     __syncthreads();  // barrier 4
-    HS_MARK(4);
+    HS_MARK(6);
 
     // ---- Misses take the oldest evictable slots; new LRU order; outputs ---------------------
     i32 n_misses;
@@ -655,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             if (p0 + c < HS_H) hs_st_i16<HS_LV>(lru + qH + p0 + c, nl + c);
         }
     }
-    HS_MARK(5);
+    HS_MARK(7);
     if (s_dup) {  // uniform: written before barrier 4
         __syncthreads();
 #pragma unroll
@@ -681,5 +683,5 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             if (n_misses) atomicAdd(&stats[2], static_cast<u64>(n_misses));
         }
     }
-    HS_MARK(7);
+    HS_MARK(8);
 }

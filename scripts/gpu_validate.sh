@@ -74,10 +74,10 @@ for b in all_builds_for_ci():
 tests)
     run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
-tests_variants)  # the resolver tests again with the page tables and position hints gathered per
-    # entry (HISPARSE_RESOLVE_SMEM=0), and with only the hints gathered. VARIANTS (';'-separated
+tests_variants)  # the resolver tests again with the page tables gathered per entry
+    # (HISPARSE_RESOLVE_SMEM=0) and with 512 threads per block. VARIANTS (';'-separated
     # assignments) overrides the list.
-    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVE_SMEM=102400"}
+    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVE_THREADS=512"}
     run tests_variants "${T_TESTS:-200}" bash -c '
         set -u; rc=0; T="tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py"
         IFS=";" read -ra VS <<< "$VARIANTS"

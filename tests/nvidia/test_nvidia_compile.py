@@ -96,29 +96,25 @@ def test_resolver_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert prod.build.source == "resolve.cu"
     assert (prod.threads, prod.entries_per_thread, prod.lru_per_thread, prod.hash_bits) == (1024, 2, 4, 12)
     assert dict(prod.build.defines)["HS_K"] == 2048 and dict(prod.build.defines)["HS_P"] == 512
-    assert prod.tables_in_smem and prod.hints_in_smem  # 4 KB of page tables, 64 KB of hints
-    assert prod.dynamic_smem + prod.static_smem <= 227 * 1024
-    # Optional rows go to shared memory in order (page tables, then hints) while the budget allows.
-    partial = resolver_shape(cfg, max_smem=100 * 1024)
-    assert partial.tables_in_smem and not partial.hints_in_smem
-    assert partial.dynamic_smem == prod.dynamic_smem - 2 * 512 * 64
+    assert prod.tables_in_smem  # 4 KB of page tables
+    assert prod.dynamic_smem + prod.static_smem <= 100 * 1024
     none = resolver_shape(cfg, max_smem=0)
-    assert not none.tables_in_smem and not none.hints_in_smem
+    assert not none.tables_in_smem and none.dynamic_smem == prod.dynamic_smem - 8 * 512
     monkeypatch.setenv(ENV_RESOLVE_SMEM, "0")
     assert resolver_shape(cfg) == none
     monkeypatch.setenv(ENV_RESOLVE_SMEM, "lots")
     with pytest.raises(InvalidInputError, match="HISPARSE_RESOLVE_SMEM='lots'"):
         resolver_shape(cfg)
     monkeypatch.delenv(ENV_RESOLVE_SMEM)
-    # Speculative rows: the union of 4 rows, a 10K-row hot buffer, 128K-token contexts (hints gathered).
+    # Speculative rows: the union of 4 rows, a 10K-row hot buffer, 128K-token contexts.
     mtp = RuntimeConfig(max_batch_rows=64, max_requests=16, top_k=2048, hot_rows=10240, block_size=64,
                         max_pages=2048, rows_per_request=4)
     big = resolver_shape(mtp)
-    assert big.dynamic_smem + big.static_smem <= 227 * 1024 and big.hash_bits == 14 and not big.hints_in_smem
+    assert big.dynamic_smem + big.static_smem <= 227 * 1024 and big.hash_bits == 14 and big.tables_in_smem
     # Rows that are not whole 16-byte vectors are gathered.
     odd = resolver_shape(RuntimeConfig(max_batch_rows=3, max_requests=2, top_k=7, hot_rows=21, block_size=3,
                                        max_pages=5, rows_per_request=2))
-    assert not odd.tables_in_smem and not odd.hints_in_smem
+    assert not odd.tables_in_smem
     with pytest.raises(InvalidInputError, match="threads"):
         resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=8, hot_rows=8, block_size=8,
                                      max_pages=1), threads=100)

@@ -114,12 +114,12 @@ class NvidiaRuntime(CacheRuntime):
         self._k_resolve = LoadedKernels.module(index, arch, shape.build).function("hisparse_resolve")
         self._k_resolve.allow_dynamic_smem(shape.dynamic_smem)
         logger.info("nvidia runtime: resolver built for top_k=%d hot_rows=%d block_size=%d rows_per_request=%d "
-                    "max_pages=%d: %d threads per block, %d bytes of shared memory; page tables %s, position hints "
-                    "%s (rows that would pass %d bytes, %s, are gathered per entry); position hints take %.1f MiB",
+                    "max_pages=%d: %d threads per block, %d bytes of shared memory; page-table rows %s (read whole "
+                    "up to %d bytes of shared memory, %s); position hints take %.1f MiB",
                     config.top_k, config.hot_rows, config.block_size, config.rows_per_request, config.max_pages,
                     shape.threads, shape.dynamic_smem + shape.static_smem,
-                    "in shared memory" if shape.tables_in_smem else "gathered",
-                    "in shared memory" if shape.hints_in_smem else "gathered", RESOLVE_SMEM_BUDGET, ENV_RESOLVE_SMEM,
+                    "in shared memory" if shape.tables_in_smem else "gathered per entry", RESOLVE_SMEM_BUDGET,
+                    ENV_RESOLVE_SMEM,
                     self._pos_slot.numel() * 2 / 2**20)
         self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
         copy_mod = LoadedKernels.module(index, arch, self._copy_shape.build)
@@ -338,7 +338,7 @@ class NvidiaRuntime(CacheRuntime):
         s = self._shape
         c = self._copy_shape
         return {"threads": s.threads, "entries_per_thread": s.entries_per_thread, "lru_per_thread": s.lru_per_thread,
-                "dynamic_smem": s.dynamic_smem, "tables_in_smem": s.tables_in_smem, "hints_in_smem": s.hints_in_smem,
+                "dynamic_smem": s.dynamic_smem, "tables_in_smem": s.tables_in_smem,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load}
 

@@ -26,7 +26,6 @@
 //              word the first referencing entry j, replaced by -(slot + 1) once the row is found
 //              held
 //   hm[H]      i32 hot_map row of the state row in slot order (padded to 16 bytes)
-//   hints[P*BS] i16 the state row's position hints (HS_HSMEM builds)
 //   rtab[P], stab[P] i32 its resident_table and source_table rows (HS_TSMEM builds)
 //   htab[HB]   i32 its hot_table row
 //   order[H]   i16 slow path: hit slots packed forward from 0 in LRU order, evictable slots packed
@@ -35,11 +34,11 @@
 #include "common.cuh"
 
 #if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || \
-    !defined(HS_P) || !defined(HS_TBITS) || !defined(HS_TSMEM) || !defined(HS_HSMEM)
-#error "resolve4.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR, HS_P, HS_TBITS, HS_TSMEM and HS_HSMEM"
+    !defined(HS_P) || !defined(HS_TBITS) || !defined(HS_TSMEM)
+#error "resolve.cu needs HS_NT, HS_K, HS_H, HS_BS, HS_RPR, HS_P, HS_TBITS and HS_TSMEM"
 #endif
-#if (HS_TSMEM && HS_P % 4) || (HS_HSMEM && (HS_P * HS_BS) % 8)
-#error "rows read whole into shared memory must be whole 16-byte vectors"
+#if HS_TSMEM && HS_P % 4
+#error "page-table rows read whole into shared memory must be whole 16-byte vectors"
 #endif
 
 #define HS_NW (HS_NT / 32)
@@ -231,8 +230,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     extern __shared__ __align__(16) unsigned char hs_smem[];
     u64* pairs = reinterpret_cast<u64*>(hs_smem);
     i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
-    i16* hints = reinterpret_cast<i16*>(hm + (HS_H + 3) / 4 * 4);              // HS_HSMEM builds
-    i32* rtab = reinterpret_cast<i32*>(hints + (HS_HSMEM ? HS_P * HS_BS : 0));  // HS_TSMEM builds
+    i32* rtab = hm + (HS_H + 3) / 4 * 4;  // HS_TSMEM builds
     i32* stab = rtab + (HS_TSMEM ? HS_P : 0);
     i32* htab = stab + (HS_TSMEM ? HS_P : 0);
     i16* order = reinterpret_cast<i16*>(htab + HS_HB);
@@ -252,10 +250,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32 qP = q * HS_P;   // likewise max_requests * max_pages * block_size
     const i32 p0 = tid * HS_CPT;
 
-    // ---- Round trip 2: hot map, LRU order, page tables, position hints, hot_table row ---------
+    // ---- Round trip 2: hot map, LRU order, page tables, hot_table row --------------------------
     // A random gather costs a cache line per lane, and the load/store unit is what bounds this
-    // kernel: rows that fit in shared memory (page tables, position hints) are read whole with
-    // coalesced 16-byte loads instead, and the entries look them up there.
+    // kernel: page-table rows that fit in shared memory are read whole with coalesced 16-byte
+    // loads instead, and the entries look them up there. Position hints are gathered after the
+    // classification, for host entries only (a resident step never reads one).
     constexpr i32 HMV = HS_H % 4 == 0 ? 4 : 1;
     constexpr i32 HM_ROUNDS = (HS_H / HMV + HS_NT - 1) / HS_NT;
     i32 hm_r[HM_ROUNDS * HMV];
@@ -285,26 +284,16 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             st_r[c] = reinterpret_cast<const int4*>(source_table + qP)[i];
         }
     }
-    constexpr i32 H_ROUNDS = HS_HSMEM ? (HS_P * HS_BS / 8 + HS_NT - 1) / HS_NT : 0;  // int4 of the hint row
-    int4 hn_r[H_ROUNDS + 1];
-#pragma unroll
-    for (i32 c = 0; c < H_ROUNDS; ++c) {
-        const i32 i = c * HS_NT + tid;
-        if (i < HS_P * HS_BS / 8) hn_r[c] = reinterpret_cast<const int4*>(pos_slot + qP * HS_BS)[i];
-    }
     const i32 ht = tid < HS_HB ? hot_table[q * HS_HB + tid] : 0;
-    i32 hint_r[HS_EPT];  // gathered (builds without HS_HSMEM)
-    i32 res_r[HS_EPT];   // gathered (builds without HS_TSMEM)
+    i32 res_r[HS_EPT];  // gathered (builds without HS_TSMEM)
     i32 src_r[HS_EPT];
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 t = t_r[e];
-        hint_r[e] = -1;
         res_r[e] = -1;
         src_r[e] = -1;
-        if (j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P) {
-            if constexpr (!HS_HSMEM) hint_r[e] = pos_slot[qP * HS_BS + t];
-            if constexpr (!HS_TSMEM) {
+        if constexpr (!HS_TSMEM) {
+            if (j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P) {
                 res_r[e] = resident_table[qP + t / HS_BS];
                 src_r[e] = source_table[qP + t / HS_BS];
             }
@@ -345,11 +334,6 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             reinterpret_cast<int4*>(stab)[i] = st_r[c];
         }
     }
-#pragma unroll
-    for (i32 c = 0; c < H_ROUNDS; ++c) {
-        const i32 i = c * HS_NT + tid;
-        if (i < HS_P * HS_BS / 8) reinterpret_cast<int4*>(hints)[i] = hn_r[c];
-    }
     if (tid < HS_HB) htab[tid] = ht;
 #pragma unroll 1
     for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
@@ -374,23 +358,22 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
 #pragma unroll
     for (i32 v = 0; v < HS_EV; ++v) pad[v] = -1;
 
-    // ---- Classify; a host entry whose hinted slot holds its row is a hit, the rest are hashed --
+    // ---- Classify; a host entry whose hinted slot holds its row is a hit, the rest are hashed ---
     // v: the output row if resident, -1 if masked or null, -(2 + host row) for a host entry.
     i32 v_r[HS_EPT];
     i32 out_r[HS_EPT];
     u32 b_r[HS_EPT];
+    i32 hint_r[HS_EPT];
     u32 vflags = 0;
     u32 cflags = 0;  // candidates
     i32 n_res_t = 0;
-    bool any_host_t = false;
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 t = t_r[e];
-        const bool in_range = j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P;
         i32 res = res_r[e];
         i32 src = src_r[e];
         if constexpr (HS_TSMEM) {
-            if (in_range) {
+            if (j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P) {
                 res = rtab[t / HS_BS];
                 src = stab[t / HS_BS];
             }
@@ -402,11 +385,16 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         b_r[e] = 0;
         if (v != -1) vflags |= 1u << e;
         n_res_t += v >= 0;
+        hint_r[e] = v <= -2 ? pos_slot[qP * HS_BS + t] : -1;  // every hint of the thread in flight at once
+    }
+    bool any_host_t = false;
+#pragma unroll
+    for (i32 e = 0; e < HS_EPT; ++e) {
+        const i32 v = v_r[e];
         if (v <= -2) {
             any_host_t = true;
             const i32 g = -2 - v;
-            i32 s = hint_r[e];
-            if constexpr (HS_HSMEM) s = hints[t];
+            const i32 s = hint_r[e];
             if (static_cast<u32>(s) < static_cast<u32>(HS_H) && hm[s] == g) {
                 mark[s] = 1;
                 out_r[e] = hs_hot_row(htab, s);

@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.scenario:38} {r.batch:>4} {r.ours_us:9.2f} {r.baseline:>24} {base} {r.target:>24} {r.sglang:>20} "
               f"{ok:>4}  {r.note}")
     print("\nresolver phases of the first block, cycles since start (NvidiaRuntime.resolver_phase_cycles): group "
-          "known, rows loaded, barrier 1, 2 (hints), 3 (LRU walk), LRU written or barrier 4, outputs written or "
-          "misses assigned, end:")
+          "known, rows loaded, barrier 1, 2 (hints), 3 (LRU walk), LRU written or barrier 4, misses assigned, "
+          "end:")
     for r in rows:
         if "phases" in r.extra:
             print(f"  {r.scenario.strip():38} B={r.batch:<4} {r.extra['phases']}")

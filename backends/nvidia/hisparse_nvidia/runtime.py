@@ -280,10 +280,10 @@ class NvidiaRuntime(CacheRuntime):
         Returns the cycles since kernel start (after the wait for the previous kernel) at: 1, the
         group known (row states, top-k and lengths loaded); 2, the request's rows loaded into
         shared memory; 3, barrier 1; 4, barrier 2 (hints checked, candidates hashed); 5, barrier
-        3 (LRU walk); 6, the new LRU order written (every entry a hint hit) or barrier 4 (misses
-        flagged); 7, the outputs written or the misses assigned; 8, the end. -1 marks phases the
-        call skipped (the resident fast path ends after 4). The call is a real resolve (state
-        changes as usual); it synchronizes, so never use it on the decode path.
+        3 (LRU walk); 6, the new LRU order written (no misses: the outputs were written after
+        barrier 2) or barrier 4 (misses flagged); 7, the misses assigned; 8, the end. -1 marks
+        phases the call skipped (the resident fast path ends after 4). The call is a real resolve
+        (state changes as usual); it synchronizes, so never use it on the decode path.
         """
         prof = torch.full((9,), -1, dtype=torch.int64, device=self._device)
         self._prof = prof

@@ -431,13 +431,15 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const bool any_cand = __syncthreads_or(cflags != 0);  // barrier 2
     HS_MARK(4);
 
-    if (!s_any_host) {
-        // ---- Resident fast path: nothing touches the hot state ------------------------------
+    if (!any_cand) {
+        // ---- No misses: every output is final (resident entries, hint hits); written now, so the
+        // stores drain while the LRU walk runs. Without a host entry (the resident fast path) the
+        // hot state is left exactly as it was.
 #pragma unroll
         for (i32 e = 0; e < HS_EPT; e += HS_EV) {
             const i32 j = j0 + e;
             if (j < total) {
-                hs_st_i32<HS_EV>(out_rows + base + j, v_r + e);
+                hs_st_i32<HS_EV>(out_rows + base + j, out_r + e);
                 hs_st_i32<HS_EV>(plan_host + base + j, pad);
                 hs_st_i32<HS_EV>(plan_device + base + j, pad);
             }
@@ -451,8 +453,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             }
             if (lane == 0 && n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
         }
-        HS_MARK(8);
-        return;
+        if (!s_any_host) {
+            HS_MARK(8);
+            return;
+        }
     }
 
     // ---- Walk the LRU order: hit slots are the marked ones, and (slow path) held slots whose row
@@ -523,28 +527,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             }
         }
         HS_MARK(6);
-#pragma unroll
-        for (i32 e = 0; e < HS_EPT; e += HS_EV) {
-            const i32 j = j0 + e;
-            if (j < total) {
-                hs_st_i32<HS_EV>(out_rows + base + j, out_r + e);
-                hs_st_i32<HS_EV>(plan_host + base + j, pad);
-                hs_st_i32<HS_EV>(plan_device + base + j, pad);
-            }
-        }
-        HS_MARK(7);
-        if (warp == 0) {
-            const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
-            const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
-            if (lane < n) {
-                out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
-                plan_counts[r + lane] = 0;
-            }
-            if (lane == 0) {
-                if (n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
-                if (n_hits) atomicAdd(&stats[1], static_cast<u64>(n_hits));
-            }
-        }
+        if (tid == 0 && n_hits) atomicAdd(&stats[1], static_cast<u64>(n_hits));
         HS_MARK(8);
         return;
     }

@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         us, info = bench.resident(64, gather=False, env=env)
         rows.append(Row(tag(env), 64, us, "graph node floor", floor, "-", "-", None, "", info))
     us, info = bench.resident(64, gather=True)
-    rows.append(Row("all resident, resolve+gather", 64, us, "graph node floor", floor, "<= 3 us", "-",
-                    us <= 3.0, "nothing to copy", info))
+    rows.append(Row("all resident, resolve+gather", 64, us, "graph node floor", floor, "-", "-", None,
+                    "informational: the gather launch is a second graph node, with nothing to copy", info))
 
     props = torch.cuda.get_device_properties(bench.dev)
     print(f"\nhisparse nvidia bench: {props.name}, torch {torch.__version__}, top-k {K}, hot {H}, rows 656 B, "

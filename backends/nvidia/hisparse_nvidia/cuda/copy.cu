@@ -118,6 +118,10 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     u64* __restrict__ stats) {
     const i32 r = blockIdx.y;
     const i32 layer = layer_begin + blockIdx.z;
+    // The layer addresses are written at bind time, never by the resolver: read them first, so
+    // their round trip overlaps the wait below.
+    const HsRows src = hs_rows(HS_KIND_HOST, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    const HsRows dst = hs_rows(HS_KIND_DEVICE, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
     // Launched with programmatic stream serialization, this grid may start while the resolver
     // still runs: wait for it (a no-op for an ordinary launch) before reading its plan.
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -126,8 +130,6 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
     }
-    const HsRows src = hs_rows(HS_KIND_HOST, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
-    const HsRows dst = hs_rows(HS_KIND_DEVICE, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
     HsPlanPair pair{plan_host + static_cast<i64>(r) * K, plan_device + static_cast<i64>(r) * K};
     hs_copy_rows(min(n, K), pair, src, dst, bs);
 }

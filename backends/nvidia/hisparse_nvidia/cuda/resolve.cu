@@ -1,25 +1,30 @@
-// The fused resolver, version 4 (docs/resolver-contract.md): one thread block per batch row; the
-// block of a group's first row resolves the whole group (the speculative rows of one request) as
-// one union. What makes it fast:
+// The fused resolver (docs/resolver-contract.md): one thread block per batch row; the block of a
+// group's first row resolves the whole group (the speculative rows of one request) as one union.
+// What makes it fast (docs/gpu-validation.md has the measurements):
 //
 // - A slot hint per logical position. The runtime keeps `pos_slot[q, t]`, the slot last filled for
-//   position t of state row q. An entry whose hinted slot holds exactly its host row is a hit
+//   position t of state row q. A host entry whose hinted slot holds exactly its host row is a hit
 //   found with one lookup: no hashing. A hint is only ever believed after that check, so a stale
-//   hint (the slot refilled, invalidated or reset since) costs nothing but the slow path.
+//   hint (the slot refilled, invalidated or reset since) costs nothing but the slow path. Hints
+//   are gathered after the classification, for host entries only.
 // - The slow path is exact. Entries whose hint fails are *candidates*; they are hashed (64-bit
 //   buckets {host row, first referencing entry}) and every held slot is looked up in that hash
 //   during the LRU walk, so a candidate held in another slot (two pages of the request mapped to
 //   one host block, or a page remapped since its row was loaded) is still a hit, as the contract
 //   says. Candidates not found held are the misses, in first-reference order.
-// - With no candidate (every host entry a hint hit) the step is three barriers: loads, hint
-//   checks, the LRU walk; the new LRU order is written straight from the walk's prefix sums.
+// - With no candidate (every host entry a hint hit, or none a host entry) the outputs are final
+//   after barrier 2 and written then; the LRU walk and its prefix sums give the new order
+//   directly (barrier 3), and unchanged positions are not rewritten.
 // - Every size is a compile-time constant (the runtime compiles one build per RuntimeConfig), so
 //   divisions, bounds and loop trips fold away and index arithmetic is 32-bit; a thread owns
-//   consecutive entries and LRU positions and moves them with vector loads and stores.
+//   consecutive entries and LRU positions and moves them with vector loads and stores. The block
+//   is bound by the load/store pipe (a random gather costs about a cycle per cache line), so the
+//   page-table rows are read whole into shared memory when they fit.
 //
-// Compile-time constants (-D, from kernels.resolver4_shape):
+// Compile-time constants (-D, from kernels.resolver_shape):
 //   HS_NT threads per block (multiple of 32, at most 1024)   HS_K top_k   HS_H hot_rows
-//   HS_BS block_size   HS_RPR rows_per_request   HS_TBITS log2 of the hash buckets
+//   HS_BS block_size   HS_RPR rows_per_request   HS_P max_pages   HS_TBITS log2 of the hash
+//   buckets   HS_TSMEM 1 to read the page-table rows into shared memory
 //
 // Dynamic shared memory, in this order (kernels.resolver_shape computes the same size):
 //   pairs[T]   u64 hash buckets of the candidates: high word the host row (all ones: empty), low

@@ -115,6 +115,9 @@ def test_resolver_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     odd = resolver_shape(RuntimeConfig(max_batch_rows=3, max_requests=2, top_k=7, hot_rows=21, block_size=3,
                                        max_pages=5, rows_per_request=2))
     assert not odd.tables_in_smem
+    with pytest.raises(InvalidInputError, match="rows_per_request=33"):
+        resolver_shape(RuntimeConfig(max_batch_rows=33, max_requests=1, top_k=8, hot_rows=264, block_size=8,
+                                     max_pages=1, rows_per_request=33))
     with pytest.raises(InvalidInputError, match="threads"):
         resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=8, hot_rows=8, block_size=8,
                                      max_pages=1), threads=100)

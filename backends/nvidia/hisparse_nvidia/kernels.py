@@ -92,6 +92,8 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
     """
     rpr, k, h, bs, p = config.rows_per_request, config.top_k, config.hot_rows, config.block_size, config.max_pages
     union = rpr * k
+    if rpr > 32:  # per-row counters are a warp's lanes
+        raise InvalidInputError(f"rows_per_request={rpr}: the resolver handles at most 32 rows per request")
     for name, n in (("max_requests * hot_rows", config.max_requests * h),
                     ("max_requests * max_pages * block_size", config.max_requests * p * bs),
                     ("max_batch_rows * top_k", config.max_batch_rows * k)):

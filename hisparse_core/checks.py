@@ -76,3 +76,17 @@ def check_span(name: str, start: int, n: int, limit: int, bs: int) -> None:
     if start // bs != (start + n - 1) // bs:
         raise InvalidInputError(f"{name} rows [{start}, {start + n}) cross a block boundary (block_size={bs}); "
                                 f"expected the coordinator to split spans at page edges")
+
+
+def check_bind_arguments(host_layers: object, device_layers: object, num_layers: int, resident_group: object, *,
+                         bound: bool) -> None:
+    """The arguments of `CacheRuntime.bind` that every backend checks alike: not bound yet, one
+    host view and one device cache per layer, and `resident_group` in `[0, 2^31)`. The tensors
+    themselves are the backend's to check (devices, layouts and registration differ)."""
+    if bound:
+        raise InvalidInputError("runtime is already bound; bind is called once")
+    for name, layers in (("host_layers", host_layers), ("device_layers", device_layers)):
+        if not isinstance(layers, Sequence) or len(layers) != num_layers:
+            got = len(layers) if isinstance(layers, Sequence) else type(layers).__name__
+            raise InvalidInputError(f"{name} has {got} entries; expected num_layers={num_layers}")
+    check_int("resident_group", resident_group, 0, 1 << 31)

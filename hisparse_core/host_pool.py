@@ -110,3 +110,31 @@ class HostPool(ABC):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.release()
+
+
+class LayerMajorHostPool(HostPool):
+    """A pool kept as one `[num_layers * rows_per_layer, width]` tensor: layer l is rows
+    `[l * rows_per_layer, (l + 1) * rows_per_layer)`, as `HostPoolSpec` lays it out.
+
+    A helper for backends, which allocate, register and free `_rows` themselves: set it in the
+    constructor and to None in `release`. `_path` is the /dev/shm file of a shared pool this
+    process created (None otherwise).
+    """
+
+    _rows: torch.Tensor | None
+    _path: str | None
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        self._check_layer(layer)
+        assert self._rows is not None
+        n = self.spec.rows_per_layer
+        return self._rows[layer * n:(layer + 1) * n]
+
+    @property
+    def released(self) -> bool:
+        return self._rows is None
+
+    @property
+    def path(self) -> str | None:
+        """The /dev/shm file of a shared pool created by this process (None otherwise)."""
+        return self._path

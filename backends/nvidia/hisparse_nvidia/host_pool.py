@@ -32,7 +32,7 @@ import torch
 
 from hisparse_core import shm
 from hisparse_core.errors import CapacityError, InvalidInputError
-from hisparse_core.host_pool import OS_PAGE, HostPool, HostPoolSpec
+from hisparse_core.host_pool import OS_PAGE, HostPoolSpec, LayerMajorHostPool
 
 from hisparse_nvidia import driver
 from hisparse_nvidia.ipc import CHANNEL_END, WriterChannel
@@ -156,7 +156,7 @@ def _cleanup(registration: _Registration | None, channel: WriterChannel | None, 
             pass
 
 
-class NvidiaHostPool(HostPool):
+class NvidiaHostPool(LayerMajorHostPool):
     """Host pool registered for one CUDA device; see the module docstring for the two modes."""
 
     def __init__(self, spec: HostPoolSpec, device: torch.device, *, peer_timeout_s: float = 120.0) -> None:
@@ -258,21 +258,6 @@ class NvidiaHostPool(HostPool):
         return None
 
     # ----------------------------------------------------------------- HostPool
-
-    def layer_view(self, layer: int) -> torch.Tensor:
-        self._check_layer(layer)
-        assert self._rows is not None
-        n = self.spec.rows_per_layer
-        return self._rows[layer * n:(layer + 1) * n]
-
-    @property
-    def released(self) -> bool:
-        return self._rows is None
-
-    @property
-    def path(self) -> str | None:
-        """The /dev/shm file of a shared pool created by this process (None otherwise)."""
-        return self._path
 
     @property
     def device(self) -> torch.device:

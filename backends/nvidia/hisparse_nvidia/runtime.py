@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from hisparse_core import copy_checks
-from hisparse_core.checks import check_int, check_ints, check_range
+from hisparse_core.checks import check_bind_arguments, check_int, check_ints, check_range
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
@@ -175,14 +175,8 @@ class NvidiaRuntime(CacheRuntime):
         long as the stride keeps rows 16-byte aligned.
         """
         cfg = self.config
-        if self.bound:
-            raise InvalidInputError("runtime is already bound; bind is called once")
         fmt, n = cfg.row_format, cfg.num_layers
-        for name, layers in (("host_layers", host_layers), ("device_layers", device_layers)):
-            if not isinstance(layers, Sequence) or len(layers) != n:
-                got = len(layers) if isinstance(layers, Sequence) else type(layers).__name__
-                raise InvalidInputError(f"{name} has {got} entries; expected num_layers={n}")
-        check_int("resident_group", resident_group, 0, 1 << 31)
+        check_bind_arguments(host_layers, device_layers, n, resident_group, bound=self.bound)
         cpu = torch.device("cpu")
         host_bases: list[int] = []
         dev_bases: list[int] = []

@@ -18,7 +18,7 @@ import torch
 
 from hisparse_core import shm
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.host_pool import OS_PAGE, HostPool, HostPoolSpec
+from hisparse_core.host_pool import OS_PAGE, HostPoolSpec, LayerMajorHostPool
 
 _HEADER = shm.PoolHeader(b"HISPARSE-POOL-v1")
 
@@ -28,7 +28,7 @@ def shm_path(name: str) -> str:
     return shm.shm_path(name, ".pool")
 
 
-class ReferenceHostPool(HostPool):
+class ReferenceHostPool(LayerMajorHostPool):
     """Private (`torch.zeros`) or shared (/dev/shm mmap) host pool on the CPU."""
 
     def __init__(self, spec: HostPoolSpec, *, peer_timeout_s: float = 60.0) -> None:
@@ -81,21 +81,6 @@ class ReferenceHostPool(HostPool):
         return shm.wait_for_creator(path, _HEADER, self.spec, timeout_s, lambda _found: self._map(path))
 
     # ----------------------------------------------------------------- HostPool
-
-    def layer_view(self, layer: int) -> torch.Tensor:
-        self._check_layer(layer)
-        assert self._rows is not None
-        n = self.spec.rows_per_layer
-        return self._rows[layer * n:(layer + 1) * n]
-
-    @property
-    def released(self) -> bool:
-        return self._rows is None
-
-    @property
-    def path(self) -> str | None:
-        """The /dev/shm file of a shared pool created by this process (None otherwise)."""
-        return self._path
 
     def release(self) -> None:
         # The mapping itself goes away with the last tensor that refers to it; views handed out

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from hisparse_core import copy_checks
-from hisparse_core.checks import check_int, check_ints, check_range, check_tensor
+from hisparse_core.checks import check_bind_arguments, check_int, check_ints, check_range, check_tensor
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.resolve_checks import check_resolve_shapes, check_resolve_values
@@ -84,14 +84,8 @@ class ReferenceRuntime(CacheRuntime):
     def bind(self, host_layers: Sequence[torch.Tensor], device_layers: Sequence[torch.Tensor],
              *, resident_group: int = 0) -> None:
         cfg = self.config
-        if self.bound:
-            raise InvalidInputError("runtime is already bound; bind is called once")
         fmt, n = cfg.row_format, cfg.num_layers
-        for name, layers in (("host_layers", host_layers), ("device_layers", device_layers)):
-            if not isinstance(layers, Sequence) or len(layers) != n:
-                got = len(layers) if isinstance(layers, Sequence) else type(layers).__name__
-                raise InvalidInputError(f"{name} has {got} entries; expected num_layers={n}")
-        check_int("resident_group", resident_group, 0, 1 << 31)
+        check_bind_arguments(host_layers, device_layers, n, resident_group, bound=self.bound)
         host0 = check_tensor("host_layers[0]", host_layers[0], (None, fmt.width), fmt.dtype, CPU)
         dev0 = check_tensor("device_layers[0]", device_layers[0], (None, cfg.block_size, fmt.width), fmt.dtype, CPU)
         if host0.shape[0] == 0 or host0.shape[0] % cfg.block_size:

@@ -4,10 +4,11 @@
 # the benchmark. Every stage logs to $OUT (default ./out) and the script ends with a summary; a
 # failing stage does not stop the later ones.
 #
-#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests tests_variants conformance memcheck racecheck ncu bench
+#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests tests_variants conformance memcheck racecheck ncu bench host_reads
 #
 # Stage time limits (seconds) come from T_ENV, T_TESTS, T_CONFORMANCE, T_MEMCHECK, T_RACECHECK and
-# T_BENCH; BENCH_ARGS passes extra arguments to bench/bench_nvidia.py.
+# T_BENCH (T_HOST_READS); BENCH_ARGS (HOST_READS_ARGS) passes extra arguments to bench/bench_nvidia.py
+# (bench/bench_host_reads.py).
 #
 # The machine needs python3 with torch (CUDA), cuda-python (cuda.bindings + NVRTC), pytest,
 # hypothesis, pluggy and numpy. The repository is used in place: a small shim directory maps the
@@ -114,6 +115,9 @@ ncu)
     ;;
 bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}
+    ;;
+host_reads)
+    run host_reads "${T_HOST_READS:-240}" python3 bench/bench_host_reads.py --json "$OUT/host_reads.json" ${HOST_READS_ARGS:-}
     ;;
 *)
     echo "unknown stage $stage" ;;

@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""What limits zero-copy reads of the host pool: access pattern, row alignment, host page size,
+and whether rows read once stay in the GPU's L2 for a later kernel.
+
+Every figure sits beside the copy engine's contiguous pinned copy of the same bytes, measured in
+the same run. Part A moves 262,144 rows (172 MB for 656-byte rows) per launch, event-timed,
+median of `--reps`; part B times one request's 274 misses per step inside a CUDA graph of
+`--steps` steps, each step on a fresh random row set.
+
+    python bench/bench_host_reads.py [--reps 7] [--steps 40] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import statistics
+import sys
+
+import torch
+
+ROWS = 262_144
+POOL_ROWS = 128 * 32768  # the kernel benchmark's pool: 128 requests of 32K tokens
+MISSES = 274
+THREADS = 256
+
+SOURCE = r"""
+#include "common.cuh"
+#ifndef VEC
+#error "VEC must be defined"
+#endif
+#define UNROLL 4
+
+// Moves n rows (VEC 16-byte chunks each) from src + rows[e] * stride to a contiguous dst;
+// consecutive threads take consecutive chunks, like the runtime's gather.
+extern "C" __global__ void __launch_bounds__(256) read_rows(
+    const unsigned char* __restrict__ src, i64 stride, const i32* __restrict__ rows, i32 n,
+    unsigned char* __restrict__ dst) {
+    const i64 total = static_cast<i64>(n) * VEC;
+    const i64 gs = static_cast<i64>(gridDim.x) * 256;
+    for (i64 first = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; first < total; first += gs * UNROLL) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < UNROLL; ++u) {
+            const i64 c = first + u * gs;
+            if (c < total) {
+                const i32 e = static_cast<i32>(c / VEC);
+                const i32 k = static_cast<i32>(c - static_cast<i64>(e) * VEC);
+                v[u] = hs_load16(src + static_cast<i64>(rows[e]) * stride + k * 16);
+            }
+        }
+#pragma unroll
+        for (i32 u = 0; u < UNROLL; ++u) {
+            const i64 c = first + u * gs;
+            if (c < total) hs_store16(dst + c * 16, v[u]);
+        }
+    }
+}
+
+// One block asks L2 to fetch every 128-byte line of n rows, then spins for `cycles`.
+extern "C" __global__ void prefetch_rows(const unsigned char* __restrict__ src, i64 stride,
+                                         const i32* __restrict__ rows, i32 n, i64 cycles) {
+    constexpr i32 probes = (VEC * 16 + 127) / 128 + 1;
+    for (i32 i = threadIdx.x; i < n * probes; i += blockDim.x) {
+        const i32 e = i / probes;
+        const i32 j = i - e * probes;
+        const unsigned char* row = src + static_cast<i64>(rows[e]) * stride;
+        const unsigned char* p = row + min(j * 128, VEC * 16 - 16);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    }
+    const i64 t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
+"""
+
+
+def _thp_state() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _anon_huge_kb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return -1
+
+
+class Buffer:
+    """A device-mapped host buffer of `nbytes`: `kind` is "thp" (mmap with MADV_HUGEPAGE,
+    registered), "4k" (mmap with MADV_NOHUGEPAGE, registered) or "hostalloc" (cuMemHostAlloc)."""
+
+    def __init__(self, kind: str, nbytes: int) -> None:
+        from cuda.bindings import driver as cu
+        from hisparse_nvidia import driver
+
+        self.kind = kind
+        self.nbytes = nbytes
+        before = _anon_huge_kb()
+        self._mm = None
+        if kind == "hostalloc":
+            flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
+            self.host = int(driver.check("cuMemHostAlloc", cu.cuMemHostAlloc(nbytes, flags)))
+        else:
+            huge = 2 << 20
+            self._mm = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buf = ctypes.c_char.from_buffer(self._mm)
+            start = ctypes.addressof(buf)
+            del buf
+            off = -start % huge
+            self._mm.madvise(mmap.MADV_HUGEPAGE if kind == "thp" else mmap.MADV_NOHUGEPAGE, off, nbytes)
+            self.host = start + off
+            driver.host_register(self.host, nbytes)
+        self.dev = int(driver.check("cuMemHostGetDevicePointer", cu.cuMemHostGetDevicePointer(self.host, 0)))
+        self.huge_mb = (_anon_huge_kb() - before) / 1024
+        # Random bytes, written by the GPU through the mapping.
+        chunk = 256 << 20
+        for off in range(0, nbytes, chunk):
+            n = min(chunk, nbytes - off)
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+            driver.check("cuMemcpyDtoH", cu.cuMemcpyDtoH(self.host + off, src.data_ptr(), n))
+
+    def release(self) -> None:
+        from cuda.bindings import driver as cu
+        from hisparse_nvidia import driver
+
+        if self.kind == "hostalloc":
+            driver.check("cuMemFreeHost", cu.cuMemFreeHost(self.host))
+        else:
+            driver.host_unregister(self.host)
+            self._mm.close()
+
+
+class Kernels:
+    def __init__(self, vec: int) -> None:
+        from hisparse_nvidia import compiler, driver
+
+        major = torch.cuda.get_device_capability()
+        image, _ = compiler.compile_source(SOURCE, "host_reads.cu",
+                                           [f"--gpu-architecture=sm_{major[0]}{major[1]}", "--std=c++17",
+                                            "--device-as-default-execution-space", f"-DVEC={vec}"])
+        self._module = driver.Module(image)
+        self.read = self._module.function("read_rows")
+        self.prefetch = self._module.function("prefetch_rows")
+        self.vec = vec
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def read(k: Kernels, buf: Buffer, stride: int, rows: torch.Tensor, dst: torch.Tensor, blocks: int) -> None:
+    k.read.launch((blocks, 1, 1), THREADS, 0, _stream(),
+                  [ctypes.c_void_p(buf.dev), ctypes.c_int64(stride), ctypes.c_void_p(rows.data_ptr()),
+                   ctypes.c_int32(rows.numel()), ctypes.c_void_p(dst.data_ptr())])
+
+
+def prefetch(k: Kernels, buf: Buffer, stride: int, rows: torch.Tensor, cycles: int) -> None:
+    k.prefetch.launch((1, 1, 1), 1024, 0, _stream(),
+                      [ctypes.c_void_p(buf.dev), ctypes.c_int64(stride), ctypes.c_void_p(rows.data_ptr()),
+                       ctypes.c_int32(rows.numel()), ctypes.c_int64(cycles)])
+
+
+def copy(buf: Buffer, dst: torch.Tensor, nbytes: int, offset: int = 0) -> None:
+    from cuda.bindings import driver as cu
+    from hisparse_nvidia import driver
+
+    driver.check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(dst.data_ptr(), buf.host + offset, nbytes,
+                                                            cu.CUstream(_stream())))
+
+
+def timed(fn, reps: int) -> float:
+    """Median microseconds of `fn()` (after one warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        z.record()
+        z.synchronize()
+        out.append(a.elapsed_time(z) * 1000.0)
+    return statistics.median(out)
+
+
+def graph_us(build, steps: int, reps: int) -> float:
+    """Median microseconds per step of a CUDA graph of `steps` calls of `build(step)`."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for s in range(steps):
+            build(s)
+    return timed(g.replay, reps) / steps
+
+
+def part_a(reps: int, gen: torch.Generator) -> list[dict]:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks = 8 * sms
+    results: list[dict] = []
+    row = 656
+    thp = Buffer("thp", POOL_ROWS * row)
+    print(f"pool 'thp' {thp.nbytes / 2**30:.2f} GiB, AnonHugePages +{thp.huge_mb:.0f} MB "
+          f"(THP setting: {_thp_state()})", flush=True)
+    nbytes = ROWS * row
+    dst = torch.empty(2 * nbytes, dtype=torch.uint8, device="cuda")
+    base_us = timed(lambda: copy(thp, dst, nbytes), reps)
+    base_gbs = nbytes / base_us / 1e3
+
+    def add(name: str, us: float, moved: int) -> None:
+        gbs = moved / us / 1e3
+        results.append({"case": name, "us": us, "GB/s": gbs, "of_copy": gbs / base_gbs})
+        print(f"  {name:<58} {us:9.1f} us {gbs:6.1f} GB/s {gbs / base_gbs:6.1%}", flush=True)
+
+    add("copy engine, contiguous (baseline)", base_us, nbytes)
+    k656 = Kernels(41)
+    dev = torch.device("cuda")
+    in_order = torch.arange(ROWS, dtype=torch.int32, device=dev)
+    add("SM, 656-B rows in order (contiguous)", timed(lambda: read(k656, thp, row, in_order, dst, blocks), reps), nbytes)
+    perm = torch.randperm(ROWS, generator=gen).to(torch.int32).to(dev)
+    add("SM, 656-B rows, random order within 172 MB", timed(lambda: read(k656, thp, row, perm, dst, blocks), reps), nbytes)
+    spread = torch.randperm(POOL_ROWS, generator=gen)[:ROWS].to(torch.int32)
+    spread_d = spread.to(dev)
+    add("SM, 656-B rows, random over 2.75 GB (the gather today)",
+        timed(lambda: read(k656, thp, row, spread_d, dst, blocks), reps), nbytes)
+    sorted_d = spread.sort().values.to(dev)
+    add("SM, same rows sorted by address", timed(lambda: read(k656, thp, row, sorted_d, dst, blocks), reps), nbytes)
+    wide = (torch.randperm(POOL_ROWS * row // 768, generator=gen)[:ROWS]).to(torch.int32).to(dev)
+    add("SM, 656 B at 768-B stride (128-B aligned rows), random",
+        timed(lambda: read(k656, thp, 768, wide, dst, blocks), reps), nbytes)
+    k640 = Kernels(40)
+    r640 = torch.randperm(POOL_ROWS * row // 640, generator=gen)[:ROWS].to(torch.int32).to(dev)
+    add("SM, 640-B rows (5 whole lines), random", timed(lambda: read(k640, thp, 640, r640, dst, blocks), reps),
+        ROWS * 640)
+    k1152 = Kernels(72)
+    n1152 = ROWS * 656 // 1152
+    r1152 = torch.randperm(POOL_ROWS * row // 1152, generator=gen)[:n1152].to(torch.int32).to(dev)
+    add("SM, 1152-B rows (9 whole lines), random", timed(lambda: read(k1152, thp, 1152, r1152, dst, blocks), reps),
+        n1152 * 1152)
+    for more in (2, 4):
+        add(f"SM, the gather today with {more}x the blocks",
+            timed(lambda m=more: read(k656, thp, row, spread_d, dst, m * blocks), reps), nbytes)
+    thp.release()
+    for kind in ("4k", "hostalloc"):
+        try:
+            b = Buffer(kind, POOL_ROWS * row)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"  buffer {kind}: {exc}", flush=True)
+            continue
+        print(f"pool '{kind}': AnonHugePages +{b.huge_mb:.0f} MB", flush=True)
+        add(f"copy engine, contiguous, from '{kind}'", timed(lambda b=b: copy(b, dst, nbytes), reps), nbytes)
+        add(f"SM, 656-B rows, random over 2.75 GB, from '{kind}'",
+            timed(lambda b=b: read(k656, b, row, spread_d, dst, blocks), reps), nbytes)
+        b.release()
+    return results
+
+
+def part_b(reps: int, steps: int, gen: torch.Generator) -> list[dict]:
+    """One request's misses per step (274 rows from a 32K-token region), fresh rows each step."""
+    row = 656
+    buf = Buffer("thp", POOL_ROWS * row)
+    k = Kernels(41)
+    dev = torch.device("cuda")
+    from cuda.bindings import driver as cu
+    from hisparse_nvidia import driver
+
+    clock_khz = driver.device_attribute(dev, cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+    sets = []
+    for s in range(steps):
+        req = s % 128
+        sets.append((req * 32768 + torch.randperm(32768, generator=gen)[:MISSES]).to(torch.int32).to(dev))
+    dst = torch.empty(MISSES * row * 2, dtype=torch.uint8, device=dev)
+    nbytes = MISSES * row
+    results: list[dict] = []
+
+    def add(name: str, us: float) -> None:
+        results.append({"case": name, "us_per_step": us})
+        print(f"  {name:<58} {us:9.2f} us/step", flush=True)
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks = min(64, -(-2 * sms // 1))
+    add("copy engine, 180 KB contiguous (baseline)",
+        graph_us(lambda s: copy(buf, dst, nbytes, (s * 8 * nbytes) % (buf.nbytes - nbytes)), steps, reps))
+    add("gather 274 rows", graph_us(lambda s: read(k, buf, row, sets[s], dst, blocks), steps, reps))
+    add("gather the same 274 rows twice (both reads)",
+        graph_us(lambda s: (read(k, buf, row, sets[s], dst, blocks), read(k, buf, row, sets[s], dst, blocks)),
+                 steps, reps))
+    for spin_us in (2.0, 4.0):
+        cycles = int(spin_us * clock_khz / 1000)
+        add(f"1-block kernel spinning {spin_us:.0f} us, then gather",
+            graph_us(lambda s, c=cycles: (prefetch(k, buf, row, sets[s][:0], c),
+                                          read(k, buf, row, sets[s], dst, blocks)), steps, reps))
+        add(f"1-block kernel prefetching to L2 + spinning {spin_us:.0f} us, then gather",
+            graph_us(lambda s, c=cycles: (prefetch(k, buf, row, sets[s], c),
+                                          read(k, buf, row, sets[s], dst, blocks)), steps, reps))
+    buf.release()
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_host_reads: no CUDA device", file=sys.stderr)
+        return 1
+    gen = torch.Generator().manual_seed(7)
+    print(f"{torch.cuda.get_device_name()}: part A, {ROWS} rows per launch", flush=True)
+    a = part_a(args.reps, gen)
+    print(f"part B: {MISSES} misses of one request per step, graph of {args.steps} steps", flush=True)
+    b = part_b(args.reps, args.steps, gen)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"a": a, "b": b, "thp": _thp_state()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -312,6 +312,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_host_reads: no CUDA device", file=sys.stderr)
         return 1
+    from hisparse_nvidia import driver
+
+    torch.zeros(1, device="cuda")  # PyTorch creates the primary context; the driver calls use it
+    driver.ensure_context(torch.device("cuda"))
     gen = torch.Generator().manual_seed(7)
     print(f"{torch.cuda.get_device_name()}: part A, {ROWS} rows per launch", flush=True)
     a = part_a(args.reps, gen)

@@ -95,7 +95,9 @@ def _anon_huge_kb() -> int:
 
 class Buffer:
     """A device-mapped host buffer of `nbytes`: `kind` is "thp" (mmap with MADV_HUGEPAGE,
-    registered), "4k" (mmap with MADV_NOHUGEPAGE, registered) or "hostalloc" (cuMemHostAlloc)."""
+    registered), "4k" (mmap with MADV_NOHUGEPAGE, registered), "hostalloc" (cuMemHostAlloc) or
+    "vmm" (cuMemCreate on host NUMA node 0, mapped for the GPU and the CPU at one address with
+    the allocation's granularity)."""
 
     def __init__(self, kind: str, nbytes: int) -> None:
         from cuda.bindings import driver as cu
@@ -105,9 +107,35 @@ class Buffer:
         self.nbytes = nbytes
         before = _anon_huge_kb()
         self._mm = None
+        self.granularity = 4096
         if kind == "hostalloc":
             flags = cu.CU_MEMHOSTALLOC_PORTABLE | cu.CU_MEMHOSTALLOC_DEVICEMAP
             self.host = int(driver.check("cuMemHostAlloc", cu.cuMemHostAlloc(nbytes, flags)))
+        elif kind == "vmm":
+            prop = cu.CUmemAllocationProp()
+            prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+            prop.location.id = 0
+            gran = int(driver.check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
+            self.granularity = gran
+            self.size = -(-nbytes // gran) * gran
+            self._handle = driver.check("cuMemCreate", cu.cuMemCreate(self.size, prop, 0))
+            self.host = int(driver.check("cuMemAddressReserve", cu.cuMemAddressReserve(self.size, gran, 0, 0)))
+            driver.check("cuMemMap", cu.cuMemMap(self.host, self.size, 0, self._handle, 0))
+            descs = []
+            for loc_type, loc_id in ((cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, torch.cuda.current_device()),
+                                     (cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA, 0)):
+                d = cu.CUmemAccessDesc()
+                d.location.type = loc_type
+                d.location.id = loc_id
+                d.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                descs.append(d)
+            driver.check("cuMemSetAccess", cu.cuMemSetAccess(self.host, self.size, descs, len(descs)))
+            # The CPU reads and writes it at the same address.
+            view = (ctypes.c_uint8 * 4096).from_address(self.host + nbytes - 4096)
+            view[0] = 7
+            assert view[0] == 7
         else:
             huge = 2 << 20
             self._mm = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -118,7 +146,10 @@ class Buffer:
             self._mm.madvise(mmap.MADV_HUGEPAGE if kind == "thp" else mmap.MADV_NOHUGEPAGE, off, nbytes)
             self.host = start + off
             driver.host_register(self.host, nbytes)
-        self.dev = int(driver.check("cuMemHostGetDevicePointer", cu.cuMemHostGetDevicePointer(self.host, 0)))
+        if kind == "vmm":
+            self.dev = self.host
+        else:
+            self.dev = int(driver.check("cuMemHostGetDevicePointer", cu.cuMemHostGetDevicePointer(self.host, 0)))
         self.huge_mb = (_anon_huge_kb() - before) / 1024
         # Random bytes, written by the GPU through the mapping.
         chunk = 256 << 20
@@ -133,6 +164,10 @@ class Buffer:
 
         if self.kind == "hostalloc":
             driver.check("cuMemFreeHost", cu.cuMemFreeHost(self.host))
+        elif self.kind == "vmm":
+            driver.check("cuMemUnmap", cu.cuMemUnmap(self.host, self.size))
+            driver.check("cuMemAddressFree", cu.cuMemAddressFree(self.host, self.size))
+            driver.check("cuMemRelease", cu.cuMemRelease(self._handle))
         else:
             driver.host_unregister(self.host)
             self._mm.close()
@@ -247,16 +282,21 @@ def part_a(reps: int, gen: torch.Generator) -> list[dict]:
         add(f"SM, the gather today with {more}x the blocks",
             timed(lambda m=more: read(k656, thp, row, spread_d, dst, m * blocks), reps), nbytes)
     thp.release()
-    for kind in ("4k", "hostalloc"):
+    for kind in ("vmm", "4k", "hostalloc"):
         try:
             b = Buffer(kind, POOL_ROWS * row)
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(f"  buffer {kind}: {exc}", flush=True)
             continue
-        print(f"pool '{kind}': AnonHugePages +{b.huge_mb:.0f} MB", flush=True)
+        print(f"pool '{kind}': AnonHugePages +{b.huge_mb:.0f} MB, granularity {b.granularity >> 10} KiB", flush=True)
         add(f"copy engine, contiguous, from '{kind}'", timed(lambda b=b: copy(b, dst, nbytes), reps), nbytes)
         add(f"SM, 656-B rows, random over 2.75 GB, from '{kind}'",
             timed(lambda b=b: read(k656, b, row, spread_d, dst, blocks), reps), nbytes)
+        if kind == "vmm":
+            add("SM, 656-B rows in order, from 'vmm'",
+                timed(lambda b=b: read(k656, b, row, in_order, dst, blocks), reps), nbytes)
+            add("SM, 1152-B rows random, from 'vmm'",
+                timed(lambda b=b: read(k1152, b, 1152, r1152, dst, blocks), reps), n1152 * 1152)
         b.release()
     return results
 
@@ -264,8 +304,22 @@ def part_a(reps: int, gen: torch.Generator) -> list[dict]:
 def part_b(reps: int, steps: int, gen: torch.Generator) -> list[dict]:
     """One request's misses per step (274 rows from a 32K-token region), fresh rows each step."""
     row = 656
-    buf = Buffer("thp", POOL_ROWS * row)
     k = Kernels(41)
+    results: list[dict] = []
+    for kind in ("thp", "vmm"):
+        try:
+            buf = Buffer(kind, POOL_ROWS * row)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"  buffer {kind}: {exc}", flush=True)
+            continue
+        print(f" from '{kind}':", flush=True)
+        results += _part_b_one(buf, k, reps, steps, gen)
+        buf.release()
+    return results
+
+
+def _part_b_one(buf: Buffer, k: Kernels, reps: int, steps: int, gen: torch.Generator) -> list[dict]:
+    row = 656
     dev = torch.device("cuda")
     from cuda.bindings import driver as cu
     from hisparse_nvidia import driver
@@ -280,7 +334,7 @@ def part_b(reps: int, steps: int, gen: torch.Generator) -> list[dict]:
     results: list[dict] = []
 
     def add(name: str, us: float) -> None:
-        results.append({"case": name, "us_per_step": us})
+        results.append({"case": name, "pool": buf.kind, "us_per_step": us})
         print(f"  {name:<58} {us:9.2f} us/step", flush=True)
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -299,7 +353,6 @@ def part_b(reps: int, steps: int, gen: torch.Generator) -> list[dict]:
         add(f"1-block kernel prefetching to L2 + spinning {spin_us:.0f} us, then gather",
             graph_us(lambda s, c=cycles: (prefetch(k, buf, row, sets[s], c),
                                           read(k, buf, row, sets[s], dst, blocks)), steps, reps))
-    buf.release()
     return results
 
 

@@ -59,6 +59,68 @@ extern "C" __global__ void __launch_bounds__(256) read_rows(
     }
 }
 
+// Line-aligned: each row is cut along the source's 128-byte lines (LINES lines of 8 chunks, the
+// pieces outside the row idle), so a warp's load covers 4 whole lines and no line is split
+// between two loads.
+#define LINES ((VEC * 16 + 127) / 128 + 1)
+extern "C" __global__ void __launch_bounds__(256) read_rows_lines(
+    const unsigned char* __restrict__ src, i64 stride, const i32* __restrict__ rows, i32 n,
+    unsigned char* __restrict__ dst) {
+    const i64 total = static_cast<i64>(n) * LINES * 8;
+    const i64 gs = static_cast<i64>(gridDim.x) * 256;
+    for (i64 first = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; first < total; first += gs * UNROLL) {
+        uint4 v[UNROLL];
+        i64 to[UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < UNROLL; ++u) {
+            const i64 c = first + u * gs;
+            to[u] = -1;
+            if (c < total) {
+                const i32 e = static_cast<i32>(c / (LINES * 8));
+                const i32 j = static_cast<i32>(c - static_cast<i64>(e) * (LINES * 8));
+                const i64 at = static_cast<i64>(rows[e]) * stride;
+                const i32 pos = j * 16 - static_cast<i32>(at & 127);
+                if (pos >= 0 && pos < VEC * 16) {
+                    v[u] = hs_load16(src + at + pos);
+                    to[u] = static_cast<i64>(e) * VEC * 16 + pos;
+                }
+            }
+        }
+#pragma unroll
+        for (i32 u = 0; u < UNROLL; ++u) {
+            if (to[u] >= 0) hs_store16(dst + to[u], v[u]);
+        }
+    }
+}
+
+// The runtime gather's shape: blockIdx.y is a request with `per` rows (rows[y * per + e]), its
+// chunks spread over the gridDim.x blocks of that request.
+extern "C" __global__ void __launch_bounds__(256) read_rows_2d(
+    const unsigned char* __restrict__ src, i64 stride, const i32* __restrict__ rows, i32 per,
+    unsigned char* __restrict__ dst) {
+    const i64 total = static_cast<i64>(per) * VEC;
+    const i64 gs = static_cast<i64>(gridDim.x) * 256;
+    rows += static_cast<i64>(blockIdx.y) * per;
+    dst += static_cast<i64>(blockIdx.y) * per * VEC * 16;
+    for (i64 first = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; first < total; first += gs * UNROLL) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < UNROLL; ++u) {
+            const i64 c = first + u * gs;
+            if (c < total) {
+                const i32 e = static_cast<i32>(c / VEC);
+                const i32 k = static_cast<i32>(c - static_cast<i64>(e) * VEC);
+                v[u] = hs_load16(src + static_cast<i64>(rows[e]) * stride + k * 16);
+            }
+        }
+#pragma unroll
+        for (i32 u = 0; u < UNROLL; ++u) {
+            const i64 c = first + u * gs;
+            if (c < total) hs_store16(dst + c * 16, v[u]);
+        }
+    }
+}
+
 // One block asks L2 to fetch every 128-byte line of n rows, then spins for `cycles`.
 extern "C" __global__ void prefetch_rows(const unsigned char* __restrict__ src, i64 stride,
                                          const i32* __restrict__ rows, i32 n, i64 cycles) {
@@ -174,15 +236,18 @@ class Buffer:
 
 
 class Kernels:
-    def __init__(self, vec: int) -> None:
+    def __init__(self, vec: int, load: int = 0) -> None:
         from hisparse_nvidia import compiler, driver
 
         major = torch.cuda.get_device_capability()
         image, _ = compiler.compile_source(SOURCE, "host_reads.cu",
                                            [f"--gpu-architecture=sm_{major[0]}{major[1]}", "--std=c++17",
-                                            "--device-as-default-execution-space", f"-DVEC={vec}"])
+                                            "--device-as-default-execution-space", f"-DVEC={vec}",
+                                            f"-DHS_LOAD={load}"])
         self._module = driver.Module(image)
         self.read = self._module.function("read_rows")
+        self.read_2d = self._module.function("read_rows_2d")
+        self.read_lines = self._module.function("read_rows_lines")
         self.prefetch = self._module.function("prefetch_rows")
         self.vec = vec
 
@@ -191,10 +256,18 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def read(k: Kernels, buf: Buffer, stride: int, rows: torch.Tensor, dst: torch.Tensor, blocks: int) -> None:
-    k.read.launch((blocks, 1, 1), THREADS, 0, _stream(),
+def read(k: Kernels, buf: Buffer, stride: int, rows: torch.Tensor, dst: torch.Tensor, blocks: int,
+         lines: bool = False) -> None:
+    (k.read_lines if lines else k.read).launch((blocks, 1, 1), THREADS, 0, _stream(),
                   [ctypes.c_void_p(buf.dev), ctypes.c_int64(stride), ctypes.c_void_p(rows.data_ptr()),
                    ctypes.c_int32(rows.numel()), ctypes.c_void_p(dst.data_ptr())])
+
+
+def read_2d(k: Kernels, buf: Buffer, stride: int, rows: torch.Tensor, dst: torch.Tensor, blocks: int) -> None:
+    """rows [R, per]: R requests, `blocks` blocks each."""
+    k.read_2d.launch((blocks, rows.shape[0], 1), THREADS, 0, _stream(),
+                     [ctypes.c_void_p(buf.dev), ctypes.c_int64(stride), ctypes.c_void_p(rows.data_ptr()),
+                      ctypes.c_int32(rows.shape[1]), ctypes.c_void_p(dst.data_ptr())])
 
 
 def prefetch(k: Kernels, buf: Buffer, stride: int, rows: torch.Tensor, cycles: int) -> None:
@@ -279,8 +352,53 @@ def part_a(reps: int, gen: torch.Generator) -> list[dict]:
     add("SM, 1152-B rows (9 whole lines), random", timed(lambda: read(k1152, thp, 1152, r1152, dst, blocks), reps),
         n1152 * 1152)
     for more in (2, 4):
-        add(f"SM, the gather today with {more}x the blocks",
+        add(f"SM, random over 2.75 GB with {more}x the blocks",
             timed(lambda m=more: read(k656, thp, row, spread_d, dst, m * blocks), reps), nbytes)
+    # 128 requests x 2048 misses, each request's rows random within its 32K-token region.
+    per_req = torch.stack([r * 32768 + torch.randperm(32768, generator=gen)[:2048] for r in range(128)])
+    per_req = per_req.to(torch.int32)
+    req_d = per_req.to(dev).contiguous()
+    req_sorted = per_req.sort(dim=1).values.to(dev).contiguous()
+    for bpr in (2, 8):
+        add(f"SM, 128 requests x 2048, {bpr} blocks per request (runtime shape)",
+            timed(lambda b=bpr: read_2d(k656, thp, row, req_d, dst, b), reps), nbytes)
+    for mult in (1, 2, 4, 8):
+        add(f"SM, 128 requests x 2048, request-major, {mult}x{sms} blocks",
+            timed(lambda m=mult: read(k656, thp, row, req_d.view(-1), dst, m * sms), reps), nbytes)
+    for mult in (1, 8):
+        add(f"SM, same, rows sorted within each request, {mult}x{sms} blocks",
+            timed(lambda m=mult: read(k656, thp, row, req_sorted.view(-1), dst, m * sms), reps), nbytes)
+    loads = {1: "ld.global.nc", 2: "L2::128B", 3: "L2::256B"}
+    for load, name in loads.items():
+        kl = Kernels(41, load)
+        add(f"SM, 128 x 2048 request-major, 1x{sms} blocks, {name}",
+            timed(lambda k=kl: read(k, thp, row, req_d.view(-1), dst, sms), reps), nbytes)
+    for mult in (1, 4):
+        add(f"SM, 128 x 2048 request-major, {mult}x{sms} blocks, line-aligned",
+            timed(lambda m=mult: read(k656, thp, row, req_d.view(-1), dst, m * sms, lines=True), reps), nbytes)
+    for load, name in loads.items():
+        kl = Kernels(41, load)
+        add(f"SM, 128 x 2048 request-major, 1x{sms} blocks, line-aligned, {name}",
+            timed(lambda k=kl: read(k, thp, row, req_d.view(-1), dst, sms, lines=True), reps), nbytes)
+    add("SM, 656-B rows in order, line-aligned",
+        timed(lambda: read(k656, thp, row, in_order, dst, sms, lines=True), reps), nbytes)
+    # 32 requests x 274 misses (the batch-32 scenario).
+    b32 = torch.stack([r * 32768 + torch.randperm(32768, generator=gen)[:274] for r in range(32)]).to(torch.int32)
+    b32_d = b32.to(dev).contiguous()
+    n32 = b32.numel() * row
+    add("copy engine, contiguous, 32 x 274 rows' bytes", timed(lambda: copy(thp, dst, n32), reps), n32)
+    bpr32 = -(-2 * sms // 32)
+    add(f"SM, 32 requests x 274, {bpr32} blocks per request (runtime shape)",
+        timed(lambda: read_2d(k656, thp, row, b32_d, dst, bpr32), reps), n32)
+    for mult in (1, 2, 8):
+        add(f"SM, 32 requests x 274, request-major, {mult}x{sms} blocks",
+            timed(lambda m=mult: read(k656, thp, row, b32_d.view(-1), dst, m * sms), reps), n32)
+    for mult in (1, 8):
+        add(f"SM, 32 requests x 274, request-major, {mult}x{sms} blocks, line-aligned",
+            timed(lambda m=mult: read(k656, thp, row, b32_d.view(-1), dst, m * sms, lines=True), reps), n32)
+    k3 = Kernels(41, 3)
+    add(f"SM, 32 requests x 274, request-major, 1x{sms} blocks, line-aligned, L2::256B",
+        timed(lambda: read(k3, thp, row, b32_d.view(-1), dst, sms, lines=True), reps), n32)
     thp.release()
     for kind in ("vmm", "4k", "hostalloc"):
         try:
@@ -342,6 +460,8 @@ def _part_b_one(buf: Buffer, k: Kernels, reps: int, steps: int, gen: torch.Gener
     add("copy engine, 180 KB contiguous (baseline)",
         graph_us(lambda s: copy(buf, dst, nbytes, (s * 8 * nbytes) % (buf.nbytes - nbytes)), steps, reps))
     add("gather 274 rows", graph_us(lambda s: read(k, buf, row, sets[s], dst, blocks), steps, reps))
+    add("gather 274 rows, line-aligned",
+        graph_us(lambda s: read(k, buf, row, sets[s], dst, blocks, lines=True), steps, reps))
     add("gather the same 274 rows twice (both reads)",
         graph_us(lambda s: (read(k, buf, row, sets[s], dst, blocks), read(k, buf, row, sets[s], dst, blocks)),
                  steps, reps))

@@ -135,6 +135,11 @@ class CopyShape:
                    int(os.environ.get(ENV_COPY_UNROLL, COPY_UNROLL)), int(os.environ.get(ENV_COPY_LOAD, COPY_LOAD)))
 
     @property
+    def slots_per_row(self) -> int:
+        """16-byte slots a row takes in the copy kernels: 8 per 128-byte line it can touch (HS_SLOTS)."""
+        return ((self.row_bytes + 111) // 128 + 1) * 8
+
+    @property
     def build(self) -> KernelBuild:
         if self.row_bytes % 16:
             raise InvalidInputError(f"row_bytes={self.row_bytes} must be a multiple of 16")

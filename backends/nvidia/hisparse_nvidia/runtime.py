@@ -56,8 +56,8 @@ _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
 #: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
 ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
 _STAT_H2D, _STAT_D2H = 3, 4
-#: Upper bound on thread blocks per batch row of a plan copy.
-_MAX_BLOCKS_PER_ROW = 64
+#: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
+_MAX_PLAN_ROWS = 12 * 1024 - 1
 
 
 def _i32(v: int) -> ctypes.c_int32:
@@ -122,6 +122,11 @@ class NvidiaRuntime(CacheRuntime):
                     ENV_RESOLVE_SMEM,
                     self._pos_slot.numel() * 2 / 2**20)
         self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
+        if b > _MAX_PLAN_ROWS or b * k * self._copy_shape.slots_per_row >= 2**32:
+            raise InvalidInputError(
+                f"RuntimeConfig(max_batch_rows={b}, top_k={k}) is too large for the plan copy: it allows at most "
+                f"{_MAX_PLAN_ROWS} batch rows and max_batch_rows * top_k < "
+                f"{2**32 // self._copy_shape.slots_per_row}")
         copy_mod = LoadedKernels.module(index, arch, self._copy_shape.build)
         maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)
         self._k_gather = copy_mod.function("hisparse_gather_plan")
@@ -308,20 +313,17 @@ class NvidiaRuntime(CacheRuntime):
             self._gather(chosen[start], stop - start)
             start = stop
 
-    def _blocks_per_row(self, rows: int) -> int:
-        """Thread blocks per batch row of a copy: about two waves of the GPU in all."""
-        want = -(-2 * self._num_sms // max(1, rows))
-        return max(1, min(_MAX_BLOCKS_PER_ROW, want))
-
     def _gather(self, first_layer: int, num_layers: int) -> None:
         rows = self._last_rows
         if rows == 0 or num_layers == 0:
             return
         cfg = self.config
         out = self._result
+        # One block per SM in all: the grid walks the plan request by request (bench_host_reads.py).
+        blocks = max(1, -(-self._num_sms // num_layers))
         self._k_gather.launch(
-            (self._blocks_per_row(rows * num_layers), rows, num_layers), self._copy_shape.threads, 0, self._stream(),
-            [_ptr(out.plan_host), _ptr(out.plan_device), _ptr(out.plan_counts), _i32(cfg.top_k),
+            (blocks, 1, num_layers), self._copy_shape.threads, (rows + 1) * 4, self._stream(),
+            [_ptr(out.plan_host), _ptr(out.plan_device), _ptr(out.plan_counts), _i32(rows), _i32(cfg.top_k),
              _ptr(self._host_bases), _ptr(self._dev_bases), _ptr(self._dev_strides), _i32(first_layer),
              _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
             overlap_previous=self._overlap)
@@ -393,8 +395,10 @@ class NvidiaRuntime(CacheRuntime):
         with torch.cuda.device(self._device):
             dev_pairs = host.to(self._device, non_blocking=True)
         n, layers = len(pairs), cfg.num_layers
-        threads = self._copy_shape.threads
-        blocks = max(1, min(4 * self._num_sms, -(-n * (cfg.row_format.row_bytes // 16) // threads)))
+        threads, slots = self._copy_shape.threads, self._copy_shape.slots_per_row
+        if n * slots >= 2**32:
+            raise InvalidInputError(f"{n} rows in one copy; at most {2**32 // slots - 1} are allowed")
+        blocks = max(1, min(4 * self._num_sms, -(-n * slots // threads)))
         self._k_copy.launch(
             (max(1, blocks // layers), 1, layers), threads, 0, self._stream(),
             [_ptr(dev_pairs), _i32(n), _i32(src_kind), _i32(dst_kind), _ptr(self._host_bases),

@@ -5,10 +5,18 @@
 //   HS_GNT     threads per block
 //   HS_UNROLL  independent 16-byte loads each thread keeps in flight
 //
-// Work is flattened to 16-byte chunks: consecutive threads move consecutive chunks of a row, so a
-// warp's loads coalesce, and a row's chunks spread over every block of the grid's x dimension.
-// That is what keeps one request's misses fast at batch 1: the host picks gridDim.x so that a
-// few hundred rows are spread over enough blocks to keep ~100 KB of PCIe reads in flight.
+// Rows are cut along the 128-byte lines of their host side: a row is HS_SLOTS 16-byte slots, 8 per
+// line over the HS_ROW_LINES lines a row can touch, and the slots outside the row stay idle. So a
+// warp's load or store covers 4 whole lines and no host line is split between two requests, which
+// moves random rows over PCIe at about 89% of the copy engine instead of 77%
+// (bench/bench_host_reads.py).
+//
+// Work is flattened: consecutive threads take consecutive slots, and the plan copy runs through
+// the rows of every request in batch order (request-major) with a grid-stride loop, so the reads in
+// flight at any moment cover one or two requests' host regions. Spreading every request over the
+// whole time (a grid dimension per request) touches all of them at once and runs into the host's
+// address translation: 71-77% of the copy engine for the same rows. Both properties were measured
+// in bench/bench_host_reads.py. Batch 1 still spreads one request's rows over every block.
 //
 // Addressing: a host row g of layer l lives at host_bases[l] + g * row_bytes (the pool's
 // device-mapped address); a device row d at dev_bases[l] + (d / bs) * dev_block_strides[l] +
@@ -25,6 +33,9 @@
 #define HS_UNROLL 4
 #endif
 #define HS_ROW_BYTES (HS_VEC * 16)
+// Lines of 128 bytes a row starting at a 16-byte aligned address can touch, and its slots.
+#define HS_ROW_LINES ((HS_ROW_BYTES + 111) / 128 + 1)
+#define HS_SLOTS (HS_ROW_LINES * 8)
 
 // Row location kinds for hisparse_copy_rows.
 #define HS_KIND_HOST 0
@@ -60,10 +71,12 @@ __device__ __forceinline__ HsRows hs_rows(i32 kind, i32 layer, const i64* host_b
 }
 
 // Moves `n` rows; pair(e, src_row, dst_row) names row e's source and destination. Rows outside
-// either buffer (only possible with unvalidated inputs) are skipped.
+// either buffer (only possible with unvalidated inputs) are skipped. Slots are aligned on the
+// host side's lines (the source's when both sides are on the device).
 template <class Pair>
 __device__ __forceinline__ void hs_copy_rows(i32 n, const Pair& pair, const HsRows& src, const HsRows& dst, i32 bs) {
-    const i64 total = static_cast<i64>(n) * HS_VEC;
+    const bool align_dst = dst.kind == HS_KIND_HOST && src.kind != HS_KIND_HOST;
+    const i64 total = static_cast<i64>(n) * HS_SLOTS;
     const i64 stride = static_cast<i64>(gridDim.x) * HS_GNT;
     for (i64 first = static_cast<i64>(blockIdx.x) * HS_GNT + threadIdx.x; first < total;
          first += stride * HS_UNROLL) {
@@ -74,14 +87,20 @@ __device__ __forceinline__ void hs_copy_rows(i32 n, const Pair& pair, const HsRo
             const i64 c = first + u * stride;
             to[u] = nullptr;
             if (c < total) {
-                const u32 cc = static_cast<u32>(c);  // n * HS_VEC < 2^32 (checked by the host)
-                const i32 e = static_cast<i32>(cc / HS_VEC);
-                const i32 k = static_cast<i32>(cc - static_cast<u32>(e) * HS_VEC);
+                const u32 cc = static_cast<u32>(c);  // n * HS_SLOTS < 2^32 (checked by the host)
+                const i32 e = static_cast<i32>(cc / HS_SLOTS);
+                const i32 j = static_cast<i32>(cc - static_cast<u32>(e) * HS_SLOTS);
                 i32 s, d;
                 pair(e, s, d);
                 if (s >= 0 && s < src.limit && d >= 0 && d < dst.limit) {
-                    v[u] = hs_load16(src.at(s, bs) + k * 16);
-                    to[u] = dst.at(d, bs) + k * 16;
+                    const unsigned char* from = src.at(s, bs);
+                    unsigned char* into = dst.at(d, bs);
+                    const i32 skew = static_cast<i32>(reinterpret_cast<u64>(align_dst ? into : from) & 127);
+                    const i32 pos = j * 16 - skew;
+                    if (pos >= 0 && pos < HS_ROW_BYTES) {
+                        v[u] = hs_load16(from + pos);
+                        to[u] = into + pos;
+                    }
                 }
             }
         }
@@ -92,12 +111,24 @@ __device__ __forceinline__ void hs_copy_rows(i32 n, const Pair& pair, const HsRo
     }
 }
 
+// Entry e of the request-major plan: the request whose range holds e (binary search over the
+// exclusive prefix of the plan counts, `start[0..rows]`), then its entry e - start[r].
 struct HsPlanPair {
     const i32* host;
     const i32* device;
+    const i32* start;
+    i32 rows;
+    i32 K;
     __device__ __forceinline__ void operator()(i32 e, i32& s, i32& d) const {
-        s = host[e];
-        d = device[e];
+        i32 lo = 0, hi = rows;  // start[lo] <= e < start[hi]
+        while (hi - lo > 1) {
+            const i32 mid = (lo + hi) >> 1;
+            if (start[mid] <= e) lo = mid;
+            else hi = mid;
+        }
+        const i64 at = static_cast<i64>(lo) * K + (e - start[lo]);
+        s = host[at];
+        d = device[at];
     }
 };
 
@@ -109,14 +140,14 @@ struct HsListPair {
     }
 };
 
-// Copies the miss plan (host row -> hot row) of batch row blockIdx.y into layer
-// layer_begin + blockIdx.z. Grid: (blocks per row, batch rows, layers).
+// Copies the miss plan (host row -> hot row) of batch rows [0, rows) into layer
+// layer_begin + blockIdx.z. Grid: (blocks, 1, layers); dynamic shared memory: (rows + 1) * 4 bytes.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     const i32* __restrict__ plan_host, const i32* __restrict__ plan_device, const i32* __restrict__ plan_counts,
-    i32 K, const i64* __restrict__ host_bases, const i64* __restrict__ dev_bases,
+    i32 rows, i32 K, const i64* __restrict__ host_bases, const i64* __restrict__ dev_bases,
     const i64* __restrict__ dev_block_strides, i32 layer_begin, i32 bs, i64 host_rows, i64 dev_rows,
     u64* __restrict__ stats) {
-    const i32 r = blockIdx.y;
+    extern __shared__ i32 s_start[];  // [rows + 1]: where each batch row's entries begin
     const i32 layer = layer_begin + blockIdx.z;
     // The layer addresses are written at bind time, never by the resolver: read them first, so
     // their round trip overlaps the wait below.
@@ -125,13 +156,31 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     // Launched with programmatic stream serialization, this grid may start while the resolver
     // still runs: wait for it (a no-op for an ordinary launch) before reading its plan.
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    const i32 n = plan_counts[r];
+    if (threadIdx.x < 32) {  // one warp scans the counts
+        const i32 lane = threadIdx.x;
+        i32 carry = 0;
+        for (i32 base = 0; base < rows; base += 32) {
+            const i32 r = base + lane;
+            const i32 c = r < rows ? min(max(plan_counts[r], 0), K) : 0;
+            i32 incl = c;
+#pragma unroll
+            for (i32 o = 1; o < 32; o <<= 1) {
+                const i32 t = __shfl_up_sync(HS_FULL_MASK, incl, o);
+                if (lane >= o) incl += t;
+            }
+            if (r < rows) s_start[r] = carry + incl - c;
+            carry += __shfl_sync(HS_FULL_MASK, incl, 31);
+        }
+        if (lane == 0) s_start[rows] = carry;
+    }
+    __syncthreads();
+    const i32 n = s_start[rows];
     if (n <= 0) return;
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
     }
-    HsPlanPair pair{plan_host + static_cast<i64>(r) * K, plan_device + static_cast<i64>(r) * K};
-    hs_copy_rows(min(n, K), pair, src, dst, bs);
+    HsPlanPair pair{plan_host, plan_device, s_start, rows, K};
+    hs_copy_rows(n, pair, src, dst, bs);
 }
 
 // Copies a list of (source row, destination row) pairs in layer layer_begin + blockIdx.z, between

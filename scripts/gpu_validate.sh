@@ -97,15 +97,15 @@ memcheck)
         "$T::test_small_geometries_match_reference[1]" "$T::test_small_geometries_match_reference[5]" \
         "$T::test_production_geometry_matches_reference[1-None]" "$T::test_production_geometry_matches_reference[2-None]" "$T::test_production_geometry_matches_reference[1-0]" "$T::test_mirror_spill_restore_and_host_copies" \
         "$T::test_strided_device_blocks" "$T::test_out_of_context_positions_are_masked_without_validation" \
-        "$T::test_remapped_and_shared_host_blocks_match_reference[0]" \
-        "tests/nvidia/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" tests/nvidia/test_nvidia_transfer.py
+        "$T::test_remapped_and_shared_host_blocks_match_reference[0]" "$T::test_speculative_gather_matches_reference[0]" \
+        "$T::test_speculative_gather_matches_reference[2]" "tests/nvidia/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" tests/nvidia/test_nvidia_transfer.py
     ;;
 racecheck)
     T=tests/nvidia/test_nvidia_runtime.py
     run racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --report-api-errors no --racecheck-report hazard --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[2]" \
         "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None]" \
-        "$T::test_remapped_and_shared_host_blocks_match_reference[1]"
+        "$T::test_remapped_and_shared_host_blocks_match_reference[1]" "$T::test_speculative_gather_matches_reference[4]"
     ;;
 ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

@@ -9,9 +9,12 @@ kernels under `cuda/`, launched through the driver on PyTorch's current stream:
   (`_pos_slot`, kept by the kernel), and only the rest are hashed; a group with no host entry
   exits before touching its LRU (the resident fast path). Compiled for the runtime's geometry.
 - `hisparse_gather_plan` (copy.cu): copies the plan's host rows into their hot rows for one or
-  more layers, reading the registered host pool directly (zero-copy 16-byte loads). A batch row's
-  misses are spread over several thread blocks, so a single request is not limited to one block's
-  loads in flight.
+  more layers, reading the registered host pool directly (zero-copy 16-byte loads). The grid walks
+  the plan request by request over every SM, so a single request is not limited to one block's
+  loads in flight and the reads in flight stay within one or two requests' host regions.
+- `hisparse_gather_spec` (copy.cu): the copy that follows a resolve of a small batch. It starts
+  reading the likely misses' host rows while the resolver still runs, then writes exactly the
+  resolver's misses (its miss mask and output rows), loading any it did not guess.
 - `hisparse_copy_rows` (copy.cu): batched row mirrors and page spills (device to host), page
   restores (host to device) and host block copies, for every layer in one launch.
 - maintain.cu: invalidation of written rows and recycled host blocks, and state resets.
@@ -55,6 +58,10 @@ logger = logging.getLogger(__name__)
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
 #: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
 ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
+#: "0" turns off the speculative gather after a resolve (on by default where it applies).
+ENV_SPEC_GATHER = "HISPARSE_SPEC_GATHER"
+#: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM.
+_SPEC_BLOCKS_PER_SM = 4
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
 _MAX_PLAN_ROWS = 12 * 1024 - 1
@@ -108,6 +115,9 @@ class NvidiaRuntime(CacheRuntime):
                 plan_counts=torch.zeros(b, dtype=torch.int32, device=device),
             )
             self._stats = torch.zeros(5, dtype=torch.int64, device=device)
+            # Bit r * top_k + j: entry j of batch row r was a miss of the last resolve with misses in
+            # its group (written by the resolver when top_k % 32 == 0, read by the speculative gather).
+            self._miss_mask = torch.zeros(max(1, b * k // 32), dtype=torch.int32, device=device)
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._shape = shape
@@ -131,11 +141,21 @@ class NvidiaRuntime(CacheRuntime):
         maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)
         self._k_gather = copy_mod.function("hisparse_gather_plan")
         self._k_copy = copy_mod.function("hisparse_copy_rows")
+        self._k_gather_spec = copy_mod.function("hisparse_gather_spec")
         self._k_inval_written = maint_mod.function("hisparse_invalidate_written")
         self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
         self._k_reset = maint_mod.function("hisparse_reset_rows")
         self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
+        c = self._copy_shape
+        spec_rows = _SPEC_BLOCKS_PER_SM * num_sms * c.threads * c.unroll // (k * c.slots_per_row)
+        why = ("top_k is not a multiple of 32" if k % 32 else "programmatic dependent launch is off" if not self._overlap
+               else f"{ENV_SPEC_GATHER}=0" if os.environ.get(ENV_SPEC_GATHER, "1") == "0"
+               else "top_k is too large for one pass" if spec_rows == 0 else "")
+        self._spec_rows = 0 if why else spec_rows
+        logger.info("nvidia runtime: miss copies after a resolve %s",
+                    f"start while it runs for batches of up to {spec_rows} rows" if not why
+                    else f"wait for the resolver ({why})")
         self._prof: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
@@ -260,13 +280,16 @@ class NvidiaRuntime(CacheRuntime):
             (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
-             _ptr(self._pos_slot), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
+             _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
              _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
             overlap_previous=self._overlap)
         self._last_rows = b
         if gather:
-            self._gather(0, 1)
+            if 0 < b <= self._spec_rows:
+                self._gather_spec(inputs, b)
+            else:
+                self._gather(0, 1)
         return out
 
     @property
@@ -327,6 +350,21 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._host_bases), _ptr(self._dev_bases), _ptr(self._dev_strides), _i32(first_layer),
              _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
             overlap_previous=self._overlap)
+
+    def _gather_spec(self, inputs: ResolveInputs, rows: int) -> None:
+        """The plan copy of layer 0 right after the resolve of `rows` batch rows, started early."""
+        cfg = self.config
+        out = self._result
+        c = self._copy_shape
+        blocks = -(-rows * cfg.top_k * c.slots_per_row // (c.threads * c.unroll))
+        self._k_gather_spec.launch(
+            (blocks, 1, 1), c.threads, 0, self._stream(),
+            [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
+             _ptr(inputs.resident_table), _ptr(self._pos_slot), _ptr(self._hot_map), _ptr(out.rows),
+             _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
+             _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(self._host_bases), _ptr(self._dev_bases),
+             _ptr(self._dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
+            overlap_previous=True)
 
     @property
     def launch_shape(self) -> dict[str, int | bool]:

@@ -199,3 +199,116 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_copy_rows(
     HsListPair pair{pairs};
     hs_copy_rows(n, pair, src, dst, bs);
 }
+
+// The host row of flat entry E = r * K + j of the resolver's inputs, or -1 when the entry is not a
+// host entry (padding row, masked or out-of-context position, resident page, null page). The same
+// classification as the resolver's; every input read here is fixed for the step.
+struct HsEntries {
+    const i32* topk;
+    const i32* row_state;
+    const i32* seq_lens;
+    const i32* source_table;
+    const i32* resident_table;
+    i32 K, bs, P;
+
+    __device__ __forceinline__ i32 host_row(i32 E, i32& q, i32& t) const {
+        const i32 r = E / K;
+        q = row_state[r];
+        t = topk[E];
+        if (q < 0 || t < 0 || t >= seq_lens[r] || t / bs >= P) return -1;
+        const i64 page = static_cast<i64>(q) * P + t / bs;
+        if (resident_table[page] >= 0) return -1;
+        const i32 b = source_table[page];
+        return b < 0 ? -1 : b * bs + t % bs;
+    }
+};
+
+// Copies the miss plan of batch rows [0, rows) into layer 0 like hisparse_gather_plan, but starts
+// the host reads while the resolver still runs (small batches: the grid covers every entry's slots
+// in one pass). Launched right behind the resolver with programmatic stream serialization:
+//   1. before the resolver finishes, each host entry whose hinted slot does not hold its row (a
+//      likely miss, read without synchronization from the hot state the resolver is changing) has
+//      its slots loaded into registers;
+//   2. after griddepcontrol.wait (the resolver's writes visible), the entries whose miss_mask bit
+//      the resolver set are the plan's misses: each goes to its out_rows row, from the registers
+//      when step 1 guessed it, else loaded now. Guesses only decide what is read early; what is
+//      written is decided by the resolver's final outputs, so a wrong guess costs time, never bytes.
+// Grid: (blocks, 1, 1), blocks * HS_GNT * HS_UNROLL >= rows * K * HS_SLOTS (checked by the host).
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
+    const i32* __restrict__ topk, const i32* __restrict__ row_state, const i32* __restrict__ seq_lens,
+    const i32* __restrict__ source_table, const i32* __restrict__ resident_table, const i16* pos_slot,
+    const i32* hot_map, const i32* __restrict__ out_rows, const i32* __restrict__ plan_counts,
+    const u32* __restrict__ miss_mask, i32 rows, i32 K, i32 bs, i32 P, i32 H, const i64* __restrict__ host_bases,
+    const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides, i64 host_rows, i64 dev_rows,
+    u64* __restrict__ stats) {
+    const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    const HsRows dst = hs_rows(HS_KIND_DEVICE, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    const HsEntries entries{topk, row_state, seq_lens, source_table, resident_table, K, bs, P};
+    const u32 total = static_cast<u32>(rows) * static_cast<u32>(K) * HS_SLOTS;  // < 2^32 (checked by the host)
+    const u32 stride = gridDim.x * HS_GNT;
+    const u32 first = blockIdx.x * HS_GNT + threadIdx.x;
+
+    // ---- 1. Early reads of likely misses ------------------------------------------------------
+    uint4 v[HS_UNROLL];
+    bool have[HS_UNROLL];
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        const u32 c = first + u * stride;
+        have[u] = false;
+        if (c < total) {
+            const i32 E = static_cast<i32>(c / HS_SLOTS);
+            const i32 slot = static_cast<i32>(c - static_cast<u32>(E) * HS_SLOTS);
+            i32 q, t;
+            const i32 g = entries.host_row(E, q, t);
+            if (g >= 0 && g < src.limit) {
+                const i32 hint = pos_slot[(static_cast<i64>(q) * P) * bs + t];
+                if (hint < 0 || hint >= H || hot_map[static_cast<i64>(q) * H + hint] != g) {
+                    const unsigned char* from = src.at(g, bs);
+                    const i32 pos = slot * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                    if (pos >= 0 && pos < HS_ROW_BYTES) {
+                        v[u] = hs_load16(from + pos);
+                        have[u] = true;
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- 2. The resolver's misses ---------------------------------------------------------------
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        i64 n = 0;
+        for (i32 r = 0; r < rows; ++r) n += min(max(plan_counts[r], 0), K);
+        if (n) atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
+    }
+    bool early = true;
+    for (u32 c0 = first; c0 < total; c0 += stride * HS_UNROLL, early = false) {
+        unsigned char* to[HS_UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            const u32 c = c0 + u * stride;
+            to[u] = nullptr;
+            if (c < total) {
+                const i32 E = static_cast<i32>(c / HS_SLOTS);
+                const i32 slot = static_cast<i32>(c - static_cast<u32>(E) * HS_SLOTS);
+                if (plan_counts[E / K] > 0 && ((miss_mask[E >> 5] >> (E & 31)) & 1u)) {
+                    i32 q, t;
+                    const i32 g = entries.host_row(E, q, t);
+                    const i32 d = out_rows[E];
+                    if (g >= 0 && g < src.limit && d >= 0 && d < dst.limit) {
+                        const unsigned char* from = src.at(g, bs);
+                        const i32 pos = slot * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                        if (pos >= 0 && pos < HS_ROW_BYTES) {
+                            if (!(early && have[u])) v[u] = hs_load16(from + pos);
+                            to[u] = dst.at(d, bs) + pos;
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            if (to[u] != nullptr) hs_store16(to[u], v[u]);
+        }
+    }
+}

@@ -36,6 +36,10 @@
 //   order[H]   i16 slow path: hit slots packed forward from 0 in LRU order, evictable slots packed
 //              backward from H-1 in LRU order (E[m] = order[H-1-m]); padded to 4 bytes
 //   mark[H]    u8  1 for a slot an entry's hint found holding its row (padded to 4 bytes)
+//
+// Miss mask (builds with HS_K % 32 == 0): on a step with misses, the block sets bit E of
+// miss_mask for each miss entry E = r * K + j (the group's words cleared first), so the
+// speculative gather (copy.cu) can tell which of the rows it fetched early are the plan's.
 #include "common.cuh"
 
 #if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || \
@@ -53,6 +57,7 @@
 #define HS_HB (HS_H / HS_BS)
 #define HS_T (1 << HS_TBITS)
 #define HS_EMPTY 0xffffffffffffffffull
+#define HS_MASK (HS_K % 32 == 0)
 
 static_assert(HS_NT % 32 == 0 && HS_NT <= 1024, "threads per block");
 static_assert(HS_NW <= 32, "warp totals are reduced by one warp");
@@ -152,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     i32* __restrict__ hot_map,               // [R, H]
     i16* __restrict__ lru,                   // [R, H]
     i16* __restrict__ pos_slot,              // [R, P * BS]: slot last filled for a position, or -1
+    u32* __restrict__ miss_mask,             // [Bmax * K / 32] (HS_K % 32 == 0 builds)
     i32* __restrict__ out_rows,              // [Bmax, K]
     i32* __restrict__ out_valid,             // [Bmax]
     i32* __restrict__ plan_host,             // [Bmax, K]
@@ -569,6 +575,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     if constexpr (HS_RPR > 1) {
         if (n > 1) row_sums(mflags, s_rmiss);
     }
+    if constexpr (HS_MASK) {
+#pragma unroll 1
+        for (i32 i = tid; i < total / 32; i += HS_NT) miss_mask[base / 32 + i] = 0u;
+    }
     __syncthreads();  // barrier 4
     HS_MARK(6);
 
@@ -601,6 +611,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             pos_slot[qP * HS_BS + t_r[e]] = static_cast<i16>(s);
             const i32 dev = hs_hot_row(htab, s);
             if (s_dup) reinterpret_cast<i32*>(&pairs[b_r[e]])[0] = -(s + 1);
+            if constexpr (HS_MASK) atomicOr(&miss_mask[(base + j) >> 5], 1u << ((base + j) & 31));
             const i32 at = (r + rho_t) * HS_K + (m - mb);
             plan_host[at] = g;
             plan_device[at] = dev;

@@ -154,8 +154,10 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     const HsRows src = hs_rows(HS_KIND_HOST, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
     const HsRows dst = hs_rows(HS_KIND_DEVICE, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
     // Launched with programmatic stream serialization, this grid may start while the resolver
-    // still runs: wait for it (a no-op for an ordinary launch) before reading its plan.
+    // still runs: wait for it (a no-op for an ordinary launch) before reading its plan. The next
+    // kernel may be scheduled now: ours wait for this grid before touching memory.
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (threadIdx.x < 32) {  // one warp scans the counts
         const i32 lane = threadIdx.x;
         i32 carry = 0;
@@ -241,6 +243,8 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     const u32* __restrict__ miss_mask, i32 rows, i32 K, i32 bs, i32 P, i32 H, const i64* __restrict__ host_bases,
     const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides, i64 host_rows, i64 dev_rows,
     u64* __restrict__ stats) {
+    // The next kernel may be scheduled now: ours wait for this grid before touching memory.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
     const HsRows dst = hs_rows(HS_KIND_DEVICE, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
     const HsEntries entries{topk, row_state, seq_lens, source_table, resident_table, K, bs, P};
@@ -249,26 +253,56 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     const u32 first = blockIdx.x * HS_GNT + threadIdx.x;
 
     // ---- 1. Early reads of likely misses ------------------------------------------------------
+    // Three dependent round trips before the host read: the entry (row state, position, length);
+    // its page-table entries and position hint together; the hinted slot's row.
     uint4 v[HS_UNROLL];
+    i32 g_r[HS_UNROLL];  // host row of the task's entry (-1: not a host entry or past the end)
     bool have[HS_UNROLL];
+    i32 q_r[HS_UNROLL], t_r[HS_UNROLL];
 #pragma unroll
     for (i32 u = 0; u < HS_UNROLL; ++u) {
         const u32 c = first + u * stride;
-        have[u] = false;
+        q_r[u] = -1;
+        t_r[u] = -1;
         if (c < total) {
             const i32 E = static_cast<i32>(c / HS_SLOTS);
-            const i32 slot = static_cast<i32>(c - static_cast<u32>(E) * HS_SLOTS);
-            i32 q, t;
-            const i32 g = entries.host_row(E, q, t);
-            if (g >= 0 && g < src.limit) {
-                const i32 hint = pos_slot[(static_cast<i64>(q) * P) * bs + t];
-                if (hint < 0 || hint >= H || hot_map[static_cast<i64>(q) * H + hint] != g) {
-                    const unsigned char* from = src.at(g, bs);
-                    const i32 pos = slot * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-                    if (pos >= 0 && pos < HS_ROW_BYTES) {
-                        v[u] = hs_load16(from + pos);
-                        have[u] = true;
-                    }
+            const i32 r = E / K;
+            const i32 q = row_state[r];
+            const i32 t = topk[E];
+            if (q >= 0 && t >= 0 && t < seq_lens[r] && t / bs < P) {
+                q_r[u] = q;
+                t_r[u] = t;
+            }
+        }
+    }
+    i32 hint_r[HS_UNROLL];
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        g_r[u] = -1;
+        hint_r[u] = -1;
+        if (q_r[u] >= 0) {
+            const i32 q = q_r[u], t = t_r[u];
+            const i64 page = static_cast<i64>(q) * P + t / bs;
+            const i32 b = source_table[page];
+            const i32 res = resident_table[page];
+            hint_r[u] = pos_slot[(static_cast<i64>(q) * P) * bs + t];
+            if (res < 0 && b >= 0 && static_cast<i64>(b) * bs + t % bs < src.limit) g_r[u] = b * bs + t % bs;
+        }
+    }
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        have[u] = false;
+        const i32 g = g_r[u];
+        if (g >= 0) {
+            const i32 hint = hint_r[u];
+            if (hint < 0 || hint >= H || hot_map[static_cast<i64>(q_r[u]) * H + hint] != g) {
+                const u32 c = first + u * stride;
+                const i32 slot = static_cast<i32>(c % HS_SLOTS);
+                const unsigned char* from = src.at(g, bs);
+                const i32 pos = slot * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                if (pos >= 0 && pos < HS_ROW_BYTES) {
+                    v[u] = hs_load16(from + pos);
+                    have[u] = true;
                 }
             }
         }
@@ -291,17 +325,22 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
             if (c < total) {
                 const i32 E = static_cast<i32>(c / HS_SLOTS);
                 const i32 slot = static_cast<i32>(c - static_cast<u32>(E) * HS_SLOTS);
-                if (plan_counts[E / K] > 0 && ((miss_mask[E >> 5] >> (E & 31)) & 1u)) {
+                i32 g;
+                if (early) {
+                    g = g_r[u];
+                } else {
                     i32 q, t;
-                    const i32 g = entries.host_row(E, q, t);
-                    const i32 d = out_rows[E];
-                    if (g >= 0 && g < src.limit && d >= 0 && d < dst.limit) {
-                        const unsigned char* from = src.at(g, bs);
-                        const i32 pos = slot * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-                        if (pos >= 0 && pos < HS_ROW_BYTES) {
-                            if (!(early && have[u])) v[u] = hs_load16(from + pos);
-                            to[u] = dst.at(d, bs) + pos;
-                        }
+                    g = entries.host_row(E, q, t);
+                }
+                // One round trip: the row's count, the entry's mask word and output row together.
+                const bool miss = g >= 0 && plan_counts[E / K] > 0 && ((miss_mask[E >> 5] >> (E & 31)) & 1u);
+                const i32 d = g >= 0 ? out_rows[E] : -1;
+                if (miss && g < src.limit && d >= 0 && d < dst.limit) {
+                    const unsigned char* from = src.at(g, bs);
+                    const i32 pos = slot * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                    if (pos >= 0 && pos < HS_ROW_BYTES) {
+                        if (!(early && have[u])) v[u] = hs_load16(from + pos);
+                        to[u] = dst.at(d, bs) + pos;
                     }
                 }
             }

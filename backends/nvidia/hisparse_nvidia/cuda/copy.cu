@@ -253,57 +253,60 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     const u32 first = blockIdx.x * HS_GNT + threadIdx.x;
 
     // ---- 1. Early reads of likely misses ------------------------------------------------------
-    // Three dependent round trips before the host read: the entry (row state, position, length);
-    // its page-table entries and position hint together; the hinted slot's row.
-    uint4 v[HS_UNROLL];
-    i32 g_r[HS_UNROLL];  // host row of the task's entry (-1: not a host entry or past the end)
-    bool have[HS_UNROLL];
-    i32 q_r[HS_UNROLL], t_r[HS_UNROLL];
+    // Three round trips before the host read: the entry (row state, position, length); its
+    // page-table entries and position hint; the hinted slot's row. Every load of a round trip is
+    // issued unconditionally (index 0 stands in for an invalid one) so that the task's four chains
+    // overlap instead of running one after the other.
+    i32 E_r[HS_UNROLL], q_r[HS_UNROLL], t_r[HS_UNROLL], len_r[HS_UNROLL];
 #pragma unroll
     for (i32 u = 0; u < HS_UNROLL; ++u) {
         const u32 c = first + u * stride;
-        q_r[u] = -1;
-        t_r[u] = -1;
-        if (c < total) {
-            const i32 E = static_cast<i32>(c / HS_SLOTS);
-            const i32 r = E / K;
-            const i32 q = row_state[r];
-            const i32 t = topk[E];
-            if (q >= 0 && t >= 0 && t < seq_lens[r] && t / bs < P) {
-                q_r[u] = q;
-                t_r[u] = t;
-            }
-        }
+        E_r[u] = c < total ? static_cast<i32>(c / HS_SLOTS) : -1;
+        const i32 E = max(E_r[u], 0);
+        const i32 r = E / K;
+        q_r[u] = row_state[r];
+        t_r[u] = topk[E];
+        len_r[u] = seq_lens[r];
     }
-    i32 hint_r[HS_UNROLL];
+    i64 page_r[HS_UNROLL];
 #pragma unroll
     for (i32 u = 0; u < HS_UNROLL; ++u) {
-        g_r[u] = -1;
-        hint_r[u] = -1;
-        if (q_r[u] >= 0) {
-            const i32 q = q_r[u], t = t_r[u];
-            const i64 page = static_cast<i64>(q) * P + t / bs;
-            const i32 b = source_table[page];
-            const i32 res = resident_table[page];
-            hint_r[u] = pos_slot[(static_cast<i64>(q) * P) * bs + t];
-            if (res < 0 && b >= 0 && static_cast<i64>(b) * bs + t % bs < src.limit) g_r[u] = b * bs + t % bs;
-        }
+        const i32 q = q_r[u], t = t_r[u];
+        const bool ok = E_r[u] >= 0 && q >= 0 && t >= 0 && t < len_r[u] && t / bs < P;
+        if (!ok) q_r[u] = -1;
+        page_r[u] = ok ? static_cast<i64>(q) * P + t / bs : 0;
     }
+    i32 b_r[HS_UNROLL], res_r[HS_UNROLL], hint_r[HS_UNROLL];
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        b_r[u] = source_table[page_r[u]];
+        res_r[u] = resident_table[page_r[u]];
+        hint_r[u] = pos_slot[q_r[u] >= 0 ? page_r[u] * bs + t_r[u] % bs : 0];
+    }
+    i32 g_r[HS_UNROLL];  // host row of the task's entry (-1: not a host entry or past the end)
+    i32 hm_r[HS_UNROLL];
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        const i32 b = b_r[u];
+        const bool host = q_r[u] >= 0 && res_r[u] < 0 && b >= 0 && static_cast<i64>(b) * bs + t_r[u] % bs < src.limit;
+        g_r[u] = host ? b * bs + t_r[u] % bs : -1;
+        const i32 hint = hint_r[u];
+        hm_r[u] = hot_map[host && hint >= 0 && hint < H ? static_cast<i64>(q_r[u]) * H + hint : 0];
+        if (!(host && hint >= 0 && hint < H)) hm_r[u] = -2;  // no usable hint: a likely miss
+    }
+    uint4 v[HS_UNROLL];
+    bool have[HS_UNROLL];
 #pragma unroll
     for (i32 u = 0; u < HS_UNROLL; ++u) {
         have[u] = false;
         const i32 g = g_r[u];
-        if (g >= 0) {
-            const i32 hint = hint_r[u];
-            if (hint < 0 || hint >= H || hot_map[static_cast<i64>(q_r[u]) * H + hint] != g) {
-                const u32 c = first + u * stride;
-                const i32 slot = static_cast<i32>(c % HS_SLOTS);
-                const unsigned char* from = src.at(g, bs);
-                const i32 pos = slot * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-                if (pos >= 0 && pos < HS_ROW_BYTES) {
-                    v[u] = hs_load16(from + pos);
-                    have[u] = true;
-                }
+        if (g >= 0 && hm_r[u] != g) {
+            const u32 c = first + u * stride;
+            const unsigned char* from = src.at(g, bs);
+            const i32 pos = static_cast<i32>(c % HS_SLOTS) * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+            if (pos >= 0 && pos < HS_ROW_BYTES) {
+                v[u] = hs_load16(from + pos);
+                have[u] = true;
             }
         }
     }
@@ -315,33 +318,43 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
         for (i32 r = 0; r < rows; ++r) n += min(max(plan_counts[r], 0), K);
         if (n) atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
     }
+    // One pass covers every task (the host sizes the grid so); the loop is a guard.
     bool early = true;
     for (u32 c0 = first; c0 < total; c0 += stride * HS_UNROLL, early = false) {
-        unsigned char* to[HS_UNROLL];
+        // One round trip: each task's row count, mask word and output row, issued together.
+        i32 E_u[HS_UNROLL], cnt[HS_UNROLL], d_u[HS_UNROLL];
+        u32 word[HS_UNROLL];
 #pragma unroll
         for (i32 u = 0; u < HS_UNROLL; ++u) {
             const u32 c = c0 + u * stride;
+            E_u[u] = c < total ? static_cast<i32>(c / HS_SLOTS) : -1;
+            const i32 E = max(E_u[u], 0);
+            cnt[u] = plan_counts[E / K];
+            word[u] = miss_mask[E >> 5];
+            d_u[u] = out_rows[E];
+        }
+        unsigned char* to[HS_UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            const i32 E = E_u[u];
             to[u] = nullptr;
-            if (c < total) {
-                const i32 E = static_cast<i32>(c / HS_SLOTS);
-                const i32 slot = static_cast<i32>(c - static_cast<u32>(E) * HS_SLOTS);
-                i32 g;
+            i32 g = -1;
+            if (E >= 0) {
                 if (early) {
                     g = g_r[u];
                 } else {
                     i32 q, t;
                     g = entries.host_row(E, q, t);
                 }
-                // One round trip: the row's count, the entry's mask word and output row together.
-                const bool miss = g >= 0 && plan_counts[E / K] > 0 && ((miss_mask[E >> 5] >> (E & 31)) & 1u);
-                const i32 d = g >= 0 ? out_rows[E] : -1;
-                if (miss && g < src.limit && d >= 0 && d < dst.limit) {
-                    const unsigned char* from = src.at(g, bs);
-                    const i32 pos = slot * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-                    if (pos >= 0 && pos < HS_ROW_BYTES) {
-                        if (!(early && have[u])) v[u] = hs_load16(from + pos);
-                        to[u] = dst.at(d, bs) + pos;
-                    }
+            }
+            const i32 d = d_u[u];
+            if (g >= 0 && cnt[u] > 0 && ((word[u] >> (E & 31)) & 1u) && g < src.limit && d >= 0 && d < dst.limit) {
+                const u32 c = c0 + u * stride;
+                const unsigned char* from = src.at(g, bs);
+                const i32 pos = static_cast<i32>(c % HS_SLOTS) * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                if (pos >= 0 && pos < HS_ROW_BYTES) {
+                    if (!(early && have[u])) v[u] = hs_load16(from + pos);
+                    to[u] = dst.at(d, bs) + pos;
                 }
             }
         }

@@ -34,10 +34,9 @@ SOURCE = r"""
 #define UNROLL 4
 
 // Moves n rows (VEC 16-byte chunks each) from src + rows[e] * stride to a contiguous dst;
-// consecutive threads take consecutive chunks, like the runtime's gather.
-extern "C" __global__ void __launch_bounds__(256) read_rows(
-    const unsigned char* __restrict__ src, i64 stride, const i32* __restrict__ rows, i32 n,
-    unsigned char* __restrict__ dst) {
+// consecutive threads take consecutive chunks of the grid's x dimension.
+__device__ __forceinline__ void move_flat(const unsigned char* __restrict__ src, i64 stride,
+                                          const i32* __restrict__ rows, i32 n, unsigned char* __restrict__ dst) {
     const i64 total = static_cast<i64>(n) * VEC;
     const i64 gs = static_cast<i64>(gridDim.x) * 256;
     for (i64 first = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; first < total; first += gs * UNROLL) {
@@ -57,6 +56,13 @@ extern "C" __global__ void __launch_bounds__(256) read_rows(
             if (c < total) hs_store16(dst + c * 16, v[u]);
         }
     }
+}
+
+// All n rows over the whole grid (the flat shape of the gather until call 37).
+extern "C" __global__ void __launch_bounds__(256) read_rows(
+    const unsigned char* __restrict__ src, i64 stride, const i32* __restrict__ rows, i32 n,
+    unsigned char* __restrict__ dst) {
+    move_flat(src, stride, rows, n, dst);
 }
 
 // Line-aligned: each row is cut along the source's 128-byte lines (LINES lines of 8 chunks, the
@@ -93,32 +99,13 @@ extern "C" __global__ void __launch_bounds__(256) read_rows_lines(
     }
 }
 
-// The runtime gather's shape: blockIdx.y is a request with `per` rows (rows[y * per + e]), its
-// chunks spread over the gridDim.x blocks of that request.
+// The runtime gather's shape until call 37: blockIdx.y is a request with `per` rows
+// (rows[y * per + e]), its chunks spread over the gridDim.x blocks of that request.
 extern "C" __global__ void __launch_bounds__(256) read_rows_2d(
     const unsigned char* __restrict__ src, i64 stride, const i32* __restrict__ rows, i32 per,
     unsigned char* __restrict__ dst) {
-    const i64 total = static_cast<i64>(per) * VEC;
-    const i64 gs = static_cast<i64>(gridDim.x) * 256;
-    rows += static_cast<i64>(blockIdx.y) * per;
-    dst += static_cast<i64>(blockIdx.y) * per * VEC * 16;
-    for (i64 first = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x; first < total; first += gs * UNROLL) {
-        uint4 v[UNROLL];
-#pragma unroll
-        for (i32 u = 0; u < UNROLL; ++u) {
-            const i64 c = first + u * gs;
-            if (c < total) {
-                const i32 e = static_cast<i32>(c / VEC);
-                const i32 k = static_cast<i32>(c - static_cast<i64>(e) * VEC);
-                v[u] = hs_load16(src + static_cast<i64>(rows[e]) * stride + k * 16);
-            }
-        }
-#pragma unroll
-        for (i32 u = 0; u < UNROLL; ++u) {
-            const i64 c = first + u * gs;
-            if (c < total) hs_store16(dst + c * 16, v[u]);
-        }
-    }
+    move_flat(src, stride, rows + static_cast<i64>(blockIdx.y) * per, per,
+              dst + static_cast<i64>(blockIdx.y) * per * VEC * 16);
 }
 
 // One block asks L2 to fetch every 128-byte line of n rows, then spins for `cycles`.
@@ -308,6 +295,15 @@ def graph_us(build, steps: int, reps: int) -> float:
     return timed(g.replay, reps) / steps
 
 
+def _try_buffer(kind: str, nbytes: int) -> Buffer | None:
+    """The buffer, or None (reported) where this machine cannot make that kind."""
+    try:
+        return Buffer(kind, nbytes)
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        print(f"  buffer {kind}: {exc}", flush=True)
+        return None
+
+
 def part_a(reps: int, gen: torch.Generator) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     blocks = 8 * sms
@@ -401,10 +397,8 @@ def part_a(reps: int, gen: torch.Generator) -> list[dict]:
         timed(lambda: read(k3, thp, row, b32_d.view(-1), dst, sms, lines=True), reps), n32)
     thp.release()
     for kind in ("vmm", "4k", "hostalloc"):
-        try:
-            b = Buffer(kind, POOL_ROWS * row)
-        except Exception as exc:  # noqa: BLE001 - report and go on
-            print(f"  buffer {kind}: {exc}", flush=True)
+        b = _try_buffer(kind, POOL_ROWS * row)
+        if b is None:
             continue
         print(f"pool '{kind}': AnonHugePages +{b.huge_mb:.0f} MB, granularity {b.granularity >> 10} KiB", flush=True)
         add(f"copy engine, contiguous, from '{kind}'", timed(lambda b=b: copy(b, dst, nbytes), reps), nbytes)
@@ -425,10 +419,8 @@ def part_b(reps: int, steps: int, gen: torch.Generator) -> list[dict]:
     k = Kernels(41)
     results: list[dict] = []
     for kind in ("thp", "vmm"):
-        try:
-            buf = Buffer(kind, POOL_ROWS * row)
-        except Exception as exc:  # noqa: BLE001 - report and go on
-            print(f"  buffer {kind}: {exc}", flush=True)
+        buf = _try_buffer(kind, POOL_ROWS * row)
+        if buf is None:
             continue
         print(f" from '{kind}':", flush=True)
         results += _part_b_one(buf, k, reps, steps, gen)

@@ -331,7 +331,7 @@ def part_a(reps: int, gen: torch.Generator) -> list[dict]:
     add("SM, 656-B rows, random order within 172 MB", timed(lambda: read(k656, thp, row, perm, dst, blocks), reps), nbytes)
     spread = torch.randperm(POOL_ROWS, generator=gen)[:ROWS].to(torch.int32)
     spread_d = spread.to(dev)
-    add("SM, 656-B rows, random over 2.75 GB (the gather today)",
+    add("SM, 656-B rows, random over the 2.75 GB pool",
         timed(lambda: read(k656, thp, row, spread_d, dst, blocks), reps), nbytes)
     sorted_d = spread.sort().values.to(dev)
     add("SM, same rows sorted by address", timed(lambda: read(k656, thp, row, sorted_d, dst, blocks), reps), nbytes)

@@ -7,9 +7,9 @@
 //
 // Rows are cut along the 128-byte lines of their host side: a row is HS_SLOTS 16-byte slots, 8 per
 // line over the HS_ROW_LINES lines a row can touch, and the slots outside the row stay idle. So a
-// warp's load or store covers 4 whole lines and no host line is split between two requests, which
-// moves random rows over PCIe at about 89% of the copy engine instead of 77%
-// (bench/bench_host_reads.py).
+// warp's load or store covers 4 whole lines and no host line is split between two requests: 6-7
+// points more of the copy engine's bandwidth for random 656-byte rows (83% -> 87-89% read
+// request by request, bench/bench_host_reads.py).
 //
 // Work is flattened: consecutive threads take consecutive slots, and the plan copy runs through
 // the rows of every request in batch order (request-major) with a grid-stride loop, so the reads in
@@ -236,6 +236,8 @@ struct HsEntries {
 //      when step 1 guessed it, else loaded now. Guesses only decide what is read early; what is
 //      written is decided by the resolver's final outputs, so a wrong guess costs time, never bytes.
 // Grid: (blocks, 1, 1), blocks * HS_GNT * HS_UNROLL >= rows * K * HS_SLOTS (checked by the host).
+// pos_slot and hot_map are not __restrict__: the resolver writes them while step 1 reads them, so
+// they must not go through the read-only path.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     const i32* __restrict__ topk, const i32* __restrict__ row_state, const i32* __restrict__ seq_lens,
     const i32* __restrict__ source_table, const i32* __restrict__ resident_table, const i16* pos_slot,

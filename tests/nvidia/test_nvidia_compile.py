@@ -124,3 +124,19 @@ def test_resolver_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidInputError, match="2\\^31"):
         resolver_shape(RuntimeConfig(max_batch_rows=1, max_requests=4096, top_k=8, hot_rows=64, block_size=64,
                                      max_pages=8192))
+
+
+def test_copy_slots_cover_every_row_once() -> None:
+    """The copy kernels cut a row along its host side's 128-byte lines into `slots_per_row` slots;
+    slot j of a row starting at byte offset o (16-aligned) moves bytes [16j - o, 16j - o + 16) when
+    inside the row. Every 16-byte chunk must be moved by exactly one slot, for every row size and
+    offset, or a copy would silently skip bytes."""
+    from hisparse_nvidia.kernels import CopyShape
+
+    for row_bytes in range(16, 4097, 16):
+        slots = CopyShape(row_bytes).slots_per_row
+        assert slots % 8 == 0
+        for offset in range(0, 128, 16):
+            moved = [16 * j - offset for j in range(slots) if 0 <= 16 * j - offset < row_bytes]
+            assert moved == list(range(0, row_bytes, 16)), (row_bytes, offset)
+    assert CopyShape(656).slots_per_row == 48  # fp8_ds_mla: 6 lines at most

@@ -202,29 +202,6 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_copy_rows(
     hs_copy_rows(n, pair, src, dst, bs);
 }
 
-// The host row of flat entry E = r * K + j of the resolver's inputs, or -1 when the entry is not a
-// host entry (padding row, masked or out-of-context position, resident page, null page). The same
-// classification as the resolver's; every input read here is fixed for the step.
-struct HsEntries {
-    const i32* topk;
-    const i32* row_state;
-    const i32* seq_lens;
-    const i32* source_table;
-    const i32* resident_table;
-    i32 K, bs, P;
-
-    __device__ __forceinline__ i32 host_row(i32 E, i32& q, i32& t) const {
-        const i32 r = E / K;
-        q = row_state[r];
-        t = topk[E];
-        if (q < 0 || t < 0 || t >= seq_lens[r] || t / bs >= P) return -1;
-        const i64 page = static_cast<i64>(q) * P + t / bs;
-        if (resident_table[page] >= 0) return -1;
-        const i32 b = source_table[page];
-        return b < 0 ? -1 : b * bs + t % bs;
-    }
-};
-
 // Copies the miss plan of batch rows [0, rows) into layer 0 like hisparse_gather_plan, but starts
 // the host reads while the resolver still runs (small batches: the grid covers every entry's slots
 // in one pass). Launched right behind the resolver with programmatic stream serialization:
@@ -235,7 +212,8 @@ struct HsEntries {
 //      the resolver set are the plan's misses: each goes to its out_rows row, from the registers
 //      when step 1 guessed it, else loaded now. Guesses only decide what is read early; what is
 //      written is decided by the resolver's final outputs, so a wrong guess costs time, never bytes.
-// Grid: (blocks, 1, 1), blocks * HS_GNT * HS_UNROLL >= rows * K * HS_SLOTS (checked by the host).
+// Grid: (blocks, 1, 1) with blocks * HS_GNT * HS_UNROLL >= rows * K * HS_SLOTS (the host sizes it
+// so): one pass, each thread's HS_UNROLL tasks (entry, slot) known from the start.
 // pos_slot and hot_map are not __restrict__: the resolver writes them while step 1 reads them, so
 // they must not go through the read-only path.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
@@ -249,7 +227,6 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
     const HsRows dst = hs_rows(HS_KIND_DEVICE, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
-    const HsEntries entries{topk, row_state, seq_lens, source_table, resident_table, K, bs, P};
     const u32 total = static_cast<u32>(rows) * static_cast<u32>(K) * HS_SLOTS;  // < 2^32 (checked by the host)
     const u32 stride = gridDim.x * HS_GNT;
     const u32 first = blockIdx.x * HS_GNT + threadIdx.x;
@@ -320,49 +297,33 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
         for (i32 r = 0; r < rows; ++r) n += min(max(plan_counts[r], 0), K);
         if (n) atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
     }
-    // One pass covers every task (the host sizes the grid so); the loop is a guard.
-    bool early = true;
-    for (u32 c0 = first; c0 < total; c0 += stride * HS_UNROLL, early = false) {
-        // One round trip: each task's row count, mask word and output row, issued together.
-        i32 E_u[HS_UNROLL], cnt[HS_UNROLL], d_u[HS_UNROLL];
-        u32 word[HS_UNROLL];
+    // One round trip: each task's row count, mask word and output row, issued together.
+    i32 cnt[HS_UNROLL], d_r[HS_UNROLL];
+    u32 word[HS_UNROLL];
 #pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            const u32 c = c0 + u * stride;
-            E_u[u] = c < total ? static_cast<i32>(c / HS_SLOTS) : -1;
-            const i32 E = max(E_u[u], 0);
-            cnt[u] = plan_counts[E / K];
-            word[u] = miss_mask[E >> 5];
-            d_u[u] = out_rows[E];
-        }
-        unsigned char* to[HS_UNROLL];
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        const i32 E = max(E_r[u], 0);
+        cnt[u] = plan_counts[E / K];
+        word[u] = miss_mask[E >> 5];
+        d_r[u] = out_rows[E];
+    }
+    unsigned char* to[HS_UNROLL];
 #pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            const i32 E = E_u[u];
-            to[u] = nullptr;
-            i32 g = -1;
-            if (E >= 0) {
-                if (early) {
-                    g = g_r[u];
-                } else {
-                    i32 q, t;
-                    g = entries.host_row(E, q, t);
-                }
-            }
-            const i32 d = d_u[u];
-            if (g >= 0 && cnt[u] > 0 && ((word[u] >> (E & 31)) & 1u) && g < src.limit && d >= 0 && d < dst.limit) {
-                const u32 c = c0 + u * stride;
-                const unsigned char* from = src.at(g, bs);
-                const i32 pos = static_cast<i32>(c % HS_SLOTS) * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-                if (pos >= 0 && pos < HS_ROW_BYTES) {
-                    if (!(early && have[u])) v[u] = hs_load16(from + pos);
-                    to[u] = dst.at(d, bs) + pos;
-                }
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        const i32 E = E_r[u], g = g_r[u], d = d_r[u];
+        to[u] = nullptr;
+        if (g >= 0 && cnt[u] > 0 && ((word[u] >> (E & 31)) & 1u) && d >= 0 && d < dst.limit) {
+            const unsigned char* from = src.at(g, bs);
+            const i32 pos = static_cast<i32>((first + u * stride) % HS_SLOTS) * 16 -
+                            static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+            if (pos >= 0 && pos < HS_ROW_BYTES) {
+                if (!have[u]) v[u] = hs_load16(from + pos);
+                to[u] = dst.at(d, bs) + pos;
             }
         }
+    }
 #pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            if (to[u] != nullptr) hs_store16(to[u], v[u]);
-        }
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        if (to[u] != nullptr) hs_store16(to[u], v[u]);
     }
 }

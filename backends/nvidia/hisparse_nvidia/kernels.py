@@ -131,8 +131,12 @@ class CopyShape:
 
     @classmethod
     def from_env(cls, row_bytes: int) -> CopyShape:
-        return cls(row_bytes, int(os.environ.get(ENV_COPY_THREADS, COPY_THREADS)),
-                   int(os.environ.get(ENV_COPY_UNROLL, COPY_UNROLL)), int(os.environ.get(ENV_COPY_LOAD, COPY_LOAD)))
+        def env(name: str, default: int) -> int:
+            value = _env_int(name)
+            return default if value is None else value
+
+        return cls(row_bytes, env(ENV_COPY_THREADS, COPY_THREADS), env(ENV_COPY_UNROLL, COPY_UNROLL),
+                   env(ENV_COPY_LOAD, COPY_LOAD))
 
     @property
     def slots_per_row(self) -> int:

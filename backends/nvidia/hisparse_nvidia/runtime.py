@@ -147,14 +147,9 @@ class NvidiaRuntime(CacheRuntime):
         self._k_reset = maint_mod.function("hisparse_reset_rows")
         self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
-        c = self._copy_shape
-        spec_rows = _SPEC_BLOCKS_PER_SM * num_sms * c.threads * c.unroll // (k * c.slots_per_row)
-        why = ("top_k is not a multiple of 32" if k % 32 else "programmatic dependent launch is off" if not self._overlap
-               else f"{ENV_SPEC_GATHER}=0" if os.environ.get(ENV_SPEC_GATHER, "1") == "0"
-               else "top_k is too large for one pass" if spec_rows == 0 else "")
-        self._spec_rows = 0 if why else spec_rows
+        self._spec_rows, why = self._speculative_rows(num_sms)
         logger.info("nvidia runtime: miss copies after a resolve %s",
-                    f"start while it runs for batches of up to {spec_rows} rows" if not why
+                    f"start while it runs for batches of up to {self._spec_rows} rows" if self._spec_rows
                     else f"wait for the resolver ({why})")
         self._prof: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
@@ -417,6 +412,21 @@ class NvidiaRuntime(CacheRuntime):
         bs = self.config.block_size
         rows = [(s * bs + o, d * bs + o) for s, d in pairs for o in range(bs)]
         self._copy_pairs(rows, _HOST, _HOST, -1)
+
+    def _speculative_rows(self, num_sms: int) -> tuple[int, str]:
+        """The largest batch whose miss copy starts while the resolver runs (0: none), and why not."""
+        k = self.config.top_k
+        c = self._copy_shape
+        rows = _SPEC_BLOCKS_PER_SM * num_sms * c.threads * c.unroll // (k * c.slots_per_row)
+        if k % 32:
+            return 0, "top_k is not a multiple of 32"
+        if not self._overlap:
+            return 0, "programmatic dependent launch is off"
+        if os.environ.get(ENV_SPEC_GATHER, "1") == "0":
+            return 0, f"{ENV_SPEC_GATHER}=0"
+        if rows == 0:
+            return 0, "top_k is too large for one pass"
+        return rows, ""
 
     def _page_rows(self, pages: list[tuple[int, int]], *, device_first: bool) -> list[tuple[int, int]]:
         bs = self.config.block_size

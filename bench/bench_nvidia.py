@@ -35,9 +35,10 @@ K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
-# The resolver built with 512 threads per block, and with the page tables gathered per entry:
-# timed in the same run.
-VARIANTS = [{"HISPARSE_RESOLVE_THREADS": "512"}, {"HISPARSE_RESOLVE_SMEM": "0"}]
+# The resolver built with 512 threads per block, with the page tables gathered per entry, and with
+# one, two or four blocks per group at small batches (the default is eight): timed in the same run.
+VARIANTS = [{"HISPARSE_RESOLVE_THREADS": "512"}, {"HISPARSE_RESOLVE_SMEM": "0"}, {"HISPARSE_RESOLVE_CLUSTER": "1"},
+            {"HISPARSE_RESOLVE_CLUSTER": "2"}, {"HISPARSE_RESOLVE_CLUSTER": "4"}]
 
 @dataclass
 class Row:

@@ -76,9 +76,10 @@ tests)
     run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
 tests_variants)  # the resolver tests again with the page tables gathered per entry
-    # (HISPARSE_RESOLVE_SMEM=0) and with 512 threads per block. VARIANTS (';'-separated
+    # (HISPARSE_RESOLVE_SMEM=0), with 512 threads per block and with one block per group at every
+    # batch (HISPARSE_RESOLVE_CLUSTER=1). VARIANTS (';'-separated
     # assignments) overrides the list.
-    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVE_THREADS=512"}
+    export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVE_THREADS=512;HISPARSE_RESOLVE_CLUSTER=1"}
     run tests_variants "${T_TESTS:-200}" bash -c '
         set -u; rc=0; T="tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py"
         IFS=";" read -ra VS <<< "$VARIANTS"
@@ -95,7 +96,8 @@ memcheck)
     run memcheck "${T_MEMCHECK:-110}" compute-sanitizer --tool memcheck --report-api-errors no --leak-check no --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[0]" \
         "$T::test_small_geometries_match_reference[1]" "$T::test_small_geometries_match_reference[5]" \
-        "$T::test_production_geometry_matches_reference[1-None]" "$T::test_production_geometry_matches_reference[2-None]" "$T::test_production_geometry_matches_reference[1-0]" "$T::test_mirror_spill_restore_and_host_copies" \
+        "$T::test_production_geometry_matches_reference[1-None-None]" "$T::test_production_geometry_matches_reference[2-None-None]" "$T::test_production_geometry_matches_reference[1-0-None]" "$T::test_production_geometry_matches_reference[1-None-1]" "$T::test_mirror_spill_restore_and_host_copies" \
+        "$T::test_cluster_resolver_matches_reference[0]" "$T::test_cluster_resolver_matches_reference[1]" "$T::test_cluster_resolver_matches_reference[5]" \
         "$T::test_strided_device_blocks" "$T::test_out_of_context_positions_are_masked_without_validation" \
         "$T::test_remapped_and_shared_host_blocks_match_reference[0]" "$T::test_speculative_gather_matches_reference[0]" \
         "$T::test_speculative_gather_matches_reference[2]" "tests/nvidia/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" tests/nvidia/test_nvidia_transfer.py
@@ -104,7 +106,8 @@ racecheck)
     T=tests/nvidia/test_nvidia_runtime.py
     run racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --report-api-errors no --racecheck-report hazard --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[2]" \
-        "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None]" \
+        "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None-None]" \
+        "$T::test_production_geometry_matches_reference[1-None-1]" "$T::test_cluster_resolver_matches_reference[1]" \
         "$T::test_remapped_and_shared_host_blocks_match_reference[1]" "$T::test_speculative_gather_matches_reference[4]"
     ;;
 ncu)

@@ -164,14 +164,63 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
         twin.close()
 
 
-@pytest.mark.parametrize(("rows_per_request", "smem"), [(1, None), (2, None), (1, "0")])
-def test_production_geometry_matches_reference(rows_per_request: int, smem: str | None,
+@pytest.mark.parametrize("seed", range(12))
+def test_cluster_resolver_matches_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread-block-cluster resolver (2, 4 or 8 blocks per group, the helpers gathering shares
+    of the position hints) on random small geometries with maintenance and remapped pages: its
+    hints are wrong as often as the one-block build's, and the results must not differ."""
+    width = (2, 4, 8)[seed % 3]
+    monkeypatch.setenv("HISPARSE_RESOLVE_CLUSTER", str(width))
+    rng = random.Random(5000 + seed)
+    bs = rng.choice([1, 4, 8])
+    rpr = rng.randint(1, 3)
+    k = 8 * width * rng.randint(1, 3)
+    r = rng.randint(1, 3)
+    p = rng.randint(2, 10) * max(1, 16 // bs)
+    hot_blocks = -(-rpr * k // bs) + rng.randint(0, 3)
+    cfg = RuntimeConfig(max_batch_rows=r * rpr + rng.randint(0, 2), max_requests=r, top_k=k,
+                        hot_rows=hot_blocks * bs, block_size=bs, max_pages=p, num_layers=rng.randint(1, 2),
+                        rows_per_request=rpr, row_format=rng.choice([FP8_DS_MLA, BF16_MLA]))
+    host_blocks, dev_blocks = r * p + 2, r * hot_blocks + r * p + 2
+    twin = Twin(cfg, host_blocks=host_blocks, num_device_blocks=dev_blocks, seed=seed)
+    try:
+        assert twin.rt._cluster == width
+        tables = random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=rng.choice([0, 0.3, 0.7]),
+                               null_share=rng.choice([0, 0.1]))
+        twin.set_tables(tables)
+        previous: dict = {}
+        for i in range(12):
+            step = random_step(cfg, rng, previous, locality=rng.choice([0.5, 0.9, 1.0]), mask_share=0.05,
+                               padding_share=0.2)
+            twin.resolve(step, validate=rng.random() < 0.5)
+            if cfg.num_layers > 1:
+                twin.rt.replay_plan()
+                twin.ref.replay_plan()
+            twin.compare_all(f"seed {seed} step {i}")
+            _maintenance(twin, rng)
+            if rng.random() < 0.3:
+                source = tables.source.clone()
+                q = rng.randrange(cfg.max_requests)
+                source[q, rng.randrange(p)] = source[rng.randrange(cfg.max_requests), rng.randrange(p)]
+                tables.source = source
+                twin.set_tables(tables)
+        assert twin.rt.stats().hits > 0
+    finally:
+        twin.close()
+
+
+@pytest.mark.parametrize(("rows_per_request", "smem", "cluster"),
+                         [(1, None, None), (2, None, None), (1, "0", None), (1, None, "1"), (1, None, "4")])
+def test_production_geometry_matches_reference(rows_per_request: int, smem: str | None, cluster: str | None,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """top-k 2048, 4096 hot rows per request (8192 with a speculative row), 656-byte rows, 32K contexts.
 
-    `smem` "0" leaves the resolver no shared memory for the page tables (gathered per entry)."""
+    `smem` "0" leaves the resolver no shared memory for the page tables (gathered per entry);
+    `cluster` sets the resolver's blocks per group (default: the cluster build at this batch)."""
     if smem is not None:
         monkeypatch.setenv("HISPARSE_RESOLVE_SMEM", smem)
+    if cluster is not None:
+        monkeypatch.setenv("HISPARSE_RESOLVE_CLUSTER", cluster)
     rng = random.Random(100 + rows_per_request)
     cfg = RuntimeConfig(max_batch_rows=6, max_requests=4, top_k=2048, hot_rows=4096 * rows_per_request,
                         block_size=64, max_pages=512, num_layers=2, rows_per_request=rows_per_request)

@@ -25,6 +25,10 @@ ENV_RESOLVE_THREADS = "HISPARSE_RESOLVE_THREADS"
 #: entry); overridable for tuning and tests.
 ENV_RESOLVE_SMEM = "HISPARSE_RESOLVE_SMEM"
 RESOLVE_SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may take
+#: Blocks per group of the resolver (a thread-block cluster, sm_90+) for batches small enough that
+#: every group still gets its own SMs; 1 turns the cluster build off.
+ENV_RESOLVE_CLUSTER = "HISPARSE_RESOLVE_CLUSTER"
+RESOLVE_CLUSTER = 8
 #: Threads per block of the copy kernels, 16-byte loads each thread keeps in flight, and the load
 #: flavour (see cuda/common.cuh); each overridable by environment for tuning.
 ENV_COPY_THREADS = "HISPARSE_COPY_THREADS"
@@ -42,7 +46,8 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str) -> int | None:
+    """The integer value of the environment variable `name`, None when unset or empty."""
     value = os.environ.get(name)
     if not value:
         return None
@@ -78,7 +83,19 @@ class ResolverShape:
         return bool(dict(self.defines)["HS_TSMEM"])
 
 
-def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: int | None = None) -> ResolverShape:
+def cluster_width_allowed(config: RuntimeConfig, cluster: int, threads: int) -> bool:
+    """Whether a resolver build with `cluster` blocks per group exists for `config` (see resolve.cu):
+    each block takes a share of whole 8-hint pushes and a leader thread's entries lie in one share."""
+    union = config.rows_per_request * config.top_k
+    if cluster == 1:
+        return True
+    lead = union // cluster
+    return (2 <= cluster <= 8 and config.top_k % 8 == 0 and union % (8 * cluster) == 0
+            and lead % -(-union // threads) == 0 and lead // 8 <= threads)
+
+
+def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: int | None = None,
+                   cluster: int = 1) -> ResolverShape:
     """The resolver's launch shape for `config`.
 
     One block per group: 1024 threads for the production sizes (a thread holds about one top-k
@@ -89,6 +106,10 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
     otherwise the kernel gathers them per entry. Position hints are always gathered (for host
     entries only): reading a whole hint row measured no faster. The kernel's index
     arithmetic is 32-bit, so the tables it addresses must stay below 2^31 entries.
+
+    `cluster` > 1 builds the thread-block-cluster variant for small batches: that many blocks per
+    group, the helpers gathering shares of the position hints for the leader (its shared memory
+    grows by the pushed hints, 2 bytes an entry).
     """
     rpr, k, h, bs, p = config.rows_per_request, config.top_k, config.hot_rows, config.block_size, config.max_pages
     union = rpr * k
@@ -100,7 +121,7 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
         if n >= 2**31:
             raise InvalidInputError(f"{name} = {n} must stay below 2^31 for the resolver's 32-bit indexing")
     if threads is None:
-        threads = _env_int(ENV_RESOLVE_THREADS) or min(1024, max(128, _next_pow2(-(-max(union, h) // 2))))
+        threads = env_int(ENV_RESOLVE_THREADS) or min(1024, max(128, _next_pow2(-(-max(union, h) // 2))))
     if threads not in (128, 256, 512, 1024):
         raise InvalidInputError(f"resolver threads per block must be 128, 256, 512 or 1024, got {threads}")
     ept, cpt = -(-union // threads), -(-h // threads)
@@ -108,7 +129,7 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
         raise InvalidInputError(f"RuntimeConfig(top_k={k}, rows_per_request={rpr}, hot_rows={h}) needs more than "
                                 f"32 entries or LRU positions per thread of a {threads}-thread block")
     if max_smem is None:
-        env = _env_int(ENV_RESOLVE_SMEM)
+        env = env_int(ENV_RESOLVE_SMEM)
         max_smem = RESOLVE_SMEM_BUDGET if env is None else env
     slots = max(4, _next_pow2(2 * union))
     # hash buckets, hm (padded to 16 bytes), htab, order (i16, padded to 4 bytes), marks (likewise)
@@ -117,6 +138,14 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
     tables = p % 4 == 0 and smem + 8 * p <= max_smem
     smem += 8 * p if tables else 0
     defines = (("HS_K", k), ("HS_H", h), ("HS_BS", bs), ("HS_RPR", rpr), ("HS_P", p), ("HS_TSMEM", int(tables)))
+    if cluster != 1:
+        if not cluster_width_allowed(config, cluster, threads):
+            raise InvalidInputError(
+                f"resolver cluster of {cluster} blocks: needs 2-8 blocks, top_k % 8 == 0, rows_per_request * top_k "
+                f"a multiple of 8 * blocks and shares of whole per-thread entries; got top_k={k}, "
+                f"rows_per_request={rpr}, {threads} threads")
+        smem += 2 * (union - union // cluster)
+        defines += (("HS_C", cluster),)
     return ResolverShape(threads, ept, cpt, slots.bit_length() - 1, smem, defines)
 
 
@@ -132,7 +161,7 @@ class CopyShape:
     @classmethod
     def from_env(cls, row_bytes: int) -> CopyShape:
         def env(name: str, default: int) -> int:
-            value = _env_int(name)
+            value = env_int(name)
             return default if value is None else value
 
         return cls(row_bytes, env(ENV_COPY_THREADS, COPY_THREADS), env(ENV_COPY_UNROLL, COPY_UNROLL),
@@ -177,6 +206,8 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds = {resolver_shape(c).build for c in (small, odd, prod, mtp)}
     builds.add(resolver_shape(prod, max_smem=0).build)  # page tables gathered per entry
     builds.add(resolver_shape(prod, threads=512).build)
+    builds |= {resolver_shape(prod, cluster=c).build for c in (2, 4, 8)}
+    builds.add(resolver_shape(mtp, cluster=2).build)
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)

@@ -43,12 +43,16 @@ from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 from hisparse_nvidia import driver
 from hisparse_nvidia.host_pool import device_address_of_host
 from hisparse_nvidia.kernels import (
+    ENV_RESOLVE_CLUSTER,
     ENV_RESOLVE_SMEM,
+    RESOLVE_CLUSTER,
     MAINTAIN_BUILD,
     MAINTAIN_THREADS,
     RESOLVE_SMEM_BUDGET,
     CopyShape,
     LoadedKernels,
+    cluster_width_allowed,
+    env_int,
     resolver_shape,
 )
 from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
@@ -131,6 +135,17 @@ class NvidiaRuntime(CacheRuntime):
                     "in shared memory" if shape.tables_in_smem else "gathered per entry", RESOLVE_SMEM_BUDGET,
                     ENV_RESOLVE_SMEM,
                     self._pos_slot.numel() * 2 / 2**20)
+        self._cluster, why = self._cluster_width(arch, num_sms, max_smem_per_block)
+        self._k_resolve_cluster = None
+        if self._cluster > 1:
+            cshape = resolver_shape(config, cluster=self._cluster)
+            self._cluster_smem = cshape.dynamic_smem
+            self._k_resolve_cluster = LoadedKernels.module(index, arch, cshape.build).function("hisparse_resolve")
+            self._k_resolve_cluster.allow_dynamic_smem(cshape.dynamic_smem)
+        logger.info("nvidia runtime: resolver %s",
+                    f"runs {self._cluster} blocks per group (a thread-block cluster; the others gather position "
+                    f"hints for the first) for batches of up to {num_sms // self._cluster} rows, one block per group "
+                    f"beyond" if self._cluster > 1 else f"runs one block per group ({why})")
         self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
         if b > _MAX_PLAN_ROWS or b * k * self._copy_shape.slots_per_row >= 2**32:
             raise InvalidInputError(
@@ -271,8 +286,11 @@ class NvidiaRuntime(CacheRuntime):
                                         f"that is not 16-byte aligned; expected a tensor of its own (or a row slice)")
         out = self._result
         shape = self._shape
-        self._k_resolve.launch(
-            (cfg.max_batch_rows, 1, 1), shape.threads, shape.dynamic_smem, self._stream(),
+        kernel, blocks, smem = self._k_resolve, 1, shape.dynamic_smem
+        if self._k_resolve_cluster is not None and b * self._cluster <= self._num_sms:
+            kernel, blocks, smem = self._k_resolve_cluster, self._cluster, self._cluster_smem
+        kernel.launch(
+            (cfg.max_batch_rows * blocks, 1, 1), shape.threads, smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
              _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
@@ -368,6 +386,7 @@ class NvidiaRuntime(CacheRuntime):
         c = self._copy_shape
         return {"threads": s.threads, "entries_per_thread": s.entries_per_thread, "lru_per_thread": s.lru_per_thread,
                 "dynamic_smem": s.dynamic_smem, "tables_in_smem": s.tables_in_smem,
+                "cluster_blocks": self._cluster, "cluster_max_batch": self._num_sms // self._cluster,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load}
 
@@ -412,6 +431,25 @@ class NvidiaRuntime(CacheRuntime):
         bs = self.config.block_size
         rows = [(s * bs + o, d * bs + o) for s, d in pairs for o in range(bs)]
         self._copy_pairs(rows, _HOST, _HOST, -1)
+
+    def _cluster_width(self, arch: int, num_sms: int, max_smem: int) -> tuple[int, str]:
+        """Blocks per group of the resolver for small batches (1: no cluster build), and why."""
+        width = env_int(ENV_RESOLVE_CLUSTER)
+        width = RESOLVE_CLUSTER if width is None else width
+        if width not in (1, 2, 4, 8):
+            raise InvalidInputError(f"{ENV_RESOLVE_CLUSTER}={width}: expected 1, 2, 4 or 8 blocks per group")
+        if width == 1:
+            return 1, f"{ENV_RESOLVE_CLUSTER}=1"
+        if arch < 90:
+            return 1, f"thread-block clusters need sm_90 or newer, this GPU is sm_{arch}"
+        if not cluster_width_allowed(self.config, width, self._shape.threads):
+            return 1, f"top_k={self.config.top_k} does not split into {width} shares of 8-hint pushes"
+        if width > num_sms:
+            return 1, f"{num_sms} SMs"
+        need = resolver_shape(self.config, cluster=width).dynamic_smem + self._shape.static_smem
+        if need > max_smem:
+            return 1, f"the cluster build needs {need} bytes of shared memory per block; the device allows {max_smem}"
+        return width, ""
 
     def _speculative_rows(self, num_sms: int) -> tuple[int, str]:
         """The largest batch whose miss copy starts while the resolver runs (0: none), and why not."""

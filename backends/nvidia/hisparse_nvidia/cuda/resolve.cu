@@ -20,11 +20,15 @@
 //   consecutive entries and LRU positions and moves them with vector loads and stores. The block
 //   is bound by the load/store pipe (a random gather costs about a cycle per cache line), so the
 //   page-table rows are read whole into shared memory when they fit.
+// - Plan entries past a row's count are -1 between launches, so a resolve clears only the entries
+//   the last one wrote (it reads the old plan_counts first); a step without misses writes one
+//   output array, not three.
 //
 // Compile-time constants (-D, from kernels.resolver_shape):
 //   HS_NT threads per block (multiple of 32, at most 1024)   HS_K top_k   HS_H hot_rows
 //   HS_BS block_size   HS_RPR rows_per_request   HS_P max_pages   HS_TBITS log2 of the hash
-//   buckets   HS_TSMEM 1 to read the page-table rows into shared memory
+//   buckets   HS_TSMEM 1 to read the page-table rows into shared memory   HS_C blocks per group
+//   (a thread-block cluster; default 1)
 //
 // Dynamic shared memory, in this order (kernels.resolver_shape computes the same size):
 //   pairs[T]   u64 hash buckets of the candidates: high word the host row (all ones: empty), low
@@ -36,6 +40,14 @@
 //   order[H]   i16 slow path: hit slots packed forward from 0 in LRU order, evictable slots packed
 //              backward from H-1 in LRU order (E[m] = order[H-1-m]); padded to 4 bytes
 //   mark[H]    u8  1 for a slot an entry's hint found holding its row (padded to 4 bytes)
+//   hint_in[U - LEAD] i16 (HS_C > 1, from a 16-byte boundary) the hints the helpers pushed
+//
+// Cluster builds (HS_C > 1, small batches): gathering 2,048 scattered hints is most of what the
+// load/store pipe of one SM does on a step without misses, so the group's leader block (cluster
+// rank 0) gathers only the first LEAD = U / HS_C entries' hints, and each other block of the
+// cluster gathers one further share and pushes it into the leader's hint_in (st.async, counted on
+// the leader's mbarrier). The helpers read nothing else and write nothing else; a hint is still
+// believed only after the leader's hot-map check, so results are those of a one-block build.
 //
 // Miss mask (builds with HS_K % 32 == 0): on a step with misses, the block sets bit E of
 // miss_mask for each miss entry E = r * K + j (the group's words cleared first), so the
@@ -48,6 +60,10 @@
 #endif
 #if HS_TSMEM && HS_P % 4
 #error "page-table rows read whole into shared memory must be whole 16-byte vectors"
+#endif
+
+#ifndef HS_C
+#define HS_C 1
 #endif
 
 #define HS_NW (HS_NT / 32)
@@ -65,6 +81,12 @@ static_assert(HS_H % HS_BS == 0, "hot_rows is a multiple of block_size");
 static_assert(HS_EPT <= 32 && HS_CPT <= 32, "per-thread flags are 32-bit masks");
 static_assert(HS_T >= 2 * HS_U && HS_T % 2 == 0, "hash load factor at most 1/2");
 static_assert(HS_RPR <= 32, "rows per request");
+
+#define HS_LEAD (HS_U / HS_C)  // entries whose hints the leader gathers itself
+#define HS_PUSH 8              // hints a helper thread pushes in one 16-byte store
+static_assert(HS_C == 1 || (HS_C <= 8 && HS_K % HS_PUSH == 0 && HS_U % (HS_C * HS_PUSH) == 0 &&
+                            HS_LEAD % HS_EPT == 0 && HS_LEAD / HS_PUSH <= HS_NT),
+              "cluster builds: shares of whole 16-byte pushes, a leader thread's entries in one share");
 
 // Entries move in vectors of HS_EV i32 (a thread's entries never straddle a vector boundary of a
 // row when HS_EV divides both HS_EPT and HS_K); LRU positions in vectors of HS_LV i16.
@@ -99,6 +121,102 @@ __device__ __forceinline__ i32 hs_group_at(const i32* row_state, i32 r, i32 B, i
     }
     return back < rpr ? -1 : 0;  // a run longer than rows_per_request: padding (trusted input only)
 }
+
+// hs_group_at, with both row-state loads of a one-row-per-request build in one round trip.
+__device__ __forceinline__ i32 hs_group(const i32* row_state, i32 r, i32 B, i32& q) {
+    if constexpr (HS_RPR == 1) {
+        const i32 state = r < B ? row_state[r] : -1;
+        const i32 before = r > 0 && r < B ? row_state[r - 1] : -1;
+        q = state;
+        if (state >= 0 && before != state) return 1;
+        q = -1;
+        return 0;  // padding, or a repeat of the row before: padding too (trusted input)
+    } else {
+        return hs_group_at(row_state, r, B, HS_RPR, q);
+    }
+}
+
+#if HS_C > 1
+__device__ __forceinline__ u32 hs_cluster_rank() {
+    u32 x;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(x));
+    return x;
+}
+
+// The address of the same shared variable in the leader block (rank 0).
+__device__ __forceinline__ u32 hs_leader_addr(const void* p) {
+    u32 x;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;"
+                 : "=r"(x) : "r"(static_cast<u32>(__cvta_generic_to_shared(p))));
+    return x;
+}
+
+__device__ __forceinline__ void hs_cluster_arrive() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
+__device__ __forceinline__ void hs_cluster_wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void hs_mbar_wait(u64* bar) {
+    const u32 a = static_cast<u32>(__cvta_generic_to_shared(bar));
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(a) : "memory");
+    }
+}
+
+__shared__ __align__(8) u64 hs_bar;  // the leader's: completes when every helper's hints landed
+
+// A helper block (cluster rank > 0) of the group starting at batch row r: gathers the position
+// hints of entries [rank * LEAD, (rank + 1) * LEAD) of the union (-1 for masked, out-of-context
+// or other groups' entries) and pushes them into the leader's hint_in. It makes the leader's
+// decision about the row (group start, padding, another group's row) and does nothing unless the
+// leader resolves the group, so the leader waits exactly when pushes come.
+__device__ __forceinline__ void hs_help(u32 rank, const i32* __restrict__ topk, const i32* __restrict__ row_state,
+                                        const i32* __restrict__ seq_lens, const i16* __restrict__ pos_slot,
+                                        i16* hint_in, i32 r, i32 B) {
+    const i32 tid = threadIdx.x;
+    __builtin_assume(tid >= 0 && tid < HS_NT);
+    const bool mine = tid < HS_LEAD / HS_PUSH;
+    const i32 j0 = static_cast<i32>(rank) * HS_LEAD + tid * HS_PUSH;  // < U for pushing threads
+    const i32 rho = j0 / HS_K;  // a push's entries are in one row (K % HS_PUSH == 0)
+    i32 t[HS_PUSH];
+    i32 len = 0;
+    if (mine && r + rho < B) {
+        const int4* p = reinterpret_cast<const int4*>(topk + (r + rho) * HS_K + (j0 - rho * HS_K));
+#pragma unroll
+        for (i32 v = 0; v < HS_PUSH / 4; ++v) {
+            const int4 x = p[v];
+            t[4 * v] = x.x; t[4 * v + 1] = x.y; t[4 * v + 2] = x.z; t[4 * v + 3] = x.w;
+        }
+        len = seq_lens[r + rho];
+    } else {
+#pragma unroll
+        for (i32 i = 0; i < HS_PUSH; ++i) t[i] = -1;
+    }
+    i32 q;
+    const i32 n = hs_group(row_state, r, B, q);
+    if (n <= 0) return;  // the leader does not resolve from this row: it waits for no push
+    hs_cluster_arrive();
+    u32 w[HS_PUSH / 2];
+    if (mine) {
+        const i32 qP = q * HS_P;
+        i32 h[HS_PUSH];
+#pragma unroll
+        for (i32 i = 0; i < HS_PUSH; ++i) {
+            const i32 x = t[i];
+            h[i] = rho < n && x >= 0 && x < len && x / HS_BS < HS_P ? pos_slot[qP * HS_BS + x] : -1;
+        }
+#pragma unroll
+        for (i32 i = 0; i < HS_PUSH / 2; ++i) w[i] = (static_cast<u32>(h[2 * i]) & 0xffffu) | (static_cast<u32>(h[2 * i + 1]) << 16);
+    }
+    hs_cluster_wait();  // the leader's mbarrier is initialized
+    if (mine) {
+        const u32 dst = hs_leader_addr(hint_in + (j0 - HS_LEAD));
+        const u32 bar = hs_leader_addr(&hs_bar);
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                     :: "r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(bar) : "memory");
+    }
+}
+#endif
 
 template <int N>
 __device__ __forceinline__ void hs_ld_i32(const i32* p, i32* v) {
@@ -176,7 +294,13 @@ __device__ __forceinline__ i32 hs_hot_row(const i32* htab, i32 s) {
     return htab[s / HS_BS] * HS_BS + s % HS_BS;
 }
 
-extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
+#if HS_C > 1
+#define HS_CLUSTER __cluster_dims__(HS_C, 1, 1)
+#else
+#define HS_CLUSTER
+#endif
+
+extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32* __restrict__ topk,            // [B, K]
     const i32* __restrict__ row_state,       // [B]
     const i32* __restrict__ seq_lens,        // [B]
@@ -199,8 +323,25 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     // memory, then let the gather that follows start its launch (it waits for this grid).
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    const i32 r = blockIdx.x;
+    const i32 r = blockIdx.x / HS_C;  // the batch row: a cluster of HS_C blocks per row
     const i32 tid = threadIdx.x;
+    __builtin_assume(tid >= 0 && tid < HS_NT);  // the launch's block size: folds per-thread bounds
+    extern __shared__ __align__(16) unsigned char hs_smem[];
+    u64* pairs = reinterpret_cast<u64*>(hs_smem);
+    i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
+    i32* rtab = hm + (HS_H + 3) / 4 * 4;  // HS_TSMEM builds
+    i32* stab = rtab + (HS_TSMEM ? HS_P : 0);
+    i32* htab = stab + (HS_TSMEM ? HS_P : 0);
+    i16* order = reinterpret_cast<i16*>(htab + HS_HB);
+    unsigned char* mark = reinterpret_cast<unsigned char*>(order + HS_H + (HS_H & 1));
+#if HS_C > 1
+    i16* hint_in = reinterpret_cast<i16*>(hs_smem + (mark + (HS_H + 3) / 4 * 4 - hs_smem + 15) / 16 * 16);
+    const u32 rank = hs_cluster_rank();
+    if (rank != 0) {
+        hs_help(rank, topk, row_state, seq_lens, pos_slot, hint_in, r, B);
+        return;
+    }
+#endif
     const i32 lane = tid & 31;
     const i32 warp = tid >> 5;
     const bool profiling = prof != nullptr && r == 0 && tid == 0;
@@ -214,7 +355,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     const i32 j0 = tid * HS_EPT;
     i32 t_r[HS_EPT];
     i32 len_r[HS_EPT];
+    i32 old_r[HS_EPT];  // plan entries of the entry's row the last resolve wrote (the rest are -1)
     const i32 len0 = r < B ? seq_lens[r] : 0;
+    const i32 old0 = plan_counts[r];
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; e += HS_EV) {
         const i32 j = j0 + e;
@@ -230,18 +373,11 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     for (i32 e = 0; e < HS_EPT; ++e) {
         const i32 rho = (j0 + e) / HS_K;
         len_r[e] = (HS_RPR == 1 || rho == 0) ? len0 : (r + rho < B ? seq_lens[r + rho] : 0);
+        old_r[e] = (HS_RPR == 1 || rho == 0) ? old0 : (r + rho < B ? plan_counts[r + rho] : 0);
     }
 
-    i32 q = -1;
-    i32 n;
-    if constexpr (HS_RPR == 1) {  // hs_group_at for one row a group, both loads in one round trip
-        const i32 state = r < B ? row_state[r] : -1;
-        const i32 before = r > 0 && r < B ? row_state[r - 1] : -1;
-        n = state >= 0 && before != state ? 1 : 0;  // a repeat of the row before: padding (trusted input)
-        if (n) q = state;
-    } else {
-        n = hs_group_at(row_state, r, B, HS_RPR, q);
-    }
+    i32 q;
+    const i32 n = hs_group(row_state, r, B, q);
     HS_MARK(1);
     if (n < 0) return;  // written by the block of the group's first row
     if (q < 0) {        // padding row (or past B): -1 everywhere, counts 0
@@ -250,13 +386,17 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         for (i32 i = tid * 4; i < HS_K; i += HS_NT * 4) {
             if constexpr (HS_K % 4 == 0) {
                 hs_st_i32<4>(out_rows + r * HS_K + i, m1);
-                hs_st_i32<4>(plan_host + r * HS_K + i, m1);
-                hs_st_i32<4>(plan_device + r * HS_K + i, m1);
+                if (i < old0) {
+                    hs_st_i32<4>(plan_host + r * HS_K + i, m1);
+                    hs_st_i32<4>(plan_device + r * HS_K + i, m1);
+                }
             } else {
                 for (i32 v = i; v < i + 4 && v < HS_K; ++v) {
                     out_rows[r * HS_K + v] = -1;
-                    plan_host[r * HS_K + v] = -1;
-                    plan_device[r * HS_K + v] = -1;
+                    if (v < old0) {
+                        plan_host[r * HS_K + v] = -1;
+                        plan_device[r * HS_K + v] = -1;
+                    }
                 }
             }
         }
@@ -266,15 +406,22 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         }
         return;
     }
-
-    extern __shared__ __align__(16) unsigned char hs_smem[];
-    u64* pairs = reinterpret_cast<u64*>(hs_smem);
-    i32* hm = reinterpret_cast<i32*>(pairs + HS_T);
-    i32* rtab = hm + (HS_H + 3) / 4 * 4;  // HS_TSMEM builds
-    i32* stab = rtab + (HS_TSMEM ? HS_P : 0);
-    i32* htab = stab + (HS_TSMEM ? HS_P : 0);
-    i16* order = reinterpret_cast<i16*>(htab + HS_HB);
-    unsigned char* mark = reinterpret_cast<unsigned char*>(order + HS_H + (HS_H & 1));
+#if HS_C > 1
+    // The helpers push (HS_U - LEAD) hints once this block's mbarrier is initialized (the cluster
+    // barrier); the block never exits before they landed (hs_drain), since they write its memory.
+    if (tid == 0) {
+        const u32 a = static_cast<u32>(__cvta_generic_to_shared(&hs_bar));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(a) : "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(a), "r"(static_cast<u32>(2 * (HS_U - HS_LEAD))) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    hs_cluster_arrive();
+#define hs_drain() \
+    if (tid == 0) hs_mbar_wait(&hs_bar)
+#else
+#define hs_drain()
+#endif
 
     __shared__ i32 s_wvalid[HS_NW];
     __shared__ i32 s_wres[HS_NW];
@@ -377,6 +524,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
     if (tid < HS_HB) htab[tid] = ht;
 #pragma unroll 1
     for (i32 i = tid + HS_NT; i < HS_HB; i += HS_NT) htab[i] = hot_table[q * HS_HB + i];
+#if HS_C > 1
+    hs_cluster_wait();  // long complete: the helpers arrived at their start
+#endif
     HS_MARK(2);
     __syncthreads();  // barrier 1
     HS_MARK(3);
@@ -425,8 +575,23 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         b_r[e] = 0;
         if (v != -1) vflags |= 1u << e;
         n_res_t += v >= 0;
-        hint_r[e] = v <= -2 ? pos_slot[qP * HS_BS + t] : -1;  // every hint of the thread in flight at once
+        // Every hint of the thread in flight at once; in cluster builds, only the leader's share.
+        hint_r[e] = v <= -2 && (HS_C == 1 || j0 < HS_LEAD) ? pos_slot[qP * HS_BS + t] : -1;
     }
+#if HS_C > 1
+    if (j0 >= HS_LEAD) {  // the thread's entries are in a helper's share
+        bool host = false;
+#pragma unroll
+        for (i32 e = 0; e < HS_EPT; ++e) host |= v_r[e] <= -2;
+        if (host) {
+            hs_mbar_wait(&hs_bar);
+#pragma unroll
+            for (i32 e = 0; e < HS_EPT; ++e) {
+                if (v_r[e] <= -2) hint_r[e] = hint_in[j0 + e - HS_LEAD];
+            }
+        }
+    }
+#endif
     bool any_host_t = false;
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; ++e) {
@@ -480,8 +645,10 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             const i32 j = j0 + e;
             if (j < total) {
                 hs_st_i32<HS_EV>(out_rows + base + j, out_r + e);
-                hs_st_i32<HS_EV>(plan_host + base + j, pad);
-                hs_st_i32<HS_EV>(plan_device + base + j, pad);
+                if (j % HS_K < old_r[e]) {  // the vector's row: HS_EV divides K
+                    hs_st_i32<HS_EV>(plan_host + base + j, pad);
+                    hs_st_i32<HS_EV>(plan_device + base + j, pad);
+                }
             }
         }
         if (warp == 0) {
@@ -495,6 +662,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         }
         if (!s_any_host) {
             HS_MARK(8);
+            hs_drain();
             return;
         }
     }
@@ -569,6 +737,7 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         HS_MARK(6);
         if (tid == 0 && n_hits) atomicAdd(&stats[1], static_cast<u64>(n_hits));
         HS_MARK(8);
+        hs_drain();
         return;
     }
 
@@ -647,8 +816,9 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
             out_r[e] = dev;
             ++m;
         }
-        // Plan entries past the row's misses are -1 (the plan is packed from entry 0).
-        if (j < total && j - rho_t * HS_K >= mcnt) {
+        // Plan entries past the row's misses are -1 (the plan is packed from entry 0); those past
+        // the last resolve's count already are.
+        if (j < total && j - rho_t * HS_K >= mcnt && j - rho_t * HS_K < old_r[e]) {
             plan_host[base + j] = -1;
             plan_device[base + j] = -1;
         }
@@ -700,4 +870,5 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_resolve(
         }
     }
     HS_MARK(8);
+    hs_drain();
 }

@@ -126,6 +126,28 @@ def test_resolver_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
                                      max_pages=8192))
 
 
+def test_resolver_cluster_shapes() -> None:
+    """Cluster builds: each helper pushes whole 8-hint vectors, a leader thread's entries lie in one
+    share, and the leader's shared memory grows by the pushed hints (2 bytes an entry)."""
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_core.geometry import RuntimeConfig
+    from hisparse_nvidia.kernels import cluster_width_allowed, resolver_shape
+
+    cfg = RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=2048, hot_rows=4096, block_size=64, max_pages=512)
+    one = resolver_shape(cfg)
+    for width in (2, 4, 8):
+        shape = resolver_shape(cfg, cluster=width)
+        assert dict(shape.build.defines)["HS_C"] == width
+        assert shape.dynamic_smem == one.dynamic_smem + 2 * (2048 - 2048 // width)
+    assert "HS_C" not in dict(one.build.defines)  # one-block builds keep their cache keys
+    odd = RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=12, hot_rows=48, block_size=4, max_pages=8)
+    assert not cluster_width_allowed(odd, 2, 128)  # 12 entries are not whole 8-hint pushes
+    assert cluster_width_allowed(odd, 1, 128)
+    with pytest.raises(InvalidInputError, match="cluster of 2 blocks"):
+        resolver_shape(odd, cluster=2)
+    assert not cluster_width_allowed(cfg, 16, 1024)  # at most 8 blocks (a portable cluster)
+
+
 def test_copy_slots_cover_every_row_once() -> None:
     """The copy kernels cut a row along its host side's 128-byte lines into `slots_per_row` slots;
     slot j of a row starting at byte offset o (16-aligned) moves bytes [16j - o, 16j - o + 16) when

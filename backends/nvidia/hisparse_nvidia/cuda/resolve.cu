@@ -409,11 +409,11 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
 #if HS_C > 1
     // The helpers push (HS_U - LEAD) hints once this block's mbarrier is initialized (the cluster
     // barrier); the block never exits before they landed (hs_drain), since they write its memory.
+    // Its one arrival, which also expects the bytes, comes after barrier 1: until then the phase
+    // cannot complete, whatever has landed (the transaction count may go below zero meanwhile).
     if (tid == 0) {
-        const u32 a = static_cast<u32>(__cvta_generic_to_shared(&hs_bar));
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(a) : "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                     :: "r"(a), "r"(static_cast<u32>(2 * (HS_U - HS_LEAD))) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
+                     :: "r"(static_cast<u32>(__cvta_generic_to_shared(&hs_bar))) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     hs_cluster_arrive();
@@ -530,6 +530,13 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     HS_MARK(2);
     __syncthreads();  // barrier 1
     HS_MARK(3);
+#if HS_C > 1
+    if (tid == 0) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(static_cast<u32>(__cvta_generic_to_shared(&hs_bar))),
+                        "r"(static_cast<u32>(2 * (HS_U - HS_LEAD))) : "memory");
+    }
+#endif
     const i32 base = r * HS_K;  // < 2^31: checked by the host (max_batch_rows * top_k)
 
     // Per-row sums of a multi-row group: per-warp ballots added into shared counters.

@@ -168,7 +168,8 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
 def test_cluster_resolver_matches_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The thread-block-cluster resolver (2, 4 or 8 blocks per group, the helpers gathering shares
     of the position hints) on random small geometries with maintenance and remapped pages: its
-    hints are wrong as often as the one-block build's, and the results must not differ."""
+    hints are wrong as often as the one-block build's, and the results must not differ. Up to 12
+    output rows past the batch, which the helpers write as padding when the batch shrinks."""
     width = (2, 4, 8)[seed % 3]
     monkeypatch.setenv("HISPARSE_RESOLVE_CLUSTER", str(width))
     rng = random.Random(5000 + seed)
@@ -178,7 +179,7 @@ def test_cluster_resolver_matches_reference(seed: int, monkeypatch: pytest.Monke
     r = rng.randint(1, 3)
     p = rng.randint(2, 10) * max(1, 16 // bs)
     hot_blocks = -(-rpr * k // bs) + rng.randint(0, 3)
-    cfg = RuntimeConfig(max_batch_rows=r * rpr + rng.randint(0, 2), max_requests=r, top_k=k,
+    cfg = RuntimeConfig(max_batch_rows=r * rpr + rng.randint(0, 12), max_requests=r, top_k=k,
                         hot_rows=hot_blocks * bs, block_size=bs, max_pages=p, num_layers=rng.randint(1, 2),
                         rows_per_request=rpr, row_format=rng.choice([FP8_DS_MLA, BF16_MLA]))
     host_blocks, dev_blocks = r * p + 2, r * hot_blocks + r * p + 2

@@ -286,15 +286,17 @@ class NvidiaRuntime(CacheRuntime):
                                         f"that is not 16-byte aligned; expected a tensor of its own (or a row slice)")
         out = self._result
         shape = self._shape
-        kernel, blocks, smem = self._k_resolve, 1, shape.dynamic_smem
+        # One block per row of the outputs; or a cluster per batch row, whose helpers also write
+        # the rows past the batch.
+        kernel, grid, smem = self._k_resolve, cfg.max_batch_rows, shape.dynamic_smem
         if self._k_resolve_cluster is not None and b * self._cluster <= self._num_sms:
-            kernel, blocks, smem = self._k_resolve_cluster, self._cluster, self._cluster_smem
+            kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
         kernel.launch(
-            (cfg.max_batch_rows * blocks, 1, 1), shape.threads, smem, self._stream(),
+            (grid, 1, 1), shape.threads, smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
              _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
-             _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b),
+             _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b), _i32(cfg.max_batch_rows),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
             overlap_previous=self._overlap)
         self._last_rows = b

@@ -165,11 +165,40 @@ __device__ __forceinline__ void hs_mbar_wait(u64* bar) {
 
 __shared__ __align__(8) u64 hs_bar;  // the leader's: completes when every helper's hints landed
 
+// Rows [B, Bmax) of a cluster launch (B * HS_C blocks) are written as padding by the helpers,
+// one warp a row; a row already in that state (no valid entry, so every output -1, and no plan
+// entry) is left as it is.
+__device__ __forceinline__ void hs_pad_rows(i32 warp_id, i32 warps, i32 B, i32 Bmax, i32* __restrict__ out_rows,
+                                            i32* __restrict__ out_valid, i32* __restrict__ plan_host,
+                                            i32* __restrict__ plan_device, i32* __restrict__ plan_counts) {
+    const i32 lane = threadIdx.x & 31;
+    const int4 m1 = make_int4(-1, -1, -1, -1);
+#pragma unroll 1
+    for (i32 pr = B + warp_id; pr < Bmax; pr += warps) {
+        const i32 valid = out_valid[pr];
+        const i32 old = plan_counts[pr];
+        if (valid == 0 && old == 0) continue;
+#pragma unroll 1
+        for (i32 i = lane * 4; i < HS_K; i += 128) {  // K % 8 == 0 in cluster builds
+            *reinterpret_cast<int4*>(out_rows + pr * HS_K + i) = m1;
+            if (i < old) {
+                *reinterpret_cast<int4*>(plan_host + pr * HS_K + i) = m1;
+                *reinterpret_cast<int4*>(plan_device + pr * HS_K + i) = m1;
+            }
+        }
+        __syncwarp();  // every lane has read the old counts
+        if (lane == 0) {
+            out_valid[pr] = 0;
+            plan_counts[pr] = 0;
+        }
+    }
+}
+
 // A helper block (cluster rank > 0) of the group starting at batch row r: gathers the position
 // hints of entries [rank * LEAD, (rank + 1) * LEAD) of the union (-1 for masked, out-of-context
 // or other groups' entries) and pushes them into the leader's hint_in. It makes the leader's
-// decision about the row (group start, padding, another group's row) and does nothing unless the
-// leader resolves the group, so the leader waits exactly when pushes come.
+// decision about the row (group start, padding, another group's row) and pushes nothing unless
+// the leader resolves the group, so the leader waits exactly when pushes come.
 __device__ __forceinline__ void hs_help(u32 rank, const i32* __restrict__ topk, const i32* __restrict__ row_state,
                                         const i32* __restrict__ seq_lens, const i16* __restrict__ pos_slot,
                                         i16* hint_in, i32 r, i32 B) {
@@ -318,6 +347,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     i32* __restrict__ plan_counts,           // [Bmax]
     u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
     i32 B,
+    i32 Bmax,                                // rows of the outputs (cluster builds: launched for B rows)
     u64* __restrict__ prof) {                // diagnostics: phase clocks of block 0, or null
     // Programmatic dependent launch: wait for the previous kernel of the stream before touching
     // memory, then let the gather that follows start its launch (it waits for this grid).
@@ -339,6 +369,9 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     const u32 rank = hs_cluster_rank();
     if (rank != 0) {
         hs_help(rank, topk, row_state, seq_lens, pos_slot, hint_in, r, B);
+        const i32 helper = r * (HS_C - 1) + static_cast<i32>(rank) - 1;
+        hs_pad_rows(helper * HS_NW + (tid >> 5), B * (HS_C - 1) * HS_NW, B, Bmax, out_rows, out_valid, plan_host,
+                    plan_device, plan_counts);
         return;
     }
 #endif
@@ -358,6 +391,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     i32 old_r[HS_EPT];  // plan entries of the entry's row the last resolve wrote (the rest are -1)
     const i32 len0 = r < B ? seq_lens[r] : 0;
     const i32 old0 = plan_counts[r];
+    const i32 valid0 = out_valid[r];
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; e += HS_EV) {
         const i32 j = j0 + e;
@@ -381,6 +415,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     HS_MARK(1);
     if (n < 0) return;  // written by the block of the group's first row
     if (q < 0) {        // padding row (or past B): -1 everywhere, counts 0
+        if (valid0 == 0 && old0 == 0) return;  // already so: no valid entry, no plan entry
         const i32 m1[4] = {-1, -1, -1, -1};
 #pragma unroll 1
         for (i32 i = tid * 4; i < HS_K; i += HS_NT * 4) {
@@ -400,6 +435,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
                 }
             }
         }
+        __syncthreads();  // every thread has read the old counts
         if (tid == 0) {
             out_valid[r] = 0;
             plan_counts[r] = 0;

@@ -104,6 +104,17 @@ class Function:
                   driver.cuFuncSetAttribute(self.handle, attr, int(nbytes)))
             self._dynamic_smem = nbytes
 
+    def max_active_clusters(self, cluster: int, block: int, smem: int) -> int:
+        """Clusters of `cluster` blocks (the kernel's compile-time cluster size) of `block` threads
+        and `smem` bytes of dynamic shared memory that can run at once on the current device."""
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+        config.sharedMemBytes = smem
+        config.numAttrs = 0
+        return int(check(f"cuOccupancyMaxActiveClusters({self.name})",
+                         driver.cuOccupancyMaxActiveClusters(self.handle, config)))
+
     def launch(self, grid: tuple[int, int, int], block: int, smem: int, stream: int,
                args: Sequence[ctypes._SimpleCData | ctypes.Structure], *, overlap_previous: bool = False) -> None:
         """Enqueue the kernel on the CUDA stream handle `stream` (capturable in a CUDA graph).

@@ -7,7 +7,9 @@ kernels under `cuda/`, launched through the driver on PyTorch's current stream:
   union against the request's hot map and exact LRU order, assigns victims, writes the miss plan,
   the output rows and the counters. Entries are first checked against a per-position slot hint
   (`_pos_slot`, kept by the kernel), and only the rest are hashed; a group with no host entry
-  exits before touching its LRU (the resident fast path). Compiled for the runtime's geometry.
+  exits before touching its LRU (the resident fast path). Compiled for the runtime's geometry,
+  and again as a thread-block cluster for small batches: there the group's block gathers only a
+  share of the hints, and the other blocks of its cluster gather the rest into its shared memory.
 - `hisparse_gather_plan` (copy.cu): copies the plan's host rows into their hot rows for one or
   more layers, reading the registered host pool directly (zero-copy 16-byte loads). The grid walks
   the plan request by request over every SM, so a single request is not limited to one block's
@@ -45,9 +47,9 @@ from hisparse_nvidia.host_pool import device_address_of_host
 from hisparse_nvidia.kernels import (
     ENV_RESOLVE_CLUSTER,
     ENV_RESOLVE_SMEM,
-    RESOLVE_CLUSTER,
     MAINTAIN_BUILD,
     MAINTAIN_THREADS,
+    RESOLVE_CLUSTER,
     RESOLVE_SMEM_BUDGET,
     CopyShape,
     LoadedKernels,
@@ -135,16 +137,24 @@ class NvidiaRuntime(CacheRuntime):
                     "in shared memory" if shape.tables_in_smem else "gathered per entry", RESOLVE_SMEM_BUDGET,
                     ENV_RESOLVE_SMEM,
                     self._pos_slot.numel() * 2 / 2**20)
+        # The cluster build, for batches whose clusters all run at once (`_cluster_rows`).
         self._cluster, why = self._cluster_width(arch, num_sms, max_smem_per_block)
         self._k_resolve_cluster = None
+        self._cluster_smem = self._cluster_rows = 0
         if self._cluster > 1:
             cshape = resolver_shape(config, cluster=self._cluster)
-            self._cluster_smem = cshape.dynamic_smem
-            self._k_resolve_cluster = LoadedKernels.module(index, arch, cshape.build).function("hisparse_resolve")
-            self._k_resolve_cluster.allow_dynamic_smem(cshape.dynamic_smem)
+            kernel = LoadedKernels.module(index, arch, cshape.build).function("hisparse_resolve")
+            kernel.allow_dynamic_smem(cshape.dynamic_smem)
+            fits = kernel.max_active_clusters(self._cluster, cshape.threads, cshape.dynamic_smem)
+            self._cluster_rows = min(num_sms // self._cluster, fits)
+            if self._cluster_rows > 0:
+                self._k_resolve_cluster, self._cluster_smem = kernel, cshape.dynamic_smem
+            else:
+                why = f"no cluster of {self._cluster} such blocks fits on this device"
+                self._cluster = 1
         logger.info("nvidia runtime: resolver %s",
                     f"runs {self._cluster} blocks per group (a thread-block cluster; the others gather position "
-                    f"hints for the first) for batches of up to {num_sms // self._cluster} rows, one block per group "
+                    f"hints for the first) for batches of up to {self._cluster_rows} rows, one block per group "
                     f"beyond" if self._cluster > 1 else f"runs one block per group ({why})")
         self._copy_shape = CopyShape.from_env(config.row_format.row_bytes)
         if b > _MAX_PLAN_ROWS or b * k * self._copy_shape.slots_per_row >= 2**32:
@@ -289,7 +299,7 @@ class NvidiaRuntime(CacheRuntime):
         # One block per row of the outputs; or a cluster per batch row, whose helpers also write
         # the rows past the batch.
         kernel, grid, smem = self._k_resolve, cfg.max_batch_rows, shape.dynamic_smem
-        if self._k_resolve_cluster is not None and b * self._cluster <= self._num_sms:
+        if self._k_resolve_cluster is not None and b <= self._cluster_rows:
             kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
         kernel.launch(
             (grid, 1, 1), shape.threads, smem, self._stream(),
@@ -388,7 +398,7 @@ class NvidiaRuntime(CacheRuntime):
         c = self._copy_shape
         return {"threads": s.threads, "entries_per_thread": s.entries_per_thread, "lru_per_thread": s.lru_per_thread,
                 "dynamic_smem": s.dynamic_smem, "tables_in_smem": s.tables_in_smem,
-                "cluster_blocks": self._cluster, "cluster_max_batch": self._num_sms // self._cluster,
+                "cluster_blocks": self._cluster, "cluster_max_batch": self._cluster_rows,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load}
 

@@ -46,8 +46,9 @@
 // load/store pipe of one SM does on a step without misses, so the group's leader block (cluster
 // rank 0) gathers only the first LEAD = U / HS_C entries' hints, and each other block of the
 // cluster gathers one further share and pushes it into the leader's hint_in (st.async, counted on
-// the leader's mbarrier). The helpers read nothing else and write nothing else; a hint is still
-// believed only after the leader's hot-map check, so results are those of a one-block build.
+// the leader's mbarrier). A hint is still believed only after the leader's hot-map check, so
+// results are those of a one-block build. A cluster launch has blocks for the batch rows only;
+// the helpers then write the output rows past the batch as padding (hs_pad_rows).
 //
 // Miss mask (builds with HS_K % 32 == 0): on a step with misses, the block sets bit E of
 // miss_mask for each miss entry E = r * K + j (the group's words cleared first), so the

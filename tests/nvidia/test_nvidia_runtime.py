@@ -16,7 +16,7 @@ from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RuntimeConfig
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 
-from nvidia_support import Twin, random_step, random_tables, requires_gpu
+from nvidia_support import Tables, Twin, random_step, random_tables, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -60,6 +60,29 @@ def _maintenance(twin: Twin, rng: random.Random) -> None:
         rows = rng.sample(range(cfg.max_requests), 1)
         twin.rt.reset_state(rows)
         twin.ref.reset_state(rows)
+
+
+def _drifting_steps(twin: Twin, tables: Tables, rng: random.Random, what: str, localities: list[float]) -> None:
+    """12 compared steps; after each, maintenance, and now and then a page of one request remapped
+    to another page's host block (possibly another request's)."""
+    cfg = twin.cfg
+    twin.set_tables(tables)
+    previous: dict = {}
+    for i in range(12):
+        step = random_step(cfg, rng, previous, locality=rng.choice(localities), mask_share=0.05, padding_share=0.2)
+        twin.resolve(step, validate=rng.random() < 0.5)
+        if cfg.num_layers > 1:
+            twin.rt.replay_plan()
+            twin.ref.replay_plan()
+        twin.compare_all(f"{what} step {i}")
+        _maintenance(twin, rng)
+        if rng.random() < 0.3:
+            source = tables.source.clone()
+            q = rng.randrange(cfg.max_requests)
+            p = cfg.max_pages
+            source[q, rng.randrange(p)] = source[rng.randrange(cfg.max_requests), rng.randrange(p)]
+            tables.source = source
+            twin.set_tables(tables)
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -142,23 +165,7 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
         assert (twin.rt._spec_rows >= cfg.max_batch_rows) == (seed % 2 == 0)
         tables = random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=rng.choice([0, 0.3]),
                                null_share=rng.choice([0, 0.1]))
-        twin.set_tables(tables)
-        previous: dict = {}
-        for i in range(12):
-            step = random_step(cfg, rng, previous, locality=rng.choice([0.5, 0.8, 1.0]), mask_share=0.05,
-                               padding_share=0.2)
-            twin.resolve(step, validate=rng.random() < 0.5)
-            if cfg.num_layers > 1:
-                twin.rt.replay_plan()
-                twin.ref.replay_plan()
-            twin.compare_all(f"seed {seed} step {i}")
-            _maintenance(twin, rng)
-            if rng.random() < 0.3:
-                source = tables.source.clone()
-                q = rng.randrange(cfg.max_requests)
-                source[q, rng.randrange(p)] = source[rng.randrange(cfg.max_requests), rng.randrange(p)]
-                tables.source = source
-                twin.set_tables(tables)
+        _drifting_steps(twin, tables, rng, f"seed {seed}", [0.5, 0.8, 1.0])
         assert twin.rt.stats().misses > 0
     finally:
         twin.close()
@@ -188,23 +195,7 @@ def test_cluster_resolver_matches_reference(seed: int, monkeypatch: pytest.Monke
         assert twin.rt._cluster == width
         tables = random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=rng.choice([0, 0.3, 0.7]),
                                null_share=rng.choice([0, 0.1]))
-        twin.set_tables(tables)
-        previous: dict = {}
-        for i in range(12):
-            step = random_step(cfg, rng, previous, locality=rng.choice([0.5, 0.9, 1.0]), mask_share=0.05,
-                               padding_share=0.2)
-            twin.resolve(step, validate=rng.random() < 0.5)
-            if cfg.num_layers > 1:
-                twin.rt.replay_plan()
-                twin.ref.replay_plan()
-            twin.compare_all(f"seed {seed} step {i}")
-            _maintenance(twin, rng)
-            if rng.random() < 0.3:
-                source = tables.source.clone()
-                q = rng.randrange(cfg.max_requests)
-                source[q, rng.randrange(p)] = source[rng.randrange(cfg.max_requests), rng.randrange(p)]
-                tables.source = source
-                twin.set_tables(tables)
+        _drifting_steps(twin, tables, rng, f"seed {seed}", [0.5, 0.9, 1.0])
         assert twin.rt.stats().hits > 0
     finally:
         twin.close()

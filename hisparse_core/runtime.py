@@ -60,6 +60,8 @@ class ResolveResult:
     """Outputs of the last resolve call: runtime-owned tensors of fixed shape, rewritten in place.
 
     Rows `[0, B)` hold the call's results; rows `[B, max_batch_rows)` are written as padding.
+    Callers read them and never write them: a backend may rely on what its last call left there
+    (the NVIDIA one rewrites only the plan entries and padding rows that changed).
 
     - `rows` `[max_batch_rows, top_k]` int32: physical device row per entry (flat index into a
       layer's `[num_device_blocks * block_size, width]` view), -1 for masked, null and padding.

@@ -137,9 +137,9 @@ def test_resolver_cluster_shapes() -> None:
     one = resolver_shape(cfg)
     for width in (2, 4, 8):
         shape = resolver_shape(cfg, cluster=width)
-        assert dict(shape.build.defines)["HS_C"] == width
+        assert dict(shape.build.defines)["HS_C"] == width and shape.cluster == width
         assert shape.dynamic_smem == one.dynamic_smem + 2 * (2048 - 2048 // width)
-    assert "HS_C" not in dict(one.build.defines)  # one-block builds keep their cache keys
+    assert "HS_C" not in dict(one.build.defines) and one.cluster == 1  # one-block builds keep their cache keys
     odd = RuntimeConfig(max_batch_rows=1, max_requests=1, top_k=12, hot_rows=48, block_size=4, max_pages=8)
     assert not cluster_width_allowed(odd, 2, 128)  # 12 entries are not whole 8-hint pushes
     assert cluster_width_allowed(odd, 1, 128)

@@ -82,6 +82,11 @@ class ResolverShape:
     def tables_in_smem(self) -> bool:
         return bool(dict(self.defines)["HS_TSMEM"])
 
+    @property
+    def cluster(self) -> int:
+        """Blocks per group (1 for the one-block build)."""
+        return dict(self.defines).get("HS_C", 1)
+
 
 def cluster_width_allowed(config: RuntimeConfig, cluster: int, threads: int) -> bool:
     """Whether a resolver build with `cluster` blocks per group exists for `config` (see resolve.cu):

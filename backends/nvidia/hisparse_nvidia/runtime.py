@@ -53,6 +53,7 @@ from hisparse_nvidia.kernels import (
     RESOLVE_SMEM_BUDGET,
     CopyShape,
     LoadedKernels,
+    ResolverShape,
     cluster_width_allowed,
     env_int,
     resolver_shape,
@@ -138,11 +139,12 @@ class NvidiaRuntime(CacheRuntime):
                     ENV_RESOLVE_SMEM,
                     self._pos_slot.numel() * 2 / 2**20)
         # The cluster build, for batches whose clusters all run at once (`_cluster_rows`).
-        self._cluster, why = self._cluster_width(arch, num_sms, max_smem_per_block)
+        cshape, why = self._cluster_shape(arch, num_sms, max_smem_per_block)
+        self._cluster = 1
         self._k_resolve_cluster = None
         self._cluster_smem = self._cluster_rows = 0
-        if self._cluster > 1:
-            cshape = resolver_shape(config, cluster=self._cluster)
+        if cshape is not None:
+            self._cluster = cshape.cluster
             kernel = LoadedKernels.module(index, arch, cshape.build).function("hisparse_resolve")
             kernel.allow_dynamic_smem(cshape.dynamic_smem)
             fits = kernel.max_active_clusters(self._cluster, cshape.threads, cshape.dynamic_smem)
@@ -311,7 +313,7 @@ class NvidiaRuntime(CacheRuntime):
             overlap_previous=self._overlap)
         self._last_rows = b
         if gather:
-            if 0 < b <= self._spec_rows:
+            if b <= self._spec_rows:
                 self._gather_spec(inputs, b)
             else:
                 self._gather(0, 1)
@@ -444,24 +446,25 @@ class NvidiaRuntime(CacheRuntime):
         rows = [(s * bs + o, d * bs + o) for s, d in pairs for o in range(bs)]
         self._copy_pairs(rows, _HOST, _HOST, -1)
 
-    def _cluster_width(self, arch: int, num_sms: int, max_smem: int) -> tuple[int, str]:
-        """Blocks per group of the resolver for small batches (1: no cluster build), and why."""
+    def _cluster_shape(self, arch: int, num_sms: int, max_smem: int) -> tuple[ResolverShape | None, str]:
+        """The resolver's cluster build for small batches (None: one block per group), and why not."""
         width = env_int(ENV_RESOLVE_CLUSTER)
         width = RESOLVE_CLUSTER if width is None else width
         if width not in (1, 2, 4, 8):
             raise InvalidInputError(f"{ENV_RESOLVE_CLUSTER}={width}: expected 1, 2, 4 or 8 blocks per group")
         if width == 1:
-            return 1, f"{ENV_RESOLVE_CLUSTER}=1"
+            return None, f"{ENV_RESOLVE_CLUSTER}=1"
         if arch < 90:
-            return 1, f"thread-block clusters need sm_90 or newer, this GPU is sm_{arch}"
+            return None, f"thread-block clusters need sm_90 or newer, this GPU is sm_{arch}"
         if not cluster_width_allowed(self.config, width, self._shape.threads):
-            return 1, f"top_k={self.config.top_k} does not split into {width} shares of 8-hint pushes"
+            return None, f"top_k={self.config.top_k} does not split into {width} shares of 8-hint pushes"
         if width > num_sms:
-            return 1, f"{num_sms} SMs"
-        need = resolver_shape(self.config, cluster=width).dynamic_smem + self._shape.static_smem
+            return None, f"{num_sms} SMs"
+        shape = resolver_shape(self.config, cluster=width)
+        need = shape.dynamic_smem + shape.static_smem
         if need > max_smem:
-            return 1, f"the cluster build needs {need} bytes of shared memory per block; the device allows {max_smem}"
-        return width, ""
+            return None, f"the cluster build needs {need} bytes of shared memory per block; the device allows {max_smem}"
+        return shape, ""
 
     def _speculative_rows(self, num_sms: int) -> tuple[int, str]:
         """The largest batch whose miss copy starts while the resolver runs (0: none), and why not."""

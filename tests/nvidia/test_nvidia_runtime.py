@@ -177,6 +177,8 @@ def test_cluster_resolver_matches_reference(seed: int, monkeypatch: pytest.Monke
     of the position hints) on random small geometries with maintenance and remapped pages: its
     hints are wrong as often as the one-block build's, and the results must not differ. Up to 12
     output rows past the batch, which the helpers write as padding when the batch shrinks."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90 or newer")
     width = (2, 4, 8)[seed % 3]
     monkeypatch.setenv("HISPARSE_RESOLVE_CLUSTER", str(width))
     rng = random.Random(5000 + seed)
@@ -212,6 +214,8 @@ def test_production_geometry_matches_reference(rows_per_request: int, smem: str 
     if smem is not None:
         monkeypatch.setenv("HISPARSE_RESOLVE_SMEM", smem)
     if cluster is not None:
+        if cluster != "1" and torch.cuda.get_device_capability()[0] < 9:
+            pytest.skip("thread-block clusters need sm_90 or newer")
         monkeypatch.setenv("HISPARSE_RESOLVE_CLUSTER", cluster)
     rng = random.Random(100 + rows_per_request)
     cfg = RuntimeConfig(max_batch_rows=6, max_requests=4, top_k=2048, hot_rows=4096 * rows_per_request,
@@ -222,6 +226,10 @@ def test_production_geometry_matches_reference(rows_per_request: int, smem: str 
     try:
         if smem is not None:  # the limit reached the build
             assert not twin.rt.launch_shape["tables_in_smem"], twin.rt.launch_shape
+        if cluster is not None:  # so did the blocks per group, for every batch of this runtime
+            shape = twin.rt.launch_shape
+            assert shape["cluster_blocks"] == int(cluster), shape
+            assert cluster == "1" or shape["cluster_max_batch"] >= cfg.max_batch_rows, shape
         twin.set_tables(random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=0.05, null_share=0.01))
         previous: dict = {}
         for i in range(8):

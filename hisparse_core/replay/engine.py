@@ -252,8 +252,8 @@ class ReplayEngine:
             "%d decode rows per request",
             c.layers, self.group_layers, c.top_k, c.hot_rows, self.fmt.name, p.gpu_blocks, p.block_bytes,
             self.admission_blocks, self.pages_per_request, self.indexer_blocks, self.hot_blocks,
-            self.coordinator.host_num_blocks, self.max_running, c.rows_per_request,
-            "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint")
+            self.coordinator.host_num_blocks, self.max_running,
+            "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint", c.rows_per_request)
 
     # ----------------------------------------------------------------------------- steps
 

@@ -52,7 +52,7 @@ from hisparse_core.replay.decode import DecodeRunner, graph_choice
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.kvdata import ReferenceKV, RowSource
 from hisparse_core.replay.layout import hot_rows_for, index_groups
-from hisparse_core.replay.timing import PHASES, PhaseTimer
+from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 
@@ -220,28 +220,32 @@ class ReplayEngine:
                                   f"{self.group_first_layer[g] + n - 1})")
                   for g, n in enumerate(self.group_layers)]
         self.worker = HiSparseWorker(backend, groups, num_host_blocks=self.coordinator.host_num_blocks)
-        self.device = dev = backend.device
-        self.device_layers = [[torch.zeros((p.gpu_blocks, bs, self.fmt.width), dtype=self.fmt.dtype, device=dev)
-                               for _ in range(n)] for n in self.group_layers]
-        self.worker.register_caches(self.device_layers)
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.source_table = torch.full((self.max_running, max_pages), -1, **i32)
-        self.hot_table = torch.full((self.max_running, self.hot_blocks), -1, **i32)
-        self.resident_table = self.worker.residency_table(0)
-        graphs, why = graph_choice(backend, enabled=c.cuda_graphs, validate=c.validate)
-        self.decoder = DecodeRunner(self.worker.runtimes, self.group_layers, source_table=self.source_table,
-                                    resident_table=self.resident_table, hot_table=self.hot_table,
-                                    max_rows=self.max_batch_rows, top_k=c.top_k, device=dev, graphs=graphs,
-                                    validate=c.validate)
-        logger.info("replay: decode step %s (%s)", "captured in one CUDA graph per batch size" if graphs
-                    else "run eagerly", why)
-        self.rows = RowSource(self.fmt, c.layers, seed=c.seed, device=dev)
+        try:  # the worker holds the host pool from here on
+            self.device = dev = backend.device
+            self.device_layers = [[torch.zeros((p.gpu_blocks, bs, self.fmt.width), dtype=self.fmt.dtype, device=dev)
+                                   for _ in range(n)] for n in self.group_layers]
+            self.worker.register_caches(self.device_layers)
+            i32 = dict(dtype=torch.int32, device=dev)
+            self.source_table = torch.full((self.max_running, max_pages), -1, **i32)
+            self.hot_table = torch.full((self.max_running, self.hot_blocks), -1, **i32)
+            self.resident_table = self.worker.residency_table(0)
+            graphs, why = graph_choice(backend, enabled=c.cuda_graphs, validate=c.validate)
+            self.decoder = DecodeRunner(self.worker.runtimes, self.group_layers, source_table=self.source_table,
+                                        resident_table=self.resident_table, hot_table=self.hot_table,
+                                        max_rows=self.max_batch_rows, top_k=c.top_k, device=dev, graphs=graphs,
+                                        validate=c.validate)
+            logger.info("replay: decode step %s (%s)", "captured in one CUDA graph per batch size" if graphs
+                        else "run eagerly", why)
+            self.rows = RowSource(self.fmt, c.layers, seed=c.seed, device=dev)
+            self.locality = DEFAULT_LOCALITY.scaled(c.locality)
+            self.pending = deque(make_workload(c.requests, c.context, c.decode_tokens, prefix_groups=c.prefix_groups,
+                                               shared_fraction=c.shared_fraction, arrival_every=c.arrival_every))
+        except BaseException:
+            self.worker.shutdown()
+            raise
         self.acks = StepAcks()
         self.timer = PhaseTimer()
-        self.locality = DEFAULT_LOCALITY.scaled(c.locality)
         self.waiting: deque[RequestSpec] = deque()
-        self.pending = deque(make_workload(c.requests, c.context, c.decode_tokens, prefix_groups=c.prefix_groups,
-                                           shared_fraction=c.shared_fraction, arrival_every=c.arrival_every))
         self.running: list[_Running] = []
         self.free_states = list(range(self.max_running - 1, -1, -1))
         self.totals = EngineTotals()

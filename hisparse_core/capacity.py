@@ -59,12 +59,13 @@ def total_host_bytes() -> int | None:
 
 
 def check_host_memory(nbytes: int, what: str, *, fraction: float = HOST_FRACTION,
-                      available: int | None = None) -> None:
+                      available: int | None = None, remedy: str = "lower the budget") -> None:
     """Raise `CapacityError` unless `nbytes` of host RAM fit in `fraction` of what is available.
 
     :param what: what is being allocated, for the message (e.g. "host pool of 8192 blocks").
     :param available: the available bytes (default: `available_host_bytes()`); where unknown,
         nothing is checked.
+    :param remedy: what the message tells the user to do.
     """
     avail = available_host_bytes() if available is None else available
     if avail is None:
@@ -75,10 +76,11 @@ def check_host_memory(nbytes: int, what: str, *, fraction: float = HOST_FRACTION
         of_total = f" of {fmt_bytes(total)} total" if total else ""
         raise CapacityError(
             f"{what} needs {fmt_bytes(nbytes)} ({nbytes} B) of host RAM; {fmt_bytes(avail)} is available"
-            f"{of_total}, and at most {fraction:.0%} of it ({fmt_bytes(limit)}) may be taken: lower the budget")
+            f"{of_total}, and at most {fraction:.0%} of it ({fmt_bytes(limit)}) may be taken: {remedy}")
 
 
-def check_shm_space(nbytes: int, what: str, directory: str | None = None) -> None:
+def check_shm_space(nbytes: int, what: str, directory: str | None = None, *,
+                    remedy: str = "lower the budget") -> None:
     """Raise `CapacityError` unless a file of `nbytes` fits in the free space of `directory`
     (default: /dev/shm, `hisparse_core.shm.SHM_DIR`)."""
     directory = shm.SHM_DIR if directory is None else directory
@@ -91,7 +93,7 @@ def check_shm_space(nbytes: int, what: str, directory: str | None = None) -> Non
         size = st.f_blocks * st.f_frsize
         raise CapacityError(
             f"{what} needs a {fmt_bytes(nbytes)} ({nbytes} B) file in {directory}, which has {fmt_bytes(free)} "
-            f"free of {fmt_bytes(size)}: lower the budget, or enlarge {directory} (for example "
+            f"free of {fmt_bytes(size)}: {remedy}, or enlarge {directory} (for example "
             f"`mount -o remount,size=... {directory}`, or `docker run --shm-size`)")
 
 
@@ -105,9 +107,10 @@ def check_host_pool(spec: HostPoolSpec, file_bytes: int | None = None) -> None:
     kind = f"shared host pool {spec.name!r}" if spec.shared else "host pool"
     what = (f"{kind} of {spec.num_blocks} blocks x {spec.num_layers} layers x {spec.block_size} rows x "
             f"{spec.row_format.row_bytes} B")
-    check_host_memory(nbytes, what)
+    remedy = "lower the host pool budget"
+    check_host_memory(nbytes, what, remedy=remedy)
     if spec.shared:
-        check_shm_space(nbytes, what)
+        check_shm_space(nbytes, what, remedy=remedy)
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -123,13 +126,13 @@ def device_free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_device_memory(device: torch.device, nbytes: int, what: str) -> None:
+def check_device_memory(device: torch.device, nbytes: int, what: str, *, remedy: str = "lower the budget") -> None:
     """Raise `CapacityError` unless `nbytes` of tensors fit on `device` (CPU: the host RAM rule of
     `check_host_memory`; CUDA: the free device memory; other devices: not checked)."""
     if device.type == "cpu":
-        check_host_memory(nbytes, what)
+        check_host_memory(nbytes, what, remedy=remedy)
         return
     free = device_free_bytes(device)
     if free is not None and nbytes > free:
         raise CapacityError(f"{what} needs {fmt_bytes(nbytes)} ({nbytes} B) on {device}, which has "
-                            f"{fmt_bytes(free)} free: lower the budget")
+                            f"{fmt_bytes(free)} free: {remedy}")

@@ -121,6 +121,15 @@ class BackendRegistry:
         """The pluggy manager holding every plugin that loaded (for further hisparse hooks)."""
         return self._pm
 
+    def spec(self, name: str) -> BackendSpec:
+        """The `BackendSpec` its plugin registered for backend `name` (as registered, whatever
+        selection found since); raises `BackendNotFoundError` if none was."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise BackendNotFoundError(f"no hisparse backend named {name!r} was registered; "
+                                       f"{self._inventory(exclude=None)}")
+        return spec
+
     def entries(self) -> list[BackendEntry]:
         """Every backend and every skipped or broken plugin: available first, then by priority
         (highest first), then by name."""
@@ -231,10 +240,10 @@ class BackendRegistry:
                 failed = selection.name
                 try:
                     selection = self.choose(environ={})
-                except BackendUnavailableError:
+                except BackendUnavailableError as none_left:
                     logger.warning("hisparse backend %r could not be loaded and is now listed as broken: %s; "
                                    "no other backend is available", failed, self.get(failed).reason)
-                    raise exc from None
+                    raise none_left from exc
                 logger.warning("hisparse backend %r could not be loaded and is now listed as broken: %s; falling "
                                "back to %r (select %r explicitly to get the error)", failed, self.get(failed).reason,
                                selection.name, failed)

@@ -217,6 +217,19 @@ def _identity(raw: bytes) -> tuple[bytes, Creator | None]:
     return magic, None
 
 
+def creator_of(path: str) -> Creator | None:
+    """The creator named by the file at `path` if it is a hisparse pool file of this layout, else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, _IDENTITY.size, 0)
+    finally:
+        os.close(fd)
+    return _identity(raw)[1] if raw[16:24] == TAG else None
+
+
 def inspect(path: str, header: PoolHeader) -> Found:
     """Read what is at `path` without changing anything."""
     try:

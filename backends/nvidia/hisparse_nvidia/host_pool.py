@@ -201,7 +201,9 @@ class NvidiaHostPool(LayerMajorHostPool):
             fmt = spec.row_format
             self._rows = raw.view(fmt.dtype).view(spec.num_layers * spec.rows_per_layer, fmt.width)
             if spec.shared:
-                self._channel = WriterChannel(base, writer=spec.rank == 0, create=spec.rank == 0)
+                assert self._file is not None
+                self._channel = WriterChannel(base, writer=spec.rank == 0, create=spec.rank == 0,
+                                              creator=None if spec.rank == 0 else self._file.creator)
             if self._file is not None and spec.rank == 0:
                 self._file.publish()  # peers may map it from now on
                 self._path = path

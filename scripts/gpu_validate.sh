@@ -4,12 +4,13 @@
 # compute-sanitizer (memcheck, racecheck) and the benchmark. Every stage logs to $OUT (default
 # ./out) and the script ends with a summary; a failing stage does not stop the later ones.
 #
-#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads
+#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
 #
 # Stage time limits (seconds) come from T_ENV, T_README, T_TESTS, T_CONFORMANCE, T_MEMCHECK,
-# T_RACECHECK and T_BENCH (T_HOST_READS); BENCH_ARGS (HOST_READS_ARGS) passes extra arguments to
-# bench/bench_nvidia.py (bench/bench_host_reads.py). README_LARGE_REFERENCE=0 skips the
-# reference_cpu run of the large workload in the readme stage (the slowest command there).
+# T_RACECHECK and T_BENCH (T_HOST_READS, T_POOL_RELEASE); BENCH_ARGS (HOST_READS_ARGS,
+# POOL_RELEASE_ARGS) passes extra arguments to bench/bench_nvidia.py (bench/bench_host_reads.py,
+# bench/bench_pool_release.py). README_LARGE_REFERENCE=0 skips the reference_cpu run of the large
+# workload in the readme stage (the slowest command there).
 #
 # The machine needs python3 with torch (CUDA), cuda-python (cuda.bindings + NVRTC), pytest,
 # hypothesis, pluggy and numpy. The repository is used in place: a small shim directory maps the
@@ -144,6 +145,10 @@ bench)
 host_reads)
     run host_reads "${T_HOST_READS:-240}" python3 bench/bench_host_reads.py --json "$OUT/host_reads.json" ${HOST_READS_ARGS:-}
     ;;
+pool_release)  # release() and SIGTERM-to-exit of a registered pool (64 GiB unless POOL_RELEASE_ARGS says)
+    run pool_release "${T_POOL_RELEASE:-500}" python3 bench/bench_pool_release.py --json "$OUT/pool_release.json" \
+        ${POOL_RELEASE_ARGS:-}
+    ;;
 *)
     echo "unknown stage $stage" ;;
 esac
@@ -161,4 +166,5 @@ for stage in tests tests_variants conformance memcheck racecheck; do
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8
 done
 [ -f "$OUT/bench.log" ] && { echo "--- bench"; tail -20 "$OUT/bench.log"; }
+[ -f "$OUT/pool_release.log" ] && { echo "--- pool_release"; tail -9 "$OUT/pool_release.log"; }
 exit 0

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from hisparse_core.backend import Backend
+from hisparse_core.capacity import check_device_memory
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.host_pool import HostPoolSpec
@@ -165,6 +166,8 @@ def run_bench(config: BenchConfig, backend: Backend,
     tail_slots = c.tail_pages + 1  # resident blocks cycled per request
     num_dev_blocks = n_req * (hot_blocks + tail_slots)
     dev = backend.device
+    check_device_memory(dev, num_dev_blocks * bs * c.layers * fmt.row_bytes,
+                        f"device caches of {num_dev_blocks} blocks x {c.layers} layers", remedy="lower --requests")
     logger.info("bench: %d requests x %d-token prompts, %d steps, top-k %d, hot buffer %d rows (%.2fx), "
                 "%d layers in %d index group(s) %s, %s rows of %d B, %d resident tail pages, locality %.2f",
                 n_req, c.context, c.steps, k, hot_rows, hot_rows / k, c.layers, len(group_layers), group_layers,

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from hisparse_core.backend import Backend
+from hisparse_core.capacity import check_device_memory, check_host_memory
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.config import GIB
 from hisparse_core.errors import CapacityError, InvalidInputError
@@ -205,6 +206,11 @@ class ReplayEngine:
                 f"GPU KV budget of {c.gpu_kv_bytes} B holds {p.gpu_blocks} blocks of {p.block_bytes} B; one admission "
                 f"of a {c.max_tokens}-token request needs {self.admission_blocks} ({self.pages_per_request} pages + "
                 f"{self.indexer_blocks} indexer + {self.hot_blocks} hot): raise --gpu-kv or lower --context")
+        # Both budgets are checked before anything is built: the coordinator's host block pool
+        # alone takes seconds at a terabyte, and the device caches are allocated whole.
+        check_device_memory(backend.device, p.gpu_blocks * p.block_bytes,
+                            f"GPU KV budget of {p.gpu_blocks} blocks x {p.block_bytes} B", remedy="lower --gpu-kv")
+        check_host_memory(c.host_bytes, f"host pool budget of {c.host_bytes} B", remedy="lower --host")
         self.gpu = SimpleGpuBlockPool(p.gpu_blocks)
         self.coordinator = HiSparseCoordinator(CoordinatorConfig(
             host_pool_gib=c.host_bytes / GIB, num_layers=c.layers, block_size=bs, row_bytes=self.fmt.row_bytes,

@@ -164,3 +164,16 @@ def test_run_with_speculative_rows() -> None:
 def test_speculative_rows_need_a_hot_buffer_for_their_union(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--backend", "reference_cpu", *SMALL, "--rows-per-request", "3"]) == 2
     assert "cannot hold the union of 3 speculative rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "remedy"), [("--gpu-kv", "lower --gpu-kv"), ("--host", "lower --host")])
+def test_run_checks_a_budget_against_memory_before_building_anything(
+        flag: str, remedy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A terabyte budget is refused at once with the figures, before the coordinator builds its
+    host block pool (seconds at that size) or anything is allocated."""
+    import time
+    t0 = time.perf_counter()
+    assert main(["run", "--backend", "reference_cpu", *SMALL, flag, "1TiB"]) == 2
+    assert time.perf_counter() - t0 < 5.0
+    err = capsys.readouterr().err
+    assert "1024.00 GiB" in err and remedy in err and "Traceback" not in err

@@ -79,7 +79,7 @@ class HiSparseHandle:
         self.generate_seconds = 0.0
         self._attn = [HiSparseAttention(m, layout, engine, i) for i, m in enumerate(layout.attentions)]
         self._base = getattr(model, "base_model", model)
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.generate).parameters else "past_key_values"
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.generate).parameters else "past_key_values"
         self._hooks: list[Any] = []
         self._generate: Callable[..., Any] | None = None
         self.closed = False
@@ -229,7 +229,7 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                                 "handle.new_cache() (one per generate)")
     kwargs.pop("cache", None)
     kwargs.pop("past_key_values", None)
-    kwargs[handle._cache_kwarg] = cache
+    kwargs[handle.cache_kwarg] = cache
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise InvalidInputError("hisparse generate needs input_ids of shape [batch, tokens] (inputs_embeds alone "

@@ -57,10 +57,10 @@ def row_format_for(dtype: torch.dtype, width: int) -> RowFormat:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Sizes of one engine. Bytes are exact; see `hisparse_transformers.enable` for the user-facing units."""
+    """Sizes of one engine, as `hisparse_transformers.enable` takes them (budgets in GiB)."""
 
-    host_pool_bytes: int
-    gpu_kv_bytes: int
+    host_pool_gib: float
+    gpu_kv_gib: float
     block_size: int = 64
     hot_rows: int | None = None
     max_batch: int = 8
@@ -68,13 +68,25 @@ class EngineConfig:
     prefill_chunk: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("host_pool_bytes", "gpu_kv_bytes", "block_size", "max_batch", "max_context", "prefill_chunk"):
+        for name in ("host_pool_gib", "gpu_kv_gib"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise InvalidInputError(f"{name} must be a positive number of GiB, got {v!r}")
+        for name in ("block_size", "max_batch", "max_context", "prefill_chunk"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidInputError(f"{name} must be a positive int, got {v!r}")
         if self.hot_rows is not None and (isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int)
                                           or self.hot_rows <= 0):
             raise InvalidInputError(f"hot_rows must be a positive int or None, got {self.hot_rows!r}")
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return int(self.host_pool_gib * GIB)
+
+    @property
+    def gpu_kv_bytes(self) -> int:
+        return int(self.gpu_kv_gib * GIB)
 
 
 @dataclass(slots=True)
@@ -183,10 +195,18 @@ class HiSparseEngine:
         need = c.max_batch * (self.hot_blocks + ACTIVE_TAIL_PAGES + 4 * self.chunk_pages) + self.watermark
         if self.gpu_blocks < need:
             raise CapacityError(
-                f"gpu_kv_gib={c.gpu_kv_bytes / GIB:.6g} holds {self.gpu_blocks} blocks of {self.block_bytes} B "
+                f"gpu_kv_gib={c.gpu_kv_gib:g} holds {self.gpu_blocks} blocks of {self.block_bytes} B "
                 f"({L} layers x {bs} tokens x {self.fmt.row_bytes} B); max_batch={c.max_batch} with a "
                 f"{self.hot_blocks}-block hot buffer and prefill_chunk={c.prefill_chunk} needs at least {need}: "
                 f"expected gpu_kv_gib >= {need * self.block_bytes / GIB:.6g}")
+        host_blocks = c.host_pool_bytes // self.block_bytes - 1          # the coordinator keeps a null block
+        host_need = self.max_pages + ACTIVE_TAIL_PAGES
+        if host_blocks < host_need:
+            raise CapacityError(
+                f"host_pool_gib={c.host_pool_gib:g} holds {max(host_blocks, 0)} usable blocks of {self.block_bytes} B; "
+                f"one request of max_context={self.max_pages * bs} tokens needs {host_need} (its pages plus the "
+                f"{ACTIVE_TAIL_PAGES}-page active tail): expected host_pool_gib >= "
+                f"{(host_need + 1) * self.block_bytes / GIB:.3g}")
         self.gpu = SimpleGpuBlockPool(self.gpu_blocks)
         self.coordinator = HiSparseCoordinator(CoordinatorConfig(
             host_pool_gib=c.host_pool_bytes / GIB, num_layers=L, block_size=bs, row_bytes=self.fmt.row_bytes,

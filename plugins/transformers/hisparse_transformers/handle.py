@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from hisparse_core.coordinator.config import GIB
 from hisparse_core.errors import HiSparseError, InvalidInputError
 from hisparse_core.registry import select_backend
 
@@ -41,12 +40,6 @@ _ATTR = "_hisparse_handle"
 
 #: Called after each engine step with (handle, step): for progress bars and tests.
 StepCallback = Callable[["HiSparseHandle", StepState], None]
-
-
-def _gib_to_bytes(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidInputError(f"{name} must be a positive number of GiB, got {value!r}")
-    return max(1, int(value * GIB))
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -278,8 +271,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                                 "first")
     layout = detect(model)
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight
-    config = EngineConfig(host_pool_bytes=_gib_to_bytes("host_pool_gib", host_pool_gib),
-                          gpu_kv_bytes=_gib_to_bytes("gpu_kv_gib", gpu_kv_gib), block_size=block_size,
+    config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
                           prefill_chunk=prefill_chunk)
     chosen = select_backend(None if backend in (None, "auto") else backend)

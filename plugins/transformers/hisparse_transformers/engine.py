@@ -55,6 +55,17 @@ def row_format_for(dtype: torch.dtype, width: int) -> RowFormat:
     return register_row_format(RowFormat(name, dtype, padded))
 
 
+def required_gpu_blocks(max_batch: int, hot_blocks: int, chunk_pages: int) -> int:
+    """The smallest GPU pool an engine accepts.
+
+    Per request: its hot buffer, the active tail, and the pages of the last three steps, which are
+    not releasable yet (a page written in step k is sealed and spilled in k+1, acknowledged in k+2,
+    releasable in k+3); plus the watermark (`max_batch * chunk_pages`) the policy keeps free for
+    the next step's allocations. `chunk_pages`: most pages one request writes in a step.
+    """
+    return max_batch * (hot_blocks + ACTIVE_TAIL_PAGES + 3 * chunk_pages) + max_batch * chunk_pages
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Sizes of one engine, as `hisparse_transformers.enable` takes them (budgets in GiB)."""
@@ -189,10 +200,7 @@ class HiSparseEngine:
         self.block_bytes = L * bs * self.fmt.row_bytes
         self.gpu_blocks = c.gpu_kv_bytes // self.block_bytes
         self.watermark = c.max_batch * self.chunk_pages
-        # Per request: its hot buffer, the active tail, and the pages of about four steps that are
-        # not clean yet (written, sealed one step later, acknowledged one or two after); plus the
-        # watermark the policy keeps free for the next step's allocations.
-        need = c.max_batch * (self.hot_blocks + ACTIVE_TAIL_PAGES + 4 * self.chunk_pages) + self.watermark
+        need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
         if self.gpu_blocks < need:
             raise CapacityError(
                 f"gpu_kv_gib={c.gpu_kv_gib:g} holds {self.gpu_blocks} blocks of {self.block_bytes} B "

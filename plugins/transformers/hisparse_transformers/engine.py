@@ -60,10 +60,18 @@ def required_gpu_blocks(max_batch: int, hot_blocks: int, chunk_pages: int) -> in
 
     Per request: its hot buffer, the active tail, and the pages of the last three steps, which are
     not releasable yet (a page written in step k is sealed and spilled in k+1, acknowledged in k+2,
-    releasable in k+3); plus the watermark (`max_batch * chunk_pages`) the policy keeps free for
-    the next step's allocations. `chunk_pages`: most pages one request writes in a step.
+    releasable in k+3); plus the watermark (`pressure_watermark`). `chunk_pages`: most pages one
+    request writes in a step.
     """
-    return max_batch * (hot_blocks + ACTIVE_TAIL_PAGES + 3 * chunk_pages) + max_batch * chunk_pages
+    return max_batch * (hot_blocks + ACTIVE_TAIL_PAGES + 3 * chunk_pages) + pressure_watermark(
+        max_batch, hot_blocks, chunk_pages)
+
+
+def pressure_watermark(max_batch: int, hot_blocks: int, chunk_pages: int) -> int:
+    """Free GPU blocks below which the coordinator releases clean pages: one step's allocations of
+    every request plus one hot buffer, since a request leases its hot buffer (from the free
+    blocks) before its first page is released."""
+    return max_batch * chunk_pages + hot_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +207,7 @@ class HiSparseEngine:
         L = layout.num_layers
         self.block_bytes = L * bs * self.fmt.row_bytes
         self.gpu_blocks = c.gpu_kv_bytes // self.block_bytes
-        self.watermark = c.max_batch * self.chunk_pages
+        self.watermark = pressure_watermark(c.max_batch, self.hot_blocks, self.chunk_pages)
         need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
         if self.gpu_blocks < need:
             raise CapacityError(

@@ -199,9 +199,7 @@ class HiSparseAttention:
         cos, sin = position_embeddings
         q_rot, k_rot = self.rope(q_rot, k_rot, cos, sin)
         latent = torch.cat([k_pass, k_rot], dim=-1).view(b * s, -1)                 # the rows cache.update gets
-        flat = engine.flat_layers[self.group][self.position]
-        if step.write_dst.numel():
-            flat[step.write_dst, :latent.shape[1]] = latent[step.write_src].to(flat.dtype)
+        engine.write_rows(self.group, self.position, latent)
         checker = engine.checker
         if checker is not None:
             checker.record(self.layer, session, step, latent.view(b, s, -1))

@@ -389,6 +389,16 @@ class HiSparseEngine:
         session.step = step
         return step
 
+    def write_rows(self, group: int, position: int, rows: torch.Tensor) -> None:
+        """Write this step's rows of one layer: `rows` `[B * S, width]` (the step's flat batch) go to
+        the resident pages `begin_step` planned (positions whose KV is not final yet)."""
+        step = self.session.step if self.session is not None else None
+        if step is None:
+            raise InvalidInputError("write_rows outside a step (begin_step first)")
+        if step.write_dst.numel():
+            flat = self.flat_layers[group][position]
+            flat[step.write_dst, :rows.shape[1]] = rows[step.write_src].to(flat.dtype)
+
     def end_step(self, session: Session) -> None:
         step = session.step
         if step is None:

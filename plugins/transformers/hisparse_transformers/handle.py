@@ -125,6 +125,9 @@ class HiSparseHandle:
                                             "model.generate, which passes the prompts)")
                 mask = kwargs.get("attention_mask")
                 pads = left_padding(mask) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else [0] * batch
+                if any(pad >= num_new for pad in pads):
+                    raise InvalidInputError("a row of the first forward is all padding, so its prompt is unknown; "
+                                            "pass the prompts: handle.new_cache(input_ids, attention_mask)")
                 rows = input_ids.detach().to("cpu").tolist()
                 prompts = [row[pad:] for row, pad in zip(rows, pads)]
             if len(prompts) != batch:
@@ -149,10 +152,17 @@ class HiSparseHandle:
 
     # ------------------------------------------------------------------ user API
 
-    def new_cache(self) -> HiSparseCache:
-        """A fresh cache for one generate (or for direct forwards: then call `cache.finish()`)."""
+    def new_cache(self, input_ids: torch.Tensor | None = None,
+                  attention_mask: torch.Tensor | None = None) -> HiSparseCache:
+        """A fresh cache for one generate. For direct forwards, give the batch's prompt `input_ids`
+        (and left-padded `attention_mask`) here, run the forwards, then call `cache.finish()`."""
         self._require_open()
-        return HiSparseCache(self.engine, self.model.config)
+        cache = HiSparseCache(self.engine, self.model.config)
+        if input_ids is not None:
+            pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
+            rows = input_ids.detach().to("cpu").tolist()
+            cache.set_prompts([row[pad:] for row, pad in zip(rows, pads)], pads)
+        return cache
 
     def stats(self) -> HiSparseStats:
         """Totals since `enable` (reads the device counters: not for the decode path)."""

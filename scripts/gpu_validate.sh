@@ -5,6 +5,7 @@
 # failing stage does not stop the later ones.
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests tests_variants conformance memcheck racecheck ncu bench host_reads
+#                                                             #         tf_tests tf_generate tf_bench replay (transformers integration, `hisparse run`)
 #
 # Stage time limits (seconds) come from T_ENV, T_TESTS, T_CONFORMANCE, T_MEMCHECK, T_RACECHECK and
 # T_BENCH (T_HOST_READS); BENCH_ARGS (HOST_READS_ARGS) passes extra arguments to bench/bench_nvidia.py
@@ -31,6 +32,7 @@ ln -s "$REPO/backends/nvidia/hisparse_nvidia" "$SHIM/hisparse_nvidia"
 ln -s "$REPO/backends/reference_cpu/hisparse_reference_cpu" "$SHIM/hisparse_reference_cpu"
 ln -s "$REPO/plugins/conformance/hisparse_conformance" "$SHIM/hisparse_conformance"
 [ -d "$REPO/plugins/vllm/hisparse_vllm" ] && ln -s "$REPO/plugins/vllm/hisparse_vllm" "$SHIM/hisparse_vllm"
+[ -d "$REPO/plugins/transformers/hisparse_transformers" ] && ln -s "$REPO/plugins/transformers/hisparse_transformers" "$SHIM/hisparse_transformers"
 printf 'Metadata-Version: 2.1\nName: hisparse\nVersion: 0.1.0\n' > "$SHIM/hisparse-0.1.0.dist-info/METADATA"
 python3 - "$REPO/pyproject.toml" > "$SHIM/hisparse-0.1.0.dist-info/entry_points.txt" <<'EOF'
 import sys, tomllib
@@ -119,6 +121,18 @@ ncu)
 bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}
     ;;
+tf_tests)  # the transformers integration on the GPU (fp32 exact, bf16 teacher-forced, planted fault)
+    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/transformers/test_transformers_gpu.py
+    ;;
+tf_generate)
+    run tf_generate "${T_TF_GENERATE:-120}" python3 -m hisparse_core generate --backend nvidia --no-progress
+    ;;
+tf_bench)
+    run tf_bench "${T_TF_BENCH:-330}" python3 bench/bench_transformers.py --backend nvidia --json "$OUT/tf_bench.json" ${TF_BENCH_ARGS:-}
+    ;;
+replay)  # the synthetic replay through coordinator, worker and the nvidia backend
+    run replay "${T_REPLAY:-120}" python3 -m hisparse_core run --backend nvidia --no-progress ${REPLAY_ARGS:-}
+    ;;
 host_reads)
     run host_reads "${T_HOST_READS:-240}" python3 bench/bench_host_reads.py --json "$OUT/host_reads.json" ${HOST_READS_ARGS:-}
     ;;
@@ -132,10 +146,13 @@ echo "==================== summary ===================="
 for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
 done
-for stage in tests tests_variants conformance memcheck racecheck; do
+for stage in tests tests_variants conformance memcheck racecheck tf_tests; do
     [ -f "$OUT/$stage.log" ] || continue
     echo "--- $stage (tail)"
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8
 done
 [ -f "$OUT/bench.log" ] && { echo "--- bench"; tail -20 "$OUT/bench.log"; }
+[ -f "$OUT/replay.log" ] && { echo "--- replay"; grep -E "steps per second|hit rate|attention check|error|FAILED" "$OUT/replay.log"; }
+[ -f "$OUT/tf_generate.log" ] && { echo "--- tf_generate"; grep -E "decode|hit rate|first batch|second batch|result|error" "$OUT/tf_generate.log"; }
+[ -f "$OUT/tf_bench.log" ] && { echo "--- tf_bench"; tail -9 "$OUT/tf_bench.log"; }
 exit 0

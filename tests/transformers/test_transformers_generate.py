@@ -173,3 +173,17 @@ def test_topk_shorter_than_runtime_and_single_row(model: torch.nn.Module, family
                               return_dict_in_generate=True)
     got = compare(ours, theirs)
     assert 5 + 6 < TOP_K and got.tokens_equal and got.max_logit_diff <= 1e-4
+
+
+def test_pressure_relief_steps_keep_outputs_exact(family: str, model: torch.nn.Module) -> None:
+    """An empty engine step between forwards (what the engine runs when a step's pages do not fit:
+    wait for spills, let the policy release) changes nothing the model sees."""
+    ids, mask = random_prompts([40, 57, 23], seed=4)
+    theirs = baseline(model, ids, mask, 12, chunk=8)
+    with hisparse_transformers.enable(model, **enable_kwargs(family)) as hs:
+        hs.on_step = lambda handle, step: handle.engine._relieve_pressure()
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+        assert hs.engine.totals.pressure_waits > 10
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got

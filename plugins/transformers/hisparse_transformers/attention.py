@@ -79,12 +79,14 @@ def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: 
     runtime = engine.worker.runtimes[group]
     if position == 0:
         assert topk is not None
-        logical, _ = _logical_topk(topk, step)
-        flat = logical[:, 0, :]
+        # One query per row: the indexer saw exactly the keys up to it, so every entry is causal and
+        # in context; the only invalid ones point into the left padding (negative once shifted).
+        # Padding rows (no query) are row_state -1 and ignored by the resolver.
+        flat = (topk[:, 0, :].to(torch.int32) - step.pad32).clamp_(min=-1)
         k = runtime.config.top_k
         if flat.shape[1] < k:
             flat = torch.nn.functional.pad(flat, (0, k - flat.shape[1]), value=-1)
-        flat = flat.to(torch.int32).contiguous()
+        flat = flat.contiguous()
         runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, engine.source_table,
                                       engine.resident_table, engine.hot_table), gather=True, validate=False)
         logical = flat.to(torch.int64).unsqueeze(1)

@@ -120,6 +120,7 @@ class EngineTotals:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     prefill_host_rows: int = 0          # rows the prefill read straight from the host pool (all layers)
+    pressure_waits: int = 0             # steps that waited for spills before allocating (pool at its floor)
     requests: int = 0
     prefix_hit_tokens: int = 0
     peak_blocks_per_request: float = 0.0          # leased GPU blocks (resident + hot) per running request
@@ -152,6 +153,7 @@ class StepState:
     past: int                      # padded length before this step
     num_new: int                   # S: padded positions this step
     pad: torch.Tensor              # [B] int64
+    pad32: torch.Tensor            # [B, 1] int32 (the decode path's subtraction stays int32)
     qpos: torch.Tensor             # [B, S] int64 logical position of each query (-1: padding)
     row_state: torch.Tensor        # [B] int32 state row, -1 where the row has no query this step (S == 1)
     seq_lens: torch.Tensor         # [B] int32 logical context length after this step
@@ -174,6 +176,7 @@ class Session:
         dev = engine.device
         self.state_rows = torch.tensor([r.state_index for r in requests], dtype=torch.int32, device=dev)
         self.pads = torch.tensor([r.pad for r in requests], dtype=torch.int64, device=dev)
+        self.pads32 = self.pads.to(torch.int32).view(-1, 1)
 
     @property
     def batch_size(self) -> int:
@@ -346,6 +349,14 @@ class HiSparseEngine:
         if end_padded > self.max_pages * bs:
             raise CapacityError(f"the batch reaches {end_padded} padded tokens; max_context is {self.max_pages * bs}: "
                                 "expected enable(..., max_context >= prompt + new tokens + padding)")
+        needed = sum(max(0, _cdiv(max(max(end_padded, r.pad) - r.pad, r.computed), bs) - len(r.blocks))
+                     for r in session.requests)
+        # Keep room for one hot-buffer lease after this step's allocations: the policy leases a
+        # request's hot buffer from the free blocks before releasing its first page, so a pool
+        # drained below that (spill acknowledgements lagging behind a fast prefill) could never
+        # release again.
+        if needed and self.gpu.num_free_blocks - needed < self.hot_blocks:
+            self._relieve_pressure()
         scheduled: list[StepRequest] = []
         src: list[int] = []
         dst: list[int] = []
@@ -382,12 +393,27 @@ class HiSparseEngine:
         qpos = qpos.masked_fill(qpos < 0, -1)
         last = qpos[:, -1]
         row_state = torch.where(last >= 0, session.state_rows, torch.full_like(session.state_rows, -1))
-        step = StepState(past, num_new, session.pads, qpos, row_state, (last + 1).to(torch.int32),
+        step = StepState(past, num_new, session.pads, session.pads32, qpos, row_state, (last + 1).to(torch.int32),
                          torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
                          torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
                          started=time.perf_counter(), prefill=num_new > 1)
         session.step = step
         return step
+
+    def _relieve_pressure(self) -> None:
+        """The step's pages would leave no room for a hot-buffer lease: wait for the transfers in
+        flight (their pages turn clean), then run one step with nothing scheduled so the
+        coordinator's policy releases clean pages. A host synchronization, only when the pool is
+        near its floor (spill completions lagging behind a fast prefill)."""
+        self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
+        command = self.coordinator.schedule_step([])
+        self._apply_tables()
+        self.worker.start_step(command)
+        self.worker.after_forward()
+        self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
+        self.totals.pressure_waits += 1
+        logger.debug("hisparse: GPU pool at its floor; waited for spills and released pages (%d free now)",
+                     self.gpu.num_free_blocks)
 
     def write_rows(self, group: int, position: int, rows: torch.Tensor) -> None:
         """Write this step's rows of one layer: `rows` `[B * S, width]` (the step's flat batch) go to

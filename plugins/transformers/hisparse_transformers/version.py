@@ -1,4 +1,18 @@
-"""Which transformers releases hisparse_transformers supports, checked before anything is patched."""
+"""Which transformers releases hisparse_transformers supports, checked before anything is patched.
+
+What differs inside the range, and how the adapters cope:
+
+- 5.17/5.18 cache the expanded K/V (`cache.update(key_states, value_states)` after `expand_kv`);
+  5.19+ cache the latent (`cache.update(k_pass, k_rot)`). The patched attention writes the latent
+  itself and never calls `cache.update`, so both work.
+- 5.24 renames the cache argument of `generate`, the model, the decoder layers, the attention and
+  the indexer from `past_key_values` to `cache` (`deprecate_kwarg`, the old name still accepted).
+  The hooks and the patched attention read either name; the patched generate passes the name its
+  `generate` declares; the indexer is called positionally.
+- Mask keys (`deepseek_sparse_attention` -> `indexed_attention`), layer types and output classes
+  (`MoeModelOutputWithPast` from 5.19) changed; none of them is read here.
+- GLM-5's attention returns `(out, weights, topk)` in every release of the range.
+"""
 
 from __future__ import annotations
 

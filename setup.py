@@ -15,6 +15,7 @@ ROOTS = {
     "hisparse_nvidia": "backends/nvidia/hisparse_nvidia",
     "hisparse_conformance": "plugins/conformance/hisparse_conformance",
     "hisparse_vllm": "plugins/vllm/hisparse_vllm",
+    "hisparse_transformers": "plugins/transformers/hisparse_transformers",
 }
 
 packages: list[str] = []

@@ -5,6 +5,7 @@
 # ./out) and the script ends with a summary; a failing stage does not stop the later ones.
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
+#                                                             #         tf_tests tf_generate tf_bench (the transformers integration)
 #
 # Stage time limits (seconds) come from T_ENV, T_README, T_TESTS, T_CONFORMANCE, T_MEMCHECK,
 # T_RACECHECK and T_BENCH (T_HOST_READS, T_POOL_RELEASE); BENCH_ARGS (HOST_READS_ARGS,
@@ -33,6 +34,7 @@ ln -s "$REPO/backends/nvidia/hisparse_nvidia" "$SHIM/hisparse_nvidia"
 ln -s "$REPO/backends/reference_cpu/hisparse_reference_cpu" "$SHIM/hisparse_reference_cpu"
 ln -s "$REPO/plugins/conformance/hisparse_conformance" "$SHIM/hisparse_conformance"
 [ -d "$REPO/plugins/vllm/hisparse_vllm" ] && ln -s "$REPO/plugins/vllm/hisparse_vllm" "$SHIM/hisparse_vllm"
+[ -d "$REPO/plugins/transformers/hisparse_transformers" ] && ln -s "$REPO/plugins/transformers/hisparse_transformers" "$SHIM/hisparse_transformers"
 printf 'Metadata-Version: 2.1\nName: hisparse\nVersion: 0.1.0\n' > "$SHIM/hisparse-0.1.0.dist-info/METADATA"
 python3 - "$REPO/pyproject.toml" > "$SHIM/hisparse-0.1.0.dist-info/entry_points.txt" <<'EOF'
 import sys, tomllib
@@ -81,6 +83,8 @@ readme)  # every command of README.md as a user runs it (through the shim: pytho
         must() { echo "--- $*"; "$@" || { echo "FAILED (rc=$?): $*"; rc=1; }; }
         json() { local out=$1; shift; echo "--- $* > $out"; "$@" > "$O/$out" || { echo "FAILED (rc=$?): $*"; rc=1; }; }
         must python3 -m hisparse_core backends
+        must python3 -m hisparse_core generate --no-progress
+        must python3 -m hisparse_core generate --backend nvidia --model glm_moe_dsa --no-progress
         must python3 -m hisparse_core run --no-progress
         json run_nvidia.json python3 -m hisparse_core run --backend nvidia --no-progress --json
         json run_reference_cpu.json python3 -m hisparse_core run --backend reference_cpu --no-progress --json
@@ -142,6 +146,15 @@ ncu)
 bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}
     ;;
+tf_tests)  # the transformers integration on the GPU (fp32 exact, bf16 teacher-forced, planted fault)
+    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/transformers/test_transformers_gpu.py
+    ;;
+tf_generate)
+    run tf_generate "${T_TF_GENERATE:-120}" python3 -m hisparse_core generate --backend nvidia --no-progress
+    ;;
+tf_bench)
+    run tf_bench "${T_TF_BENCH:-330}" python3 bench/bench_transformers.py --backend nvidia --json "$OUT/tf_bench.json" ${TF_BENCH_ARGS:-}
+    ;;
 host_reads)
     run host_reads "${T_HOST_READS:-240}" python3 bench/bench_host_reads.py --json "$OUT/host_reads.json" ${HOST_READS_ARGS:-}
     ;;
@@ -160,11 +173,13 @@ for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
 done
 [ -f "$OUT/readme.log" ] && { echo "--- readme"; grep -E "^(--- |FAILED|compare_runs)|selected:|  backend |steps per second|hit rate|attention check" "$OUT/readme.log" | tail -40; }
-for stage in tests tests_variants conformance memcheck racecheck; do
+for stage in tests tests_variants conformance memcheck racecheck tf_tests; do
     [ -f "$OUT/$stage.log" ] || continue
     echo "--- $stage (tail)"
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8
 done
 [ -f "$OUT/bench.log" ] && { echo "--- bench"; tail -20 "$OUT/bench.log"; }
 [ -f "$OUT/pool_release.log" ] && { echo "--- pool_release"; tail -9 "$OUT/pool_release.log"; }
+[ -f "$OUT/tf_generate.log" ] && { echo "--- tf_generate"; grep -E "decode|hit rate|first batch|second batch|result|error" "$OUT/tf_generate.log"; }
+[ -f "$OUT/tf_bench.log" ] && { echo "--- tf_bench"; tail -9 "$OUT/tf_bench.log"; }
 exit 0

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 #: Sub-command name -> module (imported lazily, so `hisparse backends` never imports torch kernels).
 COMMANDS: dict[str, str] = {
+    "generate": "hisparse_core.cli.generate_cmd",
     "backends": "hisparse_core.cli.backends_cmd",
     "bench": "hisparse_core.cli.bench_cmd",
     "run": "hisparse_core.cli.run_cmd",

@@ -27,6 +27,6 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 
 def test_readme_set_up_commands_start_from_a_fresh_venv() -> None:
     setup = [c for c in readme_commands() if c.startswith("python3 -m venv .venv")]
-    assert [c.rsplit("&& ", 1)[-1] for c in setup] == ["hisparse run", "python -m pytest"]
+    assert [c.rsplit("&& ", 1)[-1] for c in setup] == ["hisparse generate", "python -m pytest"]
     for command in setup:
         assert "pip install torch==2.13.0 && pip install -e " in command

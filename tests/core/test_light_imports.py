@@ -35,6 +35,7 @@ def test_entry_point_module_imports_nothing_heavy(module: str) -> None:
     assert imported_heavy(module) == []
 
 
-@pytest.mark.parametrize("module", ["hisparse_core", "hisparse_core.registry", "hisparse_core.cli.backends_cmd"])
+@pytest.mark.parametrize("module", ["hisparse_core", "hisparse_core.registry", "hisparse_core.cli.backends_cmd",
+                                    "hisparse_core.cli.generate_cmd", "hisparse_transformers"])
 def test_registry_and_listing_import_nothing_heavy(module: str) -> None:
     assert imported_heavy(module) == []

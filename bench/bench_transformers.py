@@ -1,0 +1,438 @@
+"""Long-context decode of a transformers DeepSeek-V3.2 model: hisparse against transformers alone.
+
+Model: `DeepseekV32ForCausalLM` with DeepSeek-V3.2's real attention geometry (hidden 7168, 128
+heads, q_lora 1536, kv_lora 512, rope 64, nope 128, v 128, indexer 64 heads x 128, top-k 2048),
+`--layers` layers (default 4), a tiny FFN/MoE, random bf16 weights.
+
+Workload: batch 1, 4 and 16 at contexts of 32K and 128K tokens. The model never prefills those
+contexts (far too slow): both caches are filled with the same random latents and indexer keys,
+
+- hisparse's through its own write path (engine steps of `--fill-chunk` tokens: resident pages,
+  row mirrors to the host pool, spills, releases under the GPU budget), with the smallest GPU
+  budget the engine accepts for the batch;
+- transformers' `DynamicCache` as the model itself fills it (5.17/5.18 cache the expanded K/V,
+  5.19+ the latent),
+
+then `--steps` decode steps of the model are timed (CUDA events, median after `--warmup`), each
+a real forward: the model's indexer over the whole context, then hisparse's resolve + gather and
+absorbed attention over the 2048 rows, or transformers' dense masked attention over everything.
+Decode feeds one constant token, so the query moves only by its position and the top-k drifts
+slowly (the hit rate is printed: random keys give no more locality than that).
+
+Figures, each next to transformers alone from the same run: step time, peak GPU memory, GPU KV per
+request (hisparse: leased pages + indexer keys at the end; transformers: its cache tensors), and
+hisparse's share of a step (resolve + gather, the row mirrors and spills on the copy stream, the
+indexer, the attention, the engine's host work). A configuration that runs out of memory says OOM.
+
+Run (on a GPU):  python bench/bench_transformers.py [--layers 4] [--batches 1,4,16] [--contexts 32768,131072]
+CPU smoke test:  python bench/bench_transformers.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+GEOMETRY = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_n_heads=64,
+                index_head_dim=128, index_topk=2048)
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=16)
+
+
+def build_model(geometry: dict[str, int], layers: int, max_context: int, device: str, dtype: torch.dtype) -> Any:
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    config = DeepseekV32Config(vocab_size=1024, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4,
+                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                               topk_group=1, num_hidden_layers=layers, max_position_embeddings=2 * max_context,
+                               pad_token_id=0, eos_token_id=None, **geometry)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV32ForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+class Timers:
+    """Named GPU intervals (CUDA events on the current or a given stream), summed per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.open: dict[str, list[Any]] = defaultdict(list)
+        self.pairs: list[tuple[str, Any, Any]] = []
+
+    def start(self, name: str, stream: Any = None) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+        else:
+            e = time.perf_counter()
+        self.open[name].append(e)
+
+    def stop(self, name: str, stream: Any = None) -> None:
+        s = self.open[name].pop()
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+        else:
+            e = time.perf_counter()
+        self.pairs.append((name, s, e))
+
+    def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            self.start(name)
+            try:
+                return fn(*a, **k)
+            finally:
+                self.stop(name)
+        return timed
+
+    def collect(self) -> dict[str, float]:
+        """Milliseconds per name since the last collect (synchronizes)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict[str, float] = defaultdict(float)
+        for name, s, e in self.pairs:
+            out[name] += s.elapsed_time(e) if self.cuda else 1e3 * (e - s)
+        self.pairs.clear()
+        return dict(out)
+
+
+def random_rows(gen: torch.Generator, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def chunk_data(seed: int, layer: int, start: int, b: int, n: int, width: int, index_dim: int, device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent rows `[b, n, width]` and indexer keys `[b, n, index_dim]` of one layer and chunk:
+    the same for both caches."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer * 10_007 + start)
+    return random_rows(gen, (b, n, width), device, dtype), random_rows(gen, (b, n, index_dim), device, dtype)
+
+
+def cache_kwarg(model: Any) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def caches_latent() -> bool:
+    """transformers 5.19+ caches the MLA latent; 5.17/5.18 the expanded K/V."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (5, 19)
+
+
+def fill_transformers(model: Any, b: int, t: int, chunk: int, seed: int) -> Any:
+    from transformers import DynamicCache
+
+    cfg = model.config
+    width, lora = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    dev, dtype = model.device, model.dtype
+    cache = DynamicCache(config=cfg)
+    latent = caches_latent()
+    for layer, dec in enumerate(model.model.layers):
+        rows, keys = [], []
+        for a in range(0, t, chunk):
+            r, k = chunk_data(seed, layer, a, b, min(chunk, t - a), width, cfg.index_head_dim, dev, dtype)
+            rows.append(r)
+            keys.append(k)
+        lat = torch.cat(rows, 1)
+        del rows
+        k_pass, k_rot = lat[..., :lora].unsqueeze(1), lat[..., lora:].unsqueeze(1)
+        if latent:
+            cache.update(k_pass.contiguous(), k_rot.contiguous(), layer)
+        else:
+            with torch.no_grad():
+                key_states, value_states = dec.self_attn.expand_kv(k_pass, k_rot)
+            cache.update(key_states, value_states, layer)
+            del key_states, value_states
+        del lat, k_pass, k_rot
+        cache.update_indexer(torch.cat(keys, 1), layer)
+    return cache
+
+
+def transformers_cache_bytes(cache: Any) -> int:
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "indexer_keys"):
+            x = getattr(layer, name, None)
+            if isinstance(x, torch.Tensor):
+                total += x.numel() * x.element_size()
+    return total
+
+
+def fill_hisparse(hs: Any, b: int, t: int, chunk: int, seed: int) -> Any:
+    """Fill through hisparse's write path: engine steps of `chunk` tokens per request."""
+    engine = hs.engine
+    cfg = hs.model.config
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    dev, dtype = engine.device, engine.dtype
+    ids = torch.randint(2, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
+    cache = hs.new_cache(ids)
+    session = engine.open_session(cache.prompts[0], cache.prompts[1])
+    cache.session = session
+    ids_dev = ids.to(dev)
+    for a in range(0, t, chunk):
+        n = min(chunk, t - a)
+        engine.begin_step(session, ids_dev[:, a:a + n], n)
+        for layer in range(engine.layout.num_layers):
+            rows, keys = chunk_data(seed, layer, a, b, n, width, cfg.index_head_dim, dev, dtype)
+            group, pos = engine.layout.group_of(layer)
+            engine.write_rows(group, pos, rows.reshape(b * n, width))
+            cache.update_indexer(keys, layer)
+        engine.end_step(session)
+        cache.advance(n)
+    return cache
+
+
+def decode(model: Any, cache: Any, b: int, t: int, steps: int, warmup: int, timers: Timers) -> list[float]:
+    key = cache_kwarg(model)
+    dev = model.device
+    token = torch.full((b, 1), 5, dtype=torch.long, device=dev)
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            pos = torch.full((b, 1), t + i, dtype=torch.long, device=dev)
+            timers.start("step")
+            model(input_ids=token, position_ids=pos, use_cache=True, **{key: cache})
+            timers.stop("step")
+            ms = timers.collect()
+            if i >= warmup:
+                times.append(ms)
+    return times
+
+
+def instrument(hs: Any, timers: Timers) -> Callable[[], None]:
+    """Time hisparse's parts of a step; returns the undo."""
+    import hisparse_transformers.attention as attn
+
+    saved = {name: getattr(attn, name) for name in ("_decode_rows", "_gather", "absorbed_attention")}
+    attn._decode_rows = timers.wrap(saved["_decode_rows"], "resolve")
+    attn._gather = timers.wrap(saved["_gather"], "gather")
+    attn.absorbed_attention = timers.wrap(saved["absorbed_attention"], "attention")
+    hooks = []
+    for layer in hs.model.model.layers:
+        idx = layer.self_attn.indexer
+        hooks.append(idx.register_forward_pre_hook(lambda m, a: timers.start("indexer")))
+        hooks.append(idx.register_forward_hook(lambda m, a, o: timers.stop("indexer")))
+    engine = hs.engine
+    worker = engine.worker
+    after = worker.after_forward
+    transfer = getattr(worker, "_engine", None)
+    stream = getattr(transfer, "copy_stream", None) if timers.cuda else None
+
+    def timed_after() -> None:
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        timers.start("mirror+spill (copy stream)", stream)
+        after()
+        timers.stop("mirror+spill (copy stream)", stream)
+
+    worker.after_forward = timed_after
+    begin, end = engine.begin_step, engine.end_step
+    host = {"s": 0.0}
+
+    def timed_begin(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return begin(*a, **k)
+        finally:
+            host["s"] += time.perf_counter() - t0
+
+    def timed_end(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return end(*a, **k)
+        finally:
+            host["s"] += time.perf_counter() - t0
+
+    engine.begin_step, engine.end_step = timed_begin, timed_end
+    engine._bench_host = host
+
+    def undo() -> None:
+        for name, fn in saved.items():
+            setattr(attn, name, fn)
+        for h in hooks:
+            h.remove()
+        del worker.after_forward
+        del engine.begin_step, engine.end_step
+
+    return undo
+
+
+def median(times: list[dict[str, float]], name: str) -> float:
+    vals = [t.get(name, 0.0) for t in times]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def run_transformers(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[str, Any]:
+    dev = model.device
+    out: dict[str, Any] = {"mode": "transformers", "batch": b, "context": t}
+    cache = None
+    try:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        cache = fill_transformers(model, b, t, a.fill_chunk, a.seed)
+        out["kv_bytes_per_request"] = transformers_cache_bytes(cache) / b
+        times = decode(model, cache, b, t, a.steps, a.warmup, Timers(dev))
+        out["step_ms"] = median(times, "step")
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    except torch.OutOfMemoryError as exc:
+        out["oom"] = str(exc).split(".")[0]
+    finally:
+        del cache
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[str, Any]:
+    import hisparse_transformers
+    from hisparse_transformers.engine import required_gpu_blocks, row_format_for
+
+    cfg = model.config
+    dev = model.device
+    out: dict[str, Any] = {"mode": "hisparse", "batch": b, "context": t}
+    bs, top_k = a.block_size, cfg.index_topk
+    hot_rows = a.hot_rows or -(-2 * top_k // bs) * bs
+    fmt = row_format_for(model.dtype, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    block_bytes = cfg.num_hidden_layers * bs * fmt.row_bytes
+    max_context = t + a.warmup + a.steps + bs
+    blocks = required_gpu_blocks(b, hot_rows // bs, -(-a.fill_chunk // bs) + 1)
+    pages = -(-max_context // bs)
+    host_gib = (b * (pages + 4) + 8) * block_bytes / 2**30
+    hs = cache = undo = None
+    try:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        hs = hisparse_transformers.enable(model, host_pool_gib=host_gib, gpu_kv_gib=blocks * block_bytes / 2**30,
+                                          backend=a.backend, hot_rows=hot_rows, block_size=bs, max_batch=b,
+                                          max_context=max_context, prefill_chunk=a.fill_chunk)
+        t0 = time.perf_counter()
+        cache = fill_hisparse(hs, b, t, a.fill_chunk, a.seed)
+        out["fill_s"] = time.perf_counter() - t0
+        hs.stats()                                      # reset the device counters' window
+        timers = Timers(dev)
+        undo = instrument(hs, timers)
+        hs.engine._bench_host["s"] = 0.0
+        times = decode(model, cache, b, t, a.steps, a.warmup, timers)
+        host_ms = 1e3 * hs.engine._bench_host["s"] / (a.steps + a.warmup)
+        out["step_ms"] = median(times, "step")
+        for name in ("resolve", "gather", "mirror+spill (copy stream)", "indexer", "attention"):
+            out[f"{name}_ms"] = median(times, name)
+        out["engine_host_ms"] = host_ms
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+        leased = hs.engine.gpu.num_leased_blocks
+        out["kv_bytes_per_request"] = (leased * block_bytes + cache.indexer_bytes) / b
+        out["pool_bytes_per_request"] = (blocks * block_bytes + cache.indexer_bytes) / b
+        s = hs.stats()
+        out.update(hit_rate=s.hit_rate, misses=s.misses, h2d_bytes=s.h2d_bytes, released_pages=s.released_pages)
+    except torch.OutOfMemoryError as exc:
+        out["oom"] = str(exc).split(".")[0]
+    finally:
+        if undo is not None:
+            undo()
+        if cache is not None:
+            cache.finish()
+        if hs is not None:
+            hs.close()
+        del cache, hs
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def fmt_ms(x: Any) -> str:
+    return "-" if x is None or x != x else f"{x:.2f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    from hisparse_core.replay.report import human_bytes, render_grid
+
+    by = {(r["batch"], r["context"], r["mode"]): r for r in rows}
+    body = []
+    for b, t in sorted({(r["batch"], r["context"]) for r in rows}, key=lambda x: (x[1], x[0])):
+        h, base = by.get((b, t, "hisparse"), {}), by.get((b, t, "transformers"), {})
+        hs_ms = "OOM" if "oom" in h else fmt_ms(h.get("step_ms"))
+        tf_ms = "OOM" if "oom" in base else fmt_ms(base.get("step_ms"))
+        speed = (f"{base['step_ms'] / h['step_ms']:.1f}x" if "step_ms" in h and "step_ms" in base else
+                 ("tf OOM" if "oom" in base else "-"))
+        kv = (f"{100 * h['kv_bytes_per_request'] / base['kv_bytes_per_request']:.1f}%"
+              if "kv_bytes_per_request" in h and "kv_bytes_per_request" in base else "-")
+        share = (f"{100 * (h['resolve_ms'] + h['gather_ms']) / h['step_ms']:.1f}%" if "step_ms" in h else "-")
+        body.append([f"B={b} T={t // 1024}K", hs_ms, tf_ms, speed,
+                     "-" if "peak_gib" not in h else f"{h['peak_gib']:.1f}",
+                     "OOM" if "oom" in base else ("-" if "peak_gib" not in base else f"{base['peak_gib']:.1f}"),
+                     human_bytes(h["kv_bytes_per_request"]) if "kv_bytes_per_request" in h else "-",
+                     human_bytes(base["kv_bytes_per_request"]) if "kv_bytes_per_request" in base else "-", kv,
+                     fmt_ms(h.get("resolve_ms")), fmt_ms(h.get("gather_ms")),
+                     fmt_ms(h.get("mirror+spill (copy stream)_ms")), fmt_ms(h.get("indexer_ms")),
+                     fmt_ms(h.get("attention_ms")), fmt_ms(h.get("engine_host_ms")), share,
+                     "-" if "hit_rate" not in h else f"{100 * h['hit_rate']:.0f}%"])
+    header = ["config", "hs ms", "tf ms", "speedup", "hs GiB", "tf GiB", "hs KV/req", "tf KV/req", "KV %",
+              "resolve", "gather", "mirror", "indexer", "attn", "host", "res+gat %", "hit"]
+    return render_grid(header, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--hot-rows", type=int, default=0, help="0: 2x top-k")
+    p.add_argument("--fill-chunk", type=int, default=256, help="tokens per fill step (also the engine's prefill chunk)")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--modes", default="hisparse,transformers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--tiny", action="store_true", help="tiny geometry on the CPU (a smoke test of this script)")
+    a = p.parse_args(argv)
+    device = "cpu" if a.tiny else "cuda"
+    if a.tiny:
+        a.batches, a.contexts, a.block_size, a.steps, a.warmup = "1,2", "256", 4, 3, 1
+        a.fill_chunk = min(a.fill_chunk, 32)
+    batches = [int(x) for x in a.batches.split(",")]
+    contexts = [int(x) for x in a.contexts.split(",")]
+    modes = a.modes.split(",")
+    import transformers
+
+    model = build_model(TINY if a.tiny else GEOMETRY, a.layers, max(contexts) + 64, device,
+                        torch.float32 if a.tiny else torch.bfloat16)
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    print(f"# transformers {transformers.__version__}, torch {torch.__version__}, {gpu}; {a.layers} layers, "
+          f"top-k {model.config.index_topk}, block {a.block_size}, fill chunk {a.fill_chunk}; transformers caches "
+          f"{'the latent' if caches_latent() else 'expanded K/V'}", flush=True)
+    rows = []
+    for t in contexts:
+        for b in batches:
+            for mode in modes:
+                t0 = time.perf_counter()
+                r = (run_hisparse if mode == "hisparse" else run_transformers)(model, b, t, a)
+                r["wall_s"] = time.perf_counter() - t0
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""`hisparse generate`: a real transformers model decodes through hisparse, checked against itself.
+
+A tiny random DeepSeek-V3.2 (or GLM-5, `--model glm_moe_dsa`) model from transformers' own
+classes generates greedily for a batch of left-padded prompts of different lengths, once with its
+own attention (transformers alone) and once through hisparse: its indexer picks the top-k, the
+resolver maps it to resident pages, hot rows or misses copied from the host pool, and attention
+runs on exactly those rows. The GPU budget is below what the batch needs all resident, so the
+coordinator releases pages to host-only. A second batch shares a prompt prefix with the first and
+takes it from the host pool. Prints tokens/s, hit rate, bytes each way, GPU KV per request with
+and without hisparse, and the exactness check (identical tokens, max abs logit difference, every
+row read compared with the model's own latent). Exit status 1 if the check fails.
+
+Needs the `transformers` extra: pip install -e '.[transformers]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hisparse_core.errors import HiSparseError
+from hisparse_core.progress import ProgressBar
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p = subparsers.add_parser("generate", help="the main job: a real transformers DSA model decodes through "
+                                               "hisparse, checked against its own attention",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="deepseek_v32", choices=["deepseek_v32", "glm_moe_dsa"],
+                   help="model family (tiny random config; default: deepseek_v32)")
+    p.add_argument("--backend", default=None,
+                   help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
+    p.add_argument("--device", default=None, help="torch device of the model (default: the backend's)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: float32)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    w = p.add_argument_group("workload (defaults: about a minute on 2 CPU cores)")
+    w.add_argument("--prompts", type=int, default=4, help="prompts in the batch (default: 4)")
+    w.add_argument("--min-prompt", type=int, default=200, help="shortest prompt, tokens (default: 200)")
+    w.add_argument("--max-prompt", type=int, default=480, help="longest prompt, tokens (default: 480)")
+    w.add_argument("--new-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
+    w.add_argument("--shared-prefix", type=int, default=128,
+                   help="prefix tokens the second batch shares with the first (default: 128)")
+    w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("model and memory")
+    m.add_argument("--layers", type=int, default=4, help="(default: 4)")
+    m.add_argument("--top-k", type=int, default=32, help="the model's index_topk (default: 32)")
+    m.add_argument("--hot-rows", type=int, default=64, help="hot-buffer rows per request (default: 64)")
+    m.add_argument("--block-size", type=int, default=16, help="tokens per page (default: 16)")
+    m.add_argument("--prefill-chunk", type=int, default=32, help="prompt tokens per prefill forward (default: 32)")
+    m.add_argument("--gpu-kv-pages", type=int, default=0,
+                   help="GPU budget in pages of every layer; 0: 60%% of the first batch all resident (default: 0)")
+    m.add_argument("--host-pool-gib", type=float, default=0.05, help="host pool (default: 0.05)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _table(result: dict) -> str:  # type: ignore[type-arg]
+    from hisparse_core.replay.report import human_bytes, pct, render_table
+
+    c, e, s, x = result["config"], result["engine"], result["stats"], result["exactness"]
+    f1, f2 = x["first_batch"], x["second_batch"]
+    per, base = s["gpu_kv_bytes_per_request"], s["gpu_kv_bytes_per_request_all_resident"]
+    rows = [
+        ("backend", f"{e['backend']} on {e['device']}"),
+        ("model", f"tiny random {c['model']} ({c['dtype']}): {c['layers']} layers in index groups "
+                  f"{e['index_groups']}, top-k {c['top_k']}, hot buffer {e['hot_rows']} rows, row {e['row_format']} "
+                  f"({e['row_bytes']} B)"),
+        ("batches", f"{c['prompts']} prompts of {c['prompt_lengths']} tokens + {c['new_tokens']} new; then "
+                    f"{c['second_batch_lengths']} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
+                    "prefix"),
+        ("budgets", f"GPU {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
+                    f"resident), host pool {e['host_pool_blocks']} pages"),
+        ("throughput", ""),
+        ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s ({s['decode_tokens']} tokens)"),
+        ("prefill", f"{s['prefill_tokens_per_s']:.1f} tokens/s ({s['prefill_tokens']} tokens)"),
+        ("wall time", f"hisparse {result['seconds']['hisparse']:.1f} s, transformers alone "
+                      f"{result['seconds']['transformers_alone']:.1f} s"),
+        ("hot buffer", ""),
+        ("hit rate", f"{pct(s['hit_rate'])} ({s['hits']} hits, {s['misses']} misses; {s['resident']} entries "
+                     "from resident pages)"),
+        ("pages released", f"{s['released_pages']} released, {s['lost_pages']} then host-only (read through the "
+                           "hot buffer)"),
+        ("prefix hits", f"{s['prefix_hit_tokens']} tokens taken from the host pool"),
+        ("bytes moved", ""),
+        ("host->device", f"{human_bytes(s['h2d_bytes'])} by decode misses, {human_bytes(s['prefill_host_bytes'])} "
+                         "read by prefill from the host pool"),
+        ("device->host", f"{human_bytes(s['d2h_bytes'])} (row mirrors and spills)"),
+        ("GPU KV per request", ""),
+        ("with hisparse", f"{human_bytes(per)} (resident pages + hot buffer, at the peak)"),
+        ("without", f"{human_bytes(base)} (every page resident)" + (f": {base / per:.2f}x more" if per else "")),
+        ("indexer keys", f"{human_bytes(s['indexer_bytes_per_request'])} (on the GPU either way)"),
+        ("exactness", ""),
+        ("first batch", f"tokens {'identical' if f1['tokens_identical'] else 'DIFFER'}, max abs logit diff "
+                        f"{f1['max_abs_logit_diff']:.2e} over {f1['steps']} steps"),
+        ("second batch", f"tokens {'identical' if f2['tokens_identical'] else 'DIFFER'}, max abs logit diff "
+                         f"{f2['max_abs_logit_diff']:.2e} over {f2['steps']} steps"),
+        ("rows checked", f"{x['rows_checked']} rows read, each equal to the model's own latent (max abs diff "
+                         f"{x['rows_max_abs_diff']:.1e})"),
+        ("result", "EXACT" if x["exact"] else f"FAILED (tolerance {x['logit_tolerance']:.0e})"),
+    ]
+    return render_table(rows, "hisparse generate")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from hisparse_transformers.demo import DemoConfig, run_demo, total_steps
+    except ModuleNotFoundError as exc:
+        print(f"hisparse generate: error: {exc.name} is not installed; expected the transformers extra "
+              "(pip install -e '.[transformers]')", file=sys.stderr)
+        return 2
+    from hisparse_core.replay.report import dumps
+
+    try:
+        device = args.device
+        if device is None:
+            from hisparse_core.registry import select_backend
+
+            device = str(select_backend(args.backend).device)
+        config = DemoConfig(model=args.model, backend=args.backend, prompts=args.prompts, min_prompt=args.min_prompt,
+                            max_prompt=args.max_prompt, new_tokens=args.new_tokens, layers=args.layers,
+                            top_k=args.top_k, hot_rows=args.hot_rows, block_size=args.block_size,
+                            prefill_chunk=args.prefill_chunk, gpu_kv_pages=args.gpu_kv_pages,
+                            host_pool_gib=args.host_pool_gib, shared_prefix=args.shared_prefix, seed=args.seed,
+                            device=device, dtype=args.dtype)
+        with ProgressBar(total_steps(config), "generate", enabled=not args.no_progress) as bar:
+            result = run_demo(config, lambda n, label: bar.update(n, note=label))
+    except (HiSparseError, ValueError) as exc:
+        from hisparse_transformers.check import RowMismatch
+
+        if isinstance(exc, RowMismatch):
+            print(f"hisparse generate: FAILED: {exc}", file=sys.stderr)
+            return 1
+        print(f"hisparse generate: error: {exc}", file=sys.stderr)
+        return 2
+    print(dumps(result) if args.json else _table(result))
+    return 0 if result["exactness"]["exact"] else 1

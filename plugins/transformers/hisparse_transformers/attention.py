@@ -1,0 +1,232 @@
+"""The sparse-attention layer as hisparse runs it: the model's own projections and indexer, the KV
+read through hisparse, attention on exactly the gathered rows.
+
+Per layer and forward (`HiSparseAttention.forward`, installed per instance by `enable`):
+
+1. The model's own modules give the query (`q_a_proj`, `q_a_layernorm`, `q_b_proj`) and the latent
+   row (`kv_a_proj_with_mqa`, `kv_a_layernorm`, the family's `apply_rotary_pos_emb_interleave`):
+   exactly what the model would pass to `cache.update`. The row is written into the request's
+   resident page (positions whose KV is not final yet; prefix-hit positions are on host already).
+2. The leader of an index group runs the model's indexer (its keys stay in `HiSparseCache`);
+   followers take the leader's top-k (`prev_topk_indices`). Padded indices become logical
+   positions; padding, future and out-of-context entries become -1.
+3. Rows:
+   - one query per row (decode): the leader calls `CacheRuntime.resolve(gather=True,
+     validate=False)` (resident page, else hot row, else a miss copied from host into the hot
+     buffer); followers `replay_plan([layer])`. No host synchronization.
+   - several queries per row (a prefill chunk): each query has its own top-k, so the rows are
+     looked up directly: resident pages from the device cache, the rest (prefix-hit pages, pages
+     released under the GPU budget) from the host pool's layer views (every non-resident page is
+     clean there: its spill completed before it was released). Exact, and off the decode path.
+4. Absorbed MLA over the gathered rows: the query's no-RoPE part goes through kv_b_proj's K part
+   into latent space, scores against the latent (plus the RoPE part), `module.scaling`, softmax
+   in float32 as the model does, the weighted latent goes back through kv_b_proj's V part and
+   `o_proj`. Nothing is computed over the whole context, and K/V are never expanded.
+
+When the cache passed to the layer is not a `HiSparseCache`, the model's own forward runs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hisparse_core.errors import HiSparseError
+from hisparse_core.runtime import ResolveInputs
+
+from hisparse_transformers.cache import HiSparseCache
+
+if TYPE_CHECKING:
+    from hisparse_transformers.engine import HiSparseEngine, Session, StepState
+    from hisparse_transformers.families import DsaLayout
+
+
+class MissingRowError(HiSparseError, RuntimeError):
+    """A position the indexer chose has neither a resident page nor a host copy (a bookkeeping bug)."""
+
+
+@dataclass(slots=True)
+class RowMap:
+    """Where the rows of one forward's top-k live, shared by the layers of an index group.
+
+    Decode (`rows` set): the resolver's output rows `[B, 1, K]`. Prefill: device rows and host
+    rows per entry `[B, S, K]`, with `host_mask` marking the entries read from the host pool.
+    `positions` `[B, S, K]` are the logical positions (-1 masked), `valid` where an entry is used.
+    """
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor | None = None
+    dev_rows: torch.Tensor | None = None
+    host_rows: torch.Tensor | None = None
+    host_mask: torch.Tensor | None = None
+    num_host: int = 0
+
+
+def _logical_topk(topk: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded indexer output `[B, S, k]` -> logical positions with -1 where masked, and the mask."""
+    t = topk.to(torch.int64) - step.pad.view(-1, 1, 1)
+    q = step.qpos.unsqueeze(-1)
+    valid = (t >= 0) & (t <= q) & (q >= 0)
+    return torch.where(valid, t, torch.full_like(t, -1)), valid
+
+
+def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: int, topk: torch.Tensor | None,
+                 cached: RowMap | None) -> RowMap:
+    runtime = engine.worker.runtimes[group]
+    if position == 0:
+        assert topk is not None
+        # One query per row: the indexer saw exactly the keys up to it, so every entry is causal and
+        # in context; the only invalid ones point into the left padding (negative once shifted).
+        # Padding rows (no query) are row_state -1 and ignored by the resolver.
+        flat = (topk[:, 0, :].to(torch.int32) - step.pad32).clamp_(min=-1)
+        k = runtime.config.top_k
+        if flat.shape[1] < k:
+            flat = torch.nn.functional.pad(flat, (0, k - flat.shape[1]), value=-1)
+        flat = flat.contiguous()
+        runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, engine.source_table,
+                                      engine.resident_table, engine.hot_table), gather=True, validate=False)
+        logical = flat.to(torch.int64).unsqueeze(1)
+    else:
+        assert cached is not None
+        runtime.replay_plan([position])
+        logical = cached.positions
+    rows = runtime.result.rows[:step.pad.shape[0]].to(torch.int64).unsqueeze(1)
+    return RowMap(logical, rows >= 0, rows=rows)
+
+
+def _prefill_rows(engine: HiSparseEngine, session: Session, step: StepState, topk: torch.Tensor) -> RowMap:
+    bs = engine.config.block_size
+    logical, valid = _logical_topk(topk, step)
+    t = logical.clamp(min=0)
+    page, offset = t // bs, t % bs
+    states = session.state_rows.to(torch.int64).view(-1, 1, 1).expand_as(t)
+    resident = engine.resident_table[states, page].to(torch.int64)
+    source = engine.source_table[states, page].to(torch.int64)
+    on_device = valid & (resident >= 0)
+    host_mask = valid & (resident < 0) & (source >= 0)
+    lost = valid & ~on_device & ~host_mask
+    if bool(lost.any()):
+        b, s, i = (int(v) for v in lost.nonzero()[0])
+        raise MissingRowError(f"request row {b}: position {int(logical[b, s, i])} has no resident page and no host "
+                              "copy")
+    dev_rows = torch.where(on_device, resident * bs + offset, torch.zeros_like(resident))
+    host_rows = torch.where(host_mask, source * bs + offset, torch.zeros_like(source))
+    num_host = int(host_mask.sum())
+    return RowMap(logical, valid, dev_rows=dev_rows, host_rows=host_rows, host_mask=host_mask, num_host=num_host)
+
+
+def _gather(engine: HiSparseEngine, group: int, position: int, rmap: RowMap) -> torch.Tensor:
+    """The rows of one layer `[B, S, K, width]` (masked entries hold some row, never read)."""
+    flat = engine.flat_layers[group][position]
+    if rmap.rows is not None:
+        return flat[rmap.rows.clamp(min=0)]
+    assert rmap.dev_rows is not None and rmap.host_rows is not None and rmap.host_mask is not None
+    kv = flat[rmap.dev_rows]
+    if rmap.num_host:
+        host = engine.host_views[group][position]
+        picked = host[rmap.host_rows[rmap.host_mask].to(host.device)]
+        kv[rmap.host_mask] = picked.to(kv.device, non_blocking=False)
+        engine.totals.prefill_host_rows += rmap.num_host
+    return kv
+
+
+def absorbed_attention(module: torch.nn.Module, q_pass: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor,
+                       valid: torch.Tensor) -> torch.Tensor:
+    """MLA on gathered latent rows, without expanding K/V.
+
+    `q_pass` `[B, H, S, nope]`, `q_rot` `[B, H, S, rope]` (RoPE applied), `kv` `[B, S, K, >= lora + rope]`,
+    `valid` `[B, S, K]`. Returns the attention output before `o_proj`, `[B, S, H * v]`.
+    """
+    lora, rope = module.kv_lora_rank, module.qk_rope_head_dim
+    nope, vdim, heads = module.qk_nope_head_dim, module.v_head_dim, module.num_heads
+    w = module.kv_b_proj.weight.view(heads, nope + vdim, lora)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q_abs = torch.einsum("bhsn,hnc->bshc", q_pass, w_uk)                           # [B, S, H, lora]
+    query = torch.cat([q_abs, q_rot.transpose(1, 2)], dim=-1)                      # [B, S, H, lora + rope]
+    latent = kv[..., :lora + rope]
+    scores = torch.matmul(query, latent.transpose(-1, -2)) * module.scaling       # [B, S, H, K]
+    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = torch.nan_to_num(probs, nan=0.0).to(query.dtype)                       # queries with no entry: padding
+    out_latent = torch.matmul(probs, latent[..., :lora])                           # [B, S, H, lora]
+    out = torch.einsum("bshc,hvc->bshv", out_latent, w_uv)                         # [B, S, H, v]
+    return out.reshape(out.shape[0], out.shape[1], heads * vdim)
+
+
+class HiSparseAttention:
+    """The per-instance forward of one patched attention module (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, layout: DsaLayout, engine: HiSparseEngine, layer: int) -> None:
+        self.module = module
+        self.original: Callable[..., Any] = module.forward
+        self.layout = layout
+        self.engine = engine
+        self.layer = layer
+        self.group, self.position = layout.group_of(layer)
+        self.rope = layout.modeling.apply_rotary_pos_emb_interleave
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(cache, HiSparseCache) or cache.hisparse_engine is not self.engine:
+            return self.original(*args, **kwargs)
+        names = ("hidden_states", "position_embeddings", "attention_mask")
+        given = dict(zip(names, args))
+        hidden = kwargs.get("hidden_states", given.get("hidden_states"))
+        position_embeddings = kwargs.get("position_embeddings", given.get("position_embeddings"))
+        attention_mask = kwargs.get("attention_mask", given.get("attention_mask"))
+        return self.forward(cache, hidden, position_embeddings, attention_mask, kwargs.get("position_ids"),
+                            kwargs.get("prev_topk_indices"))
+
+    def forward(self, cache: HiSparseCache, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor, position_ids: torch.Tensor | None,
+                prev_topk: torch.Tensor | None) -> Any:
+        m, engine = self.module, self.engine
+        session = cache.session
+        step = session.step if session is not None else None
+        if session is None or step is None:
+            raise HiSparseError(f"layer {self.layer}: a HiSparseCache forward outside a hisparse step (call the model "
+                                "itself, not its decoder layers)")
+        b, s = hidden.shape[:2]
+        q_resid = m.q_a_layernorm(m.q_a_proj(hidden))
+        q = m.q_b_proj(q_resid).view(b, s, -1, m.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        compressed = m.kv_a_proj_with_mqa(hidden)
+        kv_pass, k_rot = torch.split(compressed, [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        k_pass = m.kv_a_layernorm(kv_pass).view(b, 1, s, m.kv_lora_rank)
+        k_rot = k_rot.view(b, 1, s, m.qk_rope_head_dim)
+        cos, sin = position_embeddings
+        q_rot, k_rot = self.rope(q_rot, k_rot, cos, sin)
+        latent = torch.cat([k_pass, k_rot], dim=-1).view(b * s, -1)                 # the rows cache.update gets
+        engine.write_rows(self.group, self.position, latent)
+        checker = engine.checker
+        if checker is not None:
+            checker.record(self.layer, session, step, latent.view(b, s, -1))
+
+        if self.position == 0:
+            topk = m.indexer(hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids, cache)
+        else:
+            if prev_topk is None:
+                raise HiSparseError(f"layer {self.layer} shares its index group's top-k but got no prev_topk_indices")
+            topk = prev_topk
+        cached = step.group_cache.get(self.group)
+        if s == 1:
+            rmap = _decode_rows(engine, step, self.group, self.position, topk, cached)
+        elif self.position == 0 or cached is None:
+            rmap = _prefill_rows(engine, session, step, topk)
+        else:
+            rmap = cached  # type: ignore[assignment]
+        if self.position == 0:
+            step.group_cache[self.group] = rmap
+        kv = _gather(engine, self.group, self.position, rmap)
+        if s == 1:
+            kv = kv.view(b, 1, kv.shape[-2], kv.shape[-1])
+        if checker is not None:
+            checker.check(self.layer, session, kv, rmap)
+        out = m.o_proj(absorbed_attention(m, q_pass, q_rot, kv, rmap.valid))
+        if self.layout.returns_topk:
+            return out, None, topk
+        return out, None

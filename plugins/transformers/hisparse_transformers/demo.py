@@ -1,0 +1,162 @@
+"""What `hisparse generate` runs: a real transformers DSA model decoding through hisparse, checked
+against the same model's own generate.
+
+1. A tiny random model of the family (transformers' own classes, random weights, nothing
+   downloaded) and a batch of left-padded prompts of different lengths.
+2. The model's own greedy generate (its attention, a `DynamicCache`): the reference tokens and
+   logits.
+3. The same generate through hisparse (`enable`, with the row check on) under a GPU budget that
+   makes the coordinator release pages to host, so decode reads them back through the hot buffer.
+4. A second batch whose prompts share a prefix with the first: the prefix comes from the host pool.
+5. Tokens must be identical and every step's logits within `LOGIT_TOLERANCE`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from hisparse_transformers.engine import required_gpu_blocks
+from hisparse_transformers.tiny import TinyShape, random_prompts, tiny_model
+
+#: fp32 on CPU: absorbed MLA over the gathered rows against the model's expanded dense attention.
+LOGIT_TOLERANCE = 1e-4
+
+Progress = Callable[[int, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    model: str = "deepseek_v32"
+    backend: str | None = None
+    prompts: int = 4
+    min_prompt: int = 200
+    max_prompt: int = 480
+    new_tokens: int = 96
+    layers: int = 4
+    top_k: int = 32
+    hot_rows: int = 64
+    block_size: int = 16
+    prefill_chunk: int = 32
+    gpu_kv_pages: int = 0          # 0: 60% of what the first batch needs all resident (at least the engine's floor)
+    host_pool_gib: float = 0.05
+    shared_prefix: int = 128
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.model not in ("deepseek_v32", "glm_moe_dsa"):
+            raise ValueError(f"--model {self.model!r}; expected deepseek_v32 or glm_moe_dsa")
+        for name in ("prompts", "min_prompt", "max_prompt", "new_tokens", "layers", "top_k", "hot_rows",
+                     "block_size", "prefill_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.min_prompt > self.max_prompt:
+            raise ValueError(f"min_prompt={self.min_prompt} > max_prompt={self.max_prompt}; expected min <= max")
+        if not 0 <= self.shared_prefix <= self.min_prompt:
+            raise ValueError(f"shared_prefix={self.shared_prefix}; expected 0 to min_prompt={self.min_prompt}")
+
+    def lengths(self) -> list[int]:
+        n = self.prompts
+        if n == 1:
+            return [self.max_prompt]
+        step = (self.max_prompt - self.min_prompt) / (n - 1)
+        return [round(self.max_prompt - i * step) for i in range(n)]
+
+
+class _Steps:
+    """A transformers streamer that only counts generate's steps (for the progress bar)."""
+
+    def __init__(self, progress: Progress | None, label: str) -> None:
+        self.progress, self.label, self.first = progress, label, True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.first:          # generate hands the prompt first
+            self.first = False
+            return
+        if self.progress:
+            self.progress(1, self.label)
+
+    def end(self) -> None:
+        pass
+
+
+def _compare(ours: Any, theirs: Any) -> dict[str, Any]:
+    diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(ours.logits, theirs.logits, strict=True)]
+    same = torch.equal(ours.sequences, theirs.sequences)
+    return {"tokens_identical": same, "max_abs_logit_diff": max(diffs), "steps": len(diffs),
+            "exact": same and max(diffs) <= LOGIT_TOLERANCE}
+
+
+def total_steps(c: DemoConfig) -> int:
+    """Progress units: generate steps of the reference and hisparse runs, both batches."""
+    return 2 * c.new_tokens + 2 * max(1, c.new_tokens // 4)
+
+
+def run_demo(c: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
+    import hisparse_transformers
+    from transformers import DynamicCache
+
+    dtype = getattr(torch, c.dtype)
+    shape = TinyShape(layers=c.layers, index_topk=c.top_k, max_position=4 * (c.max_prompt + c.new_tokens))
+    model = tiny_model(c.model, shape=shape, seed=c.seed, dtype=dtype, device=c.device)
+    lengths = c.lengths()
+    ids, mask = random_prompts(lengths, vocab=shape.vocab, seed=c.seed + 1)
+    prefix = ids[0, -lengths[0]:][:c.shared_prefix].tolist()
+    ids2, mask2 = random_prompts([n - 16 for n in lengths], vocab=shape.vocab, seed=c.seed + 2, prefix=prefix)
+    ids, mask, ids2, mask2 = (t.to(c.device) for t in (ids, mask, ids2, mask2))
+    new2 = max(1, c.new_tokens // 4)
+    gen = dict(do_sample=False, output_logits=True, return_dict_in_generate=True,
+               prefill_chunk_size=c.prefill_chunk)
+
+    def reference(i: torch.Tensor, m: torch.Tensor, new: int) -> Any:
+        return model.generate(i, attention_mask=m, max_new_tokens=new, past_key_values=DynamicCache(config=model.config),
+                              streamer=_Steps(progress, "transformers alone"), **gen)
+
+    t0 = time.perf_counter()
+    theirs = reference(ids, mask, c.new_tokens)
+    theirs2 = reference(ids2, mask2, new2)
+    reference_s = time.perf_counter() - t0
+
+    row = (shape.kv_lora + shape.rope) * torch.empty((), dtype=dtype).element_size()
+    block_bytes = c.layers * c.block_size * row
+    all_resident = sum(-(-(n + c.new_tokens) // c.block_size) for n in lengths)
+    chunk_pages = -(-c.prefill_chunk // c.block_size) + 1
+    floor = required_gpu_blocks(c.prompts, -(-c.hot_rows // c.block_size), chunk_pages)
+    pages = c.gpu_kv_pages or max(floor, int(0.6 * all_resident))
+    gpu_gib = pages * block_bytes / 2**30
+    max_context = max(lengths) + c.new_tokens
+    with hisparse_transformers.enable(model, host_pool_gib=c.host_pool_gib, gpu_kv_gib=gpu_gib, backend=c.backend,
+                                      hot_rows=c.hot_rows, block_size=c.block_size, max_batch=c.prompts,
+                                      max_context=max_context, prefill_chunk=c.prefill_chunk, check=True) as hs:
+        t0 = time.perf_counter()
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=c.new_tokens,
+                              streamer=_Steps(progress, "hisparse"), **gen)
+        first = hs.stats()
+        ours2 = model.generate(ids2, attention_mask=mask2, max_new_tokens=new2,
+                               streamer=_Steps(progress, "hisparse, shared prefix"), **gen)
+        hisparse_s = time.perf_counter() - t0
+        stats = hs.stats()
+        engine = {"backend": hs.engine.backend.name, "device": str(hs.engine.device),
+                  "gpu_pool_pages": hs.engine.gpu_blocks, "all_resident_pages": all_resident,
+                  "host_pool_blocks": hs.engine.coordinator.host_num_blocks, "row_format": hs.engine.fmt.name,
+                  "row_bytes": hs.engine.fmt.row_bytes, "hot_rows": hs.engine.hot_rows,
+                  "index_groups": [list(g) for g in hs.engine.layout.groups]}
+    exact1, exact2 = _compare(ours, theirs), _compare(ours2, theirs2)
+    return {
+        "config": {**asdict(c), "prompt_lengths": lengths, "second_batch_lengths": [n - 16 for n in lengths],
+                   "second_batch_new_tokens": new2},
+        "engine": engine,
+        "exactness": {"first_batch": exact1, "second_batch": exact2, "logit_tolerance": LOGIT_TOLERANCE,
+                      "rows_checked": stats.checked_entries, "rows_max_abs_diff": stats.checked_max_abs_diff,
+                      "exact": exact1["exact"] and exact2["exact"]},
+        "first_batch": first.to_json(),
+        "stats": stats.to_json(),
+        "seconds": {"transformers_alone": reference_s, "hisparse": hisparse_s},
+    }

@@ -1,0 +1,498 @@
+"""The engine role for a transformers model: what the replay engine does for `hisparse run`, here
+for real attention layers.
+
+One `HiSparseEngine` per enabled model owns:
+
+- a `SimpleGpuBlockPool` sized from the GPU KV budget (one block is one page of every sparse
+  layer; resident pages and hot buffers are blocks of it);
+- the real `HiSparseCoordinator` (host blocks, prefix identity, spill and release under the GPU
+  budget) and the real `HiSparseWorker` with the selected backend: one `CacheRuntime` per index
+  group, bound to device caches `[num_blocks, block_size, width]` in the model's dtype;
+- the persistent source and hot tables the resolver reads.
+
+A `Session` is one batch of requests (one generate call): each batch row is a hisparse request
+with its own state row and its own logical positions (left padding stripped). One model forward
+is one engine step: `begin_step` (allocations, `schedule_step`, table updates,
+`worker.start_step`) before the first layer and `end_step` (`after_forward`, `build_metadata`,
+`update_from_workers`) after the last.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hisparse_core.backend import Backend
+from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
+from hisparse_core.coordinator.config import GIB
+from hisparse_core.errors import CapacityError, InvalidInputError
+from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
+from hisparse_core.worker import CacheGroup, HiSparseWorker
+
+from hisparse_transformers.check import ExactnessChecker
+from hisparse_transformers.families import DsaLayout
+from hisparse_transformers.tokens import LazyTokens
+
+logger = logging.getLogger(__name__)
+
+ACTIVE_TAIL_PAGES = 2
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_format_for(dtype: torch.dtype, width: int) -> RowFormat:
+    """The registered row format of a latent row of `width` values of `dtype`, padded to 16 bytes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per16 = 16 // size if 16 % size == 0 else 16
+    padded = _cdiv(width, per16) * per16
+    name = f"hf_mla_{str(dtype).removeprefix('torch.')}_{width}" + (f"_pad{padded}" if padded != width else "")
+    return register_row_format(RowFormat(name, dtype, padded))
+
+
+def required_gpu_blocks(max_batch: int, hot_blocks: int, chunk_pages: int) -> int:
+    """The smallest GPU pool an engine accepts.
+
+    Per request: its hot buffer, the active tail, and the pages of the last three steps, which are
+    not releasable yet (a page written in step k is sealed and spilled in k+1, acknowledged in k+2,
+    releasable in k+3); plus the watermark (`pressure_watermark`). `chunk_pages`: most pages one
+    request writes in a step.
+    """
+    return max_batch * (hot_blocks + ACTIVE_TAIL_PAGES + 3 * chunk_pages) + pressure_watermark(
+        max_batch, hot_blocks, chunk_pages)
+
+
+def pressure_watermark(max_batch: int, hot_blocks: int, chunk_pages: int) -> int:
+    """Free GPU blocks below which the coordinator releases clean pages: one step's allocations of
+    every request plus one hot buffer, since a request leases its hot buffer (from the free
+    blocks) before its first page is released."""
+    return max_batch * chunk_pages + hot_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes of one engine, as `hisparse_transformers.enable` takes them (budgets in GiB)."""
+
+    host_pool_gib: float
+    gpu_kv_gib: float
+    block_size: int = 64
+    hot_rows: int | None = None
+    max_batch: int = 8
+    max_context: int = 4096
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("host_pool_gib", "gpu_kv_gib"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise InvalidInputError(f"{name} must be a positive number of GiB, got {v!r}")
+        for name in ("block_size", "max_batch", "max_context", "prefill_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise InvalidInputError(f"{name} must be a positive int, got {v!r}")
+        if self.hot_rows is not None and (isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int)
+                                          or self.hot_rows <= 0):
+            raise InvalidInputError(f"hot_rows must be a positive int or None, got {self.hot_rows!r}")
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return int(self.host_pool_gib * GIB)
+
+    @property
+    def gpu_kv_bytes(self) -> int:
+        return int(self.gpu_kv_gib * GIB)
+
+
+@dataclass(slots=True)
+class EngineTotals:
+    """Counters since the engine was built (the host-side ones; device counters come from the worker)."""
+
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefill_host_rows: int = 0          # rows the prefill read straight from the host pool (all layers)
+    pressure_waits: int = 0             # steps that waited for spills before allocating (pool at its floor)
+    requests: int = 0
+    prefix_hit_tokens: int = 0
+    peak_blocks_per_request: float = 0.0          # leased GPU blocks (resident + hot) per running request
+    peak_all_resident_blocks_per_request: float = 0.0   # the same requests' pages, all resident
+    peak_indexer_bytes_per_request: float = 0.0
+    peak_context: int = 0
+    worker: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("resident", "hits", "misses", "h2d_bytes", "d2h_bytes"), 0))
+
+
+@dataclass(slots=True)
+class Request:
+    """One batch row of a session: a hisparse request."""
+
+    request_id: str
+    state_index: int
+    pad: int                       # left padding of the row in the padded layout
+    tokens: LazyTokens             # logical token ids (prompt, then generated)
+    prompt_len: int
+    hit: int                       # prefix-hit tokens taken from the host pool
+    first_resident: int            # pages below are host-backed
+    blocks: list[int]              # resident GPU block per page (-1: host-backed)
+    computed: int                  # tokens whose KV is final
+
+
+@dataclass(slots=True)
+class StepState:
+    """What the attention layers of one forward need, computed once per step (device tensors)."""
+
+    past: int                      # padded length before this step
+    num_new: int                   # S: padded positions this step
+    pad: torch.Tensor              # [B] int64
+    pad32: torch.Tensor            # [B, 1] int32 (the decode path's subtraction stays int32)
+    qpos: torch.Tensor             # [B, S] int64 logical position of each query (-1: padding)
+    row_state: torch.Tensor        # [B] int32 state row, -1 where the row has no query this step (S == 1)
+    seq_lens: torch.Tensor         # [B] int32 logical context length after this step
+    write_src: torch.Tensor        # [N] int64 flat index into [B * S] of each row written this step
+    write_dst: torch.Tensor        # [N] int64 flat device row of each
+    started: float = 0.0
+    prefill: bool = False
+    group_cache: dict[int, object] = field(default_factory=dict)  # per index group: the leader's row map
+
+
+class Session:
+    """The requests of one batch (one generate call) and their per-step bookkeeping."""
+
+    def __init__(self, engine: HiSparseEngine, requests: list[Request]) -> None:
+        self.engine = engine
+        self.requests = requests
+        self.padded_len = 0
+        self.step: StepState | None = None
+        self.closed = False
+        dev = engine.device
+        self.state_rows = torch.tensor([r.state_index for r in requests], dtype=torch.int32, device=dev)
+        self.pads = torch.tensor([r.pad for r in requests], dtype=torch.int64, device=dev)
+        self.pads32 = self.pads.to(torch.int32).view(-1, 1)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+
+class HiSparseEngine:
+    """GPU block pool, coordinator, worker and device caches for one model (see the module docstring)."""
+
+    def __init__(self, layout: DsaLayout, config: EngineConfig, backend: Backend, *, dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.config = config
+        self.backend = backend
+        self.device = torch.device(backend.device)
+        self.dtype = dtype
+        c = config
+        bs = c.block_size
+        self.fmt = row_format_for(dtype, layout.width)
+        top_k = layout.index_topk
+        hot_rows = c.hot_rows if c.hot_rows is not None else _cdiv(2 * top_k, bs) * bs
+        if hot_rows % bs:
+            raise InvalidInputError(f"hot_rows={hot_rows} must be a multiple of block_size={bs}")
+        if hot_rows < top_k:
+            raise InvalidInputError(
+                f"the model's index_topk={top_k} is larger than the hot buffer allows (hot_rows={hot_rows}); one "
+                f"step's top-k must fit the hot buffer: expected hot_rows >= {top_k}")
+        self.hot_rows = hot_rows
+        self.hot_blocks = hot_rows // bs
+        self.max_pages = _cdiv(c.max_context, bs)
+        self.chunk_pages = _cdiv(c.prefill_chunk, bs) + 1
+        L = layout.num_layers
+        self.block_bytes = L * bs * self.fmt.row_bytes
+        self.gpu_blocks = c.gpu_kv_bytes // self.block_bytes
+        self.watermark = pressure_watermark(c.max_batch, self.hot_blocks, self.chunk_pages)
+        need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
+        if self.gpu_blocks < need:
+            raise CapacityError(
+                f"gpu_kv_gib={c.gpu_kv_gib:g} holds {self.gpu_blocks} blocks of {self.block_bytes} B "
+                f"({L} layers x {bs} tokens x {self.fmt.row_bytes} B); max_batch={c.max_batch} with a "
+                f"{self.hot_blocks}-block hot buffer and prefill_chunk={c.prefill_chunk} needs at least {need}: "
+                f"expected gpu_kv_gib >= {need * self.block_bytes / GIB:.6g}")
+        host_blocks = c.host_pool_bytes // self.block_bytes - 1          # the coordinator keeps a null block
+        host_need = self.max_pages + ACTIVE_TAIL_PAGES
+        if host_blocks < host_need:
+            raise CapacityError(
+                f"host_pool_gib={c.host_pool_gib:g} holds {max(host_blocks, 0)} usable blocks of {self.block_bytes} B; "
+                f"one request of max_context={self.max_pages * bs} tokens needs {host_need} (its pages plus the "
+                f"{ACTIVE_TAIL_PAGES}-page active tail): expected host_pool_gib >= "
+                f"{(host_need + 1) * self.block_bytes / GIB:.3g}")
+        self.gpu = SimpleGpuBlockPool(self.gpu_blocks)
+        self.coordinator = HiSparseCoordinator(CoordinatorConfig(
+            host_pool_gib=c.host_pool_bytes / GIB, num_layers=L, block_size=bs, row_bytes=self.fmt.row_bytes,
+            max_model_len=self.max_pages * bs, hot_blocks_per_request=self.hot_blocks,
+            active_tail_pages=ACTIVE_TAIL_PAGES, pressure_watermark_blocks=self.watermark), self.gpu)
+        groups = [CacheGroup(RuntimeConfig(max_batch_rows=c.max_batch, max_requests=c.max_batch, top_k=top_k,
+                                           hot_rows=hot_rows, block_size=bs, max_pages=self.max_pages,
+                                           row_format=self.fmt, num_layers=len(g)),
+                             resident_group=0, name=f"index group {i} (layers {list(g)})")
+                  for i, g in enumerate(layout.groups)]
+        self.worker = HiSparseWorker(backend, groups, num_host_blocks=self.coordinator.host_num_blocks)
+        try:
+            self.device_layers = [[torch.zeros((self.gpu_blocks, bs, self.fmt.width), dtype=dtype, device=self.device)
+                                   for _ in g] for g in layout.groups]
+            self.worker.register_caches(self.device_layers)
+            i32 = dict(dtype=torch.int32, device=self.device)
+            self.source_table = torch.full((c.max_batch, self.max_pages), -1, **i32)
+            self.hot_table = torch.full((c.max_batch, self.hot_blocks), -1, **i32)
+        except BaseException:
+            self.worker.shutdown()
+            raise
+        self.resident_table = self.worker.residency_table(0)
+        self.flat_layers = [[t.view(-1, self.fmt.width) for t in g] for g in self.device_layers]
+        self.host_views = [self.worker.host_layer_views(i) for i in range(len(layout.groups))]
+        self.free_states = list(range(c.max_batch - 1, -1, -1))
+        self.totals = EngineTotals()
+        self.session: Session | None = None
+        self.checker: ExactnessChecker | None = None   # set by enable(check=True)
+        self._next_request = 0
+        self.closed = False
+        logger.info(
+            "hisparse transformers engine: %s, %d layers in %d index group(s), row %s (%d B), top-k %d, hot buffer "
+            "%d rows; GPU pool %d blocks of %d B (watermark %d), host pool %d blocks; %d state rows, max context %d, "
+            "prefill chunk %d; backend %s on %s", layout.family, L, len(layout.groups), self.fmt.name,
+            self.fmt.row_bytes, top_k, hot_rows, self.gpu_blocks, self.block_bytes, self.watermark,
+            self.coordinator.host_num_blocks, c.max_batch, self.max_pages * bs, c.prefill_chunk, backend.name,
+            self.device)
+
+    # ------------------------------------------------------------------------------- sessions
+
+    def open_session(self, prompts: Sequence[Sequence[int]], pads: Sequence[int]) -> Session:
+        """Admit one request per batch row; takes prefix hits from the host pool."""
+        if self.closed:
+            raise InvalidInputError("this hisparse engine was closed; enable hisparse again")
+        if self.session is not None and not self.session.closed:
+            raise InvalidInputError("a hisparse generate is already running on this model; one batch at a time")
+        n = len(prompts)
+        if not 1 <= n <= self.config.max_batch:
+            raise CapacityError(f"batch of {n} prompts; expected 1 to max_batch={self.config.max_batch} "
+                                "(enable(..., max_batch=N))")
+        longest = max(pad + len(p) for p, pad in zip(prompts, pads))
+        if longest > self.max_pages * self.config.block_size:
+            raise CapacityError(f"a prompt of {longest} padded tokens exceeds max_context="
+                                f"{self.max_pages * self.config.block_size}; expected enable(..., max_context >= it)")
+        need = sum(_cdiv(len(p), self.config.block_size) for p in prompts)
+        free = self.coordinator.num_free_host_blocks
+        if need > free:
+            raise CapacityError(f"the batch's prompts need {need} host blocks; the host pool has {free} free: raise "
+                                f"host_pool_gib or send fewer prompts")
+        requests: list[Request] = []
+        try:
+            for tokens, pad in zip(prompts, pads):
+                rid = f"hf-{self._next_request}"
+                self._next_request += 1
+                tokens = list(tokens)
+                cap = max(0, len(tokens) - 1)
+                try:
+                    hit = self.coordinator.add_request(rid, tokens, max_prefix_tokens=cap)
+                except CapacityError:
+                    hit = self.coordinator.add_request(rid, tokens, max_prefix_tokens=0)
+                first = self.coordinator.first_resident_page(rid)
+                requests.append(Request(rid, self.free_states.pop(), pad, LazyTokens(tokens), len(tokens), hit,
+                                        first, [-1] * first, hit))
+        except BaseException:
+            for r in requests:
+                self.coordinator.finish_request(r.request_id)
+                self.free_states.append(r.state_index)
+            raise
+        self.totals.requests += n
+        self.totals.prefix_hit_tokens += sum(r.hit for r in requests)
+        if any(r.hit for r in requests):
+            logger.info("hisparse: prefix hits from the host pool: %s tokens", [r.hit for r in requests])
+        self.session = Session(self, requests)
+        return self.session
+
+    def close_session(self, session: Session, *, indexer_bytes: int = 0) -> None:
+        """Finish every request of the session: leases go back, spills in flight publish when they land.
+        `indexer_bytes`: the device bytes of the batch's indexer keys, for the stats."""
+        if session.closed:
+            return
+        session.closed = True
+        self.totals.peak_indexer_bytes_per_request = max(self.totals.peak_indexer_bytes_per_request,
+                                                         indexer_bytes / session.batch_size)
+        if session.step is not None:           # a forward raised mid-step: close the worker's step
+            session.step = None
+            self.worker.after_forward()
+        for r in session.requests:
+            self.coordinator.finish_request(r.request_id)
+        states = [r.state_index for r in session.requests]
+        self.worker.reset_state(states)
+        self.source_table[states] = -1
+        self.hot_table[states] = -1
+        self.free_states.extend(states)
+        # Drain so the prompt pages this batch sealed are published for the next batch's prefix hits.
+        self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
+        self._collect_worker_stats()
+        if self.session is session:
+            self.session = None
+
+    # ------------------------------------------------------------------------------- steps
+
+    def begin_step(self, session: Session, input_ids: torch.Tensor | None, num_new: int) -> StepState:
+        """Plan one forward of `num_new` padded positions for every row and start the worker's step."""
+        if session.closed:
+            raise InvalidInputError("this hisparse cache's generate has finished; use a fresh cache")
+        if session.step is not None:
+            raise InvalidInputError("a forward started on this hisparse cache before the previous one ended")
+        bs = self.config.block_size
+        past = session.padded_len
+        end_padded = past + num_new
+        if end_padded > self.max_pages * bs:
+            raise CapacityError(f"the batch reaches {end_padded} padded tokens; max_context is {self.max_pages * bs}: "
+                                "expected enable(..., max_context >= prompt + new tokens + padding)")
+        needed = sum(max(0, _cdiv(max(max(end_padded, r.pad) - r.pad, r.computed), bs) - len(r.blocks))
+                     for r in session.requests)
+        # Keep room for one hot-buffer lease after this step's allocations: the policy leases a
+        # request's hot buffer from the free blocks before releasing its first page, so a pool
+        # drained below that (spill acknowledgements lagging behind a fast prefill) could never
+        # release again.
+        if needed and self.gpu.num_free_blocks - needed < self.hot_blocks:
+            self._relieve_pressure()
+        scheduled: list[StepRequest] = []
+        src: list[int] = []
+        dst: list[int] = []
+        for b, r in enumerate(session.requests):
+            hi = max(end_padded, r.pad) - r.pad
+            known = len(r.tokens)
+            if hi > known and input_ids is not None:
+                lo_s = known + r.pad - past
+                r.tokens.extend_device(input_ids[b, lo_s:num_new])
+            elif hi > known:
+                raise InvalidInputError("a forward past the prompt needs input_ids (inputs_embeds only cover the "
+                                        "prompt given to generate)")
+            end = max(hi, r.computed)
+            pages = _cdiv(end, bs)
+            missing = pages - len(r.blocks)
+            if missing > 0:
+                try:
+                    r.blocks.extend(self.gpu.acquire(missing))
+                except CapacityError as exc:
+                    raise CapacityError(f"step {self.totals.steps}: no GPU block for request {r.request_id}'s next "
+                                        f"page ({exc}); raise gpu_kv_gib or lower max_batch/prefill_chunk") from None
+            for pos in range(r.computed, hi):
+                src.append(b * num_new + pos + r.pad - past)
+                dst.append(r.blocks[pos // bs] * bs + pos % bs)
+            if end == 0:
+                continue    # all padding so far: nothing to write or read (and no pages to report)
+            scheduled.append(StepRequest(r.request_id, r.state_index, r.computed, max(0, hi - r.computed), r.tokens,
+                                         [r.blocks]))
+        command = self.coordinator.schedule_step(scheduled)
+        self._apply_tables()
+        self.worker.start_step(command)
+        dev = self.device
+        qpos = (past + torch.arange(num_new, device=dev)).unsqueeze(0) - session.pads.unsqueeze(1)
+        qpos = qpos.masked_fill(qpos < 0, -1)
+        last = qpos[:, -1]
+        row_state = torch.where(last >= 0, session.state_rows, torch.full_like(session.state_rows, -1))
+        step = StepState(past, num_new, session.pads, session.pads32, qpos, row_state, (last + 1).to(torch.int32),
+                         torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
+                         torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
+                         started=time.perf_counter(), prefill=num_new > 1)
+        session.step = step
+        return step
+
+    def _relieve_pressure(self) -> None:
+        """The step's pages would leave no room for a hot-buffer lease: wait for the transfers in
+        flight (their pages turn clean), then run one step with nothing scheduled so the
+        coordinator's policy releases clean pages. A host synchronization, only when the pool is
+        near its floor (spill completions lagging behind a fast prefill)."""
+        self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
+        command = self.coordinator.schedule_step([])
+        self._apply_tables()
+        self.worker.start_step(command)
+        self.worker.after_forward()
+        self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
+        self.totals.pressure_waits += 1
+        logger.debug("hisparse: GPU pool at its floor; waited for spills and released pages (%d free now)",
+                     self.gpu.num_free_blocks)
+
+    def write_rows(self, group: int, position: int, rows: torch.Tensor) -> None:
+        """Write this step's rows of one layer: `rows` `[B * S, width]` (the step's flat batch) go to
+        the resident pages `begin_step` planned (positions whose KV is not final yet)."""
+        step = self.session.step if self.session is not None else None
+        if step is None:
+            raise InvalidInputError("write_rows outside a step (begin_step first)")
+        if step.write_dst.numel():
+            flat = self.flat_layers[group][position]
+            flat[step.write_dst, :rows.shape[1]] = rows[step.write_src].to(flat.dtype)
+
+    def end_step(self, session: Session) -> None:
+        step = session.step
+        if step is None:
+            return
+        session.step = None
+        self.worker.after_forward()
+        self.coordinator.update_from_workers(self.worker.build_metadata(), 1)
+        end_padded = step.past + step.num_new
+        new_tokens = 0
+        for r in session.requests:
+            hi = max(end_padded, r.pad) - r.pad
+            new_tokens += max(0, hi - r.computed)
+            r.computed = max(r.computed, hi)
+        session.padded_len = end_padded
+        t = self.totals
+        seconds = time.perf_counter() - step.started
+        t.steps += 1
+        if step.prefill:
+            t.prefill_steps += 1
+            t.prefill_tokens += new_tokens
+            t.prefill_seconds += seconds
+        else:
+            t.decode_steps += 1
+            t.decode_tokens += new_tokens
+            t.decode_seconds += seconds
+        n = session.batch_size
+        t.peak_blocks_per_request = max(t.peak_blocks_per_request, self.gpu.num_leased_blocks / n)
+        bs = self.config.block_size
+        t.peak_all_resident_blocks_per_request = max(t.peak_all_resident_blocks_per_request,
+                                                     sum(_cdiv(r.computed, bs) for r in session.requests) / n)
+        t.peak_context = max(t.peak_context, max(r.computed for r in session.requests))
+
+    def _apply_tables(self) -> None:
+        for u in self.coordinator.take_table_updates():
+            if u.pages:
+                self.source_table[u.state_index, list(u.pages)] = torch.tensor(u.host_block_ids, dtype=torch.int32,
+                                                                               device=self.device)
+            if u.hot_block_ids is not None:
+                row = self.hot_table[u.state_index]
+                row.fill_(-1)
+                if u.hot_block_ids:
+                    row[:len(u.hot_block_ids)] = torch.tensor(u.hot_block_ids, dtype=torch.int32, device=self.device)
+
+    # ------------------------------------------------------------------------------- stats, end
+
+    def _collect_worker_stats(self) -> None:
+        s = self.worker.take_stats()
+        w = self.totals.worker
+        for k in w:
+            w[k] += getattr(s, k)
+
+    def collect(self) -> EngineTotals:
+        """The totals with the device counters read (a host synchronization)."""
+        if not self.closed:
+            self._collect_worker_stats()
+        return self.totals
+
+    def close(self) -> None:
+        """Finish a session still open, then release the host pool. Idempotent."""
+        if self.closed:
+            return
+        try:
+            if self.session is not None and not self.session.closed:
+                self.close_session(self.session)
+            self._collect_worker_stats()
+        finally:
+            self.closed = True
+            self.worker.shutdown()
+            self.device_layers = []
+            self.flat_layers = []
+            self.host_views = []

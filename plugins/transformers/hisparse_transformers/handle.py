@@ -1,0 +1,309 @@
+"""`enable(model, ...)`: one call that makes a loaded DSA model decode through hisparse.
+
+After it, plain `model.generate(...)` runs through hisparse: the instance's `generate` hands
+transformers' own generate a fresh `HiSparseCache` (and, unless given, `prefill_chunk_size`, so
+transformers' chunked prefill builds only `[chunk, T]` masks). A `HiSparseCache` from
+`handle.new_cache()` may also be passed explicitly; any other cache (say a `DynamicCache`) makes
+generate run the model's own attention, unchanged. Each attention module is patched per instance
+(`HiSparseAttention`), and a forward pre/post hook on the base model makes every forward one
+hisparse engine step.
+
+`handle.close()` (or leaving its `with` block, or `disable(model)`) restores the model and
+releases the host pool.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hisparse_core.errors import HiSparseError, InvalidInputError
+from hisparse_core.registry import select_backend
+
+from hisparse_transformers.attention import HiSparseAttention
+from hisparse_transformers.cache import HiSparseCache
+from hisparse_transformers.check import ExactnessChecker
+from hisparse_transformers.engine import EngineConfig, HiSparseEngine, StepState
+from hisparse_transformers.families import DsaLayout, detect
+from hisparse_transformers.stats import HiSparseStats
+from hisparse_transformers.version import check_version
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_hisparse_handle"
+
+#: Called after each engine step with (handle, step): for progress bars and tests.
+StepCallback = Callable[["HiSparseHandle", StepState], None]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def left_padding(attention_mask: torch.Tensor) -> list[int]:
+    """Left padding of each row of a 2-D 0/1 mask; `InvalidInputError` if a row is not left-padded."""
+    mask = attention_mask.detach().to("cpu", torch.int64)
+    if mask.dim() != 2:
+        raise InvalidInputError(f"attention_mask has shape {tuple(mask.shape)}; expected [batch, tokens]")
+    pads = []
+    for b, row in enumerate(mask.tolist()):
+        pad = next((i for i, v in enumerate(row) if v), len(row))
+        if any(v == 0 for v in row[pad:]) or any(v not in (0, 1) for v in row):
+            raise InvalidInputError(f"attention_mask row {b} is {row}; expected left padding (zeros, then ones): "
+                                    "hisparse strips left padding only (tokenizer padding_side='left')")
+        pads.append(pad)
+    return pads
+
+
+class HiSparseHandle:
+    """What `enable` returns: the engine of one model, its patches and its statistics."""
+
+    def __init__(self, model: torch.nn.Module, layout: DsaLayout, engine: HiSparseEngine) -> None:
+        self.model = model
+        self.layout = layout
+        self.engine = engine
+        self.on_step: StepCallback | None = None
+        self.generate_seconds = 0.0
+        self._attn = [HiSparseAttention(m, layout, engine, i) for i, m in enumerate(layout.attentions)]
+        self._base = getattr(model, "base_model", model)
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.generate).parameters else "past_key_values"
+        self._hooks: list[Any] = []
+        self._generate: Callable[..., Any] | None = None
+        self.closed = False
+        self._install()
+
+    # ------------------------------------------------------------------ patches
+
+    def _install(self) -> None:
+        for a in self._attn:
+            a.module.forward = a
+        self._hooks.append(self._base.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+        self._hooks.append(self._base.register_forward_hook(self._post_forward, with_kwargs=True))
+        if hasattr(self.model, "generate"):
+            self._generate = self.model.generate
+            self.model.generate = types.MethodType(_patched_generate, self.model)
+        setattr(self.model, _ATTR, self)
+
+    def _uninstall(self) -> None:
+        for a in self._attn:
+            if a.module.__dict__.get("forward") is a:
+                del a.module.forward
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._generate is not None and "generate" in self.model.__dict__:
+            del self.model.generate
+        if getattr(self.model, _ATTR, None) is self:
+            delattr(self.model, _ATTR)
+
+    # ------------------------------------------------------------------ the step hooks
+
+    def _cache_of(self, kwargs: dict[str, Any]) -> HiSparseCache | None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return cache if isinstance(cache, HiSparseCache) and cache.hisparse_engine is self.engine else None
+
+    def _pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cache = self._cache_of(kwargs)
+        if cache is None:
+            return
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        shape = input_ids.shape if input_ids is not None else embeds.shape
+        batch, num_new = int(shape[0]), int(shape[1])
+        if cache.session is None:
+            if cache.prompts is not None:
+                prompts, pads = cache.prompts
+            else:
+                if input_ids is None:
+                    raise InvalidInputError("the first forward with a HiSparseCache needs input_ids (or go through "
+                                            "model.generate, which passes the prompts)")
+                mask = kwargs.get("attention_mask")
+                pads = left_padding(mask) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else [0] * batch
+                if any(pad >= num_new for pad in pads):
+                    raise InvalidInputError("a row of the first forward is all padding, so its prompt is unknown; "
+                                            "pass the prompts: handle.new_cache(input_ids, attention_mask)")
+                rows = input_ids.detach().to("cpu").tolist()
+                prompts = [row[pad:] for row, pad in zip(rows, pads)]
+            if len(prompts) != batch:
+                raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
+                                        "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
+            cache.session = self.engine.open_session(prompts, pads)
+        elif cache.session.batch_size != batch:
+            raise InvalidInputError(f"the forward has {batch} rows; this cache's batch has {cache.session.batch_size}")
+        self.engine.begin_step(cache.session, input_ids, num_new)
+
+    def _post_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      output: Any) -> None:
+        cache = self._cache_of(kwargs)
+        if cache is None or cache.session is None:
+            return
+        step = cache.session.step
+        self.engine.end_step(cache.session)
+        if step is not None:
+            cache.advance(step.num_new)
+            if self.on_step is not None:
+                self.on_step(self, step)
+
+    # ------------------------------------------------------------------ user API
+
+    def new_cache(self, input_ids: torch.Tensor | None = None,
+                  attention_mask: torch.Tensor | None = None) -> HiSparseCache:
+        """A fresh cache for one generate. For direct forwards, give the batch's prompt `input_ids`
+        (and left-padded `attention_mask`) here, run the forwards, then call `cache.finish()`."""
+        self._require_open()
+        cache = HiSparseCache(self.engine, self.model.config)
+        if input_ids is not None:
+            pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
+            rows = input_ids.detach().to("cpu").tolist()
+            cache.set_prompts([row[pad:] for row, pad in zip(rows, pads)], pads)
+        return cache
+
+    def stats(self) -> HiSparseStats:
+        """Totals since `enable` (reads the device counters: not for the decode path)."""
+        e = self.engine
+        t = e.collect()
+        cs = e.coordinator.stats()
+        w = t.worker
+        checker = e.checker
+        return HiSparseStats(
+            backend=e.backend.name, device=str(e.device), requests=t.requests, prefix_hit_tokens=t.prefix_hit_tokens,
+            prefill_tokens=t.prefill_tokens, decode_tokens=t.decode_tokens,
+            prefill_tokens_per_s=t.prefill_tokens / t.prefill_seconds if t.prefill_seconds else 0.0,
+            decode_tokens_per_s=t.decode_tokens / t.decode_seconds if t.decode_seconds else 0.0,
+            resident=w["resident"], hits=w["hits"], misses=w["misses"], h2d_bytes=w["h2d_bytes"],
+            prefill_host_bytes=t.prefill_host_rows * e.fmt.row_bytes, d2h_bytes=w["d2h_bytes"], spills=cs.spills,
+            released_pages=cs.released_pages, lost_pages=cs.lost_pages,
+            gpu_kv_bytes_per_request=t.peak_blocks_per_request * e.block_bytes,
+            gpu_kv_bytes_per_request_all_resident=t.peak_all_resident_blocks_per_request * e.block_bytes,
+            indexer_bytes_per_request=t.peak_indexer_bytes_per_request, gpu_pool_bytes=e.gpu_blocks * e.block_bytes,
+            host_pool_bytes=e.worker.host_pool_spec.nbytes if not e.closed else 0,
+            checked_entries=checker.totals.entries if checker else 0,
+            checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0)
+
+    def close(self) -> None:
+        """Restore the model and release the host pool. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._uninstall()
+        finally:
+            self.engine.close()
+
+    def __enter__(self) -> HiSparseHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_open(self) -> None:
+        if self.closed:
+            raise InvalidInputError("this hisparse handle was closed; call enable() again")
+
+
+def _prompt_mask(model: torch.nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The attention mask generate would infer when none is given (padding tokens, unless pad == eos)."""
+    gen = getattr(model, "generation_config", None)
+    pad = kwargs.get("pad_token_id", getattr(gen, "pad_token_id", None))
+    eos = kwargs.get("eos_token_id", getattr(gen, "eos_token_id", None))
+    eos_ids = set(eos if isinstance(eos, Sequence) else [eos]) if eos is not None else set()
+    if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+        return (input_ids != pad).to(torch.long)
+    return torch.ones_like(input_ids, dtype=torch.long)
+
+
+def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    handle: HiSparseHandle = getattr(model, _ATTR)
+    original = handle._generate
+    assert original is not None
+    given = kwargs.get("cache", kwargs.get("past_key_values"))
+    if given is not None and not isinstance(given, HiSparseCache):
+        return original(*args, **kwargs)          # the caller asked for another cache: the model's own path
+    handle._require_open()
+    cache = given if given is not None else handle.new_cache()
+    if cache.hisparse_engine is not handle.engine or cache.session is not None:
+        raise InvalidInputError("this HiSparseCache belongs to another model or was used already; pass "
+                                "handle.new_cache() (one per generate)")
+    kwargs.pop("cache", None)
+    kwargs.pop("past_key_values", None)
+    kwargs[handle.cache_kwarg] = cache
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise InvalidInputError("hisparse generate needs input_ids of shape [batch, tokens] (inputs_embeds alone "
+                                "carry no token ids for prefix identity)")
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        mask = kwargs["attention_mask"] = _prompt_mask(model, input_ids, kwargs)
+    pads = left_padding(mask)
+    rows = input_ids.detach().to("cpu").tolist()
+    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads)], pads)
+    gen = kwargs.get("generation_config")
+    if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
+        kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk
+    t0 = time.perf_counter()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        handle.generate_seconds += time.perf_counter() - t0
+        cache.finish()
+
+
+def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, backend: str | None = "auto",
+           hot_rows: int | None = None, block_size: int = 64, max_batch: int = 8, max_context: int = 4096,
+           prefill_chunk: int = 512, check: bool = False) -> HiSparseHandle:
+    """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
+
+    :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers).
+    :param gpu_kv_gib: GPU budget for resident pages and hot buffers (the engine's block pool).
+    :param backend: a hisparse backend name, or "auto" / None for the highest-priority available one.
+    :param hot_rows: hot-buffer rows per request (default: 2x the model's index_topk, whole pages).
+    :param block_size: tokens per page.
+    :param max_batch: most prompts per generate (state rows of the runtimes).
+    :param max_context: longest padded sequence (prompt + new tokens) of a batch.
+    :param prefill_chunk: prompt tokens per prefill forward (transformers' `prefill_chunk_size`).
+    :param check: keep an all-resident copy and compare every row attention reads (`check.py`).
+
+    Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
+    and what was expected, with nothing left allocated or patched.
+    """
+    check_version()
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidInputError(f"model must be a transformers model (torch.nn.Module), got {type(model).__name__}")
+    existing = getattr(model, _ATTR, None)
+    if existing is not None and not existing.closed:
+        raise InvalidInputError("hisparse is already enabled on this model; close its handle (or disable(model)) "
+                                "first")
+    layout = detect(model)
+    weight = layout.attentions[0].kv_a_proj_with_mqa.weight
+    config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
+                          hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
+                          prefill_chunk=prefill_chunk)
+    chosen = select_backend(None if backend in (None, "auto") else backend)
+    if not _same_device(torch.device(chosen.device), weight.device):
+        raise InvalidInputError(f"the model is on {weight.device} but backend {chosen.name!r} runs on {chosen.device}; "
+                                f"expected them on one device (model.to({str(chosen.device)!r}) or another backend)")
+    engine = HiSparseEngine(layout, config, chosen, dtype=weight.dtype)
+    try:
+        if check:
+            engine.checker = ExactnessChecker()
+        handle = HiSparseHandle(model, layout, engine)
+    except BaseException:
+        engine.close()
+        raise
+    return handle
+
+
+def disable(model: torch.nn.Module) -> None:
+    """Undo `enable` on this model (close its handle); a no-op if hisparse is not enabled."""
+    handle = getattr(model, _ATTR, None)
+    if isinstance(handle, HiSparseHandle):
+        handle.close()
+
+
+__all__ = ["HiSparseError", "HiSparseHandle", "disable", "enable"]

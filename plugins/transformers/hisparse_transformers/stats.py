@@ -1,0 +1,57 @@
+"""What one enabled model measured: throughput, the hot buffer, bytes moved and GPU KV footprint."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HiSparseStats:
+    """Totals since `enable` (a snapshot; `HiSparseHandle.stats()` makes one).
+
+    - Throughput: tokens each forward wrote (prefill: prompt tokens not served by a prefix hit;
+      decode: one per running row and step) over the time of those forwards.
+    - Hot buffer: `resident` entries served from resident pages, `hits` and `misses` hot-buffer
+      lookups of the decode resolves (a miss is one host row copied into the hot buffer).
+    - Bytes: `h2d_bytes` host to device by the resolver's gathers and replays (and restores),
+      `prefill_host_bytes` rows the prefill read straight from the host pool, `d2h_bytes` row
+      mirrors and spills to host.
+    - GPU KV per request, at the peak of the batch: `gpu_kv_bytes_per_request` is what hisparse
+      leased (resident pages plus the hot buffer) per running request;
+      `gpu_kv_bytes_per_request_all_resident` what the same requests' KV takes with every page
+      resident (transformers alone keeps all of it on the device). `indexer_bytes_per_request`
+      (the indexer keys, on the device in both cases) is not included in either.
+    """
+
+    backend: str
+    device: str
+    requests: int
+    prefix_hit_tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    resident: int
+    hits: int
+    misses: int
+    h2d_bytes: int
+    prefill_host_bytes: int
+    d2h_bytes: int
+    spills: int
+    released_pages: int
+    lost_pages: int
+    gpu_kv_bytes_per_request: float
+    gpu_kv_bytes_per_request_all_resident: float
+    indexer_bytes_per_request: float
+    gpu_pool_bytes: int
+    host_pool_bytes: int
+    checked_entries: int
+    checked_max_abs_diff: float
+
+    @property
+    def hit_rate(self) -> float:
+        looked = self.hits + self.misses
+        return self.hits / looked if looked else 1.0
+
+    def to_json(self) -> dict[str, object]:
+        return {**asdict(self), "hit_rate": self.hit_rate}

@@ -1,0 +1,71 @@
+"""The transformers integration on a GPU with the nvidia backend (skipped without one).
+
+- fp32: the same check as on the CPU: tokens identical to the model's own eager generate on the
+  same GPU, every step's logits within 1e-4, pages released to host and read back.
+- bf16: greedy tokens cannot be expected to match between two bf16 computations of attention (one
+  rounds expanded K/V, the other the absorbed query), so the logits are compared teacher-forced
+  against the fp32 model with the same (bf16-representable) weights. The stated bf16 tolerance:
+  hisparse's error is at most twice transformers' own bf16 error, plus 0.05.
+- The planted host fault is named on the GPU too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tf_support import BLOCK, SHAPES, baseline, bf16_errors, compare, enable_kwargs, random_prompts, tiny_model
+
+import hisparse_transformers
+from hisparse_transformers.check import RowMismatch
+
+
+def _gpu_reason() -> str | None:
+    try:
+        from hisparse_nvidia.plugin import probe
+    except ImportError as exc:  # pragma: no cover
+        return f"hisparse_nvidia not importable: {exc}"
+    return probe()
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_reason() is not None,
+                                                  reason=f"nvidia backend unavailable: {_gpu_reason()}")]
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_fp32_on_gpu_matches_the_model(family: str) -> None:
+    model = tiny_model(family, shape=SHAPES[family], seed=3, device="cuda")
+    ids, mask = random_prompts([40, 57, 23], seed=1)
+    ids, mask = ids.cuda(), mask.cuda()
+    theirs = baseline(model, ids, mask, 64, chunk=8)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, backend="nvidia")) as hs:
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+        s = hs.stats()
+    got = compare(ours, theirs)
+    print(f"{family} fp32 cuda: tokens identical {got.tokens_equal}, max abs logit diff {got.max_logit_diff:.3g}, "
+          f"hits {s.hits} misses {s.misses} released {s.released_pages}")
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    assert s.misses > 0 and s.lost_pages > 0 and s.backend == "nvidia"
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_bf16_on_gpu_within_transformers_own_error(family: str) -> None:
+    e = bf16_errors(family, "cuda", "nvidia", new=64)
+    print(f"{family} bf16 cuda (teacher-forced, max abs logit error vs fp32): {e}")
+    assert e["hisparse_bf16"] <= 2 * e["transformers_bf16"] + 0.05, e
+    assert e["misses"] > 0
+
+
+def test_planted_fault_on_gpu() -> None:
+    family = "deepseek_v32"
+    model = tiny_model(family, shape=SHAPES[family], seed=3, device="cuda")
+    ids, mask = random_prompts([24, 30], seed=11)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, gpu_kv_gib=1e-3, backend="nvidia")) as hs:
+        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=4, do_sample=False)
+        prefix = ids[1, -30:].tolist()[:16]
+        hit = hs.engine.coordinator.lookup_prefix(prefix)
+        group, pos = hs.engine.layout.group_of(1)
+        hs.engine.host_views[group][pos][hit.host_block_ids[0] * BLOCK] *= -3.0
+        ids2, mask2 = random_prompts([20], seed=12, prefix=prefix)
+        with pytest.raises(RowMismatch, match=r"layer 1, batch row 0 .*position 0"):
+            model.generate(ids2.cuda(), attention_mask=mask2.cuda(), max_new_tokens=2, do_sample=False)

@@ -1,0 +1,120 @@
+"""Shared set-up of the transformers tests: tiny random models, a tight hisparse engine, and the
+comparison of a hisparse generate with the model's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hisparse_transformers.tiny import TinyShape, random_prompts, tiny_model
+
+#: 2 layers (DeepSeek-V3.2: 2 index groups) / 3 layers (GLM-5: a full layer with one shared
+#: follower, then a full layer): the smallest that has every structure, fast on 2 cores.
+SHAPES = {"deepseek_v32": TinyShape(layers=2), "glm_moe_dsa": TinyShape(layers=3, index_share=2)}
+BLOCK = 4
+TOP_K = SHAPES["deepseek_v32"].index_topk   # 16; the hot buffer is 16 rows, contexts reach 121 tokens
+
+
+def block_bytes(family: str, dtype: torch.dtype = torch.float32) -> int:
+    s = SHAPES[family]
+    row = (s.kv_lora + s.rope) * torch.empty((), dtype=dtype).element_size()
+    return s.layers * BLOCK * row
+
+
+def tight_gpu_gib(family: str, blocks: int = 66) -> float:
+    """A GPU budget of `blocks` pages: 3 requests of up to 121 tokens need 93 all resident, so
+    pages are released to host-only and read back through the hot buffer."""
+    return blocks * block_bytes(family) / 2**30
+
+
+def enable_kwargs(family: str, **over: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(host_pool_gib=0.01, gpu_kv_gib=tight_gpu_gib(family), block_size=BLOCK, hot_rows=16,
+                              max_batch=3, max_context=256, prefill_chunk=8, check=True)
+    kw.update(over)
+    return kw
+
+
+GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+@dataclass
+class Compared:
+    tokens_equal: bool
+    max_logit_diff: float
+    steps: int
+
+
+def compare(ours: Any, theirs: Any) -> Compared:
+    diffs = [float((a - b).abs().max()) for a, b in zip(ours.logits, theirs.logits, strict=True)]
+    return Compared(torch.equal(ours.sequences, theirs.sequences), max(diffs), len(diffs))
+
+
+def baseline(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int, chunk: int) -> Any:
+    """The model's own generate (its own attention and DynamicCache), with transformers' chunked
+    prefill of the same chunk size (chunking changes how the indexer's top-k breaks exact ties)."""
+    from transformers import DynamicCache
+
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, prefill_chunk_size=chunk,
+                          past_key_values=DynamicCache(config=model.config), **GEN)
+
+
+__all__ = ["BLOCK", "Compared", "GEN", "SHAPES", "TOP_K", "TinyShape", "baseline", "compare", "enable_kwargs",
+           "random_prompts", "tight_gpu_gib", "tiny_model"]
+
+
+def forced_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, continuation: torch.Tensor,
+                  cache: Any, chunk: int) -> list[torch.Tensor]:
+    """Teacher-forced logits: prefill the prompts in `chunk`-token forwards, then feed `continuation`
+    `[B, n]` one token a step. Entry i predicts continuation[:, i] (as generate's step-i logits)."""
+    import inspect
+
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = None
+    with torch.no_grad():
+        for a in range(0, ids.shape[1], chunk):
+            b = min(ids.shape[1], a + chunk)
+            out = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b], use_cache=True,
+                        **{key: cache})
+        assert out is not None
+        logits = [out.logits[:, -1].float()]
+        last = pos[:, -1:]
+        for i in range(continuation.shape[1] - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            last = last + 1
+            out = model(input_ids=continuation[:, i:i + 1], attention_mask=mask, position_ids=last, use_cache=True,
+                        **{key: cache})
+            logits.append(out.logits[:, -1].float())
+    return logits
+
+
+def bf16_errors(family: str, device: str, backend: str, new: int = 24) -> dict[str, float]:
+    """Teacher-forced max abs logit error against the fp32 model of the same (bf16-representable)
+    weights: transformers' own bf16 attention, and hisparse's in bf16."""
+    import copy
+
+    import hisparse_transformers
+    from transformers import DynamicCache
+
+    model = tiny_model(family, shape=SHAPES[family], seed=3, dtype=torch.bfloat16, device=device)
+    ref = copy.deepcopy(model).float()
+    ids, mask = random_prompts(LENGTHS_BF16, seed=1)
+    ids, mask = ids.to(device), mask.to(device)
+    tokens = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, prefill_chunk_size=8,
+                          past_key_values=DynamicCache(config=ref.config))[:, ids.shape[1]:]
+    want = forced_logits(ref, ids, mask, tokens, DynamicCache(config=ref.config), 8)
+    theirs = forced_logits(model, ids, mask, tokens, DynamicCache(config=model.config), 8)
+    bb = block_bytes(family, torch.bfloat16)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, gpu_kv_gib=66 * bb / 2**30, backend=backend)) as hs:
+        cache = hs.new_cache(ids, mask)
+        ours = forced_logits(model, ids, mask, tokens, cache, 8)
+        cache.finish()
+        misses = hs.stats().misses
+    err = lambda got: max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))  # noqa: E731
+    return {"transformers_bf16": err(theirs), "hisparse_bf16": err(ours),
+            "logit_scale": max(float(w.abs().max()) for w in want), "misses": misses}
+
+
+LENGTHS_BF16 = [40, 57, 23]

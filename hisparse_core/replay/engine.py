@@ -210,7 +210,7 @@ class ReplayEngine:
         # alone takes seconds at a terabyte, and the device caches are allocated whole.
         check_device_memory(backend.device, p.gpu_blocks * p.block_bytes,
                             f"GPU KV budget of {p.gpu_blocks} blocks x {p.block_bytes} B", remedy="lower --gpu-kv")
-        check_host_memory(c.host_bytes, f"host pool budget of {c.host_bytes} B", remedy="lower --host")
+        check_host_memory(c.host_bytes, f"host pool of {c.host_bytes} B (--host)", remedy="lower --host")
         self.gpu = SimpleGpuBlockPool(p.gpu_blocks)
         self.coordinator = HiSparseCoordinator(CoordinatorConfig(
             host_pool_gib=c.host_bytes / GIB, num_layers=c.layers, block_size=bs, row_bytes=self.fmt.row_bytes,

@@ -44,6 +44,7 @@ from hisparse_core.backend import Backend
 from hisparse_core.capacity import check_device_memory, check_host_memory
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.config import GIB
+from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.planner import ModelGeometry, Plan, PlanInputs, make_plan, published_miss_rate
@@ -315,25 +316,6 @@ class ReplayEngine:
                          spec.request_id, r.state_index, hit)
         return admitted, False
 
-    def _apply_tables(self) -> None:
-        """Write the coordinator's source- and hot-table deltas into the device tables, one indexed
-        write per table (later updates of an entry win, as applying them in order would)."""
-        source: dict[tuple[int, int], int] = {}
-        hot: dict[int, list[int]] = {}
-        width = self.hot_table.shape[1]
-        for u in self.coordinator.take_table_updates():
-            source.update(((u.state_index, p), b) for p, b in zip(u.pages, u.host_block_ids, strict=True))
-            if u.hot_block_ids is not None:
-                hot[u.state_index] = list(u.hot_block_ids) + [-1] * (width - len(u.hot_block_ids))
-        dev = self.device
-        if source:
-            (rows, pages), ids = zip(*source), list(source.values())
-            self.source_table[torch.tensor(rows, device=dev), torch.tensor(pages, device=dev)] = \
-                torch.tensor(ids, dtype=torch.int32, device=dev)
-        if hot:
-            self.hot_table[torch.tensor(list(hot), device=dev)] = torch.tensor(list(hot.values()), dtype=torch.int32,
-                                                                                device=dev)
-
     def _write(self, r: _Running, start: int, end: int, *, device_from: int) -> None:
         """Write the KV rows of positions [start, end) into the reference, and those from
         `device_from` on into the request's resident pages (all on the engine's device)."""
@@ -391,7 +373,7 @@ class ReplayEngine:
         with self.timer.phase("coordinator"):
             command = self.coordinator.schedule_step(scheduled, finished=finished)
         with self.timer.phase("worker"):
-            self._apply_tables()
+            apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
             self.worker.start_step(command)
 
         # Forward: write this step's rows.

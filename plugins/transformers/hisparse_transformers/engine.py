@@ -29,6 +29,7 @@ import torch
 from hisparse_core.backend import Backend
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.config import GIB
+from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
 from hisparse_core.worker import CacheGroup, HiSparseWorker
@@ -386,7 +387,7 @@ class HiSparseEngine:
             scheduled.append(StepRequest(r.request_id, r.state_index, r.computed, max(0, hi - r.computed), r.tokens,
                                          [r.blocks]))
         command = self.coordinator.schedule_step(scheduled)
-        self._apply_tables()
+        apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
         self.worker.start_step(command)
         dev = self.device
         qpos = (past + torch.arange(num_new, device=dev)).unsqueeze(0) - session.pads.unsqueeze(1)
@@ -407,7 +408,7 @@ class HiSparseEngine:
         near its floor (spill completions lagging behind a fast prefill)."""
         self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
         command = self.coordinator.schedule_step([])
-        self._apply_tables()
+        apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
         self.worker.start_step(command)
         self.worker.after_forward()
         self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
@@ -456,17 +457,6 @@ class HiSparseEngine:
         t.peak_all_resident_blocks_per_request = max(t.peak_all_resident_blocks_per_request,
                                                      sum(_cdiv(r.computed, bs) for r in session.requests) / n)
         t.peak_context = max(t.peak_context, max(r.computed for r in session.requests))
-
-    def _apply_tables(self) -> None:
-        for u in self.coordinator.take_table_updates():
-            if u.pages:
-                self.source_table[u.state_index, list(u.pages)] = torch.tensor(u.host_block_ids, dtype=torch.int32,
-                                                                               device=self.device)
-            if u.hot_block_ids is not None:
-                row = self.hot_table[u.state_index]
-                row.fill_(-1)
-                if u.hot_block_ids:
-                    row[:len(u.hot_block_ids)] = torch.tensor(u.hot_block_ids, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------------------- stats, end
 

@@ -34,8 +34,9 @@ from hisparse_core.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
-REMEDY = ('start the engine with compilation_config={"custom_ops": ["-rotary_embedding"]} '
-          '(CLI: -cc.custom_ops+=-rotary_embedding) or without enforce_eager, so RoPE runs in exact PyTorch')
+REMEDY = ("start the engine with compilation_config={\"custom_ops\": [\"-rotary_embedding\"]} (CLI: "
+          "--compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}') or without enforce_eager, so RoPE "
+          "runs in exact PyTorch")
 
 
 def _model_ropes() -> list[Any]:
@@ -74,7 +75,7 @@ def check_rope_is_row_independent(vllm_config: Any) -> None:
             logger.debug("hisparse: RoPE probe skipped %s (%s)", type(rope).__name__, exc)
     if worst > 1e-3:
         raise InvalidInputError(
-            f"hisparse connector refused: model {model.model!r} uses MLA and this vLLM CPU build's eager "
+            f"model {model.model!r} uses MLA and this vLLM CPU build's eager "
             f"rotary_embedding kernel misreads MLA's 3-D q_pe/k_pe views (it rotates the wrong rows; off by up to "
             f"{worst:.3g} from its PyTorch definition), so a token's cached K depends on its row in the batch and "
             f"no prefix loaded from host can match a recompute; {REMEDY}")

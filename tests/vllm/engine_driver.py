@@ -34,6 +34,7 @@ class Driver:
         self.client = llm.llm_engine.engine_core
         self.core = self.client.engine_core
         self.params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0)
+        self.added = 0  # requests added by id (engine_run.step_through)
 
     @property
     def scheduler(self) -> Any:
@@ -53,7 +54,8 @@ class Driver:
         for o in outs:
             out = o.outputs[0]
             logprobs = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)] if out.logprobs else []
-            report.append({"tokens": list(out.token_ids), "logprobs": logprobs, "cached": int(o.num_cached_tokens or 0)})
+            report.append({"tokens": list(out.token_ids), "logprobs": logprobs,
+                           "cached": int(o.num_cached_tokens or 0)})
         return report
 
     def drain(self) -> int:

@@ -77,7 +77,8 @@ def test_loading_by_module_path_builds_both_roles(model_dir: Path, module_path: 
                              r".* GiB is available and a host pool may take at most 95% of it; expected "
                              r"host_pool_gib <= "),
     ({"host_pool_gib": 1, "share_host_pool": "yes"}, r"\['share_host_pool'\] must be true or false"),
-    ({"host_pool_gib": 1e-4}, r"\['host_pool_gib'\]=0.0001 holds 6 host blocks.*needs at least 19 \(one max_model_len=256"),
+    ({"host_pool_gib": 1e-4},
+     r"\['host_pool_gib'\]=0.0001 holds 6 host blocks.*needs at least 19 \(one max_model_len=256"),
 ])
 def test_a_bad_extra_config_fails_at_start_up_naming_the_value(model_dir: Path, extra: dict[str, object],
                                                                message: str) -> None:

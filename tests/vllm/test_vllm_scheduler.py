@@ -164,7 +164,8 @@ def test_a_full_host_pool_costs_prefix_hits_not_concurrency(model_dir: Path, cap
         small, requests, steps, peak = _six_requests(model_dir, smallest)
     assert small.side.coordinator.host_num_blocks == 19
     assert (peak, steps) == (big_peak, big_steps), "the small pool costs no concurrency and no steps"
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "host pool full" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "host pool full" in r.getMessage()]
     assert len(warnings) == 1, warnings
     suggested = float(re.search(r"host_pool_gib >= ([0-9.e-]+) would cache all 6 requests", warnings[0]).group(1))
     assert suggested >= 6 * 16 * block / 2**30

@@ -325,7 +325,8 @@ class SchedulerSide:
                    f"this step writes {wanted} new pages; request(s) {dropped} run on without host copies (nothing "
                    f"waits: their later pages cannot be prefix hits, concurrency is unchanged). "
                    f"host_pool_gib={self._config.host_pool_gib} holds {before.host_blocks_total + 1} blocks; "
-                   f"host_pool_gib >= {_round_up(gib)} would cache all {len(self._requests)} requests to their full length")
+                   f"host_pool_gib >= {_round_up(gib)} would cache all {len(self._requests)} requests to their full "
+                   "length")
         if self._warned_full:
             logger.debug("%s", message)
         else:

@@ -92,8 +92,8 @@ class WorkerSide:
             # The runtimes move pages (spills, restores, loads); nothing calls their resolver on
             # vLLM's attention, so their hot state takes the smallest geometry (one block).
             base = RuntimeConfig(max_batch_rows=max_seqs, max_requests=max_seqs, top_k=1, hot_rows=layout.block_size,
-                                 block_size=layout.block_size, max_pages=layout.max_pages(vc.model_config.max_model_len),
-                                 row_format=layout.row_format, num_layers=len(names))
+                                 block_size=layout.block_size, row_format=layout.row_format, num_layers=len(names),
+                                 max_pages=layout.max_pages(vc.model_config.max_model_len))
             if sharing:  # one runtime for the group: followers replay the leader's plan
                 groups.append(CacheGroup(base, resident_group=g, name=f"group{g}"))
                 device_layers.append(layer_views)

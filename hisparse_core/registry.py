@@ -18,9 +18,13 @@ reload=True)` runs it again. Selection:
   WARNING, naming the tie and `HISPARSE_BACKEND` as the way to choose. Nothing available raises
   `BackendUnavailableError` with every backend's reason.
 
-The chosen backend's `factory` class is imported and instantiated only then. Every selection
-logs one INFO line: "hisparse backend 'X' selected (explicit: ... | automatic: highest priority
-among [...]); unavailable: ...".
+The chosen backend's `factory` class is imported and instantiated only then. A backend whose class
+fails there (it does not import, is not a concrete `Backend`, or its constructor raises) is listed
+as broken from then on in this process: an explicit selection raises the error, an automatic one
+logs one WARNING and falls back to the next available backend. A class whose `capabilities`
+differ from its `BackendSpec`'s is reported at selection with one WARNING (the class's set is
+what runs, and the listing takes it). Every selection logs one INFO line: "hisparse backend 'X'
+selected (explicit: ... | automatic: highest priority among [...]); unavailable: ...".
 """
 
 from __future__ import annotations
@@ -92,8 +96,9 @@ class BackendRegistry:
     """The backends one discovery pass found, and selection among them.
 
     Obtain the process-wide instance with `get_registry()`. Entries are immutable snapshots; the
-    only change after discovery is an available backend whose factory fails to import, which
-    becomes broken.
+    only changes after discovery are made at selection: an available backend whose class fails to
+    load becomes broken, and one whose class declares other capabilities than its spec is listed
+    with the class's.
     """
 
     def __init__(self, entries: Iterable[BackendEntry], specs: Mapping[str, BackendSpec],
@@ -102,6 +107,7 @@ class BackendRegistry:
         self._specs = dict(specs)
         self._pm = plugin_manager
         self._lock = threading.Lock()
+        self._drift_reported: set[str] = set()
 
     @classmethod
     def discover(cls, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
@@ -114,6 +120,15 @@ class BackendRegistry:
     def plugin_manager(self) -> pluggy.PluginManager:
         """The pluggy manager holding every plugin that loaded (for further hisparse hooks)."""
         return self._pm
+
+    def spec(self, name: str) -> BackendSpec:
+        """The `BackendSpec` its plugin registered for backend `name` (as registered, whatever
+        selection found since); raises `BackendNotFoundError` if none was."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise BackendNotFoundError(f"no hisparse backend named {name!r} was registered; "
+                                       f"{self._inventory(exclude=None)}")
+        return spec
 
     def entries(self) -> list[BackendEntry]:
         """Every backend and every skipped or broken plugin: available first, then by priority
@@ -164,8 +179,11 @@ class BackendRegistry:
         Raises `BackendNotFoundError` for an unknown name and `BackendUnavailableError` for one
         that is unavailable or broken, or whose factory does not import, is not a concrete
         `hisparse_core.Backend` subclass, or declares another API version. A factory failure
-        marks the backend broken for the rest of the process.
+        marks the backend broken for the rest of the process (logged at WARNING).
         """
+        return self._load_class(name, log_broken=True)
+
+    def _load_class(self, name: str, *, log_broken: bool) -> type[Backend]:
         entry = self._require_available(name, "argument")
         spec = self._specs[entry.name]
         module_name, _, qualname = spec.factory.partition(":")
@@ -174,36 +192,75 @@ class BackendRegistry:
             for part in qualname.split("."):
                 obj = getattr(obj, part)
         except Exception as exc:
-            self._mark_broken(entry, f"factory {spec.factory!r} failed to import: {error_summary(exc)}",
-                              format_error(exc))
+            reason = f"factory {spec.factory!r} failed to import: {error_summary(exc)}"
+            self._mark_broken(entry, reason, format_error(exc), log=log_broken)
             raise BackendUnavailableError(
-                f"hisparse backend {name!r}: factory {spec.factory!r} failed to import: {error_summary(exc)}. "
-                "Run `hisparse backends -v` for details") from exc
+                f"hisparse backend {name!r}: {reason}. Run `hisparse backends -v` for details") from exc
         problem = _class_problem(obj)
         if problem is not None:
-            self._mark_broken(entry, f"factory {spec.factory!r} {problem}", None)
+            self._mark_broken(entry, f"factory {spec.factory!r} {problem}", None, log=log_broken)
             raise BackendUnavailableError(f"hisparse backend {name!r}: factory {spec.factory!r} {problem}")
-        assert isinstance(obj, type)
+        assert isinstance(obj, type) and issubclass(obj, Backend)
+        self._check_capabilities(entry, spec, obj)
         return obj
+
+    def _check_capabilities(self, entry: BackendEntry, spec: BackendSpec, cls: type[Backend]) -> None:
+        """Report a class whose capabilities differ from what its plugin advertised (once)."""
+        declared, actual = frozenset(spec.capabilities), frozenset(cls.capabilities)
+        if declared == actual or entry.name in self._drift_reported:
+            return
+        self._drift_reported.add(entry.name)
+        parts = []
+        if declared - actual:
+            parts.append(f"its BackendSpec declares {sorted(declared - actual)} that {spec.factory} does not")
+        if actual - declared:
+            parts.append(f"{spec.factory} declares {sorted(actual - declared)} that its BackendSpec does not")
+        logger.warning("hisparse backend %r: capability drift: %s; the class's set %s is what runs and what the "
+                       "conformance suite tests, so it is listed from now on: make the plugin's BackendSpec and the "
+                       "class agree", entry.name, "; ".join(parts), sorted(actual))
+        with self._lock:
+            self._entries = [replace(e, capabilities=tuple(sorted(actual))) if e is entry else e
+                             for e in self._entries]
 
     def select_backend(self, name: str | None = None) -> Backend:
         """Choose a backend (see the module docstring), import its class and return a new instance.
 
-        Each call constructs a new instance; a worker process selects once and keeps it.
+        Each call constructs a new instance; a worker process selects once and keeps it. In
+        automatic selection a backend whose class fails to load is marked broken and the next
+        available one is tried, with one WARNING.
         """
         selection = self.choose(name)
-        cls = self.resolve_backend_class(selection.name)
-        try:
-            backend = cls()
-        except Exception as exc:
-            raise BackendUnavailableError(
-                f"hisparse backend {selection.name!r}: {cls.__module__}.{cls.__qualname__}() raised "
-                f"{error_summary(exc)}") from exc
+        while True:
+            try:
+                backend = self._instantiate(selection.name, log_broken=selection.explicit)
+                break
+            except BackendUnavailableError as exc:
+                if selection.explicit:
+                    raise
+                failed = selection.name
+                try:
+                    selection = self.choose(environ={})
+                except BackendUnavailableError as none_left:
+                    logger.warning("hisparse backend %r could not be loaded and is now listed as broken: %s; "
+                                   "no other backend is available", failed, self.get(failed).reason)
+                    raise none_left from exc
+                logger.warning("hisparse backend %r could not be loaded and is now listed as broken: %s; falling "
+                               "back to %r (select %r explicitly to get the error)", failed, self.get(failed).reason,
+                               selection.name, failed)
         others = [e for e in self.entries() if not e.available]
         unavailable = ", ".join(_why_not(e) for e in others) or "none"
         logger.info("hisparse backend %r selected (%s); unavailable: %s", selection.name, selection.explanation(),
                     unavailable)
         return backend
+
+    def _instantiate(self, name: str, *, log_broken: bool) -> Backend:
+        cls = self._load_class(name, log_broken=log_broken)
+        try:
+            return cls()
+        except Exception as exc:
+            reason = f"{cls.__module__}.{cls.__qualname__}() raised {error_summary(exc)}"
+            self._mark_broken(self.get(name), reason, format_error(exc), log=log_broken)
+            raise BackendUnavailableError(f"hisparse backend {name!r}: {reason}") from exc
 
     def _require_available(self, name: str, source: str) -> BackendEntry:
         via = "" if source == "argument" else f" (from {source})"
@@ -227,8 +284,9 @@ class BackendRegistry:
             text += "; not available: " + ", ".join(_why_not(e) for e in others)
         return text
 
-    def _mark_broken(self, entry: BackendEntry, reason: str, error: str | None) -> None:
-        logger.warning("hisparse backend %r is now listed as broken: %s", entry.name, reason)
+    def _mark_broken(self, entry: BackendEntry, reason: str, error: str | None, *, log: bool = True) -> None:
+        if log:
+            logger.warning("hisparse backend %r is now listed as broken: %s", entry.name, reason)
         with self._lock:
             self._entries = [replace(e, status=BackendStatus.BROKEN, reason=reason, error=error) if e is entry else e
                              for e in self._entries]

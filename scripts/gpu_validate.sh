@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# One-call GPU validation of the NVIDIA backend: environment, kernel build, the backend's GPU tests
-# against the CPU reference, the conformance suite, compute-sanitizer (memcheck, racecheck) and
-# the benchmark. Every stage logs to $OUT (default ./out) and the script ends with a summary; a
-# failing stage does not stop the later ones.
+# One-call GPU validation of the NVIDIA backend: environment, kernel build, every README command
+# as a user runs it, the backend's GPU tests against the CPU reference, the conformance suite,
+# compute-sanitizer (memcheck, racecheck) and the benchmark. Every stage logs to $OUT (default
+# ./out) and the script ends with a summary; a failing stage does not stop the later ones.
 #
-#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env tests tests_variants conformance memcheck racecheck ncu bench host_reads
+#   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
 #
-# Stage time limits (seconds) come from T_ENV, T_TESTS, T_CONFORMANCE, T_MEMCHECK, T_RACECHECK and
-# T_BENCH (T_HOST_READS); BENCH_ARGS (HOST_READS_ARGS) passes extra arguments to bench/bench_nvidia.py
-# (bench/bench_host_reads.py).
+# Stage time limits (seconds) come from T_ENV, T_README, T_TESTS, T_CONFORMANCE, T_MEMCHECK,
+# T_RACECHECK and T_BENCH (T_HOST_READS, T_POOL_RELEASE); BENCH_ARGS (HOST_READS_ARGS,
+# POOL_RELEASE_ARGS) passes extra arguments to bench/bench_nvidia.py (bench/bench_host_reads.py,
+# bench/bench_pool_release.py). README_LARGE_REFERENCE=0 skips the reference_cpu run of the large
+# workload in the readme stage (the slowest command there).
 #
 # The machine needs python3 with torch (CUDA), cuda-python (cuda.bindings + NVRTC), pytest,
 # hypothesis, pluggy and numpy. The repository is used in place: a small shim directory maps the
@@ -19,7 +21,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 OUT=${OUT:-$REPO/out}
 mkdir -p "$OUT"
-STAGES=${*:-env tests conformance memcheck racecheck bench}
+STAGES=${*:-env readme tests conformance memcheck racecheck bench}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export HISPARSE_KERNEL_CACHE=${HISPARSE_KERNEL_CACHE:-/tmp/hisparse-kernels}
 
@@ -72,6 +74,27 @@ for b in all_builds_for_ci():
 "
         python3 -m hisparse_core backends 2>&1 | head -20'
     ;;
+readme)  # every command of README.md as a user runs it (through the shim: python3 -m hisparse_core),
+    # the main job automatic and explicit, default and large workload, each against reference_cpu
+    run readme "${T_README:-420}" bash -c '
+        set -u; rc=0; O=$0
+        must() { echo "--- $*"; "$@" || { echo "FAILED (rc=$?): $*"; rc=1; }; }
+        json() { local out=$1; shift; echo "--- $* > $out"; "$@" > "$O/$out" || { echo "FAILED (rc=$?): $*"; rc=1; }; }
+        must python3 -m hisparse_core backends
+        must python3 -m hisparse_core run --no-progress
+        json run_nvidia.json python3 -m hisparse_core run --backend nvidia --no-progress --json
+        json run_reference_cpu.json python3 -m hisparse_core run --backend reference_cpu --no-progress --json
+        must python3 bench/compare_runs.py "$O/run_nvidia.json" "$O/run_reference_cpu.json" --expect-backend nvidia
+        json large_auto.json python3 -m hisparse_core run --preset large --no-progress --json
+        if [ "${README_LARGE_REFERENCE:-1}" != 0 ]; then
+            json large_reference_cpu.json python3 -m hisparse_core run --preset large --backend reference_cpu --no-progress --json
+            must python3 bench/compare_runs.py "$O/large_auto.json" "$O/large_reference_cpu.json" --expect-backend nvidia
+        fi
+        must python3 -m hisparse_core bench
+        must python3 -m hisparse_core bench --backend nvidia --json
+        must python3 -m hisparse_core plan
+        exit $rc' "$OUT"
+    ;;
 tests)
     run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
     ;;
@@ -122,6 +145,10 @@ bench)
 host_reads)
     run host_reads "${T_HOST_READS:-240}" python3 bench/bench_host_reads.py --json "$OUT/host_reads.json" ${HOST_READS_ARGS:-}
     ;;
+pool_release)  # release() and SIGTERM-to-exit of a registered pool (64 GiB unless POOL_RELEASE_ARGS says)
+    run pool_release "${T_POOL_RELEASE:-500}" python3 bench/bench_pool_release.py --json "$OUT/pool_release.json" \
+        ${POOL_RELEASE_ARGS:-}
+    ;;
 *)
     echo "unknown stage $stage" ;;
 esac
@@ -132,10 +159,12 @@ echo "==================== summary ===================="
 for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
 done
+[ -f "$OUT/readme.log" ] && { echo "--- readme"; grep -E "^(--- |FAILED|compare_runs)|selected:|  backend |steps per second|hit rate|attention check" "$OUT/readme.log" | tail -40; }
 for stage in tests tests_variants conformance memcheck racecheck; do
     [ -f "$OUT/$stage.log" ] || continue
     echo "--- $stage (tail)"
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8
 done
 [ -f "$OUT/bench.log" ] && { echo "--- bench"; tail -20 "$OUT/bench.log"; }
+[ -f "$OUT/pool_release.log" ] && { echo "--- pool_release"; tail -9 "$OUT/pool_release.log"; }
 exit 0

@@ -7,9 +7,20 @@ picks top-k positions per request and index group (calibrated so a contract LRU 
 the backend resolved is compared with the same attention over an all-resident copy, and any
 difference fails the run naming the request, layer and position.
 
-Reports steps per second, hit rate, misses, bytes host<->device, host pool usage, GPU KV per
-request against all-resident, prefix-hit tokens, and the largest concurrency that fits the GPU
-budget with and without hisparse (measured, next to `hisparse plan`'s figures).
+Reports steps per second and where a step's time goes (coordinator, worker, forward, indexer,
+decode, check), hit rate, misses, bytes host<->device, pages spilled, released and reused, host
+pool usage, GPU KV per request against all-resident, prefix-hit tokens, and the largest
+concurrency that fits the GPU budget with and without hisparse (measured, next to `hisparse
+plan`'s figures).
+
+On a backend that declares the `cuda_graph` capability (nvidia), the decode step (resolve, gather
+and follower replay of every index group) is captured in one CUDA graph per batch size and
+replayed each step; `--eager` runs it call by call instead.
+
+Presets (`--preset NAME`; flags given override them): `default`, and `large`: 64 requests of
+32K+16 tokens at once, 4 layers in 2 index groups with followers, 2 decode rows per request
+(a speculative token), a 1 GiB GPU KV budget and a 1.5 GiB host pool, so pages spill, are
+released and read back from host and prefix blocks are evicted.
 """
 
 from __future__ import annotations
@@ -24,8 +35,18 @@ from hisparse_core.progress import ProgressBar
 logger = logging.getLogger(__name__)
 
 
+#: CLI option -> RunConfig field, for the options that map one to one.
+_FIELDS = {"requests": "requests", "context": "context", "decode_tokens": "decode_tokens", "steps": "steps",
+           "arrival_every": "arrival_every", "prefix_groups": "prefix_groups", "shared_prefix": "shared_fraction",
+           "concurrency": "concurrency", "locality": "locality", "top_k": "top_k", "hot": "hot_multiple",
+           "layers": "layers", "index_share": "index_share", "block_size": "block_size",
+           "row_format": "row_format", "indexer_bytes": "indexer_bytes", "rows_per_request": "rows_per_request",
+           "seed": "seed"}
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     from hisparse_core.replay.engine import RunConfig
+    from hisparse_core.replay.presets import PRESETS
     from hisparse_core.replay.report import human_bytes
 
     d = RunConfig()
@@ -34,60 +55,63 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default=None,
                    help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS),
+                   help="named workload; the flags below override its values (default: default)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw hit rate over steps and concurrency against "
                                                       "context length (needs matplotlib: hisparse[plot])")
-    w = p.add_argument_group("workload")
-    w.add_argument("--requests", type=int, default=d.requests, help=f"requests offered (default: {d.requests})")
-    w.add_argument("--context", type=int, default=d.context, help=f"prompt tokens (default: {d.context})")
-    w.add_argument("--decode-tokens", type=int, default=d.decode_tokens,
-                   help=f"tokens each request decodes (default: {d.decode_tokens})")
-    w.add_argument("--steps", type=int, default=d.steps, help=f"engine steps (default: {d.steps})")
-    w.add_argument("--arrival-every", type=int, default=d.arrival_every,
+    w = p.add_argument_group("workload (defaults: the preset's, else these)")
+    w.add_argument("--requests", type=int, help=f"requests offered (default: {d.requests})")
+    w.add_argument("--context", type=int, help=f"prompt tokens (default: {d.context})")
+    w.add_argument("--decode-tokens", type=int, help=f"tokens each request decodes (default: {d.decode_tokens})")
+    w.add_argument("--steps", type=int, help=f"most engine steps; the run stops early once every request has "
+                                             f"finished (default: {d.steps})")
+    w.add_argument("--arrival-every", type=int,
                    help=f"steps between arrivals, 0: all at once (default: {d.arrival_every})")
-    w.add_argument("--prefix-groups", type=int, default=d.prefix_groups,
+    w.add_argument("--prefix-groups", type=int,
                    help=f"families sharing a prompt prefix, 0: none (default: {d.prefix_groups})")
-    w.add_argument("--shared-prefix", type=float, default=d.shared_fraction,
+    w.add_argument("--shared-prefix", type=float,
                    help=f"fraction of the prompt a family shares (default: {d.shared_fraction})")
-    w.add_argument("--concurrency", type=int, default=d.concurrency,
+    w.add_argument("--concurrency", type=int,
                    help="most running requests; 0: as many as the GPU budget admits (default: 0)")
-    w.add_argument("--locality", type=float, default=d.locality,
+    w.add_argument("--rows-per-request", type=int,
+                   help=f"decode rows per request and step: 1 + speculative tokens, resolved as one union "
+                        f"(default: {d.rows_per_request})")
+    w.add_argument("--locality", type=float,
                    help="time scale of top-k drift; 1 = calibrated to published LRU miss rates (default: 1)")
-    m = p.add_argument_group("model and memory")
-    m.add_argument("--top-k", type=int, default=d.top_k, help=f"(default: {d.top_k})")
-    m.add_argument("--hot", type=float, default=d.hot_multiple,
-                   help=f"hot buffer in multiples of top-k (default: {d.hot_multiple})")
-    m.add_argument("--layers", type=int, default=d.layers, help=f"sparse layers (default: {d.layers})")
-    m.add_argument("--index-share", type=int, default=d.index_share,
-                   help=f"layers per indexer (default: {d.index_share})")
-    m.add_argument("--block-size", type=int, default=d.block_size, help=f"(default: {d.block_size})")
-    m.add_argument("--row-format", default=d.row_format, choices=["fp8_ds_mla", "bf16_mla"],
-                   help=f"(default: {d.row_format})")
-    m.add_argument("--indexer-bytes", type=int, default=d.indexer_bytes,
+    m = p.add_argument_group("model and memory (defaults: the preset's, else these)")
+    m.add_argument("--top-k", type=int, help=f"(default: {d.top_k})")
+    m.add_argument("--hot", type=float, help=f"hot buffer in multiples of top-k (default: {d.hot_multiple})")
+    m.add_argument("--layers", type=int, help=f"sparse layers (default: {d.layers})")
+    m.add_argument("--index-share", type=int, help=f"layers per indexer (default: {d.index_share})")
+    m.add_argument("--block-size", type=int, help=f"(default: {d.block_size})")
+    m.add_argument("--row-format", choices=["fp8_ds_mla", "bf16_mla"], help=f"(default: {d.row_format})")
+    m.add_argument("--indexer-bytes", type=int,
                    help=f"indexer key bytes per token and indexer layer, kept on GPU (default: {d.indexer_bytes})")
-    m.add_argument("--gpu-kv", default=human_bytes(d.gpu_kv_bytes).replace(" ", ""),
-                   help=f"GPU KV budget (default: {human_bytes(d.gpu_kv_bytes)})")
-    m.add_argument("--host", default=human_bytes(d.host_bytes).replace(" ", ""),
-                   help=f"host pool budget (default: {human_bytes(d.host_bytes)})")
-    p.add_argument("--validate", action="store_true", help="resolve with value validation (slower)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    m.add_argument("--gpu-kv", help=f"GPU KV budget (default: {human_bytes(d.gpu_kv_bytes)})")
+    m.add_argument("--host", help=f"host pool budget (default: {human_bytes(d.host_bytes)})")
+    p.add_argument("--eager", action="store_true",
+                   help="run the decode step call by call, without CUDA graphs")
+    p.add_argument("--validate", action="store_true", help="resolve with value validation (slower; eager)")
+    p.add_argument("--seed", type=int, help=f"(default: {d.seed})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
     return p
 
 
 def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """RunConfig defaults, then the preset's values, then every flag given."""
     from hisparse_core.planner import parse_bytes
     from hisparse_core.replay.engine import RunConfig
+    from hisparse_core.replay.presets import preset
 
-    return RunConfig(requests=args.requests, context=args.context, decode_tokens=args.decode_tokens,
-                     steps=args.steps, top_k=args.top_k, hot_multiple=args.hot, layers=args.layers,
-                     index_share=args.index_share, block_size=args.block_size, row_format=args.row_format,
-                     indexer_bytes=args.indexer_bytes, gpu_kv_bytes=parse_bytes(args.gpu_kv),
-                     host_bytes=parse_bytes(args.host), concurrency=args.concurrency,
-                     prefix_groups=args.prefix_groups, shared_fraction=args.shared_prefix,
-                     arrival_every=args.arrival_every, locality=args.locality, validate=args.validate,
-                     seed=args.seed)
+    values: dict[str, object] = dict(preset(args.preset))
+    values.update({field: getattr(args, opt) for opt, field in _FIELDS.items() if getattr(args, opt) is not None})
+    if args.gpu_kv is not None:
+        values["gpu_kv_bytes"] = parse_bytes(args.gpu_kv)
+    if args.host is not None:
+        values["host_bytes"] = parse_bytes(args.host)
+    return RunConfig(**values, validate=args.validate, cuda_graphs=not args.eager)  # type: ignore[arg-type]
 
 
 def _table(result) -> str:  # type: ignore[no-untyped-def]
@@ -99,14 +123,19 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
     reached = "" if s["gpu_limit_reached"] else " (GPU limit not reached: offer more requests or steps)"
     rows = [
         ("backend", f"{result.backend['name']} {result.backend['version']} on {result.backend['device']}"),
-        ("workload", f"{c['requests']} requests of {c['context']}+{c['decode_tokens']} tokens, {c['steps']} steps, "
-                     f"top-k {c['top_k']}, hot {c['hot_rows']} rows ({c['hot_multiple']}x), {c['layers']} layers "
-                     f"in index groups {c['index_groups']}, {c['row_format']}"),
+        ("workload", f"{c['requests']} requests of {c['context']}+{c['decode_tokens']} tokens, {s['steps']} of "
+                     f"{c['steps']} steps, top-k {c['top_k']}, hot {c['hot_rows']} rows ({c['hot_multiple']}x), "
+                     f"{c['rows_per_request']} decode row(s) per request, {c['layers']} layers in index groups "
+                     f"{c['index_groups']}, {c['row_format']}"),
         ("budgets", f"GPU KV {human_bytes(c['gpu_kv_bytes'])} ({c['gpu_blocks']} blocks), host pool "
                     f"{human_bytes(c['host_bytes'])} ({c['host_blocks']} blocks)"),
         ("throughput", ""),
         ("steps per second", f"{s['steps_per_s']:.2f} ({s['step_ms_mean']:.0f} ms/step; {s['decode_rows']} decode "
                              f"rows, {s['decode_rows_per_s']:.1f}/s)"),
+        ("ms per step", "  ".join(f"{k} {v:.1f}" for k, v in s["phase_ms"].items())),
+        ("decode step", f"{s['decode_mode']}" + (f" (graphs for batch sizes {s['graph_sizes']})" if s["graph_sizes"]
+                                                 else "") + f": {s['decode_device_ms']:.2f} ms on the device per "
+                                                            f"decoding step (resolve + gather + follower replay)"),
         ("hot buffer", ""),
         ("hit rate", f"{pct(s['hit_rate'])} (from peak concurrency on: {pct(s['hit_rate_from_peak'])})"),
         ("misses", f"{s['misses']} ({pct(s['miss_rate_per_entry'])} of looked-up entries; "
@@ -114,6 +143,9 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
         ("transfers", ""),
         ("host->device", f"{human_bytes(s['bytes_h2d'])} ({s['rows_h2d']} rows)"),
         ("device->host", human_bytes(s["bytes_d2h"])),
+        ("pages", f"{s['pages'].get('spilled', 0)} spilled, {s['pages'].get('released', 0)} released, "
+                  f"{s['pages'].get('reused', 0)} reused (then read from host), {s['pages'].get('restored', 0)} "
+                  f"restored; {s['pages'].get('host_blocks_evicted', 0)} host blocks evicted"),
         ("host pool peak", f"{s['host_pool_peak_blocks']} of {s['host_pool_blocks'] - 1} blocks "
                            f"({pct(s['host_pool_peak_usage'])}, {human_bytes(s['host_pool_peak_bytes'])})"),
         ("prefix-hit tokens", f"{s['prefix_hit_tokens']} (prefill computed {s['prefill_tokens_computed']} tokens)"),
@@ -150,8 +182,9 @@ def run(args: argparse.Namespace) -> int:
                 acc["hits"] += rec.hits
                 acc["misses"] += rec.misses
                 looked = acc["hits"] + acc["misses"]
-                bar.update(1, note=f"running {rec.running}, waiting {rec.waiting}, hit "
-                                   f"{pct(acc['hits'] / looked) if looked else 'n/a'}")
+                note = (f"running {rec.running}, waiting {rec.waiting}, hit "
+                        f"{pct(acc['hits'] / looked) if looked else 'n/a'}")
+                bar.update(config.steps if engine.done else 1, note=note + (", all finished" if engine.done else ""))
 
             result = run_replay(config, backend, on_step=on_step)
         if args.plot:

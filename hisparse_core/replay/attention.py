@@ -45,20 +45,20 @@ def check_layer(device_rows: torch.Tensor, rows: torch.Tensor, topk: torch.Tenso
 
     `device_rows` `[num_device_rows, width]`: the layer's device cache, flat. `rows` `[B, K]`:
     the resolved physical rows (-1 masked). `topk` `[B, K]`: the logical positions asked for.
-    `references[b]` `[tokens, width]`: request b's all-resident copy of this layer. `queries`
-    `[B, width]` float32.
+    `references[b]` `[tokens, width]`: the all-resident copy of this layer for batch row b's
+    request. `queries` `[B, width]` float32. Everything is on the device cache's device, and the
+    check runs there: only its verdicts (and a mismatch's coordinates) are read back.
     """
-    rows = rows.to(torch.int64).cpu()
-    topk = topk.to(torch.int64).cpu()
+    rows = rows.to(torch.int64)
+    topk = topk.to(torch.int64)
     valid = topk >= 0
     lost = valid & (rows < 0)
     if bool(lost.any()):
-        b, i = (int(v) for v in lost.nonzero()[0])
+        b, i = lost.nonzero()[0].tolist()
         raise AttentionMismatch(
             f"request {request_ids[b]} layer {layer}: position {int(topk[b, i])} resolved to no row (-1)",
             request=request_ids[b], layer=layer, position=int(topk[b, i]), row=None)
-    dev = device_rows.cpu()
-    got = dev[rows.clamp(min=0)]                                                # [B, K, W]
+    got = device_rows[rows.clamp(min=0)]                                        # [B, K, W]
     want = torch.empty_like(got)
     for b, ref in enumerate(references):
         torch.index_select(ref, 0, topk[b].clamp(min=0), out=want[b])
@@ -66,7 +66,7 @@ def check_layer(device_rows: torch.Tensor, rows: torch.Tensor, topk: torch.Tenso
     diff = (got.view(torch.uint8).view(*got.shape[:2], width_bytes)
             != want.view(torch.uint8).view(*want.shape[:2], width_bytes)).any(-1) & valid
     if bool(diff.any()):
-        b, i = (int(v) for v in diff.nonzero()[0])
+        b, i = diff.nonzero()[0].tolist()
         bad = int(diff.sum())
         raise AttentionMismatch(
             f"request {request_ids[b]} layer {layer}: position {int(topk[b, i])} (physical row {int(rows[b, i])}) "

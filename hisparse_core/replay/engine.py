@@ -12,14 +12,22 @@ per step
      `schedule_step`; the table updates go into the source/hot tables, the command to
      `worker.start_step`;
   4. "forward": prefill writes the prompt rows (those not served by a prefix hit), decode writes
-     one row per request, into resident pages, and into each request's all-resident reference;
-  5. decode attention: the synthetic indexer picks top-k per request and index group, the
-     group's runtime resolves it (gather + follower replay), and `attention.check_layer`
-     compares every layer with the all-resident copy;
-  6. `worker.after_forward`, `build_metadata`, `update_from_workers`.
+     `rows_per_request` rows per request (the token and its speculative successors, all
+     accepted), into resident pages, and into each request's all-resident reference;
+  5. decode attention: the synthetic indexer picks top-k per decode row and index group, every
+     group's runtime resolves its rows (gather + follower replay; `decode.DecodeRunner`, one CUDA
+     graph per batch size where the backend can), and `attention.check_layer` compares every
+     layer with the all-resident copy;
+  6. `worker.after_forward`, `build_metadata(wait=True)`, `update_from_workers`, with the
+     completions of this step's copies held for the next (`acks.StepAcks`), so every backend
+     shows the coordinator the same schedule.
 
 The coordinator's pressure watermark is one full admission, so it releases clean pages (tail
 first, keeping the active tail) until the next admission fits, as `planner` assumes.
+
+Every engine-side tensor (the source and hot tables, the device caches, the resolve inputs, the
+reference copies and the rows written) is made on the backend's device; the only host-to-device
+traffic is explicit copies.
 """
 
 from __future__ import annotations
@@ -38,12 +46,14 @@ from hisparse_core.coordinator.config import GIB
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.planner import ModelGeometry, Plan, PlanInputs, make_plan, published_miss_rate
+from hisparse_core.replay.acks import StepAcks
 from hisparse_core.replay.attention import check_layer
+from hisparse_core.replay.decode import DecodeRunner, graph_choice
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.kvdata import ReferenceKV, RowSource
 from hisparse_core.replay.layout import hot_rows_for, index_groups
+from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
-from hisparse_core.runtime import ResolveInputs
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 
 logger = logging.getLogger(__name__)
@@ -72,19 +82,26 @@ class RunConfig:
     arrival_every: int = 1
     locality: float = 1.0
     tail_pages: int = 2
+    rows_per_request: int = 1      # decode rows per request and step: 1 + speculative tokens
     validate: bool = False
+    cuda_graphs: bool = True       # capture the decode step where the backend declares cuda_graph
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("requests", "context", "decode_tokens", "steps", "top_k", "layers", "index_share",
-                     "block_size", "gpu_kv_bytes", "host_bytes"):
+                     "block_size", "gpu_kv_bytes", "host_bytes", "rows_per_request"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidInputError(f"run {name} must be a positive int, got {v!r}")
         if self.concurrency < 0:
             raise InvalidInputError(f"run concurrency must be >= 0 (0: GPU-bound), got {self.concurrency}")
         row_format(self.row_format)
-        hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
+        hot = hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
+        if hot < self.rows_per_request * self.top_k:
+            raise InvalidInputError(
+                f"run hot buffer of {hot} rows ({self.hot_multiple}x top-k) cannot hold the union of "
+                f"{self.rows_per_request} speculative rows of top-k {self.top_k} ({self.rows_per_request * self.top_k} "
+                f"rows): raise --hot to at least {self.rows_per_request}")
 
     @property
     def fmt(self) -> RowFormat:
@@ -130,6 +147,8 @@ class StepRecord:
     host_blocks_used: int
     checked_entries: int
     gpu_bound: bool          # a waiting request was refused for lack of GPU blocks
+    phase_seconds: dict[str, float] = field(default_factory=dict)   # timing.PHASES
+    decode_device_seconds: float = 0.0   # the decode phase's resolve work on the device
 
 
 @dataclass(slots=True)
@@ -142,7 +161,7 @@ class _Running:
     prefix_hit: int
     indexer: SyntheticIndexer
     ref: ReferenceKV
-    queries: torch.Tensor            # [layers, width] float32
+    queries: torch.Tensor            # [layers, width] float32, on the engine's device
     computed: int = 0                # tokens whose KV is final
     prefilled: bool = False
     decoded: int = 0
@@ -159,6 +178,7 @@ class EngineTotals:
     peak_host_blocks: int = 0
     gpu_bound_steps: int = 0
     records: list[StepRecord] = field(default_factory=list)
+    pages: dict[str, int] = field(default_factory=dict)   # coordinator page and host-block counters
 
 
 class ReplayEngine:
@@ -191,37 +211,53 @@ class ReplayEngine:
             max_model_len=c.max_tokens, hot_blocks_per_request=self.hot_blocks, active_tail_pages=c.tail_pages,
             pressure_watermark_blocks=self.admission_blocks), self.gpu)
         max_pages = p.pages_per_request
-        groups = [CacheGroup(RuntimeConfig(max_batch_rows=self.max_running, max_requests=self.max_running,
+        self.max_batch_rows = self.max_running * c.rows_per_request
+        groups = [CacheGroup(RuntimeConfig(max_batch_rows=self.max_batch_rows, max_requests=self.max_running,
                                            top_k=c.top_k, hot_rows=c.hot_rows, block_size=bs, max_pages=max_pages,
-                                           row_format=self.fmt, num_layers=n), resident_group=0,
+                                           row_format=self.fmt, num_layers=n, rows_per_request=c.rows_per_request),
+                             resident_group=0,
                              name=f"index group {g} (layers {self.group_first_layer[g]}-"
                                   f"{self.group_first_layer[g] + n - 1})")
                   for g, n in enumerate(self.group_layers)]
         self.worker = HiSparseWorker(backend, groups, num_host_blocks=self.coordinator.host_num_blocks)
-        dev = backend.device
-        self.device_layers = [[torch.zeros((p.gpu_blocks, bs, self.fmt.width), dtype=self.fmt.dtype, device=dev)
-                               for _ in range(n)] for n in self.group_layers]
-        self.worker.register_caches(self.device_layers)
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.source_table = torch.full((self.max_running, max_pages), -1, **i32)
-        self.hot_table = torch.full((self.max_running, self.hot_blocks), -1, **i32)
-        self.resident_table = self.worker.residency_table(0)
-        self.rows = RowSource(self.fmt, c.layers, seed=c.seed)
-        self.locality = DEFAULT_LOCALITY.scaled(c.locality)
+        try:  # the worker holds the host pool from here on
+            self.device = dev = backend.device
+            self.device_layers = [[torch.zeros((p.gpu_blocks, bs, self.fmt.width), dtype=self.fmt.dtype, device=dev)
+                                   for _ in range(n)] for n in self.group_layers]
+            self.worker.register_caches(self.device_layers)
+            i32 = dict(dtype=torch.int32, device=dev)
+            self.source_table = torch.full((self.max_running, max_pages), -1, **i32)
+            self.hot_table = torch.full((self.max_running, self.hot_blocks), -1, **i32)
+            self.resident_table = self.worker.residency_table(0)
+            graphs, why = graph_choice(backend, enabled=c.cuda_graphs, validate=c.validate)
+            self.decoder = DecodeRunner(self.worker.runtimes, self.group_layers, source_table=self.source_table,
+                                        resident_table=self.resident_table, hot_table=self.hot_table,
+                                        max_rows=self.max_batch_rows, top_k=c.top_k, device=dev, graphs=graphs,
+                                        validate=c.validate)
+            logger.info("replay: decode step %s (%s)", "captured in one CUDA graph per batch size" if graphs
+                        else "run eagerly", why)
+            self.rows = RowSource(self.fmt, c.layers, seed=c.seed, device=dev)
+            self.locality = DEFAULT_LOCALITY.scaled(c.locality)
+            self.pending = deque(make_workload(c.requests, c.context, c.decode_tokens, prefix_groups=c.prefix_groups,
+                                               shared_fraction=c.shared_fraction, arrival_every=c.arrival_every))
+        except BaseException:
+            self.worker.shutdown()
+            raise
+        self.acks = StepAcks()
+        self.timer = PhaseTimer()
         self.waiting: deque[RequestSpec] = deque()
-        self.pending = deque(make_workload(c.requests, c.context, c.decode_tokens, prefix_groups=c.prefix_groups,
-                                           shared_fraction=c.shared_fraction, arrival_every=c.arrival_every))
         self.running: list[_Running] = []
         self.free_states = list(range(self.max_running - 1, -1, -1))
         self.totals = EngineTotals()
         self.step_no = 0
         logger.info(
             "replay: %d layers in index groups %s, top-k %d, hot buffer %d rows, %s; GPU pool %d blocks of %d B, "
-            "admission needs %d free (%d pages + %d indexer + %d hot); host pool %d blocks; state rows %d (%s)",
+            "admission needs %d free (%d pages + %d indexer + %d hot); host pool %d blocks; state rows %d (%s), "
+            "%d decode rows per request",
             c.layers, self.group_layers, c.top_k, c.hot_rows, self.fmt.name, p.gpu_blocks, p.block_bytes,
             self.admission_blocks, self.pages_per_request, self.indexer_blocks, self.hot_blocks,
             self.coordinator.host_num_blocks, self.max_running,
-            "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint")
+            "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint", c.rows_per_request)
 
     # ----------------------------------------------------------------------------- steps
 
@@ -230,7 +266,8 @@ class ReplayEngine:
         for r in done:
             self.running.remove(r)
             self.gpu.release(r.indexer_blocks)
-            self.worker.reset_state([r.state_index])
+            with self.timer.phase("worker"):
+                self.worker.reset_state([r.state_index])
             self.source_table[r.state_index] = -1
             self.hot_table[r.state_index] = -1
             self.free_states.append(r.state_index)
@@ -249,8 +286,9 @@ class ReplayEngine:
             spec = self.waiting[0]
             tokens = spec.token_ids()
             try:
-                hit = self.coordinator.add_request(spec.request_id, tokens[:spec.prompt_tokens],
-                                                   max_prefix_tokens=spec.prompt_tokens - 1)
+                with self.timer.phase("coordinator"):
+                    hit = self.coordinator.add_request(spec.request_id, tokens[:spec.prompt_tokens],
+                                                       max_prefix_tokens=spec.prompt_tokens - 1)
             except CapacityError:
                 return admitted, True
             self.waiting.popleft()
@@ -259,11 +297,11 @@ class ReplayEngine:
             indexer = self.gpu.acquire(self.indexer_blocks)
             blocks = [-1] * first + self.gpu.acquire(prompt_pages - first)
             gen = torch.Generator().manual_seed(c.seed * 1_000_003 + spec.index)
-            queries = torch.randn((c.layers, self.fmt.width), generator=gen) / 64.0
+            queries = (torch.randn((c.layers, self.fmt.width), generator=gen) / 64.0).to(self.device)
             r = _Running(spec, self.free_states.pop(), blocks, indexer, tokens, hit,
                          SyntheticIndexer(c.top_k, len(self.group_layers), self.locality, seed=c.seed,
                                           request_id=spec.index),
-                         ReferenceKV(self.fmt, c.layers, spec.total_tokens), queries, computed=hit)
+                         ReferenceKV(self.fmt, c.layers, spec.total_tokens, self.device), queries, computed=hit)
             self.running.append(r)
             admitted += 1
             self.totals.prefix_hit_tokens += hit
@@ -272,28 +310,38 @@ class ReplayEngine:
         return admitted, False
 
     def _apply_tables(self) -> None:
+        """Write the coordinator's source- and hot-table deltas into the device tables, one indexed
+        write per table (later updates of an entry win, as applying them in order would)."""
+        source: dict[tuple[int, int], int] = {}
+        hot: dict[int, list[int]] = {}
+        width = self.hot_table.shape[1]
         for u in self.coordinator.take_table_updates():
-            if u.pages:
-                self.source_table[u.state_index, list(u.pages)] = torch.tensor(u.host_block_ids, dtype=torch.int32)
+            source.update(((u.state_index, p), b) for p, b in zip(u.pages, u.host_block_ids, strict=True))
             if u.hot_block_ids is not None:
-                row = self.hot_table[u.state_index]
-                row.fill_(-1)
-                if u.hot_block_ids:
-                    row[:len(u.hot_block_ids)] = torch.tensor(u.hot_block_ids, dtype=torch.int32)
+                hot[u.state_index] = list(u.hot_block_ids) + [-1] * (width - len(u.hot_block_ids))
+        dev = self.device
+        if source:
+            (rows, pages), ids = zip(*source), list(source.values())
+            self.source_table[torch.tensor(rows, device=dev), torch.tensor(pages, device=dev)] = \
+                torch.tensor(ids, dtype=torch.int32, device=dev)
+        if hot:
+            self.hot_table[torch.tensor(list(hot), device=dev)] = torch.tensor(list(hot.values()), dtype=torch.int32,
+                                                                                device=dev)
 
     def _write(self, r: _Running, start: int, end: int, *, device_from: int) -> None:
         """Write the KV rows of positions [start, end) into the reference, and those from
-        `device_from` on into the request's resident pages."""
-        bs, width = self.config.block_size, self.fmt.width
+        `device_from` on into the request's resident pages (all on the engine's device)."""
+        bs, width, dev = self.config.block_size, self.fmt.width, self.device
         for key, lo, hi in r.spec.content_keys(start, end):
-            positions = torch.arange(lo, hi)
+            positions = torch.arange(lo, hi, device=dev)
             dev_lo = max(lo, device_from)
             if dev_lo < hi:
-                dpos = torch.arange(dev_lo, hi)
-                blocks = torch.tensor(r.blocks, dtype=torch.int64)[dpos // bs]
-                if bool((blocks < 0).any()):
+                first_page = dev_lo // bs
+                blocks = r.blocks[first_page:(hi - 1) // bs + 1]
+                if min(blocks) < 0:
                     raise InvalidInputError(f"{r.spec.request_id}: writing a host-backed page")
-                dev_rows = (blocks * bs + dpos % bs).to(self.backend.device)
+                dpos = positions[dev_lo - lo:]
+                dev_rows = torch.tensor(blocks, dtype=torch.int64, device=dev)[dpos // bs - first_page] * bs + dpos % bs
             for layer in range(self.config.layers):
                 rows = self.rows.rows(key, positions, layer)
                 r.ref.write(layer, lo, rows)
@@ -301,7 +349,11 @@ class ReplayEngine:
                     g = next(i for i in range(len(self.group_layers)) if layer < self.group_first_layer[i]
                              + self.group_layers[i])
                     cache = self.device_layers[g][layer - self.group_first_layer[g]].view(-1, width)
-                    cache[dev_rows] = rows[dev_lo - lo:].to(cache.device)
+                    cache[dev_rows] = rows[dev_lo - lo:]
+
+    def _new_tokens(self, r: _Running) -> int:
+        """Tokens a decoding request writes this step: itself and its speculative successors."""
+        return min(self.config.rows_per_request, r.spec.decode_tokens - r.decoded)
 
     def step(self) -> StepRecord:
         t0 = time.perf_counter()
@@ -319,39 +371,51 @@ class ReplayEngine:
                 nc, nn = r.prefix_hit, r.spec.prompt_tokens - r.prefix_hit
                 prefill.append(r)
             else:
-                nc, nn = r.computed, 1
-                if nc % bs == 0 and nc // bs >= len(r.blocks):
+                nc, nn = r.computed, self._new_tokens(r)
+                need = (nc + nn - 1) // bs + 1 - len(r.blocks)
+                if need > 0:
                     try:
-                        r.blocks.extend(self.gpu.acquire(1))
+                        r.blocks.extend(self.gpu.acquire(need))
                     except CapacityError as exc:
                         raise CapacityError(f"step {self.step_no}: no GPU block for the next page of "
                                             f"{r.spec.request_id}: {exc}. The admission reserve should prevent "
                                             f"this") from None
                 decode.append(r)
             scheduled.append(StepRequest(r.spec.request_id, r.state_index, nc, nn, r.tokens[:nc + nn], [r.blocks]))
-        command = self.coordinator.schedule_step(scheduled, finished=finished)
-        self._apply_tables()
-        self.worker.start_step(command)
+        with self.timer.phase("coordinator"):
+            command = self.coordinator.schedule_step(scheduled, finished=finished)
+        with self.timer.phase("worker"):
+            self._apply_tables()
+            self.worker.start_step(command)
 
         # Forward: write this step's rows.
         prefill_tokens = 0
-        for r in prefill:
-            self._write(r, 0, r.spec.prompt_tokens, device_from=r.prefix_hit)
-            prefill_tokens += r.spec.prompt_tokens - r.prefix_hit
-        for r in decode:
-            self._write(r, r.computed, r.computed + 1, device_from=r.computed)
-        checked = self._decode_attention(decode) if decode else 0
+        with self.timer.phase("forward"):
+            for r in prefill:
+                self._write(r, 0, r.spec.prompt_tokens, device_from=r.prefix_hit)
+                prefill_tokens += r.spec.prompt_tokens - r.prefix_hit
+            for r in decode:
+                self._write(r, r.computed, r.computed + self._new_tokens(r), device_from=r.computed)
+        checked, rows = self._decode_attention(decode) if decode else (0, 0)
 
-        self.worker.after_forward()
-        self.coordinator.update_from_workers(self.worker.build_metadata(), 1)
+        with self.timer.phase("worker"):
+            self.worker.after_forward()
+            drained = self.worker.build_metadata(wait=True)
+        submitted = {t.transfer_id for t in command.page_transfers} if command else set()
+        copies = {h.dst_block_id for h in command.host_block_copies} if command else set()
+        with self.timer.phase("coordinator"):
+            self.coordinator.update_from_workers(self.acks.settle(drained, submitted, copies), 1)
         for r in prefill:
             r.computed, r.prefilled = r.spec.prompt_tokens, True
         for r in decode:
-            r.computed += 1
-            r.decoded += 1
+            n = self._new_tokens(r)
+            r.computed += n
+            r.decoded += n
 
-        ws = self.worker.take_stats()
-        cs = self.coordinator.stats()
+        with self.timer.phase("worker"):
+            ws = self.worker.take_stats()
+        with self.timer.phase("coordinator"):
+            cs = self.coordinator.stats()
         t = self.totals
         t.admitted += admitted
         t.prefill_tokens += prefill_tokens
@@ -359,40 +423,53 @@ class ReplayEngine:
         t.peak_running = max(t.peak_running, len(self.running))
         t.peak_host_blocks = max(t.peak_host_blocks, cs.host_blocks_used)
         t.gpu_bound_steps += int(gpu_bound)
+        t.pages = {"spilled": cs.spills, "released": cs.released_pages, "reused": cs.lost_pages,
+                   "restored": cs.restores, "host_blocks_evicted": cs.evicted_blocks}
         rec = StepRecord(self.step_no, time.perf_counter() - t0, len(self.running), admitted, len(finished),
-                         len(self.waiting), prefill_tokens, len(decode), ws.resident, ws.hits, ws.misses,
+                         len(self.waiting), prefill_tokens, rows, ws.resident, ws.hits, ws.misses,
                          ws.h2d_bytes, ws.d2h_bytes, self.gpu.num_leased_blocks, cs.host_blocks_used, checked,
-                         gpu_bound)
+                         gpu_bound, self.timer.take(), self.decoder.device_seconds() if decode else 0.0)
         t.records.append(rec)
         self.step_no += 1
         return rec
 
-    def _decode_attention(self, batch: list[_Running]) -> int:
-        dev = self.backend.device
-        n = len(batch)
-        seq = [r.computed + 1 for r in batch]
-        topk = np.stack([r.indexer.step(s) for r, s in zip(batch, seq, strict=True)], axis=1)  # [G, B, K]
-        i32 = dict(dtype=torch.int32, device=dev)
-        row_state = torch.tensor([r.state_index for r in batch], **i32)
-        seq_lens = torch.tensor(seq, **i32)
-        ids = [r.spec.request_id for r in batch]
+    def _decode_attention(self, batch: list[_Running]) -> tuple[int, int]:
+        """Resolve and check every decode row of `batch`; (entries checked, decode rows)."""
+        owners: list[_Running] = []
+        seq: list[int] = []
+        with self.timer.phase("indexer"):
+            picks = []
+            for r in batch:
+                for j in range(self._new_tokens(r)):
+                    owners.append(r)
+                    seq.append(r.computed + j + 1)
+                    picks.append(r.indexer.step(seq[-1]))
+            topk = np.stack(picks, axis=1)                                   # [G, B, K]
+        n = len(owners)
+        with self.timer.phase("decode"):
+            self.decoder.run(topk, [r.state_index for r in owners], seq)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         checked = 0
-        for g, n_layers in enumerate(self.group_layers):
-            rt = self.worker.runtimes[g]
-            topk_g = torch.from_numpy(topk[g]).to(dev)
-            rt.resolve(ResolveInputs(topk_g, row_state, seq_lens, self.source_table, self.resident_table,
-                                     self.hot_table), gather=True, validate=self.config.validate)
-            if n_layers > 1:
-                rt.replay_plan()
-            rows = rt.result.rows[:n]
-            for li in range(n_layers):
-                layer = self.group_first_layer[g] + li
-                cache = self.device_layers[g][li].view(-1, self.fmt.width)
-                queries = torch.stack([r.queries[layer] for r in batch])
-                checked += check_layer(cache, rows, topk_g, [r.ref.data[layer] for r in batch], queries, ids, layer)
-        return checked
+        ids = [r.spec.request_id for r in owners]
+        with self.timer.phase("check"):
+            for g, n_layers in enumerate(self.group_layers):
+                result = self.decoder.result(g)
+                rows, topk_g = result.rows[:n], self.decoder.topk(g, n)
+                for li in range(n_layers):
+                    layer = self.group_first_layer[g] + li
+                    cache = self.device_layers[g][li].view(-1, self.fmt.width)
+                    queries = torch.stack([r.queries[layer] for r in owners])
+                    checked += check_layer(cache, rows, topk_g, [r.ref.data[layer] for r in owners], queries, ids,
+                                           layer)
+        return checked, n
 
     # ----------------------------------------------------------------------------- end
+
+    @property
+    def done(self) -> bool:
+        """Every offered request has finished (later steps would have nothing to do)."""
+        return not (self.pending or self.waiting or self.running)
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -401,7 +478,9 @@ class ReplayEngine:
         return {**asdict(self.config), "hot_rows": self.config.hot_rows, "index_groups": self.group_layers,
                 "row_bytes": self.fmt.row_bytes, "gpu_blocks": self.plan.gpu_blocks,
                 "block_bytes": self.plan.block_bytes, "host_blocks": self.coordinator.host_num_blocks,
-                "admission_blocks": self.admission_blocks, "state_rows": self.max_running}
+                "admission_blocks": self.admission_blocks, "state_rows": self.max_running,
+                "max_batch_rows": self.max_batch_rows, "decode_mode": self.decoder.mode,
+                "graph_sizes": self.decoder.captured_sizes}
 
 
 def measure_all_resident_concurrency(gpu_blocks: int, blocks_per_request: int) -> int:

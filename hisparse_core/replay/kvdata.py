@@ -5,7 +5,8 @@ share the content key of those positions, so they produce byte-identical rows th
 would), and a prefix hit served from host must return exactly them. Every row carries its
 position and content key in its first 8 elements (values 0..255, exact in uint8 and bf16), so
 two different positions or keys can never produce the same row; the rest comes from a seeded
-random table of rows.
+random table of rows. Both live on the engine's device (the backend's): the rows written into the
+device caches and the reference copy are made there, so nothing crosses devices on the way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ _HEADER = 8
 class RowSource:
     """Rows of one run: `rows(key, positions, layer)` -> `[n, width]` of the row format's dtype."""
 
-    def __init__(self, fmt: RowFormat, num_layers: int, seed: int = 0) -> None:
+    def __init__(self, fmt: RowFormat, num_layers: int, seed: int = 0, device: torch.device | str = "cpu") -> None:
         if fmt.width <= _HEADER:
             raise ValueError(f"row format {fmt.name!r} has {fmt.width} elements; need more than {_HEADER}")
         self.fmt = fmt
@@ -31,8 +32,14 @@ class RowSource:
             self._table = torch.randint(0, 256, (_TABLE_ROWS, fmt.width), dtype=torch.uint8, generator=gen)
         else:  # float formats: standard normal values in the row dtype
             self._table = torch.randn((_TABLE_ROWS, fmt.width), generator=gen).to(fmt.dtype)
+        self._table = self._table.to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._table.device
 
     def rows(self, key: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """Rows at `positions` (a tensor on this source's device)."""
         pos = positions.to(torch.int64)
         idx = (pos * 2654435761 + key * 40503 + layer * 97 + 12345) % _TABLE_ROWS
         out = self._table[idx].clone()
@@ -46,8 +53,8 @@ class RowSource:
 class ReferenceKV:
     """The all-resident copy of one request: every row it ever wrote, in every layer, by position."""
 
-    def __init__(self, fmt: RowFormat, num_layers: int, max_tokens: int) -> None:
-        self.data = torch.zeros((num_layers, max_tokens, fmt.width), dtype=fmt.dtype)
+    def __init__(self, fmt: RowFormat, num_layers: int, max_tokens: int, device: torch.device | str = "cpu") -> None:
+        self.data = torch.zeros((num_layers, max_tokens, fmt.width), dtype=fmt.dtype, device=device)
         self.length = 0
 
     def write(self, layer: int, start: int, rows: torch.Tensor) -> None:

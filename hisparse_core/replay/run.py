@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from hisparse_core.backend import Backend
 from hisparse_core.replay.engine import EngineTotals, ReplayEngine, RunConfig, StepRecord, measure_all_resident_concurrency
+from hisparse_core.replay.timing import PHASES
 
 
 @dataclass(slots=True)
@@ -44,10 +45,20 @@ class RunResult:
         steady = recs[steady_from:]
         s_hits, s_misses = sum(r.hits for r in steady), sum(r.misses for r in steady)
         row_bytes = int(self.config["row_bytes"])  # type: ignore[call-overload]
+        decoding = [r for r in recs if r.decode_rows]
         return {
             "steps": len(recs),
             "steps_per_s": len(recs) / self.loop_seconds if self.loop_seconds else float("inf"),
             "step_ms_mean": 1e3 * statistics.fmean(r.seconds for r in recs) if recs else 0.0,
+            # Mean milliseconds per step in each phase (timing.PHASES), and of the decode phase on
+            # the device, over the steps that decoded.
+            "phase_ms": {p: 1e3 * statistics.fmean(r.phase_seconds.get(p, 0.0) for r in recs) if recs else 0.0
+                         for p in PHASES},
+            "decode_steps": len(decoding),
+            "decode_device_ms": 1e3 * statistics.fmean(r.decode_device_seconds for r in decoding) if decoding
+            else 0.0,
+            "decode_mode": self.config["decode_mode"],
+            "graph_sizes": self.config["graph_sizes"],
             "decode_rows": decode_rows,
             "decode_rows_per_s": decode_rows / self.loop_seconds if self.loop_seconds else float("inf"),
             "hit_rate": hits / looked if looked else 1.0,
@@ -70,6 +81,7 @@ class RunResult:
             "prefill_tokens_computed": t.prefill_tokens,
             "requests_admitted": t.admitted,
             "requests_finished": t.finished,
+            "pages": dict(t.pages),
             "max_concurrency_hisparse_measured": peak,
             "gpu_limit_reached": t.gpu_bound_steps > 0,
             "max_concurrency_all_resident_measured": self.all_resident_concurrency,
@@ -87,7 +99,8 @@ class RunResult:
 
 def run_replay(config: RunConfig, backend: Backend,
                on_step: Callable[[StepRecord, ReplayEngine], None] | None = None) -> RunResult:
-    """Replay `config.steps` steps; raises `AttentionMismatch` at the first wrong row or output."""
+    """Replay `config.steps` steps, or fewer once every request has finished; raises
+    `AttentionMismatch` at the first wrong row or output."""
     t0 = time.perf_counter()
     engine = ReplayEngine(config, backend)
     try:
@@ -96,6 +109,8 @@ def run_replay(config: RunConfig, backend: Backend,
             rec = engine.step()
             if on_step is not None:
                 on_step(rec, engine)
+            if engine.done:
+                break
         loop = time.perf_counter() - t1
     finally:
         engine.close()

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from hisparse_core.backend import Backend, Capability
+from hisparse_core.capacity import check_host_pool
 from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime, RuntimeStats
@@ -110,6 +111,7 @@ class HiSparseWorker:
                                   row_format=first.row_format, shared=shared, name=pool_name if shared else None,
                                   rank=rank if shared else 0, world_size=world_size if shared else 1)
         self._rank, self._world_size = rank, world_size
+        check_host_pool(self._spec)  # backends check too; this covers one that would just allocate
         self._pool: HostPool | None = backend.create_host_pool(self._spec)
         try:
             self._runtimes: tuple[CacheRuntime, ...] = tuple(backend.create_runtime(g.config) for g in self._groups)

@@ -121,3 +121,46 @@ def test_run_concurrency_cap() -> None:
     doc = _run_json("--concurrency", "3", "--steps", "12")
     s = doc["summary"]
     assert s["max_concurrency_hisparse_measured"] == 3 and doc["config"]["state_rows"] == 3
+
+
+def _config(*argv: str):  # type: ignore[no-untyped-def]
+    from hisparse_core.cli import build_parser
+    from hisparse_core.cli.run_cmd import config_from_args
+
+    return config_from_args(build_parser().parse_args(["run", *argv]))
+
+
+def test_presets_set_the_large_workload_and_flags_override_them() -> None:
+    large = _config("--preset", "large")
+    assert (large.requests, large.context, large.rows_per_request, large.layers, large.index_share) == \
+        (64, 32768, 2, 4, 2)
+    assert large.gpu_kv_bytes == 1 << 30 and large.host_bytes == 3 << 29 and large.prefix_groups == 4
+    assert large.plan().gpu_blocks < 64 * large.plan().baseline_blocks_per_request, "GPU pressure"
+    assert large.plan().host_blocks < 64 * large.plan().pages_per_request, "host pressure"
+    mixed = _config("--preset", "large", "--requests", "8", "--gpu-kv", "2GiB", "--eager")
+    assert (mixed.requests, mixed.gpu_kv_bytes, mixed.context, mixed.cuda_graphs) == (8, 2 << 30, 32768, False)
+    assert _config() == _config("--preset", "default")
+
+
+def test_run_reports_the_step_time_split_and_the_decode_mode(small_run: dict) -> None:
+    from hisparse_core.replay.timing import PHASES
+
+    s = small_run["summary"]
+    assert set(s["phase_ms"]) == set(PHASES) and all(v >= 0 for v in s["phase_ms"].values())
+    assert s["phase_ms"]["decode"] > 0 and s["phase_ms"]["check"] > 0 and s["decode_device_ms"] > 0
+    assert s["decode_mode"] == "eager" and s["graph_sizes"] == []
+    assert s["pages"]["spilled"] > 0 and s["pages"]["released"] > 0
+
+
+def test_run_with_speculative_rows() -> None:
+    doc = _run_json("--rows-per-request", "2", "--steps", "14")
+    s = doc["summary"]
+    assert doc["config"]["rows_per_request"] == 2 and doc["config"]["max_batch_rows"] == 2 * doc["config"]["state_rows"]
+    assert s["attention_entries_checked"] == s["decode_rows"] * 64 * 2 and s["misses"] > 0
+    decoding = [r for r in doc["steps"] if r["decode_rows"]]
+    assert max(r["decode_rows"] for r in decoding) == 2 * max(r["running"] for r in decoding)
+
+
+def test_speculative_rows_need_a_hot_buffer_for_their_union(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--backend", "reference_cpu", *SMALL, "--rows-per-request", "3"]) == 2
+    assert "cannot hold the union of 3 speculative rows" in capsys.readouterr().err

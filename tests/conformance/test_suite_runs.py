@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 
-def _pytest(args: list[str], cwd: Path, *, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HISPARSE_", "PYTEST_"))}
+def _pytest(args: list[str], cwd: Path, *, timeout: float = 900,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("HISPARSE_", "PYTEST_"))}, **(env or {})}
     return subprocess.run([sys.executable, "-m", "pytest", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout, check=False)
 
@@ -57,11 +58,21 @@ def test_suite_passes_on_reference_cpu(tmp_path: Path) -> None:
         "test_host_pool.test_shared_pool_needs_the_capability"], outcomes["skipped"]
 
 
-def test_unknown_backend_fails_every_test_with_the_reason(tmp_path: Path) -> None:
-    proc = _pytest(["--pyargs", "hisparse_conformance.test_host_pool", "--hisparse-backend", "no-such-backend",
-                    "-q", "-p", "no:cacheprovider"], tmp_path, timeout=300)
-    assert proc.returncode != 0
-    assert "no-such-backend" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-3000:]
+@pytest.mark.parametrize("args, env, source", [
+    (["--hisparse-backend", "no-such-backend"], {}, "--hisparse-backend"),
+    ([], {"HISPARSE_BACKEND": "no-such-backend"}, "$HISPARSE_BACKEND"),
+], ids=["option", "environment"])
+def test_an_unknown_backend_fails_once_with_a_usage_error(tmp_path: Path, args: list[str], env: dict[str, str],
+                                                          source: str) -> None:
+    proc = _pytest(["--pyargs", "hisparse_conformance", *args, "-q", "-p", "no:cacheprovider"], tmp_path,
+                   timeout=300, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 4, output[-3000:]  # pytest's usage error: nothing was collected or run
+    errors = [line for line in output.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"ERROR: hisparse conformance: {source} 'no-such-backend' cannot be selected: no hisparse backend named "
+        "'no-such-backend'; available: reference_cpu (priority 0)"), output[-3000:]
+    assert len(output.strip().splitlines()) <= 3 and "Traceback" not in output, output[-3000:]
 
 
 def test_plugin_is_passive_in_unrelated_sessions(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from hisparse_core.backend import Backend
 class FakeBackend(Backend):
     name = "{name}"
     version = "1.0"
+    capabilities = frozenset({{"index_sharing"}})  # what plugin_source's spec declares
 
     @property
     def device(self):

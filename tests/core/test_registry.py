@@ -6,11 +6,18 @@ depend on which in-tree backends exist yet; the in-tree ones have their own test
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
+import json
 import logging
 import sys
 
 import pytest
+from core_support import FAKE_BACKEND_CLASS as FAKE_BACKEND
 from core_support import FakeSite, plugin_source
+
+from hisparse_core.cli import main
 
 from hisparse_core.backend import API_VERSION, Backend
 from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
@@ -297,6 +304,134 @@ def test_module_functions_use_one_cached_registry(fake_site: FakeSite, monkeypat
     assert reloaded.get("newcomer").available
     assert select_backend().name == "newcomer"
     assert resolve_backend_class("newcomer").__name__ == "FakeBackend"
+
+
+# --- a class that fails at selection, capability drift -----------------------------------------
+
+MISSING_MODULE = "import hisparse_acme_sdk_that_is_not_installed\n"
+
+
+def test_automatic_selection_falls_back_past_a_class_that_fails_to_import(
+        fake_site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
+    fake_site.backend("acme", priority=50, factory_source=MISSING_MODULE)
+    fake_site.backend("base", priority=1)
+    reg = fake_site.registry()
+    assert reg.get("acme").available  # the probe passed: nothing is wrong until the class is imported
+    with caplog.at_level(logging.INFO, logger="hisparse_core"):
+        assert reg.select_backend().name == "base"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("hisparse backend 'acme' could not be loaded and is now listed as broken: factory ")
+    assert "ModuleNotFoundError: No module named 'hisparse_acme_sdk_that_is_not_installed'" in warnings[0]
+    assert "falling back to 'base'" in warnings[0]
+    assert caplog.messages[-1].startswith("hisparse backend 'base' selected (automatic: highest priority among "
+                                          "[base (1)]); unavailable: acme (broken: factory ")
+    acme = reg.get("acme")
+    assert acme.status is BackendStatus.BROKEN and "Traceback" in (acme.error or "")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hisparse_core"):
+        assert reg.select_backend().name == "base"  # broken from then on: no second attempt, no new warning
+    assert caplog.records == []
+    with pytest.raises(BackendUnavailableError, match="'acme' is broken: factory .* ModuleNotFoundError"):
+        reg.select_backend("acme")
+
+
+def test_a_constructor_that_raises_is_broken_and_skipped_too(fake_site: FakeSite,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    raising = (FAKE_BACKEND.format(name="picky")
+               + "\n    def __init__(self):\n        raise RuntimeError('no Acme card answered')\n")
+    fake_site.backend("picky", priority=9, factory_source=raising)
+    fake_site.backend("base", priority=1)
+    reg = fake_site.registry()
+    with caplog.at_level(logging.WARNING, logger="hisparse_core"):
+        assert reg.select_backend().name == "base"
+    assert len(caplog.records) == 1 and "RuntimeError: no Acme card answered" in caplog.records[0].getMessage()
+    assert reg.get("picky").status is BackendStatus.BROKEN
+
+
+def test_when_every_class_fails_the_error_lists_each_failure(fake_site: FakeSite) -> None:
+    fake_site.backend("one", priority=2, factory_source=MISSING_MODULE)
+    fake_site.backend("two", priority=1, factory_source="FakeBackend = 42\n")
+    with pytest.raises(BackendUnavailableError) as info:
+        fake_site.registry().select_backend()
+    message = str(info.value)
+    assert message.startswith("no hisparse backend is available here; available: none; not available: ")
+    assert "one (broken: factory " in message and "ModuleNotFoundError" in message
+    assert "two (broken: factory " in message and "is 42, not a subclass" in message
+
+
+def test_the_cli_falls_back_past_a_broken_vendor_backend(fake_site: FakeSite) -> None:
+    fake_site.backend("acme", priority=500, factory_source=MISSING_MODULE)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["bench", "--requests", "1", "--context", "256", "--steps", "2", "--top-k", "16",
+                     "--layers", "1", "--block-size", "16", "--json", "--no-progress"])
+    assert code == 0 and json.loads(out.getvalue())["backend"]["name"] == "reference_cpu"
+
+
+DRIFT_CLASS = FAKE_BACKEND.replace('capabilities = frozenset({{"index_sharing"}})',
+                                   'capabilities = frozenset({{"cuda_graph"}})')
+
+
+def test_capability_drift_is_reported_once_at_selection(fake_site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
+    package = fake_site.backend("drifty", factory_source=DRIFT_CLASS.format(name="drifty"))
+    reg = fake_site.registry()
+    assert reg.get("drifty").capabilities == ("index_sharing",)  # what its plugin advertises
+    with caplog.at_level(logging.WARNING, logger="hisparse_core"):
+        reg.select_backend("drifty")
+        reg.select_backend("drifty")
+    assert len(caplog.records) == 1, caplog.messages
+    message = caplog.messages[0]
+    assert message.startswith("hisparse backend 'drifty': capability drift: its BackendSpec declares "
+                              f"['index_sharing'] that {package}.backend:FakeBackend does not; "
+                              f"{package}.backend:FakeBackend declares ['cuda_graph'] that its BackendSpec does not")
+    assert reg.get("drifty").capabilities == ("cuda_graph",)  # listed as what runs from now on
+    assert reg.spec("drifty").capabilities == frozenset({"index_sharing"})  # the registration as made
+
+
+def test_matching_capabilities_are_silent(fake_site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
+    fake_site.backend("steady")
+    with caplog.at_level(logging.WARNING, logger="hisparse_core"):
+        fake_site.registry().select_backend("steady")
+    assert caplog.records == []
+
+
+def test_in_tree_backends_declare_what_their_plugins_advertise() -> None:
+    reg = get_registry(reload=True)
+    for name in ("reference_cpu", "nvidia"):
+        spec = reg.spec(name)
+        module_name, _, cls_name = spec.factory.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except ImportError as exc:  # nvidia without cuda-python
+            pytest.skip(f"{spec.factory} does not import here: {exc}")
+        assert frozenset(cls.capabilities) == frozenset(spec.capabilities), name
+
+
+# --- filters that match nothing -----------------------------------------------------------------
+
+
+def test_a_plugin_filter_that_names_no_installed_plugin_warns_with_the_installed_names(
+        fake_site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
+    fake_site.backend("alpha")
+    fake_site.backend("beta")
+    with caplog.at_level(logging.WARNING, logger="hisparse_core"):
+        reg = fake_site.registry({"HISPARSE_PLUGINS": "alpah"})
+    assert caplog.messages == ["HISPARSE_PLUGINS names 'alpah', which is no installed hisparse plugin, so no plugin "
+                               "is loaded; installed plugins: alpha, beta"]
+    assert not reg.available()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hisparse_core"):
+        reg = fake_site.registry({"HISPARSE_DISABLED_PLUGINS": "beta, nope, gamma"})
+    assert caplog.messages == ["HISPARSE_DISABLED_PLUGINS names 'gamma', 'nope', which are no installed hisparse "
+                               "plugin; installed plugins: alpha, beta"]
+    assert [e.name for e in reg.available()] == ["alpha"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hisparse_core"):
+        fake_site.registry({"HISPARSE_PLUGINS": "alpha, typo"})  # one match: loads alpha, warns of the typo
+        fake_site.registry({"HISPARSE_PLUGINS": ""})  # set but empty means "none" on purpose: silent
+    assert caplog.messages == ["HISPARSE_PLUGINS names 'typo', which is no installed hisparse plugin; installed "
+                               "plugins: alpha, beta"]
 
 
 # --- the in-tree backends ---------------------------------------------------------------------

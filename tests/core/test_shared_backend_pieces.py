@@ -1,23 +1,19 @@
 """The platform-neutral pieces every backend shares: argument checks, resolve checks, row groups,
-copy and transfer-engine checks, and the /dev/shm pool-file protocol."""
+copy and transfer-engine checks (the /dev/shm pool-file protocol has test_shm_protocol.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from core_support import subprocess_env
 
-from hisparse_core import shm
 from hisparse_core.checks import check_int, check_range, check_sequence, check_span, check_tensor
 from hisparse_core.copy_checks import check_host_copies, check_mirrors, check_pages
 from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.geometry import RuntimeConfig
-from hisparse_core.host_pool import HostPoolSpec
 from hisparse_core.resolve_checks import check_resolve_shapes, check_resolve_values
 from hisparse_core.row_groups import Group, groups_of
 from hisparse_core.runtime import ResolveInputs
@@ -127,43 +123,10 @@ def test_unique_ids_cover_the_batch_and_everything_in_flight() -> None:
             check_unique_ids("transfer id", ids, in_flight)
 
 
-# ----------------------------------------------------------------- /dev/shm protocol
+# ----------------------------------------------------------------- torch-free helpers
 
-SPEC = HostPoolSpec(num_layers=2, num_blocks=3, block_size=4, shared=True, name="t", rank=1, world_size=2)
-HEADER = shm.PoolHeader(b"HISPARSE-TEST-v1", with_nbytes=True)
-
-
-def test_shm_path_validates_the_name() -> None:
-    assert shm.shm_path("a.b-c_1", ".pool") == os.path.join(shm.SHM_DIR, "hisparse_a.b-c_1.pool")
-    with pytest.raises(InvalidInputError, match="not a valid file name part"):
-        shm.shm_path("../x", ".pool")
-
-
-def test_header_round_trips_and_a_live_creator_is_refused(tmp_path: Path) -> None:
-    path = str(tmp_path / "pool")
-    assert HEADER.read(path) is None
-    Path(path).write_bytes(HEADER.pack(SPEC, os.getppid()))
-    found = HEADER.read(path)
-    assert found is not None and found.pid == os.getppid() and found.inode == os.stat(path).st_ino
-    with pytest.raises(InvalidInputError, match=f"in use by live process {os.getppid()}"):
-        shm.refuse_live_creator(path, HEADER, SPEC)
-    Path(path).write_bytes(HEADER.pack(SPEC, os.getpid()))  # our own file: replacing it is fine
-    shm.refuse_live_creator(path, HEADER, SPEC)
-
-
-def test_peers_wait_for_a_live_creator_of_the_same_geometry(tmp_path: Path) -> None:
-    path = str(tmp_path / "pool")
-    Path(path).write_bytes(HEADER.pack(SPEC, os.getpid()))
-    assert shm.wait_for_creator(path, HEADER, SPEC, 1.0, lambda found: found.pid) == os.getpid()
-    with pytest.raises(ProtocolError, match="waited 0.05s for rank 0"):
-        shm.wait_for_creator(path, HEADER, SPEC, 0.05, lambda _found: None)  # never opens: keeps waiting
-    other = HostPoolSpec(num_layers=2, num_blocks=5, block_size=4, shared=True, name="t", rank=1, world_size=2)
-    Path(path).write_bytes(HEADER.pack(other, os.getpid()))
-    with pytest.raises(InvalidInputError, match="created with another geometry"):
-        shm.wait_for_creator(path, HEADER, SPEC, 1.0, lambda found: found)
-
-
-@pytest.mark.parametrize("module", ["hisparse_core.shm", "hisparse_core.transfer_checks"])
+@pytest.mark.parametrize("module", ["hisparse_core.shm", "hisparse_core.capacity",
+                                    "hisparse_core.transfer_checks"])
 def test_file_and_engine_helpers_import_no_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,

@@ -2,7 +2,9 @@
 
 One child process hosts one or more prefill engines; each fills real KV pages with fresh random
 bytes and serves them through its own `NixlPrefillServer`. `PrefillPeer` is the parent's handle.
-Replies are plain picklable values (bytes, tensors, lists).
+Replies are plain picklable values (bytes, numpy arrays, lists), never tensors: torch sends a
+tensor as a shared-memory descriptor through a multiprocessing helper (a `pymp-*` folder and a
+listener thread in the sender), and a child that is then killed leaves that folder behind.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ def _serve(conn: Any, specs: tuple[EngineSpec, ...]) -> None:  # runs in the chi
             conn.send(eng.server.remote_prefill(rid, pages, num_tokens).to_bytes())
         elif cmd == "pages":
             idx = torch.tensor(list(args[1]), dtype=torch.long)
-            conn.send(torch.stack([layer[idx].contiguous() for layer in eng.layers]))
+            stacked = torch.stack([layer[idx].contiguous() for layer in eng.layers])
+            conn.send((str(stacked.dtype).removeprefix("torch."), tuple(stacked.shape),
+                       stacked.view(torch.uint8).numpy()))
         elif cmd == "notices":
             conn.send([(n.request_id, n.ok) for n in eng.server.take_notices()])
         elif cmd == "outstanding":
@@ -141,7 +145,11 @@ class PrefillPeer:
         return self.call("remote", engine_id, request_id, list(pages), num_tokens)
 
     def pages(self, engine_id: str, pages: Sequence[int]) -> Any:
-        return self.call("pages", engine_id, list(pages))
+        """The bytes of `pages` in every layer: a `[layers, pages, block_size, width]` tensor."""
+        import torch
+
+        dtype, shape, raw = self.call("pages", engine_id, list(pages))
+        return torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
 
     def restart(self, engine_id: str) -> bytes:
         self.handshakes[engine_id] = self.call("restart", engine_id)

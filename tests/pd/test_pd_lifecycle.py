@@ -91,6 +91,24 @@ def test_staged_import_is_bounded_by_the_staging_slots() -> None:
         d.receiver.add_peer(MemPrefill("p1", LAYERS, 4, 16).handshake)
 
 
+def test_staged_import_through_device_slots_lands_exact_bytes() -> None:
+    """Staging slots on an accelerator (`strict_device`: mixing its tensors with CPU tensors raises,
+    as on CUDA): reads land in device memory and are copied into the host pool."""
+    from strict_device import STRICT, enable
+
+    page = BS * 656
+    staging = StagingBuffer.allocate(2, 3 * page, device=enable())
+    assert staging.tensor.device == STRICT and staging.mem_type == "VRAM"
+    d, t = decoder(staging=staging)
+    peer = MemPrefill("p0", LAYERS, 40, BS)
+    d.receiver.add_peer(peer.handshake)
+    pa, _ = admit(d, peer, "a", 61, salt=1)
+    d.run_until(["a"])
+    assert d.finished == ["a"] and staging.free_slots == 2
+    assert torch.equal(host_bytes(d, list(d.jobs["a"].host_blocks)), peer.pages(pa))
+    assert t.unsafe_cancels == [] and t.live_reads == 0
+
+
 def test_cancel_waits_for_the_read_in_flight_then_releases_every_lease() -> None:
     d, t = decoder()
     peer = MemPrefill("p0", LAYERS, 40, BS)

@@ -19,6 +19,7 @@ import hisparse_vllm  # noqa: E402
 import vllm_support as vs  # noqa: E402
 from hisparse_vllm.connector import HiSparseOffloadConnector  # noqa: E402
 from hisparse_vllm.stats import HiSparseConnectorStats  # noqa: E402
+from hisparse_core.errors import CapacityError  # noqa: E402
 
 PREFIX = list(range(10, 90))
 
@@ -73,9 +74,8 @@ def test_loading_by_module_path_builds_both_roles(model_dir: Path, module_path: 
     ({"host_pool_gib": 1, "hot_buffer_size": 16}, r"\['hot_buffer_size'\]=16: this engine's attention reads only "
                                                    r"resident GPU pages, never a hot buffer.*expected 0"),
     ({"host_pool_gib": 1, "hot_buffer_size": -16}, r"\['hot_buffer_size'\] must be an int >= 0"),
-    ({"host_pool_gib": 1e9}, r"\['host_pool_gib'\]=1000000000.0 needs .* GiB of host memory on this node, but only "
-                             r".* GiB is available and a host pool may take at most 95% of it; expected "
-                             r"host_pool_gib <= "),
+    ({"host_pool_gib": 1e9}, r"\['host_pool_gib'\]=1000000000.0 needs .* GiB \(\d+ B\) of host RAM; .* GiB is "
+                             r"available.*at most 95% of it .* may be taken: expected host_pool_gib <= "),
     ({"host_pool_gib": 1, "share_host_pool": "yes"}, r"\['share_host_pool'\] must be true or false"),
     ({"host_pool_gib": 1e-4},
      r"\['host_pool_gib'\]=0.0001 holds 6 host blocks.*needs at least 19 \(one max_model_len=256"),
@@ -83,7 +83,7 @@ def test_loading_by_module_path_builds_both_roles(model_dir: Path, module_path: 
 def test_a_bad_extra_config_fails_at_start_up_naming_the_value(model_dir: Path, extra: dict[str, object],
                                                                message: str) -> None:
     config = vs.vllm_config(model_dir, extra=extra)
-    with pytest.raises(ValueError, match=message) as info:
+    with pytest.raises((ValueError, CapacityError), match=message) as info:
         # What the engine core does first: build the scheduler, which builds and binds the connector.
         vs.Rig.build(config, num_workers=0)
     assert "\n" not in str(info.value), "one line"
@@ -221,16 +221,15 @@ def test_device_views_are_the_kv_bytes_without_a_copy() -> None:
 
 
 def test_host_pool_may_take_at_most_95_percent_of_the_available_memory() -> None:
-    from hisparse_core.errors import InvalidInputError
     from hisparse_vllm.layout import HostTierLayout
 
     layout = HostTierLayout.from_kv_cache_config(vs.kv_cache_config(32), tp_size=2)
     per_pool = layout.coordinator_config(1.0, 256)
     pool_bytes = per_pool.host_num_blocks * per_pool.host_block_stride
     layout.check_host_memory(1.0, 256, pools_on_node=1, available=int(pool_bytes / 0.95) + 1)
-    with pytest.raises(InvalidInputError, match=r"needs 0.5 GiB of host memory on this node, but only 0.5 GiB is "
-                                                r"available .* at most 95% of it; expected host_pool_gib <= 0.95"):
+    with pytest.raises(CapacityError, match=r"\['host_pool_gib'\]=1.0 needs 512.00 MiB .* of host RAM; 512.00 MiB is "
+                                            r"available.*: expected host_pool_gib <= 0.95$"):
         layout.check_host_memory(1.0, 256, pools_on_node=1, available=pool_bytes)
     # Private pools of the TP ranks of one node add up.
-    with pytest.raises(InvalidInputError, match=r"\(2 private TP-rank pools of 0.5 GiB\)"):
+    with pytest.raises(CapacityError, match=r"=1.0 \(2 private TP-rank pools on this node\) needs 1.00 GiB"):
         layout.check_host_memory(1.0, 256, pools_on_node=2, available=int(pool_bytes / 0.95) + 1)

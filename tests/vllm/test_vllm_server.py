@@ -151,6 +151,7 @@ def test_a_bad_extra_config_stops_the_server_with_one_line_in_its_output(servers
     lines = [line for line in server.output().splitlines() if "hisparse connector cannot start:" in line]
     assert len(lines) == 1, lines
     assert " ERROR " in lines[0] and "kv_connector_extra_config['host_pool_gib']=1000000000.0 needs" in lines[0]
+    assert "of host RAM" in lines[0]
     assert "expected host_pool_gib <= " in lines[0]
     assert "DefaultCPUAllocator" not in server.output()
     assert set(glob.glob("/dev/shm/hisparse_*")) <= server.shm_before, "no shared pool file left"

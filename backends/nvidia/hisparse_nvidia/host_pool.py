@@ -9,28 +9,35 @@ through its device-mapped address.
   with `cuMemHostRegister(PORTABLE | DEVICEMAP)` rather than PyTorch's power-of-two pinned
   allocator, so a 300 GiB pool costs 300 GiB, not 512.
 - Shared mode (`HostPoolSpec(shared=True)`): one file `/dev/shm/hisparse_<name>.nvpool`, one OS
-  page of header (magic, creator pid, geometry, the IPC event handle and epoch counters of
-  `hisparse_nvidia.ipc`) followed by the rows. Rank 0 builds it under a temporary name and renames
-  it into place, atomically replacing a file left by a crashed creator; peers wait until the
-  header names a live creator, map the file and register their own mapping. Only rank 0 writes;
-  peers order their reads on rank 0's IPC event. Rank 0 removes the file at `release`.
+  page of header (magic, creator, geometry, the rank table of `hisparse_core.shm`, the IPC event
+  handle and epoch counters of `hisparse_nvidia.ipc`) followed by the rows. Rank 0 builds the file
+  unnamed, registers it and names it; peers wait for the name, map the file, mark their rank and
+  register their own mapping. The name is removed as soon as every rank has mapped the file (so a
+  crash from then on leaves nothing in /dev/shm), else by rank 0 at `release` or exit. Only rank 0
+  writes; peers order their reads on rank 0's IPC event.
 
 Registration is done in chunks of at most `REGISTER_CHUNK_BYTES` (and undone in reverse), so
 pinning and unpinning a pool of hundreds of GiB neither hits per-call limits nor stalls in one
 multi-minute driver call. The usable capacity (`spec.nbytes`) is the same in both modes.
+
+At interpreter exit a pool still held is not unregistered or unmapped: the driver unpins a dying
+process's registrations and the kernel unmaps its memory anyway, and doing it by hand only delays
+the exit past a scheduler's kill wait (`bench/bench_pool_release.py` measures both ways;
+`HISPARSE_UNREGISTER_AT_EXIT=1` unregisters anyway). `release()` always unregisters.
 """
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
-import re
 import threading
 import weakref
 
 import torch
 
 from hisparse_core import shm
+from hisparse_core.capacity import check_host_pool
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.host_pool import OS_PAGE, HostPoolSpec, LayerMajorHostPool
 
@@ -40,8 +47,10 @@ from hisparse_nvidia.ipc import CHANNEL_END, WriterChannel
 HUGE_PAGE = 2 << 20
 #: Largest single cuMemHostRegister call (bytes, a multiple of 2 MiB).
 REGISTER_CHUNK_BYTES = 32 << 30
-_HEADER = shm.PoolHeader(b"HISPARSE-NVPOOL1", with_nbytes=True)
-assert _HEADER.size <= 512 and CHANNEL_END <= OS_PAGE
+_HEADER = shm.PoolHeader(b"HISPARSE-NVPOOL2")
+assert _HEADER.size <= 512 and CHANNEL_END <= shm.RANKS_OFFSET and OS_PAGE == shm.HEADER_PAGE
+#: Set to 1 to unregister (and unmap) pools still held at interpreter exit.
+ENV_UNREGISTER_AT_EXIT = "HISPARSE_UNREGISTER_AT_EXIT"
 
 # Registered ranges of every live pool of this process: host start -> (bytes, device start).
 _registry_lock = threading.Lock()
@@ -66,20 +75,22 @@ def shm_path(name: str) -> str:
     return shm.shm_path(name, ".nvpool")
 
 
-def _remove_stale_temporaries(path: str) -> None:
-    """Temporary files of creators that died while building the pool."""
-    folder, base = os.path.split(path)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for n in names:
-        m = re.fullmatch(re.escape(base) + r"\.(\d+)\.tmp", n)
-        if m and not shm.pid_alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(folder, n))
-            except OSError:
-                pass
+_exiting = False
+_exit_hook_registered = False
+
+
+def _mark_exiting() -> None:
+    global _exiting
+    _exiting = True
+
+
+def _register_exit_hook() -> None:
+    """Registered after the pool's `weakref.finalize`, so it runs before the finalizers at exit
+    (atexit runs the latest registration first)."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_mark_exiting)
+        _exit_hook_registered = True
 
 
 class _Registration:
@@ -138,7 +149,11 @@ class _Registration:
 
 
 def _cleanup(registration: _Registration | None, channel: WriterChannel | None, mm: mmap.mmap | None,
-             path: str | None, inode: int | None) -> None:
+             file: shm.PoolFile | None) -> None:
+    if file is not None:
+        file.close()  # first: the /dev/shm name must go however the rest ends
+    if _exiting and os.environ.get(ENV_UNREGISTER_AT_EXIT, "") != "1":
+        return  # the driver unpins and the kernel unmaps a dying process's memory (module docstring)
     if channel is not None:
         channel.close()
     if registration is not None:
@@ -148,12 +163,6 @@ def _cleanup(registration: _Registration | None, channel: WriterChannel | None, 
             mm.close()
         except BufferError:
             pass  # views still alive elsewhere: the mapping goes with the last of them
-    if path is not None:
-        try:
-            if os.stat(path).st_ino == inode:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 class NvidiaHostPool(LayerMajorHostPool):
@@ -165,39 +174,46 @@ class NvidiaHostPool(LayerMajorHostPool):
         self.spec = spec
         self._device = device
         self._path: str | None = None
-        self._inode: int | None = None
+        self._file: shm.PoolFile | None = None
         self._channel: WriterChannel | None = None
         self._mm: mmap.mmap | None = None
         self._registration: _Registration | None = None
         self._rows: torch.Tensor | None = None
+        check_host_pool(spec, self._file_bytes() if spec.shared else None)
         if spec.shared:
             path = shm_path(spec.name or "")
             data_offset = OS_PAGE
             if spec.rank == 0:
-                self._create(path)
+                self._file = shm.create(path, _HEADER, spec, self._file_bytes())
             else:
-                self._attach(path, peer_timeout_s)
+                self._file = shm.attach(path, _HEADER, spec, self._file_bytes(), peer_timeout_s)
         else:
             data_offset = self._allocate_private()
-        assert self._mm is not None
         try:
+            if self._file is not None:
+                self._mm = mmap.mmap(self._file.fd, self._file_bytes(), flags=mmap.MAP_SHARED)
+                if spec.rank != 0:
+                    self._file.mark_mapped(spec.rank)  # before the slow registration: the name goes early
+            assert self._mm is not None
             base = _address(self._mm)
             self._registration = _Registration(device, base + data_offset, spec.nbytes)
             raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=spec.nbytes, offset=data_offset)
             fmt = spec.row_format
             self._rows = raw.view(fmt.dtype).view(spec.num_layers * spec.rows_per_layer, fmt.width)
             if spec.shared:
-                self._channel = WriterChannel(base, writer=spec.rank == 0, create=spec.rank == 0)
-            if spec.shared and spec.rank == 0:
-                assert self._path is not None
-                os.replace(self._tmp, self._path)  # publish: peers may map it from now on
+                assert self._file is not None
+                self._channel = WriterChannel(base, writer=spec.rank == 0, create=spec.rank == 0,
+                                              creator=None if spec.rank == 0 else self._file.creator)
+            if self._file is not None and spec.rank == 0:
+                self._file.publish()  # peers may map it from now on
+                self._path = path
         except BaseException:
             self._rows = None
-            _cleanup(self._registration, self._channel, self._mm, getattr(self, "_tmp", None), self._inode)
+            _cleanup(self._registration, self._channel, self._mm, self._file)
             self._mm = None
             raise
-        self._finalizer = weakref.finalize(self, _cleanup, self._registration, self._channel, self._mm,
-                                           self._path, self._inode)
+        self._finalizer = weakref.finalize(self, _cleanup, self._registration, self._channel, self._mm, self._file)
+        _register_exit_hook()
 
     # ----------------------------------------------------------------- allocation
 
@@ -225,38 +241,6 @@ class NvidiaHostPool(LayerMajorHostPool):
     def _file_bytes(self) -> int:
         return OS_PAGE + -(-self.spec.nbytes // OS_PAGE) * OS_PAGE
 
-    def _create(self, path: str) -> None:
-        shm.refuse_live_creator(path, _HEADER, self.spec)
-        _remove_stale_temporaries(path)
-        self._tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(self._tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            try:
-                os.ftruncate(fd, self._file_bytes())
-            except OSError as exc:
-                os.unlink(self._tmp)
-                raise CapacityError(f"could not size {self._tmp} to {self._file_bytes()} bytes: {exc}") from exc
-            os.pwrite(fd, _HEADER.pack(self.spec, os.getpid()), 0)
-            self._inode = os.fstat(fd).st_ino
-            self._mm = mmap.mmap(fd, self._file_bytes(), flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self._path = path
-
-    def _attach(self, path: str, timeout_s: float) -> None:
-        self._mm = shm.wait_for_creator(path, _HEADER, self.spec, timeout_s,
-                                        lambda found: self._map_published(path, found.inode))
-
-    def _map_published(self, path: str, inode: int) -> mmap.mmap | None:
-        """Map `path` if it is still file `inode` at full size; None (keep waiting) otherwise."""
-        fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(fd).st_ino == inode and os.fstat(fd).st_size == self._file_bytes():
-                return mmap.mmap(fd, self._file_bytes(), flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        return None
-
     # ----------------------------------------------------------------- HostPool
 
     @property
@@ -279,8 +263,9 @@ class NvidiaHostPool(LayerMajorHostPool):
         if self._rows is None:
             return
         self._rows = None
-        self._finalizer()  # unregister, close the event, unmap, remove the file (rank 0)
+        self._finalizer()  # remove a /dev/shm name left, unregister, close the event, unmap
         self._mm = None
+        self._file = None
         self._channel = None
         self._registration = None
         self._path = None

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from hisparse_core.errors import ProtocolError
+from hisparse_core.shm import Creator
 
 from hisparse_nvidia import driver
 
@@ -38,11 +39,14 @@ class WriterChannel:
 
     `header_address` is the address of the mapped header page (shared by all ranks). The
     writer passes `create=True` and publishes the handle there before the pool file is visible.
+    A peer passes the pool's `creator`, so that its `wait` fails at once when rank 0 has died
+    instead of waiting out the timeout.
     """
 
-    def __init__(self, header_address: int, *, writer: bool, create: bool) -> None:
+    def __init__(self, header_address: int, *, writer: bool, create: bool, creator: Creator | None = None) -> None:
         self._base = header_address
         self._writer = writer
+        self._creator = creator
         self._write = ctypes.c_uint64.from_address(header_address + WRITE_EPOCH_OFFSET)
         self._done = ctypes.c_uint64.from_address(header_address + DONE_EPOCH_OFFSET)
         if create:
@@ -87,9 +91,17 @@ class WriterChannel:
         """Peer: order `stream` after the writer's writes of `epoch` (a GPU-side wait)."""
         if epoch <= 0:
             return
-        deadline = time.monotonic() + timeout_s
+        now = time.monotonic()
+        deadline, next_look = now + timeout_s, now + 0.1
         while self._write.value < epoch:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > next_look:  # waiting cannot help once the writer is gone
+                next_look = now + 0.1
+                if self._creator is not None and self._creator.state() == "dead":
+                    raise ProtocolError(
+                        f"rank 0 ({self._creator.describe()}) died before publishing host-pool writes of epoch "
+                        f"{epoch} (it published {self._write.value}): restart the deployment (every rank)")
+            if now > deadline:
                 raise ProtocolError(
                     f"waited {timeout_s}s for rank 0 to publish host-pool writes of epoch {epoch} "
                     f"(it published {self._write.value})")

@@ -51,6 +51,22 @@ def pytest_configure(config: pytest.Config) -> None:
     if examples is not None and examples < 1:
         raise pytest.UsageError(f"--hisparse-examples must be >= 1, got {examples}")
     examples_override = examples
+    if _suite_requested(config):
+        _require_backend(config)
+
+
+def _require_backend(config: pytest.Config) -> None:
+    """A session that runs the suite on a backend that cannot be selected fails once, before
+    collection, with the registry's reason (not once per test)."""
+    from hisparse_core.errors import BackendError
+
+    try:
+        selected_backend(config)
+    except BackendError as exc:
+        source = "--hisparse-backend" if config.getoption("hisparse_backend") else (
+            f"${ENV_BACKEND}" if os.environ.get(ENV_BACKEND) else "the default backend")
+        raise pytest.UsageError(
+            f"hisparse conformance: {source} {backend_name(config)!r} cannot be selected: {exc}") from None
 
 
 def backend_name(config: pytest.Config) -> str:

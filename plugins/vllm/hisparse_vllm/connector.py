@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hisparse_core.backend import Capability
-from hisparse_core.errors import BackendError, InvalidInputError, ProtocolError
+from hisparse_core.errors import BackendError, HiSparseError, InvalidInputError, ProtocolError
 from hisparse_core.registry import Selection, get_registry
 
 from hisparse_vllm.config import ConnectorConfig
@@ -69,7 +69,7 @@ def _one_line_errors() -> Iterator[None]:
     so it stands out in the terminal above vLLM's generic "Engine core initialization failed"."""
     try:
         yield
-    except InvalidInputError as exc:
+    except HiSparseError as exc:
         logger.error("hisparse connector cannot start: %s", exc)
         raise
 

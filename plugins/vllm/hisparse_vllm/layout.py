@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse_core import host_memory
+from hisparse_core import capacity
 from hisparse_core.coordinator import CoordinatorConfig
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, register_row_format
@@ -157,21 +157,18 @@ class HostTierLayout:
                           available: int | None = None) -> None:
         """Refuse, before anything is allocated, a pool this node cannot hold: the `pools_on_node`
         pools of this node (1 when the TP ranks share one) may take at most 95% of the available
-        host memory, upstream vLLM's rule. Raises `InvalidInputError` naming `host_pool_gib`."""
+        host RAM (`hisparse_core.capacity`, upstream vLLM's rule). Raises `CapacityError` naming
+        `host_pool_gib` and the largest value that fits."""
         cfg = self.coordinator_config(host_pool_gib, max_model_len)
         per_pool = cfg.host_num_blocks * cfg.host_block_stride
-        avail = host_memory.available_bytes() if available is None else available
-        limit = host_memory.limit_bytes(avail)
-        if limit is None or per_pool * pools_on_node <= limit:
+        avail = capacity.available_host_bytes() if available is None else available
+        if avail is None:
             return
-        assert avail is not None
-        pools = "" if pools_on_node == 1 else f" ({pools_on_node} private TP-rank pools of {per_pool / 2**30:.3g} GiB)"
-        most = limit / pools_on_node / per_pool * host_pool_gib
-        raise InvalidInputError(
-            f"kv_connector_extra_config['host_pool_gib']={host_pool_gib} needs "
-            f"{per_pool * pools_on_node / 2**30:.3g} GiB of host memory on this node{pools}, but only "
-            f"{avail / 2**30:.3g} GiB is available and a host pool may take at most "
-            f"{host_memory.MAX_FRACTION:.0%} of it; expected host_pool_gib <= {most:.4g}")
+        most = avail * capacity.HOST_FRACTION / pools_on_node / per_pool * host_pool_gib
+        pools = "" if pools_on_node == 1 else f" ({pools_on_node} private TP-rank pools on this node)"
+        capacity.check_host_memory(per_pool * pools_on_node, f"kv_connector_extra_config['host_pool_gib']="
+                                   f"{host_pool_gib}{pools}", available=avail,
+                                   remedy=f"expected host_pool_gib <= {most:.4g}")
 
     # ----------------------------------------------------------------- worker side
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hisparse_core.backend import Capability
-from hisparse_core.errors import ProtocolError
+from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.registry import select_backend
 from hisparse_core.worker import CacheGroup, HiSparseWorker
@@ -84,6 +84,10 @@ class WorkerSide:
         layout, cfg, vc = self._layout, self._config, self._vllm_config
         views = layout.device_views(kv_caches)  # validate the tensors before allocating anything
         backend = select_backend(cfg.backend)
+        for name, view in ((n, v) for names, vs in zip(layout.group_layers, views) for n, v in zip(names, vs)):
+            if view.device != backend.device:  # before the host pool exists: nothing to release
+                raise InvalidInputError(f"KV cache of layer {name!r} is on {view.device}; backend {backend.name!r} "
+                                        f"runs on {backend.device}, so its tables and caches must be there too")
         sharing = Capability.INDEX_SHARING in backend.capabilities
         max_seqs = vc.scheduler_config.max_num_seqs
         groups: list[CacheGroup] = []

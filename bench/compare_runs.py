@@ -1,0 +1,62 @@
+"""Two `hisparse run --json` documents of one workload side by side: the figures the resolver
+contract fixes must be equal (exit 1 naming each that is not), and the speed figures are shown.
+
+    python3 bench/compare_runs.py RUN.json BASELINE.json [--expect-backend nvidia]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+#: Summary figures that depend only on the workload (docs/resolver-contract.md, replay/acks.py).
+EXACT = ("steps", "decode_rows", "hits", "misses", "hit_rate", "resident_entries", "rows_h2d", "bytes_h2d",
+         "bytes_d2h", "prefix_hit_tokens", "prefill_tokens_computed", "requests_admitted", "requests_finished",
+         "max_concurrency_hisparse_measured", "host_pool_peak_blocks", "attention_entries_checked", "pages")
+SPEED = ("steps_per_s", "step_ms_mean", "decode_device_ms", "decode_mode", "graph_sizes", "wall_s")
+
+
+def _text(v: object) -> str:
+    if isinstance(v, dict):
+        return " ".join(f"{k}={x}" for k, x in v.items())
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run")
+    p.add_argument("baseline")
+    p.add_argument("--expect-backend", help="fail unless RUN used this backend")
+    args = p.parse_args()
+    docs = [json.load(open(path)) for path in (args.run, args.baseline)]
+    names = [d["backend"]["name"] for d in docs]
+    if docs[0]["config"]["requests"] != docs[1]["config"]["requests"]:
+        print(f"compare_runs: the two runs replay different workloads: {args.run} vs {args.baseline}")
+        return 2
+    rows = [("backend", *names), ("device", *(d["backend"].get("gpu", d["backend"]["device"]) for d in docs))]
+    bad = []
+    for key in EXACT:
+        a, b = (d["summary"][key] for d in docs)
+        rows.append((key, _text(a), _text(b) + ("" if a == b else "   <-- differs")))
+        if a != b:
+            bad.append(key)
+    for key in SPEED:
+        rows.append((key, *(_text(d["summary"][key]) for d in docs)))
+    for phase in docs[0]["summary"]["phase_ms"]:
+        rows.append((f"ms/step {phase}", *(f"{d['summary']['phase_ms'][phase]:.2f}" for d in docs)))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print(f"{r[0].ljust(width[0])}  {r[1].ljust(width[1])}  {r[2]}")
+    if args.expect_backend and names[0] != args.expect_backend:
+        print(f"compare_runs: {args.run} ran on {names[0]!r}, expected {args.expect_backend!r}")
+        return 1
+    if bad:
+        print(f"compare_runs: {names[0]} and {names[1]} differ in {', '.join(bad)}")
+        return 1
+    print(f"compare_runs: every contract figure of {names[0]} equals {names[1]}'s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""What the backend says about itself: the class's capabilities (what the suite gates on and what
+runs) are the ones its plugin's `BackendSpec` advertises in `hisparse backends`."""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse_core.backend import Backend, Capability
+from hisparse_core.errors import BackendNotFoundError
+
+
+def test_the_class_declares_what_its_plugin_advertises(hisparse_backend: Backend) -> None:
+    from hisparse_core.registry import get_registry
+
+    cls = type(hisparse_backend)
+    try:
+        spec = get_registry().spec(hisparse_backend.name)
+    except BackendNotFoundError:
+        pytest.skip(f"backend {hisparse_backend.name!r} is not registered through a plugin (a fixture override)")
+    if spec.factory != f"{cls.__module__}:{cls.__qualname__}":
+        pytest.skip(f"the backend under test is {cls.__module__}:{cls.__qualname__}, not the registered "
+                    f"{spec.factory} (a fixture override)")
+    declared, actual = frozenset(spec.capabilities), frozenset(cls.capabilities)
+    assert declared == actual, (
+        f"capability drift: the BackendSpec advertises {sorted(declared - actual)} that {spec.factory} lacks, and "
+        f"{spec.factory} declares {sorted(actual - declared)} that the BackendSpec does not")
+    assert actual <= Capability.ALL, f"unknown capabilities {sorted(actual - Capability.ALL)}"

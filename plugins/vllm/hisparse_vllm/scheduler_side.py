@@ -321,9 +321,9 @@ class SchedulerSide:
         gib = full * self._coord_config.host_block_stride / 2**30 * self._config.host_pool_gib \
             / self._coord_config.host_pool_gib
         message = (f"hisparse host pool full: {running} scheduled requests lease {before.host_blocks_used} of "
-                   f"{before.host_blocks_total} usable host blocks ({before.host_blocks_cached} of them cached) and "
-                   f"this step writes {wanted} new pages; request(s) {dropped} run on without host copies (nothing "
-                   f"waits: their later pages cannot be prefix hits, concurrency is unchanged). "
+                   f"{before.host_blocks_total} usable host blocks ({before.host_blocks_cached} more hold cached "
+                   f"pages) and this step writes {wanted} new pages; request(s) {dropped} run on without host "
+                   "copies (nothing waits: their later pages cannot be prefix hits, concurrency is unchanged). "
                    f"host_pool_gib={self._config.host_pool_gib} holds {before.host_blocks_total + 1} blocks; "
                    f"host_pool_gib >= {_round_up(gib)} would cache all {len(self._requests)} requests to their full "
                    "length")

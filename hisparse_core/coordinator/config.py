@@ -24,7 +24,8 @@ class CoordinatorConfig:
     - `row_bytes`: bytes of one token's row in one layer (656 for fp8_ds_mla).
     - `max_model_len`: longest request; the pool must hold one plus the active tail.
     - `num_resident_groups`: resident GPU cache groups; each page has one GPU block per group.
-    - `hot_blocks_per_request`: GPU blocks a request's hot buffer leases once it reads from host.
+    - `hot_blocks_per_request`: GPU blocks a request's hot buffer leases once it reads from host;
+      0 where attention reads resident pages only (no hot buffer is leased).
     - `active_tail_pages`: the newest pages of a request are never released (upstream uses 2).
     - `stride_alignment`: the host block stride is rounded up to this many bytes (the OS page for
       a shared pool, 1 for a private one) before dividing the budget.
@@ -53,9 +54,12 @@ class CoordinatorConfig:
                 or not self.host_pool_gib > 0:
             raise InvalidInputError(f"CoordinatorConfig.host_pool_gib must be a positive number, got "
                                     f"{self.host_pool_gib!r}")
-        for name in ("num_layers", "block_size", "row_bytes", "max_model_len", "hot_blocks_per_request",
-                     "num_resident_groups", "stride_alignment", "max_releases_per_step"):
+        for name in ("num_layers", "block_size", "row_bytes", "max_model_len", "num_resident_groups",
+                     "stride_alignment", "max_releases_per_step"):
             _positive(name, getattr(self, name))
+        hot = self.hot_blocks_per_request
+        if isinstance(hot, bool) or not isinstance(hot, int) or hot < 0:
+            raise InvalidInputError(f"CoordinatorConfig.hot_blocks_per_request must be an int >= 0, got {hot!r}")
         if isinstance(self.active_tail_pages, bool) or not isinstance(self.active_tail_pages, int) \
                 or self.active_tail_pages < 1:
             raise InvalidInputError(f"CoordinatorConfig.active_tail_pages must be an int >= 1, got "

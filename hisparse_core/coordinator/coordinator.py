@@ -245,7 +245,7 @@ class HiSparseCoordinator:
             if self._host.num_free - unleased < 1:
                 raise CapacityError(f"prefix hit of {hit} tokens needs 1 host block for the copy-on-write of "
                                     f"page {full}; the pool has {self._host.num_free - unleased} allocatable")
-        hot = self._gpu.acquire(self._config.hot_blocks_per_request) if full else None
+        hot = self._acquire_hot() if full else None
         self._host.touch(blocks[:full])
         rec = RequestPages(request_id, root, self._config.active_tail_pages)
         rec.host = list(blocks[:full])
@@ -446,7 +446,7 @@ class HiSparseCoordinator:
         if pages > self._host.num_free:
             raise CapacityError(f"host import of {num_tokens} tokens needs {pages} host blocks; "
                                 f"{self._host.num_free} are allocatable")
-        hot = tuple(self._gpu.acquire(self._config.hot_blocks_per_request))
+        hot = self._acquire_hot()
         blocks = self._host.allocate(pages)
         self._imports[request_id] = HostImport(request_id, token_ids, num_tokens, root_hash(extra_key), blocks, hot)
         return tuple(blocks)
@@ -522,6 +522,11 @@ class HiSparseCoordinator:
                 and request_id not in self._import_choice:
             raise InvalidInputError(f"unknown request {request_id!r}: not admitted, importing or choosing an "
                                     f"import target")
+
+    def _acquire_hot(self) -> tuple[int, ...]:
+        """A hot buffer's GPU blocks; none (and no allocator call) when the config asks for none."""
+        n = self._config.hot_blocks_per_request
+        return tuple(self._gpu.acquire(n)) if n else ()
 
     def _check_new_id(self, request_id: str) -> None:
         if not isinstance(request_id, str):

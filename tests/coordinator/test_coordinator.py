@@ -65,7 +65,8 @@ def test_pool_too_small_for_one_request_is_refused_with_numbers() -> None:
 
 
 @pytest.mark.parametrize("field,value", [("block_size", 0), ("host_pool_gib", -1.0), ("active_tail_pages", 0),
-                                         ("num_layers", True), ("pressure_watermark_blocks", -3)])
+                                         ("num_layers", True), ("pressure_watermark_blocks", -3),
+                                         ("hot_blocks_per_request", -1), ("hot_blocks_per_request", True)])
 def test_bad_config_values_are_named(field: str, value: object) -> None:
     with pytest.raises(InvalidInputError, match=field):
         small_config(**{field: value})
@@ -179,6 +180,24 @@ def test_prefix_hit_reuses_published_pages_and_reads_them_from_host() -> None:
     (table,) = engine.coord.take_table_updates()
     assert table.host_block_ids[:2] == (1, 2) and len(table.hot_block_ids or ()) == 2
     assert engine.coord.stats().prefix_hit_tokens == 8
+
+
+def test_no_hot_buffer_is_leased_when_the_config_asks_for_none() -> None:
+    # Engines whose attention reads resident pages only (vLLM's) configure 0 hot blocks: a prefix
+    # hit then takes no GPU block beyond the pages the engine allocates itself.
+    engine = MiniEngine(small_config(hot_blocks_per_request=0, pressure_watermark_blocks=0), gpu_blocks=32)
+    workers = MiniWorkers(1)
+    run_prompt(engine, workers, "a", list(range(10)))
+    engine.step({}, finished=("a",))
+    free = engine.gpu.num_free_blocks
+    assert engine.admit("b", list(range(8)) + [99, 98, 97]) == 8
+    assert engine.gpu.num_free_blocks == free, "the hit leased no hot buffer"
+    engine.step({"b": 3})
+    (table,) = engine.coord.take_table_updates()
+    assert table.hot_block_ids == ()
+    engine.step({}, finished=("b",))
+    workers.ack_all(engine.coord)
+    assert engine.coord.stats().running_requests == 0
 
 
 def test_hit_capped_inside_a_page_copies_on_write_and_restores() -> None:

@@ -19,6 +19,7 @@ import hisparse_vllm  # noqa: E402
 import vllm_support as vs  # noqa: E402
 from hisparse_vllm.connector import HiSparseOffloadConnector  # noqa: E402
 from hisparse_vllm.stats import HiSparseConnectorStats  # noqa: E402
+from hisparse_core.errors import CapacityError  # noqa: E402
 
 PREFIX = list(range(10, 90))
 
@@ -70,17 +71,36 @@ def test_loading_by_module_path_builds_both_roles(model_dir: Path, module_path: 
     ({"host_pool_gib": 1, "host_pool_gb": 1}, r"unknown key\(s\) \['host_pool_gb'\]"),
     ({"host_pool_gib": 1, "backend": "no-such-backend"}, r"no hisparse backend named 'no-such-backend'"),
     ({"host_pool_gib": 1, "backend": ""}, r"\['backend'\] must be a backend name"),
-    ({"host_pool_gib": 1, "hot_buffer_size": 24}, r"\['hot_buffer_size'\]=24 must be a multiple of the KV block size 16"),
-    ({"host_pool_gib": 1, "hot_buffer_size": 0}, r"\['hot_buffer_size'\] must be a positive int"),
+    ({"host_pool_gib": 1, "hot_buffer_size": 16}, r"\['hot_buffer_size'\]=16: this engine's attention reads only "
+                                                   r"resident GPU pages, never a hot buffer.*expected 0"),
+    ({"host_pool_gib": 1, "hot_buffer_size": -16}, r"\['hot_buffer_size'\] must be an int >= 0"),
+    ({"host_pool_gib": 1e9}, r"\['host_pool_gib'\]=1000000000.0 needs .* GiB \(\d+ B\) of host RAM; .* GiB is "
+                             r"available.*at most 95% of it .* may be taken: expected host_pool_gib <= "),
     ({"host_pool_gib": 1, "share_host_pool": "yes"}, r"\['share_host_pool'\] must be true or false"),
-    ({"host_pool_gib": 1e-4}, r"\['host_pool_gib'\]=0.0001 holds 6 host blocks.*needs at least 19 \(one max_model_len=256"),
+    ({"host_pool_gib": 1e-4},
+     r"\['host_pool_gib'\]=0.0001 holds 6 host blocks.*needs at least 19 \(one max_model_len=256"),
 ])
 def test_a_bad_extra_config_fails_at_start_up_naming_the_value(model_dir: Path, extra: dict[str, object],
                                                                message: str) -> None:
     config = vs.vllm_config(model_dir, extra=extra)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, CapacityError), match=message) as info:
         # What the engine core does first: build the scheduler, which builds and binds the connector.
         vs.Rig.build(config, num_workers=0)
+    assert "\n" not in str(info.value), "one line"
+
+
+def test_the_first_hook_vllm_calls_with_the_config_checks_it(model_dir: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM asks the connector class for a KV-cache layout in the engine core before it builds
+    the KV cache and the connectors; a bad key fails there, one ERROR line first."""
+    assert HiSparseOffloadConnector.get_required_kvcache_layout(vs.vllm_config(model_dir)) is None
+    bad = vs.vllm_config(model_dir, extra={"host_pool_gib": 1, "hot_bufer_size": 16})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['hot_bufer_size'\]"):
+        HiSparseOffloadConnector.get_required_kvcache_layout(bad)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ["hisparse connector cannot start: kv_connector_extra_config has unknown key(s) "
+                      "['hot_bufer_size']; expected only ['host_pool_gib', 'backend', 'hot_buffer_size', "
+                      "'share_host_pool']"]
 
 
 def test_auto_backend_selects_automatically(model_dir: Path) -> None:
@@ -109,19 +129,21 @@ def test_stats_report_bytes_both_ways_host_usage_and_prefix_hits(model_dir: Path
     page_bytes = 2 * vs.BLOCK * vs.HEADS * vs.HEAD_DIM * 4  # one layer's page: K and V, fp32
     spilled = (100 + 3) // vs.BLOCK  # pages sealed by the last step that computed a token of "a"
     assert collected().total("device_to_host_bytes") == spilled * page_bytes * len(vs.LAYERS)
-    assert collected().total("prefix_hit_tokens") == 0
+    assert collected().total("prefix_matched_tokens") == 0
     assert rig.scheduler.reset_prefix_cache()
     rig.add("b", PREFIX + [7] * 4, max_tokens=2)
     rig.run()
     stats = collected()
-    assert stats.total("prefix_hit_tokens") == 80 and stats.total("prefix_loaded_tokens") == 80
+    assert stats.total("prefix_matched_tokens") == 80 and stats.total("prefix_loaded_tokens") == 80
     assert stats.total("host_to_device_bytes") == 5 * page_bytes * len(vs.LAYERS)
     assert stats.total("device_to_host_bytes") == spilled * page_bytes * len(vs.LAYERS), "b's prefix came from host"
-    assert stats.total("hot_hits") == 0 and stats.total("hot_misses") == 0, "no sparse attention on a stock engine"
+    assert "hot_hits" not in stats.data and "hot_misses" not in stats.data, "no hot buffer on vLLM's attention"
     assert stats.last("pending_transfers") == 0 and stats.last("host_pool_usage") == 0
     assert stats.last("host_blocks_cached") == spilled, "published pages stay cached for later prefix hits"
+    assert stats.last("host_pool_cached") == spilled / stats.last("host_blocks_total")
+    assert stats.last("requests_uncached") == 0 and stats.total("host_evicted_blocks") == 0
     reduced = stats.reduce()
-    assert reduced["hisparse prefix_hit_tokens"] == 80 and reduced["hisparse host_pool_usage"] == 0
+    assert reduced["hisparse prefix_matched_tokens"] == 80 and reduced["hisparse host_pool_usage"] == 0
     rig.assert_no_leaks()
 
 
@@ -130,20 +152,25 @@ def test_prometheus_metrics_count_and_gauge(model_dir: Path) -> None:
     metrics = HiSparseOffloadConnector.build_prom_metrics(
         config, {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["model_name", "engine"], {0: ["tiny", "0"]})
     try:
-        data = HiSparseConnectorStats().record(hot_hits=3, hot_misses=1, host_to_device_bytes=4096,
-                                               device_to_host_bytes=8192, prefix_hit_tokens=64,
-                                               host_pool_usage=0.25, pending_transfers=2)
-        data.record(hot_hits=2, host_pool_usage=0.5)
+        data = HiSparseConnectorStats().record(host_to_device_bytes=4096, device_to_host_bytes=8192,
+                                               prefix_matched_tokens=64, prefix_loaded_tokens=32,
+                                               host_evicted_blocks=3, host_pool_usage=0.25, host_pool_cached=0.5,
+                                               host_blocks_cached=9, pending_transfers=2, requests_uncached=1)
+        data.record(host_evicted_blocks=2, host_pool_usage=0.5, requests_uncached=0)
         metrics.observe(data.to_dict(), engine_idx=0)
         labels = {"model_name": "tiny", "engine": "0"}
         value = lambda name: REGISTRY.get_sample_value(name, labels)  # noqa: E731
-        assert value("vllm:hisparse_hot_hits_total") == 5
-        assert value("vllm:hisparse_hot_misses_total") == 1
         assert value("vllm:hisparse_host_to_device_bytes_total") == 4096
         assert value("vllm:hisparse_device_to_host_bytes_total") == 8192
-        assert value("vllm:hisparse_prefix_hit_tokens_total") == 64
+        assert value("vllm:hisparse_host_prefix_matched_tokens_total") == 64
+        assert value("vllm:hisparse_prefix_loaded_tokens_total") == 32
+        assert value("vllm:hisparse_host_evicted_blocks_total") == 5
         assert value("vllm:hisparse_host_pool_usage_perc") == 0.5
+        assert value("vllm:hisparse_host_pool_cached_perc") == 0.5
+        assert value("vllm:hisparse_host_blocks_cached") == 9
         assert value("vllm:hisparse_pending_transfers") == 2
+        assert value("vllm:hisparse_requests_uncached") == 0, "a level keeps its latest value, 0 included"
+        assert value("vllm:hisparse_hot_hits_total") is None and value("vllm:hisparse_hot_misses_total") is None
     finally:
         for collector, names in list(REGISTRY._collector_to_names.items()):
             if any(n.startswith("vllm:hisparse_") for n in names):
@@ -163,7 +190,7 @@ def test_layout_shares_the_budget_by_tensor_parallel_shards_unless_pages_are_rep
     sharded = HostTierLayout.from_kv_cache_config(vs.kv_cache_config(32), tp_size=2)
     assert not sharded.replicated and sharded.rank_budget_gib(1.0) == 0.5
     assert sharded.row_bytes == 2 * vs.HEADS * vs.HEAD_DIM * 4  # one token slot's share of a page
-    assert sharded.coordinator_config(1.0, 256, 16).host_num_blocks == (2**30 // 2) // (2 * 16 * 512)
+    assert sharded.coordinator_config(1.0, 256).host_num_blocks == (2**30 // 2) // (2 * 16 * 512)
     mla = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["l0"], MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))])
     replicated = HostTierLayout.from_kv_cache_config(mla, tp_size=8)
@@ -191,3 +218,18 @@ def test_device_views_are_the_kv_bytes_without_a_copy() -> None:
     strided = {name: torch.randn(vs.HEADS, 8, vs.BLOCK, 2 * vs.HEAD_DIM).transpose(0, 1) for name in vs.LAYERS}
     with pytest.raises(InvalidInputError, match="is not contiguous"):
         layout.device_views(strided)
+
+
+def test_host_pool_may_take_at_most_95_percent_of_the_available_memory() -> None:
+    from hisparse_vllm.layout import HostTierLayout
+
+    layout = HostTierLayout.from_kv_cache_config(vs.kv_cache_config(32), tp_size=2)
+    per_pool = layout.coordinator_config(1.0, 256)
+    pool_bytes = per_pool.host_num_blocks * per_pool.host_block_stride
+    layout.check_host_memory(1.0, 256, pools_on_node=1, available=int(pool_bytes / 0.95) + 1)
+    with pytest.raises(CapacityError, match=r"\['host_pool_gib'\]=1.0 needs 512.00 MiB .* of host RAM; 512.00 MiB is "
+                                            r"available.*: expected host_pool_gib <= 0.95$"):
+        layout.check_host_memory(1.0, 256, pools_on_node=1, available=pool_bytes)
+    # Private pools of the TP ranks of one node add up.
+    with pytest.raises(CapacityError, match=r"=1.0 \(2 private TP-rank pools on this node\) needs 1.00 GiB"):
+        layout.check_host_memory(1.0, 256, pools_on_node=2, available=int(pool_bytes / 0.95) + 1)

@@ -1,12 +1,14 @@
 """A real vLLM `LLM` on CPU with the connector and the reference_cpu backend (engine_run.py).
 
-Both engines (with and without the connector) run at once, each in its own process.
+Three engines run at once, each in its own process: without the connector (`plain`), with it
+(`connector`, 0.05 GiB host pool), and with the smallest host pool it accepts (`small-pool`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +21,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_v
 import vllm_support as vs  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("engine_run.py")
+HOST_BLOCK = 2 * 32 * vs.HEADS * vs.HEAD_DIM * 4 * len(vs.LAYERS)  # one host block: every layer's 32-token page
 
 
-def _start(model_dir: Path, *flags: str) -> subprocess.Popen[str]:
+def _start(model_dir: Path, mode: str) -> subprocess.Popen[str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(model_dir), *flags], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(model_dir), mode], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -32,39 +35,40 @@ def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
     lines = [line for line in out.splitlines() if line.startswith("ENGINE_REPORT ")]
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{out[-6000:]}")
-    return json.loads(lines[-1].removeprefix("ENGINE_REPORT "))
+    return {"output": out, **json.loads(lines[-1].removeprefix("ENGINE_REPORT "))}
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     model_dir = vs.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-engine"))
-    plain, hisparse = _start(model_dir), _start(model_dir, "--connector")
-    return _report(plain), _report(hisparse)
+    procs = {mode: _start(model_dir, mode) for mode in ("plain", "connector", "small-pool")}
+    return {mode: _report(proc) for mode, proc in procs.items()}
 
 
 @pytest.mark.slow
-def test_greedy_outputs_are_identical_with_and_without_the_connector(reports: tuple[dict, dict]) -> None:
-    plain, hisparse = reports
+def test_greedy_outputs_are_identical_with_and_without_the_connector(reports: dict) -> None:
+    plain, hisparse = reports["plain"], reports["connector"]
     assert hisparse["batch1"] == plain["batch1"]
     assert hisparse["batch2"] == plain["batch2"], "batch 2 read its prefix from the host pool"
 
 
 @pytest.mark.slow
-def test_second_batch_loads_the_shared_prefix_from_the_host_pool(reports: tuple[dict, dict]) -> None:
-    plain, hisparse = reports
+def test_second_batch_loads_the_shared_prefix_from_the_host_pool(reports: dict) -> None:
+    plain, hisparse = reports["plain"], reports["connector"]
     assert plain["gpu_reset1"] and hisparse["gpu_reset1"], "vLLM's GPU prefix cache was emptied before batch 2"
     # Without the connector the first request of batch 2 recomputes the whole prompt.
     assert plain["cached2"][0] == 0
     # With it, every request of batch 2 starts from the 192 prefix tokens loaded from host.
     assert hisparse["cached2"] == [192, 192]
-    assert sum(hisparse["cached2"]) > sum(plain["cached2"]), "fewer prompt tokens computed"
     assert hisparse["after_batch2"]["prefix_hit_tokens"] > 0
     assert hisparse["loaded_pages"] == 2 * 192 // 32
+    # Run again with vLLM's GPU prefix cache holding the prefix: vLLM serves it, nothing loads.
+    assert hisparse["cached2_gpu"] == [192, 192] and hisparse["loaded_pages_gpu"] == hisparse["loaded_pages"]
 
 
 @pytest.mark.slow
-def test_loaded_bytes_are_the_ones_attention_reads(reports: tuple[dict, dict]) -> None:
-    _, hisparse = reports
+def test_loaded_bytes_are_the_ones_attention_reads(reports: dict) -> None:
+    hisparse = reports["connector"]
     # The same prompts, after the host pool was overwritten with noise: loaded from host again,
     # they now produce different tokens, so the equality above is not an accident.
     assert hisparse["cached2_corrupt"] == [192, 192]
@@ -72,22 +76,71 @@ def test_loaded_bytes_are_the_ones_attention_reads(reports: tuple[dict, dict]) -
 
 
 @pytest.mark.slow
-def test_host_pool_usage_returns_to_its_baseline_after_reset(reports: tuple[dict, dict]) -> None:
-    _, hisparse = reports
+def test_host_pool_usage_returns_to_its_baseline_after_reset(reports: dict) -> None:
+    hisparse = reports["connector"]
     assert hisparse["after_batch2"]["published"] > 0 and hisparse["after_batch2"]["pending"] == 0
     assert hisparse["full_reset"] is True
     assert hisparse["after_reset"] == hisparse["baseline"]
 
 
 @pytest.mark.slow
-def test_prometheus_metrics_of_the_engine(reports: tuple[dict, dict]) -> None:
-    _, hisparse = reports
+def test_no_gpu_block_is_leased_for_a_hot_buffer_nothing_reads(reports: dict) -> None:
+    """Issue 16, item 5: on vLLM's attention a host-prefixed request used to lease one GPU block
+    for a hot buffer. Audited at every engine step while two host prefixes load and run."""
+    audit = reports["connector"]["gpu_audit"]
+    assert audit["steps"] > 0 and reports["connector"]["cached2"] == [192, 192]
+    assert audit["most_acquired"] == 0, "GPU blocks leased by the connector itself"
+    assert audit["most_unaccounted"] <= 0, "GPU blocks in use that no request holds and no transfer pins"
+
+
+@pytest.mark.slow
+def test_a_small_host_pool_costs_prefix_hits_not_concurrency(reports: dict) -> None:
+    """Issue 16, item 2, measured on the engine: six requests with GPU blocks for all. With the
+    smallest host pool they used to run four at a time (88 steps instead of 56); the host pool
+    is a cache, so now they run as without the connector, and the requests the pool cannot hold
+    run on uncached."""
+    plain, big, small = (reports[m]["admission"] for m in ("plain", "connector", "small-pool"))
+    assert plain["peak_running"] == 6
+    for run in (big, small):
+        assert (run["steps"], run["peak_running"]) == (plain["steps"], plain["peak_running"])
+        assert run["tokens"] == plain["tokens"]
+    assert big["most_uncached"] == 0 and small["most_uncached"] >= 1
+    report = reports["small-pool"]
+    (warning,) = report["warnings"]
+    assert "run on without host copies (nothing waits" in warning
+    suggested = float(re.search(r"host_pool_gib >= ([0-9.e-]+) would cache all 6 requests", warning).group(1))
+    assert suggested >= 27 * HOST_BLOCK / 2**30, "27 pages in all"
+    assert sum(1 for line in report["output"].splitlines() if "hisparse host pool full" in line) == 1, "once"
+    assert report["second_wave"]["peak_running"] == 6
+    assert report["host_after_second"]["evicted"] > 0, "the second wave's pages evicted cached ones"
+
+
+@pytest.mark.slow
+def test_prometheus_metrics_of_the_engine(reports: dict) -> None:
+    """Issue 16, item 4: what each metric counts (README "With vLLM" describes them)."""
+    hisparse = reports["connector"]
     metrics = hisparse["metrics"]
-    page = 2 * 32 * vs.HEADS * vs.HEAD_DIM * 4 * len(vs.LAYERS)  # one host block: every layer's 32-token page
-    # Batch 2 and its corrupted rerun each load 2 x 6 pages.
+    # Batch 2 and its corrupted rerun each load 2 x 6 pages; the rerun vLLM's cache served loads none.
     assert metrics["vllm:hisparse_prefix_loaded_tokens"] == 2 * 2 * 192
-    assert metrics["vllm:hisparse_host_to_device_bytes"] == 2 * 2 * 6 * page
+    assert metrics["vllm:hisparse_host_to_device_bytes"] == 2 * 2 * 6 * HOST_BLOCK
+    # Matched on host at admission: the two loads and the GPU-served rerun, 3 x 2 x 192.
+    assert metrics["vllm:hisparse_host_prefix_matched_tokens"] == 3 * 2 * 192
     assert metrics["vllm:hisparse_device_to_host_bytes"] > 0
-    assert metrics["vllm:hisparse_prefix_hit_tokens"] > 0
-    assert metrics["vllm:hisparse_pending_transfers"] == 0
-    assert {"vllm:hisparse_hot_hits", "vllm:hisparse_hot_misses", "vllm:hisparse_host_pool_usage_perc"} <= set(metrics)
+    assert metrics["vllm:hisparse_pending_transfers"] == 0 and metrics["vllm:hisparse_host_pool_usage_perc"] == 0
+    cached = hisparse["after_batch2"]["cached"]
+    assert metrics["vllm:hisparse_host_blocks_cached"] == cached > 0, "used and cached are reported apart"
+    assert metrics["vllm:hisparse_host_pool_cached_perc"] > 0
+    assert metrics["vllm:hisparse_requests_uncached"] == 0 and metrics["vllm:hisparse_host_evicted_blocks"] == 0
+    assert not any("hot_hits" in m or "hot_misses" in m for m in metrics), "no hot buffer, no hot-buffer metrics"
+    small = reports["small-pool"]["metrics"]
+    assert small["vllm:hisparse_host_evicted_blocks"] == reports["small-pool"]["host_after_second"]["evicted"]
+    assert small["vllm:hisparse_requests_uncached"] == 0, "back to 0 once the uncached requests finished"
+
+
+@pytest.mark.slow
+def test_hisparse_lines_print_once_beside_a_root_handler(reports: dict) -> None:
+    """Issue 16, item 3: `connector` installs a root logging handler, as vLLM's zentorch helpers
+    do; hisparse's lines go through vLLM's handlers only."""
+    lines = reports["connector"]["output"].splitlines()
+    for needle in ("hisparse connector scheduler:", "hisparse connector worker:"):
+        assert sum(needle in line for line in lines) == 1, needle

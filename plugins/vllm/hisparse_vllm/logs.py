@@ -1,8 +1,11 @@
-"""Make hisparse's log lines visible in vLLM processes.
+"""Make hisparse's log lines visible in vLLM processes, once each.
 
 vLLM configures only its own `vllm` logger, so INFO lines of `hisparse_*` loggers (backend
 selected and why, pool size, capacity) would vanish. `route_to_vllm_handlers()` gives those
-loggers vLLM's handlers and level, once, unless the application configured them itself.
+loggers vLLM's handlers and level, once, unless the application configured them itself. A logger
+routed this way stops propagating to the root logger: another library that installs a root
+handler (vLLM's own zentorch helpers call `logging.debug`, which does) would otherwise print
+every hisparse line a second time.
 """
 
 from __future__ import annotations
@@ -23,5 +26,6 @@ def route_to_vllm_handlers() -> None:
             continue
         for handler in vllm_logger.handlers:
             logger.addHandler(handler)
+        logger.propagate = False
         if logger.level == logging.NOTSET:
             logger.setLevel(vllm_logger.level or logging.INFO)

@@ -4,8 +4,13 @@ What it does on a stock vLLM engine (standard attention):
 
 - **Admission** (`get_num_new_matched_tokens`): the longest prefix of the request published in
   the host pool, capped so at least one token is computed, beyond what vLLM's own GPU prefix
-  cache holds, is offered as an asynchronous load. A request is deferred (`None`) while the host
-  pool cannot hold the pages the running requests may still write plus this one's.
+  cache holds, is offered as an asynchronous load. Admission never waits for the host pool:
+  vLLM's attention reads resident GPU pages only, so no request needs host capacity to run.
+- **Host pool full** (`build_connector_meta`): when the pages a step writes do not fit the host
+  pool (after evicting cached pages), the most recently admitted of those requests stops being
+  cached: it leaves the coordinator (its sealed pages are still published) and runs on without
+  host copies. The pool costs prefix hits, never concurrency; the first time, one WARNING gives
+  the numbers and the `host_pool_gib` that would have cached every running request.
 - **Prefix loads** (`update_state_after_alloc`): the request is admitted to the coordinator with
   that prefix (its host blocks are leased for it) and one restore per page is queued for the
   next command, into the GPU blocks vLLM allocated (`loads.py`). When every worker completed
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +91,14 @@ def _extra_key(request: Any) -> bytes | None:
     return hashlib.sha256("\x1f".join(parts).encode()).digest()
 
 
+def _round_up(x: float, digits: int = 3) -> str:
+    """`x` rounded up to `digits` significant digits, so the suggested size is never too small."""
+    if x <= 0:
+        return "0"
+    scale = 10 ** (digits - 1 - math.floor(math.log10(x)))
+    return f"{math.ceil(x * scale) / scale:.{digits}g}"
+
+
 class SchedulerSide:
     """Scheduler-role state of the connector (one per engine core)."""
 
@@ -98,8 +112,7 @@ class SchedulerSide:
         self._bs = layout.block_size
         self._max_model_len = int(vllm_config.model_config.max_model_len)
         self._num_workers = int(pc.world_size)
-        hot_rows = config.hot_rows(layout.block_size)
-        self._coord_config = layout.coordinator_config(config.host_pool_gib, self._max_model_len, hot_rows)
+        self._coord_config = layout.coordinator_config(config.host_pool_gib, self._max_model_len)
         self._state_rows = _StateRows(int(vllm_config.scheduler_config.max_num_seqs))
         self._coord: HiSparseCoordinator | None = None
         self._gpu: VllmGpuBlocks | None = None
@@ -110,8 +123,12 @@ class SchedulerSide:
         self._loads = LoadLedger()
         self._inflight: dict[int, tuple[frozenset[int], int]] = {}  # coordinator transfer -> (GPU blocks, done)
         self._delayed: dict[str, set[int]] = {}  # finished request -> transfers still reading its blocks
+        self._uncached: dict[str, int] = {}  # running without host copies -> its num_preemptions then
+        self._admitted: dict[str, int] = {}  # coordinator admission order (latest stops caching first)
+        self._admissions = 0
+        self._warned_full = False
         self._reset_hot = False
-        self._reported = {"prefix_hit_tokens": 0, "loaded_pages": 0}
+        self._reported = {"prefix_matched_tokens": 0, "loaded_pages": 0, "evicted_blocks": 0}
 
     # ----------------------------------------------------------------- binding
 
@@ -147,15 +164,6 @@ class SchedulerSide:
 
     # ----------------------------------------------------------------- admission
 
-    def _host_pages_reserved(self) -> int:
-        """Host blocks the admitted requests may still allocate (to their full length), counting
-        those vLLM admitted this step that reach the coordinator in `build_connector_meta`."""
-        coord, total = self.coordinator, 0
-        for rid, req in self._requests.items():
-            held = len(coord.source_block_ids(rid)) if coord.has_request(rid) else 0
-            total += max(0, self._max_pages(req) - held)
-        return total
-
     def _max_pages(self, request: Any) -> int:
         limit = request.num_prompt_tokens + int(getattr(request, "max_tokens", 0) or 0)
         return -(-min(limit, self._max_model_len) // self._bs)
@@ -165,11 +173,6 @@ class SchedulerSide:
         rid = request.request_id
         self._pending_hits.pop(rid, None)
         self._retire_stale_incarnation(request)
-        need = self._max_pages(request)
-        free = coord.num_free_host_blocks - self._host_pages_reserved()
-        if need > free:
-            logger.debug("request %s waits for host blocks: needs up to %d, %d unreserved", rid, need, free)
-            return None, False
         cap = (request.num_tokens - 1) // self._bs * self._bs
         hit = coord.lookup_prefix(request.all_token_ids, extra_key=_extra_key(request), max_tokens=cap)
         ext = hit.num_tokens - num_computed_tokens
@@ -212,13 +215,26 @@ class SchedulerSide:
             logger.debug("request %s: host prefix not taken (%s); admitting without it", rid, exc)
             hit = coord.add_request(rid, tokens, extra_key=key, max_prefix_tokens=0)
         self._incarnation[rid] = request.num_preemptions
+        self._admissions += 1
+        self._admitted[rid] = self._admissions
         return hit
 
     def _retire_stale_incarnation(self, request: Any) -> None:
-        """A request preempted since its admission leaves the coordinator before it is re-admitted."""
+        """A request preempted since its admission leaves the coordinator before it is re-admitted;
+        one that ran uncached may be cached again from its restart on."""
         rid = request.request_id
         if rid in self._incarnation and self._incarnation[rid] != request.num_preemptions:
             self._leave(rid, preempted=True)
+        if rid in self._uncached and self._uncached[rid] != request.num_preemptions:
+            del self._uncached[rid]
+
+    def _stop_caching(self, rid: str) -> None:
+        """The request runs on in vLLM without host copies: it leaves the coordinator as if it
+        finished (its spills in flight still publish their pages), until it finishes or restarts."""
+        request = self._requests[rid]
+        self._leave(rid, preempted=False)
+        self._requests[rid] = request
+        self._uncached[rid] = request.num_preemptions
 
     def _leave(self, rid: str, *, preempted: bool) -> None:
         coord = self.coordinator
@@ -229,6 +245,7 @@ class SchedulerSide:
                 else:
                     coord.finish_request(rid)
         self._incarnation.pop(rid, None)
+        self._admitted.pop(rid, None)
         self._requests.pop(rid, None)
         self._state_rows.release(rid)
 
@@ -252,11 +269,14 @@ class SchedulerSide:
                 raise ProtocolError(f"request {rid!r} is scheduled but the connector never saw it admitted "
                                     "(update_state_after_alloc)")
             self._retire_stale_incarnation(request)
+            if rid in self._uncached:
+                continue
             nc = computed[rid]
             if not coord.has_request(rid):
                 self._admit(request, cap=nc // self._bs * self._bs)
             views.append(StepRequest(rid, self._state_rows.row(rid), nc, num_new, request.all_token_ids,
                                      self._kv_manager.get_block_ids(rid)))
+        views = self._fit_host_pool(views)
         command = coord.schedule_step(views)
         coord.take_table_updates()  # the source/hot tables serve sparse attention, absent here
         loads = self._loads.take_queued()
@@ -275,6 +295,44 @@ class SchedulerSide:
                         scheduler_output.has_sync_kv_loads = True
         reset, self._reset_hot = self._reset_hot, False
         return HiSparseConnectorMetadata(command, reset_hot_state=reset)
+
+    def _fit_host_pool(self, views: list[StepRequest]) -> list[StepRequest]:
+        """Stop caching the latest-admitted requests until the host blocks this step's new pages
+        need fit the pool (free blocks plus evictable cached ones)."""
+        coord = self.coordinator
+
+        def needs(v: StepRequest) -> int:
+            return coord.host_blocks_needed(v.request_id, v.num_computed_tokens + v.num_new_tokens)
+
+        need = sum(needs(v) for v in views)
+        if need <= coord.num_free_host_blocks:
+            return views
+        before = coord.stats()
+        wanted, running = need, len(views)
+        dropped: list[str] = []
+        while views and need > coord.num_free_host_blocks:
+            victim = max((v for v in views if needs(v)), key=lambda v: self._admitted.get(v.request_id, 0))
+            self._stop_caching(victim.request_id)
+            dropped.append(victim.request_id)
+            views = [v for v in views if v.request_id != victim.request_id]
+            need = sum(needs(v) for v in views)
+        # Enough for every request vLLM holds to reach its full length, plus the null block.
+        full = sum(self._max_pages(r) for r in self._requests.values()) + 1
+        gib = full * self._coord_config.host_block_stride / 2**30 * self._config.host_pool_gib \
+            / self._coord_config.host_pool_gib
+        message = (f"hisparse host pool full: {running} scheduled requests lease {before.host_blocks_used} of "
+                   f"{before.host_blocks_total} usable host blocks ({before.host_blocks_cached} more hold cached "
+                   f"pages) and this step writes {wanted} new pages; request(s) {dropped} run on without host "
+                   "copies (nothing waits: their later pages cannot be prefix hits, concurrency is unchanged). "
+                   f"host_pool_gib={self._config.host_pool_gib} holds {before.host_blocks_total + 1} blocks; "
+                   f"host_pool_gib >= {_round_up(gib)} would cache all {len(self._requests)} requests to their full "
+                   "length")
+        if self._warned_full:
+            logger.debug("%s", message)
+        else:
+            self._warned_full = True
+            logger.warning("%s (logged once; vllm:hisparse_requests_uncached counts them)", message)
+        return views
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -320,6 +378,7 @@ class SchedulerSide:
         rid = request.request_id
         self._requests.pop(rid, None)
         self._pending_hits.pop(rid, None)
+        self._uncached.pop(rid, None)
         self._leave(rid, preempted=False)
         if self._loads.pending(rid):
             # Aborted while its prefix loads: vLLM already holds the blocks until finished_recving.
@@ -355,21 +414,25 @@ class SchedulerSide:
         self._coord = HiSparseCoordinator(self._coord_config, self._gpu)
         self._inflight.clear()
         self._reset_hot = True
-        self._reported["prefix_hit_tokens"] = 0  # the new coordinator counts from zero
+        self._reported.update(prefix_matched_tokens=0, evicted_blocks=0)  # the new coordinator counts from zero
         logger.info("hisparse host cache reset: %d published blocks forgotten", stats.published_blocks)
         return True
 
     def stats(self) -> HiSparseConnectorStats:
         s = self.coordinator.stats()
-        delta_hits = s.prefix_hit_tokens - self._reported["prefix_hit_tokens"]
-        delta_loaded = self._loads.loaded_pages - self._reported["loaded_pages"]
-        self._reported = {"prefix_hit_tokens": s.prefix_hit_tokens, "loaded_pages": self._loads.loaded_pages}
+        now = {"prefix_matched_tokens": s.prefix_hit_tokens, "loaded_pages": self._loads.loaded_pages,
+               "evicted_blocks": s.evicted_blocks}
+        delta = {k: v - self._reported[k] for k, v in now.items()}
+        self._reported = now
         out = HiSparseConnectorStats().record(
-            host_pool_usage=s.host_usage, pending_transfers=s.pending_transfers + len(self._loads),
+            host_pool_usage=s.host_usage, host_pool_cached=s.host_blocks_cached / s.host_blocks_total,
             host_blocks_used=s.host_blocks_used, host_blocks_cached=s.host_blocks_cached,
+            pending_transfers=s.pending_transfers + len(self._loads), requests_uncached=len(self._uncached),
             host_blocks_total=s.host_blocks_total)
-        if delta_hits:
-            out.record(prefix_hit_tokens=delta_hits)
-        if delta_loaded:
-            out.record(prefix_loaded_tokens=delta_loaded * self._bs)
+        if delta["prefix_matched_tokens"]:
+            out.record(prefix_matched_tokens=delta["prefix_matched_tokens"])
+        if delta["loaded_pages"]:
+            out.record(prefix_loaded_tokens=delta["loaded_pages"] * self._bs)
+        if delta["evicted_blocks"]:
+            out.record(host_evicted_blocks=delta["evicted_blocks"])
         return out

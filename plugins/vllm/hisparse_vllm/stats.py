@@ -1,8 +1,8 @@
 """Connector statistics (`get_kv_connector_stats`) and Prometheus metrics (`build_prom_metrics`).
 
-Workers report counters (hot-buffer hits and misses, bytes moved each way) as deltas since their
-previous report; the scheduler reports levels (host pool usage, transfers in flight) and the
-prefix-hit tokens counter. Everything travels in `data` as lists, so vLLM can aggregate the
+Workers report counters (bytes moved each way) as deltas since their previous report; the
+scheduler reports levels (host pool use, cached pages, transfers in flight, uncached requests)
+and the prefix and eviction counters. Everything travels in `data` as lists, so vLLM can aggregate the
 workers' objects and the scheduler's: counters concatenate (their sum is the total), levels keep
 the most recent value.
 """
@@ -21,28 +21,39 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-#: Counter keys: (Prometheus name, help).
+#: Counter keys: (Prometheus name, help). No hot-buffer hits or misses: vLLM's attention reads
+#: resident pages only, so the connector takes no hot buffer and nothing would count them.
 COUNTERS: dict[str, tuple[str, str]] = {
-    "hot_hits": ("vllm:hisparse_hot_hits", "hisparse hot-buffer hits (sparse decode lookups served on device)."),
-    "hot_misses": ("vllm:hisparse_hot_misses", "hisparse hot-buffer misses (rows copied from the host pool)."),
     "host_to_device_bytes": ("vllm:hisparse_host_to_device_bytes",
-                             "Bytes copied from the hisparse host pool to the device (hot misses, prefix loads)."),
+                             "Bytes copied from the hisparse host pool to the device (prefix loads)."),
     "device_to_host_bytes": ("vllm:hisparse_device_to_host_bytes",
-                             "Bytes copied from the device to the hisparse host pool (mirrors, spills)."),
-    "prefix_hit_tokens": ("vllm:hisparse_prefix_hit_tokens",
-                          "Prompt tokens matched by prefixes published in the hisparse host pool."),
+                             "Bytes copied from the device to the hisparse host pool (spills of sealed pages)."),
     "prefix_loaded_tokens": ("vllm:hisparse_prefix_loaded_tokens",
-                             "Prompt tokens loaded from the hisparse host pool instead of being recomputed."),
+                             "Prompt tokens loaded from the hisparse host pool instead of being recomputed "
+                             "(the tokens vLLM counts with source HOST)."),
+    "prefix_matched_tokens": ("vllm:hisparse_host_prefix_matched_tokens",
+                              "Prompt tokens of admitted requests whose pages were published in the hisparse host "
+                              "pool, whether the host or vLLM's own GPU prefix cache then served them."),
+    "host_evicted_blocks": ("vllm:hisparse_host_evicted_blocks",
+                            "Cached (published, unleased) host blocks evicted to make room for new pages."),
 }
 #: Level keys: (Prometheus name, help).
 LEVELS: dict[str, tuple[str, str]] = {
     "host_pool_usage": ("vllm:hisparse_host_pool_usage_perc",
-                        "hisparse host pool usage; 1 means full. Cached (published, unleased) blocks count as free."),
+                        "Share of the hisparse host pool leased by running requests and transfers (1 = all); "
+                        "cached blocks are not counted here."),
+    "host_pool_cached": ("vllm:hisparse_host_pool_cached_perc",
+                         "Share of the hisparse host pool holding cached pages: published, unleased, evictable."),
+    "host_blocks_cached": ("vllm:hisparse_host_blocks_cached",
+                           "hisparse host blocks holding cached (published, unleased) pages."),
     "pending_transfers": ("vllm:hisparse_pending_transfers",
-                          "hisparse page transfers (spills, restores, prefix loads) not yet completed everywhere."),
+                          "hisparse page transfers (spills, prefix loads) not yet completed everywhere."),
+    "requests_uncached": ("vllm:hisparse_requests_uncached",
+                          "Running requests the full host pool could not cache: they run on without host copies "
+                          "(nothing waits for host blocks)."),
 }
 #: Reported but not exported (for logs and tests).
-INFO_LEVELS = ("host_blocks_used", "host_blocks_cached", "host_blocks_total")
+INFO_LEVELS = ("host_blocks_used", "host_blocks_total")
 
 
 @dataclass
@@ -79,7 +90,7 @@ class HiSparseConnectorStats(KVConnectorStats):
         for key in (*LEVELS, *INFO_LEVELS):
             values = self.data.get(key, [])
             if values:
-                out[f"hisparse {key}"] = round(100 * values[-1], 1) if key == "host_pool_usage" else values[-1]
+                out[f"hisparse {key}"] = round(100 * values[-1], 1) if key.startswith("host_pool_") else values[-1]
         return out
 
     def is_empty(self) -> bool:

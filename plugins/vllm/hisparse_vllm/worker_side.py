@@ -28,11 +28,19 @@ from hisparse_core.registry import select_backend
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 
 from hisparse_vllm.config import ConnectorConfig
+from hisparse_vllm.engine_checks import check_rope_is_row_independent
 from hisparse_vllm.layout import HostTierLayout
 from hisparse_vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
 from hisparse_vllm.stats import HiSparseConnectorStats
 
 logger = logging.getLogger(__name__)
+
+
+def shares_host_pool(config: ConnectorConfig, layout: HostTierLayout, parallel_config: Any, world: int) -> bool:
+    """One physical pool for the TP ranks of a node: only where every rank holds the same pages
+    (MLA), with one pipeline stage on one node, and when allowed (`share_host_pool`)."""
+    return (config.share_host_pool and world > 1 and layout.replicated
+            and parallel_config.pipeline_parallel_size == 1 and getattr(parallel_config, "nnodes", 1) == 1)
 
 
 def _parallel_rank() -> tuple[int, int]:
@@ -54,6 +62,8 @@ class WorkerSide:
     """Worker-role state of the connector (one per worker process)."""
 
     def __init__(self, vllm_config: Any, config: ConnectorConfig, layout: HostTierLayout) -> None:
+        # The model is built in this process by now: check the KV it computes can be loaded.
+        check_rope_is_row_independent(vllm_config)
         self._vllm_config = vllm_config
         self._config = config
         self._layout = layout
@@ -80,13 +90,14 @@ class WorkerSide:
                                         f"runs on {backend.device}, so its tables and caches must be there too")
         sharing = Capability.INDEX_SHARING in backend.capabilities
         max_seqs = vc.scheduler_config.max_num_seqs
-        hot_rows = cfg.hot_rows(layout.block_size)
         groups: list[CacheGroup] = []
         device_layers: list[list[torch.Tensor]] = []
         for g, (names, layer_views) in enumerate(zip(layout.group_layers, views)):
-            base = RuntimeConfig(max_batch_rows=max_seqs, max_requests=max_seqs, top_k=hot_rows, hot_rows=hot_rows,
-                                 block_size=layout.block_size, max_pages=layout.max_pages(vc.model_config.max_model_len),
-                                 row_format=layout.row_format, num_layers=len(names))
+            # The runtimes move pages (spills, restores, loads); nothing calls their resolver on
+            # vLLM's attention, so their hot state takes the smallest geometry (one block).
+            base = RuntimeConfig(max_batch_rows=max_seqs, max_requests=max_seqs, top_k=1, hot_rows=layout.block_size,
+                                 block_size=layout.block_size, row_format=layout.row_format, num_layers=len(names),
+                                 max_pages=layout.max_pages(vc.model_config.max_model_len))
             if sharing:  # one runtime for the group: followers replay the leader's plan
                 groups.append(CacheGroup(base, resident_group=g, name=f"group{g}"))
                 device_layers.append(layer_views)
@@ -96,16 +107,13 @@ class WorkerSide:
                     device_layers.append([view])
         rank, world = _parallel_rank()
         pc = vc.parallel_config
-        # One physical pool only where every rank holds the same pages (MLA) on one node.
-        share = (cfg.share_host_pool and world > 1 and layout.replicated and pc.pipeline_parallel_size == 1
-                 and getattr(pc, "nnodes", 1) == 1)
+        share = shares_host_pool(cfg, layout, pc, world)
         if world > 1 and not layout.replicated:
             logger.info("hisparse: KV heads are sharded over %d TP ranks, so rank %d keeps a private pool of "
                         "host_pool_gib/%d = %.4g GiB (its shard of every page)", world, rank, world,
                         layout.rank_budget_gib(cfg.host_pool_gib))
         pool_name = f"{vc.kv_transfer_config.engine_id}-dp{pc.data_parallel_rank}" if share else None
-        num_blocks = layout.coordinator_config(cfg.host_pool_gib, vc.model_config.max_model_len,
-                                               hot_rows).host_num_blocks
+        num_blocks = layout.coordinator_config(cfg.host_pool_gib, vc.model_config.max_model_len).host_num_blocks
         self._worker = HiSparseWorker(backend, groups, num_host_blocks=num_blocks, rank=rank, world_size=world,
                                       share_host_pool=share, pool_name=pool_name)
         self._worker.register_caches(device_layers)
@@ -143,10 +151,9 @@ class WorkerSide:
         if self._worker is None:
             return None
         s = self._worker.take_stats()
-        if not (s.hits or s.misses or s.h2d_bytes or s.d2h_bytes):
+        if not (s.h2d_bytes or s.d2h_bytes):
             return None
-        return HiSparseConnectorStats().record(hot_hits=s.hits, hot_misses=s.misses,
-                                               host_to_device_bytes=s.h2d_bytes, device_to_host_bytes=s.d2h_bytes)
+        return HiSparseConnectorStats().record(host_to_device_bytes=s.h2d_bytes, device_to_host_bytes=s.d2h_bytes)
 
     def shutdown(self) -> None:
         if self._worker is not None:

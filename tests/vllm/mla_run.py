@@ -1,0 +1,84 @@
+"""A tiny DeepSeek-V2 (MLA) on one of vLLM CPU's MLA attention backends, with the connector.
+
+    python tests/vllm/mla_run.py MODEL_DIR BACKEND loads     # prints ENGINE_REPORT {...}
+    python tests/vllm/mla_run.py MODEL_DIR BACKEND refused   # the engine as issue 16 ran it
+
+`loads`: RoPE in exact PyTorch (`custom_ops=["-rotary_embedding"]`, see
+hisparse_vllm/engine_checks.py). Batch 1 publishes four prefixes to the host pool. Batch 2 (same
+prefixes, other suffixes) then runs
+
+1. `vllm_cache`: with vLLM's own prefix cache holding batch 1's blocks (where the backend allows
+   prefix caching; the CPU platform turns it off for CPU_MLA),
+2. `host`: after vLLM's cache is emptied, so the prefixes are loaded from the host pool,
+3. `recompute`: after both caches are emptied, so nothing is reused,
+4. `corrupt`: loaded from a host pool overwritten with noise (the outputs must change).
+
+`refused`: the default eager engine, whose RoPE kernel mixes rows; the connector must refuse.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import engine_driver as ed
+
+PREFIXES = (40, 300, 150, 17)
+SUFFIX = 5
+
+
+def engine(model_dir: str, backend: str, *, exact_rope: bool) -> Any:
+    from vllm import LLM
+
+    extra: dict[str, Any] = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if exact_rope else {}
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=4,
+               enforce_eager=True, seed=0, attention_config={"backend": backend},
+               block_size=16 if backend == "CPU_MLA" else 32, kv_transfer_config=ed.kv_transfer(0.05),
+               disable_log_stats=False, **extra)
+
+
+def batches() -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(16)
+    prefixes = [[rng.randrange(3, 500) for _ in range(n)] for n in PREFIXES]
+    first = [p + [rng.randrange(3, 500) for _ in range(SUFFIX)] for p in prefixes]
+    second = [p + [rng.randrange(3, 500) for _ in range(SUFFIX)] for p in prefixes]
+    return first, second
+
+
+def loads(model_dir: str, backend: str) -> dict[str, Any]:
+    d = ed.Driver(engine(model_dir, backend, exact_rope=True))
+    cache = d.llm.llm_engine.vllm_config.cache_config
+    first, second = batches()
+    out: dict[str, Any] = {"block_size": cache.block_size, "vllm_prefix_caching": bool(cache.enable_prefix_caching)}
+    out["batch1"] = d.generate(first)
+    d.drain()
+    if out["vllm_prefix_caching"]:
+        out["vllm_cache"] = d.generate(second)
+        d.drain()
+    assert d.llm.reset_prefix_cache()
+    out["host"] = d.generate(second)
+    d.drain()
+    out["loaded_pages"] = d.side.loads.loaded_pages
+    assert d.llm.reset_prefix_cache(reset_connector=True)
+    out["recompute"] = d.generate(second)
+    d.drain()
+    assert d.llm.reset_prefix_cache()
+    d.corrupt_host_pool()
+    out["corrupt"] = d.generate(second)
+    d.drain()
+    out["metrics"] = d.metrics()
+    return out
+
+
+def refused(model_dir: str, backend: str) -> dict[str, Any]:
+    try:
+        engine(model_dir, backend, exact_rope=False)
+    except Exception as exc:  # the engine's start-up error, whatever vLLM wraps it in
+        return {"error": str(exc), "type": type(exc).__name__}
+    return {"error": None}
+
+
+if __name__ == "__main__":
+    model, backend, mode = sys.argv[1:4]
+    ed.report({"loads": loads, "refused": refused}[mode](model, backend))

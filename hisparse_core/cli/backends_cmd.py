@@ -57,8 +57,10 @@ def _wrap_list(text: str, width: int) -> list[str]:
     """'a,b,c' in lines of at most `width`, each but the last ending in a comma (an item longer
     than that gets a line of its own)."""
     lines: list[str] = []
-    for item in text.split(","):
-        if lines and len(lines[-1]) + 1 + len(item) + 1 <= width:
+    items = text.split(",")
+    for i, item in enumerate(items):
+        comma = 1 if i < len(items) - 1 else 0
+        if lines and len(lines[-1]) + 1 + len(item) + comma <= width:
             lines[-1] += "," + item
         else:
             if lines:
@@ -69,7 +71,8 @@ def _wrap_list(text: str, width: int) -> list[str]:
 
 def _column_widths(rows: Sequence[Sequence[str]], wrapped: tuple[int, int], width: int) -> list[int]:
     """Natural widths, except the two wrappable columns (CAPABILITIES, REASON) share what the
-    terminal leaves after the others; REASON keeps at least 10 characters."""
+    terminal leaves after the others (an 80-column terminal fits the base install); REASON keeps
+    at least 8 characters, so a terminal narrower than that overflows rather than losing text."""
     natural = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     cap, reason = wrapped
     fixed = sum(w for i, w in enumerate(natural) if i not in wrapped) + 2 * (len(natural) - 1)
@@ -77,10 +80,10 @@ def _column_widths(rows: Sequence[Sequence[str]], wrapped: tuple[int, int], widt
     if natural[cap] + natural[reason] <= avail:
         return natural
     cap_min = max(len(item) + 1 for r in rows for item in r[cap].split(","))  # + its comma
-    reason_w = max(10, min(natural[reason], avail // 2))
+    reason_w = max(8, min(natural[reason], avail // 2))
     cap_w = max(cap_min, min(natural[cap], avail - reason_w))
     widths = list(natural)
-    widths[cap], widths[reason] = cap_w, max(10, avail - cap_w)
+    widths[cap], widths[reason] = cap_w, max(8, avail - cap_w)
     return widths
 
 

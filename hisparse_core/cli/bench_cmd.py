@@ -53,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     m = p.add_argument_group("model and cache")
     m.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=d["top_k"], metavar="K",
                    help=f"positions the indexer picks per step (default: {d['top_k']})")
-    m.add_argument("--hot", type=float_in(1.0, MAX_HOT, what="a multiple of top-k"), default=d["hot_multiple"], metavar="X",
+    m.add_argument("--hot", type=float_in(1.0, MAX_HOT, what="a multiple of top-k"), default=d["hot_multiple"],
+                   metavar="X",
                    help=f"hot buffer, in multiples of top-k (default: {d['hot_multiple']:g}; in [1, {MAX_HOT:g}])")
     m.add_argument("--layers", type=int_in(1, MAX_LAYERS), default=d["layers"], metavar="N",
                    help=f"sparse-attention layers (default: {d['layers']})")

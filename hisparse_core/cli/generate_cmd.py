@@ -35,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--backend", default=None,
                    help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
     p.add_argument("--device", default=None, help="torch device of the model (default: the backend's)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: float32)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the model weights and KV (default: float32)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     w = p.add_argument_group("workload (defaults: about a minute on 2 CPU cores)")
@@ -51,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, metavar="N",
                    help="seed of the random model weights and prompts (default: 0)")
     m = p.add_argument_group("model and memory")
-    m.add_argument("--layers", type=int_in(1, 64), metavar="N", default=4, help="(default: 4)")
+    m.add_argument("--layers", type=int_in(1, 64), metavar="N", default=4,
+                   help="decoder layers of the tiny model, each with sparse attention (default: 4)")
     m.add_argument("--top-k", type=int_in(1, MAX_TOP_K), metavar="K", default=32,
                    help="the model's index_topk (default: 32)")
     m.add_argument("--hot-rows", type=int_in(1, 1 << 20), metavar="ROWS", default=64,

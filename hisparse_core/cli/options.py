@@ -88,7 +88,9 @@ def size_in(lo: int, hi: int = MAX_BYTES) -> Callable[[str], int]:
     from hisparse_core.planner import parse_bytes
     from hisparse_core.replay.report import human_bytes
 
-    shown = f"[{human_bytes(lo)}, {human_bytes(hi)}]"
+    # In units parse_bytes reads back (it has no PiB): 1 PiB is shown as 1024 TiB.
+    top = f"{hi / (1 << 40):g} TiB" if hi >= 1 << 40 else human_bytes(hi)
+    shown = f"[{human_bytes(lo)}, {top}]"
 
     def parse(text: str) -> int:
         try:

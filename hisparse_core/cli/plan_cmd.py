@@ -1,8 +1,8 @@
 """`hisparse plan`: steady-state concurrency with and without hisparse, host pool needed, and
 PCIe traffic per decode step, from a model's geometry and the memory at hand.
 
-Built-in geometries: deepseek-v3.2, glm-5.1, glm-5.2 (override any field by flag), or
-`--model custom` with every geometry flag given. The arithmetic is in `hisparse_core.planner`;
+A built-in model (listed below; override any field by flag), or `--model custom` with every
+geometry flag given. The arithmetic is in `hisparse_core.planner`;
 `hisparse run` admits requests by the same rules and measures the same numbers.
 """
 
@@ -16,6 +16,11 @@ from hisparse_core.cli.options import (MAX_BLOCK_SIZE, MAX_HOT, MAX_LAYERS, MAX_
 from hisparse_core.errors import HiSparseError
 
 
+def _indexers(index_share: int) -> str:
+    """How the layers share indexers, in words (`index_share` layers per indexer)."""
+    return "one indexer per layer" if index_share == 1 else f"one indexer per {index_share} layers"
+
+
 def _model_values(field: str) -> str:
     from hisparse_core.planner import MODELS
 
@@ -26,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     from hisparse_core.planner import DEFAULT_TAIL_PAGES, MODELS
 
     models = "\n".join(f"  {name:14} {g.num_layers} layers, {g.row_bytes} B rows, indexer {g.indexer_bytes} B, "
-                       f"top-k {g.top_k}, block {g.block_size}, 1 indexer per {g.index_share} layer(s)"
+                       f"top-k {g.top_k}, block {g.block_size}, {_indexers(g.index_share)}"
                        for name, g in MODELS.items())
     p = subparsers.add_parser("plan", help="capacity planner: concurrent requests with and without hisparse, "
                                            "host pool, PCIe traffic",
@@ -123,7 +128,7 @@ def _table(plan, miss_source: str) -> str:  # type: ignore[no-untyped-def]
     i, g = plan.inputs, plan.inputs.geometry
     rows = [
         ("model", f"{g.name}: {g.num_layers} layers x {g.row_bytes} B rows, indexer {g.indexer_bytes} B x "
-                  f"{g.index_layers} layers (1 per {g.index_share}), top-k {g.top_k}, block {g.block_size}"),
+                  f"{g.index_layers} layers ({_indexers(g.index_share)}), top-k {g.top_k}, block {g.block_size}"),
         ("memory", f"GPU KV {human_bytes(i.gpu_kv_bytes)} = {plan.gpu_blocks} blocks of "
                    f"{human_bytes(plan.block_bytes)}; host {human_bytes(i.host_bytes)} = {plan.host_blocks} blocks"),
         ("request", f"{i.context} tokens = {plan.pages_per_request} pages; hot buffer {i.hot_rows} rows "

@@ -1,4 +1,4 @@
-"""The `hisparse` command line. Each sub-command is a module here with `add_parser` and `run`."""
+"""The `hisparse` command line: `hisparse COMMAND --help` for each command's options."""
 
 from __future__ import annotations
 
@@ -9,22 +9,43 @@ import os
 import sys
 from collections.abc import Sequence
 
-#: Sub-command name -> module (imported lazily, so `hisparse backends` never imports torch kernels).
+from hisparse_core.cli.options import CliParser, HelpFormatter
+
+#: Sub-command name -> module. Each module's top level and `add_parser` import nothing heavy
+#: (no torch), so `hisparse --help` and `hisparse backends` start fast and work with a broken
+#: torch; the heavy imports happen inside each module's `run` (tests/core/test_light_imports.py).
 COMMANDS: dict[str, str] = {
     "generate": "hisparse_core.cli.generate_cmd",
-    "backends": "hisparse_core.cli.backends_cmd",
-    "bench": "hisparse_core.cli.bench_cmd",
     "run": "hisparse_core.cli.run_cmd",
+    "bench": "hisparse_core.cli.bench_cmd",
     "plan": "hisparse_core.cli.plan_cmd",
+    "backends": "hisparse_core.cli.backends_cmd",
 }
+
+DESCRIPTION = """\
+hisparse keeps the KV cache of sparse-attention LLMs (DeepSeek-V3.2, GLM-5.x) in host memory and
+only the rows each decode step needs on the GPU. These commands try it on this machine; start
+with `hisparse backends` to see what can run here, then `hisparse COMMAND --help`.
+"""
+
+EPILOG = "Sizes accept units: 40GiB, 512MiB, 1.5G, 80GB. Docs: README.md and docs/ in the repository."
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _version() -> str:
+    from hisparse_core import __version__
+
+    return f"hisparse {__version__}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hisparse", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("HISPARSE_LOG_LEVEL", "INFO"),
-                        help="logging level (default: INFO, or $HISPARSE_LOG_LEVEL)")
+    parser = CliParser(prog="hisparse", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--log-level", default=None, metavar="LEVEL",
+                        help=f"one of {', '.join(LOG_LEVELS)} (default: $HISPARSE_LOG_LEVEL, else INFO)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module_name in COMMANDS.items():
+    for module_name in COMMANDS.values():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -35,12 +56,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_level(args: argparse.Namespace) -> str | None:
+    """The level to use, or None after printing the one error line."""
+    given, source = (args.log_level, "--log-level") if args.log_level is not None else (
+        os.environ.get("HISPARSE_LOG_LEVEL", "INFO"), "$HISPARSE_LOG_LEVEL")
+    level = given.strip().upper()
+    if level not in LOG_LEVELS:
+        print(f"hisparse: error: {source} {given!r} is not a logging level; expected one of "
+              f"{', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return None
+    return level
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    level = _log_level(args)
+    if level is None:
+        return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except ImportError as exc:
+        # A dependency that fails to import (a broken torch, say): one line, and where to look.
+        what = f"cannot import {exc.name}" if exc.name else "an import failed"
+        print(f"hisparse {args.command}: error: {what}: {exc}; `hisparse backends -v` lists what this install "
+              "can run", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # commands with steps say at which; this is the fallback
+        print(f"hisparse {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    return int(args.func(args) or 0)
+    try:
+        try:
+            status = _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here (also after --help), not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # `hisparse ... | head`: the reader left. Point stdout at /dev/null so the interpreter's
+        # own last flush is quiet too, and exit as a shell does for a writer killed by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

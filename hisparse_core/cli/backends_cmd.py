@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +23,7 @@ _VERBOSE_COLUMNS = ("PLUGIN", "DISTRIBUTION", "API")
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "backends", help="list hisparse backends and whether each can run here",
+        "backends", help="list installed backends, whether each can run here and which one is used",
         description="List every hisparse backend found through the hisparse.backends entry points: "
                     "available, unavailable (with the reason) or broken (with the error), and which one "
                     "selection would use (HISPARSE_BACKEND, else the highest priority available).")
@@ -51,12 +53,56 @@ def _row(entry: BackendEntry, verbose: bool) -> list[str]:
     return cells + [_cell(entry.reason)]
 
 
-def format_table(entries: Sequence[BackendEntry], verbose: bool = False) -> str:
-    """The aligned table `hisparse backends` prints (REASON last and unpadded)."""
+def _wrap_list(text: str, width: int) -> list[str]:
+    """'a,b,c' in lines of at most `width`, each but the last ending in a comma (an item longer
+    than that gets a line of its own)."""
+    lines: list[str] = []
+    items = text.split(",")
+    for i, item in enumerate(items):
+        comma = 1 if i < len(items) - 1 else 0
+        if lines and len(lines[-1]) + 1 + len(item) + comma <= width:
+            lines[-1] += "," + item
+        else:
+            if lines:
+                lines[-1] += ","
+            lines.append(item)
+    return lines or [""]
+
+
+def _column_widths(rows: Sequence[Sequence[str]], wrapped: tuple[int, int], width: int) -> list[int]:
+    """Natural widths, except the two wrappable columns (CAPABILITIES, REASON) share what the
+    terminal leaves after the others (an 80-column terminal fits the base install); REASON keeps
+    at least 8 characters, so a terminal narrower than that overflows rather than losing text."""
+    natural = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    cap, reason = wrapped
+    fixed = sum(w for i, w in enumerate(natural) if i not in wrapped) + 2 * (len(natural) - 1)
+    avail = width - fixed
+    if natural[cap] + natural[reason] <= avail:
+        return natural
+    cap_min = max(len(item) + 1 for r in rows for item in r[cap].split(","))  # + its comma
+    reason_w = max(8, min(natural[reason], avail // 2))
+    cap_w = max(cap_min, min(natural[cap], avail - reason_w))
+    widths = list(natural)
+    widths[cap], widths[reason] = cap_w, max(8, avail - cap_w)
+    return widths
+
+
+def format_table(entries: Sequence[BackendEntry], verbose: bool = False, width: int | None = None) -> str:
+    """The aligned table `hisparse backends` prints, fitted to `width` (default: the terminal's):
+    CAPABILITIES wraps at commas and REASON at spaces, each within its column."""
+    width = width if width is not None else shutil.get_terminal_size((100, 24)).columns
     header = [*_COLUMNS, *(_VERBOSE_COLUMNS if verbose else ()), "REASON"]
     rows = [header] + [_row(e, verbose) for e in entries]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-    lines = ["  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]).rstrip() for r in rows]
+    cap, reason = _COLUMNS.index("CAPABILITIES"), len(header) - 1
+    widths = _column_widths(rows, (cap, reason), width)
+    lines = []
+    for r in rows:
+        cells = [[c] for c in r]
+        cells[cap] = _wrap_list(r[cap], widths[cap])
+        cells[reason] = textwrap.wrap(r[reason], widths[reason]) or [""]
+        for k in range(max(len(c) for c in cells)):
+            parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths, strict=True)]
+            lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
 
 

@@ -10,39 +10,62 @@ import argparse
 import logging
 import sys
 
+from hisparse_core.cli.options import (MAX_BLOCK_SIZE, MAX_HOT, MAX_LAYERS, MAX_LOCALITY, MAX_REQUESTS, MAX_SEED,
+                                       MAX_STEPS, MAX_TOKENS, MAX_TOP_K, HelpFormatter, fail, float_in,
+                                       int_in)
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
 
 logger = logging.getLogger(__name__)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    from hisparse_core.replay.bench import BenchConfig
+#: `BenchConfig`'s defaults, here so `--help` needs no torch (tests/cli check they agree).
+DEFAULTS: dict[str, object] = {"requests": 4, "context": 16384, "steps": 40, "top_k": 2048, "hot_multiple": 2.0,
+                               "layers": 4, "index_share": 2, "block_size": 64, "tail_pages": 2,
+                               "row_format": "fp8_ds_mla", "locality": 1.0, "warmup": 4, "seed": 0}
 
-    d = BenchConfig()
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    d = DEFAULTS
     p = subparsers.add_parser(
-        "bench", help="time a synthetic multi-step decode through a backend's runtimes",
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "bench", help="time a synthetic decode through one backend: hit rate, copies, ms per step",
+        description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--backend", default=None,
-                   help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
+                   help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available; "
+                        "see hisparse backends)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
-    p.add_argument("--requests", type=int, default=d.requests, help="concurrent requests (batch rows)")
-    p.add_argument("--context", type=int, default=d.context, help="prompt tokens per request")
-    p.add_argument("--steps", type=int, default=d.steps, help="decode steps")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="positions the indexer picks per step")
-    p.add_argument("--hot", type=float, default=d.hot_multiple, help="hot buffer, in multiples of top-k")
-    p.add_argument("--layers", type=int, default=d.layers, help="sparse-attention layers")
-    p.add_argument("--index-share", type=int, default=d.index_share,
-                   help="layers per indexer (followers replay the leader's miss plan)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per page")
-    p.add_argument("--tail-pages", type=int, default=d.tail_pages, help="newest pages kept resident")
-    p.add_argument("--row-format", default=d.row_format, choices=["fp8_ds_mla", "bf16_mla"])
-    p.add_argument("--locality", type=float, default=d.locality,
-                   help="time scale of top-k drift: 1 = calibrated to published LRU miss rates, >1 more local")
-    p.add_argument("--warmup", type=int, default=None,
-                   help=f"first steps left out of the steady-state figures (default: {d.warmup}, at most steps-1)")
-    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    w = p.add_argument_group("workload")
+    w.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=d["requests"], metavar="N",
+                   help=f"concurrent requests, batch rows (default: {d['requests']}; at most {MAX_REQUESTS})")
+    w.add_argument("--context", type=int_in(1, MAX_TOKENS), default=d["context"], metavar="TOKENS",
+                   help=f"prompt tokens per request (default: {d['context']}; at most {MAX_TOKENS})")
+    w.add_argument("--steps", type=int_in(1, MAX_STEPS), default=d["steps"], metavar="N",
+                   help=f"decode steps (default: {d['steps']})")
+    w.add_argument("--warmup", type=int_in(0, MAX_STEPS - 1), default=None, metavar="N",
+                   help=f"first steps left out of the steady-state figures (default: {d['warmup']}, "
+                        "at most steps-1)")
+    w.add_argument("--locality", type=float_in(0.0, MAX_LOCALITY, lo_open=True), default=d["locality"],
+                   metavar="X", help="time scale of top-k drift: 1 = calibrated to published LRU miss rates, "
+                                     f">1 more local (default: {d['locality']:g}; in (0, {MAX_LOCALITY:g}])")
+    w.add_argument("--seed", type=int_in(0, MAX_SEED), default=d["seed"], metavar="N",
+                   help=f"seed of the synthetic indexer and the KV contents (default: {d['seed']})")
+    m = p.add_argument_group("model and cache")
+    m.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=d["top_k"], metavar="K",
+                   help=f"positions the indexer picks per step (default: {d['top_k']})")
+    m.add_argument("--hot", type=float_in(1.0, MAX_HOT, what="a multiple of top-k"), default=d["hot_multiple"],
+                   metavar="X",
+                   help=f"hot buffer, in multiples of top-k (default: {d['hot_multiple']:g}; in [1, {MAX_HOT:g}])")
+    m.add_argument("--layers", type=int_in(1, MAX_LAYERS), default=d["layers"], metavar="N",
+                   help=f"sparse-attention layers (default: {d['layers']})")
+    m.add_argument("--index-share", type=int_in(1, MAX_LAYERS), default=d["index_share"], metavar="N",
+                   help=f"layers per indexer; followers replay the leader's miss plan (default: {d['index_share']})")
+    m.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=d["block_size"], metavar="TOKENS",
+                   help=f"tokens per page (default: {d['block_size']})")
+    m.add_argument("--tail-pages", type=int_in(1, MAX_TOKENS), default=d["tail_pages"], metavar="N",
+                   help=f"newest pages kept resident (default: {d['tail_pages']})")
+    m.add_argument("--row-format", default=d["row_format"], choices=["fp8_ds_mla", "bf16_mla"],
+                   help=f"KV row layout (default: {d['row_format']})")
     p.set_defaults(func=run)
     return p
 
@@ -82,10 +105,14 @@ def _table(res: object) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.warmup is not None and args.warmup >= args.steps:
+        return fail("hisparse bench", f"argument --warmup: expected an integer in [0, --steps - 1 = "
+                                      f"{args.steps - 1}], got {args.warmup}")
     from hisparse_core.registry import select_backend
     from hisparse_core.replay.bench import BenchConfig, run_bench
     from hisparse_core.replay.report import dumps, pct
 
+    totals = {"hits": 0, "misses": 0, "steps": 0}
     try:
         config = BenchConfig(requests=args.requests, context=args.context, steps=args.steps, top_k=args.top_k,
                              hot_multiple=args.hot, layers=args.layers, index_share=args.index_share,
@@ -94,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
                              warmup=args.warmup if args.warmup is not None else min(4, max(0, args.steps - 1)))
         backend = select_backend(args.backend)
         with ProgressBar(config.steps, "bench", enabled=not args.no_progress) as bar:
-            totals = {"hits": 0, "misses": 0}
 
             def on_step(step: int, sample: object) -> None:
+                totals["steps"] += 1
                 totals["hits"] += sample.hits  # type: ignore[attr-defined]
                 totals["misses"] += sample.misses  # type: ignore[attr-defined]
                 looked = totals["hits"] + totals["misses"]
@@ -104,8 +131,10 @@ def run(args: argparse.Namespace) -> int:
                                    f"{1e3 * sample.seconds:.0f} ms/step")  # type: ignore[attr-defined]
 
             result = run_bench(config, backend, on_step=on_step)
+    except KeyboardInterrupt:
+        print(f"hisparse bench: interrupted at step {totals['steps']} of {args.steps}", file=sys.stderr)
+        return 130
     except (HiSparseError, ValueError) as exc:
-        print(f"hisparse bench: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("hisparse bench", str(exc))
     print(dumps(result.to_json()) if args.json else _table(result))
     return 0

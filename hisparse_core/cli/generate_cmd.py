@@ -19,6 +19,7 @@ import argparse
 import logging
 import sys
 
+from hisparse_core.cli.options import MAX_BLOCK_SIZE, MAX_SEED, MAX_TOP_K, HelpFormatter, fail, float_in, int_in
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
 
@@ -26,34 +27,45 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    p = subparsers.add_parser("generate", help="the main job: a real transformers DSA model decodes through "
-                                               "hisparse, checked against its own attention",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser("generate", help="decode with a real (tiny, random) transformers DSA model through "
+                                               "hisparse, checked token for token against the model alone",
+                              description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="deepseek_v32", choices=["deepseek_v32", "glm_moe_dsa"],
                    help="model family (tiny random config; default: deepseek_v32)")
     p.add_argument("--backend", default=None,
                    help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
     p.add_argument("--device", default=None, help="torch device of the model (default: the backend's)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: float32)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the model weights and KV (default: float32)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     w = p.add_argument_group("workload (defaults: about a minute on 2 CPU cores)")
-    w.add_argument("--prompts", type=int, default=4, help="prompts in the batch (default: 4)")
-    w.add_argument("--min-prompt", type=int, default=200, help="shortest prompt, tokens (default: 200)")
-    w.add_argument("--max-prompt", type=int, default=480, help="longest prompt, tokens (default: 480)")
-    w.add_argument("--new-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
-    w.add_argument("--shared-prefix", type=int, default=128,
+    w.add_argument("--prompts", type=int_in(1, 256), metavar="N", default=4, help="prompts in the batch (default: 4)")
+    w.add_argument("--min-prompt", type=int_in(1, 1 << 16), metavar="TOKENS", default=200,
+                   help="shortest prompt, tokens (default: 200)")
+    w.add_argument("--max-prompt", type=int_in(1, 1 << 16), metavar="TOKENS", default=480,
+                   help="longest prompt, tokens (default: 480)")
+    w.add_argument("--new-tokens", type=int_in(1, 1 << 16), metavar="N", default=96,
+                   help="tokens generated per prompt (default: 96)")
+    w.add_argument("--shared-prefix", type=int_in(0, 1 << 16), metavar="TOKENS", default=128,
                    help="prefix tokens the second batch shares with the first (default: 128)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, metavar="N",
+                   help="seed of the random model weights and prompts (default: 0)")
     m = p.add_argument_group("model and memory")
-    m.add_argument("--layers", type=int, default=4, help="(default: 4)")
-    m.add_argument("--top-k", type=int, default=32, help="the model's index_topk (default: 32)")
-    m.add_argument("--hot-rows", type=int, default=64, help="hot-buffer rows per request (default: 64)")
-    m.add_argument("--block-size", type=int, default=16, help="tokens per page (default: 16)")
-    m.add_argument("--prefill-chunk", type=int, default=32, help="prompt tokens per prefill forward (default: 32)")
-    m.add_argument("--gpu-kv-pages", type=int, default=0,
+    m.add_argument("--layers", type=int_in(1, 64), metavar="N", default=4,
+                   help="decoder layers of the tiny model, each with sparse attention (default: 4)")
+    m.add_argument("--top-k", type=int_in(1, MAX_TOP_K), metavar="K", default=32,
+                   help="the model's index_topk (default: 32)")
+    m.add_argument("--hot-rows", type=int_in(1, 1 << 20), metavar="ROWS", default=64,
+                   help="hot-buffer rows per request (default: 64)")
+    m.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), metavar="TOKENS", default=16,
+                   help="tokens per page (default: 16)")
+    m.add_argument("--prefill-chunk", type=int_in(1, 1 << 16), metavar="TOKENS", default=32,
+                   help="prompt tokens per prefill forward (default: 32)")
+    m.add_argument("--gpu-kv-pages", type=int_in(0, 1 << 24), metavar="PAGES", default=0,
                    help="GPU budget in pages of every layer; 0: 60%% of the first batch all resident (default: 0)")
-    m.add_argument("--host-pool-gib", type=float, default=0.05, help="host pool (default: 0.05)")
+    m.add_argument("--host-pool-gib", type=float_in(0.0, 1024.0, lo_open=True), default=0.05, metavar="GIB",
+                   help="host pool in GiB, in (0, 1024] (default: 0.05)")
     p.set_defaults(func=run)
     return p
 
@@ -106,6 +118,12 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.min_prompt > args.max_prompt:
+        return fail("hisparse generate", f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}; "
+                                         "expected min <= max")
+    if args.shared_prefix > args.min_prompt:
+        return fail("hisparse generate", f"--shared-prefix {args.shared_prefix} is above --min-prompt "
+                                         f"{args.min_prompt}; expected a prefix in [0, --min-prompt]")
     try:
         from hisparse_transformers.demo import DemoConfig, run_demo, total_steps
     except ModuleNotFoundError as exc:
@@ -114,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from hisparse_core.replay.report import dumps
 
+    bar = ProgressBar(0, "generate", enabled=False)  # replaced once the step count is known
     try:
         device = args.device
         if device is None:
@@ -126,15 +145,24 @@ def run(args: argparse.Namespace) -> int:
                             prefill_chunk=args.prefill_chunk, gpu_kv_pages=args.gpu_kv_pages,
                             host_pool_gib=args.host_pool_gib, shared_prefix=args.shared_prefix, seed=args.seed,
                             device=device, dtype=args.dtype)
-        with ProgressBar(total_steps(config), "generate", enabled=not args.no_progress) as bar:
+        bar = ProgressBar(total_steps(config), "generate", enabled=not args.no_progress)
+        with bar:
             result = run_demo(config, lambda n, label: bar.update(n, note=label))
+    except ModuleNotFoundError as exc:  # transformers itself is imported on first use
+        if (exc.name or "").split(".")[0] != "transformers":
+            raise
+        return fail("hisparse generate", f"{exc.name} is not installed; expected the transformers extra "
+                                         "(pip install -e '.[transformers]')")
+    except KeyboardInterrupt:
+        print(f"hisparse generate: interrupted at step {bar.done}" + (f" of {bar.total}" if bar.total else ""),
+              file=sys.stderr)
+        return 130
     except (HiSparseError, ValueError) as exc:
         from hisparse_transformers.check import RowMismatch
 
         if isinstance(exc, RowMismatch):
             print(f"hisparse generate: FAILED: {exc}", file=sys.stderr)
             return 1
-        print(f"hisparse generate: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("hisparse generate", str(exc))
     print(dumps(result) if args.json else _table(result))
     return 0 if result["exactness"]["exact"] else 1

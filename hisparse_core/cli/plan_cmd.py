@@ -1,49 +1,96 @@
 """`hisparse plan`: steady-state concurrency with and without hisparse, host pool needed, and
 PCIe traffic per decode step, from a model's geometry and the memory at hand.
 
-Built-in geometries: deepseek-v3.2, glm-5.1, glm-5.2 (override any field by flag), or
-`--model custom` with every geometry flag given. The arithmetic is in `hisparse_core.planner`;
+A built-in model (listed below; override any field by flag), or `--model custom` with every
+geometry flag given. The arithmetic is in `hisparse_core.planner`;
 `hisparse run` admits requests by the same rules and measures the same numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 
+from hisparse_core.cli.options import (MAX_BLOCK_SIZE, MAX_HOT, MAX_LAYERS, MAX_TOKENS, MAX_TOP_K, SIZE_UNITS,
+                                       HelpFormatter, fail, float_in, int_in, size_in)
 from hisparse_core.errors import HiSparseError
+
+
+def _indexers(index_share: int) -> str:
+    """How the layers share indexers, in words (`index_share` layers per indexer)."""
+    return "one indexer per layer" if index_share == 1 else f"one indexer per {index_share} layers"
+
+
+def _model_values(field: str) -> str:
+    from hisparse_core.planner import MODELS
+
+    return "; built-in: " + ", ".join(f"{name} {getattr(geo, field)}" for name, geo in MODELS.items())
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     from hisparse_core.planner import DEFAULT_TAIL_PAGES, MODELS
 
-    p = subparsers.add_parser("plan", help="capacity planner: concurrency, host pool and PCIe traffic",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    models = "\n".join(f"  {name:14} {g.num_layers} layers, {g.row_bytes} B rows, indexer {g.indexer_bytes} B, "
+                       f"top-k {g.top_k}, block {g.block_size}, {_indexers(g.index_share)}"
+                       for name, g in MODELS.items())
+    p = subparsers.add_parser("plan", help="capacity planner: concurrent requests with and without hisparse, "
+                                           "host pool, PCIe traffic",
+                              description=f"{__doc__}\nBuilt-in models:\n{models}\n", formatter_class=HelpFormatter)
     p.add_argument("--model", default="deepseek-v3.2", choices=[*MODELS, "custom"],
-                   help="built-in geometry (default: deepseek-v3.2)")
+                   help="built-in geometry (default: deepseek-v3.2; values above)")
     g = p.add_argument_group("geometry overrides (required with --model custom)")
-    g.add_argument("--layers", type=int, help="sparse-MLA layers")
-    g.add_argument("--row-bytes", type=int, help="bytes per token per layer (656 fp8_ds_mla, 1152 bf16)")
-    g.add_argument("--indexer-bytes", type=int, help="indexer key bytes per token per indexer layer")
-    g.add_argument("--top-k", type=int, help="positions the indexer picks")
-    g.add_argument("--block-size", type=int, help="tokens per page")
-    g.add_argument("--index-share", type=int, help="layers per indexer")
-    p.add_argument("--gpu-kv", default="40GiB", help="GPU memory for KV (default: 40GiB)")
-    p.add_argument("--host", default="256GiB", help="host memory for the hisparse pool (default: 256GiB)")
-    p.add_argument("--context", type=int, default=131072, help="tokens per request (default: 131072)")
-    p.add_argument("--hot", type=float, default=2.0, help="hot buffer in multiples of top-k (default: 2)")
-    p.add_argument("--miss-rate", type=float, default=None,
-                   help="misses per looked-up entry (default: the published LRU figure for --hot)")
-    p.add_argument("--tail-pages", type=int, default=DEFAULT_TAIL_PAGES,
+    g.add_argument("--layers", type=int_in(1, MAX_LAYERS), metavar="N",
+                   help="sparse-MLA layers" + _model_values("num_layers"))
+    g.add_argument("--row-bytes", type=int_in(1, 1 << 20), metavar="BYTES",
+                   help="bytes per token per layer (656 fp8_ds_mla, 1152 bf16)" + _model_values("row_bytes"))
+    g.add_argument("--indexer-bytes", type=int_in(0, 1 << 16), metavar="BYTES",
+                   help="indexer key bytes per token per indexer layer" + _model_values("indexer_bytes"))
+    g.add_argument("--top-k", type=int_in(1, MAX_TOP_K), metavar="K",
+                   help="positions the indexer picks" + _model_values("top_k"))
+    g.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), metavar="TOKENS",
+                   help="tokens per page" + _model_values("block_size"))
+    g.add_argument("--index-share", type=int_in(1, MAX_LAYERS), metavar="N",
+                   help="layers per indexer" + _model_values("index_share"))
+    p.add_argument("--gpu-kv", type=size_in(1), default="40GiB", metavar="SIZE",
+                   help=f"GPU memory for KV (default: 40GiB); units: {SIZE_UNITS}")
+    p.add_argument("--host", type=size_in(1), default="256GiB", metavar="SIZE",
+                   help="host memory for the hisparse pool (default: 256GiB); same units")
+    p.add_argument("--context", type=int_in(1, MAX_TOKENS), default=131072, metavar="TOKENS",
+                   help=f"tokens per request (default: 131072; at most {MAX_TOKENS})")
+    p.add_argument("--hot", type=float_in(1.0, MAX_HOT, what="a multiple of top-k"), default=2.0, metavar="X",
+                   help=f"hot buffer in multiples of top-k, in [1, {MAX_HOT:g}] (default: 2)")
+    p.add_argument("--miss-rate", type=float_in(0.0, 1.0), default=None, metavar="FRACTION",
+                   help="misses per looked-up entry, in [0, 1] (default: the published LRU figure for --hot)")
+    p.add_argument("--tail-pages", type=int_in(0, MAX_TOKENS), default=DEFAULT_TAIL_PAGES, metavar="N",
                    help=f"newest pages kept resident (default: {DEFAULT_TAIL_PAGES})")
-    p.add_argument("--pcie-gbps", type=float, default=50.0,
-                   help="host-to-device bandwidth for the time estimate, GB/s (default: 50)")
-    p.add_argument("--sweep", type=str, default=None, metavar="CTX,CTX,...",
-                   help="also print concurrency for these context lengths (e.g. 8192,32768,131072)")
+    p.add_argument("--pcie-gbps", type=float_in(0.0, 1e4, lo_open=True), default=50.0, metavar="GB/S",
+                   help="host-to-device bandwidth for the time estimate, GB/s, in (0, 10000] (default: 50)")
+    p.add_argument("--sweep", type=parse_sweep, default=None, metavar="CTX,CTX,...",
+                   help="also print concurrency for these context lengths, tokens with an optional K or M "
+                        "(x1024) suffix (e.g. 8K,32K,128K)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
     return p
+
+
+def parse_sweep(text: str) -> list[int]:
+    """'8192,32K,1M' -> token counts; every entry a context `--context` would accept."""
+    one = int_in(1, MAX_TOKENS, "a token count")
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        scale = {"k": 1 << 10, "m": 1 << 20}.get(item[-1:].lower(), 1)
+        if not item or (scale > 1 and not item[:-1].strip()):
+            raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 8K,32K,128K, "
+                                             f"got {text!r}")
+        digits = item[:-1] if scale > 1 else item
+        try:
+            n = int(digits) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected token counts in [1, {MAX_TOKENS}] (K or M suffix), "
+                                             f"got {item!r} in {text!r}") from None
+        out.append(one(str(n)))
+    return out
 
 
 def geometry_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -64,12 +111,12 @@ def geometry_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def
 
 
 def plan_from_args(args: argparse.Namespace, context: int | None = None):  # type: ignore[no-untyped-def]
-    from hisparse_core.planner import PlanInputs, make_plan, parse_bytes, published_miss_rate
+    from hisparse_core.planner import PlanInputs, make_plan, published_miss_rate
     from hisparse_core.replay.layout import hot_rows_for
 
     geo = geometry_from_args(args)
     miss = args.miss_rate if args.miss_rate is not None else published_miss_rate(args.hot)
-    return make_plan(PlanInputs(geo, parse_bytes(args.gpu_kv), parse_bytes(args.host),
+    return make_plan(PlanInputs(geo, args.gpu_kv, args.host,
                                 context if context is not None else args.context,
                                 hot_rows_for(geo.top_k, args.hot, geo.block_size), miss, args.tail_pages,
                                 args.pcie_gbps))
@@ -81,7 +128,7 @@ def _table(plan, miss_source: str) -> str:  # type: ignore[no-untyped-def]
     i, g = plan.inputs, plan.inputs.geometry
     rows = [
         ("model", f"{g.name}: {g.num_layers} layers x {g.row_bytes} B rows, indexer {g.indexer_bytes} B x "
-                  f"{g.index_layers} layers (1 per {g.index_share}), top-k {g.top_k}, block {g.block_size}"),
+                  f"{g.index_layers} layers ({_indexers(g.index_share)}), top-k {g.top_k}, block {g.block_size}"),
         ("memory", f"GPU KV {human_bytes(i.gpu_kv_bytes)} = {plan.gpu_blocks} blocks of "
                    f"{human_bytes(plan.block_bytes)}; host {human_bytes(i.host_bytes)} = {plan.host_blocks} blocks"),
         ("request", f"{i.context} tokens = {plan.pages_per_request} pages; hot buffer {i.hot_rows} rows "
@@ -121,14 +168,9 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_from_args(args)
         sweep = []
         if args.sweep:
-            try:
-                contexts = [int(x) for x in args.sweep.split(",") if x.strip()]
-            except ValueError:
-                raise HiSparseError(f"--sweep expects comma-separated token counts, got {args.sweep!r}") from None
-            sweep = [plan_from_args(args, ctx) for ctx in contexts]
+            sweep = [plan_from_args(args, ctx) for ctx in args.sweep]
     except (HiSparseError, ValueError) as exc:
-        print(f"hisparse plan: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("hisparse plan", str(exc))
     source = "given" if args.miss_rate is not None else f"published LRU figure at {args.hot:g}x top-k"
     if args.json:
         doc = plan.to_dict()

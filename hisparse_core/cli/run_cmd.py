@@ -29,6 +29,9 @@ import argparse
 import logging
 import sys
 
+from hisparse_core.cli.options import (MAX_BLOCK_SIZE, MAX_HOT, MAX_LAYERS, MAX_LOCALITY, MAX_REQUESTS, MAX_SEED,
+                                       MAX_STEPS, MAX_TOKENS, MAX_TOP_K, SIZE_UNITS, HelpFormatter, fail, float_in,
+                                       int_in, size_in)
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
 
@@ -44,73 +47,115 @@ _FIELDS = {"requests": "requests", "context": "context", "decode_tokens": "decod
            "seed": "seed"}
 
 
+#: `RunConfig`'s defaults, here so `--help` needs no torch (tests/cli check they agree).
+DEFAULTS: dict[str, object] = {
+    "requests": 16, "context": 16384, "decode_tokens": 32, "steps": 48, "top_k": 2048, "hot_multiple": 2.0,
+    "layers": 2, "index_share": 2, "block_size": 64, "row_format": "fp8_ds_mla", "indexer_bytes": 132,
+    "gpu_kv_bytes": 96 << 20, "host_bytes": 256 << 20, "concurrency": 0, "prefix_groups": 4,
+    "shared_fraction": 0.5, "arrival_every": 1, "locality": 1.0, "rows_per_request": 1, "seed": 0}
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    from hisparse_core.replay.engine import RunConfig
     from hisparse_core.replay.presets import PRESETS
     from hisparse_core.replay.report import human_bytes
 
-    d = RunConfig()
-    p = subparsers.add_parser("run", help="end-to-end decode replay: coordinator + worker + backend, checked "
-                                          "against an all-resident copy", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = DEFAULTS
+    p = subparsers.add_parser("run", help="replay a serving workload under a GPU and a host budget: hit rate, "
+                                          "transfers, concurrency; checked against all-resident", description=__doc__,
+                              formatter_class=HelpFormatter)
     p.add_argument("--backend", default=None,
-                   help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
+                   help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available; "
+                        "see hisparse backends)")
     p.add_argument("--preset", default="default", choices=sorted(PRESETS),
                    help="named workload; the flags below override its values (default: default)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw hit rate over steps and concurrency against "
-                                                      "context length (needs matplotlib: hisparse[plot])")
-    w = p.add_argument_group("workload (defaults: the preset's, else these)")
-    w.add_argument("--requests", type=int, help=f"requests offered (default: {d.requests})")
-    w.add_argument("--context", type=int, help=f"prompt tokens (default: {d.context})")
-    w.add_argument("--decode-tokens", type=int, help=f"tokens each request decodes (default: {d.decode_tokens})")
-    w.add_argument("--steps", type=int, help=f"most engine steps; the run stops early once every request has "
-                                             f"finished (default: {d.steps})")
-    w.add_argument("--arrival-every", type=int,
-                   help=f"steps between arrivals, 0: all at once (default: {d.arrival_every})")
-    w.add_argument("--prefix-groups", type=int,
-                   help=f"families sharing a prompt prefix, 0: none (default: {d.prefix_groups})")
-    w.add_argument("--shared-prefix", type=float,
-                   help=f"fraction of the prompt a family shares (default: {d.shared_fraction})")
-    w.add_argument("--concurrency", type=int,
-                   help="most running requests; 0: as many as the GPU budget admits (default: 0)")
-    w.add_argument("--rows-per-request", type=int,
-                   help=f"decode rows per request and step: 1 + speculative tokens, resolved as one union "
-                        f"(default: {d.rows_per_request})")
-    w.add_argument("--locality", type=float,
-                   help="time scale of top-k drift; 1 = calibrated to published LRU miss rates (default: 1)")
-    m = p.add_argument_group("model and memory (defaults: the preset's, else these)")
-    m.add_argument("--top-k", type=int, help=f"(default: {d.top_k})")
-    m.add_argument("--hot", type=float, help=f"hot buffer in multiples of top-k (default: {d.hot_multiple})")
-    m.add_argument("--layers", type=int, help=f"sparse layers (default: {d.layers})")
-    m.add_argument("--index-share", type=int, help=f"layers per indexer (default: {d.index_share})")
-    m.add_argument("--block-size", type=int, help=f"(default: {d.block_size})")
-    m.add_argument("--row-format", choices=["fp8_ds_mla", "bf16_mla"], help=f"(default: {d.row_format})")
-    m.add_argument("--indexer-bytes", type=int,
-                   help=f"indexer key bytes per token and indexer layer, kept on GPU (default: {d.indexer_bytes})")
-    m.add_argument("--gpu-kv", help=f"GPU KV budget (default: {human_bytes(d.gpu_kv_bytes)})")
-    m.add_argument("--host", help=f"host pool budget (default: {human_bytes(d.host_bytes)})")
+                                                      "context length (needs matplotlib: hisparse[plot]; "
+                                                      "checked before the run starts)")
     p.add_argument("--eager", action="store_true",
                    help="run the decode step call by call, without CUDA graphs")
     p.add_argument("--validate", action="store_true", help="resolve with value validation (slower; eager)")
-    p.add_argument("--seed", type=int, help=f"(default: {d.seed})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    w = p.add_argument_group("workload (defaults: the preset's, else these)")
+    w.add_argument("--requests", type=int_in(1, MAX_REQUESTS), metavar="N",
+                   help=f"requests offered (default: {d['requests']}; at most {MAX_REQUESTS})")
+    w.add_argument("--context", type=int_in(1, MAX_TOKENS), metavar="TOKENS",
+                   help=f"prompt tokens per request (default: {d['context']}; at most {MAX_TOKENS})")
+    w.add_argument("--decode-tokens", type=int_in(1, MAX_TOKENS), metavar="N",
+                   help=f"tokens each request decodes (default: {d['decode_tokens']})")
+    w.add_argument("--steps", type=int_in(1, MAX_STEPS), metavar="N",
+                   help=f"most engine steps; the run stops early once every request has finished "
+                        f"(default: {d['steps']})")
+    w.add_argument("--arrival-every", type=int_in(0, MAX_STEPS), metavar="STEPS",
+                   help=f"steps between arrivals, 0: all at once (default: {d['arrival_every']})")
+    w.add_argument("--prefix-groups", type=int_in(0, MAX_REQUESTS), metavar="N",
+                   help=f"families sharing a prompt prefix, 0: none (default: {d['prefix_groups']})")
+    w.add_argument("--shared-prefix", type=float_in(0.0, 1.0), metavar="FRACTION",
+                   help=f"fraction of the prompt a family shares, in [0, 1] (default: {d['shared_fraction']:g})")
+    w.add_argument("--concurrency", type=int_in(0, MAX_REQUESTS), metavar="N",
+                   help="most running requests; 0: as many as the GPU budget admits (default: 0)")
+    w.add_argument("--rows-per-request", type=int_in(1, 64), metavar="N",
+                   help=f"decode rows per request and step: 1 + speculative tokens, resolved as one union "
+                        f"(default: {d['rows_per_request']}; at most 64)")
+    w.add_argument("--locality", type=float_in(0.0, MAX_LOCALITY, lo_open=True), metavar="X",
+                   help=f"time scale of top-k drift; 1 = calibrated to published LRU miss rates, >1 more "
+                        f"local (default: 1; in (0, {MAX_LOCALITY:g}])")
+    w.add_argument("--seed", type=int_in(0, MAX_SEED), metavar="N",
+                   help=f"seed of arrivals, prompts, KV contents and the synthetic indexer; the same seed "
+                        f"gives the same run (default: {d['seed']})")
+    m = p.add_argument_group("model and memory (defaults: the preset's, else these)")
+    m.add_argument("--top-k", type=int_in(1, MAX_TOP_K), metavar="K",
+                   help=f"positions the synthetic indexer picks per decode row and index group "
+                        f"(default: {d['top_k']})")
+    m.add_argument("--hot", type=float_in(1.0, MAX_HOT, what="a multiple of top-k"), metavar="X",
+                   help=f"hot buffer in multiples of top-k, in [1, {MAX_HOT:g}] (default: {d['hot_multiple']:g})")
+    m.add_argument("--layers", type=int_in(1, MAX_LAYERS), metavar="N",
+                   help=f"sparse-attention layers (default: {d['layers']})")
+    m.add_argument("--index-share", type=int_in(1, MAX_LAYERS), metavar="N",
+                   help=f"layers per indexer (default: {d['index_share']})")
+    m.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), metavar="TOKENS",
+                   help=f"tokens per KV page, the unit of GPU and host allocation (default: {d['block_size']})")
+    m.add_argument("--row-format", choices=["fp8_ds_mla", "bf16_mla"],
+                   help=f"KV row layout (default: {d['row_format']})")
+    m.add_argument("--indexer-bytes", type=int_in(0, 1 << 16), metavar="BYTES",
+                   help=f"indexer key bytes per token and indexer layer, kept on GPU (default: {d['indexer_bytes']})")
+    m.add_argument("--gpu-kv", type=size_in(1), metavar="SIZE",
+                   help=f"GPU KV budget (default: {human_bytes(d['gpu_kv_bytes'])}); units: {SIZE_UNITS}")
+    m.add_argument("--host", type=size_in(1), metavar="SIZE",
+                   help=f"host pool budget (default: {human_bytes(d['host_bytes'])}); same units")
     p.set_defaults(func=run)
     return p
 
 
+def check_plot_path(path: str) -> str | None:
+    """Why `--plot path` cannot be written, or None; checked before the run so no run is wasted."""
+    import os
+
+    try:
+        import matplotlib  # noqa: F401  (only when a plot is asked for)
+    except ImportError as exc:
+        return f"--plot needs matplotlib, which cannot be imported ({exc}): pip install 'hisparse[plot]'"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--plot {path!r}: the folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"--plot {path!r}: the folder {folder!r} is not writable"
+    if os.path.isdir(path):
+        return f"--plot {path!r} is a folder; expected a file name such as run.png"
+    return None
+
+
 def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """RunConfig defaults, then the preset's values, then every flag given."""
-    from hisparse_core.planner import parse_bytes
     from hisparse_core.replay.engine import RunConfig
     from hisparse_core.replay.presets import preset
 
     values: dict[str, object] = dict(preset(args.preset))
     values.update({field: getattr(args, opt) for opt, field in _FIELDS.items() if getattr(args, opt) is not None})
     if args.gpu_kv is not None:
-        values["gpu_kv_bytes"] = parse_bytes(args.gpu_kv)
+        values["gpu_kv_bytes"] = args.gpu_kv
     if args.host is not None:
-        values["host_bytes"] = parse_bytes(args.host)
+        values["host_bytes"] = args.host
     return RunConfig(**values, validate=args.validate, cuda_graphs=not args.eager)  # type: ignore[arg-type]
 
 
@@ -167,18 +212,21 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot and (why := check_plot_path(args.plot)):
+        return fail("hisparse run", why)
     from hisparse_core.registry import select_backend
     from hisparse_core.replay.attention import AttentionMismatch
     from hisparse_core.replay.report import dumps, pct
     from hisparse_core.replay.run import run_replay
 
+    acc = {"hits": 0, "misses": 0, "step": 0}
     try:
         config = config_from_args(args)
         backend = select_backend(args.backend)
         with ProgressBar(config.steps, "run", enabled=not args.no_progress) as bar:
-            acc = {"hits": 0, "misses": 0}
 
             def on_step(rec, engine) -> None:  # type: ignore[no-untyped-def]
+                acc["step"] += 1
                 acc["hits"] += rec.hits
                 acc["misses"] += rec.misses
                 looked = acc["hits"] + acc["misses"]
@@ -187,16 +235,23 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(config.steps if engine.done else 1, note=note + (", all finished" if engine.done else ""))
 
             result = run_replay(config, backend, on_step=on_step)
-        if args.plot:
-            from hisparse_core.replay.plot import write_plot
-
-            write_plot(result, config, args.plot)
-            logger.info("plot written to %s", args.plot)
+    except KeyboardInterrupt:
+        print(f"hisparse run: interrupted at step {acc['step']}", file=sys.stderr)
+        return 130
     except AttentionMismatch as exc:
         print(f"hisparse run: FAILED: {exc}", file=sys.stderr)
         return 1
     except (HiSparseError, ValueError) as exc:
-        print(f"hisparse run: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("hisparse run", str(exc))
+    # The table first: a plot that cannot be written never costs the finished run's figures.
     print(dumps(result.to_json()) if args.json else _table(result))
+    sys.stdout.flush()
+    if args.plot:
+        from hisparse_core.replay.plot import write_plot
+
+        try:
+            write_plot(result, config, args.plot)
+        except (HiSparseError, OSError) as exc:
+            return fail("hisparse run", f"the run finished (figures above) but --plot failed: {exc}")
+        logger.info("plot written to %s", args.plot)
     return 0

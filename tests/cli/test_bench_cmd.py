@@ -39,8 +39,10 @@ def test_bench_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--backend", "reference_cpu", "--hot", "0.5", *SMALL]) == 2
-    assert "hot buffer" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--backend", "reference_cpu", "--hot", "0.5", *SMALL])
+    assert exit_.value.code == 2
+    assert "--hot: expected a multiple of top-k in [1, 64], got 0.5" in capsys.readouterr().err
 
 
 def test_bench_counters_match_independent_lru_model() -> None:

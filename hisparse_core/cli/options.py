@@ -1,0 +1,113 @@
+"""What every sub-command's options share: a parser whose errors are one line, and bounded
+numeric and size types, so bad input fails at parse time (before anything is allocated) naming
+the flag and the accepted range.
+
+Light on purpose: `build_parser` imports this for every command, `--help` and `backends` included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+#: The size units `--gpu-kv`, `--host` and friends accept (`planner.parse_bytes`), for help texts.
+SIZE_UNITS = "B, K/KiB, M/MiB, G/GiB, T/TiB (binary), KB, MB, GB, TB (decimal); e.g. 40GiB, 1.5G, 512MiB"
+
+_UNITS_SHORT = "B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB"
+
+#: Generous bounds that keep every derived size far from overflow; the commands check the
+#: combinations (budgets against the machine) themselves.
+MAX_REQUESTS = 1 << 16
+MAX_TOKENS = 1 << 24
+MAX_STEPS = 1 << 24
+MAX_TOP_K = 1 << 16
+MAX_LAYERS = 1024
+MAX_BLOCK_SIZE = 4096
+MAX_HOT = 64.0
+MAX_LOCALITY = 1000.0
+MAX_SEED = (1 << 32) - 1
+MAX_BYTES = 1 << 50  # 1 PiB
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (`hisparse run: error: ...`) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their paragraphs; option help is wrapped to the terminal."""
+
+
+def _range(lo: float, hi: float) -> str:
+    return f"[{lo:g}, {hi:g}]" if isinstance(lo, float) or isinstance(hi, float) else f"[{lo}, {hi}]"
+
+
+def int_in(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
+    """argparse type: an int in [lo, hi] (inclusive), else a message naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip().replace("_", ""), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} in {_range(lo, hi)}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what} in {_range(lo, hi)}, got {text}")
+        return value
+
+    parse.__name__ = "integer"
+    parse.accepted = _range(lo, hi)  # type: ignore[attr-defined]  (tests and help read it)
+    return parse
+
+
+def float_in(lo: float, hi: float, *, lo_open: bool = False, what: str = "a number") -> Callable[[str], float]:
+    """argparse type: a finite float in [lo, hi] (or (lo, hi] with `lo_open`)."""
+    shown = ("(" if lo_open else "[") + f"{lo:g}, {hi:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} in {shown}, got {text!r}") from None
+        if not math.isfinite(value) or not (lo < value if lo_open else lo <= value) or not value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what} in {shown}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    parse.accepted = shown  # type: ignore[attr-defined]
+    return parse
+
+
+def size_in(lo: int, hi: int = MAX_BYTES) -> Callable[[str], int]:
+    """argparse type: a size with an optional unit (SIZE_UNITS), in [lo, hi] bytes."""
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_core.planner import parse_bytes
+    from hisparse_core.replay.report import human_bytes
+
+    # In units parse_bytes reads back (it has no PiB): 1 PiB is shown as 1024 TiB.
+    top = f"{hi / (1 << 40):g} TiB" if hi >= 1 << 40 else human_bytes(hi)
+    shown = f"[{human_bytes(lo)}, {top}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = parse_bytes(text)
+        except (InvalidInputError, OverflowError, ValueError):  # junk, a bad unit, negative, inf, 1e400, nan
+            raise argparse.ArgumentTypeError(f"expected a size in {shown} (a number and an optional unit: "
+                                             f"{_UNITS_SHORT}), got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected a size in {shown}, got {text!r}")
+        return value
+
+    parse.__name__ = "size"
+    parse.accepted = shown  # type: ignore[attr-defined]
+    return parse
+
+
+def fail(prog: str, message: str) -> int:
+    """One error line on stderr; the exit status of bad input."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2

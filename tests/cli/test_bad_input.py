@@ -1,0 +1,241 @@
+"""Bad input on the command line: one clean line naming the flag and the accepted range, exit 2,
+no traceback; a closed pipe, Ctrl-C and `--plot` problems handled as a user expects.
+
+The battery covers every bounded option of every sub-command (found by walking the parser, so
+a new option is covered, and a numeric option without bounds fails `test_every_numeric_option_is_bounded`).
+Its values fail in argparse, before any command code runs, so the whole battery takes about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hisparse_core.cli import build_parser, main
+
+COMMANDS = ("run", "bench", "plan", "generate")
+
+#: Every class of bad number: infinities, not-a-number, overflow, huge, huge integer, negatives, junk.
+BAD_NUMBERS = ("inf", "-inf", "nan", "1e400", "1e30", "1e12", "1000000000000", "-1", "-1e12", "abc", "")
+#: The same classes for sizes, where 1e12 bytes (931 GiB) is a plausible host budget: 1e12 PiB instead.
+BAD_SIZES = ("inf", "nan", "1e400", "1e30", "1e12PiB", "1000000000000TiB", "-1", "-1e12", "abc", "12XB", "")
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _bounded_options() -> list[tuple[str, str, str]]:
+    """(command, flag, kind) for every option whose type is one of cli.options' bounded types."""
+    out = []
+    for cmd, parser in _subparsers().items():
+        if cmd not in COMMANDS:
+            continue
+        for action in parser._actions:
+            if action.option_strings and hasattr(action.type, "accepted"):
+                out.append((cmd, action.option_strings[-1], action.type.__name__))
+    return out
+
+
+OPTIONS = _bounded_options()
+CASES = [(cmd, flag, value) for cmd, flag, kind in OPTIONS
+         for value in (BAD_SIZES if kind == "size" else BAD_NUMBERS)]
+
+
+def test_every_numeric_option_is_bounded() -> None:
+    """No option of any sub-command parses with a bare int or float: each names its range."""
+    for cmd, parser in _subparsers().items():
+        for action in parser._actions:
+            assert action.type not in (int, float), f"hisparse {cmd} {action.option_strings}: unbounded type"
+    covered = {(cmd, flag) for cmd, flag, _ in OPTIONS}
+    for needed in [("run", "--host"), ("run", "--gpu-kv"), ("run", "--hot"), ("run", "--layers"),
+                   ("run", "--requests"), ("run", "--context"), ("run", "--steps"), ("run", "--block-size"),
+                   ("run", "--seed"), ("run", "--arrival-every"), ("run", "--locality"), ("bench", "--tail-pages"),
+                   ("bench", "--warmup"), ("plan", "--pcie-gbps"), ("plan", "--miss-rate"),
+                   ("generate", "--host-pool-gib")]:
+        assert needed in covered
+
+
+@pytest.mark.parametrize(("cmd", "flag", "value"), CASES, ids=[f"{c} {f}={v}" for c, f, v in CASES])
+def test_bad_value_gives_one_line(cmd: str, flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([cmd, f"{flag}={value}"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"hisparse {cmd}: error: argument {flag}")
+    assert "Traceback" not in captured.err
+    option = next(a for a in _subparsers()[cmd]._actions if flag in a.option_strings)
+    assert option.type.accepted in lines[0]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["bench", "--steps", "10", "--warmup", "10"], "--warmup: expected an integer in [0, --steps - 1 = 9], got 10"),
+    (["generate", "--min-prompt", "300", "--max-prompt", "200"], "--min-prompt 300 is above --max-prompt 200"),
+    (["generate", "--shared-prefix", "250", "--min-prompt", "200"], "--shared-prefix 250 is above --min-prompt"),
+    (["plan", "--sweep", ",,"], "argument --sweep: expected comma-separated token counts"),
+    (["plan", "--sweep", "8K,x"], "argument --sweep: expected token counts in [1, 16777216]"),
+    (["plan", "--sweep", "1e12"], "argument --sweep"),
+])
+def test_combinations_name_the_flags(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code  # type: ignore[assignment]
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_sweep_accepts_token_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--sweep", "8K,32k,1M"]) == 0
+    grid = capsys.readouterr().out
+    for ctx in ("8192", "32768", "1048576"):
+        assert re.search(rf"^\s*{ctx}\s", grid, re.M)
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_bad_log_level_is_one_line(how: str, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    if how == "flag":
+        rc = main(["--log-level", "bogus", "backends"])
+    else:
+        monkeypatch.setenv("HISPARSE_LOG_LEVEL", "bogus")
+        rc = main(["backends"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    source = "--log-level" if how == "flag" else "$HISPARSE_LOG_LEVEL"
+    assert captured.err.splitlines() == [f"hisparse: error: {source} 'bogus' is not a logging level; expected one "
+                                         "of DEBUG, INFO, WARNING, ERROR, CRITICAL"]
+
+
+def test_log_level_is_case_blind(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HISPARSE_LOG_LEVEL", "warning")
+    assert main(["backends"]) == 0
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_")}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("argv", [["plan", "--sweep", ",".join(str(n) for n in range(1, 5001))],
+                                  ["run", "--help"]])
+def test_closed_pipe_is_quiet(argv: list[str]) -> None:
+    """`hisparse ... | head -1`: the first line arrives and nothing is said about the closed pipe.
+    The sweep's grid (about 200 KB) outgrows the pipe's buffer, so the writer meets the closed end."""
+    writer = subprocess.Popen([sys.executable, "-m", "hisparse_core", *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=_env())
+    head = subprocess.Popen(["head", "-1"], stdin=writer.stdout, stdout=subprocess.PIPE)
+    assert writer.stdout is not None and writer.stderr is not None
+    writer.stdout.close()
+    first, _ = head.communicate(timeout=120)
+    err = writer.stderr.read().decode()
+    writer.wait(timeout=120)
+    assert first.strip()
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert writer.returncode in (0, 141)  # 0 when the output fit the pipe before head closed it
+
+
+#: A run that lasts for minutes unless interrupted: two small requests decoding 5000 tokens.
+ENDLESS_RUN = ["run", "--backend", "reference_cpu", "--requests", "2", "--context", "64", "--decode-tokens",
+               "5000", "--steps", "5000", "--top-k", "16", "--block-size", "16", "--layers", "1",
+               "--index-share", "1", "--prefix-groups", "0", "--gpu-kv", "64MiB", "--host", "256MiB"]
+
+
+def _interrupt_after_first_progress_line(argv: list[str], label: str) -> tuple[int, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "hisparse_core", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    assert proc.stderr is not None
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line.rstrip("\n"))
+            if line.startswith(f"{label} ["):
+                proc.send_signal(signal.SIGINT)
+                break
+        else:
+            pytest.fail(f"no progress line before exit: {seen}")
+        rest, _ = proc.communicate(timeout=120)[1], None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, seen + (rest or "").splitlines()
+
+
+def test_ctrl_c_during_run_says_where(tmp_path: Path) -> None:
+    rc, err = _interrupt_after_first_progress_line(ENDLESS_RUN, "run")
+    assert rc == 130, err
+    assert re.fullmatch(r"hisparse run: interrupted at step \d+", err[-1]), err
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in err), err
+
+
+def _installed(name: str) -> bool:
+    """A real installed package (tests/ on sys.path makes folders look like namespace packages)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
+
+
+@pytest.mark.skipif(not _installed("transformers"), reason="needs transformers (the transformers extra)")
+def test_ctrl_c_during_generate_says_where() -> None:
+    rc, err = _interrupt_after_first_progress_line(["generate", "--backend", "reference_cpu"], "generate")
+    assert rc == 130, err
+    assert re.fullmatch(r"hisparse generate: interrupted at step \d+ of \d+", err[-1]), err
+
+
+SMALL_RUN = ["run", "--backend", "reference_cpu", "--requests", "3", "--context", "100", "--decode-tokens", "4",
+             "--steps", "8", "--top-k", "16", "--block-size", "16", "--layers", "1", "--index-share", "1",
+             "--gpu-kv", "1MiB", "--host", "4MiB", "--no-progress"]
+
+
+def test_plot_into_missing_folder_fails_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import hisparse_core.replay.run as replay_run
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started although --plot cannot be written")
+
+    monkeypatch.setattr(replay_run, "run_replay", must_not_run)
+    target = tmp_path / "missing" / "x.png"
+    assert main([*SMALL_RUN, "--plot", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"hisparse run: error: --plot {str(target)!r}: the folder "
+                                         f"{str(target.parent)!r} does not exist"]
+
+
+def test_plot_without_matplotlib_fails_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert main([*SMALL_RUN, "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--plot needs matplotlib" in err and "hisparse[plot]" in err
+
+
+def test_a_failing_plot_keeps_the_finished_table(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    import hisparse_core.replay.plot as plot
+
+    def disk_full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plot, "write_plot", disk_full)
+    assert main([*SMALL_RUN, "--plot", str(tmp_path / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "hisparse run" in captured.out and "hit rate" in captured.out
+    assert "the run finished (figures above) but --plot failed" in captured.err

@@ -1,0 +1,96 @@
+"""Help as a user reads it: what each command is for, every option described once with its
+default, the size units, the built-in models' values; `--version`; a backends table that fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from hisparse_core import __version__
+from hisparse_core.cli import bench_cmd, main, run_cmd
+from hisparse_core.cli.backends_cmd import format_table
+from hisparse_core.registry import get_registry
+
+
+def _help(*argv: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help_is_for_users(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys=capsys)
+    assert "module" not in text and "add_parser" not in text
+    for cmd in ("generate", "run", "bench", "plan", "backends", "--version", "--log-level"):
+        assert cmd in text
+    assert "GiB" in text  # the size units
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"hisparse {__version__}"
+
+
+@pytest.mark.parametrize("cmd", ["run", "bench", "plan", "generate", "backends"])
+def test_every_option_is_described_once(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(cmd, capsys=capsys)
+    assert "(default: None)" not in text
+    flat = " ".join(text.split())
+    assert not re.search(r"\(default: [^)]*\) \(default:", flat), "a default shown twice"
+    # Every option has a help text of its own (argparse prints a bare flag line otherwise).
+    from hisparse_core.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[cmd]
+    for action in sub._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 12 and not action.help.startswith("("), action.option_strings
+
+
+def test_run_help_describes_seed_top_k_block_size_and_units(capsys: pytest.CaptureFixture[str]) -> None:
+    flat = " ".join(_help("run", capsys=capsys).split())
+    assert re.search(r"--seed N seed of .*same seed", flat)
+    assert re.search(r"--top-k K positions the synthetic indexer picks", flat)
+    assert re.search(r"--block-size TOKENS tokens per KV page", flat)
+    assert "units: B, K/KiB, M/MiB, G/GiB" in flat
+
+
+def test_plan_help_shows_the_built_in_models(capsys: pytest.CaptureFixture[str]) -> None:
+    from hisparse_core.planner import MODELS
+
+    flat = " ".join(_help("plan", capsys=capsys).split())
+    for name, geo in MODELS.items():
+        assert f"{name} {geo.num_layers} layers, {geo.row_bytes} B rows" in flat
+        assert f"{name} {geo.index_share}" in flat  # in --index-share's built-in values
+    assert "units: B, K/KiB" in flat
+
+
+@pytest.mark.parametrize(("module", "config"), [(run_cmd, "hisparse_core.replay.engine:RunConfig"),
+                                                (bench_cmd, "hisparse_core.replay.bench:BenchConfig")])
+def test_help_defaults_are_the_configs_defaults(module: object, config: str) -> None:
+    """The light copy of the defaults that `--help` shows equals the real config's."""
+    import importlib
+
+    mod, _, cls = config.partition(":")
+    real = {f.name: f.default for f in dataclasses.fields(getattr(importlib.import_module(mod), cls))}
+    shown = module.DEFAULTS  # type: ignore[attr-defined]
+    assert {k: real[k] for k in shown} == shown
+
+
+@pytest.mark.parametrize("width", [80, 100, 120, 300])
+def test_backends_table_fits_the_terminal(width: int) -> None:
+    entries = get_registry().entries()
+    table = format_table(entries, width=width)
+    assert max(len(line) for line in table.splitlines()) <= width
+    # Nothing is lost: every capability and every word of each reason is still there.
+    flat = " ".join(table.split())
+    for e in entries:
+        for cap in e.capabilities:
+            assert cap in table
+        for word in (e.reason or "").split():
+            assert word in flat
+    if width == 300:
+        assert len(table.splitlines()) == 1 + len(entries)  # wide enough: one line per backend

@@ -100,7 +100,7 @@ readme)  # every command of README.md as a user runs it (through the shim: pytho
         exit $rc' "$OUT"
     ;;
 tests)
-    run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia
+    run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia_backend
     ;;
 tests_variants)  # the resolver tests again with the page tables gathered per entry
     # (HISPARSE_RESOLVE_SMEM=0), with 512 threads per block and with one block per group at every
@@ -108,7 +108,7 @@ tests_variants)  # the resolver tests again with the page tables gathered per en
     # assignments) overrides the list.
     export VARIANTS=${VARIANTS:-"HISPARSE_RESOLVE_SMEM=0;HISPARSE_RESOLVE_THREADS=512;HISPARSE_RESOLVE_CLUSTER=1"}
     run tests_variants "${T_TESTS:-200}" bash -c '
-        set -u; rc=0; T="tests/nvidia/test_nvidia_runtime.py tests/nvidia/test_nvidia_graph.py"
+        set -u; rc=0; T="tests/nvidia_backend/test_nvidia_runtime.py tests/nvidia_backend/test_nvidia_graph.py"
         IFS=";" read -ra VS <<< "$VARIANTS"
         for v in "${VS[@]}"; do
             echo "--- $v"; env $v python3 -m pytest -q -rs --maxfail=5 -p no:cacheprovider $T || rc=1
@@ -119,7 +119,7 @@ conformance)
         --hisparse-backend nvidia --hisparse-examples 25
     ;;
 memcheck)
-    T=tests/nvidia/test_nvidia_runtime.py
+    T=tests/nvidia_backend/test_nvidia_runtime.py
     run memcheck "${T_MEMCHECK:-110}" compute-sanitizer --tool memcheck --report-api-errors no --leak-check no --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[0]" \
         "$T::test_small_geometries_match_reference[1]" "$T::test_small_geometries_match_reference[5]" \
@@ -127,10 +127,10 @@ memcheck)
         "$T::test_cluster_resolver_matches_reference[0]" "$T::test_cluster_resolver_matches_reference[1]" "$T::test_cluster_resolver_matches_reference[5]" \
         "$T::test_strided_device_blocks" "$T::test_out_of_context_positions_are_masked_without_validation" \
         "$T::test_remapped_and_shared_host_blocks_match_reference[0]" "$T::test_speculative_gather_matches_reference[0]" \
-        "$T::test_speculative_gather_matches_reference[2]" "tests/nvidia/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" tests/nvidia/test_nvidia_transfer.py
+        "$T::test_speculative_gather_matches_reference[2]" "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" tests/nvidia_backend/test_nvidia_transfer.py
     ;;
 racecheck)
-    T=tests/nvidia/test_nvidia_runtime.py
+    T=tests/nvidia_backend/test_nvidia_runtime.py
     run racecheck "${T_RACECHECK:-90}" compute-sanitizer --tool racecheck --report-api-errors no --racecheck-report hazard --error-exitcode 99 --print-limit 50 \
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[2]" \
         "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None-None]" \
@@ -147,7 +147,7 @@ bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}
     ;;
 tf_tests)  # the transformers integration on the GPU (fp32 exact, bf16 teacher-forced, planted fault)
-    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/transformers/test_transformers_gpu.py
+    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/transformers_plugin/test_transformers_gpu.py
     ;;
 tf_generate)
     run tf_generate "${T_TF_GENERATE:-120}" python3 -m hisparse_core generate --backend nvidia --no-progress

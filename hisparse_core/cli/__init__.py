@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "bench": "hisparse_core.cli.bench_cmd",
     "run": "hisparse_core.cli.run_cmd",
     "plan": "hisparse_core.cli.plan_cmd",
+    "new-backend": "hisparse_core.cli.new_backend_cmd",
 }
 
 

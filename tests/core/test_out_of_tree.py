@@ -9,6 +9,7 @@ conformance suite on it, through the scaffold's own CI script.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import site
@@ -152,9 +153,11 @@ def test_new_backend_scaffold_installs_and_passes_the_conformance_suite(tmp_path
     proc = run_python(["-m", "hisparse_core", "new-backend", "acme", str(dist)], tmp_path, tmp_path)
     assert proc.returncode == 0, proc.stderr
     python = linked_venv(tmp_path / "venv")
+    # Offline, building with this environment's setuptools where it has one (everything else the
+    # scaffold needs is installed); without setuptools pip builds in isolation from its index.
+    offline = {"PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0"} if importlib.util.find_spec("setuptools") else {}
     env = subprocess_env(PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                         # offline and with this environment's setuptools: everything it needs is installed
-                         PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+                         PIP_DISABLE_PIP_VERSION_CHECK="1", **offline)
     # cwd outside the repository: the suite must run from the installed packages alone.
     proc = subprocess.run(["bash", str(dist / "ci" / "conformance.sh")], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=900, check=False)

@@ -9,6 +9,11 @@ GPU memory model (the one the replay engine implements, after vLLM's HMA pool):
   to the same pool in whole blocks: `ceil(pages * block_size * index_layers * indexer_bytes /
   block_bytes)`.
 - Without hisparse a request holds every page plus its indexer blocks.
+- Hybrid rule: a request whose context fits its hot buffer (`context <= hot_rows`) stays
+  resident, exactly as without hisparse: it never leases a hot buffer (which would cost at least
+  as many blocks as releasing its pages frees) and never misses. The coordinator's residency
+  policy releases no page of such a request, so the crossover where hisparse starts to pay is
+  the context where the steady state below becomes smaller than all-resident.
 - With hisparse a running request holds its indexer blocks, its hot buffer (`hot_rows /
   block_size` blocks) and its `tail_pages` newest pages. Admitting one more request needs one
   full admission free: all of its pages, its indexer blocks and its hot buffer (the
@@ -19,7 +24,7 @@ GPU memory model (the one the replay engine implements, after vLLM's HMA pool):
   GPU and host figures.
 
 PCIe per decode step: every index group looks up `top_k` positions per request; a miss rate `m`
-(misses per looked-up entry) copies `m * top_k` rows into each layer of the group, so a request
+(misses per looked-up entry; 0 for a request that stays resident) copies `m * top_k` rows into each layer of the group, so a request
 costs `m * top_k * num_layers * row_bytes` host-to-device, and mirroring its new token costs
 `num_layers * row_bytes` device-to-host.
 """
@@ -138,6 +143,11 @@ class Plan:
     hot_blocks_per_request: int
     steady_blocks_per_request: int
     admission_blocks: int
+    #: The hybrid rule: the context fits the hot buffer, so requests stay all resident (no hot
+    #: buffer leased, no misses) and hisparse only mirrors them to host.
+    stays_resident: bool
+    #: Misses per looked-up entry charged to PCIe: the input's, or 0 when requests stay resident.
+    miss_rate: float
     gpu_concurrency: int
     host_block_bytes: int
     host_blocks: int
@@ -185,21 +195,24 @@ def make_plan(p: PlanInputs) -> Plan:
     baseline = pages + indexer
     hot_blocks = p.hot_rows // bs
     tail = min(p.tail_pages, pages)
-    steady = indexer + hot_blocks + tail
-    admission = pages + indexer + hot_blocks
+    resident = pages <= hot_blocks  # context <= hot_rows: hot_rows is a whole number of pages
+    steady = baseline if resident else indexer + hot_blocks + tail
+    admission = baseline if resident else pages + indexer + hot_blocks
+    miss_rate = 0.0 if resident else p.miss_rate
     gpu_conc = gpu_concurrency(gpu_blocks, steady, admission)
     host_block_bytes = block_bytes  # a host block holds the same tokens of every sparse layer
     host_blocks = p.host_bytes // host_block_bytes
     host_conc = max(0, host_blocks - 1) // pages
     conc = min(gpu_conc, host_conc)
-    h2d_req = p.miss_rate * g.top_k * g.num_layers * g.row_bytes
+    h2d_req = miss_rate * g.top_k * g.num_layers * g.row_bytes
     d2h_req = g.num_layers * g.row_bytes
     h2d = conc * h2d_req
     return Plan(
         inputs=p, pages_per_request=pages, gpu_blocks=gpu_blocks, block_bytes=block_bytes,
         indexer_blocks_per_request=indexer, baseline_blocks_per_request=baseline,
         baseline_concurrency=gpu_blocks // baseline, hot_blocks_per_request=hot_blocks,
-        steady_blocks_per_request=steady, admission_blocks=admission, gpu_concurrency=gpu_conc,
+        steady_blocks_per_request=steady, admission_blocks=admission, stays_resident=resident,
+        miss_rate=miss_rate, gpu_concurrency=gpu_conc,
         host_block_bytes=host_block_bytes, host_blocks=host_blocks, host_concurrency=host_conc,
         hisparse_concurrency=conc, host_pool_bytes_needed=(gpu_conc * pages + 1) * host_block_bytes,
         h2d_bytes_per_request_step=h2d_req, d2h_bytes_per_request_step=d2h_req, h2d_bytes_per_step=h2d,

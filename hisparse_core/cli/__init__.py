@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "bench": "hisparse_core.cli.bench_cmd",
     "plan": "hisparse_core.cli.plan_cmd",
     "backends": "hisparse_core.cli.backends_cmd",
+    "new-backend": "hisparse_core.cli.new_backend_cmd",
 }
 
 DESCRIPTION = """\

@@ -139,8 +139,9 @@ def _table(plan, miss_source: str) -> str:  # type: ignore[no-untyped-def]
          f"({plan.pages_per_request} pages + {plan.indexer_blocks_per_request} indexer blocks)"),
         ("hisparse steady state",
          f"{human_bytes(plan.steady_blocks_per_request * plan.block_bytes)} "
-         f"({plan.indexer_blocks_per_request} indexer + {plan.hot_blocks_per_request} hot + "
-         f"{min(i.tail_pages, plan.pages_per_request)} tail blocks)"),
+         + (f"(all resident: {i.context} tokens fit the {i.hot_rows}-row hot buffer)" if plan.stays_resident else
+            f"({plan.indexer_blocks_per_request} indexer + {plan.hot_blocks_per_request} hot + "
+            f"{min(i.tail_pages, plan.pages_per_request)} tail blocks)")),
         ("one admission kept free", f"{human_bytes(plan.admission_blocks * plan.block_bytes)} "
                                     f"({plan.admission_blocks} blocks)"),
         ("steady-state concurrency", ""),
@@ -151,7 +152,9 @@ def _table(plan, miss_source: str) -> str:  # type: ignore[no-untyped-def]
         ("host pool needed", f"{human_bytes(plan.host_pool_bytes_needed)} for the GPU's "
                              f"{plan.gpu_concurrency} requests (+1 null block)"),
         ("PCIe per decode step", ""),
-        ("miss rate", f"{pct(i.miss_rate)} ({miss_source})"),
+        ("miss rate", f"{pct(plan.miss_rate)} (requests stay resident; {pct(i.miss_rate)} {miss_source} "
+                      f"applies past {i.hot_rows} tokens)" if plan.stays_resident
+         else f"{pct(i.miss_rate)} ({miss_source})"),
         ("per request", f"{human_bytes(plan.h2d_bytes_per_request_step)} host->device, "
                         f"{human_bytes(plan.d2h_bytes_per_request_step)} device->host"),
         (f"at {plan.hisparse_concurrency} requests",
@@ -177,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         doc["miss_rate_source"] = source
         if sweep:
             doc["sweep"] = [{"context": s.inputs.context, "baseline_concurrency": s.baseline_concurrency,
-                             "hisparse_concurrency": s.hisparse_concurrency} for s in sweep]
+                             "hisparse_concurrency": s.hisparse_concurrency, "stays_resident": s.stays_resident}
+                           for s in sweep]
         print(dumps(doc))
         return 0
     print(_table(plan, source))
@@ -185,5 +189,5 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(render_grid(["context", "without hisparse", "with hisparse", "bound by"],
                           [[str(s.inputs.context), str(s.baseline_concurrency), str(s.hisparse_concurrency),
-                            s.bound_by] for s in sweep]))
+                            s.bound_by + (", all resident" if s.stays_resident else "")] for s in sweep]))
     return 0

@@ -4,7 +4,8 @@ While free GPU blocks stay at or above the watermark every page stays resident. 
 policy releases clean, sealed pages outside the active tail, tail-first within a request and
 requests in the order they became releasable, until free blocks reach twice the watermark (at
 most `max_releases_per_step` pages a step). A request leases its hot buffer before its first
-release, so it can read released pages from host. A released page keeps its block readable until
+release, so it can read released pages from host; a request with no more pages than its hot
+buffer holds is never released (it stays resident, leasing no buffer). A released page keeps its block readable until
 the engine hands the block out again; then the page is lost and its resident entry becomes -1
 in the next command.
 """
@@ -73,7 +74,9 @@ class ResidencyPolicy:
         for rec in self._candidates:
             if want <= 0:
                 break
-            if rec.hot is None and not self._lease_hot(rec):
+            # A request whose pages fit its hot buffer stays resident (the planner's hybrid
+            # rule): the buffer would take at least as many blocks as releasing frees.
+            if rec.hot is None and (rec.num_pages <= self._hot_blocks or not self._lease_hot(rec)):
                 continue
             blocks: list[int] = []
             state, gpu_blocks = rec.state, rec.gpu

@@ -199,6 +199,10 @@ class ReplayEngine:
         self.indexer_blocks = p.indexer_blocks_per_request
         self.admission_blocks = p.admission_blocks
         self.hot_blocks = p.hot_blocks_per_request
+        # Hybrid rule: requests that fit the hot buffer stay resident, so they take no prefix
+        # hit from host (that would read it through a hot buffer) and admit without one.
+        self.stays_resident = p.stays_resident
+        admission_hot = 0 if p.stays_resident else self.hot_blocks
         # State rows: the GPU can never hold more running requests than this bound.
         upper = max(1, p.gpu_blocks // max(1, min(p.steady_blocks_per_request, p.baseline_blocks_per_request)))
         self.max_running = c.concurrency if c.concurrency else upper
@@ -206,7 +210,7 @@ class ReplayEngine:
             raise CapacityError(
                 f"GPU KV budget of {c.gpu_kv_bytes} B holds {p.gpu_blocks} blocks of {p.block_bytes} B; one admission "
                 f"of a {c.max_tokens}-token request needs {self.admission_blocks} ({self.pages_per_request} pages + "
-                f"{self.indexer_blocks} indexer + {self.hot_blocks} hot): raise --gpu-kv or lower --context")
+                f"{self.indexer_blocks} indexer + {admission_hot} hot): raise --gpu-kv or lower --context")
         # Both budgets are checked before anything is built: the coordinator's host block pool
         # alone takes seconds at a terabyte, and the device caches are allocated whole.
         check_device_memory(backend.device, p.gpu_blocks * p.block_bytes,
@@ -260,11 +264,13 @@ class ReplayEngine:
         logger.info(
             "replay: %d layers in index groups %s, top-k %d, hot buffer %d rows, %s; GPU pool %d blocks of %d B, "
             "admission needs %d free (%d pages + %d indexer + %d hot); host pool %d blocks; state rows %d (%s), "
-            "%d decode rows per request",
+            "%d decode rows per request%s",
             c.layers, self.group_layers, c.top_k, c.hot_rows, self.fmt.name, p.gpu_blocks, p.block_bytes,
-            self.admission_blocks, self.pages_per_request, self.indexer_blocks, self.hot_blocks,
+            self.admission_blocks, self.pages_per_request, self.indexer_blocks, admission_hot,
             self.coordinator.host_num_blocks, self.max_running,
-            "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint", c.rows_per_request)
+            "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint", c.rows_per_request,
+            f"; requests of {c.max_tokens} tokens fit the {c.hot_rows}-row hot buffer, so they stay resident "
+            "(no hot buffer, no host prefix hits)" if p.stays_resident else "")
 
     # ----------------------------------------------------------------------------- steps
 
@@ -295,7 +301,8 @@ class ReplayEngine:
             try:
                 with self.timer.phase("coordinator"):
                     hit = self.coordinator.add_request(spec.request_id, tokens[:spec.prompt_tokens],
-                                                       max_prefix_tokens=spec.prompt_tokens - 1)
+                                                       max_prefix_tokens=0 if self.stays_resident
+                                                       else spec.prompt_tokens - 1)
             except CapacityError:
                 return admitted, True
             self.waiting.popleft()

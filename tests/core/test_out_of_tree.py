@@ -1,13 +1,18 @@
 """Out-of-tree backends, the way a vendor ships one: a separate distribution on the path.
 
-Each test writes a throwaway distribution (package + `*.dist-info` with METADATA and
-entry_points.txt) into tmp_path and runs fresh Python processes with it on PYTHONPATH, so
-discovery goes through `importlib.metadata` exactly as for a pip-installed package.
+Most tests write a throwaway distribution (package + `*.dist-info` with METADATA and
+entry_points.txt) into tmp_path and run fresh Python processes with it on PYTHONPATH, so
+discovery goes through `importlib.metadata` exactly as for a pip-installed package. The slow one
+writes the `hisparse new-backend` scaffold, pip-installs it into a fresh venv and runs the
+conformance suite on it, through the scaffold's own CI script.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import site
 import subprocess
 import sys
 import textwrap
@@ -128,14 +133,48 @@ def test_hisparse_backend_variable_overrides_priority(acme_site: Path, tmp_path:
     assert "selected (explicit: HISPARSE_BACKEND=reference_cpu)" in proc.stderr
 
 
+def linked_venv(path: Path) -> Path:
+    """A fresh virtual environment (no pip of its own) that sees this one's site-packages, so it
+    "has hisparse" and pip, and installs go into its own site-packages; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    python = path / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    outer = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    Path(purelib, "_hisparse_outer.pth").write_text(f"import site; list(map(site.addsitedir, {outer!r}))\n")
+    return python
+
+
 @pytest.mark.slow
-def test_conformance_suite_passes_on_the_out_of_tree_backend(acme_site: Path, tmp_path: Path) -> None:
-    # cwd outside the repository: the suite must run from the installed package alone.
-    proc = run_python(["-m", "pytest", "--pyargs", "hisparse_conformance", "--hisparse-backend", "acme",
-                       "-q", "-p", "no:cacheprovider"], acme_site, tmp_path, timeout=900)
+def test_new_backend_scaffold_installs_and_passes_the_conformance_suite(tmp_path: Path) -> None:
+    """`hisparse new-backend acme DIR`, then DIR's own CI script, unchanged: pip install -e into a
+    venv that has hisparse, acme listed as available, and the conformance suite passing."""
+    dist = tmp_path / "hisparse-acme"
+    proc = run_python(["-m", "hisparse_core", "new-backend", "acme", str(dist)], tmp_path, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    python = linked_venv(tmp_path / "venv")
+    # Offline, building with this environment's setuptools where it has one (everything else the
+    # scaffold needs is installed); without setuptools pip builds in isolation from its index.
+    offline = {"PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "0"} if importlib.util.find_spec("setuptools") else {}
+    env = subprocess_env(PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                         PIP_DISABLE_PIP_VERSION_CHECK="1", **offline)
+    # cwd outside the repository: the suite must run from the installed packages alone.
+    proc = subprocess.run(["bash", str(dist / "ci" / "conformance.sh")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900, check=False)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "acme" in proc.stdout + proc.stderr, tail
+    assert "Successfully installed hisparse-acme-0.1.0" in proc.stdout, tail
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
+    assert rows["acme"][:4] == ["acme", "available", "50", "0.1.0"], tail
+    assert "selected: acme (automatic" in proc.stdout, tail
+    assert "hisparse backend: acme 0.1.0" in proc.stdout and " passed" in proc.stdout, tail
+    assert " failed" not in proc.stdout and "capability drift" not in proc.stdout + proc.stderr, tail
+    # Installed editable, from DIR, into the new venv only.
+    where = subprocess.run([str(python), "-c", "import hisparse_acme.backend as b, sys; print(b.__file__, sys.prefix)"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+    module, prefix = where.stdout.split()
+    assert Path(module) == dist / "hisparse_acme" / "backend.py" and Path(prefix) == tmp_path / "venv"
+    assert run_python(["-c", "import hisparse_acme"], tmp_path, tmp_path).returncode != 0
 
 
 BROKEN_PLUGIN = '''

@@ -73,12 +73,13 @@ def test_deferred_gather_matches_fused_gather(hisparse_backend: Backend, data: s
             want = fused.resolve(step, gather=True)
             before = (deferred.device_cache_bytes(0), deferred.stats()[3])
             got = deferred.resolve(step, gather=False)
-            assert got == want
-            assert torch.equal(deferred.device_cache_bytes(0), before[0]), "gather=False copied rows"
-            assert deferred.stats()[3] == before[1], "gather=False counted h2d bytes"
+            assert got == want, "resolve(gather=False) returns the same outputs as resolve(gather=True)"
+            assert torch.equal(deferred.device_cache_bytes(0), before[0]), "resolve(gather=False) must copy no row"
+            assert deferred.stats()[3] == before[1], "resolve(gather=False) must count no host-to-device bytes"
             deferred.runtime.gather_misses(0)
-            assert torch.equal(deferred.device_cache_bytes(0), fused.device_cache_bytes(0))
-            assert deferred.stats() == fused.stats()
+            assert torch.equal(deferred.device_cache_bytes(0), fused.device_cache_bytes(0)), (
+                "gather_misses(0) after resolve(gather=False) writes exactly what resolve(gather=True) writes (docs/resolver-contract.md: Copies)")
+            assert deferred.stats() == fused.stats(), "deferred and fused gathers count the same (docs/resolver-contract.md: Counters)"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -104,15 +105,17 @@ def test_hits_copy_nothing(hisparse_backend: Backend, fmt: RowFormat, data: st.D
                 out = rig.resolve(step)
                 want = model.resolve(step.topk, step.row_state, step.seq_lens, t.source, t.resident, t.hot)
                 plan = out.plan()
-                assert plan == want.plan()
+                assert plan == want.plan(), "the miss plan must equal the reference model's (docs/resolver-contract.md: The miss plan)"
                 changed = _changed_rows(before, rig.device_cache_bytes(0), fmt.row_bytes)
                 assert changed <= {d for _, d in plan}, f"rows written that are not in the plan: " \
                                                         f"{sorted(changed - {d for _, d in plan})}"
-                assert rig.stats()[3] - h2d == len(plan) * fmt.row_bytes
+                assert rig.stats()[3] - h2d == len(plan) * fmt.row_bytes, (
+                    "host-to-device bytes count len(plan) * row_bytes per gathered layer (docs/resolver-contract.md: Counters)")
                 if plan:
-                    assert torch.equal(rig.device_bytes(0, [d for _, d in plan]), rig.host_bytes(0, [h for h, _ in plan]))
+                    assert torch.equal(rig.device_bytes(0, [d for _, d in plan]), rig.host_bytes(0, [h for h, _ in plan])), (
+                        "each planned hot slot must hold the bytes of its host row after the gather (docs/resolver-contract.md: Copies)")
                 if repeat:
-                    assert not plan, "a repeated step missed"
+                    assert not plan, "a step repeated at once must hit: its rows are in the hot buffer, nothing to copy"
 
 
 @pytest.mark.requires_capability(Capability.INDEX_SHARING)
@@ -147,5 +150,7 @@ def test_each_layer_is_copied_only_when_asked(hisparse_backend: Backend, data: s
                     assert changed <= {d for _, d in plan}, f"layer {layer}: rows outside the plan were written"
                     if plan:
                         assert torch.equal(rig.device_bytes(layer, [d for _, d in plan]),
-                                           rig.host_bytes(layer, [h for h, _ in plan]))
-                assert rig.stats()[3] - h2d == len(plan) * row_bytes * len(written)
+                                           rig.host_bytes(layer, [h for h, _ in plan])), (
+                            f"layer {layer}: each planned slot must hold its host row's bytes of that layer")
+                assert rig.stats()[3] - h2d == len(plan) * row_bytes * len(written), (
+                    "host-to-device bytes count len(plan) * row_bytes for each layer copied (docs/resolver-contract.md: Counters)")

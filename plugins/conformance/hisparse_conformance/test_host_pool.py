@@ -22,6 +22,7 @@ from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
 from hisparse_core.host_pool import HostPoolSpec
 
+from hisparse_conformance.contract import must_raise
 from hisparse_conformance.examples import examples
 from hisparse_conformance.rig import usable_format
 from hisparse_conformance.scenario import random_bytes
@@ -43,18 +44,22 @@ def test_layer_views_keep_their_bytes(hisparse_backend: Backend, fmt: RowFormat,
     layers, blocks, bs = geometry
     spec = HostPoolSpec(num_layers=layers, num_blocks=blocks, block_size=bs, row_format=fmt)
     with hisparse_backend.create_host_pool(spec) as pool:
-        assert pool.spec == spec and pool.nbytes == spec.nbytes and pool.is_writer and not pool.released
+        assert pool.spec == spec and pool.nbytes == spec.nbytes and pool.is_writer and not pool.released, (
+            "a new private pool keeps its spec, has spec.nbytes bytes, is the writer and is not released")
         views = pool.layer_views()
-        assert len(views) == layers
+        assert len(views) == layers, f"layer_views() returns one view per layer ({layers}), got {len(views)}"
         written = []
         for layer, view in enumerate(views):
-            assert view.shape == (blocks * bs, fmt.width) and view.dtype == fmt.dtype
+            assert view.shape == (blocks * bs, fmt.width) and view.dtype == fmt.dtype, (
+                f"layer_view({layer}) must be (num_blocks * block_size, row width) = {(blocks * bs, fmt.width)} of "
+                f"{fmt.dtype}; got {tuple(view.shape)} of {view.dtype}")
             assert view.device.type == "cpu", f"layer {layer} view is on {view.device}; host rows live on the host"
             data = random_bytes((blocks * bs, fmt.row_bytes), seed, layer)
             view.view(torch.uint8).copy_(data)
             written.append(data)
         for layer in range(layers):  # every write landed in its own layer, and a new view sees it
-            assert torch.equal(pool.layer_view(layer).view(torch.uint8).cpu(), written[layer]), f"layer {layer}"
+            assert torch.equal(pool.layer_view(layer).view(torch.uint8).cpu(), written[layer]), (
+                f"layer {layer}: bytes written through layer_views must read back unchanged through layer_view")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -65,33 +70,35 @@ def test_private_pool_is_layer_major(hisparse_backend: Backend, fmt: RowFormat) 
         base = pool.layer_view(0).data_ptr()
         for layer in range(spec.num_layers):
             view = pool.layer_view(layer)
-            assert view.is_contiguous()
-            assert view.data_ptr() - base == layer * spec.rows_per_layer * fmt.row_bytes
+            assert view.is_contiguous(), f"layer_view({layer}) of a private pool must be contiguous"
+            assert view.data_ptr() - base == layer * spec.rows_per_layer * fmt.row_bytes, (
+                f"a private pool is layer-major: layer {layer} starts at base + layer * rows_per_layer * row_bytes")
 
 
 def test_release_is_idempotent_and_final(hisparse_backend: Backend) -> None:
     spec = HostPoolSpec(num_layers=2, num_blocks=3, block_size=2)
     pool = hisparse_backend.create_host_pool(spec)
-    with pytest.raises(InvalidInputError):
+    with must_raise(InvalidInputError, "layer_view(layer) rejects a layer >= num_layers"):
         pool.layer_view(2)
-    with pytest.raises(InvalidInputError):
+    with must_raise(InvalidInputError, "layer_view(layer) rejects a negative layer"):
         pool.layer_view(-1)
     pool.release()
-    assert pool.released
+    assert pool.released, "after release() the pool reports released"
     pool.release()
-    assert pool.released
-    with pytest.raises(InvalidInputError):
+    assert pool.released, "release() is idempotent: a second call is a no-op and the pool stays released"
+    with must_raise(InvalidInputError, "a released pool rejects layer_view (release is final)"):
         pool.layer_view(0)
     with hisparse_backend.create_host_pool(spec) as other:
-        assert not other.released
-    assert other.released
+        assert not other.released, "a pool used as a context manager is not released inside the block"
+    assert other.released, "leaving the pool's with-block releases it"
 
 
 def test_shared_pool_needs_the_capability(hisparse_backend: Backend) -> None:
     if Capability.SHARED_HOST_POOL in hisparse_backend.capabilities:
         pytest.skip(f"backend declares {Capability.SHARED_HOST_POOL}")
     spec = HostPoolSpec(num_layers=1, num_blocks=2, block_size=2, shared=True, name=f"conf-{uuid.uuid4().hex}")
-    with pytest.raises(InvalidInputError):
+    with must_raise(InvalidInputError, f"a backend that does not declare {Capability.SHARED_HOST_POOL} must reject "
+                                       "create_host_pool(HostPoolSpec(shared=True)) with InvalidInputError"):
         hisparse_backend.create_host_pool(spec)
 
 
@@ -104,7 +111,7 @@ def test_shared_pool_peers_see_the_writers_bytes(hisparse_backend: Backend) -> N
     spec = HostPoolSpec(num_layers=2, num_blocks=3, block_size=4, row_format=fmt, shared=True,
                         name=f"hisparse-conformance-{os.getpid()}-{uuid.uuid4().hex[:12]}", world_size=2)
     with hisparse_backend.create_host_pool(spec) as writer:
-        assert writer.is_writer
+        assert writer.is_writer, "rank 0 of a shared pool (the creator) is its writer"
         digests = []
         for layer in range(spec.num_layers):
             data = random_bytes((spec.rows_per_layer, fmt.row_bytes), seed, layer)
@@ -118,4 +125,5 @@ def test_shared_pool_peers_see_the_writers_bytes(hisparse_backend: Backend) -> N
                               text=True, timeout=120, check=False)
         assert done.returncode == 0, f"rank 1 failed:\n{done.stdout}\n{done.stderr}"
         report = json.loads(done.stdout.strip().splitlines()[-1])
-        assert report == {"is_writer": False, "digests": digests}
+        assert report == {"is_writer": False, "digests": digests}, (
+            "rank 1 of a shared pool maps the writer's pool (is_writer False) and reads the same bytes in every layer")

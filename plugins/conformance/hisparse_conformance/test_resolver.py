@@ -113,21 +113,21 @@ def run_hand_calls(rig: Rig, calls: list[Expect]) -> None:
         out = rig.resolve(Step(call.topk, call.row_state, call.seq_lens, HAND_TABLES))
         b = len(call.topk)
         pad_rows = cfg.max_batch_rows - b
-        assert out.rows == call.rows + [[-1, -1]] * pad_rows, f"call {n}: rows"
-        assert out.valid_counts == [sum(x >= 0 for x in r) for r in call.rows] + [0] * pad_rows, f"call {n}: counts"
-        assert out.plan_counts == [len(p) for p in call.plan_host] + [0] * pad_rows, f"call {n}: plan_counts"
-        assert out.plan_host[:b] == _pad(call.plan_host, cfg.top_k), f"call {n}: plan_host"
-        assert out.plan_device[:b] == _pad(call.plan_device, cfg.top_k), f"call {n}: plan_device"
-        assert rig.hot(call.state) == (call.hot_map, call.lru), f"call {n}: (hot map, LRU) of state row {call.state}"
+        assert out.rows == call.rows + [[-1, -1]] * pad_rows, f"call {n}: rows: each entry is its resident row, else its hot slot's device row, else -1 (null or masked); padding rows are all -1 (docs/resolver-contract.md: Outputs)"
+        assert out.valid_counts == [sum(x >= 0 for x in r) for r in call.rows] + [0] * pad_rows, f"call {n}: valid_counts: the number of entries >= 0 in each row, 0 for padding (docs/resolver-contract.md: Outputs)"
+        assert out.plan_counts == [len(p) for p in call.plan_host] + [0] * pad_rows, f"call {n}: plan_counts: the misses planned in each row, each in the row that referenced it first (docs/resolver-contract.md: The miss plan)"
+        assert out.plan_host[:b] == _pad(call.plan_host, cfg.top_k), f"call {n}: plan_host: the host rows of the misses, in lookup order, -1 padded to top_k (docs/resolver-contract.md: The miss plan)"
+        assert out.plan_device[:b] == _pad(call.plan_device, cfg.top_k), f"call {n}: plan_device: the hot slots (device rows) the misses land in, LRU victims first, -1 padded (docs/resolver-contract.md: The miss plan)"
+        assert rig.hot(call.state) == (call.hot_map, call.lru), f"call {n}: (hot map, LRU) of state row {call.state}: hits move to most recently used, misses evict the least recently used slot (docs/resolver-contract.md: The hot lookup)"
         resident, hits, misses, _, _ = rig.stats()
         seen = tuple(a + b for a, b in zip(seen, call.delta, strict=True))  # type: ignore[assignment]
-        assert (resident, hits, misses) == seen, f"call {n}: (resident, hits, misses)"
+        assert (resident, hits, misses) == seen, f"call {n}: (resident, hits, misses) counters: every looked-up entry counts once as resident, hit or miss (docs/resolver-contract.md: Counters)"
 
 
 def test_lru_victims_and_order_by_hand(hisparse_backend: Backend) -> None:
     with Rig(hisparse_backend, hand_layout(hisparse_backend), seed=1) as rig:
         run_hand_calls(rig, SINGLE_ROW_CALLS)
-        assert rig.hot(1) == ([-1] * 4, [0, 1, 2, 3]), "a state row outside the batch changed"
+        assert rig.hot(1) == ([-1] * 4, [0, 1, 2, 3]), "a state row that no batch row names must not change (docs/resolver-contract.md: After each call)"
 
 
 def test_resident_null_and_masked_entries_by_hand(hisparse_backend: Backend) -> None:
@@ -216,12 +216,13 @@ def test_padding_rows_touch_nothing(hisparse_backend: Backend, data: st.DataObje
             n = len(keep)
             for name in ("rows", "valid_counts", "plan_counts", "plan_host", "plan_device"):
                 moved = [getattr(got, name)[i] for i in keep]
-                assert moved == getattr(want, name)[:n], f"{name} of the real rows changed with padding"
+                assert moved == getattr(want, name)[:n], f"{name}: padding rows (beyond the batch) must not change the real rows' outputs (docs/resolver-contract.md: Inputs)"
             for i in pads:
-                assert got.rows[i] == [-1] * cfg.top_k, f"padding row {i} output {got.rows[i]}"
-                assert (got.valid_counts[i], got.plan_counts[i]) == (0, 0)
+                assert got.rows[i] == [-1] * cfg.top_k, f"padding row {i} must output all -1, got {got.rows[i]} (docs/resolver-contract.md: Outputs)"
+                assert (got.valid_counts[i], got.plan_counts[i]) == (0, 0), f"padding row {i} counts must be 0"
             a, b = plain.snapshot(), padded.snapshot()
-            assert (a.hot, a.stats, a.device_digest) == (b.hot, b.stats, b.device_digest)
+            assert (a.hot, a.stats, a.device_digest) == (b.hot, b.stats, b.device_digest), (
+                "padding rows must touch no hot state, counter or device row (docs/resolver-contract.md: Inputs)")
 
 
 def _as_step(rows: list[tuple[list[int], int, int]], tables: Tables) -> Step:
@@ -241,12 +242,14 @@ def test_outputs_are_rewritten_by_every_call(hisparse_backend: Backend, data: st
             rig.resolve(step)
             out = rig.resolve(Step(step.topk[:1], step.row_state[:1], step.seq_lens[:1], step.tables))
             for r in range(1, cfg.max_batch_rows):
-                assert out.rows[r] == [-1] * cfg.top_k, f"row {r} kept {out.rows[r]}"
-                assert out.plan_host[r] == [-1] * cfg.top_k and out.plan_device[r] == [-1] * cfg.top_k
-                assert (out.valid_counts[r], out.plan_counts[r]) == (0, 0)
+                assert out.rows[r] == [-1] * cfg.top_k, f"every call rewrites all outputs: row {r} beyond this batch kept {out.rows[r]} (docs/resolver-contract.md: Outputs)"
+                assert out.plan_host[r] == [-1] * cfg.top_k and out.plan_device[r] == [-1] * cfg.top_k, (
+                    f"every call rewrites all outputs: plan of row {r} beyond this batch must be all -1")
+                assert (out.valid_counts[r], out.plan_counts[r]) == (0, 0), (
+                    f"every call rewrites all outputs: counts of row {r} beyond this batch must be 0")
             n = out.plan_counts[0]
-            assert out.plan_host[0][n:] == [-1] * (cfg.top_k - n)
-            assert out.plan_device[0][n:] == [-1] * (cfg.top_k - n)
+            assert out.plan_host[0][n:] == [-1] * (cfg.top_k - n), "plan_host past plan_counts must be -1 (docs/resolver-contract.md: Outputs)"
+            assert out.plan_device[0][n:] == [-1] * (cfg.top_k - n), "plan_device past plan_counts must be -1"
 
 
 @examples(25)

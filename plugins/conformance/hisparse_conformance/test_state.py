@@ -65,18 +65,19 @@ def test_invalidated_rows_are_forgotten_and_reloaded(hisparse_backend: Backend, 
                 rig.runtime.invalidate_written_slots(as_tensor([q for q, _ in pairs], rig.device),
                                                      as_tensor([g for _, g in pairs], rig.device))
             model.invalidate_written_slots(pairs)
-            assert _states(rig) == _model_states(model)
-            assert [lru for _, lru in _states(rig)] == lru_before, "invalidation moved LRU positions"
+            assert _states(rig) == _model_states(model), (
+                "invalidate_written_slots forgets exactly the named (state row, host row) slots (docs/resolver-contract.md: Invalidation)")
+            assert [lru for _, lru in _states(rig)] == lru_before, "invalidation must not move LRU positions"
             misses_before = rig.stats()[2]
             out = rig.resolve(step)  # the same step again: exactly the forgotten rows miss
             want = model.resolve(step.topk, step.row_state, step.seq_lens, t.source, t.resident, t.hot)
-            assert out.plan() == want.plan()
-            assert rig.stats()[2] - misses_before == len(want.plan())
+            assert out.plan() == want.plan(), "a forgotten row misses again and is reloaded from host"
+            assert rig.stats()[2] - misses_before == len(want.plan()), "every reload counts as a miss"
             pairs_read = [(d, g) for drow, grow in zip(want.rows, want.sources, strict=True)
                           for d, g in zip(drow, grow, strict=True) if g >= 0]
             if pairs_read:
                 assert torch.equal(rig.device_bytes(0, [d for d, _ in pairs_read]),
-                                   rig.host_bytes(0, [g for _, g in pairs_read])), "a stale row was served"
+                                   rig.host_bytes(0, [g for _, g in pairs_read])), "a row rewritten on host and invalidated must be served with its new bytes, not the stale ones"
 
 
 @examples(25)
@@ -98,10 +99,12 @@ def test_recycled_host_blocks_are_forgotten_everywhere(hisparse_backend: Backend
             rig.runtime.invalidate_host_blocks(blocks)
             model.invalidate_host_blocks(blocks)
             after = _states(rig)
-            assert after == _model_states(model)
-            assert [lru for _, lru in after] == [lru for _, lru in before]
+            assert after == _model_states(model), (
+                "invalidate_host_blocks forgets every hot slot of those blocks in every state row (docs/resolver-contract.md: Invalidation)")
+            assert [lru for _, lru in after] == [lru for _, lru in before], "invalidation must not move LRU positions"
             for hot_map, _ in after:
-                assert not {g // cfg.block_size for g in hot_map if g >= 0} & set(blocks)
+                assert not {g // cfg.block_size for g in hot_map if g >= 0} & set(blocks), (
+                    "no hot slot may still map a row of an invalidated host block")
 
 
 @examples(20)
@@ -117,10 +120,10 @@ def test_reset_state_empties_only_the_rows_named(hisparse_backend: Backend, data
         rows = data.draw(st.lists(st.integers(0, cfg.max_requests - 1), unique=True), label="reset rows")
         rig.runtime.reset_state(rows)
         for q, state in enumerate(_states(rig)):
-            assert state == (empty if q in rows else before[q]), f"state row {q}"
-        assert rig.stats() == stats, "reset_state changed the counters"
+            assert state == (empty if q in rows else before[q]), f"reset_state(rows) empties exactly the rows named (all slots -1, LRU 0..hot_rows-1); state row {q}"
+        assert rig.stats() == stats, "reset_state must not change the counters"
         rig.runtime.reset_state()
-        assert _states(rig) == [empty] * cfg.max_requests
+        assert _states(rig) == [empty] * cfg.max_requests, "reset_state() with no rows empties every state row"
 
 
 @examples(15)
@@ -136,15 +139,17 @@ def test_counters_accumulate_and_reset(hisparse_backend: Backend, data: st.DataO
             if n == cut:
                 rig.runtime.reset_stats()
                 model.reset_stats()
-                assert rig.stats() == (0, 0, 0, 0, 0)
+                assert rig.stats() == (0, 0, 0, 0, 0), "reset_stats() zeroes all five counters"
             t = step.tables
             rig.resolve(step)
             model.resolve(step.topk, step.row_state, step.seq_lens, t.source, t.resident, t.hot)
             model.count_copies(1)
-            assert rig.stats() == model.counters.as_tuple()
+            assert rig.stats() == model.counters.as_tuple(), (
+                "stats() sums every call since construction or reset_stats() (docs/resolver-contract.md: Counters)")
         stats = rig.runtime.stats()
         looked_up = stats.hits + stats.misses
-        assert stats.hit_rate == (stats.hits / looked_up if looked_up else 1.0)
+        assert stats.hit_rate == (stats.hits / looked_up if looked_up else 1.0), (
+            "hit_rate is hits / (hits + misses), 1.0 when nothing was looked up")
 
 
 def test_hot_state_is_a_cpu_copy(hisparse_backend: Backend) -> None:
@@ -155,8 +160,8 @@ def test_hot_state_is_a_cpu_copy(hisparse_backend: Backend) -> None:
         rig.resolve(Step([[3, 0]], [0], [4], tables))
         want = ([3, 6, -1, -1], [2, 3, 0, 1])  # host rows 1*2+1 and 3*2+0 in slots 0 and 1
         hot_map, lru = rig.runtime.hot_state(0)
-        assert (hot_map.tolist(), lru.tolist()) == want
-        assert hot_map.device.type == "cpu" and lru.device.type == "cpu"
+        assert (hot_map.tolist(), lru.tolist()) == want, "hot_state(q) returns (hot map, LRU order) of state row q"
+        assert hot_map.device.type == "cpu" and lru.device.type == "cpu", "hot_state returns CPU tensors"
         hot_map.fill_(7)
         lru.fill_(0)
-        assert rig.hot(0) == want, "hot_state returned a view of the runtime's state"
+        assert rig.hot(0) == want, "hot_state must return a copy: writing to it changed the runtime's state"

@@ -11,7 +11,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,6 +23,7 @@ from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine, TransferProgress
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 
+from hisparse_conformance.contract import must_raise
 from hisparse_conformance.examples import examples
 from hisparse_conformance.rig import stats_tuple, usable_format
 from hisparse_conformance.scenario import random_bytes
@@ -221,11 +221,11 @@ def test_spill_pages_rejects_restores(hisparse_backend: Backend) -> None:
     try:
         restore = PageTransfer(1, 2, (3, 3), restore=True)
         spill = PageTransfer(2, 4, (5, 5))
-        with pytest.raises(InvalidInputError):
+        with must_raise(InvalidInputError, "spill_pages rejects a PageTransfer with restore=True"):
             w.runtimes[0].spill_pages([spill, restore])
-        with pytest.raises(InvalidInputError):
+        with must_raise(InvalidInputError, "restore_pages rejects a PageTransfer with restore=False"):
             w.runtimes[0].restore_pages([restore, spill])
-        assert not w.mismatches(), "a rejected call moved bytes"
+        assert not w.mismatches(), "a rejected call must move no byte, not even for its valid elements"
     finally:
         w.release()
 
@@ -296,14 +296,14 @@ def test_engine_runs_everything_in_order_and_reports_each_id_once(
     w = make_worker(hisparse_backend, usable_format(hisparse_backend), list(layers), groups, seed=seed)
     try:
         engine: TransferEngine = hisparse_backend.create_transfer_engine(w.pool, w.runtimes)
-        assert list(engine.runtimes) == w.runtimes
+        assert list(engine.runtimes) == w.runtimes, "engine.runtimes are the runtimes it was created with, in order"
         ledger = Ledger()
         ids: list[int] = []
         free = list(range(w.host_blocks))
         rng.shuffle(free)
         poll = 0
         ledger.record(engine.poll(), poll)  # nothing submitted yet: must report nothing
-        assert not ledger.enqueued and not ledger.copies_completed
+        assert not ledger.enqueued and not ledger.copies_completed, "a new engine has reported nothing"
         for _ in range(rng.randint(1, 6)):
             for op in rng.sample(["mirror", "pages", "copy"], rng.randint(1, 3)):
                 if op == "mirror":
@@ -329,7 +329,7 @@ def test_engine_runs_everything_in_order_and_reports_each_id_once(
         ledger.record(engine.drain(), poll)
         problems = ledger.after_drain() + w.mismatches()
         assert not problems, "\n".join(problems)
-        assert engine.poll() == TransferProgress(), "poll after drain reported something"
-        assert engine.drain() == TransferProgress(), "a second drain reported something"
+        assert engine.poll() == TransferProgress(), "after drain() nothing is left: poll() must report no new enqueued or completed id"
+        assert engine.drain() == TransferProgress(), "each id is reported once: a second drain() must report nothing"
     finally:
         w.release()

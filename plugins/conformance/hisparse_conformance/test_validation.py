@@ -8,7 +8,6 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +17,7 @@ from hisparse_core.errors import InvalidInputError
 from hisparse_core.runtime import ResolveInputs
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 
+from hisparse_conformance.contract import must_raise
 from hisparse_conformance.examples import examples
 from hisparse_conformance.rig import Rig, usable_format
 from hisparse_conformance.scenario import Layout, Step, Tables, as_tensor, build_scenario, scenario_params
@@ -194,13 +194,15 @@ def _check_rejected(case: Case, rig: Rig, twin: Rig, warm: list[Step], mutation:
     tensors = {name: as_tensor(v, rig.device) for name, v in case.lists().items()}
     names = mutation(case, tensors)
     before = rig.snapshot()
-    with pytest.raises(InvalidInputError) as raised:
+    with must_raise(InvalidInputError, f"resolve(validate={validate}) rejects {mutation.__name__} "
+                                       "with InvalidInputError (docs/resolver-contract.md: Validation)") as raised:
         rig.runtime.resolve(ResolveInputs(**tensors), validate=validate)
     message = str(raised.value)
     assert any(n in message for n in names), f"the message does not name any of {names}: {message!r}"
-    assert rig.snapshot() == before, f"{mutation.__name__} raised but changed the runtime"
-    assert rig.resolve(case.step()) == twin.resolve(case.step())
-    assert rig.snapshot() == twin.snapshot()
+    assert rig.snapshot() == before, f"{mutation.__name__}: a rejected call must leave the runtime unchanged (hot state, counters, device rows)"
+    assert rig.resolve(case.step()) == twin.resolve(case.step()), (
+        "after a rejected call the runtime resolves exactly like a twin that never saw it")
+    assert rig.snapshot() == twin.snapshot(), "after a rejected call the runtime's state equals its twin's"
 
 
 @examples(40)
@@ -278,8 +280,9 @@ def test_other_methods_reject_bad_arguments_without_side_effects(hisparse_backen
             twin.resolve(step)
         for what, call in _bad_calls(rig, rng):
             before = rig.snapshot()
-            with pytest.raises(InvalidInputError):
+            with must_raise(InvalidInputError, f"{what}: a bad argument anywhere in the call is rejected"):
                 call()
-            assert rig.snapshot() == before, f"{what}: raised but changed the runtime"
-        assert rig.resolve(case.step()) == twin.resolve(case.step())
-        assert rig.snapshot() == twin.snapshot()
+            assert rig.snapshot() == before, f"{what}: a rejected call must leave the runtime unchanged, its good elements included"
+        assert rig.resolve(case.step()) == twin.resolve(case.step()), (
+            "after rejected calls the runtime resolves exactly like a twin that never saw them")
+        assert rig.snapshot() == twin.snapshot(), "after rejected calls the runtime's state equals its twin's"

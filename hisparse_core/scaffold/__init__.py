@@ -1,0 +1,99 @@
+"""The out-of-tree backend distribution `hisparse new-backend` writes.
+
+The files are templates in `template/` (package data, shipped in the wheel), filled with
+`string.Template`: `$name` (the backend and entry-point name), `$package` (`hisparse_<name>`),
+`$dist` (`hisparse-<name>`) and `$cls` (`<Name>Backend`). Torch-free: the check of a name against
+installed backends goes through the registry, which imports plugin modules only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import keyword
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from string import Template
+
+from hisparse_core.errors import InvalidInputError
+
+#: Template file -> path in the distribution, relative to its root (`{package}` is filled in).
+FILES: dict[str, str] = {
+    "pyproject.toml.tmpl": "pyproject.toml",
+    "README.md.tmpl": "README.md",
+    "__init__.py.tmpl": "{package}/__init__.py",
+    "plugin.py.tmpl": "{package}/plugin.py",
+    "backend.py.tmpl": "{package}/backend.py",
+    "conformance.sh.tmpl": "ci/conformance.sh",
+}
+EXECUTABLE = frozenset({"ci/conformance.sh"})
+
+
+@dataclass(frozen=True, slots=True)
+class ScaffoldNames:
+    name: str
+    package: str
+    dist: str
+    cls: str
+
+    @classmethod
+    def of(cls, name: str) -> ScaffoldNames:
+        camel = "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+        return cls(name=name, package=f"hisparse_{name}", dist=f"hisparse-{name.replace('_', '-')}",
+                   cls=f"{camel}Backend")
+
+
+def check_name(name: str, installed_backends: Iterable[str]) -> ScaffoldNames:
+    """The names of a new backend `name`; InvalidInputError when it cannot be one."""
+    if not name.isidentifier() or keyword.iskeyword(name) or not name.isascii():
+        raise InvalidInputError(f"backend name {name!r} is not a Python identifier (or is a keyword); expected letters, digits "
+                                f"and underscores, not starting with a digit (e.g. acme)")
+    installed = sorted(installed_backends)
+    if name in installed:
+        raise InvalidInputError(f"backend name {name!r} is already taken by an installed backend "
+                                f"(installed: {', '.join(installed)}); choose another")
+    names = ScaffoldNames.of(name)
+    if importlib.util.find_spec(names.package) is not None:
+        raise InvalidInputError(f"backend name {name!r} clashes with the installed package {names.package!r}; "
+                                f"choose another")
+    return names
+
+
+def render(names: ScaffoldNames) -> dict[str, str]:
+    """Relative path -> text of every file of the distribution."""
+    template_dir = files("hisparse_core.scaffold") / "template"
+    fields: Mapping[str, str] = {"name": names.name, "package": names.package, "dist": names.dist,
+                                 "cls": names.cls}
+    return {target.format(package=names.package): Template((template_dir / source).read_text()).substitute(fields)
+            for source, target in FILES.items()}
+
+
+def check_target(target: Path) -> None:
+    """`target` must be absent or an empty folder: the scaffold overwrites nothing."""
+    if target.exists() and not target.is_dir():
+        raise InvalidInputError(f"target {str(target)!r} exists and is not a folder; expected a new or empty folder")
+    if target.is_dir() and any(target.iterdir()):
+        raise InvalidInputError(f"target folder {str(target)!r} is not empty; expected a new or empty folder")
+
+
+def write(names: ScaffoldNames, target: Path) -> list[Path]:
+    """Write the distribution into `target` (checked by `check_target` first); the paths written."""
+    check_target(target)
+    rendered = render(names)  # every template is read and filled before anything is written
+    written = []
+    for rel, text in rendered.items():
+        path = target / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if rel in EXECUTABLE:
+            path.chmod(path.stat().st_mode | 0o111 & ~_umask())
+        written.append(path)
+    return written
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

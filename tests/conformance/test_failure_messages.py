@@ -1,0 +1,48 @@
+"""A backend that breaks a contract clause gets a failure that states the clause, not only
+"DID NOT RAISE": the suite embedded with a deliberately wrong backend."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_suite_runs import _outcomes, _pytest
+
+
+@pytest.mark.slow
+def test_a_broken_clause_is_named_in_the_failure(tmp_path: Path) -> None:
+    # Accepts shared pools without declaring shared_host_pool; and its host pools accept layer -1.
+    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+        import pytest
+        from hisparse_core.backend import Capability
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+        class Wrong(ReferenceCpuBackend):
+            capabilities = ReferenceCpuBackend.capabilities - {Capability.SHARED_HOST_POOL}
+
+            def create_host_pool(self, spec):
+                pool = super().create_host_pool(spec)
+                view = pool.layer_view
+                pool.layer_view = lambda layer: view(max(layer, 0))
+                return pool
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Wrong()
+    """))
+    (tmp_path / "test_embedded.py").write_text(
+        "from hisparse_conformance.test_host_pool import test_release_is_idempotent_and_final  # noqa: F401\n"
+        "from hisparse_conformance.test_host_pool import test_shared_pool_needs_the_capability  # noqa: F401\n")
+    report = tmp_path / "report.xml"
+    proc = _pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
+                   timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    failed = dict(_outcomes(report)["failed"])
+    assert failed["test_embedded.test_shared_pool_needs_the_capability"] == (
+        "Failed: contract: a backend that does not declare shared_host_pool must reject "
+        "create_host_pool(HostPoolSpec(shared=True)) with InvalidInputError (the call returned instead of raising "
+        "InvalidInputError)")
+    assert failed["test_embedded.test_release_is_idempotent_and_final"] == (
+        "Failed: contract: layer_view(layer) rejects a negative layer (the call returned instead of raising "
+        "InvalidInputError)")

@@ -67,7 +67,7 @@ class BenchEngine:
         """All workers acknowledge the previous step's transfers (enqueued and completed)."""
         ids, self.pending = self.pending, [t.transfer_id for t in cmd.page_transfers] if cmd else []
         copies = [c.dst_block_id for c in cmd.host_block_copies] if cmd else []
-        return WorkerMetadata({i: workers for i in ids}, {i: workers for i in ids}, tuple(sorted(copies)))
+        return WorkerMetadata(dict.fromkeys(ids, workers), dict.fromkeys(ids, workers), tuple(sorted(copies)))
 
 
 def build(requests: int, context: int, gpu_blocks: int, workers: int, pressure: bool) -> tuple[BenchEngine, float]:

@@ -150,6 +150,7 @@ class Buffer:
 
     def __init__(self, kind: str, nbytes: int) -> None:
         from cuda.bindings import driver as cu
+
         from hisparse_nvidia import driver
 
         self.kind = kind
@@ -209,6 +210,7 @@ class Buffer:
 
     def release(self) -> None:
         from cuda.bindings import driver as cu
+
         from hisparse_nvidia import driver
 
         if self.kind == "hostalloc":
@@ -265,6 +267,7 @@ def prefetch(k: Kernels, buf: Buffer, stride: int, rows: torch.Tensor, cycles: i
 
 def copy(buf: Buffer, dst: torch.Tensor, nbytes: int, offset: int = 0) -> None:
     from cuda.bindings import driver as cu
+
     from hisparse_nvidia import driver
 
     driver.check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(dst.data_ptr(), buf.host + offset, nbytes,
@@ -432,6 +435,7 @@ def _part_b_one(buf: Buffer, k: Kernels, reps: int, steps: int, gen: torch.Gener
     row = 656
     dev = torch.device("cuda")
     from cuda.bindings import driver as cu
+
     from hisparse_nvidia import driver
 
     clock_khz = driver.device_attribute(dev, cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE)

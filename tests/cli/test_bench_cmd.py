@@ -7,10 +7,10 @@ import json
 import pytest
 
 from hisparse_core.cli import main
+from hisparse_core.registry import select_backend
 from hisparse_core.replay.bench import BenchConfig, run_bench
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.lru_sim import LruHotBuffer
-from hisparse_core.registry import select_backend
 
 SMALL = ["--requests", "2", "--context", "1500", "--steps", "6", "--top-k", "128", "--layers", "3",
          "--index-share", "2", "--block-size", "16", "--warmup", "2", "--no-progress"]

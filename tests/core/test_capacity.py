@@ -59,7 +59,7 @@ def test_reference_cpu_refuses_a_pool_larger_than_the_ram_before_allocating(shar
     blocks = (1 << 40) // (2 * 64 * FP8_DS_MLA.row_bytes)  # 1 TiB
     spec = HostPoolSpec(num_layers=2, num_blocks=blocks, block_size=64, shared=shared,
                         name=f"capacity{os.getpid()}" if shared else None, world_size=2 if shared else 1)
-    with pytest.raises(CapacityError, match=rf"host pool 'capacity\d+' of|host pool of") as info:
+    with pytest.raises(CapacityError, match=r"host pool 'capacity\d+' of|host pool of") as info:
         ReferenceCpuBackend().create_host_pool(spec)
     assert "1024.00 GiB" in str(info.value) and "lower the host pool budget" in str(info.value)
     assert not any(n.startswith(f"hisparse_capacity{os.getpid()}") for n in os.listdir("/dev/shm"))

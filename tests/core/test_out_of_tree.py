@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 from core_support import subprocess_env, write_dist
 
-
 ACME_PRIORITY = 1000
 
 ACME_PLUGIN = '''

@@ -17,9 +17,8 @@ import pytest
 from core_support import FAKE_BACKEND_CLASS as FAKE_BACKEND
 from core_support import FakeSite, plugin_source
 
-from hisparse_core.cli import main
-
 from hisparse_core.backend import API_VERSION, Backend
+from hisparse_core.cli import main
 from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
 from hisparse_core.registry import BackendStatus, get_registry, resolve_backend_class, select_backend
 

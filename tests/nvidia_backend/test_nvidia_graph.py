@@ -11,11 +11,10 @@ import random
 
 import pytest
 import torch
+from nvidia_support import Twin, random_step, random_tables, requires_gpu
 
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.runtime import ResolveInputs
-
-from nvidia_support import Twin, random_step, random_tables, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 

@@ -10,7 +10,6 @@ import multiprocessing as mp
 import os
 
 import pytest
-
 from nvidia_ipc_ranks import create_and_die, rank0, rank1, spec, unique_name
 from nvidia_support import requires_gpu
 

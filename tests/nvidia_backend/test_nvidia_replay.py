@@ -7,12 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from nvidia_support import requires_gpu
 
 from hisparse_core.replay.engine import RunConfig
 from hisparse_core.replay.run import run_replay
 from hisparse_reference_cpu.backend import ReferenceCpuBackend
-
-from nvidia_support import requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 

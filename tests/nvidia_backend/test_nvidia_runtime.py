@@ -11,12 +11,11 @@ import random
 
 import pytest
 import torch
+from nvidia_support import Tables, Twin, random_step, random_tables, requires_gpu
 
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RuntimeConfig
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-
-from nvidia_support import Tables, Twin, random_step, random_tables, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -286,7 +285,7 @@ def test_validation_rejects_and_changes_nothing() -> None:
         with pytest.raises(InvalidInputError, match="is on"):
             twin.rt.resolve(twin.inputs(step, device=False))
         after = [twin.rt.hot_state(q) for q in range(2)], twin.rt.stats()
-        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(snapshot[0], after[0]))
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(snapshot[0], after[0], strict=False))
         assert snapshot[1] == after[1]
     finally:
         twin.close()
@@ -308,7 +307,7 @@ def test_out_of_context_positions_are_masked_without_validation() -> None:
 
 @pytest.mark.parametrize("fmt", [FP8_DS_MLA, BF16_MLA])
 def test_mirror_spill_restore_and_host_copies(fmt) -> None:  # noqa: ANN001
-    rng = random.Random(11)
+    random.Random(11)
     cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=16, hot_rows=32, block_size=8, max_pages=6,
                         num_layers=3, row_format=fmt)
     twin = Twin(cfg, host_blocks=14, num_device_blocks=30, seed=11)

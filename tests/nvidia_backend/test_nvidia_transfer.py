@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
+from nvidia_support import Twin, random_step, random_tables, requires_gpu
 
 from hisparse_core.errors import ProtocolError
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-
-from nvidia_support import Twin, random_step, random_tables, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 

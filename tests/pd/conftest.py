@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from pd_peer import EngineSpec, PrefillPeer, start_peers
 
 LAYERS, BS, PAGES = 3, 16, 48

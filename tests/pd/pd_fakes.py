@@ -17,8 +17,7 @@ from hisparse_core.pd.errors import ImportTransferError
 from hisparse_core.pd.handshake import KvRegion, PrefillHandshake, RemotePrefill
 from hisparse_core.pd.messages import ReadNotice
 from hisparse_core.pd.plan import Descriptor
-from hisparse_core.pd.transport import ImportTransport, PeerTable, ReadHandle, ReadState, ReadStatus, \
-    TransportStats
+from hisparse_core.pd.transport import ImportTransport, PeerTable, ReadHandle, ReadState, ReadStatus, TransportStats
 
 
 class MemPrefill:

@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from pd_decoder import Decoder, make_decoder, prompt
+from pd_fakes import FakeClock, MemPrefill, MemTransport
 
 from hisparse_core.coordinator import ImportTarget
 from hisparse_core.errors import InvalidInputError, ProtocolError
@@ -14,9 +16,6 @@ from hisparse_core.pd.errors import StaleHandshakeError
 from hisparse_core.pd.messages import FailedRecv, RecvReport
 from hisparse_core.pd.receiver import ReceiverConfig
 from hisparse_core.pd.staging import StagingBuffer
-
-from pd_decoder import Decoder, make_decoder, prompt
-from pd_fakes import FakeClock, MemPrefill, MemTransport
 
 LAYERS, BS, HOST_BLOCKS, GPU_BLOCKS, MAX_LEN = 2, 4, 40, 12, 64
 

@@ -18,15 +18,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from pd_decoder import Decoder, make_decoder, prompt
+from pd_peer import PrefillPeer, wait_notices
 
 from hisparse_core.coordinator import ImportTarget
 from hisparse_core.pd.errors import StaleHandshakeError
 from hisparse_core.pd.handshake import PrefillHandshake, RemotePrefill
 from hisparse_core.pd.nixl_transport import nixl_available
 from hisparse_core.pd.receiver import ReceiverConfig
-
-from pd_decoder import Decoder, make_decoder, prompt
-from pd_peer import PrefillPeer, wait_notices
 
 _NIXL = nixl_available()
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(_NIXL is not None, reason=f"nixl unavailable: {_NIXL}")]

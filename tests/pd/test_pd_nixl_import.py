@@ -14,6 +14,8 @@ import time
 
 import pytest
 import torch
+from pd_decoder import Decoder, make_decoder, prompt
+from pd_peer import PrefillPeer, wait_notices
 
 from hisparse_core.coordinator import ImportTarget, StepRequest
 from hisparse_core.geometry import RuntimeConfig
@@ -23,9 +25,6 @@ from hisparse_core.pd.receiver import ReceiverConfig
 from hisparse_core.pd.staging import StagingBuffer
 from hisparse_core.runtime import ResolveInputs
 from hisparse_reference_cpu.backend import ReferenceCpuBackend
-
-from pd_decoder import Decoder, make_decoder, prompt
-from pd_peer import PrefillPeer, wait_notices
 
 _NIXL = nixl_available()
 pytestmark = [pytest.mark.nixl, pytest.mark.skipif(_NIXL is not None, reason=f"nixl unavailable: {_NIXL}")]

@@ -15,8 +15,13 @@ from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA
 from hisparse_core.host_pool import HostPoolSpec
 from hisparse_core.pd.errors import DescriptorRangeError, StaleHandshakeError
 from hisparse_core.pd.handshake import KvRegion, PrefillHandshake, RemotePrefill
-from hisparse_core.pd.plan import HostLayout, build_import_plan, host_descriptors, remote_descriptors, \
-    staging_descriptors
+from hisparse_core.pd.plan import (
+    HostLayout,
+    build_import_plan,
+    host_descriptors,
+    remote_descriptors,
+    staging_descriptors,
+)
 
 ROW = FP8_DS_MLA.row_bytes
 REMOTE_BASE = 1 << 20  # addresses are offsets into the arrays below, shifted so none is 0

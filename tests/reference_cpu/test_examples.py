@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from refcpu_support import bound_runtime, bytes_of, i32, inputs, small_config
 
 from hisparse_core.geometry import BF16_MLA
-from refcpu_support import bound_runtime, bytes_of, i32, inputs, small_config
 
 SOURCE = [[5, 6, -1, 7], [1, 2, 3, 4]]
 RESIDENT = [[-1, 2, -1, -1], [-1, -1, -1, -1]]
@@ -93,7 +93,7 @@ def test_bf16_rows_are_copied_bit_for_bit_by_gather_and_replay() -> None:
     rt.replay_plan()
     for layer in range(3):
         flat = dev[layer].view(-1, 576)
-        for h, d in zip(res.plan_host[0, :3].tolist(), res.plan_device[0, :3].tolist()):
+        for h, d in zip(res.plan_host[0, :3].tolist(), res.plan_device[0, :3].tolist(), strict=False):
             assert torch.equal(bytes_of(flat[d]), bytes_of(host[layer][h]))
     assert rt.stats().h2d_bytes == 3 * 3 * 1152
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from refcpu_support import bound_runtime
+from test_stateful import Model
 
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.runtime import ResolveInputs
-from refcpu_support import bound_runtime
-from test_stateful import Model
 
 
 def test_large_batches_match_the_model() -> None:

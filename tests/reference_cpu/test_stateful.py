@@ -13,10 +13,10 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from refcpu_support import bound_runtime, i32
 
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RuntimeConfig
 from hisparse_core.runtime import ResolveInputs
-from refcpu_support import bound_runtime, i32
 
 
 class Model:

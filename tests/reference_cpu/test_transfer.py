@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from refcpu_support import random_rows, small_config
 
 from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
@@ -16,7 +17,6 @@ from hisparse_core.host_pool import HostPoolSpec
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 from hisparse_reference_cpu.backend import ReferenceCpuBackend
 from hisparse_reference_cpu.transfer import ReferenceTransferEngine
-from refcpu_support import random_rows, small_config
 
 BS, HOST_BLOCKS, DEVICE_BLOCKS = 4, 8, 6
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from refcpu_support import bound_runtime, i32, small_config
 
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.runtime import ResolveInputs
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 from hisparse_reference_cpu.runtime import ReferenceRuntime
-from refcpu_support import bound_runtime, i32, small_config
 
 # Geometry: R=2, P=4, bs=4, K=4, H=8 (2 hot blocks), Bmax=3, rows_per_request=2, 2 layers.
 HOST_BLOCKS, DEVICE_BLOCKS = 8, 16
@@ -30,7 +30,7 @@ def snapshot(rt: ReferenceRuntime, host: list[torch.Tensor], dev: list[torch.Ten
 def same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     hot_a, stats_a, res_a, host_a, dev_a = a
     hot_b, stats_b, res_b, host_b, dev_b = b
-    tensors_equal = all(torch.equal(x, y) for x, y in zip([*res_a, *host_a, *dev_a], [*res_b, *host_b, *dev_b]))
+    tensors_equal = all(torch.equal(x, y) for x, y in zip([*res_a, *host_a, *dev_a], [*res_b, *host_b, *dev_b], strict=False))
     return hot_a == hot_b and stats_a == stats_b and tensors_equal
 
 

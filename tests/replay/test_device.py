@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strict_device import STRICT, StrictDeviceBackend, enable
 
 from hisparse_core.registry import select_backend
 from hisparse_core.replay.acks import StepAcks
@@ -17,8 +18,6 @@ from hisparse_core.replay.decode import capture_sizes
 from hisparse_core.replay.engine import RunConfig
 from hisparse_core.replay.run import run_replay
 from hisparse_core.types import WorkerMetadata
-
-from strict_device import STRICT, StrictDeviceBackend, enable
 
 #: Small, but with everything the large preset has: prefix families, 2 decode rows per request,
 #: 2 index groups of a leader and a follower, GPU pressure (releases, reuse) and host pressure.

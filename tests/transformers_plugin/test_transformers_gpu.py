@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from tf_support import BLOCK, SHAPES, baseline, bf16_errors, compare, enable_kwargs, random_prompts, tiny_model
 
 import hisparse_transformers

@@ -95,8 +95,9 @@ def bf16_errors(family: str, device: str, backend: str, new: int = 24) -> dict[s
     weights: transformers' own bf16 attention, and hisparse's in bf16."""
     import copy
 
-    import hisparse_transformers
     from transformers import DynamicCache
+
+    import hisparse_transformers
 
     model = tiny_model(family, shape=SHAPES[family], seed=3, dtype=torch.bfloat16, device=device)
     ref = copy.deepcopy(model).float()

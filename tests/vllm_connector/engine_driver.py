@@ -53,7 +53,7 @@ class Driver:
         report = []
         for o in outs:
             out = o.outputs[0]
-            logprobs = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)] if out.logprobs else []
+            logprobs = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs, strict=False)] if out.logprobs else []
             report.append({"tokens": list(out.token_ids), "logprobs": logprobs,
                            "cached": int(o.num_cached_tokens or 0)})
         return report

@@ -59,7 +59,7 @@ def step_through(d: ed.Driver, batch: list[list[int]], params: Any, check: Any =
     engine_ = d.llm.llm_engine
     ids = [f"step-{d.added + i}" for i in range(len(batch))]
     d.added += len(batch)
-    for i, (rid, p) in enumerate(zip(ids, batch)):
+    for i, (rid, p) in enumerate(zip(ids, batch, strict=False)):
         engine_.add_request(rid, TokensPrompt(prompt_token_ids=p), params[i] if isinstance(params, list) else params)
     steps = peak = 0
     finished: dict[str, Any] = {}

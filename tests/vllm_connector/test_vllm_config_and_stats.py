@@ -11,15 +11,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
 
+import vllm_support as vs  # noqa: E402
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
 
 import hisparse_vllm  # noqa: E402
-import vllm_support as vs  # noqa: E402
+from hisparse_core.errors import CapacityError  # noqa: E402
 from hisparse_vllm.connector import HiSparseOffloadConnector  # noqa: E402
 from hisparse_vllm.stats import HiSparseConnectorStats  # noqa: E402
-from hisparse_core.errors import CapacityError  # noqa: E402
 
 PREFIX = list(range(10, 90))
 
@@ -211,7 +211,7 @@ def test_device_views_are_the_kv_bytes_without_a_copy() -> None:
     layout = HostTierLayout.from_kv_cache_config(vs.kv_cache_config(8))
     caches = {name: torch.randn(8, vs.HEADS, vs.BLOCK, 2 * vs.HEAD_DIM) for name in vs.LAYERS}
     (views,) = layout.device_views(caches)
-    for view, name in zip(views, vs.LAYERS):
+    for view, name in zip(views, vs.LAYERS, strict=False):
         assert view.dtype == torch.uint8 and tuple(view.shape) == (8, vs.BLOCK, layout.row_bytes)
         assert view.data_ptr() == caches[name].data_ptr()
         assert torch.equal(view[3].reshape(-1), caches[name][3].reshape(-1).view(torch.uint8))

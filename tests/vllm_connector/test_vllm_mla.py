@@ -28,9 +28,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
 
-import torch  # noqa: E402
-
 import tiny_models  # noqa: E402
+import torch  # noqa: E402
 from engine_procs import engine_report, start_engine  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("mla_run.py")
@@ -89,9 +88,9 @@ def test_prefixes_loaded_from_host_match_vllms_prefix_cache_and_the_recompute(ru
         assert host == run["vllm_cache"]
     else:
         assert backend == "CPU_MLA", "only CPU_MLA has prefix caching turned off by the CPU platform"
-    for h, r in zip(host, recompute):
+    for h, r in zip(host, recompute, strict=False):
         assert h["tokens"] == r["tokens"]
-        assert max(abs(a - b) for a, b in zip(h["logprobs"], r["logprobs"])) < 1e-4
+        assert max(abs(a - b) for a, b in zip(h["logprobs"], r["logprobs"], strict=False)) < 1e-4
 
 
 @pytest.mark.slow

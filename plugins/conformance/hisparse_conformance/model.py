@@ -77,7 +77,7 @@ class ResolverModel:
                 source_table: Sequence[Sequence[int]], resident_table: Sequence[Sequence[int]],
                 hot_table: Sequence[Sequence[int]]) -> Resolution:
         cfg = self.config
-        k, bs = cfg.top_k, cfg.block_size
+        k, _bs = cfg.top_k, cfg.block_size
         out = Resolution([[-1] * k for _ in range(cfg.max_batch_rows)], [0] * cfg.max_batch_rows,
                          [[-1] * k for _ in range(cfg.max_batch_rows)],
                          [[-1] * k for _ in range(cfg.max_batch_rows)], [0] * cfg.max_batch_rows,

@@ -15,13 +15,12 @@ from types import TracebackType
 import pytest
 import torch
 
+from hisparse_conformance.model import Resolution
+from hisparse_conformance.scenario import Layout, Maintenance, Step, Tables, as_tensor, random_bytes
 from hisparse_core.backend import Backend, Capability
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
-
-from hisparse_conformance.model import Resolution
-from hisparse_conformance.scenario import Layout, Maintenance, Step, Tables, as_tensor, random_bytes
 
 
 @dataclass(frozen=True, slots=True)

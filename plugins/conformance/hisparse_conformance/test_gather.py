@@ -9,14 +9,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hisparse_core.backend import Backend, Capability
-from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
-
 from hisparse_conformance.examples import examples
 from hisparse_conformance.lockstep import Lockstep
 from hisparse_conformance.model import ResolverModel
 from hisparse_conformance.rig import Rig, usable_format
 from hisparse_conformance.scenario import build_scenario, random_bytes, scenario_params
+from hisparse_core.backend import Backend, Capability
+from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
 
 FORMATS = [
     pytest.param(FP8_DS_MLA, marks=pytest.mark.requires_capability(Capability.FP8_DS_MLA), id="fp8_ds_mla"),

@@ -17,15 +17,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hisparse_core.backend import Backend, Capability
-from hisparse_core.errors import InvalidInputError
-from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
-from hisparse_core.host_pool import HostPoolSpec
-
 from hisparse_conformance.contract import must_raise
 from hisparse_conformance.examples import examples
 from hisparse_conformance.rig import usable_format
 from hisparse_conformance.scenario import random_bytes
+from hisparse_core.backend import Backend, Capability
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
+from hisparse_core.host_pool import HostPoolSpec
 
 FORMATS = [
     pytest.param(FP8_DS_MLA, marks=pytest.mark.requires_capability(Capability.FP8_DS_MLA), id="fp8_ds_mla"),

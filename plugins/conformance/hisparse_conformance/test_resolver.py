@@ -14,14 +14,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hisparse_core.backend import Backend, Capability
-from hisparse_core.geometry import RuntimeConfig
-
 from hisparse_conformance.examples import examples
 from hisparse_conformance.lockstep import Lockstep
 from hisparse_conformance.rig import Rig, usable_format
-from hisparse_conformance.scenario import (Layout, ScenarioParams, Step, Tables, build_scenario, padding_topk,
-                                           scenario_params)
+from hisparse_conformance.scenario import (
+    Layout,
+    ScenarioParams,
+    Step,
+    Tables,
+    build_scenario,
+    padding_topk,
+    scenario_params,
+)
+from hisparse_core.backend import Backend, Capability
+from hisparse_core.geometry import RuntimeConfig
 
 # -- hand-checked calls ----------------------------------------------------------------------
 #

@@ -10,14 +10,21 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hisparse_core.backend import Backend
-from hisparse_core.geometry import RuntimeConfig
-
 from hisparse_conformance.examples import examples
 from hisparse_conformance.model import ResolverModel
 from hisparse_conformance.rig import Rig, usable_format
-from hisparse_conformance.scenario import (Layout, Scenario, Step, Tables, as_tensor, build_scenario, random_bytes,
-                                           scenario_params)
+from hisparse_conformance.scenario import (
+    Layout,
+    Scenario,
+    Step,
+    Tables,
+    as_tensor,
+    build_scenario,
+    random_bytes,
+    scenario_params,
+)
+from hisparse_core.backend import Backend
+from hisparse_core.geometry import RuntimeConfig
 
 
 def _warm(data: st.DataObject, backend: Backend) -> tuple[Scenario, int]:

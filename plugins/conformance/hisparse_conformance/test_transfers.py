@@ -15,6 +15,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hisparse_conformance.contract import must_raise
+from hisparse_conformance.examples import examples
+from hisparse_conformance.rig import stats_tuple, usable_format
+from hisparse_conformance.scenario import random_bytes
 from hisparse_core.backend import Backend
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig
@@ -22,11 +26,6 @@ from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine, TransferProgress
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-
-from hisparse_conformance.contract import must_raise
-from hisparse_conformance.examples import examples
-from hisparse_conformance.rig import stats_tuple, usable_format
-from hisparse_conformance.scenario import random_bytes
 
 GROUPS = 2  # resident groups named in every mirror and page transfer
 
@@ -281,7 +280,7 @@ class Ledger:
                 problems.append(f"host copy into block {block} not reported completed by drain()")
         done = [self.completed[i] for i in self.order if i in self.completed]
         if done != sorted(done):
-            problems.append(f"ids completed out of submission order: {list(zip(self.order, done))}")
+            problems.append(f"ids completed out of submission order: {list(zip(self.order, done, strict=False))}")
         return problems
 
 

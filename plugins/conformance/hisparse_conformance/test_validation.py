@@ -12,15 +12,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hisparse_core.backend import Backend
-from hisparse_core.errors import InvalidInputError
-from hisparse_core.runtime import ResolveInputs
-from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-
 from hisparse_conformance.contract import must_raise
 from hisparse_conformance.examples import examples
 from hisparse_conformance.rig import Rig, usable_format
 from hisparse_conformance.scenario import Layout, Step, Tables, as_tensor, build_scenario, scenario_params
+from hisparse_core.backend import Backend
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.runtime import ResolveInputs
+from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 
 FIELDS = ("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table")
 

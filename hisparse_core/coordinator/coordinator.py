@@ -667,7 +667,7 @@ class HiSparseCoordinator:
         new_resident: list[int] = []
         rp = rec.restore_page
         if 0 <= rp < pages_after:
-            blocks = self._engine_blocks(req, rp)
+            blocks: tuple[int, ...] | None = self._engine_blocks(req, rp)
             rec.gpu[rp] = blocks
             rec.restore_page = -1
             new_resident.append(rp)

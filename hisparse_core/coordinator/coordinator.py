@@ -667,13 +667,13 @@ class HiSparseCoordinator:
         new_resident: list[int] = []
         rp = rec.restore_page
         if 0 <= rp < pages_after:
-            blocks = self._engine_blocks(req, rp)
-            rec.gpu[rp] = blocks
+            restored = self._engine_blocks(req, rp)
+            rec.gpu[rp] = restored
             rec.restore_page = -1
             new_resident.append(rp)
-            self._gpu.retain(blocks)
+            self._gpu.retain(restored)
             self._host.touch((rec.restore_source,))
-            t = self._transfers.open(TransferKind.RESTORE, rec, rp, rec.restore_source, blocks)
+            t = self._transfers.open(TransferKind.RESTORE, rec, rp, rec.restore_source, restored)
             transfers.append(t.wire())
             self._counters["restores"] += 1
         if pages_after > old_pages:

@@ -146,4 +146,7 @@ class ReadNotice:
         if d.get("version") != PD_PROTOCOL_VERSION:
             raise StaleHandshakeError(f"ReadNotice has protocol version {d.get('version')!r}; expected "
                                       f"{PD_PROTOCOL_VERSION}")
-        return cls(d.get("request_id"), d.get("ok"), d["version"])
+        # Unchecked JSON values: __post_init__ rejects a missing or mistyped one with its own message.
+        request_id: Any = d.get("request_id")
+        ok: Any = d.get("ok")
+        return cls(request_id, ok, d["version"])

@@ -194,11 +194,11 @@ def run_bench(config: BenchConfig, backend: Backend,
             device_layers.append(layers)
             layer0 += n_layers
 
-        i32 = dict(dtype=torch.int32, device=dev)
-        source = (torch.arange(n_req * pages, **i32).view(n_req, pages))
-        resident = torch.full((n_req, pages), -1, **i32)
-        hot_table = torch.arange(n_req * hot_blocks, **i32).view(n_req, hot_blocks)
-        row_state = torch.arange(n_req, **i32)
+        i32 = torch.int32
+        source = (torch.arange(n_req * pages, dtype=i32, device=dev).view(n_req, pages))
+        resident = torch.full((n_req, pages), -1, dtype=i32, device=dev)
+        hot_table = torch.arange(n_req * hot_blocks, dtype=i32, device=dev).view(n_req, hot_blocks)
+        row_state = torch.arange(n_req, dtype=i32, device=dev)
         seq = [c.context] * n_req
         tail_base = n_req * hot_blocks
 
@@ -258,7 +258,7 @@ def run_bench(config: BenchConfig, backend: Backend,
             t1 = time.perf_counter()
             topk = np.stack([ix.step(seq[r]) for r, ix in enumerate(indexers)], axis=1)  # [G, R, K]
             topk_t = [torch.from_numpy(topk[g]).to(dev) for g in range(len(group_layers))]
-            seq_t = torch.tensor(seq, **i32)
+            seq_t = torch.tensor(seq, dtype=i32, device=dev)
             t2 = time.perf_counter()
             for g, rt in enumerate(runtimes):
                 rt.resolve(ResolveInputs(topk_t[g], row_state, seq_t, source, resident, hot_table),

@@ -66,16 +66,16 @@ class DecodeRunner:
         self._cuda = device.type == "cuda"
         self.graphs = graphs
         self._sizes = capture_sizes(max_rows)
-        i32 = dict(dtype=torch.int32)
+        i32 = torch.int32
         pin = self._cuda
         groups = len(self._runtimes)
-        self._host_topk = torch.full((groups, max_rows, top_k), -1, pin_memory=pin, **i32)
-        self._host_state = torch.full((max_rows,), -1, pin_memory=pin, **i32)
-        self._host_lens = torch.zeros((max_rows,), pin_memory=pin, **i32)
+        self._host_topk = torch.full((groups, max_rows, top_k), -1, pin_memory=pin, dtype=i32)
+        self._host_state = torch.full((max_rows,), -1, pin_memory=pin, dtype=i32)
+        self._host_lens = torch.zeros((max_rows,), pin_memory=pin, dtype=i32)
         # One tensor per group: each topk buffer starts at its own (aligned) allocation.
-        self._topk = [torch.full((max_rows, top_k), -1, device=device, **i32) for _ in range(groups)]
-        self._state = torch.full((max_rows,), -1, device=device, **i32)
-        self._lens = torch.zeros((max_rows,), device=device, **i32)
+        self._topk = [torch.full((max_rows, top_k), -1, device=device, dtype=i32) for _ in range(groups)]
+        self._state = torch.full((max_rows,), -1, device=device, dtype=i32)
+        self._lens = torch.zeros((max_rows,), device=device, dtype=i32)
         self._captured: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         self._copied: torch.cuda.Event | None = None    # the last input copy out of the pinned buffers

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from hisparse_core.errors import BackendError
 
@@ -79,7 +80,7 @@ def kernel_sources() -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".cu"))
 
 
-def _nvrtc():  # noqa: ANN202 - the cuda.bindings module
+def _nvrtc() -> Any:  # the cuda.bindings module, untyped
     try:
         from cuda.bindings import nvrtc
     except ImportError as exc:  # pragma: no cover - the probe reports this first
@@ -87,7 +88,7 @@ def _nvrtc():  # noqa: ANN202 - the cuda.bindings module
     return nvrtc
 
 
-def _check(nvrtc, what: str, result: object) -> object:  # noqa: ANN001
+def _check(nvrtc: Any, what: str, result: object) -> Any:
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         _, text = nvrtc.nvrtcGetErrorString(err)
@@ -97,13 +98,13 @@ def _check(nvrtc, what: str, result: object) -> object:  # noqa: ANN001
 
 def nvrtc_version() -> tuple[int, int]:
     nvrtc = _nvrtc()
-    major, minor = _check(nvrtc, "nvrtcVersion", nvrtc.nvrtcVersion())  # type: ignore[misc]
+    major, minor = _check(nvrtc, "nvrtcVersion", nvrtc.nvrtcVersion())
     return int(major), int(minor)
 
 
 def supported_archs() -> list[int]:
     nvrtc = _nvrtc()
-    return [int(a) for a in _check(nvrtc, "nvrtcGetSupportedArchs", nvrtc.nvrtcGetSupportedArchs())]  # type: ignore[union-attr]
+    return [int(a) for a in _check(nvrtc, "nvrtcGetSupportedArchs", nvrtc.nvrtcGetSupportedArchs())]
 
 
 def _cache_dir() -> Path | None:
@@ -129,18 +130,18 @@ def compile_source(text: str, name: str, options: Sequence[str], output: str = "
         result = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err = result[0] if isinstance(result, tuple) else result
         size = _check(nvrtc, "nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(prog))
-        log_buf = b" " * int(size)  # type: ignore[arg-type]
+        log_buf = b" " * int(size)
         _check(nvrtc, "nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(prog, log_buf))
         log = log_buf.rstrip(b"\x00 ").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise KernelCompileError(f"NVRTC could not compile {name} with {list(options)}:\n{log}")
         if output == "cubin":
             size = _check(nvrtc, "nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(prog))
-            image = b" " * int(size)  # type: ignore[arg-type]
+            image = b" " * int(size)
             _check(nvrtc, "nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(prog, image))
         else:
             size = _check(nvrtc, "nvrtcGetPTXSize", nvrtc.nvrtcGetPTXSize(prog))
-            image = b" " * int(size)  # type: ignore[arg-type]
+            image = b" " * int(size)
             _check(nvrtc, "nvrtcGetPTX", nvrtc.nvrtcGetPTX(prog, image))
         return image, log
     finally:

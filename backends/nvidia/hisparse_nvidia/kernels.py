@@ -142,7 +142,8 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
     smem = -(-smem // 16) * 16
     tables = p % 4 == 0 and smem + 8 * p <= max_smem
     smem += 8 * p if tables else 0
-    defines = (("HS_K", k), ("HS_H", h), ("HS_BS", bs), ("HS_RPR", rpr), ("HS_P", p), ("HS_TSMEM", int(tables)))
+    defines: tuple[tuple[str, int], ...] = (("HS_K", k), ("HS_H", h), ("HS_BS", bs), ("HS_RPR", rpr), ("HS_P", p),
+                                            ("HS_TSMEM", int(tables)))
     if cluster != 1:
         if not cluster_width_allowed(config, cluster, threads):
             raise InvalidInputError(

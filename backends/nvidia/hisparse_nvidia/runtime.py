@@ -363,10 +363,17 @@ class NvidiaRuntime(CacheRuntime):
             self._gather(chosen[start], stop - start)
             start = stop
 
+    def _layer_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-layer base and stride tables that `bind` built; every launch comes after `bind`."""
+        host_bases, dev_bases, dev_strides = self._host_bases, self._dev_bases, self._dev_strides
+        assert host_bases is not None and dev_bases is not None and dev_strides is not None
+        return host_bases, dev_bases, dev_strides
+
     def _gather(self, first_layer: int, num_layers: int) -> None:
         rows = self._last_rows
         if rows == 0 or num_layers == 0:
             return
+        host_bases, dev_bases, dev_strides = self._layer_tables()
         cfg = self.config
         out = self._result
         # One block per SM in all: the grid walks the plan request by request (bench_host_reads.py).
@@ -374,12 +381,13 @@ class NvidiaRuntime(CacheRuntime):
         self._k_gather.launch(
             (blocks, 1, num_layers), self._copy_shape.threads, (rows + 1) * 4, self._stream(),
             [_ptr(out.plan_host), _ptr(out.plan_device), _ptr(out.plan_counts), _i32(rows), _i32(cfg.top_k),
-             _ptr(self._host_bases), _ptr(self._dev_bases), _ptr(self._dev_strides), _i32(first_layer),
+             _ptr(host_bases), _ptr(dev_bases), _ptr(dev_strides), _i32(first_layer),
              _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
             overlap_previous=self._overlap)
 
     def _gather_spec(self, inputs: ResolveInputs, rows: int) -> None:
         """The plan copy of layer 0 right after the resolve of `rows` batch rows, started early."""
+        host_bases, dev_bases, dev_strides = self._layer_tables()
         cfg = self.config
         out = self._result
         c = self._copy_shape
@@ -389,8 +397,8 @@ class NvidiaRuntime(CacheRuntime):
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(self._pos_slot), _ptr(self._hot_map), _ptr(out.rows),
              _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
-             _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(self._host_bases), _ptr(self._dev_bases),
-             _ptr(self._dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
+             _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(host_bases), _ptr(dev_bases),
+             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
             overlap_previous=True)
 
     @property
@@ -491,6 +499,7 @@ class NvidiaRuntime(CacheRuntime):
         """One launch copying rows `pairs` (source, destination) in every layer, on the current stream."""
         if not pairs:
             return
+        host_bases, dev_bases, dev_strides = self._layer_tables()
         cfg = self.config
         host = torch.from_numpy(np.asarray(pairs, dtype=np.int32).reshape(-1, 2)).pin_memory()
         with torch.cuda.device(self._device):
@@ -502,8 +511,8 @@ class NvidiaRuntime(CacheRuntime):
         blocks = max(1, min(4 * self._num_sms, -(-n * slots // threads)))
         self._k_copy.launch(
             (max(1, blocks // layers), 1, layers), threads, 0, self._stream(),
-            [_ptr(dev_pairs), _i32(n), _i32(src_kind), _i32(dst_kind), _ptr(self._host_bases),
-             _ptr(self._dev_bases), _ptr(self._dev_strides), _i32(0), _i32(cfg.block_size),
+            [_ptr(dev_pairs), _i32(n), _i32(src_kind), _i32(dst_kind), _ptr(host_bases),
+             _ptr(dev_bases), _ptr(dev_strides), _i32(0), _i32(cfg.block_size),
              _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats), _i32(stat),
              _i64(n * cfg.row_format.row_bytes)])
 

@@ -63,7 +63,7 @@ class NvidiaTransferEngine(TransferEngine):
 
         self._runtimes = check_engine_runtimes(runtimes, NvidiaRuntime, "an NvidiaRuntime", same_device)
         self._pool = pool
-        self._device = host_pool.device
+        self._device = pool.device
         self._stream = torch.cuda.Stream(self._device)
         self._pending: list[_Pending] = []
         self._epoch = 0  # host-write epochs submitted (the same count on every rank)

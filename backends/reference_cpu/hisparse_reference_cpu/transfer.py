@@ -34,7 +34,8 @@ class ReferenceTransferEngine(TransferEngine):
     """Executes mirrors, page transfers and host copies on every bound reference runtime."""
 
     def __init__(self, host_pool: HostPool, runtimes: Sequence[CacheRuntime], *, completion_lag: int = 1) -> None:
-        self._pool = check_engine_pool(host_pool, HostPool, "a HostPool")
+        # mypy rejects an ABC where type[T] is expected (python/mypy#4717); check_engine_pool only isinstance()s it.
+        self._pool = check_engine_pool(host_pool, HostPool, "a HostPool")  # type: ignore[type-abstract]
         self._runtimes = check_engine_runtimes(runtimes, ReferenceRuntime, "a ReferenceRuntime")
         self._lag = check_int("completion_lag", completion_lag, 0, 1 << 31)
         self._pending: list[_Pending] = []

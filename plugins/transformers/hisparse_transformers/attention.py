@@ -134,7 +134,7 @@ def _gather(engine: HiSparseEngine, group: int, position: int, rmap: RowMap) -> 
     return kv
 
 
-def absorbed_attention(module: torch.nn.Module, q_pass: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor,
+def absorbed_attention(module: Any, q_pass: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor,
                        valid: torch.Tensor) -> torch.Tensor:
     """MLA on gathered latent rows, without expanding K/V.
 
@@ -160,8 +160,8 @@ def absorbed_attention(module: torch.nn.Module, q_pass: torch.Tensor, q_rot: tor
 class HiSparseAttention:
     """The per-instance forward of one patched attention module (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, layout: DsaLayout, engine: HiSparseEngine, layer: int) -> None:
-        self.module = module
+    def __init__(self, module: Any, layout: DsaLayout, engine: HiSparseEngine, layer: int) -> None:
+        self.module = module  # one of layout.attentions: its projections and sizes are read by name
         self.original: Callable[..., Any] = module.forward
         self.layout = layout
         self.engine = engine
@@ -175,9 +175,10 @@ class HiSparseAttention:
             return self.original(*args, **kwargs)
         names = ("hidden_states", "position_embeddings", "attention_mask")
         given = dict(zip(names, args))
-        hidden = kwargs.get("hidden_states", given.get("hidden_states"))
-        position_embeddings = kwargs.get("position_embeddings", given.get("position_embeddings"))
-        attention_mask = kwargs.get("attention_mask", given.get("attention_mask"))
+        # The model's own call arguments, passed through as the model gave them.
+        hidden: Any = kwargs.get("hidden_states", given.get("hidden_states"))
+        position_embeddings: Any = kwargs.get("position_embeddings", given.get("position_embeddings"))
+        attention_mask: Any = kwargs.get("attention_mask", given.get("attention_mask"))
         return self.forward(cache, hidden, position_embeddings, attention_mask, kwargs.get("position_ids"),
                             kwargs.get("prev_topk_indices"))
 
@@ -218,7 +219,7 @@ class HiSparseAttention:
         elif self.position == 0 or cached is None:
             rmap = _prefill_rows(engine, session, step, topk)
         else:
-            rmap = cached  # type: ignore[assignment]
+            rmap = cached
         if self.position == 0:
             step.group_cache[self.group] = rmap
         kv = _gather(engine, self.group, self.position, rmap)

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.families import DsaLayout
 from hisparse_transformers.tokens import LazyTokens
+
+if TYPE_CHECKING:  # attention.py imports this module
+    from hisparse_transformers.attention import RowMap
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +166,7 @@ class StepState:
     write_dst: torch.Tensor        # [N] int64 flat device row of each
     started: float = 0.0
     prefill: bool = False
-    group_cache: dict[int, object] = field(default_factory=dict)  # per index group: the leader's row map
+    group_cache: dict[int, RowMap] = field(default_factory=dict)  # per index group: the leader's row map
 
 
 class Session:
@@ -242,9 +246,8 @@ class HiSparseEngine:
             self.device_layers = [[torch.zeros((self.gpu_blocks, bs, self.fmt.width), dtype=dtype, device=self.device)
                                    for _ in g] for g in layout.groups]
             self.worker.register_caches(self.device_layers)
-            i32 = dict(dtype=torch.int32, device=self.device)
-            self.source_table = torch.full((c.max_batch, self.max_pages), -1, **i32)
-            self.hot_table = torch.full((c.max_batch, self.hot_blocks), -1, **i32)
+            self.source_table = torch.full((c.max_batch, self.max_pages), -1, dtype=torch.int32, device=self.device)
+            self.hot_table = torch.full((c.max_batch, self.hot_blocks), -1, dtype=torch.int32, device=self.device)
         except BaseException:
             self.worker.shutdown()
             raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -37,7 +38,8 @@ class DsaLayout:
     """
 
     family: str
-    attentions: tuple[torch.nn.Module, ...]
+    # transformers' attention modules of the family, read by attribute name (nn.Module types them as Tensor | Module)
+    attentions: tuple[Any, ...]
     groups: tuple[tuple[int, ...], ...]
     returns_topk: bool
     modeling: ModuleType
@@ -103,7 +105,7 @@ def detect(model: torch.nn.Module) -> DsaLayout:
     if layers is None or not len(layers):
         raise NotADsaModelError(f"{type(model).__name__}: found no decoder layers (base_model.layers); expected a "
                                 f"{model_type} model")
-    attentions = tuple(getattr(layer, "self_attn", None) for layer in layers)
+    attentions: tuple[Any, ...] = tuple(getattr(layer, "self_attn", None) for layer in layers)  # None: rejected below
     want = FAMILIES[model_type]
     bad = [i for i, a in enumerate(attentions) if a is None or type(a).__name__ != want]
     if bad:

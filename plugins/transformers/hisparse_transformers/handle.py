@@ -65,6 +65,7 @@ class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
 
     def __init__(self, model: torch.nn.Module, layout: DsaLayout, engine: HiSparseEngine) -> None:
+        self.model: Any  # a transformers model: its generate is read and patched per instance
         self.model = model
         self.layout = layout
         self.engine = engine
@@ -72,7 +73,8 @@ class HiSparseHandle:
         self.generate_seconds = 0.0
         self._attn = [HiSparseAttention(m, layout, engine, i) for i, m in enumerate(layout.attentions)]
         self._base = getattr(model, "base_model", model)
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.generate).parameters else "past_key_values"
+        params = inspect.signature(self.model.generate).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._hooks: list[Any] = []
         self._generate: Callable[..., Any] | None = None
         self.closed = False
@@ -113,7 +115,7 @@ class HiSparseHandle:
         if cache is None:
             return
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
+        embeds: Any = kwargs.get("inputs_embeds")
         shape = input_ids.shape if input_ids is not None else embeds.shape
         batch, num_new = int(shape[0]), int(shape[1])
         if cache.session is None:

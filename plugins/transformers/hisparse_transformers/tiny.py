@@ -8,8 +8,16 @@ The shape is the smallest that runs both families on a CPU in well under a secon
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # transformers loads lazily, inside tiny_model
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What each family's *ForCausalLM class is (no single transformers type names both)."""
+
 
 FAMILY_CLASSES = {
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
@@ -37,7 +45,7 @@ class TinyShape:
 
 def tiny_model(family: str = "deepseek_v32", *, shape: TinyShape | None = None, seed: int = 0,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               attn_implementation: str = "eager") -> torch.nn.Module:
+               attn_implementation: str = "eager") -> CausalLM:
     """A random-weight model of `family` in eval mode, deterministic for a given seed."""
     import transformers
 

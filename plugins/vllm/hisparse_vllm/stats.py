@@ -65,7 +65,7 @@ class HiSparseConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {key: [] for key in (*COUNTERS, *LEVELS, *INFO_LEVELS)}
+        self.data: dict[str, list[int | float]] = {key: [] for key in (*COUNTERS, *LEVELS, *INFO_LEVELS)}
 
     def record(self, **values: int | float) -> HiSparseConnectorStats:
         for key, value in values.items():

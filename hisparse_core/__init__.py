@@ -64,12 +64,26 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from hisparse_core.backend import API_VERSION, Backend, BackendSpec, Capability
-    from hisparse_core.errors import (BackendError, BackendNotFoundError, BackendUnavailableError, CapacityError,
-                                      HiSparseError, InvalidCommandError, InvalidInputError, ProtocolError)
+    from hisparse_core.errors import (
+        BackendError,
+        BackendNotFoundError,
+        BackendUnavailableError,
+        CapacityError,
+        HiSparseError,
+        InvalidCommandError,
+        InvalidInputError,
+        ProtocolError,
+    )
     from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat, RuntimeConfig
     from hisparse_core.hookspecs import hookimpl
     from hisparse_core.host_pool import HostPool, HostPoolSpec
     from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
     from hisparse_core.transfer import TransferEngine, TransferProgress
-    from hisparse_core.types import (HostBlockCopy, OffloadCommand, PageTransfer, ResidencyUpdate, RowMirror,
-                                     WorkerMetadata)
+    from hisparse_core.types import (
+        HostBlockCopy,
+        OffloadCommand,
+        PageTransfer,
+        ResidencyUpdate,
+        RowMirror,
+        WorkerMetadata,
+    )

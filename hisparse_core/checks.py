@@ -53,7 +53,7 @@ def check_tensor(name: str, t: object, shape: tuple[int | None, ...], dtype: tor
         raise InvalidInputError(f"{name} has dtype {t.dtype}; expected {dtype}")
     if t.device != device:
         raise InvalidInputError(f"{name} is on {t.device}; expected {device}")
-    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape, strict=False)):
         want_s = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
         raise InvalidInputError(f"{name} has shape {list(t.shape)}; expected {want_s}")
     return t

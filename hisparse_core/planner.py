@@ -93,7 +93,7 @@ def published_miss_rate(hot_multiple: float) -> float:
     if hot_multiple <= 1.0:
         return PUBLISHED_LRU_MISS[1.0]
     pts = sorted(PUBLISHED_LRU_MISS.items())
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):  # noqa: B007 - the segment is read after the loop
         if hot_multiple <= x1:
             break
     t = (math.log(hot_multiple) - math.log(x0)) / (math.log(x1) - math.log(x0))

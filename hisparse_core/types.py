@@ -216,7 +216,7 @@ class WorkerMetadata(_Wire):
     def report(cls, enqueued: Iterable[int] = (), completed: Iterable[int] = (),
                completed_host_copies: Iterable[int] = ()) -> Self:
         """One worker's report: each id counted once."""
-        return cls({i: 1 for i in enqueued}, {i: 1 for i in completed}, tuple(sorted(set(completed_host_copies))))
+        return cls(dict.fromkeys(enqueued, 1), dict.fromkeys(completed, 1), tuple(sorted(set(completed_host_copies))))
 
     def aggregate(self, other: WorkerMetadata) -> WorkerMetadata:
         enq = dict(self.enqueued)

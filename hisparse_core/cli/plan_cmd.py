@@ -11,8 +11,19 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from hisparse_core.cli.options import (MAX_BLOCK_SIZE, MAX_HOT, MAX_LAYERS, MAX_TOKENS, MAX_TOP_K, SIZE_UNITS,
-                                       HelpFormatter, fail, float_in, int_in, size_in)
+from hisparse_core.cli.options import (
+    MAX_BLOCK_SIZE,
+    MAX_HOT,
+    MAX_LAYERS,
+    MAX_TOKENS,
+    MAX_TOP_K,
+    SIZE_UNITS,
+    HelpFormatter,
+    fail,
+    float_in,
+    int_in,
+    size_in,
+)
 from hisparse_core.errors import HiSparseError
 
 

@@ -29,9 +29,23 @@ import argparse
 import logging
 import sys
 
-from hisparse_core.cli.options import (MAX_BLOCK_SIZE, MAX_HOT, MAX_LAYERS, MAX_LOCALITY, MAX_REQUESTS, MAX_SEED,
-                                       MAX_STEPS, MAX_TOKENS, MAX_TOP_K, SIZE_UNITS, HelpFormatter, fail, float_in,
-                                       int_in, size_in)
+from hisparse_core.cli.options import (
+    MAX_BLOCK_SIZE,
+    MAX_HOT,
+    MAX_LAYERS,
+    MAX_LOCALITY,
+    MAX_REQUESTS,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_TOP_K,
+    SIZE_UNITS,
+    HelpFormatter,
+    fail,
+    float_in,
+    int_in,
+    size_in,
+)
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
 

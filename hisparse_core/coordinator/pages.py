@@ -23,8 +23,6 @@ from __future__ import annotations
 import enum
 import heapq
 
-from hisparse_core.coordinator.prefix import ROOT
-
 
 class PageState(enum.IntEnum):
     DIRTY = 0

@@ -31,7 +31,7 @@ def apply_table_updates(updates: Iterable[TableUpdate], source_table: torch.Tens
             hot[u.state_index] = list(u.hot_block_ids) + [-1] * (width - len(u.hot_block_ids))
     if source:
         dev = source_table.device
-        (rows, pages), ids = zip(*source), list(source.values())
+        (rows, pages), ids = zip(*source, strict=False), list(source.values())
         source_table[torch.tensor(rows, device=dev), torch.tensor(pages, device=dev)] = \
             torch.tensor(ids, dtype=torch.int32, device=dev)
     if hot:

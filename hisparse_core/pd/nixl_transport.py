@@ -38,8 +38,7 @@ from hisparse_core.pd.handshake import KvRegion, PrefillHandshake, RemotePrefill
 from hisparse_core.pd.messages import ReadNotice
 from hisparse_core.pd.plan import Descriptor
 from hisparse_core.pd.staging import StagingBuffer
-from hisparse_core.pd.transport import ImportTransport, PeerTable, ReadHandle, ReadState, ReadStatus, \
-    TransportStats
+from hisparse_core.pd.transport import ImportTransport, PeerTable, ReadHandle, ReadState, ReadStatus, TransportStats
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,13 @@ from hisparse_core.host_pool import HostPool
 from hisparse_core.pd.handshake import PrefillHandshake
 from hisparse_core.pd.lifecycle import ImportLedger, ImportPhase, ImportRecord, InFlightRead
 from hisparse_core.pd.messages import HostImportJob, ReadNotice, RecvReport
-from hisparse_core.pd.plan import HostLayout, build_import_plan, host_descriptors, remote_descriptors, \
-    staging_descriptors
+from hisparse_core.pd.plan import (
+    HostLayout,
+    build_import_plan,
+    host_descriptors,
+    remote_descriptors,
+    staging_descriptors,
+)
 from hisparse_core.pd.staging import StagingBuffer
 from hisparse_core.pd.transport import ImportTransport, ReadState
 

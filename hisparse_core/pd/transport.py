@@ -84,7 +84,7 @@ class ImportTransport(ABC):
         handle) if the transport cannot cancel it yet: its destination may still be written, so the
         caller must not reuse that memory and should retry later."""
 
-    def progress(self) -> None:
+    def progress(self) -> None:  # noqa: B027 - optional: a transport with its own thread keeps this no-op
         """Drive the transport once (the receiver calls it on every `poll`). A transport with its
         own progress thread needs nothing here."""
 

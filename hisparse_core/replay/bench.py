@@ -29,10 +29,10 @@ from hisparse_core.capacity import check_device_memory
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.host_pool import HostPoolSpec
-from hisparse_core.runtime import CacheRuntime, ResolveInputs, RuntimeStats
-from hisparse_core.types import RowMirror
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.layout import hot_rows_for, index_groups
+from hisparse_core.runtime import CacheRuntime, ResolveInputs, RuntimeStats
+from hisparse_core.types import RowMirror
 
 logger = logging.getLogger(__name__)
 

@@ -352,7 +352,7 @@ class ReplayEngine:
 
     def step(self) -> StepRecord:
         t0 = time.perf_counter()
-        c, bs = self.config, self.config.block_size
+        _c, bs = self.config, self.config.block_size
         while self.pending and self.pending[0].arrival_step <= self.step_no:
             self.waiting.append(self.pending.popleft())
         finished = self._finish()

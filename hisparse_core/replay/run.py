@@ -8,7 +8,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from hisparse_core.backend import Backend
-from hisparse_core.replay.engine import EngineTotals, ReplayEngine, RunConfig, StepRecord, measure_all_resident_concurrency
+from hisparse_core.replay.engine import (
+    EngineTotals,
+    ReplayEngine,
+    RunConfig,
+    StepRecord,
+    measure_all_resident_concurrency,
+)
 from hisparse_core.replay.timing import PHASES
 
 

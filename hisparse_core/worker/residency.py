@@ -56,7 +56,7 @@ class ResidencyTables:
             if not u.pages:
                 continue
             pages = torch.tensor(u.pages, dtype=torch.long)
-            for table, ids in zip(self._tables, u.block_ids):
+            for table, ids in zip(self._tables, u.block_ids, strict=False):
                 table[u.state_index, pages.to(table.device)] = torch.tensor(ids, dtype=torch.int32,
                                                                             device=table.device)
 

@@ -213,13 +213,13 @@ class HiSparseWorker:
             got = len(device_layers) if isinstance(device_layers, Sequence) else type(device_layers).__name__
             raise InvalidInputError(f"device_layers has {got} entries; expected one list per cache group "
                                     f"({len(self._groups)})")
-        for i, (group, layers) in enumerate(zip(self._groups, device_layers)):
+        for i, (group, layers) in enumerate(zip(self._groups, device_layers, strict=False)):
             if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence) \
                     or len(layers) != group.config.num_layers:
                 got = len(layers) if isinstance(layers, Sequence) else type(layers).__name__
                 raise InvalidInputError(f"device_layers[{i}] ({group.name or 'unnamed'}) has {got} layers; "
                                         f"expected {group.config.num_layers}")
-        for i, (group, runtime, layers) in enumerate(zip(self._groups, self._runtimes, device_layers)):
+        for i, (group, runtime, layers) in enumerate(zip(self._groups, self._runtimes, device_layers, strict=False)):
             runtime.bind(self.host_layer_views(i), list(layers), resident_group=group.resident_group)
         self._engine = self._backend.create_transfer_engine(self.host_pool, self._runtimes)
         logger.info("hisparse worker rank %d: %d runtime(s) bound; transfer engine %s ready",

@@ -13,7 +13,6 @@ from hisparse_core.geometry import ROW_FORMATS, RuntimeConfig
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine
-
 from hisparse_nvidia.plugin import VERSION
 
 

@@ -21,7 +21,6 @@ from cuda.bindings import driver
 
 from hisparse_core.errors import BackendError
 
-
 #: Size of a CUipcEventHandle.
 IPC_HANDLE_BYTES = 64
 

@@ -40,7 +40,6 @@ from hisparse_core import shm
 from hisparse_core.capacity import check_host_pool
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.host_pool import OS_PAGE, HostPoolSpec, LayerMajorHostPool
-
 from hisparse_nvidia import driver
 from hisparse_nvidia.ipc import CHANNEL_END, WriterChannel
 

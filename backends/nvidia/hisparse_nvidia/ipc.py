@@ -24,7 +24,6 @@ from typing import Any
 
 from hisparse_core.errors import ProtocolError
 from hisparse_core.shm import Creator
-
 from hisparse_nvidia import driver
 
 #: Offsets of the channel inside the pool's header page.

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RuntimeConfig
-
 from hisparse_nvidia.compiler import KernelBuild, compile_kernel
 
 #: Override of the resolver's threads per block (128, 256, 512 or 1024) for tuning.

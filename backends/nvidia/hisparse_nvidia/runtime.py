@@ -41,7 +41,6 @@ from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-
 from hisparse_nvidia import driver
 from hisparse_nvidia.host_pool import device_address_of_host
 from hisparse_nvidia.kernels import (

@@ -34,7 +34,6 @@ from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine, TransferProgress
 from hisparse_core.transfer_checks import check_engine_pool, check_engine_runtimes, check_unique_ids
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-
 from hisparse_nvidia.host_pool import NvidiaHostPool
 from hisparse_nvidia.runtime import NvidiaRuntime
 

@@ -9,12 +9,11 @@ import torch
 
 from hisparse_core.backend import Backend, Capability
 from hisparse_core.checks import check_int
-from hisparse_core.geometry import ROW_FORMATS, RuntimeConfig
 from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import ROW_FORMATS, RuntimeConfig
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine
-
 from hisparse_reference_cpu.host_pool import ReferenceHostPool
 from hisparse_reference_cpu.runtime import ReferenceRuntime
 from hisparse_reference_cpu.transfer import ReferenceTransferEngine

@@ -17,7 +17,6 @@ from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.resolve_checks import check_resolve_shapes, check_resolve_values
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-
 from hisparse_reference_cpu.resolver import resolve_batch
 
 CPU = torch.device("cpu")
@@ -249,7 +248,7 @@ class ReferenceRuntime(CacheRuntime):
             i = int(bad.nonzero()[0, 0])
             raise InvalidInputError(f"host_rows[{i}]={int(rows[i])} is out of range; expected a host row in "
                                     f"[0, {self.host_rows}) where state_rows[{i}] >= 0")
-        for q, g in zip(states[live].tolist(), rows[live].tolist()):
+        for q, g in zip(states[live].tolist(), rows[live].tolist(), strict=False):
             self._hot_map[q][self._hot_map[q] == g] = -1
 
     def invalidate_host_blocks(self, block_ids: Sequence[int]) -> None:

@@ -134,8 +134,8 @@ def test_each_layer_is_copied_only_when_asked(hisparse_backend: Backend, data: s
             plan = rig.resolve(step, gather=False).plan()
             follower = data.draw(st.sampled_from(followers), label="follower")
             some = data.draw(st.lists(st.sampled_from(followers), min_size=1, unique=True), label="replayed")
-            for action, written in ((lambda: rig.runtime.gather_misses(follower), [follower]),
-                                    (lambda: rig.runtime.replay_plan(some), some),
+            for action, written in ((lambda f=follower: rig.runtime.gather_misses(f), [follower]),
+                                    (lambda s=some: rig.runtime.replay_plan(s), some),
                                     (lambda: rig.runtime.gather_misses(0), [0]),
                                     (lambda: rig.runtime.replay_plan(), followers)):
                 before = [rig.device_cache_bytes(layer) for layer in range(layers)]

@@ -36,7 +36,6 @@ import torch
 
 from hisparse_core.errors import HiSparseError
 from hisparse_core.runtime import ResolveInputs
-
 from hisparse_transformers.cache import HiSparseCache
 
 if TYPE_CHECKING:
@@ -174,7 +173,7 @@ class HiSparseAttention:
         if not isinstance(cache, HiSparseCache) or cache.hisparse_engine is not self.engine:
             return self.original(*args, **kwargs)
         names = ("hidden_states", "position_embeddings", "attention_mask")
-        given = dict(zip(names, args))
+        given = dict(zip(names, args, strict=False))
         # The model's own call arguments, passed through as the model gave them.
         hidden: Any = kwargs.get("hidden_states", given.get("hidden_states"))
         position_embeddings: Any = kwargs.get("position_embeddings", given.get("position_embeddings"))

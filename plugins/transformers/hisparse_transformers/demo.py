@@ -100,8 +100,9 @@ def total_steps(c: DemoConfig) -> int:
 
 
 def run_demo(c: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
-    import hisparse_transformers
     from transformers import DynamicCache
+
+    import hisparse_transformers
 
     dtype = getattr(torch, c.dtype)
     shape = TinyShape(layers=c.layers, index_topk=c.top_k, max_position=4 * (c.max_prompt + c.new_tokens))

@@ -34,7 +34,6 @@ from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
 from hisparse_core.worker import CacheGroup, HiSparseWorker
-
 from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.families import DsaLayout
 from hisparse_transformers.tokens import LazyTokens
@@ -280,7 +279,7 @@ class HiSparseEngine:
         if not 1 <= n <= self.config.max_batch:
             raise CapacityError(f"batch of {n} prompts; expected 1 to max_batch={self.config.max_batch} "
                                 "(enable(..., max_batch=N))")
-        longest = max(pad + len(p) for p, pad in zip(prompts, pads))
+        longest = max(pad + len(p) for p, pad in zip(prompts, pads, strict=False))
         if longest > self.max_pages * self.config.block_size:
             raise CapacityError(f"a prompt of {longest} padded tokens exceeds max_context="
                                 f"{self.max_pages * self.config.block_size}; expected enable(..., max_context >= it)")
@@ -291,7 +290,7 @@ class HiSparseEngine:
                                 f"host_pool_gib or send fewer prompts")
         requests: list[Request] = []
         try:
-            for tokens, pad in zip(prompts, pads):
+            for tokens, pad in zip(prompts, pads, strict=False):
                 rid = f"hf-{self._next_request}"
                 self._next_request += 1
                 tokens = list(tokens)

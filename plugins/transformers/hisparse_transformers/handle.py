@@ -25,7 +25,6 @@ import torch
 
 from hisparse_core.errors import HiSparseError, InvalidInputError
 from hisparse_core.registry import select_backend
-
 from hisparse_transformers.attention import HiSparseAttention
 from hisparse_transformers.cache import HiSparseCache
 from hisparse_transformers.check import ExactnessChecker
@@ -131,7 +130,7 @@ class HiSparseHandle:
                     raise InvalidInputError("a row of the first forward is all padding, so its prompt is unknown; "
                                             "pass the prompts: handle.new_cache(input_ids, attention_mask)")
                 rows = input_ids.detach().to("cpu").tolist()
-                prompts = [row[pad:] for row, pad in zip(rows, pads)]
+                prompts = [row[pad:] for row, pad in zip(rows, pads, strict=False)]
             if len(prompts) != batch:
                 raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
@@ -163,7 +162,7 @@ class HiSparseHandle:
         if input_ids is not None:
             pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
             rows = input_ids.detach().to("cpu").tolist()
-            cache.set_prompts([row[pad:] for row, pad in zip(rows, pads)], pads)
+            cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads)
         return cache
 
     def stats(self) -> HiSparseStats:
@@ -244,7 +243,7 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         mask = kwargs["attention_mask"] = _prompt_mask(model, input_ids, kwargs)
     pads = left_padding(mask)
     rows = input_ids.detach().to("cpu").tolist()
-    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads)], pads)
+    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads)
     gen = kwargs.get("generation_config")
     if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
         kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk

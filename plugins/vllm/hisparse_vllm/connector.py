@@ -42,7 +42,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hisparse_core.backend import Capability
 from hisparse_core.errors import BackendError, HiSparseError, InvalidInputError, ProtocolError
 from hisparse_core.registry import Selection, get_registry
-
 from hisparse_vllm.config import ConnectorConfig
 from hisparse_vllm.layout import HostTierLayout
 from hisparse_vllm.logs import route_to_vllm_handlers

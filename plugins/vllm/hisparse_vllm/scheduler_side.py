@@ -38,7 +38,6 @@ from typing import Any
 from hisparse_core.coordinator import HiSparseCoordinator, PrefixHit, StepRequest
 from hisparse_core.errors import CapacityError, ProtocolError
 from hisparse_core.types import OffloadCommand, WorkerMetadata
-
 from hisparse_vllm.config import ConnectorConfig
 from hisparse_vllm.gpu_blocks import VllmGpuBlocks
 from hisparse_vllm.layout import HostTierLayout
@@ -154,7 +153,7 @@ class SchedulerSide:
 
     @property
     def gpu_blocks(self) -> VllmGpuBlocks:
-        self.coordinator
+        _ = self.coordinator  # raises ProtocolError before the KV cache manager is bound
         assert self._gpu is not None
         return self._gpu
 
@@ -261,7 +260,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         views: list[StepRequest] = []
         for rid, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(rid)

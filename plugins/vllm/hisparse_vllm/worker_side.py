@@ -26,7 +26,6 @@ from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.registry import select_backend
 from hisparse_core.worker import CacheGroup, HiSparseWorker
-
 from hisparse_vllm.config import ConnectorConfig
 from hisparse_vllm.engine_checks import check_rope_is_row_independent
 from hisparse_vllm.layout import HostTierLayout
@@ -84,7 +83,7 @@ class WorkerSide:
         layout, cfg, vc = self._layout, self._config, self._vllm_config
         views = layout.device_views(kv_caches)  # validate the tensors before allocating anything
         backend = select_backend(cfg.backend)
-        for name, view in ((n, v) for names, vs in zip(layout.group_layers, views) for n, v in zip(names, vs)):
+        for name, view in ((n, v) for names, vs in zip(layout.group_layers, views, strict=False) for n, v in zip(names, vs, strict=False)):
             if view.device != backend.device:  # before the host pool exists: nothing to release
                 raise InvalidInputError(f"KV cache of layer {name!r} is on {view.device}; backend {backend.name!r} "
                                         f"runs on {backend.device}, so its tables and caches must be there too")
@@ -92,7 +91,7 @@ class WorkerSide:
         max_seqs = vc.scheduler_config.max_num_seqs
         groups: list[CacheGroup] = []
         device_layers: list[list[torch.Tensor]] = []
-        for g, (names, layer_views) in enumerate(zip(layout.group_layers, views)):
+        for g, (names, layer_views) in enumerate(zip(layout.group_layers, views, strict=False)):
             # The runtimes move pages (spills, restores, loads); nothing calls their resolver on
             # vLLM's attention, so their hot state takes the smallest geometry (one block).
             base = RuntimeConfig(max_batch_rows=max_seqs, max_requests=max_seqs, top_k=1, hot_rows=layout.block_size,
@@ -102,7 +101,7 @@ class WorkerSide:
                 groups.append(CacheGroup(base, resident_group=g, name=f"group{g}"))
                 device_layers.append(layer_views)
             else:  # one runtime per layer
-                for name, view in zip(names, layer_views):
+                for name, view in zip(names, layer_views, strict=False):
                     groups.append(CacheGroup(replace(base, num_layers=1), resident_group=g, name=name))
                     device_layers.append([view])
         rank, world = _parallel_rank()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from hisparse_core.cli.options import (
     MAX_BLOCK_SIZE,
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 #: `BenchConfig`'s defaults, here so `--help` needs no torch (tests/cli check they agree).
-DEFAULTS: dict[str, object] = {"requests": 4, "context": 16384, "steps": 40, "top_k": 2048, "hot_multiple": 2.0,
+DEFAULTS: dict[str, Any] = {"requests": 4, "context": 16384, "steps": 40, "top_k": 2048, "hot_multiple": 2.0,
                                "layers": 4, "index_share": 2, "block_size": 64, "tail_pages": 2,
                                "row_format": "fp8_ds_mla", "locality": 1.0, "warmup": 4, "seed": 0}
 
@@ -87,7 +88,8 @@ def _table(res: object) -> str:
     from hisparse_core.replay.report import human_bytes, pct, render_table
 
     assert isinstance(res, BenchResult)
-    s, c = res.summary(), res.config
+    s: dict[str, Any] = res.summary()
+    c = res.config
     rows: list[tuple[str, str]] = [
         ("backend", f"{res.backend['name']} {res.backend['version']} on {res.backend['device']}"),
         ("workload", f"{c['requests']} requests x {c['context']} tokens, {c['steps']} steps, top-k {c['top_k']}, "

@@ -60,7 +60,7 @@ def int_in(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
         return value
 
     parse.__name__ = "integer"
-    parse.accepted = _range(lo, hi)  # type: ignore[attr-defined]  (tests and help read it)
+    parse.accepted = _range(lo, hi)  # type: ignore[attr-defined]  # tests and help read it
     return parse
 
 

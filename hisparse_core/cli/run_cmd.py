@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from hisparse_core.cli.options import (
     MAX_BLOCK_SIZE,
@@ -62,7 +63,7 @@ _FIELDS = {"requests": "requests", "context": "context", "decode_tokens": "decod
 
 
 #: `RunConfig`'s defaults, here so `--help` needs no torch (tests/cli check they agree).
-DEFAULTS: dict[str, object] = {
+DEFAULTS: dict[str, Any] = {
     "requests": 16, "context": 16384, "decode_tokens": 32, "steps": 48, "top_k": 2048, "hot_multiple": 2.0,
     "layers": 2, "index_share": 2, "block_size": 64, "row_format": "fp8_ds_mla", "indexer_bytes": 132,
     "gpu_kv_bytes": 96 << 20, "host_bytes": 256 << 20, "concurrency": 0, "prefix_groups": 4,

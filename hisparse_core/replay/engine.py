@@ -236,9 +236,8 @@ class ReplayEngine:
             self.device_layers = [[torch.zeros((p.gpu_blocks, bs, self.fmt.width), dtype=self.fmt.dtype, device=dev)
                                    for _ in range(n)] for n in self.group_layers]
             self.worker.register_caches(self.device_layers)
-            i32 = dict(dtype=torch.int32, device=dev)
-            self.source_table = torch.full((self.max_running, max_pages), -1, **i32)
-            self.hot_table = torch.full((self.max_running, self.hot_blocks), -1, **i32)
+            self.source_table = torch.full((self.max_running, max_pages), -1, dtype=torch.int32, device=dev)
+            self.hot_table = torch.full((self.max_running, self.hot_blocks), -1, dtype=torch.int32, device=dev)
             self.resident_table = self.worker.residency_table(0)
             graphs, why = graph_choice(backend, enabled=c.cuda_graphs, validate=c.validate)
             self.decoder = DecodeRunner(self.worker.runtimes, self.group_layers, source_table=self.source_table,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -121,7 +121,8 @@ def _describe(config: pytest.Config) -> str:
     except Exception as exc:  # noqa: BLE001 -- reported; the fixtures fail the tests
         return f"hisparse backend: {name} (cannot be selected: {type(exc).__name__}: {exc})"
     info = backend.describe()
-    caps = ", ".join(str(c) for c in info.get("capabilities", [])) or "none"  # type: ignore[union-attr]
+    capabilities: Any = info.get("capabilities", [])
+    caps = ", ".join(str(c) for c in capabilities) or "none"
     return (f"hisparse backend: {info['name']} {info['version']} (api {info['api_version']}, device "
             f"{info['device']}; capabilities: {caps})")
 

@@ -227,7 +227,7 @@ def test_bad_shapes_are_rejected_even_unvalidated(hisparse_backend: Backend, dat
 # -- the other runtime methods ------------------------------------------------------------------
 
 
-def _bad_calls(rig: Rig, rng: random.Random) -> list[tuple[str, Callable[[], None]]]:
+def _bad_calls(rig: Rig, rng: random.Random) -> list[tuple[str, Callable[[], object]]]:
     cfg, layout = rig.config, rig.layout
     rt, dev = rig.runtime, rig.device
     bs, hb, db = cfg.block_size, layout.host_blocks, layout.num_device_blocks

@@ -106,14 +106,14 @@ def run_demo(c: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
 
     dtype = getattr(torch, c.dtype)
     shape = TinyShape(layers=c.layers, index_topk=c.top_k, max_position=4 * (c.max_prompt + c.new_tokens))
-    model = tiny_model(c.model, shape=shape, seed=c.seed, dtype=dtype, device=c.device)
+    model: Any = tiny_model(c.model, shape=shape, seed=c.seed, dtype=dtype, device=c.device)
     lengths = c.lengths()
     ids, mask = random_prompts(lengths, vocab=shape.vocab, seed=c.seed + 1)
     prefix = ids[0, -lengths[0]:][:c.shared_prefix].tolist()
     ids2, mask2 = random_prompts([n - 16 for n in lengths], vocab=shape.vocab, seed=c.seed + 2, prefix=prefix)
     ids, mask, ids2, mask2 = (t.to(c.device) for t in (ids, mask, ids2, mask2))
     new2 = max(1, c.new_tokens // 4)
-    gen = dict(do_sample=False, output_logits=True, return_dict_in_generate=True,
+    gen: dict[str, Any] = dict(do_sample=False, output_logits=True, return_dict_in_generate=True,
                prefill_chunk_size=c.prefill_chunk)
 
     def reference(i: torch.Tensor, m: torch.Tensor, new: int) -> Any:

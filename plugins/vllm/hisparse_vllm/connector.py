@@ -76,7 +76,9 @@ def _one_line_errors() -> Iterator[None]:
 def _check_extra_config(vllm_config: VllmConfig) -> tuple[ConnectorConfig, Selection]:
     """Parse and check `kv_connector_extra_config`; an unknown or unavailable backend fails now,
     in every role, not at the first step."""
-    config = ConnectorConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None, "the connector is only built from a kv_transfer_config"
+    config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
     config.check_stock_attention()
     try:
         selection = get_registry().choose(config.backend)

@@ -117,7 +117,8 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
             for key, (name, doc) in COUNTERS.items()}
         self.gauges: dict[str, Any] = {
             key: create_metric_per_engine(self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
-                                                          multiprocess_mode="mostrecent"), per_engine_labelvalues)
+                                                          multiprocess_mode="mostrecent"),  # type: ignore[call-arg]  # a Gauge class; vLLM types it as any metric
+                                          per_engine_labelvalues)
             for key, (name, doc) in LEVELS.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -100,6 +100,28 @@ class RowMirror(_Wire):
     def from_dict(cls, d: Mapping[str, Any]) -> Self:
         return cls(tuple(int(x) for x in d["source_starts"]), int(d["destination_start"]), int(d["num_rows"]))
 
+    @classmethod
+    def trusted(cls, source_starts: tuple[int, ...], destination_start: int, num_rows: int) -> Self:
+        """A mirror from values its producer derived from state it already validated, without the
+        field checks of `__init__`.
+
+        For the coordinator, which builds one mirror per running request per step: the checks cost
+        about a microsecond a mirror, this about a quarter of that. The values still meet their
+        checks at the boundary that matters: every runtime checks each mirror's spans against its
+        caches and host views when the mirror is submitted (`copy_checks.check_mirrors`).
+        """
+        m = object.__new__(cls)
+        _SET_SOURCE_STARTS(m, source_starts)
+        _SET_DESTINATION_START(m, destination_start)
+        _SET_NUM_ROWS(m, num_rows)
+        return m
+
+
+# The slot descriptors `RowMirror.trusted` writes through (a frozen dataclass's own __setattr__ refuses).
+_SET_SOURCE_STARTS = RowMirror.__dict__["source_starts"].__set__
+_SET_DESTINATION_START = RowMirror.__dict__["destination_start"].__set__
+_SET_NUM_ROWS = RowMirror.__dict__["num_rows"].__set__
+
 
 @dataclass(frozen=True, slots=True)
 class ResidencyUpdate(_Wire):

@@ -158,3 +158,14 @@ def test_a_transfer_is_done_everywhere_when_its_count_equals_the_workers(per_wor
     total = reduce(WorkerMetadata.aggregate, reports)
     everywhere = set.intersection(*(set(done) for done in per_worker))
     assert {k for k, v in total.completed.items() if v == len(per_worker)} == everywhere
+
+
+@given(st.lists(st.integers(0, 1 << 40), min_size=1, max_size=4), st.integers(0, 1 << 40), st.integers(1, 4096))
+def test_a_trusted_row_mirror_equals_the_checked_one(starts: list[int], dst: int, n: int) -> None:
+    """`RowMirror.trusted` (the coordinator's per-step constructor) builds the same frozen value the
+    checked constructor does: equal, same hash, same wire form, still immutable."""
+    checked, trusted = RowMirror(tuple(starts), dst, n), RowMirror.trusted(tuple(starts), dst, n)
+    assert trusted == checked and hash(trusted) == hash(checked)
+    assert RowMirror.from_dict(trusted.to_dict()) == checked
+    with pytest.raises(AttributeError):
+        trusted.num_rows = n + 1  # type: ignore[misc]

@@ -21,8 +21,13 @@ slowly (the hit rate is printed: random keys give no more locality than that).
 
 Figures, each next to transformers alone from the same run: step time, peak GPU memory, GPU KV per
 request (hisparse: leased pages + indexer keys at the end; transformers: its cache tensors), and
-hisparse's share of a step (resolve + gather, the row mirrors and spills on the copy stream, the
-indexer, the attention, the engine's host work). A configuration that runs out of memory says OOM.
+hisparse's share of a step. hisparse's decode step replays a CUDA graph where it can
+(`hisparse_transformers/graphs.py`; the engine's host work per step stays outside it, and is in
+the step time): its share is read from torch.profiler over replays, hisparse's own kernels (the
+resolver and its miss copy) plus the attention's row gathers, against the whole step.
+`--modes hisparse-eager` adds hisparse without graphs, with the eager breakdown (resolve, gather,
+row mirrors and spills on the copy stream, indexer, attention, engine host work; CUDA events,
+launch gaps included). A configuration that runs out of memory says OOM.
 
 Run (on a GPU):  python bench/bench_transformers.py [--layers 4] [--batches 1,4,16] [--contexts 32768,131072]
 CPU smoke test:  python bench/bench_transformers.py --tiny
@@ -298,18 +303,49 @@ def run_transformers(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[
     return out
 
 
-def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[str, Any]:
+def kernel_profile(model: Any, cache: Any, b: int, t: int, steps: int) -> dict[str, float]:
+    """GPU kernel time per decode step by kind (ms), from torch.profiler over `steps` replays:
+    hisparse's own kernels (the resolver and its miss copy, named hisparse_*), the attention's
+    row gather (index_select kernels: one per layer, plus the step's embedding lookup), and all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    key = cache_kwarg(model)
+    token = torch.full((b, 1), 5, dtype=torch.long, device=model.device)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            pos = torch.full((b, 1), t + i, dtype=torch.long, device=model.device)
+            model(input_ids=token, position_ids=pos, use_cache=True, **{key: cache})
+        torch.cuda.synchronize()
+    out = {"hisparse kernels": 0.0, "row gather": 0.0, "all kernels": 0.0}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0.0)
+        if not us:
+            continue
+        ms = us / 1e3 / steps
+        name = e.key.lower()
+        if "hisparse" in name:
+            out["hisparse kernels"] += ms
+        elif "indexselect" in name:
+            out["row gather"] += ms
+        out["all kernels"] += ms
+    return out
+
+
+def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace, *, graphs: bool = True) -> dict[str, Any]:
     import hisparse_transformers
     from hisparse_transformers.engine import required_gpu_blocks, row_format_for
 
     cfg = model.config
     dev = model.device
-    out: dict[str, Any] = {"mode": "hisparse", "batch": b, "context": t}
+    out: dict[str, Any] = {"mode": "hisparse" if graphs else "hisparse-eager", "batch": b, "context": t}
     bs, top_k = a.block_size, cfg.index_topk
     hot_rows = a.hot_rows or -(-2 * top_k // bs) * bs
     fmt = row_format_for(model.dtype, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     block_bytes = cfg.num_hidden_layers * bs * fmt.row_bytes
-    max_context = t + a.warmup + a.steps + bs
+    profiled = 3 if graphs and dev.type == "cuda" else 0
+    max_context = t + a.warmup + a.steps + profiled + bs
     blocks = required_gpu_blocks(b, hot_rows // bs, -(-a.fill_chunk // bs) + 1)
     pages = -(-max_context // bs)
     host_gib = (b * (pages + 4) + 8) * block_bytes / 2**30
@@ -319,21 +355,33 @@ def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[str,
             torch.cuda.reset_peak_memory_stats()
         hs = hisparse_transformers.enable(model, host_pool_gib=host_gib, gpu_kv_gib=blocks * block_bytes / 2**30,
                                           backend=a.backend, hot_rows=hot_rows, block_size=bs, max_batch=b,
-                                          max_context=max_context, prefill_chunk=a.fill_chunk)
+                                          max_context=max_context, prefill_chunk=a.fill_chunk,
+                                          cuda_graphs=None if graphs else False)
         t0 = time.perf_counter()
         cache = fill_hisparse(hs, b, t, a.fill_chunk, a.seed)
         out["fill_s"] = time.perf_counter() - t0
         hs.stats()                                      # reset the device counters' window
         timers = Timers(dev)
-        undo = instrument(hs, timers)
-        hs.engine._bench_host["s"] = 0.0
+        if hs.graphs.enabled:
+            host = _time_engine_host(hs)
+        else:
+            undo = instrument(hs, timers)
+            host = hs.engine._bench_host
+        host["s"] = 0.0
         times = decode(model, cache, b, t, a.steps, a.warmup, timers)
-        host_ms = 1e3 * hs.engine._bench_host["s"] / (a.steps + a.warmup)
+        host_ms = 1e3 * host["s"] / (a.steps + a.warmup)
         out["step_ms"] = median(times, "step")
-        for name in ("resolve", "gather", "mirror+spill (copy stream)", "indexer", "attention"):
-            out[f"{name}_ms"] = median(times, name)
         out["engine_host_ms"] = host_ms
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+        s = hs.stats()
+        out["decode_mode"], out["graph_captures"] = s.decode_mode, s.graph_captures
+        if hs.graphs.enabled and profiled:
+            k = kernel_profile(model, cache, b, t + a.warmup + a.steps, profiled)
+            out["resolve_ms"], out["gather_ms"], out["kernels_ms"] = (k["hisparse kernels"], k["row gather"],
+                                                                      k["all kernels"])
+        elif not hs.graphs.enabled:
+            for name in ("resolve", "gather", "mirror+spill (copy stream)", "indexer", "attention"):
+                out[f"{name}_ms"] = median(times, name)
         leased = hs.engine.gpu.num_leased_blocks
         out["kv_bytes_per_request"] = (leased * block_bytes + cache.indexer_bytes) / b
         out["pool_bytes_per_request"] = (blocks * block_bytes + cache.indexer_bytes) / b
@@ -355,6 +403,26 @@ def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[str,
     return out
 
 
+def _time_engine_host(hs: Any) -> dict[str, float]:
+    """Host seconds of the engine's begin_step and end_step (patched on the instance; the handle's
+    close drops the engine)."""
+    engine = hs.engine
+    begin, end = engine.begin_step, engine.end_step
+    host = {"s": 0.0}
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                host["s"] += time.perf_counter() - t0
+        return run
+
+    engine.begin_step, engine.end_step = timed(begin), timed(end)
+    return host
+
+
 def fmt_ms(x: Any) -> str:
     return "-" if x is None or x != x else f"{x:.2f}"
 
@@ -363,28 +431,38 @@ def table(rows: list[dict[str, Any]]) -> str:
     from hisparse_core.replay.report import human_bytes, render_grid
 
     by = {(r["batch"], r["context"], r["mode"]): r for r in rows}
+    configs = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda x: (x[1], x[0]))
+
+    def ms(r: dict[str, Any]) -> str:
+        return "OOM" if "oom" in r else fmt_ms(r.get("step_ms"))
+
     body = []
-    for b, t in sorted({(r["batch"], r["context"]) for r in rows}, key=lambda x: (x[1], x[0])):
-        h, base = by.get((b, t, "hisparse"), {}), by.get((b, t, "transformers"), {})
-        hs_ms = "OOM" if "oom" in h else fmt_ms(h.get("step_ms"))
-        tf_ms = "OOM" if "oom" in base else fmt_ms(base.get("step_ms"))
+    for b, t in configs:
+        h, e, base = (by.get((b, t, m), {}) for m in ("hisparse", "hisparse-eager", "transformers"))
         speed = (f"{base['step_ms'] / h['step_ms']:.1f}x" if "step_ms" in h and "step_ms" in base else
                  ("tf OOM" if "oom" in base else "-"))
         kv = (f"{100 * h['kv_bytes_per_request'] / base['kv_bytes_per_request']:.1f}%"
               if "kv_bytes_per_request" in h and "kv_bytes_per_request" in base else "-")
-        share = (f"{100 * (h['resolve_ms'] + h['gather_ms']) / h['step_ms']:.1f}%" if "step_ms" in h else "-")
-        body.append([f"B={b} T={t // 1024}K", hs_ms, tf_ms, speed,
+        share = (f"{100 * (h['resolve_ms'] + h['gather_ms']) / h['step_ms']:.1f}%"
+                 if "step_ms" in h and "resolve_ms" in h else "-")
+        body.append([f"B={b} T={t // 1024}K", ms(h), ms(e) if e else "-", ms(base) if base else "-", speed,
                      "-" if "peak_gib" not in h else f"{h['peak_gib']:.1f}",
                      "OOM" if "oom" in base else ("-" if "peak_gib" not in base else f"{base['peak_gib']:.1f}"),
                      human_bytes(h["kv_bytes_per_request"]) if "kv_bytes_per_request" in h else "-",
                      human_bytes(base["kv_bytes_per_request"]) if "kv_bytes_per_request" in base else "-", kv,
-                     fmt_ms(h.get("resolve_ms")), fmt_ms(h.get("gather_ms")),
-                     fmt_ms(h.get("mirror+spill (copy stream)_ms")), fmt_ms(h.get("indexer_ms")),
-                     fmt_ms(h.get("attention_ms")), fmt_ms(h.get("engine_host_ms")), share,
-                     "-" if "hit_rate" not in h else f"{100 * h['hit_rate']:.0f}%"])
-    header = ["config", "hs ms", "tf ms", "speedup", "hs GiB", "tf GiB", "hs KV/req", "tf KV/req", "KV %",
-              "resolve", "gather", "mirror", "indexer", "attn", "host", "res+gat %", "hit"]
-    return render_grid(header, body)
+                     fmt_ms(h.get("resolve_ms")), fmt_ms(h.get("gather_ms")), fmt_ms(h.get("kernels_ms")),
+                     fmt_ms(h.get("engine_host_ms")), share,
+                     "-" if "hit_rate" not in h else f"{100 * h['hit_rate']:.0f}%", h.get("decode_mode", "-")])
+    header = ["config", "hs ms", "hs eager ms", "tf ms", "speedup", "hs GiB", "tf GiB", "hs KV/req", "tf KV/req",
+              "KV %", "hs kernels", "row gather", "all kernels", "host", "res+gat %", "hit", "hs decode"]
+    out = render_grid(header, body)
+    eager = [(b, t, by[(b, t, "hisparse-eager")]) for b, t in configs if "step_ms" in by.get((b, t, "hisparse-eager"), {})]
+    if eager:
+        names = ("resolve", "gather", "mirror+spill (copy stream)", "indexer", "attention", "engine_host")
+        out += "\n\nhisparse eager, GPU timeline per step (ms, CUDA events around each part, launch gaps included)\n"
+        out += render_grid(["config", *names], [[f"B={b} T={t // 1024}K", *(fmt_ms(r.get(f"{n}_ms")) for n in names)]
+                                                 for b, t, r in eager])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hot-rows", type=int, default=0, help="0: 2x top-k")
     p.add_argument("--fill-chunk", type=int, default=256, help="tokens per fill step (also the engine's prefill chunk)")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--modes", default="hisparse,transformers")
+    p.add_argument("--modes", default="hisparse,transformers",
+                   help="of hisparse (decode captured in CUDA graphs where it can be), hisparse-eager, transformers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--tiny", action="store_true", help="tiny geometry on the CPU (a smoke test of this script)")
@@ -417,13 +496,17 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     print(f"# transformers {transformers.__version__}, torch {torch.__version__}, {gpu}; {a.layers} layers, "
           f"top-k {model.config.index_topk}, block {a.block_size}, fill chunk {a.fill_chunk}; transformers caches "
-          f"{'the latent' if caches_latent() else 'expanded K/V'}", flush=True)
+          f"{'the latent' if caches_latent() else 'expanded K/V'}; MoE experts "
+          f"{getattr(model.config, '_experts_implementation', None) or 'default'}", flush=True)
     rows = []
     for t in contexts:
         for b in batches:
             for mode in modes:
                 t0 = time.perf_counter()
-                r = (run_hisparse if mode == "hisparse" else run_transformers)(model, b, t, a)
+                if mode == "transformers":
+                    r = run_transformers(model, b, t, a)
+                else:
+                    r = run_hisparse(model, b, t, a, graphs=mode == "hisparse")
                 r["wall_s"] = time.perf_counter() - t0
                 rows.append(r)
                 print(json.dumps(r), flush=True)

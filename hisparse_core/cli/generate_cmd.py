@@ -87,7 +87,8 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         ("budgets", f"GPU {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
                     f"resident), host pool {e['host_pool_blocks']} pages"),
         ("throughput", ""),
-        ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s ({s['decode_tokens']} tokens)"),
+        ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s ({s['decode_tokens']} tokens; steps "
+                   f"{s.get('decode_mode', 'eager')})"),
         ("prefill", f"{s['prefill_tokens_per_s']:.1f} tokens/s ({s['prefill_tokens']} tokens)"),
         ("wall time", f"hisparse {result['seconds']['hisparse']:.1f} s, transformers alone "
                       f"{result['seconds']['transformers_alone']:.1f} s"),

@@ -7,12 +7,30 @@
   against the fp32 model with the same (bf16-representable) weights. The stated bf16 tolerance:
   hisparse's error is at most twice transformers' own bf16 error, plus 0.05.
 - The planted host fault is named on the GPU too.
+- CUDA graphs (`graphs.py`, on by default here): the captured decode against the model's own
+  generate in fp32 (tokens identical, logits within 1e-4; 32 indexer heads, so no exactly tied
+  scores decide the top-k: see test_transformers_graphs.py), captured again when the key buffers
+  grow; bf16 within the same stated tolerance; a model whose MoE cannot be captured (experts
+  reading their routing on the host) falls back to eager with one warning and the same outputs.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import pytest
-from tf_support import BLOCK, SHAPES, baseline, bf16_errors, compare, enable_kwargs, random_prompts, tiny_model
+from tf_support import (
+    BLOCK,
+    SHAPES,
+    baseline,
+    bf16_errors,
+    block_bytes,
+    compare,
+    enable_kwargs,
+    random_prompts,
+    tiny_model,
+)
 
 import hisparse_transformers
 from hisparse_transformers.check import RowMismatch
@@ -47,12 +65,55 @@ def test_fp32_on_gpu_matches_the_model(family: str) -> None:
     assert s.misses > 0 and s.lost_pages > 0 and s.backend == "nvidia"
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph"])
 @pytest.mark.parametrize("family", sorted(SHAPES))
-def test_bf16_on_gpu_within_transformers_own_error(family: str) -> None:
-    e = bf16_errors(family, "cuda", "nvidia", new=64)
+def test_bf16_on_gpu_within_transformers_own_error(family: str, graphs: bool) -> None:
+    e = bf16_errors(family, "cuda", "nvidia", new=64, check=not graphs)
     print(f"{family} bf16 cuda (teacher-forced, max abs logit error vs fp32): {e}")
     assert e["hisparse_bf16"] <= 2 * e["transformers_bf16"] + 0.05, e
     assert e["misses"] > 0
+    assert (e["decode_mode"] == "cuda graph") == graphs, e
+
+
+NO_TIES = {f: replace(s, index_heads=32) for f, s in SHAPES.items()}
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_cuda_graph_decode_matches_the_model(family: str) -> None:
+    model = tiny_model(family, shape=NO_TIES[family], seed=4, device="cuda")
+    ids, mask = random_prompts([150, 201, 97], seed=2)
+    ids, mask = ids.cuda(), mask.cuda()
+    theirs = baseline(model, ids, mask, 64, chunk=32)
+    kw = enable_kwargs(family, backend="nvidia", check=False, max_context=512, prefill_chunk=32,
+                       gpu_kv_gib=150 * block_bytes(family) / 2**30)
+    with hisparse_transformers.enable(model, **kw) as hs:
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+        s = hs.stats()
+    got = compare(ours, theirs)
+    print(f"{family} fp32 cuda graph: tokens identical {got.tokens_equal}, max abs logit diff {got.max_logit_diff:.3g}, "
+          f"captures {s.graph_captures}, hits {s.hits} misses {s.misses}")
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    assert s.decode_mode == "cuda graph" and s.graph_captures == 2, s     # 256 key slots, then 512 (grown mid-decode)
+    assert s.misses > 0 and s.released_pages > 0
+
+
+def test_uncapturable_moe_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    family = "deepseek_v32"
+    model = tiny_model(family, shape=NO_TIES[family], seed=4, device="cuda")
+    model.set_experts_implementation("eager")          # reads its routing on the host (nonzero)
+    ids, mask = random_prompts([30, 41], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    theirs = baseline(model, ids, mask, 12, chunk=8)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, backend="nvidia", check=False)) as hs:
+        with caplog.at_level(logging.WARNING, logger="hisparse_transformers.graphs"):
+            ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+        s = hs.stats()
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    assert [r for r in caplog.records if "could not be captured" in r.getMessage()], caplog.records
+    assert s.decode_mode.startswith("eager (capture failed"), s
 
 
 def test_planted_fault_on_gpu() -> None:

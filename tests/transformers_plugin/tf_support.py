@@ -90,7 +90,7 @@ def forced_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     return logits
 
 
-def bf16_errors(family: str, device: str, backend: str, new: int = 24) -> dict[str, float]:
+def bf16_errors(family: str, device: str, backend: str, new: int = 24, check: bool = True) -> dict[str, Any]:
     """Teacher-forced max abs logit error against the fp32 model of the same (bf16-representable)
     weights: transformers' own bf16 attention, and hisparse's in bf16."""
     import copy
@@ -108,14 +108,16 @@ def bf16_errors(family: str, device: str, backend: str, new: int = 24) -> dict[s
     want = forced_logits(ref, ids, mask, tokens, DynamicCache(config=ref.config), 8)
     theirs = forced_logits(model, ids, mask, tokens, DynamicCache(config=model.config), 8)
     bb = block_bytes(family, torch.bfloat16)
-    with hisparse_transformers.enable(model, **enable_kwargs(family, gpu_kv_gib=66 * bb / 2**30, backend=backend)) as hs:
+    with hisparse_transformers.enable(model, **enable_kwargs(family, gpu_kv_gib=66 * bb / 2**30, backend=backend,
+                                                             check=check)) as hs:
         cache = hs.new_cache(ids, mask)
         ours = forced_logits(model, ids, mask, tokens, cache, 8)
         cache.finish()
-        misses = hs.stats().misses
+        s = hs.stats()
+        misses, mode = s.misses, s.decode_mode
     err = lambda got: max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))  # noqa: E731
     return {"transformers_bf16": err(theirs), "hisparse_bf16": err(ours),
-            "logit_scale": max(float(w.abs().max()) for w in want), "misses": misses}
+            "logit_scale": max(float(w.abs().max()) for w in want), "misses": misses, "decode_mode": mode}
 
 
 LENGTHS_BF16 = [40, 57, 23]

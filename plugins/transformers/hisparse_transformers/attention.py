@@ -78,10 +78,12 @@ def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: 
     runtime = engine.worker.runtimes[group]
     if position == 0:
         assert topk is not None
-        # One query per row: the indexer saw exactly the keys up to it, so every entry is causal and
-        # in context; the only invalid ones point into the left padding (negative once shifted).
+        # One query per row. Entries outside the row's context become -1: the left padding
+        # (negative once shifted) and, where the indexer scored a fixed-capacity key buffer (a
+        # captured step, graphs.py) and the context holds fewer than top-k keys, slots past it.
         # Padding rows (no query) are row_state -1 and ignored by the resolver.
-        flat = (topk[:, 0, :].to(torch.int32) - step.pad32).clamp_(min=-1)
+        flat = topk[:, 0, :].to(torch.int32) - step.pad32
+        flat = torch.where((flat < 0) | (flat >= step.seq_lens.unsqueeze(1)), -1, flat)
         k = runtime.config.top_k
         if flat.shape[1] < k:
             flat = torch.nn.functional.pad(flat, (0, k - flat.shape[1]), value=-1)
@@ -122,7 +124,8 @@ def _gather(engine: HiSparseEngine, group: int, position: int, rmap: RowMap) -> 
     """The rows of one layer `[B, S, K, width]` (masked entries hold some row, never read)."""
     flat = engine.flat_layers[group][position]
     if rmap.rows is not None:
-        return flat[rmap.rows.clamp(min=0)]
+        rows = rmap.rows.clamp(min=0)
+        return flat.index_select(0, rows.view(-1)).view(*rows.shape, flat.shape[-1])
     assert rmap.dev_rows is not None and rmap.host_rows is not None and rmap.host_mask is not None
     kv = flat[rmap.dev_rows]
     if rmap.num_host:

@@ -6,8 +6,11 @@ not in it: the patched attention writes each layer's rows into hisparse's reside
 them back through the resolver. What stays here:
 
 - the padded sequence length (what `get_seq_length` and the mask sizes report);
-- the indexer keys, an ordinary device cache `[batch, tokens, index_head_dim]` per indexer layer,
-  grown by doubling (what transformers' `DynamicIndexedLayer.update_indexer` keeps by concatenation);
+- the indexer keys, an ordinary device cache `[batch, capacity, index_head_dim]` per indexer layer
+  (what transformers' `DynamicIndexedLayer.update_indexer` keeps by concatenation), grown by a
+  quarter at a time up to the engine's longest context. A captured decode step (`graphs.py`) puts
+  the cache in static mode: the step's key goes to a position held in a device tensor and the
+  indexer reads every slot of the capacity, the step's mask hiding those outside the context;
 - the hisparse session of the batch (its requests and the step in progress).
 """
 
@@ -41,6 +44,9 @@ class HiSparseCache(DynamicCache):
         self._length = 0
         self._indexer: dict[int, torch.Tensor] = {}
         self._indexer_len: dict[int, int] = {}
+        self._static_position: torch.Tensor | None = None   # [1] int64 padded position (static mode)
+        self.indexer_generation = 0                            # bumped whenever a key buffer is replaced
+        self.decode_graph: Any = None                          # the batch's DecodeGraph (graphs.py)
 
     # ---------------------------------------------------------------- what transformers asks
 
@@ -67,20 +73,61 @@ class HiSparseCache(DynamicCache):
             "hisparse_transformers.enable (a different model, or disable() ran)")
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Append this forward's indexer keys `[B, S, D]`; return all of them `[B, T, D]`."""
+        """Append this forward's indexer keys `[B, S, D]`; return all of them `[B, T, D]`.
+
+        In static mode (`static_indexer`) the one key of a decode step goes to the static position
+        and the whole buffer `[B, capacity, D]` comes back: fixed addresses and shapes for a
+        captured graph."""
         keys = indexer_key_states
         b, s, d = keys.shape
         n = self._indexer_len.get(layer_idx, 0)
-        buf = self._indexer.get(layer_idx)
-        if buf is None or buf.shape[1] < n + s:
-            cap = max(n + s, 2 * (buf.shape[1] if buf is not None else 0), 64)
-            grown = keys.new_empty((b, cap, d))
-            if buf is not None:
-                grown[:, :n] = buf[:, :n]
-            buf = self._indexer[layer_idx] = grown
+        if self._static_position is not None:
+            # Python runs once, at capture: the lengths are set by `static_filled` after every step.
+            buf = self._indexer[layer_idx]
+            buf.index_copy_(1, self._static_position, keys)
+            return buf
+        buf = self._grown(layer_idx, keys, n + s)
         buf[:, n:n + s] = keys
         self._indexer_len[layer_idx] = n + s
         return buf[:, :n + s]
+
+    def _grown(self, layer_idx: int, like: torch.Tensor, need: int) -> torch.Tensor:
+        """Layer `layer_idx`'s key buffer with room for `need` keys (a new one, the old keys copied,
+        when it is full)."""
+        buf = self._indexer.get(layer_idx)
+        old = buf.shape[1] if buf is not None else 0
+        if buf is not None and old >= need:
+            return buf
+        limit = max(need, self.hisparse_engine.max_pages * self.hisparse_engine.config.block_size)
+        cap = min(limit, max(need, -(-(old + old // 4) // 256) * 256, 64))
+        grown = like.new_empty((like.shape[0], cap, like.shape[-1]))
+        n = self._indexer_len.get(layer_idx, 0)
+        if buf is not None:
+            grown[:, :n] = buf[:, :n]
+        self._indexer[layer_idx] = grown
+        self.indexer_generation += 1
+        return grown
+
+    def static_indexer(self, position: torch.Tensor | None, need: int = 0) -> int:
+        """Enter static mode with the next key at `position` (`[1]` int64 on the device), every key
+        buffer holding at least `need` keys; `None` leaves it. Returns the buffers' capacity (all
+        indexer layers share it: they grow in step)."""
+        self._static_position = None
+        if position is None:
+            return 0
+        for layer_idx, buf in list(self._indexer.items()):
+            self._grown(layer_idx, buf, need)
+        caps = {buf.shape[1] for buf in self._indexer.values()}
+        if len(caps) != 1:
+            raise HiSparseError(f"indexer key buffers of different capacities {sorted(caps)}; expected one (every "
+                                "indexer layer sees every forward)")
+        self._static_position = position
+        return caps.pop()
+
+    def static_filled(self, length: int) -> None:
+        """A static-mode step wrote the key at padded position `length - 1` of every indexer layer."""
+        for layer_idx in self._indexer:
+            self._indexer_len[layer_idx] = length
 
     @property
     def indexer_bytes(self) -> int:

@@ -30,6 +30,7 @@ from hisparse_transformers.cache import HiSparseCache
 from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.engine import EngineConfig, HiSparseEngine, StepState
 from hisparse_transformers.families import DsaLayout, detect
+from hisparse_transformers.graphs import DecodeGraphs
 from hisparse_transformers.stats import HiSparseStats
 from hisparse_transformers.version import check_version
 
@@ -63,7 +64,8 @@ def left_padding(attention_mask: torch.Tensor) -> list[int]:
 class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
 
-    def __init__(self, model: torch.nn.Module, layout: DsaLayout, engine: HiSparseEngine) -> None:
+    def __init__(self, model: torch.nn.Module, layout: DsaLayout, engine: HiSparseEngine,
+                 cuda_graphs: bool | None = None) -> None:
         self.model: Any  # a transformers model: its generate is read and patched per instance
         self.model = model
         self.layout = layout
@@ -72,6 +74,7 @@ class HiSparseHandle:
         self.generate_seconds = 0.0
         self._attn = [HiSparseAttention(m, layout, engine, i) for i, m in enumerate(layout.attentions)]
         self._base = getattr(model, "base_model", model)
+        self.graphs = DecodeGraphs(engine, cuda_graphs)
         params = inspect.signature(self.model.generate).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._hooks: list[Any] = []
@@ -84,6 +87,15 @@ class HiSparseHandle:
     def _install(self) -> None:
         for a in self._attn:
             a.module.forward = a
+        original = self._base.forward
+
+        def base_forward(*args: Any, **kwargs: Any) -> Any:
+            cache = self._cache_of(kwargs)
+            if cache is None:
+                return original(*args, **kwargs)
+            return self.graphs.forward(original, cache, args, kwargs)
+
+        self._base.forward = base_forward
         self._hooks.append(self._base.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._hooks.append(self._base.register_forward_hook(self._post_forward, with_kwargs=True))
         if hasattr(self.model, "generate"):
@@ -95,6 +107,8 @@ class HiSparseHandle:
         for a in self._attn:
             if a.module.__dict__.get("forward") is a:
                 del a.module.forward
+        if "forward" in self._base.__dict__:
+            del self._base.forward
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -185,7 +199,8 @@ class HiSparseHandle:
             indexer_bytes_per_request=t.peak_indexer_bytes_per_request, gpu_pool_bytes=e.gpu_blocks * e.block_bytes,
             host_pool_bytes=e.worker.host_pool_spec.nbytes if not e.closed else 0,
             checked_entries=checker.totals.entries if checker else 0,
-            checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0)
+            checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0, decode_mode=self.graphs.mode,
+            graph_captures=self.graphs.captures)
 
     def close(self) -> None:
         """Restore the model and release the host pool. Idempotent."""
@@ -257,7 +272,7 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, backend: str | None = "auto",
            hot_rows: int | None = None, block_size: int = 64, max_batch: int = 8, max_context: int = 4096,
-           prefill_chunk: int = 512, check: bool = False) -> HiSparseHandle:
+           prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers).
@@ -269,6 +284,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     :param max_context: longest padded sequence (prompt + new tokens) of a batch.
     :param prefill_chunk: prompt tokens per prefill forward (transformers' `prefill_chunk_size`).
     :param check: keep an all-resident copy and compare every row attention reads (`check.py`).
+    :param cuda_graphs: capture each batch's decode step in a CUDA graph (`graphs.py`). None: where
+        the model is on a CUDA device, the backend declares `cuda_graph` and `check` is off (the
+        log says which was chosen and why); True: the same, and an error where it cannot; False: eager.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -293,7 +311,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     try:
         if check:
             engine.checker = ExactnessChecker()
-        handle = HiSparseHandle(model, layout, engine)
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise InvalidInputError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+        handle = HiSparseHandle(model, layout, engine, cuda_graphs)
     except BaseException:
         engine.close()
         raise

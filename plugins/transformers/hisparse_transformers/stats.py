@@ -21,6 +21,9 @@ class HiSparseStats:
       `gpu_kv_bytes_per_request_all_resident` what the same requests' KV takes with every page
       resident (transformers alone keeps all of it on the device). `indexer_bytes_per_request`
       (the indexer keys, on the device in both cases) is not included in either.
+    - Decode: `decode_mode` says whether decode steps replay a CUDA graph (and why not), and
+      `graph_captures` how many captures that took (one per batch, plus one each time a batch's
+      indexer key buffers grew).
     """
 
     backend: str
@@ -47,6 +50,8 @@ class HiSparseStats:
     host_pool_bytes: int
     checked_entries: int
     checked_max_abs_diff: float
+    decode_mode: str                 # "cuda graph", or "eager (why)"
+    graph_captures: int
 
     @property
     def hit_rate(self) -> float:

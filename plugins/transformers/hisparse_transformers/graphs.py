@@ -1,0 +1,251 @@
+"""The decode forward of a batch captured in one CUDA graph and replayed every step.
+
+A decode step of a DSA model is a few milliseconds of GPU work behind many more of Python and
+launches: transformers' forward, the indexer, hisparse's resolve and attention, hundreds of small
+kernels. Captured once per batch, the step is one launch. The engine's host work (`begin_step`:
+coordinator, tables, worker; `end_step`: acknowledgements) stays outside the graph and runs every
+step, so every decision the coordinator makes still reaches the device through the same tables.
+
+What a captured step reads, all at fixed addresses (`DecodeGraph`):
+
+- its inputs, copied into static buffers each step: `input_ids` and `position_ids` `[B, 1]`, the
+  padded position of the new token, the step's row states, context lengths and write
+  destinations (the tensors `begin_step` made are copied in, then the step points at the copies);
+- the indexer keys in static mode (`HiSparseCache.static_indexer`): the new key is written at the
+  static position and the indexer scores every slot of the buffers' capacity; the mask, built in
+  the graph from the left padding and the position, hides the slots outside each row's context,
+  so the model's own indexer picks the same top-k set (`_decode_rows` turns slots past the context
+  into -1, as it does the padding). The key buffers grow by a quarter when full; the batch is then
+  captured again (a log line says so);
+- that mask, handed to the model as an already prepared mask mapping (the model's forward then
+  skips its own mask creation, which sizes tensors by the context length).
+
+The first decode step of a batch runs the same static computation eagerly (a warm-up that
+initializes every library handle the capture needs); capture and replay begin with the second.
+A forward that is not a plain decode (prefill chunks, `output_attentions`, `inputs_embeds`, the
+exactness checker on) runs eagerly, as does every step of a model whose capture failed (say an MoE
+whose experts read their routing on the host): one WARNING names the failure and what to change.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hisparse_core.backend import Capability
+from hisparse_core.errors import HiSparseError, InvalidInputError
+from hisparse_transformers.cache import HiSparseCache
+
+if TYPE_CHECKING:
+    from hisparse_transformers.engine import HiSparseEngine, Session, StepState
+
+logger = logging.getLogger(__name__)
+
+#: kwargs of a decode forward that the captured step can take (anything else runs eagerly).
+_TAKEN = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_values", "cache", "inputs_embeds",
+                    "use_cache", "cache_position", "return_dict", "output_attentions", "output_hidden_states",
+                    "logits_to_keep"})
+
+
+class SameMaskForEveryLayerType(dict[str, torch.Tensor]):
+    """A prepared mask mapping that gives one mask for whatever layer type the model asks for
+    (transformers' DSA models key it by `config.layer_types[i]` or by "indexed_attention")."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.mask = mask
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        return self.mask
+
+
+def graph_support(engine: HiSparseEngine, requested: bool | None) -> tuple[bool, str]:
+    """(capture decode steps, why) for this engine; `requested=True` turns a no into an error."""
+    backend = engine.backend
+    if requested is False:
+        why = "cuda_graphs=False"
+    elif engine.device.type != "cuda":
+        why = f"the model runs on {engine.device}, not a CUDA device"
+    elif Capability.CUDA_GRAPH not in backend.capabilities:
+        why = f"backend {backend.name!r} does not declare {Capability.CUDA_GRAPH!r}"
+    elif engine.checker is not None:
+        why = "check=True reads every gathered row on the host, which a captured step cannot"
+    else:
+        return True, f"backend {backend.name!r} on {engine.device} declares {Capability.CUDA_GRAPH!r}"
+    if requested:
+        raise InvalidInputError(f"cuda_graphs=True, but {why}; expected a CUDA model with a backend that declares "
+                                f"{Capability.CUDA_GRAPH!r} and check=False (or cuda_graphs=None to choose)")
+    return False, why
+
+
+class DecodeGraph:
+    """The static buffers, and the captured graph, of one batch's decode steps (one per cache)."""
+
+    def __init__(self, engine: HiSparseEngine, session: Session, *, capture: bool) -> None:
+        dev = engine.device
+        b = session.batch_size
+        self.engine = engine
+        self.session = session
+        self.capture = capture
+        self.input_ids = torch.zeros((b, 1), dtype=torch.long, device=dev)
+        self.position_ids = torch.zeros((b, 1), dtype=torch.long, device=dev)
+        self.position = torch.zeros((1,), dtype=torch.long, device=dev)       # padded position of the new token
+        self.row_state = torch.full((b,), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros((b,), dtype=torch.int32, device=dev)
+        self.write_src = torch.arange(b, dtype=torch.int64, device=dev)       # decode: row b writes its one token
+        self.write_dst = torch.zeros((b,), dtype=torch.int64, device=dev)
+        self.capacity = 0
+        self.generation = -1
+        self.slots: torch.Tensor | None = None                              # arange(capacity)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: Any = None
+        self.steps = 0
+        self.captures = 0
+
+    def _load(self, step: StepState, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        if step.write_dst.shape != self.write_dst.shape:
+            raise InvalidInputError(f"a decode step writes {step.write_dst.numel()} rows; expected one per batch row "
+                                    f"({self.write_dst.numel()})")
+        self.input_ids.copy_(input_ids)
+        if position_ids is None:            # the model's own default: the padded position
+            self.position_ids.fill_(step.past)
+        else:
+            self.position_ids.copy_(position_ids.reshape(-1, 1).expand_as(self.position_ids))
+        self.position.fill_(step.past)
+        self.row_state.copy_(step.row_state)
+        self.seq_lens.copy_(step.seq_lens)
+        self.write_dst.copy_(step.write_dst)
+        step.row_state, step.seq_lens = self.row_state, self.seq_lens
+        step.write_src, step.write_dst = self.write_src, self.write_dst
+
+    def _forward(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        assert self.slots is not None
+        pads = self.session.pads.view(-1, 1)
+        visible = (self.slots.view(1, -1) >= pads) & (self.slots.view(1, -1) <= self.position)
+        kw = dict(kwargs)
+        kw["input_ids"] = self.input_ids
+        kw["position_ids"] = self.position_ids
+        kw["attention_mask"] = SameMaskForEveryLayerType(visible.view(visible.shape[0], 1, 1, -1))
+        return original(**kw)
+
+    def run(self, original: Callable[..., Any], kwargs: dict[str, Any], cache: HiSparseCache, step: StepState,
+            on_failure: Callable[[BaseException], None]) -> Any:
+        """One decode forward: static inputs loaded, then eager (warm-up, or no capture), capture
+        (first time, or after the key buffers grew) or replay."""
+        self._load(step, kwargs["input_ids"], kwargs.get("position_ids"))
+        capacity = cache.static_indexer(self.position, need=step.past + 1)
+        try:
+            if capacity != self.capacity or cache.indexer_generation != self.generation:
+                self.capacity, self.generation = capacity, cache.indexer_generation
+                self.slots = torch.arange(capacity, dtype=torch.long, device=self.engine.device)
+                self.graph = self.output = None
+            if not self.capture or self.steps == 0:
+                out = self._forward(original, kwargs)
+            else:
+                if self.graph is None:
+                    try:
+                        self._capture(original, kwargs)
+                    except Exception as exc:
+                        if isinstance(exc, HiSparseError):
+                            raise
+                        # Nothing of the step ran (a capture only records): run it the model's way.
+                        cache.static_indexer(None)
+                        on_failure(exc)
+                        return original(**kwargs)
+                assert self.graph is not None
+                self.graph.replay()
+                out = copy.copy(self.output)
+                out["last_hidden_state"] = self.output.last_hidden_state.clone()
+        finally:
+            cache.static_indexer(None)
+        cache.static_filled(step.past + 1)
+        self.steps += 1
+        return out
+
+    def _capture(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.output = self._forward(original, kwargs)
+        self.graph = graph
+        self.captures += 1
+        logger.info("hisparse: decode step of %d rows captured in a CUDA graph (indexer key capacity %d, %.0f ms%s)",
+                    self.session.batch_size, self.capacity, 1e3 * (time.perf_counter() - t0),
+                    "" if self.captures == 1 else f"; capture {self.captures} of this batch, after its key buffers "
+                    "grew")
+
+
+class DecodeGraphs:
+    """The captured decode of one enabled model: which forwards qualify, one `DecodeGraph` per batch."""
+
+    def __init__(self, engine: HiSparseEngine, requested: bool | None) -> None:
+        self.engine = engine
+        self.enabled, self.reason = graph_support(engine, requested)
+        self.capture = self.enabled           # False: the static computation eagerly (tests on the CPU)
+        self.captures = 0
+        self.last: DecodeGraph | None = None     # the batch that ran the latest decode step
+        self._told: set[str] = set()
+        logger.info("hisparse: decode steps %s (%s)", "captured in CUDA graphs" if self.enabled else "run eagerly",
+                    self.reason)
+
+    @property
+    def mode(self) -> str:
+        return ("cuda graph" if self.capture else "static eager") if self.enabled else f"eager ({self.reason})"
+
+    def _ineligible(self, args: tuple[Any, ...], kwargs: dict[str, Any], session: Session | None) -> str | None:
+        step = session.step if session is not None else None
+        ids = kwargs.get("input_ids")
+        if args:
+            return "the model was called with positional arguments"
+        if step is None or step.prefill or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return ""                       # a prefill chunk: eager by design, nothing to tell
+        if kwargs.get("inputs_embeds") is not None:
+            return "a decode forward with inputs_embeds"
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False:
+            return "a decode forward asking for attentions, hidden states or a tuple"
+        extra = sorted(k for k, v in kwargs.items() if k not in _TAKEN and v is not None)
+        if extra:
+            return f"a decode forward with {', '.join(extra)}"
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            return "a decode forward with a prepared (not 2-D) attention mask"
+        pos = kwargs.get("position_ids")
+        if pos is not None and (not isinstance(pos, torch.Tensor) or pos.numel() not in (1, ids.shape[0])):
+            return "position_ids that are not one per batch row"
+        return None
+
+    def forward(self, original: Callable[..., Any], cache: HiSparseCache, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        """The base model's forward with this cache: captured where the step qualifies."""
+        if not self.enabled:
+            return original(*args, **kwargs)
+        session = cache.session
+        why = self._ineligible(args, kwargs, session)
+        if why is not None:
+            if why and why not in self._told:
+                self._told.add(why)
+                logger.info("hisparse: %s runs eagerly (not captured)", why)
+            return original(*args, **kwargs)
+        assert session is not None and session.step is not None
+        graph = cache.decode_graph
+        if graph is None:
+            graph = cache.decode_graph = DecodeGraph(self.engine, session, capture=self.capture)
+        self.last = graph
+        before = graph.captures
+        out = graph.run(original, kwargs, cache, session.step, self._failed)
+        self.captures += graph.captures - before
+        return out
+
+    def _failed(self, exc: BaseException) -> None:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self.enabled = False
+        self.reason = f"capture failed: {type(exc).__name__}: {first}"
+        logger.warning("hisparse: the decode step could not be captured in a CUDA graph (%s: %s); decode runs eagerly "
+                       "from now on. Models whose MoE reads its routing on the host need a capturable experts "
+                       "implementation (model.set_experts_implementation('grouped_mm') or 'batched_mm'); pass "
+                       "cuda_graphs=False to skip the attempt", type(exc).__name__, first)

@@ -1,0 +1,107 @@
+"""The captured decode step's computation, on the CPU: static inputs, fixed-capacity indexer keys
+with the in-graph mask, and the fallback when capture fails.
+
+A CUDA graph only records what the static computation does (`graphs.py`), so running that
+computation eagerly (`capture=False`) shows on the CPU that it matches the model's own generate;
+the GPU tests (test_transformers_gpu.py) show that capture and replay match it.
+
+The indexer of these models scores a key exactly 0 when every indexer head's dot product is
+negative; with the 8-head test shape that happens often enough that exactly tied scores decide the
+k-th place, and which of them the top-k takes depends on the length of the scored row (on the CPU).
+The static computation scores the whole capacity of the key buffers, so its top-k is the model's up
+to the order of exact ties. These tests use 32 indexer heads, where a zero score has a chance of
+2^-32 per key, so the top-k sets are the same and the outputs must be too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from tf_support import SHAPES, baseline, compare, enable_kwargs, random_prompts, tiny_model
+
+import hisparse_transformers
+from hisparse_core.errors import InvalidInputError
+
+pytest.importorskip("transformers")
+
+NO_TIES = {f: replace(s, index_heads=32) for f, s in SHAPES.items()}
+
+
+@pytest.fixture(scope="module", params=sorted(NO_TIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(family: str) -> torch.nn.Module:
+    return tiny_model(family, shape=NO_TIES[family], seed=4)
+
+
+def capacity(handle: hisparse_transformers.HiSparseHandle) -> int:
+    graph = handle.graphs.last
+    return graph.capacity if graph is not None else 0
+
+
+def test_static_decode_matches_the_model(family: str, model: torch.nn.Module) -> None:
+    """The whole decode through the static computation; the key buffers grow mid-decode (where a
+    captured batch is captured again); pages are released to host and read back."""
+    ids, mask = random_prompts([150, 201, 97], seed=2)       # 256-slot key buffers after the prefill
+    theirs = baseline(model, ids, mask, 64, chunk=32)
+    kw = enable_kwargs(family, check=False, max_context=512, prefill_chunk=32, gpu_kv_gib=150 * block(family))
+    with hisparse_transformers.enable(model, **kw) as hs:
+        hs.graphs.enabled, hs.graphs.capture = True, False
+        seen: list[int] = []
+        hs.on_step = lambda handle, step: seen.append(capacity(handle)) if step.num_new == 1 else None
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+        s = hs.stats()
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.steps == 64 and got.max_logit_diff <= 1e-4, got
+    assert s.decode_mode == "static eager" and s.misses > 0 and s.released_pages > 0, s
+    assert len(seen) == 63 and seen[0] == 256 and seen[-1] > 256, seen
+
+
+def block(family: str) -> float:
+    from tf_support import block_bytes
+
+    return block_bytes(family) / 2**30
+
+
+def test_a_failed_capture_falls_back_to_eager(family: str, model: torch.nn.Module,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Capture asked for where it cannot happen (no CUDA here): one WARNING naming the failure, and
+    the decode goes on eagerly with the same outputs."""
+    ids, mask = random_prompts([30, 41], seed=3)
+    theirs = baseline(model, ids, mask, 12, chunk=8)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, check=False)) as hs:
+        hs.graphs.enabled, hs.graphs.capture = True, True
+        with caplog.at_level(logging.WARNING, logger="hisparse_transformers.graphs"):
+            ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+        s = hs.stats()
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "could not be captured" in warnings[0].getMessage(), warnings
+    assert s.decode_mode.startswith("eager (capture failed: ") and s.graph_captures == 0, s
+
+
+def test_graph_choice_is_logged_and_explicit_requests_checked(caplog: pytest.LogCaptureFixture) -> None:
+    family = "deepseek_v32"
+    model = tiny_model(family, shape=SHAPES[family], seed=0)
+    with caplog.at_level(logging.INFO, logger="hisparse_transformers.graphs"), \
+            hisparse_transformers.enable(model, **enable_kwargs(family, check=False)) as hs:
+        assert not hs.graphs.enabled and "not a CUDA device" in hs.graphs.reason
+    assert any("decode steps run eagerly (the model runs on cpu" in r.getMessage() for r in caplog.records)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, check=True)) as hs:
+        assert hs.stats().decode_mode.startswith("eager (")
+    with hisparse_transformers.enable(model, **enable_kwargs(family, cuda_graphs=False)) as hs:
+        assert hs.stats().decode_mode == "eager (cuda_graphs=False)"
+    for bad, match in ((True, r"cuda_graphs=True, but the model runs on cpu"), ("yes", r"cuda_graphs must be True")):
+        with pytest.raises(InvalidInputError, match=match) as err:
+            hisparse_transformers.enable(model, **enable_kwargs(family, cuda_graphs=bad))
+        assert "\n" not in str(err.value)
+        assert "generate" not in model.__dict__ and "forward" not in model.model.__dict__

@@ -304,7 +304,8 @@ def run_transformers(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[
 
 
 def kernel_profile(model: Any, cache: Any, b: int, t: int, steps: int) -> dict[str, float]:
-    """GPU kernel time per decode step by kind (ms), from torch.profiler over `steps` replays:
+    """GPU kernel time per decode step by kind (ms), from torch.profiler over `steps` replays (and
+    the 16 kernels that took longest, for the record):
     hisparse's own kernels (the resolver and its miss copy, named hisparse_*), the attention's
     row gather (index_select kernels: one per layer, plus the step's embedding lookup), and all."""
     from torch.profiler import ProfilerActivity, profile
@@ -316,7 +317,7 @@ def kernel_profile(model: Any, cache: Any, b: int, t: int, steps: int) -> dict[s
             pos = torch.full((b, 1), t + i, dtype=torch.long, device=model.device)
             model(input_ids=token, position_ids=pos, use_cache=True, **{key: cache})
         torch.cuda.synchronize()
-    out = {"hisparse kernels": 0.0, "row gather": 0.0, "all kernels": 0.0}
+    out: dict[str, Any] = {"hisparse kernels": 0.0, "row gather": 0.0, "all kernels": 0.0, "top": []}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None)
         if us is None:
@@ -327,9 +328,11 @@ def kernel_profile(model: Any, cache: Any, b: int, t: int, steps: int) -> dict[s
         name = e.key.lower()
         if "hisparse" in name:
             out["hisparse kernels"] += ms
-        elif "indexselect" in name:
+        elif "indexselect" in name or "index_select" in name:
             out["row gather"] += ms
         out["all kernels"] += ms
+        out["top"].append((round(ms, 4), e.key[:90]))
+    out["top"] = sorted(out["top"], reverse=True)[:16]
     return out
 
 
@@ -379,6 +382,7 @@ def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace, *, graphs: b
             k = kernel_profile(model, cache, b, t + a.warmup + a.steps, profiled)
             out["resolve_ms"], out["gather_ms"], out["kernels_ms"] = (k["hisparse kernels"], k["row gather"],
                                                                       k["all kernels"])
+            out["top_kernels"] = k["top"]
         elif not hs.graphs.enabled:
             for name in ("resolve", "gather", "mirror+spill (copy stream)", "indexer", "attention"):
                 out[f"{name}_ms"] = median(times, name)

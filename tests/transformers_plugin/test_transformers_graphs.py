@@ -105,3 +105,20 @@ def test_graph_choice_is_logged_and_explicit_requests_checked(caplog: pytest.Log
             hisparse_transformers.enable(model, **enable_kwargs(family, cuda_graphs=bad))
         assert "\n" not in str(err.value)
         assert "generate" not in model.__dict__ and "forward" not in model.model.__dict__
+
+
+def test_an_moe_that_picks_experts_on_the_host_is_not_captured(caplog: pytest.LogCaptureFixture) -> None:
+    family = "deepseek_v32"
+    model = tiny_model(family, shape=NO_TIES[family], seed=4)
+    model.set_experts_implementation("eager")
+    ids, mask = random_prompts([20, 13], seed=3)
+    theirs = baseline(model, ids, mask, 6, chunk=8)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, check=False)) as hs:
+        hs.graphs.enabled, hs.graphs.capture = True, True
+        with caplog.at_level(logging.WARNING, logger="hisparse_transformers.graphs"):
+            ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)
+        s = hs.stats()
+    assert compare(ours, theirs).tokens_equal
+    assert "experts_implementation='eager'" in s.decode_mode and "set_experts_implementation" in s.decode_mode, s
+    assert [r for r in caplog.records if "model.layers.1.mlp.experts" in r.getMessage()], caplog.records

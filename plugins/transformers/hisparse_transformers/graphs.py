@@ -23,8 +23,9 @@ What a captured step reads, all at fixed addresses (`DecodeGraph`):
 The first decode step of a batch runs the same static computation eagerly (a warm-up that
 initializes every library handle the capture needs); capture and replay begin with the second.
 A forward that is not a plain decode (prefill chunks, `output_attentions`, `inputs_embeds`, the
-exactness checker on) runs eagerly, as does every step of a model whose capture failed (say an MoE
-whose experts read their routing on the host): one WARNING names the failure and what to change.
+exactness checker on) runs eagerly. So does every decode of a model whose MoE picks its experts on
+the host (transformers' "eager" experts implementation; its default, grouped_mm, captures), and of
+a model whose capture failed (a hook reading a value on the host, say): one WARNING names the cause.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ class DecodeGraph:
                             raise
                         # Nothing of the step ran (a capture only records): run it the model's way.
                         cache.static_indexer(None)
+                        reset_capture_state()
                         on_failure(exc)
                         return original(**kwargs)
                 assert self.graph is not None
@@ -180,11 +182,33 @@ class DecodeGraph:
                     "grew")
 
 
+def uncapturable_moe(model: torch.nn.Module) -> str | None:
+    """Why the model's MoE cannot be captured, if it cannot: transformers' "eager" experts
+    implementation picks the experts it runs on the host (`nonzero`, a loop over them)."""
+    for name, m in model.named_modules():
+        impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        if type(m).__name__.endswith("Experts") and impl == "eager":
+            return (f"{name} uses experts_implementation='eager', which picks its experts on the host; "
+                    "model.set_experts_implementation('grouped_mm') (or 'batched_mm') makes it capturable")
+    return None
+
+
+def reset_capture_state() -> None:
+    """After an aborted capture: one empty capture, so the CUDA generators leave their capture state
+    (an aborted capture leaves them in it, and the next random op outside a graph fails)."""
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
+    except Exception as exc:  # noqa: BLE001 - best effort; the failure itself was reported
+        logger.debug("hisparse: resetting the capture state after a failed capture failed too: %s", exc)
+
+
 class DecodeGraphs:
     """The captured decode of one enabled model: which forwards qualify, one `DecodeGraph` per batch."""
 
-    def __init__(self, engine: HiSparseEngine, requested: bool | None) -> None:
+    def __init__(self, engine: HiSparseEngine, requested: bool | None, model: torch.nn.Module | None = None) -> None:
         self.engine = engine
+        self.model = model
         self.enabled, self.reason = graph_support(engine, requested)
         self.capture = self.enabled           # False: the static computation eagerly (tests on the CPU)
         self.captures = 0
@@ -234,6 +258,11 @@ class DecodeGraphs:
         assert session is not None and session.step is not None
         graph = cache.decode_graph
         if graph is None:
+            moe = uncapturable_moe(self.model) if self.capture and self.model is not None else None
+            if moe is not None:
+                self.enabled, self.reason = False, moe
+                logger.warning("hisparse: decode steps run eagerly: %s", moe)
+                return original(*args, **kwargs)
             graph = cache.decode_graph = DecodeGraph(self.engine, session, capture=self.capture)
         self.last = graph
         before = graph.captures
@@ -246,6 +275,6 @@ class DecodeGraphs:
         self.enabled = False
         self.reason = f"capture failed: {type(exc).__name__}: {first}"
         logger.warning("hisparse: the decode step could not be captured in a CUDA graph (%s: %s); decode runs eagerly "
-                       "from now on. Models whose MoE reads its routing on the host need a capturable experts "
-                       "implementation (model.set_experts_implementation('grouped_mm') or 'batched_mm'); pass "
-                       "cuda_graphs=False to skip the attempt", type(exc).__name__, first)
+                       "from now on. Something in the forward waits on the host (a hook reading a value, a module "
+                       "choosing its work from device data); pass cuda_graphs=False to skip the attempt",
+                       type(exc).__name__, first)

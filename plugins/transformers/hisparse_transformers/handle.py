@@ -74,7 +74,7 @@ class HiSparseHandle:
         self.generate_seconds = 0.0
         self._attn = [HiSparseAttention(m, layout, engine, i) for i, m in enumerate(layout.attentions)]
         self._base = getattr(model, "base_model", model)
-        self.graphs = DecodeGraphs(engine, cuda_graphs)
+        self.graphs = DecodeGraphs(engine, cuda_graphs, model)
         params = inspect.signature(self.model.generate).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._hooks: list[Any] = []

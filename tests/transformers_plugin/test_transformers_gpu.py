@@ -66,6 +66,21 @@ def test_fp32_on_gpu_matches_the_model(family: str) -> None:
     assert s.misses > 0 and s.lost_pages > 0 and s.backend == "nvidia"
 
 
+def test_planted_fault_on_gpu() -> None:
+    family = "deepseek_v32"
+    model = tiny_model(family, shape=SHAPES[family], seed=3, device="cuda")
+    ids, mask = random_prompts([24, 30], seed=11)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, gpu_kv_gib=1e-3, backend="nvidia")) as hs:
+        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=4, do_sample=False)
+        prefix = ids[1, -30:].tolist()[:16]
+        hit = hs.engine.coordinator.lookup_prefix(prefix)
+        group, pos = hs.engine.layout.group_of(1)
+        hs.engine.host_views[group][pos][hit.host_block_ids[0] * BLOCK] *= -3.0
+        ids2, mask2 = random_prompts([20], seed=12, prefix=prefix)
+        with pytest.raises(RowMismatch, match=r"layer 1, batch row 0 .*position 0"):
+            model.generate(ids2.cuda(), attention_mask=mask2.cuda(), max_new_tokens=2, do_sample=False)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graph"])
 @pytest.mark.parametrize("family", sorted(SHAPES))
 def test_bf16_on_gpu_within_transformers_own_error(family: str, graphs: bool) -> None:

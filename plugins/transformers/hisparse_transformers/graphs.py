@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -197,8 +198,10 @@ def reset_capture_state() -> None:
     """After an aborted capture: one empty capture, so the CUDA generators leave their capture state
     (an aborted capture leaves them in it, and the next random op outside a graph fails)."""
     try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            pass
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")    # empty on purpose
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
     except Exception as exc:  # noqa: BLE001 - best effort; the failure itself was reported
         logger.debug("hisparse: resetting the capture state after a failed capture failed too: %s", exc)
 

@@ -14,7 +14,10 @@ through its device-mapped address.
   unnamed, registers it and names it; peers wait for the name, map the file, mark their rank and
   register their own mapping. The name is removed as soon as every rank has mapped the file (so a
   crash from then on leaves nothing in /dev/shm), else by rank 0 at `release` or exit. Only rank 0
-  writes; peers order their reads on rank 0's IPC event.
+  writes; peers order their reads on rank 0's IPC event. Each rank registers its mapping for its
+  own device (tensor parallelism: one GPU per rank), so the pages are pinned once per rank but held
+  once: host RAM and /dev/shm hold one pool whatever the world size, and only rank 0's capacity
+  check counts it (`hisparse_core.capacity.check_host_pool`; `bench/bench_tp_shared.py` measures it).
 
 Registration is done in chunks of at most `REGISTER_CHUNK_BYTES` (and undone in reverse), so
 pinning and unpinning a pool of hundreds of GiB neither hits per-call limits nor stalls in one
@@ -201,8 +204,11 @@ class NvidiaHostPool(LayerMajorHostPool):
             self._rows = raw.view(fmt.dtype).view(spec.num_layers * spec.rows_per_layer, fmt.width)
             if spec.shared:
                 assert self._file is not None
+                # Created (rank 0) or opened (a peer) in this rank's own device context: across
+                # devices, a peer's stream waits on the event of rank 0's device (ipc.py).
                 self._channel = WriterChannel(base, writer=spec.rank == 0, create=spec.rank == 0,
-                                              creator=None if spec.rank == 0 else self._file.creator)
+                                              creator=None if spec.rank == 0 else self._file.creator,
+                                              device=device)
             if self._file is not None and spec.rank == 0:
                 self._file.publish()  # peers may map it from now on
                 self._path = path

@@ -17,7 +17,9 @@ writes. Every submission that writes the host pool is one epoch on every rank (r
 same commands); rank 0 records its IPC event behind the epoch's copies (`WriterChannel.publish`),
 and peers acknowledge the epoch's transfers once rank 0 reports the epoch done. Before reading the
 pool (a restore here, or the resolver's gathers after `wait_for_host_writes`), a peer's stream
-waits on rank 0's event, so it never reads a row before rank 0's write has landed.
+waits on rank 0's event, so it never reads a row before rank 0's write has landed. A peer's
+`drain` polls instead of blocking and fails at once, naming rank 0's pid, when rank 0 has died
+with work it waits for (`bench/bench_tp_shared.py` kills rank 0 mid-step).
 """
 
 from __future__ import annotations
@@ -175,12 +177,10 @@ class NvidiaTransferEngine(TransferEngine):
             if not self._done(p):
                 if not wait:
                     break
-                if p.event is not None:
+                if p.event is not None and self._pool.is_writer:
                     p.event.synchronize()
-                elif time.monotonic() > deadline:
-                    raise ProtocolError(f"waited {self._timeout}s for rank 0 to finish host-write epoch {p.epoch}")
                 else:
-                    time.sleep(0.0005)
+                    self._peer_wait_step(p, deadline)
                 continue
             done.append(self._pending.pop(0))
         self._publish_done()
@@ -189,6 +189,20 @@ class NvidiaTransferEngine(TransferEngine):
             completed=tuple(p.ident for p in done if not p.host_copy),
             completed_host_copies=tuple(p.ident for p in done if p.host_copy),
         )
+
+    def _peer_wait_step(self, p: _Pending, deadline: float) -> None:
+        """A peer's drain waits by polling, never in a blocking synchronize: what it waits for (rank
+        0's epoch, or a restore ordered behind rank 0's IPC event) never comes once rank 0 is dead,
+        and then it fails at once with one line instead of hanging or waiting out the timeout."""
+        channel = self._pool.channel
+        if channel is not None and channel.writer_dead():
+            what = (f"a restore of transfer {p.ident} waited on its host-pool writes" if p.epoch == 0 else
+                    f"transfer {p.ident} waited for its host-write epoch {p.epoch} to finish")
+            raise channel.writer_died(what)
+        if time.monotonic() > deadline:
+            what = f"host-write epoch {p.epoch}" if p.epoch else f"the host-pool writes that restore {p.ident} reads"
+            raise ProtocolError(f"waited {self._timeout}s for rank 0 to finish {what}")
+        time.sleep(0.0005)
 
     def _publish_done(self) -> None:
         """Writer: tell peers which epochs have landed (every epoch before the oldest pending one)."""

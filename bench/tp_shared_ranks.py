@@ -144,6 +144,7 @@ def gpu_identity(device: torch.device) -> dict:
 
     out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(device)}
     try:
+        driver.ensure_context(device)
         dev = driver.check("cuDeviceGet", cu.cuDeviceGet(device.index))
         bus = driver.check("cuDeviceGetPCIBusId", cu.cuDeviceGetPCIBusId(16, dev))
         bus = bus.decode().rstrip("\0") if isinstance(bus, bytes) else str(bus)
@@ -309,13 +310,6 @@ class WorkloadRun:
         self.oracle_pool.release()
 
 
-def part_workload(env: RankEnv, published: Any) -> dict:
-    run = WorkloadRun(env, env.job.pools["a"], published)
-    for _ in range(env.job.steps + 1):
-        run.run_step()
-    out = run.finish()
-    run.release()
-    return out
 
 
 # ----------------------------------------------------------------------------- part b
@@ -418,6 +412,7 @@ class MainRank:
         self.rank = env.rank
         self.go: dict[str, Any] = {}
         self.delayed: DelayedWrite | None = None
+        self.workload: WorkloadRun | None = None
         self.swap: SwapIn | None = None
         self.pool: Any = None
         self.pool_info: dict[str, Any] = {}
@@ -433,8 +428,17 @@ class MainRank:
         if tag == "setup":
             return env.describe()
         if tag == "a:done":
-            return part_workload(env, self.published)
-        if tag == "b_setup":
+            self.workload = WorkloadRun(env, job.pools["a"], self.published)
+            for _ in range(job.steps + 1):
+                self.workload.run_step()
+            return self.workload.finish()
+        if tag == "a:released":  # rank 1 is done with rank 0's IPC event: it may go now
+            assert self.workload is not None
+            self.workload.release()
+            self.workload = None
+            gc.collect()
+            return None
+        if tag == "b":
             self.delayed = DelayedWrite(env)
             return None
         if tag == "b_submitted":
@@ -542,6 +546,10 @@ class FaultRank:
         self.detected: str | None = None
 
     def kill_me(self, where: str) -> None:
+        if self.env.job.gpu:
+            done = torch.cuda.Event()
+            done.record()
+            where += f" (its GPU work {'done' if done.query() else 'still in flight'})"
         self.link.send("kill-me", where)
         time.sleep(120)  # the parent's SIGKILL ends this
         raise ProtocolError(f"rank {self.env.rank} asked to be killed ({where}) and was not")

@@ -23,9 +23,9 @@ def main_plan(parts: Sequence[str], gpu: bool) -> list[str]:
     then waits there for the parent). Parts b and d need a GPU."""
     plan = ["setup"]
     if "a" in parts:
-        plan += ["a", "a:done"]
+        plan += ["a", "a:done", "a:released"]  # rank 0 keeps its IPC event until rank 1 is done
     if "b" in parts and gpu:
-        plan += ["b_setup", "b_submitted", "b:done", "b:released"]
+        plan += ["b", "b_submitted", "b:done", "b:released"]
     cost = "d" in parts and gpu
     if cost:
         plan += ["d_private0", "d_private0:done", "d_private1", "d_private1:done"]

@@ -8,9 +8,11 @@ steps after their spill; and each batch row's drifting top-k. Prefill is step 0.
 
 `Executor` carries a plan out on one backend: the host pool (shared, or the oracle's private one),
 one runtime of `layers` layers, the transfer engine and the device caches. Per step, in engine
-order: drain and release (start of step), table updates, the forward's row writes, the ordering
-hook (a peer waits for rank 0's host writes), resolve + follower replay (one CUDA graph replay
-where the backend can), then the after-forward mirrors and spills, and a poll. `compare` checks a
+order: drain and release (start of step), table and input updates, the forward's row writes, the
+ordering hook (a peer waits for rank 0's host writes), resolve + follower replay (one CUDA graph
+replay where the backend can), then the after-forward mirrors and spills, and a poll. Nothing
+after the ordering hook blocks the host on the device, so a peer whose reads wait on a dead rank
+0 can still say so. `compare` checks a
 rank's executor against the reference's, byte for byte.
 """
 
@@ -303,11 +305,13 @@ class Executor:
             for layer, c in enumerate(self.caches):
                 c.view(torch.uint8).view(-1, self.row_bytes)[idx] = data[layer]
         if plan.step > 0:
-            if self._before is not None:
-                self._before(self, plan.step)
+            # The inputs go in before the ordering wait: a copy from pageable memory synchronizes
+            # the stream, which must not hold the host behind rank 0's event.
             self.topk.copy_(plan.topk)
             self.row_state.copy_(plan.row_state)
             self.seq_lens.copy_(plan.seq_lens)
+            if self._before is not None:
+                self._before(self, plan.step)
             if self.graph is not None:
                 self.graph.replay()
             else:

@@ -6,12 +6,20 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
 #                                                             #         tf_tests tf_generate tf_bench (the transformers integration)
+#                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
 # Stage time limits (seconds) come from T_ENV, T_README, T_TESTS, T_CONFORMANCE, T_MEMCHECK,
 # T_RACECHECK and T_BENCH (T_HOST_READS, T_POOL_RELEASE); BENCH_ARGS (HOST_READS_ARGS,
 # POOL_RELEASE_ARGS) passes extra arguments to bench/bench_nvidia.py (bench/bench_host_reads.py,
 # bench/bench_pool_release.py). README_LARGE_REFERENCE=0 skips the reference_cpu run of the large
 # workload in the readme stage (the slowest command there).
+#
+# tp_shared runs bench/bench_tp_shared.py --json $OUT/tp_shared.json (T_TP_SHARED, default 300;
+# TP_SHARED_ARGS adds arguments, e.g. --quick or --devices 0,0): two rank processes share one
+# /dev/shm pool, rank r on GPU r % device count (both on GPU 0 on a one-GPU machine, one GPU each on
+# nvidia-h200-x2); workload bit-exact against reference_cpu on both ranks, delayed write, memory,
+# swap-in cost beside a private pool, and faults. NVLink multicast stays off (the script sets
+# NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 for it).
 #
 # The machine needs python3 with torch (CUDA), cuda-python (cuda.bindings + NVRTC), pytest,
 # hypothesis, pluggy and numpy. The repository is used in place: a small shim directory maps the
@@ -158,6 +166,10 @@ tf_bench)
 host_reads)
     run host_reads "${T_HOST_READS:-240}" python3 bench/bench_host_reads.py --json "$OUT/host_reads.json" ${HOST_READS_ARGS:-}
     ;;
+tp_shared)  # issue 20: one host pool shared by two ranks (rank r on GPU r % count); multicast off
+    run tp_shared "${T_TP_SHARED:-300}" env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        python3 bench/bench_tp_shared.py --json "$OUT/tp_shared.json" ${TP_SHARED_ARGS:-}
+    ;;
 pool_release)  # release() and SIGTERM-to-exit of a registered pool (64 GiB unless POOL_RELEASE_ARGS says)
     run pool_release "${T_POOL_RELEASE:-500}" python3 bench/bench_pool_release.py --json "$OUT/pool_release.json" \
         ${POOL_RELEASE_ARGS:-}
@@ -182,4 +194,5 @@ done
 [ -f "$OUT/pool_release.log" ] && { echo "--- pool_release"; tail -9 "$OUT/pool_release.log"; }
 [ -f "$OUT/tf_generate.log" ] && { echo "--- tf_generate"; grep -E "decode|hit rate|first batch|second batch|result|error" "$OUT/tf_generate.log"; }
 [ -f "$OUT/tf_bench.log" ] && { echo "--- tf_bench"; tail -9 "$OUT/tf_bench.log"; }
+[ -f "$OUT/tp_shared.log" ] && { echo "--- tp_shared"; grep -E "^(device mapping|PASS|FAIL)|^  FAIL" "$OUT/tp_shared.log" | tail -20; }
 exit 0

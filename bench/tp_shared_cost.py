@@ -43,19 +43,45 @@ class CostShape:
                             name=name, rank=rank, world_size=2 if shared else 1)
 
     def plan(self, batch: int) -> tuple[int, int]:
-        """(new rows per row and step, steps per graph) of the scenario at `batch`."""
+        """(new rows per row and step, steps per graph) of the scenario at `batch`: bench_nvidia.py's
+        32 and 16 steps where the context has room, else the fewest whose ring of positions
+        outgrows the hot buffer plus one window (so that every row coming round again is a miss)."""
         if batch == max(BATCHES):
-            return K, max(2, min(16, self.context // K))
-        # The ring must outgrow the hot buffer plus one window, so rows coming round are misses.
-        steps = 32 if 32 * MISSES <= self.context else 16
-        return MISSES, steps
+            return K, min(16, self.context // K)
+        return MISSES, 32 if 32 * MISSES <= self.context else -(-(H + K) // MISSES)
+
+    def runtime_config(self, batch: int, requests: int | None = None) -> RuntimeConfig:
+        r = batch if requests is None else requests
+        return RuntimeConfig(max_batch_rows=r, max_requests=r, top_k=K, hot_rows=H, block_size=BS,
+                             max_pages=self.pages)
 
     def check(self) -> None:
         for b in BATCHES:
             shift, steps = self.plan(b)
-            if steps * shift > self.context or steps * shift < H + shift:
+            if not H + K <= steps * shift <= self.context:
                 raise ValueError(f"context {self.context} is too short for the batch-{b} scenario ({steps} steps of "
-                                 f"{shift} new rows need a ring of {H + shift}..{self.context} positions)")
+                                 f"{shift} new rows need a ring of {H + K}..{self.context} positions)")
+
+
+def scenario_inputs(shape: CostShape, batch: int, seed: int, device: torch.device,
+                    requests: int | None = None) -> list[ResolveInputs]:
+    """The S steps of the scenario at `batch` (the first `requests` rows of it where given): each
+    request's top-k a window sliding over a ring of random positions of its context. Request q
+    owns host blocks q * pages.. and hot blocks q * hot_blocks.."""
+    p, hb, i32 = shape.pages, H // BS, torch.int32
+    b = batch if requests is None else requests
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.arange(b, dtype=i32)[:, None]
+    source = (q * p + torch.arange(p, dtype=i32)[None]).to(device)
+    resident = torch.full((b, p), -1, dtype=i32, device=device)
+    hot = (q * hb + torch.arange(hb, dtype=i32)[None]).to(device)
+    state = torch.arange(b, dtype=i32, device=device)
+    lens = torch.full((b,), shape.context, dtype=i32, device=device)
+    shift, steps = shape.plan(batch)
+    ring = steps * shift
+    rings = torch.stack([torch.randperm(shape.context, generator=gen)[:ring] for _ in range(b)])
+    return [ResolveInputs(rings[:, (torch.arange(K) + s * shift) % ring].to(i32).contiguous().to(device), state,
+                          lens, source, resident, hot) for s in range(steps)]
 
 
 def fill_random(pool: HostPool, device: torch.device) -> None:
@@ -74,29 +100,14 @@ class SwapIn:
     def __init__(self, backend, pool: HostPool, shape: CostShape, seed: int) -> None:  # noqa: ANN001 - Backend
         self.dev = backend.device
         self.shape = shape
-        p, hb = shape.pages, H // BS
-        self.cache = torch.zeros((max(BATCHES) * hb, BS, ROW_BYTES), dtype=torch.uint8, device=self.dev)
-        gen = torch.Generator().manual_seed(seed)
+        self.cache = torch.zeros((max(BATCHES) * (H // BS), BS, ROW_BYTES), dtype=torch.uint8, device=self.dev)
         self.runs: dict[int, tuple] = {}
-        i32 = torch.int32
         for b in BATCHES:
-            cfg = RuntimeConfig(max_batch_rows=b, max_requests=b, top_k=K, hot_rows=H, block_size=BS, max_pages=p)
+            cfg = shape.runtime_config(b)
             rt = backend.create_runtime(cfg)
             rt.bind([pool.layer_view(0)], [self.cache])
-            q = torch.arange(b, dtype=i32)[:, None]
-            source = (q * p + torch.arange(p, dtype=i32)[None]).to(self.dev)
-            resident = torch.full((b, p), -1, dtype=i32, device=self.dev)
-            hot = (q * hb + torch.arange(hb, dtype=i32)[None]).to(self.dev)
-            state = torch.arange(b, dtype=i32, device=self.dev)
-            lens = torch.full((b,), shape.context, dtype=i32, device=self.dev)
+            inputs = scenario_inputs(shape, b, seed, self.dev)
             shift, steps = shape.plan(b)
-            ring = steps * shift
-            rings = torch.stack([torch.randperm(shape.context, generator=gen)[:ring] for _ in range(b)])
-            inputs = []
-            for s in range(steps):
-                idx = (torch.arange(K) + s * shift) % ring
-                inputs.append(ResolveInputs(rings[:, idx].to(i32).contiguous().to(self.dev), state, lens, source,
-                                            resident, hot))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for inp in inputs:

@@ -310,8 +310,6 @@ class WorkloadRun:
         self.oracle_pool.release()
 
 
-
-
 # ----------------------------------------------------------------------------- part b
 
 
@@ -391,11 +389,7 @@ class DelayedWrite:
 def touch_pages(pool: Any) -> int:
     """Read one byte of every page of the pool on the CPU (so the whole pool is resident in this
     rank's own mapping however the backend mapped it); returns their sum."""
-    flat = pool.layer_view(0).view(torch.uint8).view(-1) if pool.spec.num_layers == 1 else None
-    if flat is None:
-        flat = torch.cat([v.view(torch.uint8).view(-1)[::OS_PAGE] for v in pool.layer_views()])
-        return int(flat.sum())
-    return int(flat[::OS_PAGE].sum())
+    return sum(int(v.view(torch.uint8).view(-1)[::OS_PAGE].sum()) for v in pool.layer_views())
 
 
 def file_bytes(spec: HostPoolSpec) -> int:

@@ -296,3 +296,30 @@ def test_the_schedule_is_the_same_in_every_process_and_valid() -> None:
     subject.finish()
     assert released > 0 and subject.rt.stats().misses > 0
     assert sorted(subject.completed) == list(range(1, a.spills_submitted + 1))
+
+
+@pytest.mark.parametrize("context", [8192, 32768])
+def test_the_swap_in_scenarios_miss_exactly_as_intended(context: int) -> None:
+    """The cost part's inputs, run through the reference: in the steady state (from the third
+    cycle of the graph's steps, as the harness times it) each row-step misses exactly the
+    intended rows (274 at batch 1 and 32, all 2048 at batch 128). One request stands for each batch."""
+    import torch
+    from tp_shared_cost import BS, CostShape, H, scenario_inputs
+
+    from hisparse_core.host_pool import HostPoolSpec
+    from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+    shape = CostShape(context=context)
+    shape.check()
+    be = ReferenceCpuBackend(completion_lag=0)
+    for batch in (1, 128) if context == 8192 else (1,):
+        shift, steps = shape.plan(batch)
+        pool = be.create_host_pool(HostPoolSpec(num_layers=1, num_blocks=shape.pages, block_size=BS))
+        rt = be.create_runtime(shape.runtime_config(batch, requests=1))
+        rt.bind([pool.layer_view(0)], [torch.zeros((H // BS, BS, 656), dtype=torch.uint8)])
+        inputs = scenario_inputs(shape, batch, 20, torch.device("cpu"), requests=1)
+        for _ in range(3):
+            rt.reset_stats()
+            for inp in inputs:
+                rt.resolve(inp, gather=False, validate=False)
+        assert rt.stats().misses == shift * steps, (batch, rt.stats(), shift, steps)

@@ -435,8 +435,12 @@ def report_cost(got: dict, args: argparse.Namespace, mapping: DeviceMapping, rep
     print("\n" + format_table(
         f"d. cost: swap-in per layer-step, us (median of >= {args.replays} CUDA graph replays; context "
         f"{args.context}; tolerance {tol:.0%}; {note})",
-        ["batch", "rank", "private, alone", "shared, alone", "ratio", "shared + IPC wait", "shared, both ranks",
-         "ratio", "misses/row-step", "ok"], rows))
+        ["batch", "rank", "private", "shared", "ratio", "shared, ordered", "shared, both ranks", "ratio",
+         "misses/row-step", "ok"], rows))
+    print("  private: a private pool of the same geometry on the rank's GPU, timed in the rank's process while the "
+          "other rank idles (the one-process, one-GPU figure); shared: the shared pool, the other rank idle; "
+          "ordered: with wait_for_host_writes before each replay (rank 1: a wait on rank 0's IPC event); both "
+          "ranks: both timing at once")
     return ok_all
 
 

@@ -107,8 +107,8 @@ readme)  # every command of README.md as a user runs it (through the shim: pytho
         must python3 -m hisparse_core plan
         exit $rc' "$OUT"
     ;;
-tests)
-    run tests "${T_TESTS:-140}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia_backend
+tests)  # 300 s by default: test_nvidia_tp_shared.py runs bench_tp_shared.py --quick on GPU 0 (not yet timed there)
+    run tests "${T_TESTS:-300}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia_backend
     ;;
 tests_variants)  # the resolver tests again with the page tables gathered per entry
     # (HISPARSE_RESOLVE_SMEM=0), with 512 threads per block and with one block per group at every

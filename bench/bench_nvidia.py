@@ -49,10 +49,10 @@ SWEEP_BATCHES = (1, 8, 64, 128)
 # one, two or four blocks per group at small batches (the default is eight): timed in the same run.
 VARIANTS = [{"HISPARSE_RESOLVE_THREADS": "512"}, {"HISPARSE_RESOLVE_SMEM": "0"}, {"HISPARSE_RESOLVE_CLUSTER": "1"},
             {"HISPARSE_RESOLVE_CLUSTER": "2"}, {"HISPARSE_RESOLVE_CLUSTER": "4"}]
-# The plan copy's launch: waiting for the whole resolver, 1 or 4 blocks per SM (default 2), and no
-# programmatic dependent launch at all; timed on the miss rows of batches 8 to 128.
-COPY_VARIANTS = [{"HISPARSE_GATHER_FOLLOW": "0"}, {"HISPARSE_GATHER_BLOCKS_PER_SM": "1"},
-                 {"HISPARSE_GATHER_BLOCKS_PER_SM": "4"}, {"HISPARSE_OVERLAP_LAUNCH": "0"}]
+# The plan copy's launch: waiting for the whole resolver, half or twice the default grid (one block
+# per SM), and no programmatic dependent launch at all; timed on the miss rows of batches 8 to 128.
+COPY_VARIANTS = [{"HISPARSE_GATHER_FOLLOW": "0"}, {"HISPARSE_GATHER_BLOCKS": "66"},
+                 {"HISPARSE_GATHER_BLOCKS": "264"}, {"HISPARSE_OVERLAP_LAUNCH": "0"}]
 
 # Peers on an H200 of the same kind, 2026-12-01 (us per layer-step, call 1 / call 2), and that run's
 # contiguous copy: ../shared/research/peers-h200-2026-12-01.md.
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                          "B=1) for a kernel profiler such as ncu, then exit")
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=V[,VAR=V]",
                     help="also time the 274-miss rows of batches 8-128 and the all-miss batch-128 row with these "
-                         "tuning variables (e.g. HISPARSE_GATHER_BLOCKS_PER_SM=4); repeatable")
+                         "tuning variables (e.g. HISPARSE_GATHER_BLOCKS=264); repeatable")
     ap.add_argument("--no-builtin-variants", action="store_true",
                     help="skip the resolver and copy-launch variants timed by default")
     ap.add_argument("--quick", action="store_true", help="only the swap-in sweep (no variants, no metadata rows)")

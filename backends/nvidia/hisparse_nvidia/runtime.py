@@ -71,9 +71,9 @@ ENV_SPEC_GATHER = "HISPARSE_SPEC_GATHER"
 #: "0": the plan copy after a resolve waits for the whole resolver instead of following the rows
 #: it publishes (on by default).
 ENV_GATHER_FOLLOW = "HISPARSE_GATHER_FOLLOW"
-#: Blocks per SM of the plan copy's persistent grid (default 2), for tuning.
-ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS_PER_SM"
-_GATHER_BLOCKS_PER_SM = 2
+#: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
+#: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
+ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
 #: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM.
 _SPEC_BLOCKS_PER_SM = 4
 _STAT_H2D, _STAT_D2H = 3, 4
@@ -187,15 +187,14 @@ class NvidiaRuntime(CacheRuntime):
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
         self._spec_rows, why = self._speculative_rows(num_sms)
         self._follow = os.environ.get(ENV_GATHER_FOLLOW, "1") != "0"
-        per_sm = env_int(ENV_GATHER_BLOCKS)
-        per_sm = _GATHER_BLOCKS_PER_SM if per_sm is None else per_sm
-        if not 1 <= per_sm <= 8:
-            raise InvalidInputError(f"{ENV_GATHER_BLOCKS}={per_sm}: expected 1 to 8 blocks per SM")
-        self._gather_blocks = per_sm * num_sms
-        logger.info("nvidia runtime: miss copies after a resolve %s; beyond, a persistent grid of %d blocks "
-                    "(%d per SM) %s",
+        blocks = env_int(ENV_GATHER_BLOCKS)
+        blocks = num_sms if blocks is None else blocks
+        if not 1 <= blocks <= 8 * num_sms:
+            raise InvalidInputError(f"{ENV_GATHER_BLOCKS}={blocks}: expected 1 to {8 * num_sms} blocks (8 per SM)")
+        self._gather_blocks = blocks
+        logger.info("nvidia runtime: miss copies after a resolve %s; beyond, a persistent grid of %d blocks %s",
                     f"start while it runs for batches of up to {self._spec_rows} rows" if self._spec_rows
-                    else f"wait for the resolver ({why})", self._gather_blocks, per_sm,
+                    else f"wait for the resolver ({why})", self._gather_blocks,
                     "copies each request's plan once the resolver has published it" if self._follow
                     else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)")
         self._prof: torch.Tensor | None = None

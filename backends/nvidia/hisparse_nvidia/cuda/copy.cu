@@ -198,39 +198,68 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     // before touching memory.
     if (!follow) asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    u32 next = 0;  // thread 0: the ticket taken ahead, stored for the next iteration after the copy
-    if (tid == 0) {
-        s_scanned[1] = 0;
-        s_start[0] = 0;
-        s_ticket[0] = atomicAdd(reinterpret_cast<u32*>(work), 1u);
+    if (tid == 0) s_start[0] = 0;
+    __syncthreads();
+    // Warp 0: the counts as far as `need` slots (every count: 0xffffffff), in batch order, 128 rows
+    // a round trip; a row whose plan is still pending ends the round.
+    auto scan = [&](i32 done, u32 need) -> i32 {
+        while (done < rows && static_cast<u32>(s_start[done]) * HS_SLOTS < need) {
+            const i32 r0 = done + lane * 4;
+            i32 c[4];
+#pragma unroll
+            for (i32 v = 0; v < 4; ++v) c[v] = r0 + v < rows ? hs_ld_acquire(counts + r0 + v) : 0;
+            i32 first = 4;  // this lane's first pending row
+#pragma unroll
+            for (i32 v = 3; v >= 0; --v) {
+                if (c[v] < 0) first = v;
+            }
+            const i32 ready = static_cast<i32>(__reduce_min_sync(HS_FULL_MASK, static_cast<u32>(lane * 4 + first)));
+            i32 sum = 0;
+#pragma unroll
+            for (i32 v = 0; v < 4; ++v) {
+                c[v] = lane * 4 + v < ready ? min(max(c[v], 0), K) : 0;
+                sum += c[v];
+            }
+            i32 incl = sum;
+#pragma unroll
+            for (i32 o = 1; o < 32; o <<= 1) {
+                const i32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
+                if (lane >= o) incl += y;
+            }
+            i32 at = s_start[done] + incl - sum;
+#pragma unroll
+            for (i32 v = 0; v < 4; ++v) {
+                at += c[v];
+                if (lane * 4 + v < ready && r0 + v < rows) s_start[r0 + v + 1] = at;
+            }
+            done = min(done + ready, rows);
+            __syncwarp();
+            if (ready == 0) __nanosleep(200);
+        }
+        return done;
+    };
+    // Before any ticket: the counts up to the first miss. A plan without any (a step of hits) is
+    // left at once, and then no block takes a ticket or counts itself done.
+    if (tid < 32) {
+        const i32 done = scan(0, 1);
+        if (lane == 0) {
+            s_scanned[1] = done;
+            if (s_start[done] > 0) s_ticket[0] = atomicAdd(reinterpret_cast<u32*>(work), 1u);
+        }
     }
     __syncthreads();
+    if (s_start[s_scanned[1]] == 0) {  // every count known, and zero
+        if (follow) asm volatile("griddepcontrol.wait;" ::: "memory");
+        return;
+    }
+    u32 next = 0;  // thread 0: the ticket taken ahead, stored for the next iteration after the copy
     const bool whole = layers > 1;  // several layers: the chunks of a layer follow from the total
     for (u32 it = 0;; ++it) {
         const u32 odd = it & 1;
         if (tid < 32) {
-            // Counts as far as this chunk needs (every count for a multi-layer copy), in batch order.
+            // Counts as far as this chunk needs (every count for a multi-layer copy).
             __syncwarp();  // thread 0 stored this iteration's ticket
-            const u32 need = whole ? 0xffffffffu : (s_ticket[odd] + 1) * HS_CHUNK;
-            i32 done = s_scanned[odd ^ 1u];
-            while (done < rows && static_cast<u32>(s_start[done]) * HS_SLOTS < need) {
-                const i32 r = done + lane;
-                const i32 c = r < rows ? hs_ld_acquire(counts + r) : 0;
-                const u32 pend = __ballot_sync(HS_FULL_MASK, c < 0);
-                const i32 ready = pend ? __ffs(pend) - 1 : 32;  // lanes below it are final
-                const i32 cc = lane < ready ? min(max(c, 0), K) : 0;
-                i32 incl = cc;
-#pragma unroll
-                for (i32 o = 1; o < 32; o <<= 1) {
-                    const i32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
-                    if (lane >= o) incl += y;
-                }
-                const i32 base = s_start[done];
-                if (lane < ready && r < rows) s_start[r + 1] = base + incl;
-                done = min(done + ready, rows);
-                __syncwarp();
-                if (ready == 0) __nanosleep(200);
-            }
+            const i32 done = scan(s_scanned[odd ^ 1u], whole ? 0xffffffffu : (s_ticket[odd] + 1) * HS_CHUNK);
             if (lane == 0) {
                 s_scanned[odd] = done;
                 next = atomicAdd(reinterpret_cast<u32*>(work), 1u);  // its round trip overlaps the copy

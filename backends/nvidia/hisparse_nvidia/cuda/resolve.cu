@@ -893,6 +893,14 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
             plan_device[base + j] = -1;
         }
     }
+    if (follow) {  // the group's plan is written: publish it before the outputs and the LRU order
+        __syncthreads();
+        if (warp == 0 && lane < n) {
+            __threadfence();
+            const i32 count = n > 1 ? s_rmiss[lane] : n_misses;
+            asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(plan_ready + r + lane), "r"(count) : "memory");
+        }
+    }
 #pragma unroll
     for (i32 e = 0; e < HS_EPT; e += HS_EV) {
         if (j0 + e < total) hs_st_i32<HS_EV>(out_rows + base + j0 + e, out_r + e);
@@ -926,18 +934,12 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     }
 
     // ---- Counts --------------------------------------------------------------------------------
-    if (follow && !s_dup) __syncthreads();  // every plan entry of the group is written (s_dup: above)
     if (warp == 0) {
         const i32 n_valid = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wvalid[lane] : 0);
         const i32 n_resident = __reduce_add_sync(HS_FULL_MASK, lane < HS_NW ? s_wres[lane] : 0);
         if (lane < n) {
-            const i32 count = n > 1 ? s_rmiss[lane] : n_misses;
             out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
-            plan_counts[r + lane] = count;
-            if (follow) {  // after the group's plan entries (the barrier, then release)
-                __threadfence();
-                asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(plan_ready + r + lane), "r"(count) : "memory");
-            }
+            plan_counts[r + lane] = n > 1 ? s_rmiss[lane] : n_misses;
         }
         if (lane == 0) {
             if (n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));

@@ -213,7 +213,8 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
             for (i32 v = 3; v >= 0; --v) {
                 if (c[v] < 0) first = v;
             }
-            const i32 ready = static_cast<i32>(__reduce_min_sync(HS_FULL_MASK, static_cast<u32>(lane * 4 + first)));
+            // Rows final before the first pending one of the 128 (all 128 when none is pending).
+            const i32 ready = static_cast<i32>(__reduce_min_sync(HS_FULL_MASK, first < 4 ? lane * 4 + first : 128u));
             i32 sum = 0;
 #pragma unroll
             for (i32 v = 0; v < 4; ++v) {

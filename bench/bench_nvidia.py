@@ -94,11 +94,12 @@ def swap_target(misses: int, b: int) -> tuple[str, float | None, str]:
 
 
 def steps_for(misses: int) -> int:
-    """Steps of one cycle: the ring (steps * misses positions) must outlast the hot buffer (4096 rows,
-    so a row is evicted before its position comes back) and fit in the context."""
+    """Steps of one cycle: the ring (steps * misses positions) must hold at least hot_rows + misses
+    positions (the cyclic steady state brings min(misses, ring - hot_rows) new rows a step: a ring
+    of 4114 positions gave 18 misses instead of 34, call P3) and fit in the context."""
     if misses == 0:
         return 32
-    return min(CTX // misses, max(32 if misses < 1024 else 16, -(-(H + 1) // misses)))
+    return min(CTX // misses, max(32 if misses < 1024 else 16, -(-(H + K) // misses)))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 
 Geometry: top-k 2048, hot buffer 4096 rows per request, 656-byte rows (fp8_ds_mla), 32K-token
 contexts (512 pages of 64), one layer. Every measurement is a CUDA graph holding S consecutive
-steps (each step a resolve, with or without its gather, on its own input tensors), replayed
+steps (each step a resolve, with or without its miss copy, on its own input tensors), replayed
 many times; the figure is the median replay time divided by S, i.e. the cost per layer and step
 once launches are graph nodes. Baselines are measured in the same run with the same method:
 
@@ -12,11 +12,19 @@ once launches are graph nodes. Baselines are measured in the same run with the s
 - a graph of S tiny kernels (the per-node floor), for the metadata-only scenarios.
 
 Steps drift like a decode: each request's top-k is a window sliding over a ring of random
-positions of its context, so a step brings exactly the wanted number of new rows (274 = 13.4% of
-2048, or all 2048) and the LRU evicts rows the window left long ago. The measured miss counts are
-checked against the intent and printed.
+positions of its context, so a step brings exactly the wanted number of new rows (0, 34, 137,
+274 = 13.4% of 2048, 548 or all 2048) and the LRU evicts rows the window left long ago. The
+measured miss counts are checked against the intent and printed.
 
-    python bench/bench_nvidia.py [--json out.json] [--replays 50]
+The swap-in table (resolve with gather=True, the whole swap-in) sweeps misses per request at
+batches 1, 8, 64 and 128 (and 274 misses at 32), and prints beside ours, as reference columns,
+SGLang 0.5.23's fused swap-in and upstream vLLM's resolve + gather_compact measured on an H200
+of the same kind on 2026-12-01 (../shared/research/peers-h200-2026-12-01.md, the lower of its two
+calls). "lead" compares with the better peer; where the peers' run has a copy baseline, their
+figure is first scaled by the ratio of the two runs' copies (so a slower or faster machine does
+not decide it).
+
+    python bench/bench_nvidia.py [--json out.json] [--replays 30] [--variant VAR=V[,VAR=V]] [--quick]
 """
 
 from __future__ import annotations
@@ -35,23 +43,100 @@ K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
+SWEEP_MISSES = (0, 34, 137, 274, 548, 2048)
+SWEEP_BATCHES = (1, 8, 64, 128)
 # The resolver built with 512 threads per block, with the page tables gathered per entry, and with
 # one, two or four blocks per group at small batches (the default is eight): timed in the same run.
 VARIANTS = [{"HISPARSE_RESOLVE_THREADS": "512"}, {"HISPARSE_RESOLVE_SMEM": "0"}, {"HISPARSE_RESOLVE_CLUSTER": "1"},
             {"HISPARSE_RESOLVE_CLUSTER": "2"}, {"HISPARSE_RESOLVE_CLUSTER": "4"}]
+# The plan copy's launch: waiting for the whole resolver, half or twice the default grid (one block
+# per SM), and no programmatic dependent launch at all; timed on the miss rows of batches 8 to 128.
+COPY_VARIANTS = [{"HISPARSE_GATHER_FOLLOW": "0"}, {"HISPARSE_GATHER_BLOCKS": "66"},
+                 {"HISPARSE_GATHER_BLOCKS": "264"}, {"HISPARSE_OVERLAP_LAUNCH": "0"}]
+
+# Peers on an H200 of the same kind, 2026-12-01 (us per layer-step, call 1 / call 2), and that run's
+# contiguous copy: ../shared/research/peers-h200-2026-12-01.md.
+PEERS: dict[tuple[int, int], dict[str, tuple[float, float]]] = {
+    (0, 1): {"sglang": (14.02, 13.93), "vllm": (20.24, 20.39)},
+    (0, 8): {"sglang": (15.09, 14.90), "vllm": (23.17, 21.32)},
+    (0, 32): {"sglang": (15.44, 16.20), "vllm": (24.01, 23.58)},
+    (0, 64): {"sglang": (15.64, 15.77), "vllm": (22.70, 24.41)},
+    (0, 128): {"sglang": (18.97, 16.39), "vllm": (28.11, 24.91)},
+    (274, 1): {"sglang": (46.28, 47.00), "vllm": (38.76, 38.77), "copy": (6.02, 6.19)},
+    (274, 8): {"sglang": (55.35, 57.61), "vllm": (64.94, 66.62), "copy": (28.65, 29.33)},
+    (274, 32): {"sglang": (143.52, 145.35), "vllm": (163.12, 166.03), "copy": (106.56, 107.23)},
+    (274, 64): {"sglang": (267.43, 282.36), "vllm": (299.48, 311.44), "copy": (210.18, 210.96)},
+    (274, 128): {"sglang": (520.79, 561.18), "vllm": (569.75, 596.42), "copy": (417.34, 418.38)},
+    (2048, 1): {"sglang": (217.29, 222.16), "vllm": (81.32, 83.27), "copy": (26.97, 27.40)},
+    (2048, 8): {"sglang": (288.33, 302.93), "vllm": (273.13, 274.20), "copy": (196.91, 196.94)},
+    (2048, 32): {"sglang": (946.51, 984.94), "vllm": (985.97, 1024.87), "copy": (777.39, 787.88)},
+    (2048, 64): {"sglang": (1911.39, 2062.97), "vllm": (2016.19, 2131.41), "copy": (1555.15, 1575.60)},
+    (2048, 128): {"sglang": (3810.91, 4100.31), "vllm": (3960.08, 4206.37), "copy": (3104.02, 3132.34)},
+}
+
+
+def swap_target(misses: int, b: int) -> tuple[str, float | None, str]:
+    """The issue's target for a swap-in cell: (text, bound, kind), kind "us" (at most bound us),
+    "ratio" (at most bound x the copy) or "" (lead over the peers only)."""
+    if misses == 0 and b == 1:
+        return "<= 3.5 us", 3.5, "us"
+    if misses == 0 and b == 128:
+        return "<= 5 us", 5.0, "us"
+    if misses == MISSES:
+        bound = {1: None, 8: 1.25, 32: 1.20, 64: 1.15, 128: 1.15}.get(b)
+        if b == 1:
+            return "<= 10 us", 10.0, "us"
+        if bound is not None:
+            return f"<= {bound:.2f}x copy", bound, "ratio"
+    if misses == K and b == 128:
+        return ">= 87% copy bw", 1 / 0.87, "ratio"
+    return "-", None, ""
+
+
+def steps_for(misses: int) -> int:
+    """Steps of one cycle: the ring (steps * misses positions) must hold at least hot_rows + misses
+    positions (the cyclic steady state brings min(misses, ring - hot_rows) new rows a step: a ring
+    of 4114 positions gave 18 misses instead of 34, call P3) and fit in the context."""
+    if misses == 0:
+        return 32
+    return min(CTX // misses, max(32 if misses < 1024 else 16, -(-(H + K) // misses)))
+
 
 @dataclass
 class Row:
+    """A metadata-only figure (resolve without copies) beside the graph-node floor."""
+
     scenario: str
     batch: int
     ours_us: float
     baseline: str
     baseline_us: float | None
     target: str
-    sglang: str
     passed: bool | None
     note: str = ""
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class SwapRow:
+    """A whole swap-in (resolve + miss copy) figure beside the contiguous copy of its bytes."""
+
+    misses: int
+    batch: int
+    ours_us: float
+    copy_us: float | None
+    target: str
+    passed: bool | None
+    sglang_us: float | None = None
+    vllm_us: float | None = None
+    lead: bool | None = None
+    variant: str = ""
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.ours_us / self.copy_us if self.copy_us else None
 
 
 class Bench:
@@ -189,7 +274,10 @@ class Bench:
             rt.resolve(ResolveInputs(t, state, lens, source, res, hot), gather=True, validate=False)
         torch.cuda.synchronize()
 
-    def hits(self, b: int, env: dict[str, str] | None = None, bmax: int | None = None) -> tuple[float, dict]:
+    def hits(self, b: int, env: dict[str, str] | None = None, bmax: int | None = None, *,
+             gather: bool = False) -> tuple[float, dict]:
+        """A step without misses, every host entry a hot hit: the resolve alone, or with `gather` the
+        whole swap-in (the miss copy launched, with nothing to copy)."""
         from hisparse_core.runtime import ResolveInputs
 
         rt = self.runtime(b, env, bmax)
@@ -199,11 +287,12 @@ class Bench:
                             torch.full((b,), CTX, dtype=torch.int32, device=self.dev), source, res, hot)
         rt.resolve(inp, gather=True, validate=False)  # load the working set once
         steps = 32
-        g = self.resolve_graph(rt, [inp] * steps, gather=False)
+        g = self.resolve_graph(rt, [inp] * steps, gather=gather)
         rt.reset_stats()
         us = self.time_graph(g, steps)
         st = rt.stats()
-        return us, {"hits": st.hits, "misses": st.misses, "shape": rt.launch_shape, **self.phases(rt, inp)}
+        return us, {"hits": st.hits, "misses": st.misses, "h2d_bytes": st.h2d_bytes, "shape": rt.launch_shape,
+                    **self.phases(rt, inp)}
 
     def resident(self, b: int, gather: bool, env: dict[str, str] | None = None) -> tuple[float, dict]:
         from hisparse_core.runtime import ResolveInputs
@@ -222,7 +311,7 @@ class Bench:
                     **self.phases(rt, inp)}
 
     def misses(self, b: int, shift: int, steps: int, env: dict[str, str] | None = None,
-               ) -> tuple[float, float, float, dict]:
+               ) -> tuple[float, float, float | None, dict]:
         """(resolve+gather us, gather-only us, contiguous copy us of the same bytes, info)."""
         from hisparse_core.runtime import ResolveInputs
 
@@ -245,10 +334,13 @@ class Bench:
             for _ in range(steps):
                 rt.gather_misses(0)
         gather_us = self.time_graph(gather_g, steps)
+        # The resolver alone over the same cycle (the hot state evolves as with the copies).
+        resolve_us = self.time_graph(self.resolve_graph(rt, inputs, gather=False), steps)
         nbytes = round(per_row) * b * 656
-        copy_us = self.time_graph(self.copy_graph(nbytes, steps), steps)
+        copy_us = self.time_graph(self.copy_graph(nbytes, steps), steps) if nbytes else None
         return us, gather_us, copy_us, {"misses_per_row_step": per_row, "bytes": nbytes,
-                                        "hits_per_row_step": st.hits / (calls * b), "shape": rt.launch_shape,
+                                        "hits_per_row_step": st.hits / (calls * b), "resolve_only_us": resolve_us,
+                                        "steps": steps, "shape": rt.launch_shape,
                                         **self.phases(rt, inputs[0], gather=True)}
 
     @staticmethod
@@ -257,16 +349,60 @@ class Bench:
         return {"phases": rt.resolver_phase_cycles(inp, gather=gather)}
 
 
+def peer_figures(misses: int, b: int, copy_us: float | None) -> tuple[float | None, float | None, float | None]:
+    """(SGLang us, vLLM us, the better peer scaled to this run's copy) for a cell, None where not measured."""
+    ref = PEERS.get((misses, b))
+    if ref is None:
+        return None, None, None
+    sg, vl = min(ref["sglang"]), min(ref["vllm"])
+    best = min(sg, vl)
+    if "copy" in ref and copy_us:
+        best *= copy_us / statistics.mean(ref["copy"])
+    return sg, vl, best
+
+
+def swap_row(bench: Bench, misses: int, b: int, env: dict[str, str] | None, variant: str = "") -> SwapRow:
+    """One whole swap-in cell: resolve(gather=True) on a step with `misses` new rows per request."""
+    text, bound, kind = swap_target(misses, b)
+    if misses == 0:
+        us, info = bench.hits(b, env, gather=True)
+        exact = info["misses"] == 0 and info["h2d_bytes"] == 0
+        copy_us = None
+        note = f"misses={info['misses']}"
+    else:
+        us, gus, copy_us, info = bench.misses(b, misses, steps_for(misses), env)
+        exact = abs(info["misses_per_row_step"] - misses) < 0.5
+        note = (f"misses/step={info['misses_per_row_step']:.1f} plan-copy-alone={gus:.2f} "
+                f"resolve-alone={info['resolve_only_us']:.2f} us")
+        if misses == K:
+            note += f"; {info['bytes'] / us / 1e3:.1f} GB/s = {100 * copy_us / us:.1f}% of the copy's"
+    sg, vl, best = peer_figures(misses, b, copy_us)
+    lead = None if best is None else us <= best
+    passed = None
+    if kind == "us":
+        passed = us <= bound
+    elif kind == "ratio" and copy_us:
+        passed = us <= bound * copy_us
+    if passed is not None or lead is not None:
+        passed = exact and (passed is None or passed) and (lead is None or lead)
+    if variant:
+        passed = lead = None
+    return SwapRow(misses, b, us, copy_us, text, passed, sg, vl, lead, variant, note, info)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replays", type=int, default=50, help="timed graph replays per figure (median)")
-    ap.add_argument("--json", help="also write the table as JSON to this path")
+    ap.add_argument("--replays", type=int, default=30, help="timed graph replays per figure (median)")
+    ap.add_argument("--json", help="also write the tables as JSON to this path")
     ap.add_argument("--profile-target", action="store_true",
                     help="only run a few eager resolves and gathers (hits B=1 and 64, resident B=64, 274 misses "
                          "B=1) for a kernel profiler such as ncu, then exit")
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=V[,VAR=V]",
-                    help="also time the miss scenarios with these tuning variables (e.g. HISPARSE_COPY_LOAD=2); "
-                         "repeatable")
+                    help="also time the 274-miss rows of batches 8-128 and the all-miss batch-128 row with these "
+                         "tuning variables (e.g. HISPARSE_GATHER_BLOCKS=264); repeatable")
+    ap.add_argument("--no-builtin-variants", action="store_true",
+                    help="skip the resolver and copy-launch variants timed by default")
+    ap.add_argument("--quick", action="store_true", help="only the swap-in sweep (no variants, no metadata rows)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_nvidia: no CUDA device", file=sys.stderr)
@@ -276,82 +412,98 @@ def main(argv: list[str] | None = None) -> int:
         bench.profile_target()
         bench.pool.release()
         return 0
-    rows: list[Row] = []
+    t_start = time.perf_counter()
     floor = bench.time_graph(bench.floor_graph(32), 32)
-    note_floor = f"graph node floor {floor:.2f} us"
 
     def tag(env: dict[str, str]) -> str:
-        return "  (" + ",".join(f"{k.replace('HISPARSE_', '').lower()}={v}" for k, v in env.items()) + ")"
+        return ",".join(f"{k.replace('HISPARSE_', '').lower()}={v}" for k, v in env.items())
 
-    for b, target, sglang in ((1, 4.0, "17.0 us"), (64, 5.0, "20.5 us")):
-        us, info = bench.hits(b)
-        ok = info["misses"] == 0 and us <= target
-        rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor, f"<= {target} us", sglang,
-                        ok, f"misses={info['misses']}", info))
-        for env in VARIANTS:
-            us2, info2 = bench.hits(b, env)
-            rows.append(Row(tag(env), b, us2, "graph node floor", floor, "-", "-", None,
-                            f"misses={info2['misses']}", info2))
-        if b == 1:  # a runtime sized for 256 rows: the rows past the batch are padding
-            us2, info2 = bench.hits(b, None, 256)
-            rows.append(Row("  (max_batch_rows=256)", b, us2, "graph node floor", floor, "-", "-", None,
-                            f"misses={info2['misses']}", info2))
+    # ---- the whole swap-in: the sweep of misses per request, and 274 misses at batch 32
+    swaps: list[SwapRow] = []
+    cells = [(m, b) for m in SWEEP_MISSES for b in SWEEP_BATCHES] + [(MISSES, 32)]
+    cells.sort(key=lambda c: (c[0], c[1]))
+    for m, b in cells:
+        swaps.append(swap_row(bench, m, b, None))
+        print(f"  swap-in {m:5} misses B={b:<4} {swaps[-1].ours_us:9.2f} us ({time.perf_counter() - t_start:.0f} s)",
+              flush=True)
+    variants = [dict(v.split("=", 1) for v in spec.split(",")) for spec in args.variant]
+    if not args.quick and not args.no_builtin_variants:
+        variants = COPY_VARIANTS + variants
+    if not args.quick:
+        for env in variants:
+            for m, b in [(MISSES, 8), (MISSES, 32), (MISSES, 128), (K, 128), (0, 128)]:
+                swaps.append(swap_row(bench, m, b, env, tag(env)))
 
-    variants = [dict(v.split("=") for v in spec.split(",")) for spec in args.variant]
-    for env in [None, *variants]:
-        name = None if env is None else tag(env)
-        us, gus, cus, info = bench.misses(1, MISSES, 32, env)
-        rows.append(Row(name or "274 misses, resolve+gather", 1, us, "contiguous pinned copy", cus, "<= 10 us",
-                        "49 us (copy 6.3 us)",
-                        None if env else us <= 10.0 and abs(info["misses_per_row_step"] - MISSES) < 0.5,
-                        f"misses/step={info['misses_per_row_step']:.1f} gather-only={gus:.2f} us", info))
-        us, gus, cus, info = bench.misses(32, MISSES, 32, env)
-        rows.append(Row(name or "274 misses each, resolve+gather", 32, us, "contiguous pinned copy", cus,
-                        "<= 1.15x copy", "1.35x copy",
-                        None if env else us <= 1.15 * cus and abs(info["misses_per_row_step"] - MISSES) < 0.5,
-                        f"ratio={us / cus:.2f}x misses/step={info['misses_per_row_step']:.1f} "
-                        f"gather-only={gus:.2f} us", info))
-        us, gus, cus, info = bench.misses(128, K, 16, env)
-        gbs, cgbs = info["bytes"] / us / 1e3, info["bytes"] / cus / 1e3
-        rows.append(Row(name or "every row a miss, resolve+gather", 128, us, "contiguous pinned copy", cus,
-                        ">= 85% of copy bandwidth", "77%",
-                        None if env else gbs >= 0.85 * cgbs and info["misses_per_row_step"] == K,
-                        f"{gbs:.1f} GB/s vs copy {cgbs:.1f} GB/s = {100 * gbs / cgbs:.0f}% "
-                        f"misses/step={info['misses_per_row_step']:.0f} gather-only={gus:.1f} us "
-                        f"({info['bytes'] / gus / 1e3:.1f} GB/s)", info))
-
-    us, info = bench.resident(64, gather=False)
-    rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us", "-",
-                    us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, "", info))
-    for env in VARIANTS:
-        us, info = bench.resident(64, gather=False, env=env)
-        rows.append(Row(tag(env), 64, us, "graph node floor", floor, "-", "-", None, "", info))
-    us, info = bench.resident(64, gather=True)
-    rows.append(Row("all resident, resolve+gather", 64, us, "graph node floor", floor, "-", "-", None,
-                    "informational: the gather launch is a second graph node, with nothing to copy", info))
+    # ---- metadata only: the resolver without copies
+    rows: list[Row] = []
+    if not args.quick:
+        for b, target in ((1, 3.0), (64, 5.0), (128, None)):
+            us, info = bench.hits(b)
+            ok = None if target is None else info["misses"] == 0 and us <= target
+            rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor,
+                            "-" if target is None else f"<= {target} us", ok, f"misses={info['misses']}", info))
+            if b == 128 or args.no_builtin_variants:
+                continue
+            for env in VARIANTS:
+                us2, info2 = bench.hits(b, env)
+                rows.append(Row("  (" + tag(env) + ")", b, us2, "graph node floor", floor, "-", None,
+                                f"misses={info2['misses']}", info2))
+            if b == 1:  # a runtime sized for 256 rows: the rows past the batch are padding
+                us2, info2 = bench.hits(b, None, 256)
+                rows.append(Row("  (max_batch_rows=256)", b, us2, "graph node floor", floor, "-", None,
+                                f"misses={info2['misses']}", info2))
+        us, info = bench.resident(64, gather=False)
+        rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us",
+                        us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, "", info))
+        us, info = bench.resident(64, gather=True)
+        rows.append(Row("all resident, resolve+gather", 64, us, "graph node floor", floor, "-", None,
+                        "the copy launched, with nothing to copy", info))
 
     props = torch.cuda.get_device_properties(bench.dev)
     print(f"\nhisparse nvidia bench: {props.name}, torch {torch.__version__}, top-k {K}, hot {H}, rows 656 B, "
-          f"context {CTX}, CUDA graph replay, median of {args.replays} replays; {note_floor}; "
-          f"host pool {bench.pool.nbytes / 2**30:.2f} GiB registered in {bench.pool_s:.2f} s\n")
-    head = f"{'scenario':38} {'B':>4} {'ours us':>9} {'baseline':>24} {'base us':>9} {'target':>24} {'SGLang':>20} {'ok':>4}  note"
+          f"context {CTX}, CUDA graph replay, median of {args.replays} replays; graph node floor {floor:.2f} us; "
+          f"host pool {bench.pool.nbytes / 2**30:.2f} GiB registered in {bench.pool_s:.2f} s; "
+          f"{time.perf_counter() - t_start:.0f} s\n")
+    print("whole swap-in (resolve + miss copy), us per layer-step; peers: H200 2026-12-01 (reference, the lower of "
+          "two calls); lead: at or below the better peer (scaled by the copies where that run has one)")
+    head = (f"{'misses':>6} {'B':>4} {'ours':>9} {'copy':>9} {'x copy':>7} {'target':>15} {'SGLang':>9} "
+            f"{'vLLM':>9} {'lead':>5} {'ok':>4}  variant / note")
     print(head)
     print("-" * len(head))
-    for r in rows:
-        base = f"{r.baseline_us:9.2f}" if r.baseline_us is not None else f"{'-':>9}"
-        ok = "-" if r.passed is None else ("yes" if r.passed else "NO")
-        print(f"{r.scenario:38} {r.batch:>4} {r.ours_us:9.2f} {r.baseline:>24} {base} {r.target:>24} {r.sglang:>20} "
-              f"{ok:>4}  {r.note}")
-    print("\nresolver phases of the first block, cycles since start (NvidiaRuntime.resolver_phase_cycles): group "
-          "known, rows loaded, barrier 1, 2 (hints), 3 (LRU walk), LRU written or barrier 4, misses assigned, "
-          "end:")
-    for r in rows:
-        if "phases" in r.extra:
+
+    def f(v: float | None, w: int = 9) -> str:
+        return f"{v:{w}.2f}" if v is not None else f"{'-':>{w}}"
+
+    def yn(v: bool | None) -> str:
+        return "-" if v is None else ("yes" if v else "NO")
+
+    for r in swaps:
+        ratio = f"{r.ratio:6.2f}x" if r.ratio is not None else f"{'-':>7}"
+        print(f"{r.misses:>6} {r.batch:>4} {f(r.ours_us)} {f(r.copy_us)} {ratio} {r.target:>15} {f(r.sglang_us)} "
+              f"{f(r.vllm_us)} {yn(r.lead):>5} {yn(r.passed):>4}  {('(' + r.variant + ') ') if r.variant else ''}"
+              f"{r.note}")
+    if rows:
+        print("\nmetadata only (resolve, no copy), us per layer-step")
+        head = f"{'scenario':38} {'B':>4} {'ours us':>9} {'baseline':>18} {'base us':>9} {'target':>10} {'ok':>4}  note"
+        print(head)
+        print("-" * len(head))
+        for r in rows:
+            print(f"{r.scenario:38} {r.batch:>4} {r.ours_us:9.2f} {r.baseline:>18} {f(r.baseline_us)} {r.target:>10} "
+                  f"{yn(r.passed):>4}  {r.note}")
+        print("\nresolver phases of the first block, cycles since start (NvidiaRuntime.resolver_phase_cycles): group "
+              "known, rows loaded, barrier 1, 2 (hints), 3 (LRU walk), LRU written or barrier 4, misses assigned, end:")
+        for r in rows:
             print(f"  {r.scenario.strip():38} B={r.batch:<4} {r.extra['phases']}")
+    for r in swaps:
+        if not r.variant and "phases" in r.extra:
+            print(f"  swap-in {r.misses:5} misses            B={r.batch:<4} {r.extra['phases']}")
+    checked = [r for r in swaps if r.passed is not None] + [r for r in rows if r.passed is not None]
+    print(f"\ntargets met: {sum(bool(r.passed) for r in checked)} of {len(checked)}")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w") as fh:
             json.dump({"gpu": props.name, "torch": torch.__version__, "floor_us": floor,
-                       "rows": [asdict(r) for r in rows]}, f, indent=2)
+                       "swap_in": [{**asdict(r), "ratio": r.ratio} for r in swaps],
+                       "metadata": [asdict(r) for r in rows]}, fh, indent=2)
     bench.pool.release()
     return 0
 

@@ -12,8 +12,9 @@ GPU memory model (the one the replay engine implements, after vLLM's HMA pool):
 - Hybrid rule: a request whose context fits its hot buffer (`context <= hot_rows`) stays
   resident, exactly as without hisparse: it never leases a hot buffer (which would cost at least
   as many blocks as releasing its pages frees) and never misses. The coordinator's residency
-  policy releases no page of such a request, so the crossover where hisparse starts to pay is
-  the context where the steady state below becomes smaller than all-resident.
+  policy releases no page of such a request, so the crossover where hisparse starts to pay
+  (`crossover_context`) lies past the hot buffer: where the steady state below, with one
+  admission kept free, fits more requests than all-resident.
 - With hisparse a running request holds its indexer blocks, its hot buffer (`hot_rows /
   block_size` blocks) and its `tail_pages` newest pages. Admitting one more request needs one
   full admission free: all of its pages, its indexer blocks and its hot buffer (the
@@ -32,7 +33,7 @@ costs `m * top_k * num_layers * row_bytes` host-to-device, and mirroring its new
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from hisparse_core.errors import InvalidInputError
 
@@ -186,24 +187,88 @@ def gpu_concurrency(gpu_blocks: int, steady: int, admission: int) -> int:
     return 1 + (gpu_blocks - admission) // steady
 
 
+def _request_blocks(p: PlanInputs, pages: int) -> tuple[int, int, int, int, bool]:
+    """GPU blocks of one request of `pages` pages: (indexer, all-resident, hisparse steady state,
+    one admission, stays resident by the hybrid rule)."""
+    g, bs = p.geometry, p.geometry.block_size
+    indexer = -(-(pages * bs * g.index_layers * g.indexer_bytes) // g.block_bytes)
+    baseline = pages + indexer
+    hot_blocks = p.hot_rows // bs
+    resident = pages <= hot_blocks  # context <= hot_rows: hot_rows is a whole number of pages
+    if resident:
+        return indexer, baseline, baseline, baseline, True
+    return indexer, baseline, indexer + hot_blocks + min(p.tail_pages, pages), baseline + hot_blocks, False
+
+
+def _concurrencies(p: PlanInputs, pages: int) -> tuple[int, int, int, int]:
+    """(all-resident, GPU-bound hisparse, host-bound hisparse, hisparse) concurrency at `pages` pages."""
+    gpu_blocks = p.gpu_kv_bytes // p.geometry.block_bytes
+    _, baseline, steady, admission, _ = _request_blocks(p, pages)
+    gpu_conc = gpu_concurrency(gpu_blocks, steady, admission)
+    # A host block holds the same tokens of every sparse layer as a GPU block; block 0 is null.
+    host_conc = max(0, p.host_bytes // p.geometry.block_bytes - 1) // pages
+    return gpu_blocks // baseline, gpu_conc, host_conc, min(gpu_conc, host_conc)
+
+
+def crossover_context(p: PlanInputs, up_to: int = 1 << 24) -> int | None:
+    """The shortest context, in tokens, at which hisparse runs more concurrent requests than
+    all-resident under `p`'s budgets (every field of `p` but the context as given), or None if it
+    does not up to `up_to` tokens.
+
+    Up to the hot buffer the hybrid rule keeps requests resident, so hisparse equals all-resident
+    (less where the host pool binds). Past it a request holds its hot buffer and active tail
+    instead of its pages; that pays once the pages it gives up outnumber them, and the admission
+    kept free still fits. Concurrency depends on the context only through its pages, so the
+    answer is the first token of a page.
+
+    Exact without trying every page count: past the hot buffer both concurrencies only fall as
+    pages grow, so from a page count where hisparse runs `v` requests and does not lead, no
+    crossover comes before all-resident drops below `v`; the search jumps there (a bisection).
+    """
+    bs = p.geometry.block_size
+    gpu_blocks = p.gpu_kv_bytes // p.geometry.block_bytes
+    last = min(-(-up_to // bs), gpu_blocks)   # beyond gpu_blocks pages neither fits one request
+    pages = p.hot_rows // bs + 1
+    while pages <= last:
+        baseline, _, _, hisparse = _concurrencies(p, pages)
+        if hisparse > baseline:
+            return (pages - 1) * bs + 1
+        if hisparse == 0:
+            return None
+        # The first page count whose all-resident concurrency is below `hisparse`: its request
+        # takes more than gpu_blocks // hisparse blocks.
+        need = gpu_blocks // hisparse + 1
+        lo, hi = pages + 1, last + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _request_blocks(p, mid)[1] >= need:
+                hi = mid
+            else:
+                lo = mid + 1
+        pages = lo
+    return None
+
+
+def no_crossover_reason(p: PlanInputs) -> str:
+    """Why hisparse does not overtake all-resident under `p`'s budgets, in words: what bounds it
+    just past the hot buffer, where it would start to pay."""
+    past = make_plan(replace(p, context=p.hot_rows + 1))
+    if past.bound_by == "host pool":
+        return "the host pool bounds it"
+    return "hot buffer, tail and the admission kept free cost the GPU as much as the pages"
+
+
 def make_plan(p: PlanInputs) -> Plan:
     g, bs = p.geometry, p.geometry.block_size
     pages = -(-p.context // bs)
     block_bytes = g.block_bytes
     gpu_blocks = p.gpu_kv_bytes // block_bytes
-    indexer = -(-(pages * bs * g.index_layers * g.indexer_bytes) // block_bytes)
-    baseline = pages + indexer
+    indexer, baseline, steady, admission, resident = _request_blocks(p, pages)
     hot_blocks = p.hot_rows // bs
-    tail = min(p.tail_pages, pages)
-    resident = pages <= hot_blocks  # context <= hot_rows: hot_rows is a whole number of pages
-    steady = baseline if resident else indexer + hot_blocks + tail
-    admission = baseline if resident else pages + indexer + hot_blocks
     miss_rate = 0.0 if resident else p.miss_rate
-    gpu_conc = gpu_concurrency(gpu_blocks, steady, admission)
+    _, gpu_conc, host_conc, conc = _concurrencies(p, pages)
     host_block_bytes = block_bytes  # a host block holds the same tokens of every sparse layer
     host_blocks = p.host_bytes // host_block_bytes
-    host_conc = max(0, host_blocks - 1) // pages
-    conc = min(gpu_conc, host_conc)
     h2d_req = miss_rate * g.top_k * g.num_layers * g.row_bytes
     d2h_req = g.num_layers * g.row_bytes
     h2d = conc * h2d_req

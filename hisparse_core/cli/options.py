@@ -111,3 +111,21 @@ def fail(prog: str, message: str) -> int:
     """One error line on stderr; the exit status of bad input."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
+
+
+def check_plot_path(path: str) -> str | None:
+    """Why `--plot path` cannot be written, or None; checked before any work so none is wasted."""
+    import os
+
+    try:
+        import matplotlib  # noqa: F401  (only when a plot is asked for)
+    except ImportError as exc:
+        return f"--plot needs matplotlib, which cannot be imported ({exc}): pip install 'hisparse[plot]'"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--plot {path!r}: the folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"--plot {path!r}: the folder {folder!r} is not writable"
+    if os.path.isdir(path):
+        return f"--plot {path!r} is a folder; expected a file name such as plot.png"
+    return None

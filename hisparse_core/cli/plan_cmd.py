@@ -9,6 +9,7 @@ geometry flag given. The arithmetic is in `hisparse_core.planner`;
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import replace
 
 from hisparse_core.cli.options import (
@@ -19,12 +20,15 @@ from hisparse_core.cli.options import (
     MAX_TOP_K,
     SIZE_UNITS,
     HelpFormatter,
+    check_plot_path,
     fail,
     float_in,
     int_in,
     size_in,
 )
 from hisparse_core.errors import HiSparseError
+
+logger = logging.getLogger(__name__)
 
 
 def _indexers(index_share: int) -> str:
@@ -80,6 +84,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="also print concurrency for these context lengths, tokens with an optional K or M "
                         "(x1024) suffix (e.g. 8K,32K,128K)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw concurrency and GPU KV per request against context length, marking the hot "
+                        "buffer (up to it requests stay resident) and the context where hisparse overtakes "
+                        "all resident (needs matplotlib: hisparse[plot])")
     p.set_defaults(func=run)
     return p
 
@@ -133,7 +141,19 @@ def plan_from_args(args: argparse.Namespace, context: int | None = None):  # typ
                                 args.pcie_gbps))
 
 
-def _table(plan, miss_source: str) -> str:  # type: ignore[no-untyped-def]
+def _crossover(plan, crossover: int | None) -> str:  # type: ignore[no-untyped-def]
+    """Where hisparse starts to run more requests than all resident, in words."""
+    from hisparse_core.planner import no_crossover_reason
+
+    i = plan.inputs
+    if crossover is None:
+        return f"never up to {MAX_TOKENS} tokens: {no_crossover_reason(i)}"
+    return (f"from {crossover} tokens ({-(-crossover // i.geometry.block_size)} pages); up to the {i.hot_rows}-row "
+            f"hot buffer requests stay resident, past it each holds its hot buffer and "
+            f"{i.tail_pages} tail pages instead of its pages")
+
+
+def _table(plan, miss_source: str, crossover: int | None) -> str:  # type: ignore[no-untyped-def]
     from hisparse_core.replay.report import human_bytes, pct, render_table
 
     i, g = plan.inputs, plan.inputs.geometry
@@ -160,6 +180,7 @@ def _table(plan, miss_source: str) -> str:  # type: ignore[no-untyped-def]
         ("with hisparse", f"{plan.hisparse_concurrency} (GPU allows {plan.gpu_concurrency}, host pool "
                           f"{plan.host_concurrency}; bound by {plan.bound_by})"
                           + (f", {plan.gain:.2f}x" if plan.baseline_concurrency else "")),
+        ("hisparse runs more", _crossover(plan, crossover)),
         ("host pool needed", f"{human_bytes(plan.host_pool_bytes_needed)} for the GPU's "
                              f"{plan.gpu_concurrency} requests (+1 null block)"),
         ("PCIe per decode step", ""),
@@ -176,8 +197,11 @@ def _table(plan, miss_source: str) -> str:  # type: ignore[no-untyped-def]
 
 
 def run(args: argparse.Namespace) -> int:
+    from hisparse_core.planner import crossover_context
     from hisparse_core.replay.report import dumps, render_grid
 
+    if args.plot and (why := check_plot_path(args.plot)):
+        return fail("hisparse plan", why)
     try:
         plan = plan_from_args(args)
         sweep = []
@@ -185,20 +209,30 @@ def run(args: argparse.Namespace) -> int:
             sweep = [plan_from_args(args, ctx) for ctx in args.sweep]
     except (HiSparseError, ValueError) as exc:
         return fail("hisparse plan", str(exc))
+    crossover = crossover_context(plan.inputs, up_to=MAX_TOKENS)
     source = "given" if args.miss_rate is not None else f"published LRU figure at {args.hot:g}x top-k"
     if args.json:
         doc = plan.to_dict()
         doc["miss_rate_source"] = source
+        doc["crossover_context"] = crossover
         if sweep:
             doc["sweep"] = [{"context": s.inputs.context, "baseline_concurrency": s.baseline_concurrency,
                              "hisparse_concurrency": s.hisparse_concurrency, "stays_resident": s.stays_resident}
                            for s in sweep]
         print(dumps(doc))
-        return 0
-    print(_table(plan, source))
-    if sweep:
-        print()
-        print(render_grid(["context", "without hisparse", "with hisparse", "bound by"],
-                          [[str(s.inputs.context), str(s.baseline_concurrency), str(s.hisparse_concurrency),
-                            s.bound_by + (", all resident" if s.stays_resident else "")] for s in sweep]))
+    else:
+        print(_table(plan, source, crossover))
+        if sweep:
+            print()
+            print(render_grid(["context", "without hisparse", "with hisparse", "bound by"],
+                              [[str(s.inputs.context), str(s.baseline_concurrency), str(s.hisparse_concurrency),
+                                s.bound_by + (", all resident" if s.stays_resident else "")] for s in sweep]))
+    if args.plot:
+        from hisparse_core.planner_plot import write_plan_plot
+
+        try:
+            write_plan_plot(plan, args.plot, sweep)
+        except (HiSparseError, OSError) as exc:
+            return fail("hisparse plan", f"--plot failed (figures above): {exc}")
+        logger.info("plot written to %s", args.plot)
     return 0

@@ -42,6 +42,7 @@ from hisparse_core.cli.options import (
     MAX_TOP_K,
     SIZE_UNITS,
     HelpFormatter,
+    check_plot_path,
     fail,
     float_in,
     int_in,
@@ -140,24 +141,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"host pool budget (default: {human_bytes(d['host_bytes'])}); same units")
     p.set_defaults(func=run)
     return p
-
-
-def check_plot_path(path: str) -> str | None:
-    """Why `--plot path` cannot be written, or None; checked before the run so no run is wasted."""
-    import os
-
-    try:
-        import matplotlib  # noqa: F401  (only when a plot is asked for)
-    except ImportError as exc:
-        return f"--plot needs matplotlib, which cannot be imported ({exc}): pip install 'hisparse[plot]'"
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return f"--plot {path!r}: the folder {folder!r} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"--plot {path!r}: the folder {folder!r} is not writable"
-    if os.path.isdir(path):
-        return f"--plot {path!r} is a folder; expected a file name such as run.png"
-    return None
 
 
 def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]

@@ -51,9 +51,12 @@ is reused); for a finished or preempted request that pin was the last lease, so 
 back to the engine only once the copy is ordered. The completion acknowledgement of every worker
 makes the page clean, publishes the durable contiguous prefix and drops the host pin.
 
-Page states live in `pages.py`, transactions and acknowledgement counting in `spill.py`, the
-host pool and prefix map in `host_blocks.py`, the watermark policy in `policy.py`, the P/D
-import choice in `imports.py`.
+This class is the facade: it checks the engine's arguments once, at its public methods, and
+keeps admission (prefix hits) and departures. The parts it drives share its state:
+`step.py` plans a step (validation, then the command), `acks.py` applies acknowledgements,
+`imports.py` keeps the P/D import bookkeeping. Page states live in `pages.py`, transactions and
+acknowledgement counting in `spill.py`, the host pool and prefix map in `host_blocks.py`, the
+watermark policy in `policy.py`.
 """
 
 from __future__ import annotations
@@ -61,33 +64,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from hisparse_core.coordinator.acks import Acknowledgements
 from hisparse_core.coordinator.config import GIB, CoordinatorConfig
 from hisparse_core.coordinator.engine import GpuBlockAllocator, ScheduledRequest
 from hisparse_core.coordinator.host_blocks import NULL_BLOCK, HostBlockPool
-from hisparse_core.coordinator.imports import HostImport, ImportFootprint, choose_target
+from hisparse_core.coordinator.imports import ImportBook
 from hisparse_core.coordinator.outputs import CoordinatorStats, ImportTarget, PrefixHit, TableUpdate
-from hisparse_core.coordinator.pages import (
-    CLEAN_STATES,
-    DIRTY,
-    LEASED_STATES,
-    LOST,
-    PENDING,
-    PINNED,
-    Lifecycle,
-    RequestPages,
-)
+from hisparse_core.coordinator.pages import DIRTY, LEASED_STATES, LOST, Lifecycle, RequestPages, unknown_request
 from hisparse_core.coordinator.policy import ResidencyPolicy
-from hisparse_core.coordinator.prefix import block_hash, chain_hashes, root_hash
-from hisparse_core.coordinator.spill import HostCopyLedger, Transfer, TransferKind, TransferLedger
+from hisparse_core.coordinator.prefix import block_hash, root_hash
+from hisparse_core.coordinator.spill import HostCopyLedger, TransferLedger
+from hisparse_core.coordinator.step import StepPlanner
 from hisparse_core.errors import CapacityError, InvalidInputError, ProtocolError
-from hisparse_core.types import OffloadCommand, PageTransfer, ResidencyUpdate, RowMirror, WorkerMetadata
+from hisparse_core.types import OffloadCommand, WorkerMetadata
 
 logger = logging.getLogger(__name__)
-
-# A step's plan for one scheduled request: (record, view, state index, num_computed, end, pages after).
-_Plan = tuple[RequestPages, ScheduledRequest, int, int, int, int]
-# Validated step: (decode-like requests with their new mirrored length, their mirrors, other plans).
-_StepPlan = tuple[list[tuple[RequestPages, int]], list[RowMirror], list[_Plan]]
 
 
 def _is_int(value: object) -> bool:
@@ -107,36 +98,37 @@ class HiSparseCoordinator:
             raise InvalidInputError(f"config must be a CoordinatorConfig, got {type(config).__name__}")
         if not isinstance(gpu, GpuBlockAllocator):
             raise InvalidInputError(f"gpu must implement GpuBlockAllocator, got {type(gpu).__name__}")
-        self._config = config
-        self._gpu = gpu
-        self._enabled = config.enabled
-        self._bs = config.block_size
-        self._groups = config.num_resident_groups
-        self._max_tokens = config.max_pages_per_request * config.block_size
-        self._policy = ResidencyPolicy(config, gpu)
-        self._requests: dict[str, RequestPages] = {}
-        self._detached: dict[RequestPages, None] = {}
-        self._import_choice: dict[str, ImportTarget] = {}
-        self._imports: dict[str, HostImport] = {}
-        self._transfers = TransferLedger()
-        self._copies = HostCopyLedger()
-        self._table_updates: tuple[TableUpdate, ...] = ()
-        self._counters = dict.fromkeys(("prefix_hit_tokens", "prefix_queried_tokens", "spills", "restores"), 0)
-        if not self._enabled:
-            self._host = HostBlockPool(2)
-            logger.info("HiSparse disabled: the coordinator tracks nothing and builds no offload command")
-            return
         num_blocks = config.host_num_blocks
         usable = num_blocks - 1
         stride = config.host_block_stride
-        if usable < config.min_host_blocks:
+        if config.enabled and usable < config.min_host_blocks:
             raise CapacityError(
                 f"host_pool_gib={config.host_pool_gib} holds {max(num_blocks, 0)} blocks of {stride} bytes "
                 f"({config.num_layers} layers x {config.block_size} tokens x {config.row_bytes} B), {max(usable, 0)} "
                 f"usable after the null block; one max_model_len={config.max_model_len} request plus the "
                 f"{config.active_tail_pages}-page active tail needs {config.min_host_blocks} usable blocks, "
                 f"host_pool_gib >= {(config.min_host_blocks + 1) * stride / GIB:.3f}")
-        self._host = HostBlockPool(num_blocks)
+        self._config = config
+        self._gpu = gpu
+        self._enabled = config.enabled
+        self._bs = config.block_size
+        self._max_tokens = config.max_pages_per_request * config.block_size
+        self._host = HostBlockPool(num_blocks if config.enabled else 2)
+        self._policy = ResidencyPolicy(config, gpu)
+        self._requests: dict[str, RequestPages] = {}
+        self._detached: dict[RequestPages, None] = {}
+        self._transfers = TransferLedger()
+        self._copies = HostCopyLedger()
+        self._table_updates: tuple[TableUpdate, ...] = ()
+        self._prefix_hit_tokens = self._prefix_queried_tokens = 0
+        # The parts share this state; each has one job (see the module docstring).
+        self._step = StepPlanner(config, gpu, self._host, self._policy, self._transfers, self._copies,
+                                 self._requests)
+        self._acks = Acknowledgements(gpu, self._host, self._policy, self._transfers, self._copies, self._detached)
+        self._pd = ImportBook(config, gpu, self._host, self._policy)
+        if not self._enabled:
+            logger.info("HiSparse disabled: the coordinator tracks nothing and builds no offload command")
+            return
         logger.info(
             "HiSparse host pool: %d blocks (%d usable + null) = %d tokens, %.3f GiB of the %s GiB budget; "
             "block stride %d B (%d layers x %d tokens x %d B, aligned to %d); room for %.1f max_model_len "
@@ -175,7 +167,7 @@ class HiSparseCoordinator:
 
     def has_request(self, request_id: str) -> bool:
         """True for admitted requests and host imports in flight."""
-        return request_id in self._requests or request_id in self._imports
+        return request_id in self._requests or request_id in self._pd
 
     def first_resident_page(self, request_id: str) -> int:
         """First page the engine must allocate resident blocks for (pages below are host-backed)."""
@@ -226,7 +218,7 @@ class HiSparseCoordinator:
             if self._host.num_free - unleased < 1:
                 raise CapacityError(f"prefix hit of {hit} tokens needs 1 host block for the copy-on-write of "
                                     f"page {full}; the pool has {self._host.num_free - unleased} allocatable")
-        hot = self._acquire_hot() if full else None
+        hot = self._policy.acquire_hot() if full else None
         self._host.touch(blocks[:full])
         rec = RequestPages(request_id, root, self._config.active_tail_pages)
         rec.host = list(blocks[:full])
@@ -251,9 +243,9 @@ class HiSparseCoordinator:
             # before its restores, so the copy is complete either way.
             rec.restore_page, rec.restore_source = full, dst
         self._requests[request_id] = rec
-        self._import_choice.pop(request_id, None)
-        self._counters["prefix_hit_tokens"] += hit
-        self._counters["prefix_queried_tokens"] += cap
+        self._pd.admitted(request_id)
+        self._prefix_hit_tokens += hit
+        self._prefix_queried_tokens += cap
         if hit:
             logger.debug("request %s: prefix hit of %d tokens (%d pages from host%s)", request_id, hit, full,
                          f", page {full} copied on write" if partial else "")
@@ -279,21 +271,13 @@ class HiSparseCoordinator:
             raise InvalidInputError(f"a request is listed twice among finished={finished} and preempted={preempted}")
         for rid in leaving:
             self._request_or_import(rid)
-        fast_records, mirrors, plans = self._plan(scheduled, leaving)
+        step = self._step.validate(scheduled, leaving)
         for rid in finished:
             self.finish_request(rid)
         for rid in preempted:
             self.preempt_request(rid)
-
-        for rec, end in fast_records:
-            rec.num_mirrored = end
-        transfers: list[PageTransfer] = []
-        residency: dict[int, dict[int, tuple[int, ...]]] = {}
-        tables: list[TableUpdate] = []
-        for plan in plans:
-            self._apply_plan(plan, transfers, mirrors, residency, tables)
-        self._policy.apply()
-        return self._build_command(transfers, mirrors, residency, tables)
+        command, self._table_updates = self._step.apply(step)
+        return command
 
     def take_table_updates(self) -> tuple[TableUpdate, ...]:
         """Source (host) and hot table changes per state row made by the last `schedule_step`."""
@@ -316,18 +300,7 @@ class HiSparseCoordinator:
             if not meta.is_empty():
                 raise ProtocolError("acknowledgements arrived but HiSparse is disabled and issued no transfers")
             return
-        self._copies.check(meta.completed_host_copies)
-        enqueued, completed = self._transfers.acknowledge(meta, num_workers)
-        for t in enqueued:
-            self._gpu.release(t.gpu_blocks)
-        for t in completed:
-            self._complete_transfer(t)
-        for c in self._copies.acknowledge(meta.completed_host_copies):
-            self._host.release((c.src, c.dst))
-            owner = c.owner
-            owner.cow_pages.discard(c.page)
-            if owner.lifecycle is not Lifecycle.GONE:
-                self._advance_publication(owner)
+        self._acks.apply(meta, num_workers)
 
     # -- leaving ---------------------------------------------------------------------------
 
@@ -339,23 +312,10 @@ class HiSparseCoordinator:
         if rec is None:
             return
         if rec.pending_spills:
-            rec.lifecycle = Lifecycle.DETACHED
-            keep_from = rec.num_ready
-            release: list[int] = []
-            for p, b in enumerate(rec.host):
-                st = rec.state[p]
-                if p >= keep_from and p < rec.num_sealed and (st == PENDING or st in CLEAN_STATES):
-                    if st != PENDING:
-                        rec.state[p] = LOST
-                    continue
-                if b >= 0:
-                    release.append(b)
-                    rec.host[p] = -1
-            self._host.release(release)
-            self._detached[rec] = None
+            self._acks.detach(rec)
         else:
             rec.lifecycle = Lifecycle.GONE
-            self._release_host(rec)
+            self._host.release(rec.take_host_blocks())
 
     def preempt_request(self, request_id: str) -> None:
         """The request is preempted: return every lease now except transfer pins, which go when
@@ -365,12 +325,12 @@ class HiSparseCoordinator:
         if rec is None:
             return
         rec.lifecycle = Lifecycle.GONE
-        self._release_host(rec)
+        self._host.release(rec.take_host_blocks())
 
     def _leave(self, request_id: str) -> RequestPages | None:
         """The common start of finishing and preempting: end an import in flight (then there is
         nothing else to do: None), or forget the request and return its GPU leases."""
-        if not self._enabled or self._end_import_or_choice(request_id):
+        if not self._enabled or self._pd.end(request_id, admitted=request_id in self._requests):
             return None
         rec = self._request(request_id)
         del self._requests[request_id]
@@ -391,21 +351,14 @@ class HiSparseCoordinator:
         """
         if not self._enabled:
             return ImportTarget.DEVICE
-        if request_id in self._requests or request_id in self._imports:
+        if request_id in self._requests or request_id in self._pd:
             raise InvalidInputError(f"request {request_id!r} is already admitted or importing; the import "
                                     f"target is chosen before admission")
         if not _is_int(num_tokens) or not 0 < num_tokens <= self._max_tokens:
             raise InvalidInputError(f"num_tokens must be an int in [1, {self._max_tokens}], got {num_tokens!r}")
         if not _is_int(other_device_blocks) or other_device_blocks < 0:
             raise InvalidInputError(f"other_device_blocks must be an int >= 0, got {other_device_blocks!r}")
-        footprint = ImportFootprint.of(self._config, num_tokens, other_device_blocks)
-        kept = self._import_choice.get(request_id)
-        target = choose_target(footprint, kept, self._gpu.num_free_blocks, self._host.num_free)
-        if kept is None and target is not ImportTarget.WAIT:
-            self._import_choice[request_id] = target
-            logger.debug("request %s: import of %d tokens lands on %s (%s)", request_id, num_tokens,
-                         target.value, footprint)
-        return target
+        return self._pd.choose(request_id, num_tokens, other_device_blocks)
 
     def begin_host_import(self, request_id: str, token_ids: Sequence[int], num_tokens: int, *,
                           extra_key: bytes | None = None) -> tuple[int, ...]:
@@ -414,58 +367,33 @@ class HiSparseCoordinator:
         Raises `CapacityError` (nothing leased) if either pool cannot provide them."""
         if not self._enabled:
             raise InvalidInputError("begin_host_import while HiSparse is disabled; imports land on the device")
-        if self._import_choice.get(request_id) is not ImportTarget.HOST:
+        if self._pd.target_of(request_id) is not ImportTarget.HOST:
             raise InvalidInputError(f"request {request_id!r} has import target "
-                                    f"{self._import_choice.get(request_id)}; begin_host_import needs HOST "
+                                    f"{self._pd.target_of(request_id)}; begin_host_import needs HOST "
                                     f"from choose_import_target")
-        if request_id in self._imports or request_id in self._requests:
+        if request_id in self._pd or request_id in self._requests:
             raise InvalidInputError(f"request {request_id!r} is already importing or admitted")
         if not _is_int(num_tokens) or not 0 < num_tokens <= min(len(token_ids), self._max_tokens):
             raise InvalidInputError(f"num_tokens must be an int in [1, min(len(token_ids)={len(token_ids)}, "
                                     f"{self._max_tokens})], got {num_tokens!r}")
-        pages = self._config.pages_for(num_tokens)
-        if pages > self._host.num_free:
-            raise CapacityError(f"host import of {num_tokens} tokens needs {pages} host blocks; "
-                                f"{self._host.num_free} are allocatable")
-        hot = self._acquire_hot()
-        blocks = self._host.allocate(pages)
-        self._imports[request_id] = HostImport(request_id, token_ids, num_tokens, root_hash(extra_key), blocks, hot)
-        return tuple(blocks)
+        return self._pd.begin(request_id, token_ids, num_tokens, root_hash(extra_key))
 
     def complete_host_import(self, request_id: str) -> None:
         """The imported pages are on host: admit the request with them as its prefix and publish
         its full pages. The partial last page is restored to its resident block when first
         written; the engine allocates resident blocks from `first_resident_page` on."""
-        imp = self._take_import(request_id)
-        bs = self._bs
-        full, partial = divmod(imp.num_tokens, bs)
-        rec = RequestPages(request_id, imp.root, self._config.active_tail_pages)
-        rec.host = list(imp.host_blocks)
-        rec.gpu = [None] * len(rec.host)
-        rec.state = bytearray([LOST]) * full
-        rec.hashes = chain_hashes(imp.token_ids, bs, imp.root, 0, full)
-        rec.num_sealed = rec.first_resident_page = full
-        rec.num_mirrored = imp.num_tokens
-        rec.hot = imp.hot
-        if partial:
-            rec.state.append(DIRTY)
-            rec.restore_page, rec.restore_source = full, rec.host[full]
+        rec = self._pd.complete(request_id)
         self._requests[request_id] = rec
-        self._import_choice.pop(request_id, None)
-        self._advance_publication(rec)
+        self._acks.advance_publication(rec)
 
     def fail_host_import(self, request_id: str) -> None:
         """The import failed: release every lease it took and forget the request."""
-        imp = self._take_import(request_id)
-        self._host.release(imp.host_blocks)
-        self._gpu.release(imp.hot)
-        self._import_choice.pop(request_id, None)
+        self._pd.fail(request_id)
 
     # -- introspection ---------------------------------------------------------------------
 
     def stats(self) -> CoordinatorStats:
         host = self._host
-        c = self._counters
         return CoordinatorStats(
             host_blocks_total=host.capacity if self._enabled else 0,
             host_blocks_used=host.num_leased if self._enabled else 0,
@@ -474,12 +402,12 @@ class HiSparseCoordinator:
             pending_host_copies=len(self._copies),
             running_requests=len(self._requests),
             detached_requests=len(self._detached),
-            pending_imports=len(self._imports),
-            prefix_hit_tokens=c["prefix_hit_tokens"],
-            prefix_queried_tokens=c["prefix_queried_tokens"],
+            pending_imports=len(self._pd),
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            prefix_queried_tokens=self._prefix_queried_tokens,
             published_blocks=host.num_published if self._enabled else 0,
-            spills=c["spills"],
-            restores=c["restores"],
+            spills=self._step.spills,
+            restores=self._step.restores,
             released_pages=self._policy.released_pages,
             lost_pages=self._policy.lost_pages,
             evicted_blocks=host.evictions if self._enabled else 0,
@@ -494,25 +422,18 @@ class HiSparseCoordinator:
     def _request(self, request_id: str) -> RequestPages:
         rec = self._requests.get(request_id)
         if rec is None:
-            raise InvalidInputError(f"unknown request {request_id!r}: not admitted (add_request or "
-                                    f"complete_host_import) or already finished/preempted")
+            raise unknown_request(request_id)
         return rec
 
     def _request_or_import(self, request_id: str) -> None:
-        if request_id not in self._requests and request_id not in self._imports \
-                and request_id not in self._import_choice:
+        if request_id not in self._requests and not self._pd.knows(request_id):
             raise InvalidInputError(f"unknown request {request_id!r}: not admitted, importing or choosing an "
                                     f"import target")
-
-    def _acquire_hot(self) -> tuple[int, ...]:
-        """A hot buffer's GPU blocks; none (and no allocator call) when the config asks for none."""
-        n = self._config.hot_blocks_per_request
-        return tuple(self._gpu.acquire(n)) if n else ()
 
     def _check_new_id(self, request_id: str) -> None:
         if not isinstance(request_id, str):
             raise InvalidInputError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._requests or request_id in self._imports:
+        if request_id in self._requests or request_id in self._pd:
             raise InvalidInputError(f"request {request_id!r} is already admitted or importing")
 
     def _cap(self, token_ids: Sequence[int], max_tokens: int | None) -> int:
@@ -540,236 +461,7 @@ class HiSparseCoordinator:
             hashes.append(parent)
         return blocks, hashes
 
-    def _plan(self, scheduled: Sequence[ScheduledRequest], leaving: set[str]) -> _StepPlan:
-        """Validate the step and split it: decode-like requests (rows inside one known page, nothing
-        to seal, restore or resend) get their row mirror built here; the rest become plans for
-        `_apply_plan`. Changes no state, so a bad request leaves everything as it was."""
-        bs, groups = self._bs, self._groups
-        single_group = groups == 1
-        max_tokens = self._max_tokens
-        requests = self._requests
-        fast_records: list[tuple[RequestPages, int]] = []
-        fast_mirrors: list[RowMirror] = []
-        plans: list[_Plan] = []
-        rids: list[str] = []
-        states: list[int] = []
-        host_needed = 0
-        trusted_mirror = RowMirror.trusted
-        for req in scheduled:
-            rid = req.request_id
-            rec = requests.get(rid)
-            if rec is None:
-                self._request(rid)
-            assert rec is not None
-            si, nc, nn = req.state_index, req.num_computed_tokens, req.num_new_tokens
-            if not (type(si) is int and type(nc) is int and type(nn) is int) or si < 0 or nc < 0 or nn < 0:
-                raise InvalidInputError(f"request {rid!r}: state_index={si!r}, num_computed_tokens={nc!r}, "
-                                        f"num_new_tokens={nn!r}; expected ints >= 0")
-            end = nc + nn
-            if end > max_tokens:
-                raise InvalidInputError(f"request {rid!r}: {end} tokens exceed max_model_len "
-                                        f"({self._config.max_model_len}, {max_tokens} in whole pages)")
-            sealed = rec.num_sealed
-            if nc < sealed * bs:
-                raise InvalidInputError(f"request {rid!r}: num_computed_tokens={nc} would rewrite sealed page "
-                                        f"{nc // bs}; {sealed * bs} tokens are final")
-            if nc > len(req.token_ids):
-                raise InvalidInputError(f"request {rid!r}: num_computed_tokens={nc} but only "
-                                        f"{len(req.token_ids)} token ids")
-            rids.append(rid)
-            states.append(si)
-            host = rec.host
-            p, off = divmod(nc, bs)
-            if (0 < nn <= bs - off and nc == rec.num_mirrored and p < len(host) and p <= sealed
-                    and si == rec.state_index and rec.restore_page < 0):
-                blocks = rec.gpu[p]
-                assert blocks is not None
-                # Runs per request per step: values from this request's validated pages.
-                fast_mirrors.append(trusted_mirror(
-                    (blocks[0] * bs + off,) if single_group else tuple(b * bs + off for b in blocks),
-                    host[p] * bs + off, nn))
-                fast_records.append((rec, end))
-                continue
-            pages_after = -(-end // bs)
-            first_new = len(host)
-            if pages_after > first_new:
-                host_needed += pages_after - first_new
-            first_engine = rec.restore_page if 0 <= rec.restore_page < pages_after else first_new
-            if first_engine < pages_after:
-                self._check_engine_blocks(req, first_engine, pages_after)
-            plans.append((rec, req, si, nc, end, pages_after))
-        if len(set(rids)) != len(rids) or (leaving and not leaving.isdisjoint(rids)):
-            dup = sorted({r for r in rids if rids.count(r) > 1} | (leaving & set(rids)))
-            raise InvalidInputError(f"requests {dup} are scheduled twice, or scheduled and finished/preempted "
-                                    f"in the same step")
-        if len(set(states)) != len(states):
-            dup_states = sorted({x for x in states if states.count(x) > 1})
-            raise InvalidInputError(f"state_index {dup_states} used by more than one request this step")
-        if host_needed > self._host.num_free:
-            raise CapacityError(f"this step writes {host_needed} new pages but the host pool has "
-                                f"{self._host.num_free} allocatable blocks of {self._host.capacity}; the engine "
-                                f"must not schedule more than num_free_host_blocks allows")
-        return fast_records, fast_mirrors, plans
-
-    def _check_engine_blocks(self, req: ScheduledRequest, first: int, pages_after: int) -> None:
-        groups, num_gpu = self._groups, self._gpu.num_blocks
-        rid = req.request_id
-        table = req.resident_block_ids
-        if len(table) != groups:
-            raise InvalidInputError(f"request {rid!r}: resident_block_ids has {len(table)} groups; expected {groups}")
-        for g, row in enumerate(table):
-            if len(row) < pages_after:
-                raise InvalidInputError(f"request {rid!r}: resident group {g} lists {len(row)} blocks; "
-                                        f"{pages_after} pages hold tokens after this step")
-            for p in range(first, pages_after):
-                b = row[p]
-                if type(b) is not int or not 0 <= b < num_gpu:
-                    raise InvalidInputError(f"request {rid!r}: resident block {b!r} of page {p}, group {g} is "
-                                            f"out of range; expected 0 <= id < {num_gpu}")
-
-    # -- internals: the step ---------------------------------------------------------------
-
-    def _engine_blocks(self, req: ScheduledRequest, page: int) -> tuple[int, ...]:
-        table = req.resident_block_ids
-        if self._groups == 1:
-            return (table[0][page],)
-        return tuple(row[page] for row in table)
-
-    def _apply_plan(self, plan: _Plan, transfers: list[PageTransfer], mirrors: list[RowMirror],
-                    residency: dict[int, dict[int, tuple[int, ...]]], tables: list[TableUpdate]) -> None:
-        rec, req, si, nc, end, pages_after = plan
-        bs = self._bs
-        if si != rec.state_index:
-            rec.state_index = si
-            rec.resend = True
-        old_pages = rec.num_pages
-        new_resident: list[int] = []
-        rp = rec.restore_page
-        if 0 <= rp < pages_after:
-            restored = self._engine_blocks(req, rp)
-            rec.gpu[rp] = restored
-            rec.restore_page = -1
-            new_resident.append(rp)
-            self._gpu.retain(restored)
-            self._host.touch((rec.restore_source,))
-            t = self._transfers.open(TransferKind.RESTORE, rec, rp, rec.restore_source, restored)
-            transfers.append(t.wire())
-            self._counters["restores"] += 1
-        if pages_after > old_pages:
-            hb = self._host.allocate(pages_after - old_pages)
-            rec.host.extend(hb)
-            for p in range(old_pages, pages_after):
-                rec.gpu.append(self._engine_blocks(req, p))
-                new_resident.append(p)
-            rec.state.extend(bytes(pages_after - old_pages))   # DIRTY == 0
-            if rec.promote_out_of_tail() and rec.alive:
-                self._policy.note_releasable(rec)
-
-        # Rows the host does not have yet: written this step, or loaded into resident pages by
-        # someone else (num_computed beyond what was mirrored: a device-side import).
-        start = nc if nc < rec.num_mirrored else rec.num_mirrored
-        if start < end:
-            host, gpu = rec.host, rec.gpu
-            row = start
-            while row < end:
-                p, off = divmod(row, bs)
-                n = min(bs - off, end - row)
-                blocks = gpu[p]
-                assert blocks is not None
-                src = (blocks[0] * bs + off,) if len(blocks) == 1 else tuple(b * bs + off for b in blocks)
-                mirrors.append(RowMirror.trusted(src, host[p] * bs + off, n))
-                row += n
-        rec.num_mirrored = end
-
-        seal_to = nc // bs
-        if seal_to > rec.num_sealed:
-            first = rec.num_sealed
-            rec.hashes.extend(chain_hashes(req.token_ids, bs, rec.parent_hash(first), first, seal_to))
-            for p in range(first, seal_to):
-                blocks = rec.gpu[p]
-                assert blocks is not None and rec.state[p] == DIRTY
-                self._gpu.retain(blocks)
-                self._host.touch((rec.host[p],))
-                rec.state[p] = PENDING
-                rec.pending_spills += 1
-                transfers.append(self._transfers.open(TransferKind.SPILL, rec, p, rec.host[p], blocks).wire())
-            self._counters["spills"] += seal_to - first
-            rec.num_sealed = seal_to
-
-        if rec.resend:
-            rec.resend = False
-            rec.hot_changed = False
-            null = (-1,) * self._groups
-            rows = residency.setdefault(si, {})
-            for p, blocks in enumerate(rec.gpu):
-                rows[p] = blocks if blocks is not None else null
-            tables.append(TableUpdate(si, tuple(range(rec.num_pages)), tuple(rec.host), rec.hot or ()))
-        elif new_resident:
-            rows = residency.setdefault(si, {})
-            gpu = rec.gpu
-            for p in new_resident:
-                rows[p] = gpu[p]  # type: ignore[assignment]
-            if pages_after > old_pages:
-                tables.append(TableUpdate(si, tuple(range(old_pages, pages_after)), tuple(rec.host[old_pages:])))
-
-    def _build_command(self, transfers: list[PageTransfer], mirrors: list[RowMirror],
-                       residency: dict[int, dict[int, tuple[int, ...]]],
-                       tables: list[TableUpdate]) -> OffloadCommand | None:
-        null = (-1,) * self._groups
-        for rec, p in self._policy.take_lost():
-            if rec.alive and rec.state_index >= 0 and rec.state[p] == LOST:
-                residency.setdefault(rec.state_index, {})[p] = null
-        for rec in self._policy.take_hot_leased():
-            if rec.hot_changed and rec.alive and rec.state_index >= 0:
-                rec.hot_changed = False
-                tables.append(TableUpdate(rec.state_index, hot_block_ids=rec.hot or ()))
-        self._table_updates = tuple(tables)
-        updates = []
-        groups = self._groups
-        for si, rows in residency.items():
-            pages = tuple(rows)
-            if groups == 1:
-                ids: tuple[tuple[int, ...], ...] = (tuple(v[0] for v in rows.values()),)
-            else:
-                ids = tuple(tuple(v[g] for v in rows.values()) for g in range(groups))
-            updates.append(ResidencyUpdate(si, pages, ids))
-        copies = self._copies.take_queued()
-        recycled = tuple(self._host.take_recycled())
-        if not (transfers or mirrors or updates or copies or recycled):
-            return None
-        return OffloadCommand(tuple(transfers), tuple(mirrors), tuple(updates), copies, recycled)
-
-    # -- internals: acknowledgements and leaving --------------------------------------------
-
-    def _complete_transfer(self, t: Transfer) -> None:
-        self._host.release((t.host_block,))
-        if t.kind is TransferKind.RESTORE:
-            return
-        rec, p = t.owner, t.page
-        rec.pending_spills -= 1
-        if rec.lifecycle is Lifecycle.RUNNING:
-            rec.state[p] = PINNED
-            if rec.file_clean(p):
-                self._policy.note_releasable(rec)
-            self._advance_publication(rec)
-        elif rec.lifecycle is Lifecycle.DETACHED:
-            rec.state[p] = LOST
-            self._advance_publication(rec)
-            if not rec.pending_spills:
-                rec.lifecycle = Lifecycle.GONE
-                del self._detached[rec]
-                self._release_host(rec)
-
-    def _advance_publication(self, rec: RequestPages) -> None:
-        """Publish the durable, contiguous prefix: clean pages with no host copy pending."""
-        p = rec.num_ready
-        sealed = rec.num_sealed
-        state, host, hashes, cow = rec.state, rec.host, rec.hashes, rec.cow_pages
-        publish = self._host.publish
-        while p < sealed and state[p] in CLEAN_STATES and p not in cow and host[p] >= 0:
-            publish(host[p], hashes[p])
-            p += 1
-        rec.num_ready = p
+    # -- internals: leaving ----------------------------------------------------------------
 
     def _drop_gpu(self, rec: RequestPages) -> None:
         """Return the request's resident and hot leases (transfer pins stay with their transfers)."""
@@ -788,23 +480,3 @@ class HiSparseCoordinator:
             rec.hot = None
         rec.restore_page = -1
         rec.forget_releasable()
-
-    def _release_host(self, rec: RequestPages) -> None:
-        blocks = [b for b in rec.host if b >= 0]
-        self._host.release(blocks)
-        rec.host = [-1] * len(rec.host)
-
-    def _end_import_or_choice(self, request_id: str) -> bool:
-        if request_id in self._imports:
-            self.fail_host_import(request_id)
-            return True
-        if request_id not in self._requests and self._import_choice.pop(request_id, None) is not None:
-            return True
-        return False
-
-    def _take_import(self, request_id: str) -> HostImport:
-        imp = self._imports.pop(request_id, None)
-        if imp is None:
-            raise InvalidInputError(f"request {request_id!r} has no host import in flight "
-                                    f"(begin_host_import first)")
-        return imp

@@ -23,6 +23,8 @@ from __future__ import annotations
 import enum
 import heapq
 
+from hisparse_core.errors import InvalidInputError
+
 
 class PageState(enum.IntEnum):
     DIRTY = 0
@@ -37,6 +39,12 @@ DIRTY, PENDING, PINNED, RELEASED, LOST = (int(s) for s in PageState)
 CLEAN_STATES = frozenset((PINNED, RELEASED, LOST))
 #: States where the page holds the request's resident lease.
 LEASED_STATES = frozenset((DIRTY, PENDING, PINNED))
+
+
+def unknown_request(request_id: str) -> InvalidInputError:
+    """The error for a request id that is not (or no longer) admitted."""
+    return InvalidInputError(f"unknown request {request_id!r}: not admitted (add_request or "
+                             f"complete_host_import) or already finished/preempted")
 
 
 class Lifecycle(enum.IntEnum):
@@ -90,6 +98,12 @@ class RequestPages:
 
     def parent_hash(self, page: int) -> bytes:
         return self.hashes[page - 1] if page else self.root
+
+    def take_host_blocks(self) -> list[int]:
+        """The host blocks the request still leases; from now on it leases none (the caller releases them)."""
+        blocks = [b for b in self.host if b >= 0]
+        self.host = [-1] * len(self.host)
+        return blocks
 
     # -- releasable set --------------------------------------------------------------
 

@@ -111,9 +111,15 @@ class ResidencyPolicy:
         out, self._hot_leased = self._hot_leased, []
         return out
 
+    def acquire_hot(self) -> tuple[int, ...]:
+        """A hot buffer's GPU blocks, one lease each; none (and no allocator call) when the config
+        asks for none. Raises `CapacityError`, leasing nothing, if the pool cannot provide them."""
+        n = self._hot_blocks
+        return tuple(self._gpu.acquire(n)) if n else ()
+
     def _lease_hot(self, rec: RequestPages) -> bool:
         try:
-            rec.hot = tuple(self._gpu.acquire(self._hot_blocks))
+            rec.hot = self.acquire_hot()
         except CapacityError:
             return False
         rec.hot_changed = True

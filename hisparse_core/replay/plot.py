@@ -1,38 +1,18 @@
-"""`hisparse run --plot FILE.png`: hit rate over steps, and concurrency against context length.
+"""`hisparse run --plot FILE.png`: hit rate over steps, and concurrency against context length
+(the planner's panel of `hisparse_core.planner_plot`, with the run's measured concurrency on it).
 
 Needs matplotlib (`pip install 'hisparse[plot]'`); imported only when a plot is asked for.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from hisparse_core.errors import HiSparseError
-from hisparse_core.planner import PlanInputs, make_plan
+from hisparse_core.planner_plot import context_range, draw_concurrency, pyplot
 from hisparse_core.replay.engine import RunConfig
 from hisparse_core.replay.run import RunResult
 
 
-def context_sweep(config: RunConfig, points: int = 16) -> list[tuple[int, int, int]]:
-    """(context, all-resident, hisparse) concurrency from the planner for this run's geometry and
-    budgets, from one top-k of context to 8x the run's context (log-spaced)."""
-    lo, hi = max(config.top_k, config.block_size), 8 * config.max_tokens
-    ctxs = sorted({int(round(lo * (hi / lo) ** (i / (points - 1)))) for i in range(points)} | {config.max_tokens})
-    base = config.plan()
-    out = []
-    for ctx in ctxs:
-        p = make_plan(replace(base.inputs, context=ctx) if isinstance(base.inputs, PlanInputs) else base.inputs)
-        out.append((ctx, p.baseline_concurrency, p.hisparse_concurrency))
-    return out
-
-
 def write_plot(result: RunResult, config: RunConfig, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise HiSparseError(f"--plot needs matplotlib: pip install 'hisparse[plot]' ({exc})") from None
+    plt = pyplot()
     recs = result.records
     steps = [r.step for r in recs if r.hits + r.misses]
     rates = [r.hits / (r.hits + r.misses) for r in recs if r.hits + r.misses]
@@ -51,21 +31,15 @@ def write_plot(result: RunResult, config: RunConfig, path: str) -> None:
     h2, l2 = a1b.get_legend_handles_labels()
     a1.legend(h1 + h2, l1 + l2, loc="lower right")
 
-    sweep = context_sweep(config)
-    ctx = [s[0] for s in sweep]
-    a2.plot(ctx, [s[1] for s in sweep], label="all resident (planner)")
-    a2.plot(ctx, [s[2] for s in sweep], label="hisparse (planner)")
+    inputs = config.plan().inputs
+    lo, hi = context_range(inputs)
+    draw_concurrency(a2, inputs, lo, hi)
     s = result.summary()
-    a2.scatter([config.max_tokens], [s["max_concurrency_all_resident_measured"]], marker="o", zorder=3,
-               label="all resident (measured)")
-    a2.scatter([config.max_tokens], [s["max_concurrency_hisparse_measured"]], marker="*", s=120, zorder=3,
-               label="hisparse (measured)")
-    a2.set_xscale("log")
-    a2.set_xlabel("context length (tokens)")
-    a2.set_ylabel("requests that fit the GPU KV budget")
-    a2.set_title("concurrency against context length")
-    a2.grid(alpha=0.3)
-    a2.legend()
+    a2.scatter([config.max_tokens], [s["max_concurrency_all_resident_measured"]], marker="o", zorder=5,
+               color="tab:blue", label="all resident (measured)")
+    a2.scatter([config.max_tokens], [s["max_concurrency_hisparse_measured"]], marker="*", s=120, zorder=5,
+               color="tab:orange", label="hisparse (measured)")
+    a2.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

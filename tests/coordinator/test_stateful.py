@@ -503,7 +503,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     gpu_expected.update(blocks)
             gpu_expected.update(rec.hot or ())
             host_expected.update(b for b in rec.host if b >= 0)
-        for imp in c._imports.values():
+        for imp in c._pd.in_flight.values():
             gpu_expected.update(imp.hot)
             host_expected.update(imp.host_blocks)
         for t in c._transfers.pending():

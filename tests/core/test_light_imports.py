@@ -39,7 +39,7 @@ def test_entry_point_module_imports_nothing_heavy(module: str) -> None:
                                     "hisparse_core.cli.options", "hisparse_core.cli.backends_cmd",
                                     "hisparse_core.cli.generate_cmd", "hisparse_core.cli.run_cmd",
                                     "hisparse_core.cli.bench_cmd", "hisparse_core.cli.plan_cmd",
-                                    "hisparse_core.progress", "hisparse_transformers"])
+                                    "hisparse_core.progress", "hisparse_core.planner_plot", "hisparse_transformers"])
 def test_registry_and_listing_import_nothing_heavy(module: str) -> None:
     assert imported_heavy(module) == []
 

@@ -11,9 +11,11 @@ kernels under `cuda/`, launched through the driver on PyTorch's current stream:
   and again as a thread-block cluster for small batches: there the group's block gathers only a
   share of the hints, and the other blocks of its cluster gather the rest into its shared memory.
 - `hisparse_gather_plan` (copy.cu): copies the plan's host rows into their hot rows for one or
-  more layers, reading the registered host pool directly (zero-copy 16-byte loads). The grid walks
-  the plan request by request over every SM, so a single request is not limited to one block's
-  loads in flight and the reads in flight stay within one or two requests' host regions.
+  more layers, reading the registered host pool directly (zero-copy 16-byte loads). A persistent
+  grid takes 16 KB chunks of the plan from a ticket counter, request by request, so the reads in
+  flight stay within one or two requests' host regions and no block's placement sets the pace.
+  Right after a resolve it is launched while the resolver runs and copies each request's plan as
+  soon as the resolver publishes it (`plan_ready`).
 - `hisparse_gather_spec` (copy.cu): the copy that follows a resolve of a small batch. It starts
   reading the likely misses' host rows while the resolver still runs, then writes exactly the
   resolver's misses (its miss mask and output rows), loading any it did not guess.
@@ -66,6 +68,12 @@ _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
 ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
 #: "0" turns off the speculative gather after a resolve (on by default where it applies).
 ENV_SPEC_GATHER = "HISPARSE_SPEC_GATHER"
+#: "0": the plan copy after a resolve waits for the whole resolver instead of following the rows
+#: it publishes (on by default).
+ENV_GATHER_FOLLOW = "HISPARSE_GATHER_FOLLOW"
+#: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
+#: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
+ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
 #: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM.
 _SPEC_BLOCKS_PER_SM = 4
 _STAT_H2D, _STAT_D2H = 3, 4
@@ -124,6 +132,10 @@ class NvidiaRuntime(CacheRuntime):
             # Bit r * top_k + j: entry j of batch row r was a miss of the last resolve with misses in
             # its group (written by the resolver when top_k % 32 == 0, read by the speculative gather).
             self._miss_mask = torch.zeros(max(1, b * k // 32), dtype=torch.int32, device=device)
+            # Per batch row, the plan count the resolver publishes for a plan copy that follows it
+            # (-1 while pending); and the plan copy's ticket counter and blocks-done counter.
+            self._plan_ready = torch.zeros(b, dtype=torch.int32, device=device)
+            self._gather_work = torch.zeros(2, dtype=torch.int32, device=device)
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._shape = shape
@@ -174,9 +186,17 @@ class NvidiaRuntime(CacheRuntime):
         self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
         self._spec_rows, why = self._speculative_rows(num_sms)
-        logger.info("nvidia runtime: miss copies after a resolve %s",
+        self._follow = os.environ.get(ENV_GATHER_FOLLOW, "1") != "0"
+        blocks = env_int(ENV_GATHER_BLOCKS)
+        blocks = num_sms if blocks is None else blocks
+        if not 1 <= blocks <= 8 * num_sms:
+            raise InvalidInputError(f"{ENV_GATHER_BLOCKS}={blocks}: expected 1 to {8 * num_sms} blocks (8 per SM)")
+        self._gather_blocks = blocks
+        logger.info("nvidia runtime: miss copies after a resolve %s; beyond, a persistent grid of %d blocks %s",
                     f"start while it runs for batches of up to {self._spec_rows} rows" if self._spec_rows
-                    else f"wait for the resolver ({why})")
+                    else f"wait for the resolver ({why})", self._gather_blocks,
+                    "copies each request's plan once the resolver has published it" if self._follow
+                    else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)")
         self._prof: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
@@ -302,20 +322,22 @@ class NvidiaRuntime(CacheRuntime):
         kernel, grid, smem = self._k_resolve, cfg.max_batch_rows, shape.dynamic_smem
         if self._k_resolve_cluster is not None and b <= self._cluster_rows:
             kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
+        spec = gather and b <= self._spec_rows
+        follow = gather and not spec and self._follow
         kernel.launch(
             (grid, 1, 1), shape.threads, smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(inputs.hot_table), _ptr(self._hot_map), _ptr(self._lru),
              _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
              _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b), _i32(cfg.max_batch_rows),
-             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0)],
+             _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0), _ptr(self._plan_ready),
+             _i32(follow)],
             overlap_previous=self._overlap)
         self._last_rows = b
-        if gather:
-            if b <= self._spec_rows:
-                self._gather_spec(inputs, b)
-            else:
-                self._gather(0, 1)
+        if spec:
+            self._gather_spec(inputs, b)
+        elif gather:
+            self._gather(0, 1, follow=follow)
         return out
 
     @property
@@ -368,20 +390,21 @@ class NvidiaRuntime(CacheRuntime):
         assert host_bases is not None and dev_bases is not None and dev_strides is not None
         return host_bases, dev_bases, dev_strides
 
-    def _gather(self, first_layer: int, num_layers: int) -> None:
+    def _gather(self, first_layer: int, num_layers: int, *, follow: bool = False) -> None:
+        """The plan copy of layers [first_layer, first_layer + num_layers); `follow`: right behind
+        the resolve that wrote the plan, reading the counts it publishes as it goes."""
         rows = self._last_rows
         if rows == 0 or num_layers == 0:
             return
         host_bases, dev_bases, dev_strides = self._layer_tables()
         cfg = self.config
         out = self._result
-        # One block per SM in all: the grid walks the plan request by request (bench_host_reads.py).
-        blocks = max(1, -(-self._num_sms // num_layers))
         self._k_gather.launch(
-            (blocks, 1, num_layers), self._copy_shape.threads, (rows + 1) * 4, self._stream(),
-            [_ptr(out.plan_host), _ptr(out.plan_device), _ptr(out.plan_counts), _i32(rows), _i32(cfg.top_k),
-             _ptr(host_bases), _ptr(dev_bases), _ptr(dev_strides), _i32(first_layer),
-             _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
+            (self._gather_blocks, 1, 1), self._copy_shape.threads, (rows + 1) * 4, self._stream(),
+            [_ptr(out.plan_host), _ptr(out.plan_device), _ptr(self._plan_ready if follow else out.plan_counts),
+             _i32(rows), _i32(cfg.top_k), _ptr(host_bases), _ptr(dev_bases), _ptr(dev_strides), _i32(first_layer),
+             _i32(num_layers), _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats),
+             _ptr(self._gather_work), _i32(follow)],
             overlap_previous=self._overlap)
 
     def _gather_spec(self, inputs: ResolveInputs, rows: int) -> None:
@@ -409,7 +432,8 @@ class NvidiaRuntime(CacheRuntime):
                 "dynamic_smem": s.dynamic_smem, "tables_in_smem": s.tables_in_smem,
                 "cluster_blocks": self._cluster, "cluster_max_batch": self._cluster_rows,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
-                "copy_load": c.load}
+                "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
+                "gather_follow": self._follow}
 
     # ----------------------------------------------------------------- page and row copies
 

@@ -166,5 +166,6 @@ class HiSparseCache(DynamicCache):
     def finish(self) -> None:
         """End this cache's batch (the patched generate does it): its requests finish, their state rows
         and GPU leases go back, and the pages they published stay in the host pool for prefix hits."""
+        self.decode_graph = None     # its graph's memory pool goes back now, not when the cache is dropped
         if self.session is not None:
             self.hisparse_engine.close_session(self.session, indexer_bytes=self.indexer_bytes)

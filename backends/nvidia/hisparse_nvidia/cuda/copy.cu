@@ -70,49 +70,58 @@ __device__ __forceinline__ HsRows hs_rows(i32 kind, i32 layer, const i64* host_b
     return out;
 }
 
-// Moves `n` rows; pair(e, src_row, dst_row) names row e's source and destination. Rows outside
-// either buffer (only possible with unvalidated inputs) are skipped. Slots are aligned on the
-// host side's lines (the source's when both sides are on the device).
+// One pass of a row copy: tasks first + u * stride (u < HS_UNROLL) below `end`, each a 16-byte
+// slot (task / HS_SLOTS is the row, task % HS_SLOTS its slot); pair(e, src_row, dst_row) names row
+// e's source and destination. Rows outside either buffer (only possible with unvalidated inputs)
+// are skipped. Slots are aligned on the host side's lines (the source's when both sides are on the
+// device). Every load of the pass is issued before the first store.
 template <class Pair>
-__device__ __forceinline__ void hs_copy_rows(i32 n, const Pair& pair, const HsRows& src, const HsRows& dst, i32 bs) {
+__device__ __forceinline__ void hs_copy_pass(u32 first, u32 stride, u32 end, const Pair& pair, const HsRows& src,
+                                             const HsRows& dst, i32 bs) {
     const bool align_dst = dst.kind == HS_KIND_HOST && src.kind != HS_KIND_HOST;
-    const i64 total = static_cast<i64>(n) * HS_SLOTS;
-    const i64 stride = static_cast<i64>(gridDim.x) * HS_GNT;
-    for (i64 first = static_cast<i64>(blockIdx.x) * HS_GNT + threadIdx.x; first < total;
-         first += stride * HS_UNROLL) {
-        uint4 v[HS_UNROLL];
-        unsigned char* to[HS_UNROLL];
+    uint4 v[HS_UNROLL];
+    unsigned char* to[HS_UNROLL];
 #pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            const i64 c = first + u * stride;
-            to[u] = nullptr;
-            if (c < total) {
-                const u32 cc = static_cast<u32>(c);  // n * HS_SLOTS < 2^32 (checked by the host)
-                const i32 e = static_cast<i32>(cc / HS_SLOTS);
-                const i32 j = static_cast<i32>(cc - static_cast<u32>(e) * HS_SLOTS);
-                i32 s, d;
-                pair(e, s, d);
-                if (s >= 0 && s < src.limit && d >= 0 && d < dst.limit) {
-                    const unsigned char* from = src.at(s, bs);
-                    unsigned char* into = dst.at(d, bs);
-                    const i32 skew = static_cast<i32>(reinterpret_cast<u64>(align_dst ? into : from) & 127);
-                    const i32 pos = j * 16 - skew;
-                    if (pos >= 0 && pos < HS_ROW_BYTES) {
-                        v[u] = hs_load16(from + pos);
-                        to[u] = into + pos;
-                    }
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        const u32 c = first + u * stride;
+        to[u] = nullptr;
+        if (c < end) {
+            const i32 e = static_cast<i32>(c / HS_SLOTS);
+            const i32 j = static_cast<i32>(c - static_cast<u32>(e) * HS_SLOTS);
+            i32 s, d;
+            pair(e, s, d);
+            if (s >= 0 && s < src.limit && d >= 0 && d < dst.limit) {
+                const unsigned char* from = src.at(s, bs);
+                unsigned char* into = dst.at(d, bs);
+                const i32 skew = static_cast<i32>(reinterpret_cast<u64>(align_dst ? into : from) & 127);
+                const i32 pos = j * 16 - skew;
+                if (pos >= 0 && pos < HS_ROW_BYTES) {
+                    v[u] = hs_load16(from + pos);
+                    to[u] = into + pos;
                 }
             }
         }
+    }
 #pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            if (to[u] != nullptr) hs_store16(to[u], v[u]);
-        }
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        if (to[u] != nullptr) hs_store16(to[u], v[u]);
+    }
+}
+
+// Moves `n` rows with a grid-stride loop over their slots (n * HS_SLOTS < 2^32, checked by the host).
+template <class Pair>
+__device__ __forceinline__ void hs_copy_rows(i32 n, const Pair& pair, const HsRows& src, const HsRows& dst, i32 bs) {
+    const u32 total = static_cast<u32>(n) * HS_SLOTS;
+    const u32 stride = gridDim.x * HS_GNT;
+    for (u32 first = blockIdx.x * HS_GNT + threadIdx.x; first < total; first += stride * HS_UNROLL) {
+        hs_copy_pass(first, stride, total, pair, src, dst, bs);
     }
 }
 
 // Entry e of the request-major plan: the request whose range holds e (binary search over the
-// exclusive prefix of the plan counts, `start[0..rows]`), then its entry e - start[r].
+// exclusive prefix of the plan counts, `start[0..rows]`), then its entry e - start[r]. The plan
+// is read through L2 only (ld.global.cg): a copy that follows the resolver reads rows of it while
+// the resolver still writes others.
 struct HsPlanPair {
     const i32* host;
     const i32* device;
@@ -127,8 +136,8 @@ struct HsPlanPair {
             else hi = mid;
         }
         const i64 at = static_cast<i64>(lo) * K + (e - start[lo]);
-        s = host[at];
-        d = device[at];
+        s = __ldcg(host + at);
+        d = __ldcg(device + at);
     }
 };
 
@@ -140,49 +149,157 @@ struct HsListPair {
     }
 };
 
-// Copies the miss plan (host row -> hot row) of batch rows [0, rows) into layer
-// layer_begin + blockIdx.z. Grid: (blocks, 1, layers); dynamic shared memory: (rows + 1) * 4 bytes.
+__device__ __forceinline__ i32 hs_ld_acquire(const i32* p) {
+    i32 v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The plan copy: the miss plan (host row -> hot row) of batch rows [0, rows) into layers
+// [layer_begin, layer_begin + layers). Persistent and self-balancing: the grid's blocks take
+// chunks of HS_GNT * HS_UNROLL slots (16 KB) from a ticket counter, in request-major order over
+// every layer's plan, so the reads in flight at any moment cover a narrow band of the plan (one or
+// two requests' host regions) whatever the number of blocks or where they run. Where a block runs
+// matters: right behind the resolver, whose blocks take a whole SM's registers, the blocks of a
+// programmatically launched copy land first on the few SMs the resolver leaves free, several to
+// an SM; a static split (every block its 1/gridDim of the slots) then ran at the pace of the
+// most crowded SM (1.48x the copy engine at batch 128, 274 misses a request, docs/gpu-validation.md).
+//
+// `follow` = 0: an ordinary copy; `counts` is plan_counts, final once griddepcontrol.wait returns.
+// `follow` = 1: launched right behind the resolver with programmatic stream serialization, and
+// started while it runs. `counts` is the resolver's plan_ready: -1 while a row's plan is being
+// written (every row's is marked so before the resolver lets this grid start), then its count,
+// stored with release semantics after the row's plan entries. Warp 0 reads them with acquire loads
+// in batch order, as far as its next chunk needs, so a request's rows are copied as soon as its
+// group is resolved. The grid waits for the resolver's completion only before exiting, so that
+// the next kernel of the stream, which waits for this grid, also sees the resolver complete.
+//
+// work[0] is the ticket counter, work[1] counts the blocks done; the last block resets both, so
+// every launch starts from zero (plan copies of one runtime are ordered on one stream).
+// Grid: (blocks, 1, 1); dynamic shared memory: (rows + 1) * 4 bytes.
+#define HS_CHUNK (HS_GNT * HS_UNROLL)
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
-    const i32* __restrict__ plan_host, const i32* __restrict__ plan_device, const i32* __restrict__ plan_counts,
-    i32 rows, i32 K, const i64* __restrict__ host_bases, const i64* __restrict__ dev_bases,
-    const i64* __restrict__ dev_block_strides, i32 layer_begin, i32 bs, i64 host_rows, i64 dev_rows,
-    u64* __restrict__ stats) {
-    extern __shared__ i32 s_start[];  // [rows + 1]: where each batch row's entries begin
-    const i32 layer = layer_begin + blockIdx.z;
+    const i32* plan_host, const i32* plan_device, const i32* counts, i32 rows, i32 K,
+    const i64* __restrict__ host_bases, const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides,
+    i32 layer_begin, i32 layers, i32 bs, i64 host_rows, i64 dev_rows, u64* __restrict__ stats, i32* work,
+    i32 follow) {
+    extern __shared__ i32 s_start[];  // [rows + 1]: where each scanned batch row's entries begin
+    // By the iteration's parity, so that warp 0 writes the next iteration's values while the
+    // other warps still read this one's: the batch rows whose counts are known, and the chunk.
+    __shared__ i32 s_scanned[2];
+    __shared__ u32 s_ticket[2];
+    const i32 tid = threadIdx.x;
+    const i32 lane = tid & 31;
     // The layer addresses are written at bind time, never by the resolver: read them first, so
-    // their round trip overlaps the wait below.
-    const HsRows src = hs_rows(HS_KIND_HOST, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
-    const HsRows dst = hs_rows(HS_KIND_DEVICE, layer, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
-    // Launched with programmatic stream serialization, this grid may start while the resolver
-    // still runs: wait for it (a no-op for an ordinary launch) before reading its plan. The next
-    // kernel may be scheduled now: ours wait for this grid before touching memory.
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    // their round trip overlaps the wait.
+    HsRows src = hs_rows(HS_KIND_HOST, layer_begin, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    HsRows dst = hs_rows(HS_KIND_DEVICE, layer_begin, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    // A no-op for an ordinary launch. The next kernel may be scheduled now: ours wait for this grid
+    // before touching memory.
+    if (!follow) asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    if (threadIdx.x < 32) {  // one warp scans the counts
-        const i32 lane = threadIdx.x;
-        i32 carry = 0;
-        for (i32 base = 0; base < rows; base += 32) {
-            const i32 r = base + lane;
-            const i32 c = r < rows ? min(max(plan_counts[r], 0), K) : 0;
-            i32 incl = c;
+    if (tid == 0) s_start[0] = 0;
+    __syncthreads();
+    // Warp 0: the counts as far as `need` slots (every count: 0xffffffff), in batch order, 128 rows
+    // a round trip; a row whose plan is still pending ends the round.
+    auto scan = [&](i32 done, u32 need) -> i32 {
+        while (done < rows && static_cast<u32>(s_start[done]) * HS_SLOTS < need) {
+            const i32 r0 = done + lane * 4;
+            i32 c[4];
+#pragma unroll
+            for (i32 v = 0; v < 4; ++v) c[v] = r0 + v < rows ? hs_ld_acquire(counts + r0 + v) : 0;
+            i32 first = 4;  // this lane's first pending row
+#pragma unroll
+            for (i32 v = 3; v >= 0; --v) {
+                if (c[v] < 0) first = v;
+            }
+            // Rows final before the first pending one of the 128 (all 128 when none is pending).
+            const i32 ready = static_cast<i32>(__reduce_min_sync(HS_FULL_MASK, first < 4 ? lane * 4 + first : 128u));
+            i32 sum = 0;
+#pragma unroll
+            for (i32 v = 0; v < 4; ++v) {
+                c[v] = lane * 4 + v < ready ? min(max(c[v], 0), K) : 0;
+                sum += c[v];
+            }
+            i32 incl = sum;
 #pragma unroll
             for (i32 o = 1; o < 32; o <<= 1) {
-                const i32 t = __shfl_up_sync(HS_FULL_MASK, incl, o);
-                if (lane >= o) incl += t;
+                const i32 y = __shfl_up_sync(HS_FULL_MASK, incl, o);
+                if (lane >= o) incl += y;
             }
-            if (r < rows) s_start[r] = carry + incl - c;
-            carry += __shfl_sync(HS_FULL_MASK, incl, 31);
+            i32 at = s_start[done] + incl - sum;
+#pragma unroll
+            for (i32 v = 0; v < 4; ++v) {
+                at += c[v];
+                if (lane * 4 + v < ready && r0 + v < rows) s_start[r0 + v + 1] = at;
+            }
+            done = min(done + ready, rows);
+            __syncwarp();
+            if (ready == 0) __nanosleep(200);
         }
-        if (lane == 0) s_start[rows] = carry;
+        return done;
+    };
+    // Before any ticket: the counts up to the first miss. A plan without any (a step of hits) is
+    // left at once, and then no block takes a ticket or counts itself done.
+    if (tid < 32) {
+        const i32 done = scan(0, 1);
+        if (lane == 0) {
+            s_scanned[1] = done;
+            if (s_start[done] > 0) s_ticket[0] = atomicAdd(reinterpret_cast<u32*>(work), 1u);
+        }
     }
     __syncthreads();
-    const i32 n = s_start[rows];
-    if (n <= 0) return;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
+    if (s_start[s_scanned[1]] == 0) {  // every count known, and zero
+        if (follow) asm volatile("griddepcontrol.wait;" ::: "memory");
+        return;
     }
-    HsPlanPair pair{plan_host, plan_device, s_start, rows, K};
-    hs_copy_rows(n, pair, src, dst, bs);
+    u32 next = 0;  // thread 0: the ticket taken ahead, stored for the next iteration after the copy
+    const bool whole = layers > 1;  // several layers: the chunks of a layer follow from the total
+    for (u32 it = 0;; ++it) {
+        const u32 odd = it & 1;
+        if (tid < 32) {
+            // Counts as far as this chunk needs (every count for a multi-layer copy).
+            __syncwarp();  // thread 0 stored this iteration's ticket
+            const i32 done = scan(s_scanned[odd ^ 1u], whole ? 0xffffffffu : (s_ticket[odd] + 1) * HS_CHUNK);
+            if (lane == 0) {
+                s_scanned[odd] = done;
+                next = atomicAdd(reinterpret_cast<u32*>(work), 1u);  // its round trip overlaps the copy
+            }
+        }
+        __syncthreads();
+        const u32 t = s_ticket[odd];
+        const i32 scanned = s_scanned[odd];
+        const u32 known = static_cast<u32>(s_start[scanned]) * HS_SLOTS;  // slots of the scanned rows
+        u32 c0 = t * HS_CHUNK;
+        i32 z = 0;
+        if (whole) {  // every count known: chunks of layer z follow those of layer z - 1
+            const u32 per_layer = (known + HS_CHUNK - 1) / HS_CHUNK;
+            if (per_layer == 0 || t >= per_layer * static_cast<u32>(layers)) break;
+            z = static_cast<i32>(t / per_layer);
+            c0 = (t - static_cast<u32>(z) * per_layer) * HS_CHUNK;
+            if (z > 0) {
+                src = hs_rows(HS_KIND_HOST, layer_begin + z, host_bases, dev_bases, dev_block_strides, host_rows,
+                              dev_rows);
+                dst = hs_rows(HS_KIND_DEVICE, layer_begin + z, host_bases, dev_bases, dev_block_strides, host_rows,
+                              dev_rows);
+            }
+        } else if (c0 >= known) {
+            break;  // every count is known (the scan stops short only at the end) and the plan is done
+        }
+        HsPlanPair pair{plan_host, plan_device, s_start, scanned, K};
+        hs_copy_pass(c0 + static_cast<u32>(tid), HS_GNT, min(c0 + HS_CHUNK, known), pair, src, dst, bs);
+        if (tid == 0) s_ticket[odd ^ 1u] = next;  // read by all after the next barrier
+    }
+    if (tid == 0) {
+        const u32 n = static_cast<u32>(s_start[rows]);  // every count is known on exit
+        if (blockIdx.x == 0 && n) atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES * layers);
+        __threadfence();  // this block's tickets are taken before it counts itself done
+        if (atomicAdd(reinterpret_cast<u32*>(work) + 1, 1u) == gridDim.x - 1) {
+            work[0] = 0;
+            work[1] = 0;
+        }
+    }
+    if (follow) asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 // Copies a list of (source row, destination row) pairs in layer layer_begin + blockIdx.z, between

@@ -53,6 +53,12 @@
 // Miss mask (builds with HS_K % 32 == 0): on a step with misses, the block sets bit E of
 // miss_mask for each miss entry E = r * K + j (the group's words cleared first), so the
 // speculative gather (copy.cu) can tell which of the rows it fetched early are the plan's.
+//
+// Publishing the plan (`follow` = 1, when the plan copy of copy.cu follows): the block of a group
+// marks plan_ready of its rows -1 (fenced) before barrier 1, and only then lets the dependent grid
+// start; once the group's plan entries are written it stores each row's count there with release
+// semantics. A padding row of the batch stores 0 first. So the copy starts on a request's plan as
+// soon as its group is resolved, and never reads a count or plan entry older than this launch.
 #include "common.cuh"
 
 #if !defined(HS_NT) || !defined(HS_K) || !defined(HS_H) || !defined(HS_BS) || !defined(HS_RPR) || \
@@ -349,11 +355,16 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     u64* __restrict__ stats,                 // [5]: resident, hits, misses, h2d, d2h
     i32 B,
     i32 Bmax,                                // rows of the outputs (cluster builds: launched for B rows)
-    u64* __restrict__ prof) {                // diagnostics: phase clocks of block 0, or null
+    u64* __restrict__ prof,                  // diagnostics: phase clocks of block 0, or null
+    i32* __restrict__ plan_ready,            // [Bmax]: rows [0, B) published for a following copy
+    i32 follow) {                            // 1: a plan copy follows that reads plan_ready
     // Programmatic dependent launch: wait for the previous kernel of the stream before touching
-    // memory, then let the gather that follows start its launch (it waits for this grid).
+    // memory, then let the copy that follows start its launch. A speculative or ordinary copy
+    // waits for this grid. A following plan copy (`follow`) does not: it copies each request's
+    // plan once plan_ready says it is written, so every block first marks its rows' plan_ready
+    // pending (-1), or final, and only then lets it start.
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (!follow) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const i32 r = blockIdx.x / HS_C;  // the batch row: a cluster of HS_C blocks per row
     const i32 tid = threadIdx.x;
     __builtin_assume(tid >= 0 && tid < HS_NT);  // the launch's block size: folds per-thread bounds
@@ -368,7 +379,8 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
 #if HS_C > 1
     i16* hint_in = reinterpret_cast<i16*>(hs_smem + (mark + (HS_H + 3) / 4 * 4 - hs_smem + 15) / 16 * 16);
     const u32 rank = hs_cluster_rank();
-    if (rank != 0) {
+    if (rank != 0) {  // a helper publishes no row of the batch
+        if (follow) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
         hs_help(rank, topk, row_state, seq_lens, pos_slot, hint_in, r, B);
         const i32 helper = r * (HS_C - 1) + static_cast<i32>(rank) - 1;
         hs_pad_rows(helper * HS_NW + (tid >> 5), B * (HS_C - 1) * HS_NW, B, Bmax, out_rows, out_valid, plan_host,
@@ -416,6 +428,14 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     HS_MARK(1);
     if (n < 0) return;  // written by the block of the group's first row
     if (q < 0) {        // padding row (or past B): -1 everywhere, counts 0
+        if (follow) {   // its count (0) is final before the copy may start; it reads no entry then
+            if (tid == 0 && r < B) {
+                plan_ready[r] = 0;
+                __threadfence();
+            }
+            __syncthreads();
+            asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        }
         if (valid0 == 0 && old0 == 0) return;  // already so: no valid entry, no plan entry
         const i32 m1[4] = {-1, -1, -1, -1};
 #pragma unroll 1
@@ -469,6 +489,9 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     __shared__ i32 s_dup;
     __shared__ i32 s_any_host;
 
+    if (follow && tid == 0) {  // published (fenced) before barrier 1, which lets the copy start
+        for (i32 i = 0; i < n; ++i) plan_ready[r + i] = -1;
+    }
     const i32 total = n * HS_K;
     const i32 qH = q * HS_H;   // < 2^31: checked by the host (max_requests * hot_rows)
     const i32 qP = q * HS_P;   // likewise max_requests * max_pages * block_size
@@ -565,7 +588,9 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     hs_cluster_wait();  // long complete: the helpers arrived at their start
 #endif
     HS_MARK(2);
+    if (follow && tid == 0) __threadfence();
     __syncthreads();  // barrier 1
+    if (follow) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     HS_MARK(3);
 #if HS_C > 1
     if (tid == 0) {
@@ -701,6 +726,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
             if (lane < n) {
                 out_valid[r + lane] = n > 1 ? s_rvalid[lane] : n_valid;
                 plan_counts[r + lane] = 0;
+                if (follow) plan_ready[r + lane] = 0;  // no entry to read
             }
             if (lane == 0 && n_resident) atomicAdd(&stats[0], static_cast<u64>(n_resident));
         }
@@ -865,6 +891,14 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
         if (j < total && j - rho_t * HS_K >= mcnt && j - rho_t * HS_K < old_r[e]) {
             plan_host[base + j] = -1;
             plan_device[base + j] = -1;
+        }
+    }
+    if (follow) {  // the group's plan is written: publish it before the outputs and the LRU order
+        __syncthreads();
+        if (warp == 0 && lane < n) {
+            __threadfence();
+            const i32 count = n > 1 ? s_rmiss[lane] : n_misses;
+            asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(plan_ready + r + lane), "r"(count) : "memory");
         }
     }
 #pragma unroll

@@ -1,0 +1,270 @@
+"""Step planning: the scheduled requests of one `schedule_step` become the step's `OffloadCommand`
+and its source/hot table deltas.
+
+Two phases, so that a bad step changes nothing:
+
+1. `StepPlanner.validate` checks every scheduled request (admitted, counts that are ints >= 0,
+   within `max_model_len`, no rewrite of a sealed page, engine block ids in range for the pages
+   the coordinator takes over) and the step as a whole (no request or state row twice, no
+   request both scheduled and leaving, enough host blocks for the new pages). It changes no
+   state. Decode-like requests (rows inside one known page, nothing to seal, restore or resend)
+   get their row mirror built right there; the rest become `RequestPlan`s.
+2. `StepPlanner.apply`, after the leaving requests are gone, allocates host blocks for new
+   pages, mirrors the rows the host does not have, seals and spills the pages that
+   `num_computed_tokens` covers, restores partial pages that came from host, runs the residency
+   policy and assembles the command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hisparse_core.coordinator.config import CoordinatorConfig
+from hisparse_core.coordinator.engine import GpuBlockAllocator, ScheduledRequest
+from hisparse_core.coordinator.host_blocks import HostBlockPool
+from hisparse_core.coordinator.outputs import TableUpdate
+from hisparse_core.coordinator.pages import DIRTY, LOST, PENDING, RequestPages, unknown_request
+from hisparse_core.coordinator.policy import ResidencyPolicy
+from hisparse_core.coordinator.prefix import chain_hashes
+from hisparse_core.coordinator.spill import HostCopyLedger, TransferKind, TransferLedger
+from hisparse_core.errors import CapacityError, InvalidInputError
+from hisparse_core.types import OffloadCommand, PageTransfer, ResidencyUpdate, RowMirror
+
+#: One scheduled request that needs more than a row mirror: (record, view, state index,
+#: num_computed_tokens, tokens after the step, pages after the step).
+RequestPlan = tuple[RequestPages, ScheduledRequest, int, int, int, int]
+#: A validated step: (decode-like requests with their mirrored length after the step, their row
+#: mirrors, the other requests' plans).
+StepPlan = tuple[list[tuple[RequestPages, int]], list[RowMirror], list[RequestPlan]]
+
+
+class StepPlanner:
+    """Validates a step and turns it into the workers' command; shares the coordinator's state."""
+
+    def __init__(self, config: CoordinatorConfig, gpu: GpuBlockAllocator, host: HostBlockPool,
+                 policy: ResidencyPolicy, transfers: TransferLedger, copies: HostCopyLedger,
+                 requests: dict[str, RequestPages]) -> None:
+        self._config = config
+        self._gpu = gpu
+        self._host = host
+        self._policy = policy
+        self._transfers = transfers
+        self._copies = copies
+        self._requests = requests
+        self._bs = config.block_size
+        self._groups = config.num_resident_groups
+        self._max_tokens = config.max_pages_per_request * config.block_size
+        self.spills = 0
+        self.restores = 0
+
+    # -- phase 1: validation -----------------------------------------------------------------
+
+    def validate(self, scheduled: Sequence[ScheduledRequest], leaving: set[str]) -> StepPlan:
+        """Check the step and split it (see the module docstring). Changes no state, so a bad
+        request leaves everything as it was."""
+        bs, groups = self._bs, self._groups
+        single_group = groups == 1
+        max_tokens = self._max_tokens
+        requests = self._requests
+        fast_records: list[tuple[RequestPages, int]] = []
+        fast_mirrors: list[RowMirror] = []
+        plans: list[RequestPlan] = []
+        rids: list[str] = []
+        states: list[int] = []
+        host_needed = 0
+        trusted_mirror = RowMirror.trusted
+        for req in scheduled:
+            rid = req.request_id
+            rec = requests.get(rid)
+            if rec is None:
+                raise unknown_request(rid)
+            si, nc, nn = req.state_index, req.num_computed_tokens, req.num_new_tokens
+            if not (type(si) is int and type(nc) is int and type(nn) is int) or si < 0 or nc < 0 or nn < 0:
+                raise InvalidInputError(f"request {rid!r}: state_index={si!r}, num_computed_tokens={nc!r}, "
+                                        f"num_new_tokens={nn!r}; expected ints >= 0")
+            end = nc + nn
+            if end > max_tokens:
+                raise InvalidInputError(f"request {rid!r}: {end} tokens exceed max_model_len "
+                                        f"({self._config.max_model_len}, {max_tokens} in whole pages)")
+            sealed = rec.num_sealed
+            if nc < sealed * bs:
+                raise InvalidInputError(f"request {rid!r}: num_computed_tokens={nc} would rewrite sealed page "
+                                        f"{nc // bs}; {sealed * bs} tokens are final")
+            if nc > len(req.token_ids):
+                raise InvalidInputError(f"request {rid!r}: num_computed_tokens={nc} but only "
+                                        f"{len(req.token_ids)} token ids")
+            rids.append(rid)
+            states.append(si)
+            host = rec.host
+            p, off = divmod(nc, bs)
+            if (0 < nn <= bs - off and nc == rec.num_mirrored and p < len(host) and p <= sealed
+                    and si == rec.state_index and rec.restore_page < 0):
+                blocks = rec.gpu[p]
+                assert blocks is not None
+                # Runs per request per step: values from this request's validated pages.
+                fast_mirrors.append(trusted_mirror(
+                    (blocks[0] * bs + off,) if single_group else tuple(b * bs + off for b in blocks),
+                    host[p] * bs + off, nn))
+                fast_records.append((rec, end))
+                continue
+            pages_after = -(-end // bs)
+            first_new = len(host)
+            if pages_after > first_new:
+                host_needed += pages_after - first_new
+            first_engine = rec.restore_page if 0 <= rec.restore_page < pages_after else first_new
+            if first_engine < pages_after:
+                self._check_engine_blocks(req, first_engine, pages_after)
+            plans.append((rec, req, si, nc, end, pages_after))
+        if len(set(rids)) != len(rids) or (leaving and not leaving.isdisjoint(rids)):
+            dup = sorted({r for r in rids if rids.count(r) > 1} | (leaving & set(rids)))
+            raise InvalidInputError(f"requests {dup} are scheduled twice, or scheduled and finished/preempted "
+                                    f"in the same step")
+        if len(set(states)) != len(states):
+            dup_states = sorted({x for x in states if states.count(x) > 1})
+            raise InvalidInputError(f"state_index {dup_states} used by more than one request this step")
+        if host_needed > self._host.num_free:
+            raise CapacityError(f"this step writes {host_needed} new pages but the host pool has "
+                                f"{self._host.num_free} allocatable blocks of {self._host.capacity}; the engine "
+                                f"must not schedule more than num_free_host_blocks allows")
+        return fast_records, fast_mirrors, plans
+
+    def _check_engine_blocks(self, req: ScheduledRequest, first: int, pages_after: int) -> None:
+        groups, num_gpu = self._groups, self._gpu.num_blocks
+        rid = req.request_id
+        table = req.resident_block_ids
+        if len(table) != groups:
+            raise InvalidInputError(f"request {rid!r}: resident_block_ids has {len(table)} groups; expected {groups}")
+        for g, row in enumerate(table):
+            if len(row) < pages_after:
+                raise InvalidInputError(f"request {rid!r}: resident group {g} lists {len(row)} blocks; "
+                                        f"{pages_after} pages hold tokens after this step")
+            for p in range(first, pages_after):
+                b = row[p]
+                if type(b) is not int or not 0 <= b < num_gpu:
+                    raise InvalidInputError(f"request {rid!r}: resident block {b!r} of page {p}, group {g} is "
+                                            f"out of range; expected 0 <= id < {num_gpu}")
+
+    # -- phase 2: the command ----------------------------------------------------------------
+
+    def apply(self, step: StepPlan) -> tuple[OffloadCommand | None, tuple[TableUpdate, ...]]:
+        """Carry out a validated step: returns the command (None when there is nothing for the
+        workers) and the step's table deltas."""
+        fast_records, mirrors, plans = step
+        for rec, end in fast_records:
+            rec.num_mirrored = end
+        transfers: list[PageTransfer] = []
+        residency: dict[int, dict[int, tuple[int, ...]]] = {}
+        tables: list[TableUpdate] = []
+        for plan in plans:
+            self._apply_plan(plan, transfers, mirrors, residency, tables)
+        self._policy.apply()
+        return self._build_command(transfers, mirrors, residency, tables)
+
+    def _engine_blocks(self, req: ScheduledRequest, page: int) -> tuple[int, ...]:
+        table = req.resident_block_ids
+        if self._groups == 1:
+            return (table[0][page],)
+        return tuple(row[page] for row in table)
+
+    def _apply_plan(self, plan: RequestPlan, transfers: list[PageTransfer], mirrors: list[RowMirror],
+                    residency: dict[int, dict[int, tuple[int, ...]]], tables: list[TableUpdate]) -> None:
+        rec, req, si, nc, end, pages_after = plan
+        bs = self._bs
+        if si != rec.state_index:
+            rec.state_index = si
+            rec.resend = True
+        old_pages = rec.num_pages
+        new_resident: list[int] = []
+        rp = rec.restore_page
+        if 0 <= rp < pages_after:
+            restored = self._engine_blocks(req, rp)
+            rec.gpu[rp] = restored
+            rec.restore_page = -1
+            new_resident.append(rp)
+            self._gpu.retain(restored)
+            self._host.touch((rec.restore_source,))
+            t = self._transfers.open(TransferKind.RESTORE, rec, rp, rec.restore_source, restored)
+            transfers.append(t.wire())
+            self.restores += 1
+        if pages_after > old_pages:
+            hb = self._host.allocate(pages_after - old_pages)
+            rec.host.extend(hb)
+            for p in range(old_pages, pages_after):
+                rec.gpu.append(self._engine_blocks(req, p))
+                new_resident.append(p)
+            rec.state.extend(bytes(pages_after - old_pages))   # DIRTY == 0
+            if rec.promote_out_of_tail() and rec.alive:
+                self._policy.note_releasable(rec)
+
+        # Rows the host does not have yet: written this step, or loaded into resident pages by
+        # someone else (num_computed beyond what was mirrored: a device-side import).
+        start = nc if nc < rec.num_mirrored else rec.num_mirrored
+        if start < end:
+            host, gpu = rec.host, rec.gpu
+            row = start
+            while row < end:
+                p, off = divmod(row, bs)
+                n = min(bs - off, end - row)
+                blocks = gpu[p]
+                assert blocks is not None
+                src = (blocks[0] * bs + off,) if len(blocks) == 1 else tuple(b * bs + off for b in blocks)
+                mirrors.append(RowMirror.trusted(src, host[p] * bs + off, n))
+                row += n
+        rec.num_mirrored = end
+
+        seal_to = nc // bs
+        if seal_to > rec.num_sealed:
+            first = rec.num_sealed
+            rec.hashes.extend(chain_hashes(req.token_ids, bs, rec.parent_hash(first), first, seal_to))
+            for p in range(first, seal_to):
+                blocks = rec.gpu[p]
+                assert blocks is not None and rec.state[p] == DIRTY
+                self._gpu.retain(blocks)
+                self._host.touch((rec.host[p],))
+                rec.state[p] = PENDING
+                rec.pending_spills += 1
+                transfers.append(self._transfers.open(TransferKind.SPILL, rec, p, rec.host[p], blocks).wire())
+            self.spills += seal_to - first
+            rec.num_sealed = seal_to
+
+        if rec.resend:
+            rec.resend = False
+            rec.hot_changed = False
+            null = (-1,) * self._groups
+            rows = residency.setdefault(si, {})
+            for p, blocks in enumerate(rec.gpu):
+                rows[p] = blocks if blocks is not None else null
+            tables.append(TableUpdate(si, tuple(range(rec.num_pages)), tuple(rec.host), rec.hot or ()))
+        elif new_resident:
+            rows = residency.setdefault(si, {})
+            gpu = rec.gpu
+            for p in new_resident:
+                rows[p] = gpu[p]  # type: ignore[assignment]
+            if pages_after > old_pages:
+                tables.append(TableUpdate(si, tuple(range(old_pages, pages_after)), tuple(rec.host[old_pages:])))
+
+    def _build_command(self, transfers: list[PageTransfer], mirrors: list[RowMirror],
+                       residency: dict[int, dict[int, tuple[int, ...]]],
+                       tables: list[TableUpdate]) -> tuple[OffloadCommand | None, tuple[TableUpdate, ...]]:
+        null = (-1,) * self._groups
+        for rec, p in self._policy.take_lost():
+            if rec.alive and rec.state_index >= 0 and rec.state[p] == LOST:
+                residency.setdefault(rec.state_index, {})[p] = null
+        for rec in self._policy.take_hot_leased():
+            if rec.hot_changed and rec.alive and rec.state_index >= 0:
+                rec.hot_changed = False
+                tables.append(TableUpdate(rec.state_index, hot_block_ids=rec.hot or ()))
+        updates = []
+        groups = self._groups
+        for si, rows in residency.items():
+            pages = tuple(rows)
+            if groups == 1:
+                ids: tuple[tuple[int, ...], ...] = (tuple(v[0] for v in rows.values()),)
+            else:
+                ids = tuple(tuple(v[g] for v in rows.values()) for g in range(groups))
+            updates.append(ResidencyUpdate(si, pages, ids))
+        copies = self._copies.take_queued()
+        recycled = tuple(self._host.take_recycled())
+        if not (transfers or mirrors or updates or copies or recycled):
+            return None, tuple(tables)
+        return OffloadCommand(tuple(transfers), tuple(mirrors), tuple(updates), copies, recycled), tuple(tables)

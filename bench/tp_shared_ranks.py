@@ -195,7 +195,7 @@ class GpuOrdering:
         event.record()
         now = time.monotonic()
         deadline, dead_at = now + self.timeout_s, None
-        while not event.query():
+        while not self._query(event, channel, step):
             now = time.monotonic()
             if channel is not None and channel.writer_dead():
                 dead_at = now if dead_at is None else dead_at
@@ -205,6 +205,17 @@ class GpuOrdering:
             if now > deadline:
                 raise ProtocolError(f"the reads of step {step} did not finish in {self.timeout_s}s")
             time.sleep(0.001)
+
+
+    @staticmethod
+    def _query(event: torch.cuda.Event, channel: Any, step: int) -> bool:
+        try:
+            return bool(event.query())
+        except RuntimeError as exc:  # the stream failed: say so in the peer's terms when rank 0 is gone
+            if channel is not None and channel.writer_dead():
+                raise channel.writer_died(f"this rank's reads of step {step} waited on its IPC event and failed "
+                                          f"({one_line(exc)})") from exc
+            raise
 
 
 class CpuOrdering:

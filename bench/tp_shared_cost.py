@@ -112,7 +112,8 @@ class SwapIn:
             with torch.cuda.graph(graph):
                 for inp in inputs:
                     rt.resolve(inp, gather=True, validate=False)
-            self.runs[b] = (rt, graph, steps, shift)
+            # The graph reads the inputs at their captured addresses: they live as long as it does.
+            self.runs[b] = (rt, graph, steps, shift, inputs)
         self.engine = backend.create_transfer_engine(pool, [self.runs[BATCHES[0]][0]])
 
     def publish_one_write(self, host_row: int) -> None:
@@ -125,7 +126,7 @@ class SwapIn:
         """Median microseconds per layer-step of the batch's graph; `ordered` puts the reads'
         ordering (`wait_for_host_writes`) in front of every replay. `start_at` (time.monotonic)
         delays the start, so that ranks started by one message overlap."""
-        rt, graph, steps, shift = self.runs[batch]
+        rt, graph, steps, shift, _ = self.runs[batch]
         for _ in range(2):  # two full cycles: the hot buffers reach their steady state
             graph.replay()
         torch.cuda.synchronize(self.dev)

@@ -246,25 +246,7 @@ def instrument(hs: Any, timers: Timers) -> Callable[[], None]:
         timers.stop("mirror+spill (copy stream)", stream)
 
     worker.after_forward = timed_after
-    begin, end = engine.begin_step, engine.end_step
-    host = {"s": 0.0}
-
-    def timed_begin(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return begin(*a, **k)
-        finally:
-            host["s"] += time.perf_counter() - t0
-
-    def timed_end(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return end(*a, **k)
-        finally:
-            host["s"] += time.perf_counter() - t0
-
-    engine.begin_step, engine.end_step = timed_begin, timed_end
-    engine._bench_host = host
+    engine._bench_host = _time_engine_host(hs)
 
     def undo() -> None:
         for name, fn in saved.items():

@@ -45,14 +45,18 @@ MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
 SWEEP_MISSES = (0, 34, 137, 274, 548, 2048)
 SWEEP_BATCHES = (1, 8, 64, 128)
-# The resolver built with 512 threads per block, with the page tables gathered per entry, and with
-# one, two or four blocks per group at small batches (the default is eight): timed in the same run.
+# The resolver built with 512 threads per block, with the page tables gathered per entry, with
+# one, two or four blocks per group at small batches (the default is eight), and with the cluster
+# leader's hints gathered after its classification: timed in the same run.
 VARIANTS = [{"HISPARSE_RESOLVE_THREADS": "512"}, {"HISPARSE_RESOLVE_SMEM": "0"}, {"HISPARSE_RESOLVE_CLUSTER": "1"},
-            {"HISPARSE_RESOLVE_CLUSTER": "2"}, {"HISPARSE_RESOLVE_CLUSTER": "4"}]
+            {"HISPARSE_RESOLVE_CLUSTER": "2"}, {"HISPARSE_RESOLVE_CLUSTER": "4"}, {"HISPARSE_RESOLVE_EARLY_HINTS": "0"}]
 # The plan copy's launch: waiting for the whole resolver, half or twice the default grid (one block
 # per SM), and no programmatic dependent launch at all; timed on the miss rows of batches 8 to 128.
 COPY_VARIANTS = [{"HISPARSE_GATHER_FOLLOW": "0"}, {"HISPARSE_GATHER_BLOCKS": "66"},
                  {"HISPARSE_GATHER_BLOCKS": "264"}, {"HISPARSE_OVERLAP_LAUNCH": "0"}]
+
+# The cells each --variant is timed on.
+VARIANT_CELLS = [(0, 1), (MISSES, 1), (MISSES, 8), (MISSES, 32), (MISSES, 64), (MISSES, 128), (K, 128), (0, 128)]
 
 # Peers on an H200 of the same kind, 2026-12-01 (us per layer-step, call 1 / call 2), and that run's
 # contiguous copy: ../shared/research/peers-h200-2026-12-01.md.
@@ -294,6 +298,42 @@ class Bench:
         return us, {"hits": st.hits, "misses": st.misses, "h2d_bytes": st.h2d_bytes, "shape": rt.launch_shape,
                     **self.phases(rt, inp)}
 
+    def hit_floor(self, b: int) -> float:
+        """The dependency floor of a hit step (bench/hit_floor.cu) on the hot state a real resolve left:
+        the round trips, barriers and stores any resolver of this layout makes, without its work."""
+        import ctypes
+        from pathlib import Path
+
+        from hisparse_core.runtime import ResolveInputs
+        from hisparse_nvidia import driver
+        from hisparse_nvidia.compiler import compile_source
+
+        rt = self.runtime(b)
+        source, res, hot = self.tables(b, resident=False)
+        topk = self.windows(b, 1, K)[0]
+        state = torch.arange(b, dtype=torch.int32, device=self.dev)
+        lens = torch.full((b,), CTX, dtype=torch.int32, device=self.dev)
+        for _ in range(2):  # the second resolve finds every host entry at its hinted slot
+            rt.resolve(ResolveInputs(topk, state, lens, source, res, hot), gather=True, validate=False)
+        props = torch.cuda.get_device_properties(self.dev)
+        image, _ = compile_source((Path(__file__).parent / "hit_floor.cu").read_text(), "hit_floor.cu",
+                                  [f"--gpu-architecture=sm_{props.major}{props.minor}", "--std=c++17",
+                                   "--device-as-default-execution-space", "-DHS_NT=1024", f"-DHS_K={K}", f"-DHS_H={H}",
+                                   f"-DHS_BS={BS}", f"-DHS_P={P}"])
+        fn = driver.Module(image).function("hisparse_hit_floor")
+        out = torch.empty((b, K), dtype=torch.int32, device=self.dev)
+        lru_out = torch.empty((b, H), dtype=torch.int16, device=self.dev)
+        self._keep_hit_floor = (fn, out, lru_out, topk, state, lens, source, rt)
+        args = [ctypes.c_void_p(x.data_ptr()) for x in
+                (topk, state, lens, source, rt._hot_map, rt._lru, rt._pos_slot, out, lru_out)]
+        steps = 32
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            stream = torch.cuda.current_stream().cuda_stream
+            for _ in range(steps):
+                fn.launch((b, 1, 1), 1024, 0, stream, args, overlap_previous=True)
+        return self.time_graph(g, steps)
+
     def resident(self, b: int, gather: bool, env: dict[str, str] | None = None) -> tuple[float, dict]:
         from hisparse_core.runtime import ResolveInputs
 
@@ -398,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only run a few eager resolves and gathers (hits B=1 and 64, resident B=64, 274 misses "
                          "B=1) for a kernel profiler such as ncu, then exit")
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=V[,VAR=V]",
-                    help="also time the 274-miss rows of batches 8-128 and the all-miss batch-128 row with these "
-                         "tuning variables (e.g. HISPARSE_GATHER_BLOCKS=264); repeatable")
+                    help="also time the hit rows of batches 1 and 128, the 274-miss rows and the all-miss batch-128 "
+                         "row with these tuning variables (e.g. HISPARSE_GATHER_BLOCKS=264); repeatable")
     ap.add_argument("--no-builtin-variants", action="store_true",
                     help="skip the resolver and copy-launch variants timed by default")
     ap.add_argument("--quick", action="store_true", help="only the swap-in sweep (no variants, no metadata rows)")
@@ -426,12 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         swaps.append(swap_row(bench, m, b, None))
         print(f"  swap-in {m:5} misses B={b:<4} {swaps[-1].ours_us:9.2f} us ({time.perf_counter() - t_start:.0f} s)",
               flush=True)
-    variants = [dict(v.split("=", 1) for v in spec.split(",")) for spec in args.variant]
+    user_variants = [dict(v.split("=", 1) for v in spec.split(",")) for spec in args.variant]
+    variants = user_variants
     if not args.quick and not args.no_builtin_variants:
         variants = COPY_VARIANTS + variants
     if not args.quick:
         for env in variants:
-            for m, b in [(MISSES, 8), (MISSES, 32), (MISSES, 128), (K, 128), (0, 128)]:
+            for m, b in VARIANT_CELLS:
                 swaps.append(swap_row(bench, m, b, env, tag(env)))
 
     # ---- metadata only: the resolver without copies
@@ -442,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             ok = None if target is None else info["misses"] == 0 and us <= target
             rows.append(Row("all hot hits, resolve only", b, us, "graph node floor", floor,
                             "-" if target is None else f"<= {target} us", ok, f"misses={info['misses']}", info))
-            if b == 128 or args.no_builtin_variants:
+            if b == 128:
                 continue
-            for env in VARIANTS:
+            for env in ([] if args.no_builtin_variants else VARIANTS) + user_variants:
                 us2, info2 = bench.hits(b, env)
                 rows.append(Row("  (" + tag(env) + ")", b, us2, "graph node floor", floor, "-", None,
                                 f"misses={info2['misses']}", info2))
@@ -452,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
                 us2, info2 = bench.hits(b, None, 256)
                 rows.append(Row("  (max_batch_rows=256)", b, us2, "graph node floor", floor, "-", None,
                                 f"misses={info2['misses']}", info2))
+        for b in (1, 128):
+            rows.append(Row("hit-step dependency floor (hit_floor.cu)", b, bench.hit_floor(b), "graph node floor",
+                            floor, "-", None, "the round trips and barriers of a hit step, no work"))
         us, info = bench.resident(64, gather=False)
         rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us",
                         us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, "", info))
@@ -464,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
           f"context {CTX}, CUDA graph replay, median of {args.replays} replays; graph node floor {floor:.2f} us; "
           f"host pool {bench.pool.nbytes / 2**30:.2f} GiB registered in {bench.pool_s:.2f} s; "
           f"{time.perf_counter() - t_start:.0f} s\n")
+    shape = next((r.extra["shape"] for r in swaps if "shape" in r.extra), None)
+    if shape:
+        print(f"registers a thread: resolver {shape['resolve_registers']} (one block per group, 1024 threads), "
+              f"{shape['cluster_registers']} (cluster build); plan copy {shape['plan_copy_registers']} "
+              f"({shape['copy_threads']} threads); 65536 per SM\n")
     print("whole swap-in (resolve + miss copy), us per layer-step; peers: H200 2026-12-01 (reference, the lower of "
           "two calls); lead: at or below the better peer (scaled by the copies where that run has one)")
     head = (f"{'misses':>6} {'B':>4} {'ours':>9} {'copy':>9} {'x copy':>7} {'target':>15} {'SGLang':>9} "

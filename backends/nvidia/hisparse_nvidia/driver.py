@@ -103,6 +103,12 @@ class Function:
                   driver.cuFuncSetAttribute(self.handle, attr, int(nbytes)))
             self._dynamic_smem = nbytes
 
+    @property
+    def registers(self) -> int:
+        """Registers per thread of the loaded kernel (what decides which blocks can share an SM)."""
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
+        return int(check(f"cuFuncGetAttribute({self.name}, registers)", driver.cuFuncGetAttribute(attr, self.handle)))
+
     def max_active_clusters(self, cluster: int, block: int, smem: int) -> int:
         """Clusters of `cluster` blocks (the kernel's compile-time cluster size) of `block` threads
         and `smem` bytes of dynamic shared memory that can run at once on the current device."""

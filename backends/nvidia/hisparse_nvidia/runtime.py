@@ -74,7 +74,9 @@ ENV_GATHER_FOLLOW = "HISPARSE_GATHER_FOLLOW"
 #: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
 #: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
 ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
-#: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM.
+#: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM
+#: (`HISPARSE_SPEC_BLOCKS_PER_SM` overrides, for tuning).
+ENV_SPEC_BLOCKS_PER_SM = "HISPARSE_SPEC_BLOCKS_PER_SM"
 _SPEC_BLOCKS_PER_SM = 4
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
@@ -142,10 +144,10 @@ class NvidiaRuntime(CacheRuntime):
         self._k_resolve = LoadedKernels.module(index, arch, shape.build).function("hisparse_resolve")
         self._k_resolve.allow_dynamic_smem(shape.dynamic_smem)
         logger.info("nvidia runtime: resolver built for top_k=%d hot_rows=%d block_size=%d rows_per_request=%d "
-                    "max_pages=%d: %d threads per block, %d bytes of shared memory; page-table rows %s (read whole "
-                    "up to %d bytes of shared memory, %s); position hints take %.1f MiB",
+                    "max_pages=%d: %d threads per block, %d registers a thread, %d bytes of shared memory; page-table "
+                    "rows %s (read whole up to %d bytes of shared memory, %s); position hints take %.1f MiB",
                     config.top_k, config.hot_rows, config.block_size, config.rows_per_request, config.max_pages,
-                    shape.threads, shape.dynamic_smem + shape.static_smem,
+                    shape.threads, self._k_resolve.registers, shape.dynamic_smem + shape.static_smem,
                     "in shared memory" if shape.tables_in_smem else "gathered per entry", RESOLVE_SMEM_BUDGET,
                     ENV_RESOLVE_SMEM,
                     self._pos_slot.numel() * 2 / 2**20)
@@ -433,7 +435,9 @@ class NvidiaRuntime(CacheRuntime):
                 "cluster_blocks": self._cluster, "cluster_max_batch": self._cluster_rows,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
-                "gather_follow": self._follow}
+                "gather_follow": self._follow, "resolve_registers": self._k_resolve.registers,
+                "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
+                "plan_copy_registers": self._k_gather.registers}
 
     # ----------------------------------------------------------------- page and row copies
 
@@ -501,7 +505,11 @@ class NvidiaRuntime(CacheRuntime):
         """The largest batch whose miss copy starts while the resolver runs (0: none), and why not."""
         k = self.config.top_k
         c = self._copy_shape
-        rows = _SPEC_BLOCKS_PER_SM * num_sms * c.threads * c.unroll // (k * c.slots_per_row)
+        per_sm = env_int(ENV_SPEC_BLOCKS_PER_SM)
+        per_sm = _SPEC_BLOCKS_PER_SM if per_sm is None else per_sm
+        if not 0 <= per_sm <= 32:
+            raise InvalidInputError(f"{ENV_SPEC_BLOCKS_PER_SM}={per_sm}: expected 0 (off) to 32 blocks per SM")
+        rows = per_sm * num_sms * c.threads * c.unroll // (k * c.slots_per_row)
         if k % 32:
             return 0, "top_k is not a multiple of 32"
         if not self._overlap:

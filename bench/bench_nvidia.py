@@ -45,11 +45,10 @@ MAX_REQ = 128
 MISSES = 274  # 13.4% of top-k 2048 (LRU with a 2x buffer on GLM-5.1, LongBenchV2)
 SWEEP_MISSES = (0, 34, 137, 274, 548, 2048)
 SWEEP_BATCHES = (1, 8, 64, 128)
-# The resolver built with 512 threads per block, with the page tables gathered per entry, with
-# one, two or four blocks per group at small batches (the default is eight), and with the cluster
-# leader's hints gathered after its classification: timed in the same run.
+# The resolver built with 512 threads per block, with the page tables gathered per entry, and with
+# one, two or four blocks per group at small batches (the default is eight): timed in the same run.
 VARIANTS = [{"HISPARSE_RESOLVE_THREADS": "512"}, {"HISPARSE_RESOLVE_SMEM": "0"}, {"HISPARSE_RESOLVE_CLUSTER": "1"},
-            {"HISPARSE_RESOLVE_CLUSTER": "2"}, {"HISPARSE_RESOLVE_CLUSTER": "4"}, {"HISPARSE_RESOLVE_EARLY_HINTS": "0"}]
+            {"HISPARSE_RESOLVE_CLUSTER": "2"}, {"HISPARSE_RESOLVE_CLUSTER": "4"}]
 # The plan copy's launch: waiting for the whole resolver, half or twice the default grid (one block
 # per SM), and no programmatic dependent launch at all; timed on the miss rows of batches 8 to 128.
 COPY_VARIANTS = [{"HISPARSE_GATHER_FOLLOW": "0"}, {"HISPARSE_GATHER_BLOCKS": "66"},
@@ -440,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="VAR=V[,VAR=V]",
                     help="also time the hit rows of batches 1 and 128, the 274-miss rows and the all-miss batch-128 "
                          "row with these tuning variables (e.g. HISPARSE_GATHER_BLOCKS=264); repeatable")
+    ap.add_argument("--variant-cells", metavar="M:B[,M:B]",
+                    help="the cells (misses per request : batch) each --variant is timed on (default: "
+                         + ",".join(f"{m}:{b}" for m, b in VARIANT_CELLS) + ")")
     ap.add_argument("--no-builtin-variants", action="store_true",
                     help="skip the resolver and copy-launch variants timed by default")
     ap.add_argument("--quick", action="store_true", help="only the swap-in sweep (no variants, no metadata rows)")
@@ -467,12 +469,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  swap-in {m:5} misses B={b:<4} {swaps[-1].ours_us:9.2f} us ({time.perf_counter() - t_start:.0f} s)",
               flush=True)
     user_variants = [dict(v.split("=", 1) for v in spec.split(",")) for spec in args.variant]
+    variant_cells = VARIANT_CELLS
+    if args.variant_cells:
+        variant_cells = [(int(m), int(b)) for m, b in (c.split(":") for c in args.variant_cells.split(","))]
     variants = user_variants
     if not args.quick and not args.no_builtin_variants:
         variants = COPY_VARIANTS + variants
     if not args.quick:
         for env in variants:
-            for m, b in VARIANT_CELLS:
+            for m, b in variant_cells:
                 swaps.append(swap_row(bench, m, b, env, tag(env)))
 
     # ---- metadata only: the resolver without copies
@@ -542,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nresolver phases of the first block, cycles since start (NvidiaRuntime.resolver_phase_cycles): group "
               "known, rows loaded, barrier 1, 2 (hints), 3 (LRU walk), LRU written or barrier 4, misses assigned, end:")
         for r in rows:
-            print(f"  {r.scenario.strip():38} B={r.batch:<4} {r.extra['phases']}")
+            if "phases" in r.extra:
+                print(f"  {r.scenario.strip():38} B={r.batch:<4} {r.extra['phases']}")
     for r in swaps:
         if not r.variant and "phases" in r.extra:
             print(f"  swap-in {r.misses:5} misses            B={r.batch:<4} {r.extra['phases']}")

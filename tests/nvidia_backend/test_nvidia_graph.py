@@ -19,8 +19,13 @@ from hisparse_core.runtime import ResolveInputs
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
 
-@pytest.mark.parametrize("rows_per_request", [1, 2])
-def test_graph_replay_across_drifting_steps(rows_per_request: int) -> None:
+@pytest.mark.parametrize(("rows_per_request", "spec_rows"), [(1, None), (2, None), (1, "2")])
+def test_graph_replay_across_drifting_steps(rows_per_request: int, spec_rows: str | None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`spec_rows` "2": the captured copy is split, the speculative gather for rows 0-1 and the
+    plan copy, following the resolver, for the rest."""
+    if spec_rows is not None:
+        monkeypatch.setenv("HISPARSE_SPEC_ROWS", spec_rows)
     rng = random.Random(21 + rows_per_request)
     cfg = RuntimeConfig(max_batch_rows=5, max_requests=3, top_k=256, hot_rows=512 * rows_per_request,
                         block_size=64, max_pages=32, num_layers=3, rows_per_request=rows_per_request)

@@ -140,19 +140,24 @@ def test_remapped_and_shared_host_blocks_match_reference(seed: int) -> None:
         twin.close()
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("seed", range(15))
 def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Small batches with top_k a multiple of 32: the copy after each resolve reads likely misses
     while the resolver runs, then writes the resolver's misses. Maintenance, remapped pages and
     pages sharing host blocks make its guesses wrong in both directions; the bytes must not care.
-    Odd seeds run the same steps with the speculative gather turned off."""
-    if seed % 2:
+    Seeds 1 mod 3 run the same steps with the speculative gather turned off; seeds 2 mod 3 let it
+    cover only the first batch row, so that a larger batch is split: the speculative gather for
+    row 0 and the plan copy, following the resolver, for the rows after it (groups may straddle)."""
+    mode = seed % 3
+    if mode == 1:
         monkeypatch.setenv("HISPARSE_SPEC_GATHER", "0")
+    if mode == 2:
+        monkeypatch.setenv("HISPARSE_SPEC_ROWS", "1")
     rng = random.Random(3000 + seed)
     bs = rng.choice([1, 4, 16])
     k = rng.choice([32, 64, 96])
     rpr = rng.randint(1, 2)
-    r = rng.randint(1, 3)
+    r = rng.randint(2, 4) if mode == 2 else rng.randint(1, 3)
     p = rng.randint(2, 12) * max(1, 32 // bs)
     hot_blocks = -(-rpr * k // bs) + rng.randint(0, 3)
     cfg = RuntimeConfig(max_batch_rows=r * rpr, max_requests=r, top_k=k, hot_rows=hot_blocks * bs, block_size=bs,
@@ -161,7 +166,8 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
     host_blocks, dev_blocks = r * p + 2, r * hot_blocks + r * p + 2
     twin = Twin(cfg, host_blocks=host_blocks, num_device_blocks=dev_blocks, seed=seed)
     try:
-        assert (twin.rt._spec_rows >= cfg.max_batch_rows) == (seed % 2 == 0)
+        spec, split = twin.rt.launch_shape["spec_max_batch"], twin.rt.launch_shape["spec_split"]
+        assert (spec >= cfg.max_batch_rows, spec, split) == ((True, spec, True), (False, 0, False), (False, 1, True))[mode]
         tables = random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=rng.choice([0, 0.3]),
                                null_share=rng.choice([0, 0.1]))
         _drifting_steps(twin, tables, rng, f"seed {seed}", [0.5, 0.8, 1.0])
@@ -202,14 +208,19 @@ def test_cluster_resolver_matches_reference(seed: int, monkeypatch: pytest.Monke
         twin.close()
 
 
-@pytest.mark.parametrize(("rows_per_request", "smem", "cluster"),
-                         [(1, None, None), (2, None, None), (1, "0", None), (1, None, "1"), (1, None, "4")])
+@pytest.mark.parametrize(("rows_per_request", "smem", "cluster", "spec_rows"),
+                         [(1, None, None, None), (2, None, None, None), (1, "0", None, None), (1, None, "1", None),
+                          (1, None, "4", None), (1, None, None, "2"), (2, None, None, "3")])
 def test_production_geometry_matches_reference(rows_per_request: int, smem: str | None, cluster: str | None,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                               spec_rows: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """top-k 2048, 4096 hot rows per request (8192 with a speculative row), 656-byte rows, 32K contexts.
 
     `smem` "0" leaves the resolver no shared memory for the page tables (gathered per entry);
-    `cluster` sets the resolver's blocks per group (default: the cluster build at this batch)."""
+    `cluster` sets the resolver's blocks per group (default: the cluster build at this batch);
+    `spec_rows` caps the rows the speculative gather covers, so that larger batches are split
+    between it and the plan copy."""
+    if spec_rows is not None:
+        monkeypatch.setenv("HISPARSE_SPEC_ROWS", spec_rows)
     if smem is not None:
         monkeypatch.setenv("HISPARSE_RESOLVE_SMEM", smem)
     if cluster is not None:
@@ -229,6 +240,8 @@ def test_production_geometry_matches_reference(rows_per_request: int, smem: str 
             shape = twin.rt.launch_shape
             assert shape["cluster_blocks"] == int(cluster), shape
             assert cluster == "1" or shape["cluster_max_batch"] >= cfg.max_batch_rows, shape
+        if spec_rows is not None:
+            assert twin.rt.launch_shape["spec_max_batch"] == int(spec_rows) and twin.rt.launch_shape["spec_split"]
         twin.set_tables(random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=0.05, null_share=0.01))
         previous: dict = {}
         for i in range(8):

@@ -28,9 +28,6 @@ RESOLVE_SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may take
 #: every group still gets its own SMs; 1 turns the cluster build off.
 ENV_RESOLVE_CLUSTER = "HISPARSE_RESOLVE_CLUSTER"
 RESOLVE_CLUSTER = 8
-#: "0": the cluster leader gathers its share of position hints after classifying its entries (host
-#: entries only) instead of with the request's rows (one round trip earlier, the default).
-ENV_RESOLVE_EARLY_HINTS = "HISPARSE_RESOLVE_EARLY_HINTS"
 #: Threads per block of the copy kernels, 16-byte loads each thread keeps in flight, and the load
 #: flavour (see cuda/common.cuh); each overridable by environment for tuning.
 ENV_COPY_THREADS = "HISPARSE_COPY_THREADS"
@@ -102,7 +99,7 @@ def cluster_width_allowed(config: RuntimeConfig, cluster: int, threads: int) -> 
 
 
 def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: int | None = None,
-                   cluster: int = 1, early_hints: bool | None = None) -> ResolverShape:
+                   cluster: int = 1) -> ResolverShape:
     """The resolver's launch shape for `config`.
 
     One block per group: 1024 threads for the production sizes (a thread holds about one top-k
@@ -116,9 +113,7 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
 
     `cluster` > 1 builds the thread-block-cluster variant for small batches: that many blocks per
     group, the helpers gathering shares of the position hints for the leader (its shared memory
-    grows by the pushed hints, 2 bytes an entry). There the leader gathers its own share of hints
-    in the same round trip as the request's rows (`early_hints`, default on unless
-    `HISPARSE_RESOLVE_EARLY_HINTS=0`).
+    grows by the pushed hints, 2 bytes an entry).
     """
     rpr, k, h, bs, p = config.rows_per_request, config.top_k, config.hot_rows, config.block_size, config.max_pages
     union = rpr * k
@@ -156,10 +151,6 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
                 f"rows_per_request={rpr}, {threads} threads")
         smem += 2 * (union - union // cluster)
         defines += (("HS_C", cluster),)
-        if early_hints is None:
-            early_hints = os.environ.get(ENV_RESOLVE_EARLY_HINTS, "1") != "0"
-        if early_hints:
-            defines += (("HS_EARLY", 1),)
     return ResolverShape(threads, ept, cpt, slots.bit_length() - 1, smem, defines)
 
 
@@ -220,7 +211,7 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds = {resolver_shape(c).build for c in (small, odd, prod, mtp)}
     builds.add(resolver_shape(prod, max_smem=0).build)  # page tables gathered per entry
     builds.add(resolver_shape(prod, threads=512).build)
-    builds |= {resolver_shape(prod, cluster=c, early_hints=e).build for c in (2, 4, 8) for e in (False, True)}
+    builds |= {resolver_shape(prod, cluster=c).build for c in (2, 4, 8)}
     builds.add(resolver_shape(mtp, cluster=2).build)
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}

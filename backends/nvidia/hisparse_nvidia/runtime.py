@@ -71,6 +71,11 @@ ENV_SPEC_GATHER = "HISPARSE_SPEC_GATHER"
 #: "0": the plan copy after a resolve waits for the whole resolver instead of following the rows
 #: it publishes (on by default).
 ENV_GATHER_FOLLOW = "HISPARSE_GATHER_FOLLOW"
+#: At most this many batch rows get the speculative gather (default: as many as one pass of it covers).
+ENV_SPEC_ROWS = "HISPARSE_SPEC_ROWS"
+#: "0": a batch larger than the speculative gather covers gets only the plan copy, instead of the
+#: speculative gather for its first rows and the plan copy, following the resolver, for the rest.
+ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
 #: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
 #: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
 ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
@@ -189,14 +194,19 @@ class NvidiaRuntime(CacheRuntime):
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
         self._spec_rows, why = self._speculative_rows(num_sms)
         self._follow = os.environ.get(ENV_GATHER_FOLLOW, "1") != "0"
+        # Larger batches: the speculative gather for the first rows, while the resolver runs, and
+        # the plan copy for the rest (it needs the resolver's published counts: `follow`).
+        self._split = self._spec_rows > 0 and self._follow and os.environ.get(ENV_SPEC_SPLIT, "1") != "0"
         blocks = env_int(ENV_GATHER_BLOCKS)
         blocks = num_sms if blocks is None else blocks
         if not 1 <= blocks <= 8 * num_sms:
             raise InvalidInputError(f"{ENV_GATHER_BLOCKS}={blocks}: expected 1 to {8 * num_sms} blocks (8 per SM)")
         self._gather_blocks = blocks
-        logger.info("nvidia runtime: miss copies after a resolve %s; beyond, a persistent grid of %d blocks %s",
+        logger.info("nvidia runtime: miss copies after a resolve %s; beyond, %sa persistent grid of %d blocks %s",
                     f"start while it runs for batches of up to {self._spec_rows} rows" if self._spec_rows
-                    else f"wait for the resolver ({why})", self._gather_blocks,
+                    else f"wait for the resolver ({why})",
+                    f"the first {self._spec_rows} rows so and the rest by " if self._split else "",
+                    self._gather_blocks,
                     "copies each request's plan once the resolver has published it" if self._follow
                     else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)")
         self._prof: torch.Tensor | None = None
@@ -326,6 +336,7 @@ class NvidiaRuntime(CacheRuntime):
             kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
         spec = gather and b <= self._spec_rows
         follow = gather and not spec and self._follow
+        split = follow and self._split
         kernel.launch(
             (grid, 1, 1), shape.threads, smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
@@ -338,6 +349,9 @@ class NvidiaRuntime(CacheRuntime):
         self._last_rows = b
         if spec:
             self._gather_spec(inputs, b)
+        elif split:
+            self._gather_spec(inputs, self._spec_rows)
+            self._gather(0, 1, follow=True, row_begin=self._spec_rows)
         elif gather:
             self._gather(0, 1, follow=follow)
         return out
@@ -392,18 +406,21 @@ class NvidiaRuntime(CacheRuntime):
         assert host_bases is not None and dev_bases is not None and dev_strides is not None
         return host_bases, dev_bases, dev_strides
 
-    def _gather(self, first_layer: int, num_layers: int, *, follow: bool = False) -> None:
-        """The plan copy of layers [first_layer, first_layer + num_layers); `follow`: right behind
-        the resolve that wrote the plan, reading the counts it publishes as it goes."""
-        rows = self._last_rows
-        if rows == 0 or num_layers == 0:
+    def _gather(self, first_layer: int, num_layers: int, *, follow: bool = False, row_begin: int = 0) -> None:
+        """The plan copy of layers [first_layer, first_layer + num_layers) for the batch rows from
+        `row_begin` on; `follow`: right behind the resolve that wrote the plan (or the speculative
+        gather of its first rows), reading the counts it publishes as it goes."""
+        rows = self._last_rows - row_begin
+        if rows <= 0 or num_layers == 0:
             return
         host_bases, dev_bases, dev_strides = self._layer_tables()
         cfg = self.config
         out = self._result
+        counts = self._plan_ready if follow else out.plan_counts
+        first, k = row_begin * 4, row_begin * cfg.top_k * 4  # byte offsets of the first row
         self._k_gather.launch(
             (self._gather_blocks, 1, 1), self._copy_shape.threads, (rows + 1) * 4, self._stream(),
-            [_ptr(out.plan_host), _ptr(out.plan_device), _ptr(self._plan_ready if follow else out.plan_counts),
+            [_ptr(out.plan_host.data_ptr() + k), _ptr(out.plan_device.data_ptr() + k), _ptr(counts.data_ptr() + first),
              _i32(rows), _i32(cfg.top_k), _ptr(host_bases), _ptr(dev_bases), _ptr(dev_strides), _i32(first_layer),
              _i32(num_layers), _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats),
              _ptr(self._gather_work), _i32(follow)],
@@ -435,7 +452,7 @@ class NvidiaRuntime(CacheRuntime):
                 "cluster_blocks": self._cluster, "cluster_max_batch": self._cluster_rows,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
-                "gather_follow": self._follow, "resolve_registers": self._k_resolve.registers,
+                "gather_follow": self._follow, "spec_split": self._split, "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
                 "plan_copy_registers": self._k_gather.registers}
 
@@ -518,6 +535,13 @@ class NvidiaRuntime(CacheRuntime):
             return 0, f"{ENV_SPEC_GATHER}=0"
         if rows == 0:
             return 0, "top_k is too large for one pass"
+        cap = env_int(ENV_SPEC_ROWS)
+        if cap is not None:
+            if cap < 0:
+                raise InvalidInputError(f"{ENV_SPEC_ROWS}={cap}: expected 0 (off) or more batch rows")
+            if cap == 0:
+                return 0, f"{ENV_SPEC_ROWS}=0"
+            rows = min(rows, cap)
         return rows, ""
 
     def _page_rows(self, pages: list[tuple[int, int]], *, device_first: bool) -> list[tuple[int, int]]:

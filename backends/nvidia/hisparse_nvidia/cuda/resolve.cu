@@ -28,8 +28,7 @@
 //   HS_NT threads per block (multiple of 32, at most 1024)   HS_K top_k   HS_H hot_rows
 //   HS_BS block_size   HS_RPR rows_per_request   HS_P max_pages   HS_TBITS log2 of the hash
 //   buckets   HS_TSMEM 1 to read the page-table rows into shared memory   HS_C blocks per group
-//   (a thread-block cluster; default 1)   HS_EARLY 1: the leader gathers its share of hints with the
-//   request's rows (cluster builds)
+//   (a thread-block cluster; default 1)
 //
 // Dynamic shared memory, in this order (kernels.resolver_shape computes the same size):
 //   pairs[T]   u64 hash buckets of the candidates: high word the host row (all ones: empty), low
@@ -73,10 +72,6 @@
 #ifndef HS_C
 #define HS_C 1
 #endif
-#ifndef HS_EARLY
-#define HS_EARLY 0
-#endif
-static_assert(HS_EARLY == 0 || HS_C > 1, "early hints are a cluster build's (the leader gathers a share)");
 
 #define HS_NW (HS_NT / 32)
 #define HS_U (HS_RPR * HS_K)
@@ -537,20 +532,6 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
         }
     }
     const i32 ht = tid < HS_HB ? hot_table[q * HS_HB + tid] : 0;
-    // HS_EARLY (cluster builds): the leader's share of hints is gathered in this round trip, for
-    // every entry in the context, instead of after the classification for host entries only: a
-    // round trip less on the hit step, for up to LEAD wasted loads on resident entries.
-    i32 early_r[HS_EPT];
-#pragma unroll
-    for (i32 e = 0; e < HS_EPT; ++e) {
-        const i32 t = t_r[e];
-        early_r[e] = -1;
-        if constexpr (HS_EARLY) {
-            if (j0 < HS_LEAD && j0 + e < total && t >= 0 && t < len_r[e] && t / HS_BS < HS_P) {
-                early_r[e] = pos_slot[qP * HS_BS + t];
-            }
-        }
-    }
     i32 res_r[HS_EPT];  // gathered (builds without HS_TSMEM)
     i32 src_r[HS_EPT];
 #pragma unroll
@@ -664,11 +645,7 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
         if (v != -1) vflags |= 1u << e;
         n_res_t += v >= 0;
         // Every hint of the thread in flight at once; in cluster builds, only the leader's share.
-        if constexpr (HS_EARLY) {
-            hint_r[e] = v <= -2 ? early_r[e] : -1;
-        } else {
-            hint_r[e] = v <= -2 && (HS_C == 1 || j0 < HS_LEAD) ? pos_slot[qP * HS_BS + t] : -1;
-        }
+        hint_r[e] = v <= -2 && (HS_C == 1 || j0 < HS_LEAD) ? pos_slot[qP * HS_BS + t] : -1;
     }
 #if HS_C > 1
     if (j0 >= HS_LEAD) {  // the thread's entries are in a helper's share

@@ -373,14 +373,40 @@ class Bench:
             for _ in range(steps):
                 rt.gather_misses(0)
         gather_us = self.time_graph(gather_g, steps)
+        fresh_us = self.fresh_plan_copy(rt, inputs)
         # The resolver alone over the same cycle (the hot state evolves as with the copies).
         resolve_us = self.time_graph(self.resolve_graph(rt, inputs, gather=False), steps)
         nbytes = round(per_row) * b * 656
         copy_us = self.time_graph(self.copy_graph(nbytes, steps), steps) if nbytes else None
-        return us, gather_us, copy_us, {"misses_per_row_step": per_row, "bytes": nbytes,
+        return us, gather_us, copy_us, {"misses_per_row_step": per_row, "bytes": nbytes, "fresh_plan_copy_us": fresh_us,
                                         "hits_per_row_step": st.hits / (calls * b), "resolve_only_us": resolve_us,
                                         "steps": steps, "shape": rt.launch_shape,
                                         **self.phases(rt, inputs[0], gather=True)}
+
+    def fresh_plan_copy(self, rt, inputs: list) -> float:  # noqa: ANN001
+        """The plan copy alone over the cycle's own plans: each step's plan (recorded from one eager
+        cycle) is put in place by three device copies, then copied; the copies alone are timed too
+        and subtracted. Unlike replaying one plan, every step reads new host rows, as a real step does."""
+        res = rt.result
+        plans = []
+        for inp in inputs:
+            rt.resolve(inp, gather=True, validate=False)
+            plans.append((res.plan_host.clone(), res.plan_device.clone(), res.plan_counts.clone()))
+
+        def graph(copy: bool) -> torch.cuda.CUDAGraph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for host, device, counts in plans:
+                    res.plan_host.copy_(host)
+                    res.plan_device.copy_(device)
+                    res.plan_counts.copy_(counts)
+                    if copy:
+                        rt.gather_misses(0)
+            return g
+
+        with_copy = self.time_graph(graph(True), len(plans))
+        setup = self.time_graph(graph(False), len(plans))
+        return with_copy - setup
 
     @staticmethod
     def phases(rt, inp, gather: bool = False) -> dict:  # noqa: ANN001
@@ -412,6 +438,7 @@ def swap_row(bench: Bench, misses: int, b: int, env: dict[str, str] | None, vari
         us, gus, copy_us, info = bench.misses(b, misses, steps_for(misses), env)
         exact = abs(info["misses_per_row_step"] - misses) < 0.5
         note = (f"misses/step={info['misses_per_row_step']:.1f} plan-copy-alone={gus:.2f} "
+                f"fresh-plans={info['fresh_plan_copy_us']:.2f} "
                 f"resolve-alone={info['resolve_only_us']:.2f} us")
         if misses == K:
             note += f"; {info['bytes'] / us / 1e3:.1f} GB/s = {100 * copy_us / us:.1f}% of the copy's"

@@ -194,8 +194,8 @@ class NvidiaRuntime(CacheRuntime):
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
         self._spec_rows, why = self._speculative_rows(num_sms)
         self._follow = os.environ.get(ENV_GATHER_FOLLOW, "1") != "0"
-        # Larger batches: the speculative gather for the first rows, while the resolver runs, and
-        # the plan copy for the rest (it needs the resolver's published counts: `follow`).
+        # Larger batches: the speculative gather for as many first rows as its blocks fit beside the
+        # resolver's (`_split_rows`), and the plan copy, following the resolver, for the rest.
         self._split = self._spec_rows > 0 and self._follow and os.environ.get(ENV_SPEC_SPLIT, "1") != "0"
         blocks = env_int(ENV_GATHER_BLOCKS)
         blocks = num_sms if blocks is None else blocks
@@ -205,7 +205,8 @@ class NvidiaRuntime(CacheRuntime):
         logger.info("nvidia runtime: miss copies after a resolve %s; beyond, %sa persistent grid of %d blocks %s",
                     f"start while it runs for batches of up to {self._spec_rows} rows" if self._spec_rows
                     else f"wait for the resolver ({why})",
-                    f"the first {self._spec_rows} rows so and the rest by " if self._split else "",
+                    "the first rows so (as many as fit on the SMs the resolver leaves free) and the rest by "
+                    if self._split else "",
                     self._gather_blocks,
                     "copies each request's plan once the resolver has published it" if self._follow
                     else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)")
@@ -336,7 +337,9 @@ class NvidiaRuntime(CacheRuntime):
             kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
         spec = gather and b <= self._spec_rows
         follow = gather and not spec and self._follow
-        split = follow and self._split
+        # The resolver's blocks of 1024 threads take an SM each (a cluster launch has `grid` of them,
+        # the one-block launch b that do work; its padding blocks exit at once).
+        split = self._split_rows(b, grid if kernel is self._k_resolve_cluster else b) if follow and self._split else 0
         kernel.launch(
             (grid, 1, 1), shape.threads, smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
@@ -350,8 +353,8 @@ class NvidiaRuntime(CacheRuntime):
         if spec:
             self._gather_spec(inputs, b)
         elif split:
-            self._gather_spec(inputs, self._spec_rows)
-            self._gather(0, 1, follow=True, row_begin=self._spec_rows)
+            self._gather_spec(inputs, split)
+            self._gather(0, 1, follow=True, row_begin=split)
         elif gather:
             self._gather(0, 1, follow=follow)
         return out
@@ -543,6 +546,18 @@ class NvidiaRuntime(CacheRuntime):
                 return 0, f"{ENV_SPEC_ROWS}=0"
             rows = min(rows, cap)
         return rows, ""
+
+    def _split_rows(self, b: int, resolver_sms: int) -> int:
+        """Batch rows whose misses the speculative gather copies after the resolve of `b` rows that
+        takes `resolver_sms` SMs (0: none, the plan copy takes them all). Only as many as its blocks
+        fit at once on the SMs the resolver leaves free: a block that waits for an SM runs after the
+        resolver, when the plan copy would have done the same work sooner, and the copy cannot start
+        before every block of the speculative gather has."""
+        c = self._copy_shape
+        free = self._num_sms - resolver_sms
+        rows = free * _SPEC_BLOCKS_PER_SM * c.threads * c.unroll // (self.config.top_k * c.slots_per_row)
+        rows = min(rows, self._spec_rows)
+        return rows if 0 < rows < b else 0
 
     def _page_rows(self, pages: list[tuple[int, int]], *, device_first: bool) -> list[tuple[int, int]]:
         bs = self.config.block_size

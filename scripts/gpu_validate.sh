@@ -8,6 +8,7 @@
 #                                                             #         tf_tests tf_generate tf_bench (the transformers integration)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
+# TESTS_K selects tests of the tests stage by a pytest -k expression.
 # Stage time limits (seconds) come from T_ENV, T_README, T_TESTS, T_CONFORMANCE, T_MEMCHECK,
 # T_RACECHECK and T_BENCH (T_HOST_READS, T_POOL_RELEASE); BENCH_ARGS (HOST_READS_ARGS,
 # POOL_RELEASE_ARGS) passes extra arguments to bench/bench_nvidia.py (bench/bench_host_reads.py,
@@ -108,7 +109,7 @@ readme)  # every command of README.md as a user runs it (through the shim: pytho
         exit $rc' "$OUT"
     ;;
 tests)  # 300 s by default: test_nvidia_tp_shared.py runs bench_tp_shared.py --quick on GPU 0 (not yet timed there)
-    run tests "${T_TESTS:-300}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia_backend
+    run tests "${T_TESTS:-300}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia_backend ${TESTS_K:+-k "$TESTS_K"}
     ;;
 tests_variants)  # the resolver tests again with the page tables gathered per entry
     # (HISPARSE_RESOLVE_SMEM=0), with 512 threads per block and with one block per group at every

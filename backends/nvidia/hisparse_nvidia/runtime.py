@@ -76,6 +76,9 @@ ENV_SPEC_ROWS = "HISPARSE_SPEC_ROWS"
 #: "0": a batch larger than the speculative gather covers gets only the plan copy, instead of the
 #: speculative gather for its first rows and the plan copy, following the resolver, for the rest.
 ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
+#: "0": the resolver does not publish each row's miss count to the speculative gather, whose blocks
+#: then cannot skip rows without a miss.
+ENV_SPEC_PUBLISH = "HISPARSE_SPEC_PUBLISH"
 #: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
 #: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
 ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
@@ -83,6 +86,8 @@ ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
 #: (`HISPARSE_SPEC_BLOCKS_PER_SM` overrides, for tuning).
 ENV_SPEC_BLOCKS_PER_SM = "HISPARSE_SPEC_BLOCKS_PER_SM"
 _SPEC_BLOCKS_PER_SM = 4
+#: Blocks of the speculative gather that fit on one SM beside each other (58 registers a thread).
+_SPEC_RESIDENT_PER_SM = 4
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
 _MAX_PLAN_ROWS = 12 * 1024 - 1
@@ -197,6 +202,7 @@ class NvidiaRuntime(CacheRuntime):
         # Larger batches: the speculative gather for as many first rows as its blocks fit beside the
         # resolver's (`_split_rows`), and the plan copy, following the resolver, for the rest.
         self._split = self._spec_rows > 0 and self._follow and os.environ.get(ENV_SPEC_SPLIT, "1") != "0"
+        self._spec_publish = os.environ.get(ENV_SPEC_PUBLISH, "1") != "0"
         blocks = env_int(ENV_GATHER_BLOCKS)
         blocks = num_sms if blocks is None else blocks
         if not 1 <= blocks <= 8 * num_sms:
@@ -337,6 +343,7 @@ class NvidiaRuntime(CacheRuntime):
             kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
         spec = gather and b <= self._spec_rows
         follow = gather and not spec and self._follow
+        publish = spec and self._spec_publish  # the speculative gather reads the counts
         # The resolver's blocks of 1024 threads take an SM each (a cluster launch has `grid` of them,
         # the one-block launch b that do work; its padding blocks exit at once).
         split = self._split_rows(b, grid if kernel is self._k_resolve_cluster else b) if follow and self._split else 0
@@ -347,13 +354,13 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
              _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b), _i32(cfg.max_batch_rows),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0), _ptr(self._plan_ready),
-             _i32(follow)],
+             _i32(follow or publish)],
             overlap_previous=self._overlap)
         self._last_rows = b
         if spec:
-            self._gather_spec(inputs, b)
+            self._gather_spec(inputs, b, published=publish)
         elif split:
-            self._gather_spec(inputs, split)
+            self._gather_spec(inputs, split, published=True)
             self._gather(0, 1, follow=True, row_begin=split)
         elif gather:
             self._gather(0, 1, follow=follow)
@@ -429,8 +436,10 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._gather_work), _i32(follow)],
             overlap_previous=self._overlap)
 
-    def _gather_spec(self, inputs: ResolveInputs, rows: int) -> None:
-        """The plan copy of layer 0 right after the resolve of `rows` batch rows, started early."""
+    def _gather_spec(self, inputs: ResolveInputs, rows: int, *, published: bool) -> None:
+        """The plan copy of layer 0 right after the resolve of `rows` batch rows, started early;
+        `published`: the resolver publishes the rows' counts (plan_ready), so rows without a miss
+        are skipped by blocks that start late."""
         host_bases, dev_bases, dev_strides = self._layer_tables()
         cfg = self.config
         out = self._result
@@ -442,7 +451,8 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(inputs.resident_table), _ptr(self._pos_slot), _ptr(self._hot_map), _ptr(out.rows),
              _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
              _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(host_bases), _ptr(dev_bases),
-             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
+             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats),
+             _ptr(self._plan_ready) if published else ctypes.c_void_p(0)],
             overlap_previous=True)
 
     @property
@@ -555,7 +565,7 @@ class NvidiaRuntime(CacheRuntime):
         before every block of the speculative gather has."""
         c = self._copy_shape
         free = self._num_sms - resolver_sms
-        rows = free * _SPEC_BLOCKS_PER_SM * c.threads * c.unroll // (self.config.top_k * c.slots_per_row)
+        rows = free * _SPEC_RESIDENT_PER_SM * c.threads * c.unroll // (self.config.top_k * c.slots_per_row)
         rows = min(rows, self._spec_rows)
         return rows if 0 < rows < b else 0
 

@@ -149,6 +149,12 @@ struct HsListPair {
     }
 };
 
+__device__ __forceinline__ i32 hs_ld_relaxed(const i32* p) {
+    i32 v;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ i32 hs_ld_acquire(const i32* p) {
     i32 v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -330,7 +336,9 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_copy_rows(
 //      when step 1 guessed it, else loaded now. Guesses only decide what is read early; what is
 //      written is decided by the resolver's final outputs, so a wrong guess costs time, never bytes.
 // Grid: (blocks, 1, 1) with blocks * HS_GNT * HS_UNROLL >= rows * K * HS_SLOTS (the host sizes it
-// so): one pass, each thread's HS_UNROLL tasks (entry, slot) known from the start.
+// so): one pass, each thread's HS_UNROLL tasks (entry, slot) known from the start. Blocks beyond
+// those that fit beside the resolver start only after it; `plan_ready` (or null) lets them skip
+// rows it published without a miss (see step 1).
 // pos_slot and hot_map are not __restrict__: the resolver writes them while step 1 reads them, so
 // they must not go through the read-only path.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
@@ -339,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     const i32* hot_map, const i32* __restrict__ out_rows, const i32* __restrict__ plan_counts,
     const u32* __restrict__ miss_mask, i32 rows, i32 K, i32 bs, i32 P, i32 H, const i64* __restrict__ host_bases,
     const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides, i64 host_rows, i64 dev_rows,
-    u64* __restrict__ stats) {
+    u64* __restrict__ stats, const i32* plan_ready) {
     // The next kernel may be scheduled now: ours wait for this grid before touching memory.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
@@ -353,7 +361,12 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     // page-table entries and position hint; the hinted slot's row. Every load of a round trip is
     // issued unconditionally (index 0 stands in for an invalid one) so that the task's four chains
     // overlap instead of running one after the other.
+    // With `plan_ready` (the resolver publishes each row's miss count, -1 while pending), a thread
+    // whose every task lies in rows already published without a miss has nothing to do: a block
+    // that starts after the resolver (a batch larger than the SMs it leaves free hold at once)
+    // leaves after this one round trip on a step without misses.
     i32 E_r[HS_UNROLL], q_r[HS_UNROLL], t_r[HS_UNROLL], len_r[HS_UNROLL];
+    bool idle = plan_ready != nullptr && !(blockIdx.x == 0 && threadIdx.x == 0);  // that thread counts bytes
 #pragma unroll
     for (i32 u = 0; u < HS_UNROLL; ++u) {
         const u32 c = first + u * stride;
@@ -363,6 +376,13 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
         q_r[u] = row_state[r];
         t_r[u] = topk[E];
         len_r[u] = seq_lens[r];
+        // Relaxed, not acquire: a skipping thread reads nothing the resolver wrote, and an acquire
+        // would hold the other loads of this round trip behind it.
+        if (plan_ready != nullptr && E_r[u] >= 0) idle &= hs_ld_relaxed(plan_ready + r) == 0;
+    }
+    if (idle) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");  // the grid ends after the resolver
+        return;
     }
     i64 page_r[HS_UNROLL];
 #pragma unroll

@@ -109,6 +109,11 @@ class Function:
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
         return int(check(f"cuFuncGetAttribute({self.name}, registers)", driver.cuFuncGetAttribute(attr, self.handle)))
 
+    def max_active_blocks(self, block: int, smem: int) -> int:
+        """Blocks of `block` threads and `smem` bytes of dynamic shared memory that fit on one SM at once."""
+        return int(check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})",
+                         driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.handle, block, smem)))
+
     def max_active_clusters(self, cluster: int, block: int, smem: int) -> int:
         """Clusters of `cluster` blocks (the kernel's compile-time cluster size) of `block` threads
         and `smem` bytes of dynamic shared memory that can run at once on the current device."""

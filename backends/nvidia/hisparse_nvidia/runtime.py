@@ -76,9 +76,6 @@ ENV_SPEC_ROWS = "HISPARSE_SPEC_ROWS"
 #: "0": a batch larger than the speculative gather covers gets only the plan copy, instead of the
 #: speculative gather for its first rows and the plan copy, following the resolver, for the rest.
 ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
-#: "0": the resolver does not publish each row's miss count to the speculative gather, whose blocks
-#: then cannot skip rows without a miss.
-ENV_SPEC_PUBLISH = "HISPARSE_SPEC_PUBLISH"
 #: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
 #: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
 ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
@@ -86,8 +83,6 @@ ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
 #: (`HISPARSE_SPEC_BLOCKS_PER_SM` overrides, for tuning).
 ENV_SPEC_BLOCKS_PER_SM = "HISPARSE_SPEC_BLOCKS_PER_SM"
 _SPEC_BLOCKS_PER_SM = 4
-#: Blocks of the speculative gather that fit on one SM beside each other (58 registers a thread).
-_SPEC_RESIDENT_PER_SM = 4
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
 _MAX_PLAN_ROWS = 12 * 1024 - 1
@@ -192,6 +187,8 @@ class NvidiaRuntime(CacheRuntime):
         self._k_gather = copy_mod.function("hisparse_gather_plan")
         self._k_copy = copy_mod.function("hisparse_copy_rows")
         self._k_gather_spec = copy_mod.function("hisparse_gather_spec")
+        # Blocks of the speculative gather one SM holds at once (its registers decide).
+        self._spec_per_sm = self._k_gather_spec.max_active_blocks(self._copy_shape.threads, 0)
         self._k_inval_written = maint_mod.function("hisparse_invalidate_written")
         self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
         self._k_reset = maint_mod.function("hisparse_reset_rows")
@@ -202,7 +199,6 @@ class NvidiaRuntime(CacheRuntime):
         # Larger batches: the speculative gather for as many first rows as its blocks fit beside the
         # resolver's (`_split_rows`), and the plan copy, following the resolver, for the rest.
         self._split = self._spec_rows > 0 and self._follow and os.environ.get(ENV_SPEC_SPLIT, "1") != "0"
-        self._spec_publish = os.environ.get(ENV_SPEC_PUBLISH, "1") != "0"
         blocks = env_int(ENV_GATHER_BLOCKS)
         blocks = num_sms if blocks is None else blocks
         if not 1 <= blocks <= 8 * num_sms:
@@ -211,8 +207,8 @@ class NvidiaRuntime(CacheRuntime):
         logger.info("nvidia runtime: miss copies after a resolve %s; beyond, %sa persistent grid of %d blocks %s",
                     f"start while it runs for batches of up to {self._spec_rows} rows" if self._spec_rows
                     else f"wait for the resolver ({why})",
-                    "the first rows so (as many as fit on the SMs the resolver leaves free) and the rest by "
-                    if self._split else "",
+                    f"the first rows so (as many as fit on the SMs the resolver leaves free, {self._spec_per_sm} "
+                    f"blocks to an SM) and the rest by " if self._split else "",
                     self._gather_blocks,
                     "copies each request's plan once the resolver has published it" if self._follow
                     else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)")
@@ -343,10 +339,10 @@ class NvidiaRuntime(CacheRuntime):
             kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
         spec = gather and b <= self._spec_rows
         follow = gather and not spec and self._follow
-        publish = spec and self._spec_publish  # the speculative gather reads the counts
         # The resolver's blocks of 1024 threads take an SM each (a cluster launch has `grid` of them,
         # the one-block launch b that do work; its padding blocks exit at once).
-        split = self._split_rows(b, grid if kernel is self._k_resolve_cluster else b) if follow and self._split else 0
+        free_sms = max(0, self._num_sms - (grid if kernel is self._k_resolve_cluster else b))
+        split = self._split_rows(b, free_sms) if follow and self._split else 0
         kernel.launch(
             (grid, 1, 1), shape.threads, smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
@@ -354,13 +350,13 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
              _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b), _i32(cfg.max_batch_rows),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0), _ptr(self._plan_ready),
-             _i32(follow or publish)],
+             _i32(follow)],
             overlap_previous=self._overlap)
         self._last_rows = b
         if spec:
-            self._gather_spec(inputs, b, published=publish)
+            self._gather_spec(inputs, b, free_sms)
         elif split:
-            self._gather_spec(inputs, split, published=True)
+            self._gather_spec(inputs, split, free_sms)
             self._gather(0, 1, follow=True, row_begin=split)
         elif gather:
             self._gather(0, 1, follow=follow)
@@ -436,10 +432,10 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._gather_work), _i32(follow)],
             overlap_previous=self._overlap)
 
-    def _gather_spec(self, inputs: ResolveInputs, rows: int, *, published: bool) -> None:
+    def _gather_spec(self, inputs: ResolveInputs, rows: int, free_sms: int) -> None:
         """The plan copy of layer 0 right after the resolve of `rows` batch rows, started early;
-        `published`: the resolver publishes the rows' counts (plan_ready), so rows without a miss
-        are skipped by blocks that start late."""
+        the blocks that fit on the `free_sms` SMs the resolver leaves free guess likely misses while
+        it runs, the others wait for it (they would start only after it anyway)."""
         host_bases, dev_bases, dev_strides = self._layer_tables()
         cfg = self.config
         out = self._result
@@ -452,7 +448,7 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
              _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(host_bases), _ptr(dev_bases),
              _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats),
-             _ptr(self._plan_ready) if published else ctypes.c_void_p(0)],
+             _i32(free_sms * self._spec_per_sm)],
             overlap_previous=True)
 
     @property
@@ -465,7 +461,7 @@ class NvidiaRuntime(CacheRuntime):
                 "cluster_blocks": self._cluster, "cluster_max_batch": self._cluster_rows,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
-                "gather_follow": self._follow, "spec_split": self._split, "resolve_registers": self._k_resolve.registers,
+                "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm, "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
                 "plan_copy_registers": self._k_gather.registers}
 
@@ -557,15 +553,14 @@ class NvidiaRuntime(CacheRuntime):
             rows = min(rows, cap)
         return rows, ""
 
-    def _split_rows(self, b: int, resolver_sms: int) -> int:
+    def _split_rows(self, b: int, free_sms: int) -> int:
         """Batch rows whose misses the speculative gather copies after the resolve of `b` rows that
-        takes `resolver_sms` SMs (0: none, the plan copy takes them all). Only as many as its blocks
-        fit at once on the SMs the resolver leaves free: a block that waits for an SM runs after the
-        resolver, when the plan copy would have done the same work sooner, and the copy cannot start
-        before every block of the speculative gather has."""
+        leaves `free_sms` SMs free (0: none, the plan copy takes them all). Only as many as its blocks
+        fit at once on those SMs: a block that waits for an SM runs after the resolver, when the plan
+        copy would have done the same work sooner, and the copy cannot start before every block of
+        the speculative gather has."""
         c = self._copy_shape
-        free = self._num_sms - resolver_sms
-        rows = free * _SPEC_RESIDENT_PER_SM * c.threads * c.unroll // (self.config.top_k * c.slots_per_row)
+        rows = free_sms * self._spec_per_sm * c.threads * c.unroll // (self.config.top_k * c.slots_per_row)
         rows = min(rows, self._spec_rows)
         return rows if 0 < rows < b else 0
 

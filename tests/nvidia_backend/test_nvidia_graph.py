@@ -19,13 +19,15 @@ from hisparse_core.runtime import ResolveInputs
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
 
-@pytest.mark.parametrize(("rows_per_request", "spec_rows"), [(1, None), (2, None), (1, "2")])
-def test_graph_replay_across_drifting_steps(rows_per_request: int, spec_rows: str | None,
+@pytest.mark.parametrize(("rows_per_request", "env"), [(1, {}), (2, {}), (1, {"HISPARSE_SPEC_ROWS": "2"}),
+                                                      (1, {"HISPARSE_SPEC_EARLY_BLOCKS": "1"})])
+def test_graph_replay_across_drifting_steps(rows_per_request: int, env: dict[str, str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """`spec_rows` "2": the captured copy is split, the speculative gather for rows 0-1 and the
-    plan copy, following the resolver, for the rest."""
-    if spec_rows is not None:
-        monkeypatch.setenv("HISPARSE_SPEC_ROWS", spec_rows)
+    """HISPARSE_SPEC_ROWS=2: the captured copy is split, the speculative gather for rows 0-1 and
+    the plan copy, following the resolver, for the rest. HISPARSE_SPEC_EARLY_BLOCKS=1: only the
+    speculative gather's first block guesses, the others wait for the resolver."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     rng = random.Random(21 + rows_per_request)
     cfg = RuntimeConfig(max_batch_rows=5, max_requests=3, top_k=256, hot_rows=512 * rows_per_request,
                         block_size=64, max_pages=32, num_layers=3, rows_per_request=rows_per_request)

@@ -73,6 +73,9 @@ ENV_SPEC_GATHER = "HISPARSE_SPEC_GATHER"
 ENV_GATHER_FOLLOW = "HISPARSE_GATHER_FOLLOW"
 #: At most this many batch rows get the speculative gather (default: as many as one pass of it covers).
 ENV_SPEC_ROWS = "HISPARSE_SPEC_ROWS"
+#: At most this many blocks of the speculative gather guess misses while the resolver runs (default:
+#: as many as fit beside it); the others wait for it. For tests and tuning.
+ENV_SPEC_EARLY_BLOCKS = "HISPARSE_SPEC_EARLY_BLOCKS"
 #: "0": a batch larger than the speculative gather covers gets only the plan copy, instead of the
 #: speculative gather for its first rows and the plan copy, following the resolver, for the rest.
 ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
@@ -189,6 +192,9 @@ class NvidiaRuntime(CacheRuntime):
         self._k_gather_spec = copy_mod.function("hisparse_gather_spec")
         # Blocks of the speculative gather one SM holds at once (its registers decide).
         self._spec_per_sm = self._k_gather_spec.max_active_blocks(self._copy_shape.threads, 0)
+        self._spec_early_cap = env_int(ENV_SPEC_EARLY_BLOCKS)
+        if self._spec_early_cap is not None and self._spec_early_cap < 0:
+            raise InvalidInputError(f"{ENV_SPEC_EARLY_BLOCKS}={self._spec_early_cap}: expected 0 or more blocks")
         self._k_inval_written = maint_mod.function("hisparse_invalidate_written")
         self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
         self._k_reset = maint_mod.function("hisparse_reset_rows")
@@ -441,6 +447,9 @@ class NvidiaRuntime(CacheRuntime):
         out = self._result
         c = self._copy_shape
         blocks = -(-rows * cfg.top_k * c.slots_per_row // (c.threads * c.unroll))
+        early = free_sms * self._spec_per_sm
+        if self._spec_early_cap is not None:
+            early = min(early, self._spec_early_cap)
         self._k_gather_spec.launch(
             (blocks, 1, 1), c.threads, 0, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
@@ -448,7 +457,7 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
              _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(host_bases), _ptr(dev_bases),
              _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats),
-             _i32(free_sms * self._spec_per_sm)],
+             _i32(early)],
             overlap_previous=True)
 
     @property

@@ -19,13 +19,11 @@ from hisparse_core.runtime import ResolveInputs
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
 
-@pytest.mark.parametrize(("rows_per_request", "env"), [(1, {}), (2, {}), (1, {"HISPARSE_SPEC_ROWS": "2"}),
-                                                      (1, {"HISPARSE_SPEC_EARLY_BLOCKS": "1"})])
+@pytest.mark.parametrize(("rows_per_request", "env"), [(1, {}), (2, {}), (1, {"HISPARSE_SPEC_ROWS": "2"})])
 def test_graph_replay_across_drifting_steps(rows_per_request: int, env: dict[str, str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """HISPARSE_SPEC_ROWS=2: the captured copy is split, the speculative gather for rows 0-1 and
-    the plan copy, following the resolver, for the rest. HISPARSE_SPEC_EARLY_BLOCKS=1: only the
-    speculative gather's first block guesses, the others wait for the resolver."""
+    the plan copy, following the resolver, for the rest."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     rng = random.Random(21 + rows_per_request)

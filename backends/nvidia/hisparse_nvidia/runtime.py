@@ -18,7 +18,9 @@ kernels under `cuda/`, launched through the driver on PyTorch's current stream:
   soon as the resolver publishes it (`plan_ready`).
 - `hisparse_gather_spec` (copy.cu): the copy that follows a resolve of a small batch. It starts
   reading the likely misses' host rows while the resolver still runs, then writes exactly the
-  resolver's misses (its miss mask and output rows), loading any it did not guess.
+  resolver's misses (its miss mask and output rows), loading any it did not guess. A larger batch
+  is split: this copy for as many first rows as its blocks fit on the SMs the resolver leaves
+  free, and the plan copy, following the resolver, for the rest.
 - `hisparse_copy_rows` (copy.cu): batched row mirrors and page spills (device to host), page
   restores (host to device) and host block copies, for every layer in one launch.
 - maintain.cu: invalidation of written rows and recycled host blocks, and state resets.
@@ -73,9 +75,6 @@ ENV_SPEC_GATHER = "HISPARSE_SPEC_GATHER"
 ENV_GATHER_FOLLOW = "HISPARSE_GATHER_FOLLOW"
 #: At most this many batch rows get the speculative gather (default: as many as one pass of it covers).
 ENV_SPEC_ROWS = "HISPARSE_SPEC_ROWS"
-#: At most this many blocks of the speculative gather guess misses while the resolver runs (default:
-#: as many as fit beside it); the others wait for it. For tests and tuning.
-ENV_SPEC_EARLY_BLOCKS = "HISPARSE_SPEC_EARLY_BLOCKS"
 #: "0": a batch larger than the speculative gather covers gets only the plan copy, instead of the
 #: speculative gather for its first rows and the plan copy, following the resolver, for the rest.
 ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
@@ -83,9 +82,12 @@ ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
 #: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
 ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
 #: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM
-#: (`HISPARSE_SPEC_BLOCKS_PER_SM` overrides, for tuning).
+#: (`HISPARSE_SPEC_BLOCKS_PER_SM` overrides, for tuning): 11 rows of top-k 2048 on 132 SMs. About
+#: half of them fit beside the resolver; the rest start as its blocks leave. At batch 8 that beat
+#: the plan copy by 8.7 us with 274 misses a request and lost 4.9 us on a step without misses
+#: (docs/gpu-validation.md, calls S1-S5).
 ENV_SPEC_BLOCKS_PER_SM = "HISPARSE_SPEC_BLOCKS_PER_SM"
-_SPEC_BLOCKS_PER_SM = 4
+_SPEC_BLOCKS_PER_SM = 8
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
 _MAX_PLAN_ROWS = 12 * 1024 - 1
@@ -192,9 +194,6 @@ class NvidiaRuntime(CacheRuntime):
         self._k_gather_spec = copy_mod.function("hisparse_gather_spec")
         # Blocks of the speculative gather one SM holds at once (its registers decide).
         self._spec_per_sm = self._k_gather_spec.max_active_blocks(self._copy_shape.threads, 0)
-        self._spec_early_cap = env_int(ENV_SPEC_EARLY_BLOCKS)
-        if self._spec_early_cap is not None and self._spec_early_cap < 0:
-            raise InvalidInputError(f"{ENV_SPEC_EARLY_BLOCKS}={self._spec_early_cap}: expected 0 or more blocks")
         self._k_inval_written = maint_mod.function("hisparse_invalidate_written")
         self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
         self._k_reset = maint_mod.function("hisparse_reset_rows")
@@ -360,9 +359,9 @@ class NvidiaRuntime(CacheRuntime):
             overlap_previous=self._overlap)
         self._last_rows = b
         if spec:
-            self._gather_spec(inputs, b, free_sms)
+            self._gather_spec(inputs, b)
         elif split:
-            self._gather_spec(inputs, split, free_sms)
+            self._gather_spec(inputs, split)
             self._gather(0, 1, follow=True, row_begin=split)
         elif gather:
             self._gather(0, 1, follow=follow)
@@ -438,26 +437,20 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._gather_work), _i32(follow)],
             overlap_previous=self._overlap)
 
-    def _gather_spec(self, inputs: ResolveInputs, rows: int, free_sms: int) -> None:
-        """The plan copy of layer 0 right after the resolve of `rows` batch rows, started early;
-        the blocks that fit on the `free_sms` SMs the resolver leaves free guess likely misses while
-        it runs, the others wait for it (they would start only after it anyway)."""
+    def _gather_spec(self, inputs: ResolveInputs, rows: int) -> None:
+        """The plan copy of layer 0 right after the resolve of `rows` batch rows, started early."""
         host_bases, dev_bases, dev_strides = self._layer_tables()
         cfg = self.config
         out = self._result
         c = self._copy_shape
         blocks = -(-rows * cfg.top_k * c.slots_per_row // (c.threads * c.unroll))
-        early = free_sms * self._spec_per_sm
-        if self._spec_early_cap is not None:
-            early = min(early, self._spec_early_cap)
         self._k_gather_spec.launch(
             (blocks, 1, 1), c.threads, 0, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(self._pos_slot), _ptr(self._hot_map), _ptr(out.rows),
              _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
              _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(host_bases), _ptr(dev_bases),
-             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats),
-             _i32(early)],
+             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
             overlap_previous=True)
 
     @property
@@ -470,7 +463,8 @@ class NvidiaRuntime(CacheRuntime):
                 "cluster_blocks": self._cluster, "cluster_max_batch": self._cluster_rows,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
-                "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm, "resolve_registers": self._k_resolve.registers,
+                "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
+                "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
                 "plan_copy_registers": self._k_gather.registers}
 

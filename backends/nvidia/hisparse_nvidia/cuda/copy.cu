@@ -330,86 +330,16 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_copy_rows(
 //      when step 1 guessed it, else loaded now. Guesses only decide what is read early; what is
 //      written is decided by the resolver's final outputs, so a wrong guess costs time, never bytes.
 // Grid: (blocks, 1, 1) with blocks * HS_GNT * HS_UNROLL >= rows * K * HS_SLOTS (the host sizes it
-// so): one pass, each thread's HS_UNROLL tasks (entry, slot) known from the start. Blocks [0, early)
-// are those the host expects to fit beside the resolver; the others start only as its blocks
-// leave, when guessing is pointless, and take the shorter path of hs_spec_late (the batches past
-// what fits beside the resolver, up to HISPARSE_SPEC_BLOCKS_PER_SM).
+// so): one pass, each thread's HS_UNROLL tasks (entry, slot) known from the start.
 // pos_slot and hot_map are not __restrict__: the resolver writes them while step 1 reads them, so
 // they must not go through the read-only path.
-// Bytes the plan of batch rows [0, rows) moves, counted once (block 0, thread 0, after the wait).
-__device__ __forceinline__ void hs_count_plan(const i32* plan_counts, i32 rows, i32 K, u64* stats) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        i64 n = 0;
-        for (i32 r = 0; r < rows; ++r) n += min(max(plan_counts[r], 0), K);
-        if (n) atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
-    }
-}
-
-// A block of hisparse_gather_spec that the host expects to start only once the resolver's blocks
-// leave their SMs: it waits for the resolver first, then reads its word on each task (miss mask,
-// output row) with the entry, and only for the misses the page table and the host row. Two round
-// trips before a host read instead of four, and one on a step without misses.
-__device__ __forceinline__ void hs_spec_late(u32 first, u32 stride, u32 total, const i32* topk,
-                                             const i32* row_state, const i32* source_table, const i32* out_rows,
-                                             const i32* plan_counts, const u32* miss_mask, i32 rows, i32 K, i32 bs,
-                                             i32 P, const HsRows& src, const HsRows& dst, u64* stats) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    hs_count_plan(plan_counts, rows, K, stats);
-    i32 E_r[HS_UNROLL], cnt[HS_UNROLL], d_r[HS_UNROLL], q_r[HS_UNROLL], t_r[HS_UNROLL];
-    u32 word[HS_UNROLL];
-#pragma unroll
-    for (i32 u = 0; u < HS_UNROLL; ++u) {
-        const u32 c = first + u * stride;
-        E_r[u] = c < total ? static_cast<i32>(c / HS_SLOTS) : -1;
-        const i32 E = max(E_r[u], 0);
-        cnt[u] = plan_counts[E / K];
-        word[u] = miss_mask[E >> 5];
-        d_r[u] = out_rows[E];
-        q_r[u] = row_state[E / K];
-        t_r[u] = topk[E];
-    }
-    i64 page_r[HS_UNROLL];
-    bool miss[HS_UNROLL];
-#pragma unroll
-    for (i32 u = 0; u < HS_UNROLL; ++u) {
-        const i32 E = E_r[u], q = q_r[u], t = t_r[u];
-        miss[u] = E >= 0 && cnt[u] > 0 && ((word[u] >> (E & 31)) & 1u) && d_r[u] >= 0 && d_r[u] < dst.limit &&
-                  q >= 0 && t >= 0 && t / bs < P;
-        page_r[u] = miss[u] ? static_cast<i64>(q) * P + t / bs : 0;
-    }
-    i32 b_r[HS_UNROLL];
-#pragma unroll
-    for (i32 u = 0; u < HS_UNROLL; ++u) b_r[u] = miss[u] ? source_table[page_r[u]] : -1;
-    uint4 v[HS_UNROLL];
-    unsigned char* to[HS_UNROLL];
-#pragma unroll
-    for (i32 u = 0; u < HS_UNROLL; ++u) {
-        to[u] = nullptr;
-        const i32 b = b_r[u];
-        const i64 g = static_cast<i64>(b) * bs + t_r[u] % bs;
-        if (miss[u] && b >= 0 && g < src.limit) {
-            const unsigned char* from = src.at(static_cast<i32>(g), bs);
-            const i32 pos = static_cast<i32>((first + u * stride) % HS_SLOTS) * 16 -
-                            static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-            if (pos >= 0 && pos < HS_ROW_BYTES) {
-                v[u] = hs_load16(from + pos);
-                to[u] = dst.at(d_r[u], bs) + pos;
-            }
-        }
-    }
-#pragma unroll
-    for (i32 u = 0; u < HS_UNROLL; ++u) {
-        if (to[u] != nullptr) hs_store16(to[u], v[u]);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     const i32* __restrict__ topk, const i32* __restrict__ row_state, const i32* __restrict__ seq_lens,
     const i32* __restrict__ source_table, const i32* __restrict__ resident_table, const i16* pos_slot,
     const i32* hot_map, const i32* __restrict__ out_rows, const i32* __restrict__ plan_counts,
     const u32* __restrict__ miss_mask, i32 rows, i32 K, i32 bs, i32 P, i32 H, const i64* __restrict__ host_bases,
     const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides, i64 host_rows, i64 dev_rows,
-    u64* __restrict__ stats, i32 early) {
+    u64* __restrict__ stats) {
     // The next kernel may be scheduled now: ours wait for this grid before touching memory.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
@@ -423,11 +353,6 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     // page-table entries and position hint; the hinted slot's row. Every load of a round trip is
     // issued unconditionally (index 0 stands in for an invalid one) so that the task's four chains
     // overlap instead of running one after the other.
-    if (static_cast<i32>(blockIdx.x) >= early) {  // starts after the resolver: nothing to guess
-        hs_spec_late(first, stride, total, topk, row_state, source_table, out_rows, plan_counts, miss_mask, rows, K,
-                     bs, P, src, dst, stats);
-        return;
-    }
     i32 E_r[HS_UNROLL], q_r[HS_UNROLL], t_r[HS_UNROLL], len_r[HS_UNROLL];
 #pragma unroll
     for (i32 u = 0; u < HS_UNROLL; ++u) {
@@ -484,7 +409,11 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
 
     // ---- 2. The resolver's misses ---------------------------------------------------------------
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    hs_count_plan(plan_counts, rows, K, stats);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        i64 n = 0;
+        for (i32 r = 0; r < rows; ++r) n += min(max(plan_counts[r], 0), K);
+        if (n) atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
+    }
     // One round trip: each task's row count, mask word and output row, issued together.
     i32 cnt[HS_UNROLL], d_r[HS_UNROLL];
     u32 word[HS_UNROLL];

@@ -19,7 +19,8 @@ from hisparse_core.runtime import ResolveInputs
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
 
-@pytest.mark.parametrize(("rows_per_request", "env"), [(1, {}), (2, {}), (1, {"HISPARSE_SPEC_ROWS": "2"})])
+@pytest.mark.parametrize(("rows_per_request", "env"), [(1, {}), (2, {}), (1, {"HISPARSE_SPEC_ROWS": "2"})],
+                         ids=["1", "2", "1-split"])
 def test_graph_replay_across_drifting_steps(rows_per_request: int, env: dict[str, str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """HISPARSE_SPEC_ROWS=2: the captured copy is split, the speculative gather for rows 0-1 and

@@ -1,0 +1,77 @@
+"""Which miss copy follows a resolve, decided on the host (CPU only: no kernel runs here).
+
+Batches the speculative gather covers in one pass get it alone; a larger batch gets it for as many
+first rows as its blocks fit on the SMs the resolver leaves free, the plan copy taking the rest;
+and the knobs that change that reject bad values in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import RuntimeConfig
+from hisparse_nvidia.kernels import CopyShape
+from hisparse_nvidia.runtime import NvidiaRuntime
+
+SMS = 132  # an H200
+
+
+def _policy(top_k: int = 2048, blocks_per_sm: int = 4) -> NvidiaRuntime:
+    """A runtime with only what the copy policy reads (built without a GPU)."""
+    rt = object.__new__(NvidiaRuntime)
+    rt.config = RuntimeConfig(max_batch_rows=128, max_requests=128, top_k=top_k, hot_rows=4096, block_size=64,
+                              max_pages=512)
+    rt._copy_shape = CopyShape(656)
+    rt._overlap = True
+    rt._spec_per_sm = blocks_per_sm
+    rt._spec_rows, _ = rt._speculative_rows(SMS)
+    return rt
+
+
+def test_speculative_rows_default_and_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8 blocks of 256 threads x 4 slots per SM, 48 slots a 656-byte row: 11 rows of top-k 2048.
+    assert _policy()._spec_rows == 8 * SMS * 1024 // (2048 * 48) == 11
+    monkeypatch.setenv("HISPARSE_SPEC_BLOCKS_PER_SM", "4")
+    assert _policy()._spec_rows == 5
+    monkeypatch.setenv("HISPARSE_SPEC_ROWS", "3")
+    assert _policy()._spec_rows == 3
+    monkeypatch.setenv("HISPARSE_SPEC_ROWS", "0")
+    rt = _policy()
+    assert rt._spec_rows == 0 and rt._speculative_rows(SMS) == (0, "HISPARSE_SPEC_ROWS=0")
+    monkeypatch.delenv("HISPARSE_SPEC_ROWS")
+    assert _policy(top_k=2040)._speculative_rows(SMS) == (0, "top_k is not a multiple of 32")
+
+
+@pytest.mark.parametrize(("name", "value"), [("HISPARSE_SPEC_BLOCKS_PER_SM", "33"), ("HISPARSE_SPEC_BLOCKS_PER_SM", "-1"),
+                                             ("HISPARSE_SPEC_BLOCKS_PER_SM", "x"), ("HISPARSE_SPEC_ROWS", "-2")])
+def test_bad_knob_values_are_one_line_errors(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidInputError) as err:
+        _policy()
+    assert name in str(err.value) and value in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("b", "resolver_sms", "rows"), [
+    (8, 64, 0),     # within the speculative gather's one pass: it takes the whole batch, no split
+    (12, 96, 1),    # cluster resolver on 96 SMs: 36 free hold 144 blocks, one row's 96
+    (15, 120, 0),   # 12 free SMs: 48 blocks, half a row
+    (16, 16, 4),    # one block a row: 116 free SMs hold 464 blocks, 4 rows of 96
+    (32, 32, 4),    # 100 free: 400 blocks
+    (64, 64, 2),    # 68 free: 272 blocks
+    (100, 100, 1),  # 32 free: 128 blocks
+    (128, 128, 0),  # 4 free: the plan copy takes the batch
+])
+def test_split_covers_the_rows_that_fit_beside_the_resolver(b: int, resolver_sms: int, rows: int) -> None:
+    rt = _policy()
+    got = rt._split_rows(b, SMS - resolver_sms) if b > rt._spec_rows else 0
+    assert got == rows
+    if rows:  # every block of the split's speculative copy fits at once on the free SMs
+        blocks = -(-rows * 2048 * 48 // 1024)
+        assert blocks <= (SMS - resolver_sms) * rt._spec_per_sm
+
+
+def test_split_never_takes_the_whole_batch() -> None:
+    rt = _policy(blocks_per_sm=32)  # a kernel so small that every row would fit
+    assert rt._split_rows(rt._spec_rows + 1, SMS) == rt._spec_rows
+    assert all(rt._split_rows(b, SMS) < b for b in range(1, 40))

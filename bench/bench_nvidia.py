@@ -16,6 +16,11 @@ positions of its context, so a step brings exactly the wanted number of new rows
 274 = 13.4% of 2048, 548 or all 2048) and the LRU evicts rows the window left long ago. The
 measured miss counts are checked against the intent and printed.
 
+Each miss cell also times, in the same run, the plan copy alone replaying one plan, the plan copy
+alone over the cycle's own plans (fresh host rows every step, as the whole step reads: the copy's
+own bound) and the resolver alone. The metadata table adds the dependency floor of a hit step
+(bench/hit_floor.cu: the round trips, barriers and stores of a resolve without its work).
+
 The swap-in table (resolve with gather=True, the whole swap-in) sweeps misses per request at
 batches 1, 8, 64 and 128 (and 274 misses at 32), and prints beside ours, as reference columns,
 SGLang 0.5.23's fused swap-in and upstream vLLM's resolve + gather_compact measured on an H200

@@ -75,3 +75,20 @@ def test_split_never_takes_the_whole_batch() -> None:
     rt = _policy(blocks_per_sm=32)  # a kernel so small that every row would fit
     assert rt._split_rows(rt._spec_rows + 1, SMS) == rt._spec_rows
     assert all(rt._split_rows(b, SMS) < b for b in range(1, 40))
+
+
+def test_the_log_says_which_copy_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = _policy()
+    rt._gather_blocks, rt._follow, rt._split = SMS, True, True
+    assert rt._describe_copies("") == (
+        "miss copies after a resolve start while it runs for batches of up to 11 rows; larger batches so for as "
+        "many first rows as fit on the SMs the resolver leaves free (4 blocks to an SM), the other rows by a "
+        "persistent grid of 132 blocks that copies each request's plan once the resolver has published it")
+    rt._split = False
+    assert rt._describe_copies("").endswith("(HISPARSE_SPEC_SPLIT=0 or HISPARSE_GATHER_FOLLOW=0)")
+    monkeypatch.setenv("HISPARSE_SPEC_GATHER", "0")
+    rt._spec_rows, why = rt._speculative_rows(SMS)
+    rt._follow = False
+    assert rt._describe_copies(why) == (
+        "miss copies after a resolve: a persistent grid of 132 blocks that waits for the whole resolver "
+        "(HISPARSE_GATHER_FOLLOW=0) (no speculative gather: HISPARSE_SPEC_GATHER=0)")

@@ -209,14 +209,7 @@ class NvidiaRuntime(CacheRuntime):
         if not 1 <= blocks <= 8 * num_sms:
             raise InvalidInputError(f"{ENV_GATHER_BLOCKS}={blocks}: expected 1 to {8 * num_sms} blocks (8 per SM)")
         self._gather_blocks = blocks
-        logger.info("nvidia runtime: miss copies after a resolve %s; beyond, %sa persistent grid of %d blocks %s",
-                    f"start while it runs for batches of up to {self._spec_rows} rows" if self._spec_rows
-                    else f"wait for the resolver ({why})",
-                    f"the first rows so (as many as fit on the SMs the resolver leaves free, {self._spec_per_sm} "
-                    f"blocks to an SM) and the rest by " if self._split else "",
-                    self._gather_blocks,
-                    "copies each request's plan once the resolver has published it" if self._follow
-                    else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)")
+        logger.info("nvidia runtime: %s", self._describe_copies(why))
         self._prof: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
@@ -555,6 +548,19 @@ class NvidiaRuntime(CacheRuntime):
                 return 0, f"{ENV_SPEC_ROWS}=0"
             rows = min(rows, cap)
         return rows, ""
+
+    def _describe_copies(self, why: str) -> str:
+        """Which miss copy follows a resolve, for the log; `why`: why there is no speculative gather."""
+        plan_copy = (f"a persistent grid of {self._gather_blocks} blocks that " +
+                     ("copies each request's plan once the resolver has published it" if self._follow
+                      else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)"))
+        if not self._spec_rows:
+            return f"miss copies after a resolve: {plan_copy} (no speculative gather: {why})"
+        rest = (f"so for as many first rows as fit on the SMs the resolver leaves free ({self._spec_per_sm} blocks "
+                f"to an SM), the other rows by {plan_copy}" if self._split
+                else f"by {plan_copy} ({ENV_SPEC_SPLIT}=0 or {ENV_GATHER_FOLLOW}=0)")
+        return (f"miss copies after a resolve start while it runs for batches of up to {self._spec_rows} rows; "
+                f"larger batches {rest}")
 
     def _split_rows(self, b: int, free_sms: int) -> int:
         """Batch rows whose misses the speculative gather copies after the resolve of `b` rows that

@@ -26,6 +26,8 @@ def _policy(top_k: int = 2048, blocks_per_sm: int = 4) -> NvidiaRuntime:
     rt._overlap = True
     rt._spec_per_sm = blocks_per_sm
     rt._spec_rows, _ = rt._speculative_rows(SMS)
+    rt._follow = True
+    rt._split = rt._spec_rows > 0
     return rt
 
 
@@ -52,23 +54,33 @@ def test_bad_knob_values_are_one_line_errors(name: str, value: str, monkeypatch:
     assert name in str(err.value) and value in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize(("b", "resolver_sms", "rows"), [
-    (8, 64, 0),     # within the speculative gather's one pass: it takes the whole batch, no split
-    (12, 96, 1),    # cluster resolver on 96 SMs: 36 free hold 144 blocks, one row's 96
-    (15, 120, 0),   # 12 free SMs: 48 blocks, half a row
-    (16, 16, 4),    # one block a row: 116 free SMs hold 464 blocks, 4 rows of 96
-    (32, 32, 4),    # 100 free: 400 blocks
-    (64, 64, 2),    # 68 free: 272 blocks
-    (100, 100, 1),  # 32 free: 128 blocks
-    (128, 128, 0),  # 4 free: the plan copy takes the batch
+@pytest.mark.parametrize(("b", "resolver_sms", "choice"), [
+    (8, 64, (8, None, False)),  # within the speculative gather's one pass: it takes the whole batch
+    (12, 96, (1, 1, True)),     # cluster resolver on 96 SMs: 36 free hold 144 blocks, one row's 96
+    (15, 120, (0, 0, True)),    # 12 free SMs: 48 blocks, half a row: the plan copy takes the batch
+    (16, 16, (4, 4, True)),     # one block a row: 116 free SMs hold 464 blocks, 4 rows of 96
+    (32, 32, (4, 4, True)),     # 100 free: 400 blocks
+    (64, 64, (2, 2, True)),     # 68 free: 272 blocks
+    (100, 100, (1, 1, True)),   # 32 free: 128 blocks
+    (128, 128, (0, 0, True)),   # 4 free
 ])
-def test_split_covers_the_rows_that_fit_beside_the_resolver(b: int, resolver_sms: int, rows: int) -> None:
+def test_split_covers_the_rows_that_fit_beside_the_resolver(b: int, resolver_sms: int,
+                                                             choice: tuple[int, int | None, bool]) -> None:
     rt = _policy()
-    got = rt._split_rows(b, SMS - resolver_sms) if b > rt._spec_rows else 0
-    assert got == rows
-    if rows:  # every block of the split's speculative copy fits at once on the free SMs
-        blocks = -(-rows * 2048 * 48 // 1024)
-        assert blocks <= (SMS - resolver_sms) * rt._spec_per_sm
+    assert rt._copy_choice(b, True, SMS - resolver_sms) == choice
+    rows, plan_from, _ = choice
+    if plan_from:  # every block of the split's speculative copy fits at once on the free SMs
+        assert -(-rows * 2048 * 48 // 1024) <= (SMS - resolver_sms) * rt._spec_per_sm
+    assert rt._copy_choice(b, False, SMS - resolver_sms) == (0, None, False)  # no copy asked
+
+
+def test_split_off_or_no_follow_leaves_the_plan_copy_alone() -> None:
+    rt = _policy()
+    rt._split = False
+    assert rt._copy_choice(32, True, 100) == (0, 0, True)
+    rt._follow = False
+    assert rt._copy_choice(32, True, 100) == (0, 0, False)
+    assert rt._copy_choice(8, True, 68) == (8, None, False)
 
 
 def test_split_never_takes_the_whole_batch() -> None:

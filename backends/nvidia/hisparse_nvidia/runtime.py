@@ -335,12 +335,10 @@ class NvidiaRuntime(CacheRuntime):
         kernel, grid, smem = self._k_resolve, cfg.max_batch_rows, shape.dynamic_smem
         if self._k_resolve_cluster is not None and b <= self._cluster_rows:
             kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
-        spec = gather and b <= self._spec_rows
-        follow = gather and not spec and self._follow
         # The resolver's blocks of 1024 threads take an SM each (a cluster launch has `grid` of them,
         # the one-block launch b that do work; its padding blocks exit at once).
-        free_sms = max(0, self._num_sms - (grid if kernel is self._k_resolve_cluster else b))
-        split = self._split_rows(b, free_sms) if follow and self._split else 0
+        spec_rows, plan_from, follow = self._copy_choice(
+            b, gather, max(0, self._num_sms - (grid if kernel is self._k_resolve_cluster else b)))
         kernel.launch(
             (grid, 1, 1), shape.threads, smem, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
@@ -351,13 +349,10 @@ class NvidiaRuntime(CacheRuntime):
              _i32(follow)],
             overlap_previous=self._overlap)
         self._last_rows = b
-        if spec:
-            self._gather_spec(inputs, b)
-        elif split:
-            self._gather_spec(inputs, split)
-            self._gather(0, 1, follow=True, row_begin=split)
-        elif gather:
-            self._gather(0, 1, follow=follow)
+        if spec_rows:
+            self._gather_spec(inputs, spec_rows)
+        if plan_from is not None:
+            self._gather(0, 1, follow=follow, row_begin=plan_from)
         return out
 
     @property
@@ -561,6 +556,19 @@ class NvidiaRuntime(CacheRuntime):
                 else f"by {plan_copy} ({ENV_SPEC_SPLIT}=0 or {ENV_GATHER_FOLLOW}=0)")
         return (f"miss copies after a resolve start while it runs for batches of up to {self._spec_rows} rows; "
                 f"larger batches {rest}")
+
+    def _copy_choice(self, b: int, gather: bool, free_sms: int) -> tuple[int, int | None, bool]:
+        """The miss copy after the resolve of `b` rows that leaves `free_sms` SMs free: (rows the
+        speculative gather copies from row 0, the row the plan copy starts at or None for none,
+        whether the plan copy follows the resolver's published counts)."""
+        if not gather:
+            return 0, None, False
+        if b <= self._spec_rows:
+            return b, None, False
+        split = self._split_rows(b, free_sms) if self._split else 0
+        if split:
+            return split, split, True
+        return 0, 0, self._follow
 
     def _split_rows(self, b: int, free_sms: int) -> int:
         """Batch rows whose misses the speculative gather copies after the resolve of `b` rows that

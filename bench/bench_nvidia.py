@@ -310,7 +310,7 @@ class Bench:
 
         from hisparse_core.runtime import ResolveInputs
         from hisparse_nvidia import driver
-        from hisparse_nvidia.compiler import compile_source
+        from hisparse_nvidia.compiler import KernelBuild, compile_source
 
         rt = self.runtime(b)
         source, res, hot = self.tables(b, resident=False)
@@ -320,10 +320,9 @@ class Bench:
         for _ in range(2):  # the second resolve finds every host entry at its hinted slot
             rt.resolve(ResolveInputs(topk, state, lens, source, res, hot), gather=True, validate=False)
         props = torch.cuda.get_device_properties(self.dev)
-        image, _ = compile_source((Path(__file__).parent / "hit_floor.cu").read_text(), "hit_floor.cu",
-                                  [f"--gpu-architecture=sm_{props.major}{props.minor}", "--std=c++17",
-                                   "--device-as-default-execution-space", "-DHS_NT=1024", f"-DHS_K={K}", f"-DHS_H={H}",
-                                   f"-DHS_BS={BS}", f"-DHS_P={P}"])
+        build = KernelBuild.of("hit_floor.cu", {"HS_NT": 1024, "HS_K": K, "HS_H": H, "HS_BS": BS, "HS_P": P})
+        image, _ = compile_source((Path(__file__).parent / build.source).read_text(), build.source,
+                                  build.options(f"sm_{props.major}{props.minor}"))
         fn = driver.Module(image).function("hisparse_hit_floor")
         out = torch.empty((b, K), dtype=torch.int32, device=self.dev)
         lru_out = torch.empty((b, H), dtype=torch.int16, device=self.dev)

@@ -7,7 +7,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tf_support import BLOCK, SHAPES, TOP_K, TinyShape, baseline, compare, enable_kwargs, random_prompts, tiny_model
+from tf_support import (
+    BLOCK,
+    GEN,
+    SHAPES,
+    TOP_K,
+    TinyShape,
+    baseline,
+    compare,
+    enable_kwargs,
+    random_prompts,
+    tiny_model,
+)
 
 import hisparse_transformers
 from hisparse_transformers.check import RowMismatch
@@ -32,8 +43,7 @@ def test_generate_matches_the_model_and_reuses_prefixes(family: str, model: torc
     ids, mask = random_prompts(LENGTHS, seed=1)
     theirs = baseline(model, ids, mask, NEW, chunk=8)
     with hisparse_transformers.enable(model, **enable_kwargs(family)) as hs:
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **GEN)
         got = compare(ours, theirs)
         assert got.tokens_equal, "hisparse tokens differ from the model's own generate"
         assert got.steps == NEW and got.max_logit_diff <= 1e-4, got
@@ -51,8 +61,7 @@ def test_generate_matches_the_model_and_reuses_prefixes(family: str, model: torc
         prefix = ids[1, :32].tolist()
         ids2, mask2 = random_prompts([48, 33, 60], seed=7, prefix=prefix)
         theirs2 = baseline(model, ids2, mask2, 16, chunk=8)
-        ours2 = model.generate(ids2, attention_mask=mask2, max_new_tokens=16, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True)
+        ours2 = model.generate(ids2, attention_mask=mask2, max_new_tokens=16, **GEN)
         got2 = compare(ours2, theirs2)
         assert got2.tokens_equal and got2.max_logit_diff <= 1e-4, got2
         s2 = hs.stats()
@@ -158,8 +167,7 @@ def test_fresh_models_match_across_shapes(lengths: list[int], chunk: int, block:
     theirs = baseline(model, ids, mask, 12, chunk=chunk)
     with hisparse_transformers.enable(model, host_pool_gib=0.01, gpu_kv_gib=4e-3, block_size=block, hot_rows=block * 4,
                                       max_batch=3, max_context=128, prefill_chunk=chunk, check=True):
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, **GEN)
     got = compare(ours, theirs)
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, (got, lengths, chunk, block)
 
@@ -169,8 +177,7 @@ def test_topk_shorter_than_runtime_and_single_row(model: torch.nn.Module, family
     ids, mask = random_prompts([5], seed=2)
     theirs = baseline(model, ids, mask, 6, chunk=8)
     with hisparse_transformers.enable(model, **enable_kwargs(family, gpu_kv_gib=1e-3)):
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
     got = compare(ours, theirs)
     assert 5 + 6 < TOP_K and got.tokens_equal and got.max_logit_diff <= 1e-4
 
@@ -182,8 +189,7 @@ def test_pressure_relief_steps_keep_outputs_exact(family: str, model: torch.nn.M
     theirs = baseline(model, ids, mask, 12, chunk=8)
     with hisparse_transformers.enable(model, **enable_kwargs(family)) as hs:
         hs.on_step = lambda handle, step: handle.engine._relieve_pressure()
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, **GEN)
         assert hs.engine.totals.pressure_waits > 10
     got = compare(ours, theirs)
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got

@@ -17,19 +17,20 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 import torch
 from tf_support import (
     BLOCK,
+    GEN,
+    NO_TIES,
     SHAPES,
     baseline,
     bf16_errors,
-    block_bytes,
     compare,
     enable_kwargs,
     random_prompts,
+    tight_gpu_gib,
     tiny_model,
 )
 
@@ -56,8 +57,7 @@ def test_fp32_on_gpu_matches_the_model(family: str) -> None:
     ids, mask = ids.cuda(), mask.cuda()
     theirs = baseline(model, ids, mask, 64, chunk=8)
     with hisparse_transformers.enable(model, **enable_kwargs(family, backend="nvidia")) as hs:
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, **GEN)
         s = hs.stats()
     got = compare(ours, theirs)
     print(f"{family} fp32 cuda: tokens identical {got.tokens_equal}, max abs logit diff {got.max_logit_diff:.3g}, "
@@ -91,9 +91,6 @@ def test_bf16_on_gpu_within_transformers_own_error(family: str, graphs: bool) ->
     assert (e["decode_mode"] == "cuda graph") == graphs, e
 
 
-NO_TIES = {f: replace(s, index_heads=32) for f, s in SHAPES.items()}
-
-
 @pytest.mark.parametrize("family", sorted(SHAPES))
 def test_cuda_graph_decode_matches_the_model(family: str) -> None:
     model = tiny_model(family, shape=NO_TIES[family], seed=4, device="cuda")
@@ -101,10 +98,9 @@ def test_cuda_graph_decode_matches_the_model(family: str) -> None:
     ids, mask = ids.cuda(), mask.cuda()
     theirs = baseline(model, ids, mask, 64, chunk=32)
     kw = enable_kwargs(family, backend="nvidia", check=False, max_context=512, prefill_chunk=32,
-                       gpu_kv_gib=150 * block_bytes(family) / 2**30)
+                       gpu_kv_gib=tight_gpu_gib(family, 150))
     with hisparse_transformers.enable(model, **kw) as hs:
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, **GEN)
         s = hs.stats()
     got = compare(ours, theirs)
     print(f"{family} fp32 cuda graph: tokens identical {got.tokens_equal}, max abs logit diff {got.max_logit_diff:.3g}, "
@@ -123,8 +119,7 @@ def test_uncapturable_moe_runs_eagerly(caplog: pytest.LogCaptureFixture) -> None
     theirs = baseline(model, ids, mask, 12, chunk=8)
     with hisparse_transformers.enable(model, **enable_kwargs(family, backend="nvidia", check=False)) as hs:
         with caplog.at_level(logging.WARNING, logger="hisparse_transformers.graphs"):
-            ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
-                                  return_dict_in_generate=True)
+            ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, **GEN)
         s = hs.stats()
     got = compare(ours, theirs)
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got

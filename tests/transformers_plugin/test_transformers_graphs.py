@@ -16,18 +16,15 @@ to the order of exact ties. These tests use 32 indexer heads, where a zero score
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 import torch
-from tf_support import SHAPES, baseline, compare, enable_kwargs, random_prompts, tiny_model
+from tf_support import GEN, NO_TIES, SHAPES, baseline, compare, enable_kwargs, random_prompts, tight_gpu_gib, tiny_model
 
 import hisparse_transformers
 from hisparse_core.errors import InvalidInputError
 
 pytest.importorskip("transformers")
-
-NO_TIES = {f: replace(s, index_heads=32) for f, s in SHAPES.items()}
 
 
 @pytest.fixture(scope="module", params=sorted(NO_TIES))
@@ -50,24 +47,17 @@ def test_static_decode_matches_the_model(family: str, model: torch.nn.Module) ->
     captured batch is captured again); pages are released to host and read back."""
     ids, mask = random_prompts([150, 201, 97], seed=2)       # 256-slot key buffers after the prefill
     theirs = baseline(model, ids, mask, 64, chunk=32)
-    kw = enable_kwargs(family, check=False, max_context=512, prefill_chunk=32, gpu_kv_gib=150 * block(family))
+    kw = enable_kwargs(family, check=False, max_context=512, prefill_chunk=32, gpu_kv_gib=tight_gpu_gib(family, 150))
     with hisparse_transformers.enable(model, **kw) as hs:
         hs.graphs.enabled, hs.graphs.capture = True, False
         seen: list[int] = []
         hs.on_step = lambda handle, step: seen.append(capacity(handle)) if step.num_new == 1 else None
-        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=64, **GEN)
         s = hs.stats()
     got = compare(ours, theirs)
     assert got.tokens_equal and got.steps == 64 and got.max_logit_diff <= 1e-4, got
     assert s.decode_mode == "static eager" and s.misses > 0 and s.released_pages > 0, s
     assert len(seen) == 63 and seen[0] == 256 and seen[-1] > 256, seen
-
-
-def block(family: str) -> float:
-    from tf_support import block_bytes
-
-    return block_bytes(family) / 2**30
 
 
 def test_a_failed_capture_falls_back_to_eager(family: str, model: torch.nn.Module,
@@ -79,8 +69,7 @@ def test_a_failed_capture_falls_back_to_eager(family: str, model: torch.nn.Modul
     with hisparse_transformers.enable(model, **enable_kwargs(family, check=False)) as hs:
         hs.graphs.enabled, hs.graphs.capture = True, True
         with caplog.at_level(logging.WARNING, logger="hisparse_transformers.graphs"):
-            ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, output_logits=True,
-                                  return_dict_in_generate=True)
+            ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, **GEN)
         s = hs.stats()
     got = compare(ours, theirs)
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
@@ -116,8 +105,7 @@ def test_an_moe_that_picks_experts_on_the_host_is_not_captured(caplog: pytest.Lo
     with hisparse_transformers.enable(model, **enable_kwargs(family, check=False)) as hs:
         hs.graphs.enabled, hs.graphs.capture = True, True
         with caplog.at_level(logging.WARNING, logger="hisparse_transformers.graphs"):
-            ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
-                                  return_dict_in_generate=True)
+            ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
         s = hs.stats()
     assert compare(ours, theirs).tokens_equal
     assert "experts_implementation='eager'" in s.decode_mode and "set_experts_implementation" in s.decode_mode, s

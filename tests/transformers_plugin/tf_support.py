@@ -3,7 +3,7 @@ comparison of a hisparse generate with the model's own."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,6 +15,9 @@ from hisparse_transformers.tiny import TinyShape, random_prompts, tiny_model
 SHAPES = {"deepseek_v32": TinyShape(layers=2), "glm_moe_dsa": TinyShape(layers=3, index_share=2)}
 BLOCK = 4
 TOP_K = SHAPES["deepseek_v32"].index_topk   # 16; the hot buffer is 16 rows, contexts reach 121 tokens
+#: The same with 32 indexer heads: a key scores exactly 0 (every head's dot product negative) with a
+#: chance of 2^-32, so exact ties never decide the top-k (test_transformers_graphs.py says why that matters).
+NO_TIES = {f: replace(s, index_heads=32) for f, s in SHAPES.items()}
 
 
 def block_bytes(family: str, dtype: torch.dtype = torch.float32) -> int:
@@ -60,7 +63,7 @@ def baseline(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new:
                           past_key_values=DynamicCache(config=model.config), **GEN)
 
 
-__all__ = ["BLOCK", "Compared", "GEN", "SHAPES", "TOP_K", "TinyShape", "baseline", "compare", "enable_kwargs",
+__all__ = ["BLOCK", "Compared", "GEN", "NO_TIES", "SHAPES", "TOP_K", "TinyShape", "baseline", "compare", "enable_kwargs",
            "random_prompts", "tight_gpu_gib", "tiny_model"]
 
 

@@ -58,6 +58,17 @@ def context_points(inputs: PlanInputs, lo: int, hi: int, crossover: int | None, 
     return sorted(c for c in out if lo <= c <= hi)
 
 
+def _log_axes(ax: Any, lo: int, hi: int, ylabel: str, title: str) -> None:
+    """Both panels: log-log against context length over [lo, hi]."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+
+
 def draw_concurrency(ax: Any, inputs: PlanInputs, lo: int, hi: int) -> int | None:
     """Draw the concurrency panel on matplotlib axes `ax`; returns the crossover it marks."""
     crossover = crossover_context(inputs, up_to=hi)
@@ -85,13 +96,7 @@ def draw_concurrency(ax: Any, inputs: PlanInputs, lo: int, hi: int) -> int | Non
         ax.text(0.62, 0.85, f"hisparse never runs more requests than all resident\nup to {hi:,} tokens: "
                             f"{no_crossover_reason(inputs)}",
                 transform=ax.transAxes, ha="center", color="tab:red", fontsize=8, gid=GID_NO_CROSSOVER)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("concurrent requests that fit")
-    ax.set_title("concurrency against context length")
-    ax.grid(alpha=0.3)
+    _log_axes(ax, lo, hi, "concurrent requests that fit", "concurrency against context length")
     return crossover
 
 
@@ -108,13 +113,7 @@ def draw_kv_per_request(ax: Any, inputs: PlanInputs, lo: int, hi: int, crossover
     ax.axvline(inputs.hot_rows, color="tab:green", linestyle="--", linewidth=1)
     if crossover is not None:
         ax.axvline(crossover, color="tab:red", linestyle=":", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("GPU KV per request (GiB)")
-    ax.set_title("why: what one request holds on the GPU")
-    ax.grid(alpha=0.3)
+    _log_axes(ax, lo, hi, "GPU KV per request (GiB)", "why: what one request holds on the GPU")
     miss = ax.twinx()
     miss.step(ctxs, [100 * p.miss_rate for p in plans], where="post", color="gray", alpha=0.7,
               label="miss rate charged to PCIe (%)")

@@ -213,6 +213,15 @@ class Bench:
             out.append(rings[:, idx].to(torch.int32).contiguous().to(self.dev))
         return out
 
+    def one_step(self, b: int, *, resident: bool):  # noqa: ANN201 - ResolveInputs (imported late)
+        """The inputs of one step of b requests (state rows 0..b-1, full contexts), a fresh top-k window
+        each, with every page host-only or (`resident`) every page resident."""
+        from hisparse_core.runtime import ResolveInputs
+
+        source, res, hot = self.tables(b, resident=resident)
+        return ResolveInputs(self.windows(b, 1, K)[0], torch.arange(b, dtype=torch.int32, device=self.dev),
+                             torch.full((b,), CTX, dtype=torch.int32, device=self.dev), source, res, hot)
+
     def time_graph(self, graph: torch.cuda.CUDAGraph, steps: int, warmup: int = 3) -> float:
         for _ in range(warmup):
             graph.replay()
@@ -269,9 +278,7 @@ class Bench:
 
         for b, resident in ((1, False), (64, False), (64, True)):
             rt = self.runtime(b)
-            source, res, hot = self.tables(b, resident=resident)
-            inp = ResolveInputs(self.windows(b, 1, K)[0], torch.arange(b, dtype=torch.int32, device=self.dev),
-                                torch.full((b,), CTX, dtype=torch.int32, device=self.dev), source, res, hot)
+            inp = self.one_step(b, resident=resident)
             for _ in range(3):
                 rt.resolve(inp, gather=False, validate=False)
         rt = self.runtime(1)
@@ -286,13 +293,9 @@ class Bench:
              gather: bool = False) -> tuple[float, dict]:
         """A step without misses, every host entry a hot hit: the resolve alone, or with `gather` the
         whole swap-in (the miss copy launched, with nothing to copy)."""
-        from hisparse_core.runtime import ResolveInputs
 
         rt = self.runtime(b, env, bmax)
-        source, res, hot = self.tables(b, resident=False)
-        topk = self.windows(b, 1, K)[0]
-        inp = ResolveInputs(topk, torch.arange(b, dtype=torch.int32, device=self.dev),
-                            torch.full((b,), CTX, dtype=torch.int32, device=self.dev), source, res, hot)
+        inp = self.one_step(b, resident=False)
         rt.resolve(inp, gather=True, validate=False)  # load the working set once
         steps = 32
         g = self.resolve_graph(rt, [inp] * steps, gather=gather)
@@ -308,17 +311,13 @@ class Bench:
         import ctypes
         from pathlib import Path
 
-        from hisparse_core.runtime import ResolveInputs
         from hisparse_nvidia import driver
         from hisparse_nvidia.compiler import KernelBuild, compile_source
 
         rt = self.runtime(b)
-        source, res, hot = self.tables(b, resident=False)
-        topk = self.windows(b, 1, K)[0]
-        state = torch.arange(b, dtype=torch.int32, device=self.dev)
-        lens = torch.full((b,), CTX, dtype=torch.int32, device=self.dev)
+        inp = self.one_step(b, resident=False)
         for _ in range(2):  # the second resolve finds every host entry at its hinted slot
-            rt.resolve(ResolveInputs(topk, state, lens, source, res, hot), gather=True, validate=False)
+            rt.resolve(inp, gather=True, validate=False)
         props = torch.cuda.get_device_properties(self.dev)
         build = KernelBuild.of("hit_floor.cu", {"HS_NT": 1024, "HS_K": K, "HS_H": H, "HS_BS": BS, "HS_P": P})
         image, _ = compile_source((Path(__file__).parent / build.source).read_text(), build.source,
@@ -326,9 +325,10 @@ class Bench:
         fn = driver.Module(image).function("hisparse_hit_floor")
         out = torch.empty((b, K), dtype=torch.int32, device=self.dev)
         lru_out = torch.empty((b, H), dtype=torch.int16, device=self.dev)
-        self._keep_hit_floor = (fn, out, lru_out, topk, state, lens, source, rt)
+        self._keep_hit_floor = (fn, out, lru_out, inp, rt)
         args = [ctypes.c_void_p(x.data_ptr()) for x in
-                (topk, state, lens, source, rt._hot_map, rt._lru, rt._pos_slot, out, lru_out)]
+                (inp.topk, inp.row_state, inp.seq_lens, inp.source_table, rt._hot_map, rt._lru, rt._pos_slot, out,
+                 lru_out)]
         steps = 32
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -338,13 +338,9 @@ class Bench:
         return self.time_graph(g, steps)
 
     def resident(self, b: int, gather: bool, env: dict[str, str] | None = None) -> tuple[float, dict]:
-        from hisparse_core.runtime import ResolveInputs
 
         rt = self.runtime(b, env)
-        source, res, hot = self.tables(b, resident=True)
-        topk = self.windows(b, 1, K)[0]
-        inp = ResolveInputs(topk, torch.arange(b, dtype=torch.int32, device=self.dev),
-                            torch.full((b,), CTX, dtype=torch.int32, device=self.dev), source, res, hot)
+        inp = self.one_step(b, resident=True)
         steps = 32
         g = self.resolve_graph(rt, [inp] * steps, gather=gather)
         rt.reset_stats()

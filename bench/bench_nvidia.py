@@ -60,6 +60,8 @@ COPY_VARIANTS = [{"HISPARSE_GATHER_FOLLOW": "0"}, {"HISPARSE_GATHER_BLOCKS": "66
                  {"HISPARSE_GATHER_BLOCKS": "264"}, {"HISPARSE_OVERLAP_LAUNCH": "0"}]
 
 # The cells each --variant is timed on.
+# The cells whose plan copy is traced block by block (misses per request, batch).
+PLACEMENT_CELLS = [(137, 128), (MISSES, 128), (MISSES, 64)]
 VARIANT_CELLS = [(0, 1), (MISSES, 1), (MISSES, 8), (MISSES, 32), (MISSES, 64), (MISSES, 128), (K, 128), (0, 128)]
 
 # Peers on an H200 of the same kind, 2026-12-01 (us per layer-step, call 1 / call 2), and that run's
@@ -408,10 +410,65 @@ class Bench:
         setup = self.time_graph(graph(False), len(plans))
         return with_copy - setup
 
+    def placement(self, b: int, shift: int, env: dict[str, str] | None = None) -> tuple[dict, dict]:
+        """Where the plan copy's blocks ran and what each copied, on one traced step of the drifting
+        cycle in its steady state: (the whole swap-in, the plan copy alone re-copying that plan)."""
+        from hisparse_core.runtime import ResolveInputs
+
+        steps = steps_for(shift)
+        rt = self.runtime(b, env)
+        source, res, hot = self.tables(b, resident=False)
+        state = torch.arange(b, dtype=torch.int32, device=self.dev)
+        lens = torch.full((b,), CTX, dtype=torch.int32, device=self.dev)
+        inputs = [ResolveInputs(t, state, lens, source, res, hot) for t in self.windows(b, steps, shift)]
+        # The cycle as one graph, as the swap-in rows time it, with only its last step's copy traced:
+        # launched eagerly, the copy would reach the GPU after the resolver had finished.
+        trace = rt.new_plan_copy_trace()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i, inp in enumerate(inputs):
+                rt.trace_plan_copies(trace if i == len(inputs) - 1 else None)
+                rt.resolve(inp, gather=True, validate=False)
+        rt.trace_plan_copies(None)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        whole = placement_summary(rt.read_plan_copy_trace(trace))
+        alone_trace = rt.new_plan_copy_trace()
+        rt.trace_plan_copies(alone_trace)
+        a = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(a):
+            rt.gather_misses(0)
+        rt.trace_plan_copies(None)
+        a.replay()
+        alone = placement_summary(rt.read_plan_copy_trace(alone_trace))
+        return whole, alone
+
     @staticmethod
     def phases(rt, inp, gather: bool = False) -> dict:  # noqa: ANN001
         """Phase clocks of the resolver's first block (see `NvidiaRuntime.resolver_phase_cycles`)."""
         return {"phases": rt.resolver_phase_cycles(inp, gather=gather)}
+
+
+def placement_summary(trace: list[tuple[int, int, int, int, int]]) -> dict:
+    """What one traced plan copy (`NvidiaRuntime.plan_copy_trace`) says about its blocks' placement."""
+    if not trace:
+        return {}
+    per_sm: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    for r in trace:
+        per_sm.setdefault(r[0], []).append(r)
+    copying = [r for r in trace if r[1]]
+    crowded = [r for rs in per_sm.values() if len(rs) > 1 for r in rs]
+    chunks = sorted(r[1] for r in trace)
+    return {"span_us": max(r[4] for r in trace) / 1e3, "sms": len(per_sm),
+            "max_per_sm": max(len(rs) for rs in per_sm.values()),
+            "crowded_blocks": len(crowded), "crowded_chunk_share": sum(r[1] for r in crowded) / max(1, sum(chunks)),
+            "first_chunk_us": [min(r[3] for r in copying) / 1e3, statistics.median(r[3] for r in copying) / 1e3,
+                               max(r[3] for r in copying) / 1e3] if copying else None,
+            "entry_us": [statistics.median(r[2] for r in trace) / 1e3, max(r[2] for r in trace) / 1e3],
+            "early_blocks": sum(r[2] < 1000 for r in trace),
+            "last_exit_spread_us": (max(r[4] for r in copying) - min(r[4] for r in copying)) / 1e3 if copying else 0.0,
+            "chunks": [chunks[0], statistics.median(chunks), chunks[-1]], "blocks": len(trace)}
 
 
 def peer_figures(misses: int, b: int, copy_us: float | None) -> tuple[float | None, float | None, float | None]:
@@ -507,6 +564,14 @@ def main(argv: list[str] | None = None) -> int:
             for m, b in variant_cells:
                 swaps.append(swap_row(bench, m, b, env, tag(env)))
 
+    # ---- where the plan copy's blocks run, right behind the resolver and alone
+    places: list[tuple[str, int, int, dict, dict]] = []
+    if not args.quick:
+        for env in [{}] + user_variants:
+            for m, b in PLACEMENT_CELLS:
+                whole, alone = bench.placement(b, m, env)
+                places.append((tag(env), m, b, whole, alone))
+
     # ---- metadata only: the resolver without copies
     rows: list[Row] = []
     if not args.quick:
@@ -563,6 +628,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.misses:>6} {r.batch:>4} {f(r.ours_us)} {f(r.copy_us)} {ratio} {r.target:>15} {f(r.sglang_us)} "
               f"{f(r.vllm_us)} {yn(r.lead):>5} {yn(r.passed):>4}  {('(' + r.variant + ') ') if r.variant else ''}"
               f"{r.note}")
+    if places:
+        print("\nplacement of the plan copy's blocks, one traced step (NvidiaRuntime.plan_copy_trace, %globaltimer): "
+              "span from the first block's entry to the last exit; blocks sharing an SM and their share of the "
+              "chunks; when blocks copied their first chunk (min/median/max); chunks a block (min/median/max); "
+              "spread of the copying blocks' exits; entries after the first (median/max) and blocks entered in its "
+              "first us. whole: the last step of a replayed cycle; alone: its plan copied again, in a graph")
+        head = (f"{'misses':>6} {'B':>4} {'copy':>6} {'span us':>8} {'SMs':>4} {'max/SM':>6} {'crowded':>7} "
+                f"{'share':>6} {'first chunk us':>20} {'chunks':>13} {'exits us':>8} {'entries us':>12} "
+                f"{'early':>5}  variant")
+        print(head)
+        print("-" * len(head))
+        for variant, m, b, whole, alone in places:
+            for what, p in (("whole", whole), ("alone", alone)):
+                if not p:
+                    print(f"{m:>6} {b:>4} {what:>6}  (no plan copy)  {variant}")
+                    continue
+                fc = "/".join(f"{v:.1f}" for v in p["first_chunk_us"]) if p["first_chunk_us"] else "-"
+                ch = "/".join(f"{v:g}" for v in p["chunks"])
+                print(f"{m:>6} {b:>4} {what:>6} {p['span_us']:8.1f} {p['sms']:>4} {p['max_per_sm']:>6} "
+                      f"{p['crowded_blocks']:>7} {p['crowded_chunk_share']:6.2f} {fc:>20} {ch:>13} "
+                      f"{p['last_exit_spread_us']:8.1f} {'/'.join(f'{v:.1f}' for v in p['entry_us']):>12} "
+                      f"{p['early_blocks']:>5}  {variant}")
     if rows:
         print("\nmetadata only (resolve, no copy), us per layer-step")
         head = f"{'scenario':38} {'B':>4} {'ours us':>9} {'baseline':>18} {'base us':>9} {'target':>10} {'ok':>4}  note"
@@ -585,7 +672,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"gpu": props.name, "torch": torch.__version__, "floor_us": floor,
                        "swap_in": [{**asdict(r), "ratio": r.ratio} for r in swaps],
-                       "metadata": [asdict(r) for r in rows]}, fh, indent=2)
+                       "metadata": [asdict(r) for r in rows],
+                       "placement": [{"variant": v, "misses": m, "batch": b, "whole": w, "alone": a}
+                                     for v, m, b, w, a in places]}, fh, indent=2)
     bench.pool.release()
     return 0
 

@@ -137,7 +137,8 @@ memcheck)
         "$T::test_strided_device_blocks" "$T::test_out_of_context_positions_are_masked_without_validation" \
         "$T::test_remapped_and_shared_host_blocks_match_reference[0]" "$T::test_speculative_gather_matches_reference[0]" \
         "$T::test_speculative_gather_matches_reference[2]" "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" \
-        "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[1-split]" tests/nvidia_backend/test_nvidia_transfer.py
+        "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[1-split]" tests/nvidia_backend/test_nvidia_transfer.py \
+        "$T::test_plan_copy_per_sm_limit_and_trace[0]" "$T::test_plan_copy_per_sm_limit_and_trace[2]"
     ;;
 racecheck)
     T=tests/nvidia_backend/test_nvidia_runtime.py
@@ -145,7 +146,8 @@ racecheck)
         python3 -m pytest -q -p no:cacheprovider "$T::test_small_geometries_match_reference[2]" \
         "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None-None-None]" \
         "$T::test_production_geometry_matches_reference[1-None-1-None]" "$T::test_cluster_resolver_matches_reference[1]" \
-        "$T::test_remapped_and_shared_host_blocks_match_reference[1]" "$T::test_speculative_gather_matches_reference[4]"
+        "$T::test_remapped_and_shared_host_blocks_match_reference[1]" "$T::test_speculative_gather_matches_reference[4]" \
+        "$T::test_plan_copy_per_sm_limit_and_trace[0]"
     ;;
 ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

@@ -28,6 +28,7 @@ def _policy(top_k: int = 2048, blocks_per_sm: int = 4) -> NvidiaRuntime:
     rt._spec_rows, _ = rt._speculative_rows(SMS)
     rt._follow = True
     rt._split = rt._spec_rows > 0
+    rt._gather_blocks, rt._gather_fit, rt._gather_smem, rt._gather_per_sm = SMS, 5, 116736, 1  # as on an H200
     return rt
 
 
@@ -54,33 +55,41 @@ def test_bad_knob_values_are_one_line_errors(name: str, value: str, monkeypatch:
     assert name in str(err.value) and value in str(err.value) and "\n" not in str(err.value)
 
 
+# The plan copy's 132 blocks, 5 to an SM, are padded to one an SM where fewer than 27 SMs are free.
 @pytest.mark.parametrize(("b", "resolver_sms", "choice"), [
-    (8, 64, (8, None, False)),  # within the speculative gather's one pass: it takes the whole batch
-    (12, 96, (1, 1, True)),     # cluster resolver on 96 SMs: 36 free hold 144 blocks, one row's 96
-    (15, 120, (0, 0, True)),    # 12 free SMs: 48 blocks, half a row: the plan copy takes the batch
-    (16, 16, (4, 4, True)),     # one block a row: 116 free SMs hold 464 blocks, 4 rows of 96
-    (32, 32, (4, 4, True)),     # 100 free: 400 blocks
-    (64, 64, (2, 2, True)),     # 68 free: 272 blocks
-    (100, 100, (1, 1, True)),   # 32 free: 128 blocks
-    (128, 128, (0, 0, True)),   # 4 free
+    (8, 64, (8, None, False, False)),  # within the speculative gather's one pass: it takes the whole batch
+    (12, 96, (1, 1, True, False)),     # cluster resolver on 96 SMs: 36 free hold 144 blocks, one row's 96
+    (15, 120, (0, 0, True, True)),     # 12 free SMs: 48 blocks, half a row: the plan copy takes the batch
+    (16, 16, (4, 4, True, False)),     # one block a row: 116 free SMs hold 464 blocks, 4 rows of 96
+    (32, 32, (4, 4, True, False)),     # 100 free: 400 blocks
+    (64, 64, (2, 2, True, False)),     # 68 free: 272 blocks
+    (100, 100, (1, 1, True, False)),   # 32 free: 128 blocks
+    (106, 106, (1, 1, True, True)),    # 26 free: 104 blocks; 130 of the plan copy's
+    (128, 128, (0, 0, True, True)),    # 4 free
 ])
 def test_split_covers_the_rows_that_fit_beside_the_resolver(b: int, resolver_sms: int,
-                                                             choice: tuple[int, int | None, bool]) -> None:
+                                                             choice: tuple[int, int | None, bool, bool]) -> None:
     rt = _policy()
     assert rt._copy_choice(b, True, SMS - resolver_sms) == choice
-    rows, plan_from, _ = choice
+    rows, plan_from, _, _ = choice
     if plan_from:  # every block of the split's speculative copy fits at once on the free SMs
         assert -(-rows * 2048 * 48 // 1024) <= (SMS - resolver_sms) * rt._spec_per_sm
-    assert rt._copy_choice(b, False, SMS - resolver_sms) == (0, None, False)  # no copy asked
+    assert rt._copy_choice(b, False, SMS - resolver_sms) == (0, None, False, False)  # no copy asked
+
+
+def test_no_padding_when_the_limit_is_off() -> None:
+    rt = _policy()
+    rt._gather_smem = 0  # HISPARSE_GATHER_PER_SM=0, or a kernel that fits one block an SM anyway
+    assert rt._copy_choice(128, True, 4) == (0, 0, True, False)
 
 
 def test_split_off_or_no_follow_leaves_the_plan_copy_alone() -> None:
     rt = _policy()
     rt._split = False
-    assert rt._copy_choice(32, True, 100) == (0, 0, True)
+    assert rt._copy_choice(32, True, 100) == (0, 0, True, False)
     rt._follow = False
-    assert rt._copy_choice(32, True, 100) == (0, 0, False)
-    assert rt._copy_choice(8, True, 68) == (8, None, False)
+    assert rt._copy_choice(32, True, 100) == (0, 0, False, False)
+    assert rt._copy_choice(8, True, 68) == (8, None, False, False)
 
 
 def test_split_never_takes_the_whole_batch() -> None:
@@ -95,12 +104,61 @@ def test_the_log_says_which_copy_and_why(monkeypatch: pytest.MonkeyPatch) -> Non
     assert rt._describe_copies("") == (
         "miss copies after a resolve start while it runs for batches of up to 11 rows; larger batches so for as "
         "many first rows as fit on the SMs the resolver leaves free (4 blocks to an SM), the other rows by a "
-        "persistent grid of 132 blocks that copies each request's plan once the resolver has published it")
+        "persistent grid of 132 blocks (up to 5 an SM; when the resolver leaves too few free SMs for all of them, "
+        "1 an SM (116736 bytes of shared memory a block, HISPARSE_GATHER_PER_SM)) that copies each request's plan "
+        "once the resolver has published it")
+    rt._gather_smem = 0
     rt._split = False
     assert rt._describe_copies("").endswith("(HISPARSE_SPEC_SPLIT=0 or HISPARSE_GATHER_FOLLOW=0)")
     monkeypatch.setenv("HISPARSE_SPEC_GATHER", "0")
     rt._spec_rows, why = rt._speculative_rows(SMS)
     rt._follow = False
     assert rt._describe_copies(why) == (
-        "miss copies after a resolve: a persistent grid of 132 blocks that waits for the whole resolver "
-        "(HISPARSE_GATHER_FOLLOW=0) (no speculative gather: HISPARSE_SPEC_GATHER=0)")
+        "miss copies after a resolve: a persistent grid of 132 blocks (up to 5 an SM) that waits for the whole "
+        "resolver (HISPARSE_GATHER_FOLLOW=0) (no speculative gather: HISPARSE_SPEC_GATHER=0)")
+
+
+class _Occupancy:
+    """A plan-copy kernel as the occupancy API sees it: an H200 SM's 228 KiB of shared memory, 1 KiB
+    reserved a block, allocated in 128-byte units, and at most 8 blocks of 256 threads."""
+
+    static_smem = 32
+
+    def __init__(self) -> None:
+        self.allowed = 48 * 1024
+
+    def allow_dynamic_smem(self, nbytes: int) -> None:
+        assert nbytes + self.static_smem <= 227 * 1024, nbytes  # the device's per-block limit
+        self.allowed = max(self.allowed, nbytes)
+
+    def max_active_blocks(self, block: int, smem: int) -> int:
+        assert block == 256 and smem <= self.allowed
+        return min(8, 233472 // (-(-smem // 128) * 128 + 1024))
+
+
+@pytest.mark.parametrize("per_sm", [1, 2, 3, 5, 7])
+def test_gather_per_sm_asks_for_the_least_shared_memory_that_keeps_the_limit(
+        per_sm: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = _policy()
+    rt._k_gather = k = _Occupancy()
+    monkeypatch.setenv("HISPARSE_GATHER_PER_SM", str(per_sm))
+    smem, fits = rt._gather_shared_memory(227 * 1024)
+    assert fits == per_sm == k.max_active_blocks(256, smem)
+    assert k.max_active_blocks(256, smem - 16) > per_sm  # 16 bytes less lets one more block in
+    assert smem >= (rt.config.max_batch_rows + 1) * 4
+
+
+def test_gather_per_sm_default_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = _policy()
+    rt._k_gather = _Occupancy()
+    smem, fits = rt._gather_shared_memory(227 * 1024)  # default: one block an SM where padded
+    assert fits == 1 and smem > 0
+    monkeypatch.setenv("HISPARSE_GATHER_PER_SM", "0")
+    assert rt._gather_shared_memory(227 * 1024) == (0, 8)  # no limit: nothing padded
+    monkeypatch.setenv("HISPARSE_GATHER_PER_SM", "8")
+    assert rt._gather_shared_memory(227 * 1024) == (0, 8)  # as many as fit anyway
+    for bad in ("33", "-1", "x"):
+        monkeypatch.setenv("HISPARSE_GATHER_PER_SM", bad)
+        with pytest.raises(InvalidInputError) as err:
+            rt._gather_shared_memory(227 * 1024)
+        assert "HISPARSE_GATHER_PER_SM" in str(err.value) and bad in str(err.value) and "\n" not in str(err.value)

@@ -176,6 +176,52 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
         twin.close()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_copy_per_sm_limit_and_trace(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan copy after every resolve, half of the steps traced (`plan_copy_trace`): the bytes
+    must not care, and the trace must account for every 16 KB chunk of the plan exactly once, on
+    real SMs. Seeds 0 and 1 mod 3 limit its blocks per SM (`HISPARSE_GATHER_PER_SM` 1 and 2) with a
+    grid of 8 blocks per SM, too many to start beside any resolver, so that every copy is padded;
+    seeds 2 mod 3 run the defaults (small batches leave enough free SMs: no padding)."""
+    per_sm = ("1", "2", None)[seed % 3]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if per_sm is not None:
+        monkeypatch.setenv("HISPARSE_GATHER_PER_SM", per_sm)
+        monkeypatch.setenv("HISPARSE_GATHER_BLOCKS", str(8 * sms))
+    monkeypatch.setenv("HISPARSE_SPEC_GATHER", "0")  # every miss goes through the plan copy
+    rng = random.Random(7000 + seed)
+    cfg, host_blocks, dev_blocks = _small_config(rng)
+    twin = Twin(cfg, host_blocks=host_blocks, num_device_blocks=dev_blocks, seed=seed)
+    try:
+        shape = twin.rt.launch_shape
+        if per_sm is not None:
+            assert shape["plan_copy_padded_per_sm"] == int(per_sm) and shape["plan_copy_pad_smem"] > 0, shape
+            assert twin.rt._copy_choice(cfg.max_batch_rows, True, sms - cfg.max_batch_rows)[3]
+        chunk, slots = shape["copy_threads"] * shape["copy_unroll"], twin.rt._copy_shape.slots_per_row
+        twin.set_tables(random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=0.1, null_share=0.05))
+        previous: dict = {}
+        traced = 0
+        for i in range(10):
+            # Traced steps mostly bring new positions, so that their plans have misses.
+            step = random_step(cfg, rng, previous, locality=0.8 if i % 2 else 0.1, mask_share=0.05,
+                               padding_share=0.2)
+            if i % 2:
+                twin.resolve(step)
+            else:
+                trace = twin.rt.plan_copy_trace(twin.inputs(step, device=True))
+                twin.ref.resolve(twin.inputs(step, device=False), gather=True, validate=False)
+                total = int(twin.ref.result.plan_counts[:len(step.topk)].clamp(0, cfg.top_k).sum()) * slots
+                assert len(trace) == shape["gather_blocks"], f"step {i}"
+                assert all(0 <= sm < sms for sm, *_ in trace), f"step {i}: {trace}"
+                assert sum(r[1] for r in trace) == -(-total // chunk), f"step {i}: {trace}"
+                assert all(r[4] >= r[2] >= 0 for r in trace) and all(r[3] >= r[2] for r in trace if r[1]), trace
+                traced += total > 0
+            twin.compare_all(f"seed {seed} step {i}")
+        assert traced > 0 and twin.rt.stats().misses > 0
+    finally:
+        twin.close()
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_cluster_resolver_matches_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The thread-block-cluster resolver (2, 4 or 8 blocks per group, the helpers gathering shares

@@ -109,6 +109,12 @@ class Function:
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS
         return int(check(f"cuFuncGetAttribute({self.name}, registers)", driver.cuFuncGetAttribute(attr, self.handle)))
 
+    @property
+    def static_smem(self) -> int:
+        """Bytes of static shared memory a block of the kernel takes (counted in the per-block limit)."""
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+        return int(check(f"cuFuncGetAttribute({self.name}, static smem)", driver.cuFuncGetAttribute(attr, self.handle)))
+
     def max_active_blocks(self, block: int, smem: int) -> int:
         """Blocks of `block` threads and `smem` bytes of dynamic shared memory that fit on one SM at once."""
         return int(check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})",

@@ -81,6 +81,14 @@ ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
 #: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
 #: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
 ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
+#: A plan copy that follows a resolver leaving too few free SMs for its whole grid puts at most
+#: this many blocks on one SM (0: no limit), by asking for more shared memory than one more block
+#: would leave room for. Without it the blocks that find no free SM pile onto the first SMs the
+#: resolver's blocks leave, as many as fit (5), and the copy ran on about 30 of the 132 SMs:
+#: 1.26x the copy engine at batch 128 with 274 misses a request against 1.23x (docs/gpu-validation.md,
+#: calls D2-D3).
+ENV_GATHER_PER_SM = "HISPARSE_GATHER_PER_SM"
+_GATHER_PER_SM = 1
 #: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM
 #: (`HISPARSE_SPEC_BLOCKS_PER_SM` overrides, for tuning): 11 rows of top-k 2048 on 132 SMs. About
 #: half of them fit beside the resolver; the rest start as its blocks leave. At batch 8 that beat
@@ -209,8 +217,12 @@ class NvidiaRuntime(CacheRuntime):
         if not 1 <= blocks <= 8 * num_sms:
             raise InvalidInputError(f"{ENV_GATHER_BLOCKS}={blocks}: expected 1 to {8 * num_sms} blocks (8 per SM)")
         self._gather_blocks = blocks
+        # Blocks of the plan copy an SM holds: as built, and with its shared memory padded (no padding: 0, the same).
+        self._gather_fit = self._k_gather.max_active_blocks(self._copy_shape.threads, (b + 1) * 4)
+        self._gather_smem, self._gather_per_sm = self._gather_shared_memory(max_smem_per_block)
         logger.info("nvidia runtime: %s", self._describe_copies(why))
         self._prof: torch.Tensor | None = None
+        self._trace: torch.Tensor | None = None
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
         self._host_bases: torch.Tensor | None = None
@@ -337,7 +349,7 @@ class NvidiaRuntime(CacheRuntime):
             kernel, grid, smem = self._k_resolve_cluster, b * self._cluster, self._cluster_smem
         # The resolver's blocks of 1024 threads take an SM each (a cluster launch has `grid` of them,
         # the one-block launch b that do work; its padding blocks exit at once).
-        spec_rows, plan_from, follow = self._copy_choice(
+        spec_rows, plan_from, follow, pad = self._copy_choice(
             b, gather, max(0, self._num_sms - (grid if kernel is self._k_resolve_cluster else b)))
         kernel.launch(
             (grid, 1, 1), shape.threads, smem, self._stream(),
@@ -352,7 +364,7 @@ class NvidiaRuntime(CacheRuntime):
         if spec_rows:
             self._gather_spec(inputs, spec_rows)
         if plan_from is not None:
-            self._gather(0, 1, follow=follow, row_begin=plan_from)
+            self._gather(0, 1, follow=follow, row_begin=plan_from, pad=pad)
         return out
 
     @property
@@ -378,6 +390,49 @@ class NvidiaRuntime(CacheRuntime):
             self._prof = None
         clocks = prof.tolist()
         return [c - clocks[0] if c >= 0 else -1 for c in clocks[1:]]
+
+    def plan_copy_trace(self, inputs: ResolveInputs | None = None) -> list[tuple[int, int, int, int, int]]:
+        """Diagnostics: where and when each block of one plan copy ran.
+
+        With `inputs`, a real resolve of them with its miss copy (`resolve(gather=True)`, state
+        changes as usual); without, the plan copy of the last resolve into layer 0 (`gather_misses`).
+        Returns per block of the plan copy's grid (SM, 16 KB chunks it copied, entry, first chunk,
+        exit), the times in ns since the earliest block's entry (first chunk 0: it copied none). A
+        batch the speculative gather takes whole launches no plan copy: the list is then empty. It
+        synchronizes, so never use it on the decode path."""
+        self._require_bound()
+        trace = self.new_plan_copy_trace()
+        self.trace_plan_copies(trace)
+        try:
+            if inputs is None:
+                self._gather(0, 1)
+            else:
+                self.resolve(inputs, gather=True, validate=False)
+        finally:
+            self.trace_plan_copies(None)
+        return self.read_plan_copy_trace(trace)
+
+    def new_plan_copy_trace(self) -> torch.Tensor:
+        """A zeroed trace buffer for `trace_plan_copies`: [blocks of the plan copy's grid, 5] int64."""
+        return torch.zeros((self._gather_blocks, 5), dtype=torch.int64, device=self._device)
+
+    def trace_plan_copies(self, trace: torch.Tensor | None) -> None:
+        """Diagnostics: every plan copy launched from now on (captured into a CUDA graph too) records
+        its blocks into `trace` (from `new_plan_copy_trace`; each launch overwrites it); None stops.
+        Read it with `read_plan_copy_trace` after the work has run."""
+        if trace is not None:
+            check_tensor("trace", trace, (self._gather_blocks, 5), torch.int64, self._device)
+        self._trace = trace
+
+    @staticmethod
+    def read_plan_copy_trace(trace: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
+        """The records of a trace buffer (see `plan_copy_trace`); synchronizes with the device."""
+        rows = [tuple(int(v) for v in r) for r in trace.tolist()]
+        if not any(r[2] for r in rows):
+            return []
+        t0 = min(r[2] for r in rows)
+        return [(sm, chunks, enter - t0, first - t0 if first else 0, done - t0)
+                for sm, chunks, enter, first, done in rows]
 
     # ----------------------------------------------------------------- plan copies
 
@@ -405,10 +460,12 @@ class NvidiaRuntime(CacheRuntime):
         assert host_bases is not None and dev_bases is not None and dev_strides is not None
         return host_bases, dev_bases, dev_strides
 
-    def _gather(self, first_layer: int, num_layers: int, *, follow: bool = False, row_begin: int = 0) -> None:
+    def _gather(self, first_layer: int, num_layers: int, *, follow: bool = False, row_begin: int = 0,
+                pad: bool = False) -> None:
         """The plan copy of layers [first_layer, first_layer + num_layers) for the batch rows from
         `row_begin` on; `follow`: right behind the resolve that wrote the plan (or the speculative
-        gather of its first rows), reading the counts it publishes as it goes."""
+        gather of its first rows), reading the counts it publishes as it goes; `pad`: with the
+        shared memory that limits its blocks per SM (`HISPARSE_GATHER_PER_SM`)."""
         rows = self._last_rows - row_begin
         if rows <= 0 or num_layers == 0:
             return
@@ -417,12 +474,14 @@ class NvidiaRuntime(CacheRuntime):
         out = self._result
         counts = self._plan_ready if follow else out.plan_counts
         first, k = row_begin * 4, row_begin * cfg.top_k * 4  # byte offsets of the first row
+        trace = self._trace
         self._k_gather.launch(
-            (self._gather_blocks, 1, 1), self._copy_shape.threads, (rows + 1) * 4, self._stream(),
+            (self._gather_blocks, 1, 1), self._copy_shape.threads, max((rows + 1) * 4, self._gather_smem if pad else 0),
+            self._stream(),
             [_ptr(out.plan_host.data_ptr() + k), _ptr(out.plan_device.data_ptr() + k), _ptr(counts.data_ptr() + first),
              _i32(rows), _i32(cfg.top_k), _ptr(host_bases), _ptr(dev_bases), _ptr(dev_strides), _i32(first_layer),
              _i32(num_layers), _i32(cfg.block_size), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats),
-             _ptr(self._gather_work), _i32(follow)],
+             _ptr(self._gather_work), _i32(follow), ctypes.c_void_p(0) if trace is None else _ptr(trace)],
             overlap_previous=self._overlap)
 
     def _gather_spec(self, inputs: ResolveInputs, rows: int) -> None:
@@ -454,7 +513,8 @@ class NvidiaRuntime(CacheRuntime):
                 "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
                 "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
-                "plan_copy_registers": self._k_gather.registers}
+                "plan_copy_registers": self._k_gather.registers, "plan_copy_per_sm": self._gather_fit,
+                "plan_copy_padded_per_sm": self._gather_per_sm, "plan_copy_pad_smem": self._gather_smem}
 
     # ----------------------------------------------------------------- page and row copies
 
@@ -546,7 +606,9 @@ class NvidiaRuntime(CacheRuntime):
 
     def _describe_copies(self, why: str) -> str:
         """Which miss copy follows a resolve, for the log; `why`: why there is no speculative gather."""
-        plan_copy = (f"a persistent grid of {self._gather_blocks} blocks that " +
+        pad = (f"; when the resolver leaves too few free SMs for all of them, {self._gather_per_sm} an SM "
+               f"({self._gather_smem} bytes of shared memory a block, {ENV_GATHER_PER_SM})" if self._gather_smem else "")
+        plan_copy = (f"a persistent grid of {self._gather_blocks} blocks (up to {self._gather_fit} an SM{pad}) that " +
                      ("copies each request's plan once the resolver has published it" if self._follow
                       else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)"))
         if not self._spec_rows:
@@ -557,18 +619,47 @@ class NvidiaRuntime(CacheRuntime):
         return (f"miss copies after a resolve start while it runs for batches of up to {self._spec_rows} rows; "
                 f"larger batches {rest}")
 
-    def _copy_choice(self, b: int, gather: bool, free_sms: int) -> tuple[int, int | None, bool]:
+    def _copy_choice(self, b: int, gather: bool, free_sms: int) -> tuple[int, int | None, bool, bool]:
         """The miss copy after the resolve of `b` rows that leaves `free_sms` SMs free: (rows the
         speculative gather copies from row 0, the row the plan copy starts at or None for none,
-        whether the plan copy follows the resolver's published counts)."""
+        whether the plan copy follows the resolver's published counts, whether its blocks are
+        limited per SM: when the free SMs cannot start its whole grid beside the resolver)."""
         if not gather:
-            return 0, None, False
+            return 0, None, False, False
         if b <= self._spec_rows:
-            return b, None, False
+            return b, None, False, False
+        pad = self._gather_smem > 0 and free_sms * self._gather_fit < self._gather_blocks
         split = self._split_rows(b, free_sms) if self._split else 0
         if split:
-            return split, split, True
-        return 0, 0, self._follow
+            return split, split, True, pad
+        return 0, 0, self._follow, pad
+
+    def _gather_shared_memory(self, max_smem: int) -> tuple[int, int]:
+        """(dynamic shared memory of a plan-copy launch, its blocks an SM holds) for
+        `HISPARSE_GATHER_PER_SM`: the least that keeps the SM to that many blocks (0: no padding)."""
+        k = self._k_gather
+        threads = self._copy_shape.threads
+        base = (self.config.max_batch_rows + 1) * 4
+        per_sm = env_int(ENV_GATHER_PER_SM)
+        per_sm = _GATHER_PER_SM if per_sm is None else per_sm
+        fits = k.max_active_blocks(threads, base)
+        if not 0 <= per_sm <= 32:
+            raise InvalidInputError(f"{ENV_GATHER_PER_SM}={per_sm}: expected 0 (as many as fit) to 32 blocks per SM")
+        if per_sm == 0 or per_sm >= fits:
+            return 0, fits  # nothing to limit
+        top = max_smem - k.static_smem  # the most dynamic shared memory a block may ask for
+        k.allow_dynamic_smem(top)
+        if k.max_active_blocks(threads, top) > per_sm:
+            raise InvalidInputError(f"{ENV_GATHER_PER_SM}={per_sm}: the plan copy's shared memory cannot limit an "
+                                    f"SM to so few blocks ({k.max_active_blocks(threads, top)} fit with all of it)")
+        lo, hi = base, top  # the least size at which at most per_sm blocks fit lies in (lo, hi]
+        while hi - lo > 16:
+            mid = (lo + hi) // 2
+            if k.max_active_blocks(threads, mid) > per_sm:
+                lo = mid
+            else:
+                hi = mid
+        return hi, k.max_active_blocks(threads, hi)
 
     def _split_rows(self, b: int, free_sms: int) -> int:
         """Batch rows whose misses the speculative gather copies after the resolve of `b` rows that

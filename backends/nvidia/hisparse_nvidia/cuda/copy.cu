@@ -149,6 +149,24 @@ struct HsListPair {
     }
 };
 
+__device__ __forceinline__ u64 hs_globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+// One block's record of a traced plan copy (see hisparse_gather_plan); the exit time is now.
+__device__ __forceinline__ void hs_trace_block(u64* trace, u32 chunks, const u64* times) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %smid;" : "=r"(sm));
+    u64* row = trace + static_cast<u64>(blockIdx.x) * 5;
+    row[0] = sm;
+    row[1] = chunks;
+    row[2] = times[0];
+    row[3] = times[1];
+    row[4] = hs_globaltimer();
+}
+
 __device__ __forceinline__ i32 hs_ld_acquire(const i32* p) {
     i32 v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -176,13 +194,16 @@ __device__ __forceinline__ i32 hs_ld_acquire(const i32* p) {
 //
 // work[0] is the ticket counter, work[1] counts the blocks done; the last block resets both, so
 // every launch starts from zero (plan copies of one runtime are ordered on one stream).
-// Grid: (blocks, 1, 1); dynamic shared memory: (rows + 1) * 4 bytes.
+// trace (diagnostics, or null): per block [SM, chunks copied, entry, first chunk, exit], the
+// times from %globaltimer in ns.
+// Grid: (blocks, 1, 1); dynamic shared memory: at least (rows + 1) * 4 bytes (the host may ask for
+// more, to limit the blocks an SM holds).
 #define HS_CHUNK (HS_GNT * HS_UNROLL)
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     const i32* plan_host, const i32* plan_device, const i32* counts, i32 rows, i32 K,
     const i64* __restrict__ host_bases, const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides,
     i32 layer_begin, i32 layers, i32 bs, i64 host_rows, i64 dev_rows, u64* __restrict__ stats, i32* work,
-    i32 follow) {
+    i32 follow, u64* __restrict__ trace) {
     extern __shared__ i32 s_start[];  // [rows + 1]: where each scanned batch row's entries begin
     // By the iteration's parity, so that warp 0 writes the next iteration's values while the
     // other warps still read this one's: the batch rows whose counts are known, and the chunk.
@@ -190,6 +211,11 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     __shared__ u32 s_ticket[2];
     const i32 tid = threadIdx.x;
     const i32 lane = tid & 31;
+    __shared__ u64 s_times[2];  // traced: the block's entry and first chunk (kept out of registers)
+    if (trace != nullptr && tid == 0) {
+        s_times[0] = hs_globaltimer();
+        s_times[1] = 0;
+    }
     // The layer addresses are written at bind time, never by the resolver: read them first, so
     // their round trip overlaps the wait.
     HsRows src = hs_rows(HS_KIND_HOST, layer_begin, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
@@ -250,9 +276,12 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
     }
     __syncthreads();
     if (s_start[s_scanned[1]] == 0) {  // every count known, and zero
+        if (trace != nullptr && tid == 0) hs_trace_block(trace, 0, s_times);
         if (follow) asm volatile("griddepcontrol.wait;" ::: "memory");
         return;
     }
+    if (trace != nullptr && tid == 0) s_times[1] = hs_globaltimer();
+    u32 chunks = 0;  // thread 0: chunks this block copied (for the trace)
     u32 next = 0;  // thread 0: the ticket taken ahead, stored for the next iteration after the copy
     const bool whole = layers > 1;  // several layers: the chunks of a layer follow from the total
     for (u32 it = 0;; ++it) {
@@ -288,9 +317,13 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_plan(
         }
         HsPlanPair pair{plan_host, plan_device, s_start, scanned, K};
         hs_copy_pass(c0 + static_cast<u32>(tid), HS_GNT, min(c0 + HS_CHUNK, known), pair, src, dst, bs);
-        if (tid == 0) s_ticket[odd ^ 1u] = next;  // read by all after the next barrier
+        if (tid == 0) {
+            s_ticket[odd ^ 1u] = next;  // read by all after the next barrier
+            ++chunks;
+        }
     }
     if (tid == 0) {
+        if (trace != nullptr) hs_trace_block(trace, chunks, s_times);
         const u32 n = static_cast<u32>(s_start[rows]);  // every count is known on exit
         if (blockIdx.x == 0 && n) atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES * layers);
         __threadfence();  // this block's tickets are taken before it counts itself done

@@ -19,7 +19,9 @@ measured miss counts are checked against the intent and printed.
 Each miss cell also times, in the same run, the plan copy alone replaying one plan, the plan copy
 alone over the cycle's own plans (fresh host rows every step, as the whole step reads: the copy's
 own bound) and the resolver alone. The metadata table adds the dependency floor of a hit step
-(bench/hit_floor.cu: the round trips, barriers and stores of a resolve without its work).
+(bench/hit_floor.cu: the round trips, barriers and stores of a resolve without its work). The
+placement table traces the plan copy's blocks on one step of a replayed cycle and alone
+(`NvidiaRuntime.trace_plan_copies`): on which SMs they ran, how many shared one, what each copied.
 
 The swap-in table (resolve with gather=True, the whole swap-in) sweeps misses per request at
 batches 1, 8, 64 and 128 (and 274 misses at 32), and prints beside ours, as reference columns,

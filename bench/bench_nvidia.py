@@ -61,9 +61,9 @@ VARIANTS = [{"HISPARSE_RESOLVE_THREADS": "512"}, {"HISPARSE_RESOLVE_SMEM": "0"},
 COPY_VARIANTS = [{"HISPARSE_GATHER_FOLLOW": "0"}, {"HISPARSE_GATHER_BLOCKS": "66"},
                  {"HISPARSE_GATHER_BLOCKS": "264"}, {"HISPARSE_OVERLAP_LAUNCH": "0"}]
 
-# The cells each --variant is timed on.
 # The cells whose plan copy is traced block by block (misses per request, batch).
 PLACEMENT_CELLS = [(137, 128), (MISSES, 128), (MISSES, 64)]
+# The cells each --variant is timed on.
 VARIANT_CELLS = [(0, 1), (MISSES, 1), (MISSES, 8), (MISSES, 32), (MISSES, 64), (MISSES, 128), (K, 128), (0, 128)]
 
 # Peers on an H200 of the same kind, 2026-12-01 (us per layer-step, call 1 / call 2), and that run's

@@ -141,6 +141,7 @@ def test_gather_per_sm_asks_for_the_least_shared_memory_that_keeps_the_limit(
         per_sm: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _policy()
     rt._k_gather = k = _Occupancy()
+    rt._gather_fit = k.max_active_blocks(256, (128 + 1) * 4)
     monkeypatch.setenv("HISPARSE_GATHER_PER_SM", str(per_sm))
     smem, fits = rt._gather_shared_memory(227 * 1024)
     assert fits == per_sm == k.max_active_blocks(256, smem)
@@ -150,7 +151,8 @@ def test_gather_per_sm_asks_for_the_least_shared_memory_that_keeps_the_limit(
 
 def test_gather_per_sm_default_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _policy()
-    rt._k_gather = _Occupancy()
+    rt._k_gather = k = _Occupancy()
+    rt._gather_fit = k.max_active_blocks(256, (128 + 1) * 4)
     smem, fits = rt._gather_shared_memory(227 * 1024)  # default: one block an SM where padded
     assert fits == 1 and smem > 0
     monkeypatch.setenv("HISPARSE_GATHER_PER_SM", "0")

@@ -217,7 +217,7 @@ class NvidiaRuntime(CacheRuntime):
         if not 1 <= blocks <= 8 * num_sms:
             raise InvalidInputError(f"{ENV_GATHER_BLOCKS}={blocks}: expected 1 to {8 * num_sms} blocks (8 per SM)")
         self._gather_blocks = blocks
-        # Blocks of the plan copy an SM holds: as built, and with its shared memory padded (no padding: 0, the same).
+        # Blocks of the plan copy one SM holds; and the padded shared memory that limits them (0: none).
         self._gather_fit = self._k_gather.max_active_blocks(self._copy_shape.threads, (b + 1) * 4)
         self._gather_smem, self._gather_per_sm = self._gather_shared_memory(max_smem_per_block)
         logger.info("nvidia runtime: %s", self._describe_copies(why))
@@ -419,7 +419,8 @@ class NvidiaRuntime(CacheRuntime):
     def trace_plan_copies(self, trace: torch.Tensor | None) -> None:
         """Diagnostics: every plan copy launched from now on (captured into a CUDA graph too) records
         its blocks into `trace` (from `new_plan_copy_trace`; each launch overwrites it); None stops.
-        Read it with `read_plan_copy_trace` after the work has run."""
+        Read it with `read_plan_copy_trace` after the work has run. A graph that captured a traced
+        launch writes the buffer on every replay: keep it alive as long as the graph."""
         if trace is not None:
             check_tensor("trace", trace, (self._gather_blocks, 5), torch.int64, self._device)
         self._trace = trace
@@ -635,14 +636,15 @@ class NvidiaRuntime(CacheRuntime):
         return 0, 0, self._follow, pad
 
     def _gather_shared_memory(self, max_smem: int) -> tuple[int, int]:
-        """(dynamic shared memory of a plan-copy launch, its blocks an SM holds) for
-        `HISPARSE_GATHER_PER_SM`: the least that keeps the SM to that many blocks (0: no padding)."""
+        """(dynamic shared memory of a padded plan-copy launch, its blocks an SM then holds) for
+        `HISPARSE_GATHER_PER_SM`: the least that keeps an SM to that many blocks; (0, the blocks an
+        SM holds unpadded) where nothing is to be limited."""
         k = self._k_gather
         threads = self._copy_shape.threads
         base = (self.config.max_batch_rows + 1) * 4
         per_sm = env_int(ENV_GATHER_PER_SM)
         per_sm = _GATHER_PER_SM if per_sm is None else per_sm
-        fits = k.max_active_blocks(threads, base)
+        fits = self._gather_fit
         if not 0 <= per_sm <= 32:
             raise InvalidInputError(f"{ENV_GATHER_PER_SM}={per_sm}: expected 0 (as many as fit) to 32 blocks per SM")
         if per_sm == 0 or per_sm >= fits:

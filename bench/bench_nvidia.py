@@ -309,36 +309,64 @@ class Bench:
         return us, {"hits": st.hits, "misses": st.misses, "h2d_bytes": st.h2d_bytes, "shape": rt.launch_shape,
                     **self.phases(rt, inp)}
 
-    def hit_floor(self, b: int) -> float:
+    def hit_floor(self, b: int, *, grid_wait: bool = False) -> float:
         """The dependency floor of a hit step (bench/hit_floor.cu) on the hot state a real resolve left:
-        the round trips, barriers and stores any resolver of this layout makes, without its work."""
+        the round trips, barriers and stores any resolver of this layout makes, without its work;
+        with `grid_wait`, every block also waiting for all the others before it leaves (what a miss
+        copy fused into the resolver needs on a step without misses)."""
         import ctypes
-        from pathlib import Path
-
-        from hisparse_nvidia import driver
-        from hisparse_nvidia.compiler import KernelBuild, compile_source
 
         rt = self.runtime(b)
         inp = self.one_step(b, resident=False)
         for _ in range(2):  # the second resolve finds every host entry at its hinted slot
             rt.resolve(inp, gather=True, validate=False)
-        props = torch.cuda.get_device_properties(self.dev)
-        build = KernelBuild.of("hit_floor.cu", {"HS_NT": 1024, "HS_K": K, "HS_H": H, "HS_BS": BS, "HS_P": P})
-        image, _ = compile_source((Path(__file__).parent / build.source).read_text(), build.source,
-                                  build.options(f"sm_{props.major}{props.minor}"))
-        fn = driver.Module(image).function("hisparse_hit_floor")
+        fn = self.floor_module().function("hisparse_hit_floor")
         out = torch.empty((b, K), dtype=torch.int32, device=self.dev)
         lru_out = torch.empty((b, H), dtype=torch.int16, device=self.dev)
-        self._keep_hit_floor = (fn, out, lru_out, inp, rt)
+        wait = torch.zeros(2, dtype=torch.int32, device=self.dev)
+        self._keep_hit_floor = (fn, out, lru_out, inp, rt, wait)
         args = [ctypes.c_void_p(x.data_ptr()) for x in
                 (inp.topk, inp.row_state, inp.seq_lens, inp.source_table, rt._hot_map, rt._lru, rt._pos_slot, out,
-                 lru_out)]
+                 lru_out)] + [ctypes.c_void_p(wait.data_ptr() if grid_wait else 0)]
         steps = 32
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             stream = torch.cuda.current_stream().cuda_stream
             for _ in range(steps):
                 fn.launch((b, 1, 1), 1024, 0, stream, args, overlap_previous=True)
+        return self.time_graph(g, steps)
+
+    def floor_module(self):  # noqa: ANN201 - driver.Module
+        """bench/hit_floor.cu built for this GPU at the bench's geometry (once)."""
+        from pathlib import Path
+
+        from hisparse_nvidia import driver
+        from hisparse_nvidia.compiler import KernelBuild, compile_source
+
+        if getattr(self, "_floor_module", None) is None:
+            props = torch.cuda.get_device_properties(self.dev)
+            build = KernelBuild.of("hit_floor.cu", {"HS_NT": 1024, "HS_K": K, "HS_H": H, "HS_BS": BS, "HS_P": P})
+            image, _ = compile_source((Path(__file__).parent / build.source).read_text(), build.source,
+                                      build.options(f"sm_{props.major}{props.minor}"))
+            self._floor_module = driver.Module(image)
+        return self._floor_module
+
+    def dependent_floor(self, b: int, blocks: int) -> float:
+        """A hit resolve followed by a kernel of `blocks` blocks that only waits for it (hit_floor.cu's
+        hisparse_dependent_noop, launched as the miss copy is): the floor of any swap-in whose miss
+        copy is a kernel of its own, on a step without misses."""
+        rt = self.runtime(b)
+        inp = self.one_step(b, resident=False)
+        rt.resolve(inp, gather=True, validate=False)  # load the working set once
+        fn = self.floor_module().function("hisparse_dependent_noop")
+        steps = 32
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            stream = torch.cuda.current_stream().cuda_stream
+            for _ in range(steps):
+                rt.resolve(inp, gather=False, validate=False)
+                fn.launch((blocks, 1, 1), 256, 0, stream, [], overlap_previous=True)
+        self._keep_dependent = (rt, inp)
         return self.time_graph(g, steps)
 
     def resident(self, b: int, gather: bool, env: dict[str, str] | None = None) -> tuple[float, dict]:
@@ -595,6 +623,14 @@ def main(argv: list[str] | None = None) -> int:
         for b in (1, 128):
             rows.append(Row("hit-step dependency floor (hit_floor.cu)", b, bench.hit_floor(b), "graph node floor",
                             floor, "-", None, "the round trips and barriers of a hit step, no work"))
+            rows.append(Row("  the same, then a grid-wide wait", b, bench.hit_floor(b, grid_wait=True),
+                            "graph node floor", floor, "-", None,
+                            "every block waits for all: what a copy fused into the resolver adds on a hit step"))
+        for b in (1, 128):
+            for blocks in (1, torch.cuda.get_device_properties(bench.dev).multi_processor_count):  # the copy's grid
+                rows.append(Row(f"resolve + empty dependent ({blocks} blk)", b, bench.dependent_floor(b, blocks),
+                                "graph node floor", floor, "-", None,
+                                "hit resolve, then a kernel that only waits for it (launched as the miss copy)"))
         us, info = bench.resident(64, gather=False)
         rows.append(Row("all resident, resolve only", 64, us, "graph node floor", floor, "<= 3 us",
                         us <= 3.0 and info["misses"] == 0 and info["hits"] == 0, "", info))

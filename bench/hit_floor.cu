@@ -9,7 +9,8 @@
 //   3. a barrier; each entry checks its hint against the hot map and marks the slot;
 //   4. a barrier; the LRU positions read their marks, a block-wide prefix sum orders hits last;
 //   5. the output rows and the new LRU order are stored.
-// It writes only its own scratch buffers. What the resolver takes beyond this is its work
+// With `grid_wait`, every block also waits for all the others before it leaves (step 6 below). It
+// writes only its own scratch buffers. What the resolver takes beyond this is its work
 // (validity checks, the candidate hash, counters, the cluster's exchanges); this is the part no
 // resolver of this layout can remove.
 #include "common.cuh"
@@ -22,7 +23,7 @@ static_assert(HS_K % HS_NT == 0 && HS_H % HS_NT == 0 && HS_EPT <= 4 && HS_CPT <=
 extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_hit_floor(
     const i32* __restrict__ topk, const i32* __restrict__ row_state, const i32* __restrict__ seq_lens,
     const i32* __restrict__ source_table, const i32* __restrict__ hot_map, const i16* __restrict__ lru,
-    const i16* __restrict__ pos_slot, i32* __restrict__ out_rows, i16* __restrict__ lru_out) {
+    const i16* __restrict__ pos_slot, i32* __restrict__ out_rows, i16* __restrict__ lru_out, u32* grid_wait) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     __shared__ i32 hm[HS_H];
@@ -89,4 +90,32 @@ extern "C" __global__ void __launch_bounds__(HS_NT, 1) hisparse_hit_floor(
         lru_out[q * HS_H + (hit ? HS_H - total + hr : pos - hr)] = static_cast<i16>(slot[c]);
         hr += hit;
     }
+    // 6. (grid_wait != null) What a miss copy fused into the resolver adds on a step without misses:
+    // no block may leave before every group's plan is known to be empty. Each block publishes its
+    // count and waits for all of them (a generation barrier over the grid: [arrivals, generation];
+    // only for grids that are resident at once, as the bench launches it).
+    if (grid_wait != nullptr) {
+        __syncthreads();  // the block's stores are issued
+        if (tid == 0) {
+            const u32 gen = *reinterpret_cast<volatile u32*>(grid_wait + 1);
+            __threadfence();
+            if (atomicAdd(grid_wait, 1u) == gridDim.x - 1) {
+                grid_wait[0] = 0;
+                __threadfence();
+                atomicAdd(grid_wait + 1, 1u);
+            } else {
+                while (*reinterpret_cast<volatile u32*>(grid_wait + 1) == gen) {
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// The least any kernel that needs the resolver's results adds behind it: launched like the miss
+// copy (programmatic dependent launch, the next kernel let in at once), it waits for the resolver
+// and exits. Timed behind a hit resolve, it bounds every miss copy that is a kernel of its own.
+extern "C" __global__ void hisparse_dependent_noop() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 }

@@ -162,3 +162,17 @@ def test_copy_slots_cover_every_row_once() -> None:
             moved = [16 * j - offset for j in range(slots) if 0 <= 16 * j - offset < row_bytes]
             assert moved == list(range(0, row_bytes, 16)), (row_bytes, offset)
     assert CopyShape(656).slots_per_row == 48  # fp8_ds_mla: 6 lines at most
+
+
+@needs_nvrtc
+def test_bench_floor_kernels_compile_for_sm90() -> None:
+    """bench/hit_floor.cu (the hit step's dependency floor and the empty dependent kernel that
+    bench_nvidia.py times) builds as the bench builds it, so a GPU call does not find it broken."""
+    from pathlib import Path
+
+    from hisparse_nvidia.compiler import KernelBuild, compile_source
+
+    src = Path(__file__).resolve().parents[2] / "bench" / "hit_floor.cu"
+    build = KernelBuild.of("hit_floor.cu", {"HS_NT": 1024, "HS_K": 2048, "HS_H": 4096, "HS_BS": 64, "HS_P": 512})
+    image, log = compile_source(src.read_text(), build.source, build.options("sm_90"))
+    assert image[:4] == b"\x7fELF" and "warning" not in log.lower(), log

@@ -19,14 +19,21 @@ from hisparse_core.runtime import ResolveInputs
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
 
-@pytest.mark.parametrize(("rows_per_request", "env"), [(1, {}), (2, {}), (1, {"HISPARSE_SPEC_ROWS": "2"})],
-                         ids=["1", "2", "1-split"])
+_PADDED = {"HISPARSE_SPEC_GATHER": "0", "HISPARSE_GATHER_PER_SM": "1", "HISPARSE_GATHER_BLOCKS": "8 per SM"}
+
+
+@pytest.mark.parametrize(("rows_per_request", "env"),
+                         [(1, {}), (2, {}), (1, {"HISPARSE_SPEC_ROWS": "2"}), (1, _PADDED)],
+                         ids=["1", "2", "1-split", "1-padded"])
 def test_graph_replay_across_drifting_steps(rows_per_request: int, env: dict[str, str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """HISPARSE_SPEC_ROWS=2: the captured copy is split, the speculative gather for rows 0-1 and
-    the plan copy, following the resolver, for the rest."""
+    the plan copy, following the resolver, for the rest. "1-padded": the plan copy alone, with a
+    grid of 8 blocks per SM, too many to start beside the resolver, so that the captured launch
+    asks for the shared memory that keeps one block an SM."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, value in env.items():
-        monkeypatch.setenv(name, value)
+        monkeypatch.setenv(name, str(8 * sms) if value == "8 per SM" else value)
     rng = random.Random(21 + rows_per_request)
     cfg = RuntimeConfig(max_batch_rows=5, max_requests=3, top_k=256, hot_rows=512 * rows_per_request,
                         block_size=64, max_pages=32, num_layers=3, rows_per_request=rows_per_request)
@@ -34,6 +41,9 @@ def test_graph_replay_across_drifting_steps(rows_per_request: int, env: dict[str
     dev_blocks = cfg.max_requests * cfg.hot_blocks + 64
     twin = Twin(cfg, host_blocks=host_blocks, num_device_blocks=dev_blocks, seed=5)
     try:
+        if env is _PADDED:  # every free-SM count leaves too few SMs for 8 blocks an SM
+            shape = twin.rt.launch_shape
+            assert shape["plan_copy_pad_smem"] > 0 and shape["gather_blocks"] > sms * shape["plan_copy_per_sm"], shape
         tables = random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=0.1, null_share=0.02)
         twin.set_tables(tables)
         assert twin.dev_tables is not None

@@ -55,17 +55,18 @@ def test_bad_knob_values_are_one_line_errors(name: str, value: str, monkeypatch:
     assert name in str(err.value) and value in str(err.value) and "\n" not in str(err.value)
 
 
-# The plan copy's 132 blocks, 5 to an SM, are padded to one an SM where fewer than 27 SMs are free.
+# The plan copy's 132 blocks, 5 to an SM, are padded to one an SM where fewer than 27 SMs are free,
+# and then wait for the whole resolver unless a split's speculative rows come first.
 @pytest.mark.parametrize(("b", "resolver_sms", "choice"), [
     (8, 64, (8, None, False, False)),  # within the speculative gather's one pass: it takes the whole batch
     (12, 96, (1, 1, True, False)),     # cluster resolver on 96 SMs: 36 free hold 144 blocks, one row's 96
-    (15, 120, (0, 0, True, True)),     # 12 free SMs: 48 blocks, half a row: the plan copy takes the batch
+    (15, 120, (0, 0, False, True)),    # 12 free SMs: 48 blocks, half a row: the plan copy takes the batch
     (16, 16, (4, 4, True, False)),     # one block a row: 116 free SMs hold 464 blocks, 4 rows of 96
     (32, 32, (4, 4, True, False)),     # 100 free: 400 blocks
     (64, 64, (2, 2, True, False)),     # 68 free: 272 blocks
     (100, 100, (1, 1, True, False)),   # 32 free: 128 blocks
     (106, 106, (1, 1, True, True)),    # 26 free: 104 blocks; 130 of the plan copy's
-    (128, 128, (0, 0, True, True)),    # 4 free
+    (128, 128, (0, 0, False, True)),   # 4 free: padded, waiting for the whole resolver
 ])
 def test_split_covers_the_rows_that_fit_beside_the_resolver(b: int, resolver_sms: int,
                                                              choice: tuple[int, int | None, bool, bool]) -> None:
@@ -80,7 +81,7 @@ def test_split_covers_the_rows_that_fit_beside_the_resolver(b: int, resolver_sms
 def test_no_padding_when_the_limit_is_off() -> None:
     rt = _policy()
     rt._gather_smem = 0  # HISPARSE_GATHER_PER_SM=0, or a kernel that fits one block an SM anyway
-    assert rt._copy_choice(128, True, 4) == (0, 0, True, False)
+    assert rt._copy_choice(128, True, 4) == (0, 0, True, False)  # not padded: it follows the resolver
 
 
 def test_split_off_or_no_follow_leaves_the_plan_copy_alone() -> None:
@@ -105,8 +106,8 @@ def test_the_log_says_which_copy_and_why(monkeypatch: pytest.MonkeyPatch) -> Non
         "miss copies after a resolve start while it runs for batches of up to 11 rows; larger batches so for as "
         "many first rows as fit on the SMs the resolver leaves free (4 blocks to an SM), the other rows by a "
         "persistent grid of 132 blocks (up to 5 an SM; when the resolver leaves too few free SMs for all of them, "
-        "1 an SM (116736 bytes of shared memory a block, HISPARSE_GATHER_PER_SM)) that copies each request's plan "
-        "once the resolver has published it")
+        "1 an SM (116736 bytes of shared memory a block, HISPARSE_GATHER_PER_SM), after the whole resolver) that "
+        "copies each request's plan once the resolver has published it")
     rt._gather_smem = 0
     rt._split = False
     assert rt._describe_copies("").endswith("(HISPARSE_SPEC_SPLIT=0 or HISPARSE_GATHER_FOLLOW=0)")

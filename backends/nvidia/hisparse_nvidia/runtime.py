@@ -86,7 +86,7 @@ ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
 #: would leave room for. Without it the blocks that find no free SM pile onto the first SMs the
 #: resolver's blocks leave, as many as fit (5), and the copy ran on about 30 of the 132 SMs:
 #: 1.26x the copy engine at batch 128 with 274 misses a request against 1.23x (docs/gpu-validation.md,
-#: calls D2-D3).
+#: calls D2-D3). Such a copy waits for the whole resolver rather than following it (`_copy_choice`).
 ENV_GATHER_PER_SM = "HISPARSE_GATHER_PER_SM"
 _GATHER_PER_SM = 1
 #: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM
@@ -608,7 +608,8 @@ class NvidiaRuntime(CacheRuntime):
     def _describe_copies(self, why: str) -> str:
         """Which miss copy follows a resolve, for the log; `why`: why there is no speculative gather."""
         pad = (f"; when the resolver leaves too few free SMs for all of them, {self._gather_per_sm} an SM "
-               f"({self._gather_smem} bytes of shared memory a block, {ENV_GATHER_PER_SM})" if self._gather_smem else "")
+               f"({self._gather_smem} bytes of shared memory a block, {ENV_GATHER_PER_SM}), after the whole resolver"
+               if self._gather_smem else "")
         plan_copy = (f"a persistent grid of {self._gather_blocks} blocks (up to {self._gather_fit} an SM{pad}) that " +
                      ("copies each request's plan once the resolver has published it" if self._follow
                       else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)"))
@@ -624,7 +625,10 @@ class NvidiaRuntime(CacheRuntime):
         """The miss copy after the resolve of `b` rows that leaves `free_sms` SMs free: (rows the
         speculative gather copies from row 0, the row the plan copy starts at or None for none,
         whether the plan copy follows the resolver's published counts, whether its blocks are
-        limited per SM: when the free SMs cannot start its whole grid beside the resolver)."""
+        limited per SM: when the free SMs cannot start its whole grid beside the resolver). A plan
+        copy so limited waits for the whole resolver instead of following it: its few early blocks
+        copy little, and publishing the counts costs the resolver more than they gain (batch 128:
+        -16 and -24 us at 137 misses a request, -3 and -4 us at 274, docs/gpu-validation.md)."""
         if not gather:
             return 0, None, False, False
         if b <= self._spec_rows:
@@ -633,7 +637,7 @@ class NvidiaRuntime(CacheRuntime):
         split = self._split_rows(b, free_sms) if self._split else 0
         if split:
             return split, split, True, pad
-        return 0, 0, self._follow, pad
+        return 0, 0, self._follow and not pad, pad
 
     def _gather_shared_memory(self, max_smem: int) -> tuple[int, int]:
         """(dynamic shared memory of a padded plan-copy launch, its blocks an SM then holds) for

@@ -15,7 +15,9 @@ kernels under `cuda/`, launched through the driver on PyTorch's current stream:
   grid takes 16 KB chunks of the plan from a ticket counter, request by request, so the reads in
   flight stay within one or two requests' host regions and no block's placement sets the pace.
   Right after a resolve it is launched while the resolver runs and copies each request's plan as
-  soon as the resolver publishes it (`plan_ready`).
+  soon as the resolver publishes it (`plan_ready`). Where the resolver leaves too few free SMs to
+  start its whole grid (batch 128 on an H200), it asks for the shared memory that keeps one block
+  an SM, and waits for the whole resolver instead.
 - `hisparse_gather_spec` (copy.cu): the copy that follows a resolve of a small batch. It starts
   reading the likely misses' host rows while the resolver still runs, then writes exactly the
   resolver's misses (its miss mask and output rows), loading any it did not guess. A larger batch

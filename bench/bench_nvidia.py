@@ -226,6 +226,16 @@ class Bench:
         return ResolveInputs(self.windows(b, 1, K)[0], torch.arange(b, dtype=torch.int32, device=self.dev),
                              torch.full((b,), CTX, dtype=torch.int32, device=self.dev), source, res, hot)
 
+    def drifting_steps(self, b: int, steps: int, shift: int) -> list:
+        """One cycle of `steps` steps of b requests (state rows 0..b-1, full contexts, every page
+        host-only), each top-k window sliding by `shift` (`windows`)."""
+        from hisparse_core.runtime import ResolveInputs
+
+        source, res, hot = self.tables(b, resident=False)
+        state = torch.arange(b, dtype=torch.int32, device=self.dev)
+        lens = torch.full((b,), CTX, dtype=torch.int32, device=self.dev)
+        return [ResolveInputs(t, state, lens, source, res, hot) for t in self.windows(b, steps, shift)]
+
     def time_graph(self, graph: torch.cuda.CUDAGraph, steps: int, warmup: int = 3) -> float:
         for _ in range(warmup):
             graph.replay()
@@ -278,19 +288,14 @@ class Bench:
 
     def profile_target(self) -> None:
         """A few eager calls of each kind, for a profiler to attach to (`--profile-target`)."""
-        from hisparse_core.runtime import ResolveInputs
-
         for b, resident in ((1, False), (64, False), (64, True)):
             rt = self.runtime(b)
             inp = self.one_step(b, resident=resident)
             for _ in range(3):
                 rt.resolve(inp, gather=False, validate=False)
         rt = self.runtime(1)
-        source, res, hot = self.tables(1, resident=False)
-        state = torch.zeros(1, dtype=torch.int32, device=self.dev)
-        lens = torch.full((1,), CTX, dtype=torch.int32, device=self.dev)
-        for t in self.windows(1, 32, MISSES)[:12]:
-            rt.resolve(ResolveInputs(t, state, lens, source, res, hot), gather=True, validate=False)
+        for inp in self.drifting_steps(1, 32, MISSES)[:12]:
+            rt.resolve(inp, gather=True, validate=False)
         torch.cuda.synchronize()
 
     def hits(self, b: int, env: dict[str, str] | None = None, bmax: int | None = None, *,
@@ -384,13 +389,8 @@ class Bench:
     def misses(self, b: int, shift: int, steps: int, env: dict[str, str] | None = None,
                ) -> tuple[float, float, float | None, dict]:
         """(resolve+gather us, gather-only us, contiguous copy us of the same bytes, info)."""
-        from hisparse_core.runtime import ResolveInputs
-
         rt = self.runtime(b, env)
-        source, res, hot = self.tables(b, resident=False)
-        state = torch.arange(b, dtype=torch.int32, device=self.dev)
-        lens = torch.full((b,), CTX, dtype=torch.int32, device=self.dev)
-        inputs = [ResolveInputs(t, state, lens, source, res, hot) for t in self.windows(b, steps, shift)]
+        inputs = self.drifting_steps(b, steps, shift)
         g = self.resolve_graph(rt, inputs, gather=True)
         for _ in range(2):  # two full cycles: the hot buffers reach their steady state
             g.replay()
@@ -443,14 +443,8 @@ class Bench:
     def placement(self, b: int, shift: int, env: dict[str, str] | None = None) -> tuple[dict, dict]:
         """Where the plan copy's blocks ran and what each copied, on one traced step of the drifting
         cycle in its steady state: (the whole swap-in, the plan copy alone re-copying that plan)."""
-        from hisparse_core.runtime import ResolveInputs
-
-        steps = steps_for(shift)
         rt = self.runtime(b, env)
-        source, res, hot = self.tables(b, resident=False)
-        state = torch.arange(b, dtype=torch.int32, device=self.dev)
-        lens = torch.full((b,), CTX, dtype=torch.int32, device=self.dev)
-        inputs = [ResolveInputs(t, state, lens, source, res, hot) for t in self.windows(b, steps, shift)]
+        inputs = self.drifting_steps(b, steps_for(shift), shift)
         # The cycle as one graph, as the swap-in rows time it, with only its last step's copy traced:
         # launched eagerly, the copy would reach the GPU after the resolver had finished.
         trace = rt.new_plan_copy_trace()

@@ -56,6 +56,16 @@ def env_int(name: str) -> int | None:
         raise InvalidInputError(f"{name}={value!r}: expected an integer") from None
 
 
+def env_int_in(name: str, default: int, lo: int, hi: int, expected: str) -> int:
+    """`env_int(name)`, `default` when unset; a value outside [lo, hi] is one line naming it and
+    `expected` (what the knob takes, in words)."""
+    value = env_int(name)
+    value = default if value is None else value
+    if not lo <= value <= hi:
+        raise InvalidInputError(f"{name}={value}: expected {expected}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ResolverShape:
     """Launch shape and build of the resolver for one geometry."""

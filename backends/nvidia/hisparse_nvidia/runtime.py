@@ -61,6 +61,7 @@ from hisparse_nvidia.kernels import (
     ResolverShape,
     cluster_width_allowed,
     env_int,
+    env_int_in,
     resolver_shape,
 )
 from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
@@ -214,11 +215,8 @@ class NvidiaRuntime(CacheRuntime):
         # Larger batches: the speculative gather for as many first rows as its blocks fit beside the
         # resolver's (`_split_rows`), and the plan copy, following the resolver, for the rest.
         self._split = self._spec_rows > 0 and self._follow and os.environ.get(ENV_SPEC_SPLIT, "1") != "0"
-        blocks = env_int(ENV_GATHER_BLOCKS)
-        blocks = num_sms if blocks is None else blocks
-        if not 1 <= blocks <= 8 * num_sms:
-            raise InvalidInputError(f"{ENV_GATHER_BLOCKS}={blocks}: expected 1 to {8 * num_sms} blocks (8 per SM)")
-        self._gather_blocks = blocks
+        self._gather_blocks = env_int_in(ENV_GATHER_BLOCKS, num_sms, 1, 8 * num_sms,
+                                         f"1 to {8 * num_sms} blocks (8 per SM)")
         # Blocks of the plan copy one SM holds; and the padded shared memory that limits them (0: none).
         self._gather_fit = self._k_gather.max_active_blocks(self._copy_shape.threads, (b + 1) * 4)
         self._gather_smem, self._gather_per_sm = self._gather_shared_memory(max_smem_per_block)
@@ -585,10 +583,7 @@ class NvidiaRuntime(CacheRuntime):
         """The largest batch whose miss copy starts while the resolver runs (0: none), and why not."""
         k = self.config.top_k
         c = self._copy_shape
-        per_sm = env_int(ENV_SPEC_BLOCKS_PER_SM)
-        per_sm = _SPEC_BLOCKS_PER_SM if per_sm is None else per_sm
-        if not 0 <= per_sm <= 32:
-            raise InvalidInputError(f"{ENV_SPEC_BLOCKS_PER_SM}={per_sm}: expected 0 (off) to 32 blocks per SM")
+        per_sm = env_int_in(ENV_SPEC_BLOCKS_PER_SM, _SPEC_BLOCKS_PER_SM, 0, 32, "0 (off) to 32 blocks per SM")
         rows = per_sm * num_sms * c.threads * c.unroll // (k * c.slots_per_row)
         if k % 32:
             return 0, "top_k is not a multiple of 32"
@@ -648,18 +643,16 @@ class NvidiaRuntime(CacheRuntime):
         k = self._k_gather
         threads = self._copy_shape.threads
         base = (self.config.max_batch_rows + 1) * 4
-        per_sm = env_int(ENV_GATHER_PER_SM)
-        per_sm = _GATHER_PER_SM if per_sm is None else per_sm
+        per_sm = env_int_in(ENV_GATHER_PER_SM, _GATHER_PER_SM, 0, 32, "0 (as many as fit) to 32 blocks per SM")
         fits = self._gather_fit
-        if not 0 <= per_sm <= 32:
-            raise InvalidInputError(f"{ENV_GATHER_PER_SM}={per_sm}: expected 0 (as many as fit) to 32 blocks per SM")
         if per_sm == 0 or per_sm >= fits:
             return 0, fits  # nothing to limit
         top = max_smem - k.static_smem  # the most dynamic shared memory a block may ask for
         k.allow_dynamic_smem(top)
-        if k.max_active_blocks(threads, top) > per_sm:
+        least = k.max_active_blocks(threads, top)
+        if least > per_sm:
             raise InvalidInputError(f"{ENV_GATHER_PER_SM}={per_sm}: the plan copy's shared memory cannot limit an "
-                                    f"SM to so few blocks ({k.max_active_blocks(threads, top)} fit with all of it)")
+                                    f"SM to so few blocks ({least} fit with all of it)")
         lo, hi = base, top  # the least size at which at most per_sm blocks fit lies in (lo, hi]
         while hi - lo > 16:
             mid = (lo + hi) // 2

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tf_support import SHAPES, enable_kwargs, tiny_model
-
-import hisparse_transformers
-from hisparse_core.errors import CapacityError, HiSparseError, InvalidInputError
-from hisparse_transformers import handle as handle_mod
-from hisparse_transformers import version as version_mod
 
 pytest.importorskip("transformers")
+
+from tf_support import SHAPES, enable_kwargs, tiny_model  # noqa: E402
+
+import hisparse_transformers  # noqa: E402
+from hisparse_core.errors import CapacityError, HiSparseError, InvalidInputError  # noqa: E402
+from hisparse_transformers import handle as handle_mod  # noqa: E402
+from hisparse_transformers import version as version_mod  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -189,8 +189,10 @@ class ReferenceVllmOps(spec.VllmHiSparseOps):
         device_global_indices.copy_(new_dgi)
         lru_slots.copy_(new_lru)
         if stats is not None:
-            stats[0] += hits_total
-            stats[1] += misses_total
+            # vLLM's counters are uint64, which has no CPU add: the same bits as int64 (counts < 2^63).
+            counters = stats.view(torch.int64)
+            counters[0] += hits_total
+            counters[1] += misses_total
 
     def gather_compact(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, miss_global: torch.Tensor,
                        miss_hot: torch.Tensor, miss_counts: torch.Tensor) -> None:

@@ -39,15 +39,17 @@ class Case:
     written_req: torch.Tensor
     written_slots: torch.Tensor
 
-    def resolve_args(self, device: torch.device | str = "cpu") -> list[Any]:
-        """The 25 arguments of `hisparse_resolve_residency`, fresh copies (host_cache stays on the CPU)."""
+    def resolve_args(self, device: torch.device | str = "cpu", *, miss_mask: bool = True) -> list[Any]:
+        """The 25 arguments of `hisparse_resolve_residency`, fresh copies (host_cache stays on the CPU);
+        `miss_mask=False` passes None for it, as vLLM 0.32's runtime does."""
         def d(t: torch.Tensor) -> torch.Tensor:
             return t.clone().to(device)
 
         o = self.outputs
         hot = self.hot.to(device) if torch.device(device).type != "cpu" else self.hot.clone()
         return [self.host, hot, d(self.hot_bt), d(self.topk), d(o["hot_out"]), d(self.dgi), d(self.lru),
-                d(self.rsi), self.lru.shape[1], self.max_union_rows, d(o["miss_mask"]), d(o["stats"]),
+                d(self.rsi), self.lru.shape[1], self.max_union_rows, d(o["miss_mask"]) if miss_mask else None,
+                d(o["stats"]),
                 d(o["attention"]), self.att_stride, d(self.request_ids), d(self.source_bt), self.sbs,
                 d(o["resolved"]), d(o["valid"]), d(o["swap_host"]), d(o["swap_dev"]), d(o["swap_counts"]),
                 d(self.resident_bt), self.hot.shape[1], self.null_block]
@@ -133,11 +135,15 @@ def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int =
                 0, 2 * bs + rng.randint(0, 3), min(h, rows_per_request * k), outputs, written_req, written_slots)
 
 
-def run_ops(ops: Any, case: Case, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def run_ops(ops: Any, case: Case, device: torch.device | str = "cpu", *,
+            miss_mask: bool = True) -> dict[str, torch.Tensor]:
     """Resolve, then gather_compact of its plan, gather_plan of its miss mask (into a second copy of the
-    hot cache) and an invalidation, through `ops` (a `VllmHiSparseOps` or the registered torch ops)."""
-    a = case.resolve_args(device)
+    hot cache) and an invalidation, through `ops` (a `VllmHiSparseOps` or the registered torch ops).
+    `miss_mask=False`: the resolve gets None for it and gather_plan the case's initial mask."""
+    a = case.resolve_args(device, miss_mask=miss_mask)
     ops.resolve_residency(*a)
+    if a[10] is None:
+        a[10] = case.outputs["miss_mask"].clone().to(device)
     host, hot, swap_host, swap_dev, swap_counts = a[0], a[1], a[19], a[20], a[21]
     plan_hot = hot.clone() if torch.device(device).type == "cpu" else hot.clone()
     ops.gather_compact(host, hot, swap_host, swap_dev, swap_counts)

@@ -159,7 +159,7 @@ def run_ops(ops: Any, case: Case, device: torch.device | str = "cpu", *,
     return {k: v.cpu().contiguous() for k, v in out.items()}
 
 
-def run_model(case: Case) -> dict[str, torch.Tensor]:
+def run_model(case: Case, *, miss_mask: bool = True) -> dict[str, torch.Tensor]:
     """The same sequence as `run_ops`, on lists."""
     o = {k: v.tolist() for k, v in case.outputs.items()}
     topk = case.topk.tolist()
@@ -286,13 +286,14 @@ def run_model(case: Case) -> dict[str, torch.Tensor]:
             if x >= 0 and 0 <= dst < hot_rows:
                 put(hot, x, dst)
     plan_att = [[7] * k for _ in range(n)]
+    plan_mask = o["miss_mask"] if miss_mask else case.outputs["miss_mask"].tolist()
     for r in range(n):
         pad = req_ids[r] < 0
         for i in range(k):
             dst = o["hot_out"][r][i]
             plan_att[r][i] = -1 if pad else attn(dst)
             x = o["resolved"][r][i]
-            if not pad and o["miss_mask"][r][i] != 0 and x >= 0 and 0 <= dst < hot_rows:
+            if not pad and plan_mask[r][i] != 0 and x >= 0 and 0 <= dst < hot_rows:
                 put(plan_hot, x, dst)
     inv = [row[:] for row in dgi]
     for req, w in zip(case.written_req.tolist(), case.written_slots.tolist(), strict=True):

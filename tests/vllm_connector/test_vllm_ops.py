@@ -27,15 +27,15 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from hisparse_conformance.vllm_ops_model import random_case, run_model, run_ops  # noqa: E402
 from hisparse_core import vllm_ops as spec  # noqa: E402
 from hisparse_core.errors import InvalidInputError  # noqa: E402
 from hisparse_core.geometry import FP8_DS_MLA, RuntimeConfig  # noqa: E402
 from hisparse_core.runtime import ResolveInputs  # noqa: E402
-from hisparse_vllm import ops as hv_ops  # noqa: E402
-from hisparse_vllm.ops_platform import enable_vllm_hisparse  # noqa: E402
-from hisparse_conformance.vllm_ops_model import random_case, run_model, run_ops  # noqa: E402
 from hisparse_reference_cpu.runtime import ReferenceRuntime  # noqa: E402
 from hisparse_reference_cpu.vllm_ops import ReferenceVllmOps  # noqa: E402
+from hisparse_vllm import ops as hv_ops  # noqa: E402
+from hisparse_vllm.ops_platform import enable_vllm_hisparse  # noqa: E402
 
 W = 656  # fp8_ds_mla row bytes
 BS, K, H = 4, 16, 32
@@ -189,7 +189,7 @@ def test_vllm_runtime_swap_in_matches_hisparse_resolver(served: str) -> None:
     assert served == "hisparse:reference_cpu"
     rig = Rig(seed=7)
     hits = 0
-    for n in range(12):
+    for _ in range(12):
         batch = rig.rng.sample(range(R), rig.rng.randint(1, R))
         rig.step(batch, pad_rows=R - len(batch))
         rig.drift()

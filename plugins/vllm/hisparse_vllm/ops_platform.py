@@ -151,13 +151,13 @@ def patch_runtime(device_type: str, *, pin_host: Callable[[Any], None] | None = 
     if not has_streams and "streams" not in _patched:
         runtime.torch = _HostTorch(torch)  # type: ignore[assignment]
         stream = HostOrderedStream()
-        runtime.current_stream = lambda: stream  # type: ignore[assignment]
+        runtime.current_stream = lambda: stream  # type: ignore[assignment,return-value]
         # The sparse-MLA index group hands the runtime its side stream and topk-ready event.
         import vllm.v1.attention.backends.mla.index_group as index_group
 
-        index_group._create_side_stream = lambda device: HostOrderedStream()  # type: ignore[assignment]
+        index_group._create_side_stream = lambda device: HostOrderedStream()  # type: ignore[assignment,return-value]
         index_group._create_event = HostOrderedEvent  # type: ignore[assignment]
-        index_group.current_stream = lambda: stream  # type: ignore[assignment]
+        index_group.current_stream = lambda: stream  # type: ignore[assignment,return-value]
         _patched.add("streams")
         logger.info("vLLM HiSparse: %s has no streams or events; the runtime orders work by program order",
                     device_type)

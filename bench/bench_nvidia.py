@@ -537,6 +537,56 @@ def swap_row(bench: Bench, misses: int, b: int, env: dict[str, str] | None, vari
     return SwapRow(misses, b, us, copy_us, text, passed, sg, vl, lead, variant, note, info)
 
 
+def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8) -> list[Row]:
+    """vLLM's call sequence on hisparse's ops (hisparse_vllm.ops, nvidia backend) beside hisparse's native
+    swap-in, us per layer-step, all replayed from CUDA graphs over one drifting cycle: resolve +
+    gather_compact (vLLM's decode path) and resolve + gather_plan (a replayed plan), each with the
+    arguments vLLM 0.32's runtime passes (request ids, state indices, residency with null block 0)."""
+    from hisparse_vllm.ops import register_ops
+
+    register_ops("nvidia")
+    ops = torch.ops._C_cache_ops
+    steps = steps_for(misses)
+    inputs = bench.drifting_steps(b, steps, misses)
+    native = bench.time_graph(bench.resolve_graph(bench.runtime(b), inputs, gather=True), steps)
+    dev, i32 = bench.dev, torch.int32
+    source, _, hot = bench.tables(b, resident=False)
+    resident = torch.zeros_like(source)  # vLLM's null block: nothing resident
+    dgi = torch.full((b, H), -1, dtype=i32, device=dev)
+    lru = torch.arange(H, dtype=torch.int16, device=dev).repeat(b, 1)
+    rsi = torch.arange(b, dtype=i32, device=dev)
+    req = torch.arange(b, dtype=i32, device=dev)
+    out, att = (torch.empty((b, K), dtype=i32, device=dev) for _ in range(2))
+    sh, sd = (torch.empty((b, K), dtype=i32, device=dev) for _ in range(2))
+    sc, valid = (torch.empty(b, dtype=i32, device=dev) for _ in range(2))
+    stats = torch.zeros(2, dtype=torch.uint64, device=dev)
+    resolved = torch.empty((b, K), dtype=i32, device=dev)
+    mask = torch.ones((b, K), dtype=i32, device=dev)
+    host = bench.pool.layer_view(0)
+
+    def resolve(topk: torch.Tensor) -> None:
+        ops.hisparse_resolve_residency(host, bench.cache, hot, topk, out, dgi, lru, rsi, H, K, None, stats, att, BS,
+                                       req, source, BS, resolved, valid, sh, sd, sc, resident, BS, 0)
+
+    rows = []
+    for label, copy in (("vLLM resolve + gather_compact", lambda: ops.hisparse_gather_compact(host, bench.cache, sh,
+                                                                                                sd, sc)),
+                        ("vLLM resolve + gather_plan", lambda: ops.hisparse_gather_plan(host, bench.cache, resolved, out,
+                                                                                          mask, rsi, None, 0))):
+        for inp in inputs[:1]:  # warm-up outside capture: builds the adapter's runtime and workspaces
+            resolve(inp.topk)
+            copy()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for inp in inputs:
+                resolve(inp.topk)
+                copy()
+        us = bench.time_graph(g, steps)
+        rows.append(Row(label, b, us, "hisparse native swap-in", native, "-", None,
+                        f"{misses} misses a request a step" + ("" if "compact" in label else "; plan mask: every host entry")))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=30, help="timed graph replays per figure (median)")
@@ -553,11 +603,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-builtin-variants", action="store_true",
                     help="skip the resolver and copy-launch variants timed by default")
     ap.add_argument("--quick", action="store_true", help="only the swap-in sweep (no variants, no metadata rows)")
+    ap.add_argument("--vllm-ops", action="store_true",
+                    help="only vLLM's call sequence on hisparse's ops beside the native swap-in (vllm_ops_rows)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_nvidia: no CUDA device", file=sys.stderr)
         return 2
     bench = Bench(args.replays)
+    if args.vllm_ops:
+        print(f"{'scenario':<34} {'B':>3} {'us':>9} {'native us':>10} {'ratio':>6}  note")
+        for b in (1, 8, 64):
+            for r in vllm_ops_rows(bench, MISSES, b):
+                assert r.baseline_us is not None
+                print(f"{r.scenario:<34} {r.batch:>3} {r.ours_us:9.2f} {r.baseline_us:10.2f} "
+                      f"{r.ours_us / r.baseline_us:6.2f}  {r.note}")
+        return 0
     if args.profile_target:
         bench.profile_target()
         bench.pool.release()

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from hisparse_core.host_pool import HostPool, HostPoolSpec
     from hisparse_core.runtime import CacheRuntime
     from hisparse_core.transfer import TransferEngine
+    from hisparse_core.vllm_ops import VllmHiSparseOps
 
 #: Version of the Backend/HostPool/CacheRuntime/TransferEngine interfaces. A backend built for
 #: another API version is listed as unavailable.
@@ -33,9 +34,11 @@ class Capability:
     SHARED_HOST_POOL = "shared_host_pool"  # HostPoolSpec(shared=True) across processes
     CUDA_GRAPH = "cuda_graph"  # resolve(validate=False) + gather capturable in a CUDA graph
     ASYNC_TRANSFERS = "async_transfers"  # enqueued and completed may be reported at different polls
+    VLLM_OPS = "vllm_ops"  # Backend.vllm_ops(): vLLM's four _C_cache_ops.hisparse_* ops (hisparse_core/vllm_ops.py)
 
     ALL: ClassVar[frozenset[str]] = frozenset(
-        {FP8_DS_MLA, BF16_MLA, SPECULATIVE_UNION, INDEX_SHARING, SHARED_HOST_POOL, CUDA_GRAPH, ASYNC_TRANSFERS})
+        {FP8_DS_MLA, BF16_MLA, SPECULATIVE_UNION, INDEX_SHARING, SHARED_HOST_POOL, CUDA_GRAPH, ASYNC_TRANSFERS,
+         VLLM_OPS})
 
 
 class Backend(ABC):
@@ -75,6 +78,16 @@ class Backend(ABC):
     @abstractmethod
     def create_transfer_engine(self, host_pool: HostPool, runtimes: Sequence[CacheRuntime]) -> TransferEngine:
         """Build the engine that runs offload commands for these bound runtimes."""
+
+    def vllm_ops(self) -> VllmHiSparseOps:
+        """The `VLLM_OPS` capability (optional): vLLM's HiSparse op set on this backend's device.
+
+        Called once by `hisparse_vllm.ops.register_ops` when it registers the ops; the object
+        serves every later call. A backend without the capability keeps this default, which raises.
+        """
+        from hisparse_core.errors import InvalidInputError
+
+        raise InvalidInputError(f"backend {self.name!r} does not declare {Capability.VLLM_OPS!r}")
 
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "version": self.version, "api_version": self.api_version,

@@ -13,6 +13,7 @@ from hisparse_core.geometry import ROW_FORMATS, RuntimeConfig
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine
+from hisparse_core.vllm_ops import VllmHiSparseOps
 from hisparse_nvidia.plugin import VERSION
 
 
@@ -27,7 +28,7 @@ class NvidiaBackend(Backend):
     version: ClassVar[str] = VERSION
     capabilities: ClassVar[frozenset[str]] = frozenset({
         Capability.FP8_DS_MLA, Capability.BF16_MLA, Capability.SPECULATIVE_UNION, Capability.INDEX_SHARING,
-        Capability.SHARED_HOST_POOL, Capability.CUDA_GRAPH, Capability.ASYNC_TRANSFERS,
+        Capability.SHARED_HOST_POOL, Capability.CUDA_GRAPH, Capability.ASYNC_TRANSFERS, Capability.VLLM_OPS,
     })
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
@@ -81,6 +82,11 @@ class NvidiaBackend(Backend):
         from hisparse_nvidia.transfer import NvidiaTransferEngine
 
         return NvidiaTransferEngine(host_pool, runtimes)
+
+    def vllm_ops(self) -> VllmHiSparseOps:
+        from hisparse_nvidia.vllm_ops import NvidiaVllmOps
+
+        return NvidiaVllmOps(self)
 
     def describe(self) -> dict[str, object]:
         out = super().describe()

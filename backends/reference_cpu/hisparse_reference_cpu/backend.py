@@ -14,6 +14,7 @@ from hisparse_core.geometry import ROW_FORMATS, RuntimeConfig
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine
+from hisparse_core.vllm_ops import VllmHiSparseOps
 from hisparse_reference_cpu.host_pool import ReferenceHostPool
 from hisparse_reference_cpu.runtime import ReferenceRuntime
 from hisparse_reference_cpu.transfer import ReferenceTransferEngine
@@ -32,7 +33,7 @@ class ReferenceCpuBackend(Backend):
     version: ClassVar[str] = VERSION
     capabilities: ClassVar[frozenset[str]] = frozenset({
         Capability.FP8_DS_MLA, Capability.BF16_MLA, Capability.SPECULATIVE_UNION, Capability.INDEX_SHARING,
-        Capability.SHARED_HOST_POOL, Capability.ASYNC_TRANSFERS,
+        Capability.SHARED_HOST_POOL, Capability.ASYNC_TRANSFERS, Capability.VLLM_OPS,
     })
 
     def __init__(self, *, completion_lag: int = 1) -> None:
@@ -52,6 +53,11 @@ class ReferenceCpuBackend(Backend):
 
     def create_transfer_engine(self, host_pool: HostPool, runtimes: Sequence[CacheRuntime]) -> TransferEngine:
         return ReferenceTransferEngine(host_pool, runtimes, completion_lag=self._completion_lag)
+
+    def vllm_ops(self) -> VllmHiSparseOps:
+        from hisparse_reference_cpu.vllm_ops import ReferenceVllmOps
+
+        return ReferenceVllmOps()
 
 
 def _check_format(name: str | None, owner: object) -> None:

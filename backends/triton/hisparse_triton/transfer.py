@@ -121,7 +121,7 @@ class TritonTransferEngine(TransferEngine):
             if run[0].restore:
                 self._restore(run)
             else:
-                event, epoch = self._host_writes([lambda rt=rt: rt.spill_pages(run) for rt in self._runtimes])
+                event, epoch = self._host_writes([lambda rt=rt, run=run: rt.spill_pages(run) for rt in self._runtimes])
                 self._pending.extend(_Pending(t.transfer_id, False, event, epoch) for t in run)
             i = j
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ class TritonRuntime(CacheRuntime):
                 f"each be at most {1 << 16}")
         self._meta = dict(K=k, KP=kp, G_MAX=config.rows_per_request, GP=gp, BS=config.block_size, H=h, HP=hp,
                           LOG_NP=np_.bit_length() - 1, LOG_HP=hp.bit_length() - 1)
-        i32 = dict(dtype=torch.int32, device=device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         self._hot_map = torch.full((r, h), -1, **i32)
         self._lru = torch.arange(h, **i32).repeat(r, 1)
         self._result = ResolveResult(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -104,7 +105,7 @@ class TritonTransferEngine(TransferEngine):
         for rt in self._runtimes:
             rt.check_mirrors(mirrors)
         if mirrors:
-            self._host_writes([lambda rt=rt: rt.mirror_rows(mirrors) for rt in self._runtimes])
+            self._host_writes([partial(rt.mirror_rows, mirrors) for rt in self._runtimes])
 
     def submit_pages(self, transfers: Sequence[PageTransfer]) -> None:
         for rt in self._runtimes:
@@ -121,7 +122,7 @@ class TritonTransferEngine(TransferEngine):
             if run[0].restore:
                 self._restore(run)
             else:
-                event, epoch = self._host_writes([lambda rt=rt, run=run: rt.spill_pages(run) for rt in self._runtimes])
+                event, epoch = self._host_writes([partial(rt.spill_pages, run) for rt in self._runtimes])
                 self._pending.extend(_Pending(t.transfer_id, False, event, epoch) for t in run)
             i = j
 
@@ -141,7 +142,7 @@ class TritonTransferEngine(TransferEngine):
         dsts = [c.dst_block_id for c in copies]
         check_unique_ids("host copy destination block", dsts, {p.ident for p in self._pending if p.host_copy})
         if copies:
-            event, epoch = self._host_writes([lambda rt=rt: rt.copy_host_blocks(copies) for rt in self._runtimes])
+            event, epoch = self._host_writes([partial(rt.copy_host_blocks, copies) for rt in self._runtimes])
             self._pending.extend(_Pending(d, True, event, epoch) for d in dsts)
 
     def wait_for_host_writes(self, stream: torch.cuda.Stream | None = None) -> None:

@@ -13,6 +13,7 @@ ROOTS = {
     "hisparse_core": "hisparse_core",
     "hisparse_reference_cpu": "backends/reference_cpu/hisparse_reference_cpu",
     "hisparse_nvidia": "backends/nvidia/hisparse_nvidia",
+    "hisparse_triton": "backends/triton/hisparse_triton",
     "hisparse_conformance": "plugins/conformance/hisparse_conformance",
     "hisparse_vllm": "plugins/vllm/hisparse_vllm",
     "hisparse_transformers": "plugins/transformers/hisparse_transformers",

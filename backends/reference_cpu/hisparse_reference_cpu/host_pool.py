@@ -31,7 +31,14 @@ def shm_path(name: str) -> str:
 
 
 class ReferenceHostPool(LayerMajorHostPool):
-    """Private (`torch.zeros`) or shared (/dev/shm mmap) host pool on the CPU."""
+    """Private (`torch.zeros`) or shared (/dev/shm mmap) host pool on the CPU.
+
+    Other backends reuse it (`hisparse_triton`): `HEADER` and `SUFFIX` name their own files, and
+    `_allocate_private` / `_map` are where they allocate or map the rows their own way.
+    """
+
+    HEADER = _HEADER
+    SUFFIX = ".pool"
 
     def __init__(self, spec: HostPoolSpec, *, peer_timeout_s: float = 60.0) -> None:
         if not isinstance(spec, HostPoolSpec):
@@ -44,13 +51,13 @@ class ReferenceHostPool(LayerMajorHostPool):
         fmt = spec.row_format
         if not spec.shared:
             # Zeros rather than empty: unwritten rows then read the same on every run.
-            self._rows: torch.Tensor | None = torch.zeros((rows, fmt.width), dtype=fmt.dtype)
+            self._rows: torch.Tensor | None = self._allocate_private(rows, fmt.width, fmt.dtype)
             return
-        path = shm_path(spec.name or "")
+        path = shm.shm_path(spec.name or "", self.SUFFIX)
         if spec.rank == 0:
-            self._file = shm.create(path, _HEADER, spec, self._file_bytes())
+            self._file = shm.create(path, self.HEADER, spec, self._file_bytes())
         else:
-            self._file = shm.attach(path, _HEADER, spec, self._file_bytes(), peer_timeout_s)
+            self._file = shm.attach(path, self.HEADER, spec, self._file_bytes(), peer_timeout_s)
         try:
             self._rows = self._map(self._file.fd)
             if spec.rank == 0:
@@ -64,6 +71,9 @@ class ReferenceHostPool(LayerMajorHostPool):
             raise
 
     # ----------------------------------------------------------------- shared mode
+
+    def _allocate_private(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros((rows, width), dtype=dtype)
 
     def _file_bytes(self) -> int:
         return OS_PAGE + -(-self.spec.nbytes // OS_PAGE) * OS_PAGE

@@ -1,0 +1,379 @@
+"""`TritonRuntime`: the per-cache runtime whose resolver and copies are Triton kernels (`kernels.py`).
+
+State and workspaces are torch tensors on the runtime's device (a GPU, or the CPU under Triton's
+interpreter). The hot map and LRU order are int32 `[max_requests, hot_rows]`; the resolver's
+scratch rows, one per batch row of the workspace, are allocated once with the state.
+
+- `resolve` checks shapes, dtypes and devices on the host (metadata only), then launches the
+  resolver over `max_batch_rows` programs and, with `gather=True`, the plan copy of layer 0 over
+  the batch's rows. With `validate=False` nothing is read back and every launch has a fixed
+  grid, so the call can be captured in a CUDA graph; values are then trusted, but every load and
+  store of the kernels stays inside its tensor (out-of-range state rows, pages and plan rows are
+  masked), so bad trusted input cannot corrupt memory.
+- The other copies (mirrors, spills, restores, host block copies) launch one row-copy kernel per
+  layer on the current stream; invalidations and resets are a kernel or a few torch ops.
+
+Where it departs from the contract: with `validate=False`, a state row that appears in two groups
+of one call is resolved by two programs at once, so its result is undefined (the reference
+resolves the groups one after the other); `validate=True` rejects such a batch, as it must.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hisparse_core import checks, copy_checks
+from hisparse_core.checks import check_bind_arguments, check_int, check_ints, check_range
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import RuntimeConfig
+from hisparse_core.resolve_checks import check_resolve_shapes, check_resolve_values
+from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
+from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
+from hisparse_triton import kernels
+
+logger = logging.getLogger(__name__)
+
+#: Plan entries (or copied rows) one program of a copy kernel moves.
+COPY_ENTRIES = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_tensor(name: str, t: object, shape: tuple[int | None, ...], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """`t` must be a contiguous tensor of `dtype` on `device` with `shape` (None: any extent)."""
+    tensor = checks.check_tensor(name, t, shape, dtype, device)
+    if not tensor.is_contiguous():
+        raise InvalidInputError(f"{name} is not contiguous; expected a contiguous tensor (the kernels index it flat)")
+    return tensor
+
+
+class TritonRuntime(CacheRuntime):
+    """Hot maps, LRU orders, result workspace, scratch and counters of one index group."""
+
+    def __init__(self, config: RuntimeConfig, device: torch.device) -> None:
+        if not isinstance(config, RuntimeConfig):
+            raise InvalidInputError(f"config must be a RuntimeConfig, got {type(config).__name__}")
+        self.config = config
+        self._device = device
+        r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
+        kp, gp, hp = _pow2(k), _pow2(config.rows_per_request), _pow2(h)
+        np_ = kp * gp
+        if np_ > 1 << 16 or hp > 1 << 16:
+            raise InvalidInputError(
+                f"RuntimeConfig(top_k={k}, rows_per_request={config.rows_per_request}, hot_rows={h}) is too large "
+                f"for the triton resolver: a group's entries ({np_} padded) and the hot rows ({hp} padded) must "
+                f"each be at most {1 << 16}")
+        self._meta = dict(K=k, KP=kp, G_MAX=config.rows_per_request, GP=gp, BS=config.block_size, H=h, HP=hp,
+                          LOG_NP=np_.bit_length() - 1, LOG_HP=hp.bit_length() - 1)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
+        self._hot_map = torch.full((r, h), -1, **i32)
+        self._lru = torch.arange(h, **i32).repeat(r, 1)
+        self._result = ResolveResult(
+            rows=torch.full((b, k), -1, **i32), valid_counts=torch.zeros(b, **i32),
+            plan_host=torch.full((b, k), -1, **i32), plan_device=torch.full((b, k), -1, **i32),
+            plan_counts=torch.zeros(b, **i32))
+        self._stats = torch.zeros(5, dtype=torch.int64, device=device)
+        self._scratch = dict(
+            scr_keys=torch.zeros((b, np_), dtype=torch.int64, device=device),
+            scr_hot=torch.zeros((b, hp), dtype=torch.int64, device=device),
+            scr_flag=torch.zeros((b, np_), **i32), scr_rank=torch.zeros((b, np_), **i32),
+            scr_victim=torch.zeros((b, hp), **i32), scr_slot=torch.zeros((b, np_), **i32),
+            scr_hit=torch.zeros((b, hp), **i32))
+        row_bytes = config.row_format.row_bytes
+        self._word = torch.int32 if row_bytes % 4 == 0 else torch.uint8
+        self._words = row_bytes // self._word.itemsize
+        self._last_rows = 0
+        self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
+        self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]
+        self._host_rows = 0
+        self._dev_rows = 0
+        self._resident_group = 0
+        logger.info("triton runtime on %s: top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
+                    "entries sort as %d lanes, its hot map as %d; rows move as %d %s words",
+                    device, k, config.rows_per_request, h, config.block_size, np_, hp, self._words,
+                    str(self._word).removeprefix("torch."))
+
+    # ----------------------------------------------------------------- storage
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def bound(self) -> bool:
+        return bool(self._host)
+
+    @property
+    def host_rows(self) -> int:
+        self._require_bound()
+        return self._host_rows
+
+    @property
+    def num_device_blocks(self) -> int:
+        self._require_bound()
+        return self._dev_rows // self.config.block_size
+
+    @property
+    def resident_group(self) -> int:
+        return self._resident_group
+
+    @property
+    def host_layers(self) -> list[torch.Tensor]:
+        """The host views given to `bind`."""
+        self._require_bound()
+        return list(self._bound[0])
+
+    @property
+    def device_layers(self) -> list[torch.Tensor]:
+        """The device caches given to `bind`."""
+        self._require_bound()
+        return list(self._bound[1])
+
+    def bind(self, host_layers: Sequence[torch.Tensor], device_layers: Sequence[torch.Tensor],
+             *, resident_group: int = 0) -> None:
+        """Attach the host pool's layer views and the device caches (see `CacheRuntime.bind`).
+
+        Host views are CPU tensors with contiguous rows; on a GPU they must be pinned
+        (`TritonBackend.create_host_pool`, or `pin_memory()`), since the kernels read them in
+        place. Device caches are `[num_blocks, block_size, width]` with contiguous rows inside a
+        block; blocks may be strided (a packed multi-layer slab) by a whole number of words.
+        """
+        cfg = self.config
+        fmt, n = cfg.row_format, cfg.num_layers
+        check_bind_arguments(host_layers, device_layers, n, resident_group, bound=self.bound)
+        cpu = torch.device("cpu")
+        host_words: list[torch.Tensor] = []
+        dev_words: list[torch.Tensor] = []
+        rows = blocks = None
+        ws = self._word.itemsize
+        for layer in range(n):
+            h = check_tensor(f"host_layers[{layer}]", host_layers[layer], (rows, fmt.width), fmt.dtype, cpu)
+            rows = h.shape[0]
+            if rows == 0 or rows % cfg.block_size:
+                raise InvalidInputError(f"host_layers[{layer}] has {rows} rows; expected a positive multiple of "
+                                        f"block_size={cfg.block_size}")
+            if self._device.type == "cuda" and not h.is_pinned():
+                raise InvalidInputError(f"host_layers[{layer}] is not pinned host memory; allocate the pool with "
+                                        f"TritonBackend.create_host_pool (or pin it) so the kernels can read it")
+            d = device_layers[layer]
+            checks.check_tensor(f"device_layers[{layer}]", d, (blocks, cfg.block_size, fmt.width), fmt.dtype,
+                                self._device)
+            blocks = d.shape[0]
+            if blocks == 0:
+                raise InvalidInputError(f"device_layers[{layer}] has 0 blocks; expected at least 1")
+            es = d.element_size()
+            if d.stride(2) != 1 or d.stride(1) != fmt.width or (d.stride(0) * es) % ws or d.data_ptr() % ws:
+                raise InvalidInputError(f"device_layers[{layer}] has strides {d.stride()}; expected contiguous rows "
+                                        f"within each block and blocks {ws}-byte aligned")
+            host_words.append(h.view(torch.uint8).view(self._word))
+            dev_words.append(d.view(torch.uint8).view(self._word))
+        assert rows is not None and blocks is not None
+        if rows >= 2**31 or blocks * cfg.block_size >= 2**31:
+            raise InvalidInputError("host or device caches exceed the 2^31-row addressing limit")
+        self._bound = (list(host_layers), list(device_layers))
+        self._host = host_words
+        self._dev = dev_words
+        self._host_rows = rows
+        self._dev_rows = blocks * cfg.block_size
+        self._resident_group = resident_group
+
+    def _require_bound(self) -> None:
+        if not self._host:
+            raise InvalidInputError("runtime is not bound; call bind(host_layers, device_layers) first")
+
+    # ----------------------------------------------------------------- resolve
+
+    def resolve(self, inputs: ResolveInputs, *, gather: bool = True, validate: bool = True) -> ResolveResult:
+        self._require_bound()
+        cfg = self.config
+        b = check_resolve_shapes(inputs, cfg, self._device, tensor_check=check_tensor)
+        if validate:
+            host = ResolveInputs(*(t.cpu() for t in (inputs.topk, inputs.row_state, inputs.seq_lens,
+                                                     inputs.source_table, inputs.resident_table, inputs.hot_table)))
+            check_resolve_values(host, cfg, num_device_blocks=self.num_device_blocks,
+                                 host_blocks=self._host_rows // cfg.block_size)
+        out = self._result
+        kernels.launch(
+            kernels.resolve_kernel, "resolve_kernel", (cfg.max_batch_rows,),
+            inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
+            inputs.hot_table, self._hot_map, self._lru, self._stats, out.rows, out.valid_counts, out.plan_host,
+            out.plan_device, out.plan_counts, *self._scratch.values(), b, cfg.max_pages, cfg.hot_blocks,
+            cfg.max_requests, **self._meta)
+        self._last_rows = b
+        if gather:
+            self._copy_plan(0)
+        return out
+
+    @property
+    def result(self) -> ResolveResult:
+        return self._result
+
+    # ----------------------------------------------------------------- plan copies
+
+    def gather_misses(self, layer: int = 0) -> None:
+        self._require_bound()
+        check_int("layer", layer, 0, self.config.num_layers)
+        self._copy_plan(layer)
+
+    def replay_plan(self, layers: Sequence[int] | None = None) -> None:
+        self._require_bound()
+        n = self.config.num_layers
+        chosen = list(range(1, n)) if layers is None else check_ints("layers", layers, 0, n)
+        for layer in chosen:
+            self._copy_plan(layer)
+
+    def _copy_plan(self, layer: int) -> None:
+        if self._last_rows == 0:
+            return
+        cfg = self.config
+        out = self._result
+        dev = self._dev[layer]
+        wp = _pow2(self._words)
+        kernels.launch(
+            kernels.copy_plan_kernel, "copy_plan_kernel", (self._last_rows, -(-cfg.top_k // COPY_ENTRIES)),
+            out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
+            cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows,
+            W=self._words, WP=wp, EB=COPY_ENTRIES, BS=cfg.block_size)
+
+    # ----------------------------------------------------------------- page and row copies
+
+    def check_mirrors(self, mirrors: Sequence[RowMirror]) -> list[tuple[int, int, int]]:
+        """Validate mirrors; returns `(device_row, host_row, num_rows)` per mirror."""
+        self._require_bound()
+        return copy_checks.check_mirrors(mirrors, resident_group=self._resident_group,
+                                         block_size=self.config.block_size, device_rows=self._dev_rows,
+                                         host_rows=self._host_rows)
+
+    def check_pages(self, transfers: Sequence[PageTransfer], *, restore: bool | None) -> list[tuple[int, int]]:
+        """Validate page transfers; returns `(device_block, host_block)` per transfer.
+
+        `restore` is the direction every transfer must have (None: either)."""
+        self._require_bound()
+        return copy_checks.check_pages(transfers, restore=restore, resident_group=self._resident_group,
+                                       device_blocks=self.num_device_blocks,
+                                       host_blocks=self._host_rows // self.config.block_size)
+
+    def check_host_copies(self, copies: Sequence[HostBlockCopy]) -> list[tuple[int, int]]:
+        """Validate host block copies; returns `(src_block, dst_block)` per copy."""
+        self._require_bound()
+        return copy_checks.check_host_copies(copies, host_blocks=self._host_rows // self.config.block_size)
+
+    def mirror_rows(self, mirrors: Sequence[RowMirror]) -> None:
+        spans = self.check_mirrors(mirrors)
+        self._copy_pairs([(s + o, d + o) for s, d, n in spans for o in range(n)], "device", "host", 4)
+
+    def spill_pages(self, transfers: Sequence[PageTransfer]) -> None:
+        bs = self.config.block_size
+        pages = self.check_pages(transfers, restore=False)
+        self._copy_pairs([(dv * bs + o, h * bs + o) for dv, h in pages for o in range(bs)], "device", "host", 4)
+
+    def restore_pages(self, transfers: Sequence[PageTransfer]) -> None:
+        bs = self.config.block_size
+        pages = self.check_pages(transfers, restore=True)
+        self._copy_pairs([(h * bs + o, dv * bs + o) for dv, h in pages for o in range(bs)], "host", "device", 3)
+
+    def copy_host_blocks(self, copies: Sequence[HostBlockCopy]) -> None:
+        bs = self.config.block_size
+        pairs = self.check_host_copies(copies)
+        self._copy_pairs([(s * bs + o, d * bs + o) for s, d in pairs for o in range(bs)], "host", "host", -1)
+
+    def _side(self, kind: str, layer: int) -> tuple[torch.Tensor, int]:
+        """A layer's word tensor and its block stride in words."""
+        if kind == "host":
+            return self._host[layer], self.config.block_size * self._words
+        dev = self._dev[layer]
+        return dev, dev.stride(0)
+
+    def _copy_pairs(self, pairs: list[tuple[int, int]], src: str, dst: str, stat: int) -> None:
+        """Copy rows `pairs` (source, destination) in every layer on the current stream; `stat`: the
+        counter that takes the bytes (-1: none)."""
+        if not pairs:
+            return
+        cfg = self.config
+        flat = torch.tensor(pairs, dtype=torch.int32).reshape(-1)
+        if self._device.type != "cpu":
+            flat = flat.pin_memory().to(self._device, non_blocking=True)
+        n = len(pairs)
+        for layer in range(cfg.num_layers):
+            s, s_stride = self._side(src, layer)
+            d, d_stride = self._side(dst, layer)
+            kernels.launch(kernels.copy_rows_kernel, "copy_rows_kernel", (-(-n // COPY_ENTRIES),),
+                           flat, n, s, s_stride, d, d_stride,
+                           W=self._words, WP=_pow2(self._words), EB=COPY_ENTRIES, BS=cfg.block_size)
+        if stat >= 0:
+            self._stats[stat] += n * cfg.row_format.row_bytes * cfg.num_layers
+
+    # ----------------------------------------------------------------- hot state
+
+    def invalidate_written_slots(self, state_rows: torch.Tensor, host_rows: torch.Tensor, *,
+                                 validate: bool = True) -> None:
+        """See `CacheRuntime.invalidate_written_slots`. `validate=False` skips the value checks
+        (a host synchronization on a GPU); out-of-range state rows are then ignored."""
+        self._require_bound()
+        states = check_tensor("state_rows", state_rows, (None,), torch.int32, self._device)
+        rows = check_tensor("host_rows", host_rows, (states.shape[0],), torch.int32, self._device)
+        if validate:
+            s_cpu, r_cpu = states.cpu(), rows.cpu()
+            check_range("state_rows", s_cpu, -1, self.config.max_requests)
+            live = s_cpu >= 0
+            bad = live & ((r_cpu < 0) | (r_cpu >= self._host_rows))
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise InvalidInputError(f"host_rows[{i}]={int(r_cpu[i])} is out of range; expected a host row in "
+                                        f"[0, {self._host_rows}) where state_rows[{i}] >= 0")
+        if states.shape[0] == 0:
+            return
+        h = self.config.hot_rows
+        kernels.launch(kernels.invalidate_written_kernel, "invalidate_written_kernel", (states.shape[0],),
+                       states, rows, self._hot_map, self.config.max_requests, H=h, HP=_pow2(h))
+
+    def invalidate_host_blocks(self, block_ids: Sequence[int]) -> None:
+        self._require_bound()
+        blocks = check_ints("block_ids", block_ids, 0, self._host_rows // self.config.block_size)
+        if not blocks:
+            return
+        ids = torch.tensor(sorted(set(blocks)), dtype=torch.int32)
+        if self._device.type != "cpu":
+            ids = ids.pin_memory().to(self._device, non_blocking=True)
+        hm = self._hot_map
+        held = torch.div(hm, self.config.block_size, rounding_mode="floor")
+        hm.masked_fill_((hm >= 0) & torch.isin(held, ids), -1)
+
+    def reset_state(self, state_rows: Sequence[int] | None = None) -> None:
+        r = self.config.max_requests
+        chosen = list(range(r)) if state_rows is None else check_ints("state_rows", state_rows, 0, r)
+        if not chosen:
+            return
+        idx = torch.tensor(chosen, dtype=torch.int64)
+        if self._device.type != "cpu":
+            idx = idx.pin_memory().to(self._device, non_blocking=True)
+        self._hot_map.index_fill_(0, idx, -1)
+        self._lru.index_copy_(0, idx, torch.arange(self.config.hot_rows, dtype=torch.int32,
+                                                   device=self._device).expand(len(chosen), -1).contiguous())
+
+    def hot_state(self, state_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = check_int("state_row", state_row, 0, self.config.max_requests)
+        self._synchronize()
+        return self._hot_map[q].cpu().clone(), self._lru[q].cpu().clone()
+
+    # ----------------------------------------------------------------- counters
+
+    def stats(self) -> RuntimeStats:
+        self._synchronize()
+        s = self._stats.tolist()
+        return RuntimeStats(resident=s[0], hits=s[1], misses=s[2], h2d_bytes=s[3], d2h_bytes=s[4])
+
+    def reset_stats(self) -> None:
+        self._stats.zero_()
+
+    def _synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # work may sit on the transfer engine's stream

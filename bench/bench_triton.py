@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Kernel benchmark of the triton backend beside the nvidia backend and a contiguous copy, one GPU, one run.
+
+The sweep of bench_nvidia.py's swap-in table: misses per request 0, 34, 274 and 2048 at batch 1,
+8, 64 and 128, and the resident step (every page resident, so the resolver never consults the hot
+state), each timed for both backends on the same host pool, device cache and inputs. Geometry:
+top-k 2048, hot buffer 4096 rows per request, 656-byte rows (fp8_ds_mla), 32K-token contexts (512
+pages of 64), one layer.
+
+Every figure is a CUDA graph holding S consecutive steps (`resolve(gather=True, validate=False)`
+on its own input tensors), replayed many times: the median replay time divided by S. Steps drift
+like a decode: each request's top-k is a window sliding over a ring of random context positions,
+so a step brings exactly the wanted number of new rows, which the table checks against the
+runtime's own counters. Baseline: a pinned contiguous host-to-device copy of the bytes the step's
+misses move (`copy`), and "tr/nv", the triton figure over the nvidia one. Before timing, every
+cell's outputs and hot state are compared between the two backends (they must be equal).
+
+    python bench/bench_triton.py [--replays 30] [--json out.json] [--no-nvidia]
+
+Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia backend
+(`--no-nvidia`, or no cuda-python) the tr/nv column is left empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+K, H, BS, CTX = 2048, 4096, 64, 32768
+P, HB = CTX // BS, H // BS
+MAX_REQ = 128
+SWEEP_MISSES = (0, 34, 274, 2048)
+SWEEP_BATCHES = (1, 8, 64, 128)
+
+
+def steps_for(misses: int) -> int:
+    """Steps in one graph: enough that a window sliding by `misses` cycles the LRU."""
+    return 8 if misses in (0, 2048) else max(8, min(32, 2 * H // max(1, misses)))
+
+
+@dataclass
+class Row:
+    scenario: str
+    batch: int
+    misses: int  # measured per request and step
+    triton_us: float
+    nvidia_us: float | None
+    copy_us: float | None
+
+    @property
+    def vs_nvidia(self) -> float | None:
+        return self.triton_us / self.nvidia_us if self.nvidia_us else None
+
+
+class Bench:
+    def __init__(self, replays: int, with_nvidia: bool) -> None:
+        from hisparse_core.host_pool import HostPoolSpec
+        from hisparse_triton.backend import TritonBackend
+
+        self.replays = replays
+        self.backends = {"triton": TritonBackend()}
+        if with_nvidia:
+            from hisparse_nvidia.backend import NvidiaBackend
+
+            self.backends["nvidia"] = NvidiaBackend()
+        self.dev = self.backends["triton"].device
+        spec = HostPoolSpec(num_layers=1, num_blocks=MAX_REQ * P, block_size=BS)
+        # The nvidia pool is registered memory, the triton one pinned by torch: each backend reads its own.
+        self.pools = {name: be.create_host_pool(spec) for name, be in self.backends.items()}
+        src = torch.randint(0, 256, (spec.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+        for pool in self.pools.values():
+            pool.layer_view(0).view(torch.uint8).view(-1).copy_(src)
+        self.hot_blocks = MAX_REQ * HB
+        self.caches = {name: torch.zeros((self.hot_blocks + 64 * P, BS, 656), dtype=torch.uint8, device=self.dev)
+                       for name in self.backends}
+        self.gen = torch.Generator().manual_seed(1234)
+
+    def runtime(self, name: str, b: int):  # noqa: ANN201 - CacheRuntime
+        from hisparse_core.geometry import RuntimeConfig
+
+        cfg = RuntimeConfig(max_batch_rows=b, max_requests=b, top_k=K, hot_rows=H, block_size=BS, max_pages=P)
+        rt = self.backends[name].create_runtime(cfg)
+        rt.bind([self.pools[name].layer_view(0)], [self.caches[name]])
+        return rt
+
+    def steps(self, b: int, steps: int, shift: int, *, resident: bool) -> list:
+        from hisparse_core.runtime import ResolveInputs
+
+        i32 = torch.int32
+        q = torch.arange(b, dtype=i32)[:, None]
+        source = (q * P + torch.arange(P, dtype=i32)[None]).to(self.dev)
+        res = ((self.hot_blocks + q * P + torch.arange(P, dtype=i32)[None]) if resident
+               else torch.full((b, P), -1, dtype=i32)).to(self.dev)
+        hot = (q * HB + torch.arange(HB, dtype=i32)[None]).to(self.dev)
+        ring_len = max(K, steps * shift)
+        rings = torch.stack([torch.randperm(CTX, generator=self.gen)[:ring_len] for _ in range(b)])
+        state = torch.arange(b, dtype=i32, device=self.dev)
+        lens = torch.full((b,), CTX, dtype=i32, device=self.dev)
+        out = []
+        for s in range(steps):
+            idx = (torch.arange(K) + s * shift) % ring_len
+            out.append(ResolveInputs(rings[:, idx].to(i32).contiguous().to(self.dev), state, lens, source, res, hot))
+        return out
+
+    def time_graph(self, graph: torch.cuda.CUDAGraph, steps: int) -> float:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.replays):
+            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            z.record()
+            z.synchronize()
+            times.append(a.elapsed_time(z) * 1000.0 / steps)
+        return statistics.median(times)
+
+    def resolve_us(self, name: str, b: int, inputs: list) -> tuple[float, int]:
+        """(us per step, misses per request and step) of one backend over the cycle `inputs`."""
+        rt = self.runtime(name, b)
+        for inp in inputs:  # warm the LRU to its steady state, and compile
+            rt.resolve(inp, gather=True, validate=False)
+        rt.reset_stats()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for inp in inputs:
+                rt.resolve(inp, gather=True, validate=False)
+        g.replay()
+        torch.cuda.synchronize()
+        misses = rt.stats().misses // (b * len(inputs))
+        return self.time_graph(g, len(inputs)), misses
+
+    def check_equal(self, b: int, inputs: list) -> None:
+        """The two backends agree on every output and on the hot state after the cycle."""
+        if "nvidia" not in self.backends:
+            return
+        rts = {name: self.runtime(name, b) for name in self.backends}
+        for i, inp in enumerate(inputs):
+            outs = {name: rt.resolve(inp, gather=True, validate=False) for name, rt in rts.items()}
+            for field in ("rows", "valid_counts", "plan_host", "plan_device", "plan_counts"):
+                if not torch.equal(getattr(outs["triton"], field), getattr(outs["nvidia"], field)):
+                    raise SystemExit(f"batch {b}, step {i}: triton and nvidia differ in {field}")
+        for q in range(b):
+            if any(not torch.equal(x, y) for x, y in zip(rts["triton"].hot_state(q), rts["nvidia"].hot_state(q),
+                                                         strict=True)):
+                raise SystemExit(f"batch {b}: triton and nvidia differ in the hot state of request {q}")
+
+    def copy_us(self, nbytes: int, steps: int) -> float | None:
+        if nbytes == 0:
+            return None
+        src = self.pools["triton"].layer_view(0).view(torch.uint8).view(-1)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for s in range(steps):
+                off = (s * nbytes) % max(1, src.numel() - nbytes)
+                dst.copy_(src[off:off + nbytes], non_blocking=True)
+        return self.time_graph(g, steps)
+
+    def cell(self, b: int, misses: int | None) -> Row:
+        resident = misses is None
+        steps = 8 if resident else steps_for(misses)
+        inputs = self.steps(b, steps, 0 if resident else misses, resident=resident)
+        self.check_equal(b, inputs)
+        tr, got = self.resolve_us("triton", b, inputs)
+        nv = self.resolve_us("nvidia", b, inputs)[0] if "nvidia" in self.backends else None
+        copy = None if resident else self.copy_us(b * got * 656, steps)
+        return Row("resident" if resident else f"{misses} misses", b, got, tr, nv, copy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replays", type=int, default=30, help="timed graph replays per figure (median)")
+    ap.add_argument("--json", help="also write the table as JSON to this path")
+    ap.add_argument("--no-nvidia", action="store_true", help="time the triton backend and the copy only")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_triton: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    with_nvidia = not args.no_nvidia
+    if with_nvidia:
+        from hisparse_nvidia.plugin import probe
+
+        why = probe()
+        if why is not None:
+            print(f"bench_triton: nvidia backend unavailable ({why}); timing triton alone", file=sys.stderr)
+            with_nvidia = False
+    bench = Bench(args.replays, with_nvidia)
+    rows: list[Row] = []
+    print(f"{'scenario':>14} {'batch':>5} {'misses':>6} {'triton us':>10} {'nvidia us':>10} {'tr/nv':>6} "
+          f"{'copy us':>9} {'tr/copy':>7}")
+    for misses in (*SWEEP_MISSES, None):
+        for b in SWEEP_BATCHES:
+            r = bench.cell(b, misses)
+            rows.append(r)
+
+            def f(v: float | None, w: int) -> str:
+                return f"{v:{w}.1f}" if v is not None else " " * (w - 1) + "-"
+
+            vs = f"{r.vs_nvidia:6.2f}" if r.vs_nvidia is not None else "     -"
+            vc = f"{r.triton_us / r.copy_us:7.2f}" if r.copy_us else "      -"
+            print(f"{r.scenario:>14} {b:5d} {r.misses:6d} {f(r.triton_us, 10)} {f(r.nvidia_us, 10)} {vs} "
+                  f"{f(r.copy_us, 9)} {vc}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": [asdict(r) | {"vs_nvidia": r.vs_nvidia} for r in rows],
+                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The triton backend against reference_cpu: geometries the conformance suite does not draw (top-k
+and hot rows far from powers of two, three-row groups), trusted input that must stay inside its
+tensors, the kernel-failure message and registry selection.
+
+Skipped whole when triton is not installed. Without a GPU the module turns on Triton's interpreter
+(`TRITON_INTERPRET=1`, for the rest of the session: Triton reads it when it is first imported);
+with one, the kernels run compiled on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+if importlib.util.find_spec("triton") is not None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hisparse_conformance.lockstep import Lockstep  # noqa: E402
+from hisparse_conformance.scenario import ScenarioParams, as_tensor, build_scenario  # noqa: E402
+from hisparse_core.geometry import RuntimeConfig  # noqa: E402
+from hisparse_core.host_pool import HostPoolSpec  # noqa: E402
+from hisparse_core.runtime import ResolveInputs  # noqa: E402
+from hisparse_reference_cpu.backend import ReferenceCpuBackend  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def backend():  # noqa: ANN201 - TritonBackend
+    from hisparse_triton.backend import TritonBackend
+
+    return TritonBackend()
+
+
+@given(top_k=st.integers(13, 24), rows=st.integers(1, 3), seed=st.integers(0, 2**32 - 1),
+       locality=st.sampled_from([0.0, 0.5, 0.9]), block_size=st.sampled_from([1, 3, 8]))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+def test_lockstep_with_odd_geometries(backend, top_k: int, rows: int, seed: int, locality: float,  # noqa: ANN001
+                                      block_size: int) -> None:
+    p = ScenarioParams(block_size=block_size, top_k=top_k, extra_hot_blocks=1, max_requests=2, max_pages=8,
+                       rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=locality,
+                       resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+        for step, work in sc.steps:
+            problems = run.resolve(step, replay=True)
+            problems += run.apply(work)
+            assert not problems, "\n".join(problems[:10])
+
+
+def _runtime(backend, *, max_requests: int = 2):  # noqa: ANN001, ANN202
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=max_requests, top_k=4, hot_rows=4, block_size=2, max_pages=4)
+    pool = backend.create_host_pool(HostPoolSpec(num_layers=1, num_blocks=8, block_size=2))
+    pool.layer_view(0).copy_(torch.randint(0, 256, pool.layer_view(0).shape, dtype=torch.uint8))
+    dev = torch.randint(0, 256, (6, 2, 656), dtype=torch.uint8).to(backend.device)
+    rt = backend.create_runtime(cfg)
+    rt.bind([pool.layer_view(0)], [dev])
+    return rt, pool, dev
+
+
+def test_trusted_out_of_range_input_stays_inside_its_tensors(backend) -> None:  # noqa: ANN001
+    rt, pool, dev = _runtime(backend)
+    before = dev.clone()
+    # State row 7 does not exist, seq_len beyond the pages, table entries far out of range.
+    d = backend.device
+    inputs = ResolveInputs(
+        topk=as_tensor([[0, 1, 50, 7], [0, 2, 3, 6]], d), row_state=as_tensor([7, 1], d),
+        seq_lens=as_tensor([99, 99], d), source_table=as_tensor([[1 << 20, -1, 3, 2], [0, 1 << 28, 2, 3]], d),
+        resident_table=as_tensor([[-1, -1, -1, -1], [-1, -1, -1, -1]], d),
+        hot_table=as_tensor([[0, 1], [1 << 20, 2]], d))
+    out = rt.resolve(inputs, gather=True, validate=False)
+    assert out.rows[0].tolist() == [-1] * 4  # the unknown state row reads as padding
+    # Plan rows outside the pool or the cache were not copied; nothing else changed but plan rows.
+    plan = [(h, d) for h, d, c in zip(out.plan_host[1].tolist(), out.plan_device[1].tolist(),
+                                      [int(out.plan_counts[1])] * 4, strict=True)][:int(out.plan_counts[1])]
+    touched = {d for _, d in plan if 0 <= d < 12}
+    flat, was = dev.view(12, 656).cpu(), before.view(12, 656).cpu()
+    for d in range(12):
+        if d not in touched:
+            assert torch.equal(flat[d], was[d]), f"device row {d} changed"
+    pool.release()
+
+
+def test_kernel_failure_names_kernel_and_triton_version(backend) -> None:  # noqa: ANN001
+    import triton
+
+    from hisparse_triton import kernels
+
+    with pytest.raises(kernels.KernelError) as err:
+        # HP below H: the resolver's hot-row lanes cannot hold the hot map (an arange of a non-power of 2).
+        kernels.launch(kernels.invalidate_written_kernel, "invalidate_written_kernel", (1,),
+                       *(torch.zeros(n, dtype=torch.int32, device=backend.device) for n in (1, 1, 3)), 1, H=3, HP=3)
+    msg = str(err.value)
+    assert "invalidate_written_kernel" in msg and f"Triton {triton.__version__}" in msg and "HP=3" in msg
+
+
+def test_selected_by_name_under_the_interpreter(backend) -> None:  # noqa: ANN001
+    from hisparse_core.registry import get_registry, select_backend
+
+    if backend.device.type != "cpu":
+        pytest.skip("compiled for a GPU here")
+    get_registry(reload=True)
+    try:
+        chosen = select_backend("triton")
+        assert chosen.name == "triton" and chosen.device == torch.device("cpu")
+        assert select_backend().name != "triton"  # auto keeps the interpreter out
+    finally:
+        get_registry(reload=True)
+
+
+def test_shared_pool_round_trip(backend, tmp_path) -> None:  # noqa: ANN001
+    spec = HostPoolSpec(num_layers=2, num_blocks=4, block_size=2, shared=True, name=f"trtest{os.getpid()}",
+                        rank=0, world_size=1)
+    with backend.create_host_pool(spec) as pool:
+        assert pool.is_writer and pool.done_epoch == 0
+        pool.mark_done(3)
+        assert pool.done_epoch == 3
+        pool.layer_view(1).fill_(7)
+        assert int(pool.layer_view(1).view(torch.uint8).sum()) == 7 * pool.layer_view(1).numel()
+    assert not os.path.exists(f"/dev/shm/hisparse_trtest{os.getpid()}.trpool")

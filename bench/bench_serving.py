@@ -322,15 +322,25 @@ def run_static(model: Any, s: Sizes, b: int, a: argparse.Namespace) -> dict[str,
 
 def run_replay_workload(layers: int, s: Sizes, b: int, a: argparse.Namespace, top_k: int) -> dict[str, Any]:
     """The replay's calibrated indexer at the same batch and context (its own synthetic KV)."""
+    from hisparse_core.errors import HiSparseError
+    from hisparse_core.geometry import row_format
     from hisparse_core.registry import select_backend
     from hisparse_core.replay.engine import RunConfig
     from hisparse_core.replay.run import run_replay
 
+    # The replay stores fp8_ds_mla rows: the same budget in pages, not in bytes.
+    scale = layers * a.block_size * row_format("fp8_ds_mla").row_bytes / s.block_bytes
+    blocks = (s.budget - b * s.indexer_bytes) // s.block_bytes
     cfg = RunConfig(requests=b, context=s.context, decode_tokens=a.steps, steps=a.steps + 4, top_k=top_k,
-                    layers=layers, index_share=1, block_size=a.block_size, gpu_kv_bytes=s.budget,
-                    host_bytes=(b * (s.pages + 4) + 8) * s.block_bytes, concurrency=b, arrival_every=0,
-                    prefix_groups=1, shared_fraction=0.0, seed=a.seed)
-    summary = run_replay(cfg, select_backend(None if a.backend in (None, "auto") else a.backend)).summary()
+                    layers=layers, index_share=1, block_size=a.block_size,
+                    gpu_kv_bytes=int(blocks * s.block_bytes * scale) + b * s.indexer_bytes * 132 // (
+                        128 * (4 if a.smoke else 2)),
+                    host_bytes=int((b * (s.pages + 4) + 8) * s.block_bytes * scale), concurrency=b,
+                    arrival_every=0, prefix_groups=1, shared_fraction=0.0, seed=a.seed)
+    try:
+        summary = run_replay(cfg, select_backend(None if a.backend in (None, "auto") else a.backend)).summary()
+    except HiSparseError as exc:
+        return {"mode": "replay", "batch": b, "context": s.context, "error": str(exc)}
     return {"mode": "replay", "batch": b, "context": s.context, "hit_rate": summary["hit_rate"],
             "step_ms": summary["step_ms_mean"], "gpu_ms": summary["decode_device_ms"],
             "decode_mode": summary["decode_mode"]}
@@ -338,6 +348,10 @@ def run_replay_workload(layers: int, s: Sizes, b: int, a: argparse.Namespace, to
 
 def tokens_per_s(r: dict[str, Any]) -> float:
     return 1e3 * r["batch"] / r["step_ms"] if r.get("step_ms") else float("nan")
+
+
+def ctx(t: int) -> str:
+    return f"{t // 1024}K" if t >= 1024 else str(t)
 
 
 def fmt(x: Any, spec: str = ".2f") -> str:
@@ -351,14 +365,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in sorted(rows, key=lambda r: (r["context"], MODES.index(r["mode"]) if r["mode"] in MODES else 9,
                                          r["batch"])):
-        if "oom" in r:
-            body.append([f"{r['mode']} T={r['context'] // 1024}K", str(r["batch"]), "OOM"] + ["-"] * 9)
+        if "oom" in r or "error" in r:
+            body.append([f"{r['mode']} T={ctx(r['context'])}", str(r["batch"]), "OOM" if "oom" in r else "error"]
+                        + ["-"] * 9)
             continue
         res = by.get(("all-resident", r["batch"], r["context"]), {})
         over = (f"{r['step_ms'] / res['step_ms']:.2f}x" if r["mode"] == "hisparse" and res.get("step_ms") else "-")
         gpu = r.get("gpu_ms")
         idle = r["step_ms"] - gpu if gpu is not None and r["mode"] != "replay" else None
-        body.append([f"{r['mode']} T={r['context'] // 1024}K", str(r["batch"]), fmt(r.get("step_ms")),
+        body.append([f"{r['mode']} T={ctx(r['context'])}", str(r["batch"]), fmt(r.get("step_ms")),
                      fmt(tokens_per_s(r), ".1f") if r["mode"] != "replay" else "-", fmt(gpu), fmt(idle),
                      fmt(r.get("host_ms")), over, fmt(r.get("peak_gib"), ".1f"),
                      "-" if "hit_rate" not in r else f"{100 * r['hit_rate']:.0f}%", str(r.get("released", "-")),
@@ -370,7 +385,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     for t in sorted({r["context"] for r in rows}):
         best = {m: max((tokens_per_s(r) for r in rows if r["mode"] == m and r["context"] == t and "step_ms" in r),
                        default=float("nan")) for m in MODES}
-        gains.append(f"T={t // 1024}K: largest-batch tokens/s hisparse {fmt(best['hisparse'], '.1f')}, all-resident "
+        gains.append(f"T={ctx(t)}: best tokens/s over the batches: hisparse {fmt(best['hisparse'], '.1f')}, all-resident "
                      f"{fmt(best['all-resident'], '.1f')}, transformers {fmt(best['transformers'], '.1f')}; gain over "
                      f"all-resident {fmt(best['hisparse'] / best['all-resident'], '.2f')}x")
     return out + "\n" + "\n".join(gains)
@@ -393,7 +408,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch (concurrent requests)")
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"context {t // 1024}K")
+        ax.set_title(f"context {ctx(t)}")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -405,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--contexts", default="32768,131072")
-    p.add_argument("--gpu-kv-gib", type=float, default=24.0, help="GPU KV budget of every mode (indexer keys included)")
+    p.add_argument("--gpu-kv-gib", type=float, default=None,
+                   help="GPU KV budget of every mode, indexer keys included (default 24; --smoke: 320 KiB)")
     p.add_argument("--host-gib", type=float, default=100.0, help="host pool limit (pinned)")
     p.add_argument("--max-context", type=int, default=131072 + 1024)
     p.add_argument("--batches", default="", help="comma list; default: powers of two up to each mode's largest")
@@ -423,9 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny geometry on the CPU (checks this script end to end)")
     a = p.parse_args(argv)
     if a.smoke:
-        a.contexts, a.block_size, a.steps, a.warmup, a.fill_chunk = "96", 4, 2, 1, 32
-        a.gpu_kv_gib, a.host_gib, a.max_context = 64 * 1024 / 2**30, 1e-3, 4096
+        a.contexts, a.block_size, a.steps, a.warmup, a.fill_chunk = "160", 4, 2, 1, 32
+        a.host_gib, a.max_context = 1e-3, 4096
+        a.gpu_kv_gib = 320 * 1024 / 2**30 if a.gpu_kv_gib is None else a.gpu_kv_gib
         a.dense_ffn_gb = a.dense_ffn_gb and 1e-4
+    if a.gpu_kv_gib is None:
+        a.gpu_kv_gib = 24.0
     device = "cpu" if a.smoke else "cuda"
     contexts = [int(x) for x in a.contexts.split(",")]
     asked = [int(x) for x in a.batches.split(",")] if a.batches else None

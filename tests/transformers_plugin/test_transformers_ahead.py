@@ -37,7 +37,7 @@ def _two_batches(model: torch.nn.Module, plan_ahead: bool) -> tuple[list[Any], d
     # 90 host blocks: the second batch evicts published blocks of the first (host pressure).
     with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, host_pool_gib=_host_gib(90), check=False)) as hs:
         hs.engine.plan_ahead = plan_ahead
-        outs = [model.generate(ids, attention_mask=mask, max_new_tokens=20, **GEN),
+        outs = [model.generate(ids, attention_mask=mask, max_new_tokens=40, **GEN),
                 model.generate(ids2, attention_mask=mask2, max_new_tokens=12, **GEN)]
         s = hs.stats()
         a = hs.engine.ahead
@@ -54,10 +54,12 @@ def test_planned_decode_gives_the_same_tokens_logits_and_figures(model: torch.nn
     for a, b in zip(ours, today, strict=True):
         assert torch.equal(a.sequences, b.sequences)
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
-    assert fig_today["claimed"] == 0 and fig_ours["claimed"] >= 25, fig_ours
-    # One planned step per batch never runs (generate stops after its last forward).
+    assert fig_today["claimed"] == 0 and fig_ours["claimed"] >= 40, fig_ours
+    # One planned step per batch never runs (generate stops after its last forward); it sealed
+    # (and spilled) the page the last forward completed, which unplanned steps leave unsealed.
     assert fig_ours["cancelled"] == 2
-    for k in ("spills", "released", "lost", "hits", "misses", "h2d", "d2h", "prefix", "evicted"):
+    assert 0 <= fig_ours["spills"] - fig_today["spills"] <= 2 and fig_ours["d2h"] >= fig_today["d2h"]
+    for k in ("released", "lost", "hits", "misses", "h2d", "prefix", "evicted"):
         assert fig_ours[k] == fig_today[k], (k, fig_ours, fig_today)
     assert fig_ours["released"] and fig_ours["lost"] and fig_ours["misses"] and fig_ours["evicted"]
     assert fig_ours["prefix"] > 0

@@ -61,7 +61,7 @@ def test_planned_decode_gives_the_same_tokens_logits_and_figures(model: torch.nn
     assert 0 <= fig_ours["spills"] - fig_today["spills"] <= 2 and fig_ours["d2h"] >= fig_today["d2h"]
     for k in ("released", "lost", "hits", "misses", "h2d", "prefix", "evicted"):
         assert fig_ours[k] == fig_today[k], (k, fig_ours, fig_today)
-    assert fig_ours["released"] and fig_ours["lost"] and fig_ours["misses"] and fig_ours["evicted"]
+    assert fig_ours["released"] and fig_ours["misses"] and fig_ours["evicted"], fig_ours
     assert fig_ours["prefix"] > 0
 
 

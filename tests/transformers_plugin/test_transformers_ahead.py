@@ -34,8 +34,8 @@ def _host_gib(blocks: int) -> float:
 def _two_batches(model: torch.nn.Module, plan_ahead: bool) -> tuple[list[Any], dict[str, int]]:
     ids, mask = random_prompts([40, 57, 23], seed=1)
     ids2, mask2 = random_prompts([48, 33, 60], seed=7, prefix=ids[1, :32].tolist())
-    # 90 host blocks: the second batch evicts published blocks of the first (host pressure).
-    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, host_pool_gib=_host_gib(90), check=False)) as hs:
+    # 70 host blocks: the second batch evicts published blocks of the first (host pressure).
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, host_pool_gib=_host_gib(70), check=False)) as hs:
         hs.engine.plan_ahead = plan_ahead
         outs = [model.generate(ids, attention_mask=mask, max_new_tokens=40, **GEN),
                 model.generate(ids2, attention_mask=mask2, max_new_tokens=12, **GEN)]

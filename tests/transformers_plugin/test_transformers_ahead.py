@@ -58,8 +58,11 @@ def test_planned_decode_gives_the_same_tokens_logits_and_figures(model: torch.nn
     # One planned step per batch never runs (generate stops after its last forward); it sealed
     # (and spilled) the page the last forward completed, which unplanned steps leave unsealed.
     assert fig_ours["cancelled"] == 2
-    assert 0 <= fig_ours["spills"] - fig_today["spills"] <= 2 and fig_ours["d2h"] >= fig_today["d2h"]
-    for k in ("released", "lost", "hits", "misses", "h2d", "prefix", "evicted"):
+    extra = fig_ours["spills"] - fig_today["spills"]
+    assert 0 <= extra <= 2 and fig_ours["d2h"] >= fig_today["d2h"]
+    # Those pages are published, so a full host pool evicts as many more cached blocks.
+    assert fig_ours["evicted"] - fig_today["evicted"] == extra
+    for k in ("released", "lost", "hits", "misses", "h2d", "prefix"):
         assert fig_ours[k] == fig_today[k], (k, fig_ours, fig_today)
     assert fig_ours["released"] and fig_ours["misses"] and fig_ours["evicted"], fig_ours
     assert fig_ours["prefix"] > 0

@@ -12,6 +12,11 @@ Scenarios:
   so the policy keeps releasing clean pages tail-first and the engine's allocations reuse them
   (pages lost, residency updates to -1).
 
+Planned ahead (`hisparse_core.coordinator.ahead.StepAhead`, what the transformers engine and
+the replay do for decode steps): the same work runs right after the previous step's
+acknowledgements, while the device runs that step; `crit us` is what is left between two device
+steps then (claiming the started step), `ahead us` the planning that runs beside the device step.
+
 Per-step work is O(changes): the cost depends on the number of running requests, not on their
 context (compare `--context 16384`).
 
@@ -103,6 +108,48 @@ def build(requests: int, context: int, gpu_blocks: int, workers: int, pressure: 
     return engine, time.perf_counter() - t0
 
 
+def measure_ahead(engine: BenchEngine, steps: int, workers: int) -> dict[str, float]:
+    """The same steps planned ahead: the critical path is the claim, the planning overlaps."""
+    from hisparse_core.coordinator.ahead import StepAhead
+
+    coord = engine.coord
+    work = dict.fromkeys(engine.tokens, 1)
+    started: list[OffloadCommand | None] = []
+    ahead = StepAhead(start_step=started.append, close_step=lambda: None)
+    crit: list[float] = []
+    planning: list[float] = []
+    meta = WorkerMetadata()
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            claimed = ahead.claim(i)
+            t1 = time.perf_counter()
+            cmd = ahead.command if claimed else None
+            if i:
+                crit.append(t1 - t0)
+                engine.advance(work)
+                meta = engine.acknowledgements(cmd, workers)
+            views = engine.views(work)
+
+            def prepare(meta: WorkerMetadata = meta, views: list[StepRequest] = views) -> OffloadCommand | None:
+                coord.update_from_workers(meta, workers)
+                out = coord.schedule_step(views)
+                coord.take_table_updates()
+                return out
+
+            t2 = time.perf_counter()
+            ahead.plan(i + 1, prepare)
+            if i < steps:
+                planning.append(time.perf_counter() - t2)
+    finally:
+        gc.enable()
+    ahead.cancel()
+    crit.sort()
+    return dict(crit=statistics.fmean(crit), crit_p99=crit[int(len(crit) * 0.99)], ahead=statistics.fmean(planning))
+
+
 def measure(engine: BenchEngine, steps: int, workers: int) -> dict[str, float]:
     coord = engine.coord
     work = dict.fromkeys(engine.tokens, 1)
@@ -159,6 +206,7 @@ def main() -> None:
         gpu_blocks = args.requests * pages + hot + 8192 if not pressure else args.requests * pages * 3 // 4 + hot
         engine, setup_s = build(args.requests, args.context, gpu_blocks, args.workers, pressure)
         r = measure(engine, args.steps, args.workers)
+        r.update(measure_ahead(engine, args.steps, args.workers))
         s = engine.coord.stats()
         rows.append((name, setup_s, r, s))
     print(f"HiSparseCoordinator per-step overhead: {args.requests} requests x {args.context} tokens "
@@ -166,14 +214,15 @@ def main() -> None:
           f"times are update_from_workers + schedule_step, engine work excluded")
     header = (f"{'scenario':<10} {'mean us':>8} {'p50 us':>8} {'p90 us':>8} {'p99 us':>8} {'sched us':>9} "
               f"{'acks us':>8} {'xfer/st':>8} {'mirr/st':>8} {'resid/st':>9} {'rel/st':>7} {'lost/st':>8} "
-              f"{'host GiB':>9} {'setup s':>8}")
+              f"{'host GiB':>9} {'setup s':>8} {'crit us':>8} {'ahead us':>9}")
     print(header)
     print("-" * len(header))
     for name, setup_s, r, s in rows:
         print(f"{name:<10} {r['mean'] * 1e6:8.1f} {r['p50'] * 1e6:8.1f} {r['p90'] * 1e6:8.1f} {r['p99'] * 1e6:8.1f} "
               f"{r['sched'] * 1e6:9.1f} {r['acks'] * 1e6:8.1f} {r['transfers']:8.2f} {r['mirrors']:8.1f} "
               f"{r['residency']:9.2f} {r['released']:7.2f} {r['lost']:8.2f} "
-              f"{s.host_blocks_used * 61 * 64 * 656 / (1 << 30):9.1f} {setup_s:8.1f}")
+              f"{s.host_blocks_used * 61 * 64 * 656 / (1 << 30):9.1f} {setup_s:8.1f} {r['crit'] * 1e6:8.2f} "
+              f"{r['ahead'] * 1e6:9.1f}")
 
 
 if __name__ == "__main__":

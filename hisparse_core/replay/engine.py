@@ -43,6 +43,7 @@ import torch
 from hisparse_core.backend import Backend
 from hisparse_core.capacity import check_device_memory, check_host_memory
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
+from hisparse_core.coordinator.ahead import StepAhead
 from hisparse_core.coordinator.config import GIB
 from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
@@ -56,6 +57,7 @@ from hisparse_core.replay.kvdata import ReferenceKV, RowSource
 from hisparse_core.replay.layout import hot_rows_for, index_groups
 from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
+from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class RunConfig:
     rows_per_request: int = 1      # decode rows per request and step: 1 + speculative tokens
     validate: bool = False
     cuda_graphs: bool = True       # capture the decode step where the backend declares cuda_graph
+    plan_ahead: bool = True        # plan each pure decode step at the end of the step before
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -260,6 +263,9 @@ class ReplayEngine:
         self.free_states = list(range(self.max_running - 1, -1, -1))
         self.totals = EngineTotals()
         self.step_no = 0
+        # Plan each pure decode step at the end of the step before (hisparse_core.coordinator.ahead).
+        self.plan_ahead = c.plan_ahead
+        self.ahead = StepAhead(start_step=self.worker.start_step, close_step=self.worker.after_forward)
         logger.info(
             "replay: %d layers in index groups %s, top-k %d, hot buffer %d rows, %s; GPU pool %d blocks of %d B, "
             "admission needs %d free (%d pages + %d indexer + %d hot); host pool %d blocks; state rows %d (%s), "
@@ -351,36 +357,25 @@ class ReplayEngine:
 
     def step(self) -> StepRecord:
         t0 = time.perf_counter()
-        _c, bs = self.config, self.config.block_size
+        # Planned at the end of the step before (`_plan_next`): nobody arrives, is admitted or
+        # finishes, and every running request decodes.
+        planned = self.ahead.claim(self.step_no)
         while self.pending and self.pending[0].arrival_step <= self.step_no:
             self.waiting.append(self.pending.popleft())
         finished = self._finish()
         admitted, gpu_bound = self._admit()
 
-        scheduled: list[StepRequest] = []
-        prefill: list[_Running] = []
-        decode: list[_Running] = []
-        for r in self.running:
-            if not r.prefilled:
-                nc, nn = r.prefix_hit, r.spec.prompt_tokens - r.prefix_hit
-                prefill.append(r)
-            else:
-                nc, nn = r.computed, self._new_tokens(r)
-                need = (nc + nn - 1) // bs + 1 - len(r.blocks)
-                if need > 0:
-                    try:
-                        r.blocks.extend(self.gpu.acquire(need))
-                    except CapacityError as exc:
-                        raise CapacityError(f"step {self.step_no}: no GPU block for the next page of "
-                                            f"{r.spec.request_id}: {exc}. The admission reserve should prevent "
-                                            f"this") from None
-                decode.append(r)
-            scheduled.append(StepRequest(r.spec.request_id, r.state_index, nc, nn, r.tokens[:nc + nn], [r.blocks]))
-        with self.timer.phase("coordinator"):
-            command = self.coordinator.schedule_step(scheduled, finished=finished)
-        with self.timer.phase("worker"):
-            apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
-            self.worker.start_step(command)
+        prefill: list[_Running]
+        decode: list[_Running]
+        if planned:
+            prefill, decode, command = [], list(self.running), self.ahead.command
+        else:
+            prefill, decode, scheduled = self._scheduled()
+            with self.timer.phase("coordinator"):
+                command = self.coordinator.schedule_step(scheduled, finished=finished)
+            with self.timer.phase("worker"):
+                apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
+                self.worker.start_step(command)
 
         # Forward: write this step's rows.
         prefill_tokens = 0
@@ -425,7 +420,56 @@ class ReplayEngine:
                          gpu_bound, self.timer.take(), self.decoder.device_seconds() if decode else 0.0)
         t.records.append(rec)
         self.step_no += 1
+        self._plan_next()
         return rec
+
+    def _scheduled(self) -> tuple[list[_Running], list[_Running], list[StepRequest]]:
+        """This step's prefill and decode requests and their scheduled views, with the GPU blocks
+        of the pages they write leased."""
+        bs = self.config.block_size
+        scheduled: list[StepRequest] = []
+        prefill: list[_Running] = []
+        decode: list[_Running] = []
+        for r in self.running:
+            if not r.prefilled:
+                nc, nn = r.prefix_hit, r.spec.prompt_tokens - r.prefix_hit
+                prefill.append(r)
+            else:
+                nc, nn = r.computed, self._new_tokens(r)
+                need = (nc + nn - 1) // bs + 1 - len(r.blocks)
+                if need > 0:
+                    try:
+                        r.blocks.extend(self.gpu.acquire(need))
+                    except CapacityError as exc:
+                        raise CapacityError(f"step {self.step_no}: no GPU block for the next page of "
+                                            f"{r.spec.request_id}: {exc}. The admission reserve should prevent "
+                                            f"this") from None
+                decode.append(r)
+            scheduled.append(StepRequest(r.spec.request_id, r.state_index, nc, nn, r.tokens[:nc + nn], [r.blocks]))
+        return prefill, decode, scheduled
+
+    def _next_is_decode(self) -> bool:
+        """The next step can only be a decode of every running request: nobody arrives, waits,
+        is prefilled or finishes."""
+        nxt = self.step_no
+        return bool(self.running) and not self.waiting and not (self.pending and self.pending[0].arrival_step <= nxt) \
+            and all(r.prefilled and r.decoded < r.spec.decode_tokens for r in self.running)
+
+    def _plan_next(self) -> None:
+        """At the end of a step: plan the next one now when it can only be a decode
+        (`hisparse_core.coordinator.ahead`). The coordinator sees the same calls in the same order
+        as when the next step plans itself, so every figure is the same."""
+        if not (self.plan_ahead and self._next_is_decode()):
+            return
+
+        def prepare() -> OffloadCommand | None:
+            _, _, scheduled = self._scheduled()
+            command = self.coordinator.schedule_step(scheduled)
+            apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
+            return command
+
+        with self.timer.phase("coordinator"):
+            self.ahead.plan(self.step_no, prepare)
 
     def _decode_attention(self, batch: list[_Running]) -> tuple[int, int]:
         """Resolve and check every decode row of `batch`; (entries checked, decode rows)."""
@@ -466,6 +510,7 @@ class ReplayEngine:
         return not (self.pending or self.waiting or self.running)
 
     def close(self) -> None:
+        self.ahead.cancel()
         self.worker.shutdown()
 
     def describe(self) -> dict[str, object]:

@@ -29,10 +29,12 @@ import torch
 
 from hisparse_core.backend import Backend
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
+from hisparse_core.coordinator.ahead import StepAhead
 from hisparse_core.coordinator.config import GIB
 from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
+from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.families import DsaLayout
@@ -259,6 +261,12 @@ class HiSparseEngine:
         self.checker: ExactnessChecker | None = None   # set by enable(check=True)
         self._next_request = 0
         self.closed = False
+        # Plan each decode step while the device runs the one before (hisparse_core.coordinator.ahead).
+        self.plan_ahead = True
+        self.ahead = StepAhead(start_step=self.worker.start_step, close_step=self.worker.after_forward)
+        self._handed: dict[str, int] = {}                  # blocks of each request the coordinator took over
+        self._planned_writes: tuple[list[int], list[int]] = ([], [])
+        self._planned_command: OffloadCommand | None = None
         logger.info(
             "hisparse transformers engine: %s, %d layers in %d index group(s), row %s (%d B), top-k %d, hot buffer "
             "%d rows; GPU pool %d blocks of %d B (watermark %d), host pool %d blocks; %d state rows, max context %d, "
@@ -322,11 +330,17 @@ class HiSparseEngine:
         session.closed = True
         self.totals.peak_indexer_bytes_per_request = max(self.totals.peak_indexer_bytes_per_request,
                                                          indexer_bytes / session.batch_size)
+        self.ahead.cancel()                    # a step planned ahead that will not run
         if session.step is not None:           # a forward raised mid-step: close the worker's step
             session.step = None
             self.worker.after_forward()
+        unhanded: list[int] = []
         for r in session.requests:
             self.coordinator.finish_request(r.request_id)
+            # Blocks of a step that failed before the coordinator took them over are still the engine's.
+            unhanded.extend(b for b in r.blocks[self._handed.pop(r.request_id, 0):] if b >= 0)
+        if unhanded:
+            self.gpu.release(unhanded)
         states = [r.state_index for r in session.requests]
         self.worker.reset_state(states)
         self.source_table[states] = -1
@@ -341,7 +355,10 @@ class HiSparseEngine:
     # ------------------------------------------------------------------------------- steps
 
     def begin_step(self, session: Session, input_ids: torch.Tensor | None, num_new: int) -> StepState:
-        """Plan one forward of `num_new` padded positions for every row and start the worker's step."""
+        """Plan one forward of `num_new` padded positions for every row and start the worker's step.
+
+        A decode step that `end_step` planned ahead (`plan_ahead`) has started already: only its
+        tokens are recorded here; a planning failure is raised here, with the request named."""
         if session.closed:
             raise InvalidInputError("this hisparse cache's generate has finished; use a fresh cache")
         if session.step is not None:
@@ -350,8 +367,42 @@ class HiSparseEngine:
         past = session.padded_len
         end_padded = past + num_new
         if end_padded > self.max_pages * bs:
+            self.ahead.cancel()
             raise CapacityError(f"the batch reaches {end_padded} padded tokens; max_context is {self.max_pages * bs}: "
                                 "expected enable(..., max_context >= prompt + new tokens + padding)")
+        if input_ids is None and any(max(end_padded, r.pad) - r.pad > len(r.tokens) for r in session.requests):
+            self.ahead.cancel()
+            raise InvalidInputError("a forward past the prompt needs input_ids (inputs_embeds only cover the "
+                                    "prompt given to generate)")
+        planned = self.ahead.claim((session, past, num_new))
+        for b, r in enumerate(session.requests):
+            known = len(r.tokens)
+            if max(end_padded, r.pad) - r.pad > known:
+                assert input_ids is not None
+                r.tokens.extend_device(input_ids[b, known + r.pad - past:num_new])
+        if planned:
+            src, dst = self._planned_writes
+        else:
+            src, dst = self._schedule(session, past, num_new, start=True)
+        dev = self.device
+        qpos = (past + torch.arange(num_new, device=dev)).unsqueeze(0) - session.pads.unsqueeze(1)
+        qpos = qpos.masked_fill(qpos < 0, -1)
+        last = qpos[:, -1]
+        row_state = torch.where(last >= 0, session.state_rows, torch.full_like(session.state_rows, -1))
+        step = StepState(past, num_new, session.pads, session.pads32, qpos, row_state, (last + 1).to(torch.int32),
+                         torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
+                         torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
+                         started=time.perf_counter(), prefill=num_new > 1)
+        session.step = step
+        return step
+
+    def _schedule(self, session: Session, past: int, num_new: int, *, start: bool) -> tuple[list[int], list[int]]:
+        """The coordinator half of a step: GPU blocks for its pages, `schedule_step`, the table
+        writes (and, with `start`, the worker's `start_step`). Returns the step's write positions
+        (flat index into the step's `[B * S]` rows, flat device row). Reads only lengths of the
+        requests' tokens, so a decode step can run it before its input ids exist (`plan_ahead`)."""
+        bs = self.config.block_size
+        end_padded = past + num_new
         needed = sum(max(0, _cdiv(max(max(end_padded, r.pad) - r.pad, r.computed), bs) - len(r.blocks))
                      for r in session.requests)
         # Keep room for one hot-buffer lease after this step's allocations: the policy leases a
@@ -365,13 +416,6 @@ class HiSparseEngine:
         dst: list[int] = []
         for b, r in enumerate(session.requests):
             hi = max(end_padded, r.pad) - r.pad
-            known = len(r.tokens)
-            if hi > known and input_ids is not None:
-                lo_s = known + r.pad - past
-                r.tokens.extend_device(input_ids[b, lo_s:num_new])
-            elif hi > known:
-                raise InvalidInputError("a forward past the prompt needs input_ids (inputs_embeds only cover the "
-                                        "prompt given to generate)")
             end = max(hi, r.computed)
             pages = _cdiv(end, bs)
             missing = pages - len(r.blocks)
@@ -389,25 +433,36 @@ class HiSparseEngine:
             scheduled.append(StepRequest(r.request_id, r.state_index, r.computed, max(0, hi - r.computed), r.tokens,
                                          [r.blocks]))
         command = self.coordinator.schedule_step(scheduled)
+        for s in scheduled:                    # the coordinator holds these blocks' leases now
+            self._handed[s.request_id] = len(s.resident_block_ids[0])
         apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
-        self.worker.start_step(command)
-        dev = self.device
-        qpos = (past + torch.arange(num_new, device=dev)).unsqueeze(0) - session.pads.unsqueeze(1)
-        qpos = qpos.masked_fill(qpos < 0, -1)
-        last = qpos[:, -1]
-        row_state = torch.where(last >= 0, session.state_rows, torch.full_like(session.state_rows, -1))
-        step = StepState(past, num_new, session.pads, session.pads32, qpos, row_state, (last + 1).to(torch.int32),
-                         torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
-                         torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
-                         started=time.perf_counter(), prefill=num_new > 1)
-        session.step = step
-        return step
+        if start:
+            self.worker.start_step(command)
+        else:
+            self._planned_command = command
+        return src, dst
+
+    def _plan_next(self, session: Session) -> None:
+        """Right after a step's forward and acknowledgements: when the next forward can only be a
+        decode of one token per row (every prompt is in the cache), run its coordinator half and
+        start its worker step now, while the device still runs this step (`StepAhead`)."""
+        past = session.padded_len
+        if (session.closed or past + 1 > self.max_pages * self.config.block_size
+                or any(r.computed < r.prompt_len for r in session.requests)):
+            return
+
+        def prepare() -> OffloadCommand | None:
+            self._planned_writes = self._schedule(session, past, 1, start=False)
+            return self._planned_command
+
+        self.ahead.plan((session, past, 1), prepare)
 
     def _relieve_pressure(self) -> None:
         """The step's pages would leave no room for a hot-buffer lease: wait for the transfers in
         flight (their pages turn clean), then run one step with nothing scheduled so the
         coordinator's policy releases clean pages. A host synchronization, only when the pool is
         near its floor (spill completions lagging behind a fast prefill)."""
+        self.ahead.cancel()
         self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
         command = self.coordinator.schedule_step([])
         apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
@@ -459,6 +514,8 @@ class HiSparseEngine:
         t.peak_all_resident_blocks_per_request = max(t.peak_all_resident_blocks_per_request,
                                                      sum(_cdiv(r.computed, bs) for r in session.requests) / n)
         t.peak_context = max(t.peak_context, max(r.computed for r in session.requests))
+        if self.plan_ahead:
+            self._plan_next(session)
 
     # ------------------------------------------------------------------------------- stats, end
 

@@ -3,6 +3,11 @@
 Generated tokens arrive as device tensors (the input of the next forward). The coordinator asks
 for `len(token_ids)` every step but reads the ids only for the pages it seals (to hash them), so
 the device tensors are copied to the host only then: once a page, not once a token.
+
+A CUDA slice starts its copy to pinned host memory as it arrives, ordered after the work that
+produced it (the sampling of the step before) and before the forward that consumes it, and the
+read waits for that copy alone: an engine that reads ids while the device still runs a later
+forward (a step planned ahead) does not wait for that forward.
 """
 
 from __future__ import annotations
@@ -20,18 +25,28 @@ class LazyTokens(Sequence[int]):
 
     def __init__(self, ids: Sequence[int] = ()) -> None:
         self._ids: list[int] = list(ids)
-        self._pending: list[torch.Tensor] = []
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._pending_len = 0
 
     def extend_device(self, ids: torch.Tensor) -> None:
         """Append a 1-D tensor of ids (any device); it is read back only when an id is needed."""
         if ids.numel():
-            self._pending.append(ids.detach().reshape(-1))
-            self._pending_len += ids.numel()
+            flat = ids.detach().reshape(-1)
+            if flat.is_cuda:
+                host = flat.to("cpu", non_blocking=True)       # pinned; valid once `done` has passed
+                done = torch.cuda.Event()
+                done.record()
+                self._pending.append((host, done))
+            else:
+                self._pending.append((flat, None))
+            self._pending_len += flat.numel()
 
     def _flush(self) -> None:
         if self._pending:
-            self._ids.extend(int(v) for v in torch.cat([p.to("cpu") for p in self._pending]).tolist())
+            for _, done in self._pending:
+                if done is not None:
+                    done.synchronize()
+            self._ids.extend(int(v) for v in torch.cat([p.to("cpu") for p, _ in self._pending]).tolist())
             self._pending.clear()
             self._pending_len = 0
 

@@ -1,0 +1,34 @@
+"""`bench/bench_serving.py --smoke`: the serving benchmark end to end on the CPU (tiny geometry),
+every mode and the replay's workload, its table and plot; and its one-line refusal of a budget
+that holds no request, before anything is built."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_serving.py"
+
+
+def test_smoke_runs_every_mode(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "1", "--png", str(tmp_path / "p.png"),
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert {r["mode"] for r in rows} == {"hisparse", "all-resident", "transformers", "replay"}
+    assert all(r.get("step_ms", 0) > 0 for r in rows), rows
+    assert (tmp_path / "p.png").stat().st_size > 0 and "overhead" in out.stdout
+
+
+def test_a_budget_without_room_for_one_request_is_one_line() -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--gpu-kv-gib", "1e-6", "--png", ""],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and "cannot hold one hisparse request" in out.stderr, out.stderr

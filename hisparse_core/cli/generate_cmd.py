@@ -19,7 +19,17 @@ import argparse
 import logging
 import sys
 
-from hisparse_core.cli.options import MAX_BLOCK_SIZE, MAX_SEED, MAX_TOP_K, HelpFormatter, fail, float_in, int_in
+from hisparse_core.cli.options import (
+    MAX_BLOCK_SIZE,
+    MAX_SEED,
+    MAX_TOP_K,
+    HelpFormatter,
+    check_backend_name,
+    fail,
+    float_in,
+    import_torch,
+    int_in,
+)
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
 
@@ -118,6 +128,81 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     return render_table(rows, "hisparse generate")
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def preflight(args: argparse.Namespace, device: str) -> None:
+    """Every check the engine and the host pool make, made before the model is built, so a value
+    that cannot work fails in a second naming its flag rather than after the transformers-alone
+    half (minutes). Raises `HiSparseError` (`InvalidInputError`, `CapacityError`)."""
+    import torch
+
+    from hisparse_core.capacity import (
+        HOST_FRACTION,
+        available_host_bytes,
+        check_device_memory,
+        check_host_memory,
+        fmt_bytes,
+    )
+    from hisparse_core.errors import CapacityError, InvalidInputError
+    from hisparse_transformers.demo import DemoConfig
+    from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, required_gpu_blocks, row_format_for
+    from hisparse_transformers.tiny import TinyShape
+
+    bs = args.block_size
+    if args.hot_rows % bs:
+        raise InvalidInputError(f"--hot-rows {args.hot_rows} is not a multiple of --block-size {bs}; expected "
+                                f"{_cdiv(args.hot_rows, bs) * bs} (or another multiple)")
+    if args.hot_rows < args.top_k:
+        raise InvalidInputError(f"--hot-rows {args.hot_rows} is below --top-k {args.top_k}: one step's top-k must "
+                                f"fit the hot buffer; expected --hot-rows >= {_cdiv(args.top_k, bs) * bs} "
+                                f"(a multiple of --block-size {bs}) or --top-k <= {args.hot_rows}")
+    shape = TinyShape()
+    block_bytes = args.layers * bs * row_format_for(getattr(torch, args.dtype), shape.kv_lora + shape.rope).row_bytes
+    lengths = DemoConfig(prompts=args.prompts, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                         shared_prefix=0).lengths()
+    floor = required_gpu_blocks(args.prompts, args.hot_rows // bs, _cdiv(args.prefill_chunk, bs) + 1)
+    if args.gpu_kv_pages and args.gpu_kv_pages < floor:
+        raise CapacityError(f"--gpu-kv-pages {args.gpu_kv_pages} is below what {args.prompts} prompts with a "
+                            f"{args.hot_rows}-row hot buffer and --prefill-chunk {args.prefill_chunk} need; expected "
+                            f"--gpu-kv-pages >= {floor} (or 0 for the default)")
+    all_resident = sum(_cdiv(n + args.new_tokens, bs) for n in lengths)
+    pages = args.gpu_kv_pages or max(floor, int(0.6 * all_resident))
+    gpu_bytes = pages * block_bytes
+    check_device_memory(torch.device(device), gpu_bytes, f"--gpu-kv-pages {pages} ({fmt_bytes(gpu_bytes)} of KV)",
+                        remedy="lower --gpu-kv-pages")
+    host_bytes = int(args.host_pool_gib * (1 << 30))
+    usable = host_bytes // block_bytes - 1  # the coordinator keeps a null block
+    # The host pool holds every running request's whole KV: the batch's prompts and new tokens.
+    need = max(_cdiv(max(lengths) + args.new_tokens, bs) + ACTIVE_TAIL_PAGES,
+               sum(_cdiv(n + args.new_tokens, bs) for n in lengths))
+    if usable < need:
+        raise CapacityError(f"--host-pool-gib {args.host_pool_gib:g} holds {max(usable, 0)} pages of {block_bytes} B; "
+                            f"the batch's {args.prompts} prompts of {lengths} tokens + {args.new_tokens} new need "
+                            f"{need}: expected --host-pool-gib >= {_gib_up((need + 1) * block_bytes)}")
+    avail = available_host_bytes()
+    fits = f" to at most {_gib_down(int(avail * HOST_FRACTION))}" if avail else ""
+    check_host_memory(host_bytes, f"--host-pool-gib {args.host_pool_gib:g}", remedy=f"lower --host-pool-gib{fits}")
+
+
+def _gib_round(nbytes: int, up: bool) -> str:
+    """`nbytes` in GiB at 3 significant digits, rounded up (enough) or down (fits)."""
+    import math
+
+    gib = nbytes / (1 << 30)
+    scale = 10.0 ** (math.floor(math.log10(gib)) - 2)
+    return f"{(math.ceil if up else math.floor)(gib / scale) * scale:.3g}"
+
+
+def _gib_up(nbytes: int) -> str:
+    return _gib_round(nbytes, up=True)
+
+
+def _gib_down(nbytes: int) -> str:
+    return _gib_round(nbytes, up=False)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.min_prompt > args.max_prompt:
         return fail("hisparse generate", f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}; "
@@ -125,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
     if args.shared_prefix > args.min_prompt:
         return fail("hisparse generate", f"--shared-prefix {args.shared_prefix} is above --min-prompt "
                                          f"{args.min_prompt}; expected a prefix in [0, --min-prompt]")
+    if why := check_backend_name(args.backend) or import_torch("hisparse generate"):
+        return fail("hisparse generate", why)
     try:
         from hisparse_transformers.demo import DemoConfig, run_demo, total_steps
     except ModuleNotFoundError as exc:
@@ -140,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             from hisparse_core.registry import select_backend
 
             device = str(select_backend(args.backend).device)
+        preflight(args, device)
         config = DemoConfig(model=args.model, backend=args.backend, prompts=args.prompts, min_prompt=args.min_prompt,
                             max_prompt=args.max_prompt, new_tokens=args.new_tokens, layers=args.layers,
                             top_k=args.top_k, hot_rows=args.hot_rows, block_size=args.block_size,

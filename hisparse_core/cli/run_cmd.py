@@ -42,9 +42,12 @@ from hisparse_core.cli.options import (
     MAX_TOP_K,
     SIZE_UNITS,
     HelpFormatter,
+    check_backend_name,
+    check_host_budget,
     check_plot_path,
     fail,
     float_in,
+    import_torch,
     int_in,
     size_in,
 )
@@ -211,6 +214,13 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
 
 def run(args: argparse.Namespace) -> int:
     if args.plot and (why := check_plot_path(args.plot)):
+        return fail("hisparse run", why)
+    # The checks that need no torch come first: a bad value fails in a fraction of a second.
+    from hisparse_core.replay.presets import preset
+
+    host = args.host if args.host is not None else preset(args.preset).get("host_bytes", DEFAULTS["host_bytes"])
+    if why := (check_backend_name(args.backend) or check_host_budget("--host", int(host))  # type: ignore[arg-type]
+               or import_torch("hisparse run")):
         return fail("hisparse run", why)
     from hisparse_core.registry import select_backend
     from hisparse_core.replay.attention import AttentionMismatch

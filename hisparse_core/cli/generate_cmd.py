@@ -29,6 +29,7 @@ from hisparse_core.cli.options import (
     float_in,
     import_torch,
     int_in,
+    kv_place,
 )
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
@@ -86,6 +87,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     c, e, s, x = result["config"], result["engine"], result["stats"], result["exactness"]
     f1, f2 = x["first_batch"], x["second_batch"]
     per, base = s["gpu_kv_bytes_per_request"], s["gpu_kv_bytes_per_request_all_resident"]
+    where = kv_place(e["device"])
     rows = [
         ("backend", f"{e['backend']} on {e['device']}"),
         ("model", f"tiny random {c['model']} ({c['dtype']}): {c['layers']} layers in index groups "
@@ -94,7 +96,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         ("batches", f"{c['prompts']} prompts of {c['prompt_lengths']} tokens + {c['new_tokens']} new; then "
                     f"{c['second_batch_lengths']} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
                     "prefix"),
-        ("budgets", f"GPU {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
+        ("budgets", f"{where} {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
                     f"resident), host pool {e['host_pool_blocks']} pages"),
         ("throughput", ""),
         ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s ({s['decode_tokens']} tokens; steps "
@@ -112,10 +114,10 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         ("host->device", f"{human_bytes(s['h2d_bytes'])} by decode misses, {human_bytes(s['prefill_host_bytes'])} "
                          "read by prefill from the host pool"),
         ("device->host", f"{human_bytes(s['d2h_bytes'])} (row mirrors and spills)"),
-        ("GPU KV per request", ""),
+        (f"{where} KV per request", ""),
         ("with hisparse", f"{human_bytes(per)} (resident pages + hot buffer, at the peak)"),
         ("without", f"{human_bytes(base)} (every page resident)" + (f": {base / per:.2f}x more" if per else "")),
-        ("indexer keys", f"{human_bytes(s['indexer_bytes_per_request'])} (on the GPU either way)"),
+        ("indexer keys", f"{human_bytes(s['indexer_bytes_per_request'])} (on the {where} either way)"),
         ("exactness", ""),
         ("first batch", f"tokens {'identical' if f1['tokens_identical'] else 'DIFFER'}, max abs logit diff "
                         f"{f1['max_abs_logit_diff']:.2e} over {f1['steps']} steps"),

@@ -50,7 +50,17 @@ class CliParser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions keep their paragraphs; option help is wrapped to the terminal."""
+    """Descriptions keep their paragraphs; option help is wrapped to the terminal, and the help of
+    every bounded option shows its accepted range (the type's `accepted`), unless it already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        accepted = getattr(action.type, "accepted", None)
+        if text is None or accepted is None or accepted in text:
+            return text
+        if text.endswith(")") and "(default: " in text:
+            return f"{text[:-1]}; accepted: {accepted})"
+        return f"{text} (accepted: {accepted})"
 
 
 def _range(lo: float, hi: float) -> str:
@@ -115,6 +125,12 @@ def size_in(lo: int, hi: int = MAX_BYTES) -> Callable[[str], int]:
     parse.__name__ = "size"
     parse.accepted = shown  # type: ignore[attr-defined]
     return parse
+
+
+def kv_place(device: str) -> str:
+    """What the output calls the memory of the KV pool on `device`: "GPU" on a CUDA device, else
+    the device itself ("cpu device"), so a CPU-only run never reports GPU pages."""
+    return "GPU" if str(device).startswith("cuda") else f"{device} device"
 
 
 def fail(prog: str, message: str) -> int:

@@ -44,8 +44,9 @@ def test_generate_table() -> None:
     rc, out, _ = _run()
     assert rc == 0
     for needle in ("tokens/s", "hit rate", "host->device", "device->host", "with hisparse", "without",
-                   "tokens identical", "max abs logit diff", "EXACT"):
+                   "tokens identical", "max abs logit diff", "EXACT", "cpu device KV per request"):
         assert needle in out, needle
+    assert "GPU" not in out  # a CPU-only run reports the cpu device's pages, not a GPU's
 
 
 @pytest.mark.parametrize(("extra", "needle"), [

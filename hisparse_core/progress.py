@@ -2,6 +2,10 @@
 
 It redraws one line in place when stderr is a terminal and prints a few plain milestone lines
 otherwise (CI logs stay short). `enabled=False` makes every call a no-op.
+
+The ETA is the rate since the first unit finished (the first carries the warm-up: allocation,
+compilation, caches), and is shown only once `ETA_AFTER` units have been timed that way: an ETA
+from one step is a guess, often off by orders of magnitude.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ import sys
 import time
 from types import TracebackType
 from typing import TextIO
+
+#: Units timed after the first one before an ETA is shown.
+ETA_AFTER = 3
 
 
 class ProgressBar:
@@ -28,6 +35,7 @@ class ProgressBar:
         self.done = 0
         self.note = ""
         self._start = time.perf_counter()
+        self._first: tuple[float, int] | None = None  # (when, done) once the first unit finished
         self._last_draw = 0.0
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._next_milestone = 0  # quarter marks printed when not a terminal
@@ -39,6 +47,8 @@ class ProgressBar:
         if not self.enabled:
             return
         now = time.perf_counter()
+        if self._first is None and self.done > 0:
+            self._first = (now, self.done)
         if self._tty:
             if now - self._last_draw >= self.min_interval_s or self.done == self.total:
                 self._draw(now, end="")
@@ -53,14 +63,26 @@ class ProgressBar:
         frac = self.done / self.total if self.total else 1.0
         filled = int(frac * self.width)
         elapsed = now - self._start
-        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
+        eta = self.eta(now)
         bar = "#" * filled + "-" * (self.width - filled)
         text = (f"{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s"
-                + (f" eta {eta:4.1f}s" if frac < 1 and frac > 0 else "")
+                + (f" eta {eta:4.1f}s" if eta is not None else "")
                 + (f"  {self.note}" if self.note else ""))
         prefix = "\r\x1b[2K" if self._tty else ""
         self.stream.write(prefix + text + end)
         self.stream.flush()
+
+    def eta(self, now: float | None = None) -> float | None:
+        """Seconds left at the rate since the first unit, or None until `ETA_AFTER` units after
+        it were timed (and once everything is done)."""
+        if self._first is None or self.done >= self.total:
+            return None
+        since, at = self._first
+        timed = self.done - at
+        if timed < ETA_AFTER:
+            return None
+        now = time.perf_counter() if now is None else now
+        return (now - since) / timed * (self.total - self.done)
 
     def close(self) -> None:
         if self.enabled and self._tty:

@@ -491,11 +491,19 @@ def attach(path: str, header: PoolHeader, spec: HostPoolSpec, file_bytes: int, t
 
     Fails fast, with what was found and the remedy, where waiting cannot help: a file that is not a
     hisparse pool, one of another backend or version, another geometry or size, a creator that
-    died after publishing. Stale files of dead creators present before this call are swept first
-    (they belong to an earlier run), so a peer that starts before rank 0 is not misled by them.
+    died after publishing. Stale files of dead creators present before this call are swept first;
+    one at this very `path` means rank 0 published this pool and died before this peer started
+    (the vLLM connector names every pool after a fresh engine id, so an earlier run does not leave
+    one there): the peer fails at once, saying so, instead of waiting `timeout_s` for a rank 0 that
+    is gone. (Started again, with the file gone, it waits as usual.)
     """
     check_world_size(spec)
     swept = sweep_stale(os.path.dirname(path))
+    if (dead := swept.get(path)) is not None:
+        raise ProtocolError(
+            f"rank {spec.rank}: rank 0 ({dead.describe()}) published the shared host pool {spec.name!r} at {path} "
+            "and is dead (it died before this rank started; its file was removed): restart the deployment (every "
+            "rank); if that file was left by an earlier run under the same pool name, start this rank again")
     want = geometry_of(spec)
     pause = sleep or time.sleep
     deadline = time.monotonic() + timeout_s
@@ -530,11 +538,9 @@ def attach(path: str, header: PoolHeader, spec: HostPoolSpec, file_bytes: int, t
             if opened is not None:
                 return PoolFile(opened, path, spec, creator=found.creator, owner=False)
         if time.monotonic() > deadline:
-            earlier = swept.get(path)
-            also = (f"; a stale file of dead {earlier.describe()} was there and was removed" if earlier else "")
             raise ProtocolError(
                 f"rank {spec.rank} waited {timeout_s}s for rank 0 to publish the shared host pool {spec.name!r} "
-                f"at {path}, and no file appeared{also}: start rank 0 with the same pool name, or check that it "
+                f"at {path}, and no file appeared: start rank 0 with the same pool name, or check that it "
                 "did not fail")
         pause(0.01)
 

@@ -32,6 +32,8 @@ with `hisparse backends` to see what can run here, then `hisparse COMMAND --help
 EPILOG = "Sizes accept units: 40GiB, 512MiB, 1.5G, 80GB. Docs: README.md and docs/ in the repository."
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVEL_HELP = (f"one of {', '.join(LOG_LEVELS)}, before or after the command (default: $HISPARSE_LOG_LEVEL, "
+                  "else INFO)")
 
 
 def _version() -> str:
@@ -43,8 +45,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="hisparse", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
-    parser.add_argument("--log-level", default=None, metavar="LEVEL",
-                        help=f"one of {', '.join(LOG_LEVELS)} (default: $HISPARSE_LOG_LEVEL, else INFO)")
+    parser.add_argument("--log-level", default=None, metavar="LEVEL", help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMANDS.values():
         try:
@@ -53,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             continue  # sub-command not built yet
-        module.add_parser(sub)
+        command = module.add_parser(sub)
+        # Also after the sub-command (`hisparse run --log-level DEBUG`); not given there, the
+        # value before it (or none) stands.
+        command.add_argument("--log-level", default=argparse.SUPPRESS, metavar="LEVEL", help=LOG_LEVEL_HELP)
     return parser
 
 

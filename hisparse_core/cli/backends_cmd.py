@@ -89,7 +89,8 @@ def _column_widths(rows: Sequence[Sequence[str]], wrapped: tuple[int, int], widt
 
 def format_table(entries: Sequence[BackendEntry], verbose: bool = False, width: int | None = None) -> str:
     """The aligned table `hisparse backends` prints, fitted to `width` (default: the terminal's):
-    CAPABILITIES wraps at commas and REASON at spaces, each within its column."""
+    CAPABILITIES wraps at commas and REASON at spaces, each within its column (a word longer than
+    its column overflows rather than being broken)."""
     width = width if width is not None else shutil.get_terminal_size((100, 24)).columns
     header = [*_COLUMNS, *(_VERBOSE_COLUMNS if verbose else ()), "REASON"]
     rows = [header] + [_row(e, verbose) for e in entries]
@@ -99,7 +100,9 @@ def format_table(entries: Sequence[BackendEntry], verbose: bool = False, width: 
     for r in rows:
         cells = [[c] for c in r]
         cells[cap] = _wrap_list(r[cap], widths[cap])
-        cells[reason] = textwrap.wrap(r[reason], widths[reason]) or [""]
+        # At spaces only: a word longer than the column (a path, `cuda-python`) overflows whole.
+        cells[reason] = textwrap.wrap(r[reason], widths[reason], break_long_words=False,
+                                      break_on_hyphens=False) or [""]
         for k in range(max(len(c) for c in cells)):
             parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths, strict=True)]
             lines.append("  ".join(parts).rstrip())

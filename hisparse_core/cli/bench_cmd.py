@@ -22,8 +22,10 @@ from hisparse_core.cli.options import (
     MAX_TOKENS,
     MAX_TOP_K,
     HelpFormatter,
+    check_backend_name,
     fail,
     float_in,
+    import_torch,
     int_in,
 )
 from hisparse_core.errors import HiSparseError
@@ -122,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup is not None and args.warmup >= args.steps:
         return fail("hisparse bench", f"argument --warmup: expected an integer in [0, --steps - 1 = "
                                       f"{args.steps - 1}], got {args.warmup}")
+    if why := check_backend_name(args.backend) or import_torch("hisparse bench"):
+        return fail("hisparse bench", why)
     from hisparse_core.registry import select_backend
     from hisparse_core.replay.bench import BenchConfig, run_bench
     from hisparse_core.replay.report import dumps, pct

@@ -19,7 +19,18 @@ import argparse
 import logging
 import sys
 
-from hisparse_core.cli.options import MAX_BLOCK_SIZE, MAX_SEED, MAX_TOP_K, HelpFormatter, fail, float_in, int_in
+from hisparse_core.cli.options import (
+    MAX_BLOCK_SIZE,
+    MAX_SEED,
+    MAX_TOP_K,
+    HelpFormatter,
+    check_backend_name,
+    fail,
+    float_in,
+    import_torch,
+    int_in,
+    kv_place,
+)
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
 
@@ -39,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="dtype of the model weights and KV (default: float32)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    w = p.add_argument_group("workload (defaults: about a minute on 2 CPU cores)")
+    w = p.add_argument_group("workload (defaults: about two minutes on 2 idle CPU cores)")
     w.add_argument("--prompts", type=int_in(1, 256), metavar="N", default=4, help="prompts in the batch (default: 4)")
     w.add_argument("--min-prompt", type=int_in(1, 1 << 16), metavar="TOKENS", default=200,
                    help="shortest prompt, tokens (default: 200)")
@@ -76,6 +87,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     c, e, s, x = result["config"], result["engine"], result["stats"], result["exactness"]
     f1, f2 = x["first_batch"], x["second_batch"]
     per, base = s["gpu_kv_bytes_per_request"], s["gpu_kv_bytes_per_request_all_resident"]
+    where = kv_place(e["device"])
     rows = [
         ("backend", f"{e['backend']} on {e['device']}"),
         ("model", f"tiny random {c['model']} ({c['dtype']}): {c['layers']} layers in index groups "
@@ -84,7 +96,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         ("batches", f"{c['prompts']} prompts of {c['prompt_lengths']} tokens + {c['new_tokens']} new; then "
                     f"{c['second_batch_lengths']} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
                     "prefix"),
-        ("budgets", f"GPU {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
+        ("budgets", f"{where} {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
                     f"resident), host pool {e['host_pool_blocks']} pages"),
         ("throughput", ""),
         ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s ({s['decode_tokens']} tokens; steps "
@@ -102,10 +114,10 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         ("host->device", f"{human_bytes(s['h2d_bytes'])} by decode misses, {human_bytes(s['prefill_host_bytes'])} "
                          "read by prefill from the host pool"),
         ("device->host", f"{human_bytes(s['d2h_bytes'])} (row mirrors and spills)"),
-        ("GPU KV per request", ""),
+        (f"{where} KV per request", ""),
         ("with hisparse", f"{human_bytes(per)} (resident pages + hot buffer, at the peak)"),
         ("without", f"{human_bytes(base)} (every page resident)" + (f": {base / per:.2f}x more" if per else "")),
-        ("indexer keys", f"{human_bytes(s['indexer_bytes_per_request'])} (on the GPU either way)"),
+        ("indexer keys", f"{human_bytes(s['indexer_bytes_per_request'])} (on the {where} either way)"),
         ("exactness", ""),
         ("first batch", f"tokens {'identical' if f1['tokens_identical'] else 'DIFFER'}, max abs logit diff "
                         f"{f1['max_abs_logit_diff']:.2e} over {f1['steps']} steps"),
@@ -118,6 +130,81 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     return render_table(rows, "hisparse generate")
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def preflight(args: argparse.Namespace, device: str) -> None:
+    """Every check the engine and the host pool make, made before the model is built, so a value
+    that cannot work fails in a second naming its flag rather than after the transformers-alone
+    half (minutes). Raises `HiSparseError` (`InvalidInputError`, `CapacityError`)."""
+    import torch
+
+    from hisparse_core.capacity import (
+        HOST_FRACTION,
+        available_host_bytes,
+        check_device_memory,
+        check_host_memory,
+        fmt_bytes,
+    )
+    from hisparse_core.errors import CapacityError, InvalidInputError
+    from hisparse_transformers.demo import DemoConfig
+    from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, required_gpu_blocks, row_format_for
+    from hisparse_transformers.tiny import TinyShape
+
+    bs = args.block_size
+    if args.hot_rows % bs:
+        raise InvalidInputError(f"--hot-rows {args.hot_rows} is not a multiple of --block-size {bs}; expected "
+                                f"{_cdiv(args.hot_rows, bs) * bs} (or another multiple)")
+    if args.hot_rows < args.top_k:
+        raise InvalidInputError(f"--hot-rows {args.hot_rows} is below --top-k {args.top_k}: one step's top-k must "
+                                f"fit the hot buffer; expected --hot-rows >= {_cdiv(args.top_k, bs) * bs} "
+                                f"(a multiple of --block-size {bs}) or --top-k <= {args.hot_rows}")
+    shape = TinyShape()
+    block_bytes = args.layers * bs * row_format_for(getattr(torch, args.dtype), shape.kv_lora + shape.rope).row_bytes
+    lengths = DemoConfig(prompts=args.prompts, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                         shared_prefix=0).lengths()
+    floor = required_gpu_blocks(args.prompts, args.hot_rows // bs, _cdiv(args.prefill_chunk, bs) + 1)
+    if args.gpu_kv_pages and args.gpu_kv_pages < floor:
+        raise CapacityError(f"--gpu-kv-pages {args.gpu_kv_pages} is below what {args.prompts} prompts with a "
+                            f"{args.hot_rows}-row hot buffer and --prefill-chunk {args.prefill_chunk} need; expected "
+                            f"--gpu-kv-pages >= {floor} (or 0 for the default)")
+    all_resident = sum(_cdiv(n + args.new_tokens, bs) for n in lengths)
+    pages = args.gpu_kv_pages or max(floor, int(0.6 * all_resident))
+    gpu_bytes = pages * block_bytes
+    check_device_memory(torch.device(device), gpu_bytes, f"--gpu-kv-pages {pages} ({fmt_bytes(gpu_bytes)} of KV)",
+                        remedy="lower --gpu-kv-pages")
+    host_bytes = int(args.host_pool_gib * (1 << 30))
+    usable = host_bytes // block_bytes - 1  # the coordinator keeps a null block
+    # The host pool holds every running request's whole KV: the batch's prompts and new tokens.
+    need = max(_cdiv(max(lengths) + args.new_tokens, bs) + ACTIVE_TAIL_PAGES,
+               sum(_cdiv(n + args.new_tokens, bs) for n in lengths))
+    if usable < need:
+        raise CapacityError(f"--host-pool-gib {args.host_pool_gib:g} holds {max(usable, 0)} pages of {block_bytes} B; "
+                            f"the batch's {args.prompts} prompts of {lengths} tokens + {args.new_tokens} new need "
+                            f"{need}: expected --host-pool-gib >= {_gib_up((need + 1) * block_bytes)}")
+    avail = available_host_bytes()
+    fits = f" to at most {_gib_down(int(avail * HOST_FRACTION))}" if avail else ""
+    check_host_memory(host_bytes, f"--host-pool-gib {args.host_pool_gib:g}", remedy=f"lower --host-pool-gib{fits}")
+
+
+def _gib_round(nbytes: int, up: bool) -> str:
+    """`nbytes` in GiB at 3 significant digits, rounded up (enough) or down (fits)."""
+    import math
+
+    gib = nbytes / (1 << 30)
+    scale = 10.0 ** (math.floor(math.log10(gib)) - 2)
+    return f"{(math.ceil if up else math.floor)(gib / scale) * scale:.3g}"
+
+
+def _gib_up(nbytes: int) -> str:
+    return _gib_round(nbytes, up=True)
+
+
+def _gib_down(nbytes: int) -> str:
+    return _gib_round(nbytes, up=False)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.min_prompt > args.max_prompt:
         return fail("hisparse generate", f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}; "
@@ -125,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
     if args.shared_prefix > args.min_prompt:
         return fail("hisparse generate", f"--shared-prefix {args.shared_prefix} is above --min-prompt "
                                          f"{args.min_prompt}; expected a prefix in [0, --min-prompt]")
+    if why := check_backend_name(args.backend) or import_torch("hisparse generate"):
+        return fail("hisparse generate", why)
     try:
         from hisparse_transformers.demo import DemoConfig, run_demo, total_steps
     except ModuleNotFoundError as exc:
@@ -140,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             from hisparse_core.registry import select_backend
 
             device = str(select_backend(args.backend).device)
+        preflight(args, device)
         config = DemoConfig(model=args.model, backend=args.backend, prompts=args.prompts, min_prompt=args.min_prompt,
                             max_prompt=args.max_prompt, new_tokens=args.new_tokens, layers=args.layers,
                             top_k=args.top_k, hot_rows=args.hot_rows, block_size=args.block_size,

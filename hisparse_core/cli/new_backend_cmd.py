@@ -38,7 +38,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"hisparse new-backend: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {names.dist} (backend {names.name!r}, package {names.package}) in {target}/")
-    print("next:")
+    from hisparse_core.scaffold import hisparse_source
+
+    source = hisparse_source()
+    print("next (hisparse is not on PyPI: the first line puts it into a fresh environment):")
+    print(f"  pip install -e '{source}'" if source else "  pip install 'git+https://.../hisparse.git'  "
+          "(or a hisparse checkout's path)")
     print(f"  pip install -e '{target}[test]'")
     print("  hisparse backends")
     print(f"  python -m pytest --pyargs hisparse_conformance --hisparse-backend {names.name}")

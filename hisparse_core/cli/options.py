@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -33,14 +34,33 @@ MAX_BYTES = 1 << 50  # 1 PiB
 
 
 class CliParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (`hisparse run: error: ...`) and exit 2."""
+    """An ArgumentParser whose errors are one line (`hisparse run: error: ...`) and exit 2.
+
+    A value that looks negative (`--gpu-kv -1GiB`, `--hot -inf`, `--seed -1e3`) is taken as the
+    option's value, so that its type reports the accepted range; stock argparse takes only plain
+    negative numbers so and calls the rest an option, "expected one argument". No option of
+    hisparse starts with a dash and a digit, `inf` or `nan`."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions keep their paragraphs; option help is wrapped to the terminal."""
+    """Descriptions keep their paragraphs; option help is wrapped to the terminal, and the help of
+    every bounded option shows its accepted range (the type's `accepted`), unless it already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        accepted = getattr(action.type, "accepted", None)
+        if text is None or accepted is None or accepted in text:
+            return text
+        if text.endswith(")") and "(default: " in text:
+            return f"{text[:-1]}; accepted: {accepted})"
+        return f"{text} (accepted: {accepted})"
 
 
 def _range(lo: float, hi: float) -> str:
@@ -107,6 +127,12 @@ def size_in(lo: int, hi: int = MAX_BYTES) -> Callable[[str], int]:
     return parse
 
 
+def kv_place(device: str) -> str:
+    """What the output calls the memory of the KV pool on `device`: "GPU" on a CUDA device, else
+    the device itself ("cpu device"), so a CPU-only run never reports GPU pages."""
+    return "GPU" if str(device).startswith("cuda") else f"{device} device"
+
+
 def fail(prog: str, message: str) -> int:
     """One error line on stderr; the exit status of bad input."""
     print(f"{prog}: error: {message}", file=sys.stderr)
@@ -128,4 +154,64 @@ def check_plot_path(path: str) -> str | None:
         return f"--plot {path!r}: the folder {folder!r} is not writable"
     if os.path.isdir(path):
         return f"--plot {path!r} is a folder; expected a file name such as plot.png"
+    return None
+
+
+#: How to put a working torch back, for the one line a broken one gets.
+TORCH_FIX = ("reinstall it (pip install --force-reinstall torch==2.13.0; on a machine without a GPU "
+             "add --index-url https://download.pytorch.org/whl/cpu); `hisparse backends -v` lists what this "
+             "install can run")
+
+
+def import_torch(prog: str) -> str | None:
+    """Import torch; why it cannot be, in one line, or None. A broken install raises more than
+    ImportError (an OSError for a missing shared library, a RuntimeError from a CUDA mismatch):
+    each is named here rather than given as a traceback."""
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - whatever a broken torch raises, said in one line
+        detail = " ".join(str(exc).split()) or "no message"
+        return f"torch cannot be imported ({type(exc).__name__}: {detail}): {TORCH_FIX}"
+    return None
+
+
+def check_backend_name(name: str | None) -> str | None:
+    """Why `--backend NAME` (or $HISPARSE_BACKEND) cannot be used here, or None. Asks the
+    registry's entry-point metadata and the plugins' light probes only: no torch."""
+    from hisparse_core.errors import HiSparseError
+    from hisparse_core.registry import ENV_BACKEND, get_registry
+
+    try:
+        get_registry().choose(name)
+    except HiSparseError as exc:
+        import os
+
+        source = f"--backend {name!r}" if name is not None else (
+            f"${ENV_BACKEND}={os.environ.get(ENV_BACKEND, '')!r}" if os.environ.get(ENV_BACKEND, "").strip()
+            else "backend selection")
+        return f"{source}: {exc}"
+    return None
+
+
+def floor_size(nbytes: int) -> str:
+    """`nbytes` as a size the flags accept, rounded down (so that, given back, it still fits)."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{math.floor(100 * nbytes / scale) / 100:.2f}{unit}"
+    return f"{nbytes}B"
+
+
+def check_host_budget(flag: str, nbytes: int) -> str | None:
+    """Why a host budget of `nbytes` (given by `flag`) cannot fit this machine's RAM, naming the
+    largest that does, or None. The rule of `capacity.check_host_memory`, torch-free."""
+    from hisparse_core.capacity import HOST_FRACTION, available_host_bytes, check_host_memory
+    from hisparse_core.errors import CapacityError
+    from hisparse_core.replay.report import human_bytes
+
+    avail = available_host_bytes()
+    fits = f" to at most {floor_size(int(avail * HOST_FRACTION))}" if avail else ""
+    try:
+        check_host_memory(nbytes, f"{flag} {human_bytes(nbytes)}", remedy=f"lower {flag}{fits}")
+    except CapacityError as exc:
+        return str(exc)
     return None

@@ -76,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"hot buffer in multiples of top-k, in [1, {MAX_HOT:g}] (default: 2)")
     p.add_argument("--miss-rate", type=float_in(0.0, 1.0), default=None, metavar="FRACTION",
                    help="misses per looked-up entry, in [0, 1] (default: the published LRU figure for --hot)")
-    p.add_argument("--tail-pages", type=int_in(0, MAX_TOKENS), default=DEFAULT_TAIL_PAGES, metavar="N",
+    p.add_argument("--tail-pages", type=int_in(1, MAX_TOKENS), default=DEFAULT_TAIL_PAGES, metavar="N",
                    help=f"newest pages kept resident (default: {DEFAULT_TAIL_PAGES})")
     p.add_argument("--pcie-gbps", type=float_in(0.0, 1e4, lo_open=True), default=50.0, metavar="GB/S",
                    help="host-to-device bandwidth for the time estimate, GB/s, in (0, 10000] (default: 50)")

@@ -42,10 +42,14 @@ from hisparse_core.cli.options import (
     MAX_TOP_K,
     SIZE_UNITS,
     HelpFormatter,
+    check_backend_name,
+    check_host_budget,
     check_plot_path,
     fail,
     float_in,
+    import_torch,
     int_in,
+    kv_place,
     size_in,
 )
 from hisparse_core.errors import HiSparseError
@@ -163,14 +167,15 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
     s, c = result.summary(), result.config
     per_req = s["gpu_kv_bytes_per_request_measured"]
     base = s["gpu_kv_bytes_per_request_all_resident"]
-    reached = "" if s["gpu_limit_reached"] else " (GPU limit not reached: offer more requests or steps)"
+    where = kv_place(result.backend["device"])
+    reached = "" if s["gpu_limit_reached"] else f" ({where} limit not reached: offer more requests or steps)"
     rows = [
         ("backend", f"{result.backend['name']} {result.backend['version']} on {result.backend['device']}"),
         ("workload", f"{c['requests']} requests of {c['context']}+{c['decode_tokens']} tokens, {s['steps']} of "
                      f"{c['steps']} steps, top-k {c['top_k']}, hot {c['hot_rows']} rows ({c['hot_multiple']}x), "
                      f"{c['rows_per_request']} decode row(s) per request, {c['layers']} layers in index groups "
                      f"{c['index_groups']}, {c['row_format']}"),
-        ("budgets", f"GPU KV {human_bytes(c['gpu_kv_bytes'])} ({c['gpu_blocks']} blocks), host pool "
+        ("budgets", f"{where} KV {human_bytes(c['gpu_kv_bytes'])} ({c['gpu_blocks']} blocks), host pool "
                     f"{human_bytes(c['host_bytes'])} ({c['host_blocks']} blocks)"),
         ("throughput", ""),
         ("steps per second", f"{s['steps_per_s']:.2f} ({s['step_ms_mean']:.0f} ms/step; {s['decode_rows']} decode "
@@ -194,7 +199,7 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
         ("prefix-hit tokens", f"{s['prefix_hit_tokens']} (prefill computed {s['prefill_tokens_computed']} tokens)"),
         ("requests", f"{s['requests_admitted']} admitted, {s['requests_finished']} finished"),
         ("memory", ""),
-        ("GPU KV per request", f"{human_bytes(per_req)} at peak concurrency vs {human_bytes(base)} all-resident"
+        (f"{where} KV per request", f"{human_bytes(per_req)} at peak concurrency vs {human_bytes(base)} all-resident"
                                + (f" ({base / per_req:.2f}x less)" if per_req == per_req and per_req else "")),
         ("max concurrency", ""),
         ("with hisparse", f"{s['max_concurrency_hisparse_measured']} measured{reached}; planner "
@@ -211,6 +216,13 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
 
 def run(args: argparse.Namespace) -> int:
     if args.plot and (why := check_plot_path(args.plot)):
+        return fail("hisparse run", why)
+    # The checks that need no torch come first: a bad value fails in a fraction of a second.
+    from hisparse_core.replay.presets import preset
+
+    host = args.host if args.host is not None else preset(args.preset).get("host_bytes", DEFAULTS["host_bytes"])
+    if why := (check_backend_name(args.backend) or check_host_budget("--host", int(host))  # type: ignore[arg-type]
+               or import_torch("hisparse run")):
         return fail("hisparse run", why)
     from hisparse_core.registry import select_backend
     from hisparse_core.replay.attention import AttentionMismatch

@@ -64,6 +64,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from hisparse_core.capacity import fmt_bytes
 from hisparse_core.coordinator.acks import Acknowledgements
 from hisparse_core.coordinator.config import GIB, CoordinatorConfig
 from hisparse_core.coordinator.engine import GpuBlockAllocator, ScheduledRequest
@@ -130,10 +131,11 @@ class HiSparseCoordinator:
             logger.info("HiSparse disabled: the coordinator tracks nothing and builds no offload command")
             return
         logger.info(
-            "HiSparse host pool: %d blocks (%d usable + null) = %d tokens, %.3f GiB of the %s GiB budget; "
+            "HiSparse host pool: %d blocks (%d usable + null) = %d tokens, %s of the %s budget; "
             "block stride %d B (%d layers x %d tokens x %d B, aligned to %d); room for %.1f max_model_len "
             "requests; GPU pressure watermark %d of %d blocks",
-            num_blocks, usable, usable * config.block_size, num_blocks * stride / GIB, config.host_pool_gib,
+            num_blocks, usable, usable * config.block_size, fmt_bytes(num_blocks * stride),
+            fmt_bytes(config.host_pool_gib * GIB),
             stride, config.num_layers, config.block_size, config.row_bytes, config.stride_alignment,
             usable / config.max_pages_per_request, self._policy.watermark, gpu.num_blocks)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hisparse_core.backend import Backend
-from hisparse_core.capacity import check_device_memory
+from hisparse_core.capacity import check_device_memory, check_host_memory
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.host_pool import HostPoolSpec
@@ -167,13 +167,18 @@ def run_bench(config: BenchConfig, backend: Backend,
     num_dev_blocks = n_req * (hot_blocks + tail_slots)
     dev = backend.device
     check_device_memory(dev, num_dev_blocks * bs * c.layers * fmt.row_bytes,
-                        f"device caches of {num_dev_blocks} blocks x {c.layers} layers", remedy="lower --requests")
+                        f"device caches of {num_dev_blocks} blocks x {c.layers} layers ({n_req} requests x "
+                        f"({hot_blocks} hot + {tail_slots} tail blocks))",
+                        remedy="lower --requests, --top-k, --hot or --tail-pages")
     logger.info("bench: %d requests x %d-token prompts, %d steps, top-k %d, hot buffer %d rows (%.2fx), "
                 "%d layers in %d index group(s) %s, %s rows of %d B, %d resident tail pages, locality %.2f",
                 n_req, c.context, c.steps, k, hot_rows, hot_rows / k, c.layers, len(group_layers), group_layers,
                 fmt.name, fmt.row_bytes, c.tail_pages, c.locality)
 
     spec = HostPoolSpec(num_layers=c.layers, num_blocks=n_req * pages, block_size=bs, row_format=fmt)
+    # Checked here with bench's own flags (the pool's check would say "lower the host pool budget").
+    check_host_memory(spec.nbytes, f"the host pool of {n_req} requests x {pages} pages of {c.context}-token prompts "
+                                   f"x {c.layers} layers", remedy="lower --context or --requests")
     pool = backend.create_host_pool(spec)
     try:
         gen = torch.Generator().manual_seed(c.seed)

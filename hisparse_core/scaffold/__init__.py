@@ -2,8 +2,10 @@
 
 The files are templates in `template/` (package data, shipped in the wheel), filled with
 `string.Template`: `$name` (the backend and entry-point name), `$package` (`hisparse_<name>`),
-`$dist` (`hisparse-<name>`) and `$cls` (`<Name>Backend`). Torch-free: the check of a name against
-installed backends goes through the registry, which imports plugin modules only.
+`$dist` (`hisparse-<name>`), `$cls` (`<Name>Backend`) and `$hisparse_source` (where the
+vendor's environment gets hisparse itself, which is not on PyPI: `hisparse_source()`). Torch-free:
+the check of a name against installed backends goes through the registry, which imports plugin
+modules only.
 """
 
 from __future__ import annotations
@@ -61,11 +63,33 @@ def check_name(name: str, installed_backends: Iterable[str]) -> ScaffoldNames:
     return names
 
 
-def render(names: ScaffoldNames) -> dict[str, str]:
-    """Relative path -> text of every file of the distribution."""
+#: The environment variable `ci/conformance.sh` takes hisparse from: a checkout's path or a pip
+#: requirement (`git+https://...`, a wheel file).
+ENV_SOURCE = "HISPARSE_SOURCE"
+
+
+def hisparse_source() -> str:
+    """The source checkout the running hisparse comes from (an editable install or a clone on
+    PYTHONPATH: the folder whose pyproject.toml names the `hisparse` project), or "" when it is
+    installed from a wheel. The scaffold's README and CI script install hisparse from it."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        project = tomllib.loads((root / "pyproject.toml").read_text())["project"]["name"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return ""
+    return str(root) if project == "hisparse" else ""
+
+
+def render(names: ScaffoldNames, source: str | None = None) -> dict[str, str]:
+    """Relative path -> text of every file of the distribution; `source`: where hisparse itself
+    is installed from (default: `hisparse_source()`)."""
     template_dir = files("hisparse_core.scaffold") / "template"
+    source = hisparse_source() if source is None else source
     fields: Mapping[str, str] = {"name": names.name, "package": names.package, "dist": names.dist,
-                                 "cls": names.cls}
+                                 "cls": names.cls, "hisparse_source": source,
+                                 "hisparse_source_shown": source or "path/to/hisparse"}
     return {target.format(package=names.package): Template((template_dir / source).read_text()).substitute(fields)
             for source, target in FILES.items()}
 
@@ -78,10 +102,10 @@ def check_target(target: Path) -> None:
         raise InvalidInputError(f"target folder {str(target)!r} is not empty; expected a new or empty folder")
 
 
-def write(names: ScaffoldNames, target: Path) -> list[Path]:
+def write(names: ScaffoldNames, target: Path, source: str | None = None) -> list[Path]:
     """Write the distribution into `target` (checked by `check_target` first); the paths written."""
     check_target(target)
-    rendered = render(names)  # every template is read and filled before anything is written
+    rendered = render(names, source)  # every template is read and filled before anything is written
     written = []
     for rel, text in rendered.items():
         path = target / rel

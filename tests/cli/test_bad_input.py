@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hisparse_core.cli import build_parser, main
+from hisparse_core.cli import build_parser, main, options
 
 COMMANDS = ("run", "bench", "plan", "generate")
 
@@ -239,3 +239,99 @@ def test_a_failing_plot_keeps_the_finished_table(tmp_path: Path, capsys: pytest.
     captured = capsys.readouterr()
     assert "hisparse run" in captured.out and "hit rate" in captured.out
     assert "the run finished (figures above) but --plot failed" in captured.err
+
+
+#: Runs `main(argv)` in a fresh interpreter; the last stderr line is the status and whether torch was imported.
+_NO_TORCH_CHECK = """
+import sys
+from hisparse_core.cli import main
+try:
+    status = main({argv!r})
+except SystemExit as exc:
+    status = exc.code
+print(status, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["run", "--host", "1000TiB"], "hisparse run: error: --host 1000.00 TiB needs"),
+    (["run", "--backend", "nosuch"], "hisparse run: error: --backend 'nosuch': no hisparse backend named 'nosuch'"),
+    (["bench", "--backend", "nosuch"], "hisparse bench: error: --backend 'nosuch': no hisparse backend named"),
+    (["generate", "--backend", "nosuch"], "hisparse generate: error: --backend 'nosuch': no hisparse backend"),
+])
+def test_bad_values_fail_before_torch_is_imported(argv: list[str], needle: str) -> None:
+    """A budget over this machine's RAM and an unknown backend are told apart from the entry-point
+    metadata and /proc/meminfo alone: a second, not the 20 s of importing torch first."""
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_CHECK.format(argv=[*argv, "--no-progress"])],
+                          env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    *lines, last = proc.stderr.strip().splitlines()
+    assert last == "2 False", proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr
+    if "--host" in argv:
+        assert "lower --host to at most " in lines[0]
+
+
+@pytest.mark.parametrize("cmd", ["run", "bench", "generate"])
+def test_a_torch_that_raises_oserror_is_one_line(cmd: str, tmp_path: Path) -> None:
+    """A broken torch install raises more than ImportError (a missing shared library is an
+    OSError): one line naming torch, the error and the fix, no traceback."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise OSError("libtorch_cpu.so: cannot open shared object file")\n')
+    env = _env(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "hisparse_core", cmd, "--no-progress"], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"hisparse {cmd}: error: torch cannot be imported (OSError: libtorch_cpu.so: cannot open shared "
+                     f"object file): {options.TORCH_FIX}"], proc.stderr
+
+
+NEGATIVE_LOOKING = ("-1", "-1GiB", "-1e12", "-inf", "-.5")
+
+
+@pytest.mark.parametrize(("cmd", "flag"), [(c, f) for c, f, _ in OPTIONS], ids=[f"{c} {f}" for c, f, _ in OPTIONS])
+def test_a_negative_looking_value_after_a_space_reports_the_range(cmd: str, flag: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`--gpu-kv -1GiB` (with a space) is the option's value, checked against its range: stock
+    argparse calls it an option and says "expected one argument"."""
+    option = next(a for a in _subparsers()[cmd]._actions if flag in a.option_strings)
+    for value in NEGATIVE_LOOKING:
+        with pytest.raises(SystemExit) as exit_:
+            main([cmd, flag, value])
+        assert exit_.value.code == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"hisparse {cmd}: error: argument {flag}: expected"), lines
+        assert option.type.accepted in lines[0]
+
+
+def test_plan_tail_pages_range_is_the_one_it_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--tail-pages", "0"])
+    assert capsys.readouterr().err.startswith("hisparse plan: error: argument --tail-pages: expected an integer in "
+                                              "[1, 16777216], got 0")
+    assert main(["plan", "--tail-pages", "1", "--json"]) == 0
+
+
+@pytest.mark.parametrize(("argv", "needle", "not_said"), [
+    (["bench", "--context", "16777216"], "lower --context or --requests", "host pool budget"),
+    (["bench", "--top-k", "65536", "--hot", "64"], "lower --requests, --top-k, --hot or --tail-pages", None),
+])
+def test_bench_capacity_errors_name_bench_flags(argv: list[str], needle: str, not_said: str | None,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import hisparse_core.capacity as capacity
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 4 << 30)  # the same verdict on any machine
+    assert main([*argv, "--backend", "reference_cpu", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hisparse bench: error: ") and err.endswith(needle), err
+    assert not_said is None or not_said not in err
+
+
+def test_log_level_after_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """`hisparse run --log-level X` works as `hisparse --log-level X run` does."""
+    assert main(["backends", "--log-level", "bogus"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["hisparse: error: --log-level 'bogus' is not a logging level; "
+                                                    "expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL"]
+    assert main(["--log-level", "bogus", "plan", "--json", "--log-level", "warning"]) == 0  # the later one stands

@@ -44,12 +44,45 @@ def test_generate_table() -> None:
     rc, out, _ = _run()
     assert rc == 0
     for needle in ("tokens/s", "hit rate", "host->device", "device->host", "with hisparse", "without",
-                   "tokens identical", "max abs logit diff", "EXACT"):
+                   "tokens identical", "max abs logit diff", "EXACT", "cpu device KV per request"):
         assert needle in out, needle
+    assert "GPU" not in out  # a CPU-only run reports the cpu device's pages, not a GPU's
 
 
-def test_generate_bad_input_is_one_line() -> None:
-    rc, out, err = _run("--host-pool-gib", "1e-7")
+@pytest.mark.parametrize(("extra", "needle"), [
+    (["--host-pool-gib", "1000"], "--host-pool-gib 1000 needs 1000.00 GiB"),
+    (["--host-pool-gib", "1e-7"], "--host-pool-gib 1e-07 holds 0 pages of 768 B; the batch's 3 prompts"),
+    (["--top-k", "65", "--hot-rows", "64", "--block-size", "16"], "--hot-rows 64 is below --top-k 65"),
+    (["--hot-rows", "18"], "--hot-rows 18 is not a multiple of --block-size 4"),
+    (["--gpu-kv-pages", "3"], "--gpu-kv-pages 3 is below what 3 prompts"),
+])
+def test_generate_checks_every_input_before_the_first_forward(extra: list[str], needle: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value that cannot work fails at once, naming the flag (not the API argument), before the
+    model is built: the transformers-alone half used to run first, for minutes."""
+    import hisparse_core.capacity as capacity
+    import hisparse_transformers.demo as demo
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started although an input cannot work")
+
+    monkeypatch.setattr(demo, "run_demo", must_not_run)
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 64 << 30)  # the same verdict on any machine
+    rc, out, err = _run(*extra)
     assert rc == 2 and not out
     lines = [line for line in err.splitlines() if line.startswith("hisparse generate")]
-    assert len(lines) == 1 and "host_pool_gib=1e-07" in lines[0] and "expected host_pool_gib >=" in lines[0]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("hisparse generate: error: ") and needle in lines[0], lines[0]
+    for api_name in ("host_pool_gib", "hot_rows", "gpu_kv_gib", "block_size", "index_topk", "max_batch"):
+        assert api_name not in lines[0]
+
+
+def test_the_smallest_host_pool_generate_accepts_is_enough() -> None:
+    """The figure the host-pool check names is one that works (the engine's own check accepted
+    less and then failed mid-decode)."""
+    rc, out, err = _run("--host-pool-gib", "1e-7", "--new-tokens", "8")
+    assert rc == 2
+    needed = err.strip().splitlines()[-1].rpartition(">= ")[2]
+    rc, out, err = _run("--host-pool-gib", needed, "--new-tokens", "8", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["exactness"]["exact"]

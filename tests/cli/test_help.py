@@ -94,3 +94,49 @@ def test_backends_table_fits_the_terminal(width: int) -> None:
             assert word in flat
     if width == 300:
         assert len(table.splitlines()) == 1 + len(entries)  # wide enough: one line per backend
+
+
+@pytest.mark.parametrize("width", [20, 40, 60, 80])
+@pytest.mark.parametrize("verbose", [False, True])
+def test_backends_table_never_breaks_a_word(width: int, verbose: bool) -> None:
+    """REASON wraps at spaces only (`-v` or a narrow terminal used to cut `cuda-python` and
+    longer words mid-word): every word of every reason is whole on one line."""
+    entries = get_registry().entries()
+    entries.append(dataclasses.replace(entries[0], name="long_reason", reason=(
+        "cannot load /opt/vendor/lib/libaccelerator_runtime.so.12: cuda-python not installed: pip install "
+        "'hisparse[nvidia]'")))
+    table = format_table(entries, verbose=verbose, width=width)
+    words = {w for line in table.splitlines() for w in line.split()}
+    for e in entries:
+        for word in (e.reason or "").split():
+            assert word in words, (word, table)
+
+
+def _walk_parsers(parser, name: str = "hisparse"):  # type: ignore[no-untyped-def]
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _walk_parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_bounded_option_shows_its_range_in_help() -> None:
+    """What the README promises: `hisparse COMMAND --help` shows every option's accepted range
+    (`generate --prompts`, `run --decode-tokens` and `run --steps` used not to)."""
+    from hisparse_core.cli import build_parser
+
+    checked = set()
+    for name, parser in _walk_parsers(build_parser()):
+        flat = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            accepted = getattr(action.type, "accepted", None)
+            if not action.option_strings or accepted is None:
+                continue
+            checked.add((name, action.option_strings[-1]))
+            # The option's own entry: from its flag to the next option (the usage line has it too).
+            entries = re.finditer(re.escape(action.option_strings[-1]) + r" (.*?)(?= --[a-z]|$)", flat)
+            assert any(accepted in e.group(1) for e in entries), f"{name} {action.option_strings[-1]}: no {accepted}"
+    assert {("hisparse generate", "--prompts"), ("hisparse run", "--decode-tokens"),
+            ("hisparse run", "--steps")} <= checked

@@ -84,8 +84,10 @@ def test_run_table_and_plot(tmp_path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["run", "--backend", "reference_cpu", *SMALL, "--steps", "8", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     for needle in ("steps per second", "hit rate", "host->device", "device->host", "host pool peak",
-                   "GPU KV per request", "prefix-hit tokens", "with hisparse", "all resident", "attention check"):
+                   "cpu device KV per request", "prefix-hit tokens", "with hisparse", "all resident",
+                   "attention check"):
         assert needle in out
+    assert "GPU" not in out  # reference_cpu runs on the CPU: its KV budget is the cpu device's, not a GPU's
     assert png.stat().st_size > 10_000
 
 

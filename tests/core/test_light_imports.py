@@ -90,5 +90,7 @@ def test_backends_and_help_work_with_a_broken_torch(tmp_path) -> None:  # type: 
     assert hisparse("--help").returncode == 0
     run = hisparse("run", "--no-progress")
     assert run.returncode == 2 and "Traceback" not in run.stderr
-    assert run.stderr.strip().splitlines()[-1] == ("hisparse run: error: an import failed: this torch is broken "
-                                                   "(test); `hisparse backends -v` lists what this install can run")
+    from hisparse_core.cli.options import TORCH_FIX
+
+    assert run.stderr.strip().splitlines()[-1] == ("hisparse run: error: torch cannot be imported (ImportError: this "
+                                                   f"torch is broken (test)): {TORCH_FIX}")

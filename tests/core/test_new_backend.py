@@ -130,3 +130,58 @@ def test_templates_ship_as_package_data() -> None:
     on_disk = {p.name for p in template_dir.iterdir()}
     assert on_disk == set(FILES)
     assert all(any(fnmatch.fnmatch(f"template/{f}", pat) for pat in patterns) for f in on_disk)
+
+
+def test_the_scaffold_names_where_hisparse_comes_from(tmp_path: Path) -> None:
+    """hisparse is not on PyPI: the README, the CI script and the command's own output say how to
+    put it into a fresh environment, defaulting to this checkout."""
+    from hisparse_core.scaffold import hisparse_source
+
+    assert hisparse_source() == str(ROOT)  # tests run from a checkout
+    code, out, _ = new_backend("srcx", str(tmp_path / "d"))
+    assert code == 0 and f"pip install -e '{ROOT}'" in out.splitlines()[2]
+    readme = (tmp_path / "d" / "README.md").read_text()
+    assert f"pip install -e '{ROOT}'" in readme and "not on PyPI" in readme and "HISPARSE_SOURCE" in readme
+    assert f'HISPARSE_SOURCE="${{HISPARSE_SOURCE:-{ROOT}}}"' in (tmp_path / "d" / "ci" / "conformance.sh").read_text()
+    wheel_readme = render(ScaffoldNames.of("srcx"), source="")["README.md"]
+    assert "pip install -e 'path/to/hisparse'" in wheel_readme
+
+
+@pytest.mark.slow
+def test_ci_script_installs_hisparse_into_an_environment_without_it(tmp_path: Path) -> None:
+    """A fresh virtual environment that has torch and the other dependencies but not hisparse (as
+    a vendor's has): the scaffold's ci/conformance.sh installs hisparse from this checkout, then the
+    backend, lists it and collects the conformance suite. Offline: pip takes no index and no
+    dependencies; the shared packages come from this interpreter's site-packages through a .pth
+    line, which (unlike a site folder) runs none of their .pth files, so hisparse's own editable
+    install there stays invisible."""
+    import importlib.metadata
+    import importlib.util
+    import site
+    import sysconfig
+    import venv
+
+    setuptools = tuple(int(x) for x in importlib.metadata.version("setuptools").split(".")[:2])
+    if setuptools < (70, 1) and importlib.util.find_spec("wheel") is None:
+        pytest.skip(f"an offline editable build needs setuptools >= 70.1 or wheel here (setuptools {setuptools})")
+
+    new_backend("civendor", str(tmp_path / "d"))
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False, symlinks=True)  # pip, setuptools and wheel: the shared ones
+    py = env_dir / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    shared = [p for p in [sysconfig.get_paths()["purelib"], *site.getsitepackages()] if Path(p).is_dir()]
+    Path(purelib, "shared_site.pth").write_text("\n".join(dict.fromkeys(shared)) + "\n")
+    env = {"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "PIP_NO_INDEX": "1",
+           "PIP_NO_DEPS": "1", "PIP_NO_BUILD_ISOLATION": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    before = subprocess.run([str(py), "-c", "import hisparse_core"], env=env, cwd=tmp_path, capture_output=True,
+                            check=False)
+    assert before.returncode != 0, "the fresh environment must start without hisparse"
+    proc = subprocess.run(["bash", str(tmp_path / "d" / "ci" / "conformance.sh"), "--collect-only"], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "civendor" in proc.stdout and "available" in proc.stdout
+    where = subprocess.run([str(py), "-c", "import hisparse_core; print(hisparse_core.__file__)"], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(ROOT))

@@ -221,14 +221,28 @@ def test_a_creator_that_dies_after_publishing_fails_the_peer_fast_and_leaves_not
     assert not path.exists()
 
 
-def test_a_stale_file_from_an_earlier_run_does_not_mislead_a_peer(tmp_path: Path) -> None:
+def test_a_peer_started_after_rank_0_died_fails_at_once(tmp_path: Path) -> None:
+    """The peer's sweep finds the pool rank 0 published, its creator dead: the peer says so at
+    once, with the whole default timeout left, and nothing stays behind."""
     path = tmp_path / "hisparse_old.pool"
     creator = dead_child_creator()
     write_pool(path, creator)
-    with pytest.raises(ProtocolError, match=rf"waited 0.2s .* no file appeared; a stale file of dead pid {creator.pid}"
-                                            r" \(start time 1\) was there and was removed: start rank 0"):
-        shm.attach(str(path), HEADER, spec(1), FILE_BYTES, 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(ProtocolError, match=rf"rank 1: rank 0 \(pid {creator.pid} \(start time 1\)\) published the "
+                                            r"shared host pool 't' at .* and is dead \(it died before this rank "
+                                            r"started; its file was removed\): restart the deployment"):
+        shm.attach(str(path), HEADER, spec(1), FILE_BYTES, 60.0)
+    assert time.monotonic() - t0 < 10.0
     assert not path.exists()
+
+
+def test_a_stale_file_elsewhere_does_not_stop_a_peer_from_waiting(tmp_path: Path) -> None:
+    """A dead creator's file under another name is swept, and the peer waits for its own rank 0."""
+    other = tmp_path / "hisparse_other.pool"
+    write_pool(other, dead_child_creator())
+    with pytest.raises(ProtocolError, match=r"waited 0.2s .* and no file appeared: start rank 0"):
+        shm.attach(str(tmp_path / "hisparse_mine.pool"), HEADER, spec(1), FILE_BYTES, 0.2)
+    assert not other.exists()
 
 
 def test_a_peer_waits_for_rank_0_and_attaches_once_it_publishes(tmp_path: Path) -> None:

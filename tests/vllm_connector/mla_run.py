@@ -14,6 +14,12 @@ prefixes, other suffixes) then runs
 4. `corrupt`: loaded from a host pool overwritten with noise (the outputs must change).
 
 `refused`: the default eager engine, whose RoPE kernel mixes rows; the connector must refuse.
+
+    python tests/vllm_connector/mla_run.py MODEL_DIR BACKEND compiled-plain|compiled-connector
+
+`compiled-*` (issue 27, item 1): the model in bf16, compiled (no `enforce_eager`), without or with
+the connector: one wave of fresh prompts (nothing to load). The connector's start-up RoPE check
+runs in this engine; the outputs must be vLLM's own, bit for bit.
 """
 
 from __future__ import annotations
@@ -71,6 +77,18 @@ def loads(model_dir: str, backend: str) -> dict[str, Any]:
     return out
 
 
+def compiled(model_dir: str, backend: str, connector: bool) -> dict[str, Any]:
+    from vllm import LLM
+
+    extra: dict[str, Any] = {"kv_transfer_config": ed.kv_transfer(0.05)} if connector else {}
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, max_num_seqs=2, seed=0,
+              attention_config={"backend": backend}, block_size=16, **extra)
+    d = ed.Driver(llm)
+    rng = random.Random(27)
+    batch = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 21)]
+    return {"enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager, "wave": d.generate(batch)}
+
+
 def refused(model_dir: str, backend: str) -> dict[str, Any]:
     try:
         engine(model_dir, backend, exact_rope=False)
@@ -81,4 +99,6 @@ def refused(model_dir: str, backend: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     model, backend, mode = sys.argv[1:4]
-    ed.report({"loads": loads, "refused": refused}[mode](model, backend))
+    runs = {"loads": loads, "refused": refused, "compiled-plain": lambda m, b: compiled(m, b, False),
+            "compiled-connector": lambda m, b: compiled(m, b, True)}
+    ed.report(runs[mode](model, backend))

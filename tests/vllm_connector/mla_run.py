@@ -17,9 +17,10 @@ prefixes, other suffixes) then runs
 
     python tests/vllm_connector/mla_run.py MODEL_DIR BACKEND compiled-plain|compiled-connector
 
-`compiled-*` (issue 27, item 1): the model in bf16, compiled (no `enforce_eager`), without or with
-the connector: one wave of fresh prompts (nothing to load). The connector's start-up RoPE check
-runs in this engine; the outputs must be vLLM's own, bit for bit.
+`compiled-*` (issue 27, items 1 and 2): the model in bf16, compiled (no `enforce_eager`), without or
+with the connector. Wave 1, fresh prompts (nothing to load): the connector's start-up RoPE check
+ran in this engine, so the outputs must be vLLM's own, bit for bit. Wave 2 shares wave 1's
+prefixes: loaded from host with the connector, recomputed without it (top-2 logprobs kept).
 """
 
 from __future__ import annotations
@@ -78,15 +79,30 @@ def loads(model_dir: str, backend: str) -> dict[str, Any]:
 
 
 def compiled(model_dir: str, backend: str, connector: bool) -> dict[str, Any]:
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
     extra: dict[str, Any] = {"kv_transfer_config": ed.kv_transfer(0.05)} if connector else {}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, max_num_seqs=2, seed=0,
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, max_num_seqs=4, seed=0,
               attention_config={"backend": backend}, block_size=16, **extra)
     d = ed.Driver(llm)
-    rng = random.Random(27)
-    batch = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 21)]
-    return {"enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager, "wave": d.generate(batch)}
+    first, second = batches()
+    out: dict[str, Any] = {"enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
+                           "wave": d.generate(first)}
+    d.drain()
+    # Issue 27, item 2: wave 2 shares wave 1's prefixes. With the connector they load from host;
+    # without it (CPU_MLA keeps no prefix cache) they are recomputed. Top-2 logprobs per token.
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=2)
+    from vllm.inputs import TokensPrompt
+
+    wave2 = []
+    for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in second], params, use_tqdm=False):
+        res = o.outputs[0]
+        ranked = [sorted(lp.values(), key=lambda x: -x.logprob) for lp in res.logprobs]
+        wave2.append({"tokens": list(res.token_ids), "cached": int(o.num_cached_tokens or 0),
+                      "logprobs": [lp[t].logprob for t, lp in zip(res.token_ids, res.logprobs, strict=False)],
+                      "margins": [r[0].logprob - r[1].logprob for r in ranked]})
+    out["wave2"] = wave2
+    return out
 
 
 def refused(model_dir: str, backend: str) -> dict[str, Any]:

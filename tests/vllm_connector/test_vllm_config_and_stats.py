@@ -103,6 +103,20 @@ def test_the_first_hook_vllm_calls_with_the_config_checks_it(model_dir: Path,
                       "'share_host_pool']"]
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"host_pool_gib": 0}, r"\['host_pool_gib'\] must be a number > 0"),
+    ({"host_pool_gib": 1, "host_pool_gb": 1}, r"unknown key\(s\) \['host_pool_gb'\]"),
+    ({"host_pool_gib": 1, "hot_buffer_size": 16}, r"\['hot_buffer_size'\]=16"),
+])
+def test_the_config_time_hook_checks_the_extra_config_before_anything_loads(extra: dict[str, object],
+                                                                           message: str) -> None:
+    """Issue 27, item 6: vLLM calls `requires_piecewise_for_cudagraph(kv_connector_extra_config)`
+    while it builds its config (with CUDA graphs on), before any engine process or weight."""
+    with pytest.raises(ValueError, match=message):
+        HiSparseOffloadConnector.requires_piecewise_for_cudagraph(extra)
+    assert HiSparseOffloadConnector.requires_piecewise_for_cudagraph({"host_pool_gib": 1}) is False
+
+
 def test_auto_backend_selects_automatically(model_dir: Path) -> None:
     rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002, "backend": "auto"}))
     assert rig.workers[0].worker_side.worker.backend.name == "reference_cpu"  # the only one available on CPU

@@ -5,7 +5,8 @@ module applies what became complete:
 
 - a transfer enqueued on every worker: its GPU pin goes back to the engine (stream order makes
   reuse of the source block safe);
-- a transfer completed on every worker: its host pin goes. A spilled page of a running request
+- a transfer completed on every worker: its host pin goes. A spilled page (and every page of
+  another request that waited on that spill, see `step.py`) of a running request
   becomes PINNED (clean; releasable once outside the active tail) and the durable contiguous
   prefix is published. A page of a detached request becomes LOST (it holds no resident lease
   any more) and the request is gone once its last spill has landed;
@@ -23,6 +24,18 @@ from hisparse_core.coordinator.pages import CLEAN_STATES, LOST, PENDING, PINNED,
 from hisparse_core.coordinator.policy import ResidencyPolicy
 from hisparse_core.coordinator.spill import HostCopyLedger, Transfer, TransferKind, TransferLedger
 from hisparse_core.types import WorkerMetadata
+
+
+def advance_publication(host_pool: HostBlockPool, rec: RequestPages) -> None:
+    """Publish the durable, contiguous prefix: clean pages with no host copy pending."""
+    p = rec.num_ready
+    sealed = rec.num_sealed
+    state, host, hashes, cow = rec.state, rec.host, rec.hashes, rec.cow_pages
+    publish = host_pool.publish
+    while p < sealed and state[p] in CLEAN_STATES and p not in cow and host[p] >= 0:
+        publish(host[p], hashes[p])
+        p += 1
+    rec.num_ready = p
 
 
 class Acknowledgements:
@@ -72,21 +85,19 @@ class Acknowledgements:
         self._detached[rec] = None
 
     def advance_publication(self, rec: RequestPages) -> None:
-        """Publish the durable, contiguous prefix: clean pages with no host copy pending."""
-        p = rec.num_ready
-        sealed = rec.num_sealed
-        state, host, hashes, cow = rec.state, rec.host, rec.hashes, rec.cow_pages
-        publish = self._host.publish
-        while p < sealed and state[p] in CLEAN_STATES and p not in cow and host[p] >= 0:
-            publish(host[p], hashes[p])
-            p += 1
-        rec.num_ready = p
+        advance_publication(self._host, rec)
 
     def _complete_transfer(self, t: Transfer) -> None:
         self._host.release((t.host_block,))
         if t.kind is TransferKind.RESTORE:
             return
-        rec, p = t.owner, t.page
+        self._page_spilled(t.owner, t.page)
+        for rec, p in t.followers or ():
+            if rec.lifecycle is not Lifecycle.GONE:
+                self._page_spilled(rec, p)
+
+    def _page_spilled(self, rec: RequestPages, p: int) -> None:
+        """Page `p` of `rec` is durable on host (its own spill, or the one it waited on)."""
         rec.pending_spills -= 1
         if rec.lifecycle is Lifecycle.RUNNING:
             rec.state[p] = PINNED

@@ -409,6 +409,7 @@ class HiSparseCoordinator:
             prefix_queried_tokens=self._prefix_queried_tokens,
             published_blocks=host.num_published if self._enabled else 0,
             spills=self._step.spills,
+            shared_spills=self._step.shared_spills,
             restores=self._step.restores,
             released_pages=self._policy.released_pages,
             lost_pages=self._policy.lost_pages,

@@ -63,6 +63,9 @@ class CoordinatorStats:
     released_pages: int
     lost_pages: int
     evicted_blocks: int
+    #: Sealed pages not spilled because another request's copy of the same page (same prefix
+    #: hash) was published or in flight; `spills` counts the copies made.
+    shared_spills: int = 0
 
     @property
     def host_usage(self) -> float:

@@ -27,7 +27,9 @@ class TransferKind(enum.IntEnum):
 @dataclass(slots=True, eq=False)
 class Transfer:
     """One page transfer and the leases it pins: `gpu_blocks` until enqueued everywhere,
-    `host_block` until completed everywhere."""
+    `host_block` until completed everywhere. A spill carries its page's `block_hash`; pages of
+    other requests with the same hash sealed while it is in flight wait on it as `followers`
+    (each holds its own lease on `host_block`) instead of being spilled again."""
 
     transfer_id: int
     kind: TransferKind
@@ -39,6 +41,8 @@ class Transfer:
     enqueued: int = 0
     completed: int = 0
     enqueue_applied: bool = False
+    block_hash: bytes | None = None
+    followers: list[tuple[RequestPages, int]] | None = None
 
     def wire(self) -> PageTransfer:
         restore = self.kind is TransferKind.RESTORE
@@ -51,6 +55,7 @@ class TransferLedger:
 
     def __init__(self) -> None:
         self._pending: dict[int, Transfer] = {}
+        self._spilling: dict[bytes, Transfer] = {}
         self._next_id = 0
 
     def __len__(self) -> int:
@@ -63,11 +68,17 @@ class TransferLedger:
         return self._pending.values()
 
     def open(self, kind: TransferKind, owner: RequestPages, page: int, host_block: int,
-             gpu_blocks: tuple[int, ...]) -> Transfer:
-        t = Transfer(self._next_id, kind, owner, page, host_block, gpu_blocks)
+             gpu_blocks: tuple[int, ...], block_hash: bytes | None = None) -> Transfer:
+        t = Transfer(self._next_id, kind, owner, page, host_block, gpu_blocks, block_hash=block_hash)
         self._next_id += 1
         self._pending[t.transfer_id] = t
+        if block_hash is not None and kind is TransferKind.SPILL:
+            self._spilling.setdefault(block_hash, t)
         return t
+
+    def spilling(self, block_hash: bytes) -> Transfer | None:
+        """The spill in flight of a page with this hash, if any."""
+        return self._spilling.get(block_hash)
 
     def _unknown(self, phase: str, transfer_id: int) -> ProtocolError:
         why = "already completed on every worker" if 0 <= transfer_id < self._next_id else "never issued"
@@ -111,6 +122,8 @@ class TransferLedger:
             t.completed += meta.completed[tid]
             if t.completed == num_workers:
                 del pending[tid]
+                if t.block_hash is not None and self._spilling.get(t.block_hash) is t:
+                    del self._spilling[t.block_hash]
                 complete_done.append(t)
         return enqueue_done, complete_done
 

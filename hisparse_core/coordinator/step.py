@@ -13,17 +13,22 @@ Two phases, so that a bad step changes nothing:
    pages, mirrors the rows the host does not have, seals and spills the pages that
    `num_computed_tokens` covers, restores partial pages that came from host, runs the residency
    policy and assembles the command.
+
+A sealed page whose hash is already published, or whose spill another request has in flight
+(requests sharing an engine-side prefix seal the same pages), is not spilled again: the request
+takes that host block (`_share_spilled_page`), so each distinct page is copied once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hisparse_core.coordinator.acks import advance_publication
 from hisparse_core.coordinator.config import CoordinatorConfig
 from hisparse_core.coordinator.engine import GpuBlockAllocator, ScheduledRequest
 from hisparse_core.coordinator.host_blocks import HostBlockPool
 from hisparse_core.coordinator.outputs import TableUpdate
-from hisparse_core.coordinator.pages import DIRTY, LOST, PENDING, RequestPages, unknown_request
+from hisparse_core.coordinator.pages import DIRTY, LOST, PENDING, PINNED, RequestPages, unknown_request
 from hisparse_core.coordinator.policy import ResidencyPolicy
 from hisparse_core.coordinator.prefix import chain_hashes
 from hisparse_core.coordinator.spill import HostCopyLedger, TransferKind, TransferLedger
@@ -55,6 +60,7 @@ class StepPlanner:
         self._groups = config.num_resident_groups
         self._max_tokens = config.max_pages_per_request * config.block_size
         self.spills = 0
+        self.shared_spills = 0  # sealed pages another request's spill (done or in flight) covered
         self.restores = 0
 
     # -- phase 1: validation -----------------------------------------------------------------
@@ -216,16 +222,26 @@ class StepPlanner:
         if seal_to > rec.num_sealed:
             first = rec.num_sealed
             rec.hashes.extend(chain_hashes(req.token_ids, bs, rec.parent_hash(first), first, seal_to))
+            shared: list[int] = []
             for p in range(first, seal_to):
                 blocks = rec.gpu[p]
                 assert blocks is not None and rec.state[p] == DIRTY
+                if p not in rec.cow_pages and self._share_spilled_page(rec, p):
+                    shared.append(p)
+                    continue
                 self._gpu.retain(blocks)
                 self._host.touch((rec.host[p],))
                 rec.state[p] = PENDING
                 rec.pending_spills += 1
-                transfers.append(self._transfers.open(TransferKind.SPILL, rec, p, rec.host[p], blocks).wire())
-            self.spills += seal_to - first
+                transfers.append(self._transfers.open(TransferKind.SPILL, rec, p, rec.host[p], blocks,
+                                                      rec.hashes[p]).wire())
+                self.spills += 1
             rec.num_sealed = seal_to
+            if shared:
+                self.shared_spills += len(shared)
+                if rec.alive and rec.state_index >= 0 and not rec.resend:
+                    tables.append(TableUpdate(si, tuple(shared), tuple(rec.host[p] for p in shared)))
+                advance_publication(self._host, rec)
 
         if rec.resend:
             rec.resend = False
@@ -242,6 +258,31 @@ class StepPlanner:
                 rows[p] = gpu[p]  # type: ignore[assignment]
             if pages_after > old_pages:
                 tables.append(TableUpdate(si, tuple(range(old_pages, pages_after)), tuple(rec.host[old_pages:])))
+
+    def _share_spilled_page(self, rec: RequestPages, p: int) -> bool:
+        """Page `p` of `rec` was just sealed. If a page with its hash is already published, or
+        its spill is in flight, take that host block instead of spilling the page again (a
+        shared prefix is copied once, whoever holds it): True. Else False (spill it)."""
+        h = rec.hashes[p]
+        published = self._host.published_block(h)
+        leader = None if published is not None else self._transfers.spilling(h)
+        block = published if published is not None else (leader.host_block if leader is not None else None)
+        if block is None or block == rec.host[p]:
+            return False
+        self._host.touch((block,))
+        self._host.release((rec.host[p],))
+        rec.host[p] = block
+        if leader is None:
+            rec.state[p] = PINNED
+            if rec.file_clean(p):
+                self._policy.note_releasable(rec)
+        else:
+            rec.state[p] = PENDING
+            rec.pending_spills += 1
+            if leader.followers is None:
+                leader.followers = []
+            leader.followers.append((rec, p))
+        return True
 
     def _build_command(self, transfers: list[PageTransfer], mirrors: list[RowMirror],
                        residency: dict[int, dict[int, tuple[int, ...]]],

@@ -68,6 +68,15 @@ class Driver:
         assert not self.scheduler.has_requests(), "engine did not drain"
         return steps
 
+    def step_idle(self) -> int:
+        """Step through `LLMEngine.step` (which feeds vLLM's stat loggers, unlike `drain`) while
+        the scheduler reports work; returns the steps."""
+        steps = 0
+        while self.scheduler.has_requests() and steps < 100:
+            self.llm.llm_engine.step()
+            steps += 1
+        return steps
+
     def host_stats(self) -> dict[str, int]:
         s = self.side.coordinator.stats()
         return {"used": s.host_blocks_used, "cached": s.host_blocks_cached, "published": s.published_blocks,
@@ -86,6 +95,11 @@ class Driver:
 
     def metrics(self) -> dict[str, Any]:
         return {m.name: getattr(m, "value", None) for m in self.llm.get_metrics() if "hisparse" in m.name}
+
+    def vllm_cached_tokens(self, source: str) -> int:
+        """vLLM's own count of prompt tokens served by one cache tier (`vllm:prompt_tokens_cached_by_source`)."""
+        return int(sum(getattr(m, "value", 0) for m in self.llm.get_metrics()
+                       if m.name == "vllm:prompt_tokens_cached_by_source" and m.labels.get("source") == source))
 
 
 class Records(logging.Handler):

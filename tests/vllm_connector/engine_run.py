@@ -141,6 +141,9 @@ def main(model_dir: str, mode: str) -> dict[str, Any]:
     batch1 = d.generate(prompts(1, 2, prefix), params)
     report["batch1"], report["cached1"] = [r["tokens"] for r in batch1], [r["cached"] for r in batch1]
     report["drain1"] = d.drain()
+    if pool is not None:
+        s = d.side.coordinator.stats()
+        report["spills1"] = {"spills": s.spills, "shared": s.shared_spills, "published": s.published_blocks}
     report["gpu_reset1"] = d.llm.reset_prefix_cache()
     if pool is None:
         batch2 = d.generate(prompts(2, 2, prefix), params)
@@ -167,8 +170,11 @@ def main(model_dir: str, mode: str) -> dict[str, Any]:
         report["cached2_corrupt"] = [r["cached"] for r in corrupt]
         report["drain3"] = d.drain()
         report["metrics"] = d.metrics()
+        report["vllm_host_tokens"] = d.vllm_cached_tokens("host")
         report["full_reset"] = d.llm.reset_prefix_cache(reset_connector=True)
         report["after_reset"] = d.host_stats()
+        report["drain_reset"] = d.step_idle()  # the idle engine steps once to report the levels
+        report["metrics_after_reset"] = d.metrics()
     assert d.llm.reset_prefix_cache()
     report["admission"] = admission(d)
     return report

@@ -14,6 +14,13 @@ prefixes, other suffixes) then runs
 4. `corrupt`: loaded from a host pool overwritten with noise (the outputs must change).
 
 `refused`: the default eager engine, whose RoPE kernel mixes rows; the connector must refuse.
+
+    python tests/vllm_connector/mla_run.py MODEL_DIR BACKEND compiled-plain|compiled-connector
+
+`compiled-*` (issue 27, items 1 and 2): the model in bf16, compiled (no `enforce_eager`), without or
+with the connector. Wave 1, fresh prompts (nothing to load): the connector's start-up RoPE check
+ran in this engine, so the outputs must be vLLM's own, bit for bit. Wave 2 shares wave 1's
+prefixes: loaded from host with the connector, recomputed without it (top-2 logprobs kept).
 """
 
 from __future__ import annotations
@@ -71,6 +78,33 @@ def loads(model_dir: str, backend: str) -> dict[str, Any]:
     return out
 
 
+def compiled(model_dir: str, backend: str, connector: bool) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    extra: dict[str, Any] = {"kv_transfer_config": ed.kv_transfer(0.05)} if connector else {}
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, max_num_seqs=4, seed=0,
+              attention_config={"backend": backend}, block_size=16, **extra)
+    d = ed.Driver(llm)
+    first, second = batches()
+    out: dict[str, Any] = {"enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
+                           "wave": d.generate(first)}
+    d.drain()
+    # Issue 27, item 2: wave 2 shares wave 1's prefixes. With the connector they load from host;
+    # without it (CPU_MLA keeps no prefix cache) they are recomputed. Top-2 logprobs per token.
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=2)
+    from vllm.inputs import TokensPrompt
+
+    wave2 = []
+    for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in second], params, use_tqdm=False):
+        res = o.outputs[0]
+        ranked = [sorted(lp.values(), key=lambda x: -x.logprob) for lp in res.logprobs]
+        wave2.append({"tokens": list(res.token_ids), "cached": int(o.num_cached_tokens or 0),
+                      "logprobs": [lp[t].logprob for t, lp in zip(res.token_ids, res.logprobs, strict=False)],
+                      "margins": [r[0].logprob - r[1].logprob for r in ranked]})
+    out["wave2"] = wave2
+    return out
+
+
 def refused(model_dir: str, backend: str) -> dict[str, Any]:
     try:
         engine(model_dir, backend, exact_rope=False)
@@ -81,4 +115,6 @@ def refused(model_dir: str, backend: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     model, backend, mode = sys.argv[1:4]
-    ed.report({"loads": loads, "refused": refused}[mode](model, backend))
+    runs = {"loads": loads, "refused": refused, "compiled-plain": lambda m, b: compiled(m, b, False),
+            "compiled-connector": lambda m, b: compiled(m, b, True)}
+    ed.report(runs[mode](model, backend))

@@ -103,6 +103,20 @@ def test_the_first_hook_vllm_calls_with_the_config_checks_it(model_dir: Path,
                       "'share_host_pool']"]
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"host_pool_gib": 0}, r"\['host_pool_gib'\] must be a number > 0"),
+    ({"host_pool_gib": 1, "host_pool_gb": 1}, r"unknown key\(s\) \['host_pool_gb'\]"),
+    ({"host_pool_gib": 1, "hot_buffer_size": 16}, r"\['hot_buffer_size'\]=16"),
+])
+def test_the_config_time_hook_checks_the_extra_config_before_anything_loads(extra: dict[str, object],
+                                                                           message: str) -> None:
+    """Issue 27, item 6: vLLM calls `requires_piecewise_for_cudagraph(kv_connector_extra_config)`
+    while it builds its config (with CUDA graphs on), before any engine process or weight."""
+    with pytest.raises(ValueError, match=message):
+        HiSparseOffloadConnector.requires_piecewise_for_cudagraph(extra)
+    assert HiSparseOffloadConnector.requires_piecewise_for_cudagraph({"host_pool_gib": 1}) is False
+
+
 def test_auto_backend_selects_automatically(model_dir: Path) -> None:
     rig = vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002, "backend": "auto"}))
     assert rig.workers[0].worker_side.worker.backend.name == "reference_cpu"  # the only one available on CPU
@@ -129,12 +143,14 @@ def test_stats_report_bytes_both_ways_host_usage_and_prefix_hits(model_dir: Path
     page_bytes = 2 * vs.BLOCK * vs.HEADS * vs.HEAD_DIM * 4  # one layer's page: K and V, fp32
     spilled = (100 + 3) // vs.BLOCK  # pages sealed by the last step that computed a token of "a"
     assert collected().total("device_to_host_bytes") == spilled * page_bytes * len(vs.LAYERS)
-    assert collected().total("prefix_matched_tokens") == 0
+    assert collected().total("host_prefix_matched_tokens") == 0
     assert rig.scheduler.reset_prefix_cache()
     rig.add("b", PREFIX + [7] * 4, max_tokens=2)
     rig.run()
     stats = collected()
-    assert stats.total("prefix_matched_tokens") == 80 and stats.total("prefix_loaded_tokens") == 80
+    assert stats.total("host_prefix_matched_tokens") == 80 and stats.total("prefix_loaded_tokens") == 80
+    vllm = rig.vllm_hits()  # vLLM's own counters of the same loads
+    assert stats.total("prefix_loaded_tokens") == vllm["host"] == 80 and vllm["preempted"] == 0
     assert stats.total("host_to_device_bytes") == 5 * page_bytes * len(vs.LAYERS)
     assert stats.total("device_to_host_bytes") == spilled * page_bytes * len(vs.LAYERS), "b's prefix came from host"
     assert "hot_hits" not in stats.data and "hot_misses" not in stats.data, "no hot buffer on vLLM's attention"
@@ -143,8 +159,28 @@ def test_stats_report_bytes_both_ways_host_usage_and_prefix_hits(model_dir: Path
     assert stats.last("host_pool_cached") == spilled / stats.last("host_blocks_total")
     assert stats.last("requests_uncached") == 0 and stats.total("host_evicted_blocks") == 0
     reduced = stats.reduce()
-    assert reduced["hisparse prefix_matched_tokens"] == 80 and reduced["hisparse host_pool_usage"] == 0
+    assert reduced["hisparse host_prefix_matched_tokens"] == 80 and reduced["hisparse host_pool_usage_perc"] == 0
     rig.assert_no_leaks()
+    # Issue 27, item 4: a reset that forgets the cached pages brings the gauges down at once: the
+    # idle engine steps once more and reports them (before, they kept the old values).
+    steps = rig.steps
+    assert rig.scheduler.reset_prefix_cache(reset_connector=True)
+    rig.run()
+    assert rig.steps == steps + 1, "one step reports the levels after the reset"
+    after = rig.collected()
+    assert after.last("host_blocks_cached") == 0 and after.last("host_pool_cached") == 0
+    assert not rig.scheduler.has_requests(), "and the engine is idle again"
+
+
+def test_the_periodic_log_names_every_series_as_prometheus_does() -> None:
+    """Issue 27, item 4: the log said `prefix_matched_tokens` where Prometheus says
+    `host_prefix_matched_tokens`. Each log label is the Prometheus name without `vllm:hisparse_`."""
+    from hisparse_vllm.stats import COUNTERS, LEVELS
+
+    values = dict.fromkeys((*COUNTERS, *LEVELS), 1)
+    reduced = HiSparseConnectorStats().record(**values).reduce()
+    for name, _ in (*COUNTERS.values(), *LEVELS.values()):
+        assert "hisparse " + name.removeprefix("vllm:hisparse_") in reduced, name
 
 
 def test_prometheus_metrics_count_and_gauge(model_dir: Path) -> None:
@@ -153,7 +189,7 @@ def test_prometheus_metrics_count_and_gauge(model_dir: Path) -> None:
         config, {Gauge: Gauge, Counter: Counter, Histogram: Histogram}, ["model_name", "engine"], {0: ["tiny", "0"]})
     try:
         data = HiSparseConnectorStats().record(host_to_device_bytes=4096, device_to_host_bytes=8192,
-                                               prefix_matched_tokens=64, prefix_loaded_tokens=32,
+                                               host_prefix_matched_tokens=64, prefix_loaded_tokens=32,
                                                host_evicted_blocks=3, host_pool_usage=0.25, host_pool_cached=0.5,
                                                host_blocks_cached=9, pending_transfers=2, requests_uncached=1)
         data.record(host_evicted_blocks=2, host_pool_usage=0.5, requests_uncached=0)

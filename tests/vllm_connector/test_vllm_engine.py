@@ -121,6 +121,27 @@ def test_prometheus_metrics_of_the_engine(reports: dict) -> None:
 
 
 @pytest.mark.slow
+def test_requests_sharing_a_prefix_spill_each_page_once(reports: dict) -> None:
+    """Issue 27, item 3: batch 1's two requests compute the same 6 prefix pages in one step; each
+    used to spill them (12 copies). Each distinct page is copied once, and D2H bytes agree."""
+    spills = reports["connector"]["spills1"]
+    assert spills == {"spills": 6, "shared": 6, "published": 6}
+
+
+@pytest.mark.slow
+def test_metrics_match_vllms_own_counters_and_a_reset_brings_the_gauges_down(reports: dict) -> None:
+    """Issue 27, item 4: prefix_loaded_tokens is vLLM's source=HOST count; after a reset that
+    forgot the cached pages the gauges say so (the idle engine steps once to report them)."""
+    hisparse = reports["connector"]
+    assert hisparse["metrics"]["vllm:hisparse_prefix_loaded_tokens"] == hisparse["vllm_host_tokens"] > 0
+    assert hisparse["metrics"]["vllm:hisparse_preempted_loaded_tokens"] == 0, "nothing was preempted"
+    assert hisparse["metrics"]["vllm:hisparse_host_blocks_cached"] > 0 and hisparse["drain_reset"] == 1
+    after = hisparse["metrics_after_reset"]
+    assert after["vllm:hisparse_host_blocks_cached"] == 0 and after["vllm:hisparse_host_pool_cached_perc"] == 0
+    assert after["vllm:hisparse_host_pool_usage_perc"] == 0 and after["vllm:hisparse_pending_transfers"] == 0
+
+
+@pytest.mark.slow
 def test_hisparse_lines_print_once_beside_a_root_handler(reports: dict) -> None:
     """Issue 16, item 3: `connector` installs a root logging handler, as vLLM's zentorch helpers
     do; hisparse's lines go through vLLM's handlers only."""

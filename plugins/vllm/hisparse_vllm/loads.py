@@ -36,6 +36,7 @@ def split_acks(meta: WorkerMetadata) -> tuple[WorkerMetadata, WorkerMetadata]:
 @dataclass(slots=True)
 class _Load:
     request_id: str
+    resumed: bool = False  # the load of a preempted request resuming (vLLM counts it apart)
     enqueued: int = 0
     completed: int = 0
 
@@ -49,9 +50,12 @@ class LoadLedger:
     _loads: dict[int, _Load] = field(default_factory=dict)
     _by_request: dict[str, set[int]] = field(default_factory=dict)
     loaded_pages: int = 0
+    resumed_pages: int = 0  # the part of `loaded_pages` that preempted requests reloaded
 
-    def plan(self, request_id: str, pages: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
-        """Queue one restore per `(host_block, resident_blocks_per_group)`; returns their ids."""
+    def plan(self, request_id: str, pages: Sequence[tuple[int, tuple[int, ...]]], *,
+             resumed: bool = False) -> list[int]:
+        """Queue one restore per `(host_block, resident_blocks_per_group)`; returns their ids.
+        `resumed`: the request was preempted before (its load is counted apart, as vLLM does)."""
         if request_id in self._by_request:
             raise ProtocolError(f"request {request_id!r} already has a prefix load in flight")
         ids: list[int] = []
@@ -59,7 +63,7 @@ class LoadLedger:
             tid = self._next_id
             self._next_id += 1
             self._queued.append(PageTransfer(tid, host_block, blocks, after_forward=False, restore=True))
-            self._loads[tid] = _Load(request_id)
+            self._loads[tid] = _Load(request_id, resumed)
             ids.append(tid)
         if ids:
             self._by_request[request_id] = set(ids)
@@ -96,6 +100,7 @@ class LoadLedger:
             if load.completed == num_workers:
                 del self._loads[tid]
                 self.loaded_pages += 1
+                self.resumed_pages += load.resumed
                 ids = self._by_request[load.request_id]
                 ids.discard(tid)
                 if not ids:

@@ -127,7 +127,9 @@ class SchedulerSide:
         self._admissions = 0
         self._warned_full = False
         self._reset_hot = False
-        self._reported = {"prefix_matched_tokens": 0, "loaded_pages": 0, "evicted_blocks": 0}
+        self._reported = {"host_prefix_matched_tokens": 0, "new_loaded_pages": 0, "resumed_pages": 0,
+                          "evicted_blocks": 0}
+        self._stats_due = False  # a reset changed the levels: report them at the next step
 
     # ----------------------------------------------------------------- binding
 
@@ -199,7 +201,7 @@ class SchedulerSide:
         host = self.coordinator.source_block_ids(rid) if taken >= end else hit.host_block_ids
         block_ids = blocks.get_block_ids()
         pages = [(host[p], tuple(group[p] for group in block_ids)) for p in range(local // self._bs, end // self._bs)]
-        self._loads.plan(rid, pages)
+        self._loads.plan(rid, pages, resumed=request.num_preemptions > 0)
         logger.debug("request %s: loading %d host pages (tokens [%d, %d)) into GPU blocks", rid, len(pages), local,
                      end)
 
@@ -392,8 +394,10 @@ class SchedulerSide:
     # ----------------------------------------------------------------- state
 
     def has_pending_work(self) -> bool:
+        # `_stats_due` keeps an idle engine stepping once after a reset, so the stats that step
+        # reports bring the gauges down (vLLM sends stats only with a step's outputs).
         return bool(self._coord is not None and self._coord.has_pending_work()) or bool(len(self._loads)) \
-            or bool(self._delayed)
+            or bool(self._delayed) or self._stats_due
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._delayed) or (self._gpu is not None and self._gpu.num_pins_on_freed_blocks() > 0)
@@ -413,13 +417,17 @@ class SchedulerSide:
         self._coord = HiSparseCoordinator(self._coord_config, self._gpu)
         self._inflight.clear()
         self._reset_hot = True
-        self._reported.update(prefix_matched_tokens=0, evicted_blocks=0)  # the new coordinator counts from zero
+        self._reported.update(host_prefix_matched_tokens=0, evicted_blocks=0)  # the new coordinator counts from 0
+        self._stats_due = True
         logger.info("hisparse host cache reset: %d published blocks forgotten", stats.published_blocks)
         return True
 
     def stats(self) -> HiSparseConnectorStats:
         s = self.coordinator.stats()
-        now = {"prefix_matched_tokens": s.prefix_hit_tokens, "loaded_pages": self._loads.loaded_pages,
+        self._stats_due = False
+        loads = self._loads
+        now = {"host_prefix_matched_tokens": s.prefix_hit_tokens,
+               "new_loaded_pages": loads.loaded_pages - loads.resumed_pages, "resumed_pages": loads.resumed_pages,
                "evicted_blocks": s.evicted_blocks}
         delta = {k: v - self._reported[k] for k, v in now.items()}
         self._reported = now
@@ -428,10 +436,12 @@ class SchedulerSide:
             host_blocks_used=s.host_blocks_used, host_blocks_cached=s.host_blocks_cached,
             pending_transfers=s.pending_transfers + len(self._loads), requests_uncached=len(self._uncached),
             host_blocks_total=s.host_blocks_total)
-        if delta["prefix_matched_tokens"]:
-            out.record(prefix_matched_tokens=delta["prefix_matched_tokens"])
-        if delta["loaded_pages"]:
-            out.record(prefix_loaded_tokens=delta["loaded_pages"] * self._bs)
+        if delta["host_prefix_matched_tokens"]:
+            out.record(host_prefix_matched_tokens=delta["host_prefix_matched_tokens"])
+        if delta["new_loaded_pages"]:
+            out.record(prefix_loaded_tokens=delta["new_loaded_pages"] * self._bs)
+        if delta["resumed_pages"]:
+            out.record(preempted_loaded_tokens=delta["resumed_pages"] * self._bs)
         if delta["evicted_blocks"]:
             out.record(host_evicted_blocks=delta["evicted_blocks"])
         return out

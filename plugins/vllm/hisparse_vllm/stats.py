@@ -29,9 +29,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "device_to_host_bytes": ("vllm:hisparse_device_to_host_bytes",
                              "Bytes copied from the device to the hisparse host pool (spills of sealed pages)."),
     "prefix_loaded_tokens": ("vllm:hisparse_prefix_loaded_tokens",
-                             "Prompt tokens loaded from the hisparse host pool instead of being recomputed "
-                             "(the tokens vLLM counts with source HOST)."),
-    "prefix_matched_tokens": ("vllm:hisparse_host_prefix_matched_tokens",
+                             "Prompt tokens of new requests loaded from the hisparse host pool instead of being "
+                             "recomputed (the tokens vLLM counts with source HOST)."),
+    "preempted_loaded_tokens": ("vllm:hisparse_preempted_loaded_tokens",
+                                "Tokens a preempted request reloaded from the hisparse host pool when it resumed "
+                                "(vLLM counts them among its preempted requests' hits, not by source)."),
+    "host_prefix_matched_tokens": ("vllm:hisparse_host_prefix_matched_tokens",
                               "Prompt tokens of admitted requests whose pages were published in the hisparse host "
                               "pool, whether the host or vLLM's own GPU prefix cache then served them."),
     "host_evicted_blocks": ("vllm:hisparse_host_evicted_blocks",
@@ -54,6 +57,14 @@ LEVELS: dict[str, tuple[str, str]] = {
 }
 #: Reported but not exported (for logs and tests).
 INFO_LEVELS = ("host_blocks_used", "host_blocks_total")
+_PROM_PREFIX = "vllm:hisparse_"
+
+
+def log_label(key: str) -> str:
+    """What vLLM's periodic log calls a series: `hisparse ` and its Prometheus name without the
+    `vllm:hisparse_` prefix (`hisparse host_prefix_matched_tokens`), so both say the same."""
+    named = COUNTERS.get(key) or LEVELS.get(key)
+    return "hisparse " + (named[0].removeprefix(_PROM_PREFIX) if named else key)
 
 
 @dataclass
@@ -86,11 +97,11 @@ class HiSparseConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {f"hisparse {key}": sum(self.data.get(key, [])) for key in COUNTERS}
+        out: dict[str, int | float] = {log_label(key): sum(self.data.get(key, [])) for key in COUNTERS}
         for key in (*LEVELS, *INFO_LEVELS):
             values = self.data.get(key, [])
             if values:
-                out[f"hisparse {key}"] = round(100 * values[-1], 1) if key.startswith("host_pool_") else values[-1]
+                out[log_label(key)] = round(100 * values[-1], 1) if key.startswith("host_pool_") else values[-1]
         return out
 
     def is_empty(self) -> bool:

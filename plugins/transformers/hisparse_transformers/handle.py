@@ -14,7 +14,6 @@ releases the host pool.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 import types
@@ -32,7 +31,7 @@ from hisparse_transformers.engine import EngineConfig, HiSparseEngine, StepState
 from hisparse_transformers.families import DsaLayout, detect
 from hisparse_transformers.graphs import DecodeGraphs
 from hisparse_transformers.stats import HiSparseStats
-from hisparse_transformers.version import check_version
+from hisparse_transformers.version import cache_kwarg, check_version
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +74,7 @@ class HiSparseHandle:
         self._attn = [HiSparseAttention(m, layout, engine, i) for i, m in enumerate(layout.attentions)]
         self._base = getattr(model, "base_model", model)
         self.graphs = DecodeGraphs(engine, cuda_graphs, model)
-        params = inspect.signature(self.model.generate).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = cache_kwarg(model)
         self._hooks: list[Any] = []
         self._generate: Callable[..., Any] | None = None
         self.closed = False

@@ -205,7 +205,8 @@ class HiSparseHandle:
             host_pool_bytes=e.worker.host_pool_spec.nbytes if not e.closed else 0,
             checked_entries=checker.totals.entries if checker else 0,
             checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0, decode_mode=self.graphs.mode,
-            graph_captures=self.graphs.captures)
+            graph_captures=self.graphs.captures, checked_topk_queries=checker.totals.topk_queries if checker else 0,
+            checked_topk_ties=checker.totals.topk_ties if checker else 0)
 
     def close(self) -> None:
         """Restore the model and release the host pool. Idempotent."""

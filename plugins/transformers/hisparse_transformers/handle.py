@@ -3,8 +3,11 @@
 After it, plain `model.generate(...)` runs through hisparse: the instance's `generate` hands
 transformers' own generate a fresh `HiSparseCache` (and, unless given, `prefill_chunk_size`, so
 transformers' chunked prefill builds only `[chunk, T]` masks). A `HiSparseCache` from
-`handle.new_cache()` may also be passed explicitly; any other cache (say a `DynamicCache`) makes
-generate run the model's own attention, unchanged. Each attention module is patched per instance
+`handle.new_cache()` may also be passed explicitly; any other cache (say a `DynamicCache`), a
+forward without a cache and `generate(use_cache=False)` run the model's own attention, unchanged.
+What a cache cannot serve is refused with one line before anything runs: `use_cache=False` with a
+`HiSparseCache`, `output_attentions=True` (hisparse attends to the top-k rows only: no weights over
+the context exist), `cache_implementation` (transformers would build its own cache). Each attention module is patched per instance
 (`HiSparseAttention`), and a forward pre/post hook on the base model makes every forward one
 hisparse engine step.
 

@@ -34,7 +34,7 @@ def check_budgets(host_pool_gib: float, gpu_kv_gib: float, device: torch.device)
     avail = available_host_bytes()
     host_limit = int(avail * HOST_FRACTION) if avail is not None else None
     if not math.isfinite(host_pool_gib) or (host_limit is not None and host_pool_gib * GIB > host_limit):
-        if host_limit is None:
+        if avail is None or host_limit is None:
             raise CapacityError(f"host_pool_gib={host_pool_gib:g}; expected a finite number of GiB")
         raise CapacityError(
             f"host_pool_gib={host_pool_gib:g} is more pinned host RAM than this machine has: {fmt_bytes(avail)} is "

@@ -59,8 +59,10 @@ def baseline(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new:
     prefill of the same chunk size (chunking changes how the indexer's top-k breaks exact ties)."""
     from transformers import DynamicCache
 
+    from hisparse_transformers.version import cache_kwarg
+
     return model.generate(ids, attention_mask=mask, max_new_tokens=new, prefill_chunk_size=chunk,
-                          past_key_values=DynamicCache(config=model.config), **GEN)
+                          **{cache_kwarg(model): DynamicCache(config=model.config)}, **GEN)
 
 
 __all__ = ["BLOCK", "Compared", "GEN", "NO_TIES", "SHAPES", "TOP_K", "TinyShape", "baseline", "compare", "enable_kwargs",
@@ -106,8 +108,10 @@ def bf16_errors(family: str, device: str, backend: str, new: int = 24, check: bo
     ref = copy.deepcopy(model).float()
     ids, mask = random_prompts(LENGTHS_BF16, seed=1)
     ids, mask = ids.to(device), mask.to(device)
+    from hisparse_transformers.version import cache_kwarg
+
     tokens = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, prefill_chunk_size=8,
-                          past_key_values=DynamicCache(config=ref.config))[:, ids.shape[1]:]
+                          **{cache_kwarg(ref): DynamicCache(config=ref.config)})[:, ids.shape[1]:]
     want = forced_logits(ref, ids, mask, tokens, DynamicCache(config=ref.config), 8)
     theirs = forced_logits(model, ids, mask, tokens, DynamicCache(config=model.config), 8)
     bb = block_bytes(family, torch.bfloat16)

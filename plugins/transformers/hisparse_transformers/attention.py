@@ -211,6 +211,10 @@ class HiSparseAttention:
 
         if self.position == 0:
             topk = m.indexer(hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids, cache)
+            if checker is not None:
+                checker.check_topk(self.layer, session, step, m.indexer,
+                                   (hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids),
+                                   topk)
         else:
             if prev_topk is None:
                 raise HiSparseError(f"layer {self.layer} shares its index group's top-k but got no prev_topk_indices")

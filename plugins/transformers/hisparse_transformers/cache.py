@@ -41,6 +41,7 @@ class HiSparseCache(DynamicCache):
         self.hisparse_engine = engine
         self.session: Session | None = None
         self.prompts: tuple[list[list[int]], list[int]] | None = None
+        self.max_new_tokens: int | None = None
         self._length = 0
         self._indexer: dict[int, torch.Tensor] = {}
         self._indexer_len: dict[int, int] = {}
@@ -159,9 +160,12 @@ class HiSparseCache(DynamicCache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise self._unsupported("selecting batch rows (batch_select_indices)")
 
-    def set_prompts(self, prompts: Sequence[Sequence[int]], pads: Sequence[int]) -> None:
-        """The batch's prompts (logical ids, padding stripped) and left padding, before the first forward."""
+    def set_prompts(self, prompts: Sequence[Sequence[int]], pads: Sequence[int],
+                    max_new_tokens: int | None = None) -> None:
+        """The batch's prompts (logical ids, padding stripped) and left padding, before the first
+        forward; `max_new_tokens` bounds what admission reserves (None: up to `max_context`)."""
         self.prompts = ([list(p) for p in prompts], list(pads))
+        self.max_new_tokens = max_new_tokens
 
     def finish(self) -> None:
         """End this cache's batch (the patched generate does it): its requests finish, their state rows

@@ -8,22 +8,41 @@ raises `RowMismatch` naming the layer, the batch row, the logical position and t
 
 Rows served from a prefix hit were computed by an earlier batch, so the comparison allows the
 float noise of recomputing the same row in another batch shape (`tolerance_for`); a corrupted row
-is far outside it. End-to-end exactness (tokens and logits against the model's own generate) is
-the tests' and `hisparse generate`'s job.
+is far outside it.
+
+The top-k check: each index-group leader's top-k is compared with what the model's own indexer
+picks from the same inputs over its own key cache (a transformers `DynamicCache` the checker
+keeps, keys concatenated as the model's own generate keeps them), with the scores that indexer
+computed (read off its `topk` call). Per query the two sets are
+
+- the same: a pass;
+- different only among entries whose score equals the k-th score exactly: a tie (counted in
+  `totals.topk_ties`, logged). `torch.topk` orders exactly tied scores by implementation detail
+  (on the CPU, by the length of the scored row), so hisparse is exact up to that order;
+- different otherwise: `TopkMismatch`, naming the layer, row and query position.
+
+End-to-end exactness (tokens and logits against the model's own generate) is the tests' and
+`hisparse generate`'s job.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hisparse_core.errors import HiSparseError
 
 if TYPE_CHECKING:
     from hisparse_transformers.attention import RowMap
     from hisparse_transformers.engine import Session, StepState
+
+
+logger = logging.getLogger(__name__)
 
 
 class RowMismatch(HiSparseError, AssertionError):
@@ -37,6 +56,56 @@ class RowMismatch(HiSparseError, AssertionError):
         self.physical = physical
 
 
+class TopkMismatch(HiSparseError, AssertionError):
+    """A leader's top-k differs from the model's own indexer by more than the order of exact ties."""
+
+    def __init__(self, message: str, *, layer: int, row: int, position: int) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.row = row
+        self.position = position
+
+
+class _TopkScores(TorchFunctionMode):
+    """Records the scores the indexer hands to its `topk` (the last call inside the block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores: torch.Tensor | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func is torch.Tensor.topk or func is torch.topk:
+            self.scores = args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _selected(indices: torch.Tensor, length: int) -> torch.Tensor:
+    """`[B, S, k]` indices -> `[B, S, length]` bool, True where chosen (indices >= length dropped)."""
+    idx = indices.to(torch.int64)
+    idx = torch.where((idx >= 0) & (idx < length), idx, torch.full_like(idx, length))
+    out = torch.zeros((*idx.shape[:-1], length + 1), dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, idx, True)[..., :length]
+
+
+def compare_topk(ours: torch.Tensor, theirs: torch.Tensor, scores: torch.Tensor,
+                 queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tied, differing) `[B, S]` bool: queries (where `queries`) whose chosen sets differ only
+    among entries scored exactly the k-th score, and those that differ otherwise. `scores`
+    `[B, S, T]` are the reference's; entries it masked (-inf) and indices >= T are ignored."""
+    length = scores.shape[-1]
+    finite = torch.isfinite(scores)
+    mine = _selected(ours, length) & finite
+    ref = _selected(theirs, length) & finite
+    only_mine, only_ref = mine & ~ref, ref & ~mine
+    differs = (only_mine | only_ref).any(-1) & queries
+    kth = torch.where(ref, scores, torch.full_like(scores, float("inf"))).amin(-1, keepdim=True)
+    at_kth = scores == kth
+    tie = ((only_mine.sum(-1) == only_ref.sum(-1)) & ~(only_mine & ~at_kth).any(-1)
+           & ~(only_ref & ~at_kth).any(-1))
+    return differs & tie, differs & ~tie
+
+
 def tolerance_for(dtype: torch.dtype) -> tuple[float, float]:
     """(absolute, relative) difference allowed between a stored row and the model's latent."""
     if dtype == torch.float32 or dtype == torch.float64:
@@ -48,15 +117,64 @@ def tolerance_for(dtype: torch.dtype) -> tuple[float, float]:
 class CheckTotals:
     entries: int = 0
     max_abs_diff: float = 0.0
+    topk_queries: int = 0        # leader queries whose top-k was compared with the model's own
+    topk_ties: int = 0           # of them, those that differ only in the order of exactly tied scores
 
 
 class ExactnessChecker:
     """Keeps the all-resident copy of the current session and compares every gathered row with it."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_config: Any = None) -> None:
         self._session: Session | None = None
         self._ref: dict[int, torch.Tensor] = {}
         self.totals = CheckTotals()
+        self._config = model_config           # for the reference key cache (None: no top-k check)
+        self._topk_session: Session | None = None
+        self._ref_cache: Any = None
+        self._ref_len: dict[int, int] = {}
+
+    def check_topk(self, layer: int, session: Session, step: StepState, indexer: Callable[..., torch.Tensor],
+                   inputs: tuple[Any, ...], topk: torch.Tensor) -> None:
+        """Compare a leader's `topk` `[B, S, k]` (padded indices) with the model's own indexer run on
+        `inputs` (hidden, q_resid, position embeddings, mask `[B, S, >= T]`, position ids) over the
+        checker's own key cache (see the module docstring)."""
+        if self._config is None:
+            return
+        if self._topk_session is not session:
+            from transformers.cache_utils import DynamicCache
+
+            self._topk_session, self._ref_cache, self._ref_len = session, DynamicCache(config=self._config), {}
+        hidden, q_resid, position_embeddings, mask, position_ids = inputs
+        length = self._ref_len.get(layer, 0) + hidden.shape[1]
+        self._ref_len[layer] = length
+        capture = _TopkScores()
+        with capture:
+            theirs = indexer(hidden, q_resid, position_embeddings, mask[..., :length], position_ids, self._ref_cache)
+        scores = capture.scores
+        if scores is None:
+            raise TopkMismatch(f"layer {layer}: the model's indexer made no topk call to compare with", layer=layer,
+                               row=-1, position=-1)
+        queries = step.qpos >= 0
+        tied, differing = compare_topk(topk, theirs, scores, queries)
+        self.totals.topk_queries += int(queries.sum())
+        if bool(differing.any()):
+            b, s = (int(v) for v in differing.nonzero()[0])
+            position = int(step.qpos[b, s])
+            mine = sorted(set(topk[b, s].tolist()) - set(theirs[b, s].tolist()))[:8]
+            raise TopkMismatch(
+                f"layer {layer}, batch row {b} ({session.requests[b].request_id}), query position {position}: the "
+                f"top-k differs from the model's own indexer beyond tied scores (padded indices {mine} chosen "
+                f"instead of theirs); {int(differing.sum())} queries differ in this step", layer=layer, row=b,
+                position=position)
+        ties = int(tied.sum())
+        if ties:
+            first = self.totals.topk_ties == 0
+            self.totals.topk_ties += ties
+            b, s = (int(v) for v in tied.nonzero()[0])
+            (logger.info if first else logger.debug)(
+                "hisparse check: layer %d, batch row %d, query position %d: the top-k differs from the model's own "
+                "only in the order of exactly tied indexer scores (%d such queries this step; exact up to that "
+                "order)", layer, b, int(step.qpos[b, s]), ties)
 
     def _buffer(self, layer: int, session: Session, like: torch.Tensor, length: int) -> torch.Tensor:
         if self._session is not session:

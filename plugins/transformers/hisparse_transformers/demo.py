@@ -22,6 +22,7 @@ import torch
 
 from hisparse_transformers.engine import required_gpu_blocks
 from hisparse_transformers.tiny import TinyShape, random_prompts, tiny_model
+from hisparse_transformers.version import cache_kwarg
 
 #: fp32 on CPU: absorbed MLA over the gathered rows against the model's expanded dense attention.
 LOGIT_TOLERANCE = 1e-4
@@ -117,8 +118,8 @@ def run_demo(c: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
                prefill_chunk_size=c.prefill_chunk)
 
     def reference(i: torch.Tensor, m: torch.Tensor, new: int) -> Any:
-        return model.generate(i, attention_mask=m, max_new_tokens=new, past_key_values=DynamicCache(config=model.config),
-                              streamer=_Steps(progress, "transformers alone"), **gen)
+        return model.generate(i, attention_mask=m, max_new_tokens=new, streamer=_Steps(progress, "transformers alone"),
+                              **{cache_kwarg(model): DynamicCache(config=model.config)}, **gen)
 
     t0 = time.perf_counter()
     theirs = reference(ids, mask, c.new_tokens)
@@ -156,6 +157,7 @@ def run_demo(c: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
         "engine": engine,
         "exactness": {"first_batch": exact1, "second_batch": exact2, "logit_tolerance": LOGIT_TOLERANCE,
                       "rows_checked": stats.checked_entries, "rows_max_abs_diff": stats.checked_max_abs_diff,
+                      "topk_checked": stats.checked_topk_queries, "topk_ties": stats.checked_topk_ties,
                       "exact": exact1["exact"] and exact2["exact"]},
         "first_batch": first.to_json(),
         "stats": stats.to_json(),

@@ -20,6 +20,7 @@ is one engine step: `begin_step` (allocations, `schedule_step`, table updates,
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
 from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
+from hisparse_transformers.budgets import check_budgets
 from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.families import DsaLayout
 from hisparse_transformers.tokens import LazyTokens
@@ -215,6 +217,7 @@ class HiSparseEngine:
         self.chunk_pages = _cdiv(c.prefill_chunk, bs) + 1
         L = layout.num_layers
         self.block_bytes = L * bs * self.fmt.row_bytes
+        check_budgets(c.host_pool_gib, c.gpu_kv_gib, self.device)      # before any size is derived from them
         self.gpu_blocks = c.gpu_kv_bytes // self.block_bytes
         self.watermark = pressure_watermark(c.max_batch, self.hot_blocks, self.chunk_pages)
         need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
@@ -277,8 +280,13 @@ class HiSparseEngine:
 
     # ------------------------------------------------------------------------------- sessions
 
-    def open_session(self, prompts: Sequence[Sequence[int]], pads: Sequence[int]) -> Session:
-        """Admit one request per batch row; takes prefix hits from the host pool."""
+    def open_session(self, prompts: Sequence[Sequence[int]], pads: Sequence[int],
+                     max_new_tokens: int | None = None) -> Session:
+        """Admit one request per batch row; takes prefix hits from the host pool.
+
+        The whole of every request must fit before anything runs: each row's prompt plus
+        `max_new_tokens` (None: as far as `max_context` allows) against `max_context` and against
+        the host pool's free blocks, so no step can find the host pool full mid-decode."""
         if self.closed:
             raise InvalidInputError("this hisparse engine was closed; enable hisparse again")
         if self.session is not None and not self.session.closed:
@@ -287,15 +295,20 @@ class HiSparseEngine:
         if not 1 <= n <= self.config.max_batch:
             raise CapacityError(f"batch of {n} prompts; expected 1 to max_batch={self.config.max_batch} "
                                 "(enable(..., max_batch=N))")
+        bs = self.config.block_size
+        max_context = self.max_pages * bs
         longest = max(pad + len(p) for p, pad in zip(prompts, pads, strict=False))
-        if longest > self.max_pages * self.config.block_size:
+        if longest > max_context:
             raise CapacityError(f"a prompt of {longest} padded tokens exceeds max_context="
-                                f"{self.max_pages * self.config.block_size}; expected enable(..., max_context >= it)")
-        need = sum(_cdiv(len(p), self.config.block_size) for p in prompts)
-        free = self.coordinator.num_free_host_blocks
-        if need > free:
-            raise CapacityError(f"the batch's prompts need {need} host blocks; the host pool has {free} free: raise "
-                                f"host_pool_gib or send fewer prompts")
+                                f"{max_context}; expected enable(..., max_context >= it)")
+        # The last generated token is never fed back: its KV is not written.
+        grow = max(0, max_new_tokens - 1) if max_new_tokens is not None else None
+        if grow is not None and longest + grow > max_context:
+            raise CapacityError(
+                f"max_new_tokens={max_new_tokens} after a prompt of {longest} padded tokens reaches "
+                f"{longest + grow} tokens of KV; max_context is {max_context}: expected max_new_tokens <= "
+                f"{max_context - longest + 1} or enable(..., max_context >= {longest + grow})")
+        totals = [len(p) + grow if grow is not None else max_context - pad for p, pad in zip(prompts, pads, strict=False)]
         requests: list[Request] = []
         try:
             for tokens, pad in zip(prompts, pads, strict=False):
@@ -310,6 +323,7 @@ class HiSparseEngine:
                 first = self.coordinator.first_resident_page(rid)
                 requests.append(Request(rid, self.free_states.pop(), pad, LazyTokens(tokens), len(tokens), hit,
                                         first, [-1] * first, hit))
+            self._check_host_room(requests, totals, max_new_tokens)
         except BaseException:
             for r in requests:
                 self.coordinator.finish_request(r.request_id)
@@ -321,6 +335,25 @@ class HiSparseEngine:
             logger.info("hisparse: prefix hits from the host pool: %s tokens", [r.hit for r in requests])
         self.session = Session(self, requests)
         return self.session
+
+    def _check_host_room(self, requests: Sequence[Request], totals: Sequence[int], max_new_tokens: int | None) -> None:
+        """`CapacityError` unless the host pool has a block for every page the admitted requests
+        will write (their prefix hits already counted): one line naming host_pool_gib and what fits."""
+        coord = self.coordinator
+        need = sum(coord.host_blocks_needed(r.request_id, t) for r, t in zip(requests, totals, strict=True))
+        free = coord.num_free_host_blocks
+        if need <= free:
+            return
+        fits_blocks = coord.host_num_blocks - free + need
+        fits = fits_blocks * self.block_bytes / GIB
+        scale = 10 ** (math.floor(math.log10(fits)) - 2)
+        what = (f"prompts plus max_new_tokens={max_new_tokens}" if max_new_tokens is not None else
+                "prompts grown to max_context (direct forwards: pass max_new_tokens to new_cache to reserve less)")
+        raise CapacityError(
+            f"host_pool_gib={self.config.host_pool_gib:g} cannot hold this batch: its {len(requests)} requests "
+            f"({what}, up to {max(totals)} tokens each) need {need} more host blocks of {self.block_bytes} B and "
+            f"{free} are free: expected host_pool_gib >= {math.ceil(fits / scale) * scale:.3g}, or fewer or "
+            "shorter prompts or fewer new tokens")
 
     def close_session(self, session: Session, *, indexer_bytes: int = 0) -> None:
         """Finish every request of the session: leases go back, spills in flight publish when they land.
@@ -411,6 +444,28 @@ class HiSparseEngine:
         # release again.
         if needed and self.gpu.num_free_blocks - needed < self.hot_blocks:
             self._relieve_pressure()
+        fresh: list[tuple[Request, int]] = []       # (request, blocks before this step): undone if the step fails
+        try:
+            command, src, dst = self._plan_step(session, num_new, past, end_padded, fresh)
+        except BaseException:
+            # Nothing reached the coordinator: the blocks leased above go back, so a failed step
+            # (a refused schedule, no GPU block for a later row, an interrupt) leaks none.
+            for r, before in reversed(fresh):
+                self.gpu.release(r.blocks[before:])
+                del r.blocks[before:]
+            raise
+        apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
+        if start:
+            self.worker.start_step(command)
+        else:
+            self._planned_command = command
+        return src, dst
+
+    def _plan_step(self, session: Session, num_new: int, past: int, end_padded: int,
+                   fresh: list[tuple[Request, int]]) -> tuple[OffloadCommand | None, list[int], list[int]]:
+        """Lease the step's new pages (recorded in `fresh`) and schedule it: the offload command and
+        the step's write rows (flat source in the batch, flat device row)."""
+        bs = self.config.block_size
         scheduled: list[StepRequest] = []
         src: list[int] = []
         dst: list[int] = []
@@ -421,10 +476,12 @@ class HiSparseEngine:
             missing = pages - len(r.blocks)
             if missing > 0:
                 try:
-                    r.blocks.extend(self.gpu.acquire(missing))
+                    leased = self.gpu.acquire(missing)
                 except CapacityError as exc:
                     raise CapacityError(f"step {self.totals.steps}: no GPU block for request {r.request_id}'s next "
                                         f"page ({exc}); raise gpu_kv_gib or lower max_batch/prefill_chunk") from None
+                fresh.append((r, len(r.blocks)))
+                r.blocks.extend(leased)
             for pos in range(r.computed, hi):
                 src.append(b * num_new + pos + r.pad - past)
                 dst.append(r.blocks[pos // bs] * bs + pos % bs)
@@ -435,12 +492,7 @@ class HiSparseEngine:
         command = self.coordinator.schedule_step(scheduled)
         for s in scheduled:                    # the coordinator holds these blocks' leases now
             self._handed[s.request_id] = len(s.resident_block_ids[0])
-        apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
-        if start:
-            self.worker.start_step(command)
-        else:
-            self._planned_command = command
-        return src, dst
+        return command, src, dst
 
     def _plan_next(self, session: Session) -> None:
         """Right after a step's forward and acknowledgements: when the next forward can only be a

@@ -3,8 +3,11 @@
 After it, plain `model.generate(...)` runs through hisparse: the instance's `generate` hands
 transformers' own generate a fresh `HiSparseCache` (and, unless given, `prefill_chunk_size`, so
 transformers' chunked prefill builds only `[chunk, T]` masks). A `HiSparseCache` from
-`handle.new_cache()` may also be passed explicitly; any other cache (say a `DynamicCache`) makes
-generate run the model's own attention, unchanged. Each attention module is patched per instance
+`handle.new_cache()` may also be passed explicitly; any other cache (say a `DynamicCache`), a
+forward without a cache and `generate(use_cache=False)` run the model's own attention, unchanged.
+What a cache cannot serve is refused with one line before anything runs: `use_cache=False` with a
+`HiSparseCache`, `output_attentions=True` (hisparse attends to the top-k rows only: no weights over
+the context exist), `cache_implementation` (transformers would build its own cache). Each attention module is patched per instance
 (`HiSparseAttention`), and a forward pre/post hook on the base model makes every forward one
 hisparse engine step.
 
@@ -14,7 +17,6 @@ releases the host pool.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 import types
@@ -32,7 +34,7 @@ from hisparse_transformers.engine import EngineConfig, HiSparseEngine, StepState
 from hisparse_transformers.families import DsaLayout, detect
 from hisparse_transformers.graphs import DecodeGraphs
 from hisparse_transformers.stats import HiSparseStats
-from hisparse_transformers.version import check_version
+from hisparse_transformers.version import cache_kwarg, check_version
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +77,7 @@ class HiSparseHandle:
         self._attn = [HiSparseAttention(m, layout, engine, i) for i, m in enumerate(layout.attentions)]
         self._base = getattr(model, "base_model", model)
         self.graphs = DecodeGraphs(engine, cuda_graphs, model)
-        params = inspect.signature(self.model.generate).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = cache_kwarg(model)
         self._hooks: list[Any] = []
         self._generate: Callable[..., Any] | None = None
         self.closed = False
@@ -127,6 +128,8 @@ class HiSparseHandle:
         cache = self._cache_of(kwargs)
         if cache is None:
             return
+        if _wants_attentions(module, kwargs):
+            raise InvalidInputError(_NO_ATTENTIONS)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds: Any = kwargs.get("inputs_embeds")
         shape = input_ids.shape if input_ids is not None else embeds.shape
@@ -148,7 +151,7 @@ class HiSparseHandle:
             if len(prompts) != batch:
                 raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
-            cache.session = self.engine.open_session(prompts, pads)
+            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens)
         elif cache.session.batch_size != batch:
             raise InvalidInputError(f"the forward has {batch} rows; this cache's batch has {cache.session.batch_size}")
         self.engine.begin_step(cache.session, input_ids, num_new)
@@ -167,16 +170,21 @@ class HiSparseHandle:
 
     # ------------------------------------------------------------------ user API
 
-    def new_cache(self, input_ids: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None) -> HiSparseCache:
+    def new_cache(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                  max_new_tokens: int | None = None) -> HiSparseCache:
         """A fresh cache for one generate. For direct forwards, give the batch's prompt `input_ids`
-        (and left-padded `attention_mask`) here, run the forwards, then call `cache.finish()`."""
+        (and left-padded `attention_mask`) here, run the forwards, then call `cache.finish()`;
+        `max_new_tokens` (tokens fed after the prompt, plus one) bounds the host blocks admission
+        asks for (None: every row up to `max_context`)."""
         self._require_open()
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 0):
+            raise InvalidInputError(f"max_new_tokens must be an int >= 0 or None, got {max_new_tokens!r}")
         cache = HiSparseCache(self.engine, self.model.config)
         if input_ids is not None:
             pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
             rows = input_ids.detach().to("cpu").tolist()
-            cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads)
+            cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, max_new_tokens)
         return cache
 
     def stats(self) -> HiSparseStats:
@@ -200,7 +208,8 @@ class HiSparseHandle:
             host_pool_bytes=e.worker.host_pool_spec.nbytes if not e.closed else 0,
             checked_entries=checker.totals.entries if checker else 0,
             checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0, decode_mode=self.graphs.mode,
-            graph_captures=self.graphs.captures)
+            graph_captures=self.graphs.captures, checked_topk_queries=checker.totals.topk_queries if checker else 0,
+            checked_topk_ties=checker.totals.topk_ties if checker else 0)
 
     def close(self) -> None:
         """Restore the model and release the host pool. Idempotent."""
@@ -234,6 +243,43 @@ def _prompt_mask(model: torch.nn.Module, input_ids: torch.Tensor, kwargs: dict[s
     return torch.ones_like(input_ids, dtype=torch.long)
 
 
+_NO_ATTENTIONS = ("output_attentions=True is not supported with hisparse: its attention reads only each query's "
+                  "top-k rows, so there is no attention matrix over the context to return; drop output_attentions, "
+                  "or pass a DynamicCache to run the model's own attention for this call")
+
+
+def _wants_attentions(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether this forward asks for attention weights (its kwarg, else the model config's default)."""
+    asked = kwargs.get("output_attentions")
+    if asked is None:
+        asked = getattr(getattr(module, "config", None), "output_attentions", False)
+    return bool(asked)
+
+
+def _setting(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:
+    """A generation setting as generate resolves it: the call's kwarg, else the `generation_config`
+    passed, else the model's own (None where none sets it)."""
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _max_new_tokens(model: torch.nn.Module, kwargs: dict[str, Any], prompt_width: int) -> int | None:
+    """The most tokens this generate produces (its `max_new_tokens`, else `max_length` minus the
+    padded prompt), None where neither is set."""
+    if kwargs.get("max_new_tokens") is None and kwargs.get("max_length") is not None:
+        return max(0, int(kwargs["max_length"]) - prompt_width)
+    new = _setting(model, kwargs, "max_new_tokens")
+    if new is not None:
+        return int(new)
+    length = _setting(model, kwargs, "max_length")
+    return max(0, int(length) - prompt_width) if length is not None else None
+
+
 def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     handle: HiSparseHandle = getattr(model, _ATTR)
     original = handle._generate
@@ -242,6 +288,23 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if given is not None and not isinstance(given, HiSparseCache):
         return original(*args, **kwargs)          # the caller asked for another cache: the model's own path
     handle._require_open()
+    if _setting(model, kwargs, "use_cache") is False:
+        if given is not None:
+            raise InvalidInputError("use_cache=False with a HiSparseCache: a generate without a cache re-feeds the "
+                                    "whole sequence every step, which a cache cannot serve; drop use_cache=False "
+                                    "or the cache")
+        # No cache: every step recomputes the whole sequence with the model's own attention (the
+        # patched layers see no HiSparseCache), so the output is the model's own; hisparse holds nothing.
+        logger.info("hisparse: generate(use_cache=False) keeps no KV cache, so the model's own attention runs "
+                    "(nothing goes through hisparse)")
+        return original(*args, **kwargs)
+    if _wants_attentions(model, {"output_attentions": _setting(model, kwargs, "output_attentions")}):
+        raise InvalidInputError(_NO_ATTENTIONS)
+    implementation = _setting(model, kwargs, "cache_implementation")
+    if implementation is not None:
+        raise InvalidInputError(f"cache_implementation={implementation!r} asks transformers to build its own cache, "
+                                "but hisparse supplies the cache; drop cache_implementation (or pass your own cache "
+                                "to run the model's own attention)")
     cache = given if given is not None else handle.new_cache()
     if cache.hisparse_engine is not handle.engine or cache.session is not None:
         raise InvalidInputError("this HiSparseCache belongs to another model or was used already; pass "
@@ -258,7 +321,8 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         mask = kwargs["attention_mask"] = _prompt_mask(model, input_ids, kwargs)
     pads = left_padding(mask)
     rows = input_ids.detach().to("cpu").tolist()
-    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads)
+    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads,
+                      _max_new_tokens(model, kwargs, int(input_ids.shape[1])))
     gen = kwargs.get("generation_config")
     if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
         kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk
@@ -298,6 +362,10 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     if existing is not None and not existing.closed:
         raise InvalidInputError("hisparse is already enabled on this model; close its handle (or disable(model)) "
                                 "first")
+    if not isinstance(check, bool):
+        raise InvalidInputError(f"check must be True or False, got {check!r}")
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise InvalidInputError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
     layout = detect(model)
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
@@ -310,9 +378,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     engine = HiSparseEngine(layout, config, chosen, dtype=weight.dtype)
     try:
         if check:
-            engine.checker = ExactnessChecker()
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise InvalidInputError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+            engine.checker = ExactnessChecker(model.config)
         handle = HiSparseHandle(model, layout, engine, cuda_graphs)
     except BaseException:
         engine.close()

@@ -52,6 +52,8 @@ class HiSparseStats:
     checked_max_abs_diff: float
     decode_mode: str                 # "cuda graph", or "eager (why)"
     graph_captures: int
+    checked_topk_queries: int = 0    # check=True: leader queries whose top-k was compared with the model's own
+    checked_topk_ties: int = 0       # of them, those that differ only in the order of exactly tied scores
 
     @property
     def hit_rate(self) -> float:

@@ -7,14 +7,20 @@ What differs inside the range, and how the adapters cope:
   itself and never calls `cache.update`, so both work.
 - 5.24 renames the cache argument of `generate`, the model, the decoder layers, the attention and
   the indexer from `past_key_values` to `cache` (`deprecate_kwarg`, the old name still accepted).
-  The hooks and the patched attention read either name; the patched generate passes the name its
-  `generate` declares; the indexer is called positionally.
+  The hooks and the patched attention read either name; hisparse's own calls (the patched
+  generate, the demo's reference generate) pass the name the model's `forward` declares
+  (`cache_kwarg`), so no release prints its deprecation FutureWarning; the indexer is called
+  positionally. (`generate` itself declares neither name in 5.24: it takes them through
+  `**kwargs` behind `deprecate_kwarg`, so its signature cannot tell.)
 - Mask keys (`deepseek_sparse_attention` -> `indexed_attention`), layer types and output classes
   (`MoeModelOutputWithPast` from 5.19) changed; none of them is read here.
 - GLM-5's attention returns `(out, weights, topk)` in every release of the range.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
 
 from hisparse_core.errors import HiSparseError
 
@@ -55,3 +61,14 @@ def check_version(version: str | None = None) -> str:
         raise UnsupportedVersionError(f"transformers {version} is not supported; expected transformers{SUPPORTED} "
                                       "(the range hisparse_transformers is tested against)")
     return version
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name this transformers release gives the cache argument: "cache" where the model's
+    `forward` declares it (5.24+), else "past_key_values" (5.17-5.23)."""
+    forward = getattr(type(model), "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"

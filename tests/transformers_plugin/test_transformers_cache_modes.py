@@ -1,0 +1,309 @@
+"""The ways transformers can call an enabled model without, or around, hisparse's cache; admission
+against the host pool and what a failed step gives back; budgets this machine cannot hold; the
+top-k check's ties; the cache argument's name per release."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from tf_support import BLOCK, GEN, SHAPES, baseline, block_bytes, compare, enable_kwargs, random_prompts, tiny_model
+
+import hisparse_transformers
+from hisparse_core.capacity import HOST_FRACTION, available_host_bytes
+from hisparse_core.errors import CapacityError, InvalidInputError
+from hisparse_transformers.check import TopkMismatch, compare_topk
+from hisparse_transformers.version import cache_kwarg
+
+pytest.importorskip("transformers")
+
+FAMILY = "deepseek_v32"
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model(FAMILY, shape=SHAPES[FAMILY], seed=5)
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err)
+    assert text and "\n" not in text
+    return text
+
+
+# ------------------------------------------------------------------ 1. cache modes
+
+
+def test_generate_without_a_cache_is_the_models_own(model: torch.nn.Module) -> None:
+    """use_cache=False re-feeds the whole sequence each step: it runs the model's own attention
+    (before: hisparse took each re-fed sequence as new tokens and the tokens went wrong)."""
+    ids, mask = random_prompts([30, 12], seed=3)
+    own = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=False)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, use_cache=False)
+        assert torch.equal(ours, own)
+        assert hs.stats().requests == 0                       # nothing went through hisparse
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig(use_cache=False, max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=gen), own)
+        with pytest.raises(InvalidInputError, match="use_cache=False with a HiSparseCache") as err:
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, use_cache=False,
+                           **{cache_kwarg(model): hs.new_cache()})
+        one_line(err.value)
+        # A plain forward with no cache, and one with the model's own cache, are the model's own.
+        with torch.no_grad():
+            plain = model(input_ids=ids, attention_mask=mask).logits
+            from transformers import DynamicCache
+
+            dyn = model(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): DynamicCache(config=model.config)})
+        assert hs.stats().requests == 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(plain, want) and torch.equal(dyn.logits, want)
+
+
+def test_output_attentions_and_cache_implementation_are_refused(model: torch.nn.Module) -> None:
+    """Before: output_attentions=True ran and returned empty attention tuples."""
+    ids, mask = random_prompts([9, 14], seed=4)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        free = hs.engine.gpu.num_free_blocks
+        with pytest.raises(InvalidInputError, match="output_attentions=True is not supported") as err:
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, output_attentions=True,
+                           return_dict_in_generate=True)
+        one_line(err.value)
+        cache = hs.new_cache(ids, mask)
+        with pytest.raises(InvalidInputError, match="output_attentions=True"), torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, output_attentions=True, **{cache_kwarg(model): cache})
+        cache.finish()
+        with pytest.raises(InvalidInputError, match="cache_implementation='static'") as err:
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
+        one_line(err.value)
+        assert hs.engine.gpu.num_free_blocks == free and hs.stats().requests == 0
+        # The model's own attention still returns them when asked with its own cache.
+        from transformers import DynamicCache
+
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=2, output_attentions=True,
+                             return_dict_in_generate=True, **{cache_kwarg(model): DynamicCache(config=model.config)})
+        assert out.attentions and out.attentions[0][0].shape[-1] == ids.shape[1]
+
+
+# ------------------------------------------------------------------ 2. admission, failed steps
+
+
+def test_whole_request_checked_at_admission_and_nothing_leaks(model: torch.nn.Module) -> None:
+    """Prompts that fit the host pool but not with their new tokens: refused at admission with
+    host_pool_gib and the value that fits (before: failed mid-decode, 2 GPU blocks leaked each
+    time). The value named fits."""
+    ids, mask = random_prompts([40, 30], seed=6)
+    bb = block_bytes(FAMILY)
+    kw = enable_kwargs(FAMILY, host_pool_gib=40 * bb / 2**30, max_context=128)
+    with hisparse_transformers.enable(model, **kw) as hs:
+        free = hs.engine.gpu.num_free_blocks
+        for _ in range(3):
+            with pytest.raises(CapacityError) as err:
+                model.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False)
+            text = one_line(err.value)
+            assert f"host_pool_gib={kw['host_pool_gib']:g}" in text and "max_new_tokens=60" in text
+            assert hs.engine.gpu.num_free_blocks == free
+        fits = float(text.split("expected host_pool_gib >= ")[1].split(",")[0])
+        with pytest.raises(CapacityError, match=r"max_new_tokens=120 .* max_context is 128: expected max_new_tokens "
+                                                r"<= 89") as err:
+            model.generate(ids, attention_mask=mask, max_new_tokens=120, do_sample=False)
+        one_line(err.value)
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)     # still usable
+        assert hs.engine.gpu.num_free_blocks == free
+    theirs = baseline(model, ids, mask, 60, chunk=8)
+    with hisparse_transformers.enable(model, **{**kw, "host_pool_gib": fits}):
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=60, **GEN)
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
+def test_a_failing_step_returns_every_block(model: torch.nn.Module) -> None:
+    """A step refused by the coordinator after its pages were leased (planted on the engine's own
+    coordinator), and a generate stopped by the caller mid-decode: the free GPU block count is the
+    same before and after, every time, and the next generate is exact."""
+    ids, mask = random_prompts([23, 37, 11], seed=8)
+    theirs = baseline(model, ids, mask, 10, chunk=8)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        coordinator = hs.engine.coordinator
+        real = coordinator.schedule_step
+        free = hs.engine.gpu.num_free_blocks
+        for fail_at in (3, 9, 14):
+            calls = {"n": 0}
+
+            def failing(scheduled, *a, _at=fail_at, _calls=calls, **k):  # type: ignore[no-untyped-def]
+                _calls["n"] += 1
+                if _calls["n"] == _at:
+                    raise CapacityError("planted: the step is refused")
+                return real(scheduled, *a, **k)
+
+            coordinator.schedule_step = failing
+            try:
+                with pytest.raises(CapacityError, match="planted"):
+                    model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+            finally:
+                del coordinator.schedule_step
+            assert hs.engine.gpu.num_free_blocks == free, fail_at
+
+        class Stop(Exception):
+            pass
+
+        decoded = {"n": 0}
+
+        def stop(handle, step) -> None:  # type: ignore[no-untyped-def]
+            decoded["n"] += step.num_new == 1
+            if decoded["n"] == 4:
+                raise Stop
+
+        hs.on_step = stop
+        with pytest.raises(Stop):
+            model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        hs.on_step = None
+        assert hs.engine.gpu.num_free_blocks == free
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=10, **GEN)
+        assert hs.engine.gpu.num_free_blocks == free
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
+# ------------------------------------------------------------------ 3, 4. budgets and arguments
+
+
+def _untouched(model: torch.nn.Module) -> bool:
+    return "generate" not in model.__dict__ and not hasattr(model, "_hisparse_handle")
+
+
+@pytest.mark.parametrize("over", [dict(host_pool_gib=math.inf), dict(host_pool_gib=1e4), dict(host_pool_gib=1e30),
+                                  dict(gpu_kv_gib=1e30), dict(gpu_kv_gib=math.inf), dict(gpu_kv_gib="ram")])
+def test_budgets_beyond_the_machine(model: torch.nn.Module, over: dict[str, object]) -> None:
+    """Before: OverflowError, an empty MemoryError, or torch's allocator error seconds later."""
+    avail = available_host_bytes()
+    if avail is None:
+        pytest.skip("this machine does not say how much RAM is available")
+    if over.get("gpu_kv_gib") == "ram":
+        over = dict(gpu_kv_gib=avail / 2**30)          # all of the RAM, on a CPU model: the caches are RAM too
+    if over.get("host_pool_gib") == 1e4 and avail * HOST_FRACTION >= 1e4 * 2**30:
+        pytest.skip("this machine has 10 TiB of RAM")
+    name, value = next(iter(over.items()))
+    with pytest.raises(CapacityError) as err:
+        hisparse_transformers.enable(model, **enable_kwargs(FAMILY, **over))
+    text = one_line(err.value)
+    assert f"{name}={value:g}" in text and f"expected {name} <= " in text, text
+    fits = float(text.rsplit(f"expected {name} <= ", 1)[1])
+    assert 0 < fits <= avail / 2**30
+    assert _untouched(model)
+
+
+def test_check_must_be_a_bool_and_odd_block_sizes_are_exact(model: torch.nn.Module) -> None:
+    """check="yes" is refused. Both backends take any positive block size (neither declares a
+    restriction; the nvidia resolver's self-test builds block_size=3), so block_size=3 is served,
+    and exactly."""
+    for bad in ("yes", 1, None):
+        with pytest.raises(InvalidInputError, match="check must be True or False") as err:
+            hisparse_transformers.enable(model, **enable_kwargs(FAMILY, check=bad))
+        one_line(err.value)
+        assert _untouched(model)
+    ids, mask = random_prompts([19, 26], seed=9)
+    theirs = baseline(model, ids, mask, 8, chunk=8)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, block_size=3, hot_rows=18)) as hs:
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GEN)
+        assert hs.stats().checked_entries > 0
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    assert BLOCK != 3
+
+
+# ------------------------------------------------------------------ 5. ties in the top-k check
+
+
+def test_compare_topk_tells_ties_from_differences() -> None:
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn((2, 3, 12), generator=g)
+    scores[0, 1, [2, 5, 7]] = 0.25                       # a three-way tie at the k-th place
+    scores[..., 11] = -math.inf                          # masked
+    k = 4
+    theirs = scores.topk(k, dim=-1).indices
+    queries = torch.ones((2, 3), dtype=torch.bool)
+    tied, differing = compare_topk(theirs.flip(-1), theirs, scores, queries)     # same sets, other order
+    assert not tied.any() and not differing.any()
+    kth = scores[0, 1].sort(descending=True).values[k - 1]
+    assert kth == 0.25                                   # the tie sits at the k-th place
+    ours = theirs.clone()
+    chosen = set(theirs[0, 1].tolist())
+    swap_out = next(i for i in (2, 5, 7) if i in chosen)
+    swap_in = next(i for i in (2, 5, 7) if i not in chosen)
+    ours[0, 1][ours[0, 1] == swap_out] = swap_in
+    tied, differing = compare_topk(ours, theirs, scores, queries)
+    assert tied.tolist() == [[False, True, False], [False, False, False]] and not differing.any()
+    worse = theirs.clone()
+    worse[1, 2, 0] = int(scores[1, 2, :11].argmin())     # a low score instead of the best one
+    tied, differing = compare_topk(worse, theirs, scores, queries)
+    assert differing.tolist() == [[False, False, False], [False, False, True]] and not tied.any()
+    assert not compare_topk(worse, theirs, scores, torch.zeros_like(queries))[1].any()   # padding queries
+    masked = theirs.clone()
+    masked[1, 0, 0] = 11                                 # a masked entry is never a tie
+    assert compare_topk(masked, theirs, scores, queries)[1][1, 0]
+
+
+def test_the_check_reports_tied_top_k_as_ties(model: torch.nn.Module) -> None:
+    """An indexer whose weights are zero scores every key exactly 0. The static decode (fixed
+    capacity key buffers) scores longer rows than the model's own, so its top-k breaks those ties
+    another way: reported as ties, not raised and not silent. A key buffer corrupted mid-decode
+    changes the top-k beyond ties: `TopkMismatch`."""
+    tied_model = tiny_model(FAMILY, shape=SHAPES[FAMILY], seed=4)
+    with torch.no_grad():
+        for layer in tied_model.model.layers:
+            layer.self_attn.indexer.weights_proj.weight.zero_()
+    ids, mask = random_prompts([30, 41, 17], seed=2)
+    with hisparse_transformers.enable(tied_model, **enable_kwargs(FAMILY)) as hs:
+        hs.graphs.enabled, hs.graphs.capture = True, False
+        tied_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        s = hs.stats()
+    assert s.decode_mode == "static eager" and s.checked_topk_queries > 0 and s.checked_topk_ties > 0, s
+
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        cache = hs.new_cache()
+
+        def corrupt(handle, step) -> None:  # type: ignore[no-untyped-def]
+            if step.num_new == 1:
+                for keys in cache._indexer.values():
+                    keys[:, :30] = -7.0 * keys[:, :30].flip(1)
+
+        hs.on_step = corrupt
+        with pytest.raises(TopkMismatch, match=r"layer 0, batch row \d .*query position \d+: the top-k differs") as err:
+            model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                           **{cache_kwarg(model): cache})
+        one_line(err.value)
+        assert hs.stats().checked_topk_ties == 0
+
+
+# ------------------------------------------------------------------ 6. the cache argument's name
+
+
+def test_cache_argument_named_as_the_release_declares(model: torch.nn.Module) -> None:
+    """5.24 renames `past_key_values` to `cache` behind `deprecate_kwarg`, and `generate` declares
+    neither (its signature says nothing): the name comes from the model's forward. No
+    FutureWarning from hisparse's own calls (shown on 5.24; on older releases there is none to show)."""
+    import inspect
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, cache: object = None) -> None: ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: object = None) -> None: ...
+
+    assert cache_kwarg(Renamed()) == "cache" and cache_kwarg(Old()) == "past_key_values"
+    declared = inspect.signature(type(model).forward).parameters
+    assert cache_kwarg(model) == ("cache" if "cache" in declared else "past_key_values")
+    ids, mask = random_prompts([12, 7], seed=10)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        assert hs.cache_kwarg == cache_kwarg(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                           **{cache_kwarg(model): hs.new_cache()})

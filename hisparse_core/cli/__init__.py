@@ -1,4 +1,9 @@
-"""The `hisparse` command line: `hisparse COMMAND --help` for each command's options."""
+"""The `hisparse` command line: `hisparse COMMAND --help` for each command's options.
+
+The core's commands are listed in COMMANDS; plugins add theirs through the `hisparse.commands`
+entry points (`hisparse_core.cli.plugin_commands`; `hisparse generate` comes from
+hisparse_transformers that way). The core imports no plugin.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,13 @@ import sys
 from collections.abc import Sequence
 
 from hisparse_core.cli.options import CliParser, HelpFormatter
+from hisparse_core.cli.plugin_commands import BrokenCommand, add_plugin_commands, warn_broken
 
-#: Sub-command name -> module. Each module's top level and `add_parser` import nothing heavy
-#: (no torch), so `hisparse --help` and `hisparse backends` start fast and work with a broken
+#: The core's sub-command name -> module. Each module's top level and `add_parser` import nothing
+#: heavy (no torch), so `hisparse --help` and `hisparse backends` start fast and work with a broken
 #: torch; the heavy imports happen inside each module's `run` (tests/core/test_light_imports.py).
+#: The plugins' command modules (`hisparse.commands` entry points) keep the same rule.
 COMMANDS: dict[str, str] = {
-    "generate": "hisparse_core.cli.generate_cmd",
     "run": "hisparse_core.cli.run_cmd",
     "bench": "hisparse_core.cli.bench_cmd",
     "plan": "hisparse_core.cli.plan_cmd",
@@ -42,11 +48,13 @@ def _version() -> str:
     return f"hisparse {__version__}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> tuple[argparse.ArgumentParser, list[BrokenCommand]]:
     parser = CliParser(prog="hisparse", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--log-level", default=None, metavar="LEVEL", help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # The plugins' commands first: they are the jobs (`generate`), the core's are the tools.
+    commands, broken = add_plugin_commands(sub, reserved=COMMANDS)
     for module_name in COMMANDS.values():
         try:
             module = importlib.import_module(module_name)
@@ -54,11 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             continue  # sub-command not built yet
-        command = module.add_parser(sub)
+        commands.append(module.add_parser(sub))
+    for command in commands:
         # Also after the sub-command (`hisparse run --log-level DEBUG`); not given there, the
         # value before it (or none) stands.
         command.add_argument("--log-level", default=argparse.SUPPRESS, metavar="LEVEL", help=LOG_LEVEL_HELP)
-    return parser
+    return parser, broken
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command: the core's and the installed plugins'."""
+    return _build_parser()[0]
 
 
 def _log_level(args: argparse.Namespace) -> str | None:
@@ -74,11 +88,13 @@ def _log_level(args: argparse.Namespace) -> str | None:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    parser, broken = _build_parser()
+    args = parser.parse_args(argv)
     level = _log_level(args)
     if level is None:
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    warn_broken(broken, args.command)
     try:
         return int(args.func(args) or 0)
     except ImportError as exc:

@@ -67,8 +67,9 @@ def plugin_source(name: str, factory: str, *, priority: int = 10, probe: str = "
 
 
 def write_dist(site: Path, dist: str, files: Mapping[str, str], entry_points: Mapping[str, str],
-               version: str = "1.0") -> None:
-    """Write `files` (relative path -> source) and `<dist>-<version>.dist-info` into `site`."""
+               version: str = "1.0", group: str = ENTRY_POINT_GROUP) -> None:
+    """Write `files` (relative path -> source) and `<dist>-<version>.dist-info` into `site`, its
+    `entry_points` in `group` (default: hisparse.backends)."""
     for rel, text in files.items():
         path = site / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +77,7 @@ def write_dist(site: Path, dist: str, files: Mapping[str, str], entry_points: Ma
     info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
     info.joinpath("METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    lines = [f"[{ENTRY_POINT_GROUP}]"] + [f"{k} = {v}" for k, v in entry_points.items()]
+    lines = [f"[{group}]"] + [f"{k} = {v}" for k, v in entry_points.items()]
     info.joinpath("entry_points.txt").write_text("\n".join(lines) + "\n")
 
 

@@ -30,14 +30,15 @@ def imported_heavy(module: str) -> list[str]:
     return [m for m in proc.stdout.strip().split(",") if m]
 
 
-@pytest.mark.parametrize("module", ["hisparse_reference_cpu.plugin", "hisparse_nvidia.plugin"])
+@pytest.mark.parametrize("module", ["hisparse_reference_cpu.plugin", "hisparse_nvidia.plugin",
+                                    "hisparse_transformers.cli"])
 def test_entry_point_module_imports_nothing_heavy(module: str) -> None:
     assert imported_heavy(module) == []
 
 
 @pytest.mark.parametrize("module", ["hisparse_core", "hisparse_core.registry", "hisparse_core.cli",
                                     "hisparse_core.cli.options", "hisparse_core.cli.backends_cmd",
-                                    "hisparse_core.cli.generate_cmd", "hisparse_core.cli.run_cmd",
+                                    "hisparse_core.cli.plugin_commands", "hisparse_core.cli.run_cmd",
                                     "hisparse_core.cli.bench_cmd", "hisparse_core.cli.plan_cmd",
                                     "hisparse_core.progress", "hisparse_core.planner_plot", "hisparse_transformers"])
 def test_registry_and_listing_import_nothing_heavy(module: str) -> None:

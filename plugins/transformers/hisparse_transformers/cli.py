@@ -11,6 +11,10 @@ and without hisparse, and the exactness check (identical tokens, max abs logit d
 row read compared with the model's own latent). Exit status 1 if the check fails.
 
 Needs the `transformers` extra: pip install -e '.[transformers]'.
+
+The core finds this command through the `hisparse.commands` entry point `generate` (pyproject.toml)
+and calls `add_parser` on every start of `hisparse`, so this module's top level imports only the
+light parts of hisparse_core; `run` imports torch, transformers and the rest of this package.
 """
 
 from __future__ import annotations

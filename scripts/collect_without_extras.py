@@ -11,6 +11,7 @@ Run: `python scripts/collect_without_extras.py` (CI runs it after the lint).
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import sys
 
 HIDDEN = ("cuda", "nixl", "matplotlib", "transformers", "vllm", "triton")
@@ -34,6 +35,8 @@ def hide_extras() -> None:
 
 
 def main() -> int:
+    # As `python -m pytest` does: the working directory (the repository root) first on sys.path.
+    sys.path.insert(0, os.getcwd())
     hide_extras()
     import pytest
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nvidia_support import gpu_reason
 
 from hisparse_conformance.vllm_ops_model import random_case, run_ops
 from hisparse_reference_cpu.vllm_ops import ReferenceVllmOps
-from tests.nvidia_backend.nvidia_support import gpu_reason
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_reason() is not None, reason=str(gpu_reason()))]
 

@@ -19,9 +19,7 @@ import types
 
 import pytest
 
-from tests.vllm_connector.conftest import SKIP_REASON
-
-pytest.importorskip("vllm", reason=SKIP_REASON)
+pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_vllm_cpu.sh")
 
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402

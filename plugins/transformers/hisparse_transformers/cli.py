@@ -253,9 +253,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     except (HiSparseError, ValueError) as exc:
-        from hisparse_transformers.check import RowMismatch
+        from hisparse_transformers.check import RowMismatch, TopkMismatch
 
-        if isinstance(exc, RowMismatch):
+        if isinstance(exc, RowMismatch | TopkMismatch):  # the exactness check failed: a result, not bad input
             print(f"hisparse generate: FAILED: {exc}", file=sys.stderr)
             return 1
         return fail("hisparse generate", str(exc))

@@ -186,8 +186,8 @@ def test_a_clean_stop_logs_no_error(servers: dict[str, Server]) -> None:
     workers drain and release the host pool, nothing is left in /dev/shm.
 
     The "AsyncLLM output_handler failed ... EngineDeadError" block that some stops log is vLLM's
-    own shutdown race (`_vllm_shutdown_race`): it was logged with no connector configured (8 lines,
-    same traceback), so it is told apart by its exact shape and place, not by its words; any other
+    own shutdown race (`_vllm_shutdown_race`): it was logged with no connector configured, even with
+    hisparse's plugin not loaded (8 lines, same traceback), so it is told apart by its exact shape and place, not by its words; any other
     ERROR or traceback fails this test."""
     server = servers["good"]
     server.wait_healthy()

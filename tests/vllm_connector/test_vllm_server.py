@@ -144,23 +144,78 @@ def test_the_server_starts_serves_a_completion_and_exports_the_metrics(servers: 
     assert sum("hisparse connector scheduler:" in line for line in lines) == 1, "each hisparse line once"
 
 
+#: Where vLLM 0.32's client starts closing its sockets (`MPClient.shutdown`, in the launcher's executor thread).
+CLIENT_CLOSING = "[shutdown] MPClient: cleaning up background resources"
+
+
+def _vllm_shutdown_race(lines: list[str]) -> list[int]:
+    """Indices of the lines of vLLM's own shutdown race, which vLLM logs with or without a connector.
+
+    `AsyncLLM.shutdown` runs in the launcher's executor thread: `MPClient.shutdown` schedules the
+    socket close on the event loop (`call_soon_threadsafe`), which cancels the output-queue task,
+    which queues `EngineDeadError`; only then does `AsyncLLM.shutdown` schedule the cancel of the
+    output handler. When the loop thread gets the GIL in between (the executor thread drops it to
+    write the "MPClient: complete" line), the handler dequeues the error and logs it: one
+    "AsyncLLM output_handler failed." line and its 7-line traceback ending in EngineDeadError.
+    Only that exact block, after the client began closing its sockets, is vLLM's: an
+    EngineDeadError before it (an engine that really died) or any other ERROR is not."""
+    try:
+        closing = next(i for i, line in enumerate(lines) if CLIENT_CLOSING in line)
+    except StopIteration:
+        return []
+    out: list[int] = []
+    for i in range(closing, len(lines)):
+        if " ERROR " not in lines[i] or not lines[i].endswith("AsyncLLM output_handler failed."):
+            continue
+        where = lines[i].split("]", 1)[0].rsplit("[", 1)[-1]  # "async_llm.py:906"
+        block = [i]
+        for j in range(i + 1, len(lines)):
+            if " ERROR " not in lines[j] or f"[{where}]" not in lines[j]:
+                break
+            block.append(j)
+        text = "\n".join(lines[k] for k in block)
+        if "in get_output_async" in text and lines[block[-1]].split(f"[{where}]", 1)[1].strip().startswith(
+                "vllm.v1.engine.exceptions.EngineDeadError"):
+            out.extend(block)
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 27, item 5, not resolved: vLLM's launcher stops the engine client in an executor thread "
-    "(run_in_executor(engine_client.shutdown)) while AsyncLLM's output handler still awaits the output "
-    "socket; closing it queues EngineDeadError and the handler logs it before shutdown() cancels the "
-    "handler. The engine core is force-killed (timeout 0) with and without the connector; why the "
-    "connector tips this race is not found yet (3 of 3 scripted runs with it logged the traceback, "
-    "0 of 2 without; this test, which also polls /metrics first, passed in its one run here)"))
 def test_a_clean_stop_logs_no_error(servers: dict[str, Server]) -> None:
-    """Issue 27, item 5: with the connector the server logged 8 ERROR lines at SIGTERM
-    ("AsyncLLM output_handler failed ... EngineDeadError"); without it none."""
+    """Issue 27, item 5: a SIGTERM stop with the connector logs no ERROR of its own: rc 0, the
+    workers drain and release the host pool, nothing is left in /dev/shm.
+
+    The "AsyncLLM output_handler failed ... EngineDeadError" block that some stops log is vLLM's
+    own shutdown race (`_vllm_shutdown_race`): it was logged with no connector configured, even with
+    hisparse's plugin not loaded (8 lines, same traceback), so it is told apart by its exact shape and place, not by its words; any other
+    ERROR or traceback fails this test."""
     server = servers["good"]
     server.wait_healthy()
     server.stop()
     assert server.proc.returncode == 0
-    errors = [line for line in server.output().splitlines() if " ERROR " in line or "Traceback" in line]
+    lines = server.output().splitlines()
+    race = set(_vllm_shutdown_race(lines))
+    errors = [line for i, line in enumerate(lines) if i not in race and (" ERROR " in line or "Traceback" in line)]
     assert errors == [], "\n".join(errors)
+    drained = [line for line in lines if "hisparse worker rank 0 shut down" in line]
+    assert len(drained) == 1 and drained[0].endswith("0 still pending; host pool released"), drained
+    assert set(glob.glob("/dev/shm/hisparse_*")) <= server.shm_before, "no shared pool file left"
+
+
+def test_only_vllms_own_shutdown_race_is_told_apart() -> None:
+    """The classifier above keeps every ERROR that is not vLLM's race (fresh lines, no server)."""
+    head = "(APIServer pid=7) ERROR 12-01 21:46:13 [async_llm.py:906] "
+    race = [head + "AsyncLLM output_handler failed.", head + "Traceback (most recent call last):",
+            head + '  File "x/async_llm.py", line 849, in output_handler',
+            head + '  File "x/core_client.py", line 1235, in get_output_async',
+            head + "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."]
+    closing = f"(APIServer pid=7) INFO 12-01 21:46:13 [core_client.py:775] {CLIENT_CLOSING}"
+    other = "(Worker pid=8) ERROR 12-01 21:46:13 [worker.py:1] hisparse: something failed"
+    assert _vllm_shutdown_race([closing, *race]) == list(range(1, 1 + len(race)))
+    assert _vllm_shutdown_race([*race, closing]) == []  # an engine that died before the stop began
+    assert _vllm_shutdown_race([closing, other, *race, other]) == list(range(2, 2 + len(race)))
+    assert _vllm_shutdown_race([closing, *race[:-1], head + "RuntimeError: boom"]) == []
+    assert _vllm_shutdown_race([closing, *[line.replace("get_output_async", "step") for line in race]]) == []
 
 
 @pytest.mark.slow

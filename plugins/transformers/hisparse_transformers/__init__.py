@@ -8,12 +8,43 @@ hisparse's host pool, coordinator, worker and backend.
 
 Importing this package is light: transformers and torch load when `enable` (or a name below) is
 first used.
+
+The modules stand in one-way layers (`LAYERS`, bottom first): a module imports only modules of
+layers below its own, `TYPE_CHECKING` imports included, never one beside or above it
+(tests/transformers_plugin/test_layers.py holds every import to this).
+
+1. leaves, importing nothing of the package: `rows` (RowMap), `tokens`, `families` (DSA layouts),
+   `budgets`, `stats`, `version`, `tiny`;
+2. `session`: a batch's requests and the step in progress (Request, Session, StepState);
+3. `engine`: the engine role (GPU block pool, coordinator, worker, device caches and tables); it
+   knows nothing of the model's attention, the cache or the checker;
+4. what the attention layers consult: `cache` (HiSparseCache) and `check` (the exactness checker,
+   which takes the session, step and rows it checks as arguments);
+5. the model's forward: `attention` (the patched layer) and `graphs` (the captured decode step);
+6. `handle`: `enable` builds the engine and wires the attention layers, the graphs and the checker
+   onto the model;
+7. this package (`__init__`: the lazy names below);
+8. `demo` (the tiny model run `hisparse generate` uses);
+9. `cli` (the `hisparse generate` command).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+#: The import layers of this package, bottom first (see the module docstring).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("rows", "tokens", "families", "budgets", "stats", "version", "tiny"),
+    ("session",),
+    ("engine",),
+    ("cache", "check"),
+    ("attention", "graphs"),
+    ("handle",),
+    ("__init__",),
+    ("demo",),
+    ("cli",),
+)
 
 _LAZY = {
     "enable": "hisparse_transformers.handle",

@@ -29,7 +29,6 @@ When the cache passed to the layer is not a `HiSparseCache`, the model's own for
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,32 +36,17 @@ import torch
 from hisparse_core.errors import HiSparseError
 from hisparse_core.runtime import ResolveInputs
 from hisparse_transformers.cache import HiSparseCache
+from hisparse_transformers.rows import RowMap
 
 if TYPE_CHECKING:
-    from hisparse_transformers.engine import HiSparseEngine, Session, StepState
+    from hisparse_transformers.check import ExactnessChecker
+    from hisparse_transformers.engine import HiSparseEngine
     from hisparse_transformers.families import DsaLayout
+    from hisparse_transformers.session import Session, StepState
 
 
 class MissingRowError(HiSparseError, RuntimeError):
     """A position the indexer chose has neither a resident page nor a host copy (a bookkeeping bug)."""
-
-
-@dataclass(slots=True)
-class RowMap:
-    """Where the rows of one forward's top-k live, shared by the layers of an index group.
-
-    Decode (`rows` set): the resolver's output rows `[B, 1, K]`. Prefill: device rows and host
-    rows per entry `[B, S, K]`, with `host_mask` marking the entries read from the host pool.
-    `positions` `[B, S, K]` are the logical positions (-1 masked), `valid` where an entry is used.
-    """
-
-    positions: torch.Tensor
-    valid: torch.Tensor
-    rows: torch.Tensor | None = None
-    dev_rows: torch.Tensor | None = None
-    host_rows: torch.Tensor | None = None
-    host_mask: torch.Tensor | None = None
-    num_host: int = 0
 
 
 def _logical_topk(topk: torch.Tensor, step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,12 +146,14 @@ def absorbed_attention(module: Any, q_pass: torch.Tensor, q_rot: torch.Tensor, k
 class HiSparseAttention:
     """The per-instance forward of one patched attention module (see the module docstring)."""
 
-    def __init__(self, module: Any, layout: DsaLayout, engine: HiSparseEngine, layer: int) -> None:
+    def __init__(self, module: Any, layout: DsaLayout, engine: HiSparseEngine, layer: int,
+                 checker: ExactnessChecker | None = None) -> None:
         self.module = module  # one of layout.attentions: its projections and sizes are read by name
         self.original: Callable[..., Any] = module.forward
         self.layout = layout
         self.engine = engine
         self.layer = layer
+        self.checker = checker  # enable(check=True): every row this layer reads is compared
         self.group, self.position = layout.group_of(layer)
         self.rope = layout.modeling.apply_rotary_pos_emb_interleave
 
@@ -205,7 +191,7 @@ class HiSparseAttention:
         q_rot, k_rot = self.rope(q_rot, k_rot, cos, sin)
         latent = torch.cat([k_pass, k_rot], dim=-1).view(b * s, -1)                 # the rows cache.update gets
         engine.write_rows(self.group, self.position, latent)
-        checker = engine.checker
+        checker = self.checker
         if checker is not None:
             checker.record(self.layer, session, step, latent.view(b, s, -1))
 

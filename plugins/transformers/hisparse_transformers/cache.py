@@ -25,7 +25,8 @@ from transformers.cache_utils import DynamicCache
 from hisparse_core.errors import HiSparseError
 
 if TYPE_CHECKING:
-    from hisparse_transformers.engine import HiSparseEngine, Session
+    from hisparse_transformers.engine import HiSparseEngine
+    from hisparse_transformers.session import Session
 
 
 class UnsupportedCacheOperation(HiSparseError, RuntimeError):

@@ -38,8 +38,8 @@ from torch.overrides import TorchFunctionMode
 from hisparse_core.errors import HiSparseError
 
 if TYPE_CHECKING:
-    from hisparse_transformers.attention import RowMap
-    from hisparse_transformers.engine import Session, StepState
+    from hisparse_transformers.rows import RowMap
+    from hisparse_transformers.session import Session, StepState
 
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ One `HiSparseEngine` per enabled model owns:
   group, bound to device caches `[num_blocks, block_size, width]` in the model's dtype;
 - the persistent source and hot tables the resolver reads.
 
-A `Session` is one batch of requests (one generate call): each batch row is a hisparse request
+A `Session` (`session.py`) is one batch of requests (one generate call): each batch row is a hisparse request
 with its own state row and its own logical positions (left padding stripped). One model forward
 is one engine step: `begin_step` (allocations, `schedule_step`, table updates,
 `worker.start_step`) before the first layer and `end_step` (`after_forward`, `build_metadata`,
@@ -24,7 +24,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,12 +37,9 @@ from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
 from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.budgets import check_budgets
-from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.families import DsaLayout
+from hisparse_transformers.session import Request, Session, StepState
 from hisparse_transformers.tokens import LazyTokens
-
-if TYPE_CHECKING:  # attention.py imports this module
-    from hisparse_transformers.attention import RowMap
 
 logger = logging.getLogger(__name__)
 
@@ -139,58 +135,6 @@ class EngineTotals:
         ("resident", "hits", "misses", "h2d_bytes", "d2h_bytes"), 0))
 
 
-@dataclass(slots=True)
-class Request:
-    """One batch row of a session: a hisparse request."""
-
-    request_id: str
-    state_index: int
-    pad: int                       # left padding of the row in the padded layout
-    tokens: LazyTokens             # logical token ids (prompt, then generated)
-    prompt_len: int
-    hit: int                       # prefix-hit tokens taken from the host pool
-    first_resident: int            # pages below are host-backed
-    blocks: list[int]              # resident GPU block per page (-1: host-backed)
-    computed: int                  # tokens whose KV is final
-
-
-@dataclass(slots=True)
-class StepState:
-    """What the attention layers of one forward need, computed once per step (device tensors)."""
-
-    past: int                      # padded length before this step
-    num_new: int                   # S: padded positions this step
-    pad: torch.Tensor              # [B] int64
-    pad32: torch.Tensor            # [B, 1] int32 (the decode path's subtraction stays int32)
-    qpos: torch.Tensor             # [B, S] int64 logical position of each query (-1: padding)
-    row_state: torch.Tensor        # [B] int32 state row, -1 where the row has no query this step (S == 1)
-    seq_lens: torch.Tensor         # [B] int32 logical context length after this step
-    write_src: torch.Tensor        # [N] int64 flat index into [B * S] of each row written this step
-    write_dst: torch.Tensor        # [N] int64 flat device row of each
-    started: float = 0.0
-    prefill: bool = False
-    group_cache: dict[int, RowMap] = field(default_factory=dict)  # per index group: the leader's row map
-
-
-class Session:
-    """The requests of one batch (one generate call) and their per-step bookkeeping."""
-
-    def __init__(self, engine: HiSparseEngine, requests: list[Request]) -> None:
-        self.engine = engine
-        self.requests = requests
-        self.padded_len = 0
-        self.step: StepState | None = None
-        self.closed = False
-        dev = engine.device
-        self.state_rows = torch.tensor([r.state_index for r in requests], dtype=torch.int32, device=dev)
-        self.pads = torch.tensor([r.pad for r in requests], dtype=torch.int64, device=dev)
-        self.pads32 = self.pads.to(torch.int32).view(-1, 1)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.requests)
-
-
 class HiSparseEngine:
     """GPU block pool, coordinator, worker and device caches for one model (see the module docstring)."""
 
@@ -261,7 +205,6 @@ class HiSparseEngine:
         self.free_states = list(range(c.max_batch - 1, -1, -1))
         self.totals = EngineTotals()
         self.session: Session | None = None
-        self.checker: ExactnessChecker | None = None   # set by enable(check=True)
         self._next_request = 0
         self.closed = False
         # Plan each decode step while the device runs the one before (hisparse_core.coordinator.ahead).
@@ -333,7 +276,7 @@ class HiSparseEngine:
         self.totals.prefix_hit_tokens += sum(r.hit for r in requests)
         if any(r.hit for r in requests):
             logger.info("hisparse: prefix hits from the host pool: %s tokens", [r.hit for r in requests])
-        self.session = Session(self, requests)
+        self.session = Session(self.device, requests)
         return self.session
 
     def _check_host_room(self, requests: Sequence[Request], totals: Sequence[int], max_new_tokens: int | None) -> None:

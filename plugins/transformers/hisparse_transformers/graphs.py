@@ -44,7 +44,8 @@ from hisparse_core.errors import HiSparseError, InvalidInputError
 from hisparse_transformers.cache import HiSparseCache
 
 if TYPE_CHECKING:
-    from hisparse_transformers.engine import HiSparseEngine, Session, StepState
+    from hisparse_transformers.engine import HiSparseEngine
+    from hisparse_transformers.session import Session, StepState
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,9 @@ class SameMaskForEveryLayerType(dict[str, torch.Tensor]):
         return self.mask
 
 
-def graph_support(engine: HiSparseEngine, requested: bool | None) -> tuple[bool, str]:
-    """(capture decode steps, why) for this engine; `requested=True` turns a no into an error."""
+def graph_support(engine: HiSparseEngine, requested: bool | None, checking: bool = False) -> tuple[bool, str]:
+    """(capture decode steps, why) for this engine; `requested=True` turns a no into an error.
+    `checking`: the exactness checker is on (`enable(check=True)`)."""
     backend = engine.backend
     if requested is False:
         why = "cuda_graphs=False"
@@ -75,7 +77,7 @@ def graph_support(engine: HiSparseEngine, requested: bool | None) -> tuple[bool,
         why = f"the model runs on {engine.device}, not a CUDA device"
     elif Capability.CUDA_GRAPH not in backend.capabilities:
         why = f"backend {backend.name!r} does not declare {Capability.CUDA_GRAPH!r}"
-    elif engine.checker is not None:
+    elif checking:
         why = "check=True reads every gathered row on the host, which a captured step cannot"
     else:
         return True, f"backend {backend.name!r} on {engine.device} declares {Capability.CUDA_GRAPH!r}"
@@ -209,10 +211,11 @@ def reset_capture_state() -> None:
 class DecodeGraphs:
     """The captured decode of one enabled model: which forwards qualify, one `DecodeGraph` per batch."""
 
-    def __init__(self, engine: HiSparseEngine, requested: bool | None, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, engine: HiSparseEngine, requested: bool | None, model: torch.nn.Module | None = None, *,
+                 checking: bool = False) -> None:
         self.engine = engine
         self.model = model
-        self.enabled, self.reason = graph_support(engine, requested)
+        self.enabled, self.reason = graph_support(engine, requested, checking)
         self.capture = self.enabled           # False: the static computation eagerly (tests on the CPU)
         self.captures = 0
         self.last: DecodeGraph | None = None     # the batch that ran the latest decode step

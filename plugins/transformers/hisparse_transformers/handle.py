@@ -30,9 +30,10 @@ from hisparse_core.registry import select_backend
 from hisparse_transformers.attention import HiSparseAttention
 from hisparse_transformers.cache import HiSparseCache
 from hisparse_transformers.check import ExactnessChecker
-from hisparse_transformers.engine import EngineConfig, HiSparseEngine, StepState
+from hisparse_transformers.engine import EngineConfig, HiSparseEngine
 from hisparse_transformers.families import DsaLayout, detect
 from hisparse_transformers.graphs import DecodeGraphs
+from hisparse_transformers.session import StepState
 from hisparse_transformers.stats import HiSparseStats
 from hisparse_transformers.version import cache_kwarg, check_version
 
@@ -67,16 +68,17 @@ class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
 
     def __init__(self, model: torch.nn.Module, layout: DsaLayout, engine: HiSparseEngine,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, checker: ExactnessChecker | None = None) -> None:
         self.model: Any  # a transformers model: its generate is read and patched per instance
         self.model = model
         self.layout = layout
         self.engine = engine
+        self.checker = checker  # enable(check=True): handed to every patched attention layer
         self.on_step: StepCallback | None = None
         self.generate_seconds = 0.0
-        self._attn = [HiSparseAttention(m, layout, engine, i) for i, m in enumerate(layout.attentions)]
+        self._attn = [HiSparseAttention(m, layout, engine, i, checker) for i, m in enumerate(layout.attentions)]
         self._base = getattr(model, "base_model", model)
-        self.graphs = DecodeGraphs(engine, cuda_graphs, model)
+        self.graphs = DecodeGraphs(engine, cuda_graphs, model, checking=checker is not None)
         self.cache_kwarg = cache_kwarg(model)
         self._hooks: list[Any] = []
         self._generate: Callable[..., Any] | None = None
@@ -193,7 +195,7 @@ class HiSparseHandle:
         t = e.collect()
         cs = e.coordinator.stats()
         w = t.worker
-        checker = e.checker
+        checker = self.checker
         return HiSparseStats(
             backend=e.backend.name, device=str(e.device), requests=t.requests, prefix_hit_tokens=t.prefix_hit_tokens,
             prefill_tokens=t.prefill_tokens, decode_tokens=t.decode_tokens,
@@ -377,9 +379,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                                 f"expected them on one device (model.to({str(chosen.device)!r}) or another backend)")
     engine = HiSparseEngine(layout, config, chosen, dtype=weight.dtype)
     try:
-        if check:
-            engine.checker = ExactnessChecker(model.config)
-        handle = HiSparseHandle(model, layout, engine, cuda_graphs)
+        checker = ExactnessChecker(model.config) if check else None
+        handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
     except BaseException:
         engine.close()
         raise

@@ -1,0 +1,72 @@
+"""A session's requests and the step in progress: the tables the engine fills and the attention
+layers read.
+
+A `Session` is one batch of requests (one generate call): each batch row is a `Request` with its own
+state row and its own logical positions (left padding stripped). `StepState` is what one forward's
+attention layers need, computed once per step by `HiSparseEngine.begin_step`. Plain data: this
+module imports nothing above `rows.py` and `tokens.py`, so the engine, the attention layers and the
+checker all build on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from hisparse_transformers.tokens import LazyTokens
+
+if TYPE_CHECKING:
+    from hisparse_transformers.rows import RowMap
+
+
+@dataclass(slots=True)
+class Request:
+    """One batch row of a session: a hisparse request."""
+
+    request_id: str
+    state_index: int
+    pad: int                       # left padding of the row in the padded layout
+    tokens: LazyTokens             # logical token ids (prompt, then generated)
+    prompt_len: int
+    hit: int                       # prefix-hit tokens taken from the host pool
+    first_resident: int            # pages below are host-backed
+    blocks: list[int]              # resident GPU block per page (-1: host-backed)
+    computed: int                  # tokens whose KV is final
+
+
+@dataclass(slots=True)
+class StepState:
+    """What the attention layers of one forward need, computed once per step (device tensors)."""
+
+    past: int                      # padded length before this step
+    num_new: int                   # S: padded positions this step
+    pad: torch.Tensor              # [B] int64
+    pad32: torch.Tensor            # [B, 1] int32 (the decode path's subtraction stays int32)
+    qpos: torch.Tensor             # [B, S] int64 logical position of each query (-1: padding)
+    row_state: torch.Tensor        # [B] int32 state row, -1 where the row has no query this step (S == 1)
+    seq_lens: torch.Tensor         # [B] int32 logical context length after this step
+    write_src: torch.Tensor        # [N] int64 flat index into [B * S] of each row written this step
+    write_dst: torch.Tensor        # [N] int64 flat device row of each
+    started: float = 0.0
+    prefill: bool = False
+    group_cache: dict[int, RowMap] = field(default_factory=dict)  # per index group: the leader's row map
+
+
+class Session:
+    """The requests of one batch (one generate call) and their per-step bookkeeping."""
+
+    def __init__(self, device: torch.device, requests: list[Request]) -> None:
+        self.requests = requests
+        self.padded_len = 0
+        self.step: StepState | None = None
+        self.closed = False
+        dev = device
+        self.state_rows = torch.tensor([r.state_index for r in requests], dtype=torch.int32, device=dev)
+        self.pads = torch.tensor([r.pad for r in requests], dtype=torch.int64, device=dev)
+        self.pads32 = self.pads.to(torch.int32).view(-1, 1)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)

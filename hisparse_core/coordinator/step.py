@@ -46,7 +46,7 @@ StepPlan = tuple[list[RequestPages], list[int], list[RowMirror], list[RequestPla
 
 _REQUEST_ID = attrgetter("request_id")
 _STATE_INDEX = attrgetter("state_index")
-_SET_NUM_MIRRORED = RequestPages.num_mirrored.__set__  # type: ignore[attr-defined]
+_SET_NUM_MIRRORED = RequestPages.__dict__["num_mirrored"].__set__
 # The decode fast path builds its mirrors as `RowMirror.trusted` does, inlined (a call per mirror
 # is a third of its cost): these are the slot descriptors of the frozen dataclass.
 _SET_SOURCE_STARTS = RowMirror.__dict__["source_starts"].__set__

@@ -20,6 +20,13 @@ steps then (claiming the started step), `ahead us` the planning that runs beside
 Per-step work is O(changes): the cost depends on the number of running requests, not on their
 context (compare `--context 16384`).
 
+What is timed: `update_from_workers` + `schedule_step` + `take_table_updates`, the coordinator's
+share of an engine's host work. Not timed: the engine's views and allocations, the device-table
+writes (`coordinator.tables.apply_table_updates`, a few indexed tensor writes a step) and the
+worker's `start_step`/`after_forward` (residency writes, and the backend's per-mirror checks
+when it submits the row mirrors); the serving benchmark times the whole step on a device. On a
+shared machine the mean follows the load: compare runs made in the same minute.
+
 Run: python bench/bench_coordinator.py [--requests 256] [--context 131072] [--steps 512]
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from itertools import repeat
 from typing import Any, Self
 
 from hisparse_core.errors import InvalidCommandError
@@ -185,7 +186,7 @@ class OffloadCommand(_Wire):
         for name, kind in (("page_transfers", PageTransfer), ("row_mirrors", RowMirror),
                            ("residency_updates", ResidencyUpdate), ("host_block_copies", HostBlockCopy)):
             value = getattr(self, name)
-            if not isinstance(value, tuple) or not all(isinstance(x, kind) for x in value):
+            if not isinstance(value, tuple) or not all(map(isinstance, value, repeat(kind))):
                 raise InvalidCommandError(f"OffloadCommand.{name} must be a tuple of {kind.__name__}")
         _check_ints("OffloadCommand", "recycled_host_blocks", self.recycled_host_blocks, nonempty=False)
         ids = [t.transfer_id for t in self.page_transfers]

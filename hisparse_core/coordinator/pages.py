@@ -62,6 +62,7 @@ class RequestPages:
         "num_mirrored", "num_sealed", "num_ready", "first_resident_page",
         "restore_page", "restore_source", "cow_pages", "hot", "hot_changed", "resend",
         "pending_spills", "_releasable", "_tail_clean",
+        "decode_end", "decode_src", "decode_dst",
     )
 
     def __init__(self, request_id: str, root: bytes, active_tail: int) -> None:
@@ -87,6 +88,12 @@ class RequestPages:
         self.pending_spills = 0
         self._releasable: list[int] = []   # max-heap of negated pages
         self._tail_clean: list[int] = []
+        # The decode cursor (`refresh_decode_cursor`): rows [num_mirrored, decode_end) lie in the
+        # page being written; its source rows are decode_src + row per group, its host rows
+        # decode_dst + row. decode_end = -1: no such page (the next step is planned in full).
+        self.decode_end = -1
+        self.decode_src: tuple[int, ...] = ()
+        self.decode_dst = 0
 
     @property
     def num_pages(self) -> int:
@@ -98,6 +105,24 @@ class RequestPages:
 
     def parent_hash(self, page: int) -> bytes:
         return self.hashes[page - 1] if page else self.root
+
+    def refresh_decode_cursor(self, block_size: int) -> None:
+        """Recompute the decode cursor after a step changed the request's pages (the planner runs
+        it after every full plan, the only place that seals pages, adds pages, moves the state row
+        or restores a page of a running request; a decode step changes none of them).
+
+        The cursor covers the first unsealed page when it is resident and known: a step whose
+        rows all lie in it, starting at `num_mirrored`, only mirrors them (the decode fast path
+        of `StepPlanner.validate`)."""
+        p = self.num_sealed
+        blocks = self.gpu[p] if p < len(self.host) else None
+        if blocks is None or self.restore_page >= 0 or self.state_index < 0 or self.num_mirrored < p * block_size:
+            self.decode_end = -1
+            return
+        base = p * block_size
+        self.decode_end = base + block_size
+        self.decode_src = tuple(b * block_size - base for b in blocks)
+        self.decode_dst = self.host[p] * block_size - base
 
     def take_host_blocks(self) -> list[int]:
         """The host blocks the request still leases; from now on it leases none (the caller releases them)."""

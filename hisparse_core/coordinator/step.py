@@ -21,7 +21,9 @@ takes that host block (`_share_spilled_page`), so each distinct page is copied o
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from operator import attrgetter
 
 from hisparse_core.coordinator.acks import advance_publication
 from hisparse_core.coordinator.config import CoordinatorConfig
@@ -38,9 +40,18 @@ from hisparse_core.types import OffloadCommand, PageTransfer, ResidencyUpdate, R
 #: One scheduled request that needs more than a row mirror: (record, view, state index,
 #: num_computed_tokens, tokens after the step, pages after the step).
 RequestPlan = tuple[RequestPages, ScheduledRequest, int, int, int, int]
-#: A validated step: (decode-like requests with their mirrored length after the step, their row
+#: A validated step: (decode-like requests, their mirrored length after the step, their row
 #: mirrors, the other requests' plans).
-StepPlan = tuple[list[tuple[RequestPages, int]], list[RowMirror], list[RequestPlan]]
+StepPlan = tuple[list[RequestPages], list[int], list[RowMirror], list[RequestPlan]]
+
+_REQUEST_ID = attrgetter("request_id")
+_STATE_INDEX = attrgetter("state_index")
+_SET_NUM_MIRRORED = RequestPages.__dict__["num_mirrored"].__set__
+# The decode fast path builds its mirrors as `RowMirror.trusted` does, inlined (a call per mirror
+# is a third of its cost): these are the slot descriptors of the frozen dataclass.
+_SET_SOURCE_STARTS = RowMirror.__dict__["source_starts"].__set__
+_SET_DESTINATION_START = RowMirror.__dict__["destination_start"].__set__
+_SET_NUM_ROWS = RowMirror.__dict__["num_rows"].__set__
 
 
 class StepPlanner:
@@ -62,17 +73,93 @@ class StepPlanner:
         self.spills = 0
         self.shared_spills = 0  # sealed pages another request's spill (done or in flight) covered
         self.restores = 0
+        #: Check steps in bulk first (`_validate_bulk`); False checks each request (tests compare both).
+        self.bulk = True
 
     # -- phase 1: validation -----------------------------------------------------------------
 
     def validate(self, scheduled: Sequence[ScheduledRequest], leaving: set[str]) -> StepPlan:
         """Check the step and split it (see the module docstring). Changes no state, so a bad
-        request leaves everything as it was."""
+        request leaves everything as it was.
+
+        A first pass (`_validate_bulk`) reads each request's decode cursor instead of its pages;
+        a step it does not pass in full is checked again request by request (`_validate_each`),
+        which names the first bad request. Both give the same plan for a good step."""
+        if self.bulk:
+            step = self._validate_bulk(scheduled, leaving)
+            if step is not None:
+                return step
+        return self._validate_each(scheduled, leaving)
+
+    def _validate_bulk(self, scheduled: Sequence[ScheduledRequest], leaving: set[str]) -> StepPlan | None:
+        """The checks of `_validate_each` in one tight pass; None when any fails, so that
+        `_validate_each` finds and names the bad value.
+
+        A request is decode-like (`_validate_each`'s fast path) exactly when it starts at the row
+        its decode cursor expects (`num_mirrored`), keeps its state row, and writes at least one
+        row, all inside the cursor's page (`RequestPages.refresh_decode_cursor`); that also
+        implies every range check of `_validate_each` but the token count. Its mirror comes from
+        the cursor: the same values `_validate_each` reads from the request's pages."""
+        get = self._requests.get
+        new = object.__new__
+        set_src, set_dst, set_rows = _SET_SOURCE_STARTS, _SET_DESTINATION_START, _SET_NUM_ROWS
+        single_group = self._groups == 1
+        fast_recs: list[RequestPages] = []
+        fast_ends: list[int] = []
+        mirrors: list[RowMirror] = []
+        slow: list[tuple[ScheduledRequest, RequestPages]] = []
+        for req in scheduled:
+            rec = get(req.request_id)
+            nc = req.num_computed_tokens
+            nn = req.num_new_tokens
+            si = req.state_index
+            if rec is None or type(nc) is not int or type(nn) is not int or type(si) is not int:
+                return None
+            end = nc + nn
+            if (nc == rec.num_mirrored and si == rec.state_index and nc < end <= rec.decode_end
+                    and nc <= len(req.token_ids)):
+                m = new(RowMirror)
+                set_src(m, (rec.decode_src[0] + nc,) if single_group else tuple(d + nc for d in rec.decode_src))
+                set_dst(m, rec.decode_dst + nc)
+                set_rows(m, nn)
+                mirrors.append(m)
+                fast_recs.append(rec)
+                fast_ends.append(end)
+            else:
+                slow.append((req, rec))
+        n = len(scheduled)
+        rids = set(map(_REQUEST_ID, scheduled))
+        if len(rids) != n or len(set(map(_STATE_INDEX, scheduled))) != n or (leaving and not leaving.isdisjoint(rids)):
+            return None
+        bs, max_tokens = self._bs, self._max_tokens
+        plans: list[RequestPlan] = []
+        host_needed = 0
+        for req, rec in slow:
+            si, nc = req.state_index, req.num_computed_tokens
+            end = nc + req.num_new_tokens
+            if (si < 0 or nc < 0 or end < nc or end > max_tokens or nc < rec.num_sealed * bs
+                    or nc > len(req.token_ids)):
+                return None
+            pages_after = -(-end // bs)
+            first_new = len(rec.host)
+            if pages_after > first_new:
+                host_needed += pages_after - first_new
+            first_engine = rec.restore_page if 0 <= rec.restore_page < pages_after else first_new
+            if first_engine < pages_after:
+                self._check_engine_blocks(req, first_engine, pages_after)
+            plans.append((rec, req, si, nc, end, pages_after))
+        if host_needed > self._host.num_free:
+            self._no_host_room(host_needed)
+        return fast_recs, fast_ends, mirrors, plans
+
+    def _validate_each(self, scheduled: Sequence[ScheduledRequest], leaving: set[str]) -> StepPlan:
+        """The checks request by request, in order: the first bad value raises, named."""
         bs, groups = self._bs, self._groups
         single_group = groups == 1
         max_tokens = self._max_tokens
         requests = self._requests
-        fast_records: list[tuple[RequestPages, int]] = []
+        fast_recs: list[RequestPages] = []
+        fast_ends: list[int] = []
         fast_mirrors: list[RowMirror] = []
         plans: list[RequestPlan] = []
         rids: list[str] = []
@@ -111,7 +198,8 @@ class StepPlanner:
                 fast_mirrors.append(trusted_mirror(
                     (blocks[0] * bs + off,) if single_group else tuple(b * bs + off for b in blocks),
                     host[p] * bs + off, nn))
-                fast_records.append((rec, end))
+                fast_recs.append(rec)
+                fast_ends.append(end)
                 continue
             pages_after = -(-end // bs)
             first_new = len(host)
@@ -129,10 +217,13 @@ class StepPlanner:
             dup_states = sorted({x for x in states if states.count(x) > 1})
             raise InvalidInputError(f"state_index {dup_states} used by more than one request this step")
         if host_needed > self._host.num_free:
-            raise CapacityError(f"this step writes {host_needed} new pages but the host pool has "
-                                f"{self._host.num_free} allocatable blocks of {self._host.capacity}; the engine "
-                                f"must not schedule more than num_free_host_blocks allows")
-        return fast_records, fast_mirrors, plans
+            self._no_host_room(host_needed)
+        return fast_recs, fast_ends, fast_mirrors, plans
+
+    def _no_host_room(self, host_needed: int) -> None:
+        raise CapacityError(f"this step writes {host_needed} new pages but the host pool has "
+                            f"{self._host.num_free} allocatable blocks of {self._host.capacity}; the engine "
+                            f"must not schedule more than num_free_host_blocks allows")
 
     def _check_engine_blocks(self, req: ScheduledRequest, first: int, pages_after: int) -> None:
         groups, num_gpu = self._groups, self._gpu.num_blocks
@@ -155,9 +246,8 @@ class StepPlanner:
     def apply(self, step: StepPlan) -> tuple[OffloadCommand | None, tuple[TableUpdate, ...]]:
         """Carry out a validated step: returns the command (None when there is nothing for the
         workers) and the step's table deltas."""
-        fast_records, mirrors, plans = step
-        for rec, end in fast_records:
-            rec.num_mirrored = end
+        fast_recs, fast_ends, mirrors, plans = step
+        deque(map(_SET_NUM_MIRRORED, fast_recs, fast_ends), 0)
         transfers: list[PageTransfer] = []
         residency: dict[int, dict[int, tuple[int, ...]]] = {}
         tables: list[TableUpdate] = []
@@ -258,6 +348,7 @@ class StepPlanner:
                 rows[p] = gpu[p]  # type: ignore[assignment]
             if pages_after > old_pages:
                 tables.append(TableUpdate(si, tuple(range(old_pages, pages_after)), tuple(rec.host[old_pages:])))
+        rec.refresh_decode_cursor(bs)
 
     def _share_spilled_page(self, rec: RequestPages, p: int) -> bool:
         """Page `p` of `rec` was just sealed. If a page with its hash is already published, or

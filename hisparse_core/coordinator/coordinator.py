@@ -302,6 +302,18 @@ class HiSparseCoordinator:
             return
         self._acks.apply(meta, num_workers)
 
+    def make_room(self, gpu_blocks: int) -> int:
+        """Release clean pages now (the residency policy, outside a step) if fewer than
+        `gpu_blocks` GPU blocks are free; returns the free blocks. For an engine whose next
+        allocations do not fit because acknowledgements lag: apply them first (drained), then
+        ask. Released blocks stay readable until handed out; pages lost to that and hot buffers
+        leased here go out in the next command."""
+        if not _is_int(gpu_blocks) or gpu_blocks < 0:
+            raise InvalidInputError(f"gpu_blocks must be an int >= 0, got {gpu_blocks!r}")
+        if self._enabled:
+            self._policy.make_room(gpu_blocks)
+        return self._gpu.num_free_blocks
+
     # -- leaving ---------------------------------------------------------------------------
 
     def finish_request(self, request_id: str) -> None:

@@ -83,8 +83,12 @@ class ResidencyPolicy:
     def make_room(self, blocks: int) -> None:
         """Release pages now if fewer than `blocks` GPU blocks are free: for an engine whose next
         allocations do not fit (it waited for acknowledgements first, so its pages are clean)."""
-        if self._gpu.num_free_blocks < blocks:
-            self._relieve(max(self._target, min(blocks, self._gpu.num_blocks)))
+        target = max(self._target, min(blocks, self._gpu.num_blocks))
+        while self._gpu.num_free_blocks < blocks:
+            before = self.released_pages
+            self._relieve(target)             # a first release also leases a hot buffer: go on
+            if self.released_pages == before:
+                return
 
     def _relieve(self, target: int) -> None:
         gpu = self._gpu

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from hisparse_core import shm
 from hisparse_core.errors import CapacityError
+from hisparse_core.units import human_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -28,12 +29,6 @@ if TYPE_CHECKING:
 
 #: The largest share of the available host RAM one allocation may take.
 HOST_FRACTION = 0.95
-_GIB = float(1 << 30)
-
-
-def fmt_bytes(n: int | float) -> str:
-    """`34359738368` -> "32.00 GiB" (MiB below 1 GiB)."""
-    return f"{n / _GIB:.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MiB"
 
 
 def available_host_bytes() -> int | None:
@@ -73,10 +68,10 @@ def check_host_memory(nbytes: int, what: str, *, fraction: float = HOST_FRACTION
     limit = int(avail * fraction)
     if nbytes > limit:
         total = total_host_bytes()
-        of_total = f" of {fmt_bytes(total)} total" if total else ""
+        of_total = f" of {human_bytes(total)} total" if total else ""
         raise CapacityError(
-            f"{what} needs {fmt_bytes(nbytes)} ({nbytes} B) of host RAM; {fmt_bytes(avail)} is available"
-            f"{of_total}, and at most {fraction:.0%} of it ({fmt_bytes(limit)}) may be taken: {remedy}")
+            f"{what} needs {human_bytes(nbytes)} ({nbytes} B) of host RAM; {human_bytes(avail)} is available"
+            f"{of_total}, and at most {fraction:.0%} of it ({human_bytes(limit)}) may be taken: {remedy}")
 
 
 def check_shm_space(nbytes: int, what: str, directory: str | None = None, *,
@@ -92,8 +87,8 @@ def check_shm_space(nbytes: int, what: str, directory: str | None = None, *,
     if nbytes > free:
         size = st.f_blocks * st.f_frsize
         raise CapacityError(
-            f"{what} needs a {fmt_bytes(nbytes)} ({nbytes} B) file in {directory}, which has {fmt_bytes(free)} "
-            f"free of {fmt_bytes(size)}: {remedy}, or enlarge {directory} (for example "
+            f"{what} needs a {human_bytes(nbytes)} ({nbytes} B) file in {directory}, which has {human_bytes(free)} "
+            f"free of {human_bytes(size)}: {remedy}, or enlarge {directory} (for example "
             f"`mount -o remount,size=... {directory}`, or `docker run --shm-size`)")
 
 
@@ -134,5 +129,5 @@ def check_device_memory(device: torch.device, nbytes: int, what: str, *, remedy:
         return
     free = device_free_bytes(device)
     if free is not None and nbytes > free:
-        raise CapacityError(f"{what} needs {fmt_bytes(nbytes)} ({nbytes} B) on {device}, which has "
-                            f"{fmt_bytes(free)} free: {remedy}")
+        raise CapacityError(f"{what} needs {human_bytes(nbytes)} ({nbytes} B) on {device}, which has "
+                            f"{human_bytes(free)} free: {remedy}")

@@ -9,12 +9,14 @@ GPU memory model (the one the replay engine implements, after vLLM's HMA pool):
   to the same pool in whole blocks: `ceil(pages * block_size * index_layers * indexer_bytes /
   block_bytes)`.
 - Without hisparse a request holds every page plus its indexer blocks.
-- Hybrid rule: a request whose context fits its hot buffer (`context <= hot_rows`) stays
-  resident, exactly as without hisparse: it never leases a hot buffer (which would cost at least
-  as many blocks as releasing its pages frees) and never misses. The coordinator's residency
-  policy releases no page of such a request, so the crossover where hisparse starts to pay
-  (`crossover_context`) lies past the hot buffer: where the steady state below, with one
-  admission kept free, fits more requests than all-resident.
+- Hybrid rule: a request whose context fits its hot buffer and active tail (`context <=
+  resident_context`: `hot_rows + tail_pages * block_size`) stays resident, exactly as without
+  hisparse: it never leases a hot buffer (which with the tail it keeps would cost at least as
+  many blocks as releasing its pages frees) and never misses. The coordinator's residency policy
+  releases no page of such a request, so hisparse never runs fewer requests than all-resident
+  there (less only where the host pool binds), and the crossover where hisparse starts to pay
+  (`crossover_context`) lies past it: where the steady state below, with one admission kept
+  free, fits more requests than all-resident.
 - With hisparse a running request holds its indexer blocks, its hot buffer (`hot_rows /
   block_size` blocks) and its `tail_pages` newest pages. Admitting one more request needs one
   full admission free: all of its pages, its indexer blocks and its hot buffer (the
@@ -144,8 +146,8 @@ class Plan:
     hot_blocks_per_request: int
     steady_blocks_per_request: int
     admission_blocks: int
-    #: The hybrid rule: the context fits the hot buffer, so requests stay all resident (no hot
-    #: buffer leased, no misses) and hisparse only mirrors them to host.
+    #: The hybrid rule: the context fits the hot buffer and tail, so requests stay all resident
+    #: (no hot buffer leased, no misses) and hisparse only mirrors them to host.
     stays_resident: bool
     #: Misses per looked-up entry charged to PCIe: the input's, or 0 when requests stay resident.
     miss_rate: float
@@ -187,6 +189,12 @@ def gpu_concurrency(gpu_blocks: int, steady: int, admission: int) -> int:
     return 1 + (gpu_blocks - admission) // steady
 
 
+def resident_context(p: PlanInputs) -> int:
+    """The longest context whose requests stay resident (the hybrid rule): the hot buffer plus
+    the active tail, in tokens."""
+    return p.hot_rows + p.tail_pages * p.geometry.block_size
+
+
 def _request_blocks(p: PlanInputs, pages: int) -> tuple[int, int, int, int, bool]:
     """GPU blocks of one request of `pages` pages: (indexer, all-resident, hisparse steady state,
     one admission, stays resident by the hybrid rule)."""
@@ -194,10 +202,9 @@ def _request_blocks(p: PlanInputs, pages: int) -> tuple[int, int, int, int, bool
     indexer = -(-(pages * bs * g.index_layers * g.indexer_bytes) // g.block_bytes)
     baseline = pages + indexer
     hot_blocks = p.hot_rows // bs
-    resident = pages <= hot_blocks  # context <= hot_rows: hot_rows is a whole number of pages
-    if resident:
+    if pages <= hot_blocks + p.tail_pages:  # context <= resident_context, a whole number of pages
         return indexer, baseline, baseline, baseline, True
-    return indexer, baseline, indexer + hot_blocks + min(p.tail_pages, pages), baseline + hot_blocks, False
+    return indexer, baseline, indexer + hot_blocks + p.tail_pages, baseline + hot_blocks, False
 
 
 def _concurrencies(p: PlanInputs, pages: int) -> tuple[int, int, int, int]:
@@ -215,20 +222,20 @@ def crossover_context(p: PlanInputs, up_to: int = 1 << 24) -> int | None:
     all-resident under `p`'s budgets (every field of `p` but the context as given), or None if it
     does not up to `up_to` tokens.
 
-    Up to the hot buffer the hybrid rule keeps requests resident, so hisparse equals all-resident
-    (less where the host pool binds). Past it a request holds its hot buffer and active tail
-    instead of its pages; that pays once the pages it gives up outnumber them, and the admission
-    kept free still fits. Concurrency depends on the context only through its pages, so the
+    Up to the hot buffer and active tail the hybrid rule keeps requests resident, so hisparse
+    equals all-resident (less where the host pool binds). Past them a request holds its hot
+    buffer and active tail instead of its pages, fewer blocks; that pays once the admission kept
+    free still fits as many requests. Concurrency depends on the context only through its pages, so the
     answer is the first token of a page.
 
-    Exact without trying every page count: past the hot buffer both concurrencies only fall as
+    Exact without trying every page count: past the resident stretch both concurrencies fall as
     pages grow, so from a page count where hisparse runs `v` requests and does not lead, no
     crossover comes before all-resident drops below `v`; the search jumps there (a bisection).
     """
     bs = p.geometry.block_size
     gpu_blocks = p.gpu_kv_bytes // p.geometry.block_bytes
     last = min(-(-up_to // bs), gpu_blocks)   # beyond gpu_blocks pages neither fits one request
-    pages = p.hot_rows // bs + 1
+    pages = resident_context(p) // bs + 1
     while pages <= last:
         baseline, _, _, hisparse = _concurrencies(p, pages)
         if hisparse > baseline:
@@ -251,8 +258,8 @@ def crossover_context(p: PlanInputs, up_to: int = 1 << 24) -> int | None:
 
 def no_crossover_reason(p: PlanInputs) -> str:
     """Why hisparse does not overtake all-resident under `p`'s budgets, in words: what bounds it
-    just past the hot buffer, where it would start to pay."""
-    past = make_plan(replace(p, context=p.hot_rows + 1))
+    just past the resident stretch (hot buffer and tail), where it would start to pay."""
+    past = make_plan(replace(p, context=resident_context(p) + 1))
     if past.bound_by == "host pool":
         return "the host pool bounds it"
     return "hot buffer, tail and the admission kept free cost the GPU as much as the pages"

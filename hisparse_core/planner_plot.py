@@ -3,13 +3,13 @@ all-resident and why (`hisparse plan --plot FILE.png`; `hisparse run --plot` dra
 beside its measurements).
 
 - Left: requests that fit the GPU KV budget (and the host pool), all-resident and hisparse. The
-  hybrid-rule regime is shaded: a context of at most the hot buffer stays resident (no hot buffer
-  leased, misses about 0), so hisparse equals all-resident there. Past the hot-buffer line a
+  hybrid-rule regime is shaded: a context of at most the hot buffer and tail stays resident (no hot
+  buffer leased, misses about 0), so hisparse equals all-resident there. Past it a
   request holds its hot buffer and tail instead of its pages, which pays from the crossover on
   (`planner.crossover_context`), marked with its context.
 - Right: GPU KV per request. All-resident grows with the context; hisparse's steady state stops
-  growing at the hot buffer (indexer blocks + hot buffer + tail), and the miss rate charged to
-  PCIe goes from 0 to the plan's there.
+  growing past the hot buffer and tail (indexer blocks + hot buffer + tail), and the miss rate
+  charged to PCIe goes from 0 to the plan's there.
 
 Needs matplotlib (`pip install 'hisparse[plot]'`); imported only when a plot is drawn.
 """
@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from hisparse_core.errors import HiSparseError
-from hisparse_core.planner import Plan, PlanInputs, crossover_context, make_plan, no_crossover_reason
+from hisparse_core.planner import Plan, PlanInputs, crossover_context, make_plan, no_crossover_reason, resident_context
 
 #: Artist ids (matplotlib `gid`) of the annotations, for tests and for anyone post-editing a figure.
 GID_CROSSOVER = "crossover"
@@ -31,7 +31,7 @@ GID_NO_CROSSOVER = "no-crossover"
 
 ALL_RESIDENT = "all resident (no hisparse)"
 HISPARSE = "hisparse"
-HISPARSE_RULE = "hisparse: resident up to the hot buffer, host-backed past it"
+HISPARSE_RULE = "hisparse: resident up to the hot buffer and tail, host-backed past them"
 
 
 def context_range(inputs: PlanInputs, extra: Sequence[int] = ()) -> tuple[int, int]:
@@ -77,8 +77,8 @@ def draw_concurrency(ax: Any, inputs: PlanInputs, lo: int, hi: int) -> int | Non
     ax.plot(ctxs, [p.baseline_concurrency for p in plans], color="tab:blue", label=ALL_RESIDENT)
     ax.plot(ctxs, [p.hisparse_concurrency for p in plans], color="tab:orange", label=HISPARSE_RULE)
     hot = inputs.hot_rows
-    ax.axvspan(lo, hot, color="tab:green", alpha=0.12, gid=GID_RESIDENT,
-               label="context <= hot buffer: requests stay resident\n(no hot buffer, misses ~0): "
+    ax.axvspan(lo, resident_context(inputs), color="tab:green", alpha=0.12, gid=GID_RESIDENT,
+               label="context <= hot buffer + tail: requests stay resident\n(no hot buffer, misses ~0): "
                      "hisparse = all resident\n(less only where the host pool binds)")
     ax.axvline(hot, color="tab:green", linestyle="--", linewidth=1, gid=GID_HOT_BUFFER,
                label=f"hot buffer: {hot:,} rows (the regime boundary)")
@@ -109,7 +109,7 @@ def draw_kv_per_request(ax: Any, inputs: PlanInputs, lo: int, hi: int, crossover
             label=f"{ALL_RESIDENT}: every page + indexer")
     ax.plot(ctxs, [p.steady_blocks_per_request * p.block_bytes / gib for p in plans], color="tab:orange",
             label=f"{HISPARSE} steady state: indexer + hot buffer + tail")
-    ax.axvspan(lo, inputs.hot_rows, color="tab:green", alpha=0.12)
+    ax.axvspan(lo, resident_context(inputs), color="tab:green", alpha=0.12)
     ax.axvline(inputs.hot_rows, color="tab:green", linestyle="--", linewidth=1)
     if crossover is not None:
         ax.axvline(crossover, color="tab:red", linestyle=":", linewidth=1)

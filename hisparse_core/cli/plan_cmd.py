@@ -149,11 +149,12 @@ def _crossover(plan, crossover: int | None) -> str:  # type: ignore[no-untyped-d
     if crossover is None:
         return f"never up to {MAX_TOKENS} tokens: {no_crossover_reason(i)}"
     return (f"from {crossover} tokens ({-(-crossover // i.geometry.block_size)} pages); up to the {i.hot_rows}-row "
-            f"hot buffer requests stay resident, past it each holds its hot buffer and "
-            f"{i.tail_pages} tail pages instead of its pages")
+            f"hot buffer and {i.tail_pages} tail pages requests stay resident, past them each holds its hot "
+            f"buffer and tail instead of its pages")
 
 
 def _table(plan, miss_source: str, crossover: int | None) -> str:  # type: ignore[no-untyped-def]
+    from hisparse_core.planner import resident_context
     from hisparse_core.replay.report import human_bytes, pct, render_table
 
     i, g = plan.inputs, plan.inputs.geometry
@@ -170,7 +171,8 @@ def _table(plan, miss_source: str, crossover: int | None) -> str:  # type: ignor
          f"({plan.pages_per_request} pages + {plan.indexer_blocks_per_request} indexer blocks)"),
         ("hisparse steady state",
          f"{human_bytes(plan.steady_blocks_per_request * plan.block_bytes)} "
-         + (f"(all resident: {i.context} tokens fit the {i.hot_rows}-row hot buffer)" if plan.stays_resident else
+         + (f"(all resident: {i.context} tokens fit the {i.hot_rows}-row hot buffer and {i.tail_pages} tail pages)"
+            if plan.stays_resident else
             f"({plan.indexer_blocks_per_request} indexer + {plan.hot_blocks_per_request} hot + "
             f"{min(i.tail_pages, plan.pages_per_request)} tail blocks)")),
         ("one admission kept free", f"{human_bytes(plan.admission_blocks * plan.block_bytes)} "
@@ -185,7 +187,7 @@ def _table(plan, miss_source: str, crossover: int | None) -> str:  # type: ignor
                              f"{plan.gpu_concurrency} requests (+1 null block)"),
         ("PCIe per decode step", ""),
         ("miss rate", f"{pct(plan.miss_rate)} (requests stay resident; {pct(i.miss_rate)} {miss_source} "
-                      f"applies past {i.hot_rows} tokens)" if plan.stays_resident
+                      f"applies past {resident_context(i)} tokens)" if plan.stays_resident
          else f"{pct(i.miss_rate)} ({miss_source})"),
         ("per request", f"{human_bytes(plan.h2d_bytes_per_request_step)} host->device, "
                         f"{human_bytes(plan.d2h_bytes_per_request_step)} device->host"),

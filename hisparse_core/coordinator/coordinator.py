@@ -64,7 +64,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from hisparse_core.capacity import fmt_bytes
 from hisparse_core.coordinator.acks import Acknowledgements
 from hisparse_core.coordinator.config import GIB, CoordinatorConfig
 from hisparse_core.coordinator.engine import GpuBlockAllocator, ScheduledRequest
@@ -78,6 +77,7 @@ from hisparse_core.coordinator.spill import HostCopyLedger, TransferLedger
 from hisparse_core.coordinator.step import StepPlanner
 from hisparse_core.errors import CapacityError, InvalidInputError, ProtocolError
 from hisparse_core.types import OffloadCommand, WorkerMetadata
+from hisparse_core.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ class HiSparseCoordinator:
             "HiSparse host pool: %d blocks (%d usable + null) = %d tokens, %s of the %s budget; "
             "block stride %d B (%d layers x %d tokens x %d B, aligned to %d); room for %.1f max_model_len "
             "requests; GPU pressure watermark %d of %d blocks",
-            num_blocks, usable, usable * config.block_size, fmt_bytes(num_blocks * stride),
-            fmt_bytes(config.host_pool_gib * GIB),
+            num_blocks, usable, usable * config.block_size, human_bytes(num_blocks * stride),
+            human_bytes(config.host_pool_gib * GIB),
             stride, config.num_layers, config.block_size, config.row_bytes, config.stride_alignment,
             usable / config.max_pages_per_request, self._policy.watermark, gpu.num_blocks)
 
@@ -303,6 +303,18 @@ class HiSparseCoordinator:
                 raise ProtocolError("acknowledgements arrived but HiSparse is disabled and issued no transfers")
             return
         self._acks.apply(meta, num_workers)
+
+    def make_room(self, gpu_blocks: int) -> int:
+        """Release clean pages now (the residency policy, outside a step) if fewer than
+        `gpu_blocks` GPU blocks are free; returns the free blocks. For an engine whose next
+        allocations do not fit because acknowledgements lag: apply them first (drained), then
+        ask. Released blocks stay readable until handed out; pages lost to that and hot buffers
+        leased here go out in the next command."""
+        if not _is_int(gpu_blocks) or gpu_blocks < 0:
+            raise InvalidInputError(f"gpu_blocks must be an int >= 0, got {gpu_blocks!r}")
+        if self._enabled:
+            self._policy.make_room(gpu_blocks)
+        return self._gpu.num_free_blocks
 
     # -- leaving ---------------------------------------------------------------------------
 

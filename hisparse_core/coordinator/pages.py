@@ -165,6 +165,11 @@ class RequestPages:
                 return p
         return None
 
+    def unpop_releasable(self, pages: list[int]) -> None:
+        """Put back pages `pop_releasable` returned and that stay resident after all."""
+        for p in pages:
+            heapq.heappush(self._releasable, -p)
+
     def has_releasable(self) -> bool:
         return bool(self._releasable)
 

@@ -202,7 +202,7 @@ class ReplayEngine:
         self.indexer_blocks = p.indexer_blocks_per_request
         self.admission_blocks = p.admission_blocks
         self.hot_blocks = p.hot_blocks_per_request
-        # Hybrid rule: requests that fit the hot buffer stay resident, so they take no prefix
+        # Hybrid rule: requests that fit the hot buffer and tail stay resident, so they take no prefix
         # hit from host (that would read it through a hot buffer) and admit without one.
         self.stays_resident = p.stays_resident
         admission_hot = 0 if p.stays_resident else self.hot_blocks
@@ -274,7 +274,8 @@ class ReplayEngine:
             self.admission_blocks, self.pages_per_request, self.indexer_blocks, admission_hot,
             self.coordinator.host_num_blocks, self.max_running,
             "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint", c.rows_per_request,
-            f"; requests of {c.max_tokens} tokens fit the {c.hot_rows}-row hot buffer, so they stay resident "
+            f"; requests of {c.max_tokens} tokens fit the {c.hot_rows}-row hot buffer and {c.tail_pages}-page tail, "
+            "so they stay resident "
             "(no hot buffer, no host prefix hits)" if p.stays_resident else "")
 
     # ----------------------------------------------------------------------------- steps

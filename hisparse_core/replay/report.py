@@ -1,4 +1,5 @@
-"""Plain-text tables and number formatting shared by `hisparse bench`, `run` and `plan`."""
+"""Plain-text tables and number formatting shared by `hisparse bench`, `run` and `plan` (bytes:
+`hisparse_core.units.human_bytes`, re-exported here)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from hisparse_core.units import human_bytes
 
-def human_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB' (binary units)."""
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "n/a"
-    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
-    v, i = float(n), 0
-    while abs(v) >= 1024 and i < len(units) - 1:
-        v /= 1024
-        i += 1
-    return f"{int(v)} B" if i == 0 else f"{v:.2f} {units[i]}"
+__all__ = ["dumps", "human_bytes", "pct", "render_grid", "render_table"]
 
 
 def pct(x: float) -> str:

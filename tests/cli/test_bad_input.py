@@ -155,8 +155,11 @@ ENDLESS_RUN = ["run", "--backend", "reference_cpu", "--requests", "2", "--contex
 
 
 def _interrupt_after_first_progress_line(argv: list[str], label: str) -> tuple[int, list[str]]:
+    # SIGINT back to its default in the child: a runner started in the background (`cmd &` in a
+    # script) ignores SIGINT, and Python then never raises KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, "-m", "hisparse_core", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+                            stderr=subprocess.PIPE, text=True, env=_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stderr is not None
     seen = []
     try:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hisparse_core.cli import main
-from hisparse_core.planner import MODELS, ModelGeometry, PlanInputs, crossover_context, make_plan
+from hisparse_core.planner import MODELS, ModelGeometry, PlanInputs, crossover_context, make_plan, resident_context
 
 TINY = ModelGeometry("tiny", num_layers=2, row_bytes=656, indexer_bytes=132, top_k=64, block_size=16, index_share=2)
 DEFAULT = PlanInputs(MODELS["deepseek-v3.2"], 40 << 30, 256 << 30, 131072, 4096, 0.134)
@@ -40,9 +40,25 @@ def test_crossover_by_hand() -> None:
     at, before = make_plan(replace(p, context=177)), make_plan(replace(p, context=176))
     assert (at.baseline_concurrency, at.hisparse_concurrency) == (10, 11)
     assert (before.baseline_concurrency, before.hisparse_concurrency) == (11, 11)
-    # The built-in model at the CLI's defaults: past 64 pages a request holds 64 hot + 2 tail blocks,
+    # The built-in model at the CLI's defaults: past 64 + 2 pages a request holds 64 hot + 2 tail blocks,
     # which pays from 67 pages on (207 against 208 requests).
     assert crossover_context(DEFAULT) == 66 * 64 + 1 == 4225
+
+
+def test_no_stretch_past_the_hot_buffer_where_hisparse_runs_fewer() -> None:
+    """At 65 and 66 pages (4097-4224 tokens at the defaults) a request's hot buffer and tail cost
+    more than its pages: it stays resident, so hisparse runs what all-resident runs (it ran 208
+    against 212 when only the hot buffer's 64 pages stayed resident)."""
+    assert resident_context(DEFAULT) == 4096 + 2 * 64
+    for context, requests in ((4097, 212), (4160, 212), (4161, 209), (4224, 209)):
+        plan = make_plan(replace(DEFAULT, context=context))
+        assert plan.stays_resident and plan.miss_rate == 0.0
+        assert plan.hisparse_concurrency == plan.baseline_concurrency == requests, context
+    past = make_plan(replace(DEFAULT, context=4225))
+    assert not past.stays_resident and (past.hisparse_concurrency, past.baseline_concurrency) == (208, 207)
+    for pages in range(1, 2049):  # up to 128K tokens: never behind
+        plan = make_plan(replace(DEFAULT, context=pages * 64))
+        assert plan.hisparse_concurrency >= plan.baseline_concurrency, pages
 
 
 @settings(max_examples=150, deadline=None)
@@ -59,7 +75,17 @@ def test_crossover_is_the_first_context_where_hisparse_leads(layers: int, share:
     assert crossover_context(p, up_to=up_to) == expected
     assert crossover_context(p) == expected  # no crossover further out either
     if expected is not None:
-        assert expected > p.hot_rows  # the hybrid rule: never ahead while requests stay resident
+        assert expected > resident_context(p)  # the hybrid rule: never ahead while requests stay resident
+    bs = block
+    for pages in range(1, gpu_blocks + 3):
+        plan = make_plan(replace(p, context=pages * bs))
+        if pages * bs <= resident_context(p):
+            # Resident: exactly all-resident on the GPU, never fewer requests.
+            assert plan.stays_resident and plan.gpu_concurrency == plan.baseline_concurrency
+        elif plan.baseline_concurrency > plan.hot_blocks_per_request:
+            # Past it each earlier request saves a block at least, and more of them than the
+            # hot buffer the last admission keeps free: never behind either.
+            assert plan.gpu_concurrency >= plan.baseline_concurrency, pages
 
 
 def _figure_parts(fig):  # type: ignore[no-untyped-def]

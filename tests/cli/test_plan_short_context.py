@@ -44,7 +44,8 @@ def test_table_says_why_requests_stay_resident() -> None:
         assert main(["plan", "--context", "2048", "--sweep", "2048,65536"]) == 0
     text = out.getvalue()
     assert "all resident: 2048 tokens fit the 4096-row hot buffer" in text
-    assert "0.00% (requests stay resident; 13.40% published LRU figure at 2x top-k applies past 4096 tokens)" in text
+    assert "all resident: 2048 tokens fit the 4096-row hot buffer and 2 tail pages" in text
+    assert "0.00% (requests stay resident; 13.40% published LRU figure at 2x top-k applies past 4224 tokens)" in text
     rows = {line.split()[0]: line for line in text.splitlines() if line[:1].isdigit()}
     assert rows["2048"].endswith("GPU, all resident") and not rows["65536"].endswith("all resident")
 
@@ -60,7 +61,7 @@ def test_hybrid_rule(layers: int, share: int, row: int, idx: int, top_k_pages: i
     hot_rows = hot_mult * g.top_k
     p = make_plan(PlanInputs(g, gpu_blocks * g.block_bytes, host_blocks * g.block_bytes, context, hot_rows, miss,
                              tail))
-    assert p.stays_resident == (context <= hot_rows)
+    assert p.stays_resident == (context <= hot_rows + tail * block)  # hot buffer and tail
     if p.stays_resident:
         # Exactly all-resident on the GPU, no misses: only the host pool can bound it further.
         assert p.steady_blocks_per_request == p.admission_blocks == p.baseline_blocks_per_request
@@ -68,8 +69,8 @@ def test_hybrid_rule(layers: int, share: int, row: int, idx: int, top_k_pages: i
         assert p.hisparse_concurrency == min(p.baseline_concurrency, p.host_concurrency)
         assert p.miss_rate == 0.0 and p.h2d_bytes_per_step == 0.0 and p.pcie_ms_per_step == 0.0
     else:
-        assert p.steady_blocks_per_request == p.indexer_blocks_per_request + p.hot_blocks_per_request + min(
-            tail, p.pages_per_request)
+        assert p.steady_blocks_per_request == p.indexer_blocks_per_request + p.hot_blocks_per_request + tail
+        assert p.steady_blocks_per_request < p.baseline_blocks_per_request
         assert p.miss_rate == miss
         assert p.h2d_bytes_per_request_step == miss * g.top_k * layers * row
     assert p.d2h_bytes_per_step == p.hisparse_concurrency * layers * row  # every new token is mirrored

@@ -266,6 +266,62 @@ def test_no_release_while_gpu_blocks_are_plentiful() -> None:
     assert engine.coord.stats().released_pages == 0 and engine.coord._requests["a"].hot is None
 
 
+def test_a_request_within_its_hot_buffer_and_tail_stays_resident() -> None:
+    """Hot buffer 2 + tail 2: a 4-page request is never released (its buffer and tail would take
+    as many blocks as its pages); at 5 pages it is."""
+    engine = MiniEngine(small_config(pressure_watermark_blocks=4), gpu_blocks=12)
+    workers = MiniWorkers(1)
+    run_prompt(engine, workers, "a", list(range(14)))       # 4 pages, 3 sealed and clean
+    rec = engine.coord._requests["a"]
+    assert rec.num_pages == 4 and rec.has_releasable()        # pages 0 and 1 lie outside the tail
+    hog = engine.gpu.acquire(engine.gpu.num_free_blocks - 3)  # 3 free < watermark 4
+    workers.receive(engine.step({"a": 1}))                    # 16 tokens: still 4 pages
+    assert engine.coord.stats().released_pages == 0 and rec.hot is None
+    workers.ack_all(engine.coord)
+    workers.receive(engine.step({"a": 1}))                    # 17 tokens: 5 pages
+    assert rec.num_pages == 5 and rec.hot is not None and engine.coord.stats().released_pages > 0
+    engine.gpu.release(hog)
+
+
+def test_a_pool_drained_below_one_hot_buffer_still_releases() -> None:
+    """No block free for the hot buffer (acknowledgements lagged behind the allocations): the
+    request's own released pages pay for it, instead of the pool never releasing again."""
+    engine = MiniEngine(small_config(pressure_watermark_blocks=4), gpu_blocks=12)
+    workers = MiniWorkers(1)
+    engine.admit("a", list(range(24)))
+    workers.receive(engine.step({"a": 24}))                   # 6 pages
+    workers.receive(engine.step({"a": 1}))                    # 7 pages, 6 sealed
+    workers.ack_all(engine.coord)                             # pages 0-4 releasable, 5-6 the tail
+    hog = engine.gpu.acquire(engine.gpu.num_free_blocks)      # nothing free
+    rec = engine.coord._requests["a"]
+    cmd = engine.step({"a": 1})
+    assert rec.hot is not None and len(rec.hot) == 2
+    stats = engine.coord.stats()
+    assert stats.released_pages == 5 and stats.lost_pages == 2  # the buffer took two released blocks
+    assert engine.gpu.num_free_blocks == 3
+    lost = [p for p in range(rec.num_pages) if rec.state[p] == LOST]
+    assert len(lost) == 2 and all(rec.state[p] == RELEASED for p in range(5) if p not in lost)
+    assert cmd is not None
+    minus = {p for u in cmd.residency_updates for p, b in zip(u.pages, u.block_ids[0], strict=True) if b == -1}
+    assert minus == set(lost)
+    tables = engine.coord.take_table_updates()
+    assert [t.hot_block_ids for t in tables if t.hot_block_ids] == [rec.hot]
+    engine.gpu.release(hog)
+
+
+def test_make_room_releases_for_an_engine_whose_next_pages_do_not_fit() -> None:
+    engine = MiniEngine(small_config(pressure_watermark_blocks=2), gpu_blocks=16)
+    workers = MiniWorkers(1)
+    run_prompt(engine, workers, "a", list(range(28)))         # 8 pages, 7 sealed and clean
+    free = engine.gpu.num_free_blocks
+    assert free == 8 and engine.coord.make_room(8) == 8         # it fits: nothing released
+    assert engine.coord.stats().released_pages == 0
+    assert engine.coord.make_room(12) >= 12                     # 2 hot blocks leased, 6 pages released
+    assert engine.coord.stats().released_pages == 6 and engine.coord._requests["a"].hot is not None
+    with pytest.raises(InvalidInputError, match="gpu_blocks must be an int >= 0, got -1"):
+        engine.coord.make_room(-1)
+
+
 # -- P/D import ---------------------------------------------------------------------------
 
 def test_import_target_is_chosen_once_and_kept() -> None:

@@ -48,7 +48,7 @@ def test_shm_space_is_checked_against_the_folder(tmp_path: Path) -> None:
 
 
 def test_device_memory_of_the_cpu_is_host_ram() -> None:
-    with pytest.raises(CapacityError, match="GPU KV needs 1024.00 GiB .* of host RAM"):
+    with pytest.raises(CapacityError, match="GPU KV needs 1.00 TiB .* of host RAM"):
         capacity.check_device_memory(torch.device("cpu"), 1 << 40, "GPU KV")
     capacity.check_device_memory(torch.device("cpu"), 1 << 20, "GPU KV")
     capacity.check_device_memory(torch.device("meta"), 1 << 60, "anything")  # not askable: not checked
@@ -56,7 +56,7 @@ def test_device_memory_of_the_cpu_is_host_ram() -> None:
 
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
 def test_reference_cpu_refuses_a_pool_larger_than_the_ram_before_allocating(shared: bool) -> None:
-    blocks = (1 << 40) // (2 * 64 * FP8_DS_MLA.row_bytes)  # 1 TiB
+    blocks = (1 << 40) // (2 * 64 * FP8_DS_MLA.row_bytes)  # just under 1 TiB: 1024.00 GiB
     spec = HostPoolSpec(num_layers=2, num_blocks=blocks, block_size=64, shared=shared,
                         name=f"capacity{os.getpid()}" if shared else None, world_size=2 if shared else 1)
     with pytest.raises(CapacityError, match=r"host pool 'capacity\d+' of|host pool of") as info:

@@ -74,7 +74,7 @@ def test_loading_by_module_path_builds_both_roles(model_dir: Path, module_path: 
     ({"host_pool_gib": 1, "hot_buffer_size": 16}, r"\['hot_buffer_size'\]=16: this engine's attention reads only "
                                                    r"resident GPU pages, never a hot buffer.*expected 0"),
     ({"host_pool_gib": 1, "hot_buffer_size": -16}, r"\['hot_buffer_size'\] must be an int >= 0"),
-    ({"host_pool_gib": 1e9}, r"\['host_pool_gib'\]=1000000000.0 needs .* GiB \(\d+ B\) of host RAM; .* GiB is "
+    ({"host_pool_gib": 1e9}, r"\['host_pool_gib'\]=1000000000.0 needs .* PiB \(\d+ B\) of host RAM; .*iB is "
                              r"available.*at most 95% of it .* may be taken: expected host_pool_gib <= "),
     ({"host_pool_gib": 1, "share_host_pool": "yes"}, r"\['share_host_pool'\] must be true or false"),
     ({"host_pool_gib": 1e-4},

@@ -15,9 +15,10 @@ import math
 
 import torch
 
-from hisparse_core.capacity import HOST_FRACTION, available_host_bytes, device_free_bytes, fmt_bytes
+from hisparse_core.capacity import HOST_FRACTION, available_host_bytes, device_free_bytes
 from hisparse_core.coordinator.config import GIB
 from hisparse_core.errors import CapacityError
+from hisparse_core.units import human_bytes
 
 
 def _floor3(x: float) -> str:
@@ -37,17 +38,17 @@ def check_budgets(host_pool_gib: float, gpu_kv_gib: float, device: torch.device)
         if avail is None or host_limit is None:
             raise CapacityError(f"host_pool_gib={host_pool_gib:g}; expected a finite number of GiB")
         raise CapacityError(
-            f"host_pool_gib={host_pool_gib:g} is more pinned host RAM than this machine has: {fmt_bytes(avail)} is "
+            f"host_pool_gib={host_pool_gib:g} is more pinned host RAM than this machine has: {human_bytes(avail)} is "
             f"available and at most {HOST_FRACTION:.0%} of it may be taken: expected host_pool_gib <= "
             f"{_floor3(host_limit / GIB)}")
     host_bytes = int(host_pool_gib * GIB)
     if device.type == "cpu":
         free = host_limit - host_bytes if host_limit is not None else None
-        where = (f"the CPU, where the device caches are host RAM too ({fmt_bytes(avail or 0)} available, at most "
+        where = (f"the CPU, where the device caches are host RAM too ({human_bytes(avail or 0)} available, at most "
                  f"{HOST_FRACTION:.0%} of it for both budgets, host_pool_gib={host_pool_gib:g} taken first)")
     else:
         free = device_free_bytes(device)
-        where = f"{device} ({fmt_bytes(free or 0)} free)"
+        where = f"{device} ({human_bytes(free or 0)} free)"
     if not math.isfinite(gpu_kv_gib) or (free is not None and gpu_kv_gib * GIB > free):
         if free is None:
             raise CapacityError(f"gpu_kv_gib={gpu_kv_gib:g}; expected a finite number of GiB")

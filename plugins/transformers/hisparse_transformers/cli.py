@@ -149,9 +149,9 @@ def preflight(args: argparse.Namespace, device: str) -> None:
         available_host_bytes,
         check_device_memory,
         check_host_memory,
-        fmt_bytes,
     )
     from hisparse_core.errors import CapacityError, InvalidInputError
+    from hisparse_core.units import human_bytes
     from hisparse_transformers.demo import DemoConfig
     from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, required_gpu_blocks, row_format_for
     from hisparse_transformers.tiny import TinyShape
@@ -176,7 +176,7 @@ def preflight(args: argparse.Namespace, device: str) -> None:
     all_resident = sum(_cdiv(n + args.new_tokens, bs) for n in lengths)
     pages = args.gpu_kv_pages or max(floor, int(0.6 * all_resident))
     gpu_bytes = pages * block_bytes
-    check_device_memory(torch.device(device), gpu_bytes, f"--gpu-kv-pages {pages} ({fmt_bytes(gpu_bytes)} of KV)",
+    check_device_memory(torch.device(device), gpu_bytes, f"--gpu-kv-pages {pages} ({human_bytes(gpu_bytes)} of KV)",
                         remedy="lower --gpu-kv-pages")
     host_bytes = int(args.host_pool_gib * (1 << 30))
     usable = host_bytes // block_bytes - 1  # the coordinator keeps a null block

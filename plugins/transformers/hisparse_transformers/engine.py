@@ -124,7 +124,7 @@ class EngineTotals:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     prefill_host_rows: int = 0          # rows the prefill read straight from the host pool (all layers)
-    pressure_waits: int = 0             # steps that waited for spills before allocating (pool at its floor)
+    pressure_waits: int = 0             # steps that waited for spills before allocating (pages did not fit)
     requests: int = 0
     prefix_hit_tokens: int = 0
     peak_blocks_per_request: float = 0.0          # leased GPU blocks (resident + hot) per running request
@@ -381,12 +381,13 @@ class HiSparseEngine:
         end_padded = past + num_new
         needed = sum(max(0, _cdiv(max(max(end_padded, r.pad) - r.pad, r.computed), bs) - len(r.blocks))
                      for r in session.requests)
-        # Keep room for one hot-buffer lease after this step's allocations: the policy leases a
-        # request's hot buffer from the free blocks before releasing its first page, so a pool
-        # drained below that (spill acknowledgements lagging behind a fast prefill) could never
-        # release again.
-        if needed and self.gpu.num_free_blocks - needed < self.hot_blocks:
-            self._relieve_pressure()
+        if needed > self.gpu.num_free_blocks:
+            # Spill acknowledgements lag behind the allocations (a fast prefill on a device): wait
+            # for them, so their pages turn clean, and let the residency policy release them.
+            self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
+            free = self.coordinator.make_room(needed)
+            self.totals.pressure_waits += 1
+            logger.debug("hisparse: step needs %d GPU blocks; waited for spills, %d free now", needed, free)
         fresh: list[tuple[Request, int]] = []       # (request, blocks before this step): undone if the step fails
         try:
             command, src, dst = self._plan_step(session, num_new, past, end_padded, fresh)
@@ -451,22 +452,6 @@ class HiSparseEngine:
             return self._planned_command
 
         self.ahead.plan((session, past, 1), prepare)
-
-    def _relieve_pressure(self) -> None:
-        """The step's pages would leave no room for a hot-buffer lease: wait for the transfers in
-        flight (their pages turn clean), then run one step with nothing scheduled so the
-        coordinator's policy releases clean pages. A host synchronization, only when the pool is
-        near its floor (spill completions lagging behind a fast prefill)."""
-        self.ahead.cancel()
-        self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
-        command = self.coordinator.schedule_step([])
-        apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
-        self.worker.start_step(command)
-        self.worker.after_forward()
-        self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
-        self.totals.pressure_waits += 1
-        logger.debug("hisparse: GPU pool at its floor; waited for spills and released pages (%d free now)",
-                     self.gpu.num_free_blocks)
 
     def write_rows(self, group: int, position: int, rows: torch.Tensor) -> None:
         """Write this step's rows of one layer: `rows` `[B * S, width]` (the step's flat batch) go to

@@ -1,0 +1,36 @@
+"""`hisparse_core.units.human_bytes`: the one byte formatter of capacity errors and the CLI tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hisparse_core import capacity
+from hisparse_core.errors import CapacityError
+from hisparse_core.replay import report
+from hisparse_core.units import human_bytes
+
+
+@pytest.mark.parametrize("n,text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (1536, "1.50 KiB"),
+                                    (512 << 20, "512.00 MiB"), (34359738368, "32.00 GiB"), (1 << 40, "1.00 TiB"),
+                                    (1 << 60, "1024.00 PiB"), (None, "n/a"), (math.nan, "n/a")])
+def test_figures(n: float | None, text: str) -> None:
+    assert human_bytes(n) == text
+
+
+@given(st.integers(0, 1 << 62))
+def test_reads_back_within_rounding(n: int) -> None:
+    value, unit = human_bytes(n).split()
+    scale = 1 << (10 * ["B", "KiB", "MiB", "GiB", "TiB", "PiB"].index(unit))
+    assert abs(float(value) * scale - n) <= 0.005 * scale
+    assert float(value) <= 1024 or unit == "PiB"  # 1024.00 only where two decimals round up
+
+
+def test_one_formatter_for_tables_and_capacity_errors() -> None:
+    assert report.human_bytes is human_bytes
+    with pytest.raises(CapacityError, match=r"^GPU KV needs 1\.00 TiB \(1099511627776 B\) of host RAM; "):
+        capacity.check_device_memory(torch.device("cpu"), 1 << 40, "GPU KV")

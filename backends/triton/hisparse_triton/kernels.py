@@ -3,16 +3,23 @@
 - `resolve_kernel`: one program per batch row of the output workspace. A row that starts a group
   resolves the whole group (up to `rows_per_request` consecutive rows of one state row); a
   padding row, or a row past the batch, writes padding; any other row of a group does nothing.
-  The group's union is found by sorting its host entries by (host row, entry index), so the first
-  of each run is the row's first reference; hits by binary search of the request's hot map
-  (sorted the same way); victims, the new LRU order and the miss plan by prefix sums over the
-  LRU order and over the entries in first-reference order. Everything that needs an element of
-  another lane goes through the program's own rows of the scratch buffers (a store, a barrier,
-  a gather), which is the one cross-lane move every Triton version has.
+  The group's host rows and the rows its hot buffer holds go into one open-addressing hash table
+  (the program's rows of the `tbl_*` scratch, empty between calls): an atomic min per bucket
+  gives each row's first reference, the bucket's slot a hit. Victims, the new LRU order and the
+  miss plan follow from prefix sums over the LRU order and over the entries in first-reference
+  order. Everything that needs an element of another lane goes through the program's scratch
+  rows (a store, a barrier, a gather), the one cross-lane move every Triton version has.
+  No `tl.sort`: a bitonic sort is O(n log^2 n) compare-and-swap stages, which the interpreter
+  runs op by op (seconds per call at top-k 2048) and which the GPU does not need either; hashing
+  is O(n) work per probe round, a few rounds per call.
 - `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows.
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,
   restores, host block copies) for one layer.
 - `invalidate_written_kernel`: forgets the hot copies of rows written this step.
+
+The copy kernels take the entries one program moves as a constexpr: few per program on a GPU
+(parallelism), a whole plan row under the interpreter (which pays per op and runs programs one
+after another); the runtime picks by device.
 
 Every kernel reads and writes rows as words (`int32` where the row size allows, else bytes), so
 copies are exact for every row format. The kernels take only fixed-shape tensors and read no value
@@ -198,7 +205,8 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             tl.store(hot_map + q * H + victim, host_row, mask=mflag)
             new_pos = tl.where(hit_pos, n_evict + h_rank,
                                tl.where(e_rank < n_miss, n_evict - n_miss + e_rank, e_rank - n_miss))
-            tl.store(lru + q * H + new_pos, order, mask=smask)
+            # (In range whenever the misses fit the evictable slots, which only trusted input breaks.)
+            tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H))
             # Leave the table empty for the next call: only the buckets this call used.
             tl.debug_barrier()
             tl.store(tk + e_bkt, tl.full((GP, KP), EMPTY, tl.int32), mask=is_host)

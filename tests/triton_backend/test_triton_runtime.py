@@ -133,6 +133,23 @@ def test_trusted_out_of_range_input_stays_inside_its_tensors(backend) -> None:  
     pool.release()
 
 
+def test_resident_fast_path_in_this_session(backend) -> None:  # noqa: ANN001
+    """An all-resident group takes the kernel's fast path. In-process (triton.language imported
+    before `TRITON_INTERPRET` was set, as torch imports triton) it must call none of Triton's @jit
+    helpers, which Triton 3.6's interpreter then cannot run."""
+    rt, pool, _ = _runtime(backend)
+    d = backend.device
+    inputs = ResolveInputs(
+        topk=as_tensor([[0, 3, 5, -1], [1, 1, 6, 2]], d), row_state=as_tensor([0, 1], d), seq_lens=as_tensor([8, 7], d),
+        source_table=as_tensor([[-1] * 4, [-1] * 4], d), resident_table=as_tensor([[4, 1, 5, 0], [2, 3, 0, 1]], d),
+        hot_table=as_tensor([[0, 1], [2, 3]], d))
+    out = rt.resolve(inputs)
+    assert out.rows.tolist() == [[8, 3, 11, -1], [5, 5, 2, 6]]
+    assert out.valid_counts.tolist() == [3, 4] and out.plan_counts.tolist() == [0, 0]
+    assert rt.hot_state(0)[1].tolist() == [0, 1, 2, 3]  # LRU untouched
+    pool.release()
+
+
 def test_kernel_failure_names_kernel_and_triton_version(backend) -> None:  # noqa: ANN001
     import triton
 

@@ -42,10 +42,12 @@ EMPTY = tl.constexpr(-1)
 #: "No entry references this bucket's row" in the table of first references (above any entry index).
 NO_ENTRY = tl.constexpr(1 << 30)
 
-# `tl.sum` and `tl.cumsum` are @jit wrappers around these reductions; the interpreter re-patches
-# triton.language on every @jit call (about 1 ms of CPU each), while `tl.reduce` and
-# `tl.associative_scan` with the standard combine functions run as one numpy call. Compiled, both
-# spellings are the same reduction.
+# The kernels call none of triton.language's own @jit helpers (`tl.sum`, `tl.cumsum`, `tl.zeros`,
+# ...). Under the interpreter each such call re-patches triton.language (about 1 ms of CPU), and
+# Triton 3.6's interpreter cannot call them at all once triton.language was imported before
+# `TRITON_INTERPRET` was set (torch imports triton). `tl.reduce` and `tl.associative_scan` with the
+# standard combine functions are what `tl.sum` and `tl.cumsum` lower to when compiled, and the
+# interpreter runs them as one numpy call.
 _SUM = tl.standard._sum_combine
 _MIN = tl.standard._elementwise_min
 
@@ -118,7 +120,7 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             # The resident fast path: no plan, hot state untouched.
             tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=emask)
             tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=emask)
-            tl.store(plan_counts + row, tl.zeros((GP,), tl.int32), mask=rmask)
+            tl.store(plan_counts + row, tl.full((GP,), 0, tl.int32), mask=rmask)
         else:
             ee = jj[:, None] * KP + cc[None, :]  # entry index in first-reference order
             # The hot state of q in LRU order: lane i is LRU position i, holding slot order[i].

@@ -164,6 +164,7 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             tl.atomic_min(tf + e_bkt, ee, mask=is_host)
             tl.store(ts + s_bkt, order, mask=held)
             tl.debug_barrier()
+            # Volatile: the atomics updated L2 behind any L1 copy (a plain load may hit a stale line).
             first = is_host & (tl.load(tf + e_bkt, mask=is_host, other=-1, volatile=True) == ee)
             hit_slot = tl.load(ts + e_bkt, mask=first, other=-1)
             hit_u = first & (hit_slot >= 0)

@@ -110,8 +110,8 @@ class TritonRuntime(CacheRuntime):
 
     def _clear_tables(self) -> None:
         s = self._scratch
-        s["tbl_key"].fill_(-1)
-        s["tbl_first"].fill_(1 << 30)  # kernels.NO_ENTRY
+        s["tbl_key"].fill_(kernels.EMPTY.value)
+        s["tbl_first"].fill_(kernels.NO_ENTRY.value)
         s["tbl_slot"].fill_(-1)
 
     # ----------------------------------------------------------------- storage

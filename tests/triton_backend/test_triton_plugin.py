@@ -51,6 +51,19 @@ def test_probe_without_gpu_or_interpreter_says_how(monkeypatch: pytest.MonkeyPat
     assert reason is not None and "no GPU for Triton to compile for" in reason and "TRITON_INTERPRET=1" in reason
 
 
+def test_probe_without_a_gpu_driver_imports_no_torch() -> None:
+    """`hisparse backends` on a CPU machine stays torch-free with triton installed."""
+    if any(plugin._loads(lib) for lib in plugin.GPU_DRIVERS):
+        pytest.skip("a GPU driver is present: the probe asks torch.cuda")
+    code = ("import sys, hisparse_triton.plugin as p; p.triton_version = lambda: (3, 9); print(p.probe()); "
+            "print('torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                         timeout=120).stdout.splitlines()
+    assert out[-1] == "False", out
+    assert "no CUDA or ROCm driver" in out[0] and "TRITON_INTERPRET=1" in out[0], out
+
+
 def test_priorities_keep_nvidia_first_and_the_interpreter_out_of_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert 0 < registered().priority < 100  # between reference_cpu and nvidia

@@ -2,23 +2,23 @@
 and hot rows far from powers of two, three-row groups), trusted input that must stay inside its
 tensors, the kernel-failure message and registry selection.
 
-Skipped whole when triton is not installed. Without a GPU the module turns on Triton's interpreter
-(`TRITON_INTERPRET=1`, for the rest of the session: Triton reads it when it is first imported);
-with one, the kernels run compiled on it.
+Skipped whole when triton is not installed. Without a GPU the module runs the kernels in Triton's
+interpreter: `TRITON_INTERPRET=1` is set for this module's tests only (Triton reads it when a
+kernel is defined, so the kernels module is imported under it), and the rest of the session never
+sees it. With a GPU, the kernels run compiled on it.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("triton") is not None:
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
@@ -32,9 +32,52 @@ from hisparse_core.host_pool import HostPoolSpec  # noqa: E402
 from hisparse_core.runtime import ResolveInputs  # noqa: E402
 from hisparse_reference_cpu.backend import ReferenceCpuBackend  # noqa: E402
 
+KERNELS = "hisparse_triton.kernels"
+
+
+def _kernels_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(sys.modules[KERNELS].resolve_kernel, InterpretedFunction)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter() -> Iterator[None]:
+    """`TRITON_INTERPRET=1` while this module runs, when there is no GPU to compile for."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        if KERNELS in sys.modules and not _kernels_interpreted():
+            importlib.reload(sys.modules[KERNELS])  # imported compiled earlier: define them interpreted
+        importlib.import_module(KERNELS)
+        yield
+
+
+def test_interpreter_setting_stays_in_this_module() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("compiled for a GPU here")
+    assert os.environ.get("TRITON_INTERPRET") == "1" and _kernels_interpreted()
+
+
+def test_interpreter_setting_is_gone_after_the_module() -> None:
+    """A session that ran this module hands later tests (and their child processes) an environment
+    without `TRITON_INTERPRET`."""
+    if torch.cuda.is_available():
+        pytest.skip("compiled for a GPU here")
+    code = ("import os, sys, pytest; "
+            f"rc = pytest.main([{__file__ + '::test_interpreter_setting_stays_in_this_module'!r}, '-q', "
+            "'-p', 'no:cacheprovider']); "
+            "sys.exit(rc or (3 if 'TRITON_INTERPRET' in os.environ else 0))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_ADDOPTS")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode} (3: the setting leaked)\n{proc.stdout[-3000:]}"
+
 
 @pytest.fixture(scope="module")
-def backend():  # noqa: ANN201 - TritonBackend
+def backend(interpreter: None):  # noqa: ANN201 - TritonBackend
     from hisparse_triton.backend import TritonBackend
 
     return TritonBackend()
@@ -87,6 +130,23 @@ def test_trusted_out_of_range_input_stays_inside_its_tensors(backend) -> None:  
     for d in range(12):
         if d not in touched:
             assert torch.equal(flat[d], was[d]), f"device row {d} changed"
+    pool.release()
+
+
+def test_resident_fast_path_in_this_session(backend) -> None:  # noqa: ANN001
+    """An all-resident group takes the kernel's fast path. In-process (triton.language imported
+    before `TRITON_INTERPRET` was set, as torch imports triton) it must call none of Triton's @jit
+    helpers, which Triton 3.6's interpreter then cannot run."""
+    rt, pool, _ = _runtime(backend)
+    d = backend.device
+    inputs = ResolveInputs(
+        topk=as_tensor([[0, 3, 5, -1], [1, 1, 6, 2]], d), row_state=as_tensor([0, 1], d), seq_lens=as_tensor([8, 7], d),
+        source_table=as_tensor([[-1] * 4, [-1] * 4], d), resident_table=as_tensor([[4, 1, 5, 0], [2, 3, 0, 1]], d),
+        hot_table=as_tensor([[0, 1], [2, 3]], d))
+    out = rt.resolve(inputs)
+    assert out.rows.tolist() == [[8, 3, 11, -1], [5, 5, 2, 6]]
+    assert out.valid_counts.tolist() == [3, 4] and out.plan_counts.tolist() == [0, 0]
+    assert rt.hot_state(0)[1].tolist() == [0, 1, 2, 3]  # LRU untouched
     pool.release()
 
 

@@ -3,16 +3,23 @@
 - `resolve_kernel`: one program per batch row of the output workspace. A row that starts a group
   resolves the whole group (up to `rows_per_request` consecutive rows of one state row); a
   padding row, or a row past the batch, writes padding; any other row of a group does nothing.
-  The group's union is found by sorting its host entries by (host row, entry index), so the first
-  of each run is the row's first reference; hits by binary search of the request's hot map
-  (sorted the same way); victims, the new LRU order and the miss plan by prefix sums over the
-  LRU order and over the entries in first-reference order. Everything that needs an element of
-  another lane goes through the program's own rows of the scratch buffers (a store, a barrier,
-  a gather), which is the one cross-lane move every Triton version has.
+  The group's host rows and the rows its hot buffer holds go into one open-addressing hash table
+  (the program's rows of the `tbl_*` scratch, empty between calls): an atomic min per bucket
+  gives each row's first reference, the bucket's slot a hit. Victims, the new LRU order and the
+  miss plan follow from prefix sums over the LRU order and over the entries in first-reference
+  order. Everything that needs an element of another lane goes through the program's scratch
+  rows (a store, a barrier, a gather), the one cross-lane move every Triton version has.
+  No `tl.sort`: a bitonic sort is O(n log^2 n) compare-and-swap stages, which the interpreter
+  runs op by op (seconds per call at top-k 2048) and which the GPU does not need either; hashing
+  is O(n) work per probe round, a few rounds per call.
 - `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows.
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,
   restores, host block copies) for one layer.
 - `invalidate_written_kernel`: forgets the hot copies of rows written this step.
+
+The copy kernels take the entries one program moves as a constexpr: few per program on a GPU
+(parallelism), a whole plan row under the interpreter (which pays per op and runs programs one
+after another); the runtime picks by device.
 
 Every kernel reads and writes rows as words (`int32` where the row size allows, else bytes), so
 copies are exact for every row format. The kernels take only fixed-shape tensors and read no value
@@ -30,8 +37,19 @@ from typing import Any
 import triton
 import triton.language as tl
 
-#: Keys of lanes that are not host entries sort after every host entry.
-SENTINEL_SHIFT = tl.constexpr(46)
+#: An empty bucket of the resolver's hash table (host rows are >= 0).
+EMPTY = tl.constexpr(-1)
+#: "No entry references this bucket's row" in the table of first references (above any entry index).
+NO_ENTRY = tl.constexpr(1 << 30)
+
+# The kernels call none of triton.language's own @jit helpers (`tl.sum`, `tl.cumsum`, `tl.zeros`,
+# ...). Under the interpreter each such call re-patches triton.language (about 1 ms of CPU), and
+# Triton 3.6's interpreter cannot call them at all once triton.language was imported before
+# `TRITON_INTERPRET` was set (torch imports triton). `tl.reduce` and `tl.associative_scan` with the
+# standard combine functions are what `tl.sum` and `tl.cumsum` lower to when compiled, and the
+# interpreter runs them as one numpy call.
+_SUM = tl.standard._sum_combine
+_MIN = tl.standard._elementwise_min
 
 
 class KernelError(RuntimeError):
@@ -51,19 +69,12 @@ def launch(kernel: Any, name: str, grid: tuple[int, ...], *args: Any, **meta: An
 
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
                    out_rows, out_counts, plan_host, plan_device, plan_counts,
-                   scr_keys, scr_hot, scr_flag, scr_rank, scr_victim, scr_slot, scr_hit,
+                   tbl_key, tbl_first, tbl_slot, scr_victim,
                    B, P, HB, R,
                    K: tl.constexpr, KP: tl.constexpr, G_MAX: tl.constexpr, GP: tl.constexpr,
-                   BS: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, LOG_NP: tl.constexpr,
-                   LOG_HP: tl.constexpr):
-    NP: tl.constexpr = GP * KP
+                   BS: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr, LOG_TP: tl.constexpr):
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -84,11 +95,12 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
     elif starts:
         # The group: rows b .. b+G-1 share state row q (G <= rows_per_request).
         rs = tl.load(row_state + b + jj, mask=(jj < G_MAX) & (b + jj < B), other=-2)
-        g_len = tl.minimum(tl.min(tl.where(rs == q, GP, jj), axis=0), G_MAX)
+        g_len = tl.minimum(tl.reduce(tl.where(rs == q, GP, jj), 0, _MIN), G_MAX)
         row = b + jj  # [GP]
         rmask = jj < g_len
         emask = rmask[:, None] & kmask[None, :]  # [GP, KP]
-        t = tl.load(topk + row[:, None] * K + cc[None, :], mask=emask, other=-1)
+        entry_ptr = row[:, None] * K + cc[None, :]
+        t = tl.load(topk + entry_ptr, mask=emask, other=-1)
         sl = tl.load(seq_lens + row, mask=rmask, other=0)
         in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < P * BS)
         pos = tl.where(in_ctx, t, 0)
@@ -98,124 +110,114 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
         is_res = in_ctx & (res_blk >= 0)
         src_blk = tl.load(source_table + q * P + page, mask=in_ctx & (res_blk < 0), other=-1)
         is_host = in_ctx & (res_blk < 0) & (src_blk >= 0)
-        host_row = src_blk.to(tl.int64) * BS + off
-        out = tl.where(is_res, res_blk * BS + off, -1)
-        entry_ptr = row[:, None] * K + cc[None, :]
-        tl.store(out_rows + entry_ptr, out, mask=emask & ~is_host)
-        tl.store(out_counts + row, tl.sum((is_res | is_host).to(tl.int32), axis=1), mask=rmask)
-        n_res = tl.sum(tl.sum(is_res.to(tl.int64), axis=1), axis=0)
-        n_host = tl.sum(tl.sum(is_host.to(tl.int32), axis=1), axis=0)
-        tl.atomic_add(stats + 0, n_res)
+        host_row = (src_blk.to(tl.int64) * BS + off).to(tl.int32)  # < 2^31 for valid tables (bind checks)
+        tl.store(out_rows + entry_ptr, tl.where(is_res, res_blk * BS + off, -1), mask=emask & ~is_host)
+        tl.store(out_counts + row, tl.reduce((is_res | is_host).to(tl.int32), 1, _SUM), mask=rmask)
+        n_res = tl.reduce(tl.reduce(is_res.to(tl.int32), 1, _SUM), 0, _SUM)
+        n_host = tl.reduce(tl.reduce(is_host.to(tl.int32), 1, _SUM), 0, _SUM)
+        tl.atomic_add(stats + 0, n_res.to(tl.int64))
         if n_host == 0:
             # The resident fast path: no plan, hot state untouched.
             tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=emask)
             tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=emask)
-            tl.store(plan_counts + row, tl.zeros((GP,), tl.int32), mask=rmask)
+            tl.store(plan_counts + row, tl.full((GP,), 0, tl.int32), mask=rmask)
         else:
             ee = jj[:, None] * KP + cc[None, :]  # entry index in first-reference order
-            sentinel = tl.full((GP, KP), 1, tl.int64) << SENTINEL_SHIFT
-            key2 = tl.where(is_host, host_row * NP + ee, sentinel + ee)
-            skey = tl.sort(tl.reshape(key2, (NP,)))
-            lane = tl.arange(0, NP)
-            kbase = scr_keys + b * NP
-            tl.store(kbase + lane, skey)
-            # Hot map of q, sorted by (host row, slot); empty slots last.
-            ss = tl.arange(0, HP)
-            smask = ss < H
-            hv = tl.load(hot_map + q * H + ss, mask=smask, other=-1)
-            hkey = tl.where(hv >= 0, hv.to(tl.int64) * HP + ss, (tl.full((HP,), 1, tl.int64) << SENTINEL_SHIFT) + ss)
-            shkey = tl.sort(hkey)
-            hbase = scr_hot + b * HP
-            tl.store(hbase + ss, shkey)
-            order = tl.load(lru + q * H + ss, mask=smask, other=0)
-            tl.debug_barrier()
+            # The hot state of q in LRU order: lane i is LRU position i, holding slot order[i].
+            ii = tl.arange(0, HP)
+            smask = ii < H
+            order = tl.load(lru + q * H + ii, mask=smask, other=0)
+            held_row = tl.load(hot_map + q * H + order, mask=smask, other=-1)
+            held = smask & (held_row >= 0)
 
-            s_host = skey < (tl.full((NP,), 1, tl.int64) << SENTINEL_SHIFT)
-            s_row = skey // NP
-            s_idx = (skey % NP).to(tl.int32)
-            prev_key = tl.load(kbase + lane - 1, mask=lane > 0, other=-NP)
-            first = s_host & (s_row != prev_key // NP)
-            # Each distinct row against the hot map: the lower bound of (row, 0) among the sorted keys.
-            lo = tl.zeros((NP,), tl.int32)
-            hi = tl.full((NP,), HP, tl.int32)
-            target = s_row * HP
-            for _ in tl.static_range(LOG_HP + 1):
-                mid = (lo + hi) // 2
-                v = tl.load(hbase + mid, mask=lo < hi, other=0)
-                right = (lo < hi) & (v < target)
-                lo = tl.where(right, mid + 1, lo)
-                hi = tl.where((lo < hi) & ~right, mid, hi)
-            found = tl.load(hbase + lo, mask=lo < HP, other=-1)
-            hit_u = first & (found >= 0) & (found // HP == s_row)
-            hit_slot_u = (found % HP).to(tl.int32)
-            # Each hot slot against the union: the lower bound of (value, 0) among the entry keys.
-            lo2 = tl.zeros((HP,), tl.int32)
-            hi2 = tl.full((HP,), NP, tl.int32)
-            target2 = hv.to(tl.int64) * NP
-            for _ in tl.static_range(LOG_NP + 1):
-                mid2 = (lo2 + hi2) // 2
-                v2 = tl.load(kbase + mid2, mask=lo2 < hi2, other=0)
-                right2 = (lo2 < hi2) & (v2 < target2)
-                lo2 = tl.where(right2, mid2 + 1, lo2)
-                hi2 = tl.where((lo2 < hi2) & ~right2, mid2, hi2)
-            found2 = tl.load(kbase + lo2, mask=lo2 < NP, other=-1)
-            slot_hit = smask & (hv >= 0) & (found2 >= 0) & (found2 // NP == hv)
-            tl.store(scr_hit + b * HP + ss, slot_hit.to(tl.int32))
-            # Misses flagged at their first reference (the sorted lanes cover every entry index once).
-            fbase = scr_flag + b * NP
-            tl.store(fbase + s_idx, (first & ~hit_u).to(tl.int32))
+            # One open-addressing hash table of host rows (this program's rows of tbl_*, empty
+            # between calls) takes the group's host rows and the rows its hot buffer holds. Each
+            # round every pending lane reads its bucket, claims it if empty, and after a barrier
+            # reads it back: its own row there means found (a row another lane claimed alike),
+            # another row means the next bucket. Claims only ever fill empty buckets, so a bucket
+            # keeps its row; the table has room for twice the rows, so probing ends.
+            tk = tbl_key + b * TP
+            # Fibonacci hashing (inline: a @jit helper costs the interpreter a re-patch per call).
+            e_bkt = (((host_row.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
+            s_bkt = (((held_row.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
+            e_pend = is_host
+            s_pend = held
+            n_pend = n_host + tl.reduce(held.to(tl.int32), 0, _SUM)
+            while n_pend > 0:
+                e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                s_cur = tl.load(tk + s_bkt, mask=s_pend, other=0)
+                tl.store(tk + e_bkt, host_row, mask=e_pend & (e_cur == EMPTY))
+                tl.store(tk + s_bkt, held_row, mask=s_pend & (s_cur == EMPTY))
+                tl.debug_barrier()
+                e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                s_now = tl.load(tk + s_bkt, mask=s_pend, other=0)
+                tl.debug_barrier()  # every lane has read before the next round claims
+                e_pend = e_pend & (e_now != host_row)
+                s_pend = s_pend & (s_now != held_row)
+                e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+                s_bkt = tl.where(s_pend, (s_bkt + 1) & (TP - 1), s_bkt)
+                n_pend = (tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
+                          + tl.reduce(s_pend.to(tl.int32), 0, _SUM))
+            # Per bucket: the first entry that references its row, and the slot holding it.
+            tf = tbl_first + b * TP
+            ts = tbl_slot + b * TP
+            tl.atomic_min(tf + e_bkt, ee, mask=is_host)
+            tl.store(ts + s_bkt, order, mask=held)
             tl.debug_barrier()
+            # Volatile: the atomics updated L2 behind any L1 copy (a plain load may hit a stale line).
+            first = is_host & (tl.load(tf + e_bkt, mask=is_host, other=-1, volatile=True) == ee)
+            hit_slot = tl.load(ts + e_bkt, mask=first, other=-1)
+            hit_u = first & (hit_slot >= 0)
+            hit_pos = held & (tl.load(tf + s_bkt, mask=held, other=NO_ENTRY, volatile=True) < NO_ENTRY)
 
-            hit_pos = tl.load(scr_hit + b * HP + order, mask=smask, other=0) != 0
-            evict_pos = smask & ~hit_pos
-            e_incl = tl.cumsum(evict_pos.to(tl.int32), axis=0)
-            h_incl = tl.cumsum(hit_pos.to(tl.int32), axis=0)
-            n_evict = tl.sum(evict_pos.to(tl.int32), axis=0)
-            e_rank = e_incl - evict_pos.to(tl.int32)
-            h_rank = h_incl - hit_pos.to(tl.int32)
-            mflag = tl.load(fbase + ee) != 0  # [GP, KP], natural order
+            # Misses in first-reference order; victims in LRU order among the evictable slots.
+            mflag = first & ~hit_u
             mf = mflag.to(tl.int32)
-            row_miss = tl.sum(mf, axis=1)  # [GP]
-            n_miss = tl.sum(row_miss, axis=0)
-            row_base = tl.cumsum(row_miss, axis=0) - row_miss
-            in_row = tl.cumsum(mf, axis=1) - mf
-            m_rank = row_base[:, None] + in_row  # rank of each miss in first-reference order
-            tl.store(scr_rank + b * NP + ee, m_rank)
-            # Victim m is the m-th evictable slot in LRU order.
-            tl.store(scr_victim + b * HP + e_rank, order, mask=evict_pos & (e_rank < n_miss))
-            n_union = tl.sum(first.to(tl.int32), axis=0)
+            row_miss = tl.reduce(mf, 1, _SUM)  # [GP]
+            n_miss = tl.reduce(row_miss, 0, _SUM)
+            in_row = tl.associative_scan(mf, 1, _SUM) - mf
+            m_rank = tl.associative_scan(row_miss, 0, _SUM)[:, None] - row_miss[:, None] + in_row
+            evict_pos = smask & ~hit_pos
+            ev = evict_pos.to(tl.int32)
+            e_rank = tl.associative_scan(ev, 0, _SUM) - ev
+            n_evict = tl.reduce(ev, 0, _SUM)
+            h_rank = ii - e_rank  # hits before LRU position i
+            n_union = tl.reduce(tl.reduce(first.to(tl.int32), 1, _SUM), 0, _SUM)
             tl.atomic_add(stats + 1, (n_union - n_miss).to(tl.int64))
             tl.atomic_add(stats + 2, n_miss.to(tl.int64))
+            vb = scr_victim + b * HP
+            tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
+            tl.debug_barrier()
+            victim = tl.load(vb + m_rank, mask=mflag & (m_rank < HP), other=0)
+            tl.store(ts + e_bkt, victim, mask=mflag)  # a missed row's bucket had no slot
             tl.debug_barrier()
 
-            # Slot of each distinct row, at the first lane of its run; then every lane of the run.
-            miss_rank_u = tl.load(scr_rank + b * NP + s_idx, mask=first & ~hit_u, other=0)
-            victim_u = tl.load(scr_victim + b * HP + miss_rank_u, mask=first & ~hit_u, other=0)
-            slot_u = tl.where(hit_u, hit_slot_u, victim_u)
-            tl.store(scr_slot + b * NP + lane, slot_u, mask=first)
-            victim = tl.load(scr_victim + b * HP + m_rank, mask=mflag, other=0)
-            tl.debug_barrier()
-
-            run_start = tl.associative_scan(tl.where(first, lane, 0), 0, _max_combine)
-            slot = tl.load(scr_slot + b * NP + run_start, mask=s_host, other=0)
-            hot_blk = tl.load(hot_table + q * HB + slot // BS, mask=s_host, other=0)
-            s_j = s_idx // KP
-            s_c = s_idx % KP
-            tl.store(out_rows + (b + s_j) * K + s_c, hot_blk * BS + slot % BS, mask=s_host)
-            # The plan: miss m in its row's plan, packed in miss order; -1 after the count.
+            # Every host entry reads its row's slot; misses go to their row's plan in miss order.
+            slot = tl.load(ts + e_bkt, mask=is_host, other=0)
+            hot_blk = tl.load(hot_table + q * HB + slot // BS, mask=is_host, other=0)
+            tl.store(out_rows + entry_ptr, hot_blk * BS + slot % BS, mask=is_host)
             vblk = tl.load(hot_table + q * HB + victim // BS, mask=mflag, other=0)
             plan_ptr = row[:, None] * K + in_row
-            tl.store(plan_host + plan_ptr, host_row.to(tl.int32), mask=mflag)
+            tl.store(plan_host + plan_ptr, host_row, mask=mflag)
             tl.store(plan_device + plan_ptr, vblk * BS + victim % BS, mask=mflag)
             tail = emask & (cc[None, :] >= row_miss[:, None])
             tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=tail)
             tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=tail)
             tl.store(plan_counts + row, row_miss, mask=rmask)
             # New hot map and LRU order: untouched evictable, then the filled in miss order, then hits.
-            tl.store(hot_map + q * H + victim, host_row.to(tl.int32), mask=mflag)
+            tl.store(hot_map + q * H + victim, host_row, mask=mflag)
             new_pos = tl.where(hit_pos, n_evict + h_rank,
                                tl.where(e_rank < n_miss, n_evict - n_miss + e_rank, e_rank - n_miss))
-            tl.store(lru + q * H + new_pos, order, mask=smask)
+            # (In range whenever the misses fit the evictable slots, which only trusted input breaks.)
+            tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H))
+            # Leave the table empty for the next call: only the buckets this call used.
+            tl.debug_barrier()
+            tl.store(tk + e_bkt, tl.full((GP, KP), EMPTY, tl.int32), mask=is_host)
+            tl.store(tk + s_bkt, tl.full((HP,), EMPTY, tl.int32), mask=held)
+            tl.store(tf + e_bkt, tl.full((GP, KP), NO_ENTRY, tl.int32), mask=is_host)
+            tl.store(tf + s_bkt, tl.full((HP,), NO_ENTRY, tl.int32), mask=held)
+            tl.store(ts + e_bkt, tl.full((GP, KP), -1, tl.int32), mask=is_host)
+            tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=held)
 
 
 @triton.jit
@@ -224,18 +226,19 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
     r = tl.program_id(0)
     chunk = tl.program_id(1)
     n = tl.load(plan_counts + r)
-    e = chunk * EB + tl.arange(0, EB)
-    m = e < n
-    h = tl.load(plan_host + r * K + e, mask=m, other=0).to(tl.int64)
-    d = tl.load(plan_device + r * K + e, mask=m, other=0).to(tl.int64)
-    m = m & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)  # trusted input: never a stray access
-    w = tl.arange(0, WP)
-    mm = m[:, None] & (w < W)[None, :]
-    vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
-    daddr = (d // BS) * dst_block_stride + (d % BS) * W
-    tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
     if chunk == 0:
         tl.atomic_add(stats + 3, n.to(tl.int64) * row_bytes)
+    if chunk * EB < n:
+        e = chunk * EB + tl.arange(0, EB)
+        m = e < n
+        h = tl.load(plan_host + r * K + e, mask=m, other=0).to(tl.int64)
+        d = tl.load(plan_device + r * K + e, mask=m, other=0).to(tl.int64)
+        m = m & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)  # trusted input: never a stray access
+        w = tl.arange(0, WP)
+        mm = m[:, None] & (w < W)[None, :]
+        vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
+        daddr = (d // BS) * dst_block_stride + (d % BS) * W
+        tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
 
 
 @triton.jit

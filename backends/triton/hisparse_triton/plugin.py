@@ -16,6 +16,7 @@ Where it runs, and how `auto` treats it:
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import importlib.util
 import os
@@ -33,12 +34,22 @@ TRITON_BELOW = (3, 10)
 TRITON_RANGE = ">=3.6,<3.10"
 INSTALL = "pip install 'hisparse[triton]'"
 ENV_INTERPRET = "TRITON_INTERPRET"
+#: The driver libraries of the GPUs torch.cuda drives (NVIDIA, AMD ROCm); without one there is no GPU.
+GPU_DRIVERS = ("libcuda.so.1", "libamdhip64.so")
 PRIORITY_COMPILED = 50
 PRIORITY_INTERPRETED = -10
 CAPABILITIES = frozenset({
     Capability.FP8_DS_MLA, Capability.BF16_MLA, Capability.SPECULATIVE_UNION, Capability.INDEX_SHARING,
     Capability.SHARED_HOST_POOL, Capability.CUDA_GRAPH, Capability.ASYNC_TRANSFERS,
 })
+
+
+def _loads(library: str) -> bool:
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    return True
 
 
 def interpreted() -> bool:
@@ -71,6 +82,10 @@ def probe() -> str | None:
         return "torch is not installed"
     if interpreted():
         return None
+    if not any(_loads(lib) for lib in GPU_DRIVERS):
+        # Asked before torch: listing backends on a machine without a GPU stays torch-free.
+        return (f"no GPU for Triton to compile for (no CUDA or ROCm driver: {' and '.join(GPU_DRIVERS)} not found); "
+                f"set {ENV_INTERPRET}=1 to run its kernels in Triton's interpreter on the CPU (slow, for tests)")
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

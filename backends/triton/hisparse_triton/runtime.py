@@ -37,8 +37,12 @@ from hisparse_triton import kernels
 
 logger = logging.getLogger(__name__)
 
-#: Plan entries (or copied rows) one program of a copy kernel moves.
+#: Plan entries (or copied rows) one program of a copy kernel moves on a GPU: small programs, many
+#: of them in flight.
 COPY_ENTRIES = 16
+#: The same under Triton's interpreter, which runs programs one after another and pays per op, not
+#: per element: few wide programs (a whole plan row each). Only the CPU path uses it.
+INTERPRETED_COPY_ENTRIES = 4096
 
 
 def _pow2(n: int) -> int:
@@ -64,14 +68,15 @@ class TritonRuntime(CacheRuntime):
         self._device = device
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         kp, gp, hp = _pow2(k), _pow2(config.rows_per_request), _pow2(h)
-        np_ = kp * gp
-        if np_ > 1 << 16 or hp > 1 << 16:
+        # The hash table holds at most a group's host rows plus the hot rows: at least twice that.
+        tp = _pow2(2 * (config.rows_per_request * k + h))
+        if gp * kp > 1 << 16 or hp > 1 << 16:
             raise InvalidInputError(
                 f"RuntimeConfig(top_k={k}, rows_per_request={config.rows_per_request}, hot_rows={h}) is too large "
-                f"for the triton resolver: a group's entries ({np_} padded) and the hot rows ({hp} padded) must "
+                f"for the triton resolver: a group's entries ({gp * kp} padded) and the hot rows ({hp} padded) must "
                 f"each be at most {1 << 16}")
         self._meta = dict(K=k, KP=kp, G_MAX=config.rows_per_request, GP=gp, BS=config.block_size, H=h, HP=hp,
-                          LOG_NP=np_.bit_length() - 1, LOG_HP=hp.bit_length() - 1)
+                          TP=tp, LOG_TP=tp.bit_length() - 1)
         i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         self._hot_map = torch.full((r, h), -1, **i32)
         self._lru = torch.arange(h, **i32).repeat(r, 1)
@@ -80,16 +85,18 @@ class TritonRuntime(CacheRuntime):
             plan_host=torch.full((b, k), -1, **i32), plan_device=torch.full((b, k), -1, **i32),
             plan_counts=torch.zeros(b, **i32))
         self._stats = torch.zeros(5, dtype=torch.int64, device=device)
+        # The resolver's per-program hash tables (keys, first references, slots) start empty and
+        # every call leaves them so; the victim list is overwritten before it is read.
         self._scratch = dict(
-            scr_keys=torch.zeros((b, np_), dtype=torch.int64, device=device),
-            scr_hot=torch.zeros((b, hp), dtype=torch.int64, device=device),
-            scr_flag=torch.zeros((b, np_), **i32), scr_rank=torch.zeros((b, np_), **i32),
-            scr_victim=torch.zeros((b, hp), **i32), scr_slot=torch.zeros((b, np_), **i32),
-            scr_hit=torch.zeros((b, hp), **i32))
+            tbl_key=torch.empty((b, tp), **i32), tbl_first=torch.empty((b, tp), **i32),
+            tbl_slot=torch.empty((b, tp), **i32), scr_victim=torch.zeros((b, hp), **i32))
+        self._clear_tables()
         row_bytes = config.row_format.row_bytes
         self._word = torch.int32 if row_bytes % 4 == 0 else torch.uint8
         self._words = row_bytes // self._word.itemsize
         self._last_rows = 0
+        self._copy_entries = INTERPRETED_COPY_ENTRIES if device.type == "cpu" else COPY_ENTRIES
+        self._plan_entries = min(self._copy_entries, kp)
         self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]
@@ -97,9 +104,15 @@ class TritonRuntime(CacheRuntime):
         self._dev_rows = 0
         self._resident_group = 0
         logger.info("triton runtime on %s: top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
-                    "entries sort as %d lanes, its hot map as %d; rows move as %d %s words",
-                    device, k, config.rows_per_request, h, config.block_size, np_, hp, self._words,
+                    "entries take %d lanes, its hot rows %d, its hash table %d buckets; rows move as %d %s words",
+                    device, k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp, self._words,
                     str(self._word).removeprefix("torch."))
+
+    def _clear_tables(self) -> None:
+        s = self._scratch
+        s["tbl_key"].fill_(kernels.EMPTY.value)
+        s["tbl_first"].fill_(kernels.NO_ENTRY.value)
+        s["tbl_slot"].fill_(-1)
 
     # ----------------------------------------------------------------- storage
 
@@ -201,12 +214,16 @@ class TritonRuntime(CacheRuntime):
             check_resolve_values(host, cfg, num_device_blocks=self.num_device_blocks,
                                  host_blocks=self._host_rows // cfg.block_size)
         out = self._result
-        kernels.launch(
-            kernels.resolve_kernel, "resolve_kernel", (cfg.max_batch_rows,),
-            inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
-            inputs.hot_table, self._hot_map, self._lru, self._stats, out.rows, out.valid_counts, out.plan_host,
-            out.plan_device, out.plan_counts, *self._scratch.values(), b, cfg.max_pages, cfg.hot_blocks,
-            cfg.max_requests, **self._meta)
+        try:
+            kernels.launch(
+                kernels.resolve_kernel, "resolve_kernel", (cfg.max_batch_rows,),
+                inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
+                inputs.hot_table, self._hot_map, self._lru, self._stats, out.rows, out.valid_counts, out.plan_host,
+                out.plan_device, out.plan_counts, *self._scratch.values(), b, cfg.max_pages, cfg.hot_blocks,
+                cfg.max_requests, **self._meta)
+        except kernels.KernelError:
+            self._clear_tables()  # a launch that failed part way may have left buckets filled
+            raise
         self._last_rows = b
         if gather:
             self._copy_plan(0)
@@ -238,10 +255,10 @@ class TritonRuntime(CacheRuntime):
         dev = self._dev[layer]
         wp = _pow2(self._words)
         kernels.launch(
-            kernels.copy_plan_kernel, "copy_plan_kernel", (self._last_rows, -(-cfg.top_k // COPY_ENTRIES)),
+            kernels.copy_plan_kernel, "copy_plan_kernel", (self._last_rows, -(-cfg.top_k // self._plan_entries)),
             out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
             cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows,
-            W=self._words, WP=wp, EB=COPY_ENTRIES, BS=cfg.block_size)
+            W=self._words, WP=wp, EB=self._plan_entries, BS=cfg.block_size)
 
     # ----------------------------------------------------------------- page and row copies
 
@@ -302,12 +319,13 @@ class TritonRuntime(CacheRuntime):
         if self._device.type != "cpu":
             flat = flat.pin_memory().to(self._device, non_blocking=True)
         n = len(pairs)
+        eb = min(self._copy_entries, _pow2(n))
         for layer in range(cfg.num_layers):
             s, s_stride = self._side(src, layer)
             d, d_stride = self._side(dst, layer)
-            kernels.launch(kernels.copy_rows_kernel, "copy_rows_kernel", (-(-n // COPY_ENTRIES),),
+            kernels.launch(kernels.copy_rows_kernel, "copy_rows_kernel", (-(-n // eb),),
                            flat, n, s, s_stride, d, d_stride,
-                           W=self._words, WP=_pow2(self._words), EB=COPY_ENTRIES, BS=cfg.block_size)
+                           W=self._words, WP=_pow2(self._words), EB=eb, BS=cfg.block_size)
         if stat >= 0:
             self._stats[stat] += n * cfg.row_format.row_bytes * cfg.num_layers
 

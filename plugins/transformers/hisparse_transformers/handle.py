@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hisparse_core.backend import Backend
 from hisparse_core.errors import HiSparseError, InvalidInputError
 from hisparse_core.registry import select_backend
 from hisparse_transformers.attention import HiSparseAttention
@@ -33,7 +34,9 @@ from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.engine import EngineConfig, HiSparseEngine
 from hisparse_transformers.families import DsaLayout, detect
 from hisparse_transformers.graphs import DecodeGraphs
+from hisparse_transformers.ranks import tensor_parallel
 from hisparse_transformers.session import StepState
+from hisparse_transformers.shards import place
 from hisparse_transformers.stats import HiSparseStats
 from hisparse_transformers.version import cache_kwarg, check_version
 
@@ -89,7 +92,7 @@ class HiSparseHandle:
 
     def _install(self) -> None:
         for a in self._attn:
-            a.module.forward = a
+            setattr(a.module, a.slot, a)
         original = self._base.forward
 
         def base_forward(*args: Any, **kwargs: Any) -> Any:
@@ -108,8 +111,11 @@ class HiSparseHandle:
 
     def _uninstall(self) -> None:
         for a in self._attn:
-            if a.module.__dict__.get("forward") is a:
-                del a.module.forward
+            if a.module.__dict__.get(a.slot) is a:
+                if a.slot == "forward":
+                    del a.module.forward
+                else:
+                    setattr(a.module, a.slot, a.original)
         if "forward" in self._base.__dict__:
             del self._base.forward
         for h in self._hooks:
@@ -197,7 +203,7 @@ class HiSparseHandle:
         w = t.worker
         checker = self.checker
         return HiSparseStats(
-            backend=e.backend.name, device=str(e.device), requests=t.requests, prefix_hit_tokens=t.prefix_hit_tokens,
+            backend=e.backend.name, device=", ".join(str(d) for d in e.placement.devices), requests=t.requests, prefix_hit_tokens=t.prefix_hit_tokens,
             prefill_tokens=t.prefill_tokens, decode_tokens=t.decode_tokens,
             prefill_tokens_per_s=t.prefill_tokens / t.prefill_seconds if t.prefill_seconds else 0.0,
             decode_tokens_per_s=t.decode_tokens / t.decode_seconds if t.decode_seconds else 0.0,
@@ -207,7 +213,7 @@ class HiSparseHandle:
             gpu_kv_bytes_per_request=t.peak_blocks_per_request * e.block_bytes,
             gpu_kv_bytes_per_request_all_resident=t.peak_all_resident_blocks_per_request * e.block_bytes,
             indexer_bytes_per_request=t.peak_indexer_bytes_per_request, gpu_pool_bytes=e.gpu_blocks * e.block_bytes,
-            host_pool_bytes=e.worker.host_pool_spec.nbytes if not e.closed else 0,
+            host_pool_bytes=sum(w.host_pool_spec.nbytes for w in e.workers) if not e.closed else 0,
             checked_entries=checker.totals.entries if checker else 0,
             checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0, decode_mode=self.graphs.mode,
             graph_captures=self.graphs.captures, checked_topk_queries=checker.totals.topk_queries if checker else 0,
@@ -336,14 +342,20 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         cache.finish()
 
 
-def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, backend: str | None = "auto",
+def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, backend: str | Backend | None = "auto",
            hot_rows: int | None = None, block_size: int = 64, max_batch: int = 8, max_context: int = 4096,
-           prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None) -> HiSparseHandle:
+           prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None, tp: bool | None = None,
+           share_host_pool: bool = True, pool_name: str | None = None) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
-    :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers).
-    :param gpu_kv_gib: GPU budget for resident pages and hot buffers (the engine's block pool).
-    :param backend: a hisparse backend name, or "auto" / None for the highest-priority available one.
+    :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
+        model replica: under `device_map` split over the devices' pools by their layers, under tensor
+        parallelism one shared pool of this size (or, with `share_host_pool=False`, one per rank).
+    :param gpu_kv_gib: GPU budget for resident pages and hot buffers (the engine's block pool), per
+        device (under `device_map`, the device with the most attention layers sets the block count).
+    :param backend: a hisparse backend name, or "auto" / None for the highest-priority available one,
+        or a `Backend` instance. Under `device_map`, devices other than its own get an instance of
+        the same class built for them (`type(backend)(device)`).
     :param hot_rows: hot-buffer rows per request (default: 2x the model's index_topk, whole pages).
     :param block_size: tokens per page.
     :param max_batch: most prompts per generate (state rows of the runtimes).
@@ -353,6 +365,13 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     :param cuda_graphs: capture each batch's decode step in a CUDA graph (`graphs.py`). None: where
         the model is on a CUDA device, the backend declares `cuda_graph` and `check` is off (the
         log says which was chosen and why); True: the same, and an error where it cannot; False: eager.
+        A model spread over several devices decodes eagerly.
+    :param tp: tensor parallelism (`ranks.py`): None where the model was loaded with a `tp_plan` over
+        more than one process; True: every process of torch.distributed's default group is a rank of
+        this replica (each runs the same batch); False: none.
+    :param share_host_pool: under tensor parallelism, map one host pool on every rank (rank 0 writes);
+        False: a private pool per rank (for layouts whose latent differs by rank).
+    :param pool_name: the shared pool's name (the same on every rank); None: rank 0 picks a fresh one.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -368,16 +387,33 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         raise InvalidInputError(f"check must be True or False, got {check!r}")
     if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
         raise InvalidInputError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+    if tp is not None and not isinstance(tp, bool):
+        raise InvalidInputError(f"tp must be True, False or None, got {tp!r}")
+    if not isinstance(share_host_pool, bool):
+        raise InvalidInputError(f"share_host_pool must be True or False, got {share_host_pool!r}")
+    if pool_name is not None and not isinstance(pool_name, str):
+        raise InvalidInputError(f"pool_name must be a str or None, got {pool_name!r}")
     layout = detect(model)
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
                           prefill_chunk=prefill_chunk)
-    chosen = select_backend(None if backend in (None, "auto") else backend)
-    if not _same_device(torch.device(chosen.device), weight.device):
-        raise InvalidInputError(f"the model is on {weight.device} but backend {chosen.name!r} runs on {chosen.device}; "
-                                f"expected them on one device (model.to({str(chosen.device)!r}) or another backend)")
-    engine = HiSparseEngine(layout, config, chosen, dtype=weight.dtype)
+    placement = place(layout.attentions, layout.groups)
+    chosen = backend if isinstance(backend, Backend) else select_backend(None if backend in (None, "auto") else backend)
+    backends = [_backend_on(chosen, dev, placement.spread) for dev in placement.devices]
+    ranks = tensor_parallel(model, tp, share_host_pool, pool_name)
+    if ranks is not None:
+        ranks.agree({"family": layout.family, "layers": str(layout.num_layers), "row": f"{weight.dtype}x{layout.width}",
+                     "host_pool_gib": repr(float(host_pool_gib)), "gpu_kv_gib": repr(float(gpu_kv_gib)),
+                     "block_size": str(block_size), "hot_rows": str(hot_rows), "max_batch": str(max_batch),
+                     "max_context": str(max_context), "prefill_chunk": str(prefill_chunk), "backend": chosen.name,
+                     "share_host_pool": str(share_host_pool), "devices": str(len(placement.devices))})
+        logger.info("hisparse: %s", ranks.describe())
+
+    def build() -> HiSparseEngine:
+        return HiSparseEngine(layout, config, backends, dtype=weight.dtype, placement=placement, ranks=ranks)
+
+    engine = build() if ranks is None else ranks.in_order(build, HiSparseEngine.close)
     try:
         checker = ExactnessChecker(model.config) if check else None
         handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
@@ -385,6 +421,24 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         engine.close()
         raise
     return handle
+
+
+def _backend_on(chosen: Backend, device: torch.device, spread: bool) -> Backend:
+    """`chosen`, or an instance of its class built for `device` (a model spread over devices)."""
+    if _same_device(torch.device(chosen.device), device):
+        return chosen
+    if not spread:
+        raise InvalidInputError(f"the model is on {device} but backend {chosen.name!r} runs on {chosen.device}; "
+                                f"expected them on one device (model.to({str(chosen.device)!r}) or another backend)")
+    try:
+        other = type(chosen)(device)  # type: ignore[call-arg]  # a backend class that takes its device
+    except TypeError:
+        other = None
+    if other is None or not _same_device(torch.device(other.device), device):
+        raise InvalidInputError(f"the model's attention layers sit on {device} (among others), but backend "
+                                f"{chosen.name!r} runs on {chosen.device} only; expected a backend that runs on every device of the "
+                                "device_map (its class built with the device, as hisparse_nvidia's is)")
+    return other
 
 
 def disable(model: torch.nn.Module) -> None:

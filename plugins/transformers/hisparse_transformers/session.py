@@ -52,6 +52,8 @@ class StepState:
     started: float = 0.0
     prefill: bool = False
     group_cache: dict[int, RowMap] = field(default_factory=dict)  # per index group: the leader's row map
+    state_rows: torch.Tensor | None = None  # [B] int32 the session's state rows (on this step's device)
+    local: dict[int, StepState] = field(default_factory=dict)  # per further device (device_map): this step there
 
 
 class Session:

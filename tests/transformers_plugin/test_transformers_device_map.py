@@ -1,0 +1,119 @@
+"""A model whose layers sit on several devices (`device_map`, dispatched by accelerate as
+`from_pretrained(device_map=...)` does) decodes through hisparse, exact against its own generate.
+
+The devices are indices of `strict_device` (CPU memory behind a device that refuses a CPU tensor
+mixed in, and a tensor of another index, as CUDA does): any table, index or row that hisparse
+left on the wrong device fails the run. Each device gets its own worker (`StrictDeviceBackend(i)`):
+its layers' caches, tables and host pool.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from strict_device import StrictDeviceBackend, memory_of, strict
+from tf_support import BLOCK, GEN, SHAPES, baseline, compare, enable_kwargs, random_prompts, tiny_model
+
+import hisparse_transformers
+from hisparse_core.errors import InvalidInputError
+from hisparse_transformers.attention import HiSparseAttention
+
+pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate", reason="device_map needs accelerate (pip install 'hisparse[transformers]')")
+
+#: Layer -> device index: DeepSeek-V3.2's 2 layers one per device; GLM-5's index group (layers 0-1,
+#: layer 1 a follower) on device 0, its full layer 2 on device 1.
+SPLITS = {"deepseek_v32": [0, 1], "glm_moe_dsa": [0, 0, 1]}
+#: Two requests whose 47 pages and 2 hot buffers overflow the smallest pool of max_batch=2 (40
+#: blocks): pages are released, lost, and read back from the host pool, on both devices. The
+#: checker is off (it triples the time on the strict devices); exactness is the logits'.
+LENGTHS = [100, 80]
+NEW = 8
+SIZES = dict(max_batch=2, check=False)
+
+
+def dispatched(family: str, layers: list[int], *, head: int = 0, tail: int = 1) -> torch.nn.Module:
+    model = tiny_model(family, shape=SHAPES[family], seed=3)
+    model.config._experts_implementation = "eager"  # grouped_mm's histc takes the CPU path only on device "cpu"
+    device_map = {"model.embed_tokens": head, "model.rotary_emb": head, "model.norm": tail, "lm_head": tail}
+    device_map.update({f"model.layers.{i}": d for i, d in enumerate(layers)})
+    return accelerate.dispatch_model(model, device_map={k: strict(v) for k, v in device_map.items()})
+
+
+def _tight(family: str, layers: list[int], blocks: int = 40) -> float:
+    """A per-device GPU budget of `blocks` pages of the device with the most layers."""
+    s = SHAPES[family]
+    widest = max(layers.count(d) for d in set(layers))
+    return blocks * widest * BLOCK * (s.kv_lora + s.rope) * 4 / 2**30
+
+
+@pytest.mark.parametrize("family", sorted(SPLITS))
+def test_device_map_decodes_exactly_with_each_layer_on_its_device(family: str, caplog: pytest.LogCaptureFixture
+                                                                   ) -> None:
+    """Against the model's own generate on the CPU: the same weights and kernels as the placed model's
+    own (the strict devices compute on CPU memory), at a fraction of its time."""
+    layers = SPLITS[family]
+    model = dispatched(family, layers)
+    cpu = tiny_model(family, shape=SHAPES[family], seed=3)
+    ids, mask = random_prompts(LENGTHS, seed=1)
+    theirs = baseline(cpu, ids, mask, NEW, chunk=8)
+    dev_ids, dev_mask = ids.to(strict(0)), mask.to(strict(0))
+    caplog.set_level(logging.INFO, logger="hisparse_transformers")
+    with hisparse_transformers.enable(model, **enable_kwargs(family, backend=StrictDeviceBackend(0), **SIZES,
+                                                             gpu_kv_gib=_tight(family, layers))) as hs:
+        e = hs.engine
+        assert e.placement.devices == (strict(0), strict(1)) and len(e.workers) == 2
+        for g, group in enumerate(e.layout.groups):
+            dev = strict(layers[group[0]])
+            assert all(t.device == dev for t in (*e.tables_of(g), *e.device_layers[g]))
+            assert e.runtimes[g].device == dev
+        ours = model.generate(dev_ids, attention_mask=dev_mask, max_new_tokens=NEW, **GEN)
+        ours.sequences = memory_of(ours.sequences)
+        ours.logits = tuple(memory_of(x) for x in ours.logits)
+        s = hs.stats()
+        # accelerate hooked the attention modules (its hook moves their inputs): hisparse took the
+        # place of the forward the hook calls, and gives it back at close.
+        assert isinstance(model.model.layers[-1].self_attn.__dict__.get("_old_forward"), HiSparseAttention)
+        # The per-device pools hold each device's layers: together, one pool of every layer.
+        assert s.host_pool_bytes == sum(w.host_pool_spec.nbytes for w in e.workers)
+        assert [w.host_pool_spec.num_layers for w in e.workers] == [layers.count(0), layers.count(1)]
+    assert not isinstance(model.model.layers[-1].self_attn.__dict__.get("_old_forward"), HiSparseAttention)
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    assert s.misses > 0 and s.hits > 0 and s.lost_pages > 0, s      # pages came back from host
+    assert s.device == "privateuseone:0, privateuseone:1" and s.decode_mode.startswith("eager (the attention layers")
+    assert any("sit on 2 devices" in r.message and "each device's budget" in r.message for r in caplog.records)
+
+
+def test_a_follower_away_from_its_leader_is_refused_naming_both() -> None:
+    model = dispatched("glm_moe_dsa", [0, 1, 1])
+    with pytest.raises(InvalidInputError) as err:
+        hisparse_transformers.enable(model, **enable_kwargs("glm_moe_dsa", backend=StrictDeviceBackend(0)))
+    text = str(err.value)
+    assert "\n" not in text
+    assert "layer 1 reuses the top-k of layer 0" in text and "privateuseone:1" in text and "privateuseone:0" in text
+    assert "layers 0-1 on one device" in text
+    attn = model.model.layers[0].self_attn.__dict__
+    assert not any(isinstance(attn.get(k), HiSparseAttention) for k in ("forward", "_old_forward"))
+    assert "generate" not in model.__dict__
+
+
+def test_a_backend_that_runs_on_one_device_only_is_refused() -> None:
+    model = dispatched("deepseek_v32", [0, 1])
+    with pytest.raises(InvalidInputError, match=r"sit on privateuseone:0 \(among others\), but "
+                                                r"backend 'reference_cpu' runs on cpu only"):
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", backend="reference_cpu"))
+
+
+def test_the_placed_models_own_generate_is_the_cpus() -> None:
+    """What the test above leans on: placed over two strict devices, the model's own generate
+    gives the CPU's tokens and logits, bit for bit."""
+    model = dispatched("deepseek_v32", SPLITS["deepseek_v32"])
+    cpu = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=3)
+    ids, mask = random_prompts([9, 14], seed=2)
+    theirs = baseline(model, ids.to(strict(0)), mask.to(strict(0)), 3, chunk=8)
+    want = baseline(cpu, ids, mask, 3, chunk=8)
+    assert torch.equal(memory_of(theirs.sequences), want.sequences)
+    assert all(torch.equal(memory_of(a), b) for a, b in zip(theirs.logits, want.logits, strict=True))

@@ -132,9 +132,12 @@ def absorbed_attention(module: Any, q_pass: torch.Tensor, q_rot: torch.Tensor, k
     """
     lora, rope = module.kv_lora_rank, module.qk_rope_head_dim
     nope, vdim = module.qk_nope_head_dim, module.v_head_dim
-    # This rank's heads: all of them, or its share where a tp_plan split kv_b_proj (colwise).
-    heads = module.kv_b_proj.weight.shape[0] // (nope + vdim)
-    w = module.kv_b_proj.weight.view(heads, nope + vdim, lora)
+    # This rank's heads: all of them, or its share where a tp_plan split kv_b_proj (colwise; the
+    # weight is then a DTensor whose local shard holds this rank's heads).
+    weight = module.kv_b_proj.weight
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    heads = local.shape[0] // (nope + vdim)
+    w = local.view(heads, nope + vdim, lora)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     q_abs = torch.einsum("bhsn,hnc->bshc", q_pass, w_uk)                           # [B, S, H, lora]
     query = torch.cat([q_abs, q_rot.transpose(1, 2)], dim=-1)                      # [B, S, H, lora + rope]

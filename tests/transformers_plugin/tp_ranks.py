@@ -1,0 +1,74 @@
+"""The rank processes of the tensor-parallel tests (spawned, one per rank; torch.distributed).
+
+Each rank loads the saved tiny model with transformers' own `tp_plan="auto"` (q_b_proj, kv_b_proj
+and the MLPs split across the ranks, the MLA latent and the indexer replicated), enables hisparse
+(tensor parallel: detected from the tp_plan) and runs the scenarios it is given, in order; each
+scenario's result (or its error's one line) goes back to the parent through `results`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    enable: dict[str, Any]                      # enable() keyword arguments (both ranks)
+    rank1: dict[str, Any] = field(default_factory=dict)   # rank 1's overrides (a disagreement)
+    generate: bool = True
+
+
+def run_rank(rank: int, world: int, port: int, path: str, backend: str, device: str, scenarios: list[Scenario],
+             prompts: tuple[Any, Any], new: int, chunk: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    dist_backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else rank)
+    dist.init_process_group(dist_backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        import transformers
+
+        import hisparse_transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        model.eval()
+        dev = next(model.parameters()).device
+        ids, mask = (t.to(dev) for t in prompts)
+        for sc in scenarios:
+            kw = dict(sc.enable, backend=backend)
+            if rank == 1:
+                kw.update(sc.rank1)
+            out: dict[str, Any] = {"rank": rank, "scenario": sc.name}
+            try:
+                with hisparse_transformers.enable(model, **kw) as hs:
+                    worker = hs.engine.worker
+                    pool = worker.host_pool
+                    f = getattr(pool, "shm_file", None)
+                    out.update(shared=worker.host_pool_spec.shared, writer=pool.is_writer,
+                               pool_name=worker.host_pool_spec.name, inode=f.inode if f is not None else None,
+                               linked=f.linked if f is not None else None)
+                    if sc.generate:
+                        gen = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                             output_logits=True, return_dict_in_generate=True, prefill_chunk_size=chunk)
+                        s = hs.stats()
+                        out.update(tokens=gen.sequences.cpu().tolist(),
+                                   logits=[x.float().cpu().numpy() for x in gen.logits], misses=s.misses,
+                                   lost=s.lost_pages, released=s.released_pages, h2d=s.h2d_bytes,
+                                   host_pool_bytes=s.host_pool_bytes, d2h=s.d2h_bytes)
+            except Exception as exc:  # noqa: BLE001 - the parent asserts on the one line
+                out["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                out["lines"] = len(str(exc).strip().splitlines())
+            results.put(out)
+    except Exception:  # noqa: BLE001
+        results.put({"rank": rank, "scenario": "crash", "error": traceback.format_exc()})
+    finally:
+        dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU: two processes (torch.distributed over gloo), each loading the model
 with transformers' own `tp_plan="auto"`, decode through hisparse with one shared reference_cpu
 host pool (rank 0 writes it, rank 1 maps the same /dev/shm file and writes nothing), exact against
-one process; private per-rank pools; and the refusals: ranks that disagree on the pool, a pool
-name a live process holds.
+one process; private per-rank pools; the refusals: ranks that disagree on the pool, a pool name
+a live process holds; and a rank killed with SIGKILL mid-decode (the survivor names it in one
+line, /dev/shm keeps nothing).
 
 One spawn of both ranks runs every scenario (`tp_ranks.py`), so the processes start once.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+from multiprocessing.connection import wait
 from typing import Any
 
 import pytest
@@ -29,15 +31,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="tp_plan needs accelerate (pip install 'hisparse[transformers]')")
 
 FAMILY = "glm_moe_dsa"          # a full layer with a follower, then a full layer: every structure
-#: 56 pages and 3 hot buffers overflow the smallest pool (58 blocks): pages are released, lost and
-#: read back from the shared pool.
-LENGTHS = [70, 90, 50]
+#: 53 pages and 2 hot buffers overflow the smallest pool of max_batch=2 and 16-token prefill chunks
+#: (56 blocks): pages are released, lost and read back from the shared pool.
+LENGTHS = [110, 90]
 NEW = 6
-CHUNK = 8
-SIZES = dict(host_pool_gib=0.01, block_size=BLOCK, hot_rows=16, max_batch=3, max_context=256, prefill_chunk=CHUNK)
+CHUNK = 16
+SIZES = dict(host_pool_gib=0.01, block_size=BLOCK, hot_rows=16, max_batch=2, max_context=256, prefill_chunk=CHUNK)
 
 
-def _gpu_gib(blocks: int = 58) -> float:
+def _gpu_gib(blocks: int = 56) -> float:
     s = SHAPES[FAMILY]
     return blocks * s.layers * BLOCK * (s.kv_lora + s.rope) * 4 / 2**30
 
@@ -51,19 +53,30 @@ def _free_port() -> int:
 def run_ranks(path: str, scenarios: list[Scenario], prompts: tuple[torch.Tensor, torch.Tensor], *,
               backend: str = "reference_cpu", device: str = "cpu", timeout_s: float = 240.0) -> list[dict[str, Any]]:
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
     port = _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
     procs = [ctx.Process(target=run_rank, args=(r, 2, port, path, backend, device, scenarios, prompts, NEW, CHUNK,
-                                                results)) for r in range(2)]
+                                                pipes[r][1])) for r in range(2)]
     for p in procs:
         p.start()
-    want = 2 * len(scenarios)
+    for _, sender in pipes:
+        sender.close()
+    want = 2 * len(scenarios) - sum(sc.kill_rank is not None for sc in scenarios)
     out: list[dict[str, Any]] = []
+    open_ends = [receiver for receiver, _ in pipes]
     try:
         while len(out) < want:
-            got = results.get(timeout=timeout_s)
-            out.append(got)
-            assert got["scenario"] != "crash", got["error"]
+            ready = wait(open_ends, timeout=timeout_s)
+            assert ready, f"the ranks sent {len(out)} of {want} results in {timeout_s}s"
+            for conn in ready:
+                try:
+                    got = conn.recv()
+                except EOFError:             # that rank has ended
+                    open_ends.remove(conn)
+                    continue
+                out.append(got)
+                assert got["scenario"] != "crash", got["error"]
+            assert open_ends, f"both ranks ended after {len(out)} of {want} results"
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -107,6 +120,8 @@ def test_two_tp_ranks_share_one_host_pool_exact_against_one_process(saved: str) 
             Scenario("private", dict(gpu_kv_gib=_gpu_gib(), share_host_pool=False, **SIZES)),
             Scenario("disagree", dict(gpu_kv_gib=_gpu_gib(), **SIZES), rank1=dict(host_pool_gib=0.02), generate=False),
             Scenario("held", dict(gpu_kv_gib=_gpu_gib(), pool_name=held_name, **SIZES), generate=False),
+            # Last: rank 1 kills itself (SIGKILL) after its 3rd step.
+            Scenario("kill -9", dict(gpu_kv_gib=_gpu_gib(), **SIZES), kill_rank=1, kill_step=3),
         ]
         results = run_ranks(saved, scenarios, (ids, mask))
     finally:
@@ -143,3 +158,10 @@ def test_two_tp_ranks_share_one_host_pool_exact_against_one_process(saved: str) 
     assert h1["lines"] == 1 and h1["error"].startswith("InvalidInputError: rank 0 could not create its hisparse "
                                                        "engine, so this rank maps no pool:"), h1["error"]
     assert shm_path(held_name) in h1["error"]
+
+    # The survivor names its dead peer in one line; the shared pool's file had no name left to leak.
+    k0 = next(r for r in results if r["scenario"] == "kill -9")
+    assert k0["rank"] == 0 and k0["shared"] and not k0["linked"]
+    assert k0["lines"] == 1 and k0["error"].startswith("ProtocolError: rank 0: tensor-parallel rank 1 (pid "), k0
+    assert ") died, so this replica cannot go on" in k0["error"]
+    assert not os.path.exists(shm_path(k0["pool_name"]))

@@ -3,13 +3,14 @@
 Each rank loads the saved tiny model with transformers' own `tp_plan="auto"` (q_b_proj, kv_b_proj
 and the MLPs split across the ranks, the MLA latent and the indexer replicated), enables hisparse
 (tensor parallel: detected from the tp_plan) and runs the scenarios it is given, in order; each
-scenario's result (or its error's one line) goes back to the parent through `results`.
+scenario's result (or its error's one line) goes back to the parent through its pipe.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,10 +22,25 @@ class Scenario:
     enable: dict[str, Any]                      # enable() keyword arguments (both ranks)
     rank1: dict[str, Any] = field(default_factory=dict)   # rank 1's overrides (a disagreement)
     generate: bool = True
+    kill_rank: int | None = None                # this rank kills itself (SIGKILL) at its `kill_step`-th step
+    kill_step: int = 0
+
+
+def _killer(at_step: int) -> Any:
+    """An `on_step` callback that kills this process with SIGKILL after its `at_step`-th step."""
+    steps = [0]
+
+    def on_step(handle: Any, step: Any) -> None:
+        steps[0] += 1
+        if steps[0] == at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return on_step
 
 
 def run_rank(rank: int, world: int, port: int, path: str, backend: str, device: str, scenarios: list[Scenario],
              prompts: tuple[Any, Any], new: int, chunk: int, results: Any) -> None:
+    """`results`: this rank's end of a pipe (a `Connection`; no lock a killed rank could hold)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import torch
@@ -50,6 +66,8 @@ def run_rank(rank: int, world: int, port: int, path: str, backend: str, device: 
             out: dict[str, Any] = {"rank": rank, "scenario": sc.name}
             try:
                 with hisparse_transformers.enable(model, **kw) as hs:
+                    if sc.kill_rank == rank:
+                        hs.on_step = _killer(sc.kill_step)
                     worker = hs.engine.worker
                     pool = worker.host_pool
                     f = getattr(pool, "shm_file", None)
@@ -67,8 +85,8 @@ def run_rank(rank: int, world: int, port: int, path: str, backend: str, device: 
             except Exception as exc:  # noqa: BLE001 - the parent asserts on the one line
                 out["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
                 out["lines"] = len(str(exc).strip().splitlines())
-            results.put(out)
+            results.send(out)
     except Exception:  # noqa: BLE001
-        results.put({"rank": rank, "scenario": "crash", "error": traceback.format_exc()})
+        results.send({"rank": rank, "scenario": "crash", "error": traceback.format_exc()})
     finally:
         dist.destroy_process_group()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hisparse_core.errors import CapacityError, HiSparseError, InvalidInputError, ProtocolError
+from hisparse_core.shm import pid_alive
 from hisparse_core.types import WorkerMetadata
 
 logger = logging.getLogger(__name__)
@@ -64,28 +65,41 @@ class Ranks:
         self.share_host_pool = share_host_pool
         self.pool_name = pool_name
         self.group = group
+        self.pids: list[int] = []          # every rank's process id (`agree`), to name a dead peer
+        self.broken: str | None = None     # why the exchange failed; no collective is tried after it
 
     # ------------------------------------------------------------------ collectives
 
     def _gather(self, obj: T) -> list[T]:
         import torch.distributed as dist
 
+        if self.broken is not None:
+            raise ProtocolError(self.broken)
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - a peer gone: one line naming it, instead of gloo's
+            dead = [f"rank {r} (pid {pid})" for r, pid in enumerate(self.pids) if r != self.rank and _gone(pid)]
+            who = (f"tensor-parallel {', '.join(dead)} died" if dead else
+                   "a tensor-parallel peer stopped answering (it failed or hangs)")
+            self.broken = (f"rank {self.rank}: {who}, so this replica cannot go on ({_one_line(exc)}); restart every "
+                           "rank (the shared host pool is freed with its last mapping: nothing is left in /dev/shm)")
+            raise ProtocolError(self.broken) from None
         return out
 
     def agree(self, facts: dict[str, str]) -> None:
         """Every rank passes what its pool would be; raise (on every rank, naming the first rank that
         differs from rank 0 and the fact) unless all are equal. Fixes the pool name: rank 0's, or a
         fresh one rank 0 chose where none was given."""
-        mine = dict(facts, pool_name=self.pool_name or "")
+        mine = dict(facts, pool_name=self.pool_name or "", pid=str(os.getpid()))
         if self.rank == 0 and self.share_host_pool and not self.pool_name:
             mine["chosen_name"] = f"hf_{os.getpid()}_{secrets.token_hex(4)}"
         everyone = self._gather(mine)
+        self.pids = [int(e["pid"]) for e in everyone]
         ref = everyone[0]
         for r, got in enumerate(everyone[1:], start=1):
             for key, want in ref.items():
-                if key == "chosen_name":
+                if key in ("chosen_name", "pid"):
                     continue
                 if got.get(key) != want:
                     raise InvalidInputError(
@@ -141,6 +155,17 @@ class Ranks:
         pool = f"one shared host pool {self.pool_name!r}, rank 0 writes" if self.share_host_pool else \
             "a private host pool per rank"
         return f"tensor-parallel rank {self.rank} of {self.world_size}: {pool}"
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` (on this host) has ended: gone, or a zombie not reaped yet."""
+    if not pid_alive(pid):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
 
 
 def _status(exc: BaseException | None) -> _Status:

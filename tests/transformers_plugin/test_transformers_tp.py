@@ -51,12 +51,14 @@ def _free_port() -> int:
 
 
 def run_ranks(path: str, scenarios: list[Scenario], prompts: tuple[torch.Tensor, torch.Tensor], *,
-              backend: str = "reference_cpu", device: str = "cpu", timeout_s: float = 240.0) -> list[dict[str, Any]]:
+              backend: str = "reference_cpu", device: str = "cpu", tp_plan: bool = True, new: int = NEW,
+              chunk: int = CHUNK, timeout_s: float = 240.0) -> list[dict[str, Any]]:
+    """Both ranks (`tp_ranks.run_rank`) through every scenario; their results, in arrival order."""
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=run_rank, args=(r, 2, port, path, backend, device, scenarios, prompts, NEW, CHUNK,
-                                                pipes[r][1])) for r in range(2)]
+    procs = [ctx.Process(target=run_rank, args=(r, 2, port, path, backend, device, scenarios, prompts, new, chunk,
+                                                pipes[r][1], tp_plan)) for r in range(2)]
     for p in procs:
         p.start()
     for _, sender in pipes:

@@ -39,23 +39,30 @@ def _killer(at_step: int) -> Any:
 
 
 def run_rank(rank: int, world: int, port: int, path: str, backend: str, device: str, scenarios: list[Scenario],
-             prompts: tuple[Any, Any], new: int, chunk: int, results: Any) -> None:
-    """`results`: this rank's end of a pipe (a `Connection`; no lock a killed rank could hold)."""
+             prompts: tuple[Any, Any], new: int, chunk: int, results: Any, tp_plan: bool = True) -> None:
+    """`results`: this rank's end of a pipe (a `Connection`; no lock a killed rank could hold).
+
+    `device` "cpu" (gloo) or "cuda". `tp_plan`: load with transformers' `tp_plan="auto"` (on CUDA:
+    NCCL, rank r on GPU r); False: every rank runs the whole model (the ranks of one GPU, gloo for
+    hisparse's exchange; the scenarios pass `tp=True`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
 
-    dist_backend = "nccl" if device == "cuda" else "gloo"
+    dist_backend = "nccl" if device == "cuda" and tp_plan else "gloo"
     if device == "cuda":
-        torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else rank)
+        torch.cuda.set_device(rank if tp_plan else 0)
     dist.init_process_group(dist_backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         import transformers
 
         import hisparse_transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        if tp_plan:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
         model.eval()
         dev = next(model.parameters()).device
         ids, mask = (t.to(dev) for t in prompts)
@@ -70,7 +77,7 @@ def run_rank(rank: int, world: int, port: int, path: str, backend: str, device: 
                         hs.on_step = _killer(sc.kill_step)
                     worker = hs.engine.worker
                     pool = worker.host_pool
-                    f = getattr(pool, "shm_file", None)
+                    f = getattr(pool, "shm_file", None) or getattr(pool, "_file", None)  # nvidia keeps it private
                     out.update(shared=worker.host_pool_spec.shared, writer=pool.is_writer,
                                pool_name=worker.host_pool_spec.name, inode=f.inode if f is not None else None,
                                linked=f.linked if f is not None else None)

@@ -21,12 +21,19 @@ import os
 import pytest
 import torch
 from test_transformers_gpu import _gpu_reason
-from test_transformers_tp import run_ranks
 from tf_support import BLOCK, GEN, NO_TIES, baseline, compare, random_prompts, tiny_model
-from tp_ranks import Scenario
+from tp_ranks import Scenario, run_ranks
 
 import hisparse_transformers
-from hisparse_nvidia.host_pool import shm_path
+from hisparse_core import shm
+
+pytest.importorskip("transformers")
+
+
+def shm_path(name: str) -> str:
+    """The /dev/shm file of the nvidia shared pool `name` (hisparse_nvidia.host_pool.shm_path,
+    without importing the backend where it cannot load)."""
+    return shm.shm_path(name, ".nvpool")
 
 FAMILY = "glm_moe_dsa"
 SHAPE = NO_TIES[FAMILY]
@@ -87,6 +94,7 @@ def test_two_ranks_on_one_gpu_share_the_nvidia_pool_exact_against_one_rank(saved
 
 @pytest.mark.skipif(_two_gpus() is not None, reason=str(_two_gpus()))
 def test_device_map_across_two_gpus_matches_the_model(saved: str) -> None:
+    pytest.importorskip("accelerate", reason="device_map needs accelerate (pip install 'hisparse[transformers]')")
     import transformers
 
     layers = {0: 0, 1: 0, 2: 1}                   # the index group 0-1 on GPU 0, full layer 2 on GPU 1
@@ -111,6 +119,7 @@ def test_device_map_across_two_gpus_matches_the_model(saved: str) -> None:
 @pytest.mark.skipif(_two_gpus() is not None, reason=str(_two_gpus()))
 @pytest.mark.parametrize("victim", [1, 0])
 def test_tp2_on_two_gpus_shares_one_pool_exact_and_survives_kill_9(saved: str, victim: int) -> None:
+    pytest.importorskip("accelerate", reason="tp_plan needs accelerate (pip install 'hisparse[transformers]')")
     model = tiny_model(FAMILY, shape=SHAPE, seed=3, device="cuda:0")
     ids, mask = random_prompts(LENGTHS, seed=1)
     theirs = baseline(model, ids.cuda(), mask.cuda(), NEW, chunk=CHUNK)          # one process, one GPU

@@ -10,16 +10,13 @@ One spawn of both ranks runs every scenario (`tp_ranks.py`), so the processes st
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
-from multiprocessing.connection import wait
 from typing import Any
 
 import pytest
 import torch
 from tf_support import BLOCK, SHAPES, baseline, random_prompts, tiny_model
-from tp_ranks import Scenario, run_rank
+from tp_ranks import Scenario, run_ranks
 
 import hisparse_transformers
 from hisparse_core.geometry import RuntimeConfig  # noqa: F401  - loads the row formats the pool spec names
@@ -42,50 +39,6 @@ SIZES = dict(host_pool_gib=0.01, block_size=BLOCK, hot_rows=16, max_batch=2, max
 def _gpu_gib(blocks: int = 56) -> float:
     s = SHAPES[FAMILY]
     return blocks * s.layers * BLOCK * (s.kv_lora + s.rope) * 4 / 2**30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_ranks(path: str, scenarios: list[Scenario], prompts: tuple[torch.Tensor, torch.Tensor], *,
-              backend: str = "reference_cpu", device: str = "cpu", tp_plan: bool = True, new: int = NEW,
-              chunk: int = CHUNK, timeout_s: float = 240.0) -> list[dict[str, Any]]:
-    """Both ranks (`tp_ranks.run_rank`) through every scenario; their results, in arrival order."""
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=run_rank, args=(r, 2, port, path, backend, device, scenarios, prompts, new, chunk,
-                                                pipes[r][1], tp_plan)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for _, sender in pipes:
-        sender.close()
-    want = 2 * len(scenarios) - sum(sc.kill_rank is not None for sc in scenarios)
-    out: list[dict[str, Any]] = []
-    open_ends = [receiver for receiver, _ in pipes]
-    try:
-        while len(out) < want:
-            ready = wait(open_ends, timeout=timeout_s)
-            assert ready, f"the ranks sent {len(out)} of {want} results in {timeout_s}s"
-            for conn in ready:
-                try:
-                    got = conn.recv()
-                except EOFError:             # that rank has ended
-                    open_ends.remove(conn)
-                    continue
-                out.append(got)
-                assert got["scenario"] != "crash", got["error"]
-            assert open_ends, f"both ranks ended after {len(out)} of {want} results"
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return out
 
 
 def by(results: list[dict[str, Any]], scenario: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,7 +78,7 @@ def test_two_tp_ranks_share_one_host_pool_exact_against_one_process(saved: str) 
             # Last: rank 1 kills itself (SIGKILL) after its 3rd step.
             Scenario("kill -9", dict(gpu_kv_gib=_gpu_gib(), **SIZES), kill_rank=1, kill_step=3),
         ]
-        results = run_ranks(saved, scenarios, (ids, mask))
+        results = run_ranks(saved, scenarios, (ids, mask), new=NEW, chunk=CHUNK)
     finally:
         held.release()
     assert not os.path.exists(shm_path(held_name))

@@ -3,16 +3,20 @@
 Each rank loads the saved tiny model with transformers' own `tp_plan="auto"` (q_b_proj, kv_b_proj
 and the MLPs split across the ranks, the MLA latent and the indexer replicated), enables hisparse
 (tensor parallel: detected from the tp_plan) and runs the scenarios it is given, in order; each
-scenario's result (or its error's one line) goes back to the parent through its pipe.
+scenario's result (or its error's one line) goes back to the parent through its pipe
+(`run_ranks`, in the test process, starts both ranks and collects what they send).
 """
 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import signal
+import socket
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any
 
 
@@ -97,3 +101,47 @@ def run_rank(rank: int, world: int, port: int, path: str, backend: str, device: 
         results.send({"rank": rank, "scenario": "crash", "error": traceback.format_exc()})
     finally:
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(path: str, scenarios: list[Scenario], prompts: tuple[Any, Any], *,
+              backend: str = "reference_cpu", device: str = "cpu", tp_plan: bool = True, new: int = 6,
+              chunk: int = 16, timeout_s: float = 240.0) -> list[dict[str, Any]]:
+    """Both ranks (`tp_ranks.run_rank`) through every scenario; their results, in arrival order."""
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=run_rank, args=(r, 2, port, path, backend, device, scenarios, prompts, new, chunk,
+                                                pipes[r][1], tp_plan)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for _, sender in pipes:
+        sender.close()
+    want = 2 * len(scenarios) - sum(sc.kill_rank is not None for sc in scenarios)
+    out: list[dict[str, Any]] = []
+    open_ends = [receiver for receiver, _ in pipes]
+    try:
+        while len(out) < want:
+            ready = wait(open_ends, timeout=timeout_s)
+            assert ready, f"the ranks sent {len(out)} of {want} results in {timeout_s}s"
+            for conn in ready:
+                try:
+                    got = conn.recv()
+                except EOFError:             # that rank has ended
+                    open_ends.remove(conn)
+                    continue
+                out.append(got)
+                assert got["scenario"] != "crash", got["error"]
+            assert open_ends, f"both ranks ended after {len(out)} of {want} results"
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out

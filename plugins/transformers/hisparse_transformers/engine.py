@@ -10,6 +10,11 @@ One `HiSparseEngine` per enabled model owns:
   group, bound to device caches `[num_blocks, block_size, width]` in the model's dtype;
 - the persistent source and hot tables the resolver reads.
 
+A model spread over several devices (`device_map`) gets one worker per device (`shards.py`):
+each holds its layers' runtimes, device caches, tables and host pool, and runs the same command;
+the coordinator counts their merged reports. Under tensor parallelism (`ranks.py`) the reports of
+every rank are exchanged after each step, so every rank's coordinator decides the same.
+
 A `Session` (`session.py`) is one batch of requests (one generate call): each batch row is a hisparse request
 with its own state row and its own logical positions (left padding stripped). One model forward
 is one engine step: `begin_step` (allocations, `schedule_step`, table updates,
@@ -188,9 +193,9 @@ class HiSparseEngine:
         self.watermark = pressure_watermark(c.max_batch, self.hot_blocks, self.chunk_pages)
         need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
         if self.gpu_blocks < need:
-            on = f" on {placement.devices[widest]}" if placement.spread else ""
+            where = f" on {placement.devices[widest]}" if placement.spread else ""
             raise CapacityError(
-                f"gpu_kv_gib={c.gpu_kv_gib:g}{on} holds {self.gpu_blocks} blocks of {device_block_bytes} B "
+                f"gpu_kv_gib={c.gpu_kv_gib:g}{where} holds {self.gpu_blocks} blocks of {device_block_bytes} B "
                 f"({len(placement.layers_on(widest))} layers x {bs} tokens x {self.fmt.row_bytes} B); "
                 f"max_batch={c.max_batch} with a {self.hot_blocks}-block hot buffer and prefill_chunk={c.prefill_chunk} "
                 f"needs at least {need}: expected gpu_kv_gib >= {need * device_block_bytes / GIB:.6g}")
@@ -219,9 +224,9 @@ class HiSparseEngine:
         self._tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []   # per device
         try:
             for d, (dev, be) in enumerate(zip(placement.devices, backends, strict=True)):
-                on = placement.groups_on(d)
+                mine = placement.groups_on(d)
                 groups = [CacheGroup(replace(runtime_config, num_layers=len(layout.groups[g])), resident_group=0,
-                                     name=f"index group {g} (layers {list(layout.groups[g])})") for g in on]
+                                     name=f"index group {g} (layers {list(layout.groups[g])})") for g in mine]
                 share = ranks is not None and ranks.share_host_pool
                 worker = HiSparseWorker(be, groups, num_host_blocks=self.coordinator.host_num_blocks,
                                         rank=ranks.rank if ranks else 0, world_size=ranks.world_size if ranks else 1,
@@ -229,13 +234,13 @@ class HiSparseEngine:
                                         pool_name=ranks.pool_for(d) if share and ranks is not None else None)
                 self.workers.append(worker)
                 local = [[torch.zeros((self.gpu_blocks, bs, self.fmt.width), dtype=dtype, device=dev)
-                          for _ in layout.groups[g]] for g in on]
+                          for _ in layout.groups[g]] for g in mine]
                 worker.register_caches(local)
                 tables = (torch.full((c.max_batch, self.max_pages), -1, dtype=torch.int32, device=dev),
                           worker.residency_table(0),
                           torch.full((c.max_batch, self.hot_blocks), -1, dtype=torch.int32, device=dev))
                 self._tables.append(tables)
-                for i, g in enumerate(on):
+                for i, g in enumerate(mine):
                     self.runtimes[g] = worker.runtimes[i]
                     self.device_layers[g] = local[i]
                     self.host_views[g] = worker.host_layer_views(i)
@@ -248,6 +253,7 @@ class HiSparseEngine:
         self.group_tables = [self._tables[d] for d in placement.group_device]
         self.flat_layers = [[t.view(-1, self.fmt.width) for t in g] for g in self.device_layers]
         self._reports = ReportMerger(len(self.workers) * (ranks.world_size if ranks is not None else 1))
+        self._peer = ranks is not None and ranks.share_host_pool and ranks.rank != 0
         self.free_states = list(range(c.max_batch - 1, -1, -1))
         self.totals = EngineTotals()
         self.session: Session | None = None
@@ -285,8 +291,11 @@ class HiSparseEngine:
     def _start_workers(self, command: OffloadCommand | None) -> None:
         for w in self.workers:
             w.start_step(command)
-        for w in self.workers:
-            w.wait_for_host_writes()  # a peer of a shared pool: its reads after rank 0's writes
+        if self._peer:
+            # A peer of a shared pool orders its reads after rank 0's writes (NVIDIA: on rank 0's
+            # IPC event). A writer needs no such wait: it reads only pages whose copies completed.
+            for w in self.workers:
+                w.wait_for_host_writes()
 
     def _after_forward(self) -> None:
         for w in self.workers:

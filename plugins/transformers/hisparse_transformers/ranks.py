@@ -177,6 +177,20 @@ def _as_error(status: _Status, message: str) -> HiSparseError:
     return kind(message)
 
 
+_GLOO: dict[int, Any] = {}
+
+
+def _gloo_group() -> Any:
+    """A gloo group over every rank for the host-side exchange (made once per default group: a
+    collective every rank reaches in `enable`)."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _GLOO:
+        _GLOO[key] = dist.new_group(backend="gloo")
+    return _GLOO[key]
+
+
 def tensor_parallel(model: Any, tp: bool | None, share_host_pool: bool, pool_name: str | None) -> Ranks | None:
     """The ranks of this replica, or None for one process.
 
@@ -201,7 +215,7 @@ def tensor_parallel(model: Any, tp: bool | None, share_host_pool: bool, pool_nam
                                 "one tensor-parallel group over every process")
     if world == 1:
         return None
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    group = None if dist.get_backend() == "gloo" else _gloo_group()
     ranks = Ranks(dist.get_rank(), world, share_host_pool=share_host_pool, pool_name=pool_name, group=group)
     return ranks
 

@@ -13,6 +13,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strict_device import StrictDeviceBackend, memory_of, strict
 from tf_support import BLOCK, GEN, SHAPES, baseline, compare, enable_kwargs, random_prompts, tiny_model
 
@@ -122,3 +124,45 @@ def test_the_placed_models_own_generate_is_the_cpus() -> None:
     want = baseline(cpu, ids, mask, 3, chunk=8)
     assert torch.equal(memory_of(theirs.sequences), want.sequences)
     assert all(torch.equal(memory_of(a), b) for a, b in zip(theirs.logits, want.logits, strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(workers=st.integers(1, 4), data=st.data())
+def test_merged_reports_count_every_worker(workers: int, data: st.DataObject) -> None:
+    """Transfers sum over the workers' reports; a host block copy is reported once, in the merge
+    where its last worker reported it (never earlier), whatever the order the workers report in."""
+    from hisparse_core.types import WorkerMetadata
+    from hisparse_transformers.shards import ReportMerger
+
+    copies = data.draw(st.lists(st.integers(0, 50), unique=True, max_size=6))
+    ids = data.draw(st.lists(st.integers(0, 50), unique=True, max_size=6))
+    # Each worker reports each copy and transfer in one of 3 rounds.
+    when = {(w, c): data.draw(st.integers(0, 2)) for w in range(workers) for c in copies + [-1 - i for i in ids]}
+    merger = ReportMerger(workers)
+    seen: list[int] = []
+    counts: dict[int, int] = {}
+    for round_ in range(3):
+        reports = [WorkerMetadata.report(completed=[i for i in ids if when[(w, -1 - i)] == round_],
+                                         completed_host_copies=[c for c in copies if when[(w, c)] == round_])
+                   for w in range(workers)]
+        merged = merger.merge(reports)
+        for c in merged.completed_host_copies:
+            assert max(when[(w, c)] for w in range(workers)) == round_
+        seen.extend(merged.completed_host_copies)
+        for i, n in merged.completed.items():
+            counts[i] = counts.get(i, 0) + n
+    assert sorted(seen) == sorted(copies)
+    assert counts == dict.fromkeys(ids, workers)
+
+
+def test_offloaded_attention_layers_are_refused() -> None:
+    from hisparse_transformers.shards import place
+
+    class Proj:
+        weight = torch.empty(2, 2, device="meta")
+
+    class Attention:
+        kv_a_proj_with_mqa = Proj()
+
+    with pytest.raises(InvalidInputError, match=r"layer 0's attention weights are offloaded \(on meta\)"):
+        place([Attention()], [(0,)])

@@ -89,7 +89,8 @@ def test_supported_versions(version: str) -> None:
 
 def test_bad_values_and_double_enable(model: torch.nn.Module) -> None:
     for bad in (dict(host_pool_gib=0), dict(gpu_kv_gib=-1.0), dict(block_size=0), dict(max_batch=True),
-                dict(hot_rows=-4), dict(backend="no-such-backend")):
+                dict(hot_rows=-4), dict(backend="no-such-backend"), dict(tp="yes"), dict(share_host_pool=None),
+                dict(pool_name=3), dict(tp=True)):
         with pytest.raises(HiSparseError) as err:
             hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", **bad))
         one_line(err.value) if not isinstance(err.value, LookupError) else None

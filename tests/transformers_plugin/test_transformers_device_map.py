@@ -166,3 +166,17 @@ def test_offloaded_attention_layers_are_refused() -> None:
 
     with pytest.raises(InvalidInputError, match=r"layer 0's attention weights are offloaded \(on meta\)"):
         place([Attention()], [(0,)])
+
+
+def test_the_strict_device_refuses_two_indices_as_cuda_does() -> None:
+    a = torch.arange(6, dtype=torch.float32, device=strict(0))
+    b = torch.ones(6, device=strict(1))
+    for op in (lambda: a + b, lambda: a[torch.tensor([1, 2], device=strict(1))],
+               lambda: a + torch.tensor(1.0, device=strict(1))):          # 0-dim too: only CPU scalars pass
+        with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device, but found at least "
+                                               r"two devices, privateuseone:0 and privateuseone:1"):
+            op()
+    moved = a.to(strict(1))                                                # copies between indices are allowed
+    assert moved.device == strict(1) and (moved + b).device == strict(1)
+    assert torch.equal(memory_of(moved + b), torch.arange(6, dtype=torch.float32) + 1)
+    assert (a + torch.tensor(2.0)).device == strict(0)                     # a CPU scalar, as on CUDA

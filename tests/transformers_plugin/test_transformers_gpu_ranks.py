@@ -118,14 +118,15 @@ def test_device_map_across_two_gpus_matches_the_model(saved: str) -> None:
 
 @pytest.mark.skipif(_two_gpus() is not None, reason=str(_two_gpus()))
 @pytest.mark.parametrize("victim", [1, 0])
-def test_tp2_on_two_gpus_shares_one_pool_exact_and_survives_kill_9(saved: str, victim: int) -> None:
+def test_tp2_on_two_gpus_shares_one_pool_exact_and_survives_kill_9(saved: str, victim: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("accelerate", reason="tp_plan needs accelerate (pip install 'hisparse[transformers]')")
     model = tiny_model(FAMILY, shape=SHAPE, seed=3, device="cuda:0")
     ids, mask = random_prompts(LENGTHS, seed=1)
     theirs = baseline(model, ids.cuda(), mask.cuda(), NEW, chunk=CHUNK)          # one process, one GPU
     del model
     torch.cuda.empty_cache()
-    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"  # a collective with a dead peer raises instead of aborting
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")  # the ranks' NCCL waits with a dead peer raise, not abort
     scenarios = [Scenario("shared", dict(gpu_kv_gib=_gpu_gib(), **SIZES)),
                  Scenario("kill -9", dict(gpu_kv_gib=_gpu_gib(), **SIZES), kill_rank=victim, kill_step=12)]
     results = run_ranks(saved, scenarios, (ids, mask), backend="nvidia", device="cuda", tp_plan=True, new=NEW,

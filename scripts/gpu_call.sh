@@ -5,6 +5,7 @@
 # files named in KEEP (globs under the stage folders) are copied to $OUT as well.
 #
 #   OUT=... PAR="tests triton tf_tests" SEQ="serving vllm_ops_bench" bash scripts/gpu_call.sh
+#   git archive REV backends/nvidia | tar -x -C .before; OUT=... SEQ="before:bench bench" bash scripts/gpu_call.sh
 #
 # Carried wheels in .whl/ (transformers 5.24 and regex, for instance) are installed into
 # /tmp/site first and put on PYTHONPATH; the stages' own variables (T_*, *_ARGS) pass through.
@@ -28,7 +29,16 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 echo "=== side by side: ${PAR:-none} in $((SECONDS - t0)) s"
 for stage in ${PAR:-}; do sed -n '/==== summary ====/,$p' "$WORK/$stage.summary"; done
-for stage in ${SEQ:-}; do
+for item in ${SEQ:-}; do
+    # "before:STAGE": the stage on the backends/nvidia of the tree under .before/ (git archive of an
+    # earlier commit), with BENCH_BEFORE_ARGS for its bench arguments.
+    stage=${item#before:}
+    if [ "$stage" != "$item" ]; then
+        NVIDIA_ROOT=$PWD/.before BENCH_ARGS=${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-}} OUT=$WORK/before_$stage \
+            bash scripts/gpu_validate.sh "$stage" > "$WORK/before_$stage.summary" 2>&1
+        sed -n '/==== summary ====/,$p' "$WORK/before_$stage.summary"
+        continue
+    fi
     OUT=$WORK/$stage bash scripts/gpu_validate.sh "$stage" > "$WORK/$stage.summary" 2>&1
     sed -n '/==== summary ====/,$p' "$WORK/$stage.summary"
 done

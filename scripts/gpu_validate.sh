@@ -39,7 +39,8 @@ export HISPARSE_KERNEL_CACHE=${HISPARSE_KERNEL_CACHE:-/tmp/hisparse-kernels}
 SHIM=/tmp/hisparse_shim.$$
 rm -rf "$SHIM" && mkdir -p "$SHIM/hisparse-0.1.0.dist-info"
 ln -s "$REPO/hisparse_core" "$SHIM/hisparse_core"
-ln -s "$REPO/backends/nvidia/hisparse_nvidia" "$SHIM/hisparse_nvidia"
+# NVIDIA_ROOT: another tree's backends/nvidia (a before/after comparison of the kernels)
+ln -s "${NVIDIA_ROOT:-$REPO}/backends/nvidia/hisparse_nvidia" "$SHIM/hisparse_nvidia"
 ln -s "$REPO/backends/reference_cpu/hisparse_reference_cpu" "$SHIM/hisparse_reference_cpu"
 [ -d "$REPO/backends/triton/hisparse_triton" ] && ln -s "$REPO/backends/triton/hisparse_triton" "$SHIM/hisparse_triton"
 ln -s "$REPO/plugins/conformance/hisparse_conformance" "$SHIM/hisparse_conformance"
@@ -110,7 +111,7 @@ readme)  # every command of README.md as a user runs it (through the shim: pytho
         exit $rc' "$OUT"
     ;;
 tests)  # 300 s by default: test_nvidia_tp_shared.py runs bench_tp_shared.py --quick on GPU 0 (not yet timed there)
-    run tests "${T_TESTS:-300}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia_backend ${TESTS_K:+-k "$TESTS_K"}
+    run tests "${T_TESTS:-300}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider ${TESTS_ARGS:-} tests/nvidia_backend ${TESTS_K:+-k "$TESTS_K"}
     ;;
 tests_variants)  # the resolver tests again with the page tables gathered per entry
     # (HISPARSE_RESOLVE_SMEM=0), with 512 threads per block and with one block per group at every
@@ -140,7 +141,9 @@ memcheck)
         "$T::test_speculative_gather_matches_reference[2]" "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" \
         "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[1-split]" tests/nvidia_backend/test_nvidia_transfer.py \
         "$T::test_plan_copy_per_sm_limit_and_trace[0]" "$T::test_plan_copy_per_sm_limit_and_trace[2]" \
-        "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[1-padded]"
+        "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[1-padded]" \
+        "$T::test_speculative_gather_early_exit_matches_reference[0]" "$T::test_speculative_gather_early_exit_matches_reference[2]" \
+        ${MEMCHECK_EXTRA:-}
     ;;
 racecheck)
     T=tests/nvidia_backend/test_nvidia_runtime.py
@@ -149,7 +152,7 @@ racecheck)
         "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None-None-None]" \
         "$T::test_production_geometry_matches_reference[1-None-1-None]" "$T::test_cluster_resolver_matches_reference[1]" \
         "$T::test_remapped_and_shared_host_blocks_match_reference[1]" "$T::test_speculative_gather_matches_reference[4]" \
-        "$T::test_plan_copy_per_sm_limit_and_trace[0]"
+        "$T::test_plan_copy_per_sm_limit_and_trace[0]" "$T::test_speculative_gather_early_exit_matches_reference[0]"
     ;;
 ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -168,7 +171,7 @@ triton)  # the triton backend compiled: its tests, then the conformance suite on
     run triton "${T_TRITON:-300}" bash -c '
         rc=0; python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend || rc=1
         python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance --hisparse-backend triton \
-            --hisparse-examples 25 || rc=1; exit $rc'
+            --hisparse-examples ${TRITON_EXAMPLES:-25} || rc=1; exit $rc'
     ;;
 triton_bench)
     run triton_bench "${T_TRITON_BENCH:-240}" python3 bench/bench_triton.py --json "$OUT/triton_bench.json" ${TRITON_BENCH_ARGS:-}

@@ -98,10 +98,23 @@ _GATHER_PER_SM = 1
 #: the plan copy by 8.7 us with 274 misses a request and lost 4.9 us on a step without misses
 #: (docs/gpu-validation.md, calls S1-S5).
 ENV_SPEC_BLOCKS_PER_SM = "HISPARSE_SPEC_BLOCKS_PER_SM"
+#: "0": every block of the speculative gather waits for the resolver; by default a block none of
+#: whose entries can be a miss (no host entry, or each held at its hinted slot while the resolver
+#: refills none of the request's slots) leaves at once, and only block 0 waits. A step without
+#: misses at batch 8 cost the resolve alone + 5.4 us before (issue 28, docs/gpu-validation.md).
+ENV_SPEC_EARLY_EXIT = "HISPARSE_SPEC_EARLY_EXIT"
 _SPEC_BLOCKS_PER_SM = 8
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
 _MAX_PLAN_ROWS = 12 * 1024 - 1
+
+
+def spec_early_exit() -> bool:
+    """`HISPARSE_SPEC_EARLY_EXIT`: "1" (default) or "0"; anything else is one line naming it."""
+    value = os.environ.get(ENV_SPEC_EARLY_EXIT, "1")
+    if value not in ("0", "1"):
+        raise InvalidInputError(f"{ENV_SPEC_EARLY_EXIT}={value!r}: expected 1 (the default) or 0")
+    return value == "1"
 
 
 def _i32(v: int) -> ctypes.c_int32:
@@ -159,6 +172,9 @@ class NvidiaRuntime(CacheRuntime):
             # (-1 while pending); and the plan copy's ticket counter and blocks-done counter.
             self._plan_ready = torch.zeros(b, dtype=torch.int32, device=device)
             self._gather_work = torch.zeros(2, dtype=torch.int32, device=device)
+            # Per state row: 1 while the last resolve of its group may have refilled its slots (the
+            # resolver's flag that lets the speculative gather's blocks without a miss leave early).
+            self._victims = torch.zeros(r, dtype=torch.int32, device=device)
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._shape = shape
@@ -210,6 +226,7 @@ class NvidiaRuntime(CacheRuntime):
         self._k_reset = maint_mod.function("hisparse_reset_rows")
         self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
+        self._early_exit = spec_early_exit()
         self._spec_rows, why = self._speculative_rows(num_sms)
         self._follow = os.environ.get(ENV_GATHER_FOLLOW, "1") != "0"
         # Larger batches: the speculative gather for as many first rows as its blocks fit beside the
@@ -358,7 +375,7 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
              _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b), _i32(cfg.max_batch_rows),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0), _ptr(self._plan_ready),
-             _i32(follow)],
+             _i32(follow), self._victims_arg()],
             overlap_previous=self._overlap)
         self._last_rows = b
         if spec_rows:
@@ -498,8 +515,12 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(inputs.resident_table), _ptr(self._pos_slot), _ptr(self._hot_map), _ptr(out.rows),
              _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
              _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(host_bases), _ptr(dev_bases),
-             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
+             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats), self._victims_arg()],
             overlap_previous=True)
+
+    def _victims_arg(self) -> ctypes.c_void_p:
+        """The victims flags of the resolver and the speculative gather (null: no early exit)."""
+        return _ptr(self._victims) if self._early_exit else ctypes.c_void_p(0)
 
     @property
     def launch_shape(self) -> dict[str, int | bool]:
@@ -512,6 +533,7 @@ class NvidiaRuntime(CacheRuntime):
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
                 "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
+                "spec_early_exit": self._early_exit,
                 "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
                 "plan_copy_registers": self._k_gather.registers, "plan_copy_per_sm": self._gather_fit,
@@ -615,8 +637,10 @@ class NvidiaRuntime(CacheRuntime):
         rest = (f"so for as many first rows as fit on the SMs the resolver leaves free ({self._spec_per_sm} blocks "
                 f"to an SM), the other rows by {plan_copy}" if self._split
                 else f"by {plan_copy} ({ENV_SPEC_SPLIT}=0 or {ENV_GATHER_FOLLOW}=0)")
-        return (f"miss copies after a resolve start while it runs for batches of up to {self._spec_rows} rows; "
-                f"larger batches {rest}")
+        early = ("blocks that can hold no miss leave without waiting for the resolver" if self._early_exit
+                 else f"every block waits for the resolver ({ENV_SPEC_EARLY_EXIT}=0)")
+        return (f"miss copies after a resolve start while it runs for batches of up to {self._spec_rows} rows "
+                f"({early}); larger batches {rest}")
 
     def _copy_choice(self, b: int, gather: bool, free_sms: int) -> tuple[int, int | None, bool, bool]:
         """The miss copy after the resolve of `b` rows that leaves `free_sms` SMs free: (rows the

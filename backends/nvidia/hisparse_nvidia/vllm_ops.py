@@ -84,11 +84,13 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         src, dst, take = src.reshape(-1).long(), dst.reshape(-1).long(), take.reshape(-1)
         present = src < host_b.shape[0]
         data = host_b[src.clamp(0, host_b.shape[0] - 1)] * present[:, None].to(torch.uint8)
-        first = torch.argmax(take.to(torch.int32))
+        # A one-element index, never a 0-dim one: indexing with a 0-dim tensor reads it on the host,
+        # which a CUDA graph capture refuses.
+        first = torch.argmax(take.to(torch.int32)).view(1)
         any_take = take.any()
         row0 = hot_b[0, 0].unsqueeze(0)
-        target = torch.where(any_take, dst[first], 0)
-        target_data = torch.where(any_take, data[first].unsqueeze(0), row0)
+        target = torch.where(any_take, dst.index_select(0, first), 0)
+        target_data = torch.where(any_take, data.index_select(0, first), row0)
         eff_dst = torch.where(take, dst, target)
         eff_data = torch.where(take[:, None], data, target_data)
         hot_b[eff_dst // bs, eff_dst % bs] = eff_data

@@ -18,6 +18,7 @@ releases the host pool.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -25,8 +26,9 @@ from typing import Any
 
 import torch
 
+from hisparse_core.backend import Backend
 from hisparse_core.errors import HiSparseError, InvalidInputError
-from hisparse_core.registry import select_backend
+from hisparse_core.registry import ENV_BACKEND, get_registry, select_backend
 from hisparse_transformers.attention import HiSparseAttention
 from hisparse_transformers.cache import HiSparseCache
 from hisparse_transformers.check import ExactnessChecker
@@ -47,6 +49,31 @@ StepCallback = Callable[["HiSparseHandle", StepState], None]
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _backend_env() -> bool:
+    return bool(os.environ.get(ENV_BACKEND, "").strip())
+
+
+def _backend_on(device: torch.device) -> Backend:
+    """Automatic selection for a model on `device`: the highest-priority available backend that runs
+    there (a CPU model on a GPU machine gets a CPU backend, not the GPU's); the log says which and
+    why. `BackendUnavailableError` as `select_backend` where none is available at all."""
+    ranked = get_registry().choose(None).candidates
+    skipped: list[str] = []
+    for entry in ranked:
+        try:
+            candidate = select_backend(entry.name)
+        except HiSparseError as exc:
+            skipped.append(f"{entry.name} ({exc})")
+            continue
+        if _same_device(torch.device(candidate.device), device):
+            if skipped:
+                logger.info("hisparse: automatic backend for a model on %s: %s (passed over: %s)", device,
+                            entry.name, "; ".join(skipped))
+            return candidate
+        skipped.append(f"{entry.name} (runs on {candidate.device})")
+    return select_backend(None)  # none runs there: enable() names the mismatch
 
 
 def left_padding(attention_mask: torch.Tensor) -> list[int]:
@@ -373,7 +400,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
                           prefill_chunk=prefill_chunk)
-    chosen = select_backend(None if backend in (None, "auto") else backend)
+    chosen = (_backend_on(weight.device) if backend in (None, "auto") and not _backend_env()
+              else select_backend(None if backend in (None, "auto") else backend))
     if not _same_device(torch.device(chosen.device), weight.device):
         raise InvalidInputError(f"the model is on {weight.device} but backend {chosen.name!r} runs on {chosen.device}; "
                                 f"expected them on one device (model.to({str(chosen.device)!r}) or another backend)")

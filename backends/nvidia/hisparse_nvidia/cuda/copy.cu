@@ -362,17 +362,20 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_copy_rows(
 //      the resolver set are the plan's misses: each goes to its out_rows row, from the registers
 //      when step 1 guessed it, else loaded now. Guesses only decide what is read early; what is
 //      written is decided by the resolver's final outputs, so a wrong guess costs time, never bytes.
+// A block none of whose tasks can be a miss leaves before step 2 (victims, when not null: see
+// there), so on a resident step or one of hint hits the grid does not hold SMs behind the
+// resolver; only block 0 waits for it.
 // Grid: (blocks, 1, 1) with blocks * HS_GNT * HS_UNROLL >= rows * K * HS_SLOTS (the host sizes it
 // so): one pass, each thread's HS_UNROLL tasks (entry, slot) known from the start.
 // pos_slot and hot_map are not __restrict__: the resolver writes them while step 1 reads them, so
-// they must not go through the read-only path.
+// they are read with relaxed GPU-scope loads (from L2, never the read-only path or an L1 copy).
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     const i32* __restrict__ topk, const i32* __restrict__ row_state, const i32* __restrict__ seq_lens,
     const i32* __restrict__ source_table, const i32* __restrict__ resident_table, const i16* pos_slot,
     const i32* hot_map, const i32* __restrict__ out_rows, const i32* __restrict__ plan_counts,
     const u32* __restrict__ miss_mask, i32 rows, i32 K, i32 bs, i32 P, i32 H, const i64* __restrict__ host_bases,
     const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides, i64 host_rows, i64 dev_rows,
-    u64* __restrict__ stats) {
+    u64* __restrict__ stats, const i32* victims) {
     // The next kernel may be scheduled now: ours wait for this grid before touching memory.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
@@ -410,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     for (i32 u = 0; u < HS_UNROLL; ++u) {
         b_r[u] = source_table[page_r[u]];
         res_r[u] = resident_table[page_r[u]];
-        hint_r[u] = pos_slot[q_r[u] >= 0 ? page_r[u] * bs + t_r[u] % bs : 0];
+        hint_r[u] = hs_ld_relaxed(pos_slot + (q_r[u] >= 0 ? page_r[u] * bs + t_r[u] % bs : 0));
     }
     i32 g_r[HS_UNROLL];  // host row of the task's entry (-1: not a host entry or past the end)
     i32 hm_r[HS_UNROLL];
@@ -420,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
         const bool host = q_r[u] >= 0 && res_r[u] < 0 && b >= 0 && static_cast<i64>(b) * bs + t_r[u] % bs < src.limit;
         g_r[u] = host ? b * bs + t_r[u] % bs : -1;
         const i32 hint = hint_r[u];
-        hm_r[u] = hot_map[host && hint >= 0 && hint < H ? static_cast<i64>(q_r[u]) * H + hint : 0];
+        hm_r[u] = hs_ld_relaxed(hot_map + (host && hint >= 0 && hint < H ? static_cast<i64>(q_r[u]) * H + hint : 0));
         if (!(host && hint >= 0 && hint < H)) hm_r[u] = -2;  // no usable hint: a likely miss
     }
     uint4 v[HS_UNROLL];
@@ -440,7 +443,42 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
         }
     }
 
-    // ---- 2. The resolver's misses ---------------------------------------------------------------
+    // ---- 2. Blocks that can hold no miss leave without waiting for the resolver ------------------
+    // A task cannot be a miss if it is no host entry, or if its hinted slot held its host row and
+    // the resolver had not begun refilling the request's slots. The second is the flag the
+    // resolver sets, then fences (fence.sc), before it stores to a hot map or a hint: this block
+    // reads the slots, fences, then reads the flags. If the resolver's fence came first, the flag
+    // reads 1; if ours did, every slot read here preceded every refill, so what it held it held
+    // at the step's start, and the resolver finds it there (its hint check is the same). Block 0
+    // always waits, so the grid still ends after the resolver: the next kernel waits for this
+    // grid alone. Resident steps read no flag; steps of hint hits read one round trip of them.
+    if (victims != nullptr && blockIdx.x != 0) {
+        u32 held = 0;
+        bool likely = false;
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            if (g_r[u] >= 0) {
+                if (hm_r[u] == g_r[u]) {
+                    held |= 1u << u;
+                } else {
+                    likely = true;
+                }
+            }
+        }
+        if (!__syncthreads_or(likely)) {
+            if (!__syncthreads_or(held != 0)) return;
+            if (threadIdx.x == 0) hs_fence_sc();
+            __syncthreads();
+            bool sure = true;
+#pragma unroll
+            for (i32 u = 0; u < HS_UNROLL; ++u) {
+                if ((held >> u) & 1u) sure &= hs_ld_relaxed_ordered(victims + q_r[u]) == 0;
+            }
+            if (__syncthreads_and(sure)) return;
+        }
+    }
+
+    // ---- 3. The resolver's misses ---------------------------------------------------------------
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         i64 n = 0;

@@ -149,6 +149,8 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
     cover only the first batch row, so that a larger batch is split: the speculative gather for
     row 0 and the plan copy, following the resolver, for the rows after it (groups may straddle)."""
     mode = seed % 3
+    if seed >= 9:  # the slot kernel (HISPARSE_SPEC_KERNEL=slots) on the same kinds of steps
+        monkeypatch.setenv("HISPARSE_SPEC_KERNEL", "slots")
     if mode == 1:
         monkeypatch.setenv("HISPARSE_SPEC_GATHER", "0")
     if mode == 2:
@@ -176,14 +178,17 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
         twin.close()
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 def test_speculative_gather_early_exit_matches_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of hint hits, resident steps and steps with a few misses, one after the other, on
     batches the speculative gather covers: blocks that can hold no miss leave without waiting for
     the resolver (the victims flag, copy.cu), the rest copy the resolver's misses. Odd seeds turn
-    the early exit off (HISPARSE_SPEC_EARLY_EXIT=0); the bytes must be the reference's in both."""
+    the early exit off (HISPARSE_SPEC_EARLY_EXIT=0), seeds 2 and 3 mod 4 run the slot kernel
+    (HISPARSE_SPEC_KERNEL=slots); the bytes must be the reference's in every case."""
     if seed % 2:
         monkeypatch.setenv("HISPARSE_SPEC_EARLY_EXIT", "0")
+    kernel = "slots" if seed % 4 >= 2 else "entries"
+    monkeypatch.setenv("HISPARSE_SPEC_KERNEL", kernel)
     rng = random.Random(9100 + seed)
     bs = rng.choice([4, 16])
     k = rng.choice([64, 256])
@@ -197,6 +202,7 @@ def test_speculative_gather_early_exit_matches_reference(seed: int, monkeypatch:
     try:
         shape = twin.rt.launch_shape
         assert shape["spec_max_batch"] >= r and shape["spec_early_exit"] == (seed % 2 == 0)
+        assert shape["spec_kernel"] == kernel
         tables = random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=rng.choice([0, 0.5]), null_share=0)
         twin.set_tables(tables)
         previous: dict = {}

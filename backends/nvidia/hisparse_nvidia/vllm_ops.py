@@ -30,7 +30,7 @@ import torch
 
 from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.geometry import ROW_FORMATS, RuntimeConfig
+from hisparse_core.geometry import ROW_FORMATS, RowFormat, RuntimeConfig, register_row_format
 
 _I32_MAX = 2**31 - 1
 
@@ -101,9 +101,13 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         rt = self._runtimes.get(key)
         if rt is None:
             fmt = next((f for f in ROW_FORMATS.values() if f.dtype == hot.dtype and f.width == hot.shape[2]), None)
-            if fmt is None:
-                raise InvalidInputError(f"{spec.RESOLVE}: hot_cache rows are {hot.shape[2]} x {hot.dtype}; the nvidia "
-                                        f"backend serves {', '.join(sorted(ROW_FORMATS))}")
+            if fmt is None:  # vLLM's ops move rows as bytes: any row of whole 16-byte vectors is served
+                row_bytes = hot.shape[2] * hot.element_size()
+                if row_bytes % 16:
+                    raise InvalidInputError(f"{spec.RESOLVE}: hot_cache rows are {hot.shape[2]} x {hot.dtype} = "
+                                            f"{row_bytes} bytes; expected a multiple of 16 bytes")
+                fmt = register_row_format(RowFormat(f"vllm_{str(hot.dtype).removeprefix('torch.')}_{hot.shape[2]}",
+                                                    hot.dtype, hot.shape[2]))
             cfg = RuntimeConfig(max_batch_rows=n, max_requests=s, top_k=k, hot_rows=h, block_size=bs,
                                 max_pages=pages, row_format=fmt, num_layers=1,
                                 rows_per_request=max(1, h // k))

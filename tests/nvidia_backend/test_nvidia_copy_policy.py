@@ -33,7 +33,7 @@ def _policy(top_k: int = 2048, blocks_per_sm: int = 4) -> NvidiaRuntime:
     rt._follow = True
     rt._split = rt._spec_rows > 0
     rt._early_exit = True
-    rt._spec_kernel = "entries"
+    rt._spec_kernel = "auto"
     rt._gather_blocks, rt._gather_fit, rt._gather_smem, rt._gather_per_sm = SMS, 5, 116736, 1  # as on an H200
     return rt
 
@@ -73,8 +73,8 @@ def test_spec_early_exit_knob(value: str | None, expected: bool | None, monkeypa
     assert f"HISPARSE_SPEC_EARLY_EXIT={value!r}" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, "entries"), ("slots", "slots"), ("entries", "entries"),
-                                               ("slot", None)])
+@pytest.mark.parametrize(("value", "expected"), [(None, "auto"), ("slots", "slots"), ("entries", "entries"),
+                                               ("auto", "auto"), ("slot", None)])
 def test_spec_kernel_knob(value: str | None, expected: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     if value is not None:
         monkeypatch.setenv("HISPARSE_SPEC_KERNEL", value)
@@ -134,8 +134,8 @@ def test_the_log_says_which_copy_and_why(monkeypatch: pytest.MonkeyPatch) -> Non
     rt = _policy()
     rt._gather_blocks, rt._follow, rt._split = SMS, True, True
     assert rt._describe_copies("") == (
-        "miss copies after a resolve start while it runs for batches of up to 11 rows (by entries; blocks that "
-        "can hold no miss leave without waiting for the resolver); larger batches so for as "
+        "miss copies after a resolve start while it runs for batches of up to 11 rows (by slots at 1 row, entries "
+        "above; blocks that can hold no miss leave without waiting for the resolver); larger batches so for as "
         "many first rows as fit on the SMs the resolver leaves free (4 blocks to an SM), the other rows by a "
         "persistent grid of 132 blocks (up to 5 an SM; when the resolver leaves too few free SMs for all of them, "
         "1 an SM (116736 bytes of shared memory a block, HISPARSE_GATHER_PER_SM), after the whole resolver) that "

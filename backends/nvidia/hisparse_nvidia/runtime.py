@@ -23,10 +23,9 @@ kernels under `cuda/`, launched through the driver on PyTorch's current stream:
   resolver's misses (its miss mask and output rows), loading any it did not guess. A larger batch
   is split: this copy for as many first rows as its blocks fit on the SMs the resolver leaves
   free, and the plan copy, following the resolver, for the rest. `hisparse_gather_spec_entries`
-  (the default) classifies entries first and reads early only the likely misses' slots, so a step
-  without misses is one small wave; its blocks that can hold no miss leave without waiting for the
-  resolver (the resolver's victims flag). `HISPARSE_SPEC_KERNEL=slots` runs the one-task-per-slot
-  kernel instead.
+  (above one row) classifies entries first and reads early only the likely misses' slots, so a
+  step without misses is one small wave; the blocks of either that can hold no miss leave without
+  waiting for the resolver (the resolver's victims flag). `HISPARSE_SPEC_KERNEL` picks one.
 - `hisparse_copy_rows` (copy.cu): batched row mirrors and page spills (device to host), page
   restores (host to device) and host block copies, for every layer in one launch.
 - maintain.cu: invalidation of written rows and recycled host blocks, and state resets.
@@ -107,11 +106,15 @@ ENV_SPEC_BLOCKS_PER_SM = "HISPARSE_SPEC_BLOCKS_PER_SM"
 #: refills none of the request's slots) leaves at once, and only block 0 waits. A step without
 #: misses at batch 8 cost the resolve alone + 5.4 us before (issue 28, docs/gpu-validation.md).
 ENV_SPEC_EARLY_EXIT = "HISPARSE_SPEC_EARLY_EXIT"
-#: Which speculative gather: "entries" (default; a block classifies 128 entries and reads only its
-#: likely misses' slots early, so a step without misses is one wave of small blocks) or "slots"
-#: (every entry's every 16-byte slot a task of its own, the kernel of issue 15).
+#: Which speculative gather: "entries" (a block classifies up to 128 entries and reads only its
+#: likely misses' slots early, so a step without misses is one wave of small blocks), "slots" (every
+#: entry's every 16-byte slot a task of its own, the kernel of issue 15), or "auto" (the default:
+#: slots for a batch of one row, whose 16 entry blocks read the host on too few SMs (274 misses:
+#: 21.9 against 9.2 us), entries above; docs/gpu-validation.md, issue 28).
 ENV_SPEC_KERNEL = "HISPARSE_SPEC_KERNEL"
-_SPEC_KERNELS = {"entries": "hisparse_gather_spec_entries", "slots": "hisparse_gather_spec"}
+_SPEC_KERNELS = ("auto", "entries", "slots")
+#: Entries a block of the entry kernel classifies (1-128, default 128), for tuning.
+ENV_SPEC_EPB = "HISPARSE_SPEC_EPB"
 _SPEC_BLOCKS_PER_SM = 8
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
@@ -119,10 +122,10 @@ _MAX_PLAN_ROWS = 12 * 1024 - 1
 
 
 def spec_kernel() -> str:
-    """`HISPARSE_SPEC_KERNEL`: "entries" (default) or "slots"; anything else is one line naming it."""
-    value = os.environ.get(ENV_SPEC_KERNEL, "entries")
+    """`HISPARSE_SPEC_KERNEL`: "auto" (default), "entries" or "slots"; anything else is one line naming it."""
+    value = os.environ.get(ENV_SPEC_KERNEL, "auto")
     if value not in _SPEC_KERNELS:
-        raise InvalidInputError(f"{ENV_SPEC_KERNEL}={value!r}: expected entries (the default) or slots")
+        raise InvalidInputError(f"{ENV_SPEC_KERNEL}={value!r}: expected auto (the default), entries or slots")
     return value
 
 
@@ -236,7 +239,9 @@ class NvidiaRuntime(CacheRuntime):
         self._k_gather = copy_mod.function("hisparse_gather_plan")
         self._k_copy = copy_mod.function("hisparse_copy_rows")
         self._spec_kernel = spec_kernel()
-        self._k_gather_spec = copy_mod.function(_SPEC_KERNELS[self._spec_kernel])
+        self._k_gather_spec = copy_mod.function("hisparse_gather_spec")
+        self._k_gather_entries = copy_mod.function("hisparse_gather_spec_entries")
+        self._spec_epb = env_int_in(ENV_SPEC_EPB, 128, 1, 128, "1 to 128 entries a block")
         # Blocks of the slot kernel one SM holds at once (its registers decide): how many first rows
         # of a larger batch the speculative gather takes (`_split_rows`), whichever kernel runs.
         self._spec_per_sm = copy_mod.function("hisparse_gather_spec").max_active_blocks(self._copy_shape.threads, 0)
@@ -527,17 +532,23 @@ class NvidiaRuntime(CacheRuntime):
         cfg = self.config
         out = self._result
         c = self._copy_shape
-        if self._spec_kernel == "entries":  # HS_SEPB entries a block (copy.cu)
-            blocks = -(-rows * cfg.top_k // (c.threads // 2))
+        entries = self._spec_kernel == "entries" or (self._spec_kernel == "auto" and rows > 1)
+        extra: list[ctypes.c_int32] = []
+        kernel = self._k_gather_spec
+        if entries:
+            kernel = self._k_gather_entries
+            blocks = -(-rows * cfg.top_k // self._spec_epb)
+            extra = [_i32(self._spec_epb)]
         else:
             blocks = -(-rows * cfg.top_k * c.slots_per_row // (c.threads * c.unroll))
-        self._k_gather_spec.launch(
+        kernel.launch(
             (blocks, 1, 1), c.threads, 0, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(self._pos_slot), _ptr(self._hot_map), _ptr(out.rows),
              _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
              _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(host_bases), _ptr(dev_bases),
-             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats), self._victims_arg()],
+             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats), self._victims_arg(),
+             *extra],
             overlap_previous=True)
 
     def _victims_arg(self) -> ctypes.c_void_p:
@@ -556,6 +567,7 @@ class NvidiaRuntime(CacheRuntime):
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
                 "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
                 "spec_early_exit": self._early_exit, "spec_kernel": self._spec_kernel,
+                "spec_entries_per_block": self._spec_epb,
                 "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
                 "plan_copy_registers": self._k_gather.registers, "plan_copy_per_sm": self._gather_fit,
@@ -659,7 +671,8 @@ class NvidiaRuntime(CacheRuntime):
         rest = (f"so for as many first rows as fit on the SMs the resolver leaves free ({self._spec_per_sm} blocks "
                 f"to an SM), the other rows by {plan_copy}" if self._split
                 else f"by {plan_copy} ({ENV_SPEC_SPLIT}=0 or {ENV_GATHER_FOLLOW}=0)")
-        early = (f"by {self._spec_kernel}" + ("" if self._spec_kernel == "entries" else f", {ENV_SPEC_KERNEL}") +
+        kernel = {"auto": "slots at 1 row, entries above", "entries": "entries", "slots": "slots"}[self._spec_kernel]
+        early = (f"by {kernel}" + ("" if self._spec_kernel == "auto" else f", {ENV_SPEC_KERNEL}") +
                  ("; blocks that can hold no miss leave without waiting for the resolver" if self._early_exit
                   else f"; every block waits for the resolver ({ENV_SPEC_EARLY_EXIT}=0)"))
         return (f"miss copies after a resolve start while it runs for batches of up to {self._spec_rows} rows "

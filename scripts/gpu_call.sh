@@ -39,8 +39,10 @@ for item in ${SEQ:-}; do
         sed -n '/==== summary ====/,$p' "$WORK/before_$stage.summary"
         continue
     fi
-    OUT=$WORK/$stage bash scripts/gpu_validate.sh "$stage" > "$WORK/$stage.summary" 2>&1
-    sed -n '/==== summary ====/,$p' "$WORK/$stage.summary"
+    dir=$stage; n=1
+    while [ -e "$WORK/$dir" ]; do n=$((n + 1)); dir=$stage$n; done  # a stage named twice: a second sample
+    OUT=$WORK/$dir bash scripts/gpu_validate.sh "$stage" > "$WORK/$dir.summary" 2>&1
+    sed -n '/==== summary ====/,$p' "$WORK/$dir.summary"
 done
 echo "=== all in $((SECONDS - t0)) s"
 tar czf "$FINAL/logs.tgz" -C "$WORK" .

@@ -113,8 +113,12 @@ ENV_SPEC_EARLY_EXIT = "HISPARSE_SPEC_EARLY_EXIT"
 #: 21.9 against 9.2 us), entries above; docs/gpu-validation.md, issue 28).
 ENV_SPEC_KERNEL = "HISPARSE_SPEC_KERNEL"
 _SPEC_KERNELS = ("auto", "entries", "slots")
-#: Entries a block of the entry kernel classifies (1-128, default 128), for tuning.
+#: Entries a block of the entry kernel classifies (1-128), for tuning. By default 32 where the
+#: speculative gather takes the whole batch (batch 8: 137 misses a request 19.4 us against 26.0 with
+#: 128, 274 misses 33.7 against 36.8, no-miss steps equal) and 128 for the first rows of a split
+#: batch (batch 32 and 64, measured only so; docs/gpu-validation.md, issue 28).
 ENV_SPEC_EPB = "HISPARSE_SPEC_EPB"
+_SPEC_EPB_WHOLE, _SPEC_EPB_SPLIT = 32, 128
 _SPEC_BLOCKS_PER_SM = 8
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
@@ -241,7 +245,9 @@ class NvidiaRuntime(CacheRuntime):
         self._spec_kernel = spec_kernel()
         self._k_gather_spec = copy_mod.function("hisparse_gather_spec")
         self._k_gather_entries = copy_mod.function("hisparse_gather_spec_entries")
-        self._spec_epb = env_int_in(ENV_SPEC_EPB, 128, 1, 128, "1 to 128 entries a block")
+        # None: 32 entries a block where the speculative gather takes the whole batch, 128 where it
+        # takes the first rows of a split batch (the sizes measured in issue 28's sweep).
+        self._spec_epb: int | None = env_int_in(ENV_SPEC_EPB, 0, 0, 128, "0 (the default) or 1 to 128 entries a block") or None
         # Blocks of the slot kernel one SM holds at once (its registers decide): how many first rows
         # of a larger batch the speculative gather takes (`_split_rows`), whichever kernel runs.
         self._spec_per_sm = copy_mod.function("hisparse_gather_spec").max_active_blocks(self._copy_shape.threads, 0)
@@ -399,7 +405,7 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
              _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b), _i32(cfg.max_batch_rows),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0), _ptr(self._plan_ready),
-             _i32(follow), self._victims_arg()],
+             _i32(follow), self._victims_arg() if spec_rows else ctypes.c_void_p(0)],
             overlap_previous=self._overlap)
         self._last_rows = b
         if spec_rows:
@@ -537,8 +543,9 @@ class NvidiaRuntime(CacheRuntime):
         kernel = self._k_gather_spec
         if entries:
             kernel = self._k_gather_entries
-            blocks = -(-rows * cfg.top_k // self._spec_epb)
-            extra = [_i32(self._spec_epb)]
+            epb = self._spec_epb or (_SPEC_EPB_WHOLE if rows == self._last_rows else _SPEC_EPB_SPLIT)
+            blocks = -(-rows * cfg.top_k // epb)
+            extra = [_i32(epb)]
         else:
             blocks = -(-rows * cfg.top_k * c.slots_per_row // (c.threads * c.unroll))
         kernel.launch(
@@ -552,7 +559,9 @@ class NvidiaRuntime(CacheRuntime):
             overlap_previous=True)
 
     def _victims_arg(self) -> ctypes.c_void_p:
-        """The victims flags of the resolver and the speculative gather (null: no early exit)."""
+        """The victims flags of the resolver and the speculative gather that follows it (null: no early
+        exit). A resolve that no speculative gather follows gets null and leaves the flags as they are:
+        a stale flag is harmless, since the next resolver sets its own before it refills a slot."""
         return _ptr(self._victims) if self._early_exit else ctypes.c_void_p(0)
 
     @property
@@ -567,7 +576,7 @@ class NvidiaRuntime(CacheRuntime):
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
                 "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
                 "spec_early_exit": self._early_exit, "spec_kernel": self._spec_kernel,
-                "spec_entries_per_block": self._spec_epb,
+                "spec_entries_per_block": self._spec_epb or 0,
                 "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
                 "plan_copy_registers": self._k_gather.registers, "plan_copy_per_sm": self._gather_fit,

@@ -39,7 +39,6 @@ CPU smoke test:  python bench/bench_serving.py --smoke
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -60,11 +59,14 @@ from bench_transformers import (  # noqa: E402 - the sibling script, found throu
     cache_kwarg,
     caches_latent,
     chunk_data,
+    close_hisparse,
     decode,
     fill_hisparse,
+    free_device_memory,
     kernel_profile,
     median,
 )
+from bench_transformers import build_model as base_model  # noqa: E402
 
 MODES = ("hisparse", "all-resident", "transformers")
 
@@ -75,22 +77,14 @@ class BadSize(Exception):
 
 def build_model(geometry: dict[str, int], layers: int, max_context: int, device: str, dtype: torch.dtype,
                 dense_ffn_gb: float) -> Any:
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
-
-    ffn: dict[str, Any] = dict(intermediate_size=256, first_k_dense_replace=1)
+    """`bench_transformers.build_model`; with `dense_ffn_gb`, a dense FFN in every layer reading that
+    many GB of weights a step."""
+    ffn = None
     if dense_ffn_gb:
         # gate, up and down projections of every layer: 3 * hidden * inter weights of 2 bytes
         inter = int(dense_ffn_gb * 1e9 / (layers * 3 * geometry["hidden_size"] * 2))
         ffn = dict(intermediate_size=max(16, inter), first_k_dense_replace=layers)
-    config = DeepseekV32Config(vocab_size=1024, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
-                               n_shared_experts=1, n_group=1, topk_group=1, num_hidden_layers=layers,
-                               max_position_embeddings=2 * max_context, pad_token_id=0, eos_token_id=None,
-                               **ffn, **geometry)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = DeepseekV32ForCausalLM(config)
-    return model.to(dtype).eval()
+    return base_model(geometry, layers, max_context, device, dtype, ffn=ffn)
 
 
 @dataclass(frozen=True)
@@ -215,14 +209,9 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc).split(".")[0]
     finally:
-        if cache is not None:
-            cache.finish()
-        if hs is not None:
-            hs.close()
+        close_hisparse(hs, cache)
         del cache, hs
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
     return out
 
 
@@ -314,9 +303,7 @@ def run_static(model: Any, s: Sizes, b: int, a: argparse.Namespace) -> dict[str,
         out["oom"] = str(exc).split(".")[0]
     finally:
         del cache, graph
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
     return out
 
 

@@ -56,13 +56,17 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora
             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=16)
 
 
-def build_model(geometry: dict[str, int], layers: int, max_context: int, device: str, dtype: torch.dtype) -> Any:
+def build_model(geometry: dict[str, int], layers: int, max_context: int, device: str, dtype: torch.dtype, *,
+                ffn: dict[str, int] | None = None) -> Any:
+    """The model with random weights; `ffn` overrides the tiny FFN's `intermediate_size` and
+    `first_k_dense_replace` (dense layers before the MoE ones)."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    config = DeepseekV32Config(vocab_size=1024, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4,
-                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-                               topk_group=1, num_hidden_layers=layers, max_position_embeddings=2 * max_context,
-                               pad_token_id=0, eos_token_id=None, **geometry)
+    sizes = {"intermediate_size": 256, "first_k_dense_replace": 1, **(ffn or {})}
+    config = DeepseekV32Config(vocab_size=1024, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                               n_shared_experts=1, n_group=1, topk_group=1, num_hidden_layers=layers,
+                               max_position_embeddings=2 * max_context, pad_token_id=0, eos_token_id=None,
+                               **sizes, **geometry)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     with torch.device(device):
@@ -280,10 +284,27 @@ def run_transformers(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[
         out["oom"] = str(exc).split(".")[0]
     finally:
         del cache
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
     return out
+
+
+def close_hisparse(hs: Any, cache: Any, undo: Callable[[], None] | None = None) -> None:
+    """The end of a hisparse run, however far it got (any of them may be None): undo the
+    instrumentation, finish the cache's batch, close the handle."""
+    if undo is not None:
+        undo()
+    if cache is not None:
+        cache.finish()
+    if hs is not None:
+        hs.close()
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Once a run has dropped its objects: collect them and give the device's cached memory back,
+    so the next run starts from the same free memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def kernel_profile(model: Any, cache: Any, b: int, t: int, steps: int) -> dict[str, float]:
@@ -404,16 +425,9 @@ def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace, *, graphs: b
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc).split(".")[0]
     finally:
-        if undo is not None:
-            undo()
-        if cache is not None:
-            cache.finish()
-        if hs is not None:
-            hs.close()
+        close_hisparse(hs, cache, undo)
         del cache, hs
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
     return out
 
 

@@ -76,23 +76,20 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
     def _copy(self, host: torch.Tensor, hot: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
               take: torch.Tensor) -> None:
         """Fixed-shape copy of host rows `src` into hot rows `dst` where `take`; `src` past the host rows
-        zero-fills. Entries not taken rewrite one taken entry's row with its own bytes (or row 0 with
-        its current bytes), so no write races with a real one."""
+        zero-fills; of taken entries with one destination the last wins (`spec.last_write_wins`), as in
+        the reference. Entries not taken rewrite a taken entry's row with its bytes (or row 0 with
+        its current bytes), so every write to a row carries the same bytes."""
+        src, dst, take = src.reshape(-1).long(), dst.reshape(-1).long(), take.reshape(-1)
+        if dst.numel() == 0:
+            return
         bs = hot.shape[1]
         host_b = self._host_view(host)
         hot_b = hot.view(torch.uint8)
-        src, dst, take = src.reshape(-1).long(), dst.reshape(-1).long(), take.reshape(-1)
         present = src < host_b.shape[0]
         data = host_b[src.clamp(0, host_b.shape[0] - 1)] * present[:, None].to(torch.uint8)
-        # A one-element index, never a 0-dim one: indexing with a 0-dim tensor reads it on the host,
-        # which a CUDA graph capture refuses.
-        first = torch.argmax(take.to(torch.int32)).view(1)
-        any_take = take.any()
-        row0 = hot_b[0, 0].unsqueeze(0)
-        target = torch.where(any_take, dst.index_select(0, first), 0)
-        target_data = torch.where(any_take, data.index_select(0, first), row0)
-        eff_dst = torch.where(take, dst, target)
-        eff_data = torch.where(take[:, None], data, target_data)
+        eff_dst, pick, any_take = spec.last_write_wins(dst, take)
+        eff_dst = torch.where(any_take, eff_dst, 0)
+        eff_data = torch.where(any_take, data.index_select(0, pick), hot_b[0, 0].unsqueeze(0))
         hot_b[eff_dst // bs, eff_dst % bs] = eff_data
 
     def _runtime(self, host: torch.Tensor, hot: torch.Tensor, n: int, k: int, s: int, h: int, pages: int) -> Any:

@@ -11,10 +11,11 @@ are covered by direct forwards (`test_batched_verification_and_crop_match_the_mo
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
-from tf_support import BLOCK, SHAPES, TOP_K, block_bytes, tiny_model
+from tf_support import BLOCK, SHAPES, tiny_model
 
 import hisparse_transformers
 from hisparse_core.errors import InvalidInputError
@@ -22,28 +23,36 @@ from hisparse_transformers.engine import required_gpu_blocks
 
 pytest.importorskip("transformers")
 
-NEW = 20
-CHUNK = 16
+NEW = 16
+CHUNK = 8
+#: Top-k 8 (so a hot buffer of the union of 6 rows is 12 pages) and 32 indexer heads (no exact ties).
+ASSISTED = {f: replace(s, index_topk=8, index_heads=32) for f, s in SHAPES.items()}
+TOP_K = 8
+
+
+def block_bytes(family: str) -> int:
+    s = ASSISTED[family]
+    return s.layers * BLOCK * (s.kv_lora + s.rope) * 4
 
 
 def prompts() -> list[torch.Tensor]:
     """A long prompt that repeats itself (prompt lookup finds candidates), a short one, and one that
     shares the long one's first 96 tokens (whole pages of it come from the host pool)."""
     g = torch.Generator().manual_seed(11)
-    head = torch.randint(2, 128, (150,), generator=g)
-    long = torch.cat([head, head[20:60]])
-    short = torch.randint(2, 128, (25,), generator=g)
-    short = torch.cat([short, short[3:15]])
-    shared = torch.cat([long[:96], torch.randint(2, 128, (24,), generator=g)])
+    head = torch.randint(2, 128, (90,), generator=g)
+    long = torch.cat([head, head[20:50]])
+    short = torch.randint(2, 128, (20,), generator=g)
+    short = torch.cat([short, short[3:13]])
+    shared = torch.cat([long[:64], torch.randint(2, 128, (16,), generator=g)])
     return [p.view(1, -1) for p in (long, short, shared)]
 
 
 def tight_kwargs(family: str, k: int, batch: int = 1, **over: object) -> dict[str, object]:
-    """A hot buffer of exactly the union (k + 1 rows of top-k) and a GPU pool 4 blocks above the
-    least the engine accepts: the long prompt's pages do not all fit, so some are released to host."""
+    """A hot buffer of exactly the union (k + 1 rows of top-k) and the smallest GPU pool the engine
+    accepts: the long prompt's pages do not all fit, so some are released to host."""
     hot = (k + 1) * TOP_K
     chunk_pages = CHUNK // BLOCK + 1
-    blocks = required_gpu_blocks(batch, hot // BLOCK, chunk_pages) + 4
+    blocks = required_gpu_blocks(batch, hot // BLOCK, chunk_pages)
     kw: dict[str, object] = dict(host_pool_gib=0.01, gpu_kv_gib=blocks * block_bytes(family) / 2**30,
                                  block_size=BLOCK, hot_rows=hot, max_batch=batch, max_context=256, prefill_chunk=CHUNK,
                                  check=True, speculative_tokens=k)
@@ -58,7 +67,7 @@ def family(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def model(family: str) -> torch.nn.Module:
-    return tiny_model(family, shape=SHAPES[family], seed=3)
+    return tiny_model(family, shape=ASSISTED[family], seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +81,8 @@ def test_prompt_lookup_matches_the_model_and_greedy(family: str, model: torch.nn
     own = [model.generate(p, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=k) for p in prompts()]
     for a, b in zip(own, greedy, strict=True):
         assert torch.equal(a, b), "the model's own assisted generation differs from its greedy decoding"
-    with hisparse_transformers.enable(model, **tight_kwargs(family, k)) as hs:
+    # The row check (every row read compared with the model's own latent) for k=3 only: it costs 4x.
+    with hisparse_transformers.enable(model, **tight_kwargs(family, k, check=k == 3)) as hs:
         poison_rolled_back_rows(hs)
         for p, want in zip(prompts(), greedy, strict=True):
             got = model.generate(p, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=k)
@@ -82,8 +92,8 @@ def test_prompt_lookup_matches_the_model_and_greedy(family: str, model: torch.nn
     assert s.union_shared_entries > 0 and s.union_entries > s.union_shared_entries, s
     assert s.rollbacks > 0 and s.rolled_back_tokens >= s.rollbacks, s
     assert s.released_pages > 0 and s.misses > 0, s                      # GPU pressure: pages read back from host
-    assert s.prefix_hit_tokens >= 96, s                                   # the third prompt reused the first's pages
-    assert s.checked_entries > 0 and s.checked_max_abs_diff <= 1e-5, s
+    assert s.prefix_hit_tokens >= 60, s                                   # the third prompt reused the first's pages
+    assert k != 3 or (s.checked_entries > 0 and s.checked_max_abs_diff <= 1e-5), s
     assert s.decode_tokens == 3 * NEW - 3, s                              # accepted tokens only (the first comes from prefill)
 
 
@@ -123,7 +133,7 @@ def test_draft_model_matches_the_model_and_greedy(family: str, model: torch.nn.M
     p, want = prompts()[0], greedy[0]
     own = model.generate(p, max_new_tokens=NEW, do_sample=False, assistant_model=draft)
     assert torch.equal(own, want)
-    with hisparse_transformers.enable(model, **tight_kwargs(family, 3)) as hs:
+    with hisparse_transformers.enable(model, **tight_kwargs(family, 3, check=False)) as hs:
         got = model.generate(p, max_new_tokens=NEW, do_sample=False, assistant_model=draft)
         s = hs.stats()
     assert torch.equal(got, want)
@@ -185,15 +195,15 @@ def untouched(hs: hisparse_transformers.HiSparseHandle) -> None:
 
 @pytest.fixture(scope="module")
 def ds_model() -> torch.nn.Module:
-    return tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=3)
+    return tiny_model("deepseek_v32", shape=ASSISTED["deepseek_v32"], seed=3)
 
 
 def test_hot_buffer_too_small_for_the_union(ds_model: torch.nn.Module) -> None:
     model, family = ds_model, "deepseek_v32"
     with pytest.raises(InvalidInputError) as err:
-        hisparse_transformers.enable(model, **tight_kwargs(family, 3, hot_rows=48))
+        hisparse_transformers.enable(model, **tight_kwargs(family, 3, hot_rows=24))
     text = one_line(err.value)
-    assert "hot_rows=48" in text and "speculative_tokens=3" in text and "hot_rows >= 64" in text, text
+    assert "hot_rows=24" in text and "speculative_tokens=3" in text and "hot_rows >= 32" in text, text
     assert "generate" not in model.__dict__
 
 
@@ -205,18 +215,18 @@ def test_assisted_generate_refusals(ds_model: torch.nn.Module) -> None:
             (dict(prompt_lookup_num_tokens=5), ("prompt_lookup_num_tokens=5", "speculative_tokens=3",
                                                 "prompt_lookup_num_tokens <= 3", "speculative_tokens=5")),
         ]
-        draft = tiny_model(family, shape=SHAPES[family], seed=8)
+        draft = tiny_model(family, shape=ASSISTED[family], seed=8)
         draft.generation_config.num_assistant_tokens = 6
         cases.append((dict(assistant_model=draft), ("num_assistant_tokens=6", "<= 3")))
-        heuristic = tiny_model(family, shape=SHAPES[family], seed=8)
+        heuristic = tiny_model(family, shape=ASSISTED[family], seed=8)
         heuristic.generation_config.num_assistant_tokens = 2
         heuristic.generation_config.num_assistant_tokens_schedule = "heuristic"
         cases.append((dict(assistant_model=heuristic), ("'heuristic'", "'constant'")))
-        other_vocab = tiny_model(family, shape=SHAPES[family].__class__(layers=1, vocab=96), seed=8)
+        other_vocab = tiny_model(family, shape=replace(ASSISTED[family], layers=1, vocab=96), seed=8)
         cases.append((dict(assistant_model=other_vocab), ("96 ids", "vocab_size=128")))
         cases.append((dict(assistant_model=draft, assistant_tokenizer=object(), tokenizer=object()),
                       ("assistant_tokenizer", "universal assisted decoding")))
-        static = tiny_model(family, shape=SHAPES[family], seed=8)
+        static = tiny_model(family, shape=ASSISTED[family], seed=8)
         static.generation_config.num_assistant_tokens = 2
         static.generation_config.cache_implementation = "static"
         cases.append((dict(assistant_model=static), ("cache_implementation='static'", "cropped")))
@@ -237,7 +247,7 @@ def test_assisted_generate_refusals(ds_model: torch.nn.Module) -> None:
 
 def test_hisparse_draft_is_refused(ds_model: torch.nn.Module) -> None:
     model, family = ds_model, "deepseek_v32"
-    draft = tiny_model(family, shape=SHAPES[family], seed=8)
+    draft = tiny_model(family, shape=ASSISTED[family], seed=8)
     draft.generation_config.num_assistant_tokens = 2
     with hisparse_transformers.enable(draft, **tight_kwargs(family, 1)) as hd, \
             hisparse_transformers.enable(model, **tight_kwargs(family, 3)) as hs:
@@ -257,7 +267,7 @@ def test_crop_beyond_the_last_forward_is_refused(ds_model: torch.nn.Module) -> N
             model(input_ids=ids[:, :CHUNK], use_cache=True, past_key_values=cache)
             with pytest.raises(InvalidInputError) as err:
                 cache.crop(-(CHUNK + 1))
-        assert "the last forward added 16" in one_line(err.value)
+        assert f"the last forward added {CHUNK}" in one_line(err.value)
         assert cache.get_seq_length() == CHUNK
         cache.finish()
         untouched(hs)

@@ -43,3 +43,20 @@ def test_the_same_rejections_on_every_backend() -> None:
 def test_acceptance_out_of_range() -> None:
     with pytest.raises(InvalidInputError, match=r"acceptance must be a probability in \[0, 1\], got 1.5"):
         replace(SPECULATIVE, acceptance=1.5)
+
+
+def test_hisparse_run_speculative_mode_prints_its_rollbacks() -> None:
+    import contextlib
+    import io
+
+    from hisparse_core.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["run", "--backend", "reference_cpu", "--requests", "3", "--context", "300", "--decode-tokens",
+                     "12", "--steps", "20", "--top-k", "32", "--block-size", "16", "--layers", "2", "--hot", "4",
+                     "--rows-per-request", "3", "--acceptance", "0.4", "--gpu-kv", "3MiB", "--host", "8MiB",
+                     "--no-progress"]) == 0
+    text = out.getvalue()
+    line = next(x for x in text.splitlines() if x.strip().startswith("speculative"))
+    assert "rolled back" in line and "acceptance 0.4" in line and not line.split()[1].startswith("0 "), line

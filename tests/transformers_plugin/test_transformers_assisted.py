@@ -205,6 +205,20 @@ def test_hot_buffer_too_small_for_the_union(ds_model: torch.nn.Module) -> None:
     text = one_line(err.value)
     assert "hot_rows=24" in text and "speculative_tokens=3" in text and "hot_rows >= 32" in text, text
     assert "generate" not in model.__dict__
+    for bad in (-1, True, 2.0):
+        with pytest.raises(InvalidInputError) as err:
+            hisparse_transformers.enable(model, **tight_kwargs(family, 3, speculative_tokens=bad))
+        assert f"speculative_tokens must be an int >= 0 (0: no assisted generation), got {bad!r}" == one_line(err.value)
+        assert "generate" not in model.__dict__
+
+
+def test_default_hot_buffer_is_the_production_shape(ds_model: torch.nn.Module) -> None:
+    """(k + 2) x top-k: 5 x top-k for 3 speculative tokens."""
+    kw = tight_kwargs("deepseek_v32", 3, hot_rows=None)
+    kw["gpu_kv_gib"] = 2 * float(kw["gpu_kv_gib"])  # type: ignore[arg-type]
+    with hisparse_transformers.enable(ds_model, **kw) as hs:
+        assert hs.engine.hot_rows == 5 * TOP_K and hs.engine.spec_rows == 4
+        assert hs.engine.worker.runtimes[0].config.rows_per_request == 4
 
 
 def test_assisted_generate_refusals(ds_model: torch.nn.Module) -> None:

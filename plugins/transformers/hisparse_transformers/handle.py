@@ -209,19 +209,19 @@ class HiSparseHandle:
         if width < ids.shape[1]:
             bounds.append((width, ids.shape[1]))
         outputs: list[Any] = []
-        for a, b in bounds:
-            kw = dict(kwargs, input_ids=ids[:, a:b])
-            if mask is not None:
-                kw["attention_mask"] = mask[:, :past + b]
-            if pos is not None:
-                kw["position_ids"] = pos[..., a:b]
-            self._begin(cache, kw["input_ids"], kw, ids.shape[0], b - a)
-            try:
+        try:
+            for a, b in bounds:
+                kw = dict(kwargs, input_ids=ids[:, a:b])
+                if mask is not None:
+                    kw["attention_mask"] = mask[:, :past + b]
+                if pos is not None:
+                    kw["position_ids"] = pos[..., a:b]
+                self._begin(cache, kw["input_ids"], kw, ids.shape[0], b - a)
                 outputs.append(original(**kw))
-            except BaseException:
-                cache.split_forward = False
-                raise
-            self._end(cache)
+                self._end(cache)
+        except BaseException:
+            cache.split_forward = False       # the post-forward hook does not run after a failure
+            raise
         out = outputs[-1]
         out["last_hidden_state"] = torch.cat([o.last_hidden_state for o in outputs], dim=1)
         if getattr(out, "hidden_states", None) is not None:
@@ -255,7 +255,7 @@ class HiSparseHandle:
         cs = e.coordinator.stats()
         w = t.worker
         checker = self.checker
-        union = [int(v) for v in e.union_counts.tolist()] if not e.closed else [0, 0]
+        union = [int(v) for v in e.union_counts.tolist()]
         return HiSparseStats(
             backend=e.backend.name, device=str(e.device), requests=t.requests, prefix_hit_tokens=t.prefix_hit_tokens,
             prefill_tokens=t.prefill_tokens, decode_tokens=t.decode_tokens,

@@ -170,10 +170,24 @@ def test_batched_verification_and_crop_match_the_model(family: str, model: torch
 
     theirs = run(DynamicCache(config=model.config), True)
     with hisparse_transformers.enable(model, **tight_kwargs(family, 3, batch=3)) as hs:
+        calls: list[tuple[int, list[int]]] = []      # (index group, row_state) of every resolve
+        for g, runtime in enumerate(hs.engine.worker.runtimes):
+            def counted(inputs: object, *a: object, _resolve: object = runtime.resolve, _g: int = g,
+                        **kw: object) -> object:
+                calls.append((_g, inputs.row_state.tolist()))  # type: ignore[attr-defined]
+                return _resolve(inputs, *a, **kw)  # type: ignore[operator]
+            runtime.resolve = counted  # type: ignore[method-assign]
         cache = hs.new_cache(ids, mask, max_new_tokens=8)
         ours = run(cache, True)
         cache.finish()
         s = hs.stats()
+    # Each verification forward resolved once per index group: all 3 x S rows in one call, each
+    # request's rows consecutive under its state row.
+    groups = len(hs.engine.layout.groups)
+    assert [len(rows) for _, rows in calls] == [12] * groups + [9] * groups, calls
+    for _, rows in calls:
+        s_len = len(rows) // 3
+        assert all(rows[i * s_len:(i + 1) * s_len] == [rows[i * s_len]] * s_len for i in range(3)), rows
     for a, b in zip(ours, theirs, strict=True):
         assert float((a - b).abs().max()) <= 1e-4
     assert s.verify_steps == 2 and s.verify_rows == 3 * 4 + 3 * 3 and s.rollbacks == 1 and s.rolled_back_tokens == 6

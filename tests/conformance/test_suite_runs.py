@@ -24,7 +24,7 @@ def test_suite_passes_on_reference_cpu(tmp_path: Path) -> None:
     assert not outcomes["failed"] and not outcomes["error"], tail
     # Every module of the suite contributed passing tests.
     modules = {name.split(".", 1)[0] for name, _ in outcomes["passed"]}
-    for module in ("test_resolver", "test_gather", "test_host_pool", "test_transfers", "test_state",
+    for module in ("test_resolver", "test_gather", "test_host_pool", "test_transfers", "test_state", "test_rollback",
                    "test_validation"):
         assert module in modules, f"{module} passed no test: {sorted(modules)}"
     # reference_cpu declares every capability but cuda_graph, which no test needs; the only skip is

@@ -34,7 +34,7 @@ def test_suite_passes_interpreted(tmp_path: Path) -> None:
     outcomes = junit_outcomes(report)
     assert not outcomes["failed"] and not outcomes["error"], tail
     modules = {name.split(".", 1)[0] for name, _ in outcomes["passed"]}
-    for module in ("test_resolver", "test_gather", "test_host_pool", "test_transfers", "test_state",
+    for module in ("test_resolver", "test_gather", "test_host_pool", "test_transfers", "test_state", "test_rollback",
                    "test_validation", "test_declaration"):
         assert module in modules, f"{module} passed no test: {sorted(modules)}"
     # triton declares shared pools, so the check that a backend *without* them refuses them skips;

@@ -14,7 +14,7 @@ layers below its own, `TYPE_CHECKING` imports included, never one beside or abov
 (tests/transformers_plugin/test_layers.py holds every import to this).
 
 1. leaves, importing nothing of the package: `rows` (RowMap), `tokens`, `families` (DSA layouts),
-   `budgets`, `stats`, `version`, `tiny`;
+   `budgets`, `stats`, `version`, `tiny`, `assisted` (what an assisted generate asks for);
 2. `session`: a batch's requests and the step in progress (Request, Session, StepState);
 3. `engine`: the engine role (GPU block pool, coordinator, worker, device caches and tables); it
    knows nothing of the model's attention, the cache or the checker;
@@ -35,7 +35,7 @@ from typing import Any
 
 #: The import layers of this package, bottom first (see the module docstring).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("rows", "tokens", "families", "budgets", "stats", "version", "tiny"),
+    ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "assisted"),
     ("session",),
     ("engine",),
     ("cache", "check"),

@@ -21,12 +21,14 @@ that largest itself). Contexts are filled with the same random latents and keys,
 (`bench_transformers.fill_hisparse` / its StaticCache counterpart). Decode steps then run as
 transformers' generate runs them, the host waiting for each step's output: `step ms` is the wall
 time per step, `gpu ms` the kernels' time per step (torch.profiler), `idle ms` their difference,
-the time the GPU waited for the host, and `host ms` hisparse's engine work per step (begin_step
-and end_step; the next decode step's coordinator work runs while the GPU runs this one:
-`hisparse_core.coordinator.ahead`). `overhead` is hisparse's step against all-resident's at the
-same batch; `hit` the hot-buffer hit rate (random weights: low locality). The replay's calibrated
-indexer (`hisparse run`: the published locality, about 81% hits at 2x top-k) runs the same
-batches (`replay` rows: hit rate and the decode step's device time).
+the time the GPU waited for the host; `host critical ms` is hisparse's engine work per step
+outside the planning ahead (begin_step, end_step's acknowledgements and bookkeeping) and `host
+ahead ms` end_step's planning of the next decode step, which runs while the GPU runs this one
+(`hisparse_core.coordinator.ahead`; `bench_transformers.EngineHostTime`). `overhead` is
+hisparse's step against all-resident's at the same batch; `hit` the hot-buffer hit rate (random
+weights: low locality). The replay's calibrated indexer (`hisparse run`: the published locality,
+about 81% hits at 2x top-k) runs the same batches (`replay` rows: hit rate and the decode step's
+device time).
 
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
@@ -39,7 +41,6 @@ CPU smoke test:  python bench/bench_serving.py --smoke
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -55,16 +56,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transformers import (  # noqa: E402 - the sibling script, found through the path above
     GEOMETRY,
     TINY,
+    EngineHostTime,
     Timers,
-    _time_engine_host,
     cache_kwarg,
     caches_latent,
     chunk_data,
+    close_hisparse,
     decode,
     fill_hisparse,
+    free_device_memory,
     kernel_profile,
     median,
 )
+from bench_transformers import build_model as base_model  # noqa: E402
 
 MODES = ("hisparse", "all-resident", "transformers")
 
@@ -75,22 +79,14 @@ class BadSize(Exception):
 
 def build_model(geometry: dict[str, int], layers: int, max_context: int, device: str, dtype: torch.dtype,
                 dense_ffn_gb: float) -> Any:
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
-
-    ffn: dict[str, Any] = dict(intermediate_size=256, first_k_dense_replace=1)
+    """`bench_transformers.build_model`; with `dense_ffn_gb`, a dense FFN in every layer reading that
+    many GB of weights a step."""
+    ffn = None
     if dense_ffn_gb:
         # gate, up and down projections of every layer: 3 * hidden * inter weights of 2 bytes
         inter = int(dense_ffn_gb * 1e9 / (layers * 3 * geometry["hidden_size"] * 2))
         ffn = dict(intermediate_size=max(16, inter), first_k_dense_replace=layers)
-    config = DeepseekV32Config(vocab_size=1024, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
-                               n_shared_experts=1, n_group=1, topk_group=1, num_hidden_layers=layers,
-                               max_position_embeddings=2 * max_context, pad_token_id=0, eos_token_id=None,
-                               **ffn, **geometry)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = DeepseekV32ForCausalLM(config)
-    return model.to(dtype).eval()
+    return base_model(geometry, layers, max_context, device, dtype, ffn=ffn)
 
 
 @dataclass(frozen=True)
@@ -201,11 +197,11 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                                           prefill_chunk=a.fill_chunk)
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
         hs.stats()
-        host = _time_engine_host(hs)
-        host["s"] = 0.0
+        host = EngineHostTime(hs)
+        host.reset()
         times = decode(model, cache, b, s.context, a.steps, a.warmup, Timers(dev))
         out["step_ms"] = median(times, "step")
-        out["host_ms"] = 1e3 * host["s"] / (a.steps + a.warmup)
+        out["host_critical_ms"], out["host_ahead_ms"] = host.per_step_ms(a.steps + a.warmup)
         if dev.type == "cuda":
             out["gpu_ms"] = kernel_profile(model, cache, b, s.context + a.warmup + a.steps, 3)["all kernels"]
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -215,14 +211,9 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc).split(".")[0]
     finally:
-        if cache is not None:
-            cache.finish()
-        if hs is not None:
-            hs.close()
+        close_hisparse(hs, cache)
         del cache, hs
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
     return out
 
 
@@ -314,9 +305,7 @@ def run_static(model: Any, s: Sizes, b: int, a: argparse.Namespace) -> dict[str,
         out["oom"] = str(exc).split(".")[0]
     finally:
         del cache, graph
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
     return out
 
 
@@ -367,7 +356,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                                          r["batch"])):
         if "oom" in r or "error" in r:
             body.append([f"{r['mode']} T={ctx(r['context'])}", str(r["batch"]), "OOM" if "oom" in r else "error"]
-                        + ["-"] * 9)
+                        + ["-"] * 10)
             continue
         res = by.get(("all-resident", r["batch"], r["context"]), {})
         over = (f"{r['step_ms'] / res['step_ms']:.2f}x" if r["mode"] == "hisparse" and res.get("step_ms") else "-")
@@ -375,11 +364,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         idle = r["step_ms"] - gpu if gpu is not None and r["mode"] != "replay" else None
         body.append([f"{r['mode']} T={ctx(r['context'])}", str(r["batch"]), fmt(r.get("step_ms")),
                      fmt(tokens_per_s(r), ".1f") if r["mode"] != "replay" else "-", fmt(gpu), fmt(idle),
-                     fmt(r.get("host_ms")), over, fmt(r.get("peak_gib"), ".1f"),
+                     fmt(r.get("host_critical_ms")), fmt(r.get("host_ahead_ms")), over, fmt(r.get("peak_gib"), ".1f"),
                      "-" if "hit_rate" not in r else f"{100 * r['hit_rate']:.0f}%", str(r.get("released", "-")),
                      str(r.get("decode_mode", "-"))])
-    header = ["mode", "batch", "step ms", "tok/s", "gpu ms", "idle ms", "host ms", "overhead", "peak GiB", "hit",
-              "released", "decode"]
+    header = ["mode", "batch", "step ms", "tok/s", "gpu ms", "idle ms", "host critical ms", "host ahead ms",
+              "overhead", "peak GiB", "hit", "released", "decode"]
     out = render_grid(header, body)
     gains = []
     for t in sorted({r["context"] for r in rows}):

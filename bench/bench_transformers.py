@@ -27,8 +27,11 @@ the step time): its share is hisparse's own kernels (the resolver, its miss copy
 followers' replays; torch.profiler over replays) plus the attention's row gathers (the step's
 gathers again, alone in a CUDA graph), against the whole step.
 `--modes hisparse-eager` adds hisparse without graphs, with the eager breakdown (resolve, gather,
-row mirrors and spills on the copy stream, indexer, attention, engine host work; CUDA events,
-launch gaps included). A configuration that runs out of memory says OOM.
+row mirrors and spills on the copy stream, indexer, attention; CUDA events, launch gaps
+included). Both modes report the engine's host work per step in two parts: `host critical`, its
+begin_step and end_step outside the planning ahead, and `host ahead`, end_step's planning of the
+next decode step, which runs while the device runs this one (`EngineHostTime`). A configuration
+that runs out of memory says OOM.
 
 Run (on a GPU):  python bench/bench_transformers.py [--layers 4] [--batches 1,4,16] [--contexts 32768,131072]
 CPU smoke test:  python bench/bench_transformers.py --tiny
@@ -56,13 +59,17 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora
             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=16)
 
 
-def build_model(geometry: dict[str, int], layers: int, max_context: int, device: str, dtype: torch.dtype) -> Any:
+def build_model(geometry: dict[str, int], layers: int, max_context: int, device: str, dtype: torch.dtype, *,
+                ffn: dict[str, int] | None = None) -> Any:
+    """The model with random weights; `ffn` overrides the tiny FFN's `intermediate_size` and
+    `first_k_dense_replace` (dense layers before the MoE ones)."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-    config = DeepseekV32Config(vocab_size=1024, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4,
-                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-                               topk_group=1, num_hidden_layers=layers, max_position_embeddings=2 * max_context,
-                               pad_token_id=0, eos_token_id=None, **geometry)
+    sizes = {"intermediate_size": 256, "first_k_dense_replace": 1, **(ffn or {})}
+    config = DeepseekV32Config(vocab_size=1024, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                               n_shared_experts=1, n_group=1, topk_group=1, num_hidden_layers=layers,
+                               max_position_embeddings=2 * max_context, pad_token_id=0, eos_token_id=None,
+                               **sizes, **geometry)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     with torch.device(device):
@@ -246,7 +253,7 @@ def instrument(hs: Any, timers: Timers) -> Callable[[], None]:
         timers.stop("mirror+spill (copy stream)", stream)
 
     worker.after_forward = timed_after
-    engine._bench_host = _time_engine_host(hs)
+    engine._bench_host = host = EngineHostTime(hs)
 
     def undo() -> None:
         for name, fn in saved.items():
@@ -254,7 +261,7 @@ def instrument(hs: Any, timers: Timers) -> Callable[[], None]:
         for h in hooks:
             h.remove()
         del worker.after_forward
-        del engine.begin_step, engine.end_step
+        host.undo()
 
     return undo
 
@@ -280,10 +287,27 @@ def run_transformers(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[
         out["oom"] = str(exc).split(".")[0]
     finally:
         del cache
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
     return out
+
+
+def close_hisparse(hs: Any, cache: Any, undo: Callable[[], None] | None = None) -> None:
+    """The end of a hisparse run, however far it got (any of them may be None): undo the
+    instrumentation, finish the cache's batch, close the handle."""
+    if undo is not None:
+        undo()
+    if cache is not None:
+        cache.finish()
+    if hs is not None:
+        hs.close()
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Once a run has dropped its objects: collect them and give the device's cached memory back,
+    so the next run starts from the same free memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def kernel_profile(model: Any, cache: Any, b: int, t: int, steps: int) -> dict[str, float]:
@@ -376,15 +400,14 @@ def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace, *, graphs: b
         hs.stats()                                      # reset the device counters' window
         timers = Timers(dev)
         if hs.graphs.enabled:
-            host = _time_engine_host(hs)
+            host = EngineHostTime(hs)
         else:
             undo = instrument(hs, timers)
             host = hs.engine._bench_host
-        host["s"] = 0.0
+        host.reset()
         times = decode(model, cache, b, t, a.steps, a.warmup, timers)
-        host_ms = 1e3 * host["s"] / (a.steps + a.warmup)
         out["step_ms"] = median(times, "step")
-        out["engine_host_ms"] = host_ms
+        out["host_critical_ms"], out["host_ahead_ms"] = host.per_step_ms(a.steps + a.warmup)
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
         s = hs.stats()
         out["decode_mode"], out["graph_captures"] = s.decode_mode, s.graph_captures
@@ -404,37 +427,50 @@ def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace, *, graphs: b
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc).split(".")[0]
     finally:
-        if undo is not None:
-            undo()
-        if cache is not None:
-            cache.finish()
-        if hs is not None:
-            hs.close()
+        close_hisparse(hs, cache, undo)
         del cache, hs
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
     return out
 
 
-def _time_engine_host(hs: Any) -> dict[str, float]:
-    """Host seconds of the engine's begin_step and end_step (patched on the instance; the handle's
-    close drops the engine)."""
-    engine = hs.engine
-    begin, end = engine.begin_step, engine.end_step
-    host = {"s": 0.0}
+class EngineHostTime:
+    """Host seconds of the engine's step work, in two parts:
 
-    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                host["s"] += time.perf_counter() - t0
-        return run
+    - `critical`: `begin_step` and `end_step` less the planning below: the step's own work (its
+      plan when it was not planned ahead, the worker's step, the acknowledgements);
+    - `ahead`: `end_step`'s planning of the next decode step (`_plan_next`, StepAhead in
+      `hisparse_core.coordinator.ahead`), which runs once this step's forward is launched, so the
+      device runs this step meanwhile.
 
-    engine.begin_step, engine.end_step = timed(begin), timed(end)
-    return host
+    Patched on the engine instance (the handle's close drops the engine; `undo` restores it)."""
+
+    def __init__(self, hs: Any) -> None:
+        self.engine = engine = hs.engine
+        self.steps_s = 0.0   # begin_step + end_step, planning ahead included
+        self.ahead_s = 0.0
+        begin, end, plan = engine.begin_step, engine.end_step, engine._plan_next
+
+        def timed(fn: Callable[..., Any], field: str) -> Callable[..., Any]:
+            def run(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+            return run
+
+        engine.begin_step, engine.end_step = timed(begin, "steps_s"), timed(end, "steps_s")
+        engine._plan_next = timed(plan, "ahead_s")
+
+    def reset(self) -> None:
+        self.steps_s = self.ahead_s = 0.0
+
+    def per_step_ms(self, steps: int) -> tuple[float, float]:
+        """(critical, ahead) ms per step over `steps` steps since the last `reset`."""
+        return 1e3 * (self.steps_s - self.ahead_s) / steps, 1e3 * self.ahead_s / steps
+
+    def undo(self) -> None:
+        del self.engine.begin_step, self.engine.end_step, self.engine._plan_next
 
 
 def fmt_ms(x: Any) -> str:
@@ -465,17 +501,22 @@ def table(rows: list[dict[str, Any]]) -> str:
                      human_bytes(h["kv_bytes_per_request"]) if "kv_bytes_per_request" in h else "-",
                      human_bytes(base["kv_bytes_per_request"]) if "kv_bytes_per_request" in base else "-", kv,
                      fmt_ms(h.get("resolve_ms")), fmt_ms(h.get("gather_ms")), fmt_ms(h.get("kernels_ms")),
-                     fmt_ms(h.get("engine_host_ms")), share,
+                     fmt_ms(h.get("host_critical_ms")), fmt_ms(h.get("host_ahead_ms")), share,
                      "-" if "hit_rate" not in h else f"{100 * h['hit_rate']:.0f}%", h.get("decode_mode", "-")])
     header = ["config", "hs ms", "hs eager ms", "tf ms", "speedup", "hs GiB", "tf GiB", "hs KV/req", "tf KV/req",
-              "KV %", "hs kernels", "row gather", "all kernels", "host", "res+gat %", "hit", "hs decode"]
+              "KV %", "hs kernels", "row gather", "all kernels", "host critical", "host ahead", "res+gat %", "hit",
+              "hs decode"]
     out = render_grid(header, body)
     eager = [(b, t, by[(b, t, "hisparse-eager")]) for b, t in configs if "step_ms" in by.get((b, t, "hisparse-eager"), {})]
     if eager:
-        names = ("resolve", "gather", "mirror+spill (copy stream)", "indexer", "attention", "engine_host")
+        names = ("resolve", "gather", "mirror+spill (copy stream)", "indexer", "attention", "host_critical",
+                 "host_ahead")
         out += "\n\nhisparse eager, GPU timeline per step (ms, CUDA events around each part, launch gaps included)\n"
-        out += render_grid(["config", *names], [[f"B={b} T={t // 1024}K", *(fmt_ms(r.get(f"{n}_ms")) for n in names)]
-                                                 for b, t, r in eager])
+        out += render_grid(["config", *(n.replace("_", " ") for n in names)],
+                           [[f"B={b} T={t // 1024}K", *(fmt_ms(r.get(f"{n}_ms")) for n in names)] for b, t, r in eager])
+    out += ("\n\nhost critical: the engine's host ms per step outside the planning ahead (begin_step, end_step's "
+            "acknowledgements and bookkeeping)\nhost ahead: end_step's planning of the next decode step, which runs "
+            "after this step's forward is launched, while the device runs it (hisparse_core.coordinator.ahead)")
     return out
 
 

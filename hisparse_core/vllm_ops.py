@@ -96,6 +96,28 @@ SCHEMAS: dict[str, str] = {
 }
 
 
+def last_write_wins(dst: torch.Tensor, take: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each entry of a fixed-shape row copy writes, and whose bytes, so that one scatter of all
+    entries is deterministic: of the taken entries (`take`) with the same destination `dst`, the
+    last one wins, and every such entry writes the winner's bytes; an entry not taken rewrites the
+    first taken entry's destination with that destination's winner. Returns (destination, index of
+    the entry whose bytes it writes, whether any entry is taken: 0-dim). Shapes are fixed and
+    nothing is read on the host, so it runs inside a CUDA graph capture. `dst` is int64 [n], n > 0.
+    """
+    n = dst.numel()
+    key = torch.where(take, dst, torch.full_like(dst, -1))
+    sorted_key, order = torch.sort(key, stable=True)  # equal destinations keep entry order
+    last = torch.ones_like(take)
+    last[:-1] = sorted_key[:-1] != sorted_key[1:]
+    at = torch.arange(n, device=dst.device)
+    end = torch.flip(torch.cummin(torch.flip(torch.where(last, at, n), [0]), 0).values, [0])
+    pick = torch.empty_like(order)
+    pick[order] = order.index_select(0, end)
+    first = torch.argmax(take.to(torch.int32)).view(1)  # one element: a 0-dim index reads on the host
+    return (torch.where(take, dst, dst.index_select(0, first)), torch.where(take, pick, pick.index_select(0, first)),
+            take.any())
+
+
 def arg_names(op: str) -> tuple[str, ...]:
     """The argument names of `SCHEMAS[op]`, in order."""
     inner = SCHEMAS[op].split("(", 1)[1].rsplit(")", 2)[0]

@@ -5,7 +5,7 @@
 # ./out) and the script ends with a summary; a failing stage does not stop the later ones.
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
-#                                                             #         tf_tests tf_generate tf_bench (the transformers integration)
+#                                                             #         tf_tests tf_generate tf_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
 # TESTS_K selects tests of the tests stage by a pytest -k expression.
@@ -36,11 +36,13 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export HISPARSE_KERNEL_CACHE=${HISPARSE_KERNEL_CACHE:-/tmp/hisparse-kernels}
 
 # ---- import shim -----------------------------------------------------------------------------
-SHIM=/tmp/hisparse_shim
+SHIM=/tmp/hisparse_shim.$$
 rm -rf "$SHIM" && mkdir -p "$SHIM/hisparse-0.1.0.dist-info"
 ln -s "$REPO/hisparse_core" "$SHIM/hisparse_core"
-ln -s "$REPO/backends/nvidia/hisparse_nvidia" "$SHIM/hisparse_nvidia"
+# NVIDIA_ROOT: another tree's backends/nvidia (a before/after comparison of the kernels)
+ln -s "${NVIDIA_ROOT:-$REPO}/backends/nvidia/hisparse_nvidia" "$SHIM/hisparse_nvidia"
 ln -s "$REPO/backends/reference_cpu/hisparse_reference_cpu" "$SHIM/hisparse_reference_cpu"
+[ -d "$REPO/backends/triton/hisparse_triton" ] && ln -s "$REPO/backends/triton/hisparse_triton" "$SHIM/hisparse_triton"
 ln -s "$REPO/plugins/conformance/hisparse_conformance" "$SHIM/hisparse_conformance"
 [ -d "$REPO/plugins/vllm/hisparse_vllm" ] && ln -s "$REPO/plugins/vllm/hisparse_vllm" "$SHIM/hisparse_vllm"
 [ -d "$REPO/plugins/transformers/hisparse_transformers" ] && ln -s "$REPO/plugins/transformers/hisparse_transformers" "$SHIM/hisparse_transformers"
@@ -109,7 +111,7 @@ readme)  # every command of README.md as a user runs it (through the shim: pytho
         exit $rc' "$OUT"
     ;;
 tests)  # 300 s by default: test_nvidia_tp_shared.py runs bench_tp_shared.py --quick on GPU 0 (not yet timed there)
-    run tests "${T_TESTS:-300}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider tests/nvidia_backend ${TESTS_K:+-k "$TESTS_K"}
+    run tests "${T_TESTS:-300}" python3 -m pytest -q -rs --maxfail=10 -p no:cacheprovider ${TESTS_ARGS:-} tests/nvidia_backend ${TESTS_K:+-k "$TESTS_K"}
     ;;
 tests_variants)  # the resolver tests again with the page tables gathered per entry
     # (HISPARSE_RESOLVE_SMEM=0), with 512 threads per block and with one block per group at every
@@ -139,7 +141,9 @@ memcheck)
         "$T::test_speculative_gather_matches_reference[2]" "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[2]" \
         "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[1-split]" tests/nvidia_backend/test_nvidia_transfer.py \
         "$T::test_plan_copy_per_sm_limit_and_trace[0]" "$T::test_plan_copy_per_sm_limit_and_trace[2]" \
-        "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[1-padded]"
+        "tests/nvidia_backend/test_nvidia_graph.py::test_graph_replay_across_drifting_steps[1-padded]" \
+        "$T::test_speculative_gather_early_exit_matches_reference[0]" "$T::test_speculative_gather_early_exit_matches_reference[2]" \
+        ${MEMCHECK_EXTRA:-}
     ;;
 racecheck)
     T=tests/nvidia_backend/test_nvidia_runtime.py
@@ -148,7 +152,7 @@ racecheck)
         "$T::test_small_geometries_match_reference[3]" "$T::test_production_geometry_matches_reference[1-None-None-None]" \
         "$T::test_production_geometry_matches_reference[1-None-1-None]" "$T::test_cluster_resolver_matches_reference[1]" \
         "$T::test_remapped_and_shared_host_blocks_match_reference[1]" "$T::test_speculative_gather_matches_reference[4]" \
-        "$T::test_plan_copy_per_sm_limit_and_trace[0]"
+        "$T::test_plan_copy_per_sm_limit_and_trace[0]" "$T::test_speculative_gather_early_exit_matches_reference[0]"
     ;;
 ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -159,8 +163,25 @@ ncu)
 bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}
     ;;
-tf_tests)  # the transformers integration on the GPU (fp32 exact, bf16 teacher-forced, planted fault)
-    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/transformers_plugin/test_transformers_gpu.py
+tf_tests)  # the transformers integration on the GPU (fp32 exact, bf16 teacher-forced, planted fault, graphs)
+    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/transformers_plugin/test_transformers_gpu.py \
+        tests/transformers_plugin/test_transformers_graphs.py ${TF_TESTS_EXTRA:-}
+    ;;
+triton)  # the triton backend compiled: its tests, then the conformance suite on it
+    run triton "${T_TRITON:-300}" bash -c '
+        rc=0; python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend || rc=1
+        python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance --hisparse-backend triton \
+            --hisparse-examples ${TRITON_EXAMPLES:-25} || rc=1; exit $rc'
+    ;;
+triton_bench)
+    run triton_bench "${T_TRITON_BENCH:-240}" python3 bench/bench_triton.py --json "$OUT/triton_bench.json" ${TRITON_BENCH_ARGS:-}
+    ;;
+vllm_ops_bench)  # vLLM's call sequence on hisparse's op set beside the native swap-in
+    run vllm_ops_bench "${T_VLLM_OPS_BENCH:-150}" python3 bench/bench_nvidia.py --vllm-ops
+    ;;
+serving)  # issue 29: decode throughput at a fixed GPU KV budget (SERVING_ARGS)
+    run serving "${T_SERVING:-400}" python3 bench/bench_serving.py --json "$OUT/serving.json" --png "$OUT/serving.png" \
+        ${SERVING_ARGS:-}
     ;;
 tf_generate)
     run tf_generate "${T_TF_GENERATE:-120}" python3 -m hisparse_core generate --backend nvidia --no-progress
@@ -190,12 +211,15 @@ for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
 done
 [ -f "$OUT/readme.log" ] && { echo "--- readme"; grep -E "^(--- |FAILED|compare_runs)|selected:|  backend |steps per second|hit rate|attention check" "$OUT/readme.log" | tail -40; }
-for stage in tests tests_variants conformance memcheck racecheck tf_tests; do
+for stage in tests tests_variants conformance memcheck racecheck tf_tests triton; do
     [ -f "$OUT/$stage.log" ] || continue
     echo "--- $stage (tail)"
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8
 done
 [ -f "$OUT/bench.log" ] && { echo "--- bench"; tail -20 "$OUT/bench.log"; }
+for stage in triton_bench vllm_ops_bench serving; do
+    [ -f "$OUT/$stage.log" ] && { echo "--- $stage (tail)"; tail -${SUMMARY_LINES:-30} "$OUT/$stage.log"; }
+done
 [ -f "$OUT/pool_release.log" ] && { echo "--- pool_release"; tail -9 "$OUT/pool_release.log"; }
 [ -f "$OUT/tf_generate.log" ] && { echo "--- tf_generate"; grep -E "decode|hit rate|first batch|second batch|result|error" "$OUT/tf_generate.log"; }
 [ -f "$OUT/tf_bench.log" ] && { echo "--- tf_bench"; tail -9 "$OUT/tf_bench.log"; }

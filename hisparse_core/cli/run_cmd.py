@@ -64,7 +64,7 @@ _FIELDS = {"requests": "requests", "context": "context", "decode_tokens": "decod
            "concurrency": "concurrency", "locality": "locality", "top_k": "top_k", "hot": "hot_multiple",
            "layers": "layers", "index_share": "index_share", "block_size": "block_size",
            "row_format": "row_format", "indexer_bytes": "indexer_bytes", "rows_per_request": "rows_per_request",
-           "seed": "seed"}
+           "acceptance": "acceptance", "seed": "seed"}
 
 
 #: `RunConfig`'s defaults, here so `--help` needs no torch (tests/cli check they agree).
@@ -72,7 +72,8 @@ DEFAULTS: dict[str, Any] = {
     "requests": 16, "context": 16384, "decode_tokens": 32, "steps": 48, "top_k": 2048, "hot_multiple": 2.0,
     "layers": 2, "index_share": 2, "block_size": 64, "row_format": "fp8_ds_mla", "indexer_bytes": 132,
     "gpu_kv_bytes": 96 << 20, "host_bytes": 256 << 20, "concurrency": 0, "prefix_groups": 4,
-    "shared_fraction": 0.5, "arrival_every": 1, "locality": 1.0, "rows_per_request": 1, "seed": 0}
+    "shared_fraction": 0.5, "arrival_every": 1, "locality": 1.0, "rows_per_request": 1, "acceptance": 1.0,
+    "seed": 0}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -117,6 +118,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w.add_argument("--rows-per-request", type=int_in(1, 64), metavar="N",
                    help=f"decode rows per request and step: 1 + speculative tokens, resolved as one union "
                         f"(default: {d['rows_per_request']}; at most 64)")
+    w.add_argument("--acceptance", type=float_in(0.0, 1.0), metavar="P",
+                   help="speculative mode with rejections: each speculative row is accepted with probability P "
+                        "while all before it were; rejected rows are read by the step's later rows, then rolled "
+                        f"back and written again (default: {d['acceptance']:g}, every row accepted)")
     w.add_argument("--locality", type=float_in(0.0, MAX_LOCALITY, lo_open=True), metavar="X",
                    help=f"time scale of top-k drift; 1 = calibrated to published LRU miss rates, >1 more "
                         f"local (default: 1; in (0, {MAX_LOCALITY:g}])")
@@ -196,6 +201,8 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
                   f"restored; {s['pages'].get('host_blocks_evicted', 0)} host blocks evicted"),
         ("host pool peak", f"{s['host_pool_peak_blocks']} of {s['host_pool_blocks'] - 1} blocks "
                            f"({pct(s['host_pool_peak_usage'])}, {human_bytes(s['host_pool_peak_bytes'])})"),
+        ("speculative", f"{s['speculative_rows_rejected']} rows rejected and rolled back in "
+                        f"{s['speculative_rollbacks']} request steps (acceptance {c['acceptance']:g})"),
         ("prefix-hit tokens", f"{s['prefix_hit_tokens']} (prefill computed {s['prefill_tokens_computed']} tokens)"),
         ("requests", f"{s['requests_admitted']} admitted, {s['requests_finished']} finished"),
         ("memory", ""),

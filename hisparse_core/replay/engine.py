@@ -12,8 +12,15 @@ per step
      `schedule_step`; the table updates go into the source/hot tables, the command to
      `worker.start_step`;
   4. "forward": prefill writes the prompt rows (those not served by a prefix hit), decode writes
-     `rows_per_request` rows per request (the token and its speculative successors, all
-     accepted), into resident pages, and into each request's all-resident reference;
+     `rows_per_request` rows per request (the token and its speculative successors), into
+     resident pages, and into each request's all-resident reference. With `acceptance` < 1 this
+     is speculative decoding with rejections: each successor is accepted with that probability
+     while every one before it was; the rejected ones are written with draft contents of their
+     own, read by the step's later rows, then rolled back: the request's computed length stops
+     at the accepted ones, hot copies of the rejected rows' host rows are forgotten in every
+     runtime, and the next step writes those positions again with the real contents (the
+     coordinator mirrors them again and never seals a page holding a rejected row), so a later
+     read of a rejected row would differ from the reference;
   5. decode attention: the synthetic indexer picks top-k per decode row and index group, every
      group's runtime resolves its rows (gather + follower replay; `decode.DecodeRunner`, one CUDA
      graph per batch size where the backend can), and `attention.check_layer` compares every
@@ -87,6 +94,7 @@ class RunConfig:
     locality: float = 1.0
     tail_pages: int = 2
     rows_per_request: int = 1      # decode rows per request and step: 1 + speculative tokens
+    acceptance: float = 1.0        # probability a speculative token is accepted (while all before it were)
     validate: bool = False
     cuda_graphs: bool = True       # capture the decode step where the backend declares cuda_graph
     plan_ahead: bool = True        # plan each pure decode step at the end of the step before
@@ -98,6 +106,9 @@ class RunConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidInputError(f"run {name} must be a positive int, got {v!r}")
+        if isinstance(self.acceptance, bool) or not isinstance(self.acceptance, int | float) \
+                or not 0.0 <= self.acceptance <= 1.0:
+            raise InvalidInputError(f"run acceptance must be a probability in [0, 1], got {self.acceptance!r}")
         if self.concurrency < 0:
             raise InvalidInputError(f"run concurrency must be >= 0 (0: GPU-bound), got {self.concurrency}")
         row_format(self.row_format)
@@ -154,6 +165,7 @@ class StepRecord:
     gpu_bound: bool          # a waiting request was refused for lack of GPU blocks
     phase_seconds: dict[str, float] = field(default_factory=dict)   # timing.PHASES
     decode_device_seconds: float = 0.0   # the decode phase's resolve work on the device
+    rejected_rows: int = 0               # speculative rows written, read and rolled back this step
 
 
 @dataclass(slots=True)
@@ -182,6 +194,8 @@ class EngineTotals:
     peak_running: int = 0
     peak_host_blocks: int = 0
     gpu_bound_steps: int = 0
+    rejected_rows: int = 0          # speculative rows rolled back (acceptance < 1)
+    rollbacks: int = 0              # request steps that rolled back at least one row
     records: list[StepRecord] = field(default_factory=list)
     pages: dict[str, int] = field(default_factory=dict)   # coordinator page and host-block counters
 
@@ -329,11 +343,13 @@ class ReplayEngine:
                          spec.request_id, r.state_index, hit)
         return admitted, False
 
-    def _write(self, r: _Running, start: int, end: int, *, device_from: int) -> None:
+    def _write(self, r: _Running, start: int, end: int, *, device_from: int, draft_key: int | None = None) -> None:
         """Write the KV rows of positions [start, end) into the reference, and those from
-        `device_from` on into the request's resident pages (all on the engine's device)."""
+        `device_from` on into the request's resident pages (all on the engine's device).
+        `draft_key`: the contents of rejected speculative rows instead of the request's own."""
         bs, width, dev = self.config.block_size, self.fmt.width, self.device
-        for key, lo, hi in r.spec.content_keys(start, end):
+        runs = r.spec.content_keys(start, end) if draft_key is None else [(draft_key, start, end)]
+        for key, lo, hi in runs:
             positions = torch.arange(lo, hi, device=dev)
             dev_lo = max(lo, device_from)
             if dev_lo < hi:
@@ -355,6 +371,30 @@ class ReplayEngine:
     def _new_tokens(self, r: _Running) -> int:
         """Tokens a decoding request writes this step: itself and its speculative successors."""
         return min(self.config.rows_per_request, r.spec.decode_tokens - r.decoded)
+
+    def _accepted(self, r: _Running, written: int) -> int:
+        """Of the `written` rows of a decode step, how many are kept: the token itself, then each
+        successor with probability `acceptance` while all before it were (seeded per request and
+        step, so every backend replays the same rejections)."""
+        p = self.config.acceptance
+        if p >= 1.0:
+            return written
+        rng = np.random.default_rng((self.config.seed, r.spec.index, self.step_no))
+        kept = 1
+        while kept < written and rng.random() < p:
+            kept += 1
+        return kept
+
+    def _roll_back(self, r: _Running, start: int, end: int) -> None:
+        """Rows [start, end) of `r` were rejected: forget their hot copies in every runtime."""
+        bs = self.config.block_size
+        host = self.coordinator.source_block_ids(r.spec.request_id)
+        rows = [host[p // bs] * bs + p % bs for p in range(start, end) if p // bs < len(host) and host[p // bs] >= 0]
+        if rows:
+            states = torch.full((len(rows),), r.state_index, dtype=torch.int32).to(self.device)
+            host_rows = torch.tensor(rows, dtype=torch.int32).to(self.device)
+            for runtime in self.worker.runtimes:
+                runtime.invalidate_written_slots(states, host_rows)
 
     def step(self) -> StepRecord:
         t0 = time.perf_counter()
@@ -384,8 +424,14 @@ class ReplayEngine:
             for r in prefill:
                 self._write(r, 0, r.spec.prompt_tokens, device_from=r.prefix_hit)
                 prefill_tokens += r.spec.prompt_tokens - r.prefix_hit
+            kept: dict[str, int] = {}
             for r in decode:
-                self._write(r, r.computed, r.computed + self._new_tokens(r), device_from=r.computed)
+                n = self._new_tokens(r)
+                a = kept[r.spec.request_id] = self._accepted(r, n)
+                self._write(r, r.computed, r.computed + a, device_from=r.computed)
+                if a < n:
+                    draft = (0x5EC000 + r.spec.index * 7919 + self.step_no) & 0xFFFFFF
+                    self._write(r, r.computed + a, r.computed + n, device_from=r.computed + a, draft_key=draft)
         checked, rows = self._decode_attention(decode) if decode else (0, 0)
 
         with self.timer.phase("worker"):
@@ -397,10 +443,18 @@ class ReplayEngine:
             self.coordinator.update_from_workers(self.acks.settle(drained, submitted, copies), 1)
         for r in prefill:
             r.computed, r.prefilled = r.spec.prompt_tokens, True
+        rejected = 0
         for r in decode:
-            n = self._new_tokens(r)
-            r.computed += n
-            r.decoded += n
+            n, a = self._new_tokens(r), kept[r.spec.request_id]
+            if a < n:
+                with self.timer.phase("worker"):
+                    self._roll_back(r, r.computed + a, r.computed + n)
+                rejected += n - a
+                self.totals.rollbacks += 1
+                r.indexer.rewind(r.computed + a)
+            r.computed += a
+            r.decoded += a
+        self.totals.rejected_rows += rejected
 
         with self.timer.phase("worker"):
             ws = self.worker.take_stats()
@@ -418,7 +472,7 @@ class ReplayEngine:
         rec = StepRecord(self.step_no, time.perf_counter() - t0, len(self.running), admitted, len(finished),
                          len(self.waiting), prefill_tokens, rows, ws.resident, ws.hits, ws.misses,
                          ws.h2d_bytes, ws.d2h_bytes, self.gpu.num_leased_blocks, cs.host_blocks_used, checked,
-                         gpu_bound, self.timer.take(), self.decoder.device_seconds() if decode else 0.0)
+                         gpu_bound, self.timer.take(), self.decoder.device_seconds() if decode else 0.0, rejected)
         t.records.append(rec)
         self.step_no += 1
         self._plan_next()

@@ -142,6 +142,14 @@ class SyntheticIndexer:
             self._in_pool[g, fresh] = True
             self._slow[g, idx] = rng.standard_normal(idx.size)
 
+    def rewind(self, seq_len: int) -> None:
+        """The context went back to `seq_len` tokens (rejected speculative rows were rolled back).
+        Pooled positions past the new history stay in the pool (they come back as the context
+        grows again); `step` leaves them out while they lie in the recent window or beyond."""
+        if not 1 <= seq_len <= self._last_seq_len:
+            raise ValueError(f"rewind to {seq_len} tokens; expected 1 <= seq_len <= {self._last_seq_len}")
+        self._last_seq_len = seq_len
+
     def step(self, seq_len: int) -> np.ndarray:
         """Top-k of every index group for a context of `seq_len` tokens (the newest at
         `seq_len - 1`): int32 `[num_groups, top_k]`, distinct positions in `[0, seq_len)` ordered
@@ -174,7 +182,10 @@ class SyntheticIndexer:
                 top = np.broadcast_to(np.arange(n), (self.num_groups, n))
             order = np.argsort(-np.take_along_axis(score, top, axis=1), axis=1, kind="stable")
             top = np.take_along_axis(top, order, axis=1)
-            out[:, :picks] = np.take_along_axis(self._pos[:, :n], top, axis=1)
+            pool = np.take_along_axis(self._pos[:, :n], top, axis=1)
+            # Only after a `rewind`: pooled positions at or past the history (the recent window's, or
+            # rolled back) are left out, so positions stay distinct and inside the context.
+            out[:, :picks] = np.where(pool < history, pool, -1)
         else:
             picks = 0
         out[:, picks:picks + recent] = np.arange(seq_len - 1, history - 1, -1, dtype=np.int32)

@@ -84,6 +84,8 @@ class RunResult:
             "gpu_kv_bytes_per_request_all_resident": baseline_bytes,
             "gpu_kv_bytes_per_request_planned": int(plan["steady_blocks_per_request"]) * block_bytes,  # type: ignore[call-overload]
             "prefix_hit_tokens": t.prefix_hit_tokens,
+            "speculative_rows_rejected": t.rejected_rows,
+            "speculative_rollbacks": t.rollbacks,
             "prefill_tokens_computed": t.prefill_tokens,
             "requests_admitted": t.admitted,
             "requests_finished": t.finished,

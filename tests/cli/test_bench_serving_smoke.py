@@ -24,6 +24,10 @@ def test_smoke_runs_every_mode(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "r.json").read_text())
     assert {r["mode"] for r in rows} == {"hisparse", "all-resident", "transformers", "replay"}
     assert all(r.get("step_ms", 0) > 0 for r in rows), rows
+    # The engine's host time per step comes in two parts: the next step's planning ahead is its own.
+    engine_rows = [r for r in rows if r["mode"] in ("hisparse", "all-resident")]
+    assert engine_rows and all(r["host_critical_ms"] > 0 and r["host_ahead_ms"] > 0 for r in engine_rows), engine_rows
+    assert "host critical ms" in out.stdout and "host ahead ms" in out.stdout
     assert (tmp_path / "p.png").stat().st_size > 0 and "overhead" in out.stdout
 
 

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_suite_runs import _outcomes, _pytest
+from pytest_child import junit_outcomes, run_pytest
 
 
 @pytest.mark.slow
@@ -35,10 +35,10 @@ def test_a_broken_clause_is_named_in_the_failure(tmp_path: Path) -> None:
         "from hisparse_conformance.test_host_pool import test_release_is_idempotent_and_final  # noqa: F401\n"
         "from hisparse_conformance.test_host_pool import test_shared_pool_needs_the_capability  # noqa: F401\n")
     report = tmp_path / "report.xml"
-    proc = _pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
-                   timeout=300)
+    proc = run_pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
+                      timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
-    failed = dict(_outcomes(report)["failed"])
+    failed = dict(junit_outcomes(report)["failed"])
     assert failed["test_embedded.test_shared_pool_needs_the_capability"] == (
         "Failed: contract: a backend that does not declare shared_host_pool must reject "
         "create_host_pool(HostPoolSpec(shared=True)) with InvalidInputError (the call returned instead of raising "

@@ -1,11 +1,17 @@
-"""The README's set-up commands stay the ones CI runs."""
+"""The README's set-up commands stay the ones CI runs; its `hisparse backends` example is what the
+command prints."""
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from core_support import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,3 +36,34 @@ def test_readme_set_up_commands_start_from_a_fresh_venv() -> None:
     assert [c.rsplit("&& ", 1)[-1] for c in setup] == ["hisparse generate", "python -m pytest"]
     for command in setup:
         assert "pip install torch==2.13.0 && pip install -e " in command
+
+
+#: `hisparse backends` as a CPU-only machine with the triton extra and without the nvidia one runs it
+#: (cuda-python hidden from the import system, as if not installed), in an 80-column terminal.
+_BACKENDS_AS_IN_README = """
+import importlib.machinery, runpy, sys
+find = importlib.machinery.PathFinder.find_spec
+def find_spec(cls, fullname, path=None, target=None):
+    return None if fullname.split(".", 1)[0] == "cuda" else find(fullname, path, target)
+importlib.machinery.PathFinder.find_spec = classmethod(find_spec)
+sys.argv = ["hisparse", "backends"]
+runpy.run_module("hisparse_core", run_name="__main__")
+"""
+
+
+def test_readme_backends_example_is_what_the_command_prints() -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("the README's example has the triton extra installed")
+    for driver in ("libcuda.so.1", "libamdhip64.so"):
+        try:
+            ctypes.CDLL(driver)
+        except OSError:
+            continue
+        pytest.skip(f"the README's example is of a CPU-only machine; {driver} loads here")
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```console\n\$ hisparse backends .*?\n(.*?)```", text, flags=re.S)
+    assert block is not None, "README.md has no `hisparse backends` example"
+    proc = subprocess.run([sys.executable, "-c", _BACKENDS_AS_IN_README], capture_output=True, text=True,
+                          timeout=120, check=False, env=subprocess_env(COLUMNS="80"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == block.group(1), proc.stdout

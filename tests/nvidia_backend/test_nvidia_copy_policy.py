@@ -16,7 +16,7 @@ from hisparse_core.geometry import RuntimeConfig
 pytest.importorskip("cuda.bindings", reason="cuda-python not installed: pip install 'hisparse[nvidia]'")
 
 from hisparse_nvidia.kernels import CopyShape  # noqa: E402
-from hisparse_nvidia.runtime import NvidiaRuntime  # noqa: E402
+from hisparse_nvidia.runtime import NvidiaRuntime, spec_early_exit, spec_kernel  # noqa: E402
 
 SMS = 132  # an H200
 
@@ -32,6 +32,8 @@ def _policy(top_k: int = 2048, blocks_per_sm: int = 4) -> NvidiaRuntime:
     rt._spec_rows, _ = rt._speculative_rows(SMS)
     rt._follow = True
     rt._split = rt._spec_rows > 0
+    rt._early_exit = True
+    rt._spec_kernel = "auto"
     rt._gather_blocks, rt._gather_fit, rt._gather_smem, rt._gather_per_sm = SMS, 5, 116736, 1  # as on an H200
     return rt
 
@@ -57,6 +59,31 @@ def test_bad_knob_values_are_one_line_errors(name: str, value: str, monkeypatch:
     with pytest.raises(InvalidInputError) as err:
         _policy()
     assert name in str(err.value) and value in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("1", True), ("0", False), ("yes", None), ("", None)])
+def test_spec_early_exit_knob(value: str | None, expected: bool | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if value is not None:
+        monkeypatch.setenv("HISPARSE_SPEC_EARLY_EXIT", value)
+    if expected is not None:
+        assert spec_early_exit() is expected
+        return
+    with pytest.raises(InvalidInputError) as err:
+        spec_early_exit()
+    assert f"HISPARSE_SPEC_EARLY_EXIT={value!r}" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, "auto"), ("slots", "slots"), ("entries", "entries"),
+                                               ("auto", "auto"), ("slot", None)])
+def test_spec_kernel_knob(value: str | None, expected: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if value is not None:
+        monkeypatch.setenv("HISPARSE_SPEC_KERNEL", value)
+    if expected is not None:
+        assert spec_kernel() == expected
+        return
+    with pytest.raises(InvalidInputError) as err:
+        spec_kernel()
+    assert "HISPARSE_SPEC_KERNEL='slot'" in str(err.value) and "\n" not in str(err.value)
 
 
 # The plan copy's 132 blocks, 5 to an SM, are padded to one an SM where fewer than 27 SMs are free,
@@ -107,7 +134,8 @@ def test_the_log_says_which_copy_and_why(monkeypatch: pytest.MonkeyPatch) -> Non
     rt = _policy()
     rt._gather_blocks, rt._follow, rt._split = SMS, True, True
     assert rt._describe_copies("") == (
-        "miss copies after a resolve start while it runs for batches of up to 11 rows; larger batches so for as "
+        "miss copies after a resolve start while it runs for batches of up to 11 rows (by slots at 1 row, entries "
+        "above; blocks that can hold no miss leave without waiting for the resolver); larger batches so for as "
         "many first rows as fit on the SMs the resolver leaves free (4 blocks to an SM), the other rows by a "
         "persistent grid of 132 blocks (up to 5 an SM; when the resolver leaves too few free SMs for all of them, "
         "1 an SM (116736 bytes of shared memory a block, HISPARSE_GATHER_PER_SM), after the whole resolver) that "
@@ -115,6 +143,10 @@ def test_the_log_says_which_copy_and_why(monkeypatch: pytest.MonkeyPatch) -> Non
     rt._gather_smem = 0
     rt._split = False
     assert rt._describe_copies("").endswith("(HISPARSE_SPEC_SPLIT=0 or HISPARSE_GATHER_FOLLOW=0)")
+    rt._early_exit = False
+    rt._spec_kernel = "slots"
+    assert ("(by slots, HISPARSE_SPEC_KERNEL; every block waits for the resolver (HISPARSE_SPEC_EARLY_EXIT=0))"
+            in rt._describe_copies(""))
     monkeypatch.setenv("HISPARSE_SPEC_GATHER", "0")
     rt._spec_rows, why = rt._speculative_rows(SMS)
     rt._follow = False

@@ -149,6 +149,8 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
     cover only the first batch row, so that a larger batch is split: the speculative gather for
     row 0 and the plan copy, following the resolver, for the rows after it (groups may straddle)."""
     mode = seed % 3
+    if seed >= 9:  # the slot kernel (HISPARSE_SPEC_KERNEL=slots) on the same kinds of steps
+        monkeypatch.setenv("HISPARSE_SPEC_KERNEL", "slots")
     if mode == 1:
         monkeypatch.setenv("HISPARSE_SPEC_GATHER", "0")
     if mode == 2:
@@ -172,6 +174,48 @@ def test_speculative_gather_matches_reference(seed: int, monkeypatch: pytest.Mon
                                null_share=rng.choice([0, 0.1]))
         _drifting_steps(twin, tables, rng, f"seed {seed}", [0.5, 0.8, 1.0])
         assert twin.rt.stats().misses > 0
+    finally:
+        twin.close()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_speculative_gather_early_exit_matches_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of hint hits, resident steps and steps with a few misses, one after the other, on
+    batches the speculative gather covers: blocks that can hold no miss leave without waiting for
+    the resolver (the victims flag, copy.cu), the rest copy the resolver's misses. Odd seeds turn
+    the early exit off (HISPARSE_SPEC_EARLY_EXIT=0), seeds 2 and 3 mod 4 run the slot kernel
+    (HISPARSE_SPEC_KERNEL=slots), seeds 4 and 8 entry blocks of 8 and 37 entries; the bytes must be the
+    reference's in every case."""
+    if seed % 2:
+        monkeypatch.setenv("HISPARSE_SPEC_EARLY_EXIT", "0")
+    kernel = "slots" if seed % 4 >= 2 else "entries"
+    monkeypatch.setenv("HISPARSE_SPEC_KERNEL", kernel)
+    if seed in (4, 8):  # entry blocks of a few entries: many partial blocks
+        monkeypatch.setenv("HISPARSE_SPEC_EPB", str((8, 37)[seed // 8]))
+    rng = random.Random(9100 + seed)
+    bs = rng.choice([4, 16])
+    k = rng.choice([64, 256])
+    r = rng.randint(2, 8)
+    p = 4 * k // bs
+    hot_blocks = 2 * k // bs
+    cfg = RuntimeConfig(max_batch_rows=r, max_requests=r, top_k=k, hot_rows=hot_blocks * bs, block_size=bs,
+                        max_pages=p, rows_per_request=1, row_format=rng.choice([FP8_DS_MLA, BF16_MLA]))
+    host_blocks, dev_blocks = r * p + 2, r * hot_blocks + r * p + 2
+    twin = Twin(cfg, host_blocks=host_blocks, num_device_blocks=dev_blocks, seed=seed)
+    try:
+        shape = twin.rt.launch_shape
+        assert shape["spec_max_batch"] >= r and shape["spec_early_exit"] == (seed % 2 == 0)
+        assert shape["spec_kernel"] == kernel
+        tables = random_tables(cfg, host_blocks, dev_blocks, rng, resident_share=rng.choice([0, 0.5]), null_share=0)
+        twin.set_tables(tables)
+        previous: dict = {}
+        for i in range(16):
+            locality = (1.0, 1.0, 0.98, 1.0, 0.9)[i % 5]
+            step = random_step(cfg, rng, previous, locality=locality, mask_share=0.02, padding_share=0.1)
+            twin.resolve(step, validate=False)
+            twin.compare_all(f"seed {seed} step {i} (locality {locality})")
+        stats = twin.rt.stats()
+        assert stats.hits > 0 and stats.misses > 0
     finally:
         twin.close()
 

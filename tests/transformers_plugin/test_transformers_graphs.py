@@ -62,8 +62,8 @@ def test_static_decode_matches_the_model(family: str, model: torch.nn.Module) ->
 
 def test_a_failed_capture_falls_back_to_eager(family: str, model: torch.nn.Module,
                                               caplog: pytest.LogCaptureFixture) -> None:
-    """Capture asked for where it cannot happen (no CUDA here): one WARNING naming the failure, and
-    the decode goes on eagerly with the same outputs."""
+    """Capture forced where it cannot happen (a CPU model, on a machine with or without CUDA): one
+    WARNING naming the failure, and the decode goes on eagerly with the same outputs."""
     ids, mask = random_prompts([30, 41], seed=3)
     theirs = baseline(model, ids, mask, 12, chunk=8)
     with hisparse_transformers.enable(model, **enable_kwargs(family, check=False)) as hs:

@@ -22,7 +22,10 @@ kernels under `cuda/`, launched through the driver on PyTorch's current stream:
   reading the likely misses' host rows while the resolver still runs, then writes exactly the
   resolver's misses (its miss mask and output rows), loading any it did not guess. A larger batch
   is split: this copy for as many first rows as its blocks fit on the SMs the resolver leaves
-  free, and the plan copy, following the resolver, for the rest.
+  free, and the plan copy, following the resolver, for the rest. `hisparse_gather_spec_entries`
+  (above one row) classifies entries first and reads early only the likely misses' slots, so a
+  step without misses is one small wave; the blocks of either that can hold no miss leave without
+  waiting for the resolver (the resolver's victims flag). `HISPARSE_SPEC_KERNEL` picks one.
 - `hisparse_copy_rows` (copy.cu): batched row mirrors and page spills (device to host), page
   restores (host to device) and host block copies, for every layer in one launch.
 - maintain.cu: invalidation of written rows and recycled host blocks, and state resets.
@@ -98,10 +101,44 @@ _GATHER_PER_SM = 1
 #: the plan copy by 8.7 us with 274 misses a request and lost 4.9 us on a step without misses
 #: (docs/gpu-validation.md, calls S1-S5).
 ENV_SPEC_BLOCKS_PER_SM = "HISPARSE_SPEC_BLOCKS_PER_SM"
+#: "0": every block of the speculative gather waits for the resolver; by default a block none of
+#: whose entries can be a miss (no host entry, or each held at its hinted slot while the resolver
+#: refills none of the request's slots) leaves at once, and only block 0 waits. A step without
+#: misses at batch 8 cost the resolve alone + 5.4 us before (issue 28, docs/gpu-validation.md).
+ENV_SPEC_EARLY_EXIT = "HISPARSE_SPEC_EARLY_EXIT"
+#: Which speculative gather: "entries" (a block classifies up to 128 entries and reads only its
+#: likely misses' slots early, so a step without misses is one wave of small blocks), "slots" (every
+#: entry's every 16-byte slot a task of its own, the kernel of issue 15), or "auto" (the default:
+#: slots for a batch of one row, whose 16 entry blocks read the host on too few SMs (274 misses:
+#: 21.9 against 9.2 us), entries above; docs/gpu-validation.md, issue 28).
+ENV_SPEC_KERNEL = "HISPARSE_SPEC_KERNEL"
+_SPEC_KERNELS = ("auto", "entries", "slots")
+#: Entries a block of the entry kernel classifies (1-128), for tuning. By default 32 where the
+#: speculative gather takes the whole batch (batch 8: 137 misses a request 19.4 us against 26.0 with
+#: 128, 274 misses 33.7 against 36.8, no-miss steps equal) and 128 for the first rows of a split
+#: batch (batch 32 and 64, measured only so; docs/gpu-validation.md, issue 28).
+ENV_SPEC_EPB = "HISPARSE_SPEC_EPB"
+_SPEC_EPB_WHOLE, _SPEC_EPB_SPLIT = 32, 128
 _SPEC_BLOCKS_PER_SM = 8
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
 _MAX_PLAN_ROWS = 12 * 1024 - 1
+
+
+def spec_kernel() -> str:
+    """`HISPARSE_SPEC_KERNEL`: "auto" (default), "entries" or "slots"; anything else is one line naming it."""
+    value = os.environ.get(ENV_SPEC_KERNEL, "auto")
+    if value not in _SPEC_KERNELS:
+        raise InvalidInputError(f"{ENV_SPEC_KERNEL}={value!r}: expected auto (the default), entries or slots")
+    return value
+
+
+def spec_early_exit() -> bool:
+    """`HISPARSE_SPEC_EARLY_EXIT`: "1" (default) or "0"; anything else is one line naming it."""
+    value = os.environ.get(ENV_SPEC_EARLY_EXIT, "1")
+    if value not in ("0", "1"):
+        raise InvalidInputError(f"{ENV_SPEC_EARLY_EXIT}={value!r}: expected 1 (the default) or 0")
+    return value == "1"
 
 
 def _i32(v: int) -> ctypes.c_int32:
@@ -159,6 +196,9 @@ class NvidiaRuntime(CacheRuntime):
             # (-1 while pending); and the plan copy's ticket counter and blocks-done counter.
             self._plan_ready = torch.zeros(b, dtype=torch.int32, device=device)
             self._gather_work = torch.zeros(2, dtype=torch.int32, device=device)
+            # Per state row: 1 while the last resolve of its group may have refilled its slots (the
+            # resolver's flag that lets the speculative gather's blocks without a miss leave early).
+            self._victims = torch.zeros(r, dtype=torch.int32, device=device)
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._shape = shape
@@ -202,14 +242,21 @@ class NvidiaRuntime(CacheRuntime):
         maint_mod = LoadedKernels.module(index, arch, MAINTAIN_BUILD)
         self._k_gather = copy_mod.function("hisparse_gather_plan")
         self._k_copy = copy_mod.function("hisparse_copy_rows")
+        self._spec_kernel = spec_kernel()
         self._k_gather_spec = copy_mod.function("hisparse_gather_spec")
-        # Blocks of the speculative gather one SM holds at once (its registers decide).
-        self._spec_per_sm = self._k_gather_spec.max_active_blocks(self._copy_shape.threads, 0)
+        self._k_gather_entries = copy_mod.function("hisparse_gather_spec_entries")
+        # None: 32 entries a block where the speculative gather takes the whole batch, 128 where it
+        # takes the first rows of a split batch (the sizes measured in issue 28's sweep).
+        self._spec_epb: int | None = env_int_in(ENV_SPEC_EPB, 0, 0, 128, "0 (the default) or 1 to 128 entries a block") or None
+        # Blocks of the slot kernel one SM holds at once (its registers decide): how many first rows
+        # of a larger batch the speculative gather takes (`_split_rows`), whichever kernel runs.
+        self._spec_per_sm = copy_mod.function("hisparse_gather_spec").max_active_blocks(self._copy_shape.threads, 0)
         self._k_inval_written = maint_mod.function("hisparse_invalidate_written")
         self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
         self._k_reset = maint_mod.function("hisparse_reset_rows")
         self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
         self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
+        self._early_exit = spec_early_exit()
         self._spec_rows, why = self._speculative_rows(num_sms)
         self._follow = os.environ.get(ENV_GATHER_FOLLOW, "1") != "0"
         # Larger batches: the speculative gather for as many first rows as its blocks fit beside the
@@ -358,7 +405,7 @@ class NvidiaRuntime(CacheRuntime):
              _ptr(self._pos_slot), _ptr(self._miss_mask), _ptr(out.rows), _ptr(out.valid_counts), _ptr(out.plan_host),
              _ptr(out.plan_device), _ptr(out.plan_counts), _ptr(self._stats), _i32(b), _i32(cfg.max_batch_rows),
              _ptr(self._prof) if self._prof is not None else ctypes.c_void_p(0), _ptr(self._plan_ready),
-             _i32(follow)],
+             _i32(follow), self._victims_arg() if spec_rows else ctypes.c_void_p(0)],
             overlap_previous=self._overlap)
         self._last_rows = b
         if spec_rows:
@@ -491,15 +538,31 @@ class NvidiaRuntime(CacheRuntime):
         cfg = self.config
         out = self._result
         c = self._copy_shape
-        blocks = -(-rows * cfg.top_k * c.slots_per_row // (c.threads * c.unroll))
-        self._k_gather_spec.launch(
+        entries = self._spec_kernel == "entries" or (self._spec_kernel == "auto" and rows > 1)
+        extra: list[ctypes.c_int32] = []
+        kernel = self._k_gather_spec
+        if entries:
+            kernel = self._k_gather_entries
+            epb = self._spec_epb or (_SPEC_EPB_WHOLE if rows == self._last_rows else _SPEC_EPB_SPLIT)
+            blocks = -(-rows * cfg.top_k // epb)
+            extra = [_i32(epb)]
+        else:
+            blocks = -(-rows * cfg.top_k * c.slots_per_row // (c.threads * c.unroll))
+        kernel.launch(
             (blocks, 1, 1), c.threads, 0, self._stream(),
             [_ptr(inputs.topk), _ptr(inputs.row_state), _ptr(inputs.seq_lens), _ptr(inputs.source_table),
              _ptr(inputs.resident_table), _ptr(self._pos_slot), _ptr(self._hot_map), _ptr(out.rows),
              _ptr(out.plan_counts), _ptr(self._miss_mask), _i32(rows), _i32(cfg.top_k), _i32(cfg.block_size),
              _i32(cfg.max_pages), _i32(cfg.hot_rows), _ptr(host_bases), _ptr(dev_bases),
-             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats)],
+             _ptr(dev_strides), _i64(self._host_rows), _i64(self._dev_rows), _ptr(self._stats), self._victims_arg(),
+             *extra],
             overlap_previous=True)
+
+    def _victims_arg(self) -> ctypes.c_void_p:
+        """The victims flags of the resolver and the speculative gather that follows it (null: no early
+        exit). A resolve that no speculative gather follows gets null and leaves the flags as they are:
+        a stale flag is harmless, since the next resolver sets its own before it refills a slot."""
+        return _ptr(self._victims) if self._early_exit else ctypes.c_void_p(0)
 
     @property
     def launch_shape(self) -> dict[str, int | bool]:
@@ -512,6 +575,8 @@ class NvidiaRuntime(CacheRuntime):
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
                 "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
+                "spec_early_exit": self._early_exit, "spec_kernel": self._spec_kernel,
+                "spec_entries_per_block": self._spec_epb or 0,
                 "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
                 "plan_copy_registers": self._k_gather.registers, "plan_copy_per_sm": self._gather_fit,
@@ -615,8 +680,12 @@ class NvidiaRuntime(CacheRuntime):
         rest = (f"so for as many first rows as fit on the SMs the resolver leaves free ({self._spec_per_sm} blocks "
                 f"to an SM), the other rows by {plan_copy}" if self._split
                 else f"by {plan_copy} ({ENV_SPEC_SPLIT}=0 or {ENV_GATHER_FOLLOW}=0)")
-        return (f"miss copies after a resolve start while it runs for batches of up to {self._spec_rows} rows; "
-                f"larger batches {rest}")
+        kernel = {"auto": "slots at 1 row, entries above", "entries": "entries", "slots": "slots"}[self._spec_kernel]
+        early = (f"by {kernel}" + ("" if self._spec_kernel == "auto" else f", {ENV_SPEC_KERNEL}") +
+                 ("; blocks that can hold no miss leave without waiting for the resolver" if self._early_exit
+                  else f"; every block waits for the resolver ({ENV_SPEC_EARLY_EXIT}=0)"))
+        return (f"miss copies after a resolve start while it runs for batches of up to {self._spec_rows} rows "
+                f"({early}); larger batches {rest}")
 
     def _copy_choice(self, b: int, gather: bool, free_sms: int) -> tuple[int, int | None, bool, bool]:
         """The miss copy after the resolve of `b` rows that leaves `free_sms` SMs free: (rows the

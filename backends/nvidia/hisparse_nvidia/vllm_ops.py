@@ -30,7 +30,7 @@ import torch
 
 from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.geometry import ROW_FORMATS, RuntimeConfig
+from hisparse_core.geometry import ROW_FORMATS, RowFormat, RuntimeConfig, register_row_format
 
 _I32_MAX = 2**31 - 1
 
@@ -76,21 +76,20 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
     def _copy(self, host: torch.Tensor, hot: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
               take: torch.Tensor) -> None:
         """Fixed-shape copy of host rows `src` into hot rows `dst` where `take`; `src` past the host rows
-        zero-fills. Entries not taken rewrite one taken entry's row with its own bytes (or row 0 with
-        its current bytes), so no write races with a real one."""
+        zero-fills; of taken entries with one destination the last wins (`spec.last_write_wins`), as in
+        the reference. Entries not taken rewrite a taken entry's row with its bytes (or row 0 with
+        its current bytes), so every write to a row carries the same bytes."""
+        src, dst, take = src.reshape(-1).long(), dst.reshape(-1).long(), take.reshape(-1)
+        if dst.numel() == 0:
+            return
         bs = hot.shape[1]
         host_b = self._host_view(host)
         hot_b = hot.view(torch.uint8)
-        src, dst, take = src.reshape(-1).long(), dst.reshape(-1).long(), take.reshape(-1)
         present = src < host_b.shape[0]
         data = host_b[src.clamp(0, host_b.shape[0] - 1)] * present[:, None].to(torch.uint8)
-        first = torch.argmax(take.to(torch.int32))
-        any_take = take.any()
-        row0 = hot_b[0, 0].unsqueeze(0)
-        target = torch.where(any_take, dst[first], 0)
-        target_data = torch.where(any_take, data[first].unsqueeze(0), row0)
-        eff_dst = torch.where(take, dst, target)
-        eff_data = torch.where(take[:, None], data, target_data)
+        eff_dst, pick, any_take = spec.last_write_wins(dst, take)
+        eff_dst = torch.where(any_take, eff_dst, 0)
+        eff_data = torch.where(any_take, data.index_select(0, pick), hot_b[0, 0].unsqueeze(0))
         hot_b[eff_dst // bs, eff_dst % bs] = eff_data
 
     def _runtime(self, host: torch.Tensor, hot: torch.Tensor, n: int, k: int, s: int, h: int, pages: int) -> Any:
@@ -99,9 +98,13 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         rt = self._runtimes.get(key)
         if rt is None:
             fmt = next((f for f in ROW_FORMATS.values() if f.dtype == hot.dtype and f.width == hot.shape[2]), None)
-            if fmt is None:
-                raise InvalidInputError(f"{spec.RESOLVE}: hot_cache rows are {hot.shape[2]} x {hot.dtype}; the nvidia "
-                                        f"backend serves {', '.join(sorted(ROW_FORMATS))}")
+            if fmt is None:  # vLLM's ops move rows as bytes: any row of whole 16-byte vectors is served
+                row_bytes = hot.shape[2] * hot.element_size()
+                if row_bytes % 16:
+                    raise InvalidInputError(f"{spec.RESOLVE}: hot_cache rows are {hot.shape[2]} x {hot.dtype} = "
+                                            f"{row_bytes} bytes; expected a multiple of 16 bytes")
+                fmt = register_row_format(RowFormat(f"vllm_{str(hot.dtype).removeprefix('torch.')}_{hot.shape[2]}",
+                                                    hot.dtype, hot.shape[2]))
             cfg = RuntimeConfig(max_batch_rows=n, max_requests=s, top_k=k, hot_rows=h, block_size=bs,
                                 max_pages=pages, row_format=fmt, num_layers=1,
                                 rows_per_request=max(1, h // k))

@@ -29,7 +29,9 @@ def _copy_rows(host: torch.Tensor, hot: torch.Tensor, src: torch.Tensor, dst: to
     present = src < host_b.shape[0]
     data = torch.zeros((dst.numel(), host_b.shape[1]), dtype=torch.uint8)
     data[present] = host_b[src[present]]
-    hot_b[dst // bs, dst % bs] = data
+    # One destination named twice: the later entry wins, and both writes carry its bytes.
+    dst, pick, _ = spec.last_write_wins(dst, torch.ones_like(dst, dtype=torch.bool))
+    hot_b[dst // bs, dst % bs] = data.index_select(0, pick)
 
 
 def _attention(rows: torch.Tensor, bs: int, stride: int) -> torch.Tensor:

@@ -14,6 +14,10 @@ Per layer and forward (`HiSparseAttention.forward`, installed per instance by `e
    - one query per row (decode): the leader calls `CacheRuntime.resolve(gather=True,
      validate=False)` (resident page, else hot row, else a miss copied from host into the hot
      buffer); followers `replay_plan([layer])`. No host synchronization.
+   - a verification step of assisted generation (`StepState.verify`: the token before the
+     candidates and the candidates, every prompt in the cache): the same resolve with one resolver
+     row per query, a request's rows consecutive, so they resolve the union of their top-k against
+     its hot state in one pass; each row's context ends at its own query (causal).
    - several queries per row (a prefill chunk): each query has its own top-k, so the rows are
      looked up directly: resident pages from the device cache, the rest (prefix-hit pages, pages
      released under the GPU budget) from the host pool's layer views (every non-resident page is
@@ -60,13 +64,15 @@ def _logical_topk(topk: torch.Tensor, step: StepState) -> tuple[torch.Tensor, to
 def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: int, topk: torch.Tensor | None,
                  cached: RowMap | None) -> RowMap:
     runtime = engine.runtimes[group]
+    b, s = step.qpos.shape
     if position == 0:
         assert topk is not None
-        # One query per row. Entries outside the row's context become -1: the left padding
-        # (negative once shifted) and, where the indexer scored a fixed-capacity key buffer (a
-        # captured step, graphs.py) and the context holds fewer than top-k keys, slots past it.
-        # Padding rows (no query) are row_state -1 and ignored by the resolver.
-        flat = topk[:, 0, :].to(torch.int32) - step.pad32
+        # One resolver row per query (decode: one per batch row; verification: S per row, b-major).
+        # Entries outside the row's context become -1: the left padding (negative once shifted),
+        # positions after the row's own query (causal) and, where the indexer scored a
+        # fixed-capacity key buffer (a captured step, graphs.py) and the context holds fewer than
+        # top-k keys, slots past it. Padding rows (no query) are row_state -1 and ignored.
+        flat = topk.reshape(b * s, topk.shape[-1]).to(torch.int32) - step.pad32
         flat = torch.where((flat < 0) | (flat >= step.seq_lens.unsqueeze(1)), -1, flat)
         k = runtime.config.top_k
         if flat.shape[1] < k:
@@ -75,13 +81,27 @@ def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: 
         source, resident, hot = engine.tables_of(group)
         runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, source, resident, hot), gather=True,
                         validate=False)
-        logical = flat.to(torch.int64).unsqueeze(1)
+        logical = flat.to(torch.int64).view(b, s, -1)
+        if step.verify:
+            _count_union(engine, logical)
     else:
         assert cached is not None
         runtime.replay_plan([position])
         logical = cached.positions
-    rows = runtime.result.rows[:step.pad.shape[0]].to(torch.int64).unsqueeze(1)
+    rows = runtime.result.rows[:b * s].to(torch.int64).view(b, s, -1)
     return RowMap(logical, rows >= 0, rows=rows)
+
+
+def _count_union(engine: HiSparseEngine, logical: torch.Tensor) -> None:
+    """Add a verification step's [entries, distinct positions per request] to the engine's device
+    counters: entries beyond the distinct ones are rows the union shared between a request's rows."""
+    flat = logical.reshape(logical.shape[0], -1)
+    ordered = flat.sort(dim=-1).values
+    valid = ordered >= 0
+    first = torch.ones_like(valid)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    # the counters live on the engine's first device; a group on another device adds across
+    engine.union_counts += torch.stack([valid.sum(), (valid & first).sum()]).to(engine.union_counts.device)
 
 
 def _prefill_rows(engine: HiSparseEngine, step: StepState, group: int, topk: torch.Tensor) -> RowMap:
@@ -219,7 +239,7 @@ class HiSparseAttention:
                 raise HiSparseError(f"layer {self.layer} shares its index group's top-k but got no prev_topk_indices")
             topk = prev_topk
         cached = step.group_cache.get(self.group)
-        if s == 1:
+        if s == 1 or step.verify:
             rmap = _decode_rows(engine, step, self.group, self.position, topk, cached)
         elif self.position == 0 or cached is None:
             rmap = _prefill_rows(engine, step, self.group, topk)
@@ -228,8 +248,6 @@ class HiSparseAttention:
         if self.position == 0:
             step.group_cache[self.group] = rmap
         kv = _gather(engine, self.group, self.position, rmap)
-        if s == 1:
-            kv = kv.view(b, 1, kv.shape[-2], kv.shape[-1])
         if checker is not None:
             checker.check(self.layer, session, kv, rmap)
         out = m.o_proj(absorbed_attention(m, q_pass, q_rot, kv, rmap.valid))

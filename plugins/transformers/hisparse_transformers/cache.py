@@ -12,6 +12,9 @@ them back through the resolver. What stays here:
   the cache in static mode: the step's key goes to a position held in a device tensor and the
   indexer reads every slot of the capacity, the step's mask hiding those outside the context;
 - the hisparse session of the batch (its requests and the step in progress).
+
+`crop` (assisted generation drops the candidates the model rejected) rolls the batch back through
+`HiSparseEngine.rollback` and shortens the length and the indexer keys to match.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class HiSparseCache(DynamicCache):
         self._static_position: torch.Tensor | None = None   # [1] int64 padded position (static mode)
         self.indexer_generation = 0                            # bumped whenever a key buffer is replaced
         self.decode_graph: Any = None                          # the batch's DecodeGraph (graphs.py)
+        self.assisted = False        # an assisted generate (verification steps of several tokens, then crop)
+        self.split_forward = False   # the forward in progress runs as several engine steps (handle.py)
 
     # ---------------------------------------------------------------- what transformers asks
 
@@ -144,15 +149,30 @@ class HiSparseCache(DynamicCache):
 
     def _unsupported(self, what: str) -> UnsupportedCacheOperation:
         return UnsupportedCacheOperation(f"{what} is not supported by hisparse: each batch row is one hisparse "
-                                         "request whose rows live in its own pages (use num_beams=1, "
-                                         "num_return_sequences=1 and no assisted decoding)")
+                                         "request whose rows live in its own pages (use num_beams=1 and "
+                                         "num_return_sequences=1)")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise self._unsupported("beam search (reorder_cache)")
 
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            raise self._unsupported("cropping the cache")
+        """Drop the last `-tokens_to_remove` tokens (transformers' convention; a positive value is
+        the legacy absolute length to keep). Only the suffix of the last forward can go."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise UnsupportedCacheOperation(f"crop takes an int, got {tokens_to_remove!r}")
+        n = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self._length - tokens_to_remove)
+        if n == 0:
+            return
+        if self.session is None:
+            raise UnsupportedCacheOperation(f"crop({tokens_to_remove}) before any forward: the cache holds nothing")
+        self.hisparse_engine.rollback(self.session, n)
+        self._length -= n
+        for layer_idx, length in self._indexer_len.items():
+            self._indexer_len[layer_idx] = max(0, length - n)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
@@ -167,6 +187,13 @@ class HiSparseCache(DynamicCache):
         forward; `max_new_tokens` bounds what admission reserves (None: up to `max_context`)."""
         self.prompts = ([list(p) for p in prompts], list(pads))
         self.max_new_tokens = max_new_tokens
+
+    @property
+    def prompt_width(self) -> int:
+        """The padded width of the prompts given to `set_prompts` (0 before)."""
+        if self.prompts is None:
+            return 0
+        return max((pad + len(p) for p, pad in zip(*self.prompts, strict=True)), default=0)
 
     def finish(self) -> None:
         """End this cache's batch (the patched generate does it): its requests finish, their state rows

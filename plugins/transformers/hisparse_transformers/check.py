@@ -176,6 +176,18 @@ class ExactnessChecker:
                 "only in the order of exactly tied indexer scores (%d such queries this step; exact up to that "
                 "order)", layer, b, int(step.qpos[b, s]), ties)
 
+    def rollback(self, session: Session, num_tokens: int) -> None:
+        """The batch dropped its last `num_tokens` padded positions (a rejected suffix): so does the
+        reference key cache. (The latent copy is positional: the next forward overwrites it.)"""
+        if self._topk_session is not session or self._ref_cache is None:
+            return
+        for layer in self._ref_cache.layers:
+            keys = getattr(layer, "indexer_keys", None)
+            if getattr(layer, "is_indexer_initialized", False) and keys is not None and keys.shape[1]:
+                layer.indexer_keys = keys[:, :max(0, keys.shape[1] - num_tokens)]
+        for layer_idx, length in self._ref_len.items():
+            self._ref_len[layer_idx] = max(0, length - num_tokens)
+
     def _buffer(self, layer: int, session: Session, like: torch.Tensor, length: int) -> torch.Tensor:
         if self._session is not session:
             self._session, self._ref = session, {}

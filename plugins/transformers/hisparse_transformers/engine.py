@@ -20,6 +20,16 @@ with its own state row and its own logical positions (left padding stripped). On
 is one engine step: `begin_step` (allocations, `schedule_step`, table updates,
 `worker.start_step`) before the first layer and `end_step` (`after_forward`, `build_metadata`,
 `update_from_workers`) after the last.
+
+Assisted generation (`speculative_tokens` > 0): a forward of 2 to `speculative_tokens + 1` tokens
+per row once every prompt is in the cache is a verification step. Its `B x S` query rows go to the
+resolver in one call, the rows of a request consecutive and sharing its state row, so they resolve
+the union of their top-k against that request's hot state (a host row two rows pick is copied once,
+and no row's miss evicts a hot row another row of the step reads). `rollback` (the cache's `crop`)
+then drops the rejected suffix: the requests' computed lengths and token ids go back, so the next
+step rewrites those positions (its writes precede every read of them) and the coordinator mirrors
+them again (it re-mirrors any row below what it mirrored and never seals a page holding a rejected
+row); hot copies of their host rows are forgotten in every runtime.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -98,6 +108,7 @@ class EngineConfig:
     max_batch: int = 8
     max_context: int = 4096
     prefill_chunk: int = 512
+    speculative_tokens: int = 0     # most candidate tokens a verification step checks per request
 
     def __post_init__(self) -> None:
         for name in ("host_pool_gib", "gpu_kv_gib"):
@@ -108,6 +119,9 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise InvalidInputError(f"{name} must be a positive int, got {v!r}")
+        v = self.speculative_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InvalidInputError(f"speculative_tokens must be an int >= 0 (0: no assisted generation), got {v!r}")
         if self.hot_rows is not None and (isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int)
                                           or self.hot_rows <= 0):
             raise InvalidInputError(f"hot_rows must be a positive int or None, got {self.hot_rows!r}")
@@ -140,6 +154,10 @@ class EngineTotals:
     peak_all_resident_blocks_per_request: float = 0.0   # the same requests' pages, all resident
     peak_indexer_bytes_per_request: float = 0.0
     peak_context: int = 0
+    verify_steps: int = 0               # steps that resolved several rows per request as one union
+    verify_rows: int = 0                # query rows of those steps (candidates and the token before them)
+    rollbacks: int = 0                  # crops that dropped a rejected suffix
+    rolled_back_tokens: int = 0         # rows dropped by them (summed over the batch's requests)
     worker: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("resident", "hits", "misses", "h2d_bytes", "d2h_bytes"), 0))
 
@@ -170,9 +188,19 @@ class HiSparseEngine:
         bs = c.block_size
         self.fmt = row_format_for(dtype, layout.width)
         top_k = layout.index_topk
-        hot_rows = c.hot_rows if c.hot_rows is not None else _cdiv(2 * top_k, bs) * bs
+        spec = c.speculative_tokens
+        self.spec_rows = spec + 1          # query rows per request a verification step resolves as one union
+        # Default: 2 x top-k, and (k + 2) x top-k for k speculative tokens (the production shape of
+        # 3 tokens is 5 x top-k): the union of the k + 1 rows plus one top-k of reuse across steps.
+        hot_rows = c.hot_rows if c.hot_rows is not None else _cdiv(max(2, spec + 2) * top_k, bs) * bs
         if hot_rows % bs:
             raise InvalidInputError(f"hot_rows={hot_rows} must be a multiple of block_size={bs}")
+        if spec and hot_rows < self.spec_rows * top_k:
+            fits = _cdiv(self.spec_rows * top_k, bs) * bs
+            raise InvalidInputError(
+                f"hot_rows={hot_rows} cannot hold the union of one request's {self.spec_rows} verification rows "
+                f"(speculative_tokens={spec} + 1, each picking index_topk={top_k}): expected hot_rows >= {fits}, "
+                f"or speculative_tokens <= {max(0, hot_rows // top_k - 1)}")
         if hot_rows < top_k:
             raise InvalidInputError(
                 f"the model's index_topk={top_k} is larger than the hot buffer allows (hot_rows={hot_rows}); one "
@@ -180,7 +208,7 @@ class HiSparseEngine:
         self.hot_rows = hot_rows
         self.hot_blocks = hot_rows // bs
         self.max_pages = _cdiv(c.max_context, bs)
-        self.chunk_pages = _cdiv(c.prefill_chunk, bs) + 1
+        self.chunk_pages = _cdiv(max(c.prefill_chunk, self.spec_rows), bs) + 1
         L = layout.num_layers
         self.block_bytes = L * bs * self.fmt.row_bytes
         for dev in placement.devices:
@@ -212,9 +240,9 @@ class HiSparseEngine:
             host_pool_gib=c.host_pool_bytes / GIB, num_layers=L, block_size=bs, row_bytes=self.fmt.row_bytes,
             max_model_len=self.max_pages * bs, hot_blocks_per_request=self.hot_blocks,
             active_tail_pages=ACTIVE_TAIL_PAGES, pressure_watermark_blocks=self.watermark), self.gpu)
-        runtime_config = RuntimeConfig(max_batch_rows=c.max_batch, max_requests=c.max_batch, top_k=top_k,
-                                       hot_rows=hot_rows, block_size=bs, max_pages=self.max_pages,
-                                       row_format=self.fmt, num_layers=1)
+        runtime_config = RuntimeConfig(max_batch_rows=c.max_batch * self.spec_rows, max_requests=c.max_batch,
+                                       top_k=top_k, hot_rows=hot_rows, block_size=bs, max_pages=self.max_pages,
+                                       row_format=self.fmt, num_layers=1, rows_per_request=self.spec_rows)
         G = len(layout.groups)
         self.workers: list[HiSparseWorker] = []
         self.runtimes: list[CacheRuntime] = [None] * G  # type: ignore[list-item]  # filled per device below
@@ -244,6 +272,8 @@ class HiSparseEngine:
                     self.runtimes[g] = worker.runtimes[i]
                     self.device_layers[g] = local[i]
                     self.host_views[g] = worker.host_layer_views(i)
+            # [entries, distinct positions] of the verification unions, summed on the device (no sync)
+            self.union_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         except BaseException:
             for w in self.workers:
                 w.shutdown()
@@ -265,6 +295,13 @@ class HiSparseEngine:
         self._handed: dict[str, int] = {}                  # blocks of each request the coordinator took over
         self._planned_writes: tuple[list[int], list[int]] = ([], [])
         self._planned_command: OffloadCommand | None = None
+        self._last_prefill = False
+        #: Called with (session, tokens removed) after each rollback (the checker's copies follow it).
+        self.rollback_listeners: list[Callable[[Session, int], None]] = []
+        if spec:
+            logger.info("hisparse transformers engine: assisted generation of up to %d candidate tokens: a verification "
+                        "step resolves up to %d rows per request as one union (hot buffer %d rows >= %d x top-k)",
+                        spec, self.spec_rows, hot_rows, self.spec_rows)
         logger.info(
             "hisparse transformers engine: %s, %d layers in %d index group(s), row %s (%d B), top-k %d, hot buffer "
             "%d rows; GPU pool %d blocks of %d B (watermark %d), host pool %d blocks; %d state rows, max context %d, "
@@ -478,14 +515,33 @@ class HiSparseEngine:
         dev = self.device
         qpos = (past + torch.arange(num_new, device=dev)).unsqueeze(0) - session.pads.unsqueeze(1)
         qpos = qpos.masked_fill(qpos < 0, -1)
-        last = qpos[:, -1]
-        row_state = torch.where(last >= 0, session.state_rows, torch.full_like(session.state_rows, -1))
-        step = StepState(past, num_new, session.pads, session.pads32, qpos, row_state, (last + 1).to(torch.int32),
+        verify = self.is_verification(session, num_new)
+        if verify:
+            # A rollback may follow: no step is planned ahead of it (its schedule would seal the
+            # pages of candidates that the crop drops).
+            session.speculative = True
+            # One resolver row per query, b-major: a request's rows are consecutive and share its state row.
+            row_state = session.state_rows.repeat_interleave(num_new)
+            seq_lens = (qpos + 1).reshape(-1).to(torch.int32)
+            row_pad32 = session.pads32.repeat_interleave(num_new, dim=0)
+        else:
+            last = qpos[:, -1]
+            row_state = torch.where(last >= 0, session.state_rows, torch.full_like(session.state_rows, -1))
+            seq_lens = (last + 1).to(torch.int32)
+            row_pad32 = session.pads32
+        step = StepState(past, num_new, session.pads, row_pad32, qpos, row_state, seq_lens,
                          torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
                          torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
-                         started=time.perf_counter(), prefill=num_new > 1, state_rows=session.state_rows)
+                         started=time.perf_counter(), prefill=num_new > 1 and not verify, verify=verify,
+                         state_rows=session.state_rows)
         session.step = step
         return step
+
+    def is_verification(self, session: Session, num_new: int) -> bool:
+        """Whether a forward of `num_new` tokens per row is a verification step (its rows resolved
+        as one union per request): 2 to `speculative_tokens + 1` tokens with every prompt in the
+        cache (so every row of the forward is a query of its request)."""
+        return 1 < num_new <= self.spec_rows and all(r.computed >= r.prompt_len for r in session.requests)
 
     def _schedule(self, session: Session, past: int, num_new: int, *, start: bool) -> tuple[list[int], list[int]]:
         """The coordinator half of a step: GPU blocks for its pages, `schedule_step`, the table
@@ -560,7 +616,7 @@ class HiSparseEngine:
         decode of one token per row (every prompt is in the cache), run its coordinator half and
         start its worker step now, while the device still runs this step (`StepAhead`)."""
         past = session.padded_len
-        if (session.closed or past + 1 > self.max_pages * self.config.block_size
+        if (session.closed or session.speculative or past + 1 > self.max_pages * self.config.block_size
                 or any(r.computed < r.prompt_len for r in session.requests)):
             return
 
@@ -595,9 +651,14 @@ class HiSparseEngine:
             new_tokens += max(0, hi - r.computed)
             r.computed = max(r.computed, hi)
         session.padded_len = end_padded
+        session.last_num_new = step.num_new
         t = self.totals
         seconds = time.perf_counter() - step.started
         t.steps += 1
+        self._last_prefill = step.prefill
+        if step.verify:
+            t.verify_steps += 1
+            t.verify_rows += session.batch_size * step.num_new
         if step.prefill:
             t.prefill_steps += 1
             t.prefill_tokens += new_tokens
@@ -614,6 +675,80 @@ class HiSparseEngine:
         t.peak_context = max(t.peak_context, max(r.computed for r in session.requests))
         if self.plan_ahead:
             self._plan_next(session)
+
+    def rollback(self, session: Session, num_tokens: int) -> int:
+        """Drop the last `num_tokens` padded positions of the batch (assisted generation's rejected
+        candidates; `HiSparseCache.crop`). Returns the rows dropped over all requests.
+
+        Only the suffix the last forward wrote can go (`InvalidInputError` otherwise, nothing
+        changed). Each request's computed length and token ids go back, so the next forward writes
+        those positions again before any layer reads them, and the coordinator, seeing a step start
+        below what it mirrored, mirrors them again; none of them is ever sealed (a page is sealed
+        only once `num_computed_tokens` covers it). Hot copies of their host rows are forgotten in
+        every runtime, so no later resolve can serve a row that was not accepted."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidInputError(f"a rollback removes an int >= 0 of tokens, got {num_tokens!r}")
+        if session.closed:
+            raise InvalidInputError("this hisparse cache's generate has finished; nothing to roll back")
+        if session.step is not None:
+            raise InvalidInputError("a rollback (cache.crop) during a forward; expected it between forwards")
+        if num_tokens == 0:
+            return 0
+        last = session.last_num_new
+        if num_tokens > last:
+            raise InvalidInputError(
+                f"crop removes {num_tokens} tokens but the last forward added {last}: hisparse rolls back only the "
+                "suffix of the last forward (the candidates a verification step rejected); earlier rows may be "
+                "sealed and published already")
+        bs = self.config.block_size
+        end = session.padded_len - num_tokens
+        if self.ahead.pending:
+            # The step planned ahead ran `schedule_step` with the current lengths, which sealed every
+            # page they cover: those pages' rows are final.
+            for r in session.requests:
+                keep = max(end, r.pad) - r.pad
+                if keep < r.computed // bs * bs:
+                    raise InvalidInputError(
+                        f"crop removes {num_tokens} tokens, but request {r.request_id}'s page {keep // bs} was "
+                        "sealed by the decode step planned ahead after the last forward; roll back only after a "
+                        "verification forward (2 or more tokens a row), or set engine.plan_ahead = False")
+        self.ahead.cancel()                    # planned for the longer batch
+        states: list[int] = []
+        host_rows: list[int] = []
+        dropped = 0
+        for r in session.requests:
+            keep = max(end, r.pad) - r.pad
+            if keep >= r.computed:
+                continue
+            blocks = self.coordinator.source_block_ids(r.request_id)
+            for pos in range(keep, r.computed):
+                p = pos // bs
+                if p < len(blocks) and blocks[p] >= 0:
+                    states.append(r.state_index)
+                    host_rows.append(blocks[p] * bs + pos % bs)
+            dropped += r.computed - keep
+            r.computed = keep
+            r.tokens.truncate(keep)
+        session.padded_len = end
+        session.last_num_new -= num_tokens
+        if host_rows:
+            dev = self.device
+            st = torch.tensor(states, dtype=torch.int32).to(dev, non_blocking=True)
+            hr = torch.tensor(host_rows, dtype=torch.int32).to(dev, non_blocking=True)
+            for runtime in self.worker.runtimes:
+                runtime.invalidate_written_slots(st, hr)
+        t = self.totals
+        t.rollbacks += 1
+        t.rolled_back_tokens += dropped
+        if self._last_prefill:
+            t.prefill_tokens -= dropped
+        else:
+            t.decode_tokens -= dropped
+        for listener in self.rollback_listeners:
+            listener(session, num_tokens)
+        logger.debug("hisparse: rolled back %d padded positions (%d rows over %d requests)", num_tokens, dropped,
+                     session.batch_size)
+        return dropped
 
     # ------------------------------------------------------------------------------- stats, end
 

@@ -176,6 +176,9 @@ class DecodeGraph:
         return out
 
     def _capture(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        if self.engine.device.type != "cuda":
+            # A capture on a CUDA machine records none of a CPU model's work and replays nothing.
+            raise RuntimeError(f"the model runs on {self.engine.device}, not a CUDA device")
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):

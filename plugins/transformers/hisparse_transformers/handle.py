@@ -18,6 +18,7 @@ releases the host pool.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -27,7 +28,8 @@ import torch
 
 from hisparse_core.backend import Backend
 from hisparse_core.errors import HiSparseError, InvalidInputError
-from hisparse_core.registry import select_backend
+from hisparse_core.registry import ENV_BACKEND, get_registry, select_backend
+from hisparse_transformers.assisted import AssistedPlan, assisted_plan
 from hisparse_transformers.attention import HiSparseAttention
 from hisparse_transformers.cache import HiSparseCache
 from hisparse_transformers.check import ExactnessChecker
@@ -50,6 +52,31 @@ StepCallback = Callable[["HiSparseHandle", StepState], None]
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _backend_env() -> bool:
+    return bool(os.environ.get(ENV_BACKEND, "").strip())
+
+
+def _auto_backend_on(device: torch.device) -> Backend:
+    """Automatic selection for a model on `device`: the highest-priority available backend that runs
+    there (a CPU model on a GPU machine gets a CPU backend, not the GPU's); the log says which and
+    why. `BackendUnavailableError` as `select_backend` where none is available at all."""
+    ranked = get_registry().choose(None).candidates
+    skipped: list[str] = []
+    for entry in ranked:
+        try:
+            candidate = select_backend(entry.name)
+        except HiSparseError as exc:
+            skipped.append(f"{entry.name} ({exc})")
+            continue
+        if _same_device(torch.device(candidate.device), device):
+            if skipped:
+                logger.info("hisparse: automatic backend for a model on %s: %s (passed over: %s)", device,
+                            entry.name, "; ".join(skipped))
+            return candidate
+        skipped.append(f"{entry.name} (runs on {candidate.device})")
+    return select_backend(None)  # none runs there: enable() names the mismatch
 
 
 def left_padding(attention_mask: torch.Tensor) -> list[int]:
@@ -80,6 +107,8 @@ class HiSparseHandle:
         self.on_step: StepCallback | None = None
         self.generate_seconds = 0.0
         self._attn = [HiSparseAttention(m, layout, engine, i, checker) for i, m in enumerate(layout.attentions)]
+        if checker is not None:
+            engine.rollback_listeners.append(checker.rollback)
         self._base = getattr(model, "base_model", model)
         self.graphs = DecodeGraphs(engine, cuda_graphs, model, checking=checker is not None)
         self.cache_kwarg = cache_kwarg(model)
@@ -99,6 +128,8 @@ class HiSparseHandle:
             cache = self._cache_of(kwargs)
             if cache is None:
                 return original(*args, **kwargs)
+            if cache.split_forward:
+                return self._split_forward(original, cache, kwargs)
             return self.graphs.forward(original, cache, args, kwargs)
 
         self._base.forward = base_forward
@@ -141,7 +172,20 @@ class HiSparseHandle:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds: Any = kwargs.get("inputs_embeds")
         shape = input_ids.shape if input_ids is not None else embeds.shape
-        batch, num_new = int(shape[0]), int(shape[1])
+        mask = kwargs.get("attention_mask")
+        # Assisted generation's first forward is the whole prompt and its first candidates (transformers
+        # does not chunk it): `_split_forward` runs it as prefill-chunk engine steps, then one step of
+        # the candidates (so a rollback of rejected ones stays inside the last step).
+        cache.split_forward = (cache.assisted and cache.session is None and cache.prompts is not None and not args
+                               and input_ids is not None and input_ids.dim() == 2
+                               and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2))
+                               and int(shape[1]) > min(self.engine.config.prefill_chunk, cache.prompt_width))
+        if not cache.split_forward:
+            self._begin(cache, input_ids, kwargs, int(shape[0]), int(shape[1]))
+
+    def _begin(self, cache: HiSparseCache, input_ids: torch.Tensor | None, kwargs: dict[str, Any], batch: int,
+               num_new: int) -> None:
+        """Open the batch's session at its first forward, then begin the engine step of `num_new` tokens."""
         if cache.session is None:
             if cache.prompts is not None:
                 prompts, pads = cache.prompts
@@ -160,6 +204,7 @@ class HiSparseHandle:
                 raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
             cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens)
+            cache.session.speculative = cache.assisted
         elif cache.session.batch_size != batch:
             raise InvalidInputError(f"the forward has {batch} rows; this cache's batch has {cache.session.batch_size}")
         self.engine.begin_step(cache.session, input_ids, num_new)
@@ -169,12 +214,52 @@ class HiSparseHandle:
         cache = self._cache_of(kwargs)
         if cache is None or cache.session is None:
             return
+        if cache.split_forward:
+            cache.split_forward = False       # its steps ended in `_split_forward`
+            return
+        self._end(cache)
+
+    def _end(self, cache: HiSparseCache) -> None:
+        assert cache.session is not None
         step = cache.session.step
         self.engine.end_step(cache.session)
         if step is not None:
             cache.advance(step.num_new)
             if self.on_step is not None:
                 self.on_step(self, step)
+
+    def _split_forward(self, original: Callable[..., Any], cache: HiSparseCache, kwargs: dict[str, Any]) -> Any:
+        """One forward longer than `prefill_chunk`, run as engine steps of `prefill_chunk` tokens
+        (as transformers' chunked prefill would feed them); the chunks' hidden states are joined."""
+        ids: torch.Tensor = kwargs["input_ids"]
+        mask = kwargs.get("attention_mask")
+        pos = kwargs.get("position_ids")
+        chunk = self.engine.config.prefill_chunk
+        past = cache.get_seq_length()
+        width = min(cache.prompt_width, ids.shape[1])
+        bounds = [(a, min(width, a + chunk)) for a in range(0, width, chunk)]
+        if width < ids.shape[1]:
+            bounds.append((width, ids.shape[1]))
+        outputs: list[Any] = []
+        try:
+            for a, b in bounds:
+                kw = dict(kwargs, input_ids=ids[:, a:b])
+                if mask is not None:
+                    kw["attention_mask"] = mask[:, :past + b]
+                if pos is not None:
+                    kw["position_ids"] = pos[..., a:b]
+                self._begin(cache, kw["input_ids"], kw, ids.shape[0], b - a)
+                outputs.append(original(**kw))
+                self._end(cache)
+        except BaseException:
+            cache.split_forward = False       # the post-forward hook does not run after a failure
+            raise
+        out = outputs[-1]
+        out["last_hidden_state"] = torch.cat([o.last_hidden_state for o in outputs], dim=1)
+        if getattr(out, "hidden_states", None) is not None:
+            out["hidden_states"] = tuple(torch.cat(parts, dim=1)
+                                         for parts in zip(*(o.hidden_states for o in outputs), strict=True))
+        return out
 
     # ------------------------------------------------------------------ user API
 
@@ -202,6 +287,7 @@ class HiSparseHandle:
         cs = e.coordinator.stats()
         w = t.worker
         checker = self.checker
+        union = [int(v) for v in e.union_counts.tolist()]
         return HiSparseStats(
             backend=e.backend.name, device=", ".join(str(d) for d in e.placement.devices), requests=t.requests, prefix_hit_tokens=t.prefix_hit_tokens,
             prefill_tokens=t.prefill_tokens, decode_tokens=t.decode_tokens,
@@ -217,7 +303,9 @@ class HiSparseHandle:
             checked_entries=checker.totals.entries if checker else 0,
             checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0, decode_mode=self.graphs.mode,
             graph_captures=self.graphs.captures, checked_topk_queries=checker.totals.topk_queries if checker else 0,
-            checked_topk_ties=checker.totals.topk_ties if checker else 0)
+            checked_topk_ties=checker.totals.topk_ties if checker else 0, verify_steps=t.verify_steps,
+            verify_rows=t.verify_rows, union_entries=union[0], union_shared_entries=union[0] - union[1],
+            rollbacks=t.rollbacks, rolled_back_tokens=t.rolled_back_tokens)
 
     def close(self) -> None:
         """Restore the model and release the host pool. Idempotent."""
@@ -313,6 +401,7 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise InvalidInputError(f"cache_implementation={implementation!r} asks transformers to build its own cache, "
                                 "but hisparse supplies the cache; drop cache_implementation (or pass your own cache "
                                 "to run the model's own attention)")
+    plan = assisted_plan(model, kwargs, lambda name: _setting(model, kwargs, name))
     cache = given if given is not None else handle.new_cache()
     if cache.hisparse_engine is not handle.engine or cache.session is not None:
         raise InvalidInputError("this HiSparseCache belongs to another model or was used already; pass "
@@ -324,13 +413,19 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise InvalidInputError("hisparse generate needs input_ids of shape [batch, tokens] (inputs_embeds alone "
                                 "carry no token ids for prefix identity)")
+    if plan is not None:
+        _check_assisted(handle, plan, int(input_ids.shape[0]))
     mask = kwargs.get("attention_mask")
     if mask is None:
         mask = kwargs["attention_mask"] = _prompt_mask(model, input_ids, kwargs)
     pads = left_padding(mask)
     rows = input_ids.detach().to("cpu").tolist()
-    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads,
-                      _max_new_tokens(model, kwargs, int(input_ids.shape[1])))
+    new = _max_new_tokens(model, kwargs, int(input_ids.shape[1]))
+    if plan is not None:
+        cache.assisted = True
+        if new is not None:
+            new += plan.candidates       # a verification step writes candidates past the last token kept
+    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, new)
     gen = kwargs.get("generation_config")
     if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
         kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk
@@ -342,10 +437,28 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         cache.finish()
 
 
+def _check_assisted(handle: HiSparseHandle, plan: AssistedPlan, batch: int) -> None:
+    """Refuse (one line) an assisted generate this engine cannot serve."""
+    if batch != 1:
+        raise InvalidInputError(f"assisted generation ({plan.mode}) runs one prompt at a time in transformers (it "
+                                f"refuses batch_size > 1); got a batch of {batch}: call generate once per prompt")
+    e = handle.engine
+    spec, k = e.config.speculative_tokens, plan.candidates
+    if k > spec:
+        top_k, bs = e.layout.index_topk, e.config.block_size
+        fits = -(-(k + 1) * top_k // bs) * bs
+        raise InvalidInputError(
+            f"{plan.setting}={k} asks verification steps of {k + 1} rows per request, but hisparse was enabled on "
+            f"this model for at most {spec} candidate tokens (speculative_tokens={spec}, a {e.hot_rows}-row hot "
+            f"buffer holding the union of {e.spec_rows} rows of top-k {top_k}): expected {plan.setting} <= {spec}, or "
+            f"enable(..., speculative_tokens={k}) (a hot buffer of >= {fits} rows)")
+
+
 def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, backend: str | Backend | None = "auto",
            hot_rows: int | None = None, block_size: int = 64, max_batch: int = 8, max_context: int = 4096,
-           prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None, tp: bool | None = None,
-           share_host_pool: bool = True, pool_name: str | None = None) -> HiSparseHandle:
+           prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None,
+           speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
+           pool_name: str | None = None) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -356,12 +469,15 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     :param backend: a hisparse backend name, or "auto" / None for the highest-priority available one,
         or a `Backend` instance. Under `device_map`, devices other than its own get an instance of
         the same class built for them (`type(backend)(device)`).
-    :param hot_rows: hot-buffer rows per request (default: 2x the model's index_topk, whole pages).
+    :param hot_rows: hot-buffer rows per request (default: 2x the model's index_topk, (k + 2)x with
+        `speculative_tokens` k; whole pages). It must hold the union of k + 1 rows of top-k.
     :param block_size: tokens per page.
     :param max_batch: most prompts per generate (state rows of the runtimes).
     :param max_context: longest padded sequence (prompt + new tokens) of a batch.
     :param prefill_chunk: prompt tokens per prefill forward (transformers' `prefill_chunk_size`).
     :param check: keep an all-resident copy and compare every row attention reads (`check.py`).
+    :param speculative_tokens: most candidate tokens an assisted generate verifies a step
+        (`prompt_lookup_num_tokens`, or the draft's `num_assistant_tokens`); 0: no assisted generation.
     :param cuda_graphs: capture each batch's decode step in a CUDA graph (`graphs.py`). None: where
         the model is on a CUDA device, the backend declares `cuda_graph` and `check` is off (the
         log says which was chosen and why); True: the same, and an error where it cannot; False: eager.
@@ -397,9 +513,14 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
-                          prefill_chunk=prefill_chunk)
+                          prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens)
     placement = place(layout.attentions, layout.groups)
-    chosen = backend if isinstance(backend, Backend) else select_backend(None if backend in (None, "auto") else backend)
+    if isinstance(backend, Backend):
+        chosen = backend
+    elif backend in (None, "auto") and not _backend_env():
+        chosen = _auto_backend_on(weight.device)
+    else:
+        chosen = select_backend(None if backend in (None, "auto") else backend)
     backends = [_backend_on(chosen, dev, placement.spread) for dev in placement.devices]
     ranks = tensor_parallel(model, tp, share_host_pool, pool_name)
     if ranks is not None:
@@ -407,6 +528,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                      "host_pool_gib": repr(float(host_pool_gib)), "gpu_kv_gib": repr(float(gpu_kv_gib)),
                      "block_size": str(block_size), "hot_rows": str(hot_rows), "max_batch": str(max_batch),
                      "max_context": str(max_context), "prefill_chunk": str(prefill_chunk), "backend": chosen.name,
+                     "speculative_tokens": str(speculative_tokens),
                      "share_host_pool": str(share_host_pool), "devices": str(len(placement.devices))})
         logger.info("hisparse: %s", ranks.describe())
 

@@ -43,14 +43,17 @@ class StepState:
     past: int                      # padded length before this step
     num_new: int                   # S: padded positions this step
     pad: torch.Tensor              # [B] int64
-    pad32: torch.Tensor            # [B, 1] int32 (the decode path's subtraction stays int32)
+    pad32: torch.Tensor            # [R, 1] int32 per resolver row (the decode path's subtraction stays int32)
     qpos: torch.Tensor             # [B, S] int64 logical position of each query (-1: padding)
-    row_state: torch.Tensor        # [B] int32 state row, -1 where the row has no query this step (S == 1)
-    seq_lens: torch.Tensor         # [B] int32 logical context length after this step
+    row_state: torch.Tensor        # [R] int32 state row, -1 where the row has no query this step
+    seq_lens: torch.Tensor         # [R] int32 logical context length of each resolver row
     write_src: torch.Tensor        # [N] int64 flat index into [B * S] of each row written this step
     write_dst: torch.Tensor        # [N] int64 flat device row of each
     started: float = 0.0
     prefill: bool = False
+    # A verification step (assisted generation): R = B * S resolver rows, b-major; else R = B (one
+    # row per batch row: decode, or the last query of a prefill chunk).
+    verify: bool = False
     group_cache: dict[int, RowMap] = field(default_factory=dict)  # per index group: the leader's row map
     state_rows: torch.Tensor | None = None  # [B] int32 the session's state rows (on this step's device)
     local: dict[int, StepState] = field(default_factory=dict)  # per further device (device_map): this step there
@@ -64,6 +67,8 @@ class Session:
         self.padded_len = 0
         self.step: StepState | None = None
         self.closed = False
+        self.speculative = False       # assisted generation: the next forward's length is not predictable
+        self.last_num_new = 0          # padded positions the last forward added (what a rollback may drop)
         dev = device
         self.state_rows = torch.tensor([r.state_index for r in requests], dtype=torch.int32, device=dev)
         self.pads = torch.tensor([r.pad for r in requests], dtype=torch.int64, device=dev)

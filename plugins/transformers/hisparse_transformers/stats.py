@@ -24,6 +24,12 @@ class HiSparseStats:
     - Decode: `decode_mode` says whether decode steps replay a CUDA graph (and why not), and
       `graph_captures` how many captures that took (one per batch, plus one each time a batch's
       indexer key buffers grew).
+    - Assisted generation: `verify_steps` forwards whose rows (the token before the candidates
+      and the candidates) resolved as one union per request, `verify_rows` their rows,
+      `union_entries` the top-k entries of those rows and `union_shared_entries` how many of them
+      picked a position another row of the same request's union also picked (resolved once);
+      `rollbacks` crops that dropped rejected candidates, `rolled_back_tokens` the rows dropped.
+      Throughput counts accepted tokens only.
     """
 
     backend: str
@@ -54,6 +60,12 @@ class HiSparseStats:
     graph_captures: int
     checked_topk_queries: int = 0    # check=True: leader queries whose top-k was compared with the model's own
     checked_topk_ties: int = 0       # of them, those that differ only in the order of exactly tied scores
+    verify_steps: int = 0
+    verify_rows: int = 0
+    union_entries: int = 0
+    union_shared_entries: int = 0
+    rollbacks: int = 0
+    rolled_back_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:

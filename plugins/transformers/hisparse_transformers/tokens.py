@@ -50,6 +50,20 @@ class LazyTokens(Sequence[int]):
             self._pending.clear()
             self._pending_len = 0
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` ids (a rollback); pending device slices are cut, not read."""
+        while self._pending and len(self) - self._pending[-1][0].numel() >= length:
+            host, _ = self._pending.pop()
+            self._pending_len -= host.numel()
+        if self._pending:
+            host, done = self._pending[-1]
+            cut = len(self) - length
+            if cut > 0:
+                self._pending[-1] = (host[:host.numel() - cut], done)
+                self._pending_len -= cut
+        elif length < len(self._ids):
+            del self._ids[length:]
+
     def __len__(self) -> int:
         return len(self._ids) + self._pending_len
 

@@ -39,3 +39,34 @@ __device__ __forceinline__ uint4 hs_load16(const void* p) {
 __device__ __forceinline__ void hs_store16(void* p, uint4 v) {
     __stcg(reinterpret_cast<uint4*>(p), v);
 }
+
+// Relaxed loads and stores at GPU scope: coherent in L2 (never an L1 copy), and strong, so that
+// fence.sc orders them against another grid's (the resolver's victims flag, see copy.cu). The
+// loads carry no memory clobber, so the compiler may still issue a round trip's loads together;
+// one that must follow a fence or barrier is hs_ld_relaxed_ordered.
+__device__ __forceinline__ i32 hs_ld_relaxed(const i32* p) {
+    i32 v;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ i32 hs_ld_relaxed(const i16* p) {
+    i16 v;
+    asm volatile("ld.relaxed.gpu.global.s16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+// The same, ordered after everything before it in program order (a fence, a barrier).
+__device__ __forceinline__ i32 hs_ld_relaxed_ordered(const i32* p) {
+    i32 v;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void hs_st_relaxed(i32* p, i32 v) {
+    asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void hs_fence_sc() {
+    asm volatile("fence.sc.gpu;" ::: "memory");
+}

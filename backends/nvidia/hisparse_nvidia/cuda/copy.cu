@@ -362,17 +362,20 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_copy_rows(
 //      the resolver set are the plan's misses: each goes to its out_rows row, from the registers
 //      when step 1 guessed it, else loaded now. Guesses only decide what is read early; what is
 //      written is decided by the resolver's final outputs, so a wrong guess costs time, never bytes.
+// A block none of whose tasks can be a miss leaves before step 2 (victims, when not null: see
+// there), so on a resident step or one of hint hits the grid does not hold SMs behind the
+// resolver; only block 0 waits for it.
 // Grid: (blocks, 1, 1) with blocks * HS_GNT * HS_UNROLL >= rows * K * HS_SLOTS (the host sizes it
 // so): one pass, each thread's HS_UNROLL tasks (entry, slot) known from the start.
 // pos_slot and hot_map are not __restrict__: the resolver writes them while step 1 reads them, so
-// they must not go through the read-only path.
+// they are read with relaxed GPU-scope loads (from L2, never the read-only path or an L1 copy).
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     const i32* __restrict__ topk, const i32* __restrict__ row_state, const i32* __restrict__ seq_lens,
     const i32* __restrict__ source_table, const i32* __restrict__ resident_table, const i16* pos_slot,
     const i32* hot_map, const i32* __restrict__ out_rows, const i32* __restrict__ plan_counts,
     const u32* __restrict__ miss_mask, i32 rows, i32 K, i32 bs, i32 P, i32 H, const i64* __restrict__ host_bases,
     const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides, i64 host_rows, i64 dev_rows,
-    u64* __restrict__ stats) {
+    u64* __restrict__ stats, const i32* victims) {
     // The next kernel may be scheduled now: ours wait for this grid before touching memory.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
@@ -410,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
     for (i32 u = 0; u < HS_UNROLL; ++u) {
         b_r[u] = source_table[page_r[u]];
         res_r[u] = resident_table[page_r[u]];
-        hint_r[u] = pos_slot[q_r[u] >= 0 ? page_r[u] * bs + t_r[u] % bs : 0];
+        hint_r[u] = hs_ld_relaxed(pos_slot + (q_r[u] >= 0 ? page_r[u] * bs + t_r[u] % bs : 0));
     }
     i32 g_r[HS_UNROLL];  // host row of the task's entry (-1: not a host entry or past the end)
     i32 hm_r[HS_UNROLL];
@@ -420,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
         const bool host = q_r[u] >= 0 && res_r[u] < 0 && b >= 0 && static_cast<i64>(b) * bs + t_r[u] % bs < src.limit;
         g_r[u] = host ? b * bs + t_r[u] % bs : -1;
         const i32 hint = hint_r[u];
-        hm_r[u] = hot_map[host && hint >= 0 && hint < H ? static_cast<i64>(q_r[u]) * H + hint : 0];
+        hm_r[u] = hs_ld_relaxed(hot_map + (host && hint >= 0 && hint < H ? static_cast<i64>(q_r[u]) * H + hint : 0));
         if (!(host && hint >= 0 && hint < H)) hm_r[u] = -2;  // no usable hint: a likely miss
     }
     uint4 v[HS_UNROLL];
@@ -440,7 +443,42 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
         }
     }
 
-    // ---- 2. The resolver's misses ---------------------------------------------------------------
+    // ---- 2. Blocks that can hold no miss leave without waiting for the resolver ------------------
+    // A task cannot be a miss if it is no host entry, or if its hinted slot held its host row and
+    // the resolver had not begun refilling the request's slots. The second is the flag the
+    // resolver sets, then fences (fence.sc), before it stores to a hot map or a hint: this block
+    // reads the slots, fences, then reads the flags. If the resolver's fence came first, the flag
+    // reads 1; if ours did, every slot read here preceded every refill, so what it held it held
+    // at the step's start, and the resolver finds it there (its hint check is the same). Block 0
+    // always waits, so the grid still ends after the resolver: the next kernel waits for this
+    // grid alone. Resident steps read no flag; steps of hint hits read one round trip of them.
+    if (victims != nullptr && blockIdx.x != 0) {
+        u32 held = 0;
+        bool likely = false;
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            if (g_r[u] >= 0) {
+                if (hm_r[u] == g_r[u]) {
+                    held |= 1u << u;
+                } else {
+                    likely = true;
+                }
+            }
+        }
+        if (!__syncthreads_or(likely)) {
+            if (!__syncthreads_or(held != 0)) return;
+            if (threadIdx.x == 0) hs_fence_sc();
+            __syncthreads();
+            bool sure = true;
+#pragma unroll
+            for (i32 u = 0; u < HS_UNROLL; ++u) {
+                if ((held >> u) & 1u) sure &= hs_ld_relaxed_ordered(victims + q_r[u]) == 0;
+            }
+            if (__syncthreads_and(sure)) return;
+        }
+    }
+
+    // ---- 3. The resolver's misses ---------------------------------------------------------------
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         i64 n = 0;
@@ -475,5 +513,162 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
 #pragma unroll
     for (i32 u = 0; u < HS_UNROLL; ++u) {
         if (to[u] != nullptr) hs_store16(to[u], v[u]);
+    }
+}
+
+// Block-wide compaction: the threads whose `flag` is set, in thread order, get consecutive indices
+// from 0 (returned; -1 for the others) and `count` their number. Every thread of the block calls it.
+__device__ __forceinline__ i32 hs_block_rank(bool flag, i32* s_warp, i32& count) {
+    const i32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 ballot = __ballot_sync(HS_FULL_MASK, flag);
+    if (lane == 0) s_warp[warp] = __popc(ballot);
+    __syncthreads();
+    i32 before = 0;
+    count = 0;
+#pragma unroll
+    for (i32 w = 0; w < HS_GNT / 32; ++w) {
+        const i32 c = s_warp[w];
+        before += w < warp ? c : 0;
+        count += c;
+    }
+    __syncthreads();  // s_warp may be reused at once
+    return flag ? before + __popc(ballot & ((1u << lane) - 1u)) : -1;
+}
+
+// (host row, hot row) of the block's misses that were not read early: local entry indices in `list`.
+struct HsLocalPair {
+    const i32* list;
+    const i32* g;
+    const i32* d;
+    __device__ __forceinline__ void operator()(i32 e, i32& s, i32& dst) const {
+        const i32 i = list[e];
+        s = g[i];
+        dst = d[i];
+    }
+};
+
+// The speculative gather by entries (the default; HISPARSE_SPEC_KERNEL=slots is hisparse_gather_spec
+// above): the same contract and launch, but a block first classifies `epb` consecutive entries,
+// one a thread of its first half (three round trips, as there), and only the block's likely misses
+// become 16-byte tasks, HS_UNROLL a thread, read into registers before griddepcontrol.wait. After
+// it, each classified entry reads the resolver's verdict (count, mask bit, output row) once; the
+// early reads of misses are stored, and the misses not read early (guessed hits, or past what the
+// registers hold) are copied then. A step without misses costs a grid of rows * K / HS_SEPB blocks
+// that fits beside the resolver in one wave (64 blocks at batch 8 of top-k 2048), where the slot
+// kernel's rows * K * HS_SLOTS / (HS_GNT * HS_UNROLL) blocks (768) took several. The early exit
+// (victims) is the slot kernel's. `epb` (1..HS_SEPB) entries a block; grid: (ceil(rows * K / epb), 1, 1).
+#define HS_SEPB (HS_GNT / 2)
+#define HS_SEARLY ((HS_GNT * HS_UNROLL) / HS_SLOTS)  // likely misses a block reads early
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec_entries(
+    const i32* __restrict__ topk, const i32* __restrict__ row_state, const i32* __restrict__ seq_lens,
+    const i32* __restrict__ source_table, const i32* __restrict__ resident_table, const i16* pos_slot,
+    const i32* hot_map, const i32* __restrict__ out_rows, const i32* __restrict__ plan_counts,
+    const u32* __restrict__ miss_mask, i32 rows, i32 K, i32 bs, i32 P, i32 H, const i64* __restrict__ host_bases,
+    const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides, i64 host_rows, i64 dev_rows,
+    u64* __restrict__ stats, const i32* victims, i32 epb) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    const HsRows dst = hs_rows(HS_KIND_DEVICE, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
+    __shared__ i32 s_g[HS_SEPB];      // host row of each classified entry (-1: none)
+    __shared__ i32 s_d[HS_SEPB];      // after the wait: its hot row where it is a miss (-1: none)
+    __shared__ i32 s_list[HS_SEPB];   // likely misses, then the misses not read early (local indices)
+    __shared__ i32 s_warp[HS_GNT / 32];
+    const i32 tid = threadIdx.x;
+    const i32 total = rows * K;       // < 2^31 (max_batch_rows * top_k, checked by the host)
+    const i32 E = blockIdx.x * epb + tid;
+    const bool mine = tid < epb && E < total;
+
+    // ---- 1. Classify the block's entries (three round trips) ----------------------------------
+    i32 q = -1, t = -1, len = 0;
+    if (mine) {
+        q = row_state[E / K];
+        t = topk[E];
+        len = seq_lens[E / K];
+    }
+    const bool ok = mine && q >= 0 && t >= 0 && t < len && t / bs < P;
+    const i64 page = ok ? static_cast<i64>(q) * P + t / bs : 0;
+    i32 g = -1, hint = -1, res = -1, b = -1;
+    if (ok) {
+        b = source_table[page];
+        res = resident_table[page];
+        hint = hs_ld_relaxed(pos_slot + page * bs + t % bs);
+    }
+    const bool host = ok && res < 0 && b >= 0 && static_cast<i64>(b) * bs + t % bs < src.limit;
+    if (host) g = b * bs + t % bs;
+    const bool hinted = host && hint >= 0 && hint < H;
+    const i32 hm = hinted ? hs_ld_relaxed(hot_map + static_cast<i64>(q) * H + hint) : -2;
+    const bool held = host && hm == g;
+    const bool likely = host && hm != g;
+    if (tid < HS_SEPB) s_g[tid] = g;
+
+    // ---- 2. Blocks that can hold no miss leave without waiting (see hisparse_gather_spec) -----
+    if (victims != nullptr && blockIdx.x != 0) {
+        if (!__syncthreads_or(likely)) {
+            if (!__syncthreads_or(held)) return;
+            if (tid == 0) hs_fence_sc();
+            __syncthreads();
+            const bool sure = !held || hs_ld_relaxed_ordered(victims + q) == 0;
+            if (__syncthreads_and(sure)) return;
+        }
+    }
+
+    // ---- 3. Early reads of the likely misses -----------------------------------------------------
+    i32 n_likely;
+    const i32 rank = hs_block_rank(likely, s_warp, n_likely);
+    if (rank >= 0) s_list[rank] = tid;
+    __syncthreads();
+    const u32 early_tasks = static_cast<u32>(min(n_likely, HS_SEARLY)) * HS_SLOTS;
+    uint4 v[HS_UNROLL];
+    i32 at[HS_UNROLL];  // local entry of the task, -1: none
+    i32 pos[HS_UNROLL];
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        const u32 c = static_cast<u32>(tid) + static_cast<u32>(u) * HS_GNT;
+        at[u] = -1;
+        if (c < early_tasks) {
+            const i32 i = s_list[c / HS_SLOTS];
+            const unsigned char* from = src.at(s_g[i], bs);
+            const i32 p = static_cast<i32>(c % HS_SLOTS) * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+            if (p >= 0 && p < HS_ROW_BYTES) {
+                v[u] = hs_load16(from + p);
+                at[u] = i;
+                pos[u] = p;
+            }
+        }
+    }
+
+    // ---- 4. The resolver's misses ---------------------------------------------------------------
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (blockIdx.x == 0 && tid == 0) {
+        i64 n = 0;
+        for (i32 r = 0; r < rows; ++r) n += min(max(plan_counts[r], 0), K);
+        if (n) atomicAdd(&stats[3], static_cast<u64>(n) * HS_ROW_BYTES);
+    }
+    i32 d = -1;
+    if (host) {
+        const i32 cnt = plan_counts[E / K];
+        const u32 word = miss_mask[E >> 5];
+        const i32 dd = out_rows[E];
+        if (cnt > 0 && ((word >> (E & 31)) & 1u) && dd >= 0 && dd < dst.limit) d = dd;
+    }
+    if (tid < HS_SEPB) s_d[tid] = d;
+    __syncthreads();
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        if (at[u] >= 0) {
+            const i32 dd = s_d[at[u]];
+            if (dd >= 0) hs_store16(dst.at(dd, bs) + pos[u], v[u]);
+        }
+    }
+    // The misses not read early: guessed hits, and likely misses past the registers' share.
+    const bool late = d >= 0 && !(likely && rank < HS_SEARLY);
+    i32 n_late;
+    const i32 lrank = hs_block_rank(late, s_warp, n_late);  // its barriers also order s_list's reuse
+    if (lrank >= 0) s_list[lrank] = tid;
+    __syncthreads();
+    const u32 late_tasks = static_cast<u32>(n_late) * HS_SLOTS;
+    const HsLocalPair pair{s_list, s_g, s_d};
+    for (u32 first = tid; first < late_tasks; first += HS_GNT * HS_UNROLL) {
+        hs_copy_pass(first, HS_GNT, late_tasks, pair, src, dst, bs);
     }
 }

@@ -54,6 +54,11 @@
 // miss_mask for each miss entry E = r * K + j (the group's words cleared first), so the
 // speculative gather (copy.cu) can tell which of the rows it fetched early are the plan's.
 //
+// Victims flag (`victims`, when not null): the group's block stores victims[q] = 1 and a
+// fence.sc before it refills any slot of q (hot map and position hints), 0 on a step without
+// candidates; the speculative gather pairs it with its own fence to leave early where no entry
+// can be a miss (copy.cu).
+//
 // Publishing the plan (`follow` = 1, when the plan copy of copy.cu follows): the block of a group
 // marks plan_ready of its rows -1 (fenced) before barrier 1, and only then lets the dependent grid
 // start; once the group's plan entries are written it stores each row's count there with release
@@ -357,7 +362,8 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     i32 Bmax,                                // rows of the outputs (cluster builds: launched for B rows)
     u64* __restrict__ prof,                  // diagnostics: phase clocks of block 0, or null
     i32* __restrict__ plan_ready,            // [Bmax]: rows [0, B) published for a following copy
-    i32 follow) {                            // 1: a plan copy follows that reads plan_ready
+    i32 follow,                              // 1: a plan copy follows that reads plan_ready
+    i32* victims) {                          // [R]: 1 while this launch may refill q's slots, or null
     // Programmatic dependent launch: wait for the previous kernel of the stream before touching
     // memory, then let the copy that follows start its launch. A speculative or ordinary copy
     // waits for this grid. A following plan copy (`follow`) does not: it copies each request's
@@ -704,6 +710,14 @@ extern "C" __global__ void HS_CLUSTER __launch_bounds__(HS_NT, 1) hisparse_resol
     }
     const bool any_cand = __syncthreads_or(cflags != 0);  // barrier 2
     HS_MARK(4);
+    // The speculative gather believes a host entry held at its hinted slot is a hit without waiting
+    // for this grid, unless victims[q] reads 1: so the flag is set, and fenced (fence.sc, paired
+    // with the gather's), before any store to q's hot map or hints (after barrier 4); a step that
+    // refills nothing clears it. See hisparse_gather_spec in copy.cu.
+    if (victims != nullptr && tid == 0) {
+        hs_st_relaxed(victims + q, any_cand ? 1 : 0);
+        if (any_cand) hs_fence_sc();
+    }
 
     if (!any_cand) {
         // ---- No misses: every output is final (resident entries, hint hits); written now, so the

@@ -1,0 +1,302 @@
+"""Assisted generation through hisparse (tiny DeepSeek-V3.2 and GLM-5, fp32, reference_cpu):
+greedy prompt lookup and a draft model give the tokens of the model's own assisted generation and
+of plain greedy decoding, with each verification step's rows resolved as one union per request
+and the rejected candidates rolled back.
+
+transformers runs assisted generation one prompt at a time (`_assisted_decoding` raises for
+batch_size > 1), so the prompts of different lengths go one generate each, through one enabled
+model (the later ones reuse the earlier ones' pages from the host pool). Batched verification rows
+are covered by direct forwards (`test_batched_verification_and_crop_match_the_model`)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from tf_support import BLOCK, SHAPES, tiny_model
+
+import hisparse_transformers
+from hisparse_core.errors import InvalidInputError
+from hisparse_transformers.engine import required_gpu_blocks
+
+pytest.importorskip("transformers")
+
+NEW = 16
+CHUNK = 8
+#: Top-k 8 (so a hot buffer of the union of 6 rows is 12 pages) and 32 indexer heads (no exact ties).
+ASSISTED = {f: replace(s, index_topk=8, index_heads=32) for f, s in SHAPES.items()}
+TOP_K = 8
+
+
+def block_bytes(family: str) -> int:
+    s = ASSISTED[family]
+    return s.layers * BLOCK * (s.kv_lora + s.rope) * 4
+
+
+def prompts() -> list[torch.Tensor]:
+    """A long prompt that repeats itself (prompt lookup finds candidates), a short one, and one that
+    shares the long one's first 96 tokens (whole pages of it come from the host pool)."""
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(2, 128, (90,), generator=g)
+    long = torch.cat([head, head[20:50]])
+    short = torch.randint(2, 128, (20,), generator=g)
+    short = torch.cat([short, short[3:13]])
+    shared = torch.cat([long[:64], torch.randint(2, 128, (16,), generator=g)])
+    return [p.view(1, -1) for p in (long, short, shared)]
+
+
+def tight_kwargs(family: str, k: int, batch: int = 1, **over: object) -> dict[str, object]:
+    """A hot buffer of exactly the union (k + 1 rows of top-k) and the smallest GPU pool the engine
+    accepts: the long prompt's pages do not all fit, so some are released to host."""
+    hot = (k + 1) * TOP_K
+    chunk_pages = CHUNK // BLOCK + 1
+    blocks = required_gpu_blocks(batch, hot // BLOCK, chunk_pages)
+    kw: dict[str, object] = dict(host_pool_gib=0.01, gpu_kv_gib=blocks * block_bytes(family) / 2**30,
+                                 block_size=BLOCK, hot_rows=hot, max_batch=batch, max_context=256, prefill_chunk=CHUNK,
+                                 check=True, speculative_tokens=k)
+    kw.update(over)
+    return kw
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(family: str) -> torch.nn.Module:
+    return tiny_model(family, shape=ASSISTED[family], seed=3)
+
+
+@pytest.fixture(scope="module")
+def greedy(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [model.generate(p, max_new_tokens=NEW, do_sample=False) for p in prompts()]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_prompt_lookup_matches_the_model_and_greedy(family: str, model: torch.nn.Module,
+                                                   greedy: list[torch.Tensor], k: int) -> None:
+    own = [model.generate(p, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=k) for p in prompts()]
+    for a, b in zip(own, greedy, strict=True):
+        assert torch.equal(a, b), "the model's own assisted generation differs from its greedy decoding"
+    # The row check (every row read compared with the model's own latent) for k=3 only: it costs 4x.
+    with hisparse_transformers.enable(model, **tight_kwargs(family, k, check=k == 3)) as hs:
+        poison_rolled_back_rows(hs)
+        for p, want in zip(prompts(), greedy, strict=True):
+            got = model.generate(p, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=k)
+            assert torch.equal(got, want), f"k={k}, prompt of {p.shape[1]} tokens: hisparse differs from greedy"
+        s = hs.stats()
+    assert s.verify_steps > 0 and s.verify_rows > s.verify_steps, s
+    assert s.union_shared_entries > 0 and s.union_entries > s.union_shared_entries, s
+    assert s.rollbacks > 0 and s.rolled_back_tokens >= s.rollbacks, s
+    assert s.released_pages > 0 and s.misses > 0, s                      # GPU pressure: pages read back from host
+    assert s.prefix_hit_tokens >= 60, s                                   # the third prompt reused the first's pages
+    assert k != 3 or (s.checked_entries > 0 and s.checked_max_abs_diff <= 1e-5), s
+    assert s.decode_tokens == 3 * NEW - 3, s                              # accepted tokens only (the first comes from prefill)
+
+
+def poison_rolled_back_rows(hs: hisparse_transformers.HiSparseHandle) -> None:
+    """After each rollback, overwrite the dropped rows, on the device and in the host pool, with a
+    large value: a later read of one would change the logits (and fail the row check)."""
+    engine = hs.engine
+    bs = engine.config.block_size
+
+    def poison(session: object, num_tokens: int) -> None:
+        for r in session.requests:  # type: ignore[attr-defined]
+            host = engine.coordinator.source_block_ids(r.request_id)
+            for pos in range(r.computed, r.computed + num_tokens):
+                page, off = divmod(pos, bs)
+                for g, layers in enumerate(engine.flat_layers):
+                    for li, flat in enumerate(layers):
+                        if page < len(r.blocks) and r.blocks[page] >= 0:
+                            flat[r.blocks[page] * bs + off] = 1e3
+                        if page < len(host):
+                            engine.host_views[g][li][host[page] * bs + off] = 1e3
+
+    engine.rollback_listeners.append(poison)
+
+
+def test_draft_model_matches_the_model_and_greedy(family: str, model: torch.nn.Module,
+                                                 greedy: list[torch.Tensor]) -> None:
+    """A draft of the same tokenizer: the target's own weights, slightly disturbed, so some
+    candidates are accepted and some rejected."""
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.005)
+    draft.generation_config.num_assistant_tokens = 3
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0      # always propose all 3
+    p, want = prompts()[0], greedy[0]
+    own = model.generate(p, max_new_tokens=NEW, do_sample=False, assistant_model=draft)
+    assert torch.equal(own, want)
+    with hisparse_transformers.enable(model, **tight_kwargs(family, 3, check=False)) as hs:
+        got = model.generate(p, max_new_tokens=NEW, do_sample=False, assistant_model=draft)
+        s = hs.stats()
+    assert torch.equal(got, want)
+    accepted = s.verify_rows - s.verify_steps - s.rolled_back_tokens     # candidates kept
+    assert s.rollbacks > 0 and accepted > 0 and s.verify_rows > 3 * s.verify_steps, s
+
+
+def test_batched_verification_and_crop_match_the_model(family: str, model: torch.nn.Module) -> None:
+    """Direct forwards of a batch of three left-padded prompts: a verification forward of 4 tokens a
+    row (12 resolver rows, 3 unions), a crop of 2, a forward of 3: logits as the model's own cache."""
+    from transformers import DynamicCache
+
+    from hisparse_transformers.tiny import random_prompts
+    from hisparse_transformers.version import cache_kwarg
+
+    ids, mask = random_prompts([70, 41, 55], seed=4)
+    g = torch.Generator().manual_seed(9)
+    steps = [torch.randint(2, 128, (3, 4), generator=g), torch.randint(2, 128, (3, 3), generator=g)]
+    key = cache_kwarg(model)
+
+    def run(cache: object, crop: bool) -> list[torch.Tensor]:
+        out, m = [], mask
+        with torch.no_grad():
+            for a in range(0, ids.shape[1], CHUNK):
+                b = min(ids.shape[1], a + CHUNK)
+                model(input_ids=ids[:, a:b], attention_mask=m[:, :b], use_cache=True, **{key: cache})
+            for i, s in enumerate(steps):
+                m = torch.cat([m, torch.ones_like(s)], dim=1)
+                out.append(model(input_ids=s, attention_mask=m, use_cache=True, **{key: cache}).logits)
+                if i == 0:
+                    cache.crop(-2)  # type: ignore[attr-defined]
+                    m = m[:, :-2]
+        return out
+
+    theirs = run(DynamicCache(config=model.config), True)
+    with hisparse_transformers.enable(model, **tight_kwargs(family, 3, batch=3)) as hs:
+        calls: list[tuple[int, list[int]]] = []      # (index group, row_state) of every resolve
+        for g, runtime in enumerate(hs.engine.worker.runtimes):
+            def counted(inputs: object, *a: object, _resolve: object = runtime.resolve, _g: int = g,
+                        **kw: object) -> object:
+                calls.append((_g, inputs.row_state.tolist()))  # type: ignore[attr-defined]
+                return _resolve(inputs, *a, **kw)  # type: ignore[operator]
+            runtime.resolve = counted  # type: ignore[method-assign]
+        cache = hs.new_cache(ids, mask, max_new_tokens=8)
+        ours = run(cache, True)
+        cache.finish()
+        s = hs.stats()
+    # Each verification forward resolved once per index group: all 3 x S rows in one call, each
+    # request's rows consecutive under its state row.
+    groups = len(hs.engine.layout.groups)
+    assert [len(rows) for _, rows in calls] == [12] * groups + [9] * groups, calls
+    for _, rows in calls:
+        s_len = len(rows) // 3
+        assert all(rows[i * s_len:(i + 1) * s_len] == [rows[i * s_len]] * s_len for i in range(3)), rows
+    for a, b in zip(ours, theirs, strict=True):
+        assert float((a - b).abs().max()) <= 1e-4
+    assert s.verify_steps == 2 and s.verify_rows == 3 * 4 + 3 * 3 and s.rollbacks == 1 and s.rolled_back_tokens == 6
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err)
+    assert text and "\n" not in text
+    return text
+
+
+def untouched(hs: hisparse_transformers.HiSparseHandle) -> None:
+    e = hs.engine
+    assert e.session is None and e.gpu.num_leased_blocks == 0 and len(e.free_states) == e.config.max_batch
+
+
+@pytest.fixture(scope="module")
+def ds_model() -> torch.nn.Module:
+    return tiny_model("deepseek_v32", shape=ASSISTED["deepseek_v32"], seed=3)
+
+
+def test_hot_buffer_too_small_for_the_union(ds_model: torch.nn.Module) -> None:
+    model, family = ds_model, "deepseek_v32"
+    with pytest.raises(InvalidInputError) as err:
+        hisparse_transformers.enable(model, **tight_kwargs(family, 3, hot_rows=24))
+    text = one_line(err.value)
+    assert "hot_rows=24" in text and "speculative_tokens=3" in text and "hot_rows >= 32" in text, text
+    assert "generate" not in model.__dict__
+    for bad in (-1, True, 2.0):
+        with pytest.raises(InvalidInputError) as err:
+            hisparse_transformers.enable(model, **tight_kwargs(family, 3, speculative_tokens=bad))
+        assert f"speculative_tokens must be an int >= 0 (0: no assisted generation), got {bad!r}" == one_line(err.value)
+        assert "generate" not in model.__dict__
+
+
+def test_default_hot_buffer_is_the_production_shape(ds_model: torch.nn.Module) -> None:
+    """(k + 2) x top-k: 5 x top-k for 3 speculative tokens."""
+    kw = tight_kwargs("deepseek_v32", 3, hot_rows=None)
+    kw["gpu_kv_gib"] = 2 * float(kw["gpu_kv_gib"])  # type: ignore[arg-type]
+    with hisparse_transformers.enable(ds_model, **kw) as hs:
+        assert hs.engine.hot_rows == 5 * TOP_K and hs.engine.spec_rows == 4
+        assert hs.engine.worker.runtimes[0].config.rows_per_request == 4
+
+
+def test_assisted_generate_refusals(ds_model: torch.nn.Module) -> None:
+    model, family = ds_model, "deepseek_v32"
+    p = prompts()[1]
+    with hisparse_transformers.enable(model, **tight_kwargs(family, 3, batch=2)) as hs:
+        cases: list[tuple[dict[str, object], tuple[str, ...]]] = [
+            (dict(prompt_lookup_num_tokens=5), ("prompt_lookup_num_tokens=5", "speculative_tokens=3",
+                                                "prompt_lookup_num_tokens <= 3", "speculative_tokens=5")),
+        ]
+        draft = tiny_model(family, shape=ASSISTED[family], seed=8)
+        draft.generation_config.num_assistant_tokens = 6
+        cases.append((dict(assistant_model=draft), ("num_assistant_tokens=6", "<= 3")))
+        heuristic = tiny_model(family, shape=ASSISTED[family], seed=8)
+        heuristic.generation_config.num_assistant_tokens = 2
+        heuristic.generation_config.num_assistant_tokens_schedule = "heuristic"
+        cases.append((dict(assistant_model=heuristic), ("'heuristic'", "'constant'")))
+        other_vocab = tiny_model(family, shape=replace(ASSISTED[family], layers=1, vocab=96), seed=8)
+        cases.append((dict(assistant_model=other_vocab), ("96 ids", "vocab_size=128")))
+        cases.append((dict(assistant_model=draft, assistant_tokenizer=object(), tokenizer=object()),
+                      ("assistant_tokenizer", "universal assisted decoding")))
+        static = tiny_model(family, shape=ASSISTED[family], seed=8)
+        static.generation_config.num_assistant_tokens = 2
+        static.generation_config.cache_implementation = "static"
+        cases.append((dict(assistant_model=static), ("cache_implementation='static'", "cropped")))
+        for kwargs, needles in cases:
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(p, max_new_tokens=4, do_sample=False, **kwargs)
+            text = one_line(err.value)
+            assert all(n in text for n in needles), (needles, text)
+            untouched(hs)
+        with pytest.raises(InvalidInputError) as err:
+            model.generate(torch.cat([p, p]), max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2)
+        assert "batch of 2" in one_line(err.value) and "one prompt at a time" in err.value.args[0]
+        untouched(hs)
+        # Still serves a good call afterwards.
+        ok = model.generate(p, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2)
+        assert ok.shape[1] == p.shape[1] + 4
+
+
+def test_hisparse_draft_is_refused(ds_model: torch.nn.Module) -> None:
+    model, family = ds_model, "deepseek_v32"
+    draft = tiny_model(family, shape=ASSISTED[family], seed=8)
+    draft.generation_config.num_assistant_tokens = 2
+    with hisparse_transformers.enable(draft, **tight_kwargs(family, 1)) as hd, \
+            hisparse_transformers.enable(model, **tight_kwargs(family, 3)) as hs:
+        with pytest.raises(InvalidInputError) as err:
+            model.generate(prompts()[1], max_new_tokens=4, do_sample=False, assistant_model=draft)
+        assert "has hisparse enabled" in one_line(err.value)
+        untouched(hs)
+        untouched(hd)
+
+
+def test_crop_beyond_the_last_forward_is_refused(ds_model: torch.nn.Module) -> None:
+    model = ds_model
+    ids = prompts()[1]
+    with hisparse_transformers.enable(model, **tight_kwargs("deepseek_v32", 3)) as hs:
+        cache = hs.new_cache(ids, max_new_tokens=4)
+        with torch.no_grad():
+            model(input_ids=ids[:, :CHUNK], use_cache=True, past_key_values=cache)
+            with pytest.raises(InvalidInputError) as err:
+                cache.crop(-(CHUNK + 1))
+        assert f"the last forward added {CHUNK}" in one_line(err.value)
+        assert cache.get_seq_length() == CHUNK
+        cache.finish()
+        untouched(hs)
+

@@ -62,9 +62,14 @@ def _auto_backend_on(device: torch.device) -> Backend:
     """Automatic selection for a model on `device`: the highest-priority available backend that runs
     there (a CPU model on a GPU machine gets a CPU backend, not the GPU's); the log says which and
     why. `BackendUnavailableError` as `select_backend` where none is available at all."""
+    first = select_backend(None)  # the registry's own automatic choice, logged as such
+    if _same_device(torch.device(first.device), device):
+        return first
     ranked = get_registry().choose(None).candidates
-    skipped: list[str] = []
+    skipped: list[str] = [f"{first.name} (runs on {first.device})"]
     for entry in ranked:
+        if entry.name == first.name:
+            continue
         try:
             candidate = select_backend(entry.name)
         except HiSparseError as exc:

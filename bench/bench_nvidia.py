@@ -24,7 +24,10 @@ placement table traces the plan copy's blocks on one step of a replayed cycle an
 (`NvidiaRuntime.trace_plan_copies`): on which SMs they ran, how many shared one, what each copied.
 
 The swap-in table (resolve with gather=True, the whole swap-in) sweeps misses per request at
-batches 1, 8, 64 and 128 (and 274 misses at 32), and prints beside ours, as reference columns,
+batches 1, 8, 64 and 128 (and 274 misses and hits at 32), and steps with every page resident
+(`res`) at 1, 8, 32, 64 and 128; each step without misses is printed beside the resolve alone of
+the same run, against the target of issue 28 (at most the resolve alone + 1.2 us, and 4.5 us
+resident / 5.5 us hits at the batches it names). It prints beside ours, as reference columns,
 SGLang 0.5.23's fused swap-in and upstream vLLM's resolve + gather_compact measured on an H200
 of the same kind on 2026-12-01 (../shared/research/peers-h200-2026-12-01.md, the lower of its two
 calls). "lead" compares with the better peer; where the peers' run has a copy baseline, their

@@ -39,8 +39,12 @@ SWEEP_BATCHES = (1, 8, 64, 128)
 
 
 def steps_for(misses: int) -> int:
-    """Steps in one graph: enough that a window sliding by `misses` cycles the LRU."""
-    return 8 if misses in (0, 2048) else max(8, min(32, 2 * H // max(1, misses)))
+    """Steps in one graph: the ring a window slides over (steps * misses positions) must hold at least
+    hot_rows + top_k positions, or the steady state brings fewer new rows than asked (the 34-miss rows
+    measured 0 on the H200 with a ring of 2048, docs/gpu-validation.md); as bench_nvidia.steps_for."""
+    if misses in (0, K):
+        return 8
+    return min(CTX // misses, max(32, -(-(H + K) // misses)))
 
 
 @dataclass

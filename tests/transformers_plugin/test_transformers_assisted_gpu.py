@@ -13,21 +13,11 @@ import copy
 import pytest
 import torch
 from test_transformers_assisted import ASSISTED, NEW, poison_rolled_back_rows, prompts, tight_kwargs
-from tf_support import tiny_model
+from tf_support import NVIDIA_ONLY, tiny_model
 
 import hisparse_transformers
 
-
-def _gpu_reason() -> str | None:
-    try:
-        from hisparse_nvidia.plugin import probe
-    except ImportError as exc:  # pragma: no cover
-        return f"hisparse_nvidia not importable: {exc}"
-    return probe()
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_reason() is not None,
-                                                  reason=f"nvidia backend unavailable: {_gpu_reason()}")]
+pytestmark = NVIDIA_ONLY
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

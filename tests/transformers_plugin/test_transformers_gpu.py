@@ -24,6 +24,7 @@ from tf_support import (
     BLOCK,
     GEN,
     NO_TIES,
+    NVIDIA_ONLY,
     SHAPES,
     baseline,
     bf16_errors,
@@ -37,17 +38,7 @@ from tf_support import (
 import hisparse_transformers
 from hisparse_transformers.check import RowMismatch
 
-
-def _gpu_reason() -> str | None:
-    try:
-        from hisparse_nvidia.plugin import probe
-    except ImportError as exc:  # pragma: no cover
-        return f"hisparse_nvidia not importable: {exc}"
-    return probe()
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_reason() is not None,
-                                                  reason=f"nvidia backend unavailable: {_gpu_reason()}")]
+pytestmark = NVIDIA_ONLY
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES))

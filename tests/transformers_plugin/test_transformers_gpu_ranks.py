@@ -20,8 +20,7 @@ import os
 
 import pytest
 import torch
-from test_transformers_gpu import _gpu_reason
-from tf_support import BLOCK, GEN, NO_TIES, baseline, compare, random_prompts, tiny_model
+from tf_support import BLOCK, GEN, NO_TIES, NVIDIA_ONLY, baseline, compare, random_prompts, tiny_model
 from tp_ranks import Scenario, run_ranks
 
 import hisparse_transformers
@@ -42,8 +41,7 @@ NEW = 16
 CHUNK = 8
 SIZES = dict(host_pool_gib=0.01, block_size=BLOCK, hot_rows=16, max_batch=3, max_context=256, prefill_chunk=CHUNK)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_reason() is not None,
-                                                  reason=f"nvidia backend unavailable: {_gpu_reason()}")]
+pytestmark = NVIDIA_ONLY
 
 
 def _gpu_gib(layers: int = SHAPE.layers, blocks: int = 58) -> float:

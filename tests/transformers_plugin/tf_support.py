@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import pytest
 import torch
 
 from hisparse_transformers.tiny import TinyShape, random_prompts, tiny_model
@@ -18,6 +19,20 @@ TOP_K = SHAPES["deepseek_v32"].index_topk   # 16; the hot buffer is 16 rows, con
 #: The same with 32 indexer heads: a key scores exactly 0 (every head's dot product negative) with a
 #: chance of 2^-32, so exact ties never decide the top-k (test_transformers_graphs.py says why that matters).
 NO_TIES = {f: replace(s, index_heads=32) for f, s in SHAPES.items()}
+
+
+def gpu_reason() -> str | None:
+    """Why the nvidia backend cannot run here (None: it can)."""
+    try:
+        from hisparse_nvidia.plugin import probe
+    except ImportError as exc:  # pragma: no cover
+        return f"hisparse_nvidia not importable: {exc}"
+    return probe()
+
+
+#: `pytestmark` of the modules that run the real models on the nvidia backend.
+NVIDIA_ONLY = [pytest.mark.gpu, pytest.mark.skipif(gpu_reason() is not None,
+                                                   reason=f"nvidia backend unavailable: {gpu_reason()}")]
 
 
 def block_bytes(family: str, dtype: torch.dtype = torch.float32) -> int:

@@ -180,3 +180,28 @@ def test_the_strict_device_refuses_two_indices_as_cuda_does() -> None:
     assert moved.device == strict(1) and (moved + b).device == strict(1)
     assert torch.equal(memory_of(moved + b), torch.arange(6, dtype=torch.float32) + 1)
     assert (a + torch.tensor(2.0)).device == strict(0)                     # a CPU scalar, as on CUDA
+
+
+@pytest.mark.parametrize("family", sorted(SPLITS))
+def test_assisted_generation_with_the_layers_on_two_devices(family: str) -> None:
+    """Prompt lookup (verification steps resolved as one union, then rolled back) on a model spread
+    over two devices: each device's runtimes take the union's rows, the union counters add across
+    devices, and the tokens are the model's own greedy decoding."""
+    from test_transformers_assisted import ASSISTED, prompts, tight_kwargs
+
+    layers = SPLITS[family]
+    model = tiny_model(family, shape=ASSISTED[family], seed=3)
+    model.config._experts_implementation = "eager"
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
+    device_map.update({f"model.layers.{i}": d for i, d in enumerate(layers)})
+    cpu = tiny_model(family, shape=ASSISTED[family], seed=3)
+    prompt = prompts()[0]
+    want = cpu.generate(prompt, max_new_tokens=NEW, do_sample=False)
+    model = accelerate.dispatch_model(model, device_map={k: strict(v) for k, v in device_map.items()})
+    with hisparse_transformers.enable(model, **tight_kwargs(family, 3, check=False,
+                                                            backend=StrictDeviceBackend(0))) as hs:
+        assert len(hs.engine.workers) == 2
+        got = model.generate(prompt.to(strict(0)), max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3)
+        s = hs.stats()
+    assert torch.equal(memory_of(got), want)
+    assert s.verify_steps > 0 and s.union_entries > 0 and s.rollbacks > 0, s

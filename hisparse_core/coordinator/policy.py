@@ -126,24 +126,14 @@ class ResidencyPolicy:
 
     def _release(self, rec: RequestPages, limit: int) -> int:
         """Release up to `limit` of `rec`'s releasable pages, tail-first; the count released."""
-        pages: list[int] = []
-        while len(pages) < limit:
-            p = rec.pop_releasable()
-            if p is None:
-                break
-            pages.append(p)
+        pages = self._pop_releasable(rec, limit)
         self._give_back(rec, pages)
         return len(pages)
 
     def _release_for_hot(self, rec: RequestPages, limit: int) -> int:
         """Release up to `limit` of `rec`'s pages, then lease its hot buffer from the blocks they
         freed; nothing (0) unless they free at least the buffer's blocks and the lease fits."""
-        pages: list[int] = []
-        while len(pages) < limit:
-            p = rec.pop_releasable()
-            if p is None:
-                break
-            pages.append(p)
+        pages = self._pop_releasable(rec, limit)
         if len(pages) < self._hot_pages or \
                 self._gpu.num_free_blocks + len(pages) * self._groups < self._hot_blocks:
             rec.unpop_releasable(pages)
@@ -152,6 +142,17 @@ class ResidencyPolicy:
         leased = self._lease_hot(rec)
         assert leased, "the released pages freed at least the hot buffer's blocks"
         return len(pages)
+
+    @staticmethod
+    def _pop_releasable(rec: RequestPages, limit: int) -> list[int]:
+        """Up to `limit` of `rec`'s releasable pages, tail-first, taken out of its releasable list."""
+        pages: list[int] = []
+        while len(pages) < limit:
+            p = rec.pop_releasable()
+            if p is None:
+                break
+            pages.append(p)
+        return pages
 
     def _give_back(self, rec: RequestPages, pages: list[int]) -> None:
         if not pages:

@@ -140,14 +140,7 @@ class StepPlanner:
             if (si < 0 or nc < 0 or end < nc or end > max_tokens or nc < rec.num_sealed * bs
                     or nc > len(req.token_ids)):
                 return None
-            pages_after = -(-end // bs)
-            first_new = len(rec.host)
-            if pages_after > first_new:
-                host_needed += pages_after - first_new
-            first_engine = rec.restore_page if 0 <= rec.restore_page < pages_after else first_new
-            if first_engine < pages_after:
-                self._check_engine_blocks(req, first_engine, pages_after)
-            plans.append((rec, req, si, nc, end, pages_after))
+            host_needed += self._plan_growth(plans, rec, req, si, nc, end)
         if host_needed > self._host.num_free:
             self._no_host_room(host_needed)
         return fast_recs, fast_ends, mirrors, plans
@@ -201,14 +194,7 @@ class StepPlanner:
                 fast_recs.append(rec)
                 fast_ends.append(end)
                 continue
-            pages_after = -(-end // bs)
-            first_new = len(host)
-            if pages_after > first_new:
-                host_needed += pages_after - first_new
-            first_engine = rec.restore_page if 0 <= rec.restore_page < pages_after else first_new
-            if first_engine < pages_after:
-                self._check_engine_blocks(req, first_engine, pages_after)
-            plans.append((rec, req, si, nc, end, pages_after))
+            host_needed += self._plan_growth(plans, rec, req, si, nc, end)
         if len(set(rids)) != len(rids) or (leaving and not leaving.isdisjoint(rids)):
             dup = sorted({r for r in rids if rids.count(r) > 1} | (leaving & set(rids)))
             raise InvalidInputError(f"requests {dup} are scheduled twice, or scheduled and finished/preempted "
@@ -224,6 +210,18 @@ class StepPlanner:
         raise CapacityError(f"this step writes {host_needed} new pages but the host pool has "
                             f"{self._host.num_free} allocatable blocks of {self._host.capacity}; the engine "
                             f"must not schedule more than num_free_host_blocks allows")
+
+    def _plan_growth(self, plans: list[RequestPlan], rec: RequestPages, req: ScheduledRequest, si: int, nc: int,
+                     end: int) -> int:
+        """Append the plan of a request that grows to `end` tokens (its engine blocks checked from the
+        first page it fills or restores); the host pages it adds."""
+        pages_after = -(-end // self._bs)
+        first_new = len(rec.host)
+        first_engine = rec.restore_page if 0 <= rec.restore_page < pages_after else first_new
+        if first_engine < pages_after:
+            self._check_engine_blocks(req, first_engine, pages_after)
+        plans.append((rec, req, si, nc, end, pages_after))
+        return max(0, pages_after - first_new)
 
     def _check_engine_blocks(self, req: ScheduledRequest, first: int, pages_after: int) -> None:
         groups, num_gpu = self._groups, self._gpu.num_blocks

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from core_support import subprocess_env
@@ -72,3 +74,34 @@ def test_docs_backends_example_is_what_the_command_prints() -> None:
                           timeout=120, check=False, env=subprocess_env(COLUMNS="80"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == block.group(1), proc.stdout
+
+
+def _results_data() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((ROOT / "docs" / "figures" / "results.json").read_text())
+    return data
+
+
+def test_results_page_gives_every_figure_its_command() -> None:
+    """docs/results.md shows, beside each plotted dataset, the command that measured it."""
+    page = (ROOT / "docs" / "results.md").read_text()
+    datasets = {name: d for name, d in _results_data().items() if isinstance(d, dict)}
+    assert datasets
+    for name, d in datasets.items():
+        assert d["source"] and d["command"], name
+        assert f"`{d['command']}`" in page, f"docs/results.md lacks {name}'s command: {d['command']}"
+
+
+def test_results_plots_are_drawn_from_the_data(tmp_path: Path) -> None:
+    """Every plot docs/results.md shows is one bench/plot_results.py draws, and it draws them all."""
+    pytest.importorskip("matplotlib")
+    page = (ROOT / "docs" / "results.md").read_text()
+    shown = re.findall(r"!\[[^\]]*\]\(figures/([^)]+\.png)\)", page)
+    assert shown and len(shown) == len(set(shown)), shown
+    for name in shown:
+        assert (ROOT / "docs" / "figures" / name).is_file(), name
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plot_results.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, check=False, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert drawn == sorted(shown), (drawn, shown)
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in drawn)

@@ -25,6 +25,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis_profiles import examples
 
 from hisparse_core.coordinator import HiSparseCoordinator, ImportTarget, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.pages import LEASED_STATES, Lifecycle
@@ -616,7 +617,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 
 CoordinatorMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("HISPARSE_COORD_EXAMPLES", "100")), stateful_step_count=80, deadline=None,
+    max_examples=int(os.environ.get("HISPARSE_COORD_EXAMPLES", examples(100))), stateful_step_count=80, deadline=None,
     report_multiple_bugs=False,
     phases=[p for p in Phase if p is not Phase.shrink or not os.environ.get("HISPARSE_COORD_NO_SHRINK")],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

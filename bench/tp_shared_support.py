@@ -92,7 +92,7 @@ def choose_mapping(world_size: int, device_count: int, forced: Sequence[int] | N
         why = f"{device_count} GPUs visible: one GPU per rank, rank r on GPU r"
     elif device_count == 1:
         why = (f"1 GPU visible: all {world_size} ranks share GPU 0, the two-process stand-in for tensor "
-               "parallelism; one GPU per rank needs nvidia-h200-x2")
+               "parallelism; one GPU per rank needs two CUDA GPUs")
     else:
         why = f"{device_count} GPUs visible for {world_size} ranks: rank r on GPU r % {device_count}"
     return DeviceMapping(devices, why)

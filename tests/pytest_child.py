@@ -9,13 +9,17 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from hypothesis_profiles import selected as selected_profile
+
 
 def run_pytest(args: list[str], cwd: Path, *, timeout: float = 900,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m pytest ARGS` in `cwd`, with this session's HISPARSE_* and PYTEST_* settings left
-    out (the child chooses its own backend) and `env` added."""
+    out (the child chooses its own backend) and `env` added. Under the derandomized `ci` profile
+    the child runs hypothesis's own `ci` profile (derandomized too): it loads no conftest of ours."""
     child = {**{k: v for k, v in os.environ.items() if not k.startswith(("HISPARSE_", "PYTEST_"))}, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "pytest", *args], cwd=cwd, env=child, capture_output=True,
+    profile = ["--hypothesis-profile=ci"] if selected_profile() == "ci" else []
+    return subprocess.run([sys.executable, "-m", "pytest", *profile, *args], cwd=cwd, env=child, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from core_support import subprocess_env, write_dist
+from hypothesis_profiles import selected as selected_profile
 
 ACME_PRIORITY = 1000
 
@@ -165,7 +166,9 @@ def test_new_backend_scaffold_installs_and_passes_the_conformance_suite(tmp_path
     # Few hypothesis examples: acme delegates every part to reference_cpu, on which
     # tests/conformance runs the whole suite at its full counts; here every test of the suite runs
     # on the installed scaffold, which is what this checks. (Arguments go to pytest.)
-    proc = subprocess.run(["bash", str(dist / "ci" / "conformance.sh"), "--hisparse-examples", str(SCAFFOLD_EXAMPLES)],
+    derandomized = ["--hypothesis-profile=ci"] if selected_profile() == "ci" else []
+    proc = subprocess.run(["bash", str(dist / "ci" / "conformance.sh"), "--hisparse-examples", str(SCAFFOLD_EXAMPLES),
+                           *derandomized],
                           env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=900, check=False)
     tail = (proc.stdout + proc.stderr)[-4000:]

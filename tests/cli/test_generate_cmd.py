@@ -25,9 +25,22 @@ def _run(*extra: str) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
+@pytest.fixture(scope="module")
+def json_runs() -> dict[str, tuple[int, str, str]]:
+    """One `generate --json` per model family, shared by the JSON and the table test (a run is
+    most of this module's time)."""
+    return {}
+
+
+def _json_run(runs: dict[str, tuple[int, str, str]], family: str) -> tuple[int, str, str]:
+    if family not in runs:
+        runs[family] = _run("--json", "--model", family)
+    return runs[family]
+
+
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
-def test_generate_json_is_exact_and_reads_host(family: str) -> None:
-    rc, out, _ = _run("--json", "--model", family)
+def test_generate_json_is_exact_and_reads_host(family: str, json_runs: dict[str, tuple[int, str, str]]) -> None:
+    rc, out, _ = _json_run(json_runs, family)
     assert rc == 0
     doc = json.loads(out)
     x, s = doc["exactness"], doc["stats"]
@@ -40,9 +53,14 @@ def test_generate_json_is_exact_and_reads_host(family: str) -> None:
         assert doc["engine"]["index_groups"] == [[0, 1]]
 
 
-def test_generate_table() -> None:
-    rc, out, _ = _run()
+def test_generate_table(json_runs: dict[str, tuple[int, str, str]]) -> None:
+    """The table `generate` prints without --json: `_table` of the same result (the default model's
+    run of the JSON test)."""
+    from hisparse_transformers.cli import _table
+
+    rc, doc, _ = _json_run(json_runs, "deepseek_v32")
     assert rc == 0
+    out = _table(json.loads(doc))
     for needle in ("tokens/s", "hit rate", "host->device", "device->host", "with hisparse", "without",
                    "tokens identical", "max abs logit diff", "EXACT", "cpu device KV per request"):
         assert needle in out, needle

@@ -230,6 +230,10 @@ class HiSparseAttention:
 
         if self.position == 0:
             topk = m.indexer(hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids, cache)
+            if engine.topk_model is not None and engine.topk_model.filled(step):
+                # Benchmarks: the indexer ran (its cost stays in the step); the choice comes from
+                # the locality model (`model_topk.py`).
+                topk = engine.topk_model.take(self.group, b)
             if checker is not None:
                 checker.check_topk(self.layer, session, step, m.indexer,
                                    (hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids),

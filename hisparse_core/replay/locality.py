@@ -166,6 +166,14 @@ def spread_layers(count: int, depth: int = REFERENCE_LAYERS) -> list[int]:
     return [round(i * (depth - 1) / (count - 1)) for i in range(count)]
 
 
+def reference_layers(leaders: Sequence[int], num_layers: int) -> list[int]:
+    """The reference layer (of `REFERENCE_LAYERS`) each indexer layer of an `num_layers`-layer model
+    stands for: layer `l` -> `round(l * 60 / (num_layers - 1))` (a 4-layer model: 0, 20, 40, 60)."""
+    if num_layers <= 1:
+        return [REFERENCE_LAYERS // 2 for _ in leaders]
+    return [round(x * (REFERENCE_LAYERS - 1) / (num_layers - 1)) for x in leaders]
+
+
 class LayeredIndexer:
     """Top-k positions of one request for each of its indexer layers, one decode step at a time.
 

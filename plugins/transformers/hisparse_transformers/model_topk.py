@@ -26,16 +26,9 @@ import numpy as np
 import torch
 
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.replay.locality import REFERENCE_LAYERS, REGIMES, LayeredIndexer, regime
+from hisparse_core.replay.locality import REGIMES, LayeredIndexer, reference_layers, regime
 
 logger = logging.getLogger(__name__)
-
-
-def reference_layers(leaders: Sequence[int], num_layers: int) -> list[int]:
-    """The reference layer each leader stands for: spread over the 61-layer profile."""
-    if num_layers <= 1:
-        return [REFERENCE_LAYERS // 2 for _ in leaders]
-    return [round(x * (REFERENCE_LAYERS - 1) / (num_layers - 1)) for x in leaders]
 
 
 class ModelTopk:

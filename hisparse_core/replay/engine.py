@@ -63,9 +63,9 @@ from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.kvdata import ReferenceKV, RowSource
 from hisparse_core.replay.layout import hot_rows_for, index_groups
 from hisparse_core.replay.locality import REGIMES, LayeredIndexer, reference_layers, regime
-from hisparse_core.residency import parse_resident_layers
 from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
+from hisparse_core.residency import parse_resident_layers
 from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 

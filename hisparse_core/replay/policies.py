@@ -25,12 +25,19 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from hisparse_core.replay.lru_sim import LruHotBuffer
 
 POLICIES = ("lru", "fifo", "random", "clock", "lfu", "belady")
+
+
+class HotBufferModel(Protocol):
+    """One state row's buffer: `access` looks up one step's keys and returns `(hits, misses)`."""
+
+    def access(self, keys: Iterable[int]) -> tuple[int, int]: ...
 
 
 def _unique(keys: Iterable[int]) -> list[int]:
@@ -193,7 +200,7 @@ class BeladyHotBuffer:
         return len(hit_set), len(misses)
 
 
-def make_buffer(policy: str, hot_rows: int, steps: Sequence[np.ndarray], *, seed: int = 0):  # type: ignore[no-untyped-def]
+def make_buffer(policy: str, hot_rows: int, steps: Sequence[np.ndarray], *, seed: int = 0) -> HotBufferModel:
     """A fresh buffer of `policy` (one of `POLICIES`)."""
     if policy == "lru":
         return LruHotBuffer(hot_rows)

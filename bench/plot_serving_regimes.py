@@ -1,12 +1,13 @@
 """The results page's serving plot: decode throughput against batch under both locality regimes.
 
-Reads the `--json` files of `bench_serving.py` runs (each run's rows carry the `topk` it took:
-`benign`, `code` or `indexer`) and draws, per context, tokens/s against batch for hisparse and
+Reads the `--json` files of `bench_serving.py` runs, or their stdout (a JSON row a line, which a
+run cut short still leaves); each run's rows carry the `topk` it took:
+`benign`, `code` or `indexer`. Draws, per context, tokens/s against batch for hisparse and
 all-resident under each regime (top row) and hisparse's step as a ratio to all-resident's at the
 same batch (bottom row: the offloading cost, with the issue's 1.05x and 1.15x targets). Prints
 the figures it plotted as a table, so the page's numbers and the plot come from one read.
 
-Run:  python bench/plot_serving_regimes.py benign.json code.json --png docs/img/serving_regimes.png
+Run:  python bench/plot_serving_regimes.py benign.json code.json --png docs/figures/serving_regimes.png
 """
 
 from __future__ import annotations
@@ -25,13 +26,21 @@ TARGET = {"benign": 1.05, "code": 1.15}
 def load(paths: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for p in paths:
-        data = json.loads(Path(p).read_text())
+        text = Path(p).read_text()
+        if text.lstrip().startswith("["):
+            data = json.loads(text)
+        else:   # bench_serving.py's stdout: one JSON row a line as it goes (what a cut-short run leaves)
+            data = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
         if not isinstance(data, list):
-            raise ValueError(f"{p}: expected the JSON list bench_serving.py --json writes")
+            raise ValueError(f"{p}: expected the JSON list bench_serving.py --json writes, or its stdout")
         rows += [r for r in data if r.get("step_ms") and r.get("mode") in COLOR]
     if not rows:
         raise ValueError(f"no hisparse or all-resident rows with a step time in {paths}")
     return rows
+
+
+def ctx(t: int) -> str:
+    return f"{t // 1024}K" if t >= 1024 else str(t)
 
 
 def tok_s(r: dict[str, Any]) -> float:
@@ -78,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{h['step_ms'] / res['step_ms']:.2f}x" if h and res else "-",
                          f"{100 * h['hit_rate']:.0f}%" if h and "hit_rate" in h else "-",
                          f"{h['h2d_mb_per_step']:.1f}" if h and "h2d_mb_per_step" in h else "-"]
-                print(f"| {t // 1024}K | {reg} | {b} | " + " | ".join(cells) + " |")
-        top.set_title(f"context {t // 1024}K" if t >= 1024 else f"context {t}")
+                print(f"| {ctx(t)} | {reg} | {b} | " + " | ".join(cells) + " |")
+        top.set_title(f"context {ctx(t)}")
         top.set_ylabel("decode tokens/s")
         top.set_xscale("log", base=2)
         top.grid(alpha=0.3)

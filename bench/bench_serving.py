@@ -199,10 +199,12 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                                           block_size=a.block_size, max_batch=b, max_context=s.max_context,
                                           prefill_chunk=a.fill_chunk,
                                           synthetic_topk=None if a.topk_model == "indexer" else a.topk_model)
-        if hs.engine.topk_model is not None:
-            # every decode step of the run (warm-up, timed, profiled) made ahead in one go, in the first warm-up step
-            hs.engine.topk_model.lookahead = a.warmup + a.steps + 3
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
+        if hs.engine.topk_model is not None:
+            # every decode step of the run (warm-up, timed, profiled) made ahead before timing: no step's
+            # host time includes making them
+            hs.engine.topk_model.lookahead = a.warmup + a.steps + 3
+            hs.engine.topk_model.make_ahead(cache.session, [r.pad for r in cache.session.requests], s.context)
         hs.stats()
         host = EngineHostTime(hs)
         host.reset()

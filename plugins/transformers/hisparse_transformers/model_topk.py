@@ -12,7 +12,8 @@ Each request of a session gets a `LayeredIndexer` (seeded by `seed` and the requ
 index group `g`'s leader layer `l` of an `L`-layer model stands for reference layer
 `round(l * 60 / (L - 1))` of the 61-layer profile (a 4-layer model: 0, 20, 40, 60), or the layers
 given. The positions of `lookahead` decode steps are made on the host at the first decode step
-of a session (and again whenever they run out) and copied to the device once; each step then
+of a session (and again whenever they run out; `make_ahead` does it before a benchmark's timed
+steps) and copied to the device once; each step then
 copies its slice into one static buffer on the device (a device-to-device copy, no host work),
 the buffer the attention layers read, so a captured decode graph replays with each step's picks.
 """
@@ -74,20 +75,26 @@ class ModelTopk:
         self._ahead = torch.from_numpy(host).to(self.device)
         self._start = past
 
-    def fill(self, session: object, step: object, pads: Sequence[int], past: int) -> None:
-        """Before a decode forward of a session at padded length `past`: this step's top-k into
-        `buffer` (made ahead; the host works only when the steps made ahead ran out)."""
+    def make_ahead(self, session: object, pads: Sequence[int], past: int) -> None:
+        """Make the top-k of the session's next `lookahead` decode steps, the first at padded length
+        `past` (`fill` calls it when it runs out; a benchmark calls it before timing, so no timed
+        step pays the host work)."""
         if session is not self._session:
             self._session = session
             self._indexers = [LayeredIndexer(self.top_k, self.layers, self.regime, seed=self.seed, request_id=b)
                               for b in range(len(pads))]
             self._ahead = None
+        if self._ahead is not None and past < self._start:
+            raise InvalidInputError(f"synthetic_topk: a decode step at padded length {past}, before the steps "
+                                    f"made ahead from {self._start} (contexts only grow in a session)")
+        self._prepare(pads, past)
+
+    def fill(self, session: object, step: object, pads: Sequence[int], past: int) -> None:
+        """Before a decode forward of a session at padded length `past`: this step's top-k into
+        `buffer` (made ahead; the host works only when the steps made ahead ran out)."""
         t = past - self._start
-        if self._ahead is None or not 0 <= t < self._ahead.shape[0]:
-            if self._ahead is not None and past < self._start:
-                raise InvalidInputError(f"synthetic_topk: a decode step at padded length {past}, before the steps "
-                                        f"made ahead from {self._start} (contexts only grow in a session)")
-            self._prepare(pads, past)
+        if session is not self._session or self._ahead is None or not 0 <= t < self._ahead.shape[0]:
+            self.make_ahead(session, pads, past)
             t = 0
         assert self._ahead is not None
         self.buffer[:, :len(pads)].copy_(self._ahead[t], non_blocking=True)

@@ -15,7 +15,8 @@ locality module's `SCALE`); `--top-k 2048` is the published scale (minutes).
 Last, the replay engine itself (`--no-replay` to skip): the code regime on 4 layers, none resident
 against layer 0 resident at the same hisparse pool; misses and H2D bytes per step, step time.
 
-Run:  python bench/bench_locality.py [--top-k 256] [--steps 160] [--hot 2] [--requests 2] [--backend nvidia]
+Run:  python bench/bench_locality.py [--top-k 256] [--steps 160] [--hot 2] [--requests 2]
+      python bench/bench_locality.py --no-policies --backend nvidia --top-k 2048   (the replay on a GPU)
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--resident-budget", type=int, default=2, help="layers the residency policy may keep resident")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure the replacement policies and the residency model (CPU; --no-policies: the replay "
+                         "engine only)")
     ap.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the replay engine with and without a resident layer")
     ap.add_argument("--backend", default="reference_cpu", help="the replay engine's backend")
@@ -68,6 +72,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.top_k}, {args.steps}/{args.warmup}, {args.hot}, {args.requests}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
+    if args.policies:
+        policies_and_residency(args)
+    if args.replay:
+        replay_residency(args)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def policies_and_residency(args: argparse.Namespace) -> None:
     header = "  " + " " * 13 + " ".join(f"{p:>16}" for p in POLICIES)
     print(f"miss rate per lookup (ratio to LRU), hot buffer {args.hot:g}x top-k {args.top_k}, "
           f"{args.requests} requests x {args.steps - args.warmup} measured steps")
@@ -96,17 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         rest = sum(m for g, m in enumerate(per_layer) if g not in layers) * k
         print(f"  {label:<24}  {rest:9.1f} misses/step  ({rest / total:.2f}x), {len(layers) / 61:.1%} of the KV on "
               f"the GPU (layers {sorted(layers)})")
-    if args.replay:
-        replay_residency(args)
-    print(f"({time.perf_counter() - t0:.0f} s)")
-    return 0
 
 
 def replay_residency(args: argparse.Namespace) -> None:
     """The replay engine (the real coordinator, worker and backend, every entry checked against the
     all-resident copy off) under the code regime, 4 layers standing for reference layers 0, 20, 40,
     60: none resident, then layer 0 resident with the same hisparse pool (the 3 other layers'
-    blocks) plus its own pages. Misses and host-to-device bytes per decode step, step time."""
+    blocks) plus its own pages. Misses and host-to-device bytes per decode step, step time (host
+    Python, mostly), and the decode step's time on the device."""
     from hisparse_core.registry import select_backend
     from hisparse_core.replay.engine import RunConfig
     from hisparse_core.replay.run import run_replay
@@ -120,24 +130,26 @@ def replay_residency(args: argparse.Namespace) -> None:
     # a pool holding the pages of half the requests and a fifth: the next admission makes the coordinator
     # release pages, which are then read through the hot buffer
     per_request = -(-probe.max_tokens // 16) * 4 * 16 * probe.fmt.row_bytes
-    pool = per_request * (probe.requests // 2) + per_request // 5
+    pool = max(per_request * (probe.requests // 2) + per_request // 5, per_request * 3 // 2)
     res = RunConfig(**{**base, "resident_layers": (0,)}).resident_kv_bytes  # type: ignore[arg-type]
     backend = select_backend(args.backend)
     print(f"replay engine ({backend.name}), code regime, 4 layers (reference 0/20/40/60), top-k {k}, "
           f"{base['requests']} requests of {base['context']}+24 tokens, hot 2x:")
-    print("  resident      misses/step  H2D KiB/step  step ms  (ratio)   hit rate (hisparse layers)")
+    print("  resident      misses/step  H2D KiB/step  step ms  decode device ms  (ratios)  hit rate (hisparse layers)")
     first = None
     for layers, budget in (((), pool), ((0,), pool * 3 // 4 + res)):
         s = run_replay(RunConfig(**{**base, "resident_layers": layers, "gpu_kv_bytes": budget}),  # type: ignore[arg-type]
                        backend).summary()
         steps = max(1, int(s["decode_steps"]))  # type: ignore[call-overload]
-        row = (s["misses"] / steps, s["bytes_h2d"] / steps / 1024, s["step_ms_mean"])  # type: ignore[operator]
+        row = (s["misses"] / steps, s["bytes_h2d"] / steps / 1024, s["step_ms_mean"],  # type: ignore[operator]
+               s["decode_device_ms"])
         first = first or row
         if not first[0]:
             print(f"  {str(list(layers)):<12}  no misses: the pool held every page (nothing to compare)")
             return
-        print(f"  {str(list(layers)):<12}  {row[0]:11.1f}  {row[1]:12.1f}  {row[2]:7.1f}  "
-              f"({row[0] / first[0]:.2f}x misses, {row[2] / first[2]:.2f}x step)  {s['hit_rate']:.1%}")
+        print(f"  {str(list(layers)):<12}  {row[0]:11.1f}  {row[1]:12.1f}  {row[2]:7.1f}  {row[3]:16.2f}  "
+              f"({row[0] / first[0]:.2f}x misses, {row[2] / first[2]:.2f}x step, {row[3] / first[3]:.2f}x device)  "
+              f"{s['hit_rate']:.1%}")
 
 
 if __name__ == "__main__":

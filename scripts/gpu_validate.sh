@@ -6,6 +6,7 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
 #                                                             #         tf_tests tf_generate tf_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
+#                                                             #         serving_locality locality (issue 42: under the calibrated locality model, not in the defaults)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
 # TESTS_K selects tests of the tests stage by a pytest -k expression.
@@ -14,6 +15,14 @@
 # POOL_RELEASE_ARGS) passes extra arguments to bench/bench_nvidia.py (bench/bench_host_reads.py,
 # bench/bench_pool_release.py). README_LARGE_REFERENCE=0 skips the reference_cpu run of the large
 # workload in the readme stage (the slowest command there).
+#
+# serving_locality runs bench/bench_serving.py once per locality regime (--topk-model benign, then
+# code; T_SERVING_LOCALITY seconds each, default 150; SERVING_LOCALITY_ARGS replaces the default
+# arguments: 4 layers, --dense-ffn-gb 4.6, 128K then 32K, a 3 GiB budget, hisparse and all-resident,
+# 6 steps after 2 of warm-up), then bench/plot_serving_regimes.py on both logs (rows are read from
+# the logs, so a run cut short by its time limit still counts). locality runs bench/bench_locality.py
+# --no-policies on the nvidia backend (the replay engine with and without a resident layer; T_LOCALITY,
+# LOCALITY_ARGS, default --top-k 2048).
 #
 # tp_shared runs bench/bench_tp_shared.py --json $OUT/tp_shared.json (T_TP_SHARED, default 300;
 # TP_SHARED_ARGS adds arguments, e.g. --quick or --devices 0,0): two rank processes share one
@@ -182,6 +191,21 @@ vllm_ops_bench)  # vLLM's call sequence on hisparse's op set beside the native s
 serving)  # issue 29: decode throughput at a fixed GPU KV budget (SERVING_ARGS)
     run serving "${T_SERVING:-400}" python3 bench/bench_serving.py --json "$OUT/serving.json" --png "$OUT/serving.png" \
         ${SERVING_ARGS:-}
+    ;;
+serving_locality)  # issue 42: serving under the calibrated locality, both regimes, and the regime plot
+    for regime in benign code; do
+        # shellcheck disable=SC2086  # the arguments split on purpose
+        run "serving_$regime" "${T_SERVING_LOCALITY:-150}" python3 bench/bench_serving.py --topk-model "$regime" \
+            --json "$OUT/serving_$regime.json" --png "$OUT/serving_$regime.png" \
+            ${SERVING_LOCALITY_ARGS:---layers 4 --dense-ffn-gb 4.6 --contexts 131072,32768 --gpu-kv-gib 3 --modes hisparse,all-resident --steps 6 --warmup 2}
+    done
+    run serving_regimes 60 python3 bench/plot_serving_regimes.py "$OUT/serving_benign.log" "$OUT/serving_code.log" \
+        --png "$OUT/serving_regimes.png"
+    RC[serving_locality]=$(( RC[serving_benign] | RC[serving_code] | RC[serving_regimes] ))
+    ;;
+locality)  # issue 42: the replay engine with and without a resident layer, on the GPU
+    # shellcheck disable=SC2086
+    run locality "${T_LOCALITY:-120}" python3 bench/bench_locality.py --no-policies --backend nvidia ${LOCALITY_ARGS:---top-k 2048}
     ;;
 tf_generate)
     run tf_generate "${T_TF_GENERATE:-120}" python3 -m hisparse_core generate --backend nvidia --no-progress

@@ -10,7 +10,7 @@ configuration: layers 0-1; by policy: `hisparse_core.residency.choose_resident_l
 measured hit rates), with the share of the KV that stays on the GPU.
 
 CPU only, seeded; the default top-k 256 is the published process at reduced scale (the
-locality module's `SCALE`); `--top-k 2048` is the published scale (minutes).
+locality module's docstring, Scale); `--top-k 2048` is the published scale (minutes).
 
 Last, the replay engine itself (`--no-replay` to skip): the code regime on 4 layers, none resident
 against layer 0 resident at the same hisparse pool; misses and H2D bytes per step, step time.

@@ -4,7 +4,7 @@
 (persistence, jitter, refresh, block spread) to the published GLM-5.1 / LongBench v2 figures
 (`BENIGN_TARGETS`); without `--fit` it measures the shipped model: the benign figures, the code
 regime's consecutive overlap per layer band, adjacent-layer overlap, and the content process's own
-overlap (`CONTENT_OVERLAP`). `--top-k 2048` measures at the published scale (`SCALE` in the
+overlap (`CONTENT_OVERLAP`). `--top-k 2048` measures at the published scale (Scale in the
 locality module: the tests run at 256).
 
 The objective is deterministic (common random numbers: the same seeds for every evaluation);

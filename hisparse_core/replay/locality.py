@@ -10,7 +10,7 @@ Two regimes (the figures and sources: ../shared/research/locality.md):
 
 Model, per request (one `LayeredIndexer`), per indexer layer `l` and decode step `t`. Every
 quantity is a fraction of top-k `k` or of the context, so the process is the same at any `k`
-(`SCALE`):
+(see Scale below):
 
 - sinks, the first `sink_fraction * k` positions, and the recent window, the newest
   `recent_fraction * k`, are picked every step;
@@ -36,7 +36,7 @@ between drift (which comes back) and fresh tokens (which do not) is not publishe
 regime puts all of it beyond the benign process into fresh churn, the pessimistic reading for a
 buffer.
 
-`SCALE`: the published figures are at `k` = 2048; tests run the same process at `k` = 256 with
+Scale: the published figures are at `k` = 2048; tests run the same process at `k` = 256 with
 the same block count per top-k (so the same number of independent units), the same pool, sink,
 window and context multiples; `calibrate_locality --top-k 2048` measures both (docs/results.md).
 """
@@ -154,16 +154,6 @@ def regime(name: str) -> Regime:
     if name not in REGIMES:
         raise ValueError(f"unknown locality regime {name!r}; expected one of {sorted(REGIMES)}")
     return REGIMES[name]
-
-
-def spread_layers(count: int, depth: int = REFERENCE_LAYERS) -> list[int]:
-    """`count` reference layers spread evenly over `depth` (0 and `depth - 1` included): the
-    layers a model of `count` indexer layers stands for by default."""
-    if count <= 0:
-        raise ValueError(f"count must be > 0, got {count}")
-    if count == 1:
-        return [depth // 2]
-    return [round(i * (depth - 1) / (count - 1)) for i in range(count)]
 
 
 def reference_layers(leaders: Sequence[int], num_layers: int) -> list[int]:

@@ -20,9 +20,10 @@ from hisparse_core.replay.calibrate_locality import (
     adjacent_overlap,
     benign_figures,
     consecutive_overlap,
+    policy_miss,
     trace,
 )
-from hisparse_core.replay.locality import LayeredIndexer, churn_for_overlap, regime, spread_layers
+from hisparse_core.replay.locality import LayeredIndexer, churn_for_overlap, reference_layers, regime
 from hisparse_core.replay.lru_sim import LruHotBuffer
 from hisparse_core.replay.policies import POLICIES, ClockHotBuffer, FifoHotBuffer, miss_counts
 from hisparse_core.residency import choose_resident_layers, parse_resident_layers
@@ -96,7 +97,8 @@ def test_churn_inverts_the_overlap_formula() -> None:
     assert churn_for_overlap(1.0) == 0.0
     assert churn_for_overlap(0.0) == 1.0
     assert 0.0 < churn_for_overlap(0.44) < churn_for_overlap(0.35) < 1.0
-    assert spread_layers(4) == [0, 20, 40, 60] and spread_layers(1) == [30]
+    assert reference_layers(range(4), 4) == [0, 20, 40, 60] and reference_layers([0], 1) == [30]
+    assert reference_layers(range(61), 61) == list(range(61))
 
 
 # ------------------------------------------------------------------------------ policies
@@ -160,3 +162,11 @@ def test_resident_layers_by_config_and_by_hit_rate() -> None:
     assert choose_resident_layers(hits, budget=0) == ()
     with pytest.raises(InvalidInputError, match="hit rates"):
         choose_resident_layers([1.5], budget=1)
+
+
+def test_the_residency_policy_picks_the_code_regimes_first_layers() -> None:
+    """On measured LRU hit rates of the code regime, a budget of 2 keeps layers 0-1 resident."""
+    layers = [0, 1, 10, 20, 40, 60]
+    tr = trace(regime("code"), layers, top_k=128, context_multiple=CODE_CONTEXT_MULTIPLE, steps=40, seed=4)
+    hits = [1.0 - policy_miss(tr, "lru", 2, layers=[g], warmup=10) for g in range(len(layers))]
+    assert choose_resident_layers(hits, budget=2) == (0, 1), hits

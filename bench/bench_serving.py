@@ -29,9 +29,10 @@ hisparse's step against all-resident's at the same batch; `hit` the hot-buffer h
 weights: low locality), `H2D MB/step` the host-to-device bytes a step read. `--topk-model benign|code`
 takes the engine modes' decode top-k from the calibrated per-layer locality model of that regime
 (`enable(synthetic_topk=...)`, `hisparse_transformers.model_topk`; the indexer still runs, so its
-cost stays in the step), instead of the random-weight indexer's choice. The replay's calibrated indexer (`hisparse run`: the published locality,
-about 81% hits at 2x top-k) runs the same batches (`replay` rows: hit rate and the decode step's
-device time).
+cost stays in the step), instead of the random-weight indexer's choice; `--skip-indexer` leaves
+the indexer out of those steps, so the difference in step time is the model's own indexer's cost.
+The replay's calibrated indexer (`hisparse run`: the published locality, about 81% hits at 2x
+top-k) runs the same batches (`replay` rows: hit rate and the decode step's device time).
 
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
@@ -205,6 +206,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
             # host time includes making them
             hs.engine.topk_model.lookahead = a.warmup + a.steps + 3
             hs.engine.topk_model.make_ahead(cache.session, [r.pad for r in cache.session.requests], s.context)
+            hs.engine.topk_model.run_indexer = not a.skip_indexer
         hs.stats()
         host = EngineHostTime(hs)
         host.reset()
@@ -219,7 +221,8 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
         st = hs.stats()
         out.update(hit_rate=st.hit_rate, released=st.released_pages, decode_mode=st.decode_mode,
                    planned=hs.engine.ahead.claimed, misses_per_step=st.misses / steps,
-                   h2d_mb_per_step=st.h2d_bytes / steps / 1e6, topk=a.topk_model)
+                   h2d_mb_per_step=st.h2d_bytes / steps / 1e6,
+                   topk=a.topk_model + ("-no-indexer" if a.skip_indexer else ""))
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc).split(".")[0]
     finally:
@@ -438,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk-model", choices=("indexer", "benign", "code"), default="indexer",
                    help="where the engine modes' decode top-k comes from: the model's indexer (random weights), or "
                         "the calibrated locality model of a regime (enable(synthetic_topk=...); the indexer still runs)")
+    p.add_argument("--skip-indexer", action="store_true",
+                   help="with --topk-model: decode steps skip the model's indexer (its cost, measured as the "
+                        "difference to a run with it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
@@ -450,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         a.dense_ffn_gb = a.dense_ffn_gb and 1e-4
     if a.gpu_kv_gib is None:
         a.gpu_kv_gib = 24.0
+    if a.skip_indexer and a.topk_model == "indexer":
+        print("bench_serving: --skip-indexer needs --topk-model benign or code (the indexer's choice is what "
+              "--topk-model indexer attends)", file=sys.stderr)
+        return 2
     device = "cpu" if a.smoke else "cuda"
     contexts = [int(x) for x in a.contexts.split(",")]
     asked = [int(x) for x in a.batches.split(",")] if a.batches else None

@@ -5,7 +5,8 @@ run cut short still leaves); each run's rows carry the `topk` it took:
 `benign`, `code` or `indexer`. Draws, per context, tokens/s against batch for hisparse and
 all-resident under each regime (top row) and hisparse's step as a ratio to all-resident's at the
 same batch (bottom row: the offloading cost, with the issue's 1.05x and 1.15x targets). Prints
-the figures it plotted as a table, so the page's numbers and the plot come from one read.
+the figures it plotted as a table, so the page's numbers and the plot come from one read, and,
+where a run with `--skip-indexer` sits beside one without, the indexer's share of the step.
 
 Run:  python bench/plot_serving_regimes.py benign.json code.json --png docs/figures/serving_regimes.png
 """
@@ -39,6 +40,14 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def style(reg: str) -> str:
+    return STYLE.get(reg.split("-")[0], "-.")
+
+
+def marker(reg: str) -> str:
+    return "s" if reg.endswith("-no-indexer") else "o"
+
+
 def ctx(t: int) -> str:
     return f"{t // 1024}K" if t >= 1024 else str(t)
 
@@ -63,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     contexts = sorted({r["context"] for r in rows})
-    regimes = [x for x in STYLE if any(r.get("topk", "indexer") == x for r in rows)]
+    # every top-k source in the files, in the order first met (`code-no-indexer`: --skip-indexer)
+    regimes = list(dict.fromkeys(r.get("topk", "indexer") for r in rows))
     fig, axes = plt.subplots(2, len(contexts), figsize=(6 * len(contexts), 8), squeeze=False, sharex="col")
     print("| context | regime | batch | hisparse tok/s | all-resident tok/s | step ratio | hits | H2D MB/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -74,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
             for mode, color in COLOR.items():
                 pts = sorted((b, tok_s(r)) for (m, b), r in mine.items() if m == mode)
                 if pts:
-                    top.plot(*zip(*pts, strict=True), STYLE[reg], marker="o", color=color, label=f"{mode}, {reg}")
+                    top.plot(*zip(*pts, strict=True), style(reg), marker=marker(reg), color=color,
+                             label=f"{mode}, {reg}")
             ratio = sorted((b, r["step_ms"] / mine[("all-resident", b)]["step_ms"]) for (m, b), r in mine.items()
                            if m == "hisparse" and ("all-resident", b) in mine)
             if ratio:
-                bottom.plot(*zip(*ratio, strict=True), STYLE[reg], marker="o", color="tab:blue", label=reg)
+                bottom.plot(*zip(*ratio, strict=True), style(reg), marker=marker(reg), color="tab:blue", label=reg)
             if reg in TARGET:
-                bottom.axhline(TARGET[reg], ls=STYLE[reg], color="gray", lw=0.8)
+                bottom.axhline(TARGET[reg], ls=style(reg), color="gray", lw=0.8)
             for b in sorted({b for (_, b) in mine}):
                 h, res = mine.get(("hisparse", b)), mine.get(("all-resident", b))
                 cells = [f"{tok_s(h):.1f}" if h else "-", f"{tok_s(res):.1f}" if res else "-",
@@ -97,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         bottom.set_xlabel("batch (concurrent requests)")
         bottom.grid(alpha=0.3)
         bottom.legend(fontsize=8)
+    # The model's own indexer: a run with it against one without it (--skip-indexer), same regime.
+    by = {(r.get("topk", "indexer"), r["mode"], r["context"], r["batch"]): r for r in rows}
+    shares = [(t, reg, mode, b, 1.0 - r["step_ms"] / by[(reg, mode, t, b)]["step_ms"])
+              for (src, mode, t, b), r in sorted(by.items()) if src.endswith("-no-indexer")
+              for reg in [src.removesuffix("-no-indexer")] if (reg, mode, t, b) in by]
+    for t, reg, mode, b, share in shares:
+        print(f"indexer share of the step, {mode}, {reg}, {ctx(t)}, batch {b}: {share:.0%}")
     fig.tight_layout()
     fig.savefig(a.png, dpi=120)
     plt.close(fig)

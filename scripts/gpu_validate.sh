@@ -16,8 +16,9 @@
 # bench/bench_pool_release.py). README_LARGE_REFERENCE=0 skips the reference_cpu run of the large
 # workload in the readme stage (the slowest command there).
 #
-# serving_locality runs bench/bench_serving.py once per locality regime (--topk-model benign, then
-# code; T_SERVING_LOCALITY seconds each, default 150; SERVING_LOCALITY_ARGS replaces the default
+# serving_locality runs bench/bench_serving.py once per name in SERVING_LOCALITY_RUNS (default
+# "benign code": --topk-model of that regime; "code-no-indexer": the same with --skip-indexer, for
+# the indexer's share of the step); T_SERVING_LOCALITY seconds each, default 150; SERVING_LOCALITY_ARGS replaces the default
 # arguments: 4 layers, --dense-ffn-gb 4.6, 128K then 32K, a 3 GiB budget, hisparse and all-resident,
 # 6 steps after 2 of warm-up), then bench/plot_serving_regimes.py on both logs (rows are read from
 # the logs, so a run cut short by its time limit still counts). locality runs bench/bench_locality.py
@@ -192,16 +193,22 @@ serving)  # issue 29: decode throughput at a fixed GPU KV budget (SERVING_ARGS)
     run serving "${T_SERVING:-400}" python3 bench/bench_serving.py --json "$OUT/serving.json" --png "$OUT/serving.png" \
         ${SERVING_ARGS:-}
     ;;
-serving_locality)  # issue 42: serving under the calibrated locality, both regimes, and the regime plot
-    for regime in benign code; do
+serving_locality)  # issue 42: serving under the calibrated locality, each run of SERVING_LOCALITY_RUNS, and the plot
+    logs=()
+    RC[serving_locality]=0
+    for name in ${SERVING_LOCALITY_RUNS:-benign code}; do
+        regime=${name%-no-indexer}
+        skip=()
+        [ "$regime" != "$name" ] && skip=(--skip-indexer)
         # shellcheck disable=SC2086  # the arguments split on purpose
-        run "serving_$regime" "${T_SERVING_LOCALITY:-150}" python3 bench/bench_serving.py --topk-model "$regime" \
-            --json "$OUT/serving_$regime.json" --png "$OUT/serving_$regime.png" \
+        run "serving_$name" "${T_SERVING_LOCALITY:-150}" python3 bench/bench_serving.py --topk-model "$regime" "${skip[@]}" \
+            --json "$OUT/serving_$name.json" --png "$OUT/serving_$name.png" \
             ${SERVING_LOCALITY_ARGS:---layers 4 --dense-ffn-gb 4.6 --contexts 131072,32768 --gpu-kv-gib 3 --modes hisparse,all-resident --steps 6 --warmup 2}
+        logs+=("$OUT/serving_$name.log")
+        RC[serving_locality]=$(( RC[serving_locality] | RC[serving_$name] ))
     done
-    run serving_regimes 60 python3 bench/plot_serving_regimes.py "$OUT/serving_benign.log" "$OUT/serving_code.log" \
-        --png "$OUT/serving_regimes.png"
-    RC[serving_locality]=$(( RC[serving_benign] | RC[serving_code] | RC[serving_regimes] ))
+    run serving_regimes 60 python3 bench/plot_serving_regimes.py "${logs[@]}" --png "$OUT/serving_regimes.png"
+    RC[serving_locality]=$(( RC[serving_locality] | RC[serving_regimes] ))
     ;;
 locality)  # issue 42: the replay engine with and without a resident layer, on the GPU
     # shellcheck disable=SC2086

@@ -70,6 +70,33 @@ def test_decode_steps_resolve_the_models_topk(model: torch.nn.Module) -> None:
             assert np.array_equal(np.sort(got[row].cpu().numpy()), np.sort(want)), (row, t)
 
 
+def test_decode_steps_can_leave_the_indexer_out(model: torch.nn.Module) -> None:
+    """`run_indexer = False`: decode steps do not call the indexer; they still resolve the model's picks."""
+    ids, mask = random_prompts([29, 18], seed=6)
+    new = 5
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, check=False, synthetic_topk="benign")) as hs:
+        engine = hs.engine
+        assert engine.topk_model is not None
+        engine.topk_model.run_indexer = False
+        calls = {"n": 0}
+        idx = model.model.layers[0].self_attn.indexer
+        forward = idx.forward
+
+        def counted(*a: Any, **k: Any) -> Any:
+            calls["n"] += 1
+            return forward(*a, **k)
+
+        idx.forward = counted
+        try:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, **GEN)
+        finally:
+            del idx.forward
+        assert engine.topk_model.steps == new - 1
+    # Only the prefill chunks (29 padded tokens in chunks of 8) ran the indexer.
+    assert calls["n"] == 4, calls
+    assert out.sequences.shape[1] == 29 + new
+
+
 def test_bad_synthetic_topk_is_one_line(model: torch.nn.Module) -> None:
     for over, msg in ((dict(synthetic_topk="chat"), "expected one of"),
                       (dict(synthetic_topk="code", check=True), "check=False"),

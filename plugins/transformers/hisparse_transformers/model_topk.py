@@ -16,6 +16,9 @@ of a session (and again whenever they run out; `make_ahead` does it before a ben
 steps) and copied to the device once; each step then
 copies its slice into one static buffer on the device (a device-to-device copy, no host work),
 the buffer the attention layers read, so a captured decode graph replays with each step's picks.
+
+`run_indexer = False` (benchmarks of the indexer's own cost) skips the indexer in those decode
+steps: it neither scores nor stores the step's key, which nothing reads while the model chooses.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class ModelTopk:
         self._indexers: list[LayeredIndexer] = []
         self._session: object | None = None
         self.steps = 0
+        #: False: decode steps skip the indexer (its keys of those steps are not written): the
+        #: difference in step time is the indexer's cost (bench_serving.py --skip-indexer)
+        self.run_indexer = True
         self._step: object | None = None              # the StepState `fill` last ran for
         logger.info("hisparse: decode top-k from the %s locality model (benchmarks only; the indexer still runs), "
                     "index-group leaders standing for reference layers %s", regime_name, self.layers)

@@ -282,8 +282,10 @@ class ReplayEngine:
             upper = min(upper, self.resident_blocks // self.pages_per_request)
         self.max_running = c.concurrency if c.concurrency else upper
         if p.gpu_blocks < self.admission_blocks:
+            kept = (f" ({c.resident_kv_bytes} B of it kept for resident layers {list(c.resident_layers)}: their pages "
+                    f"for {c.concurrency or c.requests} requests)" if c.resident_layers else "")
             raise CapacityError(
-                f"GPU KV budget of {c.gpu_kv_bytes} B holds {p.gpu_blocks} blocks of {p.block_bytes} B; one admission "
+                f"GPU KV budget of {c.gpu_kv_bytes} B{kept} holds {p.gpu_blocks} blocks of {p.block_bytes} B; one admission "
                 f"of a {c.max_tokens}-token request needs {self.admission_blocks} ({self.pages_per_request} pages + "
                 f"{self.indexer_blocks} indexer + {admission_hot} hot): raise --gpu-kv or lower --context")
         # Both budgets are checked before anything is built: the coordinator's host block pool

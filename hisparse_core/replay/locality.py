@@ -280,8 +280,10 @@ class LayeredIndexer:
             else:
                 idx = idx[:picks]
             n_drop = round(prof.churn * picks)
-            if n_drop:
-                idx = idx[np.argsort(drop[idx], kind="stable")[n_drop:]]
+            if n_drop >= idx.size:
+                idx = idx[:0]
+            elif n_drop:  # keep all but the n_drop smallest draws (a set: ordered by score below)
+                idx = idx[np.argpartition(drop[idx], n_drop)[n_drop:]]
             kept = pos[idx]
             kept = kept[np.argsort(-(score[idx] + static[idx]), kind="stable")]
             need = m - kept.size

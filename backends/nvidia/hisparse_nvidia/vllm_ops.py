@@ -33,7 +33,7 @@ from hisparse_nvidia.kernels import LoadedKernels, vllm_ops_build
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
 COPY_BLOCKS_PER_SM = 4
 #: Shared memory the resolver may take for its hash (12 bytes a bucket) and LRU order (2 bytes a slot).
-RESOLVE_SMEM_BUDGET = 200 * 1024
+RESOLVE_SMEM_BUDGET = 222 * 1024
 
 
 def resolve_threads(k: int, h: int) -> int:

@@ -710,19 +710,19 @@ def main(argv: list[str] | None = None) -> int:
         for rpr in (1, 4):
             for m in misses_list:
                 for b in batches:
-                    for r in vllm_ops_rows(bench, m, b, rpr):
-                        assert r.baseline_us is not None
-                        ref = vllm_reference(m, b) if rpr == 1 else None
+                    for vrow in vllm_ops_rows(bench, m, b, rpr):
+                        assert vrow.baseline_us is not None
+                        vref = vllm_reference(m, b) if rpr == 1 else None
                         if m in (RESIDENT, 0):
-                            tgt, ok = f"<= native+1.5 ({r.baseline_us + 1.5:.2f})", r.ours_us <= r.baseline_us + 1.5
+                            vtgt, met = f"<= native+1.5 ({vrow.baseline_us + 1.5:.2f})", vrow.ours_us <= vrow.baseline_us + 1.5
                         else:
-                            tgt, ok = "<= 1.10x native", r.ours_us <= 1.10 * r.baseline_us
-                        ok = ok and (ref is None or r.ours_us < ref)
-                        print(f"{r.scenario.removeprefix('vLLM '):<30} {miss_label(m):>4} {rpr:>3} {b:>3} "
-                              f"{r.ours_us:9.2f} {r.baseline_us:9.2f} {r.ours_us / r.baseline_us:6.2f} "
-                              f"{(f'{ref:8.2f}' if ref else '       -')} "
-                              f"{(f'{r.ours_us / ref:6.2f}' if ref else '     -')}  "
-                              f"{tgt} {'met' if ok else 'NOT met'}; {r.note}", flush=True)
+                            vtgt, met = "<= 1.10x native", vrow.ours_us <= 1.10 * vrow.baseline_us
+                        met = met and (vref is None or vrow.ours_us < vref)
+                        print(f"{vrow.scenario.removeprefix('vLLM '):<30} {miss_label(m):>4} {rpr:>3} {b:>3} "
+                              f"{vrow.ours_us:9.2f} {vrow.baseline_us:9.2f} {vrow.ours_us / vrow.baseline_us:6.2f} "
+                              f"{(f'{vref:8.2f}' if vref else '       -')} "
+                              f"{(f'{vrow.ours_us / vref:6.2f}' if vref else '     -')}  "
+                              f"{vtgt} {'met' if met else 'NOT met'}; {vrow.note}", flush=True)
         return 0
     if args.profile_target:
         bench.profile_target()

@@ -644,7 +644,7 @@ def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8, rpr: int = 1) 
     for label, copy in (("vLLM resolve + gather_compact", lambda: ops.hisparse_gather_compact(host, bench.cache, sh,
                                                                                                 sd, sc)),
                         ("vLLM resolve + gather_plan", lambda: ops.hisparse_gather_plan(host, bench.cache, resolved, out,
-                                                                                          mask, rsi, None, 0))):
+                                                                                          mask, state, None, 0))):
         dgi.fill_(-1)
         lru.copy_(torch.arange(h, dtype=torch.int16, device=dev).repeat(b, 1))
         for t in topks:  # warm-up outside capture (a whole cycle: the steady state the graph replays)

@@ -40,6 +40,13 @@ def test_readme_set_up_commands_start_from_a_fresh_venv() -> None:
         assert "pip install torch==2.13.0 && pip install -e " in command
 
 
+def test_install_page_gives_the_readme_commands() -> None:
+    """docs/install.md repeats the README's two set-up commands; they stay the same commands."""
+    page = (ROOT / "docs" / "install.md").read_text()
+    on_page = [b.strip() for b in re.findall(r"```bash\n(.*?)```", page, flags=re.S) if b.startswith("python3 -m venv")]
+    assert on_page == [c for c in readme_commands() if c.startswith("python3 -m venv .venv")]
+
+
 #: The page that shows `hisparse backends`' output.
 CLI_PAGE = ROOT / "docs" / "cli.md"
 

@@ -697,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="--vllm-ops cells: misses per request (R: every page resident), comma-separated")
     ap.add_argument("--vllm-ops-batches", default=",".join(map(str, VLLM_OPS_BATCHES)),
                     help="--vllm-ops cells: batches, comma-separated")
+    ap.add_argument("--vllm-ops-rows", default="1,4", help="--vllm-ops cells: rows a request, comma-separated")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_nvidia: no CUDA device", file=sys.stderr)
@@ -707,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = [int(x) for x in args.vllm_ops_batches.split(",")]
         print(f"{'scenario':<30} {'M':>4} {'rpr':>3} {'B':>3} {'us':>9} {'native':>9} {'x nat':>6} "
               f"{'vLLM':>8} {'x vLLM':>6}  target / note")
-        for rpr in (1, 4):
+        for rpr in [int(x) for x in args.vllm_ops_rows.split(",")]:
             for m in misses_list:
                 for b in batches:
                     for vrow in vllm_ops_rows(bench, m, b, rpr):

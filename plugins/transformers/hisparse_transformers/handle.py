@@ -208,8 +208,9 @@ class HiSparseHandle:
             if len(prompts) != batch:
                 raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
-            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens)
+            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens, cache.candidates)
             cache.session.speculative = cache.assisted
+            cache.session.direct = not cache.generating
         elif cache.session.batch_size != batch:
             raise InvalidInputError(f"the forward has {batch} rows; this cache's batch has {cache.session.batch_size}")
         self.engine.begin_step(cache.session, input_ids, num_new)
@@ -426,11 +427,12 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     pads = left_padding(mask)
     rows = input_ids.detach().to("cpu").tolist()
     new = _max_new_tokens(model, kwargs, int(input_ids.shape[1]))
+    cache.generating = True
     if plan is not None:
         cache.assisted = True
-        if new is not None:
-            new += plan.candidates       # a verification step writes candidates past the last token kept
-    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, new)
+    # A verification step writes up to `candidates` tokens past the last token it keeps.
+    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, new,
+                      plan.candidates if plan is not None else 0)
     gen = kwargs.get("generation_config")
     if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
         kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk

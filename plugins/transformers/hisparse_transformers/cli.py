@@ -138,6 +138,9 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                          f"{f2['max_abs_logit_diff']:.2e} over {f2['steps']} steps"),
         ("rows checked", f"{x['rows_checked']} rows read, each equal to the model's own latent (max abs diff "
                          f"{x['rows_max_abs_diff']:.1e})"),
+        ("top-k checked", f"{x['topk_checked']} queries against the model's own indexer; decided at a tie: "
+                          f"{x['topk_boundary_ties']} exact, {x['topk_near_ties']} near (where the model's own "
+                          "generate may pick another key)"),
         ("result", "EXACT" if x["exact"] else f"FAILED (tolerance {x['logit_tolerance']:.0e})"),
     ]
     return render_table(rows, "hisparse generate")

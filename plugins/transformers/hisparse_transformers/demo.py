@@ -165,6 +165,8 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
         "exactness": {"first_batch": exact1, "second_batch": exact2, "logit_tolerance": LOGIT_TOLERANCE,
                       "rows_checked": stats.checked_entries, "rows_max_abs_diff": stats.checked_max_abs_diff,
                       "topk_checked": stats.checked_topk_queries, "topk_ties": stats.checked_topk_ties,
+                      "topk_boundary_ties": stats.checked_topk_boundary_ties,
+                      "topk_near_ties": stats.checked_topk_near_ties,
                       "exact": exact1["exact"] and exact2["exact"]},
         "first_batch": first.to_json(),
         "stats": stats.to_json(),

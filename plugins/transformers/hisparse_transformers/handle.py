@@ -309,7 +309,9 @@ class HiSparseHandle:
             checked_entries=checker.totals.entries if checker else 0,
             checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0, decode_mode=self.graphs.mode,
             graph_captures=self.graphs.captures, checked_topk_queries=checker.totals.topk_queries if checker else 0,
-            checked_topk_ties=checker.totals.topk_ties if checker else 0, verify_steps=t.verify_steps,
+            checked_topk_ties=checker.totals.topk_ties if checker else 0,
+            checked_topk_boundary_ties=checker.totals.topk_boundary_ties if checker else 0,
+            checked_topk_near_ties=checker.totals.topk_near_ties if checker else 0, verify_steps=t.verify_steps,
             verify_rows=t.verify_rows, union_entries=union[0], union_shared_entries=union[0] - union[1],
             rollbacks=t.rollbacks, rolled_back_tokens=t.rolled_back_tokens)
 

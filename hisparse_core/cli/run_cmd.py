@@ -214,7 +214,7 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
                                + (f" ({base / per_req:.2f}x less)" if per_req == per_req and per_req else "")),
         ("max concurrency", ""),
         ("with hisparse", f"{s['max_concurrency_hisparse_measured']} measured{reached}; planner "
-                          f"{s['max_concurrency_hisparse_planned']}{_planner_note(s)}"),
+                          f"{s['max_concurrency_hisparse_planned']}{_planner_note(s, where)}"),
         ("all resident", f"{s['max_concurrency_all_resident_measured']} measured; planner "
                          f"{s['max_concurrency_all_resident_planned']}"),
         ("correctness", ""),
@@ -228,15 +228,16 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
     return render_table(rows, "hisparse run")
 
 
-def _planner_note(s: dict[str, Any]) -> str:
-    """Why the planner's figure is what it is, and why the measured one may differ from it."""
+def _planner_note(s: dict[str, Any], where: str = "GPU") -> str:
+    """Why the planner's figure is what it is, and why the measured one may differ from it
+    (`where`: what the output calls the KV pool's memory, `kv_place`)."""
     gpu, host = s["max_concurrency_hisparse_planned_gpu"], s["max_concurrency_hisparse_planned_host"]
     measured, planned = s["max_concurrency_hisparse_measured"], s["max_concurrency_hisparse_planned"]
     if s["max_concurrency_planned_bound_by"] == "host pool":
-        note = (f" (bound by the host pool: --host holds the whole KV of {host} requests, the GPU budget alone "
+        note = (f" (bound by the host pool: --host holds the whole KV of {host} requests, the {where} budget alone "
                 f"would run {gpu})")
     else:
-        note = f" (bound by the GPU budget; the host pool holds {host})"
+        note = f" (bound by the {where} budget; the host pool holds {host})"
     if measured > planned:
         note += "; measured above plan: requests sharing a prompt prefix share its host blocks, which the planner " \
                 "does not count"

@@ -180,12 +180,12 @@ def test_the_planner_figure_says_what_bounds_it_and_why_measured_differs() -> No
     s = {"max_concurrency_hisparse_planned_gpu": 49, "max_concurrency_hisparse_planned_host": 18,
          "max_concurrency_hisparse_measured": 19, "max_concurrency_hisparse_planned": 18,
          "max_concurrency_planned_bound_by": "host pool", "gpu_limit_reached": True}
-    note = _planner_note(s)
+    note = _planner_note(s, "GPU")
     assert "bound by the host pool: --host holds the whole KV of 18 requests, the GPU budget alone would run 49" in note
     assert "measured above plan" in note and "prefix" in note
     s.update(max_concurrency_hisparse_planned_host=80, max_concurrency_hisparse_planned=49,
              max_concurrency_hisparse_measured=49, max_concurrency_planned_bound_by="GPU")
-    assert _planner_note(s) == " (bound by the GPU budget; the host pool holds 80)"
+    assert _planner_note(s, "cpu device") == " (bound by the cpu device budget; the host pool holds 80)"
 
 
 def test_run_planner_figure_is_the_smaller_of_gpu_and_host() -> None:

@@ -38,8 +38,9 @@ def context_range(inputs: PlanInputs, extra: Sequence[int] = ()) -> tuple[int, i
     """Contexts a plot spans: from well inside the resident regime to well past the plan's
     context and the hot buffer (and every context in `extra`), at most 2**24 tokens."""
     hot = inputs.hot_rows
-    lo = max(1, min([hot // 8, inputs.context, *extra]))
-    hi = min(1 << 24, max([4 * inputs.context, 16 * hot, *extra]))
+    # Every marked context at least a factor 2 inside the edges, so its marker is drawn whole.
+    lo = max(1, min([hot // 8, inputs.context // 2, *(e // 2 for e in extra)]))
+    hi = min(1 << 24, max([4 * inputs.context, 16 * hot, *(2 * e for e in extra)]))
     return lo, hi
 
 

@@ -19,7 +19,6 @@ from tf_support import BLOCK, SHAPES, tiny_model
 
 import hisparse_transformers
 from hisparse_core.errors import CapacityError, InvalidInputError
-from hisparse_transformers.cache import UnsupportedCacheOperation
 from hisparse_transformers.engine import required_gpu_blocks
 
 pytest.importorskip("transformers")
@@ -308,6 +307,8 @@ def test_crop_takes_a_0dim_tensor_and_undoes_a_decode_step_that_completed_a_page
     generation passes in transformers 5.17/5.18, on the model's device), another token in its place:
     logits as the model's own cache doing the same."""
     from transformers import DynamicCache
+
+    from hisparse_transformers.cache import UnsupportedCacheOperation
 
     model = ds_model
     g = torch.Generator().manual_seed(21)

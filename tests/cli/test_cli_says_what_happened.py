@@ -248,3 +248,22 @@ def test_without_a_gpu_the_nvidia_backend_names_the_missing_gpu_not_a_pip_instal
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     reason = plugin.probe()
     assert reason is not None and reason.startswith("needs a CUDA GPU") and "pip" not in reason
+
+
+def test_a_failed_check_under_json_is_a_json_document_with_passed_false(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from hisparse_core.replay import kvdata
+
+    real = kvdata.ReferenceKV.write
+
+    def skewed(self, layer, start, rows):  # type: ignore[no-untyped-def]
+        real(self, layer, start, rows)
+        if layer == 1 and start == 100:  # the first decode token of a 100-token prompt: always attended
+            self.data[1, 100, 20] += 1
+
+    monkeypatch.setattr(kvdata.ReferenceKV, "write", skewed)
+    assert main([*TINY, "--json"]) == 1
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["passed"] is False and doc["check"] == "fail" and "position 100" in doc["error"]
+    assert "FAILED" in captured.err

@@ -50,6 +50,7 @@ from hisparse_core.cli.options import (
     import_torch,
     int_in,
     kv_place,
+    plot_format,
     size_in,
 )
 from hisparse_core.errors import HiSparseError
@@ -100,7 +101,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w = p.add_argument_group("workload (defaults: the preset's, else these)")
     w.add_argument("--requests", type=int_in(1, MAX_REQUESTS), metavar="N",
                    help=f"requests offered (default: {d['requests']}; at most {MAX_REQUESTS})")
-    w.add_argument("--context", type=int_in(1, MAX_TOKENS), metavar="TOKENS",
+    w.add_argument("--context", type=int_in(2, MAX_TOKENS), metavar="TOKENS",
                    help=f"prompt tokens per request (default: {d['context']}; at most {MAX_TOKENS})")
     w.add_argument("--decode-tokens", type=int_in(1, MAX_TOKENS), metavar="N",
                    help=f"tokens each request decodes (default: {d['decode_tokens']})")
@@ -224,21 +225,43 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
         ("speculative", f"{s['speculative_rows_rejected']} rows rejected and rolled back in "
                         f"{s['speculative_rollbacks']} request steps (acceptance {c['acceptance']:g})"),
         ("prefix-hit tokens", f"{s['prefix_hit_tokens']} (prefill computed {s['prefill_tokens_computed']} tokens)"),
-        ("requests", f"{s['requests_admitted']} admitted, {s['requests_finished']} finished"),
+        ("requests", f"{s['requests_admitted']} admitted, {s['requests_finished']} finished"
+                     + (f"; {s['requests_unfinished']} of {c['requests']} unfinished: the run stopped at its "
+                        f"{c['steps']}-step limit (raise --steps to let them finish)"
+                        if s["stopped_at_step_limit"] else "")),
         ("memory", ""),
         (f"{where} KV per request", f"{human_bytes(per_req)} at peak concurrency vs {human_bytes(base)} all-resident"
                                + (f" ({base / per_req:.2f}x less)" if per_req == per_req and per_req else "")),
         ("max concurrency", ""),
         ("with hisparse", f"{s['max_concurrency_hisparse_measured']} measured{reached}; planner "
-                          f"{s['max_concurrency_hisparse_planned']}"),
+                          f"{s['max_concurrency_hisparse_planned']}{_planner_note(s, where)}"),
         ("all resident", f"{s['max_concurrency_all_resident_measured']} measured; planner "
                          f"{s['max_concurrency_all_resident_planned']}"),
         ("correctness", ""),
-        ("attention check", f"{s['attention_entries_checked']} entries compared, all byte-identical, "
-                            f"outputs equal"),
+        ("attention check", f"PASS: {s['attention_entries_checked']} entries compared, all byte-identical, "
+                            "outputs equal" if s["passed"] else
+                            "NOTHING CHECKED: 0 entries compared (no decode step read the KV; a request decodes "
+                            "from its second token on: raise --decode-tokens to 2 or more and --steps so a decode "
+                            "step runs)"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
     return render_table(rows, "hisparse run")
+
+
+def _planner_note(s: dict[str, Any], where: str = "GPU") -> str:
+    """Why the planner's figure is what it is, and why the measured one may differ from it
+    (`where`: what the output calls the KV pool's memory, `kv_place`)."""
+    gpu, host = s["max_concurrency_hisparse_planned_gpu"], s["max_concurrency_hisparse_planned_host"]
+    measured, planned = s["max_concurrency_hisparse_measured"], s["max_concurrency_hisparse_planned"]
+    if s["max_concurrency_planned_bound_by"] == "host pool":
+        note = (f" (bound by the host pool: --host holds the whole KV of {host} requests, the {where} budget alone "
+                f"would run {gpu})")
+    else:
+        note = f" (bound by the {where} budget; the host pool holds {host})"
+    if measured > planned:
+        note += "; measured above plan: requests sharing a prompt prefix share its host blocks, which the planner " \
+                "does not count"
+    return note
 
 
 def run(args: argparse.Namespace) -> int:
@@ -276,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hisparse run: interrupted at step {acc['step']}", file=sys.stderr)
         return 130
     except AttentionMismatch as exc:
+        if args.json:
+            print(dumps({"check": "fail", "passed": False, "error": str(exc)}))
         print(f"hisparse run: FAILED: {exc}", file=sys.stderr)
         return 1
     except (HiSparseError, ValueError) as exc:
@@ -287,8 +312,8 @@ def run(args: argparse.Namespace) -> int:
         from hisparse_core.replay.plot import write_plot
 
         try:
-            write_plot(result, config, args.plot)
+            write_plot(result, config, args.plot, plot_format(args.plot))
         except (HiSparseError, OSError) as exc:
             return fail("hisparse run", f"the run finished (figures above) but --plot failed: {exc}")
-        logger.info("plot written to %s", args.plot)
+        logger.info("plot written to %s (%s)", args.plot, plot_format(args.plot).upper())
     return 0

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from hisparse_core.backend import Backend
-from hisparse_core.capacity import check_device_memory, check_host_memory
+from hisparse_core.capacity import HOST_FRACTION, check_device_memory, check_host_memory, device_free_bytes
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.ahead import StepAhead
 from hisparse_core.coordinator.config import GIB
@@ -67,6 +67,7 @@ from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
 from hisparse_core.residency import parse_resident_layers
 from hisparse_core.types import OffloadCommand
+from hisparse_core.units import ceil_size, floor_size, human_bytes
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 
 logger = logging.getLogger(__name__)
@@ -242,6 +243,20 @@ class EngineTotals:
     pages: dict[str, int] = field(default_factory=dict)   # coordinator page and host-block counters
 
 
+def _check_host_blocks(c: RunConfig, config: CoordinatorConfig) -> None:
+    """`CapacityError` in the flags' words unless `--host` holds one whole request and the active
+    tail (the coordinator's own rule, `HiSparseCoordinator`)."""
+    usable = max(0, config.host_num_blocks - 1)
+    if usable >= config.min_host_blocks:
+        return
+    need = (config.min_host_blocks + 1) * config.host_block_stride
+    raise CapacityError(
+        f"--host {human_bytes(c.host_bytes)} holds {usable} usable host blocks of {config.host_block_stride} B "
+        f"({c.offloaded_layers} offloaded layers x {c.block_size} tokens x {config.row_bytes} B); one request of {c.max_tokens} tokens "
+        f"(--context {c.context} + --decode-tokens {c.decode_tokens}) plus the {c.tail_pages}-page active tail needs "
+        f"{config.min_host_blocks}: expected --host >= {ceil_size(need)}, or a shorter --context")
+
+
 class ReplayEngine:
     """One replay: build with a config and a backend, call `step()` `config.steps` times, `close()`."""
 
@@ -290,17 +305,28 @@ class ReplayEngine:
                 f"{self.indexer_blocks} indexer + {admission_hot} hot): raise --gpu-kv or lower --context")
         # Both budgets are checked before anything is built: the coordinator's host block pool
         # alone takes seconds at a terabyte, and the device caches are allocated whole.
-        check_device_memory(backend.device, p.gpu_blocks * p.block_bytes + self.resident_blocks * self.resident_block_bytes,
-                            f"GPU KV budget of {p.gpu_blocks} blocks x {p.block_bytes} B and {self.resident_blocks} "
-                            f"resident-layer blocks x {self.resident_block_bytes} B", remedy="lower --gpu-kv")
-        check_host_memory(c.host_bytes, f"host pool of {c.host_bytes} B (--host)", remedy="lower --host")
+        coordinator_config = CoordinatorConfig(
+            host_pool_gib=c.host_bytes / GIB, num_layers=c.offloaded_layers, block_size=bs, row_bytes=self.fmt.row_bytes,
+            max_model_len=c.max_tokens, hot_blocks_per_request=self.hot_blocks, active_tail_pages=c.tail_pages,
+            pressure_watermark_blocks=self.admission_blocks)
+        _check_host_blocks(c, coordinator_config)
+        dev = torch.device(backend.device)
+        free = device_free_bytes(dev)
+        kv_bytes = p.gpu_blocks * p.block_bytes + self.resident_blocks * self.resident_block_bytes
+        if dev.type == "cpu" and free is not None:
+            free = int(free * HOST_FRACTION)
+        fits = f" to at most {floor_size(free)}" if free is not None else ""
+        where = "; the backend runs on the CPU, so the KV pool is in host RAM" if dev.type == "cpu" else ""
+        resident = (f" and {self.resident_blocks} resident-layer blocks x {self.resident_block_bytes} B"
+                    if c.resident_layers else "")
+        check_device_memory(dev, kv_bytes, f"--gpu-kv {human_bytes(c.gpu_kv_bytes)} ({p.gpu_blocks} blocks x "
+                                           f"{p.block_bytes} B{resident}{where})", remedy=f"lower --gpu-kv{fits}")
+        check_host_memory(c.host_bytes, f"--host {human_bytes(c.host_bytes)} (the host pool)",
+                          remedy="lower --host")
         self.gpu = SimpleGpuBlockPool(p.gpu_blocks)
         self.resident_pool = SimpleGpuBlockPool(self.resident_blocks) if c.resident_layers else None
         # The coordinator, host pool and worker see only the layers through hisparse.
-        self.coordinator = HiSparseCoordinator(CoordinatorConfig(
-            host_pool_gib=c.host_bytes / GIB, num_layers=c.offloaded_layers, block_size=bs, row_bytes=self.fmt.row_bytes,
-            max_model_len=c.max_tokens, hot_blocks_per_request=self.hot_blocks, active_tail_pages=c.tail_pages,
-            pressure_watermark_blocks=self.admission_blocks), self.gpu)
+        self.coordinator = HiSparseCoordinator(coordinator_config, self.gpu)
         max_pages = p.pages_per_request
         self.max_batch_rows = self.max_running * c.rows_per_request
         groups = [CacheGroup(RuntimeConfig(max_batch_rows=self.max_batch_rows, max_requests=self.max_running,

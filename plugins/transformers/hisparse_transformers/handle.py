@@ -208,8 +208,9 @@ class HiSparseHandle:
             if len(prompts) != batch:
                 raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
-            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens)
+            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens, cache.candidates)
             cache.session.speculative = cache.assisted
+            cache.session.direct = not cache.generating
         elif cache.session.batch_size != batch:
             raise InvalidInputError(f"the forward has {batch} rows; this cache's batch has {cache.session.batch_size}")
         self.engine.begin_step(cache.session, input_ids, num_new)
@@ -308,7 +309,9 @@ class HiSparseHandle:
             checked_entries=checker.totals.entries if checker else 0,
             checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0, decode_mode=self.graphs.mode,
             graph_captures=self.graphs.captures, checked_topk_queries=checker.totals.topk_queries if checker else 0,
-            checked_topk_ties=checker.totals.topk_ties if checker else 0, verify_steps=t.verify_steps,
+            checked_topk_ties=checker.totals.topk_ties if checker else 0,
+            checked_topk_boundary_ties=checker.totals.topk_boundary_ties if checker else 0,
+            checked_topk_near_ties=checker.totals.topk_near_ties if checker else 0, verify_steps=t.verify_steps,
             verify_rows=t.verify_rows, union_entries=union[0], union_shared_entries=union[0] - union[1],
             rollbacks=t.rollbacks, rolled_back_tokens=t.rolled_back_tokens)
 
@@ -426,11 +429,12 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     pads = left_padding(mask)
     rows = input_ids.detach().to("cpu").tolist()
     new = _max_new_tokens(model, kwargs, int(input_ids.shape[1]))
+    cache.generating = True
     if plan is not None:
         cache.assisted = True
-        if new is not None:
-            new += plan.candidates       # a verification step writes candidates past the last token kept
-    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, new)
+    # A verification step writes up to `candidates` tokens past the last token it keeps.
+    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, new,
+                      plan.candidates if plan is not None else 0)
     gen = kwargs.get("generation_config")
     if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
         kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk

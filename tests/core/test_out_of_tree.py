@@ -175,8 +175,10 @@ def test_new_backend_scaffold_installs_and_passes_the_conformance_suite(tmp_path
     assert proc.returncode == 0, tail
     assert "Successfully installed hisparse-acme-0.1.0" in proc.stdout, tail
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
-    assert rows["acme"][:4] == ["acme", "available", "50", "0.1.0"], tail
-    assert "selected: acme (automatic" in proc.stdout, tail
+    # A scaffold ranks below every shipped backend (PRIORITY = -20) until its author raises it: not
+    # selected automatically, and the suite runs on it by name (--hisparse-backend acme).
+    assert rows["acme"][:4] == ["acme", "available", "-20", "0.1.0"], tail
+    assert "selected: reference_cpu (automatic" in proc.stdout, tail
     assert "hisparse backend: acme 0.1.0" in proc.stdout and " passed" in proc.stdout, tail
     assert " failed" not in proc.stdout and "capability drift" not in proc.stdout + proc.stderr, tail
     # Installed editable, from DIR, into the new venv only.

@@ -1,0 +1,130 @@
+"""Launch shapes of the triton backend's kernels: compile-time constants, warps, grids and the
+signature each kernel is compiled with, from a `RuntimeConfig` and the target's warp width.
+
+One place for what the runtime launches and what CI compiles ahead of time for other targets
+(tests/triton_backend/test_compile_targets.py builds every kernel for AMD CDNA and sm_90 from these
+specs on a machine with no GPU). Imports no triton.
+
+Portability rules the shapes keep:
+
+- Threads per program are chosen in threads and divided by the target's warp width (32 on NVIDIA,
+  64 on AMD CDNA), so no size assumes a 32-lane warp.
+- Only power-of-two lane counts are compile-time constants (`*P`); every extent that varies with
+  the configuration (top-k, hot rows, block size, row words) is a runtime argument that Triton
+  does not specialize, so the conformance suite's many small geometries share a few builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import RuntimeConfig
+
+#: Plan entries (or copied rows) one program of a copy kernel moves per iteration on a GPU.
+COPY_ENTRIES = 16
+#: The same under Triton's interpreter, which runs programs one after another and pays per op, not
+#: per element: few wide programs (a whole plan row each).
+INTERPRETED_COPY_ENTRIES = 4096
+#: Threads of one copy program (4 warps on NVIDIA, 2 wavefronts on AMD CDNA).
+COPY_THREADS = 128
+#: The largest lane count of one resolver program (a group's entries, or its hot rows, padded).
+MAX_LANES = 1 << 16
+#: Threads of the resolver program: at most this many (CUDA's and HIP's block limit).
+MAX_THREADS = 1024
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """One kernel build: its name in `kernels.KERNELS`, the Triton signature of every runtime
+    argument (`*i32`, `i32`, ...; constexprs as `constexpr`), the constexpr values and the warps."""
+
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict[str, int]
+    num_warps: int
+    grid_note: str = field(default="")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolverShape:
+    kp: int
+    gp: int
+    hp: int
+    tp: int
+    threads: int
+
+    @property
+    def constexprs(self) -> dict[str, int]:
+        return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
+
+    def num_warps(self, warp_size: int) -> int:
+        return max(1, self.threads // warp_size)
+
+
+def resolver_shape(config: RuntimeConfig) -> ResolverShape:
+    """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads."""
+    k, h, g = config.top_k, config.hot_rows, config.rows_per_request
+    kp, gp, hp = pow2(k), pow2(g), pow2(h)
+    if gp * kp > MAX_LANES or hp > MAX_LANES:
+        raise InvalidInputError(
+            f"RuntimeConfig(top_k={k}, rows_per_request={g}, hot_rows={h}) is too large for the triton resolver: a "
+            f"group's entries ({gp * kp} padded) and the hot rows ({hp} padded) must each be at most {MAX_LANES}")
+    tp = pow2(2 * (g * k + h))
+    # About four lanes of the widest vector a thread (CUDA's resolver: one entry, two LRU positions).
+    threads = min(MAX_THREADS, max(128, pow2(max(gp * kp, hp)) // 4))
+    return ResolverShape(kp, gp, hp, tp, threads)
+
+
+def hint_dtype_name(config: RuntimeConfig) -> str:
+    """The slot hints are int16 where every slot fits (hot_rows <= 32767), else int32."""
+    return "i16" if config.hot_rows <= 32767 else "i32"
+
+
+def row_words(row_bytes: int) -> tuple[str, int]:
+    """Rows move as int32 words where the row size allows, else bytes: (signature type, words)."""
+    return ("i32", row_bytes // 4) if row_bytes % 4 == 0 else ("u8", row_bytes)
+
+
+def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32") -> list[KernelSpec]:
+    """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes.
+    `lru_dtype` is `i16` for vLLM's op set, whose LRU is int16."""
+    shape = resolver_shape(config)
+    word, words = row_words(config.row_format.row_bytes)
+    i32p = "*i32"
+    resolve_sig = {name: i32p for name in (
+        "topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map")}
+    resolve_sig |= {"lru": f"*{lru_dtype}", "stats": "*i64"}
+    resolve_sig |= {name: i32p for name in (
+        "out_rows", "out_counts", "plan_host", "plan_device", "plan_counts")}
+    resolve_sig |= {"pos_slot": f"*{hint_dtype_name(config)}"}
+    resolve_sig |= {name: i32p for name in ("tbl_key", "tbl_first", "tbl_slot", "scr_victim", "scr_mark")}
+    resolve_sig |= {name: "i32" for name in ("B", "P", "HB", "R", "K", "G_MAX", "BS", "H")}
+    resolve_sig |= {name: "constexpr" for name in shape.constexprs}
+    copy_warps = max(1, COPY_THREADS // warp_size)
+    plan = plan_copy_meta(config, interpreted=False)
+    plan_sig = {"plan_host": i32p, "plan_device": i32p, "plan_counts": i32p, "src": f"*{word}", "dst": f"*{word}",
+                "dst_block_stride": "i64", "stats": "*i64"}
+    plan_sig |= {name: "i32" for name in ("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP")}
+    plan_sig |= {name: "constexpr" for name in plan}
+    rows_sig = {"pairs": i32p, "n": "i32", "src": f"*{word}", "src_block_stride": "i64", "dst": f"*{word}",
+                "dst_block_stride": "i64", "W": "i32", "BS": "i32", "WP": "constexpr", "EB": "constexpr"}
+    inval_sig = {"state_rows": i32p, "host_rows": i32p, "hot_map": i32p, "R": "i32", "H": "i32", "HP": "constexpr"}
+    return [
+        KernelSpec("resolve_kernel", resolve_sig, shape.constexprs, shape.num_warps(warp_size)),
+        KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
+        KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
+        KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)),
+                   max(1, min(MAX_THREADS, pow2(config.hot_rows) // 4) // warp_size)),
+    ]
+
+
+def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool) -> dict[str, int]:
+    """Constexprs of the plan copy: row words (padded), entries per iteration, batch rows (padded)."""
+    _, words = row_words(config.row_format.row_bytes)
+    eb = min(INTERPRETED_COPY_ENTRIES if interpreted else COPY_ENTRIES, pow2(config.top_k))
+    return dict(WP=pow2(words), EB=eb, BP=pow2(config.max_batch_rows))

@@ -187,3 +187,21 @@ def test_shared_pool_round_trip(backend, tmp_path) -> None:  # noqa: ANN001
         pool.layer_view(1).fill_(7)
         assert int(pool.layer_view(1).view(torch.uint8).sum()) == 7 * pool.layer_view(1).numel()
     assert not os.path.exists(f"/dev/shm/hisparse_trtest{os.getpid()}.trpool")
+
+
+@pytest.mark.parametrize("seed", [3, 11, 26])
+def test_vllm_ops_with_miss_mask_and_corrupt_lru_match_the_model(backend, seed: int) -> None:  # noqa: ANN001
+    """What the conformance module leaves out (vLLM 0.32 passes neither): the miss mask as an output,
+    and an LRU holding a slot outside the hot buffer (never read; as a victim its miss degrades)."""
+    from hisparse_conformance.vllm_ops_model import random_case, run_model, run_ops
+
+    for corrupt in (False, True):
+        for rows in (1, 2):
+            case = random_case(seed, corrupt_lru=corrupt, rows_per_request=rows)
+            if backend.device.type != "cpu":
+                case.host = case.host.pin_memory()
+            got = run_ops(backend.vllm_ops(), case, backend.device, miss_mask=True)
+            want = run_model(random_case(seed, corrupt_lru=corrupt, rows_per_request=rows), miss_mask=True)
+            for name in ("hot_out", "attention", "resolved", "valid", "miss_mask", "swap_counts", "dgi", "lru",
+                         "stats", "hot", "plan_hot", "plan_attention", "inv_dgi"):
+                assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)

@@ -69,12 +69,13 @@ def launch(kernel: Any, name: str, grid: tuple[int, ...], *args: Any, **meta: An
                           ) from exc
 
 
-@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H"])
+@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit"])
 def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
-                   out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot,
+                   out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
                    tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
-                   B, P, HB, R, K, G_MAX, BS, H,
-                   KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr, LOG_TP: tl.constexpr):
+                   B, P, HB, R, K, G_MAX, BS, H, host_limit,
+                   KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr, LOG_TP: tl.constexpr,
+                   MASK: tl.constexpr):
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -117,8 +118,9 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
         res_blk = tl.load(resident_table + q * P + page, mask=in_ctx, other=-1)
         is_res = in_ctx & (res_blk >= 0)
         src_blk = tl.load(source_table + q * P + page, mask=in_ctx & (res_blk < 0), other=-1)
-        is_host = in_ctx & (res_blk < 0) & (src_blk >= 0)
-        host_row = (src_blk.to(tl.int64) * BS + off).to(tl.int32)  # < 2^31 for valid tables (bind checks)
+        host_row64 = src_blk.to(tl.int64) * BS + off
+        is_host = in_ctx & (res_blk < 0) & (src_blk >= 0) & (host_row64 < host_limit)
+        host_row = host_row64.to(tl.int32)  # < host_limit <= 2^31 (bind checks)
         tl.store(out_rows + entry_ptr, tl.where(is_res, res_blk * BS + off, -1), mask=emask & ~is_host)
         tl.store(out_counts + row, tl.reduce((is_res | is_host).to(tl.int32), 1, _SUM), mask=rmask)
         n_res = tl.reduce(tl.reduce(is_res.to(tl.int32), 1, _SUM), 0, _SUM)
@@ -126,6 +128,8 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
         tl.atomic_add(stats + 0, n_res.to(tl.int64))
         if n_host == 0:
             # The resident fast path: no plan, hot state untouched.
+            if MASK:
+                tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
             clear = emask & (cc[None, :] < old_plan[:, None])
             tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
             tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
@@ -148,8 +152,10 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             ii = tl.arange(0, HP)
             smask = ii < H
             order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
-            held_row = tl.load(hot_map + q * H + order, mask=smask, other=-1)
-            held = smask & (held_row >= 0)
+            # A slot outside the hot buffer (only a corrupt LRU of vLLM's op set) holds nothing.
+            slot_ok = smask & (order >= 0) & (order < H)
+            held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
+            held = slot_ok & (held_row >= 0)
 
             # The candidates (host entries whose hint failed) go into an open-addressing hash table
             # of host rows (this program's rows of tbl_*, empty between calls). Each round every
@@ -192,10 +198,10 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             first = cand & (tl.load(tf + e_bkt, mask=cand, other=-1, volatile=True) == ee)
             hit_slot = tl.load(ts + e_bkt, mask=first, other=-1)
             hit_u = first & (hit_slot >= 0)
-            marked = tl.load(mk + order, mask=smask, other=0) != 0
-            hit_pos = smask & (marked | found)
+            marked = tl.load(mk + order, mask=slot_ok, other=0) != 0
+            hit_pos = slot_ok & (marked | found)
             # Hits: the distinct held rows referenced (a slot holds one row); marks cleared for the next call.
-            tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=smask & marked)
+            tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=slot_ok & marked)
 
             # Misses in first-reference order; victims in LRU order among the evictable slots.
             mflag = first & ~hit_u
@@ -212,33 +218,38 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             n_hit = tl.reduce(hit_pos.to(tl.int32), 0, _SUM)
             tl.atomic_add(stats + 1, n_hit.to(tl.int64))
             tl.atomic_add(stats + 2, n_miss.to(tl.int64))
+            n_used = tl.minimum(n_miss, n_evict)  # misses beyond the evictable slots get no victim
             vb = scr_victim + b * HP
             tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
             tl.debug_barrier()
-            victim = tl.load(vb + m_rank, mask=mflag & (m_rank < HP), other=0)
+            victim = tl.load(vb + m_rank, mask=mflag & (m_rank < n_used), other=-1)
+            # A victim outside the hot buffer (or none) degrades its miss: entries -1, nothing cached.
+            vok = mflag & (victim >= 0) & (victim < H)
             tl.store(ts + e_bkt, victim, mask=mflag)  # a missed row's bucket had no slot
             tl.debug_barrier()
 
             # Every host entry reads its row's slot (hinted, or its bucket's); misses go to their
             # row's plan in miss order; candidates leave their slot as the position's next hint.
-            slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=0))
-            hot_blk = tl.load(hot_table + q * HB + slot // BS, mask=is_host, other=0)
-            tl.store(out_rows + entry_ptr, hot_blk * BS + slot % BS, mask=is_host)
-            tl.store(hint_ptr, slot, mask=cand)
-            vblk = tl.load(hot_table + q * HB + victim // BS, mask=mflag, other=0)
+            slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
+            e_ok = is_host & (slot >= 0) & (slot < H)
+            hot_blk = tl.load(hot_table + q * HB + slot // BS, mask=e_ok, other=0)
+            tl.store(out_rows + entry_ptr, tl.where(e_ok, hot_blk * BS + slot % BS, -1), mask=is_host)
+            tl.store(hint_ptr, slot, mask=cand & e_ok)
+            vblk = tl.load(hot_table + q * HB + victim // BS, mask=vok, other=0)
             plan_ptr = row[:, None] * K + in_row
             tl.store(plan_host + plan_ptr, host_row, mask=mflag)
-            tl.store(plan_device + plan_ptr, vblk * BS + victim % BS, mask=mflag)
+            tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + victim % BS, -1), mask=mflag)
+            if MASK:
+                tl.store(miss_mask + entry_ptr, vok.to(tl.int32), mask=emask)
             tail = emask & (cc[None, :] >= row_miss[:, None]) & (cc[None, :] < old_plan[:, None])
             tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=tail)
             tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=tail)
             tl.store(plan_counts + row, row_miss, mask=rmask & (row_miss != old_plan))
             # New hot map and LRU order: untouched evictable, then the filled in miss order, then
             # hits. Positions that keep their slot are not rewritten.
-            tl.store(hot_map + q * H + victim, host_row, mask=mflag)
+            tl.store(hot_map + q * H + victim, host_row, mask=vok)
             new_pos = tl.where(hit_pos, n_evict + h_rank,
-                               tl.where(e_rank < n_miss, n_evict - n_miss + e_rank, e_rank - n_miss))
-            # (In range whenever the misses fit the evictable slots, which only trusted input breaks.)
+                               tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
             tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
             # Leave the table empty for the next call: only the buckets this call used.
             if n_cand > 0:
@@ -309,7 +320,43 @@ def invalidate_written_kernel(state_rows, host_rows, hot_map, R, H, HP: tl.const
         tl.store(hot_map + q * H + ss, tl.full((HP,), -1, tl.int32), mask=(ss < H) & (hv == g))
 
 
+@triton.jit(do_not_specialize=["n", "host_rows", "W", "BS", "block_stride"])
+def vllm_copy_kernel(src_rows, pick, dst_rows, any_take, host, hot, n, host_rows, W, BS, block_stride,
+                     WP: tl.constexpr, EB: tl.constexpr):
+    """vLLM's row copies (`hisparse_gather_compact`, `hisparse_gather_plan`) after
+    `hisparse_core.vllm_ops.last_write_wins`: entry e writes the bytes of host row
+    `src_rows[pick[e]]` (zeros where that is past the host pool) into hot row `dst_rows[e]`, so every
+    write to one row carries the same bytes; nothing when no entry is taken (`any_take[0] == 0`)."""
+    e = tl.program_id(0) * EB + tl.arange(0, EB)
+    m = (e < n) & (tl.load(any_take + e * 0) != 0)  # a vector load: the flag for every lane
+    p = tl.load(pick + e, mask=m, other=0)
+    src = tl.load(src_rows + p, mask=m, other=0).to(tl.int64)
+    d = tl.load(dst_rows + e, mask=m, other=0).to(tl.int64)
+    w = tl.arange(0, WP)
+    wm = w < W
+    present = m & (src >= 0) & (src < host_rows)
+    vals = tl.load(host + src[:, None] * W + w[None, :], mask=present[:, None] & wm[None, :], other=0)
+    daddr = (d // BS) * block_stride + (d % BS) * W
+    tl.store(hot + daddr[:, None] + w[None, :], vals, mask=m[:, None] & wm[None, :])
+
+
+@triton.jit(do_not_specialize=["S", "NR", "H"])
+def vllm_invalidate_kernel(dgi, state_of_req, req_ids, written, S, NR, H, HP: tl.constexpr):
+    """`hisparse_invalidate_written_slots`, one program per written token: every slot of its state
+    row holding the written host row becomes -1 (duplicates too)."""
+    j = tl.program_id(0)
+    req = tl.load(req_ids + j)
+    w = tl.load(written + j).to(tl.int64)
+    ok = (req >= 0) & (req < NR)
+    q = tl.load(state_of_req + req, mask=ok, other=-1)
+    if ok & (q >= 0) & (q < S) & (w >= 0):
+        ss = tl.arange(0, HP)
+        hv = tl.load(dgi + q * H + ss, mask=ss < H, other=-1)
+        tl.store(dgi + q * H + ss, tl.full((HP,), -1, tl.int32), mask=(ss < H) & (hv.to(tl.int64) == w))
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     "resolve_kernel": resolve_kernel, "copy_plan_kernel": copy_plan_kernel,
     "copy_rows_kernel": copy_rows_kernel, "invalidate_written_kernel": invalidate_written_kernel,
+    "vllm_copy_kernel": vllm_copy_kernel, "vllm_invalidate_kernel": vllm_invalidate_kernel,
 }

@@ -226,21 +226,34 @@ class TritonRuntime(CacheRuntime):
                                                      inputs.source_table, inputs.resident_table, inputs.hot_table)))
             check_resolve_values(host, cfg, num_device_blocks=self.num_device_blocks,
                                  host_blocks=self._host_rows // cfg.block_size)
+        out = self.launch_resolve(inputs, b, hot_map=self._hot_map, lru=self._lru, stats=self._stats,
+                                  miss_mask=None, host_limit=self._host_rows)
+        if gather:
+            self._copy_plan(0)
+        return out
+
+    def launch_resolve(self, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor, lru: torch.Tensor,
+                       stats: torch.Tensor, miss_mask: torch.Tensor | None, host_limit: int) -> ResolveResult:
+        """Launch the resolver on checked inputs over `rows` batch rows, with the hot state `hot_map`
+        (int32) and `lru` (int32 or int16) of this runtime's shape, counters `stats` (int64 [>= 3]),
+        and `miss_mask` (int32 [rows, top_k], written where given). Host rows at or past
+        `host_limit` are null. For this runtime's own `resolve` and for vLLM's op set, whose state
+        tensors are vLLM's."""
+        cfg = self.config
         out = self._result
+        mask = miss_mask is not None
         try:
             kernels.launch(
                 kernels.resolve_kernel, "resolve_kernel", (cfg.max_batch_rows,),
                 inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
-                inputs.hot_table, self._hot_map, self._lru, self._stats, out.rows, out.valid_counts, out.plan_host,
-                out.plan_device, out.plan_counts, self._pos_slot, *self._scratch.values(), b, cfg.max_pages,
-                cfg.hot_blocks, cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, cfg.hot_rows,
-                **self._meta)
+                inputs.hot_table, hot_map, lru, stats, out.rows, out.valid_counts, out.plan_host,
+                out.plan_device, out.plan_counts, self._pos_slot, miss_mask if mask else out.valid_counts,
+                *self._scratch.values(), rows, cfg.max_pages, cfg.hot_blocks, cfg.max_requests, cfg.top_k,
+                cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, MASK=mask, **self._meta)
         except kernels.KernelError:
             self._clear_tables()  # a launch that failed part way may have left buckets filled
             raise
-        self._last_rows = b
-        if gather:
-            self._copy_plan(0)
+        self._last_rows = rows
         return out
 
     @property

@@ -92,30 +92,29 @@ def row_words(row_bytes: int) -> tuple[str, int]:
 
 def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32") -> list[KernelSpec]:
     """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes.
-    `lru_dtype` is `i16` for vLLM's op set, whose LRU is int16."""
+    `lru_dtype` is `i16` for vLLM's op set, whose LRU is int16 (and which writes the miss mask)."""
     shape = resolver_shape(config)
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
-    resolve_sig = {name: i32p for name in (
-        "topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map")}
+    resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
     resolve_sig |= {"lru": f"*{lru_dtype}", "stats": "*i64"}
-    resolve_sig |= {name: i32p for name in (
-        "out_rows", "out_counts", "plan_host", "plan_device", "plan_counts")}
-    resolve_sig |= {"pos_slot": f"*{hint_dtype_name(config)}"}
-    resolve_sig |= {name: i32p for name in ("tbl_key", "tbl_first", "tbl_slot", "scr_victim", "scr_mark")}
-    resolve_sig |= {name: "i32" for name in ("B", "P", "HB", "R", "K", "G_MAX", "BS", "H")}
-    resolve_sig |= {name: "constexpr" for name in shape.constexprs}
+    resolve_sig |= dict.fromkeys(("out_rows", "out_counts", "plan_host", "plan_device", "plan_counts"), i32p)
+    resolve_sig |= {"pos_slot": f"*{hint_dtype_name(config)}", "miss_mask": i32p}
+    resolve_sig |= dict.fromkeys(("tbl_key", "tbl_first", "tbl_slot", "scr_victim", "scr_mark"), i32p)
+    resolve_sig |= dict.fromkeys(("B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit"), "i32")
+    resolve_consts = shape.constexprs | dict(MASK=int(lru_dtype == "i16"))
+    resolve_sig |= dict.fromkeys(resolve_consts, "constexpr")
     copy_warps = max(1, COPY_THREADS // warp_size)
     plan = plan_copy_meta(config, interpreted=False)
     plan_sig = {"plan_host": i32p, "plan_device": i32p, "plan_counts": i32p, "src": f"*{word}", "dst": f"*{word}",
                 "dst_block_stride": "i64", "stats": "*i64"}
-    plan_sig |= {name: "i32" for name in ("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP")}
-    plan_sig |= {name: "constexpr" for name in plan}
+    plan_sig |= dict.fromkeys(("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"), "i32")
+    plan_sig |= dict.fromkeys(plan, "constexpr")
     rows_sig = {"pairs": i32p, "n": "i32", "src": f"*{word}", "src_block_stride": "i64", "dst": f"*{word}",
                 "dst_block_stride": "i64", "W": "i32", "BS": "i32", "WP": "constexpr", "EB": "constexpr"}
     inval_sig = {"state_rows": i32p, "host_rows": i32p, "hot_map": i32p, "R": "i32", "H": "i32", "HP": "constexpr"}
     return [
-        KernelSpec("resolve_kernel", resolve_sig, shape.constexprs, shape.num_warps(warp_size)),
+        KernelSpec("resolve_kernel", resolve_sig, resolve_consts, shape.num_warps(warp_size)),
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
         KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
         KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)),

@@ -65,9 +65,9 @@ class TritonRuntime(CacheRuntime):
         self.config = config
         self._device = device
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
-        shape = shapes.resolver_shape(config)
-        kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
         cpu = device.type == "cpu"
+        shape = shapes.resolver_shape(config, compiled=not cpu)
+        kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
         lanes = warp_size(device)
         self._meta: dict[str, int] = dict(shape.constexprs)
         if not cpu:
@@ -345,7 +345,8 @@ class TritonRuntime(CacheRuntime):
         if self._device.type != "cpu":
             flat = flat.pin_memory().to(self._device, non_blocking=True)
         n = len(pairs)
-        eb = min(self._copy_entries, _pow2(n))
+        # Compiled: one build for every count (masked lanes); interpreted: as few programs as possible.
+        eb = min(self._copy_entries, _pow2(n)) if self._device.type == "cpu" else self._copy_entries
         for layer in range(cfg.num_layers):
             s, s_stride = self._side(src, layer)
             d, d_stride = self._side(dst, layer)

@@ -32,6 +32,11 @@ COPY_THREADS = 128
 MAX_LANES = 1 << 16
 #: Threads of the resolver program: at most this many (CUDA's and HIP's block limit).
 MAX_THREADS = 1024
+#: Compiled builds pad small geometries to at least these lanes (entries, hot rows, hash buckets,
+#: batch rows of the plan copy), so that the many small geometries of a test run share a few
+#: builds instead of compiling one each; a masked lane costs nothing but an idle thread. The
+#: interpreter pays per element and keeps the exact powers of two.
+MIN_LANES = dict(KP=64, HP=256, TP=1024, BP=64)
 
 
 def pow2(n: int) -> int:
@@ -66,15 +71,16 @@ class ResolverShape:
         return max(1, self.threads // warp_size)
 
 
-def resolver_shape(config: RuntimeConfig) -> ResolverShape:
+def resolver_shape(config: RuntimeConfig, *, compiled: bool = True) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
-    kp, gp, hp = pow2(k), pow2(g), pow2(h)
+    floor = MIN_LANES if compiled else dict.fromkeys(MIN_LANES, 1)
+    kp, gp, hp = max(pow2(k), floor["KP"]), pow2(g), max(pow2(h), floor["HP"])
     if gp * kp > MAX_LANES or hp > MAX_LANES:
         raise InvalidInputError(
             f"RuntimeConfig(top_k={k}, rows_per_request={g}, hot_rows={h}) is too large for the triton resolver: a "
             f"group's entries ({gp * kp} padded) and the hot rows ({hp} padded) must each be at most {MAX_LANES}")
-    tp = pow2(2 * (g * k + h))
+    tp = max(pow2(2 * (g * k + h)), floor["TP"])
     # About four lanes of the widest vector a thread (CUDA's resolver: one entry, two LRU positions).
     threads = min(MAX_THREADS, max(128, pow2(max(gp * kp, hp)) // 4))
     return ResolverShape(kp, gp, hp, tp, threads)
@@ -125,5 +131,6 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
 def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool) -> dict[str, int]:
     """Constexprs of the plan copy: row words (padded), entries per iteration, batch rows (padded)."""
     _, words = row_words(config.row_format.row_bytes)
-    eb = min(INTERPRETED_COPY_ENTRIES if interpreted else COPY_ENTRIES, pow2(config.top_k))
-    return dict(WP=pow2(words), EB=eb, BP=pow2(config.max_batch_rows))
+    eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else COPY_ENTRIES
+    bp = pow2(config.max_batch_rows) if interpreted else max(pow2(config.max_batch_rows), MIN_LANES["BP"])
+    return dict(WP=pow2(words), EB=eb, BP=bp)

@@ -33,6 +33,9 @@ TARGETS: dict[str, tuple[str, str | int, int]] = {
     "gfx90a": ("hip", "gfx90a", 64),  # MI250X (CDNA2)
     "sm90": ("cuda", 90, 32),  # H100 / H200
 }
+#: Targets built at only some geometries (CI time): the H200 runs sm_90 builds of every geometry
+#: compiled, so CI checks that sm_90 compiles at the production one.
+TARGET_GEOMETRIES: dict[str, tuple[str, ...]] = {"sm90": ("k2048_h4096_656B",)}
 #: LDS limit each target is checked against (None: the compiler's own limit for the target).
 SHARED_LIMIT: dict[str, int | None] = {"gfx942": CDNA_LDS_BYTES, "gfx90a": CDNA_LDS_BYTES, "sm90": None}
 
@@ -90,6 +93,8 @@ def build_all(targets: list[str], *, lru_i16: bool = True) -> list[Build]:
         backend, arch, warp = TARGETS[name]
         target = GPUTarget(backend, arch, warp)
         for geo, config in geometries().items():
+            if geo not in TARGET_GEOMETRIES.get(name, (geo,)):
+                continue
             specs = shapes.kernel_specs(config, warp)
             if lru_i16 and geo == next(iter(geometries())):
                 (res,) = [s for s in shapes.kernel_specs(config, warp, lru_dtype="i16") if s.kernel == "resolve_kernel"]

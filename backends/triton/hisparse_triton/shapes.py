@@ -113,18 +113,25 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     copy_warps = max(1, COPY_THREADS // warp_size)
     plan = plan_copy_meta(config, interpreted=False)
     plan_sig = {"plan_host": i32p, "plan_device": i32p, "plan_counts": i32p, "src": f"*{word}", "dst": f"*{word}",
-                "dst_block_stride": "i64", "stats": "*i64"}
+                "dst_block_stride": "i32", "stats": "*i64"}
     plan_sig |= dict.fromkeys(("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"), "i32")
     plan_sig |= dict.fromkeys(plan, "constexpr")
-    rows_sig = {"pairs": i32p, "n": "i32", "src": f"*{word}", "src_block_stride": "i64", "dst": f"*{word}",
-                "dst_block_stride": "i64", "W": "i32", "BS": "i32", "WP": "constexpr", "EB": "constexpr"}
+    rows_sig = {"pairs": i32p, "n": "i32", "src": f"*{word}", "src_block_stride": "i32", "dst": f"*{word}",
+                "dst_block_stride": "i32", "W": "i32", "BS": "i32", "WP": "constexpr", "EB": "constexpr"}
     inval_sig = {"state_rows": i32p, "host_rows": i32p, "hot_map": i32p, "R": "i32", "H": "i32", "HP": "constexpr"}
+    vcopy_sig = {"src_rows": "*i64", "pick": "*i64", "dst_rows": "*i64", "any_take": i32p, "host": f"*{word}",
+                 "hot": f"*{word}", "n": "i32", "host_rows": "i32", "W": "i32", "BS": "i32", "block_stride": "i32",
+                 "WP": "constexpr", "EB": "constexpr"}
+    vinval_sig = {"dgi": i32p, "state_of_req": i32p, "req_ids": i32p, "written": "*i64", "S": "i32", "NR": "i32",
+                  "H": "i32", "HP": "constexpr"}
+    inval_warps = max(1, min(MAX_THREADS, pow2(config.hot_rows) // 4) // warp_size)
     return [
         KernelSpec("resolve_kernel", resolve_sig, resolve_consts, shape.num_warps(warp_size)),
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
         KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
-        KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)),
-                   max(1, min(MAX_THREADS, pow2(config.hot_rows) // 4) // warp_size)),
+        KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
+        KernelSpec("vllm_copy_kernel", vcopy_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
+        KernelSpec("vllm_invalidate_kernel", vinval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
     ]
 
 

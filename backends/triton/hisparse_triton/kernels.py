@@ -170,29 +170,33 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             # Fibonacci hashing (inline: a @jit helper costs the interpreter a re-patch per call).
             e_bkt = (((host_row.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
             s_bkt = (((held_row.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
-            found = held & (held_row < 0)  # all False
-            if n_cand > 0:
-                e_pend = cand
-                n_pend = n_cand
-                while n_pend > 0:
-                    e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
-                    tl.store(tk + e_bkt, host_row, mask=e_pend & (e_cur == EMPTY))
-                    tl.debug_barrier()
-                    e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
-                    tl.debug_barrier()  # every lane has read before the next round claims
-                    e_pend = e_pend & (e_now != host_row)
-                    e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
-                    n_pend = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
-                tl.atomic_min(tf + e_bkt, ee, mask=cand)
-                s_pend = held
-                n_pend = tl.reduce(s_pend.to(tl.int32), 0, _SUM)
-                while n_pend > 0:
-                    s_cur = tl.load(tk + s_bkt, mask=s_pend, other=EMPTY)
-                    found = found | (s_pend & (s_cur == held_row))
-                    s_pend = s_pend & (s_cur != held_row) & (s_cur != EMPTY)
-                    s_bkt = tl.where(s_pend, (s_bkt + 1) & (TP - 1), s_bkt)
-                    n_pend = tl.reduce(s_pend.to(tl.int32), 0, _SUM)
-                tl.store(ts + s_bkt, order, mask=found)
+            # One loop for both phases (Triton 3.6 miscompiles two loops here): candidates claim
+            # until all are placed, then held slots look up, one bucket a round. A lookup stops at
+            # its own row or at an empty bucket; where it stopped tells which (read after the loop).
+            e_pend = cand
+            # (no candidate: nothing to look up; a vector compare keeps the mask boolean in the interpreter)
+            s_look = held & ((held_row * 0 + n_cand) > 0)
+            s_pend = s_look
+            n_e = n_cand
+            n_s = tl.reduce(s_pend.to(tl.int32), 0, _SUM)
+            while n_e + n_s > 0:
+                e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                tl.store(tk + e_bkt, host_row, mask=e_pend & (e_cur == EMPTY))
+                tl.debug_barrier()
+                e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                s_act = s_pend & ((s_bkt * 0 + n_e) == 0)  # lookups start once every candidate is placed
+                s_cur = tl.load(tk + s_bkt, mask=s_act, other=EMPTY)
+                tl.debug_barrier()  # every lane has read before the next round claims
+                e_pend = e_pend & (e_now != host_row)
+                e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+                s_next = s_act & (s_cur != held_row) & (s_cur != EMPTY)
+                s_pend = tl.where(s_act, s_next, s_pend)
+                s_bkt = tl.where(s_next, (s_bkt + 1) & (TP - 1), s_bkt)
+                n_e = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
+                n_s = tl.reduce(s_pend.to(tl.int32), 0, _SUM)
+            tl.atomic_min(tf + e_bkt, ee, mask=cand)
+            found = s_look & (tl.load(tk + s_bkt, mask=s_look, other=EMPTY) == held_row)
+            tl.store(ts + s_bkt, order, mask=found)
             tl.debug_barrier()
             # Volatile: the atomics updated L2 behind any L1 copy (a plain load may hit a stale line).
             first = cand & (tl.load(tf + e_bkt, mask=cand, other=-1, volatile=True) == ee)
@@ -252,12 +256,11 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
                                tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
             tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
             # Leave the table empty for the next call: only the buckets this call used.
-            if n_cand > 0:
-                tl.debug_barrier()
-                tl.store(tk + e_bkt, tl.full((GP, KP), EMPTY, tl.int32), mask=cand)
-                tl.store(tf + e_bkt, tl.full((GP, KP), NO_ENTRY, tl.int32), mask=cand)
-                tl.store(ts + e_bkt, tl.full((GP, KP), -1, tl.int32), mask=cand)
-                tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
+            tl.debug_barrier()
+            tl.store(tk + e_bkt, tl.full((GP, KP), EMPTY, tl.int32), mask=cand)
+            tl.store(tf + e_bkt, tl.full((GP, KP), NO_ENTRY, tl.int32), mask=cand)
+            tl.store(ts + e_bkt, tl.full((GP, KP), -1, tl.int32), mask=cand)
+            tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
 
 
 @triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])

@@ -45,4 +45,5 @@ def test_suite_passes_interpreted(tmp_path: Path) -> None:
     skipped = outcomes["skipped"]
     assert ("test_host_pool.test_shared_pool_needs_the_capability", "backend declares shared_host_pool") in skipped, \
         skipped
+    assert len(skipped) == 1, skipped  # nothing else skips: vllm_ops is declared and served
     assert "test_vllm_ops" in modules, f"test_vllm_ops passed no test: {sorted(modules)}"

@@ -125,6 +125,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w.add_argument("--locality", type=float_in(0.0, MAX_LOCALITY, lo_open=True), metavar="X",
                    help=f"time scale of top-k drift; 1 = calibrated to published LRU miss rates, >1 more "
                         f"local (default: 1; in (0, {MAX_LOCALITY:g}])")
+    w.add_argument("--topk-model", choices=("benign", "code"), default=None,
+                   help="take the top-k from the per-layer locality model of a regime (benign: GLM-5.1 "
+                        "LongBench v2; code: DeepSeek-V3.2 SWE-bench, GVR) instead of the one-figure indexer "
+                        "(--locality is then unused)")
+    w.add_argument("--resident-layers", type=_layer_list, metavar="L,L", default=None,
+                   help="layers kept fully resident on the GPU (whole index groups): no hot buffer, no host copy; "
+                        "their pages come off the top of --gpu-kv (default: none)")
     w.add_argument("--seed", type=int_in(0, MAX_SEED), metavar="N",
                    help=f"seed of arrivals, prompts, KV contents and the synthetic indexer; the same seed "
                         f"gives the same run (default: {d['seed']})")
@@ -152,6 +159,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, e.g. 0,1; got {text!r}") from None
+
+
 def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """RunConfig defaults, then the preset's values, then every flag given."""
     from hisparse_core.replay.engine import RunConfig
@@ -163,6 +177,10 @@ def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         values["gpu_kv_bytes"] = args.gpu_kv
     if args.host is not None:
         values["host_bytes"] = args.host
+    if args.topk_model is not None:
+        values["topk_model"] = args.topk_model
+    if args.resident_layers is not None:
+        values["resident_layers"] = args.resident_layers
     return RunConfig(**values, validate=args.validate, cuda_graphs=not args.eager)  # type: ignore[arg-type]
 
 
@@ -192,7 +210,9 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
         ("hot buffer", ""),
         ("hit rate", f"{pct(s['hit_rate'])} (from peak concurrency on: {pct(s['hit_rate_from_peak'])})"),
         ("misses", f"{s['misses']} ({pct(s['miss_rate_per_entry'])} of looked-up entries; "
-                   f"{s['resident_entries']} resident entries)"),
+                   f"{s['resident_entries']} resident entries"
+                   + (f"; {s['resident_layer_entries']} in resident layers {c['resident_layers']}"
+                      if c.get("resident_layers") else "") + ")"),
         ("transfers", ""),
         ("host->device", f"{human_bytes(s['bytes_h2d'])} ({s['rows_h2d']} rows)"),
         ("device->host", human_bytes(s["bytes_d2h"])),

@@ -72,6 +72,7 @@ class RunResult:
             "misses": misses,
             "hits": hits,
             "resident_entries": resident,
+            "resident_layer_entries": t.resident_layer_entries,   # lookups of --resident-layers (no hot buffer)
             "miss_rate_per_entry": misses / (looked + resident) if looked + resident else 0.0,
             "bytes_h2d": sum(r.h2d_bytes for r in recs),
             "bytes_d2h": sum(r.d2h_bytes for r in recs),

@@ -55,6 +55,7 @@ from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.budgets import check_budgets
 from hisparse_transformers.families import DsaLayout
+from hisparse_transformers.model_topk import ModelTopk
 from hisparse_transformers.ranks import Ranks
 from hisparse_transformers.session import Request, Session, StepState
 from hisparse_transformers.shards import Placement, ReportMerger
@@ -296,6 +297,8 @@ class HiSparseEngine:
         self._planned_writes: tuple[list[int], list[int]] = ([], [])
         self._planned_command: OffloadCommand | None = None
         self._last_prefill = False
+        #: Benchmarks only (`use_model_topk`): decode steps take their top-k from a locality model.
+        self.topk_model: ModelTopk | None = None
         #: Called with (session, tokens removed) after each rollback (the checker's copies follow it).
         self.rollback_listeners: list[Callable[[Session, int], None]] = []
         if spec:
@@ -535,7 +538,16 @@ class HiSparseEngine:
                          started=time.perf_counter(), prefill=num_new > 1 and not verify, verify=verify,
                          state_rows=session.state_rows)
         session.step = step
+        if self.topk_model is not None and num_new == 1 and all(r.computed >= r.prompt_len for r in session.requests):
+            self.topk_model.fill(session, step, [r.pad for r in session.requests], past)
         return step
+
+    def use_model_topk(self, regime_name: str, *, seed: int = 0, lookahead: int = 32) -> None:
+        """Benchmarks only: decode steps take every index group's top-k from the locality model
+        `regime_name` (`model_topk.py`), made `lookahead` steps at a time."""
+        self.topk_model = ModelTopk(regime_name, top_k=self.layout.index_topk,
+                                    leaders=[g[0] for g in self.layout.groups], num_layers=self.layout.num_layers,
+                                    max_batch=self.config.max_batch, device=self.device, seed=seed, lookahead=lookahead)
 
     def is_verification(self, session: Session, num_new: int) -> bool:
         """Whether a forward of `num_new` tokens per row is a verification step (its rows resolved

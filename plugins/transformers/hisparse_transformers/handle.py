@@ -463,7 +463,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
            hot_rows: int | None = None, block_size: int = 64, max_batch: int = 8, max_context: int = 4096,
            prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None,
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
-           pool_name: str | None = None) -> HiSparseHandle:
+           pool_name: str | None = None, synthetic_topk: str | None = None) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -493,6 +493,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     :param share_host_pool: under tensor parallelism, map one host pool on every rank (rank 0 writes);
         False: a private pool per rank (for layouts whose latent differs by rank).
     :param pool_name: the shared pool's name (the same on every rank); None: rank 0 picks a fresh one.
+    :param synthetic_topk: benchmarks only. "benign" or "code": each decode step's top-k comes from
+        the replay's calibrated per-layer locality model of that regime (`model_topk.py`); the
+        indexer still runs and attention reads exactly the resolved rows. None: the indexer's own.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -514,6 +517,14 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         raise InvalidInputError(f"share_host_pool must be True or False, got {share_host_pool!r}")
     if pool_name is not None and not isinstance(pool_name, str):
         raise InvalidInputError(f"pool_name must be a str or None, got {pool_name!r}")
+    if synthetic_topk is not None:
+        from hisparse_core.replay.locality import REGIMES
+
+        if synthetic_topk not in REGIMES:
+            raise InvalidInputError(f"synthetic_topk={synthetic_topk!r}: expected one of {sorted(REGIMES)} or None")
+        if check or speculative_tokens:
+            raise InvalidInputError(f"synthetic_topk={synthetic_topk!r} replaces the indexer's choice in benchmarks; "
+                                    "expected check=False and speculative_tokens=0 with it")
     layout = detect(model)
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
@@ -528,6 +539,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         chosen = select_backend(None if backend in (None, "auto") else backend)
     backends = [_backend_on(chosen, dev, placement.spread) for dev in placement.devices]
     ranks = tensor_parallel(model, tp, share_host_pool, pool_name)
+    if synthetic_topk is not None and (placement.spread or ranks is not None):
+        raise InvalidInputError(f"synthetic_topk={synthetic_topk!r} runs on one device and one rank; expected a model "
+                                "on one device without tensor parallelism")
     if ranks is not None:
         ranks.agree({"family": layout.family, "layers": str(layout.num_layers), "row": f"{weight.dtype}x{layout.width}",
                      "host_pool_gib": repr(float(host_pool_gib)), "gpu_kv_gib": repr(float(gpu_kv_gib)),
@@ -542,6 +556,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
 
     engine = build() if ranks is None else ranks.in_order(build, HiSparseEngine.close)
     try:
+        if synthetic_topk is not None:
+            engine.use_model_topk(synthetic_topk)
         checker = ExactnessChecker(model.config) if check else None
         handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
     except BaseException:

@@ -6,6 +6,7 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
 #                                                             #         tf_tests tf_generate tf_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
+#                                                             #         triton_tests triton_conformance triton_generate (the triton stage split, to run side by side)
 #                                                             #         vllm_tests (vLLM's kernel tests, see there)
 #                                                             #         serving_locality locality (issue 42: under the calibrated locality model, not in the defaults)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
@@ -183,6 +184,16 @@ triton)  # the triton backend compiled: its tests, then the conformance suite on
         rc=0; python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend || rc=1
         python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance --hisparse-backend triton \
             --hisparse-examples ${TRITON_EXAMPLES:-25} || rc=1; exit $rc'
+    ;;
+triton_tests)  # the triton backend's own tests, compiled (the AMD/sm_90 compile check among them)
+    run triton_tests "${T_TRITON:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend
+    ;;
+triton_conformance)  # the conformance suite on triton, compiled (target: under 5 minutes)
+    run triton_conformance "${T_TRITON_CONFORMANCE:-300}" python3 -m pytest -q -rs -p no:cacheprovider --durations=5 \
+        --pyargs hisparse_conformance --hisparse-backend triton --hisparse-examples ${TRITON_EXAMPLES:-25}
+    ;;
+triton_generate)  # hisparse generate on the triton backend: EXACT against the model without hisparse
+    run triton_generate "${T_TRITON_GENERATE:-240}" python3 -m hisparse_core generate --backend triton --no-progress
     ;;
 triton_bench)
     run triton_bench "${T_TRITON_BENCH:-240}" python3 bench/bench_triton.py --json "$OUT/triton_bench.json" ${TRITON_BENCH_ARGS:-}

@@ -34,6 +34,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "preempted_loaded_tokens": ("vllm:hisparse_preempted_loaded_tokens",
                                 "Tokens a preempted request reloaded from the hisparse host pool when it resumed "
                                 "(vLLM counts them among its preempted requests' hits, not by source)."),
+    "shared_loaded_tokens": ("vllm:hisparse_shared_loaded_tokens",
+                             "Prompt tokens a request took from vLLM's GPU prefix cache whose pages another "
+                             "request had loaded from the hisparse host pool: each page loads once however many "
+                             "requests need it."),
     "host_prefix_matched_tokens": ("vllm:hisparse_host_prefix_matched_tokens",
                               "Prompt tokens of admitted requests whose pages were published in the hisparse host "
                               "pool, whether the host or vLLM's own GPU prefix cache then served them."),

@@ -15,6 +15,11 @@ first, as some libraries do, to show that hisparse lines still print once.
 Every mode then runs the admission workload of issue 16, item 2: six requests with enough GPU
 blocks for all, counting engine steps and the most requests running at once. `small-pool` runs
 only that, with the smallest host pool the connector accepts.
+
+`plain` and `connector` end with the shared-prefix trace of issue 41, item 1: one request
+publishes a 384-token prefix, vLLM's GPU prefix cache is reset, then six requests sharing that
+prefix are admitted together. Every engine has a small GPU cache (`GPU_BLOCKS`): six private
+copies of the prefix would not fit, one shared copy does.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ MAX_MODEL_LEN = 512
 HOST_BLOCK_BYTES = 2 * BLOCK * 2 * 2 * 32 * 4
 #: The smallest pool: one max_model_len request (16 pages), the 2-page active tail, the null block.
 SMALLEST_POOL_GIB = (MAX_MODEL_LEN // BLOCK + 2 + 1) * HOST_BLOCK_BYTES / 2**30
+#: vLLM's KV cache, in blocks: room for every workload here, not for six copies of a 12-page prefix.
+GPU_BLOCKS = 48
+SHARED_PREFIX_TOKENS = 384
 
 
 def prompts(seed: int, count: int, prefix: list[int]) -> list[list[int]]:
@@ -48,7 +56,7 @@ def engine(model_dir: str, host_pool_gib: float | None) -> Any:
         kwargs["kv_transfer_config"] = ed.kv_transfer(host_pool_gib)
     return LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="float32", block_size=BLOCK,
                max_model_len=MAX_MODEL_LEN, max_num_seqs=6, enforce_eager=True, seed=0, disable_log_stats=False,
-               **kwargs)
+               num_gpu_blocks_override=GPU_BLOCKS, **kwargs)
 
 
 def step_through(d: ed.Driver, batch: list[list[int]], params: Any, check: Any = None) -> dict[str, Any]:
@@ -63,17 +71,23 @@ def step_through(d: ed.Driver, batch: list[list[int]], params: Any, check: Any =
         engine_.add_request(rid, TokensPrompt(prompt_token_ids=p), params[i] if isinstance(params, list) else params)
     steps = peak = 0
     finished: dict[str, Any] = {}
+    preemptions = dict.fromkeys(ids, 0)
     while len(finished) < len(batch):
         for out in engine_.step():
             if out.finished:
                 finished[out.request_id] = out
         steps += 1
         peak = max(peak, len(d.scheduler.running))
+        for rid in ids:
+            request = d.scheduler.requests.get(rid)
+            if request is not None:
+                preemptions[rid] = max(preemptions[rid], request.num_preemptions)
         if check is not None:
             check()
         assert steps < 2000, "the workload did not finish"
     return {"steps": steps, "peak_running": peak, "tokens": [list(finished[r].outputs[0].token_ids) for r in ids],
-            "cached": [int(finished[r].num_cached_tokens or 0) for r in ids]}
+            "cached": [int(finished[r].num_cached_tokens or 0) for r in ids],
+            "preemptions": sum(preemptions.values())}
 
 
 def admission(d: ed.Driver, seed: int = 2, max_tokens: int | None = None) -> dict[str, Any]:
@@ -91,6 +105,26 @@ def admission(d: ed.Driver, seed: int = 2, max_tokens: int | None = None) -> dic
 
     out = step_through(d, batch, params, check if d.scheduler.connector is not None else None)
     out["most_uncached"] = max(uncached, default=0)
+    return out
+
+
+def shared_prefix(d: ed.Driver) -> dict[str, Any]:
+    """Issue 41, item 1: six requests sharing a 12-page prefix that only the host pool holds,
+    admitted together under the small GPU cache: steps, preemptions, pages loaded, tokens."""
+    from vllm import SamplingParams
+
+    rng = random.Random(41)
+    prefix = [rng.randrange(3, 500) for _ in range(SHARED_PREFIX_TOKENS)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
+    side = d.side if d.scheduler.connector is not None else None
+    d.generate([prefix + [7] * 8], params)  # publishes the prefix's 12 pages on host (with the connector)
+    d.drain()
+    assert d.llm.reset_prefix_cache()
+    loaded = side.loads.loaded_pages if side is not None else 0
+    out = step_through(d, prompts(41, 6, prefix), params)
+    d.drain()
+    out["loaded_pages"] = side.loads.loaded_pages - loaded if side is not None else 0
+    out["distinct_pages"] = SHARED_PREFIX_TOKENS // BLOCK
     return out
 
 
@@ -177,6 +211,12 @@ def main(model_dir: str, mode: str) -> dict[str, Any]:
         report["metrics_after_reset"] = d.metrics()
     assert d.llm.reset_prefix_cache()
     report["admission"] = admission(d)
+    d.drain()
+    assert d.llm.reset_prefix_cache()
+    report["shared_prefix"] = shared_prefix(d)
+    if pool is not None:
+        report["metrics_end"] = d.metrics()
+        report["shared_lines"] = records.messages(logging.INFO, "came from vLLM's GPU prefix cache, not loaded again")
     return report
 
 

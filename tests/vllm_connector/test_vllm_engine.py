@@ -1,7 +1,8 @@
 """A real vLLM `LLM` on CPU with the connector and the reference_cpu backend (engine_run.py).
 
 Three engines run at once, each in its own process: without the connector (`plain`), with it
-(`connector`, 0.05 GiB host pool), and with the smallest host pool it accepts (`small-pool`).
+(`connector`, 0.05 GiB host pool), and with the smallest host pool it accepts (`small-pool`),
+each with a KV cache of 48 blocks.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def test_second_batch_loads_the_shared_prefix_from_the_host_pool(reports: dict) 
     # With it, every request of batch 2 starts from the 192 prefix tokens loaded from host.
     assert hisparse["cached2"] == [192, 192]
     assert hisparse["after_batch2"]["prefix_hit_tokens"] > 0
-    assert hisparse["loaded_pages"] == 2 * 192 // 32
+    # Issue 41: both requests of batch 2 are admitted together; the first loads the 6 pages, the
+    # second takes them from vLLM's GPU prefix cache (it used to load a copy of its own).
+    assert hisparse["loaded_pages"] == 192 // 32
     # Run again with vLLM's GPU prefix cache holding the prefix: vLLM serves it, nothing loads.
     assert hisparse["cached2_gpu"] == [192, 192] and hisparse["loaded_pages_gpu"] == hisparse["loaded_pages"]
 
@@ -103,9 +106,13 @@ def test_prometheus_metrics_of_the_engine(reports: dict) -> None:
     """Issue 16, item 4: what each metric counts (README "With vLLM" describes them)."""
     hisparse = reports["connector"]
     metrics = hisparse["metrics"]
-    # Batch 2 and its corrupted rerun each load 2 x 6 pages; the rerun vLLM's cache served loads none.
-    assert metrics["vllm:hisparse_prefix_loaded_tokens"] == 2 * 2 * 192
-    assert metrics["vllm:hisparse_host_to_device_bytes"] == 2 * 2 * 6 * HOST_BLOCK
+    # Batch 2 and its corrupted rerun each load the 6 pages once, the second request of each
+    # sharing them; the rerun vLLM's cache served loads none.
+    assert metrics["vllm:hisparse_prefix_loaded_tokens"] == 2 * 192
+    # Taken from blocks another request loaded: the second request of batch 2 and of its corrupted
+    # rerun, and both requests of the GPU-served rerun (the blocks batch 2 loaded, still cached).
+    assert metrics["vllm:hisparse_shared_loaded_tokens"] == 4 * 192
+    assert metrics["vllm:hisparse_host_to_device_bytes"] == 2 * 6 * HOST_BLOCK
     # Matched on host at admission: the two loads and the GPU-served rerun, 3 x 2 x 192.
     assert metrics["vllm:hisparse_host_prefix_matched_tokens"] == 3 * 2 * 192
     assert metrics["vllm:hisparse_device_to_host_bytes"] > 0
@@ -148,3 +155,25 @@ def test_hisparse_lines_print_once_beside_a_root_handler(reports: dict) -> None:
     lines = reports["connector"]["output"].splitlines()
     for needle in ("hisparse connector scheduler:", "hisparse connector worker:"):
         assert sum(needle in line for line in lines) == 1, needle
+
+
+@pytest.mark.slow
+def test_requests_admitted_together_load_a_shared_host_prefix_once(reports: dict) -> None:
+    """Issue 41, item 1: six requests sharing a 12-page prefix held only by the host pool,
+    admitted together under a 48-block GPU cache. Each used to load its own copy (vLLM keeps
+    asynchronously loaded blocks out of its prefix cache until they arrive): 72 pages that did
+    not fit, so requests waited and were preempted. Now the prefix loads once and the connector
+    costs no step and no preemption over vLLM alone, which computes the prefix once."""
+    plain, hisparse = reports["plain"]["shared_prefix"], reports["connector"]["shared_prefix"]
+    assert hisparse["loaded_pages"] == hisparse["distinct_pages"] == 12
+    assert hisparse["cached"] == [384] * 6 and plain["cached"][0] == 0
+    assert hisparse["preemptions"] <= plain["preemptions"]
+    assert hisparse["steps"] <= plain["steps"]
+    assert hisparse["peak_running"] == plain["peak_running"] == 6
+    assert hisparse["tokens"] == plain["tokens"]
+    # Shown: a counter and one INFO line (the first shared load of the run, in batch 2).
+    end = reports["connector"]["metrics_end"]
+    assert end["vllm:hisparse_shared_loaded_tokens"] - reports["connector"]["metrics"][
+        "vllm:hisparse_shared_loaded_tokens"] == 5 * 384
+    (line,) = reports["connector"]["shared_lines"]
+    assert "each host page loads once while requests share it" in line

@@ -38,6 +38,11 @@ def register() -> None:
     """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from hisparse_vllm.logs import route_to_vllm_handlers
+
+    # vLLM's logger is configured by now (importing vLLM does it): connect hisparse's loggers to
+    # it before the ops are registered, so their one line (which implementation, and why) shows.
+    route_to_vllm_handlers()
     with _lock:
         if CONNECTOR_NAME in KVConnectorFactory._registry:
             return

@@ -45,9 +45,22 @@ class VllmOutput(logging.Handler):
             handlers = vllm.handlers
         else:
             handlers = logging.getLogger().handlers or [_FALLBACK]
+        own = _handlers_reached(record.name)  # already handled there (pytest attaches its own to both)
         for handler in handlers:
-            if record.levelno >= handler.level:
+            if record.levelno >= handler.level and handler not in own:
                 handler.handle(record)
+
+
+def _handlers_reached(name: str) -> set[logging.Handler]:
+    """The handlers a record of logger `name` reaches without `VllmOutput`."""
+    out: set[logging.Handler] = set()
+    logger: logging.Logger | None = logging.getLogger(name)
+    while logger is not None:
+        out.update(logger.handlers)
+        if not logger.propagate:
+            break
+        logger = logger.parent
+    return out
 
 
 _OUTPUT = VllmOutput()

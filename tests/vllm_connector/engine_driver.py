@@ -32,9 +32,13 @@ class Driver:
 
         self.llm = llm
         self.client = llm.llm_engine.engine_core
-        self.core = self.client.engine_core
         self.params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0)
         self.added = 0  # requests added by id (engine_run.step_through)
+
+    @property
+    def core(self) -> Any:
+        """The in-process `EngineCore` (absent with the engine core in a child process)."""
+        return self.client.engine_core
 
     @property
     def scheduler(self) -> Any:
@@ -66,15 +70,6 @@ class Driver:
             self.client.get_output()
             steps += 1
         assert not self.scheduler.has_requests(), "engine did not drain"
-        return steps
-
-    def step_idle(self) -> int:
-        """Step through `LLMEngine.step` (which feeds vLLM's stat loggers, unlike `drain`) while
-        the scheduler reports work; returns the steps."""
-        steps = 0
-        while self.scheduler.has_requests() and steps < 100:
-            self.llm.llm_engine.step()
-            steps += 1
         return steps
 
     def host_stats(self) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """One real vLLM `LLM` on CPU (tiny Llama), with or without the hisparse connector; prints a JSON
 report. Run by test_vllm_engine.py in a subprocess per configuration (an engine per process):
 
-    python tests/vllm_connector/engine_run.py MODEL_DIR plain|connector|small-pool
+    python tests/vllm_connector/engine_run.py MODEL_DIR plain|connector|small-pool|mp-reset
 
 `plain` and `connector`: batch 1 (two prompts sharing a 192-token prefix) runs, the engine
 drains, vLLM's own GPU prefix cache is reset, then batch 2 (same prefix, other suffixes) runs:
@@ -15,6 +15,9 @@ first, as some libraries do, to show that hisparse lines still print once.
 Every mode then runs the admission workload of issue 16, item 2: six requests with enough GPU
 blocks for all, counting engine steps and the most requests running at once. `small-pool` runs
 only that, with the smallest host pool the connector accepts.
+
+`mp-reset` runs with the engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1): two
+batches, then the connector reset, reading the gauges at once (issue 41, item 3).
 
 `plain` and `connector` end with the shared-prefix trace of issue 41, item 1: one request
 publishes a 384-token prefix, vLLM's GPU prefix cache is reset, then six requests sharing that
@@ -146,7 +149,26 @@ class GpuBlockAudit:
         self.steps += 1
 
 
+def child_engine_reset(model_dir: str) -> dict[str, Any]:
+    """Issue 41, item 3, with the engine core in a child process (`mp-reset`): the offline
+    gauges after `reset_prefix_cache(reset_connector=True)`, read at once."""
+    from vllm import SamplingParams
+
+    d = ed.Driver(engine(model_dir, 0.05))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 500) for _ in range(PREFIX_TOKENS)]
+    d.generate(prompts(1, 2, prefix), params)
+    d.generate(prompts(2, 2, prefix), params)  # its steps report the first batch's published pages
+    report: dict[str, Any] = {"child_process": not hasattr(d.client, "engine_core"), "before": d.metrics()}
+    report["full_reset"] = d.llm.reset_prefix_cache(reset_connector=True)
+    report["after"] = d.metrics()
+    return report
+
+
 def main(model_dir: str, mode: str) -> dict[str, Any]:
+    if mode == "mp-reset":
+        return child_engine_reset(model_dir)
     records = ed.Records()
     logging.getLogger("hisparse_vllm").addHandler(records)
     if mode == "connector":
@@ -206,9 +228,9 @@ def main(model_dir: str, mode: str) -> dict[str, Any]:
         report["metrics"] = d.metrics()
         report["vllm_host_tokens"] = d.vllm_cached_tokens("host")
         report["full_reset"] = d.llm.reset_prefix_cache(reset_connector=True)
+        report["metrics_after_reset"] = d.metrics()  # at once, no generate in between (issue 41.3)
         report["after_reset"] = d.host_stats()
-        report["drain_reset"] = d.step_idle()  # the idle engine steps once to report the levels
-        report["metrics_after_reset"] = d.metrics()
+        report["busy_after_reset"] = d.scheduler.has_requests()
     assert d.llm.reset_prefix_cache()
     report["admission"] = admission(d)
     d.drain()

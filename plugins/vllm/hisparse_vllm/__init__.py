@@ -48,6 +48,7 @@ def register() -> None:
             return
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
     importlib.import_module("hisparse_vllm.frontend_check").install()  # config errors before any engine starts
+    importlib.import_module("hisparse_vllm.offline_stats").install()  # gauges follow an offline connector reset
     importlib.import_module("hisparse_vllm.ops").register_from_plugin()  # vLLM's own HiSparse ops, where absent
     logger.debug("registered KV connector %r -> %s:%s", CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
 

@@ -146,6 +146,7 @@ class SchedulerSide:
         self._reported = {"host_prefix_matched_tokens": 0, "new_loaded_pages": 0, "resumed_pages": 0,
                           "evicted_blocks": 0, "shared_pages": 0}
         self._stats_due = False  # a reset changed the levels: report them at the next step
+        self._resets = 0  # successful connector resets, reported so a front end sees its reset arrive
 
     # ----------------------------------------------------------------- binding
 
@@ -474,6 +475,7 @@ class SchedulerSide:
         self._reset_hot = True
         self._reported.update(host_prefix_matched_tokens=0, evicted_blocks=0)  # the new coordinator counts from 0
         self._stats_due = True
+        self._resets += 1
         logger.info("hisparse host cache reset: %d published blocks forgotten", stats.published_blocks)
         return True
 
@@ -490,7 +492,7 @@ class SchedulerSide:
             host_pool_usage=s.host_usage, host_pool_cached=s.host_blocks_cached / s.host_blocks_total,
             host_blocks_used=s.host_blocks_used, host_blocks_cached=s.host_blocks_cached,
             pending_transfers=s.pending_transfers + len(self._loads), requests_uncached=len(self._uncached),
-            host_blocks_total=s.host_blocks_total)
+            host_blocks_total=s.host_blocks_total, reset_epoch=self._resets)
         if delta["host_prefix_matched_tokens"]:
             out.record(host_prefix_matched_tokens=delta["host_prefix_matched_tokens"])
         if delta["new_loaded_pages"]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-call GPU validation of the NVIDIA backend: environment, kernel build, every README command
+# One-call GPU validation of the NVIDIA backend: environment, kernel build, every command of the README and docs/cli.md
 # as a user runs it, the backend's GPU tests against the CPU reference, the conformance suite,
 # compute-sanitizer (memcheck, racecheck) and the benchmark. Every stage logs to $OUT (default
 # ./out) and the script ends with a summary; a failing stage does not stop the later ones.
@@ -87,7 +87,7 @@ for b in all_builds_for_ci():
 "
         python3 -m hisparse_core backends 2>&1 | head -20'
     ;;
-readme)  # every command of README.md as a user runs it (through the shim: python3 -m hisparse_core),
+readme)  # every command of README.md and docs/cli.md as a user runs it (through the shim: python3 -m hisparse_core),
     # the main job automatic and explicit, default and large workload, each against reference_cpu
     run readme "${T_README:-420}" bash -c '
         set -u; rc=0; O=$0

@@ -15,6 +15,10 @@ removes it) if it finds:
 
 Pools of live processes and folders in use are left alone: on a shared machine they may belong to
 another test run.
+
+Hypothesis runs under the profile `HISPARSE_HYPOTHESIS_PROFILE` names (`hypothesis_profiles.py`):
+derandomized by default and in CI, so the README's test command draws the same examples on every
+machine; `long` is the randomized bug hunt with 10 times the state machines' examples.
 """
 
 from __future__ import annotations
@@ -27,8 +31,17 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from hypothesis_profiles import ENV as PROFILE_ENV
+from hypothesis_profiles import register as register_hypothesis_profiles
 
 from hisparse_core import shm
+
+HYPOTHESIS_PROFILE = register_hypothesis_profiles()
+
+
+def pytest_report_header() -> str:
+    return (f"hypothesis profile: {HYPOTHESIS_PROFILE} (set by {PROFILE_ENV}; ci = derandomized, "
+            f"long = randomized with 10x the state machines' examples)")
 
 
 def _shm_files() -> set[str]:

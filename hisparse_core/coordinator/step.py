@@ -9,20 +9,25 @@ Two phases, so that a bad step changes nothing:
    request both scheduled and leaving, enough host blocks for the new pages). It changes no
    state. Decode-like requests (rows inside one known page, nothing to seal, restore or resend)
    get their row mirror built right there; the rest become `RequestPlan`s.
-2. `StepPlanner.apply`, after the leaving requests are gone, allocates host blocks for new
-   pages, mirrors the rows the host does not have, seals and spills the pages that
+2. `StepPlanner.apply`, after the leaving requests are gone, allocates the host blocks for new
+   pages first, in one call (the only step of `apply` that can run out of host blocks, so a
+   step is refused whole or applied whole), then mirrors the rows the host does not have, seals and spills the pages that
    `num_computed_tokens` covers, restores partial pages that came from host, runs the residency
    policy and assembles the command.
 
 A sealed page whose hash is already published, or whose spill another request has in flight
 (requests sharing an engine-side prefix seal the same pages), is not spilled again: the request
-takes that host block (`_share_spilled_page`), so each distinct page is copied once.
+takes that host block (`_share_spilled_page`), so each distinct page is copied once. The swap
+never costs an allocatable block: it is skipped (the page spills to its own block) when it would
+take a cached block while its own block stays pinned. So a step takes exactly the host blocks its
+validation counted.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import islice
 from operator import attrgetter
 
 from hisparse_core.coordinator.acks import advance_publication
@@ -245,12 +250,16 @@ class StepPlanner:
         """Carry out a validated step: returns the command (None when there is nothing for the
         workers) and the step's table deltas."""
         fast_recs, fast_ends, mirrors, plans = step
+        # Every host block the step adds, in one call before anything changes: the allocation is
+        # the step's only host-capacity failure, and it fails whole (validation counted the same
+        # pages, so it does not fail at all unless the pool shrank since).
+        fresh = iter(self._host.allocate(sum(max(0, pa - rec.num_pages) for rec, _, _, _, _, pa in plans)))
         deque(map(_SET_NUM_MIRRORED, fast_recs, fast_ends), 0)
         transfers: list[PageTransfer] = []
         residency: dict[int, dict[int, tuple[int, ...]]] = {}
         tables: list[TableUpdate] = []
         for plan in plans:
-            self._apply_plan(plan, transfers, mirrors, residency, tables)
+            self._apply_plan(plan, fresh, transfers, mirrors, residency, tables)
         self._policy.apply()
         return self._build_command(transfers, mirrors, residency, tables)
 
@@ -260,8 +269,9 @@ class StepPlanner:
             return (table[0][page],)
         return tuple(row[page] for row in table)
 
-    def _apply_plan(self, plan: RequestPlan, transfers: list[PageTransfer], mirrors: list[RowMirror],
-                    residency: dict[int, dict[int, tuple[int, ...]]], tables: list[TableUpdate]) -> None:
+    def _apply_plan(self, plan: RequestPlan, fresh: Iterator[int], transfers: list[PageTransfer],
+                    mirrors: list[RowMirror], residency: dict[int, dict[int, tuple[int, ...]]],
+                    tables: list[TableUpdate]) -> None:
         rec, req, si, nc, end, pages_after = plan
         bs = self._bs
         if si != rec.state_index:
@@ -281,8 +291,7 @@ class StepPlanner:
             transfers.append(t.wire())
             self.restores += 1
         if pages_after > old_pages:
-            hb = self._host.allocate(pages_after - old_pages)
-            rec.host.extend(hb)
+            rec.host.extend(islice(fresh, pages_after - old_pages))
             for p in range(old_pages, pages_after):
                 rec.gpu.append(self._engine_blocks(req, p))
                 new_resident.append(p)
@@ -353,13 +362,19 @@ class StepPlanner:
         its spill is in flight, take that host block instead of spilling the page again (a
         shared prefix is copied once, whoever holds it): True. Else False (spill it)."""
         h = rec.hashes[p]
-        published = self._host.published_block(h)
+        host = self._host
+        published = host.published_block(h)
         leader = None if published is not None else self._transfers.spilling(h)
         block = published if published is not None else (leader.host_block if leader is not None else None)
         if block is None or block == rec.host[p]:
             return False
-        self._host.touch((block,))
-        self._host.release((rec.host[p],))
+        if host.lease_count(block) == 0 and host.lease_count(rec.host[p]) > 1:
+            # Taking a cached block costs an allocatable one, and releasing our own gives none
+            # back while something else pins it (a restore of this page still in flight): the
+            # swap would take a host block validation did not count. Spill the page instead.
+            return False
+        host.touch((block,))
+        host.release((rec.host[p],))
         rec.host[p] = block
         if leader is None:
             rec.state[p] = PINNED

@@ -25,6 +25,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis_profiles import examples
 
 from hisparse_core.coordinator import HiSparseCoordinator, ImportTarget, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.pages import LEASED_STATES, Lifecycle
@@ -356,6 +357,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
             r = self.reqs.pop(rid)
             self._engine_release(r)
         cmd = self.coord.schedule_step(views, finished=finished, preempted=preempted)
+        # The step took no host block beyond what host_blocks_needed promised (leaving gives some back).
+        assert self.coord.num_free_host_blocks >= host_free
         for r, _, end in writes:
             r.handed = max(r.handed, -(-end // BS))
             r.scheduled_once = True
@@ -363,6 +366,51 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self._execute(cmd, writes)
         for r, _, end in writes:
             r.num_computed = end
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def oversized_step(self, data: st.DataObject) -> None:
+        """A step that needs more host blocks than the pool has is refused and changes nothing."""
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.reqs)), min_size=1, unique=True))
+        grown: list[tuple[Req, int]] = []
+        views: list[StepRequest] = []
+        need = 0
+        for rid in chosen:
+            r = self.reqs[rid]
+            end = min(MAX_LEN, r.num_computed + data.draw(st.integers(1, MAX_LEN)))
+            if end <= r.num_computed:
+                continue
+            missing = -(-end // BS) - len(r.table[0])
+            if missing * self.G > self.gpu.num_free_blocks:
+                continue
+            need += self.coord.host_blocks_needed(rid, end)
+            grown.append((r, len(r.table[0])))
+            for row in r.table:
+                if missing > 0:
+                    row.extend(self.gpu.acquire(missing))
+            toks = tuple(r.tokens) + (0,) * max(0, end - len(r.tokens))
+            views.append(StepRequest(rid, r.state_index, r.num_computed, end - r.num_computed, toks,
+                                     tuple(tuple(row) for row in r.table)))
+        try:
+            if need <= self.coord.num_free_host_blocks:
+                return
+            before = self._snapshot() + (self._host_state(),)
+            with pytest.raises(CapacityError):
+                self.coord.schedule_step(views)
+            assert self._snapshot() + (self._host_state(),) == before
+            event("oversized step refused")
+        finally:   # the engine gives back what it allocated for the refused step
+            for r, length in grown:
+                for row in r.table:
+                    if len(row) > length:
+                        self.gpu.release(row[length:])
+                        del row[length:]
+
+    def _host_state(self) -> tuple[object, ...]:
+        host = self.coord._host
+        recs = tuple((rid, list(r.host), list(r.gpu), bytes(r.state), r.num_mirrored, r.num_sealed, r.state_index)
+                     for rid, r in sorted(self.coord._requests.items()))
+        return list(host._free), list(host._cached), dict(host._by_hash), recs, self.coord._table_updates
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -569,7 +617,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 
 CoordinatorMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("HISPARSE_COORD_EXAMPLES", "100")), stateful_step_count=80, deadline=None,
+    max_examples=int(os.environ.get("HISPARSE_COORD_EXAMPLES", examples(100))), stateful_step_count=80, deadline=None,
     report_multiple_bugs=False,
     phases=[p for p in Phase if p is not Phase.shrink or not os.environ.get("HISPARSE_COORD_NO_SHRINK")],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis_profiles import examples
 from refcpu_support import bound_runtime, i32
 
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RuntimeConfig
@@ -299,6 +300,6 @@ class RuntimeMachine(RuleBasedStateMachine):
 
 
 RuntimeMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None,
+    max_examples=examples(60), stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 TestRuntimeAgainstModel = RuntimeMachine.TestCase

@@ -92,3 +92,32 @@ def test_a_planning_failure_names_the_request_and_leaks_nothing(model: torch.nn.
         out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         assert out.shape[1] == ids.shape[1] + 4
     assert engine.closed
+
+
+def test_a_step_that_cannot_fit_after_releases_is_refused_before_any_lease(model: torch.nn.Module) -> None:
+    """GPU blocks too few even after the policy released every clean page (here: 46 of the 58
+    blocks of the smallest pool leased by someone else): the step is refused before it leases a
+    block (a lease of a released block would lose that page for nothing), in one line naming the
+    budget, and nothing leaks."""
+    from tf_support import tight_gpu_gib
+
+    ids, mask = random_prompts([70, 90, 50], seed=4)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, gpu_kv_gib=tight_gpu_gib(FAMILY, 58),
+                                                             check=False)) as hs:
+        engine = hs.engine
+        hog = engine.gpu.acquire(46)
+        make_room = engine.coordinator.make_room
+        seen: dict[str, int] = {}
+
+        def recording(blocks: int) -> int:
+            free = make_room(blocks)
+            seen["lost"] = engine.coordinator.stats().lost_pages
+            return free
+
+        engine.coordinator.make_room = recording  # type: ignore[method-assign]
+        with pytest.raises(CapacityError, match=r"GPU blocks and \d+ are free after releasing every clean page"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        assert seen, "the step asked the policy for room first"
+        assert engine.coordinator.stats().lost_pages == seen["lost"], "the refused step lost a released page"
+        assert engine.session is None and engine.gpu.num_leased_blocks == len(hog)
+        engine.gpu.release(hog)

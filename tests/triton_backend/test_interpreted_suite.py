@@ -1,5 +1,5 @@
 """The conformance suite passes on the triton backend in Triton's interpreter, run the way a vendor
-runs it (README): `TRITON_INTERPRET=1 pytest --pyargs hisparse_conformance --hisparse-backend triton`
+runs it (docs/backends.md): `TRITON_INTERPRET=1 pytest --pyargs hisparse_conformance --hisparse-backend triton`
 from a directory outside the repository, in a child process so that the interpreter setting stays
 out of this session. Few hypothesis examples per property test keep it within CI's budget; the
 hand-checked and fixed-geometry tests run whole.

@@ -49,7 +49,8 @@ class Driver:
         return self.scheduler.connector.scheduler_side
 
     def generate(self, batch: list[list[int]], params: Any = None) -> list[dict[str, Any]]:
-        """Greedy tokens, their logprobs and the prompt tokens vLLM did not compute, per prompt."""
+        """Greedy tokens, their logprobs and the prompt tokens vLLM did not compute, per prompt; with
+        `logprobs >= 2` also each token's margin over the runner-up ("margins")."""
         from vllm.inputs import TokensPrompt
 
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params or self.params,
@@ -58,8 +59,11 @@ class Driver:
         for o in outs:
             out = o.outputs[0]
             logprobs = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs, strict=False)] if out.logprobs else []
-            report.append({"tokens": list(out.token_ids), "logprobs": logprobs,
-                           "cached": int(o.num_cached_tokens or 0)})
+            entry = {"tokens": list(out.token_ids), "logprobs": logprobs, "cached": int(o.num_cached_tokens or 0)}
+            if out.logprobs and all(len(d) >= 2 for d in out.logprobs):
+                ranked = [sorted((x.logprob for x in d.values()), reverse=True) for d in out.logprobs]
+                entry["margins"] = [r[0] - r[1] for r in ranked]
+            report.append(entry)
         return report
 
     def drain(self) -> int:

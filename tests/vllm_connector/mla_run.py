@@ -3,6 +3,9 @@
     python tests/vllm_connector/mla_run.py MODEL_DIR BACKEND loads     # prints ENGINE_REPORT {...}
     python tests/vllm_connector/mla_run.py MODEL_DIR BACKEND refused   # the engine as issue 16 ran it
 
+Each engine runs in `mla_backends.engine_dtype(BACKEND)`: float32 on CPU_MLA, bfloat16 on
+AMX_MLA (its kernels take nothing else); in bfloat16 the runs also keep each token's top-2 margin.
+
 `loads`: RoPE in exact PyTorch (`custom_ops=["-rotary_embedding"]`, see
 hisparse_vllm/engine_checks.py). Batch 1 publishes four prefixes to the host pool. Batch 2 (same
 prefixes, other suffixes) then runs
@@ -30,6 +33,7 @@ import sys
 from typing import Any
 
 import engine_driver as ed
+from mla_backends import engine_dtype
 
 PREFIXES = (40, 300, 150, 17)
 SUFFIX = 5
@@ -39,7 +43,7 @@ def engine(model_dir: str, backend: str, *, exact_rope: bool) -> Any:
     from vllm import LLM
 
     extra: dict[str, Any] = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if exact_rope else {}
-    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, max_num_seqs=4,
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype=engine_dtype(backend), max_model_len=1024, max_num_seqs=4,
                enforce_eager=True, seed=0, attention_config={"backend": backend},
                block_size=16 if backend == "CPU_MLA" else 32, kv_transfer_config=ed.kv_transfer(0.05),
                disable_log_stats=False, **extra)
@@ -55,9 +59,15 @@ def batches() -> tuple[list[list[int]], list[list[int]]]:
 
 def loads(model_dir: str, backend: str) -> dict[str, Any]:
     d = ed.Driver(engine(model_dir, backend, exact_rope=True))
+    dtype = engine_dtype(backend)
+    if dtype != "float32":   # top-2 logprobs: where tokens part, was it a near-tie?
+        from vllm import SamplingParams
+
+        d.params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=2)
     cache = d.llm.llm_engine.vllm_config.cache_config
     first, second = batches()
-    out: dict[str, Any] = {"block_size": cache.block_size, "vllm_prefix_caching": bool(cache.enable_prefix_caching)}
+    out: dict[str, Any] = {"block_size": cache.block_size, "vllm_prefix_caching": bool(cache.enable_prefix_caching),
+                           "dtype": str(d.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")}
     out["batch1"] = d.generate(first)
     d.drain()
     if out["vllm_prefix_caching"]:

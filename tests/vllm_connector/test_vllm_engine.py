@@ -105,7 +105,7 @@ def test_a_small_host_pool_costs_prefix_hits_not_concurrency(reports: dict) -> N
 
 @pytest.mark.slow
 def test_prometheus_metrics_of_the_engine(reports: dict) -> None:
-    """Issue 16, item 4: what each metric counts (README "With vLLM" describes them)."""
+    """Issue 16, item 4: what each metric counts (docs/vllm.md describes them)."""
     hisparse = reports["connector"]
     metrics = hisparse["metrics"]
     # Batch 2 and its corrupted rerun each load the 6 pages once, the second request of each

@@ -21,6 +21,7 @@ So the connector refuses that engine with one line, and with RoPE in exact PyTor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,37 +32,63 @@ pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_v
 import tiny_models  # noqa: E402
 import torch  # noqa: E402
 from engine_procs import engine_report, start_engine  # noqa: E402
+from mla_backends import CPU_MLA_BACKENDS, engine_dtype, unavailable  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("mla_run.py")
-#: The MLA backends of vLLM's CPU platform (`CpuPlatform.get_attn_backend_cls`): the reference
-#: CPU_MLA, and AMX_MLA on CPUs with AMX tiles (preferred there unless CPU_MLA is asked for).
-CPU_MLA_BACKENDS = ("CPU_MLA", "AMX_MLA")
 EXPECTED_LOADED = [32, 288, 144, 16]  # whole 16-token pages of the 40/300/150/17-token prefixes
+#: The engines of this module: (backend, mode) of mla_run.py. The compiled bf16 ones (issue 27,
+#: item 1) run on CPU_MLA, which runs everywhere.
+ENGINES = tuple((b, mode) for b in CPU_MLA_BACKENDS for mode in ("loads", "refused")) + (
+    ("CPU_MLA", "compiled-plain"), ("CPU_MLA", "compiled-connector"))
 
 
-def _available(backend: str) -> str | None:
-    if backend == "AMX_MLA" and not torch.cpu._is_amx_tile_supported():
-        return "this CPU has no AMX tiles (torch.cpu._is_amx_tile_supported() is False); vLLM runs AMX_MLA only there"
-    return None
+#: One parameter per backend; AMX_MLA skipped at collection where it cannot run (no engine starts for it).
+BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(unavailable(b) is not None, reason=str(unavailable(b))))
+            for b in CPU_MLA_BACKENDS]
+
+
+class Engines:
+    """This module's engines, one report each. The first test that asks for one starts every
+    engine that can run here (they overlap on the CPU); each report is then read, and an engine
+    that failed fails only the tests that read its report, with its output."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._model_dir = model_dir
+        self._procs: dict[tuple[str, str], Any] = {}
+        self._reports: dict[tuple[str, str], dict[str, Any] | AssertionError] = {}
+
+    def report(self, backend: str, mode: str) -> dict[str, Any]:
+        reason = unavailable(backend)
+        if reason is not None:
+            pytest.skip(reason)
+        if not self._procs:
+            self._procs = {(b, m): start_engine(SCRIPT, str(self._model_dir), b, m)
+                           for b, m in ENGINES if unavailable(b) is None}
+        key = (backend, mode)
+        if key not in self._reports:
+            try:
+                self._reports[key] = engine_report(self._procs[key])
+            except AssertionError as exc:
+                self._reports[key] = exc
+        got = self._reports[key]
+        if isinstance(got, AssertionError):
+            raise AssertionError(f"the {backend} {mode} engine ({engine_dtype(backend)}) failed; "
+                                 f"see its output") from got
+        return got
+
+    def close(self) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
-    """Every available backend's `loads` and `refused` engines, all started at once."""
-    model_dir = tiny_models.write_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2"))
-    procs = {(b, mode): start_engine(SCRIPT, str(model_dir), b, mode) for b in CPU_MLA_BACKENDS if _available(b) is None
-             for mode in ("loads", "refused")}
-    # Issue 27, item 1: compiled bf16 engines (CPU_MLA runs everywhere), with and without the connector.
-    procs.update({("CPU_MLA", mode): start_engine(SCRIPT, str(model_dir), "CPU_MLA", mode)
-                  for mode in ("compiled-plain", "compiled-connector")})
-    return {key: engine_report(proc) for key, proc in procs.items()}
-
-
-def _run(runs: dict[tuple[str, str], dict[str, Any]], backend: str, mode: str) -> dict[str, Any]:
-    reason = _available(backend)
-    if reason is not None:
-        pytest.skip(reason)
-    return runs[(backend, mode)]
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    """The model is written once; engines start when a test first needs one (`Engines`)."""
+    found = Engines(tiny_models.write_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2")))
+    yield found
+    found.close()
 
 
 def test_these_are_the_mla_backends_of_vllms_cpu_platform() -> None:
@@ -77,9 +104,10 @@ def test_these_are_the_mla_backends_of_vllms_cpu_platform() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", CPU_MLA_BACKENDS)
-def test_prefixes_loaded_from_host_match_vllms_prefix_cache_and_the_recompute(runs: dict, backend: str) -> None:
-    run = _run(runs, backend, "loads")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefixes_loaded_from_host_match_vllms_prefix_cache_and_the_recompute(engines: Engines, backend: str) -> None:
+    run = engines.report(backend, "loads")
+    assert run["dtype"] == engine_dtype(backend)
     host, recompute = run["host"], run["recompute"]
     if run["block_size"] == 16:
         assert [r["cached"] for r in host] == EXPECTED_LOADED
@@ -91,15 +119,18 @@ def test_prefixes_loaded_from_host_match_vllms_prefix_cache_and_the_recompute(ru
         assert host == run["vllm_cache"]
     else:
         assert backend == "CPU_MLA", "only CPU_MLA has prefix caching turned off by the CPU platform"
-    for h, r in zip(host, recompute, strict=False):
-        assert h["tokens"] == r["tokens"]
-        assert max(abs(a - b) for a, b in zip(h["logprobs"], r["logprobs"], strict=False)) < 1e-4
+    if run["dtype"] == "float32":
+        for h, r in zip(host, recompute, strict=True):
+            assert h["tokens"] == r["tokens"]
+            assert max(abs(a - b) for a, b in zip(h["logprobs"], r["logprobs"], strict=True)) < 1e-4
+    else:   # AMX_MLA runs in bf16 only: the recompute rounds differently (see the bf16 test below)
+        assert_within_bf16_rounding(host, recompute)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", CPU_MLA_BACKENDS)
-def test_loaded_bytes_are_the_ones_mla_attention_reads(runs: dict, backend: str) -> None:
-    run = _run(runs, backend, "loads")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loaded_bytes_are_the_ones_mla_attention_reads(engines: Engines, backend: str) -> None:
+    run = engines.report(backend, "loads")
     assert all(r["cached"] > 0 for r in run["corrupt"]), "loaded from the overwritten host pool"
     assert [r["tokens"] for r in run["corrupt"]] != [r["tokens"] for r in run["host"]]
     assert run["metrics"]["vllm:hisparse_prefix_loaded_tokens"] == sum(
@@ -107,9 +138,9 @@ def test_loaded_bytes_are_the_ones_mla_attention_reads(runs: dict, backend: str)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", CPU_MLA_BACKENDS)
-def test_the_engine_whose_rope_mixes_rows_is_refused_with_one_line(runs: dict, backend: str) -> None:
-    run = _run(runs, backend, "refused")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_engine_whose_rope_mixes_rows_is_refused_with_one_line(engines: Engines, backend: str) -> None:
+    run = engines.report(backend, "refused")
     error = run["error"]
     assert error is not None, "the eager engine started although its RoPE kernel mixes rows"
     assert "\n" not in error and "uses MLA" in error and "rotary_embedding kernel" in error
@@ -119,10 +150,10 @@ def test_the_engine_whose_rope_mixes_rows_is_refused_with_one_line(runs: dict, b
 
 
 @pytest.mark.slow
-def test_a_compiled_bf16_engine_gives_vllms_own_outputs_with_the_connector(runs: dict) -> None:
+def test_a_compiled_bf16_engine_gives_vllms_own_outputs_with_the_connector(engines: Engines) -> None:
     """Issue 27, item 1: the start-up RoPE check used to leave the model's bf16 `cos_sin_cache` in
     fp32, and the compiled graph kept it: every output differed from the first token."""
-    plain, connector = runs[("CPU_MLA", "compiled-plain")], runs[("CPU_MLA", "compiled-connector")]
+    plain, connector = engines.report("CPU_MLA", "compiled-plain"), engines.report("CPU_MLA", "compiled-connector")
     assert plain["enforce_eager"] is False and connector["enforce_eager"] is False
     assert "HiSparseOffloadConnector (worker)" in connector["output"], "the connector (and its check) ran"
     assert connector["wave"] == plain["wave"], "tokens and logprobs bit for bit"
@@ -134,22 +165,101 @@ BF16_LOGPROB_TOLERANCE = 2 * 2**-5
 
 
 @pytest.mark.slow
-def test_bf16_host_loads_differ_from_the_recompute_only_by_bf16_rounding(runs: dict) -> None:
+def test_bf16_host_loads_differ_from_the_recompute_only_by_bf16_rounding(engines: Engines) -> None:
     """Issue 27, item 2: in bf16 a prefix loaded from host is the recompute's KV, but the prefill
     that reads it as context (cached KV plus new rows) rounds differently from the one that
     computes the whole prompt. Any prefix cache does that here; vLLM keeps none on CPU_MLA.
     Logprobs agree within bf16 rounding, and greedy tokens can only part where the recompute's
     top two candidates are that close (a near-tie)."""
-    host, recompute = runs[("CPU_MLA", "compiled-connector")]["wave2"], runs[("CPU_MLA", "compiled-plain")]["wave2"]
+    host = engines.report("CPU_MLA", "compiled-connector")["wave2"]
+    recompute = engines.report("CPU_MLA", "compiled-plain")["wave2"]
     assert [r["cached"] for r in host] == EXPECTED_LOADED and all(r["cached"] == 0 for r in recompute)
+    assert_within_bf16_rounding(host, recompute)
+
+
+def assert_within_bf16_rounding(host: list[dict[str, Any]], recompute: list[dict[str, Any]]) -> None:
+    """Logprobs within `BF16_LOGPROB_TOLERANCE` up to the first token where the runs part, and they
+    part only where the recompute's top-2 margin is within it too (a near-tie)."""
     for h, r in zip(host, recompute, strict=True):
         part = next((i for i, (a, b) in enumerate(zip(h["tokens"], r["tokens"], strict=True)) if a != b), None)
         same = len(h["tokens"]) if part is None else part
-        worst = max(abs(a - b) for a, b in zip(h["logprobs"][:same], r["logprobs"][:same], strict=True))
+        worst = max((abs(a - b) for a, b in zip(h["logprobs"][:same], r["logprobs"][:same], strict=True)),
+                    default=0.0)
         assert worst <= BF16_LOGPROB_TOLERANCE, f"logprobs differ by {worst} before any token differs"
         if part is not None:
             assert r["margins"][part] <= BF16_LOGPROB_TOLERANCE, (
                 f"tokens part at {part} where the recompute's top-2 margin is {r['margins'][part]}, not a near-tie")
+
+
+# -- which backends run here, in which dtype: checked on any CPU, AMX or not ---------------------
+
+AMX_CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+EPYC_CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 avx512_vnni\n"
+
+
+def test_amx_detection_reads_cpu_flags_and_torchs_check() -> None:
+    assert unavailable("AMX_MLA", AMX_CPUINFO, torch_amx=True) is None
+    assert unavailable("CPU_MLA", EPYC_CPUINFO, torch_amx=False) is None
+    no_amx = unavailable("AMX_MLA", EPYC_CPUINFO, torch_amx=False)
+    assert no_amx is not None and "lacks amx_tile, amx_bf16" in no_amx
+    denied = unavailable("AMX_MLA", AMX_CPUINFO, torch_amx=False)
+    assert denied is not None and "_is_amx_tile_supported() is False" in denied
+    no_bf16 = unavailable("AMX_MLA", AMX_CPUINFO.replace(" amx_bf16", ""), torch_amx=True)
+    assert no_bf16 is not None and "amx_bf16" in no_bf16
+    # This machine: the reason (if any) agrees with what vLLM's platform asks.
+    assert (unavailable("AMX_MLA") is None) == torch.cpu._is_amx_tile_supported()
+
+
+def test_each_backend_runs_in_a_dtype_its_vllm_kernels_accept() -> None:
+    """The fp32 AMX_MLA engine died in vLLM's weight packing on AMX machines (issue 38): its
+    backend accepts bf16 only. Each engine's dtype is one its backend class lists."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert engine_dtype("CPU_MLA") == "float32"      # exact comparisons where the kernels allow
+    assert engine_dtype("AMX_MLA") == "bfloat16"
+    for backend in CPU_MLA_BACKENDS:
+        cls = AttentionBackendEnum[backend].get_class()
+        assert cls.supports_dtype(getattr(torch, engine_dtype(backend)))
+    amx = AttentionBackendEnum["AMX_MLA"].get_class()
+    assert not amx.supports_dtype(torch.float32) and amx.supports_block_size(32)
+
+
+def test_on_an_amx_cpu_vllm_picks_amx_mla_unless_cpu_mla_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the engines get on a CPU with AMX, simulated through the check vLLM's platform reads."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    selector = AttentionSelectorConfig(head_size=576, dtype=torch.bfloat16, kv_cache_dtype=None, block_size=32,
+                                       use_mla=True)
+    for requested in (None, AttentionBackendEnum.AMX_MLA):
+        assert CpuPlatform.get_attn_backend_cls(requested, selector) == AttentionBackendEnum.AMX_MLA.get_path()
+    assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CPU_MLA, selector) == \
+        AttentionBackendEnum.CPU_MLA.get_path()
+    # So on such a CPU every engine of this module runs, each in its backend's dtype.
+    assert unavailable("AMX_MLA", AMX_CPUINFO) is None
+    assert {(b, engine_dtype(b)) for b, _ in ENGINES} == {("CPU_MLA", "float32"), ("AMX_MLA", "bfloat16")}
+
+
+def test_an_engine_that_fails_fails_only_the_tests_that_read_it(tmp_path: Path) -> None:
+    """Real child processes: one reports, one dies; the other's report is still read."""
+    import subprocess
+    import sys
+
+    found = Engines(tmp_path)
+    found._procs = {
+        ("CPU_MLA", "loads"): subprocess.Popen([sys.executable, "-c", "print('ENGINE_REPORT {\"ok\": 1}')"],
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        ("CPU_MLA", "refused"): subprocess.Popen([sys.executable, "-c", "raise SystemExit('engine died')"],
+                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+    }
+    with pytest.raises(AssertionError, match="the CPU_MLA refused engine"):
+        found.report("CPU_MLA", "refused")
+    assert found.report("CPU_MLA", "loads")["ok"] == 1
+    with pytest.raises(AssertionError, match="the CPU_MLA refused engine"):   # again, from the kept result
+        found.report("CPU_MLA", "refused")
+    found.close()
 
 
 def test_the_rope_probe_tells_the_row_mixing_kernel_from_exact_pytorch() -> None:

@@ -7,7 +7,7 @@ against hisparse's own resolver (`ReferenceRuntime`) on the same inputs: physica
 counts, the miss plan, hot contents of every layer, hot maps and LRU orders. Then the ops alone
 against a straightforward model (hisparse_conformance.vllm_ops_model), bad input, registration.
 
-CUDA gates patched here (hisparse_vllm.ops_platform, also in README): VllmConfig's
+CUDA gates patched here (hisparse_vllm.ops_platform, also in docs/vllm.md): VllmConfig's
 `is_cuda()` gate, `pin_tensor`, and on the CPU the runtime's and index group's streams/events and
 the pinned stats buffer.
 """

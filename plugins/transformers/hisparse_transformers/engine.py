@@ -559,6 +559,11 @@ class HiSparseEngine:
             free = self.coordinator.make_room(needed)
             self.totals.pressure_waits += 1
             logger.debug("hisparse: step needs %d GPU blocks; waited for spills, %d free now", needed, free)
+            if free < needed:
+                # Refuse before leasing any: a lease of a released block would lose its page.
+                raise CapacityError(f"step {self.totals.steps}: its new pages need {needed} GPU blocks and "
+                                    f"{free} are free after releasing every clean page the policy may; raise "
+                                    "gpu_kv_gib or lower max_batch/prefill_chunk")
         fresh: list[tuple[Request, int]] = []       # (request, blocks before this step): undone if the step fails
         try:
             command, src, dst = self._plan_step(session, num_new, past, end_padded, fresh)

@@ -324,3 +324,21 @@ def test_any_host_pool_size_runs_a_workload_like_the_biggest(model_dir: Path, da
     assert small_peak == big_peak
     if not shared:  # nothing to load: the same schedule exactly
         assert small.steps == big.steps
+
+
+@pytest.mark.parametrize("log_stats", [True, False])
+def test_after_a_connector_reset_an_idle_engine_steps_once(model_dir: Path, log_stats: bool) -> None:
+    """The step after a reset reports the levels it changed; with vLLM's stats off nothing reads
+    them, and the idle engine must still stop stepping after that one step."""
+    rig = vs.Rig.build(vs.vllm_config(model_dir))
+    rig.scheduler.log_stats = log_stats
+    rig.add("a", PREFIX + [4] * 8, max_tokens=2)
+    rig.run()
+    assert not rig.scheduler.has_requests()
+    assert rig.scheduler.reset_prefix_cache(reset_connector=True)
+    assert rig.scheduler.has_requests(), "one step to report the reset's levels"
+    rig.step()
+    assert not rig.scheduler.has_requests()
+    if log_stats:
+        assert HiSparseConnectorStats(data=rig.connector_stats[-1]).last("host_blocks_cached") == 0
+    rig.assert_no_leaks()

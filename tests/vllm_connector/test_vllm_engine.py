@@ -163,10 +163,11 @@ def test_hisparse_lines_print_once_beside_a_root_handler(reports: dict) -> None:
 @pytest.mark.slow
 def test_requests_admitted_together_load_a_shared_host_prefix_once(reports: dict) -> None:
     """Issue 41, item 1: six requests sharing a 12-page prefix held only by the host pool,
-    admitted together under a 48-block GPU cache. Each used to load its own copy (vLLM keeps
-    asynchronously loaded blocks out of its prefix cache until they arrive): 72 pages that did
-    not fit, so requests waited and were preempted. Now the prefix loads once and the connector
-    costs no step and no preemption over vLLM alone, which computes the prefix once."""
+    admitted together under a 48-block GPU cache. Requests used to load their own copies (vLLM
+    keeps asynchronously loaded blocks out of its prefix cache until they arrive): 36 loads of the
+    12 pages, and 25 engine steps against vLLM's 16, as requests waited for blocks. Now the prefix
+    loads once and the connector costs no step and no preemption over vLLM alone, which computes
+    the prefix once."""
     plain, hisparse = reports["plain"]["shared_prefix"], reports["connector"]["shared_prefix"]
     assert hisparse["loaded_pages"] == hisparse["distinct_pages"] == 12
     assert hisparse["cached"] == [384] * 6 and plain["cached"][0] == 0

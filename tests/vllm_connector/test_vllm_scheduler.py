@@ -57,9 +57,12 @@ def test_published_prefix_is_loaded_from_host_instead_of_recomputed(model_dir: P
     assert rig.scheduler.reset_prefix_cache(), "vLLM's own GPU prefix cache is emptied: a hit must come from host"
 
     b = rig.add("b", PREFIX + [7] * 10, max_tokens=3)
-    rig.step()
-    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS and b.num_computed_tokens == 80
-    run_until(rig, lambda: b.status == RequestStatus.RUNNING)
+    so = rig.step()
+    # Issue 41: a synchronous load, before this step's forward, which computes b's own 10 tokens.
+    assert b.status == RequestStatus.RUNNING and so.has_sync_kv_loads
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 80 and so.num_scheduled_tokens["b"] == 10
+    run_until(rig, lambda: not len(rig.side.loads))
     assert rig.side.loads.loaded_pages == 5
     (blocks,) = rig.scheduler.kv_cache_manager.get_block_ids("b")
     for w in range(num_workers):
@@ -155,13 +158,45 @@ def test_abort_during_a_prefix_load_frees_after_the_load(model_dir: Path) -> Non
     rig.add("a", PREFIX + [4] * 8, max_tokens=3)
     rig.run()
     assert rig.scheduler.reset_prefix_cache()
-    b = rig.add("b", PREFIX + [9] * 3, max_tokens=3)
-    rig.step()
-    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    rig.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
-    assert "b" in rig.scheduler.requests, "vLLM keeps the blocks of a request whose load is in flight"
+    rig.add("b", PREFIX + [9] * 3, max_tokens=3)
+    pool = rig.scheduler.kv_cache_manager.block_pool
+
+    def abort() -> None:  # after the schedule that planned b's load, before any worker ran it
+        assert rig.side.loads.pending("b")
+        rig.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        assert "b" in rig.scheduler.requests, "blocks held: the load into them is not acknowledged yet"
+        assert pool.get_num_free_blocks() < pool.num_gpu_blocks - 1
+
+    rig.step(after_schedule=abort)
     rig.run()
     assert "b" not in rig.scheduler.requests
+    rig.assert_no_leaks()
+
+
+def test_requests_admitted_together_load_each_shared_page_once(model_dir: Path) -> None:
+    """Issue 41, item 1: requests sharing a host-published prefix, admitted in one step, used to
+    load a copy each (vLLM keeps asynchronously loaded blocks out of its prefix cache until the
+    load completes). The first loads each page; the others take its blocks from vLLM's GPU prefix
+    cache in the same step, and hold no more GPU blocks than requests that computed the prefix."""
+    rig = vs.Rig.build(vs.vllm_config(model_dir, max_num_seqs=4))
+    rig.add("a", PREFIX + [4] * 8, max_tokens=2)
+    rig.run()
+    assert rig.scheduler.reset_prefix_cache(), "vLLM's GPU prefix cache is emptied: the prefix is on host only"
+    free_before = rig.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    requests = [rig.add(f"s{i}", PREFIX + [20 + i] * 5, max_tokens=2) for i in range(4)]
+    so = rig.step()
+    assert all(r.status == RequestStatus.RUNNING for r in requests), "all four admitted in one step"
+    (first, *others) = so.scheduled_new_reqs
+    assert first.num_computed_tokens == 80 and all(o.num_computed_tokens == 80 for o in others)
+    shared = set(first.block_ids[0][:5])
+    assert all(set(o.block_ids[0][:5]) == shared for o in others), "the loaded blocks serve every request"
+    used = free_before - rig.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert used == 5 + 4, "5 shared prefix blocks and one block of its own per request"
+    rig.run()
+    assert rig.side.loads.loaded_pages == 5, "each distinct host page loaded once"
+    stats = rig.collected()
+    assert stats.total("shared_loaded_tokens") == 3 * 80
+    assert stats.total("prefix_loaded_tokens") == 80 == rig.vllm_hits()["host"]
     rig.assert_no_leaks()
 
 
@@ -289,3 +324,21 @@ def test_any_host_pool_size_runs_a_workload_like_the_biggest(model_dir: Path, da
     assert small_peak == big_peak
     if not shared:  # nothing to load: the same schedule exactly
         assert small.steps == big.steps
+
+
+@pytest.mark.parametrize("log_stats", [True, False])
+def test_after_a_connector_reset_an_idle_engine_steps_once(model_dir: Path, log_stats: bool) -> None:
+    """The step after a reset reports the levels it changed; with vLLM's stats off nothing reads
+    them, and the idle engine must still stop stepping after that one step."""
+    rig = vs.Rig.build(vs.vllm_config(model_dir))
+    rig.scheduler.log_stats = log_stats
+    rig.add("a", PREFIX + [4] * 8, max_tokens=2)
+    rig.run()
+    assert not rig.scheduler.has_requests()
+    assert rig.scheduler.reset_prefix_cache(reset_connector=True)
+    assert rig.scheduler.has_requests(), "one step to report the reset's levels"
+    rig.step()
+    assert not rig.scheduler.has_requests()
+    if log_stats:
+        assert HiSparseConnectorStats(data=rig.connector_stats[-1]).last("host_blocks_cached") == 0
+    rig.assert_no_leaks()

@@ -111,7 +111,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     root = tmp_path_factory.mktemp("server")
     model_dir = tiny_models.write_word_tokenizer(vs.write_tiny_llama(root / "tiny-llama"))
     started = {"good": Server(model_dir, root / "good.log", {"host_pool_gib": 0.05, "backend": "reference_cpu"}),
-               "bad": Server(model_dir, root / "bad.log", {"host_pool_gib": 1e9, "backend": "reference_cpu"})}
+               "bad": Server(model_dir, root / "bad.log", {"host_pool_gib": 1e9, "backend": "reference_cpu"}),
+               "bad-key": Server(model_dir, root / "bad-key.log", {"host_pool_gib": 1, "hot_bufer_size": 16})}
     try:
         yield started
     finally:
@@ -232,3 +233,18 @@ def test_a_bad_extra_config_stops_the_server_with_one_line_in_its_output(servers
     assert "expected host_pool_gib <= " in lines[0]
     assert "DefaultCPUAllocator" not in server.output()
     assert set(glob.glob("/dev/shm/hisparse_*")) <= server.shm_before, "no shared pool file left"
+
+
+@pytest.mark.slow
+def test_a_bad_key_stops_the_server_before_its_engine_starts(servers: dict[str, Server]) -> None:
+    """Issue 41, item 2: a bad key used to fail in the engine core's process after the weights
+    loaded, then vLLM's generic "Engine core initialization failed". Now the API server's own
+    process refuses it while it builds its config: one ERROR line, no engine core, no weights."""
+    server = servers["bad-key"]
+    assert server.wait_exit() != 0
+    output = server.output()
+    lines = [line for line in output.splitlines() if "hisparse connector cannot start:" in line]
+    assert len(lines) == 1, lines
+    assert " ERROR " in lines[0] and "unknown key(s) ['hot_bufer_size']" in lines[0]
+    for later in ("EngineCore", "Loading weights", "Engine core initialization failed"):
+        assert later not in output, f"{later!r}: the engine started"

@@ -75,10 +75,8 @@ def test_a_host_prefix_is_loaded_into_kv_caches_on_the_device(model_dir: Path, b
     rig.run()
     assert rig.scheduler.reset_prefix_cache(), "vLLM's own prefix cache is emptied: the hit comes from host"
     b = rig.add("b", PREFIX + [7] * 10, max_tokens=3)
-    rig.step()
-    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS and b.num_computed_tokens == 80
-    while b.status != RequestStatus.RUNNING:
-        rig.step()
+    so = rig.step()
+    assert b.status == RequestStatus.RUNNING and so.scheduled_new_reqs[0].num_computed_tokens == 80
     (blocks,) = rig.scheduler.kv_cache_manager.get_block_ids("b")
     for p in range(5):
         for layer, (got, want) in enumerate(zip(rig.device_page(0, blocks[p]), rig.expected_page(b.all_token_ids, p), strict=False)):

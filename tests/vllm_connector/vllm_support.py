@@ -167,10 +167,13 @@ class Rig:
                         view[blocks[block], h, off] = kv_value(pos, tokens[pos], li, h, False)
                         view[blocks[block], h, BLOCK + off] = kv_value(pos, tokens[pos], li, h, True)
 
-    def step(self) -> Any:
+    def step(self, after_schedule: Any = None) -> Any:
         """One engine step: schedule, run every worker (bind, load, forward, save, report),
-        aggregate with vLLM's aggregator, update the scheduler."""
+        aggregate with vLLM's aggregator, update the scheduler. `after_schedule()` runs between
+        the schedule and the workers (where an abort can land in an engine that pipelines steps)."""
         so = self.scheduler.schedule()
+        if after_schedule is not None:
+            after_schedule()
         outputs = []
         for i, worker in enumerate(self.workers):
             worker.bind_connector_metadata(so.kv_connector_metadata)
@@ -263,7 +266,7 @@ class Rig:
         assert stats.host_blocks_used == 0, stats
         assert stats.pending_transfers == 0 and stats.pending_host_copies == 0, stats
         assert stats.running_requests == 0 and stats.detached_requests == 0, stats
-        assert len(side.loads) == 0 and not side._delayed and not side._inflight
+        assert len(side.loads) == 0 and not side._delayed and not side._inflight and not side._delayed_loads
         assert side.gpu_blocks.num_pinned == 0 and side.gpu_blocks.num_acquired == 0
         pool = self.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "GPU blocks still held"

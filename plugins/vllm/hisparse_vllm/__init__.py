@@ -38,10 +38,17 @@ def register() -> None:
     """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from hisparse_vllm.logs import route_to_vllm_handlers
+
+    # vLLM's logger is configured by now (importing vLLM does it): connect hisparse's loggers to
+    # it before the ops are registered, so their one line (which implementation, and why) shows.
+    route_to_vllm_handlers()
     with _lock:
         if CONNECTOR_NAME in KVConnectorFactory._registry:
             return
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
+    importlib.import_module("hisparse_vllm.frontend_check").install()  # config errors before any engine starts
+    importlib.import_module("hisparse_vllm.offline_stats").install()  # gauges follow an offline connector reset
     importlib.import_module("hisparse_vllm.ops").register_from_plugin()  # vLLM's own HiSparse ops, where absent
     logger.debug("registered KV connector %r -> %s:%s", CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
 

@@ -4,14 +4,17 @@ Standard role split: the scheduler-role instance wraps `HiSparseCoordinator`
 (`scheduler_side.py`), the worker-role instance wraps `HiSparseWorker` (`worker_side.py`).
 Metadata flows only through `build_connector_meta` -> `bind_connector_metadata` (scheduler to
 workers) and `build_connector_worker_meta` -> `aggregate` -> `update_connector_output`
-(workers to scheduler). `kv_connector_extra_config` is described in `config.py`. A bad value
-fails at the first connector hook vLLM calls with the configuration, with one ERROR line naming
-the key: `requires_piecewise_for_cudagraph`, while vLLM builds its config before any engine
-process starts, but vLLM 0.32 calls it only when CUDA graphs are on (not on the CPU, not with
-`enforce_eager`); otherwise `get_required_kvcache_layout`, in the engine core after the model is
-loaded (vLLM calls nothing with the configuration earlier: `register()` and the class import get
-none). Each role checks again when it is built; the host pool is checked against the node's
-memory before anything is allocated.
+(workers to scheduler). `kv_connector_extra_config` is described in `config.py`. A bad key or
+value fails in the front end, with one ERROR line naming it, while vLLM builds `VllmConfig`,
+before any engine process starts or any weight loads, on every platform (CPU and `enforce_eager`
+included): vLLM passes the connector configuration to no connector hook there on every path
+(`requires_piecewise_for_cudagraph` only with CUDA graphs on), so the general plugin has vLLM's
+`KVConnectorFactory.get_connector_class`, which `VllmConfig` calls with the `KVTransferConfig` to
+ask for HMA support, run `check_kv_transfer_config` on this class (`frontend_check.py`).
+`get_required_kvcache_layout` (engine core) and each role, when it is built, check again. The
+host pool's size is checked in the engine core, before anything is allocated: against the node's
+RAM (the engine's node; how many pools it holds depends on the KV layout) and against one
+max_model_len request (the page size comes from the KV cache vLLM builds there).
 
 On a stock engine this is the host tier: sealed pages are spilled to the host pool, prefixes
 published there are loaded instead of recomputed, blocks are freed only after their spills
@@ -81,7 +84,13 @@ def _check_extra_config(vllm_config: VllmConfig) -> tuple[ConnectorConfig, Selec
     in every role, not at the first step."""
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "the connector is only built from a kv_transfer_config"
-    config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+    return check_extra_config(transfer.kv_connector_extra_config)
+
+
+def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, Selection]:
+    """Every check of `kv_connector_extra_config` that needs no KV cache: keys, values, no hot
+    buffer, the backend installed and available on this node."""
+    config = ConnectorConfig.from_extra_config(extra)
     config.check_stock_attention()
     try:
         selection = get_registry().choose(config.backend)
@@ -130,6 +139,19 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                     "attention reads resident pages only), shared TP pool %s", role.name.lower(),
                     self._hs_config.host_pool_gib, selection.name, selection.explanation(),
                     "allowed" if self._hs_config.share_host_pool else "off")
+
+    @classmethod
+    def check_kv_transfer_config(cls, kv_transfer_config: Any) -> None:
+        """Check `kv_connector_extra_config` in full, except what needs the KV cache (the host
+        pool's size against the node's RAM and one max_model_len request); one ERROR line, then
+        `InvalidInputError`.
+
+        Called by the general plugin's check (`hisparse_vllm.frontend_check`) when vLLM resolves
+        this class from a config while it builds `VllmConfig`: in the front end, before any
+        engine process starts or any weight loads, on every platform and with `enforce_eager`."""
+        route_to_vllm_handlers()
+        with _one_line_errors():
+            check_extra_config(kv_transfer_config.kv_connector_extra_config)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

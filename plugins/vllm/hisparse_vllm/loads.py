@@ -2,14 +2,15 @@
 
 The coordinator serves sparse attention, which reads host-backed pages through the hot buffer;
 vLLM's standard attention cannot, so the connector loads a host prefix hit into the blocks vLLM
-allocated for it (`get_num_new_matched_tokens` -> `update_state_after_alloc` -> the next
+allocated for it (`get_num_new_matched_tokens` -> `update_state_after_alloc` -> this step's
 command). A load is one `PageTransfer(restore=True, after_forward=False)` per page, with ids from
-their own range (`LOAD_ID_BASE` upwards) so they never collide with the coordinator's. The host
-blocks stay leased by the request in the coordinator (its prefix hit) while they are read; the
-GPU blocks are vLLM's, held by the request in WAITING_FOR_REMOTE_KVS.
+their own range (`LOAD_ID_BASE` upwards) so they never collide with the coordinator's. Loads are
+synchronous in vLLM's terms: the workers run them before this step's forward, in stream order,
+and the request computes its remaining tokens in that same forward. The host blocks stay leased
+by the request in the coordinator (its prefix hit) while they are read; the GPU blocks are vLLM's.
 
-The ledger counts each load's acknowledgements across workers and reports a request as loaded
-once every worker completed every one of its pages, exactly once.
+The ledger counts each load's acknowledgements across workers and says when every worker
+completed every load of a request (a request that finished meanwhile gets its blocks back then).
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ class LoadLedger:
     def plan(self, request_id: str, pages: Sequence[tuple[int, tuple[int, ...]]], *,
              resumed: bool = False) -> list[int]:
         """Queue one restore per `(host_block, resident_blocks_per_group)`; returns their ids.
-        `resumed`: the request was preempted before (its load is counted apart, as vLLM does)."""
-        if request_id in self._by_request:
-            raise ProtocolError(f"request {request_id!r} already has a prefix load in flight")
+        `resumed`: the request was preempted before (its load is counted apart, as vLLM does).
+        A request preempted before its previous load's acknowledgements arrived may load again:
+        its loads add up until all are acknowledged."""
         ids: list[int] = []
         for host_block, blocks in pages:
             tid = self._next_id
@@ -66,7 +67,7 @@ class LoadLedger:
             self._loads[tid] = _Load(request_id, resumed)
             ids.append(tid)
         if ids:
-            self._by_request[request_id] = set(ids)
+            self._by_request.setdefault(request_id, set()).update(ids)
         return ids
 
     def take_queued(self) -> tuple[PageTransfer, ...]:

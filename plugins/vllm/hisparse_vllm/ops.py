@@ -42,8 +42,9 @@ ENV_MODE = "HISPARSE_VLLM_OPS"
 MODES = ("auto", "replace", "off")
 #: The vLLM module whose call sites define the schema.
 RUNTIME_MODULE = "vllm.v1.hisparse.runtime"
-#: vLLM versions whose runtime was read for `SCHEMAS` (others are accepted when their call sites match).
-TESTED_VLLM = "0.32.0"
+#: vLLM versions whose runtime's call sites were read and match `SCHEMAS` (0.32.0's define them;
+#: 0.33.0's four calls are the same expressions). Others are accepted when their call sites match.
+TESTED_VLLM = "0.32.0 or 0.33.0"
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -100,8 +101,8 @@ def check_call_sites(sites: list[CallSite], version: str) -> None:
                             f"hisparse serves takes {len(names)} ({names[0]} ... {names[-1]})")
     if problems:
         raise SchemaMismatchError(
-            f"{version}'s {RUNTIME_MODULE} calls the HiSparse ops differently from the vLLM {TESTED_VLLM} schema "
-            f"hisparse serves: {'; '.join(problems)}. Refusing to register them; use vLLM {TESTED_VLLM}.")
+            f"{version}'s {RUNTIME_MODULE} calls the HiSparse ops differently from the schema "
+            f"hisparse serves (vLLM {TESTED_VLLM}'s): {'; '.join(problems)}. Refusing to register them; use vLLM {TESTED_VLLM}.")
 
 
 def runtime_source() -> str | None:

@@ -4,25 +4,34 @@ What it does on a stock vLLM engine (standard attention):
 
 - **Admission** (`get_num_new_matched_tokens`): the longest prefix of the request published in
   the host pool, capped so at least one token is computed, beyond what vLLM's own GPU prefix
-  cache holds, is offered as an asynchronous load. Admission never waits for the host pool:
-  vLLM's attention reads resident GPU pages only, so no request needs host capacity to run.
+  cache holds, is offered as a synchronous load (issue 41): the workers load it before this
+  step's forward, and vLLM puts the blocks in its GPU prefix cache at once. So a page is loaded
+  once however many requests need it: a request admitted in the same step, or later while the
+  blocks are cached, takes them from vLLM's prefix cache instead of loading its own copy, and
+  holds no more GPU blocks than without the connector. (An asynchronous load would keep the
+  blocks out of the prefix cache until it completes, vLLM's `delay_cache_blocks`, and hold them
+  for a step without forward progress: requests admitted together each loaded and held a copy.)
+  `shared_loaded_tokens` counts the pages taken that way from another request's load.
+  Admission never waits for the host pool: vLLM's attention reads resident GPU pages only, so
+  no request needs host capacity to run.
 - **Host pool full** (`build_connector_meta`): when the pages a step writes do not fit the host
   pool (after evicting cached pages), the most recently admitted of those requests stops being
   cached: it leaves the coordinator (its sealed pages are still published) and runs on without
   host copies. The pool costs prefix hits, never concurrency; the first time, one WARNING gives
   the numbers and the `host_pool_gib` that would have cached every running request.
 - **Prefix loads** (`update_state_after_alloc`): the request is admitted to the coordinator with
-  that prefix (its host blocks are leased for it) and one restore per page is queued for the
-  next command, into the GPU blocks vLLM allocated (`loads.py`). When every worker completed
-  every page, the request is reported in `finished_recving`, once.
+  that prefix (its host blocks are leased for it) and one restore per page is queued for this
+  step's command, into the GPU blocks vLLM allocated (`loads.py`); the request runs in the same
+  step. If it finishes before every worker acknowledged its loads, its blocks are freed only
+  then (`finished_sending`, once).
 - **Each step** (`build_connector_meta`): preemptions and admissions reach the coordinator, then
   `schedule_step` plans the step (host blocks for new pages, spills of pages sealed by the
   previous steps); the queued loads are prepended to its command.
 - **Acknowledgements** (`update_connector_output`): the aggregated worker metadata is split into
   the coordinator's transfers and the loads; completed spills publish pages for prefix reuse.
 - **Finishing** (`request_finished_all_groups`): the coordinator lets go of the request; if a
-  spill or restore still reads one of its blocks, the blocks are freed only once every worker
-  completed it (`finished_sending`, once).
+  spill, restore or load still uses one of its blocks, the blocks are freed only once every
+  worker completed it (`finished_sending`, once).
 
 Request identity stays here; the workers see transfer ids and block coordinates only.
 """
@@ -122,14 +131,22 @@ class SchedulerSide:
         self._loads = LoadLedger()
         self._inflight: dict[int, tuple[frozenset[int], int]] = {}  # coordinator transfer -> (GPU blocks, done)
         self._delayed: dict[str, set[int]] = {}  # finished request -> transfers still reading its blocks
+        self._delayed_loads: set[str] = set()  # finished requests whose loads are not acknowledged yet
+        self._local_hits: dict[str, int] = {}  # request -> tokens vLLM's GPU prefix cache gave it at admission
+        # GPU block (group 0's block of a page) -> the request that loaded a host page into it,
+        # while the block holds that page: dropped when vLLM hands it out again (`_forget_reallocated`).
+        self._loaded_blocks: dict[int, str] = {}
+        self._shared_pages = 0  # pages a request took from another request's load (vLLM's prefix cache)
+        self._logged_shared = False
         self._uncached: dict[str, int] = {}  # running without host copies -> its num_preemptions then
         self._admitted: dict[str, int] = {}  # coordinator admission order (latest stops caching first)
         self._admissions = 0
         self._warned_full = False
         self._reset_hot = False
         self._reported = {"host_prefix_matched_tokens": 0, "new_loaded_pages": 0, "resumed_pages": 0,
-                          "evicted_blocks": 0}
+                          "evicted_blocks": 0, "shared_pages": 0}
         self._stats_due = False  # a reset changed the levels: report them at the next step
+        self._resets = 0  # successful connector resets, reported so a front end sees its reset arrive
 
     # ----------------------------------------------------------------- binding
 
@@ -174,19 +191,22 @@ class SchedulerSide:
         rid = request.request_id
         self._pending_hits.pop(rid, None)
         self._retire_stale_incarnation(request)
+        self._local_hits[rid] = num_computed_tokens
         cap = (request.num_tokens - 1) // self._bs * self._bs
         hit = coord.lookup_prefix(request.all_token_ids, extra_key=_extra_key(request), max_tokens=cap)
         ext = hit.num_tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
         self._pending_hits[rid] = (num_computed_tokens, hit)
-        return ext, True
+        return ext, False  # synchronous: loaded before this step's forward (module docstring)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         self._retire_stale_incarnation(request)
         self._requests[rid] = request
         pending = self._pending_hits.pop(rid, None)
+        block_ids = blocks.get_block_ids()
+        self._count_shared(request, block_ids, self._local_hits.pop(rid, 0))
         if num_external_tokens == 0:
             return
         if pending is None:
@@ -199,11 +219,45 @@ class SchedulerSide:
                                 f"offered covers [{local}, {hit.num_tokens}) in whole {self._bs}-token pages")
         taken = self._admit(request, cap=end)
         host = self.coordinator.source_block_ids(rid) if taken >= end else hit.host_block_ids
-        block_ids = blocks.get_block_ids()
         pages = [(host[p], tuple(group[p] for group in block_ids)) for p in range(local // self._bs, end // self._bs)]
         self._loads.plan(rid, pages, resumed=request.num_preemptions > 0)
+        self._loaded_blocks.update((gpu[0], rid) for _, gpu in pages)
         logger.debug("request %s: loading %d host pages (tokens [%d, %d)) into GPU blocks", rid, len(pages), local,
                      end)
+
+    def _count_shared(self, request: Any, block_ids: Sequence[Sequence[int]], local: int) -> None:
+        """Pages of vLLM's GPU prefix hit that another request loaded from host: shared, not loaded again."""
+        if not local or not block_ids or not self._loaded_blocks:
+            return
+        rid = request.request_id
+        shared = sum(1 for b in block_ids[0][:local // self._bs] if self._loaded_blocks.get(b, rid) != rid)
+        if not shared:
+            return
+        self._shared_pages += shared
+        message = (f"request {rid}: {shared} page(s) another request loaded from the host pool "
+                   "came from vLLM's GPU prefix cache, not loaded again")
+        if self._logged_shared:
+            logger.debug("%s", message)
+        else:
+            self._logged_shared = True
+            logger.info("hisparse: %s (each host page loads once while requests share it; logged once, "
+                        "vllm:hisparse_shared_loaded_tokens counts them)", message)
+
+    def _forget_reallocated(self, scheduler_output: Any, computed: dict[str, int]) -> None:
+        """A loaded GPU block that vLLM hands out again as a fresh block no longer holds the load."""
+        if not self._loaded_blocks:
+            return
+        fresh: list[int] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.block_ids:
+                fresh += new.block_ids[0][new.num_computed_tokens // self._bs:]
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ()) or ()
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            if ids:
+                fresh += ids[0][computed[rid] // self._bs:] if rid in resumed else ids[0]
+        for b in fresh:
+            self._loaded_blocks.pop(b, None)
 
     def _admit(self, request: Any, cap: int) -> int:
         coord, rid = self.coordinator, request.request_id
@@ -254,6 +308,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
         coord = self.coordinator
+        # This step reports the levels a reset changed (if vLLM logs stats at all: with stats off
+        # nothing would ever clear the flag in `stats()`, and an idle engine would step forever).
+        self._stats_due = False
         for rid in scheduler_output.preempted_req_ids or ():
             request = self._requests.get(rid)
             if request is not None:
@@ -277,11 +334,13 @@ class SchedulerSide:
                 self._admit(request, cap=nc // self._bs * self._bs)
             views.append(StepRequest(rid, self._state_rows.row(rid), nc, num_new, request.all_token_ids,
                                      self._kv_manager.get_block_ids(rid)))
+        self._forget_reallocated(scheduler_output, computed)
         views = self._fit_host_pool(views)
         command = coord.schedule_step(views)
         coord.take_table_updates()  # the source/hot tables serve sparse attention, absent here
         loads = self._loads.take_queued()
         if loads:
+            scheduler_output.has_sync_kv_loads = True  # before the forward that reads them (vLLM sets it too)
             command = OffloadCommand(loads) if command is None else OffloadCommand(
                 loads + command.page_transfers, command.row_mirrors, command.residency_updates,
                 command.host_block_copies, command.recycled_host_blocks)
@@ -345,15 +404,14 @@ class SchedulerSide:
         if not coord_part.is_empty():
             self.coordinator.update_from_workers(coord_part, self._num_workers)
         done = self._count_completions(coord_part)
-        recving = set(self._loads.acknowledge(load_part, self._num_workers)) if not load_part.is_empty() else set()
+        loaded = set(self._loads.acknowledge(load_part, self._num_workers)) if not load_part.is_empty() else set()
+        self._delayed_loads -= loaded
         sending: set[str] = set()
         for rid, pending in list(self._delayed.items()):
             pending -= done
-            if not pending:
+            if not pending and rid not in self._delayed_loads:
                 del self._delayed[rid]
                 sending.add(rid)
-        if recving:
-            connector_output.finished_recving = set(connector_output.finished_recving or ()) | recving
         if sending:
             connector_output.finished_sending = set(connector_output.finished_sending or ()) | sending
 
@@ -380,13 +438,13 @@ class SchedulerSide:
         self._requests.pop(rid, None)
         self._pending_hits.pop(rid, None)
         self._uncached.pop(rid, None)
+        self._local_hits.pop(rid, None)
         self._leave(rid, preempted=False)
-        if self._loads.pending(rid):
-            # Aborted while its prefix loads: vLLM already holds the blocks until finished_recving.
-            return False
         blocks = {b for group in block_ids for b in group}
         pending = {tid for tid, (tb, _) in self._inflight.items() if tb & blocks}
-        if pending:
+        if self._loads.pending(rid):
+            self._delayed_loads.add(rid)  # a load into its blocks is not acknowledged everywhere yet
+        if pending or rid in self._delayed_loads:
             self._delayed[rid] = pending
             return True
         return False
@@ -416,32 +474,35 @@ class SchedulerSide:
         assert self._gpu is not None
         self._coord = HiSparseCoordinator(self._coord_config, self._gpu)
         self._inflight.clear()
+        self._loaded_blocks.clear()  # vLLM's GPU prefix cache is reset with it (reset_prefix_cache)
         self._reset_hot = True
         self._reported.update(host_prefix_matched_tokens=0, evicted_blocks=0)  # the new coordinator counts from 0
         self._stats_due = True
+        self._resets += 1
         logger.info("hisparse host cache reset: %d published blocks forgotten", stats.published_blocks)
         return True
 
     def stats(self) -> HiSparseConnectorStats:
         s = self.coordinator.stats()
-        self._stats_due = False
         loads = self._loads
         now = {"host_prefix_matched_tokens": s.prefix_hit_tokens,
                "new_loaded_pages": loads.loaded_pages - loads.resumed_pages, "resumed_pages": loads.resumed_pages,
-               "evicted_blocks": s.evicted_blocks}
+               "evicted_blocks": s.evicted_blocks, "shared_pages": self._shared_pages}
         delta = {k: v - self._reported[k] for k, v in now.items()}
         self._reported = now
         out = HiSparseConnectorStats().record(
             host_pool_usage=s.host_usage, host_pool_cached=s.host_blocks_cached / s.host_blocks_total,
             host_blocks_used=s.host_blocks_used, host_blocks_cached=s.host_blocks_cached,
             pending_transfers=s.pending_transfers + len(self._loads), requests_uncached=len(self._uncached),
-            host_blocks_total=s.host_blocks_total)
+            host_blocks_total=s.host_blocks_total, reset_epoch=self._resets)
         if delta["host_prefix_matched_tokens"]:
             out.record(host_prefix_matched_tokens=delta["host_prefix_matched_tokens"])
         if delta["new_loaded_pages"]:
             out.record(prefix_loaded_tokens=delta["new_loaded_pages"] * self._bs)
         if delta["resumed_pages"]:
             out.record(preempted_loaded_tokens=delta["resumed_pages"] * self._bs)
+        if delta["shared_pages"]:
+            out.record(shared_loaded_tokens=delta["shared_pages"] * self._bs)
         if delta["evicted_blocks"]:
             out.record(host_evicted_blocks=delta["evicted_blocks"])
         return out

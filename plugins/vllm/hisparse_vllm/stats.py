@@ -34,6 +34,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "preempted_loaded_tokens": ("vllm:hisparse_preempted_loaded_tokens",
                                 "Tokens a preempted request reloaded from the hisparse host pool when it resumed "
                                 "(vLLM counts them among its preempted requests' hits, not by source)."),
+    "shared_loaded_tokens": ("vllm:hisparse_shared_loaded_tokens",
+                             "Prompt tokens a request took from vLLM's GPU prefix cache whose pages another "
+                             "request had loaded from the hisparse host pool: each page loads once however many "
+                             "requests need it."),
     "host_prefix_matched_tokens": ("vllm:hisparse_host_prefix_matched_tokens",
                               "Prompt tokens of admitted requests whose pages were published in the hisparse host "
                               "pool, whether the host or vLLM's own GPU prefix cache then served them."),
@@ -55,8 +59,22 @@ LEVELS: dict[str, tuple[str, str]] = {
                           "Running requests the full host pool could not cache: they run on without host copies "
                           "(nothing waits for host blocks)."),
 }
-#: Reported but not exported (for logs and tests).
-INFO_LEVELS = ("host_blocks_used", "host_blocks_total")
+#: Reported but not exported (for logs and tests). `reset_epoch`: the scheduler's count of
+#: connector resets, so an offline front end can tell when a reset's stats arrived (offline_stats.py).
+INFO_LEVELS = ("host_blocks_used", "host_blocks_total", "reset_epoch")
+#: The highest `reset_epoch` this process's Prometheus metrics observed, per engine index.
+_RESET_EPOCHS: dict[int, int] = {}
+_PROM_METRICS_BUILT = [0]
+
+
+def reset_epochs_observed() -> int:
+    """Connector resets whose stats this process's metrics observed, summed over engines."""
+    return sum(_RESET_EPOCHS.values())
+
+
+def prom_metrics_built() -> bool:
+    """Whether this process built hisparse's Prometheus metrics (they observe `reset_epoch`)."""
+    return bool(_PROM_METRICS_BUILT[0])
 _PROM_PREFIX = "vllm:hisparse_"
 
 
@@ -100,6 +118,8 @@ class HiSparseConnectorStats(KVConnectorStats):
         out: dict[str, int | float] = {log_label(key): sum(self.data.get(key, [])) for key in COUNTERS}
         for key in (*LEVELS, *INFO_LEVELS):
             values = self.data.get(key, [])
+            if key == "reset_epoch":
+                continue  # bookkeeping for offline_stats.py, not a figure for the log
             if values:
                 out[log_label(key)] = round(100 * values[-1], 1) if key.startswith("host_pool_") else values[-1]
         return out
@@ -122,6 +142,7 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _PROM_METRICS_BUILT[0] += 1
         self.counters: dict[str, Any] = {
             key: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
                                           per_engine_labelvalues)
@@ -133,6 +154,9 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
             for key, (name, doc) in LEVELS.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        epochs = transfer_stats_data.get("reset_epoch", [])
+        if epochs:
+            _RESET_EPOCHS[engine_idx] = max(_RESET_EPOCHS.get(engine_idx, 0), int(epochs[-1]))
         for key, counter in self.counters.items():
             total = sum(transfer_stats_data.get(key, []))
             if total:

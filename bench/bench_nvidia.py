@@ -580,54 +580,97 @@ def swap_row(bench: Bench, misses: int, b: int, env: dict[str, str] | None, vari
     return SwapRow(misses, b, us, copy_us, text, passed, sg, vl, lead, variant, note, info)
 
 
-def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8) -> list[Row]:
+#: Hot rows a request holds in the vLLM-op cells with 4 rows a request (MTP-3: 5 x top-k, vLLM's default).
+H_UNION = 5 * K
+VLLM_OPS_MISSES = (RESIDENT, 0, 34, 137, MISSES, 548, K)
+VLLM_OPS_BATCHES = (1, 8, 32, 64, 128)
+
+
+def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8, rpr: int = 1) -> list[Row]:
     """vLLM's call sequence on hisparse's ops (hisparse_vllm.ops, nvidia backend) beside hisparse's native
     swap-in, us per layer-step, all replayed from CUDA graphs over one drifting cycle: resolve +
     gather_compact (vLLM's decode path) and resolve + gather_plan (a replayed plan), each with the
-    arguments vLLM 0.32's runtime passes (request ids, state indices, residency with null block 0)."""
+    arguments vLLM 0.32's runtime passes (request ids, state indices, residency with null block 0).
+    `misses` RESIDENT: every page resident. `rpr` rows a request (speculative rows: row j of a request
+    takes the window of step s + j, so the union is top-k plus (rpr - 1) windows' new rows; hot buffer
+    `H_UNION` rows a request)."""
+    from hisparse_core.geometry import RuntimeConfig
+    from hisparse_core.runtime import ResolveInputs
     from hisparse_vllm.ops import register_ops
 
     register_ops("nvidia")
     ops = torch.ops._C_cache_ops
-    steps = steps_for(misses)
-    inputs = bench.drifting_steps(b, steps, misses)
-    native = bench.time_graph(bench.resolve_graph(bench.runtime(b), inputs, gather=True), steps)
     dev, i32 = bench.dev, torch.int32
-    source, _, hot = bench.tables(b, resident=False)
-    resident = torch.zeros_like(source)  # vLLM's null block: nothing resident
-    dgi = torch.full((b, H), -1, dtype=i32, device=dev)
-    lru = torch.arange(H, dtype=torch.int16, device=dev).repeat(b, 1)
+    resident = misses == RESIDENT
+    shift = 0 if resident else misses
+    steps = steps_for(max(shift, 0))
+    h = H if rpr == 1 else H_UNION
+    hb = h // BS
+    windows = bench.windows(b, steps, shift) if shift else [bench.windows(b, 1, K)[0]] * steps
+    topks = [torch.cat([windows[(s + j) % steps] for j in range(rpr)], dim=1).view(b * rpr, K)
+             if rpr > 1 else windows[s] for s in range(steps)]
+    q = torch.arange(b, dtype=i32)[:, None]
+    source = (q * P + torch.arange(P, dtype=i32)[None]).to(dev)
+    res_native = (bench.hot_blocks + q * P + torch.arange(P, dtype=i32)[None]).to(dev) if resident \
+        else torch.full((b, P), -1, dtype=i32, device=dev)
+    hot = (q * hb + torch.arange(hb, dtype=i32)[None]).to(dev)
+    state = torch.arange(b, dtype=i32, device=dev).repeat_interleave(rpr)
+    lens = torch.full((b * rpr,), CTX, dtype=i32, device=dev)
+    cfg = RuntimeConfig(max_batch_rows=b * rpr, max_requests=b, top_k=K, hot_rows=h, block_size=BS, max_pages=P,
+                        rows_per_request=rpr)
+    rt = bench.be.create_runtime(cfg)
+    rt.bind([bench.pool.layer_view(0)], [bench.cache])
+    inputs = [ResolveInputs(t, state, lens, source, res_native, hot) for t in topks]
+    native = bench.time_graph(bench.resolve_graph(rt, inputs, gather=True), steps)
+    n = b * rpr
+    resident_bt = res_native if resident else torch.zeros_like(source)  # vLLM's null block 0: nothing resident
+    dgi = torch.full((b, h), -1, dtype=i32, device=dev)
+    lru = torch.arange(h, dtype=torch.int16, device=dev).repeat(b, 1)
     rsi = torch.arange(b, dtype=i32, device=dev)
-    req = torch.arange(b, dtype=i32, device=dev)
-    out, att = (torch.empty((b, K), dtype=i32, device=dev) for _ in range(2))
-    sh, sd = (torch.empty((b, K), dtype=i32, device=dev) for _ in range(2))
-    sc, valid = (torch.empty(b, dtype=i32, device=dev) for _ in range(2))
+    req = state.clone()
+    out, att = (torch.empty((n, K), dtype=i32, device=dev) for _ in range(2))
+    sh, sd = (torch.empty((n, K), dtype=i32, device=dev) for _ in range(2))
+    sc, valid = (torch.empty(n, dtype=i32, device=dev) for _ in range(2))
     stats = torch.zeros(2, dtype=torch.uint64, device=dev)
-    resolved = torch.empty((b, K), dtype=i32, device=dev)
-    mask = torch.ones((b, K), dtype=i32, device=dev)
+    resolved = torch.empty((n, K), dtype=i32, device=dev)
+    mask = torch.zeros((n, K), dtype=i32, device=dev)
     host = bench.pool.layer_view(0)
 
     def resolve(topk: torch.Tensor) -> None:
-        ops.hisparse_resolve_residency(host, bench.cache, hot, topk, out, dgi, lru, rsi, H, K, None, stats, att, BS,
-                                       req, source, BS, resolved, valid, sh, sd, sc, resident, BS, 0)
+        ops.hisparse_resolve_residency(host, bench.cache, hot, topk, out, dgi, lru, rsi, h, rpr * K, mask, stats,
+                                       att, BS, req, source, BS, resolved, valid, sh, sd, sc, resident_bt, BS, 0)
 
     rows = []
     for label, copy in (("vLLM resolve + gather_compact", lambda: ops.hisparse_gather_compact(host, bench.cache, sh,
                                                                                                 sd, sc)),
                         ("vLLM resolve + gather_plan", lambda: ops.hisparse_gather_plan(host, bench.cache, resolved, out,
-                                                                                          mask, rsi, None, 0))):
-        for inp in inputs[:1]:  # warm-up outside capture: builds the adapter's runtime and workspaces
-            resolve(inp.topk)
+                                                                                          mask, state, None, 0))):
+        dgi.fill_(-1)
+        lru.copy_(torch.arange(h, dtype=torch.int16, device=dev).repeat(b, 1))
+        for t in topks:  # warm-up outside capture (a whole cycle: the steady state the graph replays)
+            resolve(t)
             copy()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for inp in inputs:
-                resolve(inp.topk)
+            for t in topks:
+                resolve(t)
                 copy()
         us = bench.time_graph(g, steps)
+        got = int(sc.sum()) / b if not resident else 0.0
         rows.append(Row(label, b, us, "hisparse native swap-in", native, "-", None,
-                        f"{misses} misses a request a step" + ("" if "compact" in label else "; plan mask: every host entry")))
+                        f"{miss_label(misses)} misses/request, {rpr} row(s)/request, measured {got:.0f} misses "
+                        f"a request on the last step" + ("" if "compact" in label else "; plan from miss_mask"),
+                        {"misses": misses, "rows_per_request": rpr}))
     return rows
+
+
+def vllm_reference(misses: int, b: int) -> float | None:
+    """vLLM's own kernels (resolve + gather_compact) on the H200, the lower figure of the issue 39 table."""
+    if misses == RESIDENT:
+        v = RESIDENT_VLLM.get(b)
+        return min(v) if v else 5.91 if b == 1 else None
+    ref = PEERS.get((misses, b))
+    return min(ref["vllm"]) if ref else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -650,18 +693,37 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the swap-in sweep and the --variant rows (no built-in variants, placement or metadata rows)")
     ap.add_argument("--vllm-ops", action="store_true",
                     help="only vLLM's call sequence on hisparse's ops beside the native swap-in (vllm_ops_rows)")
+    ap.add_argument("--vllm-ops-misses", default=",".join("R" if m == RESIDENT else str(m) for m in VLLM_OPS_MISSES),
+                    help="--vllm-ops cells: misses per request (R: every page resident), comma-separated")
+    ap.add_argument("--vllm-ops-batches", default=",".join(map(str, VLLM_OPS_BATCHES)),
+                    help="--vllm-ops cells: batches, comma-separated")
+    ap.add_argument("--vllm-ops-rows", default="1,4", help="--vllm-ops cells: rows a request, comma-separated")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_nvidia: no CUDA device", file=sys.stderr)
         return 2
     bench = Bench(args.replays)
     if args.vllm_ops:
-        print(f"{'scenario':<34} {'B':>3} {'us':>9} {'native us':>10} {'ratio':>6}  note")
-        for b in (1, 8, 64):
-            for r in vllm_ops_rows(bench, MISSES, b):
-                assert r.baseline_us is not None
-                print(f"{r.scenario:<34} {r.batch:>3} {r.ours_us:9.2f} {r.baseline_us:10.2f} "
-                      f"{r.ours_us / r.baseline_us:6.2f}  {r.note}")
+        misses_list = [RESIDENT if m == "R" else int(m) for m in args.vllm_ops_misses.split(",")]
+        batches = [int(x) for x in args.vllm_ops_batches.split(",")]
+        print(f"{'scenario':<30} {'M':>4} {'rpr':>3} {'B':>3} {'us':>9} {'native':>9} {'x nat':>6} "
+              f"{'vLLM':>8} {'x vLLM':>6}  target / note")
+        for rpr in [int(x) for x in args.vllm_ops_rows.split(",")]:
+            for m in misses_list:
+                for b in batches:
+                    for vrow in vllm_ops_rows(bench, m, b, rpr):
+                        assert vrow.baseline_us is not None
+                        vref = vllm_reference(m, b) if rpr == 1 else None
+                        if m in (RESIDENT, 0):
+                            vtgt, met = f"<= native+1.5 ({vrow.baseline_us + 1.5:.2f})", vrow.ours_us <= vrow.baseline_us + 1.5
+                        else:
+                            vtgt, met = "<= 1.10x native", vrow.ours_us <= 1.10 * vrow.baseline_us
+                        met = met and (vref is None or vrow.ours_us < vref)
+                        print(f"{vrow.scenario.removeprefix('vLLM '):<30} {miss_label(m):>4} {rpr:>3} {b:>3} "
+                              f"{vrow.ours_us:9.2f} {vrow.baseline_us:9.2f} {vrow.ours_us / vrow.baseline_us:6.2f} "
+                              f"{(f'{vref:8.2f}' if vref else '       -')} "
+                              f"{(f'{vrow.ours_us / vref:6.2f}' if vref else '     -')}  "
+                              f"{vtgt} {'met' if met else 'NOT met'}; {vrow.note}", flush=True)
         return 0
     if args.profile_target:
         bench.profile_target()

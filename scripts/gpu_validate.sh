@@ -6,6 +6,7 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
 #                                                             #         tf_tests tf_generate tf_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
+#                                                             #         vllm_tests (vLLM's kernel tests, see there)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
 # TESTS_K selects tests of the tests stage by a pytest -k expression.
@@ -176,8 +177,14 @@ triton)  # the triton backend compiled: its tests, then the conformance suite on
 triton_bench)
     run triton_bench "${T_TRITON_BENCH:-240}" python3 bench/bench_triton.py --json "$OUT/triton_bench.json" ${TRITON_BENCH_ARGS:-}
     ;;
-vllm_ops_bench)  # vLLM's call sequence on hisparse's op set beside the native swap-in
-    run vllm_ops_bench "${T_VLLM_OPS_BENCH:-150}" python3 bench/bench_nvidia.py --vllm-ops
+vllm_ops_bench)  # vLLM's call sequence on hisparse's op set beside the native swap-in (VLLM_OPS_ARGS)
+    run vllm_ops_bench "${T_VLLM_OPS_BENCH:-150}" python3 bench/bench_nvidia.py --vllm-ops ${VLLM_OPS_ARGS:-}
+    ;;
+vllm_tests)  # vLLM's own kernel tests (tests/kernels/attention/test_hisparse_kernels.py, a copy in the
+    # git-ignored .vllm_tests/, never committed) against nvidia's op set: .vllm_tests/shim/vllm stands in
+    # for the `vllm` import on a machine without vLLM and registers the ops through hisparse_vllm.ops
+    run vllm_tests "${T_VLLM_TESTS:-150}" env PYTHONPATH="$REPO/.vllm_tests/shim:$PYTHONPATH" python3 -m pytest -q -rs \
+        -p no:cacheprovider "$REPO/.vllm_tests/test_hisparse_kernels.py"
     ;;
 serving)  # issue 29: decode throughput at a fixed GPU KV budget (SERVING_ARGS)
     run serving "${T_SERVING:-400}" python3 bench/bench_serving.py --json "$OUT/serving.json" --png "$OUT/serving.png" \
@@ -211,7 +218,7 @@ for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
 done
 [ -f "$OUT/readme.log" ] && { echo "--- readme"; grep -E "^(--- |FAILED|compare_runs)|selected:|  backend |steps per second|hit rate|attention check" "$OUT/readme.log" | tail -40; }
-for stage in tests tests_variants conformance memcheck racecheck tf_tests triton; do
+for stage in tests tests_variants conformance memcheck racecheck tf_tests triton vllm_tests; do
     [ -f "$OUT/$stage.log" ] || continue
     echo "--- $stage (tail)"
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8

@@ -176,3 +176,17 @@ def test_bench_floor_kernels_compile_for_sm90() -> None:
     build = KernelBuild.of("hit_floor.cu", {"HS_NT": 1024, "HS_K": 2048, "HS_H": 4096, "HS_BS": 64, "HS_P": 512})
     image, log = compile_source(src.read_text(), build.source, build.options("sm_90"))
     assert image[:4] == b"\x7fELF" and "warning" not in log.lower(), log
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("k,h", [(1, 1), (31, 65), (2048, 4096), (2048, 10240), (8192, 32768)])
+def test_vllm_resolver_launch_shape(k: int, h: int) -> None:
+    """vLLM's resolver: at most 32 entries of a row and 32 LRU positions a thread (its bit masks), and
+    its shared memory (hash beside the LRU order) within what a Hopper block may take."""
+    from hisparse_nvidia.vllm_ops import RESOLVE_SMEM_BUDGET, resolve_smem_buckets, resolve_threads
+
+    t = resolve_threads(k, h)
+    assert t in (128, 256, 512, 1024) and -(-k // t) <= 32 and -(-h // t) <= 32
+    for union in (k, min(h, 4 * k), h):
+        buckets = resolve_smem_buckets(union, h)
+        assert 0 <= buckets <= 2 * union and 12 * buckets + 2 * h <= RESOLVE_SMEM_BUDGET <= 227 * 1024

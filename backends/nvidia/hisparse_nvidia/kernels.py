@@ -202,6 +202,15 @@ def copy_build(row_bytes: int) -> KernelBuild:
 
 
 MAINTAIN_BUILD = KernelBuild.of("maintain.cu")
+#: Threads per block of the copy kernels of vLLM's op set (HS_GNT in vllm_ops.cu).
+VLLM_COPY_THREADS = 256
+
+
+def vllm_ops_build(row_bytes: int) -> KernelBuild:
+    """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`."""
+    if row_bytes % 16:
+        raise InvalidInputError(f"row_bytes={row_bytes} must be a multiple of 16")
+    return KernelBuild.of("vllm_ops.cu", {"HS_VEC": row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS})
 
 
 def runtime_builds(config: RuntimeConfig) -> list[KernelBuild]:
@@ -226,6 +235,7 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds |= {copy_build(f.row_bytes) for f in (FP8_DS_MLA, BF16_MLA)}
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)
+    builds |= {vllm_ops_build(w) for w in (FP8_DS_MLA.row_bytes, 16)}  # fp8_ds_mla rows, vLLM's 16-byte test rows
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

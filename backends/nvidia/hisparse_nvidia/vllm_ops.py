@@ -1,56 +1,80 @@
-"""vLLM's HiSparse op set on a CUDA device (semantics: hisparse_core/vllm_ops.py), not yet run on a GPU.
+"""vLLM's HiSparse op set on a CUDA device (semantics: hisparse_core/vllm_ops.py), served by the
+nvidia backend's own kernels (cuda/vllm_ops.cu, compiled with NVRTC like the rest of the backend).
 
-`hisparse_resolve_residency` runs hisparse's fused resolver (`NvidiaRuntime`, resolve.cu) through a
-layout adapter: vLLM's hot map and LRU (`device_global_indices` int32 `[S, H]`, `lru_slots` int16
-`[S, H]`) have the runtime's own layout, so the kernel works on vLLM's tensors directly (the
-runtime's state tensors are pointed at them for the launch); the tables vLLM indexes by batch
-request (source, hot) are scattered into per-state-row tables, resident blocks equal to the null
-block become -1, source blocks past the host pool become -1, and the outputs are copied into
-vLLM's buffers (attention rows mapped through `attention_block_stride`). Every step is a
-fixed-shape device op: no host synchronization, capturable in a CUDA graph.
+- `hisparse_resolve_residency`: one launch of `hisparse_vllm_resolve` on vLLM's tensors in place
+  (hot map, LRU, outputs); every case of vLLM's contract is served, `miss_mask` included: padding
+  rows, union groups, out-of-range LRU slots, tables absent or present.
+- `hisparse_gather_compact` / `hisparse_gather_plan`: `hisparse_vllm_mark` (the taken entries, each
+  destination marked by its last entry) then `hisparse_vllm_copy` (16-byte zero-copy reads of the
+  registered host pool over UVA, zero-fill for an absent source row).
+- `hisparse_invalidate_written_slots`: one `hisparse_vllm_invalidate` launch.
 
-Where the fused kernel's contract is narrower than vLLM's, the adapter keeps vLLM's answer safe
-rather than exact, and says so:
-
-- a state row whose LRU holds an out-of-range slot is published as padding for that call (vLLM
-  resolves its other entries); nothing is read out of bounds;
-- `miss_mask` as an output is not served (vLLM 0.32 passes None): asking for it raises;
-- `source_block_size` must equal the hot block size (vLLM's layout guarantees it).
-
-The copies (`gather_compact`, `gather_plan`) read the pinned host pool through its device address
-(UVA) with PyTorch gathers, fixed shape; `invalidate_written_slots` is a scatter-min. They match
-vLLM's semantics exactly (zero-fill, skips, every duplicate).
+Every launch goes on the current stream with fixed shapes and no host synchronization (values are
+never read on the host), so vLLM's calls capture in a CUDA graph. Scratch the kernels keep between
+launches (the copy's epoch, list and destination marks, the resolver's spill-over hash) is
+allocated on the first call of a shape and reused; calls of one op set are ordered on one stream
+(vLLM's copy stream), which is what makes the shared scratch safe.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from typing import Any
 
 import torch
 
 from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.geometry import ROW_FORMATS, RowFormat, RuntimeConfig, register_row_format
+from hisparse_nvidia import driver
+from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
+from hisparse_nvidia.kernels import LoadedKernels, vllm_ops_build
 
-_I32_MAX = 2**31 - 1
+#: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
+COPY_BLOCKS_PER_SM = 4
+#: Shared memory the resolver may take for its hash (12 bytes a bucket) and LRU order (2 bytes a slot).
+RESOLVE_SMEM_BUDGET = 222 * 1024
 
 
-class _UvaView:
-    """`__cuda_array_interface__` of a registered host tensor at its device address."""
+def resolve_threads(k: int, h: int) -> int:
+    """Threads per block of the resolver: each thread holds at most 32 entries of a row and 32 LRU
+    positions (the kernel's bit masks); at least 128, at most 1024."""
+    need = -(-max(k, h) // 32)
+    t = 128
+    while t < need or t < min(1024, -(-max(k, h) // 2)):
+        t *= 2
+    return min(t, 1024)
 
-    def __init__(self, host: torch.Tensor, address: int) -> None:
-        self.__cuda_array_interface__ = {"data": (address, False), "shape": (host.shape[0], host.shape[1]
-                                                                             * host.element_size()),
-                                         "typestr": "|u1", "version": 3, "strides": None}
+
+def resolve_smem_buckets(max_union_rows: int, h: int) -> int:
+    """Hash buckets of the resolver's shared table: twice the union vLLM declares (load at most 1/2),
+    within `RESOLVE_SMEM_BUDGET` beside the LRU order; groups with more host entries spill over into
+    global scratch."""
+    fit = (RESOLVE_SMEM_BUDGET - 2 * h - 16) // 12
+    return max(0, min(2 * max_union_rows, fit))
+
+
+def _i32(v: int) -> ctypes.c_int32:
+    return ctypes.c_int32(int(v))
+
+
+def _i64(v: int) -> ctypes.c_int64:
+    return ctypes.c_int64(int(v))
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
 class NvidiaVllmOps(spec.VllmHiSparseOps):
-    """The four ops on CUDA tensors; `backend` builds the fused resolver's runtimes."""
+    """The four ops on CUDA tensors, through the kernels of cuda/vllm_ops.cu."""
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
-        self._runtimes: dict[tuple[Any, ...], Any] = {}
-        self._host_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._modules: dict[int, Any] = {}
+        self._host_addr: dict[tuple[int, int], int] = {}
+        self._scratch: dict[tuple[Any, ...], Any] = {}
 
     @property
     def device_type(self) -> str:
@@ -58,64 +82,71 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
 
     # ----------------------------------------------------------------------------- helpers
 
-    def _host_view(self, host: torch.Tensor) -> torch.Tensor:
-        """`host` as a CUDA uint8 `[rows, row_bytes]` tensor aliasing its memory (zero-copy reads)."""
-        key = (host.data_ptr(), host.numel())
-        view = self._host_views.get(key)
-        if view is None:
+    def _function(self, device: torch.device, row_bytes: int, name: str) -> Any:
+        arch, _, _ = self._backend._device_props()
+        driver.ensure_context(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return LoadedKernels.module(index, arch, vllm_ops_build(row_bytes)).function(name)
+
+    def _host_address(self, host: torch.Tensor) -> int:
+        """The device address of `host` (registered or pinned host memory), looked up once per buffer."""
+        key = (host.data_ptr(), host.numel() * host.element_size())
+        addr = self._host_addr.get(key)
+        if addr is None:
             from hisparse_nvidia.host_pool import device_address_of_host
 
-            addr = device_address_of_host(host.data_ptr(), host.numel() * host.element_size())
-            if addr is None:
+            found = device_address_of_host(*key)
+            if found is None:
                 raise InvalidInputError("host_cache is not registered host memory; vLLM pins its HiSparse pool with "
                                         "cudaHostRegister (or allocate it pinned)")
-            view = torch.as_tensor(_UvaView(host, addr), device="cuda")
-            self._host_views[key] = view
-        return view
+            addr = self._host_addr[key] = found
+        return addr
 
-    def _copy(self, host: torch.Tensor, hot: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-              take: torch.Tensor) -> None:
-        """Fixed-shape copy of host rows `src` into hot rows `dst` where `take`; `src` past the host rows
-        zero-fills; of taken entries with one destination the last wins (`spec.last_write_wins`), as in
-        the reference. Entries not taken rewrite a taken entry's row with its bytes (or row 0 with
-        its current bytes), so every write to a row carries the same bytes."""
-        src, dst, take = src.reshape(-1).long(), dst.reshape(-1).long(), take.reshape(-1)
-        if dst.numel() == 0:
+    def _buffer(self, key: tuple[Any, ...], make: Any) -> Any:
+        with self._lock:
+            buf = self._scratch.get(key)
+            if buf is None:
+                buf = self._scratch[key] = make()
+            return buf
+
+    def _copy_state(self, dev: torch.device, hot_rows: int, entries: int) -> tuple[torch.Tensor, ...]:
+        """(epoch, list count + finished-block counter, list, destination marks) of the copy kernels.
+        The marks are keyed by the hot cache's row count, the list by the call's entries."""
+        ctl = self._buffer(("ctl", dev), lambda: (torch.ones(1, dtype=torch.int64, device=dev),
+                                                  torch.zeros(2, dtype=torch.int32, device=dev)))
+        lst = self._buffer(("list", dev, entries), lambda: torch.empty(max(1, entries), dtype=torch.int32, device=dev))
+        owner = self._buffer(("owner", dev, hot_rows), lambda: torch.zeros(max(1, hot_rows), dtype=torch.int64,
+                                                                           device=dev))
+        return ctl[0], ctl[1], lst, owner
+
+    def _gather(self, mode: int, host: torch.Tensor, hot: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                counts: torch.Tensor | None, mask: torch.Tensor | None, rsi: torch.Tensor | None,
+                att: torch.Tensor | None, att_stride: int) -> None:
+        n, k = src.shape
+        if n * k == 0:
             return
+        if n * k >= 2**31:
+            raise InvalidInputError(f"gather of {n} x {k} entries: at most 2^31 - 1 entries a call")
+        dev = hot.device
         bs = hot.shape[1]
-        host_b = self._host_view(host)
-        hot_b = hot.view(torch.uint8)
-        present = src < host_b.shape[0]
-        data = host_b[src.clamp(0, host_b.shape[0] - 1)] * present[:, None].to(torch.uint8)
-        eff_dst, pick, any_take = spec.last_write_wins(dst, take)
-        eff_dst = torch.where(any_take, eff_dst, 0)
-        eff_data = torch.where(any_take, data.index_select(0, pick), hot_b[0, 0].unsqueeze(0))
-        hot_b[eff_dst // bs, eff_dst % bs] = eff_data
-
-    def _runtime(self, host: torch.Tensor, hot: torch.Tensor, n: int, k: int, s: int, h: int, pages: int) -> Any:
-        bs = hot.shape[1]
-        key = (host.data_ptr(), hot.data_ptr(), n, k, s, h, pages, bs)
-        rt = self._runtimes.get(key)
-        if rt is None:
-            fmt = next((f for f in ROW_FORMATS.values() if f.dtype == hot.dtype and f.width == hot.shape[2]), None)
-            if fmt is None:  # vLLM's ops move rows as bytes: any row of whole 16-byte vectors is served
-                row_bytes = hot.shape[2] * hot.element_size()
-                if row_bytes % 16:
-                    raise InvalidInputError(f"{spec.RESOLVE}: hot_cache rows are {hot.shape[2]} x {hot.dtype} = "
-                                            f"{row_bytes} bytes; expected a multiple of 16 bytes")
-                fmt = register_row_format(RowFormat(f"vllm_{str(hot.dtype).removeprefix('torch.')}_{hot.shape[2]}",
-                                                    hot.dtype, hot.shape[2]))
-            cfg = RuntimeConfig(max_batch_rows=n, max_requests=s, top_k=k, hot_rows=h, block_size=bs,
-                                max_pages=pages, row_format=fmt, num_layers=1,
-                                rows_per_request=max(1, h // k))
-            rt = self._backend.create_runtime(cfg)
-            rt.bind([host], [hot])
-            rt._vllm_last = torch.zeros(2, dtype=torch.int64, device=hot.device)
-            rt._vllm_tables = (torch.full((s + 1, pages), -1, dtype=torch.int32, device=hot.device),
-                               torch.full((s, pages), -1, dtype=torch.int32, device=hot.device),
-                               torch.zeros((s + 1, -(-h // bs)), dtype=torch.int32, device=hot.device))
-            self._runtimes[key] = rt
-        return rt
+        row_bytes = hot.shape[2] * hot.element_size()
+        hot_rows = hot.shape[0] * bs
+        epoch, ctl, lst, owner = self._copy_state(dev, hot_rows, n * k)
+        mark = self._function(dev, row_bytes, "hisparse_vllm_mark")
+        copy = self._function(dev, row_bytes, "hisparse_vllm_copy")
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        grid = n if mode == 0 else -(-(n * k) // COPY_THREADS)
+        mark.launch((grid, 1, 1), COPY_THREADS, 0, stream,
+                    [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att),
+                     _i64(att_stride), _i32(bs), _i32(n), _i32(k), _i64(hot_rows), _ptr(owner), _ptr(epoch),
+                     _ptr(lst), _ptr(ctl)])
+        _, sms, _ = self._backend._device_props()
+        slots = ((row_bytes + 111) // 128 + 1) * 8
+        blocks = max(1, min(sms * COPY_BLOCKS_PER_SM, -(-(n * k * slots) // (COPY_THREADS * 4))))
+        copy.launch((blocks, 1, 1), COPY_THREADS, 0, stream,
+                    [_ptr(src), _ptr(dst), ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]),
+                     _ptr(hot), _i64(hot.stride(0) * hot.element_size()), _i32(bs), _ptr(owner), _ptr(epoch),
+                     _ptr(lst), _ptr(ctl), ctypes.c_void_p(ctl.data_ptr() + 4)])
 
     # ----------------------------------------------------------------------------- the ops
 
@@ -134,117 +165,59 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                            attention_indices, attention_block_stride, request_ids, source_block_table,
                            source_block_size, resolved, valid_counts, swap_host, swap_dev, swap_counts,
                            resident_block_table, resident_block_size, resident_null_block)
-        bs = hot_cache.shape[1]
-        if miss_mask is not None:
-            raise InvalidInputError(f"{spec.RESOLVE}: miss_mask as an output is not served by the nvidia backend "
-                                    "(vLLM 0.32 passes None); pass None")
-        if source_block_table is None or request_ids is None:
-            raise InvalidInputError(f"{spec.RESOLVE}: the nvidia backend needs request_ids and source_block_table "
-                                    "(vLLM 0.32 passes both)")
-        if source_block_size != bs:
-            raise InvalidInputError(f"{spec.RESOLVE}: source_block_size={source_block_size}; the nvidia backend "
-                                    f"expects the hot block size {bs}")
         n, k = topk.shape
         s, h = lru_slots.shape
+        if n == 0:
+            return
+        if n * k * 2 >= 2**31:
+            raise InvalidInputError(f"{spec.RESOLVE}: topk has {n} x {k} entries; at most 2^30 - 1 a call")
         dev = hot_cache.device
-        pages = max(source_block_table.shape[1],
-                    resident_block_table.shape[1] if resident_block_table is not None else 0)
-        rt = self._runtime(host_cache, hot_cache, n, k, s, h, pages)
-        src_h, res_h, hot_h = rt._vllm_tables
-        host_blocks = host_cache.shape[0] // bs
-
-        req = request_ids[:n].long()
-        if request_state_indices is not None:
-            nr = request_state_indices.numel()
-            ok = (req >= 0) & (req < nr)
-            state = torch.where(ok, request_state_indices.long()[req.clamp(0, max(nr - 1, 0))], -1) if nr \
-                else torch.full_like(req, -1)
-        else:
-            state = req
-        corrupt = ((lru_slots < 0) | (lru_slots >= region_stride)).any(dim=1)
-        state = torch.where((state >= 0) & (state < s), state, -1)
-        state = torch.where((state >= 0) & ~corrupt[state.clamp(0)], state, -1)
-        slot = torch.where(state >= 0, state, s)
-        rs = source_block_table.shape[0]
-        src_rows = source_block_table.long()[req.clamp(0, rs - 1)]
-        src_rows = torch.where(((req >= 0) & (req < rs))[:, None], src_rows, -1)
-        src_rows = torch.where((src_rows >= 0) & (src_rows < host_blocks), src_rows, -1)
-        src_h.fill_(-1)
-        src_h[:, :src_rows.shape[1]].index_copy_(0, slot, src_rows.to(torch.int32))
-        res_h.fill_(-1)
-        if resident_block_table is not None:
-            rbt = resident_block_table[:s]
-            res_h[:rbt.shape[0], :rbt.shape[1]] = torch.where((rbt != resident_null_block) & (rbt >= 0), rbt, -1)
-        hot_rows_tbl = hot_block_table[req.clamp(0, hot_block_table.shape[0] - 1), :hot_h.shape[1]]
-        hot_h.index_copy_(0, slot, hot_rows_tbl.to(torch.int32))
-        from hisparse_core.runtime import ResolveInputs
-
-        inputs = ResolveInputs(topk=topk, row_state=state.to(torch.int32),
-                               seq_lens=torch.full((n,), pages * bs, dtype=torch.int32, device=dev),
-                               source_table=src_h[:s], resident_table=res_h, hot_table=hot_h[:s])
-        rt._hot_map, rt._lru = device_global_indices, lru_slots  # same layout: the kernel updates vLLM's state
-        out = rt.resolve(inputs, gather=False, validate=False)
-        rows = out.rows[:n]
-        hot_out.copy_(rows)
-        if attention_indices is not None:
-            attention_indices[:n] = torch.where(rows < 0, -1, (rows // bs) * attention_block_stride + rows % bs)
-        if valid_counts is not None:
-            valid_counts[:n] = out.valid_counts[:n]
-        if swap_counts is not None:
-            assert swap_host is not None and swap_dev is not None
-            swap_host.copy_(out.plan_host[:n])
-            swap_dev.copy_(out.plan_device[:n])
-            swap_counts[:n] = out.plan_counts[:n]
-        if resolved is not None:
-            t = topk.long()
-            col = torch.where(t >= 0, t // bs, 0).clamp(max=pages - 1)
-            blk = src_h[slot][torch.arange(n, device=dev)[:, None], col].long()
-            g = torch.where((t >= 0) & (t < pages * bs) & (blk >= 0), blk * bs + t % bs, -1)
-            resolved.copy_(torch.where(state[:, None] >= 0, g, -1).to(torch.int32))
-        if stats is not None:
-            now = rt._stats[1:3]
-            stats.view(torch.int64)[:2] += now - rt._vllm_last
-            rt._vllm_last.copy_(now)
+        bs = hot_cache.shape[1]
+        row_bytes = hot_cache.shape[2] * hot_cache.element_size()
+        threads = resolve_threads(k, h)
+        buckets = resolve_smem_buckets(max_union_rows, h)
+        smem = -(-(12 * buckets + 2 * h) // 16) * 16
+        gtab, gval = self._buffer(("hash", dev, n, k), lambda: (
+            torch.empty(2 * n * k, dtype=torch.int64, device=dev), torch.empty(2 * n * k, dtype=torch.int32,
+                                                                               device=dev)))
+        fn = self._function(dev, row_bytes, "hisparse_vllm_resolve")
+        fn.allow_dynamic_smem(smem)
+        sbt, rbt = source_block_table, resident_block_table
+        nr = request_state_indices.numel() if request_state_indices is not None else 0
+        fn.launch((n, 1, 1), threads, smem, torch.cuda.current_stream(dev).cuda_stream, [
+            _ptr(hot_block_table), _i64(hot_block_table.stride(0)), _i32(hot_block_table.shape[0]), _ptr(topk),
+            _i32(n), _i32(k), _ptr(request_ids), _ptr(request_state_indices), _i32(nr),
+            _ptr(sbt), _i64(sbt.stride(0) if sbt is not None else 0), _i32(sbt.shape[0] if sbt is not None else 0),
+            _i32(sbt.shape[1] if sbt is not None else 0), _i32(source_block_size if sbt is not None else 1),
+            _ptr(rbt), _i64(rbt.stride(0) if rbt is not None else 0), _i32(rbt.shape[0] if rbt is not None else 0),
+            _i32(rbt.shape[1] if rbt is not None else 0), _i32(resident_block_size if rbt is not None else 1),
+            _i32(resident_null_block), _i64(host_cache.shape[0]), _ptr(hot_out), _ptr(attention_indices),
+            _i64(attention_block_stride), _i32(bs), _ptr(resolved), _ptr(valid_counts), _ptr(miss_mask),
+            _ptr(swap_host), _ptr(swap_dev), _ptr(swap_counts), _ptr(device_global_indices), _ptr(lru_slots),
+            _i32(s), _i32(h), _ptr(stats), _ptr(gtab), _ptr(gval), _i32(buckets)])
 
     def gather_compact(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, miss_global: torch.Tensor,
                        miss_hot: torch.Tensor, miss_counts: torch.Tensor) -> None:
         spec.check_gather_compact(host_cache, hot_cache, miss_global, miss_hot, miss_counts)
-        n, k = miss_global.shape
-        hot_rows = hot_cache.shape[0] * hot_cache.shape[1]
-        count = miss_counts[:n].long().clamp(0, k)
-        take = torch.arange(k, device=hot_cache.device)[None, :] < count[:, None]
-        take &= (miss_global >= 0) & (miss_hot >= 0) & (miss_hot < hot_rows)
-        self._copy(host_cache, hot_cache, miss_global, miss_hot, take)
+        self._gather(0, host_cache, hot_cache, miss_global, miss_hot, miss_counts, None, None, None, 0)
 
     def gather_plan(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, global_indices: torch.Tensor,
                     hot_indices: torch.Tensor, miss_mask: torch.Tensor, request_state_indices: torch.Tensor | None,
                     attention_indices: torch.Tensor | None, attention_block_stride: int) -> None:
         spec.check_gather_plan(host_cache, hot_cache, global_indices, hot_indices, miss_mask, request_state_indices,
                                attention_indices, attention_block_stride)
-        n = global_indices.shape[0]
-        bs = hot_cache.shape[1]
-        hot_rows = hot_cache.shape[0] * bs
-        pad = (request_state_indices[:n] < 0) if request_state_indices is not None \
-            else torch.zeros(n, dtype=torch.bool, device=hot_cache.device)
-        take = ~pad[:, None] & (miss_mask != 0) & (global_indices >= 0) & (hot_indices >= 0) & (hot_indices < hot_rows)
-        if attention_indices is not None:
-            d = hot_indices
-            attention_indices.copy_(torch.where(pad[:, None] | (d < 0), -1, (d // bs) * attention_block_stride + d % bs))
-        self._copy(host_cache, hot_cache, global_indices, hot_indices, take)
+        self._gather(1, host_cache, hot_cache, global_indices, hot_indices, None, miss_mask, request_state_indices,
+                     attention_indices, attention_block_stride)
 
     def invalidate_written_slots(self, device_global_indices: torch.Tensor, request_state_indices: torch.Tensor,
                                  req_id_per_token: torch.Tensor, written_slots: torch.Tensor) -> None:
         spec.check_invalidate(device_global_indices, request_state_indices, req_id_per_token, written_slots)
         s, h = device_global_indices.shape
-        nr = request_state_indices.numel()
-        if written_slots.numel() == 0 or nr == 0 or s == 0:
+        tokens = written_slots.numel()
+        if tokens == 0 or s == 0 or h == 0:
             return
-        req = req_id_per_token.long()
-        ok = (req >= 0) & (req < nr)
-        state = torch.where(ok, request_state_indices.long()[req.clamp(0, nr - 1)], -1)
-        ok &= (state >= 0) & (state < s) & (written_slots >= 0)
-        q = state.clamp(0, s - 1)
-        hit = (device_global_indices[q].long() == written_slots[:, None]) & ok[:, None]
-        flat = (q[:, None] * h + torch.arange(h, device=q.device)[None, :]).reshape(-1)
-        vals = torch.where(hit, -1, _I32_MAX).to(torch.int32).reshape(-1)
-        device_global_indices.view(-1).scatter_reduce_(0, flat, vals, reduce="amin", include_self=True)
+        dev = device_global_indices.device
+        fn = self._function(dev, 16, "hisparse_vllm_invalidate")
+        fn.launch((tokens, 1, 1), COPY_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, [
+            _ptr(device_global_indices), _i32(s), _i32(h), _ptr(request_state_indices),
+            _i32(request_state_indices.numel()), _ptr(req_id_per_token), _ptr(written_slots)])

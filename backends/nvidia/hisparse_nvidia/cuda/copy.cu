@@ -352,6 +352,19 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_copy_rows(
     hs_copy_rows(n, pair, src, dst, bs);
 }
 
+// The early exit of both speculative gathers (hisparse_gather_spec step 2 says why it is safe):
+// whether a block may leave without waiting for the resolver. `likely`: this thread has a task
+// that may be a miss; `held`: one found held at its hinted slot; `sure()`, called after the fence:
+// the victims flags of this thread's held tasks' requests read 0. Every thread of the block calls it.
+template <class Sure>
+__device__ __forceinline__ bool hs_leave_early(bool likely, bool held, const Sure& sure) {
+    if (__syncthreads_or(likely)) return false;
+    if (!__syncthreads_or(held)) return true;
+    if (threadIdx.x == 0) hs_fence_sc();
+    __syncthreads();
+    return __syncthreads_and(sure());
+}
+
 // Copies the miss plan of batch rows [0, rows) into layer 0 like hisparse_gather_plan, but starts
 // the host reads while the resolver still runs (small batches: the grid covers every entry's slots
 // in one pass). Launched right behind the resolver with programmatic stream serialization:
@@ -465,17 +478,15 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec(
                 }
             }
         }
-        if (!__syncthreads_or(likely)) {
-            if (!__syncthreads_or(held != 0)) return;
-            if (threadIdx.x == 0) hs_fence_sc();
-            __syncthreads();
-            bool sure = true;
+        const auto sure = [&]() {
+            bool all = true;
 #pragma unroll
             for (i32 u = 0; u < HS_UNROLL; ++u) {
-                if ((held >> u) & 1u) sure &= hs_ld_relaxed_ordered(victims + q_r[u]) == 0;
+                if ((held >> u) & 1u) all &= hs_ld_relaxed_ordered(victims + q_r[u]) == 0;
             }
-            if (__syncthreads_and(sure)) return;
-        }
+            return all;
+        };
+        if (hs_leave_early(likely, held != 0, sure)) return;
     }
 
     // ---- 3. The resolver's misses ---------------------------------------------------------------
@@ -602,14 +613,9 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec_entrie
     if (tid < HS_SEPB) s_g[tid] = g;
 
     // ---- 2. Blocks that can hold no miss leave without waiting (see hisparse_gather_spec) -----
-    if (victims != nullptr && blockIdx.x != 0) {
-        if (!__syncthreads_or(likely)) {
-            if (!__syncthreads_or(held)) return;
-            if (tid == 0) hs_fence_sc();
-            __syncthreads();
-            const bool sure = !held || hs_ld_relaxed_ordered(victims + q) == 0;
-            if (__syncthreads_and(sure)) return;
-        }
+    if (victims != nullptr && blockIdx.x != 0 &&
+        hs_leave_early(likely, held, [&]() { return !held || hs_ld_relaxed_ordered(victims + q) == 0; })) {
+        return;
     }
 
     // ---- 3. Early reads of the likely misses -----------------------------------------------------

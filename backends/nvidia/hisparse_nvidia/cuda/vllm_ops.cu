@@ -1,0 +1,482 @@
+// vLLM's four HiSparse ops (`torch.ops._C_cache_ops.hisparse_*`) as the nvidia backend's own
+// kernels. Semantics: hisparse_core/vllm_ops.py (every output byte-identical to reference_cpu);
+// host side: hisparse_nvidia/vllm_ops.py. Every size is a run-time argument (vLLM passes any
+// top-k, hot size and block size), except the row width of the copies (HS_VEC 16-byte vectors).
+//
+// hisparse_vllm_resolve: one block per batch row; the block of a group's first row (a group is a
+//   maximal run of consecutive non-padding rows with one state row) resolves the whole group.
+//   1. Classify every entry (resident row / invalid / host row g); outputs of the first two are
+//      final. A host entry's g is parked in hot_out as -(g + 2).
+//   2. Insert the host rows into an open-addressed hash of 64-bit buckets {g, first entry}
+//      (atomicMin keeps the first reference); the hash lives in shared memory when the group's
+//      host entries fit, else in the group's rows of a global scratch (never a wrong answer, only
+//      a slower one). A host entry's parked value becomes -(bucket + 2).
+//   3. Walk the LRU (each thread a contiguous run of positions): a slot whose hot-map row is in
+//      the hash is a hit, marked in its bucket as HELD | position (atomicMax: the last hit
+//      position in LRU order wins, as in the reference); the rest are evictable. A block scan
+//      packs evictable slots forward and hit slots backward into `ord`.
+//   4. Misses (buckets still holding their first entry) in first-reference order, row by row
+//      (a block scan of each row's first references): miss m takes evictable E[m]; the plan entry
+//      goes to the row that first referenced it.
+//   5. Outputs of host entries, then the new LRU order E[used:] + E[:used] + hits.
+//
+// hisparse_vllm_mark + hisparse_vllm_copy (gather_compact, gather_plan): the mark kernel picks the
+//   taken entries, appends them to a list (warp-aggregated) and marks each destination row with
+//   the largest {epoch, entry} (atomicMax); the copy kernel moves each listed entry whose mark is
+//   its own (so of entries naming one destination the last wins, as in the reference), 16-byte
+//   slots aligned on the host side's 128-byte lines, a grid-stride loop over the list. Its last
+//   block resets the list and advances the epoch, so marks of an earlier call never match.
+//
+// hisparse_vllm_invalidate: one block per written token clears every slot of its state row that
+//   holds the written row.
+#include "common.cuh"
+
+#ifndef HS_VEC
+#error "HS_VEC (16-byte vectors per row) must be defined"
+#endif
+#ifndef HS_GNT
+#define HS_GNT 256
+#endif
+#ifndef HS_UNROLL
+#define HS_UNROLL 4
+#endif
+#define HS_ROW_BYTES (HS_VEC * 16)
+#define HS_ROW_LINES ((HS_ROW_BYTES + 111) / 128 + 1)
+#define HS_SLOTS (HS_ROW_LINES * 8)
+
+#define VR_EMPTY 0xffffffffffffffffull
+#define VR_HELD 0x80000000u
+
+// (request, state row) of batch row r; q = -1 for a padding row.
+__device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32* rsi, i32 nr, i32 S, i32& req,
+                                       i32& q) {
+    req = request_ids != nullptr ? request_ids[r] : r;
+    if (rsi != nullptr) {
+        q = (req >= 0 && req < nr) ? rsi[req] : -1;
+    } else {
+        q = req;
+    }
+    if (q < 0 || q >= S) q = -1;
+}
+
+// Block-wide exclusive prefix sum of v (every thread calls it); `total` is the sum over the block.
+__device__ __forceinline__ i32 vr_scan(i32 v, i32& total) {
+    __shared__ i32 s_w[32];
+    const i32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    i32 x = v;
+#pragma unroll
+    for (i32 o = 1; o < 32; o <<= 1) {
+        const i32 y = __shfl_up_sync(HS_FULL_MASK, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) s_w[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        i32 y = lane < nw ? s_w[lane] : 0;
+#pragma unroll
+        for (i32 o = 1; o < 32; o <<= 1) {
+            const i32 z = __shfl_up_sync(HS_FULL_MASK, y, o);
+            if (lane >= o) y += z;
+        }
+        s_w[lane] = y;
+    }
+    __syncthreads();
+    const i32 before = (warp > 0 ? s_w[warp - 1] : 0) + x - v;
+    total = s_w[nw - 1];
+    __syncthreads();  // s_w may be reused at once
+    return before;
+}
+
+__device__ __forceinline__ u32 vr_hash(i32 key, u32 size) {
+    return (static_cast<u32>(key) * 2654435761u) % size;
+}
+
+__device__ __forceinline__ i32 vr_hot_row(const i32* hbt, i64 hbt_stride, i32 req, i32 slot, i32 bs) {
+    return static_cast<i32>(static_cast<i64>(hbt[static_cast<i64>(req) * hbt_stride + slot / bs]) * bs + slot % bs);
+}
+
+__device__ __forceinline__ i32 vr_attention(i32 row, i32 bs, i64 stride) {
+    return row < 0 ? -1 : static_cast<i32>(static_cast<i64>(row / bs) * stride + row % bs);
+}
+
+// Grid: (batch rows, 1, 1); block: a multiple of 32 threads with at most 32 entries of a row and
+// 32 LRU positions each; dynamic shared memory: 12 * smem_buckets + 2 * H (rounded to 16) bytes.
+// gtab / gval: [rows, 2 * K] buckets of global scratch, only touched by groups whose host entries
+// do not fit the shared table.
+extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
+    const i32* __restrict__ hbt, i64 hbt_stride, i32 hbt_rows, const i32* __restrict__ topk, i32 n, i32 K,
+    const i32* __restrict__ request_ids, const i32* __restrict__ rsi, i32 nr, const i32* __restrict__ sbt,
+    i64 sbt_stride, i32 sbt_rows, i32 sbt_cols, i32 sbs, const i32* __restrict__ rbt, i64 rbt_stride, i32 rbt_rows,
+    i32 rbt_cols, i32 rbs, i32 null_block, i64 host_rows, i32* hot_out, i32* __restrict__ att, i64 att_stride,
+    i32 bs, i32* __restrict__ resolved, i32* __restrict__ valid, i32* __restrict__ miss_mask,
+    i32* __restrict__ swap_host, i32* __restrict__ swap_dev, i32* __restrict__ swap_counts, i32* dgi, i16* lru,
+    i32 S, i32 H, u64* __restrict__ stats, u64* gtab, i32* gval, i32 smem_buckets) {
+    extern __shared__ __align__(16) unsigned char vr_smem[];
+    u64* s_tab = reinterpret_cast<u64*>(vr_smem);
+    i32* s_val = reinterpret_cast<i32*>(s_tab + smem_buckets);
+    i16* ord = reinterpret_cast<i16*>(s_val + smem_buckets);
+    __shared__ i32 s_group;
+    const i32 r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+    i32 req, q;
+    vr_row(r, request_ids, rsi, nr, S, req, q);
+    if (q < 0) {  // padding: -1 / 0 in the row's outputs, nothing else
+        for (i32 i = tid; i < K; i += nt) {
+            const i64 e = static_cast<i64>(r) * K + i;
+            hot_out[e] = -1;
+            if (att != nullptr) att[e] = -1;
+            if (resolved != nullptr) resolved[e] = -1;
+        }
+        if (tid == 0) {
+            if (valid != nullptr) valid[r] = 0;
+            if (swap_counts != nullptr) swap_counts[r] = 0;
+        }
+        return;
+    }
+    if (r > 0) {
+        i32 preq, pq;
+        vr_row(r - 1, request_ids, rsi, nr, S, preq, pq);
+        if (pq == q) return;  // resolved by the block of its group's first row
+    }
+    if (tid == 0) {
+        i32 g = 1;
+        while (r + g < n) {
+            i32 rq, qq;
+            vr_row(r + g, request_ids, rsi, nr, S, rq, qq);
+            if (qq != q) break;
+            ++g;
+        }
+        s_group = g;
+    }
+    __syncthreads();
+    const i32 G = s_group;
+    const i64 base = static_cast<i64>(r) * K;  // the group's entries are [base, base + G * K)
+    i32* dgi_q = dgi + static_cast<i64>(q) * H;
+    i16* lru_q = lru + static_cast<i64>(q) * H;
+
+    // ---- 1. classify -----------------------------------------------------------------------
+    i32 pending = 0;
+    for (i32 a = 0; a < G; ++a) {
+        const i32 rr = r + a;
+        const i32 rq = request_ids != nullptr ? request_ids[rr] : rr;
+        i32 cnt = 0;
+        for (i32 i = tid; i < K; i += nt) {
+            const i64 e = base + static_cast<i64>(a) * K + i;
+            const i32 t = topk[e];
+            i64 g = t;
+            if (sbt != nullptr) {
+                const i32 col = t >= 0 ? t / sbs : -1;
+                g = -1;
+                if (rq >= 0 && rq < sbt_rows && col >= 0 && col < sbt_cols) {
+                    const i32 blk = sbt[static_cast<i64>(rq) * sbt_stride + col];
+                    if (blk >= 0) g = static_cast<i64>(blk) * sbs + t % sbs;
+                }
+            }
+            if (g >= host_rows) g = -1;
+            i64 res = -1;
+            if (rbt != nullptr) {
+                const i32 col = t >= 0 ? t / rbs : -1;
+                if (q < rbt_rows && col >= 0 && col < rbt_cols) {
+                    const i32 blk = rbt[static_cast<i64>(q) * rbt_stride + col];
+                    if (blk != null_block && blk >= 0) res = static_cast<i64>(blk) * rbs + t % rbs;
+                }
+            }
+            cnt += (res >= 0 || g >= 0) ? 1 : 0;
+            if (resolved != nullptr) resolved[e] = static_cast<i32>(g);
+            if (miss_mask != nullptr) miss_mask[e] = 0;
+            if (res >= 0 || g < 0) {
+                const i32 out = res >= 0 ? static_cast<i32>(res) : -1;
+                hot_out[e] = out;
+                if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
+            } else {
+                hot_out[e] = static_cast<i32>(-(g + 2));
+                ++pending;
+            }
+        }
+        i32 total;
+        vr_scan(cnt, total);
+        if (tid == 0 && valid != nullptr) valid[rr] = total;
+    }
+    i32 P;
+    vr_scan(pending, P);
+    if (P == 0) {  // no host entry: the LRU and hot map stay as they are
+        for (i32 a = tid; a < G; a += nt) {
+            if (swap_counts != nullptr) swap_counts[r + a] = 0;
+        }
+        return;
+    }
+
+    // ---- 2. the group's host rows in a hash --------------------------------------------------
+    const u32 T = static_cast<u32>(2 * P);
+    const bool in_smem = static_cast<i64>(T) <= smem_buckets;
+    u64* tab = in_smem ? s_tab : gtab + base * 2;
+    i32* tval = in_smem ? s_val : gval + base * 2;
+    for (u32 b = tid; b < T; b += nt) tab[b] = VR_EMPTY;
+    __syncthreads();
+    i32 fresh = 0;
+    for (i32 x = tid; x < G * K; x += nt) {
+        const i64 e = base + x;
+        const i32 v = hot_out[e];
+        if (v > -2) continue;
+        const i32 g = -(v + 2);
+        const u64 key = (static_cast<u64>(static_cast<u32>(g)) << 32) | static_cast<u32>(x);
+        u32 b = vr_hash(g, T);
+        while (true) {
+            u64 cur = tab[b];
+            if (cur == VR_EMPTY) {
+                cur = atomicCAS(reinterpret_cast<unsigned long long*>(tab + b), VR_EMPTY, key);
+                if (cur == VR_EMPTY) {
+                    ++fresh;
+                    break;
+                }
+            }
+            if (static_cast<i32>(cur >> 32) == g) {
+                atomicMin(reinterpret_cast<unsigned long long*>(tab + b), key);
+                break;
+            }
+            b = b + 1 == T ? 0 : b + 1;
+        }
+        hot_out[e] = -static_cast<i32>(b) - 2;
+    }
+    i32 U;
+    vr_scan(fresh, U);  // distinct host rows (its barriers also order the inserts before the walk)
+
+    // ---- 3. the LRU walk -----------------------------------------------------------------------
+    const i32 cpt = (H + nt - 1) / nt;
+    const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
+    u32 hitbits = 0;
+    i32 hits = 0;
+    for (i32 p = p0; p < p1; ++p) {
+        const i32 s = lru_q[p];
+        const i32 cached = (s >= 0 && s < H) ? dgi_q[s] : -1;
+        if (cached < 0) continue;
+        u32 b = vr_hash(cached, T);
+        while (true) {
+            const u64 cur = tab[b];
+            if (cur == VR_EMPTY) break;
+            if (static_cast<i32>(cur >> 32) == cached) {
+                atomicMax(reinterpret_cast<unsigned long long*>(tab + b),
+                          (cur & 0xffffffff00000000ull) | VR_HELD | static_cast<u32>(p));
+                hitbits |= 1u << (p - p0);
+                ++hits;
+                break;
+            }
+            b = b + 1 == T ? 0 : b + 1;
+        }
+    }
+    i32 nH;
+    const i32 hbefore = vr_scan(hits, nH);
+    const i32 nE = H - nH;
+    {
+        i32 hr = hbefore, er = p0 - hbefore;
+        for (i32 p = p0; p < p1; ++p) {
+            const i16 s = lru_q[p];
+            if ((hitbits >> (p - p0)) & 1u) {
+                ord[H - 1 - hr++] = s;
+            } else {
+                ord[er++] = s;
+            }
+        }
+    }
+    __syncthreads();
+
+    // ---- 4. misses in first-reference order, row by row ---------------------------------------
+    const i32 ept = (K + nt - 1) / nt;
+    i32 m_before = 0;
+    for (i32 a = 0; a < G; ++a) {
+        const i32 rr = r + a;
+        const i32 rq = request_ids != nullptr ? request_ids[rr] : rr;
+        const i32 i0 = min(tid * ept, K), i1 = min(i0 + ept, K);
+        u32 firstbits = 0;
+        i32 c = 0;
+        for (i32 i = i0; i < i1; ++i) {
+            const i32 x = a * K + i;
+            const i32 v = hot_out[base + x];
+            if (v > -2) continue;
+            const u32 lo = static_cast<u32>(tab[-(v + 2)]);
+            if (lo == static_cast<u32>(x)) {  // a miss (no HELD bit) first referenced here
+                firstbits |= 1u << (i - i0);
+                ++c;
+            }
+        }
+        i32 row_misses;
+        const i32 before = vr_scan(c, row_misses);
+        i32 j = before;
+        for (i32 i = i0; i < i1; ++i) {
+            if (!((firstbits >> (i - i0)) & 1u)) continue;
+            const i64 e = base + static_cast<i64>(a) * K + i;
+            const u32 b = static_cast<u32>(-(hot_out[e] + 2));
+            const i32 g = static_cast<i32>(tab[b] >> 32);
+            const i32 m = m_before + j;
+            const i32 slot = m < nE ? static_cast<i32>(ord[m]) : -1;
+            i32 dev = -1;
+            if (slot >= 0 && slot < H) {
+                dev = vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), slot, bs);
+                dgi_q[slot] = g;
+                if (miss_mask != nullptr) miss_mask[e] = 1;
+            }
+            tval[b] = dev;
+            if (swap_counts != nullptr) {
+                swap_host[static_cast<i64>(rr) * K + j] = g;
+                swap_dev[static_cast<i64>(rr) * K + j] = dev;
+            }
+            ++j;
+        }
+        if (tid == 0 && swap_counts != nullptr) swap_counts[rr] = row_misses;
+        m_before += row_misses;
+    }
+    __syncthreads();  // every miss's hot row is in tval
+
+    // ---- 5. outputs of host entries, then the new LRU order --------------------------------------
+    for (i32 x = tid; x < G * K; x += nt) {
+        const i64 e = base + x;
+        const i32 v = hot_out[e];
+        if (v > -2) continue;
+        const u32 b = static_cast<u32>(-(v + 2));
+        const u32 lo = static_cast<u32>(tab[b]);
+        i32 out;
+        if (lo & VR_HELD) {
+            const i32 rr = r + x / K;
+            const i32 rq = request_ids != nullptr ? request_ids[rr] : rr;
+            out = vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), lru_q[lo & ~VR_HELD], bs);
+        } else {
+            out = tval[b];
+        }
+        hot_out[e] = out;
+        if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
+    }
+    const i32 M = m_before;
+    const i32 used = min(M, nE);
+    __syncthreads();  // the old LRU is read above
+    for (i32 p = tid; p < H; p += nt) {
+        i16 s;
+        if (p < nE - used) {
+            s = ord[used + p];
+        } else if (p < nE) {
+            s = ord[p - (nE - used)];
+        } else {
+            s = ord[H - 1 - (p - nE)];
+        }
+        lru_q[p] = s;
+    }
+    if (tid == 0 && stats != nullptr) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(stats), static_cast<unsigned long long>(U - M));
+        atomicAdd(reinterpret_cast<unsigned long long*>(stats) + 1, static_cast<unsigned long long>(M));
+    }
+}
+
+// The taken entries of a gather, appended to `list` (list_n[0] their number), each destination
+// marked with the largest {epoch, entry} naming it.
+//   mode 0 (gather_compact): grid (rows); entries j < clamp(counts[r], 0, K) of row r.
+//   mode 1 (gather_plan): grid (ceil(rows * K / blockDim)); entries with mask != 0 of non-padding
+//     rows (rsi[r] >= 0 where rsi is given); also writes att (when given) for every entry.
+// Taken: source >= 0 and 0 <= destination < hot_rows.
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_mark(
+    i32 mode, const i32* __restrict__ src, const i32* __restrict__ dst, const i32* __restrict__ counts,
+    const i32* __restrict__ mask, const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n,
+    i32 K, i64 hot_rows, u64* owner, const u64* __restrict__ epoch, i32* list, i32* list_n) {
+    const u64 ep = epoch[0] << 32;
+    const i32 lane = threadIdx.x & 31;
+    i32 lo, hi;
+    if (mode == 0) {
+        const i32 r = blockIdx.x;
+        lo = r * K;
+        hi = lo + min(max(counts[r], 0), K);
+    } else {
+        lo = blockIdx.x * HS_GNT;
+        hi = min(lo + HS_GNT, n * K);
+    }
+    for (i32 e0 = lo; e0 < hi; e0 += HS_GNT) {
+        const i32 e = e0 + static_cast<i32>(threadIdx.x);
+        bool take = false;
+        i32 d = -1;
+        if (e < hi) {
+            const i32 g = src[e];
+            d = dst[e];
+            take = g >= 0 && d >= 0 && d < hot_rows;
+            if (mode == 1) {
+                const bool pad = rsi != nullptr && rsi[e / K] < 0;
+                take = take && !pad && mask[e] != 0;
+                if (att != nullptr) att[e] = (pad || d < 0) ? -1 : vr_attention(d, bs, att_stride);
+            }
+        }
+        const u32 ballot = __ballot_sync(HS_FULL_MASK, take);
+        if (ballot == 0) continue;
+        i32 at = 0;
+        if (lane == __ffs(ballot) - 1) at = atomicAdd(list_n, __popc(ballot));
+        at = __shfl_sync(HS_FULL_MASK, at, __ffs(ballot) - 1);
+        if (take) {
+            list[at + __popc(ballot & ((1u << lane) - 1u))] = e;
+            atomicMax(reinterpret_cast<unsigned long long*>(owner + d), ep | static_cast<u32>(e));
+        }
+    }
+}
+
+// Copies the listed entries whose destination mark is their own: host row src[e] (zero-fill where
+// src[e] >= host_rows) into hot row dst[e]. Grid-stride over list_n[0] * HS_SLOTS 16-byte slots.
+// ctl[0] counts finished blocks; the last resets list_n and advances the epoch.
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
+    const i32* __restrict__ src, const i32* __restrict__ dst, const unsigned char* host, i64 host_rows,
+    unsigned char* hot, i64 block_stride, i32 bs, const u64* owner, u64* epoch, const i32* list, i32* list_n,
+    u32* ctl) {
+    const i32 n = list_n[0];
+    if (n == 0) return;  // nothing marked: nothing to reset
+    const u64 ep = epoch[0] << 32;
+    const u32 total = static_cast<u32>(n) * HS_SLOTS;
+    const u32 stride = gridDim.x * HS_GNT;
+    for (u32 first = blockIdx.x * HS_GNT + threadIdx.x; first < total; first += stride * HS_UNROLL) {
+        uint4 v[HS_UNROLL];
+        unsigned char* to[HS_UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            const u32 c = first + u * stride;
+            to[u] = nullptr;
+            if (c >= total) continue;
+            const i32 e = list[c / HS_SLOTS];
+            const i32 j = static_cast<i32>(c % HS_SLOTS);
+            const i32 d = dst[e];
+            if (owner[d] != (ep | static_cast<u32>(e))) continue;  // a later entry writes this row
+            const i64 g = src[e];
+            unsigned char* into = hot + static_cast<i64>(d / bs) * block_stride + static_cast<i64>(d % bs) * HS_ROW_BYTES;
+            if (g < host_rows) {
+                const unsigned char* from = host + g * HS_ROW_BYTES;
+                const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                if (pos >= 0 && pos < HS_ROW_BYTES) {
+                    v[u] = hs_load16(from + pos);
+                    to[u] = into + pos;
+                }
+            } else if (j < HS_VEC) {  // no source row: zeros, not stale bytes
+                v[u] = make_uint4(0, 0, 0, 0);
+                to[u] = into + j * 16;
+            }
+        }
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            if (to[u] != nullptr) hs_store16(to[u], v[u]);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(ctl, 1u) == gridDim.x - 1) {
+            list_n[0] = 0;
+            epoch[0] += 1;
+            ctl[0] = 0;
+            __threadfence();
+        }
+    }
+}
+
+// Grid: (tokens); clears every slot of the token's state row holding its written row.
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_invalidate(
+    i32* dgi, i32 S, i32 H, const i32* __restrict__ rsi, i32 nr, const i32* __restrict__ req_ids,
+    const i64* __restrict__ written) {
+    const i32 req = req_ids[blockIdx.x];
+    if (req < 0 || req >= nr) return;
+    const i32 q = rsi[req];
+    const i64 w = written[blockIdx.x];
+    if (q < 0 || q >= S || w < 0 || w > 0x7fffffffll) return;
+    i32* row = dgi + static_cast<i64>(q) * H;
+    for (i32 s = threadIdx.x; s < H; s += blockDim.x) {
+        if (row[s] == static_cast<i32>(w)) row[s] = -1;
+    }
+}

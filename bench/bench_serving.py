@@ -26,9 +26,13 @@ outside the planning ahead (begin_step, end_step's acknowledgements and bookkeep
 ahead ms` end_step's planning of the next decode step, which runs while the GPU runs this one
 (`hisparse_core.coordinator.ahead`; `bench_transformers.EngineHostTime`). `overhead` is
 hisparse's step against all-resident's at the same batch; `hit` the hot-buffer hit rate (random
-weights: low locality). The replay's calibrated indexer (`hisparse run`: the published locality,
-about 81% hits at 2x top-k) runs the same batches (`replay` rows: hit rate and the decode step's
-device time).
+weights: low locality), `H2D MB/step` the host-to-device bytes a step read. `--topk-model benign|code`
+takes the engine modes' decode top-k from the calibrated per-layer locality model of that regime
+(`enable(synthetic_topk=...)`, `hisparse_transformers.model_topk`; the indexer still runs, so its
+cost stays in the step), instead of the random-weight indexer's choice; `--skip-indexer` leaves
+the indexer out of those steps, so the difference in step time is the model's own indexer's cost.
+The replay's calibrated indexer (`hisparse run`: the published locality, about 81% hits at 2x
+top-k) runs the same batches (`replay` rows: hit rate and the decode step's device time).
 
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
@@ -194,20 +198,31 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
         hs = hisparse_transformers.enable(model, host_pool_gib=host_gib, gpu_kv_gib=blocks * s.block_bytes / 2**30,
                                           backend=a.backend, hot_rows=s.hot_blocks * a.block_size,
                                           block_size=a.block_size, max_batch=b, max_context=s.max_context,
-                                          prefill_chunk=a.fill_chunk)
+                                          prefill_chunk=a.fill_chunk,
+                                          synthetic_topk=None if a.topk_model == "indexer" else a.topk_model)
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
+        if hs.engine.topk_model is not None:
+            # every decode step of the run (warm-up, timed, profiled) made ahead before timing: no step's
+            # host time includes making them
+            hs.engine.topk_model.lookahead = a.warmup + a.steps + 3
+            hs.engine.topk_model.make_ahead(cache.session, [r.pad for r in cache.session.requests], s.context)
+            hs.engine.topk_model.run_indexer = not a.skip_indexer
         hs.stats()
         host = EngineHostTime(hs)
         host.reset()
         times = decode(model, cache, b, s.context, a.steps, a.warmup, Timers(dev))
         out["step_ms"] = median(times, "step")
         out["host_critical_ms"], out["host_ahead_ms"] = host.per_step_ms(a.steps + a.warmup)
+        steps = a.steps + a.warmup
         if dev.type == "cuda":
             out["gpu_ms"] = kernel_profile(model, cache, b, s.context + a.warmup + a.steps, 3)["all kernels"]
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            steps += 3
         st = hs.stats()
         out.update(hit_rate=st.hit_rate, released=st.released_pages, decode_mode=st.decode_mode,
-                   planned=hs.engine.ahead.claimed)
+                   planned=hs.engine.ahead.claimed, misses_per_step=st.misses / steps,
+                   h2d_mb_per_step=st.h2d_bytes / steps / 1e6,
+                   topk=a.topk_model + ("-no-indexer" if a.skip_indexer else ""))
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc).split(".")[0]
     finally:
@@ -356,7 +371,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                                          r["batch"])):
         if "oom" in r or "error" in r:
             body.append([f"{r['mode']} T={ctx(r['context'])}", str(r["batch"]), "OOM" if "oom" in r else "error"]
-                        + ["-"] * 10)
+                        + ["-"] * 11)
             continue
         res = by.get(("all-resident", r["batch"], r["context"]), {})
         over = (f"{r['step_ms'] / res['step_ms']:.2f}x" if r["mode"] == "hisparse" and res.get("step_ms") else "-")
@@ -365,10 +380,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         body.append([f"{r['mode']} T={ctx(r['context'])}", str(r["batch"]), fmt(r.get("step_ms")),
                      fmt(tokens_per_s(r), ".1f") if r["mode"] != "replay" else "-", fmt(gpu), fmt(idle),
                      fmt(r.get("host_critical_ms")), fmt(r.get("host_ahead_ms")), over, fmt(r.get("peak_gib"), ".1f"),
-                     "-" if "hit_rate" not in r else f"{100 * r['hit_rate']:.0f}%", str(r.get("released", "-")),
+                     "-" if "hit_rate" not in r else f"{100 * r['hit_rate']:.0f}%", fmt(r.get("h2d_mb_per_step"), ".1f"),
+                     str(r.get("released", "-")),
                      str(r.get("decode_mode", "-"))])
     header = ["mode", "batch", "step ms", "tok/s", "gpu ms", "idle ms", "host critical ms", "host ahead ms",
-              "overhead", "peak GiB", "hit", "released", "decode"]
+              "overhead", "peak GiB", "hit", "H2D MB/step", "released", "decode"]
     out = render_grid(header, body)
     gains = []
     for t in sorted({r["context"] for r in rows}):
@@ -422,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hot-rows", type=int, default=0, help="0: 2x top-k")
     p.add_argument("--fill-chunk", type=int, default=1024)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--topk-model", choices=("indexer", "benign", "code"), default="indexer",
+                   help="where the engine modes' decode top-k comes from: the model's indexer (random weights), or "
+                        "the calibrated locality model of a regime (enable(synthetic_topk=...); the indexer still runs)")
+    p.add_argument("--skip-indexer", action="store_true",
+                   help="with --topk-model: decode steps skip the model's indexer (its cost, measured as the "
+                        "difference to a run with it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
@@ -434,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         a.dense_ffn_gb = a.dense_ffn_gb and 1e-4
     if a.gpu_kv_gib is None:
         a.gpu_kv_gib = 24.0
+    if a.skip_indexer and a.topk_model == "indexer":
+        print("bench_serving: --skip-indexer needs --topk-model benign or code (the indexer's choice is what "
+              "--topk-model indexer attends)", file=sys.stderr)
+        return 2
     device = "cpu" if a.smoke else "cuda"
     contexts = [int(x) for x in a.contexts.split(",")]
     asked = [int(x) for x in a.batches.split(",")] if a.batches else None
@@ -457,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     print(f"# transformers {transformers.__version__}, torch {torch.__version__}, {gpu}; {a.layers} layers, top-k "
           f"{model.config.index_topk}, block {a.block_size}; GPU KV budget {a.gpu_kv_gib:g} GiB, host pool <= "
-          f"{a.host_gib:g} GiB; FFN weights {ffn / 1e9:.3g} GB", flush=True)
+          f"{a.host_gib:g} GiB; FFN weights {ffn / 1e9:.3g} GB; decode top-k from {a.topk_model}", flush=True)
     for s in sizes:
         print(f"# T={s.context}: largest batch hisparse {s.largest('hisparse')}, all-resident "
               f"{s.largest('all-resident')}, transformers {s.largest('transformers')}", flush=True)

@@ -89,6 +89,24 @@ MODELS: dict[str, ModelGeometry] = {
                              "78 MLA layers, IndexShare: one indexer per 4 layers (index_topk_freq 4)"),
 }
 
+#: transformers' model types, accepted wherever a model name is (`plan --model`, `generate --model`).
+MODEL_ALIASES: dict[str, str] = {"deepseek_v32": "deepseek-v3.2", "glm_moe_dsa": "glm-5.2"}
+
+#: The transformers model type of each built-in model (what `hisparse generate` builds a tiny one of).
+MODEL_TYPES: dict[str, str] = {"deepseek-v3.2": "deepseek_v32", "glm-5.1": "glm_moe_dsa", "glm-5.2": "glm_moe_dsa"}
+
+
+def model_name(text: str) -> str:
+    """A built-in model's name for `text`, which may be an alias (`MODEL_ALIASES`); anything else
+    comes back as given, for the caller's list of choices to refuse."""
+    key = text.strip().lower()
+    return MODEL_ALIASES.get(key, key if key in MODELS else text)
+
+
+def aliases_text() -> str:
+    """The aliases, for help texts: "deepseek_v32 = deepseek-v3.2, glm_moe_dsa = glm-5.2"."""
+    return ", ".join(f"{alias} = {name}" for alias, name in MODEL_ALIASES.items())
+
 
 def published_miss_rate(hot_multiple: float) -> float:
     """The published LRU miss rate at this hot-buffer multiple of top-k (log-log interpolation

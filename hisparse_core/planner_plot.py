@@ -38,8 +38,9 @@ def context_range(inputs: PlanInputs, extra: Sequence[int] = ()) -> tuple[int, i
     """Contexts a plot spans: from well inside the resident regime to well past the plan's
     context and the hot buffer (and every context in `extra`), at most 2**24 tokens."""
     hot = inputs.hot_rows
-    lo = max(1, min([hot // 8, inputs.context, *extra]))
-    hi = min(1 << 24, max([4 * inputs.context, 16 * hot, *extra]))
+    # Every marked context at least a factor 2 inside the edges, so its marker is drawn whole.
+    lo = max(1, min([hot // 8, inputs.context // 2, *(e // 2 for e in extra)]))
+    hi = min(1 << 24, max([4 * inputs.context, 16 * hot, *(2 * e for e in extra)]))
     return lo, hi
 
 
@@ -69,6 +70,22 @@ def _log_axes(ax: Any, lo: int, hi: int, ylabel: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def near_hot_buffer(inputs: PlanInputs, crossover: int) -> bool:
+    """Whether the crossover's line would all but cover the hot buffer's on a log axis (within
+    25%): then only the hot buffer's is drawn, and the crossover's label says where it is."""
+    return max(crossover, inputs.hot_rows) < 1.25 * min(crossover, inputs.hot_rows)
+
+
+def legend_below(ax: Any, handles: Sequence[Any] | None = None, labels: Sequence[str] | None = None) -> None:
+    """The legend of `ax` under its x axis, where it covers no curve or point."""
+    kw: dict[str, Any] = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "fontsize": 8, "ncol": 1,
+                          "frameon": False}
+    if handles is not None:
+        ax.legend(handles, labels, **kw)
+    else:
+        ax.legend(**kw)
+
+
 def draw_concurrency(ax: Any, inputs: PlanInputs, lo: int, hi: int) -> int | None:
     """Draw the concurrency panel on matplotlib axes `ax`; returns the crossover it marks."""
     crossover = crossover_context(inputs, up_to=hi)
@@ -84,11 +101,16 @@ def draw_concurrency(ax: Any, inputs: PlanInputs, lo: int, hi: int) -> int | Non
                label=f"hot buffer: {hot:,} rows (the regime boundary)")
     if crossover is not None:
         at = make_plan(replace(inputs, context=crossover))
-        ax.axvline(crossover, color="tab:red", linestyle=":", linewidth=1)
+        near = near_hot_buffer(inputs, crossover)
+        if not near:
+            ax.axvline(crossover, color="tab:red", linestyle=":", linewidth=1)
         ax.plot([crossover], [at.hisparse_concurrency], marker="o", color="tab:red", zorder=4)
         pages = at.pages_per_request
+        past = crossover - resident_context(inputs)
+        where = (f"\n({past:,} token{'s' if past != 1 else ''} past the hot buffer and tail)" if near and past > 0
+                 else "\n(at the hot buffer)" if near else "")
         ax.annotate(f"hisparse overtakes all resident\nat {crossover:,} tokens ({pages} pages):\n"
-                    f"{at.hisparse_concurrency} vs {at.baseline_concurrency} requests",
+                    f"{at.hisparse_concurrency} vs {at.baseline_concurrency} requests{where}",
                     xy=(crossover, at.hisparse_concurrency), xytext=(28, 18), textcoords="offset points",
                     arrowprops={"arrowstyle": "->", "color": "tab:red"}, color="tab:red", fontsize=8,
                     gid=GID_CROSSOVER)
@@ -111,7 +133,7 @@ def draw_kv_per_request(ax: Any, inputs: PlanInputs, lo: int, hi: int, crossover
             label=f"{HISPARSE} steady state: indexer + hot buffer + tail")
     ax.axvspan(lo, resident_context(inputs), color="tab:green", alpha=0.12)
     ax.axvline(inputs.hot_rows, color="tab:green", linestyle="--", linewidth=1)
-    if crossover is not None:
+    if crossover is not None and not near_hot_buffer(inputs, crossover):
         ax.axvline(crossover, color="tab:red", linestyle=":", linewidth=1)
     _log_axes(ax, lo, hi, "GPU KV per request (GiB)", "why: what one request holds on the GPU")
     miss = ax.twinx()
@@ -121,7 +143,7 @@ def draw_kv_per_request(ax: Any, inputs: PlanInputs, lo: int, hi: int, crossover
     miss.set_ylim(0, max(1.0, 100 * inputs.miss_rate) * 1.3)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = miss.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
+    legend_below(ax, h1 + h2, l1 + l2)
 
 
 def plan_figure(plan: Plan, sweep: Sequence[Plan] = ()) -> Any:
@@ -130,14 +152,14 @@ def plan_figure(plan: Plan, sweep: Sequence[Plan] = ()) -> Any:
     plt = pyplot()
     inputs = plan.inputs
     lo, hi = context_range(inputs, [s.inputs.context for s in sweep])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 7))
     crossover = draw_concurrency(a1, inputs, lo, hi)
     marked = [plan, *sweep]
     a1.scatter([s.inputs.context for s in marked], [s.hisparse_concurrency for s in marked], marker="*", s=90,
                color="tab:orange", zorder=5, label="this plan (and --sweep): hisparse")
     a1.scatter([s.inputs.context for s in marked], [s.baseline_concurrency for s in marked], marker="o", s=25,
                color="tab:blue", zorder=5, label="this plan (and --sweep): all resident")
-    a1.legend(loc="lower left", fontsize=8)
+    legend_below(a1)
     draw_kv_per_request(a2, inputs, lo, hi, crossover)
     g = inputs.geometry
     fig.suptitle(f"hisparse plan: {g.name}, top-k {g.top_k}, hot buffer {inputs.hot_rows:,} rows, "
@@ -146,10 +168,11 @@ def plan_figure(plan: Plan, sweep: Sequence[Plan] = ()) -> Any:
     return fig
 
 
-def write_plan_plot(plan: Plan, path: str, sweep: Sequence[Plan] = ()) -> None:
+def write_plan_plot(plan: Plan, path: str, sweep: Sequence[Plan] = (), fmt: str = "png") -> None:
+    """Draw the plan's figure into `path` as `fmt` (a format matplotlib writes: png, svg, pdf ...)."""
     fig = plan_figure(plan, sweep)
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, format=fmt)
     finally:
         pyplot().close(fig)
 

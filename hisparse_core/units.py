@@ -18,3 +18,22 @@ def human_bytes(n: float | None) -> str:
         v /= 1024
         i += 1
     return f"{int(v)} B" if i == 0 else f"{v:.2f} {_UNITS[i]}"
+
+
+_FLAG_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def floor_size(nbytes: int) -> str:
+    """`nbytes` as a size the CLI's size flags accept, rounded down (so that, given back, it still fits)."""
+    for unit, scale in _FLAG_UNITS:
+        if nbytes >= scale:
+            return f"{math.floor(100 * nbytes / scale) / 100:.2f}{unit}"
+    return f"{nbytes}B"
+
+
+def ceil_size(nbytes: int) -> str:
+    """`nbytes` as a size the CLI's size flags accept, rounded up (so that, given back, it is enough)."""
+    for unit, scale in _FLAG_UNITS:
+        if nbytes >= scale:
+            return f"{math.ceil(100 * nbytes / scale) / 100:.2f}{unit}"
+    return f"{nbytes}B"

@@ -6,7 +6,9 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
 #                                                             #         tf_tests tf_generate tf_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
+#                                                             #         triton_tests triton_conformance triton_generate (the triton stage split, to run side by side)
 #                                                             #         vllm_tests (vLLM's kernel tests, see there)
+#                                                             #         serving_locality locality (issue 42: under the calibrated locality model, not in the defaults)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
 # TESTS_K selects tests of the tests stage by a pytest -k expression.
@@ -15,6 +17,15 @@
 # POOL_RELEASE_ARGS) passes extra arguments to bench/bench_nvidia.py (bench/bench_host_reads.py,
 # bench/bench_pool_release.py). README_LARGE_REFERENCE=0 skips the reference_cpu run of the large
 # workload in the readme stage (the slowest command there).
+#
+# serving_locality runs bench/bench_serving.py once per name in SERVING_LOCALITY_RUNS (default
+# "benign code": --topk-model of that regime; "code-no-indexer": the same with --skip-indexer, for
+# the indexer's share of the step); T_SERVING_LOCALITY seconds each, default 150; SERVING_LOCALITY_ARGS replaces the default
+# arguments: 4 layers, --dense-ffn-gb 4.6, 128K then 32K, a 3 GiB budget, hisparse and all-resident,
+# 6 steps after 2 of warm-up), then bench/plot_serving_regimes.py on both logs (rows are read from
+# the logs, so a run cut short by its time limit still counts). locality runs bench/bench_locality.py
+# --no-policies on the nvidia backend (the replay engine with and without a resident layer; T_LOCALITY,
+# LOCALITY_ARGS, default --top-k 2048).
 #
 # tp_shared runs bench/bench_tp_shared.py --json $OUT/tp_shared.json (T_TP_SHARED, default 300;
 # TP_SHARED_ARGS adds arguments, e.g. --quick or --devices 0,0): two rank processes share one
@@ -174,6 +185,16 @@ triton)  # the triton backend compiled: its tests, then the conformance suite on
         python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance --hisparse-backend triton \
             --hisparse-examples ${TRITON_EXAMPLES:-25} || rc=1; exit $rc'
     ;;
+triton_tests)  # the triton backend's own tests, compiled (the AMD/sm_90 compile check among them)
+    run triton_tests "${T_TRITON:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend
+    ;;
+triton_conformance)  # the conformance suite on triton, compiled (target: under 5 minutes)
+    run triton_conformance "${T_TRITON_CONFORMANCE:-300}" python3 -m pytest -q -rs -p no:cacheprovider --durations=5 \
+        --pyargs hisparse_conformance --hisparse-backend triton --hisparse-examples ${TRITON_EXAMPLES:-25}
+    ;;
+triton_generate)  # hisparse generate on the triton backend: EXACT against the model without hisparse
+    run triton_generate "${T_TRITON_GENERATE:-240}" python3 -m hisparse_core generate --backend triton --no-progress
+    ;;
 triton_bench)
     run triton_bench "${T_TRITON_BENCH:-240}" python3 bench/bench_triton.py --json "$OUT/triton_bench.json" ${TRITON_BENCH_ARGS:-}
     ;;
@@ -189,6 +210,27 @@ vllm_tests)  # vLLM's own kernel tests (tests/kernels/attention/test_hisparse_ke
 serving)  # issue 29: decode throughput at a fixed GPU KV budget (SERVING_ARGS)
     run serving "${T_SERVING:-400}" python3 bench/bench_serving.py --json "$OUT/serving.json" --png "$OUT/serving.png" \
         ${SERVING_ARGS:-}
+    ;;
+serving_locality)  # issue 42: serving under the calibrated locality, each run of SERVING_LOCALITY_RUNS, and the plot
+    logs=()
+    RC[serving_locality]=0
+    for name in ${SERVING_LOCALITY_RUNS:-benign code}; do
+        regime=${name%-no-indexer}
+        skip=()
+        [ "$regime" != "$name" ] && skip=(--skip-indexer)
+        # shellcheck disable=SC2086  # the arguments split on purpose
+        run "serving_$name" "${T_SERVING_LOCALITY:-150}" python3 bench/bench_serving.py --topk-model "$regime" "${skip[@]}" \
+            --json "$OUT/serving_$name.json" --png "$OUT/serving_$name.png" \
+            ${SERVING_LOCALITY_ARGS:---layers 4 --dense-ffn-gb 4.6 --contexts 131072,32768 --gpu-kv-gib 3 --modes hisparse,all-resident --steps 6 --warmup 2}
+        logs+=("$OUT/serving_$name.log")
+        RC[serving_locality]=$(( RC[serving_locality] | RC[serving_$name] ))
+    done
+    run serving_regimes 60 python3 bench/plot_serving_regimes.py "${logs[@]}" --png "$OUT/serving_regimes.png"
+    RC[serving_locality]=$(( RC[serving_locality] | RC[serving_regimes] ))
+    ;;
+locality)  # issue 42: the replay engine with and without a resident layer, on the GPU
+    # shellcheck disable=SC2086
+    run locality "${T_LOCALITY:-120}" python3 bench/bench_locality.py --no-policies --backend nvidia ${LOCALITY_ARGS:---top-k 2048}
     ;;
 tf_generate)
     run tf_generate "${T_TF_GENERATE:-120}" python3 -m hisparse_core generate --backend nvidia --no-progress

@@ -48,4 +48,6 @@ def run(args: argparse.Namespace) -> int:
     print("  hisparse backends")
     print(f"  python -m pytest --pyargs hisparse_conformance --hisparse-backend {names.name}")
     print(f"  (or: bash {target}/ci/conformance.sh)")
+    print(f"{names.name!r} registers at priority -20, below every shipped backend, so automatic selection does not "
+          f"pick it: select it with --backend {names.name}; README.md says how to raise its priority")
     return 0

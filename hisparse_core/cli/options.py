@@ -154,7 +154,21 @@ def check_plot_path(path: str) -> str | None:
         return f"--plot {path!r}: the folder {folder!r} is not writable"
     if os.path.isdir(path):
         return f"--plot {path!r} is a folder; expected a file name such as plot.png"
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    accepted = sorted(FigureCanvasBase.get_supported_filetypes())
+    if plot_format(path) not in accepted:
+        return (f"--plot {path!r}: matplotlib cannot write .{plot_format(path)} files; expected a name ending in "
+                f"{', '.join('.' + a for a in accepted)} (no extension: PNG)")
     return None
+
+
+def plot_format(path: str) -> str:
+    """The image format `--plot path` is written in: its extension, PNG where it has none (the
+    file is written under exactly the name given, no extension added)."""
+    import os
+
+    return os.path.splitext(path)[1][1:].lower() or "png"
 
 
 #: How to put a working torch back, for the one line a broken one gets.
@@ -193,20 +207,13 @@ def check_backend_name(name: str | None) -> str | None:
     return None
 
 
-def floor_size(nbytes: int) -> str:
-    """`nbytes` as a size the flags accept, rounded down (so that, given back, it still fits)."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{math.floor(100 * nbytes / scale) / 100:.2f}{unit}"
-    return f"{nbytes}B"
-
-
 def check_host_budget(flag: str, nbytes: int) -> str | None:
     """Why a host budget of `nbytes` (given by `flag`) cannot fit this machine's RAM, naming the
     largest that does, or None. The rule of `capacity.check_host_memory`, torch-free."""
     from hisparse_core.capacity import HOST_FRACTION, available_host_bytes, check_host_memory
     from hisparse_core.errors import CapacityError
     from hisparse_core.replay.report import human_bytes
+    from hisparse_core.units import floor_size
 
     avail = available_host_bytes()
     fits = f" to at most {floor_size(int(avail * HOST_FRACTION))}" if avail else ""

@@ -24,6 +24,7 @@ from hisparse_core.cli.options import (
     fail,
     float_in,
     int_in,
+    plot_format,
     size_in,
 )
 from hisparse_core.errors import HiSparseError
@@ -43,7 +44,7 @@ def _model_values(field: str) -> str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    from hisparse_core.planner import DEFAULT_TAIL_PAGES, MODELS
+    from hisparse_core.planner import DEFAULT_TAIL_PAGES, MODELS, aliases_text, model_name
 
     models = "\n".join(f"  {name:14} {g.num_layers} layers, {g.row_bytes} B rows, indexer {g.indexer_bytes} B, "
                        f"top-k {g.top_k}, block {g.block_size}, {_indexers(g.index_share)}"
@@ -51,8 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("plan", help="capacity planner: concurrent requests with and without hisparse, "
                                            "host pool, PCIe traffic",
                               description=f"{__doc__}\nBuilt-in models:\n{models}\n", formatter_class=HelpFormatter)
-    p.add_argument("--model", default="deepseek-v3.2", choices=[*MODELS, "custom"],
-                   help="built-in geometry (default: deepseek-v3.2; values above)")
+    p.add_argument("--model", default="deepseek-v3.2", choices=[*MODELS, "custom"], type=model_name,
+                   help=f"built-in geometry (default: deepseek-v3.2; values above); transformers' model types are "
+                        f"aliases: {aliases_text()}")
     g = p.add_argument_group("geometry overrides (required with --model custom)")
     g.add_argument("--layers", type=int_in(1, MAX_LAYERS), metavar="N",
                    help="sparse-MLA layers" + _model_values("num_layers"))
@@ -233,8 +235,8 @@ def run(args: argparse.Namespace) -> int:
         from hisparse_core.planner_plot import write_plan_plot
 
         try:
-            write_plan_plot(plan, args.plot, sweep)
+            write_plan_plot(plan, args.plot, sweep, plot_format(args.plot))
         except (HiSparseError, OSError) as exc:
             return fail("hisparse plan", f"--plot failed (figures above): {exc}")
-        logger.info("plot written to %s", args.plot)
+        logger.info("plot written to %s (%s)", args.plot, plot_format(args.plot).upper())
     return 0

@@ -50,6 +50,7 @@ from hisparse_core.cli.options import (
     import_torch,
     int_in,
     kv_place,
+    plot_format,
     size_in,
 )
 from hisparse_core.errors import HiSparseError
@@ -100,7 +101,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w = p.add_argument_group("workload (defaults: the preset's, else these)")
     w.add_argument("--requests", type=int_in(1, MAX_REQUESTS), metavar="N",
                    help=f"requests offered (default: {d['requests']}; at most {MAX_REQUESTS})")
-    w.add_argument("--context", type=int_in(1, MAX_TOKENS), metavar="TOKENS",
+    w.add_argument("--context", type=int_in(2, MAX_TOKENS), metavar="TOKENS",
                    help=f"prompt tokens per request (default: {d['context']}; at most {MAX_TOKENS})")
     w.add_argument("--decode-tokens", type=int_in(1, MAX_TOKENS), metavar="N",
                    help=f"tokens each request decodes (default: {d['decode_tokens']})")
@@ -125,6 +126,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w.add_argument("--locality", type=float_in(0.0, MAX_LOCALITY, lo_open=True), metavar="X",
                    help=f"time scale of top-k drift; 1 = calibrated to published LRU miss rates, >1 more "
                         f"local (default: 1; in (0, {MAX_LOCALITY:g}])")
+    w.add_argument("--topk-model", choices=("benign", "code"), default=None,
+                   help="take the top-k from the per-layer locality model of a regime (benign: GLM-5.1 "
+                        "LongBench v2; code: DeepSeek-V3.2 SWE-bench, GVR) instead of the one-figure indexer "
+                        "(--locality is then unused)")
+    w.add_argument("--resident-layers", type=_layer_list, metavar="L,L", default=None,
+                   help="layers kept fully resident on the GPU (whole index groups): no hot buffer, no host copy; "
+                        "their pages come off the top of --gpu-kv (default: none)")
     w.add_argument("--seed", type=int_in(0, MAX_SEED), metavar="N",
                    help=f"seed of arrivals, prompts, KV contents and the synthetic indexer; the same seed "
                         f"gives the same run (default: {d['seed']})")
@@ -152,6 +160,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, e.g. 0,1; got {text!r}") from None
+
+
 def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """RunConfig defaults, then the preset's values, then every flag given."""
     from hisparse_core.replay.engine import RunConfig
@@ -163,6 +178,10 @@ def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         values["gpu_kv_bytes"] = args.gpu_kv
     if args.host is not None:
         values["host_bytes"] = args.host
+    if args.topk_model is not None:
+        values["topk_model"] = args.topk_model
+    if args.resident_layers is not None:
+        values["resident_layers"] = args.resident_layers
     return RunConfig(**values, validate=args.validate, cuda_graphs=not args.eager)  # type: ignore[arg-type]
 
 
@@ -192,7 +211,9 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
         ("hot buffer", ""),
         ("hit rate", f"{pct(s['hit_rate'])} (from peak concurrency on: {pct(s['hit_rate_from_peak'])})"),
         ("misses", f"{s['misses']} ({pct(s['miss_rate_per_entry'])} of looked-up entries; "
-                   f"{s['resident_entries']} resident entries)"),
+                   f"{s['resident_entries']} resident entries"
+                   + (f"; {s['resident_layer_entries']} in resident layers {c['resident_layers']}"
+                      if c.get("resident_layers") else "") + ")"),
         ("transfers", ""),
         ("host->device", f"{human_bytes(s['bytes_h2d'])} ({s['rows_h2d']} rows)"),
         ("device->host", human_bytes(s["bytes_d2h"])),
@@ -204,21 +225,43 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
         ("speculative", f"{s['speculative_rows_rejected']} rows rejected and rolled back in "
                         f"{s['speculative_rollbacks']} request steps (acceptance {c['acceptance']:g})"),
         ("prefix-hit tokens", f"{s['prefix_hit_tokens']} (prefill computed {s['prefill_tokens_computed']} tokens)"),
-        ("requests", f"{s['requests_admitted']} admitted, {s['requests_finished']} finished"),
+        ("requests", f"{s['requests_admitted']} admitted, {s['requests_finished']} finished"
+                     + (f"; {s['requests_unfinished']} of {c['requests']} unfinished: the run stopped at its "
+                        f"{c['steps']}-step limit (raise --steps to let them finish)"
+                        if s["stopped_at_step_limit"] else "")),
         ("memory", ""),
         (f"{where} KV per request", f"{human_bytes(per_req)} at peak concurrency vs {human_bytes(base)} all-resident"
                                + (f" ({base / per_req:.2f}x less)" if per_req == per_req and per_req else "")),
         ("max concurrency", ""),
         ("with hisparse", f"{s['max_concurrency_hisparse_measured']} measured{reached}; planner "
-                          f"{s['max_concurrency_hisparse_planned']}"),
+                          f"{s['max_concurrency_hisparse_planned']}{_planner_note(s, where)}"),
         ("all resident", f"{s['max_concurrency_all_resident_measured']} measured; planner "
                          f"{s['max_concurrency_all_resident_planned']}"),
         ("correctness", ""),
-        ("attention check", f"{s['attention_entries_checked']} entries compared, all byte-identical, "
-                            f"outputs equal"),
+        ("attention check", f"PASS: {s['attention_entries_checked']} entries compared, all byte-identical, "
+                            "outputs equal" if s["passed"] else
+                            "NOTHING CHECKED: 0 entries compared (no decode step read the KV; a request decodes "
+                            "from its second token on: raise --decode-tokens to 2 or more and --steps so a decode "
+                            "step runs)"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
     return render_table(rows, "hisparse run")
+
+
+def _planner_note(s: dict[str, Any], where: str = "GPU") -> str:
+    """Why the planner's figure is what it is, and why the measured one may differ from it
+    (`where`: what the output calls the KV pool's memory, `kv_place`)."""
+    gpu, host = s["max_concurrency_hisparse_planned_gpu"], s["max_concurrency_hisparse_planned_host"]
+    measured, planned = s["max_concurrency_hisparse_measured"], s["max_concurrency_hisparse_planned"]
+    if s["max_concurrency_planned_bound_by"] == "host pool":
+        note = (f" (bound by the host pool: --host holds the whole KV of {host} requests, the {where} budget alone "
+                f"would run {gpu})")
+    else:
+        note = f" (bound by the {where} budget; the host pool holds {host})"
+    if measured > planned:
+        note += "; measured above plan: requests sharing a prompt prefix share its host blocks, which the planner " \
+                "does not count"
+    return note
 
 
 def run(args: argparse.Namespace) -> int:
@@ -256,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hisparse run: interrupted at step {acc['step']}", file=sys.stderr)
         return 130
     except AttentionMismatch as exc:
+        if args.json:
+            print(dumps({"check": "fail", "passed": False, "error": str(exc)}))
         print(f"hisparse run: FAILED: {exc}", file=sys.stderr)
         return 1
     except (HiSparseError, ValueError) as exc:
@@ -267,8 +312,8 @@ def run(args: argparse.Namespace) -> int:
         from hisparse_core.replay.plot import write_plot
 
         try:
-            write_plot(result, config, args.plot)
+            write_plot(result, config, args.plot, plot_format(args.plot))
         except (HiSparseError, OSError) as exc:
             return fail("hisparse run", f"the run finished (figures above) but --plot failed: {exc}")
-        logger.info("plot written to %s", args.plot)
+        logger.info("plot written to %s (%s)", args.plot, plot_format(args.plot).upper())
     return 0

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from hisparse_core.backend import Backend
-from hisparse_core.capacity import check_device_memory, check_host_memory
+from hisparse_core.capacity import HOST_FRACTION, check_device_memory, check_host_memory, device_free_bytes
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.ahead import StepAhead
 from hisparse_core.coordinator.config import GIB
@@ -62,9 +62,12 @@ from hisparse_core.replay.decode import DecodeRunner, graph_choice
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.kvdata import ReferenceKV, RowSource
 from hisparse_core.replay.layout import hot_rows_for, index_groups
+from hisparse_core.replay.locality import REGIMES, LayeredIndexer, reference_layers, regime
 from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
+from hisparse_core.residency import parse_resident_layers
 from hisparse_core.types import OffloadCommand
+from hisparse_core.units import ceil_size, floor_size, human_bytes
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 
 logger = logging.getLogger(__name__)
@@ -99,6 +102,12 @@ class RunConfig:
     cuda_graphs: bool = True       # capture the decode step where the backend declares cuda_graph
     plan_ahead: bool = True        # plan each pure decode step at the end of the step before
     seed: int = 0
+    #: "": the one-figure calibrated indexer (`locality` scales it); "benign" / "code": the per-layer
+    #: locality model of that regime (`hisparse_core.replay.locality`; `locality` is then unused).
+    topk_model: str = ""
+    #: Layers kept fully resident on the GPU: no hot buffer, no host copy, every lookup served from
+    #: their own pages (whole index groups). They take `resident_kv_bytes` off the top of the budget.
+    resident_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("requests", "context", "decode_tokens", "steps", "top_k", "layers", "index_share",
@@ -112,6 +121,21 @@ class RunConfig:
         if self.concurrency < 0:
             raise InvalidInputError(f"run concurrency must be >= 0 (0: GPU-bound), got {self.concurrency}")
         row_format(self.row_format)
+        if self.topk_model not in ("", *REGIMES):
+            raise InvalidInputError(f"run topk_model must be '' (the one-figure indexer) or one of {sorted(REGIMES)}, "
+                                    f"got {self.topk_model!r}")
+        resident = parse_resident_layers(self.resident_layers, self.layers)
+        object.__setattr__(self, "resident_layers", resident)   # normalised: sorted
+        if len(resident) == self.layers:
+            raise InvalidInputError(f"run resident_layers {list(resident)} keeps all {self.layers} layers resident; "
+                                    "expected at least one layer through hisparse")
+        first = 0
+        for n in index_groups(self.layers, self.index_share):
+            members = set(range(first, first + n))
+            if members & set(resident) and not members <= set(resident):
+                raise InvalidInputError(f"run resident_layers {list(resident)} splits index group {sorted(members)}; "
+                                        "expected whole index groups (they share one top-k)")
+            first += n
         hot = hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
         if hot < self.rows_per_request * self.top_k:
             raise InvalidInputError(
@@ -131,13 +155,30 @@ class RunConfig:
     def hot_rows(self) -> int:
         return hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
 
+    @property
+    def offloaded_layers(self) -> int:
+        """Layers through hisparse (host pool, hot buffers): all but `resident_layers`."""
+        return self.layers - len(self.resident_layers)
+
+    @property
+    def resident_kv_bytes(self) -> int:
+        """What the resident layers take off the top of the GPU budget: every page of theirs for
+        `concurrency` requests (0: for all `requests`); the rest is hisparse's."""
+        if not self.resident_layers:
+            return 0
+        pages = -(-self.max_tokens // self.block_size)
+        return (self.concurrency or self.requests) * pages * len(self.resident_layers) * self.block_size \
+            * self.fmt.row_bytes
+
     def geometry(self) -> ModelGeometry:
-        return ModelGeometry("replay", self.layers, self.fmt.row_bytes, self.indexer_bytes, self.top_k,
+        return ModelGeometry("replay", self.offloaded_layers, self.fmt.row_bytes, self.indexer_bytes, self.top_k,
                              self.block_size, self.index_share)
 
     def plan(self, miss_rate: float | None = None) -> Plan:
-        """The planner's figures for this configuration (requests of `context + decode_tokens`)."""
-        return make_plan(PlanInputs(self.geometry(), self.gpu_kv_bytes, self.host_bytes, self.max_tokens,
+        """The planner's figures for this configuration (requests of `context + decode_tokens`),
+        for the layers through hisparse and their share of the GPU budget."""
+        return make_plan(PlanInputs(self.geometry(), self.gpu_kv_bytes - self.resident_kv_bytes, self.host_bytes,
+                                    self.max_tokens,
                                     self.hot_rows, published_miss_rate(self.hot_multiple) if miss_rate is None
                                     else miss_rate, self.tail_pages))
 
@@ -176,12 +217,13 @@ class _Running:
     indexer_blocks: list[int]
     tokens: list[int]
     prefix_hit: int
-    indexer: SyntheticIndexer
+    indexer: SyntheticIndexer | LayeredIndexer
     ref: ReferenceKV
     queries: torch.Tensor            # [layers, width] float32, on the engine's device
     computed: int = 0                # tokens whose KV is final
     prefilled: bool = False
     decoded: int = 0
+    resident_blocks: list[int] = field(default_factory=list)   # every page of the resident layers
 
 
 @dataclass(slots=True)
@@ -196,8 +238,23 @@ class EngineTotals:
     gpu_bound_steps: int = 0
     rejected_rows: int = 0          # speculative rows rolled back (acceptance < 1)
     rollbacks: int = 0              # request steps that rolled back at least one row
+    resident_layer_entries: int = 0  # top-k entries of resident layers' groups (served from their own pages)
     records: list[StepRecord] = field(default_factory=list)
     pages: dict[str, int] = field(default_factory=dict)   # coordinator page and host-block counters
+
+
+def _check_host_blocks(c: RunConfig, config: CoordinatorConfig) -> None:
+    """`CapacityError` in the flags' words unless `--host` holds one whole request and the active
+    tail (the coordinator's own rule, `HiSparseCoordinator`)."""
+    usable = max(0, config.host_num_blocks - 1)
+    if usable >= config.min_host_blocks:
+        return
+    need = (config.min_host_blocks + 1) * config.host_block_stride
+    raise CapacityError(
+        f"--host {human_bytes(c.host_bytes)} holds {usable} usable host blocks of {config.host_block_stride} B "
+        f"({c.offloaded_layers} offloaded layers x {c.block_size} tokens x {config.row_bytes} B); one request of {c.max_tokens} tokens "
+        f"(--context {c.context} + --decode-tokens {c.decode_tokens}) plus the {c.tail_pages}-page active tail needs "
+        f"{config.min_host_blocks}: expected --host >= {ceil_size(need)}, or a shorter --context")
 
 
 class ReplayEngine:
@@ -212,6 +269,12 @@ class ReplayEngine:
         bs = c.block_size
         self.group_layers = index_groups(c.layers, c.index_share)
         self.group_first_layer = [sum(self.group_layers[:g]) for g in range(len(self.group_layers))]
+        #: index groups kept fully resident (`resident_layers`), and those through hisparse, in order
+        self.resident_groups = frozenset(g for g, first in enumerate(self.group_first_layer)
+                                         if first in c.resident_layers)
+        self.offloaded_groups = [g for g in range(len(self.group_layers)) if g not in self.resident_groups]
+        self.layer_group = [(g, li) for g, n in enumerate(self.group_layers) for li in range(n)]
+        self.reference_layers = reference_layers(self.group_first_layer, c.layers)
         self.pages_per_request = p.pages_per_request
         self.indexer_blocks = p.indexer_blocks_per_request
         self.admission_blocks = p.admission_blocks
@@ -222,22 +285,48 @@ class ReplayEngine:
         admission_hot = 0 if p.stays_resident else self.hot_blocks
         # State rows: the GPU can never hold more running requests than this bound.
         upper = max(1, p.gpu_blocks // max(1, min(p.steady_blocks_per_request, p.baseline_blocks_per_request)))
+        # Resident layers: one block holds a page of every resident layer; a request holds all its pages.
+        self.resident_block_bytes = len(c.resident_layers) * bs * self.fmt.row_bytes
+        self.resident_blocks = c.resident_kv_bytes // self.resident_block_bytes if c.resident_layers else 0
+        if c.resident_layers:
+            if self.resident_blocks < self.pages_per_request:
+                raise CapacityError(
+                    f"the resident layers' share of the GPU budget ({c.resident_kv_bytes} B for layers "
+                    f"{list(c.resident_layers)}) holds {self.resident_blocks} pages; one {c.max_tokens}-token request "
+                    f"needs {self.pages_per_request}")
+            upper = min(upper, self.resident_blocks // self.pages_per_request)
         self.max_running = c.concurrency if c.concurrency else upper
         if p.gpu_blocks < self.admission_blocks:
+            kept = (f" ({c.resident_kv_bytes} B of it kept for resident layers {list(c.resident_layers)}: their pages "
+                    f"for {c.concurrency or c.requests} requests)" if c.resident_layers else "")
             raise CapacityError(
-                f"GPU KV budget of {c.gpu_kv_bytes} B holds {p.gpu_blocks} blocks of {p.block_bytes} B; one admission "
+                f"GPU KV budget of {c.gpu_kv_bytes} B{kept} holds {p.gpu_blocks} blocks of {p.block_bytes} B; one admission "
                 f"of a {c.max_tokens}-token request needs {self.admission_blocks} ({self.pages_per_request} pages + "
                 f"{self.indexer_blocks} indexer + {admission_hot} hot): raise --gpu-kv or lower --context")
         # Both budgets are checked before anything is built: the coordinator's host block pool
         # alone takes seconds at a terabyte, and the device caches are allocated whole.
-        check_device_memory(backend.device, p.gpu_blocks * p.block_bytes,
-                            f"GPU KV budget of {p.gpu_blocks} blocks x {p.block_bytes} B", remedy="lower --gpu-kv")
-        check_host_memory(c.host_bytes, f"host pool of {c.host_bytes} B (--host)", remedy="lower --host")
-        self.gpu = SimpleGpuBlockPool(p.gpu_blocks)
-        self.coordinator = HiSparseCoordinator(CoordinatorConfig(
-            host_pool_gib=c.host_bytes / GIB, num_layers=c.layers, block_size=bs, row_bytes=self.fmt.row_bytes,
+        coordinator_config = CoordinatorConfig(
+            host_pool_gib=c.host_bytes / GIB, num_layers=c.offloaded_layers, block_size=bs, row_bytes=self.fmt.row_bytes,
             max_model_len=c.max_tokens, hot_blocks_per_request=self.hot_blocks, active_tail_pages=c.tail_pages,
-            pressure_watermark_blocks=self.admission_blocks), self.gpu)
+            pressure_watermark_blocks=self.admission_blocks)
+        _check_host_blocks(c, coordinator_config)
+        dev = torch.device(backend.device)
+        free = device_free_bytes(dev)
+        kv_bytes = p.gpu_blocks * p.block_bytes + self.resident_blocks * self.resident_block_bytes
+        if dev.type == "cpu" and free is not None:
+            free = int(free * HOST_FRACTION)
+        fits = f" to at most {floor_size(free)}" if free is not None else ""
+        where = "; the backend runs on the CPU, so the KV pool is in host RAM" if dev.type == "cpu" else ""
+        resident = (f" and {self.resident_blocks} resident-layer blocks x {self.resident_block_bytes} B"
+                    if c.resident_layers else "")
+        check_device_memory(dev, kv_bytes, f"--gpu-kv {human_bytes(c.gpu_kv_bytes)} ({p.gpu_blocks} blocks x "
+                                           f"{p.block_bytes} B{resident}{where})", remedy=f"lower --gpu-kv{fits}")
+        check_host_memory(c.host_bytes, f"--host {human_bytes(c.host_bytes)} (the host pool)",
+                          remedy="lower --host")
+        self.gpu = SimpleGpuBlockPool(p.gpu_blocks)
+        self.resident_pool = SimpleGpuBlockPool(self.resident_blocks) if c.resident_layers else None
+        # The coordinator, host pool and worker see only the layers through hisparse.
+        self.coordinator = HiSparseCoordinator(coordinator_config, self.gpu)
         max_pages = p.pages_per_request
         self.max_batch_rows = self.max_running * c.rows_per_request
         groups = [CacheGroup(RuntimeConfig(max_batch_rows=self.max_batch_rows, max_requests=self.max_running,
@@ -246,23 +335,32 @@ class ReplayEngine:
                              resident_group=0,
                              name=f"index group {g} (layers {self.group_first_layer[g]}-"
                                   f"{self.group_first_layer[g] + n - 1})")
-                  for g, n in enumerate(self.group_layers)]
+                  for g, n in enumerate(self.group_layers) if g not in self.resident_groups]
         self.worker = HiSparseWorker(backend, groups, num_host_blocks=self.coordinator.host_num_blocks)
         try:  # the worker holds the host pool from here on
             self.device = dev = backend.device
-            self.device_layers = [[torch.zeros((p.gpu_blocks, bs, self.fmt.width), dtype=self.fmt.dtype, device=dev)
-                                   for _ in range(n)] for n in self.group_layers]
-            self.worker.register_caches(self.device_layers)
+            self.device_layers = [[torch.zeros((self.resident_blocks if g in self.resident_groups else p.gpu_blocks, bs,
+                                                self.fmt.width), dtype=self.fmt.dtype, device=dev)
+                                   for _ in range(n)] for g, n in enumerate(self.group_layers)]
+            self.worker.register_caches([self.device_layers[g] for g in self.offloaded_groups])
             self.source_table = torch.full((self.max_running, max_pages), -1, dtype=torch.int32, device=dev)
             self.hot_table = torch.full((self.max_running, self.hot_blocks), -1, dtype=torch.int32, device=dev)
             self.resident_table = self.worker.residency_table(0)
             graphs, why = graph_choice(backend, enabled=c.cuda_graphs, validate=c.validate)
-            self.decoder = DecodeRunner(self.worker.runtimes, self.group_layers, source_table=self.source_table,
+            self.decoder = DecodeRunner(self.worker.runtimes, [self.group_layers[g] for g in self.offloaded_groups],
+                                        source_table=self.source_table,
                                         resident_table=self.resident_table, hot_table=self.hot_table,
                                         max_rows=self.max_batch_rows, top_k=c.top_k, device=dev, graphs=graphs,
                                         validate=c.validate)
             logger.info("replay: decode step %s (%s)", "captured in one CUDA graph per batch size" if graphs
                         else "run eagerly", why)
+            if c.resident_layers:
+                logger.info("replay: layers %s kept fully resident (%d blocks of %d B, %d B of --gpu-kv); the other "
+                            "%d layers go through hisparse", list(c.resident_layers), self.resident_blocks,
+                            self.resident_block_bytes, c.resident_kv_bytes, c.offloaded_layers)
+            if c.topk_model:
+                logger.info("replay: top-k from the %s locality model, index groups standing for reference layers %s",
+                            c.topk_model, self.reference_layers)
             self.rows = RowSource(self.fmt, c.layers, seed=c.seed, device=dev)
             self.locality = DEFAULT_LOCALITY.scaled(c.locality)
             self.pending = deque(make_workload(c.requests, c.context, c.decode_tokens, prefix_groups=c.prefix_groups,
@@ -299,6 +397,8 @@ class ReplayEngine:
         for r in done:
             self.running.remove(r)
             self.gpu.release(r.indexer_blocks)
+            if self.resident_pool is not None:
+                self.resident_pool.release(r.resident_blocks)
             with self.timer.phase("worker"):
                 self.worker.reset_state([r.state_index])
             self.source_table[r.state_index] = -1
@@ -316,6 +416,8 @@ class ReplayEngine:
                 return admitted, True
             if self.coordinator.num_free_host_blocks < self.pages_per_request:
                 return admitted, False
+            if self.resident_pool is not None and self.resident_pool.num_free_blocks < self.pages_per_request:
+                return admitted, True
             spec = self.waiting[0]
             tokens = spec.token_ids()
             try:
@@ -332,16 +434,22 @@ class ReplayEngine:
             blocks = [-1] * first + self.gpu.acquire(prompt_pages - first)
             gen = torch.Generator().manual_seed(c.seed * 1_000_003 + spec.index)
             queries = (torch.randn((c.layers, self.fmt.width), generator=gen) / 64.0).to(self.device)
-            r = _Running(spec, self.free_states.pop(), blocks, indexer, tokens, hit,
-                         SyntheticIndexer(c.top_k, len(self.group_layers), self.locality, seed=c.seed,
-                                          request_id=spec.index),
-                         ReferenceKV(self.fmt, c.layers, spec.total_tokens, self.device), queries, computed=hit)
+            r = _Running(spec, self.free_states.pop(), blocks, indexer, tokens, hit, self._indexer(spec.index),
+                         ReferenceKV(self.fmt, c.layers, spec.total_tokens, self.device), queries, computed=hit,
+                         resident_blocks=self.resident_pool.acquire(self.pages_per_request)
+                         if self.resident_pool is not None else [])
             self.running.append(r)
             admitted += 1
             self.totals.prefix_hit_tokens += hit
             logger.debug("step %d: admitted %s (state row %d, prefix hit %d tokens)", self.step_no,
                          spec.request_id, r.state_index, hit)
         return admitted, False
+
+    def _indexer(self, index: int) -> SyntheticIndexer | LayeredIndexer:
+        c = self.config
+        if c.topk_model:
+            return LayeredIndexer(c.top_k, self.reference_layers, regime(c.topk_model), seed=c.seed, request_id=index)
+        return SyntheticIndexer(c.top_k, len(self.group_layers), self.locality, seed=c.seed, request_id=index)
 
     def _write(self, r: _Running, start: int, end: int, *, device_from: int, draft_key: int | None = None) -> None:
         """Write the KV rows of positions [start, end) into the reference, and those from
@@ -359,13 +467,16 @@ class ReplayEngine:
                     raise InvalidInputError(f"{r.spec.request_id}: writing a host-backed page")
                 dpos = positions[dev_lo - lo:]
                 dev_rows = torch.tensor(blocks, dtype=torch.int64, device=dev)[dpos // bs - first_page] * bs + dpos % bs
+            if self.resident_pool is not None:   # resident layers: every position, into their own pages
+                res = torch.tensor(r.resident_blocks, dtype=torch.int64, device=dev)[positions // bs] * bs + positions % bs
             for layer in range(self.config.layers):
                 rows = self.rows.rows(key, positions, layer)
                 r.ref.write(layer, lo, rows)
-                if dev_lo < hi:
-                    g = next(i for i in range(len(self.group_layers)) if layer < self.group_first_layer[i]
-                             + self.group_layers[i])
-                    cache = self.device_layers[g][layer - self.group_first_layer[g]].view(-1, width)
+                g, li = self.layer_group[layer]
+                cache = self.device_layers[g][li].view(-1, width)
+                if g in self.resident_groups:
+                    cache[res] = rows
+                elif dev_lo < hi:
                     cache[dev_rows] = rows[dev_lo - lo:]
 
     def _new_tokens(self, r: _Running) -> int:
@@ -540,15 +651,19 @@ class ReplayEngine:
             topk = np.stack(picks, axis=1)                                   # [G, B, K]
         n = len(owners)
         with self.timer.phase("decode"):
-            self.decoder.run(topk, [r.state_index for r in owners], seq)
+            self.decoder.run(topk[self.offloaded_groups] if self.resident_groups else topk,
+                             [r.state_index for r in owners], seq)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         checked = 0
         ids = [r.spec.request_id for r in owners]
         with self.timer.phase("check"):
             for g, n_layers in enumerate(self.group_layers):
-                result = self.decoder.result(g)
-                rows, topk_g = result.rows[:n], self.decoder.topk(g, n)
+                if g in self.resident_groups:
+                    rows, topk_g = self._resident_rows(owners, topk[g])
+                else:
+                    i = self.offloaded_groups.index(g)
+                    rows, topk_g = self.decoder.result(i).rows[:n], self.decoder.topk(i, n)
                 for li in range(n_layers):
                     layer = self.group_first_layer[g] + li
                     cache = self.device_layers[g][li].view(-1, self.fmt.width)
@@ -556,6 +671,16 @@ class ReplayEngine:
                     checked += check_layer(cache, rows, topk_g, [r.ref.data[layer] for r in owners], queries, ids,
                                            layer)
         return checked, n
+
+    def _resident_rows(self, owners: list[_Running], topk: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """A resident group's lookups `[B, K]`: each position's row in its request's own pages."""
+        bs, dev = self.config.block_size, self.device
+        pos = torch.from_numpy(np.ascontiguousarray(topk)).to(dev, torch.int64)
+        table = torch.tensor([r.resident_blocks for r in owners], dtype=torch.int64, device=dev)
+        safe = pos.clamp(min=0)
+        rows = torch.where(pos >= 0, table.gather(1, safe // bs) * bs + safe % bs, -1)
+        self.totals.resident_layer_entries += int((pos >= 0).sum())
+        return rows, pos
 
     # ----------------------------------------------------------------------------- end
 
@@ -574,6 +699,7 @@ class ReplayEngine:
                 "block_bytes": self.plan.block_bytes, "host_blocks": self.coordinator.host_num_blocks,
                 "admission_blocks": self.admission_blocks, "state_rows": self.max_running,
                 "max_batch_rows": self.max_batch_rows, "decode_mode": self.decoder.mode,
+                "resident_blocks": self.resident_blocks, "reference_layers": self.reference_layers,
                 "graph_sizes": self.decoder.captured_sizes}
 
 

@@ -72,6 +72,7 @@ class RunResult:
             "misses": misses,
             "hits": hits,
             "resident_entries": resident,
+            "resident_layer_entries": t.resident_layer_entries,   # lookups of --resident-layers (no hot buffer)
             "miss_rate_per_entry": misses / (looked + resident) if looked + resident else 0.0,
             "bytes_h2d": sum(r.h2d_bytes for r in recs),
             "bytes_d2h": sum(r.d2h_bytes for r in recs),
@@ -89,14 +90,24 @@ class RunResult:
             "prefill_tokens_computed": t.prefill_tokens,
             "requests_admitted": t.admitted,
             "requests_finished": t.finished,
+            "requests_unfinished": int(self.config["requests"]) - t.finished,  # type: ignore[call-overload]
+            "stopped_at_step_limit": len(recs) >= int(self.config["steps"])  # type: ignore[call-overload]
+            and t.finished < int(self.config["requests"]),  # type: ignore[call-overload]
             "pages": dict(t.pages),
             "max_concurrency_hisparse_measured": peak,
             "gpu_limit_reached": t.gpu_bound_steps > 0,
             "max_concurrency_all_resident_measured": self.all_resident_concurrency,
-            "max_concurrency_hisparse_planned": plan["gpu_concurrency"],
+            # The planner's hisparse figure is the smaller of what the GPU budget and the host pool hold.
+            "max_concurrency_hisparse_planned": plan["hisparse_concurrency"],
+            "max_concurrency_hisparse_planned_gpu": plan["gpu_concurrency"],
+            "max_concurrency_hisparse_planned_host": plan["host_concurrency"],
+            "max_concurrency_planned_bound_by": plan["bound_by"],
             "max_concurrency_all_resident_planned": plan["baseline_concurrency"],
             "attention_entries_checked": t.checked_entries,
             "attention_mismatches": 0,
+            # A mismatch raises `AttentionMismatch`, so a result is a pass unless nothing was compared.
+            "check": "pass" if t.checked_entries else "nothing checked",
+            "passed": t.checked_entries > 0,
             "wall_s": self.wall_seconds,
         }
 

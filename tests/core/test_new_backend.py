@@ -33,6 +33,9 @@ def test_writes_a_complete_distribution(tmp_path: Path) -> None:
     code, out, err = new_backend("tpu_x", str(target))
     assert code == 0, err
     assert f"in {target}/" in out and "--hisparse-backend tpu_x" in out
+    assert "priority -20, below every shipped backend" in out and "--backend tpu_x" in out
+    readme = (target / "README.md").read_text()
+    assert "PRIORITY = -20" in readme and "raise\n`PRIORITY` in `hisparse_tpu_x/plugin.py`" in readme
     written = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
     assert written == sorted(["pyproject.toml", "README.md", "ci/conformance.sh", "hisparse_tpu_x/__init__.py",
                               "hisparse_tpu_x/plugin.py", "hisparse_tpu_x/backend.py"])
@@ -60,7 +63,10 @@ def test_plugin_module_is_light_and_its_probe_says_available(tmp_path: Path) -> 
             "assert p.probe() is None; specs = []; p.hisparse_register_backends(specs.append); "
             "import hisparse_lightcheck.backend as b; "
             "assert specs[0].capabilities == b.LightcheckBackend.capabilities, 'drift'; "
-            "assert specs[0].factory == 'hisparse_lightcheck.backend:LightcheckBackend'; print('ok')")
+            "assert specs[0].factory == 'hisparse_lightcheck.backend:LightcheckBackend'; "
+            # Below every shipped backend (the lowest is interpreted triton, -10): installing a
+            # scaffold changes no one's automatic selection.
+            "assert specs[0].priority < -10, specs[0].priority; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "d", capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -34,10 +34,15 @@ def spec(name: str, rank: int) -> HostPoolSpec:
     return HostPoolSpec(num_layers=1, num_blocks=8, block_size=BS, shared=True, name=name, rank=rank, world_size=2)
 
 
-def _setup(name: str, rank: int):  # noqa: ANN202
-    from hisparse_nvidia.backend import NvidiaBackend
+def _setup(name: str, rank: int, backend: str = "nvidia"):  # noqa: ANN202
+    if backend == "triton":  # the same protocol on the triton backend (tests/triton_backend)
+        from hisparse_triton.backend import TritonBackend
 
-    be = NvidiaBackend(0)
+        be = TritonBackend(0)
+    else:
+        from hisparse_nvidia.backend import NvidiaBackend
+
+        be = NvidiaBackend(0)
     pool = be.create_host_pool(spec(name, rank))
     dev_cache = torch.zeros((8, BS, 656), dtype=torch.uint8, device=be.device)
     rt = be.create_runtime(CFG)
@@ -46,9 +51,9 @@ def _setup(name: str, rank: int):  # noqa: ANN202
     return be, pool, dev_cache, rt, engine
 
 
-def rank0(name: str, conn, report) -> None:  # noqa: ANN001
+def rank0(name: str, conn, report, backend: str = "nvidia") -> None:  # noqa: ANN001
     try:
-        be, pool, dev_cache, rt, engine = _setup(name, 0)
+        be, pool, dev_cache, rt, engine = _setup(name, 0, backend)
         pool.layer_view(0).view(torch.uint8).zero_()  # the old contents
         dev_cache[SOURCE_BLOCK].copy_(new_rows().to(be.device))
         torch.cuda.synchronize()
@@ -70,10 +75,10 @@ def rank0(name: str, conn, report) -> None:  # noqa: ANN001
         report.put("rank0 error: " + traceback.format_exc())
 
 
-def rank1(name: str, conn, report) -> None:  # noqa: ANN001
+def rank1(name: str, conn, report, backend: str = "nvidia") -> None:  # noqa: ANN001
     try:
         assert conn.recv() == "ready"
-        be, pool, dev_cache, rt, engine = _setup(name, 1)
+        be, pool, dev_cache, rt, engine = _setup(name, 1, backend)
         assert not pool.is_writer
         conn.send("attached")
         assert conn.recv() == "submitted"

@@ -18,7 +18,7 @@ import torch
 from tf_support import BLOCK, SHAPES, tiny_model
 
 import hisparse_transformers
-from hisparse_core.errors import InvalidInputError
+from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_transformers.engine import required_gpu_blocks
 
 pytest.importorskip("transformers")
@@ -300,3 +300,90 @@ def test_crop_beyond_the_last_forward_is_refused(ds_model: torch.nn.Module) -> N
         cache.finish()
         untouched(hs)
 
+
+
+def test_crop_takes_a_0dim_tensor_and_undoes_a_decode_step_that_completed_a_page(ds_model: torch.nn.Module) -> None:
+    """Direct forwards: one decode token that completes a page, `crop(tensor(-1))` (what assisted
+    generation passes in transformers 5.17/5.18, on the model's device), another token in its place:
+    logits as the model's own cache doing the same."""
+    from transformers import DynamicCache
+
+    from hisparse_transformers.cache import UnsupportedCacheOperation
+
+    model = ds_model
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(2, 128, (1, 4 * BLOCK + BLOCK - 1), generator=g)    # the next token completes page 5
+    steps = torch.randint(2, 128, (1, 2 * BLOCK + 2), generator=g)
+
+    def run(cache: object) -> list[torch.Tensor]:
+        out = []
+        with torch.no_grad():
+            for a in range(0, ids.shape[1], CHUNK):
+                model(input_ids=ids[:, a:a + CHUNK], use_cache=True, past_key_values=cache)
+            for i in range(steps.shape[1] - 1):
+                model(input_ids=steps[:, i:i + 1], use_cache=True, past_key_values=cache)
+                cache.crop(torch.tensor(-1))  # type: ignore[attr-defined]
+                out.append(model(input_ids=steps[:, i + 1:i + 2], use_cache=True, past_key_values=cache).logits)
+        return out
+
+    theirs = run(DynamicCache(config=model.config))
+    with hisparse_transformers.enable(model, **tight_kwargs("deepseek_v32", 3)) as hs:
+        cache = hs.new_cache(ids, max_new_tokens=2 * steps.shape[1])
+        ours = run(cache)
+        for bad in (torch.tensor(-1.0), torch.tensor([-1]), torch.tensor(True), -1.0):
+            with pytest.raises(UnsupportedCacheOperation) as err:
+                cache.crop(bad)  # type: ignore[arg-type]
+            assert "crop takes an int (or a 0-dim integer tensor)" in one_line(err.value)
+        length = cache.get_seq_length()
+        cache.finish()
+        s = hs.stats()
+        untouched(hs)
+    assert length == ids.shape[1] + steps.shape[1] - 1
+    assert s.rollbacks == steps.shape[1] - 1
+    for a, b in zip(ours, theirs, strict=True):
+        assert float((a - b).abs().max()) <= 1e-4
+
+
+def test_forwards_past_the_reserved_new_tokens_name_the_remedy(ds_model: torch.nn.Module) -> None:
+    model = ds_model
+    ids = prompts()[1]
+    with hisparse_transformers.enable(model, **tight_kwargs("deepseek_v32", 3)) as hs:
+        cache = hs.new_cache(ids, max_new_tokens=3)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, past_key_values=cache)
+            model(input_ids=ids[:, :2], use_cache=True, past_key_values=cache)     # 2 fed: max_new_tokens 3
+            with pytest.raises(CapacityError) as err:
+                model(input_ids=ids[:, :1], use_cache=True, past_key_values=cache)
+        text = one_line(err.value)
+        assert (f"to {ids.shape[1] + 3} tokens, past the {ids.shape[1] + 2}" in text
+                and "max_new_tokens=3" in text and "new_cache(..., max_new_tokens >= 4)" in text), text
+        assert cache.get_seq_length() == ids.shape[1] + 2
+        cache.finish()
+        untouched(hs)
+
+
+def test_prompt_lookup_settings_transformers_would_fail_on(ds_model: torch.nn.Module) -> None:
+    p = prompts()[1]
+    with hisparse_transformers.enable(ds_model, **tight_kwargs("deepseek_v32", 3)) as hs:
+        for bad in (3.0, 0, 2.5, -1, True):
+            with pytest.raises(InvalidInputError) as err:
+                ds_model.generate(p, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=bad)
+            assert one_line(err.value) == f"prompt_lookup_num_tokens must be an int >= 1, got {bad!r}"
+            untouched(hs)
+
+
+def test_assisted_max_context_bound_is_the_one_that_works(ds_model: torch.nn.Module) -> None:
+    """With k candidates a step, the bound the refusal names is accepted and one more is refused."""
+    p = prompts()[1]
+    k = 3
+    with hisparse_transformers.enable(ds_model, **tight_kwargs("deepseek_v32", k, max_context=48)) as hs:
+        with pytest.raises(CapacityError) as err:
+            ds_model.generate(p, max_new_tokens=48, do_sample=False, prompt_lookup_num_tokens=k)
+        text = one_line(err.value)
+        bound = 48 - p.shape[1] + 1 - k
+        assert f"expected max_new_tokens <= {bound} " in text and f"up to {k} candidate tokens" in text, text
+        untouched(hs)
+        with pytest.raises(CapacityError):
+            ds_model.generate(p, max_new_tokens=bound + 1, do_sample=False, prompt_lookup_num_tokens=k)
+        out = ds_model.generate(p, max_new_tokens=bound, do_sample=False, prompt_lookup_num_tokens=k)
+        assert out.shape[1] <= p.shape[1] + bound

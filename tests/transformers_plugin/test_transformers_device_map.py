@@ -164,8 +164,46 @@ def test_offloaded_attention_layers_are_refused() -> None:
     class Attention:
         kv_a_proj_with_mqa = Proj()
 
-    with pytest.raises(InvalidInputError, match=r"layer 0's attention weights are offloaded \(on meta\)"):
+    with pytest.raises(InvalidInputError, match=r"layer 0's attention weights are offloaded \(kv_a_proj_with_mqa"):
         place([Attention()], [(0,)])
+
+
+def test_disk_offloaded_attention_is_refused_though_its_hook_says_cpu() -> None:
+    """accelerate's disk (or CPU) offload: the layer's hook executes on "cpu", while the weights it
+    loads at each forward are meta placeholders until then (kv_b_proj's, here)."""
+    from types import SimpleNamespace
+
+    from hisparse_transformers.shards import place
+
+    class Attention(torch.nn.Module):
+        def __init__(self, offloaded: bool) -> None:
+            super().__init__()
+            self.kv_a_proj_with_mqa = torch.nn.Linear(2, 2)
+            self.kv_b_proj = torch.nn.Linear(2, 2, device="meta" if offloaded else "cpu")
+            self._hf_hook = SimpleNamespace(execution_device="cpu")
+
+    assert place([Attention(False), Attention(False)], [(0,), (1,)]).devices == (torch.device("cpu"),)
+    with pytest.raises(InvalidInputError) as err:
+        place([Attention(False), Attention(True)], [(0,), (1,)])
+    assert str(err.value).startswith("layer 1's attention weights are offloaded (kv_b_proj.weight is on meta)")
+
+
+def test_a_disk_offloaded_layer_of_a_real_model_is_refused_by_enable(tmp_path: object) -> None:
+    """accelerate's `dispatch_model` with layer 1 on "disk": its attention's hook executes on the
+    CPU while the weights are meta until a forward loads them. `enable` refuses it before
+    anything runs (it used to accept it, and the first generate failed inside the attention)."""
+    pytest.importorskip("accelerate")
+    from accelerate import dispatch_model
+
+    model = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=3)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    with pytest.raises(InvalidInputError) as err:
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32"))
+    text = str(err.value)
+    assert text.startswith("layer 1's attention weights are offloaded (") and "is on meta)" in text
+    assert "\n" not in text and "generate" not in model.__dict__
 
 
 def test_the_strict_device_refuses_two_indices_as_cuda_does() -> None:

@@ -187,3 +187,57 @@ def test_shared_pool_round_trip(backend, tmp_path) -> None:  # noqa: ANN001
         pool.layer_view(1).fill_(7)
         assert int(pool.layer_view(1).view(torch.uint8).sum()) == 7 * pool.layer_view(1).numel()
     assert not os.path.exists(f"/dev/shm/hisparse_trtest{os.getpid()}.trpool")
+
+
+@pytest.mark.parametrize("seed", [3, 11, 26])
+def test_vllm_ops_with_miss_mask_and_corrupt_lru_match_the_model(backend, seed: int) -> None:  # noqa: ANN001
+    """What the conformance module leaves out (vLLM 0.32 passes neither): the miss mask as an output,
+    and an LRU holding a slot outside the hot buffer (never read; as a victim its miss degrades)."""
+    from hisparse_conformance.vllm_ops_model import random_case, run_model, run_ops
+
+    for corrupt in (False, True):
+        for rows in (1, 2):
+            case = random_case(seed, corrupt_lru=corrupt, rows_per_request=rows)
+            if backend.device.type != "cpu":
+                case.host = case.host.pin_memory()
+            got = run_ops(backend.vllm_ops(), case, backend.device, miss_mask=True)
+            want = run_model(random_case(seed, corrupt_lru=corrupt, rows_per_request=rows), miss_mask=True)
+            for name in ("hot_out", "attention", "resolved", "valid", "miss_mask", "swap_counts", "dgi", "lru",
+                         "stats", "hot", "plan_hot", "plan_attention", "inv_dgi"):
+                assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)
+
+
+@pytest.mark.parametrize("programs,entries", [(1, 4), (3, 2), (7, 4)])
+def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int, entries: int) -> None:  # noqa: ANN001
+    """The GPU's plan copy: a fixed grid of programs takes chunks of `entries` plan entries, numbered
+    across the batch, round robin (the interpreter otherwise runs one program a whole row at a time).
+    Every row's first `count` entries land, nothing else is written, and the bytes counter adds up."""
+    from hisparse_triton import kernels
+
+    g = torch.Generator().manual_seed(programs * 10 + entries)
+    k, rows, words, bs = 8, 5, 6, 4
+    host = torch.randint(-2**31, 2**31 - 1, (40, words), dtype=torch.int32, generator=g)
+    dev = torch.zeros((12, bs, words), dtype=torch.int32)
+    counts = torch.tensor([3, 0, 8, 1, 5], dtype=torch.int32)
+    plan_host = torch.full((rows, k), -1, dtype=torch.int32)
+    plan_dev = torch.full((rows, k), -1, dtype=torch.int32)
+    dsts = torch.randperm(48, generator=g)[:int(counts.sum())].to(torch.int32)
+    at = 0
+    for r in range(rows):
+        c = int(counts[r])
+        plan_host[r, :c] = torch.randint(0, 40, (c,), dtype=torch.int32, generator=g)
+        plan_dev[r, :c] = dsts[at:at + c]
+        at += c
+    stats = torch.zeros(5, dtype=torch.int64)
+    d = backend.device
+    dev_d = dev.to(d)
+    args = [t.to(d) for t in (plan_host, plan_dev, counts)] + [host.to(d) if d.type != "cpu" else host, dev_d,
+                                                                dev_d.stride(0), stats.to(d)]
+    kernels.launch(kernels.copy_plan_kernel, "copy_plan_kernel", (programs,), *args, rows, k, words * 4, 40, 48,
+                   words, bs, programs, WP=8, EB=entries, BP=8)
+    want = torch.zeros_like(dev).view(48, words)
+    for r in range(rows):
+        for j in range(int(counts[r])):
+            want[int(plan_dev[r, j])] = host[int(plan_host[r, j])]
+    assert torch.equal(dev_d.cpu().view(48, words), want)
+    assert int(args[-1][3]) == int(counts.sum()) * words * 4

@@ -23,13 +23,16 @@ CAPABILITIES = frozenset({
 
 
 def probe() -> str | None:
-    """None when an NVIDIA GPU is usable here, else the reason it is not."""
-    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
-        return "cuda-python not installed: pip install 'hisparse[nvidia]'"
+    """None when an NVIDIA GPU is usable here, else the reason it is not.
+
+    The machine comes first: without a CUDA driver no package makes this backend run, so the
+    reason names the missing GPU rather than a pip install that cannot help."""
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return "no CUDA driver (libcuda not found)"
+        return "needs a CUDA GPU: no NVIDIA driver here (libcuda.so.1 not found)"
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return "cuda-python not installed: pip install 'hisparse[nvidia]'"
     import torch
 
     if torch.version.cuda is None:

@@ -13,6 +13,7 @@ from hisparse_core.geometry import ROW_FORMATS, RuntimeConfig
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.transfer import TransferEngine
+from hisparse_core.vllm_ops import VllmHiSparseOps
 from hisparse_triton.plugin import CAPABILITIES, ENV_INTERPRET, VERSION, interpreted
 
 CPU = torch.device("cpu")
@@ -73,6 +74,11 @@ class TritonBackend(Backend):
         from hisparse_triton.transfer import TritonTransferEngine
 
         return TritonTransferEngine(host_pool, runtimes)
+
+    def vllm_ops(self) -> VllmHiSparseOps:
+        from hisparse_triton.vllm_ops import TritonVllmOps
+
+        return TritonVllmOps(self)
 
     def describe(self) -> dict[str, object]:
         import triton

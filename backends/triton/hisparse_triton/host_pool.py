@@ -10,7 +10,8 @@ The layout and the shared-pool file protocol are reference_cpu's (`ReferenceHost
 
 Shared mode: only rank 0 writes. The header page keeps, at `DONE_EPOCH_OFFSET`, the number of
 host-write epochs rank 0 has seen complete (`TritonTransferEngine`); peers acknowledge their
-transfers against it.
+transfers against it. After it, up to `ipc.CHANNEL_END`, rank 0's interprocess event channel
+(`hisparse_triton.ipc`), through which peers order their reads behind rank 0's writes on the GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hisparse_reference_cpu.host_pool import ReferenceHostPool
 _HEADER = shm.PoolHeader(b"HISPARSE-TRPOOL1")
 #: Byte offset in the header page of rank 0's completed host-write epoch (uint64).
 DONE_EPOCH_OFFSET = 512
-assert _HEADER.size <= DONE_EPOCH_OFFSET and DONE_EPOCH_OFFSET + 8 <= shm.RANKS_OFFSET
+assert _HEADER.size <= DONE_EPOCH_OFFSET and DONE_EPOCH_OFFSET + 8 <= 520  # 520..: hisparse_triton.ipc
 
 
 def shm_path(name: str) -> str:
@@ -46,6 +47,7 @@ class TritonHostPool(ReferenceHostPool):
         self._pin = device.type == "cuda"
         self._registered: int | None = None  # host address registered with cudaHostRegister
         self._header: torch.Tensor | None = None  # shared mode: the header page as int64 words
+        self._header_bytes: torch.Tensor | None = None  # ... and as bytes
         super().__init__(spec, peer_timeout_s=peer_timeout_s)
 
     def _allocate_private(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -57,7 +59,8 @@ class TritonHostPool(ReferenceHostPool):
 
     def _map(self, fd: int) -> torch.Tensor:
         mm = mmap.mmap(fd, self._file_bytes(), flags=mmap.MAP_SHARED)
-        self._header = torch.frombuffer(mm, dtype=torch.int64, count=OS_PAGE // 8)
+        self._header_bytes = torch.frombuffer(mm, dtype=torch.uint8, count=OS_PAGE)
+        self._header = self._header_bytes.view(torch.int64)
         data = torch.frombuffer(mm, dtype=torch.uint8, count=self.spec.nbytes, offset=OS_PAGE)
         if self._pin:
             err = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), self.spec.nbytes, 0)
@@ -73,6 +76,12 @@ class TritonHostPool(ReferenceHostPool):
         """Shared mode: host-write epochs rank 0 has seen complete (0 for a private pool)."""
         return int(self._header[DONE_EPOCH_OFFSET // 8]) if self._header is not None else 0
 
+    @property
+    def header_bytes(self) -> torch.Tensor | None:
+        """Shared mode: the pool's header page as a uint8 tensor over the shared mapping (None for a
+        private pool); `hisparse_triton.ipc` keeps rank 0's event handle there."""
+        return self._header_bytes
+
     def mark_done(self, epoch: int) -> None:
         """Rank 0: publish that every host write up to `epoch` has landed."""
         if self._header is not None:
@@ -83,4 +92,5 @@ class TritonHostPool(ReferenceHostPool):
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
         self._header = None
+        self._header_bytes = None
         super().release()

@@ -50,6 +50,7 @@ NO_ENTRY = tl.constexpr(1 << 30)
 # interpreter runs them as one numpy call.
 _SUM = tl.standard._sum_combine
 _MIN = tl.standard._elementwise_min
+_MAX = tl.standard._elementwise_max
 
 
 class KernelError(RuntimeError):
@@ -68,30 +69,37 @@ def launch(kernel: Any, name: str, grid: tuple[int, ...], *args: Any, **meta: An
                           ) from exc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit"])
 def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
-                   out_rows, out_counts, plan_host, plan_device, plan_counts,
-                   tbl_key, tbl_first, tbl_slot, scr_victim,
-                   B, P, HB, R,
-                   K: tl.constexpr, KP: tl.constexpr, G_MAX: tl.constexpr, GP: tl.constexpr,
-                   BS: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr, LOG_TP: tl.constexpr):
+                   out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
+                   tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
+                   B, P, HB, R, K, G_MAX, BS, H, host_limit,
+                   KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr, LOG_TP: tl.constexpr,
+                   MASK: tl.constexpr):
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
     q = tl.where(q < R, q, -1)  # trusted input out of range: a padding row, never a stray access
     prev = tl.load(row_state + b - 1, mask=in_batch & (b > 0), other=-2)
     starts = (q >= 0) & (prev != q)
+    ctx = P * BS  # positions per state row of the slot hints
 
     jj = tl.arange(0, GP)
     cc = tl.arange(0, KP)
     kmask = cc < K
     if q < 0:
-        # Padding row (or a row past the batch): -1 and count 0 everywhere.
-        tl.store(out_rows + b * K + cc, tl.full((KP,), -1, tl.int32), mask=kmask)
-        tl.store(plan_host + b * K + cc, tl.full((KP,), -1, tl.int32), mask=kmask)
-        tl.store(plan_device + b * K + cc, tl.full((KP,), -1, tl.int32), mask=kmask)
-        tl.store(out_counts + b, 0)
-        tl.store(plan_counts + b, 0)
+        # Padding row (or a row past the batch): -1 and count 0 everywhere. Outputs a row already
+        # holds are not rewritten: a row with no valid entry has every output -1, and plan entries
+        # past a row's count are -1 between calls.
+        old_valid = tl.load(out_counts + b)
+        old_plan = tl.load(plan_counts + b)
+        if old_valid != 0:
+            tl.store(out_rows + b * K + cc, tl.full((KP,), -1, tl.int32), mask=kmask)
+            tl.store(out_counts + b, 0)
+        if old_plan != 0:
+            tl.store(plan_host + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
+            tl.store(plan_device + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
+            tl.store(plan_counts + b, 0)
     elif starts:
         # The group: rows b .. b+G-1 share state row q (G <= rows_per_request).
         rs = tl.load(row_state + b + jj, mask=(jj < G_MAX) & (b + jj < B), other=-2)
@@ -100,17 +108,19 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
         rmask = jj < g_len
         emask = rmask[:, None] & kmask[None, :]  # [GP, KP]
         entry_ptr = row[:, None] * K + cc[None, :]
+        old_plan = tl.load(plan_counts + row, mask=rmask, other=0)
         t = tl.load(topk + entry_ptr, mask=emask, other=-1)
         sl = tl.load(seq_lens + row, mask=rmask, other=0)
-        in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < P * BS)
+        in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < ctx)
         pos = tl.where(in_ctx, t, 0)
         page = pos // BS
         off = pos % BS
         res_blk = tl.load(resident_table + q * P + page, mask=in_ctx, other=-1)
         is_res = in_ctx & (res_blk >= 0)
         src_blk = tl.load(source_table + q * P + page, mask=in_ctx & (res_blk < 0), other=-1)
-        is_host = in_ctx & (res_blk < 0) & (src_blk >= 0)
-        host_row = (src_blk.to(tl.int64) * BS + off).to(tl.int32)  # < 2^31 for valid tables (bind checks)
+        host_row64 = src_blk.to(tl.int64) * BS + off
+        is_host = in_ctx & (res_blk < 0) & (src_blk >= 0) & (host_row64 < host_limit)
+        host_row = host_row64.to(tl.int32)  # < host_limit <= 2^31 (bind checks)
         tl.store(out_rows + entry_ptr, tl.where(is_res, res_blk * BS + off, -1), mask=emask & ~is_host)
         tl.store(out_counts + row, tl.reduce((is_res | is_host).to(tl.int32), 1, _SUM), mask=rmask)
         n_res = tl.reduce(tl.reduce(is_res.to(tl.int32), 1, _SUM), 0, _SUM)
@@ -118,57 +128,84 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
         tl.atomic_add(stats + 0, n_res.to(tl.int64))
         if n_host == 0:
             # The resident fast path: no plan, hot state untouched.
-            tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=emask)
-            tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=emask)
-            tl.store(plan_counts + row, tl.full((GP,), 0, tl.int32), mask=rmask)
+            if MASK:
+                tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
+            clear = emask & (cc[None, :] < old_plan[:, None])
+            tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
+            tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
+            tl.store(plan_counts + row, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan != 0))
         else:
             ee = jj[:, None] * KP + cc[None, :]  # entry index in first-reference order
+            # Slot hints: the slot last filled for this position. A hint is believed only where the
+            # slot holds exactly the entry's host row (hot-map values are unique in a state row), so
+            # a stale hint costs nothing but the hashing below. Hinted hits mark their slot.
+            hint_ptr = pos_slot + q.to(tl.int64) * ctx + pos
+            hint = tl.load(hint_ptr, mask=is_host, other=-1).to(tl.int32)
+            hint_ok = is_host & (hint >= 0) & (hint < H)
+            hint_hit = hint_ok & (tl.load(hot_map + q * H + hint, mask=hint_ok, other=-1) == host_row)
+            cand = is_host & ~hint_hit
+            n_cand = tl.reduce(tl.reduce(cand.to(tl.int32), 1, _SUM), 0, _SUM)
+            mk = scr_mark + b * HP
+            tl.store(mk + hint, tl.full((GP, KP), 1, tl.int32), mask=hint_hit)
+
             # The hot state of q in LRU order: lane i is LRU position i, holding slot order[i].
             ii = tl.arange(0, HP)
             smask = ii < H
-            order = tl.load(lru + q * H + ii, mask=smask, other=0)
-            held_row = tl.load(hot_map + q * H + order, mask=smask, other=-1)
-            held = smask & (held_row >= 0)
+            order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
+            # A slot outside the hot buffer (only a corrupt LRU of vLLM's op set) holds nothing.
+            slot_ok = smask & (order >= 0) & (order < H)
+            held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
+            held = slot_ok & (held_row >= 0)
 
-            # One open-addressing hash table of host rows (this program's rows of tbl_*, empty
-            # between calls) takes the group's host rows and the rows its hot buffer holds. Each
-            # round every pending lane reads its bucket, claims it if empty, and after a barrier
-            # reads it back: its own row there means found (a row another lane claimed alike),
-            # another row means the next bucket. Claims only ever fill empty buckets, so a bucket
-            # keeps its row; the table has room for twice the rows, so probing ends.
+            # The candidates (host entries whose hint failed) go into an open-addressing hash table
+            # of host rows (this program's rows of tbl_*, empty between calls). Each round every
+            # pending lane reads its bucket, claims it if empty, and after a barrier reads it back:
+            # its own row there means placed (a row another lane claimed alike), another row means
+            # the next bucket. Claims only ever fill empty buckets, so a bucket keeps its row; the
+            # table has room for twice the rows, so probing ends. Then every held slot looks its
+            # row up: found means a candidate's row is held there (a hit the hint missed).
             tk = tbl_key + b * TP
+            tf = tbl_first + b * TP
+            ts = tbl_slot + b * TP
             # Fibonacci hashing (inline: a @jit helper costs the interpreter a re-patch per call).
             e_bkt = (((host_row.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
             s_bkt = (((held_row.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
-            e_pend = is_host
-            s_pend = held
-            n_pend = n_host + tl.reduce(held.to(tl.int32), 0, _SUM)
-            while n_pend > 0:
+            # One loop for both phases (Triton 3.6 miscompiles two loops here): candidates claim
+            # until all are placed, then held slots look up, one bucket a round. A lookup stops at
+            # its own row or at an empty bucket; where it stopped tells which (read after the loop).
+            e_pend = cand
+            # (no candidate: nothing to look up; a vector compare keeps the mask boolean in the interpreter)
+            s_look = held & ((held_row * 0 + n_cand) > 0)
+            s_pend = s_look
+            n_e = n_cand
+            n_s = tl.reduce(s_pend.to(tl.int32), 0, _SUM)
+            while n_e + n_s > 0:
                 e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
-                s_cur = tl.load(tk + s_bkt, mask=s_pend, other=0)
                 tl.store(tk + e_bkt, host_row, mask=e_pend & (e_cur == EMPTY))
-                tl.store(tk + s_bkt, held_row, mask=s_pend & (s_cur == EMPTY))
                 tl.debug_barrier()
                 e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
-                s_now = tl.load(tk + s_bkt, mask=s_pend, other=0)
+                s_act = s_pend & ((s_bkt * 0 + n_e) == 0)  # lookups start once every candidate is placed
+                s_cur = tl.load(tk + s_bkt, mask=s_act, other=EMPTY)
                 tl.debug_barrier()  # every lane has read before the next round claims
                 e_pend = e_pend & (e_now != host_row)
-                s_pend = s_pend & (s_now != held_row)
                 e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
-                s_bkt = tl.where(s_pend, (s_bkt + 1) & (TP - 1), s_bkt)
-                n_pend = (tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
-                          + tl.reduce(s_pend.to(tl.int32), 0, _SUM))
-            # Per bucket: the first entry that references its row, and the slot holding it.
-            tf = tbl_first + b * TP
-            ts = tbl_slot + b * TP
-            tl.atomic_min(tf + e_bkt, ee, mask=is_host)
-            tl.store(ts + s_bkt, order, mask=held)
+                s_next = s_act & (s_cur != held_row) & (s_cur != EMPTY)
+                s_pend = tl.where(s_act, s_next, s_pend)
+                s_bkt = tl.where(s_next, (s_bkt + 1) & (TP - 1), s_bkt)
+                n_e = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
+                n_s = tl.reduce(s_pend.to(tl.int32), 0, _SUM)
+            tl.atomic_min(tf + e_bkt, ee, mask=cand)
+            found = s_look & (tl.load(tk + s_bkt, mask=s_look, other=EMPTY) == held_row)
+            tl.store(ts + s_bkt, order, mask=found)
             tl.debug_barrier()
             # Volatile: the atomics updated L2 behind any L1 copy (a plain load may hit a stale line).
-            first = is_host & (tl.load(tf + e_bkt, mask=is_host, other=-1, volatile=True) == ee)
+            first = cand & (tl.load(tf + e_bkt, mask=cand, other=-1, volatile=True) == ee)
             hit_slot = tl.load(ts + e_bkt, mask=first, other=-1)
             hit_u = first & (hit_slot >= 0)
-            hit_pos = held & (tl.load(tf + s_bkt, mask=held, other=NO_ENTRY, volatile=True) < NO_ENTRY)
+            marked = tl.load(mk + order, mask=slot_ok, other=0) != 0
+            hit_pos = slot_ok & (marked | found)
+            # Hits: the distinct held rows referenced (a slot holds one row); marks cleared for the next call.
+            tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=slot_ok & marked)
 
             # Misses in first-reference order; victims in LRU order among the evictable slots.
             mflag = first & ~hit_u
@@ -182,68 +219,87 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             e_rank = tl.associative_scan(ev, 0, _SUM) - ev
             n_evict = tl.reduce(ev, 0, _SUM)
             h_rank = ii - e_rank  # hits before LRU position i
-            n_union = tl.reduce(tl.reduce(first.to(tl.int32), 1, _SUM), 0, _SUM)
-            tl.atomic_add(stats + 1, (n_union - n_miss).to(tl.int64))
+            n_hit = tl.reduce(hit_pos.to(tl.int32), 0, _SUM)
+            tl.atomic_add(stats + 1, n_hit.to(tl.int64))
             tl.atomic_add(stats + 2, n_miss.to(tl.int64))
+            n_used = tl.minimum(n_miss, n_evict)  # misses beyond the evictable slots get no victim
             vb = scr_victim + b * HP
             tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
             tl.debug_barrier()
-            victim = tl.load(vb + m_rank, mask=mflag & (m_rank < HP), other=0)
+            victim = tl.load(vb + m_rank, mask=mflag & (m_rank < n_used), other=-1)
+            # A victim outside the hot buffer (or none) degrades its miss: entries -1, nothing cached.
+            vok = mflag & (victim >= 0) & (victim < H)
             tl.store(ts + e_bkt, victim, mask=mflag)  # a missed row's bucket had no slot
             tl.debug_barrier()
 
-            # Every host entry reads its row's slot; misses go to their row's plan in miss order.
-            slot = tl.load(ts + e_bkt, mask=is_host, other=0)
-            hot_blk = tl.load(hot_table + q * HB + slot // BS, mask=is_host, other=0)
-            tl.store(out_rows + entry_ptr, hot_blk * BS + slot % BS, mask=is_host)
-            vblk = tl.load(hot_table + q * HB + victim // BS, mask=mflag, other=0)
+            # Every host entry reads its row's slot (hinted, or its bucket's); misses go to their
+            # row's plan in miss order; candidates leave their slot as the position's next hint.
+            slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
+            e_ok = is_host & (slot >= 0) & (slot < H)
+            hot_blk = tl.load(hot_table + q * HB + slot // BS, mask=e_ok, other=0)
+            tl.store(out_rows + entry_ptr, tl.where(e_ok, hot_blk * BS + slot % BS, -1), mask=is_host)
+            tl.store(hint_ptr, slot, mask=cand & e_ok)
+            vblk = tl.load(hot_table + q * HB + victim // BS, mask=vok, other=0)
             plan_ptr = row[:, None] * K + in_row
             tl.store(plan_host + plan_ptr, host_row, mask=mflag)
-            tl.store(plan_device + plan_ptr, vblk * BS + victim % BS, mask=mflag)
-            tail = emask & (cc[None, :] >= row_miss[:, None])
+            tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + victim % BS, -1), mask=mflag)
+            if MASK:
+                tl.store(miss_mask + entry_ptr, vok.to(tl.int32), mask=emask)
+            tail = emask & (cc[None, :] >= row_miss[:, None]) & (cc[None, :] < old_plan[:, None])
             tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=tail)
             tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=tail)
-            tl.store(plan_counts + row, row_miss, mask=rmask)
-            # New hot map and LRU order: untouched evictable, then the filled in miss order, then hits.
-            tl.store(hot_map + q * H + victim, host_row, mask=mflag)
+            tl.store(plan_counts + row, row_miss, mask=rmask & (row_miss != old_plan))
+            # New hot map and LRU order: untouched evictable, then the filled in miss order, then
+            # hits. Positions that keep their slot are not rewritten.
+            tl.store(hot_map + q * H + victim, host_row, mask=vok)
             new_pos = tl.where(hit_pos, n_evict + h_rank,
-                               tl.where(e_rank < n_miss, n_evict - n_miss + e_rank, e_rank - n_miss))
-            # (In range whenever the misses fit the evictable slots, which only trusted input breaks.)
-            tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H))
+                               tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
+            tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
             # Leave the table empty for the next call: only the buckets this call used.
             tl.debug_barrier()
-            tl.store(tk + e_bkt, tl.full((GP, KP), EMPTY, tl.int32), mask=is_host)
-            tl.store(tk + s_bkt, tl.full((HP,), EMPTY, tl.int32), mask=held)
-            tl.store(tf + e_bkt, tl.full((GP, KP), NO_ENTRY, tl.int32), mask=is_host)
-            tl.store(tf + s_bkt, tl.full((HP,), NO_ENTRY, tl.int32), mask=held)
-            tl.store(ts + e_bkt, tl.full((GP, KP), -1, tl.int32), mask=is_host)
-            tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=held)
+            tl.store(tk + e_bkt, tl.full((GP, KP), EMPTY, tl.int32), mask=cand)
+            tl.store(tf + e_bkt, tl.full((GP, KP), NO_ENTRY, tl.int32), mask=cand)
+            tl.store(ts + e_bkt, tl.full((GP, KP), -1, tl.int32), mask=cand)
+            tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
 
 
-@triton.jit
-def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, K, row_bytes,
-                     host_rows, dev_rows, W: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr, BS: tl.constexpr):
-    r = tl.program_id(0)
-    chunk = tl.program_id(1)
-    n = tl.load(plan_counts + r)
-    if chunk == 0:
-        tl.atomic_add(stats + 3, n.to(tl.int64) * row_bytes)
-    if chunk * EB < n:
-        e = chunk * EB + tl.arange(0, EB)
+@triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
+def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
+                     host_rows, dev_rows, W, BS, NP,
+                     WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr):
+    """A fixed grid of NP programs shares every row's plan: chunks of EB entries, numbered across
+    the batch (row by row), go to programs round robin, so a step with few misses launches no idle
+    program per row and one with many keeps every program busy."""
+    pid = tl.program_id(0)
+    rr = tl.arange(0, BP)
+    counts = tl.load(plan_counts + rr, mask=rr < B, other=0)
+    counts = tl.minimum(tl.maximum(counts, 0), K)
+    chunks = (counts + EB - 1) // EB
+    cstart = tl.associative_scan(chunks, 0, _SUM) - chunks
+    total = tl.reduce(chunks, 0, _SUM)
+    if pid == 0:
+        tl.atomic_add(stats + 3, tl.reduce(counts, 0, _SUM).to(tl.int64) * row_bytes)
+    w = tl.arange(0, WP)
+    wm = w < W
+    for c in range(pid, total, NP):
+        mine = (cstart <= c) & (c < cstart + chunks)
+        r = tl.reduce(tl.where(mine, rr, -1), 0, _MAX)
+        c0 = tl.reduce(tl.where(mine, cstart, -1), 0, _MAX)
+        n = tl.reduce(tl.where(mine, counts, 0), 0, _MAX)
+        e = (c - c0) * EB + tl.arange(0, EB)
         m = e < n
         h = tl.load(plan_host + r * K + e, mask=m, other=0).to(tl.int64)
         d = tl.load(plan_device + r * K + e, mask=m, other=0).to(tl.int64)
         m = m & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)  # trusted input: never a stray access
-        w = tl.arange(0, WP)
-        mm = m[:, None] & (w < W)[None, :]
+        mm = m[:, None] & wm[None, :]
         vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
         daddr = (d // BS) * dst_block_stride + (d % BS) * W
         tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
 
 
-@triton.jit
-def copy_rows_kernel(pairs, n, src, src_block_stride, dst, dst_block_stride,
-                     W: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr, BS: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "src_block_stride", "dst_block_stride", "W", "BS"])
+def copy_rows_kernel(pairs, n, src, src_block_stride, dst, dst_block_stride, W, BS,
+                     WP: tl.constexpr, EB: tl.constexpr):
     e = tl.program_id(0) * EB + tl.arange(0, EB)
     m = e < n
     s = tl.load(pairs + 2 * e, mask=m, other=0).to(tl.int64)
@@ -256,8 +312,8 @@ def copy_rows_kernel(pairs, n, src, src_block_stride, dst, dst_block_stride,
     tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
 
 
-@triton.jit
-def invalidate_written_kernel(state_rows, host_rows, hot_map, R, H: tl.constexpr, HP: tl.constexpr):
+@triton.jit(do_not_specialize=["R", "H"])
+def invalidate_written_kernel(state_rows, host_rows, hot_map, R, H, HP: tl.constexpr):
     i = tl.program_id(0)
     q = tl.load(state_rows + i)
     g = tl.load(host_rows + i)
@@ -267,7 +323,43 @@ def invalidate_written_kernel(state_rows, host_rows, hot_map, R, H: tl.constexpr
         tl.store(hot_map + q * H + ss, tl.full((HP,), -1, tl.int32), mask=(ss < H) & (hv == g))
 
 
+@triton.jit(do_not_specialize=["n", "host_rows", "W", "BS", "block_stride"])
+def vllm_copy_kernel(src_rows, pick, dst_rows, any_take, host, hot, n, host_rows, W, BS, block_stride,
+                     WP: tl.constexpr, EB: tl.constexpr):
+    """vLLM's row copies (`hisparse_gather_compact`, `hisparse_gather_plan`) after
+    `hisparse_core.vllm_ops.last_write_wins`: entry e writes the bytes of host row
+    `src_rows[pick[e]]` (zeros where that is past the host pool) into hot row `dst_rows[e]`, so every
+    write to one row carries the same bytes; nothing when no entry is taken (`any_take[0] == 0`)."""
+    e = tl.program_id(0) * EB + tl.arange(0, EB)
+    m = (e < n) & (tl.load(any_take + e * 0) != 0)  # a vector load: the flag for every lane
+    p = tl.load(pick + e, mask=m, other=0)
+    src = tl.load(src_rows + p, mask=m, other=0).to(tl.int64)
+    d = tl.load(dst_rows + e, mask=m, other=0).to(tl.int64)
+    w = tl.arange(0, WP)
+    wm = w < W
+    present = m & (src >= 0) & (src < host_rows)
+    vals = tl.load(host + src[:, None] * W + w[None, :], mask=present[:, None] & wm[None, :], other=0)
+    daddr = (d // BS) * block_stride + (d % BS) * W
+    tl.store(hot + daddr[:, None] + w[None, :], vals, mask=m[:, None] & wm[None, :])
+
+
+@triton.jit(do_not_specialize=["S", "NR", "H"])
+def vllm_invalidate_kernel(dgi, state_of_req, req_ids, written, S, NR, H, HP: tl.constexpr):
+    """`hisparse_invalidate_written_slots`, one program per written token: every slot of its state
+    row holding the written host row becomes -1 (duplicates too)."""
+    j = tl.program_id(0)
+    req = tl.load(req_ids + j)
+    w = tl.load(written + j).to(tl.int64)
+    ok = (req >= 0) & (req < NR)
+    q = tl.load(state_of_req + req, mask=ok, other=-1)
+    if ok & (q >= 0) & (q < S) & (w >= 0):
+        ss = tl.arange(0, HP)
+        hv = tl.load(dgi + q * H + ss, mask=ss < H, other=-1)
+        tl.store(dgi + q * H + ss, tl.full((HP,), -1, tl.int32), mask=(ss < H) & (hv.to(tl.int64) == w))
+
+
 KERNELS: dict[str, Callable[..., Any]] = {
     "resolve_kernel": resolve_kernel, "copy_plan_kernel": copy_plan_kernel,
     "copy_rows_kernel": copy_rows_kernel, "invalidate_written_kernel": invalidate_written_kernel,
+    "vllm_copy_kernel": vllm_copy_kernel, "vllm_invalidate_kernel": vllm_invalidate_kernel,
 }

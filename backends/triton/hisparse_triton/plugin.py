@@ -40,7 +40,7 @@ PRIORITY_COMPILED = 50
 PRIORITY_INTERPRETED = -10
 CAPABILITIES = frozenset({
     Capability.FP8_DS_MLA, Capability.BF16_MLA, Capability.SPECULATIVE_UNION, Capability.INDEX_SHARING,
-    Capability.SHARED_HOST_POOL, Capability.CUDA_GRAPH, Capability.ASYNC_TRANSFERS,
+    Capability.SHARED_HOST_POOL, Capability.CUDA_GRAPH, Capability.ASYNC_TRANSFERS, Capability.VLLM_OPS,
 })
 
 

@@ -33,20 +33,18 @@ from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.resolve_checks import check_resolve_shapes, check_resolve_values
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-from hisparse_triton import kernels
+from hisparse_triton import kernels, shapes
 
 logger = logging.getLogger(__name__)
 
-#: Plan entries (or copied rows) one program of a copy kernel moves on a GPU: small programs, many
-#: of them in flight.
-COPY_ENTRIES = 16
-#: The same under Triton's interpreter, which runs programs one after another and pays per op, not
-#: per element: few wide programs (a whole plan row each). Only the CPU path uses it.
-INTERPRETED_COPY_ENTRIES = 4096
+_pow2 = shapes.pow2
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def warp_size(device: torch.device) -> int:
+    """Lanes of one warp (wavefront) of `device`: 32 on NVIDIA, 64 on AMD CDNA (1 in the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return int(getattr(torch.cuda.get_device_properties(device), "warp_size", 32))
 
 
 def check_tensor(name: str, t: object, shape: tuple[int | None, ...], dtype: torch.dtype,
@@ -67,16 +65,13 @@ class TritonRuntime(CacheRuntime):
         self.config = config
         self._device = device
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
-        kp, gp, hp = _pow2(k), _pow2(config.rows_per_request), _pow2(h)
-        # The hash table holds at most a group's host rows plus the hot rows: at least twice that.
-        tp = _pow2(2 * (config.rows_per_request * k + h))
-        if gp * kp > 1 << 16 or hp > 1 << 16:
-            raise InvalidInputError(
-                f"RuntimeConfig(top_k={k}, rows_per_request={config.rows_per_request}, hot_rows={h}) is too large "
-                f"for the triton resolver: a group's entries ({gp * kp} padded) and the hot rows ({hp} padded) must "
-                f"each be at most {1 << 16}")
-        self._meta = dict(K=k, KP=kp, G_MAX=config.rows_per_request, GP=gp, BS=config.block_size, H=h, HP=hp,
-                          TP=tp, LOG_TP=tp.bit_length() - 1)
+        cpu = device.type == "cpu"
+        shape = shapes.resolver_shape(config, compiled=not cpu)
+        kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
+        lanes = warp_size(device)
+        self._meta: dict[str, int] = dict(shape.constexprs)
+        if not cpu:
+            self._meta["num_warps"] = shape.num_warps(lanes)
         i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         self._hot_map = torch.full((r, h), -1, **i32)
         self._lru = torch.arange(h, **i32).repeat(r, 1)
@@ -85,18 +80,27 @@ class TritonRuntime(CacheRuntime):
             plan_host=torch.full((b, k), -1, **i32), plan_device=torch.full((b, k), -1, **i32),
             plan_counts=torch.zeros(b, **i32))
         self._stats = torch.zeros(5, dtype=torch.int64, device=device)
-        # The resolver's per-program hash tables (keys, first references, slots) start empty and
-        # every call leaves them so; the victim list is overwritten before it is read.
+        # Slot hints: the slot last filled for each position of each state row (any value is safe:
+        # the kernel believes a hint only where the slot holds the entry's host row).
+        hint_dtype = torch.int16 if shapes.hint_dtype_name(config) == "i16" else torch.int32
+        self._pos_slot = torch.full((r, config.max_pages * config.block_size), -1, dtype=hint_dtype, device=device)
+        # The resolver's per-program hash tables (keys, first references, slots) and slot marks
+        # start empty and every call leaves them so; the victim list is overwritten before it is read.
         self._scratch = dict(
             tbl_key=torch.empty((b, tp), **i32), tbl_first=torch.empty((b, tp), **i32),
-            tbl_slot=torch.empty((b, tp), **i32), scr_victim=torch.zeros((b, hp), **i32))
+            tbl_slot=torch.empty((b, tp), **i32), scr_victim=torch.zeros((b, hp), **i32),
+            scr_mark=torch.zeros((b, hp), **i32))
         self._clear_tables()
         row_bytes = config.row_format.row_bytes
         self._word = torch.int32 if row_bytes % 4 == 0 else torch.uint8
         self._words = row_bytes // self._word.itemsize
         self._last_rows = 0
-        self._copy_entries = INTERPRETED_COPY_ENTRIES if device.type == "cpu" else COPY_ENTRIES
-        self._plan_entries = min(self._copy_entries, kp)
+        self._copy_entries = shapes.INTERPRETED_COPY_ENTRIES if cpu else shapes.COPY_ENTRIES
+        self._copy_meta: dict[str, int] = {} if cpu else dict(num_warps=max(1, shapes.COPY_THREADS // lanes))
+        self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu) | self._copy_meta
+        # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks);
+        # on a GPU a few per multiprocessor, whatever the batch.
+        self._plan_programs = 1 if cpu else 4 * torch.cuda.get_device_properties(device).multi_processor_count
         self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]
@@ -104,15 +108,24 @@ class TritonRuntime(CacheRuntime):
         self._dev_rows = 0
         self._resident_group = 0
         logger.info("triton runtime on %s: top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
-                    "entries take %d lanes, its hot rows %d, its hash table %d buckets; rows move as %d %s words",
-                    device, k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp, self._words,
-                    str(self._word).removeprefix("torch."))
+                    "entries take %d lanes, its hot rows %d, its hash table %d buckets, %d threads (warp of %d); rows move "
+                    "as %d %s words", device, k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp,
+                    shape.threads, lanes, self._words, str(self._word).removeprefix("torch."))
 
     def _clear_tables(self) -> None:
         s = self._scratch
         s["tbl_key"].fill_(kernels.EMPTY.value)
         s["tbl_first"].fill_(kernels.NO_ENTRY.value)
         s["tbl_slot"].fill_(-1)
+        s["scr_mark"].zero_()
+        # A launch that failed part way may have left outputs of mixed calls: the kernel rewrites only
+        # what changed, so restore the invariant (padding everywhere) it relies on.
+        out = self._result
+        out.rows.fill_(-1)
+        out.valid_counts.zero_()
+        out.plan_host.fill_(-1)
+        out.plan_device.fill_(-1)
+        out.plan_counts.zero_()
 
     # ----------------------------------------------------------------- storage
 
@@ -213,20 +226,34 @@ class TritonRuntime(CacheRuntime):
                                                      inputs.source_table, inputs.resident_table, inputs.hot_table)))
             check_resolve_values(host, cfg, num_device_blocks=self.num_device_blocks,
                                  host_blocks=self._host_rows // cfg.block_size)
+        out = self.launch_resolve(inputs, b, hot_map=self._hot_map, lru=self._lru, stats=self._stats,
+                                  miss_mask=None, host_limit=self._host_rows)
+        if gather:
+            self._copy_plan(0)
+        return out
+
+    def launch_resolve(self, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor, lru: torch.Tensor,
+                       stats: torch.Tensor, miss_mask: torch.Tensor | None, host_limit: int) -> ResolveResult:
+        """Launch the resolver on checked inputs over `rows` batch rows, with the hot state `hot_map`
+        (int32) and `lru` (int32 or int16) of this runtime's shape, counters `stats` (int64 [>= 3]),
+        and `miss_mask` (int32 [rows, top_k], written where given). Host rows at or past
+        `host_limit` are null. For this runtime's own `resolve` and for vLLM's op set, whose state
+        tensors are vLLM's."""
+        cfg = self.config
         out = self._result
+        mask = miss_mask is not None
         try:
             kernels.launch(
                 kernels.resolve_kernel, "resolve_kernel", (cfg.max_batch_rows,),
                 inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
-                inputs.hot_table, self._hot_map, self._lru, self._stats, out.rows, out.valid_counts, out.plan_host,
-                out.plan_device, out.plan_counts, *self._scratch.values(), b, cfg.max_pages, cfg.hot_blocks,
-                cfg.max_requests, **self._meta)
+                inputs.hot_table, hot_map, lru, stats, out.rows, out.valid_counts, out.plan_host,
+                out.plan_device, out.plan_counts, self._pos_slot, miss_mask if mask else out.valid_counts,
+                *self._scratch.values(), rows, cfg.max_pages, cfg.hot_blocks, cfg.max_requests, cfg.top_k,
+                cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, MASK=mask, **self._meta)
         except kernels.KernelError:
             self._clear_tables()  # a launch that failed part way may have left buckets filled
             raise
-        self._last_rows = b
-        if gather:
-            self._copy_plan(0)
+        self._last_rows = rows
         return out
 
     @property
@@ -253,12 +280,11 @@ class TritonRuntime(CacheRuntime):
         cfg = self.config
         out = self._result
         dev = self._dev[layer]
-        wp = _pow2(self._words)
         kernels.launch(
-            kernels.copy_plan_kernel, "copy_plan_kernel", (self._last_rows, -(-cfg.top_k // self._plan_entries)),
+            kernels.copy_plan_kernel, "copy_plan_kernel", (self._plan_programs,),
             out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
-            cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows,
-            W=self._words, WP=wp, EB=self._plan_entries, BS=cfg.block_size)
+            self._last_rows, cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words,
+            cfg.block_size, self._plan_programs, **self._plan_meta)
 
     # ----------------------------------------------------------------- page and row copies
 
@@ -319,13 +345,14 @@ class TritonRuntime(CacheRuntime):
         if self._device.type != "cpu":
             flat = flat.pin_memory().to(self._device, non_blocking=True)
         n = len(pairs)
-        eb = min(self._copy_entries, _pow2(n))
+        # Compiled: one build for every count (masked lanes); interpreted: as few programs as possible.
+        eb = min(self._copy_entries, _pow2(n)) if self._device.type == "cpu" else self._copy_entries
         for layer in range(cfg.num_layers):
             s, s_stride = self._side(src, layer)
             d, d_stride = self._side(dst, layer)
             kernels.launch(kernels.copy_rows_kernel, "copy_rows_kernel", (-(-n // eb),),
-                           flat, n, s, s_stride, d, d_stride,
-                           W=self._words, WP=_pow2(self._words), EB=eb, BS=cfg.block_size)
+                           flat, n, s, s_stride, d, d_stride, self._words, cfg.block_size,
+                           WP=_pow2(self._words), EB=eb, **self._copy_meta)
         if stat >= 0:
             self._stats[stat] += n * cfg.row_format.row_bytes * cfg.num_layers
 
@@ -351,7 +378,7 @@ class TritonRuntime(CacheRuntime):
             return
         h = self.config.hot_rows
         kernels.launch(kernels.invalidate_written_kernel, "invalidate_written_kernel", (states.shape[0],),
-                       states, rows, self._hot_map, self.config.max_requests, H=h, HP=_pow2(h))
+                       states, rows, self._hot_map, self.config.max_requests, h, HP=_pow2(h))
 
     def invalidate_host_blocks(self, block_ids: Sequence[int]) -> None:
         self._require_bound()

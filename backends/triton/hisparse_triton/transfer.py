@@ -13,9 +13,11 @@ Reports are in submission order: a later id is never completed before an earlier
 Shared host pool: only rank 0 (`host_pool.is_writer`) writes. Every submission that writes the
 host pool is one epoch on every rank (ranks receive the same commands); rank 0 publishes in the
 pool's header the last epoch it has seen complete, and a peer acknowledges the transfers of an
-epoch once rank 0 has published it. A peer's restore, and `wait_for_host_writes` on a peer, wait
-on the host for rank 0 to publish every epoch submitted so far (a host synchronization, outside
-the decode path; the NVIDIA backend's IPC events avoid it).
+epoch once rank 0 has published it. A peer's restore, and `wait_for_host_writes` on a peer, order
+the peer's stream behind rank 0's interprocess device event (`hisparse_triton.ipc`): the host
+waits only until rank 0 has *enqueued* the epoch's writes, the GPU for them to land. Where the
+platform has no interprocess events (the interpreter), the peer waits on the host until rank 0
+has published the epoch complete.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from hisparse_core.transfer import TransferEngine, TransferProgress
 from hisparse_core.transfer_checks import check_engine_pool, check_engine_runtimes, check_unique_ids
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 from hisparse_triton.host_pool import TritonHostPool
+from hisparse_triton.ipc import EventChannel
 from hisparse_triton.runtime import TritonRuntime
 
 
@@ -69,6 +72,9 @@ class TritonTransferEngine(TransferEngine):
         self._last_write_event: Any = None
         self._epoch_events: list[tuple[int, Any]] = []  # writer on a GPU: epochs not yet published
         self._timeout = peer_timeout_s
+        header = pool.header_bytes
+        self._channel = EventChannel(header, self._device, writer=pool.is_writer) \
+            if self._gpu and header is not None else None
 
     @property
     def runtimes(self) -> Sequence[CacheRuntime]:
@@ -97,6 +103,8 @@ class TritonTransferEngine(TransferEngine):
                 fn()
             event = torch.cuda.Event()
             event.record(self._stream)
+            if self._channel is not None:
+                self._channel.record(self._stream, self._epoch)
         self._last_write_event = event
         self._epoch_events.append((self._epoch, event))
         return event, self._epoch
@@ -147,15 +155,22 @@ class TritonTransferEngine(TransferEngine):
 
     def wait_for_host_writes(self, stream: torch.cuda.Stream | None = None) -> None:
         """Order later reads of the host pool on `stream` (default: current) after every host write
-        submitted so far: a GPU-side wait on the copy stream here; on a peer, a host-side wait until
-        rank 0 has published every epoch submitted so far."""
+        submitted so far: a GPU-side wait on the copy stream here. On a peer, a GPU-side wait on rank
+        0's interprocess event once rank 0 has enqueued every epoch submitted so far; where the
+        platform has no such events, a host-side wait until rank 0 has published them complete."""
         if self._pool.is_writer:
             if self._gpu and self._last_write_event is not None:
                 (stream or torch.cuda.current_stream(self._device)).wait_event(self._last_write_event)
             return
         deadline = time.monotonic() + self._timeout
+        what = f"host-write epoch {self._epoch}"
+        if self._channel is not None and self._epoch > 0:
+            target = stream or torch.cuda.current_stream(self._device)
+            if self._channel.wait(self._epoch, target, lambda: self._pool.done_epoch,
+                                  lambda: self._peer_wait_step(what, deadline)):
+                return
         while self._pool.done_epoch < self._epoch:
-            self._peer_wait_step(f"host-write epoch {self._epoch}", deadline)
+            self._peer_wait_step(what, deadline)
 
     # ----------------------------------------------------------------- progress
 

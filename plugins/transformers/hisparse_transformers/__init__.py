@@ -15,7 +15,8 @@ layers below its own, `TYPE_CHECKING` imports included, never one beside or abov
 
 1. leaves, importing nothing of the package: `rows` (RowMap), `tokens`, `families` (DSA layouts),
    `budgets`, `stats`, `version`, `tiny`, `shards` (the layers' devices under `device_map`),
-   `ranks` (tensor-parallel ranks), `assisted` (what an assisted generate asks for);
+   `ranks` (tensor-parallel ranks), `assisted` (what an assisted generate asks for), `model_topk`
+   (benchmarks: decode top-k from the replay's locality model);
 2. `session`: a batch's requests and the step in progress (Request, Session, StepState);
 3. `engine`: the engine role (GPU block pool, coordinator, a worker per device, device caches and tables); it
    knows nothing of the model's attention, the cache or the checker;
@@ -36,7 +37,8 @@ from typing import Any
 
 #: The import layers of this package, bottom first (see the module docstring).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "shards", "ranks", "assisted"),
+    ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "shards", "ranks", "assisted",
+     "model_topk"),
     ("session",),
     ("engine",),
     ("cache", "check"),

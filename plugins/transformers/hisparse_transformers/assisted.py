@@ -31,9 +31,11 @@ class AssistedPlan:
     candidates: int          # most candidate tokens one verification step checks
 
 
-def _int_setting(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value or value < 0:
-        raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}")
+def _int_setting(name: str, value: Any, minimum: int = 0, *, whole_floats: bool = True) -> int:
+    """`value` as an int >= `minimum` (`whole_floats`: 3.0 passes as 3, as transformers reads it)."""
+    kinds = (int, float) if whole_floats else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or int(value) != value or value < minimum:
+        raise InvalidInputError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
 
 
@@ -78,7 +80,8 @@ def assisted_plan(model: Any, kwargs: dict[str, Any], setting: Callable[[str], A
                                 "prompt_lookup_num_tokens or an assistant_model")
     lookup = setting("prompt_lookup_num_tokens")
     if lookup is not None:         # transformers prefers prompt lookup when both are given
-        k = _int_setting("prompt_lookup_num_tokens", lookup)
+        # transformers compares it with ints and slices by it: 3.0 and 0 fail inside its generate.
+        k = _int_setting("prompt_lookup_num_tokens", lookup, 1, whole_floats=False)
         return AssistedPlan("prompt lookup", "prompt_lookup_num_tokens", k)
     draft = kwargs.get("assistant_model")
     if draft is None:

@@ -229,7 +229,15 @@ class HiSparseAttention:
             checker.record(self.layer, session, step, latent.view(b, s, -1))
 
         if self.position == 0:
-            topk = m.indexer(hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids, cache)
+            model = engine.topk_model
+            if model is not None and model.filled(step):
+                # Benchmarks: the choice comes from the locality model (`model_topk.py`). The
+                # indexer runs unless `run_indexer` is off (its cost measured by leaving it out).
+                if model.run_indexer:
+                    m.indexer(hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids, cache)
+                topk = model.take(self.group, b)
+            else:
+                topk = m.indexer(hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids, cache)
             if checker is not None:
                 checker.check_topk(self.layer, session, step, m.indexer,
                                    (hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids),

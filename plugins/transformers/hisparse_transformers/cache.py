@@ -36,6 +36,21 @@ class UnsupportedCacheOperation(HiSparseError, RuntimeError):
     """Beam search, cache cropping and similar operations that reorder or rewrite cached rows."""
 
 
+def crop_count(value: object) -> int:
+    """The int a `crop` argument stands for: an int, or a 0-dim integer tensor on any device.
+
+    A device tensor costs one host sync here. It cannot be avoided: the cache's length and the
+    engine's page tables are host state that the next forward's planning reads; and it is cheap,
+    since transformers has already synchronized on the same count (it slices `input_ids` with it)
+    in the verification step that calls `crop`, which is never part of the captured decode step."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+            return int(value.item())
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise UnsupportedCacheOperation(f"crop takes an int (or a 0-dim integer tensor), got {value!r}")
+
+
 class HiSparseCache(DynamicCache):
     """A fresh cache for one generate; get one from `HiSparseHandle.new_cache()` (or let the
     patched `generate` make one). One batch per cache: it cannot be reused after its generate."""
@@ -46,12 +61,14 @@ class HiSparseCache(DynamicCache):
         self.session: Session | None = None
         self.prompts: tuple[list[list[int]], list[int]] | None = None
         self.max_new_tokens: int | None = None
+        self.candidates = 0                  # an assisted generate's candidate tokens, reserved past max_new_tokens
         self._length = 0
         self._indexer: dict[int, torch.Tensor] = {}
         self._indexer_len: dict[int, int] = {}
         self._static_position: torch.Tensor | None = None   # [1] int64 padded position (static mode)
         self.indexer_generation = 0                            # bumped whenever a key buffer is replaced
         self.decode_graph: Any = None                          # the batch's DecodeGraph (graphs.py)
+        self.generating = False      # the patched generate runs this cache (else: direct forwards)
         self.assisted = False        # an assisted generate (verification steps of several tokens, then crop)
         self.split_forward = False   # the forward in progress runs as several engine steps (handle.py)
 
@@ -159,16 +176,18 @@ class HiSparseCache(DynamicCache):
     def is_croppable(self) -> bool:
         return True
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def crop(self, tokens_to_remove: int | torch.Tensor) -> None:
         """Drop the last `-tokens_to_remove` tokens (transformers' convention; a positive value is
-        the legacy absolute length to keep). Only the suffix of the last forward can go."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise UnsupportedCacheOperation(f"crop takes an int, got {tokens_to_remove!r}")
-        n = -tokens_to_remove if tokens_to_remove <= 0 else max(0, self._length - tokens_to_remove)
+        the legacy absolute length to keep). Only the suffix of the last forward can go.
+
+        An int or a 0-dim integer tensor: assisted generation in transformers 5.17/5.18 passes
+        `-(candidate_length - n_matches)` with `n_matches` a tensor on the model's device."""
+        count = crop_count(tokens_to_remove)
+        n = -count if count <= 0 else max(0, self._length - count)
         if n == 0:
             return
         if self.session is None:
-            raise UnsupportedCacheOperation(f"crop({tokens_to_remove}) before any forward: the cache holds nothing")
+            raise UnsupportedCacheOperation(f"crop({count}) before any forward: the cache holds nothing")
         self.hisparse_engine.rollback(self.session, n)
         self._length -= n
         for layer_idx, length in self._indexer_len.items():
@@ -182,11 +201,13 @@ class HiSparseCache(DynamicCache):
         raise self._unsupported("selecting batch rows (batch_select_indices)")
 
     def set_prompts(self, prompts: Sequence[Sequence[int]], pads: Sequence[int],
-                    max_new_tokens: int | None = None) -> None:
+                    max_new_tokens: int | None = None, candidates: int = 0) -> None:
         """The batch's prompts (logical ids, padding stripped) and left padding, before the first
-        forward; `max_new_tokens` bounds what admission reserves (None: up to `max_context`)."""
+        forward; `max_new_tokens` bounds what admission reserves (None: up to `max_context`), and
+        `candidates` (an assisted generate's) adds what a verification step writes past it."""
         self.prompts = ([list(p) for p in prompts], list(pads))
         self.max_new_tokens = max_new_tokens
+        self.candidates = candidates
 
     @property
     def prompt_width(self) -> int:

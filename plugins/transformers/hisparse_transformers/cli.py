@@ -45,8 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("generate", help="decode with a real (tiny, random) transformers DSA model through "
                                                "hisparse, checked token for token against the model alone",
                               description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--model", default="deepseek_v32", choices=["deepseek_v32", "glm_moe_dsa"],
-                   help="model family (tiny random config; default: deepseek_v32)")
+    from hisparse_core.planner import MODEL_TYPES, MODELS, aliases_text, model_name
+
+    p.add_argument("--model", default="deepseek-v3.2", choices=list(MODELS), type=model_name,
+                   help="the model a tiny random one is built like: its transformers class and how its layers "
+                        "share indexers (" + ", ".join(f"{n}: {MODEL_TYPES[n]}, {_indexers(g.index_share)}"
+                                                       for n, g in MODELS.items())
+                        + f"; the names of hisparse plan; aliases: {aliases_text()}; default: deepseek-v3.2)")
     p.add_argument("--backend", default=None,
                    help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
     p.add_argument("--device", default=None, help="torch device of the model (default: the backend's)")
@@ -85,6 +90,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _indexers(share: int) -> str:
+    return "one indexer per layer" if share == 1 else f"one indexer per {share} layers"
+
+
 def _table(result: dict) -> str:  # type: ignore[type-arg]
     from hisparse_core.replay.report import human_bytes, pct, render_table
 
@@ -94,7 +103,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     where = kv_place(e["device"])
     rows = [
         ("backend", f"{e['backend']} on {e['device']}"),
-        ("model", f"tiny random {c['model']} ({c['dtype']}): {c['layers']} layers in index groups "
+        ("model", f"tiny random {c['name']} ({c['model']}, {c['dtype']}): {c['layers']} layers in index groups "
                   f"{e['index_groups']}, top-k {c['top_k']}, hot buffer {e['hot_rows']} rows, row {e['row_format']} "
                   f"({e['row_bytes']} B)"),
         ("batches", f"{c['prompts']} prompts of {c['prompt_lengths']} tokens + {c['new_tokens']} new; then "
@@ -129,6 +138,9 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                          f"{f2['max_abs_logit_diff']:.2e} over {f2['steps']} steps"),
         ("rows checked", f"{x['rows_checked']} rows read, each equal to the model's own latent (max abs diff "
                          f"{x['rows_max_abs_diff']:.1e})"),
+        ("top-k checked", f"{x['topk_checked']} queries against the model's own indexer; decided at a tie: "
+                          f"{x['topk_boundary_ties']} exact, {x['topk_near_ties']} near (where the model's own "
+                          "generate may pick another key)"),
         ("result", "EXACT" if x["exact"] else f"FAILED (tolerance {x['logit_tolerance']:.0e})"),
     ]
     return render_table(rows, "hisparse generate")
@@ -209,6 +221,29 @@ def _gib_down(nbytes: int) -> str:
     return _gib_round(nbytes, up=False)
 
 
+class _QuietEngine:
+    """At the default INFO level, the engine's own INFO lines (registry, coordinator, worker, the
+    transformers engine: long, and all in the table) are held back while it runs; at DEBUG every
+    line shows."""
+
+    NAMES = ("hisparse_core.registry", "hisparse_core.coordinator", "hisparse_core.worker", "hisparse_transformers")
+
+    def __init__(self) -> None:
+        self.active = logging.getLogger().getEffectiveLevel() == logging.INFO
+        self._saved: list[int] = []
+
+    def __enter__(self) -> None:
+        if self.active:
+            self._saved = [logging.getLogger(n).level for n in self.NAMES]
+            for n in self.NAMES:
+                logging.getLogger(n).setLevel(logging.WARNING)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            for n, level in zip(self.NAMES, self._saved, strict=True):
+                logging.getLogger(n).setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.min_prompt > args.max_prompt:
         return fail("hisparse generate", f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}; "
@@ -227,22 +262,34 @@ def run(args: argparse.Namespace) -> int:
     from hisparse_core.replay.report import dumps
 
     bar = ProgressBar(0, "generate", enabled=False)  # replaced once the step count is known
+    quiet = _QuietEngine()
     try:
-        device = args.device
-        if device is None:
-            from hisparse_core.registry import select_backend
+        from hisparse_core.registry import get_registry, select_backend
 
-            device = str(select_backend(args.backend).device)
+        with quiet:
+            chosen = select_backend(args.backend)
+        device = args.device if args.device is not None else str(chosen.device)
         preflight(args, device)
-        config = DemoConfig(model=args.model, backend=args.backend, prompts=args.prompts, min_prompt=args.min_prompt,
+        logger.info("hisparse generate: backend %s (%s) on %s%s", chosen.name,
+                    get_registry().choose(args.backend).explanation(), device,
+                    "; the engine's own log lines at --log-level DEBUG" if quiet.active else "")
+        from hisparse_core.planner import MODEL_TYPES, MODELS
+
+        config = DemoConfig(model=MODEL_TYPES[args.model], name=args.model,
+                            index_share=MODELS[args.model].index_share, backend=args.backend, prompts=args.prompts,
+                            min_prompt=args.min_prompt,
                             max_prompt=args.max_prompt, new_tokens=args.new_tokens, layers=args.layers,
                             top_k=args.top_k, hot_rows=args.hot_rows, block_size=args.block_size,
                             prefill_chunk=args.prefill_chunk, gpu_kv_pages=args.gpu_kv_pages,
                             host_pool_gib=args.host_pool_gib, shared_prefix=args.shared_prefix, seed=args.seed,
                             device=device, dtype=args.dtype)
         bar = ProgressBar(total_steps(config), "generate", enabled=not args.no_progress)
-        with bar:
-            result = run_demo(config, lambda n, label: bar.update(n, note=label))
+        import torch
+
+        # The instance selected above where it runs on the model's device: selected (and logged) once.
+        same = torch.device(chosen.device) == torch.device(device)
+        with bar, quiet:
+            result = run_demo(config, lambda n, label: bar.update(n, note=label), chosen if same else None)
     except ModuleNotFoundError as exc:  # transformers itself is imported on first use
         if (exc.name or "").split(".")[0] != "transformers":
             raise

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hisparse_core.backend import Backend
 from hisparse_transformers.engine import required_gpu_blocks
 from hisparse_transformers.tiny import TinyShape, random_prompts, tiny_model
 from hisparse_transformers.version import cache_kwarg
@@ -32,7 +33,9 @@ Progress = Callable[[int, str], None]
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    model: str = "deepseek_v32"
+    model: str = "deepseek_v32"   # the transformers model type
+    name: str = "deepseek-v3.2"   # the built-in model it is built like (`hisparse_core.planner.MODELS`)
+    index_share: int = 1          # layers per indexer (GLM-5's indexer_types: one "full", then "shared" ones)
     backend: str | None = None
     prompts: int = 4
     min_prompt: int = 200
@@ -54,7 +57,7 @@ class DemoConfig:
         if self.model not in ("deepseek_v32", "glm_moe_dsa"):
             raise ValueError(f"--model {self.model!r}; expected deepseek_v32 or glm_moe_dsa")
         for name in ("prompts", "min_prompt", "max_prompt", "new_tokens", "layers", "top_k", "hot_rows",
-                     "block_size", "prefill_chunk"):
+                     "block_size", "prefill_chunk", "index_share"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -100,13 +103,16 @@ def total_steps(c: DemoConfig) -> int:
     return 2 * c.new_tokens + 2 * max(1, c.new_tokens // 4)
 
 
-def run_demo(c: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
+def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend | None = None) -> dict[str, Any]:
+    """Run the demo of `c`; `backend`: an instance already selected for `c.backend` on `c.device`
+    (None: `enable` selects one)."""
     from transformers import DynamicCache
 
     import hisparse_transformers
 
     dtype = getattr(torch, c.dtype)
-    shape = TinyShape(layers=c.layers, index_topk=c.top_k, max_position=4 * (c.max_prompt + c.new_tokens))
+    shape = TinyShape(layers=c.layers, index_topk=c.top_k, max_position=4 * (c.max_prompt + c.new_tokens),
+                      index_share=c.index_share)
     model: Any = tiny_model(c.model, shape=shape, seed=c.seed, dtype=dtype, device=c.device)
     lengths = c.lengths()
     ids, mask = random_prompts(lengths, vocab=shape.vocab, seed=c.seed + 1)
@@ -134,7 +140,8 @@ def run_demo(c: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
     pages = c.gpu_kv_pages or max(floor, int(0.6 * all_resident))
     gpu_gib = pages * block_bytes / 2**30
     max_context = max(lengths) + c.new_tokens
-    with hisparse_transformers.enable(model, host_pool_gib=c.host_pool_gib, gpu_kv_gib=gpu_gib, backend=c.backend,
+    with hisparse_transformers.enable(model, host_pool_gib=c.host_pool_gib, gpu_kv_gib=gpu_gib,
+                                      backend=backend if backend is not None else c.backend,
                                       hot_rows=c.hot_rows, block_size=c.block_size, max_batch=c.prompts,
                                       max_context=max_context, prefill_chunk=c.prefill_chunk, check=True) as hs:
         t0 = time.perf_counter()
@@ -158,6 +165,8 @@ def run_demo(c: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
         "exactness": {"first_batch": exact1, "second_batch": exact2, "logit_tolerance": LOGIT_TOLERANCE,
                       "rows_checked": stats.checked_entries, "rows_max_abs_diff": stats.checked_max_abs_diff,
                       "topk_checked": stats.checked_topk_queries, "topk_ties": stats.checked_topk_ties,
+                      "topk_boundary_ties": stats.checked_topk_boundary_ties,
+                      "topk_near_ties": stats.checked_topk_near_ties,
                       "exact": exact1["exact"] and exact2["exact"]},
         "first_batch": first.to_json(),
         "stats": stats.to_json(),

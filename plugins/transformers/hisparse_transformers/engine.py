@@ -55,6 +55,7 @@ from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.budgets import check_budgets
 from hisparse_transformers.families import DsaLayout
+from hisparse_transformers.model_topk import ModelTopk
 from hisparse_transformers.ranks import Ranks
 from hisparse_transformers.session import Request, Session, StepState
 from hisparse_transformers.shards import Placement, ReportMerger
@@ -296,6 +297,8 @@ class HiSparseEngine:
         self._planned_writes: tuple[list[int], list[int]] = ([], [])
         self._planned_command: OffloadCommand | None = None
         self._last_prefill = False
+        #: Benchmarks only (`use_model_topk`): decode steps take their top-k from a locality model.
+        self.topk_model: ModelTopk | None = None
         #: Called with (session, tokens removed) after each rollback (the checker's copies follow it).
         self.rollback_listeners: list[Callable[[Session, int], None]] = []
         if spec:
@@ -374,12 +377,14 @@ class HiSparseEngine:
     # ------------------------------------------------------------------------------- sessions
 
     def open_session(self, prompts: Sequence[Sequence[int]], pads: Sequence[int],
-                     max_new_tokens: int | None = None) -> Session:
+                     max_new_tokens: int | None = None, candidates: int = 0) -> Session:
         """Admit one request per batch row; takes prefix hits from the host pool.
 
         The whole of every request must fit before anything runs: each row's prompt plus
         `max_new_tokens` (None: as far as `max_context` allows) against `max_context` and against
-        the host pool's free blocks, so no step can find the host pool full mid-decode."""
+        the host pool's free blocks, so no step can find the host pool full mid-decode.
+        `candidates`: an assisted generate's bound on the candidate tokens a verification step
+        writes past the last token it keeps (reserved on top of `max_new_tokens`)."""
         if self.closed:
             raise InvalidInputError("this hisparse engine was closed; enable hisparse again")
         if self.session is not None and not self.session.closed:
@@ -395,16 +400,18 @@ class HiSparseEngine:
             raise CapacityError(f"a prompt of {longest} padded tokens exceeds max_context="
                                 f"{max_context}; expected enable(..., max_context >= it)")
         # The last generated token is never fed back: its KV is not written.
-        grow = max(0, max_new_tokens - 1) if max_new_tokens is not None else None
+        grow = max(0, max_new_tokens - 1) + candidates if max_new_tokens is not None else None
         if grow is not None and longest + grow > max_context:
+            extra = (f" and up to {candidates} candidate tokens a verification step writes past the last token "
+                     "it keeps" if candidates else "")
             raise CapacityError(
-                f"max_new_tokens={max_new_tokens} after a prompt of {longest} padded tokens reaches "
+                f"max_new_tokens={max_new_tokens} after a prompt of {longest} padded tokens{extra} reaches "
                 f"{longest + grow} tokens of KV; max_context is {max_context}: expected max_new_tokens <= "
-                f"{max_context - longest + 1} or enable(..., max_context >= {longest + grow})")
+                f"{max_context - longest + 1 - candidates} or enable(..., max_context >= {longest + grow})")
         totals = [len(p) + grow if grow is not None else max_context - pad for p, pad in zip(prompts, pads, strict=False)]
         requests: list[Request] = []
         try:
-            for tokens, pad in zip(prompts, pads, strict=False):
+            for tokens, pad, total in zip(prompts, pads, totals, strict=False):
                 rid = f"hf-{self._next_request}"
                 self._next_request += 1
                 tokens = list(tokens)
@@ -415,7 +422,7 @@ class HiSparseEngine:
                     hit = self.coordinator.add_request(rid, tokens, max_prefix_tokens=0)
                 first = self.coordinator.first_resident_page(rid)
                 requests.append(Request(rid, self.free_states.pop(), pad, LazyTokens(tokens), len(tokens), hit,
-                                        first, [-1] * first, hit))
+                                        first, [-1] * first, hit, total))
             self._check_host_room(requests, totals, max_new_tokens)
         except BaseException:
             for r in requests:
@@ -427,6 +434,7 @@ class HiSparseEngine:
         if any(r.hit for r in requests):
             logger.info("hisparse: prefix hits from the host pool: %s tokens", [r.hit for r in requests])
         self.session = Session(self.device, requests)
+        self.session.max_new_tokens = max_new_tokens
         return self.session
 
     def _check_host_room(self, requests: Sequence[Request], totals: Sequence[int], max_new_tokens: int | None) -> None:
@@ -498,6 +506,15 @@ class HiSparseEngine:
             self.ahead.cancel()
             raise CapacityError(f"the batch reaches {end_padded} padded tokens; max_context is {self.max_pages * bs}: "
                                 "expected enable(..., max_context >= prompt + new tokens + padding)")
+        over = next((r for r in session.requests if max(end_padded, r.pad) - r.pad > r.limit), None)
+        if over is not None:
+            self.ahead.cancel()
+            reach = max(end_padded, over.pad) - over.pad
+            raise CapacityError(
+                f"this forward takes request {over.request_id} to {reach} tokens, past the {over.limit} its admission "
+                f"reserved host blocks for (a prompt of {over.prompt_len} tokens and "
+                f"max_new_tokens={session.max_new_tokens}); expected handle.new_cache(..., max_new_tokens >= "
+                f"{reach - over.prompt_len + 1}), or max_new_tokens=None to reserve up to max_context")
         if input_ids is None and any(max(end_padded, r.pad) - r.pad > len(r.tokens) for r in session.requests):
             self.ahead.cancel()
             raise InvalidInputError("a forward past the prompt needs input_ids (inputs_embeds only cover the "
@@ -535,7 +552,16 @@ class HiSparseEngine:
                          started=time.perf_counter(), prefill=num_new > 1 and not verify, verify=verify,
                          state_rows=session.state_rows)
         session.step = step
+        if self.topk_model is not None and num_new == 1 and all(r.computed >= r.prompt_len for r in session.requests):
+            self.topk_model.fill(session, step, [r.pad for r in session.requests], past)
         return step
+
+    def use_model_topk(self, regime_name: str, *, seed: int = 0, lookahead: int = 32) -> None:
+        """Benchmarks only: decode steps take every index group's top-k from the locality model
+        `regime_name` (`model_topk.py`), made `lookahead` steps at a time."""
+        self.topk_model = ModelTopk(regime_name, top_k=self.layout.index_topk,
+                                    leaders=[g[0] for g in self.layout.groups], num_layers=self.layout.num_layers,
+                                    max_batch=self.config.max_batch, device=self.device, seed=seed, lookahead=lookahead)
 
     def is_verification(self, session: Session, num_new: int) -> bool:
         """Whether a forward of `num_new` tokens per row is a verification step (its rows resolved
@@ -621,8 +647,14 @@ class HiSparseEngine:
         decode of one token per row (every prompt is in the cache), run its coordinator half and
         start its worker step now, while the device still runs this step (`StepAhead`)."""
         past = session.padded_len
-        if (session.closed or session.speculative or past + 1 > self.max_pages * self.config.block_size
-                or any(r.computed < r.prompt_len for r in session.requests)):
+        bs = self.config.block_size
+        if (session.closed or session.speculative or past + 1 > self.max_pages * bs
+                or any(r.computed < r.prompt_len or r.computed + 1 > r.limit for r in session.requests)):
+            return
+        # The planned step seals every page the lengths cover, so a page the last forward completed
+        # could no longer be cropped: direct forwards (which may crop after any forward) plan that
+        # step when it comes instead.
+        if session.direct and any(r.computed % bs == 0 for r in session.requests):
             return
 
         def prepare() -> OffloadCommand | None:

@@ -208,8 +208,9 @@ class HiSparseHandle:
             if len(prompts) != batch:
                 raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
-            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens)
+            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens, cache.candidates)
             cache.session.speculative = cache.assisted
+            cache.session.direct = not cache.generating
         elif cache.session.batch_size != batch:
             raise InvalidInputError(f"the forward has {batch} rows; this cache's batch has {cache.session.batch_size}")
         self.engine.begin_step(cache.session, input_ids, num_new)
@@ -308,7 +309,9 @@ class HiSparseHandle:
             checked_entries=checker.totals.entries if checker else 0,
             checked_max_abs_diff=checker.totals.max_abs_diff if checker else 0.0, decode_mode=self.graphs.mode,
             graph_captures=self.graphs.captures, checked_topk_queries=checker.totals.topk_queries if checker else 0,
-            checked_topk_ties=checker.totals.topk_ties if checker else 0, verify_steps=t.verify_steps,
+            checked_topk_ties=checker.totals.topk_ties if checker else 0,
+            checked_topk_boundary_ties=checker.totals.topk_boundary_ties if checker else 0,
+            checked_topk_near_ties=checker.totals.topk_near_ties if checker else 0, verify_steps=t.verify_steps,
             verify_rows=t.verify_rows, union_entries=union[0], union_shared_entries=union[0] - union[1],
             rollbacks=t.rollbacks, rolled_back_tokens=t.rolled_back_tokens)
 
@@ -426,11 +429,12 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     pads = left_padding(mask)
     rows = input_ids.detach().to("cpu").tolist()
     new = _max_new_tokens(model, kwargs, int(input_ids.shape[1]))
+    cache.generating = True
     if plan is not None:
         cache.assisted = True
-        if new is not None:
-            new += plan.candidates       # a verification step writes candidates past the last token kept
-    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, new)
+    # A verification step writes up to `candidates` tokens past the last token it keeps.
+    cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, new,
+                      plan.candidates if plan is not None else 0)
     gen = kwargs.get("generation_config")
     if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
         kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk
@@ -463,7 +467,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
            hot_rows: int | None = None, block_size: int = 64, max_batch: int = 8, max_context: int = 4096,
            prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None,
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
-           pool_name: str | None = None) -> HiSparseHandle:
+           pool_name: str | None = None, synthetic_topk: str | None = None) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -493,6 +497,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     :param share_host_pool: under tensor parallelism, map one host pool on every rank (rank 0 writes);
         False: a private pool per rank (for layouts whose latent differs by rank).
     :param pool_name: the shared pool's name (the same on every rank); None: rank 0 picks a fresh one.
+    :param synthetic_topk: benchmarks only. "benign" or "code": each decode step's top-k comes from
+        the replay's calibrated per-layer locality model of that regime (`model_topk.py`); the
+        indexer still runs and attention reads exactly the resolved rows. None: the indexer's own.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -514,6 +521,14 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         raise InvalidInputError(f"share_host_pool must be True or False, got {share_host_pool!r}")
     if pool_name is not None and not isinstance(pool_name, str):
         raise InvalidInputError(f"pool_name must be a str or None, got {pool_name!r}")
+    if synthetic_topk is not None:
+        from hisparse_core.replay.locality import REGIMES
+
+        if synthetic_topk not in REGIMES:
+            raise InvalidInputError(f"synthetic_topk={synthetic_topk!r}: expected one of {sorted(REGIMES)} or None")
+        if check or speculative_tokens:
+            raise InvalidInputError(f"synthetic_topk={synthetic_topk!r} replaces the indexer's choice in benchmarks; "
+                                    "expected check=False and speculative_tokens=0 with it")
     layout = detect(model)
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
@@ -528,6 +543,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         chosen = select_backend(None if backend in (None, "auto") else backend)
     backends = [_backend_on(chosen, dev, placement.spread) for dev in placement.devices]
     ranks = tensor_parallel(model, tp, share_host_pool, pool_name)
+    if synthetic_topk is not None and (placement.spread or ranks is not None):
+        raise InvalidInputError(f"synthetic_topk={synthetic_topk!r} runs on one device and one rank; expected a model "
+                                "on one device without tensor parallelism")
     if ranks is not None:
         ranks.agree({"family": layout.family, "layers": str(layout.num_layers), "row": f"{weight.dtype}x{layout.width}",
                      "host_pool_gib": repr(float(host_pool_gib)), "gpu_kv_gib": repr(float(gpu_kv_gib)),
@@ -542,6 +560,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
 
     engine = build() if ranks is None else ranks.in_order(build, HiSparseEngine.close)
     try:
+        if synthetic_topk is not None:
+            engine.use_model_topk(synthetic_topk)
         checker = ExactnessChecker(model.config) if check else None
         handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
     except BaseException:

@@ -34,6 +34,7 @@ class Request:
     first_resident: int            # pages below are host-backed
     blocks: list[int]              # resident GPU block per page (-1: host-backed)
     computed: int                  # tokens whose KV is final
+    limit: int = 0                 # tokens of KV admission reserved host blocks for (prompt + max_new_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -69,6 +70,10 @@ class Session:
         self.closed = False
         self.speculative = False       # assisted generation: the next forward's length is not predictable
         self.last_num_new = 0          # padded positions the last forward added (what a rollback may drop)
+        self.max_new_tokens: int | None = None   # what admission reserved for (None: up to max_context)
+        # Direct forwards (not a patched generate): a crop may follow any forward, even one decode
+        # token, so no step is planned ahead that would seal the page such a token completed.
+        self.direct = False
         dev = device
         self.state_rows = torch.tensor([r.state_index for r in requests], dtype=torch.int32, device=dev)
         self.pads = torch.tensor([r.pad for r in requests], dtype=torch.int64, device=dev)

@@ -73,16 +73,26 @@ def layer_device(attention: Any) -> torch.device:
     return attention.kv_a_proj_with_mqa.weight.device
 
 
+def _tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
+    """The parameters and buffers of an attention module (none for a stand-in without them)."""
+    named = [getattr(module, "named_parameters", None), getattr(module, "named_buffers", None)]
+    return [item for f in named if callable(f) for item in f()]
+
+
 def place(attentions: Sequence[Any], groups: Sequence[Sequence[int]]) -> Placement:
     """The placement of these layers; `InvalidInputError` (one line, naming the layers and their
     devices) if an index group's follower sits on another device than its leader, or a layer's
     weights are offloaded (meta: accelerate's CPU or disk offload)."""
     per_layer = [layer_device(a) for a in attentions]
-    for i, dev in enumerate(per_layer):
-        if dev.type == "meta":
-            raise InvalidInputError(f"layer {i}'s attention weights are offloaded (on meta): hisparse runs each layer's "
-                                    "attention where its weights are; expected a device_map with every decoder layer "
-                                    "on a device (no 'cpu' or 'disk' offload of attention layers)")
+    for i, (attention, dev) in enumerate(zip(attentions, per_layer, strict=True)):
+        # An offloading accelerate hook reports its execution device ("cpu") while the weights it
+        # loads at each forward stay meta placeholders; hisparse's attention reads them directly.
+        where = "" if dev.type != "meta" else "kv_a_proj_with_mqa.weight"
+        where = where or next((name for name, t in _tensors(attention) if t.device.type == "meta"), "")
+        if where:
+            raise InvalidInputError(f"layer {i}'s attention weights are offloaded ({where} is on meta): hisparse runs "
+                                    "each layer's attention where its weights are; expected a device_map with every "
+                                    "decoder layer on a device (no 'cpu' or 'disk' offload of attention layers)")
     devices: list[torch.device] = []
     for dev in per_layer:
         if dev not in devices:

@@ -60,6 +60,8 @@ class HiSparseStats:
     graph_captures: int
     checked_topk_queries: int = 0    # check=True: leader queries whose top-k was compared with the model's own
     checked_topk_ties: int = 0       # of them, those that differ only in the order of exactly tied scores
+    checked_topk_boundary_ties: int = 0   # of them, those whose k-th score ties exactly with a key left out
+    checked_topk_near_ties: int = 0       # of the rest, a key left out within check.near_tie_bound of the k-th
     verify_steps: int = 0
     verify_rows: int = 0
     union_entries: int = 0

@@ -5,7 +5,8 @@ vLLM's CUDA build compiled `hisparse_resolve_residency`, `hisparse_gather_compac
 `hisparse_gather_plan` and `hisparse_invalidate_written_slots`. `register_ops()` registers them
 with `torch.library` (schemas in `hisparse_core.vllm_ops.SCHEMAS`, argument for argument as vLLM
 0.32's runtime calls them) and sends each call to the selected backend's `VllmHiSparseOps`
-(`Capability.VLLM_OPS`): reference_cpu in PyTorch, nvidia through its fused kernels.
+(`Capability.VLLM_OPS`): reference_cpu in PyTorch, nvidia through its fused kernels, triton through
+Triton kernels (any GPU Triton compiles for, AMD's through ROCm among them).
 
 `HISPARSE_VLLM_OPS` picks what happens (the `vllm.general_plugins` hook calls `register_ops` in
 every vLLM process):
@@ -207,7 +208,7 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         if Capability.VLLM_OPS not in be.capabilities:
             raise spec.InvalidInputError(
                 f"hisparse backend {be.name!r} does not declare {Capability.VLLM_OPS!r}; choose one that does "
-                f"(reference_cpu, nvidia) with HISPARSE_BACKEND")
+                f"(reference_cpu, nvidia, triton) with HISPARSE_BACKEND")
         kernels = _kernels(be.vllm_ops(), be.name)
         if present:
             # Replace: our kernel under vLLM's schema, for the device vLLM compiled it for.

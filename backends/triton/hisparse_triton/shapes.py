@@ -1,0 +1,143 @@
+"""Launch shapes of the triton backend's kernels: compile-time constants, warps, grids and the
+signature each kernel is compiled with, from a `RuntimeConfig` and the target's warp width.
+
+One place for what the runtime launches and what CI compiles ahead of time for other targets
+(tests/triton_backend/test_compile_targets.py builds every kernel for AMD CDNA and sm_90 from these
+specs on a machine with no GPU). Imports no triton.
+
+Portability rules the shapes keep:
+
+- Threads per program are chosen in threads and divided by the target's warp width (32 on NVIDIA,
+  64 on AMD CDNA), so no size assumes a 32-lane warp.
+- Only power-of-two lane counts are compile-time constants (`*P`); every extent that varies with
+  the configuration (top-k, hot rows, block size, row words) is a runtime argument that Triton
+  does not specialize, so the conformance suite's many small geometries share a few builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import RuntimeConfig
+
+#: Plan entries (or copied rows) one program of a copy kernel moves per iteration on a GPU.
+COPY_ENTRIES = 16
+#: The same under Triton's interpreter, which runs programs one after another and pays per op, not
+#: per element: few wide programs (a whole plan row each).
+INTERPRETED_COPY_ENTRIES = 4096
+#: Threads of one copy program (4 warps on NVIDIA, 2 wavefronts on AMD CDNA).
+COPY_THREADS = 128
+#: The largest lane count of one resolver program (a group's entries, or its hot rows, padded).
+MAX_LANES = 1 << 16
+#: Threads of the resolver program: at most this many (CUDA's and HIP's block limit).
+MAX_THREADS = 1024
+#: Compiled builds pad small geometries to at least these lanes (entries, hot rows, hash buckets,
+#: batch rows of the plan copy), so that the many small geometries of a test run share a few
+#: builds instead of compiling one each; a masked lane costs nothing but an idle thread. The
+#: interpreter pays per element and keeps the exact powers of two.
+MIN_LANES = dict(KP=64, HP=256, TP=1024, BP=64)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """One kernel build: its name in `kernels.KERNELS`, the Triton signature of every runtime
+    argument (`*i32`, `i32`, ...; constexprs as `constexpr`), the constexpr values and the warps."""
+
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict[str, int]
+    num_warps: int
+    grid_note: str = field(default="")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolverShape:
+    kp: int
+    gp: int
+    hp: int
+    tp: int
+    threads: int
+
+    @property
+    def constexprs(self) -> dict[str, int]:
+        return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
+
+    def num_warps(self, warp_size: int) -> int:
+        return max(1, self.threads // warp_size)
+
+
+def resolver_shape(config: RuntimeConfig, *, compiled: bool = True) -> ResolverShape:
+    """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads."""
+    k, h, g = config.top_k, config.hot_rows, config.rows_per_request
+    floor = MIN_LANES if compiled else dict.fromkeys(MIN_LANES, 1)
+    kp, gp, hp = max(pow2(k), floor["KP"]), pow2(g), max(pow2(h), floor["HP"])
+    if gp * kp > MAX_LANES or hp > MAX_LANES:
+        raise InvalidInputError(
+            f"RuntimeConfig(top_k={k}, rows_per_request={g}, hot_rows={h}) is too large for the triton resolver: a "
+            f"group's entries ({gp * kp} padded) and the hot rows ({hp} padded) must each be at most {MAX_LANES}")
+    tp = max(pow2(2 * (g * k + h)), floor["TP"])
+    # About four lanes of the widest vector a thread (CUDA's resolver: one entry, two LRU positions).
+    threads = min(MAX_THREADS, max(128, pow2(max(gp * kp, hp)) // 4))
+    return ResolverShape(kp, gp, hp, tp, threads)
+
+
+def hint_dtype_name(config: RuntimeConfig) -> str:
+    """The slot hints are int16 where every slot fits (hot_rows <= 32767), else int32."""
+    return "i16" if config.hot_rows <= 32767 else "i32"
+
+
+def row_words(row_bytes: int) -> tuple[str, int]:
+    """Rows move as int32 words where the row size allows, else bytes: (signature type, words)."""
+    return ("i32", row_bytes // 4) if row_bytes % 4 == 0 else ("u8", row_bytes)
+
+
+def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32") -> list[KernelSpec]:
+    """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes.
+    `lru_dtype` is `i16` for vLLM's op set, whose LRU is int16 (and which writes the miss mask)."""
+    shape = resolver_shape(config)
+    word, words = row_words(config.row_format.row_bytes)
+    i32p = "*i32"
+    resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
+    resolve_sig |= {"lru": f"*{lru_dtype}", "stats": "*i64"}
+    resolve_sig |= dict.fromkeys(("out_rows", "out_counts", "plan_host", "plan_device", "plan_counts"), i32p)
+    resolve_sig |= {"pos_slot": f"*{hint_dtype_name(config)}", "miss_mask": i32p}
+    resolve_sig |= dict.fromkeys(("tbl_key", "tbl_first", "tbl_slot", "scr_victim", "scr_mark"), i32p)
+    resolve_sig |= dict.fromkeys(("B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit"), "i32")
+    resolve_consts = shape.constexprs | dict(MASK=int(lru_dtype == "i16"))
+    resolve_sig |= dict.fromkeys(resolve_consts, "constexpr")
+    copy_warps = max(1, COPY_THREADS // warp_size)
+    plan = plan_copy_meta(config, interpreted=False)
+    plan_sig = {"plan_host": i32p, "plan_device": i32p, "plan_counts": i32p, "src": f"*{word}", "dst": f"*{word}",
+                "dst_block_stride": "i32", "stats": "*i64"}
+    plan_sig |= dict.fromkeys(("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"), "i32")
+    plan_sig |= dict.fromkeys(plan, "constexpr")
+    rows_sig = {"pairs": i32p, "n": "i32", "src": f"*{word}", "src_block_stride": "i32", "dst": f"*{word}",
+                "dst_block_stride": "i32", "W": "i32", "BS": "i32", "WP": "constexpr", "EB": "constexpr"}
+    inval_sig = {"state_rows": i32p, "host_rows": i32p, "hot_map": i32p, "R": "i32", "H": "i32", "HP": "constexpr"}
+    vcopy_sig = {"src_rows": "*i64", "pick": "*i64", "dst_rows": "*i64", "any_take": i32p, "host": f"*{word}",
+                 "hot": f"*{word}", "n": "i32", "host_rows": "i32", "W": "i32", "BS": "i32", "block_stride": "i32",
+                 "WP": "constexpr", "EB": "constexpr"}
+    vinval_sig = {"dgi": i32p, "state_of_req": i32p, "req_ids": i32p, "written": "*i64", "S": "i32", "NR": "i32",
+                  "H": "i32", "HP": "constexpr"}
+    inval_warps = max(1, min(MAX_THREADS, pow2(config.hot_rows) // 4) // warp_size)
+    return [
+        KernelSpec("resolve_kernel", resolve_sig, resolve_consts, shape.num_warps(warp_size)),
+        KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
+        KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
+        KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
+        KernelSpec("vllm_copy_kernel", vcopy_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
+        KernelSpec("vllm_invalidate_kernel", vinval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
+    ]
+
+
+def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool) -> dict[str, int]:
+    """Constexprs of the plan copy: row words (padded), entries per iteration, batch rows (padded)."""
+    _, words = row_words(config.row_format.row_bytes)
+    eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else COPY_ENTRIES
+    bp = pow2(config.max_batch_rows) if interpreted else max(pow2(config.max_batch_rows), MIN_LANES["BP"])
+    return dict(WP=pow2(words), EB=eb, BP=bp)

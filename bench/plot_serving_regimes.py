@@ -1,0 +1,126 @@
+"""The results page's serving plot: decode throughput against batch under both locality regimes.
+
+Reads the `--json` files of `bench_serving.py` runs, or their stdout (a JSON row a line, which a
+run cut short still leaves); each run's rows carry the `topk` it took:
+`benign`, `code` or `indexer`. Draws, per context, tokens/s against batch for hisparse and
+all-resident under each regime (top row) and hisparse's step as a ratio to all-resident's at the
+same batch (bottom row: the offloading cost, with the issue's 1.05x and 1.15x targets). Prints
+the figures it plotted as a table, so the page's numbers and the plot come from one read, and,
+where a run with `--skip-indexer` sits beside one without, the indexer's share of the step.
+
+Run:  python bench/plot_serving_regimes.py benign.json code.json --png docs/figures/serving_regimes.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+STYLE = {"benign": "-", "code": "--", "indexer": ":"}
+COLOR = {"hisparse": "tab:blue", "all-resident": "tab:orange"}
+TARGET = {"benign": 1.05, "code": 1.15}
+
+
+def load(paths: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for p in paths:
+        text = Path(p).read_text()
+        if text.lstrip().startswith("["):
+            data = json.loads(text)
+        else:   # bench_serving.py's stdout: one JSON row a line as it goes (what a cut-short run leaves)
+            data = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        if not isinstance(data, list):
+            raise ValueError(f"{p}: expected the JSON list bench_serving.py --json writes, or its stdout")
+        rows += [r for r in data if r.get("step_ms") and r.get("mode") in COLOR]
+    if not rows:
+        raise ValueError(f"no hisparse or all-resident rows with a step time in {paths}")
+    return rows
+
+
+def style(reg: str) -> str:
+    return STYLE.get(reg.split("-")[0], "-.")
+
+
+def marker(reg: str) -> str:
+    return "s" if reg.endswith("-no-indexer") else "o"
+
+
+def ctx(t: int) -> str:
+    return f"{t // 1024}K" if t >= 1024 else str(t)
+
+
+def tok_s(r: dict[str, Any]) -> float:
+    return 1e3 * r["batch"] / r["step_ms"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--png", default="serving_regimes.png")
+    a = ap.parse_args(argv)
+    try:
+        rows = load(a.json)
+    except (OSError, ValueError) as exc:
+        print(f"plot_serving_regimes: {exc}", file=sys.stderr)
+        return 2
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    # every top-k source in the files, in the order first met (`code-no-indexer`: --skip-indexer)
+    regimes = list(dict.fromkeys(r.get("topk", "indexer") for r in rows))
+    fig, axes = plt.subplots(2, len(contexts), figsize=(6 * len(contexts), 8), squeeze=False, sharex="col")
+    print("| context | regime | batch | hisparse tok/s | all-resident tok/s | step ratio | hits | H2D MB/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for col, t in enumerate(contexts):
+        top, bottom = axes[0][col], axes[1][col]
+        for reg in regimes:
+            mine = {(r["mode"], r["batch"]): r for r in rows if r["context"] == t and r.get("topk", "indexer") == reg}
+            for mode, color in COLOR.items():
+                pts = sorted((b, tok_s(r)) for (m, b), r in mine.items() if m == mode)
+                if pts:
+                    top.plot(*zip(*pts, strict=True), style(reg), marker=marker(reg), color=color,
+                             label=f"{mode}, {reg}")
+            ratio = sorted((b, r["step_ms"] / mine[("all-resident", b)]["step_ms"]) for (m, b), r in mine.items()
+                           if m == "hisparse" and ("all-resident", b) in mine)
+            if ratio:
+                bottom.plot(*zip(*ratio, strict=True), style(reg), marker=marker(reg), color="tab:blue", label=reg)
+            if reg in TARGET:
+                bottom.axhline(TARGET[reg], ls=style(reg), color="gray", lw=0.8)
+            for b in sorted({b for (_, b) in mine}):
+                h, res = mine.get(("hisparse", b)), mine.get(("all-resident", b))
+                cells = [f"{tok_s(h):.1f}" if h else "-", f"{tok_s(res):.1f}" if res else "-",
+                         f"{h['step_ms'] / res['step_ms']:.2f}x" if h and res else "-",
+                         f"{100 * h['hit_rate']:.0f}%" if h and "hit_rate" in h else "-",
+                         f"{h['h2d_mb_per_step']:.1f}" if h and "h2d_mb_per_step" in h else "-"]
+                print(f"| {ctx(t)} | {reg} | {b} | " + " | ".join(cells) + " |")
+        top.set_title(f"context {ctx(t)}")
+        top.set_ylabel("decode tokens/s")
+        top.set_xscale("log", base=2)
+        top.grid(alpha=0.3)
+        top.legend(fontsize=8)
+        bottom.set_ylabel("hisparse step / all-resident step")
+        bottom.set_xlabel("batch (concurrent requests)")
+        bottom.grid(alpha=0.3)
+        bottom.legend(fontsize=8)
+    # The model's own indexer: a run with it against one without it (--skip-indexer), same regime.
+    by = {(r.get("topk", "indexer"), r["mode"], r["context"], r["batch"]): r for r in rows}
+    shares = [(t, reg, mode, b, 1.0 - r["step_ms"] / by[(reg, mode, t, b)]["step_ms"])
+              for (src, mode, t, b), r in sorted(by.items()) if src.endswith("-no-indexer")
+              for reg in [src.removesuffix("-no-indexer")] if (reg, mode, t, b) in by]
+    for t, reg, mode, b, share in shares:
+        print(f"indexer share of the step, {mode}, {reg}, {ctx(t)}, batch {b}: {share:.0%}")
+    fig.tight_layout()
+    fig.savefig(a.png, dpi=120)
+    plt.close(fig)
+    print(f"plot: {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

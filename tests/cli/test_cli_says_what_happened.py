@@ -1,0 +1,269 @@
+"""CLI output that says what happened (issue 43): bad values refused in the flags' words before any
+work, a run that reports neither a pass when nothing was checked nor a finish it did not reach,
+plots written under the name given with their legends clear of the data, one set of model names."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from hisparse_core.cli import build_parser, main
+
+#: 3 requests of 100+4 tokens, top-k 64: a run of seconds on reference_cpu.
+TINY = ["run", "--backend", "reference_cpu", "--requests", "3", "--context", "100", "--decode-tokens", "4",
+        "--top-k", "64", "--block-size", "16", "--gpu-kv", "3MiB", "--host", "8MiB", "--no-progress"]
+
+
+def _err_line(capsys: pytest.CaptureFixture[str], prog: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(prog)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _json(argv: list[str]) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+# ------------------------------------------------------------------------------------ --plot
+
+
+@pytest.mark.parametrize("name", ["x.txt", "p.pgn"])
+@pytest.mark.parametrize("command", [TINY, ["plan"]], ids=["run", "plan"])
+def test_an_unsupported_plot_extension_is_refused_before_any_work(
+        name: str, command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    import hisparse_core.planner as planner
+    import hisparse_core.replay.run as replay_run
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the work started although --plot cannot be written")
+
+    monkeypatch.setattr(replay_run, "run_replay", must_not_run)
+    monkeypatch.setattr(planner, "make_plan", must_not_run)
+    target = tmp_path / name
+    assert main([*command, "--plot", str(target)]) == 2
+    line = _err_line(capsys, f"hisparse {command[0]}")
+    ext = name.rsplit(".", 1)[1]
+    assert f"--plot {str(target)!r}: matplotlib cannot write .{ext} files" in line
+    assert ".png" in line and ".svg" in line and "(no extension: PNG)" in line
+    assert not target.exists()
+
+
+def test_a_plot_without_extension_is_written_under_exactly_that_name(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "noext"
+    with caplog.at_level(logging.INFO), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["plan", "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["noext"]
+    assert f"plot written to {target} (PNG)" in caplog.messages
+
+
+def test_plan_plot_legends_sit_below_the_data_and_close_markers_are_one() -> None:
+    """Each panel's legend lies below its axes (it covers no curve or point); where the crossover
+    is all but the hot buffer's context, only the hot buffer's line is drawn and the crossover's
+    label says how far past it lies."""
+    pytest.importorskip("matplotlib")
+    from hisparse_core.planner import MODELS, PlanInputs, crossover_context, make_plan
+    from hisparse_core.planner_plot import GID_CROSSOVER, plan_figure, pyplot
+
+    inputs = PlanInputs(MODELS["deepseek-v3.2"], 140 << 30, 256 << 30, 131072, hot_rows=4096, miss_rate=0.13)
+    crossover = crossover_context(inputs)
+    assert crossover is not None and crossover < 1.25 * inputs.hot_rows
+    fig = plan_figure(make_plan(inputs))
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is None:
+                continue      # the twin axes of the miss rate: its entries are in its host's legend
+            assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0
+        ax = fig.axes[0]
+        verticals = [ln for ln in ax.get_lines() if len(ln.get_xdata()) > 1 and len(set(ln.get_xdata())) == 1]
+        assert [ln.get_xdata()[0] for ln in verticals] == [inputs.hot_rows]
+        mark = next(t for t in ax.texts if t.get_gid() == GID_CROSSOVER)
+        assert f"at {crossover:,} tokens" in mark.get_text() and "past the hot buffer and tail" in mark.get_text()
+    finally:
+        pyplot().close(fig)
+
+
+# ------------------------------------------------------------------------- the flags' language
+
+
+def test_a_host_pool_too_small_names_host_and_a_size_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    from hisparse_core.coordinator import CoordinatorConfig
+    from hisparse_core.errors import CapacityError
+    from hisparse_core.planner import parse_bytes
+    from hisparse_core.replay.engine import RunConfig, _check_host_blocks
+
+    assert main([*TINY, "--host", "1"]) == 2
+    line = _err_line(capsys, "hisparse run")
+    assert line.startswith("hisparse run: error: --host 1 B holds 0 usable host blocks") and "host_pool_gib" not in line
+    assert "(--context 100 + --decode-tokens 4)" in line
+    fits = line.split("expected --host >= ")[1].split(",")[0]
+    # The size named is enough, and a block less is not.
+
+    def check(nbytes: int) -> None:
+        c = RunConfig(requests=3, context=100, decode_tokens=4, top_k=64, block_size=16, host_bytes=nbytes)
+        _check_host_blocks(c, CoordinatorConfig(
+            host_pool_gib=nbytes / 2**30, num_layers=c.layers, block_size=16, row_bytes=c.fmt.row_bytes,
+            max_model_len=c.max_tokens, hot_blocks_per_request=8, active_tail_pages=c.tail_pages))
+
+    check(parse_bytes(fits))
+    with pytest.raises(CapacityError):
+        check(parse_bytes(fits) - 2 * 16 * 656 * 2)
+
+
+def test_context_one_is_refused_by_the_parser_as_help_says(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--context", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --context: expected an integer in [2, 16777216], got 1" in err
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+        main(["run", "--help"])
+    text = " ".join(out.getvalue().split())
+    assert "prompt tokens per request (default: 16384; at most 16777216; accepted: [2, 16777216])" in text
+
+
+def test_a_gpu_kv_budget_too_large_names_a_value_that_fits(capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import hisparse_core.capacity as capacity
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 64 << 30)  # the same verdict on any machine
+    assert main([*TINY, "--gpu-kv", "1TiB"]) == 2
+    line = _err_line(capsys, "hisparse run")
+    assert line.startswith("hisparse run: error: --gpu-kv 1.00 TiB (")
+    assert "the backend runs on the CPU, so the KV pool is in host RAM" in line
+    assert line.endswith("lower --gpu-kv to at most 60.79GiB")  # 95% of 64 GiB, rounded down
+
+
+# ------------------------------------------------------------------------- what a run reports
+
+
+def test_a_run_that_compared_nothing_does_not_report_a_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json([*TINY, "--decode-tokens", "1", "--steps", "1", "--json"])
+    s = doc["summary"]
+    assert s["attention_entries_checked"] == 0 and s["passed"] is False and s["check"] == "nothing checked"
+    assert main([*TINY, "--decode-tokens", "1", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "NOTHING CHECKED: 0 entries compared" in out and "byte-identical" not in out and "PASS" not in out
+
+
+def test_a_run_says_when_its_step_limit_left_requests_unfinished(capsys: pytest.CaptureFixture[str]) -> None:
+    cut = _json([*TINY, "--steps", "3", "--json"])["summary"]
+    assert cut["stopped_at_step_limit"] is True and cut["requests_unfinished"] == 3 - cut["requests_finished"] > 0
+    assert main([*TINY, "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"{cut['requests_unfinished']} of 3 unfinished: the run stopped at its 3-step limit (raise --steps" in out
+    done = _json([*TINY, "--json"])["summary"]
+    assert done["stopped_at_step_limit"] is False and done["requests_unfinished"] == 0
+    assert done["passed"] is True and done["check"] == "pass" and done["attention_entries_checked"] > 0
+
+
+def test_the_planner_figure_says_what_bounds_it_and_why_measured_differs() -> None:
+    from hisparse_core.cli.run_cmd import _planner_note
+
+    # --preset large: the host pool holds 18 requests' KV, the GPU budget 49; 19 ran (shared prefixes).
+    s = {"max_concurrency_hisparse_planned_gpu": 49, "max_concurrency_hisparse_planned_host": 18,
+         "max_concurrency_hisparse_measured": 19, "max_concurrency_hisparse_planned": 18,
+         "max_concurrency_planned_bound_by": "host pool", "gpu_limit_reached": True}
+    note = _planner_note(s, "GPU")
+    assert "bound by the host pool: --host holds the whole KV of 18 requests, the GPU budget alone would run 49" in note
+    assert "measured above plan" in note and "prefix" in note
+    s.update(max_concurrency_hisparse_planned_host=80, max_concurrency_hisparse_planned=49,
+             max_concurrency_hisparse_measured=49, max_concurrency_planned_bound_by="GPU")
+    assert _planner_note(s, "cpu device") == " (bound by the cpu device budget; the host pool holds 80)"
+
+
+def test_run_planner_figure_is_the_smaller_of_gpu_and_host() -> None:
+    s = _json([*TINY, "--steps", "2", "--host", "1MiB", "--json"])["summary"]
+    assert s["max_concurrency_hisparse_planned"] == min(s["max_concurrency_hisparse_planned_gpu"],
+                                                        s["max_concurrency_hisparse_planned_host"])
+
+
+# ------------------------------------------------------------------------------ model names
+
+
+@pytest.mark.parametrize(("alias", "name"), [("deepseek_v32", "deepseek-v3.2"), ("glm_moe_dsa", "glm-5.2")])
+def test_plan_and_generate_take_one_set_of_model_names_and_the_other_as_aliases(alias: str, name: str) -> None:
+    assert _json(["plan", "--model", alias, "--json"]) == _json(["plan", "--model", name, "--json"])
+    parser = build_parser()
+    assert parser.parse_args(["plan", "--model", alias]).model == name
+    try:
+        import hisparse_transformers.cli  # noqa: F401  (the generate command's plugin)
+    except ImportError:
+        return
+    assert parser.parse_args(["generate", "--model", alias]).model == name
+    assert parser.parse_args(["generate", "--model", name]).model == name
+
+
+def test_generate_selects_and_logs_its_backend_once_in_one_short_line(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    import hisparse_transformers.demo as demo
+    from hisparse_core.backend import Backend
+    from hisparse_core.errors import HiSparseError
+
+    given: list[object] = []
+
+    def stop(config: object, progress: object = None, backend: object = None) -> None:
+        given.append(backend)
+        raise HiSparseError("stopped by the test")
+
+    monkeypatch.setattr(demo, "run_demo", stop)
+    caplog.set_level(logging.INFO)
+    assert main(["generate", "--backend", "reference_cpu", "--no-progress"]) == 2
+    assert len(given) == 1 and isinstance(given[0], Backend) and given[0].name == "reference_cpu"
+    selected = [m for m in caplog.messages if "selected" in m or "hisparse generate: backend" in m]
+    assert selected == ["hisparse generate: backend reference_cpu (explicit) on cpu; the engine's own log lines at "
+                        "--log-level DEBUG"], caplog.messages
+    assert all(len(m) < 200 for m in caplog.messages), caplog.messages
+
+
+# ---------------------------------------------------------------------------- hisparse backends
+
+
+def test_without_a_gpu_the_nvidia_backend_names_the_missing_gpu_not_a_pip_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    from hisparse_nvidia import plugin
+
+    def no_driver(name: str, *args: object, **kwargs: object) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    reason = plugin.probe()
+    assert reason is not None and reason.startswith("needs a CUDA GPU") and "pip" not in reason
+
+
+def test_a_failed_check_under_json_is_a_json_document_with_passed_false(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from hisparse_core.replay import kvdata
+
+    real = kvdata.ReferenceKV.write
+
+    def skewed(self, layer, start, rows):  # type: ignore[no-untyped-def]
+        real(self, layer, start, rows)
+        if layer == 1 and start == 100:  # the first decode token of a 100-token prompt: always attended
+            self.data[1, 100, 20] += 1
+
+    monkeypatch.setattr(kvdata.ReferenceKV, "write", skewed)
+    assert main([*TINY, "--json"]) == 1
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["passed"] is False and doc["check"] == "fail" and "position 100" in doc["error"]
+    assert "FAILED" in captured.err

@@ -1,0 +1,79 @@
+"""Every triton-backend kernel compiles for AMD CDNA (gfx942: MI300X, gfx90a: MI250X) at the
+production geometries, and for sm_90 at the production one, with no GPU present, and fits CDNA's
+64 KiB of LDS.
+
+One child process (`python -m hisparse_triton.compile_targets`, `TRITON_INTERPRET` unset, its own
+Triton cache) builds them all; identical builds compile once. Nothing here runs a kernel: the AMD
+builds have never run on AMD hardware.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+              pytest.mark.slow]  # about 40 s of CPU: 2 AMD targets x 5 resolver builds, and sm_90
+
+REPO = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("compile_targets")
+    report = tmp / "builds.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_ADDOPTS")}
+    env["TRITON_CACHE_DIR"] = str(tmp / "triton_cache")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; the kernels do integer work
+    proc = subprocess.run([sys.executable, "-m", "hisparse_triton.compile_targets", "--json", str(report)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert report.exists(), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads(report.read_text())
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    return data
+
+
+def test_every_kernel_compiles_for_cdna_and_sm90(builds: list[dict]) -> None:
+    from hisparse_triton.compile_targets import TARGET_GEOMETRIES, TARGETS, geometries
+
+    got = {(b["target"], b["geometry"], b["kernel"]) for b in builds}
+    names = {"resolve_kernel", "copy_plan_kernel", "copy_rows_kernel", "invalidate_written_kernel",
+             "vllm_copy_kernel", "vllm_invalidate_kernel"}
+    want = {(t, g, k) for t in TARGETS for g in TARGET_GEOMETRIES.get(t, tuple(geometries())) for k in names}
+    assert want <= got, sorted(want - got)
+    for b in builds:
+        assert b["binary"] == ("hsaco" if TARGETS[b["target"]][0] == "hip" else "cubin"), b
+
+
+def test_shared_memory_fits_cdna_lds(builds: list[dict]) -> None:
+    from hisparse_triton.compile_targets import CDNA_LDS_BYTES
+
+    for b in builds:
+        if b["target"].startswith("gfx"):
+            assert b["shared_bytes"] <= CDNA_LDS_BYTES, b
+
+
+def test_no_size_assumes_a_32_lane_warp(builds: list[dict]) -> None:
+    """Warps are threads divided by the target's warp width: the same threads on AMD (64 lanes) as
+    on NVIDIA (32 lanes), so an AMD build has half the warps."""
+    by = {(b["target"], b["geometry"], b["kernel"]): b for b in builds}
+    compared = 0
+    for (target, geo, kernel), b in by.items():
+        assert b["warp_size"] == (64 if target.startswith("gfx") else 32)
+        nv = by.get(("sm90", geo, kernel))
+        if nv is not None:
+            assert b["num_warps"] * b["warp_size"] == nv["num_warps"] * 32, b
+            compared += 1
+    assert compared >= 3 * 6, compared  # every kernel at the production geometry, on all three targets
+
+
+def test_no_inline_assembly() -> None:
+    """No kernel carries inline assembly (which would tie it to one instruction set)."""
+    source = (REPO / "backends/triton/hisparse_triton/kernels.py").read_text()
+    assert "inline_asm" not in source and "asm(" not in source

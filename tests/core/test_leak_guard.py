@@ -11,12 +11,13 @@ import textwrap
 import uuid
 from pathlib import Path
 
-CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_the_guard_fails_a_run_that_leaks(tmp_path: Path) -> None:
     name = f"guard{os.getpid()}{uuid.uuid4().hex[:8]}"
-    shutil.copy(CONFTEST, tmp_path / "conftest.py")
+    for support in ("conftest.py", "hypothesis_profiles.py"):  # the conftest imports the profiles
+        shutil.copy(TESTS / support, tmp_path / support)
     (tmp_path / "test_leaks.py").write_text(textwrap.dedent(f"""
         import multiprocessing.util, os
 

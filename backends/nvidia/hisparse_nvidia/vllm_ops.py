@@ -6,7 +6,8 @@ nvidia backend's own kernels (cuda/vllm_ops.cu, compiled with NVRTC like the res
   rows, union groups, out-of-range LRU slots, tables absent or present.
 - `hisparse_gather_compact` / `hisparse_gather_plan`: `hisparse_vllm_mark` (the taken entries, each
   destination marked by its last entry) then `hisparse_vllm_copy` (16-byte zero-copy reads of the
-  registered host pool over UVA, zero-fill for an absent source row).
+  registered host pool over UVA, zero-fill for an absent source row), each launched to overlap the
+  kernel before it (programmatic dependent launch; each waits for its predecessor's writes).
 - `hisparse_invalidate_written_slots`: one `hisparse_vllm_invalidate` launch.
 
 Every launch goes on the current stream with fixed shapes and no host synchronization (values are
@@ -139,14 +140,14 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         mark.launch((grid, 1, 1), COPY_THREADS, 0, stream,
                     [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att),
                      _i64(att_stride), _i32(bs), _i32(n), _i32(k), _i64(hot_rows), _ptr(owner), _ptr(epoch),
-                     _ptr(lst), _ptr(ctl)])
+                     _ptr(lst), _ptr(ctl)], overlap_previous=True)
         _, sms, _ = self._backend._device_props()
         slots = ((row_bytes + 111) // 128 + 1) * 8
         blocks = max(1, min(sms * COPY_BLOCKS_PER_SM, -(-(n * k * slots) // (COPY_THREADS * 4))))
         copy.launch((blocks, 1, 1), COPY_THREADS, 0, stream,
                     [_ptr(src), _ptr(dst), ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]),
                      _ptr(hot), _i64(hot.stride(0) * hot.element_size()), _i32(bs), _ptr(owner), _ptr(epoch),
-                     _ptr(lst), _ptr(ctl), ctypes.c_void_p(ctl.data_ptr() + 4)])
+                     _ptr(lst), _ptr(ctl), ctypes.c_void_p(ctl.data_ptr() + 4)], overlap_previous=True)
 
     # ----------------------------------------------------------------------------- the ops
 

@@ -13,7 +13,8 @@
 //      a slower one). A host entry's parked value becomes -(bucket + 2).
 //   3. Walk the LRU (each thread a contiguous run of positions): a slot whose hot-map row is in
 //      the hash is a hit, marked in its bucket as HELD | position (atomicMax: the last hit
-//      position in LRU order wins, as in the reference); the rest are evictable. A block scan
+//      position in LRU order wins, as in the reference; the marker is HELD | position << 15 | slot);
+//      the rest are evictable. A block scan
 //      packs evictable slots forward and hit slots backward into `ord`.
 //   4. Misses (buckets still holding their first entry) in first-reference order, row by row
 //      (a block scan of each row's first references): miss m takes evictable E[m]; the plan entry
@@ -46,6 +47,8 @@
 
 #define VR_EMPTY 0xffffffffffffffffull
 #define VR_HELD 0x80000000u
+#define VR_B 2  // entries of a row a thread classifies in one round of loads
+#define VR_W 4  // LRU positions a thread reads in one round of loads
 
 // (request, state row) of batch row r; q = -1 for a padding row.
 __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32* rsi, i32 nr, i32 S, i32& req,
@@ -91,6 +94,28 @@ __device__ __forceinline__ u32 vr_hash(i32 key, u32 size) {
     return (static_cast<u32>(key) * 2654435761u) % size;
 }
 
+// Inserts host row g first referenced by group entry x (the smallest x wins); returns its bucket.
+// `fresh` counts the rows this thread inserted first.
+__device__ __forceinline__ u32 vr_insert(u64* tab, u32 T, i32 g, i32 x, i32& fresh) {
+    const u64 key = (static_cast<u64>(static_cast<u32>(g)) << 32) | static_cast<u32>(x);
+    u32 b = vr_hash(g, T);
+    while (true) {
+        u64 cur = tab[b];
+        if (cur == VR_EMPTY) {
+            cur = atomicCAS(reinterpret_cast<unsigned long long*>(tab + b), VR_EMPTY, key);
+            if (cur == VR_EMPTY) {
+                ++fresh;
+                return b;
+            }
+        }
+        if (static_cast<i32>(cur >> 32) == g) {
+            atomicMin(reinterpret_cast<unsigned long long*>(tab + b), key);
+            return b;
+        }
+        b = b + 1 == T ? 0 : b + 1;
+    }
+}
+
 __device__ __forceinline__ i32 vr_hot_row(const i32* hbt, i64 hbt_stride, i32 req, i32 slot, i32 bs) {
     return static_cast<i32>(static_cast<i64>(hbt[static_cast<i64>(req) * hbt_stride + slot / bs]) * bs + slot % bs);
 }
@@ -116,6 +141,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32* s_val = reinterpret_cast<i32*>(s_tab + smem_buckets);
     i16* ord = reinterpret_cast<i16*>(s_val + smem_buckets);
     __shared__ i32 s_group;
+    // The next kernel (a gather's mark kernel, launched to overlap) waits for this grid before reading.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const i32 r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     i32 req, q;
     vr_row(r, request_ids, rsi, nr, S, req, q);
@@ -154,32 +181,52 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i16* lru_q = lru + static_cast<i64>(q) * H;
 
     // ---- 1. classify -----------------------------------------------------------------------
-    i32 pending = 0;
+    // Where the shared table holds every entry of the group (twice over), host rows are hashed as
+    // they are classified; otherwise their rows are parked in hot_out and hashed in step 2.
+    const bool early = static_cast<i64>(2) * G * K <= smem_buckets;
+    u32 T = early ? static_cast<u32>(2 * G * K) : 0u;
+    if (early) {
+        for (u32 b = tid; b < T; b += nt) s_tab[b] = VR_EMPTY;
+        __syncthreads();
+    }
+    i32 pending = 0, fresh = 0;
     for (i32 a = 0; a < G; ++a) {
         const i32 rr = r + a;
         const i32 rq = request_ids != nullptr ? request_ids[rr] : rr;
         i32 cnt = 0;
-        for (i32 i = tid; i < K; i += nt) {
-            const i64 e = base + static_cast<i64>(a) * K + i;
-            const i32 t = topk[e];
-            i64 g = t;
-            if (sbt != nullptr) {
-                const i32 col = t >= 0 ? t / sbs : -1;
-                g = -1;
-                if (rq >= 0 && rq < sbt_rows && col >= 0 && col < sbt_cols) {
-                    const i32 blk = sbt[static_cast<i64>(rq) * sbt_stride + col];
-                    if (blk >= 0) g = static_cast<i64>(blk) * sbs + t % sbs;
+        for (i32 i0 = tid; i0 < K; i0 += VR_B * nt) {
+            // VR_B entries a round: their top-k loads, then their page-table loads, issued together.
+            i32 tv[VR_B], sb[VR_B], rb[VR_B];
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {
+                const i32 i = i0 + u * nt;
+                tv[u] = i < K ? topk[base + static_cast<i64>(a) * K + i] : -1;
+            }
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {
+                const i32 t = tv[u];
+                sb[u] = -1;
+                rb[u] = null_block;
+                const i32 scol = t >= 0 ? t / sbs : -1;
+                if (sbt != nullptr && rq >= 0 && rq < sbt_rows && scol >= 0 && scol < sbt_cols) {
+                    sb[u] = sbt[static_cast<i64>(rq) * sbt_stride + scol];
+                }
+                const i32 rcol = t >= 0 ? t / rbs : -1;
+                if (rbt != nullptr && q < rbt_rows && rcol >= 0 && rcol < rbt_cols) {
+                    rb[u] = rbt[static_cast<i64>(q) * rbt_stride + rcol];
                 }
             }
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {
+            const i32 i = i0 + u * nt;
+            if (i >= K) break;
+            const i64 e = base + static_cast<i64>(a) * K + i;
+            const i32 t = tv[u];
+            i64 g = t;
+            if (sbt != nullptr) g = sb[u] >= 0 ? static_cast<i64>(sb[u]) * sbs + t % sbs : -1;
             if (g >= host_rows) g = -1;
             i64 res = -1;
-            if (rbt != nullptr) {
-                const i32 col = t >= 0 ? t / rbs : -1;
-                if (q < rbt_rows && col >= 0 && col < rbt_cols) {
-                    const i32 blk = rbt[static_cast<i64>(q) * rbt_stride + col];
-                    if (blk != null_block && blk >= 0) res = static_cast<i64>(blk) * rbs + t % rbs;
-                }
-            }
+            if (rbt != nullptr && rb[u] != null_block && rb[u] >= 0) res = static_cast<i64>(rb[u]) * rbs + t % rbs;
             cnt += (res >= 0 || g >= 0) ? 1 : 0;
             if (resolved != nullptr) resolved[e] = static_cast<i32>(g);
             if (miss_mask != nullptr) miss_mask[e] = 0;
@@ -188,8 +235,10 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 hot_out[e] = out;
                 if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
             } else {
-                hot_out[e] = static_cast<i32>(-(g + 2));
                 ++pending;
+                hot_out[e] = early ? -static_cast<i32>(vr_insert(s_tab, T, static_cast<i32>(g), a * K + i, fresh)) - 2
+                                   : static_cast<i32>(-(g + 2));
+            }
             }
         }
         i32 total;
@@ -205,37 +254,22 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         return;
     }
 
-    // ---- 2. the group's host rows in a hash --------------------------------------------------
-    const u32 T = static_cast<u32>(2 * P);
-    const bool in_smem = static_cast<i64>(T) <= smem_buckets;
-    u64* tab = in_smem ? s_tab : gtab + base * 2;
-    i32* tval = in_smem ? s_val : gval + base * 2;
-    for (u32 b = tid; b < T; b += nt) tab[b] = VR_EMPTY;
-    __syncthreads();
-    i32 fresh = 0;
-    for (i32 x = tid; x < G * K; x += nt) {
-        const i64 e = base + x;
-        const i32 v = hot_out[e];
-        if (v > -2) continue;
-        const i32 g = -(v + 2);
-        const u64 key = (static_cast<u64>(static_cast<u32>(g)) << 32) | static_cast<u32>(x);
-        u32 b = vr_hash(g, T);
-        while (true) {
-            u64 cur = tab[b];
-            if (cur == VR_EMPTY) {
-                cur = atomicCAS(reinterpret_cast<unsigned long long*>(tab + b), VR_EMPTY, key);
-                if (cur == VR_EMPTY) {
-                    ++fresh;
-                    break;
-                }
-            }
-            if (static_cast<i32>(cur >> 32) == g) {
-                atomicMin(reinterpret_cast<unsigned long long*>(tab + b), key);
-                break;
-            }
-            b = b + 1 == T ? 0 : b + 1;
+    // ---- 2. the group's host rows in a hash (unless step 1 did it) ----------------------------
+    u64* tab = s_tab;
+    i32* tval = s_val;
+    if (!early) {
+        T = static_cast<u32>(2 * P);
+        const bool in_smem = static_cast<i64>(T) <= smem_buckets;
+        tab = in_smem ? s_tab : gtab + base * 2;
+        tval = in_smem ? s_val : gval + base * 2;
+        for (u32 b = tid; b < T; b += nt) tab[b] = VR_EMPTY;
+        __syncthreads();
+        for (i32 x = tid; x < G * K; x += nt) {
+            const i64 e = base + x;
+            const i32 v = hot_out[e];
+            if (v > -2) continue;
+            hot_out[e] = -static_cast<i32>(vr_insert(tab, T, -(v + 2), x, fresh)) - 2;
         }
-        hot_out[e] = -static_cast<i32>(b) - 2;
     }
     i32 U;
     vr_scan(fresh, U);  // distinct host rows (its barriers also order the inserts before the walk)
@@ -244,25 +278,38 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const i32 cpt = (H + nt - 1) / nt;
     const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
     u32 hitbits = 0;
-    i32 hits = 0;
-    for (i32 p = p0; p < p1; ++p) {
-        const i32 s = lru_q[p];
-        const i32 cached = (s >= 0 && s < H) ? dgi_q[s] : -1;
-        if (cached < 0) continue;
-        u32 b = vr_hash(cached, T);
-        while (true) {
-            const u64 cur = tab[b];
-            if (cur == VR_EMPTY) break;
-            if (static_cast<i32>(cur >> 32) == cached) {
-                atomicMax(reinterpret_cast<unsigned long long*>(tab + b),
-                          (cur & 0xffffffff00000000ull) | VR_HELD | static_cast<u32>(p));
-                hitbits |= 1u << (p - p0);
-                ++hits;
-                break;
+    i32 hits = 0, held = 0;  // hit positions; buckets this thread found held first
+    for (i32 pb = p0; pb < p1; pb += VR_W) {
+        i32 sl[VR_W], cached[VR_W];
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            if (cached[u] < 0) continue;
+            const i32 p = pb + u;
+            u32 b = vr_hash(cached[u], T);
+            while (true) {
+                const u64 cur = tab[b];
+                if (cur == VR_EMPTY) break;
+                if (static_cast<i32>(cur >> 32) == cached[u]) {
+                    // The last hit position in LRU order wins (its slot is what the entries output).
+                    const u64 was = atomicMax(reinterpret_cast<unsigned long long*>(tab + b),
+                                              (cur & 0xffffffff00000000ull) | VR_HELD |
+                                                  (static_cast<u32>(p) << 15) | static_cast<u32>(sl[u]));
+                    held += (static_cast<u32>(was) & VR_HELD) ? 0 : 1;
+                    hitbits |= 1u << (p - p0);
+                    ++hits;
+                    break;
+                }
+                b = b + 1 == T ? 0 : b + 1;
             }
-            b = b + 1 == T ? 0 : b + 1;
         }
     }
+    i32 nHeld;
+    vr_scan(held, nHeld);
+    const i32 misses = U - nHeld;  // union rows not held
     i32 nH;
     const i32 hbefore = vr_scan(hits, nH);
     const i32 nE = H - nH;
@@ -282,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // ---- 4. misses in first-reference order, row by row ---------------------------------------
     const i32 ept = (K + nt - 1) / nt;
     i32 m_before = 0;
-    for (i32 a = 0; a < G; ++a) {
+    for (i32 a = 0; a < G && misses > 0; ++a) {
         const i32 rr = r + a;
         const i32 rq = request_ids != nullptr ? request_ids[rr] : rr;
         const i32 i0 = min(tid * ept, K), i1 = min(i0 + ept, K);
@@ -324,6 +371,11 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         if (tid == 0 && swap_counts != nullptr) swap_counts[rr] = row_misses;
         m_before += row_misses;
     }
+    if (misses == 0) {
+        for (i32 a = tid; a < G; a += nt) {
+            if (swap_counts != nullptr) swap_counts[r + a] = 0;
+        }
+    }
     __syncthreads();  // every miss's hot row is in tval
 
     // ---- 5. outputs of host entries, then the new LRU order --------------------------------------
@@ -337,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         if (lo & VR_HELD) {
             const i32 rr = r + x / K;
             const i32 rq = request_ids != nullptr ? request_ids[rr] : rr;
-            out = vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), lru_q[lo & ~VR_HELD], bs);
+            out = vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), static_cast<i32>(lo & 0x7fffu), bs);
         } else {
             out = tval[b];
         }
@@ -346,7 +398,6 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
     const i32 M = m_before;
     const i32 used = min(M, nE);
-    __syncthreads();  // the old LRU is read above
     for (i32 p = tid; p < H; p += nt) {
         i16 s;
         if (p < nE - used) {
@@ -374,13 +425,29 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_mark(
     i32 mode, const i32* __restrict__ src, const i32* __restrict__ dst, const i32* __restrict__ counts,
     const i32* __restrict__ mask, const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n,
     i32 K, i64 hot_rows, u64* owner, const u64* __restrict__ epoch, i32* list, i32* list_n) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the resolver: its plan
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const u64 ep = epoch[0] << 32;
     const i32 lane = threadIdx.x & 31;
     i32 lo, hi;
     if (mode == 0) {
+        // Request-major: row r's entries take list positions [sum of the earlier rows' counts, + its
+        // count), -1 where not taken, so the copy reads one or two requests' host rows at a time.
         const i32 r = blockIdx.x;
-        lo = r * K;
-        hi = lo + min(max(counts[r], 0), K);
+        i32 part = 0;
+        for (i32 x = threadIdx.x; x < r; x += HS_GNT) part += min(max(counts[x], 0), K);
+        i32 at0;
+        vr_scan(part, at0);
+        const i32 c = min(max(counts[r], 0), K);
+        if (threadIdx.x == 0 && c > 0) atomicAdd(list_n, c);
+        for (i32 j = threadIdx.x; j < c; j += HS_GNT) {
+            const i32 e = r * K + j;
+            const i32 g = src[e], d = dst[e];
+            const bool take = g >= 0 && d >= 0 && d < hot_rows;
+            list[at0 + j] = take ? e : -1;
+            if (take) atomicMax(reinterpret_cast<unsigned long long*>(owner + d), ep | static_cast<u32>(e));
+        }
+        return;
     } else {
         lo = blockIdx.x * HS_GNT;
         hi = min(lo + HS_GNT, n * K);
@@ -418,6 +485,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
     const i32* __restrict__ src, const i32* __restrict__ dst, const unsigned char* host, i64 host_rows,
     unsigned char* hot, i64 block_stride, i32 bs, const u64* owner, u64* epoch, const i32* list, i32* list_n,
     u32* ctl) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the mark kernel
     const i32 n = list_n[0];
     if (n == 0) return;  // nothing marked: nothing to reset
     const u64 ep = epoch[0] << 32;
@@ -432,6 +500,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
             to[u] = nullptr;
             if (c >= total) continue;
             const i32 e = list[c / HS_SLOTS];
+            if (e < 0) continue;  // a compact entry not taken
             const i32 j = static_cast<i32>(c % HS_SLOTS);
             const i32 d = dst[e];
             if (owner[d] != (ep | static_cast<u32>(e))) continue;  // a later entry writes this row

@@ -134,13 +134,15 @@ def miss_label(misses: int) -> str:
     return "res" if misses == RESIDENT else str(misses)
 
 
-def steps_for(misses: int) -> int:
-    """Steps of one cycle: the ring (steps * misses positions) must hold at least hot_rows + misses
-    positions (the cyclic steady state brings min(misses, ring - hot_rows) new rows a step: a ring
-    of 4114 positions gave 18 misses instead of 34, call P3) and fit in the context."""
+def steps_for(misses: int, hot: int = H, union: int = K) -> int:
+    """Steps of one cycle: the ring (steps * misses positions) must hold at least hot + union
+    positions (`union`: the entries a request reads in a step, top-k or its rows' union), since the
+    cyclic steady state brings min(misses, ring - hot) new rows a step (a ring of 4114 positions gave
+    18 misses instead of 34, call P3; 4 rows a request over a 10240-row hot buffer gave 0 instead of
+    274, call L1), and fit in the context."""
     if misses == 0:
         return 32
-    return min(CTX // misses, max(32 if misses < 1024 else 16, -(-(H + K) // misses)))
+    return min(CTX // misses, max(32 if misses < 1024 else 16, -(-(hot + union) // misses)))
 
 
 @dataclass
@@ -603,8 +605,8 @@ def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8, rpr: int = 1) 
     dev, i32 = bench.dev, torch.int32
     resident = misses == RESIDENT
     shift = 0 if resident else misses
-    steps = steps_for(max(shift, 0))
     h = H if rpr == 1 else H_UNION
+    steps = steps_for(max(shift, 0), h, K + (rpr - 1) * max(shift, 0))
     hb = h // BS
     windows = bench.windows(b, steps, shift) if shift else [bench.windows(b, 1, K)[0]] * steps
     topks = [torch.cat([windows[(s + j) % steps] for j in range(rpr)], dim=1).view(b * rpr, K)

@@ -53,7 +53,7 @@ from hisparse_core.cli.options import (
     plot_format,
     size_in,
 )
-from hisparse_core.errors import HiSparseError
+from hisparse_core.errors import HiSparseError, InvalidInputError
 from hisparse_core.progress import ProgressBar
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,25 @@ def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         values["topk_model"] = args.topk_model
     if args.resident_layers is not None:
         values["resident_layers"] = args.resident_layers
-    return RunConfig(**values, validate=args.validate, cuda_graphs=not args.eager)  # type: ignore[arg-type]
+    try:
+        return RunConfig(**values, validate=args.validate, cuda_graphs=not args.eager)  # type: ignore[arg-type]
+    except InvalidInputError as exc:
+        raise InvalidInputError(in_flag_words(str(exc))) from None
+
+
+#: The flag that sets each RunConfig field, for its refusals ("run resident_layers ..." ->
+#: "--resident-layers ...").
+_FLAG_OF_FIELD = {field: "--" + opt.replace("_", "-") for opt, field in _FIELDS.items()} | {
+    "gpu_kv_bytes": "--gpu-kv", "host_bytes": "--host", "topk_model": "--topk-model",
+    "resident_layers": "--resident-layers"}
+
+
+def in_flag_words(message: str) -> str:
+    """A RunConfig refusal that starts with its field (`run NAME ...`) restated with the flag's name."""
+    head, _, rest = message.partition(" ")
+    field, sep, tail = rest.partition(" ")
+    flag = _FLAG_OF_FIELD.get(field) if head == "run" else None
+    return f"{flag}{sep}{tail}" if flag else message
 
 
 def _table(result) -> str:  # type: ignore[no-untyped-def]

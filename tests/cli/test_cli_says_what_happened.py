@@ -267,3 +267,10 @@ def test_a_failed_check_under_json_is_a_json_document_with_passed_false(
     doc = json.loads(captured.out)
     assert doc["passed"] is False and doc["check"] == "fail" and "position 100" in doc["error"]
     assert "FAILED" in captured.err
+
+
+@pytest.mark.parametrize(("layers", "expected"), [("0", "--resident-layers [0] splits index group [0, 1]"),
+                                                   ("0,1", "--resident-layers [0, 1] keeps all 2 layers resident")])
+def test_a_run_config_refusal_names_the_flag(capsys: pytest.CaptureFixture[str], layers: str, expected: str) -> None:
+    assert main([*TINY, "--resident-layers", layers]) == 2
+    assert _err_line(capsys, "hisparse run").startswith(f"hisparse run: error: {expected}")

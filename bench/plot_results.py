@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "figures" / "results.json"
 
 #: One file per plot; docs/results.md links each by this name.
-PLOTS = ("swap_in_vs_copy.png", "no_miss_steps.png", "serving.png", "transformers_step.png")
+PLOTS = ("swap_in_vs_copy.png", "no_miss_steps.png", "serving.png", "serving_locality.png", "transformers_step.png")
 
 
 def mean(samples: list[float]) -> float:
@@ -85,6 +85,23 @@ def serving(ax: Any, data: dict[str, Any]) -> None:
     ax.legend(loc="center right", fontsize=8)
 
 
+def serving_locality(ax: Any, data: dict[str, Any]) -> None:
+    regimes = data["serving_locality"]["regimes"]
+    for (regime, modes), color in zip(regimes.items(), ("tab:blue", "tab:red"), strict=True):
+        for mode, style in (("hisparse", "-"), ("all-resident", "--")):
+            m = modes[mode]
+            ax.plot(m["batch"], m["tokens_per_s"], marker="o", linestyle=style, color=color,
+                    label=f"{mode}, {regime} (largest batch {max(m['batch'])})")
+    ax.set_xscale("log", base=2)
+    batches = sorted({b for modes in regimes.values() for m in modes.values() for b in m["batch"]})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_xlabel("batch (concurrent 128K-token requests)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("H200, 3 GiB of GPU KV, top-k from the locality model")
+    ax.legend(loc="lower right", fontsize=8)
+
+
 def transformers_step(ax: Any, data: dict[str, Any]) -> None:
     cells = data["transformers_step"]["cells"]
     labels = [f"batch {c['batch']}\n{c['context'] // 1024}K" for c in cells]
@@ -113,6 +130,7 @@ def draw(data: dict[str, Any], out: Path) -> list[Path]:
         ("swap_in_vs_copy.png", (1, 1), swap_in_vs_copy),
         ("no_miss_steps.png", (1, 2), no_miss_steps),
         ("serving.png", (1, 1), serving),
+        ("serving_locality.png", (1, 1), serving_locality),
         ("transformers_step.png", (1, 1), transformers_step),
     ]
     written = []

@@ -70,19 +70,24 @@ def no_miss_steps(axes: Any, data: dict[str, Any]) -> None:
     axes[0].set_ylim(0, 9.5)
 
 
-def serving(ax: Any, data: dict[str, Any]) -> None:
-    modes = data["serving"]["modes"]
-    for name, m in modes.items():
-        ax.plot(m["batch"], m["tokens_per_s"], marker="o", label=f"{name} (largest batch {max(m['batch'])})")
+def tokens_by_batch(ax: Any, series: Any, title: str, legend: str) -> None:
+    """The axes of a decode tokens/s against batch plot, ticks at every batch of `series`."""
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    batches = sorted({b for m in modes.values() for b in m["batch"]})
+    batches = sorted({b for m in series for b in m["batch"]})
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.minorticks_off()
     ax.set_xlabel("batch (concurrent 128K-token requests)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("H200, 3 GiB of GPU KV, 4 layers of DeepSeek-V3.2 attention")
-    ax.legend(loc="center right", fontsize=8)
+    ax.set_title(title)
+    ax.legend(loc=legend, fontsize=8)
+
+
+def serving(ax: Any, data: dict[str, Any]) -> None:
+    modes = data["serving"]["modes"]
+    for name, m in modes.items():
+        ax.plot(m["batch"], m["tokens_per_s"], marker="o", label=f"{name} (largest batch {max(m['batch'])})")
+    ax.set_yscale("log")
+    tokens_by_batch(ax, modes.values(), "H200, 3 GiB of GPU KV, 4 layers of DeepSeek-V3.2 attention", "center right")
 
 
 def serving_locality(ax: Any, data: dict[str, Any]) -> None:
@@ -92,14 +97,8 @@ def serving_locality(ax: Any, data: dict[str, Any]) -> None:
             m = modes[mode]
             ax.plot(m["batch"], m["tokens_per_s"], marker="o", linestyle=style, color=color,
                     label=f"{mode}, {regime} (largest batch {max(m['batch'])})")
-    ax.set_xscale("log", base=2)
-    batches = sorted({b for modes in regimes.values() for m in modes.values() for b in m["batch"]})
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.minorticks_off()
-    ax.set_xlabel("batch (concurrent 128K-token requests)")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title("H200, 3 GiB of GPU KV, top-k from the locality model")
-    ax.legend(loc="lower right", fontsize=8)
+    tokens_by_batch(ax, [m for modes in regimes.values() for m in modes.values()],
+                    "H200, 3 GiB of GPU KV, top-k from the locality model", "lower right")
 
 
 def transformers_step(ax: Any, data: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 ENV_CACHE = "HISPARSE_KERNEL_CACHE"
 DEFAULT_CACHE = Path.home() / ".cache" / "hisparse" / "kernels"
 #: Headers every kernel may include by name.
-HEADERS = ("common.cuh",)
+HEADERS = ("common.cuh", "row_copy.cuh")
 
 
 class KernelCompileError(BackendError):

@@ -22,20 +22,7 @@
 // device-mapped address); a device row d at dev_bases[l] + (d / bs) * dev_block_strides[l] +
 // (d % bs) * row_bytes (a layer's [num_blocks, bs, width] cache, blocks possibly strided).
 #include "common.cuh"
-
-#ifndef HS_VEC
-#error "HS_VEC must be defined"
-#endif
-#ifndef HS_GNT
-#define HS_GNT 256
-#endif
-#ifndef HS_UNROLL
-#define HS_UNROLL 4
-#endif
-#define HS_ROW_BYTES (HS_VEC * 16)
-// Lines of 128 bytes a row starting at a 16-byte aligned address can touch, and its slots.
-#define HS_ROW_LINES ((HS_ROW_BYTES + 111) / 128 + 1)
-#define HS_SLOTS (HS_ROW_LINES * 8)
+#include "row_copy.cuh"
 
 // Row location kinds for hisparse_copy_rows.
 #define HS_KIND_HOST 0

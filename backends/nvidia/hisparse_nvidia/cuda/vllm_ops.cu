@@ -31,19 +31,7 @@
 // hisparse_vllm_invalidate: one block per written token clears every slot of its state row that
 //   holds the written row.
 #include "common.cuh"
-
-#ifndef HS_VEC
-#error "HS_VEC (16-byte vectors per row) must be defined"
-#endif
-#ifndef HS_GNT
-#define HS_GNT 256
-#endif
-#ifndef HS_UNROLL
-#define HS_UNROLL 4
-#endif
-#define HS_ROW_BYTES (HS_VEC * 16)
-#define HS_ROW_LINES ((HS_ROW_BYTES + 111) / 128 + 1)
-#define HS_SLOTS (HS_ROW_LINES * 8)
+#include "row_copy.cuh"
 
 #define VR_EMPTY 0xffffffffffffffffull
 #define VR_HELD 0x80000000u

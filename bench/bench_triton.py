@@ -183,7 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=30, help="timed graph replays per figure (median)")
     ap.add_argument("--json", help="also write the table as JSON to this path")
     ap.add_argument("--no-nvidia", action="store_true", help="time the triton backend and the copy only")
+    ap.add_argument("--cells", metavar="M:B[,M:B]",
+                    help="only these cells (misses per request, or R for the resident step : batch), e.g. 0:1,R:128 "
+                         "(default: the whole sweep)")
     args = ap.parse_args(argv)
+    cells = [(m, b) for m in (*SWEEP_MISSES, None) for b in SWEEP_BATCHES]
+    if args.cells:
+        try:
+            cells = [(None if m == "R" else int(m), int(b)) for m, b in (c.split(":") for c in args.cells.split(","))]
+        except ValueError:
+            ap.error(f"--cells {args.cells!r}: expected M:B pairs, M misses per request or R, B a batch (e.g. 0:1,R:128)")
+        if any(b < 1 or b > MAX_REQ or (m is not None and not 0 <= m <= K) for m, b in cells):
+            ap.error(f"--cells {args.cells!r}: batches must be 1-{MAX_REQ} and misses 0-{K}")
     if not torch.cuda.is_available():
         print("bench_triton: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
@@ -199,18 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     print(f"{'scenario':>14} {'batch':>5} {'misses':>6} {'triton us':>10} {'nvidia us':>10} {'tr/nv':>6} "
           f"{'copy us':>9} {'tr/copy':>7}")
-    for misses in (*SWEEP_MISSES, None):
-        for b in SWEEP_BATCHES:
-            r = bench.cell(b, misses)
-            rows.append(r)
+    for misses, b in cells:
+        r = bench.cell(b, misses)
+        rows.append(r)
 
-            def f(v: float | None, w: int) -> str:
-                return f"{v:{w}.1f}" if v is not None else " " * (w - 1) + "-"
+        def f(v: float | None, w: int) -> str:
+            return f"{v:{w}.1f}" if v is not None else " " * (w - 1) + "-"
 
-            vs = f"{r.vs_nvidia:6.2f}" if r.vs_nvidia is not None else "     -"
-            vc = f"{r.triton_us / r.copy_us:7.2f}" if r.copy_us else "      -"
-            print(f"{r.scenario:>14} {b:5d} {r.misses:6d} {f(r.triton_us, 10)} {f(r.nvidia_us, 10)} {vs} "
-                  f"{f(r.copy_us, 9)} {vc}", flush=True)
+        vs = f"{r.vs_nvidia:6.2f}" if r.vs_nvidia is not None else "     -"
+        vc = f"{r.triton_us / r.copy_us:7.2f}" if r.copy_us else "      -"
+        print(f"{r.scenario:>14} {b:5d} {r.misses:6d} {f(r.triton_us, 10)} {f(r.nvidia_us, 10)} {vs} "
+              f"{f(r.copy_us, 9)} {vc}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"rows": [asdict(r) | {"vs_nvidia": r.vs_nvidia} for r in rows],

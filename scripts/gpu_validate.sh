@@ -9,6 +9,7 @@
 #                                                             #         triton_tests triton_conformance triton_generate (the triton stage split, to run side by side)
 #                                                             #         vllm_tests (vLLM's kernel tests, see there)
 #                                                             #         serving_locality locality (issue 42: under the calibrated locality model, not in the defaults)
+#                                                             #         memcheck_vllm_ops racecheck_vllm_ops ncu_vllm_ops ncu_triton (issues 39, 40)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
 # TESTS_K selects tests of the tests stage by a pytest -k expression.
@@ -166,6 +167,29 @@ racecheck)
         "$T::test_remapped_and_shared_host_blocks_match_reference[1]" "$T::test_speculative_gather_matches_reference[4]" \
         "$T::test_plan_copy_per_sm_limit_and_trace[0]" "$T::test_speculative_gather_early_exit_matches_reference[0]"
     ;;
+memcheck_vllm_ops|racecheck_vllm_ops)  # compute-sanitizer over vllm_ops.cu's kernels (issue 39); VLLM_OPS_SANITIZE_K picks the tests
+    tool=${stage%%_*}
+    extra=(--leak-check no)
+    [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+    run "$stage" "${T_SANITIZE_VLLM_OPS:-150}" compute-sanitizer --tool "$tool" --report-api-errors no "${extra[@]}" \
+        --error-exitcode 99 --print-limit 50 python3 -m pytest -q -p no:cacheprovider tests/nvidia_backend/test_nvidia_vllm_ops.py \
+        -k "${VLLM_OPS_SANITIZE_K:-0] or 3] or production or capture or no_tables}"
+    ;;
+ncu_vllm_ops)  # per-kernel profile of vLLM's call sequence on nvidia's ops (NCU_VLLM_ARGS: bench_nvidia.py --vllm-ops cells)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    # shellcheck disable=SC2086
+    run ncu_vllm_ops "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --print-details all -k regex:hisparse_vllm \
+        --launch-skip "${NCU_SKIP:-6}" --launch-count "${NCU_COUNT:-9}" python3 bench/bench_nvidia.py --vllm-ops --replays 1 \
+        ${NCU_VLLM_ARGS:---vllm-ops-misses 0 --vllm-ops-batches 128 --vllm-ops-rows 1}
+    ;;
+ncu_triton)  # per-kernel profile of the triton backend on bench_triton.py's cells (NCU_TRITON_CELLS)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    run ncu_triton "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters --print-details all \
+        -k regex:"${NCU_TRITON_KERNELS:-resolve_kernel|copy_plan_kernel}" --launch-skip "${NCU_SKIP:-6}" \
+        --launch-count "${NCU_COUNT:-4}" python3 bench/bench_triton.py --no-nvidia --replays 1 --cells "${NCU_TRITON_CELLS:-0:8}"
+    ;;
 ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     run ncu "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
@@ -187,6 +211,10 @@ triton)  # the triton backend compiled: its tests, then the conformance suite on
     ;;
 triton_tests)  # the triton backend's own tests, compiled (the AMD/sm_90 compile check among them)
     run triton_tests "${T_TRITON:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend
+    ;;
+triton_ipc)  # issue 40: a shared pool's peer waits for rank 0's writes on the GPU (two processes, verbose)
+    run triton_ipc "${T_TRITON_IPC:-120}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/triton_backend/test_triton_ipc_gpu.py \
+        tests/nvidia_backend/test_nvidia_ipc_wait.py
     ;;
 triton_conformance)  # the conformance suite on triton, compiled (target: under 5 minutes)
     run triton_conformance "${T_TRITON_CONFORMANCE:-300}" python3 -m pytest -q -rs -p no:cacheprovider --durations=5 \

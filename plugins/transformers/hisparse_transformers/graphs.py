@@ -286,6 +286,7 @@ class DecodeGraphs:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         self.enabled = False
         self.reason = f"capture failed: {type(exc).__name__}: {first}"
+        logger.debug("hisparse: where the decode step's capture failed", exc_info=exc)
         logger.warning("hisparse: the decode step could not be captured in a CUDA graph (%s: %s); decode runs eagerly "
                        "from now on. Something in the forward waits on the host (a hook reading a value, a module "
                        "choosing its work from device data); pass cuda_graphs=False to skip the attempt",

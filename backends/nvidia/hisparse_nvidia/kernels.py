@@ -204,6 +204,16 @@ def copy_build(row_bytes: int) -> KernelBuild:
 MAINTAIN_BUILD = KernelBuild.of("maintain.cu")
 #: Threads per block of the copy kernels of vLLM's op set (HS_GNT in vllm_ops.cu).
 VLLM_COPY_THREADS = 256
+#: vLLM's gathers (hisparse_nvidia.vllm_ops): 1 = one launch of hisparse_vllm_gather (a step with
+#: nothing to copy ends in it; mark and copy around one grid barrier), 0 = hisparse_vllm_mark then
+#: hisparse_vllm_copy (two launches). Read at each gather call, for A/B timing in one process.
+ENV_VLLM_GATHER = "HISPARSE_VLLM_GATHER"
+VLLM_GATHER = 1
+
+
+def vllm_gather_variant() -> int:
+    """`HISPARSE_VLLM_GATHER` (default `VLLM_GATHER`)."""
+    return env_int_in(ENV_VLLM_GATHER, VLLM_GATHER, 0, 1, "0 (mark + copy kernels) or 1 (one fused gather kernel)")
 
 
 def vllm_ops_build(row_bytes: int) -> KernelBuild:

@@ -523,6 +523,163 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
     }
 }
 
+// ---- hisparse_vllm_gather: mark + copy in ONE launch (HISPARSE_VLLM_GATHER=1) -------------------
+// The grid is capped on the host to blocks that are all co-resident (occupancy x SMs), so the one
+// grid-wide barrier below cannot wait on a block that never runs: the kernel before it (the
+// resolver) triggers its dependents only once all its blocks are resident and never waits on this
+// grid, and this grid triggers its own dependents only after the barrier, once all its blocks
+// have arrived (a dependent launched earlier could take the SMs a late block of this grid needs).
+// ctl: [0] finished blocks, [1] barrier arrivals, [2] barrier generation.
+__device__ __forceinline__ void vg_grid_sync(u32* ctl) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile u32* gen = ctl + 2;
+        const u32 g = *gen;  // read before arriving: it only moves once every block has arrived
+        __threadfence();
+        if (atomicAdd(ctl + 1, 1u) == gridDim.x - 1) {
+            atomicExch(ctl + 1, 0u);
+            __threadfence();
+            atomicAdd(ctl + 2, 1u);
+        } else {
+            while (*gen == g) __nanosleep(64);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The largest i in [0, m) with pre[i] <= k (pre non-decreasing, pre[0] = 0 <= k < pre[m]).
+__device__ __forceinline__ i32 vg_segment(const i32* pre, i32 m, i32 k) {
+    i32 lo = 0, hi = m;
+    while (hi - lo > 1) {
+        const i32 mid = (lo + hi) >> 1;
+        if (pre[mid] <= k) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+// pre[0..m] <- exclusive prefix sums of v(0..m-1) in shared memory (every thread calls it).
+template <typename F>
+__device__ __forceinline__ void vg_prefix(i32* pre, i32 m, F v) {
+    i32 run = 0;
+    for (i32 x0 = 0; x0 < m; x0 += HS_GNT) {
+        const i32 x = x0 + static_cast<i32>(threadIdx.x);
+        i32 tot;
+        const i32 before = vr_scan(x < m ? v(x) : 0, tot);
+        if (x < m) pre[x] = run + before;
+        run += tot;
+    }
+    if (threadIdx.x == 0) pre[m] = run;
+    __syncthreads();
+}
+
+// Grid: (blocks <= co-resident blocks, 1, 1); block: HS_GNT; dynamic shared memory 4 * (m + 1)
+// bytes, m = rows (mode 0) or blocks (mode 1).
+//   mode 0 (gather_compact): every block sums the clamped counts first, so a call with nothing to
+//     copy ends there (one launch, no barrier, no state touched). Entries are numbered request-major
+//     (k-th taken entry over rows), marked, then after the barrier copied in that order.
+//   mode 1 (gather_plan): block b takes a contiguous chunk of entries, writes att, marks its taken
+//     entries and lists them in entry order at list[b * chunk ...]; after the barrier the copy walks
+//     every block's list in block order, so the list is in entry (request-major) order.
+// Of entries naming one destination the largest entry index wins (its mark), as in the reference;
+// marks carry the epoch, which the last finished block advances.
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
+    i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
+    const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
+    const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
+    i32* list, i32* part, u32* ctl) {
+    extern __shared__ __align__(16) unsigned char vg_smem[];
+    i32* pre = reinterpret_cast<i32*>(vg_smem);
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the resolver: its plan
+    const u64 ep = epoch[0] << 32;
+    const i32 tid = threadIdx.x;
+    const i64 NE = static_cast<i64>(n) * K;
+    const i64 chunk = (NE + gridDim.x - 1) / gridDim.x;
+    i32 m;
+    if (mode == 0) {
+        m = n;
+        vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
+        if (pre[n] == 0) return;  // every block sees it: nothing taken, nothing marked
+        const i32 total = pre[n];
+        for (i32 k = blockIdx.x * HS_GNT + tid; k < total; k += gridDim.x * HS_GNT) {
+            const i32 r = vg_segment(pre, n, k);
+            const i32 e = r * K + (k - pre[r]);
+            const i32 g = src[e], d = dst[e];
+            if (g >= 0 && d >= 0 && d < hot_rows)
+                atomicMax(reinterpret_cast<unsigned long long*>(owner + d), ep | static_cast<u32>(e));
+        }
+    } else {
+        const i64 lo = blockIdx.x * chunk, hi = min(lo + chunk, NE);
+        i32 cnt = 0;
+        for (i64 e0 = lo; e0 < hi; e0 += HS_GNT) {
+            const i64 e = e0 + tid;
+            bool take = false;
+            if (e < hi) {
+                const i32 g = src[e], d = dst[e];
+                const bool pad = rsi != nullptr && rsi[e / K] < 0;
+                take = g >= 0 && d >= 0 && d < hot_rows && !pad && mask[e] != 0;
+                if (att != nullptr) att[e] = (pad || d < 0) ? -1 : vr_attention(d, bs, att_stride);
+                if (take) atomicMax(reinterpret_cast<unsigned long long*>(owner + d), ep | static_cast<u32>(e));
+            }
+            i32 tot;
+            const i32 before = vr_scan(take ? 1 : 0, tot);
+            if (take) list[lo + cnt + before] = static_cast<i32>(e);
+            cnt += tot;
+        }
+        if (tid == 0) part[blockIdx.x] = cnt;
+        m = gridDim.x;
+    }
+    vg_grid_sync(ctl);
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // every block has arrived
+    if (mode == 1) vg_prefix(pre, m, [&](i32 x) { return __ldcg(part + x); });  // L2: other blocks wrote them
+    const i32 total = pre[m];
+    const u32 slots = static_cast<u32>(total) * HS_SLOTS;
+    const u32 stride = gridDim.x * HS_GNT;
+    for (u32 first = blockIdx.x * HS_GNT + tid; first < slots; first += stride * HS_UNROLL) {
+        uint4 v[HS_UNROLL];
+        unsigned char* to[HS_UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            const u32 c = first + u * stride;
+            to[u] = nullptr;
+            if (c >= slots) continue;
+            const i32 k = static_cast<i32>(c / HS_SLOTS);
+            const i32 s = vg_segment(pre, m, k);
+            const i32 e = mode == 0 ? s * K + (k - pre[s]) : __ldcg(list + s * chunk + (k - pre[s]));
+            const i32 d = dst[e];
+            if (d < 0 || d >= hot_rows || __ldcg(reinterpret_cast<const unsigned long long*>(owner + d)) != (ep | static_cast<u32>(e)))
+                continue;  // not taken, or a later entry writes this row
+            const i32 j = static_cast<i32>(c % HS_SLOTS);
+            const i64 g = src[e];
+            unsigned char* into = hot + static_cast<i64>(d / bs) * block_stride + static_cast<i64>(d % bs) * HS_ROW_BYTES;
+            if (g < host_rows) {
+                const unsigned char* from = host + g * HS_ROW_BYTES;
+                const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                if (pos >= 0 && pos < HS_ROW_BYTES) {
+                    v[u] = hs_load16(from + pos);
+                    to[u] = into + pos;
+                }
+            } else if (j < HS_VEC) {  // no source row: zeros, not stale bytes
+                v[u] = make_uint4(0, 0, 0, 0);
+                to[u] = into + j * 16;
+            }
+        }
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            if (to[u] != nullptr) hs_store16(to[u], v[u]);
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        if (atomicAdd(ctl, 1u) == gridDim.x - 1) {
+            epoch[0] += 1;
+            ctl[0] = 0;
+            __threadfence();
+        }
+    }
+}
+
 // Grid: (tokens); clears every slot of the token's state row holding its written row.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_invalidate(
     i32* dgi, i32 S, i32 H, const i32* __restrict__ rsi, i32 nr, const i32* __restrict__ req_ids,

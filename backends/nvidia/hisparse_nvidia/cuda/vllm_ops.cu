@@ -37,6 +37,12 @@
 #define VR_HELD 0x80000000u
 #define VR_B 2  // entries of a row a thread classifies in one round of loads
 #define VR_W 4  // LRU positions a thread reads in one round of loads
+// HS_VR_FAST (HISPARSE_VLLM_RESOLVE=1): power-of-two hash tables indexed by mask, and a thread's LRU
+// slots and parked entries kept in registers between the walk and the LRU order, and between the
+// classification and the outputs, where one round of loads covers them (no second global read).
+#ifndef HS_VR_FAST
+#define HS_VR_FAST 1
+#endif
 
 // (request, state row) of batch row r; q = -1 for a padding row.
 __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32* rsi, i32 nr, i32 S, i32& req,
@@ -79,7 +85,22 @@ __device__ __forceinline__ i32 vr_scan(i32 v, i32& total) {
 }
 
 __device__ __forceinline__ u32 vr_hash(i32 key, u32 size) {
-    return (static_cast<u32>(key) * 2654435761u) % size;
+    const u32 h = static_cast<u32>(key) * 2654435761u;
+#if HS_VR_FAST
+    // Fibonacci hashing: the top bits (the low bits of g * odd follow g's low bits only)
+    if ((size & (size - 1)) == 0) return size == 1 ? 0u : h >> __clz(size - 1);
+#endif
+    return h % size;
+}
+
+// Buckets of a table for `need` of them: the next power of two where `room` allows (mask indexing).
+__device__ __forceinline__ u32 vr_buckets(i64 need, i64 room) {
+#if HS_VR_FAST
+    u32 t = 1;
+    while (t < need) t <<= 1;
+    if (t <= room) return t;
+#endif
+    return static_cast<u32>(need);
 }
 
 // Inserts host row g first referenced by group entry x (the smallest x wins); returns its bucket.
@@ -147,6 +168,28 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         }
         return;
     }
+#if HS_VR_FAST
+    // Warp 0 reads rows r - 1 .. r + 30 at once (one round of dependent loads, not one per row).
+    if (tid < 32) {
+        const i32 rr = r - 1 + tid;
+        i32 rq2, qq = -1;
+        if (rr >= 0 && rr < n && tid != 1) vr_row(rr, request_ids, rsi, nr, S, rq2, qq);
+        const u32 same = __ballot_sync(HS_FULL_MASK, tid == 1 || (rr >= 0 && rr < n && qq == q));
+        if (tid == 0) {
+            // Consecutive rows from r with state row q (bit 1 is r; bit 31 of same >> 1 is clear).
+            i32 g = __ffs(~(same >> 1)) - 1;
+            while (g >= 31 && r + g < n) {  // a group past r + 30: on row by row
+                i32 rq, qq2;
+                vr_row(r + g, request_ids, rsi, nr, S, rq, qq2);
+                if (qq2 != q) break;
+                ++g;
+            }
+            s_group = (same & 1u) ? 0 : g;  // 0: r - 1 is of the same group
+        }
+    }
+    __syncthreads();
+    if (s_group == 0) return;  // resolved by the block of its group's first row
+#else
     if (r > 0) {
         i32 preq, pq;
         vr_row(r - 1, request_ids, rsi, nr, S, preq, pq);
@@ -163,6 +206,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         s_group = g;
     }
     __syncthreads();
+#endif
     const i32 G = s_group;
     const i64 base = static_cast<i64>(r) * K;  // the group's entries are [base, base + G * K)
     i32* dgi_q = dgi + static_cast<i64>(q) * H;
@@ -172,7 +216,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Where the shared table holds every entry of the group (twice over), host rows are hashed as
     // they are classified; otherwise their rows are parked in hot_out and hashed in step 2.
     const bool early = static_cast<i64>(2) * G * K <= smem_buckets;
-    u32 T = early ? static_cast<u32>(2 * G * K) : 0u;
+    u32 T = early ? vr_buckets(static_cast<i64>(2) * G * K, smem_buckets) : 0u;
+    // Parked values of this thread's entries (i = tid + u * nt) where one round covers the group.
+    const bool regs = HS_VR_FAST && early && G == 1 && K <= VR_B * nt;
+    i32 park[VR_B];
+#pragma unroll
+    for (i32 u = 0; u < VR_B; ++u) park[u] = 0;
     if (early) {
         for (u32 b = tid; b < T; b += nt) s_tab[b] = VR_EMPTY;
         __syncthreads();
@@ -221,11 +270,14 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             if (res >= 0 || g < 0) {
                 const i32 out = res >= 0 ? static_cast<i32>(res) : -1;
                 hot_out[e] = out;
+                park[u] = out;
                 if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
             } else {
                 ++pending;
-                hot_out[e] = early ? -static_cast<i32>(vr_insert(s_tab, T, static_cast<i32>(g), a * K + i, fresh)) - 2
-                                   : static_cast<i32>(-(g + 2));
+                const i32 pv = early ? -static_cast<i32>(vr_insert(s_tab, T, static_cast<i32>(g), a * K + i, fresh)) - 2
+                                     : static_cast<i32>(-(g + 2));
+                hot_out[e] = pv;
+                park[u] = pv;
             }
             }
         }
@@ -246,8 +298,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     u64* tab = s_tab;
     i32* tval = s_val;
     if (!early) {
-        T = static_cast<u32>(2 * P);
-        const bool in_smem = static_cast<i64>(T) <= smem_buckets;
+        const bool in_smem = static_cast<i64>(2) * P <= smem_buckets;
+        T = vr_buckets(static_cast<i64>(2) * P, in_smem ? smem_buckets : static_cast<i64>(2) * G * K);
         tab = in_smem ? s_tab : gtab + base * 2;
         tval = in_smem ? s_val : gval + base * 2;
         for (u32 b = tid; b < T; b += nt) tab[b] = VR_EMPTY;
@@ -267,10 +319,15 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
     u32 hitbits = 0;
     i32 hits = 0, held = 0;  // hit positions; buckets this thread found held first
+    i32 slc[VR_W];  // the first round's slots (all of them where cpt <= VR_W)
     for (i32 pb = p0; pb < p1; pb += VR_W) {
         i32 sl[VR_W], cached[VR_W];
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
+        if (pb == p0) {
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) slc[u] = sl[u];
+        }
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
 #pragma unroll
@@ -303,12 +360,25 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const i32 nE = H - nH;
     {
         i32 hr = hbefore, er = p0 - hbefore;
-        for (i32 p = p0; p < p1; ++p) {
-            const i16 s = lru_q[p];
-            if ((hitbits >> (p - p0)) & 1u) {
-                ord[H - 1 - hr++] = s;
-            } else {
-                ord[er++] = s;
+        if (HS_VR_FAST && cpt <= VR_W) {
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) {
+                if (p0 + u >= p1) break;
+                const i16 s = static_cast<i16>(slc[u]);
+                if ((hitbits >> u) & 1u) {
+                    ord[H - 1 - hr++] = s;
+                } else {
+                    ord[er++] = s;
+                }
+            }
+        } else {
+            for (i32 p = p0; p < p1; ++p) {
+                const i16 s = lru_q[p];
+                if ((hitbits >> (p - p0)) & 1u) {
+                    ord[H - 1 - hr++] = s;
+                } else {
+                    ord[er++] = s;
+                }
             }
         }
     }
@@ -367,10 +437,9 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     __syncthreads();  // every miss's hot row is in tval
 
     // ---- 5. outputs of host entries, then the new LRU order --------------------------------------
-    for (i32 x = tid; x < G * K; x += nt) {
+    auto emit = [&](i32 x, i32 v) {
+        if (v > -2) return;
         const i64 e = base + x;
-        const i32 v = hot_out[e];
-        if (v > -2) continue;
         const u32 b = static_cast<u32>(-(v + 2));
         const u32 lo = static_cast<u32>(tab[b]);
         i32 out;
@@ -383,6 +452,14 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         }
         hot_out[e] = out;
         if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
+    };
+    if (regs) {  // one round covered the group: this thread's parked values are in park[]
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            if (tid + u * nt < K) emit(tid + u * nt, park[u]);
+        }
+    } else {
+        for (i32 x = tid; x < G * K; x += nt) emit(x, hot_out[base + x]);
     }
     const i32 M = m_before;
     const i32 used = min(M, nE);

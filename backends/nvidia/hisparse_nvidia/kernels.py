@@ -223,6 +223,18 @@ def vllm_gather_variant() -> int:
     return env_int_in(ENV_VLLM_GATHER, VLLM_GATHER, 0, 1, "0 (mark + copy kernels) or 1 (one fused gather kernel)")
 
 
+#: Blocks per SM of the fused gather's grid (at most; never more than are co-resident). Two keep
+#: 2048 16-byte loads in flight an SM, and leave room where a tool (compute-sanitizer) grows the
+#: kernel's registers beyond what the occupancy query saw.
+ENV_VLLM_GATHER_PER_SM = "HISPARSE_VLLM_GATHER_PER_SM"
+VLLM_GATHER_PER_SM = 2
+
+
+def vllm_gather_per_sm() -> int:
+    """`HISPARSE_VLLM_GATHER_PER_SM` (default `VLLM_GATHER_PER_SM`)."""
+    return env_int_in(ENV_VLLM_GATHER_PER_SM, VLLM_GATHER_PER_SM, 1, 8, "1 to 8 blocks per SM")
+
+
 def vllm_ops_build(row_bytes: int) -> KernelBuild:
     """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`."""
     if row_bytes % 16:

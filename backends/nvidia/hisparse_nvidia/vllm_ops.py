@@ -29,7 +29,7 @@ from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
 from hisparse_nvidia import driver
 from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
-from hisparse_nvidia.kernels import LoadedKernels, vllm_gather_variant, vllm_ops_build
+from hisparse_nvidia.kernels import LoadedKernels, vllm_gather_per_sm, vllm_gather_variant, vllm_ops_build
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
 COPY_BLOCKS_PER_SM = 4
@@ -144,11 +144,11 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                   _i32(bs), _i32(n), _i32(k), _i64(hot_rows)]
         if vllm_gather_variant() == 1 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
             fn = self._function(dev, row_bytes, "hisparse_vllm_gather")
-            most = sms * COPY_BLOCKS_PER_SM
+            most = sms * vllm_gather_per_sm()
             smem = 4 * ((n if mode == 0 else most) + 1)  # row or block prefix sums
             blocks = min(most, need, self._resident_blocks(fn, dev, sms, smem))
-            part, bar = self._buffer(("gather", dev), lambda: (torch.zeros(most, dtype=torch.int32, device=dev),
-                                                               torch.zeros(4, dtype=torch.int32, device=dev)))
+            part, bar = self._buffer(("gather", dev, most), lambda: (torch.zeros(most, dtype=torch.int32, device=dev),
+                                                                     torch.zeros(4, dtype=torch.int32, device=dev)))
             fn.launch((blocks, 1, 1), COPY_THREADS, smem, stream, common + [
                 ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]), _ptr(hot),
                 _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar)],

@@ -588,14 +588,35 @@ VLLM_OPS_MISSES = (RESIDENT, 0, 34, 137, MISSES, 548, K)
 VLLM_OPS_BATCHES = (1, 8, 32, 64, 128)
 
 
-def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8, rpr: int = 1) -> list[Row]:
+def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8, rpr: int = 1, env: dict[str, str] | None = None,
+                  native_us: float | None = None) -> list[Row]:
     """vLLM's call sequence on hisparse's ops (hisparse_vllm.ops, nvidia backend) beside hisparse's native
     swap-in, us per layer-step, all replayed from CUDA graphs over one drifting cycle: resolve +
     gather_compact (vLLM's decode path) and resolve + gather_plan (a replayed plan), each with the
     arguments vLLM 0.32's runtime passes (request ids, state indices, residency with null block 0).
     `misses` RESIDENT: every page resident. `rpr` rows a request (speculative rows: row j of a request
     takes the window of step s + j, so the union is top-k plus (rpr - 1) windows' new rows; hot buffer
-    `H_UNION` rows a request)."""
+    `H_UNION` rows a request). `env`: tuning variables (HISPARSE_VLLM_*) set while the op sequences
+    are warmed up and captured (the kernels and launch shapes they pick are what the graphs replay);
+    `native_us`: the native figure of the cell when already timed."""
+    env = env or {}
+    old_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        rows = _vllm_ops_rows(bench, misses, b, rpr, native_us)
+        tag = ",".join(f"{k.replace('HISPARSE_', '').lower()}={v}" for k, v in env.items())
+        for row in rows:
+            row.note = f"({tag}) {row.note}" if tag else row.note
+        return rows
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def _vllm_ops_rows(bench: Bench, misses: int, b: int, rpr: int, native_us: float | None) -> list[Row]:
     from hisparse_core.geometry import RuntimeConfig
     from hisparse_core.runtime import ResolveInputs
     from hisparse_vllm.ops import register_ops
@@ -620,10 +641,12 @@ def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8, rpr: int = 1) 
     lens = torch.full((b * rpr,), CTX, dtype=i32, device=dev)
     cfg = RuntimeConfig(max_batch_rows=b * rpr, max_requests=b, top_k=K, hot_rows=h, block_size=BS, max_pages=P,
                         rows_per_request=rpr)
-    rt = bench.be.create_runtime(cfg)
-    rt.bind([bench.pool.layer_view(0)], [bench.cache])
-    inputs = [ResolveInputs(t, state, lens, source, res_native, hot) for t in topks]
-    native = bench.time_graph(bench.resolve_graph(rt, inputs, gather=True), steps)
+    native = native_us
+    if native is None:
+        rt = bench.be.create_runtime(cfg)
+        rt.bind([bench.pool.layer_view(0)], [bench.cache])
+        inputs = [ResolveInputs(t, state, lens, source, res_native, hot) for t in topks]
+        native = bench.time_graph(bench.resolve_graph(rt, inputs, gather=True), steps)
     n = b * rpr
     resident_bt = res_native if resident else torch.zeros_like(source)  # vLLM's null block 0: nothing resident
     dgi = torch.full((b, h), -1, dtype=i32, device=dev)
@@ -709,6 +732,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_nvidia: no CUDA device", file=sys.stderr)
         return 2
     bench = Bench(args.replays)
+    user_variants = [dict(v.split("=", 1) for v in spec.split(",")) for spec in args.variant]
+    variant_cells: list[tuple[int, int]] | None = None
+    if args.variant_cells:
+        variant_cells = [(RESIDENT if m == "R" else int(m), int(b))
+                         for m, b in (c.split(":") for c in args.variant_cells.split(","))]
     if args.vllm_ops:
         misses_list = [RESIDENT if m == "R" else int(m) for m in args.vllm_ops_misses.split(",")]
         batches = [int(x) for x in args.vllm_ops_batches.split(",")]
@@ -717,7 +745,11 @@ def main(argv: list[str] | None = None) -> int:
         for rpr in [int(x) for x in args.vllm_ops_rows.split(",")]:
             for m in misses_list:
                 for b in batches:
-                    for vrow in vllm_ops_rows(bench, m, b, rpr):
+                    vrows = vllm_ops_rows(bench, m, b, rpr)
+                    for env in user_variants:
+                        if variant_cells is None or (m, b) in variant_cells:
+                            vrows += vllm_ops_rows(bench, m, b, rpr, env, vrows[0].baseline_us)
+                    for vrow in vrows:
                         assert vrow.baseline_us is not None
                         vref = vllm_reference(m, b) if rpr == 1 else None
                         if m in (RESIDENT, 0):
@@ -750,16 +782,12 @@ def main(argv: list[str] | None = None) -> int:
         swaps.append(swap_row(bench, m, b, None))
         print(f"  swap-in {miss_label(m):>5} misses B={b:<4} {swaps[-1].ours_us:9.2f} us "
               f"({time.perf_counter() - t_start:.0f} s)", flush=True)
-    user_variants = [dict(v.split("=", 1) for v in spec.split(",")) for spec in args.variant]
-    variant_cells = VARIANT_CELLS
-    if args.variant_cells:
-        variant_cells = [(RESIDENT if m == "R" else int(m), int(b))
-                         for m, b in (c.split(":") for c in args.variant_cells.split(","))]
+    cells = variant_cells or VARIANT_CELLS
     variants = user_variants
     if not args.quick and not args.no_builtin_variants:
         variants = COPY_VARIANTS + variants
     for env in variants:
-        for m, b in variant_cells:
+        for m, b in cells:
             swaps.append(swap_row(bench, m, b, env, tag(env)))
             print(f"  swap-in {miss_label(m):>5} misses B={b:<4} {swaps[-1].ours_us:9.2f} us ({tag(env)}; "
                   f"{time.perf_counter() - t_start:.0f} s)", flush=True)

@@ -60,6 +60,8 @@ read on the host (the decode path and CUDA-graph capture), so out-of-range value
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -124,6 +126,47 @@ def arg_names(op: str) -> tuple[str, ...]:
     return tuple(part.strip().split()[-1] for part in inner.split(","))
 
 
+@dataclass(frozen=True, slots=True)
+class ResolveCall:
+    """One `hisparse_resolve_residency` call, its arguments in vLLM's order (`SCHEMAS[RESOLVE]`).
+    Built by `checked`, so a backend's `VllmHiSparseOps.resolve` receives arguments that passed
+    `check_resolve` once."""
+
+    host_cache: torch.Tensor
+    hot_cache: torch.Tensor
+    hot_block_table: torch.Tensor
+    topk: torch.Tensor
+    hot_out: torch.Tensor
+    device_global_indices: torch.Tensor
+    lru_slots: torch.Tensor
+    request_state_indices: torch.Tensor | None
+    region_stride: int
+    max_union_rows: int
+    miss_mask: torch.Tensor | None
+    stats: torch.Tensor | None
+    attention_indices: torch.Tensor | None
+    attention_block_stride: int
+    request_ids: torch.Tensor | None
+    source_block_table: torch.Tensor | None
+    source_block_size: int
+    resolved: torch.Tensor | None
+    valid_counts: torch.Tensor | None
+    swap_host: torch.Tensor | None
+    swap_dev: torch.Tensor | None
+    swap_counts: torch.Tensor | None
+    resident_block_table: torch.Tensor | None
+    resident_block_size: int
+    resident_null_block: int
+
+    @classmethod
+    def checked(cls, *args: Any) -> ResolveCall:
+        """The call of `args` (vLLM's 25 arguments, in order) after `check_resolve` accepted them."""
+        if len(args) != len(cls.__slots__):
+            raise _fail(RESOLVE, f"{len(args)} arguments; expected {len(cls.__slots__)} ({', '.join(cls.__slots__)})")
+        check_resolve(*args)
+        return cls(*args)
+
+
 class VllmHiSparseOps(ABC):
     """What a backend implements to serve vLLM's four HiSparse ops (module docstring: semantics).
 
@@ -135,8 +178,9 @@ class VllmHiSparseOps(ABC):
     op only reads or writes it in place and keeps no reference past the call (a backend may cache
     per-pointer derived state, e.g. pointer tables, keyed by `data_ptr()`). `device` is where
     `hot_cache` and the index tensors live; `host_cache` is host memory the device can read
-    (pinned or registered). Each method runs the `check_*` of its op first, then enqueues its work
-    on the current stream without a host synchronization (CUDA-graph capturable on accelerators).
+    (pinned or registered). `resolve_residency` validates its arguments here, once, and hands the
+    backend a `ResolveCall` (`resolve`); the other methods run the `check_*` of their op first. Work
+    is enqueued on the current stream without a host synchronization (CUDA-graph capturable on accelerators).
     """
 
     @property
@@ -144,7 +188,6 @@ class VllmHiSparseOps(ABC):
     def device_type(self) -> str:
         """Device type the op set serves (`cpu`, `cuda`, ...)."""
 
-    @abstractmethod
     def resolve_residency(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, hot_block_table: torch.Tensor,
                           topk: torch.Tensor, hot_out: torch.Tensor, device_global_indices: torch.Tensor,
                           lru_slots: torch.Tensor, request_state_indices: torch.Tensor | None, region_stride: int,
@@ -155,7 +198,18 @@ class VllmHiSparseOps(ABC):
                           swap_host: torch.Tensor | None, swap_dev: torch.Tensor | None,
                           swap_counts: torch.Tensor | None, resident_block_table: torch.Tensor | None,
                           resident_block_size: int, resident_null_block: int) -> None:
-        """`hisparse_resolve_residency`."""
+        """`hisparse_resolve_residency`: its arguments are validated once (`ResolveCall.checked`), then
+        `resolve` serves the call."""
+        self.resolve(ResolveCall.checked(host_cache, hot_cache, hot_block_table, topk, hot_out, device_global_indices,
+                                         lru_slots, request_state_indices, region_stride, max_union_rows, miss_mask,
+                                         stats, attention_indices, attention_block_stride, request_ids,
+                                         source_block_table, source_block_size, resolved, valid_counts, swap_host,
+                                         swap_dev, swap_counts, resident_block_table, resident_block_size,
+                                         resident_null_block))
+
+    @abstractmethod
+    def resolve(self, call: ResolveCall) -> None:
+        """Serves one validated `hisparse_resolve_residency` call."""
 
     @abstractmethod
     def gather_compact(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, miss_global: torch.Tensor,

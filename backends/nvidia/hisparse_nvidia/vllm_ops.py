@@ -29,10 +29,13 @@ from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
 from hisparse_nvidia import driver
 from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
-from hisparse_nvidia.kernels import LoadedKernels, vllm_ops_build
+from hisparse_nvidia.kernels import LoadedKernels, vllm_gather_per_sm, vllm_gather_variant, vllm_ops_build
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
 COPY_BLOCKS_PER_SM = 4
+#: Rows of a gather_compact call the fused gather takes (its row prefix sums fill 4 bytes a row of the
+#: 48 KiB of shared memory a launch gets without opting in); larger calls take the two-kernel path.
+FUSED_GATHER_MAX_ROWS = 12000
 #: Shared memory the resolver may take for its hash (12 bytes a bucket) and LRU order (2 bytes a slot).
 RESOLVE_SMEM_BUDGET = 222 * 1024
 
@@ -133,39 +136,60 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         row_bytes = hot.shape[2] * hot.element_size()
         hot_rows = hot.shape[0] * bs
         epoch, ctl, lst, owner = self._copy_state(dev, hot_rows, n * k)
-        mark = self._function(dev, row_bytes, "hisparse_vllm_mark")
-        copy = self._function(dev, row_bytes, "hisparse_vllm_copy")
         stream = torch.cuda.current_stream(dev).cuda_stream
-        grid = n if mode == 0 else -(-(n * k) // COPY_THREADS)
-        mark.launch((grid, 1, 1), COPY_THREADS, 0, stream,
-                    [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att),
-                     _i64(att_stride), _i32(bs), _i32(n), _i32(k), _i64(hot_rows), _ptr(owner), _ptr(epoch),
-                     _ptr(lst), _ptr(ctl)], overlap_previous=True)
         _, sms, _ = self._backend._device_props()
         slots = ((row_bytes + 111) // 128 + 1) * 8
-        blocks = max(1, min(sms * COPY_BLOCKS_PER_SM, -(-(n * k * slots) // (COPY_THREADS * 4))))
+        need = max(1, -(-(n * k * slots) // (COPY_THREADS * 4)))
+        common = [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att), _i64(att_stride),
+                  _i32(bs), _i32(n), _i32(k), _i64(hot_rows)]
+        if vllm_gather_variant() == 1 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
+            fn = self._function(dev, row_bytes, "hisparse_vllm_gather")
+            most = sms * vllm_gather_per_sm()
+            smem = 4 * ((n if mode == 0 else most) + 1)  # row or block prefix sums
+            blocks = min(most, need, self._resident_blocks(fn, dev, sms, smem))
+            part, bar = self._buffer(("gather", dev, most), lambda: (torch.zeros(most, dtype=torch.int32, device=dev),
+                                                                     torch.zeros(4, dtype=torch.int32, device=dev)))
+            fn.launch((blocks, 1, 1), COPY_THREADS, smem, stream, common + [
+                ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]), _ptr(hot),
+                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar)],
+                overlap_previous=True)
+            return
+        mark = self._function(dev, row_bytes, "hisparse_vllm_mark")
+        copy = self._function(dev, row_bytes, "hisparse_vllm_copy")
+        grid = n if mode == 0 else -(-(n * k) // COPY_THREADS)
+        mark.launch((grid, 1, 1), COPY_THREADS, 0, stream,
+                    common + [_ptr(owner), _ptr(epoch), _ptr(lst), _ptr(ctl)], overlap_previous=True)
+        blocks = min(sms * COPY_BLOCKS_PER_SM, need)
         copy.launch((blocks, 1, 1), COPY_THREADS, 0, stream,
                     [_ptr(src), _ptr(dst), ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]),
                      _ptr(hot), _i64(hot.stride(0) * hot.element_size()), _i32(bs), _ptr(owner), _ptr(epoch),
                      _ptr(lst), _ptr(ctl), ctypes.c_void_p(ctl.data_ptr() + 4)], overlap_previous=True)
 
+    def _resident_blocks(self, fn: Any, dev: torch.device, sms: int, smem: int) -> int:
+        """Blocks of `fn` that are all resident at once on the device (the fused gather's grid barrier
+        needs every block running), looked up once per device and shared memory size."""
+        key = ("resident", dev, fn.name, smem)
+        with self._lock:
+            got = self._scratch.get(key)
+        if got is None:
+            got = max(1, fn.max_active_blocks(COPY_THREADS, smem)) * sms
+            with self._lock:
+                self._scratch[key] = got
+        return int(got)
+
     # ----------------------------------------------------------------------------- the ops
 
-    def resolve_residency(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, hot_block_table: torch.Tensor,
-                          topk: torch.Tensor, hot_out: torch.Tensor, device_global_indices: torch.Tensor,
-                          lru_slots: torch.Tensor, request_state_indices: torch.Tensor | None, region_stride: int,
-                          max_union_rows: int, miss_mask: torch.Tensor | None, stats: torch.Tensor | None,
-                          attention_indices: torch.Tensor | None, attention_block_stride: int,
-                          request_ids: torch.Tensor | None, source_block_table: torch.Tensor | None,
-                          source_block_size: int, resolved: torch.Tensor | None, valid_counts: torch.Tensor | None,
-                          swap_host: torch.Tensor | None, swap_dev: torch.Tensor | None,
-                          swap_counts: torch.Tensor | None, resident_block_table: torch.Tensor | None,
-                          resident_block_size: int, resident_null_block: int) -> None:
-        spec.check_resolve(host_cache, hot_cache, hot_block_table, topk, hot_out, device_global_indices, lru_slots,
-                           request_state_indices, region_stride, max_union_rows, miss_mask, stats,
-                           attention_indices, attention_block_stride, request_ids, source_block_table,
-                           source_block_size, resolved, valid_counts, swap_host, swap_dev, swap_counts,
-                           resident_block_table, resident_block_size, resident_null_block)
+    def resolve(self, call: spec.ResolveCall) -> None:
+        host_cache, hot_cache, hot_block_table = call.host_cache, call.hot_cache, call.hot_block_table
+        topk, hot_out, device_global_indices = call.topk, call.hot_out, call.device_global_indices
+        lru_slots, request_state_indices = call.lru_slots, call.request_state_indices
+        max_union_rows, miss_mask, stats = call.max_union_rows, call.miss_mask, call.stats
+        attention_indices, attention_block_stride = call.attention_indices, call.attention_block_stride
+        request_ids, source_block_table = call.request_ids, call.source_block_table
+        source_block_size, resolved, valid_counts = call.source_block_size, call.resolved, call.valid_counts
+        swap_host, swap_dev, swap_counts = call.swap_host, call.swap_dev, call.swap_counts
+        resident_block_table, resident_block_size = call.resident_block_table, call.resident_block_size
+        resident_null_block = call.resident_null_block
         n, k = topk.shape
         s, h = lru_slots.shape
         if n == 0:

@@ -102,21 +102,16 @@ class TritonVllmOps(spec.VllmHiSparseOps):
 
     # ----------------------------------------------------------------------------- the ops
 
-    def resolve_residency(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, hot_block_table: torch.Tensor,
-                          topk: torch.Tensor, hot_out: torch.Tensor, device_global_indices: torch.Tensor,
-                          lru_slots: torch.Tensor, request_state_indices: torch.Tensor | None, region_stride: int,
-                          max_union_rows: int, miss_mask: torch.Tensor | None, stats: torch.Tensor | None,
-                          attention_indices: torch.Tensor | None, attention_block_stride: int,
-                          request_ids: torch.Tensor | None, source_block_table: torch.Tensor | None,
-                          source_block_size: int, resolved: torch.Tensor | None, valid_counts: torch.Tensor | None,
-                          swap_host: torch.Tensor | None, swap_dev: torch.Tensor | None,
-                          swap_counts: torch.Tensor | None, resident_block_table: torch.Tensor | None,
-                          resident_block_size: int, resident_null_block: int) -> None:
-        spec.check_resolve(host_cache, hot_cache, hot_block_table, topk, hot_out, device_global_indices, lru_slots,
-                           request_state_indices, region_stride, max_union_rows, miss_mask, stats,
-                           attention_indices, attention_block_stride, request_ids, source_block_table,
-                           source_block_size, resolved, valid_counts, swap_host, swap_dev, swap_counts,
-                           resident_block_table, resident_block_size, resident_null_block)
+    def resolve(self, call: spec.ResolveCall) -> None:
+        host_cache, hot_cache, hot_block_table = call.host_cache, call.hot_cache, call.hot_block_table
+        topk, hot_out, device_global_indices = call.topk, call.hot_out, call.device_global_indices
+        lru_slots, request_state_indices = call.lru_slots, call.request_state_indices
+        max_union_rows, miss_mask, stats = call.max_union_rows, call.miss_mask, call.stats
+        attention_indices, attention_block_stride = call.attention_indices, call.attention_block_stride
+        request_ids, source_block_table = call.request_ids, call.source_block_table
+        source_block_size, resolved, valid_counts = call.source_block_size, call.resolved, call.valid_counts
+        swap_host, swap_dev, swap_counts = call.swap_host, call.swap_dev, call.swap_counts
+        resident_block_table, resident_null_block = call.resident_block_table, call.resident_null_block
         bs = hot_cache.shape[1]
         if source_block_table is None or request_ids is None or source_block_size != bs:
             raise spec._fail(spec.RESOLVE, f"the triton backend serves vLLM's layout: request_ids and "

@@ -37,6 +37,12 @@
 #define VR_HELD 0x80000000u
 #define VR_B 2  // entries of a row a thread classifies in one round of loads
 #define VR_W 4  // LRU positions a thread reads in one round of loads
+// HS_VR_FAST (HISPARSE_VLLM_RESOLVE=1): power-of-two hash tables indexed by mask, and a thread's LRU
+// slots and parked entries kept in registers between the walk and the LRU order, and between the
+// classification and the outputs, where one round of loads covers them (no second global read).
+#ifndef HS_VR_FAST
+#define HS_VR_FAST 1
+#endif
 
 // (request, state row) of batch row r; q = -1 for a padding row.
 __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32* rsi, i32 nr, i32 S, i32& req,
@@ -79,7 +85,22 @@ __device__ __forceinline__ i32 vr_scan(i32 v, i32& total) {
 }
 
 __device__ __forceinline__ u32 vr_hash(i32 key, u32 size) {
-    return (static_cast<u32>(key) * 2654435761u) % size;
+    const u32 h = static_cast<u32>(key) * 2654435761u;
+#if HS_VR_FAST
+    // Fibonacci hashing: the top bits (the low bits of g * odd follow g's low bits only)
+    if ((size & (size - 1)) == 0) return size == 1 ? 0u : h >> __clz(size - 1);
+#endif
+    return h % size;
+}
+
+// Buckets of a table for `need` of them: the next power of two where `room` allows (mask indexing).
+__device__ __forceinline__ u32 vr_buckets(i64 need, i64 room) {
+#if HS_VR_FAST
+    u32 t = 1;
+    while (t < need) t <<= 1;
+    if (t <= room) return t;
+#endif
+    return static_cast<u32>(need);
 }
 
 // Inserts host row g first referenced by group entry x (the smallest x wins); returns its bucket.
@@ -104,12 +125,29 @@ __device__ __forceinline__ u32 vr_insert(u64* tab, u32 T, i32 g, i32 x, i32& fre
     }
 }
 
+// x / d and x % d of x >= 0, d >= 1: a shift and a mask where d is a power of two (block sizes are,
+// in every deployment seen) instead of a division of some twenty instructions.
+__device__ __forceinline__ i32 vr_div(i32 x, i32 d) {
+#if HS_VR_FAST
+    if ((d & (d - 1)) == 0) return x >> (__ffs(d) - 1);
+#endif
+    return x / d;
+}
+
+__device__ __forceinline__ i32 vr_mod(i32 x, i32 d) {
+#if HS_VR_FAST
+    if ((d & (d - 1)) == 0) return x & (d - 1);
+#endif
+    return x % d;
+}
+
 __device__ __forceinline__ i32 vr_hot_row(const i32* hbt, i64 hbt_stride, i32 req, i32 slot, i32 bs) {
-    return static_cast<i32>(static_cast<i64>(hbt[static_cast<i64>(req) * hbt_stride + slot / bs]) * bs + slot % bs);
+    return static_cast<i32>(static_cast<i64>(hbt[static_cast<i64>(req) * hbt_stride + vr_div(slot, bs)]) * bs +
+                            vr_mod(slot, bs));
 }
 
 __device__ __forceinline__ i32 vr_attention(i32 row, i32 bs, i64 stride) {
-    return row < 0 ? -1 : static_cast<i32>(static_cast<i64>(row / bs) * stride + row % bs);
+    return row < 0 ? -1 : static_cast<i32>(static_cast<i64>(vr_div(row, bs)) * stride + vr_mod(row, bs));
 }
 
 // Grid: (batch rows, 1, 1); block: a multiple of 32 threads with at most 32 entries of a row and
@@ -147,6 +185,28 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         }
         return;
     }
+#if HS_VR_FAST
+    // Warp 0 reads rows r - 1 .. r + 30 at once (one round of dependent loads, not one per row).
+    if (tid < 32) {
+        const i32 rr = r - 1 + tid;
+        i32 rq2, qq = -1;
+        if (rr >= 0 && rr < n && tid != 1) vr_row(rr, request_ids, rsi, nr, S, rq2, qq);
+        const u32 same = __ballot_sync(HS_FULL_MASK, tid == 1 || (rr >= 0 && rr < n && qq == q));
+        if (tid == 0) {
+            // Consecutive rows from r with state row q (bit 1 is r; bit 31 of same >> 1 is clear).
+            i32 g = __ffs(~(same >> 1)) - 1;
+            while (g >= 31 && r + g < n) {  // a group past r + 30: on row by row
+                i32 rq, qq2;
+                vr_row(r + g, request_ids, rsi, nr, S, rq, qq2);
+                if (qq2 != q) break;
+                ++g;
+            }
+            s_group = (same & 1u) ? 0 : g;  // 0: r - 1 is of the same group
+        }
+    }
+    __syncthreads();
+    if (s_group == 0) return;  // resolved by the block of its group's first row
+#else
     if (r > 0) {
         i32 preq, pq;
         vr_row(r - 1, request_ids, rsi, nr, S, preq, pq);
@@ -163,6 +223,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         s_group = g;
     }
     __syncthreads();
+#endif
     const i32 G = s_group;
     const i64 base = static_cast<i64>(r) * K;  // the group's entries are [base, base + G * K)
     i32* dgi_q = dgi + static_cast<i64>(q) * H;
@@ -172,7 +233,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Where the shared table holds every entry of the group (twice over), host rows are hashed as
     // they are classified; otherwise their rows are parked in hot_out and hashed in step 2.
     const bool early = static_cast<i64>(2) * G * K <= smem_buckets;
-    u32 T = early ? static_cast<u32>(2 * G * K) : 0u;
+    u32 T = early ? vr_buckets(static_cast<i64>(2) * G * K, smem_buckets) : 0u;
+    // Parked values of this thread's entries (i = tid + u * nt) where one round covers the group.
+    const bool regs = HS_VR_FAST && early && G == 1 && K <= VR_B * nt;
+    i32 park[VR_B];
+#pragma unroll
+    for (i32 u = 0; u < VR_B; ++u) park[u] = 0;
     if (early) {
         for (u32 b = tid; b < T; b += nt) s_tab[b] = VR_EMPTY;
         __syncthreads();
@@ -195,11 +261,11 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 const i32 t = tv[u];
                 sb[u] = -1;
                 rb[u] = null_block;
-                const i32 scol = t >= 0 ? t / sbs : -1;
+                const i32 scol = t >= 0 ? vr_div(t, sbs) : -1;
                 if (sbt != nullptr && rq >= 0 && rq < sbt_rows && scol >= 0 && scol < sbt_cols) {
                     sb[u] = sbt[static_cast<i64>(rq) * sbt_stride + scol];
                 }
-                const i32 rcol = t >= 0 ? t / rbs : -1;
+                const i32 rcol = t >= 0 ? vr_div(t, rbs) : -1;
                 if (rbt != nullptr && q < rbt_rows && rcol >= 0 && rcol < rbt_cols) {
                     rb[u] = rbt[static_cast<i64>(q) * rbt_stride + rcol];
                 }
@@ -211,21 +277,24 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             const i64 e = base + static_cast<i64>(a) * K + i;
             const i32 t = tv[u];
             i64 g = t;
-            if (sbt != nullptr) g = sb[u] >= 0 ? static_cast<i64>(sb[u]) * sbs + t % sbs : -1;
+            if (sbt != nullptr) g = sb[u] >= 0 ? static_cast<i64>(sb[u]) * sbs + vr_mod(t, sbs) : -1;
             if (g >= host_rows) g = -1;
             i64 res = -1;
-            if (rbt != nullptr && rb[u] != null_block && rb[u] >= 0) res = static_cast<i64>(rb[u]) * rbs + t % rbs;
+            if (rbt != nullptr && rb[u] != null_block && rb[u] >= 0) res = static_cast<i64>(rb[u]) * rbs + vr_mod(t, rbs);
             cnt += (res >= 0 || g >= 0) ? 1 : 0;
             if (resolved != nullptr) resolved[e] = static_cast<i32>(g);
             if (miss_mask != nullptr) miss_mask[e] = 0;
             if (res >= 0 || g < 0) {
                 const i32 out = res >= 0 ? static_cast<i32>(res) : -1;
                 hot_out[e] = out;
+                park[u] = out;
                 if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
             } else {
                 ++pending;
-                hot_out[e] = early ? -static_cast<i32>(vr_insert(s_tab, T, static_cast<i32>(g), a * K + i, fresh)) - 2
-                                   : static_cast<i32>(-(g + 2));
+                const i32 pv = early ? -static_cast<i32>(vr_insert(s_tab, T, static_cast<i32>(g), a * K + i, fresh)) - 2
+                                     : static_cast<i32>(-(g + 2));
+                hot_out[e] = pv;
+                park[u] = pv;
             }
             }
         }
@@ -246,8 +315,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     u64* tab = s_tab;
     i32* tval = s_val;
     if (!early) {
-        T = static_cast<u32>(2 * P);
-        const bool in_smem = static_cast<i64>(T) <= smem_buckets;
+        const bool in_smem = static_cast<i64>(2) * P <= smem_buckets;
+        T = vr_buckets(static_cast<i64>(2) * P, in_smem ? smem_buckets : static_cast<i64>(2) * G * K);
         tab = in_smem ? s_tab : gtab + base * 2;
         tval = in_smem ? s_val : gval + base * 2;
         for (u32 b = tid; b < T; b += nt) tab[b] = VR_EMPTY;
@@ -267,10 +336,15 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
     u32 hitbits = 0;
     i32 hits = 0, held = 0;  // hit positions; buckets this thread found held first
+    i32 slc[VR_W];  // the first round's slots (all of them where cpt <= VR_W)
     for (i32 pb = p0; pb < p1; pb += VR_W) {
         i32 sl[VR_W], cached[VR_W];
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
+        if (pb == p0) {
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) slc[u] = sl[u];
+        }
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
 #pragma unroll
@@ -303,12 +377,25 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const i32 nE = H - nH;
     {
         i32 hr = hbefore, er = p0 - hbefore;
-        for (i32 p = p0; p < p1; ++p) {
-            const i16 s = lru_q[p];
-            if ((hitbits >> (p - p0)) & 1u) {
-                ord[H - 1 - hr++] = s;
-            } else {
-                ord[er++] = s;
+        if (HS_VR_FAST && cpt <= VR_W) {
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) {
+                if (p0 + u >= p1) break;
+                const i16 s = static_cast<i16>(slc[u]);
+                if ((hitbits >> u) & 1u) {
+                    ord[H - 1 - hr++] = s;
+                } else {
+                    ord[er++] = s;
+                }
+            }
+        } else {
+            for (i32 p = p0; p < p1; ++p) {
+                const i16 s = lru_q[p];
+                if ((hitbits >> (p - p0)) & 1u) {
+                    ord[H - 1 - hr++] = s;
+                } else {
+                    ord[er++] = s;
+                }
             }
         }
     }
@@ -367,10 +454,9 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     __syncthreads();  // every miss's hot row is in tval
 
     // ---- 5. outputs of host entries, then the new LRU order --------------------------------------
-    for (i32 x = tid; x < G * K; x += nt) {
+    auto emit = [&](i32 x, i32 v) {
+        if (v > -2) return;
         const i64 e = base + x;
-        const i32 v = hot_out[e];
-        if (v > -2) continue;
         const u32 b = static_cast<u32>(-(v + 2));
         const u32 lo = static_cast<u32>(tab[b]);
         i32 out;
@@ -383,6 +469,14 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         }
         hot_out[e] = out;
         if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
+    };
+    if (regs) {  // one round covered the group: this thread's parked values are in park[]
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            if (tid + u * nt < K) emit(tid + u * nt, park[u]);
+        }
+    } else {
+        for (i32 x = tid; x < G * K; x += nt) emit(x, hot_out[base + x]);
     }
     const i32 M = m_before;
     const i32 used = min(M, nE);
@@ -516,6 +610,163 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
         __threadfence();
         if (atomicAdd(ctl, 1u) == gridDim.x - 1) {
             list_n[0] = 0;
+            epoch[0] += 1;
+            ctl[0] = 0;
+            __threadfence();
+        }
+    }
+}
+
+// ---- hisparse_vllm_gather: mark + copy in ONE launch (HISPARSE_VLLM_GATHER=1) -------------------
+// The grid is capped on the host to blocks that are all co-resident (occupancy x SMs), so the one
+// grid-wide barrier below cannot wait on a block that never runs: the kernel before it (the
+// resolver) triggers its dependents only once all its blocks are resident and never waits on this
+// grid, and this grid triggers its own dependents only after the barrier, once all its blocks
+// have arrived (a dependent launched earlier could take the SMs a late block of this grid needs).
+// ctl: [0] finished blocks, [1] barrier arrivals, [2] barrier generation.
+__device__ __forceinline__ void vg_grid_sync(u32* ctl) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile u32* gen = ctl + 2;
+        const u32 g = *gen;  // read before arriving: it only moves once every block has arrived
+        __threadfence();
+        if (atomicAdd(ctl + 1, 1u) == gridDim.x - 1) {
+            atomicExch(ctl + 1, 0u);
+            __threadfence();
+            atomicAdd(ctl + 2, 1u);
+        } else {
+            while (*gen == g) __nanosleep(64);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The largest i in [0, m) with pre[i] <= k (pre non-decreasing, pre[0] = 0 <= k < pre[m]).
+__device__ __forceinline__ i32 vg_segment(const i32* pre, i32 m, i32 k) {
+    i32 lo = 0, hi = m;
+    while (hi - lo > 1) {
+        const i32 mid = (lo + hi) >> 1;
+        if (pre[mid] <= k) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+// pre[0..m] <- exclusive prefix sums of v(0..m-1) in shared memory (every thread calls it).
+template <typename F>
+__device__ __forceinline__ void vg_prefix(i32* pre, i32 m, F v) {
+    i32 run = 0;
+    for (i32 x0 = 0; x0 < m; x0 += HS_GNT) {
+        const i32 x = x0 + static_cast<i32>(threadIdx.x);
+        i32 tot;
+        const i32 before = vr_scan(x < m ? v(x) : 0, tot);
+        if (x < m) pre[x] = run + before;
+        run += tot;
+    }
+    if (threadIdx.x == 0) pre[m] = run;
+    __syncthreads();
+}
+
+// Grid: (blocks <= co-resident blocks, 1, 1); block: HS_GNT; dynamic shared memory 4 * (m + 1)
+// bytes, m = rows (mode 0) or blocks (mode 1).
+//   mode 0 (gather_compact): every block sums the clamped counts first, so a call with nothing to
+//     copy ends there (one launch, no barrier, no state touched). Entries are numbered request-major
+//     (k-th taken entry over rows), marked, then after the barrier copied in that order.
+//   mode 1 (gather_plan): block b takes a contiguous chunk of entries, writes att, marks its taken
+//     entries and lists them in entry order at list[b * chunk ...]; after the barrier the copy walks
+//     every block's list in block order, so the list is in entry (request-major) order.
+// Of entries naming one destination the largest entry index wins (its mark), as in the reference;
+// marks carry the epoch, which the last finished block advances.
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
+    i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
+    const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
+    const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
+    i32* list, i32* part, u32* ctl) {
+    extern __shared__ __align__(16) unsigned char vg_smem[];
+    i32* pre = reinterpret_cast<i32*>(vg_smem);
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the resolver: its plan
+    const u64 ep = epoch[0] << 32;
+    const i32 tid = threadIdx.x;
+    const i64 NE = static_cast<i64>(n) * K;
+    const i64 chunk = (NE + gridDim.x - 1) / gridDim.x;
+    i32 m;
+    if (mode == 0) {
+        m = n;
+        vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
+        if (pre[n] == 0) return;  // every block sees it: nothing taken, nothing marked
+        const i32 total = pre[n];
+        for (i32 k = blockIdx.x * HS_GNT + tid; k < total; k += gridDim.x * HS_GNT) {
+            const i32 r = vg_segment(pre, n, k);
+            const i32 e = r * K + (k - pre[r]);
+            const i32 g = src[e], d = dst[e];
+            if (g >= 0 && d >= 0 && d < hot_rows)
+                atomicMax(reinterpret_cast<unsigned long long*>(owner + d), ep | static_cast<u32>(e));
+        }
+    } else {
+        const i64 lo = blockIdx.x * chunk, hi = min(lo + chunk, NE);
+        i32 cnt = 0;
+        for (i64 e0 = lo; e0 < hi; e0 += HS_GNT) {
+            const i64 e = e0 + tid;
+            bool take = false;
+            if (e < hi) {
+                const i32 g = src[e], d = dst[e];
+                const bool pad = rsi != nullptr && rsi[e / K] < 0;
+                take = g >= 0 && d >= 0 && d < hot_rows && !pad && mask[e] != 0;
+                if (att != nullptr) att[e] = (pad || d < 0) ? -1 : vr_attention(d, bs, att_stride);
+                if (take) atomicMax(reinterpret_cast<unsigned long long*>(owner + d), ep | static_cast<u32>(e));
+            }
+            i32 tot;
+            const i32 before = vr_scan(take ? 1 : 0, tot);
+            if (take) list[lo + cnt + before] = static_cast<i32>(e);
+            cnt += tot;
+        }
+        if (tid == 0) part[blockIdx.x] = cnt;
+        m = gridDim.x;
+    }
+    vg_grid_sync(ctl);
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // every block has arrived
+    if (mode == 1) vg_prefix(pre, m, [&](i32 x) { return __ldcg(part + x); });  // L2: other blocks wrote them
+    const i32 total = pre[m];
+    const u32 slots = static_cast<u32>(total) * HS_SLOTS;
+    const u32 stride = gridDim.x * HS_GNT;
+    for (u32 first = blockIdx.x * HS_GNT + tid; first < slots; first += stride * HS_UNROLL) {
+        uint4 v[HS_UNROLL];
+        unsigned char* to[HS_UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            const u32 c = first + u * stride;
+            to[u] = nullptr;
+            if (c >= slots) continue;
+            const i32 k = static_cast<i32>(c / HS_SLOTS);
+            const i32 s = vg_segment(pre, m, k);
+            const i32 e = mode == 0 ? s * K + (k - pre[s]) : __ldcg(list + s * chunk + (k - pre[s]));
+            const i32 d = dst[e];
+            if (d < 0 || d >= hot_rows || __ldcg(reinterpret_cast<const unsigned long long*>(owner + d)) != (ep | static_cast<u32>(e)))
+                continue;  // not taken, or a later entry writes this row
+            const i32 j = static_cast<i32>(c % HS_SLOTS);
+            const i64 g = src[e];
+            unsigned char* into = hot + static_cast<i64>(d / bs) * block_stride + static_cast<i64>(d % bs) * HS_ROW_BYTES;
+            if (g < host_rows) {
+                const unsigned char* from = host + g * HS_ROW_BYTES;
+                const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                if (pos >= 0 && pos < HS_ROW_BYTES) {
+                    v[u] = hs_load16(from + pos);
+                    to[u] = into + pos;
+                }
+            } else if (j < HS_VEC) {  // no source row: zeros, not stale bytes
+                v[u] = make_uint4(0, 0, 0, 0);
+                to[u] = into + j * 16;
+            }
+        }
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            if (to[u] != nullptr) hs_store16(to[u], v[u]);
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        if (atomicAdd(ctl, 1u) == gridDim.x - 1) {
             epoch[0] += 1;
             ctl[0] = 0;
             __threadfence();

@@ -21,6 +21,7 @@ resolves the groups one after the other); `validate=True` rejects such a batch, 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +67,10 @@ class TritonRuntime(CacheRuntime):
         self._device = device
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         cpu = device.type == "cpu"
-        shape = shapes.resolver_shape(config, compiled=not cpu)
+        shape = shapes.resolver_shape(config, compiled=not cpu,
+                                      variant=shapes.resolver_variant(os.environ.get(shapes.RESOLVER_ENV)))
+        self._resolver = kernels.KERNELS[shape.kernel]
+        self._resolver_name = shape.kernel
         kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
         lanes = warp_size(device)
         self._meta: dict[str, int] = dict(shape.constexprs)
@@ -107,9 +111,9 @@ class TritonRuntime(CacheRuntime):
         self._host_rows = 0
         self._dev_rows = 0
         self._resident_group = 0
-        logger.info("triton runtime on %s: top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
+        logger.info("triton runtime on %s (%s): top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
                     "entries take %d lanes, its hot rows %d, its hash table %d buckets, %d threads (warp of %d); rows move "
-                    "as %d %s words", device, k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp,
+                    "as %d %s words", device, shape.kernel, k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp,
                     shape.threads, lanes, self._words, str(self._word).removeprefix("torch."))
 
     def _clear_tables(self) -> None:
@@ -244,7 +248,7 @@ class TritonRuntime(CacheRuntime):
         mask = miss_mask is not None
         try:
             kernels.launch(
-                kernels.resolve_kernel, "resolve_kernel", (cfg.max_batch_rows,),
+                self._resolver, self._resolver_name, (cfg.max_batch_rows,),
                 inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
                 inputs.hot_table, hot_map, lru, stats, out.rows, out.valid_counts, out.plan_host,
                 out.plan_device, out.plan_counts, self._pos_slot, miss_mask if mask else out.valid_counts,

@@ -263,14 +263,16 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
 
 
-@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit"])
+@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "dst_block_stride", "W",
+                               "row_bytes", "dev_rows"])
 def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
                           out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
                           tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
                           B, P, HB, R, K, G_MAX, BS, H, host_limit,
+                          src, dst, dst_block_stride, W, row_bytes, dev_rows,
                           KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                           LOG_TP: tl.constexpr, MASK: tl.constexpr, PT: tl.constexpr, HG: tl.constexpr,
-                          LR: tl.constexpr):
+                          LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr):
     """`resolve_kernel`'s results, with fewer scattered global accesses on the path of a GPU program:
 
     - the state row's page-table rows (`PT` lanes, 0: gathered from global memory), hot-map row and
@@ -282,7 +284,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
       the LRU order;
     - the candidates' table (`TP` buckets, twice the group's entries) is probed by the held slots in
       exactly `max displacement + 1` rounds, from registers (`LR`) or global memory: a row in the
-      table sits at most that far from its home bucket, so no probe sequence needs an empty bucket."""
+      table sits at most that far from its home bucket, so no probe sequence needs an empty bucket;
+    - with `FUSE`, the program copies its group's plan itself (layer 0: host rows `src` into the
+      device cache `dst`, `EB` entries of `WP` words at a time, as `copy_plan_kernel` does), so a
+      step needs no plan-copy launch: a step without misses copies nothing and launches nothing."""
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -488,6 +493,28 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                                    tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
                 tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
                 tl.debug_barrier()
+                if FUSE:
+                    # Miss u of the group (rows in order) is entry u - start of its row's plan, read
+                    # back packed (the barrier above: every lane's plan entries are written).
+                    if n_miss > 0:
+                        tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes)
+                    r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss  # [GP]
+                    ww = tl.arange(0, WP)
+                    wm = ww < W
+                    for c in range(0, n_miss, EB):
+                        u = c + tl.arange(0, EB)
+                        mine = (r_start[None, :] <= u[:, None]) & (jj[None, :] < g_len)  # [EB, GP]
+                        ur = tl.reduce(mine.to(tl.int32), 1, _SUM) - 1  # the row of miss u
+                        u0 = tl.reduce(tl.where(jj[None, :] == ur[:, None], r_start[None, :], 0), 1, _SUM)
+                        m = u < n_miss
+                        at = (b + ur) * K + u - u0
+                        h = tl.load(plan_host + at, mask=m, other=-1).to(tl.int64)
+                        d = tl.load(plan_device + at, mask=m, other=-1).to(tl.int64)
+                        m = m & (h >= 0) & (h < host_limit) & (d >= 0) & (d < dev_rows)
+                        mm = m[:, None] & wm[None, :]
+                        vals = tl.load(src + h[:, None] * W + ww[None, :], mask=mm)
+                        daddr = (d // BS) * dst_block_stride + (d % BS) * W
+                        tl.store(dst + daddr[:, None] + ww[None, :], vals, mask=mm)
                 tl.store(tk + e_bkt, tl.full((GP, KP), EMPTY, tl.int32), mask=cand)
                 tl.store(tf + e_bkt, tl.full((GP, KP), NO_ENTRY, tl.int32), mask=cand)
                 tl.store(ts + e_bkt, tl.full((GP, KP), -1, tl.int32), mask=cand)
@@ -508,7 +535,7 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
     chunks = (counts + EB - 1) // EB
     cstart = tl.associative_scan(chunks, 0, _SUM) - chunks
     total = tl.reduce(chunks, 0, _SUM)
-    if pid == 0:
+    if (pid == 0) & (total > 0):
         tl.atomic_add(stats + 3, tl.reduce(counts, 0, _SUM).to(tl.int64) * row_bytes)
     w = tl.arange(0, WP)
     wm = w < W

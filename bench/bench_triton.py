@@ -21,9 +21,9 @@ cell's outputs and hot state are compared between the two backends (they must be
 "triton us", the others get a column each. A variant is a resolver (`gather` or `scratch`,
 `HISPARSE_TRITON_RESOLVER`) with optional `:tN` (threads per resolver program,
 `HISPARSE_TRITON_RESOLVER_THREADS`), `:pN` (plan-copy programs per multiprocessor,
-`HISPARSE_TRITON_PLAN_PER_SM`) and `:f` (the gather resolver copies its own plan, no plan-copy
-launch: `HISPARSE_TRITON_FUSE_COPY=1`), set while its runtimes are built. `scratch:p4` is the
-backend as it was before the gather resolver.
+`HISPARSE_TRITON_PLAN_PER_SM`) and `:f0` / `:f1` (the gather resolver copies its own plan and no
+plan-copy kernel is launched, the default: `HISPARSE_TRITON_FUSE_COPY`), set while its runtimes are
+built. `scratch:p4` is the backend as it was before the gather resolver.
 
 Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia backend
 (`--no-nvidia`, or no cuda-python) the tr/nv column is left empty.
@@ -57,12 +57,9 @@ def variant_env(variant: str) -> dict[str, str | None]:
     env: dict[str, str | None] = {shapes.RESOLVER_ENV: name, shapes.THREADS_ENV: None, shapes.PLAN_PER_SM_ENV: None,
                                   shapes.FUSE_ENV: None}
     for knob in knobs:
-        if knob == "f":
-            env[shapes.FUSE_ENV] = "1"
-            continue
-        key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV}.get(knob[:1])
+        key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV, "f": shapes.FUSE_ENV}.get(knob[:1])
         if key is None:
-            raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM or f")
+            raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM or f0/f1")
         env[key] = knob[1:]
     try:
         shapes.tuning({k: v for k, v in env.items() if v is not None})
@@ -240,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these cells (misses per request, or R for the resident step : batch), e.g. 0:1,R:128 "
                          "(default: the whole sweep)")
     ap.add_argument("--variants", default="gather", metavar="V[,V]",
-                    help="triton variants to time, each RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f] (e.g. gather,gather:f,scratch:p4); "
+                    help="triton variants to time, each RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1] (e.g. gather,gather:f0,scratch:p4); "
                          "the first is 'triton us'")
     args = ap.parse_args(argv)
     resolvers = [v for v in args.variants.split(",") if v]

@@ -12,6 +12,8 @@
   No `tl.sort`: a bitonic sort is O(n log^2 n) compare-and-swap stages, which the interpreter
   runs op by op (seconds per call at top-k 2048) and which the GPU does not need either; hashing
   is O(n) work per probe round, a few rounds per call.
+- `resolve_gather_kernel` (the default, "gather"; `resolve_kernel` is "scratch",
+  `shapes.RESOLVER_ENV` picks): the same results, shaped for a GPU program (its docstring).
 - `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows.
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,
   restores, host block copies) for one layer.
@@ -362,16 +364,13 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 hm_row = tl.load(hot_map + q * H + ii, mask=smask, other=-1)
                 hinted = tl.reshape(tl.gather(hm_row, tl.reshape(tl.where(hint_ok, hint, 0), (GP * KP,)), 0),
                                     (GP, KP))
-                held_row = tl.where(slot_ok, tl.gather(hm_row, tl.where(slot_ok, order, 0), 0), -1)
             else:
                 hinted = tl.load(hot_map + q * H + hint, mask=hint_ok, other=-1)
-                held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
             hint_hit = hint_ok & (hinted == host_row)
             cand = is_host & ~hint_hit
             n_cand = tl.reduce(tl.reduce(cand.to(tl.int32), 1, _SUM), 0, _SUM)
             mk = scr_mark + b * HP
             tl.store(mk + hint, tl.full((GP, KP), 1, tl.int32), mask=hint_hit)
-            held = slot_ok & (held_row >= 0)
             hot_base = hot_table + q * HB
             if n_cand == 0:
                 # Every host entry a hint hit: no miss; evictable positions first, then the hits.
@@ -398,6 +397,11 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
                 tl.store(plan_counts + row, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan != 0))
             else:
+                if HG:
+                    held_row = tl.where(slot_ok, tl.gather(hm_row, tl.where(slot_ok, order, 0), 0), -1)
+                else:
+                    held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
+                held = slot_ok & (held_row >= 0)
                 tk = tbl_key + b * TP
                 tf = tbl_first + b * TP
                 ts = tbl_slot + b * TP

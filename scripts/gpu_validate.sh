@@ -209,8 +209,9 @@ triton)  # the triton backend compiled: its tests, then the conformance suite on
         python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance --hisparse-backend triton \
             --hisparse-examples ${TRITON_EXAMPLES:-25} || rc=1; exit $rc'
     ;;
-triton_tests)  # the triton backend's own tests, compiled (the AMD/sm_90 compile check among them)
-    run triton_tests "${T_TRITON:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend
+triton_tests)  # the triton backend's own tests, compiled (the AMD/sm_90 compile check among them;
+    # TRITON_TESTS_ARGS adds pytest arguments without spaces, e.g. --ignore=tests/triton_backend/test_compile_targets.py)
+    run triton_tests "${T_TRITON:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend ${TRITON_TESTS_ARGS:-}
     ;;
 triton_ipc)  # issue 40: a shared pool's peer waits for rank 0's writes on the GPU (two processes, verbose)
     run triton_ipc "${T_TRITON_IPC:-120}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/triton_backend/test_triton_ipc_gpu.py \

@@ -88,7 +88,7 @@ def tuning(env: dict[str, str]) -> Tuning:
     if fuse not in ("0", "1"):
         raise InvalidInputError(f"{FUSE_ENV}={fuse!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
-        raise InvalidInputError(f"{FUSE_ENV}=1 needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
+        raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1")
 
 

@@ -301,6 +301,14 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
     jj = tl.arange(0, GP)
     cc = tl.arange(0, KP)
     kmask = cc < K
+    # The rows a group starting here can span, read beside the state row (one round trip, not two).
+    row = b + jj  # [GP]
+    r_ok = (jj < G_MAX) & (row < B)
+    rs = tl.load(row_state + row, mask=r_ok, other=-2)
+    entry_ptr = row[:, None] * K + cc[None, :]
+    t_all = tl.load(topk + entry_ptr, mask=r_ok[:, None] & kmask[None, :], other=-1)
+    sl_all = tl.load(seq_lens + row, mask=r_ok, other=0)
+    plan_all = tl.load(plan_counts + row, mask=r_ok, other=0)
     if q < 0:
         old_valid = tl.load(out_counts + b)
         old_plan = tl.load(plan_counts + b)
@@ -312,15 +320,12 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
             tl.store(plan_device + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
             tl.store(plan_counts + b, 0)
     elif starts:
-        rs = tl.load(row_state + b + jj, mask=(jj < G_MAX) & (b + jj < B), other=-2)
         g_len = tl.minimum(tl.reduce(tl.where(rs == q, GP, jj), 0, _MIN), G_MAX)
-        row = b + jj  # [GP]
         rmask = jj < g_len
         emask = rmask[:, None] & kmask[None, :]  # [GP, KP]
-        entry_ptr = row[:, None] * K + cc[None, :]
-        old_plan = tl.load(plan_counts + row, mask=rmask, other=0)
-        t = tl.load(topk + entry_ptr, mask=emask, other=-1)
-        sl = tl.load(seq_lens + row, mask=rmask, other=0)
+        old_plan = tl.where(rmask, plan_all, 0)
+        t = tl.where(emask, t_all, -1)
+        sl = tl.where(rmask, sl_all, 0)
         in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < ctx)
         pos = tl.where(in_ctx, t, 0)
         page = pos // BS

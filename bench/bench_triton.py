@@ -15,7 +15,15 @@ runtime's own counters. Baseline: a pinned contiguous host-to-device copy of the
 misses move (`copy`), and "tr/nv", the triton figure over the nvidia one. Before timing, every
 cell's outputs and hot state are compared between the two backends (they must be equal).
 
-    python bench/bench_triton.py [--replays 30] [--json out.json] [--no-nvidia]
+    python bench/bench_triton.py [--replays 30] [--json out.json] [--no-nvidia] [--variants gather,scratch:p4]
+
+`--variants` times the triton backend once per variant, side by side in one run: the first is
+"triton us", the others get a column each. A variant is a resolver (`gather` or `scratch`,
+`HISPARSE_TRITON_RESOLVER`) with optional `:tN` (threads per resolver program,
+`HISPARSE_TRITON_RESOLVER_THREADS`), `:pN` (plan-copy programs per multiprocessor,
+`HISPARSE_TRITON_PLAN_PER_SM`) and `:f0` / `:f1` (the gather resolver copies its own plan and no
+plan-copy kernel is launched, the default: `HISPARSE_TRITON_FUSE_COPY`), set while its runtimes are
+built. `scratch:p4` is the backend as it was before the gather resolver.
 
 Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia backend
 (`--no-nvidia`, or no cuda-python) the tr/nv column is left empty.
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -36,6 +45,27 @@ P, HB = CTX // BS, H // BS
 MAX_REQ = 128
 SWEEP_MISSES = (0, 34, 274, 2048)
 SWEEP_BATCHES = (1, 8, 64, 128)
+
+
+def variant_env(variant: str) -> dict[str, str | None]:
+    """The environment a variant `RESOLVER[:tN][:pN]` sets while its runtimes are built (None: unset),
+    checked by the backend's own parser; ValueError naming the bad part."""
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_triton import shapes
+
+    name, *knobs = variant.split(":")
+    env: dict[str, str | None] = {shapes.RESOLVER_ENV: name, shapes.THREADS_ENV: None, shapes.PLAN_PER_SM_ENV: None,
+                                  shapes.FUSE_ENV: None}
+    for knob in knobs:
+        key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV, "f": shapes.FUSE_ENV}.get(knob[:1])
+        if key is None:
+            raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM or f0/f1")
+        env[key] = knob[1:]
+    try:
+        shapes.tuning({k: v for k, v in env.items() if v is not None})
+    except InvalidInputError as exc:
+        raise ValueError(f"{variant!r}: {exc}") from exc
+    return env
 
 
 def steps_for(misses: int) -> int:
@@ -55,6 +85,8 @@ class Row:
     triton_us: float
     nvidia_us: float | None
     copy_us: float | None
+    others: dict[str, float]  # us per step of the further resolver variants
+
 
     @property
     def vs_nvidia(self) -> float | None:
@@ -62,11 +94,12 @@ class Row:
 
 
 class Bench:
-    def __init__(self, replays: int, with_nvidia: bool) -> None:
+    def __init__(self, replays: int, with_nvidia: bool, variants: list[str]) -> None:
         from hisparse_core.host_pool import HostPoolSpec
         from hisparse_triton.backend import TritonBackend
 
         self.replays = replays
+        self.resolvers = variants
         self.backends = {"triton": TritonBackend()}
         if with_nvidia:
             from hisparse_nvidia.backend import NvidiaBackend
@@ -84,11 +117,23 @@ class Bench:
                        for name in self.backends}
         self.gen = torch.Generator().manual_seed(1234)
 
-    def runtime(self, name: str, b: int):  # noqa: ANN201 - CacheRuntime
+    def runtime(self, name: str, b: int, resolver: str | None = None):  # noqa: ANN201 - CacheRuntime
         from hisparse_core.geometry import RuntimeConfig
 
         cfg = RuntimeConfig(max_batch_rows=b, max_requests=b, top_k=K, hot_rows=H, block_size=BS, max_pages=P)
-        rt = self.backends[name].create_runtime(cfg)
+        env = variant_env(resolver or self.resolvers[0])
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update({k: v for k, v in env.items() if v is not None})
+        for k in (k for k, v in env.items() if v is None):
+            os.environ.pop(k, None)
+        try:
+            rt = self.backends[name].create_runtime(cfg)
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         rt.bind([self.pools[name].layer_view(0)], [self.caches[name]])
         return rt
 
@@ -125,9 +170,10 @@ class Bench:
             times.append(a.elapsed_time(z) * 1000.0 / steps)
         return statistics.median(times)
 
-    def resolve_us(self, name: str, b: int, inputs: list) -> tuple[float, int]:
-        """(us per step, misses per request and step) of one backend over the cycle `inputs`."""
-        rt = self.runtime(name, b)
+    def resolve_us(self, name: str, b: int, inputs: list, resolver: str | None = None) -> tuple[float, int]:
+        """(us per step, misses per request and step) of one backend (triton: with `resolver`) over
+        the cycle `inputs`."""
+        rt = self.runtime(name, b, resolver)
         for inp in inputs:  # warm the LRU to its steady state, and compile
             rt.resolve(inp, gather=True, validate=False)
         rt.reset_stats()
@@ -141,19 +187,22 @@ class Bench:
         return self.time_graph(g, len(inputs)), misses
 
     def check_equal(self, b: int, inputs: list) -> None:
-        """The two backends agree on every output and on the hot state after the cycle."""
+        """The two backends (triton with each resolver) agree on every output and on the hot state
+        after the cycle."""
         if "nvidia" not in self.backends:
             return
-        rts = {name: self.runtime(name, b) for name in self.backends}
+        rts = {"nvidia": self.runtime("nvidia", b)} | {v: self.runtime("triton", b, v) for v in self.resolvers}
         for i, inp in enumerate(inputs):
             outs = {name: rt.resolve(inp, gather=True, validate=False) for name, rt in rts.items()}
-            for field in ("rows", "valid_counts", "plan_host", "plan_device", "plan_counts"):
-                if not torch.equal(getattr(outs["triton"], field), getattr(outs["nvidia"], field)):
-                    raise SystemExit(f"batch {b}, step {i}: triton and nvidia differ in {field}")
+            for v in self.resolvers:
+                for field in ("rows", "valid_counts", "plan_host", "plan_device", "plan_counts"):
+                    if not torch.equal(getattr(outs[v], field), getattr(outs["nvidia"], field)):
+                        raise SystemExit(f"batch {b}, step {i}: triton ({v}) and nvidia differ in {field}")
         for q in range(b):
-            if any(not torch.equal(x, y) for x, y in zip(rts["triton"].hot_state(q), rts["nvidia"].hot_state(q),
-                                                         strict=True)):
-                raise SystemExit(f"batch {b}: triton and nvidia differ in the hot state of request {q}")
+            for v in self.resolvers:
+                if any(not torch.equal(x, y) for x, y in zip(rts[v].hot_state(q), rts["nvidia"].hot_state(q),
+                                                             strict=True)):
+                    raise SystemExit(f"batch {b}: triton ({v}) and nvidia differ in the hot state of request {q}")
 
     def copy_us(self, nbytes: int, steps: int) -> float | None:
         if nbytes == 0:
@@ -173,9 +222,10 @@ class Bench:
         inputs = self.steps(b, steps, 0 if resident else misses, resident=resident)
         self.check_equal(b, inputs)
         tr, got = self.resolve_us("triton", b, inputs)
+        others = {v: self.resolve_us("triton", b, inputs, v)[0] for v in self.resolvers[1:]}
         nv = self.resolve_us("nvidia", b, inputs)[0] if "nvidia" in self.backends else None
         copy = None if resident else self.copy_us(b * got * 656, steps)
-        return Row("resident" if resident else f"{misses} misses", b, got, tr, nv, copy)
+        return Row("resident" if resident else f"{misses} misses", b, got, tr, nv, copy, others)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", metavar="M:B[,M:B]",
                     help="only these cells (misses per request, or R for the resident step : batch), e.g. 0:1,R:128 "
                          "(default: the whole sweep)")
+    ap.add_argument("--variants", default="gather", metavar="V[,V]",
+                    help="triton variants to time, each RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1] (e.g. gather,gather:f0,scratch:p4); "
+                         "the first is 'triton us'")
     args = ap.parse_args(argv)
+    resolvers = [v for v in args.variants.split(",") if v]
+    try:
+        for v in resolvers:
+            variant_env(v)
+    except ValueError as exc:
+        ap.error(f"--variants {args.variants!r}: {exc}")
+    if not resolvers or len(set(resolvers)) != len(resolvers):
+        ap.error(f"--variants {args.variants!r}: expected distinct variants, e.g. gather,scratch:p4")
     cells = [(m, b) for m in (*SWEEP_MISSES, None) for b in SWEEP_BATCHES]
     if args.cells:
         try:
@@ -206,10 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             print(f"bench_triton: nvidia backend unavailable ({why}); timing triton alone", file=sys.stderr)
             with_nvidia = False
-    bench = Bench(args.replays, with_nvidia)
+    bench = Bench(args.replays, with_nvidia, resolvers)
     rows: list[Row] = []
+    extra = "".join(f" {v[:10]:>10} {'/nv':>6}" for v in resolvers[1:])
+    print(f"triton variant: {resolvers[0]}" + (f"; also {', '.join(resolvers[1:])}" if resolvers[1:] else ""))
     print(f"{'scenario':>14} {'batch':>5} {'misses':>6} {'triton us':>10} {'nvidia us':>10} {'tr/nv':>6} "
-          f"{'copy us':>9} {'tr/copy':>7}")
+          f"{'copy us':>9} {'tr/copy':>7}{extra}")
     for misses, b in cells:
         r = bench.cell(b, misses)
         rows.append(r)
@@ -219,11 +282,13 @@ def main(argv: list[str] | None = None) -> int:
 
         vs = f"{r.vs_nvidia:6.2f}" if r.vs_nvidia is not None else "     -"
         vc = f"{r.triton_us / r.copy_us:7.2f}" if r.copy_us else "      -"
+        more = "".join(f" {f(us, 10)} " + (f"{us / r.nvidia_us:6.2f}" if r.nvidia_us else "     -")
+                       for us in r.others.values())
         print(f"{r.scenario:>14} {b:5d} {r.misses:6d} {f(r.triton_us, 10)} {f(r.nvidia_us, 10)} {vs} "
-              f"{f(r.copy_us, 9)} {vc}", flush=True)
+              f"{f(r.copy_us, 9)} {vc}{more}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rows": [asdict(r) | {"vs_nvidia": r.vs_nvidia} for r in rows],
+            json.dump({"rows": [asdict(r) | {"vs_nvidia": r.vs_nvidia} for r in rows], "variants": resolvers,
                        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": __import__("triton").__version__}, fh, indent=1)
     return 0

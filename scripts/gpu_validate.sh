@@ -187,7 +187,7 @@ ncu_triton)  # per-kernel profile of the triton backend on bench_triton.py's cel
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     run ncu_triton "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters --print-details all \
-        -k regex:"${NCU_TRITON_KERNELS:-resolve_kernel|copy_plan_kernel}" --launch-skip "${NCU_SKIP:-6}" \
+        -k regex:"${NCU_TRITON_KERNELS:-resolve_kernel|resolve_gather_kernel|copy_plan_kernel}" --launch-skip "${NCU_SKIP:-6}" \
         --launch-count "${NCU_COUNT:-4}" python3 bench/bench_triton.py --no-nvidia --replays 1 --cells "${NCU_TRITON_CELLS:-0:8}"
     ;;
 ncu)
@@ -211,8 +211,9 @@ triton)  # the triton backend compiled: its tests, then the conformance suite on
         python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance --hisparse-backend triton \
             --hisparse-examples ${TRITON_EXAMPLES:-25} || rc=1; exit $rc'
     ;;
-triton_tests)  # the triton backend's own tests, compiled (the AMD/sm_90 compile check among them)
-    run triton_tests "${T_TRITON:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend
+triton_tests)  # the triton backend's own tests, compiled (the AMD/sm_90 compile check among them;
+    # TRITON_TESTS_ARGS adds pytest arguments without spaces, e.g. --ignore=tests/triton_backend/test_compile_targets.py)
+    run triton_tests "${T_TRITON:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/triton_backend ${TRITON_TESTS_ARGS:-}
     ;;
 triton_ipc)  # issue 40: a shared pool's peer waits for rank 0's writes on the GPU (two processes, verbose)
     run triton_ipc "${T_TRITON_IPC:-120}" python3 -m pytest -q -rs -s -p no:cacheprovider tests/triton_backend/test_triton_ipc_gpu.py \

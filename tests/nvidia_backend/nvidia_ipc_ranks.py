@@ -4,6 +4,11 @@ Rank 0 writes rows into the shared pool from its GPU behind a long GPU sleep and
 IPC event; rank 1 orders its read (a resolve + gather from the pool) on that event. Rank 1 checks
 that, when it enqueued the read, the rows in host memory were still the old ones (the write had
 not landed yet), and that what its GPU read is the new rows: the read waited for the write.
+
+Both ranks first run every kernel of the timed part once (`_warm_up`): a backend that compiles its
+kernels at first launch (triton's JIT) would otherwise spend the sleep compiling rank 0's copy and
+rank 1's resolver on the host, so the write lands before rank 1 even enqueues its read and the
+test cannot tell a GPU-side wait from a late enqueue.
 """
 
 from __future__ import annotations
@@ -51,10 +56,26 @@ def _setup(name: str, rank: int, backend: str = "nvidia"):  # noqa: ANN202
     return be, pool, dev_cache, rt, engine
 
 
+def _warm_up(be, rt, engine) -> None:  # noqa: ANN001
+    """Launch (and so compile) the kernels the timed part runs, changing no row that part reads: a
+    mirror of the still-zero source block onto the (zeroed) host block, which is one host-write epoch
+    on every rank, and a resolve + gather of a padding row, which leaves the hot state as it was."""
+    engine.submit_row_mirrors([RowMirror((SOURCE_BLOCK * BS,), HOST_BLOCK * BS, BS)])
+    engine.drain()
+    dev = be.device
+    i32 = torch.int32
+    rt.resolve(ResolveInputs(torch.full((1, BS), -1, dtype=i32, device=dev), torch.full((1,), -1, dtype=i32, device=dev),
+                             torch.full((1,), 8 * BS, dtype=i32, device=dev), torch.full((1, 8), -1, dtype=i32, device=dev),
+                             torch.full((1, 8), -1, dtype=i32, device=dev), torch.tensor([[0, 1]], dtype=i32, device=dev)),
+               validate=False)
+    torch.cuda.synchronize()
+
+
 def rank0(name: str, conn, report, backend: str = "nvidia") -> None:  # noqa: ANN001
     try:
         be, pool, dev_cache, rt, engine = _setup(name, 0, backend)
         pool.layer_view(0).view(torch.uint8).zero_()  # the old contents
+        _warm_up(be, rt, engine)  # before the new rows reach the source block
         dev_cache[SOURCE_BLOCK].copy_(new_rows().to(be.device))
         torch.cuda.synchronize()
         conn.send("ready")
@@ -80,6 +101,7 @@ def rank1(name: str, conn, report, backend: str = "nvidia") -> None:  # noqa: AN
         assert conn.recv() == "ready"
         be, pool, dev_cache, rt, engine = _setup(name, 1, backend)
         assert not pool.is_writer
+        _warm_up(be, rt, engine)  # rank 0's warm-up epoch (zeros) is complete: it sent "ready" after it
         conn.send("attached")
         assert conn.recv() == "submitted"
         # The same commands reach every rank; the peer writes nothing and acknowledges later.

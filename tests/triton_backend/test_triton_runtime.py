@@ -241,3 +241,46 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int
             want[int(plan_dev[r, j])] = host[int(plan_host[r, j])]
     assert torch.equal(dev_d.cpu().view(48, words), want)
     assert int(args[-1][3]) == int(counts.sum()) * words * 4
+
+
+@pytest.mark.parametrize("env", [{"HISPARSE_TRITON_RESOLVER": "scratch"},
+                                 {"HISPARSE_TRITON_RESOLVER": "gather", "HISPARSE_TRITON_FUSE_COPY": "0"}],
+                         ids=["scratch", "gather_unfused"])
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
+                                             locality: float) -> None:
+    """The variants `HISPARSE_TRITON_RESOLVER` / `HISPARSE_TRITON_FUSE_COPY` pick (the default, the
+    gather resolver copying its own plan, is what the rest of this module and the suite run)."""
+    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
+                       rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=locality,
+                       resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+            for step, work in sc.steps:
+                problems = run.resolve(step, replay=True)
+                problems += run.apply(work)
+                assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("HISPARSE_TRITON_RESOLVER", "fast", "expected one of gather, scratch"),
+    ("HISPARSE_TRITON_RESOLVER_THREADS", "96", "expected 64, 128, 256, 512 or 1024"),
+    ("HISPARSE_TRITON_PLAN_PER_SM", "0", "expected an integer 1-32"),
+    ("HISPARSE_TRITON_FUSE_COPY", "yes", "expected 0 or 1"),
+    ("HISPARSE_TRITON_FUSE_COPY", "1", "needs the gather resolver"),
+])
+def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
+    from hisparse_core.errors import InvalidInputError
+
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=4, hot_rows=4, block_size=2, max_pages=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(key, value)
+        if value == "1":  # fusing is the gather resolver's: refused beside the scratch one
+            mp.setenv("HISPARSE_TRITON_RESOLVER", "scratch")
+        with pytest.raises(InvalidInputError, match=f"{key}={value!r}.*{expected}"):
+            backend.create_runtime(cfg)

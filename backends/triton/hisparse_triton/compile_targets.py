@@ -97,8 +97,7 @@ def build_all(targets: list[str], *, lru_i16: bool = True) -> list[Build]:
                 continue
             specs = shapes.kernel_specs(config, warp)
             if lru_i16 and geo == next(iter(geometries())):
-                (res,) = [s for s in shapes.kernel_specs(config, warp, lru_dtype="i16") if s.kernel == "resolve_kernel"]
-                specs.append(res)
+                specs += [s for s in shapes.kernel_specs(config, warp, lru_dtype="i16") if s.kernel.startswith("resolve")]
             for spec in specs:
                 fn = kernels.KERNELS[spec.kernel]
                 sig = dict(spec.signature)

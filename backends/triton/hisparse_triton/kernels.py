@@ -12,6 +12,8 @@
   No `tl.sort`: a bitonic sort is O(n log^2 n) compare-and-swap stages, which the interpreter
   runs op by op (seconds per call at top-k 2048) and which the GPU does not need either; hashing
   is O(n) work per probe round, a few rounds per call.
+- `resolve_gather_kernel` (the default, "gather"; `resolve_kernel` is "scratch",
+  `shapes.RESOLVER_ENV` picks): the same results, shaped for a GPU program (its docstring).
 - `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows.
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,
   restores, host block copies) for one layer.
@@ -263,6 +265,271 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
             tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
 
 
+@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "dst_block_stride", "W",
+                               "row_bytes", "dev_rows"])
+def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
+                          out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
+                          tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
+                          B, P, HB, R, K, G_MAX, BS, H, host_limit,
+                          src, dst, dst_block_stride, W, row_bytes, dev_rows,
+                          KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
+                          LOG_TP: tl.constexpr, MASK: tl.constexpr, PT: tl.constexpr, HG: tl.constexpr,
+                          LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr):
+    """`resolve_kernel`'s results, with fewer scattered global accesses on the path of a GPU program:
+
+    - the state row's page-table rows (`PT` lanes, 0: gathered from global memory), hot-map row and
+      LRU row are read whole (contiguous) and looked up in registers with `tl.gather` (shared memory
+      once compiled) where they fit (`HG`);
+    - the slot marks are scattered to the program's scratch row once, read back whole;
+    - a step whose every host entry is a hint hit (`n_cand == 0`, the steady decode step) skips the
+      hash table, the miss ranks and the victim list: its only work is the marks and one scan of
+      the LRU order;
+    - the candidates' table (`TP` buckets, twice the group's entries) is probed by the held slots in
+      exactly `max displacement + 1` rounds, from registers (`LR`) or global memory: a row in the
+      table sits at most that far from its home bucket, so no probe sequence needs an empty bucket;
+    - with `FUSE`, the program copies its group's plan itself (layer 0: host rows `src` into the
+      device cache `dst`, `EB` entries of `WP` words at a time, as `copy_plan_kernel` does), so a
+      step needs no plan-copy launch: a step without misses copies nothing and launches nothing."""
+    b = tl.program_id(0)
+    in_batch = b < B
+    q = tl.load(row_state + b, mask=in_batch, other=-1)
+    q = tl.where(q < R, q, -1)  # trusted input out of range: a padding row, never a stray access
+    prev = tl.load(row_state + b - 1, mask=in_batch & (b > 0), other=-2)
+    starts = (q >= 0) & (prev != q)
+    ctx = P * BS  # positions per state row of the slot hints
+
+    jj = tl.arange(0, GP)
+    cc = tl.arange(0, KP)
+    kmask = cc < K
+    # The rows a group starting here can span, read beside the state row (one round trip, not two).
+    row = b + jj  # [GP]
+    r_ok = (jj < G_MAX) & (row < B)
+    rs = tl.load(row_state + row, mask=r_ok, other=-2)
+    entry_ptr = row[:, None] * K + cc[None, :]
+    t_all = tl.load(topk + entry_ptr, mask=r_ok[:, None] & kmask[None, :], other=-1)
+    sl_all = tl.load(seq_lens + row, mask=r_ok, other=0)
+    plan_all = tl.load(plan_counts + row, mask=r_ok, other=0)
+    if q < 0:
+        old_valid = tl.load(out_counts + b)
+        old_plan = tl.load(plan_counts + b)
+        if old_valid != 0:
+            tl.store(out_rows + b * K + cc, tl.full((KP,), -1, tl.int32), mask=kmask)
+            tl.store(out_counts + b, 0)
+        if old_plan != 0:
+            tl.store(plan_host + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
+            tl.store(plan_device + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
+            tl.store(plan_counts + b, 0)
+    elif starts:
+        g_len = tl.minimum(tl.reduce(tl.where(rs == q, GP, jj), 0, _MIN), G_MAX)
+        rmask = jj < g_len
+        emask = rmask[:, None] & kmask[None, :]  # [GP, KP]
+        old_plan = tl.where(rmask, plan_all, 0)
+        t = tl.where(emask, t_all, -1)
+        sl = tl.where(rmask, sl_all, 0)
+        in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < ctx)
+        pos = tl.where(in_ctx, t, 0)
+        page = pos // BS
+        off = pos % BS
+        if PT > 0:
+            pp = tl.arange(0, PT)
+            res_row = tl.load(resident_table + q * P + pp, mask=pp < P, other=-1)
+            src_row = tl.load(source_table + q * P + pp, mask=pp < P, other=-1)
+            page1 = tl.reshape(page, (GP * KP,))
+            res_blk = tl.where(in_ctx, tl.reshape(tl.gather(res_row, page1, 0), (GP, KP)), -1)
+            src_blk = tl.where(in_ctx & (res_blk < 0), tl.reshape(tl.gather(src_row, page1, 0), (GP, KP)), -1)
+        else:
+            res_blk = tl.load(resident_table + q * P + page, mask=in_ctx, other=-1)
+            src_blk = tl.load(source_table + q * P + page, mask=in_ctx & (res_blk < 0), other=-1)
+        is_res = in_ctx & (res_blk >= 0)
+        host_row64 = src_blk.to(tl.int64) * BS + off
+        is_host = in_ctx & (res_blk < 0) & (src_blk >= 0) & (host_row64 < host_limit)
+        host_row = host_row64.to(tl.int32)  # < host_limit <= 2^31 (bind checks)
+        tl.store(out_rows + entry_ptr, tl.where(is_res, res_blk * BS + off, -1), mask=emask & ~is_host)
+        tl.store(out_counts + row, tl.reduce((is_res | is_host).to(tl.int32), 1, _SUM), mask=rmask)
+        n_res = tl.reduce(tl.reduce(is_res.to(tl.int32), 1, _SUM), 0, _SUM)
+        n_host = tl.reduce(tl.reduce(is_host.to(tl.int32), 1, _SUM), 0, _SUM)
+        tl.atomic_add(stats + 0, n_res.to(tl.int64))
+        if n_host == 0:
+            if MASK:
+                tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
+            clear = emask & (cc[None, :] < old_plan[:, None])
+            tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
+            tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
+            tl.store(plan_counts + row, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan != 0))
+        else:
+            ee = jj[:, None] * KP + cc[None, :]  # entry index in first-reference order
+            ii = tl.arange(0, HP)
+            smask = ii < H
+            order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
+            slot_ok = smask & (order >= 0) & (order < H)
+            hint_ptr = pos_slot + q.to(tl.int64) * ctx + pos
+            hint = tl.load(hint_ptr, mask=is_host, other=-1).to(tl.int32)
+            hint_ok = is_host & (hint >= 0) & (hint < H)
+            if HG:
+                hm_row = tl.load(hot_map + q * H + ii, mask=smask, other=-1)
+                hinted = tl.reshape(tl.gather(hm_row, tl.reshape(tl.where(hint_ok, hint, 0), (GP * KP,)), 0),
+                                    (GP, KP))
+            else:
+                hinted = tl.load(hot_map + q * H + hint, mask=hint_ok, other=-1)
+            hint_hit = hint_ok & (hinted == host_row)
+            cand = is_host & ~hint_hit
+            n_cand = tl.reduce(tl.reduce(cand.to(tl.int32), 1, _SUM), 0, _SUM)
+            mk = scr_mark + b * HP
+            tl.store(mk + hint, tl.full((GP, KP), 1, tl.int32), mask=hint_hit)
+            hot_base = hot_table + q * HB
+            if n_cand == 0:
+                # Every host entry a hint hit: no miss; evictable positions first, then the hits.
+                tl.debug_barrier()
+                if HG:
+                    mk_row = tl.load(mk + ii, mask=smask, other=0)
+                    hit_pos = slot_ok & (tl.gather(mk_row, tl.where(slot_ok, order, 0), 0) != 0)
+                    tl.store(mk + ii, tl.full((HP,), 0, tl.int32), mask=smask & (mk_row != 0))
+                else:
+                    hit_pos = slot_ok & (tl.load(mk + order, mask=slot_ok, other=0) != 0)
+                    tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=hit_pos)
+                hit_i = hit_pos.to(tl.int32)
+                h_rank = tl.associative_scan(hit_i, 0, _SUM) - hit_i
+                n_hit = tl.reduce(hit_i, 0, _SUM)
+                tl.atomic_add(stats + 1, n_hit.to(tl.int64))
+                new_pos = tl.where(hit_pos, H - n_hit + h_rank, ii - h_rank)
+                tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
+                hot_blk = tl.load(hot_base + hint // BS, mask=hint_hit, other=0)
+                tl.store(out_rows + entry_ptr, tl.where(hint_hit, hot_blk * BS + hint % BS, -1), mask=is_host)
+                if MASK:
+                    tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
+                clear = emask & (cc[None, :] < old_plan[:, None])
+                tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
+                tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=clear)
+                tl.store(plan_counts + row, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan != 0))
+            else:
+                if HG:
+                    held_row = tl.where(slot_ok, tl.gather(hm_row, tl.where(slot_ok, order, 0), 0), -1)
+                else:
+                    held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
+                held = slot_ok & (held_row >= 0)
+                tk = tbl_key + b * TP
+                tf = tbl_first + b * TP
+                ts = tbl_slot + b * TP
+                e_home = (((host_row.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
+                s_home = (((held_row.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
+                # Candidates claim buckets: read, claim if empty, read back after a barrier (own row:
+                # placed; another: next bucket). Claims only fill empty buckets, so probing ends.
+                e_bkt = e_home
+                e_pend = cand
+                n_e = n_cand
+                while n_e > 0:
+                    e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                    tl.store(tk + e_bkt, host_row, mask=e_pend & (e_cur == EMPTY))
+                    tl.debug_barrier()
+                    e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                    tl.debug_barrier()  # every lane has read before the next round claims
+                    e_pend = e_pend & (e_now != host_row)
+                    e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+                    n_e = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
+                tl.atomic_min(tf + e_bkt, ee, mask=cand)
+                disp = tl.where(cand, (e_bkt - e_home) & (TP - 1), 0)
+                rounds = tl.reduce(tl.reduce(disp, 1, _MAX), 0, _MAX) + 1
+                # Every held slot looks its row up in the buckets a row of the table can be in.
+                if LR:
+                    tt = tl.arange(0, TP)
+                    tab = tl.load(tk + tt)
+                found = held & (held_row < 0)  # all false, in the layout of the held slots
+                s_bkt = s_home
+                for r in range(0, rounds):
+                    bk = (s_home + r) & (TP - 1)
+                    if LR:
+                        key = tl.gather(tab, bk, 0)
+                    else:
+                        key = tl.load(tk + bk, mask=held & ~found, other=EMPTY)
+                    now = held & ~found & (key == held_row)
+                    s_bkt = tl.where(now, bk, s_bkt)
+                    found = found | now
+                tl.store(ts + s_bkt, order, mask=found)
+                tl.debug_barrier()
+                # Volatile: the atomics updated L2 behind any L1 copy (a plain load may hit a stale line).
+                first = cand & (tl.load(tf + e_bkt, mask=cand, other=-1, volatile=True) == ee)
+                hit_slot = tl.load(ts + e_bkt, mask=first, other=-1)
+                hit_u = first & (hit_slot >= 0)
+                if HG:
+                    mk_row = tl.load(mk + ii, mask=smask, other=0)
+                    marked = slot_ok & (tl.gather(mk_row, tl.where(slot_ok, order, 0), 0) != 0)
+                    tl.store(mk + ii, tl.full((HP,), 0, tl.int32), mask=smask & (mk_row != 0))
+                else:
+                    marked = slot_ok & (tl.load(mk + order, mask=slot_ok, other=0) != 0)
+                    tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=marked)
+                hit_pos = slot_ok & (marked | found)
+
+                mflag = first & ~hit_u
+                mf = mflag.to(tl.int32)
+                row_miss = tl.reduce(mf, 1, _SUM)  # [GP]
+                n_miss = tl.reduce(row_miss, 0, _SUM)
+                in_row = tl.associative_scan(mf, 1, _SUM) - mf
+                m_rank = tl.associative_scan(row_miss, 0, _SUM)[:, None] - row_miss[:, None] + in_row
+                evict_pos = smask & ~hit_pos
+                ev = evict_pos.to(tl.int32)
+                e_rank = tl.associative_scan(ev, 0, _SUM) - ev
+                n_evict = tl.reduce(ev, 0, _SUM)
+                h_rank = ii - e_rank  # hits before LRU position i
+                n_hit = tl.reduce(hit_pos.to(tl.int32), 0, _SUM)
+                tl.atomic_add(stats + 1, n_hit.to(tl.int64))
+                tl.atomic_add(stats + 2, n_miss.to(tl.int64))
+                n_used = tl.minimum(n_miss, n_evict)  # misses beyond the evictable slots get no victim
+                vb = scr_victim + b * HP
+                tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
+                tl.debug_barrier()
+                victim = tl.load(vb + m_rank, mask=mflag & (m_rank < n_used), other=-1)
+                vok = mflag & (victim >= 0) & (victim < H)
+                tl.store(ts + e_bkt, victim, mask=mflag)  # a missed row's bucket had no slot
+                tl.debug_barrier()
+
+                slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
+                e_ok = is_host & (slot >= 0) & (slot < H)
+                hot_blk = tl.load(hot_base + slot // BS, mask=e_ok, other=0)
+                tl.store(out_rows + entry_ptr, tl.where(e_ok, hot_blk * BS + slot % BS, -1), mask=is_host)
+                tl.store(hint_ptr, slot, mask=cand & e_ok)
+                vblk = tl.load(hot_base + victim // BS, mask=vok, other=0)
+                plan_ptr = row[:, None] * K + in_row
+                tl.store(plan_host + plan_ptr, host_row, mask=mflag)
+                tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + victim % BS, -1), mask=mflag)
+                if MASK:
+                    tl.store(miss_mask + entry_ptr, vok.to(tl.int32), mask=emask)
+                tail = emask & (cc[None, :] >= row_miss[:, None]) & (cc[None, :] < old_plan[:, None])
+                tl.store(plan_host + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=tail)
+                tl.store(plan_device + entry_ptr, tl.full((GP, KP), -1, tl.int32), mask=tail)
+                tl.store(plan_counts + row, row_miss, mask=rmask & (row_miss != old_plan))
+                tl.store(hot_map + q * H + victim, host_row, mask=vok)
+                new_pos = tl.where(hit_pos, n_evict + h_rank,
+                                   tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
+                tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
+                tl.debug_barrier()
+                if FUSE:
+                    # Miss u of the group (rows in order) is entry u - start of its row's plan, read
+                    # back packed (the barrier above: every lane's plan entries are written).
+                    if n_miss > 0:
+                        tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes)
+                    r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss  # [GP]
+                    ww = tl.arange(0, WP)
+                    wm = ww < W
+                    for c in range(0, n_miss, EB):
+                        u = c + tl.arange(0, EB)
+                        mine = (r_start[None, :] <= u[:, None]) & (jj[None, :] < g_len)  # [EB, GP]
+                        ur = tl.reduce(mine.to(tl.int32), 1, _SUM) - 1  # the row of miss u
+                        u0 = tl.reduce(tl.where(jj[None, :] == ur[:, None], r_start[None, :], 0), 1, _SUM)
+                        m = u < n_miss
+                        at = (b + ur) * K + u - u0
+                        h = tl.load(plan_host + at, mask=m, other=-1).to(tl.int64)
+                        d = tl.load(plan_device + at, mask=m, other=-1).to(tl.int64)
+                        m = m & (h >= 0) & (h < host_limit) & (d >= 0) & (d < dev_rows)
+                        mm = m[:, None] & wm[None, :]
+                        vals = tl.load(src + h[:, None] * W + ww[None, :], mask=mm)
+                        daddr = (d // BS) * dst_block_stride + (d % BS) * W
+                        tl.store(dst + daddr[:, None] + ww[None, :], vals, mask=mm)
+                tl.store(tk + e_bkt, tl.full((GP, KP), EMPTY, tl.int32), mask=cand)
+                tl.store(tf + e_bkt, tl.full((GP, KP), NO_ENTRY, tl.int32), mask=cand)
+                tl.store(ts + e_bkt, tl.full((GP, KP), -1, tl.int32), mask=cand)
+                tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
+
+
 @triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
 def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
                      host_rows, dev_rows, W, BS, NP,
@@ -277,7 +544,7 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
     chunks = (counts + EB - 1) // EB
     cstart = tl.associative_scan(chunks, 0, _SUM) - chunks
     total = tl.reduce(chunks, 0, _SUM)
-    if pid == 0:
+    if (pid == 0) & (total > 0):
         tl.atomic_add(stats + 3, tl.reduce(counts, 0, _SUM).to(tl.int64) * row_bytes)
     w = tl.arange(0, WP)
     wm = w < W
@@ -359,7 +626,7 @@ def vllm_invalidate_kernel(dgi, state_of_req, req_ids, written, S, NR, H, HP: tl
 
 
 KERNELS: dict[str, Callable[..., Any]] = {
-    "resolve_kernel": resolve_kernel, "copy_plan_kernel": copy_plan_kernel,
+    "resolve_kernel": resolve_kernel, "resolve_gather_kernel": resolve_gather_kernel, "copy_plan_kernel": copy_plan_kernel,
     "copy_rows_kernel": copy_rows_kernel, "invalidate_written_kernel": invalidate_written_kernel,
     "vllm_copy_kernel": vllm_copy_kernel, "vllm_invalidate_kernel": vllm_invalidate_kernel,
 }

@@ -21,6 +21,7 @@ resolves the groups one after the other); `validate=True` rejects such a batch, 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +67,13 @@ class TritonRuntime(CacheRuntime):
         self._device = device
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         cpu = device.type == "cpu"
-        shape = shapes.resolver_shape(config, compiled=not cpu)
+        tune = shapes.tuning(dict(os.environ))
+        shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads)
+        self._resolver = kernels.KERNELS[shape.kernel]
+        self._resolver_name = shape.kernel
+        self._gather_resolver = shape.variant == "gather"
+        self._fuse = tune.fuse
+        self._fuse_meta = {f: shape.fuse_constexprs(config, fused=f, interpreted=cpu) for f in (False, True)}
         kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
         lanes = warp_size(device)
         self._meta: dict[str, int] = dict(shape.constexprs)
@@ -99,17 +106,17 @@ class TritonRuntime(CacheRuntime):
         self._copy_meta: dict[str, int] = {} if cpu else dict(num_warps=max(1, shapes.COPY_THREADS // lanes))
         self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu) | self._copy_meta
         # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks);
-        # on a GPU a few per multiprocessor, whatever the batch.
-        self._plan_programs = 1 if cpu else 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        # on a GPU one wave of programs (shapes.PLAN_PER_SM a multiprocessor), whatever the batch.
+        self._plan_programs = 1 if cpu else tune.plan_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]
         self._host_rows = 0
         self._dev_rows = 0
         self._resident_group = 0
-        logger.info("triton runtime on %s: top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
+        logger.info("triton runtime on %s (%s): top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
                     "entries take %d lanes, its hot rows %d, its hash table %d buckets, %d threads (warp of %d); rows move "
-                    "as %d %s words", device, k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp,
+                    "as %d %s words", device, shape.kernel, k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp,
                     shape.threads, lanes, self._words, str(self._word).removeprefix("torch."))
 
     def _clear_tables(self) -> None:
@@ -226,30 +233,41 @@ class TritonRuntime(CacheRuntime):
                                                      inputs.source_table, inputs.resident_table, inputs.hot_table)))
             check_resolve_values(host, cfg, num_device_blocks=self.num_device_blocks,
                                  host_blocks=self._host_rows // cfg.block_size)
+        fused = gather and self._fuse
         out = self.launch_resolve(inputs, b, hot_map=self._hot_map, lru=self._lru, stats=self._stats,
-                                  miss_mask=None, host_limit=self._host_rows)
-        if gather:
+                                  miss_mask=None, host_limit=self._host_rows, fused=fused)
+        if gather and not fused:
             self._copy_plan(0)
         return out
 
     def launch_resolve(self, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor, lru: torch.Tensor,
-                       stats: torch.Tensor, miss_mask: torch.Tensor | None, host_limit: int) -> ResolveResult:
+                       stats: torch.Tensor, miss_mask: torch.Tensor | None, host_limit: int,
+                       fused: bool = False) -> ResolveResult:
         """Launch the resolver on checked inputs over `rows` batch rows, with the hot state `hot_map`
         (int32) and `lru` (int32 or int16) of this runtime's shape, counters `stats` (int64 [>= 3]),
         and `miss_mask` (int32 [rows, top_k], written where given). Host rows at or past
-        `host_limit` are null. For this runtime's own `resolve` and for vLLM's op set, whose state
-        tensors are vLLM's."""
+        `host_limit` are null. `fused` (a bound runtime whose resolver fuses the copy): the resolver
+        also copies the plan of layer 0. For this runtime's own `resolve` and for vLLM's op set,
+        whose state tensors are vLLM's."""
         cfg = self.config
         out = self._result
         mask = miss_mask is not None
+        copy_args: tuple[Any, ...] = ()
+        if self._gather_resolver:
+            if fused:
+                dev = self._dev[0]
+                copy_args = (self._host[0], dev, dev.stride(0), self._words, cfg.row_format.row_bytes, self._dev_rows)
+            else:  # never read (FUSE=0)
+                copy_args = (out.valid_counts, out.valid_counts, 0, 0, 0, 0)
         try:
             kernels.launch(
-                kernels.resolve_kernel, "resolve_kernel", (cfg.max_batch_rows,),
+                self._resolver, self._resolver_name, (cfg.max_batch_rows,),
                 inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
                 inputs.hot_table, hot_map, lru, stats, out.rows, out.valid_counts, out.plan_host,
                 out.plan_device, out.plan_counts, self._pos_slot, miss_mask if mask else out.valid_counts,
                 *self._scratch.values(), rows, cfg.max_pages, cfg.hot_blocks, cfg.max_requests, cfg.top_k,
-                cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, MASK=mask, **self._meta)
+                cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, *copy_args, MASK=mask,
+                **self._meta, **self._fuse_meta[fused])
         except kernels.KernelError:
             self._clear_tables()  # a launch that failed part way may have left buckets filled
             raise

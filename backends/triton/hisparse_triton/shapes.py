@@ -36,7 +36,60 @@ MAX_THREADS = 1024
 #: batch rows of the plan copy), so that the many small geometries of a test run share a few
 #: builds instead of compiling one each; a masked lane costs nothing but an idle thread. The
 #: interpreter pays per element and keeps the exact powers of two.
-MIN_LANES = dict(KP=64, HP=256, TP=1024, BP=64)
+MIN_LANES = dict(KP=64, HP=256, TP=1024, BP=64, PT=64)
+#: The resolvers (`kernels.RESOLVERS`): "gather" (the default) reads a state row's tables whole and
+#: looks them up in registers, "scratch" is the first design (every lookup a global access). The
+#: environment variable `HISPARSE_TRITON_RESOLVER` picks one when a runtime is built (A/B timing).
+RESOLVERS = ("gather", "scratch")
+RESOLVER_ENV = "HISPARSE_TRITON_RESOLVER"
+#: The gather resolver keeps a page-table row in registers up to this many pages (two such rows:
+#: 32 KiB of shared memory when looked up), and a hot-map row or hash table up to this many lanes
+#: (one 32 KiB lookup at a time), within CDNA's 64 KiB of LDS.
+MAX_TABLE_LANES = 4096
+MAX_ROW_LANES = 8192
+#: Further knobs for A/B timing, read when a runtime is built: threads of one resolver program (a
+#: power of two, 64-1024; default from the shape), and plan-copy programs per multiprocessor.
+THREADS_ENV = "HISPARSE_TRITON_RESOLVER_THREADS"
+PLAN_PER_SM_ENV = "HISPARSE_TRITON_PLAN_PER_SM"
+#: 1 (the gather resolver's default): it copies its group's plan itself on `resolve(gather=True)`,
+#: and no plan-copy kernel is launched for layer 0 (`kernels.resolve_gather_kernel`, FUSE); the
+#: launch is most of a step's fixed cost where nothing misses (G1's profile: 3.3 us).
+FUSE_ENV = "HISPARSE_TRITON_FUSE_COPY"
+#: Plan entries the fused copy moves per iteration of one resolver program (rows of a tile).
+FUSED_COPY_ENTRIES = 32
+#: Plan-copy programs per multiprocessor: its tile holds ~180 registers a thread, so two programs
+#: of 128 threads fit an SM; more programs than that run as a second wave, which a step without
+#: misses pays for nothing (3.3 us instead of one wave's launch, G1's profile).
+PLAN_PER_SM = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """The environment's choices: resolver variant, resolver threads (None: the shape's), plan-copy
+    programs per multiprocessor."""
+
+    resolver: str
+    threads: int | None
+    plan_per_sm: int
+    fuse: bool = False
+
+
+def tuning(env: dict[str, str]) -> Tuning:
+    """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`); one clear error
+    per bad value."""
+    threads = env.get(THREADS_ENV) or None
+    if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
+        raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
+    per_sm = env.get(PLAN_PER_SM_ENV) or str(PLAN_PER_SM)
+    if not per_sm.isdigit() or not 1 <= int(per_sm) <= 32:
+        raise InvalidInputError(f"{PLAN_PER_SM_ENV}={per_sm!r} is not a program count; expected an integer 1-32")
+    resolver = resolver_variant(env.get(RESOLVER_ENV))
+    fuse = env.get(FUSE_ENV) or ("1" if resolver == "gather" else "0")
+    if fuse not in ("0", "1"):
+        raise InvalidInputError(f"{FUSE_ENV}={fuse!r} is not a switch; expected 0 or 1")
+    if fuse == "1" and resolver != "gather":
+        raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
+    return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1")
 
 
 def pow2(n: int) -> int:
@@ -60,19 +113,50 @@ class ResolverShape:
     kp: int
     gp: int
     hp: int
-    tp: int
+    tp: int  # buckets of each program's scratch table (the scratch resolver's table)
     threads: int
+    variant: str = "gather"
+    tg: int = 0  # the gather resolver's table: twice a group's entries
+    pt: int = 0  # page-table lanes read whole (0: gathered from global memory)
+
+    @property
+    def kernel(self) -> str:
+        return "resolve_gather_kernel" if self.variant == "gather" else "resolve_kernel"
 
     @property
     def constexprs(self) -> dict[str, int]:
-        return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
+        if self.variant == "scratch":
+            return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
+        return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, PT=self.pt,
+                    HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES))
+
+    def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
+        """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
+        if self.variant != "gather":
+            return {}
+        if not fused:
+            return dict(FUSE=0, WP=1, EB=1)
+        _, words = row_words(config.row_format.row_bytes)
+        eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else FUSED_COPY_ENTRIES
+        return dict(FUSE=1, WP=pow2(words), EB=eb)
 
     def num_warps(self, warp_size: int) -> int:
         return max(1, self.threads // warp_size)
 
 
-def resolver_shape(config: RuntimeConfig, *, compiled: bool = True) -> ResolverShape:
-    """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads."""
+def resolver_variant(name: str | None) -> str:
+    """The resolver `name` picks (None or empty: the default); one clear error for any other name."""
+    if not name:
+        return RESOLVERS[0]
+    if name not in RESOLVERS:
+        raise InvalidInputError(f"{RESOLVER_ENV}={name!r} is not a triton resolver; expected one of {', '.join(RESOLVERS)}")
+    return name
+
+
+def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
+                   threads: int | None = None) -> ResolverShape:
+    """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
+    (`threads`, or about four lanes a thread)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
     floor = MIN_LANES if compiled else dict.fromkeys(MIN_LANES, 1)
     kp, gp, hp = max(pow2(k), floor["KP"]), pow2(g), max(pow2(h), floor["HP"])
@@ -82,8 +166,11 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True) -> ResolverS
             f"group's entries ({gp * kp} padded) and the hot rows ({hp} padded) must each be at most {MAX_LANES}")
     tp = max(pow2(2 * (g * k + h)), floor["TP"])
     # About four lanes of the widest vector a thread (CUDA's resolver: one entry, two LRU positions).
-    threads = min(MAX_THREADS, max(128, pow2(max(gp * kp, hp)) // 4))
-    return ResolverShape(kp, gp, hp, tp, threads)
+    threads = threads or min(MAX_THREADS, max(128, pow2(max(gp * kp, hp)) // 4))
+    tg = max(pow2(2 * g * k), floor["TP"])  # only the candidates (a group's entries at most) are hashed
+    pages = pow2(config.max_pages)
+    pt = max(pages, floor["PT"]) if pages <= MAX_TABLE_LANES else 0
+    return ResolverShape(kp, gp, hp, tp, threads, resolver_variant(variant), min(tg, tp), pt)
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -96,10 +183,12 @@ def row_words(row_bytes: int) -> tuple[str, int]:
     return ("i32", row_bytes // 4) if row_bytes % 4 == 0 else ("u8", row_bytes)
 
 
-def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32") -> list[KernelSpec]:
-    """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes.
-    `lru_dtype` is `i16` for vLLM's op set, whose LRU is int16 (and which writes the miss mask)."""
-    shape = resolver_shape(config)
+def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32",
+                 variants: tuple[str, ...] = RESOLVERS) -> list[KernelSpec]:
+    """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes
+    (one resolver build per variant of `variants`). `lru_dtype` is `i16` for vLLM's op set, whose
+    LRU is int16 (and which writes the miss mask)."""
+    resolvers = [resolver_shape(config, variant=v) for v in variants]
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -108,8 +197,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     resolve_sig |= {"pos_slot": f"*{hint_dtype_name(config)}", "miss_mask": i32p}
     resolve_sig |= dict.fromkeys(("tbl_key", "tbl_first", "tbl_slot", "scr_victim", "scr_mark"), i32p)
     resolve_sig |= dict.fromkeys(("B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit"), "i32")
-    resolve_consts = shape.constexprs | dict(MASK=int(lru_dtype == "i16"))
-    resolve_sig |= dict.fromkeys(resolve_consts, "constexpr")
+    mask = dict(MASK=int(lru_dtype == "i16"))
     copy_warps = max(1, COPY_THREADS // warp_size)
     plan = plan_copy_meta(config, interpreted=False)
     plan_sig = {"plan_host": i32p, "plan_device": i32p, "plan_counts": i32p, "src": f"*{word}", "dst": f"*{word}",
@@ -125,8 +213,17 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     vinval_sig = {"dgi": i32p, "state_of_req": i32p, "req_ids": i32p, "written": "*i64", "S": "i32", "NR": "i32",
                   "H": "i32", "HP": "constexpr"}
     inval_warps = max(1, min(MAX_THREADS, pow2(config.hot_rows) // 4) // warp_size)
+    gather_sig = {"src": f"*{word}", "dst": f"*{word}"} | dict.fromkeys(
+        ("dst_block_stride", "W", "row_bytes", "dev_rows"), "i32")
+    resolver_specs = []
+    for r in resolvers:
+        for fused in ((False, True) if r.variant == "gather" and lru_dtype == "i32" else (False,)):
+            consts = r.constexprs | mask | r.fuse_constexprs(config, fused=fused, interpreted=False)
+            sig = resolve_sig | (gather_sig if r.variant == "gather" else {})
+            resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,
+                                             r.num_warps(warp_size)))
     return [
-        KernelSpec("resolve_kernel", resolve_sig, resolve_consts, shape.num_warps(warp_size)),
+        *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
         KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
         KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),

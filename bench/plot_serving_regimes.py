@@ -81,11 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         top, bottom = axes[0][col], axes[1][col]
         for reg in regimes:
             mine = {(r["mode"], r["batch"]): r for r in rows if r["context"] == t and r.get("topk", "indexer") == reg}
+            # hisparse with resident layers ('code+resident0') against the same all-resident rows
+            base = reg.split("+resident")[0]
+            mine.update({("all-resident", r["batch"]): r for r in rows if r["context"] == t and r["mode"] == "all-resident"
+                         and r.get("topk", "indexer") == base and base != reg})
             for mode, color in COLOR.items():
-                pts = sorted((b, tok_s(r)) for (m, b), r in mine.items() if m == mode)
-                if pts:
-                    top.plot(*zip(*pts, strict=True), style(reg), marker=marker(reg), color=color,
-                             label=f"{mode}, {reg}")
+                if mode == "all-resident" and base != reg:
+                    continue                     # drawn once, under its own label
+                # all-resident beyond the fixed budget (bench_serving --all-resident-gib): hollow markers
+                for inside in (True, False):
+                    pts = sorted((b, tok_s(r)) for (m, b), r in mine.items()
+                                 if m == mode and r.get("within_budget", True) == inside)
+                    if pts:
+                        top.plot(*zip(*pts, strict=True), style(reg), marker=marker(reg), color=color,
+                                 mfc=None if inside else "none",
+                                 label=f"{mode}, {reg}" + ("" if inside else " (beyond the budget)"))
             ratio = sorted((b, r["step_ms"] / mine[("all-resident", b)]["step_ms"]) for (m, b), r in mine.items()
                            if m == "hisparse" and ("all-resident", b) in mine)
             if ratio:
@@ -115,6 +125,20 @@ def main(argv: list[str] | None = None) -> int:
               for reg in [src.removesuffix("-no-indexer")] if (reg, mode, t, b) in by]
     for t, reg, mode, b, share in shares:
         print(f"indexer share of the step, {mode}, {reg}, {ctx(t)}, batch {b}: {share:.0%}")
+    # The gain at the fixed budget (best tokens/s over batches within it), with and without the indexer.
+    for t in contexts:
+        for src in regimes:
+            def best(mode: str, t: int = t, src: str = src) -> float:
+                return max((tok_s(r) for r in rows if r["context"] == t and r.get("topk", "indexer") == src
+                            and r["mode"] == mode and r.get("within_budget", True)), default=float("nan"))
+
+            if src.endswith("-no-indexer") or "+resident" in src:
+                continue
+            gain = best("hisparse") / best("all-resident")
+            bare = src + "-no-indexer"
+            if bare in regimes:
+                print(f"gain at the fixed budget, {src}, {ctx(t)}: {gain:.2f}x with the model's indexer, "
+                      f"{best('hisparse', t, bare) / best('all-resident', t, bare):.2f}x without it")
     fig.tight_layout()
     fig.savefig(a.png, dpi=120)
     plt.close(fig)

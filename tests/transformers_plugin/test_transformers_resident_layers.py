@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from tf_support import BLOCK, GEN, SHAPES, baseline, compare, enable_kwargs, random_prompts, tiny_model
+from tf_support import BLOCK, GEN, SHAPES, baseline, compare, enable_kwargs, gpu_reason, random_prompts, tiny_model
 
 import hisparse_transformers
 from hisparse_core.errors import CapacityError, InvalidInputError
@@ -142,3 +142,25 @@ def test_store_larger_than_the_budget_is_refused(family: str, model: torch.nn.Mo
     kw = enable_kwargs(family, resident_layers=first, max_context=4096)
     with pytest.raises(CapacityError, match=rf"^resident_layers={first} keep \d+ B on the GPU".replace("[", r"\[")):
         hisparse_transformers.enable(model, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_reason() is not None, reason=f"nvidia backend unavailable: {gpu_reason()}")
+def test_resident_layers_in_the_captured_decode_graph() -> None:
+    """On the GPU, decode steps replayed from one CUDA graph: the resident group's rows (its store
+    rows and masks come from the step tensors the graph refreshes) give the same logits as without."""
+    family = "deepseek_v32"
+    m: Any = tiny_model(family, shape=SHAPES[family], seed=11, device="cuda")
+    ids, mask = random_prompts([97, 110, 103], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    outs = []
+    for extra in ({}, {"resident_layers": [0], "gpu_kv_gib": _with_store(family, 1)}):
+        kw = enable_kwargs(family, backend="nvidia", check=False, cuda_graphs=True, **extra)
+        with hisparse_transformers.enable(m, **kw) as hs:
+            gen: Any = m.generate
+            outs.append(gen(ids, attention_mask=mask, max_new_tokens=12, prefill_chunk_size=8, **GEN))
+            s = hs.stats()
+            assert s.decode_mode == "cuda graph" and s.misses > 0, s
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
+        assert torch.equal(a, b)

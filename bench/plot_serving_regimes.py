@@ -56,10 +56,44 @@ def tok_s(r: dict[str, Any]) -> float:
     return 1e3 * r["batch"] / r["step_ms"]
 
 
+FIELDS = ("step_ms", "hit_rate", "h2d_mb_per_step", "host_critical_ms", "gpu_ms")
+
+
+def fragment(rows: list[dict[str, Any]], source: str, command: str) -> dict[str, Any]:
+    """results.json's `serving_locality` datasets (its schema: per regime, per mode, lists by batch)
+    from the plain regimes' rows (no resident layers, with the indexer) within the fixed budget."""
+    out: dict[str, Any] = {}
+    for t in sorted({r["context"] for r in rows}, reverse=True):
+        key = ("serving_locality" if t == 131072 else f"serving_locality_{t // 1024}k" if t >= 1024
+               else f"serving_locality_{t}")
+        regimes: dict[str, Any] = {}
+        for reg in ("benign", "code"):
+            modes: dict[str, Any] = {}
+            for mode in COLOR:
+                mine = sorted((r for r in rows if r["context"] == t and r.get("topk") == reg and r["mode"] == mode
+                               and r.get("within_budget", True)), key=lambda r: r["batch"])
+                if mine:
+                    modes[mode] = {"batch": [r["batch"] for r in mine],
+                                   "tokens_per_s": [round(tok_s(r), 1) for r in mine],
+                                   **{f: [round(r[f], 3) if f == "hit_rate" else round(r[f], 2) for r in mine]
+                                      for f in FIELDS if all(f in r for r in mine)}}
+            if len(modes) == len(COLOR):
+                regimes[reg] = modes
+        if len(regimes) == 2:
+            out[key] = {"source": source, "command": command, "context": t, "regimes": regimes}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+")
     ap.add_argument("--png", default="serving_regimes.png")
+    ap.add_argument("--results-fragment", default="",
+                    help="also write docs/figures/results.json's serving_locality datasets from these rows (one per "
+                         "context: serving_locality at 128K, serving_locality_32k at 32K; the regimes' rows within "
+                         "the fixed budget), to paste in with their source and command (--source, --command)")
+    ap.add_argument("--source", default="", help="the fragment's `source` (where the run is recorded)")
+    ap.add_argument("--command", default="", help="the fragment's `command` (the GPU command that measured it)")
     a = ap.parse_args(argv)
     try:
         rows = load(a.json)
@@ -142,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     fig.tight_layout()
     fig.savefig(a.png, dpi=120)
     plt.close(fig)
+    if a.results_fragment:
+        Path(a.results_fragment).write_text(json.dumps(fragment(rows, a.source, a.command), indent=1) + "\n")
+        print(f"results fragment: {a.results_fragment}")
     print(f"plot: {a.png}")
     return 0
 

@@ -242,6 +242,7 @@ class Plan:
     resident: list[tuple[int, ...]]     # hisparse's resident-layer alternatives, in order, distinct
     resident_why: str
     indexer_share: list[int] | None     # batches (0: 'max') also run without the indexer; None: every batch
+    share_contexts: list[int] | None    # the contexts those rows run at (None: every context)
 
 
 def _ints(flag: str, text: str, *, allow_max: bool = False, allow_all: bool = False) -> list[int] | None:
@@ -314,14 +315,23 @@ def parse_plan(a: argparse.Namespace) -> Plan:
     if a.layers < 1:
         raise BadSize(f"--layers={a.layers}: expected >= 1")
     resident, why = resident_alternatives(a.resident_layers, a.layers, a.topk_model)
-    share = _ints("--indexer-share", a.indexer_share, allow_max=True, allow_all=True) if a.indexer_share else []
+    spec, share_contexts = a.indexer_share, None
+    if "@" in spec:          # 'max@131072': only at those contexts
+        spec, _, where = spec.partition("@")
+        share_contexts = _ints("--indexer-share", where.replace("+", ","))
+        assert share_contexts is not None
+        missing = [t for t in share_contexts if t not in contexts]
+        if missing:
+            raise BadSize(f"--indexer-share={a.indexer_share!r}: context {missing[0]} is not one of --contexts "
+                          f"{a.contexts}; expected BATCHES@CONTEXT[+CONTEXT...] with contexts of the run")
+    share = _ints("--indexer-share", spec, allow_max=True, allow_all=True) if spec else []
     if (share is None or share) and a.topk_model == "indexer":
         raise BadSize(f"--indexer-share={a.indexer_share!r} needs --topk-model benign or code (the indexer's choice "
                       "is what --topk-model indexer attends)")
     if (share is None or share) and a.skip_indexer:
         raise BadSize(f"--indexer-share={a.indexer_share!r} with --skip-indexer: every row already leaves the indexer "
                       "out; expected one of them")
-    return Plan(contexts, batches, modes, resident, why, share)
+    return Plan(contexts, batches, modes, resident, why, share, share_contexts)
 
 
 def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool, *,
@@ -629,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --topk-model: comma list of batches ('max': hisparse's largest, and all-resident's "
                         "largest at the fixed budget; 'all') whose engine rows also run with the model's indexer left "
                         "out of the decode steps (rows labelled <regime>-no-indexer): the difference is the "
-                        "indexer's cost, and the gain at the fixed budget without it")
+                        "indexer's cost, and the gain at the fixed budget without it; '@CONTEXT[+CONTEXT]' limits "
+                        "them to those contexts, e.g. max@131072")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--hot-rows", type=int, default=0, help="0: 2x top-k")
     p.add_argument("--fill-chunk", type=int, default=1024)
@@ -729,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         r = run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=a.skip_indexer)
                     emit(r, t0)
-        if plan.indexer_share is None or plan.indexer_share:
+        if (plan.indexer_share is None or plan.indexer_share) and (plan.share_contexts is None
+                                                                  or s.context in plan.share_contexts):
             # the same rows without the model's indexer (first resident alternative): its share of the step
             share = plan.indexer_share
             for mode in (m for m in modes if m in ("hisparse", "all-resident")):

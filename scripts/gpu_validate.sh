@@ -21,8 +21,8 @@
 #
 # serving_locality runs bench/bench_serving.py once per name in SERVING_LOCALITY_RUNS (default
 # "benign+indexer-share code": --topk-model of that regime; "-no-indexer" adds --skip-indexer, every
-# row without the model's indexer; "+indexer-share" adds --indexer-share max, rows without it at
-# each mode's largest batch beside the others); T_SERVING_LOCALITY seconds each, default 140;
+# row without the model's indexer; "+indexer-share" adds --indexer-share $SERVING_INDEXER_SHARE (default
+# max: rows without it at each mode's largest batch beside the others; max@131072: at 128K only)); T_SERVING_LOCALITY seconds each, default 140;
 # SERVING_LOCALITY_ARGS replaces the default arguments: 4 layers, --dense-ffn-gb 4.6, 128K then 32K,
 # a 3 GiB budget (all-resident also at hisparse's batches under 24 GiB), batches all-resident's
 # largest at the budget and hisparse's largest, 5 timed steps after 5 untimed, hisparse with and
@@ -251,7 +251,7 @@ serving_locality)  # issue 42: serving under the calibrated locality, each run o
         regime=${name%%[-+]*}
         skip=()
         [[ "$name" == *-no-indexer* ]] && skip+=(--skip-indexer)
-        [[ "$name" == *+indexer-share* ]] && skip+=(--indexer-share max)
+        [[ "$name" == *+indexer-share* ]] && skip+=(--indexer-share "${SERVING_INDEXER_SHARE:-max}")
         # shellcheck disable=SC2086  # the arguments split on purpose
         run "serving_$name" "${T_SERVING_LOCALITY:-140}" python3 bench/bench_serving.py --topk-model "$regime" "${skip[@]}" \
             --json "$OUT/serving_$name.json" --png "$OUT/serving_$name.png" \

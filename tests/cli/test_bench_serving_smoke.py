@@ -83,6 +83,7 @@ def test_smoke_runs_issue_42s_flags(tmp_path: Path) -> None:
     (["--resident-layers", "0,1,2,3"], "--resident-layers"),
     (["--indexer-share", "max"], "--indexer-share"),                      # --topk-model indexer
     (["--topk-model", "code", "--indexer-share", "x"], "--indexer-share"),
+    (["--topk-model", "code", "--indexer-share", "max@999"], "--indexer-share"),   # not a context of the run
     (["--batches", "0"], "--batches"),
     (["--contexts", "160,abc"], "--contexts"),
     (["--modes", "hisparse,fast"], "--modes"),

@@ -34,6 +34,22 @@ the indexer out of those steps, so the difference in step time is the model's ow
 The replay's calibrated indexer (`hisparse run`: the published locality, about 81% hits at 2x
 top-k) runs the same batches (`replay` rows: hit rate and the decode step's device time).
 
+Issue 42's runs (steady state, all in one run): `--warmup` decode steps run untimed before the
+`--steps` timed ones, and every figure of an engine row (step, host critical/ahead ms, hits,
+misses, H2D and D2H MB per step) is of the timed steps only (the locality models' LRU hit rate
+is steady from the 5th step). `--contexts` takes several contexts; `--batches` takes `max`
+(hisparse's largest at each context) and `budget` (all-resident's largest at the fixed budget);
+`--all-resident-gib` gives all-resident a larger budget, so it runs at hisparse's batches too (the
+offloading cost at the same batch; such rows say `within_budget: false`, and the best-throughput
+gain counts only rows within the fixed budget). `--resident-layers none/auto` runs every hisparse
+row without and with resident layers (`enable(resident_layers=...)`; `auto`: under the code
+regime the layers standing for reference layers 0-1, the log says which and why; rows labelled
+`code+resident0`). `--indexer-share max` adds rows at each mode's largest batch (hisparse's, and
+all-resident's at the fixed budget) with the model's indexer left out of the decode steps
+(`<regime>-no-indexer`): the indexer is the whole `indexer` module of every index group's leader
+(its projections, the bf16 key store on the GPU and the fp32 scoring over the whole context with
+its top-k), so the step difference and the gain without it are its measured share.
+
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
 
@@ -107,6 +123,30 @@ class Sizes:
     static_bytes: int           # transformers' StaticCache per request (latent + indexer keys)
     host_blocks: int
     budget: int
+    resident_budget: int        # all-resident's budget (--all-resident-gib; default the same)
+    layers: int = 0
+    row_bytes: int = 0
+    resident_layers: tuple[int, ...] = ()    # hisparse's layers kept whole on the GPU (--resident-layers)
+
+    @property
+    def hs_block_bytes(self) -> int:
+        """A hisparse block: one page of the layers through hisparse (the resident ones have stores)."""
+        return self.block_bytes * (self.layers - len(self.resident_layers)) // self.layers
+
+    def store_bytes(self, b: int) -> int:
+        """The resident layers' stores at batch `b` (`enable(resident_layers=...)`: max_batch x max_context rows)."""
+        return len(self.resident_layers) * b * self.pages * (self.block_bytes // self.layers)
+
+    def with_resident(self, layers: tuple[int, ...]) -> Sizes:
+        from dataclasses import replace
+
+        return replace(self, resident_layers=layers)
+
+    def fits_budget(self, b: int) -> bool:
+        """Whether all-resident holds batch `b` at the fixed budget (`--gpu-kv-gib`)."""
+        from dataclasses import replace
+
+        return replace(self, resident_budget=self.budget).fits("all-resident", b)
 
     def hisparse_blocks(self, b: int) -> int:
         from hisparse_transformers.engine import required_gpu_blocks
@@ -119,8 +159,10 @@ class Sizes:
     def fits(self, mode: str, b: int) -> bool:
         kv = self.budget - b * self.indexer_bytes
         if mode == "hisparse":
-            return kv >= self.hisparse_blocks(b) * self.block_bytes and b * (self.pages + 2) + 1 <= self.host_blocks
+            return (kv >= self.hisparse_blocks(b) * self.hs_block_bytes + self.store_bytes(b)
+                    and b * (self.pages + 2) + 1 <= self.host_blocks)
         if mode == "all-resident":
+            kv = self.resident_budget - b * self.indexer_bytes
             return kv >= self.resident_blocks(b) * self.block_bytes and b * (self.pages + 2) + 1 <= self.host_blocks
         return b * self.static_bytes <= self.budget
 
@@ -147,13 +189,19 @@ def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace) 
     idx = layers * context * model_cfg.index_head_dim * elem
     static = (context + a.warmup + a.steps + 8) * layers * (width * elem + model_cfg.index_head_dim * elem)
     return Sizes(context, max_context, block_bytes, -(-max_context // bs), hot_rows // bs, -(-a.fill_chunk // bs) + 1,
-                 idx, static, int(a.host_gib * 2**30) // block_bytes - 1, int(a.gpu_kv_gib * 2**30))
+                 idx, static, int(a.host_gib * 2**30) // block_bytes - 1, int(a.gpu_kv_gib * 2**30),
+                 int((a.all_resident_gib or a.gpu_kv_gib) * 2**30), layers, fmt.row_bytes)
 
 
 def batches_for(s: Sizes, mode: str, asked: list[int] | None) -> list[int]:
+    """The batches `mode` runs at this context: `asked` (0 standing for hisparse's largest, `max`;
+    -1 for all-resident's largest at the fixed budget, `budget`) that fit, else powers of two up to
+    the mode's largest and that largest itself."""
     top = s.largest(mode)
     if asked is not None:
-        return [b for b in asked if b <= top]
+        fixed = max((x for x in range(1, s.largest("all-resident") + 1) if s.fits_budget(x)), default=0)
+        want = {s.largest("hisparse") if b == 0 else fixed if b == -1 else b for b in asked}
+        return sorted(b for b in want if 0 < b <= top)
     out = []
     b = 1
     while b <= top:
@@ -176,7 +224,7 @@ def check_sizes(s: Sizes, asked: list[int] | None) -> None:
                       f"{s.max_context} tokens; expected --host-gib >= {(s.pages + 4) * s.block_bytes / 2**30:.4g}")
     if asked:
         top = max(s.largest(m) for m in MODES)
-        big = [b for b in asked if b > top]
+        big = [b for b in asked if b > top and b > 0]
         if big:
             host_top = (s.host_blocks - 1) // (s.pages + 2)
             raise BadSize(f"batch {big[0]} at context {s.context} fits no mode: the host pool (--host-gib) holds "
@@ -184,45 +232,171 @@ def check_sizes(s: Sizes, asked: list[int] | None) -> None:
                           f"mode; expected --batches <= {top}")
 
 
-def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Plan:
+    """The run's lists, validated before anything is built (`parse_plan`)."""
+
+    contexts: list[int]
+    batches: list[int] | None           # 0: hisparse's largest at each context ('max')
+    modes: list[str]
+    resident: list[tuple[int, ...]]     # hisparse's resident-layer alternatives, in order, distinct
+    resident_why: str
+    indexer_share: list[int] | None     # batches (0: 'max') also run without the indexer; None: every batch
+    share_contexts: list[int] | None    # the contexts those rows run at (None: every context)
+
+
+def _ints(flag: str, text: str, *, allow_max: bool = False, allow_all: bool = False) -> list[int] | None:
+    out: list[int] = []
+    for part in (x.strip() for x in text.split(",")):
+        if allow_max and part == "max":
+            out.append(0)
+        elif allow_max and part == "budget":
+            out.append(-1)
+        elif allow_all and part == "all":
+            return None
+        elif part.isdigit() and int(part) > 0:
+            out.append(int(part))
+        else:
+            extra = ", 'max' or 'budget'" if allow_max else ""
+            extra += " or 'all'" if allow_all else ""
+            raise BadSize(f"{flag}={text!r}: {part!r} is not a positive int{extra}; expected a comma list")
+    return out
+
+
+def resident_alternatives(spec: str, layers: int, regime_name: str) -> tuple[list[tuple[int, ...]], str]:
+    """--resident-layers: its '/'-separated alternatives as layer tuples (distinct, in order), and
+    the line saying what 'auto' chose and why."""
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_core.replay.locality import reference_layers
+    from hisparse_core.residency import parse_resident_layers
+
+    refs = reference_layers(list(range(layers)), layers)
+    poor = tuple(i for i, ref in enumerate(refs) if ref < 2) if regime_name == "code" else ()
+    why = ""
+    out: list[tuple[int, ...]] = []
+    for alt in spec.split("/"):
+        alt = alt.strip()
+        if alt == "none":
+            chosen: tuple[int, ...] = ()
+        elif alt == "auto":
+            chosen = poor
+            why = (f"--resident-layers auto under --topk-model code: layers {list(poor)} (standing for the reference "
+                   "layers 0-1 of 61, whose top-k overlaps about 1.5% step to step, GVR) kept whole on the GPU"
+                   if poor else f"--resident-layers auto under --topk-model {regime_name}: none (no layer of that "
+                   "regime is below the hot buffer's reach)")
+        else:
+            try:
+                chosen = parse_resident_layers(alt, layers)
+            except InvalidInputError as exc:
+                raise BadSize(f"--resident-layers={spec!r}: {exc}; expected 'none', 'auto' or a comma list of "
+                              f"layers in [0, {layers}), alternatives separated by '/'") from None
+        if len(chosen) >= layers:
+            raise BadSize(f"--resident-layers={spec!r} keeps all {layers} layers resident; expected at most "
+                          f"{layers - 1} (all-resident is --modes all-resident)")
+        if chosen not in out:
+            out.append(chosen)
+    return out, why
+
+
+def parse_plan(a: argparse.Namespace) -> Plan:
+    """Every list flag checked before anything is built: one line naming the flag (`BadSize`)."""
+    contexts = _ints("--contexts", a.contexts)
+    assert contexts is not None
+    batches = _ints("--batches", a.batches, allow_max=True) if a.batches else None
+    modes = [m.strip() for m in a.modes.split(",")]
+    bad = [m for m in modes if m not in MODES + ("replay",)]
+    if bad:
+        raise BadSize(f"--modes={a.modes!r}: {bad[0]!r} is not a mode; expected a comma list of "
+                      f"{', '.join(MODES + ('replay',))}")
+    if a.steps <= 0 or a.warmup < 0:
+        raise BadSize(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 0")
+    if a.all_resident_gib is not None and not a.all_resident_gib > 0:
+        raise BadSize(f"--all-resident-gib={a.all_resident_gib:g}: expected a positive number of GiB")
+    if a.layers < 1:
+        raise BadSize(f"--layers={a.layers}: expected >= 1")
+    resident, why = resident_alternatives(a.resident_layers, a.layers, a.topk_model)
+    spec, share_contexts = a.indexer_share, None
+    if "@" in spec:          # 'max@131072': only at those contexts
+        spec, _, where = spec.partition("@")
+        share_contexts = _ints("--indexer-share", where.replace("+", ","))
+        assert share_contexts is not None
+        missing = [t for t in share_contexts if t not in contexts]
+        if missing:
+            raise BadSize(f"--indexer-share={a.indexer_share!r}: context {missing[0]} is not one of --contexts "
+                          f"{a.contexts}; expected BATCHES@CONTEXT[+CONTEXT...] with contexts of the run")
+    share = _ints("--indexer-share", spec, allow_max=True, allow_all=True) if spec else []
+    if (share is None or share) and a.topk_model == "indexer":
+        raise BadSize(f"--indexer-share={a.indexer_share!r} needs --topk-model benign or code (the indexer's choice "
+                      "is what --topk-model indexer attends)")
+    if (share is None or share) and a.skip_indexer:
+        raise BadSize(f"--indexer-share={a.indexer_share!r} with --skip-indexer: every row already leaves the indexer "
+                      "out; expected one of them")
+    return Plan(contexts, batches, modes, resident, why, share, share_contexts)
+
+
+def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool, *,
+               skip_indexer: bool = False) -> dict[str, Any]:
+    """One engine row: hisparse (with `s.resident_layers` kept whole on the GPU) or the same engine
+    all-resident. `a.warmup` decode steps run untimed first; every figure (step, host time, hits,
+    misses, PCIe bytes) is of the `a.steps` timed steps after them (steady hot buffers)."""
     import hisparse_transformers
 
     dev = model.device
-    out: dict[str, Any] = {"mode": "all-resident" if resident else "hisparse", "batch": b, "context": s.context}
-    blocks = s.resident_blocks(b) if resident else (s.budget - b * s.indexer_bytes) // s.block_bytes
-    host_gib = (b * (s.pages + 4) + 8) * s.block_bytes / 2**30
+    topk = a.topk_model + ("-no-indexer" if skip_indexer else "")
+    layers = () if resident else s.resident_layers
+    if layers:
+        topk += "+resident" + ",".join(map(str, layers))
+    out: dict[str, Any] = {"mode": "all-resident" if resident else "hisparse", "batch": b, "context": s.context,
+                           "topk": topk}
+    if resident:
+        # False: this batch runs all-resident only under --all-resident-gib (the offloading cost at the
+        # same batch), not at the fixed budget the capacity and best-throughput figures compare
+        out["within_budget"] = s.fits_budget(b)
+    if resident:
+        blocks, block_bytes, store = s.resident_blocks(b), s.block_bytes, 0
+    else:
+        store = s.store_bytes(b)
+        block_bytes = s.hs_block_bytes
+        blocks = (s.budget - b * s.indexer_bytes - store) // block_bytes
+    host_gib = (b * (s.pages + 4) + 8) * block_bytes / 2**30
     hs = cache = None
     try:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        hs = hisparse_transformers.enable(model, host_pool_gib=host_gib, gpu_kv_gib=blocks * s.block_bytes / 2**30,
+        hs = hisparse_transformers.enable(model, host_pool_gib=host_gib,
+                                          gpu_kv_gib=(blocks * block_bytes + store) / 2**30,
                                           backend=a.backend, hot_rows=s.hot_blocks * a.block_size,
                                           block_size=a.block_size, max_batch=b, max_context=s.max_context,
                                           prefill_chunk=a.fill_chunk,
-                                          synthetic_topk=None if a.topk_model == "indexer" else a.topk_model)
+                                          synthetic_topk=None if a.topk_model == "indexer" else a.topk_model,
+                                          resident_layers=layers)
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
         if hs.engine.topk_model is not None:
             # every decode step of the run (warm-up, timed, profiled) made ahead before timing: no step's
             # host time includes making them
             hs.engine.topk_model.lookahead = a.warmup + a.steps + 3
             hs.engine.topk_model.make_ahead(cache.session, [r.pad for r in cache.session.requests], s.context)
-            hs.engine.topk_model.run_indexer = not a.skip_indexer
-        hs.stats()
+            hs.engine.topk_model.run_indexer = not skip_indexer
+        timers = Timers(dev)
+        if a.warmup:
+            decode(model, cache, b, s.context, 0, a.warmup, timers)
+        before = hs.stats()
         host = EngineHostTime(hs)
         host.reset()
-        times = decode(model, cache, b, s.context, a.steps, a.warmup, Timers(dev))
+        times = decode(model, cache, b, s.context + a.warmup, a.steps, 0, timers)
         out["step_ms"] = median(times, "step")
-        out["host_critical_ms"], out["host_ahead_ms"] = host.per_step_ms(a.steps + a.warmup)
-        steps = a.steps + a.warmup
+        out["host_critical_ms"], out["host_ahead_ms"] = host.per_step_ms(a.steps)
+        st = hs.stats()
+        looked = (st.hits - before.hits) + (st.misses - before.misses)
+        out.update(hit_rate=(st.hits - before.hits) / looked if looked else 1.0,
+                   misses_per_step=(st.misses - before.misses) / a.steps,
+                   h2d_mb_per_step=(st.h2d_bytes - before.h2d_bytes) / a.steps / 1e6,
+                   d2h_mb_per_step=(st.d2h_bytes - before.d2h_bytes) / a.steps / 1e6,
+                   released=st.released_pages, decode_mode=st.decode_mode, planned=hs.engine.ahead.claimed,
+                   resident_store_mb=st.resident_store_bytes / 1e6, timed_steps=a.steps, warmup_steps=a.warmup)
         if dev.type == "cuda":
             out["gpu_ms"] = kernel_profile(model, cache, b, s.context + a.warmup + a.steps, 3)["all kernels"]
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            steps += 3
-        st = hs.stats()
-        out.update(hit_rate=st.hit_rate, released=st.released_pages, decode_mode=st.decode_mode,
-                   planned=hs.engine.ahead.claimed, misses_per_step=st.misses / steps,
-                   h2d_mb_per_step=st.h2d_bytes / steps / 1e6,
-                   topk=a.topk_model + ("-no-indexer" if a.skip_indexer else ""))
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc).split(".")[0]
     finally:
@@ -365,34 +539,47 @@ def fmt(x: Any, spec: str = ".2f") -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     from hisparse_core.replay.report import render_grid
 
-    by = {(r["mode"], r["batch"], r["context"]): r for r in rows}
+    def label(r: dict[str, Any]) -> str:
+        return str(r.get("topk", "-"))
+
+    def base(r: dict[str, Any]) -> str:
+        """All-resident's label for a hisparse row: the same top-k source, without resident layers."""
+        return label(r).split("+resident")[0]
+
+    by = {(r["mode"], r["batch"], r["context"], label(r)): r for r in rows}
     body = []
     for r in sorted(rows, key=lambda r: (r["context"], MODES.index(r["mode"]) if r["mode"] in MODES else 9,
-                                         r["batch"])):
+                                         label(r), r["batch"])):
         if "oom" in r or "error" in r:
-            body.append([f"{r['mode']} T={ctx(r['context'])}", str(r["batch"]), "OOM" if "oom" in r else "error"]
-                        + ["-"] * 11)
+            body.append([f"{r['mode']} T={ctx(r['context'])}", label(r), str(r["batch"]),
+                         "OOM" if "oom" in r else "error"] + ["-"] * 12)
             continue
-        res = by.get(("all-resident", r["batch"], r["context"]), {})
+        res = by.get(("all-resident", r["batch"], r["context"], base(r)), {})
         over = (f"{r['step_ms'] / res['step_ms']:.2f}x" if r["mode"] == "hisparse" and res.get("step_ms") else "-")
         gpu = r.get("gpu_ms")
         idle = r["step_ms"] - gpu if gpu is not None and r["mode"] != "replay" else None
-        body.append([f"{r['mode']} T={ctx(r['context'])}", str(r["batch"]), fmt(r.get("step_ms")),
+        body.append([f"{r['mode']} T={ctx(r['context'])}", label(r), str(r["batch"]), fmt(r.get("step_ms")),
                      fmt(tokens_per_s(r), ".1f") if r["mode"] != "replay" else "-", fmt(gpu), fmt(idle),
                      fmt(r.get("host_critical_ms")), fmt(r.get("host_ahead_ms")), over, fmt(r.get("peak_gib"), ".1f"),
                      "-" if "hit_rate" not in r else f"{100 * r['hit_rate']:.0f}%", fmt(r.get("h2d_mb_per_step"), ".1f"),
+                     fmt(r.get("d2h_mb_per_step"), ".1f"),
                      str(r.get("released", "-")),
                      str(r.get("decode_mode", "-"))])
-    header = ["mode", "batch", "step ms", "tok/s", "gpu ms", "idle ms", "host critical ms", "host ahead ms",
-              "overhead", "peak GiB", "hit", "H2D MB/step", "released", "decode"]
+    header = ["mode", "top-k", "batch", "step ms", "tok/s", "gpu ms", "idle ms", "host critical ms", "host ahead ms",
+              "overhead", "peak GiB", "hit", "H2D MB/step", "D2H MB/step", "released", "decode"]
     out = render_grid(header, body)
     gains = []
     for t in sorted({r["context"] for r in rows}):
-        best = {m: max((tokens_per_s(r) for r in rows if r["mode"] == m and r["context"] == t and "step_ms" in r),
-                       default=float("nan")) for m in MODES}
-        gains.append(f"T={ctx(t)}: best tokens/s over the batches: hisparse {fmt(best['hisparse'], '.1f')}, all-resident "
-                     f"{fmt(best['all-resident'], '.1f')}, transformers {fmt(best['transformers'], '.1f')}; gain over "
-                     f"all-resident {fmt(best['hisparse'] / best['all-resident'], '.2f')}x")
+        for lab in sorted({label(r) for r in rows if r["context"] == t and r["mode"] == "hisparse"} or {"-"}):
+            def best(m: str, want: str, t: int = t) -> float:
+                return max((tokens_per_s(r) for r in rows if r["mode"] == m and r["context"] == t and "step_ms" in r
+                            and r.get("within_budget", True) and (m == "transformers" or label(r) == want)),
+                           default=float("nan"))
+
+            hs, res = best("hisparse", lab), best("all-resident", lab.split("+resident")[0])
+            gains.append(f"T={ctx(t)} ({lab}): best tokens/s over the batches at the fixed budget: hisparse {fmt(hs, '.1f')}, all-resident "
+                         f"{fmt(res, '.1f')}, transformers {fmt(best('transformers', lab), '.1f')}; gain over "
+                         f"all-resident {fmt(hs / res, '.2f')}x")
     return out + "\n" + "\n".join(gains)
 
 
@@ -424,16 +611,36 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--contexts", default=None, help="comma list of context lengths (default 32768,131072; --smoke: 160)")
     p.add_argument("--gpu-kv-gib", type=float, default=None,
                    help="GPU KV budget of every mode, indexer keys included (default 24; --smoke: 320 KiB)")
     p.add_argument("--host-gib", type=float, default=100.0, help="host pool limit (pinned)")
     p.add_argument("--max-context", type=int, default=131072 + 1024)
-    p.add_argument("--batches", default="", help="comma list; default: powers of two up to each mode's largest")
+    p.add_argument("--batches", default="",
+                   help="comma list, 'max' standing for hisparse's largest at each context and 'budget' for "
+                        "all-resident's largest at the fixed budget (--gpu-kv-gib); a batch a context cannot "
+                        "hold is left out there (refused only where no context can); default: powers of two up to "
+                        "each mode's largest")
     p.add_argument("--modes", default=",".join(MODES) + ",replay")
     p.add_argument("--dense-ffn-gb", type=float, default=0.0, help="dense FFN weight bytes read per step (GB)")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 10; --smoke: 2)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed decode steps before them, so the timed ones see filled hot buffers (default 6: the "
+                        "locality models' LRU hit rate is steady from the 5th step; --smoke: 1)")
+    p.add_argument("--all-resident-gib", type=float, default=None,
+                   help="all-resident's GPU budget (default --gpu-kv-gib): a larger one runs all-resident at "
+                        "hisparse's batches, for the offloading cost at the same batch")
+    p.add_argument("--resident-layers", default="none",
+                   help="hisparse's layers kept whole on the GPU (enable(resident_layers=...)): 'none', 'auto' (the "
+                        "--topk-model regime's poor layers: under code the layers standing for reference layers 0-1; "
+                        "none otherwise) or a comma list; several alternatives separated by '/' (e.g. none/auto) "
+                        "run each hisparse row once per alternative")
+    p.add_argument("--indexer-share", default="",
+                   help="with --topk-model: comma list of batches ('max': hisparse's largest, and all-resident's "
+                        "largest at the fixed budget; 'all') whose engine rows also run with the model's indexer left "
+                        "out of the decode steps (rows labelled <regime>-no-indexer): the difference is the "
+                        "indexer's cost, and the gain at the fixed budget without it; '@CONTEXT[+CONTEXT]' limits "
+                        "them to those contexts, e.g. max@131072")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--hot-rows", type=int, default=0, help="0: 2x top-k")
     p.add_argument("--fill-chunk", type=int, default=1024)
@@ -450,20 +657,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny geometry on the CPU (checks this script end to end)")
     a = p.parse_args(argv)
     if a.smoke:
-        a.contexts, a.block_size, a.steps, a.warmup, a.fill_chunk = "160", 4, 2, 1, 32
+        a.contexts = a.contexts or "160"
+        a.steps = 2 if a.steps is None else a.steps
+        a.warmup = 1 if a.warmup is None else a.warmup
+        a.block_size, a.fill_chunk = 4, 32
         a.host_gib, a.max_context = 1e-3, 4096
         a.gpu_kv_gib = 320 * 1024 / 2**30 if a.gpu_kv_gib is None else a.gpu_kv_gib
         a.dense_ffn_gb = a.dense_ffn_gb and 1e-4
     if a.gpu_kv_gib is None:
         a.gpu_kv_gib = 24.0
+    a.contexts = a.contexts or "32768,131072"
+    a.steps = 10 if a.steps is None else a.steps
+    a.warmup = 6 if a.warmup is None else a.warmup
+    try:
+        plan = parse_plan(a)
+    except BadSize as exc:
+        print(f"bench_serving: {exc}", file=sys.stderr)
+        return 2
     if a.skip_indexer and a.topk_model == "indexer":
         print("bench_serving: --skip-indexer needs --topk-model benign or code (the indexer's choice is what "
               "--topk-model indexer attends)", file=sys.stderr)
         return 2
     device = "cpu" if a.smoke else "cuda"
-    contexts = [int(x) for x in a.contexts.split(",")]
-    asked = [int(x) for x in a.batches.split(",")] if a.batches else None
-    modes = a.modes.split(",")
+    contexts, asked, modes = plan.contexts, plan.batches, plan.modes
     geometry = TINY if a.smoke else GEOMETRY
     from transformers import DeepseekV32Config
 
@@ -471,7 +687,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sizes = [sizes_for(probe_cfg, a.layers, t, a) for t in contexts]
         for s in sizes:
-            check_sizes(s, asked)
+            check_sizes(s, None)
+            for alt in plan.resident:
+                check_sizes(s.with_resident(alt), None)
+        if asked:
+            # a batch some context cannot hold is left out there; refused only where none can
+            tops = {s.context: max(s.largest(m) for m in MODES) for s in sizes}
+            big = [b for b in asked if b > max(tops.values())]
+            if big:
+                raise BadSize(f"batch {big[0]} fits no mode at any context (largest per context: "
+                              f"{', '.join(f'{ctx(t)} {n}' for t, n in tops.items())}); expected --batches <= "
+                              f"{max(tops.values())}")
     except BadSize as exc:
         print(f"bench_serving: {exc}", file=sys.stderr)
         return 2
@@ -484,23 +710,51 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# transformers {transformers.__version__}, torch {torch.__version__}, {gpu}; {a.layers} layers, top-k "
           f"{model.config.index_topk}, block {a.block_size}; GPU KV budget {a.gpu_kv_gib:g} GiB, host pool <= "
           f"{a.host_gib:g} GiB; FFN weights {ffn / 1e9:.3g} GB; decode top-k from {a.topk_model}", flush=True)
+    print(f"# {a.warmup} untimed warm-up decode steps, then {a.steps} timed: step, host, hits and PCIe figures "
+          f"are the timed steps'; all-resident's budget {(a.all_resident_gib or a.gpu_kv_gib):g} GiB", flush=True)
+    print("# hisparse resident layers: " + " / ".join(str(list(x)) if x else "none" for x in plan.resident)
+          + (f" ({plan.resident_why})" if plan.resident_why else " (--resident-layers; default none: every layer "
+             "through hisparse)"), flush=True)
     for s in sizes:
+        extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
+                        for x in plan.resident if x)
         print(f"# T={s.context}: largest batch hisparse {s.largest('hisparse')}, all-resident "
-              f"{s.largest('all-resident')}, transformers {s.largest('transformers')}", flush=True)
+              f"{s.largest('all-resident')}, transformers {s.largest('transformers')}{extra}", flush=True)
     rows: list[dict[str, Any]] = []
+
+    def emit(r: dict[str, Any], t0: float) -> None:
+        r["wall_s"] = time.perf_counter() - t0
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
     for s in sizes:
         for mode in modes:
-            for b in batches_for(s, "hisparse" if mode == "replay" else mode, asked):
-                t0 = time.perf_counter()
-                if mode == "transformers":
-                    r = run_static(model, s, b, a)
-                elif mode == "replay":
-                    r = run_replay_workload(a.layers, s, b, a, model.config.index_topk)
-                else:
-                    r = run_engine(model, s, b, a, resident=mode == "all-resident")
-                r["wall_s"] = time.perf_counter() - t0
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+            variants = [s.with_resident(x) for x in plan.resident] if mode == "hisparse" else [s]
+            for v in variants:
+                for b in batches_for(v, "hisparse" if mode == "replay" else mode, asked):
+                    t0 = time.perf_counter()
+                    if mode == "transformers":
+                        r = run_static(model, v, b, a)
+                    elif mode == "replay":
+                        r = run_replay_workload(a.layers, v, b, a, model.config.index_topk)
+                    else:
+                        r = run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=a.skip_indexer)
+                    emit(r, t0)
+        if (plan.indexer_share is None or plan.indexer_share) and (plan.share_contexts is None
+                                                                  or s.context in plan.share_contexts):
+            # the same rows without the model's indexer (first resident alternative): its share of the step
+            share = plan.indexer_share
+            for mode in (m for m in modes if m in ("hisparse", "all-resident")):
+                v = s.with_resident(plan.resident[0]) if mode == "hisparse" else s
+                picked = batches_for(v, mode, share if share is not None else asked)
+                if mode == "all-resident" and share is not None and 0 in share:
+                    # 'max': all-resident's largest at the fixed budget (its best throughput there), so the
+                    # gain at the fixed budget can be read with and without the indexer
+                    top = max((x for x in range(1, v.largest(mode) + 1) if v.fits_budget(x)), default=0)
+                    picked = sorted(({x for x in picked if v.fits_budget(x)} | {top}) - {0})
+                for b in picked:
+                    t0 = time.perf_counter()
+                    emit(run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=True), t0)
     print(table(rows))
     if a.png:
         plot(rows, a.png)

@@ -90,15 +90,23 @@ def serving(ax: Any, data: dict[str, Any]) -> None:
     tokens_by_batch(ax, modes.values(), "H200, 3 GiB of GPU KV, 4 layers of DeepSeek-V3.2 attention", "center right")
 
 
-def serving_locality(ax: Any, data: dict[str, Any]) -> None:
-    regimes = data["serving_locality"]["regimes"]
+def serving_locality(ax: Any, data: dict[str, Any], key: str = "serving_locality") -> None:
+    """Tokens/s against batch under both regimes; a dataset with a `context` says it in the title
+    (`serving_locality_32k`: the same plot at 32K, drawn where results.json has it)."""
+    dataset = data[key]
+    regimes = dataset["regimes"]
     for (regime, modes), color in zip(regimes.items(), ("tab:blue", "tab:red"), strict=True):
         for mode, style in (("hisparse", "-"), ("all-resident", "--")):
             m = modes[mode]
             ax.plot(m["batch"], m["tokens_per_s"], marker="o", linestyle=style, color=color,
                     label=f"{mode}, {regime} (largest batch {max(m['batch'])})")
+    where = f"{dataset['context'] // 1024}K tokens, " if "context" in dataset else ""
     tokens_by_batch(ax, [m for modes in regimes.values() for m in modes.values()],
-                    "H200, 3 GiB of GPU KV, top-k from the locality model", "lower right")
+                    f"H200, {where}3 GiB of GPU KV, top-k from the locality model", "lower right")
+
+
+def serving_locality_32k(ax: Any, data: dict[str, Any]) -> None:
+    serving_locality(ax, data, "serving_locality_32k")
 
 
 def transformers_step(ax: Any, data: dict[str, Any]) -> None:
@@ -132,6 +140,8 @@ def draw(data: dict[str, Any], out: Path) -> list[Path]:
         ("serving_locality.png", (1, 1), serving_locality),
         ("transformers_step.png", (1, 1), transformers_step),
     ]
+    if "serving_locality_32k" in data:     # issue 42's 32K runs, once results.json holds them
+        jobs.append(("serving_locality_32k.png", (1, 1), serving_locality_32k))
     written = []
     for name, (rows, cols), plot in jobs:
         fig, ax = plt.subplots(rows, cols, figsize=(4.6 * cols + 2.2 * (cols == 1), 4.2), squeeze=True)

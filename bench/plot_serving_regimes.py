@@ -56,10 +56,44 @@ def tok_s(r: dict[str, Any]) -> float:
     return 1e3 * r["batch"] / r["step_ms"]
 
 
+FIELDS = ("step_ms", "hit_rate", "h2d_mb_per_step", "host_critical_ms", "gpu_ms")
+
+
+def fragment(rows: list[dict[str, Any]], source: str, command: str) -> dict[str, Any]:
+    """results.json's `serving_locality` datasets (its schema: per regime, per mode, lists by batch)
+    from the plain regimes' rows (no resident layers, with the indexer) within the fixed budget."""
+    out: dict[str, Any] = {}
+    for t in sorted({r["context"] for r in rows}, reverse=True):
+        key = ("serving_locality" if t == 131072 else f"serving_locality_{t // 1024}k" if t >= 1024
+               else f"serving_locality_{t}")
+        regimes: dict[str, Any] = {}
+        for reg in ("benign", "code"):
+            modes: dict[str, Any] = {}
+            for mode in COLOR:
+                mine = sorted((r for r in rows if r["context"] == t and r.get("topk") == reg and r["mode"] == mode
+                               and r.get("within_budget", True)), key=lambda r: r["batch"])
+                if mine:
+                    modes[mode] = {"batch": [r["batch"] for r in mine],
+                                   "tokens_per_s": [round(tok_s(r), 1) for r in mine],
+                                   **{f: [round(r[f], 3) if f == "hit_rate" else round(r[f], 2) for r in mine]
+                                      for f in FIELDS if all(f in r for r in mine)}}
+            if len(modes) == len(COLOR):
+                regimes[reg] = modes
+        if len(regimes) == 2:
+            out[key] = {"source": source, "command": command, "context": t, "regimes": regimes}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+")
     ap.add_argument("--png", default="serving_regimes.png")
+    ap.add_argument("--results-fragment", default="",
+                    help="also write docs/figures/results.json's serving_locality datasets from these rows (one per "
+                         "context: serving_locality at 128K, serving_locality_32k at 32K; the regimes' rows within "
+                         "the fixed budget), to paste in with their source and command (--source, --command)")
+    ap.add_argument("--source", default="", help="the fragment's `source` (where the run is recorded)")
+    ap.add_argument("--command", default="", help="the fragment's `command` (the GPU command that measured it)")
     a = ap.parse_args(argv)
     try:
         rows = load(a.json)
@@ -81,11 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         top, bottom = axes[0][col], axes[1][col]
         for reg in regimes:
             mine = {(r["mode"], r["batch"]): r for r in rows if r["context"] == t and r.get("topk", "indexer") == reg}
+            # hisparse with resident layers ('code+resident0') against the same all-resident rows
+            base = reg.split("+resident")[0]
+            mine.update({("all-resident", r["batch"]): r for r in rows if r["context"] == t and r["mode"] == "all-resident"
+                         and r.get("topk", "indexer") == base and base != reg})
             for mode, color in COLOR.items():
-                pts = sorted((b, tok_s(r)) for (m, b), r in mine.items() if m == mode)
-                if pts:
-                    top.plot(*zip(*pts, strict=True), style(reg), marker=marker(reg), color=color,
-                             label=f"{mode}, {reg}")
+                if mode == "all-resident" and base != reg:
+                    continue                     # drawn once, under its own label
+                # all-resident beyond the fixed budget (bench_serving --all-resident-gib): hollow markers
+                for inside in (True, False):
+                    pts = sorted((b, tok_s(r)) for (m, b), r in mine.items()
+                                 if m == mode and r.get("within_budget", True) == inside)
+                    if pts:
+                        top.plot(*zip(*pts, strict=True), style(reg), marker=marker(reg), color=color,
+                                 mfc=None if inside else "none",
+                                 label=f"{mode}, {reg}" + ("" if inside else " (beyond the budget)"))
             ratio = sorted((b, r["step_ms"] / mine[("all-resident", b)]["step_ms"]) for (m, b), r in mine.items()
                            if m == "hisparse" and ("all-resident", b) in mine)
             if ratio:
@@ -115,9 +159,26 @@ def main(argv: list[str] | None = None) -> int:
               for reg in [src.removesuffix("-no-indexer")] if (reg, mode, t, b) in by]
     for t, reg, mode, b, share in shares:
         print(f"indexer share of the step, {mode}, {reg}, {ctx(t)}, batch {b}: {share:.0%}")
+    # The gain at the fixed budget (best tokens/s over batches within it), with and without the indexer.
+    for t in contexts:
+        for src in regimes:
+            def best(mode: str, t: int = t, src: str = src) -> float:
+                return max((tok_s(r) for r in rows if r["context"] == t and r.get("topk", "indexer") == src
+                            and r["mode"] == mode and r.get("within_budget", True)), default=float("nan"))
+
+            if src.endswith("-no-indexer") or "+resident" in src:
+                continue
+            gain = best("hisparse") / best("all-resident")
+            bare = src + "-no-indexer"
+            if bare in regimes:
+                print(f"gain at the fixed budget, {src}, {ctx(t)}: {gain:.2f}x with the model's indexer, "
+                      f"{best('hisparse', t, bare) / best('all-resident', t, bare):.2f}x without it")
     fig.tight_layout()
     fig.savefig(a.png, dpi=120)
     plt.close(fig)
+    if a.results_fragment:
+        Path(a.results_fragment).write_text(json.dumps(fragment(rows, a.source, a.command), indent=1) + "\n")
+        print(f"results fragment: {a.results_fragment}")
     print(f"plot: {a.png}")
     return 0
 

@@ -8,7 +8,7 @@
 #                                                             #         tf_tests tf_generate tf_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
 #                                                             #         triton_tests triton_conformance triton_generate (the triton stage split, to run side by side)
 #                                                             #         vllm_tests (vLLM's kernel tests, see there)
-#                                                             #         serving_locality locality (issue 42: under the calibrated locality model, not in the defaults)
+#                                                             #         serving_locality locality tf_resident (issue 42: under the calibrated locality model, not in the defaults)
 #                                                             #         memcheck_vllm_ops racecheck_vllm_ops ncu_vllm_ops ncu_triton (issues 39, 40)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
@@ -20,11 +20,16 @@
 # workload in the readme stage (the slowest command there).
 #
 # serving_locality runs bench/bench_serving.py once per name in SERVING_LOCALITY_RUNS (default
-# "benign code": --topk-model of that regime; "code-no-indexer": the same with --skip-indexer, for
-# the indexer's share of the step); T_SERVING_LOCALITY seconds each, default 150; SERVING_LOCALITY_ARGS replaces the default
-# arguments: 4 layers, --dense-ffn-gb 4.6, 128K then 32K, a 3 GiB budget, hisparse and all-resident,
-# 6 steps after 2 of warm-up), then bench/plot_serving_regimes.py on both logs (rows are read from
-# the logs, so a run cut short by its time limit still counts). locality runs bench/bench_locality.py
+# "benign+indexer-share code": --topk-model of that regime; "-no-indexer" adds --skip-indexer, every
+# row without the model's indexer; "+indexer-share" adds --indexer-share $SERVING_INDEXER_SHARE (default
+# max: rows without it at each mode's largest batch beside the others; max@131072: at 128K only)); T_SERVING_LOCALITY seconds each, default 140;
+# SERVING_LOCALITY_ARGS replaces the default arguments: 4 layers, --dense-ffn-gb 4.6, 128K then 32K,
+# a 3 GiB budget (all-resident also at hisparse's batches under 24 GiB), batches all-resident's
+# largest at the budget and hisparse's largest, 5 timed steps after 5 untimed, hisparse with and
+# without the regime's resident layers (--resident-layers none/auto: layer 0 under code)), then
+# bench/plot_serving_regimes.py on the logs (rows are read from the logs, so a run cut short by
+# its time limit still counts). tf_resident runs the GPU test of resident layers in a captured
+# decode graph (T_TF_RESIDENT, default 60). locality runs bench/bench_locality.py
 # --no-policies on the nvidia backend (the replay engine with and without a resident layer; T_LOCALITY,
 # LOCALITY_ARGS, default --top-k 2048).
 #
@@ -245,19 +250,24 @@ serving)  # issue 29: decode throughput at a fixed GPU KV budget (SERVING_ARGS)
 serving_locality)  # issue 42: serving under the calibrated locality, each run of SERVING_LOCALITY_RUNS, and the plot
     logs=()
     RC[serving_locality]=0
-    for name in ${SERVING_LOCALITY_RUNS:-benign code}; do
-        regime=${name%-no-indexer}
+    for name in ${SERVING_LOCALITY_RUNS:-benign+indexer-share code}; do
+        regime=${name%%[-+]*}
         skip=()
-        [ "$regime" != "$name" ] && skip=(--skip-indexer)
+        [[ "$name" == *-no-indexer* ]] && skip+=(--skip-indexer)
+        [[ "$name" == *+indexer-share* ]] && skip+=(--indexer-share "${SERVING_INDEXER_SHARE:-max}")
         # shellcheck disable=SC2086  # the arguments split on purpose
-        run "serving_$name" "${T_SERVING_LOCALITY:-150}" python3 bench/bench_serving.py --topk-model "$regime" "${skip[@]}" \
+        run "serving_$name" "${T_SERVING_LOCALITY:-140}" python3 bench/bench_serving.py --topk-model "$regime" "${skip[@]}" \
             --json "$OUT/serving_$name.json" --png "$OUT/serving_$name.png" \
-            ${SERVING_LOCALITY_ARGS:---layers 4 --dense-ffn-gb 4.6 --contexts 131072,32768 --gpu-kv-gib 3 --modes hisparse,all-resident --steps 6 --warmup 2}
+            ${SERVING_LOCALITY_ARGS:---layers 4 --dense-ffn-gb 4.6 --contexts 131072,32768 --gpu-kv-gib 3 --all-resident-gib 24 --modes hisparse,all-resident --batches budget,max --warmup 5 --steps 5 --resident-layers none/auto}
         logs+=("$OUT/serving_$name.log")
         RC[serving_locality]=$(( RC[serving_locality] | RC[serving_$name] ))
     done
     run serving_regimes 60 python3 bench/plot_serving_regimes.py "${logs[@]}" --png "$OUT/serving_regimes.png"
     RC[serving_locality]=$(( RC[serving_locality] | RC[serving_regimes] ))
+    ;;
+tf_resident)  # issue 42: resident layers in the transformers engine, decode steps replayed from a CUDA graph
+    run tf_resident "${T_TF_RESIDENT:-60}" python3 -m pytest -q -rs -s -p no:cacheprovider \
+        tests/transformers_plugin/test_transformers_resident_layers.py -k captured_decode_graph
     ;;
 locality)  # issue 42: the replay engine with and without a resident layer, on the GPU
     # shellcheck disable=SC2086

@@ -45,3 +45,53 @@ def test_a_budget_without_room_for_one_request_is_one_line() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.count("\n") == 1 and "cannot hold one hisparse request" in out.stderr, out.stderr
+
+
+def test_smoke_runs_issue_42s_flags(tmp_path: Path) -> None:
+    """Two contexts in one run, 'max' batches, untimed warm-up steps, all-resident at hisparse's
+    batches under a larger budget, hisparse with and without the code regime's resident layer, and
+    the rows without the indexer at each mode's largest batch."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--contexts", "160,96", "--batches", "max",
+                          "--modes", "hisparse,all-resident", "--topk-model", "code", "--resident-layers", "none/auto",
+                          "--indexer-share", "max", "--all-resident-gib", "0.002", "--warmup", "2", "--steps", "1",
+                          "--png", "", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert "layers [0] (standing for the reference layers 0-1" in out.stdout
+    assert "2 untimed warm-up decode steps, then 1 timed" in out.stdout
+    got = {(r["context"], r["mode"], r["topk"], r["batch"]) for r in rows}
+    # hisparse's largest: 2 at 160 tokens, 3 at 96 (the resident layer's store still leaves room for them)
+    want = set()
+    for t, top in ((160, 2), (96, 3)):
+        want |= {(t, "hisparse", "code", top), (t, "hisparse", "code+resident0", top),
+                 (t, "all-resident", "code", top), (t, "hisparse", "code-no-indexer", top)}
+    assert want <= got, sorted(got)
+    # all-resident at hisparse's largest batch runs beyond the fixed budget, and says so; without the
+    # indexer it also runs at its own largest within the budget
+    res = [r for r in rows if r["mode"] == "all-resident"]
+    assert any(not r["within_budget"] for r in res if r["topk"] == "code"), res
+    assert any(r["within_budget"] for r in res if r["topk"] == "code-no-indexer"), res
+    engine = [r for r in rows if "step_ms" in r]
+    assert all(r["timed_steps"] == 1 and r["warmup_steps"] == 2 and "d2h_mb_per_step" in r for r in engine), engine
+    assert all(r["resident_store_mb"] > 0 for r in engine if "+resident" in r["topk"])
+    assert "at the fixed budget" in out.stdout
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--resident-layers", "none/9"], "--resident-layers"),
+    (["--resident-layers", "0,1,2,3"], "--resident-layers"),
+    (["--indexer-share", "max"], "--indexer-share"),                      # --topk-model indexer
+    (["--topk-model", "code", "--indexer-share", "x"], "--indexer-share"),
+    (["--topk-model", "code", "--indexer-share", "max@999"], "--indexer-share"),   # not a context of the run
+    (["--batches", "0"], "--batches"),
+    (["--contexts", "160,abc"], "--contexts"),
+    (["--modes", "hisparse,fast"], "--modes"),
+    (["--all-resident-gib", "-1"], "--all-resident-gib"),
+    (["--batches", "99"], "fits no mode at any context"),
+])
+def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1 and flag in out.stderr, out.stderr

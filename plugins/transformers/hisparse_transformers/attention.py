@@ -10,7 +10,7 @@ Per layer and forward (`HiSparseAttention.forward`, installed per instance by `e
 2. The leader of an index group runs the model's indexer (its keys stay in `HiSparseCache`);
    followers take the leader's top-k (`prev_topk_indices`). Padded indices become logical
    positions; padding, future and out-of-context entries become -1.
-3. Rows:
+3. Rows (a layer of `resident_layers`: by position from its own store, `_resident_rows`):
    - one query per row (decode): the leader calls `CacheRuntime.resolve(gather=True,
      validate=False)` (resident page, else hot row, else a miss copied from host into the hot
      buffer); followers `replay_plan([layer])`. No host synchronization.
@@ -125,6 +125,30 @@ def _prefill_rows(engine: HiSparseEngine, step: StepState, group: int, topk: tor
     host_rows = torch.where(host_mask, source * bs + offset, torch.zeros_like(source))
     num_host = int(host_mask.sum())
     return RowMap(logical, valid, dev_rows=dev_rows, host_rows=host_rows, host_mask=host_mask, num_host=num_host)
+
+
+def _resident_rows(engine: HiSparseEngine, step: StepState, topk: torch.Tensor) -> RowMap:
+    """A resident layer's rows (`resident_layers`): its store holds every position of every state
+    row, so an entry's row is `state * capacity + position`; no resolve, no hot buffer, no host
+    read. A decode or verification step masks as `_decode_rows` does, from the step tensors a
+    captured graph refreshes (row_state, seq_lens, pad32: device ops of fixed shapes only)."""
+    cap = engine.resident_capacity
+    if step.num_new > 1 and not step.verify:
+        logical, valid = _logical_topk(topk, step)
+        assert step.state_rows is not None
+        base = step.state_rows.to(torch.int64).view(-1, 1, 1) * cap
+        return RowMap(logical, valid, rows=torch.where(valid, base + logical, torch.full_like(logical, -1)))
+    b, s = step.qpos.shape
+    k = engine.layout.index_topk
+    flat = topk.reshape(b * s, topk.shape[-1]).to(torch.int32) - step.pad32
+    bad = (flat < 0) | (flat >= step.seq_lens.unsqueeze(1)) | (step.row_state.unsqueeze(1) < 0)
+    flat = torch.where(bad, -1, flat)
+    if flat.shape[1] < k:
+        # as the resolver's rows are: padded to top-k (the same K, so the same reductions)
+        flat = torch.nn.functional.pad(flat, (0, k - flat.shape[1]), value=-1)
+    logical = flat.to(torch.int64)
+    rows = torch.where(logical >= 0, step.row_state.to(torch.int64).unsqueeze(1) * cap + logical, -1)
+    return RowMap(logical.view(b, s, -1), (rows >= 0).view(b, s, -1), rows=rows.view(b, s, -1))
 
 
 def _gather(engine: HiSparseEngine, group: int, position: int, rmap: RowMap) -> torch.Tensor:
@@ -247,7 +271,9 @@ class HiSparseAttention:
                 raise HiSparseError(f"layer {self.layer} shares its index group's top-k but got no prev_topk_indices")
             topk = prev_topk
         cached = step.group_cache.get(self.group)
-        if s == 1 or step.verify:
+        if engine.is_resident(self.group):
+            rmap = _resident_rows(engine, step, topk) if self.position == 0 or cached is None else cached
+        elif s == 1 or step.verify:
             rmap = _decode_rows(engine, step, self.group, self.position, topk, cached)
         elif self.position == 0 or cached is None:
             rmap = _prefill_rows(engine, step, self.group, topk)

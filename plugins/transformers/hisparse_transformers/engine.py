@@ -50,6 +50,7 @@ from hisparse_core.coordinator.config import GIB
 from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
+from hisparse_core.residency import parse_resident_layers
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
@@ -77,6 +78,25 @@ def row_format_for(dtype: torch.dtype, width: int) -> RowFormat:
     padded = _cdiv(width, per16) * per16
     name = f"hf_mla_{str(dtype).removeprefix('torch.')}_{width}" + (f"_pad{padded}" if padded != width else "")
     return register_row_format(RowFormat(name, dtype, padded))
+
+
+def resident_groups(groups: Sequence[Sequence[int]], spec: str | Sequence[int], num_layers: int) -> list[int]:
+    """The index groups `resident_layers` keeps resident: every listed layer in `[0, num_layers)`,
+    whole groups only (a group's followers read the leader's rows), not every layer. Bad input is
+    one `InvalidInputError` line naming `resident_layers`."""
+    try:
+        layers = parse_resident_layers(spec, num_layers)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"resident_layers={spec!r}: {exc}") from None
+    if len(layers) == num_layers:
+        raise InvalidInputError(f"resident_layers={list(layers)} keeps all {num_layers} layers resident; expected at "
+                                "most all but one (all-resident: give every page the GPU budget instead)")
+    chosen = [g for g, members in enumerate(groups) if any(x in layers for x in members)]
+    for g in chosen:
+        if not set(groups[g]) <= set(layers):
+            raise InvalidInputError(f"resident_layers={list(layers)} splits index group {list(groups[g])}; expected "
+                                    "whole index groups (its layers share one top-k and one resolve)")
+    return chosen
 
 
 def required_gpu_blocks(max_batch: int, hot_blocks: int, chunk_pages: int) -> int:
@@ -110,6 +130,8 @@ class EngineConfig:
     max_context: int = 4096
     prefill_chunk: int = 512
     speculative_tokens: int = 0     # most candidate tokens a verification step checks per request
+    #: layers whose whole KV stays on the GPU (never through the host pool or a hot buffer)
+    resident_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("host_pool_gib", "gpu_kv_gib"):
@@ -211,23 +233,44 @@ class HiSparseEngine:
         self.max_pages = _cdiv(c.max_context, bs)
         self.chunk_pages = _cdiv(max(c.prefill_chunk, self.spec_rows), bs) + 1
         L = layout.num_layers
-        self.block_bytes = L * bs * self.fmt.row_bytes
+        resident = resident_groups(layout.groups, c.resident_layers, L)
+        if resident and (placement.spread or ranks is not None):
+            raise InvalidInputError(f"resident_layers={list(c.resident_layers)} runs on one device and one rank; "
+                                    "expected a model on one device without tensor parallelism, or resident_layers=()")
+        self.resident_groups = frozenset(resident)
+        self.resident_layers = tuple(sorted(x for g in resident for x in layout.groups[g]))
+        offloaded = [x for x in range(L) if x not in self.resident_layers]
+        self.block_bytes = len(offloaded) * bs * self.fmt.row_bytes
         for dev in placement.devices:
             check_budgets(c.host_pool_gib, c.gpu_kv_gib, dev)      # before any size is derived from them
-        # gpu_kv_gib is each device's budget: a block holds one page of that device's layers, so the
-        # device with the most layers decides how many blocks fit.
-        widest = max(range(len(placement.devices)), key=lambda d: len(placement.layers_on(d)))
-        device_block_bytes = len(placement.layers_on(widest)) * bs * self.fmt.row_bytes
-        self.gpu_blocks = c.gpu_kv_bytes // device_block_bytes
+        #: positions of one state row in a resident layer's store (`[max_batch * capacity, width]`)
+        self.resident_capacity = _cdiv(c.max_context, bs) * bs
+        self.resident_bytes = len(self.resident_layers) * c.max_batch * self.resident_capacity * self.fmt.row_bytes
+        if self.resident_bytes and self.resident_bytes >= c.gpu_kv_bytes:
+            raise CapacityError(
+                f"resident_layers={list(self.resident_layers)} keep {self.resident_bytes} B on the GPU (max_batch="
+                f"{c.max_batch} x max_context={self.resident_capacity} x {self.fmt.row_bytes} B per layer), all of "
+                f"gpu_kv_gib={c.gpu_kv_gib:g}: expected gpu_kv_gib > {self.resident_bytes / GIB:.6g} plus the hot "
+                "buffers' pool, or fewer resident layers")
+        # gpu_kv_gib is each device's budget (less the resident layers' stores): a block holds one page
+        # of that device's offloaded layers, so the device with the most of them decides how many fit.
+        widest = max(range(len(placement.devices)),
+                     key=lambda d: len([x for x in placement.layers_on(d) if x not in self.resident_layers]))
+        device_layers = len([x for x in placement.layers_on(widest) if x not in self.resident_layers])
+        device_block_bytes = device_layers * bs * self.fmt.row_bytes
+        self.gpu_blocks = (c.gpu_kv_bytes - self.resident_bytes) // device_block_bytes
         self.watermark = pressure_watermark(c.max_batch, self.hot_blocks, self.chunk_pages)
         need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
         if self.gpu_blocks < need:
             where = f" on {placement.devices[widest]}" if placement.spread else ""
+            kept = (f" (less {self.resident_bytes} B for resident_layers={list(self.resident_layers)})"
+                    if self.resident_bytes else "")
             raise CapacityError(
-                f"gpu_kv_gib={c.gpu_kv_gib:g}{where} holds {self.gpu_blocks} blocks of {device_block_bytes} B "
-                f"({len(placement.layers_on(widest))} layers x {bs} tokens x {self.fmt.row_bytes} B); "
+                f"gpu_kv_gib={c.gpu_kv_gib:g}{where}{kept} holds {self.gpu_blocks} blocks of {device_block_bytes} B "
+                f"({device_layers} layers x {bs} tokens x {self.fmt.row_bytes} B); "
                 f"max_batch={c.max_batch} with a {self.hot_blocks}-block hot buffer and prefill_chunk={c.prefill_chunk} "
-                f"needs at least {need}: expected gpu_kv_gib >= {need * device_block_bytes / GIB:.6g}")
+                f"needs at least {need}: expected gpu_kv_gib >= "
+                f"{(need * device_block_bytes + self.resident_bytes) / GIB:.6g}")
         host_blocks = c.host_pool_bytes // self.block_bytes - 1          # the coordinator keeps a null block
         host_need = self.max_pages + ACTIVE_TAIL_PAGES
         if host_blocks < host_need:
@@ -238,7 +281,7 @@ class HiSparseEngine:
                 f"{(host_need + 1) * self.block_bytes / GIB:.3g}")
         self.gpu = SimpleGpuBlockPool(self.gpu_blocks)
         self.coordinator = HiSparseCoordinator(CoordinatorConfig(
-            host_pool_gib=c.host_pool_bytes / GIB, num_layers=L, block_size=bs, row_bytes=self.fmt.row_bytes,
+            host_pool_gib=c.host_pool_bytes / GIB, num_layers=len(offloaded), block_size=bs, row_bytes=self.fmt.row_bytes,
             max_model_len=self.max_pages * bs, hot_blocks_per_request=self.hot_blocks,
             active_tail_pages=ACTIVE_TAIL_PAGES, pressure_watermark_blocks=self.watermark), self.gpu)
         runtime_config = RuntimeConfig(max_batch_rows=c.max_batch * self.spec_rows, max_requests=c.max_batch,
@@ -247,13 +290,18 @@ class HiSparseEngine:
         G = len(layout.groups)
         self.workers: list[HiSparseWorker] = []
         self.runtimes: list[CacheRuntime] = [None] * G  # type: ignore[list-item]  # filled per device below
-        self.device_layers: list[list[torch.Tensor]] = [[] for _ in range(G)]
+        # a resident group's layers: one store each, `[max_batch * resident_capacity, width]`, row
+        # `state * resident_capacity + position` (written as the pages are, read by position)
+        self.device_layers: list[list[torch.Tensor]] = [
+            [torch.zeros((c.max_batch * self.resident_capacity, self.fmt.width), dtype=dtype,
+                         device=placement.devices[placement.group_device[g]]) for _ in layout.groups[g]]
+            if g in self.resident_groups else [] for g in range(G)]
         self.host_views: list[list[torch.Tensor]] = [[] for _ in range(G)]
         self.group_tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []   # per device
         try:
             for d, (dev, be) in enumerate(zip(placement.devices, backends, strict=True)):
-                mine = placement.groups_on(d)
+                mine = [g for g in placement.groups_on(d) if g not in self.resident_groups]
                 groups = [CacheGroup(replace(runtime_config, num_layers=len(layout.groups[g])), resident_group=0,
                                      name=f"index group {g} (layers {list(layout.groups[g])})") for g in mine]
                 share = ranks is not None and ranks.share_host_pool
@@ -283,6 +331,12 @@ class HiSparseEngine:
         self.source_table, self.resident_table, self.hot_table = self._tables[0]
         self.group_tables = [self._tables[d] for d in placement.group_device]
         self.flat_layers = [[t.view(-1, self.fmt.width) for t in g] for g in self.device_layers]
+        if self.resident_layers:
+            logger.info("hisparse: resident_layers=%s keep their whole KV on the GPU (%d B of the %g GiB budget: "
+                        "max_batch %d x %d positions each), never through the host pool or a hot buffer; the other "
+                        "%d layers go through hisparse; prefix hits from the host pool are off (the resident layers "
+                        "have no host copy)", list(self.resident_layers), self.resident_bytes, c.gpu_kv_gib,
+                        c.max_batch, self.resident_capacity, len(offloaded))
         self._reports = ReportMerger(len(self.workers) * (ranks.world_size if ranks is not None else 1))
         self._peer = ranks is not None and ranks.share_host_pool and ranks.rank != 0
         self.free_states = list(range(c.max_batch - 1, -1, -1))
@@ -415,7 +469,7 @@ class HiSparseEngine:
                 rid = f"hf-{self._next_request}"
                 self._next_request += 1
                 tokens = list(tokens)
-                cap = max(0, len(tokens) - 1)
+                cap = max(0, len(tokens) - 1) if not self.resident_layers else 0
                 try:
                     hit = self.coordinator.add_request(rid, tokens, max_prefix_tokens=cap)
                 except CapacityError:
@@ -546,11 +600,15 @@ class HiSparseEngine:
             row_state = torch.where(last >= 0, session.state_rows, torch.full_like(session.state_rows, -1))
             seq_lens = (last + 1).to(torch.int32)
             row_pad32 = session.pads32
-        step = StepState(past, num_new, session.pads, row_pad32, qpos, row_state, seq_lens,
-                         torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
+        write_src = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
+        step = StepState(past, num_new, session.pads, row_pad32, qpos, row_state, seq_lens, write_src,
                          torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
                          started=time.perf_counter(), prefill=num_new > 1 and not verify, verify=verify,
                          state_rows=session.state_rows)
+        if self.resident_layers:
+            # the same rows' places in the resident stores: state row x capacity + logical position
+            states = session.state_rows.to(torch.int64)[write_src // num_new]
+            step.write_res = states * self.resident_capacity + qpos.reshape(-1)[write_src]
         session.step = step
         if self.topk_model is not None and num_new == 1 and all(r.computed >= r.prompt_len for r in session.requests):
             self.topk_model.fill(session, step, [r.pad for r in session.requests], past)
@@ -672,7 +730,13 @@ class HiSparseEngine:
         step = self.local_step(step, group)
         if step.write_dst.numel():
             flat = self.flat_layers[group][position]
-            flat[step.write_dst, :rows.shape[1]] = rows[step.write_src].to(flat.dtype)
+            dst = step.write_res if group in self.resident_groups else step.write_dst
+            assert dst is not None
+            flat[dst, :rows.shape[1]] = rows[step.write_src].to(flat.dtype)
+
+    def is_resident(self, group: int) -> bool:
+        """Whether index group `group`'s layers keep their whole KV on the GPU (`resident_layers`)."""
+        return group in self.resident_groups
 
     def end_step(self, session: Session) -> None:
         step = session.step

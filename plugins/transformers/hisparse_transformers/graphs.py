@@ -106,6 +106,7 @@ class DecodeGraph:
         self.seq_lens = torch.zeros((b,), dtype=torch.int32, device=dev)
         self.write_src = torch.arange(b, dtype=torch.int64, device=dev)       # decode: row b writes its one token
         self.write_dst = torch.zeros((b,), dtype=torch.int64, device=dev)
+        self.write_res = torch.zeros((b,), dtype=torch.int64, device=dev)     # resident layers' store rows
         self.capacity = 0
         self.generation = -1
         self.slots: torch.Tensor | None = None                              # arange(capacity)
@@ -129,6 +130,9 @@ class DecodeGraph:
         self.write_dst.copy_(step.write_dst)
         step.row_state, step.seq_lens = self.row_state, self.seq_lens
         step.write_src, step.write_dst = self.write_src, self.write_dst
+        if step.write_res is not None:
+            self.write_res.copy_(step.write_res)
+            step.write_res = self.write_res
 
     def _forward(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
         assert self.slots is not None

@@ -33,7 +33,7 @@ from hisparse_transformers.assisted import AssistedPlan, assisted_plan
 from hisparse_transformers.attention import HiSparseAttention
 from hisparse_transformers.cache import HiSparseCache
 from hisparse_transformers.check import ExactnessChecker
-from hisparse_transformers.engine import EngineConfig, HiSparseEngine
+from hisparse_transformers.engine import EngineConfig, HiSparseEngine, resident_groups
 from hisparse_transformers.families import DsaLayout, detect
 from hisparse_transformers.graphs import DecodeGraphs
 from hisparse_transformers.ranks import tensor_parallel
@@ -313,7 +313,8 @@ class HiSparseHandle:
             checked_topk_boundary_ties=checker.totals.topk_boundary_ties if checker else 0,
             checked_topk_near_ties=checker.totals.topk_near_ties if checker else 0, verify_steps=t.verify_steps,
             verify_rows=t.verify_rows, union_entries=union[0], union_shared_entries=union[0] - union[1],
-            rollbacks=t.rollbacks, rolled_back_tokens=t.rolled_back_tokens)
+            rollbacks=t.rollbacks, rolled_back_tokens=t.rolled_back_tokens, resident_layers=e.resident_layers,
+            resident_store_bytes=e.resident_bytes)
 
     def close(self) -> None:
         """Restore the model and release the host pool. Idempotent."""
@@ -467,7 +468,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
            hot_rows: int | None = None, block_size: int = 64, max_batch: int = 8, max_context: int = 4096,
            prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None,
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
-           pool_name: str | None = None, synthetic_topk: str | None = None) -> HiSparseHandle:
+           pool_name: str | None = None, synthetic_topk: str | None = None,
+           resident_layers: str | Sequence[int] = ()) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -500,6 +502,11 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     :param synthetic_topk: benchmarks only. "benign" or "code": each decode step's top-k comes from
         the replay's calibrated per-layer locality model of that regime (`model_topk.py`); the
         indexer still runs and attention reads exactly the resolved rows. None: the indexer's own.
+    :param resident_layers: layers (whole index groups; "0,1" or [0, 1]) whose whole KV stays on
+        the GPU: a store of max_batch x max_context rows each, taken from `gpu_kv_gib` before the
+        block pool is sized; they never go through the host pool or a hot buffer (for layers whose
+        top-k barely repeats, e.g. DeepSeek-V3.2's layers 0-1 on code). Prefix hits from the host
+        pool are off with them. One device, one rank.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -531,9 +538,13 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                                     "expected check=False and speculative_tokens=0 with it")
     layout = detect(model)
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight
+    # validated here (one line naming resident_layers) before anything is built
+    resident = tuple(x for g in resident_groups(layout.groups, resident_layers, layout.num_layers)
+                     for x in layout.groups[g])
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
-                          prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens)
+                          prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens,
+                          resident_layers=resident)
     placement = place(layout.attentions, layout.groups)
     if isinstance(backend, Backend):
         chosen = backend

@@ -58,6 +58,7 @@ class StepState:
     group_cache: dict[int, RowMap] = field(default_factory=dict)  # per index group: the leader's row map
     state_rows: torch.Tensor | None = None  # [B] int32 the session's state rows (on this step's device)
     local: dict[int, StepState] = field(default_factory=dict)  # per further device (device_map): this step there
+    write_res: torch.Tensor | None = None  # [N] int64 each written row's place in a resident layer's store
 
 
 class Session:

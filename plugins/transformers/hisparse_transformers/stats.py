@@ -30,6 +30,9 @@ class HiSparseStats:
       picked a position another row of the same request's union also picked (resolved once);
       `rollbacks` crops that dropped rejected candidates, `rolled_back_tokens` the rows dropped.
       Throughput counts accepted tokens only.
+    - `resident_layers` (enable's): those layers keep every position on the GPU in
+      `resident_store_bytes` of the budget; hits, misses, H2D bytes and the per-request and pool
+      bytes above count only the layers through hisparse.
     """
 
     backend: str
@@ -68,6 +71,8 @@ class HiSparseStats:
     union_shared_entries: int = 0
     rollbacks: int = 0
     rolled_back_tokens: int = 0
+    resident_layers: tuple[int, ...] = ()   # layers whose whole KV stays on the GPU (not in the counts above)
+    resident_store_bytes: int = 0           # their stores, taken from gpu_kv_gib before the block pool
 
     @property
     def hit_rate(self) -> float:

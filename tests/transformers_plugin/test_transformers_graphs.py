@@ -110,3 +110,20 @@ def test_an_moe_that_picks_experts_on_the_host_is_not_captured(caplog: pytest.Lo
     assert compare(ours, theirs).tokens_equal
     assert "experts_implementation='eager'" in s.decode_mode and "set_experts_implementation" in s.decode_mode, s
     assert [r for r in caplog.records if "model.layers.1.mlp.experts" in r.getMessage()], caplog.records
+
+
+def test_a_float32_grouped_mm_moe_is_named_as_the_likely_cause() -> None:
+    """torch's grouped_mm on float32 weights loops over the groups reading their offsets on the host
+    (the H200's captures failed there): a failed capture's warning names those experts and the fix."""
+    from hisparse_transformers.graphs import grouped_mm_host_loop
+
+    model = tiny_model("deepseek_v32", shape=NO_TIES["deepseek_v32"], seed=4)
+    model.set_experts_implementation("grouped_mm")
+    why = grouped_mm_host_loop(model)
+    assert why is not None and why.startswith("model.layers.1.mlp.experts ") and "float32" in why, why
+    assert "set_experts_implementation('batched_mm')" in why, why
+    model.set_experts_implementation("batched_mm")
+    assert grouped_mm_host_loop(model) is None
+    model.set_experts_implementation("grouped_mm")
+    assert grouped_mm_host_loop(model.to(torch.bfloat16)) is None
+    assert grouped_mm_host_loop(None) is None

@@ -206,6 +206,26 @@ def uncapturable_moe(model: torch.nn.Module) -> str | None:
     return None
 
 
+#: Expert weight dtypes for which torch's `grouped_mm` takes its generic fallback, a loop over the groups
+#: that reads their offsets on the host (ATen's `_grouped_mm_fallback`); its fused kernels take bfloat16.
+_GROUPED_MM_HOST_LOOP = (torch.float32, torch.float64)
+
+
+def grouped_mm_host_loop(model: torch.nn.Module | None) -> str | None:
+    """The MoE experts a failed capture most likely tripped on: transformers' `grouped_mm` on float32
+    weights runs torch's fallback, which copies the group offsets to the host (seen on the H200 with
+    torch 2.11: the capture fails on that copy); `batched_mm` on the same weights captures."""
+    for name, m in model.named_modules() if model is not None else ():
+        impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        weight = next(m.parameters(recurse=False), None)
+        if (type(m).__name__.endswith("Experts") and impl == "grouped_mm" and weight is not None
+                and weight.dtype in _GROUPED_MM_HOST_LOOP):
+            return (f"{name} runs experts_implementation='grouped_mm' on {str(weight.dtype).removeprefix('torch.')} "
+                    "weights, which torch computes in a loop reading the group offsets on the host; "
+                    "model.set_experts_implementation('batched_mm') (or bfloat16 weights) captures")
+    return None
+
+
 def reset_capture_state() -> None:
     """After an aborted capture: one empty capture, so the CUDA generators leave their capture state
     (an aborted capture leaves them in it, and the next random op outside a graph fails)."""
@@ -291,7 +311,10 @@ class DecodeGraphs:
         self.enabled = False
         self.reason = f"capture failed: {type(exc).__name__}: {first}"
         logger.debug("hisparse: where the decode step's capture failed", exc_info=exc)
+        hint = grouped_mm_host_loop(self.model) if "during CUDA graph capture" in first else None
+        if hint is not None:
+            self.reason += f" ({hint})"
         logger.warning("hisparse: the decode step could not be captured in a CUDA graph (%s: %s); decode runs eagerly "
-                       "from now on. Something in the forward waits on the host (a hook reading a value, a module "
-                       "choosing its work from device data); pass cuda_graphs=False to skip the attempt",
-                       type(exc).__name__, first)
+                       "from now on. %s; pass cuda_graphs=False to skip the attempt", type(exc).__name__, first,
+                       hint or "Something in the forward waits on the host (a hook reading a value, a module "
+                       "choosing its work from device data)")

@@ -240,6 +240,18 @@ def vllm_gather_per_sm() -> int:
     return env_int_in(ENV_VLLM_GATHER_PER_SM, VLLM_GATHER_PER_SM, 1, 8, "1 to 8 blocks per SM")
 
 
+#: Preferred shared-memory carveout (percent of an SM's most; -1 the driver's choice) of vLLM's
+#: resolver and fused gather, one value for both: kernels whose carveouts differ cannot share an SM
+#: until it drains and is reconfigured, and the gather is launched to overlap the resolver.
+ENV_VLLM_CARVEOUT = "HISPARSE_VLLM_CARVEOUT"
+VLLM_CARVEOUT = -1
+
+
+def vllm_carveout() -> int:
+    """`HISPARSE_VLLM_CARVEOUT` (default `VLLM_CARVEOUT`)."""
+    return env_int_in(ENV_VLLM_CARVEOUT, VLLM_CARVEOUT, -1, 100, "-1 (the driver's choice) or 0 to 100 percent")
+
+
 def vllm_ops_build(row_bytes: int) -> KernelBuild:
     """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`."""
     if row_bytes % 16:

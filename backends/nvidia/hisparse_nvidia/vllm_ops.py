@@ -31,7 +31,8 @@ from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
 from hisparse_nvidia import driver
 from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
-from hisparse_nvidia.kernels import LoadedKernels, vllm_gather_per_sm, vllm_gather_variant, vllm_ops_build
+from hisparse_nvidia.kernels import (LoadedKernels, vllm_carveout, vllm_gather_per_sm, vllm_gather_variant,
+                                     vllm_ops_build)
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
 COPY_BLOCKS_PER_SM = 4
@@ -147,6 +148,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         variant = vllm_gather_variant()
         if variant >= 1 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
             fn = self._function(dev, row_bytes, "hisparse_vllm_gather")
+            fn.prefer_carveout(vllm_carveout())
             most = sms * vllm_gather_per_sm()
             smem = 4 * ((n if mode == 0 else most) + 1)  # row or block prefix sums
             blocks = min(most, need, self._resident_blocks(fn, dev, sms, smem))
@@ -210,6 +212,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                                                                                device=dev)))
         fn = self._function(dev, row_bytes, "hisparse_vllm_resolve")
         fn.allow_dynamic_smem(smem)
+        fn.prefer_carveout(vllm_carveout())
         sbt, rbt = source_block_table, resident_block_table
         nr = request_state_indices.numel() if request_state_indices is not None else 0
         fn.launch((n, 1, 1), threads, smem, torch.cuda.current_stream(dev).cuda_stream, [

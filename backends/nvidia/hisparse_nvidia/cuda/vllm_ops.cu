@@ -49,6 +49,7 @@
 // counts its valid and host entries in one block reduction (one barrier, not six). A resident step
 // then costs some three dependent loads and two barriers before its stores.
 #define VR_LEAN (HS_VR_FAST >= 2)
+#define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 
 // (request, state row) of batch row r; q = -1 for a padding row.
 __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32* rsi, i32 nr, i32 S, i32& req,
@@ -63,28 +64,29 @@ __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32*
 }
 
 // Block-wide exclusive prefix sum of v (every thread calls it); `total` is the sum over the block.
-__device__ __forceinline__ i32 vr_scan(i32 v, i32& total) {
-    __shared__ i32 s_w[32];
+template <typename T>
+__device__ __forceinline__ T vr_scan(T v, T& total) {
+    __shared__ T s_w[32];
     const i32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    i32 x = v;
+    T x = v;
 #pragma unroll
     for (i32 o = 1; o < 32; o <<= 1) {
-        const i32 y = __shfl_up_sync(HS_FULL_MASK, x, o);
+        const T y = __shfl_up_sync(HS_FULL_MASK, x, o);
         if (lane >= o) x += y;
     }
     if (lane == 31) s_w[warp] = x;
     __syncthreads();
     if (warp == 0) {
-        i32 y = lane < nw ? s_w[lane] : 0;
+        T y = lane < nw ? s_w[lane] : 0;
 #pragma unroll
         for (i32 o = 1; o < 32; o <<= 1) {
-            const i32 z = __shfl_up_sync(HS_FULL_MASK, y, o);
+            const T z = __shfl_up_sync(HS_FULL_MASK, y, o);
             if (lane >= o) y += z;
         }
         s_w[lane] = y;
     }
     __syncthreads();
-    const i32 before = (warp > 0 ? s_w[warp - 1] : 0) + x - v;
+    const T before = (warp > 0 ? s_w[warp - 1] : 0) + x - v;
     total = s_w[nw - 1];
     __syncthreads();  // s_w may be reused at once
     return before;
@@ -213,6 +215,14 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         return;
     }
 #if VR_LEAN
+    // The request's hot-block row, for the hot rows of a one-row group's hits and misses.
+    __shared__ i32 s_hbt[VR_HBT];
+    const i32 nhb = vr_div(H + bs - 1, bs);
+    const bool hcache = nhb <= VR_HBT;
+    if (hcache) {
+        const i64 at = static_cast<i64>(min(max(req, 0), hbt_rows - 1)) * hbt_stride;
+        for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[at + c];
+    }
     // Their page-table entries (row r is the group's first row whenever this block resolves), and the
     // shared hash of a one-row group cleared, all before the group barrier.
     i32 sb0[VR_B], rb0[VR_B];
@@ -406,25 +416,48 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             hot_out[e] = -static_cast<i32>(vr_insert(tab, T, -(v + 2), x, fresh)) - 2;
         }
     }
-    i32 U;
-    vr_scan(fresh, U);  // distinct host rows (its barriers also order the inserts before the walk)
-
-    // ---- 3. the LRU walk -----------------------------------------------------------------------
     const i32 cpt = (H + nt - 1) / nt;
     const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
+    // Lean: the first round of this thread's LRU positions and their hot-map rows are read before the
+    // barrier that ends the inserts (they do not depend on them), and the distinct host rows are
+    // counted in the scan of the hits below (one barrier here, not three).
+    const bool lean_scan = VR_LEAN && H < 32768;
+    i32 sl0[VR_W], cached0[VR_W];
+    if (VR_LEAN) {
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_q[p0 + u] : -1;
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
+    }
+    i32 U = 0;
+    if (lean_scan) {
+        __syncthreads();  // orders the inserts before the walk
+    } else {
+        vr_scan(fresh, U);  // distinct host rows (its barriers also order the inserts before the walk)
+    }
+
+    // ---- 3. the LRU walk -----------------------------------------------------------------------
     u32 hitbits = 0;
     i32 hits = 0, held = 0;  // hit positions; buckets this thread found held first
     i32 slc[VR_W];  // the first round's slots (all of them where cpt <= VR_W)
     for (i32 pb = p0; pb < p1; pb += VR_W) {
         i32 sl[VR_W], cached[VR_W];
+        if (VR_LEAN && pb == p0) {
 #pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
+            for (i32 u = 0; u < VR_W; ++u) {
+                sl[u] = sl0[u];
+                cached[u] = cached0[u];
+            }
+        } else {
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
+        }
         if (pb == p0) {
 #pragma unroll
             for (i32 u = 0; u < VR_W; ++u) slc[u] = sl[u];
         }
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) {
             if (cached[u] < 0) continue;
@@ -448,12 +481,14 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         }
     }
     i32 nHeld, nH, hbefore;
-    if (VR_LEAN && H < 32768) {
-        // One scan of both: buckets held <= hit positions <= H < 2^15, so the fields never carry.
-        i32 both;
-        hbefore = vr_scan(hits | (held << 16), both) & 0xffff;
-        nH = both & 0xffff;
-        nHeld = both >> 16;
+    if (lean_scan) {
+        // One scan of the three: buckets held <= hit positions <= H < 2^15, so the fields never carry.
+        i64 all;
+        hbefore = static_cast<i32>(vr_scan(static_cast<i64>(hits | (held << 16)) | (static_cast<i64>(fresh) << 32), all) &
+                                   0xffff);
+        nH = static_cast<i32>(all & 0xffff);
+        nHeld = static_cast<i32>((all >> 16) & 0xffff);
+        U = static_cast<i32>(all >> 32);
     } else {
         vr_scan(held, nHeld);
         hbefore = vr_scan(hits, nH);
@@ -486,6 +521,14 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
     __syncthreads();
 
+    // The hot row of `slot` for request rq (a one-row group's from the shared copy of its hot blocks).
+    auto hot_row = [&](i32 rq, i32 slot) -> i32 {
+#if VR_LEAN
+        if (hcache && G == 1) return static_cast<i32>(static_cast<i64>(s_hbt[vr_div(slot, bs)]) * bs + vr_mod(slot, bs));
+#endif
+        return vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), slot, bs);
+    };
+
     // ---- 4. misses in first-reference order, row by row ---------------------------------------
     const i32 ept = (K + nt - 1) / nt;
     i32 m_before = 0;
@@ -517,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             const i32 slot = m < nE ? static_cast<i32>(ord[m]) : -1;
             i32 dev = -1;
             if (slot >= 0 && slot < H) {
-                dev = vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), slot, bs);
+                dev = hot_row(rq, slot);
                 dgi_q[slot] = g;
                 if (miss_mask != nullptr) miss_mask[e] = 1;
             }
@@ -548,7 +591,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         if (lo & VR_HELD) {
             const i32 rr = r + x / K;
             const i32 rq = request_ids != nullptr ? request_ids[rr] : rr;
-            out = vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), static_cast<i32>(lo & 0x7fffu), bs);
+            out = hot_row(rq, static_cast<i32>(lo & 0x7fffu));
         } else {
             out = tval[b];
         }
@@ -849,8 +892,10 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
     bool copies = true;
     if (mode == 0) {
         m = n;
+        bool any = false;  // a clamped count > 0 (K >= 1)
+        for (i32 x = tid; x < n; x += HS_GNT) any |= counts[x] > 0;
+        if (!__syncthreads_or(any)) return;  // every block sees it: nothing taken, nothing marked
         vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
-        if (pre[n] == 0) return;  // every block sees it: nothing taken, nothing marked
         const i32 total = pre[n];
         for (i32 k = blockIdx.x * HS_GNT + tid; k < total; k += gridDim.x * HS_GNT) {
             const i32 r = vg_segment(pre, n, k);
@@ -875,17 +920,22 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
                 mk[u] = in ? mask[e] : 0;
                 rq[u] = in && rsi != nullptr ? rsi[e / K] : 0;
             }
+            bool take[HS_UNROLL], any = false;
 #pragma unroll
             for (i32 u = 0; u < HS_UNROLL; ++u) {
                 const i64 e = e0 + u * HS_GNT + tid;
                 const bool pad = rq[u] < 0;
-                const bool take = e < hi && g[u] >= 0 && d[u] >= 0 && d[u] < hot_rows && !pad && mk[u] != 0;
+                take[u] = e < hi && g[u] >= 0 && d[u] >= 0 && d[u] < hot_rows && !pad && mk[u] != 0;
+                any |= take[u];
                 if (e < hi && att != nullptr) att[e] = (pad || d[u] < 0) ? -1 : vr_attention(d[u], bs, att_stride);
-                if (take) atomicMax(reinterpret_cast<unsigned long long*>(owner + d[u]), ep | static_cast<u32>(e));
-                if (__syncthreads_count(take) == 0) continue;  // block-uniform: nothing to list this round
+                if (take[u]) atomicMax(reinterpret_cast<unsigned long long*>(owner + d[u]), ep | static_cast<u32>(e));
+            }
+            if (!__syncthreads_or(any)) continue;  // block-uniform: nothing to list this round
+#pragma unroll
+            for (i32 u = 0; u < HS_UNROLL; ++u) {  // listed in entry order
                 i32 tot;
-                const i32 before = vr_scan(take ? 1 : 0, tot);
-                if (take) list[lo + cnt + before] = static_cast<i32>(e);
+                const i32 before = vr_scan(take[u] ? 1 : 0, tot);
+                if (take[u]) list[lo + cnt + before] = static_cast<i32>(e0 + u * HS_GNT + tid);
                 cnt += tot;
             }
         }

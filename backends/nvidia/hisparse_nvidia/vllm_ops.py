@@ -31,8 +31,13 @@ from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
 from hisparse_nvidia import driver
 from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
-from hisparse_nvidia.kernels import (LoadedKernels, vllm_carveout, vllm_gather_per_sm, vllm_gather_variant,
-                                     vllm_ops_build)
+from hisparse_nvidia.kernels import (
+    LoadedKernels,
+    vllm_carveout,
+    vllm_gather_per_sm,
+    vllm_gather_variant,
+    vllm_ops_build,
+)
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
 COPY_BLOCKS_PER_SM = 4

@@ -28,6 +28,9 @@
 //   slots aligned on the host side's 128-byte lines, a grid-stride loop over the list. Its last
 //   block resets the list and advances the epoch, so marks of an earlier call never match.
 //
+// hisparse_vllm_gather (the default for both gathers): the mark and the copy in one launch around
+//   one grid barrier; see there.
+//
 // hisparse_vllm_invalidate: one block per written token clears every slot of its state row that
 //   holds the written row.
 #include "common.cuh"

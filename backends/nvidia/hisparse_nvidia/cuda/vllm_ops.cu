@@ -67,7 +67,8 @@ __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32*
 }
 
 // Block-wide exclusive prefix sum of v (every thread calls it); `total` is the sum over the block.
-template <typename T>
+// kOnce: the only call of its type in the launch (its shared words are not reused: no last barrier).
+template <typename T, bool kOnce = false>
 __device__ __forceinline__ T vr_scan(T v, T& total) {
     __shared__ T s_w[32];
     const i32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
@@ -91,7 +92,7 @@ __device__ __forceinline__ T vr_scan(T v, T& total) {
     __syncthreads();
     const T before = (warp > 0 ? s_w[warp - 1] : 0) + x - v;
     total = s_w[nw - 1];
-    __syncthreads();  // s_w may be reused at once
+    if (!kOnce) __syncthreads();  // s_w may be reused at once
     return before;
 }
 
@@ -487,8 +488,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     if (lean_scan) {
         // One scan of the three: buckets held <= hit positions <= H < 2^15, so the fields never carry.
         i64 all;
-        hbefore = static_cast<i32>(vr_scan(static_cast<i64>(hits | (held << 16)) | (static_cast<i64>(fresh) << 32), all) &
-                                   0xffff);
+        hbefore = static_cast<i32>(
+            vr_scan<i64, true>(static_cast<i64>(hits | (held << 16)) | (static_cast<i64>(fresh) << 32), all) & 0xffff);
         nH = static_cast<i32>(all & 0xffff);
         nHeld = static_cast<i32>((all >> 16) & 0xffff);
         U = static_cast<i32>(all >> 32);
@@ -582,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             if (swap_counts != nullptr) swap_counts[r + a] = 0;
         }
     }
-    __syncthreads();  // every miss's hot row is in tval
+    if (!VR_LEAN || misses > 0) __syncthreads();  // every miss's hot row is in tval (none written without a miss)
 
     // ---- 5. outputs of host entries, then the new LRU order --------------------------------------
     auto emit = [&](i32 x, i32 v) {

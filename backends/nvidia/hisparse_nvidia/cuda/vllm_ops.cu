@@ -246,6 +246,19 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
     const u32 T1 = static_cast<i64>(2) * K <= smem_buckets ? vr_buckets(static_cast<i64>(2) * K, smem_buckets) : 0u;
     for (u32 b = tid; b < T1; b += nt) s_tab[b] = VR_EMPTY;
+    // The first round of this thread's LRU positions (a step with host entries walks them; issued now,
+    // they arrive with the page-table entries, and the walk waits for the hot-map rows alone).
+    const i32 cpt = (H + nt - 1) / nt;
+    const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
+    i32 sl0[VR_W];
+    {
+        const i16* lru_row = lru + static_cast<i64>(q) * H;
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_row[p0 + u] : -1;
+    }
+#else
+    const i32 cpt = (H + nt - 1) / nt;
+    const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
 #endif
 #if HS_VR_FAST
     // Warp 0 reads rows r - 1 .. r + 30 at once (one round of dependent loads, not one per row).
@@ -420,19 +433,15 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             hot_out[e] = -static_cast<i32>(vr_insert(tab, T, -(v + 2), x, fresh)) - 2;
         }
     }
-    const i32 cpt = (H + nt - 1) / nt;
-    const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
-    // Lean: the first round of this thread's LRU positions and their hot-map rows are read before the
-    // barrier that ends the inserts (they do not depend on them), and the distinct host rows are
-    // counted in the scan of the hits below (one barrier here, not three).
+    // Lean: the hot-map rows of this thread's first LRU positions are read before the barrier that
+    // ends the inserts (they do not depend on them), and the distinct host rows are counted in the
+    // scan of the hits below (one barrier here, not three).
     const bool lean_scan = VR_LEAN && H < 32768;
-    i32 sl0[VR_W], cached0[VR_W];
-    if (VR_LEAN) {
+    i32 cached0[VR_W];
+#if VR_LEAN
 #pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_q[p0 + u] : -1;
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
-    }
+    for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
+#endif
     i32 U = 0;
     if (lean_scan) {
         __syncthreads();  // orders the inserts before the walk
@@ -446,13 +455,16 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32 slc[VR_W];  // the first round's slots (all of them where cpt <= VR_W)
     for (i32 pb = p0; pb < p1; pb += VR_W) {
         i32 sl[VR_W], cached[VR_W];
-        if (VR_LEAN && pb == p0) {
+#if VR_LEAN
+        if (pb == p0) {
 #pragma unroll
             for (i32 u = 0; u < VR_W; ++u) {
                 sl[u] = sl0[u];
                 cached[u] = cached0[u];
             }
-        } else {
+        } else
+#endif
+        {
 #pragma unroll
             for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
 #pragma unroll

@@ -437,8 +437,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // ends the inserts (they do not depend on them), and the distinct host rows are counted in the
     // scan of the hits below (one barrier here, not three).
     const bool lean_scan = VR_LEAN && H < 32768;
-    i32 cached0[VR_W];
 #if VR_LEAN
+    i32 cached0[VR_W];
 #pragma unroll
     for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
 #endif

@@ -205,11 +205,12 @@ def _gather_inputs(seed: int, n: int, k: int) -> dict:
             "counts": ints(-1, k + 3, (n,)), "mask": ints(0, 2, (n, k)), "rsi": ints(-1, 3, (n,))}
 
 
-@pytest.mark.parametrize("variant", ["0", "1"])
+@pytest.mark.parametrize("variant", ["0", "1", "2"])
 @pytest.mark.parametrize("seed", range(12))
 def test_gathers_last_write_wins_match_reference(seed: int, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both gather paths (HISPARSE_VLLM_GATHER 0: mark + copy kernels, 1: one fused kernel) on inputs
-    where several entries name one destination: the last entry's row lands, as in the reference."""
+    """Every gather path (HISPARSE_VLLM_GATHER 0: mark + copy kernels, 1: one fused kernel with a static
+    copy split, 2: fused with a ticketed copy) on inputs where several entries name one destination:
+    the last entry's row lands, as in the reference."""
     monkeypatch.setenv("HISPARSE_VLLM_GATHER", variant)
     n, k = [(1, 7), (3, 16), (9, 33), (64, 129)][seed % 4]
     x = _gather_inputs(seed, n, k)
@@ -230,3 +231,30 @@ def test_gathers_last_write_wins_match_reference(seed: int, variant: str, monkey
         assert torch.equal(got_c.cpu(), want_c)
         assert torch.equal(got_p.cpu(), want_p)
         assert torch.equal(got_att.cpu(), want_att)
+
+
+@pytest.mark.parametrize("variant", ["0", "1", "2"])
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_plan_alternating_empty_and_sparse_masks(seed: int, variant: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gather_plan calls with nothing taken (the fused kernel's blocks all leave without waiting) between
+    calls where only a few blocks take entries (only they copy): every call matches the reference, so
+    the barrier, ticket and epoch state is left right by both kinds of call."""
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER", variant)
+    n, k = [(1, 2048), (8, 300), (33, 129), (128, 64)][seed]
+    x = _gather_inputs(100 + seed, n, k)
+    g = torch.Generator().manual_seed(200 + seed)
+    ref = ReferenceVllmOps()
+    want, want_att = x["hot"].clone(), torch.full((n, k), 7, dtype=torch.int32)
+    d = {name: t.cuda() for name, t in x.items() if name != "host"}
+    got, got_att = d["hot"].clone(), torch.full((n, k), 7, dtype=torch.int32, device="cuda")
+    for step in range(6):
+        mask = torch.zeros((n, k), dtype=torch.int32)
+        if step % 2:
+            hits = torch.randint(0, n * k, (1 + step,), generator=g)
+            mask.view(-1)[hits] = 1
+        ref.gather_plan(x["host"], want, x["src"], x["dst"], mask, x["rsi"], want_att, 4)
+        _ops().gather_plan(x["host"], got, d["src"], d["dst"], mask.cuda(), d["rsi"], got_att, 4)
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), want), f"step {step}"
+        assert torch.equal(got_att.cpu(), want_att), f"step {step}"

@@ -94,6 +94,16 @@ class Function:
         self._module = module  # keeps the module alive as long as the function
         self.handle = check(f"cuModuleGetFunction({name})", driver.cuModuleGetFunction(module, name.encode()))
         self._dynamic_smem = 0
+        self._carveout = -1
+
+    def prefer_carveout(self, percent: int) -> None:
+        """The kernel's preferred shared-memory carveout, in percent of the most an SM has (-1: the
+        driver's default); set only when it changes."""
+        if percent != self._carveout:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            check(f"cuFuncSetAttribute({self.name}, carveout={percent})",
+                  driver.cuFuncSetAttribute(self.handle, attr, int(percent)))
+            self._carveout = percent
 
     def allow_dynamic_smem(self, nbytes: int) -> None:
         """Raise the kernel's dynamic shared-memory limit (needed above 48 KiB)."""

@@ -204,23 +204,28 @@ def copy_build(row_bytes: int) -> KernelBuild:
 MAINTAIN_BUILD = KernelBuild.of("maintain.cu")
 #: Threads per block of the copy kernels of vLLM's op set (HS_GNT in vllm_ops.cu).
 VLLM_COPY_THREADS = 256
-#: vLLM's gathers (hisparse_nvidia.vllm_ops): 1 = one launch of hisparse_vllm_gather (a step with
-#: nothing to copy ends in it; mark and copy around one grid barrier), 0 = hisparse_vllm_mark then
-#: hisparse_vllm_copy (two launches). Read at each gather call, for A/B timing in one process.
+#: vLLM's gathers (hisparse_nvidia.vllm_ops): 2 = one launch of hisparse_vllm_gather (a step with
+#: nothing to copy ends in it; mark and copy around one grid barrier) whose copy takes chunks from a
+#: ticket counter in list order (native's plan copy, copy.cu), 1 = the same launch with a static
+#: grid-stride copy, 0 = hisparse_vllm_mark then hisparse_vllm_copy (two launches). Read at each
+#: gather call, for A/B timing in one process.
 ENV_VLLM_GATHER = "HISPARSE_VLLM_GATHER"
-VLLM_GATHER = 1
+VLLM_GATHER = 2
 
 
 #: vLLM's resolver (hisparse_vllm_resolve, a build define HS_VR_FAST): 1 = power-of-two hash tables
-#: indexed by mask, LRU slots and parked entries kept in registers between phases; 0 = the earlier
-#: build (modulo hash, second global reads).
+#: indexed by mask, LRU slots and parked entries kept in registers between phases; 2 = 1 with a lean
+#: start (the row's first entries and page-table entries loaded before the group barrier, the hash
+#: cleared under it, one reduction for a one-row group's counts); 0 = the earlier build (modulo
+#: hash, second global reads).
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
-VLLM_RESOLVE = 1
+VLLM_RESOLVE = 2
 
 
 def vllm_gather_variant() -> int:
     """`HISPARSE_VLLM_GATHER` (default `VLLM_GATHER`)."""
-    return env_int_in(ENV_VLLM_GATHER, VLLM_GATHER, 0, 1, "0 (mark + copy kernels) or 1 (one fused gather kernel)")
+    return env_int_in(ENV_VLLM_GATHER, VLLM_GATHER, 0, 2,
+                      "0 (mark + copy kernels), 1 (one fused gather kernel, static copy split) or 2 (fused, ticketed copy)")
 
 
 #: Blocks per SM of the fused gather's grid (at most; never more than are co-resident). Two keep
@@ -235,11 +240,24 @@ def vllm_gather_per_sm() -> int:
     return env_int_in(ENV_VLLM_GATHER_PER_SM, VLLM_GATHER_PER_SM, 1, 8, "1 to 8 blocks per SM")
 
 
+#: Preferred shared-memory carveout (percent of an SM's most; -1 the driver's choice) of vLLM's
+#: resolver and fused gather, one value for both: kernels whose carveouts differ cannot share an SM
+#: until it drains and is reconfigured, and the gather is launched to overlap the resolver.
+ENV_VLLM_CARVEOUT = "HISPARSE_VLLM_CARVEOUT"
+VLLM_CARVEOUT = -1
+
+
+def vllm_carveout() -> int:
+    """`HISPARSE_VLLM_CARVEOUT` (default `VLLM_CARVEOUT`)."""
+    return env_int_in(ENV_VLLM_CARVEOUT, VLLM_CARVEOUT, -1, 100, "-1 (the driver's choice) or 0 to 100 percent")
+
+
 def vllm_ops_build(row_bytes: int) -> KernelBuild:
     """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`."""
     if row_bytes % 16:
         raise InvalidInputError(f"row_bytes={row_bytes} must be a multiple of 16")
-    fast = env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 1, "0 (the earlier resolver build) or 1 (the faster one)")
+    fast = env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 2,
+                      "0 (the earlier resolver build), 1 (the faster one) or 2 (the faster one with a lean start)")
     return KernelBuild.of("vllm_ops.cu", {"HS_VEC": row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": fast})
 
 
@@ -266,8 +284,8 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)
     builds |= {vllm_ops_build(w) for w in (FP8_DS_MLA.row_bytes, 16)}  # fp8_ds_mla rows, vLLM's 16-byte test rows
-    builds.add(KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
-                                              "HS_VR_FAST": 0}))  # HISPARSE_VLLM_RESOLVE=0
+    builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
+                                              "HS_VR_FAST": v}) for v in (0, 1, 2)}  # HISPARSE_VLLM_RESOLVE
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

@@ -4,10 +4,12 @@ nvidia backend's own kernels (cuda/vllm_ops.cu, compiled with NVRTC like the res
 - `hisparse_resolve_residency`: one launch of `hisparse_vllm_resolve` on vLLM's tensors in place
   (hot map, LRU, outputs); every case of vLLM's contract is served, `miss_mask` included: padding
   rows, union groups, out-of-range LRU slots, tables absent or present.
-- `hisparse_gather_compact` / `hisparse_gather_plan`: `hisparse_vllm_mark` (the taken entries, each
-  destination marked by its last entry) then `hisparse_vllm_copy` (16-byte zero-copy reads of the
-  registered host pool over UVA, zero-fill for an absent source row), each launched to overlap the
-  kernel before it (programmatic dependent launch; each waits for its predecessor's writes).
+- `hisparse_gather_compact` / `hisparse_gather_plan`: one `hisparse_vllm_gather` launch (mark the
+  taken entries, each destination by its last entry, then copy them around one grid barrier; 16-byte
+  zero-copy reads of the registered host pool over UVA, zero-fill for an absent source row; a call
+  with nothing to copy ends without waiting), or (`HISPARSE_VLLM_GATHER=0`) `hisparse_vllm_mark`
+  then `hisparse_vllm_copy`, each launched to overlap the kernel before it (programmatic dependent
+  launch; each waits for its predecessor's writes).
 - `hisparse_invalidate_written_slots`: one `hisparse_vllm_invalidate` launch.
 
 Every launch goes on the current stream with fixed shapes and no host synchronization (values are
@@ -29,7 +31,13 @@ from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
 from hisparse_nvidia import driver
 from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
-from hisparse_nvidia.kernels import LoadedKernels, vllm_gather_per_sm, vllm_gather_variant, vllm_ops_build
+from hisparse_nvidia.kernels import (
+    LoadedKernels,
+    vllm_carveout,
+    vllm_gather_per_sm,
+    vllm_gather_variant,
+    vllm_ops_build,
+)
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
 COPY_BLOCKS_PER_SM = 4
@@ -142,17 +150,19 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         need = max(1, -(-(n * k * slots) // (COPY_THREADS * 4)))
         common = [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att), _i64(att_stride),
                   _i32(bs), _i32(n), _i32(k), _i64(hot_rows)]
-        if vllm_gather_variant() == 1 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
+        variant = vllm_gather_variant()
+        if variant >= 1 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
             fn = self._function(dev, row_bytes, "hisparse_vllm_gather")
+            fn.prefer_carveout(vllm_carveout())
             most = sms * vllm_gather_per_sm()
             smem = 4 * ((n if mode == 0 else most) + 1)  # row or block prefix sums
             blocks = min(most, need, self._resident_blocks(fn, dev, sms, smem))
             part, bar = self._buffer(("gather", dev, most), lambda: (torch.zeros(most, dtype=torch.int32, device=dev),
-                                                                     torch.zeros(4, dtype=torch.int32, device=dev)))
+                                                                     torch.zeros(8, dtype=torch.int32, device=dev)))
             fn.launch((blocks, 1, 1), COPY_THREADS, smem, stream, common + [
                 ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]), _ptr(hot),
-                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar)],
-                overlap_previous=True)
+                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar),
+                _i32(variant == 2)], overlap_previous=True)
             return
         mark = self._function(dev, row_bytes, "hisparse_vllm_mark")
         copy = self._function(dev, row_bytes, "hisparse_vllm_copy")
@@ -207,6 +217,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                                                                                device=dev)))
         fn = self._function(dev, row_bytes, "hisparse_vllm_resolve")
         fn.allow_dynamic_smem(smem)
+        fn.prefer_carveout(vllm_carveout())
         sbt, rbt = source_block_table, resident_block_table
         nr = request_state_indices.numel() if request_state_indices is not None else 0
         fn.launch((n, 1, 1), threads, smem, torch.cuda.current_stream(dev).cuda_stream, [

@@ -28,6 +28,9 @@
 //   slots aligned on the host side's 128-byte lines, a grid-stride loop over the list. Its last
 //   block resets the list and advances the epoch, so marks of an earlier call never match.
 //
+// hisparse_vllm_gather (the default for both gathers): the mark and the copy in one launch around
+//   one grid barrier; see there.
+//
 // hisparse_vllm_invalidate: one block per written token clears every slot of its state row that
 //   holds the written row.
 #include "common.cuh"
@@ -43,6 +46,13 @@
 #ifndef HS_VR_FAST
 #define HS_VR_FAST 1
 #endif
+// HS_VR_FAST 2 (HISPARSE_VLLM_RESOLVE=2) adds a lean start: the first round of the block's row (its
+// top-k entries, then their page-table entries) is loaded before the group is known, the shared
+// hash is cleared under the group barrier rather than behind one of its own, and a one-row group
+// counts its valid and host entries in one block reduction (one barrier, not six). A resident step
+// then costs some three dependent loads and two barriers before its stores.
+#define VR_LEAN (HS_VR_FAST >= 2)
+#define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 
 // (request, state row) of batch row r; q = -1 for a padding row.
 __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32* rsi, i32 nr, i32 S, i32& req,
@@ -57,31 +67,48 @@ __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32*
 }
 
 // Block-wide exclusive prefix sum of v (every thread calls it); `total` is the sum over the block.
-__device__ __forceinline__ i32 vr_scan(i32 v, i32& total) {
-    __shared__ i32 s_w[32];
+// kOnce: the only call of its type in the launch (its shared words are not reused: no last barrier).
+template <typename T, bool kOnce = false>
+__device__ __forceinline__ T vr_scan(T v, T& total) {
+    __shared__ T s_w[32];
     const i32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    i32 x = v;
+    T x = v;
 #pragma unroll
     for (i32 o = 1; o < 32; o <<= 1) {
-        const i32 y = __shfl_up_sync(HS_FULL_MASK, x, o);
+        const T y = __shfl_up_sync(HS_FULL_MASK, x, o);
         if (lane >= o) x += y;
     }
     if (lane == 31) s_w[warp] = x;
     __syncthreads();
     if (warp == 0) {
-        i32 y = lane < nw ? s_w[lane] : 0;
+        T y = lane < nw ? s_w[lane] : 0;
 #pragma unroll
         for (i32 o = 1; o < 32; o <<= 1) {
-            const i32 z = __shfl_up_sync(HS_FULL_MASK, y, o);
+            const T z = __shfl_up_sync(HS_FULL_MASK, y, o);
             if (lane >= o) y += z;
         }
         s_w[lane] = y;
     }
     __syncthreads();
-    const i32 before = (warp > 0 ? s_w[warp - 1] : 0) + x - v;
+    const T before = (warp > 0 ? s_w[warp - 1] : 0) + x - v;
     total = s_w[nw - 1];
-    __syncthreads();  // s_w may be reused at once
+    if (!kOnce) __syncthreads();  // s_w may be reused at once
     return before;
+}
+
+// Block-wide sums of a and b (every thread calls it; once a launch: its shared words are not reused).
+__device__ __forceinline__ void vr_sum2(i32 a, i32 b, i32& ta, i32& tb) {
+    __shared__ i32 s_two[2][32];
+    const i32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    a = __reduce_add_sync(HS_FULL_MASK, a);
+    b = __reduce_add_sync(HS_FULL_MASK, b);
+    if (lane == 0) {
+        s_two[0][warp] = a;
+        s_two[1][warp] = b;
+    }
+    __syncthreads();
+    ta = __reduce_add_sync(HS_FULL_MASK, lane < nw ? s_two[0][lane] : 0);
+    tb = __reduce_add_sync(HS_FULL_MASK, lane < nw ? s_two[1][lane] : 0);
 }
 
 __device__ __forceinline__ u32 vr_hash(i32 key, u32 size) {
@@ -170,6 +197,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // The next kernel (a gather's mark kernel, launched to overlap) waits for this grid before reading.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const i32 r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+#if VR_LEAN
+    // The first round of row r's entries, issued before anything else (their addresses need nothing).
+    i32 tv0[VR_B];
+#pragma unroll
+    for (i32 u = 0; u < VR_B; ++u) tv0[u] = tid + u * nt < K ? topk[static_cast<i64>(r) * K + tid + u * nt] : -1;
+#endif
     i32 req, q;
     vr_row(r, request_ids, rsi, nr, S, req, q);
     if (q < 0) {  // padding: -1 / 0 in the row's outputs, nothing else
@@ -185,6 +218,48 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         }
         return;
     }
+#if VR_LEAN
+    // The request's hot-block row, for the hot rows of a one-row group's hits and misses.
+    __shared__ i32 s_hbt[VR_HBT];
+    const i32 nhb = vr_div(H + bs - 1, bs);
+    const bool hcache = nhb <= VR_HBT;
+    if (hcache) {
+        const i64 at = static_cast<i64>(min(max(req, 0), hbt_rows - 1)) * hbt_stride;
+        for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[at + c];
+    }
+    // Their page-table entries (row r is the group's first row whenever this block resolves), and the
+    // shared hash of a one-row group cleared, all before the group barrier.
+    i32 sb0[VR_B], rb0[VR_B];
+#pragma unroll
+    for (i32 u = 0; u < VR_B; ++u) {
+        const i32 t = tv0[u];
+        sb0[u] = -1;
+        rb0[u] = null_block;
+        const i32 scol = t >= 0 ? vr_div(t, sbs) : -1;
+        if (sbt != nullptr && req >= 0 && req < sbt_rows && scol >= 0 && scol < sbt_cols) {
+            sb0[u] = sbt[static_cast<i64>(req) * sbt_stride + scol];
+        }
+        const i32 rcol = t >= 0 ? vr_div(t, rbs) : -1;
+        if (rbt != nullptr && q < rbt_rows && rcol >= 0 && rcol < rbt_cols) {
+            rb0[u] = rbt[static_cast<i64>(q) * rbt_stride + rcol];
+        }
+    }
+    const u32 T1 = static_cast<i64>(2) * K <= smem_buckets ? vr_buckets(static_cast<i64>(2) * K, smem_buckets) : 0u;
+    for (u32 b = tid; b < T1; b += nt) s_tab[b] = VR_EMPTY;
+    // The first round of this thread's LRU positions (a step with host entries walks them; issued now,
+    // they arrive with the page-table entries, and the walk waits for the hot-map rows alone).
+    const i32 cpt = (H + nt - 1) / nt;
+    const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
+    i32 sl0[VR_W];
+    {
+        const i16* lru_row = lru + static_cast<i64>(q) * H;
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_row[p0 + u] : -1;
+    }
+#else
+    const i32 cpt = (H + nt - 1) / nt;
+    const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
+#endif
 #if HS_VR_FAST
     // Warp 0 reads rows r - 1 .. r + 30 at once (one round of dependent loads, not one per row).
     if (tid < 32) {
@@ -239,10 +314,17 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32 park[VR_B];
 #pragma unroll
     for (i32 u = 0; u < VR_B; ++u) park[u] = 0;
+#if VR_LEAN
+    if (early && T > T1) {  // a group of several rows: the rest of its table
+        for (u32 b = T1 + tid; b < T; b += nt) s_tab[b] = VR_EMPTY;
+        __syncthreads();
+    }
+#else
     if (early) {
         for (u32 b = tid; b < T; b += nt) s_tab[b] = VR_EMPTY;
         __syncthreads();
     }
+#endif
     i32 pending = 0, fresh = 0;
     for (i32 a = 0; a < G; ++a) {
         const i32 rr = r + a;
@@ -251,6 +333,17 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         for (i32 i0 = tid; i0 < K; i0 += VR_B * nt) {
             // VR_B entries a round: their top-k loads, then their page-table loads, issued together.
             i32 tv[VR_B], sb[VR_B], rb[VR_B];
+#if VR_LEAN
+            if (a == 0 && i0 == tid) {  // loaded before the group barrier
+#pragma unroll
+                for (i32 u = 0; u < VR_B; ++u) {
+                    tv[u] = tv0[u];
+                    sb[u] = sb0[u];
+                    rb[u] = rb0[u];
+                }
+            } else
+#endif
+            {
 #pragma unroll
             for (i32 u = 0; u < VR_B; ++u) {
                 const i32 i = i0 + u * nt;
@@ -269,6 +362,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 if (rbt != nullptr && q < rbt_rows && rcol >= 0 && rcol < rbt_cols) {
                     rb[u] = rbt[static_cast<i64>(q) * rbt_stride + rcol];
                 }
+            }
             }
 #pragma unroll
             for (i32 u = 0; u < VR_B; ++u) {
@@ -298,12 +392,23 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             }
             }
         }
+        if (VR_LEAN && G == 1) {  // counted with the host entries below
+            pending += cnt << 16;  // both < 2^16 (K <= 32768)
+            continue;
+        }
         i32 total;
         vr_scan(cnt, total);
         if (tid == 0 && valid != nullptr) valid[rr] = total;
     }
     i32 P;
-    vr_scan(pending, P);
+    if (VR_LEAN && G == 1) {
+        i32 nvalid;
+        vr_sum2(pending >> 16, pending & 0xffff, nvalid, P);
+        pending &= 0xffff;
+        if (tid == 0 && valid != nullptr) valid[r] = nvalid;
+    } else {
+        vr_scan(pending, P);
+    }
     if (P == 0) {  // no host entry: the LRU and hot map stay as they are
         for (i32 a = tid; a < G; a += nt) {
             if (swap_counts != nullptr) swap_counts[r + a] = 0;
@@ -328,25 +433,47 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             hot_out[e] = -static_cast<i32>(vr_insert(tab, T, -(v + 2), x, fresh)) - 2;
         }
     }
-    i32 U;
-    vr_scan(fresh, U);  // distinct host rows (its barriers also order the inserts before the walk)
+    // Lean: the hot-map rows of this thread's first LRU positions are read before the barrier that
+    // ends the inserts (they do not depend on them), and the distinct host rows are counted in the
+    // scan of the hits below (one barrier here, not three).
+    const bool lean_scan = VR_LEAN && H < 32768;
+#if VR_LEAN
+    i32 cached0[VR_W];
+#pragma unroll
+    for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
+#endif
+    i32 U = 0;
+    if (lean_scan) {
+        __syncthreads();  // orders the inserts before the walk
+    } else {
+        vr_scan(fresh, U);  // distinct host rows (its barriers also order the inserts before the walk)
+    }
 
     // ---- 3. the LRU walk -----------------------------------------------------------------------
-    const i32 cpt = (H + nt - 1) / nt;
-    const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
     u32 hitbits = 0;
     i32 hits = 0, held = 0;  // hit positions; buckets this thread found held first
     i32 slc[VR_W];  // the first round's slots (all of them where cpt <= VR_W)
     for (i32 pb = p0; pb < p1; pb += VR_W) {
         i32 sl[VR_W], cached[VR_W];
+#if VR_LEAN
+        if (pb == p0) {
 #pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
+            for (i32 u = 0; u < VR_W; ++u) {
+                sl[u] = sl0[u];
+                cached[u] = cached0[u];
+            }
+        } else
+#endif
+        {
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
+        }
         if (pb == p0) {
 #pragma unroll
             for (i32 u = 0; u < VR_W; ++u) slc[u] = sl[u];
         }
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) {
             if (cached[u] < 0) continue;
@@ -369,11 +496,20 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             }
         }
     }
-    i32 nHeld;
-    vr_scan(held, nHeld);
+    i32 nHeld, nH, hbefore;
+    if (lean_scan) {
+        // One scan of the three: buckets held <= hit positions <= H < 2^15, so the fields never carry.
+        i64 all;
+        hbefore = static_cast<i32>(
+            vr_scan<i64, true>(static_cast<i64>(hits | (held << 16)) | (static_cast<i64>(fresh) << 32), all) & 0xffff);
+        nH = static_cast<i32>(all & 0xffff);
+        nHeld = static_cast<i32>((all >> 16) & 0xffff);
+        U = static_cast<i32>(all >> 32);
+    } else {
+        vr_scan(held, nHeld);
+        hbefore = vr_scan(hits, nH);
+    }
     const i32 misses = U - nHeld;  // union rows not held
-    i32 nH;
-    const i32 hbefore = vr_scan(hits, nH);
     const i32 nE = H - nH;
     {
         i32 hr = hbefore, er = p0 - hbefore;
@@ -400,6 +536,14 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         }
     }
     __syncthreads();
+
+    // The hot row of `slot` for request rq (a one-row group's from the shared copy of its hot blocks).
+    auto hot_row = [&](i32 rq, i32 slot) -> i32 {
+#if VR_LEAN
+        if (hcache && G == 1) return static_cast<i32>(static_cast<i64>(s_hbt[vr_div(slot, bs)]) * bs + vr_mod(slot, bs));
+#endif
+        return vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), slot, bs);
+    };
 
     // ---- 4. misses in first-reference order, row by row ---------------------------------------
     const i32 ept = (K + nt - 1) / nt;
@@ -432,7 +576,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             const i32 slot = m < nE ? static_cast<i32>(ord[m]) : -1;
             i32 dev = -1;
             if (slot >= 0 && slot < H) {
-                dev = vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), slot, bs);
+                dev = hot_row(rq, slot);
                 dgi_q[slot] = g;
                 if (miss_mask != nullptr) miss_mask[e] = 1;
             }
@@ -451,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             if (swap_counts != nullptr) swap_counts[r + a] = 0;
         }
     }
-    __syncthreads();  // every miss's hot row is in tval
+    if (!VR_LEAN || misses > 0) __syncthreads();  // every miss's hot row is in tval (none written without a miss)
 
     // ---- 5. outputs of host entries, then the new LRU order --------------------------------------
     auto emit = [&](i32 x, i32 v) {
@@ -463,7 +607,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         if (lo & VR_HELD) {
             const i32 rr = r + x / K;
             const i32 rq = request_ids != nullptr ? request_ids[rr] : rr;
-            out = vr_hot_row(hbt, hbt_stride, min(max(rq, 0), hbt_rows - 1), static_cast<i32>(lo & 0x7fffu), bs);
+            out = hot_row(rq, static_cast<i32>(lo & 0x7fffu));
         } else {
             out = tval[b];
         }
@@ -617,24 +761,35 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
     }
 }
 
-// ---- hisparse_vllm_gather: mark + copy in ONE launch (HISPARSE_VLLM_GATHER=1) -------------------
+// ---- hisparse_vllm_gather: mark + copy in ONE launch (HISPARSE_VLLM_GATHER=1 or 2) --------------
 // The grid is capped on the host to blocks that are all co-resident (occupancy x SMs), so the one
 // grid-wide barrier below cannot wait on a block that never runs: the kernel before it (the
 // resolver) triggers its dependents only once all its blocks are resident and never waits on this
-// grid, and this grid triggers its own dependents only after the barrier, once all its blocks
-// have arrived (a dependent launched earlier could take the SMs a late block of this grid needs).
-// ctl: [0] finished blocks, [1] barrier arrivals, [2] barrier generation.
-__device__ __forceinline__ void vg_grid_sync(u32* ctl) {
+// grid, and this grid triggers its own dependents only once every block has arrived (a dependent
+// launched earlier could take the SMs a late block of this grid needs).
+// ctl: [0] finished copying blocks, [1] barrier arrivals, [2] barrier generation, [3] copying
+// blocks (gather_plan), [4] the copy's ticket counter.
+#define VG_DONE 0
+#define VG_ARRIVED 1
+#define VG_GEN 2
+#define VG_COPIERS 3
+#define VG_TICKET 4
+
+// Arrives at the grid barrier; a block that copies (`copies`, block-uniform) waits there for every
+// block, one that does not leaves at once. gather_plan counts its copying blocks first
+// (`count_copiers`), so where no block took an entry nobody waits: one cheap launch.
+__device__ __forceinline__ void vg_arrive(u32* ctl, bool copies, bool count_copiers) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        volatile u32* gen = ctl + 2;
+        if (copies && count_copiers) atomicAdd(ctl + VG_COPIERS, 1u);
+        volatile u32* gen = ctl + VG_GEN;
         const u32 g = *gen;  // read before arriving: it only moves once every block has arrived
         __threadfence();
-        if (atomicAdd(ctl + 1, 1u) == gridDim.x - 1) {
-            atomicExch(ctl + 1, 0u);
+        if (atomicAdd(ctl + VG_ARRIVED, 1u) == gridDim.x - 1) {
+            atomicExch(ctl + VG_ARRIVED, 0u);
             __threadfence();
-            atomicAdd(ctl + 2, 1u);
-        } else {
+            atomicAdd(ctl + VG_GEN, 1u);
+        } else if (copies) {
             while (*gen == g) __nanosleep(64);
         }
         __threadfence();
@@ -667,33 +822,96 @@ __device__ __forceinline__ void vg_prefix(i32* pre, i32 m, F v) {
     __syncthreads();
 }
 
+// One pass of the copy: slots c = first + u * step (u < HS_UNROLL) below `slots`, the k-th listed
+// entry's slot c % HS_SLOTS for k = c / HS_SLOTS. The host row is loaded together with the
+// destination's mark (not after it: one round trip less before the PCIe read) and stored only where
+// the mark is the entry's own, so of entries naming one destination the last wins.
+__device__ __forceinline__ void vg_copy_pass(i32 mode, u32 first, u32 step, u32 slots, const i32* pre, i32 m, i32 K,
+                                             i64 chunk, const i32* list, const i32* src, const i32* dst,
+                                             i64 hot_rows, const u64* owner, u64 ep, const unsigned char* host,
+                                             i64 host_rows, unsigned char* hot, i64 block_stride, i32 bs) {
+    i32 e_r[HS_UNROLL], d_r[HS_UNROLL], g_r[HS_UNROLL];
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        const u32 c = first + u * step;
+        e_r[u] = -1;
+        if (c >= slots) continue;
+        const i32 k = static_cast<i32>(c / HS_SLOTS);
+        const i32 s = vg_segment(pre, m, k);
+        e_r[u] = mode == 0 ? s * K + (k - pre[s]) : __ldcg(list + s * chunk + (k - pre[s]));
+    }
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        d_r[u] = e_r[u] >= 0 ? dst[e_r[u]] : -1;
+        g_r[u] = e_r[u] >= 0 ? src[e_r[u]] : -1;
+    }
+    uint4 v[HS_UNROLL];
+    unsigned char* to[HS_UNROLL];
+    u64 own[HS_UNROLL];
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        const i32 d = d_r[u];
+        const i64 g = g_r[u];
+        to[u] = nullptr;
+        own[u] = 0;
+        if (d < 0 || d >= hot_rows || g < 0) continue;  // not taken
+        own[u] = __ldcg(reinterpret_cast<const unsigned long long*>(owner + d));
+        const i32 j = static_cast<i32>((first + u * step) % HS_SLOTS);
+        unsigned char* into = hot + static_cast<i64>(d / bs) * block_stride + static_cast<i64>(d % bs) * HS_ROW_BYTES;
+        if (g < host_rows) {
+            const unsigned char* from = host + g * HS_ROW_BYTES;
+            const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+            if (pos >= 0 && pos < HS_ROW_BYTES) {
+                v[u] = hs_load16(from + pos);
+                to[u] = into + pos;
+            }
+        } else if (j < HS_VEC) {  // no source row: zeros, not stale bytes
+            v[u] = make_uint4(0, 0, 0, 0);
+            to[u] = into + j * 16;
+        }
+    }
+#pragma unroll
+    for (i32 u = 0; u < HS_UNROLL; ++u) {
+        if (to[u] != nullptr && own[u] == (ep | static_cast<u32>(e_r[u]))) hs_store16(to[u], v[u]);
+    }
+}
+
 // Grid: (blocks <= co-resident blocks, 1, 1); block: HS_GNT; dynamic shared memory 4 * (m + 1)
 // bytes, m = rows (mode 0) or blocks (mode 1).
 //   mode 0 (gather_compact): every block sums the clamped counts first, so a call with nothing to
 //     copy ends there (one launch, no barrier, no state touched). Entries are numbered request-major
-//     (k-th taken entry over rows), marked, then after the barrier copied in that order.
+//     (k-th taken entry over rows), marked, then after the barrier copied in that order by every block.
 //   mode 1 (gather_plan): block b takes a contiguous chunk of entries, writes att, marks its taken
-//     entries and lists them in entry order at list[b * chunk ...]; after the barrier the copy walks
-//     every block's list in block order, so the list is in entry (request-major) order.
+//     entries and lists them in entry order at list[b * chunk ...]; only blocks that took an entry
+//     wait at the barrier and copy (none where nothing is taken: one cheap launch); the copy walks
+//     every block's list in block order, so in entry (request-major) order.
+//   tickets 1 (HISPARSE_VLLM_GATHER=2): the copying blocks take chunks of HS_GNT * HS_UNROLL slots
+//     from a ticket counter in order, as native's plan copy (copy.cu) does, so the host reads in
+//     flight cover a narrow band of the list and a block that starts late (an SM still busy with
+//     the resolver) does not hold the end back; 0: a static grid-stride split.
 // Of entries naming one destination the largest entry index wins (its mark), as in the reference;
-// marks carry the epoch, which the last finished block advances.
+// marks carry the epoch, which the last block to finish copying advances.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
     i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
     const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
     const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
-    i32* list, i32* part, u32* ctl) {
+    i32* list, i32* part, u32* ctl, i32 tickets) {
     extern __shared__ __align__(16) unsigned char vg_smem[];
     i32* pre = reinterpret_cast<i32*>(vg_smem);
+    __shared__ u32 s_ticket[2];
     asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the resolver: its plan
     const u64 ep = epoch[0] << 32;
     const i32 tid = threadIdx.x;
     const i64 NE = static_cast<i64>(n) * K;
     const i64 chunk = (NE + gridDim.x - 1) / gridDim.x;
     i32 m;
+    bool copies = true;
     if (mode == 0) {
         m = n;
+        bool any = false;  // a clamped count > 0 (K >= 1)
+        for (i32 x = tid; x < n; x += HS_GNT) any |= counts[x] > 0;
+        if (!__syncthreads_or(any)) return;  // every block sees it: nothing taken, nothing marked
         vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
-        if (pre[n] == 0) return;  // every block sees it: nothing taken, nothing marked
         const i32 total = pre[n];
         for (i32 k = blockIdx.x * HS_GNT + tid; k < total; k += gridDim.x * HS_GNT) {
             const i32 r = vg_segment(pre, n, k);
@@ -702,73 +920,79 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
             if (g >= 0 && d >= 0 && d < hot_rows)
                 atomicMax(reinterpret_cast<unsigned long long*>(owner + d), ep | static_cast<u32>(e));
         }
+        vg_arrive(ctl, true, false);
     } else {
         const i64 lo = blockIdx.x * chunk, hi = min(lo + chunk, NE);
         i32 cnt = 0;
-        for (i64 e0 = lo; e0 < hi; e0 += HS_GNT) {
-            const i64 e = e0 + tid;
-            bool take = false;
-            if (e < hi) {
-                const i32 g = src[e], d = dst[e];
-                const bool pad = rsi != nullptr && rsi[e / K] < 0;
-                take = g >= 0 && d >= 0 && d < hot_rows && !pad && mask[e] != 0;
-                if (att != nullptr) att[e] = (pad || d < 0) ? -1 : vr_attention(d, bs, att_stride);
-                if (take) atomicMax(reinterpret_cast<unsigned long long*>(owner + d), ep | static_cast<u32>(e));
+        for (i64 e0 = lo; e0 < hi; e0 += HS_GNT * HS_UNROLL) {
+            // HS_UNROLL entries a thread: every load of the round issued before the first is used
+            i32 g[HS_UNROLL], d[HS_UNROLL], mk[HS_UNROLL], rq[HS_UNROLL];
+#pragma unroll
+            for (i32 u = 0; u < HS_UNROLL; ++u) {
+                const i64 e = e0 + u * HS_GNT + tid;
+                const bool in = e < hi;
+                g[u] = in ? src[e] : -1;
+                d[u] = in ? dst[e] : -1;
+                mk[u] = in ? mask[e] : 0;
+                rq[u] = in && rsi != nullptr ? rsi[e / K] : 0;
             }
-            i32 tot;
-            const i32 before = vr_scan(take ? 1 : 0, tot);
-            if (take) list[lo + cnt + before] = static_cast<i32>(e);
-            cnt += tot;
+            bool take[HS_UNROLL], any = false;
+#pragma unroll
+            for (i32 u = 0; u < HS_UNROLL; ++u) {
+                const i64 e = e0 + u * HS_GNT + tid;
+                const bool pad = rq[u] < 0;
+                take[u] = e < hi && g[u] >= 0 && d[u] >= 0 && d[u] < hot_rows && !pad && mk[u] != 0;
+                any |= take[u];
+                if (e < hi && att != nullptr) att[e] = (pad || d[u] < 0) ? -1 : vr_attention(d[u], bs, att_stride);
+                if (take[u]) atomicMax(reinterpret_cast<unsigned long long*>(owner + d[u]), ep | static_cast<u32>(e));
+            }
+            if (!__syncthreads_or(any)) continue;  // block-uniform: nothing to list this round
+#pragma unroll
+            for (i32 u = 0; u < HS_UNROLL; ++u) {  // listed in entry order
+                i32 tot;
+                const i32 before = vr_scan(take[u] ? 1 : 0, tot);
+                if (take[u]) list[lo + cnt + before] = static_cast<i32>(e0 + u * HS_GNT + tid);
+                cnt += tot;
+            }
         }
         if (tid == 0) part[blockIdx.x] = cnt;
-        m = gridDim.x;
+        copies = cnt > 0;
+        vg_arrive(ctl, copies, true);
+        if (!copies) return;  // arrived; another block copies what there is (none may)
     }
-    vg_grid_sync(ctl);
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // every block has arrived
+    const u32 copiers = mode == 0 ? gridDim.x : __ldcg(ctl + VG_COPIERS);
+    m = mode == 0 ? n : static_cast<i32>(gridDim.x);
     if (mode == 1) vg_prefix(pre, m, [&](i32 x) { return __ldcg(part + x); });  // L2: other blocks wrote them
     const i32 total = pre[m];
     const u32 slots = static_cast<u32>(total) * HS_SLOTS;
-    const u32 stride = gridDim.x * HS_GNT;
-    for (u32 first = blockIdx.x * HS_GNT + tid; first < slots; first += stride * HS_UNROLL) {
-        uint4 v[HS_UNROLL];
-        unsigned char* to[HS_UNROLL];
-#pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            const u32 c = first + u * stride;
-            to[u] = nullptr;
-            if (c >= slots) continue;
-            const i32 k = static_cast<i32>(c / HS_SLOTS);
-            const i32 s = vg_segment(pre, m, k);
-            const i32 e = mode == 0 ? s * K + (k - pre[s]) : __ldcg(list + s * chunk + (k - pre[s]));
-            const i32 d = dst[e];
-            if (d < 0 || d >= hot_rows || __ldcg(reinterpret_cast<const unsigned long long*>(owner + d)) != (ep | static_cast<u32>(e)))
-                continue;  // not taken, or a later entry writes this row
-            const i32 j = static_cast<i32>(c % HS_SLOTS);
-            const i64 g = src[e];
-            unsigned char* into = hot + static_cast<i64>(d / bs) * block_stride + static_cast<i64>(d % bs) * HS_ROW_BYTES;
-            if (g < host_rows) {
-                const unsigned char* from = host + g * HS_ROW_BYTES;
-                const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-                if (pos >= 0 && pos < HS_ROW_BYTES) {
-                    v[u] = hs_load16(from + pos);
-                    to[u] = into + pos;
-                }
-            } else if (j < HS_VEC) {  // no source row: zeros, not stale bytes
-                v[u] = make_uint4(0, 0, 0, 0);
-                to[u] = into + j * 16;
-            }
+    if (tickets) {
+        if (tid == 0) s_ticket[0] = atomicAdd(ctl + VG_TICKET, 1u);
+        __syncthreads();
+        for (u32 it = 0;; ++it) {
+            const u32 t = s_ticket[it & 1u];
+            const u32 c0 = t * (HS_GNT * HS_UNROLL);
+            if (c0 >= slots) break;  // block-uniform
+            if (tid == 0) s_ticket[(it & 1u) ^ 1u] = atomicAdd(ctl + VG_TICKET, 1u);  // overlaps the copy
+            vg_copy_pass(mode, c0 + tid, HS_GNT, slots, pre, m, K, chunk, list, src, dst, hot_rows, owner, ep, host,
+                         host_rows, hot, block_stride, bs);
+            __syncthreads();
         }
-#pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            if (to[u] != nullptr) hs_store16(to[u], v[u]);
+    } else {
+        const u32 stride = gridDim.x * HS_GNT;
+        for (u32 first = blockIdx.x * HS_GNT + tid; first < slots; first += stride * HS_UNROLL) {
+            vg_copy_pass(mode, first, stride, slots, pre, m, K, chunk, list, src, dst, hot_rows, owner, ep, host,
+                         host_rows, hot, block_stride, bs);
         }
+        __syncthreads();
     }
-    __syncthreads();
     if (tid == 0) {
         __threadfence();
-        if (atomicAdd(ctl, 1u) == gridDim.x - 1) {
+        if (atomicAdd(ctl + VG_DONE, 1u) == copiers - 1) {  // the last copying block: reset for the next call
             epoch[0] += 1;
-            ctl[0] = 0;
+            ctl[VG_DONE] = 0;
+            ctl[VG_COPIERS] = 0;
+            ctl[VG_TICKET] = 0;
             __threadfence();
         }
     }

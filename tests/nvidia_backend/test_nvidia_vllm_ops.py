@@ -205,12 +205,12 @@ def _gather_inputs(seed: int, n: int, k: int) -> dict:
             "counts": ints(-1, k + 3, (n,)), "mask": ints(0, 2, (n, k)), "rsi": ints(-1, 3, (n,))}
 
 
-@pytest.mark.parametrize("variant", ["0", "1", "2"])
+@pytest.mark.parametrize("variant", ["0", "2"])
 @pytest.mark.parametrize("seed", range(12))
 def test_gathers_last_write_wins_match_reference(seed: int, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every gather path (HISPARSE_VLLM_GATHER 0: mark + copy kernels, 1: one fused kernel with a static
-    copy split, 2: fused with a ticketed copy) on inputs where several entries name one destination:
-    the last entry's row lands, as in the reference."""
+    """Every gather path (HISPARSE_VLLM_GATHER 0: mark + copy kernels, 2: one fused kernel with a
+    ticketed copy) on inputs where several entries name one destination: the last entry's row lands,
+    as in the reference."""
     monkeypatch.setenv("HISPARSE_VLLM_GATHER", variant)
     n, k = [(1, 7), (3, 16), (9, 33), (64, 129)][seed % 4]
     x = _gather_inputs(seed, n, k)
@@ -233,7 +233,7 @@ def test_gathers_last_write_wins_match_reference(seed: int, variant: str, monkey
         assert torch.equal(got_att.cpu(), want_att)
 
 
-@pytest.mark.parametrize("variant", ["0", "1", "2"])
+@pytest.mark.parametrize("variant", ["0", "2"])
 @pytest.mark.parametrize("seed", range(4))
 def test_gather_plan_alternating_empty_and_sparse_masks(seed: int, variant: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,7 +151,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         common = [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att), _i64(att_stride),
                   _i32(bs), _i32(n), _i32(k), _i64(hot_rows)]
         variant = vllm_gather_variant()
-        if variant >= 1 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
+        if variant == 2 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
             fn = self._function(dev, row_bytes, "hisparse_vllm_gather")
             fn.prefer_carveout(vllm_carveout())
             most = sms * vllm_gather_per_sm()
@@ -161,8 +161,8 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                                                                      torch.zeros(8, dtype=torch.int32, device=dev)))
             fn.launch((blocks, 1, 1), COPY_THREADS, smem, stream, common + [
                 ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]), _ptr(hot),
-                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar),
-                _i32(variant == 2)], overlap_previous=True)
+                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar)],
+                overlap_previous=True)
             return
         mark = self._function(dev, row_bytes, "hisparse_vllm_mark")
         copy = self._function(dev, row_bytes, "hisparse_vllm_copy")

@@ -234,6 +234,23 @@ def vllm_gather_variant() -> int:
     return got
 
 
+#: Threads per block of vLLM's resolver: 0 = the automatic choice (vllm_ops.resolve_threads: enough
+#: for two entries and two LRU positions a thread, up to 1024), else 128, 256, 512 or 1024, raised
+#: where the call needs more (at most 32 entries and 32 LRU positions a thread). Read at each resolve
+#: call, for A/B timing of the resident step's latency in one process.
+ENV_VLLM_RESOLVE_THREADS = "HISPARSE_VLLM_RESOLVE_THREADS"
+VLLM_RESOLVE_THREADS = 0
+
+
+def vllm_resolve_threads() -> int:
+    """`HISPARSE_VLLM_RESOLVE_THREADS` (default `VLLM_RESOLVE_THREADS`)."""
+    expected = "0 (automatic), 128, 256, 512 or 1024 threads"
+    got = env_int_in(ENV_VLLM_RESOLVE_THREADS, VLLM_RESOLVE_THREADS, 0, 1024, expected)
+    if got not in (0, 128, 256, 512, 1024):
+        raise InvalidInputError(f"{ENV_VLLM_RESOLVE_THREADS}={got}: expected {expected}")
+    return got
+
+
 #: Blocks per SM of the fused gather's grid (at most; never more than are co-resident). One: on the
 #: H200 (call G5) 274 misses at B = 128 took 519.8 us a layer-step with one against 587.5 with two,
 #: and no other cell moved by more than 0.4 us; one also leaves room where a tool (compute-sanitizer)

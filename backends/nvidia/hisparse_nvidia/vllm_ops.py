@@ -37,6 +37,7 @@ from hisparse_nvidia.kernels import (
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
+    vllm_resolve_threads,
 )
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
@@ -48,12 +49,14 @@ FUSED_GATHER_MAX_ROWS = 12000
 RESOLVE_SMEM_BUDGET = 222 * 1024
 
 
-def resolve_threads(k: int, h: int) -> int:
+def resolve_threads(k: int, h: int, want: int = 0) -> int:
     """Threads per block of the resolver: each thread holds at most 32 entries of a row and 32 LRU
-    positions (the kernel's bit masks); at least 128, at most 1024."""
+    positions (the kernel's bit masks); at least 128, at most 1024. `want` (a power of two from 128,
+    `HISPARSE_VLLM_RESOLVE_THREADS`) replaces the automatic choice (two of each a thread) where the
+    call allows it, else the least that does."""
     need = -(-max(k, h) // 32)
-    t = 128
-    while t < need or t < min(1024, -(-max(k, h) // 2)):
+    t = want if want else 128
+    while t < need or (not want and t < min(1024, -(-max(k, h) // 2))):
         t *= 2
     return min(t, 1024)
 
@@ -209,7 +212,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         dev = hot_cache.device
         bs = hot_cache.shape[1]
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
-        threads = resolve_threads(k, h)
+        threads = resolve_threads(k, h, vllm_resolve_threads())
         buckets = resolve_smem_buckets(max_union_rows, h)
         smem = -(-(12 * buckets + 2 * h) // 16) * 16
         gtab, gval = self._buffer(("hash", dev, n, k), lambda: (

@@ -68,7 +68,8 @@ class TritonRuntime(CacheRuntime):
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         cpu = device.type == "cpu"
         tune = shapes.tuning(dict(os.environ))
-        shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads)
+        shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
+                                      lean=tune.lean)
         self._resolver = kernels.KERNELS[shape.kernel]
         self._resolver_name = shape.kernel
         self._gather_resolver = shape.variant == "gather"

@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -103,7 +104,7 @@ class Bench:
 
         self.replays = replays
         self.resolvers = variants
-        self.backends = {"triton": TritonBackend()}
+        self.backends: dict[str, Any] = {"triton": TritonBackend()}
         if with_nvidia:
             from hisparse_nvidia.backend import NvidiaBackend
 
@@ -221,8 +222,9 @@ class Bench:
 
     def cell(self, b: int, misses: int | None) -> Row:
         resident = misses is None
-        steps = 8 if resident else steps_for(misses)
-        inputs = self.steps(b, steps, 0 if resident else misses, resident=resident)
+        shift = 0 if misses is None else misses
+        steps = 8 if resident else steps_for(shift)
+        inputs = self.steps(b, steps, shift, resident=resident)
         self.check_equal(b, inputs)
         tr, got = self.resolve_us("triton", b, inputs)
         others = {v: self.resolve_us("triton", b, inputs, v)[0] for v in self.resolvers[1:]}

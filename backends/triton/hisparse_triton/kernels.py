@@ -487,7 +487,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 e_rank = tl.associative_scan(ev, 0, _SUM) - ev
                 n_evict = tl.reduce(ev, 0, _SUM)
                 h_rank = ii - e_rank  # hits before LRU position i
-                n_hit = tl.reduce(hit_pos.to(tl.int32), 0, _SUM)
+                if LEAN:  # a hit is a held position (< H) that is not evictable: one block-wide sum fewer
+                    n_hit = H - n_evict
+                else:
+                    n_hit = tl.reduce(hit_pos.to(tl.int32), 0, _SUM)
                 tl.atomic_add(stats + 1, n_hit.to(tl.int64))
                 tl.atomic_add(stats + 2, n_miss.to(tl.int64))
                 n_used = tl.minimum(n_miss, n_evict)  # misses beyond the evictable slots get no victim

@@ -295,7 +295,9 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
       round trips: the hot-table row is read whole with the page-table rows and looked up in
       registers; a candidate's held slot is read beside its first reference; a duplicate of a missed
       row finds its victim through its first reference's miss rank (gathered in registers), not
-      through a store of the victim into the table, a barrier and a read back."""
+      through a store of the victim into the table, a barrier and a read back; the counters and the
+      first-reference minimum are relaxed atomics (an acq_rel one waits for every store the thread
+      has in flight; the barriers already order what is read back)."""
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -357,7 +359,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         tl.store(out_counts + row, tl.reduce((is_res | is_host).to(tl.int32), 1, _SUM), mask=rmask)
         n_res = tl.reduce(tl.reduce(is_res.to(tl.int32), 1, _SUM), 0, _SUM)
         n_host = tl.reduce(tl.reduce(is_host.to(tl.int32), 1, _SUM), 0, _SUM)
-        tl.atomic_add(stats + 0, n_res.to(tl.int64))
+        if LEAN:
+            tl.atomic_add(stats + 0, n_res.to(tl.int64), sem="relaxed")
+        else:
+            tl.atomic_add(stats + 0, n_res.to(tl.int64))
         if n_host == 0:
             if MASK:
                 tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
@@ -399,7 +404,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 hit_i = hit_pos.to(tl.int32)
                 h_rank = tl.associative_scan(hit_i, 0, _SUM) - hit_i
                 n_hit = tl.reduce(hit_i, 0, _SUM)
-                tl.atomic_add(stats + 1, n_hit.to(tl.int64))
+                if LEAN:
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
+                else:
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64))
                 new_pos = tl.where(hit_pos, H - n_hit + h_rank, ii - h_rank)
                 tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
                 if LEAN:
@@ -439,7 +447,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     e_pend = e_pend & (e_now != host_row)
                     e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
                     n_e = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
-                tl.atomic_min(tf + e_bkt, ee, mask=cand)
+                if LEAN:
+                    tl.atomic_min(tf + e_bkt, ee, mask=cand, sem="relaxed")
+                else:
+                    tl.atomic_min(tf + e_bkt, ee, mask=cand)
                 disp = tl.where(cand, (e_bkt - e_home) & (TP - 1), 0)
                 rounds = tl.reduce(tl.reduce(disp, 1, _MAX), 0, _MAX) + 1
                 # Every held slot looks its row up in the buckets a row of the table can be in.
@@ -491,8 +502,14 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     n_hit = H - n_evict
                 else:
                     n_hit = tl.reduce(hit_pos.to(tl.int32), 0, _SUM)
-                tl.atomic_add(stats + 1, n_hit.to(tl.int64))
-                tl.atomic_add(stats + 2, n_miss.to(tl.int64))
+                if LEAN:
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
+                else:
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64))
+                if LEAN:
+                    tl.atomic_add(stats + 2, n_miss.to(tl.int64), sem="relaxed")
+                else:
+                    tl.atomic_add(stats + 2, n_miss.to(tl.int64))
                 n_used = tl.minimum(n_miss, n_evict)  # misses beyond the evictable slots get no victim
                 vb = scr_victim + b * HP
                 tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
@@ -543,7 +560,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     # Miss u of the group (rows in order) is entry u - start of its row's plan, read
                     # back packed (the barrier above: every lane's plan entries are written).
                     if n_miss > 0:
-                        tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes)
+                        if LEAN:
+                            tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes, sem="relaxed")
+                        else:
+                            tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes)
                     r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss  # [GP]
                     ww = tl.arange(0, WP)
                     wm = ww < W

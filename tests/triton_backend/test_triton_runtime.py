@@ -276,6 +276,7 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_FUSE_COPY", "yes", "expected 0 or 1"),
     ("HISPARSE_TRITON_FUSE_COPY", "1", "needs the gather resolver"),
     ("HISPARSE_TRITON_LEAN", "2", "expected 0 or 1"),
+    ("HISPARSE_TRITON_PLAN_ENTRIES", "12", "expected one of 4, 8, 16, 32"),
 ])
 def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
     from hisparse_core.errors import InvalidInputError

@@ -105,7 +105,7 @@ class TritonRuntime(CacheRuntime):
         self._last_rows = 0
         self._copy_entries = shapes.INTERPRETED_COPY_ENTRIES if cpu else shapes.COPY_ENTRIES
         self._copy_meta: dict[str, int] = {} if cpu else dict(num_warps=max(1, shapes.COPY_THREADS // lanes))
-        self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu) | self._copy_meta
+        self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu, entries=tune.plan_entries) | self._copy_meta
         # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks);
         # on a GPU one wave of programs (shapes.PLAN_PER_SM a multiprocessor), but no more than the
         # chunks a full plan of the largest batch has (a small batch launches no program that can

@@ -62,6 +62,10 @@ FUSE_ENV = "HISPARSE_TRITON_FUSE_COPY"
 #: 1 (the default): the gather resolver's `LEAN` build, fewer dependent global round trips on a
 #: step (`kernels.resolve_gather_kernel`); 0: the build of call G3, for A/B timing.
 LEAN_ENV = "HISPARSE_TRITON_LEAN"
+#: Plan entries one plan-copy program moves per chunk on a GPU (default `COPY_ENTRIES`): fewer
+#: split a small batch's plan over more programs (more multiprocessors reading the host at once).
+PLAN_ENTRIES_ENV = "HISPARSE_TRITON_PLAN_ENTRIES"
+PLAN_ENTRIES = (4, 8, 16, 32)
 #: Plan entries the fused copy moves per iteration of one resolver program (rows of a tile).
 FUSED_COPY_ENTRIES = 32
 #: Plan-copy programs per multiprocessor: its tile holds ~180 registers a thread, so two programs
@@ -80,10 +84,12 @@ class Tuning:
     plan_per_sm: int
     fuse: bool = False
     lean: bool = True
+    plan_entries: int = COPY_ENTRIES
 
 
 def tuning(env: dict[str, str]) -> Tuning:
-    """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`); one clear error
+    """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
+    `PLAN_ENTRIES_ENV`); one clear error
     per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
@@ -91,6 +97,10 @@ def tuning(env: dict[str, str]) -> Tuning:
     per_sm = env.get(PLAN_PER_SM_ENV) or str(PLAN_PER_SM)
     if not per_sm.isdigit() or not 1 <= int(per_sm) <= 32:
         raise InvalidInputError(f"{PLAN_PER_SM_ENV}={per_sm!r} is not a program count; expected an integer 1-32")
+    entries = env.get(PLAN_ENTRIES_ENV) or str(COPY_ENTRIES)
+    if entries not in tuple(map(str, PLAN_ENTRIES)):
+        raise InvalidInputError(f"{PLAN_ENTRIES_ENV}={entries!r} is not an entry count; expected one of "
+                                f"{', '.join(map(str, PLAN_ENTRIES))}")
     resolver = resolver_variant(env.get(RESOLVER_ENV))
     fuse = env.get(FUSE_ENV) or "0"
     lean = env.get(LEAN_ENV) or "1"
@@ -99,7 +109,7 @@ def tuning(env: dict[str, str]) -> Tuning:
             raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
         raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
-    return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1")
+    return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries))
 
 
 def pow2(n: int) -> int:
@@ -244,9 +254,10 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     ]
 
 
-def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool) -> dict[str, int]:
-    """Constexprs of the plan copy: row words (padded), entries per iteration, batch rows (padded)."""
+def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = COPY_ENTRIES) -> dict[str, int]:
+    """Constexprs of the plan copy: row words (padded), entries per iteration (`entries` on a GPU),
+    batch rows (padded)."""
     _, words = row_words(config.row_format.row_bytes)
-    eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else COPY_ENTRIES
+    eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else entries
     bp = pow2(config.max_batch_rows) if interpreted else max(pow2(config.max_batch_rows), MIN_LANES["BP"])
     return dict(WP=pow2(words), EB=eb, BP=bp)

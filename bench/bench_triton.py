@@ -21,9 +21,12 @@ cell's outputs and hot state are compared between the two backends (they must be
 "triton us", the others get a column each. A variant is a resolver (`gather` or `scratch`,
 `HISPARSE_TRITON_RESOLVER`) with optional `:tN` (threads per resolver program,
 `HISPARSE_TRITON_RESOLVER_THREADS`), `:pN` (plan-copy programs per multiprocessor,
-`HISPARSE_TRITON_PLAN_PER_SM`) and `:f0` / `:f1` (the gather resolver copies its own plan and no
-plan-copy kernel is launched, the default: `HISPARSE_TRITON_FUSE_COPY`), set while its runtimes are
-built. `scratch:p4` is the backend as it was before the gather resolver.
+`HISPARSE_TRITON_PLAN_PER_SM`), `:f0` / `:f1` (1: the gather resolver copies its own plan and no
+plan-copy kernel is launched; 0, the default: the plan-copy kernel, `HISPARSE_TRITON_FUSE_COPY`) and
+`:l0` / `:l1` (the gather resolver's LEAN build, the default: `HISPARSE_TRITON_LEAN`) and `:eN` (plan
+entries a plan-copy program moves per chunk, 4/8/16/32: `HISPARSE_TRITON_PLAN_ENTRIES`), set while its
+runtimes are built. `scratch:p4` is the backend as it was before the gather resolver, `gather:f1:l0`
+the default of call G3.
 
 Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia backend
 (`--no-nvidia`, or no cuda-python) the tr/nv column is left empty.
@@ -37,6 +40,7 @@ import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -48,18 +52,20 @@ SWEEP_BATCHES = (1, 8, 64, 128)
 
 
 def variant_env(variant: str) -> dict[str, str | None]:
-    """The environment a variant `RESOLVER[:tN][:pN]` sets while its runtimes are built (None: unset),
+    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN]` sets while its runtimes are built (None: unset),
     checked by the backend's own parser; ValueError naming the bad part."""
     from hisparse_core.errors import InvalidInputError
     from hisparse_triton import shapes
 
     name, *knobs = variant.split(":")
     env: dict[str, str | None] = {shapes.RESOLVER_ENV: name, shapes.THREADS_ENV: None, shapes.PLAN_PER_SM_ENV: None,
-                                  shapes.FUSE_ENV: None}
+                                  shapes.FUSE_ENV: None, shapes.LEAN_ENV: None, shapes.PLAN_ENTRIES_ENV: None}
     for knob in knobs:
-        key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV, "f": shapes.FUSE_ENV}.get(knob[:1])
+        key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV, "f": shapes.FUSE_ENV,
+               "l": shapes.LEAN_ENV, "e": shapes.PLAN_ENTRIES_ENV}.get(knob[:1])
         if key is None:
-            raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM or f0/f1")
+            raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM, f0/f1, l0/l1 "
+                             f"or eENTRIES")
         env[key] = knob[1:]
     try:
         shapes.tuning({k: v for k, v in env.items() if v is not None})
@@ -100,7 +106,7 @@ class Bench:
 
         self.replays = replays
         self.resolvers = variants
-        self.backends = {"triton": TritonBackend()}
+        self.backends: dict[str, Any] = {"triton": TritonBackend()}
         if with_nvidia:
             from hisparse_nvidia.backend import NvidiaBackend
 
@@ -218,8 +224,9 @@ class Bench:
 
     def cell(self, b: int, misses: int | None) -> Row:
         resident = misses is None
-        steps = 8 if resident else steps_for(misses)
-        inputs = self.steps(b, steps, 0 if resident else misses, resident=resident)
+        shift = 0 if misses is None else misses
+        steps = 8 if resident else steps_for(shift)
+        inputs = self.steps(b, steps, shift, resident=resident)
         self.check_equal(b, inputs)
         tr, got = self.resolve_us("triton", b, inputs)
         others = {v: self.resolve_us("triton", b, inputs, v)[0] for v in self.resolvers[1:]}
@@ -237,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these cells (misses per request, or R for the resident step : batch), e.g. 0:1,R:128 "
                          "(default: the whole sweep)")
     ap.add_argument("--variants", default="gather", metavar="V[,V]",
-                    help="triton variants to time, each RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1] (e.g. gather,gather:f0,scratch:p4); "
+                    help="triton variants to time, each RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES] "
+                         "(e.g. gather,gather:l0,gather:f1:l0,scratch:p4); "
                          "the first is 'triton us'")
     args = ap.parse_args(argv)
     resolvers = [v for v in args.variants.split(",") if v]

@@ -244,14 +244,16 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int
 
 
 @pytest.mark.parametrize("env", [{"HISPARSE_TRITON_RESOLVER": "scratch"},
-                                 {"HISPARSE_TRITON_RESOLVER": "gather", "HISPARSE_TRITON_FUSE_COPY": "0"}],
-                         ids=["scratch", "gather_unfused"])
+                                 {"HISPARSE_TRITON_RESOLVER": "gather", "HISPARSE_TRITON_FUSE_COPY": "1"},
+                                 {"HISPARSE_TRITON_RESOLVER": "gather", "HISPARSE_TRITON_LEAN": "0"}],
+                         ids=["scratch", "gather_fused", "gather_not_lean"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
                                              locality: float) -> None:
-    """The variants `HISPARSE_TRITON_RESOLVER` / `HISPARSE_TRITON_FUSE_COPY` pick (the default, the
-    gather resolver copying its own plan, is what the rest of this module and the suite run)."""
+    """The variants `HISPARSE_TRITON_RESOLVER` / `HISPARSE_TRITON_FUSE_COPY` / `HISPARSE_TRITON_LEAN`
+    pick (the default, the lean gather resolver beside the plan-copy kernel, is what the rest of this
+    module and the suite run)."""
     p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
                        rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=locality,
                        resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
@@ -273,6 +275,8 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_PLAN_PER_SM", "0", "expected an integer 1-32"),
     ("HISPARSE_TRITON_FUSE_COPY", "yes", "expected 0 or 1"),
     ("HISPARSE_TRITON_FUSE_COPY", "1", "needs the gather resolver"),
+    ("HISPARSE_TRITON_LEAN", "2", "expected 0 or 1"),
+    ("HISPARSE_TRITON_PLAN_ENTRIES", "12", "expected one of 4, 8, 16, 32"),
 ])
 def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
     from hisparse_core.errors import InvalidInputError

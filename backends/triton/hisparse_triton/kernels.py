@@ -274,7 +274,8 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                           src, dst, dst_block_stride, W, row_bytes, dev_rows,
                           KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                           LOG_TP: tl.constexpr, MASK: tl.constexpr, PT: tl.constexpr, HG: tl.constexpr,
-                          LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr):
+                          LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr,
+                          LEAN: tl.constexpr):
     """`resolve_kernel`'s results, with fewer scattered global accesses on the path of a GPU program:
 
     - the state row's page-table rows (`PT` lanes, 0: gathered from global memory), hot-map row and
@@ -289,7 +290,14 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
       table sits at most that far from its home bucket, so no probe sequence needs an empty bucket;
     - with `FUSE`, the program copies its group's plan itself (layer 0: host rows `src` into the
       device cache `dst`, `EB` entries of `WP` words at a time, as `copy_plan_kernel` does), so a
-      step needs no plan-copy launch: a step without misses copies nothing and launches nothing."""
+      step needs no plan-copy launch: a step without misses copies nothing and launches nothing;
+    - with `LEAN` (a group's entries and hot rows within `MAX_ROW_LANES`), fewer dependent global
+      round trips: the hot-table row is read whole with the page-table rows and looked up in
+      registers; a candidate's held slot is read beside its first reference; a duplicate of a missed
+      row finds its victim through its first reference's miss rank (gathered in registers), not
+      through a store of the victim into the table, a barrier and a read back; the counters and the
+      first-reference minimum are relaxed atomics (an acq_rel one waits for every store the thread
+      has in flight; the barriers already order what is read back)."""
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -330,6 +338,9 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         pos = tl.where(in_ctx, t, 0)
         page = pos // BS
         off = pos % BS
+        if LEAN:
+            hh = tl.arange(0, HP)
+            hot_row = tl.load(hot_table + q * HB + hh, mask=hh < HB, other=0)  # HB <= H <= HP
         if PT > 0:
             pp = tl.arange(0, PT)
             res_row = tl.load(resident_table + q * P + pp, mask=pp < P, other=-1)
@@ -348,7 +359,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         tl.store(out_counts + row, tl.reduce((is_res | is_host).to(tl.int32), 1, _SUM), mask=rmask)
         n_res = tl.reduce(tl.reduce(is_res.to(tl.int32), 1, _SUM), 0, _SUM)
         n_host = tl.reduce(tl.reduce(is_host.to(tl.int32), 1, _SUM), 0, _SUM)
-        tl.atomic_add(stats + 0, n_res.to(tl.int64))
+        if LEAN:
+            tl.atomic_add(stats + 0, n_res.to(tl.int64), sem="relaxed")
+        else:
+            tl.atomic_add(stats + 0, n_res.to(tl.int64))
         if n_host == 0:
             if MASK:
                 tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
@@ -390,10 +404,17 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 hit_i = hit_pos.to(tl.int32)
                 h_rank = tl.associative_scan(hit_i, 0, _SUM) - hit_i
                 n_hit = tl.reduce(hit_i, 0, _SUM)
-                tl.atomic_add(stats + 1, n_hit.to(tl.int64))
+                if LEAN:
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
+                else:
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64))
                 new_pos = tl.where(hit_pos, H - n_hit + h_rank, ii - h_rank)
                 tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
-                hot_blk = tl.load(hot_base + hint // BS, mask=hint_hit, other=0)
+                if LEAN:
+                    hb_idx = tl.reshape(tl.where(hint_hit, hint // BS, 0), (GP * KP,))
+                    hot_blk = tl.where(hint_hit, tl.reshape(tl.gather(hot_row, hb_idx, 0), (GP, KP)), 0)
+                else:
+                    hot_blk = tl.load(hot_base + hint // BS, mask=hint_hit, other=0)
                 tl.store(out_rows + entry_ptr, tl.where(hint_hit, hot_blk * BS + hint % BS, -1), mask=is_host)
                 if MASK:
                     tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
@@ -426,7 +447,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     e_pend = e_pend & (e_now != host_row)
                     e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
                     n_e = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
-                tl.atomic_min(tf + e_bkt, ee, mask=cand)
+                if LEAN:
+                    tl.atomic_min(tf + e_bkt, ee, mask=cand, sem="relaxed")
+                else:
+                    tl.atomic_min(tf + e_bkt, ee, mask=cand)
                 disp = tl.where(cand, (e_bkt - e_home) & (TP - 1), 0)
                 rounds = tl.reduce(tl.reduce(disp, 1, _MAX), 0, _MAX) + 1
                 # Every held slot looks its row up in the buckets a row of the table can be in.
@@ -447,8 +471,12 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 tl.store(ts + s_bkt, order, mask=found)
                 tl.debug_barrier()
                 # Volatile: the atomics updated L2 behind any L1 copy (a plain load may hit a stale line).
-                first = cand & (tl.load(tf + e_bkt, mask=cand, other=-1, volatile=True) == ee)
-                hit_slot = tl.load(ts + e_bkt, mask=first, other=-1)
+                f_ee = tl.load(tf + e_bkt, mask=cand, other=-1, volatile=True)  # the row's first reference
+                first = cand & (f_ee == ee)
+                if LEAN:  # every candidate's slot in the same round trip (a found row's, else -1)
+                    hit_slot = tl.load(ts + e_bkt, mask=cand, other=-1)
+                else:
+                    hit_slot = tl.load(ts + e_bkt, mask=first, other=-1)
                 hit_u = first & (hit_slot >= 0)
                 if HG:
                     mk_row = tl.load(mk + ii, mask=smask, other=0)
@@ -470,24 +498,50 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 e_rank = tl.associative_scan(ev, 0, _SUM) - ev
                 n_evict = tl.reduce(ev, 0, _SUM)
                 h_rank = ii - e_rank  # hits before LRU position i
-                n_hit = tl.reduce(hit_pos.to(tl.int32), 0, _SUM)
-                tl.atomic_add(stats + 1, n_hit.to(tl.int64))
-                tl.atomic_add(stats + 2, n_miss.to(tl.int64))
+                if LEAN:  # a hit is a held position (< H) that is not evictable: one block-wide sum fewer
+                    n_hit = H - n_evict
+                else:
+                    n_hit = tl.reduce(hit_pos.to(tl.int32), 0, _SUM)
+                if LEAN:
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
+                else:
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64))
+                if LEAN:
+                    tl.atomic_add(stats + 2, n_miss.to(tl.int64), sem="relaxed")
+                else:
+                    tl.atomic_add(stats + 2, n_miss.to(tl.int64))
                 n_used = tl.minimum(n_miss, n_evict)  # misses beyond the evictable slots get no victim
                 vb = scr_victim + b * HP
                 tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
                 tl.debug_barrier()
-                victim = tl.load(vb + m_rank, mask=mflag & (m_rank < n_used), other=-1)
-                vok = mflag & (victim >= 0) & (victim < H)
-                tl.store(ts + e_bkt, victim, mask=mflag)  # a missed row's bucket had no slot
-                tl.debug_barrier()
-
-                slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
+                if LEAN:
+                    # A candidate of a missed row (no held slot) takes the victim of its row's first
+                    # reference: that entry's miss rank, gathered from the ranks in registers.
+                    row_missed = cand & (hit_slot < 0)
+                    f_idx = tl.reshape(tl.where(row_missed, f_ee, 0), (GP * KP,))
+                    f_rank = tl.reshape(tl.gather(tl.reshape(m_rank, (GP * KP,)), f_idx, 0), (GP, KP))
+                    victim = tl.load(vb + f_rank, mask=row_missed & (f_rank < n_used), other=-1)
+                    vok = mflag & (victim >= 0) & (victim < H)
+                    slot = tl.where(hint_hit, hint, tl.where(cand, tl.where(hit_slot >= 0, hit_slot, victim), -1))
+                else:
+                    victim = tl.load(vb + m_rank, mask=mflag & (m_rank < n_used), other=-1)
+                    vok = mflag & (victim >= 0) & (victim < H)
+                    tl.store(ts + e_bkt, victim, mask=mflag)  # a missed row's bucket had no slot
+                    tl.debug_barrier()
+                    slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
                 e_ok = is_host & (slot >= 0) & (slot < H)
-                hot_blk = tl.load(hot_base + slot // BS, mask=e_ok, other=0)
+                if LEAN:
+                    hot_blk = tl.where(e_ok, tl.reshape(tl.gather(
+                        hot_row, tl.reshape(tl.where(e_ok, slot // BS, 0), (GP * KP,)), 0), (GP, KP)), 0)
+                else:
+                    hot_blk = tl.load(hot_base + slot // BS, mask=e_ok, other=0)
                 tl.store(out_rows + entry_ptr, tl.where(e_ok, hot_blk * BS + slot % BS, -1), mask=is_host)
                 tl.store(hint_ptr, slot, mask=cand & e_ok)
-                vblk = tl.load(hot_base + victim // BS, mask=vok, other=0)
+                if LEAN:
+                    vblk = tl.where(vok, tl.reshape(tl.gather(
+                        hot_row, tl.reshape(tl.where(vok, victim // BS, 0), (GP * KP,)), 0), (GP, KP)), 0)
+                else:
+                    vblk = tl.load(hot_base + victim // BS, mask=vok, other=0)
                 plan_ptr = row[:, None] * K + in_row
                 tl.store(plan_host + plan_ptr, host_row, mask=mflag)
                 tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + victim % BS, -1), mask=mflag)
@@ -506,7 +560,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     # Miss u of the group (rows in order) is entry u - start of its row's plan, read
                     # back packed (the barrier above: every lane's plan entries are written).
                     if n_miss > 0:
-                        tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes)
+                        if LEAN:
+                            tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes, sem="relaxed")
+                        else:
+                            tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes)
                     r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss  # [GP]
                     ww = tl.arange(0, WP)
                     wm = ww < W

@@ -68,7 +68,8 @@ class TritonRuntime(CacheRuntime):
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         cpu = device.type == "cpu"
         tune = shapes.tuning(dict(os.environ))
-        shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads)
+        shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
+                                      lean=tune.lean)
         self._resolver = kernels.KERNELS[shape.kernel]
         self._resolver_name = shape.kernel
         self._gather_resolver = shape.variant == "gather"
@@ -104,10 +105,14 @@ class TritonRuntime(CacheRuntime):
         self._last_rows = 0
         self._copy_entries = shapes.INTERPRETED_COPY_ENTRIES if cpu else shapes.COPY_ENTRIES
         self._copy_meta: dict[str, int] = {} if cpu else dict(num_warps=max(1, shapes.COPY_THREADS // lanes))
-        self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu) | self._copy_meta
+        self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu, entries=tune.plan_entries) | self._copy_meta
         # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks);
-        # on a GPU one wave of programs (shapes.PLAN_PER_SM a multiprocessor), whatever the batch.
-        self._plan_programs = 1 if cpu else tune.plan_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+        # on a GPU one wave of programs (shapes.PLAN_PER_SM a multiprocessor), but no more than the
+        # chunks a full plan of the largest batch has (a small batch launches no program that can
+        # never have work).
+        chunks = b * -(-k // self._plan_meta["EB"])
+        self._plan_programs = 1 if cpu else min(
+            chunks, tune.plan_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
         self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]

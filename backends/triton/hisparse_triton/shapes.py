@@ -51,10 +51,21 @@ MAX_ROW_LANES = 8192
 #: power of two, 64-1024; default from the shape), and plan-copy programs per multiprocessor.
 THREADS_ENV = "HISPARSE_TRITON_RESOLVER_THREADS"
 PLAN_PER_SM_ENV = "HISPARSE_TRITON_PLAN_PER_SM"
-#: 1 (the gather resolver's default): it copies its group's plan itself on `resolve(gather=True)`,
-#: and no plan-copy kernel is launched for layer 0 (`kernels.resolve_gather_kernel`, FUSE); the
-#: launch is most of a step's fixed cost where nothing misses (G1's profile: 3.3 us).
+#: 1: the gather resolver copies its group's plan itself on `resolve(gather=True)`, and no plan-copy
+#: kernel is launched for layer 0 (`kernels.resolve_gather_kernel`, FUSE). 0, the default: the
+#: plan-copy kernel copies it. Fusing saves the launch (1.2-1.5 us on hit and resident steps, call
+#: G3) but one program per request copies its plan chunk after chunk, a host round trip each, so
+#: it loses on every step with misses, at every batch (G3: 34 misses x 8, 34.4 us against 28.1;
+#: 2048 x 1, 269 against 81; all-miss x 128, 4450 against 3792). A step's misses are not known when
+#: the launch is chosen, so the default is the launch.
 FUSE_ENV = "HISPARSE_TRITON_FUSE_COPY"
+#: 1 (the default): the gather resolver's `LEAN` build, fewer dependent global round trips on a
+#: step (`kernels.resolve_gather_kernel`); 0: the build of call G3, for A/B timing.
+LEAN_ENV = "HISPARSE_TRITON_LEAN"
+#: Plan entries one plan-copy program moves per chunk on a GPU (default `COPY_ENTRIES`): fewer
+#: split a small batch's plan over more programs (more multiprocessors reading the host at once).
+PLAN_ENTRIES_ENV = "HISPARSE_TRITON_PLAN_ENTRIES"
+PLAN_ENTRIES = (4, 8, 16, 32)
 #: Plan entries the fused copy moves per iteration of one resolver program (rows of a tile).
 FUSED_COPY_ENTRIES = 32
 #: Plan-copy programs per multiprocessor: its tile holds ~180 registers a thread, so two programs
@@ -72,10 +83,13 @@ class Tuning:
     threads: int | None
     plan_per_sm: int
     fuse: bool = False
+    lean: bool = True
+    plan_entries: int = COPY_ENTRIES
 
 
 def tuning(env: dict[str, str]) -> Tuning:
-    """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`); one clear error
+    """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
+    `PLAN_ENTRIES_ENV`); one clear error
     per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
@@ -83,13 +97,19 @@ def tuning(env: dict[str, str]) -> Tuning:
     per_sm = env.get(PLAN_PER_SM_ENV) or str(PLAN_PER_SM)
     if not per_sm.isdigit() or not 1 <= int(per_sm) <= 32:
         raise InvalidInputError(f"{PLAN_PER_SM_ENV}={per_sm!r} is not a program count; expected an integer 1-32")
+    entries = env.get(PLAN_ENTRIES_ENV) or str(COPY_ENTRIES)
+    if entries not in tuple(map(str, PLAN_ENTRIES)):
+        raise InvalidInputError(f"{PLAN_ENTRIES_ENV}={entries!r} is not an entry count; expected one of "
+                                f"{', '.join(map(str, PLAN_ENTRIES))}")
     resolver = resolver_variant(env.get(RESOLVER_ENV))
-    fuse = env.get(FUSE_ENV) or ("1" if resolver == "gather" else "0")
-    if fuse not in ("0", "1"):
-        raise InvalidInputError(f"{FUSE_ENV}={fuse!r} is not a switch; expected 0 or 1")
+    fuse = env.get(FUSE_ENV) or "0"
+    lean = env.get(LEAN_ENV) or "1"
+    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean)):
+        if value not in ("0", "1"):
+            raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
         raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
-    return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1")
+    return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries))
 
 
 def pow2(n: int) -> int:
@@ -118,6 +138,7 @@ class ResolverShape:
     variant: str = "gather"
     tg: int = 0  # the gather resolver's table: twice a group's entries
     pt: int = 0  # page-table lanes read whole (0: gathered from global memory)
+    lean: bool = True  # the gather resolver's LEAN build, where its lanes fit (`constexprs`)
 
     @property
     def kernel(self) -> str:
@@ -127,8 +148,9 @@ class ResolverShape:
     def constexprs(self) -> dict[str, int]:
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
+        fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
         return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, PT=self.pt,
-                    HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES))
+                    HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits))
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
@@ -154,7 +176,7 @@ def resolver_variant(name: str | None) -> str:
 
 
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
-                   threads: int | None = None) -> ResolverShape:
+                   threads: int | None = None, lean: bool = True) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
@@ -170,7 +192,7 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     tg = max(pow2(2 * g * k), floor["TP"])  # only the candidates (a group's entries at most) are hashed
     pages = pow2(config.max_pages)
     pt = max(pages, floor["PT"]) if pages <= MAX_TABLE_LANES else 0
-    return ResolverShape(kp, gp, hp, tp, threads, resolver_variant(variant), min(tg, tp), pt)
+    return ResolverShape(kp, gp, hp, tp, threads, resolver_variant(variant), min(tg, tp), pt, lean)
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -232,9 +254,10 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     ]
 
 
-def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool) -> dict[str, int]:
-    """Constexprs of the plan copy: row words (padded), entries per iteration, batch rows (padded)."""
+def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = COPY_ENTRIES) -> dict[str, int]:
+    """Constexprs of the plan copy: row words (padded), entries per iteration (`entries` on a GPU),
+    batch rows (padded)."""
     _, words = row_words(config.row_format.row_bytes)
-    eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else COPY_ENTRIES
+    eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else entries
     bp = pow2(config.max_batch_rows) if interpreted else max(pow2(config.max_batch_rows), MIN_LANES["BP"])
     return dict(WP=pow2(words), EB=eb, BP=bp)

@@ -206,9 +206,10 @@ MAINTAIN_BUILD = KernelBuild.of("maintain.cu")
 VLLM_COPY_THREADS = 256
 #: vLLM's gathers (hisparse_nvidia.vllm_ops): 2 = one launch of hisparse_vllm_gather (a step with
 #: nothing to copy ends in it; mark and copy around one grid barrier) whose copy takes chunks from a
-#: ticket counter in list order (native's plan copy, copy.cu), 1 = the same launch with a static
-#: grid-stride copy, 0 = hisparse_vllm_mark then hisparse_vllm_copy (two launches). Read at each
-#: gather call, for A/B timing in one process.
+#: ticket counter in list order (native's plan copy, copy.cu), 0 = hisparse_vllm_mark then
+#: hisparse_vllm_copy (two launches). 1 (the fused launch with a static copy split, which left the
+#: share of a gather_plan block without entries uncopied) is gone and refused, so that no earlier
+#: command line silently times another path. Read at each gather call, for A/B timing in one process.
 ENV_VLLM_GATHER = "HISPARSE_VLLM_GATHER"
 VLLM_GATHER = 2
 
@@ -216,23 +217,46 @@ VLLM_GATHER = 2
 #: vLLM's resolver (hisparse_vllm_resolve, a build define HS_VR_FAST): 1 = power-of-two hash tables
 #: indexed by mask, LRU slots and parked entries kept in registers between phases; 2 = 1 with a lean
 #: start (the row's first entries and page-table entries loaded before the group barrier, the hash
-#: cleared under it, one reduction for a one-row group's counts); 0 = the earlier build (modulo
-#: hash, second global reads).
+#: cleared under it, one reduction for a one-row group's counts; a row that continues its group
+#: leaves before those loads); 0 = the earlier build (modulo hash, second global reads). Default 1:
+#: on the H200 (call G5) 2 gained nothing on one-row steps (resident within 0.1 us) and lost at
+#: B = 128 (hits 24.94 us against 23.83; four-row groups 68.1 against 49.1, before that exit).
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
-VLLM_RESOLVE = 2
+VLLM_RESOLVE = 1
 
 
 def vllm_gather_variant() -> int:
     """`HISPARSE_VLLM_GATHER` (default `VLLM_GATHER`)."""
-    return env_int_in(ENV_VLLM_GATHER, VLLM_GATHER, 0, 2,
-                      "0 (mark + copy kernels), 1 (one fused gather kernel, static copy split) or 2 (fused, ticketed copy)")
+    got = env_int_in(ENV_VLLM_GATHER, VLLM_GATHER, 0, 2, "0 (mark + copy kernels) or 2 (one fused gather kernel)")
+    if got == 1:
+        raise InvalidInputError(f"{ENV_VLLM_GATHER}=1: that path (static copy split) was removed; "
+                                "expected 0 (mark + copy kernels) or 2 (one fused gather kernel)")
+    return got
 
 
-#: Blocks per SM of the fused gather's grid (at most; never more than are co-resident). Two keep
-#: 2048 16-byte loads in flight an SM, and leave room where a tool (compute-sanitizer) grows the
-#: kernel's registers beyond what the occupancy query saw.
+#: Threads per block of vLLM's resolver: 0 = the automatic choice (vllm_ops.resolve_threads: enough
+#: for two entries and two LRU positions a thread, up to 1024), else 128, 256, 512 or 1024, raised
+#: where the call needs more (at most 32 entries and 32 LRU positions a thread). Read at each resolve
+#: call, for A/B timing of the resident step's latency in one process.
+ENV_VLLM_RESOLVE_THREADS = "HISPARSE_VLLM_RESOLVE_THREADS"
+VLLM_RESOLVE_THREADS = 0
+
+
+def vllm_resolve_threads() -> int:
+    """`HISPARSE_VLLM_RESOLVE_THREADS` (default `VLLM_RESOLVE_THREADS`)."""
+    expected = "0 (automatic), 128, 256, 512 or 1024 threads"
+    got = env_int_in(ENV_VLLM_RESOLVE_THREADS, VLLM_RESOLVE_THREADS, 0, 1024, expected)
+    if got not in (0, 128, 256, 512, 1024):
+        raise InvalidInputError(f"{ENV_VLLM_RESOLVE_THREADS}={got}: expected {expected}")
+    return got
+
+
+#: Blocks per SM of the fused gather's grid (at most; never more than are co-resident). One: on the
+#: H200 (call G5) 274 misses at B = 128 took 519.8 us a layer-step with one against 587.5 with two,
+#: and no other cell moved by more than 0.4 us; one also leaves room where a tool (compute-sanitizer)
+#: grows the kernel's registers beyond what the occupancy query saw.
 ENV_VLLM_GATHER_PER_SM = "HISPARSE_VLLM_GATHER_PER_SM"
-VLLM_GATHER_PER_SM = 2
+VLLM_GATHER_PER_SM = 1
 
 
 def vllm_gather_per_sm() -> int:

@@ -37,6 +37,7 @@ from hisparse_nvidia.kernels import (
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
+    vllm_resolve_threads,
 )
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
@@ -48,12 +49,14 @@ FUSED_GATHER_MAX_ROWS = 12000
 RESOLVE_SMEM_BUDGET = 222 * 1024
 
 
-def resolve_threads(k: int, h: int) -> int:
+def resolve_threads(k: int, h: int, want: int = 0) -> int:
     """Threads per block of the resolver: each thread holds at most 32 entries of a row and 32 LRU
-    positions (the kernel's bit masks); at least 128, at most 1024."""
+    positions (the kernel's bit masks); at least 128, at most 1024. `want` (a power of two from 128,
+    `HISPARSE_VLLM_RESOLVE_THREADS`) replaces the automatic choice (two of each a thread) where the
+    call allows it, else the least that does."""
     need = -(-max(k, h) // 32)
-    t = 128
-    while t < need or t < min(1024, -(-max(k, h) // 2)):
+    t = want if want else 128
+    while t < need or (not want and t < min(1024, -(-max(k, h) // 2))):
         t *= 2
     return min(t, 1024)
 
@@ -151,7 +154,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         common = [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att), _i64(att_stride),
                   _i32(bs), _i32(n), _i32(k), _i64(hot_rows)]
         variant = vllm_gather_variant()
-        if variant >= 1 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
+        if variant == 2 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
             fn = self._function(dev, row_bytes, "hisparse_vllm_gather")
             fn.prefer_carveout(vllm_carveout())
             most = sms * vllm_gather_per_sm()
@@ -161,8 +164,8 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                                                                      torch.zeros(8, dtype=torch.int32, device=dev)))
             fn.launch((blocks, 1, 1), COPY_THREADS, smem, stream, common + [
                 ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]), _ptr(hot),
-                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar),
-                _i32(variant == 2)], overlap_previous=True)
+                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar)],
+                overlap_previous=True)
             return
         mark = self._function(dev, row_bytes, "hisparse_vllm_mark")
         copy = self._function(dev, row_bytes, "hisparse_vllm_copy")
@@ -209,7 +212,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         dev = hot_cache.device
         bs = hot_cache.shape[1]
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
-        threads = resolve_threads(k, h)
+        threads = resolve_threads(k, h, vllm_resolve_threads())
         buckets = resolve_smem_buckets(max_union_rows, h)
         smem = -(-(12 * buckets + 2 * h) // 16) * 16
         gtab, gval = self._buffer(("hash", dev, n, k), lambda: (

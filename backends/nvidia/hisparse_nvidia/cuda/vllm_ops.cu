@@ -50,7 +50,8 @@
 // top-k entries, then their page-table entries) is loaded before the group is known, the shared
 // hash is cleared under the group barrier rather than behind one of its own, and a one-row group
 // counts its valid and host entries in one block reduction (one barrier, not six). A resident step
-// then costs some three dependent loads and two barriers before its stores.
+// then costs some three dependent loads and two barriers before its stores. A row that continues
+// its group learns so (rows r - 1 and r read together) before any load but its top-k row.
 #define VR_LEAN (HS_VR_FAST >= 2)
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 
@@ -205,6 +206,10 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #endif
     i32 req, q;
     vr_row(r, request_ids, rsi, nr, S, req, q);
+#if VR_LEAN
+    i32 preq, pq = -2;  // row r - 1's state row, read with row r's (-2: none; never a q below)
+    if (r > 0) vr_row(r - 1, request_ids, rsi, nr, S, preq, pq);
+#endif
     if (q < 0) {  // padding: -1 / 0 in the row's outputs, nothing else
         for (i32 i = tid; i < K; i += nt) {
             const i64 e = static_cast<i64>(r) * K + i;
@@ -219,6 +224,10 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         return;
     }
 #if VR_LEAN
+    // A row that continues its group leaves before its page-table, hot-block and LRU loads: rows r - 1
+    // and r are read in the same rounds of loads (no round trip more for a first row). Only the
+    // coalesced top-k loads above were issued; the group's first block reads those rows next.
+    if (pq == q) return;  // block-uniform: resolved by the block of its group's first row
     // The request's hot-block row, for the hot rows of a one-row group's hits and misses.
     __shared__ i32 s_hbt[VR_HBT];
     const i32 nhb = vr_div(H + bs - 1, bs);
@@ -761,7 +770,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
     }
 }
 
-// ---- hisparse_vllm_gather: mark + copy in ONE launch (HISPARSE_VLLM_GATHER=1 or 2) --------------
+// ---- hisparse_vllm_gather: mark + copy in ONE launch (HISPARSE_VLLM_GATHER=2, the default) -------
 // The grid is capped on the host to blocks that are all co-resident (occupancy x SMs), so the one
 // grid-wide barrier below cannot wait on a block that never runs: the kernel before it (the
 // resolver) triggers its dependents only once all its blocks are resident and never waits on this
@@ -885,17 +894,17 @@ __device__ __forceinline__ void vg_copy_pass(i32 mode, u32 first, u32 step, u32 
 //     entries and lists them in entry order at list[b * chunk ...]; only blocks that took an entry
 //     wait at the barrier and copy (none where nothing is taken: one cheap launch); the copy walks
 //     every block's list in block order, so in entry (request-major) order.
-//   tickets 1 (HISPARSE_VLLM_GATHER=2): the copying blocks take chunks of HS_GNT * HS_UNROLL slots
-//     from a ticket counter in order, as native's plan copy (copy.cu) does, so the host reads in
-//     flight cover a narrow band of the list and a block that starts late (an SM still busy with
-//     the resolver) does not hold the end back; 0: a static grid-stride split.
+//   The copying blocks take chunks of HS_GNT * HS_UNROLL slots from a ticket counter in order, as
+//     native's plan copy (copy.cu) does, so the host reads in flight cover a narrow band of the list,
+//     a block that starts late (an SM still busy with the resolver) does not hold the end back, and
+//     in gather_plan the blocks that took no entry (gone at the barrier) leave no share uncopied.
 // Of entries naming one destination the largest entry index wins (its mark), as in the reference;
 // marks carry the epoch, which the last block to finish copying advances.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
     i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
     const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
     const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
-    i32* list, i32* part, u32* ctl, i32 tickets) {
+    i32* list, i32* part, u32* ctl) {
     extern __shared__ __align__(16) unsigned char vg_smem[];
     i32* pre = reinterpret_cast<i32*>(vg_smem);
     __shared__ u32 s_ticket[2];
@@ -966,24 +975,15 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
     if (mode == 1) vg_prefix(pre, m, [&](i32 x) { return __ldcg(part + x); });  // L2: other blocks wrote them
     const i32 total = pre[m];
     const u32 slots = static_cast<u32>(total) * HS_SLOTS;
-    if (tickets) {
-        if (tid == 0) s_ticket[0] = atomicAdd(ctl + VG_TICKET, 1u);
-        __syncthreads();
-        for (u32 it = 0;; ++it) {
-            const u32 t = s_ticket[it & 1u];
-            const u32 c0 = t * (HS_GNT * HS_UNROLL);
-            if (c0 >= slots) break;  // block-uniform
-            if (tid == 0) s_ticket[(it & 1u) ^ 1u] = atomicAdd(ctl + VG_TICKET, 1u);  // overlaps the copy
-            vg_copy_pass(mode, c0 + tid, HS_GNT, slots, pre, m, K, chunk, list, src, dst, hot_rows, owner, ep, host,
-                         host_rows, hot, block_stride, bs);
-            __syncthreads();
-        }
-    } else {
-        const u32 stride = gridDim.x * HS_GNT;
-        for (u32 first = blockIdx.x * HS_GNT + tid; first < slots; first += stride * HS_UNROLL) {
-            vg_copy_pass(mode, first, stride, slots, pre, m, K, chunk, list, src, dst, hot_rows, owner, ep, host,
-                         host_rows, hot, block_stride, bs);
-        }
+    if (tid == 0) s_ticket[0] = atomicAdd(ctl + VG_TICKET, 1u);
+    __syncthreads();
+    for (u32 it = 0;; ++it) {
+        const u32 t = s_ticket[it & 1u];
+        const u32 c0 = t * (HS_GNT * HS_UNROLL);
+        if (c0 >= slots) break;  // block-uniform
+        if (tid == 0) s_ticket[(it & 1u) ^ 1u] = atomicAdd(ctl + VG_TICKET, 1u);  // overlaps the copy
+        vg_copy_pass(mode, c0 + tid, HS_GNT, slots, pre, m, K, chunk, list, src, dst, hot_rows, owner, ep, host,
+                     host_rows, hot, block_stride, bs);
         __syncthreads();
     }
     if (tid == 0) {

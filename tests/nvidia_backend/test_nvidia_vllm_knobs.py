@@ -1,0 +1,74 @@
+"""The tuning variables of the nvidia backend's vLLM op set (CPU only: no kernel runs here): their
+defaults, the removed fused-gather path refused, and bad values rejected in one line naming the
+variable and the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse_core.errors import InvalidInputError
+
+pytest.importorskip("cuda.bindings", reason="cuda-python not installed: pip install 'hisparse[nvidia]'")
+
+from hisparse_nvidia.kernels import (  # noqa: E402
+    VLLM_COPY_THREADS,
+    vllm_gather_per_sm,
+    vllm_gather_variant,
+    vllm_ops_build,
+    vllm_resolve_threads,
+)
+
+
+def _one_line_naming(err: pytest.ExceptionInfo, name: str, value: str) -> None:
+    text = str(err.value)
+    assert name in text and value in text and "\n" not in text, text
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HISPARSE_VLLM_GATHER", "HISPARSE_VLLM_GATHER_PER_SM", "HISPARSE_VLLM_RESOLVE",
+                 "HISPARSE_VLLM_RESOLVE_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert vllm_gather_variant() == 2
+    assert vllm_gather_per_sm() == 1
+    assert vllm_resolve_threads() == 0  # automatic
+    assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 1}
+
+
+@pytest.mark.parametrize("value", ["0", "2"])
+def test_gather_paths_kept(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER", value)
+    assert vllm_gather_variant() == int(value)
+
+
+@pytest.mark.parametrize("value", ["1", "3", "-1", "fused"])
+def test_gather_removed_or_bad_path_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER", value)
+    with pytest.raises(InvalidInputError) as err:
+        vllm_gather_variant()
+    _one_line_naming(err, "HISPARSE_VLLM_GATHER", value)
+
+
+@pytest.mark.parametrize("value", ["0", "1", "2"])
+def test_resolver_builds_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", value)
+    assert dict(vllm_ops_build(656).defines)["HS_VR_FAST"] == int(value)
+
+
+@pytest.mark.parametrize("value", ["0", "128", "256", "512", "1024"])
+def test_resolver_threads_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_THREADS", value)
+    assert vllm_resolve_threads() == int(value)
+
+
+_READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GATHER_PER_SM": vllm_gather_per_sm,
+         "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads}
+
+
+@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "3"), ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
+                                        ("HISPARSE_VLLM_GATHER_PER_SM", "9"), ("HISPARSE_VLLM_RESOLVE_THREADS", "384"),
+                                        ("HISPARSE_VLLM_RESOLVE_THREADS", "64"), ("HISPARSE_VLLM_RESOLVE_THREADS", "2048")])
+def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidInputError) as err:
+        _READ[name]()
+    _one_line_naming(err, name, value)

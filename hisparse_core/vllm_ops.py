@@ -209,7 +209,19 @@ class VllmHiSparseOps(ABC):
 
     @abstractmethod
     def resolve(self, call: ResolveCall) -> None:
-        """Serves one validated `hisparse_resolve_residency` call."""
+        """Serves one `hisparse_resolve_residency` call: what a backend implements (since the
+        thirteenth session, in place of overriding `resolve_residency`, which is no longer abstract).
+
+        Called by `resolve_residency` (so by vLLM's runtime through the registered op, or by a test)
+        after `ResolveCall.checked` accepted every argument: dtypes, devices, shapes and the ranges the
+        semantics need are guaranteed, so an implementation re-checks nothing and raises only for
+        limits of its own (one line naming the argument, before enqueuing any work). The tensors in
+        `call` belong to the caller; the implementation writes the outputs the call names (`hot_out`,
+        `device_global_indices`, `lru_slots`, and whichever of `miss_mask`, `stats`,
+        `attention_indices`, `resolved`, `valid_counts`, `swap_*` are not None) in place, on the
+        current stream, without a host synchronization. Semantics: the module docstring and
+        reference_cpu (`hisparse_reference_cpu.vllm_ops`), which the conformance suite's
+        `test_vllm_ops.py` compares byte for byte."""
 
     @abstractmethod
     def gather_compact(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, miss_global: torch.Tensor,

@@ -9,7 +9,7 @@
 #                                                             #         triton_tests triton_conformance triton_generate (the triton stage split, to run side by side)
 #                                                             #         vllm_tests (vLLM's kernel tests, see there)
 #                                                             #         serving_locality locality tf_resident (issue 42: under the calibrated locality model, not in the defaults)
-#                                                             #         memcheck_vllm_ops racecheck_vllm_ops ncu_vllm_ops ncu_triton (issues 39, 40)
+#                                                             #         memcheck_vllm_ops racecheck_vllm_ops ncu_vllm_ops ncu_triton triton_ipc (issues 39, 40)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
 #
 # TESTS_K selects tests of the tests stage by a pytest -k expression.

@@ -12,6 +12,7 @@ pytest.importorskip("cuda.bindings", reason="cuda-python not installed: pip inst
 
 from hisparse_nvidia.kernels import (  # noqa: E402
     VLLM_COPY_THREADS,
+    vllm_carveout,
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
@@ -26,11 +27,12 @@ def _one_line_naming(err: pytest.ExceptionInfo, name: str, value: str) -> None:
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HISPARSE_VLLM_GATHER", "HISPARSE_VLLM_GATHER_PER_SM", "HISPARSE_VLLM_RESOLVE",
-                 "HISPARSE_VLLM_RESOLVE_THREADS"):
+                 "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT"):
         monkeypatch.delenv(name, raising=False)
     assert vllm_gather_variant() == 2
     assert vllm_gather_per_sm() == 1
     assert vllm_resolve_threads() == 0  # automatic
+    assert vllm_carveout() == -1  # the driver's choice
     assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 1}
 
 
@@ -60,13 +62,21 @@ def test_resolver_threads_selectable(value: str, monkeypatch: pytest.MonkeyPatch
     assert vllm_resolve_threads() == int(value)
 
 
+@pytest.mark.parametrize("value", ["-1", "0", "50", "100"])
+def test_carveout_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_VLLM_CARVEOUT", value)
+    assert vllm_carveout() == int(value)
+
+
 _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GATHER_PER_SM": vllm_gather_per_sm,
-         "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads}
+         "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout}
 
 
 @pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "3"), ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "9"), ("HISPARSE_VLLM_RESOLVE_THREADS", "384"),
-                                        ("HISPARSE_VLLM_RESOLVE_THREADS", "64"), ("HISPARSE_VLLM_RESOLVE_THREADS", "2048")])
+                                        ("HISPARSE_VLLM_RESOLVE_THREADS", "64"), ("HISPARSE_VLLM_RESOLVE_THREADS", "2048"),
+                                        ("HISPARSE_VLLM_CARVEOUT", "101"), ("HISPARSE_VLLM_CARVEOUT", "-2"),
+                                        ("HISPARSE_VLLM_CARVEOUT", "half")])
 def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(InvalidInputError) as err:

@@ -251,6 +251,29 @@ def test_gathers_last_write_wins_match_reference(seed: int, variant: str, monkey
 
 
 @pytest.mark.parametrize("variant", ["0", "2"])
+def test_gathers_across_the_epoch_wrap_match_reference(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Destination marks keep the epoch's low 32 bits: the call before they wrap clears every mark, so
+    the calls after it (epoch 1 again) still copy, last write winning. The epoch is set just below the
+    wrap; without the clearing the marks of the new epochs lose to the old ones and nothing lands."""
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER", variant)
+    n, k = 9, 33
+    x = _gather_inputs(77, n, k)
+    ref = ReferenceVllmOps()
+    want = x["hot"].clone()
+    ref.gather_compact(x["host"], want, x["src"], x["dst"], x["counts"])
+    d = {name: t.cuda() for name, t in x.items() if name != "host"}
+    got = d["hot"].clone()
+    epoch = _ops()._copy_state(got.device, got.shape[0] * got.shape[1], n * k)[0]
+    epoch.fill_(2**32 - 3)
+    for call in range(5):
+        got.copy_(d["hot"])
+        _ops().gather_compact(x["host"], got, d["src"], d["dst"], d["counts"])
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), want), f"call {call}, epoch {int(epoch.item())}"
+    assert int(epoch.item()) == 3, int(epoch.item())  # 2^32 - 3, - 2, - 1, then 1 (marks cleared), 2, 3
+
+
+@pytest.mark.parametrize("variant", ["0", "2"])
 @pytest.mark.parametrize("seed", range(4))
 def test_gather_plan_alternating_empty_and_sparse_masks(seed: int, variant: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,6 +112,15 @@ def test_a_backend_that_runs_on_one_device_only_is_refused() -> None:
         hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", backend="reference_cpu"))
 
 
+def test_resident_layers_on_a_spread_model_are_refused_before_any_backend() -> None:
+    model = dispatched("deepseek_v32", [0, 1])
+    with pytest.raises(InvalidInputError, match=r"^resident_layers=\[0\] runs on one device and one rank; "
+                                                r"expected a model on one device, or resident_layers=\(\)$"):
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", backend=StrictDeviceBackend(0),
+                                                            resident_layers=[0]))
+    assert "generate" not in model.__dict__
+
+
 def test_the_placed_models_own_generate_is_the_cpus() -> None:
     """What the test above leans on: placed over two strict devices, the model's own generate
     gives the CPU's tokens and logits, bit for bit (with the same experts implementation; the

@@ -276,13 +276,18 @@ def vllm_carveout() -> int:
     return env_int_in(ENV_VLLM_CARVEOUT, VLLM_CARVEOUT, -1, 100, "-1 (the driver's choice) or 0 to 100 percent")
 
 
+def vllm_resolve_variant() -> int:
+    """`HISPARSE_VLLM_RESOLVE` (default `VLLM_RESOLVE`)."""
+    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 2,
+                      "0 (the earlier resolver build), 1 (the faster one) or 2 (the faster one with a lean start)")
+
+
 def vllm_ops_build(row_bytes: int) -> KernelBuild:
     """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`."""
     if row_bytes % 16:
         raise InvalidInputError(f"row_bytes={row_bytes} must be a multiple of 16")
-    fast = env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 2,
-                      "0 (the earlier resolver build), 1 (the faster one) or 2 (the faster one with a lean start)")
-    return KernelBuild.of("vllm_ops.cu", {"HS_VEC": row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": fast})
+    return KernelBuild.of("vllm_ops.cu", {"HS_VEC": row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
+                                          "HS_VR_FAST": vllm_resolve_variant()})
 
 
 def runtime_builds(config: RuntimeConfig) -> list[KernelBuild]:

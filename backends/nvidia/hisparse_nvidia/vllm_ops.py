@@ -38,6 +38,7 @@ from hisparse_nvidia.kernels import (
     vllm_gather_variant,
     vllm_ops_build,
     vllm_resolve_threads,
+    vllm_resolve_variant,
 )
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
@@ -126,13 +127,14 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
 
     def _copy_state(self, dev: torch.device, hot_rows: int, entries: int) -> tuple[torch.Tensor, ...]:
         """(epoch, list count + finished-block counter, list, destination marks) of the copy kernels.
-        The marks are keyed by the hot cache's row count, the list by the call's entries."""
-        ctl = self._buffer(("ctl", dev), lambda: (torch.ones(1, dtype=torch.int64, device=dev),
-                                                  torch.zeros(2, dtype=torch.int32, device=dev)))
+        The marks and their epoch are keyed by the hot cache's row count (a call's last block clears
+        the marks it keeps the epoch of, before the epoch's 32 bits in a mark wrap), the list by the
+        call's entries."""
+        ctl = self._buffer(("ctl", dev), lambda: torch.zeros(2, dtype=torch.int32, device=dev))
         lst = self._buffer(("list", dev, entries), lambda: torch.empty(max(1, entries), dtype=torch.int32, device=dev))
-        owner = self._buffer(("owner", dev, hot_rows), lambda: torch.zeros(max(1, hot_rows), dtype=torch.int64,
-                                                                           device=dev))
-        return ctl[0], ctl[1], lst, owner
+        epoch, owner = self._buffer(("owner", dev, hot_rows), lambda: (
+            torch.ones(1, dtype=torch.int64, device=dev), torch.zeros(max(1, hot_rows), dtype=torch.int64, device=dev)))
+        return epoch, ctl, lst, owner
 
     def _gather(self, mode: int, host: torch.Tensor, hot: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                 counts: torch.Tensor | None, mask: torch.Tensor | None, rsi: torch.Tensor | None,
@@ -140,26 +142,29 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         n, k = src.shape
         if n * k == 0:
             return
-        if n * k >= 2**31:
-            raise InvalidInputError(f"gather of {n} x {k} entries: at most 2^31 - 1 entries a call")
+        # Every tuning variable is read (and a bad value refused) before anything is allocated or set.
+        variant, per_sm, carveout = vllm_gather_variant(), vllm_gather_per_sm(), vllm_carveout()
+        vllm_resolve_variant()  # the module's build: read when the kernel is looked up
+        row_bytes = hot.shape[2] * hot.element_size()
+        slots = ((row_bytes + 111) // 128 + 1) * 8
+        if n * k >= 2**31 or n * k * slots >= 2**32:  # entry indices are i32, the copies' 16-byte slots u32
+            raise InvalidInputError(f"gather of {n} x {k} entries of {row_bytes} bytes: at most "
+                                    f"{min(2**31, 2**32 // slots) - 1} entries a call")
         dev = hot.device
         bs = hot.shape[1]
-        row_bytes = hot.shape[2] * hot.element_size()
         hot_rows = hot.shape[0] * bs
         epoch, ctl, lst, owner = self._copy_state(dev, hot_rows, n * k)
         stream = torch.cuda.current_stream(dev).cuda_stream
         _, sms, _ = self._backend._device_props()
-        slots = ((row_bytes + 111) // 128 + 1) * 8
         need = max(1, -(-(n * k * slots) // (COPY_THREADS * 4)))
         common = [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att), _i64(att_stride),
                   _i32(bs), _i32(n), _i32(k), _i64(hot_rows)]
-        variant = vllm_gather_variant()
         if variant == 2 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
             fn = self._function(dev, row_bytes, "hisparse_vllm_gather")
-            fn.prefer_carveout(vllm_carveout())
-            most = sms * vllm_gather_per_sm()
+            fn.prefer_carveout(carveout)
+            most = sms * per_sm
             smem = 4 * ((n if mode == 0 else most) + 1)  # row or block prefix sums
-            blocks = min(most, need, self._resident_blocks(fn, dev, sms, smem))
+            blocks = min(most, need, self._resident_blocks(fn, dev, sms, smem, carveout))
             part, bar = self._buffer(("gather", dev, most), lambda: (torch.zeros(most, dtype=torch.int32, device=dev),
                                                                      torch.zeros(8, dtype=torch.int32, device=dev)))
             fn.launch((blocks, 1, 1), COPY_THREADS, smem, stream, common + [
@@ -176,12 +181,13 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         copy.launch((blocks, 1, 1), COPY_THREADS, 0, stream,
                     [_ptr(src), _ptr(dst), ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]),
                      _ptr(hot), _i64(hot.stride(0) * hot.element_size()), _i32(bs), _ptr(owner), _ptr(epoch),
-                     _ptr(lst), _ptr(ctl), ctypes.c_void_p(ctl.data_ptr() + 4)], overlap_previous=True)
+                     _ptr(lst), _ptr(ctl), ctypes.c_void_p(ctl.data_ptr() + 4), _i64(hot_rows)], overlap_previous=True)
 
-    def _resident_blocks(self, fn: Any, dev: torch.device, sms: int, smem: int) -> int:
+    def _resident_blocks(self, fn: Any, dev: torch.device, sms: int, smem: int, carveout: int) -> int:
         """Blocks of `fn` that are all resident at once on the device (the fused gather's grid barrier
-        needs every block running), looked up once per device and shared memory size."""
-        key = ("resident", dev, fn.name, smem)
+        needs every block running), looked up once per function object (one per build), shared memory
+        size and carveout."""
+        key = ("resident", dev, id(fn), fn.name, smem, carveout)
         with self._lock:
             got = self._scratch.get(key)
         if got is None:
@@ -207,12 +213,14 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         s, h = lru_slots.shape
         if n == 0:
             return
+        want_threads, carveout = vllm_resolve_threads(), vllm_carveout()  # refused here, before any work
+        vllm_resolve_variant()
         if n * k * 2 >= 2**31:
             raise InvalidInputError(f"{spec.RESOLVE}: topk has {n} x {k} entries; at most 2^30 - 1 a call")
         dev = hot_cache.device
         bs = hot_cache.shape[1]
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
-        threads = resolve_threads(k, h, vllm_resolve_threads())
+        threads = resolve_threads(k, h, want_threads)
         buckets = resolve_smem_buckets(max_union_rows, h)
         smem = -(-(12 * buckets + 2 * h) // 16) * 16
         gtab, gval = self._buffer(("hash", dev, n, k), lambda: (
@@ -220,7 +228,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                                                                                device=dev)))
         fn = self._function(dev, row_bytes, "hisparse_vllm_resolve")
         fn.allow_dynamic_smem(smem)
-        fn.prefer_carveout(vllm_carveout())
+        fn.prefer_carveout(carveout)
         sbt, rbt = source_block_table, resident_block_table
         nr = request_state_indices.numel() if request_state_indices is not None else 0
         fn.launch((n, 1, 1), threads, smem, torch.cuda.current_stream(dev).cuda_stream, [

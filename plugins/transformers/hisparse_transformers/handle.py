@@ -546,6 +546,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                           prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens,
                           resident_layers=resident)
     placement = place(layout.attentions, layout.groups)
+    if resident and placement.spread:  # before any backend is built (the TP case below, once ranks are known)
+        raise InvalidInputError(f"resident_layers={list(resident)} runs on one device and one rank; expected a model "
+                                "on one device, or resident_layers=()")
     if isinstance(backend, Backend):
         chosen = backend
     elif backend in (None, "auto") and not _backend_env():
@@ -557,6 +560,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     if synthetic_topk is not None and (placement.spread or ranks is not None):
         raise InvalidInputError(f"synthetic_topk={synthetic_topk!r} runs on one device and one rank; expected a model "
                                 "on one device without tensor parallelism")
+    if resident and ranks is not None:
+        raise InvalidInputError(f"resident_layers={list(resident)} runs on one device and one rank; expected a model "
+                                "without tensor parallelism, or resident_layers=()")
     if ranks is not None:
         ranks.agree({"family": layout.family, "layers": str(layout.num_layers), "row": f"{weight.dtype}x{layout.width}",
                      "host_pool_gib": repr(float(host_pool_gib)), "gpu_kv_gib": repr(float(gpu_kv_gib)),

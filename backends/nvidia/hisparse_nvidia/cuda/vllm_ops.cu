@@ -713,13 +713,23 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_mark(
     }
 }
 
+// The epoch a call's last block leaves for the next call. Marks keep the epoch's low 32 bits, so on
+// the call before they would wrap (every 2^32 calls) that block first clears every mark: a mark of
+// an old epoch must never outrank a new one under atomicMax. Every thread of the last block calls it.
+__device__ __forceinline__ u64 vg_next_epoch(const u64* epoch, u64* owner, i64 owner_rows) {
+    const u64 now = __ldcg(epoch);
+    if (static_cast<u32>(now + 1) != 0u) return now + 1;
+    for (i64 d = threadIdx.x; d < owner_rows; d += blockDim.x) owner[d] = 0;
+    return 1;
+}
+
 // Copies the listed entries whose destination mark is their own: host row src[e] (zero-fill where
 // src[e] >= host_rows) into hot row dst[e]. Grid-stride over list_n[0] * HS_SLOTS 16-byte slots.
 // ctl[0] counts finished blocks; the last resets list_n and advances the epoch.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
     const i32* __restrict__ src, const i32* __restrict__ dst, const unsigned char* host, i64 host_rows,
-    unsigned char* hot, i64 block_stride, i32 bs, const u64* owner, u64* epoch, const i32* list, i32* list_n,
-    u32* ctl) {
+    unsigned char* hot, i64 block_stride, i32 bs, u64* owner, u64* epoch, const i32* list, i32* list_n,
+    u32* ctl, i64 owner_rows) {
     asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the mark kernel
     const i32 n = list_n[0];
     if (n == 0) return;  // nothing marked: nothing to reset
@@ -759,14 +769,20 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
         }
     }
     __syncthreads();
+    __shared__ u32 s_last;
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(ctl, 1u) == gridDim.x - 1) {
-            list_n[0] = 0;
-            epoch[0] += 1;
-            ctl[0] = 0;
-            __threadfence();
-        }
+        s_last = atomicAdd(ctl, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;  // block-uniform
+    const u64 next = vg_next_epoch(epoch, owner, owner_rows);
+    __syncthreads();  // every thread has read the epoch before it moves
+    if (threadIdx.x == 0) {
+        list_n[0] = 0;
+        epoch[0] = next;
+        ctl[0] = 0;
+        __threadfence();
     }
 }
 
@@ -986,15 +1002,21 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
                      host_rows, hot, block_stride, bs);
         __syncthreads();
     }
+    __shared__ u32 s_last;
     if (tid == 0) {
         __threadfence();
-        if (atomicAdd(ctl + VG_DONE, 1u) == copiers - 1) {  // the last copying block: reset for the next call
-            epoch[0] += 1;
-            ctl[VG_DONE] = 0;
-            ctl[VG_COPIERS] = 0;
-            ctl[VG_TICKET] = 0;
-            __threadfence();
-        }
+        s_last = atomicAdd(ctl + VG_DONE, 1u) == copiers - 1;  // the last copying block: resets for the next call
+    }
+    __syncthreads();
+    if (!s_last) return;  // block-uniform
+    const u64 next = vg_next_epoch(epoch, owner, hot_rows);
+    __syncthreads();  // every thread has read the epoch before it moves
+    if (tid == 0) {
+        epoch[0] = next;
+        ctl[VG_DONE] = 0;
+        ctl[VG_COPIERS] = 0;
+        ctl[VG_TICKET] = 0;
+        __threadfence();
     }
 }
 

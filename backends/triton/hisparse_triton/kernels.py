@@ -275,7 +275,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                           KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                           LOG_TP: tl.constexpr, MASK: tl.constexpr, PT: tl.constexpr, HG: tl.constexpr,
                           LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr,
-                          LEAN: tl.constexpr):
+                          LEAN: tl.constexpr, CAS: tl.constexpr = 0):
     """`resolve_kernel`'s results, with fewer scattered global accesses on the path of a GPU program:
 
     - the state row's page-table rows (`PT` lanes, 0: gathered from global memory), hot-map row and
@@ -297,7 +297,11 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
       row finds its victim through its first reference's miss rank (gathered in registers), not
       through a store of the victim into the table, a barrier and a read back; the counters and the
       first-reference minimum are relaxed atomics (an acq_rel one waits for every store the thread
-      has in flight; the barriers already order what is read back)."""
+      has in flight; the barriers already order what is read back);
+    - with `CAS` (`shapes.CAS_ENV`), a candidate claims its bucket with one compare-and-swap a round
+      (placed where the bucket was empty or already held its row) instead of a read, a store, a
+      barrier, a read back and a second barrier: a filled bucket never changes, so lanes of one row
+      walk the same buckets and stop at the same one, as in the default claim."""
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -438,15 +442,27 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 e_bkt = e_home
                 e_pend = cand
                 n_e = n_cand
-                while n_e > 0:
-                    e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
-                    tl.store(tk + e_bkt, host_row, mask=e_pend & (e_cur == EMPTY))
-                    tl.debug_barrier()
-                    e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
-                    tl.debug_barrier()  # every lane has read before the next round claims
-                    e_pend = e_pend & (e_now != host_row)
-                    e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
-                    n_e = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
+                if CAS:
+                    while n_e > 0:
+                        # atomic_cas takes no mask: a settled lane compares its own bucket (ee < TP) with
+                        # a key no bucket holds (-2), which never writes.
+                        cas_at = tl.where(e_pend, tk + e_bkt, tk + (ee & (TP - 1)))
+                        e_old = tl.atomic_cas(cas_at, tl.where(e_pend, EMPTY, -2), tl.where(e_pend, host_row, -2),
+                                              sem="relaxed")
+                        e_pend = e_pend & (e_old != EMPTY) & (e_old != host_row)
+                        e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+                        n_e = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
+                    tl.debug_barrier()  # every claim is in the table before a held slot reads it
+                else:
+                    while n_e > 0:
+                        e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                        tl.store(tk + e_bkt, host_row, mask=e_pend & (e_cur == EMPTY))
+                        tl.debug_barrier()
+                        e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                        tl.debug_barrier()  # every lane has read before the next round claims
+                        e_pend = e_pend & (e_now != host_row)
+                        e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+                        n_e = tl.reduce(tl.reduce(e_pend.to(tl.int32), 1, _SUM), 0, _SUM)
                 if LEAN:
                     tl.atomic_min(tf + e_bkt, ee, mask=cand, sem="relaxed")
                 else:
@@ -456,13 +472,18 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 # Every held slot looks its row up in the buckets a row of the table can be in.
                 if LR:
                     tt = tl.arange(0, TP)
-                    tab = tl.load(tk + tt)
+                    if CAS:  # the claims were atomics at L2: read past any L1 line
+                        tab = tl.load(tk + tt, volatile=True)
+                    else:
+                        tab = tl.load(tk + tt)
                 found = held & (held_row < 0)  # all false, in the layout of the held slots
                 s_bkt = s_home
                 for r in range(0, rounds):
                     bk = (s_home + r) & (TP - 1)
                     if LR:
                         key = tl.gather(tab, bk, 0)
+                    elif CAS:
+                        key = tl.load(tk + bk, mask=held & ~found, other=EMPTY, volatile=True)
                     else:
                         key = tl.load(tk + bk, mask=held & ~found, other=EMPTY)
                     now = held & ~found & (key == held_row)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import triton
 
 from hisparse_core import checks, copy_checks
 from hisparse_core.checks import check_bind_arguments, check_int, check_ints, check_range
@@ -68,8 +69,13 @@ class TritonRuntime(CacheRuntime):
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         cpu = device.type == "cpu"
         tune = shapes.tuning(dict(os.environ))
+        if tune.cas and device.type == "cuda" and torch.version.hip and not shapes.cas_compiles(
+                triton.__version__, rocm=True):
+            raise InvalidInputError(f"{shapes.CAS_ENV}='1' needs Triton "
+                                    f"{'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} or later on ROCm; found "
+                                    f"Triton {triton.__version__}")
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
-                                      lean=tune.lean)
+                                      lean=tune.lean, cas=tune.cas)
         self._resolver = kernels.KERNELS[shape.kernel]
         self._resolver_name = shape.kernel
         self._gather_resolver = shape.variant == "gather"

@@ -66,6 +66,21 @@ LEAN_ENV = "HISPARSE_TRITON_LEAN"
 #: split a small batch's plan over more programs (more multiprocessors reading the host at once).
 PLAN_ENTRIES_ENV = "HISPARSE_TRITON_PLAN_ENTRIES"
 PLAN_ENTRIES = (4, 8, 16, 32)
+#: 1: the gather resolver's candidates claim hash buckets with one compare-and-swap a round instead
+#: of a read, a store, a barrier, a read back and a barrier (`kernels.resolve_gather_kernel`, CAS),
+#: aimed at small batches' miss steps; 0, the default. Not yet timed on a GPU.
+CAS_ENV = "HISPARSE_TRITON_CAS"
+#: Triton 3.6's ROCm lowering of a scattered `atomic_cas` with several lanes a thread fails
+#: ("'llvm.extractvalue' op Type mismatch"); 3.9 compiles it. No release between was tried.
+CAS_MIN_TRITON_ROCM = (3, 9)
+
+
+def cas_compiles(version: str, *, rocm: bool) -> bool:
+    """Whether Triton `version` compiles the CAS build for ROCm (`rocm`) or CUDA."""
+    if not rocm:
+        return True
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2])
+    return (major, minor) >= CAS_MIN_TRITON_ROCM
 #: Plan entries the fused copy moves per iteration of one resolver program (rows of a tile).
 FUSED_COPY_ENTRIES = 32
 #: Plan-copy programs per multiprocessor: its tile holds ~180 registers a thread, so two programs
@@ -85,11 +100,12 @@ class Tuning:
     fuse: bool = False
     lean: bool = True
     plan_entries: int = COPY_ENTRIES
+    cas: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
-    `PLAN_ENTRIES_ENV`); one clear error
+    `PLAN_ENTRIES_ENV`, `CAS_ENV`); one clear error
     per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
@@ -104,12 +120,16 @@ def tuning(env: dict[str, str]) -> Tuning:
     resolver = resolver_variant(env.get(RESOLVER_ENV))
     fuse = env.get(FUSE_ENV) or "0"
     lean = env.get(LEAN_ENV) or "1"
-    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean)):
+    cas = env.get(CAS_ENV) or "0"
+    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas)):
         if value not in ("0", "1"):
             raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
         raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
-    return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries))
+    if cas == "1" and resolver != "gather":
+        raise InvalidInputError(f"{CAS_ENV}={cas!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
+    return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
+                  cas == "1")
 
 
 def pow2(n: int) -> int:
@@ -139,6 +159,7 @@ class ResolverShape:
     tg: int = 0  # the gather resolver's table: twice a group's entries
     pt: int = 0  # page-table lanes read whole (0: gathered from global memory)
     lean: bool = True  # the gather resolver's LEAN build, where its lanes fit (`constexprs`)
+    cas: bool = False  # the gather resolver claims buckets by compare-and-swap (`CAS_ENV`)
 
     @property
     def kernel(self) -> str:
@@ -150,7 +171,8 @@ class ResolverShape:
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
         return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, PT=self.pt,
-                    HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits))
+                    HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits),
+                    CAS=int(self.cas))
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
@@ -176,7 +198,7 @@ def resolver_variant(name: str | None) -> str:
 
 
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
-                   threads: int | None = None, lean: bool = True) -> ResolverShape:
+                   threads: int | None = None, lean: bool = True, cas: bool = False) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
@@ -192,7 +214,8 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     tg = max(pow2(2 * g * k), floor["TP"])  # only the candidates (a group's entries at most) are hashed
     pages = pow2(config.max_pages)
     pt = max(pages, floor["PT"]) if pages <= MAX_TABLE_LANES else 0
-    return ResolverShape(kp, gp, hp, tp, threads, resolver_variant(variant), min(tg, tp), pt, lean)
+    variant = resolver_variant(variant)
+    return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather")
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -211,6 +234,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     (one resolver build per variant of `variants`). `lru_dtype` is `i16` for vLLM's op set, whose
     LRU is int16 (and which writes the miss mask)."""
     resolvers = [resolver_shape(config, variant=v) for v in variants]
+    if "gather" in variants:  # the CAS variant's build (unfused), so its targets are known to compile
+        resolvers.append(resolver_shape(config, variant="gather", cas=True))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -239,7 +264,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         ("dst_block_stride", "W", "row_bytes", "dev_rows"), "i32")
     resolver_specs = []
     for r in resolvers:
-        for fused in ((False, True) if r.variant == "gather" and lru_dtype == "i32" else (False,)):
+        for fused in ((False, True) if r.variant == "gather" and lru_dtype == "i32" and not r.cas else (False,)):
             consts = r.constexprs | mask | r.fuse_constexprs(config, fused=fused, interpreted=False)
             sig = resolve_sig | (gather_sig if r.variant == "gather" else {})
             resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,

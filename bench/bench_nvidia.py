@@ -45,6 +45,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -182,6 +184,28 @@ class SwapRow:
         return self.ours_us / self.copy_us if self.copy_us else None
 
 
+
+@contextmanager
+def tuning_env(env: dict[str, str] | None) -> Iterator[None]:
+    """Tuning variables (HISPARSE_*) set for the block's duration, the previous values restored."""
+    env = env or {}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def env_tag(env: dict[str, str]) -> str:
+    """A variant's label: `HISPARSE_GATHER_BLOCKS=264` -> `gather_blocks=264`."""
+    return ",".join(f"{k.replace('HISPARSE_', '').lower()}={v}" for k, v in env.items())
+
+
 class Bench:
     def __init__(self, replays: int) -> None:
         from hisparse_core.host_pool import HostPoolSpec
@@ -212,17 +236,8 @@ class Bench:
 
         cfg = RuntimeConfig(max_batch_rows=bmax or b, max_requests=b, top_k=K, hot_rows=H, block_size=BS,
                             max_pages=P)
-        env = env or {}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with tuning_env(env):
             rt = self.be.create_runtime(cfg)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
         rt.bind([self.pool.layer_view(0)], [self.cache])
         return rt
 
@@ -599,21 +614,12 @@ def vllm_ops_rows(bench: Bench, misses: int = MISSES, b: int = 8, rpr: int = 1, 
     `H_UNION` rows a request). `env`: tuning variables (HISPARSE_VLLM_*) set while the op sequences
     are warmed up and captured (the kernels and launch shapes they pick are what the graphs replay);
     `native_us`: the native figure of the cell when already timed."""
-    env = env or {}
-    old_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with tuning_env(env):
         rows = _vllm_ops_rows(bench, misses, b, rpr, native_us)
-        tag = ",".join(f"{k.replace('HISPARSE_', '').lower()}={v}" for k, v in env.items())
-        for row in rows:
-            row.note = f"({tag}) {row.note}" if tag else row.note
-        return rows
-    finally:
-        for k, v in old_env.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+    tag = env_tag(env or {})
+    for row in rows:
+        row.note = f"({tag}) {row.note}" if tag else row.note
+    return rows
 
 
 def _vllm_ops_rows(bench: Bench, misses: int, b: int, rpr: int, native_us: float | None) -> list[Row]:
@@ -770,9 +776,6 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     floor = bench.time_graph(bench.floor_graph(32), 32)
 
-    def tag(env: dict[str, str]) -> str:
-        return ",".join(f"{k.replace('HISPARSE_', '').lower()}={v}" for k, v in env.items())
-
     # ---- the whole swap-in: the sweep of misses per request, and 274 misses at batch 32
     swaps: list[SwapRow] = []
     cells = ([(m, b) for m in SWEEP_MISSES for b in SWEEP_BATCHES] + [(MISSES, 32), (0, 32)]
@@ -788,8 +791,8 @@ def main(argv: list[str] | None = None) -> int:
         variants = COPY_VARIANTS + variants
     for env in variants:
         for m, b in cells:
-            swaps.append(swap_row(bench, m, b, env, tag(env)))
-            print(f"  swap-in {miss_label(m):>5} misses B={b:<4} {swaps[-1].ours_us:9.2f} us ({tag(env)}; "
+            swaps.append(swap_row(bench, m, b, env, env_tag(env)))
+            print(f"  swap-in {miss_label(m):>5} misses B={b:<4} {swaps[-1].ours_us:9.2f} us ({env_tag(env)}; "
                   f"{time.perf_counter() - t_start:.0f} s)", flush=True)
 
     # ---- where the plan copy's blocks run, right behind the resolver and alone
@@ -798,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         for env in [{}] + user_variants:
             for m, b in PLACEMENT_CELLS:
                 whole, alone = bench.placement(b, m, env)
-                places.append((tag(env), m, b, whole, alone))
+                places.append((env_tag(env), m, b, whole, alone))
 
     # ---- metadata only: the resolver without copies
     rows: list[Row] = []
@@ -812,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for env in ([] if args.no_builtin_variants else VARIANTS) + user_variants:
                 us2, info2 = bench.hits(b, env)
-                rows.append(Row("  (" + tag(env) + ")", b, us2, "graph node floor", floor, "-", None,
+                rows.append(Row("  (" + env_tag(env) + ")", b, us2, "graph node floor", floor, "-", None,
                                 f"misses={info2['misses']}", info2))
             if b == 1:  # a runtime sized for 256 rows: the rows past the batch are padding
                 us2, info2 = bench.hits(b, None, 256)

@@ -5,7 +5,7 @@
 # ./out) and the script ends with a summary; a failing stage does not stop the later ones.
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
-#                                                             #         tf_tests tf_generate tf_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
+#                                                             #         tf_tests tf_generate tf_bench tf_assisted_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
 #                                                             #         triton_tests triton_conformance triton_generate (the triton stage split, to run side by side)
 #                                                             #         vllm_tests (vLLM's kernel tests, see there)
 #                                                             #         serving_locality locality tf_resident (issue 42: under the calibrated locality model, not in the defaults)
@@ -278,6 +278,11 @@ tf_generate)
     ;;
 tf_bench)
     run tf_bench "${T_TF_BENCH:-330}" python3 bench/bench_transformers.py --backend nvidia --json "$OUT/tf_bench.json" ${TF_BENCH_ARGS:-}
+    ;;
+tf_assisted_bench)  # prompt-lookup decoding through hisparse against plain greedy decode (ASSISTED_BENCH_ARGS)
+    # shellcheck disable=SC2086
+    run tf_assisted_bench "${T_TF_ASSISTED_BENCH:-240}" python3 bench/bench_assisted.py --json "$OUT/tf_assisted_bench.json" \
+        ${ASSISTED_BENCH_ARGS:---contexts 32768 --batches 1,8 --k 3 --layers 4}
     ;;
 host_reads)
     run host_reads "${T_HOST_READS:-240}" python3 bench/bench_host_reads.py --json "$OUT/host_reads.json" ${HOST_READS_ARGS:-}

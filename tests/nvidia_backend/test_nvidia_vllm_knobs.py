@@ -33,7 +33,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert vllm_gather_per_sm() == 1
     assert vllm_resolve_threads() == 0  # automatic
     assert vllm_carveout() == -1  # the driver's choice
-    assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 1}
+    assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 3}
 
 
 @pytest.mark.parametrize("value", ["0", "2"])
@@ -50,7 +50,7 @@ def test_gather_removed_or_bad_path_refused(value: str, monkeypatch: pytest.Monk
     _one_line_naming(err, "HISPARSE_VLLM_GATHER", value)
 
 
-@pytest.mark.parametrize("value", ["0", "1", "2"])
+@pytest.mark.parametrize("value", ["0", "1", "2", "3"])
 def test_resolver_builds_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", value)
     assert dict(vllm_ops_build(656).defines)["HS_VR_FAST"] == int(value)
@@ -72,7 +72,8 @@ _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GA
          "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout}
 
 
-@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "3"), ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
+@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "4"), ("HISPARSE_VLLM_RESOLVE", "-1"),
+                                        ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "9"), ("HISPARSE_VLLM_RESOLVE_THREADS", "384"),
                                         ("HISPARSE_VLLM_RESOLVE_THREADS", "64"), ("HISPARSE_VLLM_RESOLVE_THREADS", "2048"),
                                         ("HISPARSE_VLLM_CARVEOUT", "101"), ("HISPARSE_VLLM_CARVEOUT", "-2"),

@@ -218,11 +218,15 @@ VLLM_GATHER = 2
 #: indexed by mask, LRU slots and parked entries kept in registers between phases; 2 = 1 with a lean
 #: start (the row's first entries and page-table entries loaded before the group barrier, the hash
 #: cleared under it, one reduction for a one-row group's counts; a row that continues its group
-#: leaves before those loads); 0 = the earlier build (modulo hash, second global reads). Default 1:
-#: on the H200 (call G5) 2 gained nothing on one-row steps (resident within 0.1 us) and lost at
-#: B = 128 (hits 24.94 us against 23.83; four-row groups 68.1 against 49.1, before that exit).
+#: leaves before those loads); 0 = the earlier build (modulo hash, second global reads). 3 = 2 with
+#: the chains of steps with host entries cut (vllm_ops.cu, VR_DIRECT): the group barrier waits on two
+#: rounds of loads, the hot-map row is read whole into shared memory, buckets are marked with 32-bit
+#: atomics, and the new LRU order is written from registers (no shared round trip, no barrier after
+#: the scan on a step without misses). On the H200 (call G5) 2 gained nothing on one-row steps
+#: (resident within 0.1 us) and lost at B = 128 (hits 24.94 us against 23.83; four-row groups 68.1
+#: against 49.1, before that exit); 3 is the default pending its first timing (1 as a --variant).
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
-VLLM_RESOLVE = 1
+VLLM_RESOLVE = 3
 
 
 def vllm_gather_variant() -> int:
@@ -278,8 +282,9 @@ def vllm_carveout() -> int:
 
 def vllm_resolve_variant() -> int:
     """`HISPARSE_VLLM_RESOLVE` (default `VLLM_RESOLVE`)."""
-    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 2,
-                      "0 (the earlier resolver build), 1 (the faster one) or 2 (the faster one with a lean start)")
+    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 3,
+                      "0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start) "
+                      "or 3 (2 with direct LRU writes and the hot-map row in shared memory)")
 
 
 def vllm_ops_build(row_bytes: int) -> KernelBuild:
@@ -314,7 +319,7 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds.add(MAINTAIN_BUILD)
     builds |= {vllm_ops_build(w) for w in (FP8_DS_MLA.row_bytes, 16)}  # fp8_ds_mla rows, vLLM's 16-byte test rows
     builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
-                                              "HS_VR_FAST": v}) for v in (0, 1, 2)}  # HISPARSE_VLLM_RESOLVE
+                                              "HS_VR_FAST": v}) for v in (0, 1, 2, 3)}  # HISPARSE_VLLM_RESOLVE
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

@@ -70,6 +70,17 @@ def resolve_smem_buckets(max_union_rows: int, h: int) -> int:
     return max(0, min(2 * max_union_rows, fit))
 
 
+def resolve_smem_bytes(buckets: int, h: int, build: int, optin: int) -> int:
+    """Dynamic shared memory of a resolver launch: the buckets and the LRU order; build 3 reads the
+    state row's hot-map row (4 * h bytes, from the first 16-byte boundary past the buckets, over their
+    values and the LRU order) into shared memory wherever the launch has, or can be given within
+    `RESOLVE_SMEM_BUDGET` and the device's `optin` bytes a block, room for it (the kernel checks the
+    size it got)."""
+    base = -(-(12 * buckets + 2 * h) // 16) * 16
+    with_row = -(-8 * buckets // 16) * 16 + 4 * h
+    return max(base, with_row) if build >= 3 and with_row <= min(optin, RESOLVE_SMEM_BUDGET) else base
+
+
 def _i32(v: int) -> ctypes.c_int32:
     return ctypes.c_int32(int(v))
 
@@ -214,7 +225,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         if n == 0:
             return
         want_threads, carveout = vllm_resolve_threads(), vllm_carveout()  # refused here, before any work
-        vllm_resolve_variant()
+        build = vllm_resolve_variant()
         if n * k * 2 >= 2**31:
             raise InvalidInputError(f"{spec.RESOLVE}: topk has {n} x {k} entries; at most 2^30 - 1 a call")
         dev = hot_cache.device
@@ -222,7 +233,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
         threads = resolve_threads(k, h, want_threads)
         buckets = resolve_smem_buckets(max_union_rows, h)
-        smem = -(-(12 * buckets + 2 * h) // 16) * 16
+        smem = resolve_smem_bytes(buckets, h, build, self._backend._device_props()[2])
         gtab, gval = self._buffer(("hash", dev, n, k), lambda: (
             torch.empty(2 * n * k, dtype=torch.int64, device=dev), torch.empty(2 * n * k, dtype=torch.int32,
                                                                                device=dev)))

@@ -53,7 +53,29 @@
 // then costs some three dependent loads and two barriers before its stores. A row that continues
 // its group learns so (rows r - 1 and r read together) before any load but its top-k row.
 #define VR_LEAN (HS_VR_FAST >= 2)
+// HS_VR_FAST 3 (HISPARSE_VLLM_RESOLVE=3) is 2 with shorter chains on steps with host entries:
+// - every load whose address is known once the row's state row is (page-table entries, the LRU
+//   positions, the hot-block row, the state row's whole hot-map row in 16-byte vectors) is issued
+//   before the group barrier, and stored into shared memory only before the barrier that orders the
+//   inserts, so the group barrier waits on two round trips (request id, state row), not four;
+// - the LRU walk looks the hot-map rows up in that shared copy (one coalesced round trip in all, not
+//   a scattered one after the LRU loads);
+// - a bucket's low word is marked held and its first reference kept with 32-bit atomics (native
+//   max / min; the 64-bit ones are compare-and-swap loops); its high word (the host row) never
+//   changes once claimed, so the word alone orders them as the 64-bit compare did;
+// - each thread writes its LRU positions' new places from registers straight after the scan (a
+//   slot's place follows from its rank among the hits or the evictables), skipping slots that stay
+//   where they are; the packed order goes through shared memory only on steps with misses, so a
+//   step without misses crosses four barriers after the group barrier, none after the scan.
+#define VR_DIRECT (HS_VR_FAST >= 3)
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
+
+// The state row of request req; -1 for a padding row.
+__device__ __forceinline__ i32 vr_state(i32 req, const i32* rsi, i32 nr, i32 S) {
+    i32 q = req;
+    if (rsi != nullptr) q = (req >= 0 && req < nr) ? rsi[req] : -1;
+    return (q < 0 || q >= S) ? -1 : q;
+}
 
 // (request, state row) of batch row r; q = -1 for a padding row.
 __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32* rsi, i32 nr, i32 S, i32& req,
@@ -146,7 +168,11 @@ __device__ __forceinline__ u32 vr_insert(u64* tab, u32 T, i32 g, i32 x, i32& fre
             }
         }
         if (static_cast<i32>(cur >> 32) == g) {
+#if VR_DIRECT
+            atomicMin(reinterpret_cast<u32*>(tab + b), static_cast<u32>(x));  // the low word (little-endian)
+#else
             atomicMin(reinterpret_cast<unsigned long long*>(tab + b), key);
+#endif
             return b;
         }
         b = b + 1 == T ? 0 : b + 1;
@@ -179,7 +205,9 @@ __device__ __forceinline__ i32 vr_attention(i32 row, i32 bs, i64 stride) {
 }
 
 // Grid: (batch rows, 1, 1); block: a multiple of 32 threads with at most 32 entries of a row and
-// 32 LRU positions each; dynamic shared memory: 12 * smem_buckets + 2 * H (rounded to 16) bytes.
+// 32 LRU positions each; dynamic shared memory: 12 * smem_buckets + 2 * H (rounded to 16) bytes (build 3
+// reads the hot-map row into shared memory where the size also covers 4 * H bytes from the first 16-byte
+// boundary past the buckets).
 // gtab / gval: [rows, 2 * K] buckets of global scratch, only touched by groups whose host entries
 // do not fit the shared table.
 extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
@@ -205,10 +233,26 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     for (i32 u = 0; u < VR_B; ++u) tv0[u] = tid + u * nt < K ? topk[static_cast<i64>(r) * K + tid + u * nt] : -1;
 #endif
     i32 req, q;
+#if VR_DIRECT
+    // Rows r - 1 and r, and warp 0's rows r - 1 .. r + 30 (the group's extent), in two rounds: every
+    // request id first, then every state row.
+    i32 pq = -2, wq = -1;  // row r - 1's state row (-2: none; never a q below); warp 0's row's
+    {
+        const i32 rr = r - 1 + tid;
+        const bool wl = tid < 32 && tid != 1 && rr >= 0 && rr < n;
+        req = request_ids != nullptr ? request_ids[r] : r;
+        const i32 preq = r > 0 ? (request_ids != nullptr ? request_ids[r - 1] : r - 1) : -1;
+        const i32 wreq = wl ? (request_ids != nullptr ? request_ids[rr] : rr) : -1;
+        q = vr_state(req, rsi, nr, S);
+        if (r > 0) pq = vr_state(preq, rsi, nr, S);
+        if (wl) wq = vr_state(wreq, rsi, nr, S);
+    }
+#else
     vr_row(r, request_ids, rsi, nr, S, req, q);
 #if VR_LEAN
     i32 preq, pq = -2;  // row r - 1's state row, read with row r's (-2: none; never a q below)
     if (r > 0) vr_row(r - 1, request_ids, rsi, nr, S, preq, pq);
+#endif
 #endif
     if (q < 0) {  // padding: -1 / 0 in the row's outputs, nothing else
         for (i32 i = tid; i < K; i += nt) {
@@ -232,10 +276,17 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     __shared__ i32 s_hbt[VR_HBT];
     const i32 nhb = vr_div(H + bs - 1, bs);
     const bool hcache = nhb <= VR_HBT;
+    const i64 hat = static_cast<i64>(min(max(req, 0), hbt_rows - 1)) * hbt_stride;
+#if VR_DIRECT
+    // Loaded now, stored into s_hbt only before the barrier that orders the inserts (its first reader
+    // is behind it), so the group barrier does not wait on this round trip.
+    const bool hreg = hcache && nhb <= nt;
+    const i32 hb0 = hreg && tid < nhb ? hbt[hat + tid] : 0;
+#else
     if (hcache) {
-        const i64 at = static_cast<i64>(min(max(req, 0), hbt_rows - 1)) * hbt_stride;
-        for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[at + c];
+        for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[hat + c];
     }
+#endif
     // Their page-table entries (row r is the group's first row whenever this block resolves), and the
     // shared hash of a one-row group cleared, all before the group barrier.
     i32 sb0[VR_B], rb0[VR_B];
@@ -265,6 +316,21 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_row[p0 + u] : -1;
     }
+#if VR_DIRECT
+    // The state row's hot-map row, whole, for the walk's lookups: 4 * H bytes from the first 16-byte
+    // boundary past the hash buckets, over s_val and the LRU order, which are first written after the
+    // walk (where the launch has room for it: the host grows it where it can); one 16-byte vector a
+    // thread where one round covers the row.
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    const u32 dgi_off = (8u * static_cast<u32>(smem_buckets) + 15u) & ~15u;
+    const bool sdgi = static_cast<u64>(dgi_off) + 4ull * static_cast<u32>(H) <= dyn_smem;
+    i32* s_dgi = reinterpret_cast<i32*>(vr_smem + dgi_off);
+    const i32* dgi_row = dgi + static_cast<i64>(q) * H;
+    const bool dvec = sdgi && H % 4 == 0 && 4 * nt >= H && (reinterpret_cast<u64>(dgi_row) & 15) == 0;
+    int4 dg0 = make_int4(-1, -1, -1, -1);
+    if (dvec && 4 * tid < H) dg0 = *reinterpret_cast<const int4*>(dgi_row + 4 * tid);
+#endif
 #else
     const i32 cpt = (H + nt - 1) / nt;
     const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
@@ -273,8 +339,13 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Warp 0 reads rows r - 1 .. r + 30 at once (one round of dependent loads, not one per row).
     if (tid < 32) {
         const i32 rr = r - 1 + tid;
-        i32 rq2, qq = -1;
+        i32 qq = -1;
+#if VR_DIRECT
+        qq = wq;
+#else
+        i32 rq2;
         if (rr >= 0 && rr < n && tid != 1) vr_row(rr, request_ids, rsi, nr, S, rq2, qq);
+#endif
         const u32 same = __ballot_sync(HS_FULL_MASK, tid == 1 || (rr >= 0 && rr < n && qq == q));
         if (tid == 0) {
             // Consecutive rows from r with state row q (bit 1 is r; bit 31 of same >> 1 is clear).
@@ -448,8 +519,28 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const bool lean_scan = VR_LEAN && H < 32768;
 #if VR_LEAN
     i32 cached0[VR_W];
+#if VR_DIRECT
+    // The rows loaded before the group barrier go into shared memory now (the barrier below publishes them).
+    if (sdgi) {
+        if (dvec) {
+            if (4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
+        } else {
+            for (i32 c = tid; c < H; c += nt) s_dgi[c] = dgi_q[c];
+        }
+    }
+    if (hreg) {
+        if (tid < nhb) s_hbt[tid] = hb0;
+    } else if (hcache) {
+        for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[hat + c];
+    }
+    if (!sdgi) {
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
+    }
+#else
 #pragma unroll
     for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
+#endif
 #endif
     i32 U = 0;
     if (lean_scan) {
@@ -457,6 +548,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     } else {
         vr_scan(fresh, U);  // distinct host rows (its barriers also order the inserts before the walk)
     }
+#if VR_DIRECT
+    if (sdgi) {
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? s_dgi[sl0[u]] : -1;
+    }
+#endif
 
     // ---- 3. the LRU walk -----------------------------------------------------------------------
     u32 hitbits = 0;
@@ -477,12 +574,48 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #pragma unroll
             for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
 #pragma unroll
-            for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
+            for (i32 u = 0; u < VR_W; ++u) {
+                const bool in = sl[u] >= 0 && sl[u] < H;
+#if VR_DIRECT
+                cached[u] = in ? (sdgi ? s_dgi[sl[u]] : dgi_q[sl[u]]) : -1;
+#else
+                cached[u] = in ? dgi_q[sl[u]] : -1;
+#endif
+            }
         }
         if (pb == p0) {
 #pragma unroll
             for (i32 u = 0; u < VR_W; ++u) slc[u] = sl[u];
         }
+#if VR_DIRECT
+        // A bucket of the shared table is probed and marked with shared-memory instructions (the
+        // table pointer is generic where it may be the global one).
+        auto probe = [&](u64* t, i32 c, i32 p, i32 slot) -> bool {
+            u32 b = vr_hash(c, T);
+            while (true) {
+                const u64 cur = t[b];
+                if (cur == VR_EMPTY) return false;
+                if (static_cast<i32>(cur >> 32) == c) {
+                    // The last hit position in LRU order wins (its slot is what the entries output).
+                    const u32 was = atomicMax(reinterpret_cast<u32*>(t + b),  // the low word (little-endian)
+                                              VR_HELD | (static_cast<u32>(p) << 15) | static_cast<u32>(slot));
+                    held += (was & VR_HELD) ? 0 : 1;
+                    return true;
+                }
+                b = b + 1 == T ? 0 : b + 1;
+            }
+        };
+        const bool tsm = tab == s_tab;  // block-uniform
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            if (cached[u] < 0) continue;
+            const i32 p = pb + u;
+            if (tsm ? probe(s_tab, cached[u], p, sl[u]) : probe(tab, cached[u], p, sl[u])) {
+                hitbits |= 1u << (p - p0);
+                ++hits;
+            }
+        }
+#else
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) {
             if (cached[u] < 0) continue;
@@ -504,6 +637,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 b = b + 1 == T ? 0 : b + 1;
             }
         }
+#endif
     }
     i32 nHeld, nH, hbefore;
     if (lean_scan) {
@@ -520,7 +654,28 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
     const i32 misses = U - nHeld;  // union rows not held
     const i32 nE = H - nH;
-    {
+    // Direct: one round covered this thread's positions (slots in slc), and every read of the LRU row
+    // came before the scan's barriers, so the new order E[used:] + E[:used] + hits is written from
+    // registers now: evictable e goes to e - used (e >= used) or e + nE - used, hit h to nE + h (miss
+    // m takes E[m] and the misses are misses = M in all). A slot that keeps its place is not stored.
+    const bool direct = VR_DIRECT && cpt <= VR_W;  // block-uniform
+    if (direct) {
+        const i32 used = min(misses, nE);
+        i32 hr = hbefore, er = p0 - hbefore;
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            if (p0 + u >= p1) break;
+            i32 to;
+            if ((hitbits >> u) & 1u) {
+                to = nE + hr++;
+            } else {
+                const i32 e = er++;
+                to = e >= used ? e - used : e + nE - used;
+            }
+            if (to != p0 + u) lru_q[to] = static_cast<i16>(slc[u]);
+        }
+    }
+    if (!direct || misses > 0) {  // the packed order in shared memory: the misses' evictable slots
         i32 hr = hbefore, er = p0 - hbefore;
         if (HS_VR_FAST && cpt <= VR_W) {
 #pragma unroll
@@ -543,8 +698,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 }
             }
         }
+        __syncthreads();
     }
-    __syncthreads();
 
     // The hot row of `slot` for request rq (a one-row group's from the shared copy of its hot blocks).
     auto hot_row = [&](i32 rq, i32 slot) -> i32 {
@@ -633,7 +788,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
     const i32 M = m_before;
     const i32 used = min(M, nE);
-    for (i32 p = tid; p < H; p += nt) {
+    for (i32 p = tid; p < H && !direct; p += nt) {
         i16 s;
         if (p < nE - used) {
             s = ord[used + p];

@@ -56,14 +56,21 @@ def test_nvidia_vllm_ops_match_reference(seed: int, rows_per_request: int, miss_
     _compare(got, want)
 
 
-@pytest.mark.parametrize("build", ["0", "1", "2"])
+def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
+    """HISPARSE_VLLM_RESOLVE=build; a trailing "s" also sets HISPARSE_VLLM_RESOLVE_SHAPE=1 (a build per shape)."""
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build.removesuffix("s"))
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if build.endswith("s") else "0")
+
+
+@pytest.mark.parametrize("build", ["0", "1", "2", "1s", "3s"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("rows_per_request", [1, 4])
 def test_other_resolver_builds_match_reference(seed: int, rows_per_request: int, build: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The resolver builds besides the default (HISPARSE_VLLM_RESOLVE 0, 1 and 2; 2's rows that continue
-    their group leave before their own loads) on random cases with union groups and padding rows."""
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build)
+    their group leave before their own loads; 1 and 3 built for the call's shape, whose sizes are
+    compile-time constants) on random cases with union groups and padding rows."""
+    _set_build(monkeypatch, build)
     case = _pinned(random_case(300 + seed, rows_per_request=rows_per_request, corrupt_lru=seed % 3 == 0))
     want = run_ops(ReferenceVllmOps(), case, miss_mask=seed % 2 == 0)
     got = run_ops(_ops(), case, "cuda", miss_mask=seed % 2 == 0)
@@ -152,11 +159,11 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
             cnt[0], out[4], out[5], cnt[1], state["res"], 64, 0]
 
 
-@pytest.mark.parametrize("build", ["1", "2", "3"])  # HISPARSE_VLLM_RESOLVE
+@pytest.mark.parametrize("build", ["1", "2", "3", "3s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (4, 10240, 8192), (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build)
+    _set_build(monkeypatch, build)
     k, b = 2048, 3
     _, hbt, src, res, topk, req, host_rows = _production_args(rpr * 10 + h, b, rpr, k, h, 0.3)
     host = torch.empty((host_rows, 16), dtype=torch.uint8).pin_memory()
@@ -215,7 +222,7 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
     _assert_same(a, ag)
 
 
-@pytest.mark.parametrize("build", ["1", "3"])  # HISPARSE_VLLM_RESOLVE: the former default and build 3
+@pytest.mark.parametrize("build", ["1", "3", "3s"])  # HISPARSE_VLLM_RESOLVE: the former default, 3, 3 per shape
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))
 def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur: int, build: str,
@@ -227,7 +234,7 @@ def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur
     again; fresh random top-k, hot blocks and initial LRU orders, state rows permuted; h = 4093 takes the
     scalar copy of the hot-map row, 4 rows of h = 4096 a union larger than the hot buffer (misses past
     the evictable slots) hashed in global scratch, 4 rows of h = 10240 the LRU order through shared memory."""
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build)
+    _set_build(monkeypatch, build)
     k, b = 2048, 3
     st_cpu, st_gpu, topk = _steady_state(1000 + seed * 10 + rpr, b, rpr, k, h, mur)
     g = torch.Generator().manual_seed(2000 + seed)

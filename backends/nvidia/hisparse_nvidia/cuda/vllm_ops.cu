@@ -69,6 +69,14 @@
 //   step without misses crosses four barriers after the group barrier, none after the scan.
 #define VR_DIRECT (HS_VR_FAST >= 3)
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
+// Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
+// are the call's top-k, hot rows, hot block size, source and resident block sizes, shared buckets
+// and threads, so divisions, power-of-two tests, bounds and loop trips fold at compile time. The
+// host builds one module per shape (the resolver only) and launches it only with those values.
+#if defined(VR_K) && !(defined(VR_H) && defined(VR_BS) && defined(VR_SBS) && defined(VR_RBS) && defined(VR_SB) && \
+                       defined(VR_NT))
+#error "a shape build defines VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT"
+#endif
 
 // The state row of request req; -1 for a padding row.
 __device__ __forceinline__ i32 vr_state(i32 req, const i32* rsi, i32 nr, i32 S) {
@@ -219,13 +227,25 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32* __restrict__ swap_host, i32* __restrict__ swap_dev, i32* __restrict__ swap_counts, i32* dgi, i16* lru,
     i32 S, i32 H, u64* __restrict__ stats, u64* gtab, i32* gval, i32 smem_buckets) {
     extern __shared__ __align__(16) unsigned char vr_smem[];
+#ifdef VR_K
+    K = VR_K;
+    H = VR_H;
+    bs = VR_BS;
+    sbs = VR_SBS;
+    rbs = VR_RBS;
+    smem_buckets = VR_SB;
+#endif
     u64* s_tab = reinterpret_cast<u64*>(vr_smem);
     i32* s_val = reinterpret_cast<i32*>(s_tab + smem_buckets);
     i16* ord = reinterpret_cast<i16*>(s_val + smem_buckets);
     __shared__ i32 s_group;
     // The next kernel (a gather's mark kernel, launched to overlap) waits for this grid before reading.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#ifdef VR_NT
+    const i32 r = blockIdx.x, tid = threadIdx.x, nt = VR_NT;
+#else
     const i32 r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+#endif
 #if VR_LEAN
     // The first round of row r's entries, issued before anything else (their addresses need nothing).
     i32 tv0[VR_B];
@@ -805,6 +825,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
 }
 
+#ifndef VR_K  // a shape build holds the resolver alone
 // The taken entries of a gather, appended to `list` (list_n[0] their number), each destination
 // marked with the largest {epoch, entry} naming it.
 //   mode 0 (gather_compact): grid (rows); entries j < clamp(counts[r], 0, K) of row r.
@@ -1189,3 +1210,4 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_invalidate(
         if (row[s] == static_cast<i32>(w)) row[s] = -1;
     }
 }
+#endif  // VR_K

@@ -54,10 +54,11 @@
 // its group learns so (rows r - 1 and r read together) before any load but its top-k row.
 #define VR_LEAN (HS_VR_FAST >= 2)
 // HS_VR_FAST 3 (HISPARSE_VLLM_RESOLVE=3) is 2 with shorter chains on steps with host entries:
-// - every load whose address is known once the row's state row is (page-table entries, the LRU
-//   positions, the hot-block row, the state row's whole hot-map row in 16-byte vectors) is issued
-//   before the group barrier, and stored into shared memory only before the barrier that orders the
-//   inserts, so the group barrier waits on two round trips (request id, state row), not four;
+// - the request ids and state rows of rows r - 1, r and warp 0's rows come in two rounds, and every
+//   load whose address the state row gives (page-table entries, the LRU positions in one 8-byte load
+//   a thread, the hot-block row, the state row's whole hot-map row in 16-byte vectors) is issued in
+//   the third, before the group barrier (the classification after it waits on that round anyway):
+//   three dependent rounds before the first store, not five;
 // - the LRU walk looks the hot-map rows up in that shared copy (one coalesced round trip in all, not
 //   a scattered one after the LRU loads);
 // - a bucket's low word is marked held and its first reference kept with 32-bit atomics (native
@@ -298,8 +299,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const bool hcache = nhb <= VR_HBT;
     const i64 hat = static_cast<i64>(min(max(req, 0), hbt_rows - 1)) * hbt_stride;
 #if VR_DIRECT
-    // Loaded now, stored into s_hbt only before the barrier that orders the inserts (its first reader
-    // is behind it), so the group barrier does not wait on this round trip.
+    // One entry a thread where one round covers the row, stored under the group barrier.
     const bool hreg = hcache && nhb <= nt;
     const i32 hb0 = hreg && tid < nhb ? hbt[hat + tid] : 0;
 #else
@@ -333,8 +333,21 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32 sl0[VR_W];
     {
         const i16* lru_row = lru + static_cast<i64>(q) * H;
+#if VR_DIRECT
+        // One 8-byte load a thread where its positions are 4 aligned slots (block-uniform test).
+        if (cpt == 4 && VR_W == 4 && H % 4 == 0 && (reinterpret_cast<u64>(lru_row) & 7) == 0) {
+            uint2 v = make_uint2(0xffffffffu, 0xffffffffu);
+            if (p0 < p1) v = *reinterpret_cast<const uint2*>(lru_row + p0);
+            sl0[0] = static_cast<i16>(v.x & 0xffffu);
+            sl0[1] = static_cast<i16>(v.x >> 16);
+            sl0[2] = static_cast<i16>(v.y & 0xffffu);
+            sl0[3] = static_cast<i16>(v.y >> 16);
+        } else
+#endif
+        {
 #pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_row[p0 + u] : -1;
+            for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_row[p0 + u] : -1;
+        }
     }
 #if VR_DIRECT
     // The state row's hot-map row, whole, for the walk's lookups: 4 * H bytes from the first 16-byte
@@ -379,6 +392,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             s_group = (same & 1u) ? 0 : g;  // 0: r - 1 is of the same group
         }
     }
+#if VR_DIRECT
+    // The hot-map and hot-block rows go into shared memory under the group barrier (its classification
+    // waits on the same round of loads; held in registers past it they would spill).
+    if (dvec && 4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
+    if (hreg && tid < nhb) s_hbt[tid] = hb0;
+#endif
     __syncthreads();
     if (s_group == 0) return;  // resolved by the block of its group's first row
 #else
@@ -540,17 +559,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #if VR_LEAN
     i32 cached0[VR_W];
 #if VR_DIRECT
-    // The rows loaded before the group barrier go into shared memory now (the barrier below publishes them).
-    if (sdgi) {
-        if (dvec) {
-            if (4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
-        } else {
-            for (i32 c = tid; c < H; c += nt) s_dgi[c] = dgi_q[c];
-        }
+    // The rows not stored under the group barrier (more than one round of them) are read now (the
+    // barrier below publishes them).
+    if (sdgi && !dvec) {
+        for (i32 c = tid; c < H; c += nt) s_dgi[c] = dgi_q[c];
     }
-    if (hreg) {
-        if (tid < nhb) s_hbt[tid] = hb0;
-    } else if (hcache) {
+    if (hcache && !hreg) {
         for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[hat + c];
     }
     if (!sdgi) {

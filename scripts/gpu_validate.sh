@@ -180,11 +180,12 @@ memcheck_vllm_ops|racecheck_vllm_ops)  # compute-sanitizer over vllm_ops.cu's ke
         --error-exitcode 99 --print-limit 50 python3 -m pytest -q -p no:cacheprovider tests/nvidia_backend/test_nvidia_vllm_ops.py \
         -k "${VLLM_OPS_SANITIZE_K:-0] or 3] or production or capture or no_tables}"
     ;;
-ncu_vllm_ops)  # per-kernel profile of vLLM's call sequence on nvidia's ops (NCU_VLLM_ARGS: bench_nvidia.py --vllm-ops cells)
+ncu_vllm_ops)  # per-kernel profile of vLLM's call sequence on nvidia's ops (NCU_VLLM_ARGS: bench_nvidia.py --vllm-ops cells;
+    # NCU_VLLM_SECTIONS: further ncu arguments, e.g. "--section SourceCounters" for the hottest instructions)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     # shellcheck disable=SC2086
     run ncu_vllm_ops "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
-        --section WarpStateStats --section MemoryWorkloadAnalysis --print-details all -k regex:hisparse_vllm \
+        --section WarpStateStats --section MemoryWorkloadAnalysis ${NCU_VLLM_SECTIONS:-} --print-details all -k regex:hisparse_vllm \
         --launch-skip "${NCU_SKIP:-6}" --launch-count "${NCU_COUNT:-9}" python3 bench/bench_nvidia.py --vllm-ops --replays 1 \
         ${NCU_VLLM_ARGS:---vllm-ops-misses 0 --vllm-ops-batches 128 --vllm-ops-rows 1}
     ;;

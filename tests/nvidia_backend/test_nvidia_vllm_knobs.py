@@ -16,6 +16,8 @@ from hisparse_nvidia.kernels import (  # noqa: E402
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
+    vllm_resolve_shape,
+    vllm_resolve_shape_build,
     vllm_resolve_threads,
 )
 
@@ -27,13 +29,14 @@ def _one_line_naming(err: pytest.ExceptionInfo, name: str, value: str) -> None:
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HISPARSE_VLLM_GATHER", "HISPARSE_VLLM_GATHER_PER_SM", "HISPARSE_VLLM_RESOLVE",
-                 "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT"):
+                 "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT", "HISPARSE_VLLM_RESOLVE_SHAPE"):
         monkeypatch.delenv(name, raising=False)
+    assert vllm_resolve_shape() == 0  # one resolver build for every shape
     assert vllm_gather_variant() == 2
     assert vllm_gather_per_sm() == 1
     assert vllm_resolve_threads() == 0  # automatic
     assert vllm_carveout() == -1  # the driver's choice
-    assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 1}
+    assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 3}
 
 
 @pytest.mark.parametrize("value", ["0", "2"])
@@ -50,10 +53,23 @@ def test_gather_removed_or_bad_path_refused(value: str, monkeypatch: pytest.Monk
     _one_line_naming(err, "HISPARSE_VLLM_GATHER", value)
 
 
-@pytest.mark.parametrize("value", ["0", "1", "2"])
+@pytest.mark.parametrize("value", ["0", "1", "2", "3"])
 def test_resolver_builds_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", value)
     assert dict(vllm_ops_build(656).defines)["HS_VR_FAST"] == int(value)
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_resolver_shape_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", value)
+    assert vllm_resolve_shape() == int(value)
+
+
+def test_shape_build_names_every_size() -> None:
+    got = dict(vllm_resolve_shape_build(3, 2048, 4096, 64, 16, 1, 4096, 1024).defines)
+    assert {k: got[k] for k in ("HS_VR_FAST", "VR_K", "VR_H", "VR_BS", "VR_SBS", "VR_RBS", "VR_SB", "VR_NT")} == {
+        "HS_VR_FAST": 3, "VR_K": 2048, "VR_H": 4096, "VR_BS": 64, "VR_SBS": 16, "VR_RBS": 1, "VR_SB": 4096,
+        "VR_NT": 1024}
 
 
 @pytest.mark.parametrize("value", ["0", "128", "256", "512", "1024"])
@@ -69,10 +85,13 @@ def test_carveout_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GATHER_PER_SM": vllm_gather_per_sm,
+         "HISPARSE_VLLM_RESOLVE_SHAPE": vllm_resolve_shape,
          "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout}
 
 
-@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "3"), ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
+@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "4"), ("HISPARSE_VLLM_RESOLVE", "-1"),
+                                        ("HISPARSE_VLLM_RESOLVE_SHAPE", "2"), ("HISPARSE_VLLM_RESOLVE_SHAPE", "yes"),
+                                        ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "9"), ("HISPARSE_VLLM_RESOLVE_THREADS", "384"),
                                         ("HISPARSE_VLLM_RESOLVE_THREADS", "64"), ("HISPARSE_VLLM_RESOLVE_THREADS", "2048"),
                                         ("HISPARSE_VLLM_CARVEOUT", "101"), ("HISPARSE_VLLM_CARVEOUT", "-2"),

@@ -56,14 +56,21 @@ def test_nvidia_vllm_ops_match_reference(seed: int, rows_per_request: int, miss_
     _compare(got, want)
 
 
-@pytest.mark.parametrize("build", ["0", "2"])
+def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
+    """HISPARSE_VLLM_RESOLVE=build; a trailing "s" also sets HISPARSE_VLLM_RESOLVE_SHAPE=1 (a build per shape)."""
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build.removesuffix("s"))
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if build.endswith("s") else "0")
+
+
+@pytest.mark.parametrize("build", ["0", "1", "2", "1s", "3s"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("rows_per_request", [1, 4])
 def test_other_resolver_builds_match_reference(seed: int, rows_per_request: int, build: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The resolver builds besides the default (HISPARSE_VLLM_RESOLVE 0 and 2; 2's rows that continue
-    their group leave before their own loads) on random cases with union groups and padding rows."""
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build)
+    """The resolver builds besides the default (HISPARSE_VLLM_RESOLVE 0, 1 and 2; 2's rows that continue
+    their group leave before their own loads; 1 and 3 built for the call's shape, whose sizes are
+    compile-time constants) on random cases with union groups and padding rows."""
+    _set_build(monkeypatch, build)
     case = _pinned(random_case(300 + seed, rows_per_request=rows_per_request, corrupt_lru=seed % 3 == 0))
     want = run_ops(ReferenceVllmOps(), case, miss_mask=seed % 2 == 0)
     got = run_ops(_ops(), case, "cuda", miss_mask=seed % 2 == 0)
@@ -152,11 +159,11 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
             cnt[0], out[4], out[5], cnt[1], state["res"], 64, 0]
 
 
-@pytest.mark.parametrize("build", ["1", "2"])  # HISPARSE_VLLM_RESOLVE
+@pytest.mark.parametrize("build", ["1", "2", "3", "3s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (4, 10240, 8192), (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build)
+    _set_build(monkeypatch, build)
     k, b = 2048, 3
     _, hbt, src, res, topk, req, host_rows = _production_args(rpr * 10 + h, b, rpr, k, h, 0.3)
     host = torch.empty((host_rows, 16), dtype=torch.uint8).pin_memory()
@@ -177,6 +184,73 @@ def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, 
         _ops().resolve_residency(*ag)
         torch.cuda.synchronize()
         _assert_same(a, ag)
+
+
+def _steady_state(seed: int, b: int, rpr: int, k: int, h: int, mur: int) -> tuple[dict, dict, torch.Tensor]:
+    """CPU and CUDA state of `b` requests of `rpr` rows (state rows permuted), a hot buffer of `h` rows
+    (any h: ceil(h / 64) hot blocks a request), top-k `k` over 512 pages of 64 rows, nothing resident;
+    and a first top-k (a request's later rows share half their entries with its first)."""
+    g = torch.Generator().manual_seed(seed)
+    bs, pages = 64, 512
+    n = b * rpr
+    hb = -(-h // bs)
+    hbt = torch.randperm(b * hb, generator=g).to(torch.int32).reshape(b, hb)
+    src = torch.randperm(b * pages, generator=g).to(torch.int32).reshape(b, pages)
+    topk = torch.stack([torch.randperm(pages * bs, generator=g)[:k] for _ in range(n)]).to(torch.int32)
+    for r in range(1, n):
+        if r % rpr:
+            topk[r, : k // 2] = topk[r - 1, : k // 2]
+    host = torch.empty((b * pages * bs, 16), dtype=torch.uint8).pin_memory()
+    st_cpu = {"host": host, "hot": torch.zeros(b * hb + 1, bs, 16, dtype=torch.uint8), "hbt": hbt,
+              "dgi": torch.full((b, h), -1, dtype=torch.int32),
+              "lru": torch.stack([torch.randperm(h, generator=g) for _ in range(b)]).to(torch.int16),
+              "rsi": torch.randperm(b, generator=g).to(torch.int32), "h": h, "mur": mur,
+              "stats": torch.zeros(2, dtype=torch.int64), "req": torch.arange(n, dtype=torch.int32) // rpr,
+              "src": src, "res": torch.zeros(b, pages, dtype=torch.int32)}
+    st_gpu = {key: (v.to("cuda") if isinstance(v, torch.Tensor) and key != "host" else v) for key, v in st_cpu.items()}
+    return st_cpu, st_gpu, topk
+
+
+def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
+    a = _production_step(st_cpu, topk, k)
+    ag = [x.to("cuda") if isinstance(x, torch.Tensor) and i not in (0, 5, 6, 11) else x for i, x in enumerate(a)]
+    ag[1], ag[5], ag[6], ag[11] = st_gpu["hot"], st_gpu["dgi"], st_gpu["lru"], st_gpu["stats"]
+    ag[22] = st_gpu["res"]
+    ReferenceVllmOps().resolve_residency(*a)
+    _ops().resolve_residency(*ag)
+    torch.cuda.synchronize()
+    _assert_same(a, ag)
+
+
+@pytest.mark.parametrize("build", ["1", "3", "3s"])  # HISPARSE_VLLM_RESOLVE: the former default, 3, 3 per shape
+@pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (4, 10240, 8192), (4, 4096, 4096)])
+@pytest.mark.parametrize("seed", range(2))
+def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur: int, build: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps without misses, where build 3 writes the LRU order straight from registers (skipping
+    slots that keep their place) and crosses no barrier after its scan: a cold step (misses), the same
+    top-k again (every host entry a hit), again (the order already final: nothing moves), a step with a
+    few fresh entries (hits and misses), a step where every page is resident (no host entry), then hits
+    again; fresh random top-k, hot blocks and initial LRU orders, state rows permuted; h = 4093 takes the
+    scalar copy of the hot-map row, 4 rows of h = 4096 a union larger than the hot buffer (misses past
+    the evictable slots) hashed in global scratch, 4 rows of h = 10240 the LRU order through shared memory."""
+    _set_build(monkeypatch, build)
+    k, b = 2048, 3
+    st_cpu, st_gpu, topk = _steady_state(1000 + seed * 10 + rpr, b, rpr, k, h, mur)
+    g = torch.Generator().manual_seed(2000 + seed)
+    steps = [topk, topk, topk]
+    fresh = topk.clone()
+    fresh[:, :37] = torch.randint(0, 512 * 64, (topk.shape[0], 37), generator=g, dtype=torch.int32)
+    steps.append(fresh)
+    for i, t in enumerate(steps + [fresh, fresh]):
+        if i == 4:  # every page resident (blocks 1..999, vLLM's null block 0 never)
+            res = torch.randint(1, 1000, st_cpu["res"].shape, generator=g, dtype=torch.int32)
+        elif i == 5:
+            res = torch.zeros_like(st_cpu["res"])
+        else:
+            res = st_cpu["res"]
+        st_cpu["res"], st_gpu["res"] = res, res.to("cuda")
+        _step_both(st_cpu, st_gpu, t, k)
 
 
 def test_resolve_and_gathers_capture_in_a_cuda_graph() -> None:

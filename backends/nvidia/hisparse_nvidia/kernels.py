@@ -218,11 +218,15 @@ VLLM_GATHER = 2
 #: indexed by mask, LRU slots and parked entries kept in registers between phases; 2 = 1 with a lean
 #: start (the row's first entries and page-table entries loaded before the group barrier, the hash
 #: cleared under it, one reduction for a one-row group's counts; a row that continues its group
-#: leaves before those loads); 0 = the earlier build (modulo hash, second global reads). Default 1:
-#: on the H200 (call G5) 2 gained nothing on one-row steps (resident within 0.1 us) and lost at
-#: B = 128 (hits 24.94 us against 23.83; four-row groups 68.1 against 49.1, before that exit).
+#: leaves before those loads); 0 = the earlier build (modulo hash, second global reads). 3 = 2 with
+#: the chains of steps with host entries cut (vllm_ops.cu, VR_DIRECT): the group barrier waits on two
+#: rounds of loads, the hot-map row is read whole into shared memory, buckets are marked with 32-bit
+#: atomics, and the new LRU order is written from registers (no shared round trip, no barrier after
+#: the scan on a step without misses). On the H200 (call G5) 2 gained nothing on one-row steps
+#: (resident within 0.1 us) and lost at B = 128 (hits 24.94 us against 23.83; four-row groups 68.1
+#: against 49.1, before that exit); 3 is the default pending its first timing (1 as a --variant).
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
-VLLM_RESOLVE = 1
+VLLM_RESOLVE = 3
 
 
 def vllm_gather_variant() -> int:
@@ -278,8 +282,35 @@ def vllm_carveout() -> int:
 
 def vllm_resolve_variant() -> int:
     """`HISPARSE_VLLM_RESOLVE` (default `VLLM_RESOLVE`)."""
-    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 2,
-                      "0 (the earlier resolver build), 1 (the faster one) or 2 (the faster one with a lean start)")
+    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 3,
+                      "0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start) "
+                      "or 3 (2 with direct LRU writes and the hot-map row in shared memory)")
+
+
+#: vLLM's resolver built per call shape (1) or one build for every shape (0, default): a shape build
+#: (vllm_resolve_shape_build) has the call's top-k, hot rows, block sizes, shared buckets and threads
+#: as compile-time constants, so divisions, power-of-two tests, bounds and loop trips fold, as in the
+#: native resolver; one NVRTC compile per shape met (vLLM's shapes are fixed per deployment). Read at
+#: each resolve call, for A/B timing in one process.
+ENV_VLLM_RESOLVE_SHAPE = "HISPARSE_VLLM_RESOLVE_SHAPE"
+VLLM_RESOLVE_SHAPE = 0
+
+
+def vllm_resolve_shape() -> int:
+    """`HISPARSE_VLLM_RESOLVE_SHAPE` (default `VLLM_RESOLVE_SHAPE`)."""
+    return env_int_in(ENV_VLLM_RESOLVE_SHAPE, VLLM_RESOLVE_SHAPE, 0, 1,
+                      "0 (one resolver build for every shape) or 1 (a build per call shape)")
+
+
+def vllm_resolve_shape_build(fast: int, k: int, h: int, bs: int, sbs: int, rbs: int, buckets: int,
+                             threads: int) -> KernelBuild:
+    """The resolver alone (cuda/vllm_ops.cu under VR_K) of build `fast` (HISPARSE_VLLM_RESOLVE) for one
+    call shape: top-k `k`, `h` hot rows a state row, hot block size `bs`, source and resident block
+    sizes `sbs` and `rbs` (1 where the call has no such table), `buckets` shared hash buckets and
+    `threads` a block. Its copy kernels are left out, so the row width is irrelevant (16 bytes)."""
+    return KernelBuild.of("vllm_ops.cu", {"HS_VEC": 1, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": fast, "VR_K": k,
+                                          "VR_H": h, "VR_BS": bs, "VR_SBS": sbs, "VR_RBS": rbs, "VR_SB": buckets,
+                                          "VR_NT": threads})
 
 
 def vllm_ops_build(row_bytes: int) -> KernelBuild:
@@ -314,7 +345,10 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds.add(MAINTAIN_BUILD)
     builds |= {vllm_ops_build(w) for w in (FP8_DS_MLA.row_bytes, 16)}  # fp8_ds_mla rows, vLLM's 16-byte test rows
     builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
-                                              "HS_VR_FAST": v}) for v in (0, 1, 2)}  # HISPARSE_VLLM_RESOLVE
+                                              "HS_VR_FAST": v}) for v in (0, 1, 2, 3)}  # HISPARSE_VLLM_RESOLVE
+    # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1 and 3
+    builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (1, 3)
+               for h, b in ((4096, 4096), (10240, 16384))}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

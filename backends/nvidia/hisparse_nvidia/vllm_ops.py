@@ -30,6 +30,7 @@ import torch
 from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
 from hisparse_nvidia import driver
+from hisparse_nvidia.compiler import KernelBuild
 from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
 from hisparse_nvidia.kernels import (
     LoadedKernels,
@@ -37,6 +38,8 @@ from hisparse_nvidia.kernels import (
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
+    vllm_resolve_shape,
+    vllm_resolve_shape_build,
     vllm_resolve_threads,
     vllm_resolve_variant,
 )
@@ -70,6 +73,17 @@ def resolve_smem_buckets(max_union_rows: int, h: int) -> int:
     return max(0, min(2 * max_union_rows, fit))
 
 
+def resolve_smem_bytes(buckets: int, h: int, build: int, optin: int) -> int:
+    """Dynamic shared memory of a resolver launch: the buckets and the LRU order; build 3 reads the
+    state row's hot-map row (4 * h bytes, from the first 16-byte boundary past the buckets, over their
+    values and the LRU order) into shared memory wherever the launch has, or can be given within
+    `RESOLVE_SMEM_BUDGET` and the device's `optin` bytes a block, room for it (the kernel checks the
+    size it got)."""
+    base = -(-(12 * buckets + 2 * h) // 16) * 16
+    with_row = -(-8 * buckets // 16) * 16 + 4 * h
+    return max(base, with_row) if build >= 3 and with_row <= min(optin, RESOLVE_SMEM_BUDGET) else base
+
+
 def _i32(v: int) -> ctypes.c_int32:
     return ctypes.c_int32(int(v))
 
@@ -98,11 +112,12 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
 
     # ----------------------------------------------------------------------------- helpers
 
-    def _function(self, device: torch.device, row_bytes: int, name: str) -> Any:
+    def _function(self, device: torch.device, row_bytes: int, name: str, build: KernelBuild | None = None) -> Any:
+        """Kernel `name` of vllm_ops.cu's build for rows of `row_bytes`, or of `build` where given."""
         arch, _, _ = self._backend._device_props()
         driver.ensure_context(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return LoadedKernels.module(index, arch, vllm_ops_build(row_bytes)).function(name)
+        return LoadedKernels.module(index, arch, build or vllm_ops_build(row_bytes)).function(name)
 
     def _host_address(self, host: torch.Tensor) -> int:
         """The device address of `host` (registered or pinned host memory), looked up once per buffer."""
@@ -214,7 +229,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         if n == 0:
             return
         want_threads, carveout = vllm_resolve_threads(), vllm_carveout()  # refused here, before any work
-        vllm_resolve_variant()
+        build, per_shape = vllm_resolve_variant(), vllm_resolve_shape()
         if n * k * 2 >= 2**31:
             raise InvalidInputError(f"{spec.RESOLVE}: topk has {n} x {k} entries; at most 2^30 - 1 a call")
         dev = hot_cache.device
@@ -222,14 +237,17 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
         threads = resolve_threads(k, h, want_threads)
         buckets = resolve_smem_buckets(max_union_rows, h)
-        smem = -(-(12 * buckets + 2 * h) // 16) * 16
+        smem = resolve_smem_bytes(buckets, h, build, self._backend._device_props()[2])
         gtab, gval = self._buffer(("hash", dev, n, k), lambda: (
             torch.empty(2 * n * k, dtype=torch.int64, device=dev), torch.empty(2 * n * k, dtype=torch.int32,
                                                                                device=dev)))
-        fn = self._function(dev, row_bytes, "hisparse_vllm_resolve")
+        sbt, rbt = source_block_table, resident_block_table
+        shape = vllm_resolve_shape_build(build, k, h, bs, source_block_size if sbt is not None else 1,
+                                         resident_block_size if rbt is not None else 1, buckets, threads) \
+            if per_shape else None
+        fn = self._function(dev, row_bytes, "hisparse_vllm_resolve", shape)
         fn.allow_dynamic_smem(smem)
         fn.prefer_carveout(carveout)
-        sbt, rbt = source_block_table, resident_block_table
         nr = request_state_indices.numel() if request_state_indices is not None else 0
         fn.launch((n, 1, 1), threads, smem, torch.cuda.current_stream(dev).cuda_stream, [
             _ptr(hot_block_table), _i64(hot_block_table.stride(0)), _i32(hot_block_table.shape[0]), _ptr(topk),

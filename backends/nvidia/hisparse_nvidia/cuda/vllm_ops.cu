@@ -53,7 +53,38 @@
 // then costs some three dependent loads and two barriers before its stores. A row that continues
 // its group learns so (rows r - 1 and r read together) before any load but its top-k row.
 #define VR_LEAN (HS_VR_FAST >= 2)
+// HS_VR_FAST 3 (HISPARSE_VLLM_RESOLVE=3) is 2 with shorter chains on steps with host entries:
+// - the request ids and state rows of rows r - 1, r and warp 0's rows come in two rounds, and every
+//   load whose address the state row gives (page-table entries, the LRU positions in one 8-byte load
+//   a thread, the hot-block row, the state row's whole hot-map row in 16-byte vectors) is issued in
+//   the third, before the group barrier (the classification after it waits on that round anyway):
+//   three dependent rounds before the first store, not five;
+// - the LRU walk looks the hot-map rows up in that shared copy (one coalesced round trip in all, not
+//   a scattered one after the LRU loads);
+// - a bucket's low word is marked held and its first reference kept with 32-bit atomics (native
+//   max / min; the 64-bit ones are compare-and-swap loops); its high word (the host row) never
+//   changes once claimed, so the word alone orders them as the 64-bit compare did;
+// - each thread writes its LRU positions' new places from registers straight after the scan (a
+//   slot's place follows from its rank among the hits or the evictables), skipping slots that stay
+//   where they are; the packed order goes through shared memory only on steps with misses, so a
+//   step without misses crosses four barriers after the group barrier, none after the scan.
+#define VR_DIRECT (HS_VR_FAST >= 3)
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
+// Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
+// are the call's top-k, hot rows, hot block size, source and resident block sizes, shared buckets
+// and threads, so divisions, power-of-two tests, bounds and loop trips fold at compile time. The
+// host builds one module per shape (the resolver only) and launches it only with those values.
+#if defined(VR_K) && !(defined(VR_H) && defined(VR_BS) && defined(VR_SBS) && defined(VR_RBS) && defined(VR_SB) && \
+                       defined(VR_NT))
+#error "a shape build defines VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT"
+#endif
+
+// The state row of request req; -1 for a padding row.
+__device__ __forceinline__ i32 vr_state(i32 req, const i32* rsi, i32 nr, i32 S) {
+    i32 q = req;
+    if (rsi != nullptr) q = (req >= 0 && req < nr) ? rsi[req] : -1;
+    return (q < 0 || q >= S) ? -1 : q;
+}
 
 // (request, state row) of batch row r; q = -1 for a padding row.
 __device__ __forceinline__ void vr_row(i32 r, const i32* request_ids, const i32* rsi, i32 nr, i32 S, i32& req,
@@ -146,7 +177,11 @@ __device__ __forceinline__ u32 vr_insert(u64* tab, u32 T, i32 g, i32 x, i32& fre
             }
         }
         if (static_cast<i32>(cur >> 32) == g) {
+#if VR_DIRECT
+            atomicMin(reinterpret_cast<u32*>(tab + b), static_cast<u32>(x));  // the low word (little-endian)
+#else
             atomicMin(reinterpret_cast<unsigned long long*>(tab + b), key);
+#endif
             return b;
         }
         b = b + 1 == T ? 0 : b + 1;
@@ -179,7 +214,9 @@ __device__ __forceinline__ i32 vr_attention(i32 row, i32 bs, i64 stride) {
 }
 
 // Grid: (batch rows, 1, 1); block: a multiple of 32 threads with at most 32 entries of a row and
-// 32 LRU positions each; dynamic shared memory: 12 * smem_buckets + 2 * H (rounded to 16) bytes.
+// 32 LRU positions each; dynamic shared memory: 12 * smem_buckets + 2 * H (rounded to 16) bytes (build 3
+// reads the hot-map row into shared memory where the size also covers 4 * H bytes from the first 16-byte
+// boundary past the buckets).
 // gtab / gval: [rows, 2 * K] buckets of global scratch, only touched by groups whose host entries
 // do not fit the shared table.
 extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
@@ -191,13 +228,25 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32* __restrict__ swap_host, i32* __restrict__ swap_dev, i32* __restrict__ swap_counts, i32* dgi, i16* lru,
     i32 S, i32 H, u64* __restrict__ stats, u64* gtab, i32* gval, i32 smem_buckets) {
     extern __shared__ __align__(16) unsigned char vr_smem[];
+#ifdef VR_K
+    K = VR_K;
+    H = VR_H;
+    bs = VR_BS;
+    sbs = VR_SBS;
+    rbs = VR_RBS;
+    smem_buckets = VR_SB;
+#endif
     u64* s_tab = reinterpret_cast<u64*>(vr_smem);
     i32* s_val = reinterpret_cast<i32*>(s_tab + smem_buckets);
     i16* ord = reinterpret_cast<i16*>(s_val + smem_buckets);
     __shared__ i32 s_group;
     // The next kernel (a gather's mark kernel, launched to overlap) waits for this grid before reading.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#ifdef VR_NT
+    const i32 r = blockIdx.x, tid = threadIdx.x, nt = VR_NT;
+#else
     const i32 r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+#endif
 #if VR_LEAN
     // The first round of row r's entries, issued before anything else (their addresses need nothing).
     i32 tv0[VR_B];
@@ -205,10 +254,26 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     for (i32 u = 0; u < VR_B; ++u) tv0[u] = tid + u * nt < K ? topk[static_cast<i64>(r) * K + tid + u * nt] : -1;
 #endif
     i32 req, q;
+#if VR_DIRECT
+    // Rows r - 1 and r, and warp 0's rows r - 1 .. r + 30 (the group's extent), in two rounds: every
+    // request id first, then every state row.
+    i32 pq = -2, wq = -1;  // row r - 1's state row (-2: none; never a q below); warp 0's row's
+    {
+        const i32 rr = r - 1 + tid;
+        const bool wl = tid < 32 && tid != 1 && rr >= 0 && rr < n;
+        req = request_ids != nullptr ? request_ids[r] : r;
+        const i32 preq = r > 0 ? (request_ids != nullptr ? request_ids[r - 1] : r - 1) : -1;
+        const i32 wreq = wl ? (request_ids != nullptr ? request_ids[rr] : rr) : -1;
+        q = vr_state(req, rsi, nr, S);
+        if (r > 0) pq = vr_state(preq, rsi, nr, S);
+        if (wl) wq = vr_state(wreq, rsi, nr, S);
+    }
+#else
     vr_row(r, request_ids, rsi, nr, S, req, q);
 #if VR_LEAN
     i32 preq, pq = -2;  // row r - 1's state row, read with row r's (-2: none; never a q below)
     if (r > 0) vr_row(r - 1, request_ids, rsi, nr, S, preq, pq);
+#endif
 #endif
     if (q < 0) {  // padding: -1 / 0 in the row's outputs, nothing else
         for (i32 i = tid; i < K; i += nt) {
@@ -232,10 +297,16 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     __shared__ i32 s_hbt[VR_HBT];
     const i32 nhb = vr_div(H + bs - 1, bs);
     const bool hcache = nhb <= VR_HBT;
+    const i64 hat = static_cast<i64>(min(max(req, 0), hbt_rows - 1)) * hbt_stride;
+#if VR_DIRECT
+    // One entry a thread where one round covers the row, stored under the group barrier.
+    const bool hreg = hcache && nhb <= nt;
+    const i32 hb0 = hreg && tid < nhb ? hbt[hat + tid] : 0;
+#else
     if (hcache) {
-        const i64 at = static_cast<i64>(min(max(req, 0), hbt_rows - 1)) * hbt_stride;
-        for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[at + c];
+        for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[hat + c];
     }
+#endif
     // Their page-table entries (row r is the group's first row whenever this block resolves), and the
     // shared hash of a one-row group cleared, all before the group barrier.
     i32 sb0[VR_B], rb0[VR_B];
@@ -262,9 +333,37 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32 sl0[VR_W];
     {
         const i16* lru_row = lru + static_cast<i64>(q) * H;
+#if VR_DIRECT
+        // One 8-byte load a thread where its positions are 4 aligned slots (block-uniform test).
+        if (cpt == 4 && VR_W == 4 && H % 4 == 0 && (reinterpret_cast<u64>(lru_row) & 7) == 0) {
+            uint2 v = make_uint2(0xffffffffu, 0xffffffffu);
+            if (p0 < p1) v = *reinterpret_cast<const uint2*>(lru_row + p0);
+            sl0[0] = static_cast<i16>(v.x & 0xffffu);
+            sl0[1] = static_cast<i16>(v.x >> 16);
+            sl0[2] = static_cast<i16>(v.y & 0xffffu);
+            sl0[3] = static_cast<i16>(v.y >> 16);
+        } else
+#endif
+        {
 #pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_row[p0 + u] : -1;
+            for (i32 u = 0; u < VR_W; ++u) sl0[u] = p0 + u < p1 ? lru_row[p0 + u] : -1;
+        }
     }
+#if VR_DIRECT
+    // The state row's hot-map row, whole, for the walk's lookups: 4 * H bytes from the first 16-byte
+    // boundary past the hash buckets, over s_val and the LRU order, which are first written after the
+    // walk (where the launch has room for it: the host grows it where it can); one 16-byte vector a
+    // thread where one round covers the row.
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    const u32 dgi_off = (8u * static_cast<u32>(smem_buckets) + 15u) & ~15u;
+    const bool sdgi = static_cast<u64>(dgi_off) + 4ull * static_cast<u32>(H) <= dyn_smem;
+    i32* s_dgi = reinterpret_cast<i32*>(vr_smem + dgi_off);
+    const i32* dgi_row = dgi + static_cast<i64>(q) * H;
+    const bool dvec = sdgi && H % 4 == 0 && 4 * nt >= H && (reinterpret_cast<u64>(dgi_row) & 15) == 0;
+    int4 dg0 = make_int4(-1, -1, -1, -1);
+    if (dvec && 4 * tid < H) dg0 = *reinterpret_cast<const int4*>(dgi_row + 4 * tid);
+#endif
 #else
     const i32 cpt = (H + nt - 1) / nt;
     const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
@@ -273,8 +372,13 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Warp 0 reads rows r - 1 .. r + 30 at once (one round of dependent loads, not one per row).
     if (tid < 32) {
         const i32 rr = r - 1 + tid;
-        i32 rq2, qq = -1;
+        i32 qq = -1;
+#if VR_DIRECT
+        qq = wq;
+#else
+        i32 rq2;
         if (rr >= 0 && rr < n && tid != 1) vr_row(rr, request_ids, rsi, nr, S, rq2, qq);
+#endif
         const u32 same = __ballot_sync(HS_FULL_MASK, tid == 1 || (rr >= 0 && rr < n && qq == q));
         if (tid == 0) {
             // Consecutive rows from r with state row q (bit 1 is r; bit 31 of same >> 1 is clear).
@@ -288,6 +392,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             s_group = (same & 1u) ? 0 : g;  // 0: r - 1 is of the same group
         }
     }
+#if VR_DIRECT
+    // The hot-map and hot-block rows go into shared memory under the group barrier (its classification
+    // waits on the same round of loads; held in registers past it they would spill).
+    if (dvec && 4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
+    if (hreg && tid < nhb) s_hbt[tid] = hb0;
+#endif
     __syncthreads();
     if (s_group == 0) return;  // resolved by the block of its group's first row
 #else
@@ -448,8 +558,23 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const bool lean_scan = VR_LEAN && H < 32768;
 #if VR_LEAN
     i32 cached0[VR_W];
+#if VR_DIRECT
+    // The rows not stored under the group barrier (more than one round of them) are read now (the
+    // barrier below publishes them).
+    if (sdgi && !dvec) {
+        for (i32 c = tid; c < H; c += nt) s_dgi[c] = dgi_q[c];
+    }
+    if (hcache && !hreg) {
+        for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[hat + c];
+    }
+    if (!sdgi) {
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
+    }
+#else
 #pragma unroll
     for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? dgi_q[sl0[u]] : -1;
+#endif
 #endif
     i32 U = 0;
     if (lean_scan) {
@@ -457,6 +582,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     } else {
         vr_scan(fresh, U);  // distinct host rows (its barriers also order the inserts before the walk)
     }
+#if VR_DIRECT
+    if (sdgi) {
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) cached0[u] = (sl0[u] >= 0 && sl0[u] < H) ? s_dgi[sl0[u]] : -1;
+    }
+#endif
 
     // ---- 3. the LRU walk -----------------------------------------------------------------------
     u32 hitbits = 0;
@@ -477,12 +608,48 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #pragma unroll
             for (i32 u = 0; u < VR_W; ++u) sl[u] = pb + u < p1 ? lru_q[pb + u] : -1;
 #pragma unroll
-            for (i32 u = 0; u < VR_W; ++u) cached[u] = (sl[u] >= 0 && sl[u] < H) ? dgi_q[sl[u]] : -1;
+            for (i32 u = 0; u < VR_W; ++u) {
+                const bool in = sl[u] >= 0 && sl[u] < H;
+#if VR_DIRECT
+                cached[u] = in ? (sdgi ? s_dgi[sl[u]] : dgi_q[sl[u]]) : -1;
+#else
+                cached[u] = in ? dgi_q[sl[u]] : -1;
+#endif
+            }
         }
         if (pb == p0) {
 #pragma unroll
             for (i32 u = 0; u < VR_W; ++u) slc[u] = sl[u];
         }
+#if VR_DIRECT
+        // A bucket of the shared table is probed and marked with shared-memory instructions (the
+        // table pointer is generic where it may be the global one).
+        auto probe = [&](u64* t, i32 c, i32 p, i32 slot) -> bool {
+            u32 b = vr_hash(c, T);
+            while (true) {
+                const u64 cur = t[b];
+                if (cur == VR_EMPTY) return false;
+                if (static_cast<i32>(cur >> 32) == c) {
+                    // The last hit position in LRU order wins (its slot is what the entries output).
+                    const u32 was = atomicMax(reinterpret_cast<u32*>(t + b),  // the low word (little-endian)
+                                              VR_HELD | (static_cast<u32>(p) << 15) | static_cast<u32>(slot));
+                    held += (was & VR_HELD) ? 0 : 1;
+                    return true;
+                }
+                b = b + 1 == T ? 0 : b + 1;
+            }
+        };
+        const bool tsm = tab == s_tab;  // block-uniform
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            if (cached[u] < 0) continue;
+            const i32 p = pb + u;
+            if (tsm ? probe(s_tab, cached[u], p, sl[u]) : probe(tab, cached[u], p, sl[u])) {
+                hitbits |= 1u << (p - p0);
+                ++hits;
+            }
+        }
+#else
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) {
             if (cached[u] < 0) continue;
@@ -504,6 +671,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 b = b + 1 == T ? 0 : b + 1;
             }
         }
+#endif
     }
     i32 nHeld, nH, hbefore;
     if (lean_scan) {
@@ -520,7 +688,28 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
     const i32 misses = U - nHeld;  // union rows not held
     const i32 nE = H - nH;
-    {
+    // Direct: one round covered this thread's positions (slots in slc), and every read of the LRU row
+    // came before the scan's barriers, so the new order E[used:] + E[:used] + hits is written from
+    // registers now: evictable e goes to e - used (e >= used) or e + nE - used, hit h to nE + h (miss
+    // m takes E[m] and the misses are misses = M in all). A slot that keeps its place is not stored.
+    const bool direct = VR_DIRECT && cpt <= VR_W;  // block-uniform
+    if (direct) {
+        const i32 used = min(misses, nE);
+        i32 hr = hbefore, er = p0 - hbefore;
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            if (p0 + u >= p1) break;
+            i32 to;
+            if ((hitbits >> u) & 1u) {
+                to = nE + hr++;
+            } else {
+                const i32 e = er++;
+                to = e >= used ? e - used : e + nE - used;
+            }
+            if (to != p0 + u) lru_q[to] = static_cast<i16>(slc[u]);
+        }
+    }
+    if (!direct || misses > 0) {  // the packed order in shared memory: the misses' evictable slots
         i32 hr = hbefore, er = p0 - hbefore;
         if (HS_VR_FAST && cpt <= VR_W) {
 #pragma unroll
@@ -543,8 +732,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 }
             }
         }
+        __syncthreads();
     }
-    __syncthreads();
 
     // The hot row of `slot` for request rq (a one-row group's from the shared copy of its hot blocks).
     auto hot_row = [&](i32 rq, i32 slot) -> i32 {
@@ -633,7 +822,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
     const i32 M = m_before;
     const i32 used = min(M, nE);
-    for (i32 p = tid; p < H; p += nt) {
+    for (i32 p = tid; p < H && !direct; p += nt) {
         i16 s;
         if (p < nE - used) {
             s = ord[used + p];
@@ -650,6 +839,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     }
 }
 
+#ifndef VR_K  // a shape build holds the resolver alone
 // The taken entries of a gather, appended to `list` (list_n[0] their number), each destination
 // marked with the largest {epoch, entry} naming it.
 //   mode 0 (gather_compact): grid (rows); entries j < clamp(counts[r], 0, K) of row r.
@@ -1034,3 +1224,4 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_invalidate(
         if (row[s] == static_cast<i32>(w)) row[s] = -1;
     }
 }
+#endif  // VR_K

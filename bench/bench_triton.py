@@ -61,13 +61,14 @@ def variant_env(variant: str) -> dict[str, str | None]:
     name, *knobs = variant.split(":")
     env: dict[str, str | None] = {shapes.RESOLVER_ENV: name, shapes.THREADS_ENV: None, shapes.PLAN_PER_SM_ENV: None,
                                   shapes.FUSE_ENV: None, shapes.LEAN_ENV: None, shapes.PLAN_ENTRIES_ENV: None,
-                                  shapes.CAS_ENV: None}
+                                  shapes.CAS_ENV: None, shapes.SCAN_ENV: None}
     for knob in knobs:
         key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV, "f": shapes.FUSE_ENV,
-               "l": shapes.LEAN_ENV, "e": shapes.PLAN_ENTRIES_ENV, "c": shapes.CAS_ENV}.get(knob[:1])
+               "l": shapes.LEAN_ENV, "e": shapes.PLAN_ENTRIES_ENV, "c": shapes.CAS_ENV,
+               "s": shapes.SCAN_ENV}.get(knob[:1])
         if key is None:
             raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM, f0/f1, l0/l1, "
-                             f"eENTRIES or c0/c1")
+                             f"eENTRIES, c0/c1 or s0/s1")
         env[key] = knob[1:]
     try:
         shapes.tuning({k: v for k, v in env.items() if v is not None})

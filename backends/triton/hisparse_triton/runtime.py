@@ -75,7 +75,7 @@ class TritonRuntime(CacheRuntime):
                                     f"{'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} or later on ROCm; found "
                                     f"Triton {triton.__version__}")
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
-                                      lean=tune.lean, cas=tune.cas)
+                                      lean=tune.lean, cas=tune.cas, scan=tune.scan)
         self._resolver = kernels.KERNELS[shape.kernel]
         self._resolver_name = shape.kernel
         self._gather_resolver = shape.variant == "gather"

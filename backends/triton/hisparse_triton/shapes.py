@@ -70,6 +70,13 @@ PLAN_ENTRIES = (4, 8, 16, 32)
 #: of a read, a store, a barrier, a read back and a barrier (`kernels.resolve_gather_kernel`, CAS),
 #: aimed at small batches' miss steps; 0, the default. Not yet timed on a GPU.
 CAS_ENV = "HISPARSE_TRITON_CAS"
+#: 1: the gather resolver's prefix sums over a group's entries and over the hot rows are two-level
+#: (`SCAN_ROWS` rows: a scan within each row, the row totals' exclusive sums as one masked sum)
+#: instead of one `tl.associative_scan` across the whole program, whose lowering walks every warp's
+#: partial sum in each thread (about 480 instructions a warp for 4,096 lanes at 32 warps, against
+#: about 120 two-level, compiled for sm_90); 0, the default. Not yet timed on a GPU.
+SCAN_ENV = "HISPARSE_TRITON_SCAN"
+SCAN_ROWS = 32
 #: Triton 3.6's ROCm lowering of a scattered `atomic_cas` with several lanes a thread fails
 #: ("'llvm.extractvalue' op Type mismatch"); 3.9 compiles it. No release between was tried.
 CAS_MIN_TRITON_ROCM = (3, 9)
@@ -101,12 +108,12 @@ class Tuning:
     lean: bool = True
     plan_entries: int = COPY_ENTRIES
     cas: bool = False
+    scan: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
-    `PLAN_ENTRIES_ENV`, `CAS_ENV`); one clear error
-    per bad value."""
+    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`); one clear error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -121,15 +128,17 @@ def tuning(env: dict[str, str]) -> Tuning:
     fuse = env.get(FUSE_ENV) or "0"
     lean = env.get(LEAN_ENV) or "1"
     cas = env.get(CAS_ENV) or "0"
-    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas)):
+    scan = env.get(SCAN_ENV) or "0"
+    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas), (SCAN_ENV, scan)):
         if value not in ("0", "1"):
             raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
         raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
-    if cas == "1" and resolver != "gather":
-        raise InvalidInputError(f"{CAS_ENV}={cas!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
+    for key, value in ((CAS_ENV, cas), (SCAN_ENV, scan)):
+        if value == "1" and resolver != "gather":
+            raise InvalidInputError(f"{key}={value!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
-                  cas == "1")
+                  cas == "1", scan == "1")
 
 
 def pow2(n: int) -> int:
@@ -160,6 +169,7 @@ class ResolverShape:
     pt: int = 0  # page-table lanes read whole (0: gathered from global memory)
     lean: bool = True  # the gather resolver's LEAN build, where its lanes fit (`constexprs`)
     cas: bool = False  # the gather resolver claims buckets by compare-and-swap (`CAS_ENV`)
+    scan: bool = False  # the gather resolver's two-level prefix sums (`SCAN_ENV`)
 
     @property
     def kernel(self) -> str:
@@ -172,7 +182,7 @@ class ResolverShape:
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
         return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, PT=self.pt,
                     HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits),
-                    CAS=int(self.cas))
+                    CAS=int(self.cas), SR=min(SCAN_ROWS, self.kp, self.hp) if self.scan else 1)
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
@@ -198,7 +208,8 @@ def resolver_variant(name: str | None) -> str:
 
 
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
-                   threads: int | None = None, lean: bool = True, cas: bool = False) -> ResolverShape:
+                   threads: int | None = None, lean: bool = True, cas: bool = False,
+                   scan: bool = False) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
@@ -215,7 +226,8 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     pages = pow2(config.max_pages)
     pt = max(pages, floor["PT"]) if pages <= MAX_TABLE_LANES else 0
     variant = resolver_variant(variant)
-    return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather")
+    return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
+                         scan and variant == "gather")
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -234,8 +246,9 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     (one resolver build per variant of `variants`). `lru_dtype` is `i16` for vLLM's op set, whose
     LRU is int16 (and which writes the miss mask)."""
     resolvers = [resolver_shape(config, variant=v) for v in variants]
-    if "gather" in variants:  # the CAS variant's build (unfused), so its targets are known to compile
+    if "gather" in variants:  # the CAS and SCAN variants' builds (unfused), so their targets are known to compile
         resolvers.append(resolver_shape(config, variant="gather", cas=True))
+        resolvers.append(resolver_shape(config, variant="gather", scan=True))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)

@@ -275,7 +275,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                           KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                           LOG_TP: tl.constexpr, MASK: tl.constexpr, PT: tl.constexpr, HG: tl.constexpr,
                           LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr,
-                          LEAN: tl.constexpr, CAS: tl.constexpr = 0, SR: tl.constexpr = 1):
+                          LEAN: tl.constexpr, CAS: tl.constexpr = 0, SH: tl.constexpr = 1, SK: tl.constexpr = 1):
     """`resolve_kernel`'s results, with fewer scattered global accesses on the path of a GPU program:
 
     - the state row's page-table rows (`PT` lanes, 0: gathered from global memory), hot-map row and
@@ -377,7 +377,8 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         else:
             ee = jj[:, None] * KP + cc[None, :]  # entry index in first-reference order
             ii = tl.arange(0, HP)
-            sr = tl.arange(0, SR)  # the rows of a two-level scan (SR > 1)
+            shr = tl.arange(0, SH)  # the rows of the two-level scans over the hot rows (SH > 1)
+            skr = tl.arange(0, SK)  # and over a row's entries (SK > 1)
             smask = ii < H
             order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
             slot_ok = smask & (order >= 0) & (order < H)
@@ -407,10 +408,10 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     hit_pos = slot_ok & (tl.load(mk + order, mask=slot_ok, other=0) != 0)
                     tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=hit_pos)
                 hit_i = hit_pos.to(tl.int32)
-                if SR > 1:
-                    h2 = tl.reshape(hit_i, (SR, HP // SR))
+                if SH > 1:
+                    h2 = tl.reshape(hit_i, (SH, HP // SH))
                     h_tot = tl.reduce(h2, 1, _SUM)
-                    h_off = tl.reduce(tl.where(sr[None, :] < sr[:, None], h_tot[None, :], 0), 1, _SUM)
+                    h_off = tl.reduce(tl.where(shr[None, :] < shr[:, None], h_tot[None, :], 0), 1, _SUM)
                     h_rank = tl.reshape(tl.associative_scan(h2, 1, _SUM) - h2 + h_off[:, None], (HP,))
                 else:
                     h_rank = tl.associative_scan(hit_i, 0, _SUM) - hit_i
@@ -521,17 +522,19 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 n_miss = tl.reduce(row_miss, 0, _SUM)
                 evict_pos = smask & ~hit_pos
                 ev = evict_pos.to(tl.int32)
-                if SR > 1:
-                    m3 = tl.reshape(mf, (GP, SR, KP // SR))
-                    m_tot = tl.reduce(m3, 2, _SUM)  # [GP, SR]
-                    m_off = tl.reduce(tl.where(sr[None, None, :] < sr[None, :, None], m_tot[:, None, :], 0), 2, _SUM)
+                if SK > 1:
+                    m3 = tl.reshape(mf, (GP, SK, KP // SK))
+                    m_tot = tl.reduce(m3, 2, _SUM)  # [GP, SK]
+                    m_off = tl.reduce(tl.where(skr[None, None, :] < skr[None, :, None], m_tot[:, None, :], 0), 2, _SUM)
                     in_row = tl.reshape(tl.associative_scan(m3, 2, _SUM) - m3 + m_off[:, :, None], (GP, KP))
-                    e2 = tl.reshape(ev, (SR, HP // SR))
-                    e_tot = tl.reduce(e2, 1, _SUM)
-                    e_off = tl.reduce(tl.where(sr[None, :] < sr[:, None], e_tot[None, :], 0), 1, _SUM)
-                    e_rank = tl.reshape(tl.associative_scan(e2, 1, _SUM) - e2 + e_off[:, None], (HP,))
                 else:
                     in_row = tl.associative_scan(mf, 1, _SUM) - mf
+                if SH > 1:
+                    e2 = tl.reshape(ev, (SH, HP // SH))
+                    e_tot = tl.reduce(e2, 1, _SUM)
+                    e_off = tl.reduce(tl.where(shr[None, :] < shr[:, None], e_tot[None, :], 0), 1, _SUM)
+                    e_rank = tl.reshape(tl.associative_scan(e2, 1, _SUM) - e2 + e_off[:, None], (HP,))
+                else:
                     e_rank = tl.associative_scan(ev, 0, _SUM) - ev
                 m_rank = tl.associative_scan(row_miss, 0, _SUM)[:, None] - row_miss[:, None] + in_row
                 n_evict = tl.reduce(ev, 0, _SUM)

@@ -74,15 +74,15 @@ class TritonRuntime(CacheRuntime):
             raise InvalidInputError(f"{shapes.CAS_ENV}='1' needs Triton "
                                     f"{'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} or later on ROCm; found "
                                     f"Triton {triton.__version__}")
+        lanes = warp_size(device)
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
-                                      lean=tune.lean, cas=tune.cas, scan=tune.scan)
+                                      lean=tune.lean, cas=tune.cas, scan=tune.scan, warp_size=lanes)
         self._resolver = kernels.KERNELS[shape.kernel]
         self._resolver_name = shape.kernel
         self._gather_resolver = shape.variant == "gather"
         self._fuse = tune.fuse
         self._fuse_meta = {f: shape.fuse_constexprs(config, fused=f, interpreted=cpu) for f in (False, True)}
         kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
-        lanes = warp_size(device)
         self._meta: dict[str, int] = dict(shape.constexprs)
         if not cpu:
             self._meta["num_warps"] = shape.num_warps(lanes)

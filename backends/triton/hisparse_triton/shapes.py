@@ -71,12 +71,16 @@ PLAN_ENTRIES = (4, 8, 16, 32)
 #: aimed at small batches' miss steps; 0, the default. Not yet timed on a GPU.
 CAS_ENV = "HISPARSE_TRITON_CAS"
 #: 1: the gather resolver's prefix sums over a group's entries and over the hot rows are two-level
-#: (`SCAN_ROWS` rows: a scan within each row, the row totals' exclusive sums as one masked sum)
-#: instead of one `tl.associative_scan` across the whole program, whose lowering walks every warp's
-#: partial sum in each thread (about 480 instructions a warp for 4,096 lanes at 32 warps, against
-#: about 120 two-level, compiled for sm_90); 0, the default. Not yet timed on a GPU.
+#: (rows of one warp's lanes: a scan within each row, the row totals' exclusive sums as one masked
+#: sum) instead of one `tl.associative_scan` across the program, whose lowering walks every warp's
+#: partial sum in each thread. The resolver is bound by the instructions it issues (call G1 of the
+#: 14th session, 34 misses x 8: 2,350 instructions a warp at 15.8 cycles each, 20.9 us); its sm_90
+#: build (Triton 3.6) has 2,928 SASS instructions, 1,880 with two-level scans (the miss path about
+#: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the default; not yet timed on a GPU.
 SCAN_ENV = "HISPARSE_TRITON_SCAN"
-SCAN_ROWS = 32
+#: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
+#: small geometries of the tests still scan several rows).
+INTERPRETED_SCAN_ROW = 4
 #: Triton 3.6's ROCm lowering of a scattered `atomic_cas` with several lanes a thread fails
 #: ("'llvm.extractvalue' op Type mismatch"); 3.9 compiles it. No release between was tried.
 CAS_MIN_TRITON_ROCM = (3, 9)
@@ -169,7 +173,7 @@ class ResolverShape:
     pt: int = 0  # page-table lanes read whole (0: gathered from global memory)
     lean: bool = True  # the gather resolver's LEAN build, where its lanes fit (`constexprs`)
     cas: bool = False  # the gather resolver claims buckets by compare-and-swap (`CAS_ENV`)
-    scan: bool = False  # the gather resolver's two-level prefix sums (`SCAN_ENV`)
+    scan_row: int = 0  # lanes of one row of the two-level prefix sums (`SCAN_ENV`; 0: one scan)
 
     @property
     def kernel(self) -> str:
@@ -182,7 +186,8 @@ class ResolverShape:
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
         return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, PT=self.pt,
                     HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits),
-                    CAS=int(self.cas), SR=min(SCAN_ROWS, self.kp, self.hp) if self.scan else 1)
+                    CAS=int(self.cas), SH=max(1, self.hp // self.scan_row) if self.scan_row else 1,
+                    SK=max(1, self.kp // self.scan_row) if self.scan_row else 1)
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
@@ -209,7 +214,7 @@ def resolver_variant(name: str | None) -> str:
 
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
                    threads: int | None = None, lean: bool = True, cas: bool = False,
-                   scan: bool = False) -> ResolverShape:
+                   scan: bool = False, warp_size: int = 1) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
@@ -226,8 +231,9 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     pages = pow2(config.max_pages)
     pt = max(pages, floor["PT"]) if pages <= MAX_TABLE_LANES else 0
     variant = resolver_variant(variant)
+    scan_row = (warp_size if compiled else INTERPRETED_SCAN_ROW) if scan and variant == "gather" else 0
     return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
-                         scan and variant == "gather")
+                         scan_row)
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -248,7 +254,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     resolvers = [resolver_shape(config, variant=v) for v in variants]
     if "gather" in variants:  # the CAS and SCAN variants' builds (unfused), so their targets are known to compile
         resolvers.append(resolver_shape(config, variant="gather", cas=True))
-        resolvers.append(resolver_shape(config, variant="gather", scan=True))
+        resolvers.append(resolver_shape(config, variant="gather", scan=True, warp_size=warp_size))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)

@@ -25,8 +25,9 @@ cell's outputs and hot state are compared between the two backends (they must be
 plan-copy kernel is launched; 0, the default: the plan-copy kernel, `HISPARSE_TRITON_FUSE_COPY`) and
 `:l0` / `:l1` (the gather resolver's LEAN build, the default: `HISPARSE_TRITON_LEAN`) and `:eN` (plan
 entries a plan-copy program moves per chunk, 4/8/16/32: `HISPARSE_TRITON_PLAN_ENTRIES`) and `:c0` / `:c1`
-(1: the gather resolver claims hash buckets by compare-and-swap, `HISPARSE_TRITON_CAS`), set while its
-runtimes are built. `scratch:p4` is the backend as it was before the gather resolver, `gather:f1:l0`
+(1: the gather resolver claims hash buckets by compare-and-swap, `HISPARSE_TRITON_CAS`), `:s0` / `:s1`
+(1: two-level prefix sums, `HISPARSE_TRITON_SCAN`) and `:b0` / `:b1` (1: block and offset by shift and
+mask for a power-of-two block size, `HISPARSE_TRITON_SHIFT`), set while its runtimes are built. `scratch:p4` is the backend as it was before the gather resolver, `gather:f1:l0`
 the default of call G3.
 
 Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia backend
@@ -53,7 +54,7 @@ SWEEP_BATCHES = (1, 8, 64, 128)
 
 
 def variant_env(variant: str) -> dict[str, str | None]:
-    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB]` sets while its runtimes are built (None: unset),
+    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB][:sB][:bB]` sets while its runtimes are built (None: unset),
     checked by the backend's own parser; ValueError naming the bad part."""
     from hisparse_core.errors import InvalidInputError
     from hisparse_triton import shapes
@@ -61,14 +62,14 @@ def variant_env(variant: str) -> dict[str, str | None]:
     name, *knobs = variant.split(":")
     env: dict[str, str | None] = {shapes.RESOLVER_ENV: name, shapes.THREADS_ENV: None, shapes.PLAN_PER_SM_ENV: None,
                                   shapes.FUSE_ENV: None, shapes.LEAN_ENV: None, shapes.PLAN_ENTRIES_ENV: None,
-                                  shapes.CAS_ENV: None, shapes.SCAN_ENV: None}
+                                  shapes.CAS_ENV: None, shapes.SCAN_ENV: None, shapes.SHIFT_ENV: None}
     for knob in knobs:
         key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV, "f": shapes.FUSE_ENV,
                "l": shapes.LEAN_ENV, "e": shapes.PLAN_ENTRIES_ENV, "c": shapes.CAS_ENV,
-               "s": shapes.SCAN_ENV}.get(knob[:1])
+               "s": shapes.SCAN_ENV, "b": shapes.SHIFT_ENV}.get(knob[:1])
         if key is None:
             raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM, f0/f1, l0/l1, "
-                             f"eENTRIES, c0/c1 or s0/s1")
+                             f"eENTRIES, c0/c1, s0/s1 or b0/b1")
         env[key] = knob[1:]
     try:
         shapes.tuning({k: v for k, v in env.items() if v is not None})
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: the whole sweep)")
     ap.add_argument("--variants", default="gather", metavar="V[,V]",
                     help="triton variants to time, each "
-                         "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1] "
+                         "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1][:s0|:s1][:b0|:b1] "
                          "(e.g. gather,gather:l0,gather:c1,scratch:p4); "
                          "the first is 'triton us'")
     args = ap.parse_args(argv)

@@ -266,16 +266,17 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
 
 
 @triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "dst_block_stride", "W",
-                               "row_bytes", "dev_rows"])
+                               "row_bytes", "dev_rows", "LBS"])
 def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
                           out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
                           tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
                           B, P, HB, R, K, G_MAX, BS, H, host_limit,
-                          src, dst, dst_block_stride, W, row_bytes, dev_rows,
+                          src, dst, dst_block_stride, W, row_bytes, dev_rows, LBS,
                           KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                           LOG_TP: tl.constexpr, MASK: tl.constexpr, PT: tl.constexpr, HG: tl.constexpr,
                           LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr,
-                          LEAN: tl.constexpr, CAS: tl.constexpr = 0, SH: tl.constexpr = 1, SK: tl.constexpr = 1):
+                          LEAN: tl.constexpr, CAS: tl.constexpr = 0, SH: tl.constexpr = 1, SK: tl.constexpr = 1,
+                          SB: tl.constexpr = 0):
     """`resolve_kernel`'s results, with fewer scattered global accesses on the path of a GPU program:
 
     - the state row's page-table rows (`PT` lanes, 0: gathered from global memory), hot-map row and
@@ -301,7 +302,12 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
     - with `CAS` (`shapes.CAS_ENV`), a candidate claims its bucket with one compare-and-swap a round
       (placed where the bucket was empty or already held its row) instead of a read, a store, a
       barrier, a read back and a second barrier: a filled bucket never changes, so lanes of one row
-      walk the same buckets and stop at the same one, as in the default claim."""
+      walk the same buckets and stop at the same one, as in the default claim;
+    - with `SH` / `SK` > 1 (`shapes.SCAN_ENV`), the prefix sums over the hot rows / a row's entries are
+      two-level: `SH` (`SK`) rows of one warp's lanes, a scan within each row and the row totals'
+      exclusive sums as one masked sum, instead of one scan across every warp of the program;
+    - with `SB` (`shapes.SHIFT_ENV`, a block size `BS = 2^LBS`), block and offset of a position or a
+      slot are a shift and a mask, not a division by the runtime `BS`."""
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -340,8 +346,12 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         sl = tl.where(rmask, sl_all, 0)
         in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < ctx)
         pos = tl.where(in_ctx, t, 0)
-        page = pos // BS
-        off = pos % BS
+        if SB:  # BS = 2^LBS: a shift and a mask (a division by a runtime BS is about 20 instructions a lane)
+            page = pos >> LBS
+            off = pos & (BS - 1)
+        else:
+            page = pos // BS
+            off = pos % BS
         if LEAN:
             hh = tl.arange(0, HP)
             hot_row = tl.load(hot_table + q * HB + hh, mask=hh < HB, other=0)  # HB <= H <= HP
@@ -422,12 +432,18 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     tl.atomic_add(stats + 1, n_hit.to(tl.int64))
                 new_pos = tl.where(hit_pos, H - n_hit + h_rank, ii - h_rank)
                 tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
+                if SB:  # (hint >= 0 wherever it is used)
+                    hint_blk = hint >> LBS
+                    hint_off = hint & (BS - 1)
+                else:
+                    hint_blk = hint // BS
+                    hint_off = hint % BS
                 if LEAN:
-                    hb_idx = tl.reshape(tl.where(hint_hit, hint // BS, 0), (GP * KP,))
+                    hb_idx = tl.reshape(tl.where(hint_hit, hint_blk, 0), (GP * KP,))
                     hot_blk = tl.where(hint_hit, tl.reshape(tl.gather(hot_row, hb_idx, 0), (GP, KP)), 0)
                 else:
-                    hot_blk = tl.load(hot_base + hint // BS, mask=hint_hit, other=0)
-                tl.store(out_rows + entry_ptr, tl.where(hint_hit, hot_blk * BS + hint % BS, -1), mask=is_host)
+                    hot_blk = tl.load(hot_base + hint_blk, mask=hint_hit, other=0)
+                tl.store(out_rows + entry_ptr, tl.where(hint_hit, hot_blk * BS + hint_off, -1), mask=is_host)
                 if MASK:
                     tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
                 clear = emask & (cc[None, :] < old_plan[:, None])
@@ -571,21 +587,31 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     tl.debug_barrier()
                     slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
                 e_ok = is_host & (slot >= 0) & (slot < H)
+                if SB:  # (slot >= 0 where e_ok, victim >= 0 where vok)
+                    slot_blk = slot >> LBS
+                    slot_off = slot & (BS - 1)
+                    vic_blk = victim >> LBS
+                    vic_off = victim & (BS - 1)
+                else:
+                    slot_blk = slot // BS
+                    slot_off = slot % BS
+                    vic_blk = victim // BS
+                    vic_off = victim % BS
                 if LEAN:
                     hot_blk = tl.where(e_ok, tl.reshape(tl.gather(
-                        hot_row, tl.reshape(tl.where(e_ok, slot // BS, 0), (GP * KP,)), 0), (GP, KP)), 0)
+                        hot_row, tl.reshape(tl.where(e_ok, slot_blk, 0), (GP * KP,)), 0), (GP, KP)), 0)
                 else:
-                    hot_blk = tl.load(hot_base + slot // BS, mask=e_ok, other=0)
-                tl.store(out_rows + entry_ptr, tl.where(e_ok, hot_blk * BS + slot % BS, -1), mask=is_host)
+                    hot_blk = tl.load(hot_base + slot_blk, mask=e_ok, other=0)
+                tl.store(out_rows + entry_ptr, tl.where(e_ok, hot_blk * BS + slot_off, -1), mask=is_host)
                 tl.store(hint_ptr, slot, mask=cand & e_ok)
                 if LEAN:
                     vblk = tl.where(vok, tl.reshape(tl.gather(
-                        hot_row, tl.reshape(tl.where(vok, victim // BS, 0), (GP * KP,)), 0), (GP, KP)), 0)
+                        hot_row, tl.reshape(tl.where(vok, vic_blk, 0), (GP * KP,)), 0), (GP, KP)), 0)
                 else:
-                    vblk = tl.load(hot_base + victim // BS, mask=vok, other=0)
+                    vblk = tl.load(hot_base + vic_blk, mask=vok, other=0)
                 plan_ptr = row[:, None] * K + in_row
                 tl.store(plan_host + plan_ptr, host_row, mask=mflag)
-                tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + victim % BS, -1), mask=mflag)
+                tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
                 if MASK:
                     tl.store(miss_mask + entry_ptr, vok.to(tl.int32), mask=emask)
                 tail = emask & (cc[None, :] >= row_miss[:, None]) & (cc[None, :] < old_plan[:, None])

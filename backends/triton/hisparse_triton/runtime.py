@@ -76,7 +76,8 @@ class TritonRuntime(CacheRuntime):
                                     f"Triton {triton.__version__}")
         lanes = warp_size(device)
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
-                                      lean=tune.lean, cas=tune.cas, scan=tune.scan, warp_size=lanes)
+                                      lean=tune.lean, cas=tune.cas, scan=tune.scan, shift=tune.shift,
+                                      warp_size=lanes)
         self._resolver = kernels.KERNELS[shape.kernel]
         self._resolver_name = shape.kernel
         self._gather_resolver = shape.variant == "gather"
@@ -270,6 +271,7 @@ class TritonRuntime(CacheRuntime):
                 copy_args = (self._host[0], dev, dev.stride(0), self._words, cfg.row_format.row_bytes, self._dev_rows)
             else:  # never read (FUSE=0)
                 copy_args = (out.valid_counts, out.valid_counts, 0, 0, 0, 0)
+            copy_args += (cfg.block_size.bit_length() - 1,)  # LBS: read only where the block size is 2^LBS (SB)
         try:
             kernels.launch(
                 self._resolver, self._resolver_name, (cfg.max_batch_rows,),

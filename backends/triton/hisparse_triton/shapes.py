@@ -78,6 +78,11 @@ CAS_ENV = "HISPARSE_TRITON_CAS"
 #: build (Triton 3.6) has 2,928 SASS instructions, 1,880 with two-level scans (the miss path about
 #: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the default; not yet timed on a GPU.
 SCAN_ENV = "HISPARSE_TRITON_SCAN"
+#: 1: where the block size is a power of two, the gather resolver takes a position's or a slot's
+#: block and offset with a shift and a mask (`SB`, the shift a runtime argument) instead of a
+#: division by the runtime block size (about 20 instructions a lane, four such divisions on a miss
+#: step); one more build per configuration (power of two or not). 0, the default; not yet timed.
+SHIFT_ENV = "HISPARSE_TRITON_SHIFT"
 #: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
 #: small geometries of the tests still scan several rows).
 INTERPRETED_SCAN_ROW = 4
@@ -113,11 +118,12 @@ class Tuning:
     plan_entries: int = COPY_ENTRIES
     cas: bool = False
     scan: bool = False
+    shift: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
-    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`); one clear error per bad value."""
+    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`); one clear error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -133,16 +139,17 @@ def tuning(env: dict[str, str]) -> Tuning:
     lean = env.get(LEAN_ENV) or "1"
     cas = env.get(CAS_ENV) or "0"
     scan = env.get(SCAN_ENV) or "0"
-    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas), (SCAN_ENV, scan)):
+    shift = env.get(SHIFT_ENV) or "0"
+    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift)):
         if value not in ("0", "1"):
             raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
         raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
-    for key, value in ((CAS_ENV, cas), (SCAN_ENV, scan)):
+    for key, value in ((CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift)):
         if value == "1" and resolver != "gather":
             raise InvalidInputError(f"{key}={value!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
-                  cas == "1", scan == "1")
+                  cas == "1", scan == "1", shift == "1")
 
 
 def pow2(n: int) -> int:
@@ -174,6 +181,7 @@ class ResolverShape:
     lean: bool = True  # the gather resolver's LEAN build, where its lanes fit (`constexprs`)
     cas: bool = False  # the gather resolver claims buckets by compare-and-swap (`CAS_ENV`)
     scan_row: int = 0  # lanes of one row of the two-level prefix sums (`SCAN_ENV`; 0: one scan)
+    shift: bool = False  # block and offset by shift and mask (`SHIFT_ENV`, a power-of-two block size)
 
     @property
     def kernel(self) -> str:
@@ -187,7 +195,7 @@ class ResolverShape:
         return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, PT=self.pt,
                     HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits),
                     CAS=int(self.cas), SH=max(1, self.hp // self.scan_row) if self.scan_row else 1,
-                    SK=max(1, self.kp // self.scan_row) if self.scan_row else 1)
+                    SK=max(1, self.kp // self.scan_row) if self.scan_row else 1, SB=int(self.shift))
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
@@ -214,7 +222,7 @@ def resolver_variant(name: str | None) -> str:
 
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
                    threads: int | None = None, lean: bool = True, cas: bool = False,
-                   scan: bool = False, warp_size: int = 1) -> ResolverShape:
+                   scan: bool = False, shift: bool = False, warp_size: int = 1) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
@@ -232,8 +240,9 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     pt = max(pages, floor["PT"]) if pages <= MAX_TABLE_LANES else 0
     variant = resolver_variant(variant)
     scan_row = (warp_size if compiled else INTERPRETED_SCAN_ROW) if scan and variant == "gather" else 0
+    bs = config.block_size
     return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
-                         scan_row)
+                         scan_row, shift and variant == "gather" and bs & (bs - 1) == 0)
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -254,7 +263,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     resolvers = [resolver_shape(config, variant=v) for v in variants]
     if "gather" in variants:  # the CAS and SCAN variants' builds (unfused), so their targets are known to compile
         resolvers.append(resolver_shape(config, variant="gather", cas=True))
-        resolvers.append(resolver_shape(config, variant="gather", scan=True, warp_size=warp_size))
+        resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -280,7 +289,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
                   "H": "i32", "HP": "constexpr"}
     inval_warps = max(1, min(MAX_THREADS, pow2(config.hot_rows) // 4) // warp_size)
     gather_sig = {"src": f"*{word}", "dst": f"*{word}"} | dict.fromkeys(
-        ("dst_block_stride", "W", "row_bytes", "dev_rows"), "i32")
+        ("dst_block_stride", "W", "row_bytes", "dev_rows", "LBS"), "i32")
     resolver_specs = []
     for r in resolvers:
         for fused in ((False, True) if r.variant == "gather" and lru_dtype == "i32" and not r.cas else (False,)):

@@ -207,11 +207,16 @@ def test_vllm_ops_with_miss_mask_and_corrupt_lru_match_the_model(backend, seed: 
                 assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)
 
 
-@pytest.mark.parametrize("programs,entries", [(1, 4), (3, 2), (7, 4)])
-def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int, entries: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("kernel", ["copy_plan_kernel", "copy_plan_rows_kernel"])
+@pytest.mark.parametrize("programs,entries", [(1, 4), (3, 2), (7, 4), (16, 2)])
+def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, programs: int,  # noqa: ANN001
+                                                          entries: int) -> None:
     """The GPU's plan copy: a fixed grid of programs takes chunks of `entries` plan entries, numbered
-    across the batch, round robin (the interpreter otherwise runs one program a whole row at a time).
-    Every row's first `count` entries land, nothing else is written, and the bytes counter adds up."""
+    across the batch, round robin (`copy_plan_kernel`), or `programs // rows` programs a row
+    (`copy_plan_rows_kernel`; one a row, rows round robin, where programs are fewer than rows); the
+    interpreter otherwise runs one program a whole row at a time. Every row's first `count` entries
+    land, nothing else is written (plan entries past a count are -1, as between calls), and the
+    bytes counter adds up."""
     from hisparse_triton import kernels
 
     g = torch.Generator().manual_seed(programs * 10 + entries)
@@ -233,7 +238,7 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int
     dev_d = dev.to(d)
     args = [t.to(d) for t in (plan_host, plan_dev, counts)] + [host.to(d) if d.type != "cpu" else host, dev_d,
                                                                 dev_d.stride(0), stats.to(d)]
-    kernels.launch(kernels.copy_plan_kernel, "copy_plan_kernel", (programs,), *args, rows, k, words * 4, 40, 48,
+    kernels.launch(kernels.KERNELS[kernel], kernel, (programs,), *args, rows, k, words * 4, 40, 48,
                    words, bs, programs, WP=8, EB=entries, BP=8)
     want = torch.zeros_like(dev).view(48, words)
     for r in range(rows):
@@ -252,15 +257,18 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int
                                  {"HISPARSE_TRITON_SCAN": "1"},
                                  {"HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_LEAN": "0", "HISPARSE_TRITON_CAS": "1"},
                                  {"HISPARSE_TRITON_SHIFT": "1", "HISPARSE_TRITON_SCAN": "1"},
-                                 {"HISPARSE_TRITON_SHIFT": "1", "HISPARSE_TRITON_LEAN": "0"}],
+                                 {"HISPARSE_TRITON_SHIFT": "1", "HISPARSE_TRITON_LEAN": "0"},
+                                 {"HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_RESOLVER": "scratch"}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
-                              "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean"])
+                              "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
+                              "gather_row_copy_scan_shift", "scratch_row_copy"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
                                              locality: float) -> None:
     """The variants `HISPARSE_TRITON_RESOLVER` / `HISPARSE_TRITON_FUSE_COPY` / `HISPARSE_TRITON_LEAN` /
-    `HISPARSE_TRITON_CAS` / `HISPARSE_TRITON_SCAN` / `HISPARSE_TRITON_SHIFT` pick (the default, the lean
+    `HISPARSE_TRITON_CAS` / `HISPARSE_TRITON_SCAN` / `HISPARSE_TRITON_SHIFT` / `HISPARSE_TRITON_ROW_COPY` pick (the default, the lean
     gather resolver beside the plan-copy kernel, is what the rest of this module and the suite run)."""
     p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
                        rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=locality,
@@ -291,6 +299,7 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_SCAN", "1", "needs the gather resolver"),
     ("HISPARSE_TRITON_SHIFT", "true", "expected 0 or 1"),
     ("HISPARSE_TRITON_SHIFT", "1", "needs the gather resolver"),
+    ("HISPARSE_TRITON_ROW_COPY", "2", "expected 0 or 1"),
 ])
 def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
     from hisparse_core.errors import InvalidInputError

@@ -14,7 +14,8 @@
   is O(n) work per probe round, a few rounds per call.
 - `resolve_gather_kernel` (the default, "gather"; `resolve_kernel` is "scratch",
   `shapes.RESOLVER_ENV` picks): the same results, shaped for a GPU program (its docstring).
-- `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows.
+- `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows; `copy_plan_rows_kernel`
+  the same with programs assigned to batch rows (small batches, `shapes.ROW_COPY_ENV`).
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,
   restores, host block copies) for one layer.
 - `invalidate_written_kernel`: forgets the hot copies of rows written this step.
@@ -688,6 +689,47 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
         tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
 
 
+@triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
+def copy_plan_rows_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
+                          host_rows, dev_rows, W, BS, NP,
+                          WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr):
+    """`copy_plan_kernel`'s copy for small batches: `NP // B` programs a batch row (at least one), the
+    j-th of a row taking its chunks j, j + NP // B, ... of EB entries. A program reads its row's count
+    beside its first chunk's plan entries (entries past a row's count are -1 between calls), so the
+    first host reads wait on one round trip, not on the counts of the batch and then the plan."""
+    pid = tl.program_id(0)
+    per = tl.maximum(NP // B, 1)
+    w = tl.arange(0, WP)
+    wm = w < W
+    for r in range(pid // per, B, tl.maximum(NP // per, 1)):
+        e = (pid % per) * EB + tl.arange(0, EB)
+        m = e < K
+        h = tl.load(plan_host + r * K + e, mask=m, other=-1).to(tl.int64)
+        d = tl.load(plan_device + r * K + e, mask=m, other=-1).to(tl.int64)
+        n = tl.minimum(tl.maximum(tl.load(plan_counts + r), 0), K)
+        m = m & (e < n) & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)  # trusted input: never a stray access
+        mm = m[:, None] & wm[None, :]
+        vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
+        daddr = (d // BS) * dst_block_stride + (d % BS) * W
+        tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+        for c in range(pid % per + per, (n + EB - 1) // EB, per):
+            e = c * EB + tl.arange(0, EB)
+            m = e < n
+            h = tl.load(plan_host + r * K + e, mask=m, other=0).to(tl.int64)
+            d = tl.load(plan_device + r * K + e, mask=m, other=0).to(tl.int64)
+            m = m & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)
+            mm = m[:, None] & wm[None, :]
+            vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
+            daddr = (d // BS) * dst_block_stride + (d % BS) * W
+            tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+    if pid == 0:  # the bytes counter, after this program's own copy
+        rr = tl.arange(0, BP)
+        counts = tl.minimum(tl.maximum(tl.load(plan_counts + rr, mask=rr < B, other=0), 0), K)
+        total = tl.reduce(counts, 0, _SUM)
+        if total > 0:
+            tl.atomic_add(stats + 3, total.to(tl.int64) * row_bytes)
+
+
 @triton.jit(do_not_specialize=["n", "src_block_stride", "dst_block_stride", "W", "BS"])
 def copy_rows_kernel(pairs, n, src, src_block_stride, dst, dst_block_stride, W, BS,
                      WP: tl.constexpr, EB: tl.constexpr):
@@ -751,6 +793,7 @@ def vllm_invalidate_kernel(dgi, state_of_req, req_ids, written, S, NR, H, HP: tl
 
 KERNELS: dict[str, Callable[..., Any]] = {
     "resolve_kernel": resolve_kernel, "resolve_gather_kernel": resolve_gather_kernel, "copy_plan_kernel": copy_plan_kernel,
+    "copy_plan_rows_kernel": copy_plan_rows_kernel,
     "copy_rows_kernel": copy_rows_kernel, "invalidate_written_kernel": invalidate_written_kernel,
     "vllm_copy_kernel": vllm_copy_kernel, "vllm_invalidate_kernel": vllm_invalidate_kernel,
 }

@@ -120,6 +120,7 @@ class TritonRuntime(CacheRuntime):
         chunks = b * -(-k // self._plan_meta["EB"])
         self._plan_programs = 1 if cpu else min(
             chunks, tune.plan_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+        self._row_copy = tune.row_copy
         self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]
@@ -311,8 +312,13 @@ class TritonRuntime(CacheRuntime):
         cfg = self.config
         out = self._result
         dev = self._dev[layer]
+        # Programs assigned to rows where every row gets enough of them (any batch in the interpreter,
+        # whose one program walks the rows); else chunks round robin.
+        rows = self._row_copy and (self._device.type == "cpu"
+                                   or self._last_rows * shapes.ROW_COPY_MIN_PROGRAMS <= self._plan_programs)
+        name = "copy_plan_rows_kernel" if rows else "copy_plan_kernel"
         kernels.launch(
-            kernels.copy_plan_kernel, "copy_plan_kernel", (self._plan_programs,),
+            kernels.KERNELS[name], name, (self._plan_programs,),
             out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
             self._last_rows, cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words,
             cfg.block_size, self._plan_programs, **self._plan_meta)

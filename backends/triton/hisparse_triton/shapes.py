@@ -83,6 +83,13 @@ SCAN_ENV = "HISPARSE_TRITON_SCAN"
 #: division by the runtime block size (about 20 instructions a lane, four such divisions on a miss
 #: step); one more build per configuration (power of two or not). 0, the default; not yet timed.
 SHIFT_ENV = "HISPARSE_TRITON_SHIFT"
+#: 1: at batches where every batch row gets at least `ROW_COPY_MIN_PROGRAMS` plan-copy programs, the
+#: plan copy is `kernels.copy_plan_rows_kernel` (programs assigned to rows; a row's count read beside
+#: its first plan entries, one round trip before the host reads instead of two); larger batches keep
+#: `copy_plan_kernel` (chunks round robin, balanced however the misses fall). 0, the default; not
+#: yet timed on a GPU.
+ROW_COPY_ENV = "HISPARSE_TRITON_ROW_COPY"
+ROW_COPY_MIN_PROGRAMS = 8
 #: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
 #: small geometries of the tests still scan several rows).
 INTERPRETED_SCAN_ROW = 4
@@ -119,11 +126,12 @@ class Tuning:
     cas: bool = False
     scan: bool = False
     shift: bool = False
+    row_copy: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
-    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`); one clear error per bad value."""
+    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`); one clear error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -140,7 +148,9 @@ def tuning(env: dict[str, str]) -> Tuning:
     cas = env.get(CAS_ENV) or "0"
     scan = env.get(SCAN_ENV) or "0"
     shift = env.get(SHIFT_ENV) or "0"
-    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift)):
+    row_copy = env.get(ROW_COPY_ENV) or "0"
+    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift),
+                       (ROW_COPY_ENV, row_copy)):
         if value not in ("0", "1"):
             raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
@@ -149,7 +159,7 @@ def tuning(env: dict[str, str]) -> Tuning:
         if value == "1" and resolver != "gather":
             raise InvalidInputError(f"{key}={value!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
-                  cas == "1", scan == "1", shift == "1")
+                  cas == "1", scan == "1", shift == "1", row_copy == "1")
 
 
 def pow2(n: int) -> int:
@@ -300,6 +310,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     return [
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
+        KernelSpec("copy_plan_rows_kernel", plan_sig, plan, copy_warps),
         KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
         KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
         KernelSpec("vllm_copy_kernel", vcopy_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),

@@ -39,6 +39,7 @@ from typing import Any
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 #: An empty bucket of the resolver's hash table (host rows are >= 0).
 EMPTY = tl.constexpr(-1)
@@ -277,7 +278,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                           LOG_TP: tl.constexpr, MASK: tl.constexpr, PT: tl.constexpr, HG: tl.constexpr,
                           LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr,
                           LEAN: tl.constexpr, CAS: tl.constexpr = 0, SH: tl.constexpr = 1, SK: tl.constexpr = 1,
-                          SB: tl.constexpr = 0):
+                          SB: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """`resolve_kernel`'s results, with fewer scattered global accesses on the path of a GPU program:
 
     - the state row's page-table rows (`PT` lanes, 0: gathered from global memory), hot-map row and
@@ -308,7 +309,11 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
       two-level: `SH` (`SK`) rows of one warp's lanes, a scan within each row and the row totals'
       exclusive sums as one masked sum, instead of one scan across every warp of the program;
     - with `SB` (`shapes.SHIFT_ENV`, a block size `BS = 2^LBS`), block and offset of a position or a
-      slot are a shift and a mask, not a division by the runtime `BS`."""
+      slot are a shift and a mask, not a division by the runtime `BS`;
+    - with `PDL` (`shapes.PDL_ENV`, sm_90 and later only), the plan copy launched behind it may start
+      (and wait in `gdc_wait`) as soon as every program has begun, instead of after the last one ends."""
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -658,10 +663,13 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
 @triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
 def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
                      host_rows, dev_rows, W, BS, NP,
-                     WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr):
+                     WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = 0):
     """A fixed grid of NP programs shares every row's plan: chunks of EB entries, numbered across
     the batch (row by row), go to programs round robin, so a step with few misses launches no idle
-    program per row and one with many keeps every program busy."""
+    program per row and one with many keeps every program busy. With `PDL` (a programmatic dependent
+    launch) it waits for the kernel before it (the resolver) to end and flush before reading."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     rr = tl.arange(0, BP)
     counts = tl.load(plan_counts + rr, mask=rr < B, other=0)
@@ -692,11 +700,14 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
 @triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
 def copy_plan_rows_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
                           host_rows, dev_rows, W, BS, NP,
-                          WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr):
+                          WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = 0):
     """`copy_plan_kernel`'s copy for small batches: `NP // B` programs a batch row (at least one), the
     j-th of a row taking its chunks j, j + NP // B, ... of EB entries. A program reads its row's count
     beside its first chunk's plan entries (entries past a row's count are -1 between calls), so the
-    first host reads wait on one round trip, not on the counts of the batch and then the plan."""
+    first host reads wait on one round trip, not on the counts of the batch and then the plan. `PDL`:
+    as in `copy_plan_kernel`."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     per = tl.maximum(NP // B, 1)
     w = tl.arange(0, WP)

@@ -74,6 +74,11 @@ class TritonRuntime(CacheRuntime):
             raise InvalidInputError(f"{shapes.CAS_ENV}='1' needs Triton "
                                     f"{'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} or later on ROCm; found "
                                     f"Triton {triton.__version__}")
+        if tune.pdl and (device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device)[0] < 9):
+            found = ("the interpreter (cpu)" if device.type == "cpu" else
+                     f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device))
+            raise InvalidInputError(f"{shapes.PDL_ENV}='1' needs an NVIDIA GPU of compute capability 9.0 or later "
+                                    f"(programmatic dependent launch); found {found}")
         lanes = warp_size(device)
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
                                       lean=tune.lean, cas=tune.cas, scan=tune.scan, shift=tune.shift,
@@ -85,6 +90,8 @@ class TritonRuntime(CacheRuntime):
         self._fuse_meta = {f: shape.fuse_constexprs(config, fused=f, interpreted=cpu) for f in (False, True)}
         kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
         self._meta: dict[str, int] = dict(shape.constexprs)
+        if tune.pdl:
+            self._meta["PDL"] = 1
         if not cpu:
             self._meta["num_warps"] = shape.num_warps(lanes)
         i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
@@ -113,6 +120,8 @@ class TritonRuntime(CacheRuntime):
         self._copy_entries = shapes.INTERPRETED_COPY_ENTRIES if cpu else shapes.COPY_ENTRIES
         self._copy_meta: dict[str, int] = {} if cpu else dict(num_warps=max(1, shapes.COPY_THREADS // lanes))
         self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu, entries=tune.plan_entries) | self._copy_meta
+        if tune.pdl:  # launched behind the resolver as a programmatic dependent (waits in the kernel)
+            self._plan_meta |= dict(PDL=1, launch_pdl=True)
         # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks);
         # on a GPU one wave of programs (shapes.PLAN_PER_SM a multiprocessor), but no more than the
         # chunks a full plan of the largest batch has (a small batch launches no program that can

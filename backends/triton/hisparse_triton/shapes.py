@@ -90,6 +90,11 @@ SHIFT_ENV = "HISPARSE_TRITON_SHIFT"
 #: yet timed on a GPU.
 ROW_COPY_ENV = "HISPARSE_TRITON_ROW_COPY"
 ROW_COPY_MIN_PROGRAMS = 8
+#: 1 (NVIDIA sm_90 and later only; refused elsewhere): the plan copy is a programmatic dependent
+#: launch (`launch_pdl`): the resolver lets it start once its programs have begun, and the copy waits
+#: in `gdc_wait` for the resolver's end, so the copy's launch overlaps the resolver instead of
+#: following it. 0, the default; not yet timed on a GPU.
+PDL_ENV = "HISPARSE_TRITON_PDL"
 #: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
 #: small geometries of the tests still scan several rows).
 INTERPRETED_SCAN_ROW = 4
@@ -127,11 +132,13 @@ class Tuning:
     scan: bool = False
     shift: bool = False
     row_copy: bool = False
+    pdl: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
-    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`); one clear error per bad value."""
+    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`); one clear error per bad
+    value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -149,17 +156,18 @@ def tuning(env: dict[str, str]) -> Tuning:
     scan = env.get(SCAN_ENV) or "0"
     shift = env.get(SHIFT_ENV) or "0"
     row_copy = env.get(ROW_COPY_ENV) or "0"
+    pdl = env.get(PDL_ENV) or "0"
     for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift),
-                       (ROW_COPY_ENV, row_copy)):
+                       (ROW_COPY_ENV, row_copy), (PDL_ENV, pdl)):
         if value not in ("0", "1"):
             raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
         raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
-    for key, value in ((CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift)):
+    for key, value in ((CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift), (PDL_ENV, pdl)):
         if value == "1" and resolver != "gather":
             raise InvalidInputError(f"{key}={value!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
-                  cas == "1", scan == "1", shift == "1", row_copy == "1")
+                  cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1")
 
 
 def pow2(n: int) -> int:
@@ -266,7 +274,7 @@ def row_words(row_bytes: int) -> tuple[str, int]:
 
 
 def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32",
-                 variants: tuple[str, ...] = RESOLVERS) -> list[KernelSpec]:
+                 variants: tuple[str, ...] = RESOLVERS, cuda: bool = False) -> list[KernelSpec]:
     """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes
     (one resolver build per variant of `variants`). `lru_dtype` is `i16` for vLLM's op set, whose
     LRU is int16 (and which writes the miss mask)."""
@@ -301,6 +309,15 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     gather_sig = {"src": f"*{word}", "dst": f"*{word}"} | dict.fromkeys(
         ("dst_block_stride", "W", "row_bytes", "dev_rows", "LBS"), "i32")
     resolver_specs = []
+    pdl_specs = []
+    if cuda and "gather" in variants:  # the PDL builds (`PDL_ENV`): NVIDIA targets only
+        pdl_sig = plan_sig | {"PDL": "constexpr"}
+        pdl_specs = [KernelSpec(k, pdl_sig, plan | dict(PDL=1), copy_warps)
+                     for k in ("copy_plan_kernel", "copy_plan_rows_kernel")]
+        r = resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size)
+        consts = r.constexprs | mask | r.fuse_constexprs(config, fused=False, interpreted=False) | dict(PDL=1)
+        pdl_specs.append(KernelSpec(r.kernel, resolve_sig | gather_sig | dict.fromkeys(consts, "constexpr"), consts,
+                                    r.num_warps(warp_size)))
     for r in resolvers:
         for fused in ((False, True) if r.variant == "gather" and lru_dtype == "i32" and not r.cas else (False,)):
             consts = r.constexprs | mask | r.fuse_constexprs(config, fused=fused, interpreted=False)
@@ -311,6 +328,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
         KernelSpec("copy_plan_rows_kernel", plan_sig, plan, copy_warps),
+        *pdl_specs,
         KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
         KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
         KernelSpec("vllm_copy_kernel", vcopy_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),

@@ -213,7 +213,7 @@ class ResolverShape:
         return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, PT=self.pt,
                     HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits),
                     CAS=int(self.cas), SH=max(1, self.hp // self.scan_row) if self.scan_row else 1,
-                    SK=max(1, self.kp // self.scan_row) if self.scan_row else 1, SB=int(self.shift))
+                    SK=max(1, self.kp // self.scan_row) if self.scan_row else 1, SB=int(self.shift), PDL=0)
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
@@ -311,8 +311,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     resolver_specs = []
     pdl_specs = []
     if cuda and "gather" in variants:  # the PDL builds (`PDL_ENV`): NVIDIA targets only
-        pdl_sig = plan_sig | {"PDL": "constexpr"}
-        pdl_specs = [KernelSpec(k, pdl_sig, plan | dict(PDL=1), copy_warps)
+        pdl_specs = [KernelSpec(k, plan_sig, plan | dict(PDL=1), copy_warps)
                      for k in ("copy_plan_kernel", "copy_plan_rows_kernel")]
         r = resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size)
         consts = r.constexprs | mask | r.fuse_constexprs(config, fused=False, interpreted=False) | dict(PDL=1)
@@ -342,4 +341,4 @@ def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = C
     _, words = row_words(config.row_format.row_bytes)
     eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else entries
     bp = pow2(config.max_batch_rows) if interpreted else max(pow2(config.max_batch_rows), MIN_LANES["BP"])
-    return dict(WP=pow2(words), EB=eb, BP=bp)
+    return dict(WP=pow2(words), EB=eb, BP=bp, PDL=0)

@@ -207,16 +207,18 @@ def test_vllm_ops_with_miss_mask_and_corrupt_lru_match_the_model(backend, seed: 
                 assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)
 
 
-@pytest.mark.parametrize("kernel", ["copy_plan_kernel", "copy_plan_rows_kernel"])
+@pytest.mark.parametrize("kernel,line", [("copy_plan_kernel", 0), ("copy_plan_rows_kernel", 0),
+                                         ("copy_plan_rows_kernel", 4)])
 @pytest.mark.parametrize("programs,entries", [(1, 4), (3, 2), (7, 4), (16, 2)])
-def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, programs: int,  # noqa: ANN001
+def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, line: int, programs: int,  # noqa: ANN001
                                                           entries: int) -> None:
     """The GPU's plan copy: a fixed grid of programs takes chunks of `entries` plan entries, numbered
     across the batch, round robin (`copy_plan_kernel`), or `programs // rows` programs a row
     (`copy_plan_rows_kernel`; one a row, rows round robin, where programs are fewer than rows); the
-    interpreter otherwise runs one program a whole row at a time. Every row's first `count` entries
-    land, nothing else is written (plan entries past a count are -1, as between calls), and the
-    bytes counter adds up."""
+    interpreter otherwise runs one program a whole row at a time), reading rows whole or along host
+    lines of `line` words (rows of 6 words start anywhere in a line of 4). Every row's first `count`
+    entries land, nothing else is written (plan entries past a count are -1, as between calls), and
+    the bytes counter adds up."""
     from hisparse_triton import kernels
 
     g = torch.Generator().manual_seed(programs * 10 + entries)
@@ -238,8 +240,9 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
     dev_d = dev.to(d)
     args = [t.to(d) for t in (plan_host, plan_dev, counts)] + [host.to(d) if d.type != "cpu" else host, dev_d,
                                                                 dev_d.stride(0), stats.to(d)]
+    meta = dict(WP=8, EB=entries, BP=8) | (dict(WP=16, LW=line) if line else {})
     kernels.launch(kernels.KERNELS[kernel], kernel, (programs,), *args, rows, k, words * 4, 40, 48,
-                   words, bs, programs, WP=8, EB=entries, BP=8)
+                   words, bs, programs, **meta)
     want = torch.zeros_like(dev).view(48, words)
     for r in range(rows):
         for j in range(int(counts[r])):

@@ -122,6 +122,7 @@ class TritonRuntime(CacheRuntime):
         self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu, entries=tune.plan_entries) | self._copy_meta
         if tune.pdl:  # launched behind the resolver as a programmatic dependent (waits in the kernel)
             self._plan_meta |= dict(PDL=1, launch_pdl=True)
+        self._row_plan_meta = shapes.row_copy_meta(config, self._plan_meta)
         # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks);
         # on a GPU one wave of programs (shapes.PLAN_PER_SM a multiprocessor), but no more than the
         # chunks a full plan of the largest batch has (a small batch launches no program that can
@@ -326,11 +327,12 @@ class TritonRuntime(CacheRuntime):
         rows = self._row_copy and (self._device.type == "cpu"
                                    or self._last_rows * shapes.ROW_COPY_MIN_PROGRAMS <= self._plan_programs)
         name = "copy_plan_rows_kernel" if rows else "copy_plan_kernel"
+        meta = self._row_plan_meta if rows else self._plan_meta
         kernels.launch(
             kernels.KERNELS[name], name, (self._plan_programs,),
             out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
             self._last_rows, cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words,
-            cfg.block_size, self._plan_programs, **self._plan_meta)
+            cfg.block_size, self._plan_programs, **meta)
 
     # ----------------------------------------------------------------- page and row copies
 

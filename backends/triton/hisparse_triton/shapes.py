@@ -85,7 +85,8 @@ SCAN_ENV = "HISPARSE_TRITON_SCAN"
 SHIFT_ENV = "HISPARSE_TRITON_SHIFT"
 #: 1: at batches where every batch row gets at least `ROW_COPY_MIN_PROGRAMS` plan-copy programs, the
 #: plan copy is `kernels.copy_plan_rows_kernel` (programs assigned to rows; a row's count read beside
-#: its first plan entries, one round trip before the host reads instead of two); larger batches keep
+#: its first plan entries, one round trip before the host reads instead of two; rows read along the
+#: host's 128-byte lines, `row_copy_meta`); larger batches keep
 #: `copy_plan_kernel` (chunks round robin, balanced however the misses fall). 0, the default; not
 #: yet timed on a GPU.
 ROW_COPY_ENV = "HISPARSE_TRITON_ROW_COPY"
@@ -297,6 +298,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
                 "dst_block_stride": "i32", "stats": "*i64"}
     plan_sig |= dict.fromkeys(("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"), "i32")
     plan_sig |= dict.fromkeys(plan, "constexpr")
+    rows_plan = row_copy_meta(config, plan)
+    rows_plan_sig = plan_sig | dict.fromkeys(rows_plan, "constexpr")
     rows_sig = {"pairs": i32p, "n": "i32", "src": f"*{word}", "src_block_stride": "i32", "dst": f"*{word}",
                 "dst_block_stride": "i32", "W": "i32", "BS": "i32", "WP": "constexpr", "EB": "constexpr"}
     inval_sig = {"state_rows": i32p, "host_rows": i32p, "hot_map": i32p, "R": "i32", "H": "i32", "HP": "constexpr"}
@@ -311,8 +314,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     resolver_specs = []
     pdl_specs = []
     if cuda and "gather" in variants:  # the PDL builds (`PDL_ENV`): NVIDIA targets only
-        pdl_specs = [KernelSpec(k, plan_sig, plan | dict(PDL=1), copy_warps)
-                     for k in ("copy_plan_kernel", "copy_plan_rows_kernel")]
+        pdl_specs = [KernelSpec("copy_plan_kernel", plan_sig, plan | dict(PDL=1), copy_warps),
+                     KernelSpec("copy_plan_rows_kernel", rows_plan_sig, rows_plan | dict(PDL=1), copy_warps)]
         r = resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size)
         consts = r.constexprs | mask | r.fuse_constexprs(config, fused=False, interpreted=False) | dict(PDL=1)
         pdl_specs.append(KernelSpec(r.kernel, resolve_sig | gather_sig | dict.fromkeys(consts, "constexpr"), consts,
@@ -326,13 +329,21 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     return [
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
-        KernelSpec("copy_plan_rows_kernel", plan_sig, plan, copy_warps),
+        KernelSpec("copy_plan_rows_kernel", rows_plan_sig, rows_plan, copy_warps),
         *pdl_specs,
         KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
         KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
         KernelSpec("vllm_copy_kernel", vcopy_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
         KernelSpec("vllm_invalidate_kernel", vinval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
     ]
+
+
+def row_copy_meta(config: RuntimeConfig, plan: dict[str, int]) -> dict[str, int]:
+    """`copy_plan_rows_kernel`'s constexprs: the plan copy's `plan` with the words of a 128-byte host
+    line (`LW`) and lanes for a row read from the start of its first line (`WP`)."""
+    word, words = row_words(config.row_format.row_bytes)
+    lw = 128 // (4 if word == "i32" else 1)
+    return plan | dict(WP=pow2(words + lw - 1), LW=lw)
 
 
 def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = COPY_ENTRIES) -> dict[str, int]:

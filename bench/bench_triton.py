@@ -25,8 +25,11 @@ cell's outputs and hot state are compared between the two backends (they must be
 plan-copy kernel is launched; 0, the default: the plan-copy kernel, `HISPARSE_TRITON_FUSE_COPY`) and
 `:l0` / `:l1` (the gather resolver's LEAN build, the default: `HISPARSE_TRITON_LEAN`) and `:eN` (plan
 entries a plan-copy program moves per chunk, 4/8/16/32: `HISPARSE_TRITON_PLAN_ENTRIES`) and `:c0` / `:c1`
-(1: the gather resolver claims hash buckets by compare-and-swap, `HISPARSE_TRITON_CAS`), set while its
-runtimes are built. `scratch:p4` is the backend as it was before the gather resolver, `gather:f1:l0`
+(1: the gather resolver claims hash buckets by compare-and-swap, `HISPARSE_TRITON_CAS`), `:s0` / `:s1`
+(1: two-level prefix sums, `HISPARSE_TRITON_SCAN`) and `:b0` / `:b1` (1: block and offset by shift and
+mask for a power-of-two block size, `HISPARSE_TRITON_SHIFT`) and `:r0` / `:r1` (1: the plan copy's programs
+assigned to batch rows at small batches, `HISPARSE_TRITON_ROW_COPY`) and `:d0` / `:d1` (1: the plan copy
+a programmatic dependent launch behind the resolver, `HISPARSE_TRITON_PDL`), set while its runtimes are built. `scratch:p4` is the backend as it was before the gather resolver, `gather:f1:l0`
 the default of call G3.
 
 Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia backend
@@ -53,21 +56,24 @@ SWEEP_BATCHES = (1, 8, 64, 128)
 
 
 def variant_env(variant: str) -> dict[str, str | None]:
-    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB]` sets while its runtimes are built (None: unset),
-    checked by the backend's own parser; ValueError naming the bad part."""
+    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB][:sB][:bB][:rB][:dB]` sets while its runtimes
+    are built (None: unset), checked by the backend's own parser; ValueError naming the bad part."""
     from hisparse_core.errors import InvalidInputError
     from hisparse_triton import shapes
 
     name, *knobs = variant.split(":")
     env: dict[str, str | None] = {shapes.RESOLVER_ENV: name, shapes.THREADS_ENV: None, shapes.PLAN_PER_SM_ENV: None,
                                   shapes.FUSE_ENV: None, shapes.LEAN_ENV: None, shapes.PLAN_ENTRIES_ENV: None,
-                                  shapes.CAS_ENV: None}
+                                  shapes.CAS_ENV: None, shapes.SCAN_ENV: None, shapes.SHIFT_ENV: None,
+                                  shapes.ROW_COPY_ENV: None, shapes.PDL_ENV: None}
     for knob in knobs:
         key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV, "f": shapes.FUSE_ENV,
-               "l": shapes.LEAN_ENV, "e": shapes.PLAN_ENTRIES_ENV, "c": shapes.CAS_ENV}.get(knob[:1])
+               "l": shapes.LEAN_ENV, "e": shapes.PLAN_ENTRIES_ENV, "c": shapes.CAS_ENV,
+               "s": shapes.SCAN_ENV, "b": shapes.SHIFT_ENV, "r": shapes.ROW_COPY_ENV,
+               "d": shapes.PDL_ENV}.get(knob[:1])
         if key is None:
             raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM, f0/f1, l0/l1, "
-                             f"eENTRIES or c0/c1")
+                             f"eENTRIES, c0/c1, s0/s1, b0/b1, r0/r1 or d0/d1")
         env[key] = knob[1:]
     try:
         shapes.tuning({k: v for k, v in env.items() if v is not None})
@@ -199,15 +205,22 @@ class Bench:
         after the cycle."""
         if "nvidia" not in self.backends:
             return
-        rts = {"nvidia": self.runtime("nvidia", b)} | {v: self.runtime("triton", b, v) for v in self.resolvers}
+        rts = {"nvidia": self.runtime("nvidia", b)}
+        for v in self.resolvers:
+            try:
+                rts[v] = self.runtime("triton", b, v)
+            except Exception as exc:  # noqa: BLE001 - a variant this GPU refuses: its column stays empty
+                if v == self.resolvers[0]:
+                    raise
+                print(f"bench_triton: variant {v} at batch {b}: {type(exc).__name__}: {exc}", file=sys.stderr)
         for i, inp in enumerate(inputs):
             outs = {name: rt.resolve(inp, gather=True, validate=False) for name, rt in rts.items()}
-            for v in self.resolvers:
+            for v in (v for v in self.resolvers if v in rts):
                 for field in ("rows", "valid_counts", "plan_host", "plan_device", "plan_counts"):
                     if not torch.equal(getattr(outs[v], field), getattr(outs["nvidia"], field)):
                         raise SystemExit(f"batch {b}, step {i}: triton ({v}) and nvidia differ in {field}")
         for q in range(b):
-            for v in self.resolvers:
+            for v in (v for v in self.resolvers if v in rts):
                 if any(not torch.equal(x, y) for x, y in zip(rts[v].hot_state(q), rts["nvidia"].hot_state(q),
                                                              strict=True)):
                     raise SystemExit(f"batch {b}: triton ({v}) and nvidia differ in the hot state of request {q}")
@@ -231,7 +244,13 @@ class Bench:
         inputs = self.steps(b, steps, shift, resident=resident)
         self.check_equal(b, inputs)
         tr, got = self.resolve_us("triton", b, inputs)
-        others = {v: self.resolve_us("triton", b, inputs, v)[0] for v in self.resolvers[1:]}
+        others: dict[str, float] = {}
+        for v in self.resolvers[1:]:
+            try:
+                others[v] = self.resolve_us("triton", b, inputs, v)[0]
+            except Exception as exc:  # noqa: BLE001 - one variant failing (a capture, a refusal) spares the others
+                print(f"bench_triton: variant {v} at batch {b}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                others[v] = float("nan")
         nv = self.resolve_us("nvidia", b, inputs)[0] if "nvidia" in self.backends else None
         copy = None if resident else self.copy_us(b * got * 656, steps)
         return Row("resident" if resident else f"{misses} misses", b, got, tr, nv, copy, others)
@@ -247,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: the whole sweep)")
     ap.add_argument("--variants", default="gather", metavar="V[,V]",
                     help="triton variants to time, each "
-                         "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1] "
+                         "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1][:s0|:s1][:b0|:b1][:r0|:r1][:d0|:d1] "
                          "(e.g. gather,gather:l0,gather:c1,scratch:p4); "
                          "the first is 'triton us'")
     args = ap.parse_args(argv)

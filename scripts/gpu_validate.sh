@@ -6,7 +6,7 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_validate.sh [stages...]     # stages: env readme tests tests_variants conformance memcheck racecheck ncu bench host_reads pool_release
 #                                                             #         tf_tests tf_generate tf_bench tf_assisted_bench (the transformers integration), triton triton_bench, vllm_ops_bench, serving
-#                                                             #         triton_tests triton_conformance triton_generate (the triton stage split, to run side by side)
+#                                                             #         triton_tests triton_conformance triton_generate (the triton stage split, to run side by side), triton_conformance_env
 #                                                             #         vllm_tests (vLLM's kernel tests, see there)
 #                                                             #         serving_locality locality tf_resident (issue 42: under the calibrated locality model, not in the defaults)
 #                                                             #         memcheck_vllm_ops racecheck_vllm_ops ncu_vllm_ops ncu_triton triton_ipc (issues 39, 40)
@@ -228,6 +228,12 @@ triton_ipc)  # issue 40: a shared pool's peer waits for rank 0's writes on the G
 triton_conformance)  # the conformance suite on triton, compiled (target: under 5 minutes)
     run triton_conformance "${T_TRITON_CONFORMANCE:-300}" python3 -m pytest -q -rs -p no:cacheprovider --durations=5 \
         --pyargs hisparse_conformance --hisparse-backend triton --hisparse-examples ${TRITON_EXAMPLES:-25}
+    ;;
+triton_conformance_env)  # the same suite with the HISPARSE_TRITON_* settings of TRITON_CONFORMANCE_ENV (default-off variants)
+    # shellcheck disable=SC2086
+    run triton_conformance_env "${T_TRITON_CONFORMANCE:-300}" env ${TRITON_CONFORMANCE_ENV:-} python3 -m pytest -q -rs \
+        -p no:cacheprovider --durations=5 --pyargs hisparse_conformance --hisparse-backend triton \
+        --hisparse-examples ${TRITON_EXAMPLES:-25}
     ;;
 triton_generate)  # hisparse generate on the triton backend: EXACT against the model without hisparse
     run triton_generate "${T_TRITON_GENERATE:-240}" python3 -m hisparse_core generate --backend triton --no-progress

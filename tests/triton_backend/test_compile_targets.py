@@ -43,8 +43,8 @@ def test_every_kernel_compiles_for_cdna_and_sm90(builds: list[dict]) -> None:
     from hisparse_triton.compile_targets import TARGET_GEOMETRIES, TARGETS, geometries
 
     got = {(b["target"], b["geometry"], b["kernel"]) for b in builds}
-    names = {"resolve_kernel", "copy_plan_kernel", "copy_rows_kernel", "invalidate_written_kernel",
-             "vllm_copy_kernel", "vllm_invalidate_kernel"}
+    names = {"resolve_kernel", "copy_plan_kernel", "copy_plan_rows_kernel", "copy_rows_kernel",
+             "invalidate_written_kernel", "vllm_copy_kernel", "vllm_invalidate_kernel"}
     want = {(t, g, k) for t in TARGETS for g in TARGET_GEOMETRIES.get(t, tuple(geometries())) for k in names}
     assert want <= got, sorted(want - got)
     for b in builds:
@@ -74,6 +74,18 @@ def test_no_size_assumes_a_32_lane_warp(builds: list[dict]) -> None:
 
 
 def test_no_inline_assembly() -> None:
-    """No kernel carries inline assembly (which would tie it to one instruction set)."""
+    """No kernel carries inline assembly of its own (which would tie it to one instruction set); Triton's
+    grid-dependency calls (`gdc_*`, PTX inside Triton) appear only under the `PDL` constexpr."""
     source = (REPO / "backends/triton/hisparse_triton/kernels.py").read_text()
     assert "inline_asm" not in source and "asm(" not in source
+    lines = source.splitlines()
+    calls = [i for i, line in enumerate(lines) if "gdc_wait()" in line or "gdc_launch_dependents()" in line]
+    assert calls and all(lines[i - 1].strip() == "if PDL:" for i in calls), calls
+
+
+def test_pdl_builds_are_nvidia_only(builds: list[dict]) -> None:
+    """The PDL builds (programmatic dependent launch, `HISPARSE_TRITON_PDL`) compile for sm_90 and
+    are never built for an AMD target."""
+    pdl = [(b["target"], b["kernel"]) for b in builds if b["constexprs"].get("PDL")]
+    assert {k for t, k in pdl if t == "sm90"} == {"resolve_gather_kernel", "copy_plan_kernel", "copy_plan_rows_kernel"}
+    assert all(t == "sm90" for t, _ in pdl), pdl

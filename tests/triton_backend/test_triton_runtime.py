@@ -207,11 +207,18 @@ def test_vllm_ops_with_miss_mask_and_corrupt_lru_match_the_model(backend, seed: 
                 assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)
 
 
-@pytest.mark.parametrize("programs,entries", [(1, 4), (3, 2), (7, 4)])
-def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int, entries: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("kernel,line", [("copy_plan_kernel", 0), ("copy_plan_rows_kernel", 0),
+                                         ("copy_plan_rows_kernel", 4)])
+@pytest.mark.parametrize("programs,entries", [(1, 4), (3, 2), (7, 4), (16, 2)])
+def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, line: int, programs: int,  # noqa: ANN001
+                                                          entries: int) -> None:
     """The GPU's plan copy: a fixed grid of programs takes chunks of `entries` plan entries, numbered
-    across the batch, round robin (the interpreter otherwise runs one program a whole row at a time).
-    Every row's first `count` entries land, nothing else is written, and the bytes counter adds up."""
+    across the batch, round robin (`copy_plan_kernel`), or `programs // rows` programs a row
+    (`copy_plan_rows_kernel`; one a row, rows round robin, where programs are fewer than rows); the
+    interpreter otherwise runs one program a whole row at a time), reading rows whole or along host
+    lines of `line` words (rows of 6 words start anywhere in a line of 4). Every row's first `count`
+    entries land, nothing else is written (plan entries past a count are -1, as between calls), and
+    the bytes counter adds up."""
     from hisparse_triton import kernels
 
     g = torch.Generator().manual_seed(programs * 10 + entries)
@@ -233,8 +240,9 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int
     dev_d = dev.to(d)
     args = [t.to(d) for t in (plan_host, plan_dev, counts)] + [host.to(d) if d.type != "cpu" else host, dev_d,
                                                                 dev_d.stride(0), stats.to(d)]
-    kernels.launch(kernels.copy_plan_kernel, "copy_plan_kernel", (programs,), *args, rows, k, words * 4, 40, 48,
-                   words, bs, programs, WP=8, EB=entries, BP=8)
+    meta = dict(WP=8, EB=entries, BP=8) | (dict(WP=16, LW=line) if line else {})
+    kernels.launch(kernels.KERNELS[kernel], kernel, (programs,), *args, rows, k, words * 4, 40, 48,
+                   words, bs, programs, **meta)
     want = torch.zeros_like(dev).view(48, words)
     for r in range(rows):
         for j in range(int(counts[r])):
@@ -248,15 +256,29 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, programs: int
                                  {"HISPARSE_TRITON_RESOLVER": "gather", "HISPARSE_TRITON_LEAN": "0"},
                                  {"HISPARSE_TRITON_RESOLVER": "gather", "HISPARSE_TRITON_CAS": "1"},
                                  {"HISPARSE_TRITON_CAS": "1", "HISPARSE_TRITON_LEAN": "0",
-                                  "HISPARSE_TRITON_FUSE_COPY": "1"}],
-                         ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean"])
+                                  "HISPARSE_TRITON_FUSE_COPY": "1"},
+                                 {"HISPARSE_TRITON_SCAN": "1"},
+                                 {"HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_LEAN": "0", "HISPARSE_TRITON_CAS": "1"},
+                                 {"HISPARSE_TRITON_SHIFT": "1", "HISPARSE_TRITON_SCAN": "1"},
+                                 {"HISPARSE_TRITON_SHIFT": "1", "HISPARSE_TRITON_LEAN": "0"},
+                                 {"HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_RESOLVER": "scratch"},
+                                 {"HISPARSE_TRITON_PDL": "1", "HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_SCAN": "1",
+                                  "HISPARSE_TRITON_SHIFT": "1"}],
+                         ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
+                              "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
+                              "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
                                              locality: float) -> None:
     """The variants `HISPARSE_TRITON_RESOLVER` / `HISPARSE_TRITON_FUSE_COPY` / `HISPARSE_TRITON_LEAN` /
-    `HISPARSE_TRITON_CAS` pick (the default, the lean gather resolver beside the plan-copy kernel, is what the rest of this
-    module and the suite run)."""
+    `HISPARSE_TRITON_CAS` / `HISPARSE_TRITON_SCAN` / `HISPARSE_TRITON_SHIFT` / `HISPARSE_TRITON_ROW_COPY` /
+    `HISPARSE_TRITON_PDL` pick (the default, the lean gather resolver beside the plan-copy kernel, is what
+    the rest of this module and the suite run); PDL only where it is allowed (sm_90 and later)."""
+    if "HISPARSE_TRITON_PDL" in env and not (backend.device.type == "cuda" and not torch.version.hip
+                                             and torch.cuda.get_device_capability(backend.device)[0] >= 9):
+        pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 or later")
     p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
                        rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=locality,
                        resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
@@ -282,6 +304,13 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_PLAN_ENTRIES", "12", "expected one of 4, 8, 16, 32"),
     ("HISPARSE_TRITON_CAS", "on", "expected 0 or 1"),
     ("HISPARSE_TRITON_CAS", "1", "needs the gather resolver"),
+    ("HISPARSE_TRITON_SCAN", "2", "expected 0 or 1"),
+    ("HISPARSE_TRITON_SCAN", "1", "needs the gather resolver"),
+    ("HISPARSE_TRITON_SHIFT", "true", "expected 0 or 1"),
+    ("HISPARSE_TRITON_SHIFT", "1", "needs the gather resolver"),
+    ("HISPARSE_TRITON_ROW_COPY", "2", "expected 0 or 1"),
+    ("HISPARSE_TRITON_PDL", "yes", "expected 0 or 1"),
+    ("HISPARSE_TRITON_PDL", "1", "needs the gather resolver"),
 ])
 def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
     from hisparse_core.errors import InvalidInputError
@@ -289,10 +318,29 @@ def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: 
     cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=4, hot_rows=4, block_size=2, max_pages=4)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(key, value)
-        if value == "1":  # fusing and CAS are the gather resolver's: refused beside the scratch one
+        if value == "1":  # fusing, CAS, SCAN and SHIFT are the gather resolver's: refused beside the scratch one
             mp.setenv("HISPARSE_TRITON_RESOLVER", "scratch")
         with pytest.raises(InvalidInputError, match=f"{key}={value!r}.*{expected}"):
             backend.create_runtime(cfg)
+
+
+def test_pdl_needs_sm90_and_is_refused_elsewhere(backend) -> None:  # noqa: ANN001
+    """`HISPARSE_TRITON_PDL=1` is refused, with one line naming the device, where there is no NVIDIA
+    GPU of compute capability 9.0 or later; on one, the runtime is built and resolves like the reference
+    (the lockstep variants)."""
+    from hisparse_core.errors import InvalidInputError
+
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=4, hot_rows=4, block_size=2, max_pages=4)
+    capable = (backend.device.type == "cuda" and not torch.version.hip
+               and torch.cuda.get_device_capability(backend.device)[0] >= 9)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_PDL", "1")
+        if capable:
+            backend.create_runtime(cfg)
+        else:
+            with pytest.raises(InvalidInputError, match="HISPARSE_TRITON_PDL='1' needs an NVIDIA GPU of compute "
+                                                        "capability 9.0 or later.*; found "):
+                backend.create_runtime(cfg)
 
 
 @pytest.mark.parametrize(("version", "rocm", "compiles"), [

@@ -95,7 +95,7 @@ def build_all(targets: list[str], *, lru_i16: bool = True) -> list[Build]:
         for geo, config in geometries().items():
             if geo not in TARGET_GEOMETRIES.get(name, (geo,)):
                 continue
-            specs = shapes.kernel_specs(config, warp)
+            specs = shapes.kernel_specs(config, warp, cuda=backend == "cuda")
             if lru_i16 and geo == next(iter(geometries())):
                 specs += [s for s in shapes.kernel_specs(config, warp, lru_dtype="i16") if s.kernel.startswith("resolve")]
             if not shapes.cas_compiles(triton.__version__, rocm=backend == "hip"):

@@ -14,7 +14,8 @@
   is O(n) work per probe round, a few rounds per call.
 - `resolve_gather_kernel` (the default, "gather"; `resolve_kernel` is "scratch",
   `shapes.RESOLVER_ENV` picks): the same results, shaped for a GPU program (its docstring).
-- `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows.
+- `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows; `copy_plan_rows_kernel`
+  the same with programs assigned to batch rows (small batches, `shapes.ROW_COPY_ENV`).
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,
   restores, host block copies) for one layer.
 - `invalidate_written_kernel`: forgets the hot copies of rows written this step.
@@ -38,6 +39,7 @@ from typing import Any
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 #: An empty bucket of the resolver's hash table (host rows are >= 0).
 EMPTY = tl.constexpr(-1)
@@ -266,16 +268,17 @@ def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_
 
 
 @triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "dst_block_stride", "W",
-                               "row_bytes", "dev_rows"])
+                               "row_bytes", "dev_rows", "LBS"])
 def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
                           out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
                           tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
                           B, P, HB, R, K, G_MAX, BS, H, host_limit,
-                          src, dst, dst_block_stride, W, row_bytes, dev_rows,
+                          src, dst, dst_block_stride, W, row_bytes, dev_rows, LBS,
                           KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                           LOG_TP: tl.constexpr, MASK: tl.constexpr, PT: tl.constexpr, HG: tl.constexpr,
                           LR: tl.constexpr, FUSE: tl.constexpr, WP: tl.constexpr, EB: tl.constexpr,
-                          LEAN: tl.constexpr, CAS: tl.constexpr = 0):
+                          LEAN: tl.constexpr, CAS: tl.constexpr = 0, SH: tl.constexpr = 1, SK: tl.constexpr = 1,
+                          SB: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """`resolve_kernel`'s results, with fewer scattered global accesses on the path of a GPU program:
 
     - the state row's page-table rows (`PT` lanes, 0: gathered from global memory), hot-map row and
@@ -301,7 +304,16 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
     - with `CAS` (`shapes.CAS_ENV`), a candidate claims its bucket with one compare-and-swap a round
       (placed where the bucket was empty or already held its row) instead of a read, a store, a
       barrier, a read back and a second barrier: a filled bucket never changes, so lanes of one row
-      walk the same buckets and stop at the same one, as in the default claim."""
+      walk the same buckets and stop at the same one, as in the default claim;
+    - with `SH` / `SK` > 1 (`shapes.SCAN_ENV`), the prefix sums over the hot rows / a row's entries are
+      two-level: `SH` (`SK`) rows of one warp's lanes, a scan within each row and the row totals'
+      exclusive sums as one masked sum, instead of one scan across every warp of the program;
+    - with `SB` (`shapes.SHIFT_ENV`, a block size `BS = 2^LBS`), block and offset of a position or a
+      slot are a shift and a mask, not a division by the runtime `BS`;
+    - with `PDL` (`shapes.PDL_ENV`, sm_90 and later only), the plan copy launched behind it may start
+      (and wait in `gdc_wait`) as soon as every program has begun, instead of after the last one ends."""
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
@@ -340,8 +352,12 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         sl = tl.where(rmask, sl_all, 0)
         in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < ctx)
         pos = tl.where(in_ctx, t, 0)
-        page = pos // BS
-        off = pos % BS
+        if SB:  # BS = 2^LBS: a shift and a mask (a division by a runtime BS is about 20 instructions a lane)
+            page = pos >> LBS
+            off = pos & (BS - 1)
+        else:
+            page = pos // BS
+            off = pos % BS
         if LEAN:
             hh = tl.arange(0, HP)
             hot_row = tl.load(hot_table + q * HB + hh, mask=hh < HB, other=0)  # HB <= H <= HP
@@ -377,6 +393,8 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         else:
             ee = jj[:, None] * KP + cc[None, :]  # entry index in first-reference order
             ii = tl.arange(0, HP)
+            shr = tl.arange(0, SH)  # the rows of the two-level scans over the hot rows (SH > 1)
+            skr = tl.arange(0, SK)  # and over a row's entries (SK > 1)
             smask = ii < H
             order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
             slot_ok = smask & (order >= 0) & (order < H)
@@ -406,7 +424,13 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     hit_pos = slot_ok & (tl.load(mk + order, mask=slot_ok, other=0) != 0)
                     tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=hit_pos)
                 hit_i = hit_pos.to(tl.int32)
-                h_rank = tl.associative_scan(hit_i, 0, _SUM) - hit_i
+                if SH > 1:
+                    h2 = tl.reshape(hit_i, (SH, HP // SH))
+                    h_tot = tl.reduce(h2, 1, _SUM)
+                    h_off = tl.reduce(tl.where(shr[None, :] < shr[:, None], h_tot[None, :], 0), 1, _SUM)
+                    h_rank = tl.reshape(tl.associative_scan(h2, 1, _SUM) - h2 + h_off[:, None], (HP,))
+                else:
+                    h_rank = tl.associative_scan(hit_i, 0, _SUM) - hit_i
                 n_hit = tl.reduce(hit_i, 0, _SUM)
                 if LEAN:
                     tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
@@ -414,12 +438,18 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     tl.atomic_add(stats + 1, n_hit.to(tl.int64))
                 new_pos = tl.where(hit_pos, H - n_hit + h_rank, ii - h_rank)
                 tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
+                if SB:  # (hint >= 0 wherever it is used)
+                    hint_blk = hint >> LBS
+                    hint_off = hint & (BS - 1)
+                else:
+                    hint_blk = hint // BS
+                    hint_off = hint % BS
                 if LEAN:
-                    hb_idx = tl.reshape(tl.where(hint_hit, hint // BS, 0), (GP * KP,))
+                    hb_idx = tl.reshape(tl.where(hint_hit, hint_blk, 0), (GP * KP,))
                     hot_blk = tl.where(hint_hit, tl.reshape(tl.gather(hot_row, hb_idx, 0), (GP, KP)), 0)
                 else:
-                    hot_blk = tl.load(hot_base + hint // BS, mask=hint_hit, other=0)
-                tl.store(out_rows + entry_ptr, tl.where(hint_hit, hot_blk * BS + hint % BS, -1), mask=is_host)
+                    hot_blk = tl.load(hot_base + hint_blk, mask=hint_hit, other=0)
+                tl.store(out_rows + entry_ptr, tl.where(hint_hit, hot_blk * BS + hint_off, -1), mask=is_host)
                 if MASK:
                     tl.store(miss_mask + entry_ptr, tl.full((GP, KP), 0, tl.int32), mask=emask)
                 clear = emask & (cc[None, :] < old_plan[:, None])
@@ -512,11 +542,23 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 mf = mflag.to(tl.int32)
                 row_miss = tl.reduce(mf, 1, _SUM)  # [GP]
                 n_miss = tl.reduce(row_miss, 0, _SUM)
-                in_row = tl.associative_scan(mf, 1, _SUM) - mf
-                m_rank = tl.associative_scan(row_miss, 0, _SUM)[:, None] - row_miss[:, None] + in_row
                 evict_pos = smask & ~hit_pos
                 ev = evict_pos.to(tl.int32)
-                e_rank = tl.associative_scan(ev, 0, _SUM) - ev
+                if SK > 1:
+                    m3 = tl.reshape(mf, (GP, SK, KP // SK))
+                    m_tot = tl.reduce(m3, 2, _SUM)  # [GP, SK]
+                    m_off = tl.reduce(tl.where(skr[None, None, :] < skr[None, :, None], m_tot[:, None, :], 0), 2, _SUM)
+                    in_row = tl.reshape(tl.associative_scan(m3, 2, _SUM) - m3 + m_off[:, :, None], (GP, KP))
+                else:
+                    in_row = tl.associative_scan(mf, 1, _SUM) - mf
+                if SH > 1:
+                    e2 = tl.reshape(ev, (SH, HP // SH))
+                    e_tot = tl.reduce(e2, 1, _SUM)
+                    e_off = tl.reduce(tl.where(shr[None, :] < shr[:, None], e_tot[None, :], 0), 1, _SUM)
+                    e_rank = tl.reshape(tl.associative_scan(e2, 1, _SUM) - e2 + e_off[:, None], (HP,))
+                else:
+                    e_rank = tl.associative_scan(ev, 0, _SUM) - ev
+                m_rank = tl.associative_scan(row_miss, 0, _SUM)[:, None] - row_miss[:, None] + in_row
                 n_evict = tl.reduce(ev, 0, _SUM)
                 h_rank = ii - e_rank  # hits before LRU position i
                 if LEAN:  # a hit is a held position (< H) that is not evictable: one block-wide sum fewer
@@ -551,21 +593,31 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     tl.debug_barrier()
                     slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
                 e_ok = is_host & (slot >= 0) & (slot < H)
+                if SB:  # (slot >= 0 where e_ok, victim >= 0 where vok)
+                    slot_blk = slot >> LBS
+                    slot_off = slot & (BS - 1)
+                    vic_blk = victim >> LBS
+                    vic_off = victim & (BS - 1)
+                else:
+                    slot_blk = slot // BS
+                    slot_off = slot % BS
+                    vic_blk = victim // BS
+                    vic_off = victim % BS
                 if LEAN:
                     hot_blk = tl.where(e_ok, tl.reshape(tl.gather(
-                        hot_row, tl.reshape(tl.where(e_ok, slot // BS, 0), (GP * KP,)), 0), (GP, KP)), 0)
+                        hot_row, tl.reshape(tl.where(e_ok, slot_blk, 0), (GP * KP,)), 0), (GP, KP)), 0)
                 else:
-                    hot_blk = tl.load(hot_base + slot // BS, mask=e_ok, other=0)
-                tl.store(out_rows + entry_ptr, tl.where(e_ok, hot_blk * BS + slot % BS, -1), mask=is_host)
+                    hot_blk = tl.load(hot_base + slot_blk, mask=e_ok, other=0)
+                tl.store(out_rows + entry_ptr, tl.where(e_ok, hot_blk * BS + slot_off, -1), mask=is_host)
                 tl.store(hint_ptr, slot, mask=cand & e_ok)
                 if LEAN:
                     vblk = tl.where(vok, tl.reshape(tl.gather(
-                        hot_row, tl.reshape(tl.where(vok, victim // BS, 0), (GP * KP,)), 0), (GP, KP)), 0)
+                        hot_row, tl.reshape(tl.where(vok, vic_blk, 0), (GP * KP,)), 0), (GP, KP)), 0)
                 else:
-                    vblk = tl.load(hot_base + victim // BS, mask=vok, other=0)
+                    vblk = tl.load(hot_base + vic_blk, mask=vok, other=0)
                 plan_ptr = row[:, None] * K + in_row
                 tl.store(plan_host + plan_ptr, host_row, mask=mflag)
-                tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + victim % BS, -1), mask=mflag)
+                tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
                 if MASK:
                     tl.store(miss_mask + entry_ptr, vok.to(tl.int32), mask=emask)
                 tail = emask & (cc[None, :] >= row_miss[:, None]) & (cc[None, :] < old_plan[:, None])
@@ -611,10 +663,13 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
 @triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
 def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
                      host_rows, dev_rows, W, BS, NP,
-                     WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr):
+                     WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = 0):
     """A fixed grid of NP programs shares every row's plan: chunks of EB entries, numbered across
     the batch (row by row), go to programs round robin, so a step with few misses launches no idle
-    program per row and one with many keeps every program busy."""
+    program per row and one with many keeps every program busy. With `PDL` (a programmatic dependent
+    launch) it waits for the kernel before it (the resolver) to end and flush before reading."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     rr = tl.arange(0, BP)
     counts = tl.load(plan_counts + rr, mask=rr < B, other=0)
@@ -640,6 +695,68 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
         vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
         daddr = (d // BS) * dst_block_stride + (d % BS) * W
         tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+
+
+@triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
+def copy_plan_rows_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
+                          host_rows, dev_rows, W, BS, NP,
+                          WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = 0,
+                          LW: tl.constexpr = 0):
+    """`copy_plan_kernel`'s copy for small batches: `NP // B` programs a batch row (at least one), the
+    j-th of a row taking its chunks j, j + NP // B, ... of EB entries. A program reads its row's count
+    beside its first chunk's plan entries (entries past a row's count are -1 between calls), so the
+    first host reads wait on one round trip, not on the counts of the batch and then the plan. With
+    `LW` (words of a 128-byte host line; `WP` then covers `W + LW - 1` words), a row is read along the
+    host's lines from the line its first word is in, so no load of a warp's consecutive lanes splits a
+    line (the nvidia backend's gather measured 6-7 points of the copy engine's bandwidth for that).
+    `PDL`: as in `copy_plan_kernel`."""
+    if PDL:
+        gdc_wait()
+    pid = tl.program_id(0)
+    per = tl.maximum(NP // B, 1)
+    w = tl.arange(0, WP)
+    wm = w < W
+    for r in range(pid // per, B, tl.maximum(NP // per, 1)):
+        e = (pid % per) * EB + tl.arange(0, EB)
+        m = e < K
+        h = tl.load(plan_host + r * K + e, mask=m, other=-1).to(tl.int64)
+        d = tl.load(plan_device + r * K + e, mask=m, other=-1).to(tl.int64)
+        n = tl.minimum(tl.maximum(tl.load(plan_counts + r), 0), K)
+        m = m & (e < n) & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)  # trusted input: never a stray access
+        daddr = (d // BS) * dst_block_stride + (d % BS) * W
+        if LW:
+            base = (h * W // LW) * LW  # the first host line of the row
+            col = w[None, :] - (h * W - base)[:, None]  # the row's word at lane w
+            mm = m[:, None] & (col >= 0) & (col < W)
+            vals = tl.load(src + base[:, None] + w[None, :], mask=mm)
+            tl.store(dst + daddr[:, None] + col, vals, mask=mm)
+        else:
+            mm = m[:, None] & wm[None, :]
+            vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
+            tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+        for c in range(pid % per + per, (n + EB - 1) // EB, per):
+            e = c * EB + tl.arange(0, EB)
+            m = e < n
+            h = tl.load(plan_host + r * K + e, mask=m, other=0).to(tl.int64)
+            d = tl.load(plan_device + r * K + e, mask=m, other=0).to(tl.int64)
+            m = m & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)
+            daddr = (d // BS) * dst_block_stride + (d % BS) * W
+            if LW:
+                base = (h * W // LW) * LW
+                col = w[None, :] - (h * W - base)[:, None]
+                mm = m[:, None] & (col >= 0) & (col < W)
+                vals = tl.load(src + base[:, None] + w[None, :], mask=mm)
+                tl.store(dst + daddr[:, None] + col, vals, mask=mm)
+            else:
+                mm = m[:, None] & wm[None, :]
+                vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
+                tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+    if pid == 0:  # the bytes counter, after this program's own copy
+        rr = tl.arange(0, BP)
+        counts = tl.minimum(tl.maximum(tl.load(plan_counts + rr, mask=rr < B, other=0), 0), K)
+        total = tl.reduce(counts, 0, _SUM)
+        if total > 0:
+            tl.atomic_add(stats + 3, total.to(tl.int64) * row_bytes)
 
 
 @triton.jit(do_not_specialize=["n", "src_block_stride", "dst_block_stride", "W", "BS"])
@@ -705,6 +822,7 @@ def vllm_invalidate_kernel(dgi, state_of_req, req_ids, written, S, NR, H, HP: tl
 
 KERNELS: dict[str, Callable[..., Any]] = {
     "resolve_kernel": resolve_kernel, "resolve_gather_kernel": resolve_gather_kernel, "copy_plan_kernel": copy_plan_kernel,
+    "copy_plan_rows_kernel": copy_plan_rows_kernel,
     "copy_rows_kernel": copy_rows_kernel, "invalidate_written_kernel": invalidate_written_kernel,
     "vllm_copy_kernel": vllm_copy_kernel, "vllm_invalidate_kernel": vllm_invalidate_kernel,
 }

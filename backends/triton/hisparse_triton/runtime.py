@@ -74,16 +74,24 @@ class TritonRuntime(CacheRuntime):
             raise InvalidInputError(f"{shapes.CAS_ENV}='1' needs Triton "
                                     f"{'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} or later on ROCm; found "
                                     f"Triton {triton.__version__}")
+        if tune.pdl and (device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device)[0] < 9):
+            found = ("the interpreter (cpu)" if device.type == "cpu" else
+                     f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device))
+            raise InvalidInputError(f"{shapes.PDL_ENV}='1' needs an NVIDIA GPU of compute capability 9.0 or later "
+                                    f"(programmatic dependent launch); found {found}")
+        lanes = warp_size(device)
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
-                                      lean=tune.lean, cas=tune.cas)
+                                      lean=tune.lean, cas=tune.cas, scan=tune.scan, shift=tune.shift,
+                                      warp_size=lanes)
         self._resolver = kernels.KERNELS[shape.kernel]
         self._resolver_name = shape.kernel
         self._gather_resolver = shape.variant == "gather"
         self._fuse = tune.fuse
         self._fuse_meta = {f: shape.fuse_constexprs(config, fused=f, interpreted=cpu) for f in (False, True)}
         kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
-        lanes = warp_size(device)
         self._meta: dict[str, int] = dict(shape.constexprs)
+        if tune.pdl:
+            self._meta["PDL"] = 1
         if not cpu:
             self._meta["num_warps"] = shape.num_warps(lanes)
         i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
@@ -112,6 +120,9 @@ class TritonRuntime(CacheRuntime):
         self._copy_entries = shapes.INTERPRETED_COPY_ENTRIES if cpu else shapes.COPY_ENTRIES
         self._copy_meta: dict[str, int] = {} if cpu else dict(num_warps=max(1, shapes.COPY_THREADS // lanes))
         self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu, entries=tune.plan_entries) | self._copy_meta
+        if tune.pdl:  # launched behind the resolver as a programmatic dependent (waits in the kernel)
+            self._plan_meta |= dict(PDL=1, launch_pdl=True)
+        self._row_plan_meta = shapes.row_copy_meta(config, self._plan_meta)
         # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks);
         # on a GPU one wave of programs (shapes.PLAN_PER_SM a multiprocessor), but no more than the
         # chunks a full plan of the largest batch has (a small batch launches no program that can
@@ -119,6 +130,7 @@ class TritonRuntime(CacheRuntime):
         chunks = b * -(-k // self._plan_meta["EB"])
         self._plan_programs = 1 if cpu else min(
             chunks, tune.plan_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+        self._row_copy = tune.row_copy
         self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]
@@ -270,6 +282,7 @@ class TritonRuntime(CacheRuntime):
                 copy_args = (self._host[0], dev, dev.stride(0), self._words, cfg.row_format.row_bytes, self._dev_rows)
             else:  # never read (FUSE=0)
                 copy_args = (out.valid_counts, out.valid_counts, 0, 0, 0, 0)
+            copy_args += (cfg.block_size.bit_length() - 1,)  # LBS: read only where the block size is 2^LBS (SB)
         try:
             kernels.launch(
                 self._resolver, self._resolver_name, (cfg.max_batch_rows,),
@@ -309,11 +322,17 @@ class TritonRuntime(CacheRuntime):
         cfg = self.config
         out = self._result
         dev = self._dev[layer]
+        # Programs assigned to rows where every row gets enough of them (any batch in the interpreter,
+        # whose one program walks the rows); else chunks round robin.
+        rows = self._row_copy and (self._device.type == "cpu"
+                                   or self._last_rows * shapes.ROW_COPY_MIN_PROGRAMS <= self._plan_programs)
+        name = "copy_plan_rows_kernel" if rows else "copy_plan_kernel"
+        meta = self._row_plan_meta if rows else self._plan_meta
         kernels.launch(
-            kernels.copy_plan_kernel, "copy_plan_kernel", (self._plan_programs,),
+            kernels.KERNELS[name], name, (self._plan_programs,),
             out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
             self._last_rows, cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words,
-            cfg.block_size, self._plan_programs, **self._plan_meta)
+            cfg.block_size, self._plan_programs, **meta)
 
     # ----------------------------------------------------------------- page and row copies
 

@@ -70,6 +70,35 @@ PLAN_ENTRIES = (4, 8, 16, 32)
 #: of a read, a store, a barrier, a read back and a barrier (`kernels.resolve_gather_kernel`, CAS),
 #: aimed at small batches' miss steps; 0, the default. Not yet timed on a GPU.
 CAS_ENV = "HISPARSE_TRITON_CAS"
+#: 1: the gather resolver's prefix sums over a group's entries and over the hot rows are two-level
+#: (rows of one warp's lanes: a scan within each row, the row totals' exclusive sums as one masked
+#: sum) instead of one `tl.associative_scan` across the program, whose lowering walks every warp's
+#: partial sum in each thread. The resolver is bound by the instructions it issues (call G1 of the
+#: 14th session, 34 misses x 8: 2,350 instructions a warp at 15.8 cycles each, 20.9 us); its sm_90
+#: build (Triton 3.6) has 2,928 SASS instructions, 1,880 with two-level scans (the miss path about
+#: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the default; not yet timed on a GPU.
+SCAN_ENV = "HISPARSE_TRITON_SCAN"
+#: 1: where the block size is a power of two, the gather resolver takes a position's or a slot's
+#: block and offset with a shift and a mask (`SB`, the shift a runtime argument) instead of a
+#: division by the runtime block size (about 20 instructions a lane, four such divisions on a miss
+#: step); one more build per configuration (power of two or not). 0, the default; not yet timed.
+SHIFT_ENV = "HISPARSE_TRITON_SHIFT"
+#: 1: at batches where every batch row gets at least `ROW_COPY_MIN_PROGRAMS` plan-copy programs, the
+#: plan copy is `kernels.copy_plan_rows_kernel` (programs assigned to rows; a row's count read beside
+#: its first plan entries, one round trip before the host reads instead of two; rows read along the
+#: host's 128-byte lines, `row_copy_meta`); larger batches keep
+#: `copy_plan_kernel` (chunks round robin, balanced however the misses fall). 0, the default; not
+#: yet timed on a GPU.
+ROW_COPY_ENV = "HISPARSE_TRITON_ROW_COPY"
+ROW_COPY_MIN_PROGRAMS = 8
+#: 1 (NVIDIA sm_90 and later only; refused elsewhere): the plan copy is a programmatic dependent
+#: launch (`launch_pdl`): the resolver lets it start once its programs have begun, and the copy waits
+#: in `gdc_wait` for the resolver's end, so the copy's launch overlaps the resolver instead of
+#: following it. 0, the default; not yet timed on a GPU.
+PDL_ENV = "HISPARSE_TRITON_PDL"
+#: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
+#: small geometries of the tests still scan several rows).
+INTERPRETED_SCAN_ROW = 4
 #: Triton 3.6's ROCm lowering of a scattered `atomic_cas` with several lanes a thread fails
 #: ("'llvm.extractvalue' op Type mismatch"); 3.9 compiles it. No release between was tried.
 CAS_MIN_TRITON_ROCM = (3, 9)
@@ -101,12 +130,16 @@ class Tuning:
     lean: bool = True
     plan_entries: int = COPY_ENTRIES
     cas: bool = False
+    scan: bool = False
+    shift: bool = False
+    row_copy: bool = False
+    pdl: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
-    `PLAN_ENTRIES_ENV`, `CAS_ENV`); one clear error
-    per bad value."""
+    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`); one clear error per bad
+    value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -121,15 +154,21 @@ def tuning(env: dict[str, str]) -> Tuning:
     fuse = env.get(FUSE_ENV) or "0"
     lean = env.get(LEAN_ENV) or "1"
     cas = env.get(CAS_ENV) or "0"
-    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas)):
+    scan = env.get(SCAN_ENV) or "0"
+    shift = env.get(SHIFT_ENV) or "0"
+    row_copy = env.get(ROW_COPY_ENV) or "0"
+    pdl = env.get(PDL_ENV) or "0"
+    for key, value in ((FUSE_ENV, fuse), (LEAN_ENV, lean), (CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift),
+                       (ROW_COPY_ENV, row_copy), (PDL_ENV, pdl)):
         if value not in ("0", "1"):
             raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
     if fuse == "1" and resolver != "gather":
         raise InvalidInputError(f"{FUSE_ENV}={fuse!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
-    if cas == "1" and resolver != "gather":
-        raise InvalidInputError(f"{CAS_ENV}={cas!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
+    for key, value in ((CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift), (PDL_ENV, pdl)):
+        if value == "1" and resolver != "gather":
+            raise InvalidInputError(f"{key}={value!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
-                  cas == "1")
+                  cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1")
 
 
 def pow2(n: int) -> int:
@@ -160,6 +199,8 @@ class ResolverShape:
     pt: int = 0  # page-table lanes read whole (0: gathered from global memory)
     lean: bool = True  # the gather resolver's LEAN build, where its lanes fit (`constexprs`)
     cas: bool = False  # the gather resolver claims buckets by compare-and-swap (`CAS_ENV`)
+    scan_row: int = 0  # lanes of one row of the two-level prefix sums (`SCAN_ENV`; 0: one scan)
+    shift: bool = False  # block and offset by shift and mask (`SHIFT_ENV`, a power-of-two block size)
 
     @property
     def kernel(self) -> str:
@@ -172,7 +213,8 @@ class ResolverShape:
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
         return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, PT=self.pt,
                     HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits),
-                    CAS=int(self.cas))
+                    CAS=int(self.cas), SH=max(1, self.hp // self.scan_row) if self.scan_row else 1,
+                    SK=max(1, self.kp // self.scan_row) if self.scan_row else 1, SB=int(self.shift), PDL=0)
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
@@ -198,7 +240,8 @@ def resolver_variant(name: str | None) -> str:
 
 
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
-                   threads: int | None = None, lean: bool = True, cas: bool = False) -> ResolverShape:
+                   threads: int | None = None, lean: bool = True, cas: bool = False,
+                   scan: bool = False, shift: bool = False, warp_size: int = 1) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
@@ -215,7 +258,10 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     pages = pow2(config.max_pages)
     pt = max(pages, floor["PT"]) if pages <= MAX_TABLE_LANES else 0
     variant = resolver_variant(variant)
-    return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather")
+    scan_row = (warp_size if compiled else INTERPRETED_SCAN_ROW) if scan and variant == "gather" else 0
+    bs = config.block_size
+    return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
+                         scan_row, shift and variant == "gather" and bs & (bs - 1) == 0)
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -229,13 +275,14 @@ def row_words(row_bytes: int) -> tuple[str, int]:
 
 
 def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32",
-                 variants: tuple[str, ...] = RESOLVERS) -> list[KernelSpec]:
+                 variants: tuple[str, ...] = RESOLVERS, cuda: bool = False) -> list[KernelSpec]:
     """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes
     (one resolver build per variant of `variants`). `lru_dtype` is `i16` for vLLM's op set, whose
     LRU is int16 (and which writes the miss mask)."""
     resolvers = [resolver_shape(config, variant=v) for v in variants]
-    if "gather" in variants:  # the CAS variant's build (unfused), so its targets are known to compile
+    if "gather" in variants:  # the CAS and SCAN variants' builds (unfused), so their targets are known to compile
         resolvers.append(resolver_shape(config, variant="gather", cas=True))
+        resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -251,6 +298,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
                 "dst_block_stride": "i32", "stats": "*i64"}
     plan_sig |= dict.fromkeys(("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"), "i32")
     plan_sig |= dict.fromkeys(plan, "constexpr")
+    rows_plan = row_copy_meta(config, plan)
+    rows_plan_sig = plan_sig | dict.fromkeys(rows_plan, "constexpr")
     rows_sig = {"pairs": i32p, "n": "i32", "src": f"*{word}", "src_block_stride": "i32", "dst": f"*{word}",
                 "dst_block_stride": "i32", "W": "i32", "BS": "i32", "WP": "constexpr", "EB": "constexpr"}
     inval_sig = {"state_rows": i32p, "host_rows": i32p, "hot_map": i32p, "R": "i32", "H": "i32", "HP": "constexpr"}
@@ -261,8 +310,16 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
                   "H": "i32", "HP": "constexpr"}
     inval_warps = max(1, min(MAX_THREADS, pow2(config.hot_rows) // 4) // warp_size)
     gather_sig = {"src": f"*{word}", "dst": f"*{word}"} | dict.fromkeys(
-        ("dst_block_stride", "W", "row_bytes", "dev_rows"), "i32")
+        ("dst_block_stride", "W", "row_bytes", "dev_rows", "LBS"), "i32")
     resolver_specs = []
+    pdl_specs = []
+    if cuda and "gather" in variants:  # the PDL builds (`PDL_ENV`): NVIDIA targets only
+        pdl_specs = [KernelSpec("copy_plan_kernel", plan_sig, plan | dict(PDL=1), copy_warps),
+                     KernelSpec("copy_plan_rows_kernel", rows_plan_sig, rows_plan | dict(PDL=1), copy_warps)]
+        r = resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size)
+        consts = r.constexprs | mask | r.fuse_constexprs(config, fused=False, interpreted=False) | dict(PDL=1)
+        pdl_specs.append(KernelSpec(r.kernel, resolve_sig | gather_sig | dict.fromkeys(consts, "constexpr"), consts,
+                                    r.num_warps(warp_size)))
     for r in resolvers:
         for fused in ((False, True) if r.variant == "gather" and lru_dtype == "i32" and not r.cas else (False,)):
             consts = r.constexprs | mask | r.fuse_constexprs(config, fused=fused, interpreted=False)
@@ -272,11 +329,21 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     return [
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
+        KernelSpec("copy_plan_rows_kernel", rows_plan_sig, rows_plan, copy_warps),
+        *pdl_specs,
         KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
         KernelSpec("invalidate_written_kernel", inval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
         KernelSpec("vllm_copy_kernel", vcopy_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
         KernelSpec("vllm_invalidate_kernel", vinval_sig, dict(HP=pow2(config.hot_rows)), inval_warps),
     ]
+
+
+def row_copy_meta(config: RuntimeConfig, plan: dict[str, int]) -> dict[str, int]:
+    """`copy_plan_rows_kernel`'s constexprs: the plan copy's `plan` with the words of a 128-byte host
+    line (`LW`) and lanes for a row read from the start of its first line (`WP`)."""
+    word, words = row_words(config.row_format.row_bytes)
+    lw = 128 // (4 if word == "i32" else 1)
+    return plan | dict(WP=pow2(words + lw - 1), LW=lw)
 
 
 def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = COPY_ENTRIES) -> dict[str, int]:
@@ -285,4 +352,4 @@ def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = C
     _, words = row_words(config.row_format.row_bytes)
     eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else entries
     bp = pow2(config.max_batch_rows) if interpreted else max(pow2(config.max_batch_rows), MIN_LANES["BP"])
-    return dict(WP=pow2(words), EB=eb, BP=bp)
+    return dict(WP=pow2(words), EB=eb, BP=bp, PDL=0)

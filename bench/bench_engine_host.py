@@ -7,6 +7,9 @@ small (the host work does not depend on it). Decode steps run the engine's step 
 model (`begin_step`, one row written per layer, the locality model's top-k resolved by the
 backend as the attention would, `end_step`), so the timing is the engine's alone.
 
+`tensor ops` counts the aten operations each part dispatches (on a GPU each is a launch, a copy
+or an allocation: what the host pays there, which the CPU's own copies here do not show).
+
 Run:  python bench/bench_engine_host.py --batch 43 --context 32768 [--mode all-resident] [--profile 25]
 """
 
@@ -26,6 +29,59 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_transformers import GEOMETRY, EngineHostTime  # noqa: E402 - the sibling script
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+class OpCount(TorchDispatchMode):
+    """Tensor operations dispatched while active (each a kernel launch or a copy on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def parts(engine: Any, session: Any, token: torch.Tensor, steps: int, resolve: bool, *, count: bool) -> list[float]:
+    """Per decode step, [engine critical, worker after_forward, planning ahead, top-k fill]: host
+    ms, or with `count` tensor operations (slower: every operation goes through Python). Engine
+    critical is `begin_step` + `end_step` less the planning ahead, the worker's `after_forward` (the
+    backend's row mirrors, critical too) and the benchmark's top-k copy (`ModelTopk.fill`: one
+    device-to-device copy on a GPU, a slow strided copy on the CPU)."""
+    names = ("begin_step", "end_step", "_plan_next", "_after_forward", "fill")
+    ops = dict.fromkeys(names, 0)
+    secs = dict.fromkeys(names, 0.0)
+    owner = {n: engine.topk_model if n == "fill" else engine for n in names}
+    saved = {n: getattr(owner[n], n) for n in names}
+
+    def wrap(name: str) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            c = OpCount()
+            try:
+                if not count:
+                    return saved[name](*a, **k)
+                with c:
+                    return saved[name](*a, **k)
+            finally:
+                ops[name] += c.n
+                secs[name] += time.perf_counter() - t0
+        return run
+
+    for n in names:
+        setattr(owner[n], n, wrap(n))
+    try:
+        for _ in range(steps):
+            decode_step(engine, session, token, resolve)
+    finally:
+        for n in names:
+            delattr(owner[n], n)
+
+    d = ops if count else {k: 1e3 * v for k, v in secs.items()}
+    crit = d["begin_step"] + d["end_step"] - d["_plan_next"] - d["_after_forward"] - d["fill"]
+    return [crit / steps, d["_after_forward"] / steps, d["_plan_next"] / steps, d["fill"] / steps]
 
 
 def serving_blocks(batch: int, context: int, budget_gib: float, steps: int, mode: str) -> tuple[int, int]:
@@ -63,7 +119,7 @@ def build(batch: int, context: int, mode: str, steps: int, budget_gib: float, ba
                        gpu_kv_gib=blocks * block_bytes / 2**30 * (1 + 1e-9), block_size=bs, max_batch=batch,
                        max_context=pages * bs, prefill_chunk=1024)
     engine = HiSparseEngine(layout, cfg, select_backend(backend), dtype=dtype)
-    engine.use_model_topk("benign", seed=0, lookahead=steps + 4)
+    engine.use_model_topk("benign", seed=0, lookahead=4 * steps + 8)
     return engine
 
 
@@ -128,15 +184,19 @@ def main(argv: list[str] | None = None) -> int:
         host.reset()
         decode_step(engine, session, token, not a.no_resolve)
         times.append(host.per_step_ms(1))
-    times.sort()
+    ms = parts(engine, session, token, a.steps, not a.no_resolve, count=False)
+    ops = parts(engine, session, token, a.steps, not a.no_resolve, count=True)
     crit = sorted(t[0] for t in times)[len(times) // 2]
     ahead = sorted(t[1] for t in times)[len(times) // 2]
     w = engine.collect().worker
     looked = (w["hits"] - stats0["hits"]) + (w["misses"] - stats0["misses"])
     print(f"{a.mode} B={a.batch} T={a.context}: GPU pool {engine.gpu_blocks} blocks; host critical {crit:.3f} ms, "
           f"ahead {ahead:.3f} ms per step (median of {a.steps}); released pages {engine.coordinator.stats().released_pages - released0} "
-          f"in {2 * a.steps} steps; hits {100 * (w['hits'] - stats0['hits']) / max(1, looked):.0f}%; "
+          f"in {4 * a.steps} steps; hits {100 * (w['hits'] - stats0['hits']) / max(1, looked):.0f}%; "
           f"total {time.perf_counter() - t0:.0f} s")
+    print(f"  per step, host ms (mean) / tensor ops: engine critical {ms[0]:.3f} / {ops[0]:.0f}, worker after_forward "
+          f"(backend mirrors) {ms[1]:.3f} / {ops[1]:.0f}, planning ahead {ms[2]:.3f} / {ops[2]:.0f}, top-k fill "
+          f"{ms[3]:.3f} / {ops[3]:.0f}")
     if prof is not None:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(a.profile)
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)

@@ -548,8 +548,9 @@ class HiSparseEngine:
     def begin_step(self, session: Session, input_ids: torch.Tensor | None, num_new: int) -> StepState:
         """Plan one forward of `num_new` padded positions for every row and start the worker's step.
 
-        A decode step that `end_step` planned ahead (`plan_ahead`) has started already: only its
-        tokens are recorded here; a planning failure is raised here, with the request named."""
+        A decode step that `end_step` planned ahead (`plan_ahead`) has started already and its
+        device tensors are made: only its tokens are recorded here (one copy to the host for the
+        whole batch, whatever its size); a planning failure is raised here, with the request named."""
         if session.closed:
             raise InvalidInputError("this hisparse cache's generate has finished; use a fresh cache")
         if session.step is not None:

@@ -6,6 +6,7 @@
 #
 #   OUT=... PAR="tests triton tf_tests" SEQ="serving vllm_ops_bench" bash scripts/gpu_call.sh
 #   git archive REV backends/nvidia | tar -x -C .before; OUT=... SEQ="before:bench bench" bash scripts/gpu_call.sh
+#   git archive REV backends/nvidia plugins/transformers | tar -x -C .before; ... SEQ="before:serving_locality serving_locality"
 #
 # Carried wheels in .whl/ (transformers 5.24 and regex, for instance) are installed into
 # /tmp/site first and put on PYTHONPATH; the stages' own variables (T_*, *_ARGS) pass through.
@@ -30,12 +31,15 @@ for p in "${pids[@]}"; do wait "$p"; done
 echo "=== side by side: ${PAR:-none} in $((SECONDS - t0)) s"
 for stage in ${PAR:-}; do sed -n '/==== summary ====/,$p' "$WORK/$stage.summary"; done
 for item in ${SEQ:-}; do
-    # "before:STAGE": the stage on the backends/nvidia of the tree under .before/ (git archive of an
-    # earlier commit), with BENCH_BEFORE_ARGS for its bench arguments.
+    # "before:STAGE": the stage on the backends/nvidia (and, where .before/ has it, the
+    # plugins/transformers) of the tree under .before/ (git archive of an earlier commit), with
+    # BENCH_BEFORE_ARGS for its bench arguments.
     stage=${item#before:}
     if [ "$stage" != "$item" ]; then
-        NVIDIA_ROOT=$PWD/.before BENCH_ARGS=${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-}} OUT=$WORK/before_$stage \
-            bash scripts/gpu_validate.sh "$stage" > "$WORK/before_$stage.summary" 2>&1
+        tf_root=$PWD
+        [ -d .before/plugins/transformers/hisparse_transformers ] && tf_root=$PWD/.before
+        NVIDIA_ROOT=$PWD/.before TRANSFORMERS_ROOT=$tf_root BENCH_ARGS=${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-}} \
+            OUT=$WORK/before_$stage bash scripts/gpu_validate.sh "$stage" > "$WORK/before_$stage.summary" 2>&1
         sed -n '/==== summary ====/,$p' "$WORK/before_$stage.summary"
         continue
     fi

@@ -63,7 +63,9 @@ ln -s "$REPO/backends/reference_cpu/hisparse_reference_cpu" "$SHIM/hisparse_refe
 [ -d "$REPO/backends/triton/hisparse_triton" ] && ln -s "$REPO/backends/triton/hisparse_triton" "$SHIM/hisparse_triton"
 ln -s "$REPO/plugins/conformance/hisparse_conformance" "$SHIM/hisparse_conformance"
 [ -d "$REPO/plugins/vllm/hisparse_vllm" ] && ln -s "$REPO/plugins/vllm/hisparse_vllm" "$SHIM/hisparse_vllm"
-[ -d "$REPO/plugins/transformers/hisparse_transformers" ] && ln -s "$REPO/plugins/transformers/hisparse_transformers" "$SHIM/hisparse_transformers"
+# TRANSFORMERS_ROOT: another tree's plugins/transformers (a before/after comparison of the engine)
+TF_ROOT=${TRANSFORMERS_ROOT:-$REPO}
+[ -d "$TF_ROOT/plugins/transformers/hisparse_transformers" ] && ln -s "$TF_ROOT/plugins/transformers/hisparse_transformers" "$SHIM/hisparse_transformers"
 printf 'Metadata-Version: 2.1\nName: hisparse\nVersion: 0.1.0\n' > "$SHIM/hisparse-0.1.0.dist-info/METADATA"
 python3 - "$REPO/pyproject.toml" > "$SHIM/hisparse-0.1.0.dist-info/entry_points.txt" <<'EOF'
 import sys, tomllib

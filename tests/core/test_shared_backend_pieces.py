@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 from core_support import subprocess_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hisparse_core.checks import check_int, check_range, check_sequence, check_span, check_tensor
 from hisparse_core.copy_checks import check_host_copies, check_mirrors, check_pages
@@ -87,6 +89,32 @@ def test_resolve_values_reject_split_groups_and_ignore_padding_rows() -> None:
 
 
 # ----------------------------------------------------------------- copy and transfer checks
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(1, 6)), min_size=1, max_size=6),
+       st.integers(1, 8), st.integers(1, 48), st.integers(1, 48))
+def test_check_mirrors_accepts_and_refuses_what_check_span_does(spans: list[tuple[int, int, int]], bs: int,
+                                                                dev_rows: int, host_rows: int) -> None:
+    # check_mirrors tests the spans inline (no message built for a good one): the same verdicts
+    # and the same message as check_span on each side, in order.
+    expect: list[tuple[int, int, int]] | str = []
+    for i, (src, dst, n) in enumerate(spans):
+        try:
+            check_span(f"mirrors[{i}] source", src, n, dev_rows, bs)
+            check_span(f"mirrors[{i}] destination", dst, n, host_rows, bs)
+        except InvalidInputError as exc:
+            expect = str(exc)
+            break
+        assert isinstance(expect, list)
+        expect.append((src, dst, n))
+    mirrors = [RowMirror((src,), dst, n) for src, dst, n in spans]
+    try:
+        got: list[tuple[int, int, int]] | str = check_mirrors(mirrors, resident_group=0, block_size=bs,
+                                                              device_rows=dev_rows, host_rows=host_rows)
+    except InvalidInputError as exc:
+        got = str(exc)
+    assert got == expect
+
 
 def test_copy_checks_return_plain_integers_and_name_bad_fields() -> None:
     assert check_mirrors([RowMirror((5,), 9, 2)], resident_group=0, block_size=4, device_rows=16,

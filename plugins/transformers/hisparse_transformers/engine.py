@@ -60,7 +60,7 @@ from hisparse_transformers.model_topk import ModelTopk
 from hisparse_transformers.ranks import Ranks
 from hisparse_transformers.session import Request, Session, StepState
 from hisparse_transformers.shards import Placement, ReportMerger
-from hisparse_transformers.tokens import LazyTokens
+from hisparse_transformers.tokens import LazyTokens, StagedIds
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +350,7 @@ class HiSparseEngine:
         self._handed: dict[str, int] = {}                  # blocks of each request the coordinator took over
         self._planned_writes: tuple[list[int], list[int]] = ([], [])
         self._planned_command: OffloadCommand | None = None
+        self._planned_state: StepState | None = None       # the planned step's device tensors
         self._last_prefill = False
         #: Benchmarks only (`use_model_topk`): decode steps take their top-k from a locality model.
         self.topk_model: ModelTopk | None = None
@@ -547,8 +548,9 @@ class HiSparseEngine:
     def begin_step(self, session: Session, input_ids: torch.Tensor | None, num_new: int) -> StepState:
         """Plan one forward of `num_new` padded positions for every row and start the worker's step.
 
-        A decode step that `end_step` planned ahead (`plan_ahead`) has started already: only its
-        tokens are recorded here; a planning failure is raised here, with the request named."""
+        A decode step that `end_step` planned ahead (`plan_ahead`) has started already and its
+        device tensors are made: only its tokens are recorded here (one copy to the host for the
+        whole batch, whatever its size); a planning failure is raised here, with the request named."""
         if session.closed:
             raise InvalidInputError("this hisparse cache's generate has finished; use a fresh cache")
         if session.step is not None:
@@ -574,23 +576,38 @@ class HiSparseEngine:
             raise InvalidInputError("a forward past the prompt needs input_ids (inputs_embeds only cover the "
                                     "prompt given to generate)")
         planned = self.ahead.claim((session, past, num_new))
+        staged: StagedIds | None = None
         for b, r in enumerate(session.requests):
             known = len(r.tokens)
             if max(end_padded, r.pad) - r.pad > known:
                 assert input_ids is not None
-                r.tokens.extend_device(input_ids[b, known + r.pad - past:num_new])
-        if planned:
-            src, dst = self._planned_writes
-        else:
-            src, dst = self._schedule(session, past, num_new, start=True)
+                if staged is None:
+                    staged = StagedIds(input_ids)   # one copy to the host for the whole batch
+                r.tokens.extend_staged(staged, b, known + r.pad - past)
+        step = self._planned_state if planned else None
+        self._planned_state = None
+        if step is None:
+            src, dst = self._planned_writes if planned else self._schedule(session, past, num_new, start=True)
+            step = self._step_state(session, past, num_new, src, dst)
+        if step.verify:
+            # A rollback may follow: no step is planned ahead of it (its schedule would seal the
+            # pages of candidates that the crop drops).
+            session.speculative = True
+        step.started = time.perf_counter()
+        session.step = step
+        if self.topk_model is not None and num_new == 1 and all(r.computed >= r.prompt_len for r in session.requests):
+            self.topk_model.fill(session, step, [r.pad for r in session.requests], past)
+        return step
+
+    def _step_state(self, session: Session, past: int, num_new: int, src: list[int], dst: list[int]) -> StepState:
+        """The device tensors the attention layers of a step read: query positions, resolver rows,
+        context lengths and the write rows `src`/`dst` (`_schedule`). Enqueued on the current
+        stream; for a step planned ahead they are made while the device runs the step before."""
         dev = self.device
         qpos = (past + torch.arange(num_new, device=dev)).unsqueeze(0) - session.pads.unsqueeze(1)
         qpos = qpos.masked_fill(qpos < 0, -1)
         verify = self.is_verification(session, num_new)
         if verify:
-            # A rollback may follow: no step is planned ahead of it (its schedule would seal the
-            # pages of candidates that the crop drops).
-            session.speculative = True
             # One resolver row per query, b-major: a request's rows are consecutive and share its state row.
             row_state = session.state_rows.repeat_interleave(num_new)
             seq_lens = (qpos + 1).reshape(-1).to(torch.int32)
@@ -603,15 +620,11 @@ class HiSparseEngine:
         write_src = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
         step = StepState(past, num_new, session.pads, row_pad32, qpos, row_state, seq_lens, write_src,
                          torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True),
-                         started=time.perf_counter(), prefill=num_new > 1 and not verify, verify=verify,
-                         state_rows=session.state_rows)
+                         prefill=num_new > 1 and not verify, verify=verify, state_rows=session.state_rows)
         if self.resident_layers:
             # the same rows' places in the resident stores: state row x capacity + logical position
             states = session.state_rows.to(torch.int64)[write_src // num_new]
             step.write_res = states * self.resident_capacity + qpos.reshape(-1)[write_src]
-        session.step = step
-        if self.topk_model is not None and num_new == 1 and all(r.computed >= r.prompt_len for r in session.requests):
-            self.topk_model.fill(session, step, [r.pad for r in session.requests], past)
         return step
 
     def use_model_topk(self, regime_name: str, *, seed: int = 0, lookahead: int = 32) -> None:
@@ -716,7 +729,10 @@ class HiSparseEngine:
             return
 
         def prepare() -> OffloadCommand | None:
+            self._planned_state = None
             self._planned_writes = self._schedule(session, past, 1, start=False)
+            # the step's device tensors too: their uploads and small kernels leave the critical path
+            self._planned_state = self._step_state(session, past, 1, *self._planned_writes)
             return self._planned_command
 
         self.ahead.plan((session, past, 1), prepare)

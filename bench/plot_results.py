@@ -70,13 +70,18 @@ def no_miss_steps(axes: Any, data: dict[str, Any]) -> None:
     axes[0].set_ylim(0, 9.5)
 
 
-def tokens_by_batch(ax: Any, series: Any, title: str, legend: str) -> None:
-    """The axes of a decode tokens/s against batch plot, ticks at every batch of `series`."""
+def tokens_by_batch(ax: Any, series: Any, title: str, legend: str, context_k: int = 128) -> None:
+    """The axes of a decode tokens/s against batch plot, ticks at every batch of `series` (a batch
+    within 15% of the previous tick is left unlabelled, so labels do not overlap)."""
     ax.set_xscale("log", base=2)
     batches = sorted({b for m in series for b in m["batch"]})
-    ax.set_xticks(batches, [str(b) for b in batches])
+    labels, last = [], 0.0
+    for b in batches:
+        labels.append(str(b) if not last or b >= 1.15 * last else "")
+        last = b if labels[-1] else last
+    ax.set_xticks(batches, labels)
     ax.minorticks_off()
-    ax.set_xlabel("batch (concurrent 128K-token requests)")
+    ax.set_xlabel(f"batch (concurrent {context_k}K-token requests)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(title)
     ax.legend(loc=legend, fontsize=8)
@@ -98,11 +103,19 @@ def serving_locality(ax: Any, data: dict[str, Any], key: str = "serving_locality
     for (regime, modes), color in zip(regimes.items(), ("tab:blue", "tab:red"), strict=True):
         for mode, style in (("hisparse", "-"), ("all-resident", "--")):
             m = modes[mode]
-            ax.plot(m["batch"], m["tokens_per_s"], marker="o", linestyle=style, color=color,
-                    label=f"{mode}, {regime} (largest batch {max(m['batch'])})")
-    where = f"{dataset['context'] // 1024}K tokens, " if "context" in dataset else ""
+            within = m.get("within_budget", [True] * len(m["batch"]))
+            inside = [(b, t) for b, t, w in zip(m["batch"], m["tokens_per_s"], within, strict=True) if w]
+            beyond = [(b, t) for b, t, w in zip(m["batch"], m["tokens_per_s"], within, strict=True) if not w]
+            ax.plot([b for b, _ in inside], [t for _, t in inside], marker="o", linestyle=style, color=color,
+                    label=f"{mode}, {regime} (largest batch at the budget {max(b for b, _ in inside)})")
+            if beyond:  # the same engine under a larger budget: the offloading cost at hisparse's batches
+                ax.plot([inside[-1][0]] + [b for b, _ in beyond], [inside[-1][1]] + [t for _, t in beyond],
+                        marker="o", markerfacecolor="none", linestyle=":", color=color,
+                        label=f"{mode}, {regime}, beyond the budget")
+    context_k = dataset.get("context", 131072) // 1024
     tokens_by_batch(ax, [m for modes in regimes.values() for m in modes.values()],
-                    f"H200, {where}3 GiB of GPU KV, top-k from the locality model", "lower right")
+                    f"H200, {context_k}K tokens, 3 GiB of GPU KV, top-k from the locality model", "upper left",
+                    context_k)
 
 
 def serving_locality_32k(ax: Any, data: dict[str, Any]) -> None:

@@ -76,25 +76,27 @@ CAS_ENV = "HISPARSE_TRITON_CAS"
 #: partial sum in each thread. The resolver is bound by the instructions it issues (call G1 of the
 #: 14th session, 34 misses x 8: 2,350 instructions a warp at 15.8 cycles each, 20.9 us); its sm_90
 #: build (Triton 3.6) has 2,928 SASS instructions, 1,880 with two-level scans (the miss path about
-#: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the default; not yet timed on a GPU.
+#: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the default (call K4, timed only with SHIFT and
+#: ROW_COPY: no gain on miss steps, docs/backends.md).
 SCAN_ENV = "HISPARSE_TRITON_SCAN"
 #: 1: where the block size is a power of two, the gather resolver takes a position's or a slot's
 #: block and offset with a shift and a mask (`SB`, the shift a runtime argument) instead of a
 #: division by the runtime block size (about 20 instructions a lane, four such divisions on a miss
-#: step); one more build per configuration (power of two or not). 0, the default; not yet timed.
+#: step); one more build per configuration (power of two or not). 0, the default (timed with SCAN, K4).
 SHIFT_ENV = "HISPARSE_TRITON_SHIFT"
 #: 1: at batches where every batch row gets at least `ROW_COPY_MIN_PROGRAMS` plan-copy programs, the
 #: plan copy is `kernels.copy_plan_rows_kernel` (programs assigned to rows; a row's count read beside
 #: its first plan entries, one round trip before the host reads instead of two; rows read along the
 #: host's 128-byte lines, `row_copy_meta`); larger batches keep
-#: `copy_plan_kernel` (chunks round robin, balanced however the misses fall). 0, the default; not
-#: yet timed on a GPU.
+#: `copy_plan_kernel` (chunks round robin, balanced however the misses fall). 0, the default (call
+#: K4, with SCAN and SHIFT: 7-8 us more on batch-8 steps without a miss).
 ROW_COPY_ENV = "HISPARSE_TRITON_ROW_COPY"
 ROW_COPY_MIN_PROGRAMS = 8
 #: 1 (NVIDIA sm_90 and later only; refused elsewhere): the plan copy is a programmatic dependent
 #: launch (`launch_pdl`): the resolver lets it start once its programs have begun, and the copy waits
 #: in `gdc_wait` for the resolver's end, so the copy's launch overlaps the resolver instead of
-#: following it. 0, the default; not yet timed on a GPU.
+#: following it. 0, the default (call K4: 0.6-2.3 us saved on most miss steps up to batch 64, 93 us
+#: lost at 274 misses and batch 128).
 PDL_ENV = "HISPARSE_TRITON_PDL"
 #: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
 #: small geometries of the tests still scan several rows).

@@ -34,11 +34,11 @@ class _CountOps(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
+def model() -> Any:  # a transformers model (its generate is not on nn.Module)
     return tiny_model(FAMILY, shape=SHAPES[FAMILY], seed=3)
 
 
-def _planned_begin_ops(model: torch.nn.Module, batch: int) -> list[list[str]]:
+def _planned_begin_ops(model: Any, batch: int) -> list[list[str]]:
     """The tensor operations of each planned decode step's `begin_step`."""
     lengths = [40, 57, 23, 31, 45, 29][:batch]
     ids, mask = random_prompts(lengths, seed=batch)
@@ -62,7 +62,7 @@ def _planned_begin_ops(model: torch.nn.Module, batch: int) -> list[list[str]]:
     return seen
 
 
-def test_a_planned_decode_step_starts_with_the_same_few_ops_at_any_batch(model: torch.nn.Module) -> None:
+def test_a_planned_decode_step_starts_with_the_same_few_ops_at_any_batch(model: Any) -> None:
     one = _planned_begin_ops(model, 1)
     six = _planned_begin_ops(model, 6)
     assert len(one) >= 8 and len(six) >= 8, (len(one), len(six))
@@ -72,13 +72,23 @@ def test_a_planned_decode_step_starts_with_the_same_few_ops_at_any_batch(model: 
     assert max(len(x) for x in six) <= 2, six[0]
 
 
-def test_the_coordinator_reads_the_generated_ids(model: torch.nn.Module) -> None:
+@pytest.mark.parametrize("wider", [False, True])
+def test_the_coordinator_reads_the_generated_ids(model: Any, wider: bool) -> None:
     lengths = [40, 57, 23]
     ids, mask = random_prompts(lengths, seed=11)
     with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, check=False)) as hs:
         engine = hs.engine
         kept: list[list[int]] = []
         close = engine.close_session
+        if wider:   # a caller's input_ids wider than the step: only its first num_new columns are the step's
+            begin = engine.begin_step
+
+            def widened(session: Any, input_ids: Any, num_new: int) -> Any:
+                if input_ids is not None:
+                    input_ids = torch.cat([input_ids, torch.full_like(input_ids[:, :1], -7)], 1)
+                return begin(session, input_ids, num_new)
+
+            engine.begin_step = widened      # type: ignore[method-assign]
 
         def keep(session: Any, **kw: Any) -> None:
             kept.extend(r.tokens.tolist() for r in session.requests)
@@ -87,6 +97,8 @@ def test_the_coordinator_reads_the_generated_ids(model: torch.nn.Module) -> None
         engine.close_session = keep      # type: ignore[method-assign]
         out = model.generate(ids, attention_mask=mask, max_new_tokens=20, **GEN)
         del engine.close_session
+        if wider:
+            del engine.begin_step
     seqs = out.sequences.tolist()
     width = ids.shape[1]
     for b, (row, tokens) in enumerate(zip(seqs, kept, strict=True)):

@@ -582,7 +582,8 @@ class HiSparseEngine:
             if max(end_padded, r.pad) - r.pad > known:
                 assert input_ids is not None
                 if staged is None:
-                    staged = StagedIds(input_ids)   # one copy to the host for the whole batch
+                    # one copy to the host for the whole batch; columns past num_new are not this step's
+                    staged = StagedIds(input_ids if input_ids.shape[1] <= num_new else input_ids[:, :num_new])
                 r.tokens.extend_staged(staged, b, known + r.pad - past)
         step = self._planned_state if planned else None
         self._planned_state = None

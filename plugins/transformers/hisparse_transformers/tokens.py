@@ -70,11 +70,6 @@ class LazyTokens(Sequence[int]):
             self._pending.append((staged, row, lo, hi))
             self._pending_len += hi - lo
 
-    def extend_device(self, ids: torch.Tensor) -> None:
-        """Append a 1-D tensor of ids (any device); it is read back only when an id is needed."""
-        if ids.numel():
-            self.extend_staged(StagedIds(ids.reshape(1, -1)), 0, 0)
-
     def _flush(self) -> None:
         if self._pending:
             for staged, b, lo, hi in self._pending:

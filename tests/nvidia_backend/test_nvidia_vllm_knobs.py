@@ -5,6 +5,8 @@ variable and the value."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hisparse_core.errors import InvalidInputError
 
@@ -101,3 +103,23 @@ def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPat
     with pytest.raises(InvalidInputError) as err:
         _READ[name]()
     _one_line_naming(err, name, value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(0, 3), st.sampled_from([48 * 1024, 99 * 1024,
+                                                                                          227 * 1024]))
+def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int, build: int, optin: int) -> None:
+    # vllm_ops.cu takes the buckets and the LRU order from the launch's dynamic shared memory, and
+    # build 3 reads the hot-map row into it from the first 16-byte boundary past the buckets
+    # wherever %dynamic_smem_size covers that row.
+    from hisparse_nvidia.vllm_ops import RESOLVE_SMEM_BUDGET, resolve_smem_buckets, resolve_smem_bytes
+
+    b = resolve_smem_buckets(union, h)
+    got = resolve_smem_bytes(b, h, build, optin)
+    row_end = -(-8 * b // 16) * 16 + 4 * h
+    assert got >= 12 * b + 2 * h and got % 4 == 0
+    if build >= 3 and row_end <= min(optin, RESOLVE_SMEM_BUDGET):
+        assert got >= row_end
+    else:
+        assert got == -(-(12 * b + 2 * h) // 16) * 16
+    assert got <= max(-(-(12 * b + 2 * h) // 16) * 16, min(optin, RESOLVE_SMEM_BUDGET))

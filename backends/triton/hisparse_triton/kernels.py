@@ -73,6 +73,22 @@ def launch(kernel: Any, name: str, grid: tuple[int, ...], *args: Any, **meta: An
                           ) from exc
 
 
+@triton.jit
+def _exclusive_ranks(x, SH: tl.constexpr, HP: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton device function
+    """Exclusive prefix sums of the [HP] int32 vector `x`. SH > 1 (HISPARSE_TRITON_SCAN): a scan within
+    each of SH rows of one warp's width, plus the sums of the rows before (one masked reduction),
+    so no scan crosses warps; else one scan over the block."""
+    if SH > 1:
+        rows = tl.arange(0, SH)
+        x2 = tl.reshape(x, (SH, HP // SH))
+        tot = tl.reduce(x2, 1, _SUM)
+        off = tl.reduce(tl.where(rows[None, :] < rows[:, None], tot[None, :], 0), 1, _SUM)
+        ranks = tl.reshape(tl.associative_scan(x2, 1, _SUM) - x2 + off[:, None], (HP,))
+    else:
+        ranks = tl.associative_scan(x, 0, _SUM) - x
+    return ranks
+
+
 @triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit"])
 def resolve_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
                    out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
@@ -393,7 +409,6 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         else:
             ee = jj[:, None] * KP + cc[None, :]  # entry index in first-reference order
             ii = tl.arange(0, HP)
-            shr = tl.arange(0, SH)  # the rows of the two-level scans over the hot rows (SH > 1)
             skr = tl.arange(0, SK)  # and over a row's entries (SK > 1)
             smask = ii < H
             order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
@@ -424,13 +439,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     hit_pos = slot_ok & (tl.load(mk + order, mask=slot_ok, other=0) != 0)
                     tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=hit_pos)
                 hit_i = hit_pos.to(tl.int32)
-                if SH > 1:
-                    h2 = tl.reshape(hit_i, (SH, HP // SH))
-                    h_tot = tl.reduce(h2, 1, _SUM)
-                    h_off = tl.reduce(tl.where(shr[None, :] < shr[:, None], h_tot[None, :], 0), 1, _SUM)
-                    h_rank = tl.reshape(tl.associative_scan(h2, 1, _SUM) - h2 + h_off[:, None], (HP,))
-                else:
-                    h_rank = tl.associative_scan(hit_i, 0, _SUM) - hit_i
+                h_rank = _exclusive_ranks(hit_i, SH, HP)
                 n_hit = tl.reduce(hit_i, 0, _SUM)
                 if LEAN:
                     tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
@@ -551,13 +560,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     in_row = tl.reshape(tl.associative_scan(m3, 2, _SUM) - m3 + m_off[:, :, None], (GP, KP))
                 else:
                     in_row = tl.associative_scan(mf, 1, _SUM) - mf
-                if SH > 1:
-                    e2 = tl.reshape(ev, (SH, HP // SH))
-                    e_tot = tl.reduce(e2, 1, _SUM)
-                    e_off = tl.reduce(tl.where(shr[None, :] < shr[:, None], e_tot[None, :], 0), 1, _SUM)
-                    e_rank = tl.reshape(tl.associative_scan(e2, 1, _SUM) - e2 + e_off[:, None], (HP,))
-                else:
-                    e_rank = tl.associative_scan(ev, 0, _SUM) - ev
+                e_rank = _exclusive_ranks(ev, SH, HP)
                 m_rank = tl.associative_scan(row_miss, 0, _SUM)[:, None] - row_miss[:, None] + in_row
                 n_evict = tl.reduce(ev, 0, _SUM)
                 h_rank = ii - e_rank  # hits before LRU position i

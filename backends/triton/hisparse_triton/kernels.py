@@ -700,6 +700,23 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
         tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
 
 
+@triton.jit
+def _copy_plan_chunk(src, dst, dst_block_stride, h, d, m, w, wm, W, BS, LW: tl.constexpr):  # noqa: ANN001, ANN202
+    """Host rows `h` to device rows `d` where `m`, `W` words a row, lane `w` a word; `LW` > 0: read
+    along the host's lines of LW words from the line a row's first word is in (`copy_plan_rows_kernel`)."""
+    daddr = (d // BS) * dst_block_stride + (d % BS) * W
+    if LW:
+        base = (h * W // LW) * LW  # the first host line of the row
+        col = w[None, :] - (h * W - base)[:, None]  # the row's word at lane w
+        mm = m[:, None] & (col >= 0) & (col < W)
+        vals = tl.load(src + base[:, None] + w[None, :], mask=mm)
+        tl.store(dst + daddr[:, None] + col, vals, mask=mm)
+    else:
+        mm = m[:, None] & wm[None, :]
+        vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
+        tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+
+
 @triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
 def copy_plan_rows_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
                           host_rows, dev_rows, W, BS, NP,
@@ -726,34 +743,14 @@ def copy_plan_rows_kernel(plan_host, plan_device, plan_counts, src, dst, dst_blo
         d = tl.load(plan_device + r * K + e, mask=m, other=-1).to(tl.int64)
         n = tl.minimum(tl.maximum(tl.load(plan_counts + r), 0), K)
         m = m & (e < n) & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)  # trusted input: never a stray access
-        daddr = (d // BS) * dst_block_stride + (d % BS) * W
-        if LW:
-            base = (h * W // LW) * LW  # the first host line of the row
-            col = w[None, :] - (h * W - base)[:, None]  # the row's word at lane w
-            mm = m[:, None] & (col >= 0) & (col < W)
-            vals = tl.load(src + base[:, None] + w[None, :], mask=mm)
-            tl.store(dst + daddr[:, None] + col, vals, mask=mm)
-        else:
-            mm = m[:, None] & wm[None, :]
-            vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
-            tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+        _copy_plan_chunk(src, dst, dst_block_stride, h, d, m, w, wm, W, BS, LW)
         for c in range(pid % per + per, (n + EB - 1) // EB, per):
             e = c * EB + tl.arange(0, EB)
             m = e < n
             h = tl.load(plan_host + r * K + e, mask=m, other=0).to(tl.int64)
             d = tl.load(plan_device + r * K + e, mask=m, other=0).to(tl.int64)
             m = m & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)
-            daddr = (d // BS) * dst_block_stride + (d % BS) * W
-            if LW:
-                base = (h * W // LW) * LW
-                col = w[None, :] - (h * W - base)[:, None]
-                mm = m[:, None] & (col >= 0) & (col < W)
-                vals = tl.load(src + base[:, None] + w[None, :], mask=mm)
-                tl.store(dst + daddr[:, None] + col, vals, mask=mm)
-            else:
-                mm = m[:, None] & wm[None, :]
-                vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
-                tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+            _copy_plan_chunk(src, dst, dst_block_stride, h, d, m, w, wm, W, BS, LW)
     if pid == 0:  # the bytes counter, after this program's own copy
         rr = tl.arange(0, BP)
         counts = tl.minimum(tl.maximum(tl.load(plan_counts + rr, mask=rr < B, other=0), 0), K)

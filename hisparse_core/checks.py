@@ -68,6 +68,12 @@ def check_range(name: str, values: torch.Tensor, lo: int, hi: int) -> None:
         raise InvalidInputError(f"{name}[{index}]={int(values[first])} is out of range; expected [{lo}, {hi})")
 
 
+def span_fits(start: int, n: int, limit: int, bs: int) -> bool:
+    """Whether rows `[start, start + n)` lie inside `limit` rows and inside one block of `bs` rows
+    (`check_span`'s test, with no message built: callers on the decode path test first)."""
+    return start + n <= limit and start // bs == (start + n - 1) // bs
+
+
 def check_span(name: str, start: int, n: int, limit: int, bs: int) -> None:
     """Rows `[start, start + n)` lie inside `limit` rows and inside one block of `bs` rows."""
     if start + n > limit:

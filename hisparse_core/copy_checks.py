@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hisparse_core.checks import check_int, check_sequence, check_span
+from hisparse_core.checks import check_int, check_sequence, check_span, span_fits
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
 
@@ -25,11 +25,10 @@ def check_mirrors(mirrors: Sequence[RowMirror], *, resident_group: int, block_si
                 f"mirrors[{i}].source_starts has {len(m.source_starts)} entries; expected one for "
                 f"resident group {g}")
         src, dst, n = m.source_starts[g], m.destination_start, m.num_rows
-        # check_span's conditions inline: its message (an f-string a mirror) is built only for a
-        # bad span, since every step's mirrors pass through here on the decode path
-        if src + n > device_rows or src // bs != (src + n - 1) // bs:
+        # the message (an f-string a mirror) is built only for a bad span: every step's mirrors pass here
+        if not span_fits(src, n, device_rows, bs):
             check_span(f"mirrors[{i}] source", src, n, device_rows, bs)
-        if dst + n > host_rows or dst // bs != (dst + n - 1) // bs:
+        if not span_fits(dst, n, host_rows, bs):
             check_span(f"mirrors[{i}] destination", dst, n, host_rows, bs)
         out.append((src, dst, n))
     return out

@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     model = build_model(geometry, args.layers, max(contexts) + args.new + 64, device, dtype)
     vocab = model.config.vocab_size
     top_k, bs, k = geometry["index_topk"], args.block_size, args.k
+    t_start = time.perf_counter()
     row_bytes = (geometry["kv_lora_rank"] + geometry["qk_rope_head_dim"]) * torch.empty((), dtype=dtype).element_size()
     block_bytes = args.layers * bs * row_bytes
     results: list[dict[str, Any]] = []
@@ -210,6 +211,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         got = decode_loop(model, hs, prompts, args.new, k, propose, args.prefill_chunk)
                     label = {"plain": "plain", "generate": f"generate lookup {k}"}.get(name, f"{name} {k}")
                     rows.append((label, got, hs.stats(), before))
+                print(f"bench_assisted: context {context}, batch {batch}, {label}: {got['tokens_per_s']:.1f} tokens/s "
+                      f"({time.perf_counter() - t_start:.0f} s so far)", file=sys.stderr, flush=True)
             plain = rows[0][1]
             for name, got, after, before in rows:
                 results.append(dict(

@@ -710,6 +710,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# transformers {transformers.__version__}, torch {torch.__version__}, {gpu}; {a.layers} layers, top-k "
           f"{model.config.index_topk}, block {a.block_size}; GPU KV budget {a.gpu_kv_gib:g} GiB, host pool <= "
           f"{a.host_gib:g} GiB; FFN weights {ffn / 1e9:.3g} GB; decode top-k from {a.topk_model}", flush=True)
+    if "hisparse" in plan.modes:
+        from hisparse_core.registry import get_registry
+
+        sel = get_registry().choose(None if a.backend in (None, "auto") else a.backend)
+        print(f"# hisparse backend: {sel.name} ({sel.explanation()})", flush=True)
     print(f"# {a.warmup} untimed warm-up decode steps, then {a.steps} timed: step, host, hits and PCIe figures "
           f"are the timed steps'; all-resident's budget {(a.all_resident_gib or a.gpu_kv_gib):g} GiB", flush=True)
     print("# hisparse resident layers: " + " / ".join(str(list(x)) if x else "none" for x in plan.resident)

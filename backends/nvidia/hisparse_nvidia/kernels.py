@@ -288,13 +288,14 @@ def vllm_resolve_variant() -> int:
                       "or 3 (2 with direct LRU writes and the hot-map row in shared memory)")
 
 
-#: vLLM's resolver built per call shape (1) or one build for every shape (0, default): a shape build
+#: vLLM's resolver built per call shape (1, default) or one build for every shape (0): a shape build
 #: (vllm_resolve_shape_build) has the call's top-k, hot rows, block sizes, shared buckets and threads
 #: as compile-time constants, so divisions, power-of-two tests, bounds and loop trips fold, as in the
-#: native resolver; one NVRTC compile per shape met (vLLM's shapes are fixed per deployment). Read at
-#: each resolve call, for A/B timing in one process.
+#: native resolver; one NVRTC compile per shape met (vLLM's shapes are fixed per deployment; the
+#: kernel cache keeps the cubin across processes). Read at each resolve call, for A/B timing in one
+#: process. The default since call G3 of the fifteenth session (docs/gpu-validation.md).
 ENV_VLLM_RESOLVE_SHAPE = "HISPARSE_VLLM_RESOLVE_SHAPE"
-VLLM_RESOLVE_SHAPE = 0
+VLLM_RESOLVE_SHAPE = 1
 
 
 def vllm_resolve_shape() -> int:

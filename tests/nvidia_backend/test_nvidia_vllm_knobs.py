@@ -33,7 +33,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HISPARSE_VLLM_GATHER", "HISPARSE_VLLM_GATHER_PER_SM", "HISPARSE_VLLM_RESOLVE",
                  "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT", "HISPARSE_VLLM_RESOLVE_SHAPE"):
         monkeypatch.delenv(name, raising=False)
-    assert vllm_resolve_shape() == 0  # one resolver build for every shape
+    assert vllm_resolve_shape() == 1  # the resolver compiled per call shape
     assert vllm_gather_variant() == 2
     assert vllm_gather_per_sm() == 1
     assert vllm_resolve_threads() == 0  # automatic

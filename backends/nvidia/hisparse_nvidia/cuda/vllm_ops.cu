@@ -71,16 +71,19 @@
 #define VR_DIRECT (HS_VR_FAST >= 3)
 // HS_VR_FAST 4 (HISPARSE_VLLM_RESOLVE=4) is 3 with a lean path for a one-row group (every row of vLLM's
 // decode without speculative rows) whose shape fits one round of loads a thread: every thread reads row
-// r + 1's state row with rows r - 1 and r, so such a block knows its group alone and skips the group
-// barrier and warp 0's scan of 32 rows; then
-// - resident step: classify, one barrier that sums the counts, done (build 3: two barriers);
-// - step with host entries: inserts after that barrier (each thread's first probes issued together,
-//   a compare-and-swap with no load before it), one bare barrier, the walk (the first probes of a
-//   thread's four positions issued together, the hot-map rows looked up before it), one barrier whose
-//   ballot/popc counts rank the hits: three barriers where build 3 crosses five, 32-bit indices;
-// - misses: their ranks in entry order from the same ballot/popc counts (two barriers, build 3 four);
+// r + 1's state row with rows r - 1 and r, so such a block knows its group alone: no group barrier, no
+// warp 0 scan of 32 rows. One barrier while the third round of loads is in flight (the cleared table),
+// then:
+// - resident step: classify, one barrier that sums the counts, done;
+// - step with host entries: the inserts straight after the classification (a thread's first probes
+//   issued together, a compare-and-swap with no load before it), the summing barrier (which orders
+//   them before the walk), the walk (a thread's four first probes issued together), one barrier whose
+//   ballot/popc counts rank the hits: two barriers after the loads where build 3 crosses four (plus
+//   its group barrier); 32-bit indices;
+// - misses: ranked in entry order by ballot/popc counts (two barriers, build 3 four);
 // - host entries' parked values stay in registers (no parked store to hot_out);
-// - a hash of four buckets a union row where shared memory allows (load 1/4: shorter probe runs).
+// - a hash of four buckets a union row where shared memory allows (load 1/4: shorter probe runs),
+//   cleared with 16-byte stores.
 // Other groups (several rows, larger shapes, unaligned rows) take build 3's path in the same kernel.
 #define VR_FAST4 (HS_VR_FAST >= 4)
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
@@ -288,22 +291,45 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #if VR_FAST4
     i32 nq;  // row r + 1's state row (-1: none)
 #endif
+#if VR_FAST4
+    // Rows r, r - 1, r + 1 and warp 0's row: every request id in one round, then every state row in one
+    // more, each round's loads issued together (vr_state's branches made the compiler wait for each state
+    // row before it loaded the next: a round trip a row).
+    {
+        const i32 rr = r - 1 + tid;
+        const bool wl = tid < 32 && tid != 1 && rr >= 0 && rr < n;
+        const i32 rows[4] = {r, r - 1, r + 1, rr};
+        const bool has[4] = {true, r > 0, r + 1 < n, wl};
+        i32 rq[4], st[4];
+#pragma unroll
+        for (i32 k = 0; k < 4; ++k) rq[k] = has[k] ? (request_ids != nullptr ? request_ids[rows[k]] : rows[k]) : -1;
+        if (rsi != nullptr) {  // block-uniform
+#pragma unroll
+            for (i32 k = 0; k < 4; ++k) st[k] = (has[k] && rq[k] >= 0 && rq[k] < nr) ? rsi[rq[k]] : -1;
+        } else {
+#pragma unroll
+            for (i32 k = 0; k < 4; ++k) st[k] = rq[k];
+        }
+#pragma unroll
+        for (i32 k = 0; k < 4; ++k) st[k] = (st[k] < 0 || st[k] >= S) ? -1 : st[k];  // as vr_state
+        req = rq[0];
+        q = st[0];
+        if (r > 0) pq = st[1];
+        nq = st[2];
+        if (wl) wq = st[3];
+    }
+#else
     {
         const i32 rr = r - 1 + tid;
         const bool wl = tid < 32 && tid != 1 && rr >= 0 && rr < n;
         req = request_ids != nullptr ? request_ids[r] : r;
         const i32 preq = r > 0 ? (request_ids != nullptr ? request_ids[r - 1] : r - 1) : -1;
         const i32 wreq = wl ? (request_ids != nullptr ? request_ids[rr] : rr) : -1;
-#if VR_FAST4
-        const i32 nreq = r + 1 < n ? (request_ids != nullptr ? request_ids[r + 1] : r + 1) : -1;
-#endif
         q = vr_state(req, rsi, nr, S);
         if (r > 0) pq = vr_state(preq, rsi, nr, S);
         if (wl) wq = vr_state(wreq, rsi, nr, S);
-#if VR_FAST4
-        nq = r + 1 < n ? vr_state(nreq, rsi, nr, S) : -1;
-#endif
     }
+#endif
 #else
     vr_row(r, request_ids, rsi, nr, S, req, q);
 #if VR_LEAN
@@ -370,7 +396,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #else
     const u32 T1 = static_cast<i64>(2) * K <= smem_buckets ? vr_buckets(static_cast<i64>(2) * K, smem_buckets) : 0u;
 #endif
+#if VR_FAST4
+    // Two buckets a 16-byte store (T1 is even: 2 * K, 4 * K or a power of two above them).
+    for (u32 b = 2 * tid; b < T1; b += 2 * nt) *reinterpret_cast<uint4*>(s_tab + b) = make_uint4(~0u, ~0u, ~0u, ~0u);
+#else
     for (u32 b = tid; b < T1; b += nt) s_tab[b] = VR_EMPTY;
+#endif
     // The first round of this thread's LRU positions (a step with host entries walks them; issued now,
     // they arrive with the page-table entries, and the walk waits for the hot-map rows alone).
     const i32 cpt = (H + nt - 1) / nt;
@@ -413,8 +444,9 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // thread, so the block needs no group barrier. Same outputs as the path below, step for step.
     if (nq != q && T1 != 0u && K <= VR_B * nt && cpt <= VR_W && dvec && hreg) {  // block-uniform
         static_assert(VR_B == 2 && VR_W <= 7, "the lean path packs two entries and 3-bit hit counts a thread");
-        if (4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
-        if (tid < nhb) s_hbt[tid] = hb0;
+        // The cleared table, while the third round of loads is in flight: the inserts follow the
+        // classification at once, and the barrier that sums the counts also orders them before the walk.
+        __syncthreads();
         const u32 T = T1;
         const i32 lane = tid & 31, warp = tid >> 5, nw = (nt + 31) >> 5;
         const u32 lt = (1u << lane) - 1u;
@@ -454,21 +486,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 ++nhost;
             }
         }
-        i32 tvalid, P;
-        vr_sum2(nvalid, nhost, tvalid, P);  // its barrier also publishes the cleared table and both rows
-        if (tid == 0 && valid != nullptr) valid[r] = tvalid;
-        if (P == 0) {  // no host entry: the LRU and hot map stay as they are
-            if (tid == 0 && swap_counts != nullptr) swap_counts[r] = 0;
-            return;
-        }
-        // ---- inserts; the walk's hot-map rows and hashes read meanwhile (no insert changes them) ---
-        i32 cached[VR_W];
-        u32 hb[VR_W];
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) {
-            cached[u] = (sl0[u] >= 0 && sl0[u] < H) ? s_dgi[sl0[u]] : -1;
-            hb[u] = cached[u] >= 0 ? vr_hash(cached[u], T) : 0u;
-        }
+        // ---- inserts ----------------------------------------------------------------------------
         u32 bk[VR_B];
         u64 cur[VR_B];
         i32 fresh = 0;
@@ -492,7 +510,22 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 bk[u] = vr_insert_at(s_tab, T, gv[u], x, fresh, bk[u] + 1 == T ? 0u : bk[u] + 1);
             }
         }
-        __syncthreads();  // orders the inserts before the walk
+        if (4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
+        if (tid < nhb) s_hbt[tid] = hb0;
+        i32 tvalid, P;
+        vr_sum2(nvalid, nhost, tvalid, P);  // its barrier orders the inserts before the walk, publishes both rows
+        if (tid == 0 && valid != nullptr) valid[r] = tvalid;
+        if (P == 0) {  // no host entry: the LRU and hot map stay as they are
+            if (tid == 0 && swap_counts != nullptr) swap_counts[r] = 0;
+            return;
+        }
+        i32 cached[VR_W];
+        u32 hb[VR_W];
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            cached[u] = (sl0[u] >= 0 && sl0[u] < H) ? s_dgi[sl0[u]] : -1;
+            hb[u] = cached[u] >= 0 ? vr_hash(cached[u], T) : 0u;
+        }
         // ---- the walk: the high words (host rows) of the first buckets, issued together -----------
         const u32* s_hi = reinterpret_cast<const u32*>(s_tab) + 1;  // bucket b's high word: s_hi[2 * b]
         u32 key[VR_W];

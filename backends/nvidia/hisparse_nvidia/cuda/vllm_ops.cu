@@ -294,18 +294,31 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #if VR_FAST4
     // Rows r, r - 1, r + 1 and warp 0's row: every request id in one round, then every state row in one
     // more, each round's loads issued together (vr_state's branches made the compiler wait for each state
-    // row before it loaded the next: a round trip a row).
+    // row before it loaded the next: a round trip a row). The state row of a row's own index is loaded
+    // with its request id: where the request id is the row (vLLM's decode: one row a request, request ids
+    // 0, 1, 2, ...), the page-table, LRU and hot-map loads need one round trip less; elsewhere the state
+    // row of the request id is loaded as before.
     {
         const i32 rr = r - 1 + tid;
         const bool wl = tid < 32 && tid != 1 && rr >= 0 && rr < n;
         const i32 rows[4] = {r, r - 1, r + 1, rr};
         const bool has[4] = {true, r > 0, r + 1 < n, wl};
-        i32 rq[4], st[4];
+        i32 rq[4], st[4], sp[4];
 #pragma unroll
-        for (i32 k = 0; k < 4; ++k) rq[k] = has[k] ? (request_ids != nullptr ? request_ids[rows[k]] : rows[k]) : -1;
+        for (i32 k = 0; k < 4; ++k) {
+            rq[k] = has[k] ? (request_ids != nullptr ? request_ids[rows[k]] : rows[k]) : -1;
+            sp[k] = (rsi != nullptr && has[k] && rows[k] < nr) ? rsi[rows[k]] : -1;  // rows[k] >= 0 where has[k]
+        }
         if (rsi != nullptr) {  // block-uniform
 #pragma unroll
-            for (i32 k = 0; k < 4; ++k) st[k] = (has[k] && rq[k] >= 0 && rq[k] < nr) ? rsi[rq[k]] : -1;
+            for (i32 k = 0; k < 4; ++k) {
+                st[k] = -1;
+                if (rq[k] == rows[k]) {
+                    st[k] = sp[k];
+                } else if (has[k] && rq[k] >= 0 && rq[k] < nr) {
+                    st[k] = rsi[rq[k]];
+                }
+            }
         } else {
 #pragma unroll
             for (i32 k = 0; k < 4; ++k) st[k] = rq[k];

@@ -218,6 +218,35 @@ __device__ __forceinline__ u32 vr_insert(u64* tab, u32 T, i32 g, i32 x, i32& fre
     return vr_insert_at(tab, T, g, x, fresh, vr_hash(g, T));
 }
 
+#if HS_VR_FAST >= 4
+// The lean path's shared-memory accesses through 32-bit shared-window addresses kept in registers: under
+// the resolver's register pressure the compiler otherwise rebuilds the window address (an S2R and three
+// more instructions) at nearly every access. vr_sa's result is opaque, so it is computed once.
+__device__ __forceinline__ u32 vr_sa(const void* p) {
+    u32 a = static_cast<u32>(__cvta_generic_to_shared(p));
+    asm volatile("" : "+r"(a));
+    return a;
+}
+__device__ __forceinline__ u32 vr_lds(u32 a) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 vr_cas(u32 a, u64 cmp, u64 v) {
+    u64 old;
+    asm volatile("atom.shared.cas.b64 %0, [%1], %2, %3;" : "=l"(old) : "r"(a), "l"(cmp), "l"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ u32 vr_amax(u32 a, u32 v) {
+    u32 old;
+    asm volatile("atom.shared.max.u32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void vr_amin(u32 a, u32 v) {
+    asm volatile("red.shared.min.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+#endif
+
 // x / d and x % d of x >= 0, d >= 1: a shift and a mask where d is a power of two (block sizes are,
 // in every deployment seen) instead of a division of some twenty instructions.
 __device__ __forceinline__ i32 vr_div(i32 x, i32 d) {
@@ -461,13 +490,17 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         // classification at once, and the barrier that sums the counts also orders them before the walk.
         __syncthreads();
         const u32 T = T1;
+        // Shared addresses: bucket b's low word (first reference, then the held mark) at a_tab + 8 * b,
+        // its high word (the host row) 4 bytes on; hot-map row entries at a_dgi, hot blocks at a_hbt.
+        const u32 a_tab = vr_sa(s_tab), a_dgi = vr_sa(s_dgi), a_hbt = vr_sa(s_hbt);
         const i32 lane = tid & 31, warp = tid >> 5, nw = (nt + 31) >> 5;
         const u32 lt = (1u << lane) - 1u;
         const i32 base = r * K;  // i32: the host refuses calls of 2^30 entries or more
         i32* dgi_q = dgi + static_cast<i64>(q) * H;
         i16* lru_q = lru + static_cast<i64>(q) * H;
         auto hot_row = [&](i32 slot) -> i32 {
-            return static_cast<i32>(static_cast<i64>(s_hbt[vr_div(slot, bs)]) * bs + vr_mod(slot, bs));
+            const i32 blk = static_cast<i32>(vr_lds(a_hbt + 4u * static_cast<u32>(vr_div(slot, bs))));
+            return static_cast<i32>(static_cast<i64>(blk) * bs + vr_mod(slot, bs));
         };
         // ---- classify (entries i = tid + u * nt); a host entry's row stays in a register --------
         i32 gv[VR_B];
@@ -507,9 +540,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         for (i32 u = 0; u < VR_B; ++u) bk[u] = host[u] ? vr_hash(gv[u], T) : 0u;
 #pragma unroll
         for (i32 u = 0; u < VR_B; ++u) {  // first probes, issued together: a claim needs no load before it
-            cur[u] = host[u] ? atomicCAS(reinterpret_cast<unsigned long long*>(s_tab + bk[u]), VR_EMPTY,
-                                         vr_key(gv[u], tid + u * nt))
-                             : 0ull;
+            cur[u] = host[u] ? vr_cas(a_tab + 8u * bk[u], VR_EMPTY, vr_key(gv[u], tid + u * nt)) : 0ull;
         }
 #pragma unroll
         for (i32 u = 0; u < VR_B; ++u) {
@@ -518,7 +549,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             if (cur[u] == VR_EMPTY) {
                 ++fresh;
             } else if (static_cast<i32>(cur[u] >> 32) == gv[u]) {
-                atomicMin(reinterpret_cast<u32*>(s_tab + bk[u]), static_cast<u32>(x));  // low word: see vr_insert_at
+                vr_amin(a_tab + 8u * bk[u], static_cast<u32>(x));  // low word: see vr_insert_at
             } else {
                 bk[u] = vr_insert_at(s_tab, T, gv[u], x, fresh, bk[u] + 1 == T ? 0u : bk[u] + 1);
             }
@@ -536,14 +567,18 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         u32 hb[VR_W];
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) {
-            cached[u] = (sl0[u] >= 0 && sl0[u] < H) ? s_dgi[sl0[u]] : -1;
+            const bool in = sl0[u] >= 0 && sl0[u] < H;
+            cached[u] = static_cast<i32>(vr_lds(a_dgi + 4u * static_cast<u32>(in ? sl0[u] : 0)));  // slot 0 exists
+            if (!in) cached[u] = -1;
             hb[u] = cached[u] >= 0 ? vr_hash(cached[u], T) : 0u;
         }
         // ---- the walk: the high words (host rows) of the first buckets, issued together -----------
-        const u32* s_hi = reinterpret_cast<const u32*>(s_tab) + 1;  // bucket b's high word: s_hi[2 * b]
         u32 key[VR_W];
 #pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) key[u] = cached[u] >= 0 ? s_hi[2 * hb[u]] : 0xffffffffu;
+        for (i32 u = 0; u < VR_W; ++u) {
+            key[u] = vr_lds(a_tab + 8u * hb[u] + 4u);  // hb[u] = 0 where cached[u] < 0
+            if (cached[u] < 0) key[u] = 0xffffffffu;
+        }
         i32 hbk[VR_W];  // the bucket holding the slot's row, -1 where it is not a union row
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) {
@@ -556,15 +591,17 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                     break;
                 }
                 b = b + 1 == T ? 0u : b + 1;
-                k = s_hi[2 * b];
+                k = vr_lds(a_tab + 8u * b + 4u);
             }
         }
         u32 was[VR_W];
 #pragma unroll
         for (i32 u = 0; u < VR_W; ++u) {  // the last hit position in LRU order wins (low word: see vr_insert_at)
-            was[u] = hbk[u] >= 0 ? atomicMax(reinterpret_cast<u32*>(s_tab + hbk[u]),
-                                             VR_HELD | (static_cast<u32>(p0 + u) << 15) | static_cast<u32>(sl0[u]))
-                                 : VR_HELD;
+            was[u] = VR_HELD;
+            if (hbk[u] >= 0) {
+                was[u] = vr_amax(a_tab + 8u * static_cast<u32>(hbk[u]),
+                                 VR_HELD | (static_cast<u32>(p0 + u) << 15) | static_cast<u32>(sl0[u]));
+            }
         }
         u32 hitbits = 0;
         i32 hits = 0, held = 0;
@@ -634,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             bool first[VR_B];
 #pragma unroll
             for (i32 u = 0; u < VR_B; ++u) {  // a miss (no HELD bit) first referenced here
-                first[u] = host[u] && reinterpret_cast<const u32*>(s_tab + bk[u])[0] == static_cast<u32>(tid + u * nt);
+                first[u] = host[u] && vr_lds(a_tab + 8u * bk[u]) == static_cast<u32>(tid + u * nt);
             }
             const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
             __shared__ u32 s4_m[32];
@@ -674,7 +711,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         for (i32 u = 0; u < VR_B; ++u) {
             if (!host[u]) continue;
             const i32 e = base + tid + u * nt;
-            const u32 lo = reinterpret_cast<const u32*>(s_tab + bk[u])[0];
+            const u32 lo = vr_lds(a_tab + 8u * bk[u]);
             const i32 out = (lo & VR_HELD) ? hot_row(static_cast<i32>(lo & 0x7fffu)) : s_val[bk[u]];
             hot_out[e] = out;
             if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);

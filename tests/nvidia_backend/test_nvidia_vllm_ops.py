@@ -305,7 +305,9 @@ def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur
         _step_both(st_cpu, st_gpu, t, k)
 
 
-def test_resolve_and_gathers_capture_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("build", ["3", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+def test_resolve_and_gathers_capture_in_a_cuda_graph(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _set_build(monkeypatch, build)
     ops = _ops()
     case = _pinned(random_case(11, rows_per_request=2))
     args = case.resolve_args("cuda")

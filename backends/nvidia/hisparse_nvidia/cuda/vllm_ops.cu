@@ -72,8 +72,9 @@
 // HS_VR_FAST 4 (HISPARSE_VLLM_RESOLVE=4) is 3 with a lean path for a one-row group (every row of vLLM's
 // decode without speculative rows) whose shape fits one round of loads a thread: every thread reads row
 // r + 1's state row with rows r - 1 and r, so such a block knows its group alone: no group barrier, no
-// warp 0 scan of 32 rows. One barrier while the third round of loads is in flight (the cleared table),
-// then:
+// warp 0 scan of 32 rows; and every state row is loaded in one round, speculatively with the request
+// ids (see there). One barrier while the page-table, LRU and hot-map loads are in flight (the cleared
+// table), then:
 // - resident step: classify, one barrier that sums the counts, done;
 // - step with host entries: the inserts straight after the classification (a thread's first probes
 //   issued together, a compare-and-swap with no load before it), the summing barrier (which orders
@@ -319,8 +320,6 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32 pq = -2, wq = -1;  // row r - 1's state row (-2: none; never a q below); warp 0's row's
 #if VR_FAST4
     i32 nq;  // row r + 1's state row (-1: none)
-#endif
-#if VR_FAST4
     // Rows r, r - 1, r + 1 and warp 0's row: every request id in one round, then every state row in one
     // more, each round's loads issued together (vr_state's branches made the compiler wait for each state
     // row before it loaded the next: a round trip a row). The state row of a row's own index is loaded
@@ -486,8 +485,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // thread, so the block needs no group barrier. Same outputs as the path below, step for step.
     if (nq != q && T1 != 0u && K <= VR_B * nt && cpt <= VR_W && dvec && hreg) {  // block-uniform
         static_assert(VR_B == 2 && VR_W <= 7, "the lean path packs two entries and 3-bit hit counts a thread");
-        // The cleared table, while the third round of loads is in flight: the inserts follow the
-        // classification at once, and the barrier that sums the counts also orders them before the walk.
+        // The cleared table, while the page-table, LRU and hot-map loads are in flight: the inserts follow
+        // the classification at once, and the barrier that sums the counts also orders them before the walk.
         __syncthreads();
         const u32 T = T1;
         // Shared addresses: bucket b's low word (first reference, then the held mark) at a_tab + 8 * b,

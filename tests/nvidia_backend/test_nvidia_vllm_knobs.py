@@ -55,7 +55,7 @@ def test_gather_removed_or_bad_path_refused(value: str, monkeypatch: pytest.Monk
     _one_line_naming(err, "HISPARSE_VLLM_GATHER", value)
 
 
-@pytest.mark.parametrize("value", ["0", "1", "2", "3"])
+@pytest.mark.parametrize("value", ["0", "1", "2", "3", "4"])
 def test_resolver_builds_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", value)
     assert dict(vllm_ops_build(656).defines)["HS_VR_FAST"] == int(value)
@@ -91,7 +91,8 @@ _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GA
          "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout}
 
 
-@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "4"), ("HISPARSE_VLLM_RESOLVE", "-1"),
+@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "5"), ("HISPARSE_VLLM_RESOLVE", "-1"),
+                                        ("HISPARSE_VLLM_RESOLVE", "lean"),
                                         ("HISPARSE_VLLM_RESOLVE_SHAPE", "2"), ("HISPARSE_VLLM_RESOLVE_SHAPE", "yes"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "9"), ("HISPARSE_VLLM_RESOLVE_THREADS", "384"),
@@ -106,15 +107,19 @@ def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPat
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(0, 3), st.sampled_from([48 * 1024, 99 * 1024,
+@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(0, 4), st.sampled_from([48 * 1024, 99 * 1024,
                                                                                           227 * 1024]))
 def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int, build: int, optin: int) -> None:
     # vllm_ops.cu takes the buckets and the LRU order from the launch's dynamic shared memory, and
     # build 3 reads the hot-map row into it from the first 16-byte boundary past the buckets
-    # wherever %dynamic_smem_size covers that row.
+    # wherever %dynamic_smem_size covers that row. Build 4 takes at least build 3's buckets (a
+    # power of two up to four a union row, for its lean path).
     from hisparse_nvidia.vllm_ops import RESOLVE_SMEM_BUDGET, resolve_smem_buckets, resolve_smem_bytes
 
-    b = resolve_smem_buckets(union, h)
+    b = resolve_smem_buckets(union, h, build)
+    if build >= 4:
+        two = resolve_smem_buckets(union, h, 3)
+        assert b >= two and (b == two or b & (b - 1) == 0) and b <= max(two, 4 * union)
     got = resolve_smem_bytes(b, h, build, optin)
     row_end = -(-8 * b // 16) * 16 + 4 * h
     assert got >= 12 * b + 2 * h and got % 4 == 0

@@ -62,14 +62,15 @@ def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if build.endswith("s") else "0")
 
 
-@pytest.mark.parametrize("build", ["0", "1", "2", "1s", "3s"])
+@pytest.mark.parametrize("build", ["0", "1", "2", "4", "1s", "3s", "4s"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("rows_per_request", [1, 4])
 def test_other_resolver_builds_match_reference(seed: int, rows_per_request: int, build: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The resolver builds besides the default (HISPARSE_VLLM_RESOLVE 0, 1 and 2; 2's rows that continue
-    their group leave before their own loads; 1 and 3 built for the call's shape, whose sizes are
-    compile-time constants) on random cases with union groups and padding rows."""
+    their group leave before their own loads; 4's lean path for one-row groups; 1, 3 and 4 built for the
+    call's shape, whose sizes are compile-time constants) on random cases with union groups and padding
+    rows."""
     _set_build(monkeypatch, build)
     case = _pinned(random_case(300 + seed, rows_per_request=rows_per_request, corrupt_lru=seed % 3 == 0))
     want = run_ops(ReferenceVllmOps(), case, miss_mask=seed % 2 == 0)
@@ -131,6 +132,57 @@ def test_no_tables_match_reference(k: int, warm: bool) -> None:
     _assert_same(*_resolve_both(args))
 
 
+def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: torch.Tensor, states: list[int],
+               h: int) -> list:
+    """vLLM's kernel-test call (no tables) on the given top-k, hot map and LRU (copied)."""
+    n, k = topk.shape
+    bs = 4
+    hbt = torch.randperm(n * (h // bs), generator=g).to(torch.int32).reshape(n, h // bs)
+    host = torch.zeros(4096, 16, dtype=torch.uint8).pin_memory()
+    hot = torch.zeros(n * (h // bs), bs, 16, dtype=torch.uint8)
+    out = [torch.full((n, k), -999, dtype=torch.int32) for _ in range(6)]
+    cnt = [torch.full((n,), -999, dtype=torch.int32) for _ in range(2)]
+    return [host, hot, hbt, topk.clone(), out[0], dgi.clone(), lru.clone(), torch.tensor(states, dtype=torch.int32), h,
+            k, out[1], torch.zeros(2, dtype=torch.int64), out[2], bs, None, None, 0, out[3], cnt[0], out[4], out[5],
+            cnt[1], None, 0, 0]
+
+
+@pytest.mark.parametrize("build", ["3", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("k,h,threads", [(64, 64, 0), (64, 128, 0), (256, 512, 128), (200, 400, 128)])
+@pytest.mark.parametrize("seed", range(3))
+def test_duplicates_in_one_row_groups_match_reference(seed: int, k: int, h: int, threads: int, build: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-row groups (build 4's lean path where h % 4 == 0; 128 threads give each two entries and four LRU
+    positions, 200 / 400 leave some without) over three steps: a cold step, the same top-k (hits), then a
+    third of it fresh. The top-k repeats rows (first reference kept), the hot map holds some of its rows in
+    two or three slots (each a hit, the last in LRU order is what the entries output), h = k leaves misses
+    without a victim, padding rows sit between the groups."""
+    _set_build(monkeypatch, build)
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_THREADS", str(threads))
+    g = torch.Generator().manual_seed(seed * 100 + k + h)
+    states = [1, -1, 0, 3, 2, -1]
+    n, s = len(states), 4
+    topk = torch.stack([torch.randperm(4096, generator=g)[:k] for _ in range(n)]).to(torch.int32)
+    rep = torch.rand((n, k), generator=g) < 0.15
+    topk[:, 1:] = torch.where(rep[:, 1:], topk[:, :-1], topk[:, 1:])  # repeats of the entry before
+    dgi = torch.full((s, h), -1, dtype=torch.int32)
+    lru = torch.stack([torch.randperm(h, generator=g) for _ in range(s)]).to(torch.int16)
+    for step in range(3):
+        if step == 1:  # some held rows also in a second and a third slot
+            for q in range(s):
+                held = (dgi[q] >= 0).nonzero().flatten()
+                for j in held[: max(1, held.numel() // 4)].tolist():
+                    for _ in range(2):
+                        dgi[q, int(torch.randint(0, h, (1,), generator=g))] = dgi[q, j]
+        if step == 2:
+            fresh = torch.randint(0, 4096, (n, k // 3), generator=g, dtype=torch.int32)
+            topk[:, : k // 3] = fresh
+        args = _lean_args(g, topk, dgi, lru, states, h)
+        cpu, gpu = _resolve_both(args)
+        _assert_same(cpu, gpu)
+        dgi, lru = cpu[5], cpu[6]
+
+
 def _production_args(seed: int, b: int, rpr: int, k: int, h: int, resident_frac: float) -> list:
     """top-k k over 32K contexts of 64-token pages, every request `rpr` consecutive batch rows, a part
     of the pages resident (null block 0), fp8_ds_mla rows."""
@@ -159,7 +211,7 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
             cnt[0], out[4], out[5], cnt[1], state["res"], 64, 0]
 
 
-@pytest.mark.parametrize("build", ["1", "2", "3", "3s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (4, 10240, 8192), (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,7 +274,7 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
     _assert_same(a, ag)
 
 
-@pytest.mark.parametrize("build", ["1", "3", "3s"])  # HISPARSE_VLLM_RESOLVE: the former default, 3, 3 per shape
+@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s"])  # HISPARSE_VLLM_RESOLVE: the former default, 3, 4; s per shape
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))
 def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur: int, build: str,
@@ -253,7 +305,9 @@ def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur
         _step_both(st_cpu, st_gpu, t, k)
 
 
-def test_resolve_and_gathers_capture_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("build", ["3", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+def test_resolve_and_gathers_capture_in_a_cuda_graph(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _set_build(monkeypatch, build)
     ops = _ops()
     case = _pinned(random_case(11, rows_per_request=2))
     args = case.resolve_args("cuda")

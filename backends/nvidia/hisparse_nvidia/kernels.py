@@ -225,7 +225,10 @@ VLLM_GATHER = 2
 #: the scan on a step without misses). On the H200 (call G5) 2 gained nothing on one-row steps
 #: (resident within 0.1 us) and lost at B = 128 (hits 24.94 us against 23.83; four-row groups 68.1
 #: against 49.1, before that exit); 3, the default, against 1 in call K4: hits 0.75-2.4 us faster,
-#: resident 0.04-0.3 us slower.
+#: resident 0.04-0.3 us slower. 4 = 3 with a lean path for one-row groups (vllm_ops.cu, VR_FAST4: state rows
+#: loaded in one round, speculatively with the request ids; no group barrier, inserts and walk probes issued
+#: together, ballot/popc ranks, three barriers on a hit step where 3 crosses five, a hash of four buckets a
+#: union row); not yet timed, so not the default.
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
 VLLM_RESOLVE = 3
 
@@ -283,9 +286,10 @@ def vllm_carveout() -> int:
 
 def vllm_resolve_variant() -> int:
     """`HISPARSE_VLLM_RESOLVE` (default `VLLM_RESOLVE`)."""
-    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 3,
-                      "0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start) "
-                      "or 3 (2 with direct LRU writes and the hot-map row in shared memory)")
+    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 4,
+                      "0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start), "
+                      "3 (2 with direct LRU writes and the hot-map row in shared memory) or 4 (3 with a lean path "
+                      "for one-row groups)")
 
 
 #: vLLM's resolver built per call shape (1, default) or one build for every shape (0): a shape build
@@ -347,10 +351,12 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds.add(MAINTAIN_BUILD)
     builds |= {vllm_ops_build(w) for w in (FP8_DS_MLA.row_bytes, 16)}  # fp8_ds_mla rows, vLLM's 16-byte test rows
     builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
-                                              "HS_VR_FAST": v}) for v in (0, 1, 2, 3)}  # HISPARSE_VLLM_RESOLVE
-    # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1 and 3
+                                              "HS_VR_FAST": v}) for v in (0, 1, 2, 3, 4)}  # HISPARSE_VLLM_RESOLVE
+    # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3 and 4
+    # (4 with the buckets vllm_ops.resolve_smem_buckets gives it there: four a union row where they fit)
     builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (1, 3)
                for h, b in ((4096, 4096), (10240, 16384))}
+    builds |= {vllm_resolve_shape_build(4, 2048, h, 64, 64, 64, b, 1024) for h, b in ((4096, 8192), (10240, 16384))}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

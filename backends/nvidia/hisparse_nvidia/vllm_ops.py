@@ -65,12 +65,17 @@ def resolve_threads(k: int, h: int, want: int = 0) -> int:
     return min(t, 1024)
 
 
-def resolve_smem_buckets(max_union_rows: int, h: int) -> int:
+def resolve_smem_buckets(max_union_rows: int, h: int, build: int = 3) -> int:
     """Hash buckets of the resolver's shared table: twice the union vLLM declares (load at most 1/2),
     within `RESOLVE_SMEM_BUDGET` beside the LRU order; groups with more host entries spill over into
-    global scratch."""
+    global scratch. Build 4 (HISPARSE_VLLM_RESOLVE=4) takes up to four a union row, as a power of two
+    (its lean path hashes a one-row group at load 1/4 where that fits), never fewer than the others."""
     fit = (RESOLVE_SMEM_BUDGET - 2 * h - 16) // 12
-    return max(0, min(2 * max_union_rows, fit))
+    two = max(0, min(2 * max_union_rows, fit))
+    if build < 4:
+        return two
+    four = min(4 * max_union_rows, fit)
+    return max(two, 1 << (four.bit_length() - 1) if four > 0 else 0)
 
 
 def resolve_smem_bytes(buckets: int, h: int, build: int, optin: int) -> int:
@@ -236,7 +241,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         bs = hot_cache.shape[1]
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
         threads = resolve_threads(k, h, want_threads)
-        buckets = resolve_smem_buckets(max_union_rows, h)
+        buckets = resolve_smem_buckets(max_union_rows, h, build)
         smem = resolve_smem_bytes(buckets, h, build, self._backend._device_props()[2])
         gtab, gval = self._buffer(("hash", dev, n, k), lambda: (
             torch.empty(2 * n * k, dtype=torch.int64, device=dev), torch.empty(2 * n * k, dtype=torch.int32,

@@ -69,6 +69,24 @@
 //   where they are; the packed order goes through shared memory only on steps with misses, so a
 //   step without misses crosses four barriers after the group barrier, none after the scan.
 #define VR_DIRECT (HS_VR_FAST >= 3)
+// HS_VR_FAST 4 (HISPARSE_VLLM_RESOLVE=4) is 3 with a lean path for a one-row group (every row of vLLM's
+// decode without speculative rows) whose shape fits one round of loads a thread: every thread reads row
+// r + 1's state row with rows r - 1 and r, so such a block knows its group alone: no group barrier, no
+// warp 0 scan of 32 rows; and every state row is loaded in one round, speculatively with the request
+// ids (see there). One barrier while the page-table, LRU and hot-map loads are in flight (the cleared
+// table), then:
+// - resident step: classify, one barrier that sums the counts, done;
+// - step with host entries: the inserts straight after the classification (a thread's first probes
+//   issued together, a compare-and-swap with no load before it), the summing barrier (which orders
+//   them before the walk), the walk (a thread's four first probes issued together), one barrier whose
+//   ballot/popc counts rank the hits: two barriers after the loads where build 3 crosses four (plus
+//   its group barrier); 32-bit indices;
+// - misses: ranked in entry order by ballot/popc counts (two barriers, build 3 four);
+// - host entries' parked values stay in registers (no parked store to hot_out);
+// - a hash of four buckets a union row where shared memory allows (load 1/4: shorter probe runs),
+//   cleared with 16-byte stores.
+// Other groups (several rows, larger shapes, unaligned rows) take build 3's path in the same kernel.
+#define VR_FAST4 (HS_VR_FAST >= 4)
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 // Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
 // are the call's top-k, hot rows, hot block size, source and resident block sizes, shared buckets
@@ -162,11 +180,20 @@ __device__ __forceinline__ u32 vr_buckets(i64 need, i64 room) {
     return static_cast<u32>(need);
 }
 
-// Inserts host row g first referenced by group entry x (the smallest x wins); returns its bucket.
-// `fresh` counts the rows this thread inserted first.
-__device__ __forceinline__ u32 vr_insert(u64* tab, u32 T, i32 g, i32 x, i32& fresh) {
-    const u64 key = (static_cast<u64>(static_cast<u32>(g)) << 32) | static_cast<u32>(x);
-    u32 b = vr_hash(g, T);
+// A bucket {host row g in the high word, first referencing entry x in the low word}.
+__device__ __forceinline__ u64 vr_key(i32 g, i32 x) {
+    return (static_cast<u64>(static_cast<u32>(g)) << 32) | static_cast<u32>(x);
+}
+
+// Inserts host row g first referenced by group entry x (the smallest x wins), probing from bucket b on;
+// returns its bucket. `fresh` counts the rows this thread inserted first.
+// Build 3 on keeps the first reference and marks a bucket held with 32-bit atomics on its low word, while
+// buckets are claimed with a 64-bit compare-and-swap. PTX promises no ordering between atomics of
+// different sizes on overlapping bytes, and none is needed: a 32-bit atomic only ever acts on a bucket
+// already claimed, whose high word (the host row) never changes again, so a racing 64-bit CAS fails on
+// that word whatever low word it reads, and every probe compares the high word alone.
+__device__ __forceinline__ u32 vr_insert_at(u64* tab, u32 T, i32 g, i32 x, i32& fresh, u32 b) {
+    const u64 key = vr_key(g, x);
     while (true) {
         u64 cur = tab[b];
         if (cur == VR_EMPTY) {
@@ -187,6 +214,39 @@ __device__ __forceinline__ u32 vr_insert(u64* tab, u32 T, i32 g, i32 x, i32& fre
         b = b + 1 == T ? 0 : b + 1;
     }
 }
+
+__device__ __forceinline__ u32 vr_insert(u64* tab, u32 T, i32 g, i32 x, i32& fresh) {
+    return vr_insert_at(tab, T, g, x, fresh, vr_hash(g, T));
+}
+
+#if HS_VR_FAST >= 4
+// The lean path's shared-memory accesses through 32-bit shared-window addresses kept in registers: under
+// the resolver's register pressure the compiler otherwise rebuilds the window address (an S2R and three
+// more instructions) at nearly every access. vr_sa's result is opaque, so it is computed once.
+__device__ __forceinline__ u32 vr_sa(const void* p) {
+    u32 a = static_cast<u32>(__cvta_generic_to_shared(p));
+    asm volatile("" : "+r"(a));
+    return a;
+}
+__device__ __forceinline__ u32 vr_lds(u32 a) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 vr_cas(u32 a, u64 cmp, u64 v) {
+    u64 old;
+    asm volatile("atom.shared.cas.b64 %0, [%1], %2, %3;" : "=l"(old) : "r"(a), "l"(cmp), "l"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ u32 vr_amax(u32 a, u32 v) {
+    u32 old;
+    asm volatile("atom.shared.max.u32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ void vr_amin(u32 a, u32 v) {
+    asm volatile("red.shared.min.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+#endif
 
 // x / d and x % d of x >= 0, d >= 1: a shift and a mask where d is a power of two (block sizes are,
 // in every deployment seen) instead of a division of some twenty instructions.
@@ -258,6 +318,48 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Rows r - 1 and r, and warp 0's rows r - 1 .. r + 30 (the group's extent), in two rounds: every
     // request id first, then every state row.
     i32 pq = -2, wq = -1;  // row r - 1's state row (-2: none; never a q below); warp 0's row's
+#if VR_FAST4
+    i32 nq;  // row r + 1's state row (-1: none)
+    // Rows r, r - 1, r + 1 and warp 0's row: every request id in one round, then every state row in one
+    // more, each round's loads issued together (vr_state's branches made the compiler wait for each state
+    // row before it loaded the next: a round trip a row). The state row of a row's own index is loaded
+    // with its request id: where the request id is the row (vLLM's decode: one row a request, request ids
+    // 0, 1, 2, ...), the page-table, LRU and hot-map loads need one round trip less; elsewhere the state
+    // row of the request id is loaded as before.
+    {
+        const i32 rr = r - 1 + tid;
+        const bool wl = tid < 32 && tid != 1 && rr >= 0 && rr < n;
+        const i32 rows[4] = {r, r - 1, r + 1, rr};
+        const bool has[4] = {true, r > 0, r + 1 < n, wl};
+        i32 rq[4], st[4], sp[4];
+#pragma unroll
+        for (i32 k = 0; k < 4; ++k) {
+            rq[k] = has[k] ? (request_ids != nullptr ? request_ids[rows[k]] : rows[k]) : -1;
+            sp[k] = (rsi != nullptr && has[k] && rows[k] < nr) ? rsi[rows[k]] : -1;  // rows[k] >= 0 where has[k]
+        }
+        if (rsi != nullptr) {  // block-uniform
+#pragma unroll
+            for (i32 k = 0; k < 4; ++k) {
+                st[k] = -1;
+                if (rq[k] == rows[k]) {
+                    st[k] = sp[k];
+                } else if (has[k] && rq[k] >= 0 && rq[k] < nr) {
+                    st[k] = rsi[rq[k]];
+                }
+            }
+        } else {
+#pragma unroll
+            for (i32 k = 0; k < 4; ++k) st[k] = rq[k];
+        }
+#pragma unroll
+        for (i32 k = 0; k < 4; ++k) st[k] = (st[k] < 0 || st[k] >= S) ? -1 : st[k];  // as vr_state
+        req = rq[0];
+        q = st[0];
+        if (r > 0) pq = st[1];
+        nq = st[2];
+        if (wl) wq = st[3];
+    }
+#else
     {
         const i32 rr = r - 1 + tid;
         const bool wl = tid < 32 && tid != 1 && rr >= 0 && rr < n;
@@ -268,6 +370,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
         if (r > 0) pq = vr_state(preq, rsi, nr, S);
         if (wl) wq = vr_state(wreq, rsi, nr, S);
     }
+#endif
 #else
     vr_row(r, request_ids, rsi, nr, S, req, q);
 #if VR_LEAN
@@ -324,8 +427,22 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             rb0[u] = rbt[static_cast<i64>(q) * rbt_stride + rcol];
         }
     }
+#if VR_FAST4
+    // Four buckets a row where a power of two that large fits (the lean path's probe runs), else two.
+    u32 T1 = static_cast<i64>(2) * K <= smem_buckets ? vr_buckets(static_cast<i64>(2) * K, smem_buckets) : 0u;
+    if (static_cast<i64>(4) * K <= smem_buckets) {
+        const u32 t4 = vr_buckets(static_cast<i64>(4) * K, smem_buckets);
+        if ((t4 & (t4 - 1)) == 0) T1 = t4;
+    }
+#else
     const u32 T1 = static_cast<i64>(2) * K <= smem_buckets ? vr_buckets(static_cast<i64>(2) * K, smem_buckets) : 0u;
+#endif
+#if VR_FAST4
+    // Two buckets a 16-byte store (T1 is even: 2 * K, 4 * K or a power of two above them).
+    for (u32 b = 2 * tid; b < T1; b += 2 * nt) *reinterpret_cast<uint4*>(s_tab + b) = make_uint4(~0u, ~0u, ~0u, ~0u);
+#else
     for (u32 b = tid; b < T1; b += nt) s_tab[b] = VR_EMPTY;
+#endif
     // The first round of this thread's LRU positions (a step with host entries walks them; issued now,
     // they arrive with the page-table entries, and the walk waits for the hot-map rows alone).
     const i32 cpt = (H + nt - 1) / nt;
@@ -363,6 +480,248 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const bool dvec = sdgi && H % 4 == 0 && 4 * nt >= H && (reinterpret_cast<u64>(dgi_row) & 15) == 0;
     int4 dg0 = make_int4(-1, -1, -1, -1);
     if (dvec && 4 * tid < H) dg0 = *reinterpret_cast<const int4*>(dgi_row + 4 * tid);
+#if VR_FAST4
+    // The lean path of a one-row group (VR_FAST4 above): rows r - 1, r and r + 1 are known to every
+    // thread, so the block needs no group barrier. Same outputs as the path below, step for step.
+    if (nq != q && T1 != 0u && K <= VR_B * nt && cpt <= VR_W && dvec && hreg) {  // block-uniform
+        static_assert(VR_B == 2 && VR_W <= 7, "the lean path packs two entries and 3-bit hit counts a thread");
+        // The cleared table, while the page-table, LRU and hot-map loads are in flight: the inserts follow
+        // the classification at once, and the barrier that sums the counts also orders them before the walk.
+        __syncthreads();
+        const u32 T = T1;
+        // Shared addresses: bucket b's low word (first reference, then the held mark) at a_tab + 8 * b,
+        // its high word (the host row) 4 bytes on; hot-map row entries at a_dgi, hot blocks at a_hbt.
+        const u32 a_tab = vr_sa(s_tab), a_dgi = vr_sa(s_dgi), a_hbt = vr_sa(s_hbt);
+        const i32 lane = tid & 31, warp = tid >> 5, nw = (nt + 31) >> 5;
+        const u32 lt = (1u << lane) - 1u;
+        const i32 base = r * K;  // i32: the host refuses calls of 2^30 entries or more
+        i32* dgi_q = dgi + static_cast<i64>(q) * H;
+        i16* lru_q = lru + static_cast<i64>(q) * H;
+        auto hot_row = [&](i32 slot) -> i32 {
+            const i32 blk = static_cast<i32>(vr_lds(a_hbt + 4u * static_cast<u32>(vr_div(slot, bs))));
+            return static_cast<i32>(static_cast<i64>(blk) * bs + vr_mod(slot, bs));
+        };
+        // ---- classify (entries i = tid + u * nt); a host entry's row stays in a register --------
+        i32 gv[VR_B];
+        bool host[VR_B];
+        i32 nvalid = 0, nhost = 0;
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            const i32 i = tid + u * nt;
+            host[u] = false;
+            gv[u] = -1;
+            if (i >= K) continue;
+            const i32 e = base + i;
+            const i32 t = tv0[u];
+            i64 g = t;
+            if (sbt != nullptr) g = sb0[u] >= 0 ? static_cast<i64>(sb0[u]) * sbs + vr_mod(t, sbs) : -1;
+            if (g >= host_rows) g = -1;
+            i64 res = -1;
+            if (rbt != nullptr && rb0[u] != null_block && rb0[u] >= 0) res = static_cast<i64>(rb0[u]) * rbs + vr_mod(t, rbs);
+            nvalid += (res >= 0 || g >= 0) ? 1 : 0;
+            if (resolved != nullptr) resolved[e] = static_cast<i32>(g);
+            if (miss_mask != nullptr) miss_mask[e] = 0;
+            if (res >= 0 || g < 0) {
+                const i32 out = res >= 0 ? static_cast<i32>(res) : -1;
+                hot_out[e] = out;
+                if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
+            } else {
+                host[u] = true;
+                gv[u] = static_cast<i32>(g);
+                ++nhost;
+            }
+        }
+        // ---- inserts ----------------------------------------------------------------------------
+        u32 bk[VR_B];
+        u64 cur[VR_B];
+        i32 fresh = 0;
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) bk[u] = host[u] ? vr_hash(gv[u], T) : 0u;
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {  // first probes, issued together: a claim needs no load before it
+            cur[u] = host[u] ? vr_cas(a_tab + 8u * bk[u], VR_EMPTY, vr_key(gv[u], tid + u * nt)) : 0ull;
+        }
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            if (!host[u]) continue;
+            const i32 x = tid + u * nt;
+            if (cur[u] == VR_EMPTY) {
+                ++fresh;
+            } else if (static_cast<i32>(cur[u] >> 32) == gv[u]) {
+                vr_amin(a_tab + 8u * bk[u], static_cast<u32>(x));  // low word: see vr_insert_at
+            } else {
+                bk[u] = vr_insert_at(s_tab, T, gv[u], x, fresh, bk[u] + 1 == T ? 0u : bk[u] + 1);
+            }
+        }
+        if (4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
+        if (tid < nhb) s_hbt[tid] = hb0;
+        i32 tvalid, P;
+        vr_sum2(nvalid, nhost, tvalid, P);  // its barrier orders the inserts before the walk, publishes both rows
+        if (tid == 0 && valid != nullptr) valid[r] = tvalid;
+        if (P == 0) {  // no host entry: the LRU and hot map stay as they are
+            if (tid == 0 && swap_counts != nullptr) swap_counts[r] = 0;
+            return;
+        }
+        i32 cached[VR_W];
+        u32 hb[VR_W];
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            const bool in = sl0[u] >= 0 && sl0[u] < H;
+            cached[u] = static_cast<i32>(vr_lds(a_dgi + 4u * static_cast<u32>(in ? sl0[u] : 0)));  // slot 0 exists
+            if (!in) cached[u] = -1;
+            hb[u] = cached[u] >= 0 ? vr_hash(cached[u], T) : 0u;
+        }
+        // ---- the walk: the high words (host rows) of the first buckets, issued together -----------
+        u32 key[VR_W];
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            key[u] = vr_lds(a_tab + 8u * hb[u] + 4u);  // hb[u] = 0 where cached[u] < 0
+            if (cached[u] < 0) key[u] = 0xffffffffu;
+        }
+        i32 hbk[VR_W];  // the bucket holding the slot's row, -1 where it is not a union row
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            hbk[u] = -1;
+            if (cached[u] < 0) continue;
+            u32 b = hb[u], k = key[u];
+            while (k != 0xffffffffu) {  // an empty bucket ends the run (no key has an all-ones high word)
+                if (static_cast<i32>(k) == cached[u]) {
+                    hbk[u] = static_cast<i32>(b);
+                    break;
+                }
+                b = b + 1 == T ? 0u : b + 1;
+                k = vr_lds(a_tab + 8u * b + 4u);
+            }
+        }
+        u32 was[VR_W];
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {  // the last hit position in LRU order wins (low word: see vr_insert_at)
+            was[u] = VR_HELD;
+            if (hbk[u] >= 0) {
+                was[u] = vr_amax(a_tab + 8u * static_cast<u32>(hbk[u]),
+                                 VR_HELD | (static_cast<u32>(p0 + u) << 15) | static_cast<u32>(sl0[u]));
+            }
+        }
+        u32 hitbits = 0;
+        i32 hits = 0, held = 0;
+#pragma unroll
+        for (i32 u = 0; u < VR_W; ++u) {
+            if (hbk[u] < 0) continue;
+            hitbits |= 1u << u;
+            ++hits;
+            held += (was[u] & VR_HELD) ? 0 : 1;
+        }
+        // ---- ranks of the hits (positions are contiguous a thread, in thread order): ballot/popc ---
+        u32 whits, wpre;
+        {
+            const u32 h0 = __ballot_sync(HS_FULL_MASK, hits & 1), h1 = __ballot_sync(HS_FULL_MASK, hits & 2),
+                      h2 = __ballot_sync(HS_FULL_MASK, hits & 4);
+            wpre = __popc(h0 & lt) + 2 * __popc(h1 & lt) + 4 * __popc(h2 & lt);
+            whits = __popc(h0) + 2 * __popc(h1) + 4 * __popc(h2);
+        }
+        const u32 wheld = __reduce_add_sync(HS_FULL_MASK, static_cast<u32>(held));
+        const u32 wfresh = __reduce_add_sync(HS_FULL_MASK, static_cast<u32>(fresh));
+        __shared__ u32 s4_w[2][32];
+        if (lane == 0) {
+            s4_w[0][warp] = whits | (wheld << 16);  // hit positions <= H < 2^15, held buckets <= K < 2^15
+            s4_w[1][warp] = wfresh;
+        }
+        __syncthreads();  // every walk's marks done; the warps' counts
+        i32 hbefore, nH, nHeld, U;
+        {
+            const u32 x = lane < nw ? s4_w[0][lane] : 0u;
+            const u32 before = __reduce_add_sync(HS_FULL_MASK, lane < warp ? x : 0u);
+            const u32 all = __reduce_add_sync(HS_FULL_MASK, x);
+            U = static_cast<i32>(__reduce_add_sync(HS_FULL_MASK, lane < nw ? s4_w[1][lane] : 0u));
+            hbefore = static_cast<i32>((before & 0xffffu) + wpre);
+            nH = static_cast<i32>(all & 0xffffu);
+            nHeld = static_cast<i32>(all >> 16);
+        }
+        const i32 misses = U - nHeld;  // union rows not held
+        const i32 nE = H - nH;
+        // ---- the new LRU order E[used:] + E[:used] + hits, straight from registers -----------------
+        {
+            const i32 used = min(misses, nE);
+            i32 hr = hbefore, er = p0 - hbefore;
+#pragma unroll
+            for (i32 u = 0; u < VR_W; ++u) {
+                if (p0 + u >= p1) break;
+                i32 to;
+                if ((hitbits >> u) & 1u) {
+                    to = nE + hr++;
+                } else {
+                    const i32 e = er++;
+                    to = e >= used ? e - used : e + nE - used;
+                }
+                if (to != p0 + u) lru_q[to] = static_cast<i16>(sl0[u]);
+            }
+        }
+        // ---- misses in first-reference order (entries in index order: u = 0's, then u = 1's) ------
+        i32 M = 0;
+        if (misses > 0) {  // block-uniform
+            {
+                i32 er = p0 - hbefore;  // the evictable slots in LRU order: E[m] = ord[m]
+#pragma unroll
+                for (i32 u = 0; u < VR_W; ++u) {
+                    if (p0 + u >= p1) break;
+                    if (!((hitbits >> u) & 1u)) ord[er++] = static_cast<i16>(sl0[u]);
+                }
+            }
+            bool first[VR_B];
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {  // a miss (no HELD bit) first referenced here
+                first[u] = host[u] && vr_lds(a_tab + 8u * bk[u]) == static_cast<u32>(tid + u * nt);
+            }
+            const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
+            __shared__ u32 s4_m[32];
+            if (lane == 0) s4_m[warp] = static_cast<u32>(__popc(f0)) | (static_cast<u32>(__popc(f1)) << 16);
+            __syncthreads();  // the evictable order and the warps' first references
+            const u32 x = lane < nw ? s4_m[lane] : 0u;
+            const u32 before = __reduce_add_sync(HS_FULL_MASK, lane < warp ? x : 0u);
+            const u32 all = __reduce_add_sync(HS_FULL_MASK, x);
+            const i32 tot0 = static_cast<i32>(all & 0xffffu);
+            M = tot0 + static_cast<i32>(all >> 16);
+            const i32 rank[VR_B] = {static_cast<i32>(before & 0xffffu) + __popc(f0 & lt),
+                                    tot0 + static_cast<i32>(before >> 16) + __popc(f1 & lt)};
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {
+                if (!first[u]) continue;
+                const i32 m = rank[u], e = base + tid + u * nt;
+                const i32 slot = m < nE ? static_cast<i32>(ord[m]) : -1;
+                i32 dev = -1;
+                if (slot >= 0 && slot < H) {
+                    dev = hot_row(slot);
+                    dgi_q[slot] = gv[u];
+                    if (miss_mask != nullptr) miss_mask[e] = 1;
+                }
+                s_val[bk[u]] = dev;
+                if (swap_counts != nullptr) {
+                    swap_host[base + m] = gv[u];
+                    swap_dev[base + m] = dev;
+                }
+            }
+            if (tid == 0 && swap_counts != nullptr) swap_counts[r] = M;
+            __syncthreads();  // every miss's hot row is in s_val
+        } else if (tid == 0 && swap_counts != nullptr) {
+            swap_counts[r] = 0;
+        }
+        // ---- outputs of host entries ------------------------------------------------------------
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            if (!host[u]) continue;
+            const i32 e = base + tid + u * nt;
+            const u32 lo = vr_lds(a_tab + 8u * bk[u]);
+            const i32 out = (lo & VR_HELD) ? hot_row(static_cast<i32>(lo & 0x7fffu)) : s_val[bk[u]];
+            hot_out[e] = out;
+            if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
+        }
+        if (tid == 0 && stats != nullptr) {
+            atomicAdd(reinterpret_cast<unsigned long long*>(stats), static_cast<unsigned long long>(U - M));
+            atomicAdd(reinterpret_cast<unsigned long long*>(stats) + 1, static_cast<unsigned long long>(M));
+        }
+        return;
+    }
+#endif
 #endif
 #else
     const i32 cpt = (H + nt - 1) / nt;
@@ -630,7 +989,8 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 const u64 cur = t[b];
                 if (cur == VR_EMPTY) return false;
                 if (static_cast<i32>(cur >> 32) == c) {
-                    // The last hit position in LRU order wins (its slot is what the entries output).
+                    // The last hit position in LRU order wins (its slot is what the entries output); a
+                    // 32-bit atomic on a claimed bucket's low word (see vr_insert_at).
                     const u32 was = atomicMax(reinterpret_cast<u32*>(t + b),  // the low word (little-endian)
                                               VR_HELD | (static_cast<u32>(p) << 15) | static_cast<u32>(slot));
                     held += (was & VR_HELD) ? 0 : 1;

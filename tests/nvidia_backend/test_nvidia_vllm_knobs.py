@@ -38,7 +38,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert vllm_gather_per_sm() == 1
     assert vllm_resolve_threads() == 0  # automatic
     assert vllm_carveout() == -1  # the driver's choice
-    assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 3}
+    assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 4}
 
 
 @pytest.mark.parametrize("value", ["0", "2"])

@@ -228,9 +228,11 @@ VLLM_GATHER = 2
 #: resident 0.04-0.3 us slower. 4 = 3 with a lean path for one-row groups (vllm_ops.cu, VR_FAST4: state rows
 #: loaded in one round, speculatively with the request ids; no group barrier, inserts and walk probes issued
 #: together, ballot/popc ranks, three barriers on a hit step where 3 crosses five, a hash of four buckets a
-#: union row); not yet timed, so not the default.
+#: union row); the default since call G3 of the fifteenth session: with the per-shape build, one-row
+#: hit steps 10.1-11.0 us against 15.6-20.6 for 3, resident 5.2-5.6 against 5.8-6.5, 274 misses at
+#: B = 8 49.1 against 58.3; four-row groups take 3's path (at most 1.3 us slower, up to 2.8 faster).
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
-VLLM_RESOLVE = 3
+VLLM_RESOLVE = 4
 
 
 def vllm_gather_variant() -> int:

@@ -264,17 +264,21 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
                                  {"HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
                                  {"HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_RESOLVER": "scratch"},
                                  {"HISPARSE_TRITON_PDL": "1", "HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_SCAN": "1",
-                                  "HISPARSE_TRITON_SHIFT": "1"}],
+                                  "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "2"},
+                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "16", "HISPARSE_TRITON_ROW_COPY": "1"}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
-                              "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift"])
+                              "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
+                              "split2", "split4_scan_shift", "split16_row_copy"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
                                              locality: float) -> None:
     """The variants `HISPARSE_TRITON_RESOLVER` / `HISPARSE_TRITON_FUSE_COPY` / `HISPARSE_TRITON_LEAN` /
     `HISPARSE_TRITON_CAS` / `HISPARSE_TRITON_SCAN` / `HISPARSE_TRITON_SHIFT` / `HISPARSE_TRITON_ROW_COPY` /
-    `HISPARSE_TRITON_PDL` pick (the default, the lean gather resolver beside the plan-copy kernel, is what
+    `HISPARSE_TRITON_PDL` / `HISPARSE_TRITON_SPLIT` pick (the default, the lean gather resolver beside the plan-copy kernel, is what
     the rest of this module and the suite run); PDL only where it is allowed (sm_90 and later)."""
     if "HISPARSE_TRITON_PDL" in env and not (backend.device.type == "cuda" and not torch.version.hip
                                              and torch.cuda.get_device_capability(backend.device)[0] >= 9):

@@ -670,11 +670,19 @@ def _fib_bucket(x, LOG_TP: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton dev
 
 
 @triton.jit
-def _split_list_at(o_s, u, ss, base, ES: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton device function
-    """Where candidate `u` of a request's list sits in its programs' segments: the segment of slice
-    s starts at `base + s * ES` and holds the slice's candidates from list index `o_s[s]` on."""
-    s_u = tl.reduce((o_s[None, :] <= u[:, None]).to(tl.int32), 1, _SUM) - 1
-    o_u = tl.reduce(tl.where(ss[None, :] == s_u[:, None], o_s[None, :], 0), 1, _SUM)
+def _split_list_at(counts, u, base, NS: tl.constexpr, ES: tl.constexpr, PW: tl.constexpr):  # noqa: ANN001, ANN202
+    """Where candidate `u` of a request's list sits in its programs' segments: slice s's segment
+    starts at `base + s * ES` and holds its `counts[s * PW]` candidates from list index (the counts
+    of the slices before) on. The slices are walked as scalars (a [lanes, NS] compare and reduce
+    costs a thread about ten times the instructions)."""
+    o = tl.load(counts) * 0
+    s_u = u * 0
+    o_u = u * 0
+    for s2 in tl.static_range(NS):
+        ok = o <= u  # the last slice starting at or before u holds it (slices before it are full)
+        s_u = tl.where(ok, s2, s_u)
+        o_u = tl.where(ok, o, o_u)
+        o += tl.load(counts + s2 * PW, volatile=True)
     return base + s_u * ES + u - o_u
 
 
@@ -705,11 +713,14 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
     - the candidates are handled as a list, `CP` at a time (one lane a thread), not as lanes of
       every entry: a step with few misses pays for its misses, not for its top-k.
 
+    The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
     Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
     last program, so it is 0 between calls."""
+    # Programs [0, B * NS) are NS to a batch row; each one after them pads one workspace row past B.
     pid = tl.program_id(0)
-    b = pid // NS
-    s = pid % NS
+    split = pid < B * NS
+    b = tl.where(split, pid // NS, B + pid - B * NS)
+    s = tl.where(split, pid % NS, 0)
     in_batch = b < B
     q = tl.load(row_state + b, mask=in_batch, other=-1)
     q = tl.where(q < R, q, -1)  # trusted input out of range: a padding row, never a stray access
@@ -800,9 +811,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
             counts = tl.load(pr[:, None] + gg[None, :], volatile=True)  # [NS, GP]
             tl.store(out_counts + b + gg, tl.reduce(counts, 0, _SUM), mask=rmask)
             n_host = tl.reduce(tl.load(pr + GP, volatile=True), 0, _SUM)
-            c_s = tl.load(pr + GP + 1, volatile=True)
-            n_cand = tl.reduce(c_s, 0, _SUM)
-            o_s = tl.associative_scan(c_s, 0, _SUM) - c_s  # where slice s's candidates start in the list
+            n_cand = tl.reduce(tl.load(pr + GP + 1, volatile=True), 0, _SUM)
             old_plan_g = tl.load(plan_counts + b + gg, mask=rmask, other=0)
             if n_host == 0:
                 tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
@@ -845,7 +854,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                     for c0 in range(0, n_cand, CP):
                         u = c0 + uu
                         um = u < n_cand
-                        at = _split_list_at(o_s, u, ss, lst, ES)
+                        at = _split_list_at(scr_part + b * NS * PW + GP + 1, u, lst, NS, ES, PW)
                         crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
                         cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
                         home = _fib_bucket(crow, LOG_TP)
@@ -945,11 +954,11 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                             slot_off = slot % BS
                             vic_blk = victim // BS
                             vic_off = victim % BS
-                        hot_blk = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
+                        slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
                         vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
                         g_u = cee // KP
                         entry = (b + g_u) * K + cee % KP
-                        tl.store(out_rows + entry, tl.where(e_ok, hot_blk * BS + slot_off, -1), mask=um)
+                        tl.store(out_rows + entry, tl.where(e_ok, slot_hot * BS + slot_off, -1), mask=um)
                         tl.store(pos_slot + q.to(tl.int64) * ctx + cpos, slot, mask=e_ok)
                         in_row = m - tl.reduce(tl.where(gg[None, :] == g_u[:, None], r_start[None, :], 0), 1, _SUM)
                         plan_ptr = (b + g_u) * K + in_row

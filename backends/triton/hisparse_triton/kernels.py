@@ -14,6 +14,8 @@
   is O(n) work per probe round, a few rounds per call.
 - `resolve_gather_kernel` (the default, "gather"; `resolve_kernel` is "scratch",
   `shapes.RESOLVER_ENV` picks): the same results, shaped for a GPU program (its docstring).
+- `resolve_split_kernel` (`shapes.SPLIT_ENV`, default off): the gather resolver's results from several
+  programs a batch row at small batches (its docstring).
 - `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows; `copy_plan_rows_kernel`
   the same with programs assigned to batch rows (small batches, `shapes.ROW_COPY_ENV`).
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,

@@ -264,17 +264,21 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
                                  {"HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
                                  {"HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_RESOLVER": "scratch"},
                                  {"HISPARSE_TRITON_PDL": "1", "HISPARSE_TRITON_ROW_COPY": "1", "HISPARSE_TRITON_SCAN": "1",
-                                  "HISPARSE_TRITON_SHIFT": "1"}],
+                                  "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "2"},
+                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "16", "HISPARSE_TRITON_ROW_COPY": "1"}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
-                              "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift"])
+                              "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
+                              "split2", "split4_scan_shift", "split16_row_copy"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
                                              locality: float) -> None:
     """The variants `HISPARSE_TRITON_RESOLVER` / `HISPARSE_TRITON_FUSE_COPY` / `HISPARSE_TRITON_LEAN` /
     `HISPARSE_TRITON_CAS` / `HISPARSE_TRITON_SCAN` / `HISPARSE_TRITON_SHIFT` / `HISPARSE_TRITON_ROW_COPY` /
-    `HISPARSE_TRITON_PDL` pick (the default, the lean gather resolver beside the plan-copy kernel, is what
+    `HISPARSE_TRITON_PDL` / `HISPARSE_TRITON_SPLIT` pick (the default, the lean gather resolver beside the plan-copy kernel, is what
     the rest of this module and the suite run); PDL only where it is allowed (sm_90 and later)."""
     if "HISPARSE_TRITON_PDL" in env and not (backend.device.type == "cuda" and not torch.version.hip
                                              and torch.cuda.get_device_capability(backend.device)[0] >= 9):
@@ -311,6 +315,8 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_ROW_COPY", "2", "expected 0 or 1"),
     ("HISPARSE_TRITON_PDL", "yes", "expected 0 or 1"),
     ("HISPARSE_TRITON_PDL", "1", "needs the gather resolver"),
+    ("HISPARSE_TRITON_SPLIT", "3", "expected 0 \\(off\\) or one of 2, 4, 8, 16"),
+    ("HISPARSE_TRITON_SPLIT", "-8", "expected 0 \\(off\\) or one of 2, 4, 8, 16"),
 ])
 def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
     from hisparse_core.errors import InvalidInputError
@@ -322,6 +328,49 @@ def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: 
             mp.setenv("HISPARSE_TRITON_RESOLVER", "scratch")
         with pytest.raises(InvalidInputError, match=f"{key}={value!r}.*{expected}"):
             backend.create_runtime(cfg)
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"HISPARSE_TRITON_RESOLVER": "scratch"}, "HISPARSE_TRITON_SPLIT='8' needs the gather resolver; "
+                                              "HISPARSE_TRITON_RESOLVER is 'scratch'"),
+    ({"HISPARSE_TRITON_FUSE_COPY": "1"}, "HISPARSE_TRITON_FUSE_COPY='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
+    ({"HISPARSE_TRITON_CAS": "1"}, "HISPARSE_TRITON_CAS='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
+    ({"HISPARSE_TRITON_PDL": "1"}, "HISPARSE_TRITON_PDL='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
+    ({"HISPARSE_TRITON_LEAN": "0"}, "HISPARSE_TRITON_LEAN='0' does not combine with HISPARSE_TRITON_SPLIT='8'"),
+])
+def test_split_refuses_the_builds_it_has_not(backend, env: dict[str, str], line: str) -> None:  # noqa: ANN001
+    """`HISPARSE_TRITON_SPLIT` is the gather resolver's, with no fused copy, CAS, PDL or non-LEAN
+    build: each such combination is refused in one line naming both variables, before any work."""
+    from hisparse_core.errors import InvalidInputError
+
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=4, hot_rows=4, block_size=2, max_pages=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_SPLIT", "8")
+        for k, v in env.items():
+            mp.setenv(k, v)
+        with pytest.raises(InvalidInputError) as err:
+            backend.create_runtime(cfg)
+    assert line in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("seed", [5, 17])
+def test_split_resolver_on_vllm_ops_matches_the_model(backend, seed: int) -> None:  # noqa: ANN001
+    """The split resolver under vLLM's op set: int16 LRU, the miss mask, an LRU holding a slot outside
+    the hot buffer, one and two rows a request."""
+    from hisparse_conformance.vllm_ops_model import random_case, run_model, run_ops
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_SPLIT", "4")
+        for corrupt in (False, True):
+            for rows in (1, 2):
+                case = random_case(seed, corrupt_lru=corrupt, rows_per_request=rows)
+                if backend.device.type != "cpu":
+                    case.host = case.host.pin_memory()
+                got = run_ops(backend.vllm_ops(), case, backend.device, miss_mask=True)
+                want = run_model(random_case(seed, corrupt_lru=corrupt, rows_per_request=rows), miss_mask=True)
+                for name in ("hot_out", "attention", "resolved", "valid", "miss_mask", "swap_counts", "dgi", "lru",
+                             "stats", "hot", "plan_hot", "plan_attention", "inv_dgi"):
+                    assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)
 
 
 def test_pdl_needs_sm90_and_is_refused_elsewhere(backend) -> None:  # noqa: ANN001

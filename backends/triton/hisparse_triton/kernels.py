@@ -14,6 +14,8 @@
   is O(n) work per probe round, a few rounds per call.
 - `resolve_gather_kernel` (the default, "gather"; `resolve_kernel` is "scratch",
   `shapes.RESOLVER_ENV` picks): the same results, shaped for a GPU program (its docstring).
+- `resolve_split_kernel` (`shapes.SPLIT_ENV`, default off): the gather resolver's results from several
+  programs a batch row at small batches (its docstring).
 - `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows; `copy_plan_rows_kernel`
   the same with programs assigned to batch rows (small batches, `shapes.ROW_COPY_ENV`).
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,
@@ -663,6 +665,324 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                 tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
 
 
+@triton.jit
+def _fib_bucket(x, LOG_TP: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton device function
+    """Fibonacci hashing of int32 host rows `x` into 2^LOG_TP buckets (the gather resolver's hash)."""
+    return (((x.to(tl.int64) * 2654435769) & 0xFFFFFFFF) >> (32 - LOG_TP)).to(tl.int32)
+
+
+@triton.jit
+def _split_list_at(counts, u, base, NS: tl.constexpr, ES: tl.constexpr, PW: tl.constexpr):  # noqa: ANN001, ANN202
+    """Where candidate `u` of a request's list sits in its programs' segments: slice s's segment
+    starts at `base + s * ES` and holds its `counts[s * PW]` candidates from list index (the counts
+    of the slices before) on. The slices are walked as scalars (a [lanes, NS] compare and reduce
+    costs a thread about ten times the instructions)."""
+    o = tl.load(counts) * 0
+    s_u = u * 0
+    o_u = u * 0
+    for s2 in tl.static_range(NS):
+        ok = o <= u  # the last slice starting at or before u holds it (slices before it are full)
+        s_u = tl.where(ok, s2, s_u)
+        o_u = tl.where(ok, o, o_u)
+        o += tl.load(counts + s2 * PW, volatile=True)
+    return base + s_u * ES + u - o_u
+
+
+@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "LBS"])
+def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
+                         out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
+                         tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
+                         scr_part, scr_ticket, scr_crow, scr_cee, scr_cpos, scr_cbkt, scr_cat,
+                         B, P, HB, R, K, G_MAX, BS, H, host_limit, LBS,
+                         KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
+                         LOG_TP: tl.constexpr, MASK: tl.constexpr, HG: tl.constexpr, LR: tl.constexpr,
+                         NS: tl.constexpr, ES: tl.constexpr, CP: tl.constexpr, PW: tl.constexpr,
+                         SH: tl.constexpr = 1, SB: tl.constexpr = 0):
+    """`resolve_gather_kernel`'s results from `NS` programs a batch row (`shapes.SPLIT_ENV`), for small
+    batches, where one program a request leaves most multiprocessors idle:
+
+    - every program of a group takes `ES` of its entries (a contiguous range in first-reference
+      order) and does what is data-parallel over them: page-table lookups, the slot hint and its
+      check against the hot map, the outputs of resident, null and hinted entries, the marks of
+      hinted slots, the plan rows it covers cleared up to their old count; its candidates (host
+      entries whose hint failed) go, in order, to its segment of the request's scratch list, its
+      counts to its row of `scr_part`;
+    - the group's last program to finish (a ticket counter per request, taken after a barrier with
+      acquire-release order, so every other program's stores are visible to it; no program waits
+      for another, so any grid is safe) does what needs the whole group: the counts, the hash table
+      of the candidates, the held slots' lookups, the marks, the scans over the LRU order, victims,
+      the candidates' outputs, plan, hot map and LRU order, as the gather resolver does;
+    - the candidates are handled as a list, `CP` at a time (one lane a thread), not as lanes of
+      every entry: a step with few misses pays for its misses, not for its top-k.
+
+    The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
+    Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
+    last program, so it is 0 between calls."""
+    # Programs [0, B * NS) are NS to a batch row; each one after them pads one workspace row past B.
+    pid = tl.program_id(0)
+    split = pid < B * NS
+    b = tl.where(split, pid // NS, B + pid - B * NS)
+    s = tl.where(split, pid % NS, 0)
+    in_batch = b < B
+    q = tl.load(row_state + b, mask=in_batch, other=-1)
+    q = tl.where(q < R, q, -1)  # trusted input out of range: a padding row, never a stray access
+    prev = tl.load(row_state + b - 1, mask=in_batch & (b > 0), other=-2)
+    starts = (q >= 0) & (prev != q)
+    ctx = P * BS
+    gg = tl.arange(0, GP)
+    if q < 0:
+        if s == 0:
+            cc = tl.arange(0, KP)
+            kmask = cc < K
+            old_valid = tl.load(out_counts + b)
+            old_plan = tl.load(plan_counts + b)
+            if old_valid != 0:
+                tl.store(out_rows + b * K + cc, tl.full((KP,), -1, tl.int32), mask=kmask)
+                tl.store(out_counts + b, 0)
+            if old_plan != 0:
+                tl.store(plan_host + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
+                tl.store(plan_device + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
+                tl.store(plan_counts + b, 0)
+    elif starts:
+        rs = tl.load(row_state + b + gg, mask=(gg < G_MAX) & (b + gg < B), other=-2)
+        g_len = tl.minimum(tl.reduce(tl.where(rs == q, GP, gg), 0, _MIN), G_MAX)
+        # This program's entries: flat index f = row of the group * KP + column.
+        f = s * ES + tl.arange(0, ES)
+        g = f // KP
+        c = f % KP
+        emask = (g < g_len) & (c < K)
+        entry_ptr = (b + g) * K + c
+        t = tl.load(topk + entry_ptr, mask=emask, other=-1)
+        sl = tl.load(seq_lens + b + g, mask=emask, other=0)
+        old_plan = tl.load(plan_counts + b + g, mask=emask, other=0)
+        in_ctx = emask & (t >= 0) & (t < sl) & (t < ctx)
+        pos = tl.where(in_ctx, t, 0)
+        if SB:
+            page = pos >> LBS
+            off = pos & (BS - 1)
+        else:
+            page = pos // BS
+            off = pos % BS
+        # Both tables and the hint in one round trip (the source row is used only where not resident).
+        res_blk = tl.load(resident_table + q * P + page, mask=in_ctx, other=-1)
+        src_blk = tl.load(source_table + q * P + page, mask=in_ctx, other=-1)
+        hint_ptr = pos_slot + q.to(tl.int64) * ctx + pos
+        hint = tl.load(hint_ptr, mask=in_ctx, other=-1).to(tl.int32)
+        is_res = in_ctx & (res_blk >= 0)
+        host_row64 = src_blk.to(tl.int64) * BS + off
+        is_host = in_ctx & (res_blk < 0) & (src_blk >= 0) & (host_row64 < host_limit)
+        host_row = host_row64.to(tl.int32)
+        hint_ok = is_host & (hint >= 0) & (hint < H)
+        if SB:
+            hint_blk = hint >> LBS
+            hint_off = hint & (BS - 1)
+        else:
+            hint_blk = hint // BS
+            hint_off = hint % BS
+        hinted = tl.load(hot_map + q * H + hint, mask=hint_ok, other=-1)
+        hot_blk = tl.load(hot_table + q * HB + hint_blk, mask=hint_ok, other=0)
+        hint_hit = hint_ok & (hinted == host_row)
+        cand = is_host & ~hint_hit
+        out = tl.where(is_res, res_blk * BS + off, tl.where(hint_hit, hot_blk * BS + hint_off, -1))
+        tl.store(out_rows + entry_ptr, out, mask=emask & ~cand)
+        tl.store(scr_mark + b * HP + hint, tl.full((ES,), 1, tl.int32), mask=hint_hit)
+        if MASK:
+            tl.store(miss_mask + entry_ptr, tl.full((ES,), 0, tl.int32), mask=emask & ~cand)
+        # The plan rows this program covers, cleared up to their old count; the last program writes
+        # the new plan over them.
+        clear = emask & (c < old_plan)
+        tl.store(plan_host + entry_ptr, tl.full((ES,), -1, tl.int32), mask=clear)
+        tl.store(plan_device + entry_ptr, tl.full((ES,), -1, tl.int32), mask=clear)
+        ci = cand.to(tl.int32)
+        seg = (b * NS + s) * ES + tl.associative_scan(ci, 0, _SUM) - ci
+        tl.store(scr_crow + seg, host_row, mask=cand)
+        tl.store(scr_cee + seg, f, mask=cand)
+        tl.store(scr_cpos + seg, pos, mask=cand)
+        part = scr_part + (b * NS + s) * PW
+        valid_g = tl.reduce(((g[:, None] == gg[None, :]) & (is_res | is_host)[:, None]).to(tl.int32), 0, _SUM)
+        tl.store(part + gg, valid_g)
+        tl.store(part + GP, tl.reduce(is_host.to(tl.int32), 0, _SUM))
+        tl.store(part + GP + 1, tl.reduce(ci, 0, _SUM))
+        tl.atomic_add(stats + 0, tl.reduce(is_res.to(tl.int32), 0, _SUM).to(tl.int64), sem="relaxed")
+        tl.debug_barrier()  # every thread's stores precede the ticket's release
+        ticket = tl.atomic_add(scr_ticket + b, 1, sem="acq_rel")
+        if ticket == NS - 1:
+            ss = tl.arange(0, NS)
+            pr = scr_part + (b * NS + ss) * PW
+            rmask = gg < g_len
+            counts = tl.load(pr[:, None] + gg[None, :], volatile=True)  # [NS, GP]
+            tl.store(out_counts + b + gg, tl.reduce(counts, 0, _SUM), mask=rmask)
+            n_host = tl.reduce(tl.load(pr + GP, volatile=True), 0, _SUM)
+            n_cand = tl.reduce(tl.load(pr + GP + 1, volatile=True), 0, _SUM)
+            old_plan_g = tl.load(plan_counts + b + gg, mask=rmask, other=0)
+            if n_host == 0:
+                tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
+            else:
+                ii = tl.arange(0, HP)
+                smask = ii < H
+                order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
+                slot_ok = smask & (order >= 0) & (order < H)
+                mk = scr_mark + b * HP
+                if HG:
+                    mk_row = tl.load(mk + ii, mask=smask, other=0, volatile=True)
+                    marked = slot_ok & (tl.gather(mk_row, tl.where(slot_ok, order, 0), 0) != 0)
+                    tl.store(mk + ii, tl.full((HP,), 0, tl.int32), mask=smask & (mk_row != 0))
+                else:
+                    marked = slot_ok & (tl.load(mk + order, mask=slot_ok, other=0, volatile=True) != 0)
+                    tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=marked)
+                if n_cand == 0:
+                    hit_i = marked.to(tl.int32)
+                    h_rank = _exclusive_ranks(hit_i, SH, HP)
+                    n_hit = tl.reduce(hit_i, 0, _SUM)
+                    tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
+                    new_pos = tl.where(marked, H - n_hit + h_rank, ii - h_rank)
+                    tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
+                    tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
+                else:
+                    if HG:
+                        hm_row = tl.load(hot_map + q * H + ii, mask=smask, other=-1)
+                        held_row = tl.where(slot_ok, tl.gather(hm_row, tl.where(slot_ok, order, 0), 0), -1)
+                    else:
+                        held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
+                    held = slot_ok & (held_row >= 0)
+                    tk = tbl_key + b * TP
+                    tf = tbl_first + b * TP
+                    ts = tbl_slot + b * TP
+                    lst = b * NS * ES  # the request's list scratch (list index u)
+                    uu = tl.arange(0, CP)
+                    # 1. The candidates claim buckets (as the gather resolver's), CP at a time, in list
+                    #    order; each keeps its bucket and its segment address for the later passes.
+                    rounds = n_cand * 0
+                    for c0 in range(0, n_cand, CP):
+                        u = c0 + uu
+                        um = u < n_cand
+                        at = _split_list_at(scr_part + b * NS * PW + GP + 1, u, lst, NS, ES, PW)
+                        crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+                        cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+                        home = _fib_bucket(crow, LOG_TP)
+                        e_bkt = home
+                        e_pend = um
+                        n_e = tl.reduce(um.to(tl.int32), 0, _SUM)
+                        while n_e > 0:
+                            e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                            tl.store(tk + e_bkt, crow, mask=e_pend & (e_cur == EMPTY))
+                            tl.debug_barrier()
+                            e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
+                            tl.debug_barrier()  # every lane has read before the next round claims
+                            e_pend = e_pend & (e_now != crow)
+                            e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+                            n_e = tl.reduce(e_pend.to(tl.int32), 0, _SUM)
+                        tl.atomic_min(tf + e_bkt, cee, mask=um, sem="relaxed")
+                        tl.store(scr_cbkt + lst + u, e_bkt, mask=um)
+                        tl.store(scr_cat + lst + u, at, mask=um)
+                        rounds = tl.maximum(rounds, tl.reduce(tl.where(um, (e_bkt - home) & (TP - 1), 0), 0, _MAX) + 1)
+                    # 2. Every held slot looks its row up (a row sits at most `rounds - 1` past its home).
+                    if LR:
+                        tab = tl.load(tk + tl.arange(0, TP))
+                    found = held & (held_row < 0)
+                    s_home = _fib_bucket(held_row, LOG_TP)
+                    s_bkt = s_home
+                    for r in range(0, rounds):
+                        bk = (s_home + r) & (TP - 1)
+                        if LR:
+                            key = tl.gather(tab, bk, 0)
+                        else:
+                            key = tl.load(tk + bk, mask=held & ~found, other=EMPTY)
+                        now = held & ~found & (key == held_row)
+                        s_bkt = tl.where(now, bk, s_bkt)
+                        found = found | now
+                    tl.store(ts + s_bkt, order, mask=found)
+                    tl.debug_barrier()
+                    # 3. First references, misses and their ranks in list order; a missed row's bucket
+                    #    takes -2 - its miss rank (a held row's holds its slot).
+                    n_miss = n_cand * 0
+                    row_miss = gg * 0
+                    for c0 in range(0, n_cand, CP):
+                        u = c0 + uu
+                        um = u < n_cand
+                        e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                        at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                        cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
+                        f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                        hit_slot = tl.load(ts + e_bkt, mask=um, other=-1)
+                        mflag = um & (f_ee == cee) & (hit_slot < 0)
+                        mf = mflag.to(tl.int32)
+                        m_rank = n_miss + tl.associative_scan(mf, 0, _SUM) - mf
+                        tl.store(ts + e_bkt, -2 - m_rank, mask=mflag)
+                        g_u = cee // KP
+                        row_miss += tl.reduce(((g_u[:, None] == gg[None, :]) & mflag[:, None]).to(tl.int32), 0, _SUM)
+                        n_miss += tl.reduce(mf, 0, _SUM)
+                    hit_pos = slot_ok & (marked | found)
+                    evict_pos = smask & ~hit_pos
+                    ev = evict_pos.to(tl.int32)
+                    e_rank = _exclusive_ranks(ev, SH, HP)
+                    n_evict = tl.reduce(ev, 0, _SUM)
+                    h_rank = ii - e_rank
+                    tl.atomic_add(stats + 1, (H - n_evict).to(tl.int64), sem="relaxed")
+                    tl.atomic_add(stats + 2, n_miss.to(tl.int64), sem="relaxed")
+                    n_used = tl.minimum(n_miss, n_evict)
+                    vb = scr_victim + b * HP
+                    tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
+                    new_pos = tl.where(hit_pos, n_evict + h_rank,
+                                       tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
+                    tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
+                    r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss
+                    tl.debug_barrier()
+                    # 4. Every candidate's slot (its row's, or its row's victim), outputs, hint, plan.
+                    for c0 in range(0, n_cand, CP):
+                        u = c0 + uu
+                        um = u < n_cand
+                        e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                        at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                        crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+                        cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+                        cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
+                        v = tl.load(ts + e_bkt, mask=um, other=-1)
+                        f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                        missed = um & (v < 0)
+                        m = -2 - v
+                        victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
+                        mflag = missed & (f_ee == cee)
+                        vok = mflag & (victim >= 0) & (victim < H)
+                        slot = tl.where(missed, victim, v)
+                        e_ok = um & (slot >= 0) & (slot < H)
+                        if SB:
+                            slot_blk = slot >> LBS
+                            slot_off = slot & (BS - 1)
+                            vic_blk = victim >> LBS
+                            vic_off = victim & (BS - 1)
+                        else:
+                            slot_blk = slot // BS
+                            slot_off = slot % BS
+                            vic_blk = victim // BS
+                            vic_off = victim % BS
+                        slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
+                        vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
+                        g_u = cee // KP
+                        entry = (b + g_u) * K + cee % KP
+                        tl.store(out_rows + entry, tl.where(e_ok, slot_hot * BS + slot_off, -1), mask=um)
+                        tl.store(pos_slot + q.to(tl.int64) * ctx + cpos, slot, mask=e_ok)
+                        in_row = m - tl.reduce(tl.where(gg[None, :] == g_u[:, None], r_start[None, :], 0), 1, _SUM)
+                        plan_ptr = (b + g_u) * K + in_row
+                        tl.store(plan_host + plan_ptr, crow, mask=mflag)
+                        tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
+                        if MASK:
+                            tl.store(miss_mask + entry, vok.to(tl.int32), mask=um)
+                        tl.store(hot_map + q * H + victim, crow, mask=vok)
+                    tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
+                    tl.debug_barrier()
+                    # 5. The table left empty for the next call: only the buckets this call used.
+                    for c0 in range(0, n_cand, CP):
+                        u = c0 + uu
+                        um = u < n_cand
+                        e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                        tl.store(tk + e_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
+                        tl.store(tf + e_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
+                        tl.store(ts + e_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+                    tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
+            tl.store(scr_ticket + b, 0)
+
+
 @triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
 def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
                      host_rows, dev_rows, W, BS, NP,
@@ -821,7 +1141,8 @@ def vllm_invalidate_kernel(dgi, state_of_req, req_ids, written, S, NR, H, HP: tl
 
 
 KERNELS: dict[str, Callable[..., Any]] = {
-    "resolve_kernel": resolve_kernel, "resolve_gather_kernel": resolve_gather_kernel, "copy_plan_kernel": copy_plan_kernel,
+    "resolve_kernel": resolve_kernel, "resolve_gather_kernel": resolve_gather_kernel,
+    "resolve_split_kernel": resolve_split_kernel, "copy_plan_kernel": copy_plan_kernel,
     "copy_plan_rows_kernel": copy_plan_rows_kernel,
     "copy_rows_kernel": copy_rows_kernel, "invalidate_written_kernel": invalidate_written_kernel,
     "vllm_copy_kernel": vllm_copy_kernel, "vllm_invalidate_kernel": vllm_invalidate_kernel,

@@ -82,7 +82,20 @@ class TritonRuntime(CacheRuntime):
         lanes = warp_size(device)
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
                                       lean=tune.lean, cas=tune.cas, scan=tune.scan, shift=tune.shift,
-                                      warp_size=lanes)
+                                      warp_size=lanes, split=tune.split)
+        # The split resolver serves batches whose programs fit one wave (a multiprocessor each; in the
+        # interpreter, batches up to half the workspace, so tests mix both resolvers on one state);
+        # larger ones take the one-program resolver of the same switches.
+        self._split_meta: dict[str, int] = {}
+        self._split_rows = 0
+        ns = shape.split
+        if ns:
+            self._split_meta = dict(shape.constexprs) | ({} if cpu else dict(num_warps=shape.num_warps(lanes)))
+            self._split_rows = (max(1, b // 2) if cpu else
+                                torch.cuda.get_device_properties(device).multi_processor_count // ns)
+            split_shape = shape
+            shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
+                                          lean=tune.lean, scan=tune.scan, shift=tune.shift, warp_size=lanes)
         self._resolver = kernels.KERNELS[shape.kernel]
         self._resolver_name = shape.kernel
         self._gather_resolver = shape.variant == "gather"
@@ -112,6 +125,13 @@ class TritonRuntime(CacheRuntime):
             tbl_key=torch.empty((b, tp), **i32), tbl_first=torch.empty((b, tp), **i32),
             tbl_slot=torch.empty((b, tp), **i32), scr_victim=torch.zeros((b, hp), **i32),
             scr_mark=torch.zeros((b, hp), **i32))
+        # The split resolver's (`shapes.SPLIT_ENV`): per-program counts, a ticket per batch row (0
+        # between calls), the candidate lists (segments by program, then by list index); all but the
+        # ticket are written before they are read.
+        self._split: dict[str, torch.Tensor] = {} if not ns else dict(
+            scr_part=torch.zeros((b, ns, split_shape.constexprs["PW"]), **i32), scr_ticket=torch.zeros(b, **i32),
+            **{name: torch.zeros((b, gp * kp), **i32) for name in ("scr_crow", "scr_cee", "scr_cpos", "scr_cbkt",
+                                                                   "scr_cat")})
         self._clear_tables()
         row_bytes = config.row_format.row_bytes
         self._word = torch.int32 if row_bytes % 4 == 0 else torch.uint8
@@ -148,6 +168,8 @@ class TritonRuntime(CacheRuntime):
         s["tbl_first"].fill_(kernels.NO_ENTRY.value)
         s["tbl_slot"].fill_(-1)
         s["scr_mark"].zero_()
+        if self._split:
+            self._split["scr_ticket"].zero_()
         # A launch that failed part way may have left outputs of mixed calls: the kernel rewrites only
         # what changed, so restore the invariant (padding everywhere) it relies on.
         out = self._result
@@ -276,7 +298,10 @@ class TritonRuntime(CacheRuntime):
         out = self._result
         mask = miss_mask is not None
         copy_args: tuple[Any, ...] = ()
-        if self._gather_resolver:
+        split = not fused and 0 < rows <= self._split_rows
+        if split:  # the split resolver: its scratch, then the scalars and the block shift
+            copy_args = (cfg.block_size.bit_length() - 1,)
+        elif self._gather_resolver:
             if fused:
                 dev = self._dev[0]
                 copy_args = (self._host[0], dev, dev.stride(0), self._words, cfg.row_format.row_bytes, self._dev_rows)
@@ -284,14 +309,20 @@ class TritonRuntime(CacheRuntime):
                 copy_args = (out.valid_counts, out.valid_counts, 0, 0, 0, 0)
             copy_args += (cfg.block_size.bit_length() - 1,)  # LBS: read only where the block size is 2^LBS (SB)
         try:
+            if split:
+                ns = self._split_meta["NS"]
+                kernel, name, grid = kernels.resolve_split_kernel, "resolve_split_kernel", rows * ns + cfg.max_batch_rows - rows
+                meta = self._split_meta
+            else:
+                kernel, name, grid, meta = self._resolver, self._resolver_name, cfg.max_batch_rows, self._meta
             kernels.launch(
-                self._resolver, self._resolver_name, (cfg.max_batch_rows,),
+                kernel, name, (grid,),
                 inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
                 inputs.hot_table, hot_map, lru, stats, out.rows, out.valid_counts, out.plan_host,
                 out.plan_device, out.plan_counts, self._pos_slot, miss_mask if mask else out.valid_counts,
-                *self._scratch.values(), rows, cfg.max_pages, cfg.hot_blocks, cfg.max_requests, cfg.top_k,
-                cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, *copy_args, MASK=mask,
-                **self._meta, **self._fuse_meta[fused])
+                *self._scratch.values(), *(self._split.values() if split else ()), rows, cfg.max_pages, cfg.hot_blocks,
+                cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, *copy_args,
+                MASK=mask, **meta, **({} if split else self._fuse_meta[fused]))
         except kernels.KernelError:
             self._clear_tables()  # a launch that failed part way may have left buckets filled
             raise

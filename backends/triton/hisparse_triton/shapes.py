@@ -98,12 +98,26 @@ ROW_COPY_MIN_PROGRAMS = 8
 #: following it. 0, the default (call K4: 0.6-2.3 us saved on most miss steps up to batch 64, 93 us
 #: lost at 274 misses and batch 128).
 PDL_ENV = "HISPARSE_TRITON_PDL"
+#: N (2, 4, 8 or 16): the gather resolver as `kernels.resolve_split_kernel`, N programs a batch row: each
+#: does the data-parallel work of 1/N of its group's entries (page-table lookups, hint checks, resident
+#: and hinted outputs, marks) and lists its candidates; the group's last program to finish does the
+#: rest (hash table, held-slot lookups, scans over the LRU order, victims, plan), over the candidates
+#: as a list rather than over every entry. Aimed at small batches, where one program a request keeps
+#: only B multiprocessors busy (call K1: 34 misses x 8, 8 programs on 132 SMs, issue-bound). 0, the
+#: default. Not yet timed on a GPU.
+SPLIT_ENV = "HISPARSE_TRITON_SPLIT"
+SPLITS = (2, 4, 8, 16)
+#: Candidates the split resolver's last program handles at once: one a thread compiled (a smaller
+#: list costs a thread the same); a few under the interpreter, so that tests walk several chunks.
+INTERPRETED_SPLIT_CHUNK = 4
 #: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
 #: small geometries of the tests still scan several rows).
 INTERPRETED_SCAN_ROW = 4
 #: Triton 3.6's ROCm lowering of a scattered `atomic_cas` with several lanes a thread fails
 #: ("'llvm.extractvalue' op Type mismatch"); 3.9 compiles it. No release between was tried.
 CAS_MIN_TRITON_ROCM = (3, 9)
+#: The split resolver's build CI compiles for every target (`kernel_specs`), with SCAN and SHIFT.
+SPLIT_BUILD = 8
 
 
 def cas_compiles(version: str, *, rocm: bool) -> bool:
@@ -136,12 +150,13 @@ class Tuning:
     shift: bool = False
     row_copy: bool = False
     pdl: bool = False
+    split: int = 0
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
-    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`); one clear error per bad
-    value."""
+    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`); one clear
+    error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -169,8 +184,19 @@ def tuning(env: dict[str, str]) -> Tuning:
     for key, value in ((CAS_ENV, cas), (SCAN_ENV, scan), (SHIFT_ENV, shift), (PDL_ENV, pdl)):
         if value == "1" and resolver != "gather":
             raise InvalidInputError(f"{key}={value!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
+    split = env.get(SPLIT_ENV) or "0"
+    if split not in ("0", *map(str, SPLITS)):
+        raise InvalidInputError(f"{SPLIT_ENV}={split!r} is not a program count; expected 0 (off) or one of "
+                                f"{', '.join(map(str, SPLITS))}")
+    if split != "0":
+        if resolver != "gather":
+            raise InvalidInputError(f"{SPLIT_ENV}={split!r} needs the gather resolver; {RESOLVER_ENV} is {resolver!r}")
+        for key, value, off in ((FUSE_ENV, fuse, "0"), (CAS_ENV, cas, "0"), (PDL_ENV, pdl, "0"), (LEAN_ENV, lean, "1")):
+            if value != off:
+                raise InvalidInputError(f"{key}={value!r} does not combine with {SPLIT_ENV}={split!r} (the split "
+                                        f"resolver has no such build); expected {key}={off} or {SPLIT_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
-                  cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1")
+                  cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split))
 
 
 def pow2(n: int) -> int:
@@ -203,13 +229,23 @@ class ResolverShape:
     cas: bool = False  # the gather resolver claims buckets by compare-and-swap (`CAS_ENV`)
     scan_row: int = 0  # lanes of one row of the two-level prefix sums (`SCAN_ENV`; 0: one scan)
     shift: bool = False  # block and offset by shift and mask (`SHIFT_ENV`, a power-of-two block size)
+    split: int = 0  # programs a batch row (`SPLIT_ENV`; 0: the one-program gather resolver)
+    chunk: int = 0  # candidates the split resolver's last program takes at once
 
     @property
     def kernel(self) -> str:
+        if self.split:
+            return "resolve_split_kernel"
         return "resolve_gather_kernel" if self.variant == "gather" else "resolve_kernel"
 
     @property
     def constexprs(self) -> dict[str, int]:
+        if self.split:
+            hp_ok = self.hp <= MAX_ROW_LANES
+            return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1,
+                        HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
+                        ES=self.gp * self.kp // self.split, CP=self.chunk, PW=pow2(self.gp + 2),
+                        SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift))
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
@@ -220,7 +256,7 @@ class ResolverShape:
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
-        if self.variant != "gather":
+        if self.variant != "gather" or self.split:
             return {}
         if not fused:
             return dict(FUSE=0, WP=1, EB=1)
@@ -243,9 +279,10 @@ def resolver_variant(name: str | None) -> str:
 
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
                    threads: int | None = None, lean: bool = True, cas: bool = False,
-                   scan: bool = False, shift: bool = False, warp_size: int = 1) -> ResolverShape:
+                   scan: bool = False, shift: bool = False, warp_size: int = 1, split: int = 0) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
-    (`threads`, or about four lanes a thread)."""
+    (`threads`, or about four lanes a thread); `split` programs a batch row (at most one a group's
+    entry), each taking an equal share of the group's padded entries."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
     floor = MIN_LANES if compiled else dict.fromkeys(MIN_LANES, 1)
     kp, gp, hp = max(pow2(k), floor["KP"]), pow2(g), max(pow2(h), floor["HP"])
@@ -262,8 +299,10 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     variant = resolver_variant(variant)
     scan_row = (warp_size if compiled else INTERPRETED_SCAN_ROW) if scan and variant == "gather" else 0
     bs = config.block_size
+    ns = min(split, gp * kp) if variant == "gather" else 0
+    chunk = min(threads if compiled else INTERPRETED_SPLIT_CHUNK, gp * kp) if ns else 0
     return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
-                         scan_row, shift and variant == "gather" and bs & (bs - 1) == 0)
+                         scan_row, shift and variant == "gather" and bs & (bs - 1) == 0, ns, chunk)
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -285,6 +324,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     if "gather" in variants:  # the CAS and SCAN variants' builds (unfused), so their targets are known to compile
         resolvers.append(resolver_shape(config, variant="gather", cas=True))
         resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size))
+        resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
+                                        split=SPLIT_BUILD))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -313,6 +354,10 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     inval_warps = max(1, min(MAX_THREADS, pow2(config.hot_rows) // 4) // warp_size)
     gather_sig = {"src": f"*{word}", "dst": f"*{word}"} | dict.fromkeys(
         ("dst_block_stride", "W", "row_bytes", "dev_rows", "LBS"), "i32")
+    scalars = ("B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit")
+    split_sig = {k: v for k, v in resolve_sig.items() if k not in scalars}  # the split resolver's, in its order
+    split_sig |= dict.fromkeys(("scr_part", "scr_ticket", "scr_crow", "scr_cee", "scr_cpos", "scr_cbkt", "scr_cat"), i32p)
+    split_sig |= dict.fromkeys((*scalars, "LBS"), "i32")
     resolver_specs = []
     pdl_specs = []
     if cuda and "gather" in variants:  # the PDL builds (`PDL_ENV`): NVIDIA targets only
@@ -323,9 +368,10 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         pdl_specs.append(KernelSpec(r.kernel, resolve_sig | gather_sig | dict.fromkeys(consts, "constexpr"), consts,
                                     r.num_warps(warp_size)))
     for r in resolvers:
-        for fused in ((False, True) if r.variant == "gather" and lru_dtype == "i32" and not r.cas else (False,)):
+        fusable = r.variant == "gather" and lru_dtype == "i32" and not r.cas and not r.split
+        for fused in ((False, True) if fusable else (False,)):
             consts = r.constexprs | mask | r.fuse_constexprs(config, fused=fused, interpreted=False)
-            sig = resolve_sig | (gather_sig if r.variant == "gather" else {})
+            sig = split_sig if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
             resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,
                                              r.num_warps(warp_size)))
     return [

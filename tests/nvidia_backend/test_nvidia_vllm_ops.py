@@ -538,3 +538,49 @@ def test_local_gather_leaves_the_marks_epoch_to_larger_calls(local: str, monkeyp
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), want[name]), f"call {call} ({name}), epoch {int(epoch.item())}"
     assert int(epoch.item()) == 2, int(epoch.item())  # 2^32 - 2, then - 1, then 1 (marks cleared), 2
+
+
+@pytest.mark.parametrize("local", ["1", "2"])
+def test_local_gathers_capture_in_a_cuda_graph(local: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolve, gather_compact and gather_plan (into a second hot cache) with the barrier-free gather path,
+    captured in a CUDA graph after a warm-up and replayed on the fresh inputs: byte-identical to the
+    reference (union groups of two rows)."""
+    _set_gather(monkeypatch, f"2-local{local}")
+    ops = _ops()
+    case = _pinned(random_case(12, rows_per_request=2))
+    args = case.resolve_args("cuda")
+    fresh = [a.clone() if isinstance(a, torch.Tensor) and a.is_cuda else a for a in args]
+    plan_hot, plan_att = args[1].clone(), torch.full_like(args[4], 7)
+    plan_state = torch.where(args[14] >= 0, 0, -1).to(torch.int32)
+
+    def sequence() -> None:
+        ops.resolve_residency(*args)
+        ops.gather_compact(args[0], args[1], args[19], args[20], args[21])
+        ops.gather_plan(args[0], plan_hot, args[17], args[4], args[10], plan_state, plan_att, case.att_stride)
+
+    def restore() -> None:
+        for a, f in zip(args, fresh, strict=True):
+            if isinstance(a, torch.Tensor) and a.is_cuda:
+                a.copy_(f)
+        plan_hot.copy_(fresh[1])
+        plan_att.fill_(7)
+
+    sequence()  # warm-up: compiles and allocates the scratch outside capture
+    torch.cuda.synchronize()
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sequence()
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = case.resolve_args("cpu")
+    ref_hot, ref_att = ref[1].clone(), torch.full_like(ref[4], 7)
+    ReferenceVllmOps().resolve_residency(*ref)
+    ReferenceVllmOps().gather_compact(ref[0], ref[1], ref[19], ref[20], ref[21])
+    ReferenceVllmOps().gather_plan(ref[0], ref_hot, ref[17], ref[4], ref[10], torch.where(ref[14] >= 0, 0, -1).to(
+        torch.int32), ref_att, case.att_stride)
+    for i in (1, 4, 5, 6, 10, 11, 12, 17, 18, 21):
+        assert torch.equal(args[i].cpu(), ref[i]), i
+    assert torch.equal(plan_hot.cpu(), ref_hot)
+    assert torch.equal(plan_att.cpu(), ref_att)

@@ -73,13 +73,13 @@ def test_gather_local_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert vllm_gather_local() == 0
 
 
-@pytest.mark.parametrize("value", ["0", "1", "2"])
+@pytest.mark.parametrize("value", ["0", "1", "2", "3", "4"])
 def test_gather_local_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", value)
     assert vllm_gather_local() == int(value)
 
 
-@pytest.mark.parametrize("value", ["3", "-1", "on"])
+@pytest.mark.parametrize("value", ["5", "-1", "on"])
 def test_gather_local_bad_value_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", value)
     with pytest.raises(InvalidInputError) as err:
@@ -87,7 +87,7 @@ def test_gather_local_bad_value_refused(value: str, monkeypatch: pytest.MonkeyPa
     _one_line_naming(err, "HISPARSE_VLLM_GATHER_LOCAL", value)
 
 
-@pytest.mark.parametrize("local", ["1", "2"])
+@pytest.mark.parametrize("local", ["1", "2", "3", "4"])
 def test_gather_local_without_the_fused_gather_refused(local: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The barrier-free path lives in the fused gather's launch; with the mark + copy pair the call is
     # refused (before any device work: these are CPU tensors), not served by another path than asked.
@@ -106,18 +106,23 @@ def test_gather_local_without_the_fused_gather_refused(local: str, monkeypatch: 
     assert torch.equal(hot, torch.zeros_like(hot))
 
 
-def test_gather_local_bound_matches_the_kernel() -> None:
-    # The host sizes the path's shared memory from LOCAL_GATHER_ENTRIES; the kernel lays it out from VG_LOCAL.
+def test_gather_local_bounds_match_the_kernel() -> None:
+    # The host sizes the path's shared memory from its bounds; the kernel lays it out from VG_LOCAL and
+    # VG_LOCAL_4K, and each value of the knob launches the kernel of its bound with its read mode.
     import re
 
     from hisparse_nvidia.compiler import kernel_text
-    from hisparse_nvidia.vllm_ops import LOCAL_GATHER_BYTES, LOCAL_GATHER_ENTRIES
+    from hisparse_nvidia.vllm_ops import LOCAL_GATHER_ENTRIES, LOCAL_GATHER_ENTRIES_4K, local_gather_launch
 
     text = kernel_text("vllm_ops.cu")
-    bound = re.search(r"#define VG_LOCAL (\d+)", text)
-    assert bound is not None and int(bound.group(1)) == LOCAL_GATHER_ENTRIES
-    assert "#define VG_LOCAL_BYTES (8 * VG_LB + 8 * VG_LOCAL)" in text and "#define VG_LB_BITS 12" in text
-    assert LOCAL_GATHER_BYTES == 8 * 2 * LOCAL_GATHER_ENTRIES + 8 * LOCAL_GATHER_ENTRIES == 8 * (1 << 12) + 8 * 2048
+    for name, want in (("VG_LOCAL", LOCAL_GATHER_ENTRIES), ("VG_LOCAL_4K", LOCAL_GATHER_ENTRIES_4K)):
+        bound = re.search(rf"#define {name} (\d+)", text)
+        assert bound is not None and int(bound.group(1)) == want, name
+    assert "#define VG_LOCAL_BYTES(cap) (24 * (cap))" in text
+    assert local_gather_launch(1) == ("hisparse_vllm_gather_local", 1, 24 * 2048)
+    assert local_gather_launch(2) == ("hisparse_vllm_gather_local", 2, 24 * 2048)
+    assert local_gather_launch(3) == ("hisparse_vllm_gather_local4k", 1, 24 * 4096)
+    assert local_gather_launch(4) == ("hisparse_vllm_gather_local4k", 2, 24 * 4096)
 
 
 def test_shape_build_names_every_size() -> None:

@@ -342,7 +342,8 @@ def _set_gather(monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", local or "0")
 
 
-_GATHER_PATHS = ["0", "2", "2-local1", "2-local2"]
+_GATHER_PATHS = ["0", "2", "2-local1", "2-local2", "2-local3", "2-local4"]
+_LOCAL = ["1", "2", "3", "4"]  # HISPARSE_VLLM_GATHER_LOCAL: bound 2048 (1, 2) or 4096 (3, 4); 2 and 4 one-round reads
 
 
 def _gather_inputs(seed: int, n: int, k: int) -> dict:
@@ -439,9 +440,9 @@ def test_gather_plan_alternating_empty_and_sparse_masks(seed: int, variant: str,
         assert torch.equal(got_att.cpu(), want_att), f"step {step}"
 
 
-@pytest.mark.parametrize("local", ["1", "2"])
+@pytest.mark.parametrize("local", _LOCAL)
 @pytest.mark.parametrize("rows_per_request", [1, 2, 4])
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(12))
 def test_local_gather_ops_match_reference(seed: int, rows_per_request: int, local: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's sequence (resolve, gather_compact of its plan, gather_plan of its mask, invalidation) with the
@@ -477,21 +478,22 @@ def _local_inputs(seed: int, n: int, k: int, counts: list[int], distinct: bool) 
 
 
 # (rows, top-k, counts): rows x top-k at the path's bound (2048) and past it with the counted entries at
-# the bound (2048: the path; 2049: the marks and barrier in the same launch), few counted entries over
-# many rows, a row counted past top-k (clamped) and negative counts.
+# the bounds (2048 and 4096: the path; 2049 and 4097: the marks and barrier in the same launch), few
+# counted entries over many rows, a row counted past top-k (clamped) and negative counts.
 _LOCAL_SHAPES = [(1, 2048, [2048]), (1, 2048, [5000]), (16, 128, [128] * 16), (16, 300, [128] * 15 + [128]),
                  (16, 300, [128] * 15 + [129]), (16, 300, [400] + [-3] * 14 + [1748]), (64, 129, [3, 0, -1, 9] * 16),
-                 (1, 2049, [2049]), (3, 7, [9, -2, 4])]
+                 (1, 2049, [2049]), (3, 7, [9, -2, 4]), (16, 300, [256] * 16), (16, 300, [256] * 15 + [257])]
 
 
-@pytest.mark.parametrize("local", ["1", "2"])
+@pytest.mark.parametrize("local", _LOCAL)
 @pytest.mark.parametrize("distinct", [True, False])
 @pytest.mark.parametrize("shape", range(len(_LOCAL_SHAPES)))
 def test_local_gather_bounds_match_reference(shape: int, distinct: bool, local: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both gathers with HISPARSE_VLLM_GATHER_LOCAL at and around its bound of 2048 entries a call (rows x
-    top-k for gather_plan and for the one-round reads of 2, counted entries for gather_compact), twice (a
-    second call sees whatever the first left): byte-identical to the reference, last write winning."""
+    """Both gathers with HISPARSE_VLLM_GATHER_LOCAL at and around its bounds (rows x top-k 2048 for
+    gather_plan and the one-round reads of 2 and 4; counted entries 2048 or 4096 for gather_compact),
+    twice (a second call sees whatever the first left): byte-identical to the reference, last write
+    winning."""
     _set_gather(monkeypatch, f"2-local{local}")
     n, k, counts = _LOCAL_SHAPES[shape]
     x = _local_inputs(shape * 10 + distinct, n, k, counts, distinct)
@@ -512,11 +514,11 @@ def test_local_gather_bounds_match_reference(shape: int, distinct: bool, local: 
         assert torch.equal(got_att.cpu(), want_att)
 
 
-@pytest.mark.parametrize("local", ["1", "2"])
+@pytest.mark.parametrize("local", _LOCAL)
 def test_local_gather_leaves_the_marks_epoch_to_larger_calls(local: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Calls of at most 2048 entries (the barrier-free path: no mark, no epoch step) between calls past
-    it (marks, barrier and the epoch in the same launch), across the marks' epoch wrap: every call matches
-    the reference and only the larger calls move the epoch."""
+    """Calls of 2048 counted entries (the barrier-free path: no mark, no epoch step) between calls of 4800
+    (past every bound: marks, barrier and the epoch in the same launch), across the marks' epoch wrap:
+    every call matches the reference and only the larger calls move the epoch."""
     _set_gather(monkeypatch, f"2-local{local}")
     n, k = 16, 300
     small = _local_inputs(1, n, k, [128] * 16, False)
@@ -540,7 +542,7 @@ def test_local_gather_leaves_the_marks_epoch_to_larger_calls(local: str, monkeyp
     assert int(epoch.item()) == 2, int(epoch.item())  # 2^32 - 2, then - 1, then 1 (marks cleared), 2
 
 
-@pytest.mark.parametrize("local", ["1", "2"])
+@pytest.mark.parametrize("local", _LOCAL)
 def test_local_gathers_capture_in_a_cuda_graph(local: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Resolve, gather_compact and gather_plan (into a second hot cache) with the barrier-free gather path,
     captured in a CUDA graph after a warm-up and replayed on the fresh inputs: byte-identical to the

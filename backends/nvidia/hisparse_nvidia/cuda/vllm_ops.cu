@@ -1460,21 +1460,23 @@ __device__ __forceinline__ void vg_copy_pass(i32 mode, u32 first, u32 step, u32 
 // at most VG_LOCAL entries needs no exchange between blocks: every block reads all taken entries itself
 // (from L2), finds each destination's last entry in a hash in its own shared memory, and copies its share
 // of the 16-byte slots. Nothing is left behind for the next call (no marks, counters or epoch).
-#define VG_LOCAL 2048              // entries of a call at most (hisparse_nvidia.vllm_ops.LOCAL_GATHER_ENTRIES)
-#define VG_LR (VG_LOCAL / HS_GNT)  // entries a thread
-#define VG_LB_BITS 12              // hash buckets: 2 * VG_LOCAL (load at most 1/2)
-#define VG_LB (1 << VG_LB_BITS)
-// dynamic shared memory of the path: the buckets' keys (destination + 1) and last entries, then each
-// ranked entry's host row and destination (-1: nothing to copy)
-#define VG_LOCAL_BYTES (8 * VG_LB + 8 * VG_LOCAL)
-static_assert(VG_LB == 2 * VG_LOCAL && VG_LOCAL % HS_GNT == 0 && VG_LOCAL % 1024 == 0 && VG_LB % (2 * HS_GNT) == 0,
-              "VG_LOCAL's layout");
+// kCap (VG_LOCAL or VG_LOCAL_4K): the entries of a call the path takes at most (gather_compact's counted
+// entries); the one-round reads of every entry (vg_local_by_entry) take at most VG_LOCAL in either.
+#define VG_LOCAL 2048              // hisparse_nvidia.vllm_ops.LOCAL_GATHER_ENTRIES
+#define VG_LOCAL_4K 4096           // the bound of HISPARSE_VLLM_GATHER_LOCAL=3 and 4
+#define VG_LR (VG_LOCAL / HS_GNT)  // entries a thread of the one-round reads
+// dynamic shared memory of the path: 2 * kCap hash buckets (load at most 1/2; their keys, destination
+// + 1, then their last entries), then each ranked entry's host row and destination (-1: no copy)
+#define VG_LOCAL_BYTES(cap) (24 * (cap))
+static_assert(VG_LOCAL % HS_GNT == 0 && VG_LOCAL % 1024 == 0 && VG_LOCAL_4K % VG_LOCAL == 0, "VG_LOCAL's layout");
 
-// Empties the buckets (every thread calls it; a barrier follows before the first insert).
+// Empties kCap's buckets (every thread calls it; a barrier follows before the first insert).
+template <i32 kCap>
 __device__ __forceinline__ void vg_local_clear(unsigned char* smem) {
+    static_assert((16 * kCap) % (16 * HS_GNT) == 0, "whole 16-byte rounds");
     uint4* p = reinterpret_cast<uint4*>(smem) + threadIdx.x;
 #pragma unroll
-    for (i32 i = 0; i < 8 * VG_LB / 16 / HS_GNT; ++i) p[i * HS_GNT] = make_uint4(0, 0, 0, 0);
+    for (i32 i = 0; i < kCap / HS_GNT; ++i) p[i * HS_GNT] = make_uint4(0, 0, 0, 0);
 }
 
 // This block's share [lo, hi) of a call's T * HS_SLOTS slots: an even split over the grid, at least one
@@ -1529,37 +1531,41 @@ __device__ __forceinline__ i32 vg_rank(const bool (&take)[VG_LR], i32 (&k)[VG_LR
 }
 
 // The copy of T ranked entries within [lo, hi) of their slots: thread entries e[i] of rank k[i] (-1:
-// none) with host row g[i] and destination d[i] (-1: not taken). Every block hashes every taken
-// destination with its largest entry, so of entries naming one destination only the last is copied,
-// as in the reference.
-__device__ __forceinline__ void vg_local_copy(u32 lo, u32 hi, const i32 (&e)[VG_LR], const i32 (&k)[VG_LR],
-                                              const i32 (&g)[VG_LR], const i32 (&d)[VG_LR],
+// none) with host row g[i] and destination d[i] (-1: not taken), kLR a thread. Every block hashes every
+// taken destination with its largest entry, so of entries naming one destination only the last is
+// copied, as in the reference.
+template <i32 kCap, i32 kLR>
+__device__ __forceinline__ void vg_local_copy(u32 lo, u32 hi, const i32 (&e)[kLR], const i32 (&k)[kLR],
+                                              const i32 (&g)[kLR], const i32 (&d)[kLR],
                                               const unsigned char* host, i64 host_rows, unsigned char* hot,
                                               i64 block_stride, i32 bs, unsigned char* smem) {
+    constexpr u32 kB = 2 * kCap;  // buckets, a power of two
+    constexpr i32 kBits = kCap == VG_LOCAL_4K ? 13 : 12;
+    static_assert((kCap == VG_LOCAL || kCap == VG_LOCAL_4K) && kB == 1u << kBits, "the hash's size");
     u32* key = reinterpret_cast<u32*>(smem);
-    u32* last = key + VG_LB;
-    i32* s_g = reinterpret_cast<i32*>(last + VG_LB);
-    i32* s_d = s_g + VG_LOCAL;
-    u32 b[VG_LR];
+    u32* last = key + kB;
+    i32* s_g = reinterpret_cast<i32*>(last + kB);
+    i32* s_d = s_g + kCap;
+    u32 b[kLR];
 #pragma unroll
-    for (i32 i = 0; i < VG_LR; ++i) {
+    for (i32 i = 0; i < kLR; ++i) {
         b[i] = 0;
         if (k[i] < 0) continue;
         s_g[k[i]] = g[i];
         s_d[k[i]] = d[i];
         if (d[i] < 0) continue;
         const u32 want = static_cast<u32>(d[i]) + 1u;
-        b[i] = (static_cast<u32>(d[i]) * 2654435761u) >> (32 - VG_LB_BITS);
+        b[i] = (static_cast<u32>(d[i]) * 2654435761u) >> (32 - kBits);
         while (true) {
             const u32 cur = atomicCAS(key + b[i], 0u, want);
             if (cur == 0u || cur == want) break;
-            b[i] = (b[i] + 1u) & (VG_LB - 1u);
+            b[i] = (b[i] + 1u) & (kB - 1u);
         }
         atomicMax(last + b[i], static_cast<u32>(e[i]));
     }
     __syncthreads();
 #pragma unroll
-    for (i32 i = 0; i < VG_LR; ++i) {
+    for (i32 i = 0; i < kLR; ++i) {
         if (k[i] >= 0 && d[i] >= 0 && last[b[i]] != static_cast<u32>(e[i])) s_d[k[i]] = -1;  // a later entry wins
     }
     __syncthreads();
@@ -1598,6 +1604,7 @@ __device__ __forceinline__ void vg_local_copy(u32 lo, u32 hi, const i32 (&e)[VG_
 // Both gathers where rows x top-k <= VG_LOCAL: one round of loads reads every entry (row, destination,
 // and its row's count or its mask and state row), then the taken ones are ranked in entry order.
 // gather_plan also writes att, entries tid + i * HS_GNT by block i % grid.
+template <i32 kCap>
 __device__ __forceinline__ void vg_local_by_entry(i32 mode, const i32* src, const i32* dst,
                                                   const i32* __restrict__ counts, const i32* __restrict__ mask,
                                                   const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride,
@@ -1631,20 +1638,22 @@ __device__ __forceinline__ void vg_local_by_entry(i32 mode, const i32* src, cons
     const i32 T = vg_rank(take, k);
     u32 lo, hi;
     if (!vg_local_share(T, lo, hi)) return;
-    vg_local_copy(lo, hi, e, k, g, d, host, host_rows, hot, block_stride, bs, smem);
+    vg_local_copy<kCap>(lo, hi, e, k, g, d, host, host_rows, hot, block_stride, bs, smem);
 }
 
-// gather_compact after its row prefix sums `pre` (T = pre[n] <= VG_LOCAL counted entries): the k-th
-// counted entry in request-major order is rank k; one round of loads reads the block's ranks' entries.
+// gather_compact after its row prefix sums `pre` (T = pre[n] <= kCap counted entries): the k-th counted
+// entry in request-major order is rank k; one round of loads reads the block's ranks' entries.
+template <i32 kCap>
 __device__ __forceinline__ void vg_local_compact(i32 T, const i32* pre, const i32* src, const i32* dst, i32 n,
                                                  i32 K, i64 hot_rows, const unsigned char* host, i64 host_rows,
                                                  unsigned char* hot, i64 block_stride, i32 bs, unsigned char* smem) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no barrier on this path
     u32 lo, hi;
     if (!vg_local_share(T, lo, hi)) return;
-    i32 e[VG_LR], k[VG_LR], g[VG_LR], d[VG_LR];
+    constexpr i32 kLR = kCap / HS_GNT;
+    i32 e[kLR], k[kLR], g[kLR], d[kLR];
 #pragma unroll
-    for (i32 i = 0; i < VG_LR; ++i) {
+    for (i32 i = 0; i < kLR; ++i) {
         k[i] = static_cast<i32>(threadIdx.x) + i * HS_GNT;
         e[i] = -1;
         if (k[i] < T) {
@@ -1655,15 +1664,15 @@ __device__ __forceinline__ void vg_local_compact(i32 T, const i32* pre, const i3
         }
     }
 #pragma unroll
-    for (i32 i = 0; i < VG_LR; ++i) {
+    for (i32 i = 0; i < kLR; ++i) {
         g[i] = e[i] >= 0 ? src[e[i]] : -1;
         d[i] = e[i] >= 0 ? dst[e[i]] : -1;
     }
 #pragma unroll
-    for (i32 i = 0; i < VG_LR; ++i) {
+    for (i32 i = 0; i < kLR; ++i) {
         if (!(g[i] >= 0 && d[i] >= 0 && d[i] < hot_rows)) d[i] = -1;  // counted, not taken
     }
-    vg_local_copy(lo, hi, e, k, g, d, host, host_rows, hot, block_stride, bs, smem);
+    vg_local_copy<kCap>(lo, hi, e, k, g, d, host, host_rows, hot, block_stride, bs, smem);
 }
 
 // Grid: (blocks <= co-resident blocks, 1, 1); block: HS_GNT; dynamic shared memory 4 * (m + 1)
@@ -1681,21 +1690,21 @@ __device__ __forceinline__ void vg_local_compact(i32 T, const i32* pre, const i3
 //     in gather_plan the blocks that took no entry (gone at the barrier) leave no share uncopied.
 // Of entries naming one destination the largest entry index wins (its mark), as in the reference;
 // marks carry the epoch, which the last block to finish copying advances.
-// kLocal: hisparse_vllm_gather_local (see there); `local` its HISPARSE_VLLM_GATHER_LOCAL value.
-template <bool kLocal>
+// kLocal: hisparse_vllm_gather_local (see there) with the bound kCap; `local` its kernel argument.
+template <bool kLocal, i32 kCap = VG_LOCAL>
 __device__ __forceinline__ void vg_gather(
     i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
     const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
     const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
     i32* list, i32* part, u32* ctl, i32 local) {
     extern __shared__ __align__(16) unsigned char vg_smem[];
-    i32* pre = reinterpret_cast<i32*>(vg_smem + (kLocal ? VG_LOCAL_BYTES : 0));
+    i32* pre = reinterpret_cast<i32*>(vg_smem + (kLocal ? VG_LOCAL_BYTES(kCap) : 0));
     __shared__ u32 s_ticket[2];
-    if (kLocal) vg_local_clear(vg_smem);  // before the wait: the table is the block's own
+    if (kLocal) vg_local_clear<kCap>(vg_smem);  // before the wait: the table is the block's own
     asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the resolver: its plan
     const i64 NE = static_cast<i64>(n) * K;
     if (kLocal && NE <= VG_LOCAL && (mode == 1 || local == 2)) {
-        vg_local_by_entry(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host, host_rows,
+        vg_local_by_entry<kCap>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host, host_rows,
                           hot, block_stride, vg_smem);
         return;
     }
@@ -1711,8 +1720,8 @@ __device__ __forceinline__ void vg_gather(
         if (!__syncthreads_or(any)) return;  // every block sees it: nothing taken, nothing marked
         vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
         const i32 total = pre[n];
-        if (kLocal && total <= VG_LOCAL) {  // grid-uniform: every block summed the same counts
-            vg_local_compact(total, pre, src, dst, n, K, hot_rows, host, host_rows, hot, block_stride, bs, vg_smem);
+        if (kLocal && total <= kCap) {  // grid-uniform: every block summed the same counts
+            vg_local_compact<kCap>(total, pre, src, dst, n, K, hot_rows, host, host_rows, hot, block_stride, bs, vg_smem);
             return;
         }
         for (i32 k = blockIdx.x * HS_GNT + tid; k < total; k += gridDim.x * HS_GNT) {
@@ -1812,14 +1821,26 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
 // hisparse_vllm_gather's path in the same launch. Same arguments, and `local`: 1 = gather_compact reads
 // the counts first, then the counted entries (two rounds of loads); 2 = where rows x top-k <= VG_LOCAL it
 // reads every entry with its row's count in one round (more L2 traffic, one round trip less). Dynamic
-// shared memory: VG_LOCAL_BYTES, then hisparse_vllm_gather's.
+// shared memory: VG_LOCAL_BYTES(VG_LOCAL), then hisparse_vllm_gather's.
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather_local(
     i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
     const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
     const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
     i32* list, i32* part, u32* ctl, i32 local) {
-    vg_gather<true>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host, host_rows, hot,
-                    block_stride, owner, epoch, list, part, ctl, local);
+    vg_gather<true, VG_LOCAL>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host,
+                              host_rows, hot, block_stride, owner, epoch, list, part, ctl, local);
+}
+
+// hisparse_vllm_gather_local with gather_compact's bound at VG_LOCAL_4K counted entries (twice the shared
+// memory, 96 KiB, and twice the entries a thread; the one-round reads and gather_plan keep VG_LOCAL).
+// Dynamic shared memory: VG_LOCAL_BYTES(VG_LOCAL_4K), then hisparse_vllm_gather's.
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather_local4k(
+    i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
+    const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
+    const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
+    i32* list, i32* part, u32* ctl, i32 local) {
+    vg_gather<true, VG_LOCAL_4K>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host,
+                                 host_rows, hot, block_stride, owner, epoch, list, part, ctl, local);
 }
 
 // Grid: (tokens); clears every slot of the token's state row holding its written row.

@@ -15,6 +15,7 @@ pytest.importorskip("cuda.bindings", reason="cuda-python not installed: pip inst
 from hisparse_nvidia.kernels import (  # noqa: E402
     VLLM_COPY_THREADS,
     vllm_carveout,
+    vllm_gather_local,
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
@@ -65,6 +66,63 @@ def test_resolver_builds_selectable(value: str, monkeypatch: pytest.MonkeyPatch)
 def test_resolver_shape_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", value)
     assert vllm_resolve_shape() == int(value)
+
+
+def test_gather_local_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HISPARSE_VLLM_GATHER_LOCAL", raising=False)
+    assert vllm_gather_local() == 0
+
+
+@pytest.mark.parametrize("value", ["0", "1", "2", "3", "4"])
+def test_gather_local_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", value)
+    assert vllm_gather_local() == int(value)
+
+
+@pytest.mark.parametrize("value", ["5", "-1", "on"])
+def test_gather_local_bad_value_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", value)
+    with pytest.raises(InvalidInputError) as err:
+        vllm_gather_local()
+    _one_line_naming(err, "HISPARSE_VLLM_GATHER_LOCAL", value)
+
+
+@pytest.mark.parametrize("local", ["1", "2", "3", "4"])
+def test_gather_local_without_the_fused_gather_refused(local: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The barrier-free path lives in the fused gather's launch; with the mark + copy pair the call is
+    # refused (before any device work: these are CPU tensors), not served by another path than asked.
+    import torch
+
+    from hisparse_nvidia.vllm_ops import NvidiaVllmOps
+
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER", "0")
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", local)
+    hot = torch.zeros((2, 4, 16), dtype=torch.uint8)
+    idx = torch.zeros((1, 3), dtype=torch.int32)
+    with pytest.raises(InvalidInputError) as err:
+        NvidiaVllmOps(None)._gather(0, torch.zeros((8, 16), dtype=torch.uint8), hot, idx, idx,
+                                    torch.ones(1, dtype=torch.int32), None, None, None, 0)
+    _one_line_naming(err, "HISPARSE_VLLM_GATHER_LOCAL", local)
+    assert torch.equal(hot, torch.zeros_like(hot))
+
+
+def test_gather_local_bounds_match_the_kernel() -> None:
+    # The host sizes the path's shared memory from its bounds; the kernel lays it out from VG_LOCAL and
+    # VG_LOCAL_4K, and each value of the knob launches the kernel of its bound with its read mode.
+    import re
+
+    from hisparse_nvidia.compiler import kernel_text
+    from hisparse_nvidia.vllm_ops import LOCAL_GATHER_ENTRIES, LOCAL_GATHER_ENTRIES_4K, local_gather_launch
+
+    text = kernel_text("vllm_ops.cu")
+    for name, want in (("VG_LOCAL", LOCAL_GATHER_ENTRIES), ("VG_LOCAL_4K", LOCAL_GATHER_ENTRIES_4K)):
+        bound = re.search(rf"#define {name} (\d+)", text)
+        assert bound is not None and int(bound.group(1)) == want, name
+    assert "#define VG_LOCAL_BYTES(cap) (24 * (cap))" in text
+    assert local_gather_launch(1) == ("hisparse_vllm_gather_local", 1, 24 * 2048)
+    assert local_gather_launch(2) == ("hisparse_vllm_gather_local", 2, 24 * 2048)
+    assert local_gather_launch(3) == ("hisparse_vllm_gather_local4k", 1, 24 * 4096)
+    assert local_gather_launch(4) == ("hisparse_vllm_gather_local4k", 2, 24 * 4096)
 
 
 def test_shape_build_names_every_size() -> None:

@@ -334,6 +334,18 @@ def test_resolve_and_gathers_capture_in_a_cuda_graph(build: str, monkeypatch: py
         assert torch.equal(args[i].cpu(), ref[i]), i
 
 
+def _set_gather(monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    """HISPARSE_VLLM_GATHER=variant; "2-localL": the fused gather with HISPARSE_VLLM_GATHER_LOCAL=L (its
+    barrier-free path for calls of at most 2048 entries)."""
+    gather, _, local = variant.partition("-local")
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER", gather)
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", local or "0")
+
+
+_GATHER_PATHS = ["0", "2", "2-local1", "2-local2", "2-local3", "2-local4"]
+_LOCAL = ["1", "2", "3", "4"]  # HISPARSE_VLLM_GATHER_LOCAL: bound 2048 (1, 2) or 4096 (3, 4); 2 and 4 one-round reads
+
+
 def _gather_inputs(seed: int, n: int, k: int) -> dict:
     """Random gather arguments with duplicate destinations, untaken entries (negative source, destination
     out of range), absent source rows (zero fill), counts past top-k or negative, padding rows."""
@@ -350,13 +362,13 @@ def _gather_inputs(seed: int, n: int, k: int) -> dict:
             "counts": ints(-1, k + 3, (n,)), "mask": ints(0, 2, (n, k)), "rsi": ints(-1, 3, (n,))}
 
 
-@pytest.mark.parametrize("variant", ["0", "2"])
+@pytest.mark.parametrize("variant", _GATHER_PATHS)
 @pytest.mark.parametrize("seed", range(12))
 def test_gathers_last_write_wins_match_reference(seed: int, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every gather path (HISPARSE_VLLM_GATHER 0: mark + copy kernels, 2: one fused kernel with a
-    ticketed copy) on inputs where several entries name one destination: the last entry's row lands,
-    as in the reference."""
-    monkeypatch.setenv("HISPARSE_VLLM_GATHER", variant)
+    ticketed copy, and its barrier-free path for small calls) on inputs where several entries name one
+    destination: the last entry's row lands, as in the reference."""
+    _set_gather(monkeypatch, variant)
     n, k = [(1, 7), (3, 16), (9, 33), (64, 129)][seed % 4]
     x = _gather_inputs(seed, n, k)
     ref = ReferenceVllmOps()
@@ -401,14 +413,14 @@ def test_gathers_across_the_epoch_wrap_match_reference(variant: str, monkeypatch
     assert int(epoch.item()) == 3, int(epoch.item())  # 2^32 - 3, - 2, - 1, then 1 (marks cleared), 2, 3
 
 
-@pytest.mark.parametrize("variant", ["0", "2"])
+@pytest.mark.parametrize("variant", _GATHER_PATHS)
 @pytest.mark.parametrize("seed", range(4))
 def test_gather_plan_alternating_empty_and_sparse_masks(seed: int, variant: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """gather_plan calls with nothing taken (the fused kernel's blocks all leave without waiting) between
     calls where only a few blocks take entries (only they copy): every call matches the reference, so
     the barrier, ticket and epoch state is left right by both kinds of call."""
-    monkeypatch.setenv("HISPARSE_VLLM_GATHER", variant)
+    _set_gather(monkeypatch, variant)
     n, k = [(1, 2048), (8, 300), (33, 129), (128, 64)][seed]
     x = _gather_inputs(100 + seed, n, k)
     g = torch.Generator().manual_seed(200 + seed)
@@ -426,3 +438,151 @@ def test_gather_plan_alternating_empty_and_sparse_masks(seed: int, variant: str,
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), want), f"step {step}"
         assert torch.equal(got_att.cpu(), want_att), f"step {step}"
+
+
+@pytest.mark.parametrize("local", _LOCAL)
+@pytest.mark.parametrize("rows_per_request", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(12))
+def test_local_gather_ops_match_reference(seed: int, rows_per_request: int, local: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's sequence (resolve, gather_compact of its plan, gather_plan of its mask, invalidation) with the
+    fused gather's barrier-free path (HISPARSE_VLLM_GATHER_LOCAL) on the random cases: padding rows, union
+    groups, zero-filled rows past the host pool, strided hot blocks."""
+    _set_gather(monkeypatch, f"2-local{local}")
+    case = _pinned(random_case(500 + seed, rows_per_request=rows_per_request, corrupt_lru=seed % 3 == 0))
+    want = run_ops(ReferenceVllmOps(), case, miss_mask=seed % 2 == 0)
+    got = run_ops(_ops(), case, "cuda", miss_mask=seed % 2 == 0)
+    _compare(got, want)
+
+
+def _local_inputs(seed: int, n: int, k: int, counts: list[int], distinct: bool) -> dict:
+    """Gather arguments over 4400 hot rows (4-row blocks) and 300 host rows: destinations drawn from every
+    hot row (`distinct`: up to 2048 different ones, probing the hash; fp8_ds_mla's 656-byte rows) or half
+    of them from 40 rows (many entries naming one row; 48-byte rows), some out of range; sources some
+    negative (not taken) and some past the host pool (zero fill); the given counts (past top-k and
+    negative included)."""
+    g = torch.Generator().manual_seed(seed)
+    host_rows, blocks, bs, width = 300, 1100, 4, 656 if distinct else 48
+    hot_rows = blocks * bs
+
+    def ints(lo: int, hi: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g, dtype=torch.int32)
+
+    dst = ints(-1, hot_rows + 1, (n, k))
+    if not distinct:
+        dst = torch.where(torch.rand((n, k), generator=g) < 0.5, ints(0, 40, (n, k)), dst)
+    return {"host": torch.randint(0, 256, (host_rows, width), generator=g, dtype=torch.uint8).pin_memory(),
+            "hot": torch.randint(0, 256, (blocks, bs, width), generator=g, dtype=torch.uint8),
+            "src": ints(-2, host_rows + 4, (n, k)), "dst": dst, "counts": torch.tensor(counts, dtype=torch.int32),
+            "mask": ints(0, 2, (n, k)), "rsi": ints(-1, 3, (n,))}
+
+
+# (rows, top-k, counts): rows x top-k at the path's bound (2048) and past it with the counted entries at
+# the bounds (2048 and 4096: the path; 2049 and 4097: the marks and barrier in the same launch), few
+# counted entries over many rows, a row counted past top-k (clamped) and negative counts.
+_LOCAL_SHAPES = [(1, 2048, [2048]), (1, 2048, [5000]), (16, 128, [128] * 16), (16, 300, [128] * 15 + [128]),
+                 (16, 300, [128] * 15 + [129]), (16, 300, [400] + [-3] * 14 + [1748]), (64, 129, [3, 0, -1, 9] * 16),
+                 (1, 2049, [2049]), (3, 7, [9, -2, 4]), (16, 300, [256] * 16), (16, 300, [256] * 15 + [257])]
+
+
+@pytest.mark.parametrize("local", _LOCAL)
+@pytest.mark.parametrize("distinct", [True, False])
+@pytest.mark.parametrize("shape", range(len(_LOCAL_SHAPES)))
+def test_local_gather_bounds_match_reference(shape: int, distinct: bool, local: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both gathers with HISPARSE_VLLM_GATHER_LOCAL at and around its bounds (rows x top-k 2048 for
+    gather_plan and the one-round reads of 2 and 4; counted entries 2048 or 4096 for gather_compact),
+    twice (a second call sees whatever the first left): byte-identical to the reference, last write
+    winning."""
+    _set_gather(monkeypatch, f"2-local{local}")
+    n, k, counts = _LOCAL_SHAPES[shape]
+    x = _local_inputs(shape * 10 + distinct, n, k, counts, distinct)
+    ref = ReferenceVllmOps()
+    want_c, want_p = x["hot"].clone(), x["hot"].clone()
+    want_att = torch.full((n, k), 7, dtype=torch.int32)
+    ref.gather_compact(x["host"], want_c, x["src"], x["dst"], x["counts"])
+    ref.gather_plan(x["host"], want_p, x["src"], x["dst"], x["mask"], x["rsi"], want_att, 4)
+    d = {name: t.cuda() for name, t in x.items() if name != "host"}
+    for _ in range(2):
+        got_c, got_p = d["hot"].clone(), d["hot"].clone()
+        got_att = torch.full((n, k), 7, dtype=torch.int32, device="cuda")
+        _ops().gather_compact(x["host"], got_c, d["src"], d["dst"], d["counts"])
+        _ops().gather_plan(x["host"], got_p, d["src"], d["dst"], d["mask"], d["rsi"], got_att, 4)
+        torch.cuda.synchronize()
+        assert torch.equal(got_c.cpu(), want_c)
+        assert torch.equal(got_p.cpu(), want_p)
+        assert torch.equal(got_att.cpu(), want_att)
+
+
+@pytest.mark.parametrize("local", _LOCAL)
+def test_local_gather_leaves_the_marks_epoch_to_larger_calls(local: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of 2048 counted entries (the barrier-free path: no mark, no epoch step) between calls of 4800
+    (past every bound: marks, barrier and the epoch in the same launch), across the marks' epoch wrap:
+    every call matches the reference and only the larger calls move the epoch."""
+    _set_gather(monkeypatch, f"2-local{local}")
+    n, k = 16, 300
+    small = _local_inputs(1, n, k, [128] * 16, False)
+    large = _local_inputs(2, n, k, [300] * 16, False)
+    ref = ReferenceVllmOps()
+    want = {}
+    for name, x in (("small", small), ("large", large)):
+        want[name] = x["hot"].clone()
+        ref.gather_compact(x["host"], want[name], x["src"], x["dst"], x["counts"])
+    dev = {name: {key: t.cuda() for key, t in x.items() if key != "host"} for name, x in (("small", small),
+                                                                                        ("large", large))}
+    hot = dev["small"]["hot"]
+    epoch = _ops()._copy_state(hot.device, hot.shape[0] * hot.shape[1], n * k)[0]
+    epoch.fill_(2**32 - 2)
+    for call, name in enumerate(["small", "large", "small", "large", "small", "large", "small"]):
+        x, d = (small, dev["small"]) if name == "small" else (large, dev["large"])
+        got = d["hot"].clone()
+        _ops().gather_compact(x["host"], got, d["src"], d["dst"], d["counts"])
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), want[name]), f"call {call} ({name}), epoch {int(epoch.item())}"
+    assert int(epoch.item()) == 2, int(epoch.item())  # 2^32 - 2, then - 1, then 1 (marks cleared), 2
+
+
+@pytest.mark.parametrize("local", _LOCAL)
+def test_local_gathers_capture_in_a_cuda_graph(local: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolve, gather_compact and gather_plan (into a second hot cache) with the barrier-free gather path,
+    captured in a CUDA graph after a warm-up and replayed on the fresh inputs: byte-identical to the
+    reference (union groups of two rows)."""
+    _set_gather(monkeypatch, f"2-local{local}")
+    ops = _ops()
+    case = _pinned(random_case(12, rows_per_request=2))
+    args = case.resolve_args("cuda")
+    fresh = [a.clone() if isinstance(a, torch.Tensor) and a.is_cuda else a for a in args]
+    plan_hot, plan_att = args[1].clone(), torch.full_like(args[4], 7)
+    plan_state = torch.where(args[14] >= 0, 0, -1).to(torch.int32)
+
+    def sequence() -> None:
+        ops.resolve_residency(*args)
+        ops.gather_compact(args[0], args[1], args[19], args[20], args[21])
+        ops.gather_plan(args[0], plan_hot, args[17], args[4], args[10], plan_state, plan_att, case.att_stride)
+
+    def restore() -> None:
+        for a, f in zip(args, fresh, strict=True):
+            if isinstance(a, torch.Tensor) and a.is_cuda:
+                a.copy_(f)
+        plan_hot.copy_(fresh[1])
+        plan_att.fill_(7)
+
+    sequence()  # warm-up: compiles and allocates the scratch outside capture
+    torch.cuda.synchronize()
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sequence()
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = case.resolve_args("cpu")
+    ref_hot, ref_att = ref[1].clone(), torch.full_like(ref[4], 7)
+    ReferenceVllmOps().resolve_residency(*ref)
+    ReferenceVllmOps().gather_compact(ref[0], ref[1], ref[19], ref[20], ref[21])
+    ReferenceVllmOps().gather_plan(ref[0], ref_hot, ref[17], ref[4], ref[10], torch.where(ref[14] >= 0, 0, -1).to(
+        torch.int32), ref_att, case.att_stride)
+    for i in (1, 4, 5, 6, 10, 11, 12, 17, 18, 21):
+        assert torch.equal(args[i].cpu(), ref[i]), i
+    assert torch.equal(plan_hot.cpu(), ref_hot)
+    assert torch.equal(plan_att.cpu(), ref_att)

@@ -274,6 +274,27 @@ def vllm_gather_per_sm() -> int:
     return env_int_in(ENV_VLLM_GATHER_PER_SM, VLLM_GATHER_PER_SM, 1, 8, "1 to 8 blocks per SM")
 
 
+#: The fused gather (HISPARSE_VLLM_GATHER=2) with a barrier-free path for small calls
+#: (hisparse_vllm_gather_local in vllm_ops.cu): 0 = off; 1 = calls of at most 2048 entries are served by
+#: each block of the launch on its own: it reads every taken entry, finds each destination's last entry
+#: in its shared memory and copies its share, with no destination marks, grid barrier, tickets or epoch
+#: (gather_compact reads the counts first, then the counted entries); 2 = 1, with gather_compact reading
+#: every entry and its row's count in one round where rows x top-k <= 2048; 3 and 4 = 1 and 2 with
+#: gather_compact's bound at 4096 counted entries (hisparse_vllm_gather_local4k: 96 KiB of shared memory
+#: a block). gather_plan takes the path where rows x top-k <= 2048; larger calls take the marks and the
+#: barrier in the same launch. Off until timed on the GPU. Read at each gather call, for A/B timing in one
+#: process.
+ENV_VLLM_GATHER_LOCAL = "HISPARSE_VLLM_GATHER_LOCAL"
+VLLM_GATHER_LOCAL = 0
+
+
+def vllm_gather_local() -> int:
+    """`HISPARSE_VLLM_GATHER_LOCAL` (default `VLLM_GATHER_LOCAL`)."""
+    return env_int_in(ENV_VLLM_GATHER_LOCAL, VLLM_GATHER_LOCAL, 0, 4,
+                      "0 (off), 1 (gathers of at most 2048 entries without the grid barrier), 2 (1, gather_compact's "
+                      "entries read with their counts in one round), 3 or 4 (1 or 2 up to 4096 counted entries)")
+
+
 #: Preferred shared-memory carveout (percent of an SM's most; -1 the driver's choice) of vLLM's
 #: resolver and fused gather, one value for both: kernels whose carveouts differ cannot share an SM
 #: until it drains and is reconfigured, and the gather is launched to overlap the resolver.

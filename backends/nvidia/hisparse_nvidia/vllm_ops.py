@@ -9,7 +9,10 @@ nvidia backend's own kernels (cuda/vllm_ops.cu, compiled with NVRTC like the res
   zero-copy reads of the registered host pool over UVA, zero-fill for an absent source row; a call
   with nothing to copy ends without waiting), or (`HISPARSE_VLLM_GATHER=0`) `hisparse_vllm_mark`
   then `hisparse_vllm_copy`, each launched to overlap the kernel before it (programmatic dependent
-  launch; each waits for its predecessor's writes).
+  launch; each waits for its predecessor's writes). `HISPARSE_VLLM_GATHER_LOCAL` launches
+  `hisparse_vllm_gather_local` (or `_local4k`) in place of the fused kernel: calls of at most
+  `LOCAL_GATHER_ENTRIES` (`_4K`) entries without marks or barrier (every block finds each destination's
+  last entry itself).
 - `hisparse_invalidate_written_slots`: one `hisparse_vllm_invalidate` launch.
 
 Every launch goes on the current stream with fixed shapes and no host synchronization (values are
@@ -35,6 +38,7 @@ from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
 from hisparse_nvidia.kernels import (
     LoadedKernels,
     vllm_carveout,
+    vllm_gather_local,
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
@@ -49,6 +53,23 @@ COPY_BLOCKS_PER_SM = 4
 #: Rows of a gather_compact call the fused gather takes (its row prefix sums fill 4 bytes a row of the
 #: 48 KiB of shared memory a launch gets without opting in); larger calls take the two-kernel path.
 FUSED_GATHER_MAX_ROWS = 12000
+#: Entries of a gather the barrier-free path takes at most (VG_LOCAL and VG_LOCAL_4K in cuda/vllm_ops.cu,
+#: the latter gather_compact's bound with HISPARSE_VLLM_GATHER_LOCAL 3 and 4).
+LOCAL_GATHER_ENTRIES = 2048
+LOCAL_GATHER_ENTRIES_4K = 4096
+
+
+def local_gather_bytes(entries: int) -> int:
+    """Dynamic shared memory the barrier-free path adds to the fused gather's for a bound of `entries`: two
+    4-byte words for each of 2 x that many hash buckets, a host row and a destination for each entry."""
+    return 24 * entries
+
+
+def local_gather_launch(local: int) -> tuple[str, int, int]:
+    """(kernel, its `local` argument, added dynamic shared memory) of HISPARSE_VLLM_GATHER_LOCAL=`local` (1-4)."""
+    entries = LOCAL_GATHER_ENTRIES_4K if local >= 3 else LOCAL_GATHER_ENTRIES
+    name = "hisparse_vllm_gather_local4k" if local >= 3 else "hisparse_vllm_gather_local"
+    return name, 2 if local in (2, 4) else 1, local_gather_bytes(entries)
 #: Shared memory the resolver may take for its hash (12 bytes a bucket) and LRU order (2 bytes a slot).
 RESOLVE_SMEM_BUDGET = 222 * 1024
 
@@ -164,6 +185,10 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
             return
         # Every tuning variable is read (and a bad value refused) before anything is allocated or set.
         variant, per_sm, carveout = vllm_gather_variant(), vllm_gather_per_sm(), vllm_carveout()
+        local = vllm_gather_local()
+        if local and variant != 2:
+            raise InvalidInputError(f"HISPARSE_VLLM_GATHER_LOCAL={local} is a path of the fused gather: expected "
+                                    f"HISPARSE_VLLM_GATHER=2 with it, got {variant}")
         vllm_resolve_variant()  # the module's build: read when the kernel is looked up
         row_bytes = hot.shape[2] * hot.element_size()
         slots = ((row_bytes + 111) // 128 + 1) * 8
@@ -180,17 +205,20 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         common = [_i32(mode), _ptr(src), _ptr(dst), _ptr(counts), _ptr(mask), _ptr(rsi), _ptr(att), _i64(att_stride),
                   _i32(bs), _i32(n), _i32(k), _i64(hot_rows)]
         if variant == 2 and (mode == 1 or n < FUSED_GATHER_MAX_ROWS):
-            fn = self._function(dev, row_bytes, "hisparse_vllm_gather")
+            name, local_arg, local_smem = local_gather_launch(local) if local else ("hisparse_vllm_gather", 0, 0)
+            fn = self._function(dev, row_bytes, name)
             fn.prefer_carveout(carveout)
             most = sms * per_sm
-            smem = 4 * ((n if mode == 0 else most) + 1)  # row or block prefix sums
+            smem = 4 * ((n if mode == 0 else most) + 1) + local_smem  # row or block prefix sums
+            if local:
+                fn.allow_dynamic_smem(smem)
             blocks = min(most, need, self._resident_blocks(fn, dev, sms, smem, carveout))
             part, bar = self._buffer(("gather", dev, most), lambda: (torch.zeros(most, dtype=torch.int32, device=dev),
                                                                      torch.zeros(8, dtype=torch.int32, device=dev)))
             fn.launch((blocks, 1, 1), COPY_THREADS, smem, stream, common + [
                 ctypes.c_void_p(self._host_address(host)), _i64(host.shape[0]), _ptr(hot),
-                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar)],
-                overlap_previous=True)
+                _i64(hot.stride(0) * hot.element_size()), _ptr(owner), _ptr(epoch), _ptr(lst), _ptr(part), _ptr(bar)]
+                + ([_i32(local_arg)] if local else []), overlap_previous=True)
             return
         mark = self._function(dev, row_bytes, "hisparse_vllm_mark")
         copy = self._function(dev, row_bytes, "hisparse_vllm_copy")

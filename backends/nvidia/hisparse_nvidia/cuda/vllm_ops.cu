@@ -29,7 +29,8 @@
 //   block resets the list and advances the epoch, so marks of an earlier call never match.
 //
 // hisparse_vllm_gather (the default for both gathers): the mark and the copy in one launch around
-//   one grid barrier; see there.
+//   one grid barrier; see there. hisparse_vllm_gather_local (HISPARSE_VLLM_GATHER_LOCAL): the same launch,
+//   serving calls of at most VG_LOCAL entries without marks or barrier (each block dedups on its own).
 //
 // hisparse_vllm_invalidate: one block per written token clears every slot of its state row that
 //   holds the written row.
@@ -1451,6 +1452,229 @@ __device__ __forceinline__ void vg_copy_pass(i32 mode, u32 first, u32 step, u32 
     }
 }
 
+// ---- the barrier-free path of small gathers (hisparse_vllm_gather_local, HISPARSE_VLLM_GATHER_LOCAL) -----
+// hisparse_vllm_gather's barrier orders every block's destination marks before any copy. Around it sit
+// some ten dependent steps (the entries read, marks and their fence, the arrival, the spin, a ticket,
+// the entries read again with their marks, the fence and count of finished blocks, the last block's
+// epoch), which at a few dozen rows a request cost more than the copy's one PCIe round trip. A call of
+// at most VG_LOCAL entries needs no exchange between blocks: every block reads all taken entries itself
+// (from L2), finds each destination's last entry in a hash in its own shared memory, and copies its share
+// of the 16-byte slots. Nothing is left behind for the next call (no marks, counters or epoch).
+// kCap (VG_LOCAL or VG_LOCAL_4K): the entries of a call the path takes at most (gather_compact's counted
+// entries); the one-round reads of every entry (vg_local_by_entry) take at most VG_LOCAL in either.
+#define VG_LOCAL 2048              // hisparse_nvidia.vllm_ops.LOCAL_GATHER_ENTRIES
+#define VG_LOCAL_4K 4096           // the bound of HISPARSE_VLLM_GATHER_LOCAL=3 and 4
+#define VG_LR (VG_LOCAL / HS_GNT)  // entries a thread of the one-round reads
+// dynamic shared memory of the path: 2 * kCap hash buckets (load at most 1/2; their keys, destination
+// + 1, then their last entries), then each ranked entry's host row and destination (-1: no copy)
+#define VG_LOCAL_BYTES(cap) (24 * (cap))
+static_assert(VG_LOCAL % HS_GNT == 0 && VG_LOCAL % 1024 == 0 && VG_LOCAL_4K % VG_LOCAL == 0, "VG_LOCAL's layout");
+
+// Empties kCap's buckets (every thread calls it; a barrier follows before the first insert).
+template <i32 kCap>
+__device__ __forceinline__ void vg_local_clear(unsigned char* smem) {
+    static_assert((16 * kCap) % (16 * HS_GNT) == 0, "whole 16-byte rounds");
+    uint4* p = reinterpret_cast<uint4*>(smem) + threadIdx.x;
+#pragma unroll
+    for (i32 i = 0; i < kCap / HS_GNT; ++i) p[i * HS_GNT] = make_uint4(0, 0, 0, 0);
+}
+
+// This block's share [lo, hi) of a call's T * HS_SLOTS slots: an even split over the grid, at least one
+// slot a thread (so a small call's host reads are spread over several SMs, each with all of them in
+// flight at once). False where the block has none (T = 0 included): block-uniform.
+__device__ __forceinline__ bool vg_local_share(i32 T, u32& lo, u32& hi) {
+    const u32 slots = static_cast<u32>(T) * HS_SLOTS;
+    u32 per = (slots + gridDim.x - 1) / gridDim.x;
+    per = (max(per, static_cast<u32>(HS_GNT)) + 31u) & ~31u;
+    lo = blockIdx.x * per;
+    hi = min(lo + per, slots);
+    return lo < slots;
+}
+
+// Ranks of the taken entries tid + i * HS_GNT in entry order (every block the same); returns their
+// number. Once a launch (its shared words are not reused).
+__device__ __forceinline__ i32 vg_rank(const bool (&take)[VG_LR], i32 (&k)[VG_LR]) {
+    __shared__ i32 s_cnt[VG_LOCAL / 32 + 1];  // taken entries of each (round, warp), i-major: entry order
+    const i32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 bal[VG_LR];
+#pragma unroll
+    for (i32 i = 0; i < VG_LR; ++i) {
+        bal[i] = __ballot_sync(HS_FULL_MASK, take[i]);
+        if (lane == 0) s_cnt[i * (HS_GNT / 32) + warp] = __popc(bal[i]);
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scan of the VG_LOCAL / 32 counts, VG_LOCAL / 1024 a lane
+        constexpr i32 kPer = VG_LOCAL / 1024;
+        i32 c[kPer], sum = 0;
+#pragma unroll
+        for (i32 j = 0; j < kPer; ++j) sum += c[j] = s_cnt[lane * kPer + j];
+        i32 x = sum;
+#pragma unroll
+        for (i32 o = 1; o < 32; o <<= 1) {
+            const i32 y = __shfl_up_sync(HS_FULL_MASK, x, o);
+            if (lane >= o) x += y;
+        }
+        i32 run = x - sum;
+#pragma unroll
+        for (i32 j = 0; j < kPer; ++j) {
+            s_cnt[lane * kPer + j] = run;
+            run += c[j];
+        }
+        if (lane == 31) s_cnt[VG_LOCAL / 32] = x;
+    }
+    __syncthreads();
+    const u32 below = (1u << lane) - 1u;
+#pragma unroll
+    for (i32 i = 0; i < VG_LR; ++i)
+        k[i] = take[i] ? s_cnt[i * (HS_GNT / 32) + warp] + __popc(bal[i] & below) : -1;
+    return s_cnt[VG_LOCAL / 32];
+}
+
+// The copy of T ranked entries within [lo, hi) of their slots: thread entries e[i] of rank k[i] (-1:
+// none) with host row g[i] and destination d[i] (-1: not taken), kLR a thread. Every block hashes every
+// taken destination with its largest entry, so of entries naming one destination only the last is
+// copied, as in the reference.
+template <i32 kCap, i32 kLR>
+__device__ __forceinline__ void vg_local_copy(u32 lo, u32 hi, const i32 (&e)[kLR], const i32 (&k)[kLR],
+                                              const i32 (&g)[kLR], const i32 (&d)[kLR],
+                                              const unsigned char* host, i64 host_rows, unsigned char* hot,
+                                              i64 block_stride, i32 bs, unsigned char* smem) {
+    constexpr u32 kB = 2 * kCap;  // buckets, a power of two
+    constexpr i32 kBits = kCap == VG_LOCAL_4K ? 13 : 12;
+    static_assert((kCap == VG_LOCAL || kCap == VG_LOCAL_4K) && kB == 1u << kBits, "the hash's size");
+    u32* key = reinterpret_cast<u32*>(smem);
+    u32* last = key + kB;
+    i32* s_g = reinterpret_cast<i32*>(last + kB);
+    i32* s_d = s_g + kCap;
+    u32 b[kLR];
+#pragma unroll
+    for (i32 i = 0; i < kLR; ++i) {
+        b[i] = 0;
+        if (k[i] < 0) continue;
+        s_g[k[i]] = g[i];
+        s_d[k[i]] = d[i];
+        if (d[i] < 0) continue;
+        const u32 want = static_cast<u32>(d[i]) + 1u;
+        b[i] = (static_cast<u32>(d[i]) * 2654435761u) >> (32 - kBits);
+        while (true) {
+            const u32 cur = atomicCAS(key + b[i], 0u, want);
+            if (cur == 0u || cur == want) break;
+            b[i] = (b[i] + 1u) & (kB - 1u);
+        }
+        atomicMax(last + b[i], static_cast<u32>(e[i]));
+    }
+    __syncthreads();
+#pragma unroll
+    for (i32 i = 0; i < kLR; ++i) {
+        if (k[i] >= 0 && d[i] >= 0 && last[b[i]] != static_cast<u32>(e[i])) s_d[k[i]] = -1;  // a later entry wins
+    }
+    __syncthreads();
+    for (u32 first = lo + threadIdx.x; first < hi; first += HS_GNT * HS_UNROLL) {
+        uint4 v[HS_UNROLL];
+        unsigned char* to[HS_UNROLL];
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            const u32 c = first + u * HS_GNT;
+            to[u] = nullptr;
+            if (c >= hi) continue;
+            const i32 x = static_cast<i32>(c / HS_SLOTS), j = static_cast<i32>(c % HS_SLOTS);
+            const i32 dd = s_d[x];
+            if (dd < 0) continue;
+            const i64 gg = s_g[x];
+            unsigned char* into = hot + static_cast<i64>(dd / bs) * block_stride + static_cast<i64>(dd % bs) * HS_ROW_BYTES;
+            if (gg < host_rows) {
+                const unsigned char* from = host + gg * HS_ROW_BYTES;
+                const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+                if (pos >= 0 && pos < HS_ROW_BYTES) {
+                    v[u] = hs_load16(from + pos);
+                    to[u] = into + pos;
+                }
+            } else if (j < HS_VEC) {  // no source row: zeros, not stale bytes
+                v[u] = make_uint4(0, 0, 0, 0);
+                to[u] = into + j * 16;
+            }
+        }
+#pragma unroll
+        for (i32 u = 0; u < HS_UNROLL; ++u) {
+            if (to[u] != nullptr) hs_store16(to[u], v[u]);
+        }
+    }
+}
+
+// Both gathers where rows x top-k <= VG_LOCAL: one round of loads reads every entry (row, destination,
+// and its row's count or its mask and state row), then the taken ones are ranked in entry order.
+// gather_plan also writes att, entries tid + i * HS_GNT by block i % grid.
+template <i32 kCap>
+__device__ __forceinline__ void vg_local_by_entry(i32 mode, const i32* src, const i32* dst,
+                                                  const i32* __restrict__ counts, const i32* __restrict__ mask,
+                                                  const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride,
+                                                  i32 bs, i32 n, i32 K, i64 hot_rows, const unsigned char* host,
+                                                  i64 host_rows, unsigned char* hot, i64 block_stride,
+                                                  unsigned char* smem) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no barrier on this path
+    const i32 NE = n * K;
+    i32 e[VG_LR], g[VG_LR], d[VG_LR], mk[VG_LR], rq[VG_LR];
+#pragma unroll
+    for (i32 i = 0; i < VG_LR; ++i) {
+        e[i] = static_cast<i32>(threadIdx.x) + i * HS_GNT;
+        const bool in = e[i] < NE;
+        const i32 r = in ? e[i] / K : 0;
+        g[i] = in ? src[e[i]] : -1;
+        d[i] = in ? dst[e[i]] : -1;
+        mk[i] = !in ? 0 : mode == 0 ? counts[r] : mask[e[i]];
+        rq[i] = in && mode == 1 && rsi != nullptr ? rsi[r] : 0;
+    }
+    bool take[VG_LR];
+#pragma unroll
+    for (i32 i = 0; i < VG_LR; ++i) {
+        const bool in = e[i] < NE;
+        const bool pad = rq[i] < 0;
+        const bool chosen = mode == 0 ? e[i] % K < min(max(mk[i], 0), K) : mk[i] != 0 && !pad;
+        take[i] = in && chosen && g[i] >= 0 && d[i] >= 0 && d[i] < hot_rows;
+        if (mode == 1 && in && att != nullptr && i % static_cast<i32>(gridDim.x) == static_cast<i32>(blockIdx.x))
+            att[e[i]] = (pad || d[i] < 0) ? -1 : vr_attention(d[i], bs, att_stride);
+    }
+    i32 k[VG_LR];
+    const i32 T = vg_rank(take, k);
+    u32 lo, hi;
+    if (!vg_local_share(T, lo, hi)) return;
+    vg_local_copy<kCap>(lo, hi, e, k, g, d, host, host_rows, hot, block_stride, bs, smem);
+}
+
+// gather_compact after its row prefix sums `pre` (T = pre[n] <= kCap counted entries): the k-th counted
+// entry in request-major order is rank k; one round of loads reads the block's ranks' entries.
+template <i32 kCap>
+__device__ __forceinline__ void vg_local_compact(i32 T, const i32* pre, const i32* src, const i32* dst, i32 n,
+                                                 i32 K, i64 hot_rows, const unsigned char* host, i64 host_rows,
+                                                 unsigned char* hot, i64 block_stride, i32 bs, unsigned char* smem) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no barrier on this path
+    u32 lo, hi;
+    if (!vg_local_share(T, lo, hi)) return;
+    constexpr i32 kLR = kCap / HS_GNT;
+    i32 e[kLR], k[kLR], g[kLR], d[kLR];
+#pragma unroll
+    for (i32 i = 0; i < kLR; ++i) {
+        k[i] = static_cast<i32>(threadIdx.x) + i * HS_GNT;
+        e[i] = -1;
+        if (k[i] < T) {
+            const i32 r = vg_segment(pre, n, k[i]);
+            e[i] = r * K + (k[i] - pre[r]);
+        } else {
+            k[i] = -1;
+        }
+    }
+#pragma unroll
+    for (i32 i = 0; i < kLR; ++i) {
+        g[i] = e[i] >= 0 ? src[e[i]] : -1;
+        d[i] = e[i] >= 0 ? dst[e[i]] : -1;
+    }
+#pragma unroll
+    for (i32 i = 0; i < kLR; ++i) {
+        if (!(g[i] >= 0 && d[i] >= 0 && d[i] < hot_rows)) d[i] = -1;  // counted, not taken
+    }
+    vg_local_copy<kCap>(lo, hi, e, k, g, d, host, host_rows, hot, block_stride, bs, smem);
+}
+
 // Grid: (blocks <= co-resident blocks, 1, 1); block: HS_GNT; dynamic shared memory 4 * (m + 1)
 // bytes, m = rows (mode 0) or blocks (mode 1).
 //   mode 0 (gather_compact): every block sums the clamped counts first, so a call with nothing to
@@ -1466,18 +1690,26 @@ __device__ __forceinline__ void vg_copy_pass(i32 mode, u32 first, u32 step, u32 
 //     in gather_plan the blocks that took no entry (gone at the barrier) leave no share uncopied.
 // Of entries naming one destination the largest entry index wins (its mark), as in the reference;
 // marks carry the epoch, which the last block to finish copying advances.
-extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
+// kLocal: hisparse_vllm_gather_local (see there) with the bound kCap; `local` its kernel argument.
+template <bool kLocal, i32 kCap = VG_LOCAL>
+__device__ __forceinline__ void vg_gather(
     i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
     const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
     const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
-    i32* list, i32* part, u32* ctl) {
+    i32* list, i32* part, u32* ctl, i32 local) {
     extern __shared__ __align__(16) unsigned char vg_smem[];
-    i32* pre = reinterpret_cast<i32*>(vg_smem);
+    i32* pre = reinterpret_cast<i32*>(vg_smem + (kLocal ? VG_LOCAL_BYTES(kCap) : 0));
     __shared__ u32 s_ticket[2];
+    if (kLocal) vg_local_clear<kCap>(vg_smem);  // before the wait: the table is the block's own
     asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the resolver: its plan
+    const i64 NE = static_cast<i64>(n) * K;
+    if (kLocal && NE <= VG_LOCAL && (mode == 1 || local == 2)) {
+        vg_local_by_entry<kCap>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host, host_rows,
+                          hot, block_stride, vg_smem);
+        return;
+    }
     const u64 ep = epoch[0] << 32;
     const i32 tid = threadIdx.x;
-    const i64 NE = static_cast<i64>(n) * K;
     const i64 chunk = (NE + gridDim.x - 1) / gridDim.x;
     i32 m;
     bool copies = true;
@@ -1488,6 +1720,10 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
         if (!__syncthreads_or(any)) return;  // every block sees it: nothing taken, nothing marked
         vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
         const i32 total = pre[n];
+        if (kLocal && total <= kCap) {  // grid-uniform: every block summed the same counts
+            vg_local_compact<kCap>(total, pre, src, dst, n, K, hot_rows, host, host_rows, hot, block_stride, bs, vg_smem);
+            return;
+        }
         for (i32 k = blockIdx.x * HS_GNT + tid; k < total; k += gridDim.x * HS_GNT) {
             const i32 r = vg_segment(pre, n, k);
             const i32 e = r * K + (k - pre[r]);
@@ -1568,6 +1804,43 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
         ctl[VG_TICKET] = 0;
         __threadfence();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather(
+    i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
+    const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
+    const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
+    i32* list, i32* part, u32* ctl) {
+    vg_gather<false>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host, host_rows, hot,
+                     block_stride, owner, epoch, list, part, ctl, 0);
+}
+
+// hisparse_vllm_gather with a barrier-free path (HISPARSE_VLLM_GATHER_LOCAL): a call of at most VG_LOCAL
+// entries (gather_compact: taken by the clamped counts; gather_plan: rows x top-k) is served without
+// destination marks, grid barrier, tickets or epoch (see vg_local_copy); larger calls take
+// hisparse_vllm_gather's path in the same launch. Same arguments, and `local`: 1 = gather_compact reads
+// the counts first, then the counted entries (two rounds of loads); 2 = where rows x top-k <= VG_LOCAL it
+// reads every entry with its row's count in one round (more L2 traffic, one round trip less). Dynamic
+// shared memory: VG_LOCAL_BYTES(VG_LOCAL), then hisparse_vllm_gather's.
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather_local(
+    i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
+    const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
+    const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
+    i32* list, i32* part, u32* ctl, i32 local) {
+    vg_gather<true, VG_LOCAL>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host,
+                              host_rows, hot, block_stride, owner, epoch, list, part, ctl, local);
+}
+
+// hisparse_vllm_gather_local with gather_compact's bound at VG_LOCAL_4K counted entries (twice the shared
+// memory, 96 KiB, and twice the entries a thread; the one-round reads and gather_plan keep VG_LOCAL).
+// Dynamic shared memory: VG_LOCAL_BYTES(VG_LOCAL_4K), then hisparse_vllm_gather's.
+extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather_local4k(
+    i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
+    const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
+    const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
+    i32* list, i32* part, u32* ctl, i32 local) {
+    vg_gather<true, VG_LOCAL_4K>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host,
+                                 host_rows, hot, block_stride, owner, epoch, list, part, ctl, local);
 }
 
 // Grid: (tokens); clears every slot of the token's state row holding its written row.

@@ -362,8 +362,10 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (1, 3)
                for h, b in ((4096, 4096), (10240, 16384))}
     builds |= {vllm_resolve_shape_build(4, 2048, h, 64, 64, 64, b, 1024) for h, b in ((4096, 8192), (10240, 16384))}
-    # build 5 at the threads vllm_ops.resolve_threads gives it there (four entries, eight positions a thread)
+    # build 5 at the threads vllm_ops.resolve_threads gives it there (four entries, eight positions a thread),
+    # and at HISPARSE_VLLM_RESOLVE_THREADS=256 (eight and sixteen)
     builds |= {vllm_resolve_shape_build(5, 2048, h, 64, 64, 64, b, t) for h, b, t in ((4096, 8192, 512),
+                                                                                     (4096, 8192, 256),
                                                                                      (10240, 16384, 1024))}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 

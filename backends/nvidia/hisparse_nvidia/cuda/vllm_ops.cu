@@ -475,7 +475,6 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
     {
         const i16* lru_row = lru + static_cast<i64>(q) * H;
 #if VR_DIRECT
-        // One 8-byte load a thread where its positions are 4 aligned slots (block-uniform test).
 #if VR_W >= 8
         // VR_W / 8 16-byte loads a thread where its positions are VR_W aligned slots (block-uniform test).
         if (cpt == VR_W && H % VR_W == 0 && (reinterpret_cast<u64>(lru_row) & 15) == 0) {
@@ -492,6 +491,7 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
             }
         } else
 #else
+        // One 8-byte load a thread where its positions are 4 aligned slots (block-uniform test).
         if (cpt == 4 && VR_W == 4 && H % 4 == 0 && (reinterpret_cast<u64>(lru_row) & 7) == 0) {
             uint2 v = make_uint2(0xffffffffu, 0xffffffffu);
             if (p0 < p1) v = *reinterpret_cast<const uint2*>(lru_row + p0);
@@ -687,9 +687,9 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
             whits = 0;
 #pragma unroll
             for (i32 bit = 0; bit < (VR_W < 16 ? 4 : 5); ++bit) {
-                const u32 hb = __ballot_sync(HS_FULL_MASK, (hits >> bit) & 1);
-                wpre += static_cast<u32>(__popc(hb & lt)) << bit;
-                whits += static_cast<u32>(__popc(hb)) << bit;
+                const u32 hv = __ballot_sync(HS_FULL_MASK, (hits >> bit) & 1);
+                wpre += static_cast<u32>(__popc(hv & lt)) << bit;
+                whits += static_cast<u32>(__popc(hv)) << bit;
             }
 #endif
         }

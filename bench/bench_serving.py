@@ -370,6 +370,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                                           prefill_chunk=a.fill_chunk,
                                           synthetic_topk=None if a.topk_model == "indexer" else a.topk_model,
                                           resident_layers=layers)
+        out["backend"] = hs.engine.backend.name
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
         if hs.engine.topk_model is not None:
             # every decode step of the run (warm-up, timed, profiled) made ahead before timing: no step's
@@ -714,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
         from hisparse_core.registry import get_registry
 
         sel = get_registry().choose(None if a.backend in (None, "auto") else a.backend)
+        # The registry's choice; a model on another device than that backend's takes the first that runs
+        # there (hisparse_transformers.enable), so each engine row names the backend it ran on.
         print(f"# hisparse backend: {sel.name} ({sel.explanation()})", flush=True)
     print(f"# {a.warmup} untimed warm-up decode steps, then {a.steps} timed: step, host, hits and PCIe figures "
           f"are the timed steps'; all-resident's budget {(a.all_resident_gib or a.gpu_kv_gib):g} GiB", flush=True)

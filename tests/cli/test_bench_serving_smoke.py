@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hisparse_core.registry import get_registry
+
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
@@ -33,6 +35,8 @@ def test_smoke_runs_every_mode(tmp_path: Path) -> None:
     assert "host critical ms" in out.stdout and "host ahead ms" in out.stdout
     assert (tmp_path / "p.png").stat().st_size > 0 and "overhead" in out.stdout
     assert all(r["topk"] == "code" and "h2d_mb_per_step" in r for r in engine_rows), engine_rows
+    assert "# hisparse backend: " in out.stdout
+    assert all(r["backend"] in {e.name for e in get_registry().available()} for r in engine_rows), engine_rows
     assert "decode top-k from code" in out.stdout
     plot = subprocess.run([sys.executable, str(PLOT), str(tmp_path / "r.json"), "--png", str(tmp_path / "g.png")],
                           capture_output=True, text=True, timeout=120)

@@ -62,15 +62,16 @@ def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if build.endswith("s") else "0")
 
 
-@pytest.mark.parametrize("build", ["0", "1", "2", "4", "5", "1s", "3s", "4s", "5s"])
+@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "5", "1s", "3s", "4s", "5s"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("rows_per_request", [1, 4])
 def test_other_resolver_builds_match_reference(seed: int, rows_per_request: int, build: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The resolver builds besides the default (HISPARSE_VLLM_RESOLVE 0, 1 and 2; 2's rows that continue
-    their group leave before their own loads; 4's lean path for one-row groups; 5's with four entries and
-    eight LRU positions a thread; 1, 3, 4 and 5 built for the call's shape, whose sizes are compile-time
-    constants) on random cases with union groups and padding rows."""
+    """Every resolver build (HISPARSE_VLLM_RESOLVE 0 to 5; 2's rows that continue their group leave
+    before their own loads; 4's lean path for one-row groups; 5's with four entries and eight LRU
+    positions a thread; 1, 3, 4 and 5 also built for the call's shape, whose sizes are compile-time
+    constants; 4s is the default the other tests run) on random cases with union groups and padding
+    rows."""
     _set_build(monkeypatch, build)
     case = _pinned(random_case(300 + seed, rows_per_request=rows_per_request, corrupt_lru=seed % 3 == 0))
     want = run_ops(ReferenceVllmOps(), case, miss_mask=seed % 2 == 0)
@@ -276,7 +277,7 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
     _assert_same(a, ag)
 
 
-@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "5", "5s"])  # HISPARSE_VLLM_RESOLVE; s per shape
+@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "5", "5s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))
 def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur: int, build: str,

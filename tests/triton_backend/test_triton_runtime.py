@@ -14,7 +14,7 @@ import importlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -189,10 +189,9 @@ def test_shared_pool_round_trip(backend, tmp_path) -> None:  # noqa: ANN001
     assert not os.path.exists(f"/dev/shm/hisparse_trtest{os.getpid()}.trpool")
 
 
-@pytest.mark.parametrize("seed", [3, 11, 26])
-def test_vllm_ops_with_miss_mask_and_corrupt_lru_match_the_model(backend, seed: int) -> None:  # noqa: ANN001
-    """What the conformance module leaves out (vLLM 0.32 passes neither): the miss mask as an output,
-    and an LRU holding a slot outside the hot buffer (never read; as a victim its miss degrades)."""
+def _vllm_ops_match_the_model(backend, seed: int) -> None:  # noqa: ANN001
+    """vLLM's op set on `backend` against the conformance model over `seed`'s cases, with and without
+    a corrupt LRU, one and two rows a request, the miss mask written."""
     from hisparse_conformance.vllm_ops_model import random_case, run_model, run_ops
 
     for corrupt in (False, True):
@@ -205,6 +204,13 @@ def test_vllm_ops_with_miss_mask_and_corrupt_lru_match_the_model(backend, seed: 
             for name in ("hot_out", "attention", "resolved", "valid", "miss_mask", "swap_counts", "dgi", "lru",
                          "stats", "hot", "plan_hot", "plan_attention", "inv_dgi"):
                 assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)
+
+
+@pytest.mark.parametrize("seed", [3, 11, 26])
+def test_vllm_ops_with_miss_mask_and_corrupt_lru_match_the_model(backend, seed: int) -> None:  # noqa: ANN001
+    """What the conformance module leaves out (vLLM 0.32 passes neither): the miss mask as an output,
+    and an LRU holding a slot outside the hot buffer (never read; as a victim its miss degrades)."""
+    _vllm_ops_match_the_model(backend, seed)
 
 
 @pytest.mark.parametrize("kernel,line", [("copy_plan_kernel", 0), ("copy_plan_rows_kernel", 0),
@@ -353,24 +359,62 @@ def test_split_refuses_the_builds_it_has_not(backend, env: dict[str, str], line:
     assert line in str(err.value) and "\n" not in str(err.value)
 
 
+def _split_rows_and_launches(mp: pytest.MonkeyPatch, split_rows: Callable[[int], int]) -> list[str]:
+    """Every `TritonRuntime` built from here on takes the split resolver for batches of up to
+    `split_rows(max_batch_rows)` rows (whatever the device: its own rule is a wave of programs on a
+    GPU, half the workspace rows interpreted); returns the names of the kernels launched from here on."""
+    from hisparse_triton.runtime import TritonRuntime
+
+    mod = sys.modules[KERNELS]
+    real_launch, real_init = mod.launch, TritonRuntime.__init__
+    names: list[str] = []
+
+    def launch(kernel: object, name: str, *args: object, **meta: object) -> None:
+        names.append(name)
+        real_launch(kernel, name, *args, **meta)
+
+    def init(self: TritonRuntime, config: RuntimeConfig, device: torch.device) -> None:
+        real_init(self, config, device)
+        self._split_rows = split_rows(config.max_batch_rows)
+
+    mp.setattr(mod, "launch", launch)
+    mp.setattr(TritonRuntime, "__init__", init)
+    return names
+
+
 @pytest.mark.parametrize("seed", [5, 17])
 def test_split_resolver_on_vllm_ops_matches_the_model(backend, seed: int) -> None:  # noqa: ANN001
     """The split resolver under vLLM's op set: int16 LRU, the miss mask, an LRU holding a slot outside
-    the hot buffer, one and two rows a request."""
-    from hisparse_conformance.vllm_ops_model import random_case, run_model, run_ops
-
+    the hot buffer, one and two rows a request. vLLM's calls fill their runtime's workspace, which the
+    interpreter's rule (up to half the workspace rows) would hand to the one-program resolver: here
+    every batch takes the split one, as on a GPU at these sizes, and the test checks that it ran."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HISPARSE_TRITON_SPLIT", "4")
-        for corrupt in (False, True):
-            for rows in (1, 2):
-                case = random_case(seed, corrupt_lru=corrupt, rows_per_request=rows)
-                if backend.device.type != "cpu":
-                    case.host = case.host.pin_memory()
-                got = run_ops(backend.vllm_ops(), case, backend.device, miss_mask=True)
-                want = run_model(random_case(seed, corrupt_lru=corrupt, rows_per_request=rows), miss_mask=True)
-                for name in ("hot_out", "attention", "resolved", "valid", "miss_mask", "swap_counts", "dgi", "lru",
-                             "stats", "hot", "plan_hot", "plan_attention", "inv_dgi"):
-                    assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)
+        names = _split_rows_and_launches(mp, lambda rows: rows)
+        _vllm_ops_match_the_model(backend, seed)
+    assert "resolve_split_kernel" in names and "resolve_gather_kernel" not in names, names
+
+
+@pytest.mark.parametrize(("seed", "rows", "split"), [(1, 3, "4"), (2, 1, "16")])
+def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, seed: int, rows: int,  # noqa: ANN001
+                                                                     split: str) -> None:
+    """Batches of up to half the workspace take the split resolver and larger ones the one-program
+    resolver, on one runtime's state, in lockstep with reference_cpu (scenarios with batches on both
+    sides of the line: the variant lockstep test's two random examples may have none)."""
+    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
+                       rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=0.9,
+                       resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_SPLIT", split)
+        names = _split_rows_and_launches(mp, lambda b: max(1, b // 2))
+        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+            for step, work in sc.steps:
+                problems = run.resolve(step, replay=True)
+                problems += run.apply(work)
+                assert not problems, "\n".join(problems[:10])
+    assert "resolve_split_kernel" in names and "resolve_gather_kernel" in names, names
 
 
 def test_pdl_needs_sm90_and_is_refused_elsewhere(backend) -> None:  # noqa: ANN001

@@ -224,7 +224,7 @@ VLLM_GATHER = 2
 #: atomics, and the new LRU order is written from registers (no shared round trip, no barrier after
 #: the scan on a step without misses). On the H200 (call G5) 2 gained nothing on one-row steps
 #: (resident within 0.1 us) and lost at B = 128 (hits 24.94 us against 23.83; four-row groups 68.1
-#: against 49.1, before that exit); 3, the default, against 1 in call K4: hits 0.75-2.4 us faster,
+#: against 49.1, before that exit); 3 against 1 in call K4: hits 0.75-2.4 us faster,
 #: resident 0.04-0.3 us slower. 4 = 3 with a lean path for one-row groups (vllm_ops.cu, VR_FAST4: state rows
 #: loaded in one round, speculatively with the request ids; no group barrier, inserts and walk probes issued
 #: together, ballot/popc ranks, three barriers on a hit step where 3 crosses five, a hash of four buckets a

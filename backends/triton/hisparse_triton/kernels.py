@@ -681,7 +681,7 @@ def _split_list_at(counts, u, base, NS: tl.constexpr, ES: tl.constexpr, PW: tl.c
     s_u = u * 0
     o_u = u * 0
     for s2 in tl.static_range(NS):
-        ok = o <= u  # the last slice starting at or before u holds it (slices before it are full)
+        ok = o <= u  # the last slice starting at or before u holds it (an empty slice starts where the next does)
         s_u = tl.where(ok, s2, s_u)
         o_u = tl.where(ok, o, o_u)
         o += tl.load(counts + s2 * PW, volatile=True)

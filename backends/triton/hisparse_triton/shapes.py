@@ -68,7 +68,8 @@ PLAN_ENTRIES_ENV = "HISPARSE_TRITON_PLAN_ENTRIES"
 PLAN_ENTRIES = (4, 8, 16, 32)
 #: 1: the gather resolver's candidates claim hash buckets with one compare-and-swap a round instead
 #: of a read, a store, a barrier, a read back and a barrier (`kernels.resolve_gather_kernel`, CAS),
-#: aimed at small batches' miss steps; 0, the default. Not yet timed on a GPU.
+#: aimed at small batches' miss steps; 0, the default (on the H200, call K1, 0-1.9 us slower in every
+#: cell).
 CAS_ENV = "HISPARSE_TRITON_CAS"
 #: 1: the gather resolver's prefix sums over a group's entries and over the hot rows are two-level
 #: (rows of one warp's lanes: a scan within each row, the row totals' exclusive sums as one masked
@@ -104,7 +105,9 @@ PDL_ENV = "HISPARSE_TRITON_PDL"
 #: rest (hash table, held-slot lookups, scans over the LRU order, victims, plan), over the candidates
 #: as a list rather than over every entry. Aimed at small batches, where one program a request keeps
 #: only B multiprocessors busy (call K1: 34 misses x 8, 8 programs on 132 SMs, issue-bound). 0, the
-#: default. Not yet timed on a GPU.
+#: default: on the H200 (fifteenth session, calls G3 and G6; docs/backends.md) no gain at the default
+#: threads; at 256-512 threads, against SCAN and SHIFT alone, 1.1-2.3 us saved on 34-miss steps at
+#: B = 1 and 8, +0.9 to -1.3 us at 274 misses B = 8, 0.9-1.3 us lost on resident steps.
 SPLIT_ENV = "HISPARSE_TRITON_SPLIT"
 SPLITS = (2, 4, 8, 16)
 #: Candidates the split resolver's last program handles at once: one a thread compiled (a smaller

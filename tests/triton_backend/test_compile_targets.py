@@ -43,7 +43,8 @@ def test_every_kernel_compiles_for_cdna_and_sm90(builds: list[dict]) -> None:
     from hisparse_triton.compile_targets import TARGET_GEOMETRIES, TARGETS, geometries
 
     got = {(b["target"], b["geometry"], b["kernel"]) for b in builds}
-    names = {"resolve_kernel", "resolve_gather_kernel", "resolve_split_kernel", "copy_plan_kernel", "copy_plan_rows_kernel", "copy_rows_kernel",
+    names = {"resolve_kernel", "resolve_gather_kernel", "resolve_split_kernel", "resolve_split_hot_kernel",
+             "resolve_split_lru_kernel", "copy_plan_kernel", "copy_plan_rows_kernel", "copy_rows_kernel",
              "invalidate_written_kernel", "vllm_copy_kernel", "vllm_invalidate_kernel"}
     want = {(t, g, k) for t in TARGETS for g in TARGET_GEOMETRIES.get(t, tuple(geometries())) for k in names}
     assert want <= got, sorted(want - got)

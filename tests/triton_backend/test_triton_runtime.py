@@ -273,11 +273,19 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
                                   "HISPARSE_TRITON_SHIFT": "1"},
                                  {"HISPARSE_TRITON_SPLIT": "2"},
                                  {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
-                                 {"HISPARSE_TRITON_SPLIT": "16", "HISPARSE_TRITON_ROW_COPY": "1"}],
+                                 {"HISPARSE_TRITON_SPLIT": "16", "HISPARSE_TRITON_ROW_COPY": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "2", "HISPARSE_TRITON_SPLIT_TAIL": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_TAIL": "1",
+                                  "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SPLIT_TAIL": "1",
+                                  "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "16", "HISPARSE_TRITON_SPLIT_TAIL": "1",
+                                  "HISPARSE_TRITON_ROW_COPY": "1"}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
                               "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
-                              "split2", "split4_scan_shift", "split16_row_copy"])
+                              "split2", "split4_scan_shift", "split16_row_copy", "split2_tail", "split4_tail_scan_shift",
+                              "split8_tail_scan_shift", "split16_tail_row_copy"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
@@ -323,6 +331,9 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_PDL", "1", "needs the gather resolver"),
     ("HISPARSE_TRITON_SPLIT", "3", "expected 0 \\(off\\) or one of 2, 4, 8, 16"),
     ("HISPARSE_TRITON_SPLIT", "-8", "expected 0 \\(off\\) or one of 2, 4, 8, 16"),
+    ("HISPARSE_TRITON_SPLIT_TAIL", "2", "expected 0 or 1"),
+    ("HISPARSE_TRITON_SPLIT_TAIL", "1", "needs the split resolver; HISPARSE_TRITON_SPLIT is 0 \\(off\\), expected one of "
+                                        "2, 4, 8, 16"),
 ])
 def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
     from hisparse_core.errors import InvalidInputError
@@ -383,16 +394,20 @@ def _split_rows_and_launches(mp: pytest.MonkeyPatch, split_rows: Callable[[int],
 
 
 @pytest.mark.parametrize("seed", [5, 17])
-def test_split_resolver_on_vllm_ops_matches_the_model(backend, seed: int) -> None:  # noqa: ANN001
-    """The split resolver under vLLM's op set: int16 LRU, the miss mask, an LRU holding a slot outside
-    the hot buffer, one and two rows a request. vLLM's calls fill their runtime's workspace, which the
-    interpreter's rule (up to half the workspace rows) would hand to the one-program resolver: here
-    every batch takes the split one, as on a GPU at these sizes, and the test checks that it ran."""
+@pytest.mark.parametrize("tail", ["0", "1"], ids=["split", "split_tail"])
+def test_split_resolver_on_vllm_ops_matches_the_model(backend, seed: int, tail: str) -> None:  # noqa: ANN001
+    """The split resolver (and with `HISPARSE_TRITON_SPLIT_TAIL` its hot-row kernels) under vLLM's op
+    set: int16 LRU, the miss mask, an LRU holding a slot outside the hot buffer, one and two rows a
+    request. vLLM's calls fill their runtime's workspace, which the interpreter's rule (up to half the
+    workspace rows) would hand to the one-program resolver: here every batch takes the split one, as
+    on a GPU at these sizes, and the test checks that it (and the tail's kernels) ran."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HISPARSE_TRITON_SPLIT", "4")
+        mp.setenv("HISPARSE_TRITON_SPLIT_TAIL", tail)
         names = _split_rows_and_launches(mp, lambda rows: rows)
         _vllm_ops_match_the_model(backend, seed)
     assert "resolve_split_kernel" in names and "resolve_gather_kernel" not in names, names
+    assert ("resolve_split_hot_kernel" in names) == (tail == "1"), names
 
 
 @pytest.mark.parametrize(("seed", "rows", "split"), [(1, 3, "4"), (2, 1, "16")])

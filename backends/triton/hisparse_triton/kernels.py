@@ -15,7 +15,8 @@
 - `resolve_gather_kernel` (the default, "gather"; `resolve_kernel` is "scratch",
   `shapes.RESOLVER_ENV` picks): the same results, shaped for a GPU program (its docstring).
 - `resolve_split_kernel` (`shapes.SPLIT_ENV`, default off): the gather resolver's results from several
-  programs a batch row at small batches (its docstring).
+  programs a batch row at small batches (its docstring); with `shapes.SPLIT_TAIL_ENV` its hot rows too, in
+  `resolve_split_hot_kernel` and `resolve_split_lru_kernel` behind it.
 - `copy_plan_kernel`: the plan copy of one layer, host rows into their hot rows; `copy_plan_rows_kernel`
   the same with programs assigned to batch rows (small batches, `shapes.ROW_COPY_ENV`).
 - `copy_rows_kernel`: row copies between any two of host pool and device cache (mirrors, spills,
@@ -688,6 +689,42 @@ def _split_list_at(counts, u, base, NS: tl.constexpr, ES: tl.constexpr, PW: tl.c
     return base + s_u * ES + u - o_u
 
 
+@triton.jit
+def _split_claim(tk, tf, counts, scr_crow, scr_cee, scr_cbkt, scr_cat, lst, n_cand,  # noqa: ANN001, ANN202
+                 NS: tl.constexpr, ES: tl.constexpr, PW: tl.constexpr, CP: tl.constexpr, TP: tl.constexpr,
+                 LOG_TP: tl.constexpr):
+    """The split resolver's candidates (list `lst`, `n_cand` long, segments counted at `counts`) claim
+    buckets of the hash table `tk` as the gather resolver's do, CP at a time in list order; the first
+    reference of each row goes to `tf`, each candidate's bucket and segment address to the list
+    scratch. Returns the probe rounds a held row's lookup needs (the largest displacement, plus one)."""
+    uu = tl.arange(0, CP)
+    rounds = n_cand * 0
+    for c0 in range(0, n_cand, CP):
+        u = c0 + uu
+        um = u < n_cand
+        at = _split_list_at(counts, u, lst, NS, ES, PW)
+        crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+        cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+        home = _fib_bucket(crow, LOG_TP)
+        e_bkt = home
+        e_pend = um
+        n_e = tl.reduce(um.to(tl.int32), 0, _SUM)
+        while n_e > 0:
+            e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
+            tl.store(tk + e_bkt, crow, mask=e_pend & (e_cur == EMPTY))
+            tl.debug_barrier()
+            e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
+            tl.debug_barrier()  # every lane has read before the next round claims
+            e_pend = e_pend & (e_now != crow)
+            e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+            n_e = tl.reduce(e_pend.to(tl.int32), 0, _SUM)
+        tl.atomic_min(tf + e_bkt, cee, mask=um, sem="relaxed")
+        tl.store(scr_cbkt + lst + u, e_bkt, mask=um)
+        tl.store(scr_cat + lst + u, at, mask=um)
+        rounds = tl.maximum(rounds, tl.reduce(tl.where(um, (e_bkt - home) & (TP - 1), 0), 0, _MAX) + 1)
+    return rounds
+
+
 @triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "LBS"])
 def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
                          out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
@@ -697,7 +734,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                          KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                          LOG_TP: tl.constexpr, MASK: tl.constexpr, HG: tl.constexpr, LR: tl.constexpr,
                          NS: tl.constexpr, ES: tl.constexpr, CP: tl.constexpr, PW: tl.constexpr,
-                         SH: tl.constexpr = 1, SB: tl.constexpr = 0):
+                         SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0):
     """`resolve_gather_kernel`'s results from `NS` programs a batch row (`shapes.SPLIT_ENV`), for small
     batches, where one program a request leaves most multiprocessors idle:
 
@@ -714,6 +751,9 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
       the candidates' outputs, plan, hot map and LRU order, as the gather resolver does;
     - the candidates are handled as a list, `CP` at a time (one lane a thread), not as lanes of
       every entry: a step with few misses pays for its misses, not for its top-k.
+
+    With `TAIL` (`shapes.SPLIT_TAIL_ENV`) the last program stops after the hash table and leaves the
+    hot rows to `resolve_split_hot_kernel` and `resolve_split_lru_kernel`, launched behind it.
 
     The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
     Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
@@ -815,172 +855,358 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
             n_host = tl.reduce(tl.load(pr + GP, volatile=True), 0, _SUM)
             n_cand = tl.reduce(tl.load(pr + GP + 1, volatile=True), 0, _SUM)
             old_plan_g = tl.load(plan_counts + b + gg, mask=rmask, other=0)
-            if n_host == 0:
-                tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
-            else:
-                ii = tl.arange(0, HP)
-                smask = ii < H
-                order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
-                slot_ok = smask & (order >= 0) & (order < H)
-                mk = scr_mark + b * HP
-                if HG:
-                    mk_row = tl.load(mk + ii, mask=smask, other=0, volatile=True)
-                    marked = slot_ok & (tl.gather(mk_row, tl.where(slot_ok, order, 0), 0) != 0)
-                    tl.store(mk + ii, tl.full((HP,), 0, tl.int32), mask=smask & (mk_row != 0))
+            if TAIL:
+                # The hot rows are `resolve_split_hot_kernel`'s: here only the table of the candidates,
+                # and what the next kernels need (-1: no host entry, hot state untouched).
+                info = scr_part + b * NS * PW + GP + 2
+                if n_host == 0:
+                    tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
+                    tl.store(info, -1)
                 else:
-                    marked = slot_ok & (tl.load(mk + order, mask=slot_ok, other=0, volatile=True) != 0)
-                    tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=marked)
-                if n_cand == 0:
-                    hit_i = marked.to(tl.int32)
-                    h_rank = _exclusive_ranks(hit_i, SH, HP)
-                    n_hit = tl.reduce(hit_i, 0, _SUM)
-                    tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
-                    new_pos = tl.where(marked, H - n_hit + h_rank, ii - h_rank)
-                    tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
+                    rounds = _split_claim(tbl_key + b * TP, tbl_first + b * TP, scr_part + b * NS * PW + GP + 1,
+                                          scr_crow, scr_cee, scr_cbkt, scr_cat, b * NS * ES, n_cand, NS, ES, PW, CP,
+                                          TP, LOG_TP)
+                    tl.store(info, n_cand)
+                    tl.store(info + 1, rounds)
+            else:
+                if n_host == 0:
                     tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
                 else:
+                    ii = tl.arange(0, HP)
+                    smask = ii < H
+                    order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
+                    slot_ok = smask & (order >= 0) & (order < H)
+                    mk = scr_mark + b * HP
                     if HG:
-                        hm_row = tl.load(hot_map + q * H + ii, mask=smask, other=-1)
-                        held_row = tl.where(slot_ok, tl.gather(hm_row, tl.where(slot_ok, order, 0), 0), -1)
+                        mk_row = tl.load(mk + ii, mask=smask, other=0, volatile=True)
+                        marked = slot_ok & (tl.gather(mk_row, tl.where(slot_ok, order, 0), 0) != 0)
+                        tl.store(mk + ii, tl.full((HP,), 0, tl.int32), mask=smask & (mk_row != 0))
                     else:
-                        held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
-                    held = slot_ok & (held_row >= 0)
-                    tk = tbl_key + b * TP
-                    tf = tbl_first + b * TP
-                    ts = tbl_slot + b * TP
-                    lst = b * NS * ES  # the request's list scratch (list index u)
-                    uu = tl.arange(0, CP)
-                    # 1. The candidates claim buckets (as the gather resolver's), CP at a time, in list
-                    #    order; each keeps its bucket and its segment address for the later passes.
-                    rounds = n_cand * 0
-                    for c0 in range(0, n_cand, CP):
-                        u = c0 + uu
-                        um = u < n_cand
-                        at = _split_list_at(scr_part + b * NS * PW + GP + 1, u, lst, NS, ES, PW)
-                        crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
-                        cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
-                        home = _fib_bucket(crow, LOG_TP)
-                        e_bkt = home
-                        e_pend = um
-                        n_e = tl.reduce(um.to(tl.int32), 0, _SUM)
-                        while n_e > 0:
-                            e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
-                            tl.store(tk + e_bkt, crow, mask=e_pend & (e_cur == EMPTY))
-                            tl.debug_barrier()
-                            e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
-                            tl.debug_barrier()  # every lane has read before the next round claims
-                            e_pend = e_pend & (e_now != crow)
-                            e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
-                            n_e = tl.reduce(e_pend.to(tl.int32), 0, _SUM)
-                        tl.atomic_min(tf + e_bkt, cee, mask=um, sem="relaxed")
-                        tl.store(scr_cbkt + lst + u, e_bkt, mask=um)
-                        tl.store(scr_cat + lst + u, at, mask=um)
-                        rounds = tl.maximum(rounds, tl.reduce(tl.where(um, (e_bkt - home) & (TP - 1), 0), 0, _MAX) + 1)
-                    # 2. Every held slot looks its row up (a row sits at most `rounds - 1` past its home).
-                    if LR:
-                        tab = tl.load(tk + tl.arange(0, TP))
-                    found = held & (held_row < 0)
-                    s_home = _fib_bucket(held_row, LOG_TP)
-                    s_bkt = s_home
-                    for r in range(0, rounds):
-                        bk = (s_home + r) & (TP - 1)
+                        marked = slot_ok & (tl.load(mk + order, mask=slot_ok, other=0, volatile=True) != 0)
+                        tl.store(mk + order, tl.full((HP,), 0, tl.int32), mask=marked)
+                    if n_cand == 0:
+                        hit_i = marked.to(tl.int32)
+                        h_rank = _exclusive_ranks(hit_i, SH, HP)
+                        n_hit = tl.reduce(hit_i, 0, _SUM)
+                        tl.atomic_add(stats + 1, n_hit.to(tl.int64), sem="relaxed")
+                        new_pos = tl.where(marked, H - n_hit + h_rank, ii - h_rank)
+                        tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
+                        tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
+                    else:
+                        if HG:
+                            hm_row = tl.load(hot_map + q * H + ii, mask=smask, other=-1)
+                            held_row = tl.where(slot_ok, tl.gather(hm_row, tl.where(slot_ok, order, 0), 0), -1)
+                        else:
+                            held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
+                        held = slot_ok & (held_row >= 0)
+                        tk = tbl_key + b * TP
+                        tf = tbl_first + b * TP
+                        ts = tbl_slot + b * TP
+                        lst = b * NS * ES  # the request's list scratch (list index u)
+                        uu = tl.arange(0, CP)
+                        # 1. The candidates claim buckets (as the gather resolver's), CP at a time, in list
+                        #    order; each keeps its bucket and its segment address for the later passes.
+                        rounds = _split_claim(tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, scr_cbkt,
+                                              scr_cat, lst, n_cand, NS, ES, PW, CP, TP, LOG_TP)
+                        # 2. Every held slot looks its row up (a row sits at most `rounds - 1` past its home).
                         if LR:
-                            key = tl.gather(tab, bk, 0)
-                        else:
-                            key = tl.load(tk + bk, mask=held & ~found, other=EMPTY)
-                        now = held & ~found & (key == held_row)
-                        s_bkt = tl.where(now, bk, s_bkt)
-                        found = found | now
-                    tl.store(ts + s_bkt, order, mask=found)
-                    tl.debug_barrier()
-                    # 3. First references, misses and their ranks in list order; a missed row's bucket
-                    #    takes -2 - its miss rank (a held row's holds its slot).
-                    n_miss = n_cand * 0
-                    row_miss = gg * 0
-                    for c0 in range(0, n_cand, CP):
-                        u = c0 + uu
-                        um = u < n_cand
-                        e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                        at = tl.load(scr_cat + lst + u, mask=um, other=0)
-                        cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
-                        f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
-                        hit_slot = tl.load(ts + e_bkt, mask=um, other=-1)
-                        mflag = um & (f_ee == cee) & (hit_slot < 0)
-                        mf = mflag.to(tl.int32)
-                        m_rank = n_miss + tl.associative_scan(mf, 0, _SUM) - mf
-                        tl.store(ts + e_bkt, -2 - m_rank, mask=mflag)
-                        g_u = cee // KP
-                        row_miss += tl.reduce(((g_u[:, None] == gg[None, :]) & mflag[:, None]).to(tl.int32), 0, _SUM)
-                        n_miss += tl.reduce(mf, 0, _SUM)
-                    hit_pos = slot_ok & (marked | found)
-                    evict_pos = smask & ~hit_pos
-                    ev = evict_pos.to(tl.int32)
-                    e_rank = _exclusive_ranks(ev, SH, HP)
-                    n_evict = tl.reduce(ev, 0, _SUM)
-                    h_rank = ii - e_rank
-                    tl.atomic_add(stats + 1, (H - n_evict).to(tl.int64), sem="relaxed")
-                    tl.atomic_add(stats + 2, n_miss.to(tl.int64), sem="relaxed")
-                    n_used = tl.minimum(n_miss, n_evict)
-                    vb = scr_victim + b * HP
-                    tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
-                    new_pos = tl.where(hit_pos, n_evict + h_rank,
-                                       tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
-                    tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
-                    r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss
-                    tl.debug_barrier()
-                    # 4. Every candidate's slot (its row's, or its row's victim), outputs, hint, plan.
-                    for c0 in range(0, n_cand, CP):
-                        u = c0 + uu
-                        um = u < n_cand
-                        e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                        at = tl.load(scr_cat + lst + u, mask=um, other=0)
-                        crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
-                        cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
-                        cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
-                        v = tl.load(ts + e_bkt, mask=um, other=-1)
-                        f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
-                        missed = um & (v < 0)
-                        m = -2 - v
-                        victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
-                        mflag = missed & (f_ee == cee)
-                        vok = mflag & (victim >= 0) & (victim < H)
-                        slot = tl.where(missed, victim, v)
-                        e_ok = um & (slot >= 0) & (slot < H)
-                        if SB:
-                            slot_blk = slot >> LBS
-                            slot_off = slot & (BS - 1)
-                            vic_blk = victim >> LBS
-                            vic_off = victim & (BS - 1)
-                        else:
-                            slot_blk = slot // BS
-                            slot_off = slot % BS
-                            vic_blk = victim // BS
-                            vic_off = victim % BS
-                        slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
-                        vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
-                        g_u = cee // KP
-                        entry = (b + g_u) * K + cee % KP
-                        tl.store(out_rows + entry, tl.where(e_ok, slot_hot * BS + slot_off, -1), mask=um)
-                        tl.store(pos_slot + q.to(tl.int64) * ctx + cpos, slot, mask=e_ok)
-                        in_row = m - tl.reduce(tl.where(gg[None, :] == g_u[:, None], r_start[None, :], 0), 1, _SUM)
-                        plan_ptr = (b + g_u) * K + in_row
-                        tl.store(plan_host + plan_ptr, crow, mask=mflag)
-                        tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
-                        if MASK:
-                            tl.store(miss_mask + entry, vok.to(tl.int32), mask=um)
-                        tl.store(hot_map + q * H + victim, crow, mask=vok)
-                    tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
-                    tl.debug_barrier()
-                    # 5. The table left empty for the next call: only the buckets this call used.
-                    for c0 in range(0, n_cand, CP):
-                        u = c0 + uu
-                        um = u < n_cand
-                        e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                        tl.store(tk + e_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
-                        tl.store(tf + e_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
-                        tl.store(ts + e_bkt, tl.full((CP,), -1, tl.int32), mask=um)
-                    tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
+                            tab = tl.load(tk + tl.arange(0, TP))
+                        found = held & (held_row < 0)
+                        s_home = _fib_bucket(held_row, LOG_TP)
+                        s_bkt = s_home
+                        for r in range(0, rounds):
+                            bk = (s_home + r) & (TP - 1)
+                            if LR:
+                                key = tl.gather(tab, bk, 0)
+                            else:
+                                key = tl.load(tk + bk, mask=held & ~found, other=EMPTY)
+                            now = held & ~found & (key == held_row)
+                            s_bkt = tl.where(now, bk, s_bkt)
+                            found = found | now
+                        tl.store(ts + s_bkt, order, mask=found)
+                        tl.debug_barrier()
+                        # 3. First references, misses and their ranks in list order; a missed row's bucket
+                        #    takes -2 - its miss rank (a held row's holds its slot).
+                        n_miss = n_cand * 0
+                        row_miss = gg * 0
+                        for c0 in range(0, n_cand, CP):
+                            u = c0 + uu
+                            um = u < n_cand
+                            e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                            at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                            cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
+                            f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                            hit_slot = tl.load(ts + e_bkt, mask=um, other=-1)
+                            mflag = um & (f_ee == cee) & (hit_slot < 0)
+                            mf = mflag.to(tl.int32)
+                            m_rank = n_miss + tl.associative_scan(mf, 0, _SUM) - mf
+                            tl.store(ts + e_bkt, -2 - m_rank, mask=mflag)
+                            g_u = cee // KP
+                            row_miss += tl.reduce(((g_u[:, None] == gg[None, :]) & mflag[:, None]).to(tl.int32), 0, _SUM)
+                            n_miss += tl.reduce(mf, 0, _SUM)
+                        hit_pos = slot_ok & (marked | found)
+                        evict_pos = smask & ~hit_pos
+                        ev = evict_pos.to(tl.int32)
+                        e_rank = _exclusive_ranks(ev, SH, HP)
+                        n_evict = tl.reduce(ev, 0, _SUM)
+                        h_rank = ii - e_rank
+                        tl.atomic_add(stats + 1, (H - n_evict).to(tl.int64), sem="relaxed")
+                        tl.atomic_add(stats + 2, n_miss.to(tl.int64), sem="relaxed")
+                        n_used = tl.minimum(n_miss, n_evict)
+                        vb = scr_victim + b * HP
+                        tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
+                        new_pos = tl.where(hit_pos, n_evict + h_rank,
+                                           tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
+                        tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
+                        r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss
+                        tl.debug_barrier()
+                        # 4. Every candidate's slot (its row's, or its row's victim), outputs, hint, plan.
+                        for c0 in range(0, n_cand, CP):
+                            u = c0 + uu
+                            um = u < n_cand
+                            e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                            at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                            crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+                            cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+                            cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
+                            v = tl.load(ts + e_bkt, mask=um, other=-1)
+                            f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                            missed = um & (v < 0)
+                            m = -2 - v
+                            victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
+                            mflag = missed & (f_ee == cee)
+                            vok = mflag & (victim >= 0) & (victim < H)
+                            slot = tl.where(missed, victim, v)
+                            e_ok = um & (slot >= 0) & (slot < H)
+                            if SB:
+                                slot_blk = slot >> LBS
+                                slot_off = slot & (BS - 1)
+                                vic_blk = victim >> LBS
+                                vic_off = victim & (BS - 1)
+                            else:
+                                slot_blk = slot // BS
+                                slot_off = slot % BS
+                                vic_blk = victim // BS
+                                vic_off = victim % BS
+                            slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
+                            vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
+                            g_u = cee // KP
+                            entry = (b + g_u) * K + cee % KP
+                            tl.store(out_rows + entry, tl.where(e_ok, slot_hot * BS + slot_off, -1), mask=um)
+                            tl.store(pos_slot + q.to(tl.int64) * ctx + cpos, slot, mask=e_ok)
+                            in_row = m - tl.reduce(tl.where(gg[None, :] == g_u[:, None], r_start[None, :], 0), 1, _SUM)
+                            plan_ptr = (b + g_u) * K + in_row
+                            tl.store(plan_host + plan_ptr, crow, mask=mflag)
+                            tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
+                            if MASK:
+                                tl.store(miss_mask + entry, vok.to(tl.int32), mask=um)
+                            tl.store(hot_map + q * H + victim, crow, mask=vok)
+                        tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
+                        tl.debug_barrier()
+                        # 5. The table left empty for the next call: only the buckets this call used.
+                        for c0 in range(0, n_cand, CP):
+                            u = c0 + uu
+                            um = u < n_cand
+                            e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                            tl.store(tk + e_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
+                            tl.store(tf + e_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
+                            tl.store(ts + e_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+                        tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
             tl.store(scr_ticket + b, 0)
+
+
+@triton.jit(do_not_specialize=["B", "HB", "R", "K", "G_MAX", "BS", "H", "P", "LBS"])
+def resolve_split_hot_kernel(row_state, hot_table, hot_map, lru, stats, out_rows, plan_host, plan_device, plan_counts,
+                             pos_slot, miss_mask, tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
+                             scr_part, scr_ticket, scr_crow, scr_cee, scr_cpos, scr_cbkt, scr_cat,
+                             scr_hcnt, scr_ord, scr_hit,
+                             B, HB, R, K, G_MAX, BS, H, P, LBS,
+                             KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
+                             LOG_TP: tl.constexpr, MASK: tl.constexpr, NS: tl.constexpr, CP: tl.constexpr,
+                             PW: tl.constexpr, NH: tl.constexpr, HS: tl.constexpr, SH: tl.constexpr = 1,
+                             SB: tl.constexpr = 0):
+    """The hot rows of `resolve_split_kernel`'s TAIL build (`shapes.SPLIT_TAIL_ENV`), launched behind it:
+
+    - `NH` programs a batch row, program s taking LRU positions [s * HS, (s + 1) * HS) of its request:
+      the slots there, their marks and held rows, each held row's lookup in the candidates' table
+      (a found row's bucket takes its slot), hit or evictable; its evictable slots in LRU order go to
+      its segment of `scr_victim` (the first `n_cand` of them: no more can be victims), its counts to
+      `scr_hcnt`, its slots and hit flags to `scr_ord` / `scr_hit` for `resolve_split_lru_kernel`;
+    - the request's last program to finish (the ticket, as in `resolve_split_kernel`) does what is
+      per request: the candidates' first references and miss ranks, the victims (the m-th evictable
+      slot in LRU order, found through the segments' counts), outputs, hints, plan, hot map, the
+      table left empty, and `n_used` (victims taken) for the LRU kernel.
+
+    Reads only what `resolve_split_kernel` left (its candidate list, table and per-request counts,
+    -1 where no host entry touched the hot state); no program waits for another."""
+    pid = tl.program_id(0)
+    b = pid // NH
+    s = pid % NH
+    in_batch = b < B
+    q = tl.load(row_state + b, mask=in_batch, other=-1)
+    q = tl.where(q < R, q, -1)
+    prev = tl.load(row_state + b - 1, mask=in_batch & (b > 0), other=-2)
+    info = scr_part + b * NS * PW + GP + 2
+    n_cand = tl.load(info, mask=(q >= 0) & (prev != q), other=-1)
+    if n_cand >= 0:
+        rounds = tl.load(info + 1)
+        tk = tbl_key + b * TP
+        tf = tbl_first + b * TP
+        ts = tbl_slot + b * TP
+        ii = s * HS + tl.arange(0, HS)
+        smask = ii < H
+        order = tl.load(lru + q * H + ii, mask=smask, other=0).to(tl.int32)
+        slot_ok = smask & (order >= 0) & (order < H)
+        marked = slot_ok & (tl.load(scr_mark + b * HP + order, mask=slot_ok, other=0) != 0)
+        held_row = tl.load(hot_map + q * H + order, mask=slot_ok, other=-1)
+        held = slot_ok & (held_row >= 0)
+        found = held & (held_row < 0)
+        s_home = _fib_bucket(held_row, LOG_TP)
+        s_bkt = s_home
+        for r in range(0, rounds):  # a row sits at most `rounds - 1` past its home
+            bk = (s_home + r) & (TP - 1)
+            key = tl.load(tk + bk, mask=held & ~found, other=EMPTY)
+            now = held & ~found & (key == held_row)
+            s_bkt = tl.where(now, bk, s_bkt)
+            found = found | now
+        tl.store(ts + s_bkt, order, mask=found)
+        hit = slot_ok & (marked | found)
+        evict = smask & ~hit
+        ev = evict.to(tl.int32)
+        e_rank = _exclusive_ranks(ev, SH, HS)
+        tl.store(scr_victim + b * HP + s * HS + e_rank, order, mask=evict & (e_rank < n_cand))
+        tl.store(scr_ord + b * HP + ii, order, mask=smask)
+        tl.store(scr_hit + b * HP + ii, hit.to(tl.int32), mask=smask)
+        hc = scr_hcnt + (b * NH + s) * 2
+        tl.store(hc, tl.reduce(ev, 0, _SUM))
+        tl.store(hc + 1, tl.reduce(hit.to(tl.int32), 0, _SUM))
+        tl.debug_barrier()  # every thread's stores precede the ticket's release
+        ticket = tl.atomic_add(scr_ticket + b, 1, sem="acq_rel")
+        if ticket == NH - 1:
+            gg = tl.arange(0, GP)
+            rs = tl.load(row_state + b + gg, mask=(gg < G_MAX) & (b + gg < B), other=-2)
+            g_len = tl.minimum(tl.reduce(tl.where(rs == q, GP, gg), 0, _MIN), G_MAX)
+            rmask = gg < g_len
+            old_plan_g = tl.load(plan_counts + b + gg, mask=rmask, other=0)
+            ctx = P * BS
+            hh = scr_hcnt + (b * NH + tl.arange(0, NH)) * 2
+            n_evict = tl.reduce(tl.load(hh, volatile=True), 0, _SUM)
+            tl.atomic_add(stats + 1, tl.reduce(tl.load(hh + 1, volatile=True), 0, _SUM).to(tl.int64), sem="relaxed")
+            lst = b * NS * (GP * KP // NS)
+            uu = tl.arange(0, CP)
+            # First references, misses and their ranks in list order; a missed row's bucket takes
+            # -2 - its miss rank (a held row's holds its slot).
+            n_miss = n_cand * 0
+            row_miss = gg * 0
+            for c0 in range(0, n_cand, CP):
+                u = c0 + uu
+                um = u < n_cand
+                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                cee = tl.load(scr_cee + at, mask=um, other=-1)
+                f_ee = tl.load(tf + e_bkt, mask=um, other=-2)
+                hit_slot = tl.load(ts + e_bkt, mask=um, other=-1, volatile=True)
+                mflag = um & (f_ee == cee) & (hit_slot < 0)
+                mf = mflag.to(tl.int32)
+                m_rank = n_miss + tl.associative_scan(mf, 0, _SUM) - mf
+                tl.store(ts + e_bkt, -2 - m_rank, mask=mflag)
+                g_u = cee // KP
+                row_miss += tl.reduce(((g_u[:, None] == gg[None, :]) & mflag[:, None]).to(tl.int32), 0, _SUM)
+                n_miss += tl.reduce(mf, 0, _SUM)
+            tl.atomic_add(stats + 2, n_miss.to(tl.int64), sem="relaxed")
+            n_used = tl.minimum(n_miss, n_evict)
+            tl.store(info + 1, n_used)
+            r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss
+            tl.debug_barrier()
+            # Every candidate's slot (its row's, or its row's victim), outputs, hint, plan.
+            for c0 in range(0, n_cand, CP):
+                u = c0 + uu
+                um = u < n_cand
+                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                crow = tl.load(scr_crow + at, mask=um, other=0)
+                cee = tl.load(scr_cee + at, mask=um, other=0)
+                cpos = tl.load(scr_cpos + at, mask=um, other=0)
+                v = tl.load(ts + e_bkt, mask=um, other=-1, volatile=True)
+                f_ee = tl.load(tf + e_bkt, mask=um, other=-2)
+                missed = um & (v < 0)
+                m = -2 - v
+                vat = _split_list_at(scr_hcnt + b * NH * 2, m, b * HP, NH, HS, 2)
+                victim = tl.load(scr_victim + vat, mask=missed & (m < n_used), other=-1, volatile=True)
+                mflag = missed & (f_ee == cee)
+                vok = mflag & (victim >= 0) & (victim < H)
+                slot = tl.where(missed, victim, v)
+                e_ok = um & (slot >= 0) & (slot < H)
+                if SB:
+                    slot_blk = slot >> LBS
+                    slot_off = slot & (BS - 1)
+                    vic_blk = victim >> LBS
+                    vic_off = victim & (BS - 1)
+                else:
+                    slot_blk = slot // BS
+                    slot_off = slot % BS
+                    vic_blk = victim // BS
+                    vic_off = victim % BS
+                slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
+                vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
+                g_u = cee // KP
+                entry = (b + g_u) * K + cee % KP
+                tl.store(out_rows + entry, tl.where(e_ok, slot_hot * BS + slot_off, -1), mask=um)
+                tl.store(pos_slot + q.to(tl.int64) * ctx + cpos, slot, mask=e_ok)
+                in_row = m - tl.reduce(tl.where(gg[None, :] == g_u[:, None], r_start[None, :], 0), 1, _SUM)
+                plan_ptr = (b + g_u) * K + in_row
+                tl.store(plan_host + plan_ptr, crow, mask=mflag)
+                tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
+                if MASK:
+                    tl.store(miss_mask + entry, vok.to(tl.int32), mask=um)
+                tl.store(hot_map + q * H + victim, crow, mask=vok)
+            tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
+            tl.debug_barrier()
+            # The table left empty for the next call: every bucket in use is a candidate's.
+            for c0 in range(0, n_cand, CP):
+                u = c0 + uu
+                um = u < n_cand
+                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                tl.store(tk + e_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
+                tl.store(tf + e_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
+                tl.store(ts + e_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+            tl.store(scr_ticket + b, 0)
+
+
+@triton.jit(do_not_specialize=["B", "R", "H"])
+def resolve_split_lru_kernel(row_state, lru, scr_mark, scr_part, scr_hcnt, scr_ord, scr_hit, B, R, H,
+                             GP: tl.constexpr, HP: tl.constexpr, NS: tl.constexpr, PW: tl.constexpr,
+                             NH: tl.constexpr, HS: tl.constexpr, SH: tl.constexpr = 1):
+    """The new LRU order of `resolve_split_hot_kernel`'s requests, `NH` programs a batch row as there,
+    behind it: program s moves the slots of LRU positions [s * HS, (s + 1) * HS) (read from `scr_ord`,
+    so no program reads a position another rewrites) to the gather resolver's new positions: the
+    evictable slots not taken first, the victims next, the hits last, each in their old order; and
+    clears the marks of slots [s * HS, (s + 1) * HS)."""
+    pid = tl.program_id(0)
+    b = pid // NH
+    s = pid % NH
+    in_batch = b < B
+    q = tl.load(row_state + b, mask=in_batch, other=-1)
+    q = tl.where(q < R, q, -1)
+    prev = tl.load(row_state + b - 1, mask=in_batch & (b > 0), other=-2)
+    info = scr_part + b * NS * PW + GP + 2
+    n_cand = tl.load(info, mask=(q >= 0) & (prev != q), other=-1)
+    if n_cand >= 0:
+        n_used = tl.load(info + 1)
+        ss = tl.arange(0, NH)
+        cnt = tl.load(scr_hcnt + (b * NH + ss) * 2)
+        n_evict = tl.reduce(cnt, 0, _SUM)
+        e_before = tl.reduce(tl.where(ss < s, cnt, 0), 0, _SUM)
+        ii = s * HS + tl.arange(0, HS)
+        smask = ii < H
+        order = tl.load(scr_ord + b * HP + ii, mask=smask, other=0)
+        hit = smask & (tl.load(scr_hit + b * HP + ii, mask=smask, other=0) != 0)
+        ev = (smask & ~hit).to(tl.int32)
+        e_rank = e_before + _exclusive_ranks(ev, SH, HS)
+        h_rank = ii - e_rank
+        new_pos = tl.where(hit, n_evict + h_rank, tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
+        tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
+        tl.store(scr_mark + b * HP + ii, tl.full((HS,), 0, tl.int32), mask=smask)
 
 
 @triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
@@ -1142,7 +1368,8 @@ def vllm_invalidate_kernel(dgi, state_of_req, req_ids, written, S, NR, H, HP: tl
 
 KERNELS: dict[str, Callable[..., Any]] = {
     "resolve_kernel": resolve_kernel, "resolve_gather_kernel": resolve_gather_kernel,
-    "resolve_split_kernel": resolve_split_kernel, "copy_plan_kernel": copy_plan_kernel,
+    "resolve_split_kernel": resolve_split_kernel, "resolve_split_hot_kernel": resolve_split_hot_kernel,
+    "resolve_split_lru_kernel": resolve_split_lru_kernel, "copy_plan_kernel": copy_plan_kernel,
     "copy_plan_rows_kernel": copy_plan_rows_kernel,
     "copy_rows_kernel": copy_rows_kernel, "invalidate_written_kernel": invalidate_written_kernel,
     "vllm_copy_kernel": vllm_copy_kernel, "vllm_invalidate_kernel": vllm_invalidate_kernel,

@@ -82,18 +82,23 @@ class TritonRuntime(CacheRuntime):
         lanes = warp_size(device)
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
                                       lean=tune.lean, cas=tune.cas, scan=tune.scan, shift=tune.shift,
-                                      warp_size=lanes, split=tune.split)
+                                      warp_size=lanes, split=tune.split, split_tail=tune.split_tail)
         # The split resolver serves batches whose programs fit one wave (a multiprocessor each; in the
         # interpreter, batches up to half the workspace, so tests mix both resolvers on one state);
         # larger ones take the one-program resolver of the same switches.
         self._split_meta: dict[str, int] = {}
         self._split_rows = 0
+        self._tail_meta: tuple[dict[str, int], dict[str, int], int] | None = None
+        self._tail_warps: dict[str, int] = {}
         ns = shape.split
         if ns:
             self._split_meta = dict(shape.constexprs) | ({} if cpu else dict(num_warps=shape.num_warps(lanes)))
             self._split_rows = (max(1, b // 2) if cpu else
                                 torch.cuda.get_device_properties(device).multi_processor_count // ns)
             split_shape = shape
+            # The hot-row kernels behind it (`shapes.SPLIT_TAIL_ENV`): same batch rows, their own programs.
+            self._tail_meta = ((shape.hot_constexprs, shape.lru_constexprs, shape.hot_programs) if shape.tail else None)
+            self._tail_warps = {} if cpu else dict(num_warps=shape.hot_warps(lanes))
             shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
                                           lean=tune.lean, scan=tune.scan, shift=tune.shift, warp_size=lanes)
         self._resolver = kernels.KERNELS[shape.kernel]
@@ -132,6 +137,11 @@ class TritonRuntime(CacheRuntime):
             scr_part=torch.zeros((b, ns, split_shape.constexprs["PW"]), **i32), scr_ticket=torch.zeros(b, **i32),
             **{name: torch.zeros((b, gp * kp), **i32) for name in ("scr_crow", "scr_cee", "scr_cpos", "scr_cbkt",
                                                                    "scr_cat")})
+        # The hot-row kernels' (`shapes.SPLIT_TAIL_ENV`): per-program evictable and hit counts, a copy of the
+        # LRU order and hit flags for the LRU kernel; all written before they are read.
+        self._tail: dict[str, torch.Tensor] = {} if self._tail_meta is None else dict(
+            scr_hcnt=torch.zeros((b, self._tail_meta[2], 2), **i32), scr_ord=torch.zeros((b, hp), **i32),
+            scr_hit=torch.zeros((b, hp), **i32))
         self._clear_tables()
         row_bytes = config.row_format.row_bytes
         self._word = torch.int32 if row_bytes % 4 == 0 else torch.uint8
@@ -323,11 +333,36 @@ class TritonRuntime(CacheRuntime):
                 *self._scratch.values(), *(self._split.values() if split else ()), rows, cfg.max_pages, cfg.hot_blocks,
                 cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, *copy_args,
                 MASK=mask, **meta, **({} if split else self._fuse_meta[fused]))
+            if split and self._tail_meta is not None:
+                self._launch_tail(inputs, rows, hot_map=hot_map, lru=lru, stats=stats, miss_mask=miss_mask)
         except kernels.KernelError:
             self._clear_tables()  # a launch that failed part way may have left buckets filled
             raise
         self._last_rows = rows
         return out
+
+    def _launch_tail(self, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor, lru: torch.Tensor,
+                     stats: torch.Tensor, miss_mask: torch.Tensor | None) -> None:
+        """The split resolver's hot rows (`shapes.SPLIT_TAIL_ENV`): the hot-row kernel, then the LRU kernel,
+        `hot_programs` programs a batch row each, on the resolver's stream."""
+        assert self._tail_meta is not None
+        cfg = self.config
+        out = self._result
+        hot_meta, lru_meta, nh = self._tail_meta
+        sc, sp, tl_ = self._scratch, self._split, self._tail
+        kernels.launch(
+            kernels.resolve_split_hot_kernel, "resolve_split_hot_kernel", (rows * nh,),
+            inputs.row_state, inputs.hot_table, hot_map, lru, stats, out.rows, out.plan_host, out.plan_device,
+            out.plan_counts, self._pos_slot, miss_mask if miss_mask is not None else out.valid_counts,
+            sc["tbl_key"], sc["tbl_first"], sc["tbl_slot"], sc["scr_victim"], sc["scr_mark"],
+            sp["scr_part"], sp["scr_ticket"], sp["scr_crow"], sp["scr_cee"], sp["scr_cpos"], sp["scr_cbkt"],
+            sp["scr_cat"], tl_["scr_hcnt"], tl_["scr_ord"], tl_["scr_hit"],
+            rows, cfg.hot_blocks, cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, cfg.hot_rows,
+            cfg.max_pages, cfg.block_size.bit_length() - 1, MASK=miss_mask is not None, **hot_meta, **self._tail_warps)
+        kernels.launch(
+            kernels.resolve_split_lru_kernel, "resolve_split_lru_kernel", (rows * nh,),
+            inputs.row_state, lru, sc["scr_mark"], sp["scr_part"], tl_["scr_hcnt"], tl_["scr_ord"], tl_["scr_hit"],
+            rows, cfg.max_requests, cfg.hot_rows, **lru_meta, **self._tail_warps)
 
     @property
     def result(self) -> ResolveResult:

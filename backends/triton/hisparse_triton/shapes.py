@@ -110,6 +110,14 @@ PDL_ENV = "HISPARSE_TRITON_PDL"
 #: B = 1 and 8, +0.9 to -1.3 us at 274 misses B = 8, 0.9-1.3 us lost on resident steps.
 SPLIT_ENV = "HISPARSE_TRITON_SPLIT"
 SPLITS = (2, 4, 8, 16)
+#: 1 (with `SPLIT_ENV`): the split resolver's hot-row work spread too. Its last program stops after the
+#: candidates' hash table; `kernels.resolve_split_hot_kernel` (N programs a batch row, each a slice of
+#: the LRU order: held-slot lookups, marks, hits, compacted evictable segments; the last of them the
+#: per-request part: misses ranked against victims, outputs, plan, hot map) and
+#: `kernels.resolve_split_lru_kernel` (N programs a batch row: the new LRU order, slice by slice) follow
+#: it, two more launches. The last program of a request was about 80% of a 34-miss batch-8 step's
+#: instructions (sm_90 SASS, one program over the 4096 hot rows). 0, the default. Not yet timed on a GPU.
+SPLIT_TAIL_ENV = "HISPARSE_TRITON_SPLIT_TAIL"
 #: Candidates the split resolver's last program handles at once: one a thread compiled (a smaller
 #: list costs a thread the same); a few under the interpreter, so that tests walk several chunks.
 INTERPRETED_SPLIT_CHUNK = 4
@@ -154,11 +162,12 @@ class Tuning:
     row_copy: bool = False
     pdl: bool = False
     split: int = 0
+    split_tail: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
-    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`); one clear
+    `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`, `SPLIT_TAIL_ENV`); one clear
     error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
@@ -198,8 +207,14 @@ def tuning(env: dict[str, str]) -> Tuning:
             if value != off:
                 raise InvalidInputError(f"{key}={value!r} does not combine with {SPLIT_ENV}={split!r} (the split "
                                         f"resolver has no such build); expected {key}={off} or {SPLIT_ENV}=0")
+    split_tail = env.get(SPLIT_TAIL_ENV) or "0"
+    if split_tail not in ("0", "1"):
+        raise InvalidInputError(f"{SPLIT_TAIL_ENV}={split_tail!r} is not a switch; expected 0 or 1")
+    if split_tail == "1" and split == "0":
+        raise InvalidInputError(f"{SPLIT_TAIL_ENV}={split_tail!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
+                                f"expected one of {', '.join(map(str, SPLITS))}")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
-                  cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split))
+                  cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1")
 
 
 def pow2(n: int) -> int:
@@ -234,6 +249,9 @@ class ResolverShape:
     shift: bool = False  # block and offset by shift and mask (`SHIFT_ENV`, a power-of-two block size)
     split: int = 0  # programs a batch row (`SPLIT_ENV`; 0: the one-program gather resolver)
     chunk: int = 0  # candidates the split resolver's last program takes at once
+    tail: bool = False  # the split resolver's hot rows spread too (`SPLIT_TAIL_ENV`)
+    hot_threads: int = 0  # threads of a program of the hot-row kernels (`tail`)
+    hot_chunk: int = 0  # candidates the hot-row kernel's last program takes at once
 
     @property
     def kernel(self) -> str:
@@ -247,8 +265,9 @@ class ResolverShape:
             hp_ok = self.hp <= MAX_ROW_LANES
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1,
                         HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
-                        ES=self.gp * self.kp // self.split, CP=self.chunk, PW=pow2(self.gp + 2),
-                        SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift))
+                        ES=self.gp * self.kp // self.split, CP=self.chunk, PW=self.pw,
+                        SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift),
+                        TAIL=int(self.tail))
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
@@ -256,6 +275,36 @@ class ResolverShape:
                     HG=int(self.hp <= MAX_ROW_LANES), LR=int(self.tg <= MAX_ROW_LANES), LEAN=int(self.lean and fits),
                     CAS=int(self.cas), SH=max(1, self.hp // self.scan_row) if self.scan_row else 1,
                     SK=max(1, self.kp // self.scan_row) if self.scan_row else 1, SB=int(self.shift), PDL=0)
+
+    @property
+    def pw(self) -> int:
+        """Words of one split program's counts row (`scr_part`): a group's rows, host entries and
+        candidates; with `tail`, the first program's row also holds its request's candidates (-1: no
+        host entry) and the probe rounds, later the victims taken."""
+        return pow2(self.gp + (4 if self.tail else 2))
+
+    @property
+    def hot_programs(self) -> int:
+        """Programs a batch row of the hot-row kernels (`tail`): the split's, at most one a hot row."""
+        return min(self.split, self.hp)
+
+    @property
+    def hot_constexprs(self) -> dict[str, int]:
+        """`kernels.resolve_split_hot_kernel`'s constexprs (without MASK)."""
+        nh = self.hot_programs
+        hs = self.hp // nh
+        return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tg, LOG_TP=self.tg.bit_length() - 1, NS=self.split,
+                    CP=self.hot_chunk, PW=self.pw, NH=nh, HS=hs, SH=self._hot_scan_rows(hs), SB=int(self.shift))
+
+    @property
+    def lru_constexprs(self) -> dict[str, int]:
+        """`kernels.resolve_split_lru_kernel`'s constexprs."""
+        nh = self.hot_programs
+        hs = self.hp // nh
+        return dict(GP=self.gp, HP=self.hp, NS=self.split, PW=self.pw, NH=nh, HS=hs, SH=self._hot_scan_rows(hs))
+
+    def _hot_scan_rows(self, hs: int) -> int:
+        return max(1, hs // self.scan_row) if self.scan_row else 1
 
     def fuse_constexprs(self, config: RuntimeConfig, *, fused: bool, interpreted: bool) -> dict[str, int]:
         """The gather resolver's copy constexprs: FUSE, row words (padded), entries per iteration."""
@@ -270,6 +319,9 @@ class ResolverShape:
     def num_warps(self, warp_size: int) -> int:
         return max(1, self.threads // warp_size)
 
+    def hot_warps(self, warp_size: int) -> int:
+        return max(1, self.hot_threads // warp_size)
+
 
 def resolver_variant(name: str | None) -> str:
     """The resolver `name` picks (None or empty: the default); one clear error for any other name."""
@@ -282,10 +334,13 @@ def resolver_variant(name: str | None) -> str:
 
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
                    threads: int | None = None, lean: bool = True, cas: bool = False,
-                   scan: bool = False, shift: bool = False, warp_size: int = 1, split: int = 0) -> ResolverShape:
+                   scan: bool = False, shift: bool = False, warp_size: int = 1, split: int = 0,
+                   split_tail: bool = False) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread); `split` programs a batch row (at most one a group's
-    entry), each taking an equal share of the group's padded entries."""
+    entry), each taking an equal share of the group's padded entries; `split_tail`: the hot-row
+    kernels' programs as many (at most one a hot row), a slice of the hot rows each, one lane a
+    thread (at least 128 threads, at most the resolver's)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
     floor = MIN_LANES if compiled else dict.fromkeys(MIN_LANES, 1)
     kp, gp, hp = max(pow2(k), floor["KP"]), pow2(g), max(pow2(h), floor["HP"])
@@ -304,8 +359,12 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     bs = config.block_size
     ns = min(split, gp * kp) if variant == "gather" else 0
     chunk = min(threads if compiled else INTERPRETED_SPLIT_CHUNK, gp * kp) if ns else 0
+    tail = bool(ns and split_tail)
+    hot_threads = min(threads, max(128, hp // min(ns, hp))) if tail else 0
+    hot_chunk = min(hot_threads if compiled else INTERPRETED_SPLIT_CHUNK, gp * kp) if tail else 0
     return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
-                         scan_row, shift and variant == "gather" and bs & (bs - 1) == 0, ns, chunk)
+                         scan_row, shift and variant == "gather" and bs & (bs - 1) == 0, ns, chunk, tail,
+                         hot_threads, hot_chunk)
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -329,6 +388,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size))
         resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
                                         split=SPLIT_BUILD))
+        resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
+                                        split=SPLIT_BUILD, split_tail=True))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -361,6 +422,15 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     split_sig = {k: v for k, v in resolve_sig.items() if k not in scalars}  # the split resolver's, in its order
     split_sig |= dict.fromkeys(("scr_part", "scr_ticket", "scr_crow", "scr_cee", "scr_cpos", "scr_cbkt", "scr_cat"), i32p)
     split_sig |= dict.fromkeys((*scalars, "LBS"), "i32")
+    hot_sig = dict.fromkeys(("row_state", "hot_table", "hot_map"), i32p) | {"lru": f"*{lru_dtype}", "stats": "*i64"}
+    hot_sig |= dict.fromkeys(("out_rows", "plan_host", "plan_device", "plan_counts"), i32p)
+    hot_sig |= {"pos_slot": f"*{hint_dtype_name(config)}", "miss_mask": i32p}
+    hot_sig |= dict.fromkeys(("tbl_key", "tbl_first", "tbl_slot", "scr_victim", "scr_mark", "scr_part", "scr_ticket",
+                              "scr_crow", "scr_cee", "scr_cpos", "scr_cbkt", "scr_cat", "scr_hcnt", "scr_ord", "scr_hit"),
+                             i32p)
+    hot_sig |= dict.fromkeys(("B", "HB", "R", "K", "G_MAX", "BS", "H", "P", "LBS"), "i32")
+    lru_sig = {"row_state": i32p, "lru": f"*{lru_dtype}"} | dict.fromkeys(
+        ("scr_mark", "scr_part", "scr_hcnt", "scr_ord", "scr_hit"), i32p) | dict.fromkeys(("B", "R", "H"), "i32")
     resolver_specs = []
     pdl_specs = []
     if cuda and "gather" in variants:  # the PDL builds (`PDL_ENV`): NVIDIA targets only
@@ -377,6 +447,13 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
             sig = split_sig if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
             resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,
                                              r.num_warps(warp_size)))
+        if r.tail:
+            hot = r.hot_constexprs | mask
+            resolver_specs.append(KernelSpec("resolve_split_hot_kernel", hot_sig | dict.fromkeys(hot, "constexpr"), hot,
+                                             r.hot_warps(warp_size)))
+            lru = r.lru_constexprs
+            resolver_specs.append(KernelSpec("resolve_split_lru_kernel", lru_sig | dict.fromkeys(lru, "constexpr"), lru,
+                                             r.hot_warps(warp_size)))
     return [
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),

@@ -410,12 +410,14 @@ def test_split_resolver_on_vllm_ops_matches_the_model(backend, seed: int, tail: 
     assert ("resolve_split_hot_kernel" in names) == (tail == "1"), names
 
 
-@pytest.mark.parametrize(("seed", "rows", "split"), [(1, 3, "4"), (2, 1, "16")])
+@pytest.mark.parametrize(("seed", "rows", "split", "tail"), [(1, 3, "4", "0"), (2, 1, "16", "0"), (1, 3, "4", "1"),
+                                                              (2, 1, "16", "1"), (3, 2, "8", "1")])
 def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, seed: int, rows: int,  # noqa: ANN001
-                                                                     split: str) -> None:
-    """Batches of up to half the workspace take the split resolver and larger ones the one-program
-    resolver, on one runtime's state, in lockstep with reference_cpu (scenarios with batches on both
-    sides of the line: the variant lockstep test's two random examples may have none)."""
+                                                                     split: str, tail: str) -> None:
+    """Batches of up to half the workspace take the split resolver (with `tail`, its hot-row kernels too)
+    and larger ones the one-program resolver, on one runtime's state, in lockstep with reference_cpu
+    (scenarios with batches on both sides of the line: the variant lockstep test's two random examples
+    may have none; the tail's marks, table and ticket must be left as the one-program resolver expects)."""
     p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
                        rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=0.9,
                        resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
@@ -423,6 +425,7 @@ def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, se
     sc = build_scenario(p)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HISPARSE_TRITON_SPLIT", split)
+        mp.setenv("HISPARSE_TRITON_SPLIT_TAIL", tail)
         names = _split_rows_and_launches(mp, lambda b: max(1, b // 2))
         with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
             for step, work in sc.steps:
@@ -430,6 +433,7 @@ def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, se
                 problems += run.apply(work)
                 assert not problems, "\n".join(problems[:10])
     assert "resolve_split_kernel" in names and "resolve_gather_kernel" in names, names
+    assert ("resolve_split_hot_kernel" in names) == (tail == "1"), names
 
 
 def test_pdl_needs_sm90_and_is_refused_elsewhere(backend) -> None:  # noqa: ANN001

@@ -150,13 +150,14 @@ def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: t
 
 @pytest.mark.parametrize("build", ["3", "4", "4s", "5", "5s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("k,h,threads", [(64, 64, 0), (64, 128, 0), (256, 512, 128), (200, 400, 128),
-                                         (256, 1024, 128)])
+                                         (256, 1024, 128), (256, 2048, 128)])
 @pytest.mark.parametrize("seed", range(3))
 def test_duplicates_in_one_row_groups_match_reference(seed: int, k: int, h: int, threads: int, build: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """One-row groups (build 4's lean path where h % 4 == 0; 128 threads give each two entries and four LRU
     positions, 200 / 400 leave some without; build 5's with four entries and eight positions, 1024 hot
-    rows its 16-byte LRU loads) over three steps: a cold step, the same top-k (hits), then a
+    rows its 16-byte LRU loads; 5s at 128 threads takes eight and sixteen, its two 16-byte LRU loads a
+    thread at 2048 hot rows, the path HISPARSE_VLLM_RESOLVE_THREADS=256 times at 4096) over three steps: a cold step, the same top-k (hits), then a
     third of it fresh. The top-k repeats rows (first reference kept), the hot map holds some of its rows in
     two or three slots (each a hit, the last in LRU order is what the entries output), h = k leaves misses
     without a victim, padding rows sit between the groups."""

@@ -137,7 +137,7 @@ def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: t
                h: int) -> list:
     """vLLM's kernel-test call (no tables) on the given top-k, hot map and LRU (copied)."""
     n, k = topk.shape
-    bs = 4
+    bs = 4 if h < 1024 else 16  # the lean path needs the request's hot blocks one a thread (128 at 128 threads)
     hbt = torch.randperm(n * (h // bs), generator=g).to(torch.int32).reshape(n, h // bs)
     host = torch.zeros(4096, 16, dtype=torch.uint8).pin_memory()
     hot = torch.zeros(n * (h // bs), bs, 16, dtype=torch.uint8)
@@ -156,8 +156,9 @@ def test_duplicates_in_one_row_groups_match_reference(seed: int, k: int, h: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """One-row groups (build 4's lean path where h % 4 == 0; 128 threads give each two entries and four LRU
     positions, 200 / 400 leave some without; build 5's with four entries and eight positions, 1024 hot
-    rows its 16-byte LRU loads; 5s at 128 threads takes eight and sixteen, its two 16-byte LRU loads a
-    thread at 2048 hot rows, the path HISPARSE_VLLM_RESOLVE_THREADS=256 times at 4096) over three steps: a cold step, the same top-k (hits), then a
+    rows (16-row blocks) its 16-byte LRU loads on the lean path; 5s at 128 threads takes eight and sixteen,
+    its two 16-byte LRU loads a thread at 2048 hot rows, the path HISPARSE_VLLM_RESOLVE_THREADS=256 times
+    at 4096) over three steps: a cold step, the same top-k (hits), then a
     third of it fresh. The top-k repeats rows (first reference kept), the hot map holds some of its rows in
     two or three slots (each a hit, the last in LRU order is what the entries output), h = k leaves misses
     without a victim, padding rows sit between the groups."""

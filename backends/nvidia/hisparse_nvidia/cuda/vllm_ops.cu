@@ -1385,6 +1385,25 @@ __device__ __forceinline__ u64 vg_next_epoch(const u64* epoch, u64* owner, i64 o
 // Copies the listed entries whose destination mark is their own: host row src[e] (zero-fill where
 // src[e] >= host_rows) into hot row dst[e]. Grid-stride over list_n[0] * HS_SLOTS 16-byte slots.
 // ctl[0] counts finished blocks; the last resets list_n and advances the epoch.
+// Slot j of host row g bound for hot row d: its 16 bytes and where they go (`to` left as it was for a
+// slot past the row; slots follow the host side's 128-byte lines); no source row (g >= host_rows)
+// gives zeros, not stale bytes.
+__device__ __forceinline__ void vg_slot(const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride,
+                                        i32 bs, i32 d, i64 g, i32 j, uint4& v, unsigned char*& to) {
+    unsigned char* into = hot + static_cast<i64>(d / bs) * block_stride + static_cast<i64>(d % bs) * HS_ROW_BYTES;
+    if (g < host_rows) {
+        const unsigned char* from = host + g * HS_ROW_BYTES;
+        const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
+        if (pos >= 0 && pos < HS_ROW_BYTES) {
+            v = hs_load16(from + pos);
+            to = into + pos;
+        }
+    } else if (j < HS_VEC) {
+        v = make_uint4(0, 0, 0, 0);
+        to = into + j * 16;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_copy(
     const i32* __restrict__ src, const i32* __restrict__ dst, const unsigned char* host, i64 host_rows,
     unsigned char* hot, i64 block_stride, i32 bs, u64* owner, u64* epoch, const i32* list, i32* list_n,
@@ -1541,18 +1560,7 @@ __device__ __forceinline__ void vg_copy_pass(i32 mode, u32 first, u32 step, u32 
         if (d < 0 || d >= hot_rows || g < 0) continue;  // not taken
         own[u] = __ldcg(reinterpret_cast<const unsigned long long*>(owner + d));
         const i32 j = static_cast<i32>((first + u * step) % HS_SLOTS);
-        unsigned char* into = hot + static_cast<i64>(d / bs) * block_stride + static_cast<i64>(d % bs) * HS_ROW_BYTES;
-        if (g < host_rows) {
-            const unsigned char* from = host + g * HS_ROW_BYTES;
-            const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-            if (pos >= 0 && pos < HS_ROW_BYTES) {
-                v[u] = hs_load16(from + pos);
-                to[u] = into + pos;
-            }
-        } else if (j < HS_VEC) {  // no source row: zeros, not stale bytes
-            v[u] = make_uint4(0, 0, 0, 0);
-            to[u] = into + j * 16;
-        }
+        vg_slot(host, host_rows, hot, block_stride, bs, d, g, j, v[u], to[u]);
     }
 #pragma unroll
     for (i32 u = 0; u < HS_UNROLL; ++u) {
@@ -1689,18 +1697,7 @@ __device__ __forceinline__ void vg_local_copy(u32 lo, u32 hi, const i32 (&e)[kLR
             const i32 dd = s_d[x];
             if (dd < 0) continue;
             const i64 gg = s_g[x];
-            unsigned char* into = hot + static_cast<i64>(dd / bs) * block_stride + static_cast<i64>(dd % bs) * HS_ROW_BYTES;
-            if (gg < host_rows) {
-                const unsigned char* from = host + gg * HS_ROW_BYTES;
-                const i32 pos = j * 16 - static_cast<i32>(reinterpret_cast<u64>(from) & 127);
-                if (pos >= 0 && pos < HS_ROW_BYTES) {
-                    v[u] = hs_load16(from + pos);
-                    to[u] = into + pos;
-                }
-            } else if (j < HS_VEC) {  // no source row: zeros, not stale bytes
-                v[u] = make_uint4(0, 0, 0, 0);
-                to[u] = into + j * 16;
-            }
+            vg_slot(host, host_rows, hot, block_stride, bs, dd, gg, j, v[u], to[u]);
         }
 #pragma unroll
         for (i32 u = 0; u < HS_UNROLL; ++u) {

@@ -725,6 +725,54 @@ def _split_claim(tk, tf, counts, scr_crow, scr_cee, scr_cbkt, scr_cat, lst, n_ca
     return rounds
 
 
+@triton.jit
+def _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_start, ctx,  # noqa: ANN001, ANN202
+                   hot_table, hot_map, out_rows, pos_slot, plan_host, plan_device, miss_mask, HB, K, BS, H, LBS,
+                   KP: tl.constexpr, MASK: tl.constexpr, SB: tl.constexpr):
+    """A chunk of a split resolver's candidates published (the split kernel's tail and the hot-row
+    tail's alike): each one's slot (its row's, or its miss rank's victim), outputs, hint, plan entry,
+    miss mask and the victim's new hot-map row."""
+    mflag = missed & (f_ee == cee)
+    vok = mflag & (victim >= 0) & (victim < H)
+    slot = tl.where(missed, victim, v)
+    e_ok = um & (slot >= 0) & (slot < H)
+    if SB:
+        slot_blk = slot >> LBS
+        slot_off = slot & (BS - 1)
+        vic_blk = victim >> LBS
+        vic_off = victim & (BS - 1)
+    else:
+        slot_blk = slot // BS
+        slot_off = slot % BS
+        vic_blk = victim // BS
+        vic_off = victim % BS
+    slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
+    vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
+    g_u = cee // KP
+    entry = (b + g_u) * K + cee % KP
+    tl.store(out_rows + entry, tl.where(e_ok, slot_hot * BS + slot_off, -1), mask=um)
+    tl.store(pos_slot + q.to(tl.int64) * ctx + cpos, slot, mask=e_ok)
+    in_row = m - tl.reduce(tl.where(gg[None, :] == g_u[:, None], r_start[None, :], 0), 1, _SUM)
+    plan_ptr = (b + g_u) * K + in_row
+    tl.store(plan_host + plan_ptr, crow, mask=mflag)
+    tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
+    if MASK:
+        tl.store(miss_mask + entry, vok.to(tl.int32), mask=um)
+    tl.store(hot_map + q * H + victim, crow, mask=vok)
+
+
+@triton.jit
+def _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP: tl.constexpr):  # noqa: ANN001, ANN202
+    """The candidates' hash table left empty for the next call: every bucket in use is a candidate's."""
+    for c0 in range(0, n_cand, CP):
+        u = c0 + uu
+        um = u < n_cand
+        e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+        tl.store(tk + e_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
+        tl.store(tf + e_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
+        tl.store(ts + e_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+
+
 @triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "LBS"])
 def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
                          out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
@@ -974,43 +1022,12 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                             missed = um & (v < 0)
                             m = -2 - v
                             victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
-                            mflag = missed & (f_ee == cee)
-                            vok = mflag & (victim >= 0) & (victim < H)
-                            slot = tl.where(missed, victim, v)
-                            e_ok = um & (slot >= 0) & (slot < H)
-                            if SB:
-                                slot_blk = slot >> LBS
-                                slot_off = slot & (BS - 1)
-                                vic_blk = victim >> LBS
-                                vic_off = victim & (BS - 1)
-                            else:
-                                slot_blk = slot // BS
-                                slot_off = slot % BS
-                                vic_blk = victim // BS
-                                vic_off = victim % BS
-                            slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
-                            vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
-                            g_u = cee // KP
-                            entry = (b + g_u) * K + cee % KP
-                            tl.store(out_rows + entry, tl.where(e_ok, slot_hot * BS + slot_off, -1), mask=um)
-                            tl.store(pos_slot + q.to(tl.int64) * ctx + cpos, slot, mask=e_ok)
-                            in_row = m - tl.reduce(tl.where(gg[None, :] == g_u[:, None], r_start[None, :], 0), 1, _SUM)
-                            plan_ptr = (b + g_u) * K + in_row
-                            tl.store(plan_host + plan_ptr, crow, mask=mflag)
-                            tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
-                            if MASK:
-                                tl.store(miss_mask + entry, vok.to(tl.int32), mask=um)
-                            tl.store(hot_map + q * H + victim, crow, mask=vok)
+                            _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_start, ctx, hot_table, hot_map,
+                                           out_rows, pos_slot, plan_host, plan_device, miss_mask, HB, K, BS, H, LBS, KP, MASK, SB)
                         tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
                         tl.debug_barrier()
                         # 5. The table left empty for the next call: only the buckets this call used.
-                        for c0 in range(0, n_cand, CP):
-                            u = c0 + uu
-                            um = u < n_cand
-                            e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                            tl.store(tk + e_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
-                            tl.store(tf + e_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
-                            tl.store(ts + e_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+                        _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
                         tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
             tl.store(scr_ticket + b, 0)
 
@@ -1133,43 +1150,12 @@ def resolve_split_hot_kernel(row_state, hot_table, hot_map, lru, stats, out_rows
                 m = -2 - v
                 vat = _split_list_at(scr_hcnt + b * NH * 2, m, b * HP, NH, HS, 2)
                 victim = tl.load(scr_victim + vat, mask=missed & (m < n_used), other=-1, volatile=True)
-                mflag = missed & (f_ee == cee)
-                vok = mflag & (victim >= 0) & (victim < H)
-                slot = tl.where(missed, victim, v)
-                e_ok = um & (slot >= 0) & (slot < H)
-                if SB:
-                    slot_blk = slot >> LBS
-                    slot_off = slot & (BS - 1)
-                    vic_blk = victim >> LBS
-                    vic_off = victim & (BS - 1)
-                else:
-                    slot_blk = slot // BS
-                    slot_off = slot % BS
-                    vic_blk = victim // BS
-                    vic_off = victim % BS
-                slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
-                vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
-                g_u = cee // KP
-                entry = (b + g_u) * K + cee % KP
-                tl.store(out_rows + entry, tl.where(e_ok, slot_hot * BS + slot_off, -1), mask=um)
-                tl.store(pos_slot + q.to(tl.int64) * ctx + cpos, slot, mask=e_ok)
-                in_row = m - tl.reduce(tl.where(gg[None, :] == g_u[:, None], r_start[None, :], 0), 1, _SUM)
-                plan_ptr = (b + g_u) * K + in_row
-                tl.store(plan_host + plan_ptr, crow, mask=mflag)
-                tl.store(plan_device + plan_ptr, tl.where(vok, vblk * BS + vic_off, -1), mask=mflag)
-                if MASK:
-                    tl.store(miss_mask + entry, vok.to(tl.int32), mask=um)
-                tl.store(hot_map + q * H + victim, crow, mask=vok)
+                _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_start, ctx, hot_table, hot_map,
+                               out_rows, pos_slot, plan_host, plan_device, miss_mask, HB, K, BS, H, LBS, KP, MASK, SB)
             tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
             tl.debug_barrier()
             # The table left empty for the next call: every bucket in use is a candidate's.
-            for c0 in range(0, n_cand, CP):
-                u = c0 + uu
-                um = u < n_cand
-                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                tl.store(tk + e_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
-                tl.store(tf + e_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
-                tl.store(ts + e_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+            _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
             tl.store(scr_ticket + b, 0)
 
 

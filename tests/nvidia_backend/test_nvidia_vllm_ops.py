@@ -367,6 +367,17 @@ def _gather_inputs(seed: int, n: int, k: int) -> dict:
             "counts": ints(-1, k + 3, (n,)), "mask": ints(0, 2, (n, k)), "rsi": ints(-1, 3, (n,))}
 
 
+def _reference_gathers(x: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference_cpu's gather_compact and gather_plan of inputs `x` (n rows of top-k k): the hot caches
+    they leave and gather_plan's attention rows (written over 7s)."""
+    ref = ReferenceVllmOps()
+    want_c, want_p = x["hot"].clone(), x["hot"].clone()
+    want_att = torch.full((n, k), 7, dtype=torch.int32)
+    ref.gather_compact(x["host"], want_c, x["src"], x["dst"], x["counts"])
+    ref.gather_plan(x["host"], want_p, x["src"], x["dst"], x["mask"], x["rsi"], want_att, 4)
+    return want_c, want_p, want_att
+
+
 @pytest.mark.parametrize("variant", _GATHER_PATHS)
 @pytest.mark.parametrize("seed", range(12))
 def test_gathers_last_write_wins_match_reference(seed: int, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -376,11 +387,7 @@ def test_gathers_last_write_wins_match_reference(seed: int, variant: str, monkey
     _set_gather(monkeypatch, variant)
     n, k = [(1, 7), (3, 16), (9, 33), (64, 129)][seed % 4]
     x = _gather_inputs(seed, n, k)
-    ref = ReferenceVllmOps()
-    want_c, want_p = x["hot"].clone(), x["hot"].clone()
-    want_att = torch.full((n, k), 7, dtype=torch.int32)
-    ref.gather_compact(x["host"], want_c, x["src"], x["dst"], x["counts"])
-    ref.gather_plan(x["host"], want_p, x["src"], x["dst"], x["mask"], x["rsi"], want_att, 4)
+    want_c, want_p, want_att = _reference_gathers(x, n, k)
     d = {name: t.cuda() for name, t in x.items() if name != "host"}
     got_c, got_p = d["hot"].clone(), d["hot"].clone()
     got_att = torch.full((n, k), 7, dtype=torch.int32, device="cuda")
@@ -502,11 +509,7 @@ def test_local_gather_bounds_match_reference(shape: int, distinct: bool, local: 
     _set_gather(monkeypatch, f"2-local{local}")
     n, k, counts = _LOCAL_SHAPES[shape]
     x = _local_inputs(shape * 10 + distinct, n, k, counts, distinct)
-    ref = ReferenceVllmOps()
-    want_c, want_p = x["hot"].clone(), x["hot"].clone()
-    want_att = torch.full((n, k), 7, dtype=torch.int32)
-    ref.gather_compact(x["host"], want_c, x["src"], x["dst"], x["counts"])
-    ref.gather_plan(x["host"], want_p, x["src"], x["dst"], x["mask"], x["rsi"], want_att, 4)
+    want_c, want_p, want_att = _reference_gathers(x, n, k)
     d = {name: t.cuda() for name, t in x.items() if name != "host"}
     for _ in range(2):
         got_c, got_p = d["hot"].clone(), d["hot"].clone()

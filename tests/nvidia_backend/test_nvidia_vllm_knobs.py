@@ -68,22 +68,24 @@ def test_resolver_shape_selectable(value: str, monkeypatch: pytest.MonkeyPatch) 
     assert vllm_resolve_shape() == int(value)
 
 
-def test_gather_local_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("variant", "want"), [(2, 1), (0, 0), (1, 0)])
+def test_gather_local_default_follows_the_gather(variant: int, want: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # on with the fused gather (its path), off with the mark + copy pair (no such path), and not refused there
     monkeypatch.delenv("HISPARSE_VLLM_GATHER_LOCAL", raising=False)
-    assert vllm_gather_local() == 0
+    assert vllm_gather_local(variant) == want
 
 
 @pytest.mark.parametrize("value", ["0", "1", "2", "3", "4"])
 def test_gather_local_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", value)
-    assert vllm_gather_local() == int(value)
+    assert vllm_gather_local(2) == int(value)
 
 
 @pytest.mark.parametrize("value", ["5", "-1", "on"])
 def test_gather_local_bad_value_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", value)
     with pytest.raises(InvalidInputError) as err:
-        vllm_gather_local()
+        vllm_gather_local(2)
     _one_line_naming(err, "HISPARSE_VLLM_GATHER_LOCAL", value)
 
 

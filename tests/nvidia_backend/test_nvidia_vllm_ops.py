@@ -408,6 +408,7 @@ def test_gathers_across_the_epoch_wrap_match_reference(variant: str, monkeypatch
     the calls after it (epoch 1 again) still copy, last write winning. The epoch is set just below the
     wrap; without the clearing the marks of the new epochs lose to the old ones and nothing lands."""
     monkeypatch.setenv("HISPARSE_VLLM_GATHER", variant)
+    monkeypatch.setenv("HISPARSE_VLLM_GATHER_LOCAL", "0")  # the marks' path: the barrier-free one has no epoch
     n, k = 9, 33
     x = _gather_inputs(77, n, k)
     ref = ReferenceVllmOps()

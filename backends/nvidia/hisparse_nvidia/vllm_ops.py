@@ -189,10 +189,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
             return
         # Every tuning variable is read (and a bad value refused) before anything is allocated or set.
         variant, per_sm, carveout = vllm_gather_variant(), vllm_gather_per_sm(), vllm_carveout()
-        local = vllm_gather_local()
-        if local and variant != 2:
-            raise InvalidInputError(f"HISPARSE_VLLM_GATHER_LOCAL={local} is a path of the fused gather: expected "
-                                    f"HISPARSE_VLLM_GATHER=2 with it, got {variant}")
+        local = vllm_gather_local(variant)
         vllm_resolve_variant()  # the module's build: read when the kernel is looked up
         row_bytes = hot.shape[2] * hot.element_size()
         slots = ((row_bytes + 111) // 128 + 1) * 8

@@ -199,15 +199,12 @@ def test_vllm_resolver_launch_shape(k: int, h: int) -> None:
     its shared memory (hash beside the LRU order) within what a Hopper block may take."""
     from hisparse_nvidia.vllm_ops import RESOLVE_SMEM_BUDGET, resolve_smem_buckets, resolve_threads
 
-    for build in (4, 5):  # HISPARSE_VLLM_RESOLVE: 5 takes four entries and eight positions a thread
-        t = resolve_threads(k, h, build=build)
-        assert t in (128, 256, 512, 1024) and -(-k // t) <= 32 and -(-h // t) <= 32
-        for want in (128, 256, 512, 1024):  # HISPARSE_VLLM_RESOLVE_THREADS: that many where the call allows
-            w = resolve_threads(k, h, want, build)
-            assert w in (128, 256, 512, 1024) and -(-k // w) <= 32 and -(-h // w) <= 32
-            assert w == want or (w > want and -(-max(k, h) // (w // 2)) > 32)
-    # one round of loads a thread at vLLM's one-row shape: build 4 at 1024 threads, build 5 at 512
-    assert (resolve_threads(2048, 4096, build=4), resolve_threads(2048, 4096, build=5)) == (1024, 512)
+    t = resolve_threads(k, h)
+    assert t in (128, 256, 512, 1024) and -(-k // t) <= 32 and -(-h // t) <= 32
+    for want in (128, 256, 512, 1024):  # HISPARSE_VLLM_RESOLVE_THREADS: that many where the call allows
+        w = resolve_threads(k, h, want)
+        assert w in (128, 256, 512, 1024) and -(-k // w) <= 32 and -(-h // w) <= 32
+        assert w == want or (w > want and -(-max(k, h) // (w // 2)) > 32)
     for union in (k, min(h, 4 * k), h):
         buckets = resolve_smem_buckets(union, h)
         assert 0 <= buckets <= 2 * union and 12 * buckets + 2 * h <= RESOLVE_SMEM_BUDGET <= 227 * 1024

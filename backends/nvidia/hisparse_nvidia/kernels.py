@@ -231,9 +231,9 @@ VLLM_GATHER = 2
 #: union row); the default since call G3 of the fifteenth session: with the per-shape build, one-row
 #: hit steps 10.1-11.0 us against 15.6-20.6 for 3, resident 5.2-5.6 against 5.8-6.5, 274 misses at
 #: B = 8 49.1 against 58.3; four-row groups take 3's path (at most 1.3 us slower, up to 2.8 faster).
-#: 5 = 4 with four entries and eight LRU positions a thread (VR_B, VR_W), half the threads (512 at top-k
-#: 2048 and 4096 hot rows: half the warps repeat the row's prologue and reductions), a shape build's
-#: registers bounded by its own thread count; not yet timed.
+#: A build 5 (4 with four entries and eight LRU positions a thread, half the threads) was slower than 4 on
+#: every hit and miss cell in call C1 of the sixteenth session (hits 11.85-13.85 us against 9.92-10.93) and
+#: was removed; 5 is refused like any value outside 0-4.
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
 VLLM_RESOLVE = 4
 
@@ -320,10 +320,10 @@ def vllm_carveout() -> int:
 
 def vllm_resolve_variant() -> int:
     """`HISPARSE_VLLM_RESOLVE` (default `VLLM_RESOLVE`)."""
-    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 5,
+    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 4,
                       "0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start), "
-                      "3 (2 with direct LRU writes and the hot-map row in shared memory), 4 (3 with a lean path "
-                      "for one-row groups) or 5 (4 with four entries and eight LRU positions a thread)")
+                      "3 (2 with direct LRU writes and the hot-map row in shared memory) or 4 (3 with a lean path "
+                      "for one-row groups)")
 
 
 #: vLLM's resolver built per call shape (1, default) or one build for every shape (0): a shape build
@@ -385,17 +385,12 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds.add(MAINTAIN_BUILD)
     builds |= {vllm_ops_build(w) for w in (FP8_DS_MLA.row_bytes, 16)}  # fp8_ds_mla rows, vLLM's 16-byte test rows
     builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
-                                              "HS_VR_FAST": v}) for v in (0, 1, 2, 3, 4, 5)}  # HISPARSE_VLLM_RESOLVE
-    # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3, 4 and 5
+                                              "HS_VR_FAST": v}) for v in (0, 1, 2, 3, 4)}  # HISPARSE_VLLM_RESOLVE
+    # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3 and 4
     # (4 with the buckets vllm_ops.resolve_smem_buckets gives it there: four a union row where they fit)
     builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (1, 3)
                for h, b in ((4096, 4096), (10240, 16384))}
     builds |= {vllm_resolve_shape_build(4, 2048, h, 64, 64, 64, b, 1024) for h, b in ((4096, 8192), (10240, 16384))}
-    # build 5 at the threads vllm_ops.resolve_threads gives it there (four entries, eight positions a thread),
-    # and at HISPARSE_VLLM_RESOLVE_THREADS=256 (eight and sixteen)
-    builds |= {vllm_resolve_shape_build(5, 2048, h, 64, 64, 64, b, t) for h, b, t in ((4096, 8192, 512),
-                                                                                     (4096, 8192, 256),
-                                                                                     (10240, 16384, 1024))}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

@@ -74,18 +74,14 @@ def local_gather_launch(local: int) -> tuple[str, int, int]:
 RESOLVE_SMEM_BUDGET = 222 * 1024
 
 
-def resolve_threads(k: int, h: int, want: int = 0, build: int = 4) -> int:
+def resolve_threads(k: int, h: int, want: int = 0) -> int:
     """Threads per block of the resolver: each thread holds at most 32 entries of a row and 32 LRU
     positions (the kernel's bit masks); at least 128, at most 1024. `want` (a power of two from 128,
-    `HISPARSE_VLLM_RESOLVE_THREADS`) replaces the automatic choice where the call allows it, else the
-    least that does. The automatic choice is one round of loads a thread: two entries and two LRU
-    positions, or for build 5 (HISPARSE_VLLM_RESOLVE=5, VR_B and VR_W in vllm_ops.cu) four entries and
-    eight positions."""
+    `HISPARSE_VLLM_RESOLVE_THREADS`) replaces the automatic choice (two of each a thread) where the
+    call allows it, else the least that does."""
     need = -(-max(k, h) // 32)
-    entries, positions = (4, 8) if build >= 5 else (2, 2)
-    auto = max(-(-k // entries), -(-h // positions))
     t = want if want else 128
-    while t < need or (not want and t < min(1024, auto)):
+    while t < need or (not want and t < min(1024, -(-max(k, h) // 2))):
         t *= 2
     return min(t, 1024)
 
@@ -269,7 +265,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         dev = hot_cache.device
         bs = hot_cache.shape[1]
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
-        threads = resolve_threads(k, h, want_threads, build)
+        threads = resolve_threads(k, h, want_threads)
         buckets = resolve_smem_buckets(max_union_rows, h, build)
         smem = resolve_smem_bytes(buckets, h, build, self._backend._device_props()[2])
         gtab, gval = self._buffer(("hash", dev, n, k), lambda: (

@@ -39,6 +39,8 @@
 
 #define VR_EMPTY 0xffffffffffffffffull
 #define VR_HELD 0x80000000u
+#define VR_B 2  // entries of a row a thread classifies in one round of loads
+#define VR_W 4  // LRU positions a thread reads in one round of loads
 // HS_VR_FAST (HISPARSE_VLLM_RESOLVE=1): power-of-two hash tables indexed by mask, and a thread's LRU
 // slots and parked entries kept in registers between the walk and the LRU order, and between the
 // classification and the outputs, where one round of loads covers them (no second global read).
@@ -86,31 +88,10 @@
 //   cleared with 16-byte stores.
 // Other groups (several rows, larger shapes, unaligned rows) take build 3's path in the same kernel.
 #define VR_FAST4 (HS_VR_FAST >= 4)
-// HS_VR_FAST 5 (HISPARSE_VLLM_RESOLVE=5) is 4 with twice the work a thread: four entries and eight LRU
-// positions in one round of loads (VR_B, VR_W), so the host launches half the threads (512 at top-k
-// 2048 and 4096 hot rows) and the lean path still takes a one-row group. Every warp repeats the row's
-// prologue (request ids, state rows, bounds) and the block's reductions: half the warps issue half of
-// that work. A shape build bounds its registers by its own thread count (VR_NT), not by 1024; one of 1024
-// threads (a shape too large for four and eight a thread at 512: four-row groups) keeps build 4's two and
-// four, so its code is build 4's (under 64 registers a thread the larger arrays spill in build 3's path).
-// The build for every shape takes four and eight, bounded by 1024 threads (it spills; the shape builds
-// are the default). A shape build of 256 threads or fewer (HISPARSE_VLLM_RESOLVE_THREADS=256) takes eight
-// entries and sixteen positions: a quarter of build 4's warps at top-k 2048 and 4096 hot rows.
-#if HS_VR_FAST >= 5 && defined(VR_NT) && VR_NT <= 256
-#define VR_B 8
-#define VR_W 16
-#elif HS_VR_FAST >= 5 && !(defined(VR_NT) && VR_NT > 512)
-#define VR_B 4  // entries of a row a thread classifies in one round of loads
-#define VR_W 8  // LRU positions a thread reads in one round of loads
-#else
-#define VR_B 2
-#define VR_W 4
-#endif
-#define VR_DV (VR_W / 4)  // 16-byte vectors of the hot-map row a thread reads in the lean path's round
-#if HS_VR_FAST >= 5 && defined(VR_NT)
-#define VR_LB VR_NT
-#else
-#define VR_LB 1024
+// HS_VR_FAST 5 (four entries and eight LRU positions a thread, half the threads) was slower than 4 on
+// every hit and miss cell on the H200 (sixteenth session, call C1) and was removed.
+#if HS_VR_FAST > 4
+#error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4"
 #endif
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 // Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
@@ -304,7 +285,7 @@ __device__ __forceinline__ i32 vr_attention(i32 row, i32 bs, i64 stride) {
 // boundary past the buckets).
 // gtab / gval: [rows, 2 * K] buckets of global scratch, only touched by groups whose host entries
 // do not fit the shared table.
-extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
+extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const i32* __restrict__ hbt, i64 hbt_stride, i32 hbt_rows, const i32* __restrict__ topk, i32 n, i32 K,
     const i32* __restrict__ request_ids, const i32* __restrict__ rsi, i32 nr, const i32* __restrict__ sbt,
     i64 sbt_stride, i32 sbt_rows, i32 sbt_cols, i32 sbs, const i32* __restrict__ rbt, i64 rbt_stride, i32 rbt_rows,
@@ -476,22 +457,6 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
     {
         const i16* lru_row = lru + static_cast<i64>(q) * H;
 #if VR_DIRECT
-#if VR_W >= 8
-        // VR_W / 8 16-byte loads a thread where its positions are VR_W aligned slots (block-uniform test).
-        if (cpt == VR_W && H % VR_W == 0 && (reinterpret_cast<u64>(lru_row) & 15) == 0) {
-#pragma unroll
-            for (i32 j = 0; j < VR_W / 8; ++j) {
-                uint4 v = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
-                if (p0 < p1) v = *reinterpret_cast<const uint4*>(lru_row + p0 + 8 * j);
-                const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (i32 u = 0; u < 4; ++u) {
-                    sl0[8 * j + 2 * u] = static_cast<i16>(w[u] & 0xffffu);
-                    sl0[8 * j + 2 * u + 1] = static_cast<i16>(w[u] >> 16);
-                }
-            }
-        } else
-#else
         // One 8-byte load a thread where its positions are 4 aligned slots (block-uniform test).
         if (cpt == 4 && VR_W == 4 && H % 4 == 0 && (reinterpret_cast<u64>(lru_row) & 7) == 0) {
             uint2 v = make_uint2(0xffffffffu, 0xffffffffu);
@@ -501,7 +466,6 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
             sl0[2] = static_cast<i16>(v.y & 0xffffu);
             sl0[3] = static_cast<i16>(v.y >> 16);
         } else
-#endif
 #endif
         {
 #pragma unroll
@@ -519,29 +483,14 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
     const bool sdgi = static_cast<u64>(dgi_off) + 4ull * static_cast<u32>(H) <= dyn_smem;
     i32* s_dgi = reinterpret_cast<i32*>(vr_smem + dgi_off);
     const i32* dgi_row = dgi + static_cast<i64>(q) * H;
-#if VR_DV == 1
     const bool dvec = sdgi && H % 4 == 0 && 4 * nt >= H && (reinterpret_cast<u64>(dgi_row) & 15) == 0;
     int4 dg0 = make_int4(-1, -1, -1, -1);
     if (dvec && 4 * tid < H) dg0 = *reinterpret_cast<const int4*>(dgi_row + 4 * tid);
-#else
-    // VR_DV vectors a thread, thread-strided (coalesced): vector j of thread tid is entries 4 * (tid + j * nt) on.
-    const bool dvec = sdgi && H % 4 == 0 && 4 * VR_DV * nt >= H && (reinterpret_cast<u64>(dgi_row) & 15) == 0;
-    int4 dgv[VR_DV];
-#pragma unroll
-    for (i32 j = 0; j < VR_DV; ++j) {
-        dgv[j] = make_int4(-1, -1, -1, -1);
-        if (dvec && 4 * (tid + j * nt) < H) dgv[j] = *reinterpret_cast<const int4*>(dgi_row + 4 * (tid + j * nt));
-    }
-#endif
 #if VR_FAST4
     // The lean path of a one-row group (VR_FAST4 above): rows r - 1, r and r + 1 are known to every
     // thread, so the block needs no group barrier. Same outputs as the path below, step for step.
     if (nq != q && T1 != 0u && K <= VR_B * nt && cpt <= VR_W && dvec && hreg) {  // block-uniform
-#if VR_B == 2
-        static_assert(VR_W <= 7, "the lean path packs two entries and 3-bit hit counts a thread");
-#else
-        static_assert((VR_B == 4 || VR_B == 8) && VR_W <= 31, "the lean path packs entries in pairs, hit counts in 5 bits");
-#endif
+        static_assert(VR_B == 2 && VR_W <= 7, "the lean path packs two entries and 3-bit hit counts a thread");
         // The cleared table, while the page-table, LRU and hot-map loads are in flight: the inserts follow
         // the classification at once, and the barrier that sums the counts also orders them before the walk.
         __syncthreads();
@@ -610,14 +559,7 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
                 bk[u] = vr_insert_at(s_tab, T, gv[u], x, fresh, bk[u] + 1 == T ? 0u : bk[u] + 1);
             }
         }
-#if VR_DV == 1
         if (4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
-#else
-#pragma unroll
-        for (i32 j = 0; j < VR_DV; ++j) {
-            if (4 * (tid + j * nt) < H) *reinterpret_cast<int4*>(s_dgi + 4 * (tid + j * nt)) = dgv[j];
-        }
-#endif
         if (tid < nhb) s_hbt[tid] = hb0;
         i32 tvalid, P;
         vr_sum2(nvalid, nhost, tvalid, P);  // its barrier orders the inserts before the walk, publishes both rows
@@ -678,21 +620,10 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
         // ---- ranks of the hits (positions are contiguous a thread, in thread order): ballot/popc ---
         u32 whits, wpre;
         {
-#if VR_W <= 7
             const u32 h0 = __ballot_sync(HS_FULL_MASK, hits & 1), h1 = __ballot_sync(HS_FULL_MASK, hits & 2),
                       h2 = __ballot_sync(HS_FULL_MASK, hits & 4);
             wpre = __popc(h0 & lt) + 2 * __popc(h1 & lt) + 4 * __popc(h2 & lt);
             whits = __popc(h0) + 2 * __popc(h1) + 4 * __popc(h2);
-#else
-            wpre = 0;
-            whits = 0;
-#pragma unroll
-            for (i32 bit = 0; bit < (VR_W < 16 ? 4 : 5); ++bit) {
-                const u32 hv = __ballot_sync(HS_FULL_MASK, (hits >> bit) & 1);
-                wpre += static_cast<u32>(__popc(hv & lt)) << bit;
-                whits += static_cast<u32>(__popc(hv)) << bit;
-            }
-#endif
         }
         const u32 wheld = __reduce_add_sync(HS_FULL_MASK, static_cast<u32>(held));
         const u32 wfresh = __reduce_add_sync(HS_FULL_MASK, static_cast<u32>(fresh));
@@ -747,7 +678,6 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
             for (i32 u = 0; u < VR_B; ++u) {  // a miss (no HELD bit) first referenced here
                 first[u] = host[u] && vr_lds(a_tab + 8u * bk[u]) == static_cast<u32>(tid + u * nt);
             }
-#if VR_B == 2
             const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
             __shared__ u32 s4_m[32];
             if (lane == 0) s4_m[warp] = static_cast<u32>(__popc(f0)) | (static_cast<u32>(__popc(f1)) << 16);
@@ -759,32 +689,6 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
             M = tot0 + static_cast<i32>(all >> 16);
             const i32 rank[VR_B] = {static_cast<i32>(before & 0xffffu) + __popc(f0 & lt),
                                     tot0 + static_cast<i32>(before >> 16) + __popc(f1 & lt)};
-#else
-            // Entry u's first references of a warp in the 16-bit field u % 2 of word u / 2 (each total <= nt).
-            u32 fb[VR_B];
-#pragma unroll
-            for (i32 u = 0; u < VR_B; ++u) fb[u] = __ballot_sync(HS_FULL_MASK, first[u]);
-            __shared__ u32 s4_m[VR_B / 2][32];
-            if (lane == 0) {
-#pragma unroll
-                for (i32 w = 0; w < VR_B / 2; ++w) {
-                    s4_m[w][warp] = static_cast<u32>(__popc(fb[2 * w])) | (static_cast<u32>(__popc(fb[2 * w + 1])) << 16);
-                }
-            }
-            __syncthreads();  // the evictable order and the warps' first references
-            i32 rank[VR_B];
-            M = 0;  // the first references of the entries before u's, then all of them
-#pragma unroll
-            for (i32 w = 0; w < VR_B / 2; ++w) {
-                const u32 x = lane < nw ? s4_m[w][lane] : 0u;
-                const u32 before = __reduce_add_sync(HS_FULL_MASK, lane < warp ? x : 0u);
-                const u32 all = __reduce_add_sync(HS_FULL_MASK, x);
-                rank[2 * w] = M + static_cast<i32>(before & 0xffffu) + __popc(fb[2 * w] & lt);
-                M += static_cast<i32>(all & 0xffffu);
-                rank[2 * w + 1] = M + static_cast<i32>(before >> 16) + __popc(fb[2 * w + 1] & lt);
-                M += static_cast<i32>(all >> 16);
-            }
-#endif
 #pragma unroll
             for (i32 u = 0; u < VR_B; ++u) {
                 if (!first[u]) continue;
@@ -856,14 +760,7 @@ extern "C" __global__ void __launch_bounds__(VR_LB) hisparse_vllm_resolve(
 #if VR_DIRECT
     // The hot-map and hot-block rows go into shared memory under the group barrier (its classification
     // waits on the same round of loads; held in registers past it they would spill).
-#if VR_DV == 1
     if (dvec && 4 * tid < H) *reinterpret_cast<int4*>(s_dgi + 4 * tid) = dg0;
-#else
-#pragma unroll
-    for (i32 j = 0; j < VR_DV; ++j) {
-        if (dvec && 4 * (tid + j * nt) < H) *reinterpret_cast<int4*>(s_dgi + 4 * (tid + j * nt)) = dgv[j];
-    }
-#endif
     if (hreg && tid < nhb) s_hbt[tid] = hb0;
 #endif
     __syncthreads();

@@ -206,5 +206,5 @@ def test_vllm_resolver_launch_shape(k: int, h: int) -> None:
         assert w in (128, 256, 512, 1024) and -(-k // w) <= 32 and -(-h // w) <= 32
         assert w == want or (w > want and -(-max(k, h) // (w // 2)) > 32)
     for union in (k, min(h, 4 * k), h):
-        buckets = resolve_smem_buckets(union, h)
+        buckets = resolve_smem_buckets(union, h, k)
         assert 0 <= buckets <= 2 * union and 12 * buckets + 2 * h <= RESOLVE_SMEM_BUDGET <= 227 * 1024

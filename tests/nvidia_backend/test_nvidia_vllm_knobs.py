@@ -177,19 +177,22 @@ def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPat
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(0, 4), st.sampled_from([48 * 1024, 99 * 1024,
-                                                                                          227 * 1024]))
-def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int, build: int, optin: int) -> None:
+@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(1, 8192), st.integers(0, 4),
+       st.sampled_from([48 * 1024, 99 * 1024, 227 * 1024]))
+def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int, k: int, build: int,
+                                                             optin: int) -> None:
     # vllm_ops.cu takes the buckets and the LRU order from the launch's dynamic shared memory, and
     # build 3 reads the hot-map row into it from the first 16-byte boundary past the buckets
     # wherever %dynamic_smem_size covers that row. Build 4 takes at least build 3's buckets (a
-    # power of two up to four a union row, for its lean path).
+    # power of two up to four a union row, for its lean path), never beyond the power of two its
+    # kernel hashes into (from 4 k for a one-row group, from twice the union for larger ones).
     from hisparse_nvidia.vllm_ops import RESOLVE_SMEM_BUDGET, resolve_smem_buckets, resolve_smem_bytes
 
-    b = resolve_smem_buckets(union, h, build)
+    b = resolve_smem_buckets(union, h, k, build)
     if build >= 4:
-        two = resolve_smem_buckets(union, h, 3)
-        assert b >= two and (b == two or b & (b - 1) == 0) and b <= max(two, 4 * union)
+        two = resolve_smem_buckets(union, h, k, 3)
+        used = 1 << (max(2 * union, 4 * k) - 1).bit_length()
+        assert b >= two and (b == two or b & (b - 1) == 0) and b <= max(two, min(4 * union, used))
     got = resolve_smem_bytes(b, h, build, optin)
     row_end = -(-8 * b // 16) * 16 + 4 * h
     assert got >= 12 * b + 2 * h and got % 4 == 0
@@ -198,3 +201,28 @@ def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int,
     else:
         assert got == -(-(12 * b + 2 * h) // 16) * 16
     assert got <= max(-(-(12 * b + 2 * h) // 16) * 16, min(optin, RESOLVE_SMEM_BUDGET))
+
+
+@pytest.mark.parametrize(("rows", "h", "want"), [(1, 4096, 8192), (1, 10240, 8192), (2, 4096, 8192),
+                                                 (2, 10240, 8192), (4, 4096, 16384), (4, 10240, 16384)])
+def test_resolver_buckets_at_top_k_2048(rows: int, h: int, want: int) -> None:
+    # Build 4's shared hash for groups of `rows` rows of top-k 2048: one-row groups four buckets an entry
+    # (the lean path), two-row groups build 3's 8192 (their path hashes 2 x 4096 entries into 8192 buckets;
+    # 16384 before, 204,800 bytes a block at 4096 hot rows), four-row groups as large as fits.
+    from hisparse_nvidia.vllm_ops import resolve_smem_buckets
+
+    assert resolve_smem_buckets(rows * 2048, h, 2048, 4) == want
+    assert resolve_smem_buckets(rows * 2048, h, 2048, 3) == min(want, 2 * rows * 2048)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 32767), st.integers(1, 8192))
+def test_resolver_buckets_of_one_row_groups_unchanged(h: int, k: int) -> None:
+    # One-row groups (union = top-k) keep the size they had before the kernel's use bounded it: the largest
+    # power of two up to four buckets an entry that fits, never fewer than build 3's.
+    from hisparse_nvidia.vllm_ops import RESOLVE_SMEM_BUDGET, resolve_smem_buckets
+
+    fit = (RESOLVE_SMEM_BUDGET - 2 * h - 16) // 12
+    four = min(4 * k, fit)
+    before = max(max(0, min(2 * k, fit)), 1 << (four.bit_length() - 1) if four > 0 else 0)
+    assert resolve_smem_buckets(k, h, k, 4) == before

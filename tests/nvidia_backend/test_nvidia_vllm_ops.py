@@ -214,7 +214,8 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
 
 
 @pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: per shape)
-@pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (4, 10240, 8192), (4, 4096, 2048)])
+@pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (2, 4096, 4096), (4, 10240, 8192),
+                                       (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     _set_build(monkeypatch, build)
@@ -277,7 +278,8 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
-@pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (4, 10240, 8192), (4, 4096, 4096)])
+@pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (2, 4096, 4096), (2, 10240, 4096),
+                                       (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))
 def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur: int, build: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,8 +288,9 @@ def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur
     top-k again (every host entry a hit), again (the order already final: nothing moves), a step with a
     few fresh entries (hits and misses), a step where every page is resident (no host entry), then hits
     again; fresh random top-k, hot blocks and initial LRU orders, state rows permuted; h = 4093 takes the
-    scalar copy of the hot-map row, 4 rows of h = 4096 a union larger than the hot buffer (misses past
-    the evictable slots) hashed in global scratch, 4 rows of h = 10240 the LRU order through shared memory."""
+    scalar copy of the hot-map row, 2 rows (union 4096) build 4's hash of 8192 shared buckets (build 3's
+    size), 4 rows of h = 4096 a union larger than the hot buffer (misses past the evictable slots) hashed
+    in global scratch, 4 rows of h = 10240 the LRU order through shared memory."""
     _set_build(monkeypatch, build)
     k, b = 2048, 3
     st_cpu, st_gpu, topk = _steady_state(1000 + seed * 10 + rpr, b, rpr, k, h, mur)

@@ -387,10 +387,12 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
                                               "HS_VR_FAST": v}) for v in (0, 1, 2, 3, 4)}  # HISPARSE_VLLM_RESOLVE
     # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3 and 4
-    # (4 with the buckets vllm_ops.resolve_smem_buckets gives it there: four a union row where they fit)
+    # (4 with the buckets vllm_ops.resolve_smem_buckets gives it there: four a union row where they fit), and
+    # build 4 for the GPU tests' two-row groups (8192 buckets: at 4096 hot rows the one-row build)
     builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (1, 3)
                for h, b in ((4096, 4096), (10240, 16384))}
-    builds |= {vllm_resolve_shape_build(4, 2048, h, 64, 64, 64, b, 1024) for h, b in ((4096, 8192), (10240, 16384))}
+    builds |= {vllm_resolve_shape_build(4, 2048, h, 64, 64, 64, b, 1024) for h, b in ((4096, 8192), (10240, 16384),
+                                                                                     (10240, 8192))}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

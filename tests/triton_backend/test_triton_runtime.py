@@ -248,7 +248,7 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
                                                                 dev_d.stride(0), stats.to(d)]
     meta = dict(WP=8, EB=entries, BP=8) | (dict(WP=16, LW=line) if line else {})
     kernels.launch(kernels.KERNELS[kernel], kernel, (programs,), *args, rows, k, words * 4, 40, 48,
-                   words, bs, programs, **meta)
+                   words, bs, programs, *((bs.bit_length() - 1,) if kernel == "copy_plan_kernel" else ()), **meta)
     want = torch.zeros_like(dev).view(48, words)
     for r in range(rows):
         for j in range(int(counts[r])):
@@ -258,20 +258,21 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
 
 
 @pytest.mark.parametrize("vec", [1, 2, 3])
+@pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("programs,entries", [(1, 4), (5, 2)])
-def test_lean_plan_copy_matches_the_plan_on_strided_blocks(backend, vec: int, programs: int,  # noqa: ANN001
+def test_lean_plan_copy_matches_the_plan_on_strided_blocks(backend, vec: int, shift: int, programs: int,  # noqa: ANN001
                                                            entries: int) -> None:
-    """`copy_plan_kernel` with `VEC` (`HISPARSE_TRITON_LEAN_COPY`): 32-bit block arithmetic and rows
-    moved `VEC` words an access, on a device slab whose blocks are strided past their rows (rows of 6
-    words, blocks of 4 rows 30 words apart) and random destinations spread over every block: every
-    row's first `count` entries land exactly, nothing else is written, the bytes counter adds up."""
+    """`copy_plan_kernel` with `VEC` (`HISPARSE_TRITON_LEAN_COPY`): 32-bit block arithmetic (by division,
+    or with `SB` by shift and mask) and rows moved `VEC` words an access, on a device slab whose blocks
+    are strided past their rows (rows of 6 words, blocks of 4 rows 30 words apart) and random
+    destinations spread over every block: every row's first `count` entries land exactly, nothing
+    else is written, the bytes counter adds up."""
     from hisparse_triton import kernels
 
-    g = torch.Generator().manual_seed(vec * 100 + programs * 10 + entries)
+    g = torch.Generator().manual_seed(vec * 1000 + shift * 100 + programs * 10 + entries)
     k, rows, words, bs, blocks = 8, 5, 6, 4, 12
     host = torch.randint(-2**31, 2**31 - 1, (40, words), dtype=torch.int32, generator=g)
-    slab = torch.zeros(blocks * (bs * words + 6), dtype=torch.int32)
-    dev = slab.view(blocks, bs * words + 6)[:, :bs * words].view(blocks, bs, words)  # stride(0) = 30 words
+    slab = torch.zeros(blocks * (bs * words + 6), dtype=torch.int32)  # blocks 30 words apart, 24 of them rows
     counts = torch.tensor([3, 0, 8, 1, 5], dtype=torch.int32)
     plan_host = torch.full((rows, k), -1, dtype=torch.int32)
     plan_dev = torch.full((rows, k), -1, dtype=torch.int32)
@@ -289,7 +290,7 @@ def test_lean_plan_copy_matches_the_plan_on_strided_blocks(backend, vec: int, pr
     kernels.launch(kernels.copy_plan_kernel, "copy_plan_kernel", (programs,),
                    *(t.to(d) for t in (plan_host, plan_dev, counts)), host.pin_memory() if d.type != "cpu" else host,
                    dev_d, dev_d.stride(0), stats, rows, k, words * 4, 40, blocks * bs, words, bs, programs,
-                   WP=8, EB=entries, BP=8, VEC=vec)
+                   bs.bit_length() - 1, WP=8, EB=entries, BP=8, VEC=vec, SB=shift)
     want = slab.clone()
     for r in range(rows):
         for j in range(int(counts[r])):

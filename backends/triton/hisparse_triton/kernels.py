@@ -1201,11 +1201,11 @@ def resolve_split_lru_kernel(row_state, lru, scr_mark, scr_part, scr_hcnt, scr_o
         tl.store(scr_mark + b * HP + ii, tl.full((HS,), 0, tl.int32), mask=smask)
 
 
-@triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
+@triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP", "LBS"])
 def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
-                     host_rows, dev_rows, W, BS, NP,
+                     host_rows, dev_rows, W, BS, NP, LBS,
                      WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = 0,
-                     VEC: tl.constexpr = 0):
+                     VEC: tl.constexpr = 0, SB: tl.constexpr = 0):
     """A fixed grid of NP programs shares every row's plan: chunks of EB entries, numbered across
     the batch (row by row), go to programs round robin, so a step with few misses launches no idle
     program per row and one with many keeps every program busy. With `PDL` (a programmatic dependent
@@ -1217,7 +1217,9 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
     is declared a multiple of `VEC` words, so the compiler moves `VEC` words per load and store (16
     bytes for int32 words) instead of one: the copy's programs are few and each is bound by the
     instructions its warps issue one after another (sm_90, Triton 3.6: 1,776 SASS instructions,
-    182 registers)."""
+    182 registers). With `SB` too (`BS = 2^LBS`), block and offset are a shift and a mask (each
+    thread holds 8 of a chunk's 16 rows: 8 divisions by the runtime `BS` otherwise). `LBS` is read
+    only with `SB`."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -1245,7 +1247,13 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
             wv = (W // VEC) * VEC  # == W; its factor VEC is what lets the mask below cover whole vectors
             mm = m[:, None] & (w < wv)[None, :]
             saddr = tl.multiple_of(h32.to(tl.int64) * wv, VEC)
-            daddr = tl.multiple_of((d32 // BS).to(tl.int64) * dst_block_stride + ((d32 % BS) * wv).to(tl.int64), VEC)
+            if SB:
+                blk = d32 >> LBS
+                off = d32 & (BS - 1)
+            else:
+                blk = d32 // BS
+                off = d32 % BS
+            daddr = tl.multiple_of(blk.to(tl.int64) * dst_block_stride + (off * wv).to(tl.int64), VEC)
             vals = tl.load(src + saddr[:, None] + w[None, :], mask=mm)
             tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
         else:

@@ -97,7 +97,8 @@ class TritonRuntime(CacheRuntime):
                                 torch.cuda.get_device_properties(device).multi_processor_count // ns)
             split_shape = shape
             # The hot-row kernels behind it (`shapes.SPLIT_TAIL_ENV`): same batch rows, their own programs.
-            self._tail_meta = ((shape.hot_constexprs, shape.lru_constexprs | dict(PDL=int(tune.pdl)), shape.hot_programs)
+            self._tail_meta = ((shape.hot_constexprs, shape.lru_constexprs | dict(PDL=int(tune.pdl and shape.tail)),
+                                shape.hot_programs)
                                if shape.tail else None)
             if tune.pdl and not shape.tail:  # the kernel the plan copy follows lets it launch early
                 self._split_meta["PDL"] = 1
@@ -402,12 +403,14 @@ class TritonRuntime(CacheRuntime):
         rows = self._row_copy and (self._device.type == "cpu"
                                    or self._last_rows * shapes.ROW_COPY_MIN_PROGRAMS <= self._plan_programs)
         name = "copy_plan_rows_kernel" if rows else "copy_plan_kernel"
-        meta = self._row_plan_meta if rows else self._plan_meta | dict(VEC=self._copy_vec)
+        bs = cfg.block_size
+        meta = self._row_plan_meta if rows else self._plan_meta | dict(
+            VEC=self._copy_vec, SB=int(self._copy_vec > 0 and bs & (bs - 1) == 0))
         kernels.launch(
             kernels.KERNELS[name], name, (self._plan_programs,),
             out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
             self._last_rows, cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words,
-            cfg.block_size, self._plan_programs, **meta)
+            bs, self._plan_programs, *(() if rows else (bs.bit_length() - 1,)), **meta)
 
     # ----------------------------------------------------------------- page and row copies
 

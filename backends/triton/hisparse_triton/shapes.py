@@ -281,7 +281,7 @@ class ResolverShape:
                         HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
                         ES=self.gp * self.kp // self.split, CP=self.chunk, PW=self.pw,
                         SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift),
-                        TAIL=int(self.tail))
+                        TAIL=int(self.tail), PDL=0)
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
@@ -315,7 +315,7 @@ class ResolverShape:
         """`kernels.resolve_split_lru_kernel`'s constexprs."""
         nh = self.hot_programs
         hs = self.hp // nh
-        return dict(GP=self.gp, HP=self.hp, NS=self.split, PW=self.pw, NH=nh, HS=hs, SH=self._hot_scan_rows(hs))
+        return dict(GP=self.gp, HP=self.hp, NS=self.split, PW=self.pw, NH=nh, HS=hs, SH=self._hot_scan_rows(hs), PDL=0)
 
     def _hot_scan_rows(self, hs: int) -> int:
         return max(1, hs // self.scan_row) if self.scan_row else 1
@@ -417,12 +417,13 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     plan = plan_copy_meta(config, interpreted=False)
     plan_sig = {"plan_host": i32p, "plan_device": i32p, "plan_counts": i32p, "src": f"*{word}", "dst": f"*{word}",
                 "dst_block_stride": "i32", "stats": "*i64"}
-    plan_sig |= dict.fromkeys(("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"), "i32")
+    plan_sig |= dict.fromkeys(("B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP", "LBS"), "i32")
     plan_sig |= dict.fromkeys(plan, "constexpr")
-    lean = plan | dict(VEC=COPY_VEC if word == "i32" and words % COPY_VEC == 0 else 1)  # `LEAN_COPY_ENV`
-    lean_sig = plan_sig | {"VEC": "constexpr"}
+    # `LEAN_COPY_ENV`: 4 words an access where rows allow; block and offset by shift (production blocks of 64 rows)
+    lean = plan | dict(VEC=COPY_VEC if word == "i32" and words % COPY_VEC == 0 else 1,
+                       SB=int(config.block_size & (config.block_size - 1) == 0))
     rows_plan = row_copy_meta(config, plan)
-    rows_plan_sig = plan_sig | dict.fromkeys(rows_plan, "constexpr")
+    rows_plan_sig = {k: v for k, v in plan_sig.items() if k not in ("VEC", "SB", "LBS")} | dict.fromkeys(rows_plan, "constexpr")
     rows_sig = {"pairs": i32p, "n": "i32", "src": f"*{word}", "src_block_stride": "i32", "dst": f"*{word}",
                 "dst_block_stride": "i32", "W": "i32", "BS": "i32", "WP": "constexpr", "EB": "constexpr"}
     inval_sig = {"state_rows": i32p, "host_rows": i32p, "hot_map": i32p, "R": "i32", "H": "i32", "HP": "constexpr"}
@@ -457,15 +458,16 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         pdl_specs.append(KernelSpec(r.kernel, resolve_sig | gather_sig | dict.fromkeys(consts, "constexpr"), consts,
                                     r.num_warps(warp_size)))
         # The split resolver's (without TAIL) and the LRU kernel's (with it): the kernels the copy follows.
-        sr = resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size, split=SPLIT_BUILD,
-                            split_tail=True)
-        consts = sr.constexprs | mask | dict(TAIL=0, PDL=1)
+        sr = resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size, split=SPLIT_BUILD)
+        consts = sr.constexprs | mask | dict(PDL=1)
         pdl_specs.append(KernelSpec(sr.kernel, split_sig | dict.fromkeys(consts, "constexpr"), consts,
                                     sr.num_warps(warp_size)))
+        sr = resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size, split=SPLIT_BUILD,
+                            split_tail=True)
         lru = sr.lru_constexprs | dict(PDL=1)
         pdl_specs.append(KernelSpec("resolve_split_lru_kernel", lru_sig | dict.fromkeys(lru, "constexpr"), lru,
                                     sr.hot_warps(warp_size)))
-        pdl_specs.append(KernelSpec("copy_plan_kernel", lean_sig, lean | dict(PDL=1), copy_warps))
+        pdl_specs.append(KernelSpec("copy_plan_kernel", plan_sig, lean | dict(PDL=1), copy_warps))
     for r in resolvers:
         fusable = r.variant == "gather" and lru_dtype == "i32" and not r.cas and not r.split
         for fused in ((False, True) if fusable else (False,)):
@@ -483,7 +485,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     return [
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
-        KernelSpec("copy_plan_kernel", lean_sig, lean, copy_warps),
+        KernelSpec("copy_plan_kernel", plan_sig, lean, copy_warps),
         KernelSpec("copy_plan_rows_kernel", rows_plan_sig, rows_plan, copy_warps),
         *pdl_specs,
         KernelSpec("copy_rows_kernel", rows_sig, dict(WP=pow2(words), EB=COPY_ENTRIES), copy_warps),
@@ -498,7 +500,7 @@ def row_copy_meta(config: RuntimeConfig, plan: dict[str, int]) -> dict[str, int]
     line (`LW`) and lanes for a row read from the start of its first line (`WP`)."""
     word, words = row_words(config.row_format.row_bytes)
     lw = 128 // (4 if word == "i32" else 1)
-    return plan | dict(WP=pow2(words + lw - 1), LW=lw)
+    return {k: v for k, v in plan.items() if k not in ("VEC", "SB")} | dict(WP=pow2(words + lw - 1), LW=lw)
 
 
 def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = COPY_ENTRIES) -> dict[str, int]:
@@ -507,4 +509,4 @@ def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = C
     _, words = row_words(config.row_format.row_bytes)
     eb = min(INTERPRETED_COPY_ENTRIES, pow2(config.top_k)) if interpreted else entries
     bp = pow2(config.max_batch_rows) if interpreted else max(pow2(config.max_batch_rows), MIN_LANES["BP"])
-    return dict(WP=pow2(words), EB=eb, BP=bp, PDL=0)
+    return dict(WP=pow2(words), EB=eb, BP=bp, PDL=0, VEC=0, SB=0)

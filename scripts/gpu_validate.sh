@@ -191,12 +191,13 @@ ncu_vllm_ops)  # per-kernel profile of vLLM's call sequence on nvidia's ops (NCU
         --launch-skip "${NCU_SKIP:-6}" --launch-count "${NCU_COUNT:-9}" python3 bench/bench_nvidia.py --vllm-ops --replays 1 \
         ${NCU_VLLM_ARGS:---vllm-ops-misses 0 --vllm-ops-batches 128 --vllm-ops-rows 1}
     ;;
-ncu_triton)  # per-kernel profile of the triton backend on bench_triton.py's cells (NCU_TRITON_CELLS)
+ncu_triton)  # per-kernel profile of the triton backend on bench_triton.py's cells (NCU_TRITON_CELLS; NCU_TRITON_ARGS: more, e.g. --variants V)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     run ncu_triton "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters --print-details all \
         -k regex:"${NCU_TRITON_KERNELS:-resolve_kernel|resolve_gather_kernel|copy_plan_kernel}" --launch-skip "${NCU_SKIP:-6}" \
-        --launch-count "${NCU_COUNT:-4}" python3 bench/bench_triton.py --no-nvidia --replays 1 --cells "${NCU_TRITON_CELLS:-0:8}"
+        --launch-count "${NCU_COUNT:-4}" python3 bench/bench_triton.py --no-nvidia --replays 1 --cells "${NCU_TRITON_CELLS:-0:8}" \
+        ${NCU_TRITON_ARGS:-}
     ;;
 ncu)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

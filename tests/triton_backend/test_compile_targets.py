@@ -88,5 +88,17 @@ def test_pdl_builds_are_nvidia_only(builds: list[dict]) -> None:
     """The PDL builds (programmatic dependent launch, `HISPARSE_TRITON_PDL`) compile for sm_90 and
     are never built for an AMD target."""
     pdl = [(b["target"], b["kernel"]) for b in builds if b["constexprs"].get("PDL")]
-    assert {k for t, k in pdl if t == "sm90"} == {"resolve_gather_kernel", "copy_plan_kernel", "copy_plan_rows_kernel"}
+    assert {k for t, k in pdl if t == "sm90"} == {"resolve_gather_kernel", "resolve_split_kernel", "resolve_split_lru_kernel",
+                                                  "copy_plan_kernel", "copy_plan_rows_kernel"}
     assert all(t == "sm90" for t, _ in pdl), pdl
+
+
+def test_lean_plan_copy_builds_for_every_target(builds: list[dict]) -> None:
+    """The lean plan copy (`HISPARSE_TRITON_LEAN_COPY`, `VEC`) compiles for every target at every
+    geometry, 4 words an access where the rows' words allow (656- and 576-byte rows both do)."""
+    from hisparse_triton.compile_targets import TARGET_GEOMETRIES, TARGETS, geometries
+
+    got = {(b["target"], b["geometry"]) for b in builds
+           if b["kernel"] == "copy_plan_kernel" and b["constexprs"].get("VEC") == 4 and not b["constexprs"].get("PDL")}
+    want = {(t, g) for t in TARGETS for g in TARGET_GEOMETRIES.get(t, tuple(geometries()))}
+    assert got == want, sorted(want ^ got)

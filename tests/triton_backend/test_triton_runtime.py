@@ -248,13 +248,77 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
                                                                 dev_d.stride(0), stats.to(d)]
     meta = dict(WP=8, EB=entries, BP=8) | (dict(WP=16, LW=line) if line else {})
     kernels.launch(kernels.KERNELS[kernel], kernel, (programs,), *args, rows, k, words * 4, 40, 48,
-                   words, bs, programs, **meta)
+                   words, bs, programs, *((bs.bit_length() - 1,) if kernel == "copy_plan_kernel" else ()), **meta)
     want = torch.zeros_like(dev).view(48, words)
     for r in range(rows):
         for j in range(int(counts[r])):
             want[int(plan_dev[r, j])] = host[int(plan_host[r, j])]
     assert torch.equal(dev_d.cpu().view(48, words), want)
     assert int(args[-1][3]) == int(counts.sum()) * words * 4
+
+
+@pytest.mark.parametrize("vec", [1, 2, 3])
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("programs,entries", [(1, 4), (5, 2)])
+def test_lean_plan_copy_matches_the_plan_on_strided_blocks(backend, vec: int, shift: int, programs: int,  # noqa: ANN001
+                                                           entries: int) -> None:
+    """`copy_plan_kernel` with `VEC` (`HISPARSE_TRITON_LEAN_COPY`): 32-bit block arithmetic (by division,
+    or with `SB` by shift and mask) and rows moved `VEC` words an access, on a device slab whose blocks
+    are strided past their rows (rows of 6 words, blocks of 4 rows 30 words apart) and random
+    destinations spread over every block: every row's first `count` entries land exactly, nothing
+    else is written, the bytes counter adds up."""
+    from hisparse_triton import kernels
+
+    g = torch.Generator().manual_seed(vec * 1000 + shift * 100 + programs * 10 + entries)
+    k, rows, words, bs, blocks = 8, 5, 6, 4, 12
+    host = torch.randint(-2**31, 2**31 - 1, (40, words), dtype=torch.int32, generator=g)
+    slab = torch.zeros(blocks * (bs * words + 6), dtype=torch.int32)  # blocks 30 words apart, 24 of them rows
+    counts = torch.tensor([3, 0, 8, 1, 5], dtype=torch.int32)
+    plan_host = torch.full((rows, k), -1, dtype=torch.int32)
+    plan_dev = torch.full((rows, k), -1, dtype=torch.int32)
+    dsts = torch.randperm(blocks * bs, generator=g)[:int(counts.sum())].to(torch.int32)
+    at = 0
+    for r in range(rows):
+        c = int(counts[r])
+        plan_host[r, :c] = torch.randint(0, 40, (c,), dtype=torch.int32, generator=g)
+        plan_dev[r, :c] = dsts[at:at + c]
+        at += c
+    d = backend.device
+    slab_d = slab.to(d)
+    dev_d = slab_d.view(blocks, bs * words + 6)[:, :bs * words].view(blocks, bs, words)
+    stats = torch.zeros(5, dtype=torch.int64, device=d)
+    kernels.launch(kernels.copy_plan_kernel, "copy_plan_kernel", (programs,),
+                   *(t.to(d) for t in (plan_host, plan_dev, counts)), host.pin_memory() if d.type != "cpu" else host,
+                   dev_d, dev_d.stride(0), stats, rows, k, words * 4, 40, blocks * bs, words, bs, programs,
+                   bs.bit_length() - 1, WP=8, EB=entries, BP=8, VEC=vec, SB=shift)
+    want = slab.clone()
+    for r in range(rows):
+        for j in range(int(counts[r])):
+            row = int(plan_dev[r, j])
+            at = (row // bs) * (bs * words + 6) + (row % bs) * words
+            want[at:at + words] = host[int(plan_host[r, j])]
+    assert torch.equal(slab_d.cpu(), want)
+    assert int(stats[3]) == int(counts.sum()) * words * 4
+
+
+@pytest.mark.parametrize(("stride_pad", "vec"), [(0, 4), (4, 4), (2, 1)])
+def test_lean_copy_vectors_only_where_rows_and_blocks_allow(backend, stride_pad: int, vec: int) -> None:  # noqa: ANN001
+    """`HISPARSE_TRITON_LEAN_COPY=1`: the plan copy moves 4 words an access where a row's words and
+    every layer's block stride are multiples of 4, else one (`VEC` 1); off, the default build."""
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=4, hot_rows=4, block_size=2, max_pages=4)
+    words = cfg.row_format.row_bytes // 4
+    host = torch.zeros((16, cfg.row_format.width), dtype=cfg.row_format.dtype)
+    if backend.device.type != "cpu":
+        host = host.pin_memory()
+    slab = torch.zeros((4, 2 * words + stride_pad), dtype=torch.int32, device=backend.device)
+    dev = slab[:, :2 * words].view(torch.uint8).view(4, 2, cfg.row_format.width).view(cfg.row_format.dtype)
+    for env, want in (({"HISPARSE_TRITON_LEAN_COPY": "1"}, vec), ({}, 0)):
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            rt = backend.create_runtime(cfg)
+        rt.bind([host], [dev])
+        assert rt._copy_vec == want, (stride_pad, env)
 
 
 @pytest.mark.parametrize("env", [{"HISPARSE_TRITON_RESOLVER": "scratch"},
@@ -280,12 +344,20 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
                                  {"HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SPLIT_TAIL": "1",
                                   "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
                                  {"HISPARSE_TRITON_SPLIT": "16", "HISPARSE_TRITON_SPLIT_TAIL": "1",
-                                  "HISPARSE_TRITON_ROW_COPY": "1"}],
+                                  "HISPARSE_TRITON_ROW_COPY": "1"},
+                                 {"HISPARSE_TRITON_LEAN_COPY": "1"},
+                                 {"HISPARSE_TRITON_LEAN_COPY": "1", "HISPARSE_TRITON_SPLIT": "8",
+                                  "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_LEAN_COPY": "1", "HISPARSE_TRITON_PDL": "1",
+                                  "HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
+                                 {"HISPARSE_TRITON_LEAN_COPY": "1", "HISPARSE_TRITON_PDL": "1",
+                                  "HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SPLIT_TAIL": "1"}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
                               "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
                               "split2", "split4_scan_shift", "split16_row_copy", "split2_tail", "split4_tail_scan_shift",
-                              "split8_tail_scan_shift", "split16_tail_row_copy"])
+                              "split8_tail_scan_shift", "split16_tail_row_copy", "lean_copy", "lean_copy_split8_scan_shift",
+                              "lean_copy_pdl_split8_scan_shift", "lean_copy_pdl_split8_tail"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
@@ -328,6 +400,7 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_SHIFT", "1", "needs the gather resolver"),
     ("HISPARSE_TRITON_ROW_COPY", "2", "expected 0 or 1"),
     ("HISPARSE_TRITON_PDL", "yes", "expected 0 or 1"),
+    ("HISPARSE_TRITON_LEAN_COPY", "on", "expected 0 or 1"),
     ("HISPARSE_TRITON_PDL", "1", "needs the gather resolver"),
     ("HISPARSE_TRITON_SPLIT", "3", "expected 0 \\(off\\) or one of 2, 4, 8, 16"),
     ("HISPARSE_TRITON_SPLIT", "-8", "expected 0 \\(off\\) or one of 2, 4, 8, 16"),
@@ -352,11 +425,10 @@ def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: 
                                               "HISPARSE_TRITON_RESOLVER is 'scratch'"),
     ({"HISPARSE_TRITON_FUSE_COPY": "1"}, "HISPARSE_TRITON_FUSE_COPY='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
     ({"HISPARSE_TRITON_CAS": "1"}, "HISPARSE_TRITON_CAS='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
-    ({"HISPARSE_TRITON_PDL": "1"}, "HISPARSE_TRITON_PDL='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
     ({"HISPARSE_TRITON_LEAN": "0"}, "HISPARSE_TRITON_LEAN='0' does not combine with HISPARSE_TRITON_SPLIT='8'"),
 ])
 def test_split_refuses_the_builds_it_has_not(backend, env: dict[str, str], line: str) -> None:  # noqa: ANN001
-    """`HISPARSE_TRITON_SPLIT` is the gather resolver's, with no fused copy, CAS, PDL or non-LEAN
+    """`HISPARSE_TRITON_SPLIT` is the gather resolver's, with no fused copy, CAS or non-LEAN
     build: each such combination is refused in one line naming both variables, before any work."""
     from hisparse_core.errors import InvalidInputError
 

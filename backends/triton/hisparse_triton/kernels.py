@@ -782,7 +782,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                          KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                          LOG_TP: tl.constexpr, MASK: tl.constexpr, HG: tl.constexpr, LR: tl.constexpr,
                          NS: tl.constexpr, ES: tl.constexpr, CP: tl.constexpr, PW: tl.constexpr,
-                         SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0):
+                         SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """`resolve_gather_kernel`'s results from `NS` programs a batch row (`shapes.SPLIT_ENV`), for small
     batches, where one program a request leaves most multiprocessors idle:
 
@@ -805,7 +805,10 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
 
     The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
     Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
-    last program, so it is 0 between calls."""
+    last program, so it is 0 between calls. `PDL`: as in `resolve_gather_kernel` (without `TAIL`, the
+    plan copy is the kernel behind it; with it, `resolve_split_lru_kernel` triggers the copy)."""
+    if PDL:
+        gdc_launch_dependents()
     # Programs [0, B * NS) are NS to a batch row; each one after them pads one workspace row past B.
     pid = tl.program_id(0)
     split = pid < B * NS
@@ -1162,12 +1165,15 @@ def resolve_split_hot_kernel(row_state, hot_table, hot_map, lru, stats, out_rows
 @triton.jit(do_not_specialize=["B", "R", "H"])
 def resolve_split_lru_kernel(row_state, lru, scr_mark, scr_part, scr_hcnt, scr_ord, scr_hit, B, R, H,
                              GP: tl.constexpr, HP: tl.constexpr, NS: tl.constexpr, PW: tl.constexpr,
-                             NH: tl.constexpr, HS: tl.constexpr, SH: tl.constexpr = 1):
+                             NH: tl.constexpr, HS: tl.constexpr, SH: tl.constexpr = 1, PDL: tl.constexpr = 0):
     """The new LRU order of `resolve_split_hot_kernel`'s requests, `NH` programs a batch row as there,
     behind it: program s moves the slots of LRU positions [s * HS, (s + 1) * HS) (read from `scr_ord`,
     so no program reads a position another rewrites) to the gather resolver's new positions: the
     evictable slots not taken first, the victims next, the hits last, each in their old order; and
-    clears the marks of slots [s * HS, (s + 1) * HS)."""
+    clears the marks of slots [s * HS, (s + 1) * HS). `PDL`: the plan copy behind it may launch once
+    every program has begun (it waits in `gdc_wait` for this kernel's end)."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     b = pid // NH
     s = pid % NH
@@ -1195,14 +1201,25 @@ def resolve_split_lru_kernel(row_state, lru, scr_mark, scr_part, scr_hcnt, scr_o
         tl.store(scr_mark + b * HP + ii, tl.full((HS,), 0, tl.int32), mask=smask)
 
 
-@triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP"])
+@triton.jit(do_not_specialize=["B", "K", "row_bytes", "host_rows", "dev_rows", "W", "BS", "NP", "LBS"])
 def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_stride, stats, B, K, row_bytes,
-                     host_rows, dev_rows, W, BS, NP,
-                     WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = 0):
+                     host_rows, dev_rows, W, BS, NP, LBS,
+                     WP: tl.constexpr, EB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = 0,
+                     VEC: tl.constexpr = 0, SB: tl.constexpr = 0):
     """A fixed grid of NP programs shares every row's plan: chunks of EB entries, numbered across
     the batch (row by row), go to programs round robin, so a step with few misses launches no idle
     program per row and one with many keeps every program busy. With `PDL` (a programmatic dependent
-    launch) it waits for the kernel before it (the resolver) to end and flush before reading."""
+    launch) it waits for the kernel before it (the resolver) to end and flush before reading.
+
+    With `VEC` > 0 (`shapes.LEAN_COPY_ENV`; `W` a multiple of `VEC`, which the runtime checks), a device
+    row's block and offset are 32-bit arithmetic (a row index is below 2^31; the 64-bit division by
+    the runtime `BS` is a called routine per entry, 16 calls in the sm_90 build) and every row offset
+    is declared a multiple of `VEC` words, so the compiler moves `VEC` words per load and store (16
+    bytes for int32 words) instead of one: the copy's programs are few and each is bound by the
+    instructions its warps issue one after another (sm_90, Triton 3.6: 1,776 SASS instructions,
+    182 registers). With `SB` too (`BS = 2^LBS`), block and offset are a shift and a mask (each
+    thread holds 8 of a chunk's 16 rows: 8 divisions by the runtime `BS` otherwise). `LBS` is read
+    only with `SB`."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -1223,13 +1240,30 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
         n = tl.reduce(tl.where(mine, counts, 0), 0, _MAX)
         e = (c - c0) * EB + tl.arange(0, EB)
         m = e < n
-        h = tl.load(plan_host + r * K + e, mask=m, other=0).to(tl.int64)
-        d = tl.load(plan_device + r * K + e, mask=m, other=0).to(tl.int64)
-        m = m & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)  # trusted input: never a stray access
-        mm = m[:, None] & wm[None, :]
-        vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
-        daddr = (d // BS) * dst_block_stride + (d % BS) * W
-        tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+        if VEC:
+            h32 = tl.load(plan_host + r * K + e, mask=m, other=0)
+            d32 = tl.load(plan_device + r * K + e, mask=m, other=0)
+            m = m & (h32 >= 0) & (h32 < host_rows) & (d32 >= 0) & (d32 < dev_rows)
+            wv = (W // VEC) * VEC  # == W; its factor VEC is what lets the mask below cover whole vectors
+            mm = m[:, None] & (w < wv)[None, :]
+            saddr = tl.multiple_of(h32.to(tl.int64) * wv, VEC)
+            if SB:
+                blk = d32 >> LBS
+                off = d32 & (BS - 1)
+            else:
+                blk = d32 // BS
+                off = d32 % BS
+            daddr = tl.multiple_of(blk.to(tl.int64) * dst_block_stride + (off * wv).to(tl.int64), VEC)
+            vals = tl.load(src + saddr[:, None] + w[None, :], mask=mm)
+            tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+        else:
+            h = tl.load(plan_host + r * K + e, mask=m, other=0).to(tl.int64)
+            d = tl.load(plan_device + r * K + e, mask=m, other=0).to(tl.int64)
+            m = m & (h >= 0) & (h < host_rows) & (d >= 0) & (d < dev_rows)  # trusted input: never a stray access
+            mm = m[:, None] & wm[None, :]
+            vals = tl.load(src + h[:, None] * W + w[None, :], mask=mm)
+            daddr = (d // BS) * dst_block_stride + (d % BS) * W
+            tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
 
 
 @triton.jit

@@ -97,7 +97,11 @@ class TritonRuntime(CacheRuntime):
                                 torch.cuda.get_device_properties(device).multi_processor_count // ns)
             split_shape = shape
             # The hot-row kernels behind it (`shapes.SPLIT_TAIL_ENV`): same batch rows, their own programs.
-            self._tail_meta = ((shape.hot_constexprs, shape.lru_constexprs, shape.hot_programs) if shape.tail else None)
+            self._tail_meta = ((shape.hot_constexprs, shape.lru_constexprs | dict(PDL=int(tune.pdl and shape.tail)),
+                                shape.hot_programs)
+                               if shape.tail else None)
+            if tune.pdl and not shape.tail:  # the kernel the plan copy follows lets it launch early
+                self._split_meta["PDL"] = 1
             self._tail_warps = {} if cpu else dict(num_warps=shape.hot_warps(lanes))
             shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
                                           lean=tune.lean, scan=tune.scan, shift=tune.shift, warp_size=lanes)
@@ -161,6 +165,8 @@ class TritonRuntime(CacheRuntime):
         self._plan_programs = 1 if cpu else min(
             chunks, tune.plan_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
         self._row_copy = tune.row_copy
+        self._lean_copy = tune.lean_copy
+        self._copy_vec = 0  # the plan copy's VEC (`shapes.LEAN_COPY_ENV`), from the device caches at bind
         self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]
@@ -271,6 +277,10 @@ class TritonRuntime(CacheRuntime):
         self._dev = dev_words
         self._host_rows = rows
         self._dev_rows = blocks * cfg.block_size
+        if self._lean_copy:  # whole vectors where rows and every layer's block stride are multiples of one
+            vec = shapes.COPY_VEC if self._word == torch.int32 else 1
+            aligned = self._words % vec == 0 and all(d.stride(0) % vec == 0 for d in dev_words)
+            self._copy_vec = vec if aligned else 1
         self._resident_group = resident_group
 
     def _require_bound(self) -> None:
@@ -393,12 +403,14 @@ class TritonRuntime(CacheRuntime):
         rows = self._row_copy and (self._device.type == "cpu"
                                    or self._last_rows * shapes.ROW_COPY_MIN_PROGRAMS <= self._plan_programs)
         name = "copy_plan_rows_kernel" if rows else "copy_plan_kernel"
-        meta = self._row_plan_meta if rows else self._plan_meta
+        bs = cfg.block_size
+        meta = self._row_plan_meta if rows else self._plan_meta | dict(
+            VEC=self._copy_vec, SB=int(self._copy_vec > 0 and bs & (bs - 1) == 0))
         kernels.launch(
             kernels.KERNELS[name], name, (self._plan_programs,),
             out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
             self._last_rows, cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words,
-            cfg.block_size, self._plan_programs, **meta)
+            bs, self._plan_programs, *(() if rows else (bs.bit_length() - 1,)), **meta)
 
     # ----------------------------------------------------------------- page and row copies
 

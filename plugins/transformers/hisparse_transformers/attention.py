@@ -79,8 +79,13 @@ def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: 
             flat = torch.nn.functional.pad(flat, (0, k - flat.shape[1]), value=-1)
         flat = flat.contiguous()
         source, resident, hot = engine.tables_of(group)
+        prefetch = engine.prefetch
+        if prefetch is not None:
+            prefetch.join(step, group)     # the prefetch on the previous group's top-k wrote this runtime
         runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, source, resident, hot), gather=True,
                         validate=False)
+        if prefetch is not None:
+            prefetch.launch(step, group, flat)
         logical = flat.to(torch.int64).view(b, s, -1)
         if step.verify:
             _count_union(engine, logical)

@@ -13,7 +13,10 @@ Per layer and forward (`HiSparseAttention.forward`, installed per instance by `e
 3. Rows (a layer of `resident_layers`: by position from its own store, `_resident_rows`):
    - one query per row (decode): the leader calls `CacheRuntime.resolve(gather=True,
      validate=False)` (resident page, else hot row, else a miss copied from host into the hot
-     buffer); followers `replay_plan([layer])`. No host synchronization.
+     buffer); followers `replay_plan([layer])`. No host synchronization. With
+     `prefetch_next_group` the leader's resolve first waits (on the device) for the prefetch that
+     ran its group's resolve on the previous group's top-k, then starts the next group's
+     (`prefetch.py`).
    - a verification step of assisted generation (`StepState.verify`: the token before the
      candidates and the candidates, every prompt in the cache): the same resolve with one resolver
      row per query, a request's rows consecutive, so they resolve the union of their top-k against

@@ -363,7 +363,8 @@ class HiSparseEngine:
         self.topk_model: ModelTopk | None = None
         #: Called with (session, tokens removed) after each rollback (the checker's copies follow it).
         self.rollback_listeners: list[Callable[[Session, int], None]] = []
-        self.prefetch = NextGroupPrefetch(self) if c.prefetch_next_group else None
+        self.prefetch = (NextGroupPrefetch(self.runtimes, self.group_tables, placement.group_device, placement.devices)
+                         if c.prefetch_next_group else None)
         self.totals.prefetch_misses = [0] * G
         if spec:
             logger.info("hisparse transformers engine: assisted generation of up to %d candidate tokens: a verification "

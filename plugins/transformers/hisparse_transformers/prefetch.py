@@ -28,32 +28,38 @@ groups on different devices (`device_map`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from hisparse_core.runtime import ResolveInputs
+from hisparse_core.runtime import CacheRuntime, ResolveInputs
 
 if TYPE_CHECKING:
-    from hisparse_transformers.engine import HiSparseEngine
     from hisparse_transformers.session import StepState
 
 logger = logging.getLogger(__name__)
 
 
 class NextGroupPrefetch:
-    """The prefetch of each index group's successor (see the module docstring); built at setup."""
+    """The prefetch of each index group's successor (see the module docstring); built at setup.
 
-    def __init__(self, engine: HiSparseEngine) -> None:
-        self.engine = engine
-        groups = engine.layout.groups
-        G = len(groups)
-        where = engine.placement.group_device
+    `runtimes[g]` and `tables[g]` (source, resident, hot): index group g's (runtime None: a
+    resident group); `group_device[g]`: the index into `devices` of its device."""
+
+    def __init__(self, runtimes: Sequence[CacheRuntime | None],
+                 tables: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], group_device: Sequence[int],
+                 devices: Sequence[torch.device]) -> None:
+        self.runtimes = list(runtimes)
+        self.tables = list(tables)
+        self.group_device = list(group_device)
+        G = len(self.runtimes)
+        where = self.group_device
         #: target[g]: the group whose resolve runs on g's top-k after g's (None: no prefetch)
         self.target: list[int | None] = [
-            g + 1 if g + 1 < G and not engine.is_resident(g) and not engine.is_resident(g + 1)
+            g + 1 if g + 1 < G and self.runtimes[g] is not None and self.runtimes[g + 1] is not None
             and where[g] == where[g + 1] else None for g in range(G)]
-        devices = [torch.device(d) for d in engine.placement.devices]
+        devices = [torch.device(d) for d in devices]
         self._side = {d: torch.cuda.Stream(dev) for d, dev in enumerate(devices) if dev.type == "cuda"}
         cuda = [g for g in range(G) if where[g] in self._side]
         self._forked = {g: torch.cuda.Event() for g in cuda}
@@ -75,8 +81,7 @@ class NextGroupPrefetch:
         target = self.target[group]
         if target is None:
             return
-        d = self.engine.placement.group_device[group]
-        side = self._side.get(d)
+        side = self._side.get(self.group_device[group])
         if side is None:
             self._resolve(step, target, flat)
             return
@@ -96,9 +101,9 @@ class NextGroupPrefetch:
             torch.cuda.current_stream(flat.device).wait_event(self._done[group])
 
     def _resolve(self, step: StepState, target: int, flat: torch.Tensor) -> None:
-        engine = self.engine
-        runtime = engine.runtimes[target]
-        source, resident, hot = engine.tables_of(target)
+        runtime = self.runtimes[target]
+        assert runtime is not None           # a target has a runtime (resident groups are none)
+        source, resident, hot = self.tables[target]
         runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, source, resident, hot), gather=True,
                         validate=False)
         if runtime.config.num_layers > 1:

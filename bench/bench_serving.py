@@ -49,6 +49,11 @@ all-resident's at the fixed budget) with the model's indexer left out of the dec
 (`<regime>-no-indexer`): the indexer is the whole `indexer` module of every index group's leader
 (its projections, the bf16 key store on the GPU and the fp32 scoring over the whole context with
 its top-k), so the step difference and the gain without it are its measured share.
+`--prefetch-next-group` runs every hisparse row with `enable(prefetch_next_group=True)` (the next
+index group's resolve on this group's top-k, its copies overlapping this group's attention; rows
+labelled `code+prefetch`); `--prefetch-next-group off/on` runs each without and with it. Such rows
+also give the prefetches' own misses and H2D bytes apart (`prefetch misses/MB per step`): the
+misses and H2D columns count both, the critical path's are the difference (`critical_*` in JSON).
 
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
@@ -335,7 +340,7 @@ def parse_plan(a: argparse.Namespace) -> Plan:
 
 
 def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool, *,
-               skip_indexer: bool = False) -> dict[str, Any]:
+               skip_indexer: bool = False, prefetch: bool = False) -> dict[str, Any]:
     """One engine row: hisparse (with `s.resident_layers` kept whole on the GPU) or the same engine
     all-resident. `a.warmup` decode steps run untimed first; every figure (step, host time, hits,
     misses, PCIe bytes) is of the `a.steps` timed steps after them (steady hot buffers)."""
@@ -346,6 +351,9 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     layers = () if resident else s.resident_layers
     if layers:
         topk += "+resident" + ",".join(map(str, layers))
+    prefetch = prefetch and not resident
+    if prefetch:
+        topk += "+prefetch"
     out: dict[str, Any] = {"mode": "all-resident" if resident else "hisparse", "batch": b, "context": s.context,
                            "topk": topk}
     if resident:
@@ -369,7 +377,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                                           block_size=a.block_size, max_batch=b, max_context=s.max_context,
                                           prefill_chunk=a.fill_chunk,
                                           synthetic_topk=None if a.topk_model == "indexer" else a.topk_model,
-                                          resident_layers=layers)
+                                          resident_layers=layers, prefetch_next_group=prefetch)
         out["backend"] = hs.engine.backend.name
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
         if hs.engine.topk_model is not None:
@@ -395,6 +403,12 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                    d2h_mb_per_step=(st.d2h_bytes - before.d2h_bytes) / a.steps / 1e6,
                    released=st.released_pages, decode_mode=st.decode_mode, planned=hs.engine.ahead.claimed,
                    resident_store_mb=st.resident_store_bytes / 1e6, timed_steps=a.steps, warmup_steps=a.warmup)
+        if prefetch:
+            pre = (st.prefetch_misses - before.prefetch_misses) / a.steps
+            pre_mb = (st.prefetch_h2d_bytes - before.prefetch_h2d_bytes) / a.steps / 1e6
+            out.update(prefetch_misses_per_step=pre, prefetch_h2d_mb_per_step=pre_mb,
+                       critical_misses_per_step=out["misses_per_step"] - pre,
+                       critical_h2d_mb_per_step=out["h2d_mb_per_step"] - pre_mb)
         if dev.type == "cuda":
             out["gpu_ms"] = kernel_profile(model, cache, b, s.context + a.warmup + a.steps, 3)["all kernels"]
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -544,8 +558,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         return str(r.get("topk", "-"))
 
     def base(r: dict[str, Any]) -> str:
-        """All-resident's label for a hisparse row: the same top-k source, without resident layers."""
-        return label(r).split("+resident")[0]
+        """All-resident's label for a hisparse row: the same top-k source, without resident layers or prefetch."""
+        return label(r).split("+")[0]
 
     by = {(r["mode"], r["batch"], r["context"], label(r)): r for r in rows}
     body = []
@@ -553,7 +567,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                                          label(r), r["batch"])):
         if "oom" in r or "error" in r:
             body.append([f"{r['mode']} T={ctx(r['context'])}", label(r), str(r["batch"]),
-                         "OOM" if "oom" in r else "error"] + ["-"] * 12)
+                         "OOM" if "oom" in r else "error"] + ["-"] * 13)
             continue
         res = by.get(("all-resident", r["batch"], r["context"], base(r)), {})
         over = (f"{r['step_ms'] / res['step_ms']:.2f}x" if r["mode"] == "hisparse" and res.get("step_ms") else "-")
@@ -563,11 +577,11 @@ def table(rows: list[dict[str, Any]]) -> str:
                      fmt(tokens_per_s(r), ".1f") if r["mode"] != "replay" else "-", fmt(gpu), fmt(idle),
                      fmt(r.get("host_critical_ms")), fmt(r.get("host_ahead_ms")), over, fmt(r.get("peak_gib"), ".1f"),
                      "-" if "hit_rate" not in r else f"{100 * r['hit_rate']:.0f}%", fmt(r.get("h2d_mb_per_step"), ".1f"),
-                     fmt(r.get("d2h_mb_per_step"), ".1f"),
+                     fmt(r.get("d2h_mb_per_step"), ".1f"), fmt(r.get("prefetch_h2d_mb_per_step"), ".1f"),
                      str(r.get("released", "-")),
                      str(r.get("decode_mode", "-"))])
     header = ["mode", "top-k", "batch", "step ms", "tok/s", "gpu ms", "idle ms", "host critical ms", "host ahead ms",
-              "overhead", "peak GiB", "hit", "H2D MB/step", "D2H MB/step", "released", "decode"]
+              "overhead", "peak GiB", "hit", "H2D MB/step", "D2H MB/step", "prefetch MB/step", "released", "decode"]
     out = render_grid(header, body)
     gains = []
     for t in sorted({r["context"] for r in rows}):
@@ -577,7 +591,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                             and r.get("within_budget", True) and (m == "transformers" or label(r) == want)),
                            default=float("nan"))
 
-            hs, res = best("hisparse", lab), best("all-resident", lab.split("+resident")[0])
+            hs, res = best("hisparse", lab), best("all-resident", lab.split("+")[0])
             gains.append(f"T={ctx(t)} ({lab}): best tokens/s over the batches at the fixed budget: hisparse {fmt(hs, '.1f')}, all-resident "
                          f"{fmt(res, '.1f')}, transformers {fmt(best('transformers', lab), '.1f')}; gain over "
                          f"all-resident {fmt(hs / res, '.2f')}x")
@@ -652,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-indexer", action="store_true",
                    help="with --topk-model: decode steps skip the model's indexer (its cost, measured as the "
                         "difference to a run with it)")
+    p.add_argument("--prefetch-next-group", nargs="?", const="on", default="off",
+                   help="hisparse rows with enable(prefetch_next_group=True) ('on', the flag alone), without ('off', the "
+                        "default), or each row both ways ('off/on')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
@@ -674,6 +691,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = parse_plan(a)
     except BadSize as exc:
         print(f"bench_serving: {exc}", file=sys.stderr)
+        return 2
+    prefetch_alts = [x == "on" for x in a.prefetch_next_group.split("/")]
+    if not all(x in ("off", "on") for x in a.prefetch_next_group.split("/")):
+        print(f"bench_serving: --prefetch-next-group={a.prefetch_next_group!r}: expected on, off or off/on",
+              file=sys.stderr)
         return 2
     if a.skip_indexer and a.topk_model == "indexer":
         print("bench_serving: --skip-indexer needs --topk-model benign or code (the indexer's choice is what "
@@ -723,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     print("# hisparse resident layers: " + " / ".join(str(list(x)) if x else "none" for x in plan.resident)
           + (f" ({plan.resident_why})" if plan.resident_why else " (--resident-layers; default none: every layer "
              "through hisparse)"), flush=True)
+    print(f"# hisparse prefetch_next_group: {a.prefetch_next_group} (--prefetch-next-group; rows with it are labelled "
+          "+prefetch)", flush=True)
     for s in sizes:
         extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
                         for x in plan.resident if x)
@@ -738,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in sizes:
         for mode in modes:
             variants = [s.with_resident(x) for x in plan.resident] if mode == "hisparse" else [s]
-            for v in variants:
+            prefetches = prefetch_alts if mode == "hisparse" else [False]
+            for v, pf in ((v, pf) for v in variants for pf in prefetches):
                 for b in batches_for(v, "hisparse" if mode == "replay" else mode, asked):
                     t0 = time.perf_counter()
                     if mode == "transformers":
@@ -746,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
                     elif mode == "replay":
                         r = run_replay_workload(a.layers, v, b, a, model.config.index_topk)
                     else:
-                        r = run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=a.skip_indexer)
+                        r = run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=a.skip_indexer,
+                                       prefetch=pf)
                     emit(r, t0)
         if (plan.indexer_share is None or plan.indexer_share) and (plan.share_contexts is None
                                                                   or s.context in plan.share_contexts):

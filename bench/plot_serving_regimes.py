@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         top, bottom = axes[0][col], axes[1][col]
         for reg in regimes:
             mine = {(r["mode"], r["batch"]): r for r in rows if r["context"] == t and r.get("topk", "indexer") == reg}
-            # hisparse with resident layers ('code+resident0') against the same all-resident rows
-            base = reg.split("+resident")[0]
+            # hisparse with resident layers or the prefetch ('code+resident0', 'code+prefetch') against the
+            # same all-resident rows
+            base = reg.split("+")[0]
             mine.update({("all-resident", r["batch"]): r for r in rows if r["context"] == t and r["mode"] == "all-resident"
                          and r.get("topk", "indexer") == base and base != reg})
             for mode, color in COLOR.items():
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 return max((tok_s(r) for r in rows if r["context"] == t and r.get("topk", "indexer") == src
                             and r["mode"] == mode and r.get("within_budget", True)), default=float("nan"))
 
-            if src.endswith("-no-indexer") or "+resident" in src:
+            if src.endswith("-no-indexer") or "+" in src:
                 continue
             gain = best("hisparse") / best("all-resident")
             bare = src + "-no-indexer"

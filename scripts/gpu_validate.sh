@@ -22,7 +22,9 @@
 # serving_locality runs bench/bench_serving.py once per name in SERVING_LOCALITY_RUNS (default
 # "benign+indexer-share code": --topk-model of that regime; "-no-indexer" adds --skip-indexer, every
 # row without the model's indexer; "+indexer-share" adds --indexer-share $SERVING_INDEXER_SHARE (default
-# max: rows without it at each mode's largest batch beside the others; max@131072: at 128K only)); T_SERVING_LOCALITY seconds each, default 140;
+# max: rows without it at each mode's largest batch beside the others; max@131072: at 128K only); "+prefetch"
+# adds --prefetch-next-group off/on (every hisparse row without and with the cross-layer prefetch);
+# "+hisparse-only" --modes hisparse (after the arguments below, so it wins)); T_SERVING_LOCALITY seconds each, default 140;
 # SERVING_LOCALITY_ARGS replaces the default arguments: 4 layers, --dense-ffn-gb 4.6, 128K then 32K,
 # a 3 GiB budget (all-resident also at hisparse's batches under 24 GiB), batches all-resident's
 # largest at the budget and hisparse's largest, 5 timed steps after 5 untimed, hisparse with and
@@ -265,10 +267,14 @@ serving_locality)  # issue 42: serving under the calibrated locality, each run o
         skip=()
         [[ "$name" == *-no-indexer* ]] && skip+=(--skip-indexer)
         [[ "$name" == *+indexer-share* ]] && skip+=(--indexer-share "${SERVING_INDEXER_SHARE:-max}")
+        after=()  # after the arguments, so they win over SERVING_LOCALITY_ARGS's
+        [[ "$name" == *+prefetch* ]] && after+=(--prefetch-next-group off/on)
+        [[ "$name" == *+hisparse-only* ]] && after+=(--modes hisparse)
         # shellcheck disable=SC2086  # the arguments split on purpose
         run "serving_$name" "${T_SERVING_LOCALITY:-140}" python3 bench/bench_serving.py --topk-model "$regime" "${skip[@]}" \
             --json "$OUT/serving_$name.json" --png "$OUT/serving_$name.png" \
-            ${SERVING_LOCALITY_ARGS:---layers 4 --dense-ffn-gb 4.6 --contexts 131072,32768 --gpu-kv-gib 3 --all-resident-gib 24 --modes hisparse,all-resident --batches budget,max --warmup 5 --steps 5 --resident-layers none/auto}
+            ${SERVING_LOCALITY_ARGS:---layers 4 --dense-ffn-gb 4.6 --contexts 131072,32768 --gpu-kv-gib 3 --all-resident-gib 24 --modes hisparse,all-resident --batches budget,max --warmup 5 --steps 5 --resident-layers none/auto} \
+            "${after[@]}"
         logs+=("$OUT/serving_$name.log")
         RC[serving_locality]=$(( RC[serving_locality] | RC[serving_$name] ))
     done

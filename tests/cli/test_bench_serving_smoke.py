@@ -82,6 +82,26 @@ def test_smoke_runs_issue_42s_flags(tmp_path: Path) -> None:
     assert "at the fixed budget" in out.stdout
 
 
+def test_smoke_runs_the_prefetch_both_ways(tmp_path: Path) -> None:
+    """`--prefetch-next-group off/on`: every hisparse row without and with the prefetch (labelled
+    +prefetch, compared with the same all-resident rows), the prefetches' misses given apart."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "2", "--modes", "hisparse,all-resident",
+                          "--topk-model", "code", "--prefetch-next-group", "off/on", "--all-resident-gib", "0.002",
+                          "--png", "", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert {(r["mode"], r["topk"]) for r in rows} == {("hisparse", "code"), ("hisparse", "code+prefetch"),
+                                                      ("all-resident", "code")}
+    pre = [r for r in rows if r["topk"] == "code+prefetch"]
+    assert all(r["critical_misses_per_step"] == r["misses_per_step"] - r["prefetch_misses_per_step"] for r in pre)
+    assert all("prefetch_misses_per_step" not in r for r in rows if r["topk"] == "code")
+    assert "prefetch MB/step" in out.stdout and "T=160 (code+prefetch)" in out.stdout
+    plot = subprocess.run([sys.executable, str(PLOT), str(tmp_path / "r.json"), "--png", str(tmp_path / "g.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0 and "| 160 | code+prefetch | 2 |" in plot.stdout, plot.stdout + plot.stderr[-2000:]
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--resident-layers", "none/9"], "--resident-layers"),
     (["--resident-layers", "0,1,2,3"], "--resident-layers"),
@@ -93,6 +113,7 @@ def test_smoke_runs_issue_42s_flags(tmp_path: Path) -> None:
     (["--modes", "hisparse,fast"], "--modes"),
     (["--all-resident-gib", "-1"], "--all-resident-gib"),
     (["--batches", "99"], "fits no mode at any context"),
+    (["--prefetch-next-group", "maybe"], "--prefetch-next-group"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],

@@ -18,16 +18,17 @@ layers below its own, `TYPE_CHECKING` imports included, never one beside or abov
    `ranks` (tensor-parallel ranks), `assisted` (what an assisted generate asks for), `model_topk`
    (benchmarks: decode top-k from the replay's locality model);
 2. `session`: a batch's requests and the step in progress (Request, Session, StepState);
-3. `engine`: the engine role (GPU block pool, coordinator, a worker per device, device caches and tables); it
+3. `prefetch`: the cross-layer prefetch (the next index group's resolve on this group's top-k);
+4. `engine`: the engine role (GPU block pool, coordinator, a worker per device, device caches and tables); it
    knows nothing of the model's attention, the cache or the checker;
-4. what the attention layers consult: `cache` (HiSparseCache) and `check` (the exactness checker,
+5. what the attention layers consult: `cache` (HiSparseCache) and `check` (the exactness checker,
    which takes the session, step and rows it checks as arguments);
-5. the model's forward: `attention` (the patched layer) and `graphs` (the captured decode step);
-6. `handle`: `enable` builds the engine and wires the attention layers, the graphs and the checker
+6. the model's forward: `attention` (the patched layer) and `graphs` (the captured decode step);
+7. `handle`: `enable` builds the engine and wires the attention layers, the graphs and the checker
    onto the model;
-7. this package (`__init__`: the lazy names below);
-8. `demo` (the tiny model run `hisparse generate` uses);
-9. `cli` (the `hisparse generate` command).
+8. this package (`__init__`: the lazy names below);
+9. `demo` (the tiny model run `hisparse generate` uses);
+10. `cli` (the `hisparse generate` command).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "shards", "ranks", "assisted",
      "model_topk"),
     ("session",),
+    ("prefetch",),
     ("engine",),
     ("cache", "check"),
     ("attention", "graphs"),

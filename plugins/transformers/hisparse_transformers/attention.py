@@ -13,7 +13,10 @@ Per layer and forward (`HiSparseAttention.forward`, installed per instance by `e
 3. Rows (a layer of `resident_layers`: by position from its own store, `_resident_rows`):
    - one query per row (decode): the leader calls `CacheRuntime.resolve(gather=True,
      validate=False)` (resident page, else hot row, else a miss copied from host into the hot
-     buffer); followers `replay_plan([layer])`. No host synchronization.
+     buffer); followers `replay_plan([layer])`. No host synchronization. With
+     `prefetch_next_group` the leader's resolve first waits (on the device) for the prefetch that
+     ran its group's resolve on the previous group's top-k, then starts the next group's
+     (`prefetch.py`).
    - a verification step of assisted generation (`StepState.verify`: the token before the
      candidates and the candidates, every prompt in the cache): the same resolve with one resolver
      row per query, a request's rows consecutive, so they resolve the union of their top-k against
@@ -79,8 +82,13 @@ def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: 
             flat = torch.nn.functional.pad(flat, (0, k - flat.shape[1]), value=-1)
         flat = flat.contiguous()
         source, resident, hot = engine.tables_of(group)
+        prefetch = engine.prefetch
+        if prefetch is not None:
+            prefetch.join(step, group)     # the prefetch on the previous group's top-k wrote this runtime
         runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, source, resident, hot), gather=True,
                         validate=False)
+        if prefetch is not None:
+            prefetch.launch(step, group, flat)
         logical = flat.to(torch.int64).view(b, s, -1)
         if step.verify:
             _count_union(engine, logical)

@@ -57,6 +57,7 @@ from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.budgets import check_budgets
 from hisparse_transformers.families import DsaLayout
 from hisparse_transformers.model_topk import ModelTopk
+from hisparse_transformers.prefetch import NextGroupPrefetch
 from hisparse_transformers.ranks import Ranks
 from hisparse_transformers.session import Request, Session, StepState
 from hisparse_transformers.shards import Placement, ReportMerger
@@ -132,6 +133,8 @@ class EngineConfig:
     speculative_tokens: int = 0     # most candidate tokens a verification step checks per request
     #: layers whose whole KV stays on the GPU (never through the host pool or a hot buffer)
     resident_layers: tuple[int, ...] = ()
+    #: after each index group's decode resolve, run the next group's on its top-k (prefetch.py)
+    prefetch_next_group: bool = False
 
     def __post_init__(self) -> None:
         for name in ("host_pool_gib", "gpu_kv_gib"):
@@ -145,6 +148,8 @@ class EngineConfig:
         v = self.speculative_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise InvalidInputError(f"speculative_tokens must be an int >= 0 (0: no assisted generation), got {v!r}")
+        if not isinstance(self.prefetch_next_group, bool):
+            raise InvalidInputError(f"prefetch_next_group must be True or False, got {self.prefetch_next_group!r}")
         if self.hot_rows is not None and (isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int)
                                           or self.hot_rows <= 0):
             raise InvalidInputError(f"hot_rows must be a positive int or None, got {self.hot_rows!r}")
@@ -181,6 +186,8 @@ class EngineTotals:
     verify_rows: int = 0                # query rows of those steps (candidates and the token before them)
     rollbacks: int = 0                  # crops that dropped a rejected suffix
     rolled_back_tokens: int = 0         # rows dropped by them (summed over the batch's requests)
+    #: per index group: host rows its prefetches copied (prefetch_next_group; in `worker`'s misses too)
+    prefetch_misses: list[int] = field(default_factory=list)
     worker: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("resident", "hits", "misses", "h2d_bytes", "d2h_bytes"), 0))
 
@@ -356,6 +363,9 @@ class HiSparseEngine:
         self.topk_model: ModelTopk | None = None
         #: Called with (session, tokens removed) after each rollback (the checker's copies follow it).
         self.rollback_listeners: list[Callable[[Session, int], None]] = []
+        self.prefetch = (NextGroupPrefetch(self.runtimes, self.group_tables, placement.group_device, placement.devices)
+                         if c.prefetch_next_group else None)
+        self.totals.prefetch_misses = [0] * G
         if spec:
             logger.info("hisparse transformers engine: assisted generation of up to %d candidate tokens: a verification "
                         "step resolves up to %d rows per request as one union (hot buffer %d rows >= %d x top-k)",
@@ -876,6 +886,9 @@ class HiSparseEngine:
             s = worker.take_stats()
             for k in w:
                 w[k] += getattr(s, k)
+        if self.prefetch is not None:
+            for g, n in enumerate(self.prefetch.take_counts()):
+                self.totals.prefetch_misses[g] += n
 
     def collect(self) -> EngineTotals:
         """The totals with the device counters read (a host synchronization)."""

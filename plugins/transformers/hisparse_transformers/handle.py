@@ -314,7 +314,8 @@ class HiSparseHandle:
             checked_topk_near_ties=checker.totals.topk_near_ties if checker else 0, verify_steps=t.verify_steps,
             verify_rows=t.verify_rows, union_entries=union[0], union_shared_entries=union[0] - union[1],
             rollbacks=t.rollbacks, rolled_back_tokens=t.rolled_back_tokens, resident_layers=e.resident_layers,
-            resident_store_bytes=e.resident_bytes)
+            resident_store_bytes=e.resident_bytes, prefetch_misses=sum(t.prefetch_misses),
+            prefetch_h2d_bytes=sum(n * len(e.layout.groups[g]) * e.fmt.row_bytes for g, n in enumerate(t.prefetch_misses)))
 
     def close(self) -> None:
         """Restore the model and release the host pool. Idempotent."""
@@ -469,7 +470,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
            prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None,
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
            pool_name: str | None = None, synthetic_topk: str | None = None,
-           resident_layers: str | Sequence[int] = ()) -> HiSparseHandle:
+           resident_layers: str | Sequence[int] = (), prefetch_next_group: bool = False) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -507,6 +508,10 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         block pool is sized; they never go through the host pool or a hot buffer (for layers whose
         top-k barely repeats, e.g. DeepSeek-V3.2's layers 0-1 on code). Prefix hits from the host
         pool are off with them. One device, one rank.
+    :param prefetch_next_group: after each index group's decode resolve, run the next group's
+        resolve on its top-k (on a side stream on CUDA, inline on the CPU), so the next group's
+        misses are copied while this group's attention runs (`prefetch.py`). Outputs are the same;
+        the hot buffers' LRU order, and so the misses, differ.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -544,7 +549,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
                           prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens,
-                          resident_layers=resident)
+                          resident_layers=resident, prefetch_next_group=prefetch_next_group)
     placement = place(layout.attentions, layout.groups)
     if resident and placement.spread:  # before any backend is built (the TP case below, once ranks are known)
         raise InvalidInputError(f"resident_layers={list(resident)} runs on one device and one rank; expected a model "
@@ -568,7 +573,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                      "host_pool_gib": repr(float(host_pool_gib)), "gpu_kv_gib": repr(float(gpu_kv_gib)),
                      "block_size": str(block_size), "hot_rows": str(hot_rows), "max_batch": str(max_batch),
                      "max_context": str(max_context), "prefill_chunk": str(prefill_chunk), "backend": chosen.name,
-                     "speculative_tokens": str(speculative_tokens),
+                     "speculative_tokens": str(speculative_tokens), "prefetch_next_group": str(prefetch_next_group),
                      "share_host_pool": str(share_host_pool), "devices": str(len(placement.devices))})
         logger.info("hisparse: %s", ranks.describe())
 

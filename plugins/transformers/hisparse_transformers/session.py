@@ -59,6 +59,8 @@ class StepState:
     state_rows: torch.Tensor | None = None  # [B] int32 the session's state rows (on this step's device)
     local: dict[int, StepState] = field(default_factory=dict)  # per further device (device_map): this step there
     write_res: torch.Tensor | None = None  # [N] int64 each written row's place in a resident layer's store
+    #: per index group: the top-k its prefetch (prefetch.py) read on a side stream, until the group's own resolve
+    prefetched: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Session:

@@ -33,6 +33,9 @@ class HiSparseStats:
     - `resident_layers` (enable's): those layers keep every position on the GPU in
       `resident_store_bytes` of the budget; hits, misses, H2D bytes and the per-request and pool
       bytes above count only the layers through hisparse.
+    - `prefetch_next_group` (enable's): `prefetch_misses` host rows the prefetches copied (the next
+      group's resolve on this group's top-k, off the critical path) and `prefetch_h2d_bytes` their
+      bytes; both are included in `misses` and `h2d_bytes` (the critical path's: the difference).
     """
 
     backend: str
@@ -73,6 +76,8 @@ class HiSparseStats:
     rolled_back_tokens: int = 0
     resident_layers: tuple[int, ...] = ()   # layers whose whole KV stays on the GPU (not in the counts above)
     resident_store_bytes: int = 0           # their stores, taken from gpu_kv_gib before the block pool
+    prefetch_misses: int = 0                # host rows copied by cross-layer prefetches (in `misses` too)
+    prefetch_h2d_bytes: int = 0             # their bytes, every layer of the group (in `h2d_bytes` too)
 
     @property
     def hit_rate(self) -> float:

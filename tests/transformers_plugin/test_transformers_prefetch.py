@@ -1,0 +1,119 @@
+"""`enable(..., prefetch_next_group=True)` (prefetch.py): the next index group's resolve runs on
+this group's top-k. Outputs are those of a run without it (the exactness checker compares every row
+attention reads), only the LRU order and the misses differ; under the locality model's coupled
+top-k the next group's critical-path misses drop; a bad value is one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tf_support import GEN, SHAPES, enable_kwargs, forced_logits, gpu_reason, random_prompts, tiny_model
+
+import hisparse_transformers
+from hisparse_core.errors import InvalidInputError
+from hisparse_transformers.tiny import TinyShape
+
+pytest.importorskip("transformers")
+
+#: DeepSeek-V3.2 (one layer a group) and GLM-5 with two groups of a leader and a follower: the
+#: prefetch's plan must reach the follower too (the group's layers share one hot map).
+CASES = {"deepseek_v32": SHAPES["deepseek_v32"], "glm_moe_dsa": TinyShape(layers=4, index_share=2)}
+
+
+def _generate(model: torch.nn.Module, family: str, prefetch: bool) -> tuple[Any, Any]:
+    ids, mask = random_prompts([100, 77, 60], seed=4)
+    shape = CASES[family]
+    row = (shape.kv_lora + shape.rope) * 4
+    budget = 66 * shape.layers * 4 * row / 2**30       # 66 pages: pages go back to host and return through misses
+    with hisparse_transformers.enable(model, **enable_kwargs(family, prefetch_next_group=prefetch,
+                                                             gpu_kv_gib=budget)) as hs:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=14, **GEN)
+        return out, hs.stats()
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_prefetch_leaves_outputs_unchanged(family: str) -> None:
+    model = tiny_model(family, shape=CASES[family], seed=5)
+    off, s_off = _generate(model, family, False)
+    on, s_on = _generate(model, family, True)
+    assert torch.equal(off.sequences, on.sequences)
+    for a, b in zip(off.logits, on.logits, strict=True):
+        assert torch.equal(a, b)
+    # check=True compared every row both runs read with the model's own latent
+    assert s_on.checked_entries == s_off.checked_entries > 0 and s_on.checked_max_abs_diff == 0.0
+    assert s_off.prefetch_misses == 0 and s_on.prefetch_misses > 0
+    assert s_on.prefetch_h2d_bytes > 0 and s_on.misses > s_on.prefetch_misses
+
+
+def _next_group_misses(model: torch.nn.Module, prefetch: bool) -> tuple[int, int, list[torch.Tensor]]:
+    """(group 1's critical-path misses, its prefetches' misses, the logits) of teacher-forced decode
+    steps whose top-k comes from the code locality model, the two groups standing for adjacent
+    reference layers (coupled top-k)."""
+    family = "deepseek_v32"
+    ids, mask = random_prompts([120, 96, 110], seed=7)
+    continuation = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(3))
+    kw = enable_kwargs(family, check=False, synthetic_topk="code", prefetch_next_group=prefetch, max_context=160,
+                       gpu_kv_gib=60 * 4 * 2 * 24 * 4 / 2**30)
+    with hisparse_transformers.enable(model, **kw) as hs:
+        engine = hs.engine
+        assert engine.topk_model is not None
+        engine.topk_model.layers = [30, 31]
+        cache = hs.new_cache(ids, mask)
+        logits = forced_logits(model, ids, mask, continuation, cache, 8)
+        looked = engine.runtimes[1].stats()          # before the session's end takes the counters
+        pre = int(engine.prefetch.counts[1]) if engine.prefetch is not None else 0
+        cache.finish()
+    return looked.misses - pre, pre, logits
+
+
+def test_prefetch_cuts_the_next_groups_critical_misses() -> None:
+    model = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=5)
+    off, none, want = _next_group_misses(model, False)
+    on, pre, got = _next_group_misses(model, True)
+    print(f"group 1 critical-path misses: {off} without the prefetch, {on} with it (+{pre} prefetched)")
+    assert none == 0 and pre > 0
+    assert off > 0 and on < 0.7 * off, (off, on, pre)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_prefetch_next_group_is_one_line() -> None:
+    model = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=5)
+    with pytest.raises(InvalidInputError, match=r"prefetch_next_group must be True or False, got 'yes'"):
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", prefetch_next_group="yes"))
+    assert getattr(model, "_hisparse_handle", None) is None or model._hisparse_handle.closed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_reason() is not None, reason=f"nvidia backend unavailable: {gpu_reason()}")
+@pytest.mark.parametrize("family", sorted(CASES))
+@pytest.mark.parametrize("mode", ["cuda graph", "eager, checked"])
+def test_prefetch_on_the_gpu_leaves_outputs_unchanged(family: str, mode: str) -> None:
+    """On the nvidia backend the prefetch runs on a side stream beside the group's attention:
+    decode steps replayed from a CUDA graph (fork and join captured), or eager with every row
+    attention reads compared with the model's own latent; the same tokens and logits either way."""
+    shape = CASES[family]
+    m: Any = tiny_model(family, shape=shape, seed=11, device="cuda")
+    m.set_experts_implementation("batched_mm")   # float32 grouped_mm reads its offsets on the host
+    ids, mask = random_prompts([97, 110, 103], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    budget = 66 * shape.layers * 4 * (shape.kv_lora + shape.rope) * 4 / 2**30
+    graphs = mode == "cuda graph"
+    outs, stats = [], []
+    for prefetch in (False, True):
+        kw = enable_kwargs(family, backend="nvidia", check=not graphs, cuda_graphs=graphs, gpu_kv_gib=budget,
+                           prefetch_next_group=prefetch)
+        with hisparse_transformers.enable(m, **kw) as hs:
+            gen: Any = m.generate
+            outs.append(gen(ids, attention_mask=mask, max_new_tokens=12, prefill_chunk_size=8, **GEN))
+            stats.append(hs.stats())
+    off, on = stats
+    assert on.decode_mode == off.decode_mode and (on.decode_mode == "cuda graph") == graphs, on.decode_mode
+    assert off.misses > 0 and on.prefetch_misses > 0 and off.prefetch_misses == 0
+    if not graphs:
+        assert on.checked_entries == off.checked_entries > 0 and on.checked_max_abs_diff == 0.0
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
+        assert torch.equal(a, b)

@@ -19,7 +19,6 @@ from hisparse_nvidia.kernels import (  # noqa: E402
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
-    vllm_resolve_hash,
     vllm_resolve_shape,
     vllm_resolve_shape_build,
     vllm_resolve_threads,
@@ -33,11 +32,9 @@ def _one_line_naming(err: pytest.ExceptionInfo, name: str, value: str) -> None:
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HISPARSE_VLLM_GATHER", "HISPARSE_VLLM_GATHER_PER_SM", "HISPARSE_VLLM_RESOLVE",
-                 "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT", "HISPARSE_VLLM_RESOLVE_SHAPE",
-                 "HISPARSE_VLLM_RESOLVE_HASH"):
+                 "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT", "HISPARSE_VLLM_RESOLVE_SHAPE"):
         monkeypatch.delenv(name, raising=False)
     assert vllm_resolve_shape() == 1  # the resolver compiled per call shape
-    assert vllm_resolve_hash() == 4  # one-row groups hashed at four buckets an entry
     assert vllm_gather_variant() == 2
     assert vllm_gather_per_sm() == 1
     assert vllm_resolve_threads() == 0  # automatic
@@ -79,12 +76,6 @@ def test_removed_resolver_build_refused(monkeypatch: pytest.MonkeyPatch) -> None
 def test_resolver_shape_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", value)
     assert vllm_resolve_shape() == int(value)
-
-
-@pytest.mark.parametrize("value", ["2", "4"])
-def test_resolver_hash_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_HASH", value)
-    assert vllm_resolve_hash() == int(value)
 
 
 @pytest.mark.parametrize(("variant", "want"), [(2, 1), (0, 0), (1, 0)])
@@ -166,15 +157,13 @@ def test_carveout_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GATHER_PER_SM": vllm_gather_per_sm,
-         "HISPARSE_VLLM_RESOLVE_SHAPE": vllm_resolve_shape, "HISPARSE_VLLM_RESOLVE_HASH": vllm_resolve_hash,
+         "HISPARSE_VLLM_RESOLVE_SHAPE": vllm_resolve_shape,
          "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout}
 
 
 @pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "5"), ("HISPARSE_VLLM_RESOLVE", "-1"),
                                         ("HISPARSE_VLLM_RESOLVE", "lean"),
                                         ("HISPARSE_VLLM_RESOLVE_SHAPE", "2"), ("HISPARSE_VLLM_RESOLVE_SHAPE", "yes"),
-                                        ("HISPARSE_VLLM_RESOLVE_HASH", "3"), ("HISPARSE_VLLM_RESOLVE_HASH", "8"),
-                                        ("HISPARSE_VLLM_RESOLVE_HASH", "1"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "9"), ("HISPARSE_VLLM_RESOLVE_THREADS", "384"),
                                         ("HISPARSE_VLLM_RESOLVE_THREADS", "64"), ("HISPARSE_VLLM_RESOLVE_THREADS", "2048"),
@@ -189,9 +178,9 @@ def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPat
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 32767), st.integers(0, 40000), st.integers(1, 8192), st.integers(0, 4),
-       st.sampled_from([48 * 1024, 99 * 1024, 227 * 1024]), st.sampled_from([2, 4]))
+       st.sampled_from([48 * 1024, 99 * 1024, 227 * 1024]))
 def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int, k: int, build: int,
-                                                             optin: int, per_entry: int) -> None:
+                                                             optin: int) -> None:
     # vllm_ops.cu takes the buckets and the LRU order from the launch's dynamic shared memory, and
     # build 3 reads the hot-map row into it from the first 16-byte boundary past the buckets
     # wherever %dynamic_smem_size covers that row. Build 4 takes at least build 3's buckets (a
@@ -199,11 +188,11 @@ def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int,
     # kernel hashes into (from 4 k for a one-row group, from twice the union for larger ones).
     from hisparse_nvidia.vllm_ops import RESOLVE_SMEM_BUDGET, resolve_smem_buckets, resolve_smem_bytes
 
-    b = resolve_smem_buckets(union, h, k, build, per_entry)
+    b = resolve_smem_buckets(union, h, k, build)
     if build >= 4:
         two = resolve_smem_buckets(union, h, k, 3)
-        used = 1 << (max(2 * union, per_entry * k) - 1).bit_length()
-        assert b >= two and (b == two or b & (b - 1) == 0) and b <= max(two, min(per_entry * union, used))
+        used = 1 << (max(2 * union, 4 * k) - 1).bit_length()
+        assert b >= two and (b == two or b & (b - 1) == 0) and b <= max(two, min(4 * union, used))
     got = resolve_smem_bytes(b, h, build, optin)
     row_end = -(-8 * b // 16) * 16 + 4 * h
     assert got >= 12 * b + 2 * h and got % 4 == 0
@@ -224,8 +213,6 @@ def test_resolver_buckets_at_top_k_2048(rows: int, h: int, want: int) -> None:
 
     assert resolve_smem_buckets(rows * 2048, h, 2048, 4) == want
     assert resolve_smem_buckets(rows * 2048, h, 2048, 3) == min(want, 2 * rows * 2048)
-    # HISPARSE_VLLM_RESOLVE_HASH=2: one-row groups at build 3's 4096 (the kernel's T1 then 2 x top-k), others as before
-    assert resolve_smem_buckets(rows * 2048, h, 2048, 4, 2) == (4096 if rows == 1 else want)
 
 
 @settings(max_examples=300, deadline=None)

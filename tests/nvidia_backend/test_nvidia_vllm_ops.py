@@ -57,15 +57,12 @@ def test_nvidia_vllm_ops_match_reference(seed: int, rows_per_request: int, miss_
 
 
 def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
-    """HISPARSE_VLLM_RESOLVE=build; a trailing "s" also sets HISPARSE_VLLM_RESOLVE_SHAPE=1 (a build per shape),
-    a trailing "h2" (after it) HISPARSE_VLLM_RESOLVE_HASH=2 (one-row groups hashed at two buckets an entry)."""
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_HASH", "2" if build.endswith("h2") else "4")
-    build = build.removesuffix("h2")
+    """HISPARSE_VLLM_RESOLVE=build; a trailing "s" also sets HISPARSE_VLLM_RESOLVE_SHAPE=1 (a build per shape)."""
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build.removesuffix("s"))
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if build.endswith("s") else "0")
 
 
-@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "1s", "3s", "4s", "4h2", "4sh2"])
+@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "1s", "3s", "4s"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("rows_per_request", [1, 4])
 def test_other_resolver_builds_match_reference(seed: int, rows_per_request: int, build: str,
@@ -150,7 +147,7 @@ def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: t
             cnt[1], None, 0, 0]
 
 
-@pytest.mark.parametrize("build", ["3", "4", "4s", "4sh2"])  # HISPARSE_VLLM_RESOLVE (s: per shape; h2: RESOLVE_HASH=2)
+@pytest.mark.parametrize("build", ["3", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("k,h,threads", [(64, 64, 0), (64, 128, 0), (256, 512, 128), (200, 400, 128),
                                          (256, 1024, 128), (256, 2048, 128)])
 @pytest.mark.parametrize("seed", range(3))
@@ -216,7 +213,7 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
             cnt[0], out[4], out[5], cnt[1], state["res"], 64, 0]
 
 
-@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s", "4sh2"])  # HISPARSE_VLLM_RESOLVE (s: per shape)
+@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: per shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (2, 4096, 4096), (4, 10240, 8192),
                                        (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
@@ -280,7 +277,7 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
     _assert_same(a, ag)
 
 
-@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "4sh2"])  # HISPARSE_VLLM_RESOLVE (s: per shape)
+@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (2, 4096, 4096), (2, 10240, 4096),
                                        (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))

@@ -326,22 +326,6 @@ def vllm_resolve_variant() -> int:
                       "for one-row groups)")
 
 
-#: Shared hash buckets an entry of build 4's one-row groups (its lean path): 4 (default; load 1/4, shorter
-#: probe runs, 64 KiB of buckets cleared at top-k 2048) or 2 (load 1/2 as build 3: half the buckets to clear
-#: and half the shared memory, longer probe runs). Only the table's size changes, not the kernel's code;
-#: outputs are the same. Not yet timed. Read at each resolve call, for A/B timing in one process.
-ENV_VLLM_RESOLVE_HASH = "HISPARSE_VLLM_RESOLVE_HASH"
-VLLM_RESOLVE_HASH = 4
-
-
-def vllm_resolve_hash() -> int:
-    """`HISPARSE_VLLM_RESOLVE_HASH` (default `VLLM_RESOLVE_HASH`)."""
-    got = env_int_in(ENV_VLLM_RESOLVE_HASH, VLLM_RESOLVE_HASH, 2, 4, "2 or 4 shared hash buckets an entry")
-    if got == 3:
-        raise InvalidInputError(f"{ENV_VLLM_RESOLVE_HASH}=3: expected 2 or 4 shared hash buckets an entry")
-    return got
-
-
 #: vLLM's resolver built per call shape (1, default) or one build for every shape (0): a shape build
 #: (vllm_resolve_shape_build) has the call's top-k, hot rows, block sizes, shared buckets and threads
 #: as compile-time constants, so divisions, power-of-two tests, bounds and loop trips fold, as in the
@@ -404,12 +388,11 @@ def all_builds_for_ci() -> list[KernelBuild]:
                                               "HS_VR_FAST": v}) for v in (0, 1, 2, 3, 4)}  # HISPARSE_VLLM_RESOLVE
     # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3 and 4
     # (4 with the buckets vllm_ops.resolve_smem_buckets gives it there: four a union row where they fit), and
-    # build 4 for the GPU tests' two-row groups (8192 buckets: at 4096 hot rows the one-row build) and for
-    # HISPARSE_VLLM_RESOLVE_HASH=2 at one row (4096)
+    # build 4 for the GPU tests' two-row groups (8192 buckets: at 4096 hot rows the one-row build)
     builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (1, 3)
                for h, b in ((4096, 4096), (10240, 16384))}
     builds |= {vllm_resolve_shape_build(4, 2048, h, 64, 64, 64, b, 1024) for h, b in ((4096, 8192), (10240, 16384),
-                                                                                     (10240, 8192), (4096, 4096))}
+                                                                                     (10240, 8192))}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

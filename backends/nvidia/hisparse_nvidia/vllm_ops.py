@@ -42,7 +42,6 @@ from hisparse_nvidia.kernels import (
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
-    vllm_resolve_hash,
     vllm_resolve_shape,
     vllm_resolve_shape_build,
     vllm_resolve_threads,
@@ -87,21 +86,20 @@ def resolve_threads(k: int, h: int, want: int = 0) -> int:
     return min(t, 1024)
 
 
-def resolve_smem_buckets(max_union_rows: int, h: int, k: int, build: int = 3, per_entry: int = 4) -> int:
+def resolve_smem_buckets(max_union_rows: int, h: int, k: int, build: int = 3) -> int:
     """Hash buckets of the resolver's shared table: twice the union vLLM declares (load at most 1/2),
     within `RESOLVE_SMEM_BUDGET` beside the LRU order; groups with more host entries spill over into
     global scratch. Build 4 (HISPARSE_VLLM_RESOLVE=4) takes a power of two up to four a union row
     where that fits, never fewer than the others, and no more than its kernel uses: a one-row group
     of top-k `k` hashes into the power of two from 4 k (its lean path, load 1/4), a group of several
     rows into the one from twice its entries (build 3's path). So two-row groups of top-k 2048 take
-    8192 buckets, as build 3 does, not 16384; one- and four-row groups keep their sizes. `per_entry` 2
-    (HISPARSE_VLLM_RESOLVE_HASH) hashes one-row groups at 2 k as well (load 1/2)."""
+    8192 buckets, as build 3 does, not 16384; one- and four-row groups keep their sizes."""
     fit = (RESOLVE_SMEM_BUDGET - 2 * h - 16) // 12
     two = max(0, min(2 * max_union_rows, fit))
     if build < 4:
         return two
-    four = min(per_entry * max_union_rows, fit)
-    used = _pow2ceil(max(2 * max_union_rows, per_entry * k))
+    four = min(4 * max_union_rows, fit)
+    used = _pow2ceil(max(2 * max_union_rows, 4 * k))
     return max(two, min(1 << (four.bit_length() - 1) if four > 0 else 0, used))
 
 
@@ -269,14 +267,14 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         if n == 0:
             return
         want_threads, carveout = vllm_resolve_threads(), vllm_carveout()  # refused here, before any work
-        build, per_shape, per_entry = vllm_resolve_variant(), vllm_resolve_shape(), vllm_resolve_hash()
+        build, per_shape = vllm_resolve_variant(), vllm_resolve_shape()
         if n * k * 2 >= 2**31:
             raise InvalidInputError(f"{spec.RESOLVE}: topk has {n} x {k} entries; at most 2^30 - 1 a call")
         dev = hot_cache.device
         bs = hot_cache.shape[1]
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
         threads = resolve_threads(k, h, want_threads)
-        buckets = resolve_smem_buckets(max_union_rows, h, k, build, per_entry)
+        buckets = resolve_smem_buckets(max_union_rows, h, k, build)
         smem = resolve_smem_bytes(buckets, h, build, self._backend._device_props()[2])
         gtab, gval = self._buffer(("hash", dev, n, k), lambda: (
             torch.empty(2 * n * k, dtype=torch.int64, device=dev), torch.empty(2 * n * k, dtype=torch.int32,

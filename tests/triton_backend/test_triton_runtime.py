@@ -232,15 +232,7 @@ def test_plan_copy_programs_share_the_chunks_of_every_row(backend, kernel: str, 
     host = torch.randint(-2**31, 2**31 - 1, (40, words), dtype=torch.int32, generator=g)
     dev = torch.zeros((12, bs, words), dtype=torch.int32)
     counts = torch.tensor([3, 0, 8, 1, 5], dtype=torch.int32)
-    plan_host = torch.full((rows, k), -1, dtype=torch.int32)
-    plan_dev = torch.full((rows, k), -1, dtype=torch.int32)
-    dsts = torch.randperm(48, generator=g)[:int(counts.sum())].to(torch.int32)
-    at = 0
-    for r in range(rows):
-        c = int(counts[r])
-        plan_host[r, :c] = torch.randint(0, 40, (c,), dtype=torch.int32, generator=g)
-        plan_dev[r, :c] = dsts[at:at + c]
-        at += c
+    plan_host, plan_dev = _random_plans(counts, k, 48, g)
     stats = torch.zeros(5, dtype=torch.int64)
     d = backend.device
     dev_d = dev.to(d)
@@ -274,15 +266,7 @@ def test_lean_plan_copy_matches_the_plan_on_strided_blocks(backend, vec: int, sh
     host = torch.randint(-2**31, 2**31 - 1, (40, words), dtype=torch.int32, generator=g)
     slab = torch.zeros(blocks * (bs * words + 6), dtype=torch.int32)  # blocks 30 words apart, 24 of them rows
     counts = torch.tensor([3, 0, 8, 1, 5], dtype=torch.int32)
-    plan_host = torch.full((rows, k), -1, dtype=torch.int32)
-    plan_dev = torch.full((rows, k), -1, dtype=torch.int32)
-    dsts = torch.randperm(blocks * bs, generator=g)[:int(counts.sum())].to(torch.int32)
-    at = 0
-    for r in range(rows):
-        c = int(counts[r])
-        plan_host[r, :c] = torch.randint(0, 40, (c,), dtype=torch.int32, generator=g)
-        plan_dev[r, :c] = dsts[at:at + c]
-        at += c
+    plan_host, plan_dev = _random_plans(counts, k, blocks * bs, g)
     d = backend.device
     slab_d = slab.to(d)
     dev_d = slab_d.view(blocks, bs * words + 6)[:, :bs * words].view(blocks, bs, words)
@@ -535,3 +519,20 @@ def test_cas_build_needs_triton_39_on_rocm(version: str, rocm: bool, compiles: b
     from hisparse_triton import shapes
 
     assert shapes.cas_compiles(version, rocm=rocm) is compiles
+
+
+def _random_plans(counts: torch.Tensor, k: int, dst_rows: int,
+                  g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plans of counts[r] entries for row r (the rest -1): host rows below 40, distinct device rows below
+    dst_rows."""
+    rows = counts.shape[0]
+    plan_host = torch.full((rows, k), -1, dtype=torch.int32)
+    plan_dev = torch.full((rows, k), -1, dtype=torch.int32)
+    dsts = torch.randperm(dst_rows, generator=g)[:int(counts.sum())].to(torch.int32)
+    at = 0
+    for r in range(rows):
+        c = int(counts[r])
+        plan_host[r, :c] = torch.randint(0, 40, (c,), dtype=torch.int32, generator=g)
+        plan_dev[r, :c] = dsts[at:at + c]
+        at += c
+    return plan_host, plan_dev

@@ -90,8 +90,18 @@
 #define VR_FAST4 (HS_VR_FAST >= 4)
 // HS_VR_FAST 5 (four entries and eight LRU positions a thread, half the threads) was slower than 4 on
 // every hit and miss cell on the H200 (sixteenth session, call C1) and was removed.
-#if HS_VR_FAST > 4
-#error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4"
+// HS_VR_FAST 6 (HISPARSE_VLLM_RESOLVE=6) is 4 with a shorter instruction stream on the lean path, whose
+// hit step issued some three times the native resolver's instructions a warp (sm_90 SASS, one-row hit
+// step: the four-row prologue, the walk's probe loops, bounds the compiler could not fold):
+// - the rows r - 1 .. r + 30 are read one a lane in every warp (a request id and a speculative state
+//   row each, as build 4's four rows a thread) and rows r - 1, r and r + 1 shuffled from lanes 0-2, so
+//   a thread issues two loads and three shuffles where build 4 issued eight loads and their checks;
+// - the thread index is bounded by the block size for the compiler, so the bounds that shape builds
+//   make constant (entries and LRU positions a thread, hot blocks, hot-map vectors) fold.
+// Outputs, LRU order, hot map and plan are build 4's, byte for byte; other groups take build 3's path.
+#define VR_FAST6 (HS_VR_FAST >= 6)
+#if HS_VR_FAST == 5 || HS_VR_FAST > 6
+#error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4 or 6"
 #endif
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 // Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
@@ -313,6 +323,9 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #else
     const i32 r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
 #endif
+#if VR_FAST6
+    __builtin_assume(tid >= 0 && tid < nt);  // the launch's block size (shape builds: a constant)
+#endif
 #if VR_LEAN
     // The first round of row r's entries, issued before anything else (their addresses need nothing).
     i32 tv0[VR_B];
@@ -324,7 +337,34 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Rows r - 1 and r, and warp 0's rows r - 1 .. r + 30 (the group's extent), in two rounds: every
     // request id first, then every state row.
     i32 pq = -2, wq = -1;  // row r - 1's state row (-2: none; never a q below); warp 0's row's
-#if VR_FAST4
+#if VR_FAST6
+    i32 nq;  // row r + 1's state row (-1: none)
+    // Lane j of every warp reads row r - 1 + j as build 4 reads each of its four rows (the state row of
+    // the row's own index loaded with its request id); rows r - 1, r and r + 1 come from lanes 0-2.
+    {
+        const i32 lane = tid & 31;
+        const i32 rr = r - 1 + lane;
+        const bool in = rr >= 0 && rr < n;
+        const i32 rq = in ? (request_ids != nullptr ? request_ids[rr] : rr) : -1;
+        const i32 sp = (rsi != nullptr && in && rr < nr) ? rsi[rr] : -1;
+        i32 st = rq;
+        if (rsi != nullptr) {  // block-uniform
+            st = -1;
+            if (rq == rr) {
+                st = sp;
+            } else if (in && rq >= 0 && rq < nr) {
+                st = rsi[rq];
+            }
+        }
+        st = (st < 0 || st >= S) ? -1 : st;  // as vr_state
+        req = __shfl_sync(HS_FULL_MASK, rq, 1);
+        q = __shfl_sync(HS_FULL_MASK, st, 1);
+        const i32 before = __shfl_sync(HS_FULL_MASK, st, 0);
+        if (r > 0) pq = before;
+        nq = __shfl_sync(HS_FULL_MASK, st, 2);
+        if (tid < 32 && tid != 1 && in) wq = st;
+    }
+#elif VR_FAST4
     i32 nq;  // row r + 1's state row (-1: none)
     // Rows r, r - 1, r + 1 and warp 0's row: every request id in one round, then every state row in one
     // more, each round's loads issued together (vr_state's branches made the compiler wait for each state

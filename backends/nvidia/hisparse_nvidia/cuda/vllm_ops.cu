@@ -186,6 +186,12 @@ __device__ __forceinline__ u32 vr_hash(i32 key, u32 size) {
     return h % size;
 }
 
+constexpr u32 vr_pow2ceil(u32 x) {
+    u32 t = 1;
+    while (t < x) t <<= 1;
+    return t;
+}
+
 // Buckets of a table for `need` of them: the next power of two where `room` allows (mask indexing).
 __device__ __forceinline__ u32 vr_buckets(i64 need, i64 room) {
 #if HS_VR_FAST
@@ -459,6 +465,20 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Their page-table entries (row r is the group's first row whenever this block resolves), and the
     // shared hash of a one-row group cleared, all before the group barrier.
     i32 sb0[VR_B], rb0[VR_B];
+#if VR_FAST6
+    {  // each row's address once (64-bit), its columns 32-bit; the row tests are block-uniform
+        const i32* srow = sbt != nullptr && req >= 0 && req < sbt_rows ? sbt + static_cast<i64>(req) * sbt_stride
+                                                                        : nullptr;
+        const i32* rrow = rbt != nullptr && q < rbt_rows ? rbt + static_cast<i64>(q) * rbt_stride : nullptr;
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            const i32 t = tv0[u];
+            const i32 scol = vr_div(t, sbs), rcol = vr_div(t, rbs);  // used only where t >= 0
+            sb0[u] = srow != nullptr && t >= 0 && scol < sbt_cols ? srow[scol] : -1;
+            rb0[u] = rrow != nullptr && t >= 0 && rcol < rbt_cols ? rrow[rcol] : null_block;
+        }
+    }
+#else
 #pragma unroll
     for (i32 u = 0; u < VR_B; ++u) {
         const i32 t = tv0[u];
@@ -473,6 +493,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             rb0[u] = rbt[static_cast<i64>(q) * rbt_stride + rcol];
         }
     }
+#endif
 #if VR_FAST4
     // Four buckets a row where a power of two that large fits (the lean path's probe runs), else two.
     u32 T1 = static_cast<i64>(2) * K <= smem_buckets ? vr_buckets(static_cast<i64>(2) * K, smem_buckets) : 0u;
@@ -485,7 +506,19 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #endif
 #if VR_FAST4
     // Two buckets a 16-byte store (T1 is even: 2 * K, 4 * K or a power of two above them).
+#if VR_FAST6 && defined(VR_K)
+    // A shape build knows T1 and nt: whole rounds, unrolled (the loop above kept a remainder round).
+    {
+        constexpr u32 kRounds = (vr_pow2ceil(4u * VR_K) + 2u * VR_NT - 1u) / (2u * VR_NT);  // T1 never exceeds it
+#pragma unroll
+        for (u32 c = 0; c < kRounds; ++c) {
+            const u32 b = 2u * (c * VR_NT + static_cast<u32>(tid));
+            if (b < T1) *reinterpret_cast<uint4*>(s_tab + b) = make_uint4(~0u, ~0u, ~0u, ~0u);
+        }
+    }
+#else
     for (u32 b = 2 * tid; b < T1; b += 2 * nt) *reinterpret_cast<uint4*>(s_tab + b) = make_uint4(~0u, ~0u, ~0u, ~0u);
+#endif
 #else
     for (u32 b = tid; b < T1; b += nt) s_tab[b] = VR_EMPTY;
 #endif

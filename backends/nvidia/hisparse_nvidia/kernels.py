@@ -234,9 +234,10 @@ VLLM_GATHER = 2
 #: A build 5 (4 with four entries and eight LRU positions a thread, half the threads) was slower than 4 on
 #: every hit and miss cell in call C1 of the sixteenth session (hits 11.85-13.85 us against 9.92-10.93) and
 #: was removed; 5 is refused like any value outside 0-4 and 6. 6 = 4 with a shorter instruction stream on
-#: the one-row lean path (vllm_ops.cu, VR_FAST6: rows r - 1 .. r + 30 one a lane and shuffled, the walk's
-#: first two buckets read together and no per-position probe loop, the thread index bounded for the
-#: compiler); the same outputs byte for byte. Not yet timed on a GPU: off until it is.
+#: the one-row lean path (vllm_ops.cu, VR_FAST6: rows r - 1 .. r + 30 one a lane and shuffled, the
+#: page-table rows addressed once, the hash cleared in unrolled rounds, the thread index bounded for the
+#: compiler, one barrier fewer on a step with misses unless an entry repeats a miss); the same outputs
+#: byte for byte. Not yet timed on a GPU: off until it is.
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
 VLLM_RESOLVE = 4
 #: The resolver builds there are (HISPARSE_VLLM_RESOLVE); 5 was removed.

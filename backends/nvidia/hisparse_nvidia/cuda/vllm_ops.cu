@@ -97,7 +97,12 @@
 //   row each, as build 4's four rows a thread) and rows r - 1, r and r + 1 shuffled from lanes 0-2, so
 //   a thread issues two loads and three shuffles where build 4 issued eight loads and their checks;
 // - the thread index is bounded by the block size for the compiler, so the bounds that shape builds
-//   make constant (entries and LRU positions a thread, hot blocks, hot-map vectors) fold.
+//   make constant (entries and LRU positions a thread, hot blocks, hot-map vectors) fold;
+// - the page-table rows' addresses are computed once (64-bit), their columns in 32 bits, and a shape
+//   build clears the shared hash in whole unrolled rounds;
+// - a step with misses crosses one barrier after the walk's where build 4 crosses two: each miss's entry
+//   outputs the hot row it computed, and the barrier that publishes them (s_val) is crossed only where an
+//   entry repeats a miss another entry records.
 // Outputs, LRU order, hot map and plan are build 4's, byte for byte; other groups take build 3's path.
 #define VR_FAST6 (HS_VR_FAST >= 6)
 #if HS_VR_FAST == 5 || HS_VR_FAST > 6
@@ -735,6 +740,89 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 if (to != p0 + u) lru_q[to] = static_cast<i16>(sl0[u]);
             }
         }
+#if VR_FAST6
+        // ---- misses in first-reference order (entries in index order: u = 0's, then u = 1's) ------
+        // Each host entry's bucket word is read once: held (its slot), its own first reference (a miss it
+        // records), or another entry's unheld first reference (a repeat of a miss). Only a step with such a
+        // repeat waits on a barrier for the misses' hot rows (through s_val); otherwise each miss's entry
+        // outputs the hot row it computed (one barrier after the walk's, where build 4 crosses two).
+        u32 lo[VR_B];
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) lo[u] = host[u] ? vr_lds(a_tab + 8u * bk[u]) : 0u;
+        i32 M = 0;
+        i32 own[VR_B] = {-1, -1};  // the hot row of a miss this thread records
+        if (misses > 0) {  // block-uniform
+            {
+                i32 er = p0 - hbefore;  // the evictable slots in LRU order: E[m] = ord[m]
+#pragma unroll
+                for (i32 u = 0; u < VR_W; ++u) {
+                    if (p0 + u >= p1) break;
+                    if (!((hitbits >> u) & 1u)) ord[er++] = static_cast<i16>(sl0[u]);
+                }
+            }
+            bool first[VR_B];
+            bool repeat = false;
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {  // a miss (no HELD bit) first referenced here
+                first[u] = host[u] && lo[u] == static_cast<u32>(tid + u * nt);
+                repeat |= host[u] && !(lo[u] & VR_HELD) && !first[u];
+            }
+            const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
+            const bool wrep = __any_sync(HS_FULL_MASK, repeat);
+            __shared__ u32 s6_m[2][32];
+            if (lane == 0) {
+                s6_m[0][warp] = static_cast<u32>(__popc(f0)) | (static_cast<u32>(__popc(f1)) << 16);
+                s6_m[1][warp] = wrep ? 1u : 0u;
+            }
+            __syncthreads();  // the evictable order, the warps' first references and repeats
+            const u32 x = lane < nw ? s6_m[0][lane] : 0u;
+            const u32 before = __reduce_add_sync(HS_FULL_MASK, lane < warp ? x : 0u);
+            const u32 all = __reduce_add_sync(HS_FULL_MASK, x);
+            const bool repeats = __reduce_or_sync(HS_FULL_MASK, lane < nw ? s6_m[1][lane] : 0u) != 0u;
+            const i32 tot0 = static_cast<i32>(all & 0xffffu);
+            M = tot0 + static_cast<i32>(all >> 16);
+            const i32 rank[VR_B] = {static_cast<i32>(before & 0xffffu) + __popc(f0 & lt),
+                                    tot0 + static_cast<i32>(before >> 16) + __popc(f1 & lt)};
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {
+                if (!first[u]) continue;
+                const i32 m = rank[u], e = base + tid + u * nt;
+                const i32 slot = m < nE ? static_cast<i32>(ord[m]) : -1;
+                i32 dev = -1;
+                if (slot >= 0 && slot < H) {
+                    dev = hot_row(slot);
+                    dgi_q[slot] = gv[u];
+                    if (miss_mask != nullptr) miss_mask[e] = 1;
+                }
+                own[u] = dev;
+                if (repeats) s_val[bk[u]] = dev;
+                if (swap_counts != nullptr) {
+                    swap_host[base + m] = gv[u];
+                    swap_dev[base + m] = dev;
+                }
+            }
+            if (tid == 0 && swap_counts != nullptr) swap_counts[r] = M;
+            if (repeats) __syncthreads();  // block-uniform: every miss's hot row is in s_val
+        } else if (tid == 0 && swap_counts != nullptr) {
+            swap_counts[r] = 0;
+        }
+        // ---- outputs of host entries ------------------------------------------------------------
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            if (!host[u]) continue;
+            const i32 e = base + tid + u * nt;
+            i32 out;
+            if (lo[u] & VR_HELD) {
+                out = hot_row(static_cast<i32>(lo[u] & 0x7fffu));
+            } else if (lo[u] == static_cast<u32>(tid + u * nt)) {
+                out = own[u];
+            } else {
+                out = s_val[bk[u]];  // a repeat of a miss: written before the barrier above
+            }
+            hot_out[e] = out;
+            if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
+        }
+#else
         // ---- misses in first-reference order (entries in index order: u = 0's, then u = 1's) ------
         i32 M = 0;
         if (misses > 0) {  // block-uniform
@@ -794,6 +882,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             hot_out[e] = out;
             if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
         }
+#endif
         if (tid == 0 && stats != nullptr) {
             atomicAdd(reinterpret_cast<unsigned long long*>(stats), static_cast<unsigned long long>(U - M));
             atomicAdd(reinterpret_cast<unsigned long long*>(stats) + 1, static_cast<unsigned long long>(M));

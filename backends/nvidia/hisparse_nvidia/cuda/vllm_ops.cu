@@ -91,8 +91,9 @@
 // HS_VR_FAST 5 (four entries and eight LRU positions a thread, half the threads) was slower than 4 on
 // every hit and miss cell on the H200 (sixteenth session, call C1) and was removed.
 // HS_VR_FAST 6 (HISPARSE_VLLM_RESOLVE=6) is 4 with a shorter instruction stream on the lean path, whose
-// hit step issued some three times the native resolver's instructions a warp (sm_90 SASS, one-row hit
-// step: the four-row prologue, the walk's probe loops, bounds the compiler could not fold):
+// hit step issues over twice the native resolver's instructions a warp (sm_90 SASS: the hash's inserts and
+// walk, which native's position hints skip, four outputs an entry, a four-row prologue, bounds the
+// compiler could not fold):
 // - the rows r - 1 .. r + 30 are read one a lane in every warp (a request id and a speculative state
 //   row each, as build 4's four rows a thread) and rows r - 1, r and r + 1 shuffled from lanes 0-2, so
 //   a thread issues two loads and three shuffles where build 4 issued eight loads and their checks;

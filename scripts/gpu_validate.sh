@@ -251,8 +251,9 @@ vllm_ops_bench)  # vLLM's call sequence on hisparse's op set beside the native s
     ;;
 vllm_tests)  # vLLM's own kernel tests (tests/kernels/attention/test_hisparse_kernels.py, a copy in the
     # git-ignored .vllm_tests/, never committed) against nvidia's op set: .vllm_tests/shim/vllm stands in
-    # for the `vllm` import on a machine without vLLM and registers the ops through hisparse_vllm.ops
-    run vllm_tests "${T_VLLM_TESTS:-150}" env PYTHONPATH="$REPO/.vllm_tests/shim:$PYTHONPATH" python3 -m pytest -q -rs \
+    # for the `vllm` import on a machine without vLLM and registers the ops through hisparse_vllm.ops;
+    # VLLM_TESTS_ENV: HISPARSE_VLLM_* settings for this stage alone (a default-off build, e.g. HISPARSE_VLLM_RESOLVE=6)
+    run vllm_tests "${T_VLLM_TESTS:-150}" env ${VLLM_TESTS_ENV:-} PYTHONPATH="$REPO/.vllm_tests/shim:$PYTHONPATH" python3 -m pytest -q -rs \
         -p no:cacheprovider "$REPO/.vllm_tests/test_hisparse_kernels.py"
     ;;
 serving)  # issue 29: decode throughput at a fixed GPU KV budget (SERVING_ARGS)

@@ -56,7 +56,7 @@ def test_gather_removed_or_bad_path_refused(value: str, monkeypatch: pytest.Monk
     _one_line_naming(err, "HISPARSE_VLLM_GATHER", value)
 
 
-@pytest.mark.parametrize("value", ["0", "1", "2", "3", "4"])
+@pytest.mark.parametrize("value", ["0", "1", "2", "3", "4", "6"])
 def test_resolver_builds_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", value)
     assert dict(vllm_ops_build(656).defines)["HS_VR_FAST"] == int(value)
@@ -69,7 +69,7 @@ def test_removed_resolver_build_refused(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(InvalidInputError) as err:
         vllm_ops_build(656)
     _one_line_naming(err, "HISPARSE_VLLM_RESOLVE", "5")
-    assert "expected 0 (" in str(err.value) and "or 4 (" in str(err.value)
+    assert "expected 0 (" in str(err.value) and ", 4 (" in str(err.value) and "or 6 (" in str(err.value)
 
 
 @pytest.mark.parametrize("value", ["0", "1"])
@@ -161,8 +161,8 @@ _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GA
          "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout}
 
 
-@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "5"), ("HISPARSE_VLLM_RESOLVE", "-1"),
-                                        ("HISPARSE_VLLM_RESOLVE", "lean"),
+@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "5"), ("HISPARSE_VLLM_RESOLVE", "7"),
+                                        ("HISPARSE_VLLM_RESOLVE", "-1"), ("HISPARSE_VLLM_RESOLVE", "lean"),
                                         ("HISPARSE_VLLM_RESOLVE_SHAPE", "2"), ("HISPARSE_VLLM_RESOLVE_SHAPE", "yes"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "9"), ("HISPARSE_VLLM_RESOLVE_THREADS", "384"),
@@ -177,7 +177,7 @@ def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPat
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(1, 8192), st.integers(0, 4),
+@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(1, 8192), st.sampled_from([0, 1, 2, 3, 4, 6]),
        st.sampled_from([48 * 1024, 99 * 1024, 227 * 1024]))
 def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int, k: int, build: int,
                                                              optin: int) -> None:

@@ -62,14 +62,15 @@ def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if build.endswith("s") else "0")
 
 
-@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "1s", "3s", "4s"])
+@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "6", "1s", "3s", "4s", "6s"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("rows_per_request", [1, 4])
 def test_other_resolver_builds_match_reference(seed: int, rows_per_request: int, build: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every resolver build (HISPARSE_VLLM_RESOLVE 0 to 4; 2's rows that continue their group leave
-    before their own loads; 4's lean path for one-row groups; 1, 3 and 4 also built for the call's
-    shape, whose sizes are compile-time constants; 4s is the default the other tests run) on random
+    """Every resolver build (HISPARSE_VLLM_RESOLVE 0 to 4 and 6; 2's rows that continue their group leave
+    before their own loads; 4's lean path for one-row groups, 6's with its rows read one a lane; 1, 3, 4
+    and 6 also built for the call's shape, whose sizes are compile-time constants; 4s is the default the
+    other tests run) on random
     cases with union groups and padding rows."""
     _set_build(monkeypatch, build)
     case = _pinned(random_case(300 + seed, rows_per_request=rows_per_request, corrupt_lru=seed % 3 == 0))
@@ -147,7 +148,7 @@ def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: t
             cnt[1], None, 0, 0]
 
 
-@pytest.mark.parametrize("build", ["3", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("k,h,threads", [(64, 64, 0), (64, 128, 0), (256, 512, 128), (200, 400, 128),
                                          (256, 1024, 128), (256, 2048, 128)])
 @pytest.mark.parametrize("seed", range(3))
@@ -213,7 +214,7 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
             cnt[0], out[4], out[5], cnt[1], state["res"], 64, 0]
 
 
-@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: per shape)
+@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: per shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (2, 4096, 4096), (4, 10240, 8192),
                                        (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
@@ -277,7 +278,7 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
     _assert_same(a, ag)
 
 
-@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (2, 4096, 4096), (2, 10240, 4096),
                                        (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))
@@ -310,7 +311,7 @@ def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur
         _step_both(st_cpu, st_gpu, t, k)
 
 
-@pytest.mark.parametrize("build", ["3", "4s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("build", ["3", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 def test_resolve_and_gathers_capture_in_a_cuda_graph(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _set_build(monkeypatch, build)
     ops = _ops()

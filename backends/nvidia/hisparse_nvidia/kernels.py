@@ -233,9 +233,15 @@ VLLM_GATHER = 2
 #: B = 8 49.1 against 58.3; four-row groups take 3's path (at most 1.3 us slower, up to 2.8 faster).
 #: A build 5 (4 with four entries and eight LRU positions a thread, half the threads) was slower than 4 on
 #: every hit and miss cell in call C1 of the sixteenth session (hits 11.85-13.85 us against 9.92-10.93) and
-#: was removed; 5 is refused like any value outside 0-4.
+#: was removed; 5 is refused like any value outside 0-4 and 6. 6 = 4 with a shorter instruction stream on
+#: the one-row lean path (vllm_ops.cu, VR_FAST6: rows r - 1 .. r + 30 one a lane and shuffled, the
+#: page-table rows addressed once, the hash cleared in unrolled rounds, the thread index bounded for the
+#: compiler, one barrier fewer on a step with misses unless an entry repeats a miss); the same outputs
+#: byte for byte. Not yet timed on a GPU: off until it is.
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
 VLLM_RESOLVE = 4
+#: The resolver builds there are (HISPARSE_VLLM_RESOLVE); 5 was removed.
+VLLM_RESOLVE_BUILDS = (0, 1, 2, 3, 4, 6)
 
 
 def vllm_gather_variant() -> int:
@@ -320,10 +326,13 @@ def vllm_carveout() -> int:
 
 def vllm_resolve_variant() -> int:
     """`HISPARSE_VLLM_RESOLVE` (default `VLLM_RESOLVE`)."""
-    return env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 4,
-                      "0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start), "
-                      "3 (2 with direct LRU writes and the hot-map row in shared memory) or 4 (3 with a lean path "
-                      "for one-row groups)")
+    expected = ("0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start), "
+                "3 (2 with direct LRU writes and the hot-map row in shared memory), 4 (3 with a lean path "
+                "for one-row groups) or 6 (4 with a shorter instruction stream on that path)")
+    got = env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 6, expected)
+    if got not in VLLM_RESOLVE_BUILDS:
+        raise InvalidInputError(f"{ENV_VLLM_RESOLVE}={got}: that build was removed; expected {expected}")
+    return got
 
 
 #: vLLM's resolver built per call shape (1, default) or one build for every shape (0): a shape build
@@ -385,14 +394,14 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds.add(MAINTAIN_BUILD)
     builds |= {vllm_ops_build(w) for w in (FP8_DS_MLA.row_bytes, 16)}  # fp8_ds_mla rows, vLLM's 16-byte test rows
     builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
-                                              "HS_VR_FAST": v}) for v in (0, 1, 2, 3, 4)}  # HISPARSE_VLLM_RESOLVE
-    # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3 and 4
+                                              "HS_VR_FAST": v}) for v in VLLM_RESOLVE_BUILDS}  # HISPARSE_VLLM_RESOLVE
+    # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3, 4 and 6
     # (4 with the buckets vllm_ops.resolve_smem_buckets gives it there: four a union row where they fit), and
-    # build 4 for the GPU tests' two-row groups (8192 buckets: at 4096 hot rows the one-row build)
+    # builds 4 and 6 for the GPU tests' two-row groups (8192 buckets: at 4096 hot rows the one-row build)
     builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (1, 3)
                for h, b in ((4096, 4096), (10240, 16384))}
-    builds |= {vllm_resolve_shape_build(4, 2048, h, 64, 64, 64, b, 1024) for h, b in ((4096, 8192), (10240, 16384),
-                                                                                     (10240, 8192))}
+    builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (4, 6)
+               for h, b in ((4096, 8192), (10240, 16384), (10240, 8192))}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

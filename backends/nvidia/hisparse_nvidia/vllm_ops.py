@@ -89,7 +89,7 @@ def resolve_threads(k: int, h: int, want: int = 0) -> int:
 def resolve_smem_buckets(max_union_rows: int, h: int, k: int, build: int = 3) -> int:
     """Hash buckets of the resolver's shared table: twice the union vLLM declares (load at most 1/2),
     within `RESOLVE_SMEM_BUDGET` beside the LRU order; groups with more host entries spill over into
-    global scratch. Build 4 (HISPARSE_VLLM_RESOLVE=4) takes a power of two up to four a union row
+    global scratch. Builds 4 and 6 (HISPARSE_VLLM_RESOLVE=4, 6) take a power of two up to four a union row
     where that fits, never fewer than the others, and no more than its kernel uses: a one-row group
     of top-k `k` hashes into the power of two from 4 k (its lean path, load 1/4), a group of several
     rows into the one from twice its entries (build 3's path). So two-row groups of top-k 2048 take

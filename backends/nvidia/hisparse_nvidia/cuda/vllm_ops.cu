@@ -90,8 +90,24 @@
 #define VR_FAST4 (HS_VR_FAST >= 4)
 // HS_VR_FAST 5 (four entries and eight LRU positions a thread, half the threads) was slower than 4 on
 // every hit and miss cell on the H200 (sixteenth session, call C1) and was removed.
-#if HS_VR_FAST > 4
-#error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4"
+// HS_VR_FAST 6 (HISPARSE_VLLM_RESOLVE=6) is 4 with a shorter instruction stream on the lean path, whose
+// hit step issues over twice the native resolver's instructions a warp (sm_90 SASS: the hash's inserts and
+// walk, which native's position hints skip, four outputs an entry, a four-row prologue, bounds the
+// compiler could not fold):
+// - the rows r - 1 .. r + 30 are read one a lane in every warp (a request id and a speculative state
+//   row each, as build 4's four rows a thread) and rows r - 1, r and r + 1 shuffled from lanes 0-2, so
+//   a thread issues two loads and three shuffles where build 4 issued eight loads and their checks;
+// - the thread index is bounded by the block size for the compiler, so the bounds that shape builds
+//   make constant (entries and LRU positions a thread, hot blocks, hot-map vectors) fold;
+// - the page-table rows' addresses are computed once (64-bit), their columns in 32 bits, and a shape
+//   build clears the shared hash in whole unrolled rounds;
+// - a step with misses crosses one barrier after the walk's where build 4 crosses two: each miss's entry
+//   outputs the hot row it computed, and the barrier that publishes them (s_val) is crossed only where an
+//   entry repeats a miss another entry records.
+// Outputs, LRU order, hot map and plan are build 4's, byte for byte; other groups take build 3's path.
+#define VR_FAST6 (HS_VR_FAST >= 6)
+#if HS_VR_FAST == 5 || HS_VR_FAST > 6
+#error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4 or 6"
 #endif
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 // Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
@@ -174,6 +190,12 @@ __device__ __forceinline__ u32 vr_hash(i32 key, u32 size) {
     if ((size & (size - 1)) == 0) return size == 1 ? 0u : h >> __clz(size - 1);
 #endif
     return h % size;
+}
+
+constexpr u32 vr_pow2ceil(u32 x) {
+    u32 t = 1;
+    while (t < x) t <<= 1;
+    return t;
 }
 
 // Buckets of a table for `need` of them: the next power of two where `room` allows (mask indexing).
@@ -313,6 +335,9 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #else
     const i32 r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
 #endif
+#if VR_FAST6
+    __builtin_assume(tid >= 0 && tid < nt);  // the launch's block size (shape builds: a constant)
+#endif
 #if VR_LEAN
     // The first round of row r's entries, issued before anything else (their addresses need nothing).
     i32 tv0[VR_B];
@@ -324,7 +349,34 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Rows r - 1 and r, and warp 0's rows r - 1 .. r + 30 (the group's extent), in two rounds: every
     // request id first, then every state row.
     i32 pq = -2, wq = -1;  // row r - 1's state row (-2: none; never a q below); warp 0's row's
-#if VR_FAST4
+#if VR_FAST6
+    i32 nq;  // row r + 1's state row (-1: none)
+    // Lane j of every warp reads row r - 1 + j as build 4 reads each of its four rows (the state row of
+    // the row's own index loaded with its request id); rows r - 1, r and r + 1 come from lanes 0-2.
+    {
+        const i32 lane = tid & 31;
+        const i32 rr = r - 1 + lane;
+        const bool in = rr >= 0 && rr < n;
+        const i32 rq = in ? (request_ids != nullptr ? request_ids[rr] : rr) : -1;
+        const i32 sp = (rsi != nullptr && in && rr < nr) ? rsi[rr] : -1;
+        i32 st = rq;
+        if (rsi != nullptr) {  // block-uniform
+            st = -1;
+            if (rq == rr) {
+                st = sp;
+            } else if (in && rq >= 0 && rq < nr) {
+                st = rsi[rq];
+            }
+        }
+        st = (st < 0 || st >= S) ? -1 : st;  // as vr_state
+        req = __shfl_sync(HS_FULL_MASK, rq, 1);
+        q = __shfl_sync(HS_FULL_MASK, st, 1);
+        const i32 before = __shfl_sync(HS_FULL_MASK, st, 0);
+        if (r > 0) pq = before;
+        nq = __shfl_sync(HS_FULL_MASK, st, 2);
+        if (tid < 32 && tid != 1 && in) wq = st;
+    }
+#elif VR_FAST4
     i32 nq;  // row r + 1's state row (-1: none)
     // Rows r, r - 1, r + 1 and warp 0's row: every request id in one round, then every state row in one
     // more, each round's loads issued together (vr_state's branches made the compiler wait for each state
@@ -419,6 +471,20 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     // Their page-table entries (row r is the group's first row whenever this block resolves), and the
     // shared hash of a one-row group cleared, all before the group barrier.
     i32 sb0[VR_B], rb0[VR_B];
+#if VR_FAST6
+    {  // each row's address once (64-bit), its columns 32-bit; the row tests are block-uniform
+        const i32* srow = sbt != nullptr && req >= 0 && req < sbt_rows ? sbt + static_cast<i64>(req) * sbt_stride
+                                                                        : nullptr;
+        const i32* rrow = rbt != nullptr && q < rbt_rows ? rbt + static_cast<i64>(q) * rbt_stride : nullptr;
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            const i32 t = tv0[u];
+            const i32 scol = vr_div(t, sbs), rcol = vr_div(t, rbs);  // used only where t >= 0
+            sb0[u] = srow != nullptr && t >= 0 && scol < sbt_cols ? srow[scol] : -1;
+            rb0[u] = rrow != nullptr && t >= 0 && rcol < rbt_cols ? rrow[rcol] : null_block;
+        }
+    }
+#else
 #pragma unroll
     for (i32 u = 0; u < VR_B; ++u) {
         const i32 t = tv0[u];
@@ -433,6 +499,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             rb0[u] = rbt[static_cast<i64>(q) * rbt_stride + rcol];
         }
     }
+#endif
 #if VR_FAST4
     // Four buckets a row where a power of two that large fits (the lean path's probe runs), else two.
     u32 T1 = static_cast<i64>(2) * K <= smem_buckets ? vr_buckets(static_cast<i64>(2) * K, smem_buckets) : 0u;
@@ -445,7 +512,19 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
 #endif
 #if VR_FAST4
     // Two buckets a 16-byte store (T1 is even: 2 * K, 4 * K or a power of two above them).
+#if VR_FAST6 && defined(VR_K)
+    // A shape build knows T1 and nt: whole rounds, unrolled (the loop above kept a remainder round).
+    {
+        constexpr u32 kRounds = (vr_pow2ceil(4u * VR_K) + 2u * VR_NT - 1u) / (2u * VR_NT);  // T1 never exceeds it
+#pragma unroll
+        for (u32 c = 0; c < kRounds; ++c) {
+            const u32 b = 2u * (c * VR_NT + static_cast<u32>(tid));
+            if (b < T1) *reinterpret_cast<uint4*>(s_tab + b) = make_uint4(~0u, ~0u, ~0u, ~0u);
+        }
+    }
+#else
     for (u32 b = 2 * tid; b < T1; b += 2 * nt) *reinterpret_cast<uint4*>(s_tab + b) = make_uint4(~0u, ~0u, ~0u, ~0u);
+#endif
 #else
     for (u32 b = tid; b < T1; b += nt) s_tab[b] = VR_EMPTY;
 #endif
@@ -662,6 +741,89 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 if (to != p0 + u) lru_q[to] = static_cast<i16>(sl0[u]);
             }
         }
+#if VR_FAST6
+        // ---- misses in first-reference order (entries in index order: u = 0's, then u = 1's) ------
+        // Each host entry's bucket word is read once: held (its slot), its own first reference (a miss it
+        // records), or another entry's unheld first reference (a repeat of a miss). Only a step with such a
+        // repeat waits on a barrier for the misses' hot rows (through s_val); otherwise each miss's entry
+        // outputs the hot row it computed (one barrier after the walk's, where build 4 crosses two).
+        u32 lo[VR_B];
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) lo[u] = host[u] ? vr_lds(a_tab + 8u * bk[u]) : 0u;
+        i32 M = 0;
+        i32 own[VR_B] = {-1, -1};  // the hot row of a miss this thread records
+        if (misses > 0) {  // block-uniform
+            {
+                i32 er = p0 - hbefore;  // the evictable slots in LRU order: E[m] = ord[m]
+#pragma unroll
+                for (i32 u = 0; u < VR_W; ++u) {
+                    if (p0 + u >= p1) break;
+                    if (!((hitbits >> u) & 1u)) ord[er++] = static_cast<i16>(sl0[u]);
+                }
+            }
+            bool first[VR_B];
+            bool repeat = false;
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {  // a miss (no HELD bit) first referenced here
+                first[u] = host[u] && lo[u] == static_cast<u32>(tid + u * nt);
+                repeat |= host[u] && !(lo[u] & VR_HELD) && !first[u];
+            }
+            const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
+            const bool wrep = __any_sync(HS_FULL_MASK, repeat);
+            __shared__ u32 s6_m[2][32];
+            if (lane == 0) {
+                s6_m[0][warp] = static_cast<u32>(__popc(f0)) | (static_cast<u32>(__popc(f1)) << 16);
+                s6_m[1][warp] = wrep ? 1u : 0u;
+            }
+            __syncthreads();  // the evictable order, the warps' first references and repeats
+            const u32 x = lane < nw ? s6_m[0][lane] : 0u;
+            const u32 before = __reduce_add_sync(HS_FULL_MASK, lane < warp ? x : 0u);
+            const u32 all = __reduce_add_sync(HS_FULL_MASK, x);
+            const bool repeats = __reduce_or_sync(HS_FULL_MASK, lane < nw ? s6_m[1][lane] : 0u) != 0u;
+            const i32 tot0 = static_cast<i32>(all & 0xffffu);
+            M = tot0 + static_cast<i32>(all >> 16);
+            const i32 rank[VR_B] = {static_cast<i32>(before & 0xffffu) + __popc(f0 & lt),
+                                    tot0 + static_cast<i32>(before >> 16) + __popc(f1 & lt)};
+#pragma unroll
+            for (i32 u = 0; u < VR_B; ++u) {
+                if (!first[u]) continue;
+                const i32 m = rank[u], e = base + tid + u * nt;
+                const i32 slot = m < nE ? static_cast<i32>(ord[m]) : -1;
+                i32 dev = -1;
+                if (slot >= 0 && slot < H) {
+                    dev = hot_row(slot);
+                    dgi_q[slot] = gv[u];
+                    if (miss_mask != nullptr) miss_mask[e] = 1;
+                }
+                own[u] = dev;
+                if (repeats) s_val[bk[u]] = dev;
+                if (swap_counts != nullptr) {
+                    swap_host[base + m] = gv[u];
+                    swap_dev[base + m] = dev;
+                }
+            }
+            if (tid == 0 && swap_counts != nullptr) swap_counts[r] = M;
+            if (repeats) __syncthreads();  // block-uniform: every miss's hot row is in s_val
+        } else if (tid == 0 && swap_counts != nullptr) {
+            swap_counts[r] = 0;
+        }
+        // ---- outputs of host entries ------------------------------------------------------------
+#pragma unroll
+        for (i32 u = 0; u < VR_B; ++u) {
+            if (!host[u]) continue;
+            const i32 e = base + tid + u * nt;
+            i32 out;
+            if (lo[u] & VR_HELD) {
+                out = hot_row(static_cast<i32>(lo[u] & 0x7fffu));
+            } else if (lo[u] == static_cast<u32>(tid + u * nt)) {
+                out = own[u];
+            } else {
+                out = s_val[bk[u]];  // a repeat of a miss: written before the barrier above
+            }
+            hot_out[e] = out;
+            if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
+        }
+#else
         // ---- misses in first-reference order (entries in index order: u = 0's, then u = 1's) ------
         i32 M = 0;
         if (misses > 0) {  // block-uniform
@@ -721,6 +883,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
             hot_out[e] = out;
             if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
         }
+#endif
         if (tid == 0 && stats != nullptr) {
             atomicAdd(reinterpret_cast<unsigned long long*>(stats), static_cast<unsigned long long>(U - M));
             atomicAdd(reinterpret_cast<unsigned long long*>(stats) + 1, static_cast<unsigned long long>(M));

@@ -60,6 +60,15 @@ def resident_per_request(context: int, batch: int, layers: int, gpu_kv_gib: floa
     return max(0, free // batch), s.hot_blocks * 64, s.row_bytes
 
 
+def bf16_row_bytes() -> int:
+    import torch
+    from bench_transformers import GEOMETRY
+
+    from hisparse_transformers.engine import row_format_for
+
+    return row_format_for(torch.bfloat16, GEOMETRY["kv_lora_rank"] + GEOMETRY["qk_rope_head_dim"]).row_bytes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--geometries", default="32768:43,131072:18", help="comma list of CONTEXT:BATCH")
@@ -69,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--gpu-kv-gib", type=float, default=3.0)
     p.add_argument("--top-k", type=int, default=2048)
-    p.add_argument("--resident-pages", type=int, default=-1, help="override the sizing's (-1: from the sizing)")
+    p.add_argument("--resident-pages", type=int, default=-1,
+                   help="resident pages a request, hot rows 2x top-k, without bench_serving's sizing (-1: from it)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="measured steps after the warm-up")
     p.add_argument("--seed", type=int, default=0)
@@ -83,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--regimes={a.regimes!r}: {bad[0]!r} is not a regime; expected benign and/or code")
         if a.steps <= 0 or a.warmup < 1:
             raise ValueError(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 1")
-        sizing = {g: resident_per_request(*g, a.layers, a.gpu_kv_gib) for g in geos}
+        if a.resident_pages >= 0:   # no sizing: e.g. a 61-layer model at the 4-layer bench's pages and hot rows
+            sizing = {g: (a.resident_pages, 2 * a.top_k, bf16_row_bytes()) for g in geos}
+        else:
+            sizing = {g: resident_per_request(*g, a.layers, a.gpu_kv_gib) for g in geos}
     except ValueError as exc:
         print(f"bench_prefetch_locality: {exc}", file=sys.stderr)
         return 2
@@ -94,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
           "prefetch MB/step | H2D MB/step | critical vs off | critical by group |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (context, batch), (res, hot, row_bytes) in sizing.items():
-        resident = res if a.resident_pages < 0 else a.resident_pages
+        resident = res
         for name in regimes:
             for ref in refs:
                 traces = [request_trace(name, ref, top_k=a.top_k, context=context, steps=a.warmup + a.steps,

@@ -123,6 +123,10 @@ def test_smoke_runs_reference_layers_side_by_side(tmp_path: Path) -> None:
     assert out.stdout.count("reference layers (of 61) the model's layers stand for: [0, 20, 40, 60] (spread) / "
                             "[20, 21, 22, 23]") == 1, out.stdout[:3000]
     assert "T=160 (code+ref20,21,22,23+prefetch)" in out.stdout
+    plot = subprocess.run([sys.executable, str(PLOT), str(tmp_path / "r.json"), "--png", str(tmp_path / "g.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0 and "| 160 | code+ref20,21,22,23+prefetch | 2 |" in plot.stdout, (
+        plot.stdout + plot.stderr[-2000:])
 
 
 @pytest.mark.parametrize("args, flag", [

@@ -47,19 +47,20 @@ def test_prefetch_leaves_outputs_unchanged(family: str) -> None:
     assert s_on.prefetch_h2d_bytes > 0 and s_on.misses > s_on.prefetch_misses
 
 
-def _next_group_misses(model: torch.nn.Module, prefetch: bool) -> tuple[int, int, list[torch.Tensor]]:
+def _next_group_misses(model: torch.nn.Module, prefetch: bool, layers: str = "30,31",
+                       regime: str = "code") -> tuple[int, int, list[torch.Tensor]]:
     """(group 1's critical-path misses, its prefetches' misses, the logits) of teacher-forced decode
-    steps whose top-k comes from the code locality model, the two groups standing for adjacent
-    reference layers (coupled top-k)."""
+    steps whose top-k comes from the locality model, the two groups standing for `layers`
+    (default adjacent reference layers: coupled top-k)."""
     family = "deepseek_v32"
     ids, mask = random_prompts([120, 96, 110], seed=7)
     continuation = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(3))
-    kw = enable_kwargs(family, check=False, synthetic_topk="code", prefetch_next_group=prefetch, max_context=160,
-                       gpu_kv_gib=60 * 4 * 2 * 24 * 4 / 2**30)
+    kw = enable_kwargs(family, check=False, synthetic_topk=regime, prefetch_next_group=prefetch, max_context=160,
+                       gpu_kv_gib=60 * 4 * 2 * 24 * 4 / 2**30, synthetic_topk_layers=layers)
     with hisparse_transformers.enable(model, **kw) as hs:
         engine = hs.engine
         assert engine.topk_model is not None
-        engine.topk_model.layers = [30, 31]
+        assert engine.topk_model.layers == [int(x) for x in layers.split(",")]
         cache = hs.new_cache(ids, mask)
         logits = forced_logits(model, ids, mask, continuation, cache, 8)
         looked = engine.runtimes[1].stats()          # before the session's end takes the counters
@@ -75,6 +76,22 @@ def test_prefetch_cuts_the_next_groups_critical_misses() -> None:
     print(f"group 1 critical-path misses: {off} without the prefetch, {on} with it (+{pre} prefetched)")
     assert none == 0 and pre > 0
     assert off > 0 and on < 0.7 * off, (off, on, pre)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("regime", ["code", "benign"])
+@pytest.mark.parametrize("layers", ["0,60", "20,21"])
+def test_prefetch_leaves_logits_unchanged_under_spread_and_adjacent_layers(layers: str, regime: str) -> None:
+    """Nothing in the prefetch assumes how far apart the groups' reference layers are: under spread
+    (0, 60) and adjacent (20, 21) layers, both regimes, the logits with it are those without; it
+    copies rows either way (and under adjacent layers takes some of group 1's critical misses)."""
+    model = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=5)
+    off, none, want = _next_group_misses(model, False, layers, regime)
+    on, pre, got = _next_group_misses(model, True, layers, regime)
+    print(f"{regime} {layers}: group 1 critical misses {off} -> {on} (+{pre} prefetched)")
+    assert none == 0 and pre > 0 and off > 0, (off, on, pre)
+    assert layers == "0,60" or on < off, (off, on, pre)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
 

@@ -378,7 +378,7 @@ def reference_alternatives(spec: str, layers: int, regime_name: str) -> list[lis
 
 
 def reference_label(refs: list[int], layers: int) -> str:
-    """A hisparse or all-resident row's top-k label suffix for `refs` ('' for the spread default)."""
+    """A hisparse row's top-k label suffix for `refs` ('' for the spread default; all-resident rows take none)."""
     from hisparse_core.replay.locality import reference_layers
 
     return "" if refs == reference_layers(list(range(layers)), layers) else "+ref" + ",".join(map(str, refs))

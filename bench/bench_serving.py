@@ -54,6 +54,12 @@ index group's resolve on this group's top-k, its copies overlapping this group's
 labelled `code+prefetch`); `--prefetch-next-group off/on` runs each without and with it. Such rows
 also give the prefetches' own misses and H2D bytes apart (`prefetch misses/MB per step`): the
 misses and H2D columns count both, the critical path's are the difference (`critical_*` in JSON).
+`--reference-layers` says which reference layers of the 61-layer locality profile the model's
+layers stand for (`enable(synthetic_topk_layers=...)`): `spread` (the default, 0/20/40/60 for 4
+layers: neighbours 20 layers apart, so a group's top-k predicts little of the next one's) or an
+ascending list such as `20,21,22,23` (adjacent layers of the plateau band, whose top-k overlap
+87-90% as a real model's neighbours do: what the prefetch sees on a real model); `spread/20,21,22,23`
+runs every hisparse row under each (rows labelled `code+ref20,21,22,23`; JSON `reference_layers`).
 
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
@@ -248,6 +254,8 @@ class Plan:
     resident_why: str
     indexer_share: list[int] | None     # batches (0: 'max') also run without the indexer; None: every batch
     share_contexts: list[int] | None    # the contexts those rows run at (None: every context)
+    references: list[list[int]]         # reference layers the model's layers stand for, per alternative
+    resident_by_ref: list[list[tuple[int, ...]]]  # hisparse's resident alternatives under each of them
 
 
 def _ints(flag: str, text: str, *, allow_max: bool = False, allow_all: bool = False) -> list[int] | None:
@@ -268,14 +276,15 @@ def _ints(flag: str, text: str, *, allow_max: bool = False, allow_all: bool = Fa
     return out
 
 
-def resident_alternatives(spec: str, layers: int, regime_name: str) -> tuple[list[tuple[int, ...]], str]:
+def resident_alternatives(spec: str, layers: int, regime_name: str,
+                          refs: list[int] | None = None) -> tuple[list[tuple[int, ...]], str]:
     """--resident-layers: its '/'-separated alternatives as layer tuples (distinct, in order), and
-    the line saying what 'auto' chose and why."""
+    the line saying what 'auto' chose and why (the layers standing for `refs`; default spread)."""
     from hisparse_core.errors import InvalidInputError
     from hisparse_core.replay.locality import reference_layers
     from hisparse_core.residency import parse_resident_layers
 
-    refs = reference_layers(list(range(layers)), layers)
+    refs = reference_layers(list(range(layers)), layers) if refs is None else refs
     poor = tuple(i for i, ref in enumerate(refs) if ref < 2) if regime_name == "code" else ()
     why = ""
     out: list[tuple[int, ...]] = []
@@ -288,7 +297,7 @@ def resident_alternatives(spec: str, layers: int, regime_name: str) -> tuple[lis
             why = (f"--resident-layers auto under --topk-model code: layers {list(poor)} (standing for the reference "
                    "layers 0-1 of 61, whose top-k overlaps about 1.5% step to step, GVR) kept whole on the GPU"
                    if poor else f"--resident-layers auto under --topk-model {regime_name}: none (no layer of that "
-                   "regime is below the hot buffer's reach)")
+                   f"regime standing for reference layers {refs} is below the hot buffer's reach)")
         else:
             try:
                 chosen = parse_resident_layers(alt, layers)
@@ -319,7 +328,16 @@ def parse_plan(a: argparse.Namespace) -> Plan:
         raise BadSize(f"--all-resident-gib={a.all_resident_gib:g}: expected a positive number of GiB")
     if a.layers < 1:
         raise BadSize(f"--layers={a.layers}: expected >= 1")
-    resident, why = resident_alternatives(a.resident_layers, a.layers, a.topk_model)
+    references = reference_alternatives(a.reference_layers, a.layers, a.topk_model)
+    resident_by_ref: list[list[tuple[int, ...]]] = []
+    whys: list[str] = []
+    for refs in references:
+        alts, why = resident_alternatives(a.resident_layers, a.layers, a.topk_model, refs)
+        resident_by_ref.append(alts)
+        if why and why not in whys:
+            whys.append(why)
+    resident = list(dict.fromkeys(x for alts in resident_by_ref for x in alts))
+    why = "; ".join(whys)
     spec, share_contexts = a.indexer_share, None
     if "@" in spec:          # 'max@131072': only at those contexts
         spec, _, where = spec.partition("@")
@@ -336,18 +354,51 @@ def parse_plan(a: argparse.Namespace) -> Plan:
     if (share is None or share) and a.skip_indexer:
         raise BadSize(f"--indexer-share={a.indexer_share!r} with --skip-indexer: every row already leaves the indexer "
                       "out; expected one of them")
-    return Plan(contexts, batches, modes, resident, why, share, share_contexts)
+    return Plan(contexts, batches, modes, resident, why, share, share_contexts, references, resident_by_ref)
+
+
+def reference_alternatives(spec: str, layers: int, regime_name: str) -> list[list[int]]:
+    """--reference-layers: its '/'-separated alternatives ('spread' or a comma list of `layers`
+    strictly ascending reference layers of 61), distinct, in order."""
+    from hisparse_core.replay.locality import SPREAD, parse_reference_layers
+
+    out: list[list[int]] = []
+    for alt in spec.split("/"):
+        try:
+            refs = parse_reference_layers("--reference-layers", alt, range(layers), layers)
+        except ValueError as exc:
+            where = f" (alternative {alt!r} of {spec!r})" if "/" in spec else ""
+            raise BadSize(f"{exc}{where}") from None
+        if refs not in out:
+            out.append(refs)
+    if regime_name == "indexer" and spec.strip() != SPREAD:
+        raise BadSize(f"--reference-layers={spec!r} needs --topk-model benign or code (the reference layers are the "
+                      "locality model's); expected 'spread' (the default) without it")
+    return out
+
+
+def reference_label(refs: list[int], layers: int) -> str:
+    """A hisparse row's top-k label suffix for `refs` ('' for the spread default; all-resident rows take none)."""
+    from hisparse_core.replay.locality import reference_layers
+
+    return "" if refs == reference_layers(list(range(layers)), layers) else "+ref" + ",".join(map(str, refs))
 
 
 def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool, *,
-               skip_indexer: bool = False, prefetch: bool = False) -> dict[str, Any]:
+               skip_indexer: bool = False, prefetch: bool = False, reference: list[int] | None = None) -> dict[str, Any]:
     """One engine row: hisparse (with `s.resident_layers` kept whole on the GPU) or the same engine
-    all-resident. `a.warmup` decode steps run untimed first; every figure (step, host time, hits,
-    misses, PCIe bytes) is of the `a.steps` timed steps after them (steady hot buffers)."""
+    all-resident, the locality model's layers standing for `reference` (None: spread). `a.warmup`
+    decode steps run untimed first; every figure (step, host time, hits, misses, PCIe bytes) is of
+    the `a.steps` timed steps after them (steady hot buffers)."""
     import hisparse_transformers
+    from hisparse_core.replay.locality import reference_layers
 
     dev = model.device
+    modelled = a.topk_model != "indexer"
+    refs = reference_layers(list(range(s.layers)), s.layers) if reference is None else reference
     topk = a.topk_model + ("-no-indexer" if skip_indexer else "")
+    if modelled and not resident:
+        topk += reference_label(refs, s.layers)   # all-resident's cost does not depend on them: one label
     layers = () if resident else s.resident_layers
     if layers:
         topk += "+resident" + ",".join(map(str, layers))
@@ -355,7 +406,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     if prefetch:
         topk += "+prefetch"
     out: dict[str, Any] = {"mode": "all-resident" if resident else "hisparse", "batch": b, "context": s.context,
-                           "topk": topk}
+                           "topk": topk, "reference_layers": refs if modelled else None}
     if resident:
         # False: this batch runs all-resident only under --all-resident-gib (the offloading cost at the
         # same batch), not at the fixed budget the capacity and best-throughput figures compare
@@ -376,7 +427,8 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                                           backend=a.backend, hot_rows=s.hot_blocks * a.block_size,
                                           block_size=a.block_size, max_batch=b, max_context=s.max_context,
                                           prefill_chunk=a.fill_chunk,
-                                          synthetic_topk=None if a.topk_model == "indexer" else a.topk_model,
+                                          synthetic_topk=a.topk_model if modelled else None,
+                                          synthetic_topk_layers=refs if modelled else None,
                                           resident_layers=layers, prefetch_next_group=prefetch)
         out["backend"] = hs.engine.backend.name
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
@@ -666,6 +718,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-indexer", action="store_true",
                    help="with --topk-model: decode steps skip the model's indexer (its cost, measured as the "
                         "difference to a run with it)")
+    p.add_argument("--reference-layers", default="spread",
+                   help="with --topk-model: the reference layers (of the 61-layer locality profile) the model's "
+                        "layers stand for: 'spread' (default: layer l of L stands for round(l * 60 / (L - 1)), 0, 20, "
+                        "40, 60 for 4 layers, 20 apart) or --layers strictly ascending ones, e.g. 20,21,22,23 (adjacent "
+                        "layers of the plateau band, as a real model's neighbours); several alternatives separated by "
+                        "'/' run each hisparse row once per alternative (rows labelled <regime>+ref20,21,22,23)")
     p.add_argument("--prefetch-next-group", nargs="?", const="on", default="off",
                    help="hisparse rows with enable(prefetch_next_group=True) ('on', the flag alone), without ('off', the "
                         "default), or each row both ways ('off/on')")
@@ -747,6 +805,10 @@ def main(argv: list[str] | None = None) -> int:
              "through hisparse)"), flush=True)
     print(f"# hisparse prefetch_next_group: {a.prefetch_next_group} (--prefetch-next-group; rows with it are labelled "
           "+prefetch)", flush=True)
+    if a.topk_model != "indexer":
+        print("# locality model's reference layers (of 61) the model's layers stand for: "
+              + " / ".join(f"{x}" + (" (spread)" if not reference_label(x, a.layers) else "") for x in plan.references)
+              + " (--reference-layers; all-resident rows take the first)", flush=True)
     for s in sizes:
         extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
                         for x in plan.resident if x)
@@ -761,9 +823,13 @@ def main(argv: list[str] | None = None) -> int:
 
     for s in sizes:
         for mode in modes:
-            variants = [s.with_resident(x) for x in plan.resident] if mode == "hisparse" else [s]
+            if mode == "hisparse":
+                variants = [(refs, s.with_resident(x)) for refs, alts in zip(plan.references, plan.resident_by_ref,
+                                                                             strict=True) for x in alts]
+            else:
+                variants = [(plan.references[0], s)]
             prefetches = prefetch_alts if mode == "hisparse" else [False]
-            for v, pf in ((v, pf) for v in variants for pf in prefetches):
+            for (refs, v), pf in ((v, pf) for v in variants for pf in prefetches):
                 for b in batches_for(v, "hisparse" if mode == "replay" else mode, asked):
                     t0 = time.perf_counter()
                     if mode == "transformers":
@@ -772,14 +838,14 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_replay_workload(a.layers, v, b, a, model.config.index_topk)
                     else:
                         r = run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=a.skip_indexer,
-                                       prefetch=pf)
+                                       prefetch=pf, reference=refs)
                     emit(r, t0)
         if (plan.indexer_share is None or plan.indexer_share) and (plan.share_contexts is None
                                                                   or s.context in plan.share_contexts):
             # the same rows without the model's indexer (first resident alternative): its share of the step
             share = plan.indexer_share
             for mode in (m for m in modes if m in ("hisparse", "all-resident")):
-                v = s.with_resident(plan.resident[0]) if mode == "hisparse" else s
+                v = s.with_resident(plan.resident_by_ref[0][0]) if mode == "hisparse" else s
                 picked = batches_for(v, mode, share if share is not None else asked)
                 if mode == "all-resident" and share is not None and 0 in share:
                     # 'max': all-resident's largest at the fixed budget (its best throughput there), so the
@@ -788,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
                     picked = sorted(({x for x in picked if v.fits_budget(x)} | {top}) - {0})
                 for b in picked:
                     t0 = time.perf_counter()
-                    emit(run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=True), t0)
+                    emit(run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=True,
+                                    reference=plan.references[0]), t0)
     print(table(rows))
     if a.png:
         plot(rows, a.png)

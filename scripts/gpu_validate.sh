@@ -24,7 +24,9 @@
 # row without the model's indexer; "+indexer-share" adds --indexer-share $SERVING_INDEXER_SHARE (default
 # max: rows without it at each mode's largest batch beside the others; max@131072: at 128K only); "+prefetch"
 # adds --prefetch-next-group off/on (every hisparse row without and with the cross-layer prefetch);
-# "+hisparse-only" --modes hisparse (after the arguments below, so it wins)); T_SERVING_LOCALITY seconds each, default 140;
+# "+hisparse-only" --modes hisparse (after the arguments below, so it wins); "+adjacent" --reference-layers
+# $SERVING_REFERENCE_LAYERS (default 20,21,22,23/spread: every hisparse row with the model's 4 layers standing for
+# adjacent reference layers of the plateau band, then for the spread 0/20/40/60)); T_SERVING_LOCALITY seconds each, default 140;
 # SERVING_LOCALITY_ARGS replaces the default arguments: 4 layers, --dense-ffn-gb 4.6, 128K then 32K,
 # a 3 GiB budget (all-resident also at hisparse's batches under 24 GiB), batches all-resident's
 # largest at the budget and hisparse's largest, 5 timed steps after 5 untimed, hisparse with and
@@ -271,6 +273,7 @@ serving_locality)  # issue 42: serving under the calibrated locality, each run o
         after=()  # after the arguments, so they win over SERVING_LOCALITY_ARGS's
         [[ "$name" == *+prefetch* ]] && after+=(--prefetch-next-group off/on)
         [[ "$name" == *+hisparse-only* ]] && after+=(--modes hisparse)
+        [[ "$name" == *+adjacent* ]] && after+=(--reference-layers "${SERVING_REFERENCE_LAYERS:-20,21,22,23/spread}")
         # shellcheck disable=SC2086  # the arguments split on purpose
         run "serving_$name" "${T_SERVING_LOCALITY:-140}" python3 bench/bench_serving.py --topk-model "$regime" "${skip[@]}" \
             --json "$OUT/serving_$name.json" --png "$OUT/serving_$name.png" \

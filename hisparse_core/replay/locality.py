@@ -164,6 +164,38 @@ def reference_layers(leaders: Sequence[int], num_layers: int) -> list[int]:
     return [round(x * (REFERENCE_LAYERS - 1) / (num_layers - 1)) for x in leaders]
 
 
+SPREAD = "spread"
+
+
+def parse_reference_layers(name: str, spec: str | Sequence[int] | None, leaders: Sequence[int],
+                           num_layers: int) -> list[int]:
+    """The reference layers the index groups (leader layers `leaders` of a `num_layers`-layer
+    model) stand for: `'spread'` (or None) is `reference_layers` (a 4-layer model: 0, 20, 40, 60);
+    else one reference layer per group, strictly ascending, in `[0, REFERENCE_LAYERS)`, as ints or
+    a comma list (`'20,21,22,23'`: a contiguous run of the plateau band, adjacent like a real
+    model's layers). Bad input raises `ValueError` naming `name`, the value and what was expected."""
+    if spec is None or (isinstance(spec, str) and spec.strip() == SPREAD):
+        return reference_layers(leaders, num_layers)
+    n = len(leaders)
+    want = (f"expected '{SPREAD}' or {n} strictly ascending reference layers in [0, {REFERENCE_LAYERS}) "
+            f"separated by commas, one per index group")
+    if isinstance(spec, str):
+        parts = [x.strip() for x in spec.split(",")]
+        bad = [x for x in parts if not x.isdigit()]
+        if bad:
+            raise ValueError(f"{name}={spec!r}: {bad[0]!r} is not a layer; {want}")
+        out = [int(x) for x in parts]
+    else:
+        if any(isinstance(x, bool) or not isinstance(x, int | np.integer) for x in spec):
+            raise ValueError(f"{name}={spec!r}: not all ints; {want}")
+        out = [int(x) for x in spec]
+    if len(out) != n:
+        raise ValueError(f"{name}={spec!r}: {len(out)} layers for {n} index groups; {want}")
+    if any(b <= a for a, b in zip(out, out[1:], strict=False)) or out[0] < 0 or out[-1] >= REFERENCE_LAYERS:
+        raise ValueError(f"{name}={spec!r}: not strictly ascending in [0, {REFERENCE_LAYERS}); {want}")
+    return out
+
+
 class LayeredIndexer:
     """Top-k positions of one request for each of its indexer layers, one decode step at a time.
 

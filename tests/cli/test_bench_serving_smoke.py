@@ -102,6 +102,33 @@ def test_smoke_runs_the_prefetch_both_ways(tmp_path: Path) -> None:
     assert plot.returncode == 0 and "| 160 | code+prefetch | 2 |" in plot.stdout, plot.stdout + plot.stderr[-2000:]
 
 
+def test_smoke_runs_reference_layers_side_by_side(tmp_path: Path) -> None:
+    """`--reference-layers spread/20,21,22,23`: every hisparse row under both lists (the adjacent
+    one labelled +ref20,21,22,23, with and without the prefetch), all-resident once under the first;
+    the log names the lists once and every engine row records its list."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "2", "--modes", "hisparse,all-resident",
+                          "--topk-model", "code", "--reference-layers", "spread/20,21,22,23",
+                          "--prefetch-next-group", "off/on", "--resident-layers", "none/auto",
+                          "--all-resident-gib", "0.002", "--png", "", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    got = {(r["mode"], r["topk"], tuple(r["reference_layers"])) for r in rows}
+    spread, adjacent = (0, 20, 40, 60), (20, 21, 22, 23)
+    # 'auto' keeps layer 0 (reference layer 0) resident under spread, nothing under 20-23 (no poor layer)
+    assert got == {("hisparse", "code", spread), ("hisparse", "code+prefetch", spread),
+                   ("hisparse", "code+resident0", spread), ("hisparse", "code+resident0+prefetch", spread),
+                   ("hisparse", "code+ref20,21,22,23", adjacent), ("hisparse", "code+ref20,21,22,23+prefetch", adjacent),
+                   ("all-resident", "code", spread)}, sorted(got)
+    assert out.stdout.count("reference layers (of 61) the model's layers stand for: [0, 20, 40, 60] (spread) / "
+                            "[20, 21, 22, 23]") == 1, out.stdout[:3000]
+    assert "T=160 (code+ref20,21,22,23+prefetch)" in out.stdout
+    plot = subprocess.run([sys.executable, str(PLOT), str(tmp_path / "r.json"), "--png", str(tmp_path / "g.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0 and "| 160 | code+ref20,21,22,23+prefetch | 2 |" in plot.stdout, (
+        plot.stdout + plot.stderr[-2000:])
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--resident-layers", "none/9"], "--resident-layers"),
     (["--resident-layers", "0,1,2,3"], "--resident-layers"),
@@ -114,6 +141,11 @@ def test_smoke_runs_the_prefetch_both_ways(tmp_path: Path) -> None:
     (["--all-resident-gib", "-1"], "--all-resident-gib"),
     (["--batches", "99"], "fits no mode at any context"),
     (["--prefetch-next-group", "maybe"], "--prefetch-next-group"),
+    (["--topk-model", "code", "--reference-layers", "20,21,22"], "--reference-layers='20,21,22': 3 layers for 4"),
+    (["--topk-model", "code", "--reference-layers", "spread/23,22,21,20"], "not strictly ascending"),
+    (["--topk-model", "code", "--reference-layers", "20,21,22,61"], "--reference-layers"),
+    (["--topk-model", "code", "--reference-layers", "adjacent"], "'adjacent' is not a layer"),
+    (["--reference-layers", "20,21,22,23"], "needs --topk-model benign or code"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],

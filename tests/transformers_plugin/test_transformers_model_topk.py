@@ -13,8 +13,7 @@ from tf_support import GEN, SHAPES, enable_kwargs, random_prompts, tiny_model
 
 import hisparse_transformers
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.replay.locality import LayeredIndexer, regime
-from hisparse_transformers.model_topk import reference_layers
+from hisparse_core.replay.locality import LayeredIndexer, reference_layers, regime
 
 pytest.importorskip("transformers")
 
@@ -26,22 +25,31 @@ def model() -> torch.nn.Module:
     return tiny_model(FAMILY, shape=SHAPES[FAMILY], seed=5)
 
 
-def test_decode_steps_resolve_the_models_topk(model: torch.nn.Module) -> None:
+@pytest.mark.parametrize("layers, want_ref", [(None, [0, 60]), ("spread", [0, 60]), ("20,21", [20, 21]),
+                                              ([30, 45], [30, 45])])
+def test_decode_steps_resolve_the_models_topk(model: torch.nn.Module, layers: Any, want_ref: list[int]) -> None:
+    """Every index group resolves its own reference layer's picks: spread over the profile by
+    default, or the reference layers given (`synthetic_topk_layers`)."""
     name = "code"
     lengths = [37, 21]
     ids, mask = random_prompts(lengths, seed=4)
     new = 6
-    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, check=False, synthetic_topk=name)) as hs:
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, check=False, synthetic_topk=name,
+                                                             synthetic_topk_layers=layers)) as hs:
         engine = hs.engine
-        seen: list[torch.Tensor] = []
-        runtime = engine.runtimes[0]
-        resolve = runtime.resolve
+        assert engine.topk_model is not None and engine.topk_model.layers == want_ref
+        seen_by: list[list[torch.Tensor]] = [[] for _ in engine.runtimes]
 
-        def spy(inputs: Any, **kw: Any) -> Any:
-            seen.append(inputs.topk.clone())
-            return resolve(inputs, **kw)
+        def spy_on(g: int) -> Any:
+            resolve = engine.runtimes[g].resolve
 
-        runtime.resolve = spy  # type: ignore[method-assign]
+            def spy(inputs: Any, **kw: Any) -> Any:
+                seen_by[g].append(inputs.topk.clone())
+                return resolve(inputs, **kw)
+            return spy
+
+        for g, runtime in enumerate(engine.runtimes):
+            runtime.resolve = spy_on(g)  # type: ignore[method-assign]
         indexer_calls = {"n": 0}
         idx = model.model.layers[0].self_attn.indexer
         forward = idx.forward
@@ -59,15 +67,18 @@ def test_decode_steps_resolve_the_models_topk(model: torch.nn.Module) -> None:
     # Every forward ran the indexer (prefill chunks and decode steps alike).
     assert indexer_calls["n"] >= new
     # The decode steps (generate's forwards after the prompt) resolved the model's picks.
-    decode = seen[-(new - 1):]
-    ref = reference_layers([g[0] for g in engine.layout.groups], SHAPES[FAMILY].layers)
-    assert ref == [0, 60]  # the 2-layer model's two index groups stand for the profile's ends
+    if layers is None:
+        # the 2-layer model's two index groups stand for the profile's ends
+        assert reference_layers([g[0] for g in engine.layout.groups], SHAPES[FAMILY].layers) == want_ref
     k = SHAPES[FAMILY].index_topk
-    for row, n in enumerate(lengths):
-        ix = LayeredIndexer(k, ref, regime(name), seed=0, request_id=row)
-        for t, got in enumerate(decode):
-            want = ix.step(n + t + 1)[0]
-            assert np.array_equal(np.sort(got[row].cpu().numpy()), np.sort(want)), (row, t)
+    assert len(seen_by) == 2
+    for g, seen in enumerate(seen_by):
+        decode = seen[-(new - 1):]
+        for row, n in enumerate(lengths):
+            ix = LayeredIndexer(k, want_ref, regime(name), seed=0, request_id=row)
+            for t, got in enumerate(decode):
+                want = ix.step(n + t + 1)[g]
+                assert np.array_equal(np.sort(got[row].cpu().numpy()), np.sort(want)), (g, row, t)
 
 
 def test_decode_steps_can_leave_the_indexer_out(model: torch.nn.Module) -> None:
@@ -100,7 +111,11 @@ def test_decode_steps_can_leave_the_indexer_out(model: torch.nn.Module) -> None:
 def test_bad_synthetic_topk_is_one_line(model: torch.nn.Module) -> None:
     for over, msg in ((dict(synthetic_topk="chat"), "expected one of"),
                       (dict(synthetic_topk="code", check=True), "check=False"),
-                      (dict(synthetic_topk="code", speculative_tokens=1, hot_rows=32), "speculative_tokens=0")):
+                      (dict(synthetic_topk="code", speculative_tokens=1, hot_rows=32), "speculative_tokens=0"),
+                      (dict(synthetic_topk_layers="20,21"), "synthetic_topk_layers='20,21' needs synthetic_topk"),
+                      (dict(synthetic_topk="code", synthetic_topk_layers="20,21,22", check=False), "3 layers for 2 index groups"),
+                      (dict(synthetic_topk="code", synthetic_topk_layers=[21, 20], check=False), "not strictly ascending"),
+                      (dict(synthetic_topk="benign", synthetic_topk_layers="adjacent", check=False), "'adjacent' is not a layer")):
         with pytest.raises(InvalidInputError, match=msg):
             hisparse_transformers.enable(model, **enable_kwargs(FAMILY, **over))
     assert getattr(model, "_hisparse_handle", None) is None or model._hisparse_handle.closed

@@ -47,19 +47,22 @@ def test_prefetch_leaves_outputs_unchanged(family: str) -> None:
     assert s_on.prefetch_h2d_bytes > 0 and s_on.misses > s_on.prefetch_misses
 
 
-def _next_group_misses(model: torch.nn.Module, prefetch: bool) -> tuple[int, int, list[torch.Tensor]]:
+def _next_group_misses(model: torch.nn.Module, prefetch: bool, layers: str = "30,31", regime: str = "code",
+                       resident: str = "") -> tuple[int, int, list[torch.Tensor]]:
     """(group 1's critical-path misses, its prefetches' misses, the logits) of teacher-forced decode
-    steps whose top-k comes from the code locality model, the two groups standing for adjacent
-    reference layers (coupled top-k)."""
+    steps whose top-k comes from the locality model, the two groups standing for `layers`
+    (default adjacent reference layers: coupled top-k)."""
     family = "deepseek_v32"
     ids, mask = random_prompts([120, 96, 110], seed=7)
     continuation = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(3))
-    kw = enable_kwargs(family, check=False, synthetic_topk="code", prefetch_next_group=prefetch, max_context=160,
-                       gpu_kv_gib=60 * 4 * 2 * 24 * 4 / 2**30)
+    kw = enable_kwargs(family, check=False, synthetic_topk=regime, prefetch_next_group=prefetch, max_context=160,
+                       synthetic_topk_layers=layers, resident_layers=resident,
+                       # 60 blocks of the hisparse layers' pages (4 tokens of 24 fp32), and the resident layer's store
+                       gpu_kv_gib=(60 * 4 * (2 - len(resident)) * 24 * 4 + (3 * 160 * 24 * 4 if resident else 0)) / 2**30)
     with hisparse_transformers.enable(model, **kw) as hs:
         engine = hs.engine
         assert engine.topk_model is not None
-        engine.topk_model.layers = [30, 31]
+        assert engine.topk_model.layers == [int(x) for x in layers.split(",")]
         cache = hs.new_cache(ids, mask)
         logits = forced_logits(model, ids, mask, continuation, cache, 8)
         looked = engine.runtimes[1].stats()          # before the session's end takes the counters
@@ -75,6 +78,34 @@ def test_prefetch_cuts_the_next_groups_critical_misses() -> None:
     print(f"group 1 critical-path misses: {off} without the prefetch, {on} with it (+{pre} prefetched)")
     assert none == 0 and pre > 0
     assert off > 0 and on < 0.7 * off, (off, on, pre)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("regime", ["code", "benign"])
+@pytest.mark.parametrize("layers", ["0,60", "20,21"])
+def test_prefetch_leaves_logits_unchanged_under_spread_and_adjacent_layers(layers: str, regime: str) -> None:
+    """Nothing in the prefetch assumes how far apart the groups' reference layers are: under spread
+    (0, 60) and adjacent (20, 21) layers, both regimes, the logits with it are those without; it
+    copies rows either way (and under adjacent layers takes some of group 1's critical misses)."""
+    model = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=5)
+    off, none, want = _next_group_misses(model, False, layers, regime)
+    on, pre, got = _next_group_misses(model, True, layers, regime)
+    print(f"{regime} {layers}: group 1 critical misses {off} -> {on} (+{pre} prefetched)")
+    assert none == 0 and pre > 0 and off > 0, (off, on, pre)
+    assert layers == "0,60" or on < off, (off, on, pre)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_resident_group_prefetches_its_successor() -> None:
+    """Group 0 resident (no resolve of its own): group 1 is still prefetched from group 0's top-k
+    (adjacent reference layers), its critical misses fall, and the logits are those without it."""
+    model = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=5)
+    off, none, want = _next_group_misses(model, False, "30,31", "code", resident="0")
+    on, pre, got = _next_group_misses(model, True, "30,31", "code", resident="0")
+    print(f"group 0 resident: group 1 critical misses {off} -> {on} (+{pre} prefetched)")
+    assert none == 0 and pre > 0 and off > 0 and on < 0.7 * off, (off, on, pre)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
 
@@ -114,6 +145,37 @@ def test_prefetch_on_the_gpu_leaves_outputs_unchanged(family: str, mode: str) ->
     assert off.misses > 0 and on.prefetch_misses > 0 and off.prefetch_misses == 0
     if not graphs:
         assert on.checked_entries == off.checked_entries > 0 and on.checked_max_abs_diff == 0.0
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_reason() is not None, reason=f"nvidia backend unavailable: {gpu_reason()}")
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_prefetch_out_of_a_resident_group_on_the_gpu(family: str) -> None:
+    """Group 0 resident (its whole KV in a store, no resolve): its leader still launches group 1's
+    prefetch on the side stream, captured in the decode graph; the same tokens and logits as
+    without the prefetch, and the prefetch copied rows."""
+    shape = CASES[family]
+    first = [0] if family == "deepseek_v32" else [0, 1]        # group 0's layers
+    m: Any = tiny_model(family, shape=shape, seed=11, device="cuda")
+    m.set_experts_implementation("batched_mm")
+    ids, mask = random_prompts([97, 110, 103], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    row = (shape.kv_lora + shape.rope) * 4
+    budget = (66 * (shape.layers - len(first)) * 4 * row + len(first) * 3 * 256 * row) / 2**30
+    outs, stats = [], []
+    for prefetch in (False, True):
+        kw = enable_kwargs(family, backend="nvidia", check=False, cuda_graphs=True, gpu_kv_gib=budget,
+                           prefetch_next_group=prefetch, resident_layers=first)
+        with hisparse_transformers.enable(m, **kw) as hs:
+            gen: Any = m.generate
+            outs.append(gen(ids, attention_mask=mask, max_new_tokens=12, prefill_chunk_size=8, **GEN))
+            stats.append(hs.stats())
+    off, on = stats
+    assert on.decode_mode == off.decode_mode == "cuda graph", on.decode_mode
+    assert off.misses > 0 and on.prefetch_misses > 0 and off.prefetch_misses == 0
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
         assert torch.equal(a, b)

@@ -10,7 +10,8 @@ Per layer and forward (`HiSparseAttention.forward`, installed per instance by `e
 2. The leader of an index group runs the model's indexer (its keys stay in `HiSparseCache`);
    followers take the leader's top-k (`prev_topk_indices`). Padded indices become logical
    positions; padding, future and out-of-context entries become -1.
-3. Rows (a layer of `resident_layers`: by position from its own store, `_resident_rows`):
+3. Rows (a layer of `resident_layers`: by position from its own store, `_resident_rows`; with
+   `prefetch_next_group` its leader still starts the next group's prefetch on its top-k):
    - one query per row (decode): the leader calls `CacheRuntime.resolve(gather=True,
      validate=False)` (resident page, else hot row, else a miss copied from host into the hot
      buffer); followers `replay_plan([layer])`. No host synchronization. With
@@ -281,6 +282,9 @@ class HiSparseAttention:
         cached = step.group_cache.get(self.group)
         if engine.is_resident(self.group):
             rmap = _resident_rows(engine, step, topk) if self.position == 0 or cached is None else cached
+            if engine.prefetch is not None and self.position == 0 and (s == 1 or step.verify):
+                # no resolve here, but the next group's prefetch runs on this group's top-k all the same
+                engine.prefetch.launch(step, self.group, rmap.positions.reshape(b * s, -1).to(torch.int32))
         elif s == 1 or step.verify:
             rmap = _decode_rows(engine, step, self.group, self.position, topk, cached)
         elif self.position == 0 or cached is None:

@@ -638,12 +638,15 @@ class HiSparseEngine:
             step.write_res = states * self.resident_capacity + qpos.reshape(-1)[write_src]
         return step
 
-    def use_model_topk(self, regime_name: str, *, seed: int = 0, lookahead: int = 32) -> None:
+    def use_model_topk(self, regime_name: str, *, seed: int = 0, lookahead: int = 32,
+                       reference: str | Sequence[int] | None = None) -> None:
         """Benchmarks only: decode steps take every index group's top-k from the locality model
-        `regime_name` (`model_topk.py`), made `lookahead` steps at a time."""
+        `regime_name` (`model_topk.py`), made `lookahead` steps at a time, the groups standing for
+        `reference` layers of the 61-layer profile (None or "spread": spread over it)."""
         self.topk_model = ModelTopk(regime_name, top_k=self.layout.index_topk,
                                     leaders=[g[0] for g in self.layout.groups], num_layers=self.layout.num_layers,
-                                    max_batch=self.config.max_batch, device=self.device, seed=seed, lookahead=lookahead)
+                                    max_batch=self.config.max_batch, device=self.device, seed=seed, lookahead=lookahead,
+                                    reference=reference)
 
     def is_verification(self, session: Session, num_new: int) -> bool:
         """Whether a forward of `num_new` tokens per row is a verification step (its rows resolved

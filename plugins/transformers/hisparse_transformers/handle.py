@@ -470,7 +470,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
            prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None,
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
            pool_name: str | None = None, synthetic_topk: str | None = None,
-           resident_layers: str | Sequence[int] = (), prefetch_next_group: bool = False) -> HiSparseHandle:
+           resident_layers: str | Sequence[int] = (), prefetch_next_group: bool = False,
+           synthetic_topk_layers: str | Sequence[int] | None = None) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -503,6 +504,10 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     :param synthetic_topk: benchmarks only. "benign" or "code": each decode step's top-k comes from
         the replay's calibrated per-layer locality model of that regime (`model_topk.py`); the
         indexer still runs and attention reads exactly the resolved rows. None: the indexer's own.
+    :param synthetic_topk_layers: with `synthetic_topk`, the reference layers (of the 61-layer
+        profile) the index groups stand for: None or "spread" (an L-layer model's leader l stands
+        for round(l * 60 / (L - 1)): 0, 20, 40, 60 for 4 layers), or one per group, strictly
+        ascending ("20,21,22,23" or [20, 21, 22, 23]: adjacent layers, as a real model's are).
     :param resident_layers: layers (whole index groups; "0,1" or [0, 1]) whose whole KV stays on
         the GPU: a store of max_batch x max_context rows each, taken from `gpu_kv_gib` before the
         block pool is sized; they never go through the host pool or a hot buffer (for layers whose
@@ -542,6 +547,17 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
             raise InvalidInputError(f"synthetic_topk={synthetic_topk!r} replaces the indexer's choice in benchmarks; "
                                     "expected check=False and speculative_tokens=0 with it")
     layout = detect(model)
+    if synthetic_topk_layers is not None:
+        if synthetic_topk is None:
+            raise InvalidInputError(f"synthetic_topk_layers={synthetic_topk_layers!r} needs synthetic_topk "
+                                    "('benign' or 'code'); expected None without it")
+        from hisparse_core.replay.locality import parse_reference_layers
+
+        try:  # checked here, before anything is built (ModelTopk takes the same value)
+            parse_reference_layers("synthetic_topk_layers", synthetic_topk_layers, [g[0] for g in layout.groups],
+                                   layout.num_layers)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from None
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight
     # validated here (one line naming resident_layers) before anything is built
     resident = tuple(x for g in resident_groups(layout.groups, resident_layers, layout.num_layers)
@@ -583,7 +599,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     engine = build() if ranks is None else ranks.in_order(build, HiSparseEngine.close)
     try:
         if synthetic_topk is not None:
-            engine.use_model_topk(synthetic_topk)
+            engine.use_model_topk(synthetic_topk, reference=synthetic_topk_layers)
         checker = ExactnessChecker(model.config) if check else None
         handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
     except BaseException:

@@ -10,8 +10,10 @@ group's followers take the leader's, as always). Prefill chunks keep the indexer
 
 Each request of a session gets a `LayeredIndexer` (seeded by `seed` and the request's batch row);
 index group `g`'s leader layer `l` of an `L`-layer model stands for reference layer
-`round(l * 60 / (L - 1))` of the 61-layer profile (a 4-layer model: 0, 20, 40, 60), or the layers
-given. The positions of `lookahead` decode steps are made on the host at the first decode step
+`round(l * 60 / (L - 1))` of the 61-layer profile (`reference="spread"`, the default: a 4-layer
+model stands for 0, 20, 40, 60, whose neighbours are 20 layers apart), or for the reference layers
+given, one per index group (`enable(..., synthetic_topk_layers="20,21,22,23")`: adjacent layers of
+the plateau band, whose top-k overlap 87-90% as a real model's neighbours do). The positions of `lookahead` decode steps are made on the host at the first decode step
 of a session (and again whenever they run out; `make_ahead` does it before a benchmark's timed
 steps) and copied to the device once; each step then
 copies its slice into one static buffer on the device (a device-to-device copy, no host work),
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.replay.locality import REGIMES, LayeredIndexer, reference_layers, regime
+from hisparse_core.replay.locality import REGIMES, LayeredIndexer, parse_reference_layers, regime
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,8 @@ class ModelTopk:
     """The decode top-k of one engine's sessions from a locality regime (see the module docstring)."""
 
     def __init__(self, regime_name: str, *, top_k: int, leaders: Sequence[int], num_layers: int, max_batch: int,
-                 device: torch.device, seed: int = 0, lookahead: int = 32) -> None:
+                 device: torch.device, seed: int = 0, lookahead: int = 32,
+                 reference: str | Sequence[int] | None = None) -> None:
         if regime_name not in REGIMES:
             raise InvalidInputError(f"synthetic_topk={regime_name!r}: expected one of {sorted(REGIMES)} (or None: the "
                                     "model's own indexer)")
@@ -48,7 +51,10 @@ class ModelTopk:
         self.name = regime_name
         self.regime = regime(regime_name)
         self.top_k = top_k
-        self.layers = reference_layers(leaders, num_layers)
+        try:
+            self.layers = parse_reference_layers("synthetic_topk_layers", reference, leaders, num_layers)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from None
         self.seed = seed
         self.lookahead = lookahead
         self.device = device

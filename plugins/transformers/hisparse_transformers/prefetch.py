@@ -21,8 +21,10 @@ must not hand their memory to the main stream while the side stream reads it). F
 events, so a captured decode graph captures both. On the CPU there are no streams: the prefetch
 runs inline, right after g's resolve.
 
-Pairs that get no prefetch: a resident group on either side (`resident_layers`: no resolve), and
-groups on different devices (`device_map`).
+A resident group (`resident_layers`) has no resolve, so nothing is prefetched into it; its
+successor is prefetched from its top-k all the same (the attention layer launches it from the
+resident rows' positions), so the first group after the resident ones (layer 2 of DeepSeek-V3.2
+with layers 0-1 resident) is covered too. No pair spans two devices (`device_map`).
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class NextGroupPrefetch:
         where = self.group_device
         #: target[g]: the group whose resolve runs on g's top-k after g's (None: no prefetch)
         self.target: list[int | None] = [
-            g + 1 if g + 1 < G and self.runtimes[g] is not None and self.runtimes[g + 1] is not None
-            and where[g] == where[g + 1] else None for g in range(G)]
+            g + 1 if g + 1 < G and self.runtimes[g + 1] is not None and where[g] == where[g + 1] else None
+            for g in range(G)]
         devices = [torch.device(d) for d in devices]
         self._side = {d: torch.cuda.Stream(dev) for d, dev in enumerate(devices) if dev.type == "cuda"}
         cuda = [g for g in range(G) if where[g] in self._side]
@@ -73,11 +75,12 @@ class NextGroupPrefetch:
             "overlap heavily) and its own resolve then finds most of them hot; pairs %s%s",
             "on a side stream (joined by an event before the next group's own resolve)" if self._side
             else "inline (no streams on the CPU)", ", ".join(pairs) or "none",
-            "" if len(pairs) == G - 1 else " (none into or out of a resident group, none across devices)")
+            "" if len(pairs) == G - 1 else " (none into a resident group, none across devices)")
 
     def launch(self, step: StepState, group: int, flat: torch.Tensor) -> None:
-        """Right after group `group`'s resolve of `flat` (`[R, top_k]` int32): its successor's
-        resolve on the same positions, forked onto the side stream (inline on the CPU)."""
+        """Right after group `group`'s resolve of `flat` (`[R, top_k]` int32; a resident group: its
+        rows' positions): its successor's resolve on the same positions, forked onto the side
+        stream (inline on the CPU)."""
         target = self.target[group]
         if target is None:
             return

@@ -160,7 +160,8 @@ PLAN_PER_SM = 2
 @dataclass(frozen=True, slots=True)
 class Tuning:
     """The environment's choices: resolver variant, resolver threads (None: the shape's), plan-copy
-    programs per multiprocessor."""
+    programs per multiprocessor, and the switches; unset ones at their fixed defaults (the runtime's
+    default picks some per batch size instead: `auto.choose`)."""
 
     resolver: str
     threads: int | None
@@ -394,10 +395,16 @@ def row_words(row_bytes: int) -> tuple[str, int]:
 
 
 def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32",
-                 variants: tuple[str, ...] = RESOLVERS, cuda: bool = False) -> list[KernelSpec]:
+                 variants: tuple[str, ...] = RESOLVERS, cuda: bool = False,
+                 tunings: tuple[Tuning, ...] = ()) -> list[KernelSpec]:
     """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes
     (one resolver build per variant of `variants`). `lru_dtype` is `i16` for vLLM's op set, whose
-    LRU is int16 (and which writes the miss mask)."""
+    LRU is int16 (and which writes the miss mask). `tunings` (the auto choice's profiles,
+    `auto.choose`): their resolvers and plan copies too (a split tuning's split resolver only: its
+    one-program resolver serves batches past a wave of split programs, which the auto choice gives
+    the other profile); ValueError for a
+    tuning with a knob the auto choice never picks and these builds leave out (the split tail, the
+    fused copy, the row-assigned copy)."""
     resolvers = [resolver_shape(config, variant=v) for v in variants]
     if "gather" in variants:  # the CAS and SCAN variants' builds (unfused), so their targets are known to compile
         resolvers.append(resolver_shape(config, variant="gather", cas=True))
@@ -484,6 +491,19 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
             lru = r.lru_constexprs
             resolver_specs.append(KernelSpec("resolve_split_lru_kernel", lru_sig | dict.fromkeys(lru, "constexpr"), lru,
                                              r.hot_warps(warp_size)))
+    for t in tunings:
+        if t.split_tail or t.fuse or t.row_copy:
+            raise ValueError(f"kernel_specs builds no split tail, fused or row-assigned copy for a tuning; got {t}")
+        r = resolver_shape(config, variant=t.resolver, threads=t.threads, lean=t.lean, cas=t.cas, scan=t.scan,
+                           shift=t.shift, warp_size=warp_size, split=t.split)
+        pdl = dict(PDL=int(t.pdl)) if r.variant == "gather" else {}
+        consts = r.constexprs | mask | r.fuse_constexprs(config, fused=False, interpreted=False) | pdl
+        sig = split_sig if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
+        resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,
+                                         r.num_warps(warp_size)))
+        tuned_plan = plan_copy_meta(config, interpreted=False, entries=t.plan_entries) | dict(PDL=int(t.pdl))
+        resolver_specs.append(KernelSpec("copy_plan_kernel", plan_sig, tuned_plan | (
+            {k: lean[k] for k in ("VEC", "SB")} if t.lean_copy else {}), copy_warps))
     return [
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),

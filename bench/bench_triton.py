@@ -32,7 +32,8 @@ assigned to batch rows at small batches, `HISPARSE_TRITON_ROW_COPY`) and `:d0` /
 a programmatic dependent launch behind the resolver, `HISPARSE_TRITON_PDL`) and `:nN` (N = 2, 4, 8, 16: the split
 resolver, N programs a batch row, `HISPARSE_TRITON_SPLIT`) and `:h0` / `:h1` (1, with `:nN`: the split
 resolver's hot rows spread over the N programs too, `HISPARSE_TRITON_SPLIT_TAIL`) and `:v0` / `:v1` (1: the plan copy
-in 32-bit block arithmetic and 16-byte accesses, `HISPARSE_TRITON_LEAN_COPY`) and `:a0` / `:a1` (0: the fixed defaults
+in 32-bit block arithmetic and 16-byte accesses, `HISPARSE_TRITON_LEAN_COPY`) and `:k0` / `:k1` (1, with `:nN`: the split
+resolver's last program keeps a one-chunk candidate list in registers, `HISPARSE_TRITON_SPLIT_KEEP`) and `:a0` / `:a1` (0: the fixed defaults
 of before for every knob the variant leaves unset; 1, the default: the runtime's choice per batch size,
 `HISPARSE_TRITON_AUTO`), set while its runtimes are built. `gather` is the default, `gather:a0` the default
 before the seventeenth session, `scratch:p4:a0` the backend as it was before the gather resolver,
@@ -62,7 +63,7 @@ SWEEP_BATCHES = (1, 8, 64, 128)
 
 
 def variant_env(variant: str) -> dict[str, str | None]:
-    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB][:sB][:bB][:rB][:dB][:nN][:hB][:vB][:aB]` sets while
+    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB][:sB][:bB][:rB][:dB][:nN][:hB][:vB][:kB][:aB]` sets while
     its runtimes are built (None: unset, so the auto choice picks it per batch size unless `:a0`), checked by the
     backend's own parser; ValueError naming the bad part."""
     from hisparse_core.errors import InvalidInputError
@@ -76,7 +77,7 @@ def variant_env(variant: str) -> dict[str, str | None]:
         key = suffixes.get(knob[:1])
         if key is None:
             raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM, f0/f1, l0/l1, "
-                             f"eENTRIES, c0/c1, s0/s1, b0/b1, r0/r1, d0/d1, nPROGRAMS, h0/h1, v0/v1 or a0/a1")
+                             f"eENTRIES, c0/c1, s0/s1, b0/b1, r0/r1, d0/d1, nPROGRAMS, h0/h1, v0/v1, k0/k1 or a0/a1")
         env[key] = knob[1:]
     try:
         set_env = {k: v for k, v in env.items() if v is not None}

@@ -355,14 +355,19 @@ def test_auto_picks_are_the_ones_this_module_runs() -> None:
                                  {"HISPARSE_TRITON_LEAN_COPY": "1", "HISPARSE_TRITON_PDL": "1",
                                   "HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SPLIT_TAIL": "1"},
                                  dict(_AUTO_SMALL), {k: v for k, v in _AUTO_SMALL if k != "HISPARSE_TRITON_PDL"},
-                                 dict(_AUTO_LARGE), {"HISPARSE_TRITON_AUTO": "1"}],
+                                 dict(_AUTO_LARGE), {"HISPARSE_TRITON_AUTO": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "2", "HISPARSE_TRITON_SPLIT_KEEP": "1"},
+                                 {"HISPARSE_TRITON_SPLIT_KEEP": "1", **{k: v for k, v in _AUTO_SMALL
+                                                                         if k != "HISPARSE_TRITON_PDL"}},
+                                 {"HISPARSE_TRITON_SPLIT_KEEP": "1", **dict(_AUTO_SMALL)}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
                               "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
                               "split2", "split4_scan_shift", "split16_row_copy", "split2_tail", "split4_tail_scan_shift",
                               "split8_tail_scan_shift", "split16_tail_row_copy", "lean_copy", "lean_copy_split8_scan_shift",
                               "lean_copy_pdl_split8_scan_shift", "lean_copy_pdl_split8_tail", "auto_small_picks",
-                              "auto_small_picks_without_pdl", "auto_large_picks", "auto"])
+                              "auto_small_picks_without_pdl", "auto_large_picks", "auto", "split2_keep",
+                              "keep_auto_small_picks_without_pdl", "keep_auto_small_picks"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
@@ -415,6 +420,10 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_SPLIT_TAIL", "2", "expected 0 or 1"),
     ("HISPARSE_TRITON_SPLIT_TAIL", "1", "needs the split resolver; HISPARSE_TRITON_SPLIT is 0 \\(off\\), expected one of "
                                         "2, 4, 8, 16"),
+    ("HISPARSE_TRITON_SPLIT_KEEP", "2", "expected 0 or 1"),
+    ("HISPARSE_TRITON_SPLIT_KEEP", "1", "needs the split resolver; HISPARSE_TRITON_SPLIT is 0 \\(off\\), expected one of "
+                                        "2, 4, 8, 16"),
+    ("HISPARSE_TRITON_AUTO", "2", "expected 0 \\(the fixed defaults\\) or 1"),
 ])
 def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
     from hisparse_core.errors import InvalidInputError
@@ -434,6 +443,8 @@ def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: 
     ({"HISPARSE_TRITON_FUSE_COPY": "1"}, "HISPARSE_TRITON_FUSE_COPY='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
     ({"HISPARSE_TRITON_CAS": "1"}, "HISPARSE_TRITON_CAS='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
     ({"HISPARSE_TRITON_LEAN": "0"}, "HISPARSE_TRITON_LEAN='0' does not combine with HISPARSE_TRITON_SPLIT='8'"),
+    ({"HISPARSE_TRITON_SPLIT_TAIL": "1", "HISPARSE_TRITON_SPLIT_KEEP": "1"},
+     "HISPARSE_TRITON_SPLIT_KEEP='1' does not combine with HISPARSE_TRITON_SPLIT_TAIL='1'"),
 ])
 def test_split_refuses_the_builds_it_has_not(backend, env: dict[str, str], line: str) -> None:  # noqa: ANN001
     """`HISPARSE_TRITON_SPLIT` is the gather resolver's, with no fused copy, CAS or non-LEAN
@@ -557,6 +568,30 @@ def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, ro
     assert all(m["SH"] > 1 and m["SK"] > 1 and m["SB"] == 1 and m["PDL"] == 0 for m in one), one
     assert all(m["VEC"] == 4 and m["SB"] == 1 for m in plan), plan
     assert {m["PDL"] for m in plan} == ({0, 1} if pdl else {0}), plan
+
+
+@pytest.mark.parametrize(("seed", "locality"), [(4, 0.0), (9, 0.0), (4, 0.9), (9, 0.9)])
+def test_split_keep_with_short_and_long_lists_matches_the_reference(backend, seed: int,  # noqa: ANN001
+                                                                    locality: float) -> None:
+    """`HISPARSE_TRITON_SPLIT_KEEP=1`: lists of at most one chunk stay in registers, longer ones take the
+    chunked passes (a chunk is 4 candidates interpreted, one a thread compiled); steps with many misses
+    (no locality) and few, in lockstep with reference_cpu, and the split kernel ran with KEEP."""
+    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
+                       rows_per_request=2, extra_batch_rows=1, num_layers=2, steps=5, locality=locality,
+                       resident_share=0.2, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_AUTO", "0")
+        mp.setenv("HISPARSE_TRITON_SPLIT", "4")
+        mp.setenv("HISPARSE_TRITON_SPLIT_KEEP", "1")
+        names = _split_rows_and_launches(mp, lambda b: b)
+        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+            for step, work in sc.steps:
+                problems = run.resolve(step, replay=True)
+                problems += run.apply(work)
+                assert not problems, "\n".join(problems[:10])
+    assert "resolve_split_kernel" in names and "resolve_gather_kernel" not in names, names
 
 
 def test_pdl_needs_sm90_and_is_refused_elsewhere(backend) -> None:  # noqa: ANN001

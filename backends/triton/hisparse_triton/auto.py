@@ -33,7 +33,7 @@ AUTO_ENV = "HISPARSE_TRITON_AUTO"
 #: Every variable `shapes.tuning` reads (an explicit one wins over the auto choice).
 KNOB_ENVS = (shapes.RESOLVER_ENV, shapes.THREADS_ENV, shapes.PLAN_PER_SM_ENV, shapes.FUSE_ENV, shapes.LEAN_ENV,
              shapes.PLAN_ENTRIES_ENV, shapes.CAS_ENV, shapes.SCAN_ENV, shapes.SHIFT_ENV, shapes.ROW_COPY_ENV,
-             shapes.PDL_ENV, shapes.SPLIT_ENV, shapes.SPLIT_TAIL_ENV, shapes.LEAN_COPY_ENV)
+             shapes.PDL_ENV, shapes.SPLIT_ENV, shapes.SPLIT_TAIL_ENV, shapes.LEAN_COPY_ENV, shapes.SPLIT_KEEP_ENV)
 #: The split resolver's programs a batch row at small batches; "small" is where they fit one wave.
 AUTO_SPLIT = 8
 #: Picks at small batches, in order (a pick joins only if the settings so far plus it pass `shapes.tuning`).
@@ -51,7 +51,7 @@ LARGE_WHY = ("H200 call s17c1: the fastest of the three timed at B = 64 in every
 SUFFIXES = ((shapes.THREADS_ENV, "t"), (shapes.PLAN_PER_SM_ENV, "p"), (shapes.FUSE_ENV, "f"), (shapes.LEAN_ENV, "l"),
             (shapes.PLAN_ENTRIES_ENV, "e"), (shapes.CAS_ENV, "c"), (shapes.SCAN_ENV, "s"), (shapes.SHIFT_ENV, "b"),
             (shapes.ROW_COPY_ENV, "r"), (shapes.PDL_ENV, "d"), (shapes.SPLIT_ENV, "n"), (shapes.SPLIT_TAIL_ENV, "h"),
-            (shapes.LEAN_COPY_ENV, "v"))
+            (shapes.LEAN_COPY_ENV, "v"), (shapes.SPLIT_KEEP_ENV, "k"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,8 @@ def variant(t: Tuning) -> str:
               shapes.SCAN_ENV: (t.scan, base.scan), shapes.SHIFT_ENV: (t.shift, base.shift),
               shapes.ROW_COPY_ENV: (t.row_copy, base.row_copy), shapes.PDL_ENV: (t.pdl, base.pdl),
               shapes.SPLIT_ENV: (t.split, base.split), shapes.SPLIT_TAIL_ENV: (t.split_tail, base.split_tail),
-              shapes.LEAN_COPY_ENV: (t.lean_copy, base.lean_copy)}
+              shapes.LEAN_COPY_ENV: (t.lean_copy, base.lean_copy),
+              shapes.SPLIT_KEEP_ENV: (t.split_keep, base.split_keep)}
     for key, suffix in SUFFIXES:
         value, default = values[key]
         if value != default:

@@ -702,27 +702,37 @@ def _split_claim(tk, tf, counts, scr_crow, scr_cee, scr_cbkt, scr_cat, lst, n_ca
     for c0 in range(0, n_cand, CP):
         u = c0 + uu
         um = u < n_cand
-        at = _split_list_at(counts, u, lst, NS, ES, PW)
-        crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
-        cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
-        home = _fib_bucket(crow, LOG_TP)
-        e_bkt = home
-        e_pend = um
-        n_e = tl.reduce(um.to(tl.int32), 0, _SUM)
-        while n_e > 0:
-            e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
-            tl.store(tk + e_bkt, crow, mask=e_pend & (e_cur == EMPTY))
-            tl.debug_barrier()
-            e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
-            tl.debug_barrier()  # every lane has read before the next round claims
-            e_pend = e_pend & (e_now != crow)
-            e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
-            n_e = tl.reduce(e_pend.to(tl.int32), 0, _SUM)
-        tl.atomic_min(tf + e_bkt, cee, mask=um, sem="relaxed")
+        e_bkt, at, crow, cee, home = _split_claim_chunk(tk, tf, counts, scr_crow, scr_cee, lst, u, um, NS, ES, PW,
+                                                        TP, LOG_TP)
         tl.store(scr_cbkt + lst + u, e_bkt, mask=um)
         tl.store(scr_cat + lst + u, at, mask=um)
         rounds = tl.maximum(rounds, tl.reduce(tl.where(um, (e_bkt - home) & (TP - 1), 0), 0, _MAX) + 1)
     return rounds
+
+
+@triton.jit
+def _split_claim_chunk(tk, tf, counts, scr_crow, scr_cee, lst, u, um,  # noqa: ANN001, ANN202
+                       NS: tl.constexpr, ES: tl.constexpr, PW: tl.constexpr, TP: tl.constexpr, LOG_TP: tl.constexpr):
+    """Candidates `u` (where `um`) of list `lst` claim their buckets of `tk` and their rows' first
+    references in `tf`; returns each one's bucket, segment address, row, entry and home bucket."""
+    at = _split_list_at(counts, u, lst, NS, ES, PW)
+    crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+    cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+    home = _fib_bucket(crow, LOG_TP)
+    e_bkt = home
+    e_pend = um
+    n_e = tl.reduce(um.to(tl.int32), 0, _SUM)
+    while n_e > 0:
+        e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
+        tl.store(tk + e_bkt, crow, mask=e_pend & (e_cur == EMPTY))
+        tl.debug_barrier()
+        e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
+        tl.debug_barrier()  # every lane has read before the next round claims
+        e_pend = e_pend & (e_now != crow)
+        e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+        n_e = tl.reduce(e_pend.to(tl.int32), 0, _SUM)
+    tl.atomic_min(tf + e_bkt, cee, mask=um, sem="relaxed")
+    return e_bkt, at, crow, cee, home
 
 
 @triton.jit
@@ -782,7 +792,8 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                          KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                          LOG_TP: tl.constexpr, MASK: tl.constexpr, HG: tl.constexpr, LR: tl.constexpr,
                          NS: tl.constexpr, ES: tl.constexpr, CP: tl.constexpr, PW: tl.constexpr,
-                         SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                         SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0, PDL: tl.constexpr = 0,
+                         KEEP: tl.constexpr = 0):
     """`resolve_gather_kernel`'s results from `NS` programs a batch row (`shapes.SPLIT_ENV`), for small
     batches, where one program a request leaves most multiprocessors idle:
 
@@ -801,7 +812,11 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
       every entry: a step with few misses pays for its misses, not for its top-k.
 
     With `TAIL` (`shapes.SPLIT_TAIL_ENV`) the last program stops after the hash table and leaves the
-    hot rows to `resolve_split_hot_kernel` and `resolve_split_lru_kernel`, launched behind it.
+    hot rows to `resolve_split_hot_kernel` and `resolve_split_lru_kernel`, launched behind it. With
+    `KEEP` (`shapes.SPLIT_KEEP_ENV`, not with `TAIL`), a list of at most `CP` candidates stays in
+    registers from the claim to the table's clearing: its buckets, rows, entries, positions and first
+    references are not stored to and reloaded from the list scratch (five dependent global round
+    trips fewer on the last program's path); longer lists take the chunked passes.
 
     The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
     Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
@@ -955,10 +970,28 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         ts = tbl_slot + b * TP
                         lst = b * NS * ES  # the request's list scratch (list index u)
                         uu = tl.arange(0, CP)
+                        if KEEP:
+                            one = n_cand <= CP
+                            many = uu * 0 + n_cand > CP  # lanes wide (the interpreter masks by lanes only)
+                        else:
+                            one = False
                         # 1. The candidates claim buckets (as the gather resolver's), CP at a time, in list
-                        #    order; each keeps its bucket and its segment address for the later passes.
-                        rounds = _split_claim(tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, scr_cbkt,
-                                              scr_cat, lst, n_cand, NS, ES, PW, CP, TP, LOG_TP)
+                        #    order; each keeps its bucket and its segment address for the later passes (in
+                        #    registers where the list is one chunk: `one`).
+                        if one:
+                            k_bkt, k_at, k_crow, k_cee, k_home = _split_claim_chunk(
+                                tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, lst, uu, uu < n_cand, NS,
+                                ES, PW, TP, LOG_TP)
+                            k_cpos = tl.load(scr_cpos + k_at, mask=uu < n_cand, other=0, volatile=True)
+                            rounds = tl.reduce(tl.where(uu < n_cand, (k_bkt - k_home) & (TP - 1), 0), 0, _MAX) + 1
+                        else:
+                            k_bkt = uu * 0
+                            k_crow = k_bkt
+                            k_cee = k_bkt
+                            k_cpos = k_bkt
+                            rounds = _split_claim(tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, scr_cbkt,
+                                                  scr_cat, lst, n_cand, NS, ES, PW, CP, TP, LOG_TP)
+                        k_fee = k_bkt
                         # 2. Every held slot looks its row up (a row sits at most `rounds - 1` past its home).
                         if LR:
                             tab = tl.load(tk + tl.arange(0, TP))
@@ -983,10 +1016,19 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         for c0 in range(0, n_cand, CP):
                             u = c0 + uu
                             um = u < n_cand
-                            e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                            at = tl.load(scr_cat + lst + u, mask=um, other=0)
-                            cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
+                            if KEEP:  # a one-chunk list from registers (no load issues: its mask is off)
+                                lm = um & many
+                                e_bkt = tl.where(one, k_bkt, tl.load(scr_cbkt + lst + u, mask=lm, other=0))
+                                at = tl.load(scr_cat + lst + u, mask=lm, other=0)
+                                cee = tl.where(one, tl.where(um, k_cee, -1),
+                                               tl.load(scr_cee + at, mask=lm, other=-1, volatile=True))
+                            else:
+                                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                                at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                                cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
                             f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                            if KEEP:
+                                k_fee = f_ee
                             hit_slot = tl.load(ts + e_bkt, mask=um, other=-1)
                             mflag = um & (f_ee == cee) & (hit_slot < 0)
                             mf = mflag.to(tl.int32)
@@ -1015,13 +1057,23 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         for c0 in range(0, n_cand, CP):
                             u = c0 + uu
                             um = u < n_cand
-                            e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                            at = tl.load(scr_cat + lst + u, mask=um, other=0)
-                            crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
-                            cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
-                            cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
-                            v = tl.load(ts + e_bkt, mask=um, other=-1)
-                            f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                            if KEEP:
+                                lm = um & many
+                                e_bkt = tl.where(one, k_bkt, tl.load(scr_cbkt + lst + u, mask=lm, other=0))
+                                at = tl.load(scr_cat + lst + u, mask=lm, other=0)
+                                crow = tl.where(one, k_crow, tl.load(scr_crow + at, mask=lm, other=0, volatile=True))
+                                cee = tl.where(one, k_cee, tl.load(scr_cee + at, mask=lm, other=0, volatile=True))
+                                cpos = tl.where(one, k_cpos, tl.load(scr_cpos + at, mask=lm, other=0, volatile=True))
+                                v = tl.load(ts + e_bkt, mask=um, other=-1)
+                                f_ee = tl.where(one, k_fee, tl.load(tf + e_bkt, mask=lm, other=-2, volatile=True))
+                            else:
+                                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                                at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                                crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+                                cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+                                cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
+                                v = tl.load(ts + e_bkt, mask=um, other=-1)
+                                f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
                             missed = um & (v < 0)
                             m = -2 - v
                             victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
@@ -1030,7 +1082,13 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
                         tl.debug_barrier()
                         # 5. The table left empty for the next call: only the buckets this call used.
-                        _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
+                        if one:
+                            um = uu < n_cand
+                            tl.store(tk + k_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
+                            tl.store(tf + k_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
+                            tl.store(ts + k_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+                        else:
+                            _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
                         tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
             tl.store(scr_ticket + b, 0)
 

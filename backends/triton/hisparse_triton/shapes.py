@@ -130,6 +130,13 @@ SPLITS = (2, 4, 8, 16)
 #: it, two more launches. The last program of a request was about 80% of a 34-miss batch-8 step's
 #: instructions (sm_90 SASS, one program over the 4096 hot rows). 0, the default. Not yet timed on a GPU.
 SPLIT_TAIL_ENV = "HISPARSE_TRITON_SPLIT_TAIL"
+#: 1 (with `SPLIT_ENV`, not with `SPLIT_TAIL_ENV`): the split resolver's last program keeps a candidate
+#: list of at most one chunk (one candidate a thread) in registers from the claim to the table's
+#: clearing (`kernels.resolve_split_kernel`, KEEP): its buckets, rows, entries and positions are not
+#: stored to the list scratch and read back in each pass, and the first references are read once, so
+#: the last program's path at 34 and 274 misses at B = 8 has five dependent global round trips fewer
+#: (of about fifteen). Longer lists take the chunked passes. 0, the default; not yet timed on a GPU.
+SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
 #: Candidates the split resolver's last program handles at once: one a thread compiled (a smaller
 #: list costs a thread the same); a few under the interpreter, so that tests walk several chunks.
 INTERPRETED_SPLIT_CHUNK = 4
@@ -177,12 +184,13 @@ class Tuning:
     split: int = 0
     split_tail: bool = False
     lean_copy: bool = False
+    split_keep: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
     `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`, `SPLIT_TAIL_ENV`,
-    `LEAN_COPY_ENV`); one clear
+    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`); one clear
     error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
@@ -229,9 +237,18 @@ def tuning(env: dict[str, str]) -> Tuning:
     if split_tail == "1" and split == "0":
         raise InvalidInputError(f"{SPLIT_TAIL_ENV}={split_tail!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
                                 f"expected one of {', '.join(map(str, SPLITS))}")
+    keep = env.get(SPLIT_KEEP_ENV) or "0"
+    if keep not in ("0", "1"):
+        raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} is not a switch; expected 0 or 1")
+    if keep == "1" and split == "0":
+        raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
+                                f"expected one of {', '.join(map(str, SPLITS))}")
+    if keep == "1" and split_tail == "1":
+        raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} does not combine with {SPLIT_TAIL_ENV}='1' (the hot-row "
+                                f"kernels read the list scratch); expected {SPLIT_KEEP_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
                   cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1",
-                  lean_copy == "1")
+                  lean_copy == "1", keep == "1")
 
 
 def pow2(n: int) -> int:
@@ -269,6 +286,7 @@ class ResolverShape:
     tail: bool = False  # the split resolver's hot rows spread too (`SPLIT_TAIL_ENV`)
     hot_threads: int = 0  # threads of a program of the hot-row kernels (`tail`)
     hot_chunk: int = 0  # candidates the hot-row kernel's last program takes at once
+    keep: bool = False  # a one-chunk candidate list stays in registers (`SPLIT_KEEP_ENV`)
 
     @property
     def kernel(self) -> str:
@@ -284,7 +302,7 @@ class ResolverShape:
                         HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
                         ES=self.gp * self.kp // self.split, CP=self.chunk, PW=self.pw,
                         SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift),
-                        TAIL=int(self.tail), PDL=0)
+                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep))
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
@@ -352,12 +370,13 @@ def resolver_variant(name: str | None) -> str:
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
                    threads: int | None = None, lean: bool = True, cas: bool = False,
                    scan: bool = False, shift: bool = False, warp_size: int = 1, split: int = 0,
-                   split_tail: bool = False) -> ResolverShape:
+                   split_tail: bool = False, split_keep: bool = False) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread); `split` programs a batch row (at most one a group's
     entry), each taking an equal share of the group's padded entries; `split_tail`: the hot-row
     kernels' programs as many (at most one a hot row), a slice of the hot rows each, one lane a
-    thread (at least 128 threads, at most the resolver's)."""
+    thread (at least 128 threads, at most the resolver's); `split_keep`: the split resolver keeps a
+    one-chunk candidate list in registers (without the tail)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
     floor = MIN_LANES if compiled else dict.fromkeys(MIN_LANES, 1)
     kp, gp, hp = max(pow2(k), floor["KP"]), pow2(g), max(pow2(h), floor["HP"])
@@ -381,7 +400,7 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     hot_chunk = min(hot_threads if compiled else INTERPRETED_SPLIT_CHUNK, gp * kp) if tail else 0
     return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
                          scan_row, shift and variant == "gather" and bs & (bs - 1) == 0, ns, chunk, tail,
-                         hot_threads, hot_chunk)
+                         hot_threads, hot_chunk, bool(ns and split_keep and not tail))
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -413,6 +432,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
                                         split=SPLIT_BUILD))
         resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
                                         split=SPLIT_BUILD, split_tail=True))
+        resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
+                                        split=SPLIT_BUILD, split_keep=True))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -495,7 +516,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         if t.split_tail or t.fuse or t.row_copy:
             raise ValueError(f"kernel_specs builds no split tail, fused or row-assigned copy for a tuning; got {t}")
         r = resolver_shape(config, variant=t.resolver, threads=t.threads, lean=t.lean, cas=t.cas, scan=t.scan,
-                           shift=t.shift, warp_size=warp_size, split=t.split)
+                           shift=t.shift, warp_size=warp_size, split=t.split, split_keep=t.split_keep)
         pdl = dict(PDL=int(t.pdl)) if r.variant == "gather" else {}
         consts = r.constexprs | mask | r.fuse_constexprs(config, fused=False, interpreted=False) | pdl
         sig = split_sig if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})

@@ -77,6 +77,19 @@ def launch(kernel: Any, name: str, grid: tuple[int, ...], *args: Any, **meta: An
 
 
 @triton.jit
+def _block_split(x, BS, LBS, SB: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton device function
+    """Block and offset of rows `x` (>= 0 wherever used) in blocks of `BS` rows: with `SB` (BS = 2^LBS)
+    a shift and a mask, else a division (by a runtime BS about 20 instructions a lane)."""
+    if SB:
+        blk = x >> LBS
+        off = x & (BS - 1)
+    else:
+        blk = x // BS
+        off = x % BS
+    return blk, off
+
+
+@triton.jit
 def _exclusive_ranks(x, SH: tl.constexpr, HP: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton device function
     """Exclusive prefix sums of the [HP] int32 vector `x`. SH > 1 (HISPARSE_TRITON_SCAN): a scan within
     each of SH rows of one warp's width, plus the sums of the rows before (one masked reduction),
@@ -371,12 +384,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         sl = tl.where(rmask, sl_all, 0)
         in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < ctx)
         pos = tl.where(in_ctx, t, 0)
-        if SB:  # BS = 2^LBS: a shift and a mask (a division by a runtime BS is about 20 instructions a lane)
-            page = pos >> LBS
-            off = pos & (BS - 1)
-        else:
-            page = pos // BS
-            off = pos % BS
+        page, off = _block_split(pos, BS, LBS, SB)
         if LEAN:
             hh = tl.arange(0, HP)
             hot_row = tl.load(hot_table + q * HB + hh, mask=hh < HB, other=0)  # HB <= H <= HP
@@ -450,12 +458,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     tl.atomic_add(stats + 1, n_hit.to(tl.int64))
                 new_pos = tl.where(hit_pos, H - n_hit + h_rank, ii - h_rank)
                 tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
-                if SB:  # (hint >= 0 wherever it is used)
-                    hint_blk = hint >> LBS
-                    hint_off = hint & (BS - 1)
-                else:
-                    hint_blk = hint // BS
-                    hint_off = hint % BS
+                hint_blk, hint_off = _block_split(hint, BS, LBS, SB)  # (hint >= 0 wherever it is used)
                 if LEAN:
                     hb_idx = tl.reshape(tl.where(hint_hit, hint_blk, 0), (GP * KP,))
                     hot_blk = tl.where(hint_hit, tl.reshape(tl.gather(hot_row, hb_idx, 0), (GP, KP)), 0)
@@ -599,16 +602,8 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     tl.debug_barrier()
                     slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
                 e_ok = is_host & (slot >= 0) & (slot < H)
-                if SB:  # (slot >= 0 where e_ok, victim >= 0 where vok)
-                    slot_blk = slot >> LBS
-                    slot_off = slot & (BS - 1)
-                    vic_blk = victim >> LBS
-                    vic_off = victim & (BS - 1)
-                else:
-                    slot_blk = slot // BS
-                    slot_off = slot % BS
-                    vic_blk = victim // BS
-                    vic_off = victim % BS
+                slot_blk, slot_off = _block_split(slot, BS, LBS, SB)  # (slot >= 0 where e_ok, victim >= 0 where vok)
+                vic_blk, vic_off = _block_split(victim, BS, LBS, SB)
                 if LEAN:
                     hot_blk = tl.where(e_ok, tl.reshape(tl.gather(
                         hot_row, tl.reshape(tl.where(e_ok, slot_blk, 0), (GP * KP,)), 0), (GP, KP)), 0)
@@ -746,16 +741,8 @@ def _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_
     vok = mflag & (victim >= 0) & (victim < H)
     slot = tl.where(missed, victim, v)
     e_ok = um & (slot >= 0) & (slot < H)
-    if SB:
-        slot_blk = slot >> LBS
-        slot_off = slot & (BS - 1)
-        vic_blk = victim >> LBS
-        vic_off = victim & (BS - 1)
-    else:
-        slot_blk = slot // BS
-        slot_off = slot % BS
-        vic_blk = victim // BS
-        vic_off = victim % BS
+    slot_blk, slot_off = _block_split(slot, BS, LBS, SB)
+    vic_blk, vic_off = _block_split(victim, BS, LBS, SB)
     slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
     vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
     g_u = cee // KP
@@ -863,12 +850,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
         old_plan = tl.load(plan_counts + b + g, mask=emask, other=0)
         in_ctx = emask & (t >= 0) & (t < sl) & (t < ctx)
         pos = tl.where(in_ctx, t, 0)
-        if SB:
-            page = pos >> LBS
-            off = pos & (BS - 1)
-        else:
-            page = pos // BS
-            off = pos % BS
+        page, off = _block_split(pos, BS, LBS, SB)
         # Both tables and the hint in one round trip (the source row is used only where not resident).
         res_blk = tl.load(resident_table + q * P + page, mask=in_ctx, other=-1)
         src_blk = tl.load(source_table + q * P + page, mask=in_ctx, other=-1)
@@ -879,12 +861,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
         is_host = in_ctx & (res_blk < 0) & (src_blk >= 0) & (host_row64 < host_limit)
         host_row = host_row64.to(tl.int32)
         hint_ok = is_host & (hint >= 0) & (hint < H)
-        if SB:
-            hint_blk = hint >> LBS
-            hint_off = hint & (BS - 1)
-        else:
-            hint_blk = hint // BS
-            hint_off = hint % BS
+        hint_blk, hint_off = _block_split(hint, BS, LBS, SB)
         hinted = tl.load(hot_map + q * H + hint, mask=hint_ok, other=-1)
         hot_blk = tl.load(hot_table + q * HB + hint_blk, mask=hint_ok, other=0)
         hint_hit = hint_ok & (hinted == host_row)
@@ -1305,12 +1282,7 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
             wv = (W // VEC) * VEC  # == W; its factor VEC is what lets the mask below cover whole vectors
             mm = m[:, None] & (w < wv)[None, :]
             saddr = tl.multiple_of(h32.to(tl.int64) * wv, VEC)
-            if SB:
-                blk = d32 >> LBS
-                off = d32 & (BS - 1)
-            else:
-                blk = d32 // BS
-                off = d32 % BS
+            blk, off = _block_split(d32, BS, LBS, SB)
             daddr = tl.multiple_of(blk.to(tl.int64) * dst_block_stride + (off * wv).to(tl.int64), VEC)
             vals = tl.load(src + saddr[:, None] + w[None, :], mask=mm)
             tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)

@@ -77,13 +77,15 @@ CAS_ENV = "HISPARSE_TRITON_CAS"
 #: partial sum in each thread. The resolver is bound by the instructions it issues (call G1 of the
 #: 14th session, 34 misses x 8: 2,350 instructions a warp at 15.8 cycles each, 20.9 us); its sm_90
 #: build (Triton 3.6) has 2,928 SASS instructions, 1,880 with two-level scans (the miss path about
-#: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the default (call K4, timed only with SHIFT and
+#: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the fixed default; the auto choice picks 1 at every batch
+#: size (`auto.py`). (Call K4, timed only with SHIFT and
 #: ROW_COPY: no gain on miss steps, docs/backends.md).
 SCAN_ENV = "HISPARSE_TRITON_SCAN"
 #: 1: where the block size is a power of two, the gather resolver takes a position's or a slot's
 #: block and offset with a shift and a mask (`SB`, the shift a runtime argument) instead of a
 #: division by the runtime block size (about 20 instructions a lane, four such divisions on a miss
-#: step); one more build per configuration (power of two or not). 0, the default (timed with SCAN, K4).
+#: step); one more build per configuration (power of two or not). 0, the fixed default (timed with SCAN,
+#: K4); the auto choice picks 1 at every batch size.
 SHIFT_ENV = "HISPARSE_TRITON_SHIFT"
 #: 1: at batches where every batch row gets at least `ROW_COPY_MIN_PROGRAMS` plan-copy programs, the
 #: plan copy is `kernels.copy_plan_rows_kernel` (programs assigned to rows; a row's count read beside
@@ -96,7 +98,8 @@ ROW_COPY_MIN_PROGRAMS = 8
 #: 1 (NVIDIA sm_90 and later only; refused elsewhere): the plan copy is a programmatic dependent
 #: launch (`launch_pdl`): the resolver lets it start once its programs have begun, and the copy waits
 #: in `gdc_wait` for the resolver's end, so the copy's launch overlaps the resolver instead of
-#: following it. 0, the default (call K4: 0.6-2.3 us saved on most miss steps up to batch 64, 93 us
+#: following it. 0, the fixed default; the auto choice picks 1 at small batches on NVIDIA sm_90 and later
+#: (call K4: 0.6-2.3 us saved on most miss steps up to batch 64, 93 us
 #: lost at 274 misses and batch 128).
 PDL_ENV = "HISPARSE_TRITON_PDL"
 #: 1: the plan copy (`kernels.copy_plan_kernel`, `VEC`) takes a device row's block and offset in 32-bit
@@ -105,8 +108,8 @@ PDL_ENV = "HISPARSE_TRITON_PDL"
 #: per entry) and one word per access; by shift and mask where the block size is a power of two. sm_90
 #: (Triton 3.6, 656-byte rows, 16 entries a chunk): 1,776 -> 528 SASS instructions, 182 -> 79 registers.
 #: Its few busy programs at small batches (17 of 264 at 34 misses x 8) are bound by the instructions
-#: each warp issues in turn. `copy_plan_rows_kernel` (`ROW_COPY_ENV`) is unchanged. 0, the default.
-#: Not yet timed on a GPU.
+#: each warp issues in turn. `copy_plan_rows_kernel` (`ROW_COPY_ENV`) is unchanged. 0, the fixed default;
+#: the auto choice picks 1 at every batch size (calls C4 and s17c1).
 LEAN_COPY_ENV = "HISPARSE_TRITON_LEAN_COPY"
 #: Words (int32) one access of the lean plan copy moves: 16 bytes, the widest global access of
 #: NVIDIA's and AMD CDNA's instruction sets.
@@ -117,7 +120,7 @@ COPY_VEC = 4
 #: rest (hash table, held-slot lookups, scans over the LRU order, victims, plan), over the candidates
 #: as a list rather than over every entry. Aimed at small batches, where one program a request keeps
 #: only B multiprocessors busy (call K1: 34 misses x 8, 8 programs on 132 SMs, issue-bound). 0, the
-#: default: on the H200 (fifteenth session, calls G3 and G6; docs/backends.md) no gain at the default
+#: fixed default (the auto choice picks 8 at small batches, with 512 threads): on the H200 (fifteenth session, calls G3 and G6; docs/backends.md) no gain at the default
 #: threads; at 256-512 threads, against SCAN and SHIFT alone, 1.1-2.3 us saved on 34-miss steps at
 #: B = 1 and 8, +0.9 to -1.3 us at 274 misses B = 8, 0.9-1.3 us lost on resident steps.
 SPLIT_ENV = "HISPARSE_TRITON_SPLIT"

@@ -272,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: the whole sweep)")
     ap.add_argument("--variants", default="gather", metavar="V[,V]",
                     help="triton variants to time, each "
-                         "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1][:s0|:s1][:b0|:b1][:r0|:r1][:d0|:d1][:nN][:h0|:h1][:v0|:v1] "
-                         "(e.g. gather,gather:l0,gather:c1,scratch:p4); "
+                         "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1][:s0|:s1][:b0|:b1][:r0|:r1][:d0|:d1][:nN][:h0|:h1][:v0|:v1]"
+                         "[:k0|:k1][:a0|:a1] (e.g. gather,gather:a0,gather:c1,scratch:p4:a0; unset knobs: the runtime's "
+                         "choice per batch size unless :a0); "
                          "the first is 'triton us'")
     args = ap.parse_args(argv)
     resolvers = [v for v in args.variants.split(",") if v]

@@ -32,8 +32,12 @@ assigned to batch rows at small batches, `HISPARSE_TRITON_ROW_COPY`) and `:d0` /
 a programmatic dependent launch behind the resolver, `HISPARSE_TRITON_PDL`) and `:nN` (N = 2, 4, 8, 16: the split
 resolver, N programs a batch row, `HISPARSE_TRITON_SPLIT`) and `:h0` / `:h1` (1, with `:nN`: the split
 resolver's hot rows spread over the N programs too, `HISPARSE_TRITON_SPLIT_TAIL`) and `:v0` / `:v1` (1: the plan copy
-in 32-bit block arithmetic and 16-byte accesses, `HISPARSE_TRITON_LEAN_COPY`), set while its runtimes are built. `scratch:p4` is the backend as it was before the gather resolver, `gather:f1:l0`
-the default of call G3.
+in 32-bit block arithmetic and 16-byte accesses, `HISPARSE_TRITON_LEAN_COPY`) and `:k0` / `:k1` (1, with `:nN`: the split
+resolver's last program keeps a one-chunk candidate list in registers, `HISPARSE_TRITON_SPLIT_KEEP`) and `:a0` / `:a1` (0: the fixed defaults
+of before for every knob the variant leaves unset; 1, the default: the runtime's choice per batch size,
+`HISPARSE_TRITON_AUTO`), set while its runtimes are built. `gather` is the default, `gather:a0` the default
+before the seventeenth session, `scratch:p4:a0` the backend as it was before the gather resolver,
+`gather:f1:l0:a0` the default of call G3.
 
 Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia backend
 (`--no-nvidia`, or no cuda-python) the tr/nv column is left empty.
@@ -59,29 +63,26 @@ SWEEP_BATCHES = (1, 8, 64, 128)
 
 
 def variant_env(variant: str) -> dict[str, str | None]:
-    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB][:sB][:bB][:rB][:dB][:nN][:hB][:vB]` sets while its runtimes
-    are built (None: unset), checked by the backend's own parser; ValueError naming the bad part."""
+    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB][:sB][:bB][:rB][:dB][:nN][:hB][:vB][:kB][:aB]` sets while
+    its runtimes are built (None: unset, so the auto choice picks it per batch size unless `:a0`), checked by the
+    backend's own parser; ValueError naming the bad part."""
     from hisparse_core.errors import InvalidInputError
-    from hisparse_triton import shapes
+    from hisparse_triton import auto, shapes
 
     name, *knobs = variant.split(":")
-    env: dict[str, str | None] = {shapes.RESOLVER_ENV: name, shapes.THREADS_ENV: None, shapes.PLAN_PER_SM_ENV: None,
-                                  shapes.FUSE_ENV: None, shapes.LEAN_ENV: None, shapes.PLAN_ENTRIES_ENV: None,
-                                  shapes.CAS_ENV: None, shapes.SCAN_ENV: None, shapes.SHIFT_ENV: None,
-                                  shapes.ROW_COPY_ENV: None, shapes.PDL_ENV: None, shapes.SPLIT_ENV: None,
-                                  shapes.SPLIT_TAIL_ENV: None, shapes.LEAN_COPY_ENV: None}
+    env: dict[str, str | None] = dict.fromkeys((*auto.KNOB_ENVS, auto.AUTO_ENV))
+    env[shapes.RESOLVER_ENV] = name
+    suffixes = {s: key for key, s in auto.SUFFIXES} | {"a": auto.AUTO_ENV}
     for knob in knobs:
-        key = {"t": shapes.THREADS_ENV, "p": shapes.PLAN_PER_SM_ENV, "f": shapes.FUSE_ENV,
-               "l": shapes.LEAN_ENV, "e": shapes.PLAN_ENTRIES_ENV, "c": shapes.CAS_ENV,
-               "s": shapes.SCAN_ENV, "b": shapes.SHIFT_ENV, "r": shapes.ROW_COPY_ENV,
-               "d": shapes.PDL_ENV, "n": shapes.SPLIT_ENV,
-               "h": shapes.SPLIT_TAIL_ENV, "v": shapes.LEAN_COPY_ENV}.get(knob[:1])
+        key = suffixes.get(knob[:1])
         if key is None:
             raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM, f0/f1, l0/l1, "
-                             f"eENTRIES, c0/c1, s0/s1, b0/b1, r0/r1, d0/d1, nPROGRAMS, h0/h1 or v0/v1")
+                             f"eENTRIES, c0/c1, s0/s1, b0/b1, r0/r1, d0/d1, nPROGRAMS, h0/h1, v0/v1, k0/k1 or a0/a1")
         env[key] = knob[1:]
     try:
-        shapes.tuning({k: v for k, v in env.items() if v is not None})
+        set_env = {k: v for k, v in env.items() if v is not None}
+        shapes.tuning(set_env)
+        auto.auto_enabled(set_env)
     except InvalidInputError as exc:
         raise ValueError(f"{variant!r}: {exc}") from exc
     return env
@@ -271,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: the whole sweep)")
     ap.add_argument("--variants", default="gather", metavar="V[,V]",
                     help="triton variants to time, each "
-                         "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1][:s0|:s1][:b0|:b1][:r0|:r1][:d0|:d1][:nN][:h0|:h1][:v0|:v1] "
-                         "(e.g. gather,gather:l0,gather:c1,scratch:p4); "
+                         "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1][:s0|:s1][:b0|:b1][:r0|:r1][:d0|:d1][:nN][:h0|:h1][:v0|:v1]"
+                         "[:k0|:k1][:a0|:a1] (e.g. gather,gather:a0,gather:c1,scratch:p4:a0; unset knobs: the runtime's "
+                         "choice per batch size unless :a0); "
                          "the first is 'triton us'")
     args = ap.parse_args(argv)
     resolvers = [v for v in args.variants.split(",") if v]

@@ -102,3 +102,23 @@ def test_lean_plan_copy_builds_for_every_target(builds: list[dict]) -> None:
            if b["kernel"] == "copy_plan_kernel" and b["constexprs"].get("VEC") == 4 and not b["constexprs"].get("PDL")}
     want = {(t, g) for t in TARGETS for g in TARGET_GEOMETRIES.get(t, tuple(geometries()))}
     assert got == want, sorted(want ^ got)
+
+
+def test_the_auto_choice_builds_for_every_target(builds: list[dict]) -> None:
+    """What a runtime picks per batch size by default (`hisparse_triton.auto`) compiles for every target at
+    every geometry: at small batches the split resolver at 512 threads with two-level scans and shift-and-mask
+    blocks and the lean plan copy of 4 entries a chunk, both with PDL on sm_90 only; at larger batches the
+    one-program resolver with the same scans and blocks."""
+    from hisparse_triton.compile_targets import TARGET_GEOMETRIES, TARGETS, geometries
+
+    for t in TARGETS:
+        pdl = int(t == "sm90")
+        for g in TARGET_GEOMETRIES.get(t, tuple(geometries())):
+            mine = [b for b in builds if (b["target"], b["geometry"]) == (t, g)]
+            assert any(b["kernel"] == "resolve_split_kernel" and b["num_warps"] * b["warp_size"] == 512
+                       and b["constexprs"]["NS"] == 8 and b["constexprs"]["SB"] == 1 and b["constexprs"]["SH"] > 1
+                       and b["constexprs"]["PDL"] == pdl for b in mine), (t, g)
+            assert any(b["kernel"] == "copy_plan_kernel" and b["constexprs"]["EB"] == 4 and b["constexprs"]["VEC"] == 4
+                       and b["constexprs"]["PDL"] == pdl for b in mine), (t, g)
+            assert any(b["kernel"] == "resolve_gather_kernel" and b["constexprs"]["SK"] > 1 and b["constexprs"]["SB"] == 1
+                       and b["constexprs"]["PDL"] == 0 and not b["constexprs"]["FUSE"] for b in mine), (t, g)

@@ -10,6 +10,7 @@ sees it. With a GPU, the kernels run compiled on it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -287,8 +288,9 @@ def test_lean_plan_copy_matches_the_plan_on_strided_blocks(backend, vec: int, sh
 
 @pytest.mark.parametrize(("stride_pad", "vec"), [(0, 4), (4, 4), (2, 1)])
 def test_lean_copy_vectors_only_where_rows_and_blocks_allow(backend, stride_pad: int, vec: int) -> None:  # noqa: ANN001
-    """`HISPARSE_TRITON_LEAN_COPY=1`: the plan copy moves 4 words an access where a row's words and
-    every layer's block stride are multiples of 4, else one (`VEC` 1); off, the default build."""
+    """`HISPARSE_TRITON_LEAN_COPY=1` (and the auto default at every batch size): the plan copy moves 4
+    words an access where a row's words and every layer's block stride are multiples of 4, else one
+    (`VEC` 1); off (`=0`, or `HISPARSE_TRITON_AUTO=0`), the build without `VEC`."""
     cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=4, hot_rows=4, block_size=2, max_pages=4)
     words = cfg.row_format.row_bytes // 4
     host = torch.zeros((16, cfg.row_format.width), dtype=cfg.row_format.dtype)
@@ -296,13 +298,29 @@ def test_lean_copy_vectors_only_where_rows_and_blocks_allow(backend, stride_pad:
         host = host.pin_memory()
     slab = torch.zeros((4, 2 * words + stride_pad), dtype=torch.int32, device=backend.device)
     dev = slab[:, :2 * words].view(torch.uint8).view(4, 2, cfg.row_format.width).view(cfg.row_format.dtype)
-    for env, want in (({"HISPARSE_TRITON_LEAN_COPY": "1"}, vec), ({}, 0)):
+    for env, want in (({"HISPARSE_TRITON_LEAN_COPY": "1"}, vec), ({}, vec), ({"HISPARSE_TRITON_LEAN_COPY": "0"}, 0),
+                      ({"HISPARSE_TRITON_AUTO": "0"}, 0)):
         with pytest.MonkeyPatch.context() as mp:
             for key, value in env.items():
                 mp.setenv(key, value)
             rt = backend.create_runtime(cfg)
         rt.bind([host], [dev])
-        assert rt._copy_vec == want, (stride_pad, env)
+        for rows in (1, 2):  # both batch sizes' profiles
+            assert (rt._vec if rt._launches_for(rows).tuning.lean_copy else 0) == want, (stride_pad, env, rows)
+
+
+#: The auto choice's picks (`hisparse_triton.auto`) as fixed settings.
+_AUTO_SMALL = (("HISPARSE_TRITON_SPLIT", "8"), ("HISPARSE_TRITON_RESOLVER_THREADS", "512"), ("HISPARSE_TRITON_SCAN", "1"),
+               ("HISPARSE_TRITON_SHIFT", "1"), ("HISPARSE_TRITON_LEAN_COPY", "1"), ("HISPARSE_TRITON_PDL", "1"),
+               ("HISPARSE_TRITON_PLAN_ENTRIES", "4"), ("HISPARSE_TRITON_PLAN_PER_SM", "4"))
+_AUTO_LARGE = (("HISPARSE_TRITON_SCAN", "1"), ("HISPARSE_TRITON_SHIFT", "1"), ("HISPARSE_TRITON_LEAN_COPY", "1"))
+
+
+def test_auto_picks_are_the_ones_this_module_runs() -> None:
+    """The fixed settings the variant lockstep test runs are the auto choice's picks."""
+    from hisparse_triton import auto
+
+    assert (auto.SMALL_PICKS, auto.LARGE_PICKS) == (_AUTO_SMALL, _AUTO_LARGE)
 
 
 @pytest.mark.parametrize("env", [{"HISPARSE_TRITON_RESOLVER": "scratch"},
@@ -335,21 +353,31 @@ def test_lean_copy_vectors_only_where_rows_and_blocks_allow(backend, stride_pad:
                                  {"HISPARSE_TRITON_LEAN_COPY": "1", "HISPARSE_TRITON_PDL": "1",
                                   "HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SCAN": "1", "HISPARSE_TRITON_SHIFT": "1"},
                                  {"HISPARSE_TRITON_LEAN_COPY": "1", "HISPARSE_TRITON_PDL": "1",
-                                  "HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SPLIT_TAIL": "1"}],
+                                  "HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SPLIT_TAIL": "1"},
+                                 dict(_AUTO_SMALL), {k: v for k, v in _AUTO_SMALL if k != "HISPARSE_TRITON_PDL"},
+                                 dict(_AUTO_LARGE), {"HISPARSE_TRITON_AUTO": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "2", "HISPARSE_TRITON_SPLIT_KEEP": "1"},
+                                 {"HISPARSE_TRITON_SPLIT_KEEP": "1", **{k: v for k, v in _AUTO_SMALL
+                                                                         if k != "HISPARSE_TRITON_PDL"}},
+                                 {"HISPARSE_TRITON_SPLIT_KEEP": "1", **dict(_AUTO_SMALL)}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
                               "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
                               "split2", "split4_scan_shift", "split16_row_copy", "split2_tail", "split4_tail_scan_shift",
                               "split8_tail_scan_shift", "split16_tail_row_copy", "lean_copy", "lean_copy_split8_scan_shift",
-                              "lean_copy_pdl_split8_scan_shift", "lean_copy_pdl_split8_tail"])
+                              "lean_copy_pdl_split8_scan_shift", "lean_copy_pdl_split8_tail", "auto_small_picks",
+                              "auto_small_picks_without_pdl", "auto_large_picks", "auto", "split2_keep",
+                              "keep_auto_small_picks_without_pdl", "keep_auto_small_picks"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
                                              locality: float) -> None:
     """The variants `HISPARSE_TRITON_RESOLVER` / `HISPARSE_TRITON_FUSE_COPY` / `HISPARSE_TRITON_LEAN` /
     `HISPARSE_TRITON_CAS` / `HISPARSE_TRITON_SCAN` / `HISPARSE_TRITON_SHIFT` / `HISPARSE_TRITON_ROW_COPY` /
-    `HISPARSE_TRITON_PDL` / `HISPARSE_TRITON_SPLIT` pick (the default, the lean gather resolver beside the plan-copy kernel, is what
-    the rest of this module and the suite run); PDL only where it is allowed (sm_90 and later)."""
+    `HISPARSE_TRITON_PDL` / `HISPARSE_TRITON_SPLIT` pick, each alone (`HISPARSE_TRITON_AUTO=0`: nothing else
+    picked per batch size), among them the auto choice's picks for small and large batches as fixed
+    settings; and the auto choice itself (what the rest of this module and the suite run); PDL only
+    where it is allowed (sm_90 and later)."""
     if "HISPARSE_TRITON_PDL" in env and not (backend.device.type == "cuda" and not torch.version.hip
                                              and torch.cuda.get_device_capability(backend.device)[0] >= 9):
         pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 or later")
@@ -359,6 +387,7 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
                        maintenance_share=0.25, seed=seed)
     sc = build_scenario(p)
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_AUTO", "0")
         for k, v in env.items():
             mp.setenv(k, v)
         with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
@@ -391,6 +420,10 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     ("HISPARSE_TRITON_SPLIT_TAIL", "2", "expected 0 or 1"),
     ("HISPARSE_TRITON_SPLIT_TAIL", "1", "needs the split resolver; HISPARSE_TRITON_SPLIT is 0 \\(off\\), expected one of "
                                         "2, 4, 8, 16"),
+    ("HISPARSE_TRITON_SPLIT_KEEP", "2", "expected 0 or 1"),
+    ("HISPARSE_TRITON_SPLIT_KEEP", "1", "needs the split resolver; HISPARSE_TRITON_SPLIT is 0 \\(off\\), expected one of "
+                                        "2, 4, 8, 16"),
+    ("HISPARSE_TRITON_AUTO", "2", "expected 0 \\(the fixed defaults\\) or 1"),
 ])
 def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: str, expected: str) -> None:  # noqa: ANN001
     from hisparse_core.errors import InvalidInputError
@@ -410,6 +443,8 @@ def test_bad_tuning_variable_is_refused_with_one_line(backend, key: str, value: 
     ({"HISPARSE_TRITON_FUSE_COPY": "1"}, "HISPARSE_TRITON_FUSE_COPY='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
     ({"HISPARSE_TRITON_CAS": "1"}, "HISPARSE_TRITON_CAS='1' does not combine with HISPARSE_TRITON_SPLIT='8'"),
     ({"HISPARSE_TRITON_LEAN": "0"}, "HISPARSE_TRITON_LEAN='0' does not combine with HISPARSE_TRITON_SPLIT='8'"),
+    ({"HISPARSE_TRITON_SPLIT_TAIL": "1", "HISPARSE_TRITON_SPLIT_KEEP": "1"},
+     "HISPARSE_TRITON_SPLIT_KEEP='1' does not combine with HISPARSE_TRITON_SPLIT_TAIL='1'"),
 ])
 def test_split_refuses_the_builds_it_has_not(backend, env: dict[str, str], line: str) -> None:  # noqa: ANN001
     """`HISPARSE_TRITON_SPLIT` is the gather resolver's, with no fused copy, CAS or non-LEAN
@@ -427,9 +462,10 @@ def test_split_refuses_the_builds_it_has_not(backend, env: dict[str, str], line:
 
 
 def _split_rows_and_launches(mp: pytest.MonkeyPatch, split_rows: Callable[[int], int]) -> list[str]:
-    """Every `TritonRuntime` built from here on takes the split resolver for batches of up to
-    `split_rows(max_batch_rows)` rows (whatever the device: its own rule is a wave of programs on a
-    GPU, half the workspace rows interpreted); returns the names of the kernels launched from here on."""
+    """Every `TritonRuntime` built from here on takes the split resolver, in each batch-size profile that
+    has it, for batches of up to `split_rows(max_batch_rows)` rows (whatever the device: its own rule is
+    a wave of programs on a GPU, half the workspace rows interpreted); returns the names of the kernels
+    launched from here on."""
     from hisparse_triton.runtime import TritonRuntime
 
     mod = sys.modules[KERNELS]
@@ -442,7 +478,8 @@ def _split_rows_and_launches(mp: pytest.MonkeyPatch, split_rows: Callable[[int],
 
     def init(self: TritonRuntime, config: RuntimeConfig, device: torch.device) -> None:
         real_init(self, config, device)
-        self._split_rows = split_rows(config.max_batch_rows)
+        self._launches = [dataclasses.replace(x, split_rows=split_rows(config.max_batch_rows) if x.split_rows else 0)
+                          for x in self._launches]
 
     mp.setattr(mod, "launch", launch)
     mp.setattr(TritonRuntime, "__init__", init)
@@ -490,6 +527,71 @@ def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, se
                 assert not problems, "\n".join(problems[:10])
     assert "resolve_split_kernel" in names and "resolve_gather_kernel" in names, names
     assert ("resolve_split_hot_kernel" in names) == (tail == "1"), names
+
+
+@pytest.mark.parametrize(("seed", "rows"), [(1, 3), (3, 2)])
+def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, rows: int) -> None:  # noqa: ANN001
+    """With nothing set, batches of up to the small-batch line (half the workspace interpreted, a wave of
+    8 programs a row on a GPU) take the split resolver with two-level scans and shift-and-mask blocks,
+    larger ones the one-program gather resolver with the same, and every plan copy is the lean one (16-byte
+    accesses), with PDL at small batches where the GPU has it; in lockstep with reference_cpu on one state."""
+    from hisparse_triton import kernels
+
+    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
+                       rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=0.9,
+                       resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    launched: list[tuple[str, dict[str, object]]] = []
+    real_launch = kernels.launch
+
+    def launch(kernel: object, name: str, *args: object, **meta: object) -> None:
+        launched.append((name, meta))
+        real_launch(kernel, name, *args, **meta)
+
+    pdl = (backend.device.type == "cuda" and not torch.version.hip
+           and torch.cuda.get_device_capability(backend.device)[0] >= 9)
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("HISPARSE_TRITON_")]:
+            mp.delenv(key)
+        mp.setattr(sys.modules[KERNELS], "launch", launch)
+        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+            for step, work in sc.steps:
+                problems = run.resolve(step, replay=True)
+                problems += run.apply(work)
+                assert not problems, "\n".join(problems[:10])
+    split = [m for n, m in launched if n == "resolve_split_kernel"]
+    one = [m for n, m in launched if n == "resolve_gather_kernel"]
+    plan = [m for n, m in launched if n == "copy_plan_kernel"]
+    assert split and one and plan, [n for n, _ in launched]
+    assert all(m["NS"] > 1 and m["SH"] > 1 and m["SB"] == 1 and m["PDL"] == int(pdl) for m in split), split
+    assert all(m["SH"] > 1 and m["SK"] > 1 and m["SB"] == 1 and m["PDL"] == 0 for m in one), one
+    assert all(m["VEC"] == 4 and m["SB"] == 1 for m in plan), plan
+    assert {m["PDL"] for m in plan} == ({0, 1} if pdl else {0}), plan
+
+
+@pytest.mark.parametrize(("seed", "locality"), [(4, 0.0), (9, 0.0), (4, 0.9), (9, 0.9)])
+def test_split_keep_with_short_and_long_lists_matches_the_reference(backend, seed: int,  # noqa: ANN001
+                                                                    locality: float) -> None:
+    """`HISPARSE_TRITON_SPLIT_KEEP=1`: lists of at most one chunk stay in registers, longer ones take the
+    chunked passes (a chunk is 4 candidates interpreted, one a thread compiled); steps with many misses
+    (no locality) and few, in lockstep with reference_cpu, and the split kernel ran with KEEP."""
+    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
+                       rows_per_request=2, extra_batch_rows=1, num_layers=2, steps=5, locality=locality,
+                       resident_share=0.2, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_AUTO", "0")
+        mp.setenv("HISPARSE_TRITON_SPLIT", "4")
+        mp.setenv("HISPARSE_TRITON_SPLIT_KEEP", "1")
+        names = _split_rows_and_launches(mp, lambda b: b)
+        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+            for step, work in sc.steps:
+                problems = run.resolve(step, replay=True)
+                problems += run.apply(work)
+                assert not problems, "\n".join(problems[:10])
+    assert "resolve_split_kernel" in names and "resolve_gather_kernel" not in names, names
 
 
 def test_pdl_needs_sm90_and_is_refused_elsewhere(backend) -> None:  # noqa: ANN001

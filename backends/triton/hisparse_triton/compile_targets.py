@@ -83,7 +83,7 @@ def build_all(targets: list[str], *, lru_i16: bool = True) -> list[Build]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hisparse_triton import kernels, shapes
+    from hisparse_triton import auto, kernels, shapes
 
     if not isinstance(kernels.resolve_kernel, triton.runtime.JITFunction):
         raise RuntimeError("the kernels were defined under TRITON_INTERPRET=1; unset it to compile for a target")
@@ -95,7 +95,10 @@ def build_all(targets: list[str], *, lru_i16: bool = True) -> list[Build]:
         for geo, config in geometries().items():
             if geo not in TARGET_GEOMETRIES.get(name, (geo,)):
                 continue
-            specs = shapes.kernel_specs(config, warp, cuda=backend == "cuda")
+            # The auto choice's profiles at both batch ranges (PDL on NVIDIA only), as a runtime picks them.
+            tunings = tuple(p.tuning for p in auto.choose({}, max_batch_rows=config.max_batch_rows, small=1,
+                                                          pdl=backend == "cuda").profiles)
+            specs = shapes.kernel_specs(config, warp, cuda=backend == "cuda", tunings=tunings)
             if lru_i16 and geo == next(iter(geometries())):
                 specs += [s for s in shapes.kernel_specs(config, warp, lru_dtype="i16") if s.kernel.startswith("resolve")]
             if not shapes.cas_compiles(triton.__version__, rocm=backend == "hip"):

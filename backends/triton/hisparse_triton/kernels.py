@@ -77,6 +77,19 @@ def launch(kernel: Any, name: str, grid: tuple[int, ...], *args: Any, **meta: An
 
 
 @triton.jit
+def _block_split(x, BS, LBS, SB: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton device function
+    """Block and offset of rows `x` (>= 0 wherever used) in blocks of `BS` rows: with `SB` (BS = 2^LBS)
+    a shift and a mask, else a division (by a runtime BS about 20 instructions a lane)."""
+    if SB:
+        blk = x >> LBS
+        off = x & (BS - 1)
+    else:
+        blk = x // BS
+        off = x % BS
+    return blk, off
+
+
+@triton.jit
 def _exclusive_ranks(x, SH: tl.constexpr, HP: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton device function
     """Exclusive prefix sums of the [HP] int32 vector `x`. SH > 1 (HISPARSE_TRITON_SCAN): a scan within
     each of SH rows of one warp's width, plus the sums of the rows before (one masked reduction),
@@ -371,12 +384,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
         sl = tl.where(rmask, sl_all, 0)
         in_ctx = emask & (t >= 0) & (t < sl[:, None]) & (t < ctx)
         pos = tl.where(in_ctx, t, 0)
-        if SB:  # BS = 2^LBS: a shift and a mask (a division by a runtime BS is about 20 instructions a lane)
-            page = pos >> LBS
-            off = pos & (BS - 1)
-        else:
-            page = pos // BS
-            off = pos % BS
+        page, off = _block_split(pos, BS, LBS, SB)
         if LEAN:
             hh = tl.arange(0, HP)
             hot_row = tl.load(hot_table + q * HB + hh, mask=hh < HB, other=0)  # HB <= H <= HP
@@ -450,12 +458,7 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     tl.atomic_add(stats + 1, n_hit.to(tl.int64))
                 new_pos = tl.where(hit_pos, H - n_hit + h_rank, ii - h_rank)
                 tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
-                if SB:  # (hint >= 0 wherever it is used)
-                    hint_blk = hint >> LBS
-                    hint_off = hint & (BS - 1)
-                else:
-                    hint_blk = hint // BS
-                    hint_off = hint % BS
+                hint_blk, hint_off = _block_split(hint, BS, LBS, SB)  # (hint >= 0 wherever it is used)
                 if LEAN:
                     hb_idx = tl.reshape(tl.where(hint_hit, hint_blk, 0), (GP * KP,))
                     hot_blk = tl.where(hint_hit, tl.reshape(tl.gather(hot_row, hb_idx, 0), (GP, KP)), 0)
@@ -599,16 +602,8 @@ def resolve_gather_kernel(topk, row_state, seq_lens, source_table, resident_tabl
                     tl.debug_barrier()
                     slot = tl.where(hint_hit, hint, tl.load(ts + e_bkt, mask=cand, other=-1))
                 e_ok = is_host & (slot >= 0) & (slot < H)
-                if SB:  # (slot >= 0 where e_ok, victim >= 0 where vok)
-                    slot_blk = slot >> LBS
-                    slot_off = slot & (BS - 1)
-                    vic_blk = victim >> LBS
-                    vic_off = victim & (BS - 1)
-                else:
-                    slot_blk = slot // BS
-                    slot_off = slot % BS
-                    vic_blk = victim // BS
-                    vic_off = victim % BS
+                slot_blk, slot_off = _block_split(slot, BS, LBS, SB)  # (slot >= 0 where e_ok, victim >= 0 where vok)
+                vic_blk, vic_off = _block_split(victim, BS, LBS, SB)
                 if LEAN:
                     hot_blk = tl.where(e_ok, tl.reshape(tl.gather(
                         hot_row, tl.reshape(tl.where(e_ok, slot_blk, 0), (GP * KP,)), 0), (GP, KP)), 0)
@@ -702,27 +697,37 @@ def _split_claim(tk, tf, counts, scr_crow, scr_cee, scr_cbkt, scr_cat, lst, n_ca
     for c0 in range(0, n_cand, CP):
         u = c0 + uu
         um = u < n_cand
-        at = _split_list_at(counts, u, lst, NS, ES, PW)
-        crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
-        cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
-        home = _fib_bucket(crow, LOG_TP)
-        e_bkt = home
-        e_pend = um
-        n_e = tl.reduce(um.to(tl.int32), 0, _SUM)
-        while n_e > 0:
-            e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
-            tl.store(tk + e_bkt, crow, mask=e_pend & (e_cur == EMPTY))
-            tl.debug_barrier()
-            e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
-            tl.debug_barrier()  # every lane has read before the next round claims
-            e_pend = e_pend & (e_now != crow)
-            e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
-            n_e = tl.reduce(e_pend.to(tl.int32), 0, _SUM)
-        tl.atomic_min(tf + e_bkt, cee, mask=um, sem="relaxed")
+        e_bkt, at, crow, cee, home = _split_claim_chunk(tk, tf, counts, scr_crow, scr_cee, lst, u, um, NS, ES, PW,
+                                                        TP, LOG_TP)
         tl.store(scr_cbkt + lst + u, e_bkt, mask=um)
         tl.store(scr_cat + lst + u, at, mask=um)
         rounds = tl.maximum(rounds, tl.reduce(tl.where(um, (e_bkt - home) & (TP - 1), 0), 0, _MAX) + 1)
     return rounds
+
+
+@triton.jit
+def _split_claim_chunk(tk, tf, counts, scr_crow, scr_cee, lst, u, um,  # noqa: ANN001, ANN202
+                       NS: tl.constexpr, ES: tl.constexpr, PW: tl.constexpr, TP: tl.constexpr, LOG_TP: tl.constexpr):
+    """Candidates `u` (where `um`) of list `lst` claim their buckets of `tk` and their rows' first
+    references in `tf`; returns each one's bucket, segment address, row, entry and home bucket."""
+    at = _split_list_at(counts, u, lst, NS, ES, PW)
+    crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+    cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+    home = _fib_bucket(crow, LOG_TP)
+    e_bkt = home
+    e_pend = um
+    n_e = tl.reduce(um.to(tl.int32), 0, _SUM)
+    while n_e > 0:
+        e_cur = tl.load(tk + e_bkt, mask=e_pend, other=0)
+        tl.store(tk + e_bkt, crow, mask=e_pend & (e_cur == EMPTY))
+        tl.debug_barrier()
+        e_now = tl.load(tk + e_bkt, mask=e_pend, other=0)
+        tl.debug_barrier()  # every lane has read before the next round claims
+        e_pend = e_pend & (e_now != crow)
+        e_bkt = tl.where(e_pend, (e_bkt + 1) & (TP - 1), e_bkt)
+        n_e = tl.reduce(e_pend.to(tl.int32), 0, _SUM)
+    tl.atomic_min(tf + e_bkt, cee, mask=um, sem="relaxed")
+    return e_bkt, at, crow, cee, home
 
 
 @triton.jit
@@ -736,16 +741,8 @@ def _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_
     vok = mflag & (victim >= 0) & (victim < H)
     slot = tl.where(missed, victim, v)
     e_ok = um & (slot >= 0) & (slot < H)
-    if SB:
-        slot_blk = slot >> LBS
-        slot_off = slot & (BS - 1)
-        vic_blk = victim >> LBS
-        vic_off = victim & (BS - 1)
-    else:
-        slot_blk = slot // BS
-        slot_off = slot % BS
-        vic_blk = victim // BS
-        vic_off = victim % BS
+    slot_blk, slot_off = _block_split(slot, BS, LBS, SB)
+    vic_blk, vic_off = _block_split(victim, BS, LBS, SB)
     slot_hot = tl.load(hot_table + q * HB + slot_blk, mask=e_ok, other=0)
     vblk = tl.load(hot_table + q * HB + vic_blk, mask=vok, other=0)
     g_u = cee // KP
@@ -782,7 +779,8 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                          KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                          LOG_TP: tl.constexpr, MASK: tl.constexpr, HG: tl.constexpr, LR: tl.constexpr,
                          NS: tl.constexpr, ES: tl.constexpr, CP: tl.constexpr, PW: tl.constexpr,
-                         SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                         SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0, PDL: tl.constexpr = 0,
+                         KEEP: tl.constexpr = 0):
     """`resolve_gather_kernel`'s results from `NS` programs a batch row (`shapes.SPLIT_ENV`), for small
     batches, where one program a request leaves most multiprocessors idle:
 
@@ -801,7 +799,11 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
       every entry: a step with few misses pays for its misses, not for its top-k.
 
     With `TAIL` (`shapes.SPLIT_TAIL_ENV`) the last program stops after the hash table and leaves the
-    hot rows to `resolve_split_hot_kernel` and `resolve_split_lru_kernel`, launched behind it.
+    hot rows to `resolve_split_hot_kernel` and `resolve_split_lru_kernel`, launched behind it. With
+    `KEEP` (`shapes.SPLIT_KEEP_ENV`, not with `TAIL`), a list of at most `CP` candidates stays in
+    registers from the claim to the table's clearing: its buckets, rows, entries, positions and first
+    references are not stored to and reloaded from the list scratch (five dependent global round
+    trips fewer on the last program's path); longer lists take the chunked passes.
 
     The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
     Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
@@ -848,12 +850,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
         old_plan = tl.load(plan_counts + b + g, mask=emask, other=0)
         in_ctx = emask & (t >= 0) & (t < sl) & (t < ctx)
         pos = tl.where(in_ctx, t, 0)
-        if SB:
-            page = pos >> LBS
-            off = pos & (BS - 1)
-        else:
-            page = pos // BS
-            off = pos % BS
+        page, off = _block_split(pos, BS, LBS, SB)
         # Both tables and the hint in one round trip (the source row is used only where not resident).
         res_blk = tl.load(resident_table + q * P + page, mask=in_ctx, other=-1)
         src_blk = tl.load(source_table + q * P + page, mask=in_ctx, other=-1)
@@ -864,12 +861,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
         is_host = in_ctx & (res_blk < 0) & (src_blk >= 0) & (host_row64 < host_limit)
         host_row = host_row64.to(tl.int32)
         hint_ok = is_host & (hint >= 0) & (hint < H)
-        if SB:
-            hint_blk = hint >> LBS
-            hint_off = hint & (BS - 1)
-        else:
-            hint_blk = hint // BS
-            hint_off = hint % BS
+        hint_blk, hint_off = _block_split(hint, BS, LBS, SB)
         hinted = tl.load(hot_map + q * H + hint, mask=hint_ok, other=-1)
         hot_blk = tl.load(hot_table + q * HB + hint_blk, mask=hint_ok, other=0)
         hint_hit = hint_ok & (hinted == host_row)
@@ -955,10 +947,28 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         ts = tbl_slot + b * TP
                         lst = b * NS * ES  # the request's list scratch (list index u)
                         uu = tl.arange(0, CP)
+                        if KEEP:
+                            one = n_cand <= CP
+                            many = uu * 0 + n_cand > CP  # lanes wide (the interpreter masks by lanes only)
+                        else:
+                            one = False
                         # 1. The candidates claim buckets (as the gather resolver's), CP at a time, in list
-                        #    order; each keeps its bucket and its segment address for the later passes.
-                        rounds = _split_claim(tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, scr_cbkt,
-                                              scr_cat, lst, n_cand, NS, ES, PW, CP, TP, LOG_TP)
+                        #    order; each keeps its bucket and its segment address for the later passes (in
+                        #    registers where the list is one chunk: `one`).
+                        if one:
+                            k_bkt, k_at, k_crow, k_cee, k_home = _split_claim_chunk(
+                                tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, lst, uu, uu < n_cand, NS,
+                                ES, PW, TP, LOG_TP)
+                            k_cpos = tl.load(scr_cpos + k_at, mask=uu < n_cand, other=0, volatile=True)
+                            rounds = tl.reduce(tl.where(uu < n_cand, (k_bkt - k_home) & (TP - 1), 0), 0, _MAX) + 1
+                        else:
+                            k_bkt = uu * 0
+                            k_crow = k_bkt
+                            k_cee = k_bkt
+                            k_cpos = k_bkt
+                            rounds = _split_claim(tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, scr_cbkt,
+                                                  scr_cat, lst, n_cand, NS, ES, PW, CP, TP, LOG_TP)
+                        k_fee = k_bkt
                         # 2. Every held slot looks its row up (a row sits at most `rounds - 1` past its home).
                         if LR:
                             tab = tl.load(tk + tl.arange(0, TP))
@@ -983,10 +993,19 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         for c0 in range(0, n_cand, CP):
                             u = c0 + uu
                             um = u < n_cand
-                            e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                            at = tl.load(scr_cat + lst + u, mask=um, other=0)
-                            cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
+                            if KEEP:  # a one-chunk list from registers (no load issues: its mask is off)
+                                lm = um & many
+                                e_bkt = tl.where(one, k_bkt, tl.load(scr_cbkt + lst + u, mask=lm, other=0))
+                                at = tl.load(scr_cat + lst + u, mask=lm, other=0)
+                                cee = tl.where(one, tl.where(um, k_cee, -1),
+                                               tl.load(scr_cee + at, mask=lm, other=-1, volatile=True))
+                            else:
+                                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                                at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                                cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
                             f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                            if KEEP:
+                                k_fee = f_ee
                             hit_slot = tl.load(ts + e_bkt, mask=um, other=-1)
                             mflag = um & (f_ee == cee) & (hit_slot < 0)
                             mf = mflag.to(tl.int32)
@@ -1015,13 +1034,23 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         for c0 in range(0, n_cand, CP):
                             u = c0 + uu
                             um = u < n_cand
-                            e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                            at = tl.load(scr_cat + lst + u, mask=um, other=0)
-                            crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
-                            cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
-                            cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
-                            v = tl.load(ts + e_bkt, mask=um, other=-1)
-                            f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                            if KEEP:
+                                lm = um & many
+                                e_bkt = tl.where(one, k_bkt, tl.load(scr_cbkt + lst + u, mask=lm, other=0))
+                                at = tl.load(scr_cat + lst + u, mask=lm, other=0)
+                                crow = tl.where(one, k_crow, tl.load(scr_crow + at, mask=lm, other=0, volatile=True))
+                                cee = tl.where(one, k_cee, tl.load(scr_cee + at, mask=lm, other=0, volatile=True))
+                                cpos = tl.where(one, k_cpos, tl.load(scr_cpos + at, mask=lm, other=0, volatile=True))
+                                v = tl.load(ts + e_bkt, mask=um, other=-1)
+                                f_ee = tl.where(one, k_fee, tl.load(tf + e_bkt, mask=lm, other=-2, volatile=True))
+                            else:
+                                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                                at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                                crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+                                cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+                                cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
+                                v = tl.load(ts + e_bkt, mask=um, other=-1)
+                                f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
                             missed = um & (v < 0)
                             m = -2 - v
                             victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
@@ -1030,7 +1059,13 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
                         tl.debug_barrier()
                         # 5. The table left empty for the next call: only the buckets this call used.
-                        _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
+                        if one:
+                            um = uu < n_cand
+                            tl.store(tk + k_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
+                            tl.store(tf + k_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
+                            tl.store(ts + k_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+                        else:
+                            _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
                         tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
             tl.store(scr_ticket + b, 0)
 
@@ -1247,12 +1282,7 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
             wv = (W // VEC) * VEC  # == W; its factor VEC is what lets the mask below cover whole vectors
             mm = m[:, None] & (w < wv)[None, :]
             saddr = tl.multiple_of(h32.to(tl.int64) * wv, VEC)
-            if SB:
-                blk = d32 >> LBS
-                off = d32 & (BS - 1)
-            else:
-                blk = d32 // BS
-                off = d32 % BS
+            blk, off = _block_split(d32, BS, LBS, SB)
             daddr = tl.multiple_of(blk.to(tl.int64) * dst_block_stride + (off * wv).to(tl.int64), VEC)
             vals = tl.load(src + saddr[:, None] + w[None, :], mask=mm)
             tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)

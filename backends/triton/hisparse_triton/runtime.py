@@ -10,6 +10,9 @@ scratch rows, one per batch row of the workspace, are allocated once with the st
   grid, so the call can be captured in a CUDA graph; values are then trusted, but every load and
   store of the kernels stays inside its tensor (out-of-range state rows, pages and plan rows are
   masked), so bad trusted input cannot corrupt memory.
+- Which resolver build and plan-copy shape a call launches depends on its batch rows (a host
+  integer, fixed for a captured step): the runtime keeps the launches of each profile of
+  `auto.choose` (`launches.Launches`) and takes the one of the call's row count.
 - The other copies (mirrors, spills, restores, host block copies) launch one row-copy kernel per
   layer on the current stream; invalidations and resets are a kernel or a few torch ops.
 
@@ -35,11 +38,19 @@ from hisparse_core.geometry import RuntimeConfig
 from hisparse_core.resolve_checks import check_resolve_shapes, check_resolve_values
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, ResolveResult, RuntimeStats
 from hisparse_core.types import HostBlockCopy, PageTransfer, RowMirror
-from hisparse_triton import kernels, shapes
+from hisparse_triton import auto, kernels, launches, shapes
 
 logger = logging.getLogger(__name__)
 
 _pow2 = shapes.pow2
+_logged: set[str] = set()
+
+
+def _log_once(line: str) -> None:
+    """Log `line` the first time this process builds a runtime with it (a model builds one a layer group)."""
+    if line not in _logged:
+        _logged.add(line)
+        logger.info("%s", line)
 
 
 def warp_size(device: torch.device) -> int:
@@ -68,54 +79,29 @@ class TritonRuntime(CacheRuntime):
         self._device = device
         r, h, b, k = config.max_requests, config.hot_rows, config.max_batch_rows, config.top_k
         cpu = device.type == "cpu"
-        tune = shapes.tuning(dict(os.environ))
+        env = dict(os.environ)
+        tune = shapes.tuning(env)  # the explicit settings, checked before any auto pick
         if tune.cas and device.type == "cuda" and torch.version.hip and not shapes.cas_compiles(
                 triton.__version__, rocm=True):
             raise InvalidInputError(f"{shapes.CAS_ENV}='1' needs Triton "
                                     f"{'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} or later on ROCm; found "
                                     f"Triton {triton.__version__}")
-        if tune.pdl and (device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device)[0] < 9):
+        pdl = device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
+        if tune.pdl and not pdl:
             found = ("the interpreter (cpu)" if device.type == "cpu" else
                      f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device))
             raise InvalidInputError(f"{shapes.PDL_ENV}='1' needs an NVIDIA GPU of compute capability 9.0 or later "
                                     f"(programmatic dependent launch); found {found}")
         lanes = warp_size(device)
-        shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
-                                      lean=tune.lean, cas=tune.cas, scan=tune.scan, shift=tune.shift,
-                                      warp_size=lanes, split=tune.split, split_tail=tune.split_tail)
-        # The split resolver serves batches whose programs fit one wave (a multiprocessor each; in the
-        # interpreter, batches up to half the workspace, so tests mix both resolvers on one state);
-        # larger ones take the one-program resolver of the same switches.
-        self._split_meta: dict[str, int] = {}
-        self._split_rows = 0
-        self._tail_meta: tuple[dict[str, int], dict[str, int], int] | None = None
-        self._tail_warps: dict[str, int] = {}
-        ns = shape.split
-        if ns:
-            self._split_meta = dict(shape.constexprs) | ({} if cpu else dict(num_warps=shape.num_warps(lanes)))
-            self._split_rows = (max(1, b // 2) if cpu else
-                                torch.cuda.get_device_properties(device).multi_processor_count // ns)
-            split_shape = shape
-            # The hot-row kernels behind it (`shapes.SPLIT_TAIL_ENV`): same batch rows, their own programs.
-            self._tail_meta = ((shape.hot_constexprs, shape.lru_constexprs | dict(PDL=int(tune.pdl and shape.tail)),
-                                shape.hot_programs)
-                               if shape.tail else None)
-            if tune.pdl and not shape.tail:  # the kernel the plan copy follows lets it launch early
-                self._split_meta["PDL"] = 1
-            self._tail_warps = {} if cpu else dict(num_warps=shape.hot_warps(lanes))
-            shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
-                                          lean=tune.lean, scan=tune.scan, shift=tune.shift, warp_size=lanes)
-        self._resolver = kernels.KERNELS[shape.kernel]
-        self._resolver_name = shape.kernel
+        sms = None if cpu else int(torch.cuda.get_device_properties(device).multi_processor_count)
+        choice = auto.choose(env, max_batch_rows=b, small=auto.small_rows(sms, b), pdl=pdl)
+        _log_once(choice.line)
+        self._launches = [launches.build(config, p, lanes=lanes, multiprocessors=sms) for p in choice.profiles]
+        first = self._launches[0]
+        shape = first.shape
         self._gather_resolver = shape.variant == "gather"
-        self._fuse = tune.fuse
-        self._fuse_meta = {f: shape.fuse_constexprs(config, fused=f, interpreted=cpu) for f in (False, True)}
+        self._fuse = tune.fuse  # never an auto pick: the same at every batch size
         kp, gp, hp, tp = shape.kp, shape.gp, shape.hp, shape.tp
-        self._meta: dict[str, int] = dict(shape.constexprs)
-        if tune.pdl:
-            self._meta["PDL"] = 1
-        if not cpu:
-            self._meta["num_warps"] = shape.num_warps(lanes)
         i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         self._hot_map = torch.full((r, h), -1, **i32)
         self._lru = torch.arange(h, **i32).repeat(r, 1)
@@ -134,17 +120,18 @@ class TritonRuntime(CacheRuntime):
             tbl_key=torch.empty((b, tp), **i32), tbl_first=torch.empty((b, tp), **i32),
             tbl_slot=torch.empty((b, tp), **i32), scr_victim=torch.zeros((b, hp), **i32),
             scr_mark=torch.zeros((b, hp), **i32))
-        # The split resolver's (`shapes.SPLIT_ENV`): per-program counts, a ticket per batch row (0
-        # between calls), the candidate lists (segments by program, then by list index); all but the
-        # ticket are written before they are read.
+        # The split resolver's (`shapes.SPLIT_ENV`), sized for every profile that splits: per-program
+        # counts, a ticket per batch row (0 between calls), the candidate lists (segments by program,
+        # then by list index); all but the ticket are written before they are read.
+        ns, pw, nh, entries = launches.scratch_shape(self._launches)
         self._split: dict[str, torch.Tensor] = {} if not ns else dict(
-            scr_part=torch.zeros((b, ns, split_shape.constexprs["PW"]), **i32), scr_ticket=torch.zeros(b, **i32),
-            **{name: torch.zeros((b, gp * kp), **i32) for name in ("scr_crow", "scr_cee", "scr_cpos", "scr_cbkt",
+            scr_part=torch.zeros((b, ns, pw), **i32), scr_ticket=torch.zeros(b, **i32),
+            **{name: torch.zeros((b, entries), **i32) for name in ("scr_crow", "scr_cee", "scr_cpos", "scr_cbkt",
                                                                    "scr_cat")})
         # The hot-row kernels' (`shapes.SPLIT_TAIL_ENV`): per-program evictable and hit counts, a copy of the
         # LRU order and hit flags for the LRU kernel; all written before they are read.
-        self._tail: dict[str, torch.Tensor] = {} if self._tail_meta is None else dict(
-            scr_hcnt=torch.zeros((b, self._tail_meta[2], 2), **i32), scr_ord=torch.zeros((b, hp), **i32),
+        self._tail: dict[str, torch.Tensor] = {} if not nh else dict(
+            scr_hcnt=torch.zeros((b, nh, 2), **i32), scr_ord=torch.zeros((b, hp), **i32),
             scr_hit=torch.zeros((b, hp), **i32))
         self._clear_tables()
         row_bytes = config.row_format.row_bytes
@@ -153,20 +140,7 @@ class TritonRuntime(CacheRuntime):
         self._last_rows = 0
         self._copy_entries = shapes.INTERPRETED_COPY_ENTRIES if cpu else shapes.COPY_ENTRIES
         self._copy_meta: dict[str, int] = {} if cpu else dict(num_warps=max(1, shapes.COPY_THREADS // lanes))
-        self._plan_meta = shapes.plan_copy_meta(config, interpreted=cpu, entries=tune.plan_entries) | self._copy_meta
-        if tune.pdl:  # launched behind the resolver as a programmatic dependent (waits in the kernel)
-            self._plan_meta |= dict(PDL=1, launch_pdl=True)
-        self._row_plan_meta = shapes.row_copy_meta(config, self._plan_meta)
-        # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks);
-        # on a GPU one wave of programs (shapes.PLAN_PER_SM a multiprocessor), but no more than the
-        # chunks a full plan of the largest batch has (a small batch launches no program that can
-        # never have work).
-        chunks = b * -(-k // self._plan_meta["EB"])
-        self._plan_programs = 1 if cpu else min(
-            chunks, tune.plan_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
-        self._row_copy = tune.row_copy
-        self._lean_copy = tune.lean_copy
-        self._copy_vec = 0  # the plan copy's VEC (`shapes.LEAN_COPY_ENV`), from the device caches at bind
+        self._vec = 0  # words a lean plan copy moves an access (`shapes.LEAN_COPY_ENV`), from the device caches at bind
         self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._host: list[torch.Tensor] = []  # per layer [host_rows, words]
         self._dev: list[torch.Tensor] = []  # per layer [num_device_blocks, block_size, words]
@@ -175,8 +149,9 @@ class TritonRuntime(CacheRuntime):
         self._resident_group = 0
         logger.info("triton runtime on %s (%s): top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
                     "entries take %d lanes, its hot rows %d, its hash table %d buckets, %d threads (warp of %d); rows move "
-                    "as %d %s words", device, shape.kernel, k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp,
-                    shape.threads, lanes, self._words, str(self._word).removeprefix("torch."))
+                    "as %d %s words", device, "; ".join(f"{x.shape.kernel} up to {x.max_rows} rows" for x in self._launches),
+                    k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp, shape.threads, lanes, self._words,
+                    str(self._word).removeprefix("torch."))
 
     def _clear_tables(self) -> None:
         s = self._scratch
@@ -277,10 +252,9 @@ class TritonRuntime(CacheRuntime):
         self._dev = dev_words
         self._host_rows = rows
         self._dev_rows = blocks * cfg.block_size
-        if self._lean_copy:  # whole vectors where rows and every layer's block stride are multiples of one
-            vec = shapes.COPY_VEC if self._word == torch.int32 else 1
-            aligned = self._words % vec == 0 and all(d.stride(0) % vec == 0 for d in dev_words)
-            self._copy_vec = vec if aligned else 1
+        # The lean plan copy's whole vectors where rows and every layer's block stride are multiples of one.
+        vec = shapes.COPY_VEC if self._word == torch.int32 else 1
+        self._vec = vec if self._words % vec == 0 and all(d.stride(0) % vec == 0 for d in dev_words) else 1
         self._resident_group = resident_group
 
     def _require_bound(self) -> None:
@@ -318,7 +292,8 @@ class TritonRuntime(CacheRuntime):
         out = self._result
         mask = miss_mask is not None
         copy_args: tuple[Any, ...] = ()
-        split = not fused and 0 < rows <= self._split_rows
+        x = self._launches_for(rows)
+        split = not fused and 0 < rows <= x.split_rows
         if split:  # the split resolver: its scratch, then the scalars and the block shift
             copy_args = (cfg.block_size.bit_length() - 1,)
         elif self._gather_resolver:
@@ -330,11 +305,12 @@ class TritonRuntime(CacheRuntime):
             copy_args += (cfg.block_size.bit_length() - 1,)  # LBS: read only where the block size is 2^LBS (SB)
         try:
             if split:
-                ns = self._split_meta["NS"]
+                ns = x.split_meta["NS"]
                 kernel, name, grid = kernels.resolve_split_kernel, "resolve_split_kernel", rows * ns + cfg.max_batch_rows - rows
-                meta = self._split_meta
+                meta = x.split_meta
             else:
-                kernel, name, grid, meta = self._resolver, self._resolver_name, cfg.max_batch_rows, self._meta
+                name = x.shape.kernel
+                kernel, grid, meta = kernels.KERNELS[name], cfg.max_batch_rows, x.meta
             kernels.launch(
                 kernel, name, (grid,),
                 inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table,
@@ -342,23 +318,27 @@ class TritonRuntime(CacheRuntime):
                 out.plan_device, out.plan_counts, self._pos_slot, miss_mask if mask else out.valid_counts,
                 *self._scratch.values(), *(self._split.values() if split else ()), rows, cfg.max_pages, cfg.hot_blocks,
                 cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, *copy_args,
-                MASK=mask, **meta, **({} if split else self._fuse_meta[fused]))
-            if split and self._tail_meta is not None:
-                self._launch_tail(inputs, rows, hot_map=hot_map, lru=lru, stats=stats, miss_mask=miss_mask)
+                MASK=mask, **meta, **({} if split else x.fuse_meta[fused]))
+            if split and x.tail_meta is not None:
+                self._launch_tail(x, inputs, rows, hot_map=hot_map, lru=lru, stats=stats, miss_mask=miss_mask)
         except kernels.KernelError:
             self._clear_tables()  # a launch that failed part way may have left buckets filled
             raise
         self._last_rows = rows
         return out
 
-    def _launch_tail(self, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor, lru: torch.Tensor,
-                     stats: torch.Tensor, miss_mask: torch.Tensor | None) -> None:
+    def _launches_for(self, rows: int) -> launches.Launches:
+        """The launches of a batch of `rows` rows (the host's row count: no device read)."""
+        return next((x for x in self._launches if rows <= x.max_rows), self._launches[-1])
+
+    def _launch_tail(self, x: launches.Launches, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor,
+                     lru: torch.Tensor, stats: torch.Tensor, miss_mask: torch.Tensor | None) -> None:
         """The split resolver's hot rows (`shapes.SPLIT_TAIL_ENV`): the hot-row kernel, then the LRU kernel,
         `hot_programs` programs a batch row each, on the resolver's stream."""
-        assert self._tail_meta is not None
+        assert x.tail_meta is not None
         cfg = self.config
         out = self._result
-        hot_meta, lru_meta, nh = self._tail_meta
+        hot_meta, lru_meta, nh = x.tail_meta
         sc, sp, tl_ = self._scratch, self._split, self._tail
         kernels.launch(
             kernels.resolve_split_hot_kernel, "resolve_split_hot_kernel", (rows * nh,),
@@ -368,11 +348,11 @@ class TritonRuntime(CacheRuntime):
             sp["scr_part"], sp["scr_ticket"], sp["scr_crow"], sp["scr_cee"], sp["scr_cpos"], sp["scr_cbkt"],
             sp["scr_cat"], tl_["scr_hcnt"], tl_["scr_ord"], tl_["scr_hit"],
             rows, cfg.hot_blocks, cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, cfg.hot_rows,
-            cfg.max_pages, cfg.block_size.bit_length() - 1, MASK=miss_mask is not None, **hot_meta, **self._tail_warps)
+            cfg.max_pages, cfg.block_size.bit_length() - 1, MASK=miss_mask is not None, **hot_meta, **x.tail_warps)
         kernels.launch(
             kernels.resolve_split_lru_kernel, "resolve_split_lru_kernel", (rows * nh,),
             inputs.row_state, lru, sc["scr_mark"], sp["scr_part"], tl_["scr_hcnt"], tl_["scr_ord"], tl_["scr_hit"],
-            rows, cfg.max_requests, cfg.hot_rows, **lru_meta, **self._tail_warps)
+            rows, cfg.max_requests, cfg.hot_rows, **lru_meta, **x.tail_warps)
 
     @property
     def result(self) -> ResolveResult:
@@ -400,17 +380,18 @@ class TritonRuntime(CacheRuntime):
         dev = self._dev[layer]
         # Programs assigned to rows where every row gets enough of them (any batch in the interpreter,
         # whose one program walks the rows); else chunks round robin.
-        rows = self._row_copy and (self._device.type == "cpu"
-                                   or self._last_rows * shapes.ROW_COPY_MIN_PROGRAMS <= self._plan_programs)
+        x = self._launches_for(self._last_rows)
+        rows = x.tuning.row_copy and (self._device.type == "cpu"
+                                      or self._last_rows * shapes.ROW_COPY_MIN_PROGRAMS <= x.plan_programs)
         name = "copy_plan_rows_kernel" if rows else "copy_plan_kernel"
         bs = cfg.block_size
-        meta = self._row_plan_meta if rows else self._plan_meta | dict(
-            VEC=self._copy_vec, SB=int(self._copy_vec > 0 and bs & (bs - 1) == 0))
+        vec = self._vec if x.tuning.lean_copy else 0
+        meta = x.row_plan_meta if rows else x.plan_meta | dict(VEC=vec, SB=int(vec > 0 and bs & (bs - 1) == 0))
         kernels.launch(
-            kernels.KERNELS[name], name, (self._plan_programs,),
+            kernels.KERNELS[name], name, (x.plan_programs,),
             out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
             self._last_rows, cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words,
-            bs, self._plan_programs, *(() if rows else (bs.bit_length() - 1,)), **meta)
+            bs, x.plan_programs, *(() if rows else (bs.bit_length() - 1,)), **meta)
 
     # ----------------------------------------------------------------- page and row copies
 

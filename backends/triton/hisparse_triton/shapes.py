@@ -77,13 +77,15 @@ CAS_ENV = "HISPARSE_TRITON_CAS"
 #: partial sum in each thread. The resolver is bound by the instructions it issues (call G1 of the
 #: 14th session, 34 misses x 8: 2,350 instructions a warp at 15.8 cycles each, 20.9 us); its sm_90
 #: build (Triton 3.6) has 2,928 SASS instructions, 1,880 with two-level scans (the miss path about
-#: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the default (call K4, timed only with SHIFT and
+#: 2,200 -> 1,550, the hit path 1,300 -> 930). 0, the fixed default; the auto choice picks 1 at every batch
+#: size (`auto.py`). (Call K4, timed only with SHIFT and
 #: ROW_COPY: no gain on miss steps, docs/backends.md).
 SCAN_ENV = "HISPARSE_TRITON_SCAN"
 #: 1: where the block size is a power of two, the gather resolver takes a position's or a slot's
 #: block and offset with a shift and a mask (`SB`, the shift a runtime argument) instead of a
 #: division by the runtime block size (about 20 instructions a lane, four such divisions on a miss
-#: step); one more build per configuration (power of two or not). 0, the default (timed with SCAN, K4).
+#: step); one more build per configuration (power of two or not). 0, the fixed default (timed with SCAN,
+#: K4); the auto choice picks 1 at every batch size.
 SHIFT_ENV = "HISPARSE_TRITON_SHIFT"
 #: 1: at batches where every batch row gets at least `ROW_COPY_MIN_PROGRAMS` plan-copy programs, the
 #: plan copy is `kernels.copy_plan_rows_kernel` (programs assigned to rows; a row's count read beside
@@ -96,7 +98,8 @@ ROW_COPY_MIN_PROGRAMS = 8
 #: 1 (NVIDIA sm_90 and later only; refused elsewhere): the plan copy is a programmatic dependent
 #: launch (`launch_pdl`): the resolver lets it start once its programs have begun, and the copy waits
 #: in `gdc_wait` for the resolver's end, so the copy's launch overlaps the resolver instead of
-#: following it. 0, the default (call K4: 0.6-2.3 us saved on most miss steps up to batch 64, 93 us
+#: following it. 0, the fixed default; the auto choice picks 1 at small batches on NVIDIA sm_90 and later
+#: (call K4: 0.6-2.3 us saved on most miss steps up to batch 64, 93 us
 #: lost at 274 misses and batch 128).
 PDL_ENV = "HISPARSE_TRITON_PDL"
 #: 1: the plan copy (`kernels.copy_plan_kernel`, `VEC`) takes a device row's block and offset in 32-bit
@@ -105,8 +108,8 @@ PDL_ENV = "HISPARSE_TRITON_PDL"
 #: per entry) and one word per access; by shift and mask where the block size is a power of two. sm_90
 #: (Triton 3.6, 656-byte rows, 16 entries a chunk): 1,776 -> 528 SASS instructions, 182 -> 79 registers.
 #: Its few busy programs at small batches (17 of 264 at 34 misses x 8) are bound by the instructions
-#: each warp issues in turn. `copy_plan_rows_kernel` (`ROW_COPY_ENV`) is unchanged. 0, the default.
-#: Not yet timed on a GPU.
+#: each warp issues in turn. `copy_plan_rows_kernel` (`ROW_COPY_ENV`) is unchanged. 0, the fixed default;
+#: the auto choice picks 1 at every batch size (calls C4 and s17c1).
 LEAN_COPY_ENV = "HISPARSE_TRITON_LEAN_COPY"
 #: Words (int32) one access of the lean plan copy moves: 16 bytes, the widest global access of
 #: NVIDIA's and AMD CDNA's instruction sets.
@@ -117,7 +120,7 @@ COPY_VEC = 4
 #: rest (hash table, held-slot lookups, scans over the LRU order, victims, plan), over the candidates
 #: as a list rather than over every entry. Aimed at small batches, where one program a request keeps
 #: only B multiprocessors busy (call K1: 34 misses x 8, 8 programs on 132 SMs, issue-bound). 0, the
-#: default: on the H200 (fifteenth session, calls G3 and G6; docs/backends.md) no gain at the default
+#: fixed default (the auto choice picks 8 at small batches, with 512 threads): on the H200 (fifteenth session, calls G3 and G6; docs/backends.md) no gain at the default
 #: threads; at 256-512 threads, against SCAN and SHIFT alone, 1.1-2.3 us saved on 34-miss steps at
 #: B = 1 and 8, +0.9 to -1.3 us at 274 misses B = 8, 0.9-1.3 us lost on resident steps.
 SPLIT_ENV = "HISPARSE_TRITON_SPLIT"
@@ -130,6 +133,13 @@ SPLITS = (2, 4, 8, 16)
 #: it, two more launches. The last program of a request was about 80% of a 34-miss batch-8 step's
 #: instructions (sm_90 SASS, one program over the 4096 hot rows). 0, the default. Not yet timed on a GPU.
 SPLIT_TAIL_ENV = "HISPARSE_TRITON_SPLIT_TAIL"
+#: 1 (with `SPLIT_ENV`, not with `SPLIT_TAIL_ENV`): the split resolver's last program keeps a candidate
+#: list of at most one chunk (one candidate a thread) in registers from the claim to the table's
+#: clearing (`kernels.resolve_split_kernel`, KEEP): its buckets, rows, entries and positions are not
+#: stored to the list scratch and read back in each pass, and the first references are read once, so
+#: the last program's path at 34 and 274 misses at B = 8 has five dependent global round trips fewer
+#: (of about fifteen). Longer lists take the chunked passes. 0, the default; not yet timed on a GPU.
+SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
 #: Candidates the split resolver's last program handles at once: one a thread compiled (a smaller
 #: list costs a thread the same); a few under the interpreter, so that tests walk several chunks.
 INTERPRETED_SPLIT_CHUNK = 4
@@ -160,7 +170,8 @@ PLAN_PER_SM = 2
 @dataclass(frozen=True, slots=True)
 class Tuning:
     """The environment's choices: resolver variant, resolver threads (None: the shape's), plan-copy
-    programs per multiprocessor."""
+    programs per multiprocessor, and the switches; unset ones at their fixed defaults (the runtime's
+    default picks some per batch size instead: `auto.choose`)."""
 
     resolver: str
     threads: int | None
@@ -176,12 +187,13 @@ class Tuning:
     split: int = 0
     split_tail: bool = False
     lean_copy: bool = False
+    split_keep: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
     `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`, `SPLIT_TAIL_ENV`,
-    `LEAN_COPY_ENV`); one clear
+    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`); one clear
     error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
@@ -228,9 +240,18 @@ def tuning(env: dict[str, str]) -> Tuning:
     if split_tail == "1" and split == "0":
         raise InvalidInputError(f"{SPLIT_TAIL_ENV}={split_tail!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
                                 f"expected one of {', '.join(map(str, SPLITS))}")
+    keep = env.get(SPLIT_KEEP_ENV) or "0"
+    if keep not in ("0", "1"):
+        raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} is not a switch; expected 0 or 1")
+    if keep == "1" and split == "0":
+        raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
+                                f"expected one of {', '.join(map(str, SPLITS))}")
+    if keep == "1" and split_tail == "1":
+        raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} does not combine with {SPLIT_TAIL_ENV}='1' (the hot-row "
+                                f"kernels read the list scratch); expected {SPLIT_KEEP_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
                   cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1",
-                  lean_copy == "1")
+                  lean_copy == "1", keep == "1")
 
 
 def pow2(n: int) -> int:
@@ -268,6 +289,7 @@ class ResolverShape:
     tail: bool = False  # the split resolver's hot rows spread too (`SPLIT_TAIL_ENV`)
     hot_threads: int = 0  # threads of a program of the hot-row kernels (`tail`)
     hot_chunk: int = 0  # candidates the hot-row kernel's last program takes at once
+    keep: bool = False  # a one-chunk candidate list stays in registers (`SPLIT_KEEP_ENV`)
 
     @property
     def kernel(self) -> str:
@@ -283,7 +305,7 @@ class ResolverShape:
                         HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
                         ES=self.gp * self.kp // self.split, CP=self.chunk, PW=self.pw,
                         SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift),
-                        TAIL=int(self.tail), PDL=0)
+                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep))
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
@@ -351,12 +373,13 @@ def resolver_variant(name: str | None) -> str:
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
                    threads: int | None = None, lean: bool = True, cas: bool = False,
                    scan: bool = False, shift: bool = False, warp_size: int = 1, split: int = 0,
-                   split_tail: bool = False) -> ResolverShape:
+                   split_tail: bool = False, split_keep: bool = False) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread); `split` programs a batch row (at most one a group's
     entry), each taking an equal share of the group's padded entries; `split_tail`: the hot-row
     kernels' programs as many (at most one a hot row), a slice of the hot rows each, one lane a
-    thread (at least 128 threads, at most the resolver's)."""
+    thread (at least 128 threads, at most the resolver's); `split_keep`: the split resolver keeps a
+    one-chunk candidate list in registers (without the tail)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
     floor = MIN_LANES if compiled else dict.fromkeys(MIN_LANES, 1)
     kp, gp, hp = max(pow2(k), floor["KP"]), pow2(g), max(pow2(h), floor["HP"])
@@ -380,7 +403,7 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     hot_chunk = min(hot_threads if compiled else INTERPRETED_SPLIT_CHUNK, gp * kp) if tail else 0
     return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
                          scan_row, shift and variant == "gather" and bs & (bs - 1) == 0, ns, chunk, tail,
-                         hot_threads, hot_chunk)
+                         hot_threads, hot_chunk, bool(ns and split_keep and not tail))
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -394,10 +417,16 @@ def row_words(row_bytes: int) -> tuple[str, int]:
 
 
 def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32",
-                 variants: tuple[str, ...] = RESOLVERS, cuda: bool = False) -> list[KernelSpec]:
+                 variants: tuple[str, ...] = RESOLVERS, cuda: bool = False,
+                 tunings: tuple[Tuning, ...] = ()) -> list[KernelSpec]:
     """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes
     (one resolver build per variant of `variants`). `lru_dtype` is `i16` for vLLM's op set, whose
-    LRU is int16 (and which writes the miss mask)."""
+    LRU is int16 (and which writes the miss mask). `tunings` (the auto choice's profiles,
+    `auto.choose`): their resolvers and plan copies too (a split tuning's split resolver only: its
+    one-program resolver serves batches past a wave of split programs, which the auto choice gives
+    the other profile); ValueError for a
+    tuning with a knob the auto choice never picks and these builds leave out (the split tail, the
+    fused copy, the row-assigned copy)."""
     resolvers = [resolver_shape(config, variant=v) for v in variants]
     if "gather" in variants:  # the CAS and SCAN variants' builds (unfused), so their targets are known to compile
         resolvers.append(resolver_shape(config, variant="gather", cas=True))
@@ -406,6 +435,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
                                         split=SPLIT_BUILD))
         resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
                                         split=SPLIT_BUILD, split_tail=True))
+        resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
+                                        split=SPLIT_BUILD, split_keep=True))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -484,6 +515,19 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
             lru = r.lru_constexprs
             resolver_specs.append(KernelSpec("resolve_split_lru_kernel", lru_sig | dict.fromkeys(lru, "constexpr"), lru,
                                              r.hot_warps(warp_size)))
+    for t in tunings:
+        if t.split_tail or t.fuse or t.row_copy:
+            raise ValueError(f"kernel_specs builds no split tail, fused or row-assigned copy for a tuning; got {t}")
+        r = resolver_shape(config, variant=t.resolver, threads=t.threads, lean=t.lean, cas=t.cas, scan=t.scan,
+                           shift=t.shift, warp_size=warp_size, split=t.split, split_keep=t.split_keep)
+        pdl = dict(PDL=int(t.pdl)) if r.variant == "gather" else {}
+        consts = r.constexprs | mask | r.fuse_constexprs(config, fused=False, interpreted=False) | pdl
+        sig = split_sig if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
+        resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,
+                                         r.num_warps(warp_size)))
+        tuned_plan = plan_copy_meta(config, interpreted=False, entries=t.plan_entries) | dict(PDL=int(t.pdl))
+        resolver_specs.append(KernelSpec("copy_plan_kernel", plan_sig, tuned_plan | (
+            {k: lean[k] for k in ("VEC", "SB")} if t.lean_copy else {}), copy_warps))
     return [
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),

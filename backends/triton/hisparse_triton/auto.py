@@ -1,0 +1,154 @@
+"""The triton runtime's default knobs per call shape (`HISPARSE_TRITON_AUTO`, on by default).
+
+A runtime serves batches of 1 to `max_batch_rows` rows, and a captured step's batch size is fixed,
+so the knobs of `shapes.tuning` can differ by batch size the way the nvidia backend's resolver build
+does by shape: the runtime keeps one set of launches per profile (`Profile`) and picks it from the
+call's row count on the host, with no device read. Each `HISPARSE_TRITON_*` variable set explicitly
+wins over the auto choice at every batch size; an auto pick is left out where it does not combine
+with the explicit settings (the same refusal rules as `shapes.tuning`) or where the target lacks it
+(PDL is NVIDIA sm_90 and later only). `HISPARSE_TRITON_AUTO=0` keeps the fixed defaults of before.
+
+What is picked, from the H200 (docs/gpu-validation.md, "Sixteenth session" C4, and the seventeenth
+session's s17c1, which timed the fixed defaults, `gather:s1:b1:v1` and the small-batch pick side by
+side on 16 cells): at batches whose split programs fit one wave of the multiprocessors, the split
+resolver at 512 threads with two-level scans, shift-and-mask blocks, the lean plan copy as a
+programmatic dependent launch, 4 plan entries a chunk and 4 copy programs a multiprocessor (faster
+than both others on every miss and hit cell at B = 1 and 8 but 274 misses B = 8, where it tied
+`s1:b1:v1`; 0.6 us slower on resident steps); larger batches keep the one-program resolver with
+two-level scans, shift-and-mask blocks and the lean copy (the fastest at B = 64 in every cell; at B =
+128 faster on hit and 2048-miss steps, 21 us slower than the fixed defaults at 274 misses, one sample).
+Imports no torch or triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_triton import shapes
+from hisparse_triton.shapes import Tuning
+
+AUTO_ENV = "HISPARSE_TRITON_AUTO"
+#: Every variable `shapes.tuning` reads (an explicit one wins over the auto choice).
+KNOB_ENVS = (shapes.RESOLVER_ENV, shapes.THREADS_ENV, shapes.PLAN_PER_SM_ENV, shapes.FUSE_ENV, shapes.LEAN_ENV,
+             shapes.PLAN_ENTRIES_ENV, shapes.CAS_ENV, shapes.SCAN_ENV, shapes.SHIFT_ENV, shapes.ROW_COPY_ENV,
+             shapes.PDL_ENV, shapes.SPLIT_ENV, shapes.SPLIT_TAIL_ENV, shapes.LEAN_COPY_ENV, shapes.SPLIT_KEEP_ENV)
+#: The split resolver's programs a batch row at small batches; "small" is where they fit one wave.
+AUTO_SPLIT = 8
+#: Picks at small batches, in order (a pick joins only if the settings so far plus it pass `shapes.tuning`).
+SMALL_PICKS: tuple[tuple[str, str], ...] = (
+    (shapes.SPLIT_ENV, str(AUTO_SPLIT)), (shapes.THREADS_ENV, "512"), (shapes.SCAN_ENV, "1"), (shapes.SHIFT_ENV, "1"),
+    (shapes.LEAN_COPY_ENV, "1"), (shapes.PDL_ENV, "1"), (shapes.PLAN_ENTRIES_ENV, "4"), (shapes.PLAN_PER_SM_ENV, "4"))
+SMALL_WHY = ("H200 calls C4 and s17c1: 34 misses B = 8 1.69-1.70x nvidia where the fixed defaults took 2.17-2.21x, "
+             "274 misses 1.46-1.56x (1.68x), hits 1.55-1.83x, resident 0.6 us slower")
+#: Picks at larger batches.
+LARGE_PICKS: tuple[tuple[str, str], ...] = (
+    (shapes.SCAN_ENV, "1"), (shapes.SHIFT_ENV, "1"), (shapes.LEAN_COPY_ENV, "1"))
+LARGE_WHY = ("H200 call s17c1: the fastest of the three timed at B = 64 in every cell (274 misses 264.6 us, the fixed "
+             "defaults 279.6; 2048 misses 1856.9, 1958.9); at B = 128 PDL lost 78-93 us at 274 misses (s17c1, K4)")
+#: Bench suffixes (`bench/bench_triton.py --variants`) of each knob, in the bench's order.
+SUFFIXES = ((shapes.THREADS_ENV, "t"), (shapes.PLAN_PER_SM_ENV, "p"), (shapes.FUSE_ENV, "f"), (shapes.LEAN_ENV, "l"),
+            (shapes.PLAN_ENTRIES_ENV, "e"), (shapes.CAS_ENV, "c"), (shapes.SCAN_ENV, "s"), (shapes.SHIFT_ENV, "b"),
+            (shapes.ROW_COPY_ENV, "r"), (shapes.PDL_ENV, "d"), (shapes.SPLIT_ENV, "n"), (shapes.SPLIT_TAIL_ENV, "h"),
+            (shapes.LEAN_COPY_ENV, "v"), (shapes.SPLIT_KEEP_ENV, "k"))
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """The knobs of batches of more rows than the previous profile's `max_rows`, up to `max_rows`."""
+
+    max_rows: int
+    tuning: Tuning
+    picked: tuple[str, ...]  # the variables the auto choice set
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    profiles: tuple[Profile, ...]
+    line: str  # what was chosen and why, one line for the log
+
+    def profile(self, rows: int) -> Profile:
+        """The profile of a batch of `rows` rows (the last one past every bound)."""
+        return next((p for p in self.profiles if rows <= p.max_rows), self.profiles[-1])
+
+
+def small_rows(multiprocessors: int | None, max_batch_rows: int) -> int:
+    """The largest batch auto treats as small: `AUTO_SPLIT` programs a row in one wave of
+    `multiprocessors` (None, the interpreter: half the workspace, the split resolver's own line there,
+    so that tests run both profiles on one state)."""
+    if multiprocessors is None:
+        return max(1, max_batch_rows // 2)
+    return max(1, multiprocessors // AUTO_SPLIT)
+
+
+def auto_enabled(env: Mapping[str, str]) -> bool:
+    value = env.get(AUTO_ENV) or "1"
+    if value not in ("0", "1"):
+        raise InvalidInputError(f"{AUTO_ENV}={value!r} is not a switch; expected 0 (the fixed defaults) or 1 "
+                                f"(knobs per batch size, the default)")
+    return value == "1"
+
+
+def variant(t: Tuning) -> str:
+    """`t` as a `bench_triton.py` variant string (only what differs from the fixed defaults)."""
+    base = shapes.tuning({})
+    parts = [t.resolver]
+    values = {shapes.THREADS_ENV: (t.threads, base.threads), shapes.PLAN_PER_SM_ENV: (t.plan_per_sm, base.plan_per_sm),
+              shapes.FUSE_ENV: (t.fuse, base.fuse), shapes.LEAN_ENV: (t.lean, base.lean),
+              shapes.PLAN_ENTRIES_ENV: (t.plan_entries, base.plan_entries), shapes.CAS_ENV: (t.cas, base.cas),
+              shapes.SCAN_ENV: (t.scan, base.scan), shapes.SHIFT_ENV: (t.shift, base.shift),
+              shapes.ROW_COPY_ENV: (t.row_copy, base.row_copy), shapes.PDL_ENV: (t.pdl, base.pdl),
+              shapes.SPLIT_ENV: (t.split, base.split), shapes.SPLIT_TAIL_ENV: (t.split_tail, base.split_tail),
+              shapes.LEAN_COPY_ENV: (t.lean_copy, base.lean_copy),
+              shapes.SPLIT_KEEP_ENV: (t.split_keep, base.split_keep)}
+    for key, suffix in SUFFIXES:
+        value, default = values[key]
+        if value != default:
+            parts.append(f"{suffix}{int(value) if isinstance(value, bool) else value}")
+    return ":".join(parts)
+
+
+def _merge(explicit: dict[str, str], picks: tuple[tuple[str, str], ...], *, pdl: bool) -> tuple[Tuning, tuple[str, ...]]:
+    settings = dict(explicit)
+    picked = []
+    for key, value in picks:
+        if key in explicit or (key == shapes.PDL_ENV and not pdl):
+            continue
+        if key == shapes.THREADS_ENV and settings.get(shapes.SPLIT_ENV, "0") == "0":
+            continue  # 512 threads were timed with the split resolver only
+        try:
+            shapes.tuning(settings | {key: value})
+        except InvalidInputError:
+            continue  # does not combine with an explicit setting
+        settings[key] = value
+        picked.append(key)
+    return shapes.tuning(settings), tuple(picked)
+
+
+def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool) -> Choice:
+    """The profiles of a runtime of `max_batch_rows` rows under `env`: batches of up to `small` rows
+    and the rest, each with the explicit settings of `env` and the auto picks that combine with them;
+    `pdl`: whether the target has programmatic dependent launch. One clear error per bad value (the
+    explicit settings are checked as `shapes.tuning` checks them, before any pick)."""
+    explicit = {k: env[k] for k in KNOB_ENVS if env.get(k)}
+    base = shapes.tuning(explicit)
+    if not auto_enabled(env):
+        return Choice((Profile(max_batch_rows, base, ()),),
+                      f"triton tuning: {AUTO_ENV}=0, every batch {variant(base)} (the fixed defaults and the "
+                      f"explicit settings)")
+    lo, lo_picked = _merge(explicit, SMALL_PICKS, pdl=pdl)
+    hi, hi_picked = _merge(explicit, LARGE_PICKS, pdl=pdl)
+    if small >= max_batch_rows or lo == hi:
+        profiles: tuple[Profile, ...] = (Profile(max_batch_rows, lo, lo_picked),)
+        where = f"every batch (1-{max_batch_rows} rows) {variant(lo)} ({SMALL_WHY})"
+    else:
+        profiles = (Profile(small, lo, lo_picked), Profile(max_batch_rows, hi, hi_picked))
+        where = (f"batches of 1-{small} rows {variant(lo)} ({SMALL_WHY}); {small + 1}-{max_batch_rows} rows "
+                 f"{variant(hi)} ({LARGE_WHY})")
+    notes = []
+    if explicit:
+        notes.append("set explicitly: " + ", ".join(f"{k}={v}" for k, v in explicit.items()))
+    if not pdl and shapes.PDL_ENV not in explicit:
+        notes.append(f"{shapes.PDL_ENV} not picked (no NVIDIA GPU of compute capability 9.0 or later here)")
+    return Choice(profiles, f"triton tuning: {AUTO_ENV}=1, {where}" + "".join(f"; {n}" for n in notes))

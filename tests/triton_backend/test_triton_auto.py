@@ -1,0 +1,141 @@
+"""The triton runtime's knobs per batch size (`hisparse_triton.auto`, `HISPARSE_TRITON_AUTO`): which
+profile each batch range gets, that explicit variables win, that picks which do not combine with them
+(or PDL where the target lacks it) are left out, and that bad values are refused in one line.
+
+Host logic only: no kernel runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_triton import auto, shapes
+
+
+def _choose(env: dict[str, str], *, b: int = 128, small: int = 16, pdl: bool = True) -> auto.Choice:
+    return auto.choose(env, max_batch_rows=b, small=small, pdl=pdl)
+
+
+def test_small_and_large_batches_get_their_measured_profiles() -> None:
+    c = _choose({})
+    assert [p.max_rows for p in c.profiles] == [16, 128]
+    lo, hi = (p.tuning for p in c.profiles)
+    assert (lo.split, lo.threads, lo.scan, lo.shift, lo.lean_copy, lo.pdl, lo.plan_entries, lo.plan_per_sm) == \
+        (8, 512, True, True, True, True, 4, 4)
+    assert (hi.split, hi.threads, hi.scan, hi.shift, hi.lean_copy, hi.pdl) == (0, None, True, True, True, False)
+    assert (hi.plan_entries, hi.plan_per_sm) == (shapes.COPY_ENTRIES, shapes.PLAN_PER_SM)
+    for t in (lo, hi):  # nothing auto never picks
+        assert (t.resolver, t.fuse, t.lean, t.cas, t.row_copy, t.split_tail) == ("gather", False, True, False, False,
+                                                                                  False)
+    assert auto.variant(lo) == "gather:t512:p4:e4:s1:b1:d1:n8:v1" and auto.variant(hi) == "gather:s1:b1:v1"
+    assert "\n" not in c.line and "1-16 rows gather:t512:p4:e4:s1:b1:d1:n8:v1" in c.line
+    assert "17-128 rows gather:s1:b1:v1" in c.line
+
+
+@given(rows=st.integers(1, 128), small=st.integers(1, 200))
+@settings(max_examples=50, deadline=None)
+def test_each_batch_takes_the_profile_of_its_range(rows: int, small: int) -> None:
+    c = _choose({}, small=small)
+    p = c.profile(rows)
+    assert p.tuning.split == (8 if rows <= small else 0)
+    assert p.tuning.pdl is (rows <= small)
+    assert len(c.profiles) == (1 if small >= 128 else 2)
+
+
+def test_small_batches_line_is_a_wave_of_split_programs() -> None:
+    assert auto.small_rows(132, 128) == 16  # the H200: 8 programs a row on 132 multiprocessors
+    assert auto.small_rows(304, 128) == 38  # MI300X
+    assert auto.small_rows(4, 128) == 1
+    assert auto.small_rows(None, 7) == 3 and auto.small_rows(None, 1) == 1  # the interpreter: half the workspace
+
+
+def test_no_pdl_where_the_target_lacks_it() -> None:
+    c = _choose({}, pdl=False)
+    assert not any(p.tuning.pdl for p in c.profiles)
+    lo = c.profiles[0].tuning
+    assert (lo.split, lo.threads, lo.lean_copy, lo.plan_entries, lo.plan_per_sm) == (8, 512, True, 4, 4)
+    assert "HISPARSE_TRITON_PDL not picked" in c.line
+
+
+def test_off_keeps_the_fixed_defaults() -> None:
+    c = _choose({auto.AUTO_ENV: "0"})
+    assert len(c.profiles) == 1 and c.profiles[0].tuning == shapes.tuning({}) and c.profiles[0].max_rows == 128
+    assert c.profiles[0].picked == () and "HISPARSE_TRITON_AUTO=0" in c.line
+    c = _choose({auto.AUTO_ENV: "0", shapes.SCAN_ENV: "1"})
+    assert c.profiles[0].tuning == shapes.tuning({shapes.SCAN_ENV: "1"})
+
+
+@pytest.mark.parametrize(("key", "value"), [(shapes.SPLIT_ENV, "0"), (shapes.SPLIT_ENV, "4"), (shapes.PDL_ENV, "0"),
+                                            (shapes.LEAN_COPY_ENV, "0"), (shapes.SCAN_ENV, "0"), (shapes.SHIFT_ENV, "0"),
+                                            (shapes.THREADS_ENV, "256"), (shapes.PLAN_ENTRIES_ENV, "16"),
+                                            (shapes.PLAN_PER_SM_ENV, "2"), (shapes.ROW_COPY_ENV, "1")])
+def test_an_explicit_variable_wins_at_every_batch_size(key: str, value: str) -> None:
+    c = _choose({key: value})
+    for p in c.profiles:
+        assert key not in p.picked
+        field = {shapes.SPLIT_ENV: "split", shapes.PDL_ENV: "pdl", shapes.LEAN_COPY_ENV: "lean_copy",
+                 shapes.SCAN_ENV: "scan", shapes.SHIFT_ENV: "shift", shapes.THREADS_ENV: "threads",
+                 shapes.PLAN_ENTRIES_ENV: "plan_entries", shapes.PLAN_PER_SM_ENV: "plan_per_sm",
+                 shapes.ROW_COPY_ENV: "row_copy"}[key]
+        assert getattr(p.tuning, field) == getattr(shapes.tuning({key: value}), field), (p, key)
+    assert f"set explicitly: {key}={value}" in c.line
+
+
+def test_picks_that_do_not_combine_with_explicit_settings_are_left_out() -> None:
+    # The scratch resolver has no split, scans, shift or PDL: only the plan copy's picks remain.
+    lo = _choose({shapes.RESOLVER_ENV: "scratch"}).profiles[0]
+    assert (lo.tuning.split, lo.tuning.scan, lo.tuning.shift, lo.tuning.pdl, lo.tuning.threads) == (0, False, False,
+                                                                                                    False, None)
+    assert lo.tuning.lean_copy and lo.tuning.plan_entries == 4
+    # The split has no fused, CAS or non-LEAN build; its 512 threads go with it.
+    for key, value in ((shapes.FUSE_ENV, "1"), (shapes.CAS_ENV, "1"), (shapes.LEAN_ENV, "0")):
+        lo = _choose({key: value}).profiles[0]
+        assert lo.tuning.split == 0 and lo.tuning.threads is None and lo.tuning.scan, key
+        assert shapes.SPLIT_ENV not in lo.picked and shapes.THREADS_ENV not in lo.picked
+    lo = _choose({shapes.SPLIT_ENV: "0"}).profiles[0]
+    assert lo.tuning.threads is None and lo.tuning.pdl  # no split, no 512 threads; the copy's picks stay
+
+
+def test_a_profile_equal_at_every_size_is_one_profile() -> None:
+    explicit = {shapes.SPLIT_ENV: "0", shapes.PDL_ENV: "0", shapes.PLAN_ENTRIES_ENV: "16", shapes.PLAN_PER_SM_ENV: "2"}
+    c = _choose(explicit)
+    assert len(c.profiles) == 1 and c.profiles[0].max_rows == 128
+    assert c.profiles[0].tuning == shapes.tuning(explicit | {shapes.SCAN_ENV: "1", shapes.SHIFT_ENV: "1",
+                                                             shapes.LEAN_COPY_ENV: "1"})
+    assert len(_choose({}, small=128).profiles) == 1 and len(_choose({}, b=4, small=16).profiles) == 1
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({auto.AUTO_ENV: "yes"}, "HISPARSE_TRITON_AUTO='yes' is not a switch; expected 0 (the fixed defaults) or 1"),
+    ({shapes.SPLIT_ENV: "3"}, "HISPARSE_TRITON_SPLIT='3' is not a program count"),
+    ({shapes.SPLIT_TAIL_ENV: "1"}, "HISPARSE_TRITON_SPLIT_TAIL='1' needs the split resolver"),
+    ({shapes.PDL_ENV: "1", shapes.RESOLVER_ENV: "scratch"}, "HISPARSE_TRITON_PDL='1' needs the gather resolver"),
+])
+def test_bad_values_are_refused_in_one_line(env: dict[str, str], line: str) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        _choose(env)
+    assert line in str(err.value) and "\n" not in str(err.value)
+
+
+def test_variant_strings_round_trip_through_the_bench_parser() -> None:
+    """`auto.variant` writes what `bench_triton.py --variants` reads back to the same knobs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "bench" / "bench_triton.py"
+    spec = importlib.util.spec_from_file_location("bench_triton", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_triton"] = bench  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules["bench_triton"]
+    for p in _choose({}).profiles + _choose({shapes.RESOLVER_ENV: "scratch"}).profiles:
+        env = bench.variant_env(auto.variant(p.tuning) + ":a0")
+        assert shapes.tuning({k: v for k, v in env.items() if v is not None}) == p.tuning

@@ -1844,7 +1844,8 @@ __device__ __forceinline__ void vg_local_compact(i32 T, const i32* pre, const i3
 // vg_local_copy makes every copying block hash every counted entry, around two barriers, before its first
 // host read. Here the dedup sits under the host reads instead: a block takes chunks of VG_LEAN_R ranks (one
 // pass of HS_UNROLL slots a thread), loads its chunk's entries (with the counts, where the call has one row:
-// rank k is entry k there), issues the chunk's host reads, and only then checks whether a later counted entry
+// rank k is entry k there, so a one-row call crosses no barrier and one round of loads before its host reads),
+// issues the chunk's host reads, and only then checks whether a later counted entry
 // names one of its destinations (a 2048-bit filter of the chunk's destinations in shared memory, then the
 // chunk's few destinations); the reads' bytes are stored for the entries no later entry overrides. No hash to
 // clear, no hash of all entries; blocks past the last chunk leave after the counts.
@@ -1854,8 +1855,10 @@ static_assert(VG_LEAN_R <= HS_GNT && VG_LEAN_BITS / 32 <= HS_GNT, "one own entry
 
 __device__ __forceinline__ bool vg_taken(i32 g, i32 d, i64 hot_rows) { return g >= 0 && d >= 0 && d < hot_rows; }
 
-// The entry of gather_compact's counted rank k (0 <= k < pre[n]): request-major.
+// The entry of gather_compact's counted rank k (0 <= k < pre[n]): request-major (one row: k itself, `pre`
+// not read).
 __device__ __forceinline__ i32 vg_entry(const i32* pre, i32 n, i32 K, i32 k) {
+    if (n == 1) return k;
     const i32 r = vg_segment(pre, n, k);
     return r * K + (k - pre[r]);
 }
@@ -1890,13 +1893,27 @@ __device__ __forceinline__ bool vg_lean_compact(const i32* src, const i32* dst, 
             od = dst[ch0 * kR + tid];
         }
     }
-    bool any = false;  // a clamped count > 0 (K >= 1)
-    for (i32 x = tid; x < n; x += HS_GNT) any |= counts[x] > 0;
-    if (tid < VG_LEAN_BITS / 32) s_bits[tid] = 0u;
-    if (!__syncthreads_or(any)) return true;  // every block sees it: nothing taken
-    vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
-    const i32 T = pre[n];
-    if (T > kCap) return false;  // grid-uniform
+    if (tid < VG_LEAN_BITS / 32) s_bits[tid] = 0u;  // visible at the chunk's first barrier
+    i32 T;
+    if (one) {  // every thread reads the count (with the entries above): no barrier before the host reads
+        T = min(max(counts[0], 0), K);
+        if (T == 0) return true;  // grid-uniform: nothing taken
+        if (T > kCap) {
+            if (tid == 0) {
+                pre[0] = 0;
+                pre[1] = T;
+            }
+            __syncthreads();
+            return false;
+        }
+    } else {
+        bool any = false;  // a clamped count > 0 (K >= 1)
+        for (i32 x = tid; x < n; x += HS_GNT) any |= counts[x] > 0;
+        if (!__syncthreads_or(any)) return true;  // every block sees it: nothing taken
+        vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
+        T = pre[n];
+        if (T > kCap) return false;  // grid-uniform
+    }
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no barrier on this path
     for (i32 ch = ch0; ch * kR < T; ch += gridDim.x) {  // block-uniform
         const i32 klo = ch * kR, khi = min(klo + kR, T);
@@ -1925,12 +1942,13 @@ __device__ __forceinline__ bool vg_lean_compact(const i32* src, const i32* dst, 
             if (c < kCS && klo + xs[u] < khi && vg_taken(g[u], d[u], hot_rows))
                 vg_slot(host, host_rows, hot, block_stride, bs, d[u], g[u], c % HS_SLOTS, v[u], to[u]);
         }
+        const bool own = tid < kR && klo + tid < khi && vg_taken(og, od, hot_rows);
         if (tid < kR) {
-            const bool t = klo + tid < khi && vg_taken(og, od, hot_rows);
-            s_od[tid] = t ? od : -1;
+            s_od[tid] = own ? od : -1;
             s_dead[tid] = 0;
-            if (t) atomicOr(s_bits + (od & (VG_LEAN_BITS - 1)) / 32, 1u << (od & 31));
         }
+        __syncthreads();  // the filter cleared (at the start, or after the previous chunk's dedup)
+        if (own) atomicOr(s_bits + (od & (VG_LEAN_BITS - 1)) / 32, 1u << (od & 31));
         __syncthreads();
         i32 lg[kLater], ld[kLater];
 #pragma unroll
@@ -1947,7 +1965,8 @@ __device__ __forceinline__ bool vg_lean_compact(const i32* src, const i32* dst, 
             const i32 b = ld[i] & (VG_LEAN_BITS - 1);
             if (!(s_bits[b / 32] & (1u << (b & 31)))) continue;
             const i32 before = min(kR, k - klo);  // the chunk's entries ranked before k
-            for (i32 x = 0; x < before; ++x) {
+#pragma unroll 1
+            for (i32 x = 0; x < before; ++x) {  // a filter hit: rare where destinations are distinct
                 if (s_od[x] == ld[i]) atomicOr(s_dead + x, 1);  // several later entries may name it
             }
         }

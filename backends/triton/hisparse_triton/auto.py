@@ -9,7 +9,7 @@ with the explicit settings (the same refusal rules as `shapes.tuning`) or where 
 (PDL is NVIDIA sm_90 and later only). `HISPARSE_TRITON_AUTO=0` keeps the fixed defaults of before.
 
 What is picked, from the H200 (docs/gpu-validation.md, "Sixteenth session" C4, and the seventeenth
-session's s17c1, which timed the fixed defaults, `gather:s1:b1:v1` and the small-batch pick side by
+session's call D1, which timed the fixed defaults, `gather:s1:b1:v1` and the small-batch pick side by
 side on 16 cells): at batches whose split programs fit one wave of the multiprocessors, the split
 resolver at 512 threads with two-level scans, shift-and-mask blocks, the lean plan copy as a
 programmatic dependent launch, 4 plan entries a chunk and 4 copy programs a multiprocessor (faster
@@ -40,13 +40,13 @@ AUTO_SPLIT = 8
 SMALL_PICKS: tuple[tuple[str, str], ...] = (
     (shapes.SPLIT_ENV, str(AUTO_SPLIT)), (shapes.THREADS_ENV, "512"), (shapes.SCAN_ENV, "1"), (shapes.SHIFT_ENV, "1"),
     (shapes.LEAN_COPY_ENV, "1"), (shapes.PDL_ENV, "1"), (shapes.PLAN_ENTRIES_ENV, "4"), (shapes.PLAN_PER_SM_ENV, "4"))
-SMALL_WHY = ("H200 calls C4 and s17c1: 34 misses B = 8 1.69-1.70x nvidia where the fixed defaults took 2.17-2.21x, "
+SMALL_WHY = ("H200 calls C4 and D1 (seventeenth session): 34 misses B = 8 1.69-1.70x nvidia where the fixed defaults took 2.17-2.21x, "
              "274 misses 1.46-1.56x (1.68x), hits 1.55-1.83x, resident 0.6 us slower")
 #: Picks at larger batches.
 LARGE_PICKS: tuple[tuple[str, str], ...] = (
     (shapes.SCAN_ENV, "1"), (shapes.SHIFT_ENV, "1"), (shapes.LEAN_COPY_ENV, "1"))
-LARGE_WHY = ("H200 call s17c1: the fastest of the three timed at B = 64 in every cell (274 misses 264.6 us, the fixed "
-             "defaults 279.6; 2048 misses 1856.9, 1958.9); at B = 128 PDL lost 78-93 us at 274 misses (s17c1, K4)")
+LARGE_WHY = ("H200 call D1 (seventeenth session): the fastest of the three timed at B = 64 in every cell (274 misses 264.6 us, the fixed "
+             "defaults 279.6; 2048 misses 1856.9, 1958.9); at B = 128 PDL lost 78-93 us at 274 misses (D1, K4)")
 #: Bench suffixes (`bench/bench_triton.py --variants`) of each knob, in the bench's order.
 SUFFIXES = ((shapes.THREADS_ENV, "t"), (shapes.PLAN_PER_SM_ENV, "p"), (shapes.FUSE_ENV, "f"), (shapes.LEAN_ENV, "l"),
             (shapes.PLAN_ENTRIES_ENV, "e"), (shapes.CAS_ENV, "c"), (shapes.SCAN_ENV, "s"), (shapes.SHIFT_ENV, "b"),

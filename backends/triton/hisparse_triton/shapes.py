@@ -109,7 +109,7 @@ PDL_ENV = "HISPARSE_TRITON_PDL"
 #: (Triton 3.6, 656-byte rows, 16 entries a chunk): 1,776 -> 528 SASS instructions, 182 -> 79 registers.
 #: Its few busy programs at small batches (17 of 264 at 34 misses x 8) are bound by the instructions
 #: each warp issues in turn. `copy_plan_rows_kernel` (`ROW_COPY_ENV`) is unchanged. 0, the fixed default;
-#: the auto choice picks 1 at every batch size (calls C4 and s17c1).
+#: the auto choice picks 1 at every batch size (calls C4 and D1 (seventeenth session)).
 LEAN_COPY_ENV = "HISPARSE_TRITON_LEAN_COPY"
 #: Words (int32) one access of the lean plan copy moves: 16 bytes, the widest global access of
 #: NVIDIA's and AMD CDNA's instruction sets.

@@ -531,11 +531,13 @@ def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, se
 
 @pytest.mark.parametrize(("seed", "rows"), [(1, 3), (3, 2)])
 def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, rows: int) -> None:  # noqa: ANN001
-    """With nothing set, batches of up to the small-batch line (half the workspace interpreted, a wave of
-    8 programs a row on a GPU) take the split resolver with two-level scans and shift-and-mask blocks,
-    larger ones the one-program gather resolver with the same, and every plan copy is the lean one (16-byte
-    accesses), with PDL at small batches where the GPU has it; in lockstep with reference_cpu on one state."""
-    from hisparse_triton import kernels
+    """With nothing set, batches of up to the small-batch line take the split resolver with two-level scans
+    and shift-and-mask blocks, larger ones the one-program gather resolver with the same, and every plan copy
+    is the lean one (16-byte accesses), with PDL at small batches where the GPU has it; in lockstep with
+    reference_cpu on one state. The line is pinned at half the workspace (the interpreter's own): on a GPU it
+    is a wave of 8 programs a row (16 rows on an H200), above every batch of this state, so that compiled
+    runs, too, take both profiles."""
+    from hisparse_triton import auto, kernels
 
     p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
                        rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=0.9,
@@ -555,6 +557,7 @@ def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, ro
         for key in [k for k in os.environ if k.startswith("HISPARSE_TRITON_")]:
             mp.delenv(key)
         mp.setattr(sys.modules[KERNELS], "launch", launch)
+        mp.setattr(auto, "small_rows", lambda multiprocessors, max_batch_rows: max(1, max_batch_rows // 2))
         with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
             for step, work in sc.steps:
                 problems = run.resolve(step, replay=True)

@@ -54,7 +54,7 @@ def test_every_kernel_source_is_built() -> None:
 
 @needs_nvrtc
 def test_vllm_ops_builds_hold_every_kernel() -> None:
-    # Every vLLM-op kernel the host launches by name (hisparse_vllm_gather_local, _local4k and _lean,
+    # Every vLLM-op kernel the host launches by name (hisparse_vllm_gather_local and _local4k,
     # HISPARSE_VLLM_GATHER_LOCAL, among them) is in the builds CI compiles above, not only in a build a GPU run would meet first.
     from hisparse_nvidia.compiler import compile_kernel
     from hisparse_nvidia.kernels import all_builds_for_ci, vllm_ops_build
@@ -62,7 +62,7 @@ def test_vllm_ops_builds_hold_every_kernel() -> None:
     build = vllm_ops_build(656)
     assert build in all_builds_for_ci()
     image = compile_kernel(build, 90).image
-    for name in ("resolve", "mark", "copy", "gather", "gather_local", "gather_local4k", "gather_lean", "invalidate"):
+    for name in ("resolve", "mark", "copy", "gather", "gather_local", "gather_local4k", "invalidate"):
         assert f"hisparse_vllm_{name}\0".encode() in image, name
 
 

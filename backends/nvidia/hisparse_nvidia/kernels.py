@@ -293,11 +293,8 @@ def vllm_gather_per_sm() -> int:
 #: a block). gather_plan takes the path where rows x top-k <= 2048; larger calls take the marks and the
 #: barrier in the same launch. The default is 1 with the fused gather (timed on the H200 against 0, 2, 3
 #: and 4 in one call, docs/gpu-validation.md, sixteenth session: 34 misses at B = 1 19.2 -> 14.6 us, no
-#: cell slower beyond noise) and 0 with the mark + copy pair, where the path does not exist. 5 = 1 with
-#: gather_compact's calls of at most 2048 counted entries on a lean path (hisparse_vllm_gather_lean: chunks
-#: of ranks a block, a one-row call's entries read with its count, the host reads issued before the dedup,
-#: which checks only later entries against the chunk's destinations; no hash of every entry); not yet timed
-#: on a GPU, off until it is. Read at each gather call, for A/B timing in one process.
+#: cell slower beyond noise) and 0 with the mark + copy pair, where the path does not exist. Read at each
+#: gather call, for A/B timing in one process.
 ENV_VLLM_GATHER_LOCAL = "HISPARSE_VLLM_GATHER_LOCAL"
 VLLM_GATHER_LOCAL = 1
 
@@ -306,10 +303,9 @@ def vllm_gather_local(variant: int) -> int:
     """`HISPARSE_VLLM_GATHER_LOCAL` for the gather `variant` (`vllm_gather_variant()`): the default
     `VLLM_GATHER_LOCAL` with the fused gather (2), 0 with the others; a non-zero value set with another
     variant is refused (the path lives in the fused gather's launch)."""
-    local = env_int_in(ENV_VLLM_GATHER_LOCAL, VLLM_GATHER_LOCAL if variant == 2 else 0, 0, 5,
+    local = env_int_in(ENV_VLLM_GATHER_LOCAL, VLLM_GATHER_LOCAL if variant == 2 else 0, 0, 4,
                        "0 (off), 1 (gathers of at most 2048 entries without the grid barrier), 2 (1, gather_compact's "
-                       "entries read with their counts in one round), 3 or 4 (1 or 2 up to 4096 counted entries), "
-                       "5 (1, gather_compact on the lean path)")
+                       "entries read with their counts in one round), 3 or 4 (1 or 2 up to 4096 counted entries)")
     if local and variant != 2:
         raise InvalidInputError(f"{ENV_VLLM_GATHER_LOCAL}={local} is a path of the fused gather: expected "
                                 f"HISPARSE_VLLM_GATHER=2 with it, got {variant}")

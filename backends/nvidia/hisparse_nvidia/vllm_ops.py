@@ -12,8 +12,7 @@ nvidia backend's own kernels (cuda/vllm_ops.cu, compiled with NVRTC like the res
   launch; each waits for its predecessor's writes). `HISPARSE_VLLM_GATHER_LOCAL` launches
   `hisparse_vllm_gather_local` (or `_local4k`) in place of the fused kernel: calls of at most
   `LOCAL_GATHER_ENTRIES` (`_4K`) entries without marks or barrier (every block finds each destination's
-  last entry itself); its value 5 launches `hisparse_vllm_gather_lean` (gather_compact in chunks of ranks,
-  each checked only against later entries, under the chunk's host reads).
+  last entry itself).
 - `hisparse_invalidate_written_slots`: one `hisparse_vllm_invalidate` launch.
 
 Every launch goes on the current stream with fixed shapes and no host synchronization (values are
@@ -67,12 +66,9 @@ def local_gather_bytes(entries: int) -> int:
 
 
 def local_gather_launch(local: int) -> tuple[str, int, int]:
-    """(kernel, its `local` argument, added dynamic shared memory) of HISPARSE_VLLM_GATHER_LOCAL=`local` (1-5);
-    5 launches `hisparse_vllm_gather_lean` (1's bound and gather_plan, gather_compact on the lean path)."""
-    if local == 5:
-        return "hisparse_vllm_gather_lean", 1, local_gather_bytes(LOCAL_GATHER_ENTRIES)
-    entries = LOCAL_GATHER_ENTRIES_4K if local in (3, 4) else LOCAL_GATHER_ENTRIES
-    name = "hisparse_vllm_gather_local4k" if local in (3, 4) else "hisparse_vllm_gather_local"
+    """(kernel, its `local` argument, added dynamic shared memory) of HISPARSE_VLLM_GATHER_LOCAL=`local` (1-4)."""
+    entries = LOCAL_GATHER_ENTRIES_4K if local >= 3 else LOCAL_GATHER_ENTRIES
+    name = "hisparse_vllm_gather_local4k" if local >= 3 else "hisparse_vllm_gather_local"
     return name, 2 if local in (2, 4) else 1, local_gather_bytes(entries)
 #: Shared memory the resolver may take for its hash (12 bytes a bucket) and LRU order (2 bytes a slot).
 RESOLVE_SMEM_BUDGET = 222 * 1024

@@ -1840,162 +1840,6 @@ __device__ __forceinline__ void vg_local_compact(i32 T, const i32* pre, const i3
     vg_local_copy<kCap>(lo, hi, e, k, g, d, host, host_rows, hot, block_stride, bs, smem);
 }
 
-// ---- the lean path of small gather_compact calls (hisparse_vllm_gather_lean, HISPARSE_VLLM_GATHER_LOCAL=5) ----
-// vg_local_copy makes every copying block hash every counted entry, around two barriers, before its first
-// host read. Here the dedup sits under the host reads instead: a block takes chunks of VG_LEAN_R ranks (one
-// pass of HS_UNROLL slots a thread), loads its chunk's entries (with the counts, where the call has one row:
-// rank k is entry k there, so a one-row call crosses no barrier and one round of loads before its host reads),
-// issues the chunk's host reads, and only then checks whether a later counted entry
-// names one of its destinations (a 2048-bit filter of the chunk's destinations in shared memory, then the
-// chunk's few destinations); the reads' bytes are stored for the entries no later entry overrides. No hash to
-// clear, no hash of all entries; blocks past the last chunk leave after the counts.
-#define VG_LEAN_R ((HS_GNT * HS_UNROLL) / HS_SLOTS > 0 ? (HS_GNT * HS_UNROLL) / HS_SLOTS : 1)
-#define VG_LEAN_BITS 2048  // bits of the destination filter
-static_assert(VG_LEAN_R <= HS_GNT && VG_LEAN_BITS / 32 <= HS_GNT, "one own entry and filter word a thread");
-
-__device__ __forceinline__ bool vg_taken(i32 g, i32 d, i64 hot_rows) { return g >= 0 && d >= 0 && d < hot_rows; }
-
-// The entry of gather_compact's counted rank k (0 <= k < pre[n]): request-major (one row: k itself, `pre`
-// not read).
-__device__ __forceinline__ i32 vg_entry(const i32* pre, i32 n, i32 K, i32 k) {
-    if (n == 1) return k;
-    const i32 r = vg_segment(pre, n, k);
-    return r * K + (k - pre[r]);
-}
-
-// gather_compact by chunks of ranks (see above). Returns false, with `pre` holding the rows' prefix sums, where
-// the call counts more than kCap entries (the caller takes the marks and the barrier); true once served.
-template <i32 kCap>
-__device__ __forceinline__ bool vg_lean_compact(const i32* src, const i32* dst, const i32* __restrict__ counts, i32 n,
-                                                i32 K, i64 hot_rows, const unsigned char* host, i64 host_rows,
-                                                unsigned char* hot, i64 block_stride, i32 bs, i32* pre) {
-    constexpr i32 kR = VG_LEAN_R;
-    constexpr i32 kCS = kR * HS_SLOTS;           // slots of a chunk
-    constexpr i32 kPass = HS_GNT * HS_UNROLL;    // slots of a pass
-    constexpr i32 kLater = kCap / HS_GNT;        // later entries a thread reads, at most
-    __shared__ i32 s_od[kR];                     // the chunk's destinations (-1: not taken)
-    __shared__ i32 s_dead[kR];                   // 1: a later entry names the same destination
-    __shared__ u32 s_bits[VG_LEAN_BITS / 32];
-    const i32 tid = threadIdx.x;
-    const bool one = n == 1;
-    i32 g[HS_UNROLL], d[HS_UNROLL], og = -1, od = -1;
-    const i32 ch0 = blockIdx.x;
-    if (one) {  // rank k is entry k: the first chunk's entries load with the count (k < K: in bounds)
-#pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            const i32 c = tid + u * HS_GNT, k = ch0 * kR + c / HS_SLOTS;
-            const bool in = c < kCS && k < K;
-            g[u] = in ? src[k] : -1;
-            d[u] = in ? dst[k] : -1;
-        }
-        if (tid < kR && ch0 * kR + tid < K) {
-            og = src[ch0 * kR + tid];
-            od = dst[ch0 * kR + tid];
-        }
-    }
-    if (tid < VG_LEAN_BITS / 32) s_bits[tid] = 0u;  // visible at the chunk's first barrier
-    i32 T;
-    if (one) {  // every thread reads the count (with the entries above): no barrier before the host reads
-        T = min(max(counts[0], 0), K);
-        if (T == 0) return true;  // grid-uniform: nothing taken
-        if (T > kCap) {
-            if (tid == 0) {
-                pre[0] = 0;
-                pre[1] = T;
-            }
-            __syncthreads();
-            return false;
-        }
-    } else {
-        bool any = false;  // a clamped count > 0 (K >= 1)
-        for (i32 x = tid; x < n; x += HS_GNT) any |= counts[x] > 0;
-        if (!__syncthreads_or(any)) return true;  // every block sees it: nothing taken
-        vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
-        T = pre[n];
-        if (T > kCap) return false;  // grid-uniform
-    }
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // no barrier on this path
-    for (i32 ch = ch0; ch * kR < T; ch += gridDim.x) {  // block-uniform
-        const i32 klo = ch * kR, khi = min(klo + kR, T);
-        if (!one || ch != ch0) {
-#pragma unroll
-            for (i32 u = 0; u < HS_UNROLL; ++u) {
-                const i32 c = tid + u * HS_GNT, k = klo + c / HS_SLOTS;
-                const i32 e = c < kCS && k < khi ? vg_entry(pre, n, K, k) : -1;
-                g[u] = e >= 0 ? src[e] : -1;
-                d[u] = e >= 0 ? dst[e] : -1;
-            }
-            if (tid < kR && klo + tid < khi) {
-                const i32 e = vg_entry(pre, n, K, klo + tid);
-                og = src[e];
-                od = dst[e];
-            }
-        }
-        uint4 v[HS_UNROLL];
-        unsigned char* to[HS_UNROLL];
-        i32 xs[HS_UNROLL];
-#pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {  // the host reads go out before the dedup
-            const i32 c = tid + u * HS_GNT;
-            xs[u] = c / HS_SLOTS;
-            to[u] = nullptr;
-            if (c < kCS && klo + xs[u] < khi && vg_taken(g[u], d[u], hot_rows))
-                vg_slot(host, host_rows, hot, block_stride, bs, d[u], g[u], c % HS_SLOTS, v[u], to[u]);
-        }
-        const bool own = tid < kR && klo + tid < khi && vg_taken(og, od, hot_rows);
-        if (tid < kR) {
-            s_od[tid] = own ? od : -1;
-            s_dead[tid] = 0;
-        }
-        __syncthreads();  // the filter cleared (at the start, or after the previous chunk's dedup)
-        if (own) atomicOr(s_bits + (od & (VG_LEAN_BITS - 1)) / 32, 1u << (od & 31));
-        __syncthreads();
-        i32 lg[kLater], ld[kLater];
-#pragma unroll
-        for (i32 i = 0; i < kLater; ++i) {  // the counted entries after the chunk's first, all loads in one round
-            const i32 k = klo + 1 + tid + i * HS_GNT;
-            const i32 e = k < T ? vg_entry(pre, n, K, k) : -1;
-            lg[i] = e >= 0 ? src[e] : -1;
-            ld[i] = e >= 0 ? dst[e] : -1;
-        }
-#pragma unroll
-        for (i32 i = 0; i < kLater; ++i) {
-            const i32 k = klo + 1 + tid + i * HS_GNT;
-            if (!vg_taken(lg[i], ld[i], hot_rows)) continue;
-            const i32 b = ld[i] & (VG_LEAN_BITS - 1);
-            if (!(s_bits[b / 32] & (1u << (b & 31)))) continue;
-            const i32 before = min(kR, k - klo);  // the chunk's entries ranked before k
-#pragma unroll 1
-            for (i32 x = 0; x < before; ++x) {  // a filter hit: rare where destinations are distinct
-                if (s_od[x] == ld[i]) atomicOr(s_dead + x, 1);  // several later entries may name it
-            }
-        }
-        __syncthreads();
-        if (tid < VG_LEAN_BITS / 32) s_bits[tid] = 0u;  // read by no one until the next chunk's barrier
-#pragma unroll
-        for (i32 u = 0; u < HS_UNROLL; ++u) {
-            if (to[u] != nullptr && s_dead[xs[u]] == 0) hs_store16(to[u], v[u]);
-        }
-        for (i32 c0 = kPass; c0 < kCS; c0 += kPass) {  // rows wider than one pass a chunk (one rank a chunk)
-#pragma unroll
-            for (i32 u = 0; u < HS_UNROLL; ++u) {
-                const i32 c = c0 + tid + u * HS_GNT, x = c / HS_SLOTS;
-                to[u] = nullptr;
-                if (c >= kCS || klo + x >= khi || s_dead[x] != 0) continue;
-                const i32 e = vg_entry(pre, n, K, klo + x);
-                const i32 gg = src[e], dd = dst[e];
-                if (vg_taken(gg, dd, hot_rows)) vg_slot(host, host_rows, hot, block_stride, bs, dd, gg, c % HS_SLOTS, v[u], to[u]);
-            }
-#pragma unroll
-            for (i32 u = 0; u < HS_UNROLL; ++u) {
-                if (to[u] != nullptr) hs_store16(to[u], v[u]);
-            }
-        }
-        if ((ch + static_cast<i32>(gridDim.x)) * kR < T) __syncthreads();  // the next chunk rewrites the tables
-    }
-    return true;
-}
-
 // Grid: (blocks <= co-resident blocks, 1, 1); block: HS_GNT; dynamic shared memory 4 * (m + 1)
 // bytes, m = rows (mode 0) or blocks (mode 1).
 //   mode 0 (gather_compact): every block sums the clamped counts first, so a call with nothing to
@@ -2012,8 +1856,7 @@ __device__ __forceinline__ bool vg_lean_compact(const i32* src, const i32* dst, 
 // Of entries naming one destination the largest entry index wins (its mark), as in the reference;
 // marks carry the epoch, which the last block to finish copying advances.
 // kLocal: hisparse_vllm_gather_local (see there) with the bound kCap; `local` its kernel argument.
-// kLean: gather_compact takes vg_lean_compact (hisparse_vllm_gather_lean) in place of vg_local_compact.
-template <bool kLocal, i32 kCap = VG_LOCAL, bool kLean = false>
+template <bool kLocal, i32 kCap = VG_LOCAL>
 __device__ __forceinline__ void vg_gather(
     i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
     const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
@@ -2022,7 +1865,7 @@ __device__ __forceinline__ void vg_gather(
     extern __shared__ __align__(16) unsigned char vg_smem[];
     i32* pre = reinterpret_cast<i32*>(vg_smem + (kLocal ? VG_LOCAL_BYTES(kCap) : 0));
     __shared__ u32 s_ticket[2];
-    if (kLocal && !(kLean && mode == 0)) vg_local_clear<kCap>(vg_smem);  // before the wait: the block's own table
+    if (kLocal) vg_local_clear<kCap>(vg_smem);  // before the wait: the table is the block's own
     asm volatile("griddepcontrol.wait;" ::: "memory");  // launched to overlap the resolver: its plan
     const i64 NE = static_cast<i64>(n) * K;
     if (kLocal && NE <= VG_LOCAL && (mode == 1 || local == 2)) {
@@ -2037,17 +1880,12 @@ __device__ __forceinline__ void vg_gather(
     bool copies = true;
     if (mode == 0) {
         m = n;
-        if (kLean) {
-            if (vg_lean_compact<kCap>(src, dst, counts, n, K, hot_rows, host, host_rows, hot, block_stride, bs, pre))
-                return;
-        } else {
-            bool any = false;  // a clamped count > 0 (K >= 1)
-            for (i32 x = tid; x < n; x += HS_GNT) any |= counts[x] > 0;
-            if (!__syncthreads_or(any)) return;  // every block sees it: nothing taken, nothing marked
-            vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
-        }
+        bool any = false;  // a clamped count > 0 (K >= 1)
+        for (i32 x = tid; x < n; x += HS_GNT) any |= counts[x] > 0;
+        if (!__syncthreads_or(any)) return;  // every block sees it: nothing taken, nothing marked
+        vg_prefix(pre, n, [&](i32 x) { return min(max(counts[x], 0), K); });
         const i32 total = pre[n];
-        if (kLocal && !kLean && total <= kCap) {  // grid-uniform: every block summed the same counts
+        if (kLocal && total <= kCap) {  // grid-uniform: every block summed the same counts
             vg_local_compact<kCap>(total, pre, src, dst, n, K, hot_rows, host, host_rows, hot, block_stride, bs, vg_smem);
             return;
         }
@@ -2168,18 +2006,6 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather_local4
     i32* list, i32* part, u32* ctl, i32 local) {
     vg_gather<true, VG_LOCAL_4K>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host,
                                  host_rows, hot, block_stride, owner, epoch, list, part, ctl, local);
-}
-
-// hisparse_vllm_gather_local (`local` 1, bound VG_LOCAL) with gather_compact's calls of at most VG_LOCAL
-// counted entries served by vg_lean_compact (HISPARSE_VLLM_GATHER_LOCAL=5); gather_plan as there. Dynamic
-// shared memory as hisparse_vllm_gather_local's (gather_compact's lean path uses only the prefix sums).
-extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_vllm_gather_lean(
-    i32 mode, const i32* src, const i32* dst, const i32* __restrict__ counts, const i32* __restrict__ mask,
-    const i32* __restrict__ rsi, i32* __restrict__ att, i64 att_stride, i32 bs, i32 n, i32 K, i64 hot_rows,
-    const unsigned char* host, i64 host_rows, unsigned char* hot, i64 block_stride, u64* owner, u64* epoch,
-    i32* list, i32* part, u32* ctl, i32 local) {
-    vg_gather<true, VG_LOCAL, true>(mode, src, dst, counts, mask, rsi, att, att_stride, bs, n, K, hot_rows, host,
-                                    host_rows, hot, block_stride, owner, epoch, list, part, ctl, local);
 }
 
 // Grid: (tokens); clears every slot of the token's state row holding its written row.

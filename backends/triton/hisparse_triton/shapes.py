@@ -235,17 +235,13 @@ def tuning(env: dict[str, str]) -> Tuning:
                 raise InvalidInputError(f"{key}={value!r} does not combine with {SPLIT_ENV}={split!r} (the split "
                                         f"resolver has no such build); expected {key}={off} or {SPLIT_ENV}=0")
     split_tail = env.get(SPLIT_TAIL_ENV) or "0"
-    if split_tail not in ("0", "1"):
-        raise InvalidInputError(f"{SPLIT_TAIL_ENV}={split_tail!r} is not a switch; expected 0 or 1")
-    if split_tail == "1" and split == "0":
-        raise InvalidInputError(f"{SPLIT_TAIL_ENV}={split_tail!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
-                                f"expected one of {', '.join(map(str, SPLITS))}")
     keep = env.get(SPLIT_KEEP_ENV) or "0"
-    if keep not in ("0", "1"):
-        raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} is not a switch; expected 0 or 1")
-    if keep == "1" and split == "0":
-        raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
-                                f"expected one of {', '.join(map(str, SPLITS))}")
+    for key, value in ((SPLIT_TAIL_ENV, split_tail), (SPLIT_KEEP_ENV, keep)):
+        if value not in ("0", "1"):
+            raise InvalidInputError(f"{key}={value!r} is not a switch; expected 0 or 1")
+        if value == "1" and split == "0":
+            raise InvalidInputError(f"{key}={value!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
+                                    f"expected one of {', '.join(map(str, SPLITS))}")
     if keep == "1" and split_tail == "1":
         raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} does not combine with {SPLIT_TAIL_ENV}='1' (the hot-row "
                                 f"kernels read the list scratch); expected {SPLIT_KEEP_ENV}=0 or {SPLIT_TAIL_ENV}=0")

@@ -90,10 +90,15 @@ def decode_loop(model: Any, hs: Any, prompts: list[list[int]], new: int, k: int,
     cache = hs.new_cache(ids, mask, max_new_tokens=new + k + 1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
+        t_prefill = shown = time.perf_counter()
         for a in range(0, width, chunk):
             e = min(width, a + chunk)
             out = model(input_ids=ids[:, a:e], attention_mask=mask[:, :e], position_ids=pos[:, a:e],
                         use_cache=True, past_key_values=cache)
+            if time.perf_counter() - shown > 20:  # long prefills (batch 8 at 32K) show their progress
+                shown = time.perf_counter()
+                print(f"bench_assisted: prefill {e}/{width} tokens x {b} rows ({shown - t_prefill:.0f} s)",
+                      file=sys.stderr, flush=True)
         last = out.logits[:, -1].argmax(-1)
         _sync(device)
         history = [list(p) + [int(t)] for p, t in zip(prompts, last.tolist(), strict=True)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -75,23 +76,36 @@ class Build:
     binary: str  # the kind of binary produced (hsaco, cubin)
 
 
-def build_all(targets: list[str], *, lru_i16: bool = True) -> list[Build]:
-    """Compile every kernel at every geometry for `targets`; identical builds are compiled once
-    (the same spec is reported for each geometry that needs it). `lru_i16` also builds the resolver
-    on an int16 LRU (vLLM's op set) at the first geometry."""
+def _compile(job: tuple[str, str, str, dict[str, int], int]) -> tuple[int, float, str]:
+    """One build in a worker process: (shared bytes, seconds, binary kind)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from hisparse_triton import kernels
+
+    name, kernel, sig, constexprs, num_warps = job
+    backend, arch, warp = TARGETS[name]
+    t0 = time.perf_counter()
+    compiled = triton.compile(ASTSource(kernels.KERNELS[kernel], json.loads(sig), dict(constexprs)),
+                              target=GPUTarget(backend, arch, warp), options={"num_warps": num_warps})
+    kind = "hsaco" if "hsaco" in compiled.asm else "cubin" if "cubin" in compiled.asm else "?"
+    return int(compiled.metadata.shared), time.perf_counter() - t0, kind
+
+
+def build_all(targets: list[str], *, lru_i16: bool = True, jobs: int = 1) -> list[Build]:
+    """Compile every kernel at every geometry for `targets`; identical builds are compiled once
+    (the same spec is reported for each geometry that needs it), over `jobs` worker processes.
+    `lru_i16` also builds the resolver on an int16 LRU (vLLM's op set) at the first geometry."""
+    import triton
 
     from hisparse_triton import auto, kernels, shapes
 
     if not isinstance(kernels.resolve_kernel, triton.runtime.JITFunction):
         raise RuntimeError("the kernels were defined under TRITON_INTERPRET=1; unset it to compile for a target")
-    out: list[Build] = []
-    done: dict[tuple[str, str, str, int], tuple[int, float, str]] = {}
+    wanted: list[tuple[str, str, shapes.KernelSpec, tuple[str, str, str, int]]] = []
     for name in targets:
-        backend, arch, warp = TARGETS[name]
-        target = GPUTarget(backend, arch, warp)
+        backend, _, warp = TARGETS[name]
         for geo, config in geometries().items():
             if geo not in TARGET_GEOMETRIES.get(name, (geo,)):
                 continue
@@ -104,18 +118,27 @@ def build_all(targets: list[str], *, lru_i16: bool = True) -> list[Build]:
             if not shapes.cas_compiles(triton.__version__, rocm=backend == "hip"):
                 specs = [s for s in specs if not s.constexprs.get("CAS")]  # the runtime refuses it there
             for spec in specs:
-                fn = kernels.KERNELS[spec.kernel]
-                sig = dict(spec.signature)
+                sig = json.dumps(dict(spec.signature), sort_keys=True)
                 key = (name, spec.kernel, json.dumps([sig, spec.constexprs], sort_keys=True), spec.num_warps)
-                if key not in done:
-                    t0 = time.perf_counter()
-                    compiled = triton.compile(ASTSource(fn, sig, dict(spec.constexprs)), target=target,
-                                              options={"num_warps": spec.num_warps})
-                    kind = "hsaco" if "hsaco" in compiled.asm else "cubin" if "cubin" in compiled.asm else "?"
-                    done[key] = (int(compiled.metadata.shared), time.perf_counter() - t0, kind)
-                shared, secs, kind = done[key]
-                out.append(Build(name, geo, spec.kernel, dict(spec.constexprs), spec.num_warps, warp, shared,
-                                 round(secs, 3), kind))
+                wanted.append((name, geo, spec, key))
+    jobs_by_key: dict[tuple[str, str, str, int], tuple[str, str, str, dict[str, int], int]] = {}
+    for name, _, spec, key in wanted:
+        jobs_by_key.setdefault(key, (name, spec.kernel, json.dumps(dict(spec.signature)), dict(spec.constexprs),
+                                     spec.num_warps))
+    keys = list(jobs_by_key)
+    if jobs > 1 and len(keys) > 1:
+        # Fresh interpreters (spawn): a forked child would inherit the parent's Triton state.
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(min(jobs, len(keys))) as pool:
+            results = pool.map(_compile, [jobs_by_key[k] for k in keys], chunksize=1)
+    else:
+        results = [_compile(jobs_by_key[k]) for k in keys]
+    done = dict(zip(keys, results, strict=True))
+    out: list[Build] = []
+    for name, geo, spec, key in wanted:
+        shared, secs, kind = done[key]
+        out.append(Build(name, geo, spec.kernel, dict(spec.constexprs), spec.num_warps, TARGETS[name][2], shared,
+                         round(secs, 3), kind))
     return out
 
 
@@ -133,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     ap.add_argument("--json", help="write the builds as JSON to this path")
+    ap.add_argument("--jobs", default="auto",
+                    help="worker processes compiling side by side (default: one per CPU this process may use)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_targets: TRITON_INTERPRET is set; unset it to compile for a target", file=sys.stderr)
@@ -142,8 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"compile_targets: --targets names {unknown}; expected some of {sorted(TARGETS)}", file=sys.stderr)
         return 2
+    try:
+        jobs = len(os.sched_getaffinity(0)) if args.jobs == "auto" else int(args.jobs)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        print(f"compile_targets: --jobs {args.jobs!r}; expected 'auto' or a positive integer", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    builds = build_all(targets)
+    print(f"compile_targets: {', '.join(targets)} over {jobs} worker process{'es' if jobs > 1 else ''}", flush=True)
+    builds = build_all(targets, jobs=jobs)
     for b in builds:
         print(f"{b.target:7} {b.geometry:26} {b.kernel:26} warps={b.num_warps:2} x {b.warp_size} "
               f"shared={b.shared_bytes:6} B  {b.binary} {b.seconds:.2f}s")

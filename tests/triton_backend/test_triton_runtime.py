@@ -644,6 +644,7 @@ def test_spec_copy_matches_the_reference(backend, seed: int, locality: float, ro
     at once and the rest after them; else from the state the resolver left, where no miss is predicted
     and every one takes the path after the wait (what a GPU's early read can see of a row the resolver
     is filling). The split kernel wrote the miss mask (MASK) and no plan-copy kernel copied layer 0."""
+    from hisparse_triton.launches import Launches
     from hisparse_triton.runtime import TritonRuntime
 
     p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
@@ -654,7 +655,7 @@ def test_spec_copy_matches_the_reference(backend, seed: int, locality: float, ro
     metas: list[tuple[str, dict[str, object]]] = []
     real_spec = TritonRuntime._copy_spec
 
-    def copy_spec(self: TritonRuntime, x: object, inputs: ResolveInputs, n: int, *, pos_slot: torch.Tensor,
+    def copy_spec(self: TritonRuntime, x: Launches, inputs: ResolveInputs, n: int, *, pos_slot: torch.Tensor,
                   hot_map: torch.Tensor) -> None:
         if not early:
             pos_slot, hot_map = self._pos_slot, self._hot_map

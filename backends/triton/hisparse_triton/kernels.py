@@ -1443,22 +1443,25 @@ def copy_spec_kernel(topk, row_state, seq_lens, source_table, resident_table, ho
     vals, mm = _spec_load(src, early_host, early, w, W, VEC)  # in flight across the wait
     if PDL:
         gdc_wait()
+    # One round trip after the wait: the early rows' entries and every entry of the program, side by side.
+    e_miss = tl.load(miss_mask + r * K + early_ent, mask=early, other=0) != 0
+    e_dev = tl.load(out_rows + r * K + early_ent, mask=early, other=-1)
     missed = tl.load(miss_mask + r * K + e, mask=is_host, other=0) != 0
-    dev = tl.load(out_rows + r * K + e, mask=missed, other=-1)
-    need = missed & (dev >= 0) & (dev < dev_rows)
+    dev = tl.load(out_rows + r * K + e, mask=is_host, other=-1)
     # The early rows whose entry missed, at its device row.
-    e_dev = tl.reduce(tl.where(early_ent[:, None] == e[None, :], tl.where(need, dev, -1)[None, :], -1), 1, _MAX)
-    _spec_store(dst, dst_block_stride, e_dev, vals, mm & (e_dev >= 0)[:, None], w, W, BS, LBS, VEC, SB)
-    # Every other missed entry, SC at a time.
-    rest = need & ~(cand & (rank < SC))
+    e_ok = early & e_miss & (e_dev >= 0) & (e_dev < dev_rows)
+    _spec_store(dst, dst_block_stride, e_dev, vals, mm & e_ok[:, None], w, W, BS, LBS, VEC, SB)
+    # Every other missed entry (past the early ones, or not predicted), SC at a time.
+    rest = missed & (dev >= 0) & (dev < dev_rows) & ~(cand & (rank < SC))
     fi = rest.to(tl.int32)
-    f_rank = tl.associative_scan(fi, 0, _SUM) - fi
     n_rest = tl.reduce(fi, 0, _SUM)
-    for f0 in range(0, n_rest, SC):
-        h2 = _spec_pick(rest, f_rank, f0, host, SC)
-        d2 = _spec_pick(rest, f_rank, f0, dev, SC)
-        v2, mm2 = _spec_load(src, h2, (h2 >= 0) & (d2 >= 0), w, W, VEC)
-        _spec_store(dst, dst_block_stride, d2, v2, mm2, w, W, BS, LBS, VEC, SB)
+    if n_rest > 0:
+        f_rank = tl.associative_scan(fi, 0, _SUM) - fi
+        for f0 in range(0, n_rest, SC):
+            h2 = _spec_pick(rest, f_rank, f0, host, SC)
+            d2 = _spec_pick(rest, f_rank, f0, dev, SC)
+            v2, mm2 = _spec_load(src, h2, (h2 >= 0) & (d2 >= 0), w, W, VEC)
+            _spec_store(dst, dst_block_stride, d2, v2, mm2, w, W, BS, LBS, VEC, SB)
     if pid == 0:  # the bytes counter, as the plan copy counts them
         rr = tl.arange(0, BP)
         counts = tl.minimum(tl.maximum(tl.load(plan_counts + rr, mask=rr < B, other=0), 0), K)

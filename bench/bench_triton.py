@@ -60,6 +60,8 @@ import torch
 K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
+#: The byte the triton cache's hot rows hold before each checked resolve (`Bench.check_copy`).
+_POISON = 0xA5
 SWEEP_MISSES = (0, 34, 274, 2048)
 SWEEP_BATCHES = (1, 8, 64, 128)
 
@@ -211,7 +213,8 @@ class Bench:
 
     def check_equal(self, b: int, inputs: list) -> None:
         """The two backends (triton with each resolver) agree on every output and on the hot state
-        after the cycle."""
+        after the cycle, and each triton variant's copy of layer 0 writes exactly its plan's rows, with
+        the bytes nvidia's copy wrote there (`check_copy`)."""
         if "nvidia" not in self.backends:
             return
         rts = {"nvidia": self.runtime("nvidia", b)}
@@ -223,7 +226,13 @@ class Bench:
                     raise
                 print(f"bench_triton: variant {v} at batch {b}: {type(exc).__name__}: {exc}", file=sys.stderr)
         for i, inp in enumerate(inputs):
-            outs = {name: rt.resolve(inp, gather=True, validate=False) for name, rt in rts.items()}
+            outs = {}
+            for name, rt in rts.items():  # nvidia first: its copy is the reference for each variant's
+                if name != "nvidia":
+                    self.caches["triton"][:b * HB].fill_(_POISON)
+                outs[name] = rt.resolve(inp, gather=True, validate=False)
+                if name != "nvidia":
+                    self.check_copy(b, i, name, outs[name])
             for v in (v for v in self.resolvers if v in rts):
                 for field in ("rows", "valid_counts", "plan_host", "plan_device", "plan_counts"):
                     if not torch.equal(getattr(outs[v], field), getattr(outs["nvidia"], field)):
@@ -233,6 +242,20 @@ class Bench:
                 if any(not torch.equal(x, y) for x, y in zip(rts[v].hot_state(q), rts["nvidia"].hot_state(q),
                                                              strict=True)):
                     raise SystemExit(f"batch {b}: triton ({v}) and nvidia differ in the hot state of request {q}")
+
+    def check_copy(self, b: int, step: int, variant: str, out: Any) -> None:  # noqa: ANN401 - a ResolveResult
+        """After a resolve of triton `variant` over hot rows filled with `_POISON`: its plan's rows hold what
+        nvidia's copy wrote there this step, and every other hot row of the batch's requests is untouched."""
+        tc = self.caches["triton"][:b * HB].view(-1, 656)
+        nc = self.caches["nvidia"][:b * HB].view(-1, 656)
+        cols = torch.arange(K, device=self.dev)[None, :]
+        planned = (cols < out.plan_counts[:, None]) & (out.plan_device >= 0)
+        rows = out.plan_device[planned].long()
+        if not torch.equal(tc[rows], nc[rows]):
+            raise SystemExit(f"batch {b}, step {step}: triton ({variant})'s copy differs from nvidia's in its plan's rows")
+        tc[rows] = _POISON
+        if not bool((tc == _POISON).all()):
+            raise SystemExit(f"batch {b}, step {step}: triton ({variant})'s copy wrote hot rows outside its plan")
 
     def copy_us(self, nbytes: int, steps: int) -> float | None:
         if nbytes == 0:

@@ -13,7 +13,9 @@ like a decode: each request's top-k is a window sliding over a ring of random co
 so a step brings exactly the wanted number of new rows, which the table checks against the
 runtime's own counters. Baseline: a pinned contiguous host-to-device copy of the bytes the step's
 misses move (`copy`), and "tr/nv", the triton figure over the nvidia one. Before timing, every
-cell's outputs and hot state are compared between the two backends (they must be equal).
+cell's outputs and hot state are compared between the two backends (they must be equal), and each
+triton variant's layer-0 copy against nvidia's: its plan's rows hold nvidia's bytes and no other hot row
+is written (a difference is reported after the table and the exit status is 1).
 
     python bench/bench_triton.py [--replays 30] [--json out.json] [--no-nvidia] [--variants gather,scratch:p4]
 
@@ -33,7 +35,9 @@ a programmatic dependent launch behind the resolver, `HISPARSE_TRITON_PDL`) and 
 resolver, N programs a batch row, `HISPARSE_TRITON_SPLIT`) and `:h0` / `:h1` (1, with `:nN`: the split
 resolver's hot rows spread over the N programs too, `HISPARSE_TRITON_SPLIT_TAIL`) and `:v0` / `:v1` (1: the plan copy
 in 32-bit block arithmetic and 16-byte accesses, `HISPARSE_TRITON_LEAN_COPY`) and `:k0` / `:k1` (1, with `:nN`: the split
-resolver's last program keeps a one-chunk candidate list in registers, `HISPARSE_TRITON_SPLIT_KEEP`) and `:a0` / `:a1` (0: the fixed defaults
+resolver's last program keeps a one-chunk candidate list in registers, `HISPARSE_TRITON_SPLIT_KEEP`) and `:xN` (N = 32, 64, 128:
+behind the split resolver, layer 0's copy reads the likely misses' host rows while the resolver runs, N entries a program;
+`:x0` off, the default: `HISPARSE_TRITON_SPEC_COPY`) and `:a0` / `:a1` (0: the fixed defaults
 of before for every knob the variant leaves unset; 1, the default: the runtime's choice per batch size,
 `HISPARSE_TRITON_AUTO`), set while its runtimes are built. `gather` is the default, `gather:a0` the default
 before the seventeenth session, `scratch:p4:a0` the backend as it was before the gather resolver,
@@ -58,12 +62,14 @@ import torch
 K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
+#: The byte the triton cache's hot rows hold before each checked resolve (`Bench.check_copy`).
+_POISON = 0xA5
 SWEEP_MISSES = (0, 34, 274, 2048)
 SWEEP_BATCHES = (1, 8, 64, 128)
 
 
 def variant_env(variant: str) -> dict[str, str | None]:
-    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB][:sB][:bB][:rB][:dB][:nN][:hB][:vB][:kB][:aB]` sets while
+    """The environment a variant `RESOLVER[:tN][:pN][:fB][:lB][:eN][:cB][:sB][:bB][:rB][:dB][:nN][:hB][:vB][:kB][:xN][:aB]` sets while
     its runtimes are built (None: unset, so the auto choice picks it per batch size unless `:a0`), checked by the
     backend's own parser; ValueError naming the bad part."""
     from hisparse_core.errors import InvalidInputError
@@ -77,7 +83,8 @@ def variant_env(variant: str) -> dict[str, str | None]:
         key = suffixes.get(knob[:1])
         if key is None:
             raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM, f0/f1, l0/l1, "
-                             f"eENTRIES, c0/c1, s0/s1, b0/b1, r0/r1, d0/d1, nPROGRAMS, h0/h1, v0/v1, k0/k1 or a0/a1")
+                             f"eENTRIES, c0/c1, s0/s1, b0/b1, r0/r1, d0/d1, nPROGRAMS, h0/h1, v0/v1, k0/k1, xENTRIES "
+                             f"or a0/a1")
         env[key] = knob[1:]
     try:
         set_env = {k: v for k, v in env.items() if v is not None}
@@ -136,6 +143,7 @@ class Bench:
         self.caches = {name: torch.zeros((self.hot_blocks + 64 * P, BS, 656), dtype=torch.uint8, device=self.dev)
                        for name in self.backends}
         self.gen = torch.Generator().manual_seed(1234)
+        self.copy_failures: list[str] = []  # `check_copy`'s findings
 
     def runtime(self, name: str, b: int, resolver: str | None = None):  # noqa: ANN201 - CacheRuntime
         from hisparse_core.geometry import RuntimeConfig
@@ -208,7 +216,8 @@ class Bench:
 
     def check_equal(self, b: int, inputs: list) -> None:
         """The two backends (triton with each resolver) agree on every output and on the hot state
-        after the cycle."""
+        after the cycle, and each triton variant's copy of layer 0 writes exactly its plan's rows, with
+        the bytes nvidia's copy wrote there (`check_copy`)."""
         if "nvidia" not in self.backends:
             return
         rts = {"nvidia": self.runtime("nvidia", b)}
@@ -220,7 +229,13 @@ class Bench:
                     raise
                 print(f"bench_triton: variant {v} at batch {b}: {type(exc).__name__}: {exc}", file=sys.stderr)
         for i, inp in enumerate(inputs):
-            outs = {name: rt.resolve(inp, gather=True, validate=False) for name, rt in rts.items()}
+            outs = {}
+            for name, rt in rts.items():  # nvidia first: its copy is the reference for each variant's
+                if name != "nvidia":
+                    self.caches["triton"][:b * HB].fill_(_POISON)
+                outs[name] = rt.resolve(inp, gather=True, validate=False)
+                if name != "nvidia":
+                    self.check_copy(b, i, name, outs[name])
             for v in (v for v in self.resolvers if v in rts):
                 for field in ("rows", "valid_counts", "plan_host", "plan_device", "plan_counts"):
                     if not torch.equal(getattr(outs[v], field), getattr(outs["nvidia"], field)):
@@ -230,6 +245,22 @@ class Bench:
                 if any(not torch.equal(x, y) for x, y in zip(rts[v].hot_state(q), rts["nvidia"].hot_state(q),
                                                              strict=True)):
                     raise SystemExit(f"batch {b}: triton ({v}) and nvidia differ in the hot state of request {q}")
+
+    def check_copy(self, b: int, step: int, variant: str, out: Any) -> None:  # noqa: ANN401 - a ResolveResult
+        """After a resolve of triton `variant` over hot rows filled with `_POISON`: its plan's rows hold what
+        nvidia's copy wrote there this step, and every other hot row of the batch's requests is untouched."""
+        tc = self.caches["triton"][:b * HB].view(-1, 656)
+        nc = self.caches["nvidia"][:b * HB].view(-1, 656)
+        cols = torch.arange(K, device=self.dev)[None, :]
+        planned = (cols < out.plan_counts[:, None]) & (out.plan_device >= 0)
+        rows = out.plan_device[planned].long()
+        # Reported, not fatal: the sweep's timings still come back (main exits 1 after the table).
+        if not torch.equal(tc[rows], nc[rows]):
+            self.copy_failures.append(f"batch {b}, step {step}: triton ({variant})'s copy differs from nvidia's in "
+                                      f"its plan's rows")
+        tc[rows] = _POISON
+        if not bool((tc == _POISON).all()):
+            self.copy_failures.append(f"batch {b}, step {step}: triton ({variant})'s copy wrote hot rows outside its plan")
 
     def copy_us(self, nbytes: int, steps: int) -> float | None:
         if nbytes == 0:
@@ -273,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="gather", metavar="V[,V]",
                     help="triton variants to time, each "
                          "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1][:s0|:s1][:b0|:b1][:r0|:r1][:d0|:d1][:nN][:h0|:h1][:v0|:v1]"
-                         "[:k0|:k1][:a0|:a1] (e.g. gather,gather:a0,gather:c1,scratch:p4:a0; unset knobs: the runtime's "
+                         "[:k0|:k1][:xN][:a0|:a1] (e.g. gather,gather:a0,gather:c1,scratch:p4:a0; unset knobs: the runtime's "
                          "choice per batch size unless :a0); "
                          "the first is 'triton us'")
     args = ap.parse_args(argv)
@@ -328,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"rows": [asdict(r) | {"vs_nvidia": r.vs_nvidia} for r in rows], "variants": resolvers,
                        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": __import__("triton").__version__}, fh, indent=1)
+    for line in bench.copy_failures[:20]:
+        print(f"bench_triton: {line}", file=sys.stderr)
+    if bench.copy_failures:
+        print(f"bench_triton: {len(bench.copy_failures)} checked steps where a triton copy was not nvidia's",
+              file=sys.stderr)
+        return 1
+    print("bench_triton: every triton variant's layer-0 copy wrote exactly its plan's rows, with nvidia's bytes")
     return 0
 
 

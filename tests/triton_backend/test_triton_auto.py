@@ -136,6 +136,7 @@ def test_variant_strings_round_trip_through_the_bench_parser() -> None:
         spec.loader.exec_module(bench)
     finally:
         del sys.modules["bench_triton"]
-    for p in _choose({}).profiles + _choose({shapes.RESOLVER_ENV: "scratch"}).profiles:
+    for p in (_choose({}).profiles + _choose({shapes.RESOLVER_ENV: "scratch"}).profiles
+              + _choose({shapes.SPEC_COPY_ENV: "64"}).profiles):
         env = bench.variant_env(auto.variant(p.tuning) + ":a0")
         assert shapes.tuning({k: v for k, v in env.items() if v is not None}) == p.tuning

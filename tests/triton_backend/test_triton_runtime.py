@@ -536,20 +536,31 @@ def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, ro
     is the lean one (16-byte accesses), with PDL at small batches where the GPU has it; in lockstep with
     reference_cpu on one state. The line is pinned at half the workspace (the interpreter's own): on a GPU it
     is a wave of 8 programs a row (16 rows on an H200), above every batch of this state, so that compiled
-    runs, too, take both profiles."""
-    from hisparse_triton import auto, kernels
+    runs, too, take both profiles.
+
+    Each launch is checked against the profile the runtime took for it (recorded as the runtime picks it by
+    the call's rows): the split profile's own one-program resolver launches the same build as the large
+    profile's in the interpreter, so a resolver name alone cannot tell that the large profile ran."""
+    from hisparse_triton import auto, kernels, launches
+    from hisparse_triton.runtime import TritonRuntime
 
     p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
                        rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=4, locality=0.9,
                        resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
                        maintenance_share=0.25, seed=seed)
     sc = build_scenario(p)
-    launched: list[tuple[str, dict[str, object]]] = []
+    events: list[tuple[str, object]] = []  # ("profile", (rows, Launches)) as picked, (kernel name, meta) as launched
     real_launch = kernels.launch
+    real_pick = TritonRuntime._launches_for
 
     def launch(kernel: object, name: str, *args: object, **meta: object) -> None:
-        launched.append((name, meta))
+        events.append((name, meta))
         real_launch(kernel, name, *args, **meta)
+
+    def pick(self: TritonRuntime, n: int) -> launches.Launches:
+        x = real_pick(self, n)
+        events.append(("profile", (n, x, self.config.max_batch_rows)))
+        return x
 
     pdl = (backend.device.type == "cuda" and not torch.version.hip
            and torch.cuda.get_device_capability(backend.device)[0] >= 9)
@@ -557,20 +568,45 @@ def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, ro
         for key in [k for k in os.environ if k.startswith("HISPARSE_TRITON_")]:
             mp.delenv(key)
         mp.setattr(sys.modules[KERNELS], "launch", launch)
+        mp.setattr(TritonRuntime, "_launches_for", pick)
         mp.setattr(auto, "small_rows", lambda multiprocessors, max_batch_rows: max(1, max_batch_rows // 2))
         with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
             for step, work in sc.steps:
                 problems = run.resolve(step, replay=True)
                 problems += run.apply(work)
                 assert not problems, "\n".join(problems[:10])
-    split = [m for n, m in launched if n == "resolve_split_kernel"]
-    one = [m for n, m in launched if n == "resolve_gather_kernel"]
-    plan = [m for n, m in launched if n == "copy_plan_kernel"]
-    assert split and one and plan, [n for n, _ in launched]
-    assert all(m["NS"] > 1 and m["SH"] > 1 and m["SB"] == 1 and m["PDL"] == int(pdl) for m in split), split
-    assert all(m["SH"] > 1 and m["SK"] > 1 and m["SB"] == 1 and m["PDL"] == 0 for m in one), one
-    assert all(m["VEC"] == 4 and m["SB"] == 1 for m in plan), plan
-    assert {m["PDL"] for m in plan} == ({0, 1} if pdl else {0}), plan
+    ran: dict[str, set[str]] = {"small": set(), "large": set()}
+    last: tuple[int, launches.Launches, int] | None = None
+    for name, what in events:
+        if name == "profile":
+            last = what  # type: ignore[assignment]
+            continue
+        if name not in ("resolve_split_kernel", "resolve_gather_kernel", "copy_plan_kernel"):
+            continue
+        assert last is not None, name
+        n, x, workspace = last
+        meta = what
+        assert isinstance(meta, dict)
+        line = max(1, workspace // 2)
+        small = n <= line
+        # The profile is the one of the call's rows: the split tuning up to the line, the one-program one past it.
+        assert x.max_rows == (line if small else workspace), (n, x.max_rows, line)
+        assert x.tuning.split == (auto.AUTO_SPLIT if small else 0), (n, x.tuning)
+        assert x.tuning.scan and x.tuning.shift and x.tuning.lean_copy, x.tuning
+        assert x.tuning.pdl == (small and pdl) and x.tuning.plan_entries == (4 if small else 16), x.tuning
+        if name == "resolve_split_kernel":
+            assert small and {k: meta[k] for k in x.split_meta} == x.split_meta, (n, meta)
+            assert meta["NS"] > 1 and meta["SH"] > 1 and meta["SB"] == 1 and meta["PDL"] == int(pdl), meta
+        elif name == "resolve_gather_kernel":
+            assert not small and {k: meta[k] for k in x.meta} == x.meta, (n, meta)
+            assert meta["SH"] > 1 and meta["SK"] > 1 and meta["SB"] == 1 and meta["PDL"] == 0, meta
+        else:
+            assert meta["VEC"] == 4 and meta["SB"] == 1 and meta["PDL"] == int(small and pdl), (n, meta)
+            assert meta["EB"] == x.plan_meta["EB"], (n, meta, x.plan_meta)
+        ran["small" if small else "large"].add(name)
+    # Both profiles resolved and copied, each with its own resolver.
+    assert ran == {"small": {"resolve_split_kernel", "copy_plan_kernel"},
+                   "large": {"resolve_gather_kernel", "copy_plan_kernel"}}, ran
 
 
 @pytest.mark.parametrize(("seed", "locality"), [(4, 0.0), (9, 0.0), (4, 0.9), (9, 0.9)])
@@ -595,6 +631,83 @@ def test_split_keep_with_short_and_long_lists_matches_the_reference(backend, see
                 problems += run.apply(work)
                 assert not problems, "\n".join(problems[:10])
     assert "resolve_split_kernel" in names and "resolve_gather_kernel" not in names, names
+
+
+@pytest.mark.parametrize(("seed", "locality", "rows", "early"),
+                         [(4, 0.0, 1, True), (9, 0.9, 2, True), (4, 0.9, 1, False), (9, 0.0, 2, False)])
+def test_spec_copy_matches_the_reference(backend, seed: int, locality: float, rows: int,  # noqa: ANN001
+                                         early: bool) -> None:
+    """`HISPARSE_TRITON_SPEC_COPY`: layer 0's copy behind the split resolver reads the likely misses' host
+    rows first, then writes the resolver's misses. In lockstep with reference_cpu (outputs, hot state and
+    device cache), with many misses and few, one and two rows a request; `early`: it predicts from the
+    hint state as the resolver found it (the GPU's early read; interpreted, a copy), two rows a program
+    at once and the rest after them; else from the state the resolver left, where no miss is predicted
+    and every one takes the path after the wait (what a GPU's early read can see of a row the resolver
+    is filling). The split kernel wrote the miss mask (MASK) and no plan-copy kernel copied layer 0. On an
+    NVIDIA GPU of sm_90 or later the copy is a programmatic dependent launch, as the small-batch profile
+    launches it: its early read sees the state while the resolver changes it."""
+    from hisparse_triton.launches import Launches
+    from hisparse_triton.runtime import TritonRuntime
+
+    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
+                       rows_per_request=rows, extra_batch_rows=1, num_layers=2, steps=5, locality=locality,
+                       resident_share=0.2, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    metas: list[tuple[str, dict[str, object]]] = []
+    real_spec = TritonRuntime._copy_spec
+
+    def copy_spec(self: TritonRuntime, x: Launches, inputs: ResolveInputs, n: int, *, pos_slot: torch.Tensor,
+                  hot_map: torch.Tensor) -> None:
+        if not early:
+            pos_slot, hot_map = self._pos_slot, self._hot_map
+        real_spec(self, x, inputs, n, pos_slot=pos_slot, hot_map=hot_map)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_AUTO", "0")
+        mp.setenv("HISPARSE_TRITON_SPLIT", "4")
+        mp.setenv("HISPARSE_TRITON_SPEC_COPY", "32")
+        if (backend.device.type == "cuda" and not torch.version.hip
+                and torch.cuda.get_device_capability(backend.device)[0] >= 9):
+            mp.setenv("HISPARSE_TRITON_PDL", "1")  # compiled, the early read races the resolver as it would serve
+        names = _split_rows_and_launches(mp, lambda b: b)
+        mp.setattr(TritonRuntime, "_copy_spec", copy_spec)
+        real_launch = sys.modules[KERNELS].launch
+
+        def launch(kernel: object, name: str, *args: object, **meta: object) -> None:
+            metas.append((name, meta))
+            real_launch(kernel, name, *args, **meta)
+
+        mp.setattr(sys.modules[KERNELS], "launch", launch)
+        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+            for step, work in sc.steps:
+                problems = run.resolve(step, replay=True)
+                problems += run.apply(work)
+                assert not problems, "\n".join(problems[:10])
+    assert "copy_spec_kernel" in names and "resolve_gather_kernel" not in names, names
+    # Layer 0 is the speculative copy's after every split resolve (layer 1 the plan copy's, replayed).
+    order = [n for n in names if n in ("resolve_split_kernel", "copy_spec_kernel")]
+    assert order == ["resolve_split_kernel", "copy_spec_kernel"] * (len(order) // 2), order
+    assert all(m["MASK"] for n, m in metas if n == "resolve_split_kernel"), metas
+
+
+def test_spec_copy_is_refused_where_nothing_splits() -> None:
+    """`HISPARSE_TRITON_SPEC_COPY` follows the split resolver: one line when no batch size takes it, or
+    with the split tail, or a bad entry count; nothing is built."""
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_triton import auto, shapes
+
+    with pytest.raises(InvalidInputError, match="HISPARSE_TRITON_SPEC_COPY='64' follows the split resolver"):
+        auto.choose({"HISPARSE_TRITON_AUTO": "0", "HISPARSE_TRITON_SPEC_COPY": "64"}, max_batch_rows=8, small=4,
+                    pdl=False)
+    with pytest.raises(InvalidInputError, match="HISPARSE_TRITON_SPEC_COPY='64' does not combine"):
+        shapes.tuning({"HISPARSE_TRITON_SPLIT": "8", "HISPARSE_TRITON_SPLIT_TAIL": "1",
+                       "HISPARSE_TRITON_SPEC_COPY": "64"})
+    with pytest.raises(InvalidInputError, match="HISPARSE_TRITON_SPEC_COPY='48' is not an entry count"):
+        shapes.tuning({"HISPARSE_TRITON_SPEC_COPY": "48"})
+    # With the auto choice the small batches' split takes it, larger ones keep the plan copy.
+    choice = auto.choose({"HISPARSE_TRITON_SPEC_COPY": "64"}, max_batch_rows=8, small=4, pdl=False)
+    assert [(p.tuning.split, p.tuning.spec_copy) for p in choice.profiles] == [(8, 64), (0, 64)]
 
 
 def test_pdl_needs_sm90_and_is_refused_elsewhere(backend) -> None:  # noqa: ANN001

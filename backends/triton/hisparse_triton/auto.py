@@ -33,7 +33,8 @@ AUTO_ENV = "HISPARSE_TRITON_AUTO"
 #: Every variable `shapes.tuning` reads (an explicit one wins over the auto choice).
 KNOB_ENVS = (shapes.RESOLVER_ENV, shapes.THREADS_ENV, shapes.PLAN_PER_SM_ENV, shapes.FUSE_ENV, shapes.LEAN_ENV,
              shapes.PLAN_ENTRIES_ENV, shapes.CAS_ENV, shapes.SCAN_ENV, shapes.SHIFT_ENV, shapes.ROW_COPY_ENV,
-             shapes.PDL_ENV, shapes.SPLIT_ENV, shapes.SPLIT_TAIL_ENV, shapes.LEAN_COPY_ENV, shapes.SPLIT_KEEP_ENV)
+             shapes.PDL_ENV, shapes.SPLIT_ENV, shapes.SPLIT_TAIL_ENV, shapes.LEAN_COPY_ENV, shapes.SPLIT_KEEP_ENV,
+             shapes.SPEC_COPY_ENV)
 #: The split resolver's programs a batch row at small batches; "small" is where they fit one wave.
 AUTO_SPLIT = 8
 #: Picks at small batches, in order (a pick joins only if the settings so far plus it pass `shapes.tuning`).
@@ -51,7 +52,7 @@ LARGE_WHY = ("H200 call D1 (seventeenth session): the fastest of the three timed
 SUFFIXES = ((shapes.THREADS_ENV, "t"), (shapes.PLAN_PER_SM_ENV, "p"), (shapes.FUSE_ENV, "f"), (shapes.LEAN_ENV, "l"),
             (shapes.PLAN_ENTRIES_ENV, "e"), (shapes.CAS_ENV, "c"), (shapes.SCAN_ENV, "s"), (shapes.SHIFT_ENV, "b"),
             (shapes.ROW_COPY_ENV, "r"), (shapes.PDL_ENV, "d"), (shapes.SPLIT_ENV, "n"), (shapes.SPLIT_TAIL_ENV, "h"),
-            (shapes.LEAN_COPY_ENV, "v"), (shapes.SPLIT_KEEP_ENV, "k"))
+            (shapes.LEAN_COPY_ENV, "v"), (shapes.SPLIT_KEEP_ENV, "k"), (shapes.SPEC_COPY_ENV, "x"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,8 @@ def variant(t: Tuning) -> str:
               shapes.ROW_COPY_ENV: (t.row_copy, base.row_copy), shapes.PDL_ENV: (t.pdl, base.pdl),
               shapes.SPLIT_ENV: (t.split, base.split), shapes.SPLIT_TAIL_ENV: (t.split_tail, base.split_tail),
               shapes.LEAN_COPY_ENV: (t.lean_copy, base.lean_copy),
-              shapes.SPLIT_KEEP_ENV: (t.split_keep, base.split_keep)}
+              shapes.SPLIT_KEEP_ENV: (t.split_keep, base.split_keep),
+              shapes.SPEC_COPY_ENV: (t.spec_copy, base.spec_copy)}
     for key, suffix in SUFFIXES:
         value, default = values[key]
         if value != default:
@@ -134,6 +136,10 @@ def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool
     explicit = {k: env[k] for k in KNOB_ENVS if env.get(k)}
     base = shapes.tuning(explicit)
     if not auto_enabled(env):
+        if base.spec_copy and not base.split:
+            raise InvalidInputError(f"{shapes.SPEC_COPY_ENV}={explicit[shapes.SPEC_COPY_ENV]!r} follows the split "
+                                    f"resolver, which no batch size takes here ({AUTO_ENV}=0, {shapes.SPLIT_ENV} unset "
+                                    f"or 0); expected {shapes.SPEC_COPY_ENV}=0 or {shapes.SPLIT_ENV} set")
         return Choice((Profile(max_batch_rows, base, ()),),
                       f"triton tuning: {AUTO_ENV}=0, every batch {variant(base)} (the fixed defaults and the "
                       f"explicit settings)")
@@ -146,6 +152,10 @@ def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool
         profiles = (Profile(small, lo, lo_picked), Profile(max_batch_rows, hi, hi_picked))
         where = (f"batches of 1-{small} rows {variant(lo)} ({SMALL_WHY}); {small + 1}-{max_batch_rows} rows "
                  f"{variant(hi)} ({LARGE_WHY})")
+    if lo.spec_copy and not any(p.tuning.split for p in profiles):
+        raise InvalidInputError(f"{shapes.SPEC_COPY_ENV}={explicit[shapes.SPEC_COPY_ENV]!r} follows the split resolver, "
+                                f"which no batch size takes here ({shapes.SPLIT_ENV} unset or 0 at every batch); "
+                                f"expected {shapes.SPEC_COPY_ENV}=0 or {shapes.SPLIT_ENV} set")
     notes = []
     if explicit:
         notes.append("set explicitly: " + ", ".join(f"{k}={v}" for k, v in explicit.items()))

@@ -1355,6 +1355,121 @@ def copy_plan_rows_kernel(plan_host, plan_device, plan_counts, src, dst, dst_blo
             tl.atomic_add(stats + 3, total.to(tl.int64) * row_bytes)
 
 
+@triton.jit
+def _spec_load(src, host, m, w, W, VEC: tl.constexpr):  # noqa: ANN001, ANN202 - a Triton device function
+    """Host rows `host` where `m`, `W` words a row at lanes `w` (with `VEC`, whole vectors of VEC words):
+    `(values, lane mask)`."""
+    if VEC:
+        wv = (W // VEC) * VEC  # == W (the runtime checks); its factor VEC lets the mask cover whole vectors
+        mm = m[:, None] & (w < wv)[None, :]
+        vals = tl.load(src + tl.multiple_of(host.to(tl.int64) * wv, VEC)[:, None] + w[None, :], mask=mm)
+    else:
+        mm = m[:, None] & (w < W)[None, :]
+        vals = tl.load(src + (host.to(tl.int64) * W)[:, None] + w[None, :], mask=mm)
+    return vals, mm
+
+
+@triton.jit
+def _spec_store(dst, dst_block_stride, dev, vals, mm, w, W, BS, LBS, VEC: tl.constexpr, SB: tl.constexpr):  # noqa: ANN001, ANN202
+    """`vals` (from `_spec_load`, lane mask `mm`) into device rows `dev` (>= 0 wherever `mm`)."""
+    blk, off = _block_split(tl.maximum(dev, 0), BS, LBS, SB)
+    if VEC:
+        wv = (W // VEC) * VEC
+        daddr = tl.multiple_of(blk.to(tl.int64) * dst_block_stride + (off * wv).to(tl.int64), VEC)
+    else:
+        daddr = blk.to(tl.int64) * dst_block_stride + (off * W).to(tl.int64)
+    tl.store(dst + daddr[:, None] + w[None, :], vals, mask=mm)
+
+
+@triton.jit
+def _spec_pick(sel, rank, base, vals, SC: tl.constexpr):  # noqa: ANN001, ANN202
+    """Slot j of `SC`: the value of `vals` (>= 0 where used) at the entry where `sel` and `rank == base + j`
+    (-1: no such entry). A [SC, lanes] compare and reduce: no entry crosses lanes through memory."""
+    jj = tl.arange(0, SC)
+    hit = sel[None, :] & (rank[None, :] == (base + jj)[:, None])
+    return tl.reduce(tl.where(hit, vals[None, :], -1), 1, _MAX)
+
+
+@triton.jit(do_not_specialize=["B", "K", "P", "R", "H", "BS", "LBS", "host_limit", "row_bytes", "host_rows",
+                               "dev_rows", "W", "NC", "dst_block_stride"])
+def copy_spec_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_map, pos_slot, miss_mask, out_rows,
+                     plan_counts, src, dst, dst_block_stride, stats, B, K, P, R, H, BS, LBS, host_limit, row_bytes,
+                     host_rows, dev_rows, W, NC,
+                     WP: tl.constexpr, SE: tl.constexpr, SC: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = 0,
+                     VEC: tl.constexpr = 0, SB: tl.constexpr = 0):
+    """The plan copy of layer 0 behind the split resolver, started while it runs (`shapes.SPEC_COPY_ENV`):
+    `NC` programs a batch row, each over `SE` of the row's entries.
+
+    - Before `gdc_wait` (with `PDL`, while the resolver runs): the entries the resolver will take as
+      candidates (host entries whose slot hint does not hold their row, read from the hint and hot-map
+      state as it stands) are the likely misses; the first `SC` of them have their host rows read into
+      registers, so the host reads overlap the resolver instead of following it.
+    - After it: the resolver's miss mask (1 where an entry is its row's first reference of a missed row
+      with a victim, exactly the entries of the plan) and output rows (the victim's device row) say
+      what to write: the rows read early where their entry missed, then every other missed entry
+      (past `SC`, or one the early read did not predict: that state changes under the resolver) read
+      and written `SC` at a time.
+
+    Host data is not written during a step, so a row read early is the row the plan copy would read:
+    the device cache ends as `copy_plan_kernel` leaves it, whatever the early read saw. Program 0 adds
+    the plan's bytes to the counter, as `copy_plan_kernel` does."""
+    pid = tl.program_id(0)
+    r = pid // NC
+    e = (pid % NC) * SE + tl.arange(0, SE)
+    q = tl.load(row_state + r)
+    q = tl.where(q < R, q, -1)  # trusted input out of range: a padding row, never a stray access
+    em = (e < K) & (e * 0 + q >= 0)  # lanes wide (the interpreter masks by lanes only)
+    ctx = P * BS
+    t = tl.load(topk + r * K + e, mask=em, other=-1)
+    sl = tl.load(seq_lens + r)
+    in_ctx = em & (t >= 0) & (t < sl) & (t < ctx)
+    pos = tl.where(in_ctx, t, 0)
+    page, off = _block_split(pos, BS, LBS, SB)
+    res_blk = tl.load(resident_table + q * P + page, mask=in_ctx, other=-1)
+    src_blk = tl.load(source_table + q * P + page, mask=in_ctx, other=-1)
+    hint = tl.load(pos_slot + q.to(tl.int64) * ctx + pos, mask=in_ctx, other=-1).to(tl.int32)
+    host64 = src_blk.to(tl.int64) * BS + off
+    is_host = in_ctx & (res_blk < 0) & (src_blk >= 0) & (host64 < host_limit) & (host64 < host_rows)
+    host = tl.where(is_host, host64, 0).to(tl.int32)
+    hint_ok = is_host & (hint >= 0) & (hint < H)
+    hinted = tl.load(hot_map + q * H + hint, mask=hint_ok, other=-1)
+    cand = is_host & ~(hint_ok & (hinted == host))
+    ci = cand.to(tl.int32)
+    rank = tl.associative_scan(ci, 0, _SUM) - ci
+    w = tl.arange(0, WP)
+    early_host = _spec_pick(cand, rank, 0, host, SC)
+    early_ent = _spec_pick(cand, rank, 0, e, SC)
+    early = early_host >= 0
+    vals, mm = _spec_load(src, early_host, early, w, W, VEC)  # in flight across the wait
+    if PDL:
+        gdc_wait()
+    # One round trip after the wait: the early rows' entries and every entry of the program, side by side.
+    e_miss = tl.load(miss_mask + r * K + early_ent, mask=early, other=0) != 0
+    e_dev = tl.load(out_rows + r * K + early_ent, mask=early, other=-1)
+    missed = tl.load(miss_mask + r * K + e, mask=is_host, other=0) != 0
+    dev = tl.load(out_rows + r * K + e, mask=is_host, other=-1)
+    # The early rows whose entry missed, at its device row.
+    e_ok = early & e_miss & (e_dev >= 0) & (e_dev < dev_rows)
+    _spec_store(dst, dst_block_stride, e_dev, vals, mm & e_ok[:, None], w, W, BS, LBS, VEC, SB)
+    # Every other missed entry (past the early ones, or not predicted), SC at a time.
+    rest = missed & (dev >= 0) & (dev < dev_rows) & ~(cand & (rank < SC))
+    fi = rest.to(tl.int32)
+    n_rest = tl.reduce(fi, 0, _SUM)
+    if n_rest > 0:
+        f_rank = tl.associative_scan(fi, 0, _SUM) - fi
+        for f0 in range(0, n_rest, SC):
+            h2 = _spec_pick(rest, f_rank, f0, host, SC)
+            d2 = _spec_pick(rest, f_rank, f0, dev, SC)
+            v2, mm2 = _spec_load(src, h2, (h2 >= 0) & (d2 >= 0), w, W, VEC)
+            _spec_store(dst, dst_block_stride, d2, v2, mm2, w, W, BS, LBS, VEC, SB)
+    if pid == 0:  # the bytes counter, as the plan copy counts them
+        rr = tl.arange(0, BP)
+        counts = tl.minimum(tl.maximum(tl.load(plan_counts + rr, mask=rr < B, other=0), 0), K)
+        total = tl.reduce(counts, 0, _SUM)
+        if total > 0:
+            tl.atomic_add(stats + 3, total.to(tl.int64) * row_bytes)
+
+
 @triton.jit(do_not_specialize=["n", "src_block_stride", "dst_block_stride", "W", "BS"])
 def copy_rows_kernel(pairs, n, src, src_block_stride, dst, dst_block_stride, W, BS,
                      WP: tl.constexpr, EB: tl.constexpr):
@@ -1420,7 +1535,7 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "resolve_kernel": resolve_kernel, "resolve_gather_kernel": resolve_gather_kernel,
     "resolve_split_kernel": resolve_split_kernel, "resolve_split_hot_kernel": resolve_split_hot_kernel,
     "resolve_split_lru_kernel": resolve_split_lru_kernel, "copy_plan_kernel": copy_plan_kernel,
-    "copy_plan_rows_kernel": copy_plan_rows_kernel,
+    "copy_plan_rows_kernel": copy_plan_rows_kernel, "copy_spec_kernel": copy_spec_kernel,
     "copy_rows_kernel": copy_rows_kernel, "invalidate_written_kernel": invalidate_written_kernel,
     "vllm_copy_kernel": vllm_copy_kernel, "vllm_invalidate_kernel": vllm_invalidate_kernel,
 }

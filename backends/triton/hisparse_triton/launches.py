@@ -34,6 +34,7 @@ class Launches:
     plan_meta: dict[str, int]
     row_plan_meta: dict[str, int]
     plan_programs: int
+    spec_meta: dict[str, Any]  # the speculative copy behind the split resolver (`shapes.SPEC_COPY_ENV`; empty: off)
 
 
 def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessors: int | None) -> Launches:
@@ -78,8 +79,15 @@ def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessor
     # the largest batch has (a small batch launches no program that can never have work).
     chunks = b * -(-k // plan_meta["EB"])
     programs = 1 if multiprocessors is None else min(chunks, tune.plan_per_sm * multiprocessors)
+    # Behind the split resolver, layer 0's copy may read its likely misses while the resolver runs; the
+    # resolver then writes the miss mask it reads (MASK), and lets it launch early where it has PDL.
+    spec_meta: dict[str, Any] = {}
+    if tune.spec_copy and split_shape is not None:
+        spec_meta = shapes.spec_copy_meta(config, interpreted=cpu, entries=tune.spec_copy) | copy_meta
+        if tune.pdl:
+            spec_meta |= dict(PDL=1, launch_pdl=True)
     return Launches(profile.max_rows, tune, shape, meta, fuse_meta, split_shape, split_rows, split_meta, tail_meta,
-                    tail_warps, plan_meta, shapes.row_copy_meta(config, plan_meta), programs)
+                    tail_warps, plan_meta, shapes.row_copy_meta(config, plan_meta), programs, spec_meta)
 
 
 def scratch_shape(launches: list[Launches]) -> tuple[int, int, int, int]:

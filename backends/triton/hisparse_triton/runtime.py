@@ -130,6 +130,9 @@ class TritonRuntime(CacheRuntime):
                                                                    "scr_cat")})
         # The hot-row kernels' (`shapes.SPLIT_TAIL_ENV`): per-program evictable and hit counts, a copy of the
         # LRU order and hit flags for the LRU kernel; all written before they are read.
+        # The miss mask the split resolver writes for the speculative copy (`shapes.SPEC_COPY_ENV`), where a
+        # profile has one: every entry of a resolved row is written before the copy reads it.
+        self._spec_mask = torch.zeros((b, k) if any(x.spec_meta for x in self._launches) else (1, 1), **i32)
         self._tail: dict[str, torch.Tensor] = {} if not nh else dict(
             scr_hcnt=torch.zeros((b, nh, 2), **i32), scr_ord=torch.zeros((b, hp), **i32),
             scr_hit=torch.zeros((b, hp), **i32))
@@ -273,9 +276,18 @@ class TritonRuntime(CacheRuntime):
             check_resolve_values(host, cfg, num_device_blocks=self.num_device_blocks,
                                  host_blocks=self._host_rows // cfg.block_size)
         fused = gather and self._fuse
+        x = self._launches_for(b)
+        spec = gather and not fused and bool(x.spec_meta) and 0 < b <= x.split_rows
+        # The speculative copy predicts from the hint state as the resolver found it: on a GPU it reads it
+        # while the resolver runs; the interpreter runs one launch after the other, so it reads a copy.
+        hints = (self._pos_slot, self._hot_map)
+        if spec and self._device.type == "cpu":
+            hints = (self._pos_slot.clone(), self._hot_map.clone())
         out = self.launch_resolve(inputs, b, hot_map=self._hot_map, lru=self._lru, stats=self._stats,
-                                  miss_mask=None, host_limit=self._host_rows, fused=fused)
-        if gather and not fused:
+                                  miss_mask=self._spec_mask if spec else None, host_limit=self._host_rows, fused=fused)
+        if spec:
+            self._copy_spec(x, inputs, b, pos_slot=hints[0], hot_map=hints[1])
+        elif gather and not fused:
             self._copy_plan(0)
         return out
 
@@ -371,6 +383,23 @@ class TritonRuntime(CacheRuntime):
         chosen = list(range(1, n)) if layers is None else check_ints("layers", layers, 0, n)
         for layer in chosen:
             self._copy_plan(layer)
+
+    def _copy_spec(self, x: launches.Launches, inputs: ResolveInputs, rows: int, *, pos_slot: torch.Tensor,
+                   hot_map: torch.Tensor) -> None:
+        """Layer 0's plan copy as `kernels.copy_spec_kernel`, right behind the split resolver of `rows`
+        rows (which wrote `_spec_mask`); `pos_slot` and `hot_map`: the hint state it predicts from."""
+        cfg = self.config
+        out = self._result
+        dev = self._dev[0]
+        bs = cfg.block_size
+        meta = x.spec_meta | dict(VEC=self._vec)
+        nc = -(-cfg.top_k // meta["SE"])
+        kernels.launch(
+            kernels.copy_spec_kernel, "copy_spec_kernel", (rows * nc,),
+            inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table, hot_map,
+            pos_slot, self._spec_mask, out.rows, out.plan_counts, self._host[0], dev, dev.stride(0), self._stats,
+            rows, cfg.top_k, cfg.max_pages, cfg.max_requests, cfg.hot_rows, bs, bs.bit_length() - 1, self._host_rows,
+            cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words, nc, **meta)
 
     def _copy_plan(self, layer: int) -> None:
         if self._last_rows == 0:

@@ -140,6 +140,23 @@ SPLIT_TAIL_ENV = "HISPARSE_TRITON_SPLIT_TAIL"
 #: the last program's path at 34 and 274 misses at B = 8 has five dependent global round trips fewer
 #: (of about fifteen). Longer lists take the chunked passes. 0, the default; not yet timed on a GPU.
 SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
+#: N (32, 64 or 128; 0, the default: off): behind the split resolver, layer 0's plan copy is
+#: `kernels.copy_spec_kernel`, N entries of a batch row a program: it reads the host rows of the
+#: entries likely to miss (hint not holding the row) while the resolver runs (a programmatic dependent
+#: launch where the target has one) and, once it has ended, writes those that missed (the resolver's
+#: miss mask, written for it) at their victims' rows, and any other miss after them, `N // 4` rows at
+#: a time. The nvidia backend's copy after a small batch's resolve reads its likely misses the same
+#: way (`hisparse_gather_spec`, docs/backends.md); on the H200 (call D4) triton's plan copy waited for
+#: the resolver, 274 misses B = 8 52.9 us against nvidia's 34.1 (the copy alone 29.2). Batches the
+#: one-program resolver serves keep the plan copy; later layers (`replay_plan`) too. Not yet timed.
+SPEC_COPY_ENV = "HISPARSE_TRITON_SPEC_COPY"
+SPEC_ENTRIES = (32, 64, 128)
+#: Host rows one program of the speculative copy holds at once: a quarter of its entries (a batch-8
+#: step with 274 misses has about 9 candidates in 64 entries) on a GPU; few under the interpreter, so
+#: that tests walk the rows past them too.
+SPEC_SLOT_SHARE = 4
+INTERPRETED_SPEC_ENTRIES = 8
+INTERPRETED_SPEC_SLOTS = 2
 #: Candidates the split resolver's last program handles at once: one a thread compiled (a smaller
 #: list costs a thread the same); a few under the interpreter, so that tests walk several chunks.
 INTERPRETED_SPLIT_CHUNK = 4
@@ -188,13 +205,13 @@ class Tuning:
     split_tail: bool = False
     lean_copy: bool = False
     split_keep: bool = False
+    spec_copy: int = 0
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
     `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`, `SPLIT_TAIL_ENV`,
-    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`); one clear
-    error per bad value."""
+    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`); one clear error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -242,12 +259,19 @@ def tuning(env: dict[str, str]) -> Tuning:
         if value == "1" and split == "0":
             raise InvalidInputError(f"{key}={value!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
                                     f"expected one of {', '.join(map(str, SPLITS))}")
+    spec = env.get(SPEC_COPY_ENV) or "0"
+    if spec not in ("0", *map(str, SPEC_ENTRIES)):
+        raise InvalidInputError(f"{SPEC_COPY_ENV}={spec!r} is not an entry count; expected 0 (off) or one of "
+                                f"{', '.join(map(str, SPEC_ENTRIES))}")
+    if spec != "0" and split_tail == "1":
+        raise InvalidInputError(f"{SPEC_COPY_ENV}={spec!r} does not combine with {SPLIT_TAIL_ENV}='1' (the copy follows "
+                                f"the split resolver's own kernel); expected {SPEC_COPY_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     if keep == "1" and split_tail == "1":
         raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} does not combine with {SPLIT_TAIL_ENV}='1' (the hot-row "
                                 f"kernels read the list scratch); expected {SPLIT_KEEP_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
                   cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1",
-                  lean_copy == "1", keep == "1")
+                  lean_copy == "1", keep == "1", int(spec))
 
 
 def pow2(n: int) -> int:
@@ -418,7 +442,8 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     """Every kernel the runtime launches for `config`, as compiled for a GPU of `warp_size` lanes
     (one resolver build per variant of `variants`). `lru_dtype` is `i16` for vLLM's op set, whose
     LRU is int16 (and which writes the miss mask). `tunings` (the auto choice's profiles,
-    `auto.choose`): their resolvers and plan copies too (a split tuning's split resolver only: its
+    `auto.choose`): their resolvers and plan copies too, and a split tuning's speculative copy with the
+    resolver build that writes its miss mask (`SPEC_COPY_ENV`) (a split tuning's split resolver only: its
     one-program resolver serves batches past a wave of split programs, which the auto choice gives
     the other profile); ValueError for a
     tuning with a knob the auto choice never picks and these builds leave out (the split tail, the
@@ -477,6 +502,11 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     hot_sig |= dict.fromkeys(("B", "HB", "R", "K", "G_MAX", "BS", "H", "P", "LBS"), "i32")
     lru_sig = {"row_state": i32p, "lru": f"*{lru_dtype}"} | dict.fromkeys(
         ("scr_mark", "scr_part", "scr_hcnt", "scr_ord", "scr_hit"), i32p) | dict.fromkeys(("B", "R", "H"), "i32")
+    spec_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_map"), i32p)
+    spec_sig |= {"pos_slot": f"*{hint_dtype_name(config)}"} | dict.fromkeys(("miss_mask", "out_rows", "plan_counts"), i32p)
+    spec_sig |= {"src": f"*{word}", "dst": f"*{word}", "dst_block_stride": "i32", "stats": "*i64"}
+    spec_sig |= dict.fromkeys(("B", "K", "P", "R", "H", "BS", "LBS", "host_limit", "row_bytes", "host_rows", "dev_rows",
+                               "W", "NC"), "i32")
     resolver_specs = []
     pdl_specs = []
     if cuda and "gather" in variants:  # the PDL builds (`PDL_ENV`): NVIDIA targets only
@@ -517,13 +547,21 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         r = resolver_shape(config, variant=t.resolver, threads=t.threads, lean=t.lean, cas=t.cas, scan=t.scan,
                            shift=t.shift, warp_size=warp_size, split=t.split, split_keep=t.split_keep)
         pdl = dict(PDL=int(t.pdl)) if r.variant == "gather" else {}
-        consts = r.constexprs | mask | r.fuse_constexprs(config, fused=False, interpreted=False) | pdl
+        # The speculative copy (`SPEC_COPY_ENV`) reads the split resolver's miss mask: that build writes it.
+        spec = bool(t.spec_copy and r.split)
+        consts = r.constexprs | (dict(MASK=1) if spec else mask) | r.fuse_constexprs(config, fused=False,
+                                                                                  interpreted=False) | pdl
         sig = split_sig if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
         resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,
                                          r.num_warps(warp_size)))
         tuned_plan = plan_copy_meta(config, interpreted=False, entries=t.plan_entries) | dict(PDL=int(t.pdl))
         resolver_specs.append(KernelSpec("copy_plan_kernel", plan_sig, tuned_plan | (
             {k: lean[k] for k in ("VEC", "SB")} if t.lean_copy else {}), copy_warps))
+        if spec:
+            smeta = spec_copy_meta(config, interpreted=False, entries=t.spec_copy) | dict(
+                PDL=int(t.pdl), VEC=lean["VEC"])
+            resolver_specs.append(KernelSpec("copy_spec_kernel", spec_sig | dict.fromkeys(smeta, "constexpr"), smeta,
+                                             copy_warps))
     return [
         *resolver_specs,
         KernelSpec("copy_plan_kernel", plan_sig, plan, copy_warps),
@@ -543,6 +581,18 @@ def row_copy_meta(config: RuntimeConfig, plan: dict[str, int]) -> dict[str, int]
     word, words = row_words(config.row_format.row_bytes)
     lw = 128 // (4 if word == "i32" else 1)
     return {k: v for k, v in plan.items() if k not in ("VEC", "SB")} | dict(WP=pow2(words + lw - 1), LW=lw)
+
+
+def spec_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int) -> dict[str, int]:
+    """Constexprs of the speculative copy (`SPEC_COPY_ENV`): row words (padded), entries a program
+    (`entries` on a GPU), rows it holds at once, batch rows (padded); VEC and SB as the lean plan copy's
+    (the runtime sets VEC from the bound caches)."""
+    _, words = row_words(config.row_format.row_bytes)
+    se = min(INTERPRETED_SPEC_ENTRIES, pow2(config.top_k)) if interpreted else entries
+    sc = min(INTERPRETED_SPEC_SLOTS, se) if interpreted else se // SPEC_SLOT_SHARE
+    bs = config.block_size
+    return dict(WP=pow2(words), SE=se, SC=sc, BP=plan_copy_meta(config, interpreted=interpreted)["BP"], PDL=0,
+                VEC=0, SB=int(bs & (bs - 1) == 0))
 
 
 def plan_copy_meta(config: RuntimeConfig, *, interpreted: bool, entries: int = COPY_ENTRIES) -> dict[str, int]:

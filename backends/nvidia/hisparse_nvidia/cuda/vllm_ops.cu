@@ -1209,8 +1209,8 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
                 if (to != p0 + u) lru_q[to] = static_cast<i16>(sl0[u]);
             }
         }
-#if VR_FAST6
         // ---- misses in first-reference order (entries in index order: u = 0's, then u = 1's) ------
+#if VR_FAST6
         // Each host entry's bucket word is read once: held (its slot), its own first reference (a miss it
         // records), or another entry's unheld first reference (a repeat of a miss). Only a step with such a
         // repeat waits on a barrier for the misses' hot rows (through s_val); otherwise each miss's entry
@@ -1218,8 +1218,9 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
         u32 lo[VR_B];
 #pragma unroll
         for (i32 u = 0; u < VR_B; ++u) lo[u] = host[u] ? vr_lds(a_tab + 8u * bk[u]) : 0u;
-        i32 M = 0;
         i32 own[VR_B] = {-1, -1};  // the hot row of a miss this thread records
+#endif
+        i32 M = 0;
         if (misses > 0) {  // block-uniform
             {
                 i32 er = p0 - hbefore;  // the evictable slots in LRU order: E[m] = ord[m]
@@ -1230,13 +1231,20 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
                 }
             }
             bool first[VR_B];
+#if VR_FAST6
             bool repeat = false;
+#endif
 #pragma unroll
             for (i32 u = 0; u < VR_B; ++u) {  // a miss (no HELD bit) first referenced here
+#if VR_FAST6
                 first[u] = host[u] && lo[u] == static_cast<u32>(tid + u * nt);
                 repeat |= host[u] && !(lo[u] & VR_HELD) && !first[u];
+#else
+                first[u] = host[u] && vr_lds(a_tab + 8u * bk[u]) == static_cast<u32>(tid + u * nt);
+#endif
             }
             const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
+#if VR_FAST6
             const bool wrep = __any_sync(HS_FULL_MASK, repeat);
             __shared__ u32 s6_m[2][32];
             if (lane == 0) {
@@ -1245,9 +1253,17 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
             }
             __syncthreads();  // the evictable order, the warps' first references and repeats
             const u32 x = lane < nw ? s6_m[0][lane] : 0u;
+#else
+            __shared__ u32 s4_m[32];
+            if (lane == 0) s4_m[warp] = static_cast<u32>(__popc(f0)) | (static_cast<u32>(__popc(f1)) << 16);
+            __syncthreads();  // the evictable order and the warps' first references
+            const u32 x = lane < nw ? s4_m[lane] : 0u;
+#endif
             const u32 before = __reduce_add_sync(HS_FULL_MASK, lane < warp ? x : 0u);
             const u32 all = __reduce_add_sync(HS_FULL_MASK, x);
+#if VR_FAST6
             const bool repeats = __reduce_or_sync(HS_FULL_MASK, lane < nw ? s6_m[1][lane] : 0u) != 0u;
+#endif
             const i32 tot0 = static_cast<i32>(all & 0xffffu);
             M = tot0 + static_cast<i32>(all >> 16);
             const i32 rank[VR_B] = {static_cast<i32>(before & 0xffffu) + __popc(f0 & lt),
@@ -1263,15 +1279,23 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
                     dgi_q[slot] = gv[u];
                     if (miss_mask != nullptr) miss_mask[e] = 1;
                 }
+#if VR_FAST6
                 own[u] = dev;
                 if (repeats) s_val[bk[u]] = dev;
+#else
+                s_val[bk[u]] = dev;
+#endif
                 if (swap_counts != nullptr) {
                     swap_host[base + m] = gv[u];
                     swap_dev[base + m] = dev;
                 }
             }
             if (tid == 0 && swap_counts != nullptr) swap_counts[r] = M;
+#if VR_FAST6
             if (repeats) __syncthreads();  // block-uniform: every miss's hot row is in s_val
+#else
+            __syncthreads();  // every miss's hot row is in s_val
+#endif
         } else if (tid == 0 && swap_counts != nullptr) {
             swap_counts[r] = 0;
         }
@@ -1280,6 +1304,7 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
         for (i32 u = 0; u < VR_B; ++u) {
             if (!host[u]) continue;
             const i32 e = base + tid + u * nt;
+#if VR_FAST6
             i32 out;
             if (lo[u] & VR_HELD) {
                 out = hot_row(static_cast<i32>(lo[u] & 0x7fffu));
@@ -1288,70 +1313,13 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
             } else {
                 out = s_val[bk[u]];  // a repeat of a miss: written before the barrier above
             }
-            hot_out[e] = out;
-            if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
-        }
 #else
-        // ---- misses in first-reference order (entries in index order: u = 0's, then u = 1's) ------
-        i32 M = 0;
-        if (misses > 0) {  // block-uniform
-            {
-                i32 er = p0 - hbefore;  // the evictable slots in LRU order: E[m] = ord[m]
-#pragma unroll
-                for (i32 u = 0; u < VR_W; ++u) {
-                    if (p0 + u >= p1) break;
-                    if (!((hitbits >> u) & 1u)) ord[er++] = static_cast<i16>(sl0[u]);
-                }
-            }
-            bool first[VR_B];
-#pragma unroll
-            for (i32 u = 0; u < VR_B; ++u) {  // a miss (no HELD bit) first referenced here
-                first[u] = host[u] && vr_lds(a_tab + 8u * bk[u]) == static_cast<u32>(tid + u * nt);
-            }
-            const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
-            __shared__ u32 s4_m[32];
-            if (lane == 0) s4_m[warp] = static_cast<u32>(__popc(f0)) | (static_cast<u32>(__popc(f1)) << 16);
-            __syncthreads();  // the evictable order and the warps' first references
-            const u32 x = lane < nw ? s4_m[lane] : 0u;
-            const u32 before = __reduce_add_sync(HS_FULL_MASK, lane < warp ? x : 0u);
-            const u32 all = __reduce_add_sync(HS_FULL_MASK, x);
-            const i32 tot0 = static_cast<i32>(all & 0xffffu);
-            M = tot0 + static_cast<i32>(all >> 16);
-            const i32 rank[VR_B] = {static_cast<i32>(before & 0xffffu) + __popc(f0 & lt),
-                                    tot0 + static_cast<i32>(before >> 16) + __popc(f1 & lt)};
-#pragma unroll
-            for (i32 u = 0; u < VR_B; ++u) {
-                if (!first[u]) continue;
-                const i32 m = rank[u], e = base + tid + u * nt;
-                const i32 slot = m < nE ? static_cast<i32>(ord[m]) : -1;
-                i32 dev = -1;
-                if (slot >= 0 && slot < H) {
-                    dev = hot_row(slot);
-                    dgi_q[slot] = gv[u];
-                    if (miss_mask != nullptr) miss_mask[e] = 1;
-                }
-                s_val[bk[u]] = dev;
-                if (swap_counts != nullptr) {
-                    swap_host[base + m] = gv[u];
-                    swap_dev[base + m] = dev;
-                }
-            }
-            if (tid == 0 && swap_counts != nullptr) swap_counts[r] = M;
-            __syncthreads();  // every miss's hot row is in s_val
-        } else if (tid == 0 && swap_counts != nullptr) {
-            swap_counts[r] = 0;
-        }
-        // ---- outputs of host entries ------------------------------------------------------------
-#pragma unroll
-        for (i32 u = 0; u < VR_B; ++u) {
-            if (!host[u]) continue;
-            const i32 e = base + tid + u * nt;
             const u32 lo = vr_lds(a_tab + 8u * bk[u]);
             const i32 out = (lo & VR_HELD) ? hot_row(static_cast<i32>(lo & 0x7fffu)) : s_val[bk[u]];
+#endif
             hot_out[e] = out;
             if (att != nullptr) att[e] = vr_attention(out, bs, att_stride);
         }
-#endif
         if (tid == 0 && stats != nullptr) {
             atomicAdd(reinterpret_cast<unsigned long long*>(stats), static_cast<unsigned long long>(U - M));
             atomicAdd(reinterpret_cast<unsigned long long*>(stats) + 1, static_cast<unsigned long long>(M));

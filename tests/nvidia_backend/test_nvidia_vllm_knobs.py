@@ -19,7 +19,6 @@ from hisparse_nvidia.kernels import (  # noqa: E402
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
-    vllm_resolve_cluster,
     vllm_resolve_shape,
     vllm_resolve_shape_build,
     vllm_resolve_threads,
@@ -33,10 +32,8 @@ def _one_line_naming(err: pytest.ExceptionInfo, name: str, value: str) -> None:
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HISPARSE_VLLM_GATHER", "HISPARSE_VLLM_GATHER_PER_SM", "HISPARSE_VLLM_RESOLVE",
-                 "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT", "HISPARSE_VLLM_RESOLVE_SHAPE",
-                 "HISPARSE_VLLM_RESOLVE_CLUSTER"):
+                 "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT", "HISPARSE_VLLM_RESOLVE_SHAPE"):
         monkeypatch.delenv(name, raising=False)
-    assert vllm_resolve_cluster() == 4  # build 7's blocks a row (off: build 4 is the default)
     assert vllm_resolve_shape() == 1  # the resolver compiled per call shape
     assert vllm_gather_variant() == 2
     assert vllm_gather_per_sm() == 1
@@ -59,22 +56,10 @@ def test_gather_removed_or_bad_path_refused(value: str, monkeypatch: pytest.Monk
     _one_line_naming(err, "HISPARSE_VLLM_GATHER", value)
 
 
-@pytest.mark.parametrize("value", ["0", "1", "2", "3", "4", "6", "7"])
+@pytest.mark.parametrize("value", ["0", "1", "2", "3", "4", "6"])
 def test_resolver_builds_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", value)
     assert dict(vllm_ops_build(656).defines)["HS_VR_FAST"] == int(value)
-
-
-@pytest.mark.parametrize("value", ["2", "4", "8"])
-def test_cluster_width_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Build 7's width is a define of its builds alone: the other builds keep their cache keys.
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_CLUSTER", value)
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", "7")
-    assert dict(vllm_ops_build(656).defines)["VR_C"] == int(value)
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", "6")
-    assert "VR_C" not in dict(vllm_ops_build(656).defines)
-    shape = vllm_resolve_shape_build(7, 2048, 4096, 64, 64, 64, 8192, 1024 // int(value), int(value))
-    assert dict(shape.defines)["VR_C"] == int(value) and dict(shape.defines)["VR_NT"] == 1024 // int(value)
 
 
 def test_removed_resolver_build_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,8 +69,7 @@ def test_removed_resolver_build_refused(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(InvalidInputError) as err:
         vllm_ops_build(656)
     _one_line_naming(err, "HISPARSE_VLLM_RESOLVE", "5")
-    assert "expected 0 (" in str(err.value) and ", 4 (" in str(err.value) and ", 6 (" in str(err.value)
-    assert "or 7 (" in str(err.value)
+    assert "expected 0 (" in str(err.value) and ", 4 (" in str(err.value) and "or 6 (" in str(err.value)
 
 
 @pytest.mark.parametrize("value", ["0", "1"])
@@ -173,13 +157,11 @@ def test_carveout_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GATHER_PER_SM": vllm_gather_per_sm,
-         "HISPARSE_VLLM_RESOLVE_SHAPE": vllm_resolve_shape, "HISPARSE_VLLM_RESOLVE_CLUSTER": vllm_resolve_cluster,
+         "HISPARSE_VLLM_RESOLVE_SHAPE": vllm_resolve_shape,
          "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout}
 
 
-@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "5"), ("HISPARSE_VLLM_RESOLVE", "8"),
-                                        ("HISPARSE_VLLM_RESOLVE_CLUSTER", "3"), ("HISPARSE_VLLM_RESOLVE_CLUSTER", "1"),
-                                        ("HISPARSE_VLLM_RESOLVE_CLUSTER", "16"), ("HISPARSE_VLLM_RESOLVE_CLUSTER", "four"),
+@pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "5"), ("HISPARSE_VLLM_RESOLVE", "7"),
                                         ("HISPARSE_VLLM_RESOLVE", "-1"), ("HISPARSE_VLLM_RESOLVE", "lean"),
                                         ("HISPARSE_VLLM_RESOLVE_SHAPE", "2"), ("HISPARSE_VLLM_RESOLVE_SHAPE", "yes"),
                                         ("HISPARSE_VLLM_GATHER_PER_SM", "0"),
@@ -195,7 +177,7 @@ def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPat
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(1, 8192), st.sampled_from([0, 1, 2, 3, 4, 6, 7]),
+@given(st.integers(1, 32767), st.integers(0, 40000), st.integers(1, 8192), st.sampled_from([0, 1, 2, 3, 4, 6]),
        st.sampled_from([48 * 1024, 99 * 1024, 227 * 1024]))
 def test_resolver_shared_memory_covers_what_the_kernel_reads(h: int, union: int, k: int, build: int,
                                                              optin: int) -> None:

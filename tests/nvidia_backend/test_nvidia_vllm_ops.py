@@ -57,24 +57,21 @@ def test_nvidia_vllm_ops_match_reference(seed: int, rows_per_request: int, miss_
 
 
 def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
-    """HISPARSE_VLLM_RESOLVE=build; a trailing "s" also sets HISPARSE_VLLM_RESOLVE_SHAPE=1 (a build per shape),
-    "cN" after build 7 HISPARSE_VLLM_RESOLVE_CLUSTER=N (its blocks a row; 4 where not given)."""
-    fast, _, width = build.removesuffix("s").partition("c")
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", fast)
+    """HISPARSE_VLLM_RESOLVE=build; a trailing "s" also sets HISPARSE_VLLM_RESOLVE_SHAPE=1 (a build per shape)."""
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build.removesuffix("s"))
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if build.endswith("s") else "0")
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_CLUSTER", width or "4")
 
 
-@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "6", "7", "1s", "3s", "4s", "6s", "7s", "7c2", "7c8"])
+@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "6", "1s", "3s", "4s", "6s"])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("rows_per_request", [1, 4])
 def test_other_resolver_builds_match_reference(seed: int, rows_per_request: int, build: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every resolver build (HISPARSE_VLLM_RESOLVE 0 to 4, 6 and 7; 2's rows that continue their group leave
-    before their own loads; 4's lean path for one-row groups, 6's with its rows read one a lane, 7's over a
-    cluster of 2, 4 or 8 blocks a row (union groups: its leader alone on build 3's path); 1, 3, 4, 6 and 7
-    also built for the call's shape, whose sizes are compile-time constants; 4s is the default the other
-    tests run) on random cases with union groups and padding rows."""
+    """Every resolver build (HISPARSE_VLLM_RESOLVE 0 to 4 and 6; 2's rows that continue their group leave
+    before their own loads; 4's lean path for one-row groups, 6's with its rows read one a lane; 1, 3, 4
+    and 6 also built for the call's shape, whose sizes are compile-time constants; 4s is the default the
+    other tests run) on random
+    cases with union groups and padding rows."""
     _set_build(monkeypatch, build)
     case = _pinned(random_case(300 + seed, rows_per_request=rows_per_request, corrupt_lru=seed % 3 == 0))
     want = run_ops(ReferenceVllmOps(), case, miss_mask=seed % 2 == 0)
@@ -151,7 +148,7 @@ def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: t
             cnt[1], None, 0, 0]
 
 
-@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s", "7", "7s", "7c2", "7c8s"])  # s: built for the shape
+@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("k,h,threads", [(64, 64, 0), (64, 128, 0), (256, 512, 128), (200, 400, 128),
                                          (256, 1024, 128), (256, 2048, 128)])
 @pytest.mark.parametrize("seed", range(3))
@@ -159,8 +156,7 @@ def test_duplicates_in_one_row_groups_match_reference(seed: int, k: int, h: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """One-row groups (build 4's lean path where h % 4 == 0; 128 threads give each two entries and four LRU
     positions, 200 / 400 leave some without; 1024 and 2048 hot rows at 128 threads take more than four
-    positions a thread, so build 3's path; build 7's cluster path at every shape here, its blocks' shares
-    uneven at 200 / 400 and some blocks without entries at k = 64 and 8 blocks) over three steps: a cold step, the same top-k (hits), then a
+    positions a thread, so build 3's path) over three steps: a cold step, the same top-k (hits), then a
     third of it fresh. The top-k repeats rows (first reference kept), the hot map holds some of its rows in
     two or three slots (each a hit, the last in LRU order is what the entries output), h = k leaves misses
     without a victim, padding rows sit between the groups."""
@@ -218,7 +214,7 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
             cnt[0], out[4], out[5], cnt[1], state["res"], 64, 0]
 
 
-@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s", "6s", "7s", "7c2s"])  # s: per shape
+@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: per shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (2, 4096, 4096), (4, 10240, 8192),
                                        (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
@@ -282,7 +278,7 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
     _assert_same(a, ag)
 
 
-@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "6s", "7s", "7c8s"])  # s: built for the shape
+@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (2, 4096, 4096), (2, 10240, 4096),
                                        (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))
@@ -315,7 +311,7 @@ def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur
         _step_both(st_cpu, st_gpu, t, k)
 
 
-@pytest.mark.parametrize("build", ["3", "4s", "6s", "7s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("build", ["3", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
 def test_resolve_and_gathers_capture_in_a_cuda_graph(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _set_build(monkeypatch, build)
     ops = _ops()

@@ -237,23 +237,11 @@ VLLM_GATHER = 2
 #: the one-row lean path (vllm_ops.cu, VR_FAST6: rows r - 1 .. r + 30 one a lane and shuffled, the
 #: page-table rows addressed once, the hash cleared in unrolled rounds, the thread index bounded for the
 #: compiler, one barrier fewer on a step with misses unless an entry repeats a miss); the same outputs
-#: byte for byte; on the H200 (call D2 of the seventeenth session) 0.3-0.8 us faster than 4 in 15 of 16
-#: one-row cells and 0.64 us slower on hits at B = 1 (one sample): off. 7 = 6 run by a thread-block cluster of
-#: `HISPARSE_VLLM_RESOLVE_CLUSTER` blocks of 1024 / that many threads a batch row (vllm_ops.cu, VR_CL: each block
-#: a share of the row's entries and LRU positions, the hash in the leader's shared memory), for calls of top-k
-#: at most `VLLM_CLUSTER_MAX_K` and at most `VLLM_CLUSTER_MAX_H` hot rows whose clusters all run at once (at most
-#: SMs / width rows); other calls take build 6. The same outputs byte for byte. Not yet run on a GPU: off.
+#: byte for byte. Not yet timed on a GPU: off until it is.
 ENV_VLLM_RESOLVE = "HISPARSE_VLLM_RESOLVE"
 VLLM_RESOLVE = 4
 #: The resolver builds there are (HISPARSE_VLLM_RESOLVE); 5 was removed.
-VLLM_RESOLVE_BUILDS = (0, 1, 2, 3, 4, 6, 7)
-#: Blocks of build 7's cluster (VR_C in vllm_ops.cu): 2, 4 or 8, each of 1024 / that many threads. Read at
-#: each resolve call with HISPARSE_VLLM_RESOLVE=7, for A/B timing in one process.
-ENV_VLLM_RESOLVE_CLUSTER = "HISPARSE_VLLM_RESOLVE_CLUSTER"
-VLLM_RESOLVE_CLUSTER = 4
-#: The shapes build 7's cluster path takes: two entries and four LRU positions a thread over 1024 threads.
-VLLM_CLUSTER_MAX_K = 2048
-VLLM_CLUSTER_MAX_H = 4096
+VLLM_RESOLVE_BUILDS = (0, 1, 2, 3, 4, 6)
 
 
 def vllm_gather_variant() -> int:
@@ -340,19 +328,10 @@ def vllm_resolve_variant() -> int:
     """`HISPARSE_VLLM_RESOLVE` (default `VLLM_RESOLVE`)."""
     expected = ("0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start), "
                 "3 (2 with direct LRU writes and the hot-map row in shared memory), 4 (3 with a lean path "
-                "for one-row groups), 6 (4 with a shorter instruction stream on that path) or 7 (6 run by a "
-                "cluster of blocks a row at small batches)")
-    got = env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 7, expected)
+                "for one-row groups) or 6 (4 with a shorter instruction stream on that path)")
+    got = env_int_in(ENV_VLLM_RESOLVE, VLLM_RESOLVE, 0, 6, expected)
     if got not in VLLM_RESOLVE_BUILDS:
         raise InvalidInputError(f"{ENV_VLLM_RESOLVE}={got}: that build was removed; expected {expected}")
-    return got
-
-
-def vllm_resolve_cluster() -> int:
-    """`HISPARSE_VLLM_RESOLVE_CLUSTER` (default `VLLM_RESOLVE_CLUSTER`): build 7's blocks a batch row."""
-    got = env_int_in(ENV_VLLM_RESOLVE_CLUSTER, VLLM_RESOLVE_CLUSTER, 2, 8, "2, 4 or 8 blocks a cluster")
-    if got not in (2, 4, 8):
-        raise InvalidInputError(f"{ENV_VLLM_RESOLVE_CLUSTER}={got}: expected 2, 4 or 8 blocks a cluster")
     return got
 
 
@@ -373,30 +352,22 @@ def vllm_resolve_shape() -> int:
 
 
 def vllm_resolve_shape_build(fast: int, k: int, h: int, bs: int, sbs: int, rbs: int, buckets: int,
-                             threads: int, cluster: int = 0) -> KernelBuild:
+                             threads: int) -> KernelBuild:
     """The resolver alone (cuda/vllm_ops.cu under VR_K) of build `fast` (HISPARSE_VLLM_RESOLVE) for one
     call shape: top-k `k`, `h` hot rows a state row, hot block size `bs`, source and resident block
     sizes `sbs` and `rbs` (1 where the call has no such table), `buckets` shared hash buckets and
-    `threads` a block; build 7 also `cluster` blocks a row (VR_C). Its copy kernels are left out, so the row
-    width is irrelevant (16 bytes)."""
-    defines = {"HS_VEC": 1, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": fast, "VR_K": k, "VR_H": h, "VR_BS": bs,
-               "VR_SBS": sbs, "VR_RBS": rbs, "VR_SB": buckets, "VR_NT": threads}
-    if fast == 7:
-        defines["VR_C"] = cluster
-    return KernelBuild.of("vllm_ops.cu", defines)
+    `threads` a block. Its copy kernels are left out, so the row width is irrelevant (16 bytes)."""
+    return KernelBuild.of("vllm_ops.cu", {"HS_VEC": 1, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": fast, "VR_K": k,
+                                          "VR_H": h, "VR_BS": bs, "VR_SBS": sbs, "VR_RBS": rbs, "VR_SB": buckets,
+                                          "VR_NT": threads})
 
 
-def vllm_ops_build(row_bytes: int, fast: int | None = None, cluster: int = 0) -> KernelBuild:
-    """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`: resolver
-    build `fast` (default `vllm_resolve_variant()`); build 7 with `cluster` blocks a row (default
-    `vllm_resolve_cluster()`)."""
+def vllm_ops_build(row_bytes: int) -> KernelBuild:
+    """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`."""
     if row_bytes % 16:
         raise InvalidInputError(f"row_bytes={row_bytes} must be a multiple of 16")
-    fast = vllm_resolve_variant() if fast is None else fast
-    defines = {"HS_VEC": row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": fast}
-    if fast == 7:
-        defines["VR_C"] = cluster or vllm_resolve_cluster()
-    return KernelBuild.of("vllm_ops.cu", defines)
+    return KernelBuild.of("vllm_ops.cu", {"HS_VEC": row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
+                                          "HS_VR_FAST": vllm_resolve_variant()})
 
 
 def runtime_builds(config: RuntimeConfig) -> list[KernelBuild]:
@@ -422,8 +393,8 @@ def all_builds_for_ci() -> list[KernelBuild]:
     builds |= {CopyShape(FP8_DS_MLA.row_bytes, load=v).build for v in (1, 2, 3)}
     builds.add(MAINTAIN_BUILD)
     builds |= {vllm_ops_build(w) for w in (FP8_DS_MLA.row_bytes, 16)}  # fp8_ds_mla rows, vLLM's 16-byte test rows
-    builds |= {vllm_ops_build(FP8_DS_MLA.row_bytes, v, 4) for v in VLLM_RESOLVE_BUILDS}  # HISPARSE_VLLM_RESOLVE
-    builds |= {vllm_ops_build(w, 7, c) for w in (FP8_DS_MLA.row_bytes, 16) for c in (2, 4, 8)}  # its cluster widths
+    builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
+                                              "HS_VR_FAST": v}) for v in VLLM_RESOLVE_BUILDS}  # HISPARSE_VLLM_RESOLVE
     # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3, 4 and 6
     # (4 with the buckets vllm_ops.resolve_smem_buckets gives it there: four a union row where they fit), and
     # builds 4 and 6 for the GPU tests' two-row groups (8192 buckets: at 4096 hot rows the one-row build)
@@ -431,8 +402,6 @@ def all_builds_for_ci() -> list[KernelBuild]:
                for h, b in ((4096, 4096), (10240, 16384))}
     builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (4, 6)
                for h, b in ((4096, 8192), (10240, 16384), (10240, 8192))}
-    # build 7's cluster at the one-row benchmark shape, each width (1024 / width threads a block)
-    builds |= {vllm_resolve_shape_build(7, 2048, 4096, 64, 64, 64, 8192, 1024 // c, c) for c in (2, 4, 8)}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

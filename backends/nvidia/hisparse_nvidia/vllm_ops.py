@@ -3,9 +3,7 @@ nvidia backend's own kernels (cuda/vllm_ops.cu, compiled with NVRTC like the res
 
 - `hisparse_resolve_residency`: one launch of `hisparse_vllm_resolve` on vLLM's tensors in place
   (hot map, LRU, outputs); every case of vLLM's contract is served, `miss_mask` included: padding
-  rows, union groups, out-of-range LRU slots, tables absent or present. `HISPARSE_VLLM_RESOLVE=7` (off)
-  launches it as a thread-block cluster of `HISPARSE_VLLM_RESOLVE_CLUSTER` blocks a batch row for small
-  batches (kernels.VLLM_CLUSTER_MAX_K / _H shapes, clusters all running at once), build 6 otherwise.
+  rows, union groups, out-of-range LRU slots, tables absent or present.
 - `hisparse_gather_compact` / `hisparse_gather_plan`: one `hisparse_vllm_gather` launch (mark the
   taken entries, each destination by its last entry, then copy them around one grid barrier; 16-byte
   zero-copy reads of the registered host pool over UVA, zero-fill for an absent source row; a call
@@ -36,22 +34,19 @@ from hisparse_core import vllm_ops as spec
 from hisparse_core.errors import InvalidInputError
 from hisparse_nvidia import driver
 from hisparse_nvidia.compiler import KernelBuild
+from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
 from hisparse_nvidia.kernels import (
-    VLLM_CLUSTER_MAX_H,
-    VLLM_CLUSTER_MAX_K,
     LoadedKernels,
     vllm_carveout,
     vllm_gather_local,
     vllm_gather_per_sm,
     vllm_gather_variant,
     vllm_ops_build,
-    vllm_resolve_cluster,
     vllm_resolve_shape,
     vllm_resolve_shape_build,
     vllm_resolve_threads,
     vllm_resolve_variant,
 )
-from hisparse_nvidia.kernels import VLLM_COPY_THREADS as COPY_THREADS
 
 #: Blocks per SM of the copy grid (at most; fewer where the call has fewer slots to move).
 COPY_BLOCKS_PER_SM = 4
@@ -199,8 +194,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
         # Every tuning variable is read (and a bad value refused) before anything is allocated or set.
         variant, per_sm, carveout = vllm_gather_variant(), vllm_gather_per_sm(), vllm_carveout()
         local = vllm_gather_local(variant)
-        if vllm_resolve_variant() == 7:  # the module's build: read when the kernel is looked up
-            vllm_resolve_cluster()
+        vllm_resolve_variant()  # the module's build: read when the kernel is looked up
         row_bytes = hot.shape[2] * hot.element_size()
         slots = ((row_bytes + 111) // 128 + 1) * 8
         if n * k >= 2**31 or n * k * slots >= 2**32:  # entry indices are i32, the copies' 16-byte slots u32
@@ -255,19 +249,6 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                 self._scratch[key] = got
         return int(got)
 
-    def _cluster_rows(self, fn: Any, dev: torch.device, width: int, threads: int, smem: int) -> int:
-        """Batch rows build 7's cluster launch takes: its clusters of `width` blocks all run at once (at most
-        SMs / width, and what the driver says fits), looked up once per function object and shared memory."""
-        key = ("cluster_rows", dev, id(fn), fn.name, width, smem)
-        with self._lock:
-            got = self._scratch.get(key)
-        if got is None:
-            _, sms, _ = self._backend._device_props()
-            got = min(sms // width, fn.max_active_clusters(width, threads, smem))
-            with self._lock:
-                self._scratch[key] = got
-        return int(got)
-
     # ----------------------------------------------------------------------------- the ops
 
     def resolve(self, call: spec.ResolveCall) -> None:
@@ -287,7 +268,6 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
             return
         want_threads, carveout = vllm_resolve_threads(), vllm_carveout()  # refused here, before any work
         build, per_shape = vllm_resolve_variant(), vllm_resolve_shape()
-        width = vllm_resolve_cluster() if build == 7 else 1
         if n * k * 2 >= 2**31:
             raise InvalidInputError(f"{spec.RESOLVE}: topk has {n} x {k} entries; at most 2^30 - 1 a call")
         dev = hot_cache.device
@@ -300,28 +280,14 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
             torch.empty(2 * n * k, dtype=torch.int64, device=dev), torch.empty(2 * n * k, dtype=torch.int32,
                                                                                device=dev)))
         sbt, rbt = source_block_table, resident_block_table
-        sbs = source_block_size if sbt is not None else 1
-        rbs = resident_block_size if rbt is not None else 1
-
-        def resolver(fast: int, nt: int) -> Any:
-            shape = vllm_resolve_shape_build(fast, k, h, bs, sbs, rbs, buckets, nt, width) if per_shape else None
-            got = self._function(dev, row_bytes, "hisparse_vllm_resolve", shape or vllm_ops_build(row_bytes, fast, width))
-            got.allow_dynamic_smem(smem)
-            got.prefer_carveout(carveout)
-            return got
-
-        blocks = 1
-        if build == 7:  # the cluster build for small batches of its shapes; build 6 for the rest
-            if k <= VLLM_CLUSTER_MAX_K and h <= VLLM_CLUSTER_MAX_H:
-                fn = resolver(7, 1024 // width)
-                if n <= self._cluster_rows(fn, dev, width, 1024 // width, smem):
-                    threads, blocks = 1024 // width, width
-            if blocks == 1:
-                fn = resolver(6, threads)
-        else:
-            fn = resolver(build, threads)
+        shape = vllm_resolve_shape_build(build, k, h, bs, source_block_size if sbt is not None else 1,
+                                         resident_block_size if rbt is not None else 1, buckets, threads) \
+            if per_shape else None
+        fn = self._function(dev, row_bytes, "hisparse_vllm_resolve", shape)
+        fn.allow_dynamic_smem(smem)
+        fn.prefer_carveout(carveout)
         nr = request_state_indices.numel() if request_state_indices is not None else 0
-        fn.launch((n * blocks, 1, 1), threads, smem, torch.cuda.current_stream(dev).cuda_stream, [
+        fn.launch((n, 1, 1), threads, smem, torch.cuda.current_stream(dev).cuda_stream, [
             _ptr(hot_block_table), _i64(hot_block_table.stride(0)), _i32(hot_block_table.shape[0]), _ptr(topk),
             _i32(n), _i32(k), _ptr(request_ids), _ptr(request_state_indices), _i32(nr),
             _ptr(sbt), _i64(sbt.stride(0) if sbt is not None else 0), _i32(sbt.shape[0] if sbt is not None else 0),

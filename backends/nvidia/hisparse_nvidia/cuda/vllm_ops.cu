@@ -106,32 +106,8 @@
 //   entry repeats a miss another entry records.
 // Outputs, LRU order, hot map and plan are build 4's, byte for byte; other groups take build 3's path.
 #define VR_FAST6 (HS_VR_FAST >= 6)
-// HS_VR_FAST 7 (HISPARSE_VLLM_RESOLVE=7) is 6 run by a thread-block cluster of VR_C blocks of 1024 / VR_C
-// threads a batch row (the host launches it for small batches; larger ones take build 6). One block of
-// 1024 threads issues some 35K warp instructions on one SM on a hit step (ncu, call C2): the step is bound
-// by that SM's issue rate while the others idle. Here each block classifies and inserts a VR_C-th of the
-// row's entries (a contiguous share) and walks a VR_C-th of the LRU positions (contiguous too), with
-// build 4's two entries and four positions a thread; the hash, its held marks, the evictable order and the
-// misses' hot rows live in the leader's (rank 0's) shared memory, reached with shared::cluster atomics,
-// loads and stores. The blocks' warp counts go to every block's copy of a 32-slot array (block-major,
-// then warp: the row's order), so each count exchange is one cluster barrier and local reads:
-// - B1 (the leader's table cleared; every block started) before the first insert,
-// - B2 after the inserts (valid and host counts; a resident step ends there),
-// - B3 after the walk (hit, held and distinct counts: the LRU order and the misses),
-// - B4 on steps with misses (the evictable order, the first references' counts), B5 where a miss is
-//   repeated, and one last barrier before the leader's shared memory goes.
-// Each thread reads its LRU slots' hot-map rows from global memory as soon as the slots arrive (no shared
-// copy of the row). Outputs, LRU order, hot map and plan are build 6's, byte for byte. Groups of several
-// rows (and shapes past one round a thread) are resolved by the leader alone on build 3's path.
-#define VR_CL (HS_VR_FAST >= 7)
-#ifndef VR_C
-#define VR_C 4
-#endif
-#if HS_VR_FAST == 5 || HS_VR_FAST > 7
-#error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4, 6 or 7"
-#endif
-#if VR_CL && VR_C != 2 && VR_C != 4 && VR_C != 8
-#error "VR_C (HISPARSE_VLLM_RESOLVE_CLUSTER) is 2, 4 or 8"
+#if HS_VR_FAST == 5 || HS_VR_FAST > 6
+#error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4 or 6"
 #endif
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 // Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
@@ -300,81 +276,6 @@ __device__ __forceinline__ void vr_amin(u32 a, u32 v) {
 }
 #endif
 
-#if VR_CL
-// Build 7's cluster accesses: `a` a shared::cluster address (vr_map of a shared::cta one).
-__device__ __forceinline__ u32 vr_rank() {
-    u32 x;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(x));
-    return x;
-}
-__device__ __forceinline__ u32 vr_map(u32 a, u32 rank) {
-    u32 d;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(rank));
-    return d;
-}
-__device__ __forceinline__ void vr_cl_arrive() { asm volatile("barrier.cluster.arrive;" ::: "memory"); }
-__device__ __forceinline__ void vr_cl_wait() { asm volatile("barrier.cluster.wait;" ::: "memory"); }
-__device__ __forceinline__ u32 vr_cld(u32 a) {
-    u32 v;
-    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ u64 vr_cld64(u32 a) {
-    u64 v;
-    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ i32 vr_cld16(u32 a) {
-    unsigned short v;
-    asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(v) : "r"(a) : "memory");
-    return static_cast<i32>(static_cast<i16>(v));
-}
-__device__ __forceinline__ void vr_cst(u32 a, u32 v) {
-    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
-}
-__device__ __forceinline__ void vr_cst16(u32 a, i32 v) {
-    const unsigned short h = static_cast<unsigned short>(v);
-    asm volatile("st.shared::cluster.u16 [%0], %1;" ::"r"(a), "h"(h) : "memory");
-}
-__device__ __forceinline__ u64 vr_ccas(u32 a, u64 cmp, u64 v) {
-    u64 old;
-    asm volatile("atom.shared::cluster.cas.b64 %0, [%1], %2, %3;" : "=l"(old) : "r"(a), "l"(cmp), "l"(v) : "memory");
-    return old;
-}
-__device__ __forceinline__ u32 vr_cmax(u32 a, u32 v) {
-    u32 old;
-    asm volatile("atom.shared::cluster.max.u32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
-    return old;
-}
-__device__ __forceinline__ void vr_cmin(u32 a, u32 v) {
-    asm volatile("red.shared::cluster.min.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
-}
-// vr_insert_at on the leader's table (bucket b's low word at a_tab + 8 * b).
-__device__ __forceinline__ u32 vr_insert_cl(u32 a_tab, u32 T, i32 g, i32 x, i32& fresh, u32 b) {
-    const u64 key = vr_key(g, x);
-    while (true) {
-        u64 cur = vr_cld64(a_tab + 8u * b);
-        if (cur == VR_EMPTY) {
-            cur = vr_ccas(a_tab + 8u * b, VR_EMPTY, key);
-            if (cur == VR_EMPTY) {
-                ++fresh;
-                return b;
-            }
-        }
-        if (static_cast<i32>(cur >> 32) == g) {
-            vr_cmin(a_tab + 8u * b, static_cast<u32>(x));  // the low word (see vr_insert_at)
-            return b;
-        }
-        b = b + 1 == T ? 0 : b + 1;
-    }
-}
-// A warp's count `v` into slot `slot` of every block's copy of `arr` (lanes 0 .. VR_C - 1, one block each).
-__device__ __forceinline__ void vr_cl_post(u32* arr, i32 slot, u32 v) {
-    const u32 lane = threadIdx.x & 31;
-    if (lane < VR_C) vr_cst(vr_map(static_cast<u32>(__cvta_generic_to_shared(arr + slot)), lane), v);
-}
-#endif
-
 // x / d and x % d of x >= 0, d >= 1: a shift and a mask where d is a power of two (block sizes are,
 // in every deployment seen) instead of a division of some twenty instructions.
 __device__ __forceinline__ i32 vr_div(i32 x, i32 d) {
@@ -406,12 +307,7 @@ __device__ __forceinline__ i32 vr_attention(i32 row, i32 bs, i64 stride) {
 // boundary past the buckets).
 // gtab / gval: [rows, 2 * K] buckets of global scratch, only touched by groups whose host entries
 // do not fit the shared table.
-#if VR_CL
-#define VR_KERNEL __cluster_dims__(VR_C, 1, 1) __launch_bounds__(1024 / VR_C)
-#else
-#define VR_KERNEL __launch_bounds__(1024)
-#endif
-extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
+extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     const i32* __restrict__ hbt, i64 hbt_stride, i32 hbt_rows, const i32* __restrict__ topk, i32 n, i32 K,
     const i32* __restrict__ request_ids, const i32* __restrict__ rsi, i32 nr, const i32* __restrict__ sbt,
     i64 sbt_stride, i32 sbt_rows, i32 sbt_cols, i32 sbs, const i32* __restrict__ rbt, i64 rbt_stride, i32 rbt_rows,
@@ -434,22 +330,10 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
     __shared__ i32 s_group;
     // The next kernel (a gather's mark kernel, launched to overlap) waits for this grid before reading.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#if VR_CL
-    // A cluster of VR_C blocks a batch row; the leader (rank 0) holds the row's hash (see HS_VR_FAST 7).
-    const i32 r = blockIdx.x / VR_C;
-    const u32 rank = vr_rank();
-#ifdef VR_NT
-    const i32 tid = threadIdx.x, nt = VR_NT;
-#else
-    const i32 tid = threadIdx.x, nt = blockDim.x;
-#endif
-    const i32 Kc = (K + VR_C - 1) / VR_C;  // entries of a block's share
-#else
 #ifdef VR_NT
     const i32 r = blockIdx.x, tid = threadIdx.x, nt = VR_NT;
 #else
     const i32 r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-#endif
 #endif
 #if VR_FAST6
     __builtin_assume(tid >= 0 && tid < nt);  // the launch's block size (shape builds: a constant)
@@ -458,15 +342,7 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
     // The first round of row r's entries, issued before anything else (their addresses need nothing).
     i32 tv0[VR_B];
 #pragma unroll
-#if VR_CL
-    // Entries rank * Kc + tid + u * nt: the leader's are tid + u * nt, as build 3's path below reads them.
-    for (i32 u = 0; u < VR_B; ++u) {
-        const i32 i = static_cast<i32>(rank) * Kc + tid + u * nt;
-        tv0[u] = i < K ? topk[static_cast<i64>(r) * K + i] : -1;
-    }
-#else
     for (i32 u = 0; u < VR_B; ++u) tv0[u] = tid + u * nt < K ? topk[static_cast<i64>(r) * K + tid + u * nt] : -1;
-#endif
 #endif
     i32 req, q;
 #if VR_DIRECT
@@ -561,9 +437,6 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
 #endif
 #endif
     if (q < 0) {  // padding: -1 / 0 in the row's outputs, nothing else
-#if VR_CL
-        if (rank != 0) return;  // the leader writes them
-#endif
         for (i32 i = tid; i < K; i += nt) {
             const i64 e = static_cast<i64>(r) * K + i;
             hot_out[e] = -1;
@@ -637,9 +510,6 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
 #else
     const u32 T1 = static_cast<i64>(2) * K <= smem_buckets ? vr_buckets(static_cast<i64>(2) * K, smem_buckets) : 0u;
 #endif
-#if VR_CL
-    if (rank == 0)  // the leader's table alone is used
-#endif
 #if VR_FAST4
     // Two buckets a 16-byte store (T1 is even: 2 * K, 4 * K or a power of two above them).
 #if VR_FAST6 && defined(VR_K)
@@ -658,37 +528,16 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
 #else
     for (u32 b = tid; b < T1; b += nt) s_tab[b] = VR_EMPTY;
 #endif
-#if VR_CL
-    // The cluster path (HS_VR_FAST 7): a one-row group whose shares take one round a thread (cluster-uniform:
-    // every block read the same rows). Block `rank` walks positions [rank * Hc, + Hc) of the LRU row.
-    const i32 Hc = (H + VR_C - 1) / VR_C;
-    const bool cl = nq != q && T1 != 0u && Kc <= VR_B * nt && (Hc + nt - 1) / nt <= VR_W && hcache;
-    // B1: this block runs, and (the leader) its table is cleared; waited on before the first insert. Only
-    // the leader's own shared stores need releasing: a fence restricted to them, not a GPU-scope one that
-    // would wait for the loads in flight.
-    if (cl) {
-        if (rank == 0) asm volatile("fence.release.sync_restrict::shared::cta.cluster;" ::: "memory");
-        asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-    }
-    const i32 hlo = cl ? min(static_cast<i32>(rank) * Hc, H) : 0, hhi = cl ? min(hlo + Hc, H) : H;
-    const i32 cpt = ((cl ? Hc : H) + nt - 1) / nt;
-    const i32 p0 = min(hlo + tid * cpt, hhi), p1 = min(p0 + cpt, hhi);
-#else
     // The first round of this thread's LRU positions (a step with host entries walks them; issued now,
     // they arrive with the page-table entries, and the walk waits for the hot-map rows alone).
     const i32 cpt = (H + nt - 1) / nt;
     const i32 p0 = min(tid * cpt, H), p1 = min(p0 + cpt, H);
-#endif
     i32 sl0[VR_W];
     {
         const i16* lru_row = lru + static_cast<i64>(q) * H;
 #if VR_DIRECT
         // One 8-byte load a thread where its positions are 4 aligned slots (block-uniform test).
-#if VR_CL
-        if (cpt == 4 && VR_W == 4 && H % 4 == 0 && (!cl || Hc % 4 == 0) && (reinterpret_cast<u64>(lru_row) & 7) == 0) {
-#else
         if (cpt == 4 && VR_W == 4 && H % 4 == 0 && (reinterpret_cast<u64>(lru_row) & 7) == 0) {
-#endif
             uint2 v = make_uint2(0xffffffffu, 0xffffffffu);
             if (p0 < p1) v = *reinterpret_cast<const uint2*>(lru_row + p0);
             sl0[0] = static_cast<i16>(v.x & 0xffffu);
@@ -713,327 +562,10 @@ extern "C" __global__ void VR_KERNEL hisparse_vllm_resolve(
     const bool sdgi = static_cast<u64>(dgi_off) + 4ull * static_cast<u32>(H) <= dyn_smem;
     i32* s_dgi = reinterpret_cast<i32*>(vr_smem + dgi_off);
     const i32* dgi_row = dgi + static_cast<i64>(q) * H;
-#if VR_CL
-    const bool dvec = !cl && sdgi && H % 4 == 0 && 4 * nt >= H && (reinterpret_cast<u64>(dgi_row) & 15) == 0;
-#else
     const bool dvec = sdgi && H % 4 == 0 && 4 * nt >= H && (reinterpret_cast<u64>(dgi_row) & 15) == 0;
-#endif
     int4 dg0 = make_int4(-1, -1, -1, -1);
     if (dvec && 4 * tid < H) dg0 = *reinterpret_cast<const int4*>(dgi_row + 4 * tid);
-#if VR_CL
-    // The cluster path of a one-row group (HS_VR_FAST 7): build 6's lean path, step for step, over VR_C blocks.
-    if (cl) {  // cluster-uniform
-        static_assert(VR_B == 2 && VR_W <= 7, "the lean path packs two entries and 3-bit hit counts a thread");
-        // Each warp's counts, one slot per (block, warp) in the row's order, in every block (see vr_cl_post).
-        __shared__ u32 s7_a[32], s7_b[32], s7_c[32], s7_d[32], s7_e[32];
-        const u32 T = T1;
-        const i32 lane = tid & 31, warp = tid >> 5, nw = (nt + 31) >> 5;  // VR_C * nw <= 32 (launch bounds)
-        const u32 lt = (1u << lane) - 1u;
-        const i32 slotw = static_cast<i32>(rank) * nw + warp;
-        const bool inslot = lane < VR_C * nw;
-        const i32 base = r * K;  // i32: the host refuses calls of 2^30 entries or more
-        const i32 kb = static_cast<i32>(rank) * Kc;  // this block's entries: [kb, min(kb + Kc, K))
-        i32* dgi_q = dgi + static_cast<i64>(q) * H;
-        i16* lru_q = lru + static_cast<i64>(q) * H;
-        // The leader's table, values and evictable order (shared::cluster addresses), this block's hot blocks.
-        const u32 a_tab = vr_map(vr_sa(s_tab), 0), a_val = vr_map(vr_sa(s_val), 0), a_ord = vr_map(vr_sa(ord), 0);
-        const u32 a_hbt = vr_sa(s_hbt);
-        // The hot-map rows of this thread's LRU slots, loaded as soon as the slots arrive.
-        i32 cached[VR_W];
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) cached[u] = sl0[u] >= 0 && sl0[u] < H ? dgi_q[sl0[u]] : -1;
-        if (hreg) {
-            if (tid < nhb) s_hbt[tid] = hb0;
-        } else {
-            for (i32 c = tid; c < nhb; c += nt) s_hbt[c] = hbt[hat + c];
-        }
-        auto hot_row = [&](i32 slot) -> i32 {
-            const i32 blk = static_cast<i32>(vr_lds(a_hbt + 4u * static_cast<u32>(vr_div(slot, bs))));
-            return static_cast<i32>(static_cast<i64>(blk) * bs + vr_mod(slot, bs));
-        };
-        // ---- classify (entries i = kb + tid + u * nt of this block's share); outputs kept in registers -----
-        // Every global store waits until after the last barrier that releases (an arrive that releases is a
-        // GPU-scope fence here: it would wait for them).
-        i32 gv[VR_B], xi[VR_B], rv[VR_B], ov[VR_B];
-        bool host[VR_B], mine[VR_B];
-        i32 nvalid = 0, nhost = 0;
-#pragma unroll
-        for (i32 u = 0; u < VR_B; ++u) {
-            const i32 i = kb + tid + u * nt;
-            xi[u] = i;
-            host[u] = false;
-            mine[u] = tid + u * nt < Kc && i < K;
-            gv[u] = rv[u] = ov[u] = -1;
-            if (!mine[u]) continue;
-            const i32 t = tv0[u];
-            i64 g = t;
-            if (sbt != nullptr) g = sb0[u] >= 0 ? static_cast<i64>(sb0[u]) * sbs + vr_mod(t, sbs) : -1;
-            if (g >= host_rows) g = -1;
-            i64 res = -1;
-            if (rbt != nullptr && rb0[u] != null_block && rb0[u] >= 0) res = static_cast<i64>(rb0[u]) * rbs + vr_mod(t, rbs);
-            nvalid += (res >= 0 || g >= 0) ? 1 : 0;
-            rv[u] = static_cast<i32>(g);
-            if (res >= 0 || g < 0) {
-                ov[u] = res >= 0 ? static_cast<i32>(res) : -1;
-            } else {
-                host[u] = true;
-                gv[u] = static_cast<i32>(g);
-                ++nhost;
-            }
-        }
-        // This block's entries' outputs (out: hot_out; mm: miss_mask), after the last releasing barrier.
-        auto store_entries = [&](const i32 (&out)[VR_B], const bool (&mm)[VR_B]) {
-#pragma unroll
-            for (i32 u = 0; u < VR_B; ++u) {
-                if (!mine[u]) continue;
-                const i32 e = base + xi[u];
-                if (resolved != nullptr) resolved[e] = rv[u];
-                if (miss_mask != nullptr) miss_mask[e] = mm[u] ? 1 : 0;
-                hot_out[e] = out[u];
-                if (att != nullptr) att[e] = vr_attention(out[u], bs, att_stride);
-            }
-        };
-        // ---- inserts into the leader's table -----------------------------------------------------
-        vr_cl_wait();  // B1
-        u32 bk[VR_B];
-        u64 cur[VR_B];
-        i32 fresh = 0;
-#pragma unroll
-        for (i32 u = 0; u < VR_B; ++u) bk[u] = host[u] ? vr_hash(gv[u], T) : 0u;
-#pragma unroll
-        for (i32 u = 0; u < VR_B; ++u) {  // first probes, issued together
-            cur[u] = host[u] ? vr_ccas(a_tab + 8u * bk[u], VR_EMPTY, vr_key(gv[u], xi[u])) : 0ull;
-        }
-#pragma unroll
-        for (i32 u = 0; u < VR_B; ++u) {
-            if (!host[u]) continue;
-            if (cur[u] == VR_EMPTY) {
-                ++fresh;
-            } else if (static_cast<i32>(cur[u] >> 32) == gv[u]) {
-                vr_cmin(a_tab + 8u * bk[u], static_cast<u32>(xi[u]));  // low word: see vr_insert_at
-            } else {
-                bk[u] = vr_insert_cl(a_tab, T, gv[u], xi[u], fresh, bk[u] + 1 == T ? 0u : bk[u] + 1);
-            }
-        }
-        {  // a warp's valid and host entries (each <= 64) to every block
-            const u32 wv = __reduce_add_sync(HS_FULL_MASK, static_cast<u32>(nvalid));
-            const u32 wh = __reduce_add_sync(HS_FULL_MASK, static_cast<u32>(nhost));
-            vr_cl_post(s7_a, slotw, wv | (wh << 16));
-        }
-        vr_cl_arrive();
-        vr_cl_wait();  // B2: every insert done, every block's counts here
-        i32 tvalid, P;
-        {
-            const u32 all = __reduce_add_sync(HS_FULL_MASK, inslot ? s7_a[lane] : 0u);  // fields <= K < 2^16
-            tvalid = static_cast<i32>(all & 0xffffu);
-            P = static_cast<i32>(all >> 16);
-        }
-        if (P == 0) {  // no host entry: the LRU and hot map stay as they are (no cluster access follows)
-            const bool none[VR_B] = {false, false};
-            store_entries(ov, none);
-            if (rank == 0 && tid == 0) {
-                if (valid != nullptr) valid[r] = tvalid;
-                if (swap_counts != nullptr) swap_counts[r] = 0;
-            }
-            return;
-        }
-        // ---- the walk: the high words of the first buckets, issued together ------------------------
-        u32 hb[VR_W], key[VR_W];
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) hb[u] = cached[u] >= 0 ? vr_hash(cached[u], T) : 0u;
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) {
-            key[u] = vr_cld(a_tab + 8u * hb[u] + 4u);
-            if (cached[u] < 0) key[u] = 0xffffffffu;
-        }
-        i32 hbk[VR_W];
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) {
-            hbk[u] = -1;
-            if (cached[u] < 0) continue;
-            u32 b = hb[u], k = key[u];
-            while (k != 0xffffffffu) {  // an empty bucket ends the run (no key has an all-ones high word)
-                if (static_cast<i32>(k) == cached[u]) {
-                    hbk[u] = static_cast<i32>(b);
-                    break;
-                }
-                b = b + 1 == T ? 0u : b + 1;
-                k = vr_cld(a_tab + 8u * b + 4u);
-            }
-        }
-        u32 was[VR_W];
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) {  // the last hit position in LRU order wins
-            was[u] = VR_HELD;
-            if (hbk[u] >= 0) {
-                was[u] = vr_cmax(a_tab + 8u * static_cast<u32>(hbk[u]),
-                                 VR_HELD | (static_cast<u32>(p0 + u) << 15) | static_cast<u32>(sl0[u]));
-            }
-        }
-        u32 hitbits = 0;
-        i32 hits = 0, held = 0;
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) {
-            if (hbk[u] < 0) continue;
-            hitbits |= 1u << u;
-            ++hits;
-            held += (was[u] & VR_HELD) ? 0 : 1;
-        }
-        // ---- ranks of the hits in LRU order (blocks' positions contiguous, then threads') ---------
-        u32 wpre;
-        {
-            const u32 h0 = __ballot_sync(HS_FULL_MASK, hits & 1), h1 = __ballot_sync(HS_FULL_MASK, hits & 2),
-                      h2 = __ballot_sync(HS_FULL_MASK, hits & 4);
-            wpre = __popc(h0 & lt) + 2 * __popc(h1 & lt) + 4 * __popc(h2 & lt);
-            const u32 whits = __popc(h0) + 2 * __popc(h1) + 4 * __popc(h2);
-            const u32 wheld = __reduce_add_sync(HS_FULL_MASK, static_cast<u32>(held));
-            const u32 wfresh = __reduce_add_sync(HS_FULL_MASK, static_cast<u32>(fresh));
-            vr_cl_post(s7_b, slotw, whits | (wheld << 16));  // hit positions <= H < 2^15, held buckets <= K
-            vr_cl_post(s7_c, slotw, wfresh);
-        }
-        vr_cl_arrive();
-        vr_cl_wait();  // B3: every walk's marks done; every warp's counts
-        i32 hbefore, nH, nHeld, U;
-        {
-            const u32 x = inslot ? s7_b[lane] : 0u;
-            const u32 before = __reduce_add_sync(HS_FULL_MASK, lane < slotw ? x : 0u);
-            const u32 all = __reduce_add_sync(HS_FULL_MASK, x);
-            U = static_cast<i32>(__reduce_add_sync(HS_FULL_MASK, inslot ? s7_c[lane] : 0u));
-            hbefore = static_cast<i32>((before & 0xffffu) + wpre);
-            nH = static_cast<i32>(all & 0xffffu);
-            nHeld = static_cast<i32>(all >> 16);
-        }
-        const i32 misses = U - nHeld;  // union rows not held
-        const i32 nE = H - nH;
-        // ---- the new LRU order E[used:] + E[:used] + hits, from registers (stored at the end) -------
-        i32 lto[VR_W];
-        {
-            const i32 used = min(misses, nE);
-            i32 hr = hbefore, er = p0 - hbefore;
-#pragma unroll
-            for (i32 u = 0; u < VR_W; ++u) {
-                lto[u] = -1;
-                if (p0 + u >= p1) continue;
-                i32 to;
-                if ((hitbits >> u) & 1u) {
-                    to = nE + hr++;
-                } else {
-                    const i32 e = er++;
-                    to = e >= used ? e - used : e + nE - used;
-                }
-                if (to != p0 + u) lto[u] = to;
-            }
-        }
-        // ---- misses in first-reference order (blocks' shares in order; in a block u = 0's, then 1's) --
-        u32 lo[VR_B];
-#pragma unroll
-        for (i32 u = 0; u < VR_B; ++u) lo[u] = host[u] ? vr_cld(a_tab + 8u * bk[u]) : 0u;
-        i32 M = 0;
-        i32 own[VR_B] = {-1, -1};    // the hot row of a miss this thread records
-        i32 mrank[VR_B] = {-1, -1};  // its rank among the row's misses
-        i32 hs[VR_B] = {-1, -1};     // the hot slot it takes (-1: none left)
-        bool mm[VR_B] = {false, false};
-        if (misses > 0) {  // cluster-uniform
-            {
-                i32 er = p0 - hbefore;  // the evictable slots in LRU order: E[m] = ord[m] (the leader's)
-#pragma unroll
-                for (i32 u = 0; u < VR_W; ++u) {
-                    if (p0 + u >= p1) break;
-                    if (!((hitbits >> u) & 1u)) vr_cst16(a_ord + 2u * static_cast<u32>(er++), sl0[u]);
-                }
-            }
-            bool first[VR_B];
-            bool repeat = false;
-#pragma unroll
-            for (i32 u = 0; u < VR_B; ++u) {
-                first[u] = host[u] && lo[u] == static_cast<u32>(xi[u]);
-                repeat |= host[u] && !(lo[u] & VR_HELD) && !first[u];
-            }
-            const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
-            vr_cl_post(s7_d, slotw, static_cast<u32>(__popc(f0)) | (static_cast<u32>(__popc(f1)) << 16));
-            vr_cl_post(s7_e, slotw, __any_sync(HS_FULL_MASK, repeat) ? 1u : 0u);
-            vr_cl_arrive();
-            vr_cl_wait();  // B4: the evictable order, every warp's first references and repeats
-            const u32 x = inslot ? s7_d[lane] : 0u;
-            const i32 lc = lane / nw, lw = lane - lc * nw;  // slot `lane`: block lc, warp lw
-            const u32 lo16 = x & 0xffffu, hi16 = x >> 16;
-            // misses of the blocks before this one | this block's u = 0 misses << 16 (each <= K < 2^16)
-            const u32 ab = __reduce_add_sync(HS_FULL_MASK, (lc < static_cast<i32>(rank) ? lo16 + hi16 : 0u) |
-                                                               (lc == static_cast<i32>(rank) ? lo16 << 16 : 0u));
-            const u32 pw = __reduce_add_sync(HS_FULL_MASK, lc == static_cast<i32>(rank) && lw < warp ? x : 0u);
-            M = static_cast<i32>(__reduce_add_sync(HS_FULL_MASK, lo16 + hi16));
-            const bool repeats = __reduce_or_sync(HS_FULL_MASK, inslot ? s7_e[lane] : 0u) != 0u;
-            const i32 before_blocks = static_cast<i32>(ab & 0xffffu), tot0 = static_cast<i32>(ab >> 16);
-            const i32 rnk[VR_B] = {before_blocks + static_cast<i32>(pw & 0xffffu) + __popc(f0 & lt),
-                                   before_blocks + tot0 + static_cast<i32>(pw >> 16) + __popc(f1 & lt)};
-            i32 mslot[VR_B];
-#pragma unroll
-            for (i32 u = 0; u < VR_B; ++u) {
-                mslot[u] = -1;
-                if (!first[u]) continue;
-                mrank[u] = rnk[u];
-                const i32 slot = rnk[u] < nE ? vr_cld16(a_ord + 2u * static_cast<u32>(rnk[u])) : -1;
-                i32 dev = -1;
-                if (slot >= 0 && slot < H) {
-                    dev = hot_row(slot);
-                    mslot[u] = slot;
-                }
-                own[u] = dev;
-                if (repeats) vr_cst(a_val + 4u * bk[u], static_cast<u32>(dev));
-            }
-            if (repeats) {  // cluster-uniform: every miss's hot row is in the leader's s_val
-                vr_cl_arrive();
-                vr_cl_wait();  // B5
-            }
-#pragma unroll
-            for (i32 u = 0; u < VR_B; ++u) mm[u] = mslot[u] >= 0;
-#pragma unroll
-            for (i32 u = 0; u < VR_B; ++u) hs[u] = mslot[u];
-        }
-        // ---- outputs of host entries ------------------------------------------------------------
-        i32 out[VR_B];
-#pragma unroll
-        for (i32 u = 0; u < VR_B; ++u) {
-            out[u] = ov[u];
-            if (!host[u]) continue;
-            if (lo[u] & VR_HELD) {
-                out[u] = hot_row(static_cast<i32>(lo[u] & 0x7fffu));
-            } else if (lo[u] == static_cast<u32>(xi[u])) {
-                out[u] = own[u];
-            } else {
-                out[u] = static_cast<i32>(vr_cld(a_val + 4u * bk[u]));  // a repeat of a miss: written before B5
-            }
-        }
-        // Every block's reads of the leader's table, order and values are done before it exits: the last
-        // barrier, with the global stores between its arrival and its wait.
-        vr_cl_arrive();
-        store_entries(out, mm);
-#pragma unroll
-        for (i32 u = 0; u < VR_W; ++u) {
-            if (lto[u] >= 0) lru_q[lto[u]] = static_cast<i16>(sl0[u]);
-        }
-#pragma unroll
-        for (i32 u = 0; u < VR_B; ++u) {
-            if (mrank[u] < 0) continue;
-            if (hs[u] >= 0) dgi_q[hs[u]] = gv[u];
-            if (swap_counts != nullptr) {
-                swap_host[base + mrank[u]] = gv[u];
-                swap_dev[base + mrank[u]] = own[u];
-            }
-        }
-        if (rank == 0 && tid == 0) {
-            if (valid != nullptr) valid[r] = tvalid;
-            if (swap_counts != nullptr) swap_counts[r] = M;
-            if (stats != nullptr) {
-                atomicAdd(reinterpret_cast<unsigned long long*>(stats), static_cast<unsigned long long>(U - M));
-                atomicAdd(reinterpret_cast<unsigned long long*>(stats) + 1, static_cast<unsigned long long>(M));
-            }
-        }
-        vr_cl_wait();
-        return;
-    }
-    if (rank != 0) return;  // the leader resolves the group alone, on build 3's path below
-#elif VR_FAST4
+#if VR_FAST4
     // The lean path of a one-row group (VR_FAST4 above): rows r - 1, r and r + 1 are known to every
     // thread, so the block needs no group barrier. Same outputs as the path below, step for step.
     if (nq != q && T1 != 0u && K <= VR_B * nt && cpt <= VR_W && dvec && hreg) {  // block-uniform

@@ -59,9 +59,10 @@ layers standing for reference layers 0-1: their top-k predicts the next layer's 
 own next step's, so prefetching from them copies rows nobody reads; rows labelled
 `code+prefetch-from1,2`; the same rows as `on` where no layer is poor); `off/on/auto` runs all three.
 `--resident-stores outside` puts the resident layers' stores on top of `--gpu-kv-gib` instead of
-inside it, so a resident alternative keeps hisparse's pool and runs at the same batches (its rows say
-`resident_stores_outside_budget_gib`; under `max` all-resident also runs at each resident
-alternative's largest batch).
+inside it, so a resident alternative runs at hisparse's batches without resident layers (`max` is
+that largest; rows labelled `code+resident0-outside`, JSON `resident_stores_outside_budget_gib`:
+their memory is the budget plus that); `inside/outside` runs each resident alternative both ways.
+Under `max` all-resident also runs at each inside alternative's largest batch (same-batch ratios).
 `--reference-layers` says which reference layers of the 61-layer locality profile the model's
 layers stand for (`enable(synthetic_topk_layers=...)`): `spread` (the default, 0/20/40/60 for 4
 layers: neighbours 20 layers apart, so a group's top-k predicts little of the next one's) or an
@@ -84,7 +85,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,10 +162,16 @@ class Sizes:
         """The part of the stores the budget pays for (none under --resident-stores outside)."""
         return 0 if self.stores_outside else self.store_bytes(b)
 
-    def with_resident(self, layers: tuple[int, ...]) -> Sizes:
+    def with_resident(self, layers: tuple[int, ...], outside: bool = False) -> Sizes:
         from dataclasses import replace
 
-        return replace(self, resident_layers=layers)
+        return replace(self, resident_layers=layers, stores_outside=outside and bool(layers))
+
+    def largest_batch(self) -> int:
+        """hisparse's largest batch (`max`): with the stores outside the budget, that of hisparse without
+        resident layers (so a resident alternative is timed at the same batches)."""
+        base = self.with_resident(()) if self.stores_outside else self
+        return base.largest("hisparse")
 
     def fits_budget(self, b: int) -> bool:
         """Whether all-resident holds batch `b` at the fixed budget (`--gpu-kv-gib`)."""
@@ -225,7 +232,7 @@ def batches_for(s: Sizes, mode: str, asked: list[int] | None, also_max: tuple[in
     top = s.largest(mode)
     if asked is not None:
         fixed = max((x for x in range(1, s.largest("all-resident") + 1) if s.fits_budget(x)), default=0)
-        want = {s.largest("hisparse") if b == 0 else fixed if b == -1 else b for b in asked}
+        want = {s.largest_batch() if b == 0 else fixed if b == -1 else b for b in asked}
         if 0 in asked:
             want |= set(also_max)
         return sorted(b for b in want if 0 < b <= top)
@@ -443,7 +450,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
         topk += reference_label(refs, s.layers)   # all-resident's cost does not depend on them: one label
     layers = () if resident else s.resident_layers
     if layers:
-        topk += "+resident" + ",".join(map(str, layers))
+        topk += "+resident" + ",".join(map(str, layers)) + ("-outside" if s.stores_outside else "")
     if resident or prefetch == ():
         prefetch = False
     topk += prefetch_label(prefetch)
@@ -773,11 +780,12 @@ def main(argv: list[str] | None = None) -> int:
                         "default), from every layer but the regime's poor ones ('auto': under code not from the layers "
                         "standing for reference layers 0-1, whose top-k predicts nothing; rows labelled "
                         "+prefetch-from1,2 where that leaves some out), or each row several ways ('off/on/auto')")
-    p.add_argument("--resident-stores", choices=("inside", "outside"), default="inside",
+    p.add_argument("--resident-stores", default="inside",
                    help="whether the resident layers' stores (--resident-layers) come out of --gpu-kv-gib ('inside', "
-                        "the default: the fixed budget) or on top of it ('outside': hisparse keeps its pool for the "
-                        "other layers, so a resident alternative runs at the same batches; rows say "
-                        "resident_stores_outside_budget_gib, and their memory is not the fixed budget's)")
+                        "the default: the fixed budget) or on top of it ('outside': a resident alternative runs at "
+                        "hisparse's batches without resident layers, 'max' being that largest; rows labelled "
+                        "+resident0-outside say resident_stores_outside_budget_gib, their memory is not the fixed "
+                        "budget's); 'inside/outside' runs each resident alternative both ways")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
@@ -801,6 +809,11 @@ def main(argv: list[str] | None = None) -> int:
     except BadSize as exc:
         print(f"bench_serving: {exc}", file=sys.stderr)
         return 2
+    stores_alts = list(dict.fromkeys(x.strip() == "outside" for x in a.resident_stores.split("/")))
+    if not all(x.strip() in ("inside", "outside") for x in a.resident_stores.split("/")):
+        print(f"bench_serving: --resident-stores={a.resident_stores!r}: expected inside, outside or inside/outside",
+              file=sys.stderr)
+        return 2
     prefetch_alts = list(dict.fromkeys(x.strip() for x in a.prefetch_next_group.split("/")))
     if not all(x in ("off", "on", "auto") for x in prefetch_alts):
         print(f"bench_serving: --prefetch-next-group={a.prefetch_next_group!r}: expected on, off, auto or several "
@@ -817,12 +830,12 @@ def main(argv: list[str] | None = None) -> int:
 
     probe_cfg = DeepseekV32Config(num_hidden_layers=a.layers, **geometry)
     try:
-        sizes = [replace(sizes_for(probe_cfg, a.layers, t, a), stores_outside=a.resident_stores == "outside")
-                 for t in contexts]
+        sizes = [sizes_for(probe_cfg, a.layers, t, a) for t in contexts]
         for s in sizes:
             check_sizes(s, None)
             for alt in plan.resident:
-                check_sizes(s.with_resident(alt), None)
+                for outside in stores_alts:
+                    check_sizes(s.with_resident(alt, outside), None)
         if asked:
             # a batch some context cannot hold is left out there; refused only where none can
             tops = {s.context: max(s.largest(m) for m in MODES) for s in sizes}
@@ -855,8 +868,8 @@ def main(argv: list[str] | None = None) -> int:
     print("# hisparse resident layers: " + " / ".join(str(list(x)) if x else "none" for x in plan.resident)
           + (f" ({plan.resident_why})" if plan.resident_why else " (--resident-layers; default none: every layer "
              "through hisparse)")
-          + ("; their stores on top of the budget (--resident-stores outside)" if a.resident_stores == "outside"
-             and any(plan.resident) else ""), flush=True)
+          + (f"; their stores {' / '.join('on top of the budget' if o else 'inside it' for o in stores_alts)} "
+             f"(--resident-stores {a.resident_stores})" if any(plan.resident) else ""), flush=True)
     print(f"# hisparse prefetch_next_group: {a.prefetch_next_group} (--prefetch-next-group; rows with it are labelled "
           "+prefetch, or +prefetch-fromG,... where auto leaves the regime's poor layers out as sources)", flush=True)
     if a.topk_model != "indexer":
@@ -865,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
               + " (--reference-layers; all-resident rows take the first)", flush=True)
     for s in sizes:
         extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
-                        for x in plan.resident if x)
+                        for x in plan.resident if x and False in stores_alts)
         print(f"# T={s.context}: largest batch hisparse {s.largest('hisparse')}, all-resident "
               f"{s.largest('all-resident')}, transformers {s.largest('transformers')}{extra}", flush=True)
     rows: list[dict[str, Any]] = []
@@ -878,12 +891,14 @@ def main(argv: list[str] | None = None) -> int:
     for s in sizes:
         for mode in modes:
             if mode == "hisparse":
-                variants = [(refs, s.with_resident(x)) for refs, alts in zip(plan.references, plan.resident_by_ref,
-                                                                             strict=True) for x in alts]
+                variants = [(refs, s.with_resident(x, o)) for refs, alts in zip(plan.references, plan.resident_by_ref,
+                                                                                strict=True)
+                            for x in alts for o in (stores_alts if x else [False])]
             else:
                 variants = [(plan.references[0], s)]
             prefetches = prefetch_alts if mode == "hisparse" else ["off"]
-            also = tuple(s.with_resident(x).largest("hisparse") for x in plan.resident if x) if mode != "hisparse" else ()
+            also = (tuple(s.with_resident(x).largest("hisparse") for x in plan.resident if x and False in stores_alts)
+                    if mode != "hisparse" else ())
             for (refs, v), pf in ((v, pf) for v in variants for pf in prefetches):
                 sources = prefetch_sources(pf, refs, a.topk_model)
                 if pf == "auto" and sources is True and "on" in prefetches:

@@ -374,7 +374,7 @@ class HiSparseEngine:
         #: Called with (session, tokens removed) after each rollback (the checker's copies follow it).
         self.rollback_listeners: list[Callable[[Session, int], None]] = []
         self.prefetch = (NextGroupPrefetch(self.runtimes, self.group_tables, placement.group_device, placement.devices,
-                                           sources=None if pf is True else pf)
+                                           sources=None if isinstance(pf, bool) else pf)
                          if pf else None)
         self.totals.prefetch_misses = [0] * G
         if spec:

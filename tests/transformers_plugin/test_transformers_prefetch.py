@@ -234,3 +234,30 @@ def test_prefetch_out_of_a_resident_group_on_the_gpu(family: str) -> None:
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_reason() is not None, reason=f"nvidia backend unavailable: {gpu_reason()}")
+def test_prefetch_from_chosen_groups_in_a_captured_graph() -> None:
+    """`prefetch_next_group=(1,)` on a 3-layer DeepSeek-V3.2 on the nvidia backend, decode steps
+    replayed from a CUDA graph: only group 2 is prefetched (group 1 gets no side-stream resolve),
+    and the tokens and logits are those without any prefetch."""
+    m: Any = tiny_model("deepseek_v32", shape=TinyShape(layers=3), seed=11, device="cuda")
+    m.set_experts_implementation("batched_mm")
+    ids, mask = random_prompts([97, 110, 103], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    shape = TinyShape(layers=3)
+    budget = 66 * shape.layers * 4 * (shape.kv_lora + shape.rope) * 4 / 2**30
+    outs, per_group = [], []
+    for prefetch in (False, (1,)):
+        kw = enable_kwargs("deepseek_v32", backend="nvidia", check=False, cuda_graphs=True, gpu_kv_gib=budget,
+                           prefetch_next_group=prefetch)
+        with hisparse_transformers.enable(m, **kw) as hs:
+            gen: Any = m.generate
+            outs.append(gen(ids, attention_mask=mask, max_new_tokens=12, prefill_chunk_size=8, **GEN))
+            assert hs.stats().decode_mode == "cuda graph"
+            per_group.append(list(hs.engine.totals.prefetch_misses))
+    assert per_group[0] == [0, 0, 0] and per_group[1][:2] == [0, 0] and per_group[1][2] > 0, per_group
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
+        assert torch.equal(a, b)

@@ -13,8 +13,22 @@ pool less every request's hot buffer and the coordinator's watermark, spread eve
 batch, the active tail among them (`--resident-pages N` overrides). H2D bytes are misses times
 the bf16 row (1152 bytes).
 
+Plans (`--plans`): `off`, `next` and `next+wrap` as above; `auto` the prefetch from every group
+but the regime's poor layers (`bench_serving.py --prefetch-next-group auto`: under code the groups
+standing for reference layers 0-1); `res` the poor layers kept resident (`--resident-layers auto`:
+no lookups, no buffer) without the prefetch, `res+next` with it from every group, `res+auto` with it
+from the good ones (the plan as `enable` takes it: a tuple of source groups).
+
+Predicted step: the call D3 (seventeenth session, H200, 32K, batch 43, docs/gpu-validation.md)
+timed eight hisparse rows whose step over all-resident's fits `18.8 us x critical MB + 11.2 us x
+prefetched MB` within 0.21 ms (least squares, no constant: the critical copies wait at the link's
+53 GB/s, the prefetch's overlap the attention but still cost about 60% as much per byte). The
+`pred. excess ms` column is that; `pred. vs all-resident` divides by `--all-resident-ms` (15.54 for
+32K batch 43 in D3; other geometries need their own figure).
+
 Run:  python bench/bench_prefetch_locality.py
       python bench/bench_prefetch_locality.py --geometries 32768:43 --regimes code --references spread/20,21,22,23
+      python bench/bench_prefetch_locality.py --geometries 32768:43 --plans off,next,auto,res,res+next,res+auto
 """
 
 from __future__ import annotations
@@ -27,7 +41,33 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hisparse_core.replay.locality import parse_reference_layers  # noqa: E402
-from hisparse_core.replay.prefetch_sim import VARIANTS, request_trace, simulate  # noqa: E402
+from hisparse_core.replay.prefetch_sim import request_trace, simulate  # noqa: E402
+
+#: D3's fit (see the module docstring): ms per MB of critical-path and of prefetched H2D copies
+CRITICAL_MS_PER_MB = 18.8e-3
+PREFETCH_MS_PER_MB = 11.2e-3
+#: plan -> (simulate's variant, prefetch from the good groups only, poor groups resident)
+PLANS = {"off": ("off", False, False), "next": ("next", False, False), "next+wrap": ("next+wrap", False, False),
+         "auto": ("next", True, False), "res": ("off", False, True), "res+next": ("next", False, True),
+         "res+auto": ("next", True, True)}
+
+
+def poor_groups(regime_name: str, refs: list[int]) -> list[int]:
+    """bench_serving.poor_layers: under code the groups standing for reference layers 0-1."""
+    return [g for g, r in enumerate(refs) if r < 2] if regime_name == "code" else []
+
+
+def all_resident_ms(text: str) -> dict[tuple[int, int], float]:
+    out: dict[tuple[int, int], float] = {}
+    for part in filter(None, text.split(",")):
+        key, _, ms = part.partition("=")
+        try:
+            (t, b), step = geometry(key)[0], float(ms)
+        except ValueError:
+            raise ValueError(f"--all-resident-ms={text!r}: {part!r} is not CONTEXT:BATCH=MS; expected e.g. "
+                             "32768:43=15.54") from None
+        out[(t, b)] = step
+    return out
 
 
 def geometry(text: str) -> list[tuple[int, int]]:
@@ -83,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="measured steps after the warm-up")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plans", default="off,next,next+wrap", help=f"comma list of {', '.join(PLANS)} (module docstring)")
+    p.add_argument("--all-resident-ms", default="32768:43=15.54",
+                   help="all-resident's measured step per CONTEXT:BATCH, for the predicted ratio (D3: 32768:43=15.54)")
     a = p.parse_args(argv)
     try:
         geos = geometry(a.geometries)
@@ -91,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         bad = [r for r in regimes if r not in ("benign", "code")]
         if bad:
             raise ValueError(f"--regimes={a.regimes!r}: {bad[0]!r} is not a regime; expected benign and/or code")
+        plans = a.plans.split(",")
+        bad = [x for x in plans if x not in PLANS]
+        if bad:
+            raise ValueError(f"--plans={a.plans!r}: {bad[0]!r} is not a plan; expected a comma list of {', '.join(PLANS)}")
+        base_ms = all_resident_ms(a.all_resident_ms)
         if a.steps <= 0 or a.warmup < 1:
             raise ValueError(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 1")
         if a.resident_pages >= 0:   # no sizing: e.g. a 61-layer model at the 4-layer bench's pages and hot rows
@@ -103,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     print(f"# CPU simulation (counts, no timing): {a.layers} layers, top-k {a.top_k}, {a.warmup} warm-up + {a.steps} "
           f"measured decode steps, LRU hot buffers per index group, seed {a.seed}")
-    print("| context | batch | regime | reference layers | prefetch | critical misses/step | critical MB/step | "
-          "prefetch MB/step | H2D MB/step | critical vs off | critical by group |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| context | batch | regime | reference layers | plan | critical misses/step | critical MB/step | "
+          "prefetch MB/step | H2D MB/step | critical vs off | critical by group | prefetched into group | "
+          "pred. excess ms | pred. vs all-resident |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (context, batch), (res, hot, row_bytes) in sizing.items():
         resident = res
         for name in regimes:
@@ -113,17 +162,26 @@ def main(argv: list[str] | None = None) -> int:
                 traces = [request_trace(name, ref, top_k=a.top_k, context=context, steps=a.warmup + a.steps,
                                         seed=a.seed, request_id=r) for r in range(batch)]
                 base = None
-                for variant in VARIANTS:
+                poor = poor_groups(name, ref)
+                for plan in plans:
+                    variant, good_only, res_poor = PLANS[plan]
+                    pairs = [g for g in range(len(ref)) if g not in poor] if good_only else None
                     c = simulate(traces, variant, context=context, hot_rows=hot, block_size=64,
-                                 resident_pages=max(0, resident - 2), tail_pages=2, warmup=a.warmup)
+                                 resident_pages=max(0, resident - 2), tail_pages=2, warmup=a.warmup, pairs=pairs,
+                                 resident_groups=poor if res_poor else ())
                     n = c.steps
                     crit, pre = c.critical_misses / n, c.prefetch_misses / n
-                    base = base or crit
+                    base = base if base is not None else crit
+                    crit_mb, pre_mb = crit * row_bytes / 1e6, pre * row_bytes / 1e6
+                    excess = CRITICAL_MS_PER_MB * crit_mb + PREFETCH_MS_PER_MB * pre_mb
+                    ms = base_ms.get((context, batch))
                     label = "spread " if ref == parse_reference_layers("", "spread", range(a.layers), a.layers) else ""
-                    print(f"| {context // 1024}K | {batch} | {name} | {label}{','.join(map(str, ref))} | {variant} | "
-                          f"{crit:,.0f} | {crit * row_bytes / 1e6:.1f} | {pre * row_bytes / 1e6:.1f} | "
-                          f"{(crit + pre) * row_bytes / 1e6:.1f} | {crit / base if base else 1.0:.2f}x | "
-                          f"{' / '.join(f'{x / n:,.0f}' for x in c.critical_by_group)} |", flush=True)
+                    print(f"| {context // 1024}K | {batch} | {name} | {label}{','.join(map(str, ref))} | {plan} | "
+                          f"{crit:,.0f} | {crit_mb:.1f} | {pre_mb:.1f} | "
+                          f"{crit_mb + pre_mb:.1f} | {crit / base if base else 1.0:.2f}x | "
+                          f"{' / '.join(f'{x / n:,.0f}' for x in c.critical_by_group)} | "
+                          f"{' / '.join(f'{x / n:,.0f}' for x in c.prefetch_by_group)} | {excess:.2f} | "
+                          f"{f'{(ms + excess) / ms:.3f}x' if ms else '-'} |", flush=True)
         print(f"# {context // 1024}K batch {batch}: {resident} resident pages a request (sinks' and active tail's "
               f"among them), {hot} hot rows", flush=True)
     print(f"# ({time.perf_counter() - t0:.0f} s)")

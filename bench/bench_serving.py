@@ -54,6 +54,15 @@ index group's resolve on this group's top-k, its copies overlapping this group's
 labelled `code+prefetch`); `--prefetch-next-group off/on` runs each without and with it. Such rows
 also give the prefetches' own misses and H2D bytes apart (`prefetch misses/MB per step`): the
 misses and H2D columns count both, the critical path's are the difference (`critical_*` in JSON).
+`--prefetch-next-group auto` prefetches from every layer but the regime's poor ones (under code the
+layers standing for reference layers 0-1: their top-k predicts the next layer's no better than their
+own next step's, so prefetching from them copies rows nobody reads; rows labelled
+`code+prefetch-from1,2`; the same rows as `on` where no layer is poor); `off/on/auto` runs all three.
+`--resident-stores outside` puts the resident layers' stores on top of `--gpu-kv-gib` instead of
+inside it, so a resident alternative runs at hisparse's batches without resident layers (`max` is
+that largest; rows labelled `code+resident0-outside`, JSON `resident_stores_outside_budget_gib`:
+their memory is the budget plus that); `inside/outside` runs each resident alternative both ways.
+Under `max` all-resident also runs at each inside alternative's largest batch (same-batch ratios).
 `--reference-layers` says which reference layers of the 61-layer locality profile the model's
 layers stand for (`enable(synthetic_topk_layers=...)`): `spread` (the default, 0/20/40/60 for 4
 layers: neighbours 20 layers apart, so a group's top-k predicts little of the next one's) or an
@@ -138,6 +147,7 @@ class Sizes:
     layers: int = 0
     row_bytes: int = 0
     resident_layers: tuple[int, ...] = ()    # hisparse's layers kept whole on the GPU (--resident-layers)
+    stores_outside: bool = False             # their stores come on top of the budget (--resident-stores outside)
 
     @property
     def hs_block_bytes(self) -> int:
@@ -148,10 +158,20 @@ class Sizes:
         """The resident layers' stores at batch `b` (`enable(resident_layers=...)`: max_batch x max_context rows)."""
         return len(self.resident_layers) * b * self.pages * (self.block_bytes // self.layers)
 
-    def with_resident(self, layers: tuple[int, ...]) -> Sizes:
+    def budget_store_bytes(self, b: int) -> int:
+        """The part of the stores the budget pays for (none under --resident-stores outside)."""
+        return 0 if self.stores_outside else self.store_bytes(b)
+
+    def with_resident(self, layers: tuple[int, ...], outside: bool = False) -> Sizes:
         from dataclasses import replace
 
-        return replace(self, resident_layers=layers)
+        return replace(self, resident_layers=layers, stores_outside=outside and bool(layers))
+
+    def largest_batch(self) -> int:
+        """hisparse's largest batch (`max`): with the stores outside the budget, that of hisparse without
+        resident layers (so a resident alternative is timed at the same batches)."""
+        base = self.with_resident(()) if self.stores_outside else self
+        return base.largest("hisparse")
 
     def fits_budget(self, b: int) -> bool:
         """Whether all-resident holds batch `b` at the fixed budget (`--gpu-kv-gib`)."""
@@ -170,7 +190,7 @@ class Sizes:
     def fits(self, mode: str, b: int) -> bool:
         kv = self.budget - b * self.indexer_bytes
         if mode == "hisparse":
-            return (kv >= self.hisparse_blocks(b) * self.hs_block_bytes + self.store_bytes(b)
+            return (kv >= self.hisparse_blocks(b) * self.hs_block_bytes + self.budget_store_bytes(b)
                     and b * (self.pages + 2) + 1 <= self.host_blocks)
         if mode == "all-resident":
             kv = self.resident_budget - b * self.indexer_bytes
@@ -204,14 +224,17 @@ def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace) 
                  int((a.all_resident_gib or a.gpu_kv_gib) * 2**30), layers, fmt.row_bytes)
 
 
-def batches_for(s: Sizes, mode: str, asked: list[int] | None) -> list[int]:
-    """The batches `mode` runs at this context: `asked` (0 standing for hisparse's largest, `max`;
-    -1 for all-resident's largest at the fixed budget, `budget`) that fit, else powers of two up to
-    the mode's largest and that largest itself."""
+def batches_for(s: Sizes, mode: str, asked: list[int] | None, also_max: tuple[int, ...] = ()) -> list[int]:
+    """The batches `mode` runs at this context: `asked` (0 standing for hisparse's largest, `max`, and
+    then for `also_max` too, the largest of hisparse's resident-layer alternatives, so that all-resident
+    runs at their batches as well; -1 for all-resident's largest at the fixed budget, `budget`) that
+    fit, else powers of two up to the mode's largest and that largest itself."""
     top = s.largest(mode)
     if asked is not None:
         fixed = max((x for x in range(1, s.largest("all-resident") + 1) if s.fits_budget(x)), default=0)
-        want = {s.largest("hisparse") if b == 0 else fixed if b == -1 else b for b in asked}
+        want = {s.largest_batch() if b == 0 else fixed if b == -1 else b for b in asked}
+        if 0 in asked:
+            want |= set(also_max)
         return sorted(b for b in want if 0 < b <= top)
     out = []
     b = 1
@@ -276,6 +299,31 @@ def _ints(flag: str, text: str, *, allow_max: bool = False, allow_all: bool = Fa
     return out
 
 
+def poor_layers(refs: list[int], regime_name: str) -> tuple[int, ...]:
+    """The model's layers whose top-k barely repeats step to step under `regime_name`: under code those
+    standing for reference layers 0-1 of 61 (GVR: about 1.5% consecutive overlap); none otherwise."""
+    return tuple(i for i, ref in enumerate(refs) if ref < 2) if regime_name == "code" else ()
+
+
+def prefetch_sources(spec: str, refs: list[int], regime_name: str) -> bool | tuple[int, ...]:
+    """--prefetch-next-group's alternative `spec` as enable takes it: off False, on True, auto the
+    groups (one layer each) whose successor is worth prefetching, every one but the poor layers (their
+    top-k predicts the next layer's no better than their own next step's; bench_prefetch_locality.py
+    measures what prefetching from them costs); True where that is every group."""
+    if spec != "auto":
+        return spec == "on"
+    poor = poor_layers(refs, regime_name)
+    sources = tuple(g for g in range(len(refs) - 1) if g not in poor)
+    return True if len(sources) == len(refs) - 1 else sources
+
+
+def prefetch_label(sources: bool | tuple[int, ...]) -> str:
+    """A hisparse row's top-k label suffix for its prefetch ('+prefetch': every group; '+prefetch-from1,2')."""
+    if sources is False:
+        return ""
+    return "+prefetch" if sources is True else "+prefetch-from" + ",".join(map(str, sources))
+
+
 def resident_alternatives(spec: str, layers: int, regime_name: str,
                           refs: list[int] | None = None) -> tuple[list[tuple[int, ...]], str]:
     """--resident-layers: its '/'-separated alternatives as layer tuples (distinct, in order), and
@@ -285,7 +333,7 @@ def resident_alternatives(spec: str, layers: int, regime_name: str,
     from hisparse_core.residency import parse_resident_layers
 
     refs = reference_layers(list(range(layers)), layers) if refs is None else refs
-    poor = tuple(i for i, ref in enumerate(refs) if ref < 2) if regime_name == "code" else ()
+    poor = poor_layers(refs, regime_name)
     why = ""
     out: list[tuple[int, ...]] = []
     for alt in spec.split("/"):
@@ -385,7 +433,8 @@ def reference_label(refs: list[int], layers: int) -> str:
 
 
 def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool, *,
-               skip_indexer: bool = False, prefetch: bool = False, reference: list[int] | None = None) -> dict[str, Any]:
+               skip_indexer: bool = False, prefetch: bool | tuple[int, ...] = False,
+               reference: list[int] | None = None) -> dict[str, Any]:
     """One engine row: hisparse (with `s.resident_layers` kept whole on the GPU) or the same engine
     all-resident, the locality model's layers standing for `reference` (None: spread). `a.warmup`
     decode steps run untimed first; every figure (step, host time, hits, misses, PCIe bytes) is of
@@ -401,12 +450,14 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
         topk += reference_label(refs, s.layers)   # all-resident's cost does not depend on them: one label
     layers = () if resident else s.resident_layers
     if layers:
-        topk += "+resident" + ",".join(map(str, layers))
-    prefetch = prefetch and not resident
-    if prefetch:
-        topk += "+prefetch"
+        topk += "+resident" + ",".join(map(str, layers)) + ("-outside" if s.stores_outside else "")
+    if resident or prefetch == ():
+        prefetch = False
+    topk += prefetch_label(prefetch)
     out: dict[str, Any] = {"mode": "all-resident" if resident else "hisparse", "batch": b, "context": s.context,
                            "topk": topk, "reference_layers": refs if modelled else None}
+    if layers and s.stores_outside:
+        out["resident_stores_outside_budget_gib"] = s.store_bytes(b) / 2**30
     if resident:
         # False: this batch runs all-resident only under --all-resident-gib (the offloading cost at the
         # same batch), not at the fixed budget the capacity and best-throughput figures compare
@@ -416,7 +467,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     else:
         store = s.store_bytes(b)
         block_bytes = s.hs_block_bytes
-        blocks = (s.budget - b * s.indexer_bytes - store) // block_bytes
+        blocks = (s.budget - b * s.indexer_bytes - s.budget_store_bytes(b)) // block_bytes
     host_gib = (b * (s.pages + 4) + 8) * block_bytes / 2**30
     hs = cache = None
     try:
@@ -455,7 +506,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                    d2h_mb_per_step=(st.d2h_bytes - before.d2h_bytes) / a.steps / 1e6,
                    released=st.released_pages, decode_mode=st.decode_mode, planned=hs.engine.ahead.claimed,
                    resident_store_mb=st.resident_store_bytes / 1e6, timed_steps=a.steps, warmup_steps=a.warmup)
-        if prefetch:
+        if prefetch is not False:
             pre = (st.prefetch_misses - before.prefetch_misses) / a.steps
             pre_mb = (st.prefetch_h2d_bytes - before.prefetch_h2d_bytes) / a.steps / 1e6
             out.update(prefetch_misses_per_step=pre, prefetch_h2d_mb_per_step=pre_mb,
@@ -726,7 +777,15 @@ def main(argv: list[str] | None = None) -> int:
                         "'/' run each hisparse row once per alternative (rows labelled <regime>+ref20,21,22,23)")
     p.add_argument("--prefetch-next-group", nargs="?", const="on", default="off",
                    help="hisparse rows with enable(prefetch_next_group=True) ('on', the flag alone), without ('off', the "
-                        "default), or each row both ways ('off/on')")
+                        "default), from every layer but the regime's poor ones ('auto': under code not from the layers "
+                        "standing for reference layers 0-1, whose top-k predicts nothing; rows labelled "
+                        "+prefetch-from1,2 where that leaves some out), or each row several ways ('off/on/auto')")
+    p.add_argument("--resident-stores", default="inside",
+                   help="whether the resident layers' stores (--resident-layers) come out of --gpu-kv-gib ('inside', "
+                        "the default: the fixed budget) or on top of it ('outside': a resident alternative runs at "
+                        "hisparse's batches without resident layers, 'max' being that largest; rows labelled "
+                        "+resident0-outside say resident_stores_outside_budget_gib, their memory is not the fixed "
+                        "budget's); 'inside/outside' runs each resident alternative both ways")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
@@ -750,10 +809,15 @@ def main(argv: list[str] | None = None) -> int:
     except BadSize as exc:
         print(f"bench_serving: {exc}", file=sys.stderr)
         return 2
-    prefetch_alts = [x == "on" for x in a.prefetch_next_group.split("/")]
-    if not all(x in ("off", "on") for x in a.prefetch_next_group.split("/")):
-        print(f"bench_serving: --prefetch-next-group={a.prefetch_next_group!r}: expected on, off or off/on",
+    stores_alts = list(dict.fromkeys(x.strip() == "outside" for x in a.resident_stores.split("/")))
+    if not all(x.strip() in ("inside", "outside") for x in a.resident_stores.split("/")):
+        print(f"bench_serving: --resident-stores={a.resident_stores!r}: expected inside, outside or inside/outside",
               file=sys.stderr)
+        return 2
+    prefetch_alts = list(dict.fromkeys(x.strip() for x in a.prefetch_next_group.split("/")))
+    if not all(x in ("off", "on", "auto") for x in prefetch_alts):
+        print(f"bench_serving: --prefetch-next-group={a.prefetch_next_group!r}: expected on, off, auto or several "
+              "separated by '/' (e.g. off/on/auto)", file=sys.stderr)
         return 2
     if a.skip_indexer and a.topk_model == "indexer":
         print("bench_serving: --skip-indexer needs --topk-model benign or code (the indexer's choice is what "
@@ -770,7 +834,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in sizes:
             check_sizes(s, None)
             for alt in plan.resident:
-                check_sizes(s.with_resident(alt), None)
+                for outside in stores_alts:
+                    check_sizes(s.with_resident(alt, outside), None)
         if asked:
             # a batch some context cannot hold is left out there; refused only where none can
             tops = {s.context: max(s.largest(m) for m in MODES) for s in sizes}
@@ -802,16 +867,18 @@ def main(argv: list[str] | None = None) -> int:
           f"are the timed steps'; all-resident's budget {(a.all_resident_gib or a.gpu_kv_gib):g} GiB", flush=True)
     print("# hisparse resident layers: " + " / ".join(str(list(x)) if x else "none" for x in plan.resident)
           + (f" ({plan.resident_why})" if plan.resident_why else " (--resident-layers; default none: every layer "
-             "through hisparse)"), flush=True)
+             "through hisparse)")
+          + (f"; their stores {' / '.join('on top of the budget' if o else 'inside it' for o in stores_alts)} "
+             f"(--resident-stores {a.resident_stores})" if any(plan.resident) else ""), flush=True)
     print(f"# hisparse prefetch_next_group: {a.prefetch_next_group} (--prefetch-next-group; rows with it are labelled "
-          "+prefetch)", flush=True)
+          "+prefetch, or +prefetch-fromG,... where auto leaves the regime's poor layers out as sources)", flush=True)
     if a.topk_model != "indexer":
         print("# locality model's reference layers (of 61) the model's layers stand for: "
               + " / ".join(f"{x}" + (" (spread)" if not reference_label(x, a.layers) else "") for x in plan.references)
               + " (--reference-layers; all-resident rows take the first)", flush=True)
     for s in sizes:
         extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
-                        for x in plan.resident if x)
+                        for x in plan.resident if x and False in stores_alts)
         print(f"# T={s.context}: largest batch hisparse {s.largest('hisparse')}, all-resident "
               f"{s.largest('all-resident')}, transformers {s.largest('transformers')}{extra}", flush=True)
     rows: list[dict[str, Any]] = []
@@ -824,13 +891,19 @@ def main(argv: list[str] | None = None) -> int:
     for s in sizes:
         for mode in modes:
             if mode == "hisparse":
-                variants = [(refs, s.with_resident(x)) for refs, alts in zip(plan.references, plan.resident_by_ref,
-                                                                             strict=True) for x in alts]
+                variants = [(refs, s.with_resident(x, o)) for refs, alts in zip(plan.references, plan.resident_by_ref,
+                                                                                strict=True)
+                            for x in alts for o in (stores_alts if x else [False])]
             else:
                 variants = [(plan.references[0], s)]
-            prefetches = prefetch_alts if mode == "hisparse" else [False]
+            prefetches = prefetch_alts if mode == "hisparse" else ["off"]
+            also = (tuple(s.with_resident(x).largest("hisparse") for x in plan.resident if x and False in stores_alts)
+                    if mode != "hisparse" else ())
             for (refs, v), pf in ((v, pf) for v in variants for pf in prefetches):
-                for b in batches_for(v, "hisparse" if mode == "replay" else mode, asked):
+                sources = prefetch_sources(pf, refs, a.topk_model)
+                if pf == "auto" and sources is True and "on" in prefetches:
+                    continue                       # the same rows as 'on'
+                for b in batches_for(v, "hisparse" if mode == "replay" else mode, asked, also):
                     t0 = time.perf_counter()
                     if mode == "transformers":
                         r = run_static(model, v, b, a)
@@ -838,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_replay_workload(a.layers, v, b, a, model.config.index_topk)
                     else:
                         r = run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=a.skip_indexer,
-                                       prefetch=pf, reference=refs)
+                                       prefetch=sources, reference=refs)
                     emit(r, t0)
         if (plan.indexer_share is None or plan.indexer_share) and (plan.share_contexts is None
                                                                   or s.context in plan.share_contexts):

@@ -23,7 +23,9 @@
 # "benign+indexer-share code": --topk-model of that regime; "-no-indexer" adds --skip-indexer, every
 # row without the model's indexer; "+indexer-share" adds --indexer-share $SERVING_INDEXER_SHARE (default
 # max: rows without it at each mode's largest batch beside the others; max@131072: at 128K only); "+prefetch"
-# adds --prefetch-next-group off/on (every hisparse row without and with the cross-layer prefetch);
+# adds --prefetch-next-group off/on (every hisparse row without and with the cross-layer prefetch; for
+# off/on/auto, auto leaving the regime's poor layers out as sources, put the flag in SERVING_LOCALITY_ARGS
+# and leave "+prefetch" out, which would override it);
 # "+hisparse-only" --modes hisparse (after the arguments below, so it wins); "+adjacent" --reference-layers
 # $SERVING_REFERENCE_LAYERS (default 20,21,22,23/spread: every hisparse row with the model's 4 layers standing for
 # adjacent reference layers of the plateau band, then for the spread 0/20/40/60)); T_SERVING_LOCALITY seconds each, default 140;

@@ -10,12 +10,17 @@ bypass the buffers, as the resolver's resident entries do.
 `wrap` adds what no engine does today: after the last group's resolve, group 0's resolve of that
 top-k, for the next step (group 0 has no predecessor within a step), to measure what it would buy.
 
+`pairs` limits the prefetch to the successors of those source groups (`prefetch_next_group` given
+a selection); `resident_groups` are layers kept whole on the GPU (`resident_layers`): no lookups,
+no buffer, nothing prefetched into them, their successor still prefetched from their top-k (as the
+engine does). `hot_rows` may differ per group (what a per-layer hot buffer would buy).
+
 CPU only, seeded; one `LayeredIndexer` per request, as `hisparse_transformers.model_topk` makes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +43,7 @@ class PrefetchCounts:
     critical_misses: int      # misses of the groups' own resolves (copies that wait for the top-k)
     prefetch_misses: int      # copies of the prefetch resolves (overlapped with earlier groups' work)
     critical_by_group: tuple[int, ...]
+    prefetch_by_group: tuple[int, ...] = ()   # prefetch copies into each group
 
 
 def request_trace(regime_name: str, reference: Sequence[int], *, top_k: int, context: int, steps: int,
@@ -48,20 +54,35 @@ def request_trace(regime_name: str, reference: Sequence[int], *, top_k: int, con
     return [ix.step(context + t + 1) for t in range(steps)]
 
 
-def simulate(traces: Sequence[Sequence[np.ndarray]], variant: str, *, context: int, hot_rows: int, block_size: int,
-             resident_pages: int, tail_pages: int, warmup: int) -> PrefetchCounts:
+def simulate(traces: Sequence[Sequence[np.ndarray]], variant: str, *, context: int, hot_rows: int | Sequence[int],
+             block_size: int, resident_pages: int, tail_pages: int, warmup: int, pairs: Collection[int] | None = None,
+             resident_groups: Collection[int] = ()) -> PrefetchCounts:
     """Run `variant` (one of `VARIANTS`) over every request's trace; the first `warmup` steps fill
     the buffers uncounted. A position is resident when its page is below `resident_pages` or among
-    the `tail_pages` newest pages of the step's context."""
+    the `tail_pages` newest pages of the step's context. `pairs`: the source groups whose successor
+    is prefetched (None: all); `resident_groups`: groups kept whole on the GPU; `hot_rows`: one
+    size, or one per group."""
     if variant not in VARIANTS:
         raise ValueError(f"prefetch variant {variant!r}; expected one of {list(VARIANTS)}")
     if not traces or warmup >= len(traces[0]):
         raise ValueError(f"warmup={warmup} leaves none of the {len(traces[0]) if traces else 0} steps to measure")
     groups = traces[0][0].shape[0]
-    lookups = resident = pre = 0
+    rows = [hot_rows] * groups if isinstance(hot_rows, int) else list(hot_rows)
+    if len(rows) != groups:
+        raise ValueError(f"hot_rows={list(rows)}: {len(rows)} sizes for {groups} groups; expected one or one per group")
+    bad = [g for g in [*(pairs or ()), *resident_groups] if not 0 <= g < groups]
+    if bad:
+        raise ValueError(f"group {bad[0]} in pairs/resident_groups; expected groups in [0, {groups})")
+    resident_set = set(resident_groups)
+    sources = set(range(groups)) if pairs is None else set(pairs)
+    #: target[g]: the group prefetched from g's top-k (None: none)
+    target = [g + 1 if variant != "off" and g in sources and g + 1 < groups and g + 1 not in resident_set else None
+              for g in range(groups)]
+    lookups = resident = 0
     crit = [0] * groups
+    pre = [0] * groups
     for trace in traces:
-        bufs = [LruHotBuffer(hot_rows) for _ in range(groups)]
+        bufs = [LruHotBuffer(rows[g]) for g in range(groups)]
         for t, picks in enumerate(trace):
             counted = t >= warmup
             seq_len = context + t + 1
@@ -71,17 +92,19 @@ def simulate(traces: Sequence[Sequence[np.ndarray]], variant: str, *, context: i
                 row = picks[g][picks[g] >= 0]
                 page_res = (row < resident_pages * block_size) | (row >= tail_start)
                 keys.append(row[~page_res])
-                if counted:
+                if counted and g not in resident_set:
                     lookups += row.size
                     resident += int(page_res.sum())
             for g in range(groups):
-                _, miss = bufs[g].access(keys[g])
-                if counted:
-                    crit[g] += miss
-                if variant != "off" and g + 1 < groups:
-                    _, miss = bufs[g + 1].access(keys[g])
-                    pre += miss if counted else 0
-            if variant == "next+wrap" and groups > 1:
+                if g not in resident_set:
+                    _, miss = bufs[g].access(keys[g])
+                    if counted:
+                        crit[g] += miss
+                nxt = target[g]
+                if nxt is not None:
+                    _, miss = bufs[nxt].access(keys[g])
+                    pre[nxt] += miss if counted else 0
+            if variant == "next+wrap" and groups > 1 and 0 not in resident_set:
                 _, miss = bufs[0].access(keys[-1])     # for the next step's group 0
-                pre += miss if counted else 0
-    return PrefetchCounts(len(traces[0]) - warmup, lookups, resident, sum(crit), pre, tuple(crit))
+                pre[0] += miss if counted else 0
+    return PrefetchCounts(len(traces[0]) - warmup, lookups, resident, sum(crit), sum(pre), tuple(crit), tuple(pre))

@@ -129,6 +129,44 @@ def test_smoke_runs_reference_layers_side_by_side(tmp_path: Path) -> None:
         plot.stdout + plot.stderr[-2000:])
 
 
+def test_smoke_runs_the_prefetch_from_good_layers_and_stores_outside_the_budget(tmp_path: Path) -> None:
+    """`--prefetch-next-group off/on/auto` under code and spread layers: auto prefetches from layers
+    1-2 only (layer 0 stands for reference layer 0, whose top-k predicts nothing), labelled
+    +prefetch-from1,2, with and without the resident layer; `--resident-stores inside/outside` runs
+    the resident alternative with its store inside the budget (at its own largest batch, and
+    all-resident there too) and on top of it (at hisparse's batches without resident layers)."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--contexts", "320", "--batches", "max", "--modes",
+                          "all-resident,hisparse", "--topk-model", "code", "--prefetch-next-group", "off/on/auto",
+                          "--resident-layers", "none/auto", "--resident-stores", "inside/outside",
+                          "--all-resident-gib", "0.002", "--png", "",
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    got = {(r["mode"], r["topk"], r["batch"]) for r in rows}
+    top = {r["batch"] for r in rows if r["topk"] == "code" and r["mode"] == "hisparse"}
+    inside = {r["batch"] for r in rows if r["topk"] == "code+resident0"}
+    # 320 tokens, 320 KiB: hisparse holds 2, 1 with the resident layer's store inside the budget
+    assert len(top) == len(inside) == 1 and inside != top, sorted(got)
+    (b,), (b_in,) = top, inside
+    labels = ["code", "code+prefetch", "code+prefetch-from1,2"]
+    want = {("hisparse", x, b) for x in labels}
+    want |= {("hisparse", x.replace("code", "code+resident0", 1), b_in) for x in labels}
+    want |= {("hisparse", x.replace("code", "code+resident0-outside", 1), b) for x in labels}
+    assert got == want | {("all-resident", "code", b), ("all-resident", "code", b_in)}, sorted(got)
+    res = [r for r in rows if "+resident0-outside" in r["topk"]]
+    assert all(r["resident_stores_outside_budget_gib"] > 0 for r in res), res
+    assert all("resident_stores_outside_budget_gib" not in r for r in rows if "-outside" not in r["topk"])
+    auto = [r for r in rows if "prefetch-from1,2" in r["topk"]]
+    assert all(r["prefetch_misses_per_step"] >= 0 and "critical_misses_per_step" in r for r in auto), auto
+    assert "their stores inside it / on top of the budget" in out.stdout
+    # benign has no poor layer: auto is every layer, the same rows as on (run once)
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "2", "--modes", "hisparse",
+                          "--topk-model", "benign", "--prefetch-next-group", "off/on/auto", "--png", "",
+                          "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(r["topk"] for r in json.loads((tmp_path / "b.json").read_text())) == ["benign", "benign+prefetch"]
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--resident-layers", "none/9"], "--resident-layers"),
     (["--resident-layers", "0,1,2,3"], "--resident-layers"),
@@ -141,6 +179,8 @@ def test_smoke_runs_reference_layers_side_by_side(tmp_path: Path) -> None:
     (["--all-resident-gib", "-1"], "--all-resident-gib"),
     (["--batches", "99"], "fits no mode at any context"),
     (["--prefetch-next-group", "maybe"], "--prefetch-next-group"),
+    (["--prefetch-next-group", "off/auto/sometimes"], "--prefetch-next-group"),
+    (["--resident-stores", "inside/beside"], "--resident-stores"),
     (["--topk-model", "code", "--reference-layers", "20,21,22"], "--reference-layers='20,21,22': 3 layers for 4"),
     (["--topk-model", "code", "--reference-layers", "spread/23,22,21,20"], "not strictly ascending"),
     (["--topk-model", "code", "--reference-layers", "20,21,22,61"], "--reference-layers"),

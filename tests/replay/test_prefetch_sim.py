@@ -100,3 +100,45 @@ def test_reference_layer_lists_parse_and_refuse_in_one_line() -> None:
             parse_reference_layers("--reference-layers", spec, range(4), 4)  # type: ignore[arg-type]
         text = str(info.value)
         assert "\n" not in text and text.startswith(f"--reference-layers={spec!r}") and "expected 'spread'" in text
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 4), st.data())
+def test_pairs_and_resident_groups_change_only_what_they_name(seed: int, groups: int, data: st.DataObject) -> None:
+    """`pairs`: copies land only in the successors of the chosen groups, every pair is the default,
+    none is `off`; `resident_groups`: no lookups, no misses, nothing prefetched into them, and the
+    other groups' buffers see what they saw without them (their own lookups; a resident group's
+    successor is still prefetched from its top-k). One hot size equals that size per group."""
+    traces = _random_traces(seed, 2, 8, groups, 24, 160)
+    pairs = data.draw(st.lists(st.integers(0, groups - 2), unique=True))
+    resident = data.draw(st.lists(st.integers(0, groups - 1), unique=True, max_size=groups - 1))
+    every = simulate(traces, "next", warmup=2, **SIM)
+    assert simulate(traces, "next", warmup=2, pairs=range(groups - 1), **SIM) == every
+    none, plain = simulate(traces, "next", warmup=2, pairs=[], **SIM), simulate(traces, "off", warmup=2, **SIM)
+    assert none.critical_by_group == plain.critical_by_group and none.prefetch_misses == 0
+    assert simulate(traces, "next", warmup=2, **{**SIM, "hot_rows": [64] * groups}) == every
+    chosen = simulate(traces, "next", warmup=2, pairs=pairs, resident_groups=resident, **SIM)
+    off = simulate(traces, "off", warmup=2, **SIM)
+    targets = {g + 1 for g in pairs} - set(resident)
+    assert {g for g, n in enumerate(chosen.prefetch_by_group) if n} <= targets
+    for g in range(groups):
+        if g in resident:
+            assert chosen.critical_by_group[g] == chosen.prefetch_by_group[g] == 0
+        elif g not in targets:
+            assert chosen.critical_by_group[g] == off.critical_by_group[g], (g, chosen, off)
+    assert chosen.lookups == off.lookups * (groups - len(resident)) // groups
+
+
+def test_a_resident_groups_successor_is_prefetched_from_its_top_k() -> None:
+    base = _random_traces(5, 2, 8, 1, 24, 120)
+    traces = [[np.repeat(p, 2, axis=0) for p in trace] for trace in base]   # group 1 repeats group 0
+    got = simulate(traces, "next", warmup=2, resident_groups=[0], **SIM)
+    assert got.critical_by_group == (0, 0) and got.prefetch_by_group[1] > 0
+
+
+def test_bad_hot_rows_and_groups_are_refused() -> None:
+    traces = _random_traces(0, 1, 3, 2, 8, 50)
+    with pytest.raises(ValueError, match=r"hot_rows=\[64\]: 1 sizes for 2 groups"):
+        simulate(traces, "off", warmup=1, **{**SIM, "hot_rows": [64]})
+    with pytest.raises(ValueError, match="group 2 in pairs/resident_groups"):
+        simulate(traces, "next", warmup=1, pairs=[2], **SIM)

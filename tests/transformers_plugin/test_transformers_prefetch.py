@@ -5,6 +5,7 @@ top-k the next group's critical-path misses drop; a bad value is one line."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -112,9 +113,63 @@ def test_a_resident_group_prefetches_its_successor() -> None:
 
 def test_bad_prefetch_next_group_is_one_line() -> None:
     model = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=5)
-    with pytest.raises(InvalidInputError, match=r"prefetch_next_group must be True or False, got 'yes'"):
+    with pytest.raises(InvalidInputError, match=r"prefetch_next_group must be True or False, or a tuple .* got 'yes'"):
         hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", prefetch_next_group="yes"))
     assert getattr(model, "_hisparse_handle", None) is None or model._hisparse_handle.closed
+    three = tiny_model("deepseek_v32", shape=TinyShape(layers=3), seed=5)
+    for bad, msg in (((2,), r"group 2 has no next index group; expected source groups in \[0, 2\)"),
+                     ([0, 0], r"tuple of distinct index groups"), ((True,), r"tuple of distinct index groups"),
+                     ((-1,), r"tuple of distinct index groups"), ("0,1", r"got '0,1'")):
+        with pytest.raises(InvalidInputError, match=msg) as info:
+            hisparse_transformers.enable(three, **enable_kwargs("deepseek_v32", prefetch_next_group=bad))
+        assert "\n" not in str(info.value) and "prefetch_next_group" in str(info.value)
+        assert getattr(three, "_hisparse_handle", None) is None or three._hisparse_handle.closed
+
+
+@functools.cache
+def _group_prefetches(sources: bool | tuple[int, ...], layers: str = "0,20,40") -> tuple[list[int], list[int],
+                                                                                         list[torch.Tensor]]:
+    """(prefetch copies into each group, misses of each group's runtime, logits) of teacher-forced
+    decode steps of a 3-layer DeepSeek-V3.2 under the code regime's locality model, the groups
+    standing for reference `layers` (default spread: group 0 churns like GVR's layer 0)."""
+    shape = TinyShape(layers=3)
+    model = tiny_model("deepseek_v32", shape=shape, seed=5)
+    ids, mask = random_prompts([120, 96, 110], seed=7)
+    continuation = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(3))
+    kw = enable_kwargs("deepseek_v32", check=False, synthetic_topk="code", prefetch_next_group=sources,
+                       max_context=160, synthetic_topk_layers=layers,
+                       gpu_kv_gib=60 * 4 * 3 * 24 * 4 / 2**30)     # 60 pages: most positions come back as misses
+    with hisparse_transformers.enable(model, **kw) as hs:
+        engine = hs.engine
+        cache = hs.new_cache(ids, mask)
+        logits = forced_logits(model, ids, mask, continuation, cache, 8)
+        pre = [int(c) for c in engine.prefetch.counts] if engine.prefetch is not None else [0] * 3
+        misses = [engine.runtimes[g].stats().misses for g in range(3)]
+        cache.finish()
+    return pre, misses, logits
+
+
+@pytest.mark.parametrize("sources", [(), (0,), (1,), (0, 1)])
+def test_prefetch_from_chosen_groups_only(sources: tuple[int, ...]) -> None:
+    """`prefetch_next_group=(g, ...)`: only those groups' successors are prefetched (copies land in
+    g + 1 and nowhere else), and the logits are those of the model's own attention run without
+    any prefetch (every row attention reads is the resolved one, whatever was prefetched)."""
+    _, off_misses, want = _group_prefetches(False)
+    pre, misses, got = _group_prefetches(sources)
+    print(f"sources {sources}: prefetched {pre}, misses {misses} (off {off_misses})")
+    assert [g for g in range(3) if pre[g]] == sorted(g + 1 for g in sources), pre
+    assert misses[0] == off_misses[0]              # group 0 is never a target: its LRU sees the same lookups
+    for g in range(1, 3):
+        if g - 1 not in sources:
+            assert misses[g] == off_misses[g], (g, misses, off_misses)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_true_is_every_pair() -> None:
+    every, misses_every, _ = _group_prefetches(True)
+    both, misses_both, _ = _group_prefetches((0, 1))
+    assert every == both and misses_every == misses_both and every[1] > 0 and every[2] > 0
 
 
 @pytest.mark.gpu
@@ -176,6 +231,33 @@ def test_prefetch_out_of_a_resident_group_on_the_gpu(family: str) -> None:
     off, on = stats
     assert on.decode_mode == off.decode_mode == "cuda graph", on.decode_mode
     assert off.misses > 0 and on.prefetch_misses > 0 and off.prefetch_misses == 0
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_reason() is not None, reason=f"nvidia backend unavailable: {gpu_reason()}")
+def test_prefetch_from_chosen_groups_in_a_captured_graph() -> None:
+    """`prefetch_next_group=(1,)` on a 3-layer DeepSeek-V3.2 on the nvidia backend, decode steps
+    replayed from a CUDA graph: only group 2 is prefetched (group 1 gets no side-stream resolve),
+    and the tokens and logits are those without any prefetch."""
+    m: Any = tiny_model("deepseek_v32", shape=TinyShape(layers=3), seed=11, device="cuda")
+    m.set_experts_implementation("batched_mm")
+    ids, mask = random_prompts([97, 110, 103], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    shape = TinyShape(layers=3)
+    budget = 66 * shape.layers * 4 * (shape.kv_lora + shape.rope) * 4 / 2**30
+    outs, per_group = [], []
+    for prefetch in (False, (1,)):
+        kw = enable_kwargs("deepseek_v32", backend="nvidia", check=False, cuda_graphs=True, gpu_kv_gib=budget,
+                           prefetch_next_group=prefetch)
+        with hisparse_transformers.enable(m, **kw) as hs:
+            gen: Any = m.generate
+            outs.append(gen(ids, attention_mask=mask, max_new_tokens=12, prefill_chunk_size=8, **GEN))
+            assert hs.stats().decode_mode == "cuda graph"
+            per_group.append(list(hs.engine.totals.prefetch_misses))
+    assert per_group[0] == [0, 0, 0] and per_group[1][:2] == [0, 0] and per_group[1][2] > 0, per_group
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b in zip(outs[0].logits, outs[1].logits, strict=True):
         assert torch.equal(a, b)

@@ -133,8 +133,10 @@ class EngineConfig:
     speculative_tokens: int = 0     # most candidate tokens a verification step checks per request
     #: layers whose whole KV stays on the GPU (never through the host pool or a hot buffer)
     resident_layers: tuple[int, ...] = ()
-    #: after each index group's decode resolve, run the next group's on its top-k (prefetch.py)
-    prefetch_next_group: bool = False
+    #: after each index group's decode resolve, run the next group's on its top-k (prefetch.py):
+    #: True for every group, or the source groups whose successor is prefetched (a tuple of group
+    #: indices; a group whose top-k barely repeats predicts its successor no better)
+    prefetch_next_group: bool | tuple[int, ...] = False
 
     def __post_init__(self) -> None:
         for name in ("host_pool_gib", "gpu_kv_gib"):
@@ -148,8 +150,11 @@ class EngineConfig:
         v = self.speculative_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise InvalidInputError(f"speculative_tokens must be an int >= 0 (0: no assisted generation), got {v!r}")
-        if not isinstance(self.prefetch_next_group, bool):
-            raise InvalidInputError(f"prefetch_next_group must be True or False, got {self.prefetch_next_group!r}")
+        pf = self.prefetch_next_group
+        if not isinstance(pf, bool) and not (isinstance(pf, tuple) and all(
+                isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in pf) and len(set(pf)) == len(pf)):
+            raise InvalidInputError(f"prefetch_next_group must be True or False, or a tuple of distinct index groups "
+                                    f"(ints >= 0) whose successor is prefetched, got {pf!r}")
         if self.hot_rows is not None and (isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int)
                                           or self.hot_rows <= 0):
             raise InvalidInputError(f"hot_rows must be a positive int or None, got {self.hot_rows!r}")
@@ -240,6 +245,11 @@ class HiSparseEngine:
         self.max_pages = _cdiv(c.max_context, bs)
         self.chunk_pages = _cdiv(max(c.prefill_chunk, self.spec_rows), bs) + 1
         L = layout.num_layers
+        pf = c.prefetch_next_group
+        if not isinstance(pf, bool) and any(g >= len(layout.groups) - 1 for g in pf):
+            raise InvalidInputError(
+                f"prefetch_next_group={pf!r}: group {max(pf)} has no next index group; expected source groups in "
+                f"[0, {len(layout.groups) - 1}) (the model has {len(layout.groups)} index groups)")
         resident = resident_groups(layout.groups, c.resident_layers, L)
         if resident and (placement.spread or ranks is not None):
             raise InvalidInputError(f"resident_layers={list(c.resident_layers)} runs on one device and one rank; "
@@ -363,8 +373,9 @@ class HiSparseEngine:
         self.topk_model: ModelTopk | None = None
         #: Called with (session, tokens removed) after each rollback (the checker's copies follow it).
         self.rollback_listeners: list[Callable[[Session, int], None]] = []
-        self.prefetch = (NextGroupPrefetch(self.runtimes, self.group_tables, placement.group_device, placement.devices)
-                         if c.prefetch_next_group else None)
+        self.prefetch = (NextGroupPrefetch(self.runtimes, self.group_tables, placement.group_device, placement.devices,
+                                           sources=None if isinstance(pf, bool) else pf)
+                         if pf else None)
         self.totals.prefetch_misses = [0] * G
         if spec:
             logger.info("hisparse transformers engine: assisted generation of up to %d candidate tokens: a verification "

@@ -465,12 +465,20 @@ def _check_assisted(handle: HiSparseHandle, plan: AssistedPlan, batch: int) -> N
             f"enable(..., speculative_tokens={k}) (a hot buffer of >= {fits} rows)")
 
 
+def _prefetch_sources(value: object) -> bool | tuple[int, ...]:
+    """enable's `prefetch_next_group` as EngineConfig takes it (a sequence of groups becomes a tuple;
+    anything else passes through, for EngineConfig to accept or refuse in one line)."""
+    if isinstance(value, list | tuple | range):
+        return tuple(value)
+    return value  # type: ignore[return-value]  # refused by EngineConfig unless a bool
+
+
 def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, backend: str | Backend | None = "auto",
            hot_rows: int | None = None, block_size: int = 64, max_batch: int = 8, max_context: int = 4096,
            prefill_chunk: int = 512, check: bool = False, cuda_graphs: bool | None = None,
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
            pool_name: str | None = None, synthetic_topk: str | None = None,
-           resident_layers: str | Sequence[int] = (), prefetch_next_group: bool = False,
+           resident_layers: str | Sequence[int] = (), prefetch_next_group: bool | Sequence[int] = False,
            synthetic_topk_layers: str | Sequence[int] | None = None) -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
@@ -516,7 +524,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     :param prefetch_next_group: after each index group's decode resolve, run the next group's
         resolve on its top-k (on a side stream on CUDA, inline on the CPU), so the next group's
         misses are copied while this group's attention runs (`prefetch.py`). Outputs are the same;
-        the hot buffers' LRU order, and so the misses, differ.
+        the hot buffers' LRU order, and so the misses, differ. A sequence of index groups (e.g.
+        (1, 2)) prefetches only those groups' successors: leave out groups whose top-k barely
+        repeats (they predict their successor no better; prefetching from them only costs copies).
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -565,7 +575,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
                           prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens,
-                          resident_layers=resident, prefetch_next_group=prefetch_next_group)
+                          resident_layers=resident, prefetch_next_group=_prefetch_sources(prefetch_next_group))
     placement = place(layout.attentions, layout.groups)
     if resident and placement.spread:  # before any backend is built (the TP case below, once ranks are known)
         raise InvalidInputError(f"resident_layers={list(resident)} runs on one device and one rank; expected a model "

@@ -21,8 +21,13 @@ must not hand their memory to the main stream while the side stream reads it). F
 events, so a captured decode graph captures both. On the CPU there are no streams: the prefetch
 runs inline, right after g's resolve.
 
+`sources` (`prefetch_next_group` given a tuple) limits the prefetch to those groups' successors:
+a group whose top-k barely repeats step to step (DeepSeek-V3.2's layers 0-1 on code) predicts its
+successor no better, so prefetching from it copies rows nobody reads and evicts ones that would
+hit (the CPU simulation, bench/bench_prefetch_locality.py, and docs/results.md give the figures).
+
 A resident group (`resident_layers`) has no resolve, so nothing is prefetched into it; its
-successor is prefetched from its top-k all the same (the attention layer launches it from the
+successor is prefetched from its top-k all the same (unless `sources` leaves it out) (the attention layer launches it from the
 resident rows' positions), so the first group after the resident ones (layer 2 of DeepSeek-V3.2
 with layers 0-1 resident) is covered too. No pair spans two devices (`device_map`).
 """
@@ -30,7 +35,7 @@ with layers 0-1 resident) is covered too. No pair spans two devices (`device_map
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,20 +52,22 @@ class NextGroupPrefetch:
     """The prefetch of each index group's successor (see the module docstring); built at setup.
 
     `runtimes[g]` and `tables[g]` (source, resident, hot): index group g's (runtime None: a
-    resident group); `group_device[g]`: the index into `devices` of its device."""
+    resident group); `group_device[g]`: the index into `devices` of its device; `sources`: the
+    groups whose successor is prefetched (None: every group)."""
 
     def __init__(self, runtimes: Sequence[CacheRuntime | None],
                  tables: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], group_device: Sequence[int],
-                 devices: Sequence[torch.device]) -> None:
+                 devices: Sequence[torch.device], sources: Collection[int] | None = None) -> None:
         self.runtimes = list(runtimes)
         self.tables = list(tables)
         self.group_device = list(group_device)
         G = len(self.runtimes)
         where = self.group_device
         #: target[g]: the group whose resolve runs on g's top-k after g's (None: no prefetch)
+        chosen = set(range(G)) if sources is None else set(sources)
         self.target: list[int | None] = [
-            g + 1 if g + 1 < G and self.runtimes[g + 1] is not None and where[g] == where[g + 1] else None
-            for g in range(G)]
+            g + 1 if g in chosen and g + 1 < G and self.runtimes[g + 1] is not None and where[g] == where[g + 1]
+            else None for g in range(G)]
         devices = [torch.device(d) for d in devices]
         self._side = {d: torch.cuda.Stream(dev) for d, dev in enumerate(devices) if dev.type == "cuda"}
         cuda = [g for g in range(G) if where[g] in self._side]
@@ -75,7 +82,8 @@ class NextGroupPrefetch:
             "overlap heavily) and its own resolve then finds most of them hot; pairs %s%s",
             "on a side stream (joined by an event before the next group's own resolve)" if self._side
             else "inline (no streams on the CPU)", ", ".join(pairs) or "none",
-            "" if len(pairs) == G - 1 else " (none into a resident group, none across devices)")
+            "" if len(pairs) == G - 1 else " (none into a resident group, none across devices"
+            + ("" if sources is None else f", only from the source groups {sorted(chosen)}") + ")")
 
     def launch(self, step: StepState, group: int, flat: torch.Tensor) -> None:
         """Right after group `group`'s resolve of `flat` (`[R, top_k]` int32; a resident group: its

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-              pytest.mark.slow]  # about 5 minutes of CPU: 181 distinct builds for gfx942, gfx90a and sm_90
+              pytest.mark.slow]  # about 5 minutes of CPU: 178 distinct builds for gfx942, gfx90a and sm_90
 
 REPO = Path(__file__).parents[2]
 

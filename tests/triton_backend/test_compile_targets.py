@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-              pytest.mark.slow]  # about 5 minutes of CPU: 166 distinct builds for gfx942, gfx90a and sm_90
+              pytest.mark.slow]  # about 5 minutes of CPU: 178 distinct builds for gfx942, gfx90a and sm_90
 
 REPO = Path(__file__).parents[2]
 
@@ -27,7 +27,7 @@ def test_every_kernel_compiles_for_cdna_and_sm90(builds: list[dict]) -> None:
 
     got = {(b["target"], b["geometry"], b["kernel"]) for b in builds}
     names = {"resolve_kernel", "resolve_gather_kernel", "resolve_split_kernel", "resolve_split_hot_kernel",
-             "resolve_split_lru_kernel", "copy_plan_kernel", "copy_plan_rows_kernel", "copy_rows_kernel",
+             "resolve_split_lru_kernel", "copy_plan_kernel", "copy_plan_rows_kernel", "copy_spec_kernel", "copy_rows_kernel",
              "invalidate_written_kernel", "vllm_copy_kernel", "vllm_invalidate_kernel"}
     want = {(t, g, k) for t in TARGETS for g in TARGET_GEOMETRIES.get(t, tuple(geometries())) for k in names}
     assert want <= got, sorted(want - got)
@@ -72,7 +72,7 @@ def test_pdl_builds_are_nvidia_only(builds: list[dict]) -> None:
     are never built for an AMD target."""
     pdl = [(b["target"], b["kernel"]) for b in builds if b["constexprs"].get("PDL")]
     assert {k for t, k in pdl if t == "sm90"} == {"resolve_gather_kernel", "resolve_split_kernel", "resolve_split_lru_kernel",
-                                                  "copy_plan_kernel", "copy_plan_rows_kernel"}
+                                                  "copy_plan_kernel", "copy_plan_rows_kernel", "copy_spec_kernel"}
     assert all(t == "sm90" for t, _ in pdl), pdl
 
 
@@ -90,8 +90,10 @@ def test_lean_plan_copy_builds_for_every_target(builds: list[dict]) -> None:
 def test_the_auto_choice_builds_for_every_target(builds: list[dict]) -> None:
     """What a runtime picks per batch size by default (`hisparse_triton.auto`) compiles for every target at
     every geometry: at small batches the split resolver at 512 threads with two-level scans and shift-and-mask
-    blocks and the lean plan copy of 4 entries a chunk, both with PDL on sm_90 only; at larger batches the
-    one-program resolver with the same scans and blocks."""
+    blocks and the lean plan copy of 4 entries a chunk, both with PDL on sm_90 only; from 2 rows up to the
+    line also the speculative layer-0 copy of 128 entries a program behind the split build that writes its
+    miss mask, with PDL on sm_90 only; at larger batches the one-program resolver with the same scans and
+    blocks."""
     from hisparse_triton.compile_targets import TARGET_GEOMETRIES, TARGETS, geometries
 
     for t in TARGETS:
@@ -105,3 +107,9 @@ def test_the_auto_choice_builds_for_every_target(builds: list[dict]) -> None:
                        and b["constexprs"]["PDL"] == pdl for b in mine), (t, g)
             assert any(b["kernel"] == "resolve_gather_kernel" and b["constexprs"]["SK"] > 1 and b["constexprs"]["SB"] == 1
                        and b["constexprs"]["PDL"] == 0 and not b["constexprs"]["FUSE"] for b in mine), (t, g)
+            assert any(b["kernel"] == "resolve_split_kernel" and b["num_warps"] * b["warp_size"] == 512
+                       and b["constexprs"]["NS"] == 8 and b["constexprs"]["MASK"] == 1 and b["constexprs"]["SH"] > 1
+                       and b["constexprs"]["PDL"] == pdl for b in mine), (t, g)
+            assert any(b["kernel"] == "copy_spec_kernel" and b["constexprs"]["SE"] == 128 and b["constexprs"]["SC"] == 32
+                       and b["constexprs"]["VEC"] == 4 and b["constexprs"]["SB"] == 1 and b["constexprs"]["PDL"] == pdl
+                       for b in mine), (t, g)

@@ -23,28 +23,52 @@ def _choose(env: dict[str, str], *, b: int = 128, small: int = 16, pdl: bool = T
 
 def test_small_and_large_batches_get_their_measured_profiles() -> None:
     c = _choose({})
-    assert [p.max_rows for p in c.profiles] == [16, 128]
-    lo, hi = (p.tuning for p in c.profiles)
-    assert (lo.split, lo.threads, lo.scan, lo.shift, lo.lean_copy, lo.pdl, lo.plan_entries, lo.plan_per_sm) == \
-        (8, 512, True, True, True, True, 4, 4)
+    assert [p.max_rows for p in c.profiles] == [1, 16, 128]
+    one, mid, hi = (p.tuning for p in c.profiles)
+    for t in (one, mid):
+        assert (t.split, t.threads, t.scan, t.shift, t.lean_copy, t.pdl, t.plan_entries, t.plan_per_sm) == \
+            (8, 512, True, True, True, True, 4, 4)
+    # 2 rows up to the line: the small profile plus the speculative copy of 128 entries (call E2); 1 row without it.
+    assert (one.spec_copy, mid.spec_copy, hi.spec_copy) == (0, 128, 0)
+    assert c.profiles[1].picked == c.profiles[0].picked + (shapes.SPEC_COPY_ENV,)
     assert (hi.split, hi.threads, hi.scan, hi.shift, hi.lean_copy, hi.pdl) == (0, None, True, True, True, False)
     assert (hi.plan_entries, hi.plan_per_sm) == (shapes.COPY_ENTRIES, shapes.PLAN_PER_SM)
-    for t in (lo, hi):  # nothing auto never picks
-        assert (t.resolver, t.fuse, t.lean, t.cas, t.row_copy, t.split_tail) == ("gather", False, True, False, False,
-                                                                                  False)
-    assert auto.variant(lo) == "gather:t512:p4:e4:s1:b1:d1:n8:v1" and auto.variant(hi) == "gather:s1:b1:v1"
-    assert "\n" not in c.line and "1-16 rows gather:t512:p4:e4:s1:b1:d1:n8:v1" in c.line
-    assert "17-128 rows gather:s1:b1:v1" in c.line
+    for t in (one, mid, hi):  # nothing auto never picks
+        assert (t.resolver, t.fuse, t.lean, t.cas, t.row_copy, t.split_tail, t.split_keep) == (
+            "gather", False, True, False, False, False, False)
+    assert auto.variant(one) == "gather:t512:p4:e4:s1:b1:d1:n8:v1" and auto.variant(hi) == "gather:s1:b1:v1"
+    assert auto.variant(mid) == "gather:t512:p4:e4:s1:b1:d1:n8:v1:x128"
+    assert "\n" not in c.line and "batches of 1 row gather:t512:p4:e4:s1:b1:d1:n8:v1 (" in c.line
+    assert "; 2-16 rows gather:t512:p4:e4:s1:b1:d1:n8:v1:x128 (" in c.line and "; 17-128 rows gather:s1:b1:v1 (" in c.line
+    # Why, once each: E2's figures for the speculative copy at B = 8 and against it at B = 1.
+    assert c.line.count("call E2") == 1 and "51.9 -> 44.1 us" in c.line and "287.4 -> 266.9" in c.line
+    assert "not at 1 row" in c.line and c.line.count("C4 and D1") == 1
 
 
-@given(rows=st.integers(1, 128), small=st.integers(1, 200))
-@settings(max_examples=50, deadline=None)
-def test_each_batch_takes_the_profile_of_its_range(rows: int, small: int) -> None:
-    c = _choose({}, small=small)
-    p = c.profile(rows)
+@given(rows=st.integers(1, 128), small=st.integers(1, 200), b=st.integers(1, 128))
+@settings(max_examples=80, deadline=None)
+def test_each_batch_takes_the_profile_of_its_range(rows: int, small: int, b: int) -> None:
+    c = _choose({}, b=b, small=small)
+    assert c.profiles[-1].max_rows == b and [p.max_rows for p in c.profiles] == sorted({p.max_rows for p in c.profiles})
+    p = c.profile(min(rows, b))
+    rows = min(rows, b)
     assert p.tuning.split == (8 if rows <= small else 0)
     assert p.tuning.pdl is (rows <= small)
-    assert len(c.profiles) == (1 if small >= 128 else 2)
+    assert p.tuning.spec_copy == (128 if 2 <= rows <= small else 0)
+    # One profile per range that holds a batch: 1 row, 2 rows up to the line, past it.
+    assert len(c.profiles) == 1 + (min(small, b) >= 2) + (small < b)
+
+
+@pytest.mark.parametrize(("b", "small", "bounds", "spec"), [
+    (128, 1, [1, 128], [0, 0]),  # a line of 1 row (fewer than 16 multiprocessors): no batch takes the speculative copy
+    (1, 16, [1], [0]), (2, 16, [1, 2], [0, 128]), (2, 1, [1, 2], [0, 0]),
+    (3, 2, [1, 2, 3], [0, 128, 0]), (5, 2, [1, 2, 5], [0, 128, 0]),  # the interpreter's line: half the workspace
+])
+def test_small_workspaces_and_lines_keep_only_ranges_with_batches(b: int, small: int, bounds: list[int],
+                                                                   spec: list[int]) -> None:
+    c = _choose({}, b=b, small=small)
+    assert [p.max_rows for p in c.profiles] == bounds and [p.tuning.spec_copy for p in c.profiles] == spec
+    assert ("x128" in c.line) == any(spec) and ("call E2" in c.line) == any(spec)
 
 
 def test_small_batches_line_is_a_wave_of_split_programs() -> None:
@@ -59,6 +83,7 @@ def test_no_pdl_where_the_target_lacks_it() -> None:
     assert not any(p.tuning.pdl for p in c.profiles)
     lo = c.profiles[0].tuning
     assert (lo.split, lo.threads, lo.lean_copy, lo.plan_entries, lo.plan_per_sm) == (8, 512, True, 4, 4)
+    assert c.profiles[1].tuning.spec_copy == 128 and c.profiles[1].tuning.split == 8  # without PDL, after the resolver
     assert "HISPARSE_TRITON_PDL not picked" in c.line
 
 
@@ -73,7 +98,9 @@ def test_off_keeps_the_fixed_defaults() -> None:
 @pytest.mark.parametrize(("key", "value"), [(shapes.SPLIT_ENV, "0"), (shapes.SPLIT_ENV, "4"), (shapes.PDL_ENV, "0"),
                                             (shapes.LEAN_COPY_ENV, "0"), (shapes.SCAN_ENV, "0"), (shapes.SHIFT_ENV, "0"),
                                             (shapes.THREADS_ENV, "256"), (shapes.PLAN_ENTRIES_ENV, "16"),
-                                            (shapes.PLAN_PER_SM_ENV, "2"), (shapes.ROW_COPY_ENV, "1")])
+                                            (shapes.PLAN_PER_SM_ENV, "2"), (shapes.ROW_COPY_ENV, "1"),
+                                            (shapes.SPEC_COPY_ENV, "0"), (shapes.SPEC_COPY_ENV, "32"),
+                                            (shapes.SPEC_COPY_ENV, "128")])
 def test_an_explicit_variable_wins_at_every_batch_size(key: str, value: str) -> None:
     c = _choose({key: value})
     for p in c.profiles:
@@ -81,9 +108,11 @@ def test_an_explicit_variable_wins_at_every_batch_size(key: str, value: str) -> 
         field = {shapes.SPLIT_ENV: "split", shapes.PDL_ENV: "pdl", shapes.LEAN_COPY_ENV: "lean_copy",
                  shapes.SCAN_ENV: "scan", shapes.SHIFT_ENV: "shift", shapes.THREADS_ENV: "threads",
                  shapes.PLAN_ENTRIES_ENV: "plan_entries", shapes.PLAN_PER_SM_ENV: "plan_per_sm",
-                 shapes.ROW_COPY_ENV: "row_copy"}[key]
+                 shapes.ROW_COPY_ENV: "row_copy", shapes.SPEC_COPY_ENV: "spec_copy"}[key]
         assert getattr(p.tuning, field) == getattr(shapes.tuning({key: value}), field), (p, key)
     assert f"set explicitly: {key}={value}" in c.line
+    if key == shapes.SPEC_COPY_ENV:  # 1 row and 2-16 rows then have the same knobs: one profile
+        assert [p.max_rows for p in c.profiles] == [16, 128]
 
 
 def test_picks_that_do_not_combine_with_explicit_settings_are_left_out() -> None:
@@ -99,6 +128,14 @@ def test_picks_that_do_not_combine_with_explicit_settings_are_left_out() -> None
         assert shapes.SPLIT_ENV not in lo.picked and shapes.THREADS_ENV not in lo.picked
     lo = _choose({shapes.SPLIT_ENV: "0"}).profiles[0]
     assert lo.tuning.threads is None and lo.tuning.pdl  # no split, no 512 threads; the copy's picks stay
+    # The speculative copy runs behind the split resolver only, and not beside its spread tail.
+    for env in ({shapes.SPLIT_ENV: "0"}, {shapes.SPLIT_TAIL_ENV: "1", shapes.SPLIT_ENV: "8"},
+                {shapes.RESOLVER_ENV: "scratch"}, {shapes.FUSE_ENV: "1"}):
+        c = _choose(env)
+        assert not any(p.tuning.spec_copy for p in c.profiles) and len(c.profiles) == 2, env
+        assert all(shapes.SPEC_COPY_ENV not in p.picked for p in c.profiles) and "x128" not in c.line, env
+    c = _choose({shapes.SPLIT_ENV: "4"})  # another split count keeps it
+    assert [(p.tuning.split, p.tuning.spec_copy) for p in c.profiles] == [(4, 0), (4, 128), (4, 0)]
 
 
 def test_a_profile_equal_at_every_size_is_one_profile() -> None:
@@ -107,7 +144,12 @@ def test_a_profile_equal_at_every_size_is_one_profile() -> None:
     assert len(c.profiles) == 1 and c.profiles[0].max_rows == 128
     assert c.profiles[0].tuning == shapes.tuning(explicit | {shapes.SCAN_ENV: "1", shapes.SHIFT_ENV: "1",
                                                              shapes.LEAN_COPY_ENV: "1"})
-    assert len(_choose({}, small=128).profiles) == 1 and len(_choose({}, b=4, small=16).profiles) == 1
+    # No batch past the line: 1 row and 2 rows up to the workspace.
+    assert [p.max_rows for p in _choose({}, small=128).profiles] == [1, 128]
+    assert [p.max_rows for p in _choose({}, b=4, small=16).profiles] == [1, 4]
+    c = _choose({shapes.SPEC_COPY_ENV: "0"}, b=4, small=16)
+    assert [p.max_rows for p in c.profiles] == [4] and "every batch (1-4 rows)" in c.line
+    assert "every batch (1 row)" in _choose({}, b=1, small=1).line
 
 
 @pytest.mark.parametrize(("env", "line"), [

@@ -529,17 +529,19 @@ def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, se
     assert ("resolve_split_hot_kernel" in names) == (tail == "1"), names
 
 
-@pytest.mark.parametrize(("seed", "rows"), [(1, 3), (3, 2)])
+# Seeds whose four steps hold batches of 1 row, 2 rows up to the line and past it (workspaces of 7 and 5 rows).
+@pytest.mark.parametrize(("seed", "rows"), [(2, 3), (3, 2)])
 def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, rows: int) -> None:  # noqa: ANN001
     """With nothing set, batches of up to the small-batch line take the split resolver with two-level scans
     and shift-and-mask blocks, larger ones the one-program gather resolver with the same, and every plan copy
-    is the lean one (16-byte accesses), with PDL at small batches where the GPU has it; in lockstep with
-    reference_cpu on one state. The line is pinned at half the workspace (the interpreter's own): on a GPU it
-    is a wave of 8 programs a row (16 rows on an H200), above every batch of this state, so that compiled
-    runs, too, take both profiles.
+    is the lean one (16-byte accesses), with PDL at small batches where the GPU has it; batches of 2 rows up
+    to the line add the speculative layer-0 copy (128 entries a program on a GPU), a batch of 1 row does not;
+    in lockstep with reference_cpu on one state. The line is pinned at half the workspace (the interpreter's
+    own): on a GPU it is a wave of 8 programs a row (16 rows on an H200), above every batch of this state, so
+    that compiled runs, too, take all three profiles.
 
     Each launch is checked against the profile the runtime took for it (recorded as the runtime picks it by
-    the call's rows): the split profile's own one-program resolver launches the same build as the large
+    the call's rows): the split profiles' own one-program resolver launches the same build as the large
     profile's in the interpreter, so a resolver name alone cannot tell that the large profile ran."""
     from hisparse_triton import auto, kernels, launches
     from hisparse_triton.runtime import TritonRuntime
@@ -575,13 +577,13 @@ def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, ro
                 problems = run.resolve(step, replay=True)
                 problems += run.apply(work)
                 assert not problems, "\n".join(problems[:10])
-    ran: dict[str, set[str]] = {"small": set(), "large": set()}
+    ran: dict[str, set[str]] = {"one": set(), "spec": set(), "large": set()}
     last: tuple[int, launches.Launches, int] | None = None
     for name, what in events:
         if name == "profile":
             last = what  # type: ignore[assignment]
             continue
-        if name not in ("resolve_split_kernel", "resolve_gather_kernel", "copy_plan_kernel"):
+        if name not in ("resolve_split_kernel", "resolve_gather_kernel", "copy_plan_kernel", "copy_spec_kernel"):
             continue
         assert last is not None, name
         n, x, workspace = last
@@ -589,23 +591,32 @@ def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, ro
         assert isinstance(meta, dict)
         line = max(1, workspace // 2)
         small = n <= line
-        # The profile is the one of the call's rows: the split tuning up to the line, the one-program one past it.
-        assert x.max_rows == (line if small else workspace), (n, x.max_rows, line)
+        which = "one" if n == 1 else "spec" if small else "large"
+        # The profile is the one of the call's rows: the split tuning at 1 row and, with the speculative copy, from
+        # 2 rows up to the line; the one-program one past it.
+        assert x.max_rows == {"one": 1, "spec": line, "large": workspace}[which], (n, x.max_rows, line)
         assert x.tuning.split == (auto.AUTO_SPLIT if small else 0), (n, x.tuning)
+        assert x.tuning.spec_copy == (128 if which == "spec" else 0) and bool(x.spec_meta) == (which == "spec"), (n, x)
         assert x.tuning.scan and x.tuning.shift and x.tuning.lean_copy, x.tuning
         assert x.tuning.pdl == (small and pdl) and x.tuning.plan_entries == (4 if small else 16), x.tuning
         if name == "resolve_split_kernel":
             assert small and {k: meta[k] for k in x.split_meta} == x.split_meta, (n, meta)
             assert meta["NS"] > 1 and meta["SH"] > 1 and meta["SB"] == 1 and meta["PDL"] == int(pdl), meta
+            assert meta["MASK"] == (which == "spec"), (n, meta)  # the miss mask the speculative copy reads
         elif name == "resolve_gather_kernel":
             assert not small and {k: meta[k] for k in x.meta} == x.meta, (n, meta)
             assert meta["SH"] > 1 and meta["SK"] > 1 and meta["SB"] == 1 and meta["PDL"] == 0, meta
+        elif name == "copy_spec_kernel":
+            assert which == "spec" and {k: meta[k] for k in x.spec_meta if k != "VEC"} == \
+                {k: v for k, v in x.spec_meta.items() if k != "VEC"}, (n, meta)
+            assert meta["VEC"] == 4 and meta["SB"] == 1 and meta["PDL"] == int(pdl), (n, meta)
         else:
             assert meta["VEC"] == 4 and meta["SB"] == 1 and meta["PDL"] == int(small and pdl), (n, meta)
             assert meta["EB"] == x.plan_meta["EB"], (n, meta, x.plan_meta)
-        ran["small" if small else "large"].add(name)
-    # Both profiles resolved and copied, each with its own resolver.
-    assert ran == {"small": {"resolve_split_kernel", "copy_plan_kernel"},
+        ran[which].add(name)
+    # Every profile resolved and copied, each with its own resolver and layer-0 copy (later layers: the plan copy).
+    assert ran == {"one": {"resolve_split_kernel", "copy_plan_kernel"},
+                   "spec": {"resolve_split_kernel", "copy_spec_kernel", "copy_plan_kernel"},
                    "large": {"resolve_gather_kernel", "copy_plan_kernel"}}, ran
 
 

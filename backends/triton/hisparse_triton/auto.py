@@ -17,6 +17,11 @@ than both others on every miss and hit cell at B = 1 and 8 but 274 misses B = 8,
 `s1:b1:v1`; 0.6 us slower on resident steps); larger batches keep the one-program resolver with
 two-level scans, shift-and-mask blocks and the lean copy (the fastest at B = 64 in every cell; at B =
 128 faster on hit and 2048-miss steps, 21 us slower than the fixed defaults at 274 misses, one sample).
+Batches of 2 rows up to that line add the speculative layer-0 copy of 128 entries a program
+(`shapes.SPEC_COPY_ENV`; the eighteenth session's call E2: at B = 8 it brought 274 misses from 51.9 to
+44.1 us and 2048 misses from 287.4 to 266.9, and cost 1.3-1.4 us on resident and hit steps); a batch of
+one row keeps the small profile without it (at B = 1 it cost 0.9-7.8 us on resident, hit, 34- and
+274-miss steps). So a runtime has up to three profiles: 1 row, 2 rows up to the line, and larger.
 Imports no torch or triton.
 """
 
@@ -43,6 +48,11 @@ SMALL_PICKS: tuple[tuple[str, str], ...] = (
     (shapes.LEAN_COPY_ENV, "1"), (shapes.PDL_ENV, "1"), (shapes.PLAN_ENTRIES_ENV, "4"), (shapes.PLAN_PER_SM_ENV, "4"))
 SMALL_WHY = ("H200 calls C4 and D1 (seventeenth session): 34 misses B = 8 1.69-1.70x nvidia where the fixed defaults took 2.17-2.21x, "
              "274 misses 1.46-1.56x (1.68x), hits 1.55-1.83x, resident 0.6 us slower")
+#: Picked at batches of 2 rows up to the small line, after `SMALL_PICKS` (where the split resolver joined).
+SPEC_PICKS: tuple[tuple[str, str], ...] = ((shapes.SPEC_COPY_ENV, "128"),)
+SPEC_WHY = ("as 1 row plus the speculative layer-0 copy: H200 call E2 (eighteenth session), x128 at B = 8: 274 misses "
+            "51.9 -> 44.1 us (nvidia 33.3), 2048 misses 287.4 -> 266.9, resident and hit steps 1.4 and 1.3 us slower; "
+            "not at 1 row, where it cost 0.9-7.8 us on resident, hit, 34- and 274-miss steps")
 #: Picks at larger batches.
 LARGE_PICKS: tuple[tuple[str, str], ...] = (
     (shapes.SCAN_ENV, "1"), (shapes.SHIFT_ENV, "1"), (shapes.LEAN_COPY_ENV, "1"))
@@ -117,8 +127,8 @@ def _merge(explicit: dict[str, str], picks: tuple[tuple[str, str], ...], *, pdl:
     for key, value in picks:
         if key in explicit or (key == shapes.PDL_ENV and not pdl):
             continue
-        if key == shapes.THREADS_ENV and settings.get(shapes.SPLIT_ENV, "0") == "0":
-            continue  # 512 threads were timed with the split resolver only
+        if key in (shapes.THREADS_ENV, shapes.SPEC_COPY_ENV) and settings.get(shapes.SPLIT_ENV, "0") == "0":
+            continue  # 512 threads were timed with the split resolver only; the speculative copy runs behind it only
         try:
             shapes.tuning(settings | {key: value})
         except InvalidInputError:
@@ -128,11 +138,17 @@ def _merge(explicit: dict[str, str], picks: tuple[tuple[str, str], ...], *, pdl:
     return shapes.tuning(settings), tuple(picked)
 
 
+def _rows(lo: int, hi: int) -> str:
+    return f"{lo} row" if lo == hi == 1 else f"{lo} rows" if lo == hi else f"{lo}-{hi} rows"
+
+
 def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool) -> Choice:
-    """The profiles of a runtime of `max_batch_rows` rows under `env`: batches of up to `small` rows
-    and the rest, each with the explicit settings of `env` and the auto picks that combine with them;
-    `pdl`: whether the target has programmatic dependent launch. One clear error per bad value (the
-    explicit settings are checked as `shapes.tuning` checks them, before any pick)."""
+    """The profiles of a runtime of `max_batch_rows` rows under `env`: batches of 1 row, of 2 up to
+    `small` rows and the rest, each with the explicit settings of `env` and the auto picks that combine
+    with them (neighbouring ranges of equal knobs are one profile; a range past `max_batch_rows`, or the
+    middle one where `small` < 2, has none); `pdl`: whether the target has programmatic dependent launch.
+    One clear error per bad value (the explicit settings are checked as `shapes.tuning` checks them,
+    before any pick)."""
     explicit = {k: env[k] for k in KNOB_ENVS if env.get(k)}
     base = shapes.tuning(explicit)
     if not auto_enabled(env):
@@ -143,16 +159,28 @@ def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool
         return Choice((Profile(max_batch_rows, base, ()),),
                       f"triton tuning: {AUTO_ENV}=0, every batch {variant(base)} (the fixed defaults and the "
                       f"explicit settings)")
-    lo, lo_picked = _merge(explicit, SMALL_PICKS, pdl=pdl)
+    one, one_picked = _merge(explicit, SMALL_PICKS, pdl=pdl)
+    mid, mid_picked = _merge(explicit, SMALL_PICKS + SPEC_PICKS, pdl=pdl)
     hi, hi_picked = _merge(explicit, LARGE_PICKS, pdl=pdl)
-    if small >= max_batch_rows or lo == hi:
-        profiles: tuple[Profile, ...] = (Profile(max_batch_rows, lo, lo_picked),)
-        where = f"every batch (1-{max_batch_rows} rows) {variant(lo)} ({SMALL_WHY})"
+    # (last row, knobs, picks, why) of each range; a range merges into the one before it where their knobs are equal.
+    ranges: list[tuple[int, Tuning, tuple[str, ...], str]] = []
+    bounds = (1, min(small, max_batch_rows), max_batch_rows)
+    for last, tuning, picked, why in zip(bounds, (one, mid, hi), (one_picked, mid_picked, hi_picked),
+                                         (SMALL_WHY, SPEC_WHY, LARGE_WHY), strict=True):
+        if ranges and last <= ranges[-1][0]:
+            continue  # empty: past the workspace, or no batch between 2 rows and `small`
+        if ranges and ranges[-1][1] == tuning:
+            ranges[-1] = (last, *ranges[-1][1:])
+        else:
+            ranges.append((last, tuning, picked, why))
+    profiles = tuple(Profile(last, t, picked) for last, t, picked, _ in ranges)
+    if len(ranges) == 1:
+        where = f"every batch ({_rows(1, max_batch_rows)}) {variant(ranges[0][1])} ({SMALL_WHY})"
     else:
-        profiles = (Profile(small, lo, lo_picked), Profile(max_batch_rows, hi, hi_picked))
-        where = (f"batches of 1-{small} rows {variant(lo)} ({SMALL_WHY}); {small + 1}-{max_batch_rows} rows "
-                 f"{variant(hi)} ({LARGE_WHY})")
-    if lo.spec_copy and not any(p.tuning.split for p in profiles):
+        firsts = [1] + [last + 1 for last, *_ in ranges[:-1]]
+        where = "batches of " + "; ".join(f"{_rows(f, last)} {variant(t)} ({why})"
+                                          for f, (last, t, _, why) in zip(firsts, ranges, strict=True))
+    if base.spec_copy and not any(p.tuning.split for p in profiles):
         raise InvalidInputError(f"{shapes.SPEC_COPY_ENV}={explicit[shapes.SPEC_COPY_ENV]!r} follows the split resolver, "
                                 f"which no batch size takes here ({shapes.SPLIT_ENV} unset or 0 at every batch); "
                                 f"expected {shapes.SPEC_COPY_ENV}=0 or {shapes.SPLIT_ENV} set")

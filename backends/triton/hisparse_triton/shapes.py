@@ -140,7 +140,8 @@ SPLIT_TAIL_ENV = "HISPARSE_TRITON_SPLIT_TAIL"
 #: the last program's path at 34 and 274 misses at B = 8 has five dependent global round trips fewer
 #: (of about fifteen). Longer lists take the chunked passes. 0, the default; not yet timed on a GPU.
 SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
-#: N (32, 64 or 128; 0, the default: off): behind the split resolver, layer 0's plan copy is
+#: N (32, 64 or 128; 0, the fixed default: off; the auto default picks 128 from 2 rows up to its small-batch
+#: line, `auto.SPEC_PICKS`): behind the split resolver, layer 0's plan copy is
 #: `kernels.copy_spec_kernel`, N entries of a batch row a program: it reads the host rows of the
 #: entries likely to miss (hint not holding the row) while the resolver runs (a programmatic dependent
 #: launch where the target has one) and, once it has ended, writes those that missed (the resolver's
@@ -148,7 +149,7 @@ SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
 #: a time. The nvidia backend's copy after a small batch's resolve reads its likely misses the same
 #: way (`hisparse_gather_spec`, docs/backends.md); on the H200 (call D4) triton's plan copy waited for
 #: the resolver, 274 misses B = 8 52.9 us against nvidia's 34.1 (the copy alone 29.2). Batches the
-#: one-program resolver serves keep the plan copy; later layers (`replay_plan`) too. Not yet timed.
+#: one-program resolver serves keep the plan copy; later layers (`replay_plan`) too. Timed in call E2.
 SPEC_COPY_ENV = "HISPARSE_TRITON_SPEC_COPY"
 SPEC_ENTRIES = (32, 64, 128)
 #: Host rows one program of the speculative copy holds at once: a quarter of its entries (a batch-8

@@ -90,8 +90,8 @@ def test_lean_plan_copy_builds_for_every_target(builds: list[dict]) -> None:
 def test_the_auto_choice_builds_for_every_target(builds: list[dict]) -> None:
     """What a runtime picks per batch size by default (`hisparse_triton.auto`) compiles for every target at
     every geometry: at small batches the split resolver at 512 threads with two-level scans and shift-and-mask
-    blocks and the lean plan copy of 4 entries a chunk, both with PDL on sm_90 only; from 2 rows up to the
-    line also the speculative layer-0 copy of 128 entries a program behind the split build that writes its
+    blocks and the lean plan copy of 4 entries a chunk, both with PDL on sm_90 only; from half the line up to
+    it also the speculative layer-0 copy of 128 entries a program behind the split build that writes its
     miss mask, with PDL on sm_90 only; at larger batches the one-program resolver with the same scans and
     blocks."""
     from hisparse_triton.compile_targets import TARGET_GEOMETRIES, TARGETS, geometries

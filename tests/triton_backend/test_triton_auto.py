@@ -23,12 +23,12 @@ def _choose(env: dict[str, str], *, b: int = 128, small: int = 16, pdl: bool = T
 
 def test_small_and_large_batches_get_their_measured_profiles() -> None:
     c = _choose({})
-    assert [p.max_rows for p in c.profiles] == [1, 16, 128]
+    assert [p.max_rows for p in c.profiles] == [7, 16, 128]
     one, mid, hi = (p.tuning for p in c.profiles)
     for t in (one, mid):
         assert (t.split, t.threads, t.scan, t.shift, t.lean_copy, t.pdl, t.plan_entries, t.plan_per_sm) == \
             (8, 512, True, True, True, True, 4, 4)
-    # 2 rows up to the line: the small profile plus the speculative copy of 128 entries (call E2); 1 row without it.
+    # Half the line up to it: the small profile plus the speculative copy of 128 entries (call E5); smaller batches without it.
     assert (one.spec_copy, mid.spec_copy, hi.spec_copy) == (0, 128, 0)
     assert c.profiles[1].picked == c.profiles[0].picked + (shapes.SPEC_COPY_ENV,)
     assert (hi.split, hi.threads, hi.scan, hi.shift, hi.lean_copy, hi.pdl) == (0, None, True, True, True, False)
@@ -38,11 +38,11 @@ def test_small_and_large_batches_get_their_measured_profiles() -> None:
             "gather", False, True, False, False, False, False)
     assert auto.variant(one) == "gather:t512:p4:e4:s1:b1:d1:n8:v1" and auto.variant(hi) == "gather:s1:b1:v1"
     assert auto.variant(mid) == "gather:t512:p4:e4:s1:b1:d1:n8:v1:x128"
-    assert "\n" not in c.line and "batches of 1 row gather:t512:p4:e4:s1:b1:d1:n8:v1 (" in c.line
-    assert "; 2-16 rows gather:t512:p4:e4:s1:b1:d1:n8:v1:x128 (" in c.line and "; 17-128 rows gather:s1:b1:v1 (" in c.line
-    # Why, once each: E2's figures for the speculative copy at B = 8 and against it at B = 1.
-    assert c.line.count("call E2") == 1 and "51.9 -> 44.1 us" in c.line and "287.4 -> 266.9" in c.line
-    assert "not at 1 row" in c.line and c.line.count("C4 and D1") == 1
+    assert "\n" not in c.line and "batches of 1-7 rows gather:t512:p4:e4:s1:b1:d1:n8:v1 (" in c.line
+    assert "; 8-16 rows gather:t512:p4:e4:s1:b1:d1:n8:v1:x128 (" in c.line and "; 17-128 rows gather:s1:b1:v1 (" in c.line
+    # Why, once each: E5's figures for the speculative copy at B = 8 and 16 and against it at B = 2.
+    assert c.line.count("call E5") == 1 and "52.0 -> 44.1" in c.line and "287.5 -> 267.9" in c.line
+    assert "not below half the small line" in c.line and c.line.count("C4 and D1") == 1
 
 
 @given(rows=st.integers(1, 128), small=st.integers(1, 200), b=st.integers(1, 128))
@@ -54,21 +54,21 @@ def test_each_batch_takes_the_profile_of_its_range(rows: int, small: int, b: int
     rows = min(rows, b)
     assert p.tuning.split == (8 if rows <= small else 0)
     assert p.tuning.pdl is (rows <= small)
-    assert p.tuning.spec_copy == (128 if 2 <= rows <= small else 0)
-    # One profile per range that holds a batch: 1 row, 2 rows up to the line, past it.
-    assert len(c.profiles) == 1 + (min(small, b) >= 2) + (small < b)
+    assert p.tuning.spec_copy == (128 if auto.spec_rows(small) <= rows <= small else 0)
+    # One profile per range that holds a batch: below half the line, half the line up to it, past it.
+    assert len(c.profiles) == 1 + (min(small, b) >= auto.spec_rows(small)) + (small < b)
 
 
 @pytest.mark.parametrize(("b", "small", "bounds", "spec"), [
     (128, 1, [1, 128], [0, 0]),  # a line of 1 row (fewer than 16 multiprocessors): no batch takes the speculative copy
-    (1, 16, [1], [0]), (2, 16, [1, 2], [0, 128]), (2, 1, [1, 2], [0, 0]),
+    (1, 16, [1], [0]), (2, 16, [2], [0]), (10, 16, [7, 10], [0, 128]), (2, 1, [1, 2], [0, 0]),
     (3, 2, [1, 2, 3], [0, 128, 0]), (5, 2, [1, 2, 5], [0, 128, 0]),  # the interpreter's line: half the workspace
 ])
 def test_small_workspaces_and_lines_keep_only_ranges_with_batches(b: int, small: int, bounds: list[int],
                                                                    spec: list[int]) -> None:
     c = _choose({}, b=b, small=small)
     assert [p.max_rows for p in c.profiles] == bounds and [p.tuning.spec_copy for p in c.profiles] == spec
-    assert ("x128" in c.line) == any(spec) and ("call E2" in c.line) == any(spec)
+    assert ("x128" in c.line) == any(spec) and ("call E5" in c.line) == any(spec)
 
 
 def test_small_batches_line_is_a_wave_of_split_programs() -> None:
@@ -111,7 +111,7 @@ def test_an_explicit_variable_wins_at_every_batch_size(key: str, value: str) -> 
                  shapes.ROW_COPY_ENV: "row_copy", shapes.SPEC_COPY_ENV: "spec_copy"}[key]
         assert getattr(p.tuning, field) == getattr(shapes.tuning({key: value}), field), (p, key)
     assert f"set explicitly: {key}={value}" in c.line
-    if key == shapes.SPEC_COPY_ENV:  # 1 row and 2-16 rows then have the same knobs: one profile
+    if key == shapes.SPEC_COPY_ENV:  # 1-7 rows and 8-16 rows then have the same knobs: one profile
         assert [p.max_rows for p in c.profiles] == [16, 128]
 
 
@@ -144,9 +144,9 @@ def test_a_profile_equal_at_every_size_is_one_profile() -> None:
     assert len(c.profiles) == 1 and c.profiles[0].max_rows == 128
     assert c.profiles[0].tuning == shapes.tuning(explicit | {shapes.SCAN_ENV: "1", shapes.SHIFT_ENV: "1",
                                                              shapes.LEAN_COPY_ENV: "1"})
-    # No batch past the line: 1 row and 2 rows up to the workspace.
-    assert [p.max_rows for p in _choose({}, small=128).profiles] == [1, 128]
-    assert [p.max_rows for p in _choose({}, b=4, small=16).profiles] == [1, 4]
+    # No batch past the line: below half of it, and half of it up to the workspace; a workspace below half the line: one.
+    assert [p.max_rows for p in _choose({}, small=128).profiles] == [63, 128]
+    assert [p.max_rows for p in _choose({}, b=4, small=16).profiles] == [4]
     c = _choose({shapes.SPEC_COPY_ENV: "0"}, b=4, small=16)
     assert [p.max_rows for p in c.profiles] == [4] and "every batch (1-4 rows)" in c.line
     assert "every batch (1 row)" in _choose({}, b=1, small=1).line

@@ -529,13 +529,13 @@ def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, se
     assert ("resolve_split_hot_kernel" in names) == (tail == "1"), names
 
 
-# Seeds whose four steps hold batches of 1 row, 2 rows up to the line and past it (workspaces of 7 and 5 rows).
+# Seeds whose four steps hold batches below half the line (1 row here), half the line up to it, and past it (workspaces of 7 and 5 rows).
 @pytest.mark.parametrize(("seed", "rows"), [(2, 3), (3, 2)])
 def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, rows: int) -> None:  # noqa: ANN001
     """With nothing set, batches of up to the small-batch line take the split resolver with two-level scans
     and shift-and-mask blocks, larger ones the one-program gather resolver with the same, and every plan copy
-    is the lean one (16-byte accesses), with PDL at small batches where the GPU has it; batches of 2 rows up
-    to the line add the speculative layer-0 copy (128 entries a program on a GPU), a batch of 1 row does not;
+    is the lean one (16-byte accesses), with PDL at small batches where the GPU has it; batches from half the
+    line up to it add the speculative layer-0 copy (128 entries a program on a GPU), smaller ones do not (here 1 row);
     in lockstep with reference_cpu on one state. The line is pinned at half the workspace (the interpreter's
     own): on a GPU it is a wave of 8 programs a row (16 rows on an H200), above every batch of this state, so
     that compiled runs, too, take all three profiles.
@@ -593,7 +593,7 @@ def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, ro
         small = n <= line
         which = "one" if n == 1 else "spec" if small else "large"
         # The profile is the one of the call's rows: the split tuning at 1 row and, with the speculative copy, from
-        # 2 rows up to the line; the one-program one past it.
+        # 2 rows (half the line, at these workspaces) up to the line; the one-program one past it.
         assert x.max_rows == {"one": 1, "spec": line, "large": workspace}[which], (n, x.max_rows, line)
         assert x.tuning.split == (auto.AUTO_SPLIT if small else 0), (n, x.tuning)
         assert x.tuning.spec_copy == (128 if which == "spec" else 0) and bool(x.spec_meta) == (which == "spec"), (n, x)

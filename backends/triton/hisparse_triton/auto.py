@@ -17,11 +17,13 @@ than both others on every miss and hit cell at B = 1 and 8 but 274 misses B = 8,
 `s1:b1:v1`; 0.6 us slower on resident steps); larger batches keep the one-program resolver with
 two-level scans, shift-and-mask blocks and the lean copy (the fastest at B = 64 in every cell; at B =
 128 faster on hit and 2048-miss steps, 21 us slower than the fixed defaults at 274 misses, one sample).
-Batches of 2 rows up to that line add the speculative layer-0 copy of 128 entries a program
-(`shapes.SPEC_COPY_ENV`; the eighteenth session's call E2: at B = 8 it brought 274 misses from 51.9 to
-44.1 us and 2048 misses from 287.4 to 266.9, and cost 1.3-1.4 us on resident and hit steps); a batch of
-one row keeps the small profile without it (at B = 1 it cost 0.9-7.8 us on resident, hit, 34- and
-274-miss steps). So a runtime has up to three profiles: 1 row, 2 rows up to the line, and larger.
+Batches from half that line up to it add the speculative layer-0 copy of 128 entries a program
+(`shapes.SPEC_COPY_ENV`; the eighteenth session's call E5 timed it against the same profile without
+it at B = 1-32: at B = 8 and 16 it brought 274 misses from 52.0 and 81.9 us to 44.1 and 69.5 and 2048
+misses from 287.5 and 512.5 to 267.9 and 491.6, and cost 1.4-4.2 us on resident and hit steps; at B = 2
+and 4 it lost at 274 misses, 33.1 and 36.5 against 27.4 and 35.4, and at B = 1 on every cell but 2048
+misses). So a runtime has up to three profiles: below half the line, half the line up to it, and
+larger.
 Imports no torch or triton.
 """
 
@@ -48,11 +50,11 @@ SMALL_PICKS: tuple[tuple[str, str], ...] = (
     (shapes.LEAN_COPY_ENV, "1"), (shapes.PDL_ENV, "1"), (shapes.PLAN_ENTRIES_ENV, "4"), (shapes.PLAN_PER_SM_ENV, "4"))
 SMALL_WHY = ("H200 calls C4 and D1 (seventeenth session): 34 misses B = 8 1.69-1.70x nvidia where the fixed defaults took 2.17-2.21x, "
              "274 misses 1.46-1.56x (1.68x), hits 1.55-1.83x, resident 0.6 us slower")
-#: Picked at batches of 2 rows up to the small line, after `SMALL_PICKS` (where the split resolver joined).
+#: Picked at batches from `spec_rows(small)` rows up to the small line, after `SMALL_PICKS` (where the split resolver joined).
 SPEC_PICKS: tuple[tuple[str, str], ...] = ((shapes.SPEC_COPY_ENV, "128"),)
-SPEC_WHY = ("as 1 row plus the speculative layer-0 copy: H200 call E2 (eighteenth session), x128 at B = 8: 274 misses "
-            "51.9 -> 44.1 us (nvidia 33.3), 2048 misses 287.4 -> 266.9, resident and hit steps 1.4 and 1.3 us slower; "
-            "not at 1 row, where it cost 0.9-7.8 us on resident, hit, 34- and 274-miss steps")
+SPEC_WHY = ("as the smaller batches plus the speculative layer-0 copy: H200 call E5 (eighteenth session), at B = 8 and 16 "
+            "274 misses 52.0 -> 44.1 and 81.9 -> 69.5 us, 2048 misses 287.5 -> 267.9 and 512.5 -> 491.6, resident and hit "
+            "steps 1.4-4.2 us slower; not below half the small line, where it lost at 274 misses (B = 2: 33.1 against 27.4)")
 #: Picks at larger batches.
 LARGE_PICKS: tuple[tuple[str, str], ...] = (
     (shapes.SCAN_ENV, "1"), (shapes.SHIFT_ENV, "1"), (shapes.LEAN_COPY_ENV, "1"))
@@ -91,6 +93,12 @@ def small_rows(multiprocessors: int | None, max_batch_rows: int) -> int:
     if multiprocessors is None:
         return max(1, max_batch_rows // 2)
     return max(1, multiprocessors // AUTO_SPLIT)
+
+
+def spec_rows(small: int) -> int:
+    """The smallest batch given the speculative copy: half the small line (8 rows on the H200), and
+    never 1 row."""
+    return max(2, small // 2)
 
 
 def auto_enabled(env: Mapping[str, str]) -> bool:
@@ -143,8 +151,8 @@ def _rows(lo: int, hi: int) -> str:
 
 
 def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool) -> Choice:
-    """The profiles of a runtime of `max_batch_rows` rows under `env`: batches of 1 row, of 2 up to
-    `small` rows and the rest, each with the explicit settings of `env` and the auto picks that combine
+    """The profiles of a runtime of `max_batch_rows` rows under `env`: batches below `spec_rows(small)`
+    rows, from it up to `small` rows, and the rest, each with the explicit settings of `env` and the auto picks that combine
     with them (neighbouring ranges of equal knobs are one profile; a range past `max_batch_rows`, or the
     middle one where `small` < 2, has none); `pdl`: whether the target has programmatic dependent launch.
     One clear error per bad value (the explicit settings are checked as `shapes.tuning` checks them,
@@ -164,11 +172,11 @@ def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool
     hi, hi_picked = _merge(explicit, LARGE_PICKS, pdl=pdl)
     # (last row, knobs, picks, why) of each range; a range merges into the one before it where their knobs are equal.
     ranges: list[tuple[int, Tuning, tuple[str, ...], str]] = []
-    bounds = (1, min(small, max_batch_rows), max_batch_rows)
+    bounds = (min(spec_rows(small) - 1, max_batch_rows), min(small, max_batch_rows), max_batch_rows)
     for last, tuning, picked, why in zip(bounds, (one, mid, hi), (one_picked, mid_picked, hi_picked),
                                          (SMALL_WHY, SPEC_WHY, LARGE_WHY), strict=True):
         if ranges and last <= ranges[-1][0]:
-            continue  # empty: past the workspace, or no batch between 2 rows and `small`
+            continue  # empty: past the workspace, or no batch between `spec_rows(small)` and `small`
         if ranges and ranges[-1][1] == tuning:
             ranges[-1] = (last, *ranges[-1][1:])
         else:

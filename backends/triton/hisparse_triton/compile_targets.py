@@ -109,8 +109,8 @@ def build_all(targets: list[str], *, lru_i16: bool = True, jobs: int = 1) -> lis
         for geo, config in geometries().items():
             if geo not in TARGET_GEOMETRIES.get(name, (geo,)):
                 continue
-            # The auto choice's profiles at its three batch ranges (1 row; 2 rows up to the line, with the
-            # speculative copy; past it), as a runtime picks them (PDL on NVIDIA only): a line of 2 rows has all three.
+            # The auto choice's profiles at its three batch ranges (below half the line; half the line up to it, with
+            # the speculative copy; past it), as a runtime picks them (PDL on NVIDIA only): a line of 2 rows has all three.
             tunings = tuple(p.tuning for p in auto.choose({}, max_batch_rows=config.max_batch_rows, small=2,
                                                           pdl=backend == "cuda").profiles)
             specs = shapes.kernel_specs(config, warp, cuda=backend == "cuda", tunings=tunings)

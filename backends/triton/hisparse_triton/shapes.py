@@ -140,8 +140,8 @@ SPLIT_TAIL_ENV = "HISPARSE_TRITON_SPLIT_TAIL"
 #: the last program's path at 34 and 274 misses at B = 8 has five dependent global round trips fewer
 #: (of about fifteen). Longer lists take the chunked passes. 0, the default; not yet timed on a GPU.
 SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
-#: N (32, 64 or 128; 0, the fixed default: off; the auto default picks 128 from 2 rows up to its small-batch
-#: line, `auto.SPEC_PICKS`): behind the split resolver, layer 0's plan copy is
+#: N (32, 64 or 128; 0, the fixed default: off; the auto default picks 128 from half its small-batch line up to
+#: it, `auto.SPEC_PICKS`): behind the split resolver, layer 0's plan copy is
 #: `kernels.copy_spec_kernel`, N entries of a batch row a program: it reads the host rows of the
 #: entries likely to miss (hint not holding the row) while the resolver runs (a programmatic dependent
 #: launch where the target has one) and, once it has ended, writes those that missed (the resolver's

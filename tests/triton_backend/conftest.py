@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,20 +36,27 @@ class CompileChild:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hisparse_triton.compile_targets", "--jobs", str(jobs), "--json", str(self.report)],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # its own process group: a kill takes its compile workers too
 
     def wait(self, timeout: float) -> tuple[int, str]:
         """The child's exit status and the tail of its log, once it has exited (killed past `timeout`)."""
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self._kill()
             rc = self.proc.wait()
         return rc, self.log.read_text()[-3000:]
 
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
+            self._kill()
             self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -27,9 +27,9 @@ successor no better, so prefetching from it copies rows nobody reads and evicts 
 hit (the CPU simulation, bench/bench_prefetch_locality.py, and docs/results.md give the figures).
 
 A resident group (`resident_layers`) has no resolve, so nothing is prefetched into it; its
-successor is prefetched from its top-k all the same (unless `sources` leaves it out) (the attention layer launches it from the
-resident rows' positions), so the first group after the resident ones (layer 2 of DeepSeek-V3.2
-with layers 0-1 resident) is covered too. No pair spans two devices (`device_map`).
+successor is prefetched from its top-k all the same unless `sources` leaves it out (the attention
+layer launches it from the resident rows' positions), so the first group after the resident ones
+(layer 2 of DeepSeek-V3.2 with layers 0-1 resident) is covered too. No pair spans two devices (`device_map`).
 """
 
 from __future__ import annotations

@@ -76,8 +76,9 @@ class Build:
     binary: str  # the kind of binary produced (hsaco, cubin)
 
 
-def _compile(job: tuple[str, str, str, dict[str, int], int]) -> tuple[int, float, str]:
-    """One build in a worker process: (shared bytes, seconds, binary kind)."""
+def _compile(job: tuple[str, str, str, str, int]) -> tuple[int, float, str]:
+    """One build in a worker process, of (target, kernel, signature JSON, constexprs JSON, warps):
+    (shared bytes, seconds, binary kind)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -87,7 +88,7 @@ def _compile(job: tuple[str, str, str, dict[str, int], int]) -> tuple[int, float
     name, kernel, sig, constexprs, num_warps = job
     backend, arch, warp = TARGETS[name]
     t0 = time.perf_counter()
-    compiled = triton.compile(ASTSource(kernels.KERNELS[kernel], json.loads(sig), dict(constexprs)),
+    compiled = triton.compile(ASTSource(kernels.KERNELS[kernel], json.loads(sig), json.loads(constexprs)),
                               target=GPUTarget(backend, arch, warp), options={"num_warps": num_warps})
     kind = "hsaco" if "hsaco" in compiled.asm else "cubin" if "cubin" in compiled.asm else "?"
     return int(compiled.metadata.shared), time.perf_counter() - t0, kind
@@ -103,7 +104,8 @@ def build_all(targets: list[str], *, lru_i16: bool = True, jobs: int = 1) -> lis
 
     if not isinstance(kernels.resolve_kernel, triton.runtime.JITFunction):
         raise RuntimeError("the kernels were defined under TRITON_INTERPRET=1; unset it to compile for a target")
-    wanted: list[tuple[str, str, shapes.KernelSpec, tuple[str, str, str, int]]] = []
+    # Each build's job is its own key: identical builds (the same spec at several geometries) compile once.
+    wanted: list[tuple[str, str, shapes.KernelSpec, tuple[str, str, str, str, int]]] = []
     for name in targets:
         backend, _, warp = TARGETS[name]
         for geo, config in geometries().items():
@@ -119,21 +121,18 @@ def build_all(targets: list[str], *, lru_i16: bool = True, jobs: int = 1) -> lis
             if not shapes.cas_compiles(triton.__version__, rocm=backend == "hip"):
                 specs = [s for s in specs if not s.constexprs.get("CAS")]  # the runtime refuses it there
             for spec in specs:
-                sig = json.dumps(dict(spec.signature), sort_keys=True)
-                key = (name, spec.kernel, json.dumps([sig, spec.constexprs], sort_keys=True), spec.num_warps)
-                wanted.append((name, geo, spec, key))
-    jobs_by_key: dict[tuple[str, str, str, int], tuple[str, str, str, dict[str, int], int]] = {}
-    for name, _, spec, key in wanted:
-        jobs_by_key.setdefault(key, (name, spec.kernel, json.dumps(dict(spec.signature)), dict(spec.constexprs),
-                                     spec.num_warps))
-    keys = list(jobs_by_key)
+                # The signature in argument order (the order the kernel takes them), the constexprs sorted.
+                job = (name, spec.kernel, json.dumps(dict(spec.signature)),
+                       json.dumps(dict(spec.constexprs), sort_keys=True), spec.num_warps)
+                wanted.append((name, geo, spec, job))
+    keys = list(dict.fromkeys(job for *_, job in wanted))
     if jobs > 1 and len(keys) > 1:
         # Fresh interpreters (spawn): a forked child would inherit the parent's Triton state.
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(min(jobs, len(keys))) as pool:
-            results = pool.map(_compile, [jobs_by_key[k] for k in keys], chunksize=1)
+            results = pool.map(_compile, keys, chunksize=1)
     else:
-        results = [_compile(jobs_by_key[k]) for k in keys]
+        results = [_compile(k) for k in keys]
     done = dict(zip(keys, results, strict=True))
     out: list[Build] = []
     for name, geo, spec, key in wanted:

@@ -109,6 +109,11 @@
 #if HS_VR_FAST == 5 || HS_VR_FAST > 6
 #error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4 or 6"
 #endif
+// VR_PDL (HISPARSE_VLLM_RESOLVE_PDL=1): the resolver waits for the previous grid (griddepcontrol.wait)
+// before its first global access, for a launch with programmatic stream serialization.
+#ifndef VR_PDL
+#define VR_PDL 0
+#endif
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 // Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
 // are the call's top-k, hot rows, hot block size, source and resident block sizes, shared buckets
@@ -328,6 +333,12 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32* s_val = reinterpret_cast<i32*>(s_tab + smem_buckets);
     i16* ord = reinterpret_cast<i16*>(s_val + smem_buckets);
     __shared__ i32 s_group;
+#if VR_PDL
+    // Launched as a programmatic dependent of the stream's previous kernel (HISPARSE_VLLM_RESOLVE_PDL=1):
+    // the block was placed while that kernel finished; every global access below waits for its grid
+    // to complete and its writes to be visible (a no-op where the launch did not overlap).
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     // The next kernel (a gather's mark kernel, launched to overlap) waits for this grid before reading.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #ifdef VR_NT

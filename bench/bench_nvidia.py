@@ -696,6 +696,21 @@ def _vllm_ops_rows(bench: Bench, misses: int, b: int, rpr: int, native_us: float
                         f"a request on the last step" + ("" if "compact" in label else "; plan from miss_mask" if "plan" in label
                                                   else "; no copy"),
                         {"misses": misses, "rows_per_request": rpr}))
+    # The split of the sequence's figure: gather_compact alone, replaying the last step's lists (its
+    # early exit on a hit step; its wait, list reads and host reads on a miss step), and the graph's
+    # per-node floor (a tiny kernel a node) twice a step, the launch share of two kernels a step.
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in topks:
+            ops.hisparse_gather_compact(host, bench.cache, sh, sd, sc)
+    us = bench.time_graph(g, steps)
+    rows.append(Row("vLLM gather_compact alone", b, us, "hisparse native swap-in", native, "-", None,
+                    f"{miss_label(misses)} misses/request, {rpr} row(s)/request; the last step's lists, replayed",
+                    {"misses": misses, "rows_per_request": rpr}))
+    us = 2 * bench.time_graph(bench.floor_graph(steps), steps)
+    rows.append(Row("graph floor x2", b, us, "hisparse native swap-in", native, "-", None,
+                    "two tiny kernels a step: the launch floor of a two-kernel sequence",
+                    {"misses": misses, "rows_per_request": rpr}))
     return rows
 
 

@@ -57,12 +57,23 @@ def test_nvidia_vllm_ops_match_reference(seed: int, rows_per_request: int, miss_
 
 
 def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
-    """HISPARSE_VLLM_RESOLVE=build; a trailing "s" also sets HISPARSE_VLLM_RESOLVE_SHAPE=1 (a build per shape)."""
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", build.removesuffix("s"))
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if build.endswith("s") else "0")
+    """HISPARSE_VLLM_RESOLVE=the build's digits; the letters after them: "s" HISPARSE_VLLM_RESOLVE_SHAPE=1 (a
+    build per shape), "p" HISPARSE_VLLM_RESOLVE_PDL=1 (a programmatic dependent launch), "f"
+    HISPARSE_VLLM_RESOLVE_PREFETCH=1 (the misses' host rows prefetched into L2)."""
+    digits = build.rstrip("spf")
+    flags = build[len(digits):]
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", digits)
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if "s" in flags else "0")
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PDL", "1" if "p" in flags else "0")
+    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PREFETCH", "1" if "f" in flags else "0")
 
 
-@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "6", "1s", "3s", "4s", "6s"])
+#: The resolver's launch and prefetch switches on the default build and on 6 (HISPARSE_VLLM_RESOLVE_PDL,
+#: HISPARSE_VLLM_RESOLVE_PREFETCH), both built per shape and (6pf) once for every shape.
+_PDL_BUILDS = ["4sp", "4sf", "4spf", "6sp", "6sf", "6spf", "6pf"]
+
+
+@pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "6", "1s", "3s", "4s", "6s", *_PDL_BUILDS])
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("rows_per_request", [1, 4])
 def test_other_resolver_builds_match_reference(seed: int, rows_per_request: int, build: str,
@@ -148,7 +159,7 @@ def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: t
             cnt[1], None, 0, 0]
 
 
-@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s", "6spf"])  # HISPARSE_VLLM_RESOLVE (see _set_build)
 @pytest.mark.parametrize("k,h,threads", [(64, 64, 0), (64, 128, 0), (256, 512, 128), (200, 400, 128),
                                          (256, 1024, 128), (256, 2048, 128)])
 @pytest.mark.parametrize("seed", range(3))
@@ -214,7 +225,7 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
             cnt[0], out[4], out[5], cnt[1], state["res"], 64, 0]
 
 
-@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: per shape)
+@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s", "6s", "4spf", "6spf"])  # see _set_build
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (2, 4096, 4096), (4, 10240, 8192),
                                        (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
@@ -278,7 +289,7 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
     _assert_same(a, ag)
 
 
-@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "6s", "4spf", "6spf"])  # see _set_build
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (2, 4096, 4096), (2, 10240, 4096),
                                        (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))
@@ -311,7 +322,7 @@ def test_hit_and_resident_steps_match_reference(seed: int, rpr: int, h: int, mur
         _step_both(st_cpu, st_gpu, t, k)
 
 
-@pytest.mark.parametrize("build", ["3", "4s", "6s"])  # HISPARSE_VLLM_RESOLVE (s: built for the shape)
+@pytest.mark.parametrize("build", ["3", "4s", "6s", *_PDL_BUILDS])  # HISPARSE_VLLM_RESOLVE (see _set_build)
 def test_resolve_and_gathers_capture_in_a_cuda_graph(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _set_build(monkeypatch, build)
     ops = _ops()
@@ -338,6 +349,57 @@ def test_resolve_and_gathers_capture_in_a_cuda_graph(build: str, monkeypatch: py
     ReferenceVllmOps().gather_compact(ref[0], ref[1], ref[19], ref[20], ref[21])
     for i in (1, 4, 5, 6, 10, 11, 12, 17, 18, 21):
         assert torch.equal(args[i].cpu(), ref[i]), i
+
+
+@pytest.mark.parametrize("build", ["6s", *_PDL_BUILDS])  # HISPARSE_VLLM_RESOLVE (see _set_build)
+@pytest.mark.parametrize("seed", range(3))
+def test_steps_chained_in_a_cuda_graph_match_reference(seed: int, build: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's decode chain replayed from one graph: resolve, gather_compact, resolve, ... over drifting
+    steps (cold, hits and misses, hits). With HISPARSE_VLLM_RESOLVE_PDL=1 each resolver after the first is
+    a programmatic dependent of the gather before it, which still reads the miss lists the resolver
+    rewrites: every output, the hot map, LRU order, counters and hot rows must match reference_cpu's
+    step for step (the last step's lists and the state after all of them)."""
+    _set_build(monkeypatch, build)
+    ops = _ops()
+    k, b, h = 2048, 2, 4096
+    st_cpu, st_gpu, topk = _steady_state(3000 + seed, b, 1, k, h, 2048)
+    g = torch.Generator().manual_seed(4000 + seed)
+    host_rows = st_cpu["host"].shape[0]
+    st_cpu["host"].view(torch.int32).copy_(torch.randint(-2**31, 2**31 - 1, st_cpu["host"].view(torch.int32).shape,
+                                                         generator=g, dtype=torch.int32))
+    tops = [topk]
+    for _ in range(3):
+        nxt = tops[-1].clone()
+        nxt[:, :97] = torch.randint(0, host_rows // b, (b, 97), generator=g, dtype=torch.int32)
+        tops += [nxt, nxt]
+    calls_gpu = []
+    for t in tops:
+        a = _production_step(st_cpu, t, k)
+        ag = [x.to("cuda") if isinstance(x, torch.Tensor) and i not in (0, 5, 6, 11) else x for i, x in enumerate(a)]
+        ag[1], ag[5], ag[6], ag[11], ag[22] = st_gpu["hot"], st_gpu["dgi"], st_gpu["lru"], st_gpu["stats"], st_gpu["res"]
+        calls_gpu.append((a, ag))
+    for a, _ in calls_gpu:  # the reference, step by step
+        ReferenceVllmOps().resolve_residency(*a)
+        ReferenceVllmOps().gather_compact(a[0], a[1], a[19], a[20], a[21])
+    dgi0, lru0, stats0, hot0 = (st_gpu[x].clone() for x in ("dgi", "lru", "stats", "hot"))
+    for _, ag in calls_gpu[:1]:  # warm-up outside capture (compiles, scratch), then the state put back
+        ops.resolve_residency(*ag)
+        ops.gather_compact(ag[0], ag[1], ag[19], ag[20], ag[21])
+    torch.cuda.synchronize()
+    for x, v in (("dgi", dgi0), ("lru", lru0), ("stats", stats0), ("hot", hot0)):
+        st_gpu[x].copy_(v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _, ag in calls_gpu:
+            ops.resolve_residency(*ag)
+            ops.gather_compact(ag[0], ag[1], ag[19], ag[20], ag[21])
+    for x, v in (("dgi", dgi0), ("lru", lru0), ("stats", stats0), ("hot", hot0)):
+        st_gpu[x].copy_(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, ag in calls_gpu:
+        _assert_same(a, ag)
+    assert torch.equal(st_gpu["hot"].cpu(), st_cpu["hot"])
 
 
 def _set_gather(monkeypatch: pytest.MonkeyPatch, variant: str) -> None:

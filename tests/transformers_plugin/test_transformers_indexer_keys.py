@@ -85,7 +85,12 @@ def test_fp8_indexer_topk_matches_a_reference_scorer(deepseek: torch.nn.Module) 
         cache = hs.new_cache()
         returned: list[torch.Tensor] = []
         plain = cache.update_indexer
-        cache.update_indexer = lambda k, layer: returned.append(plain(k, layer)) or returned[-1]  # type: ignore[method-assign]
+
+        def spy(keys: torch.Tensor, layer: int) -> torch.Tensor:
+            returned.append(plain(keys, layer))
+            return returned[-1]
+
+        cache.update_indexer = spy  # type: ignore[method-assign]
         with torch.no_grad():
             ours = [idx(hidden[:, :t], q_resid[:, :t], (cos[:, :t], sin[:, :t]), causal[:, :t, :t], pos[:, :t], cache),
                     idx(hidden[:, t:], q_resid[:, t:], (cos[:, t:], sin[:, t:]), causal[:, t:, :], pos[:, t:], cache)]
@@ -126,7 +131,8 @@ def test_fp8_indexer_topk_matches_a_reference_scorer(deepseek: torch.nn.Module) 
 def test_fp8_static_writes_store_what_dynamic_ones_do(deepseek: torch.nn.Module) -> None:
     """A captured decode step's write (static mode: the key at a device position, uint8 views) keeps
     the same bytes and scales as an appended one, and hands back the whole buffer dequantized."""
-    cfg = deepseek.config
+    model: Any = deepseek
+    cfg = model.config
     g = torch.Generator().manual_seed(9)
     keys = torch.randn(2, 9, cfg.index_head_dim, generator=g)
     with hisparse_transformers.enable(deepseek, **enable_kwargs("deepseek_v32", check=False,

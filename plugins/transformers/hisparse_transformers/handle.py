@@ -565,7 +565,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     check_key_format(indexer_keys)
     layout = detect(model)
     if indexer_keys == "fp8":
-        quant_block(int(model.config.index_head_dim))   # one line where the key cannot be split in blocks
+        quant_block(layout.index_head_dim)   # one line where the key cannot be split in blocks
     if synthetic_topk_layers is not None:
         if synthetic_topk is None:
             raise InvalidInputError(f"synthetic_topk_layers={synthetic_topk_layers!r} needs synthetic_topk "

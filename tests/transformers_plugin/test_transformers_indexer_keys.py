@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from tf_support import GEN, NO_TIES, SHAPES, enable_kwargs, random_prompts, tiny_model
+from tf_support import GEN, NO_TIES, SHAPES, compare, enable_kwargs, gpu_reason, random_prompts, tight_gpu_gib, tiny_model
 
 import hisparse_transformers
 from hisparse_core.errors import InvalidInputError
@@ -147,6 +147,43 @@ def test_fp8_static_writes_store_what_dynamic_ones_do(deepseek: torch.nn.Module)
         assert full.shape == (2, cap, cfg.index_head_dim) and full.dtype == torch.float32
         assert torch.equal(full[:, :9], whole) and torch.equal(whole, dequantize_fp8(*quantize_fp8(keys)))
         assert a.indexer_bytes == b.indexer_bytes == 2 * 9 * bytes_per_key("fp8", cfg.index_head_dim, 4)
+
+
+def _static_against_dynamic(family: str, device: str, capture: bool) -> tuple[Any, Any, Any]:
+    """One generate with fp8 keys through the captured step's static computation (`capture`: a
+    CUDA graph; else run eagerly), one through the dynamic path; the key buffers grow mid-decode."""
+    model: Any = tiny_model(family, shape=NO_TIES[family], seed=4, device=device)
+    ids, mask = random_prompts([150, 201, 97], seed=2)
+    ids, mask = ids.to(device), mask.to(device)
+    extra = {"backend": "nvidia"} if device == "cuda" else {}
+    kw = enable_kwargs(family, check=False, max_context=512, prefill_chunk=32, gpu_kv_gib=tight_gpu_gib(family, 150),
+                       indexer_keys="fp8", **extra)
+    out = []
+    for static in (True, False):
+        with hisparse_transformers.enable(model, **kw, cuda_graphs=capture if static else False) as hs:
+            if device == "cpu":
+                hs.graphs.enabled, hs.graphs.capture = static, False
+            out.append(model.generate(ids, attention_mask=mask, max_new_tokens=64, prefill_chunk_size=32, **GEN))
+            stats = hs.stats() if static else stats
+    return out[0], out[1], stats
+
+
+def test_fp8_static_decode_matches_the_dynamic_one(family: str) -> None:
+    static, dynamic, s = _static_against_dynamic(family, "cpu", capture=False)
+    got = compare(static, dynamic)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    assert s.decode_mode == "static eager" and s.misses > 0, s
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_reason() is not None, reason=f"nvidia backend unavailable: {gpu_reason()}")
+def test_fp8_keys_in_a_captured_decode_graph(family: str) -> None:
+    captured, eager, s = _static_against_dynamic(family, "cuda", capture=True)
+    got = compare(captured, eager)
+    print(f"{family} fp8 indexer keys, cuda graph against eager: tokens identical {got.tokens_equal}, max abs logit "
+          f"diff {got.max_logit_diff:.3g}, captures {s.graph_captures}")
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    assert s.decode_mode == "cuda graph" and s.graph_captures == 2 and s.misses > 0, s
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))

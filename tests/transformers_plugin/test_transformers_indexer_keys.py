@@ -12,7 +12,17 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from tf_support import GEN, NO_TIES, SHAPES, compare, enable_kwargs, gpu_reason, random_prompts, tight_gpu_gib, tiny_model
+from tf_support import (
+    GEN,
+    NO_TIES,
+    SHAPES,
+    compare,
+    enable_kwargs,
+    gpu_reason,
+    random_prompts,
+    tight_gpu_gib,
+    tiny_model,
+)
 
 import hisparse_transformers
 from hisparse_core.errors import InvalidInputError
@@ -158,14 +168,14 @@ def _static_against_dynamic(family: str, device: str, capture: bool) -> tuple[An
     extra = {"backend": "nvidia"} if device == "cuda" else {}
     kw = enable_kwargs(family, check=False, max_context=512, prefill_chunk=32, gpu_kv_gib=tight_gpu_gib(family, 150),
                        indexer_keys="fp8", **extra)
-    out = []
+    out, stats = [], []
     for static in (True, False):
         with hisparse_transformers.enable(model, **kw, cuda_graphs=capture if static else False) as hs:
             if device == "cpu":
                 hs.graphs.enabled, hs.graphs.capture = static, False
             out.append(model.generate(ids, attention_mask=mask, max_new_tokens=64, prefill_chunk_size=32, **GEN))
-            stats = hs.stats() if static else stats
-    return out[0], out[1], stats
+            stats.append(hs.stats())
+    return out[0], out[1], stats[0]
 
 
 def test_fp8_static_decode_matches_the_dynamic_one(family: str) -> None:

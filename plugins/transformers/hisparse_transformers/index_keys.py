@@ -63,8 +63,10 @@ def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(values `[..., D]`, scales `[..., D / block]`) -> fp32 keys `[..., D]`."""
     dim = values.shape[-1]
     n = scales.shape[-1]
-    out = values.float().reshape(*values.shape[:-1], n, dim // n) * scales.unsqueeze(-1)
-    return out.reshape(values.shape)
+    out = values.to(torch.float32, copy=True)   # never the store itself, whatever its dtype
+    # in place: a second whole-context fp32 copy would double the step's transient memory
+    out.view(*values.shape[:-1], n, dim // n).mul_(scales.unsqueeze(-1))
+    return out
 
 
 __all__ = ["KEY_FORMATS", "bytes_per_key", "check_key_format", "dequantize_fp8", "quant_block", "quantize_fp8"]

@@ -70,6 +70,15 @@ ascending list such as `20,21,22,23` (adjacent layers of the plateau band, whose
 87-90% as a real model's neighbours do: what the prefetch sees on a real model); `spread/20,21,22,23`
 runs every hisparse row under each (rows labelled `code+ref20,21,22,23`; JSON `reference_layers`).
 
+`--indexer-keys fp8` stores the engine modes' indexer keys as DeepSeek-V3.2 does (e4m3 with an fp32
+scale per 128 values: 132 bytes a token a layer against bf16's 256; `enable(indexer_keys="fp8")`,
+scored dequantized), in both modes, so each holds more requests at the budget; `fp8/model` runs
+every engine row under each format, each with its own largest batches (rows labelled
+`<regime>:fp8`). For each context and format the log prints, once, what sets each mode's largest
+batch at the budget: the keys, hisparse's per-request blocks (hot buffer, active tail, and the
+pages a request writes in a step, which `--fill-chunk` sets), all-resident's pages and the same
+engine minimum, and the capacity against pages and keys only.
+
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
 

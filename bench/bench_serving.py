@@ -70,6 +70,15 @@ ascending list such as `20,21,22,23` (adjacent layers of the plateau band, whose
 87-90% as a real model's neighbours do: what the prefetch sees on a real model); `spread/20,21,22,23`
 runs every hisparse row under each (rows labelled `code+ref20,21,22,23`; JSON `reference_layers`).
 
+`--indexer-keys fp8` stores the engine modes' indexer keys as DeepSeek-V3.2 does (e4m3 with an fp32
+scale per 128 values: 132 bytes a token a layer against bf16's 256; `enable(indexer_keys="fp8")`,
+scored dequantized), in both modes, so each holds more requests at the budget; `fp8/model` runs
+every engine row under each format, each with its own largest batches (rows labelled
+`<regime>:fp8`). For each context and format the log prints, once, what sets each mode's largest
+batch at the budget: the keys, hisparse's per-request blocks (hot buffer, active tail, and the
+pages a request writes in a step, which `--fill-chunk` sets), all-resident's pages and the same
+engine minimum, and the capacity against pages and keys only.
+
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
 
@@ -148,6 +157,7 @@ class Sizes:
     row_bytes: int = 0
     resident_layers: tuple[int, ...] = ()    # hisparse's layers kept whole on the GPU (--resident-layers)
     stores_outside: bool = False             # their stores come on top of the budget (--resident-stores outside)
+    indexer_keys: str = "model"              # how the engine modes store the indexer keys (--indexer-keys)
 
     @property
     def hs_block_bytes(self) -> int:
@@ -203,9 +213,36 @@ class Sizes:
             b += 1
         return b
 
+    def capacity_line(self, fill_chunk: int, key_bytes: dict[str, int]) -> str:
+        """What sets each mode's largest batch at the fixed budget (`--gpu-kv-gib`), in words and MiB.
+        `key_bytes`: bytes of one token's key in one layer, per --indexer-keys format."""
+        from dataclasses import replace
 
-def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace) -> Sizes:
+        from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, pressure_watermark
+
+        mib = 2**20
+        fixed = replace(self, resident_budget=self.budget)
+        hs, ar = fixed.largest("hisparse"), fixed.largest("all-resident")
+        per_hs = self.hisparse_blocks(2) - self.hisparse_blocks(1)          # blocks a further request adds
+        once = pressure_watermark(1, self.hot_blocks, self.chunk_pages) - self.chunk_pages
+        pages_only = self.budget // (self.pages * self.block_bytes + self.indexer_bytes)
+        others = ", ".join(f"{k} {v} B" for k, v in key_bytes.items() if k != self.indexer_keys)
+        return (f"# capacity at T={self.context}, {self.budget / 2**30:g} GiB, indexer keys {self.indexer_keys} "
+                f"({key_bytes[self.indexer_keys]} B a token a layer; {others}): {self.indexer_bytes / mib:.1f} MiB of "
+                f"keys a request, on the GPU in both modes. hisparse a request: hot buffer {self.hot_blocks} + active "
+                f"tail {ACTIVE_TAIL_PAGES} + 3 x {self.chunk_pages} recent pages + {self.chunk_pages} of watermark "
+                f"(--fill-chunk {fill_chunk}: {self.chunk_pages} pages a request writes in a step) = {per_hs} blocks of "
+                f"{self.hs_block_bytes / 1024:g} KiB ({per_hs * self.hs_block_bytes / mib:.1f} MiB) + keys "
+                f"= {(per_hs * self.hs_block_bytes + self.indexer_bytes) / mib:.1f} MiB, and {once} blocks of watermark "
+                f"once -> {hs}; all-resident a request: {self.pages} pages + the engine's same {per_hs}-block minimum "
+                f"(never leased: no page is released) = {(self.pages + per_hs) * self.block_bytes / mib:.1f} MiB + keys "
+                f"-> {ar}; capacity {hs / ar if ar else float('inf'):.2f}x (against pages and keys only, as an engine "
+                f"without that minimum holds: {pages_only}, {hs / pages_only if pages_only else float('inf'):.2f}x)")
+
+
+def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace, keys: str = "model") -> Sizes:
     from hisparse_transformers.engine import row_format_for
+    from hisparse_transformers.index_keys import bytes_per_key
 
     bs, top_k = a.block_size, model_cfg.index_topk
     width = model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim
@@ -217,11 +254,11 @@ def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace) 
                       f"--max-context={a.max_context}: expected contexts <= {a.max_context - (max_context - context)}")
     hot_rows = a.hot_rows or -(-2 * top_k // bs) * bs
     block_bytes = layers * bs * fmt.row_bytes
-    idx = layers * context * model_cfg.index_head_dim * elem
+    idx = layers * context * bytes_per_key(keys, model_cfg.index_head_dim, elem)
     static = (context + a.warmup + a.steps + 8) * layers * (width * elem + model_cfg.index_head_dim * elem)
     return Sizes(context, max_context, block_bytes, -(-max_context // bs), hot_rows // bs, -(-a.fill_chunk // bs) + 1,
                  idx, static, int(a.host_gib * 2**30) // block_bytes - 1, int(a.gpu_kv_gib * 2**30),
-                 int((a.all_resident_gib or a.gpu_kv_gib) * 2**30), layers, fmt.row_bytes)
+                 int((a.all_resident_gib or a.gpu_kv_gib) * 2**30), layers, fmt.row_bytes, indexer_keys=keys)
 
 
 def batches_for(s: Sizes, mode: str, asked: list[int] | None, also_max: tuple[int, ...] = ()) -> list[int]:
@@ -279,6 +316,7 @@ class Plan:
     share_contexts: list[int] | None    # the contexts those rows run at (None: every context)
     references: list[list[int]]         # reference layers the model's layers stand for, per alternative
     resident_by_ref: list[list[tuple[int, ...]]]  # hisparse's resident alternatives under each of them
+    keys: list[str]                     # --indexer-keys alternatives, in order, distinct
 
 
 def _ints(flag: str, text: str, *, allow_max: bool = False, allow_all: bool = False) -> list[int] | None:
@@ -362,6 +400,9 @@ def resident_alternatives(spec: str, layers: int, regime_name: str,
 
 def parse_plan(a: argparse.Namespace) -> Plan:
     """Every list flag checked before anything is built: one line naming the flag (`BadSize`)."""
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_transformers.index_keys import check_key_format
+
     contexts = _ints("--contexts", a.contexts)
     assert contexts is not None
     batches = _ints("--batches", a.batches, allow_max=True) if a.batches else None
@@ -402,7 +443,13 @@ def parse_plan(a: argparse.Namespace) -> Plan:
     if (share is None or share) and a.skip_indexer:
         raise BadSize(f"--indexer-share={a.indexer_share!r} with --skip-indexer: every row already leaves the indexer "
                       "out; expected one of them")
-    return Plan(contexts, batches, modes, resident, why, share, share_contexts, references, resident_by_ref)
+    keys = list(dict.fromkeys(x.strip() for x in a.indexer_keys.split("/")))
+    for k in keys:
+        try:
+            check_key_format(k, "--indexer-keys")
+        except InvalidInputError as exc:
+            raise BadSize(f"{exc}{f' (alternative of {a.indexer_keys!r}; several separated by /)' if '/' in a.indexer_keys else ''}") from None
+    return Plan(contexts, batches, modes, resident, why, share, share_contexts, references, resident_by_ref, keys)
 
 
 def reference_alternatives(spec: str, layers: int, regime_name: str) -> list[list[int]]:
@@ -432,6 +479,12 @@ def reference_label(refs: list[int], layers: int) -> str:
     return "" if refs == reference_layers(list(range(layers)), layers) else "+ref" + ",".join(map(str, refs))
 
 
+def key_label(keys: str) -> str:
+    """An engine row's top-k label suffix for its indexer keys (':fp8'; none for the model's own, so
+    earlier logs read the same): hisparse and all-resident rows of one format share it."""
+    return "" if keys == "model" else ":" + keys
+
+
 def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool, *,
                skip_indexer: bool = False, prefetch: bool | tuple[int, ...] = False,
                reference: list[int] | None = None) -> dict[str, Any]:
@@ -445,7 +498,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     dev = model.device
     modelled = a.topk_model != "indexer"
     refs = reference_layers(list(range(s.layers)), s.layers) if reference is None else reference
-    topk = a.topk_model + ("-no-indexer" if skip_indexer else "")
+    topk = a.topk_model + key_label(s.indexer_keys) + ("-no-indexer" if skip_indexer else "")
     if modelled and not resident:
         topk += reference_label(refs, s.layers)   # all-resident's cost does not depend on them: one label
     layers = () if resident else s.resident_layers
@@ -455,7 +508,8 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
         prefetch = False
     topk += prefetch_label(prefetch)
     out: dict[str, Any] = {"mode": "all-resident" if resident else "hisparse", "batch": b, "context": s.context,
-                           "topk": topk, "reference_layers": refs if modelled else None}
+                           "topk": topk, "reference_layers": refs if modelled else None,
+                           "indexer_keys": s.indexer_keys}
     if layers and s.stores_outside:
         out["resident_stores_outside_budget_gib"] = s.store_bytes(b) / 2**30
     if resident:
@@ -480,7 +534,8 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                                           prefill_chunk=a.fill_chunk,
                                           synthetic_topk=a.topk_model if modelled else None,
                                           synthetic_topk_layers=refs if modelled else None,
-                                          resident_layers=layers, prefetch_next_group=prefetch)
+                                          resident_layers=layers, prefetch_next_group=prefetch,
+                                          indexer_keys=s.indexer_keys)
         out["backend"] = hs.engine.backend.name
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
         if hs.engine.topk_model is not None:
@@ -786,6 +841,13 @@ def main(argv: list[str] | None = None) -> int:
                         "hisparse's batches without resident layers, 'max' being that largest; rows labelled "
                         "+resident0-outside say resident_stores_outside_budget_gib, their memory is not the fixed "
                         "budget's); 'inside/outside' runs each resident alternative both ways")
+    p.add_argument("--indexer-keys", default="model",
+                   help="how the engine modes store the indexer keys, which stay on the GPU in both and count in "
+                        "--gpu-kv-gib: 'model' (the default: the model's dtype, bf16, 256 B a token a layer, as "
+                        "transformers keeps them) or 'fp8' (e4m3 with an fp32 scale per 128 values, 132 B, as "
+                        "DeepSeek-V3.2 stores them; the indexer scores them dequantized; rows labelled <regime>:fp8); "
+                        "'fp8/model' runs every engine row under each, with its own largest batches (transformers "
+                        "and replay rows run under 'model' only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
@@ -829,8 +891,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DeepseekV32Config
 
     probe_cfg = DeepseekV32Config(num_hidden_layers=a.layers, **geometry)
+    from hisparse_transformers.index_keys import KEY_FORMATS, bytes_per_key
+
+    key_bytes = {k: bytes_per_key(k, probe_cfg.index_head_dim, 4 if a.smoke else 2) for k in KEY_FORMATS}
     try:
-        sizes = [sizes_for(probe_cfg, a.layers, t, a) for t in contexts]
+        sizes = [sizes_for(probe_cfg, a.layers, t, a, keys) for t in contexts for keys in plan.keys]
         for s in sizes:
             check_sizes(s, None)
             for alt in plan.resident:
@@ -838,7 +903,9 @@ def main(argv: list[str] | None = None) -> int:
                     check_sizes(s.with_resident(alt, outside), None)
         if asked:
             # a batch some context cannot hold is left out there; refused only where none can
-            tops = {s.context: max(s.largest(m) for m in MODES) for s in sizes}
+            tops: dict[int, int] = {}
+            for s in sizes:
+                tops[s.context] = max(tops.get(s.context, 0), *(s.largest(m) for m in MODES))
             big = [b for b in asked if b > max(tops.values())]
             if big:
                 raise BadSize(f"batch {big[0]} fits no mode at any context (largest per context: "
@@ -879,8 +946,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in sizes:
         extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
                         for x in plan.resident if x and False in stores_alts)
-        print(f"# T={s.context}: largest batch hisparse {s.largest('hisparse')}, all-resident "
+        keys = f" (indexer keys {s.indexer_keys})" if plan.keys != ["model"] else ""
+        print(f"# T={s.context}{keys}: largest batch hisparse {s.largest('hisparse')}, all-resident "
               f"{s.largest('all-resident')}, transformers {s.largest('transformers')}{extra}", flush=True)
+        print(s.capacity_line(a.fill_chunk, key_bytes), flush=True)
     rows: list[dict[str, Any]] = []
 
     def emit(r: dict[str, Any], t0: float) -> None:
@@ -890,6 +959,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for s in sizes:
         for mode in modes:
+            if mode in ("transformers", "replay") and s.indexer_keys != "model":
+                continue                 # their keys are their own (StaticCache: the model's dtype; replay: fp8)
             if mode == "hisparse":
                 variants = [(refs, s.with_resident(x, o)) for refs, alts in zip(plan.references, plan.resident_by_ref,
                                                                                 strict=True)

@@ -167,6 +167,27 @@ def test_smoke_runs_the_prefetch_from_good_layers_and_stores_outside_the_budget(
     assert sorted(r["topk"] for r in json.loads((tmp_path / "b.json").read_text())) == ["benign", "benign+prefetch"]
 
 
+def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
+    """--indexer-keys fp8/model: every engine row under each format, each with its own largest
+    batches at the budget (fp8 keys hold more requests), the capacity arithmetic printed once per
+    context and format, and rows labelled by format; the ratio column pairs rows of one format."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "max,budget", "--modes",
+                          "hisparse,all-resident", "--topk-model", "code", "--indexer-keys", "fp8/model",
+                          "--all-resident-gib", "0.002", "--warmup", "1", "--steps", "1", "--png", "",
+                          "--json", str(tmp_path / "k.json")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "k.json").read_text())
+    by = {(r["mode"], r["indexer_keys"]): sorted(x["batch"] for x in rows if x["mode"] == r["mode"]
+                                                 and x["indexer_keys"] == r["indexer_keys"]) for r in rows}
+    assert set(by) == {(m, k) for m in ("hisparse", "all-resident") for k in ("fp8", "model")}, by
+    assert max(by[("hisparse", "fp8")]) > max(by[("hisparse", "model")]), by
+    assert all(r["topk"] == ("code:fp8" if r["indexer_keys"] == "fp8" else "code") for r in rows), rows
+    lines = [x for x in out.stdout.splitlines() if x.startswith("# capacity at T=160")]
+    assert len(lines) == 2 and "indexer keys fp8 (20 B a token a layer; model 64 B)" in lines[0], lines
+    assert f"-> {max(by[('hisparse', 'fp8')])};" in lines[0] and "--fill-chunk 32" in lines[0], lines
+    assert "T=160 (code:fp8): best tokens/s" in out.stdout
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--resident-layers", "none/9"], "--resident-layers"),
     (["--resident-layers", "0,1,2,3"], "--resident-layers"),
@@ -186,6 +207,8 @@ def test_smoke_runs_the_prefetch_from_good_layers_and_stores_outside_the_budget(
     (["--topk-model", "code", "--reference-layers", "20,21,22,61"], "--reference-layers"),
     (["--topk-model", "code", "--reference-layers", "adjacent"], "'adjacent' is not a layer"),
     (["--reference-layers", "20,21,22,23"], "needs --topk-model benign or code"),
+    (["--indexer-keys", "fp4"], "--indexer-keys='fp4'"),
+    (["--indexer-keys", "fp8/bf16"], "--indexer-keys='bf16'"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],

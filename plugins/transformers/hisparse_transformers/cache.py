@@ -7,7 +7,9 @@ them back through the resolver. What stays here:
 
 - the padded sequence length (what `get_seq_length` and the mask sizes report);
 - the indexer keys, an ordinary device cache `[batch, capacity, index_head_dim]` per indexer layer
-  (what transformers' `DynamicIndexedLayer.update_indexer` keeps by concatenation), grown by a
+  (what transformers' `DynamicIndexedLayer.update_indexer` keeps by concatenation; with
+  `indexer_keys="fp8"` e4m3 values and their scales `[batch, capacity, index_head_dim / 128]`,
+  handed to the indexer dequantized, `index_keys.py`), grown by a
   quarter at a time up to the engine's longest context. A captured decode step (`graphs.py`) puts
   the cache in static mode: the step's key goes to a position held in a device tensor and the
   indexer reads every slot of the capacity, the step's mask hiding those outside the context;
@@ -26,6 +28,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from hisparse_core.errors import HiSparseError
+from hisparse_transformers.index_keys import dequantize_fp8, quantize_fp8
 
 if TYPE_CHECKING:
     from hisparse_transformers.engine import HiSparseEngine
@@ -64,6 +67,8 @@ class HiSparseCache(DynamicCache):
         self.candidates = 0                  # an assisted generate's candidate tokens, reserved past max_new_tokens
         self._length = 0
         self._indexer: dict[int, torch.Tensor] = {}
+        self._scales: dict[int, torch.Tensor] = {}   # indexer_keys="fp8": each layer's key scales
+        self._fp8 = engine.config.indexer_keys == "fp8"
         self._indexer_len: dict[int, int] = {}
         self._static_position: torch.Tensor | None = None   # [1] int64 padded position (static mode)
         self.indexer_generation = 0                            # bumped whenever a key buffer is replaced
@@ -97,37 +102,55 @@ class HiSparseCache(DynamicCache):
             "hisparse_transformers.enable (a different model, or disable() ran)")
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Append this forward's indexer keys `[B, S, D]`; return all of them `[B, T, D]`.
+        """Append this forward's indexer keys `[B, S, D]`; return all of them `[B, T, D]` (fp8:
+        dequantized, fp32).
 
         In static mode (`static_indexer`) the one key of a decode step goes to the static position
         and the whole buffer `[B, capacity, D]` comes back: fixed addresses and shapes for a
         captured graph."""
-        keys = indexer_key_states
+        keys, scales = quantize_fp8(indexer_key_states) if self._fp8 else (indexer_key_states, None)
         b, s, d = keys.shape
         n = self._indexer_len.get(layer_idx, 0)
         if self._static_position is not None:
             # Python runs once, at capture: the lengths are set by `static_filled` after every step.
             buf = self._indexer[layer_idx]
-            buf.index_copy_(1, self._static_position, keys)
-            return buf
-        buf = self._grown(layer_idx, keys, n + s)
+            if scales is None:
+                buf.index_copy_(1, self._static_position, keys)
+                return buf
+            # index_copy_ has no float8 kernel: the same bytes through uint8 views
+            buf.view(torch.uint8).index_copy_(1, self._static_position, keys.view(torch.uint8))
+            self._scales[layer_idx].index_copy_(1, self._static_position, scales)
+            return dequantize_fp8(buf, self._scales[layer_idx])
+        buf = self._grown(layer_idx, keys, n + s, scales)
         buf[:, n:n + s] = keys
         self._indexer_len[layer_idx] = n + s
-        return buf[:, :n + s]
+        if scales is None:
+            return buf[:, :n + s]
+        self._scales[layer_idx][:, n:n + s] = scales
+        return dequantize_fp8(buf[:, :n + s], self._scales[layer_idx][:, :n + s])
 
-    def _grown(self, layer_idx: int, like: torch.Tensor, need: int) -> torch.Tensor:
+    def _grown(self, layer_idx: int, like: torch.Tensor, need: int, scales_like: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Layer `layer_idx`'s key buffer with room for `need` keys (a new one, the old keys copied,
-        when it is full)."""
+        when it is full; with fp8 keys its scale buffer too, shaped as `scales_like`)."""
         buf = self._indexer.get(layer_idx)
         old = buf.shape[1] if buf is not None else 0
         if buf is not None and old >= need:
             return buf
         limit = max(need, self.hisparse_engine.max_pages * self.hisparse_engine.config.block_size)
         cap = min(limit, max(need, -(-(old + old // 4) // 256) * 256, 64))
-        grown = like.new_empty((like.shape[0], cap, like.shape[-1]))
         n = self._indexer_len.get(layer_idx, 0)
+        grown = like.new_empty((like.shape[0], cap, like.shape[-1]))
         if buf is not None:
             grown[:, :n] = buf[:, :n]
+        if self._fp8:
+            sbuf = self._scales.get(layer_idx)
+            source = sbuf if sbuf is not None else scales_like
+            assert source is not None
+            scaled = source.new_empty((source.shape[0], cap, source.shape[-1]))
+            if sbuf is not None:
+                scaled[:, :n] = sbuf[:, :n]
+            self._scales[layer_idx] = scaled
         self._indexer[layer_idx] = grown
         self.indexer_generation += 1
         return grown
@@ -140,7 +163,7 @@ class HiSparseCache(DynamicCache):
         if position is None:
             return 0
         for layer_idx, buf in list(self._indexer.items()):
-            self._grown(layer_idx, buf, need)
+            self._grown(layer_idx, buf, need, self._scales.get(layer_idx))
         caps = {buf.shape[1] for buf in self._indexer.values()}
         if len(caps) != 1:
             raise HiSparseError(f"indexer key buffers of different capacities {sorted(caps)}; expected one (every "
@@ -155,9 +178,11 @@ class HiSparseCache(DynamicCache):
 
     @property
     def indexer_bytes(self) -> int:
-        """Device bytes of the indexer keys written so far (the part of the KV hisparse leaves on the GPU)."""
-        return sum(self._indexer[i][:, :n].numel() * self._indexer[i].element_size()
-                   for i, n in self._indexer_len.items())
+        """Device bytes of the indexer keys written so far (the part of the KV hisparse leaves on the GPU;
+        fp8: their scales included)."""
+        stores = [self._indexer, self._scales]
+        return sum(x[i][:, :n].numel() * x[i].element_size() for x in stores for i, n in self._indexer_len.items()
+                   if i in x)
 
     def advance(self, num_new: int) -> None:
         self._length += num_new

@@ -53,6 +53,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hisparse_core.errors import HiSparseError
+from hisparse_transformers.index_keys import dequantize_fp8, quantize_fp8
 
 if TYPE_CHECKING:
     from hisparse_transformers.rows import RowMap
@@ -163,10 +164,25 @@ class CheckTotals:
     topk_near_ties: int = 0      # of the rest, those with a key left out within near_tie_bound of the k-th score
 
 
+def reference_cache(config: Any, indexer_keys: str) -> Any:
+    """The checker's own key cache: transformers' `DynamicCache`; for fp8 keys one that keeps each
+    key as quantized and dequantized (`index_keys.py`), the values hisparse's indexer scores."""
+    from transformers.cache_utils import DynamicCache
+
+    if indexer_keys == "model":
+        return DynamicCache(config=config)
+
+    class Fp8KeyCache(DynamicCache):  # type: ignore[misc]  # transformers is untyped here
+        def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> Any:
+            return super().update_indexer(dequantize_fp8(*quantize_fp8(indexer_key_states)), layer_idx)
+
+    return Fp8KeyCache(config=config)
+
+
 class ExactnessChecker:
     """Keeps the all-resident copy of the current session and compares every gathered row with it."""
 
-    def __init__(self, model_config: Any = None) -> None:
+    def __init__(self, model_config: Any = None, indexer_keys: str = "model") -> None:
         self._session: Session | None = None
         self._ref: dict[int, torch.Tensor] = {}
         self.totals = CheckTotals()
@@ -174,6 +190,7 @@ class ExactnessChecker:
         self._topk_session: Session | None = None
         self._ref_cache: Any = None
         self._ref_len: dict[int, int] = {}
+        self._indexer_keys = indexer_keys     # the reference key cache stores them as hisparse's does
 
     def check_topk(self, layer: int, session: Session, step: StepState, indexer: Callable[..., torch.Tensor],
                    inputs: tuple[Any, ...], topk: torch.Tensor) -> None:
@@ -183,9 +200,8 @@ class ExactnessChecker:
         if self._config is None:
             return
         if self._topk_session is not session:
-            from transformers.cache_utils import DynamicCache
-
-            self._topk_session, self._ref_cache, self._ref_len = session, DynamicCache(config=self._config), {}
+            self._topk_session, self._ref_cache, self._ref_len = session, reference_cache(self._config,
+                                                                                          self._indexer_keys), {}
         hidden, q_resid, position_embeddings, mask, position_ids = inputs
         length = self._ref_len.get(layer, 0) + hidden.shape[1]
         self._ref_len[layer] = length

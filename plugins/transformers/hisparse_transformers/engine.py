@@ -56,6 +56,7 @@ from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.budgets import check_budgets
 from hisparse_transformers.families import DsaLayout
+from hisparse_transformers.index_keys import check_key_format
 from hisparse_transformers.model_topk import ModelTopk
 from hisparse_transformers.prefetch import NextGroupPrefetch
 from hisparse_transformers.ranks import Ranks
@@ -137,8 +138,11 @@ class EngineConfig:
     #: True for every group, or the source groups whose successor is prefetched (a tuple of group
     #: indices; a group whose top-k barely repeats predicts its successor no better)
     prefetch_next_group: bool | tuple[int, ...] = False
+    #: how HiSparseCache stores the indexer keys: "model" (the model's dtype) or "fp8" (index_keys.py)
+    indexer_keys: str = "model"
 
     def __post_init__(self) -> None:
+        check_key_format(self.indexer_keys)
         for name in ("host_pool_gib", "gpu_kv_gib"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:

@@ -36,6 +36,7 @@ from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.engine import EngineConfig, HiSparseEngine, resident_groups
 from hisparse_transformers.families import DsaLayout, detect
 from hisparse_transformers.graphs import DecodeGraphs
+from hisparse_transformers.index_keys import check_key_format, quant_block
 from hisparse_transformers.ranks import tensor_parallel
 from hisparse_transformers.session import StepState
 from hisparse_transformers.shards import place
@@ -479,7 +480,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
            pool_name: str | None = None, synthetic_topk: str | None = None,
            resident_layers: str | Sequence[int] = (), prefetch_next_group: bool | Sequence[int] = False,
-           synthetic_topk_layers: str | Sequence[int] | None = None) -> HiSparseHandle:
+           synthetic_topk_layers: str | Sequence[int] | None = None, indexer_keys: str = "model") -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -527,6 +528,11 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         the hot buffers' LRU order, and so the misses, differ. A sequence of index groups (e.g.
         (1, 2)) prefetches only those groups' successors: leave out groups whose top-k barely
         repeats (they predict their successor no better; prefetching from them only costs copies).
+    :param indexer_keys: how the cache stores the indexer keys, which stay on the GPU in every mode:
+        "model" (the model's dtype, as transformers keeps them) or "fp8" (e4m3 values with an fp32
+        scale per 128, as DeepSeek-V3.2 stores them: 132 bytes a token a layer against bf16's 256;
+        the indexer scores them dequantized, `index_keys.py`). `check` compares the top-k against
+        the model's indexer over keys stored the same way.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -556,7 +562,10 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         if check or speculative_tokens:
             raise InvalidInputError(f"synthetic_topk={synthetic_topk!r} replaces the indexer's choice in benchmarks; "
                                     "expected check=False and speculative_tokens=0 with it")
+    check_key_format(indexer_keys)
     layout = detect(model)
+    if indexer_keys == "fp8":
+        quant_block(layout.index_head_dim)   # one line where the key cannot be split in blocks
     if synthetic_topk_layers is not None:
         if synthetic_topk is None:
             raise InvalidInputError(f"synthetic_topk_layers={synthetic_topk_layers!r} needs synthetic_topk "
@@ -575,7 +584,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     config = EngineConfig(host_pool_gib=host_pool_gib, gpu_kv_gib=gpu_kv_gib, block_size=block_size,
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
                           prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens,
-                          resident_layers=resident, prefetch_next_group=_prefetch_sources(prefetch_next_group))
+                          resident_layers=resident, prefetch_next_group=_prefetch_sources(prefetch_next_group),
+                          indexer_keys=indexer_keys)
     placement = place(layout.attentions, layout.groups)
     if resident and placement.spread:  # before any backend is built (the TP case below, once ranks are known)
         raise InvalidInputError(f"resident_layers={list(resident)} runs on one device and one rank; expected a model "
@@ -600,7 +610,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                      "block_size": str(block_size), "hot_rows": str(hot_rows), "max_batch": str(max_batch),
                      "max_context": str(max_context), "prefill_chunk": str(prefill_chunk), "backend": chosen.name,
                      "speculative_tokens": str(speculative_tokens), "prefetch_next_group": str(prefetch_next_group),
-                     "share_host_pool": str(share_host_pool), "devices": str(len(placement.devices))})
+                     "share_host_pool": str(share_host_pool), "devices": str(len(placement.devices)),
+                     "indexer_keys": indexer_keys})
         logger.info("hisparse: %s", ranks.describe())
 
     def build() -> HiSparseEngine:
@@ -610,7 +621,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     try:
         if synthetic_topk is not None:
             engine.use_model_topk(synthetic_topk, reference=synthetic_topk_layers)
-        checker = ExactnessChecker(model.config) if check else None
+        checker = ExactnessChecker(model.config, indexer_keys=indexer_keys) if check else None
         handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
     except BaseException:
         engine.close()

@@ -20,7 +20,6 @@ from hisparse_nvidia.kernels import (  # noqa: E402
     vllm_gather_variant,
     vllm_ops_build,
     vllm_resolve_pdl,
-    vllm_resolve_prefetch,
     vllm_resolve_shape,
     vllm_resolve_shape_build,
     vllm_resolve_threads,
@@ -35,7 +34,7 @@ def _one_line_naming(err: pytest.ExceptionInfo, name: str, value: str) -> None:
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HISPARSE_VLLM_GATHER", "HISPARSE_VLLM_GATHER_PER_SM", "HISPARSE_VLLM_RESOLVE",
                  "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT", "HISPARSE_VLLM_RESOLVE_SHAPE",
-                 "HISPARSE_VLLM_RESOLVE_PDL", "HISPARSE_VLLM_RESOLVE_PREFETCH"):
+                 "HISPARSE_VLLM_RESOLVE_PDL"):
         monkeypatch.delenv(name, raising=False)
     assert vllm_resolve_shape() == 1  # the resolver compiled per call shape
     assert vllm_gather_variant() == 2
@@ -43,7 +42,6 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert vllm_resolve_threads() == 0  # automatic
     assert vllm_carveout() == -1  # the driver's choice
     assert vllm_resolve_pdl() == 0  # the resolver's launch waits for the kernel before it
-    assert vllm_resolve_prefetch() == 0
     assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 4}
 
 
@@ -164,7 +162,7 @@ def test_carveout_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> Non
 _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GATHER_PER_SM": vllm_gather_per_sm,
          "HISPARSE_VLLM_RESOLVE_SHAPE": vllm_resolve_shape,
          "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout,
-         "HISPARSE_VLLM_RESOLVE_PDL": vllm_resolve_pdl, "HISPARSE_VLLM_RESOLVE_PREFETCH": vllm_resolve_prefetch}
+         "HISPARSE_VLLM_RESOLVE_PDL": vllm_resolve_pdl}
 
 
 @pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "5"), ("HISPARSE_VLLM_RESOLVE", "7"),
@@ -175,9 +173,7 @@ _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GA
                                         ("HISPARSE_VLLM_RESOLVE_THREADS", "64"), ("HISPARSE_VLLM_RESOLVE_THREADS", "2048"),
                                         ("HISPARSE_VLLM_CARVEOUT", "101"), ("HISPARSE_VLLM_CARVEOUT", "-2"),
                                         ("HISPARSE_VLLM_CARVEOUT", "half"), ("HISPARSE_VLLM_RESOLVE_PDL", "2"),
-                                        ("HISPARSE_VLLM_RESOLVE_PDL", "-1"), ("HISPARSE_VLLM_RESOLVE_PDL", "on"),
-                                        ("HISPARSE_VLLM_RESOLVE_PREFETCH", "2"),
-                                        ("HISPARSE_VLLM_RESOLVE_PREFETCH", "l2")])
+                                        ("HISPARSE_VLLM_RESOLVE_PDL", "-1"), ("HISPARSE_VLLM_RESOLVE_PDL", "on")])
 def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(InvalidInputError) as err:
@@ -247,13 +243,3 @@ def test_resolver_pdl_selectable(value: str, monkeypatch: pytest.MonkeyPatch) ->
     assert ("VR_PDL" in dict(vllm_ops_build(656, pdl).defines)) == (pdl == 1)
     assert ("VR_PDL" in dict(vllm_resolve_shape_build(6, 2048, 4096, 64, 64, 64, 8192, 1024, pdl).defines)) == (pdl == 1)
     assert "VR_PDL" not in dict(vllm_ops_build(656).defines)
-
-
-@pytest.mark.parametrize("value", ["0", "1"])
-def test_resolver_prefetch_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PREFETCH", value)
-    f = vllm_resolve_prefetch()
-    assert f == int(value)
-    assert ("VR_PREFETCH" in dict(vllm_ops_build(656, 0, f).defines)) == (f == 1)
-    got = dict(vllm_resolve_shape_build(6, 2048, 4096, 64, 64, 64, 8192, 1024, 1, f).defines)
-    assert ("VR_PREFETCH" in got) == (f == 1) and got["VR_PDL"] == 1

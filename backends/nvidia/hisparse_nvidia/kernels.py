@@ -343,22 +343,6 @@ def vllm_resolve_pdl() -> int:
                       "0 (the resolver waits for the kernel before it) or 1 (a programmatic dependent launch)")
 
 
-#: vLLM's resolver prefetching the host rows of the misses it records into L2 (1) or not (0, default until
-#: timed on a GPU): the module is built with VR_PREFETCH (cuda/vllm_ops.cu; the one-row lean path of builds
-#: 4 and 6, where a miss's recording thread issues prefetch.global.L2 for its host row's lines right after
-#: the walk), so the gather launched after the resolver reads those rows from L2, not across the host link.
-#: Outputs are unchanged (a prefetch has no architectural effect; host rows are not written during a step).
-#: Needs host_cache registered, as the gathers do. Read at each resolve call, for A/B timing in one process.
-ENV_VLLM_RESOLVE_PREFETCH = "HISPARSE_VLLM_RESOLVE_PREFETCH"
-VLLM_RESOLVE_PREFETCH = 0
-
-
-def vllm_resolve_prefetch() -> int:
-    """`HISPARSE_VLLM_RESOLVE_PREFETCH` (default `VLLM_RESOLVE_PREFETCH`)."""
-    return env_int_in(ENV_VLLM_RESOLVE_PREFETCH, VLLM_RESOLVE_PREFETCH, 0, 1,
-                      "0 (no prefetch) or 1 (the resolver prefetches its misses' host rows into L2)")
-
-
 def vllm_resolve_variant() -> int:
     """`HISPARSE_VLLM_RESOLVE` (default `VLLM_RESOLVE`)."""
     expected = ("0 (the earlier resolver build), 1 (the faster one), 2 (the faster one with a lean start), "
@@ -387,32 +371,27 @@ def vllm_resolve_shape() -> int:
 
 
 def vllm_resolve_shape_build(fast: int, k: int, h: int, bs: int, sbs: int, rbs: int, buckets: int,
-                             threads: int, pdl: int = 0, prefetch: int = 0) -> KernelBuild:
+                             threads: int, pdl: int = 0) -> KernelBuild:
     """The resolver alone (cuda/vllm_ops.cu under VR_K) of build `fast` (HISPARSE_VLLM_RESOLVE) for one
     call shape: top-k `k`, `h` hot rows a state row, hot block size `bs`, source and resident block
     sizes `sbs` and `rbs` (1 where the call has no such table), `buckets` shared hash buckets and
-    `threads` a block; `pdl` 1 adds VR_PDL (HISPARSE_VLLM_RESOLVE_PDL), `prefetch` 1 VR_PREFETCH
-    (HISPARSE_VLLM_RESOLVE_PREFETCH). Its copy kernels are left out, so the row width is irrelevant (16 bytes)."""
+    `threads` a block; `pdl` 1 adds VR_PDL (HISPARSE_VLLM_RESOLVE_PDL). Its copy kernels are left out, so the
+    row width is irrelevant (16 bytes)."""
     defines = {"HS_VEC": 1, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": fast, "VR_K": k, "VR_H": h, "VR_BS": bs,
                "VR_SBS": sbs, "VR_RBS": rbs, "VR_SB": buckets, "VR_NT": threads}
     if pdl:
         defines["VR_PDL"] = 1
-    if prefetch:
-        defines["VR_PREFETCH"] = 1
     return KernelBuild.of("vllm_ops.cu", defines)
 
 
-def vllm_ops_build(row_bytes: int, pdl: int = 0, prefetch: int = 0) -> KernelBuild:
+def vllm_ops_build(row_bytes: int, pdl: int = 0) -> KernelBuild:
     """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`; `pdl` 1:
-    its resolver waits for the previous grid first (VR_PDL, HISPARSE_VLLM_RESOLVE_PDL); `prefetch` 1: it
-    prefetches its misses' host rows (VR_PREFETCH, HISPARSE_VLLM_RESOLVE_PREFETCH)."""
+    its resolver waits for the previous grid first (VR_PDL, HISPARSE_VLLM_RESOLVE_PDL)."""
     if row_bytes % 16:
         raise InvalidInputError(f"row_bytes={row_bytes} must be a multiple of 16")
     defines = {"HS_VEC": row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": vllm_resolve_variant()}
     if pdl:
         defines["VR_PDL"] = 1
-    if prefetch:
-        defines["VR_PREFETCH"] = 1
     return KernelBuild.of("vllm_ops.cu", defines)
 
 
@@ -448,11 +427,9 @@ def all_builds_for_ci() -> list[KernelBuild]:
                for h, b in ((4096, 4096), (10240, 16384))}
     builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (4, 6)
                for h, b in ((4096, 8192), (10240, 16384), (10240, 8192))}
-    # HISPARSE_VLLM_RESOLVE_PDL=1: the same builds 4 and 6 at the benchmark's one-row shape, and the whole module,
-    # and HISPARSE_VLLM_RESOLVE_PREFETCH=1, alone and with it
-    builds |= {vllm_resolve_shape_build(v, 2048, 4096, 64, 64, 64, 8192, 1024, pdl=p, prefetch=f) for v in (4, 6)
-               for p, f in ((1, 0), (0, 1), (1, 1))}
-    builds |= {vllm_ops_build(FP8_DS_MLA.row_bytes, pdl=p, prefetch=f) for p, f in ((1, 0), (0, 1), (1, 1))}
+    # HISPARSE_VLLM_RESOLVE_PDL=1: the same builds 4 and 6 at the benchmark's one-row shape, and the whole module
+    builds |= {vllm_resolve_shape_build(v, 2048, 4096, 64, 64, 64, 8192, 1024, pdl=1) for v in (4, 6)}
+    builds.add(vllm_ops_build(FP8_DS_MLA.row_bytes, pdl=1))
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

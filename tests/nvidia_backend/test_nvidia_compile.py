@@ -68,8 +68,8 @@ def test_vllm_ops_builds_hold_every_kernel() -> None:
 
 @needs_nvrtc
 def test_vllm_resolver_pdl_build_waits_first() -> None:
-    # HISPARSE_VLLM_RESOLVE_PDL=1: the resolver's build is in the CI set and its PTX holds the wait (the
-    # default build does not); the wait is the kernel's first griddepcontrol instruction.
+    # HISPARSE_VLLM_RESOLVE_PDL=1 (the default) and 0: both resolver builds are in the CI set; 1's PTX holds
+    # the wait, as the kernel's first griddepcontrol instruction, and 0's does not.
     from hisparse_nvidia.compiler import compile_source, kernel_text
     from hisparse_nvidia.kernels import all_builds_for_ci, vllm_resolve_shape_build
 

@@ -41,7 +41,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert vllm_gather_per_sm() == 1
     assert vllm_resolve_threads() == 0  # automatic
     assert vllm_carveout() == -1  # the driver's choice
-    assert vllm_resolve_pdl() == 0  # the resolver's launch waits for the kernel before it
+    assert vllm_resolve_pdl() == 1  # the resolver a programmatic dependent of the kernel before it
     assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 4}
 
 
@@ -141,7 +141,7 @@ def test_gather_local_bounds_match_the_kernel() -> None:
 
 
 def test_shape_build_names_every_size() -> None:
-    got = dict(vllm_resolve_shape_build(3, 2048, 4096, 64, 16, 1, 4096, 1024).defines)
+    got = dict(vllm_resolve_shape_build(3, 2048, 4096, 64, 16, 1, 4096, 1024, 1).defines)
     assert {k: got[k] for k in ("HS_VR_FAST", "VR_K", "VR_H", "VR_BS", "VR_SBS", "VR_RBS", "VR_SB", "VR_NT")} == {
         "HS_VR_FAST": 3, "VR_K": 2048, "VR_H": 4096, "VR_BS": 64, "VR_SBS": 16, "VR_RBS": 1, "VR_SB": 4096,
         "VR_NT": 1024}
@@ -235,8 +235,9 @@ def test_resolver_buckets_of_one_row_groups_unchanged(h: int, k: int) -> None:
 
 @pytest.mark.parametrize("value", ["0", "1"])
 def test_resolver_pdl_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 1 builds the resolver with VR_PDL (its wait before any global access); 0 leaves every build's defines
-    # as they were, so the default modules (and their disk-cache keys) are unchanged.
+    # 1 (the default) builds the resolver with VR_PDL (its wait before any global access); 0 builds it without,
+    # as before the switch, so its modules (and their disk-cache keys) are those of earlier sessions. The
+    # gathers' module never has it.
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PDL", value)
     pdl = vllm_resolve_pdl()
     assert pdl == int(value)

@@ -58,7 +58,8 @@ def test_nvidia_vllm_ops_match_reference(seed: int, rows_per_request: int, miss_
 
 def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
     """HISPARSE_VLLM_RESOLVE=the build's digits; the letters after them: "s" HISPARSE_VLLM_RESOLVE_SHAPE=1 (a
-    build per shape), "p" HISPARSE_VLLM_RESOLVE_PDL=1 (a programmatic dependent launch)."""
+    build per shape), "p" HISPARSE_VLLM_RESOLVE_PDL=1 (a programmatic dependent launch); each switch is 0
+    without its letter, so "4sp" is the default build and "4s" the launch that waits for the kernel before it."""
     digits = build.rstrip("sp")
     flags = build[len(digits):]
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", digits)
@@ -66,8 +67,9 @@ def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PDL", "1" if "p" in flags else "0")
 
 
-#: The resolver as a programmatic dependent launch (HISPARSE_VLLM_RESOLVE_PDL=1) on the default build and on 6,
-#: both built per shape and (6p) once for every shape.
+#: The resolver as a programmatic dependent launch (HISPARSE_VLLM_RESOLVE_PDL=1, the default) on builds 4 (the
+#: default build, "4sp") and 6, built per shape and (6p) once for every shape; "4s" and "6s" beside them in
+#: the lists are the switch back (HISPARSE_VLLM_RESOLVE_PDL=0).
 _PDL_BUILDS = ["4sp", "6sp", "6p"]
 
 
@@ -157,7 +159,7 @@ def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: t
             cnt[1], None, 0, 0]
 
 
-@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s", "6sp"])  # HISPARSE_VLLM_RESOLVE (see _set_build)
+@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s", "4sp", "6sp"])  # HISPARSE_VLLM_RESOLVE (see _set_build)
 @pytest.mark.parametrize("k,h,threads", [(64, 64, 0), (64, 128, 0), (256, 512, 128), (200, 400, 128),
                                          (256, 1024, 128), (256, 2048, 128)])
 @pytest.mark.parametrize("seed", range(3))

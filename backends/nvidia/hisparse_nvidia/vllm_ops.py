@@ -3,9 +3,9 @@ nvidia backend's own kernels (cuda/vllm_ops.cu, compiled with NVRTC like the res
 
 - `hisparse_resolve_residency`: one launch of `hisparse_vllm_resolve` on vLLM's tensors in place
   (hot map, LRU, outputs); every case of vLLM's contract is served, `miss_mask` included: padding
-  rows, union groups, out-of-range LRU slots, tables absent or present. With
-  `HISPARSE_VLLM_RESOLVE_PDL=1` it is a programmatic dependent launch behind the stream's previous
-  kernel (it waits for that grid before any global access).
+  rows, union groups, out-of-range LRU slots, tables absent or present. It is a programmatic
+  dependent launch behind the stream's previous kernel (it waits for that grid before any global
+  access); `HISPARSE_VLLM_RESOLVE_PDL=0` launches it after that kernel has drained.
 - `hisparse_gather_compact` / `hisparse_gather_plan`: one `hisparse_vllm_gather` launch (mark the
   taken entries, each destination by its last entry, then copy them around one grid barrier; 16-byte
   zero-copy reads of the registered host pool over UVA, zero-fill for an absent source row; a call

@@ -109,8 +109,9 @@
 #if HS_VR_FAST == 5 || HS_VR_FAST > 6
 #error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4 or 6"
 #endif
-// VR_PDL (HISPARSE_VLLM_RESOLVE_PDL=1): the resolver waits for the previous grid (griddepcontrol.wait)
-// before its first global access, for a launch with programmatic stream serialization.
+// VR_PDL (HISPARSE_VLLM_RESOLVE_PDL=1, the default; kernels.py defines it): the resolver waits for the
+// previous grid (griddepcontrol.wait) before its first global access, for a launch with programmatic
+// stream serialization.
 #ifndef VR_PDL
 #define VR_PDL 0
 #endif

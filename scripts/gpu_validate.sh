@@ -186,7 +186,7 @@ memcheck_vllm_ops|racecheck_vllm_ops)  # compute-sanitizer over vllm_ops.cu's ke
     [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
     run "$stage" "${T_SANITIZE_VLLM_OPS:-150}" compute-sanitizer --tool "$tool" --report-api-errors no "${extra[@]}" \
         --error-exitcode 99 --print-limit 50 python3 -m pytest -q -p no:cacheprovider tests/nvidia_backend/test_nvidia_vllm_ops.py \
-        -k "${VLLM_OPS_SANITIZE_K:-0] or 4] or 4s] or production or capture or no_tables}"
+        -k "${VLLM_OPS_SANITIZE_K:-0] or 4] or 4sp] or production or capture or no_tables}"
     ;;
 ncu_vllm_ops)  # per-kernel profile of vLLM's call sequence on nvidia's ops (NCU_VLLM_ARGS: bench_nvidia.py --vllm-ops cells;
     # NCU_VLLM_SECTIONS: further ncu arguments, e.g. "--section SourceCounters" for the hottest instructions)

@@ -67,23 +67,21 @@ def test_vllm_ops_builds_hold_every_kernel() -> None:
 
 
 @needs_nvrtc
-def test_vllm_resolver_pdl_and_prefetch_builds() -> None:
-    # HISPARSE_VLLM_RESOLVE_PDL=1: the resolver's build is in the CI set and its PTX holds the wait (the
-    # default build does not); the wait is the kernel's first griddepcontrol instruction.
+def test_vllm_resolver_pdl_build_waits_first() -> None:
+    # HISPARSE_VLLM_RESOLVE_PDL=1 (the default) and 0: both resolver builds are in the CI set; 1's PTX holds
+    # the wait, as the kernel's first griddepcontrol instruction, and 0's does not.
     from hisparse_nvidia.compiler import compile_source, kernel_text
     from hisparse_nvidia.kernels import all_builds_for_ci, vllm_resolve_shape_build
 
-    def resolver_ptx(pdl: int, prefetch: int) -> str:
-        build = vllm_resolve_shape_build(6, 2048, 4096, 64, 64, 64, 8192, 1024, pdl, prefetch)
+    def resolver_ptx(pdl: int) -> str:
+        build = vllm_resolve_shape_build(6, 2048, 4096, 64, 64, 64, 8192, 1024, pdl)
         assert build in all_builds_for_ci()
         image, _ = compile_source(kernel_text(build.source), build.source, build.options("compute_90"), "ptx")
         return image.decode().split(".entry hisparse_vllm_resolve", 1)[1]
 
-    with_wait, plain = resolver_ptx(1, 0), resolver_ptx(0, 0)
+    with_wait, plain = resolver_ptx(1), resolver_ptx(0)
     assert with_wait.index("griddepcontrol.wait") < with_wait.index("griddepcontrol.launch_dependents")
     assert "griddepcontrol.wait" not in plain
-    # HISPARSE_VLLM_RESOLVE_PREFETCH=1: the misses' host rows prefetched into L2; none without it.
-    assert "prefetch.global.L2" in resolver_ptx(0, 1) and "prefetch.global.L2" not in plain
 
 
 @needs_nvrtc

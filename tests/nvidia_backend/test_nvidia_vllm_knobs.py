@@ -20,7 +20,6 @@ from hisparse_nvidia.kernels import (  # noqa: E402
     vllm_gather_variant,
     vllm_ops_build,
     vllm_resolve_pdl,
-    vllm_resolve_prefetch,
     vllm_resolve_shape,
     vllm_resolve_shape_build,
     vllm_resolve_threads,
@@ -35,15 +34,14 @@ def _one_line_naming(err: pytest.ExceptionInfo, name: str, value: str) -> None:
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("HISPARSE_VLLM_GATHER", "HISPARSE_VLLM_GATHER_PER_SM", "HISPARSE_VLLM_RESOLVE",
                  "HISPARSE_VLLM_RESOLVE_THREADS", "HISPARSE_VLLM_CARVEOUT", "HISPARSE_VLLM_RESOLVE_SHAPE",
-                 "HISPARSE_VLLM_RESOLVE_PDL", "HISPARSE_VLLM_RESOLVE_PREFETCH"):
+                 "HISPARSE_VLLM_RESOLVE_PDL"):
         monkeypatch.delenv(name, raising=False)
     assert vllm_resolve_shape() == 1  # the resolver compiled per call shape
     assert vllm_gather_variant() == 2
     assert vllm_gather_per_sm() == 1
     assert vllm_resolve_threads() == 0  # automatic
     assert vllm_carveout() == -1  # the driver's choice
-    assert vllm_resolve_pdl() == 0  # the resolver's launch waits for the kernel before it
-    assert vllm_resolve_prefetch() == 0
+    assert vllm_resolve_pdl() == 1  # the resolver a programmatic dependent of the kernel before it
     assert dict(vllm_ops_build(656).defines) == {"HS_VEC": 41, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": 4}
 
 
@@ -143,7 +141,7 @@ def test_gather_local_bounds_match_the_kernel() -> None:
 
 
 def test_shape_build_names_every_size() -> None:
-    got = dict(vllm_resolve_shape_build(3, 2048, 4096, 64, 16, 1, 4096, 1024).defines)
+    got = dict(vllm_resolve_shape_build(3, 2048, 4096, 64, 16, 1, 4096, 1024, 1).defines)
     assert {k: got[k] for k in ("HS_VR_FAST", "VR_K", "VR_H", "VR_BS", "VR_SBS", "VR_RBS", "VR_SB", "VR_NT")} == {
         "HS_VR_FAST": 3, "VR_K": 2048, "VR_H": 4096, "VR_BS": 64, "VR_SBS": 16, "VR_RBS": 1, "VR_SB": 4096,
         "VR_NT": 1024}
@@ -164,7 +162,7 @@ def test_carveout_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> Non
 _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GATHER_PER_SM": vllm_gather_per_sm,
          "HISPARSE_VLLM_RESOLVE_SHAPE": vllm_resolve_shape,
          "HISPARSE_VLLM_RESOLVE_THREADS": vllm_resolve_threads, "HISPARSE_VLLM_CARVEOUT": vllm_carveout,
-         "HISPARSE_VLLM_RESOLVE_PDL": vllm_resolve_pdl, "HISPARSE_VLLM_RESOLVE_PREFETCH": vllm_resolve_prefetch}
+         "HISPARSE_VLLM_RESOLVE_PDL": vllm_resolve_pdl}
 
 
 @pytest.mark.parametrize("name,value", [("HISPARSE_VLLM_RESOLVE", "5"), ("HISPARSE_VLLM_RESOLVE", "7"),
@@ -175,9 +173,7 @@ _READ = {"HISPARSE_VLLM_RESOLVE": lambda: vllm_ops_build(656), "HISPARSE_VLLM_GA
                                         ("HISPARSE_VLLM_RESOLVE_THREADS", "64"), ("HISPARSE_VLLM_RESOLVE_THREADS", "2048"),
                                         ("HISPARSE_VLLM_CARVEOUT", "101"), ("HISPARSE_VLLM_CARVEOUT", "-2"),
                                         ("HISPARSE_VLLM_CARVEOUT", "half"), ("HISPARSE_VLLM_RESOLVE_PDL", "2"),
-                                        ("HISPARSE_VLLM_RESOLVE_PDL", "-1"), ("HISPARSE_VLLM_RESOLVE_PDL", "on"),
-                                        ("HISPARSE_VLLM_RESOLVE_PREFETCH", "2"),
-                                        ("HISPARSE_VLLM_RESOLVE_PREFETCH", "l2")])
+                                        ("HISPARSE_VLLM_RESOLVE_PDL", "-1"), ("HISPARSE_VLLM_RESOLVE_PDL", "on")])
 def test_bad_values_refused(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(InvalidInputError) as err:
@@ -239,21 +235,12 @@ def test_resolver_buckets_of_one_row_groups_unchanged(h: int, k: int) -> None:
 
 @pytest.mark.parametrize("value", ["0", "1"])
 def test_resolver_pdl_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 1 builds the resolver with VR_PDL (its wait before any global access); 0 leaves every build's defines
-    # as they were, so the default modules (and their disk-cache keys) are unchanged.
+    # 1 (the default) builds the resolver with VR_PDL (its wait before any global access); 0 builds it without,
+    # as before the switch, so its modules (and their disk-cache keys) are those of earlier sessions. The
+    # gathers' module never has it.
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PDL", value)
     pdl = vllm_resolve_pdl()
     assert pdl == int(value)
     assert ("VR_PDL" in dict(vllm_ops_build(656, pdl).defines)) == (pdl == 1)
     assert ("VR_PDL" in dict(vllm_resolve_shape_build(6, 2048, 4096, 64, 64, 64, 8192, 1024, pdl).defines)) == (pdl == 1)
     assert "VR_PDL" not in dict(vllm_ops_build(656).defines)
-
-
-@pytest.mark.parametrize("value", ["0", "1"])
-def test_resolver_prefetch_selectable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PREFETCH", value)
-    f = vllm_resolve_prefetch()
-    assert f == int(value)
-    assert ("VR_PREFETCH" in dict(vllm_ops_build(656, 0, f).defines)) == (f == 1)
-    got = dict(vllm_resolve_shape_build(6, 2048, 4096, 64, 64, 64, 8192, 1024, 1, f).defines)
-    assert ("VR_PREFETCH" in got) == (f == 1) and got["VR_PDL"] == 1

@@ -58,19 +58,19 @@ def test_nvidia_vllm_ops_match_reference(seed: int, rows_per_request: int, miss_
 
 def _set_build(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
     """HISPARSE_VLLM_RESOLVE=the build's digits; the letters after them: "s" HISPARSE_VLLM_RESOLVE_SHAPE=1 (a
-    build per shape), "p" HISPARSE_VLLM_RESOLVE_PDL=1 (a programmatic dependent launch), "f"
-    HISPARSE_VLLM_RESOLVE_PREFETCH=1 (the misses' host rows prefetched into L2)."""
-    digits = build.rstrip("spf")
+    build per shape), "p" HISPARSE_VLLM_RESOLVE_PDL=1 (a programmatic dependent launch); each switch is 0
+    without its letter, so "4sp" is the default build and "4s" the launch that waits for the kernel before it."""
+    digits = build.rstrip("sp")
     flags = build[len(digits):]
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE", digits)
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_SHAPE", "1" if "s" in flags else "0")
     monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PDL", "1" if "p" in flags else "0")
-    monkeypatch.setenv("HISPARSE_VLLM_RESOLVE_PREFETCH", "1" if "f" in flags else "0")
 
 
-#: The resolver's launch and prefetch switches on the default build and on 6 (HISPARSE_VLLM_RESOLVE_PDL,
-#: HISPARSE_VLLM_RESOLVE_PREFETCH), both built per shape and (6pf) once for every shape.
-_PDL_BUILDS = ["4sp", "4sf", "4spf", "6sp", "6sf", "6spf", "6pf"]
+#: The resolver as a programmatic dependent launch (HISPARSE_VLLM_RESOLVE_PDL=1, the default) on builds 4 (the
+#: default build, "4sp") and 6, built per shape and (6p) once for every shape; "4s" and "6s" beside them in
+#: the lists are the switch back (HISPARSE_VLLM_RESOLVE_PDL=0).
+_PDL_BUILDS = ["4sp", "6sp", "6p"]
 
 
 @pytest.mark.parametrize("build", ["0", "1", "2", "3", "4", "6", "1s", "3s", "4s", "6s", *_PDL_BUILDS])
@@ -159,7 +159,7 @@ def _lean_args(g: torch.Generator, topk: torch.Tensor, dgi: torch.Tensor, lru: t
             cnt[1], None, 0, 0]
 
 
-@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s", "6spf"])  # HISPARSE_VLLM_RESOLVE (see _set_build)
+@pytest.mark.parametrize("build", ["3", "4", "4s", "6", "6s", "4sp", "6sp"])  # HISPARSE_VLLM_RESOLVE (see _set_build)
 @pytest.mark.parametrize("k,h,threads", [(64, 64, 0), (64, 128, 0), (256, 512, 128), (200, 400, 128),
                                          (256, 1024, 128), (256, 2048, 128)])
 @pytest.mark.parametrize("seed", range(3))
@@ -225,7 +225,7 @@ def _production_step(state: dict, topk: torch.Tensor, k: int) -> list:
             cnt[0], out[4], out[5], cnt[1], state["res"], 64, 0]
 
 
-@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s", "6s", "4spf", "6spf"])  # see _set_build
+@pytest.mark.parametrize("build", ["1", "2", "3", "3s", "4", "4s", "6s", "4sp", "6sp"])  # see _set_build
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 10240, 2048), (2, 4096, 4096), (4, 10240, 8192),
                                        (4, 4096, 2048)])
 def test_production_shapes_drifting_match_reference(rpr: int, h: int, mur: int, build: str,
@@ -289,7 +289,7 @@ def _step_both(st_cpu: dict, st_gpu: dict, topk: torch.Tensor, k: int) -> None:
     _assert_same(a, ag)
 
 
-@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "6s", "4spf", "6spf"])  # see _set_build
+@pytest.mark.parametrize("build", ["1", "3", "3s", "4", "4s", "6s", "4sp", "6sp"])  # see _set_build
 @pytest.mark.parametrize("rpr,h,mur", [(1, 4096, 2048), (1, 4093, 2048), (2, 4096, 4096), (2, 10240, 4096),
                                        (4, 10240, 8192), (4, 4096, 4096)])
 @pytest.mark.parametrize("seed", range(2))

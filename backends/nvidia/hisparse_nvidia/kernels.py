@@ -324,39 +324,26 @@ def vllm_carveout() -> int:
     return env_int_in(ENV_VLLM_CARVEOUT, VLLM_CARVEOUT, -1, 100, "-1 (the driver's choice) or 0 to 100 percent")
 
 
-#: vLLM's resolver launched as a programmatic dependent launch (1) or not (0, default until timed on a GPU).
-#: With 1 the module is built with VR_PDL (cuda/vllm_ops.cu: `griddepcontrol.wait` before the kernel's first
-#: global access) and launched with programmatic stream serialization, so its blocks are placed while the
-#: kernel before it on the stream (in vLLM's sequence the previous layer's gather, which lets dependents
-#: launch once its blocks have all started) finishes, where today the resolver's launch waits for that
-#: kernel to drain: the one edge of vLLM's resolve -> gather -> resolve chain without overlap (native's
-#: resolver has it: HISPARSE_OVERLAP_LAUNCH). Outputs are unchanged: every load and store of the resolver
-#: follows the wait, which returns once the previous grid has completed and its writes are visible.
-#: Read at each resolve call, for A/B timing in one process.
+#: vLLM's resolver launched as a programmatic dependent launch (1, default) or not (0). With 1 the module is
+#: built with VR_PDL (cuda/vllm_ops.cu: `griddepcontrol.wait` before the kernel's first global access) and
+#: launched with programmatic stream serialization, so its blocks are placed while the kernel before it on
+#: the stream (in vLLM's sequence the previous layer's gather, which lets dependents launch once its blocks
+#: have all started) finishes; with 0 the launch waits for that kernel to drain, which left the gather ->
+#: resolver edge the one of vLLM's resolve -> gather -> resolve chain without overlap (native's resolver
+#: has it: HISPARSE_OVERLAP_LAUNCH). Outputs are unchanged: every load and store of the resolver follows the
+#: wait, which returns once the previous grid has completed and its writes are visible. The default since
+#: the H200's call F3 (nineteenth session, docs/gpu-validation.md): faster or equal in every one-row cell
+#: (hits B = 1 9.72 -> 9.43 us, resident 5.05 -> 4.83, 274 misses B = 128 515.6 -> 503.4; 2048 misses
+#: B = 32 within noise), its lockstep tests, vLLM's 41 kernel tests and memcheck clean. `0` is the switch
+#: back. Read at each resolve call, for A/B timing in one process.
 ENV_VLLM_RESOLVE_PDL = "HISPARSE_VLLM_RESOLVE_PDL"
-VLLM_RESOLVE_PDL = 0
+VLLM_RESOLVE_PDL = 1
 
 
 def vllm_resolve_pdl() -> int:
     """`HISPARSE_VLLM_RESOLVE_PDL` (default `VLLM_RESOLVE_PDL`)."""
     return env_int_in(ENV_VLLM_RESOLVE_PDL, VLLM_RESOLVE_PDL, 0, 1,
                       "0 (the resolver waits for the kernel before it) or 1 (a programmatic dependent launch)")
-
-
-#: vLLM's resolver prefetching the host rows of the misses it records into L2 (1) or not (0, default until
-#: timed on a GPU): the module is built with VR_PREFETCH (cuda/vllm_ops.cu; the one-row lean path of builds
-#: 4 and 6, where a miss's recording thread issues prefetch.global.L2 for its host row's lines right after
-#: the walk), so the gather launched after the resolver reads those rows from L2, not across the host link.
-#: Outputs are unchanged (a prefetch has no architectural effect; host rows are not written during a step).
-#: Needs host_cache registered, as the gathers do. Read at each resolve call, for A/B timing in one process.
-ENV_VLLM_RESOLVE_PREFETCH = "HISPARSE_VLLM_RESOLVE_PREFETCH"
-VLLM_RESOLVE_PREFETCH = 0
-
-
-def vllm_resolve_prefetch() -> int:
-    """`HISPARSE_VLLM_RESOLVE_PREFETCH` (default `VLLM_RESOLVE_PREFETCH`)."""
-    return env_int_in(ENV_VLLM_RESOLVE_PREFETCH, VLLM_RESOLVE_PREFETCH, 0, 1,
-                      "0 (no prefetch) or 1 (the resolver prefetches its misses' host rows into L2)")
 
 
 def vllm_resolve_variant() -> int:
@@ -387,32 +374,28 @@ def vllm_resolve_shape() -> int:
 
 
 def vllm_resolve_shape_build(fast: int, k: int, h: int, bs: int, sbs: int, rbs: int, buckets: int,
-                             threads: int, pdl: int = 0, prefetch: int = 0) -> KernelBuild:
+                             threads: int, pdl: int) -> KernelBuild:
     """The resolver alone (cuda/vllm_ops.cu under VR_K) of build `fast` (HISPARSE_VLLM_RESOLVE) for one
     call shape: top-k `k`, `h` hot rows a state row, hot block size `bs`, source and resident block
     sizes `sbs` and `rbs` (1 where the call has no such table), `buckets` shared hash buckets and
-    `threads` a block; `pdl` 1 adds VR_PDL (HISPARSE_VLLM_RESOLVE_PDL), `prefetch` 1 VR_PREFETCH
-    (HISPARSE_VLLM_RESOLVE_PREFETCH). Its copy kernels are left out, so the row width is irrelevant (16 bytes)."""
+    `threads` a block; `pdl` 1 adds VR_PDL (HISPARSE_VLLM_RESOLVE_PDL, 1 by default). Its copy kernels are left
+    out, so the row width is irrelevant (16 bytes)."""
     defines = {"HS_VEC": 1, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": fast, "VR_K": k, "VR_H": h, "VR_BS": bs,
                "VR_SBS": sbs, "VR_RBS": rbs, "VR_SB": buckets, "VR_NT": threads}
     if pdl:
         defines["VR_PDL"] = 1
-    if prefetch:
-        defines["VR_PREFETCH"] = 1
     return KernelBuild.of("vllm_ops.cu", defines)
 
 
-def vllm_ops_build(row_bytes: int, pdl: int = 0, prefetch: int = 0) -> KernelBuild:
+def vllm_ops_build(row_bytes: int, pdl: int = 0) -> KernelBuild:
     """The build of cuda/vllm_ops.cu (vLLM's op set, hisparse_nvidia.vllm_ops) for rows of `row_bytes`; `pdl` 1:
-    its resolver waits for the previous grid first (VR_PDL, HISPARSE_VLLM_RESOLVE_PDL); `prefetch` 1: it
-    prefetches its misses' host rows (VR_PREFETCH, HISPARSE_VLLM_RESOLVE_PREFETCH)."""
+    its resolver waits for the previous grid first (VR_PDL, HISPARSE_VLLM_RESOLVE_PDL, 1 by default). VR_PDL
+    touches the resolver alone, so the gathers' module is the build with `pdl` 0."""
     if row_bytes % 16:
         raise InvalidInputError(f"row_bytes={row_bytes} must be a multiple of 16")
     defines = {"HS_VEC": row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS, "HS_VR_FAST": vllm_resolve_variant()}
     if pdl:
         defines["VR_PDL"] = 1
-    if prefetch:
-        defines["VR_PREFETCH"] = 1
     return KernelBuild.of("vllm_ops.cu", defines)
 
 
@@ -443,16 +426,15 @@ def all_builds_for_ci() -> list[KernelBuild]:
                                               "HS_VR_FAST": v}) for v in VLLM_RESOLVE_BUILDS}  # HISPARSE_VLLM_RESOLVE
     # HISPARSE_VLLM_RESOLVE_SHAPE=1 at the benchmark's shapes (1 and 4 rows a request), builds 1, 3, 4 and 6
     # (4 with the buckets vllm_ops.resolve_smem_buckets gives it there: four a union row where they fit), and
-    # builds 4 and 6 for the GPU tests' two-row groups (8192 buckets: at 4096 hot rows the one-row build)
-    builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (1, 3)
+    # builds 4 and 6 for the GPU tests' two-row groups (8192 buckets: at 4096 hot rows the one-row build);
+    # builds 4 and 6 with HISPARSE_VLLM_RESOLVE_PDL=1 (the default) and =0, builds 1 and 3 as the tests set them (0)
+    builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024, 0) for v in (1, 3)
                for h, b in ((4096, 4096), (10240, 16384))}
-    builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024) for v in (4, 6)
+    builds |= {vllm_resolve_shape_build(v, 2048, h, 64, 64, 64, b, 1024, p) for v in (4, 6) for p in (0, 1)
                for h, b in ((4096, 8192), (10240, 16384), (10240, 8192))}
-    # HISPARSE_VLLM_RESOLVE_PDL=1: the same builds 4 and 6 at the benchmark's one-row shape, and the whole module,
-    # and HISPARSE_VLLM_RESOLVE_PREFETCH=1, alone and with it
-    builds |= {vllm_resolve_shape_build(v, 2048, 4096, 64, 64, 64, 8192, 1024, pdl=p, prefetch=f) for v in (4, 6)
-               for p, f in ((1, 0), (0, 1), (1, 1))}
-    builds |= {vllm_ops_build(FP8_DS_MLA.row_bytes, pdl=p, prefetch=f) for p, f in ((1, 0), (0, 1), (1, 1))}
+    # the whole module's resolver with VR_PDL (HISPARSE_VLLM_RESOLVE_SHAPE=0 at the default launch), builds 4 and 6
+    builds |= {KernelBuild.of("vllm_ops.cu", {"HS_VEC": FP8_DS_MLA.row_bytes // 16, "HS_GNT": VLLM_COPY_THREADS,
+                                              "HS_VR_FAST": v, "VR_PDL": 1}) for v in (4, 6)}
     return sorted(builds, key=lambda b: (b.source, b.defines))
 
 

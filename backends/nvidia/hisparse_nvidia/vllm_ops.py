@@ -3,10 +3,9 @@ nvidia backend's own kernels (cuda/vllm_ops.cu, compiled with NVRTC like the res
 
 - `hisparse_resolve_residency`: one launch of `hisparse_vllm_resolve` on vLLM's tensors in place
   (hot map, LRU, outputs); every case of vLLM's contract is served, `miss_mask` included: padding
-  rows, union groups, out-of-range LRU slots, tables absent or present. With
-  `HISPARSE_VLLM_RESOLVE_PDL=1` it is a programmatic dependent launch behind the stream's previous
-  kernel (it waits for that grid before any global access); with `HISPARSE_VLLM_RESOLVE_PREFETCH=1`
-  it prefetches the host rows of the misses it records into L2 for the gather that follows.
+  rows, union groups, out-of-range LRU slots, tables absent or present. It is a programmatic
+  dependent launch behind the stream's previous kernel (it waits for that grid before any global
+  access); `HISPARSE_VLLM_RESOLVE_PDL=0` launches it after that kernel has drained.
 - `hisparse_gather_compact` / `hisparse_gather_plan`: one `hisparse_vllm_gather` launch (mark the
   taken entries, each destination by its last entry, then copy them around one grid barrier; 16-byte
   zero-copy reads of the registered host pool over UVA, zero-fill for an absent source row; a call
@@ -46,7 +45,6 @@ from hisparse_nvidia.kernels import (
     vllm_gather_variant,
     vllm_ops_build,
     vllm_resolve_pdl,
-    vllm_resolve_prefetch,
     vllm_resolve_shape,
     vllm_resolve_shape_build,
     vllm_resolve_threads,
@@ -273,13 +271,11 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
             return
         want_threads, carveout = vllm_resolve_threads(), vllm_carveout()  # refused here, before any work
         build, per_shape, pdl = vllm_resolve_variant(), vllm_resolve_shape(), vllm_resolve_pdl()
-        prefetch = vllm_resolve_prefetch()
         if n * k * 2 >= 2**31:
             raise InvalidInputError(f"{spec.RESOLVE}: topk has {n} x {k} entries; at most 2^30 - 1 a call")
         dev = hot_cache.device
         bs = hot_cache.shape[1]
         row_bytes = hot_cache.shape[2] * hot_cache.element_size()
-        host_pool = self._host_address(host_cache) if prefetch else 0  # refused here when not registered
         threads = resolve_threads(k, h, want_threads)
         buckets = resolve_smem_buckets(max_union_rows, h, k, build)
         smem = resolve_smem_bytes(buckets, h, build, self._backend._device_props()[2])
@@ -288,8 +284,8 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
                                                                                device=dev)))
         sbt, rbt = source_block_table, resident_block_table
         shape = vllm_resolve_shape_build(build, k, h, bs, source_block_size if sbt is not None else 1,
-                                         resident_block_size if rbt is not None else 1, buckets, threads, pdl,
-                                         prefetch) if per_shape else vllm_ops_build(row_bytes, pdl, prefetch)
+                                         resident_block_size if rbt is not None else 1, buckets, threads, pdl) \
+            if per_shape else vllm_ops_build(row_bytes, pdl)
         fn = self._function(dev, row_bytes, "hisparse_vllm_resolve", shape)
         fn.allow_dynamic_smem(smem)
         fn.prefer_carveout(carveout)
@@ -304,8 +300,7 @@ class NvidiaVllmOps(spec.VllmHiSparseOps):
             _i32(resident_null_block), _i64(host_cache.shape[0]), _ptr(hot_out), _ptr(attention_indices),
             _i64(attention_block_stride), _i32(bs), _ptr(resolved), _ptr(valid_counts), _ptr(miss_mask),
             _ptr(swap_host), _ptr(swap_dev), _ptr(swap_counts), _ptr(device_global_indices), _ptr(lru_slots),
-            _i32(s), _i32(h), _ptr(stats), _ptr(gtab), _ptr(gval), _i32(buckets), ctypes.c_void_p(host_pool),
-            _i32(row_bytes)], overlap_previous=bool(pdl))
+            _i32(s), _i32(h), _ptr(stats), _ptr(gtab), _ptr(gval), _i32(buckets)], overlap_previous=bool(pdl))
 
     def gather_compact(self, host_cache: torch.Tensor, hot_cache: torch.Tensor, miss_global: torch.Tensor,
                        miss_hot: torch.Tensor, miss_counts: torch.Tensor) -> None:

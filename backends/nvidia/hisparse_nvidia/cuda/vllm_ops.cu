@@ -109,17 +109,11 @@
 #if HS_VR_FAST == 5 || HS_VR_FAST > 6
 #error "HS_VR_FAST (HISPARSE_VLLM_RESOLVE) is 0 to 4 or 6"
 #endif
-// VR_PDL (HISPARSE_VLLM_RESOLVE_PDL=1): the resolver waits for the previous grid (griddepcontrol.wait)
-// before its first global access, for a launch with programmatic stream serialization.
+// VR_PDL (HISPARSE_VLLM_RESOLVE_PDL=1, the default; kernels.py defines it): the resolver waits for the
+// previous grid (griddepcontrol.wait) before its first global access, for a launch with programmatic
+// stream serialization.
 #ifndef VR_PDL
 #define VR_PDL 0
-#endif
-// VR_PREFETCH (HISPARSE_VLLM_RESOLVE_PREFETCH=1): on the one-row lean path, the thread that records a miss
-// (its row's first reference, known right after the walk) asks L2 for the host row's 128-byte lines
-// (prefetch.global.L2: no register, no wait, no architectural effect), so that the gather after this
-// kernel finds them in L2 rather than waiting a host round trip. Host rows are not written during a step.
-#ifndef VR_PREFETCH
-#define VR_PREFETCH 0
 #endif
 #define VR_HBT 512  // hot blocks of a request the lean build keeps in shared memory (at most)
 // Shape builds (HISPARSE_VLLM_RESOLVE_SHAPE=1): VR_K, VR_H, VR_BS, VR_SBS, VR_RBS, VR_SB and VR_NT
@@ -326,8 +320,7 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
     i32 rbt_cols, i32 rbs, i32 null_block, i64 host_rows, i32* hot_out, i32* __restrict__ att, i64 att_stride,
     i32 bs, i32* __restrict__ resolved, i32* __restrict__ valid, i32* __restrict__ miss_mask,
     i32* __restrict__ swap_host, i32* __restrict__ swap_dev, i32* __restrict__ swap_counts, i32* dgi, i16* lru,
-    i32 S, i32 H, u64* __restrict__ stats, u64* gtab, i32* gval, i32 smem_buckets,
-    const unsigned char* __restrict__ host_pool, i32 host_row_bytes) {  // VR_PREFETCH only (else unused)
+    i32 S, i32 H, u64* __restrict__ stats, u64* gtab, i32* gval, i32 smem_buckets) {
     extern __shared__ __align__(16) unsigned char vr_smem[];
 #ifdef VR_K
     K = VR_K;
@@ -794,19 +787,6 @@ extern "C" __global__ void __launch_bounds__(1024) hisparse_vllm_resolve(
                 first[u] = host[u] && vr_lds(a_tab + 8u * bk[u]) == static_cast<u32>(tid + u * nt);
 #endif
             }
-#if VR_PREFETCH
-            if (host_pool != nullptr) {  // block-uniform
-#pragma unroll
-                for (i32 u = 0; u < VR_B; ++u) {
-                    if (!first[u]) continue;
-                    const u64 from = reinterpret_cast<u64>(host_pool) +
-                                     static_cast<u64>(gv[u]) * static_cast<u32>(host_row_bytes);
-                    for (u64 a = from & ~127ull; a < from + static_cast<u32>(host_row_bytes); a += 128) {
-                        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-                    }
-                }
-            }
-#endif
             const u32 f0 = __ballot_sync(HS_FULL_MASK, first[0]), f1 = __ballot_sync(HS_FULL_MASK, first[1]);
 #if VR_FAST6
             const bool wrep = __any_sync(HS_FULL_MASK, repeat);

@@ -808,7 +808,13 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
     The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
     Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
     last program, so it is 0 between calls. `PDL`: as in `resolve_gather_kernel` (without `TAIL`, the
-    plan copy is the kernel behind it; with it, `resolve_split_lru_kernel` triggers the copy)."""
+    plan copy is the kernel behind it; with it, `resolve_split_lru_kernel` triggers the copy). `PDL` = 2
+    (`shapes.PDL_CHAIN_ENV`): this kernel is itself a programmatic dependent launch; it waits for the kernel
+    before it to end and flush before any access (the copy before it reads the plan it rewrites, and a
+    kernel before it may have written its inputs), and only then lets its copy launch, so that the copy's
+    early reads see final inputs."""
+    if PDL > 1:
+        gdc_wait()
     if PDL:
         gdc_launch_dependents()
     # Programs [0, B * NS) are NS to a batch row; each one after them pads one workspace row past B.
@@ -1254,9 +1260,12 @@ def copy_plan_kernel(plan_host, plan_device, plan_counts, src, dst, dst_block_st
     instructions its warps issue one after another (sm_90, Triton 3.6: 1,776 SASS instructions,
     182 registers). With `SB` too (`BS = 2^LBS`), block and offset are a shift and a mask (each
     thread holds 8 of a chunk's 16 rows: 8 divisions by the runtime `BS` otherwise). `LBS` is read
-    only with `SB`."""
+    only with `SB`. `PDL` = 2 (`shapes.PDL_CHAIN_ENV`): once its wait is over, it lets the next kernel (a
+    resolver launched as a programmatic dependent, which waits for this kernel's end) launch."""
     if PDL:
         gdc_wait()
+    if PDL > 1:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rr = tl.arange(0, BP)
     counts = tl.load(plan_counts + rr, mask=rr < B, other=0)
@@ -1328,6 +1337,8 @@ def copy_plan_rows_kernel(plan_host, plan_device, plan_counts, src, dst, dst_blo
     `PDL`: as in `copy_plan_kernel`."""
     if PDL:
         gdc_wait()
+    if PDL > 1:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     per = tl.maximum(NP // B, 1)
     w = tl.arange(0, WP)
@@ -1412,7 +1423,8 @@ def copy_spec_kernel(topk, row_state, seq_lens, source_table, resident_table, ho
 
     Host data is not written during a step, so a row read early is the row the plan copy would read:
     the device cache ends as `copy_plan_kernel` leaves it, whatever the early read saw. Program 0 adds
-    the plan's bytes to the counter, as `copy_plan_kernel` does."""
+    the plan's bytes to the counter, as `copy_plan_kernel` does. `PDL` = 2: as in `copy_plan_kernel` (the
+    resolver it follows launched it only after its own wait, so the inputs it reads early are final)."""
     pid = tl.program_id(0)
     r = pid // NC
     e = (pid % NC) * SE + tl.arange(0, SE)
@@ -1443,6 +1455,8 @@ def copy_spec_kernel(topk, row_state, seq_lens, source_table, resident_table, ho
     vals, mm = _spec_load(src, early_host, early, w, W, VEC)  # in flight across the wait
     if PDL:
         gdc_wait()
+    if PDL > 1:
+        gdc_launch_dependents()
     # One round trip after the wait: the early rows' entries and every entry of the program, side by side.
     e_miss = tl.load(miss_mask + r * K + early_ent, mask=early, other=0) != 0
     e_dev = tl.load(out_rows + r * K + early_ent, mask=early, other=-1)

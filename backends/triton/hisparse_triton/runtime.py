@@ -87,11 +87,12 @@ class TritonRuntime(CacheRuntime):
                                     f"{'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} or later on ROCm; found "
                                     f"Triton {triton.__version__}")
         pdl = device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
-        if tune.pdl and not pdl:
-            found = ("the interpreter (cpu)" if device.type == "cpu" else
-                     f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device))
-            raise InvalidInputError(f"{shapes.PDL_ENV}='1' needs an NVIDIA GPU of compute capability 9.0 or later "
-                                    f"(programmatic dependent launch); found {found}")
+        for key, on in ((shapes.PDL_ENV, tune.pdl), (shapes.PDL_CHAIN_ENV, tune.pdl_chain)):
+            if on and not pdl:
+                found = ("the interpreter (cpu)" if device.type == "cpu" else
+                         f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device))
+                raise InvalidInputError(f"{key}='1' needs an NVIDIA GPU of compute capability 9.0 or later "
+                                        f"(programmatic dependent launch); found {found}")
         lanes = warp_size(device)
         sms = None if cpu else int(torch.cuda.get_device_properties(device).multi_processor_count)
         choice = auto.choose(env, max_batch_rows=b, small=auto.small_rows(sms, b), pdl=pdl)

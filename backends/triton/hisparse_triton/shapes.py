@@ -151,6 +151,15 @@ SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
 #: the resolver, 274 misses B = 8 52.9 us against nvidia's 34.1 (the copy alone 29.2). Batches the
 #: one-program resolver serves keep the plan copy; later layers (`replay_plan`) too. Timed in call E2.
 SPEC_COPY_ENV = "HISPARSE_TRITON_SPEC_COPY"
+#: 1 (NVIDIA sm_90 and later, with `PDL_ENV` and the split resolver): the split resolver is itself a
+#: programmatic dependent launch of the kernel before it (on a decode step, the previous step's layer-0
+#: copy), and the copies behind it let the next kernel launch once their own wait is over: a step's
+#: resolver is placed on the multiprocessors while the copy before it still runs, and waits in `gdc_wait`
+#: for that copy's end and flush before any read or write (so every input is final, whatever kernel wrote
+#: it). It then lets its copy launch, which therefore reads final inputs too. The aim: the resolver's
+#: launch latency off a small batch's critical path (a resident batch-8 step is 6.9 us against
+#: nvidia's 4.4, two launches). 0, the default; not yet timed on a GPU.
+PDL_CHAIN_ENV = "HISPARSE_TRITON_PDL_CHAIN"
 SPEC_ENTRIES = (32, 64, 128)
 #: Host rows one program of the speculative copy holds at once: a quarter of its entries (a batch-8
 #: step with 274 misses has about 9 candidates in 64 entries) on a GPU; few under the interpreter, so
@@ -207,12 +216,13 @@ class Tuning:
     lean_copy: bool = False
     split_keep: bool = False
     spec_copy: int = 0
+    pdl_chain: bool = False
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
     `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`, `SPLIT_TAIL_ENV`,
-    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`); one clear error per bad value."""
+    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`, `PDL_CHAIN_ENV`); one clear error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -270,9 +280,21 @@ def tuning(env: dict[str, str]) -> Tuning:
     if keep == "1" and split_tail == "1":
         raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} does not combine with {SPLIT_TAIL_ENV}='1' (the hot-row "
                                 f"kernels read the list scratch); expected {SPLIT_KEEP_ENV}=0 or {SPLIT_TAIL_ENV}=0")
+    chain = env.get(PDL_CHAIN_ENV) or "0"
+    if chain not in ("0", "1"):
+        raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} is not a switch; expected 0 or 1")
+    if chain == "1" and resolver != "gather":
+        raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} needs the gather resolver's split build; {RESOLVER_ENV} "
+                                f"is {resolver!r}")
+    if chain == "1" and (pdl == "0" and env.get(PDL_ENV)):
+        raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} chains programmatic dependent launches; {PDL_ENV} is "
+                                f"'0', expected {PDL_ENV}=1 (or unset) or {PDL_CHAIN_ENV}=0")
+    if chain == "1" and split_tail == "1":
+        raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} does not combine with {SPLIT_TAIL_ENV}='1' (the copy "
+                                f"follows the hot-row kernels there); expected {PDL_CHAIN_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
                   cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1",
-                  lean_copy == "1", keep == "1", int(spec))
+                  lean_copy == "1", keep == "1", int(spec), chain == "1")
 
 
 def pow2(n: int) -> int:
@@ -528,6 +550,17 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         pdl_specs.append(KernelSpec("resolve_split_lru_kernel", lru_sig | dict.fromkeys(lru, "constexpr"), lru,
                                     sr.hot_warps(warp_size)))
         pdl_specs.append(KernelSpec("copy_plan_kernel", plan_sig, lean | dict(PDL=1), copy_warps))
+        # `PDL_CHAIN_ENV` (PDL = 2): the split resolver (the auto choice's small-batch build, with the miss mask
+        # of the speculative copy) waits for the kernel before it, and the copies behind it let the next one launch.
+        sr = resolver_shape(config, variant="gather", threads=512, scan=True, shift=True, warp_size=warp_size,
+                            split=SPLIT_BUILD)
+        consts = sr.constexprs | dict(MASK=1, PDL=2)
+        pdl_specs.append(KernelSpec(sr.kernel, split_sig | dict.fromkeys(consts, "constexpr"), consts,
+                                    sr.num_warps(warp_size)))
+        chained = plan_copy_meta(config, interpreted=False, entries=4) | {k: lean[k] for k in ("VEC", "SB")} | dict(PDL=2)
+        pdl_specs.append(KernelSpec("copy_plan_kernel", plan_sig, chained, copy_warps))
+        smeta = spec_copy_meta(config, interpreted=False, entries=SPEC_ENTRIES[-1]) | dict(PDL=2, VEC=lean["VEC"])
+        pdl_specs.append(KernelSpec("copy_spec_kernel", spec_sig | dict.fromkeys(smeta, "constexpr"), smeta, copy_warps))
     for r in resolvers:
         fusable = r.variant == "gather" and lru_dtype == "i32" and not r.cas and not r.split
         for fused in ((False, True) if fusable else (False,)):

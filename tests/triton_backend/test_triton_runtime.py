@@ -359,7 +359,17 @@ def test_auto_picks_are_the_ones_this_module_runs() -> None:
                                  {"HISPARSE_TRITON_SPLIT": "2", "HISPARSE_TRITON_SPLIT_KEEP": "1"},
                                  {"HISPARSE_TRITON_SPLIT_KEEP": "1", **{k: v for k, v in _AUTO_SMALL
                                                                          if k != "HISPARSE_TRITON_PDL"}},
-                                 {"HISPARSE_TRITON_SPLIT_KEEP": "1", **dict(_AUTO_SMALL)}],
+                                 {"HISPARSE_TRITON_SPLIT_KEEP": "1", **dict(_AUTO_SMALL)},
+                                 {"HISPARSE_TRITON_SPLIT": "2", "HISPARSE_TRITON_FEW_COPY": "32"},
+                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_KEEP": "1",
+                                  "HISPARSE_TRITON_FEW_COPY": "64", "HISPARSE_TRITON_ROW_COPY": "1"},
+                                 {"HISPARSE_TRITON_FEW_COPY": "64", **{k: v for k, v in _AUTO_SMALL
+                                                                       if k != "HISPARSE_TRITON_PDL"}},
+                                 {"HISPARSE_TRITON_FEW_COPY": "64", **dict(_AUTO_SMALL)},
+                                 {"HISPARSE_TRITON_PDL_CHAIN": "1", **dict(_AUTO_SMALL)},
+                                 {"HISPARSE_TRITON_PDL_CHAIN": "1", "HISPARSE_TRITON_FEW_COPY": "64", **dict(_AUTO_SMALL)},
+                                 {"HISPARSE_TRITON_PDL_CHAIN": "1", "HISPARSE_TRITON_SPEC_COPY": "128",
+                                  **dict(_AUTO_SMALL)}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
                               "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
@@ -367,7 +377,9 @@ def test_auto_picks_are_the_ones_this_module_runs() -> None:
                               "split8_tail_scan_shift", "split16_tail_row_copy", "lean_copy", "lean_copy_split8_scan_shift",
                               "lean_copy_pdl_split8_scan_shift", "lean_copy_pdl_split8_tail", "auto_small_picks",
                               "auto_small_picks_without_pdl", "auto_large_picks", "auto", "split2_keep",
-                              "keep_auto_small_picks_without_pdl", "keep_auto_small_picks"])
+                              "keep_auto_small_picks_without_pdl", "keep_auto_small_picks", "split2_few",
+                              "split4_keep_few_row_copy", "few_auto_small_picks_without_pdl", "few_auto_small_picks",
+                              "chain_auto_small_picks", "chain_few_auto_small_picks", "chain_spec_auto_small_picks"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
@@ -378,7 +390,7 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
     picked per batch size), among them the auto choice's picks for small and large batches as fixed
     settings; and the auto choice itself (what the rest of this module and the suite run); PDL only
     where it is allowed (sm_90 and later)."""
-    if "HISPARSE_TRITON_PDL" in env and not (backend.device.type == "cuda" and not torch.version.hip
+    if ("HISPARSE_TRITON_PDL" in env or "HISPARSE_TRITON_PDL_CHAIN" in env) and not (backend.device.type == "cuda" and not torch.version.hip
                                              and torch.cuda.get_device_capability(backend.device)[0] >= 9):
         pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 or later")
     p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,

@@ -369,7 +369,11 @@ def test_auto_picks_are_the_ones_this_module_runs() -> None:
                                  {"HISPARSE_TRITON_PDL_CHAIN": "1", **dict(_AUTO_SMALL)},
                                  {"HISPARSE_TRITON_PDL_CHAIN": "1", "HISPARSE_TRITON_FEW_COPY": "64", **dict(_AUTO_SMALL)},
                                  {"HISPARSE_TRITON_PDL_CHAIN": "1", "HISPARSE_TRITON_SPEC_COPY": "128",
-                                  **dict(_AUTO_SMALL)}],
+                                  **dict(_AUTO_SMALL)},
+                                 {"HISPARSE_TRITON_FEW_COPY": "32", "HISPARSE_TRITON_SPEC_COPY": "64",
+                                  **{k: v for k, v in _AUTO_SMALL if k != "HISPARSE_TRITON_PDL"}},
+                                 {"HISPARSE_TRITON_PDL_CHAIN": "1", "HISPARSE_TRITON_FEW_COPY": "64",
+                                  "HISPARSE_TRITON_SPEC_COPY": "128", **dict(_AUTO_SMALL)}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
                               "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
@@ -379,7 +383,8 @@ def test_auto_picks_are_the_ones_this_module_runs() -> None:
                               "auto_small_picks_without_pdl", "auto_large_picks", "auto", "split2_keep",
                               "keep_auto_small_picks_without_pdl", "keep_auto_small_picks", "split2_few",
                               "split4_keep_few_row_copy", "few_auto_small_picks_without_pdl", "few_auto_small_picks",
-                              "chain_auto_small_picks", "chain_few_auto_small_picks", "chain_spec_auto_small_picks"])
+                              "chain_auto_small_picks", "chain_few_auto_small_picks", "chain_spec_auto_small_picks",
+                              "few_spec_auto_small_picks_without_pdl", "chain_few_spec_auto_small_picks"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001

@@ -1498,10 +1498,14 @@ def copy_spec_kernel(topk, row_state, seq_lens, source_table, resident_table, ho
         gdc_wait()
     if PDL > 1:
         gdc_launch_dependents()
-    # One round trip after the wait: the early rows' entries and every entry of the program, side by side.
+    # One round trip after the wait: the row's count, the early rows' entries and every entry of the program,
+    # side by side. A row of count 0 has nothing to write (the split resolver copied it, `shapes.FEW_COPY_ENV`,
+    # and the runtime passes the counts left to this copy, or it missed nothing).
+    # (lanes wide, as the interpreter masks by lanes only; r < B: every row of the grid is a batch row)
+    early = early & (tl.load(plan_counts + r + early_ent * 0) > 0)
     e_miss = tl.load(miss_mask + r * K + early_ent, mask=early, other=0) != 0
     e_dev = tl.load(out_rows + r * K + early_ent, mask=early, other=-1)
-    missed = tl.load(miss_mask + r * K + e, mask=is_host, other=0) != 0
+    missed = (tl.load(miss_mask + r * K + e, mask=is_host, other=0) != 0) & (tl.load(plan_counts + r + e * 0) > 0)
     dev = tl.load(out_rows + r * K + e, mask=is_host, other=-1)
     # The early rows whose entry missed, at its device row.
     e_ok = early & e_miss & (e_dev >= 0) & (e_dev < dev_rows)

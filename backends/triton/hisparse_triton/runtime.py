@@ -292,7 +292,8 @@ class TritonRuntime(CacheRuntime):
                                   miss_mask=self._spec_mask if spec else None, host_limit=self._host_rows, fused=fused,
                                   copy_few=few)
         if spec:
-            self._copy_spec(x, inputs, b, pos_slot=hints[0], hot_map=hints[1])
+            self._copy_spec(x, inputs, b, pos_slot=hints[0], hot_map=hints[1],
+                            counts=self._rest_counts if few else self._result.plan_counts)
         elif gather and not fused:
             self._copy_plan(0, counts=self._rest_counts if few else None)
         return out
@@ -401,9 +402,10 @@ class TritonRuntime(CacheRuntime):
             self._copy_plan(layer)
 
     def _copy_spec(self, x: launches.Launches, inputs: ResolveInputs, rows: int, *, pos_slot: torch.Tensor,
-                   hot_map: torch.Tensor) -> None:
+                   hot_map: torch.Tensor, counts: torch.Tensor) -> None:
         """Layer 0's plan copy as `kernels.copy_spec_kernel`, right behind the split resolver of `rows`
-        rows (which wrote `_spec_mask`); `pos_slot` and `hot_map`: the hint state it predicts from."""
+        rows (which wrote `_spec_mask`); `pos_slot` and `hot_map`: the hint state it predicts from; `counts`:
+        the plan counts left to it (a row of 0 is skipped and its bytes not counted)."""
         cfg = self.config
         out = self._result
         dev = self._dev[0]
@@ -413,7 +415,7 @@ class TritonRuntime(CacheRuntime):
         kernels.launch(
             kernels.copy_spec_kernel, "copy_spec_kernel", (rows * nc,),
             inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table, hot_map,
-            pos_slot, self._spec_mask, out.rows, out.plan_counts, self._host[0], dev, dev.stride(0), self._stats,
+            pos_slot, self._spec_mask, out.rows, counts, self._host[0], dev, dev.stride(0), self._stats,
             rows, cfg.top_k, cfg.max_pages, cfg.max_requests, cfg.hot_rows, bs, bs.bit_length() - 1, self._host_rows,
             cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words, nc, **meta)
 

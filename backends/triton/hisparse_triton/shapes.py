@@ -166,8 +166,9 @@ PDL_CHAIN_ENV = "HISPARSE_TRITON_PDL_CHAIN"
 #: host's latency overlaps its hash table, scans and victims, and writes the ones that missed once the plan
 #: is out; the plan copy behind it moves only the other requests' plans (`kernels.resolve_split_kernel`,
 #: FC). Aimed at few-miss steps at small batches (34 misses at B = 8: 1.72x nvidia in call E5, where the
-#: plan copy's host reads start only after the resolver ends). Not with the speculative copy
-#: (`SPEC_COPY_ENV`), which reads the same rows its own way, nor with `SPLIT_TAIL_ENV`. Not yet timed.
+#: plan copy's host reads start only after the resolver ends). With the speculative copy (`SPEC_COPY_ENV`)
+#: that copy moves only the other requests' rows (it takes the counts left to it); not with
+#: `SPLIT_TAIL_ENV`. Not yet timed.
 FEW_COPY_ENV = "HISPARSE_TRITON_FEW_COPY"
 FEW_COPY = (32, 64)
 #: The same under the interpreter: a list this short, so that tests take both ways (the resolver's copy and
@@ -310,10 +311,9 @@ def tuning(env: dict[str, str]) -> Tuning:
     if few not in ("0", *map(str, FEW_COPY)):
         raise InvalidInputError(f"{FEW_COPY_ENV}={few!r} is not a list length; expected 0 (off) or one of "
                                 f"{', '.join(map(str, FEW_COPY))}")
-    for key, value in ((SPEC_COPY_ENV, spec), (SPLIT_TAIL_ENV, split_tail)):
-        if few != "0" and value != "0":
-            raise InvalidInputError(f"{FEW_COPY_ENV}={few!r} does not combine with {key}={value!r} (the layer-0 copy "
-                                    f"is the resolver's there); expected {FEW_COPY_ENV}=0 or {key}=0")
+    if few != "0" and split_tail != "0":
+        raise InvalidInputError(f"{FEW_COPY_ENV}={few!r} does not combine with {SPLIT_TAIL_ENV}={split_tail!r} (the "
+                                f"hot-row kernels publish the plan there); expected {FEW_COPY_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
                   cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1",
                   lean_copy == "1", keep == "1", int(spec), chain == "1", int(few))

@@ -782,3 +782,45 @@ def _random_plans(counts: torch.Tensor, k: int, dst_rows: int,
         plan_dev[r, :c] = dsts[at:at + c]
         at += c
     return plan_host, plan_dev
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_few_copy_leaves_the_plan_copy_only_the_other_rows(backend, seed: int) -> None:  # noqa: ANN001
+    """`HISPARSE_TRITON_FEW_COPY`: in lockstep with reference_cpu, the split resolver copies layer 0's plan of
+    each request whose candidate list is short (2 under the interpreter) and leaves the plan copy the counts of
+    the rest: every batch row's count left is 0 or its plan count, and the scenario takes both ways (a row with
+    a plan the resolver copied, and one it left)."""
+    from hisparse_triton.runtime import TritonRuntime
+
+    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=4, max_pages=8,
+                       rows_per_request=1, extra_batch_rows=1, num_layers=2, steps=16, locality=0.5,
+                       resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    seen: list[tuple[list[int], list[int]]] = []  # (counts left, plan counts) of each call's batch rows
+    real = TritonRuntime.resolve
+
+    def resolve(self: TritonRuntime, inputs, *, gather: bool = True, validate: bool = True):  # noqa: ANN001, ANN202
+        out = real(self, inputs, gather=gather, validate=validate)
+        rows = inputs.topk.shape[0]
+        x = self._launches_for(rows)
+        if gather and x.few_meta and rows <= x.split_rows:  # the split resolver's batches (the others: its one-program one)
+            seen.append((self._rest_counts[:rows].tolist(), out.plan_counts[:rows].tolist()))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("HISPARSE_TRITON_")]:
+            mp.delenv(key)
+        mp.setenv("HISPARSE_TRITON_AUTO", "0")
+        mp.setenv("HISPARSE_TRITON_SPLIT", "2")
+        mp.setenv("HISPARSE_TRITON_FEW_COPY", "32")
+        mp.setattr(TritonRuntime, "resolve", resolve)
+        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+            for step, work in sc.steps:
+                problems = run.resolve(step, replay=True)
+                problems += run.apply(work)
+                assert not problems, "\n".join(problems[:10])
+    pairs = [(r, c) for rest, plan in seen for r, c in zip(rest, plan, strict=True)]
+    assert pairs and all(r in (0, c) for r, c in pairs), pairs
+    assert any(r == 0 < c for r, c in pairs), pairs  # the resolver copied a plan
+    assert any(0 < r == c for r, c in pairs), pairs  # and left one to the plan copy

@@ -686,10 +686,10 @@ def test_spec_copy_matches_the_reference(backend, seed: int, locality: float, ro
     real_spec = TritonRuntime._copy_spec
 
     def copy_spec(self: TritonRuntime, x: Launches, inputs: ResolveInputs, n: int, *, pos_slot: torch.Tensor,
-                  hot_map: torch.Tensor) -> None:
+                  hot_map: torch.Tensor, counts: torch.Tensor) -> None:
         if not early:
             pos_slot, hot_map = self._pos_slot, self._hot_map
-        real_spec(self, x, inputs, n, pos_slot=pos_slot, hot_map=hot_map)
+        real_spec(self, x, inputs, n, pos_slot=pos_slot, hot_map=hot_map, counts=counts)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HISPARSE_TRITON_AUTO", "0")

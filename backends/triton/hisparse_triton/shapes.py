@@ -370,7 +370,7 @@ class ResolverShape:
                         HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
                         ES=self.gp * self.kp // self.split, CP=self.chunk, PW=self.pw,
                         SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift),
-                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep))
+                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep), FC=0, WP=1, VEC=0)
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES

@@ -64,7 +64,7 @@ def test_no_inline_assembly() -> None:
     assert "inline_asm" not in source and "asm(" not in source
     lines = source.splitlines()
     calls = [i for i, line in enumerate(lines) if "gdc_wait()" in line or "gdc_launch_dependents()" in line]
-    assert calls and all(lines[i - 1].strip() == "if PDL:" for i in calls), calls
+    assert calls and all(lines[i - 1].strip() in ("if PDL:", "if PDL > 1:") for i in calls), calls
 
 
 def test_pdl_builds_are_nvidia_only(builds: list[dict]) -> None:
@@ -113,3 +113,16 @@ def test_the_auto_choice_builds_for_every_target(builds: list[dict]) -> None:
             assert any(b["kernel"] == "copy_spec_kernel" and b["constexprs"]["SE"] == 128 and b["constexprs"]["SC"] == 32
                        and b["constexprs"]["VEC"] == 4 and b["constexprs"]["SB"] == 1 and b["constexprs"]["PDL"] == pdl
                        for b in mine), (t, g)
+
+
+def test_few_copy_and_chain_build_where_they_run(builds: list[dict]) -> None:
+    """The split resolver's own copy of short lists (`HISPARSE_TRITON_FEW_COPY`, `FC`) compiles for every target at
+    every geometry; the chained builds (`HISPARSE_TRITON_PDL_CHAIN`, `PDL` = 2: the split resolver, the lean plan
+    copy and the speculative copy) for sm_90 only."""
+    from hisparse_triton.compile_targets import TARGET_GEOMETRIES, TARGETS, geometries
+
+    got = {(b["target"], b["geometry"]) for b in builds
+           if b["kernel"] == "resolve_split_kernel" and b["constexprs"].get("FC") == 64}
+    assert got == {(t, g) for t in TARGETS for g in TARGET_GEOMETRIES.get(t, tuple(geometries()))}, sorted(got)
+    chained = {(b["target"], b["kernel"]) for b in builds if b["constexprs"].get("PDL") == 2}
+    assert chained == {("sm90", k) for k in ("resolve_split_kernel", "copy_plan_kernel", "copy_spec_kernel")}, chained

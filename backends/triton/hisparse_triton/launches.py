@@ -35,6 +35,7 @@ class Launches:
     row_plan_meta: dict[str, int]
     plan_programs: int
     spec_meta: dict[str, Any]  # the speculative copy behind the split resolver (`shapes.SPEC_COPY_ENV`; empty: off)
+    few_meta: dict[str, int]  # the split resolver's own copy of short lists (`shapes.FEW_COPY_ENV`; empty: off)
 
 
 def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessors: int | None) -> Launches:
@@ -64,6 +65,8 @@ def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessor
             tail_meta = (shape.hot_constexprs, shape.lru_constexprs | dict(PDL=int(tune.pdl)), shape.hot_programs)
         elif tune.pdl:  # the kernel the plan copy follows lets it launch early
             split_meta["PDL"] = 1
+            if tune.pdl_chain:  # and is itself a dependent launch of the kernel before it (`shapes.PDL_CHAIN_ENV`)
+                split_meta |= dict(PDL=2, launch_pdl=True)
         tail_warps = {} if cpu else dict(num_warps=shape.hot_warps(lanes))
         shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
                                       lean=tune.lean, scan=tune.scan, shift=tune.shift, warp_size=lanes)
@@ -72,8 +75,11 @@ def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessor
     fuse_meta = {f: shape.fuse_constexprs(config, fused=f, interpreted=cpu) for f in (False, True)}
     copy_meta: dict[str, int] = {} if cpu else dict(num_warps=max(1, shapes.COPY_THREADS // lanes))
     plan_meta: dict[str, Any] = shapes.plan_copy_meta(config, interpreted=cpu, entries=tune.plan_entries) | copy_meta
+    # Chained (`shapes.PDL_CHAIN_ENV`): the copies let a dependent launch (the next step's resolver) start once
+    # their wait is over.
+    chain = 2 if split_meta.get("PDL") == 2 else 1
     if tune.pdl:  # launched behind the resolver as a programmatic dependent (waits in the kernel)
-        plan_meta |= dict(PDL=1, launch_pdl=True)
+        plan_meta |= dict(PDL=chain, launch_pdl=True)
     # The plan copy's fixed grid: one program in the interpreter (it loops over the chunks); on a GPU
     # one wave of programs (`plan_per_sm` a multiprocessor), but no more than the chunks a full plan of
     # the largest batch has (a small batch launches no program that can never have work).
@@ -85,9 +91,13 @@ def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessor
     if tune.spec_copy and split_shape is not None:
         spec_meta = shapes.spec_copy_meta(config, interpreted=cpu, entries=tune.spec_copy) | copy_meta
         if tune.pdl:
-            spec_meta |= dict(PDL=1, launch_pdl=True)
+            spec_meta |= dict(PDL=chain, launch_pdl=True)
+    few_meta: dict[str, int] = {}
+    if tune.few_copy and split_shape is not None and not split_shape.tail:
+        few_meta = dict(FC=shapes.INTERPRETED_FEW_COPY if cpu else tune.few_copy,
+                        WP=shapes.pow2(shapes.row_words(config.row_format.row_bytes)[1]))
     return Launches(profile.max_rows, tune, shape, meta, fuse_meta, split_shape, split_rows, split_meta, tail_meta,
-                    tail_warps, plan_meta, shapes.row_copy_meta(config, plan_meta), programs, spec_meta)
+                    tail_warps, plan_meta, shapes.row_copy_meta(config, plan_meta), programs, spec_meta, few_meta)
 
 
 def scratch_shape(launches: list[Launches]) -> tuple[int, int, int, int]:

@@ -151,6 +151,29 @@ SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
 #: the resolver, 274 misses B = 8 52.9 us against nvidia's 34.1 (the copy alone 29.2). Batches the
 #: one-program resolver serves keep the plan copy; later layers (`replay_plan`) too. Timed in call E2.
 SPEC_COPY_ENV = "HISPARSE_TRITON_SPEC_COPY"
+#: 1 (NVIDIA sm_90 and later, with `PDL_ENV` and the split resolver): the split resolver is itself a
+#: programmatic dependent launch of the kernel before it (on a decode step, the previous step's layer-0
+#: copy), and the copies behind it let the next kernel launch once their own wait is over: a step's
+#: resolver is placed on the multiprocessors while the copy before it still runs, and waits in `gdc_wait`
+#: for that copy's end and flush before any read or write (so every input is final, whatever kernel wrote
+#: it). It then lets its copy launch, which therefore reads final inputs too. The aim: the resolver's
+#: launch latency off a small batch's critical path (a resident batch-8 step is 6.9 us against
+#: nvidia's 4.4, two launches). 0, the default; not yet timed on a GPU.
+PDL_CHAIN_ENV = "HISPARSE_TRITON_PDL_CHAIN"
+#: N (32 or 64; 0, the default: off), with the split resolver: on `resolve(gather=True)`, the last program of
+#: a request whose candidate list (host entries whose slot hint failed) has at most N entries copies that
+#: request's layer-0 plan itself: it reads those host rows as soon as it knows the list's length, so the
+#: host's latency overlaps its hash table, scans and victims, and writes the ones that missed once the plan
+#: is out; the plan copy behind it moves only the other requests' plans (`kernels.resolve_split_kernel`,
+#: FC). Aimed at few-miss steps at small batches (34 misses at B = 8: 1.72x nvidia in call E5, where the
+#: plan copy's host reads start only after the resolver ends). With the speculative copy (`SPEC_COPY_ENV`)
+#: that copy moves only the other requests' rows (it takes the counts left to it); not with
+#: `SPLIT_TAIL_ENV`. Not yet timed.
+FEW_COPY_ENV = "HISPARSE_TRITON_FEW_COPY"
+FEW_COPY = (32, 64)
+#: The same under the interpreter: a list this short, so that tests take both ways (the resolver's copy and
+#: the plan copy's) on one state.
+INTERPRETED_FEW_COPY = 2
 SPEC_ENTRIES = (32, 64, 128)
 #: Host rows one program of the speculative copy holds at once: a quarter of its entries (a batch-8
 #: step with 274 misses has about 9 candidates in 64 entries) on a GPU; few under the interpreter, so
@@ -207,12 +230,14 @@ class Tuning:
     lean_copy: bool = False
     split_keep: bool = False
     spec_copy: int = 0
+    pdl_chain: bool = False
+    few_copy: int = 0
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
     `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`, `SPLIT_TAIL_ENV`,
-    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`); one clear error per bad value."""
+    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`, `PDL_CHAIN_ENV`, `FEW_COPY_ENV`); one clear error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -270,9 +295,28 @@ def tuning(env: dict[str, str]) -> Tuning:
     if keep == "1" and split_tail == "1":
         raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} does not combine with {SPLIT_TAIL_ENV}='1' (the hot-row "
                                 f"kernels read the list scratch); expected {SPLIT_KEEP_ENV}=0 or {SPLIT_TAIL_ENV}=0")
+    chain = env.get(PDL_CHAIN_ENV) or "0"
+    if chain not in ("0", "1"):
+        raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} is not a switch; expected 0 or 1")
+    if chain == "1" and resolver != "gather":
+        raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} needs the gather resolver's split build; {RESOLVER_ENV} "
+                                f"is {resolver!r}")
+    if chain == "1" and (pdl == "0" and env.get(PDL_ENV)):
+        raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} chains programmatic dependent launches; {PDL_ENV} is "
+                                f"'0', expected {PDL_ENV}=1 (or unset) or {PDL_CHAIN_ENV}=0")
+    if chain == "1" and split_tail == "1":
+        raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} does not combine with {SPLIT_TAIL_ENV}='1' (the copy "
+                                f"follows the hot-row kernels there); expected {PDL_CHAIN_ENV}=0 or {SPLIT_TAIL_ENV}=0")
+    few = env.get(FEW_COPY_ENV) or "0"
+    if few not in ("0", *map(str, FEW_COPY)):
+        raise InvalidInputError(f"{FEW_COPY_ENV}={few!r} is not a list length; expected 0 (off) or one of "
+                                f"{', '.join(map(str, FEW_COPY))}")
+    if few != "0" and split_tail != "0":
+        raise InvalidInputError(f"{FEW_COPY_ENV}={few!r} does not combine with {SPLIT_TAIL_ENV}={split_tail!r} (the "
+                                f"hot-row kernels publish the plan there); expected {FEW_COPY_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
                   cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1",
-                  lean_copy == "1", keep == "1", int(spec))
+                  lean_copy == "1", keep == "1", int(spec), chain == "1", int(few))
 
 
 def pow2(n: int) -> int:
@@ -326,7 +370,7 @@ class ResolverShape:
                         HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
                         ES=self.gp * self.kp // self.split, CP=self.chunk, PW=self.pw,
                         SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift),
-                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep))
+                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep), FC=0, WP=1, VEC=0)
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
@@ -494,6 +538,10 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     split_sig = {k: v for k, v in resolve_sig.items() if k not in scalars}  # the split resolver's, in its order
     split_sig |= dict.fromkeys(("scr_part", "scr_ticket", "scr_crow", "scr_cee", "scr_cpos", "scr_cbkt", "scr_cat"), i32p)
     split_sig |= dict.fromkeys((*scalars, "LBS"), "i32")
+    # Its own copy's arguments (`FEW_COPY_ENV`): placeholders of int32 where it is off (FC = 0).
+    split_sig |= {"src": i32p, "dst": i32p} | dict.fromkeys(
+        ("dst_block_stride", "W", "row_bytes", "host_rows", "dev_rows"), "i32") | {"rest_counts": i32p}
+    few_sig = split_sig | {"src": f"*{word}", "dst": f"*{word}"}
     hot_sig = dict.fromkeys(("row_state", "hot_table", "hot_map"), i32p) | {"lru": f"*{lru_dtype}", "stats": "*i64"}
     hot_sig |= dict.fromkeys(("out_rows", "plan_host", "plan_device", "plan_counts"), i32p)
     hot_sig |= {"pos_slot": f"*{hint_dtype_name(config)}", "miss_mask": i32p}
@@ -528,6 +576,17 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         pdl_specs.append(KernelSpec("resolve_split_lru_kernel", lru_sig | dict.fromkeys(lru, "constexpr"), lru,
                                     sr.hot_warps(warp_size)))
         pdl_specs.append(KernelSpec("copy_plan_kernel", plan_sig, lean | dict(PDL=1), copy_warps))
+        # `PDL_CHAIN_ENV` (PDL = 2): the split resolver (the auto choice's small-batch build, with the miss mask
+        # of the speculative copy) waits for the kernel before it, and the copies behind it let the next one launch.
+        sr = resolver_shape(config, variant="gather", threads=512, scan=True, shift=True, warp_size=warp_size,
+                            split=SPLIT_BUILD)
+        consts = sr.constexprs | dict(MASK=1, PDL=2)
+        pdl_specs.append(KernelSpec(sr.kernel, split_sig | dict.fromkeys(consts, "constexpr"), consts,
+                                    sr.num_warps(warp_size)))
+        chained = plan_copy_meta(config, interpreted=False, entries=4) | {k: lean[k] for k in ("VEC", "SB")} | dict(PDL=2)
+        pdl_specs.append(KernelSpec("copy_plan_kernel", plan_sig, chained, copy_warps))
+        smeta = spec_copy_meta(config, interpreted=False, entries=SPEC_ENTRIES[-1]) | dict(PDL=2, VEC=lean["VEC"])
+        pdl_specs.append(KernelSpec("copy_spec_kernel", spec_sig | dict.fromkeys(smeta, "constexpr"), smeta, copy_warps))
     for r in resolvers:
         fusable = r.variant == "gather" and lru_dtype == "i32" and not r.cas and not r.split
         for fused in ((False, True) if fusable else (False,)):
@@ -542,6 +601,12 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
             lru = r.lru_constexprs
             resolver_specs.append(KernelSpec("resolve_split_lru_kernel", lru_sig | dict.fromkeys(lru, "constexpr"), lru,
                                              r.hot_warps(warp_size)))
+    if "gather" in variants:  # the split resolver's own copy of short lists (`FEW_COPY_ENV`), as the auto picks' build
+        fr = resolver_shape(config, variant="gather", threads=512, scan=True, shift=True, warp_size=warp_size,
+                            split=SPLIT_BUILD)
+        consts = fr.constexprs | mask | dict(FC=FEW_COPY[-1], WP=pow2(words), VEC=lean["VEC"])
+        resolver_specs.append(KernelSpec(fr.kernel, few_sig | dict.fromkeys(consts, "constexpr"), consts,
+                                         fr.num_warps(warp_size)))
     for t in tunings:
         if t.split_tail or t.fuse or t.row_copy:
             raise ValueError(f"kernel_specs builds no split tail, fused or row-assigned copy for a tuning; got {t}")
@@ -550,9 +615,12 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         pdl = dict(PDL=int(t.pdl)) if r.variant == "gather" else {}
         # The speculative copy (`SPEC_COPY_ENV`) reads the split resolver's miss mask: that build writes it.
         spec = bool(t.spec_copy and r.split)
+        few = bool(t.few_copy and r.split)
         consts = r.constexprs | (dict(MASK=1) if spec else mask) | r.fuse_constexprs(config, fused=False,
                                                                                   interpreted=False) | pdl
-        sig = split_sig if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
+        if few:  # the split resolver's own copy of short lists (`FEW_COPY_ENV`)
+            consts |= dict(FC=t.few_copy, WP=pow2(words), VEC=lean["VEC"])
+        sig = (few_sig if few else split_sig) if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
         resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,
                                          r.num_warps(warp_size)))
         tuned_plan = plan_copy_meta(config, interpreted=False, entries=t.plan_entries) | dict(PDL=int(t.pdl))

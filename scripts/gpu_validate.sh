@@ -201,7 +201,7 @@ ncu_triton)  # per-kernel profile of the triton backend on bench_triton.py's cel
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     run ncu_triton "${T_NCU:-150}" "$NCU" --clock-control none --section SpeedOfLight --section LaunchStats \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters --print-details all \
-        -k regex:"${NCU_TRITON_KERNELS:-resolve_kernel|resolve_gather_kernel|copy_plan_kernel}" --launch-skip "${NCU_SKIP:-6}" \
+        -k regex:"${NCU_TRITON_KERNELS:-resolve_kernel|resolve_gather_kernel|resolve_split|copy_plan_kernel|copy_spec_kernel}" --launch-skip "${NCU_SKIP:-6}" \
         --launch-count "${NCU_COUNT:-4}" python3 bench/bench_triton.py --no-nvidia --replays 1 --cells "${NCU_TRITON_CELLS:-0:8}" \
         ${NCU_TRITON_ARGS:-}
     ;;

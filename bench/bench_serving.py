@@ -406,7 +406,7 @@ def parse_plan(a: argparse.Namespace) -> Plan:
     contexts = _ints("--contexts", a.contexts)
     assert contexts is not None
     batches = _ints("--batches", a.batches, allow_max=True) if a.batches else None
-    modes = [m.strip() for m in a.modes.split(",")]
+    modes = [m.strip() for m in (a.modes or ",".join(MODES) + ",replay").split(",")]
     bad = [m for m in modes if m not in MODES + ("replay",)]
     if bad:
         raise BadSize(f"--modes={a.modes!r}: {bad[0]!r} is not a mode; expected a comma list of "
@@ -449,6 +449,13 @@ def parse_plan(a: argparse.Namespace) -> Plan:
             check_key_format(k, "--indexer-keys")
         except InvalidInputError as exc:
             raise BadSize(f"{exc}{f' (alternative of {a.indexer_keys!r}; several separated by /)' if '/' in a.indexer_keys else ''}") from None
+    own_keys = [m for m in modes if m in ("transformers", "replay")]
+    if own_keys and "model" not in keys and a.modes is None:
+        modes = [m for m in modes if m not in own_keys]   # main() says so
+    elif own_keys and "model" not in keys:
+        raise BadSize(f"--indexer-keys={a.indexer_keys!r} with --modes {','.join(own_keys)}: those modes keep their own "
+                      "keys and run only under 'model'; expected an alternative 'model' (e.g. fp8/model) or --modes "
+                      "without them")
     return Plan(contexts, batches, modes, resident, why, share, share_contexts, references, resident_by_ref, keys)
 
 
@@ -794,7 +801,9 @@ def main(argv: list[str] | None = None) -> int:
                         "all-resident's largest at the fixed budget (--gpu-kv-gib); a batch a context cannot "
                         "hold is left out there (refused only where no context can); default: powers of two up to "
                         "each mode's largest")
-    p.add_argument("--modes", default=",".join(MODES) + ",replay")
+    p.add_argument("--modes", default=None,
+                   help=f"comma list of {', '.join(MODES)}, replay (default: all; without 'model' among "
+                        "--indexer-keys, the engine modes only)")
     p.add_argument("--dense-ffn-gb", type=float, default=0.0, help="dense FFN weight bytes read per step (GB)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 10; --smoke: 2)")
     p.add_argument("--warmup", type=int, default=None,
@@ -930,6 +939,9 @@ def main(argv: list[str] | None = None) -> int:
         # The registry's choice; a model on another device than that backend's takes the first that runs
         # there (hisparse_transformers.enable), so each engine row names the backend it ran on.
         print(f"# hisparse backend: {sel.name} ({sel.explanation()})", flush=True)
+    if a.modes is None and "model" not in plan.keys:
+        print(f"# modes: {', '.join(plan.modes)} (transformers and replay keep the indexer keys in their own format, "
+              f"so --indexer-keys {a.indexer_keys} leaves them out)", flush=True)
     print(f"# {a.warmup} untimed warm-up decode steps, then {a.steps} timed: step, host, hits and PCIe figures "
           f"are the timed steps'; all-resident's budget {(a.all_resident_gib or a.gpu_kv_gib):g} GiB", flush=True)
     print("# hisparse resident layers: " + " / ".join(str(list(x)) if x else "none" for x in plan.resident)

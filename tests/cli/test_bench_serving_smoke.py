@@ -209,6 +209,7 @@ def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
     (["--reference-layers", "20,21,22,23"], "needs --topk-model benign or code"),
     (["--indexer-keys", "fp4"], "--indexer-keys='fp4'"),
     (["--indexer-keys", "fp8/bf16"], "--indexer-keys='bf16'"),
+    (["--indexer-keys", "fp8", "--modes", "hisparse,transformers"], "--indexer-keys='fp8' with --modes transformers"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],

@@ -6,6 +6,7 @@ Runs on machines without a GPU (CI). Skips only when cuda-python or its NVRTC is
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -82,6 +83,13 @@ def test_vllm_resolver_pdl_build_waits_first() -> None:
     with_wait, plain = resolver_ptx(1), resolver_ptx(0)
     assert with_wait.index("griddepcontrol.wait") < with_wait.index("griddepcontrol.launch_dependents")
     assert "griddepcontrol.wait" not in plain
+    # Before the wait only the kernel's parameters are read (no load, store or atomic on memory the
+    # previous grid may still be writing).
+    before = with_wait[:with_wait.index("griddepcontrol.wait")]
+    ops = set(re.findall(r"^\s*(?:@!?%\w+\s+)?([a-z]+(?:\.[a-z0-9]+)*)", before, re.M))
+    touching = {op for op in ops if op.split(".")[0] in ("ld", "st", "atom", "red", "cp", "prefetch")
+                and not op.startswith("ld.param")}
+    assert not touching, touching
 
 
 @needs_nvrtc

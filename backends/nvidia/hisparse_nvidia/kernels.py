@@ -327,15 +327,16 @@ def vllm_carveout() -> int:
 #: vLLM's resolver launched as a programmatic dependent launch (1, default) or not (0). With 1 the module is
 #: built with VR_PDL (cuda/vllm_ops.cu: `griddepcontrol.wait` before the kernel's first global access) and
 #: launched with programmatic stream serialization, so its blocks are placed while the kernel before it on
-#: the stream (in vLLM's sequence the previous layer's gather, which lets dependents launch once its blocks
-#: have all started) finishes; with 0 the launch waits for that kernel to drain, which left the gather ->
-#: resolver edge the one of vLLM's resolve -> gather -> resolve chain without overlap (native's resolver
-#: has it: HISPARSE_OVERLAP_LAUNCH). Outputs are unchanged: every load and store of the resolver follows the
-#: wait, which returns once the previous grid has completed and its writes are visible. The default since
-#: the H200's call F3 (nineteenth session, docs/gpu-validation.md): faster or equal in every one-row cell
-#: (hits B = 1 9.72 -> 9.43 us, resident 5.05 -> 4.83, 274 misses B = 128 515.6 -> 503.4; 2048 misses
-#: B = 32 within noise), its lockstep tests, vLLM's 41 kernel tests and memcheck clean. `0` is the switch
-#: back. Read at each resolve call, for A/B timing in one process.
+#: the stream finishes (in the bench's resolve -> gather chain the previous gather, which lets dependents
+#: launch once its blocks have all started; in vLLM's forward the kernel that writes the layer's top-k);
+#: with 0 the launch waits for that kernel to drain (native's resolver overlaps it:
+#: HISPARSE_OVERLAP_LAUNCH). Outputs are unchanged: every load and store of the resolver follows the wait,
+#: which returns once the previous grid has completed and its writes are visible. The default since the
+#: H200's call F3 (nineteenth session, docs/gpu-validation.md): nowhere slower beyond a sample's spread,
+#: 3.6-12 us faster at 274 misses from B = 32; its 0.2-0.4 us on resident and hit steps is within a shift
+#: the bench's graph-floor row showed in the same variant, so not established. Its lockstep tests, vLLM's
+#: 41 kernel tests and memcheck were clean. `0` is the switch back. Read at each resolve call, for A/B
+#: timing in one process.
 ENV_VLLM_RESOLVE_PDL = "HISPARSE_VLLM_RESOLVE_PDL"
 VLLM_RESOLVE_PDL = 1
 

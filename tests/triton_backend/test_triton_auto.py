@@ -163,11 +163,6 @@ def test_a_profile_equal_at_every_size_is_one_profile() -> None:
     ({shapes.PDL_CHAIN_ENV: "1", shapes.SPLIT_ENV: "8", shapes.SPLIT_TAIL_ENV: "1"},
      "HISPARSE_TRITON_PDL_CHAIN='1' does not combine with HISPARSE_TRITON_SPLIT_TAIL='1'"),
     ({shapes.PDL_CHAIN_ENV: "1", auto.AUTO_ENV: "0"}, "expected HISPARSE_TRITON_SPLIT and HISPARSE_TRITON_PDL=1 set"),
-    ({shapes.FEW_COPY_ENV: "16"}, "HISPARSE_TRITON_FEW_COPY='16' is not a list length; expected 0 (off) or one of 32, 64"),
-    ({shapes.FEW_COPY_ENV: "64", shapes.SPLIT_ENV: "0"}, "HISPARSE_TRITON_FEW_COPY='64' is the split resolver's copy"),
-    ({shapes.FEW_COPY_ENV: "64", auto.AUTO_ENV: "0"}, "HISPARSE_TRITON_FEW_COPY='64' is the split resolver's copy"),
-    ({shapes.FEW_COPY_ENV: "32", shapes.SPLIT_ENV: "8", shapes.SPLIT_TAIL_ENV: "1"},
-     "HISPARSE_TRITON_FEW_COPY='32' does not combine with HISPARSE_TRITON_SPLIT_TAIL='1'"),
 ])
 def test_bad_values_are_refused_in_one_line(env: dict[str, str], line: str) -> None:
     with pytest.raises(InvalidInputError) as err:
@@ -195,21 +190,20 @@ def test_variant_strings_round_trip_through_the_bench_parser() -> None:
         assert shapes.tuning({k: v for k, v in env.items() if v is not None}) == p.tuning
 
 
-def test_chain_and_few_copy_join_the_split_profiles_only() -> None:
-    """`HISPARSE_TRITON_PDL_CHAIN` and `HISPARSE_TRITON_FEW_COPY`, set explicitly, act where the split resolver
-    serves (with PDL for the chain); the few-row copy combines with the speculative copy's pick."""
+def test_chain_joins_the_split_profiles_only() -> None:
+    """`HISPARSE_TRITON_PDL_CHAIN`, set explicitly, acts where the split resolver serves with PDL, the
+    speculative copy's pick among them."""
     from hisparse_core.geometry import RuntimeConfig
     from hisparse_triton import launches
 
     cfg = RuntimeConfig(max_batch_rows=32, max_requests=32, top_k=2048, hot_rows=4096, block_size=64, max_pages=512)
-    c = _choose({shapes.PDL_CHAIN_ENV: "1", shapes.FEW_COPY_ENV: "64"}, b=32, small=16)
+    c = _choose({shapes.PDL_CHAIN_ENV: "1"}, b=32, small=16)
     built = [launches.build(cfg, p, lanes=32, multiprocessors=132) for p in c.profiles]
     assert [p.tuning.spec_copy for p in c.profiles] == [0, 128, 0]
     for x in built[:2]:  # the split profiles: the resolver waits for the copy before it, the copies let it launch
         assert x.split_meta["PDL"] == 2 and x.split_meta["launch_pdl"] is True and x.plan_meta["PDL"] == 2
-        assert x.few_meta == {"FC": 64, "WP": 256}
     assert built[1].spec_meta["PDL"] == 2
-    assert not built[2].split_shape and not built[2].few_meta and built[2].plan_meta["PDL"] == 0
+    assert not built[2].split_shape and built[2].plan_meta["PDL"] == 0
     # Without PDL on the target, the chain has no profile to act in: refused.
     with pytest.raises(InvalidInputError, match="HISPARSE_TRITON_PDL_CHAIN='1' chains the split resolver's"):
         _choose({shapes.PDL_CHAIN_ENV: "1"}, pdl=False)

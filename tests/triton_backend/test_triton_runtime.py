@@ -360,20 +360,9 @@ def test_auto_picks_are_the_ones_this_module_runs() -> None:
                                  {"HISPARSE_TRITON_SPLIT_KEEP": "1", **{k: v for k, v in _AUTO_SMALL
                                                                          if k != "HISPARSE_TRITON_PDL"}},
                                  {"HISPARSE_TRITON_SPLIT_KEEP": "1", **dict(_AUTO_SMALL)},
-                                 {"HISPARSE_TRITON_SPLIT": "2", "HISPARSE_TRITON_FEW_COPY": "32"},
-                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_KEEP": "1",
-                                  "HISPARSE_TRITON_FEW_COPY": "64", "HISPARSE_TRITON_ROW_COPY": "1"},
-                                 {"HISPARSE_TRITON_FEW_COPY": "64", **{k: v for k, v in _AUTO_SMALL
-                                                                       if k != "HISPARSE_TRITON_PDL"}},
-                                 {"HISPARSE_TRITON_FEW_COPY": "64", **dict(_AUTO_SMALL)},
                                  {"HISPARSE_TRITON_PDL_CHAIN": "1", **dict(_AUTO_SMALL)},
-                                 {"HISPARSE_TRITON_PDL_CHAIN": "1", "HISPARSE_TRITON_FEW_COPY": "64", **dict(_AUTO_SMALL)},
                                  {"HISPARSE_TRITON_PDL_CHAIN": "1", "HISPARSE_TRITON_SPEC_COPY": "128",
-                                  **dict(_AUTO_SMALL)},
-                                 {"HISPARSE_TRITON_FEW_COPY": "32", "HISPARSE_TRITON_SPEC_COPY": "64",
-                                  **{k: v for k, v in _AUTO_SMALL if k != "HISPARSE_TRITON_PDL"}},
-                                 {"HISPARSE_TRITON_PDL_CHAIN": "1", "HISPARSE_TRITON_FEW_COPY": "64",
-                                  "HISPARSE_TRITON_SPEC_COPY": "128", **dict(_AUTO_SMALL)}],
+                                  **dict(_AUTO_SMALL)}],
                          ids=["scratch", "gather_fused", "gather_not_lean", "gather_cas", "gather_cas_fused_not_lean",
                               "gather_scan", "gather_scan_cas_not_lean", "gather_shift_scan", "gather_shift_not_lean",
                               "gather_row_copy_scan_shift", "scratch_row_copy", "gather_pdl_row_copy_scan_shift",
@@ -381,10 +370,8 @@ def test_auto_picks_are_the_ones_this_module_runs() -> None:
                               "split8_tail_scan_shift", "split16_tail_row_copy", "lean_copy", "lean_copy_split8_scan_shift",
                               "lean_copy_pdl_split8_scan_shift", "lean_copy_pdl_split8_tail", "auto_small_picks",
                               "auto_small_picks_without_pdl", "auto_large_picks", "auto", "split2_keep",
-                              "keep_auto_small_picks_without_pdl", "keep_auto_small_picks", "split2_few",
-                              "split4_keep_few_row_copy", "few_auto_small_picks_without_pdl", "few_auto_small_picks",
-                              "chain_auto_small_picks", "chain_few_auto_small_picks", "chain_spec_auto_small_picks",
-                              "few_spec_auto_small_picks_without_pdl", "chain_few_spec_auto_small_picks"])
+                              "keep_auto_small_picks_without_pdl", "keep_auto_small_picks",
+                              "chain_auto_small_picks", "chain_spec_auto_small_picks"])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 3), locality=st.sampled_from([0.0, 0.9]))
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed: int, rows: int,  # noqa: ANN001
@@ -686,10 +673,10 @@ def test_spec_copy_matches_the_reference(backend, seed: int, locality: float, ro
     real_spec = TritonRuntime._copy_spec
 
     def copy_spec(self: TritonRuntime, x: Launches, inputs: ResolveInputs, n: int, *, pos_slot: torch.Tensor,
-                  hot_map: torch.Tensor, counts: torch.Tensor) -> None:
+                  hot_map: torch.Tensor) -> None:
         if not early:
             pos_slot, hot_map = self._pos_slot, self._hot_map
-        real_spec(self, x, inputs, n, pos_slot=pos_slot, hot_map=hot_map, counts=counts)
+        real_spec(self, x, inputs, n, pos_slot=pos_slot, hot_map=hot_map)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HISPARSE_TRITON_AUTO", "0")
@@ -782,45 +769,3 @@ def _random_plans(counts: torch.Tensor, k: int, dst_rows: int,
         plan_dev[r, :c] = dsts[at:at + c]
         at += c
     return plan_host, plan_dev
-
-
-@pytest.mark.parametrize("seed", [1, 2])
-def test_few_copy_leaves_the_plan_copy_only_the_other_rows(backend, seed: int) -> None:  # noqa: ANN001
-    """`HISPARSE_TRITON_FEW_COPY`: in lockstep with reference_cpu, the split resolver copies layer 0's plan of
-    each request whose candidate list is short (2 under the interpreter) and leaves the plan copy the counts of
-    the rest: every batch row's count left is 0 or its plan count, and the scenario takes both ways (a row with
-    a plan the resolver copied, and one it left)."""
-    from hisparse_triton.runtime import TritonRuntime
-
-    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=4, max_pages=8,
-                       rows_per_request=1, extra_batch_rows=1, num_layers=2, steps=16, locality=0.5,
-                       resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
-                       maintenance_share=0.25, seed=seed)
-    sc = build_scenario(p)
-    seen: list[tuple[list[int], list[int]]] = []  # (counts left, plan counts) of each call's batch rows
-    real = TritonRuntime.resolve
-
-    def resolve(self: TritonRuntime, inputs, *, gather: bool = True, validate: bool = True):  # noqa: ANN001, ANN202
-        out = real(self, inputs, gather=gather, validate=validate)
-        rows = inputs.topk.shape[0]
-        x = self._launches_for(rows)
-        if gather and x.few_meta and rows <= x.split_rows:  # the split resolver's batches (the others: its one-program one)
-            seen.append((self._rest_counts[:rows].tolist(), out.plan_counts[:rows].tolist()))
-        return out
-
-    with pytest.MonkeyPatch.context() as mp:
-        for key in [k for k in os.environ if k.startswith("HISPARSE_TRITON_")]:
-            mp.delenv(key)
-        mp.setenv("HISPARSE_TRITON_AUTO", "0")
-        mp.setenv("HISPARSE_TRITON_SPLIT", "2")
-        mp.setenv("HISPARSE_TRITON_FEW_COPY", "32")
-        mp.setattr(TritonRuntime, "resolve", resolve)
-        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
-            for step, work in sc.steps:
-                problems = run.resolve(step, replay=True)
-                problems += run.apply(work)
-                assert not problems, "\n".join(problems[:10])
-    pairs = [(r, c) for rest, plan in seen for r, c in zip(rest, plan, strict=True)]
-    assert pairs and all(r in (0, c) for r, c in pairs), pairs
-    assert any(r == 0 < c for r, c in pairs), pairs  # the resolver copied a plan
-    assert any(0 < r == c for r, c in pairs), pairs  # and left one to the plan copy

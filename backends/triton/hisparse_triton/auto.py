@@ -41,7 +41,7 @@ AUTO_ENV = "HISPARSE_TRITON_AUTO"
 KNOB_ENVS = (shapes.RESOLVER_ENV, shapes.THREADS_ENV, shapes.PLAN_PER_SM_ENV, shapes.FUSE_ENV, shapes.LEAN_ENV,
              shapes.PLAN_ENTRIES_ENV, shapes.CAS_ENV, shapes.SCAN_ENV, shapes.SHIFT_ENV, shapes.ROW_COPY_ENV,
              shapes.PDL_ENV, shapes.SPLIT_ENV, shapes.SPLIT_TAIL_ENV, shapes.LEAN_COPY_ENV, shapes.SPLIT_KEEP_ENV,
-             shapes.SPEC_COPY_ENV, shapes.PDL_CHAIN_ENV, shapes.FEW_COPY_ENV)
+             shapes.SPEC_COPY_ENV, shapes.PDL_CHAIN_ENV)
 #: The split resolver's programs a batch row at small batches; "small" is where they fit one wave.
 AUTO_SPLIT = 8
 #: Picks at small batches, in order (a pick joins only if the settings so far plus it pass `shapes.tuning`).
@@ -65,7 +65,7 @@ SUFFIXES = ((shapes.THREADS_ENV, "t"), (shapes.PLAN_PER_SM_ENV, "p"), (shapes.FU
             (shapes.PLAN_ENTRIES_ENV, "e"), (shapes.CAS_ENV, "c"), (shapes.SCAN_ENV, "s"), (shapes.SHIFT_ENV, "b"),
             (shapes.ROW_COPY_ENV, "r"), (shapes.PDL_ENV, "d"), (shapes.SPLIT_ENV, "n"), (shapes.SPLIT_TAIL_ENV, "h"),
             (shapes.LEAN_COPY_ENV, "v"), (shapes.SPLIT_KEEP_ENV, "k"), (shapes.SPEC_COPY_ENV, "x"),
-            (shapes.PDL_CHAIN_ENV, "w"), (shapes.FEW_COPY_ENV, "z"))
+            (shapes.PDL_CHAIN_ENV, "w"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +123,7 @@ def variant(t: Tuning) -> str:
               shapes.LEAN_COPY_ENV: (t.lean_copy, base.lean_copy),
               shapes.SPLIT_KEEP_ENV: (t.split_keep, base.split_keep),
               shapes.SPEC_COPY_ENV: (t.spec_copy, base.spec_copy),
-              shapes.PDL_CHAIN_ENV: (t.pdl_chain, base.pdl_chain),
-              shapes.FEW_COPY_ENV: (t.few_copy, base.few_copy)}
+              shapes.PDL_CHAIN_ENV: (t.pdl_chain, base.pdl_chain)}
     for key, suffix in SUFFIXES:
         value, default = values[key]
         if value != default:
@@ -167,10 +166,6 @@ def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool
             raise InvalidInputError(f"{shapes.SPEC_COPY_ENV}={explicit[shapes.SPEC_COPY_ENV]!r} follows the split "
                                     f"resolver, which no batch size takes here ({AUTO_ENV}=0, {shapes.SPLIT_ENV} unset "
                                     f"or 0); expected {shapes.SPEC_COPY_ENV}=0 or {shapes.SPLIT_ENV} set")
-        if base.few_copy and not base.split:
-            raise InvalidInputError(f"{shapes.FEW_COPY_ENV}={explicit[shapes.FEW_COPY_ENV]!r} is the split resolver's "
-                                    f"copy, which no batch size takes here ({AUTO_ENV}=0, {shapes.SPLIT_ENV} unset or 0); "
-                                    f"expected {shapes.FEW_COPY_ENV}=0 or {shapes.SPLIT_ENV} set")
         if base.pdl_chain and not (base.split and base.pdl):
             raise InvalidInputError(f"{shapes.PDL_CHAIN_ENV}={explicit[shapes.PDL_CHAIN_ENV]!r} chains the split "
                                     f"resolver's programmatic dependent launches ({AUTO_ENV}=0: nothing picked); "
@@ -203,10 +198,6 @@ def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool
         raise InvalidInputError(f"{shapes.PDL_CHAIN_ENV}={explicit[shapes.PDL_CHAIN_ENV]!r} chains the split resolver's "
                                 f"programmatic dependent launches, which no batch size takes here ({shapes.SPLIT_ENV} "
                                 f"and {shapes.PDL_ENV} at no batch size together); expected {shapes.PDL_CHAIN_ENV}=0")
-    if base.few_copy and not any(p.tuning.split for p in profiles):
-        raise InvalidInputError(f"{shapes.FEW_COPY_ENV}={explicit[shapes.FEW_COPY_ENV]!r} is the split resolver's copy, "
-                                f"which no batch size takes here ({shapes.SPLIT_ENV} unset or 0 at every batch); "
-                                f"expected {shapes.FEW_COPY_ENV}=0 or {shapes.SPLIT_ENV} set")
     if base.spec_copy and not any(p.tuning.split for p in profiles):
         raise InvalidInputError(f"{shapes.SPEC_COPY_ENV}={explicit[shapes.SPEC_COPY_ENV]!r} follows the split resolver, "
                                 f"which no batch size takes here ({shapes.SPLIT_ENV} unset or 0 at every batch); "

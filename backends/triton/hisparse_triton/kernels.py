@@ -756,7 +756,6 @@ def _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_
     if MASK:
         tl.store(miss_mask + entry, vok.to(tl.int32), mask=um)
     tl.store(hot_map + q * H + victim, crow, mask=vok)
-    return tl.where(vok, vblk * BS + vic_off, -1)  # the device row of the lane's plan entry (-1: none)
 
 
 @triton.jit
@@ -771,19 +770,17 @@ def _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP: tl.constexpr):
         tl.store(ts + e_bkt, tl.full((CP,), -1, tl.int32), mask=um)
 
 
-@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "LBS", "dst_block_stride", "W",
-                               "row_bytes", "host_rows", "dev_rows"])
+@triton.jit(do_not_specialize=["B", "P", "HB", "R", "K", "G_MAX", "BS", "H", "host_limit", "LBS"])
 def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table, hot_table, hot_map, lru, stats,
                          out_rows, out_counts, plan_host, plan_device, plan_counts, pos_slot, miss_mask,
                          tbl_key, tbl_first, tbl_slot, scr_victim, scr_mark,
                          scr_part, scr_ticket, scr_crow, scr_cee, scr_cpos, scr_cbkt, scr_cat,
                          B, P, HB, R, K, G_MAX, BS, H, host_limit, LBS,
-                         src, dst, dst_block_stride, W, row_bytes, host_rows, dev_rows, rest_counts,
                          KP: tl.constexpr, GP: tl.constexpr, HP: tl.constexpr, TP: tl.constexpr,
                          LOG_TP: tl.constexpr, MASK: tl.constexpr, HG: tl.constexpr, LR: tl.constexpr,
                          NS: tl.constexpr, ES: tl.constexpr, CP: tl.constexpr, PW: tl.constexpr,
                          SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0, PDL: tl.constexpr = 0,
-                         KEEP: tl.constexpr = 0, FC: tl.constexpr = 0, WP: tl.constexpr = 1, VEC: tl.constexpr = 0):
+                         KEEP: tl.constexpr = 0):
     """`resolve_gather_kernel`'s results from `NS` programs a batch row (`shapes.SPLIT_ENV`), for small
     batches, where one program a request leaves most multiprocessors idle:
 
@@ -809,16 +806,6 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
     trips fewer on the last program's path); longer lists take the chunked passes.
 
     The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
-    With `FC` > 0 (`shapes.FEW_COPY_ENV`, not with `TAIL`; the runtime's `resolve(gather=True)`), the last
-    program also copies layer 0's plan of a request whose candidate list has at most `FC` entries: it
-    reads their host rows (`src`, `W` words a row, `WP` lanes, `VEC` as the plan copy's) as soon as the
-    list's length is known, so the host's latency overlaps the hash table, the scans and the victims, and
-    writes those that missed at their victims' device rows (`dst`) once the plan is out (the list's
-    segment addresses, dead by then, hold each candidate's plan row). `rest_counts` gets every batch row's
-    plan count, 0 where this kernel copied the plan: the plan copy behind it takes those counts instead
-    of `plan_counts`, so it moves only the rest (the plan and its counts stay what they are); the bytes
-    counter takes this kernel's plans here.
-
     Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
     last program, so it is 0 between calls. `PDL`: as in `resolve_gather_kernel` (without `TAIL`, the
     plan copy is the kernel behind it; with it, `resolve_split_lru_kernel` triggers the copy). `PDL` = 2
@@ -855,8 +842,6 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                 tl.store(plan_host + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
                 tl.store(plan_device + b * K + cc, tl.full((KP,), -1, tl.int32), mask=cc < old_plan)
                 tl.store(plan_counts + b, 0)
-            if FC:
-                tl.store(rest_counts + b, 0, mask=in_batch)
     elif starts:
         rs = tl.load(row_state + b + gg, mask=(gg < G_MAX) & (b + gg < B), other=-2)
         g_len = tl.minimum(tl.reduce(tl.where(rs == q, GP, gg), 0, _MIN), G_MAX)
@@ -935,8 +920,6 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
             else:
                 if n_host == 0:
                     tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
-                    if FC:
-                        tl.store(rest_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask)
                 else:
                     ii = tl.arange(0, HP)
                     smask = ii < H
@@ -958,8 +941,6 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         new_pos = tl.where(marked, H - n_hit + h_rank, ii - h_rank)
                         tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos != ii))
                         tl.store(plan_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask & (old_plan_g != 0))
-                        if FC:
-                            tl.store(rest_counts + b + gg, tl.full((GP,), 0, tl.int32), mask=rmask)
                     else:
                         if HG:
                             hm_row = tl.load(hot_map + q * H + ii, mask=smask, other=-1)
@@ -977,16 +958,6 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                             many = uu * 0 + n_cand > CP  # lanes wide (the interpreter masks by lanes only)
                         else:
                             one = False
-                        # 0. A short list's host rows, read now: the host's latency overlaps everything below.
-                        if FC:
-                            few = n_cand <= FC
-                            uf = tl.arange(0, FC)
-                            wf = tl.arange(0, WP)
-                            fm = (uf < n_cand) & (uf * 0 + n_cand <= FC)  # lanes wide (the interpreter masks by lanes)
-                            f_at = _split_list_at(scr_part + b * NS * PW + GP + 1, uf, lst, NS, ES, PW)
-                            f_row = tl.load(scr_crow + f_at, mask=fm, other=-1, volatile=True)
-                            fm = fm & (f_row >= 0) & (f_row < host_rows)
-                            f_vals, f_mm = _spec_load(src, f_row, fm, wf, W, VEC)
                         # 1. The candidates claim buckets (as the gather resolver's), CP at a time, in list
                         #    order; each keeps its bucket and its segment address for the later passes (in
                         #    registers where the list is one chunk: `one`).
@@ -1089,16 +1060,9 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                             missed = um & (v < 0)
                             m = -2 - v
                             victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
-                            plan_dev = _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_start,
-                                                      ctx, hot_table, hot_map, out_rows, pos_slot, plan_host, plan_device,
-                                                      miss_mask, HB, K, BS, H, LBS, KP, MASK, SB)
-                            if FC:  # each lane reads only its own segment address above, and this is the last pass reading them
-                                tl.store(scr_cat + lst + u, plan_dev, mask=um & (u * 0 + n_cand <= FC))
+                            _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_start, ctx, hot_table, hot_map,
+                                           out_rows, pos_slot, plan_host, plan_device, miss_mask, HB, K, BS, H, LBS, KP, MASK, SB)
                         tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
-                        if FC:
-                            tl.store(rest_counts + b + gg, tl.where(few, 0, row_miss), mask=rmask)
-                            if few:  # the bytes the plan copy counts for a plan it moves
-                                tl.atomic_add(stats + 3, n_miss.to(tl.int64) * row_bytes, sem="relaxed")
                         tl.debug_barrier()
                         # 5. The table left empty for the next call: only the buckets this call used.
                         if one:
@@ -1109,11 +1073,6 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         else:
                             _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
                         tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
-                        # 6. The short list's rows that missed, at their plan rows (the plan copy skips them).
-                        if FC:
-                            f_dev = tl.load(scr_cat + lst + uf, mask=fm, other=-1)
-                            f_ok = fm & (f_dev >= 0) & (f_dev < dev_rows)
-                            _spec_store(dst, dst_block_stride, f_dev, f_vals, f_mm & f_ok[:, None], wf, W, BS, LBS, VEC, SB)
             tl.store(scr_ticket + b, 0)
 
 
@@ -1498,14 +1457,10 @@ def copy_spec_kernel(topk, row_state, seq_lens, source_table, resident_table, ho
         gdc_wait()
     if PDL > 1:
         gdc_launch_dependents()
-    # One round trip after the wait: the row's count, the early rows' entries and every entry of the program,
-    # side by side. A row of count 0 has nothing to write (the split resolver copied it, `shapes.FEW_COPY_ENV`,
-    # and the runtime passes the counts left to this copy, or it missed nothing).
-    # (lanes wide, as the interpreter masks by lanes only; r < B: every row of the grid is a batch row)
-    early = early & (tl.load(plan_counts + r + early_ent * 0) > 0)
+    # One round trip after the wait: the early rows' entries and every entry of the program, side by side.
     e_miss = tl.load(miss_mask + r * K + early_ent, mask=early, other=0) != 0
     e_dev = tl.load(out_rows + r * K + early_ent, mask=early, other=-1)
-    missed = (tl.load(miss_mask + r * K + e, mask=is_host, other=0) != 0) & (tl.load(plan_counts + r + e * 0) > 0)
+    missed = tl.load(miss_mask + r * K + e, mask=is_host, other=0) != 0
     dev = tl.load(out_rows + r * K + e, mask=is_host, other=-1)
     # The early rows whose entry missed, at its device row.
     e_ok = early & e_miss & (e_dev >= 0) & (e_dev < dev_rows)

@@ -35,7 +35,6 @@ class Launches:
     row_plan_meta: dict[str, int]
     plan_programs: int
     spec_meta: dict[str, Any]  # the speculative copy behind the split resolver (`shapes.SPEC_COPY_ENV`; empty: off)
-    few_meta: dict[str, int]  # the split resolver's own copy of short lists (`shapes.FEW_COPY_ENV`; empty: off)
 
 
 def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessors: int | None) -> Launches:
@@ -92,12 +91,8 @@ def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessor
         spec_meta = shapes.spec_copy_meta(config, interpreted=cpu, entries=tune.spec_copy) | copy_meta
         if tune.pdl:
             spec_meta |= dict(PDL=chain, launch_pdl=True)
-    few_meta: dict[str, int] = {}
-    if tune.few_copy and split_shape is not None and not split_shape.tail:
-        few_meta = dict(FC=shapes.INTERPRETED_FEW_COPY if cpu else tune.few_copy,
-                        WP=shapes.pow2(shapes.row_words(config.row_format.row_bytes)[1]))
     return Launches(profile.max_rows, tune, shape, meta, fuse_meta, split_shape, split_rows, split_meta, tail_meta,
-                    tail_warps, plan_meta, shapes.row_copy_meta(config, plan_meta), programs, spec_meta, few_meta)
+                    tail_warps, plan_meta, shapes.row_copy_meta(config, plan_meta), programs, spec_meta)
 
 
 def scratch_shape(launches: list[Launches]) -> tuple[int, int, int, int]:

@@ -134,9 +134,6 @@ class TritonRuntime(CacheRuntime):
         # The miss mask the split resolver writes for the speculative copy (`shapes.SPEC_COPY_ENV`), where a
         # profile has one: every entry of a resolved row is written before the copy reads it.
         self._spec_mask = torch.zeros((b, k) if any(x.spec_meta for x in self._launches) else (1, 1), **i32)
-        # Each batch row's plan count left to the plan copy where the split resolver copies short lists itself
-        # (`shapes.FEW_COPY_ENV`): written for every row of the batch by each such call.
-        self._rest_counts = torch.zeros(b if any(x.few_meta for x in self._launches) else 1, **i32)
         self._tail: dict[str, torch.Tensor] = {} if not nh else dict(
             scr_hcnt=torch.zeros((b, nh, 2), **i32), scr_ord=torch.zeros((b, hp), **i32),
             scr_hit=torch.zeros((b, hp), **i32))
@@ -282,49 +279,36 @@ class TritonRuntime(CacheRuntime):
         fused = gather and self._fuse
         x = self._launches_for(b)
         spec = gather and not fused and bool(x.spec_meta) and 0 < b <= x.split_rows
-        few = gather and not fused and bool(x.few_meta) and 0 < b <= x.split_rows
         # The speculative copy predicts from the hint state as the resolver found it: on a GPU it reads it
         # while the resolver runs; the interpreter runs one launch after the other, so it reads a copy.
         hints = (self._pos_slot, self._hot_map)
         if spec and self._device.type == "cpu":
             hints = (self._pos_slot.clone(), self._hot_map.clone())
         out = self.launch_resolve(inputs, b, hot_map=self._hot_map, lru=self._lru, stats=self._stats,
-                                  miss_mask=self._spec_mask if spec else None, host_limit=self._host_rows, fused=fused,
-                                  copy_few=few)
+                                  miss_mask=self._spec_mask if spec else None, host_limit=self._host_rows, fused=fused)
         if spec:
-            self._copy_spec(x, inputs, b, pos_slot=hints[0], hot_map=hints[1],
-                            counts=self._rest_counts if few else self._result.plan_counts)
+            self._copy_spec(x, inputs, b, pos_slot=hints[0], hot_map=hints[1])
         elif gather and not fused:
-            self._copy_plan(0, counts=self._rest_counts if few else None)
+            self._copy_plan(0)
         return out
 
     def launch_resolve(self, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor, lru: torch.Tensor,
                        stats: torch.Tensor, miss_mask: torch.Tensor | None, host_limit: int,
-                       fused: bool = False, copy_few: bool = False) -> ResolveResult:
+                       fused: bool = False) -> ResolveResult:
         """Launch the resolver on checked inputs over `rows` batch rows, with the hot state `hot_map`
         (int32) and `lru` (int32 or int16) of this runtime's shape, counters `stats` (int64 [>= 3]),
         and `miss_mask` (int32 [rows, top_k], written where given). Host rows at or past
         `host_limit` are null. `fused` (a bound runtime whose resolver fuses the copy): the resolver
-        also copies the plan of layer 0. `copy_few` (a bound runtime whose split resolver serves `rows` and
-        copies short lists, `shapes.FEW_COPY_ENV`): it copies layer 0's plan of those requests and leaves
-        the rest's counts for the plan copy. For this runtime's own `resolve` and for vLLM's op set, whose
-        state tensors are vLLM's."""
+        also copies the plan of layer 0. For this runtime's own `resolve` and for vLLM's op set,
+        whose state tensors are vLLM's."""
         cfg = self.config
         out = self._result
         mask = miss_mask is not None
         copy_args: tuple[Any, ...] = ()
         x = self._launches_for(rows)
         split = not fused and 0 < rows <= x.split_rows
-        few_meta: dict[str, int] = {}
-        if split:  # the split resolver: its scratch, then the scalars, the block shift and its copy's arguments
+        if split:  # the split resolver: its scratch, then the scalars and the block shift
             copy_args = (cfg.block_size.bit_length() - 1,)
-            if copy_few and x.few_meta:
-                dev = self._dev[0]
-                copy_args += (self._host[0], dev, dev.stride(0), self._words, cfg.row_format.row_bytes,
-                              self._host_rows, self._dev_rows, self._rest_counts)
-                few_meta = x.few_meta | dict(VEC=self._vec)
-            else:  # never read (FC=0)
-                copy_args += (out.valid_counts, out.valid_counts, 0, 0, 0, 0, 0, out.valid_counts)
         elif self._gather_resolver:
             if fused:
                 dev = self._dev[0]
@@ -336,7 +320,7 @@ class TritonRuntime(CacheRuntime):
             if split:
                 ns = x.split_meta["NS"]
                 kernel, name, grid = kernels.resolve_split_kernel, "resolve_split_kernel", rows * ns + cfg.max_batch_rows - rows
-                meta = x.split_meta | few_meta
+                meta = x.split_meta
             else:
                 name = x.shape.kernel
                 kernel, grid, meta = kernels.KERNELS[name], cfg.max_batch_rows, x.meta
@@ -402,10 +386,9 @@ class TritonRuntime(CacheRuntime):
             self._copy_plan(layer)
 
     def _copy_spec(self, x: launches.Launches, inputs: ResolveInputs, rows: int, *, pos_slot: torch.Tensor,
-                   hot_map: torch.Tensor, counts: torch.Tensor) -> None:
+                   hot_map: torch.Tensor) -> None:
         """Layer 0's plan copy as `kernels.copy_spec_kernel`, right behind the split resolver of `rows`
-        rows (which wrote `_spec_mask`); `pos_slot` and `hot_map`: the hint state it predicts from; `counts`:
-        the plan counts left to it (a row of 0 is skipped and its bytes not counted)."""
+        rows (which wrote `_spec_mask`); `pos_slot` and `hot_map`: the hint state it predicts from."""
         cfg = self.config
         out = self._result
         dev = self._dev[0]
@@ -415,12 +398,11 @@ class TritonRuntime(CacheRuntime):
         kernels.launch(
             kernels.copy_spec_kernel, "copy_spec_kernel", (rows * nc,),
             inputs.topk, inputs.row_state, inputs.seq_lens, inputs.source_table, inputs.resident_table, hot_map,
-            pos_slot, self._spec_mask, out.rows, counts, self._host[0], dev, dev.stride(0), self._stats,
+            pos_slot, self._spec_mask, out.rows, out.plan_counts, self._host[0], dev, dev.stride(0), self._stats,
             rows, cfg.top_k, cfg.max_pages, cfg.max_requests, cfg.hot_rows, bs, bs.bit_length() - 1, self._host_rows,
             cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words, nc, **meta)
 
-    def _copy_plan(self, layer: int, *, counts: torch.Tensor | None = None) -> None:
-        """Layer `layer`'s plan copy; `counts`: the plan counts it takes (default the plan's own)."""
+    def _copy_plan(self, layer: int) -> None:
         if self._last_rows == 0:
             return
         cfg = self.config
@@ -437,8 +419,7 @@ class TritonRuntime(CacheRuntime):
         meta = x.row_plan_meta if rows else x.plan_meta | dict(VEC=vec, SB=int(vec > 0 and bs & (bs - 1) == 0))
         kernels.launch(
             kernels.KERNELS[name], name, (x.plan_programs,),
-            out.plan_host, out.plan_device, out.plan_counts if counts is None else counts, self._host[layer], dev,
-            dev.stride(0), self._stats,
+            out.plan_host, out.plan_device, out.plan_counts, self._host[layer], dev, dev.stride(0), self._stats,
             self._last_rows, cfg.top_k, cfg.row_format.row_bytes, self._host_rows, self._dev_rows, self._words,
             bs, x.plan_programs, *(() if rows else (bs.bit_length() - 1,)), **meta)
 

@@ -160,20 +160,6 @@ SPEC_COPY_ENV = "HISPARSE_TRITON_SPEC_COPY"
 #: launch latency off a small batch's critical path (a resident batch-8 step is 6.9 us against
 #: nvidia's 4.4, two launches). 0, the default; not yet timed on a GPU.
 PDL_CHAIN_ENV = "HISPARSE_TRITON_PDL_CHAIN"
-#: N (32 or 64; 0, the default: off), with the split resolver: on `resolve(gather=True)`, the last program of
-#: a request whose candidate list (host entries whose slot hint failed) has at most N entries copies that
-#: request's layer-0 plan itself: it reads those host rows as soon as it knows the list's length, so the
-#: host's latency overlaps its hash table, scans and victims, and writes the ones that missed once the plan
-#: is out; the plan copy behind it moves only the other requests' plans (`kernels.resolve_split_kernel`,
-#: FC). Aimed at few-miss steps at small batches (34 misses at B = 8: 1.72x nvidia in call E5, where the
-#: plan copy's host reads start only after the resolver ends). With the speculative copy (`SPEC_COPY_ENV`)
-#: that copy moves only the other requests' rows (it takes the counts left to it); not with
-#: `SPLIT_TAIL_ENV`. Not yet timed.
-FEW_COPY_ENV = "HISPARSE_TRITON_FEW_COPY"
-FEW_COPY = (32, 64)
-#: The same under the interpreter: a list this short, so that tests take both ways (the resolver's copy and
-#: the plan copy's) on one state.
-INTERPRETED_FEW_COPY = 2
 SPEC_ENTRIES = (32, 64, 128)
 #: Host rows one program of the speculative copy holds at once: a quarter of its entries (a batch-8
 #: step with 274 misses has about 9 candidates in 64 entries) on a GPU; few under the interpreter, so
@@ -231,13 +217,12 @@ class Tuning:
     split_keep: bool = False
     spec_copy: int = 0
     pdl_chain: bool = False
-    few_copy: int = 0
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
     `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`, `SPLIT_TAIL_ENV`,
-    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`, `PDL_CHAIN_ENV`, `FEW_COPY_ENV`); one clear error per bad value."""
+    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`, `PDL_CHAIN_ENV`); one clear error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -307,16 +292,9 @@ def tuning(env: dict[str, str]) -> Tuning:
     if chain == "1" and split_tail == "1":
         raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} does not combine with {SPLIT_TAIL_ENV}='1' (the copy "
                                 f"follows the hot-row kernels there); expected {PDL_CHAIN_ENV}=0 or {SPLIT_TAIL_ENV}=0")
-    few = env.get(FEW_COPY_ENV) or "0"
-    if few not in ("0", *map(str, FEW_COPY)):
-        raise InvalidInputError(f"{FEW_COPY_ENV}={few!r} is not a list length; expected 0 (off) or one of "
-                                f"{', '.join(map(str, FEW_COPY))}")
-    if few != "0" and split_tail != "0":
-        raise InvalidInputError(f"{FEW_COPY_ENV}={few!r} does not combine with {SPLIT_TAIL_ENV}={split_tail!r} (the "
-                                f"hot-row kernels publish the plan there); expected {FEW_COPY_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
                   cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1",
-                  lean_copy == "1", keep == "1", int(spec), chain == "1", int(few))
+                  lean_copy == "1", keep == "1", int(spec), chain == "1")
 
 
 def pow2(n: int) -> int:
@@ -370,7 +348,7 @@ class ResolverShape:
                         HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
                         ES=self.gp * self.kp // self.split, CP=self.chunk, PW=self.pw,
                         SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift),
-                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep), FC=0, WP=1, VEC=0)
+                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep))
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
@@ -538,10 +516,6 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
     split_sig = {k: v for k, v in resolve_sig.items() if k not in scalars}  # the split resolver's, in its order
     split_sig |= dict.fromkeys(("scr_part", "scr_ticket", "scr_crow", "scr_cee", "scr_cpos", "scr_cbkt", "scr_cat"), i32p)
     split_sig |= dict.fromkeys((*scalars, "LBS"), "i32")
-    # Its own copy's arguments (`FEW_COPY_ENV`): placeholders of int32 where it is off (FC = 0).
-    split_sig |= {"src": i32p, "dst": i32p} | dict.fromkeys(
-        ("dst_block_stride", "W", "row_bytes", "host_rows", "dev_rows"), "i32") | {"rest_counts": i32p}
-    few_sig = split_sig | {"src": f"*{word}", "dst": f"*{word}"}
     hot_sig = dict.fromkeys(("row_state", "hot_table", "hot_map"), i32p) | {"lru": f"*{lru_dtype}", "stats": "*i64"}
     hot_sig |= dict.fromkeys(("out_rows", "plan_host", "plan_device", "plan_counts"), i32p)
     hot_sig |= {"pos_slot": f"*{hint_dtype_name(config)}", "miss_mask": i32p}
@@ -601,12 +575,6 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
             lru = r.lru_constexprs
             resolver_specs.append(KernelSpec("resolve_split_lru_kernel", lru_sig | dict.fromkeys(lru, "constexpr"), lru,
                                              r.hot_warps(warp_size)))
-    if "gather" in variants:  # the split resolver's own copy of short lists (`FEW_COPY_ENV`), as the auto picks' build
-        fr = resolver_shape(config, variant="gather", threads=512, scan=True, shift=True, warp_size=warp_size,
-                            split=SPLIT_BUILD)
-        consts = fr.constexprs | mask | dict(FC=FEW_COPY[-1], WP=pow2(words), VEC=lean["VEC"])
-        resolver_specs.append(KernelSpec(fr.kernel, few_sig | dict.fromkeys(consts, "constexpr"), consts,
-                                         fr.num_warps(warp_size)))
     for t in tunings:
         if t.split_tail or t.fuse or t.row_copy:
             raise ValueError(f"kernel_specs builds no split tail, fused or row-assigned copy for a tuning; got {t}")
@@ -615,12 +583,9 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         pdl = dict(PDL=int(t.pdl)) if r.variant == "gather" else {}
         # The speculative copy (`SPEC_COPY_ENV`) reads the split resolver's miss mask: that build writes it.
         spec = bool(t.spec_copy and r.split)
-        few = bool(t.few_copy and r.split)
         consts = r.constexprs | (dict(MASK=1) if spec else mask) | r.fuse_constexprs(config, fused=False,
                                                                                   interpreted=False) | pdl
-        if few:  # the split resolver's own copy of short lists (`FEW_COPY_ENV`)
-            consts |= dict(FC=t.few_copy, WP=pow2(words), VEC=lean["VEC"])
-        sig = (few_sig if few else split_sig) if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
+        sig = split_sig if r.split else resolve_sig | (gather_sig if r.variant == "gather" else {})
         resolver_specs.append(KernelSpec(r.kernel, sig | dict.fromkeys(consts, "constexpr"), consts,
                                          r.num_warps(warp_size)))
         tuned_plan = plan_copy_meta(config, interpreted=False, entries=t.plan_entries) | dict(PDL=int(t.pdl))

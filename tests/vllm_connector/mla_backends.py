@@ -25,6 +25,20 @@ CPU_MLA_BACKENDS = ("CPU_MLA", "AMX_MLA")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 #: Preferred dtypes, most exact first: the engines use the first one the backend supports.
 DTYPE_PREFERENCE = ("float32", "bfloat16", "float16")
+#: The KV block size the eager engines run each backend with (AMX_MLA takes multiples of 32 only).
+ENGINE_BLOCK = {"CPU_MLA": 16, "AMX_MLA": 32}
+
+
+def prefixes(block_size: int) -> tuple[int, ...]:
+    """Token counts of the four prefixes both batches share, at a block size: two with a partial
+    page after several whole ones, a long one, and one whole page and a token (the shortest prefix
+    that loads anything). A fixed 17-token prefix loaded nothing at AMX_MLA's block 32."""
+    return (40, 300, 150, block_size + 1)
+
+
+def expected_loaded(block_size: int) -> list[int]:
+    """The tokens each prefix loads: its whole pages (the partial page is recomputed)."""
+    return [n // block_size * block_size for n in prefixes(block_size)]
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:

@@ -33,9 +33,8 @@ import sys
 from typing import Any
 
 import engine_driver as ed
-from mla_backends import engine_dtype
+from mla_backends import ENGINE_BLOCK, engine_dtype, prefixes
 
-PREFIXES = (40, 300, 150, 17)
 SUFFIX = 5
 
 
@@ -45,15 +44,15 @@ def engine(model_dir: str, backend: str, *, exact_rope: bool) -> Any:
     extra: dict[str, Any] = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if exact_rope else {}
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype=engine_dtype(backend), max_model_len=1024, max_num_seqs=4,
                enforce_eager=True, seed=0, attention_config={"backend": backend},
-               block_size=16 if backend == "CPU_MLA" else 32, kv_transfer_config=ed.kv_transfer(0.05),
+               block_size=ENGINE_BLOCK[backend], kv_transfer_config=ed.kv_transfer(0.05),
                disable_log_stats=False, **extra)
 
 
-def batches() -> tuple[list[list[int]], list[list[int]]]:
+def batches(block_size: int) -> tuple[list[list[int]], list[list[int]]]:
     rng = random.Random(16)
-    prefixes = [[rng.randrange(3, 500) for _ in range(n)] for n in PREFIXES]
-    first = [p + [rng.randrange(3, 500) for _ in range(SUFFIX)] for p in prefixes]
-    second = [p + [rng.randrange(3, 500) for _ in range(SUFFIX)] for p in prefixes]
+    shared = [[rng.randrange(3, 500) for _ in range(n)] for n in prefixes(block_size)]
+    first = [p + [rng.randrange(3, 500) for _ in range(SUFFIX)] for p in shared]
+    second = [p + [rng.randrange(3, 500) for _ in range(SUFFIX)] for p in shared]
     return first, second
 
 
@@ -65,7 +64,7 @@ def loads(model_dir: str, backend: str) -> dict[str, Any]:
 
         d.params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=2)
     cache = d.llm.llm_engine.vllm_config.cache_config
-    first, second = batches()
+    first, second = batches(cache.block_size)
     out: dict[str, Any] = {"block_size": cache.block_size, "vllm_prefix_caching": bool(cache.enable_prefix_caching),
                            "dtype": str(d.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")}
     out["batch1"] = d.generate(first)
@@ -93,9 +92,9 @@ def compiled(model_dir: str, backend: str, connector: bool) -> dict[str, Any]:
 
     extra: dict[str, Any] = {"kv_transfer_config": ed.kv_transfer(0.05)} if connector else {}
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, max_num_seqs=4, seed=0,
-              attention_config={"backend": backend}, block_size=16, **extra)
+              attention_config={"backend": backend}, block_size=ENGINE_BLOCK[backend], **extra)
     d = ed.Driver(llm)
-    first, second = batches()
+    first, second = batches(ENGINE_BLOCK[backend])
     out: dict[str, Any] = {"enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
                            "wave": d.generate(first)}
     d.drain()

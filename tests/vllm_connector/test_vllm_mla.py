@@ -32,10 +32,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed; run scripts/install_v
 import tiny_models  # noqa: E402
 import torch  # noqa: E402
 from engine_procs import engine_report, start_engine  # noqa: E402
-from mla_backends import CPU_MLA_BACKENDS, engine_dtype, unavailable  # noqa: E402
+from mla_backends import CPU_MLA_BACKENDS, ENGINE_BLOCK, engine_dtype, expected_loaded, unavailable  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("mla_run.py")
-EXPECTED_LOADED = [32, 288, 144, 16]  # whole 16-token pages of the 40/300/150/17-token prefixes
 #: The engines of this module: (backend, mode) of mla_run.py. The compiled bf16 ones (issue 27,
 #: item 1) run on CPU_MLA, which runs everywhere.
 ENGINES = tuple((b, mode) for b in CPU_MLA_BACKENDS for mode in ("loads", "refused")) + (
@@ -124,9 +123,8 @@ def test_prefixes_loaded_from_host_match_vllms_prefix_cache_and_the_recompute(en
     run = engines.report(backend, "loads")
     assert run["dtype"] == engine_dtype(backend)
     host, recompute = run["host"], run["recompute"]
-    if run["block_size"] == 16:
-        assert [r["cached"] for r in host] == EXPECTED_LOADED
-    assert all(r["cached"] > 0 for r in host)
+    assert run["block_size"] == ENGINE_BLOCK[backend]
+    assert [r["cached"] for r in host] == expected_loaded(run["block_size"])
     assert run["loaded_pages"] == sum(r["cached"] for r in host) // run["block_size"]
     assert all(r["cached"] == 0 for r in recompute)
     if run["vllm_prefix_caching"]:
@@ -146,7 +144,10 @@ def test_prefixes_loaded_from_host_match_vllms_prefix_cache_and_the_recompute(en
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_loaded_bytes_are_the_ones_mla_attention_reads(engines: Engines, backend: str) -> None:
     run = engines.report(backend, "loads")
-    assert all(r["cached"] > 0 for r in run["corrupt"]), "loaded from the overwritten host pool"
+    # The second batch's own pages were published by the runs before, so more than the prefix can load.
+    loaded = [r["cached"] for r in run["corrupt"]]
+    assert all(got >= whole > 0 for got, whole in zip(loaded, expected_loaded(run["block_size"]), strict=True)), \
+        f"loaded from the overwritten host pool: {loaded}"
     assert [r["tokens"] for r in run["corrupt"]] != [r["tokens"] for r in run["host"]]
     assert run["metrics"]["vllm:hisparse_prefix_loaded_tokens"] == sum(
         r["cached"] for r in run["host"] + run["corrupt"])
@@ -188,7 +189,8 @@ def test_bf16_host_loads_differ_from_the_recompute_only_by_bf16_rounding(engines
     top two candidates are that close (a near-tie)."""
     host = engines.report("CPU_MLA", "compiled-connector")["wave2"]
     recompute = engines.report("CPU_MLA", "compiled-plain")["wave2"]
-    assert [r["cached"] for r in host] == EXPECTED_LOADED and all(r["cached"] == 0 for r in recompute)
+    assert [r["cached"] for r in host] == expected_loaded(ENGINE_BLOCK["CPU_MLA"])
+    assert all(r["cached"] == 0 for r in recompute)
     assert_within_bf16_rounding(host, recompute)
 
 

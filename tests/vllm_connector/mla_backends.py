@@ -30,9 +30,9 @@ ENGINE_BLOCK = {"CPU_MLA": 16, "AMX_MLA": 32}
 
 
 def prefixes(block_size: int) -> tuple[int, ...]:
-    """Token counts of the four prefixes both batches share, at a block size: two with a partial
-    page after several whole ones, a long one, and one whole page and a token (the shortest prefix
-    that loads anything). A fixed 17-token prefix loaded nothing at AMX_MLA's block 32."""
+    """Token counts of the four prefixes both batches share, at a block size: three that end in a
+    partial page (300 tokens the long one), and one whole page and a token (the shortest prefix that
+    loads anything). A fixed 17-token prefix loaded nothing at AMX_MLA's block 32."""
     return (40, 300, 150, block_size + 1)
 
 

@@ -253,12 +253,17 @@ triton_bench)
 vllm_ops_bench)  # vLLM's call sequence on hisparse's op set beside the native swap-in (VLLM_OPS_ARGS)
     run vllm_ops_bench "${T_VLLM_OPS_BENCH:-150}" python3 bench/bench_nvidia.py --vllm-ops ${VLLM_OPS_ARGS:-}
     ;;
-vllm_tests)  # vLLM's own kernel tests (tests/kernels/attention/test_hisparse_kernels.py, a copy in the
-    # git-ignored .vllm_tests/, never committed) against nvidia's op set: .vllm_tests/shim/vllm stands in
-    # for the `vllm` import on a machine without vLLM and registers the ops through hisparse_vllm.ops;
+vllm_tests)  # vLLM's own kernel tests (tests/kernels/attention/test_hisparse_kernels.py, copied unchanged into
+    # the git-ignored .vllm_tests/, never committed; the call carries it) against nvidia's op set:
+    # scripts/vllm_tests_shim/vllm stands in for the `vllm` import and registers the ops through hisparse_vllm.ops;
     # VLLM_TESTS_ENV: HISPARSE_VLLM_* settings for this stage alone (a default-off build, e.g. HISPARSE_VLLM_RESOLVE=6)
-    run vllm_tests "${T_VLLM_TESTS:-150}" env ${VLLM_TESTS_ENV:-} PYTHONPATH="$REPO/.vllm_tests/shim:$PYTHONPATH" python3 -m pytest -q -rs \
-        -p no:cacheprovider "$REPO/.vllm_tests/test_hisparse_kernels.py"
+    if [ ! -f "$REPO/.vllm_tests/test_hisparse_kernels.py" ]; then
+        echo "=== [vllm_tests] .vllm_tests/test_hisparse_kernels.py is missing: copy vLLM's tests/kernels/attention/test_hisparse_kernels.py there unchanged and name .vllm_tests in the call's carry" | tee "$OUT/vllm_tests.log"
+        RC[vllm_tests]=2
+    else
+        run vllm_tests "${T_VLLM_TESTS:-150}" env ${VLLM_TESTS_ENV:-} PYTHONPATH="$REPO/scripts/vllm_tests_shim:$PYTHONPATH" python3 -m pytest -q -rs \
+            -p no:cacheprovider "$REPO/.vllm_tests/test_hisparse_kernels.py"
+    fi
     ;;
 serving)  # issue 29: decode throughput at a fixed GPU KV budget (SERVING_ARGS)
     run serving "${T_SERVING:-400}" python3 bench/bench_serving.py --json "$OUT/serving.json" --png "$OUT/serving.png" \

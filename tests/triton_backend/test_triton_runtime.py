@@ -192,19 +192,63 @@ def test_shared_pool_round_trip(backend, tmp_path) -> None:  # noqa: ANN001
 
 def _vllm_ops_match_the_model(backend, seed: int) -> None:  # noqa: ANN001
     """vLLM's op set on `backend` against the conformance model over `seed`'s cases, with and without
-    a corrupt LRU, one and two rows a request, the miss mask written."""
+    a corrupt LRU, one and two rows a request, the miss mask written; with vLLM's tables, and without
+    them at a region stride that need not be a multiple of the hot block size (as vLLM's own kernel
+    tests call the resolve)."""
     from hisparse_conformance.vllm_ops_model import random_case, run_model, run_ops
 
-    for corrupt in (False, True):
-        for rows in (1, 2):
-            case = random_case(seed, corrupt_lru=corrupt, rows_per_request=rows)
-            if backend.device.type != "cpu":
-                case.host = case.host.pin_memory()
-            got = run_ops(backend.vllm_ops(), case, backend.device, miss_mask=True)
-            want = run_model(random_case(seed, corrupt_lru=corrupt, rows_per_request=rows), miss_mask=True)
-            for name in ("hot_out", "attention", "resolved", "valid", "miss_mask", "swap_counts", "dgi", "lru",
-                         "stats", "hot", "plan_hot", "plan_attention", "inv_dgi"):
-                assert torch.equal(got[name].cpu(), want[name]), (name, corrupt, rows)
+    for tables in (True, False):
+        for corrupt in (False, True):
+            for rows in (1, 2):
+                kw = dict(corrupt_lru=corrupt, rows_per_request=rows, tables=tables, any_stride=not tables)
+                case = random_case(seed, **kw)
+                if backend.device.type != "cpu":
+                    case.host = case.host.pin_memory()
+                got = run_ops(backend.vllm_ops(), case, backend.device, miss_mask=True)
+                want = run_model(random_case(seed, **kw), miss_mask=True)
+                for name in ("hot_out", "attention", "resolved", "valid", "miss_mask", "swap_counts", "dgi", "lru",
+                             "stats", "hot", "plan_hot", "plan_attention", "inv_dgi"):
+                    assert torch.equal(got[name].cpu(), want[name]), (name, tables, corrupt, rows)
+
+
+@pytest.mark.parametrize("hot_multiple", [2, 5])
+def test_vllm_ops_production_shapes_match_reference_cpu(backend, hot_multiple: int) -> None:  # noqa: ANN001
+    """vLLM's decode shapes (top-k 2048, a hot buffer of 2x and, for MTP-3, 5x the top-k) through the
+    triton op set without tables, a cold step then a warm one with half the entries new, against
+    reference_cpu's ops byte for byte. 5x takes a 16384-lane resolver, whose two-level scans must stay
+    within Triton's tensor limit (`shapes.MAX_SCAN_ROWS`), interpreted as compiled."""
+    from hisparse_core.registry import select_backend
+
+    ref = select_backend("reference_cpu").vllm_ops()
+    top_k, bs = 2048, 8
+    hot = top_k * hot_multiple
+    host_rows = 8 * top_k
+    gen = torch.Generator().manual_seed(hot_multiple)
+    steps = [torch.randperm(host_rows, generator=gen)[:top_k]]
+    steps.append(torch.cat([steps[0][: top_k // 2], torch.randperm(host_rows, generator=gen)[: top_k // 2]]))
+    dev = backend.device
+    state = {}
+    for name, ops, device in (("triton", backend.vllm_ops(), dev), ("reference_cpu", ref, torch.device("cpu"))):
+        i32 = dict(dtype=torch.int32, device=device)
+        dgi = torch.full((1, hot), -1, **i32)
+        lru = torch.arange(hot, dtype=torch.int16, device=device)[None].clone()
+        host = torch.zeros(host_rows, 16, dtype=torch.uint8)
+        hot_cache = torch.zeros(hot // bs, bs, 16, dtype=torch.uint8, device=device)
+        outs = []
+        for topk in steps:
+            o = {k: torch.full((1, top_k), -999, **i32) for k in ("hot", "miss", "attn", "resolved", "sh", "sd")}
+            valid, counts = torch.full((1,), -999, **i32), torch.full((1,), -999, **i32)
+            ops.resolve_residency(host, hot_cache, torch.arange(hot // bs, **i32)[None], topk[None].to(**i32), o["hot"],
+                                  dgi, lru, torch.zeros(1, **i32), hot, top_k, o["miss"], None, o["attn"], bs,
+                                  None, None, 0, o["resolved"], valid, o["sh"], o["sd"], counts, None, 0, 0)
+            outs.append({**{k: v.cpu() for k, v in o.items()}, "valid": valid.cpu(), "counts": counts.cpu(),
+                         "dgi": dgi.cpu().clone(), "lru": lru.cpu().clone()})
+        state[name] = outs
+    for step, (got, want) in enumerate(zip(state["triton"], state["reference_cpu"], strict=True)):
+        for key in want:
+            assert torch.equal(got[key], want[key]), (step, key)
+    fresh = len(set(steps[1].tolist()) - set(steps[0].tolist()))  # the warm step's misses
+    assert int(state["triton"][0]["counts"][0]) == top_k and int(state["triton"][1]["counts"][0]) == fresh > 0
 
 
 @pytest.mark.parametrize("seed", [3, 11, 26])

@@ -294,14 +294,20 @@ class TritonRuntime(CacheRuntime):
 
     def launch_resolve(self, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor, lru: torch.Tensor,
                        stats: torch.Tensor, miss_mask: torch.Tensor | None, host_limit: int,
-                       fused: bool = False) -> ResolveResult:
+                       fused: bool = False, hot_rows: int | None = None) -> ResolveResult:
         """Launch the resolver on checked inputs over `rows` batch rows, with the hot state `hot_map`
         (int32) and `lru` (int32 or int16) of this runtime's shape, counters `stats` (int64 [>= 3]),
         and `miss_mask` (int32 [rows, top_k], written where given). Host rows at or past
         `host_limit` are null. `fused` (a bound runtime whose resolver fuses the copy): the resolver
         also copies the plan of layer 0. For this runtime's own `resolve` and for vLLM's op set,
-        whose state tensors are vLLM's."""
+        whose state tensors are vLLM's. `hot_rows`: the slots of `hot_map` and `lru` a state row has,
+        where they are fewer than the configuration's (vLLM's region stride need not be a multiple of
+        the block size; the configuration's hot rows are the next multiple, and its hot blocks the same)."""
         cfg = self.config
+        h = cfg.hot_rows if hot_rows is None else hot_rows
+        if not cfg.hot_rows - cfg.block_size < h <= cfg.hot_rows:
+            raise InvalidInputError(f"launch_resolve: hot_rows={h}; expected ({cfg.hot_rows - cfg.block_size}, "
+                                    f"{cfg.hot_rows}] (the same hot blocks as the configuration's {cfg.hot_rows})")
         out = self._result
         mask = miss_mask is not None
         copy_args: tuple[Any, ...] = ()
@@ -330,10 +336,10 @@ class TritonRuntime(CacheRuntime):
                 inputs.hot_table, hot_map, lru, stats, out.rows, out.valid_counts, out.plan_host,
                 out.plan_device, out.plan_counts, self._pos_slot, miss_mask if mask else out.valid_counts,
                 *self._scratch.values(), *(self._split.values() if split else ()), rows, cfg.max_pages, cfg.hot_blocks,
-                cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, cfg.hot_rows, host_limit, *copy_args,
+                cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, h, host_limit, *copy_args,
                 MASK=mask, **meta, **({} if split else x.fuse_meta[fused]))
             if split and x.tail_meta is not None:
-                self._launch_tail(x, inputs, rows, hot_map=hot_map, lru=lru, stats=stats, miss_mask=miss_mask)
+                self._launch_tail(x, inputs, rows, hot_map=hot_map, lru=lru, stats=stats, miss_mask=miss_mask, hot_rows=h)
         except kernels.KernelError:
             self._clear_tables()  # a launch that failed part way may have left buckets filled
             raise
@@ -345,7 +351,7 @@ class TritonRuntime(CacheRuntime):
         return next((x for x in self._launches if rows <= x.max_rows), self._launches[-1])
 
     def _launch_tail(self, x: launches.Launches, inputs: ResolveInputs, rows: int, *, hot_map: torch.Tensor,
-                     lru: torch.Tensor, stats: torch.Tensor, miss_mask: torch.Tensor | None) -> None:
+                     lru: torch.Tensor, stats: torch.Tensor, miss_mask: torch.Tensor | None, hot_rows: int) -> None:
         """The split resolver's hot rows (`shapes.SPLIT_TAIL_ENV`): the hot-row kernel, then the LRU kernel,
         `hot_programs` programs a batch row each, on the resolver's stream."""
         assert x.tail_meta is not None
@@ -360,12 +366,12 @@ class TritonRuntime(CacheRuntime):
             sc["tbl_key"], sc["tbl_first"], sc["tbl_slot"], sc["scr_victim"], sc["scr_mark"],
             sp["scr_part"], sp["scr_ticket"], sp["scr_crow"], sp["scr_cee"], sp["scr_cpos"], sp["scr_cbkt"],
             sp["scr_cat"], tl_["scr_hcnt"], tl_["scr_ord"], tl_["scr_hit"],
-            rows, cfg.hot_blocks, cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, cfg.hot_rows,
+            rows, cfg.hot_blocks, cfg.max_requests, cfg.top_k, cfg.rows_per_request, cfg.block_size, hot_rows,
             cfg.max_pages, cfg.block_size.bit_length() - 1, MASK=miss_mask is not None, **hot_meta, **x.tail_warps)
         kernels.launch(
             kernels.resolve_split_lru_kernel, "resolve_split_lru_kernel", (rows * nh,),
             inputs.row_state, lru, sc["scr_mark"], sp["scr_part"], tl_["scr_hcnt"], tl_["scr_ord"], tl_["scr_hit"],
-            rows, cfg.max_requests, cfg.hot_rows, **lru_meta, **x.tail_warps)
+            rows, cfg.max_requests, hot_rows, **lru_meta, **x.tail_warps)
 
     @property
     def result(self) -> ResolveResult:

@@ -175,6 +175,10 @@ INTERPRETED_SPLIT_CHUNK = 4
 #: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
 #: small geometries of the tests still scan several rows).
 INTERPRETED_SCAN_ROW = 4
+#: The most rows a two-level scan may have: its row offsets come from an [rows, rows] matrix, and
+#: Triton caps a tensor at 2^20 elements (a 10240-row hot buffer, 16384 lanes, at the interpreter's
+#: 4-lane rows would be 4096 rows).
+MAX_SCAN_ROWS = 1024
 #: Triton 3.6's ROCm lowering of a scattered `atomic_cas` with several lanes a thread fails
 #: ("'llvm.extractvalue' op Type mismatch"); 3.9 compiles it. No release between was tried.
 CAS_MIN_TRITON_ROCM = (3, 9)
@@ -439,7 +443,8 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     pages = pow2(config.max_pages)
     pt = max(pages, floor["PT"]) if pages <= MAX_TABLE_LANES else 0
     variant = resolver_variant(variant)
-    scan_row = (warp_size if compiled else INTERPRETED_SCAN_ROW) if scan and variant == "gather" else 0
+    scan_row = (max(warp_size if compiled else INTERPRETED_SCAN_ROW, hp // MAX_SCAN_ROWS)
+                if scan and variant == "gather" else 0)
     bs = config.block_size
     ns = min(split, gp * kp) if variant == "gather" else 0
     chunk = min(threads if compiled else INTERPRETED_SPLIT_CHUNK, gp * kp) if ns else 0

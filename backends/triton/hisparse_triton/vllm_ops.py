@@ -67,7 +67,9 @@ class TritonVllmOps(spec.VllmHiSparseOps):
             if fmt is None:  # vLLM's ops move rows as bytes: any row width is served
                 fmt = register_row_format(RowFormat(f"vllm_{str(hot.dtype).removeprefix('torch.')}_{hot.shape[2]}",
                                                     hot.dtype, hot.shape[2]))
-            cfg = RuntimeConfig(max_batch_rows=n, max_requests=s, top_k=k, hot_rows=h, block_size=bs,
+            # vLLM's region stride need not be a multiple of the block size: the runtime is sized to the
+            # next multiple (the same hot blocks) and every launch walks the h slots vLLM's state has.
+            cfg = RuntimeConfig(max_batch_rows=n, max_requests=s, top_k=k, hot_rows=-(-h // bs) * bs, block_size=bs,
                                 max_pages=pages, row_format=fmt, num_layers=1, rows_per_request=rows)
             rt = TritonRuntime(cfg, self._backend.device)
             i32: dict[str, Any] = dict(dtype=torch.int32, device=hot.device)
@@ -113,18 +115,20 @@ class TritonVllmOps(spec.VllmHiSparseOps):
         swap_host, swap_dev, swap_counts = call.swap_host, call.swap_dev, call.swap_counts
         resident_block_table, resident_null_block = call.resident_block_table, call.resident_null_block
         bs = hot_cache.shape[1]
-        if source_block_table is None or request_ids is None or source_block_size != bs:
-            raise spec._fail(spec.RESOLVE, f"the triton backend serves vLLM's layout: request_ids and "
-                                           f"source_block_table given, source_block_size equal to the hot block "
-                                           f"size {bs} (vLLM 0.32 passes them so); got source_block_size="
-                                           f"{source_block_size}, source_block_table "
-                                           f"{'None' if source_block_table is None else 'given'}")
+        # check_resolve (which the op layer calls first) gives request_ids and source_block_table together.
+        tables = source_block_table is not None and request_ids is not None
+        if tables and source_block_size != bs:
+            raise spec._fail(spec.RESOLVE, f"the triton backend serves a source table of the hot block size {bs} "
+                                           f"(vLLM 0.32 passes it so); got source_block_size={source_block_size}")
         n, k = topk.shape
         s, h = lru_slots.shape
         dev = hot_cache.device
         host_rows = host_cache.shape[0]
         t = topk.long()
-        req = request_ids[:n].long()
+        # Without tables (vLLM's kernel tests call so) row r is request r and an entry's host row is its
+        # top-k value: the resolver gets an identity source table over the host cache's blocks, so its
+        # positions, hints and host rows are the host rows themselves.
+        req = request_ids[:n].long() if request_ids is not None else torch.arange(n, device=dev)
         if request_state_indices is not None:
             nr = request_state_indices.numel()
             ok = (req >= 0) & (req < nr)
@@ -137,21 +141,30 @@ class TritonVllmOps(spec.VllmHiSparseOps):
 
         # The host row of each entry (`resolved`); the kernel finds the same through the per-state
         # source table below and nulls rows at or past the host cache (host_limit).
-        rs, sp = source_block_table.shape
-        req_ok = (req >= 0) & (req < rs)
-        col = torch.where(t >= 0, t // bs, -1)
-        blk = (source_block_table.long()[req.clamp(0, max(rs - 1, 0))[:, None], col.clamp(0, max(sp - 1, 0))]
-               if rs and sp else torch.full_like(t, -1))
-        g = torch.where(req_ok[:, None] & (col >= 0) & (col < sp) & (blk >= 0), blk * bs + t % bs, -1)
-        g = torch.where(g >= host_rows, -1, g)
+        if tables:
+            assert source_block_table is not None
+            rs, sp = source_block_table.shape
+            req_ok = (req >= 0) & (req < rs)
+            col = torch.where(t >= 0, t // bs, -1)
+            blk = (source_block_table.long()[req.clamp(0, max(rs - 1, 0))[:, None], col.clamp(0, max(sp - 1, 0))]
+                   if rs and sp else torch.full_like(t, -1))
+            g = torch.where(req_ok[:, None] & (col >= 0) & (col < sp) & (blk >= 0), blk * bs + t % bs, -1)
+            g = torch.where(g >= host_rows, -1, g)
+        else:
+            rs, sp = n, -(-host_rows // bs)
+            g = torch.where((t >= 0) & (t < host_rows), t, -1)
 
         res_pages = resident_block_table.shape[1] if resident_block_table is not None else 0
         pages = max(sp, res_pages, 1)
         rt, (src_h, res_h, hot_h, lens) = self._runtime(hot_cache, n, k, s, h, pages, max_union_rows)
-        src_h.fill_(-1)
-        if rs and sp:
-            src_rows = torch.where(req_ok[:, None], source_block_table.long()[req.clamp(0, rs - 1)], -1)
-            src_h[:, :sp].index_copy_(0, slot, src_rows.to(torch.int32))
+        if not tables:
+            src_h.copy_(torch.arange(pages, dtype=torch.int32, device=dev).expand_as(src_h))
+        else:
+            src_h.fill_(-1)
+            if rs and sp:
+                assert source_block_table is not None
+                src_rows = torch.where(req_ok[:, None], source_block_table.long()[req.clamp(0, rs - 1)], -1)
+                src_h[:, :sp].index_copy_(0, slot, src_rows.to(torch.int32))
         res_h.fill_(-1)
         if resident_block_table is not None:
             rbt = resident_block_table[:s]
@@ -163,7 +176,7 @@ class TritonVllmOps(spec.VllmHiSparseOps):
                                source_table=src_h[:s], resident_table=res_h, hot_table=hot_h[:s])
         rt._stats.zero_()
         out = rt.launch_resolve(inputs, n, hot_map=device_global_indices, lru=lru_slots, stats=rt._stats,
-                                miss_mask=miss_mask, host_limit=host_rows)
+                                miss_mask=miss_mask, host_limit=host_rows, hot_rows=h)
         rows = out.rows[:n]
         hot_out.copy_(rows)
         if attention_indices is not None:

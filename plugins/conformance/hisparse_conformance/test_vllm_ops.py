@@ -17,17 +17,23 @@ from hisparse_core.errors import InvalidInputError
 pytestmark = pytest.mark.requires_capability(Capability.VLLM_OPS)
 
 
-def _case(backend: Backend, seed: int, rows_per_request: int):  # noqa: ANN202
-    case = random_case(seed, rows_per_request=rows_per_request)
+def _case(backend: Backend, seed: int, rows_per_request: int, *, tables: bool = True,  # noqa: ANN202
+          any_stride: bool = False):
+    case = random_case(seed, rows_per_request=rows_per_request, tables=tables, any_stride=any_stride)
     if backend.device.type != "cpu":
         case.host = case.host.pin_memory()
     return case
 
 
 @examples(25)
-@given(seed=st.integers(0, 2**31 - 1), rows_per_request=st.sampled_from([1, 2]))
-def test_vllm_ops_match_the_model(hisparse_backend: Backend, seed: int, rows_per_request: int) -> None:
-    case = _case(hisparse_backend, seed, rows_per_request)
+@given(seed=st.integers(0, 2**31 - 1), rows_per_request=st.sampled_from([1, 2]), tables=st.booleans(),
+       any_stride=st.booleans())
+def test_vllm_ops_match_the_model(hisparse_backend: Backend, seed: int, rows_per_request: int, tables: bool,
+                                  any_stride: bool) -> None:
+    """Every op against the model. `tables=False` calls the resolve without request ids and tables, as
+    vLLM's own kernel tests do; `any_stride` gives state rows a region stride that is not a multiple of
+    the hot block size (vLLM's tests use twice the top-k)."""
+    case = _case(hisparse_backend, seed, rows_per_request, tables=tables, any_stride=any_stride)
     got = run_ops(hisparse_backend.vllm_ops(), case, hisparse_backend.device, miss_mask=False)
     want = run_model(case, miss_mask=False)
     for name in ("hot_out", "attention", "resolved", "valid", "swap_counts", "dgi", "lru", "stats", "hot",

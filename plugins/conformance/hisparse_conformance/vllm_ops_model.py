@@ -4,7 +4,9 @@ lists, and random cases to run it and a backend's `VllmHiSparseOps` on.
 Independent of every backend's code: loops over rows and entries, dicts and lists, written from the
 semantics in `hisparse_core.vllm_ops`'s docstring. Cases mix padding rows, masked entries, resident,
 null and out-of-range pages, repeated rows, hits from a warm state, speculative groups, a source
-row past the host pool (zero-fill) and, optionally, out-of-range LRU slots.
+row past the host pool (zero-fill) and, optionally, out-of-range LRU slots, calls without request ids
+and tables (row r is request r and an entry's host row its top-k value, as vLLM's own kernel tests
+call the resolve) and region strides that are not a multiple of the hot block size.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ class Case:
     dgi: torch.Tensor
     lru: torch.Tensor
     rsi: torch.Tensor
-    request_ids: torch.Tensor
-    source_bt: torch.Tensor
-    resident_bt: torch.Tensor
+    request_ids: torch.Tensor | None  # None: no tables (row r is request r, host row = top-k value)
+    source_bt: torch.Tensor | None
+    resident_bt: torch.Tensor | None
     sbs: int
     null_block: int
     att_stride: int
@@ -45,22 +47,48 @@ class Case:
         def d(t: torch.Tensor) -> torch.Tensor:
             return t.clone().to(device)
 
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else d(t)
+
         o = self.outputs
         hot = self.hot.to(device) if torch.device(device).type != "cpu" else self.hot.clone()
         return [self.host, hot, d(self.hot_bt), d(self.topk), d(o["hot_out"]), d(self.dgi), d(self.lru),
                 d(self.rsi), self.lru.shape[1], self.max_union_rows, d(o["miss_mask"]) if miss_mask else None,
                 d(o["stats"]),
-                d(o["attention"]), self.att_stride, d(self.request_ids), d(self.source_bt), self.sbs,
+                d(o["attention"]), self.att_stride, opt(self.request_ids), opt(self.source_bt), self.sbs,
                 d(o["resolved"]), d(o["valid"]), d(o["swap_host"]), d(o["swap_dev"]), d(o["swap_counts"]),
-                d(self.resident_bt), self.hot.shape[1], self.null_block]
+                opt(self.resident_bt), self.hot.shape[1] if self.resident_bt is not None else 0, self.null_block]
 
 
-def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int = 1) -> Case:
+def _random_outputs(n: int, k: int, rng: random.Random, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """The output buffers' initial contents: garbage an op must overwrite (or leave, where it says so)."""
+    return {
+        "hot_out": torch.randint(-5, 100, (n, k), dtype=torch.int32, generator=g),
+        "attention": torch.randint(-5, 100, (n + 1, k), dtype=torch.int32, generator=g),
+        "resolved": torch.randint(-5, 100, (n, k), dtype=torch.int32, generator=g),
+        "valid": torch.randint(-5, 100, (n + 1,), dtype=torch.int32, generator=g),
+        "miss_mask": torch.randint(0, 2, (n, k), dtype=torch.int32, generator=g),
+        "swap_host": torch.randint(-5, 100, (n, k), dtype=torch.int32, generator=g),
+        "swap_dev": torch.randint(-5, 100, (n, k), dtype=torch.int32, generator=g),
+        "swap_counts": torch.randint(-5, 100, (n,), dtype=torch.int32, generator=g),
+        "stats": torch.tensor([rng.randrange(100), rng.randrange(100)], dtype=torch.uint64),
+    }
+
+
+def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int = 1, tables: bool = True,
+                any_stride: bool = False) -> Case:
+    """A random case. `tables=False`: no request ids, source or resident table; `any_stride`: the
+    region stride (hot slots a state row has) is not rounded up to a multiple of the hot block size.
+    With the defaults, a seed gives the same case as it always has (fixed-seed tests rely on it)."""
+    if not tables:
+        return _case_without_tables(seed, corrupt_lru=corrupt_lru, rows_per_request=rows_per_request,
+                                    any_stride=any_stride)
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     bs = rng.choice([1, 2, 4])
     k = rng.choice([1, 3, 8, 16])
-    h = bs * -(-(rows_per_request * k + rng.randint(0, k)) // bs)
+    h = rows_per_request * k + rng.randint(0, k)
+    h = h if any_stride else bs * -(-h // bs)
     s = rng.randint(2, 5)  # state rows
     nreq = rng.randint(1, s)
     pages = rng.randint(2, 8)
@@ -80,7 +108,7 @@ def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int =
         source_bt[0, 0] = host_blocks + 3  # rows past the host pool: null
     resident_bt = torch.tensor([[rng.choice([0, 0, 0, rng.randrange(1, blocks)]) for _ in range(pages + 1)]
                                 for _ in range(s)], dtype=torch.int32)
-    hot_cols = h // bs + rng.randint(0, 1)
+    hot_cols = -(-h // bs) + rng.randint(0, 1)
     hot_bt = torch.tensor([[rng.randrange(blocks) for _ in range(hot_cols)] for _ in range(rsi.numel())],
                           dtype=torch.int32)
     dgi = torch.tensor([[rng.choice([-1, rng.randrange(host_rows + bs)]) for _ in range(h)] for _ in range(s)],
@@ -116,23 +144,74 @@ def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int =
             topk[r, i] = t
             rows.append(t)
     request_ids = torch.tensor(req_ids, dtype=torch.int32)
-    outputs = {
-        "hot_out": torch.randint(-5, 100, (n, k), dtype=torch.int32, generator=g),
-        "attention": torch.randint(-5, 100, (n + 1, k), dtype=torch.int32, generator=g),
-        "resolved": torch.randint(-5, 100, (n, k), dtype=torch.int32, generator=g),
-        "valid": torch.randint(-5, 100, (n + 1,), dtype=torch.int32, generator=g),
-        "miss_mask": torch.randint(0, 2, (n, k), dtype=torch.int32, generator=g),
-        "swap_host": torch.randint(-5, 100, (n, k), dtype=torch.int32, generator=g),
-        "swap_dev": torch.randint(-5, 100, (n, k), dtype=torch.int32, generator=g),
-        "swap_counts": torch.randint(-5, 100, (n,), dtype=torch.int32, generator=g),
-        "stats": torch.tensor([rng.randrange(100), rng.randrange(100)], dtype=torch.uint64),
-    }
+    outputs = _random_outputs(n, k, rng, g)
     nw = rng.randint(0, 4)
     written_req = torch.tensor([rng.randrange(-1, rsi.numel() + 1) for _ in range(nw)], dtype=torch.int32)
     written_slots = torch.tensor([rng.choice([-1] + [int(x) for x in dgi.flatten() if x >= 0] or [0])
                                   for _ in range(nw)], dtype=torch.int64)
     return Case(host, hot, hot_bt, topk, dgi, lru, rsi, request_ids, source_bt, resident_bt, bs,
                 0, 2 * bs + rng.randint(0, 3), min(h, rows_per_request * k), outputs, written_req, written_slots)
+
+
+def _case_without_tables(seed: int, *, corrupt_lru: bool, rows_per_request: int, any_stride: bool) -> Case:
+    """`random_case(tables=False)`: each batch row is its own request, so rows of one state row in a
+    run are a group through `request_state_indices` alone."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    bs = rng.choice([1, 2, 4, 8])
+    k = rng.choice([1, 3, 8, 16])
+    h = rows_per_request * k + rng.randint(0, k)
+    h = h if any_stride else bs * -(-h // bs)
+    s = rng.randint(2, 5)
+    width = 16 * rng.choice([1, 2])
+    host_rows = rng.randint(k, 6 * k + 8)
+    states = rng.sample(range(s), rng.randint(1, s))
+    rsi_rows: list[int] = []
+    for q in states:
+        rsi_rows += [q] * rng.randint(1, rows_per_request)
+        if rng.random() < 0.2:
+            rsi_rows.append(rng.choice([-1, s, s + 2]))  # padding: no state row, or one past them
+    n = len(rsi_rows)
+    hot_cols = -(-h // bs) + rng.randint(0, 1)
+    blocks = 1 + n * hot_cols + 2
+    slab = torch.randint(0, 256, (blocks * 2 * bs * width,), dtype=torch.uint8, generator=g)
+    hot = torch.as_strided(slab, (blocks, bs, width), (2 * bs * width, width, 1), bs * width)
+    host = torch.randint(0, 256, (host_rows, width), dtype=torch.uint8, generator=g)
+    # Rows of one state row share their hot-table row, as a request's rows do (where a group's rows
+    # named different hot tables, which one a miss's device row comes from is not pinned down).
+    per_state = [[rng.randrange(blocks) for _ in range(hot_cols)] for _ in range(s + 3)]
+    hot_bt = torch.tensor([per_state[q] for q in rsi_rows], dtype=torch.int32)
+    dgi = torch.full((s, h), -1, dtype=torch.int32)
+    for q in range(s):  # non-negative hot-map values unique per row; some past the host cache
+        vals = rng.sample(range(host_rows + bs), min(h, host_rows + bs))
+        for j in range(h):
+            if j < len(vals) and rng.random() < 0.6:
+                dgi[q, j] = vals[j]
+    lru = torch.stack([torch.randperm(h, generator=g) for _ in range(s)]).to(torch.int16)
+    if corrupt_lru:
+        q = rng.randrange(s)
+        lru[q, rng.randrange(h)] = rng.choice([-3, h, h + 7])
+    topk = torch.full((n, k), -1, dtype=torch.int32)
+    seen: list[int] = []
+    for r in range(n):
+        for i in range(k):
+            roll = rng.random()
+            if roll < 0.1:
+                continue  # masked
+            if roll < 0.25 and seen:
+                topk[r, i] = rng.choice(seen)  # a repeat (a hit within the row, or across the group)
+                continue
+            t = rng.randrange(host_rows + bs)  # may run past the host cache: null
+            topk[r, i] = t
+            seen.append(t)
+    outputs = _random_outputs(n, k, rng, g)
+    nw = rng.randint(0, 4)
+    written_req = torch.tensor([rng.randrange(-1, n + 1) for _ in range(nw)], dtype=torch.int32)
+    written_slots = torch.tensor([rng.choice([-1] + [int(x) for x in dgi.flatten() if x >= 0] or [0])
+                                  for _ in range(nw)], dtype=torch.int64)
+    rsi = torch.tensor(rsi_rows, dtype=torch.int32)
+    return Case(host, hot, hot_bt, topk, dgi, lru, rsi, None, None, None, 0, 0, 2 * bs + rng.randint(0, 3),
+                min(h, rows_per_request * k), outputs, written_req, written_slots)
 
 
 def run_ops(ops: Any, case: Case, device: torch.device | str = "cpu", *,
@@ -148,7 +227,9 @@ def run_ops(ops: Any, case: Case, device: torch.device | str = "cpu", *,
     plan_hot = hot.clone() if torch.device(device).type == "cpu" else hot.clone()
     ops.gather_compact(host, hot, swap_host, swap_dev, swap_counts)
     plan_att = torch.full_like(a[4], 7)
-    plan_state = torch.where(a[14] >= 0, 0, -1).to(torch.int32)  # padding rows of the resolve
+    # Padding rows of the resolve (by request id; without ids no row is padding for gather_plan).
+    plan_state = (torch.where(a[14] >= 0, 0, -1).to(torch.int32) if a[14] is not None
+                  else torch.zeros(a[4].shape[0], dtype=torch.int32, device=a[4].device))
     ops.gather_plan(host, plan_hot, a[17], a[4], a[10], plan_state, plan_att, case.att_stride)
     inv = a[5].clone()
     ops.invalidate_written_slots(inv, a[7], case.written_req.to(device), case.written_slots.to(device))
@@ -170,9 +251,9 @@ def run_model(case: Case, *, miss_mask: bool = True) -> dict[str, torch.Tensor]:
     dgi = case.dgi.tolist()
     lru = case.lru.tolist()
     rsi = case.rsi.tolist()
-    req_ids = case.request_ids.tolist()
-    src = case.source_bt.tolist()
-    res = case.resident_bt.tolist()
+    req_ids = case.request_ids.tolist() if case.request_ids is not None else list(range(n))
+    src = case.source_bt.tolist() if case.source_bt is not None else None
+    res = case.resident_bt.tolist() if case.resident_bt is not None else []
     hbt = case.hot_bt.tolist()
     hot_rows = case.hot.shape[0] * bs
 
@@ -195,7 +276,9 @@ def run_model(case: Case, *, miss_mask: bool = True) -> dict[str, torch.Tensor]:
         req, q = req_ids[r], state_of(req_ids[r])
         for i in range(k):
             t = topk[r][i]
-            if t >= 0 and 0 <= req < len(src) and t // case.sbs < len(src[req]) and src[req][t // case.sbs] >= 0:
+            if src is None:
+                g[r][i] = t if t >= 0 else -1
+            elif t >= 0 and 0 <= req < len(src) and t // case.sbs < len(src[req]) and src[req][t // case.sbs] >= 0:
                 g[r][i] = src[req][t // case.sbs] * case.sbs + t % case.sbs
             if g[r][i] >= host_rows:
                 g[r][i] = -1

@@ -151,7 +151,7 @@ class TritonVllmOps(spec.VllmHiSparseOps):
             g = torch.where(req_ok[:, None] & (col >= 0) & (col < sp) & (blk >= 0), blk * bs + t % bs, -1)
             g = torch.where(g >= host_rows, -1, g)
         else:
-            rs, sp = n, -(-host_rows // bs)
+            sp = -(-host_rows // bs)
             g = torch.where((t >= 0) & (t < host_rows), t, -1)
 
         res_pages = resident_block_table.shape[1] if resident_block_table is not None else 0

@@ -87,9 +87,21 @@ def _log_level(args: argparse.Namespace) -> str | None:
     return level
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parse_args`, except that an argument the command does not take is reported by that command's
+    parser (`hisparse generate: error: unrecognized arguments: --batch 0 (see hisparse generate
+    --help)`), not by the top level's, whose help does not list the command's options."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command = subparsers.choices.get(args.command, parser)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def _run(argv: Sequence[str] | None) -> int:
     parser, broken = _build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     level = _log_level(args)
     if level is None:
         return 2

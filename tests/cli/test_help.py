@@ -35,6 +35,22 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"hisparse {__version__}"
 
 
+@pytest.mark.parametrize(("argv", "command", "unknown"), [
+    (["run", "--nope", "1"], "run", "--nope 1"),
+    (["generate", "--batch", "0"], "generate", "--batch 0"),
+    (["--nope", "plan"], "plan", "--nope"),
+    (["bench", "--steps", "2", "extra"], "bench", "extra"),
+])
+def test_an_unknown_argument_names_the_command_and_its_help(argv: list[str], command: str, unknown: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The command's parser reports it, pointing to the help that lists the command's options."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"hisparse {command}: error: unrecognized arguments: {unknown} "
+                                       f"(see hisparse {command} --help)\n")
+
+
 @pytest.mark.parametrize("cmd", ["run", "bench", "plan", "generate", "backends"])
 def test_every_option_is_described_once(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(cmd, capsys=capsys)

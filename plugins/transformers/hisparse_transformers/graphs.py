@@ -263,6 +263,10 @@ class DecodeGraphs:
         if args:
             return "the model was called with positional arguments"
         if step is None or step.prefill or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            if step is not None and step.verify:
+                # Its length varies with the candidates; a plain decode step costs a fraction of it.
+                return "a verification step of assisted generation (several tokens a row; only one-token decode steps " \
+                       "are captured)"
             return ""                       # a prefill chunk: eager by design, nothing to tell
         if kwargs.get("inputs_embeds") is not None:
             return "a decode forward with inputs_embeds"

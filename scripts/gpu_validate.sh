@@ -254,7 +254,8 @@ vllm_ops_bench)  # vLLM's call sequence on hisparse's op set beside the native s
     run vllm_ops_bench "${T_VLLM_OPS_BENCH:-150}" python3 bench/bench_nvidia.py --vllm-ops ${VLLM_OPS_ARGS:-}
     ;;
 vllm_tests)  # vLLM's own kernel tests (tests/kernels/attention/test_hisparse_kernels.py, copied unchanged into
-    # the git-ignored .vllm_tests/, never committed; the call carries it) against nvidia's op set:
+    # the git-ignored .vllm_tests/, never committed; the call carries it) against nvidia's op set (another
+    # backend's with HISPARSE_BACKEND in VLLM_TESTS_ENV):
     # scripts/vllm_tests_shim/vllm stands in for the `vllm` import and registers the ops through hisparse_vllm.ops;
     # VLLM_TESTS_ENV: HISPARSE_VLLM_* settings for this stage alone (a default-off build, e.g. HISPARSE_VLLM_RESOLVE=6)
     if [ ! -f "$REPO/.vllm_tests/test_hisparse_kernels.py" ]; then

@@ -3,11 +3,13 @@
 git-ignored `.vllm_tests/`) run against a hisparse backend's op set on a machine without vLLM.
 
 Importing it registers the four `torch.ops._C_cache_ops.hisparse_*` ops through
-`hisparse_vllm.ops.register_ops`, served by `HISPARSE_BACKEND` (nvidia by default). Only
-`scripts/gpu_validate.sh vllm_tests` puts this folder on `PYTHONPATH`; nothing installs it.
+`hisparse_vllm.ops.register_ops`, served by `HISPARSE_BACKEND` (nvidia by default). Nothing
+installs it: the `vllm_tests` stage of `scripts/gpu_validate.sh`, or a command like the one in
+docs/vllm.md, puts this folder on `PYTHONPATH`.
 
-`HISPARSE_SHIM_DEVICE=cpu` (with `HISPARSE_BACKEND=reference_cpu`) checks the same file on a CPU:
-pinning and `torch.accelerator.synchronize` have no accelerator there, so both become no-ops.
+`HISPARSE_SHIM_DEVICE=cpu` (with `HISPARSE_BACKEND=reference_cpu`, or `triton` under
+`TRITON_INTERPRET=1`) checks the same file on a CPU: pinning and `torch.accelerator.synchronize`
+have no accelerator there, so both become no-ops.
 """
 
 import os

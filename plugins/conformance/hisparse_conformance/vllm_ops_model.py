@@ -75,6 +75,24 @@ def _random_outputs(n: int, k: int, rng: random.Random, g: torch.Generator) -> d
     }
 
 
+def _random_lru(s: int, h: int, corrupt: bool, rng: random.Random, g: torch.Generator) -> torch.Tensor:
+    """Every state row's LRU order, a permutation; `corrupt`: one slot of one row out of range."""
+    lru = torch.stack([torch.randperm(h, generator=g) for _ in range(s)]).to(torch.int16)
+    if corrupt:
+        q = rng.randrange(s)
+        lru[q, rng.randrange(h)] = rng.choice([-3, h, h + 7])
+    return lru
+
+
+def _random_writes(requests: int, dgi: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """The invalidation's tokens: each a request (some out of range) and a slot the hot map holds, or -1."""
+    nw = rng.randint(0, 4)
+    written_req = torch.tensor([rng.randrange(-1, requests + 1) for _ in range(nw)], dtype=torch.int32)
+    written_slots = torch.tensor([rng.choice([-1] + [int(x) for x in dgi.flatten() if x >= 0] or [0])
+                                  for _ in range(nw)], dtype=torch.int64)
+    return written_req, written_slots
+
+
 def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int = 1, tables: bool = True,
                 any_stride: bool = False) -> Case:
     """A random case. `tables=False`: no request ids, source or resident table; `any_stride`: the
@@ -120,10 +138,7 @@ def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int =
             if v in seen:
                 dgi[q, j] = -1
             seen.add(v)
-    lru = torch.stack([torch.randperm(h, generator=g) for _ in range(s)]).to(torch.int16)
-    if corrupt_lru:
-        q = rng.randrange(s)
-        lru[q, rng.randrange(h)] = rng.choice([-3, h, h + 7])
+    lru = _random_lru(s, h, corrupt_lru, rng, g)
     rows: list[int] = []
     req_ids: list[int] = []
     for req in rng.sample(range(rsi.numel()), rsi.numel()):
@@ -145,10 +160,7 @@ def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int =
             rows.append(t)
     request_ids = torch.tensor(req_ids, dtype=torch.int32)
     outputs = _random_outputs(n, k, rng, g)
-    nw = rng.randint(0, 4)
-    written_req = torch.tensor([rng.randrange(-1, rsi.numel() + 1) for _ in range(nw)], dtype=torch.int32)
-    written_slots = torch.tensor([rng.choice([-1] + [int(x) for x in dgi.flatten() if x >= 0] or [0])
-                                  for _ in range(nw)], dtype=torch.int64)
+    written_req, written_slots = _random_writes(rsi.numel(), dgi, rng)
     return Case(host, hot, hot_bt, topk, dgi, lru, rsi, request_ids, source_bt, resident_bt, bs,
                 0, 2 * bs + rng.randint(0, 3), min(h, rows_per_request * k), outputs, written_req, written_slots)
 
@@ -187,10 +199,7 @@ def _case_without_tables(seed: int, *, corrupt_lru: bool, rows_per_request: int,
         for j in range(h):
             if j < len(vals) and rng.random() < 0.6:
                 dgi[q, j] = vals[j]
-    lru = torch.stack([torch.randperm(h, generator=g) for _ in range(s)]).to(torch.int16)
-    if corrupt_lru:
-        q = rng.randrange(s)
-        lru[q, rng.randrange(h)] = rng.choice([-3, h, h + 7])
+    lru = _random_lru(s, h, corrupt_lru, rng, g)
     topk = torch.full((n, k), -1, dtype=torch.int32)
     seen: list[int] = []
     for r in range(n):
@@ -205,10 +214,7 @@ def _case_without_tables(seed: int, *, corrupt_lru: bool, rows_per_request: int,
             topk[r, i] = t
             seen.append(t)
     outputs = _random_outputs(n, k, rng, g)
-    nw = rng.randint(0, 4)
-    written_req = torch.tensor([rng.randrange(-1, n + 1) for _ in range(nw)], dtype=torch.int32)
-    written_slots = torch.tensor([rng.choice([-1] + [int(x) for x in dgi.flatten() if x >= 0] or [0])
-                                  for _ in range(nw)], dtype=torch.int64)
+    written_req, written_slots = _random_writes(n, dgi, rng)
     rsi = torch.tensor(rsi_rows, dtype=torch.int32)
     return Case(host, hot, hot_bt, topk, dgi, lru, rsi, None, None, None, 0, 0, 2 * bs + rng.randint(0, 3),
                 min(h, rows_per_request * k), outputs, written_req, written_slots)

@@ -58,9 +58,6 @@ misses and H2D columns count both, the critical path's are the difference (`crit
 layers standing for reference layers 0-1: their top-k predicts the next layer's no better than their
 own next step's, so prefetching from them copies rows nobody reads; rows labelled
 `code+prefetch-from1,2`; the same rows as `on` where no layer is poor); `off/on/auto` runs all three.
-`--decode-chunks 4` runs every hisparse row with `enable(decode_chunks=4)` (each layer's decode
-indexer and swap-in in 4 parts of the batch, a part's copies overlapping the next part's indexer on
-a side stream; rows labelled `code+chunks4`); `--decode-chunks 1/4` runs each both ways.
 `--resident-stores outside` puts the resident layers' stores on top of `--gpu-kv-gib` instead of
 inside it, so a resident alternative runs at hisparse's batches without resident layers (`max` is
 that largest; rows labelled `code+resident0-outside`, JSON `resident_stores_outside_budget_gib`:
@@ -497,7 +494,7 @@ def key_label(keys: str) -> str:
 
 def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool, *,
                skip_indexer: bool = False, prefetch: bool | tuple[int, ...] = False,
-               reference: list[int] | None = None, chunks: int = 1) -> dict[str, Any]:
+               reference: list[int] | None = None) -> dict[str, Any]:
     """One engine row: hisparse (with `s.resident_layers` kept whole on the GPU) or the same engine
     all-resident, the locality model's layers standing for `reference` (None: spread). `a.warmup`
     decode steps run untimed first; every figure (step, host time, hits, misses, PCIe bytes) is of
@@ -517,9 +514,6 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     if resident or prefetch == ():
         prefetch = False
     topk += prefetch_label(prefetch)
-    if resident:
-        chunks = 1
-    topk += f"+chunks{chunks}" if chunks > 1 else ""
     out: dict[str, Any] = {"mode": "all-resident" if resident else "hisparse", "batch": b, "context": s.context,
                            "topk": topk, "reference_layers": refs if modelled else None,
                            "indexer_keys": s.indexer_keys}
@@ -548,7 +542,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                                           synthetic_topk=a.topk_model if modelled else None,
                                           synthetic_topk_layers=refs if modelled else None,
                                           resident_layers=layers, prefetch_next_group=prefetch,
-                                          indexer_keys=s.indexer_keys, decode_chunks=chunks)
+                                          indexer_keys=s.indexer_keys)
         out["backend"] = hs.engine.backend.name
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
         if hs.engine.topk_model is not None:
@@ -850,11 +844,6 @@ def main(argv: list[str] | None = None) -> int:
                         "default), from every layer but the regime's poor ones ('auto': under code not from the layers "
                         "standing for reference layers 0-1, whose top-k predicts nothing; rows labelled "
                         "+prefetch-from1,2 where that leaves some out), or each row several ways ('off/on/auto')")
-    p.add_argument("--decode-chunks", default="1",
-                   help="hisparse rows with enable(decode_chunks=N): each layer's decode indexer and swap-in in N parts "
-                        "of the batch, a part's copies overlapping the next part's indexer (rows labelled +chunksN); "
-                        "several alternatives separated by '/' run each hisparse row once per value (e.g. 1/4; "
-                        "default 1, the whole batch at once)")
     p.add_argument("--resident-stores", default="inside",
                    help="whether the resident layers' stores (--resident-layers) come out of --gpu-kv-gib ('inside', "
                         "the default: the fixed budget) or on top of it ('outside': a resident alternative runs at "
@@ -900,15 +889,6 @@ def main(argv: list[str] | None = None) -> int:
     if not all(x in ("off", "on", "auto") for x in prefetch_alts):
         print(f"bench_serving: --prefetch-next-group={a.prefetch_next_group!r}: expected on, off, auto or several "
               "separated by '/' (e.g. off/on/auto)", file=sys.stderr)
-        return 2
-    chunk_alts = list(dict.fromkeys(x.strip() for x in a.decode_chunks.split("/")))
-    if not all(x.isdigit() and int(x) >= 1 for x in chunk_alts):
-        print(f"bench_serving: --decode-chunks={a.decode_chunks!r}: expected ints >= 1 separated by '/' (e.g. 1/4)",
-              file=sys.stderr)
-        return 2
-    if any(int(x) > 1 for x in chunk_alts) and prefetch_alts != ["off"]:
-        print(f"bench_serving: --decode-chunks={a.decode_chunks!r} with --prefetch-next-group={a.prefetch_next_group!r}: "
-              "both overlap copies on a side stream; expected one of them left at its default", file=sys.stderr)
         return 2
     if a.skip_indexer and a.topk_model == "indexer":
         print("bench_serving: --skip-indexer needs --topk-model benign or code (the indexer's choice is what "
@@ -1000,10 +980,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 variants = [(plan.references[0], s)]
             prefetches = prefetch_alts if mode == "hisparse" else ["off"]
-            chunkings = [int(x) for x in chunk_alts] if mode == "hisparse" else [1]
             also = (tuple(s.with_resident(x).largest("hisparse") for x in plan.resident if x and False in stores_alts)
                     if mode != "hisparse" else ())
-            for (refs, v), pf, parts in ((v, pf, c) for v in variants for pf in prefetches for c in chunkings):
+            for (refs, v), pf in ((v, pf) for v in variants for pf in prefetches):
                 sources = prefetch_sources(pf, refs, a.topk_model)
                 if pf == "auto" and sources is True and "on" in prefetches:
                     continue                       # the same rows as 'on'
@@ -1015,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
                         r = run_replay_workload(a.layers, v, b, a, model.config.index_topk)
                     else:
                         r = run_engine(model, v, b, a, resident=mode == "all-resident", skip_indexer=a.skip_indexer,
-                                       prefetch=sources, reference=refs, chunks=parts)
+                                       prefetch=sources, reference=refs)
                     emit(r, t0)
         if (plan.indexer_share is None or plan.indexer_share) and (plan.share_contexts is None
                                                                   or s.context in plan.share_contexts):

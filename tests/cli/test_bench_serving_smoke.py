@@ -102,23 +102,6 @@ def test_smoke_runs_the_prefetch_both_ways(tmp_path: Path) -> None:
     assert plot.returncode == 0 and "| 160 | code+prefetch | 2 |" in plot.stdout, plot.stdout + plot.stderr[-2000:]
 
 
-def test_smoke_runs_decode_chunks_both_ways(tmp_path: Path) -> None:
-    """`--decode-chunks 1/2`: every hisparse row whole and in two parts (labelled +chunks2, compared
-    with the same all-resident rows); the parts read the same rows, so hits and misses are equal."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--contexts", "320", "--batches", "max", "--modes",
-                          "hisparse,all-resident", "--topk-model", "code", "--decode-chunks", "1/2", "--all-resident-gib",
-                          "0.002",
-                          "--png", "", "--json", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.loads((tmp_path / "r.json").read_text())
-    assert {(r["mode"], r["topk"]) for r in rows} == {("hisparse", "code"), ("hisparse", "code+chunks2"),
-                                                      ("all-resident", "code")}
-    whole, parts = ([r for r in rows if r["topk"] == t][0] for t in ("code", "code+chunks2"))
-    assert whole["misses_per_step"] == parts["misses_per_step"] > 0
-    assert "T=320 (code+chunks2)" in out.stdout
-
-
 def test_smoke_runs_reference_layers_side_by_side(tmp_path: Path) -> None:
     """`--reference-layers spread/20,21,22,23`: every hisparse row under both lists (the adjacent
     one labelled +ref20,21,22,23, with and without the prefetch), all-resident once under the first;
@@ -219,9 +202,6 @@ def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
     (["--prefetch-next-group", "maybe"], "--prefetch-next-group"),
     (["--prefetch-next-group", "off/auto/sometimes"], "--prefetch-next-group"),
     (["--resident-stores", "inside/beside"], "--resident-stores"),
-    (["--decode-chunks", "0"], "--decode-chunks='0'"),
-    (["--decode-chunks", "1/two"], "--decode-chunks='1/two'"),
-    (["--decode-chunks", "2", "--prefetch-next-group", "on"], "--decode-chunks='2' with --prefetch-next-group='on'"),
     (["--topk-model", "code", "--reference-layers", "20,21,22"], "--reference-layers='20,21,22': 3 layers for 4"),
     (["--topk-model", "code", "--reference-layers", "spread/23,22,21,20"], "not strictly ascending"),
     (["--topk-model", "code", "--reference-layers", "20,21,22,61"], "--reference-layers"),

@@ -20,7 +20,6 @@ layers below its own, `TYPE_CHECKING` imports included, never one beside or abov
    are stored: the model's dtype or fp8);
 2. `session`: a batch's requests and the step in progress (Request, Session, StepState);
 3. `prefetch`: the cross-layer prefetch (the next index group's resolve on this group's top-k);
-   `chunks`: the chunked decode (an index group's indexer and resolve part by part of the batch);
 4. `engine`: the engine role (GPU block pool, coordinator, a worker per device, device caches and tables); it
    knows nothing of the model's attention, the cache or the checker;
 5. what the attention layers consult: `cache` (HiSparseCache) and `check` (the exactness checker,
@@ -43,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "shards", "ranks", "assisted",
      "model_topk", "index_keys"),
     ("session",),
-    ("prefetch", "chunks"),
+    ("prefetch",),
     ("engine",),
     ("cache", "check"),
     ("attention", "graphs"),

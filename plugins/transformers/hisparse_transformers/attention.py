@@ -95,8 +95,6 @@ def _decode_rows(engine: HiSparseEngine, step: StepState, group: int, position: 
             _count_union(engine, logical)
     else:
         assert cached is not None
-        if cached.copied:
-            return cached
         runtime.replay_plan([position])
         logical = cached.positions
     rows = runtime.result.rows[:b * s].to(torch.int64).view(b, s, -1)
@@ -206,11 +204,6 @@ def absorbed_attention(module: Any, q_pass: torch.Tensor, q_rot: torch.Tensor, k
     return out.reshape(out.shape[0], out.shape[1], heads * vdim)
 
 
-def _rows_of(t: Any, lo: int, hi: int, batch: int) -> Any:
-    """Rows lo..hi of a per-batch-row tensor (one broadcast over the batch passes as it is)."""
-    return t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else t
-
-
 class HiSparseAttention:
     """The per-instance forward of one patched attention module (see the module docstring)."""
 
@@ -268,17 +261,7 @@ class HiSparseAttention:
         if checker is not None:
             checker.record(self.layer, session, step, latent.view(b, s, -1))
 
-        rmap: RowMap | None = None
-        chunks = engine.chunks
-        if (self.position == 0 and chunks is not None and s == 1 and not step.verify and b > 1
-                and not engine.is_resident(self.group)):
-            topk, rmap = self._chunked_decode(cache, step, hidden, q_resid, position_embeddings,
-                                              attention_mask[:, 0, :, :], position_ids)
-            if checker is not None:
-                checker.check_topk(self.layer, session, step, m.indexer,
-                                   (hidden, q_resid, position_embeddings, attention_mask[:, 0, :, :], position_ids),
-                                   topk)
-        elif self.position == 0:
+        if self.position == 0:
             model = engine.topk_model
             if model is not None and model.filled(step):
                 # Benchmarks: the choice comes from the locality model (`model_topk.py`). The
@@ -297,9 +280,7 @@ class HiSparseAttention:
                 raise HiSparseError(f"layer {self.layer} shares its index group's top-k but got no prev_topk_indices")
             topk = prev_topk
         cached = step.group_cache.get(self.group)
-        if rmap is not None:
-            pass
-        elif engine.is_resident(self.group):
+        if engine.is_resident(self.group):
             rmap = _resident_rows(engine, step, topk) if self.position == 0 or cached is None else cached
             if engine.prefetch is not None and self.position == 0 and (s == 1 or step.verify):
                 # no resolve here, but the next group's prefetch runs on this group's top-k all the same
@@ -319,41 +300,3 @@ class HiSparseAttention:
         if self.layout.returns_topk:
             return out, None, topk
         return out, None
-
-    def _chunked_decode(self, cache: HiSparseCache, step: StepState, hidden: torch.Tensor, q_resid: torch.Tensor,
-                        position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                        position_ids: torch.Tensor | None) -> tuple[torch.Tensor, RowMap]:
-        """A decode step's indexer and resolve part by part of the batch (`decode_chunks`, chunks.py):
-        the whole top-k `[B, 1, k]` and the group's row map."""
-        m, engine = self.module, self.engine
-        chunks = engine.chunks
-        assert chunks is not None
-        b = hidden.shape[0]
-        runtime = engine.runtimes[self.group]
-        k = runtime.config.top_k
-        model = engine.topk_model
-        chosen = model.take(self.group, b) if model is not None and model.filled(step) else None
-        parts: list[torch.Tensor] = []
-        cos, sin = position_embeddings
-
-        def part_topk(lo: int, hi: int) -> torch.Tensor:
-            part = chosen[lo:hi] if chosen is not None else None
-            if part is None or model is not None and model.run_indexer:
-                # Benchmarks with a locality model still run the indexer (its cost), and the part's
-                # resolve waits for it on the device, as it waits for a real top-k.
-                with cache.indexer_rows(lo, hi):
-                    got = m.indexer(hidden[lo:hi], q_resid[lo:hi], (_rows_of(cos, lo, hi, b), _rows_of(sin, lo, hi, b)),
-                                    _rows_of(mask, lo, hi, b), _rows_of(position_ids, lo, hi, b), cache)
-                part = got if part is None else part
-            parts.append(part)
-            flat = part.reshape(hi - lo, part.shape[-1]).to(torch.int32) - step.pad32[lo:hi]
-            flat = torch.where((flat < 0) | (flat >= step.seq_lens[lo:hi].unsqueeze(1)), -1, flat)
-            if flat.shape[1] < k:
-                flat = torch.nn.functional.pad(flat, (0, k - flat.shape[1]), value=-1)
-            return flat
-
-        flat, rows = chunks.resolve(runtime, engine.tables_of(self.group), step.row_state[:b], step.seq_lens[:b],
-                                    part_topk)
-        topk = torch.cat(parts)
-        rows = rows.to(torch.int64).view(b, 1, -1)
-        return topk, RowMap(flat.to(torch.int64).view(b, 1, -1), rows >= 0, rows=rows, copied=True)

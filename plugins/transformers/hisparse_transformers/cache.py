@@ -21,8 +21,7 @@ them back through the resolver. What stays here:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,7 +71,6 @@ class HiSparseCache(DynamicCache):
         self._fp8 = engine.config.indexer_keys == "fp8"
         self._indexer_len: dict[int, int] = {}
         self._static_position: torch.Tensor | None = None   # [1] int64 padded position (static mode)
-        self._rows: tuple[int, int] | None = None              # a chunked decode's part (indexer_rows)
         self.indexer_generation = 0                            # bumped whenever a key buffer is replaced
         self.decode_graph: Any = None                          # the batch's DecodeGraph (graphs.py)
         self.generating = False      # the patched generate runs this cache (else: direct forwards)
@@ -111,8 +109,6 @@ class HiSparseCache(DynamicCache):
         and the whole buffer `[B, capacity, D]` comes back: fixed addresses and shapes for a
         captured graph."""
         keys, scales = quantize_fp8(indexer_key_states) if self._fp8 else (indexer_key_states, None)
-        if self._rows is not None:
-            return self._update_rows(keys, scales, layer_idx, *self._rows)
         b, s, d = keys.shape
         n = self._indexer_len.get(layer_idx, 0)
         if self._static_position is not None:
@@ -132,46 +128,6 @@ class HiSparseCache(DynamicCache):
             return buf[:, :n + s]
         self._scales[layer_idx][:, n:n + s] = scales
         return dequantize_fp8(buf[:, :n + s], self._scales[layer_idx][:, :n + s])
-
-    @contextmanager
-    def indexer_rows(self, lo: int, hi: int) -> Iterator[None]:
-        """Within it, `update_indexer` takes and returns batch rows lo..hi only: a decode step's
-        indexer run part by part (`decode_chunks`, chunks.py), parts in order, each batch row once."""
-        self._rows = (lo, hi)
-        try:
-            yield
-        finally:
-            self._rows = None
-
-    def _update_rows(self, keys: torch.Tensor, scales: torch.Tensor | None, layer_idx: int, lo: int,
-                     hi: int) -> torch.Tensor:
-        """`update_indexer` for batch rows lo..hi of a decode step (a prefill made the buffers): the
-        first part grows them, the last one sets the new length."""
-        buf = self._indexer.get(layer_idx)
-        if buf is None:
-            raise HiSparseError(f"indexer layer {layer_idx}: a decode part before any key was stored; expected a "
-                                "prefill first")
-        s = keys.shape[1]
-        if self._static_position is not None:
-            pos = self._static_position
-            part = buf[lo:hi]
-            if scales is None:
-                part.index_copy_(1, pos, keys)
-                return part
-            part.view(torch.uint8).index_copy_(1, pos, keys.view(torch.uint8))
-            part_scales = self._scales[layer_idx][lo:hi]
-            part_scales.index_copy_(1, pos, scales)
-            return dequantize_fp8(part, part_scales)
-        n = self._indexer_len.get(layer_idx, 0)
-        if lo == 0:
-            buf = self._grown(layer_idx, buf, n + s, self._scales.get(layer_idx))
-        buf[lo:hi, n:n + s] = keys
-        if hi == buf.shape[0]:
-            self._indexer_len[layer_idx] = n + s
-        if scales is None:
-            return buf[lo:hi, :n + s]
-        self._scales[layer_idx][lo:hi, n:n + s] = scales
-        return dequantize_fp8(buf[lo:hi, :n + s], self._scales[layer_idx][lo:hi, :n + s])
 
     def _grown(self, layer_idx: int, like: torch.Tensor, need: int, scales_like: torch.Tensor | None = None
                ) -> torch.Tensor:

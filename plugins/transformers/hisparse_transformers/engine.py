@@ -55,7 +55,6 @@ from hisparse_core.runtime import CacheRuntime
 from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.budgets import check_budgets
-from hisparse_transformers.chunks import DecodeChunks
 from hisparse_transformers.families import DsaLayout
 from hisparse_transformers.index_keys import check_key_format
 from hisparse_transformers.model_topk import ModelTopk
@@ -141,9 +140,6 @@ class EngineConfig:
     prefetch_next_group: bool | tuple[int, ...] = False
     #: how HiSparseCache stores the indexer keys: "model" (the model's dtype) or "fp8" (index_keys.py)
     indexer_keys: str = "model"
-    #: decode steps run each index group's indexer and swap-in in this many parts of the batch
-    #: (chunks.py): part i's resolve and copies overlap part i + 1's indexer on a side stream
-    decode_chunks: int = 1
 
     def __post_init__(self) -> None:
         check_key_format(self.indexer_keys)
@@ -163,12 +159,6 @@ class EngineConfig:
                 isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in pf) and len(set(pf)) == len(pf)):
             raise InvalidInputError(f"prefetch_next_group must be True or False, or a tuple of distinct index groups "
                                     f"(ints >= 0) whose successor is prefetched, got {pf!r}")
-        v = self.decode_chunks
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InvalidInputError(f"decode_chunks must be an int >= 1 (1: the whole batch at once), got {v!r}")
-        if v > 1 and pf:
-            raise InvalidInputError(f"decode_chunks={v} with prefetch_next_group={pf!r}: both overlap a group's copies "
-                                    "on a side stream; expected decode_chunks=1 or prefetch_next_group=False")
         if self.hot_rows is not None and (isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int)
                                           or self.hot_rows <= 0):
             raise InvalidInputError(f"hot_rows must be a positive int or None, got {self.hot_rows!r}")
@@ -391,7 +381,6 @@ class HiSparseEngine:
                                            sources=None if isinstance(pf, bool) else pf)
                          if pf else None)
         self.totals.prefetch_misses = [0] * G
-        self.chunks = DecodeChunks(c.decode_chunks, list(placement.devices)) if c.decode_chunks > 1 else None
         if spec:
             logger.info("hisparse transformers engine: assisted generation of up to %d candidate tokens: a verification "
                         "step resolves up to %d rows per request as one union (hot buffer %d rows >= %d x top-k)",

@@ -480,8 +480,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
            pool_name: str | None = None, synthetic_topk: str | None = None,
            resident_layers: str | Sequence[int] = (), prefetch_next_group: bool | Sequence[int] = False,
-           synthetic_topk_layers: str | Sequence[int] | None = None, indexer_keys: str = "model",
-           decode_chunks: int = 1) -> HiSparseHandle:
+           synthetic_topk_layers: str | Sequence[int] | None = None, indexer_keys: str = "model") -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -534,11 +533,6 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         scale per 128, as DeepSeek-V3.2 stores them: 132 bytes a token a layer against bf16's 256;
         the indexer scores them dequantized, `index_keys.py`). `check` compares the top-k against
         the model's indexer over keys stored the same way.
-    :param decode_chunks: run each index group's decode indexer and swap-in in this many parts of
-        the batch (`chunks.py`): a part's miss copies run on a side stream while the next part's
-        indexer scores, so only the last part's copies wait on the step. Outputs, hot state and
-        counters are those of the whole batch at once. 1 (the default): the whole batch at once.
-        Not with `prefetch_next_group`.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -591,7 +585,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
                           prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens,
                           resident_layers=resident, prefetch_next_group=_prefetch_sources(prefetch_next_group),
-                          indexer_keys=indexer_keys, decode_chunks=decode_chunks)
+                          indexer_keys=indexer_keys)
     placement = place(layout.attentions, layout.groups)
     if resident and placement.spread:  # before any backend is built (the TP case below, once ranks are known)
         raise InvalidInputError(f"resident_layers={list(resident)} runs on one device and one rank; expected a model "
@@ -617,7 +611,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                      "max_context": str(max_context), "prefill_chunk": str(prefill_chunk), "backend": chosen.name,
                      "speculative_tokens": str(speculative_tokens), "prefetch_next_group": str(prefetch_next_group),
                      "share_host_pool": str(share_host_pool), "devices": str(len(placement.devices)),
-                     "indexer_keys": indexer_keys, "decode_chunks": str(decode_chunks)})
+                     "indexer_keys": indexer_keys})
         logger.info("hisparse: %s", ranks.describe())
 
     def build() -> HiSparseEngine:

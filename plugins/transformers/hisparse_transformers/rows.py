@@ -25,6 +25,3 @@ class RowMap:
     host_rows: torch.Tensor | None = None
     host_mask: torch.Tensor | None = None
     num_host: int = 0
-    #: decode rows of a chunked resolve (chunks.py): the followers' copies were made with the
-    #: leader's, so followers read these rows as they are
-    copied: bool = False

@@ -193,6 +193,79 @@ def test_batched_verification_and_crop_match_the_model(family: str, model: torch
     assert s.verify_steps == 2 and s.verify_rows == 3 * 4 + 3 * 3 and s.rollbacks == 1 and s.rolled_back_tokens == 6
 
 
+def _static(hs: hisparse_transformers.HiSparseHandle, widths: list[int]) -> None:
+    """Run decode and verification steps through the captured step's static computation, eagerly
+    (what a CUDA graph records; graphs.py), and note each step's width there."""
+    hs.graphs.enabled, hs.graphs.capture = True, False
+
+    def seen(handle: hisparse_transformers.HiSparseHandle, step: object) -> None:
+        last = handle.graphs.last
+        if last is not None and last.steps and getattr(step, "num_new", 0) == last.width:
+            widths.append(last.width)
+
+    hs.on_step = seen
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_static_verification_steps_match_greedy(family: str, model: torch.nn.Module, greedy: list[torch.Tensor],
+                                                k: int) -> None:
+    """Prompt lookup with every verification step through the static computation (one set of
+    static buffers per width, fixed-capacity indexer keys, the causal mask built from positions):
+    the tokens of plain greedy decoding, rolled-back rows never read."""
+    widths: list[int] = []
+    with hisparse_transformers.enable(model, **tight_kwargs(family, k, check=False)) as hs:
+        _static(hs, widths)
+        poison_rolled_back_rows(hs)
+        for p, want in zip(prompts(), greedy, strict=True):
+            got = model.generate(p, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=k)
+            assert torch.equal(got, want), f"k={k}, prompt of {p.shape[1]} tokens: static path differs from greedy"
+        s = hs.stats()
+    assert s.decode_mode == "static eager" and s.verify_steps > 0 and s.rollbacks > 0, s
+    assert s.released_pages > 0 and s.misses > 0, s
+    assert max(widths) > 1 and set(widths) <= set(range(1, k + 2)), widths
+
+
+def test_static_batched_verification_and_crop_match_the_model(family: str, model: torch.nn.Module) -> None:
+    """The batched direct forwards of `test_batched_verification_and_crop_match_the_model` (3 rows,
+    a verification forward of 4 tokens, a crop of 2, one of 3) through the static computation."""
+    from transformers import DynamicCache
+
+    from hisparse_transformers.tiny import random_prompts
+    from hisparse_transformers.version import cache_kwarg
+
+    ids, mask = random_prompts([70, 41, 55], seed=4)
+    g = torch.Generator().manual_seed(9)
+    steps = [torch.randint(2, 128, (3, 4), generator=g), torch.randint(2, 128, (3, 3), generator=g)]
+    key = cache_kwarg(model)
+
+    def run(cache: object) -> list[torch.Tensor]:
+        out, m = [], mask
+        with torch.no_grad():
+            for a in range(0, ids.shape[1], CHUNK):
+                b = min(ids.shape[1], a + CHUNK)
+                model(input_ids=ids[:, a:b], attention_mask=m[:, :b], use_cache=True, **{key: cache})
+            for i, st in enumerate(steps):
+                m = torch.cat([m, torch.ones_like(st)], dim=1)
+                out.append(model(input_ids=st, attention_mask=m, use_cache=True, **{key: cache}).logits)
+                if i == 0:
+                    cache.crop(-2)  # type: ignore[attr-defined]
+                    m = m[:, :-2]
+        return out
+
+    theirs = run(DynamicCache(config=model.config))
+    widths: list[int] = []
+    with hisparse_transformers.enable(model, **tight_kwargs(family, 3, batch=3, check=False)) as hs:
+        _static(hs, widths)
+        cache = hs.new_cache(ids, mask, max_new_tokens=8)
+        ours = run(cache)
+        cache.finish()
+        s = hs.stats()
+    assert widths == [4, 3], widths
+    for a, b in zip(ours, theirs, strict=True):
+        assert float((a - b).abs().max()) <= 1e-4
+    assert s.verify_steps == 2 and s.rollbacks == 1 and s.rolled_back_tokens == 6, s
+
+
 # ------------------------------------------------------------------------------------ bad input
 
 

@@ -3,8 +3,9 @@ tests of test_transformers_assisted.py in fp32 on CUDA. Greedy prompt lookup (k 
 draft model through hisparse give the tokens of the model's own assisted generation and of plain
 greedy decoding on the same GPU, under GPU pressure (pages released, misses), with prefix reuse;
 verification rows resolve as one union (rows shared), rejected candidates are rolled back (and
-poisoned on the device and the host: a later read would change the tokens). Single-token steps
-(no candidate found) may replay a captured CUDA graph between the eager verification steps."""
+poisoned on the device and the host: a later read would change the tokens). Without the row check,
+verification steps are captured in a CUDA graph per width (tokens a row) and replayed, as the
+one-token steps are."""
 
 from __future__ import annotations
 
@@ -43,6 +44,29 @@ def test_prompt_lookup_on_gpu_matches_the_model_and_greedy(family: str, k: int) 
     assert s.released_pages > 0 and s.misses > 0 and s.prefix_hit_tokens >= 60, s
     assert k != 3 or (s.checked_entries > 0 and s.checked_max_abs_diff <= 1e-5), s
     assert "capture failed" not in s.decode_mode, s
+
+
+@pytest.mark.parametrize("family", sorted(ASSISTED))
+def test_captured_verification_steps_match_greedy(family: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Prompt lookup (k = 3) with captured verification steps: each width's first step runs the
+    static computation eagerly, the later ones replay its graph; the tokens stay greedy's."""
+    import logging
+
+    model = tiny_model(family, shape=ASSISTED[family], seed=3, device="cuda")
+    model.set_experts_implementation("batched_mm")
+    inputs = [p.cuda() for p in prompts()]
+    greedy = [model.generate(p, max_new_tokens=NEW, do_sample=False) for p in inputs]
+    with caplog.at_level(logging.INFO, logger="hisparse_transformers.graphs"), \
+            hisparse_transformers.enable(model, **tight_kwargs(family, 3, backend="nvidia", check=False)) as hs:
+        poison_rolled_back_rows(hs)
+        ours = [model.generate(p, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3) for p in inputs]
+        s = hs.stats()
+    captured = [r.getMessage() for r in caplog.records if "verification step of" in r.getMessage()]
+    print(f"{family}: {s.verify_steps} verification steps, {s.graph_captures} captures, decode {s.decode_mode}; "
+          + "; ".join(captured))
+    for a, c in zip(ours, greedy, strict=True):
+        assert torch.equal(a, c), "hisparse's captured assisted generation differs from greedy"
+    assert s.decode_mode == "cuda graph" and captured and s.rollbacks > 0 and s.misses > 0, s
 
 
 def test_draft_model_on_gpu_matches_greedy() -> None:

@@ -72,7 +72,7 @@ class HiSparseCache(DynamicCache):
         self._indexer_len: dict[int, int] = {}
         self._static_position: torch.Tensor | None = None   # [1] int64 padded position (static mode)
         self.indexer_generation = 0                            # bumped whenever a key buffer is replaced
-        self.decode_graph: Any = None                          # the batch's DecodeGraph (graphs.py)
+        self.decode_graphs: dict[int, Any] = {}                # the batch's DecodeGraph per tokens a row (graphs.py)
         self.generating = False      # the patched generate runs this cache (else: direct forwards)
         self.assisted = False        # an assisted generate (verification steps of several tokens, then crop)
         self.split_forward = False   # the forward in progress runs as several engine steps (handle.py)

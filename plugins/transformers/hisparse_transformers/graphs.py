@@ -1,4 +1,5 @@
-"""The decode forward of a batch captured in one CUDA graph and replayed every step.
+"""The decode forward of a batch captured in one CUDA graph and replayed every step; with assisted
+generation, each width of verification forward (2 to k + 1 tokens a row) in a graph of its own.
 
 A decode step of a DSA model is a few milliseconds of GPU work behind many more of Python and
 launches: transformers' forward, the indexer, hisparse's resolve and attention, hundreds of small
@@ -22,6 +23,12 @@ What a captured step reads, all at fixed addresses (`DecodeGraph`):
 
 The first decode step of a batch runs the same static computation eagerly (a warm-up that
 initializes every library handle the capture needs); capture and replay begin with the second.
+A verification step of S tokens a row (`StepState.verify`) takes the same path with buffers of
+width S (`DecodeGraph.width`): `[B, S]` inputs, the S padded positions, `B x S` resolver rows
+with their left padding and write rows copied in each step, the S new keys written at their
+static positions, and a causal mask (each query sees its row's context up to its own position).
+Each width has its own buffers and graph, captured at its second step; the crop that follows a
+verification runs outside the graph, on the host lengths only.
 A forward that is not a plain decode (prefill chunks, `output_attentions`, `inputs_embeds`, the
 exactness checker on) runs eagerly. So does every decode of a model whose MoE picks its experts on
 the host (transformers' "eager" experts implementation; its default, grouped_mm, captures), and of
@@ -91,22 +98,28 @@ def graph_support(engine: HiSparseEngine, requested: bool | None, checking: bool
 
 
 class DecodeGraph:
-    """The static buffers, and the captured graph, of one batch's decode steps (one per cache)."""
+    """The static buffers, and the captured graph, of one batch's steps of `width` tokens a row (per
+    cache: one for decode, width 1, and one for each width of verification step, 2 to k + 1)."""
 
-    def __init__(self, engine: HiSparseEngine, session: Session, *, capture: bool) -> None:
+    def __init__(self, engine: HiSparseEngine, session: Session, *, capture: bool, width: int = 1) -> None:
         dev = engine.device
         b = session.batch_size
         self.engine = engine
         self.session = session
         self.capture = capture
-        self.input_ids = torch.zeros((b, 1), dtype=torch.long, device=dev)
-        self.position_ids = torch.zeros((b, 1), dtype=torch.long, device=dev)
-        self.position = torch.zeros((1,), dtype=torch.long, device=dev)       # padded position of the new token
-        self.row_state = torch.full((b,), -1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros((b,), dtype=torch.int32, device=dev)
-        self.write_src = torch.arange(b, dtype=torch.int64, device=dev)       # decode: row b writes its one token
-        self.write_dst = torch.zeros((b,), dtype=torch.int64, device=dev)
-        self.write_res = torch.zeros((b,), dtype=torch.int64, device=dev)     # resident layers' store rows
+        self.width = width
+        # a decode step has one resolver row a batch row; a verification step one a query (b-major)
+        rows = b if width == 1 else b * width
+        self.input_ids = torch.zeros((b, width), dtype=torch.long, device=dev)
+        self.position_ids = torch.zeros((b, width), dtype=torch.long, device=dev)
+        self.offsets = torch.arange(width, dtype=torch.long, device=dev)
+        self.position = torch.zeros((width,), dtype=torch.long, device=dev)   # padded positions of the new tokens
+        self.row_state = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros((rows,), dtype=torch.int32, device=dev)
+        self.pad32 = torch.zeros((rows, 1), dtype=torch.int32, device=dev)    # verification: per resolver row
+        self.write_src = torch.arange(b * width, dtype=torch.int64, device=dev)  # decode: row b writes its token
+        self.write_dst = torch.zeros((b * width,), dtype=torch.int64, device=dev)
+        self.write_res = torch.zeros((b * width,), dtype=torch.int64, device=dev)  # resident layers' store rows
         self.capacity = 0
         self.generation = -1
         self.slots: torch.Tensor | None = None                              # arange(capacity)
@@ -117,31 +130,42 @@ class DecodeGraph:
 
     def _load(self, step: StepState, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         if step.write_dst.shape != self.write_dst.shape:
-            raise InvalidInputError(f"a decode step writes {step.write_dst.numel()} rows; expected one per batch row "
-                                    f"({self.write_dst.numel()})")
+            raise InvalidInputError(f"a step of {self.width} token(s) a row writes {step.write_dst.numel()} rows; "
+                                    f"expected {self.write_dst.numel()}")
         self.input_ids.copy_(input_ids)
-        if position_ids is None:            # the model's own default: the padded position
-            self.position_ids.fill_(step.past)
+        if position_ids is None:            # the model's own default: the padded positions
+            self.position_ids.copy_((self.offsets + step.past).expand_as(self.position_ids))
         else:
-            self.position_ids.copy_(position_ids.reshape(-1, 1).expand_as(self.position_ids))
-        self.position.fill_(step.past)
+            self.position_ids.copy_(position_ids.reshape(-1, self.width).expand_as(self.position_ids))
+        self.position.copy_(self.offsets + step.past)
         self.row_state.copy_(step.row_state)
         self.seq_lens.copy_(step.seq_lens)
         self.write_dst.copy_(step.write_dst)
         step.row_state, step.seq_lens = self.row_state, self.seq_lens
-        step.write_src, step.write_dst = self.write_src, self.write_dst
+        step.write_dst = self.write_dst
+        if self.width == 1:
+            step.write_src = self.write_src
+        else:
+            # a verification step's rows and write order come from its schedule; its resolver rows
+            # take the left padding per row
+            self.write_src.copy_(step.write_src)
+            step.write_src = self.write_src
+            self.pad32.copy_(step.pad32)
+            step.pad32 = self.pad32
         if step.write_res is not None:
             self.write_res.copy_(step.write_res)
             step.write_res = self.write_res
 
     def _forward(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
         assert self.slots is not None
-        pads = self.session.pads.view(-1, 1)
-        visible = (self.slots.view(1, -1) >= pads) & (self.slots.view(1, -1) <= self.position)
+        pads = self.session.pads.view(-1, 1, 1)
+        slots = self.slots.view(1, 1, -1)
+        # [B, S, capacity]: a query sees its row's context up to its own position (causal)
+        visible = (slots >= pads) & (slots <= self.position.view(1, -1, 1))
         kw = dict(kwargs)
         kw["input_ids"] = self.input_ids
         kw["position_ids"] = self.position_ids
-        kw["attention_mask"] = SameMaskForEveryLayerType(visible.view(visible.shape[0], 1, 1, -1))
+        kw["attention_mask"] = SameMaskForEveryLayerType(visible.unsqueeze(1))
         return original(**kw)
 
     def run(self, original: Callable[..., Any], kwargs: dict[str, Any], cache: HiSparseCache, step: StepState,
@@ -149,7 +173,7 @@ class DecodeGraph:
         """One decode forward: static inputs loaded, then eager (warm-up, or no capture), capture
         (first time, or after the key buffers grew) or replay."""
         self._load(step, kwargs["input_ids"], kwargs.get("position_ids"))
-        capacity = cache.static_indexer(self.position, need=step.past + 1)
+        capacity = cache.static_indexer(self.position, need=step.past + self.width)
         try:
             if capacity != self.capacity or cache.indexer_generation != self.generation:
                 self.capacity, self.generation = capacity, cache.indexer_generation
@@ -175,7 +199,7 @@ class DecodeGraph:
                 out["last_hidden_state"] = self.output.last_hidden_state.clone()
         finally:
             cache.static_indexer(None)
-        cache.static_filled(step.past + 1)
+        cache.static_filled(step.past + self.width)
         self.steps += 1
         return out
 
@@ -189,8 +213,9 @@ class DecodeGraph:
             self.output = self._forward(original, kwargs)
         self.graph = graph
         self.captures += 1
-        logger.info("hisparse: decode step of %d rows captured in a CUDA graph (indexer key capacity %d, %.0f ms%s)",
-                    self.session.batch_size, self.capacity, 1e3 * (time.perf_counter() - t0),
+        what = "decode step" if self.width == 1 else f"verification step of {self.width} tokens a row"
+        logger.info("hisparse: %s of %d rows captured in a CUDA graph (indexer key capacity %d, %.0f ms%s)",
+                    what, self.session.batch_size, self.capacity, 1e3 * (time.perf_counter() - t0),
                     "" if self.captures == 1 else f"; capture {self.captures} of this batch, after its key buffers "
                     "grew")
 
@@ -262,12 +287,13 @@ class DecodeGraphs:
         ids = kwargs.get("input_ids")
         if args:
             return "the model was called with positional arguments"
-        if step is None or step.prefill or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
-            if step is not None and step.verify:
-                # Its length varies with the candidates; a plain decode step costs a fraction of it.
-                return "a verification step of assisted generation (several tokens a row; only one-token decode steps " \
-                       "are captured)"
+        if step is None or step.prefill or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             return ""                       # a prefill chunk: eager by design, nothing to tell
+        width = ids.shape[1]
+        if width != step.num_new or (width > 1 and not step.verify):
+            return ""
+        if width > 1 and step.write_dst.numel() != ids.shape[0] * width:
+            return "a verification step whose rows do not all write (a row without a query)"
         if kwargs.get("inputs_embeds") is not None:
             return "a decode forward with inputs_embeds"
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("return_dict") is False:
@@ -279,8 +305,8 @@ class DecodeGraphs:
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
             return "a decode forward with a prepared (not 2-D) attention mask"
         pos = kwargs.get("position_ids")
-        if pos is not None and (not isinstance(pos, torch.Tensor) or pos.numel() not in (1, ids.shape[0])):
-            return "position_ids that are not one per batch row"
+        if pos is not None and (not isinstance(pos, torch.Tensor) or pos.numel() not in (width, ids.shape[0] * width)):
+            return "position_ids that are not one per batch row and token"
         return None
 
     def forward(self, original: Callable[..., Any], cache: HiSparseCache, args: tuple[Any, ...],
@@ -296,14 +322,15 @@ class DecodeGraphs:
                 logger.info("hisparse: %s runs eagerly (not captured)", why)
             return original(*args, **kwargs)
         assert session is not None and session.step is not None
-        graph = cache.decode_graph
+        width = kwargs["input_ids"].shape[1]
+        graph = cache.decode_graphs.get(width)
         if graph is None:
             moe = uncapturable_moe(self.model) if self.capture and self.model is not None else None
             if moe is not None:
                 self.enabled, self.reason = False, moe
                 logger.warning("hisparse: decode steps run eagerly: %s", moe)
                 return original(*args, **kwargs)
-            graph = cache.decode_graph = DecodeGraph(self.engine, session, capture=self.capture)
+            graph = cache.decode_graphs[width] = DecodeGraph(self.engine, session, capture=self.capture, width=width)
         self.last = graph
         before = graph.captures
         out = graph.run(original, kwargs, cache, session.step, self._failed)

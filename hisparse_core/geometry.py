@@ -60,6 +60,10 @@ def register_row_format(fmt: RowFormat) -> RowFormat:
     return fmt
 
 
+#: The most hot-buffer rows one request state of a runtime holds (`RuntimeConfig.hot_rows`).
+MAX_HOT_ROWS = 32768
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
     """Fixed geometry of one per-cache runtime (one index group: a leader layer and its followers).
@@ -100,8 +104,8 @@ class RuntimeConfig:
             raise InvalidInputError(
                 f"RuntimeConfig.hot_rows={self.hot_rows} must be >= rows_per_request*top_k="
                 f"{self.rows_per_request * self.top_k} so one step's union fits the hot buffer")
-        if self.hot_rows > 32768:
-            raise InvalidInputError(f"RuntimeConfig.hot_rows={self.hot_rows} exceeds the 32768-row limit")
+        if self.hot_rows > MAX_HOT_ROWS:
+            raise InvalidInputError(f"RuntimeConfig.hot_rows={self.hot_rows} exceeds the {MAX_HOT_ROWS}-row limit")
 
     @property
     def hot_blocks(self) -> int:

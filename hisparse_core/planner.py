@@ -280,6 +280,9 @@ def no_crossover_reason(p: PlanInputs) -> str:
     past = make_plan(replace(p, context=resident_context(p) + 1))
     if past.bound_by == "host pool":
         return "the host pool bounds it"
+    if past.gpu_concurrency == 0:
+        return (f"the GPU budget's {past.gpu_blocks} blocks hold no request past the hot buffer and tail (one "
+                f"admission of {past.inputs.context} tokens needs {past.admission_blocks})")
     return "hot buffer, tail and the admission kept free cost the GPU as much as the pages"
 
 

@@ -21,6 +21,7 @@ from hisparse_core.cli.options import (
     MAX_STEPS,
     MAX_TOKENS,
     MAX_TOP_K,
+    HeldSelectionLog,
     HelpFormatter,
     check_backend_name,
     fail,
@@ -131,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
     from hisparse_core.replay.report import dumps, pct
 
     totals = {"hits": 0, "misses": 0, "steps": 0}
+    # The registry's "backend selected" line waits for the memory checks, which need the
+    # backend's device: a refused value is the only line on stderr.
+    held = HeldSelectionLog()
     try:
         config = BenchConfig(requests=args.requests, context=args.context, steps=args.steps, top_k=args.top_k,
                              hot_multiple=args.hot, layers=args.layers, index_share=args.index_share,
@@ -148,11 +152,15 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1, note=f"hit {pct(totals['hits'] / looked) if looked else 'n/a'}, "
                                    f"{1e3 * sample.seconds:.0f} ms/step")  # type: ignore[attr-defined]
 
-            result = run_bench(config, backend, on_step=on_step)
+            result = run_bench(config, backend, on_step=on_step, on_checked=held.release)
     except KeyboardInterrupt:
+        held.release()
         print(f"hisparse bench: interrupted at step {totals['steps']} of {args.steps}", file=sys.stderr)
         return 130
     except (HiSparseError, ValueError) as exc:
+        held.drop()  # refused before any work: the error line alone
         return fail("hisparse bench", str(exc))
+    finally:
+        held.release()  # whatever else ended the bench (idempotent)
     print(dumps(result.to_json()) if args.json else _table(result))
     return 0

@@ -30,12 +30,20 @@ def run(args: argparse.Namespace) -> int:
     from hisparse_core.registry import get_registry
     from hisparse_core.scaffold import check_name, write
 
+    target: Path | None = None
     try:
         names = check_name(args.name, (e.name for e in get_registry().entries()))
         target = Path(args.dir if args.dir is not None else names.dist)
-        write(names, target)  # checks that target is absent or empty before writing anything
-    except (HiSparseError, OSError) as exc:
+        # Checks that DIR is absent (under a writable folder) or empty before writing anything,
+        # and removes what it wrote if a write fails.
+        write(names, target, label="DIR")
+    except HiSparseError as exc:
         print(f"hisparse new-backend: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a check that could not look (a folder that cannot be read, say)
+        where = f"DIR {str(target)!r}: " if target is not None else ""
+        print(f"hisparse new-backend: error: {where}{exc.strerror or exc}; expected a new or empty folder that "
+              "can be written", file=sys.stderr)
         return 2
     print(f"wrote {names.dist} (backend {names.name!r}, package {names.package}) in {target}/")
     from hisparse_core.scaffold import hisparse_source

@@ -8,6 +8,7 @@ Light on purpose: `build_parser` imports this for every command, `--help` and `b
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 import sys
@@ -137,6 +138,78 @@ def fail(prog: str, message: str) -> int:
     """One error line on stderr; the exit status of bad input."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
+
+
+def fail_argument(prog: str, flag: str, message: str) -> int:
+    """One error line for a flag whose value the parser could not judge alone (its range depends on
+    another flag or a preset), in the parser's own format: `PROG: error: argument FLAG: MESSAGE
+    (see PROG --help)`; the exit status of bad input."""
+    print(f"{prog}: error: argument {flag}: {message} (see {prog} --help)", file=sys.stderr)
+    return 2
+
+
+class HeldSelectionLog(logging.Filter):
+    """Holds the backend registry's INFO lines ("hisparse backend 'X' selected ...") from the
+    moment it is attached until `release()`: a command selects its backend (whose device its
+    budget checks need) and checks its values before it says anything, so a refused value is the
+    one line on stderr. Warnings (a tie, a broken backend skipped) pass at once; `release()`
+    logs the held lines; `drop()` forgets them (the command failed before any work)."""
+
+    LOGGER = "hisparse_core.registry"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+        self._logger = logging.getLogger(self.LOGGER)
+        self._logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        self.held.append(record)
+        return False
+
+    def release(self) -> None:
+        """Stop holding and log what was held, in order (idempotent)."""
+        self._logger.removeFilter(self)
+        held, self.held = self.held, []
+        for record in held:
+            self._logger.handle(record)
+
+    def drop(self) -> None:
+        """Stop holding and forget what was held."""
+        self._logger.removeFilter(self)
+        self.held = []
+
+
+def check_torch_device(flag: str, text: str, command: str) -> str | None:
+    """Why `flag text` is not a device `command` can run on here, in one line, or None. Accepted:
+    `cpu`, and `cuda` / `cuda:N` where this torch has CUDA and device N exists
+    (`torch.cuda.device_count()`); nothing else (an unknown name, `meta`, `mps`, ...). Imports
+    torch: call it after `import_torch`."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cudas = "cuda:0" if count == 1 else f"cuda:0..cuda:{count - 1}"
+    expected = f"cpu, cuda or {cudas}" if count else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        return f"{flag} {text!r} is not a torch device; expected {expected}"
+    if device.type == "cpu":
+        if device.index not in (None, 0):
+            return f"{flag} {text!r}: the CPU has no device index {device.index}; expected {expected}"
+        return None
+    if device.type == "cuda":
+        if not count:
+            why = ("this torch has no CUDA" if not torch.backends.cuda.is_built() else
+                   "this torch has CUDA but sees no CUDA device")
+            return f"{flag} {text!r}: {why}; expected cpu"
+        if device.index is not None and device.index >= count:
+            return (f"{flag} {text!r}: this machine has {count} CUDA device{'s' if count > 1 else ''} "
+                    f"({cudas}); expected {expected}")
+        return None
+    return f"{flag} {text!r}: {command} runs on the CPU or a CUDA GPU only; expected {expected}"
 
 
 def check_plot_path(path: str) -> str | None:

@@ -200,6 +200,33 @@ def _table(plan, miss_source: str, crossover: int | None) -> str:  # type: ignor
     return render_table(rows, "hisparse plan")
 
 
+def gpu_budget_problem(plan) -> str | None:  # type: ignore[no-untyped-def]
+    """Why `--gpu-kv` holds no request at any context (not even one of 1 token: a page and its
+    indexer block), naming the smallest budget that holds one, or None. A budget that holds one
+    short request but none of `--context` is a plan (0 at this context, the crossover and
+    `--sweep` say where requests fit); one that holds none at all is a typo (1B for 1GiB), and
+    its table would only say 0 everywhere."""
+    from dataclasses import replace as replace_inputs
+
+    from hisparse_core.planner import make_plan
+    from hisparse_core.replay.report import human_bytes
+    from hisparse_core.units import ceil_size
+
+    i, g = plan.inputs, plan.inputs.geometry
+    one_token = make_plan(replace_inputs(i, context=1))  # all resident: a page and its indexer blocks
+    smallest = one_token.baseline_blocks_per_request
+    if plan.gpu_blocks >= smallest:
+        return None
+    blocks = "no block" if not plan.gpu_blocks else f"{plan.gpu_blocks} block{'s' if plan.gpu_blocks > 1 else ''}"
+    indexer = one_token.indexer_blocks_per_request
+    return (f"--gpu-kv {human_bytes(i.gpu_kv_bytes)} holds {blocks} of {human_bytes(plan.block_bytes)} "
+            f"({g.num_layers} layers x {g.block_size} tokens x {g.row_bytes} B), so no request fits at any context; "
+            f"expected --gpu-kv >= {ceil_size(smallest * plan.block_bytes)} (one 1-token request: 1 page"
+            + (f" + {indexer} indexer block{'s' if indexer > 1 else ''}" if indexer else "")
+            + f"), >= {ceil_size(plan.admission_blocks * plan.block_bytes)} for one request of --context "
+              f"{i.context} with hisparse")
+
+
 def run(args: argparse.Namespace) -> int:
     from hisparse_core.planner import crossover_context
     from hisparse_core.replay.report import dumps, render_grid
@@ -208,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("hisparse plan", why)
     try:
         plan = plan_from_args(args)
+        if why := gpu_budget_problem(plan):
+            return fail("hisparse plan", why)
         sweep = []
         if args.sweep:
             sweep = [plan_from_args(args, ctx) for ctx in args.sweep]

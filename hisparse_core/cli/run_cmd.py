@@ -41,11 +41,13 @@ from hisparse_core.cli.options import (
     MAX_TOKENS,
     MAX_TOP_K,
     SIZE_UNITS,
+    HeldSelectionLog,
     HelpFormatter,
     check_backend_name,
     check_host_budget,
     check_plot_path,
     fail,
+    fail_argument,
     float_in,
     import_torch,
     int_in,
@@ -167,6 +169,32 @@ def _layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, e.g. 0,1; got {text!r}") from None
 
 
+def _resident_layers_problem(args: argparse.Namespace) -> str | None:
+    """Why `--resident-layers` does not name layers of this run (their range is `--layers`, the
+    preset's or the default), or None; said as the parser says a value out of its range."""
+    if not args.resident_layers:
+        return None
+    from hisparse_core.replay.presets import preset
+
+    if args.layers is not None:
+        layers, where = args.layers, f"--layers {args.layers}"
+    elif "layers" in preset(args.preset):
+        layers = int(preset(args.preset)["layers"])  # type: ignore[call-overload]
+        where = f"--layers {layers} of --preset {args.preset}"
+    else:
+        layers, where = DEFAULTS["layers"], f"--layers {DEFAULTS['layers']}, the default"
+    given = ",".join(str(x) for x in args.resident_layers)
+    bad = sorted({x for x in args.resident_layers if not 0 <= x < layers})
+    if bad:
+        which = "" if len(args.resident_layers) == 1 else \
+            f" ({', '.join(map(str, bad))} {'is' if len(bad) == 1 else 'are'} out of range)"
+        return f"expected layer indices in [0, {layers}) ({where}), got {given}{which}"
+    repeated = sorted({x for x in args.resident_layers if args.resident_layers.count(x) > 1})
+    if repeated:
+        return f"expected each layer once, got {given} ({', '.join(map(str, repeated))} repeated)"
+    return None
+
+
 def config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """RunConfig defaults, then the preset's values, then every flag given."""
     from hisparse_core.replay.engine import RunConfig
@@ -283,6 +311,8 @@ def _planner_note(s: dict[str, Any], where: str = "GPU") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if why := _resident_layers_problem(args):
+        return fail_argument("hisparse run", "--resident-layers", why)
     if args.plot and (why := check_plot_path(args.plot)):
         return fail("hisparse run", why)
     # The checks that need no torch come first: a bad value fails in a fraction of a second.
@@ -298,6 +328,9 @@ def run(args: argparse.Namespace) -> int:
     from hisparse_core.replay.run import run_replay
 
     acc = {"hits": 0, "misses": 0, "step": 0}
+    # The registry's "backend selected" line waits for the budget checks, which need the
+    # backend's device: a refused value is the only line on stderr.
+    held = HeldSelectionLog()
     try:
         config = config_from_args(args)
         backend = select_backend(args.backend)
@@ -312,17 +345,22 @@ def run(args: argparse.Namespace) -> int:
                         f"{pct(acc['hits'] / looked) if looked else 'n/a'}")
                 bar.update(config.steps if engine.done else 1, note=note + (", all finished" if engine.done else ""))
 
-            result = run_replay(config, backend, on_step=on_step)
+            result = run_replay(config, backend, on_step=on_step, on_checked=held.release)
     except KeyboardInterrupt:
+        held.release()
         print(f"hisparse run: interrupted at step {acc['step']}", file=sys.stderr)
         return 130
     except AttentionMismatch as exc:
+        held.release()
         if args.json:
             print(dumps({"check": "fail", "passed": False, "error": str(exc)}))
         print(f"hisparse run: FAILED: {exc}", file=sys.stderr)
         return 1
     except (HiSparseError, ValueError) as exc:
+        held.drop()  # refused before any work: the error line alone
         return fail("hisparse run", str(exc))
+    finally:
+        held.release()  # whatever else ended the run (idempotent)
     # The table first: a plot that cannot be written never costs the finished run's figures.
     print(dumps(result.to_json()) if args.json else _table(result))
     sys.stdout.flush()

@@ -30,7 +30,7 @@ from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.host_pool import HostPoolSpec
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
-from hisparse_core.replay.layout import hot_rows_for, index_groups
+from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem, index_groups
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, RuntimeStats
 from hisparse_core.types import RowMirror
 
@@ -66,6 +66,8 @@ class BenchConfig:
             raise InvalidInputError(f"bench warmup must be in [0, steps={self.steps}), got {self.warmup}")
         row_format(self.row_format)  # raises for an unknown name
         hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
+        if why := hot_rows_limit_problem(self.top_k, self.hot_multiple, self.block_size):
+            raise InvalidInputError(why)
 
     @property
     def fmt(self) -> RowFormat:
@@ -156,8 +158,11 @@ def _fill_pattern(view: torch.Tensor, block_size: int, gen: torch.Generator) -> 
 
 
 def run_bench(config: BenchConfig, backend: Backend,
-              on_step: Callable[[int, StepSample], None] | None = None) -> BenchResult:
-    """Run the benchmark on `backend`; `on_step(step, sample)` after each step (progress)."""
+              on_step: Callable[[int, StepSample], None] | None = None,
+              on_checked: Callable[[], None] | None = None) -> BenchResult:
+    """Run the benchmark on `backend`; `on_step(step, sample)` after each step (progress);
+    `on_checked()` once the device and host memory checks have passed, before anything is
+    allocated or logged."""
     t_start = time.perf_counter()
     c, fmt, bs = config, config.fmt, config.block_size
     group_layers = index_groups(c.layers, c.index_share)
@@ -170,15 +175,16 @@ def run_bench(config: BenchConfig, backend: Backend,
                         f"device caches of {num_dev_blocks} blocks x {c.layers} layers ({n_req} requests x "
                         f"({hot_blocks} hot + {tail_slots} tail blocks))",
                         remedy="lower --requests, --top-k, --hot or --tail-pages")
-    logger.info("bench: %d requests x %d-token prompts, %d steps, top-k %d, hot buffer %d rows (%.2fx), "
-                "%d layers in %d index group(s) %s, %s rows of %d B, %d resident tail pages, locality %.2f",
-                n_req, c.context, c.steps, k, hot_rows, hot_rows / k, c.layers, len(group_layers), group_layers,
-                fmt.name, fmt.row_bytes, c.tail_pages, c.locality)
-
     spec = HostPoolSpec(num_layers=c.layers, num_blocks=n_req * pages, block_size=bs, row_format=fmt)
     # Checked here with bench's own flags (the pool's check would say "lower the host pool budget").
     check_host_memory(spec.nbytes, f"the host pool of {n_req} requests x {pages} pages of {c.context}-token prompts "
                                    f"x {c.layers} layers", remedy="lower --context or --requests")
+    if on_checked is not None:
+        on_checked()
+    logger.info("bench: %d requests x %d-token prompts, %d steps, top-k %d, hot buffer %d rows (%.2fx), "
+                "%d layers in %d index group(s) %s, %s rows of %d B, %d resident tail pages, locality %.2f",
+                n_req, c.context, c.steps, k, hot_rows, hot_rows / k, c.layers, len(group_layers), group_layers,
+                fmt.name, fmt.row_bytes, c.tail_pages, c.locality)
     pool = backend.create_host_pool(spec)
     try:
         gen = torch.Generator().manual_seed(c.seed)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -61,7 +62,7 @@ from hisparse_core.replay.attention import check_layer
 from hisparse_core.replay.decode import DecodeRunner, graph_choice
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.kvdata import ReferenceKV, RowSource
-from hisparse_core.replay.layout import hot_rows_for, index_groups
+from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem, index_groups
 from hisparse_core.replay.locality import REGIMES, LayeredIndexer, reference_layers, regime
 from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
@@ -137,6 +138,8 @@ class RunConfig:
                                         "expected whole index groups (they share one top-k)")
             first += n
         hot = hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
+        if why := hot_rows_limit_problem(self.top_k, self.hot_multiple, self.block_size):
+            raise InvalidInputError(why)
         if hot < self.rows_per_request * self.top_k:
             raise InvalidInputError(
                 f"run hot buffer of {hot} rows ({self.hot_multiple}x top-k) cannot hold the union of "
@@ -260,10 +263,23 @@ def _check_host_blocks(c: RunConfig, config: CoordinatorConfig) -> None:
 class ReplayEngine:
     """One replay: build with a config and a backend, call `step()` `config.steps` times, `close()`."""
 
-    def __init__(self, config: RunConfig, backend: Backend) -> None:
+    def __init__(self, config: RunConfig, backend: Backend, on_checked: Callable[[], None] | None = None) -> None:
+        """Check the budgets (`CapacityError` in the flags' words), call `on_checked()` once they
+        pass, then build the coordinator, host pool, worker and device caches."""
         c = self.config = config
         self.backend = backend
         self.fmt = c.fmt
+        if c.resident_kv_bytes >= c.gpu_kv_bytes:
+            # Nothing of the budget left for the layers through hisparse (the plan would get a
+            # negative budget): said in the flags' words, with a budget that admits one request.
+            probe = make_plan(PlanInputs(c.geometry(), c.gpu_kv_bytes, c.host_bytes, c.max_tokens, c.hot_rows, 0.0,
+                                         c.tail_pages))
+            need = c.resident_kv_bytes + probe.admission_blocks * probe.block_bytes
+            raise CapacityError(
+                f"--gpu-kv {human_bytes(c.gpu_kv_bytes)} is all taken by --resident-layers "
+                f"{','.join(map(str, c.resident_layers))}: their pages for {c.concurrency or c.requests} requests of "
+                f"{c.max_tokens} tokens need {human_bytes(c.resident_kv_bytes)}; expected --gpu-kv >= {ceil_size(need)} "
+                "(with one admission through hisparse), or a lower --concurrency, or fewer --resident-layers")
         self.plan = c.plan()
         p = self.plan
         bs = c.block_size
@@ -323,6 +339,8 @@ class ReplayEngine:
                                            f"{p.block_bytes} B{resident}{where})", remedy=f"lower --gpu-kv{fits}")
         check_host_memory(c.host_bytes, f"--host {human_bytes(c.host_bytes)} (the host pool)",
                           remedy="lower --host")
+        if on_checked is not None:
+            on_checked()
         self.gpu = SimpleGpuBlockPool(p.gpu_blocks)
         self.resident_pool = SimpleGpuBlockPool(self.resident_blocks) if c.resident_layers else None
         # The coordinator, host pool and worker see only the layers through hisparse.

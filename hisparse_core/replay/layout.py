@@ -33,3 +33,25 @@ def hot_rows_for(top_k: int, hot_multiple: float, block_size: int) -> int:
     if not hot_multiple >= 1.0:
         raise InvalidInputError(f"the hot buffer must hold at least one top-k (multiple >= 1), got {hot_multiple}")
     return round_up(math.ceil(top_k * hot_multiple), block_size)
+
+
+def hot_rows_limit_problem(top_k: int, hot_multiple: float, block_size: int) -> str | None:
+    """Why a hot buffer of `hot_multiple` x `top_k` rows (whole blocks) is over a runtime's limit
+    (`geometry.MAX_HOT_ROWS`), in the words of the `--top-k` and `--hot` flags, or None. Checked
+    before a backend is selected: the runtime itself refuses it only once the caches are built."""
+    from hisparse_core.geometry import MAX_HOT_ROWS
+
+    hot = hot_rows_for(top_k, hot_multiple, block_size)
+    if hot <= MAX_HOT_ROWS:
+        return None
+    return (f"--top-k {top_k} with --hot {hot_multiple:g} makes a hot buffer of {hot} rows per request, over the "
+            f"{MAX_HOT_ROWS}-row limit of a runtime; expected --top-k x --hot <= {MAX_HOT_ROWS} (at --hot "
+            f"{hot_multiple:g}: --top-k <= {_largest_top_k(hot_multiple, block_size, MAX_HOT_ROWS)})")
+
+
+def _largest_top_k(hot_multiple: float, block_size: int, limit: int) -> int:
+    """The largest top-k whose hot buffer at `hot_multiple` fits `limit` rows (0 if none does)."""
+    k = int(limit // hot_multiple)
+    while k > 0 and hot_rows_for(k, hot_multiple, block_size) > limit:
+        k -= 1
+    return k

@@ -117,11 +117,13 @@ class RunResult:
 
 
 def run_replay(config: RunConfig, backend: Backend,
-               on_step: Callable[[StepRecord, ReplayEngine], None] | None = None) -> RunResult:
+               on_step: Callable[[StepRecord, ReplayEngine], None] | None = None,
+               on_checked: Callable[[], None] | None = None) -> RunResult:
     """Replay `config.steps` steps, or fewer once every request has finished; raises
-    `AttentionMismatch` at the first wrong row or output."""
+    `AttentionMismatch` at the first wrong row or output. `on_checked()` is called once the
+    budgets have passed their checks, before anything is allocated (`ReplayEngine`)."""
     t0 = time.perf_counter()
-    engine = ReplayEngine(config, backend)
+    engine = ReplayEngine(config, backend, on_checked=on_checked)
     try:
         t1 = time.perf_counter()
         for _ in range(config.steps):

@@ -94,27 +94,76 @@ def render(names: ScaffoldNames, source: str | None = None) -> dict[str, str]:
             for source, target in FILES.items()}
 
 
-def check_target(target: Path) -> None:
-    """`target` must be absent or an empty folder: the scaffold overwrites nothing."""
+def check_target(target: Path, label: str = "target") -> None:
+    """`target` must be absent (under an existing, writable folder) or an empty, writable folder:
+    the scaffold overwrites nothing and fails before writing anything. `label` names it in the
+    message (the CLI's `DIR`)."""
+    what = f"{label} {str(target)!r}"
     if target.exists() and not target.is_dir():
-        raise InvalidInputError(f"target {str(target)!r} exists and is not a folder; expected a new or empty folder")
-    if target.is_dir() and any(target.iterdir()):
-        raise InvalidInputError(f"target folder {str(target)!r} is not empty; expected a new or empty folder")
+        raise InvalidInputError(f"{what} exists and is not a folder; expected a new or empty folder")
+    if target.is_dir():
+        if any(target.iterdir()):
+            raise InvalidInputError(f"{what} is not empty; expected a new or empty folder")
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise InvalidInputError(f"{what} is not writable; expected a new or empty folder that can be written")
+        return
+    ancestor = _nearest_existing(target)
+    if not ancestor.is_dir():
+        raise InvalidInputError(f"{what} cannot be created: {str(ancestor)!r} is not a folder; expected a new or "
+                                "empty folder under an existing folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InvalidInputError(f"{what} cannot be created: the folder {str(ancestor)!r} is not writable; expected "
+                                "a new or empty folder under a writable folder")
 
 
-def write(names: ScaffoldNames, target: Path, source: str | None = None) -> list[Path]:
-    """Write the distribution into `target` (checked by `check_target` first); the paths written."""
-    check_target(target)
+def _nearest_existing(path: Path) -> Path:
+    """The nearest of `path`'s ancestors that exists (as given, or the current folder)."""
+    for parent in path.parents:
+        if os.path.lexists(parent):
+            return parent
+    return Path(".")
+
+
+def write(names: ScaffoldNames, target: Path, source: str | None = None, *, label: str = "target") -> list[Path]:
+    """Write the distribution into `target` (checked by `check_target` first); the paths written.
+    A write that fails (a full disk, say) removes what it wrote, folders it created included, and
+    raises `InvalidInputError` naming `label`, the target and the file."""
+    check_target(target, label)
     rendered = render(names, source)  # every template is read and filled before anything is written
+    existed = target.is_dir()
+    created = target if existed else next(
+        (p for p in reversed((target, *target.parents)) if not os.path.lexists(p)), target)
     written = []
-    for rel, text in rendered.items():
-        path = target / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        if rel in EXECUTABLE:
-            path.chmod(path.stat().st_mode | 0o111 & ~_umask())
-        written.append(path)
+    rel = ""
+    try:
+        for rel, text in rendered.items():
+            path = target / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            if rel in EXECUTABLE:
+                path.chmod(path.stat().st_mode | 0o111 & ~_umask())
+            written.append(path)
+    except OSError as exc:
+        _remove_written(target if existed else created, keep_root=existed)
+        detail = exc.strerror or str(exc)
+        raise InvalidInputError(f"{label} {str(target)!r}: cannot write {rel} ({detail}); expected a new or empty "
+                                "folder that can be written (nothing was left behind)") from exc
     return written
+
+
+def _remove_written(root: Path, *, keep_root: bool) -> None:
+    """Remove what a failed `write` made under `root`: its contents if `keep_root` (the folder
+    was there, empty, before), else `root` itself."""
+    import shutil
+
+    if not keep_root:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for child in list(root.iterdir()) if root.is_dir() else []:
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def _umask() -> int:

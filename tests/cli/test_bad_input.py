@@ -318,7 +318,8 @@ def test_plan_tail_pages_range_is_the_one_it_accepts(capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize(("argv", "needle", "not_said"), [
     (["bench", "--context", "16777216"], "lower --context or --requests", "host pool budget"),
-    (["bench", "--top-k", "65536", "--hot", "64"], "lower --requests, --top-k, --hot or --tail-pages", None),
+    # (--top-k 65536 --hot 64 is now refused earlier: its hot buffer is over a runtime's row limit.)
+    (["bench", "--requests", "65536", "--top-k", "16384"], "lower --requests, --top-k, --hot or --tail-pages", None),
 ])
 def test_bench_capacity_errors_name_bench_flags(argv: list[str], needle: str, not_said: str | None,
                                                 monkeypatch: pytest.MonkeyPatch,
@@ -338,3 +339,102 @@ def test_log_level_after_the_command(capsys: pytest.CaptureFixture[str]) -> None
     assert capsys.readouterr().err.splitlines() == ["hisparse: error: --log-level 'bogus' is not a logging level; "
                                                     "expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL"]
     assert main(["--log-level", "bogus", "plan", "--json", "--log-level", "warning"]) == 0  # the later one stands
+
+
+# ------------------------------------------------ refused before anything is said or selected
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["run", "--host", "1"], "hisparse run: error: --host 1 B holds 0 usable host blocks"),
+    (["run", "--gpu-kv", "1024TiB"], "hisparse run: error: --gpu-kv 1.00 PiB ("),
+    (["run", "--gpu-kv", "1B"], "hisparse run: error: GPU KV budget of 1 B holds 0 blocks"),
+    (["run", "--hot", "64"], "hisparse run: error: --top-k 2048 with --hot 64 makes a hot buffer of 131072 rows"),
+    (["bench", "--requests", "65536", "--context", "16777216"], "hisparse bench: error: device caches of "),
+    (["bench", "--hot", "17"], "hisparse bench: error: --top-k 2048 with --hot 17 makes a hot buffer of 34816 rows"),
+])
+def test_a_refused_budget_is_the_only_line(argv: list[str], needle: str) -> None:
+    """The registry's "backend 'X' selected" INFO line used to come first: the backend is selected
+    (its device decides the memory checks) but the line waits until the checks pass."""
+    proc = subprocess.run([sys.executable, "-m", "hisparse_core", *argv, "--no-progress"], env=_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr
+
+
+def test_a_run_that_passes_its_checks_still_says_which_backend_first() -> None:
+    """The held line is logged once the checks pass: before the coordinator's and worker's lines."""
+    proc = subprocess.run([sys.executable, "-m", "hisparse_core", *SMALL_RUN], env=_env(), capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("INFO hisparse_core.registry: hisparse backend 'reference_cpu' selected (explicit)")
+    assert sum("selected" in line for line in lines) == 1, proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--resident-layers", "7"], "expected layer indices in [0, 2) (--layers 2, the default), got 7"),
+    (["--resident-layers", "0,7,9", "--layers", "4"],
+     "expected layer indices in [0, 4) (--layers 4), got 0,7,9 (7, 9 are out of range)"),
+    (["--resident-layers", "-1"], "expected layer indices in [0, 2) (--layers 2, the default), got -1"),
+    (["--preset", "large", "--resident-layers", "4"],
+     "expected layer indices in [0, 4) (--layers 4 of --preset large), got 4"),
+    (["--resident-layers", "1,1", "--layers", "4"], "expected each layer once, got 1,1 (1 repeated)"),
+])
+def test_resident_layers_out_of_range_is_said_as_the_parser_says_it(argv: list[str], expected: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", *argv, "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"hisparse run: error: argument --resident-layers: {expected} "
+                                         "(see hisparse run --help)"]
+
+
+def test_the_top_k_the_hot_limit_names_is_accepted() -> None:
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_core.geometry import MAX_HOT_ROWS
+    from hisparse_core.replay.bench import BenchConfig
+    from hisparse_core.replay.engine import RunConfig
+
+    for hot, block in ((2.0, 64), (17.0, 64), (3.0, 16), (64.0, 64)):
+        with pytest.raises(InvalidInputError, match="--top-k <= ") as exc:
+            RunConfig(top_k=MAX_HOT_ROWS, hot_multiple=hot, block_size=block)
+        largest = int(str(exc.value).rpartition("--top-k <= ")[2].rstrip(")"))
+        RunConfig(top_k=largest, hot_multiple=hot, block_size=block)
+        BenchConfig(top_k=largest, hot_multiple=hot, block_size=block)
+        with pytest.raises(InvalidInputError):
+            BenchConfig(top_k=largest + 1, hot_multiple=hot, block_size=block)
+
+
+@pytest.mark.parametrize(("cuda", "device", "expected"), [
+    (0, "cuda", "--device 'cuda': this torch has no CUDA; expected cpu"),
+    (0, "cuda:0", "--device 'cuda:0': this torch has no CUDA; expected cpu"),
+    (0, "nonsense", "--device 'nonsense' is not a torch device; expected cpu"),
+    (0, "meta", "--device 'meta': hisparse generate runs on the CPU or a CUDA GPU only; expected cpu"),
+    (0, "cpu:1", "--device 'cpu:1': the CPU has no device index 1; expected cpu"),
+    (0, "cpu", None),
+    (1, "cuda:1", "--device 'cuda:1': this machine has 1 CUDA device (cuda:0); expected cpu, cuda or cuda:0"),
+    (1, "cuda", None),
+    (2, "cuda:2", "--device 'cuda:2': this machine has 2 CUDA devices (cuda:0..cuda:1); expected cpu, cuda or "
+                  "cuda:0..cuda:1"),
+    (2, "cuda:1", None),
+    (2, "meta", "--device 'meta': hisparse generate runs on the CPU or a CUDA GPU only; expected cpu, cuda or "
+                "cuda:0..cuda:1"),
+])
+def test_torch_device_check(cuda: int, device: str, expected: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only devices a command runs on: the CPU, and CUDA devices that exist (counted by torch)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: cuda > 0)
+    assert options.check_torch_device("--device", device, "hisparse generate") == expected
+
+
+def test_a_cuda_torch_without_a_device_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    assert options.check_torch_device("--device", "cuda", "hisparse generate") == (
+        "--device 'cuda': this torch has CUDA but sees no CUDA device; expected cpu")

@@ -274,3 +274,15 @@ def test_a_failed_check_under_json_is_a_json_document_with_passed_false(
 def test_a_run_config_refusal_names_the_flag(capsys: pytest.CaptureFixture[str], layers: str, expected: str) -> None:
     assert main([*TINY, "--resident-layers", layers]) == 2
     assert _err_line(capsys, "hisparse run").startswith(f"hisparse run: error: {expected}")
+
+
+def test_resident_layers_that_take_the_whole_gpu_budget_name_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """Resident layers' pages above --gpu-kv gave "GPU KV memory must be > 0 ..., got -342130688":
+    now the flags, the bytes and a budget that admits one request through hisparse, which works."""
+    argv = [*TINY, "--layers", "4", "--index-share", "2", "--resident-layers", "0,1", "--steps", "1"]
+    assert main([*argv, "--gpu-kv", "64KiB"]) == 2
+    line = _err_line(capsys, "hisparse run")
+    assert line.startswith("hisparse run: error: --gpu-kv 64.00 KiB is all taken by --resident-layers 0,1: their "
+                           "pages for 3 requests of 104 tokens need "), line
+    fits = line.split("expected --gpu-kv >= ")[1].split(" ")[0]
+    assert main([*argv, "--gpu-kv", fits]) == 0

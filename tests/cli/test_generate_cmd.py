@@ -104,3 +104,52 @@ def test_the_smallest_host_pool_generate_accepts_is_enough() -> None:
     rc, out, err = _run("--host-pool-gib", needed, "--new-tokens", "8", "--json")
     assert rc == 0, err
     assert json.loads(out)["exactness"]["exact"]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--device", "cuda"], "--device 'cuda': this torch has no CUDA; expected cpu"),
+    (["--device", "cuda:0", "--backend", "reference_cpu"], "--device 'cuda:0': this torch has no CUDA; expected cpu"),
+    (["--device", "nonsense"], "--device 'nonsense' is not a torch device; expected cpu"),
+    (["--device", "meta"], "--device 'meta': hisparse generate runs on the CPU or a CUDA GPU only; expected cpu"),
+])
+def test_a_device_it_cannot_run_on_is_refused_before_anything(argv: list[str], needle: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--device cuda` on a torch without CUDA was a 20-line AssertionError traceback from the
+    capacity check, `nonsense` a RuntimeError traceback, and `meta` built the model and failed
+    deep in transformers: each is one line naming --device, before a backend is selected."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA: the CUDA cases are valid here (tests/cli/test_bad_input.py fakes both)")
+    import hisparse_core.registry as registry
+    import hisparse_transformers.demo as demo
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("work started although --device cannot be used")
+
+    monkeypatch.setattr(demo, "run_demo", must_not_run)
+    monkeypatch.setattr(registry, "select_backend", must_not_run)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["generate", *argv, "--no-progress"])
+    assert rc == 2 and out.getvalue() == ""
+    assert err.getvalue().splitlines() == [f"hisparse generate: error: {needle}"]
+
+
+def test_hot_rows_over_the_runtime_limit_fail_at_parse_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--hot-rows 65536` was accepted, then failed after the model was built naming
+    `RuntimeConfig.hot_rows`; the parser's bound is the runtime's limit."""
+    import argparse
+
+    from hisparse_core.cli import build_parser
+    from hisparse_core.geometry import MAX_HOT_ROWS
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--hot-rows", str(MAX_HOT_ROWS + 1)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"hisparse generate: error: argument --hot-rows: expected an integer in [1, {MAX_HOT_ROWS}], got "
+        f"{MAX_HOT_ROWS + 1} (see hisparse generate --help)"]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    option = next(a for a in sub.choices["generate"]._actions if "--hot-rows" in a.option_strings)
+    assert option.type.accepted == f"[1, {MAX_HOT_ROWS}]"  # type: ignore[union-attr]

@@ -92,3 +92,42 @@ def test_plan_cli_custom_needs_every_flag(capsys: pytest.CaptureFixture[str]) ->
 def test_plan_gain_is_finite_and_consistent() -> None:
     p = make_plan(PlanInputs(MODELS["deepseek-v3.2"], 40 << 30, 256 << 30, 131072, 4096, 0.134))
     assert math.isfinite(p.gain) and p.gain == p.hisparse_concurrency / p.baseline_concurrency
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"], ["--sweep", "1,64"]])
+def test_a_gpu_budget_that_holds_no_request_is_refused(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --gpu-kv 1B` printed a table of zeros whose lines blamed the hot buffer and tail
+    ("hisparse runs more: never ...") and a host pool for "the GPU's 0 requests": the budget holds
+    no block. A budget that holds no request at any context is one line naming --gpu-kv."""
+    assert main(["plan", "--gpu-kv", "1B", *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "hisparse plan: error: --gpu-kv 1 B holds no block of 2.44 MiB (61 layers x 64 tokens x 656 B), so no "
+        "request fits at any context; expected --gpu-kv >= 4.89MiB (one 1-token request: 1 page + 1 indexer block), "
+        ">= 6.03GiB for one request of --context 131072 with hisparse"]
+
+
+def test_the_smallest_gpu_budget_plan_names_holds_one_request(capsys: pytest.CaptureFixture[str]) -> None:
+    """One block (3 MiB) still holds no request; the size named holds one of a token, and the
+    figure for --context admits one such request; budgets in between are plans (0 at --context)."""
+    assert main(["plan", "--gpu-kv", "3MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "holds 1 block of 2.44 MiB" in err
+    smallest = err.split("expected --gpu-kv >= ")[1].split(" ")[0]
+    at_context = err.split(", >= ")[1].split(" ")[0]
+    assert main(["plan", "--gpu-kv", smallest, "--context", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["baseline_concurrency"] == doc["hisparse_concurrency"] == 1
+    assert main(["plan", "--gpu-kv", smallest, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hisparse_concurrency"] == 0
+    assert main(["plan", "--gpu-kv", at_context, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hisparse_concurrency"] == 1
+    block = MODELS["deepseek-v3.2"].block_bytes
+    assert parse_bytes(smallest) >= 2 * block and main(["plan", "--gpu-kv", str(2 * block - 1)]) == 2
+    capsys.readouterr()
+    # Blocks but no request of --context past the hot buffer: the table says so, not that the hot
+    # buffer and tail cost as much as the pages.
+    assert main(["plan", "--gpu-kv", smallest]) == 0
+    assert ("never up to 16777216 tokens: the GPU budget's 2 blocks hold no request past the hot buffer and tail "
+            "(one admission of 4225 tokens needs 145)") in " ".join(capsys.readouterr().out.split())

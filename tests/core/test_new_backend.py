@@ -111,6 +111,53 @@ def test_non_empty_dir_or_a_file_is_refused_and_left_alone(tmp_path: Path) -> No
     assert new_backend("acme", str(empty))[0] == 0
 
 
+def test_dir_under_a_file_names_dir_and_creates_nothing(tmp_path: Path) -> None:
+    """`new-backend acme /dev/null/x` printed a raw `[Errno 20] Not a directory: '/dev/null/x'`."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for target in (afile / "x", afile / "x" / "y"):
+        code, out, err = new_backend("acme", str(target))
+        assert code == 2 and out == ""
+        assert err.splitlines() == [f"hisparse new-backend: error: DIR {str(target)!r} cannot be created: "
+                                    f"{str(afile)!r} is not a folder; expected a new or empty folder under an "
+                                    "existing folder"]
+        assert afile.read_text() == "x"
+    code, _, err = new_backend("acme", "/dev/null/x")
+    assert code == 2 and err.splitlines() == ["hisparse new-backend: error: DIR '/dev/null/x' cannot be created: "
+                                              "'/dev/null' is not a folder; expected a new or empty folder under an "
+                                              "existing folder"]
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new folders", "an empty folder"])
+def test_a_write_that_fails_names_dir_and_leaves_nothing(tmp_path: Path, existing: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fills halfway: one line naming DIR and the file, and what was written removed
+    (folders created for DIR included; an empty DIR given is kept, empty)."""
+    target = tmp_path / "empty" if existing else tmp_path / "new" / "dist"
+    if existing:
+        target.mkdir()
+    real = Path.write_text
+    calls = []
+
+    def fills_up(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        calls.append(self)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(self, text, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", fills_up)
+    code, out, err = new_backend("acme", str(target))
+    monkeypatch.undo()
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hisparse new-backend: error: DIR {str(target)!r}: cannot write ")
+    assert "(No space left on device); expected a new or empty folder that can be written" in lines[0]
+    if existing:
+        assert target.is_dir() and not any(target.iterdir())
+    else:
+        assert not (tmp_path / "new").exists()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True))
 def test_every_identifier_renders_every_file_with_no_placeholder_left(name: str) -> None:

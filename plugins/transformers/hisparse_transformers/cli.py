@@ -29,6 +29,7 @@ from hisparse_core.cli.options import (
     MAX_TOP_K,
     HelpFormatter,
     check_backend_name,
+    check_torch_device,
     fail,
     float_in,
     import_torch,
@@ -54,7 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         + f"; the names of hisparse plan; aliases: {aliases_text()}; default: deepseek-v3.2)")
     p.add_argument("--backend", default=None,
                    help="backend name (default: $HISPARSE_BACKEND, else the highest-priority available)")
-    p.add_argument("--device", default=None, help="torch device of the model (default: the backend's)")
+    p.add_argument("--device", default=None,
+                   help="torch device of the model: cpu, cuda or cuda:N where this torch has CUDA (default: the "
+                        "backend's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the model weights and KV (default: float32)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -76,7 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="decoder layers of the tiny model, each with sparse attention (default: 4)")
     m.add_argument("--top-k", type=int_in(1, MAX_TOP_K), metavar="K", default=32,
                    help="the model's index_topk (default: 32)")
-    m.add_argument("--hot-rows", type=int_in(1, 1 << 20), metavar="ROWS", default=64,
+    # At most a runtime's limit (hisparse_core.geometry.MAX_HOT_ROWS, not imported here: torch-free
+    # top level): more failed after the model was built, naming RuntimeConfig.hot_rows.
+    m.add_argument("--hot-rows", type=int_in(1, 32768), metavar="ROWS", default=64,
                    help="hot-buffer rows per request (default: 64)")
     m.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), metavar="TOKENS", default=16,
                    help="tokens per page (default: 16)")
@@ -252,6 +257,11 @@ def run(args: argparse.Namespace) -> int:
         return fail("hisparse generate", f"--shared-prefix {args.shared_prefix} is above --min-prompt "
                                          f"{args.min_prompt}; expected a prefix in [0, --min-prompt]")
     if why := check_backend_name(args.backend) or import_torch("hisparse generate"):
+        return fail("hisparse generate", why)
+    # Only a device this command runs on, before a backend is selected or a model built: torch
+    # accepts `meta` and builds a model there, and on a torch without CUDA `cuda` fails deep in
+    # the capacity check with an AssertionError.
+    if args.device is not None and (why := check_torch_device("--device", args.device, "hisparse generate")):
         return fail("hisparse generate", why)
     try:
         from hisparse_transformers.demo import DemoConfig, run_demo, total_steps

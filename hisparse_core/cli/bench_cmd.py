@@ -1,7 +1,7 @@
 """`hisparse bench`: a multi-step synthetic decode through one backend's runtimes.
 
 Prints hit rate, misses, rows and bytes copied and time per step (table, or `--json`).
-The default is sized for a CPU: about 10-20 s with the reference_cpu backend on 2 cores.
+The default is sized for a CPU: a few seconds with the reference_cpu backend on 2 cores.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="dtype of the model weights and KV (default: float32)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    w = p.add_argument_group("workload (defaults: about two minutes on 2 idle CPU cores)")
+    w = p.add_argument_group("workload (defaults: 10-15 s on 2 idle CPU cores)")
     w.add_argument("--prompts", type=int_in(1, 256), metavar="N", default=4, help="prompts in the batch (default: 4)")
     w.add_argument("--min-prompt", type=int_in(1, 1 << 16), metavar="TOKENS", default=200,
                    help="shortest prompt, tokens (default: 200)")

@@ -15,6 +15,7 @@ to the order of exact ties. These tests use 32 indexer heads, where a zero score
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -76,6 +77,7 @@ def test_a_failed_capture_falls_back_to_eager(family: str, model: torch.nn.Modul
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "could not be captured" in warnings[0].getMessage(), warnings
     assert s.decode_mode.startswith("eager (capture failed: ") and s.graph_captures == 0, s
+    assert gc.isenabled(), "garbage collection stays off after a failed capture"
 
 
 def test_graph_choice_is_logged_and_explicit_requests_checked(caplog: pytest.LogCaptureFixture) -> None:

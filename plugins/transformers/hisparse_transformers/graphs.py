@@ -38,6 +38,7 @@ a model whose capture failed (a hook reading a value on the host, say): one WARN
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import time
 import warnings
@@ -204,13 +205,23 @@ class DecodeGraph:
         return out
 
     def _capture(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-        if self.engine.device.type != "cuda":
-            # A capture on a CUDA machine records none of a CPU model's work and replays nothing.
-            raise RuntimeError(f"the model runs on {self.engine.device}, not a CUDA device")
-        t0 = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.output = self._forward(original, kwargs)
+        # No garbage collection while capturing: a collected object that frees pinned host memory
+        # makes torch's host allocator query CUDA events, which a capturing thread may not do (one
+        # suspected cause of an intermittent "operation failed due to a previous error during
+        # capture", not confirmed).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            if self.engine.device.type != "cuda":
+                # A capture on a CUDA machine records none of a CPU model's work and replays nothing.
+                raise RuntimeError(f"the model runs on {self.engine.device}, not a CUDA device")
+            t0 = time.perf_counter()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.output = self._forward(original, kwargs)
+        finally:
+            if collecting:
+                gc.enable()
         self.graph = graph
         self.captures += 1
         what = "decode step" if self.width == 1 else f"verification step of {self.width} tokens a row"

@@ -141,34 +141,43 @@ def test_draft_model_matches_the_model_and_greedy(family: str, model: torch.nn.M
     assert s.rollbacks > 0 and accepted > 0 and s.verify_rows > 3 * s.verify_steps, s
 
 
+def _batched_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    from hisparse_transformers.tiny import random_prompts
+
+    return random_prompts([70, 41, 55], seed=4)
+
+
+def _batched_verification(model: torch.nn.Module, cache: object) -> list[torch.Tensor]:
+    """Direct forwards through `cache` of three left-padded prompts (`_batched_prompts`, prefilled in
+    `CHUNK`-token forwards), then a verification forward of 4 tokens a row, a crop of 2, and one of 3
+    tokens a row: the logits of the two verification forwards."""
+    from hisparse_transformers.version import cache_kwarg
+
+    ids, mask = _batched_prompts()
+    g = torch.Generator().manual_seed(9)
+    steps = [torch.randint(2, 128, (3, 4), generator=g), torch.randint(2, 128, (3, 3), generator=g)]
+    key = cache_kwarg(model)
+    out, m = [], mask
+    with torch.no_grad():
+        for a in range(0, ids.shape[1], CHUNK):
+            b = min(ids.shape[1], a + CHUNK)
+            model(input_ids=ids[:, a:b], attention_mask=m[:, :b], use_cache=True, **{key: cache})
+        for i, st in enumerate(steps):
+            m = torch.cat([m, torch.ones_like(st)], dim=1)
+            out.append(model(input_ids=st, attention_mask=m, use_cache=True, **{key: cache}).logits)
+            if i == 0:
+                cache.crop(-2)  # type: ignore[attr-defined]
+                m = m[:, :-2]
+    return out
+
+
 def test_batched_verification_and_crop_match_the_model(family: str, model: torch.nn.Module) -> None:
     """Direct forwards of a batch of three left-padded prompts: a verification forward of 4 tokens a
     row (12 resolver rows, 3 unions), a crop of 2, a forward of 3: logits as the model's own cache."""
     from transformers import DynamicCache
 
-    from hisparse_transformers.tiny import random_prompts
-    from hisparse_transformers.version import cache_kwarg
-
-    ids, mask = random_prompts([70, 41, 55], seed=4)
-    g = torch.Generator().manual_seed(9)
-    steps = [torch.randint(2, 128, (3, 4), generator=g), torch.randint(2, 128, (3, 3), generator=g)]
-    key = cache_kwarg(model)
-
-    def run(cache: object, crop: bool) -> list[torch.Tensor]:
-        out, m = [], mask
-        with torch.no_grad():
-            for a in range(0, ids.shape[1], CHUNK):
-                b = min(ids.shape[1], a + CHUNK)
-                model(input_ids=ids[:, a:b], attention_mask=m[:, :b], use_cache=True, **{key: cache})
-            for i, s in enumerate(steps):
-                m = torch.cat([m, torch.ones_like(s)], dim=1)
-                out.append(model(input_ids=s, attention_mask=m, use_cache=True, **{key: cache}).logits)
-                if i == 0:
-                    cache.crop(-2)  # type: ignore[attr-defined]
-                    m = m[:, :-2]
-        return out
-
-    theirs = run(DynamicCache(config=model.config), True)
+    ids, mask = _batched_prompts()
+    theirs = _batched_verification(model, DynamicCache(config=model.config))
     with hisparse_transformers.enable(model, **tight_kwargs(family, 3, batch=3)) as hs:
         calls: list[tuple[int, list[int]]] = []      # (index group, row_state) of every resolve
         for g, runtime in enumerate(hs.engine.worker.runtimes):
@@ -178,7 +187,7 @@ def test_batched_verification_and_crop_match_the_model(family: str, model: torch
                 return _resolve(inputs, *a, **kw)  # type: ignore[operator]
             runtime.resolve = counted  # type: ignore[method-assign]
         cache = hs.new_cache(ids, mask, max_new_tokens=8)
-        ours = run(cache, True)
+        ours = _batched_verification(model, cache)
         cache.finish()
         s = hs.stats()
     # Each verification forward resolved once per index group: all 3 x S rows in one call, each
@@ -230,34 +239,13 @@ def test_static_batched_verification_and_crop_match_the_model(family: str, model
     a verification forward of 4 tokens, a crop of 2, one of 3) through the static computation."""
     from transformers import DynamicCache
 
-    from hisparse_transformers.tiny import random_prompts
-    from hisparse_transformers.version import cache_kwarg
-
-    ids, mask = random_prompts([70, 41, 55], seed=4)
-    g = torch.Generator().manual_seed(9)
-    steps = [torch.randint(2, 128, (3, 4), generator=g), torch.randint(2, 128, (3, 3), generator=g)]
-    key = cache_kwarg(model)
-
-    def run(cache: object) -> list[torch.Tensor]:
-        out, m = [], mask
-        with torch.no_grad():
-            for a in range(0, ids.shape[1], CHUNK):
-                b = min(ids.shape[1], a + CHUNK)
-                model(input_ids=ids[:, a:b], attention_mask=m[:, :b], use_cache=True, **{key: cache})
-            for i, st in enumerate(steps):
-                m = torch.cat([m, torch.ones_like(st)], dim=1)
-                out.append(model(input_ids=st, attention_mask=m, use_cache=True, **{key: cache}).logits)
-                if i == 0:
-                    cache.crop(-2)  # type: ignore[attr-defined]
-                    m = m[:, :-2]
-        return out
-
-    theirs = run(DynamicCache(config=model.config))
+    ids, mask = _batched_prompts()
+    theirs = _batched_verification(model, DynamicCache(config=model.config))
     widths: list[int] = []
     with hisparse_transformers.enable(model, **tight_kwargs(family, 3, batch=3, check=False)) as hs:
         _static(hs, widths)
         cache = hs.new_cache(ids, mask, max_new_tokens=8)
-        ours = run(cache)
+        ours = _batched_verification(model, cache)
         cache.finish()
         s = hs.stats()
     assert widths == [4, 3], widths

@@ -76,6 +76,7 @@ def test_a_failed_capture_falls_back_to_eager(family: str, model: torch.nn.Modul
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "could not be captured" in warnings[0].getMessage(), warnings
+    assert " at graphs.py:" in warnings[0].getMessage() and "in _capture)" in warnings[0].getMessage(), warnings
     assert s.decode_mode.startswith("eager (capture failed: ") and s.graph_captures == 0, s
     assert gc.isenabled(), "garbage collection stays off after a failed capture"
 

@@ -40,7 +40,9 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -356,7 +358,11 @@ class DecodeGraphs:
         hint = grouped_mm_host_loop(self.model) if "during CUDA graph capture" in first else None
         if hint is not None:
             self.reason += f" ({hint})"
-        logger.warning("hisparse: the decode step could not be captured in a CUDA graph (%s: %s); decode runs eagerly "
-                       "from now on. %s; pass cuda_graphs=False to skip the attempt", type(exc).__name__, first,
-                       hint or "Something in the forward waits on the host (a hook reading a value, a module "
+        # Where it was raised, so that an intermittent failure can be placed from the default log (a
+        # CUDA error there may belong to an earlier call of the capture: the DEBUG line has it all).
+        frames = traceback.extract_tb(exc.__traceback__)
+        at = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+        logger.warning("hisparse: the decode step could not be captured in a CUDA graph (%s: %s%s); decode runs "
+                       "eagerly from now on. %s; pass cuda_graphs=False to skip the attempt", type(exc).__name__, first,
+                       at, hint or "Something in the forward waits on the host (a hook reading a value, a module "
                        "choosing its work from device data)")

@@ -16,7 +16,7 @@ Needs a CUDA GPU and transformers with DeepseekV32.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import sys
 from collections import defaultdict
 
@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hisparse_transformers.index_keys import quantize_fp8
 
-    sys.path.insert(0, "bench")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_transformers import GEOMETRY
+    from graph_timing import median_replay_us
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -104,17 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             step(p)
-        g.replay()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(a.replays):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            samples.append(e0.elapsed_time(e1))
-        times[p] = statistics.median(samples)
+        times[p] = median_replay_us(g, a.replays, warmup=1) / 1e3
         by: dict[str, float] = defaultdict(float)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step(p)

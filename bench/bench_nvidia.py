@@ -51,6 +51,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from graph_timing import median_replay_us  # noqa: E402
+
 K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
 MAX_REQ = 128
@@ -283,18 +287,7 @@ class Bench:
         return [ResolveInputs(t, state, lens, source, res, hot) for t in self.windows(b, steps, shift)]
 
     def time_graph(self, graph: torch.cuda.CUDAGraph, steps: int, warmup: int = 3) -> float:
-        for _ in range(warmup):
-            graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.replays):
-            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            z.record()
-            z.synchronize()
-            times.append(a.elapsed_time(z) * 1000.0 / steps)
-        return statistics.median(times)
+        return median_replay_us(graph, self.replays, steps, warmup)
 
     def resolve_graph(self, rt, inputs: list, *, gather: bool) -> torch.cuda.CUDAGraph:  # noqa: ANN001
         g = torch.cuda.CUDAGraph()

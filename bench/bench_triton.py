@@ -53,12 +53,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from graph_timing import median_replay_us  # noqa: E402
 
 K, H, BS, CTX = 2048, 4096, 64, 32768
 P, HB = CTX // BS, H // BS
@@ -186,18 +189,7 @@ class Bench:
         return out
 
     def time_graph(self, graph: torch.cuda.CUDAGraph, steps: int) -> float:
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.replays):
-            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            z.record()
-            z.synchronize()
-            times.append(a.elapsed_time(z) * 1000.0 / steps)
-        return statistics.median(times)
+        return median_replay_us(graph, self.replays, steps, 3)
 
     def resolve_us(self, name: str, b: int, inputs: list, resolver: str | None = None) -> tuple[float, int]:
         """(us per step, misses per request and step) of one backend (triton: with `resolver`) over

@@ -93,6 +93,25 @@ def _random_writes(requests: int, dgi: torch.Tensor, rng: random.Random) -> tupl
     return written_req, written_slots
 
 
+def _random_topk(n: int, k: int, rng: random.Random, repeat_below: float, limit: int) -> torch.Tensor:
+    """`[n, k]` top-k values: 10% masked (-1), up to `repeat_below` a repeat of a value drawn before
+    (a hit within the row, or across the group), the rest new in [0, `limit`)."""
+    topk = torch.full((n, k), -1, dtype=torch.int32)
+    drawn: list[int] = []
+    for r in range(n):
+        for i in range(k):
+            roll = rng.random()
+            if roll < 0.1:
+                continue
+            if roll < repeat_below and drawn:
+                topk[r, i] = rng.choice(drawn)
+                continue
+            t = rng.randrange(limit)
+            topk[r, i] = t
+            drawn.append(t)
+    return topk
+
+
 def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int = 1, tables: bool = True,
                 any_stride: bool = False) -> Case:
     """A random case. `tables=False`: no request ids, source or resident table; `any_stride`: the
@@ -139,25 +158,13 @@ def random_case(seed: int, *, corrupt_lru: bool = False, rows_per_request: int =
                 dgi[q, j] = -1
             seen.add(v)
     lru = _random_lru(s, h, corrupt_lru, rng, g)
-    rows: list[int] = []
     req_ids: list[int] = []
     for req in rng.sample(range(rsi.numel()), rsi.numel()):
         for _ in range(rng.randint(1, rows_per_request)):
             req_ids.append(req)
     req_ids += [-1] * rng.randint(0, 1)
     n = len(req_ids)
-    topk = torch.full((n, k), -1, dtype=torch.int32)
-    for r in range(n):
-        for i in range(k):
-            roll = rng.random()
-            if roll < 0.1:
-                continue  # masked
-            if roll < 0.2 and rows:
-                topk[r, i] = rng.choice(rows)  # a repeat
-                continue
-            t = rng.randrange(pages * bs + bs)  # may run past the source table
-            topk[r, i] = t
-            rows.append(t)
+    topk = _random_topk(n, k, rng, 0.2, pages * bs + bs)  # may run past the source table
     request_ids = torch.tensor(req_ids, dtype=torch.int32)
     outputs = _random_outputs(n, k, rng, g)
     written_req, written_slots = _random_writes(rsi.numel(), dgi, rng)
@@ -200,19 +207,7 @@ def _case_without_tables(seed: int, *, corrupt_lru: bool, rows_per_request: int,
             if j < len(vals) and rng.random() < 0.6:
                 dgi[q, j] = vals[j]
     lru = _random_lru(s, h, corrupt_lru, rng, g)
-    topk = torch.full((n, k), -1, dtype=torch.int32)
-    seen: list[int] = []
-    for r in range(n):
-        for i in range(k):
-            roll = rng.random()
-            if roll < 0.1:
-                continue  # masked
-            if roll < 0.25 and seen:
-                topk[r, i] = rng.choice(seen)  # a repeat (a hit within the row, or across the group)
-                continue
-            t = rng.randrange(host_rows + bs)  # may run past the host cache: null
-            topk[r, i] = t
-            seen.append(t)
+    topk = _random_topk(n, k, rng, 0.25, host_rows + bs)  # may run past the host cache: null
     outputs = _random_outputs(n, k, rng, g)
     written_req, written_slots = _random_writes(n, dgi, rng)
     rsi = torch.tensor(rsi_rows, dtype=torch.int32)

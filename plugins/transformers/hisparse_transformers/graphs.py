@@ -136,11 +136,15 @@ class DecodeGraph:
             raise InvalidInputError(f"a step of {self.width} token(s) a row writes {step.write_dst.numel()} rows; "
                                     f"expected {self.write_dst.numel()}")
         self.input_ids.copy_(input_ids)
+        # A decode step's position is one value; a verification step's its S consecutive ones.
+        if self.width == 1:
+            self.position.fill_(step.past)
+        else:
+            torch.add(self.offsets, step.past, out=self.position)
         if position_ids is None:            # the model's own default: the padded positions
-            self.position_ids.copy_((self.offsets + step.past).expand_as(self.position_ids))
+            self.position_ids.copy_(self.position.expand_as(self.position_ids))
         else:
             self.position_ids.copy_(position_ids.reshape(-1, self.width).expand_as(self.position_ids))
-        self.position.copy_(self.offsets + step.past)
         self.row_state.copy_(step.row_state)
         self.seq_lens.copy_(step.seq_lens)
         self.write_dst.copy_(step.write_dst)

@@ -60,7 +60,8 @@ def test_every_numeric_option_is_bounded() -> None:
                    ("run", "--requests"), ("run", "--context"), ("run", "--steps"), ("run", "--block-size"),
                    ("run", "--seed"), ("run", "--arrival-every"), ("run", "--locality"), ("bench", "--tail-pages"),
                    ("bench", "--warmup"), ("plan", "--pcie-gbps"), ("plan", "--miss-rate"),
-                   ("generate", "--host-pool-gib")]:
+                   ("generate", "--host-pool-gib"), ("generate", "--host"), ("generate", "--gpu-kv"),
+                   ("generate", "--gpu-kv-pages")]:
         assert needed in covered
 
 

@@ -95,15 +95,159 @@ def test_generate_checks_every_input_before_the_first_forward(extra: list[str], 
         assert api_name not in lines[0]
 
 
-def test_the_smallest_host_pool_generate_accepts_is_enough() -> None:
+@pytest.mark.parametrize(("flag", "tiny"), [("--host", "1"), ("--host-pool-gib", "1e-7")])
+def test_the_smallest_host_pool_generate_accepts_is_enough(flag: str, tiny: str) -> None:
     """The figure the host-pool check names is one that works (the engine's own check accepted
-    less and then failed mid-decode)."""
-    rc, out, err = _run("--host-pool-gib", "1e-7", "--new-tokens", "8")
+    less and then failed mid-decode), under the size flag and its older GiB name alike."""
+    rc, out, err = _run(flag, tiny, "--new-tokens", "8")
     assert rc == 2
     needed = err.strip().splitlines()[-1].rpartition(">= ")[2]
-    rc, out, err = _run("--host-pool-gib", needed, "--new-tokens", "8", "--json")
+    rc, out, err = _run(flag, needed, "--new-tokens", "8", "--json")
     assert rc == 0, err
     assert json.loads(out)["exactness"]["exact"]
+
+
+# The SMALL batch's pages: 2 layers x 4 tokens x 96 B (float32 rows of 24 values) = 768 B; its floor
+# is 58 pages (43.50 KiB), and with 8 new tokens it needs 66 host pages + the null one (50.25 KiB).
+@pytest.mark.parametrize(("budget", "pages"), [
+    (["--gpu-kv", "44KiB"], 58),          # 58.67 pages, rounded down
+    (["--gpu-kv", "45056"], 58),          # the same size in bytes
+    (["--gpu-kv", "60KiB"], 80),
+    (["--gpu-kv-pages", "80"], 80),       # the older name: a page count
+])
+def test_gpu_kv_is_a_size_taken_in_whole_pages(budget: list[str], pages: int) -> None:
+    """`--gpu-kv SIZE` (the size flag of run and plan) sets the GPU budget the engine runs with,
+    in pages of the model's real page size; `--gpu-kv-pages` still sets it as a count."""
+    rc, out, err = _run(*budget, "--host", "64KiB", "--new-tokens", "8", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["engine"]["gpu_pool_pages"] == pages
+    assert doc["engine"]["host_pool_blocks"] == 64 * 1024 // 768
+    assert doc["exactness"]["exact"]
+
+
+@pytest.mark.parametrize(("budget", "expected"), [
+    ([], (0, 0.05)),
+    (["--gpu-kv", "43.5KiB"], (58, 0.05)),
+    (["--gpu-kv", "2GiB"], (2 * 2**30 // 768, 0.05)),
+    (["--gpu-kv-pages", "0"], (0, 0.05)),
+    (["--gpu-kv-pages", "58"], (58, 0.05)),
+    (["--host", "1.5GiB"], (0, 1.5)),
+    (["--host", "1536M"], (0, 1.5)),
+    (["--host", "0.05GiB"], (0, int(0.05 * 2**30) / 2**30)),
+    (["--host-pool-gib", "1.5"], (0, 1.5)),
+    (["--gpu-kv", "100KiB", "--host-pool-gib", "2"], (133, 2.0)),
+    (["--gpu-kv-pages", "100", "--host", "2G"], (100, 2.0)),
+])
+def test_new_and_old_budget_flags_give_the_demo_its_budgets(budget: list[str], expected: tuple[int, float],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `preflight` hands the demo (pages, 0 for the default; GiB) for every spelling of the
+    two budgets, either name of one with either of the other."""
+    import hisparse_core.capacity as capacity
+    from hisparse_core.cli import build_parser
+    from hisparse_transformers.cli import preflight
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 64 << 30)
+    args = build_parser().parse_args(["generate", *SMALL, "--new-tokens", "8", *budget])
+    assert preflight(args, "cpu") == expected
+
+
+#: Machine figures fixed, so that every error line below is exact on any machine.
+_RAM = {"available_host_bytes": 64 << 30, "total_host_bytes": 128 << 30}
+_NEEDS = "3 prompts with a 16-row hot buffer and --prefill-chunk 8 need"
+_BATCH = "the batch's 3 prompts of [100, 80, 60] tokens + 24 new need 78"
+_HOST_RAM = ("of host RAM; 64.00 GiB is available of 128.00 GiB total, and at most 95% of it (60.80 GiB) may be "
+             "taken")
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    # the size flags, at parse time: the parser's line, as for run and plan
+    (["--gpu-kv", "abc"], "argument --gpu-kv: expected a size in [1 B, 1024 TiB] (a number and an optional unit: "
+                          "B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB), got 'abc' (see hisparse generate --help)"),
+    (["--gpu-kv", "0"], "argument --gpu-kv: expected a size in [1 B, 1024 TiB], got '0' (see hisparse generate --help)"),
+    (["--host", "-1GiB"], "argument --host: expected a size in [1 B, 1024 TiB] (a number and an optional unit: "
+                          "B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB), got '-1GiB' (see hisparse generate "
+                          "--help)"),
+    (["--host", "12XB"], "argument --host: expected a size in [1 B, 1024 TiB] (a number and an optional unit: "
+                         "B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB), got '12XB' (see hisparse generate "
+                         "--help)"),
+    # the older names, at parse time, as before
+    (["--gpu-kv-pages", "-1"], "argument --gpu-kv-pages: expected an integer in [0, 16777216], got -1 (see hisparse "
+                               "generate --help)"),
+    (["--host-pool-gib", "0"], "argument --host-pool-gib: expected a number in (0, 1024], got 0 (see hisparse "
+                               "generate --help)"),
+    # against the batch and the machine, before the model is built, naming the flag given
+    (["--gpu-kv", "1KiB"], f"--gpu-kv 1.00 KiB holds 1 page of 768 B (--layers 2 x --block-size 4 x 96 B), below the "
+                           f"58 that {_NEEDS}; expected --gpu-kv >= 43.50KiB"),
+    (["--gpu-kv", "43.49KiB"], f"--gpu-kv 43.49 KiB holds 57 pages of 768 B (--layers 2 x --block-size 4 x 96 B), "
+                               f"below the 58 that {_NEEDS}; expected --gpu-kv >= 43.50KiB"),
+    (["--gpu-kv", "100GiB"], f"--gpu-kv 100.00 GiB (139810133 pages) needs 100.00 GiB (107374182144 B) {_HOST_RAM}: "
+                             "lower --gpu-kv"),
+    (["--gpu-kv-pages", "3"], f"--gpu-kv-pages 3 is below what {_NEEDS}; expected --gpu-kv-pages >= 58 (or 0 for "
+                              "the default)"),
+    (["--host", "1"], f"--host 1 B holds 0 pages of 768 B; {_BATCH}: expected --host >= 59.25KiB"),
+    (["--host", "59KiB"], f"--host 59.00 KiB holds 77 pages of 768 B; {_BATCH}: expected --host >= 59.25KiB"),
+    (["--host", "1000GiB"], f"--host 1000.00 GiB needs 1000.00 GiB (1073741824000 B) {_HOST_RAM}: lower --host to "
+                            "at most 60.79GiB"),
+    (["--host-pool-gib", "1e-7"], f"--host-pool-gib 1e-07 holds 0 pages of 768 B; {_BATCH}: expected --host-pool-gib "
+                                  ">= 5.66e-05"),
+    (["--host-pool-gib", "1000"], f"--host-pool-gib 1000 needs 1000.00 GiB (1073741824000 B) {_HOST_RAM}: lower "
+                                  "--host-pool-gib to at most 60.7"),
+    # both names of one budget: refused before anything, naming both
+    (["--gpu-kv", "1GiB", "--gpu-kv-pages", "100"], "argument --gpu-kv-pages: not allowed with --gpu-kv: both set the "
+                                                    "GPU KV budget; expected one of the two (see hisparse generate "
+                                                    "--help)"),
+    (["--gpu-kv-pages", "0", "--gpu-kv", "1GiB"], "argument --gpu-kv-pages: not allowed with --gpu-kv: both set the "
+                                                  "GPU KV budget; expected one of the two (see hisparse generate "
+                                                  "--help)"),
+    (["--host-pool-gib", "1", "--host", "1GiB"], "argument --host-pool-gib: not allowed with --host: both set the "
+                                                 "host pool budget; expected one of the two (see hisparse generate "
+                                                 "--help)"),
+    (["--host", "1", "--host-pool-gib", "1e-7", "--gpu-kv-pages", "3"],
+     "argument --host-pool-gib: not allowed with --host: both set the host pool budget; expected one of the two (see "
+     "hisparse generate --help)"),
+])
+def test_budget_flags_refuse_bad_input_in_one_exact_line(argv: list[str], line: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bad budget, under its new or its old name, is the one line that names the flag, the
+    value and what is expected, exit status 2, nothing on stdout, before any work."""
+    import hisparse_core.capacity as capacity
+    import hisparse_transformers.demo as demo
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started although a budget cannot work")
+
+    monkeypatch.setattr(demo, "run_demo", must_not_run)
+    for name, value in _RAM.items():
+        monkeypatch.setattr(capacity, name, lambda value=value: value)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(["generate", *SMALL, *argv])
+        except SystemExit as exc:  # the parser's refusals
+            rc = exc.code  # type: ignore[assignment]
+    assert rc == 2 and out.getvalue() == ""
+    assert err.getvalue().splitlines() == [f"hisparse generate: error: {line}"]
+
+
+@pytest.mark.parametrize("argv", [["--gpu-kv", "1GiB", "--gpu-kv-pages", "100"],
+                                  ["--host", "1GiB", "--host-pool-gib", "1"]])
+def test_both_names_of_a_budget_are_refused_before_the_backend_or_torch(argv: list[str],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two flags for one budget fail before anything else is looked at: a bad backend name and a
+    bad prompt range given with them are not reached, nor is the backend selected."""
+    import hisparse_core.registry as registry
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a backend was selected although two flags set one budget")
+
+    monkeypatch.setattr(registry, "select_backend", must_not_run)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["generate", *argv, "--backend", "no-such-backend", "--min-prompt", "300", "--max-prompt", "200"])
+    assert rc == 2 and out.getvalue() == ""
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "not allowed with" in lines[0] and argv[0] in lines[0] and argv[2] in lines[0], lines
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

@@ -145,14 +145,19 @@ def test_every_bounded_option_shows_its_range_in_help() -> None:
 
     checked = set()
     for name, parser in _walk_parsers(build_parser()):
-        flat = " ".join(parser.format_help().split())
+        bare = "".join(parser.format_help().split())
         for action in parser._actions:
             accepted = getattr(action.type, "accepted", None)
             if not action.option_strings or accepted is None:
                 continue
             checked.add((name, action.option_strings[-1]))
-            # The option's own entry: from its flag to the next option (the usage line has it too).
-            entries = re.finditer(re.escape(action.option_strings[-1]) + r" (.*?)(?= --[a-z]|$)", flat)
-            assert any(accepted in e.group(1) for e in entries), f"{name} {action.option_strings[-1]}: no {accepted}"
+            # The option's own entry, as the help prints it (its text may name other flags, so it
+            # does not end at the next `--`; the usage line has the flag too), compared without
+            # white space, which the wrapping of the whole help places differently.
+            formatter = parser._get_formatter()
+            formatter.add_argument(action)
+            entry = "".join(formatter.format_help().split())
+            assert entry in bare, f"{name} {action.option_strings[-1]}: its entry is not in the help"
+            assert "".join(accepted.split()) in entry, f"{name} {action.option_strings[-1]}: no {accepted}"
     assert {("hisparse generate", "--prompts"), ("hisparse run", "--decode-tokens"),
             ("hisparse run", "--steps")} <= checked

@@ -27,19 +27,25 @@ from hisparse_core.cli.options import (
     MAX_BLOCK_SIZE,
     MAX_SEED,
     MAX_TOP_K,
+    SIZE_UNITS,
     HelpFormatter,
     check_backend_name,
     check_torch_device,
     fail,
+    fail_argument,
     float_in,
     import_torch,
     int_in,
     kv_place,
+    size_in,
 )
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
 
 logger = logging.getLogger(__name__)
+
+#: The host pool when neither --host nor --host-pool-gib is given (51.20 MiB).
+DEFAULT_HOST_GIB = 0.05
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -87,10 +93,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="tokens per page (default: 16)")
     m.add_argument("--prefill-chunk", type=int_in(1, 1 << 16), metavar="TOKENS", default=32,
                    help="prompt tokens per prefill forward (default: 32)")
-    m.add_argument("--gpu-kv-pages", type=int_in(0, 1 << 24), metavar="PAGES", default=0,
-                   help="GPU budget in pages of every layer; 0: 60%% of the first batch all resident (default: 0)")
-    m.add_argument("--host-pool-gib", type=float_in(0.0, 1024.0, lo_open=True), default=0.05, metavar="GIB",
-                   help="host pool in GiB, in (0, 1024] (default: 0.05)")
+    # Each budget has a size flag, as in `hisparse run` and `plan`, and its older name; `run` below
+    # refuses both at once, so neither has a parser default.
+    m.add_argument("--gpu-kv", type=size_in(1), metavar="SIZE", default=None,
+                   help="GPU KV budget, rounded down to whole pages of --layers x --block-size rows (default: "
+                        f"60%% of what the first batch needs all resident); units: {SIZE_UNITS}")
+    m.add_argument("--gpu-kv-pages", type=int_in(0, 1 << 24), metavar="PAGES", default=None,
+                   help="the GPU KV budget as a page count instead of a size (not with --gpu-kv); 0: the default")
+    m.add_argument("--host", type=size_in(1), metavar="SIZE", default=None,
+                   help=f"host pool budget (default: {DEFAULT_HOST_GIB:g}GiB = 51.20MiB); same units as --gpu-kv")
+    m.add_argument("--host-pool-gib", type=float_in(0.0, 1024.0, lo_open=True), default=None, metavar="GIB",
+                   help="the host pool in GiB, the older name of --host (--host-pool-gib 0.5 = --host 0.5GiB; not "
+                        "with --host)")
     p.set_defaults(func=run)
     return p
 
@@ -155,10 +169,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def preflight(args: argparse.Namespace, device: str) -> None:
+def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     """Every check the engine and the host pool make, made before the model is built, so a value
     that cannot work fails in a second naming its flag rather than after the transformers-alone
-    half (minutes). Raises `HiSparseError` (`InvalidInputError`, `CapacityError`)."""
+    half (minutes). Returns the budgets in `DemoConfig`'s terms, whichever flag set them: the GPU
+    KV in pages (0: the default) and the host pool in GiB. Raises `HiSparseError`
+    (`InvalidInputError`, `CapacityError`)."""
     import torch
 
     from hisparse_core.capacity import (
@@ -168,7 +184,7 @@ def preflight(args: argparse.Namespace, device: str) -> None:
         check_host_memory,
     )
     from hisparse_core.errors import CapacityError, InvalidInputError
-    from hisparse_core.units import human_bytes
+    from hisparse_core.units import ceil_size, floor_size, human_bytes
     from hisparse_transformers.demo import DemoConfig
     from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, required_gpu_blocks, row_format_for
     from hisparse_transformers.tiny import TinyShape
@@ -182,31 +198,51 @@ def preflight(args: argparse.Namespace, device: str) -> None:
                                 f"fit the hot buffer; expected --hot-rows >= {_cdiv(args.top_k, bs) * bs} "
                                 f"(a multiple of --block-size {bs}) or --top-k <= {args.hot_rows}")
     shape = TinyShape()
-    block_bytes = args.layers * bs * row_format_for(getattr(torch, args.dtype), shape.kv_lora + shape.rope).row_bytes
+    row_bytes = row_format_for(getattr(torch, args.dtype), shape.kv_lora + shape.rope).row_bytes
+    block_bytes = args.layers * bs * row_bytes
     lengths = DemoConfig(prompts=args.prompts, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
                          shared_prefix=0).lengths()
     floor = required_gpu_blocks(args.prompts, args.hot_rows // bs, _cdiv(args.prefill_chunk, bs) + 1)
-    if args.gpu_kv_pages and args.gpu_kv_pages < floor:
-        raise CapacityError(f"--gpu-kv-pages {args.gpu_kv_pages} is below what {args.prompts} prompts with a "
-                            f"{args.hot_rows}-row hot buffer and --prefill-chunk {args.prefill_chunk} need; expected "
-                            f"--gpu-kv-pages >= {floor} (or 0 for the default)")
+    needs = f"{args.prompts} prompts with a {args.hot_rows}-row hot buffer and --prefill-chunk {args.prefill_chunk} need"
+    if args.gpu_kv is not None:
+        given = args.gpu_kv // block_bytes
+        if given < floor:
+            raise CapacityError(f"--gpu-kv {human_bytes(args.gpu_kv)} holds {given} page{'' if given == 1 else 's'} of "
+                                f"{block_bytes} B (--layers {args.layers} x --block-size {bs} x {row_bytes} B), below "
+                                f"the {floor} that {needs}; expected --gpu-kv >= {ceil_size(floor * block_bytes)}")
+    else:
+        given = args.gpu_kv_pages or 0
+        if given and given < floor:
+            raise CapacityError(f"--gpu-kv-pages {given} is below what {needs}; expected --gpu-kv-pages >= {floor} "
+                                "(or 0 for the default)")
     all_resident = sum(_cdiv(n + args.new_tokens, bs) for n in lengths)
-    pages = args.gpu_kv_pages or max(floor, int(0.6 * all_resident))
+    pages = given or max(floor, int(0.6 * all_resident))
     gpu_bytes = pages * block_bytes
-    check_device_memory(torch.device(device), gpu_bytes, f"--gpu-kv-pages {pages} ({human_bytes(gpu_bytes)} of KV)",
-                        remedy="lower --gpu-kv-pages")
-    host_bytes = int(args.host_pool_gib * (1 << 30))
+    gpu_flag = "--gpu-kv-pages" if args.gpu_kv_pages else "--gpu-kv"
+    what = (f"--gpu-kv-pages {pages} ({human_bytes(gpu_bytes)} of KV)" if args.gpu_kv_pages else
+            f"--gpu-kv {human_bytes(args.gpu_kv)} ({pages} pages)" if args.gpu_kv is not None else
+            f"--gpu-kv {human_bytes(gpu_bytes)} (the default: {pages} pages)")
+    check_device_memory(torch.device(device), gpu_bytes, what, remedy=f"lower {gpu_flag}")
+    # --host-pool-gib keeps its own words (a GiB figure) in its messages; --host and the default a size.
+    if args.host_pool_gib is not None:
+        host_gib, host_flag, shown = args.host_pool_gib, "--host-pool-gib", f"{args.host_pool_gib:g}"
+        up, down = _gib_up, _gib_down
+    else:
+        host_gib = args.host / (1 << 30) if args.host is not None else DEFAULT_HOST_GIB
+        host_flag, shown, up, down = "--host", human_bytes(int(host_gib * (1 << 30))), ceil_size, floor_size
+    host_bytes = int(host_gib * (1 << 30))
     usable = host_bytes // block_bytes - 1  # the coordinator keeps a null block
     # The host pool holds every running request's whole KV: the batch's prompts and new tokens.
     need = max(_cdiv(max(lengths) + args.new_tokens, bs) + ACTIVE_TAIL_PAGES,
                sum(_cdiv(n + args.new_tokens, bs) for n in lengths))
     if usable < need:
-        raise CapacityError(f"--host-pool-gib {args.host_pool_gib:g} holds {max(usable, 0)} pages of {block_bytes} B; "
+        raise CapacityError(f"{host_flag} {shown} holds {max(usable, 0)} pages of {block_bytes} B; "
                             f"the batch's {args.prompts} prompts of {lengths} tokens + {args.new_tokens} new need "
-                            f"{need}: expected --host-pool-gib >= {_gib_up((need + 1) * block_bytes)}")
+                            f"{need}: expected {host_flag} >= {up((need + 1) * block_bytes)}")
     avail = available_host_bytes()
-    fits = f" to at most {_gib_down(int(avail * HOST_FRACTION))}" if avail else ""
-    check_host_memory(host_bytes, f"--host-pool-gib {args.host_pool_gib:g}", remedy=f"lower --host-pool-gib{fits}")
+    fits = f" to at most {down(int(avail * HOST_FRACTION))}" if avail else ""
+    check_host_memory(host_bytes, f"{host_flag} {shown}", remedy=f"lower {host_flag}{fits}")
+    return given, host_gib
 
 
 def _gib_round(nbytes: int, up: bool) -> str:
@@ -250,6 +286,13 @@ class _QuietEngine:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Each budget's size flag and its older name, which sets the same budget in other units.
+    for flag, value, alias, alias_value, budget in (
+            ("--gpu-kv", args.gpu_kv, "--gpu-kv-pages", args.gpu_kv_pages, "GPU KV budget"),
+            ("--host", args.host, "--host-pool-gib", args.host_pool_gib, "host pool budget")):
+        if value is not None and alias_value is not None:
+            return fail_argument("hisparse generate", alias, f"not allowed with {flag}: both set the {budget}; "
+                                                             "expected one of the two")
     if args.min_prompt > args.max_prompt:
         return fail("hisparse generate", f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}; "
                                          "expected min <= max")
@@ -279,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         with quiet:
             chosen = select_backend(args.backend)
         device = args.device if args.device is not None else str(chosen.device)
-        preflight(args, device)
+        gpu_kv_pages, host_pool_gib = preflight(args, device)
         logger.info("hisparse generate: backend %s (%s) on %s%s", chosen.name,
                     get_registry().choose(args.backend).explanation(), device,
                     "; the engine's own log lines at --log-level DEBUG" if quiet.active else "")
@@ -290,8 +333,8 @@ def run(args: argparse.Namespace) -> int:
                             min_prompt=args.min_prompt,
                             max_prompt=args.max_prompt, new_tokens=args.new_tokens, layers=args.layers,
                             top_k=args.top_k, hot_rows=args.hot_rows, block_size=args.block_size,
-                            prefill_chunk=args.prefill_chunk, gpu_kv_pages=args.gpu_kv_pages,
-                            host_pool_gib=args.host_pool_gib, shared_prefix=args.shared_prefix, seed=args.seed,
+                            prefill_chunk=args.prefill_chunk, gpu_kv_pages=gpu_kv_pages,
+                            host_pool_gib=host_pool_gib, shared_prefix=args.shared_prefix, seed=args.seed,
                             device=device, dtype=args.dtype)
         bar = ProgressBar(total_steps(config), "generate", enabled=not args.no_progress)
         import torch

@@ -149,6 +149,9 @@ def test_verification_steps_take_the_static_path(family: str, model: torch.nn.Mo
         hs.on_step = lambda handle, step: widths.append(handle.graphs.last.width) \
             if handle.graphs.last is not None and handle.graphs.last.width == step.num_new else None
         with caplog.at_level(logging.INFO, logger="hisparse_transformers.graphs"):
+            # only what generate logs: enable's own line ("decode steps run eagerly (the model runs on
+            # cpu ...)") is caught too where the log level lets INFO through (pytest --log-level)
+            caplog.clear()
             ours = model.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
         s = hs.stats()
     assert torch.equal(ours, theirs)

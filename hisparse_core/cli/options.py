@@ -216,6 +216,8 @@ def check_plot_path(path: str) -> str | None:
     """Why `--plot path` cannot be written, or None; checked before any work so none is wasted."""
     import os
 
+    if not path:  # `--plot ""` (an unset variable, say): no file to write, said before any work
+        return "--plot '': expected a file name such as plot.png"
     try:
         import matplotlib  # noqa: F401  (only when a plot is asked for)
     except ImportError as exc:

@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     from hisparse_core.planner import crossover_context
     from hisparse_core.replay.report import dumps, render_grid
 
-    if args.plot and (why := check_plot_path(args.plot)):
+    if args.plot is not None and (why := check_plot_path(args.plot)):
         return fail("hisparse plan", why)
     try:
         plan = plan_from_args(args)

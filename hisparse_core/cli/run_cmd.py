@@ -313,7 +313,7 @@ def _planner_note(s: dict[str, Any], where: str = "GPU") -> str:
 def run(args: argparse.Namespace) -> int:
     if why := _resident_layers_problem(args):
         return fail_argument("hisparse run", "--resident-layers", why)
-    if args.plot and (why := check_plot_path(args.plot)):
+    if args.plot is not None and (why := check_plot_path(args.plot)):
         return fail("hisparse run", why)
     # The checks that need no torch come first: a bad value fails in a fraction of a second.
     from hisparse_core.replay.presets import preset

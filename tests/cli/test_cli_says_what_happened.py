@@ -59,6 +59,25 @@ def test_an_unsupported_plot_extension_is_refused_before_any_work(
     assert not target.exists()
 
 
+@pytest.mark.parametrize("command", [TINY, ["plan"]], ids=["run", "plan"])
+def test_an_empty_plot_name_is_refused_not_ignored(command: list[str], capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--plot ""` (an unset shell variable) used to run the whole command and write no plot, silently."""
+    import hisparse_core.planner as planner
+    import hisparse_core.replay.run as replay_run
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the work started although --plot names no file")
+
+    monkeypatch.setattr(replay_run, "run_replay", must_not_run)
+    monkeypatch.setattr(planner, "make_plan", must_not_run)
+    assert main([*command, "--plot", ""]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"hisparse {command[0]}: error: --plot '': expected a file name such as "
+                                         "plot.png"]
+
+
 def test_a_plot_without_extension_is_written_under_exactly_that_name(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("matplotlib")

@@ -103,7 +103,8 @@ def _table(res: object) -> str:
         part = s[label]
         rows += [
             (title, ""),
-            ("hit rate (hot lookups)", pct(part["hit_rate"])),
+            ("hit rate (hot lookups)", pct(part["hit_rate"]) if part["hits"] + part["misses"] else
+             "n/a: no lookup went through the hot buffer (0 hits, 0 misses)"),
             ("misses", f"{part['misses']} ({pct(part['miss_rate_per_entry'])} of top-k entries)"),
             ("hits / resident entries", f"{part['hits']} / {part['resident_entries']}"),
             ("rows copied host->device", f"{part['rows_h2d']}"),

@@ -252,10 +252,11 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
                              f"rows, {s['decode_rows_per_s']:.1f}/s)"),
         ("ms per step", "  ".join(f"{k} {v:.1f}" for k, v in s["phase_ms"].items())),
         ("decode step", f"{s['decode_mode']}" + (f" (graphs for batch sizes {s['graph_sizes']})" if s["graph_sizes"]
-                                                 else "") + f": {s['decode_device_ms']:.2f} ms on the device per "
-                                                            f"decoding step (resolve + gather + follower replay)"),
+                                                 else "") + (f": {s['decode_device_ms']:.2f} ms on the device per "
+                                                             f"decoding step (resolve + gather + follower replay)"
+                                                             if s["decode_steps"] else ": no decoding step ran")),
         ("hot buffer", ""),
-        ("hit rate", f"{pct(s['hit_rate'])} (from peak concurrency on: {pct(s['hit_rate_from_peak'])})"),
+        ("hit rate", _hit_rate(s)),
         ("misses", f"{s['misses']} ({pct(s['miss_rate_per_entry'])} of looked-up entries; "
                    f"{s['resident_entries']} resident entries"
                    + (f"; {s['resident_layer_entries']} in resident layers {c['resident_layers']}"
@@ -292,6 +293,16 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
     return render_table(rows, "hisparse run")
+
+
+def _hit_rate(s: dict[str, Any]) -> str:
+    """The hit rate, or n/a where no lookup went through the hot buffer (a rate of nothing is no 100%)."""
+    from hisparse_core.replay.report import pct
+
+    if not s["hot_lookups"]:
+        return "n/a: no lookup went through the hot buffer (0 hits, 0 misses)"
+    peak = pct(s["hit_rate_from_peak"]) if s["hot_lookups_from_peak"] else "n/a, no lookup"
+    return f"{pct(s['hit_rate'])} (from peak concurrency on: {peak})"
 
 
 def _planner_note(s: dict[str, Any], where: str = "GPU") -> str:

@@ -69,6 +69,9 @@ class RunResult:
             "decode_rows_per_s": decode_rows / self.loop_seconds if self.loop_seconds else float("inf"),
             "hit_rate": hits / looked if looked else 1.0,
             "hit_rate_from_peak": s_hits / (s_hits + s_misses) if s_hits + s_misses else 1.0,
+            # Hot-buffer lookups behind the two rates above: where one is 0 its rate measured nothing.
+            "hot_lookups": looked,
+            "hot_lookups_from_peak": s_hits + s_misses,
             "misses": misses,
             "hits": hits,
             "resident_entries": resident,

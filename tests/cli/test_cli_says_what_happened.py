@@ -181,6 +181,33 @@ def test_a_run_that_compared_nothing_does_not_report_a_pass(capsys: pytest.Captu
     assert "NOTHING CHECKED: 0 entries compared" in out and "byte-identical" not in out and "PASS" not in out
 
 
+def _row(out: str, name: str) -> str:
+    return next(line for line in out.splitlines() if line.strip().startswith(name))
+
+
+def test_a_rate_of_no_lookup_is_not_reported_as_100_percent(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that decoded nothing said `hit rate 100.00%` and `0.00 ms ... per decoding step`; bench
+    said 100.00% where every entry was resident. Now both say no lookup (no decoding step) was made."""
+    doc = _json([*TINY, "--decode-tokens", "1", "--steps", "1", "--json"])
+    assert doc["summary"]["hot_lookups"] == 0 and doc["summary"]["decode_steps"] == 0
+    assert main([*TINY, "--decode-tokens", "1", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "hit rate").split(None, 2)[2] == "n/a: no lookup went through the hot buffer (0 hits, 0 misses)"
+    assert _row(out, "decode step").split(None, 2)[2] == "eager: no decoding step ran"
+    looked = [*TINY, "--context", "700", "--decode-tokens", "8"]   # past the hot buffer: lookups
+    assert main([*looked, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["hot_lookups"] > 0
+    assert main(looked) == 0
+    out = capsys.readouterr().out
+    assert "n/a" not in _row(out, "hit rate") and "ms on the device per decoding step" in _row(out, "decode step")
+    # bench: 1-token prompts stay resident, so no lookup reaches the hot buffer.
+    assert main(["bench", "--backend", "reference_cpu", "--context", "1", "--steps", "2", "--top-k", "64",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    rates = [line.split(None, 4)[4] for line in out.splitlines() if line.strip().startswith("hit rate")]
+    assert rates == ["n/a: no lookup went through the hot buffer (0 hits, 0 misses)"] * 2, out
+
+
 def test_a_run_says_when_its_step_limit_left_requests_unfinished(capsys: pytest.CaptureFixture[str]) -> None:
     cut = _json([*TINY, "--steps", "3", "--json"])["summary"]
     assert cut["stopped_at_step_limit"] is True and cut["requests_unfinished"] == 3 - cut["requests_finished"] > 0

@@ -31,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from hisparse_core.scaffold import check_name, write
 
     target: Path | None = None
+    if args.dir == "":  # Path("") is the current folder: an empty DIR (an unset variable) would write there
+        print("hisparse new-backend: error: DIR '' is empty; expected a new or empty folder (`.` for the current "
+              "one)", file=sys.stderr)
+        return 2
     try:
         names = check_name(args.name, (e.name for e in get_registry().entries()))
         target = Path(args.dir if args.dir is not None else names.dist)

@@ -52,6 +52,10 @@ def check_name(name: str, installed_backends: Iterable[str]) -> ScaffoldNames:
     if not name.isidentifier() or keyword.iskeyword(name) or not name.isascii():
         raise InvalidInputError(f"backend name {name!r} is not a Python identifier (or is a keyword); expected letters, digits "
                                 f"and underscores, not starting with a digit (e.g. acme)")
+    if name.endswith("_"):  # `hisparse-acme-`: pip refuses a project name that ends in a dash
+        raise InvalidInputError(f"backend name {name!r} ends with an underscore, which makes the distribution name "
+                                f"{ScaffoldNames.of(name).dist!r} that pip refuses (a project name must end in a "
+                                f"letter or digit); expected a name ending in a letter or digit (e.g. acme)")
     installed = sorted(installed_backends)
     if name in installed:
         raise InvalidInputError(f"backend name {name!r} is already taken by an installed backend "

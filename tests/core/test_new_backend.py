@@ -83,6 +83,8 @@ def test_default_dir_is_the_distribution_name(tmp_path: Path, monkeypatch: pytes
     ("acme-x", "'acme-x' is not a Python identifier"),
     ("class", "'class' is not a Python identifier (or is a keyword)"),
     ("", "'' is not a Python identifier"),
+    ("acme_", "'acme_' ends with an underscore, which makes the distribution name 'hisparse-acme-' that pip refuses"),
+    ("_", "'_' ends with an underscore, which makes the distribution name 'hisparse--' that pip refuses"),
     ("reference_cpu", "'reference_cpu' is already taken by an installed backend"),
     ("core", "clashes with the installed package 'hisparse_core'"),
     ("conformance", "clashes with the installed package 'hisparse_conformance'"),
@@ -93,6 +95,16 @@ def test_bad_name_is_one_line_exit_2_nothing_written(tmp_path: Path, name: str, 
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("hisparse new-backend: error: ") and expected in err, err
     assert not target.exists()
+
+
+def test_an_empty_dir_is_refused_not_taken_as_the_current_folder(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = new_backend("acme", "")
+    assert (code, out) == (2, "")
+    assert err == "hisparse new-backend: error: DIR '' is empty; expected a new or empty folder (`.` for the " \
+                  "current one)\n"
+    assert not any(tmp_path.iterdir())
 
 
 def test_non_empty_dir_or_a_file_is_refused_and_left_alone(tmp_path: Path) -> None:
@@ -173,6 +185,21 @@ def test_every_identifier_renders_every_file_with_no_placeholder_left(name: str)
 
 def test_identifier_check_accepts_new_names() -> None:
     assert check_name("acme", ["reference_cpu"]).package == "hisparse_acme"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.from_regex(r"[a-z_][a-z0-9_]{0,20}", fullmatch=True))
+def test_every_accepted_name_makes_a_distribution_name_pip_takes(name: str) -> None:
+    """PEP 508's project name: letters, digits, `.`, `_`, `-`, starting and ending with a letter or digit."""
+    import re
+
+    from hisparse_core.errors import InvalidInputError
+
+    try:
+        dist = check_name(name, ["reference_cpu"]).dist
+    except InvalidInputError:
+        return
+    assert re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", dist), dist
 
 
 def test_templates_ship_as_package_data() -> None:

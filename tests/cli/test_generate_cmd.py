@@ -182,7 +182,11 @@ _HOST_RAM = ("of host RAM; 64.00 GiB is available of 128.00 GiB total, and at mo
     (["--gpu-kv", "43.49KiB"], f"--gpu-kv 43.49 KiB holds 57 pages of 768 B (--layers 2 x --block-size 4 x 96 B), "
                                f"below the 58 that {_NEEDS}; expected --gpu-kv >= 43.50KiB"),
     (["--gpu-kv", "100GiB"], f"--gpu-kv 100.00 GiB (139810133 pages) needs 100.00 GiB (107374182144 B) {_HOST_RAM}: "
-                             "lower --gpu-kv"),
+                             "lower --gpu-kv to at most 60.79GiB"),
+    # --layers 64: pages of 64 x 4 x 96 B = 24576 B; 95% of 64 GiB holds 2656392 of them
+    (["--layers", "64", "--gpu-kv-pages", "16777216"], f"--gpu-kv-pages 16777216 (384.00 GiB of KV) needs 384.00 GiB "
+                                                       f"(412316860416 B) {_HOST_RAM}: lower --gpu-kv-pages to at most "
+                                                       "2656392"),
     (["--gpu-kv-pages", "3"], f"--gpu-kv-pages 3 is below what {_NEEDS}; expected --gpu-kv-pages >= 58 (or 0 for "
                               "the default)"),
     (["--host", "1"], f"--host 1 B holds 0 pages of 768 B; {_BATCH}: expected --host >= 59.25KiB"),

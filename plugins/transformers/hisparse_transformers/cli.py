@@ -182,6 +182,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
         available_host_bytes,
         check_device_memory,
         check_host_memory,
+        device_free_bytes,
     )
     from hisparse_core.errors import CapacityError, InvalidInputError
     from hisparse_core.units import ceil_size, floor_size, human_bytes
@@ -222,7 +223,15 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     what = (f"--gpu-kv-pages {pages} ({human_bytes(gpu_bytes)} of KV)" if args.gpu_kv_pages else
             f"--gpu-kv {human_bytes(args.gpu_kv)} ({pages} pages)" if args.gpu_kv is not None else
             f"--gpu-kv {human_bytes(gpu_bytes)} (the default: {pages} pages)")
-    check_device_memory(torch.device(device), gpu_bytes, what, remedy=f"lower {gpu_flag}")
+    # The largest budget that fits, in the flag's own unit (as `run` names it): on a CPU model the
+    # KV pool is host RAM, so the host rule (HOST_FRACTION of what is available) applies.
+    dev = torch.device(device)
+    free = device_free_bytes(dev)
+    if free is not None and dev.type == "cpu":
+        free = int(free * HOST_FRACTION)
+    fits = ("" if free is None else f" to at most {free // block_bytes}" if args.gpu_kv_pages else
+            f" to at most {floor_size(free)}")
+    check_device_memory(dev, gpu_bytes, what, remedy=f"lower {gpu_flag}{fits}")
     # --host-pool-gib keeps its own words (a GiB figure) in its messages; --host and the default a size.
     if args.host_pool_gib is not None:
         host_gib, host_flag, shown = args.host_pool_gib, "--host-pool-gib", f"{args.host_pool_gib:g}"

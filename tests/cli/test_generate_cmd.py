@@ -197,6 +197,13 @@ _HOST_RAM = ("of host RAM; 64.00 GiB is available of 128.00 GiB total, and at mo
                                   ">= 5.66e-05"),
     (["--host-pool-gib", "1000"], f"--host-pool-gib 1000 needs 1000.00 GiB (1073741824000 B) {_HOST_RAM}: lower "
                                   "--host-pool-gib to at most 60.7"),
+    # --top-k past what --hot-rows can ever hold: the parser's range, and no --hot-rows beyond its own bound suggested
+    (["--top-k", "65536"], "argument --top-k: expected an integer in [1, 32768], got 65536 (see hisparse generate "
+                           "--help)"),
+    (["--top-k", "32768", "--block-size", "3", "--hot-rows", "32766"],
+     "--hot-rows 32766 is below --top-k 32768: one step's top-k must fit the hot buffer; expected --top-k <= 32766"),
+    (["--top-k", "32"], "--hot-rows 16 is below --top-k 32: one step's top-k must fit the hot buffer; expected "
+                        "--hot-rows >= 32 (a multiple of --block-size 4) or --top-k <= 16"),
     # both names of one budget: refused before anything, naming both
     (["--gpu-kv", "1GiB", "--gpu-kv-pages", "100"], "argument --gpu-kv-pages: not allowed with --gpu-kv: both set the "
                                                     "GPU KV budget; expected one of the two (see hisparse generate "

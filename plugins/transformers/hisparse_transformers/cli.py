@@ -26,7 +26,6 @@ import sys
 from hisparse_core.cli.options import (
     MAX_BLOCK_SIZE,
     MAX_SEED,
-    MAX_TOP_K,
     SIZE_UNITS,
     HelpFormatter,
     check_backend_name,
@@ -46,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 #: The host pool when neither --host nor --host-pool-gib is given (51.20 MiB).
 DEFAULT_HOST_GIB = 0.05
+
+#: The most hot-buffer rows a runtime takes (hisparse_core.geometry.MAX_HOT_ROWS, not imported here:
+#: torch-free top level); a top-k must fit the hot buffer, so it bounds --top-k too.
+MAX_HOT_ROWS = 32768
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -83,11 +86,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     m = p.add_argument_group("model and memory")
     m.add_argument("--layers", type=int_in(1, 64), metavar="N", default=4,
                    help="decoder layers of the tiny model, each with sparse attention (default: 4)")
-    m.add_argument("--top-k", type=int_in(1, MAX_TOP_K), metavar="K", default=32,
-                   help="the model's index_topk (default: 32)")
-    # At most a runtime's limit (hisparse_core.geometry.MAX_HOT_ROWS, not imported here: torch-free
-    # top level): more failed after the model was built, naming RuntimeConfig.hot_rows.
-    m.add_argument("--hot-rows", type=int_in(1, 32768), metavar="ROWS", default=64,
+    # At most --hot-rows' own bound: a top-k above it could never fit the hot buffer.
+    m.add_argument("--top-k", type=int_in(1, MAX_HOT_ROWS), metavar="K", default=32,
+                   help="the model's index_topk, at most --hot-rows (default: 32)")
+    # At most a runtime's limit: more failed after the model was built, naming RuntimeConfig.hot_rows.
+    m.add_argument("--hot-rows", type=int_in(1, MAX_HOT_ROWS), metavar="ROWS", default=64,
                    help="hot-buffer rows per request (default: 64)")
     m.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), metavar="TOKENS", default=16,
                    help="tokens per page (default: 16)")
@@ -195,9 +198,11 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
         raise InvalidInputError(f"--hot-rows {args.hot_rows} is not a multiple of --block-size {bs}; expected "
                                 f"{_cdiv(args.hot_rows, bs) * bs} (or another multiple)")
     if args.hot_rows < args.top_k:
+        rows = _cdiv(args.top_k, bs) * bs
         raise InvalidInputError(f"--hot-rows {args.hot_rows} is below --top-k {args.top_k}: one step's top-k must "
-                                f"fit the hot buffer; expected --hot-rows >= {_cdiv(args.top_k, bs) * bs} "
-                                f"(a multiple of --block-size {bs}) or --top-k <= {args.hot_rows}")
+                                "fit the hot buffer; expected " + (
+                                    f"--hot-rows >= {rows} (a multiple of --block-size {bs}) or " if rows <= MAX_HOT_ROWS
+                                    else "") + f"--top-k <= {args.hot_rows}")
     shape = TinyShape()
     row_bytes = row_format_for(getattr(torch, args.dtype), shape.kv_lora + shape.rope).row_bytes
     block_bytes = args.layers * bs * row_bytes

@@ -315,10 +315,13 @@ class ReplayEngine:
         if p.gpu_blocks < self.admission_blocks:
             kept = (f" ({c.resident_kv_bytes} B of it kept for resident layers {list(c.resident_layers)}: their pages "
                     f"for {c.concurrency or c.requests} requests)" if c.resident_layers else "")
+            need = c.resident_kv_bytes + self.admission_blocks * p.block_bytes
             raise CapacityError(
-                f"GPU KV budget of {c.gpu_kv_bytes} B{kept} holds {p.gpu_blocks} blocks of {p.block_bytes} B; one admission "
-                f"of a {c.max_tokens}-token request needs {self.admission_blocks} ({self.pages_per_request} pages + "
-                f"{self.indexer_blocks} indexer + {admission_hot} hot): raise --gpu-kv or lower --context")
+                f"--gpu-kv {human_bytes(c.gpu_kv_bytes)}{kept} holds {p.gpu_blocks} blocks of {p.block_bytes} B; one "
+                f"admission of a {c.max_tokens}-token request (--context {c.context} + --decode-tokens "
+                f"{c.decode_tokens}) needs {self.admission_blocks} ({self.pages_per_request} pages + "
+                f"{self.indexer_blocks} indexer + {admission_hot} hot): expected --gpu-kv >= {ceil_size(need)}, or a "
+                "shorter --context")
         # Both budgets are checked before anything is built: the coordinator's host block pool
         # alone takes seconds at a terabyte, and the device caches are allocated whole.
         coordinator_config = CoordinatorConfig(

@@ -348,7 +348,7 @@ def test_log_level_after_the_command(capsys: pytest.CaptureFixture[str]) -> None
 @pytest.mark.parametrize(("argv", "needle"), [
     (["run", "--host", "1"], "hisparse run: error: --host 1 B holds 0 usable host blocks"),
     (["run", "--gpu-kv", "1024TiB"], "hisparse run: error: --gpu-kv 1.00 PiB ("),
-    (["run", "--gpu-kv", "1B"], "hisparse run: error: GPU KV budget of 1 B holds 0 blocks"),
+    (["run", "--gpu-kv", "1B"], "hisparse run: error: --gpu-kv 1 B holds 0 blocks"),
     (["run", "--hot", "64"], "hisparse run: error: --top-k 2048 with --hot 64 makes a hot buffer of 131072 rows"),
     (["bench", "--requests", "65536", "--context", "16777216"], "hisparse bench: error: device caches of "),
     (["bench", "--hot", "17"], "hisparse bench: error: --top-k 2048 with --hot 17 makes a hot buffer of 34816 rows"),

@@ -145,6 +145,19 @@ def test_a_host_pool_too_small_names_host_and_a_size_that_fits(capsys: pytest.Ca
         check(parse_bytes(fits) - 2 * 16 * 656 * 2)
 
 
+def test_a_gpu_kv_budget_too_small_names_gpu_kv_and_a_size_that_works(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said `GPU KV budget of 1 B holds 0 blocks ...: raise --gpu-kv or lower --context`, the
+    budget in bytes and no size that works; now the flag as given and the size that admits one request."""
+    assert main([*TINY, "--gpu-kv", "1"]) == 2
+    line = _err_line(capsys, "hisparse run")
+    assert line.startswith("hisparse run: error: --gpu-kv 1 B holds 0 blocks of "), line
+    assert "one admission of a 104-token request (--context 100 + --decode-tokens 4) needs " in line
+    assert line.endswith(", or a shorter --context")
+    fits = line.split("expected --gpu-kv >= ")[1].split(",")[0]
+    assert main([*TINY, "--gpu-kv", fits, "--steps", "2"]) == 0
+    capsys.readouterr()
+
+
 def test_context_one_is_refused_by_the_parser_as_help_says(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["run", "--context", "1"])

@@ -142,9 +142,10 @@ class RunConfig:
             raise InvalidInputError(why)
         if hot < self.rows_per_request * self.top_k:
             raise InvalidInputError(
-                f"run hot buffer of {hot} rows ({self.hot_multiple}x top-k) cannot hold the union of "
-                f"{self.rows_per_request} speculative rows of top-k {self.top_k} ({self.rows_per_request * self.top_k} "
-                f"rows): raise --hot to at least {self.rows_per_request}")
+                f"--rows-per-request {self.rows_per_request} needs a hot buffer of {self.rows_per_request} x --top-k "
+                f"{self.top_k} = {self.rows_per_request * self.top_k} rows (a step's rows resolve as one union); --hot "
+                f"{self.hot_multiple:g} makes {hot}: expected --hot >= {self.rows_per_request}, or --rows-per-request "
+                f"<= {hot // self.top_k}")
 
     @property
     def fmt(self) -> RowFormat:

@@ -164,8 +164,13 @@ def test_run_with_speculative_rows() -> None:
 
 
 def test_speculative_rows_need_a_hot_buffer_for_their_union(capsys: pytest.CaptureFixture[str]) -> None:
+    """In the flags' words, both ways out (it said `run hot buffer of 128 rows ...: raise --hot`)."""
     assert main(["run", "--backend", "reference_cpu", *SMALL, "--rows-per-request", "3"]) == 2
-    assert "cannot hold the union of 3 speculative rows" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines() == [
+        "hisparse run: error: --rows-per-request 3 needs a hot buffer of 3 x --top-k 64 = 192 rows (a step's rows "
+        "resolve as one union); --hot 2 makes 128: expected --hot >= 3, or --rows-per-request <= 2"]
+    assert main(["run", "--backend", "reference_cpu", *SMALL, "--rows-per-request", "3", "--hot", "3",
+                 "--steps", "2"]) == 0
 
 
 @pytest.mark.parametrize(("flag", "remedy"), [("--gpu-kv", "lower --gpu-kv"), ("--host", "lower --host")])

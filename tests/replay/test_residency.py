@@ -62,6 +62,7 @@ def test_bad_residency_config_is_one_line(over: dict[str, object], msg: str) -> 
 
 
 def test_resident_share_leaving_hisparse_too_little_is_refused_before_anything_is_built() -> None:
-    with pytest.raises(CapacityError, match="GPU KV budget"):
+    with pytest.raises(CapacityError, match=r"^--gpu-kv 4\.00 MiB \(.* kept for resident layers \[0\].*expected "
+                                            r"--gpu-kv >= 6\.55MiB"):
         ReplayEngine(RunConfig(**{**BASE, "resident_layers": (0,), "gpu_kv_bytes": 4 << 20}),  # type: ignore[arg-type]
                      select_backend("reference_cpu"))

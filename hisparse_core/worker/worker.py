@@ -343,6 +343,9 @@ class HiSparseWorker:
             if pool is not None:
                 pool.release()
             self._engine = None
+            # The runtimes hold views of the pool and the device caches (bound by register_caches):
+            # the memory goes with the last of them, so a shut-down worker keeps none.
+            self._runtimes = ()
         logger.info("hisparse worker rank %d shut down after %d steps: %d transfers submitted, %d completed, "
                     "%d still pending; host pool released", self._rank, self._steps,
                     self._tracker.totals.submitted, self._tracker.totals.completed, self._tracker.pending_transfers)

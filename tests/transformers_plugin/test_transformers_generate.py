@@ -3,6 +3,9 @@ configs, fp32, reference_cpu), greedy generate compared with the model's own gen
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -69,10 +72,16 @@ def test_generate_matches_the_model_and_reuses_prefixes(family: str, model: torc
         s2 = hs.stats()
         assert s2.prefix_hit_tokens == 3 * 32, s2      # 8 pages of 4 tokens per request
         assert s2.prefill_host_bytes > 0
+        held = [weakref.ref(t) for group in hs.engine.host_views + hs.engine.device_layers for t in group]
+        held += [weakref.ref(r) for r in hs.engine.runtimes if r is not None]
     # Closed: the model is its own again, and the host pool is gone.
     assert "generate" not in model.__dict__
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
     assert hs.engine.worker.host_pool_spec is not None and hs.engine.closed
+    # ... gone while the handle lives: no runtime, host-pool view or device cache is left (the
+    # runtimes kept views of both, so the pool's RAM was freed only with the handle).
+    gc.collect()
+    assert held and [ref() for ref in held] == [None] * len(held)
     again = baseline(model, ids, mask, 4, chunk=8)
     assert torch.equal(again.sequences, theirs.sequences[:, :ids.shape[1] + 4])
 

@@ -929,3 +929,8 @@ class HiSparseEngine:
             self.device_layers = []
             self.flat_layers = []
             self.host_views = []
+            # Each runtime keeps views of the host pool and of the device caches (CacheRuntime.bind),
+            # and the workers and the prefetch keep the runtimes: dropped here, the pool's RAM and the
+            # device KV are freed at close, not only once the handle itself is gone.
+            self.runtimes = [None] * len(self.runtimes)  # type: ignore[list-item]
+            self.prefetch = None

@@ -85,16 +85,18 @@ def int_in(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
     return parse
 
 
-def float_in(lo: float, hi: float, *, lo_open: bool = False, what: str = "a number") -> Callable[[str], float]:
-    """argparse type: a finite float in [lo, hi] (or (lo, hi] with `lo_open`)."""
-    shown = ("(" if lo_open else "[") + f"{lo:g}, {hi:g}]"
+def float_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
+             what: str = "a number") -> Callable[[str], float]:
+    """argparse type: a finite float in [lo, hi] (`lo_open`: lo excluded, `hi_open`: hi excluded)."""
+    shown = ("(" if lo_open else "[") + f"{lo:g}, {hi:g}" + (")" if hi_open else "]")
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what} in {shown}, got {text!r}") from None
-        if not math.isfinite(value) or not (lo < value if lo_open else lo <= value) or not value <= hi:
+        if not math.isfinite(value) or not (lo < value if lo_open else lo <= value) \
+                or not (value < hi if hi_open else value <= hi):
             raise argparse.ArgumentTypeError(f"expected {what} in {shown}, got {text}")
         return value
 

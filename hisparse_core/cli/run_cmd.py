@@ -114,8 +114,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"steps between arrivals, 0: all at once (default: {d['arrival_every']})")
     w.add_argument("--prefix-groups", type=int_in(0, MAX_REQUESTS), metavar="N",
                    help=f"families sharing a prompt prefix, 0: none (default: {d['prefix_groups']})")
-    w.add_argument("--shared-prefix", type=float_in(0.0, 1.0), metavar="FRACTION",
-                   help=f"fraction of the prompt a family shares, in [0, 1] (default: {d['shared_fraction']:g})")
+    # Below 1: each request keeps a part of its own (the replay's workload refuses a whole shared prompt).
+    w.add_argument("--shared-prefix", type=float_in(0.0, 1.0, hi_open=True), metavar="FRACTION",
+                   help=f"fraction of the prompt a family shares, in [0, 1) (default: {d['shared_fraction']:g})")
     w.add_argument("--concurrency", type=int_in(0, MAX_REQUESTS), metavar="N",
                    help="most running requests; 0: as many as the GPU budget admits (default: 0)")
     w.add_argument("--rows-per-request", type=int_in(1, 64), metavar="N",

@@ -170,6 +170,21 @@ def test_context_one_is_refused_by_the_parser_as_help_says(capsys: pytest.Captur
     assert "prompt tokens per request (default: 16384; at most 16777216; accepted: [2, 16777216])" in text
 
 
+def test_a_whole_shared_prompt_is_refused_by_the_parser_as_help_says(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--shared-prefix 1` passed the parser (help said [0, 1]) and then failed in the workload with
+    `prefix groups must be >= 0, shared fraction in [0, 1), ...; got 4, 1.0, 1`, naming no flag."""
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--shared-prefix", "1"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "hisparse run: error: argument --shared-prefix: expected a number in [0, 1), got 1 (see hisparse run --help)"]
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+        main(["run", "--help"])
+    assert "fraction of the prompt a family shares, in [0, 1) (default: 0.5)" in " ".join(out.getvalue().split())
+    assert main([*TINY, "--shared-prefix", "0.99", "--steps", "2"]) == 0
+    capsys.readouterr()
+
+
 def test_a_gpu_kv_budget_too_large_names_a_value_that_fits(capsys: pytest.CaptureFixture[str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import hisparse_core.capacity as capacity

@@ -308,3 +308,36 @@ def test_hot_rows_over_the_runtime_limit_fail_at_parse_time(capsys: pytest.Captu
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     option = next(a for a in sub.choices["generate"]._actions if "--hot-rows" in a.option_strings)
     assert option.type.accepted == f"[1, {MAX_HOT_ROWS}]"  # type: ignore[union-attr]
+
+
+def test_bfloat16_is_judged_against_fp32_not_exactly() -> None:
+    """Two bf16 computations of attention part ways (tokens differ, logits by about a unit), so a bf16
+    run is teacher-forced with the fp32 model of the same weights: it passes where hisparse's error
+    is within the stated bf16 tolerance of the model's own, and every row read is still exact."""
+    rc, out, err = _run("--dtype", "bfloat16", "--json")
+    assert rc == 0, err
+    x = json.loads(out)["exactness"]
+    b = x["bf16_against_fp32"]
+    assert x["passed"] and x["verdict"] == "WITHIN BF16 TOLERANCE", x
+    assert b["limit"] == pytest.approx(b["factor"] * b["transformers_bf16"] + b["slack"])
+    assert 0 < b["hisparse_bf16"] <= b["limit"] and b["transformers_bf16"] > 0
+    assert x["rows_checked"] > 0 and x["rows_max_abs_diff"] == 0
+
+
+def test_bfloat16_fails_beyond_its_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 verdict is live: with no tolerance at all (factor 0, slack 0), hisparse's nonzero error
+    fails the run, exit 1, and the table says by what rule."""
+    from hisparse_transformers import demo
+
+    monkeypatch.setattr(demo, "BF16_FACTOR", 0.0)
+    monkeypatch.setattr(demo, "BF16_SLACK", 0.0)
+    rc, out, _ = _run("--dtype", "bfloat16", "--new-tokens", "8")
+    assert rc == 1
+    lines = [ln.split(None, 1) for ln in out.splitlines() if ln.strip().startswith(("result", "bf16 vs fp32"))]
+    assert lines[-1] == ["result", "FAILED (tolerance 0x transformers' own bf16 error + 0)"], out
+    assert "limit 0x + 0 = 0.000" in out
+
+
+def test_float32_has_no_bf16_verdict(json_runs: dict[str, tuple[int, str, str]]) -> None:
+    x = json.loads(_json_run(json_runs, "deepseek_v32")[1])["exactness"]
+    assert x["bf16_against_fp32"] is None and x["passed"] and x["verdict"] == "EXACT"

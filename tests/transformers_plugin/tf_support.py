@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from hisparse_transformers.forced import forced_logits
 from hisparse_transformers.tiny import TinyShape, random_prompts, tiny_model
 
 #: 2 layers (DeepSeek-V3.2: 2 index groups) / 3 layers (GLM-5: a full layer with one shared
@@ -82,32 +83,6 @@ def baseline(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new:
 
 __all__ = ["BLOCK", "Compared", "GEN", "NO_TIES", "SHAPES", "TOP_K", "TinyShape", "baseline", "compare", "enable_kwargs",
            "random_prompts", "tight_gpu_gib", "tiny_model"]
-
-
-def forced_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, continuation: torch.Tensor,
-                  cache: Any, chunk: int) -> list[torch.Tensor]:
-    """Teacher-forced logits: prefill the prompts in `chunk`-token forwards, then feed `continuation`
-    `[B, n]` one token a step. Entry i predicts continuation[:, i] (as generate's step-i logits)."""
-    import inspect
-
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = None
-    with torch.no_grad():
-        for a in range(0, ids.shape[1], chunk):
-            b = min(ids.shape[1], a + chunk)
-            out = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b], use_cache=True,
-                        **{key: cache})
-        assert out is not None
-        logits = [out.logits[:, -1].float()]
-        last = pos[:, -1:]
-        for i in range(continuation.shape[1] - 1):
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            last = last + 1
-            out = model(input_ids=continuation[:, i:i + 1], attention_mask=mask, position_ids=last, use_cache=True,
-                        **{key: cache})
-            logits.append(out.logits[:, -1].float())
-    return logits
 
 
 def bf16_errors(family: str, device: str, backend: str, new: int = 24, check: bool = True) -> dict[str, Any]:

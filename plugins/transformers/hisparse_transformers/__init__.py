@@ -17,7 +17,8 @@ layers below its own, `TYPE_CHECKING` imports included, never one beside or abov
    `budgets`, `stats`, `version`, `tiny`, `shards` (the layers' devices under `device_map`),
    `ranks` (tensor-parallel ranks), `assisted` (what an assisted generate asks for), `model_topk`
    (benchmarks: decode top-k from the replay's locality model), `index_keys` (how the indexer keys
-   are stored: the model's dtype or fp8);
+   are stored: the model's dtype or fp8), `forced` (teacher-forced logits, for comparing runs that
+   free-running decoding would let part ways);
 2. `session`: a batch's requests and the step in progress (Request, Session, StepState);
 3. `prefetch`: the cross-layer prefetch (the next index group's resolve on this group's top-k);
 4. `engine`: the engine role (GPU block pool, coordinator, a worker per device, device caches and tables); it
@@ -40,7 +41,7 @@ from typing import Any
 #: The import layers of this package, bottom first (see the module docstring).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "shards", "ranks", "assisted",
-     "model_topk", "index_keys"),
+     "model_topk", "index_keys", "forced"),
     ("session",),
     ("prefetch",),
     ("engine",),

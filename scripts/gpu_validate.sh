@@ -301,8 +301,9 @@ locality)  # issue 42: the replay engine with and without a resident layer, on t
     # shellcheck disable=SC2086
     run locality "${T_LOCALITY:-120}" python3 bench/bench_locality.py --no-policies --backend nvidia ${LOCALITY_ARGS:---top-k 2048}
     ;;
-tf_generate)
-    run tf_generate "${T_TF_GENERATE:-120}" python3 -m hisparse_core generate --backend nvidia --no-progress
+tf_generate)  # TF_GENERATE_ARGS adds generate's arguments (e.g. --dtype bfloat16)
+    # shellcheck disable=SC2086
+    run tf_generate "${T_TF_GENERATE:-120}" python3 -m hisparse_core generate --backend nvidia --no-progress ${TF_GENERATE_ARGS:-}
     ;;
 tf_bench)
     run tf_bench "${T_TF_BENCH:-330}" python3 bench/bench_transformers.py --backend nvidia --json "$OUT/tf_bench.json" ${TF_BENCH_ARGS:-}

@@ -110,7 +110,10 @@ def parse_sweep(text: str) -> list[int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected token counts in [1, {MAX_TOKENS}] (K or M suffix), "
                                              f"got {item!r} in {text!r}") from None
-        out.append(one(str(n)))
+        n = one(str(n))
+        if n in out:  # 8K and 8192 are one context: its row would print twice
+            raise argparse.ArgumentTypeError(f"expected distinct token counts, got {n} twice ({item!r}) in {text!r}")
+        out.append(n)
     return out
 
 
@@ -132,10 +135,13 @@ def geometry_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def
 
 
 def plan_from_args(args: argparse.Namespace, context: int | None = None):  # type: ignore[no-untyped-def]
+    from hisparse_core.errors import InvalidInputError
     from hisparse_core.planner import PlanInputs, make_plan, published_miss_rate
-    from hisparse_core.replay.layout import hot_rows_for
+    from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem
 
     geo = geometry_from_args(args)
+    if why := hot_rows_limit_problem(geo.top_k, args.hot, geo.block_size):  # no runtime runs that plan
+        raise InvalidInputError(why)
     miss = args.miss_rate if args.miss_rate is not None else published_miss_rate(args.hot)
     return make_plan(PlanInputs(geo, args.gpu_kv, args.host,
                                 context if context is not None else args.context,

@@ -87,6 +87,10 @@ def test_bad_value_gives_one_line(cmd: str, flag: str, value: str, capsys: pytes
     (["plan", "--sweep", ",,"], "argument --sweep: expected comma-separated token counts"),
     (["plan", "--sweep", "8K,x"], "argument --sweep: expected token counts in [1, 16777216]"),
     (["plan", "--sweep", "1e12"], "argument --sweep"),
+    (["plan", "--top-k", "2048", "--hot", "32"], "--top-k 2048 with --hot 32 makes a hot buffer of 65536 rows per "
+                                                 "request, over the 32768-row limit of a runtime"),
+    (["plan", "--sweep", "8K,32K,8192"], "argument --sweep: expected distinct token counts, got 8192 twice ('8192') "
+                                         "in '8K,32K,8192'"),
 ])
 def test_combinations_name_the_flags(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     try:

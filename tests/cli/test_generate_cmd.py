@@ -341,3 +341,17 @@ def test_bfloat16_fails_beyond_its_tolerance(monkeypatch: pytest.MonkeyPatch) ->
 def test_float32_has_no_bf16_verdict(json_runs: dict[str, tuple[int, str, str]]) -> None:
     x = json.loads(_json_run(json_runs, "deepseek_v32")[1])["exactness"]
     assert x["bf16_against_fp32"] is None and x["passed"] and x["verdict"] == "EXACT"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_progress_bar_counts_every_step_it_waits_for(dtype: str) -> None:
+    """The progress units `run_demo` reports add up to `total_steps` (the bar's length), the
+    teacher-forced runs of a bfloat16 run included: the bar neither stops short nor overflows."""
+    from hisparse_transformers.demo import DemoConfig, run_demo, total_steps
+
+    c = DemoConfig(dtype=dtype, backend="reference_cpu", prompts=2, min_prompt=40, max_prompt=60, new_tokens=8,
+                   layers=2, top_k=8, hot_rows=16, block_size=4, prefill_chunk=8, shared_prefix=8)
+    ticks: list[str] = []
+    run_demo(c, progress=lambda n, label: ticks.extend([label] * n))
+    assert len(ticks) == total_steps(c)
+    assert any(t.startswith("teacher-forced") for t in ticks) == (dtype == "bfloat16")

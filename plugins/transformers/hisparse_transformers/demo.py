@@ -102,6 +102,11 @@ class _Steps:
         pass
 
 
+def _step(progress: Progress | None, label: str) -> Callable[[], None] | None:
+    """A teacher-forced run's per-step callback for the progress bar."""
+    return None if progress is None else lambda: progress(1, label)
+
+
 def _compare(ours: Any, theirs: Any) -> dict[str, Any]:
     diffs = [float((a.float() - b.float()).abs().max()) for a, b in zip(ours.logits, theirs.logits, strict=True)]
     same = torch.equal(ours.sequences, theirs.sequences)
@@ -124,8 +129,10 @@ def _bf16_errors(forced: dict[str, list[list[torch.Tensor]]]) -> dict[str, Any]:
 
 
 def total_steps(c: DemoConfig) -> int:
-    """Progress units: generate steps of the reference and hisparse runs, both batches."""
-    return 2 * c.new_tokens + 2 * max(1, c.new_tokens // 4)
+    """Progress units: generate steps of the reference and hisparse runs, both batches (bfloat16:
+    and the steps of the three teacher-forced runs, fp32, the model alone and hisparse)."""
+    generates = 2 * c.new_tokens + 2 * max(1, c.new_tokens // 4)
+    return generates * 5 // 2 if c.dtype == "bfloat16" else generates
 
 
 def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend | None = None) -> dict[str, Any]:
@@ -161,8 +168,8 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
     if dtype == torch.bfloat16:
         fp32 = copy.deepcopy(model).float()
         for name, m in (("fp32", fp32), ("transformers_bf16", model)):
-            forced[name] = [forced_logits(m, i, k, t, DynamicCache(config=m.config), c.prefill_chunk)
-                            for i, k, t in batches]
+            forced[name] = [forced_logits(m, i, k, t, DynamicCache(config=m.config), c.prefill_chunk,
+                                          _step(progress, f"teacher-forced, {name}")) for i, k, t in batches]
         del fp32
 
     row = (shape.kv_lora + shape.rope) * torch.empty((), dtype=dtype).element_size()
@@ -189,7 +196,8 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
             forced["hisparse_bf16"] = []
             for i, k, t in batches:
                 cache = hs.new_cache(i, k, max_new_tokens=t.shape[1])
-                forced["hisparse_bf16"].append(forced_logits(model, i, k, t, cache, c.prefill_chunk))
+                forced["hisparse_bf16"].append(forced_logits(model, i, k, t, cache, c.prefill_chunk,
+                                                             _step(progress, "teacher-forced, hisparse_bf16")))
                 cache.finish()
         engine = {"backend": hs.engine.backend.name, "device": str(hs.engine.device),
                   "gpu_pool_pages": hs.engine.gpu_blocks, "all_resident_pages": all_resident,

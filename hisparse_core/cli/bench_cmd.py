@@ -88,7 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _table(res: object) -> str:
     from hisparse_core.replay.bench import BenchResult
-    from hisparse_core.replay.report import human_bytes, pct, render_table
+    from hisparse_core.replay.report import hit_rate, human_bytes, pct, render_table
 
     assert isinstance(res, BenchResult)
     s: dict[str, Any] = res.summary()
@@ -103,8 +103,7 @@ def _table(res: object) -> str:
         part = s[label]
         rows += [
             (title, ""),
-            ("hit rate (hot lookups)", pct(part["hit_rate"]) if part["hits"] + part["misses"] else
-             "n/a: no lookup went through the hot buffer (0 hits, 0 misses)"),
+            ("hit rate (hot lookups)", hit_rate(part["hit_rate"], part["hits"] + part["misses"])),
             ("misses", f"{part['misses']} ({pct(part['miss_rate_per_entry'])} of top-k entries)"),
             ("hits / resident entries", f"{part['hits']} / {part['resident_entries']}"),
             ("rows copied host->device", f"{part['rows_h2d']}"),

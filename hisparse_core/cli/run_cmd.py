@@ -298,10 +298,10 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
 
 def _hit_rate(s: dict[str, Any]) -> str:
     """The hit rate, or n/a where no lookup went through the hot buffer (a rate of nothing is no 100%)."""
-    from hisparse_core.replay.report import pct
+    from hisparse_core.replay.report import hit_rate, pct
 
     if not s["hot_lookups"]:
-        return "n/a: no lookup went through the hot buffer (0 hits, 0 misses)"
+        return hit_rate(s["hit_rate"], 0)
     peak = pct(s["hit_rate_from_peak"]) if s["hot_lookups_from_peak"] else "n/a, no lookup"
     return f"{pct(s['hit_rate'])} (from peak concurrency on: {peak})"
 

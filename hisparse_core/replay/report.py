@@ -17,6 +17,11 @@ def pct(x: float) -> str:
     return f"{100.0 * x:.2f}%"
 
 
+def hit_rate(rate: float, lookups: int) -> str:
+    """A hot-buffer hit rate, or n/a where no lookup went through the buffer (a rate of nothing is no 100%)."""
+    return pct(rate) if lookups else "n/a: no lookup went through the hot buffer (0 hits, 0 misses)"
+
+
 def render_table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
     """Two aligned columns; a row whose value is "" is a section heading."""
     width = max((len(k) for k, _ in rows), default=0)

@@ -17,9 +17,10 @@ layers below its own, `TYPE_CHECKING` imports included, never one beside or abov
    `budgets`, `stats`, `version`, `tiny`, `shards` (the layers' devices under `device_map`),
    `ranks` (tensor-parallel ranks), `assisted` (what an assisted generate asks for), `model_topk`
    (benchmarks: decode top-k from the replay's locality model), `index_keys` (how the indexer keys
-   are stored: the model's dtype or fp8), `forced` (teacher-forced logits, for comparing runs that
-   free-running decoding would let part ways);
-2. `session`: a batch's requests and the step in progress (Request, Session, StepState);
+   are stored: the model's dtype or fp8);
+2. `session`: a batch's requests and the step in progress (Request, Session, StepState), and
+   `forced` (teacher-forced logits, for comparing runs that free-running decoding would let part
+   ways; it takes the cache argument's name from `version`);
 3. `prefetch`: the cross-layer prefetch (the next index group's resolve on this group's top-k);
 4. `engine`: the engine role (GPU block pool, coordinator, a worker per device, device caches and tables); it
    knows nothing of the model's attention, the cache or the checker;
@@ -41,8 +42,8 @@ from typing import Any
 #: The import layers of this package, bottom first (see the module docstring).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "shards", "ranks", "assisted",
-     "model_topk", "index_keys", "forced"),
-    ("session",),
+     "model_topk", "index_keys"),
+    ("session", "forced"),
     ("prefetch",),
     ("engine",),
     ("cache", "check"),

@@ -131,8 +131,8 @@ def _bf16_errors(forced: dict[str, list[list[torch.Tensor]]]) -> dict[str, Any]:
 def total_steps(c: DemoConfig) -> int:
     """Progress units: generate steps of the reference and hisparse runs, both batches (bfloat16:
     and the steps of the three teacher-forced runs, fp32, the model alone and hisparse)."""
-    generates = 2 * c.new_tokens + 2 * max(1, c.new_tokens // 4)
-    return generates * 5 // 2 if c.dtype == "bfloat16" else generates
+    runs = 5 if c.dtype == "bfloat16" else 2
+    return runs * (c.new_tokens + max(1, c.new_tokens // 4))
 
 
 def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend | None = None) -> dict[str, Any]:

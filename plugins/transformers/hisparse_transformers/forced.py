@@ -4,11 +4,12 @@ logits can be compared step for step where free-running greedy decoding would le
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hisparse_transformers.version import cache_kwarg
 
 
 def forced_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, continuation: torch.Tensor,
@@ -18,7 +19,8 @@ def forced_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     `continuation` `[B, n]` one token a step. Entry i of the result (float32 `[B, vocab]`) predicts
     `continuation[:, i]`, as generate's step-i logits do. `on_step` is called once a logits entry
     (a progress bar's tick)."""
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    key = cache_kwarg(model)
+    tick = on_step if on_step is not None else (lambda: None)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = None
     with torch.no_grad():
@@ -29,8 +31,7 @@ def forced_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
         if out is None:
             raise ValueError("forced_logits needs a prompt of at least one token")
         logits = [out.logits[:, -1].float()]
-        if on_step is not None:
-            on_step()
+        tick()
         last = pos[:, -1:]
         for i in range(continuation.shape[1] - 1):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -38,6 +39,5 @@ def forced_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
             out = model(input_ids=continuation[:, i:i + 1], attention_mask=mask, position_ids=last, use_cache=True,
                         **{key: cache})
             logits.append(out.logits[:, -1].float())
-            if on_step is not None:
-                on_step()
+            tick()
     return logits

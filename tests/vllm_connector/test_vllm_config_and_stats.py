@@ -83,6 +83,9 @@ ENGINE_CORE = [
                              r"available.*at most 95% of it .* may be taken: expected host_pool_gib <= "),
     ({"host_pool_gib": 1e-4},
      r"\['host_pool_gib'\]=0.0001 holds 6 host blocks.*needs at least 19 \(one max_model_len=256"),
+    # Smaller than one host block: refused as too small (it divided by zero in the RAM check).
+    ({"host_pool_gib": 1e-7},
+     r"\['host_pool_gib'\]=1e-07 holds 0 host blocks.*needs at least 19 \(one max_model_len=256"),
 ]
 
 
@@ -310,3 +313,5 @@ def test_host_pool_may_take_at_most_95_percent_of_the_available_memory() -> None
     # Private pools of the TP ranks of one node add up.
     with pytest.raises(CapacityError, match=r"=1.0 \(2 private TP-rank pools on this node\) needs 1.00 GiB"):
         layout.check_host_memory(1.0, 256, pools_on_node=2, available=int(pool_bytes / 0.95) + 1)
+    # A pool of no whole block takes no RAM (check_capacity refuses it as too small).
+    layout.check_host_memory(1e-7, 256, pools_on_node=1, available=1)

@@ -124,9 +124,10 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._layout = HostTierLayout.from_kv_cache_config(kv_cache_config,
                                                                vllm_config.parallel_config.tensor_parallel_size)
             max_len = vllm_config.model_config.max_model_len
+            # Too small for one request first: a pool of no whole block has no size to weigh against the RAM.
+            self._layout.check_capacity(self._hs_config.host_pool_gib, max_len)
             self._layout.check_host_memory(self._hs_config.host_pool_gib, max_len,
                                            _pools_on_node(vllm_config, self._hs_config, self._layout, selection))
-            self._layout.check_capacity(self._hs_config.host_pool_gib, max_len)
             self._scheduler: SchedulerSide | None = None
             self._worker: WorkerSide | None = None
             if role == KVConnectorRole.SCHEDULER:

@@ -162,7 +162,7 @@ class HostTierLayout:
         cfg = self.coordinator_config(host_pool_gib, max_model_len)
         per_pool = cfg.host_num_blocks * cfg.host_block_stride
         avail = capacity.available_host_bytes() if available is None else available
-        if avail is None:
+        if avail is None or per_pool == 0:  # no whole block: check_capacity refuses it as too small
             return
         most = avail * capacity.HOST_FRACTION / pools_on_node / per_pool * host_pool_gib
         pools = "" if pools_on_node == 1 else f" ({pools_on_node} private TP-rank pools on this node)"

@@ -100,6 +100,21 @@ def test_a_bad_key_or_value_fails_while_vllm_builds_its_config(model_dir: Path, 
     assert len(errors) == 1 and "\n" not in errors[0] and errors[0].startswith("hisparse connector cannot start: ")
 
 
+@pytest.mark.parametrize("backend", [None, "auto"])
+def test_a_bad_hisparse_backend_under_an_auto_backend_is_named_as_the_env_var(
+        model_dir: Path, backend: str | None, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`backend` unset or "auto" defers to HISPARSE_BACKEND: the line names the variable and its
+    value, not `kv_connector_extra_config['backend']=None`, a key the deployer did not set."""
+    monkeypatch.setenv("HISPARSE_BACKEND", "no-such-backend")
+    extra: dict[str, object] = {"host_pool_gib": 1} if backend is None else {"host_pool_gib": 1, "backend": backend}
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['backend'\] is \"auto\": no hisparse backend "
+                                         r"named 'no-such-backend' \(from HISPARSE_BACKEND\); available: "):
+        vs.vllm_config(model_dir, extra=extra)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and r.name.startswith("hisparse")]
+    assert len(errors) == 1 and "=None" not in errors[0], errors
+
+
 @pytest.mark.parametrize(("extra", "message"), ENGINE_CORE)
 def test_a_host_pool_the_node_cannot_hold_fails_before_anything_is_allocated(model_dir: Path, extra: dict[str, object],
                                                                             message: str) -> None:

@@ -95,7 +95,10 @@ def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, S
     try:
         selection = get_registry().choose(config.backend)
     except BackendError as exc:
-        raise InvalidInputError(f"kv_connector_extra_config['backend']={config.backend!r}: {exc}") from exc
+        # Unset or "auto" defers to HISPARSE_BACKEND, which the registry's line names when it set the name.
+        key = (f"kv_connector_extra_config['backend']={config.backend!r}" if config.backend is not None
+               else "kv_connector_extra_config['backend'] is \"auto\"")
+        raise InvalidInputError(f"{key}: {exc}") from exc
     return config, selection
 
 

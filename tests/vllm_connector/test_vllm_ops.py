@@ -272,6 +272,14 @@ def test_bad_mode_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
         hv_ops.register_ops()
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_mode_is_unset(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """`HISPARSE_VLLM_OPS=` is the default, `auto`, as an empty HISPARSE_BACKEND is automatic
+    selection (it used to be refused as a bad mode, and the ops went unregistered)."""
+    monkeypatch.setenv(hv_ops.ENV_MODE, value)
+    assert hv_ops.register_ops() == hv_ops.served_by() == "hisparse:reference_cpu"
+
+
 
 def test_the_ops_line_prints_where_vllm_has_not_configured_its_logging() -> None:
     """Issue 41, item 4: the general plugin registers the ops before vLLM 0.32 applies its logging

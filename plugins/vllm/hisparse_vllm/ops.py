@@ -174,7 +174,8 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     it must declare `Capability.VLLM_OPS`. Raises `SchemaMismatchError` for a vLLM whose runtime
     or compiled ops use another signature, `ValueError` for a bad `HISPARSE_VLLM_OPS`.
     """
-    chosen = (mode if mode is not None else os.environ.get(ENV_MODE, "auto")).strip().lower()
+    # Empty or blank (`HISPARSE_VLLM_OPS=`) is unset, as HISPARSE_BACKEND's is.
+    chosen = (mode if mode is not None else os.environ.get(ENV_MODE, "")).strip().lower() or "auto"
     if chosen not in MODES:
         raise ValueError(f"{ENV_MODE}={chosen!r}; expected one of {', '.join(MODES)}")
     with _lock:

@@ -170,6 +170,53 @@ def test_a_failing_step_returns_every_block(model: torch.nn.Module) -> None:
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
 
 
+def test_an_empty_forward_is_refused_and_a_step_failing_to_start_leaves_the_handle_usable(
+        model: torch.nn.Module) -> None:
+    """A prompt of 0 tokens to generate, and a direct forward of 0 tokens: one line naming the value,
+    before anything runs (before: an IndexError from inside the engine's step, and from then on every
+    generate on the handle failed with a ProtocolError, the workers' step having started and never
+    ended). A step whose device state fails after the workers started it (planted) leaves the handle
+    usable too: no block lost, the next generate exact."""
+    ids, mask = random_prompts([23, 11], seed=9)
+    theirs = baseline(model, ids, mask, 6, chunk=8)
+    key = cache_kwarg(model)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        free = hs.engine.gpu.num_free_blocks
+        with pytest.raises(InvalidInputError) as err:
+            model.generate(ids[:1, :0], max_new_tokens=4, do_sample=False)
+        text = one_line(err.value)
+        assert "input_ids of shape (1, 0)" in text and "at least one prompt token" in text, text
+        other = random_prompts([9, 14], seed=10)[0]
+        cache = hs.new_cache(other, max_new_tokens=4)
+        with torch.no_grad():
+            model(input_ids=other, **{key: cache})
+            with pytest.raises(InvalidInputError) as err:
+                model(input_ids=other[:, :0], **{key: cache})
+        assert "a forward of 0 tokens" in one_line(err.value)
+        cache.finish()
+        real = hs.engine._step_state
+        for fail_at in (2, 4):    # a prefill step; the first decode step, planned ahead in the prefill's end
+            calls = {"n": 0}
+
+            def failing(*a, _at=fail_at, _calls=calls, **k):  # type: ignore[no-untyped-def]
+                _calls["n"] += 1
+                if _calls["n"] == _at:
+                    raise RuntimeError("planted: the step's device state fails")
+                return real(*a, **k)
+
+            hs.engine._step_state = failing  # type: ignore[method-assign]
+            try:
+                with pytest.raises(RuntimeError, match="planted"):
+                    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            finally:
+                del hs.engine._step_state
+            assert hs.engine.gpu.num_free_blocks == free, fail_at
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+        assert hs.engine.gpu.num_free_blocks == free
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
 # ------------------------------------------------------------------ 3, 4. budgets and arguments
 
 

@@ -580,6 +580,10 @@ class HiSparseEngine:
             raise InvalidInputError("this hisparse cache's generate has finished; use a fresh cache")
         if session.step is not None:
             raise InvalidInputError("a forward started on this hisparse cache before the previous one ended")
+        if num_new < 1:
+            self.ahead.cancel()
+            raise InvalidInputError(f"a forward of {num_new} tokens with a hisparse cache; expected at least one new "
+                                    "token a row")
         bs = self.config.block_size
         past = session.padded_len
         end_padded = past + num_new
@@ -614,7 +618,13 @@ class HiSparseEngine:
         self._planned_state = None
         if step is None:
             src, dst = self._planned_writes if planned else self._schedule(session, past, num_new, start=True)
-            step = self._step_state(session, past, num_new, src, dst)
+            try:
+                step = self._step_state(session, past, num_new, src, dst)
+            except BaseException:
+                # The workers' step has started (here or planned ahead): end it, as after a forward that
+                # raised, so the next step (this batch's close, the next generate) finds them between steps.
+                self._after_forward()
+                raise
         if step.verify:
             # A rollback may follow: no step is planned ahead of it (its schedule would seal the
             # pages of candidates that the crop drops).
@@ -761,7 +771,14 @@ class HiSparseEngine:
             self._planned_state = None
             self._planned_writes = self._schedule(session, past, 1, start=False)
             # the step's device tensors too: their uploads and small kernels leave the critical path
-            self._planned_state = self._step_state(session, past, 1, *self._planned_writes)
+            try:
+                self._planned_state = self._step_state(session, past, 1, *self._planned_writes)
+            except BaseException:
+                # The coordinator scheduled the step: start and end it with nothing written, as a
+                # cancelled planned step (its spills run and are acknowledged; the error comes at claim).
+                self._start_workers(self._planned_command)
+                self._after_forward()
+                raise
             return self._planned_command
 
         self.ahead.plan((session, past, 1), prepare)

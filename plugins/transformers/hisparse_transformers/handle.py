@@ -422,8 +422,12 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     kwargs[handle.cache_kwarg] = cache
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise InvalidInputError("hisparse generate needs input_ids of shape [batch, tokens] (inputs_embeds alone "
-                                "carry no token ids for prefix identity)")
+        got = f"input_ids of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else "no input_ids"
+        raise InvalidInputError(f"hisparse generate got {got}; expected input_ids of shape [batch, tokens] "
+                                "(inputs_embeds alone carry no token ids for prefix identity)")
+    if input_ids.shape[1] == 0:
+        raise InvalidInputError(f"hisparse generate got input_ids of shape {tuple(input_ids.shape)}; expected at least "
+                                "one prompt token a row")
     if plan is not None:
         _check_assisted(handle, plan, int(input_ids.shape[0]))
     mask = kwargs.get("attention_mask")

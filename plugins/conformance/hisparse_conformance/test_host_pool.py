@@ -101,6 +101,23 @@ def test_shared_pool_needs_the_capability(hisparse_backend: Backend) -> None:
         hisparse_backend.create_host_pool(spec)
 
 
+def _rank_one(backend: Backend, spec: HostPoolSpec, **extra: object) -> dict[str, object]:
+    """Run `hisparse_conformance.peer` as rank 1 of `spec`'s shared pool; its JSON report."""
+    factory = f"{type(backend).__module__}:{type(backend).__qualname__}"
+    request = json.dumps({"factory": factory, "spec": {
+        "num_layers": spec.num_layers, "num_blocks": spec.num_blocks, "block_size": spec.block_size,
+        "row_format": spec.row_format.name, "name": spec.name, "world_size": 2, "rank": 1}, **extra})
+    done = subprocess.run([sys.executable, "-m", "hisparse_conformance.peer", request], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, f"rank 1 failed:\n{done.stdout}\n{done.stderr}"
+    report: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+def _digest(data: torch.Tensor) -> str:
+    return hashlib.sha256(data.contiguous().numpy().tobytes()).hexdigest()
+
+
 @pytest.mark.requires_capability(Capability.SHARED_HOST_POOL)
 def test_shared_pool_peers_see_the_writers_bytes(hisparse_backend: Backend) -> None:
     """Rank 0 creates and writes a shared pool; rank 1, in another process as in tensor
@@ -115,14 +132,40 @@ def test_shared_pool_peers_see_the_writers_bytes(hisparse_backend: Backend) -> N
         for layer in range(spec.num_layers):
             data = random_bytes((spec.rows_per_layer, fmt.row_bytes), seed, layer)
             writer.layer_view(layer).view(torch.uint8).copy_(data)
-            digests.append(hashlib.sha256(data.numpy().tobytes()).hexdigest())
-        factory = f"{type(hisparse_backend).__module__}:{type(hisparse_backend).__qualname__}"
-        request = json.dumps({"factory": factory, "spec": {
-            "num_layers": spec.num_layers, "num_blocks": spec.num_blocks, "block_size": spec.block_size,
-            "row_format": fmt.name, "name": spec.name, "world_size": 2, "rank": 1}})
-        done = subprocess.run([sys.executable, "-m", "hisparse_conformance.peer", request], capture_output=True,
-                              text=True, timeout=120, check=False)
-        assert done.returncode == 0, f"rank 1 failed:\n{done.stdout}\n{done.stderr}"
-        report = json.loads(done.stdout.strip().splitlines()[-1])
+            digests.append(_digest(data))
+        report = _rank_one(hisparse_backend, spec)
         assert report == {"is_writer": False, "digests": digests}, (
             "rank 1 of a shared pool maps the writer's pool (is_writer False) and reads the same bytes in every layer")
+
+
+@pytest.mark.requires_capability(Capability.SHARED_HOST_POOL)
+def test_a_reader_rank_restores_pages_into_its_own_device(hisparse_backend: Backend) -> None:
+    """Only the writer rank writes a shared pool, but restores are host-to-device: rank 1's transfer
+    engine must copy every restored page into its own device caches (a tensor-parallel rank that
+    skipped them would attend over stale rows), leave the pool's bytes alone, and acknowledge each
+    transfer id once, enqueued and completed, by its drain."""
+    fmt = usable_format(hisparse_backend)
+    rng = random.Random(random.SystemRandom().randrange(2**32))
+    spec = HostPoolSpec(num_layers=2, num_blocks=6, block_size=4, row_format=fmt, shared=True,
+                        name=f"hisparse-conformance-{os.getpid()}-{uuid.uuid4().hex[:12]}", world_size=2)
+    device_blocks = 5
+    count = rng.randint(1, 3)
+    hosts, devices = rng.sample(range(spec.num_blocks), count), rng.sample(range(device_blocks), count)
+    ids = sorted(rng.sample(range(1000), count))
+    restores = [[ids[i], hosts[i], devices[i]] for i in range(count)]
+    bs = spec.block_size
+    with hisparse_backend.create_host_pool(spec) as writer:
+        layers = [random_bytes((spec.rows_per_layer, fmt.row_bytes), rng.randrange(2**32), layer)
+                  for layer in range(spec.num_layers)]
+        for layer, data in enumerate(layers):
+            writer.layer_view(layer).view(torch.uint8).copy_(data)
+        report = _rank_one(hisparse_backend, spec, restores=restores, device_blocks=device_blocks)
+    digests = [_digest(data) for data in layers]
+    restored = [[_digest(data[host * bs:(host + 1) * bs]) for _, host, _ in restores] for data in layers]
+    assert report["is_writer"] is False and report["digests"] == digests, "rank 1 maps the writer's bytes"
+    assert report["restored"] == restored, (
+        f"rank 1's restores {restores} ([id, host block, device block]) must land in its own device caches, "
+        "every layer, byte for byte")
+    assert report["after"] == digests, "a restore on rank 1 must not change the shared pool"
+    assert report["enqueued"] == ids and report["completed"] == ids, (
+        f"rank 1's drain() must report every restore id enqueued and completed: {ids}, got {report}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from hypothesis import given
@@ -20,7 +20,7 @@ from hisparse_conformance.examples import examples
 from hisparse_conformance.rig import stats_tuple, usable_format
 from hisparse_conformance.scenario import random_bytes
 from hisparse_core.backend import Backend
-from hisparse_core.errors import InvalidInputError
+from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.geometry import RowFormat, RuntimeConfig
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.runtime import CacheRuntime
@@ -333,5 +333,86 @@ def test_engine_runs_everything_in_order_and_reports_each_id_once(
         assert not problems, "\n".join(problems)
         assert engine.poll() == TransferProgress(), "after drain() nothing is left: poll() must report no new enqueued or completed id"
         assert engine.drain() == TransferProgress(), "each id is reported once: a second drain() must report nothing"
+    finally:
+        w.release()
+
+
+@examples(10)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_an_id_still_unacknowledged_is_refused_before_any_copy(hisparse_backend: Backend, seed: int) -> None:
+    """A transfer id, or a host copy's destination block, names one acknowledgement, so it must be
+    unique among the work not yet reported completed: a call that repeats one (within the call, or
+    one still in flight) raises `ProtocolError` and copies, counts and acknowledges nothing of its
+    own; the work in flight is still acknowledged once."""
+    rng = random.Random(seed)
+    groups = [1, 0]
+    w = make_worker(hisparse_backend, usable_format(hisparse_backend), [1, 1], groups, seed=seed)
+    try:
+        engine: TransferEngine = hisparse_backend.create_transfer_engine(w.pool, w.runtimes)
+        ids: list[int] = []
+        free = list(range(w.host_blocks))
+        rng.shuffle(free)
+        first = random_pages(rng, w, ids)
+        engine.submit_pages(first)
+        w.expect_pages(first, groups)
+        copies = random_host_copies(rng, w, free)
+        engine.submit_host_copies(copies)
+        w.expect_host_copies(copies)
+        in_flight = replace(random_pages(rng, w, ids)[0], transfer_id=rng.choice(first).transfer_id)
+        twice = random_pages(rng, w, ids)
+        twice = [*twice, replace(random_pages(rng, w, ids)[0], transfer_id=twice[0].transfer_id)]
+        for bad in ([in_flight], twice):
+            with must_raise(ProtocolError, f"submit_pages({bad}) repeats a transfer id that is not yet "
+                                           "acknowledged: it must raise ProtocolError"):
+                engine.submit_pages(bad)
+        if free:
+            src = [b for b in range(w.host_blocks) if b != copies[0].dst_block_id and b != free[-1]]
+            for bad_copies in ([HostBlockCopy(rng.choice(src), copies[0].dst_block_id)],
+                               [HostBlockCopy(rng.choice(src), free[-1]), HostBlockCopy(rng.choice(src), free[-1])]):
+                with must_raise(ProtocolError, f"submit_host_copies({bad_copies}) repeats a destination block "
+                                               "that is not yet acknowledged: it must raise ProtocolError"):
+                    engine.submit_host_copies(bad_copies)
+        done = engine.drain()
+        want = sorted(t.transfer_id for t in first)
+        assert sorted(done.enqueued) == want and sorted(done.completed) == want, (
+            f"drain() after the refused calls acknowledges the first call's ids once: {want}, got {done}")
+        assert sorted(done.completed_host_copies) == sorted(c.dst_block_id for c in copies), (
+            f"drain() acknowledges the accepted host copies once: {copies}, got {done}")
+        problems = w.mismatches()
+        assert not problems, "a refused submission copied or counted something:\n" + "\n".join(problems)
+    finally:
+        w.release()
+
+
+@examples(10)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_submission_one_runtime_refuses_changes_nothing_anywhere(hisparse_backend: Backend, seed: int) -> None:
+    """Every runtime of the engine checks a submission before any copies it: a mirror or page
+    whose source or resident block is out of range for one runtime's resident group only (the other
+    runtime's group is fine), or a host copy past the pool, raises `InvalidInputError`, and no
+    runtime has copied, counted or acknowledged anything of that call."""
+    rng = random.Random(seed)
+    groups = [1, 0]  # runtime 0 reads resident group 1's blocks, runtime 1 group 0's
+    w = make_worker(hisparse_backend, usable_format(hisparse_backend), [1, 1], groups, seed=seed)
+    try:
+        engine: TransferEngine = hisparse_backend.create_transfer_engine(w.pool, w.runtimes)
+        beyond = w.device_blocks * w.block_size + rng.randrange(w.block_size)
+        mirrors = random_mirrors(rng, w)
+        bad_mirror = replace(mirrors[-1], source_starts=(beyond, mirrors[-1].source_starts[1]))
+        with must_raise(InvalidInputError, "submit_row_mirrors with a source row past group 0's device cache "
+                                           "(group 1's in range) must raise InvalidInputError"):
+            engine.submit_row_mirrors([*mirrors[:-1], bad_mirror])
+        ids: list[int] = []
+        pages = random_pages(rng, w, ids)
+        bad_page = replace(pages[-1], resident_block_ids=(w.device_blocks, pages[-1].resident_block_ids[1]))
+        with must_raise(InvalidInputError, "submit_pages with a resident block past group 0's device cache "
+                                           "(group 1's in range) must raise InvalidInputError"):
+            engine.submit_pages([*pages[:-1], bad_page])
+        with must_raise(InvalidInputError, "submit_host_copies with a source block past the host pool must raise "
+                                           "InvalidInputError"):
+            engine.submit_host_copies([HostBlockCopy(0, 1), HostBlockCopy(w.host_blocks, 2)])
+        assert engine.drain() == TransferProgress(), "refused submissions are not acknowledged"
+        problems = w.mismatches()
+        assert not problems, "a refused submission copied or counted something:\n" + "\n".join(problems)
     finally:
         w.release()

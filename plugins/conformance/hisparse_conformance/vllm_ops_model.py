@@ -241,6 +241,19 @@ def run_ops(ops: Any, case: Case, device: torch.device | str = "cpu", *,
     return {k: v.cpu().contiguous() for k, v in out.items()}
 
 
+def invalidate_model(dgi: list[list[int]], rsi: list[int], written_req: list[int],
+                     written_slots: list[int]) -> list[list[int]]:
+    """`hisparse_invalidate_written_slots` on lists: each written token's host row leaves every slot of
+    its request's state row that holds it (every copy, where a row is held twice); a request outside
+    `rsi`, a state row outside `dgi`, or a negative slot changes nothing. Returns a new table."""
+    inv = [row[:] for row in dgi]
+    for req, w in zip(written_req, written_slots, strict=True):
+        q = rsi[req] if 0 <= req < len(rsi) else -1
+        if 0 <= q < len(inv) and w >= 0:
+            inv[q] = [-1 if v == w else v for v in inv[q]]
+    return inv
+
+
 def run_model(case: Case, *, miss_mask: bool = True) -> dict[str, torch.Tensor]:
     """The same sequence as `run_ops`, on lists."""
     o = {k: v.tolist() for k, v in case.outputs.items()}
@@ -379,11 +392,7 @@ def run_model(case: Case, *, miss_mask: bool = True) -> dict[str, torch.Tensor]:
             x = o["resolved"][r][i]
             if not pad and plan_mask[r][i] != 0 and x >= 0 and 0 <= dst < hot_rows:
                 put(plan_hot, x, dst)
-    inv = [row[:] for row in dgi]
-    for req, w in zip(case.written_req.tolist(), case.written_slots.tolist(), strict=True):
-        q = state_of(req)
-        if 0 <= q < s and w >= 0:
-            inv[q] = [-1 if v == w else v for v in inv[q]]
+    inv = invalidate_model(dgi, rsi, case.written_req.tolist(), case.written_slots.tolist())
 
     i32 = torch.int32
     return {"hot_out": torch.tensor(o["hot_out"], dtype=i32).view(n, k),

@@ -23,8 +23,10 @@ fails there (it does not import, is not a concrete `Backend`, or its constructor
 as broken from then on in this process: an explicit selection raises the error, an automatic one
 logs one WARNING and falls back to the next available backend. A class whose `capabilities`
 differ from its `BackendSpec`'s is reported at selection with one WARNING (the class's set is
-what runs, and the listing takes it). Every selection logs one INFO line: "hisparse backend 'X'
-selected (explicit: ... | automatic: highest priority among [...]); unavailable: ...".
+what runs, and the listing takes it). A selection logs one INFO line: "hisparse backend 'X'
+selected (explicit: ... | automatic: highest priority among [...]); unavailable: ...", once a
+process (a selection that repeats one already logged, same backend, reason and listing, logs it
+at DEBUG).
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class BackendRegistry:
         self._pm = plugin_manager
         self._lock = threading.Lock()
         self._drift_reported: set[str] = set()
+        self._selections_logged: set[tuple[str, str, str]] = set()
 
     @classmethod
     def discover(cls, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
@@ -249,8 +252,13 @@ class BackendRegistry:
                                selection.name, failed)
         others = [e for e in self.entries() if not e.available]
         unavailable = ", ".join(_why_not(e) for e in others) or "none"
-        logger.info("hisparse backend %r selected (%s); unavailable: %s", selection.name, selection.explanation(),
-                    unavailable)
+        # Once a process: a vLLM worker selects for the ops and again for the connector, the same way.
+        said = (selection.name, selection.explanation(), unavailable)
+        with self._lock:
+            first = said not in self._selections_logged
+            self._selections_logged.add(said)
+        logger.log(logging.INFO if first else logging.DEBUG, "hisparse backend %r selected (%s); unavailable: %s",
+                   selection.name, selection.explanation(), unavailable)
         return backend
 
     def _instantiate(self, name: str, *, log_broken: bool) -> Backend:

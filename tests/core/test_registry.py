@@ -200,6 +200,26 @@ def test_automatic_selection_takes_the_highest_priority_and_logs_why(
                                    "[high (50), low (1)]); unavailable: faster (unavailable: no Acme card)")
 
 
+def test_a_repeated_selection_is_logged_once_at_info(fake_site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM worker selects the backend for the ops and again for the connector: the choice and
+    its reason are said once; a repeat is DEBUG. Another choice (or reason) is said again."""
+    fake_site.backend("low", priority=1)
+    fake_site.backend("high", priority=50)
+    reg = fake_site.registry()
+    with caplog.at_level(logging.DEBUG, logger="hisparse_core.registry"):
+        reg.select_backend()
+        reg.select_backend()
+        reg.select_backend("low")
+        reg.select_backend("low")
+    said = [(r.levelno, r.getMessage().split(";")[0]) for r in caplog.records if " selected (" in r.getMessage()]
+    assert said == [(logging.INFO, "hisparse backend 'high' selected (automatic: highest priority among "
+                                   "[high (50), low (1)])"),
+                    (logging.DEBUG, "hisparse backend 'high' selected (automatic: highest priority among "
+                                    "[high (50), low (1)])"),
+                    (logging.INFO, "hisparse backend 'low' selected (explicit)"),
+                    (logging.DEBUG, "hisparse backend 'low' selected (explicit)")]
+
+
 def test_priority_tie_is_broken_by_name_with_a_warning(fake_site: FakeSite,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     fake_site.backend("zeta", priority=5)

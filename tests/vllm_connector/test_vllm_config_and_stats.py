@@ -115,6 +115,18 @@ def test_a_bad_hisparse_backend_under_an_auto_backend_is_named_as_the_env_var(
     assert len(errors) == 1 and "=None" not in errors[0], errors
 
 
+def test_the_backend_choice_is_logged_once_a_process(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Every vLLM process registers the ops (selecting the backend) and its workers' connectors
+    select it again: the worker's log said "hisparse backend ... selected (...)" twice, word for
+    word. The registry says it once a process; the connector's own line names the backend too."""
+    hisparse_vllm.register()  # the ops, as the general plugin has them in every vLLM process
+    with caplog.at_level("INFO"):
+        for _ in range(2):
+            vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002}), num_workers=2)
+    selected = [r.getMessage() for r in caplog.records if r.levelname == "INFO" and " selected (" in r.getMessage()]
+    assert len(selected) <= 1, selected  # none where the ops' selection was this process's first
+
+
 @pytest.mark.parametrize(("extra", "message"), ENGINE_CORE)
 def test_a_host_pool_the_node_cannot_hold_fails_before_anything_is_allocated(model_dir: Path, extra: dict[str, object],
                                                                             message: str) -> None:

@@ -9,14 +9,31 @@ general plugin, `hisparse_vllm.register`) wraps that classmethod so that, when t
 resolves is hisparse's connector, `check_kv_transfer_config(kv_transfer_config)` runs first: a
 bad key or value then fails in the front end, in well under a second of building the config,
 instead of in the engine core after the weights load. Any other connector resolves unchanged.
+
+In vLLM's own server program (`python -m vllm.entrypoints.openai.api_server`, `vllm serve`) a
+refused configuration is a usage error: its one ERROR line, then exit status 2, without the
+traceback an uncaught error prints through vLLM's config and asyncio frames. In any other
+program (the `LLM` constructor) it raises, so the caller can catch it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from typing import Any
 
+from hisparse_core.errors import HiSparseError
+
 _MARK = "_hisparse_checks_config"
+
+
+def in_vllms_own_program() -> bool:
+    """Whether this process runs one of vLLM's programs (its `__main__` is a `vllm` module, or the
+    `vllm` console script), not a Python program of the user's that imports vLLM."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = str(getattr(spec, "name", "") or "")
+    return module.split(".")[0] == "vllm" or os.path.basename(sys.argv[0] if sys.argv else "") == "vllm"
 
 
 def install() -> None:
@@ -32,7 +49,12 @@ def install() -> None:
         connector_cls = resolve(cls, kv_transfer_config)
         check = getattr(connector_cls, "check_kv_transfer_config", None)
         if check is not None and getattr(connector_cls, "__module__", "").startswith("hisparse_vllm"):
-            check(kv_transfer_config)
+            try:
+                check(kv_transfer_config)
+            except HiSparseError:  # its one line is logged already
+                if in_vllms_own_program():
+                    raise SystemExit(2) from None
+                raise
         return connector_cls
 
     setattr(get_connector_class, _MARK, True)

@@ -51,13 +51,14 @@ class Server:
         self.shm_before = set(glob.glob("/dev/shm/hisparse_*"))
         transfer = {"kv_connector": "HiSparseOffloadConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": extra}
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        # VLLM_SERVER_DEV_MODE: vLLM serves its dev endpoints (POST /reset_prefix_cache) only with it.
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default: the engine in its own process
         self._out = open(log, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
              "--port", str(self.port), "--load-format", "dummy", "--dtype", "float32", "--block-size", "32",
-             "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager",
+             "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager", "--shutdown-timeout", "30",
              "--kv-transfer-config", json.dumps(transfer)],
             stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -96,12 +97,18 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # our own process group: server, engine core, worker
+            # The server's process alone, as `kill PID` or a container stop: with --shutdown-timeout
+            # > 0 it drains the engine core and its workers (vLLM's default, 0, kills them at once).
+            os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group outlived it
+        except ProcessLookupError:
+            pass
         if not self._out.closed:
             self._out.close()
 
@@ -143,6 +150,33 @@ def test_the_server_starts_serves_a_completion_and_exports_the_metrics(servers: 
     assert not any("hot_" in name for name in values)
     lines = server.output().splitlines()
     assert sum("hisparse connector scheduler:" in line for line in lines) == 1, "each hisparse line once"
+
+
+def _gauges(server: Server) -> dict[str, float]:
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in server.get("/metrics").splitlines()
+            if line.startswith("vllm:hisparse_host_")}
+
+
+@pytest.mark.slow
+def test_the_dev_endpoint_resets_the_host_cache_and_its_gauges_at_once(servers: dict[str, Server]) -> None:
+    """docs/vllm.md, Metrics: `POST /reset_prefix_cache?reset_external=true` on a server started
+    with VLLM_SERVER_DEV_MODE=1 (vLLM answers 404 without it) forgets the published host pages,
+    and the next /metrics shows the gauges at 0 without another request."""
+    server = servers["good"]
+    server.wait_healthy()
+    prompt = " ".join(f"t{3 + (11 * i) % 500}" for i in range(70))  # two sealed 32-token pages
+    server.post("/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    deadline = time.monotonic() + 60
+    while _gauges(server).get("vllm:hisparse_host_blocks_cached", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _gauges(server)["vllm:hisparse_host_blocks_cached"] > 0
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/reset_prefix_cache?reset_external=true",
+                                 method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+    gauges = _gauges(server)
+    assert gauges["vllm:hisparse_host_blocks_cached"] == 0 and gauges["vllm:hisparse_host_pool_cached_perc"] == 0
+    assert any("hisparse host cache reset:" in line for line in server.output().splitlines())
 
 
 #: Where vLLM 0.32's client starts closing its sockets (`MPClient.shutdown`, in the launcher's executor thread).
@@ -232,6 +266,10 @@ def test_a_bad_extra_config_stops_the_server_with_one_line_in_its_output(servers
     assert "of host RAM" in lines[0]
     assert "expected host_pool_gib <= " in lines[0]
     assert "DefaultCPUAllocator" not in server.output()
+    # docs/vllm.md, Start-up errors: vLLM's own tracebacks follow the line, ending in its generic one.
+    output = server.output()
+    assert output.index("hisparse connector cannot start:") < output.index("Traceback")
+    assert "Engine core initialization failed" in output[output.rindex("Traceback"):]
     assert set(glob.glob("/dev/shm/hisparse_*")) <= server.shm_before, "no shared pool file left"
 
 

@@ -10,15 +10,56 @@ docs/vllm.md, puts this folder on `PYTHONPATH`.
 `HISPARSE_SHIM_DEVICE=cpu` (with `HISPARSE_BACKEND=reference_cpu`, or `triton` under
 `TRITON_INTERPRET=1`) checks the same file on a CPU: pinning and `torch.accelerator.synchronize`
 have no accelerator there, so both become no-ops.
+
+A bad setting (a device other than `cuda` or `cpu`, `cuda` where torch has no CUDA device, a
+backend that cannot serve the ops) ends the pytest run before any test, with one line naming the
+variable, its value and what was expected: pytest reports it as the test file's one collection
+error, `E   vllm.ShimSettingError: ...`, and runs no test (exit status 2).
 """
 
 import os
 
-from hisparse_vllm.ops import register_ops
+from vllm.platforms import DEVICES, current_platform
 
-register_ops(os.environ.get("HISPARSE_BACKEND", "nvidia"))
+__tracebackhide__ = True  # pytest shows the error's line, not this module's frames
 
-if os.environ.get("HISPARSE_SHIM_DEVICE") == "cpu":
+
+class ShimSettingError(RuntimeError):
+    """An environment variable of the shim names something it cannot run."""
+
+
+def _setting(name: str, default: str) -> str:
+    value = os.environ.get(name, "")
+    return f"{name}={value!r}" if value.strip() else f"{name} is unset, so {default}"
+
+
+def _refuse(message: str) -> None:
+    __tracebackhide__ = True
+    raise ShimSettingError(message)
+
+
+_device = current_platform.device_type
+if _device not in DEVICES:
+    _refuse(f"HISPARSE_SHIM_DEVICE={_device!r}; expected one of {', '.join(DEVICES)}")
+if _device == "cuda":
+    import torch
+
+    if not torch.cuda.is_available():
+        _refuse(f"{_setting('HISPARSE_SHIM_DEVICE', 'cuda')}, but torch {torch.__version__} sees no CUDA device "
+                "here; on a CPU set HISPARSE_SHIM_DEVICE=cpu with HISPARSE_BACKEND=reference_cpu (or triton under "
+                "TRITON_INTERPRET=1)")
+
+from hisparse_vllm.ops import register_ops  # noqa: E402
+
+_problem = ""
+try:
+    register_ops(os.environ.get("HISPARSE_BACKEND", "").strip() or "nvidia")
+except Exception as exc:  # noqa: BLE001 -- the reason is the line
+    _problem = f"{_setting('HISPARSE_BACKEND', 'nvidia')} cannot serve vLLM's HiSparse ops: {exc}"
+if _problem:
+    _refuse(_problem)  # outside the handler: one error, not two chained
+
+if _device == "cpu":
     import torch
 
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]

@@ -2,9 +2,12 @@
 
 import os
 
+#: What `HISPARSE_SHIM_DEVICE` may name (default cuda); the package refuses anything else.
+DEVICES = ("cuda", "cpu")
+
 
 class _Platform:
-    device_type = os.environ.get("HISPARSE_SHIM_DEVICE", "cuda")
+    device_type = os.environ.get("HISPARSE_SHIM_DEVICE", "").strip().lower() or "cuda"
 
 
 current_platform = _Platform()

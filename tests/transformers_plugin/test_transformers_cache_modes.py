@@ -217,6 +217,57 @@ def test_an_empty_forward_is_refused_and_a_step_failing_to_start_leaves_the_hand
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
 
 
+def _direct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
+    """Direct forwards of a left-padded prompt batch in 8-token chunks, without position_ids (the
+    model's default: the padded positions); the logits of every chunk."""
+    key = cache_kwarg(model)
+    out = []
+    with torch.no_grad():
+        for a in range(0, ids.shape[1], 8):
+            b = min(ids.shape[1], a + 8)
+            out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], **{key: cache}).logits)
+    return torch.cat(out, dim=1)
+
+
+def test_prefix_hits_only_between_rows_roped_alike(model: torch.nn.Module) -> None:
+    """A latent row carries its rope position, so a page is a prefix hit only for rows roped alike.
+    Direct forwards without position_ids rope row b's token i at pad_b + i (the model's default);
+    generate ropes it at i. Before: the pages a direct batch published were prefix hits for a
+    generate of the same prompts (and a generate's for a direct batch), whose attention then read
+    rows roped at other positions (RowMismatch under check=True; other logits without it). Now the
+    unpadded row shares its pages both ways, the padded row only with a direct batch padded alike."""
+    from transformers import DynamicCache
+
+    ids, mask = random_prompts([23, 11], seed=12)
+    theirs = baseline(model, ids, mask, 6, chunk=8)
+    own = _direct(model, ids, mask, DynamicCache(config=model.config))
+    real = mask.bool().unsqueeze(-1)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:      # check=True
+        hits: list[list[int] | None] = []       # each run's prefix hits, per row
+
+        def record(handle, step) -> None:  # type: ignore[no-untyped-def]
+            session = handle.engine.session
+            if hits[-1] is None and session is not None:
+                hits[-1] = [r.hit for r in session.requests]
+
+        hs.on_step = record
+        for run in ("direct", "generate", "direct"):
+            hits.append(None)
+            if run == "direct":
+                cache = hs.new_cache(ids, mask, max_new_tokens=1)
+                ours = _direct(model, ids, mask, cache)
+                cache.finish()
+                diff = float(((ours - own).abs() * real).max())
+                assert diff <= 1e-4, (len(hits), diff)
+            else:
+                got = compare(model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN), theirs)
+                assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    first, after_direct, after_both = hits
+    assert first == [0, 0] and after_direct is not None and after_both is not None, hits
+    assert after_direct[0] > 0 and after_direct[1] == 0, hits       # row 1 is roped at 12 + i there
+    assert after_both[0] > 0 and after_both[1] > 0, hits            # row 1 from the first direct batch
+
+
 # ------------------------------------------------------------------ 3, 4. budgets and arguments
 
 

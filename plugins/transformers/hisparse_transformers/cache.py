@@ -65,6 +65,8 @@ class HiSparseCache(DynamicCache):
         self.prompts: tuple[list[list[int]], list[int]] | None = None
         self.max_new_tokens: int | None = None
         self.candidates = 0                  # an assisted generate's candidate tokens, reserved past max_new_tokens
+        #: per row, the rope position of its first token (None: not one offset); None: read at the first forward
+        self.rope_offsets: list[int | None] | None = None
         self._length = 0
         self._indexer: dict[int, torch.Tensor] = {}
         self._scales: dict[int, torch.Tensor] = {}   # indexer_keys="fp8": each layer's key scales

@@ -82,6 +82,15 @@ def row_format_for(dtype: torch.dtype, width: int) -> RowFormat:
     return register_row_format(RowFormat(name, dtype, padded))
 
 
+def _rope_key(offset: int | None, request_id: str) -> bytes | None:
+    """The prefix identity's extra key of a request whose first token is roped at `offset`: None
+    (generate's logical positions) for 0, the offset otherwise, the request itself for None (its
+    positions are not one offset: its pages are nobody else's)."""
+    if offset == 0:
+        return None
+    return f"rope+{offset}".encode() if offset is not None else f"rope:{request_id}".encode()
+
+
 def resident_groups(groups: Sequence[Sequence[int]], spec: str | Sequence[int], num_layers: int) -> list[int]:
     """The index groups `resident_layers` keeps resident: every listed layer in `[0, num_layers)`,
     whole groups only (a group's followers read the leader's rows), not every layer. Bad input is
@@ -457,8 +466,14 @@ class HiSparseEngine:
     # ------------------------------------------------------------------------------- sessions
 
     def open_session(self, prompts: Sequence[Sequence[int]], pads: Sequence[int],
-                     max_new_tokens: int | None = None, candidates: int = 0) -> Session:
+                     max_new_tokens: int | None = None, candidates: int = 0,
+                     rope_offsets: Sequence[int | None] | None = None) -> Session:
         """Admit one request per batch row; takes prefix hits from the host pool.
+
+        A latent row carries its rope position, so the prefix identity of a row's pages includes
+        `rope_offsets[b]`, the rope position of its first token (None, the default: 0 for every row,
+        its logical positions, as generate ropes them): a row takes hits only from rows roped alike.
+        An offset of None in the list (positions that are not one offset) shares with no other row.
 
         The whole of every request must fit before anything runs: each row's prompt plus
         `max_new_tokens` (None: as far as `max_context` allows) against `max_context` and against
@@ -496,10 +511,11 @@ class HiSparseEngine:
                 self._next_request += 1
                 tokens = list(tokens)
                 cap = max(0, len(tokens) - 1) if not self.resident_layers else 0
+                key = _rope_key(rope_offsets[len(requests)] if rope_offsets is not None else 0, rid)
                 try:
-                    hit = self.coordinator.add_request(rid, tokens, max_prefix_tokens=cap)
+                    hit = self.coordinator.add_request(rid, tokens, extra_key=key, max_prefix_tokens=cap)
                 except CapacityError:
-                    hit = self.coordinator.add_request(rid, tokens, max_prefix_tokens=0)
+                    hit = self.coordinator.add_request(rid, tokens, extra_key=key, max_prefix_tokens=0)
                 first = self.coordinator.first_resident_page(rid)
                 requests.append(Request(rid, self.free_states.pop(), pad, LazyTokens(tokens), len(tokens), hit,
                                         first, [-1] * first, hit, total))

@@ -100,6 +100,24 @@ def left_padding(attention_mask: torch.Tensor) -> list[int]:
     return pads
 
 
+def rope_offsets(position_ids: torch.Tensor, pads: Sequence[int], width: int) -> list[int | None]:
+    """Per row of a batch's first forward (`width` columns, the row's tokens from column `pads[b]`):
+    the rope position of its first token where its tokens there take consecutive positions (0 where
+    they are its logical ones, as generate's are), else None (not one offset; or no token of the
+    row in this forward). A host read of the positions, once per batch."""
+    pos = position_ids.detach().to("cpu", torch.int64)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    if pos.dim() != 2 or pos.shape[1] != width or pos.shape[0] not in (1, len(pads)):
+        return [None] * len(pads)
+    out: list[int | None] = []
+    for b, pad in enumerate(pads):
+        row = pos[b if pos.shape[0] > 1 else 0, pad:]
+        first = int(row[0]) if row.numel() else None
+        out.append(first if first is not None and torch.equal(row, first + torch.arange(row.numel())) else None)
+    return out
+
+
 class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
 
@@ -209,7 +227,14 @@ class HiSparseHandle:
             if len(prompts) != batch:
                 raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
-            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens, cache.candidates)
+            # A row's latent carries its rope position: its pages are shared only with rows roped alike.
+            offsets = cache.rope_offsets
+            if offsets is None:
+                pos = kwargs.get("position_ids")
+                # the model's default positions are the padded ones (its cache's length + arange)
+                offsets = list(pads) if pos is None else rope_offsets(pos, pads, num_new)
+            cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens, cache.candidates,
+                                                     rope_offsets=offsets)
             cache.session.speculative = cache.assisted
             cache.session.direct = not cache.generating
         elif cache.session.batch_size != batch:
@@ -437,6 +462,10 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     rows = input_ids.detach().to("cpu").tolist()
     new = _max_new_tokens(model, kwargs, int(input_ids.shape[1]))
     cache.generating = True
+    # generate ropes each row's tokens at their logical positions (from the mask), unless given its own
+    position_ids = kwargs.get("position_ids")
+    cache.rope_offsets = ([0] * len(pads) if position_ids is None
+                          else rope_offsets(position_ids, pads, int(input_ids.shape[1])))
     if plan is not None:
         cache.assisted = True
     # A verification step writes up to `candidates` tokens past the last token it keeps.

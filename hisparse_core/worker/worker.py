@@ -85,6 +85,8 @@ class HiSparseWorker:
     :param rank, world_size: this worker's tensor-parallel rank.
     :param share_host_pool: map one physical pool across the ranks where the backend can.
     :param pool_name: the name every rank agrees on for a shared pool (required when sharing).
+    :param not_shared_because: with `share_host_pool` false, why the caller decided against a
+        shared pool (the start-up line says it; default "sharing not requested").
 
     The pool and the runtimes are created here; `register_caches` binds them to the device caches
     and builds the transfer engine. Construction failures release what was already allocated.
@@ -92,7 +94,8 @@ class HiSparseWorker:
 
     def __init__(self, backend: Backend, groups: Sequence[CacheGroup], *, host_pool_bytes: int | None = None,
                  num_host_blocks: int | None = None, rank: int = 0, world_size: int = 1,
-                 share_host_pool: bool = False, pool_name: str | None = None) -> None:
+                 share_host_pool: bool = False, pool_name: str | None = None,
+                 not_shared_because: str | None = None) -> None:
         if not isinstance(backend, Backend):
             raise InvalidInputError(f"backend must be a hisparse_core.Backend, got {type(backend).__name__}")
         self._backend = backend
@@ -106,7 +109,7 @@ class HiSparseWorker:
         if num_host_blocks is None:
             assert host_pool_bytes is not None
             num_host_blocks = host_blocks_for_budget(host_pool_bytes, num_layers, first.block_size, first.row_format)
-        shared, why = self._sharing(share_host_pool, world_size, pool_name)
+        shared, why = self._sharing(share_host_pool, world_size, pool_name, not_shared_because)
         self._spec = HostPoolSpec(num_layers=num_layers, num_blocks=num_host_blocks, block_size=first.block_size,
                                   row_format=first.row_format, shared=shared, name=pool_name if shared else None,
                                   rank=rank if shared else 0, world_size=world_size if shared else 1)
@@ -136,9 +139,10 @@ class HiSparseWorker:
 
     # ----------------------------------------------------------------- construction helpers
 
-    def _sharing(self, requested: bool, world_size: int, pool_name: str | None) -> tuple[bool, str]:
+    def _sharing(self, requested: bool, world_size: int, pool_name: str | None,
+                 not_shared_because: str | None) -> tuple[bool, str]:
         if not requested:
-            return False, "sharing not requested"
+            return False, not_shared_because or "sharing not requested"
         if world_size <= 1:
             return False, "single rank"
         if Capability.SHARED_HOST_POOL not in self._backend.capabilities:

@@ -127,6 +127,30 @@ def test_the_backend_choice_is_logged_once_a_process(model_dir: Path, caplog: py
     assert len(selected) <= 1, selected  # none where the ops' selection was this process's first
 
 
+def test_the_worker_line_says_why_its_pool_is_private(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The worker's line said "private: sharing not requested" with `share_host_pool` at its
+    default, true: the plugin had folded every reason (one rank, sharded KV heads, pipeline
+    stages, nodes) into "not requested". It names the reason now."""
+    from hisparse_vllm.config import ConnectorConfig
+    from hisparse_vllm.layout import HostTierLayout
+    from hisparse_vllm.worker_side import host_pool_sharing
+
+    with caplog.at_level("INFO"):
+        vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002}), num_workers=1)
+    pools = [m.split("(")[1].split(")")[0] for m in caplog.messages if m.startswith("hisparse worker rank 0/1:")]
+    assert pools == ["private: single rank"], caplog.messages
+    with caplog.at_level("INFO"):
+        vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002, "share_host_pool": False}),
+                     num_workers=1)
+    assert "private: sharing not requested" in caplog.text
+    config = vs.vllm_config(model_dir, world_size=2)
+    sharded = HostTierLayout.from_kv_cache_config(vs.kv_cache_config(32), tp_size=2)  # GQA: heads split by rank
+    assert host_pool_sharing(ConnectorConfig(1.0), sharded, config.parallel_config, 2) == (
+        False, "KV heads sharded over 2 TP ranks: each rank keeps its own shard of every page")
+    assert host_pool_sharing(ConnectorConfig(1.0, share_host_pool=False), sharded, config.parallel_config, 2) == (
+        False, None)
+
+
 @pytest.mark.parametrize(("extra", "message"), ENGINE_CORE)
 def test_a_host_pool_the_node_cannot_hold_fails_before_anything_is_allocated(model_dir: Path, extra: dict[str, object],
                                                                             message: str) -> None:

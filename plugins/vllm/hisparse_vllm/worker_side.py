@@ -35,11 +35,28 @@ from hisparse_vllm.stats import HiSparseConnectorStats
 logger = logging.getLogger(__name__)
 
 
+def host_pool_sharing(config: ConnectorConfig, layout: HostTierLayout, parallel_config: Any,
+                      world: int) -> tuple[bool, str | None]:
+    """Whether the TP ranks of a node map one physical pool, and if not, why (for the worker's
+    line): only where every rank holds the same pages (MLA), with one pipeline stage on one node,
+    and when allowed (`share_host_pool`). The reason is None where it is shared or not requested."""
+    if not config.share_host_pool:
+        return False, None
+    if world <= 1:
+        return False, "single rank"
+    if not layout.replicated:
+        return False, f"KV heads sharded over {world} TP ranks: each rank keeps its own shard of every page"
+    if parallel_config.pipeline_parallel_size != 1:
+        return False, f"{parallel_config.pipeline_parallel_size} pipeline stages"
+    nnodes = getattr(parallel_config, "nnodes", 1)
+    if nnodes != 1:
+        return False, f"{nnodes} nodes"
+    return True, None
+
+
 def shares_host_pool(config: ConnectorConfig, layout: HostTierLayout, parallel_config: Any, world: int) -> bool:
-    """One physical pool for the TP ranks of a node: only where every rank holds the same pages
-    (MLA), with one pipeline stage on one node, and when allowed (`share_host_pool`)."""
-    return (config.share_host_pool and world > 1 and layout.replicated
-            and parallel_config.pipeline_parallel_size == 1 and getattr(parallel_config, "nnodes", 1) == 1)
+    """One physical pool for the TP ranks of a node (`host_pool_sharing`)."""
+    return host_pool_sharing(config, layout, parallel_config, world)[0]
 
 
 def _parallel_rank() -> tuple[int, int]:
@@ -106,7 +123,7 @@ class WorkerSide:
                     device_layers.append([view])
         rank, world = _parallel_rank()
         pc = vc.parallel_config
-        share = shares_host_pool(cfg, layout, pc, world)
+        share, not_shared_because = host_pool_sharing(cfg, layout, pc, world)
         if world > 1 and not layout.replicated:
             logger.info("hisparse: KV heads are sharded over %d TP ranks, so rank %d keeps a private pool of "
                         "host_pool_gib/%d = %.4g GiB (its shard of every page)", world, rank, world,
@@ -114,7 +131,8 @@ class WorkerSide:
         pool_name = f"{vc.kv_transfer_config.engine_id}-dp{pc.data_parallel_rank}" if share else None
         num_blocks = layout.coordinator_config(cfg.host_pool_gib, vc.model_config.max_model_len).host_num_blocks
         self._worker = HiSparseWorker(backend, groups, num_host_blocks=num_blocks, rank=rank, world_size=world,
-                                      share_host_pool=share, pool_name=pool_name)
+                                      share_host_pool=share, pool_name=pool_name,
+                                      not_shared_because=not_shared_because)
         self._worker.register_caches(device_layers)
         logger.info("hisparse connector worker: %d layers in %d KV-cache group(s), block_size %d, page %d B per layer; "
                     "%d runtime(s) (%s); host pool sized like the scheduler's (%d blocks for %s GiB)",

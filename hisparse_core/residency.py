@@ -29,7 +29,11 @@ def parse_resident_layers(spec: str | Sequence[int], num_layers: int) -> tuple[i
             raise InvalidInputError(f"resident layers {spec!r}: expected comma-separated layer indices, e.g. 0,1") \
                 from None
     else:
-        layers = list(spec)
+        try:
+            layers = list(spec)
+        except TypeError:
+            raise InvalidInputError(f"resident layers {spec!r}: expected a sequence of layer indices or a "
+                                    "comma-separated string, e.g. (0, 1) or '0,1' (() for none)") from None
         if any(isinstance(x, bool) or not isinstance(x, int) for x in layers):
             raise InvalidInputError(f"resident layers {layers!r}: expected ints")
     bad = [x for x in layers if not 0 <= x < num_layers]

@@ -186,6 +186,10 @@ def parse_reference_layers(name: str, spec: str | Sequence[int] | None, leaders:
             raise ValueError(f"{name}={spec!r}: {bad[0]!r} is not a layer; {want}")
         out = [int(x) for x in parts]
     else:
+        try:
+            spec = list(spec)
+        except TypeError:
+            raise ValueError(f"{name}={spec!r}: not a list of layers; {want}") from None
         if any(isinstance(x, bool) or not isinstance(x, int | np.integer) for x in spec):
             raise ValueError(f"{name}={spec!r}: not all ints; {want}")
         out = [int(x) for x in spec]

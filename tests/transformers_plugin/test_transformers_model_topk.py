@@ -115,7 +115,10 @@ def test_bad_synthetic_topk_is_one_line(model: torch.nn.Module) -> None:
                       (dict(synthetic_topk_layers="20,21"), "synthetic_topk_layers='20,21' needs synthetic_topk"),
                       (dict(synthetic_topk="code", synthetic_topk_layers="20,21,22", check=False), "3 layers for 2 index groups"),
                       (dict(synthetic_topk="code", synthetic_topk_layers=[21, 20], check=False), "not strictly ascending"),
-                      (dict(synthetic_topk="benign", synthetic_topk_layers="adjacent", check=False), "'adjacent' is not a layer")):
+                      (dict(synthetic_topk="benign", synthetic_topk_layers="adjacent", check=False), "'adjacent' is not a layer"),
+                      # a TypeError before
+                      (dict(synthetic_topk="code", synthetic_topk_layers=20, check=False),
+                       "synthetic_topk_layers=20: not a list of layers; expected 'spread' or 2")):
         with pytest.raises(InvalidInputError, match=msg):
             hisparse_transformers.enable(model, **enable_kwargs(FAMILY, **over))
     assert getattr(model, "_hisparse_handle", None) is None or model._hisparse_handle.closed

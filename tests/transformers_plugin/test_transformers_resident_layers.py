@@ -118,6 +118,8 @@ def test_budget_counts_the_resident_store(family: str, model: torch.nn.Module) -
     ([0, 0], "repeat a layer"),
     ("a,b", "resident_layers='a,b'"),
     ("0,1,2", "keeps all"),
+    (None, "resident_layers=None: resident layers None: expected a sequence of layer indices"),  # a TypeError before
+    (0, "resident_layers=0: resident layers 0: expected a sequence of layer indices"),
 ])
 def test_bad_resident_layers_are_one_line(family: str, model: torch.nn.Module, spec: Any, words: str) -> None:
     layers = SHAPES[family].layers

@@ -3,12 +3,14 @@ nothing allocated."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from tf_support import SHAPES, enable_kwargs, tiny_model  # noqa: E402
+from tf_support import GEN, SHAPES, baseline, compare, enable_kwargs, random_prompts, tiny_model  # noqa: E402
 
 import hisparse_transformers  # noqa: E402
 from hisparse_core.errors import CapacityError, HiSparseError, InvalidInputError  # noqa: E402
@@ -114,3 +116,90 @@ def test_right_padding_and_too_many_prompts(model: torch.nn.Module) -> None:
             model.generate(torch.randint(2, 100, (4, 6)), max_new_tokens=2)
         out = model.generate(ids, max_new_tokens=2, do_sample=False)      # still usable
         assert out.shape == (2, 8)
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(hot_rows=32772), "hot_rows=32772 is over a runtime's 32768-row hot buffer: expected hot_rows <= 32768"),
+    (dict(hot_rows=None, speculative_tokens=2047),
+     "speculative_tokens=2047 makes the default hot buffer (2047 + 2) x index_topk=16 = 32784 rows, over a runtime's "
+     "32768-row hot buffer: expected speculative_tokens <= 2046"),
+    (dict(hot_rows=32768, speculative_tokens=2048), "expected speculative_tokens <= 2047"),
+])
+def test_a_hot_buffer_over_the_runtime_limit_names_the_keyword(model: torch.nn.Module, over: dict[str, object],
+                                                               words: str) -> None:
+    """Before: "RuntimeConfig.hot_rows=32772 exceeds the 32768-row limit" (no keyword of enable), and
+    the union refusal suggested hot_rows >= 32784, past that limit."""
+    with pytest.raises(InvalidInputError) as err:
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=0.5, **over))
+    text = one_line(err.value)
+    assert words in text, text
+    assert "32784" not in text.split("expected")[1], text    # no suggestion past the limit
+    assert untouched(model)
+
+
+def test_beam_search_and_several_sequences_are_refused_naming_the_setting(model: torch.nn.Module) -> None:
+    """Before: "the forward has 2 rows but the batch has 1 prompts", from inside the first forward,
+    naming neither setting."""
+    ids = torch.randint(2, 100, (1, 6))
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3)) as hs:
+        for kw, words in ((dict(num_beams=2), "num_beams=2"),
+                          (dict(num_return_sequences=2, do_sample=True), "num_return_sequences=2")):
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(ids, max_new_tokens=2, **kw)
+            text = one_line(err.value)
+            assert words in text and f"expected {words.split('=')[0]}=1" in text, text
+        assert hs.stats().requests == 0
+        assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 8)   # still usable
+
+
+def test_the_log_says_why_the_hot_buffer_has_its_size(model: torch.nn.Module,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Before: "hot buffer 32 rows", without saying it was the default, or which."""
+    for over, words in ((dict(hot_rows=None), "hot buffer 32 rows (the default: 2 x index_topk)"),
+                        (dict(hot_rows=None, speculative_tokens=3),
+                         "hot buffer 80 rows (the default: (speculative_tokens + 2) x index_topk)"),
+                        (dict(hot_rows=48), "hot buffer 48 rows (hot_rows=48)")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hisparse_transformers.engine"):
+            hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3, **over)).close()
+        lines = [r.getMessage() for r in caplog.records if "hot buffer" in r.getMessage() and "GPU pool" in r.getMessage()]
+        assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_a_prefill_chunk_past_max_context_asks_no_more_gpu(model: torch.nn.Module) -> None:
+    """No forward holds more than max_context tokens, so a longer prefill_chunk (the default 512
+    with max_context=64) sizes the GPU pool as max_context does. Before: it asked for blocks of
+    512-token steps, and refused a budget that fits."""
+    def smallest(chunk: int) -> float:
+        with pytest.raises(CapacityError) as err:
+            hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-7, max_context=64,
+                                                                prefill_chunk=chunk))
+        return float(one_line(err.value).rsplit("expected gpu_kv_gib >= ", 1)[1])
+
+    fits = smallest(64)
+    assert smallest(512) == fits
+    ids, mask = random_prompts([40, 33], seed=4)
+    theirs = baseline(model, ids, mask, 8, chunk=512)
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=fits, max_context=64,
+                                                             prefill_chunk=512)):
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GEN)
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
+@pytest.mark.parametrize("over", [
+    dict(gpu_kv_gib=1e-9, max_context=1000, block_size=64, prefill_chunk=8),
+    dict(gpu_kv_gib=1e-9, max_context=1000, block_size=64, prefill_chunk=100, max_batch=1),
+    dict(host_pool_gib=1e-9, max_context=256, block_size=4, max_batch=1),
+    dict(host_pool_gib=1e-9, max_context=3000, block_size=64, max_batch=1),
+])
+def test_the_budget_a_refusal_names_fits(model: torch.nn.Module, over: dict[str, object]) -> None:
+    """The smallest budget a refusal names is accepted. Before: it was rounded to the nearest 6
+    (gpu_kv_gib) or 3 (host_pool_gib) significant digits, often below what fits, and refused again."""
+    name = next(k for k in over if k.endswith("_gib"))
+    kw = enable_kwargs("deepseek_v32", **{"gpu_kv_gib": 0.01, "hot_rows": None, "check": False, **over})
+    with pytest.raises(CapacityError) as err:
+        hisparse_transformers.enable(model, **kw)
+    fits = float(one_line(err.value).rsplit(f"expected {name} >= ", 1)[1].split(",")[0])
+    hisparse_transformers.enable(model, **{**kw, name: fits}).close()
+    assert untouched(model)

@@ -29,6 +29,19 @@ def _floor3(x: float) -> str:
     return f"{math.floor(x / scale) * scale:.3g}"
 
 
+def ceil_gib(nbytes: int, digits: int = 6) -> str:
+    """`nbytes` in GiB, rounded up to `digits` significant digits: the printed budget holds `nbytes`
+    when read back as enable reads it (`int(float(s) * GIB) >= nbytes`)."""
+    x = nbytes / GIB
+    if x <= 0:
+        return "0"
+    scale = 10 ** (math.floor(math.log10(x)) - digits + 1)
+    units = math.ceil(x / scale)
+    while int(float(f"{units * scale:.{digits}g}") * GIB) < nbytes:
+        units += 1
+    return f"{units * scale:.{digits}g}"
+
+
 def check_budgets(host_pool_gib: float, gpu_kv_gib: float, device: torch.device) -> None:
     """Raise `CapacityError` unless both budgets are finite and fit this machine (see the module
     docstring). Where the free memory cannot be asked, only finiteness is checked."""

@@ -49,12 +49,12 @@ from hisparse_core.coordinator.ahead import StepAhead
 from hisparse_core.coordinator.config import GIB
 from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
-from hisparse_core.geometry import RowFormat, RuntimeConfig, register_row_format
+from hisparse_core.geometry import MAX_HOT_ROWS, RowFormat, RuntimeConfig, register_row_format
 from hisparse_core.residency import parse_resident_layers
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.types import OffloadCommand
 from hisparse_core.worker import CacheGroup, HiSparseWorker
-from hisparse_transformers.budgets import check_budgets
+from hisparse_transformers.budgets import ceil_gib, check_budgets
 from hisparse_transformers.families import DsaLayout
 from hisparse_transformers.index_keys import check_key_format
 from hisparse_transformers.model_topk import ModelTopk
@@ -241,14 +241,30 @@ class HiSparseEngine:
         # Default: 2 x top-k, and (k + 2) x top-k for k speculative tokens (the production shape of
         # 3 tokens is 5 x top-k): the union of the k + 1 rows plus one top-k of reuse across steps.
         hot_rows = c.hot_rows if c.hot_rows is not None else _cdiv(max(2, spec + 2) * top_k, bs) * bs
+        #: why the hot buffer has its size (the engine's log line says it)
+        self.hot_rows_reason = (f"hot_rows={c.hot_rows}" if c.hot_rows is not None else
+                                "the default: (speculative_tokens + 2) x index_topk" if spec else
+                                "the default: 2 x index_topk")
         if hot_rows % bs:
             raise InvalidInputError(f"hot_rows={hot_rows} must be a multiple of block_size={bs}")
+        largest = MAX_HOT_ROWS // bs * bs
+        if hot_rows > largest:
+            if c.hot_rows is not None:
+                raise InvalidInputError(f"hot_rows={hot_rows} is over a runtime's {MAX_HOT_ROWS}-row hot buffer: "
+                                        f"expected hot_rows <= {largest}")
+            raise InvalidInputError(
+                f"speculative_tokens={spec} makes the default hot buffer ({spec} + 2) x index_topk={top_k} = "
+                f"{hot_rows} rows, over a runtime's {MAX_HOT_ROWS}-row hot buffer: expected speculative_tokens <= "
+                f"{max(0, largest // top_k - 2)}, or hot_rows between (speculative_tokens + 1) x index_topk and "
+                f"{largest}")
         if spec and hot_rows < self.spec_rows * top_k:
             fits = _cdiv(self.spec_rows * top_k, bs) * bs
+            most = max(0, hot_rows // top_k - 1)
             raise InvalidInputError(
                 f"hot_rows={hot_rows} cannot hold the union of one request's {self.spec_rows} verification rows "
-                f"(speculative_tokens={spec} + 1, each picking index_topk={top_k}): expected hot_rows >= {fits}, "
-                f"or speculative_tokens <= {max(0, hot_rows // top_k - 1)}")
+                f"(speculative_tokens={spec} + 1, each picking index_topk={top_k}): expected "
+                + (f"hot_rows >= {fits}, or speculative_tokens <= {most}" if fits <= largest else
+                   f"speculative_tokens <= {most} (a runtime's hot buffer holds at most {MAX_HOT_ROWS} rows)"))
         if hot_rows < top_k:
             raise InvalidInputError(
                 f"the model's index_topk={top_k} is larger than the hot buffer allows (hot_rows={hot_rows}); one "
@@ -256,7 +272,8 @@ class HiSparseEngine:
         self.hot_rows = hot_rows
         self.hot_blocks = hot_rows // bs
         self.max_pages = _cdiv(c.max_context, bs)
-        self.chunk_pages = _cdiv(max(c.prefill_chunk, self.spec_rows), bs) + 1
+        # no forward holds more than max_context tokens, whatever prefill_chunk says
+        self.chunk_pages = _cdiv(min(max(c.prefill_chunk, self.spec_rows), c.max_context), bs) + 1
         L = layout.num_layers
         pf = c.prefetch_next_group
         if not isinstance(pf, bool) and any(g >= len(layout.groups) - 1 for g in pf):
@@ -280,7 +297,7 @@ class HiSparseEngine:
             raise CapacityError(
                 f"resident_layers={list(self.resident_layers)} keep {self.resident_bytes} B on the GPU (max_batch="
                 f"{c.max_batch} x max_context={self.resident_capacity} x {self.fmt.row_bytes} B per layer), all of "
-                f"gpu_kv_gib={c.gpu_kv_gib:g}: expected gpu_kv_gib > {self.resident_bytes / GIB:.6g} plus the hot "
+                f"gpu_kv_gib={c.gpu_kv_gib:g}: expected gpu_kv_gib > {ceil_gib(self.resident_bytes)} plus the hot "
                 "buffers' pool, or fewer resident layers")
         # gpu_kv_gib is each device's budget (less the resident layers' stores): a block holds one page
         # of that device's offloaded layers, so the device with the most of them decides how many fit.
@@ -300,7 +317,7 @@ class HiSparseEngine:
                 f"({device_layers} layers x {bs} tokens x {self.fmt.row_bytes} B); "
                 f"max_batch={c.max_batch} with a {self.hot_blocks}-block hot buffer and prefill_chunk={c.prefill_chunk} "
                 f"needs at least {need}: expected gpu_kv_gib >= "
-                f"{(need * device_block_bytes + self.resident_bytes) / GIB:.6g}")
+                f"{ceil_gib(need * device_block_bytes + self.resident_bytes)}")
         host_blocks = c.host_pool_bytes // self.block_bytes - 1          # the coordinator keeps a null block
         host_need = self.max_pages + ACTIVE_TAIL_PAGES
         if host_blocks < host_need:
@@ -308,7 +325,7 @@ class HiSparseEngine:
                 f"host_pool_gib={c.host_pool_gib:g} holds {max(host_blocks, 0)} usable blocks of {self.block_bytes} B; "
                 f"one request of max_context={self.max_pages * bs} tokens needs {host_need} (its pages plus the "
                 f"{ACTIVE_TAIL_PAGES}-page active tail): expected host_pool_gib >= "
-                f"{(host_need + 1) * self.block_bytes / GIB:.3g}")
+                f"{ceil_gib((host_need + 1) * self.block_bytes, 3)}")
         self.gpu = SimpleGpuBlockPool(self.gpu_blocks)
         self.coordinator = HiSparseCoordinator(CoordinatorConfig(
             host_pool_gib=c.host_pool_bytes / GIB, num_layers=len(offloaded), block_size=bs, row_bytes=self.fmt.row_bytes,
@@ -396,9 +413,9 @@ class HiSparseEngine:
                         spec, self.spec_rows, hot_rows, self.spec_rows)
         logger.info(
             "hisparse transformers engine: %s, %d layers in %d index group(s), row %s (%d B), top-k %d, hot buffer "
-            "%d rows; GPU pool %d blocks of %d B (watermark %d), host pool %d blocks; %d state rows, max context %d, "
-            "prefill chunk %d; backend %s on %s", layout.family, L, len(layout.groups), self.fmt.name,
-            self.fmt.row_bytes, top_k, hot_rows, self.gpu_blocks, self.block_bytes, self.watermark,
+            "%d rows (%s); GPU pool %d blocks of %d B (watermark %d), host pool %d blocks; %d state rows, max context "
+            "%d, prefill chunk %d; backend %s on %s", layout.family, L, len(layout.groups), self.fmt.name,
+            self.fmt.row_bytes, top_k, hot_rows, self.hot_rows_reason, self.gpu_blocks, self.block_bytes, self.watermark,
             self.coordinator.host_num_blocks, c.max_batch, self.max_pages * bs, c.prefill_chunk, self.backend.name,
             ", ".join(str(d) for d in placement.devices))
         if placement.spread:

@@ -432,6 +432,13 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
     if _wants_attentions(model, {"output_attentions": _setting(model, kwargs, "output_attentions")}):
         raise InvalidInputError(_NO_ATTENTIONS)
+    for name in ("num_beams", "num_return_sequences"):
+        value = _setting(model, kwargs, name)
+        if value is not None and value != 1:
+            raise InvalidInputError(f"{name}={value!r}: hisparse runs one request per prompt row and cannot copy or "
+                                    f"reorder a request's cached rows (beam search, several sequences a prompt); "
+                                    f"expected {name}=1, or pass your own cache (a DynamicCache) to run the model's "
+                                    "own attention for this call")
     implementation = _setting(model, kwargs, "cache_implementation")
     if implementation is not None:
         raise InvalidInputError(f"cache_implementation={implementation!r} asks transformers to build its own cache, "

@@ -127,6 +127,18 @@ def test_the_backend_choice_is_logged_once_a_process(model_dir: Path, caplog: py
     assert len(selected) <= 1, selected  # none where the ops' selection was this process's first
 
 
+def test_the_scheduler_names_its_backend_once(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The scheduler role said its backend twice: the connector's line names it and why
+    ("backend 'reference_cpu' (automatic: ...)"), and the bind line added "backend automatic",
+    the setting, not the choice. The connector's line alone says it."""
+    with caplog.at_level("INFO"):
+        vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002}), num_workers=0)
+    said = [r.getMessage() for r in caplog.records
+            if r.name.startswith("hisparse") and "backend" in r.getMessage() and "selected (" not in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("HiSparseOffloadConnector (scheduler): ") \
+        and "backend 'reference_cpu' (automatic: " in said[0], said
+
+
 def test_the_worker_line_says_why_its_pool_is_private(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The worker's line said "private: sharing not requested" with `share_host_pool` at its
     default, true: the plugin had folded every reason (one rank, sharded KV heads, pipeline

@@ -156,9 +156,10 @@ class SchedulerSide:
         self._kv_manager = kv_cache_manager
         self._gpu = VllmGpuBlocks(kv_cache_manager.block_pool)
         self._coord = HiSparseCoordinator(self._coord_config, self._gpu)
+        # The backend and why are the connector's own line ("HiSparseOffloadConnector (scheduler): ...").
         logger.info("hisparse connector scheduler: %d layers x %d-token pages (%d B per layer page) in %d KV-cache "
-                    "group(s); %d worker(s); backend %s", self._layout.num_layers, self._bs, self._layout.page_bytes,
-                    self._layout.num_groups, self._num_workers, self._config.backend or "automatic")
+                    "group(s); %d worker(s)", self._layout.num_layers, self._bs, self._layout.page_bytes,
+                    self._layout.num_groups, self._num_workers)
 
     @property
     def bound(self) -> bool:

@@ -268,6 +268,47 @@ def test_prefix_hits_only_between_rows_roped_alike(model: torch.nn.Module) -> No
     assert after_both[0] > 0 and after_both[1] > 0, hits            # row 1 from the first direct batch
 
 
+def test_enable_under_inference_mode_then_generate_outside_it(model: torch.nn.Module) -> None:
+    """Before: enable inside torch.inference_mode() built the engine's tables as inference tensors,
+    and a generate outside that mode failed with "Inplace update to inference tensor outside
+    InferenceMode is not allowed"."""
+    ids, mask = random_prompts([23, 11], seed=13)
+    theirs = baseline(model, ids, mask, 6, chunk=8)
+    with torch.inference_mode():
+        hs = hisparse_transformers.enable(model, **enable_kwargs(FAMILY))         # check=True
+    try:
+        with torch.inference_mode():       # first: whatever a first generate builds, it builds in that mode
+            inside = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+        outside = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+    finally:
+        hs.close()
+    for got in (compare(outside, theirs), compare(inside, theirs)):
+        assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
+def test_a_dropped_direct_cache_does_not_block_the_next_generate(model: torch.nn.Module) -> None:
+    """Direct forwards through a cache dropped without `finish()`: the next generate finishes that
+    batch (nobody else can: its cache is gone) and runs. While the cache lives, a generate is refused
+    in one line naming `cache.finish()`. Before: every later generate was refused with "a hisparse
+    generate is already running on this model" until the handle closed."""
+    ids, mask = random_prompts([23, 11], seed=14)
+    theirs = baseline(model, ids, mask, 6, chunk=8)
+    key = cache_kwarg(model)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        free = hs.engine.gpu.num_free_blocks
+        cache = hs.new_cache(ids, mask, max_new_tokens=1)
+        with torch.no_grad():
+            model(input_ids=ids[:, :8], attention_mask=mask[:, :8], **{key: cache})
+        with pytest.raises(InvalidInputError) as err:
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert "cache.finish()" in one_line(err.value)
+        del cache
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+        assert hs.engine.gpu.num_free_blocks == free
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
 # ------------------------------------------------------------------ 3, 4. budgets and arguments
 
 

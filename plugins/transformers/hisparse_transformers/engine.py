@@ -35,6 +35,7 @@ row); hot copies of their host rows are forgotten in every runtime.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import time
@@ -500,7 +501,7 @@ class HiSparseEngine:
         if self.closed:
             raise InvalidInputError("this hisparse engine was closed; enable hisparse again")
         if self.session is not None and not self.session.closed:
-            raise InvalidInputError("a hisparse generate is already running on this model; one batch at a time")
+            self._finish_abandoned(self.session)
         n = len(prompts)
         if not 1 <= n <= self.config.max_batch:
             raise CapacityError(f"batch of {n} prompts; expected 1 to max_batch={self.config.max_batch} "
@@ -549,6 +550,20 @@ class HiSparseEngine:
         self.session = Session(self.device, requests)
         self.session.max_new_tokens = max_new_tokens
         return self.session
+
+    def _finish_abandoned(self, session: Session) -> None:
+        """Finish the open batch `session` if the cache running it is gone (direct forwards whose
+        cache was dropped without `finish()`: nobody else can finish it); else refuse in one line."""
+        owner = session.owner
+        if owner is not None and owner() is not None:
+            gc.collect()                    # a dropped cache may wait in a reference cycle
+        if owner is None or owner() is not None:
+            raise InvalidInputError("a hisparse batch is still open on this model (a generate running, or direct "
+                                    "forwards whose cache was not finished: call cache.finish()); expected one batch "
+                                    "at a time")
+        logger.info("hisparse: the batch of %d request(s) whose cache was dropped without finish() is finished now",
+                    session.batch_size)
+        self.close_session(session)
 
     def _check_host_room(self, requests: Sequence[Request], totals: Sequence[int], max_new_tokens: int | None) -> None:
         """`CapacityError` unless the host pool has a block for every page the admitted requests

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -235,6 +236,7 @@ class HiSparseHandle:
                 offsets = list(pads) if pos is None else rope_offsets(pos, pads, num_new)
             cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens, cache.candidates,
                                                      rope_offsets=offsets)
+            cache.session.owner = weakref.ref(cache)
             cache.session.speculative = cache.assisted
             cache.session.direct = not cache.generating
         elif cache.session.batch_size != batch:
@@ -657,15 +659,18 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     def build() -> HiSparseEngine:
         return HiSparseEngine(layout, config, backends, dtype=weight.dtype, placement=placement, ranks=ranks)
 
-    engine = build() if ranks is None else ranks.in_order(build, HiSparseEngine.close)
-    try:
-        if synthetic_topk is not None:
-            engine.use_model_topk(synthetic_topk, reference=synthetic_topk_layers)
-        checker = ExactnessChecker(model.config, indexer_keys=indexer_keys) if check else None
-        handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
-    except BaseException:
-        engine.close()
-        raise
+    # Normal tensors even under torch.inference_mode(): generate updates them in place, in that mode
+    # or out of it (an inference tensor cannot be updated outside it).
+    with torch.inference_mode(False):
+        engine = build() if ranks is None else ranks.in_order(build, HiSparseEngine.close)
+        try:
+            if synthetic_topk is not None:
+                engine.use_model_topk(synthetic_topk, reference=synthetic_topk_layers)
+            checker = ExactnessChecker(model.config, indexer_keys=indexer_keys) if check else None
+            handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
+        except BaseException:
+            engine.close()
+            raise
     return handle
 
 

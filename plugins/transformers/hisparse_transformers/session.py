@@ -10,6 +10,7 @@ checker all build on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,9 @@ class Session:
         # Direct forwards (not a patched generate): a crop may follow any forward, even one decode
         # token, so no step is planned ahead that would seal the page such a token completed.
         self.direct = False
+        #: the cache running this batch, weakly (None: none); a batch whose cache is gone is finished
+        #: by the next one (`HiSparseEngine.open_session`)
+        self.owner: Callable[[], object | None] | None = None
         dev = device
         self.state_rows = torch.tensor([r.state_index for r in requests], dtype=torch.int32, device=dev)
         self.pads = torch.tensor([r.pad for r in requests], dtype=torch.int64, device=dev)

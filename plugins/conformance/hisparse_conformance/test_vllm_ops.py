@@ -55,24 +55,31 @@ def test_vllm_ops_match_the_model(hisparse_backend: Backend, seed: int, rows_per
 
 
 @examples(15)
-@given(seed=st.integers(0, 2**31 - 1), miss_mask=st.booleans())
-def test_an_out_of_range_lru_slot_is_never_read(hisparse_backend: Backend, seed: int, miss_mask: bool) -> None:
-    """A state row's most recent LRU slot is out of range (h + 7), and the slot it would wrap onto
-    ((h + 7) % h) holds a row the batch asks for: the out-of-range slot must be neither read as that
-    row's hit nor used as a device row (drawn cases put such a slot anywhere, where a backend that
-    wrapped it would rarely be seen)."""
+@given(seed=st.integers(0, 2**31 - 1), miss_mask=st.booleans(), least_recent=st.booleans())
+def test_an_out_of_range_lru_slot_is_never_read(hisparse_backend: Backend, seed: int, miss_mask: bool,
+                                                least_recent: bool) -> None:
+    """A state row's LRU order holds an out-of-range slot (h + 7), placed where a backend that wrapped
+    it onto (h + 7) % h would be seen (drawn cases put it anywhere, where such a backend is rarely
+    caught): as the most recent slot, with the batch asking for the row the wrapped slot holds (it
+    must not be read as that row's hit), or as the least recent one, with the batch's first entry a
+    miss (its victim; the miss degrades to -1 and no slot is written)."""
     case = _case(hisparse_backend, seed, 1, tables=False)
     s, h = case.lru.shape
     host_rows = case.host.shape[0]
     r = next(r for r in range(case.rsi.numel()) if 0 <= int(case.rsi[r]) < s)
     q, wrapped = int(case.rsi[r]), (h + 7) % h
-    case.lru[q, h - 1] = h + 7
-    if not 0 <= int(case.dgi[q, wrapped]) < host_rows:  # a row of the host cache, held by this slot alone
-        held = [int(v) for v in case.dgi[q]]
+    case.lru[q, 0 if least_recent else h - 1] = h + 7
+    held = [int(v) for v in case.dgi[q]]
+    if least_recent:  # a row of the host cache that no slot holds
+        x = next((x for x in range(host_rows) if x not in held), 0)
+        case.dgi[q][case.dgi[q] == x] = -1
+    elif not 0 <= held[wrapped] < host_rows:  # a row of the host cache, held by the wrapped slot alone
         x = next((x for x in range(host_rows) if x not in held), 0)
         case.dgi[q][case.dgi[q] == x] = -1
         case.dgi[q, wrapped] = x
-    case.topk[r, 0] = case.dgi[q, wrapped]
+    else:
+        x = held[wrapped]
+    case.topk[r, 0] = x
     got = run_ops(hisparse_backend.vllm_ops(), case, hisparse_backend.device, miss_mask=miss_mask)
     want = run_model(case, miss_mask=miss_mask)
     for name in ("hot_out", "attention", "resolved", "valid", "swap_counts", "dgi", "lru", "stats", "hot",

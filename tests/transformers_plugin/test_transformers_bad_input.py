@@ -106,6 +106,16 @@ def test_bad_values_and_double_enable(model: torch.nn.Module) -> None:
     assert untouched(model)
 
 
+
+@pytest.mark.parametrize("bad", [3, 2.5, ["reference_cpu"]])
+def test_a_backend_that_is_no_name_or_instance_names_the_keyword(model: torch.nn.Module, bad: object) -> None:
+    """Before: "no hisparse backend named 3 ..." (the registry's words, without the keyword)."""
+    with pytest.raises(InvalidInputError) as err:
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", backend=bad))
+    text = one_line(err.value)
+    assert text.startswith(f"backend={bad!r}: expected a hisparse backend's name"), text
+    assert untouched(model)
+
 def test_right_padding_and_too_many_prompts(model: torch.nn.Module) -> None:
     with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3)):
         ids = torch.randint(2, 100, (2, 6))

@@ -172,7 +172,8 @@ def test_a_failing_step_returns_every_block(model: torch.nn.Module) -> None:
 
 def test_an_empty_forward_is_refused_and_a_step_failing_to_start_leaves_the_handle_usable(
         model: torch.nn.Module) -> None:
-    """A prompt of 0 tokens to generate, and a direct forward of 0 tokens: one line naming the value,
+    """A prompt of 0 tokens to generate (or a row of it all padding), and a direct forward of 0 tokens:
+    one line naming the value,
     before anything runs (before: an IndexError from inside the engine's step, and from then on every
     generate on the handle failed with a ProtocolError, the workers' step having started and never
     ended). A step whose device state fails after the workers started it (planted) leaves the handle
@@ -186,6 +187,12 @@ def test_an_empty_forward_is_refused_and_a_step_failing_to_start_leaves_the_hand
             model.generate(ids[:1, :0], max_new_tokens=4, do_sample=False)
         text = one_line(err.value)
         assert "input_ids of shape (1, 0)" in text and "at least one prompt token" in text, text
+        blank = mask.clone()
+        blank[1] = 0              # row 1 all padding: a prompt of no token (before: generated from nothing)
+        with pytest.raises(InvalidInputError) as err:
+            model.generate(ids, attention_mask=blank, max_new_tokens=4, do_sample=False)
+        text = one_line(err.value)
+        assert "attention_mask row 1 is all padding" in text and "at least one prompt token" in text, text
         other = random_prompts([9, 14], seed=10)[0]
         cache = hs.new_cache(other, max_new_tokens=4)
         with torch.no_grad():

@@ -468,6 +468,10 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if mask is None:
         mask = kwargs["attention_mask"] = _prompt_mask(model, input_ids, kwargs)
     pads = left_padding(mask)
+    empty = next((b for b, pad in enumerate(pads) if pad >= int(input_ids.shape[1])), None)
+    if empty is not None:
+        raise InvalidInputError(f"attention_mask row {empty} is all padding, so prompt row {empty} has no token; "
+                                "expected at least one prompt token a row")
     rows = input_ids.detach().to("cpu").tolist()
     new = _max_new_tokens(model, kwargs, int(input_ids.shape[1]))
     cache.generating = True
@@ -596,6 +600,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         raise InvalidInputError(f"share_host_pool must be True or False, got {share_host_pool!r}")
     if pool_name is not None and not isinstance(pool_name, str):
         raise InvalidInputError(f"pool_name must be a str or None, got {pool_name!r}")
+    if backend is not None and not isinstance(backend, str | Backend):
+        raise InvalidInputError(f"backend={backend!r}: expected a hisparse backend's name (hisparse backends lists "
+                                "them), 'auto' or None, or a hisparse Backend instance")
     if synthetic_topk is not None:
         from hisparse_core.replay.locality import REGIMES
 

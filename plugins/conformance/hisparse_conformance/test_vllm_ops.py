@@ -29,6 +29,19 @@ def _case(backend: Backend, seed: int, rows_per_request: int, *, tables: bool = 
     return case
 
 
+
+def _assert_like_the_model(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], miss_mask: bool,
+                           note: str = "") -> None:
+    """Every output of `run_ops` equals the model's (`miss_mask` where the resolve was passed one;
+    the swap plan's rows up to each row's count, the rest being the op's to leave)."""
+    for name in ("hot_out", "attention", "resolved", "valid", "swap_counts", "dgi", "lru", "stats", "hot",
+                 "plan_hot", "plan_attention", "inv_dgi", *(("miss_mask",) if miss_mask else ())):
+        assert torch.equal(got[name], want[name]), f"{name}: {note}" if note else name
+    for r in range(want["swap_counts"].shape[0]):
+        c = int(want["swap_counts"][r])
+        assert torch.equal(got["swap_host"][r, :c], want["swap_host"][r, :c]), f"swap_host row {r} {note}"
+        assert torch.equal(got["swap_dev"][r, :c], want["swap_dev"][r, :c]), f"swap_dev row {r} {note}"
+
 @examples(25)
 @given(seed=st.integers(0, 2**31 - 1), rows_per_request=st.sampled_from([1, 2]), tables=st.booleans(),
        any_stride=st.booleans(), miss_mask=st.booleans(), corrupt_lru=st.booleans())
@@ -44,13 +57,7 @@ def test_vllm_ops_match_the_model(hisparse_backend: Backend, seed: int, rows_per
                  corrupt_lru=corrupt_lru)
     got = run_ops(hisparse_backend.vllm_ops(), case, hisparse_backend.device, miss_mask=miss_mask)
     want = run_model(case, miss_mask=miss_mask)
-    for name in ("hot_out", "attention", "resolved", "valid", "swap_counts", "dgi", "lru", "stats", "hot",
-                 "plan_hot", "plan_attention", "inv_dgi", *(("miss_mask",) if miss_mask else ())):
-        assert torch.equal(got[name], want[name]), name
-    for r in range(want["swap_counts"].shape[0]):
-        c = int(want["swap_counts"][r])
-        assert torch.equal(got["swap_host"][r, :c], want["swap_host"][r, :c])
-        assert torch.equal(got["swap_dev"][r, :c], want["swap_dev"][r, :c])
+    _assert_like_the_model(got, want, miss_mask)
 
 
 
@@ -82,9 +89,7 @@ def test_an_out_of_range_lru_slot_is_never_read(hisparse_backend: Backend, seed:
     case.topk[r, 0] = x
     got = run_ops(hisparse_backend.vllm_ops(), case, hisparse_backend.device, miss_mask=miss_mask)
     want = run_model(case, miss_mask=miss_mask)
-    for name in ("hot_out", "attention", "resolved", "valid", "swap_counts", "dgi", "lru", "stats", "hot",
-                 "plan_hot", "plan_attention", "inv_dgi", *(("miss_mask",) if miss_mask else ())):
-        assert torch.equal(got[name], want[name]), f"{name}: state row {q}'s LRU {case.lru[q].tolist()}"
+    _assert_like_the_model(got, want, miss_mask, f"state row {q}'s LRU {case.lru[q].tolist()}")
 
 def test_vllm_ops_check_arguments_first(hisparse_backend: Backend) -> None:
     ops = hisparse_backend.vllm_ops()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from hisparse_core.units import human_bytes
+
 
 @dataclass(frozen=True, slots=True)
 class HiSparseStats:
@@ -86,3 +88,30 @@ class HiSparseStats:
 
     def to_json(self) -> dict[str, object]:
         return {**asdict(self), "hit_rate": self.hit_rate}
+
+    def __str__(self) -> str:
+        """A few lines for `print(hs.stats())`; the fields themselves (and `to_json`) hold every figure."""
+        lines = [
+            f"hisparse on {self.backend} ({self.device}): {self.requests} requests, decode {self.decode_mode}",
+            f"  tokens: {self.prefill_tokens} prefilled ({self.prefill_tokens_per_s:.1f}/s, "
+            f"{self.prefix_hit_tokens} more served by prefix hits), {self.decode_tokens} decoded "
+            f"({self.decode_tokens_per_s:.1f}/s)",
+            f"  top-k entries: {self.resident} from resident pages, {self.hits} hot-buffer hits, "
+            f"{self.misses} misses ({100 * self.hit_rate:.1f}% hits)",
+            f"  bytes: {human_bytes(self.h2d_bytes)} host to device, {human_bytes(self.d2h_bytes)} device to host, "
+            f"{human_bytes(self.prefill_host_bytes)} read from the host pool by prefill",
+            f"  GPU KV per request: {human_bytes(self.gpu_kv_bytes_per_request)} "
+            f"(all resident: {human_bytes(self.gpu_kv_bytes_per_request_all_resident)}; indexer keys "
+            f"{human_bytes(self.indexer_bytes_per_request)} in both)",
+        ]
+        if self.resident_layers:
+            lines.append(f"  resident layers {list(self.resident_layers)}: {human_bytes(self.resident_store_bytes)}")
+        if self.prefetch_misses:
+            lines.append(f"  prefetched: {self.prefetch_misses} rows, {human_bytes(self.prefetch_h2d_bytes)} "
+                         "(in the misses and bytes above)")
+        if self.verify_steps:
+            lines.append(f"  assisted: {self.verify_steps} verify steps over {self.verify_rows} rows, "
+                         f"{self.rollbacks} rollbacks ({self.rolled_back_tokens} tokens)")
+        if self.checked_entries:
+            lines.append(f"  checked: {self.checked_entries} rows, max abs diff {self.checked_max_abs_diff:.3g}")
+        return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""`print(hs.stats())` is a few readable lines that carry the snapshot's own figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from hisparse_transformers.stats import HiSparseStats  # noqa: E402
+
+
+def _stats(**over: object) -> HiSparseStats:
+    values: dict[str, object] = {}
+    for i, f in enumerate(dataclasses.fields(HiSparseStats)):
+        if f.default is not dataclasses.MISSING:
+            continue
+        values[f.name] = {"str": f"v{i}", "float": 1000.0 + i}.get(str(f.type), 7000 + i)
+    values.update(backend="nvidia", device="cuda:0", decode_mode="cuda graph", hits=300, misses=100)
+    values.update(over)
+    return HiSparseStats(**values)  # type: ignore[arg-type]
+
+
+def test_the_text_is_short_and_names_the_figures() -> None:
+    s = _stats()
+    text = str(s)
+    lines = text.splitlines()
+    assert 3 <= len(lines) <= 8 and all(len(line) <= 160 for line in lines), text
+    assert lines[0].startswith("hisparse on nvidia (cuda:0)") and "cuda graph" in lines[0]
+    assert "300 hot-buffer hits, 100 misses (75.0% hits)" in text
+    for name in ("requests", "prefill_tokens", "decode_tokens", "resident", "prefix_hit_tokens"):
+        assert str(getattr(s, name)) in text, name
+    assert "resident layers" not in text and "prefetched" not in text and "assisted" not in text
+    assert repr(s).startswith("HiSparseStats(backend='nvidia'")   # the repr keeps every field
+
+
+def test_optional_lines_appear_when_their_feature_ran() -> None:
+    text = str(_stats(resident_layers=(0, 1), resident_store_bytes=3 << 20, prefetch_misses=12,
+                      prefetch_h2d_bytes=2048, verify_steps=4, verify_rows=16, rollbacks=2, rolled_back_tokens=5))
+    assert "resident layers [0, 1]: 3.00 MiB" in text
+    assert "prefetched: 12 rows, 2.00 KiB" in text
+    assert "4 verify steps over 16 rows, 2 rollbacks (5 tokens)" in text

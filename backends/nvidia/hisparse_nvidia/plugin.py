@@ -37,7 +37,10 @@ def probe() -> str | None:
 
     if torch.version.cuda is None:
         return "torch has no CUDA (CPU build)"
-    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+    # device_count() asks NVML before CUDA is initialized; is_available() calls cudaGetDeviceCount,
+    # which poisons fork: vLLM probes in its front end and then forks the engine core and workers,
+    # whose first CUDA call would raise "Cannot re-initialize CUDA in forked subprocess".
+    if torch.cuda.device_count() == 0:
         return "no CUDA device"
     try:
         from cuda.bindings import nvrtc

@@ -132,28 +132,70 @@ def _check_installed_schema(packet: Any, op: str, version: str) -> None:
             f"(vLLM {TESTED_VLLM}). Refusing to replace it.")
 
 
-def _kernels(ops: spec.VllmHiSparseOps, backend: str) -> dict[str, Callable[..., None]]:
-    def on_device(op: str, t: Any) -> None:
+class _FirstCallBackend:
+    """The backend serving the ops, built at their first call rather than at registration.
+
+    The general plugin registers the ops in every vLLM process, the front end and the engine core
+    included, which never call them and fork or spawn the processes that do. Building a GPU backend
+    initializes CUDA (the nvidia backend asks torch for the current device), and a front end that
+    initialized CUDA makes vLLM fall back to spawning its workers, with a context of its own on
+    the GPU. Registration therefore only chooses the backend (the registry's probes are fork-safe)
+    and checks its capability; the worker whose forward calls an op builds it, once a process.
+    """
+
+    def __init__(self, name: str | None, chosen: str) -> None:
+        self._name = name           # as given (None: HISPARSE_BACKEND or automatic), so selection repeats itself
+        self._chosen = chosen
+        self._ops: spec.VllmHiSparseOps | None = None
+        self._lock = threading.Lock()
+
+    def ops(self) -> spec.VllmHiSparseOps:
+        if self._ops is None:
+            with self._lock:
+                if self._ops is None:
+                    self._ops = self._build()
+        return self._ops
+
+    def _build(self) -> spec.VllmHiSparseOps:
+        from hisparse_core.backend import Capability
+        from hisparse_core.registry import select_backend
+
+        be = select_backend(self._name)
+        if Capability.VLLM_OPS not in be.capabilities:
+            raise spec.InvalidInputError(_not_capable(be.name))
+        if be.name != self._chosen:   # the chosen class failed to load; the registry fell back (and said so)
+            _state["served_by"] = f"hisparse:{be.name}"
+            logger.warning("vLLM HiSparse ops: served by hisparse backend %r, not %r as registered", be.name,
+                           self._chosen)
+        logger.debug("vLLM HiSparse ops: backend %r built on %s at the first call", be.name, be.device)
+        return be.vllm_ops()
+
+
+def _not_capable(name: str) -> str:
+    return (f"hisparse backend {name!r} does not declare 'vllm_ops'; choose one that does "
+            f"(reference_cpu, nvidia, triton) with HISPARSE_BACKEND")
+
+
+def _kernels(backend: _FirstCallBackend, name: str) -> dict[str, Callable[..., None]]:
+    def on_device(op: str, t: Any) -> spec.VllmHiSparseOps:
+        ops = backend.ops()
         if t.device.type != ops.device_type:
             raise spec.InvalidInputError(
-                f"{op}: tensors are on {t.device}; the hisparse backend {backend!r} serving the vLLM ops runs on "
+                f"{op}: tensors are on {t.device}; the hisparse backend {name!r} serving the vLLM ops runs on "
                 f"{ops.device_type} (choose another with HISPARSE_BACKEND)")
+        return ops
 
     def resolve(*args: Any) -> None:
-        on_device(spec.RESOLVE, args[1])
-        ops.resolve_residency(*args)
+        on_device(spec.RESOLVE, args[1]).resolve_residency(*args)
 
     def compact(*args: Any) -> None:
-        on_device(spec.GATHER_COMPACT, args[1])
-        ops.gather_compact(*args)
+        on_device(spec.GATHER_COMPACT, args[1]).gather_compact(*args)
 
     def plan(*args: Any) -> None:
-        on_device(spec.GATHER_PLAN, args[1])
-        ops.gather_plan(*args)
+        on_device(spec.GATHER_PLAN, args[1]).gather_plan(*args)
 
     def invalidate(*args: Any) -> None:
-        on_device(spec.INVALIDATE, args[0])
-        ops.invalidate_written_slots(*args)
+        on_device(spec.INVALIDATE, args[0]).invalidate_written_slots(*args)
 
     return {spec.RESOLVE: resolve, spec.GATHER_COMPACT: compact, spec.GATHER_PLAN: plan, spec.INVALIDATE: invalidate}
 
@@ -171,7 +213,9 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     """Register the four ops (see the module docstring); idempotent. Returns `served_by()`.
 
     `backend` names the hisparse backend (default: `HISPARSE_BACKEND`, else automatic selection);
-    it must declare `Capability.VLLM_OPS`. Raises `SchemaMismatchError` for a vLLM whose runtime
+    it must declare `Capability.VLLM_OPS`. Registration only chooses it (a name no available
+    backend has is refused here); the first call of an op builds it, so that the processes vLLM
+    registers in but never calls from (front end, engine core) leave CUDA uninitialized. Raises `SchemaMismatchError` for a vLLM whose runtime
     or compiled ops use another signature, `ValueError` for a bad `HISPARSE_VLLM_OPS`.
     """
     # Empty or blank (`HISPARSE_VLLM_OPS=`) is unset, as HISPARSE_BACKEND's is.
@@ -204,20 +248,20 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         import torch
 
         from hisparse_core.backend import Capability
-        from hisparse_core.registry import select_backend
+        from hisparse_core.registry import get_registry
 
-        be = select_backend(backend)
-        if Capability.VLLM_OPS not in be.capabilities:
-            raise spec.InvalidInputError(
-                f"hisparse backend {be.name!r} does not declare {Capability.VLLM_OPS!r}; choose one that does "
-                f"(reference_cpu, nvidia, triton) with HISPARSE_BACKEND")
-        kernels = _kernels(be.vllm_ops(), be.name)
+        registry = get_registry()
+        chosen = registry.choose(backend).name   # an unknown or unavailable name is refused here
+        if Capability.VLLM_OPS not in registry.get(chosen).capabilities:
+            raise spec.InvalidInputError(_not_capable(chosen))
+        kernels = _kernels(_FirstCallBackend(backend, chosen), chosen)
         if present:
-            # Replace: our kernel under vLLM's schema, for the device vLLM compiled it for.
+            # Replace: our kernel under vLLM's schema, for the device vLLM compiled it for (its CUDA
+            # build, ROCm's included, registers them under the CUDA key). A backend that runs on
+            # another device refuses the first call, naming HISPARSE_BACKEND.
             lib = torch.library.Library(spec.NAMESPACE, "IMPL")
-            key = "CUDA" if be.device.type == "cuda" else "CompositeExplicitAutograd"
             for op, fn in kernels.items():
-                lib.impl(op, fn, key)
+                lib.impl(op, fn, "CUDA")
             why = f"replacing {version}'s compiled kernels ({ENV_MODE}=replace)"
         else:
             lib = torch.library.Library(spec.NAMESPACE, "FRAGMENT")
@@ -227,9 +271,9 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
                 lib.impl(op, _fake, "Meta")
             why = f"{version} has no compiled HiSparse ops"
         _state["lib"] = lib
-        _state["served_by"] = f"hisparse:{be.name}"
-        logger.info("vLLM HiSparse ops: torch.ops.%s.hisparse_* served by hisparse backend %r on %s (%s)",
-                    spec.NAMESPACE, be.name, be.device, why)
+        _state["served_by"] = f"hisparse:{chosen}"
+        logger.info("vLLM HiSparse ops: torch.ops.%s.hisparse_* served by hisparse backend %r (%s; built at "
+                    "the first call)", spec.NAMESPACE, chosen, why)
         return str(_state["served_by"])
 
 

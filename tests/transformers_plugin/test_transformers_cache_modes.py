@@ -275,6 +275,75 @@ def test_prefix_hits_only_between_rows_roped_alike(model: torch.nn.Module) -> No
     assert after_both[0] > 0 and after_both[1] > 0, hits            # row 1 from the first direct batch
 
 
+def test_a_rope_offset_that_changes_mid_batch_is_refused(model: torch.nn.Module) -> None:
+    """A batch's pages are published under the rope offset its first forward gave each row, so a
+    later direct forward that ropes a row from another offset is refused in one line naming the
+    row, and changes nothing: the same forward with the batch's positions then runs as the model's
+    own. Before: the pages it sealed were published under the first forward's offset, and a later
+    generate of the same tokens took them as prefix hits and read rows roped at other positions
+    (other tokens, logits off by 2.5 on this model; RowMismatch under check=True)."""
+    from transformers import DynamicCache
+
+    ids, mask = random_prompts([23, 11], seed=12)            # row 1: 12 columns of padding
+    logical = (mask.cumsum(-1) - 1).clamp(min=0)
+    key = cache_kwarg(model)
+    real = mask.bool().unsqueeze(-1)
+
+    def forwards(cache: object, moved: str | None) -> list[torch.Tensor]:
+        """Columns 0-15 with generate's positions, 16-22, then one decode token: `moved` says which
+        later forward ropes from the padded positions instead (the model's default); it must be
+        refused, and is then run again with the batch's positions."""
+        out, nxt = [], None
+        with torch.no_grad():
+            first = model(input_ids=ids[:, :16], attention_mask=mask[:, :16], position_ids=logical[:, :16],
+                          **{key: cache})
+            out.append(first.logits)
+            for part, cols in (("rest", slice(16, 23)), ("decode", None)):
+                if part == "rest":
+                    kw = dict(input_ids=ids[:, cols], attention_mask=mask, position_ids=logical[:, cols])
+                else:
+                    kw = dict(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                              position_ids=logical[:, -1:] + 1)
+                if moved == part:
+                    padded = dict(kw)
+                    del padded["position_ids"]
+                    with pytest.raises(InvalidInputError, match="row 1") as err:
+                        model(**padded, **{key: cache})
+                    one_line(err.value)
+                    moved_by = dict(kw, position_ids=kw["position_ids"] + torch.tensor([[0], [3]]))
+                    with pytest.raises(InvalidInputError, match="row 1"):
+                        model(**moved_by, **{key: cache})
+                got = model(**kw, **{key: cache}).logits
+                out.append(got)
+                nxt = got[:, -1:].argmax(-1)
+        return out
+
+    hits: list[int] = []         # a generate's prefix hits, per row
+
+    def record(handle, step) -> None:  # type: ignore[no-untyped-def]
+        if not hits:
+            hits.extend(r.hit for r in handle.engine.session.requests)
+
+    own = forwards(DynamicCache(config=model.config), None)
+    theirs = baseline(model, ids, mask, 6, chunk=8)
+    for moved in ("rest", "decode"):
+        with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:      # check=True
+            free = hs.engine.gpu.num_free_blocks
+            cache = hs.new_cache(ids, mask, max_new_tokens=2)
+            ours = forwards(cache, moved)
+            cache.finish()
+            assert hs.engine.gpu.num_free_blocks == free
+            diff = float(((ours[0] - own[0]).abs() * real[:, :16]).max())
+            diff = max(diff, float(((ours[1] - own[1]).abs() * real[:, 16:]).max()),
+                       float((ours[2] - own[2]).abs().max()))
+            assert diff <= 1e-4, (moved, diff)
+            hs.on_step = record
+            hits.clear()
+            got = compare(model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN), theirs)
+            assert got.tokens_equal and got.max_logit_diff <= 1e-4, (moved, got)
+            assert hits[1] == 8, hits         # row 1's two full prompt pages, roped as generate ropes them
+
+
 def test_enable_under_inference_mode_then_generate_outside_it(model: torch.nn.Module) -> None:
     """Before: enable inside torch.inference_mode() built the engine's tables as inference tensors,
     and a generate outside that mode failed with "Inplace update to inference tensor outside

@@ -119,6 +119,37 @@ def rope_offsets(position_ids: torch.Tensor, pads: Sequence[int], width: int) ->
     return out
 
 
+def moved_rope(position_ids: torch.Tensor | None, pads: Sequence[int], past: int, width: int,
+               offsets: Sequence[int | None]) -> str | None:
+    """Why a forward after a batch's first (`width` columns from padded position `past`) ropes a
+    row's tokens other than from `offsets[b]` (`rope_offsets` of the first forward), else None.
+    None position_ids: the model's default, the padded positions (offset `pads[b]`). Rows of offset
+    None share no page and are not checked. A host read of the positions when they are given."""
+    rows = [(b, pad, off) for b, (pad, off) in enumerate(zip(pads, offsets, strict=True))
+            if off is not None and past + width > pad]
+    if not rows:
+        return None
+    if position_ids is None:
+        return next((f"row {b}'s tokens are roped from position {pad} (no position_ids: the padded positions)"
+                     f" but the batch's first forward roped them from {off}" for b, pad, off in rows if pad != off),
+                    None)
+    pos = position_ids.detach().to("cpu", torch.int64)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    if pos.dim() != 2 or pos.shape[1] != width or pos.shape[0] not in (1, len(pads)):
+        return f"position_ids of shape {tuple(position_ids.shape)} are not one per row and token of this forward"
+    for b, pad, off in rows:
+        c0 = max(0, pad - past)
+        row = pos[b if pos.shape[0] > 1 else 0, c0:]
+        logical = past + c0 - pad + torch.arange(row.numel())
+        bad = (row != off + logical).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            return (f"row {b}'s token at logical position {int(logical[i])} is roped at {int(row[i])}, but the "
+                    f"batch's first forward roped that row from {off} (expected {off + int(logical[i])})")
+    return None
+
+
 class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
 
@@ -236,11 +267,22 @@ class HiSparseHandle:
                 offsets = list(pads) if pos is None else rope_offsets(pos, pads, num_new)
             cache.session = self.engine.open_session(prompts, pads, cache.max_new_tokens, cache.candidates,
                                                      rope_offsets=offsets)
+            cache.rope_offsets = list(offsets)
             cache.session.owner = weakref.ref(cache)
             cache.session.speculative = cache.assisted
             cache.session.direct = not cache.generating
         elif cache.session.batch_size != batch:
             raise InvalidInputError(f"the forward has {batch} rows; this cache's batch has {cache.session.batch_size}")
+        elif not cache.generating and cache.rope_offsets is not None and not cache.session.closed:
+            # Pages are published under the rope offset of the batch's first forward: a direct forward
+            # roping a row from another would publish rows roped elsewhere under it (generate's
+            # positions follow the first forward's: transformers extends them by one a token).
+            moved = moved_rope(kwargs.get("position_ids"), [r.pad for r in cache.session.requests],
+                               cache.session.padded_len, num_new, cache.rope_offsets)
+            if moved is not None:
+                raise InvalidInputError(f"a direct forward that changes a row's rope offset mid-batch: {moved}; "
+                                        "expected each forward of a batch to rope its rows as the first did (the "
+                                        "same position_ids scheme), or a fresh cache")
         self.engine.begin_step(cache.session, input_ids, num_new)
 
     def _post_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -224,6 +224,41 @@ def test_an_empty_forward_is_refused_and_a_step_failing_to_start_leaves_the_hand
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
 
 
+def test_a_refused_first_forward_opens_no_batch(model: torch.nn.Module) -> None:
+    """The first direct forward of a cache, refused by the engine's step (0 tokens; past what
+    max_new_tokens reserved), changes nothing: no batch stays open (the next generate runs while
+    that cache lives), the totals count no request, no GPU block or host block is held, and the
+    same cache then runs its batch, sharing its prefix as if the refused forward never came (its
+    0-column position_ids had fixed no rope offset). Before: the batch it opened stayed open, the
+    next generate was refused naming cache.finish(), and the rows shared no page."""
+    ids, mask = random_prompts([23, 11], seed=15)
+    theirs = baseline(model, ids, mask, 6, chunk=8)
+    key = cache_kwarg(model)
+    logical = (mask.cumsum(-1) - 1).clamp(min=0)
+    over = torch.cat([ids, ids[:, :3]], 1)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        free = hs.engine.gpu.num_free_blocks
+        host = hs.engine.coordinator.num_free_host_blocks
+        cache = hs.new_cache(ids, mask, max_new_tokens=2)
+        with torch.no_grad():
+            with pytest.raises(InvalidInputError, match="a forward of 0 tokens"):
+                model(input_ids=ids[:, :0], attention_mask=mask[:, :0], position_ids=logical[:, :0], **{key: cache})
+            with pytest.raises(CapacityError, match="past the"):
+                model(input_ids=over, attention_mask=torch.ones_like(over), **{key: cache})
+        assert hs.engine.session is None and hs.stats().requests == 0
+        assert hs.engine.gpu.num_free_blocks == free and hs.engine.coordinator.num_free_host_blocks == host
+        got = compare(model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN), theirs)
+        assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+        assert hs.stats().requests == 2
+        hits = []
+        hs.on_step = lambda handle, step: hits or hits.extend(r.hit for r in handle.engine.session.requests)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=logical, **{key: cache})
+        cache.finish()
+        assert hits[1] == 8, hits              # generate's pages, roped alike
+        assert hs.engine.gpu.num_free_blocks == free
+
+
 def _direct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
     """Direct forwards of a left-padded prompt batch in 8-token chunks, without position_ids (the
     model's default: the padded positions); the logits of every chunk."""

@@ -565,6 +565,13 @@ class HiSparseEngine:
                     session.batch_size)
         self.close_session(session)
 
+    def discard_session(self, session: Session) -> None:
+        """Undo `open_session` of a batch whose first step was refused or failed before its forward
+        ran: its requests finish as in `close_session`, and the totals no longer count them."""
+        self.close_session(session)
+        self.totals.requests -= session.batch_size
+        self.totals.prefix_hit_tokens -= sum(r.hit for r in session.requests)
+
     def _check_host_room(self, requests: Sequence[Request], totals: Sequence[int], max_new_tokens: int | None) -> None:
         """`CapacityError` unless the host pool has a block for every page the admitted requests
         will write (their prefix hits already counted): one line naming host_pool_gib and what fits."""

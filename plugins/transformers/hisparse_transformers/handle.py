@@ -242,6 +242,7 @@ class HiSparseHandle:
     def _begin(self, cache: HiSparseCache, input_ids: torch.Tensor | None, kwargs: dict[str, Any], batch: int,
                num_new: int) -> None:
         """Open the batch's session at its first forward, then begin the engine step of `num_new` tokens."""
+        opened, offsets_before = cache.session is None, cache.rope_offsets
         if cache.session is None:
             if cache.prompts is not None:
                 prompts, pads = cache.prompts
@@ -283,7 +284,15 @@ class HiSparseHandle:
                 raise InvalidInputError(f"a direct forward that changes a row's rope offset mid-batch: {moved}; "
                                         "expected each forward of a batch to rope its rows as the first did (the "
                                         "same position_ids scheme), or a fresh cache")
-        self.engine.begin_step(cache.session, input_ids, num_new)
+        try:
+            self.engine.begin_step(cache.session, input_ids, num_new)
+        except BaseException:
+            if opened:
+                # The batch's first step was refused or failed to start: it never ran, so the batch
+                # this forward opened is undone (its requests, their leases and blocks, the totals).
+                session, cache.session, cache.rope_offsets = cache.session, None, offsets_before
+                self.engine.discard_session(session)
+            raise
 
     def _post_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:

@@ -224,6 +224,47 @@ def test_an_empty_forward_is_refused_and_a_step_failing_to_start_leaves_the_hand
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
 
 
+def test_a_step_that_fails_to_start_keeps_no_token_of_its_forward(model: torch.nn.Module) -> None:
+    """A direct decode forward whose step fails before its forward runs (a planted CapacityError
+    from the coordinator), then the same position fed another token: the batch's pages carry the
+    tokens that were written. Before: the failed forward's token stayed in the request's ids, the
+    retry's was dropped, and the page sealed over it was published under the failed token, so a
+    later generate of the failed token's sequence took it as a prefix hit and read the retry's rows
+    (other logits; RowMismatch under check=True)."""
+    ids = random_prompts([12], seed=16)[0]
+    key = cache_kwarg(model)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        free = hs.engine.gpu.num_free_blocks
+        cache = hs.new_cache(ids, max_new_tokens=8)
+        coordinator = hs.engine.coordinator
+        failed = ids[:, :1]
+        fed = []                            # the tokens each forward after the failed one predicts
+        with torch.no_grad():
+            nxt = model(input_ids=ids, **{key: cache}).logits[:, -1:].argmax(-1)
+            # the step after a whole page is planned when it comes, not ahead: it fails in begin_step
+
+            def failing(*a, **k):  # type: ignore[no-untyped-def]
+                raise CapacityError("planted: the step is refused")
+
+            coordinator.schedule_step = failing
+            try:
+                with pytest.raises(CapacityError, match="planted"):
+                    model(input_ids=failed, **{key: cache})
+            finally:
+                del coordinator.schedule_step
+            assert torch.equal(failed, ids[:, :1]) and not torch.equal(nxt, failed)
+            for _ in range(5):              # positions 12-16: page 3 is sealed by the step of 16
+                nxt = model(input_ids=nxt, **{key: cache}).logits[:, -1:].argmax(-1)
+                fed.append(nxt)
+        cache.finish()
+        assert hs.engine.gpu.num_free_blocks == free
+        # the failed token's sequence: the prompt, the failed token, then the tokens fed after it
+        other = torch.cat([ids, failed, *fed[:4]], 1)        # the retry's successors at 13-16
+        theirs = baseline(model, other, torch.ones_like(other), 4, chunk=8)
+        got = compare(model.generate(other, attention_mask=torch.ones_like(other), max_new_tokens=4, **GEN), theirs)
+        assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
 def test_a_refused_first_forward_opens_no_batch(model: torch.nn.Module) -> None:
     """The first direct forward of a cache, refused by the engine's step (0 tokens; past what
     max_new_tokens reserved), changes nothing: no batch stays open (the next generate runs while

@@ -660,26 +660,36 @@ class HiSparseEngine:
             raise InvalidInputError("a forward past the prompt needs input_ids (inputs_embeds only cover the "
                                     "prompt given to generate)")
         planned = self.ahead.claim((session, past, num_new))
-        staged: StagedIds | None = None
-        for b, r in enumerate(session.requests):
-            known = len(r.tokens)
-            if max(end_padded, r.pad) - r.pad > known:
-                assert input_ids is not None
-                if staged is None:
-                    # one copy to the host for the whole batch; columns past num_new are not this step's
-                    staged = StagedIds(input_ids if input_ids.shape[1] <= num_new else input_ids[:, :num_new])
-                r.tokens.extend_staged(staged, b, known + r.pad - past)
-        step = self._planned_state if planned else None
-        self._planned_state = None
-        if step is None:
-            src, dst = self._planned_writes if planned else self._schedule(session, past, num_new, start=True)
-            try:
+        known = [len(r.tokens) for r in session.requests]
+        started = planned                      # the workers' step has started (planned ahead, or below)
+        try:
+            staged: StagedIds | None = None
+            for b, r in enumerate(session.requests):
+                if max(end_padded, r.pad) - r.pad > known[b]:
+                    assert input_ids is not None
+                    if staged is None:
+                        # one copy to the host for the whole batch; columns past num_new are not this step's
+                        staged = StagedIds(input_ids if input_ids.shape[1] <= num_new else input_ids[:, :num_new])
+                    r.tokens.extend_staged(staged, b, known[b] + r.pad - past)
+            step = self._planned_state if planned else None
+            self._planned_state = None
+            if step is None:
+                if planned:
+                    src, dst = self._planned_writes
+                else:
+                    src, dst = self._schedule(session, past, num_new, start=True)
+                    started = True
                 step = self._step_state(session, past, num_new, src, dst)
-            except BaseException:
-                # The workers' step has started (here or planned ahead): end it, as after a forward that
-                # raised, so the next step (this batch's close, the next generate) finds them between steps.
+        except BaseException:
+            # The forward will not run: its tokens are not the requests' (a retry of the position may
+            # feed others, and a page would be sealed under these), and a started workers' step is
+            # ended, as after a forward that raised, so the next step (this batch's close, the next
+            # generate) finds them between steps.
+            for r, n in zip(session.requests, known, strict=True):
+                r.tokens.truncate(n)
+            if started:
                 self._after_forward()
-                raise
+            raise
         if step.verify:
             # A rollback may follow: no step is planned ahead of it (its schedule would seal the
             # pages of candidates that the crop drops).

@@ -300,6 +300,23 @@ def test_a_refused_first_forward_opens_no_batch(model: torch.nn.Module) -> None:
         assert hs.engine.gpu.num_free_blocks == free
 
 
+def test_a_direct_batch_with_a_row_of_no_prompt_token_is_refused(model: torch.nn.Module) -> None:
+    """new_cache(input_ids, attention_mask) with a row all padding (or no column) is refused in one
+    line naming the row, as generate refuses it. Before: the batch ran, and that row's decode
+    logits differed from the model's own by 3.07 on this model, silently."""
+    ids, mask = random_prompts([23, 11], seed=12)
+    blank = mask.clone()
+    blank[1] = 0
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        for args, words in (((ids, blank), "attention_mask row 1 is all padding"),
+                            ((ids[:, :0], None), "input_ids of shape (2, 0)")):
+            with pytest.raises(InvalidInputError) as err:
+                hs.new_cache(*args, max_new_tokens=6)
+            text = one_line(err.value)
+            assert words in text and "at least one prompt token a row" in text, text
+        assert hs.stats().requests == 0 and hs.engine.session is None
+
+
 def _direct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
     """Direct forwards of a left-padded prompt batch in 8-token chunks, without position_ids (the
     model's default: the padded positions); the logits of every chunk."""

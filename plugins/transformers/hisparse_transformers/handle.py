@@ -360,7 +360,15 @@ class HiSparseHandle:
             raise InvalidInputError(f"max_new_tokens must be an int >= 0 or None, got {max_new_tokens!r}")
         cache = HiSparseCache(self.engine, self.model.config)
         if input_ids is not None:
+            if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+                raise InvalidInputError(f"new_cache got input_ids of shape {tuple(input_ids.shape)}; expected "
+                                        "[batch, tokens] with at least one prompt token a row")
             pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
+            empty = next((b for b, pad in enumerate(pads) if pad >= int(input_ids.shape[1])), None)
+            if empty is not None:
+                # as generate refuses it: a row of no prompt token decodes from nothing
+                raise InvalidInputError(f"attention_mask row {empty} is all padding, so prompt row {empty} has no "
+                                        "token; expected at least one prompt token a row")
             rows = input_ids.detach().to("cpu").tolist()
             cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, max_new_tokens)
         return cache

@@ -1,9 +1,9 @@
 """Choosing a backend and registering vLLM's op set leave CUDA uninitialized, so a forked child can
 still use the GPU. vLLM loads hisparse's general plugin (which registers the ops, and whose
 connector check chooses a backend) in its front end and engine core, then forks the processes that
-run the model; a parent that had called `cudaGetDeviceCount` (what `torch.cuda.is_available()` does)
-or initialized torch's CUDA state leaves them failing with "Cannot re-initialize CUDA in forked
-subprocess"."""
+run the model; a parent that had called `cudaGetDeviceCount` (what `torch.cuda.is_available()` does,
+here and in any process without vLLM's `PYTORCH_NVML_BASED_CUDA_CHECK=1`) or initialized torch's CUDA
+state leaves them failing with "Cannot re-initialize CUDA in forked subprocess"."""
 
 from __future__ import annotations
 

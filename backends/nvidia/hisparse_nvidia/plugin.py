@@ -37,9 +37,11 @@ def probe() -> str | None:
 
     if torch.version.cuda is None:
         return "torch has no CUDA (CPU build)"
-    # device_count() asks NVML before CUDA is initialized; is_available() calls cudaGetDeviceCount,
-    # which poisons fork: vLLM probes in its front end and then forks the engine core and workers,
-    # whose first CUDA call would raise "Cannot re-initialize CUDA in forked subprocess".
+    # device_count() asks NVML before CUDA is initialized (cudaGetDeviceCount only where NVML fails);
+    # is_available() calls cudaGetDeviceCount unless PYTORCH_NVML_BASED_CUDA_CHECK=1 (which `import
+    # vllm` sets, so inside vLLM both ask NVML), and that poisons fork: a process that probes and then
+    # forks (vLLM's front end and engine core do; so may any program that lists backends) leaves
+    # children whose first CUDA call raises "Cannot re-initialize CUDA in forked subprocess".
     if torch.cuda.device_count() == 0:
         return "no CUDA device"
     try:

@@ -317,6 +317,39 @@ def test_a_direct_batch_with_a_row_of_no_prompt_token_is_refused(model: torch.nn
         assert hs.stats().requests == 0 and hs.engine.session is None
 
 
+def test_direct_forwards_with_autograd_on_keep_no_graph(model: torch.nn.Module) -> None:
+    """Direct forwards outside torch.no_grad() (autograd on, as a plain forward runs) give the
+    model's own logits, and the engine's KV stores join no autograd graph. Before: each forward's
+    rows were written into the stores with their graph, so every direct forward's graph (the saved
+    activations of the whole model) stayed reachable from the stores until the handle closed:
+    1,980 more graph nodes and 1.4 MiB more resident memory a batch on this model, without bound."""
+    from transformers import DynamicCache
+
+    ids, mask = random_prompts([23, 11], seed=17)
+    key = cache_kwarg(model)
+
+    def run(cache: object) -> torch.Tensor:
+        m, outs = mask, []
+        out = model(input_ids=ids, attention_mask=m, **{key: cache}).logits
+        for _ in range(4):
+            nxt = out[:, -1:].argmax(-1)
+            m = torch.cat([m, torch.ones_like(nxt)], 1)
+            out = model(input_ids=nxt, attention_mask=m, **{key: cache}).logits
+            outs.append(out.detach())
+        return torch.cat(outs, 1)
+
+    assert torch.is_grad_enabled()
+    own = run(DynamicCache(config=model.config))
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:        # check=True
+        for _ in range(2):
+            cache = hs.new_cache(ids, mask, max_new_tokens=5)
+            ours = run(cache)
+            cache.finish()
+            assert float((ours - own).abs().max()) <= 1e-4
+            stores = [t for layers in hs.engine.flat_layers for t in layers]
+            assert stores and not any(t.requires_grad or t.grad_fn is not None for t in stores)
+
+
 def _direct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
     """Direct forwards of a left-padded prompt batch in 8-token chunks, without position_ids (the
     model's default: the padded positions); the logits of every chunk."""

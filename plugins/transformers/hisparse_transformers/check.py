@@ -276,7 +276,7 @@ class ExactnessChecker:
         qpos = step.qpos
         buf = self._buffer(layer, session, latent, int(qpos.max()) + 1 if qpos.numel() else 1)
         b, s = (qpos >= 0).nonzero(as_tuple=True)
-        buf[b, qpos[b, s]] = latent[b, s]
+        buf[b, qpos[b, s]] = latent.detach()[b, s]      # the copy outlives the forward: no autograd graph
 
     def check(self, layer: int, session: Session, kv: torch.Tensor, rmap: RowMap) -> None:
         """`kv` `[B, S, K, >= W]`: the gathered rows; compare every used entry with the copy."""

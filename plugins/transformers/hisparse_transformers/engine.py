@@ -859,7 +859,9 @@ class HiSparseEngine:
             flat = self.flat_layers[group][position]
             dst = step.write_res if group in self.resident_groups else step.write_dst
             assert dst is not None
-            flat[dst, :rows.shape[1]] = rows[step.write_src].to(flat.dtype)
+            # detached: a store that outlives the forward joins no autograd graph (a direct forward
+            # with autograd on would otherwise keep every forward's saved activations reachable)
+            flat[dst, :rows.shape[1]] = rows.detach()[step.write_src].to(flat.dtype)
 
     def is_resident(self, group: int) -> bool:
         """Whether index group `group`'s layers keep their whole KV on the GPU (`resident_layers`)."""

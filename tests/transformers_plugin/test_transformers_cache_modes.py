@@ -350,6 +350,34 @@ def test_direct_forwards_with_autograd_on_keep_no_graph(model: torch.nn.Module) 
             assert stores and not any(t.requires_grad or t.grad_fn is not None for t in stores)
 
 
+def test_a_model_cast_after_enable_is_refused_before_its_forward() -> None:
+    """A model cast to another dtype after enable (its KV stores and row format are the enable-time
+    dtype's): a generate or a direct forward is refused in one line naming both dtypes before
+    anything runs, and cast back, the handle runs as before. Before: a RuntimeError from inside the
+    attention ("expected scalar type Float but found BFloat16")."""
+    model = tiny_model(FAMILY, shape=SHAPES[FAMILY], seed=5)       # its own: the cast rounds the weights
+    ids, mask = random_prompts([23, 11], seed=18)
+    key = cache_kwarg(model)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        free = hs.engine.gpu.num_free_blocks
+        try:
+            model.to(torch.bfloat16)
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            text = one_line(err.value)
+            assert "torch.bfloat16" in text and "torch.float32" in text and "enable" in text, text
+            cache = hs.new_cache(ids, mask, max_new_tokens=2)
+            with torch.no_grad(), pytest.raises(InvalidInputError, match="torch.bfloat16"):
+                model(input_ids=ids, attention_mask=mask, **{key: cache})
+            assert cache.session is None and hs.engine.session is None and hs.stats().requests == 0
+        finally:
+            model.to(torch.float32)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+        assert hs.engine.gpu.num_free_blocks == free
+    got = compare(ours, baseline(model, ids, mask, 6, chunk=8))      # the weights as bf16 rounded them
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
 def _direct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
     """Direct forwards of a left-padded prompt batch in 8-token chunks, without position_ids (the
     model's default: the padded positions); the logits of every chunk."""

@@ -166,6 +166,7 @@ class HiSparseHandle:
         if checker is not None:
             engine.rollback_listeners.append(checker.rollback)
         self._base = getattr(model, "base_model", model)
+        self._weight = layout.attentions[0].kv_a_proj_with_mqa.weight   # its dtype is the engine's (enable)
         self.graphs = DecodeGraphs(engine, cuda_graphs, model, checking=checker is not None)
         self.cache_kwarg = cache_kwarg(model)
         self._hooks: list[Any] = []
@@ -225,6 +226,10 @@ class HiSparseHandle:
             return
         if _wants_attentions(module, kwargs):
             raise InvalidInputError(_NO_ATTENTIONS)
+        if self._weight.dtype != self.engine.dtype:
+            raise InvalidInputError(f"the model's weights are {self._weight.dtype} now, but hisparse was enabled on it "
+                                    f"in {self.engine.dtype} (its KV stores and row format are that dtype's); expected "
+                                    f"model.to({self.engine.dtype}) back, or hs.close() and enable again after the cast")
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds: Any = kwargs.get("inputs_embeds")
         shape = input_ids.shape if input_ids is not None else embeds.shape

@@ -285,7 +285,8 @@ def test_a_refused_first_forward_opens_no_batch(model: torch.nn.Module) -> None:
             with pytest.raises(InvalidInputError, match="a forward of 0 tokens"):
                 model(input_ids=ids[:, :0], attention_mask=mask[:, :0], position_ids=logical[:, :0], **{key: cache})
             with pytest.raises(CapacityError, match="past the"):
-                model(input_ids=over, attention_mask=torch.ones_like(over), **{key: cache})
+                model(input_ids=over, attention_mask=torch.cat([mask, torch.ones_like(mask[:, :3])], 1),
+                      **{key: cache})
         assert hs.engine.session is None and hs.stats().requests == 0
         assert hs.engine.gpu.num_free_blocks == free and hs.engine.coordinator.num_free_host_blocks == host
         got = compare(model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN), theirs)
@@ -376,6 +377,37 @@ def test_a_model_cast_after_enable_is_refused_before_its_forward() -> None:
         assert hs.engine.gpu.num_free_blocks == free
     got = compare(ours, baseline(model, ids, mask, 6, chunk=8))      # the weights as bf16 rounded them
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
+def test_a_first_forward_padded_otherwise_than_new_cache_is_refused(model: torch.nn.Module) -> None:
+    """Direct forwards whose attention_mask pads a row otherwise than the one given to new_cache
+    (say new_cache(input_ids) without the mask, or a forward without one): the first forward is
+    refused in one line naming the row and both paddings, before anything runs; with the masks
+    alike the batch runs as the model's own. Before: the batch ran with new_cache's padding, its
+    attention read the padding's rows, and row 1's logits differed from the model's own by 3.4, even
+    under check=True."""
+    from transformers import DynamicCache
+
+    ids, mask = random_prompts([23, 11], seed=12)            # row 1: 12 columns of padding
+    key = cache_kwarg(model)
+    with torch.no_grad():
+        own = model(input_ids=ids[:, :16], attention_mask=mask[:, :16], **{key: DynamicCache(config=model.config)})
+    real = mask[:, :16].bool().unsqueeze(-1)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs, torch.no_grad():
+        for given, forward, words in ((None, mask, "row 1 12 columns of left padding, but the prompts given to "
+                                       "new_cache leave it 0"),
+                                      (mask, None, "row 1 0 columns of left padding, but the prompts given to "
+                                       "new_cache leave it 12")):
+            cache = hs.new_cache(ids, given, max_new_tokens=1)
+            kw = {} if forward is None else dict(attention_mask=forward[:, :16])
+            with pytest.raises(InvalidInputError) as err:
+                model(input_ids=ids[:, :16], **kw, **{key: cache})
+            assert words in one_line(err.value), err.value
+            assert cache.session is None and hs.engine.session is None and hs.stats().requests == 0
+        cache = hs.new_cache(ids, mask, max_new_tokens=1)
+        ours = model(input_ids=ids[:, :16], attention_mask=mask[:, :16], **{key: cache}).logits
+        cache.finish()
+    assert float(((ours - own.logits).abs() * real).max()) <= 1e-4
 
 
 def _direct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:

@@ -150,6 +150,24 @@ def moved_rope(position_ids: torch.Tensor | None, pads: Sequence[int], past: int
     return None
 
 
+def _check_first_padding(mask: Any, pads: Sequence[int], num_new: int) -> None:
+    """Refuse (one line) a batch's first direct forward whose attention_mask (None: no padding)
+    left-pads a row otherwise than the prompts given to `new_cache` did: hisparse would attend as
+    those say, the model as the mask says. A host read of a 2-D mask, once per batch."""
+    if mask is None:
+        got, width = [0] * len(pads), num_new
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        got, width = left_padding(mask), int(mask.shape[1])
+    else:
+        return          # a prepared mask: the model's own business
+    for b, (pad, seen) in enumerate(zip(pads, got, strict=True)):
+        if seen != min(pad, width):
+            what = "attention_mask" if mask is not None else "forward (no attention_mask)"
+            raise InvalidInputError(f"the first forward's {what} leaves row {b} {seen} columns of left padding, but "
+                                    f"the prompts given to new_cache leave it {pad}; expected the same "
+                                    "attention_mask for new_cache and the forwards")
+
+
 class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
 
@@ -265,6 +283,8 @@ class HiSparseHandle:
             if len(prompts) != batch:
                 raise InvalidInputError(f"the forward has {batch} rows but the batch has {len(prompts)} prompts; "
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
+            if cache.prompts is not None and not cache.generating:
+                _check_first_padding(kwargs.get("attention_mask"), pads, num_new)
             # A row's latent carries its rope position: its pages are shared only with rows roped alike.
             offsets = cache.rope_offsets
             if offsets is None:

@@ -410,6 +410,48 @@ def test_a_first_forward_padded_otherwise_than_new_cache_is_refused(model: torch
     assert float(((ours - own.logits).abs() * real).max()) <= 1e-4
 
 
+def test_a_crop_into_a_page_a_cancelled_planned_step_sealed_is_refused(model: torch.nn.Module) -> None:
+    """Direct forwards: after a 2-token forward the decode step planned ahead seals the page its
+    first token completed; a crop of 1 cancels that step, and a second crop of 1, into the sealed
+    page, is refused in one line (as one crop of 2 is), changing nothing; the forwards after it
+    give the model's own logits. Before: the second crop was accepted (the check looked only while
+    a planned step was pending), and the next forward failed in the coordinator ("would rewrite
+    sealed page 3"), and every one after it."""
+    from transformers import DynamicCache
+
+    ids = random_prompts([13], seed=19)[0]
+    key = cache_kwarg(model)
+
+    def run(cache: object, hisparse: bool) -> list[torch.Tensor]:
+        with torch.no_grad():
+            out = model(input_ids=ids, **{key: cache}).logits
+            for _ in range(2):                              # positions 13, 14
+                out = model(input_ids=out[:, -1:].argmax(-1), **{key: cache}).logits
+            nxt = out[:, -1:].argmax(-1)
+            model(input_ids=torch.cat([nxt, nxt], 1), **{key: cache})    # 15, 16: page 3 complete
+            cache.crop(-1)                                  # keeps 15 (cancels the planned step)
+            if hisparse:
+                with pytest.raises(InvalidInputError, match="page 3 was sealed") as err:
+                    cache.crop(-1)
+                one_line(err.value)
+                assert cache.get_seq_length() == 16
+            outs = []
+            for _ in range(3):
+                out = model(input_ids=nxt, **{key: cache}).logits
+                outs.append(out)
+                nxt = out[:, -1:].argmax(-1)
+        return outs
+
+    own = run(DynamicCache(config=model.config), False)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:      # check=True
+        free = hs.engine.gpu.num_free_blocks
+        cache = hs.new_cache(ids, max_new_tokens=8)
+        ours = run(cache, True)
+        cache.finish()
+        assert hs.engine.gpu.num_free_blocks == free
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, own, strict=True)) <= 1e-4
+
+
 def _direct(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
     """Direct forwards of a left-padded prompt batch in 8-token chunks, without position_ids (the
     model's default: the padded positions); the logits of every chunk."""

@@ -815,6 +815,8 @@ class HiSparseEngine:
         command = self.coordinator.schedule_step(scheduled)
         for s in scheduled:                    # the coordinator holds these blocks' leases now
             self._handed[s.request_id] = len(s.resident_block_ids[0])
+        for r in session.requests:             # and has sealed every page their lengths cover
+            r.sealed = max(r.sealed, r.computed // bs * bs)
         return command, src, dst
 
     def _plan_next(self, session: Session) -> None:
@@ -932,16 +934,16 @@ class HiSparseEngine:
                 "sealed and published already")
         bs = self.config.block_size
         end = session.padded_len - num_tokens
-        if self.ahead.pending:
-            # The step planned ahead ran `schedule_step` with the current lengths, which sealed every
-            # page they cover: those pages' rows are final.
-            for r in session.requests:
-                keep = max(end, r.pad) - r.pad
-                if keep < r.computed // bs * bs:
-                    raise InvalidInputError(
-                        f"crop removes {num_tokens} tokens, but request {r.request_id}'s page {keep // bs} was "
-                        "sealed by the decode step planned ahead after the last forward; roll back only after a "
-                        "verification forward (2 or more tokens a row), or set engine.plan_ahead = False")
+        # A step planned ahead ran `schedule_step` with the lengths after the last forward, which
+        # sealed every page they cover: those pages' rows are final, even once that step is cancelled
+        # (by an earlier crop of this forward's suffix).
+        for r in session.requests:
+            keep = max(end, r.pad) - r.pad
+            if keep < r.sealed:
+                raise InvalidInputError(
+                    f"crop removes {num_tokens} tokens, but request {r.request_id}'s page {keep // bs} was "
+                    "sealed by the decode step planned ahead after the last forward; roll back only after a "
+                    "verification forward (2 or more tokens a row), or set engine.plan_ahead = False")
         self.ahead.cancel()                    # planned for the longer batch
         states: list[int] = []
         host_rows: list[int] = []

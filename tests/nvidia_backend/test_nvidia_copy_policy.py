@@ -132,12 +132,12 @@ def test_split_never_takes_the_whole_batch() -> None:
 
 def test_the_log_says_which_copy_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _policy()
-    rt._gather_blocks, rt._follow, rt._split = SMS, True, True
+    rt._gather_blocks, rt._prefetch_blocks, rt._follow, rt._split = SMS, SMS // 2, True, True
     assert rt._describe_copies("") == (
         "miss copies after a resolve start while it runs for batches of up to 11 rows (by slots at 1 row, entries "
         "above; blocks that can hold no miss leave without waiting for the resolver); larger batches so for as "
         "many first rows as fit on the SMs the resolver leaves free (4 blocks to an SM), the other rows by a "
-        "persistent grid of 132 blocks (up to 5 an SM; when the resolver leaves too few free SMs for all of them, "
+        "persistent grid of 132 blocks (66 in a prefetch, HISPARSE_PREFETCH_GATHER_BLOCKS; up to 5 an SM; when the resolver leaves too few free SMs for all of them, "
         "1 an SM (116736 bytes of shared memory a block, HISPARSE_GATHER_PER_SM), after the whole resolver) that "
         "copies each request's plan once the resolver has published it")
     rt._gather_smem = 0
@@ -151,7 +151,8 @@ def test_the_log_says_which_copy_and_why(monkeypatch: pytest.MonkeyPatch) -> Non
     rt._spec_rows, why = rt._speculative_rows(SMS)
     rt._follow = False
     assert rt._describe_copies(why) == (
-        "miss copies after a resolve: a persistent grid of 132 blocks (up to 5 an SM) that waits for the whole "
+        "miss copies after a resolve: a persistent grid of 132 blocks (66 in a prefetch, "
+        "HISPARSE_PREFETCH_GATHER_BLOCKS; up to 5 an SM) that waits for the whole "
         "resolver (HISPARSE_GATHER_FOLLOW=0) (no speculative gather: HISPARSE_SPEC_GATHER=0)")
 
 

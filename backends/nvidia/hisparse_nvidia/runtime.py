@@ -87,6 +87,12 @@ ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
 #: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
 #: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
 ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
+#: Blocks of the plan copy's grid in `prefetch` (default half the SMs): its copies run beside the
+#: attention they overlap, and every block they hold is one an SM's attention waits for. On the
+#: H200, 32K code at batch 75 with the cross-layer prefetch, 66 blocks took 0.36-0.48 ms a step less
+#: than 132 in alternated runs, while a grid of 66 for every plan copy cost the swap-in sweep 13 us
+#: at 34 misses x 128 (docs/gpu-validation.md, calls N2-N3).
+ENV_PREFETCH_GATHER_BLOCKS = "HISPARSE_PREFETCH_GATHER_BLOCKS"
 #: A plan copy that follows a resolver leaving too few free SMs for its whole grid puts at most
 #: this many blocks on one SM (0: no limit), by asking for more shared memory than one more block
 #: would leave room for. Without it the blocks that find no free SM pile onto the first SMs the
@@ -264,6 +270,8 @@ class NvidiaRuntime(CacheRuntime):
         self._split = self._spec_rows > 0 and self._follow and os.environ.get(ENV_SPEC_SPLIT, "1") != "0"
         self._gather_blocks = env_int_in(ENV_GATHER_BLOCKS, num_sms, 1, 8 * num_sms,
                                          f"1 to {8 * num_sms} blocks (8 per SM)")
+        self._prefetch_blocks = env_int_in(ENV_PREFETCH_GATHER_BLOCKS, max(1, num_sms // 2), 1, 8 * num_sms,
+                                           f"1 to {8 * num_sms} blocks (8 per SM)")
         # Blocks of the plan copy one SM holds; and the padded shared memory that limits them (0: none).
         self._gather_fit = self._k_gather.max_active_blocks(self._copy_shape.threads, (b + 1) * 4)
         self._gather_smem, self._gather_per_sm = self._gather_shared_memory(max_smem_per_block)
@@ -459,9 +467,12 @@ class NvidiaRuntime(CacheRuntime):
             self.trace_plan_copies(None)
         return self.read_plan_copy_trace(trace)
 
+    def _trace_rows(self) -> int:
+        return max(self._gather_blocks, self._prefetch_blocks)
+
     def new_plan_copy_trace(self) -> torch.Tensor:
-        """A zeroed trace buffer for `trace_plan_copies`: [blocks of the plan copy's grid, 5] int64."""
-        return torch.zeros((self._gather_blocks, 5), dtype=torch.int64, device=self._device)
+        """A zeroed trace buffer for `trace_plan_copies`: [blocks of the larger plan-copy grid, 5] int64."""
+        return torch.zeros((self._trace_rows(), 5), dtype=torch.int64, device=self._device)
 
     def trace_plan_copies(self, trace: torch.Tensor | None) -> None:
         """Diagnostics: every plan copy launched from now on (captured into a CUDA graph too) records
@@ -469,7 +480,7 @@ class NvidiaRuntime(CacheRuntime):
         Read it with `read_plan_copy_trace` after the work has run. A graph that captured a traced
         launch writes the buffer on every replay: keep it alive as long as the graph."""
         if trace is not None:
-            check_tensor("trace", trace, (self._gather_blocks, 5), torch.int64, self._device)
+            check_tensor("trace", trace, (self._trace_rows(), 5), torch.int64, self._device)
         self._trace = trace
 
     @staticmethod
@@ -483,6 +494,15 @@ class NvidiaRuntime(CacheRuntime):
                 for sm, chunks, enter, first, done in rows]
 
     # ----------------------------------------------------------------- plan copies
+
+    def prefetch(self, inputs: ResolveInputs) -> None:
+        # The default's calls, with the plan copy on the prefetch's grid (HISPARSE_PREFETCH_GATHER_BLOCKS).
+        grid = self._gather_blocks
+        self._gather_blocks = self._prefetch_blocks
+        try:
+            super().prefetch(inputs)
+        finally:
+            self._gather_blocks = grid
 
     def gather_misses(self, layer: int = 0) -> None:
         self._require_bound()
@@ -574,7 +594,7 @@ class NvidiaRuntime(CacheRuntime):
                 "cluster_blocks": self._cluster, "cluster_max_batch": self._cluster_rows,
                 "overlap_launch": self._overlap, "copy_threads": c.threads, "copy_unroll": c.unroll,
                 "copy_load": c.load, "spec_max_batch": self._spec_rows, "gather_blocks": self._gather_blocks,
-                "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
+                "prefetch_gather_blocks": self._prefetch_blocks, "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
                 "spec_early_exit": self._early_exit, "spec_kernel": self._spec_kernel,
                 "spec_entries_per_block": self._spec_epb or 0,
                 "resolve_registers": self._k_resolve.registers,
@@ -672,7 +692,8 @@ class NvidiaRuntime(CacheRuntime):
         pad = (f"; when the resolver leaves too few free SMs for all of them, {self._gather_per_sm} an SM "
                f"({self._gather_smem} bytes of shared memory a block, {ENV_GATHER_PER_SM}), after the whole resolver"
                if self._gather_smem else "")
-        plan_copy = (f"a persistent grid of {self._gather_blocks} blocks (up to {self._gather_fit} an SM{pad}) that " +
+        plan_copy = (f"a persistent grid of {self._gather_blocks} blocks ({self._prefetch_blocks} in a prefetch, "
+                     f"{ENV_PREFETCH_GATHER_BLOCKS}; up to {self._gather_fit} an SM{pad}) that " +
                      ("copies each request's plan once the resolver has published it" if self._follow
                       else f"waits for the whole resolver ({ENV_GATHER_FOLLOW}=0)"))
         if not self._spec_rows:

@@ -153,3 +153,26 @@ def test_each_layer_is_copied_only_when_asked(hisparse_backend: Backend, data: s
                             f"layer {layer}: each planned slot must hold its host row's bytes of that layer")
                 assert rig.stats()[3] - h2d == len(plan) * row_bytes * len(written), (
                     "host-to-device bytes count len(plan) * row_bytes for each layer copied (docs/resolver-contract.md: Counters)")
+
+
+@pytest.mark.requires_capability(Capability.INDEX_SHARING)
+@examples(12)
+@given(data=st.data())
+def test_a_prefetch_is_a_resolve_that_copies_every_layer(hisparse_backend: Backend, data: st.DataObject) -> None:
+    """`prefetch(inputs)` (the cross-layer prefetch's call; a backend may run its copies with fewer
+    resources) leaves every buffer as `resolve(inputs, gather=True, validate=False)` then
+    `replay_plan()` does: outputs, plan, hot maps, LRU orders, counters, every device and host byte."""
+    layers = data.draw(st.integers(1, 3), label="num_layers")
+    params = data.draw(scenario_params(rows_per_request=1, num_layers=layers,
+                                       row_format=usable_format(hisparse_backend), max_steps=8))
+    scenario = build_scenario(params)
+    with Rig(hisparse_backend, scenario.layout, seed=params.seed) as prefetched, \
+            Rig(hisparse_backend, scenario.layout, seed=params.seed) as plain:
+        for n, (step, work) in enumerate(scenario.steps):
+            prefetched.runtime.prefetch(prefetched.inputs(step))
+            plain.resolve(step, gather=True, validate=False)
+            if layers > 1:
+                plain.runtime.replay_plan()
+            assert prefetched.snapshot() == plain.snapshot(), f"step {n}: prefetch differs from resolve + replay_plan"
+            prefetched.apply(work)
+            plain.apply(work)

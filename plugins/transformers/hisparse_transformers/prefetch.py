@@ -115,10 +115,8 @@ class NextGroupPrefetch:
         runtime = self.runtimes[target]
         assert runtime is not None           # a target has a runtime (resident groups are none)
         source, resident, hot = self.tables[target]
-        runtime.resolve(ResolveInputs(flat, step.row_state, step.seq_lens, source, resident, hot), gather=True,
-                        validate=False)
-        if runtime.config.num_layers > 1:
-            runtime.replay_plan()       # the followers' hot slots must hold what the shared hot map says
+        # Every layer of the group: the followers' hot slots must hold what the shared hot map says.
+        runtime.prefetch(ResolveInputs(flat, step.row_state, step.seq_lens, source, resident, hot))
         self.counts[target] += runtime.result.plan_counts[:flat.shape[0]].sum()
 
     def take_counts(self) -> list[int]:

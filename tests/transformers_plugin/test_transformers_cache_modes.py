@@ -750,3 +750,32 @@ def test_cache_argument_named_as_the_release_declares(model: torch.nn.Module) ->
             model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
             model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                            **{cache_kwarg(model): hs.new_cache()})
+
+
+def test_prefix_hits_only_between_batches_run_under_the_same_autocast(model: torch.nn.Module) -> None:
+    """Rows written under `torch.autocast` carry its lower-precision products, so a page is a prefix
+    hit only for a batch under the same autocast state: a full-precision generate of prompts an
+    autocast generate wrote reads none of its pages and matches the model's own, and a second
+    autocast generate still takes the first one's."""
+    ids, mask = random_prompts([23, 19], seed=21)
+    theirs = baseline(model, ids, mask, 6, chunk=8)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY)) as hs:
+        hits: list[list[int] | None] = []
+
+        def record(handle, step) -> None:  # type: ignore[no-untyped-def]
+            session = handle.engine.session
+            if hits[-1] is None and session is not None:
+                hits[-1] = [r.hit for r in session.requests]
+
+        hs.on_step = record
+        for under in (True, False, True):
+            hits.append(None)
+            if under:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+            else:
+                got = compare(model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN), theirs)
+                assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    first, plain, again = hits
+    assert first == [0, 0] and plain == [0, 0], hits
+    assert again is not None and min(again) > 0, hits

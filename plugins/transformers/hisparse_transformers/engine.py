@@ -92,6 +92,20 @@ def _rope_key(offset: int | None, request_id: str) -> bytes | None:
     return f"rope+{offset}".encode() if offset is not None else f"rope:{request_id}".encode()
 
 
+def _numerics_key(device: torch.device) -> bytes | None:
+    """The prefix identity's part for how the rows are computed: None at the model's own precision,
+    the autocast dtype while `torch.autocast` is on for `device` (its products are rounded, so its
+    rows differ from the model's own and must not be hits for a batch without it, nor the reverse)."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return f"autocast:{torch.get_autocast_dtype(device.type)}".encode()
+
+
+def _prefix_key(*parts: bytes | None) -> bytes | None:
+    present = [p for p in parts if p is not None]
+    return b"|".join(present) if present else None
+
+
 def resident_groups(groups: Sequence[Sequence[int]], spec: str | Sequence[int], num_layers: int) -> list[int]:
     """The index groups `resident_layers` keeps resident: every listed layer in `[0, num_layers)`,
     whole groups only (a group's followers read the leader's rows), not every layer. Bad input is
@@ -492,6 +506,8 @@ class HiSparseEngine:
         `rope_offsets[b]`, the rope position of its first token (None, the default: 0 for every row,
         its logical positions, as generate ropes them): a row takes hits only from rows roped alike.
         An offset of None in the list (positions that are not one offset) shares with no other row.
+        It includes the autocast state of the engine's device too (`_numerics_key`): rows computed
+        under `torch.autocast` are hits only for a batch opened under the same autocast.
 
         The whole of every request must fit before anything runs: each row's prompt plus
         `max_new_tokens` (None: as far as `max_context` allows) against `max_context` and against
@@ -523,13 +539,15 @@ class HiSparseEngine:
                 f"{max_context - longest + 1 - candidates} or enable(..., max_context >= {longest + grow})")
         totals = [len(p) + grow if grow is not None else max_context - pad for p, pad in zip(prompts, pads, strict=False)]
         requests: list[Request] = []
+        numerics = _numerics_key(self.device)
         try:
             for tokens, pad, total in zip(prompts, pads, totals, strict=False):
                 rid = f"hf-{self._next_request}"
                 self._next_request += 1
                 tokens = list(tokens)
                 cap = max(0, len(tokens) - 1) if not self.resident_layers else 0
-                key = _rope_key(rope_offsets[len(requests)] if rope_offsets is not None else 0, rid)
+                key = _prefix_key(_rope_key(rope_offsets[len(requests)] if rope_offsets is not None else 0, rid),
+                                  numerics)
                 try:
                     hit = self.coordinator.add_request(rid, tokens, extra_key=key, max_prefix_tokens=cap)
                 except CapacityError:

@@ -150,6 +150,15 @@ def moved_rope(position_ids: torch.Tensor | None, pads: Sequence[int], past: int
     return None
 
 
+def _refuse_empty_rows(pads: Sequence[int], width: int) -> None:
+    """One line for a prompt row that is all padding (generate and `new_cache` alike): a row of no
+    prompt token decodes from nothing."""
+    empty = next((b for b, pad in enumerate(pads) if pad >= width), None)
+    if empty is not None:
+        raise InvalidInputError(f"attention_mask row {empty} is all padding, so prompt row {empty} has no token; "
+                                "expected at least one prompt token a row")
+
+
 def _check_first_padding(mask: Any, pads: Sequence[int], num_new: int) -> None:
     """Refuse (one line) a batch's first direct forward whose attention_mask (None: no padding)
     left-pads a row otherwise than the prompts given to `new_cache` did: hisparse would attend as
@@ -389,11 +398,7 @@ class HiSparseHandle:
                 raise InvalidInputError(f"new_cache got input_ids of shape {tuple(input_ids.shape)}; expected "
                                         "[batch, tokens] with at least one prompt token a row")
             pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
-            empty = next((b for b, pad in enumerate(pads) if pad >= int(input_ids.shape[1])), None)
-            if empty is not None:
-                # as generate refuses it: a row of no prompt token decodes from nothing
-                raise InvalidInputError(f"attention_mask row {empty} is all padding, so prompt row {empty} has no "
-                                        "token; expected at least one prompt token a row")
+            _refuse_empty_rows(pads, int(input_ids.shape[1]))
             rows = input_ids.detach().to("cpu").tolist()
             cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, max_new_tokens)
         return cache
@@ -552,10 +557,7 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if mask is None:
         mask = kwargs["attention_mask"] = _prompt_mask(model, input_ids, kwargs)
     pads = left_padding(mask)
-    empty = next((b for b, pad in enumerate(pads) if pad >= int(input_ids.shape[1])), None)
-    if empty is not None:
-        raise InvalidInputError(f"attention_mask row {empty} is all padding, so prompt row {empty} has no token; "
-                                "expected at least one prompt token a row")
+    _refuse_empty_rows(pads, int(input_ids.shape[1]))
     rows = input_ids.detach().to("cpu").tolist()
     new = _max_new_tokens(model, kwargs, int(input_ids.shape[1]))
     cache.generating = True

@@ -172,7 +172,9 @@ class _FirstCallBackend:
 
 
 def _not_capable(name: str) -> str:
-    return (f"hisparse backend {name!r} does not declare 'vllm_ops'; choose one that does "
+    from hisparse_core.backend import Capability
+
+    return (f"hisparse backend {name!r} does not declare {Capability.VLLM_OPS!r}; choose one that does "
             f"(reference_cpu, nvidia, triton) with HISPARSE_BACKEND")
 
 
@@ -215,8 +217,9 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     `backend` names the hisparse backend (default: `HISPARSE_BACKEND`, else automatic selection);
     it must declare `Capability.VLLM_OPS`. Registration only chooses it (a name no available
     backend has is refused here); the first call of an op builds it, so that the processes vLLM
-    registers in but never calls from (front end, engine core) leave CUDA uninitialized. Raises `SchemaMismatchError` for a vLLM whose runtime
-    or compiled ops use another signature, `ValueError` for a bad `HISPARSE_VLLM_OPS`.
+    registers in but never calls from (front end, engine core) leave CUDA uninitialized. Raises
+    `SchemaMismatchError` for a vLLM whose runtime or compiled ops use another signature,
+    `ValueError` for a bad `HISPARSE_VLLM_OPS`.
     """
     # Empty or blank (`HISPARSE_VLLM_OPS=`) is unset, as HISPARSE_BACKEND's is.
     chosen = (mode if mode is not None else os.environ.get(ENV_MODE, "")).strip().lower() or "auto"

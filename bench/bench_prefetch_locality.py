@@ -10,8 +10,10 @@ for a group's own top-k; prefetch misses are copied while the previous group's a
 The hot buffer and the resident pages per request follow bench_serving.py's sizing of the same
 flags (`--layers`, `--gpu-kv-gib`, DeepSeek-V3.2's geometry, top-k 2048, 2x hot rows): the GPU
 pool less every request's hot buffer and the coordinator's watermark, spread evenly over the
-batch, the active tail among them (`--resident-pages N` overrides). H2D bytes are misses times
-the bf16 row (1152 bytes).
+batch, the active tail among them (`--resident-pages N` overrides; `--indexer-keys` and
+`--fill-chunk` as bench_serving.py takes them). H2D bytes are misses times the row: bf16's 1152
+bytes, or 656 with `--kv-rows fp8` (DeepSeek-V3.2's fp8_ds_mla, `enable(kv_rows="fp8")`), which
+also sizes the pool in those rows.
 
 Plans (`--plans`): `off`, `next` and `next+wrap` as above; `auto` the prefetch from every group
 but the regime's poor layers (`bench_serving.py --prefetch-next-group auto`: under code the groups
@@ -80,7 +82,8 @@ def geometry(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def resident_per_request(context: int, batch: int, layers: int, gpu_kv_gib: float) -> tuple[int, int, int]:
+def resident_per_request(context: int, batch: int, layers: int, gpu_kv_gib: float, keys: str = "model",
+                         rows: str = "model", fill_chunk: int = 1024) -> tuple[int, int, int]:
     """(resident pages per request, hot rows, row bytes) as bench_serving.py sizes hisparse's pool."""
     from bench_serving import sizes_for
     from bench_transformers import GEOMETRY
@@ -90,8 +93,8 @@ def resident_per_request(context: int, batch: int, layers: int, gpu_kv_gib: floa
 
     cfg = DeepseekV32Config(num_hidden_layers=layers, **GEOMETRY)
     a = argparse.Namespace(block_size=64, smoke=False, warmup=5, steps=5, max_context=context + 1024, hot_rows=0,
-                           fill_chunk=1024, host_gib=100.0, gpu_kv_gib=gpu_kv_gib, all_resident_gib=None)
-    s = sizes_for(cfg, layers, context, a)
+                           fill_chunk=fill_chunk, host_gib=100.0, gpu_kv_gib=gpu_kv_gib, all_resident_gib=None)
+    s = sizes_for(cfg, layers, context, a, keys, rows)
     if s.largest("hisparse") < batch:
         raise ValueError(f"batch {batch} at context {context}: hisparse holds at most {s.largest('hisparse')} at "
                          f"--gpu-kv-gib {gpu_kv_gib:g}")
@@ -100,13 +103,14 @@ def resident_per_request(context: int, batch: int, layers: int, gpu_kv_gib: floa
     return max(0, free // batch), s.hot_blocks * 64, s.row_bytes
 
 
-def bf16_row_bytes() -> int:
+def row_bytes_of(rows: str) -> int:
+    """A latent row's bytes in bf16 at DeepSeek-V3.2's geometry, stored as `rows` ('model': 1152, 'fp8': 656)."""
     import torch
     from bench_transformers import GEOMETRY
 
-    from hisparse_transformers.engine import row_format_for
+    from hisparse_transformers.kv_rows import LatentRows
 
-    return row_format_for(torch.bfloat16, GEOMETRY["kv_lora_rank"] + GEOMETRY["qk_rope_head_dim"]).row_bytes
+    return LatentRows.of(rows, torch.bfloat16, GEOMETRY["kv_lora_rank"], GEOMETRY["qk_rope_head_dim"]).fmt.row_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=2048)
     p.add_argument("--resident-pages", type=int, default=-1,
                    help="resident pages a request, hot rows 2x top-k, without bench_serving's sizing (-1: from it)")
+    p.add_argument("--kv-rows", default="model", choices=("model", "fp8"),
+                   help="how the latent rows are stored: the bytes a miss copies and the pool's sizing")
+    p.add_argument("--indexer-keys", default="model", choices=("model", "fp8"), help="the sizing's indexer keys")
+    p.add_argument("--fill-chunk", type=int, default=1024, help="the sizing's prefill chunk (bench_serving's)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="measured steps after the warm-up")
     p.add_argument("--seed", type=int, default=0)
@@ -142,15 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         if a.steps <= 0 or a.warmup < 1:
             raise ValueError(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 1")
         if a.resident_pages >= 0:   # no sizing: e.g. a 61-layer model at the 4-layer bench's pages and hot rows
-            sizing = {g: (a.resident_pages, 2 * a.top_k, bf16_row_bytes()) for g in geos}
+            sizing = {g: (a.resident_pages, 2 * a.top_k, row_bytes_of(a.kv_rows)) for g in geos}
         else:
-            sizing = {g: resident_per_request(*g, a.layers, a.gpu_kv_gib) for g in geos}
+            sizing = {g: resident_per_request(*g, a.layers, a.gpu_kv_gib, a.indexer_keys, a.kv_rows, a.fill_chunk)
+                      for g in geos}
     except ValueError as exc:
         print(f"bench_prefetch_locality: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     print(f"# CPU simulation (counts, no timing): {a.layers} layers, top-k {a.top_k}, {a.warmup} warm-up + {a.steps} "
-          f"measured decode steps, LRU hot buffers per index group, seed {a.seed}")
+          f"measured decode steps, LRU hot buffers per index group, seed {a.seed}, latent rows {a.kv_rows}")
     print("| context | batch | regime | reference layers | plan | critical misses/step | critical MB/step | "
           "prefetch MB/step | H2D MB/step | critical vs off | critical by group | prefetched into group | "
           "pred. excess ms | pred. vs all-resident |")

@@ -79,6 +79,12 @@ batch at the budget: the keys, hisparse's per-request blocks (hot buffer, active
 pages a request writes in a step, which `--fill-chunk` sets), all-resident's pages and the same
 engine minimum, and the capacity against pages and keys only.
 
+`--kv-rows fp8` stores the engine modes' latent rows as DeepSeek-V3.2 is served (FlashMLA's
+fp8_ds_mla: e4m3 values with an fp32 scale per 128, the roped part in bf16: 656 bytes a token a
+layer against bf16's 1,152; `enable(kv_rows="fp8")`, read dequantized), in both modes, so a page
+is smaller and every miss copies 57% of the bytes; `fp8/model` runs every engine row under each
+(rows labelled `<regime>:fp8-rows`).
+
 Bad sizes (a budget that cannot hold one request, a batch the host pool cannot hold, a context
 past `--max-context`) are one line naming the value and what fits, before anything is allocated.
 
@@ -158,6 +164,7 @@ class Sizes:
     resident_layers: tuple[int, ...] = ()    # hisparse's layers kept whole on the GPU (--resident-layers)
     stores_outside: bool = False             # their stores come on top of the budget (--resident-stores outside)
     indexer_keys: str = "model"              # how the engine modes store the indexer keys (--indexer-keys)
+    kv_rows: str = "model"                   # how the engine modes store the latent rows (--kv-rows)
 
     @property
     def hs_block_bytes(self) -> int:
@@ -227,7 +234,8 @@ class Sizes:
         once = pressure_watermark(1, self.hot_blocks, self.chunk_pages) - self.chunk_pages
         pages_only = self.budget // (self.pages * self.block_bytes + self.indexer_bytes)
         others = ", ".join(f"{k} {v} B" for k, v in key_bytes.items() if k != self.indexer_keys)
-        return (f"# capacity at T={self.context}, {self.budget / 2**30:g} GiB, indexer keys {self.indexer_keys} "
+        return (f"# capacity at T={self.context}, {self.budget / 2**30:g} GiB, latent rows {self.kv_rows} "
+                f"({self.row_bytes} B a token a layer), indexer keys {self.indexer_keys} "
                 f"({key_bytes[self.indexer_keys]} B a token a layer; {others}): {self.indexer_bytes / mib:.1f} MiB of "
                 f"keys a request, on the GPU in both modes. hisparse a request: hot buffer {self.hot_blocks} + active "
                 f"tail {ACTIVE_TAIL_PAGES} + 3 x {self.chunk_pages} recent pages + {self.chunk_pages} of watermark "
@@ -240,14 +248,16 @@ class Sizes:
                 f"without that minimum holds: {pages_only}, {hs / pages_only if pages_only else float('inf'):.2f}x)")
 
 
-def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace, keys: str = "model") -> Sizes:
-    from hisparse_transformers.engine import row_format_for
+def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace, keys: str = "model",
+              rows: str = "model") -> Sizes:
     from hisparse_transformers.index_keys import bytes_per_key
+    from hisparse_transformers.kv_rows import LatentRows
 
     bs, top_k = a.block_size, model_cfg.index_topk
     width = model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim
     elem = 4 if a.smoke else 2
-    fmt = row_format_for(torch.float32 if a.smoke else torch.bfloat16, width)
+    fmt = LatentRows.of(rows, torch.float32 if a.smoke else torch.bfloat16, model_cfg.kv_lora_rank,
+                        model_cfg.qk_rope_head_dim).fmt
     max_context = context + a.warmup + a.steps + 3 + bs
     if max_context > a.max_context:
         raise BadSize(f"context {context} (+ {max_context - context} decode and alignment tokens) exceeds "
@@ -258,7 +268,8 @@ def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace, 
     static = (context + a.warmup + a.steps + 8) * layers * (width * elem + model_cfg.index_head_dim * elem)
     return Sizes(context, max_context, block_bytes, -(-max_context // bs), hot_rows // bs, -(-a.fill_chunk // bs) + 1,
                  idx, static, int(a.host_gib * 2**30) // block_bytes - 1, int(a.gpu_kv_gib * 2**30),
-                 int((a.all_resident_gib or a.gpu_kv_gib) * 2**30), layers, fmt.row_bytes, indexer_keys=keys)
+                 int((a.all_resident_gib or a.gpu_kv_gib) * 2**30), layers, fmt.row_bytes, indexer_keys=keys,
+                 kv_rows=rows)
 
 
 def batches_for(s: Sizes, mode: str, asked: list[int] | None, also_max: tuple[int, ...] = ()) -> list[int]:
@@ -317,6 +328,7 @@ class Plan:
     references: list[list[int]]         # reference layers the model's layers stand for, per alternative
     resident_by_ref: list[list[tuple[int, ...]]]  # hisparse's resident alternatives under each of them
     keys: list[str]                     # --indexer-keys alternatives, in order, distinct
+    rows: list[str]                     # --kv-rows alternatives, in order, distinct
 
 
 def _ints(flag: str, text: str, *, allow_max: bool = False, allow_all: bool = False) -> list[int] | None:
@@ -402,6 +414,7 @@ def parse_plan(a: argparse.Namespace) -> Plan:
     """Every list flag checked before anything is built: one line naming the flag (`BadSize`)."""
     from hisparse_core.errors import InvalidInputError
     from hisparse_transformers.index_keys import check_key_format
+    from hisparse_transformers.kv_rows import check_row_kind
 
     contexts = _ints("--contexts", a.contexts)
     assert contexts is not None
@@ -449,14 +462,22 @@ def parse_plan(a: argparse.Namespace) -> Plan:
             check_key_format(k, "--indexer-keys")
         except InvalidInputError as exc:
             raise BadSize(f"{exc}{f' (alternative of {a.indexer_keys!r}; several separated by /)' if '/' in a.indexer_keys else ''}") from None
+    rows = list(dict.fromkeys(x.strip() for x in a.kv_rows.split("/")))
+    for r in rows:
+        try:
+            check_row_kind(r, "--kv-rows")
+        except InvalidInputError as exc:
+            raise BadSize(f"{exc}{f' (alternative of {a.kv_rows!r}; several separated by /)' if '/' in a.kv_rows else ''}") from None
     own_keys = [m for m in modes if m in ("transformers", "replay")]
-    if own_keys and "model" not in keys and a.modes is None:
-        modes = [m for m in modes if m not in own_keys]   # main() says so
-    elif own_keys and "model" not in keys:
-        raise BadSize(f"--indexer-keys={a.indexer_keys!r} with --modes {','.join(own_keys)}: those modes keep their own "
-                      "keys and run only under 'model'; expected an alternative 'model' (e.g. fp8/model) or --modes "
-                      "without them")
-    return Plan(contexts, batches, modes, resident, why, share, share_contexts, references, resident_by_ref, keys)
+    for flag, given, alts in (("--indexer-keys", a.indexer_keys, keys), ("--kv-rows", a.kv_rows, rows)):
+        if own_keys and "model" not in alts and a.modes is None:
+            modes = [m for m in modes if m not in own_keys]   # main() says so
+        elif own_keys and "model" not in alts:
+            raise BadSize(f"{flag}={given!r} with --modes {','.join(own_keys)}: those modes keep their own "
+                          "format and run only under 'model'; expected an alternative 'model' (e.g. fp8/model) or "
+                          "--modes without them")
+    return Plan(contexts, batches, modes, resident, why, share, share_contexts, references, resident_by_ref, keys,
+                rows)
 
 
 def reference_alternatives(spec: str, layers: int, regime_name: str) -> list[list[int]]:
@@ -486,10 +507,11 @@ def reference_label(refs: list[int], layers: int) -> str:
     return "" if refs == reference_layers(list(range(layers)), layers) else "+ref" + ",".join(map(str, refs))
 
 
-def key_label(keys: str) -> str:
-    """An engine row's top-k label suffix for its indexer keys (':fp8'; none for the model's own, so
-    earlier logs read the same): hisparse and all-resident rows of one format share it."""
-    return "" if keys == "model" else ":" + keys
+def key_label(keys: str, rows: str = "model") -> str:
+    """An engine row's top-k label suffix for its indexer keys and latent rows (':fp8' for fp8 keys,
+    ':fp8-rows' for fp8 rows; none for the model's own, so earlier logs read the same): hisparse and
+    all-resident rows of one format share it."""
+    return ("" if keys == "model" else ":" + keys) + ("" if rows == "model" else f":{rows}-rows")
 
 
 def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bool, *,
@@ -505,7 +527,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     dev = model.device
     modelled = a.topk_model != "indexer"
     refs = reference_layers(list(range(s.layers)), s.layers) if reference is None else reference
-    topk = a.topk_model + key_label(s.indexer_keys) + ("-no-indexer" if skip_indexer else "")
+    topk = a.topk_model + key_label(s.indexer_keys, s.kv_rows) + ("-no-indexer" if skip_indexer else "")
     if modelled and not resident:
         topk += reference_label(refs, s.layers)   # all-resident's cost does not depend on them: one label
     layers = () if resident else s.resident_layers
@@ -516,7 +538,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
     topk += prefetch_label(prefetch)
     out: dict[str, Any] = {"mode": "all-resident" if resident else "hisparse", "batch": b, "context": s.context,
                            "topk": topk, "reference_layers": refs if modelled else None,
-                           "indexer_keys": s.indexer_keys}
+                           "indexer_keys": s.indexer_keys, "kv_rows": s.kv_rows, "row_bytes": s.row_bytes}
     if layers and s.stores_outside:
         out["resident_stores_outside_budget_gib"] = s.store_bytes(b) / 2**30
     if resident:
@@ -542,7 +564,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
                                           synthetic_topk=a.topk_model if modelled else None,
                                           synthetic_topk_layers=refs if modelled else None,
                                           resident_layers=layers, prefetch_next_group=prefetch,
-                                          indexer_keys=s.indexer_keys)
+                                          indexer_keys=s.indexer_keys, kv_rows=s.kv_rows)
         out["backend"] = hs.engine.backend.name
         cache = fill_hisparse(hs, b, s.context, a.fill_chunk, a.seed)
         if hs.engine.topk_model is not None:
@@ -857,6 +879,13 @@ def main(argv: list[str] | None = None) -> int:
                         "DeepSeek-V3.2 stores them; the indexer scores them dequantized; rows labelled <regime>:fp8); "
                         "'fp8/model' runs every engine row under each, with its own largest batches (transformers "
                         "and replay rows run under 'model' only)")
+    p.add_argument("--kv-rows", default="model",
+                   help="how the engine modes store the latent rows, on the GPU and in the host pool (and so what "
+                        "each miss copies): 'model' (the default: the model's dtype, bf16, 1,152 B a token a layer, "
+                        "as transformers keeps them) or 'fp8' (DeepSeek-V3.2's serving format, FlashMLA's "
+                        "fp8_ds_mla: e4m3 with an fp32 scale per 128 values and the roped part in bf16, 656 B; "
+                        "attention reads them dequantized; rows labelled <regime>:fp8-rows); 'fp8/model' runs every "
+                        "engine row under each (transformers and replay rows run under 'model' only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
@@ -904,7 +933,8 @@ def main(argv: list[str] | None = None) -> int:
 
     key_bytes = {k: bytes_per_key(k, probe_cfg.index_head_dim, 4 if a.smoke else 2) for k in KEY_FORMATS}
     try:
-        sizes = [sizes_for(probe_cfg, a.layers, t, a, keys) for t in contexts for keys in plan.keys]
+        sizes = [sizes_for(probe_cfg, a.layers, t, a, keys, rows) for t in contexts for keys in plan.keys
+                 for rows in plan.rows]
         for s in sizes:
             check_sizes(s, None)
             for alt in plan.resident:
@@ -939,9 +969,10 @@ def main(argv: list[str] | None = None) -> int:
         # The registry's choice; a model on another device than that backend's takes the first that runs
         # there (hisparse_transformers.enable), so each engine row names the backend it ran on.
         print(f"# hisparse backend: {sel.name} ({sel.explanation()})", flush=True)
-    if a.modes is None and "model" not in plan.keys:
-        print(f"# modes: {', '.join(plan.modes)} (transformers and replay keep the indexer keys in their own format, "
-              f"so --indexer-keys {a.indexer_keys} leaves them out)", flush=True)
+    if a.modes is None and ("model" not in plan.keys or "model" not in plan.rows):
+        print(f"# modes: {', '.join(plan.modes)} (transformers and replay keep the indexer keys and latent rows in "
+              f"their own format, so --indexer-keys {a.indexer_keys} --kv-rows {a.kv_rows} leaves them out)",
+              flush=True)
     print(f"# {a.warmup} untimed warm-up decode steps, then {a.steps} timed: step, host, hits and PCIe figures "
           f"are the timed steps'; all-resident's budget {(a.all_resident_gib or a.gpu_kv_gib):g} GiB", flush=True)
     print("# hisparse resident layers: " + " / ".join(str(list(x)) if x else "none" for x in plan.resident)
@@ -958,7 +989,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in sizes:
         extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
                         for x in plan.resident if x and False in stores_alts)
-        keys = f" (indexer keys {s.indexer_keys})" if plan.keys != ["model"] else ""
+        keys = (f" (indexer keys {s.indexer_keys})" if plan.keys != ["model"] else "") + (
+            f" (latent rows {s.kv_rows}, {s.row_bytes} B)" if plan.rows != ["model"] else "")
         print(f"# T={s.context}{keys}: largest batch hisparse {s.largest('hisparse')}, all-resident "
               f"{s.largest('all-resident')}, transformers {s.largest('transformers')}{extra}", flush=True)
         print(s.capacity_line(a.fill_chunk, key_bytes), flush=True)
@@ -971,7 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for s in sizes:
         for mode in modes:
-            if mode in ("transformers", "replay") and s.indexer_keys != "model":
+            if mode in ("transformers", "replay") and (s.indexer_keys != "model" or s.kv_rows != "model"):
                 continue                 # their keys are their own (StaticCache: the model's dtype; replay: fp8)
             if mode == "hisparse":
                 variants = [(refs, s.with_resident(x, o)) for refs, alts in zip(plan.references, plan.resident_by_ref,

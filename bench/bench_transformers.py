@@ -372,7 +372,8 @@ def row_gather_ms(hs: Any, b: int, replays: int = 50) -> float:
 
 def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace, *, graphs: bool = True) -> dict[str, Any]:
     import hisparse_transformers
-    from hisparse_transformers.engine import required_gpu_blocks, row_format_for
+    from hisparse_transformers.engine import required_gpu_blocks
+    from hisparse_transformers.kv_rows import row_format_for
 
     cfg = model.config
     dev = model.device

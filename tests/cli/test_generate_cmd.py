@@ -317,11 +317,29 @@ def test_bfloat16_is_judged_against_fp32_not_exactly() -> None:
     rc, out, err = _run("--dtype", "bfloat16", "--json")
     assert rc == 0, err
     x = json.loads(out)["exactness"]
-    b = x["bf16_against_fp32"]
-    assert x["passed"] and x["verdict"] == "WITHIN BF16 TOLERANCE", x
-    assert b["limit"] == pytest.approx(b["factor"] * b["transformers_bf16"] + b["slack"])
-    assert 0 < b["hisparse_bf16"] <= b["limit"] and b["transformers_bf16"] > 0
+    b = x["lossy_against_fp32"]
+    assert x["passed"] and x["verdict"] == "WITHIN BF16 TOLERANCE" and b["lossy"] == "bf16", x
+    assert b["limit"] == pytest.approx(b["factor"] * b["transformers"] + b["slack"])
+    assert 0 < b["hisparse"] <= b["limit"] and b["transformers"] > 0
     assert x["rows_checked"] > 0 and x["rows_max_abs_diff"] == 0
+
+
+def test_fp8_rows_are_judged_against_fp32_and_the_model_reading_them() -> None:
+    """`--kv-rows fp8`: rows stored as DeepSeek-V3.2 serves them (64 B here: 16 e4m3 values, a scale,
+    8 fp32 rope values). The model alone reading its latent rounded the same way is the free-running
+    reference; the verdict is the teacher-forced one against the fp32 model as it is, and every row
+    read is within fp8 rounding of the model's latent (not equal to it)."""
+    rc, out, err = _run("--kv-rows", "fp8", "--new-tokens", "24", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    x, b = r["exactness"], r["exactness"]["lossy_against_fp32"]
+    assert r["config"]["kv_rows"] == "fp8" and r["engine"]["row_bytes"] == 64, r["engine"]
+    assert b["lossy"] == "fp8 rows" and x["passed"], x
+    assert x["verdict"] in ("EXACT", "WITHIN FP8 ROWS TOLERANCE"), x
+    assert 0 < b["hisparse"] <= b["limit"] == pytest.approx(b["factor"] * b["transformers"] + b["slack"])
+    assert x["rows_checked"] > 0 and x["rows_max_abs_diff"] > 0
+    # the rows moved are fp8's: 64 B each, where the model's fp32 rows are 96
+    assert r["stats"]["h2d_bytes"] >= 64 * r["stats"]["misses"] > 0
 
 
 def test_bfloat16_fails_beyond_its_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -334,13 +352,14 @@ def test_bfloat16_fails_beyond_its_tolerance(monkeypatch: pytest.MonkeyPatch) ->
     rc, out, _ = _run("--dtype", "bfloat16", "--new-tokens", "8")
     assert rc == 1
     lines = [ln.split(None, 1) for ln in out.splitlines() if ln.strip().startswith(("result", "bf16 vs fp32"))]
+    assert any(ln[0] == "bf16" for ln in lines), out
     assert lines[-1] == ["result", "FAILED (tolerance 0x transformers' own bf16 error + 0)"], out
     assert "limit 0x + 0 = 0.000" in out
 
 
 def test_float32_has_no_bf16_verdict(json_runs: dict[str, tuple[int, str, str]]) -> None:
     x = json.loads(_json_run(json_runs, "deepseek_v32")[1])["exactness"]
-    assert x["bf16_against_fp32"] is None and x["passed"] and x["verdict"] == "EXACT"
+    assert x["lossy_against_fp32"] is None and x["passed"] and x["verdict"] == "EXACT"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -5,7 +5,6 @@ the same engine all-resident under the same keys, and one-line refusals."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from tf_support import (
     enable_kwargs,
     gpu_reason,
     random_prompts,
+    reference_fp8,
     tight_gpu_gib,
     tiny_model,
 )
@@ -30,27 +30,6 @@ from hisparse_transformers.engine import EngineConfig
 from hisparse_transformers.index_keys import bytes_per_key, dequantize_fp8, quantize_fp8
 
 pytest.importorskip("transformers")
-
-
-def e4m3(x: float) -> float:
-    """`x` rounded to the nearest float8 e4m3fn value (ties to even; |x| <= 448 here)."""
-    if x == 0.0:
-        return 0.0
-    mant, exp = math.frexp(abs(x))            # abs(x) = mant * 2**exp, mant in [0.5, 1)
-    step = 2.0 ** max(exp - 1 - 3, -9)        # 3 mantissa bits; below 2**-6 the subnormal step 2**-9
-    return math.copysign(round(abs(x) / step) * step, x)
-
-
-def reference_fp8(keys: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dequantized keys, scales) in float64, one block of `block` values at a time."""
-    flat = keys.double().reshape(-1, block)
-    out, scales = torch.empty_like(flat), torch.empty(flat.shape[0], dtype=torch.float64)
-    for i, row in enumerate(flat.tolist()):
-        amax = max(max(abs(v) for v in row), 1e-4)
-        scale = 2.0 ** math.ceil(math.log2(amax / 448.0))      # the smallest power of two >= amax / 448
-        scales[i] = scale
-        out[i] = torch.tensor([e4m3(v / scale) * scale for v in row], dtype=torch.float64)
-    return out.reshape(keys.shape), scales.reshape(*keys.shape[:-1], -1)
 
 
 @settings(max_examples=12, deadline=None, phases=[Phase.explicit, Phase.generate])

@@ -22,7 +22,7 @@ import hisparse_transformers
 from hisparse_core.geometry import RuntimeConfig  # noqa: F401  - loads the row formats the pool spec names
 from hisparse_core.host_pool import HostPoolSpec
 from hisparse_reference_cpu.host_pool import ReferenceHostPool, shm_path
-from hisparse_transformers.engine import row_format_for
+from hisparse_transformers.kv_rows import row_format_for
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="tp_plan needs accelerate (pip install 'hisparse[transformers]')")

@@ -20,7 +20,8 @@ layers below its own, `TYPE_CHECKING` imports included, never one beside or abov
    are stored: the model's dtype or fp8);
 2. `session`: a batch's requests and the step in progress (Request, Session, StepState), and
    `forced` (teacher-forced logits, for comparing runs that free-running decoding would let part
-   ways; it takes the cache argument's name from `version`);
+   ways; it takes the cache argument's name from `version`), and `kv_rows` (how the latent rows
+   are stored: the model's dtype or DeepSeek-V3.2's fp8 bytes; its fp8 rounding is `index_keys`');
 3. `prefetch`: the cross-layer prefetch (the next index group's resolve on this group's top-k);
 4. `engine`: the engine role (GPU block pool, coordinator, a worker per device, device caches and tables); it
    knows nothing of the model's attention, the cache or the checker;
@@ -43,7 +44,7 @@ from typing import Any
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("rows", "tokens", "families", "budgets", "stats", "version", "tiny", "shards", "ranks", "assisted",
      "model_topk", "index_keys"),
-    ("session", "forced"),
+    ("session", "forced", "kv_rows"),
     ("prefetch",),
     ("engine",),
     ("cache", "check"),

@@ -10,7 +10,8 @@ Per layer and forward (`HiSparseAttention.forward`, installed per instance by `e
 2. The leader of an index group runs the model's indexer (its keys stay in `HiSparseCache`);
    followers take the leader's top-k (`prev_topk_indices`). Padded indices become logical
    positions; padding, future and out-of-context entries become -1.
-3. Rows (a layer of `resident_layers`: by position from its own store, `_resident_rows`; with
+3. Rows, read in their stored form (`kv_rows`) and decoded to the model's dtype (a layer of
+   `resident_layers`: by position from its own store, `_resident_rows`; with
    `prefetch_next_group` its leader still starts the next group's prefetch on its top-k):
    - one query per row (decode): the leader calls `CacheRuntime.resolve(gather=True,
      validate=False)` (resident page, else hot row, else a miss copied from host into the hot
@@ -161,11 +162,12 @@ def _resident_rows(engine: HiSparseEngine, step: StepState, topk: torch.Tensor) 
 
 
 def _gather(engine: HiSparseEngine, group: int, position: int, rmap: RowMap) -> torch.Tensor:
-    """The rows of one layer `[B, S, K, width]` (masked entries hold some row, never read)."""
+    """The rows of one layer `[B, S, K, >= lora + rope]` in the model's dtype, decoded from their
+    stored form (`kv_rows`; masked entries hold some row, never read)."""
     flat = engine.flat_layers[group][position]
     if rmap.rows is not None:
         rows = rmap.rows.clamp(min=0)
-        return flat.index_select(0, rows.view(-1)).view(*rows.shape, flat.shape[-1])
+        return engine.rows.decode(flat.index_select(0, rows.view(-1)).view(*rows.shape, flat.shape[-1]))
     assert rmap.dev_rows is not None and rmap.host_rows is not None and rmap.host_mask is not None
     kv = flat[rmap.dev_rows]
     if rmap.num_host:
@@ -173,7 +175,7 @@ def _gather(engine: HiSparseEngine, group: int, position: int, rmap: RowMap) -> 
         picked = host[rmap.host_rows[rmap.host_mask].to(host.device)]
         kv[rmap.host_mask] = picked.to(kv.device, non_blocking=False)
         engine.totals.prefill_host_rows += rmap.num_host
-    return kv
+    return engine.rows.decode(kv)
 
 
 def absorbed_attention(module: Any, q_pass: torch.Tensor, q_rot: torch.Tensor, kv: torch.Tensor,

@@ -6,6 +6,10 @@ has gathered its rows (decode: through the resolver's resident/hot/miss path; pr
 resident pages and the host pool), every used entry is compared with that copy. A difference
 raises `RowMismatch` naming the layer, the batch row, the logical position and the physical row.
 
+With `kv_rows="fp8"` a row is read back as stored (e4m3 values and their scales), so each value
+may differ from the model's latent by the rounding `LatentRows.error_bound` allows; a row of
+another position or a corrupted one is far outside it too.
+
 Rows served from a prefix hit were computed by an earlier batch, so the comparison allows the
 float noise of recomputing the same row in another batch shape (`tolerance_for`); a corrupted row
 is far outside it.
@@ -56,6 +60,7 @@ from hisparse_core.errors import HiSparseError
 from hisparse_transformers.index_keys import dequantize_fp8, quantize_fp8
 
 if TYPE_CHECKING:
+    from hisparse_transformers.kv_rows import LatentRows
     from hisparse_transformers.rows import RowMap
     from hisparse_transformers.session import Session, StepState
 
@@ -182,7 +187,8 @@ def reference_cache(config: Any, indexer_keys: str) -> Any:
 class ExactnessChecker:
     """Keeps the all-resident copy of the current session and compares every gathered row with it."""
 
-    def __init__(self, model_config: Any = None, indexer_keys: str = "model") -> None:
+    def __init__(self, model_config: Any = None, indexer_keys: str = "model", rows: LatentRows | None = None) -> None:
+        self._rows = rows                     # the stored form (kv_rows="fp8": read back within its rounding)
         self._session: Session | None = None
         self._ref: dict[int, torch.Tensor] = {}
         self.totals = CheckTotals()
@@ -290,8 +296,11 @@ class ExactnessChecker:
         want = ref[bidx, pos].to(torch.float64)
         got = kv[..., :width].to(torch.float64)
         atol, rtol = tolerance_for(ref.dtype)
+        allowed = atol + rtol * want.abs()
+        if self._rows is not None:
+            allowed = allowed + self._rows.error_bound(want)
         diff = (got - want).abs()
-        bad = ((diff > atol + rtol * want.abs()).any(-1) | ~torch.isfinite(got).all(-1)) & rmap.valid
+        bad = ((diff > allowed).any(-1) | ~torch.isfinite(got).all(-1)) & rmap.valid
         used = diff.amax(-1)[rmap.valid]
         if used.numel():
             self.totals.max_abs_diff = max(self.totals.max_abs_diff, float(used.max()))

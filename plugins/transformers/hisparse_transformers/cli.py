@@ -69,6 +69,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "backend's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the model weights and KV (default: float32)")
+    p.add_argument("--kv-rows", default="model", choices=["model", "fp8"],
+                   help="how the latent rows are stored on the GPU and in the host pool: model (the model's dtype, "
+                        "the default) or fp8 (DeepSeek-V3.2's serving format, FlashMLA's fp8_ds_mla: e4m3 values, an "
+                        "fp32 scale per 128, the roped part in the model's dtype); exactness is then judged against "
+                        "the model reading its latent rounded the same way")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     w = p.add_argument_group("workload (defaults: 10-15 s on 2 idle CPU cores)")
@@ -154,6 +159,8 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         ("without", f"{human_bytes(base)} (every page resident)" + (f": {base / per:.2f}x more" if per else "")),
         ("indexer keys", f"{human_bytes(s['indexer_bytes_per_request'])} (on the {where} either way)"),
         ("exactness", ""),
+        *([("reference", "the model alone reading its normed latent rounded to fp8 as hisparse stores it "
+                         "(--kv-rows fp8)")] if c.get("kv_rows") == "fp8" else []),
         ("first batch", f"tokens {'identical' if f1['tokens_identical'] else 'DIFFER'}, max abs logit diff "
                         f"{f1['max_abs_logit_diff']:.2e} over {f1['steps']} steps"),
         ("second batch", f"tokens {'identical' if f2['tokens_identical'] else 'DIFFER'}, max abs logit diff "
@@ -164,14 +171,14 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                           f"{x['topk_boundary_ties']} exact, {x['topk_near_ties']} near (where the model's own "
                           "generate may pick another key)"),
     ]
-    b = x.get("bf16_against_fp32")
+    b = x.get("lossy_against_fp32")
     if b is not None:
-        rows.append(("bf16 vs fp32", f"teacher-forced max abs logit error against the fp32 model of the same weights "
-                                     f"(logit scale {b['logit_scale']:.2f}): hisparse {b['hisparse_bf16']:.3f}, "
-                                     f"transformers alone {b['transformers_bf16']:.3f}; limit {b['factor']:g}x + "
-                                     f"{b['slack']:g} = {b['limit']:.3f}"))
-    failed = (f"FAILED (tolerance {b['factor']:g}x transformers' own bf16 error + {b['slack']:g})" if b is not None
-              else f"FAILED (tolerance {x['logit_tolerance']:.0e})")
+        rows.append((f"{b['lossy']} vs fp32", f"teacher-forced max abs logit error against the fp32 model of the same "
+                                              f"weights (logit scale {b['logit_scale']:.2f}): hisparse "
+                                              f"{b['hisparse']:.3f}, transformers alone {b['transformers']:.3f}; "
+                                              f"limit {b['factor']:g}x + {b['slack']:g} = {b['limit']:.3f}"))
+    failed = (f"FAILED (tolerance {b['factor']:g}x transformers' own {b['lossy']} error + {b['slack']:g})"
+              if b is not None else f"FAILED (tolerance {x['logit_tolerance']:.0e})")
     rows.append(("result", x["verdict"] if x["passed"] else failed))
     return render_table(rows, "hisparse generate")
 
@@ -198,7 +205,8 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     from hisparse_core.errors import CapacityError, InvalidInputError
     from hisparse_core.units import ceil_size, floor_size, human_bytes
     from hisparse_transformers.demo import DemoConfig
-    from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, required_gpu_blocks, row_format_for
+    from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, required_gpu_blocks
+    from hisparse_transformers.kv_rows import LatentRows
     from hisparse_transformers.tiny import TinyShape
 
     bs = args.block_size
@@ -212,7 +220,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
                                     f"--hot-rows >= {rows} (a multiple of --block-size {bs}) or " if rows <= MAX_HOT_ROWS
                                     else "") + f"--top-k <= {args.hot_rows}")
     shape = TinyShape()
-    row_bytes = row_format_for(getattr(torch, args.dtype), shape.kv_lora + shape.rope).row_bytes
+    row_bytes = LatentRows.of(args.kv_rows, getattr(torch, args.dtype), shape.kv_lora, shape.rope).fmt.row_bytes
     block_bytes = args.layers * bs * row_bytes
     lengths = DemoConfig(prompts=args.prompts, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
                          shared_prefix=0).lengths()
@@ -357,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, hot_rows=args.hot_rows, block_size=args.block_size,
                             prefill_chunk=args.prefill_chunk, gpu_kv_pages=gpu_kv_pages,
                             host_pool_gib=host_pool_gib, shared_prefix=args.shared_prefix, seed=args.seed,
-                            device=device, dtype=args.dtype)
+                            device=device, dtype=args.dtype, kv_rows=args.kv_rows)
         bar = ProgressBar(total_steps(config), "generate", enabled=not args.no_progress)
         import torch
 

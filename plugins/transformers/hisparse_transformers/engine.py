@@ -7,7 +7,8 @@ One `HiSparseEngine` per enabled model owns:
   layer; resident pages and hot buffers are blocks of it);
 - the real `HiSparseCoordinator` (host blocks, prefix identity, spill and release under the GPU
   budget) and the real `HiSparseWorker` with the selected backend: one `CacheRuntime` per index
-  group, bound to device caches `[num_blocks, block_size, width]` in the model's dtype;
+  group, bound to device caches `[num_blocks, block_size, width]` of the row format `kv_rows`
+  chooses (`kv_rows.py`: the model's dtype, or DeepSeek-V3.2's fp8 bytes);
 - the persistent source and hot tables the resolver reads.
 
 A model spread over several devices (`device_map`) gets one worker per device (`shards.py`):
@@ -50,7 +51,7 @@ from hisparse_core.coordinator.ahead import StepAhead
 from hisparse_core.coordinator.config import GIB
 from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
-from hisparse_core.geometry import MAX_HOT_ROWS, RowFormat, RuntimeConfig, register_row_format
+from hisparse_core.geometry import MAX_HOT_ROWS, RuntimeConfig
 from hisparse_core.residency import parse_resident_layers
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.types import OffloadCommand
@@ -58,6 +59,7 @@ from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_transformers.budgets import ceil_gib, check_budgets
 from hisparse_transformers.families import DsaLayout
 from hisparse_transformers.index_keys import check_key_format
+from hisparse_transformers.kv_rows import LatentRows, check_row_kind
 from hisparse_transformers.model_topk import ModelTopk
 from hisparse_transformers.prefetch import NextGroupPrefetch
 from hisparse_transformers.ranks import Ranks
@@ -72,15 +74,6 @@ ACTIVE_TAIL_PAGES = 2
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def row_format_for(dtype: torch.dtype, width: int) -> RowFormat:
-    """The registered row format of a latent row of `width` values of `dtype`, padded to 16 bytes."""
-    size = torch.empty((), dtype=dtype).element_size()
-    per16 = 16 // size if 16 % size == 0 else 16
-    padded = _cdiv(width, per16) * per16
-    name = f"hf_mla_{str(dtype).removeprefix('torch.')}_{width}" + (f"_pad{padded}" if padded != width else "")
-    return register_row_format(RowFormat(name, dtype, padded))
 
 
 def _rope_key(offset: int | None, request_id: str) -> bytes | None:
@@ -164,9 +157,12 @@ class EngineConfig:
     prefetch_next_group: bool | tuple[int, ...] = False
     #: how HiSparseCache stores the indexer keys: "model" (the model's dtype) or "fp8" (index_keys.py)
     indexer_keys: str = "model"
+    #: how the engine stores the latent rows, on the GPU and in the host pool: "model" or "fp8" (kv_rows.py)
+    kv_rows: str = "model"
 
     def __post_init__(self) -> None:
         check_key_format(self.indexer_keys)
+        check_row_kind(self.kv_rows)
         for name in ("host_pool_gib", "gpu_kv_gib"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
@@ -249,7 +245,9 @@ class HiSparseEngine:
         self.dtype = dtype
         c = config
         bs = c.block_size
-        self.fmt = row_format_for(dtype, layout.width)
+        #: the stored form of a latent row (`kv_rows`): written by `write_rows`, read by attention's gather
+        self.rows = LatentRows.of(c.kv_rows, dtype, layout.kv_lora_rank, layout.qk_rope_head_dim)
+        self.fmt = self.rows.fmt
         top_k = layout.index_topk
         spec = c.speculative_tokens
         self.spec_rows = spec + 1          # query rows per request a verification step resolves as one union
@@ -355,7 +353,7 @@ class HiSparseEngine:
         # a resident group's layers: one store each, `[max_batch * resident_capacity, width]`, row
         # `state * resident_capacity + position` (written as the pages are, read by position)
         self.device_layers: list[list[torch.Tensor]] = [
-            [torch.zeros((c.max_batch * self.resident_capacity, self.fmt.width), dtype=dtype,
+            [torch.zeros((c.max_batch * self.resident_capacity, self.fmt.width), dtype=self.fmt.dtype,
                          device=placement.devices[placement.group_device[g]]) for _ in layout.groups[g]]
             if g in self.resident_groups else [] for g in range(G)]
         self.host_views: list[list[torch.Tensor]] = [[] for _ in range(G)]
@@ -372,7 +370,7 @@ class HiSparseEngine:
                                         share_host_pool=share,
                                         pool_name=ranks.pool_for(d) if share and ranks is not None else None)
                 self.workers.append(worker)
-                local = [[torch.zeros((self.gpu_blocks, bs, self.fmt.width), dtype=dtype, device=dev)
+                local = [[torch.zeros((self.gpu_blocks, bs, self.fmt.width), dtype=self.fmt.dtype, device=dev)
                           for _ in layout.groups[g]] for g in mine]
                 worker.register_caches(local)
                 tables = (torch.full((c.max_batch, self.max_pages), -1, dtype=torch.int32, device=dev),
@@ -881,7 +879,10 @@ class HiSparseEngine:
             assert dst is not None
             # detached: a store that outlives the forward joins no autograd graph (a direct forward
             # with autograd on would otherwise keep every forward's saved activations reachable)
-            flat[dst, :rows.shape[1]] = rows.detach()[step.write_src].to(flat.dtype)
+            if self.rows.kind == "model":
+                flat[dst, :rows.shape[1]] = rows.detach()[step.write_src].to(flat.dtype)
+            else:
+                flat[dst] = self.rows.encode(rows.detach()[step.write_src])
 
     def is_resident(self, group: int) -> bool:
         """Whether index group `group`'s layers keep their whole KV on the GPU (`resident_layers`)."""

@@ -38,6 +38,7 @@ from hisparse_transformers.engine import EngineConfig, HiSparseEngine, resident_
 from hisparse_transformers.families import DsaLayout, detect
 from hisparse_transformers.graphs import DecodeGraphs
 from hisparse_transformers.index_keys import check_key_format, quant_block
+from hisparse_transformers.kv_rows import LatentRows
 from hisparse_transformers.ranks import tensor_parallel
 from hisparse_transformers.session import StepState
 from hisparse_transformers.shards import place
@@ -612,7 +613,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
            speculative_tokens: int = 0, tp: bool | None = None, share_host_pool: bool = True,
            pool_name: str | None = None, synthetic_topk: str | None = None,
            resident_layers: str | Sequence[int] = (), prefetch_next_group: bool | Sequence[int] = False,
-           synthetic_topk_layers: str | Sequence[int] | None = None, indexer_keys: str = "model") -> HiSparseHandle:
+           synthetic_topk_layers: str | Sequence[int] | None = None, indexer_keys: str = "model",
+           kv_rows: str = "model") -> HiSparseHandle:
     """Make `model` (a transformers DeepSeek-V3.2 or GLM-5 DSA model) decode through hisparse.
 
     :param host_pool_gib: pinned host pool for the whole KV of every request (all sparse layers), per
@@ -665,6 +667,14 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         scale per 128, as DeepSeek-V3.2 stores them: 132 bytes a token a layer against bf16's 256;
         the indexer scores them dequantized, `index_keys.py`). `check` compares the top-k against
         the model's indexer over keys stored the same way.
+    :param kv_rows: how the latent rows are stored, on the GPU and in the host pool, and so what
+        every host-to-device copy moves: "model" (the model's dtype, as transformers keeps them:
+        1,152 B a token a layer for DeepSeek-V3.2 in bf16) or "fp8" (DeepSeek-V3.2's serving format,
+        FlashMLA's fp8_ds_mla: e4m3 values with an fp32 scale per 128, the roped part in the
+        model's dtype, 656 B in bf16; `kv_rows.py`). Attention reads them dequantized, so an fp8 run
+        is exact against the model's own forward with its normed latent rounded the same way
+        (`hisparse_transformers.kv_rows.model_reads_stored_rows`), not against the model as it is.
+        `check` allows each value that rounding.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.
@@ -701,6 +711,8 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     layout = detect(model)
     if indexer_keys == "fp8":
         quant_block(layout.index_head_dim)   # one line where the key cannot be split in blocks
+    weight = layout.attentions[0].kv_a_proj_with_mqa.weight
+    rows = LatentRows.of(kv_rows, weight.dtype, layout.kv_lora_rank, layout.qk_rope_head_dim)   # one line if not
     if synthetic_topk_layers is not None:
         if synthetic_topk is None:
             raise InvalidInputError(f"synthetic_topk_layers={synthetic_topk_layers!r} needs synthetic_topk "
@@ -712,7 +724,6 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                                    layout.num_layers)
         except ValueError as exc:
             raise InvalidInputError(str(exc)) from None
-    weight = layout.attentions[0].kv_a_proj_with_mqa.weight
     # validated here (one line naming resident_layers) before anything is built
     resident = tuple(x for g in resident_groups(layout.groups, resident_layers, layout.num_layers)
                      for x in layout.groups[g])
@@ -720,7 +731,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                           hot_rows=hot_rows, max_batch=max_batch, max_context=max_context,
                           prefill_chunk=prefill_chunk, speculative_tokens=speculative_tokens,
                           resident_layers=resident, prefetch_next_group=_prefetch_sources(prefetch_next_group),
-                          indexer_keys=indexer_keys)
+                          indexer_keys=indexer_keys, kv_rows=kv_rows)
     placement = place(layout.attentions, layout.groups)
     if resident and placement.spread:  # before any backend is built (the TP case below, once ranks are known)
         raise InvalidInputError(f"resident_layers={list(resident)} runs on one device and one rank; expected a model "
@@ -746,7 +757,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                      "max_context": str(max_context), "prefill_chunk": str(prefill_chunk), "backend": chosen.name,
                      "speculative_tokens": str(speculative_tokens), "prefetch_next_group": str(prefetch_next_group),
                      "share_host_pool": str(share_host_pool), "devices": str(len(placement.devices)),
-                     "indexer_keys": indexer_keys})
+                     "indexer_keys": indexer_keys, "kv_rows": kv_rows})
         logger.info("hisparse: %s", ranks.describe())
 
     def build() -> HiSparseEngine:
@@ -759,7 +770,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         try:
             if synthetic_topk is not None:
                 engine.use_model_topk(synthetic_topk, reference=synthetic_topk_layers)
-            checker = ExactnessChecker(model.config, indexer_keys=indexer_keys) if check else None
+            checker = ExactnessChecker(model.config, indexer_keys=indexer_keys, rows=rows) if check else None
             handle = HiSparseHandle(model, layout, engine, cuda_graphs, checker)
         except BaseException:
             engine.close()

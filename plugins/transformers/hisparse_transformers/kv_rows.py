@@ -1,0 +1,175 @@
+"""How the engine stores a layer's latent rows, on the GPU and in the host pool (`enable(kv_rows=...)`).
+
+- "model": `kv_lora_rank + qk_rope_head_dim` values in the model's dtype, padded to 16 bytes: what
+  transformers' own cache keeps (1,152 B a token a layer at DeepSeek-V3.2's geometry in bf16).
+- "fp8": DeepSeek-V3.2's serving format (FlashMLA's `fp8_ds_mla`, what vLLM and SGLang store and
+  move): the normed latent as float8 e4m3 values with one fp32 power-of-two scale per 128 values
+  (`index_keys.quantize_fp8`, DeepSeek's ue8m0 rule), then the roped part in the model's dtype, as
+  bytes, padded to 16. In bf16 at DeepSeek-V3.2's geometry that is exactly `fp8_ds_mla`'s 656 B:
+  512 values, 4 scales, 64 bf16 rope values. Every host-to-device copy moves 57% of the bytes.
+
+Attention reads the rows dequantized (values x scale, exact in bf16, fp16 and fp32: a 3-bit
+mantissa times a power of two). What the model itself computes from such rows is its own forward
+with the normed latent rounded the same way (`model_reads_stored_rows`): that is the reference an
+fp8 run is exact against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hisparse_core.errors import InvalidInputError
+from hisparse_core.geometry import FP8_DS_MLA, RowFormat, register_row_format
+from hisparse_transformers.index_keys import FP8_MAX, SCALE_FLOOR, quant_block, quantize_fp8
+
+ROW_KINDS = ("model", "fp8")
+
+
+def check_row_kind(value: object, name: str = "kv_rows") -> str:
+    """`value` as a row kind, or one `InvalidInputError` line naming `name`."""
+    if not isinstance(value, str) or value not in ROW_KINDS:
+        raise InvalidInputError(f"{name}={value!r}: expected 'model' (the latent rows in the model's dtype, as "
+                                "transformers keeps them) or 'fp8' (e4m3 with an fp32 scale per 128 values and the "
+                                "roped part in the model's dtype: DeepSeek-V3.2's fp8_ds_mla, 656 B in bf16)")
+    return value
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def row_format_for(dtype: torch.dtype, width: int) -> RowFormat:
+    """The registered row format of a latent row of `width` values of `dtype`, padded to 16 bytes."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per16 = 16 // size if 16 % size == 0 else 16
+    padded = -(-width // per16) * per16
+    name = f"hf_mla_{str(dtype).removeprefix('torch.')}_{width}" + (f"_pad{padded}" if padded != width else "")
+    return register_row_format(RowFormat(name, dtype, padded))
+
+
+@dataclass(frozen=True, slots=True)
+class LatentRows:
+    """The stored form of one token's latent row: how it is written, read, and sized.
+
+    `encode` takes the rows the model would hand its cache (`[..., lora + rope]`, the normed
+    latent then the roped key) and returns what the stores hold (`[..., fmt.width]` of
+    `fmt.dtype`); `decode` returns `[..., lora + rope]` in the model's dtype (for "model" the
+    stored row itself, padding included, never copied).
+    """
+
+    kind: str
+    dtype: torch.dtype
+    lora: int
+    rope: int
+    fmt: RowFormat
+
+    @classmethod
+    def of(cls, kind: str, dtype: torch.dtype, lora: int, rope: int) -> LatentRows:
+        check_row_kind(kind)
+        if kind == "model":
+            return cls(kind, dtype, lora, rope, row_format_for(dtype, lora + rope))
+        elem = torch.empty((), dtype=dtype).element_size()
+        if lora % 4:
+            raise InvalidInputError(f"kv_rows='fp8' with kv_lora_rank={lora}: expected a multiple of 4 (the scales "
+                                    "follow the values as fp32 words); use kv_rows='model' for this model")
+        quant_block(lora)                       # a multiple of the 128-value block (or one block), else refused
+        used = lora + 4 * (lora // quant_block(lora)) + rope * elem
+        if (dtype, lora, rope) == (torch.bfloat16, 512, 64):
+            fmt = FP8_DS_MLA
+        else:
+            name = f"hf_mla_fp8_{lora}_{str(dtype).removeprefix('torch.')}_{rope}"
+            fmt = register_row_format(RowFormat(name + (f"_pad{_pad16(used)}" if _pad16(used) != used else ""),
+                                                torch.uint8, _pad16(used)))
+        assert fmt.row_bytes == _pad16(used)
+        return cls(kind, dtype, lora, rope, fmt)
+
+    @property
+    def scales(self) -> int:
+        return self.lora // quant_block(self.lora)
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `[..., lora + rope]` -> their stored form `[..., fmt.width]` (a new tensor)."""
+        if self.kind == "model":
+            out = rows.new_zeros((*rows.shape[:-1], self.fmt.width), dtype=self.dtype)
+            out[..., :rows.shape[-1]] = rows
+            return out
+        values, scales = quantize_fp8(rows[..., :self.lora])
+        rope = rows[..., self.lora:].to(self.dtype).contiguous()
+        parts = [values.view(torch.uint8), scales.contiguous().view(torch.uint8), rope.view(torch.uint8)]
+        pad = self.fmt.width - sum(p.shape[-1] for p in parts)
+        if pad:
+            parts.append(rows.new_zeros((*rows.shape[:-1], pad), dtype=torch.uint8))
+        return torch.cat(parts, dim=-1)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored rows `[..., fmt.width]` -> `[..., lora + rope]` in the model's dtype ("model": the
+        stored tensor itself, its padding included)."""
+        if self.kind == "model":
+            return stored
+        lora, n = self.lora, self.scales
+        values = stored[..., :lora].view(torch.float8_e4m3fn)
+        scales = stored[..., lora:lora + 4 * n].view(torch.float32)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        start = lora + 4 * n
+        rope = stored[..., start:start + self.rope * elem].view(self.dtype)
+        out = torch.empty((*stored.shape[:-1], lora + self.rope), dtype=self.dtype, device=stored.device)
+        # e4m3 x a power of two is exact in bf16, fp16 and fp32, so the product in the model's
+        # dtype is the fp32 dequantization rounded once: the same bits either way
+        latent = out[..., :lora].unflatten(-1, (n, lora // n))
+        torch.mul(values.to(self.dtype).unflatten(-1, (n, lora // n)), scales.to(self.dtype).unsqueeze(-1), out=latent)
+        out[..., lora:] = rope
+        return out
+
+    def round_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """The normed latent `[..., lora]` as attention reads it back from the stores (its dtype kept)."""
+        if self.kind == "model":
+            return latent
+        values, scales = quantize_fp8(latent)
+        n = scales.shape[-1]
+        dt = latent.dtype
+        return (values.to(dt).unflatten(-1, (n, -1)) * scales.to(dt).unsqueeze(-1)).flatten(-2)
+
+    def error_bound(self, latent: torch.Tensor) -> torch.Tensor:
+        """Per value of `latent` `[..., lora + rope]` (float64): how far its stored form may read
+        from it. e4m3 rounds to half a step: at most 2^-4 of a normal value, 2^-10 of the scale for
+        a subnormal one, and twice the latter, since a block whose largest value sits at a scale's
+        edge may take the next scale where the same row is recomputed with float noise (a prefix
+        hit). The roped part is stored in the model's dtype: 0."""
+        out = torch.zeros_like(latent, dtype=torch.float64)
+        if self.kind == "model":
+            return out
+        part = latent[..., :self.lora].to(torch.float64)
+        blocks = part.unflatten(-1, (self.scales, -1))
+        scale = blocks.abs().amax(-1, keepdim=True).clamp(min=SCALE_FLOOR) / FP8_MAX
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        out[..., :self.lora] = (2.0 ** -4 * blocks.abs() + 2.0 ** -9 * scale).flatten(-2)
+        return out
+
+
+@contextmanager
+def model_reads_stored_rows(model: Any, rows: LatentRows) -> Iterator[None]:
+    """While open, the model's own attention layers see the normed latent as `rows` stores it (each
+    `kv_a_layernorm` output rounded by `rows.round_latent`): the reference a `kv_rows="fp8"` run is
+    exact against (the roped part is stored in the model's dtype, unchanged). A no-op for "model"."""
+    handles = []
+    if rows.kind != "model":
+        def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+            return rows.round_latent(output)
+
+        for module in model.modules():
+            norm = getattr(module, "kv_a_layernorm", None)
+            if norm is not None and hasattr(module, "kv_a_proj_with_mqa"):
+                handles.append(norm.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+__all__ = ["ROW_KINDS", "LatentRows", "check_row_kind", "model_reads_stored_rows", "row_format_for"]

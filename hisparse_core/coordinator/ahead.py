@@ -30,7 +30,10 @@ exception, with a note naming the planned step; the coordinator's and the engine
 the request). `schedule_step` changes nothing when it raises, so the only state a failed plan can
 leave is the engine's allocations: `prepare` records them where the engine finds them (its block
 tables), so the next step reuses them or closing the batch returns them, as after a step of its
-own that failed.
+own that failed. A `prepare` that fails after its `schedule_step` returned has a scheduled step
+the coordinator counts on (its spills, its acknowledgements): `prepare` must start and close that
+worker step itself, with nothing written, as `cancel` does, before it raises (the transformers
+engine's `_plan_next` does); the exception is then kept and raised at `claim` as above.
 """
 
 from __future__ import annotations

@@ -177,6 +177,22 @@ def test_bad_kv_rows_are_one_line_and_leave_the_model_alone(family: str) -> None
         assert hs.engine.rows.kind == "model"
 
 
+def test_a_latent_not_in_whole_scale_blocks_is_refused_naming_kv_rows(family: str) -> None:
+    """kv_lora_rank 192 (a multiple of 4, more than one 128-value block but not whole blocks): the
+    refusal is about kv_rows and kv_lora_rank, not the indexer keys' index_head_dim."""
+    for lora in (192, 200):
+        with pytest.raises(InvalidInputError) as err:
+            LatentRows.of("fp8", torch.bfloat16, lora, 64)
+        text = str(err.value)
+        assert text.startswith(f"kv_rows='fp8' with kv_lora_rank={lora}:") and "\n" not in text, text
+        assert "index_head_dim" not in text and "indexer_keys" not in text and "kv_rows='model'" in text, text
+    model: Any = tiny_model(family, shape=TinyShape(layers=2, kv_lora=192), seed=1)
+    with pytest.raises(InvalidInputError, match=r"^kv_rows='fp8' with kv_lora_rank=192: "):
+        hisparse_transformers.enable(model, **enable_kwargs(family, kv_rows="fp8"))
+    assert "generate" not in model.__dict__
+    assert LatentRows.of("fp8", torch.bfloat16, 384, 64).scales == 3      # whole blocks: accepted
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu_reason() is not None, reason=f"nvidia backend unavailable: {gpu_reason()}")
 def test_fp8_rows_in_a_captured_decode_graph_on_nvidia(family: str) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import FP8_DS_MLA, RowFormat, register_row_format
-from hisparse_transformers.index_keys import FP8_MAX, SCALE_FLOOR, quant_block, quantize_fp8
+from hisparse_transformers.index_keys import FP8_MAX, QUANT_BLOCK, SCALE_FLOOR, quant_block, quantize_fp8
 
 ROW_KINDS = ("model", "fp8")
 
@@ -77,7 +77,11 @@ class LatentRows:
         if lora % 4:
             raise InvalidInputError(f"kv_rows='fp8' with kv_lora_rank={lora}: expected a multiple of 4 (the scales "
                                     "follow the values as fp32 words); use kv_rows='model' for this model")
-        quant_block(lora)                       # a multiple of the 128-value block (or one block), else refused
+        if lora > QUANT_BLOCK and lora % QUANT_BLOCK:
+            # (quant_block's own refusal names the indexer keys' index_head_dim)
+            raise InvalidInputError(f"kv_rows='fp8' with kv_lora_rank={lora}: expected a multiple of the fp8 "
+                                    f"quantization block {QUANT_BLOCK} (one scale per {QUANT_BLOCK} values), or at "
+                                    "most one block; use kv_rows='model' for this model")
         used = lora + 4 * (lora // quant_block(lora)) + rope * elem
         if (dtype, lora, rope) == (torch.bfloat16, 512, 64):
             fmt = FP8_DS_MLA

@@ -340,6 +340,11 @@ def test_fp8_rows_are_judged_against_fp32_and_the_model_reading_them() -> None:
     assert x["rows_checked"] > 0 and x["rows_max_abs_diff"] > 0
     # the rows moved are fp8's: 64 B each, where the model's fp32 rows are 96
     assert r["stats"]["h2d_bytes"] >= 64 * r["stats"]["misses"] > 0
+    # the table says so too: the rows read are within fp8 rounding of the latent, not equal to it
+    from hisparse_transformers.cli import _table
+
+    line = next(ln for ln in _table(r).splitlines() if ln.strip().startswith("rows checked"))
+    assert "within fp8 rounding of the model's own latent" in line and "each equal" not in line, line
 
 
 def test_bfloat16_fails_beyond_its_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,8 +165,9 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                         f"{f1['max_abs_logit_diff']:.2e} over {f1['steps']} steps"),
         ("second batch", f"tokens {'identical' if f2['tokens_identical'] else 'DIFFER'}, max abs logit diff "
                          f"{f2['max_abs_logit_diff']:.2e} over {f2['steps']} steps"),
-        ("rows checked", f"{x['rows_checked']} rows read, each equal to the model's own latent (max abs diff "
-                         f"{x['rows_max_abs_diff']:.1e})"),
+        ("rows checked", f"{x['rows_checked']} rows read, each "
+                         f"{'within fp8 rounding of' if c.get('kv_rows') == 'fp8' else 'equal to'} the model's own "
+                         f"latent (max abs diff {x['rows_max_abs_diff']:.1e})"),
         ("top-k checked", f"{x['topk_checked']} queries against the model's own indexer; decided at a tie: "
                           f"{x['topk_boundary_ties']} exact, {x['topk_near_ties']} near (where the model's own "
                           "generate may pick another key)"),

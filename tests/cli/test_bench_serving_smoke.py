@@ -188,6 +188,25 @@ def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
     assert "T=160 (code:fp8): best tokens/s" in out.stdout
 
 
+def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
+    """--kv-rows fp8/model: every engine row under each row format, the fp8 rows (64 B here, the
+    tiny geometry's fp32 rows 96 B) holding more requests at the budget, rows labelled by format."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "max", "--modes",
+                          "hisparse,all-resident", "--topk-model", "code", "--kv-rows", "fp8/model",
+                          "--all-resident-gib", "0.002", "--warmup", "1", "--steps", "1", "--png", "",
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    by = {(r["mode"], r["kv_rows"]): sorted(x["batch"] for x in rows if x["mode"] == r["mode"]
+                                            and x["kv_rows"] == r["kv_rows"]) for r in rows}
+    assert set(by) == {(m, k) for m in ("hisparse", "all-resident") for k in ("fp8", "model")}, by
+    assert max(by[("hisparse", "fp8")]) > max(by[("hisparse", "model")]), by
+    assert all(r["row_bytes"] == (64 if r["kv_rows"] == "fp8" else 96) for r in rows), rows
+    assert all(r["topk"] == ("code:fp8-rows" if r["kv_rows"] == "fp8" else "code") for r in rows), rows
+    lines = [x for x in out.stdout.splitlines() if x.startswith("# capacity at T=160")]
+    assert len(lines) == 2 and "latent rows fp8 (64 B a token a layer)" in lines[0], lines
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--resident-layers", "none/9"], "--resident-layers"),
     (["--resident-layers", "0,1,2,3"], "--resident-layers"),
@@ -210,6 +229,9 @@ def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
     (["--indexer-keys", "fp4"], "--indexer-keys='fp4'"),
     (["--indexer-keys", "fp8/bf16"], "--indexer-keys='bf16'"),
     (["--indexer-keys", "fp8", "--modes", "hisparse,transformers"], "--indexer-keys='fp8' with --modes transformers"),
+    (["--kv-rows", "int8"], "--kv-rows='int8'"),
+    (["--kv-rows", "fp8/bf16"], "--kv-rows='bf16'"),
+    (["--kv-rows", "fp8", "--modes", "hisparse,replay"], "--kv-rows='fp8' with --modes replay"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],

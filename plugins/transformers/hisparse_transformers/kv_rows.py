@@ -123,9 +123,10 @@ class LatentRows:
         rope = stored[..., start:start + self.rope * elem].view(self.dtype)
         out = torch.empty((*stored.shape[:-1], lora + self.rope), dtype=self.dtype, device=stored.device)
         # e4m3 x a power of two is exact in bf16, fp16 and fp32, so the product in the model's
-        # dtype is the fp32 dequantization rounded once: the same bits either way
-        latent = out[..., :lora].unflatten(-1, (n, lora // n))
-        torch.mul(values.to(self.dtype).unflatten(-1, (n, lora // n)), scales.to(self.dtype).unsqueeze(-1), out=latent)
+        # dtype is the fp32 dequantization rounded once: the same bits either way. In place: no
+        # temporary the size of the rows (a prefill gathers [B, S, K] of them)
+        out[..., :lora] = values
+        out[..., :lora].unflatten(-1, (n, lora // n)).mul_(scales.to(self.dtype).unsqueeze(-1))
         out[..., lora:] = rope
         return out
 

@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise ValueError(f"--plans={a.plans!r}: {bad[0]!r} is not a plan; expected a comma list of {', '.join(PLANS)}")
         base_ms = all_resident_ms(a.all_resident_ms)
+        if a.fill_chunk <= 0:
+            raise ValueError(f"--fill-chunk={a.fill_chunk}: expected a positive number of prompt tokens a forward")
         if a.steps <= 0 or a.warmup < 1:
             raise ValueError(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 1")
         if a.resident_pages >= 0:   # no sizing: e.g. a 61-layer model at the 4-layer bench's pages and hot rows

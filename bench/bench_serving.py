@@ -430,6 +430,8 @@ def parse_plan(a: argparse.Namespace) -> Plan:
         raise BadSize(f"--all-resident-gib={a.all_resident_gib:g}: expected a positive number of GiB")
     if a.layers < 1:
         raise BadSize(f"--layers={a.layers}: expected >= 1")
+    if a.fill_chunk < 1:
+        raise BadSize(f"--fill-chunk={a.fill_chunk}: expected a positive number of prompt tokens a forward")
     references = reference_alternatives(a.reference_layers, a.layers, a.topk_model)
     resident_by_ref: list[list[tuple[int, ...]]] = []
     whys: list[str] = []

@@ -188,6 +188,15 @@ def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
     assert "T=160 (code:fp8): best tokens/s" in out.stdout
 
 
+def test_a_fill_chunk_of_no_tokens_is_one_line() -> None:
+    """Checked before anything is built (without --smoke, which sets its own chunk): a chunk of 0
+    would fill no context."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--fill-chunk", "0", "--png", ""], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "bench_serving: --fill-chunk=0: expected a positive number of prompt tokens a forward"], out.stderr
+
+
 def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     """--kv-rows fp8/model: every engine row under each row format, the fp8 rows (64 B here, the
     tiny geometry's fp32 rows 96 B) holding more requests at the budget, rows labelled by format."""

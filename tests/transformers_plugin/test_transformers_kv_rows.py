@@ -74,6 +74,14 @@ def test_fp8_rows_are_laid_out_as_a_straightforward_encoder_writes_them(seed: in
     assert bool(((back.double() - x.double()).abs() <= rows.error_bound(x)).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn, torch.int8])
+def test_fp8_rows_of_another_model_dtype_are_refused_in_one_line(dtype: torch.dtype) -> None:
+    with pytest.raises(InvalidInputError, match=r"^kv_rows='fp8' with a \w+ model: expected bfloat16, float16 or "
+                                                r"float32") as err:
+        LatentRows.of("fp8", dtype, 512, 64)
+    assert "\n" not in str(err.value)
+
+
 def test_deepseek_geometry_in_bf16_is_fp8_ds_mla() -> None:
     rows = LatentRows.of("fp8", torch.bfloat16, 512, 64)
     assert rows.fmt == FP8_DS_MLA and rows.fmt.row_bytes == 656

@@ -73,6 +73,10 @@ class LatentRows:
         check_row_kind(kind)
         if kind == "model":
             return cls(kind, dtype, lora, rope, row_format_for(dtype, lora + rope))
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InvalidInputError(f"kv_rows='fp8' with a {str(dtype).removeprefix('torch.')} model: expected "
+                                    "bfloat16, float16 or float32 (the roped part is stored in the model's dtype, "
+                                    "the latent read back in it); use kv_rows='model' for this model")
         elem = torch.empty((), dtype=dtype).element_size()
         if lora % 4:
             raise InvalidInputError(f"kv_rows='fp8' with kv_lora_rank={lora}: expected a multiple of 4 (the scales "

@@ -925,6 +925,17 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_serving: --skip-indexer needs --topk-model benign or code (the indexer's choice is what "
               "--topk-model indexer attends)", file=sys.stderr)
         return 2
+    if not a.smoke and not torch.cuda.is_available():
+        print("bench_serving: needs a CUDA GPU (this torch sees none); expected --smoke for the tiny geometry on the "
+              "CPU", file=sys.stderr)
+        return 2
+    if a.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(f"# --png {a.png}: matplotlib is not installed (pip install -e '.[plot]'), so no plot is drawn",
+                  flush=True)
+            a.png = ""
     device = "cpu" if a.smoke else "cuda"
     contexts, asked, modes = plan.contexts, plan.batches, plan.modes
     geometry = TINY if a.smoke else GEOMETRY

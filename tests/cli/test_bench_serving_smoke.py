@@ -197,6 +197,28 @@ def test_a_fill_chunk_of_no_tokens_is_one_line() -> None:
         "bench_serving: --fill-chunk=0: expected a positive number of prompt tokens a forward"], out.stderr
 
 
+def test_without_a_gpu_and_without_smoke_it_is_one_line() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: the bench would run")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--png", ""], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "bench_serving: needs a CUDA GPU (this torch sees none); expected --smoke for the tiny geometry on the CPU"], (
+        out.stderr)
+
+
+def test_without_matplotlib_the_plot_is_left_out_in_one_line(tmp_path: Path) -> None:
+    code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+            f"sys.argv = [{str(SCRIPT)!r}, '--smoke', '--batches', '1', '--modes', 'hisparse', '--steps', '1', "
+            f"'--warmup', '0', '--png', {str(tmp_path / 'p.png')!r}]; "
+            f"sys.exit(runpy.run_path({str(SCRIPT)!r}, run_name='__main__'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "matplotlib is not installed (pip install -e '.[plot]'), so no plot is drawn" in out.stdout
+    assert not (tmp_path / "p.png").exists() and "# plot:" not in out.stdout
+
+
 def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     """--kv-rows fp8/model: every engine row under each row format, the fp8 rows (64 B here, the
     tiny geometry's fp32 rows 96 B) holding more requests at the budget, rows labelled by format."""

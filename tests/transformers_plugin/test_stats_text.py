@@ -41,3 +41,12 @@ def test_optional_lines_appear_when_their_feature_ran() -> None:
     assert "resident layers [0, 1]: 3.00 MiB" in text
     assert "prefetched: 12 rows, 2.00 KiB" in text
     assert "4 verify steps over 16 rows, 2 rollbacks (5 tokens)" in text
+
+
+def test_fp8_rows_are_named_and_their_check_says_within_rounding() -> None:
+    text = str(_stats(kv_rows="fp8", row_format="fp8_ds_mla", row_bytes=656, checked_entries=10,
+                      checked_max_abs_diff=0.125))
+    assert "rows: fp8_ds_mla, 656 B a token a layer (kv_rows='fp8')" in text
+    assert "checked: 10 rows, max abs diff 0.125 (fp8 rows: within their rounding of the model's latent)" in text
+    plain = str(_stats(row_format="hf_mla_bfloat16_576", row_bytes=1152, checked_entries=10))
+    assert "rows: hf_mla_bfloat16_576, 1152 B" in plain and "within their rounding" not in plain

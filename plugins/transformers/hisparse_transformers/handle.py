@@ -433,7 +433,8 @@ class HiSparseHandle:
             verify_rows=t.verify_rows, union_entries=union[0], union_shared_entries=union[0] - union[1],
             rollbacks=t.rollbacks, rolled_back_tokens=t.rolled_back_tokens, resident_layers=e.resident_layers,
             resident_store_bytes=e.resident_bytes, prefetch_misses=sum(t.prefetch_misses),
-            prefetch_h2d_bytes=sum(n * len(e.layout.groups[g]) * e.fmt.row_bytes for g, n in enumerate(t.prefetch_misses)))
+            prefetch_h2d_bytes=sum(n * len(e.layout.groups[g]) * e.fmt.row_bytes for g, n in enumerate(t.prefetch_misses)),
+            kv_rows=e.rows.kind, row_format=e.fmt.name, row_bytes=e.fmt.row_bytes)
 
     def close(self) -> None:
         """Restore the model and release the host pool. Idempotent."""

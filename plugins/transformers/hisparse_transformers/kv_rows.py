@@ -165,15 +165,12 @@ def model_reads_stored_rows(model: Any, rows: LatentRows) -> Iterator[None]:
     """While open, the model's own attention layers see the normed latent as `rows` stores it (each
     `kv_a_layernorm` output rounded by `rows.round_latent`): the reference a `kv_rows="fp8"` run is
     exact against (the roped part is stored in the model's dtype, unchanged). A no-op for "model"."""
-    handles = []
+    handles: list[Any] = []
     if rows.kind != "model":
         def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
             return rows.round_latent(output)
 
-        for module in model.modules():
-            norm = getattr(module, "kv_a_layernorm", None)
-            if norm is not None and hasattr(module, "kv_a_proj_with_mqa"):
-                handles.append(norm.register_forward_hook(hook))
+        handles = [norm.register_forward_hook(hook) for norm in _latent_norms(model)]
     try:
         yield
     finally:
@@ -181,4 +178,85 @@ def model_reads_stored_rows(model: Any, rows: LatentRows) -> Iterator[None]:
             h.remove()
 
 
-__all__ = ["ROW_KINDS", "LatentRows", "check_row_kind", "model_reads_stored_rows", "row_format_for"]
+def _latent_norms(model: Any) -> list[Any]:
+    """Every attention layer's `kv_a_layernorm` (the normed latent's last op), in model order."""
+    return [m.kv_a_layernorm for m in model.modules()
+            if getattr(m, "kv_a_layernorm", None) is not None and hasattr(m, "kv_a_proj_with_mqa")]
+
+
+class StoredLatents:
+    """The normed latents a run computed, rounded as `rows` stores them, in call order per layer
+    (`record`), and a later run of the model that reads exactly those (`replay`).
+
+    What `hisparse generate --kv-rows fp8` judges an fp32 run by: hisparse's teacher-forced run
+    records, the model's own teacher-forced run of the same forwards replays, so both attend over
+    the same stored values and their logits agree to float noise, while the row check compares
+    each stored row with the model's own latent within the rounding. `replay` counts the values the
+    model itself would have rounded otherwise (`flips`: a latent within float noise of an e4m3
+    rounding boundary, which absorbed and expanded attention put on either side), among the values
+    whose latent the replayed run computes within float noise (`NOISE` of the row's largest) of the
+    recorded one: padding positions, whose attention the model and hisparse define differently (a
+    query that attends to nothing), are not compared.
+    """
+
+    NOISE = 1e-4
+
+    def __init__(self, model: Any, rows: LatentRows) -> None:
+        self.model, self.rows = model, rows
+        self.calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = []   # (as computed, as stored)
+        self.flips = 0          # compared values the replayed run's own rounding puts elsewhere
+        self.values = 0         # values compared (within float noise of the recorded latent)
+
+    @contextmanager
+    def record(self) -> Iterator[None]:
+        norms = _latent_norms(self.model)
+        self.calls = [[] for _ in norms]
+
+        def hook_for(i: int) -> Any:
+            def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> None:
+                raw = output.detach().clone()
+                self.calls[i].append((raw, self.rows.round_latent(raw)))
+            return hook
+
+        handles = [n.register_forward_hook(hook_for(i)) for i, n in enumerate(norms)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """The model's attention layers read the recorded latents, call by call; a call the record
+        does not have (another number or shape of forwards) raises `InvalidInputError`."""
+        norms = _latent_norms(self.model)
+        if len(norms) != len(self.calls):
+            raise InvalidInputError(f"replaying {len(self.calls)} layers' recorded latents on a model of {len(norms)}")
+        taken = [0] * len(norms)
+
+        def hook_for(i: int) -> Any:
+            def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+                k = taken[i]
+                if k >= len(self.calls[i]) or self.calls[i][k][0].shape != output.shape:
+                    raise InvalidInputError(f"replayed run's call {k} of layer {i} ({tuple(output.shape)}) has no "
+                                            "recorded latent of its shape: expected the recorded run's forwards")
+                taken[i] += 1
+                raw, want = self.calls[i][k]
+                close = (output - raw).abs() <= self.NOISE * raw.abs().amax(-1, keepdim=True)
+                self.flips += int(((self.rows.round_latent(output) != want) & close).sum())
+                self.values += int(close.sum())
+                return want.to(output.dtype)
+            return hook
+
+        handles = [n.register_forward_hook(hook_for(i)) for i, n in enumerate(norms)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        if taken != [len(c) for c in self.calls]:
+            raise InvalidInputError(f"the replayed run made {taken} calls a layer where {len(self.calls[0])} were "
+                                    "recorded: expected the recorded run's forwards")
+
+
+__all__ = ["ROW_KINDS", "LatentRows", "StoredLatents", "check_row_kind", "model_reads_stored_rows", "row_format_for"]

@@ -80,6 +80,9 @@ class HiSparseStats:
     resident_store_bytes: int = 0           # their stores, taken from gpu_kv_gib before the block pool
     prefetch_misses: int = 0                # host rows copied by cross-layer prefetches (in `misses` too)
     prefetch_h2d_bytes: int = 0             # their bytes, every layer of the group (in `h2d_bytes` too)
+    kv_rows: str = "model"                  # how the latent rows are stored (enable's kv_rows)
+    row_format: str = ""                    # their registered format (fp8_ds_mla for DeepSeek-V3.2 in fp8)
+    row_bytes: int = 0                      # bytes of one token's row in one layer
 
     @property
     def hit_rate(self) -> float:
@@ -104,6 +107,8 @@ class HiSparseStats:
             f"(all resident: {human_bytes(self.gpu_kv_bytes_per_request_all_resident)}; indexer keys "
             f"{human_bytes(self.indexer_bytes_per_request)} in both)",
         ]
+        if self.row_format:
+            lines.insert(4, f"  rows: {self.row_format}, {self.row_bytes} B a token a layer (kv_rows={self.kv_rows!r})")
         if self.resident_layers:
             lines.append(f"  resident layers {list(self.resident_layers)}: {human_bytes(self.resident_store_bytes)}")
         if self.prefetch_misses:
@@ -113,5 +118,6 @@ class HiSparseStats:
             lines.append(f"  assisted: {self.verify_steps} verify steps over {self.verify_rows} rows, "
                          f"{self.rollbacks} rollbacks ({self.rolled_back_tokens} tokens)")
         if self.checked_entries:
-            lines.append(f"  checked: {self.checked_entries} rows, max abs diff {self.checked_max_abs_diff:.3g}")
+            within = " (fp8 rows: within their rounding of the model's latent)" if self.kv_rows == "fp8" else ""
+            lines.append(f"  checked: {self.checked_entries} rows, max abs diff {self.checked_max_abs_diff:.3g}{within}")
         return "\n".join(lines)

@@ -30,7 +30,7 @@ from tf_support import (
 import hisparse_transformers
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import FP8_DS_MLA
-from hisparse_transformers.kv_rows import LatentRows, model_reads_stored_rows
+from hisparse_transformers.kv_rows import LatentRows, StoredLatents, model_reads_stored_rows
 from hisparse_transformers.tiny import TinyShape
 
 pytest.importorskip("transformers")
@@ -168,6 +168,31 @@ def test_fp8_rows_every_layer_checked_in_a_resident_layer_and_the_static_step(fa
     assert stats["checked"].checked_entries > 0 and stats["checked"].misses > 0, stats["checked"]
     s = stats["resident, static"]
     assert s.misses > 0 and s.resident_layers == resident and s.decode_mode.startswith("static eager"), s
+
+
+def test_stored_latents_replay_what_was_recorded_and_refuse_other_forwards() -> None:
+    """A replayed run reads the recorded latents (rounded as stored): recorded from the model reading
+    its own latent rounded, the replay is that run again; a replay of other forwards is refused,
+    and the hooks are removed either way."""
+    model: Any = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=3)
+    rows = LatentRows.of("fp8", torch.float32, SHAPES["deepseek_v32"].kv_lora, SHAPES["deepseek_v32"].rope)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    stored = StoredLatents(model, rows)
+    with torch.no_grad():
+        plain = model(ids).logits
+        with model_reads_stored_rows(model, rows), stored.record():     # the rounding hook first
+            rounded = model(ids).logits
+        with stored.replay():
+            replayed = model(ids).logits
+        assert [len(c) for c in stored.calls] == [1, 1]
+        assert stored.flips == 0          # (recorded after the rounding hook: only values it left alone compared)
+        assert not torch.equal(plain, rounded) and torch.equal(replayed, rounded)
+        with pytest.raises(InvalidInputError, match="no recorded latent of its shape"), stored.replay():
+            model(ids[:, :5])
+        assert torch.equal(model(ids).logits, plain)          # every hook removed
+    with pytest.raises(InvalidInputError, match="made \\[0, 0\\] calls a layer where 1 were recorded"):
+        with stored.replay():
+            pass
 
 
 def test_bad_kv_rows_are_one_line_and_leave_the_model_alone(family: str) -> None:

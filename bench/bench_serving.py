@@ -100,6 +100,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -458,18 +459,19 @@ def parse_plan(a: argparse.Namespace) -> Plan:
     if (share is None or share) and a.skip_indexer:
         raise BadSize(f"--indexer-share={a.indexer_share!r} with --skip-indexer: every row already leaves the indexer "
                       "out; expected one of them")
-    keys = list(dict.fromkeys(x.strip() for x in a.indexer_keys.split("/")))
-    for k in keys:
-        try:
-            check_key_format(k, "--indexer-keys")
-        except InvalidInputError as exc:
-            raise BadSize(f"{exc}{f' (alternative of {a.indexer_keys!r}; several separated by /)' if '/' in a.indexer_keys else ''}") from None
-    rows = list(dict.fromkeys(x.strip() for x in a.kv_rows.split("/")))
-    for r in rows:
-        try:
-            check_row_kind(r, "--kv-rows")
-        except InvalidInputError as exc:
-            raise BadSize(f"{exc}{f' (alternative of {a.kv_rows!r}; several separated by /)' if '/' in a.kv_rows else ''}") from None
+    def formats(flag: str, given: str, check: Callable[[str, str], str]) -> list[str]:
+        """`given`'s '/'-separated alternatives, distinct, in order, each checked by `check`."""
+        alts = list(dict.fromkeys(x.strip() for x in given.split("/")))
+        for x in alts:
+            try:
+                check(x, flag)
+            except InvalidInputError as exc:
+                where = f" (alternative of {given!r}; several separated by /)" if "/" in given else ""
+                raise BadSize(f"{exc}{where}") from None
+        return alts
+
+    keys = formats("--indexer-keys", a.indexer_keys, check_key_format)
+    rows = formats("--kv-rows", a.kv_rows, check_row_kind)
     own_keys = [m for m in modes if m in ("transformers", "replay")]
     for flag, given, alts in (("--indexer-keys", a.indexer_keys, keys), ("--kv-rows", a.kv_rows, rows)):
         if own_keys and "model" not in alts and a.modes is None:

@@ -165,12 +165,17 @@ def model_reads_stored_rows(model: Any, rows: LatentRows) -> Iterator[None]:
     """While open, the model's own attention layers see the normed latent as `rows` stores it (each
     `kv_a_layernorm` output rounded by `rows.round_latent`): the reference a `kv_rows="fp8"` run is
     exact against (the roped part is stored in the model's dtype, unchanged). A no-op for "model"."""
-    handles: list[Any] = []
-    if rows.kind != "model":
-        def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
-            return rows.round_latent(output)
+    def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return rows.round_latent(output)
 
-        handles = [norm.register_forward_hook(hook) for norm in _latent_norms(model)]
+    with _hooked(_latent_norms(model) if rows.kind != "model" else [], lambda _i: hook):
+        yield
+
+
+@contextmanager
+def _hooked(modules: list[Any], hook_for: Any) -> Iterator[None]:
+    """`hook_for(i)` as a forward hook of `modules[i]` while open; every hook removed after."""
+    handles = [m.register_forward_hook(hook_for(i)) for i, m in enumerate(modules)]
     try:
         yield
     finally:
@@ -218,12 +223,8 @@ class StoredLatents:
                 self.calls[i].append((raw, self.rows.round_latent(raw)))
             return hook
 
-        handles = [n.register_forward_hook(hook_for(i)) for i, n in enumerate(norms)]
-        try:
+        with _hooked(norms, hook_for):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     @contextmanager
     def replay(self) -> Iterator[None]:
@@ -248,12 +249,8 @@ class StoredLatents:
                 return want.to(output.dtype)
             return hook
 
-        handles = [n.register_forward_hook(hook_for(i)) for i, n in enumerate(norms)]
-        try:
+        with _hooked(norms, hook_for):
             yield
-        finally:
-            for h in handles:
-                h.remove()
         if taken != [len(c) for c in self.calls]:
             raise InvalidInputError(f"the replayed run made {taken} calls a layer where {len(self.calls[0])} were "
                                     "recorded: expected the recorded run's forwards")

@@ -142,6 +142,37 @@ def test_fp8_rows_generate_exactly_as_the_model_reading_them(family: str) -> Non
     assert compare(ours, plain).max_logit_diff > 100 * 1e-4
 
 
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.generate])
+@given(family=st.sampled_from(sorted(SHAPES)), lora=st.sampled_from([16, 32, 128, 256]),
+       lengths=st.lists(st.integers(40, 150), min_size=1, max_size=3), chunk=st.sampled_from([4, 8, 16]),
+       block=st.sampled_from([2, 4, 8]), new=st.integers(4, 24), share=st.floats(0.2, 0.6),
+       seed=st.integers(0, 999))
+def test_fp8_rows_match_the_rounding_model_across_shapes(family: str, lora: int, lengths: list[int], chunk: int,
+                                                          block: int, new: int, share: float, seed: int) -> None:
+    """Fresh one-layer models (the latent bit for bit the model's) of random latent widths, prompts,
+    chunks, pages and budgets (20-60% of the batch's pages, at least the engine's floor): hisparse
+    with fp8 rows against the model reading its latent rounded the same way, to 1e-4, rows checked."""
+    from hisparse_transformers.engine import required_gpu_blocks
+
+    shape = replace(NO_TIES[family], layers=1, kv_lora=lora)
+    model: Any = tiny_model(family, shape=shape, seed=seed)
+    ids, mask = random_prompts(lengths, seed=seed)
+    rows = LatentRows.of("fp8", torch.float32, lora, shape.rope)
+    with model_reads_stored_rows(model, rows):
+        theirs = baseline(model, ids, mask, new, chunk=chunk)
+    n, hot = len(lengths), -(-shape.index_topk // block) * block
+    floor = required_gpu_blocks(n, hot // block, -(-chunk // block) + 1)
+    pages = max(floor, int(share * sum(-(-(x + new) // block) for x in lengths)))
+    with hisparse_transformers.enable(model, host_pool_gib=0.01, gpu_kv_gib=pages * block * rows.fmt.row_bytes / 2**30,
+                                      block_size=block, hot_rows=hot, max_batch=n, max_context=256,
+                                      prefill_chunk=chunk, check=True, kv_rows="fp8") as hs:
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=new, prefill_chunk_size=chunk, **GEN)
+        s = hs.stats()
+    got = compare(ours, theirs)
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, (got, s.misses)
+    assert s.checked_entries > 0 and s.row_bytes == rows.fmt.row_bytes
+
+
 def test_fp8_rows_every_layer_checked_in_a_resident_layer_and_the_static_step(family: str) -> None:
     """Every layer of the model (GLM-5: a follower sharing its leader's top-k): the row check reads
     each row within fp8 rounding of the model's latent; a resident layer's store holds fp8 rows too,

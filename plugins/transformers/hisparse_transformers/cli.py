@@ -1,16 +1,4 @@
-"""`hisparse generate`: a real transformers model decodes through hisparse, checked against itself.
-
-A tiny random DeepSeek-V3.2 (or GLM-5, `--model glm_moe_dsa`) model from transformers' own
-classes generates greedily for a batch of left-padded prompts of different lengths, once with its
-own attention (transformers alone) and once through hisparse: its indexer picks the top-k, the
-resolver maps it to resident pages, hot rows or misses copied from the host pool, and attention
-runs on exactly those rows. The GPU budget is below what the batch needs all resident, so the
-coordinator releases pages to host-only. A second batch shares a prompt prefix with the first and
-takes it from the host pool. Prints tokens/s, hit rate, bytes each way, GPU KV per request with
-and without hisparse, and the exactness check (identical tokens, max abs logit difference, every
-row read compared with the model's own latent). Exit status 1 if the check fails.
-
-Needs the `transformers` extra: pip install -e '.[transformers]'.
+"""`hisparse generate` (`DESCRIPTION` below says what it does, for its --help).
 
 The core finds this command through the `hisparse.commands` entry point `generate` (pyproject.toml)
 and calls `add_parser` on every start of `hisparse`, so this module's top level imports only the
@@ -41,6 +29,24 @@ from hisparse_core.cli.options import (
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
 
+DESCRIPTION = """\
+A real transformers model decodes through hisparse, checked against itself.
+
+A tiny random DeepSeek-V3.2 (or GLM-5, --model glm-5.1) model from transformers' own classes
+generates greedily for a batch of left-padded prompts of different lengths, once with its own
+attention (transformers alone) and once through hisparse: its indexer picks the top-k, the
+resolver maps it to resident pages, hot rows or misses copied from the host pool, and attention
+runs on exactly those rows. The GPU budget is below what the batch needs all resident (unless the
+engine's floor for the batch is more: short prompts), so the coordinator releases pages to
+host-only. A second batch shares a prompt prefix with the first and takes it from the host pool.
+Prints tokens/s, hit rate, bytes each way, GPU KV per request with and without hisparse, and the
+exactness check (identical tokens, max abs logit difference, every row read compared with the
+model's own latent; --dtype bfloat16 and --kv-rows fp8 say how they are judged). Exit status 1 if
+the check fails.
+
+Needs the transformers extra: pip install -e '.[transformers]'.
+"""
+
 logger = logging.getLogger(__name__)
 
 #: The host pool when neither --host nor --host-pool-gib is given (51.20 MiB).
@@ -54,7 +60,7 @@ MAX_HOT_ROWS = 32768
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p = subparsers.add_parser("generate", help="decode with a real (tiny, random) transformers DSA model through "
                                                "hisparse, checked token for token against the model alone",
-                              description=__doc__, formatter_class=HelpFormatter)
+                              description=DESCRIPTION, formatter_class=HelpFormatter)
     from hisparse_core.planner import MODEL_TYPES, MODELS, aliases_text, model_name
 
     p.add_argument("--model", default="deepseek-v3.2", choices=list(MODELS), type=model_name,

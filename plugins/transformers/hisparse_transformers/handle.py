@@ -672,10 +672,11 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         every host-to-device copy moves: "model" (the model's dtype, as transformers keeps them:
         1,152 B a token a layer for DeepSeek-V3.2 in bf16) or "fp8" (DeepSeek-V3.2's serving format,
         FlashMLA's fp8_ds_mla: e4m3 values with an fp32 scale per 128, the roped part in the
-        model's dtype, 656 B in bf16; `kv_rows.py`). Attention reads them dequantized, so an fp8 run
-        is exact against the model's own forward with its normed latent rounded the same way
-        (`hisparse_transformers.kv_rows.model_reads_stored_rows`), not against the model as it is.
-        `check` allows each value that rounding.
+        model's dtype, 656 B in bf16; `kv_rows.py`). Lossy: attention reads them dequantized, so an
+        fp8 run is exact against the model's own forward with its normed latent rounded the same
+        way (`hisparse_transformers.kv_rows.model_reads_stored_rows`) up to rounding flips (a value
+        float noise puts on the other side of an e4m3 boundary; docs/transformers.md), not against
+        the model as it is. `check` allows each value that rounding.
 
     Returns the handle (a context manager). Bad input raises one `HiSparseError` naming the value
     and what was expected, with nothing left allocated or patched.

@@ -322,6 +322,29 @@ def test_bfloat16_is_judged_against_fp32_not_exactly() -> None:
     assert b["limit"] == pytest.approx(b["factor"] * b["transformers"] + b["slack"])
     assert 0 < b["hisparse"] <= b["limit"] and b["transformers"] > 0
     assert x["rows_checked"] > 0 and x["rows_max_abs_diff"] == 0
+    # what offloading does is judged exactly: the same engine under a budget that releases no page
+    off = x["offload_against_all_resident"]
+    assert off["exact"] and off["max_abs_logit_diff"] == 0 and off["all_resident_released_pages"] == 0, off
+
+
+def test_a_lossy_run_fails_where_offloaded_reads_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 verdict can fail: rows read 1% off at the tight budget only (within the bf16 row
+    check, and the loose tolerance against fp32 still holds) move the logits away from the same
+    engine's under a budget that releases no page."""
+    from hisparse_transformers import attention
+
+    real = attention._gather
+
+    def gather(engine: object, group: int, position: int, rmap: object) -> object:
+        kv = real(engine, group, position, rmap)  # type: ignore[arg-type]
+        return kv * 1.01 if engine.gpu_blocks < 100 else kv  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(attention, "_gather", gather)
+    rc, out, _ = _run("--dtype", "bfloat16", "--json")
+    x = json.loads(out)["exactness"]
+    off = x["offload_against_all_resident"]
+    assert rc == 1 and not x["passed"] and x["verdict"] == "FAILED" and not off["exact"], x
+    assert x["lossy_against_fp32"]["within"], x          # the loose tolerance alone would have passed it
 
 
 def test_fp8_rows_are_exact_against_the_model_reading_the_rows_hisparse_stored() -> None:

@@ -198,7 +198,16 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         rows.append((f"{b['lossy']} vs fp32", line + (" (what fp8 rows cost this tiny random model)" if judged_by_stored
                                                       else f"; limit {b['factor']:g}x + {b['slack']:g} = "
                                                            f"{b['limit']:.3f}")))
-    if judged_by_stored:
+    off = x.get("offload_against_all_resident")
+    if off is not None:
+        rows.append(("offload", f"teacher-forced, hisparse at this budget against the same engine under one that "
+                                f"releases no page ({off['all_resident_released_pages']} released; its "
+                                f"{off['all_resident_misses']} misses are prefix-hit pages, which start in the host "
+                                f"pool): max abs logit diff {off['max_abs_logit_diff']:.2e} over {off['steps']} steps"))
+    if off is not None and not off["exact"]:
+        failed = (f"FAILED (offloading moved the logits by {off['max_abs_logit_diff']:.2e}: expected the all-resident "
+                  f"run's within {x['logit_tolerance']:.0e})")
+    elif judged_by_stored:
         failed = (f"FAILED (tolerance {x['logit_tolerance']:.0e} against the model reading the latents hisparse "
                   "stored)")
     elif b is not None:

@@ -274,7 +274,7 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
                                           backend=backend if backend is not None else c.backend,
                                           hot_rows=c.hot_rows, block_size=c.block_size, max_batch=c.prompts,
                                           max_context=max_context, prefill_chunk=c.prefill_chunk,
-                                          kv_rows=c.kv_rows) as hs_all:
+                                          kv_rows=c.kv_rows, cuda_graphs=False) as hs_all:   # eager, as check=True
             resident_runs = []
             for i, k, t in batches:
                 cache = hs_all.new_cache(i, k, max_new_tokens=t.shape[1])

@@ -432,3 +432,22 @@ def test_the_progress_bar_counts_every_step_it_waits_for(dtype: str) -> None:
     run_demo(c, progress=lambda n, label: ticks.extend([label] * n))
     assert len(ticks) == total_steps(c)
     assert any(t.startswith("teacher-forced") for t in ticks) == (dtype == "bfloat16")
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    # the floor (40 pages) is above the 34 the batch needs all resident, yet its hot buffers and
+    # prefill tails come out of the same pool: 12 pages are released
+    ([], None),
+    # a budget the user gave that holds everything: none released, and the floor is not the cause
+    (["--gpu-kv-pages", "1000"], "the budget given"),
+])
+def test_the_budgets_line_says_no_page_is_released_only_where_none_is(extra: list[str], why: str | None) -> None:
+    rc, out, err = _run("--prompts", "2", "--min-prompt", "40", "--max-prompt", "80", "--new-tokens", "8", *extra)
+    assert rc == 0, err
+    budgets = next(ln for ln in out.splitlines() if ln.strip().startswith("budgets"))
+    released = next(ln for ln in out.splitlines() if ln.strip().startswith("pages released"))
+    none = released.split()[2] == "0"
+    assert none == (why is not None), released
+    assert ("no page is released" in budgets) == none, (budgets, released)
+    if why is not None:
+        assert why in budgets and "floor" not in budgets, budgets

@@ -113,7 +113,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     m.add_argument("--gpu-kv", type=size_in(1), metavar="SIZE", default=None,
                    help="GPU KV budget, rounded down to whole pages of --layers x --block-size rows (default: "
                         f"60%% of what the first batch needs all resident, or the engine's floor for the batch "
-                        f"where that is more, and then no page is released); units: {SIZE_UNITS}")
+                        f"where that is more, which may hold every page, and then no page is released); units: "
+                        f"{SIZE_UNITS}")
     m.add_argument("--gpu-kv-pages", type=int_in(0, 1 << 24), metavar="PAGES", default=None,
                    help="the GPU KV budget as a page count instead of a size (not with --gpu-kv); 0: the default")
     m.add_argument("--host", type=size_in(1), metavar="SIZE", default=None,
@@ -127,6 +128,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _indexers(share: int) -> str:
     return "one indexer per layer" if share == 1 else f"one indexer per {share} layers"
+
+
+def _none_released(c: dict, s: dict) -> str:  # type: ignore[type-arg]
+    """The budgets line's note where the run released no page, and why (the pool holds the hot
+    buffers and prefill tails too, so a pool above what the batch needs may still release pages)."""
+    if s["released_pages"]:
+        return ""
+    if c["gpu_kv_pages"]:
+        return "; the budget given holds every page, so no page is released"
+    return "; the engine's floor for this batch holds every page, so no page is released: longer prompts offload"
 
 
 def _table(result: dict) -> str:  # type: ignore[type-arg]
@@ -146,9 +157,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                     f"{c['second_batch_lengths']} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
                     "prefix"),
         ("budgets", f"{where} {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
-                    "resident" + ("" if e["gpu_pool_pages"] < e["all_resident_pages"] else
-                                  "; the engine's floor for this batch is more, so no page is released: longer "
-                                  "prompts offload") + f"), host pool {e['host_pool_blocks']} pages"),
+                    "resident" + _none_released(c, s) + f"), host pool {e['host_pool_blocks']} pages"),
         ("throughput", ""),
         ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s ({s['decode_tokens']} tokens; steps "
                    f"{s.get('decode_mode', 'eager')})"),

@@ -199,7 +199,9 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                                     f"abs logit diff {st['max_abs_logit_diff']:.2e} over {st['steps']} steps; "
                                     f"the model itself rounds {st['rounding_flips']} of {st['latent_values']} "
                                     "latent values to another fp8 value (float noise at a rounding boundary; "
-                                    "padding positions not compared)"))
+                                    "padding positions not compared)" + ("" if st.get("judged", True) else
+                                                                         "; reported, not judged: in bfloat16 the "
+                                                                         "two part by bf16 noise")))
     if b is not None:
         alone = "the model alone reading the same fp8 rows" if "fp8" in b["lossy"] else "transformers alone"
         line = (f"teacher-forced max abs logit error against the fp32 model as it is (logit scale "

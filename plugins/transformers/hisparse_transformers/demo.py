@@ -259,7 +259,10 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
                    for a, b in zip(got, want, strict=True))
         stored_rows = {"max_abs_logit_diff": diff, "steps": sum(len(r) for r in replayed),
                        "rounding_flips": stored.flips, "latent_values": stored.values,
-                       "exact": diff <= LOGIT_TOLERANCE}
+                       "exact": diff <= LOGIT_TOLERANCE,
+                       # bf16: absorbed and expanded attention part by bf16 noise even on the same
+                       # latents (and few values pass the closeness rule the flips are counted by): reported only
+                       "judged": dtype == torch.float32}
         if dtype == torch.float32:
             # fp32: exact against the model reading the same stored values; the free-running comparison
             # with the model rounding its own latent parts ways at rounding flips (module docstring)

@@ -466,3 +466,23 @@ def test_bf16_fp8_stored_rows_are_reported_not_judged() -> None:
 
     line = next(ln for ln in _table(r).splitlines() if ln.strip().startswith("stored rows"))
     assert "not judged" in line, line
+
+
+def test_a_failed_result_names_every_check_that_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 failing both its tolerance against fp32 (none at all) and the offload check (rows read
+    1% off at the tight budget): the result line names both, not only the first."""
+    from hisparse_transformers import attention, demo
+
+    real = attention._gather
+
+    def gather(engine: object, group: int, position: int, rmap: object) -> object:
+        kv = real(engine, group, position, rmap)  # type: ignore[arg-type]
+        return kv * 1.01 if engine.gpu_blocks < 100 else kv  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(attention, "_gather", gather)
+    monkeypatch.setattr(demo, "BF16_FACTOR", 0.0)
+    monkeypatch.setattr(demo, "BF16_SLACK", 0.0)
+    rc, out, _ = _run("--dtype", "bfloat16", "--new-tokens", "8")
+    assert rc == 1
+    result = next(ln for ln in out.splitlines() if ln.strip().startswith("result"))
+    assert "offloading moved the logits" in result and "tolerance 0x transformers' own bf16 error + 0" in result, result

@@ -486,3 +486,25 @@ def test_a_failed_result_names_every_check_that_failed(monkeypatch: pytest.Monke
     assert rc == 1
     result = next(ln for ln in out.splitlines() if ln.strip().startswith("result"))
     assert "offloading moved the logits" in result and "tolerance 0x transformers' own bf16 error + 0" in result, result
+
+
+@pytest.mark.parametrize("shortest", ["1", "10", "16"])
+def test_prompts_too_short_for_the_second_batch_are_one_line(shortest: str) -> None:
+    """The second batch's prompts are 16 tokens shorter than the first's: a --min-prompt of 16 or
+    less (reachable with the default --shared-prefix, min(128, --min-prompt)) is refused in one
+    line before anything is built, not a traceback or an error about a prompt the user never gave."""
+    rc, out, err = _run("--min-prompt", shortest, "--max-prompt", "40")
+    assert rc == 2 and out == "", out
+    assert err.strip().splitlines()[-1] == (
+        f"hisparse generate: error: --min-prompt {shortest}: the second batch's prompts are 16 tokens shorter "
+        "than the first's; expected --min-prompt >= 17"), err
+    from hisparse_transformers.demo import DemoConfig
+
+    with pytest.raises(ValueError, match="min_prompt"):
+        DemoConfig(min_prompt=int(shortest), max_prompt=40, shared_prefix=0)
+
+
+def test_one_prompt_is_as_long_as_max_prompt_so_a_short_min_prompt_is_fine() -> None:
+    from hisparse_transformers.demo import DemoConfig
+
+    assert DemoConfig(prompts=1, min_prompt=4, max_prompt=40, shared_prefix=0).lengths() == [40]

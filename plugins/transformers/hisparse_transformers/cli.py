@@ -49,6 +49,10 @@ Needs the transformers extra: pip install -e '.[transformers]'.
 
 logger = logging.getLogger(__name__)
 
+#: The second batch's prompts are this much shorter than the first's (`demo.SECOND_BATCH_SHORTER`,
+#: not imported here: this module's top level imports no torch).
+SECOND_BATCH_SHORTER = 16
+
 #: The host pool when neither --host nor --host-pool-gib is given (51.20 MiB).
 DEFAULT_HOST_GIB = 0.05
 
@@ -375,6 +379,10 @@ def run(args: argparse.Namespace) -> int:
     if args.min_prompt > args.max_prompt:
         return fail("hisparse generate", f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}; "
                                          "expected min <= max")
+    if (args.max_prompt if args.prompts == 1 else args.min_prompt) <= SECOND_BATCH_SHORTER:  # one prompt: the longest
+        return fail("hisparse generate", f"--min-prompt {args.min_prompt}: the second batch's prompts are "
+                                         f"{SECOND_BATCH_SHORTER} tokens shorter than the first's; expected "
+                                         f"--min-prompt >= {SECOND_BATCH_SHORTER + 1}")
     if args.shared_prefix is None:
         args.shared_prefix = min(128, args.min_prompt)
     if args.shared_prefix > args.min_prompt:

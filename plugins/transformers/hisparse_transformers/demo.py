@@ -54,6 +54,8 @@ LOGIT_TOLERANCE = 1e-4
 #: error may be at most BF16_FACTOR x the model's own bf16 error + BF16_SLACK (the tolerance the GPU
 #: tests state, tests/transformers_plugin/test_transformers_gpu.py).
 BF16_FACTOR, BF16_SLACK = 2.0, 0.05
+#: The second batch's prompts are this many tokens shorter than the first's (at least one token each).
+SECOND_BATCH_SHORTER = 16
 
 Progress = Callable[[int, str], None]
 
@@ -92,6 +94,9 @@ class DemoConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.min_prompt > self.max_prompt:
             raise ValueError(f"min_prompt={self.min_prompt} > max_prompt={self.max_prompt}; expected min <= max")
+        if min(self.lengths()) <= SECOND_BATCH_SHORTER:
+            raise ValueError(f"min_prompt={self.min_prompt}: the second batch's prompts are {SECOND_BATCH_SHORTER} "
+                             f"tokens shorter; expected min_prompt >= {SECOND_BATCH_SHORTER + 1}")
         if not 0 <= self.shared_prefix <= self.min_prompt:
             raise ValueError(f"shared_prefix={self.shared_prefix}; expected 0 to min_prompt={self.min_prompt}")
 
@@ -175,7 +180,7 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
     lengths = c.lengths()
     ids, mask = random_prompts(lengths, vocab=shape.vocab, seed=c.seed + 1)
     prefix = ids[0, -lengths[0]:][:c.shared_prefix].tolist()
-    ids2, mask2 = random_prompts([n - 16 for n in lengths], vocab=shape.vocab, seed=c.seed + 2, prefix=prefix)
+    ids2, mask2 = random_prompts([n - SECOND_BATCH_SHORTER for n in lengths], vocab=shape.vocab, seed=c.seed + 2, prefix=prefix)
     ids, mask, ids2, mask2 = (t.to(c.device) for t in (ids, mask, ids2, mask2))
     new2 = max(1, c.new_tokens // 4)
     gen: dict[str, Any] = dict(do_sample=False, output_logits=True, return_dict_in_generate=True,
@@ -293,7 +298,7 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
                    "exact": diff <= LOGIT_TOLERANCE}
         passed = passed and offload["exact"]
     return {
-        "config": {**asdict(c), "prompt_lengths": lengths, "second_batch_lengths": [n - 16 for n in lengths],
+        "config": {**asdict(c), "prompt_lengths": lengths, "second_batch_lengths": [n - SECOND_BATCH_SHORTER for n in lengths],
                    "second_batch_new_tokens": new2},
         "engine": engine,
         "exactness": {"first_batch": exact1, "second_batch": exact2, "logit_tolerance": LOGIT_TOLERANCE,

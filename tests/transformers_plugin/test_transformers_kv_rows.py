@@ -278,3 +278,21 @@ def test_fp8_rows_in_a_captured_decode_graph_on_nvidia(family: str) -> None:
           f"{got.tokens_equal}, max abs logit diff {got.max_logit_diff:.3g}, misses {s.misses}")
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
     assert s.decode_mode == "cuda graph" and s.misses > 0, s
+
+
+def test_stored_latents_count_each_replay_afresh() -> None:
+    """`flips` and `values` are the last replay's: a second replay of the same forwards counts the
+    same, not twice as many."""
+    model: Any = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=3)
+    rows = LatentRows.of("fp8", torch.float32, SHAPES["deepseek_v32"].kv_lora, SHAPES["deepseek_v32"].rope)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    stored = StoredLatents(model, rows)
+    with torch.no_grad():
+        with stored.record():
+            model(ids)
+        counts = []
+        for _ in range(2):
+            with stored.replay():
+                model(ids)
+            counts.append((stored.flips, stored.values))
+    assert counts[0] == counts[1] and counts[0][1] > 0, counts

@@ -237,6 +237,7 @@ class StoredLatents:
         if len(norms) != len(self.calls):
             raise InvalidInputError(f"replaying {len(self.calls)} layers' recorded latents on a model of {len(norms)}")
         taken = [0] * len(norms)
+        self.flips = self.values = 0        # this replay's counts, not every replay's so far
 
         def hook_for(i: int) -> Any:
             def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:

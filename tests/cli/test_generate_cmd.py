@@ -508,3 +508,24 @@ def test_one_prompt_is_as_long_as_max_prompt_so_a_short_min_prompt_is_fine() -> 
     from hisparse_transformers.demo import DemoConfig
 
     assert DemoConfig(prompts=1, min_prompt=4, max_prompt=40, shared_prefix=0).lengths() == [40]
+
+
+def test_an_all_resident_comparison_that_releases_pages_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offload check compares offloading with none: a comparison run that released pages (here
+    given the tight run's budget) would compare it with less of it, so the run fails, naming why."""
+    import hisparse_transformers
+
+    real = hisparse_transformers.enable
+    budgets: list[float] = []
+
+    def enable(model: object, **kw: object) -> object:
+        budgets.append(kw["gpu_kv_gib"])  # type: ignore[arg-type]
+        if kw.get("cuda_graphs") is False:            # the comparison run: the tight run's budget
+            kw["gpu_kv_gib"] = budgets[0]
+        return real(model, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hisparse_transformers, "enable", enable)
+    rc, out, _ = _run("--dtype", "bfloat16", "--new-tokens", "8")
+    assert rc == 1 and len(budgets) == 2
+    result = next(ln for ln in out.splitlines() if ln.strip().startswith("result"))
+    assert "the all-resident comparison released" in result and "expected none" in result, result

@@ -318,7 +318,7 @@ def test_bfloat16_is_judged_against_fp32_not_exactly() -> None:
     assert rc == 0, err
     x = json.loads(out)["exactness"]
     b = x["lossy_against_fp32"]
-    assert x["passed"] and x["verdict"] == "WITHIN BF16 TOLERANCE" and b["lossy"] == "bf16", x
+    assert x["passed"] and x["verdict"] == "WITHIN BF16 TOLERANCE" and b["lossy"] == "bf16" and b["judged"], x
     assert b["limit"] == pytest.approx(b["factor"] * b["transformers"] + b["slack"])
     assert 0 < b["hisparse"] <= b["limit"] and b["transformers"] > 0
     assert x["rows_checked"] > 0 and x["rows_max_abs_diff"] == 0
@@ -360,7 +360,7 @@ def test_fp8_rows_are_exact_against_the_model_reading_the_rows_hisparse_stored()
     assert x["passed"] and x["verdict"] == "EXACT" and x["exact"], x
     assert st["exact"] and st["judged"] and st["max_abs_logit_diff"] <= x["logit_tolerance"] and st["steps"] > 0, st
     assert 0 <= st["rounding_flips"] < st["latent_values"] and st["latent_values"] > 0, st
-    assert b["lossy"] == "fp8 rows" and b["hisparse"] > 0 and b["transformers"] > 0, b
+    assert b["lossy"] == "fp8 rows" and b["hisparse"] > 0 and b["transformers"] > 0 and not b["judged"], b
     assert x["rows_checked"] > 0 and x["rows_max_abs_diff"] > 0
     # the rows moved are fp8's: 64 B each, where the model's fp32 rows are 96
     assert r["stats"]["h2d_bytes"] >= 64 * r["stats"]["misses"] > 0

@@ -272,6 +272,9 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
             # fp32: exact against the model reading the same stored values; the free-running comparison
             # with the model rounding its own latent parts ways at rounding flips (module docstring)
             passed = exact = stored_rows["exact"]
+    if lossy is not None:
+        # judged where it decides (bf16); fp32 with fp8 rows reports it (the stored rows decide)
+        lossy["judged"] = not (stored_rows is not None and stored_rows["judged"])
     offload = None
     if label:
         # A lossy run's logits part from the model's by its rounding, so a loose tolerance judges them;

@@ -143,15 +143,17 @@ def lossy_label(c: DemoConfig) -> str | None:
     return " + ".join(parts) or None
 
 
+def _max_diff(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> float:
+    """The max abs difference of two teacher-forced runs (per batch, per step logits)."""
+    return max(float((a.float() - b.float()).abs().max()) for g, w in zip(got, want, strict=True)
+               for a, b in zip(g, w, strict=True))
+
+
 def _lossy_errors(forced: dict[str, list[list[torch.Tensor]]], label: str) -> dict[str, Any]:
     """Each lossy run's teacher-forced max abs logit error against the fp32 model (its latent as
     computed), over both batches, and whether hisparse's is within BF16_FACTOR x the model alone's
     (in the same dtype, reading the same stored rows) + BF16_SLACK."""
-    def err(name: str) -> float:
-        return max(float((g - w).abs().max()) for got, want in zip(forced[name], forced["fp32"], strict=True)
-                   for g, w in zip(got, want, strict=True))
-
-    theirs, ours = err("transformers"), err("hisparse")
+    theirs, ours = _max_diff(forced["transformers"], forced["fp32"]), _max_diff(forced["hisparse"], forced["fp32"])
     limit = BF16_FACTOR * theirs + BF16_SLACK
     return {"lossy": label, "transformers": theirs, "hisparse": ours, "limit": limit, "within": ours <= limit,
             "factor": BF16_FACTOR, "slack": BF16_SLACK,
@@ -219,11 +221,24 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
     pages = c.gpu_kv_pages or max(floor, int(0.6 * all_resident))
     gpu_gib = pages * block_bytes / 2**30
     max_context = max(lengths) + c.new_tokens
-    with hisparse_transformers.enable(model, host_pool_gib=c.host_pool_gib, gpu_kv_gib=gpu_gib,
-                                      backend=backend if backend is not None else c.backend,
-                                      hot_rows=c.hot_rows, block_size=c.block_size, max_batch=c.prompts,
-                                      max_context=max_context, prefill_chunk=c.prefill_chunk, check=True,
-                                      kv_rows=c.kv_rows) as hs:
+
+    def enabled(gpu_kv_gib: float, **extra: Any) -> Any:
+        return hisparse_transformers.enable(model, host_pool_gib=c.host_pool_gib, gpu_kv_gib=gpu_kv_gib,
+                                            backend=backend if backend is not None else c.backend,
+                                            hot_rows=c.hot_rows, block_size=c.block_size, max_batch=c.prompts,
+                                            max_context=max_context, prefill_chunk=c.prefill_chunk,
+                                            kv_rows=c.kv_rows, **extra)
+
+    def forced_through(hs: Any, label: str) -> list[list[torch.Tensor]]:
+        """Both batches teacher-forced through hisparse (handle `hs`)."""
+        runs = []
+        for i, k, t in batches:
+            cache = hs.new_cache(i, k, max_new_tokens=t.shape[1])
+            runs.append(forced_logits(model, i, k, t, cache, c.prefill_chunk, _step(progress, label)))
+            cache.finish()
+        return runs
+
+    with enabled(gpu_gib, check=True) as hs:
         t0 = time.perf_counter()
         ours = model.generate(ids, attention_mask=mask, max_new_tokens=c.new_tokens,
                               streamer=_Steps(progress, "hisparse"), **gen)
@@ -234,13 +249,8 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
         stats = hs.stats()
         stored = StoredLatents(model, rows_of(model)) if c.kv_rows == "fp8" else None
         if forced:
-            forced["hisparse"] = []
             with stored.record() if stored is not None else contextlib.nullcontext():
-                for i, k, t in batches:
-                    cache = hs.new_cache(i, k, max_new_tokens=t.shape[1])
-                    forced["hisparse"].append(forced_logits(model, i, k, t, cache, c.prefill_chunk,
-                                                            _step(progress, "teacher-forced, hisparse")))
-                    cache.finish()
+                forced["hisparse"] = forced_through(hs, "teacher-forced, hisparse")
         engine = {"backend": hs.engine.backend.name, "device": str(hs.engine.device),
                   "gpu_pool_pages": hs.engine.gpu_blocks, "all_resident_pages": all_resident,
                   "host_pool_blocks": hs.engine.coordinator.host_num_blocks, "row_format": hs.engine.fmt.name,
@@ -259,9 +269,7 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
             replayed = [forced_logits(model, i, k, t, DynamicCache(config=model.config), c.prefill_chunk,
                                       _step(progress, "teacher-forced, the model reading hisparse's rows"))
                         for i, k, t in batches]
-        diff = max(float((a.float() - b.float()).abs().max()) for got, want in zip(forced["hisparse"], replayed,
-                                                                                      strict=True)
-                   for a, b in zip(got, want, strict=True))
+        diff = _max_diff(forced["hisparse"], replayed)
         stored_rows = {"max_abs_logit_diff": diff, "steps": sum(len(r) for r in replayed),
                        "rounding_flips": stored.flips, "latent_values": stored.values,
                        "exact": diff <= LOGIT_TOLERANCE,
@@ -280,22 +288,11 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
         # A lossy run's logits part from the model's by its rounding, so a loose tolerance judges them;
         # what offloading itself does is judged tightly: the same engine with a budget that releases no
         # page (its only misses: prefix-hit pages, which start in the host pool) must give the same logits.
-        with hisparse_transformers.enable(model, host_pool_gib=c.host_pool_gib,
-                                          gpu_kv_gib=(2 * all_resident + floor) * block_bytes / 2**30,
-                                          backend=backend if backend is not None else c.backend,
-                                          hot_rows=c.hot_rows, block_size=c.block_size, max_batch=c.prompts,
-                                          max_context=max_context, prefill_chunk=c.prefill_chunk,
-                                          kv_rows=c.kv_rows, cuda_graphs=False) as hs_all:   # eager, as check=True
-            resident_runs = []
-            for i, k, t in batches:
-                cache = hs_all.new_cache(i, k, max_new_tokens=t.shape[1])
-                resident_runs.append(forced_logits(model, i, k, t, cache, c.prefill_chunk,
-                                                   _step(progress, "teacher-forced, hisparse all resident")))
-                cache.finish()
+        # eager, as the checked run is (check=True keeps graphs off)
+        with enabled((2 * all_resident + floor) * block_bytes / 2**30, cuda_graphs=False) as hs_all:
+            resident_runs = forced_through(hs_all, "teacher-forced, hisparse all resident")
             everywhere = hs_all.stats()
-        diff = max(float((a.float() - b.float()).abs().max()) for got, want in zip(forced["hisparse"], resident_runs,
-                                                                                      strict=True)
-                   for a, b in zip(got, want, strict=True))
+        diff = _max_diff(forced["hisparse"], resident_runs)
         offload = {"max_abs_logit_diff": diff, "steps": sum(len(r) for r in resident_runs),
                    "all_resident_misses": everywhere.misses, "all_resident_released_pages": everywhere.released_pages,
                    "exact": diff <= LOGIT_TOLERANCE}

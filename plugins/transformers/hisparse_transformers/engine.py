@@ -879,10 +879,7 @@ class HiSparseEngine:
             assert dst is not None
             # detached: a store that outlives the forward joins no autograd graph (a direct forward
             # with autograd on would otherwise keep every forward's saved activations reachable)
-            if self.rows.kind == "model":
-                flat[dst, :rows.shape[1]] = rows.detach()[step.write_src].to(flat.dtype)
-            else:
-                flat[dst] = self.rows.encode(rows.detach()[step.write_src])
+            self.rows.store(flat, dst, rows.detach()[step.write_src])
 
     def is_resident(self, group: int) -> bool:
         """Whether index group `group`'s layers keep their whole KV on the GPU (`resident_layers`)."""

@@ -48,7 +48,7 @@ def _pad16(n: int) -> int:
 
 def row_format_for(dtype: torch.dtype, width: int) -> RowFormat:
     """The registered row format of a latent row of `width` values of `dtype`, padded to 16 bytes."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     per16 = 16 // size if 16 % size == 0 else 16
     padded = -(-width // per16) * per16
     name = f"hf_mla_{str(dtype).removeprefix('torch.')}_{width}" + (f"_pad{padded}" if padded != width else "")
@@ -80,7 +80,7 @@ class LatentRows:
             raise InvalidInputError(f"kv_rows='fp8' with a {str(dtype).removeprefix('torch.')} model: expected "
                                     "bfloat16, float16 or float32 (the roped part is stored in the model's dtype, "
                                     "the latent read back in it); use kv_rows='model' for this model")
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         if lora % 4:
             raise InvalidInputError(f"kv_rows='fp8' with kv_lora_rank={lora}: expected a multiple of 4 (the scales "
                                     "follow the values as fp32 words); use kv_rows='model' for this model")
@@ -117,6 +117,14 @@ class LatentRows:
             parts.append(rows.new_zeros((*rows.shape[:-1], pad), dtype=torch.uint8))
         return torch.cat(parts, dim=-1)
 
+    def store(self, flat: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write `rows` `[n, lora + rope]` into the store `flat` `[N, fmt.width]` at rows `dst`, in
+        their stored form ("model": in place, the padding left as it is, no padded copy made)."""
+        if self.kind == "model":
+            flat[dst, :rows.shape[-1]] = rows.to(flat.dtype)
+        else:
+            flat[dst] = self.encode(rows)
+
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored rows `[..., fmt.width]` -> `[..., lora + rope]` in the model's dtype ("model": the
         stored tensor itself, its padding included)."""
@@ -125,7 +133,7 @@ class LatentRows:
         lora, n = self.lora, self.scales
         values = stored[..., :lora].view(torch.float8_e4m3fn)
         scales = stored[..., lora:lora + 4 * n].view(torch.float32)
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize     # no tensor made: this runs each layer of each decode step
         start = lora + 4 * n
         rope = stored[..., start:start + self.rope * elem].view(self.dtype)
         out = torch.empty((*stored.shape[:-1], lora + self.rope), dtype=self.dtype, device=stored.device)

@@ -38,11 +38,11 @@ attention (transformers alone) and once through hisparse: its indexer picks the 
 resolver maps it to resident pages, hot rows or misses copied from the host pool, and attention
 runs on exactly those rows. The GPU budget is below what the batch needs all resident (the
 engine's floor for the batch can hold more of it: with short prompts the table says whether any
-page was released), so the coordinator releases pages to host-only. A second batch shares a prompt prefix with the first and takes it from the host pool.
-Prints tokens/s, hit rate, bytes each way, GPU KV per request with and without hisparse, and the
-exactness check (identical tokens, max abs logit difference, every row read compared with the
-model's own latent; --dtype bfloat16 and --kv-rows fp8 say how they are judged). Exit status 1 if
-the check fails.
+page was released), so the coordinator releases pages to host-only. A second batch shares a
+prompt prefix with the first and takes it from the host pool. Prints tokens/s, hit rate, bytes
+each way, GPU KV per request with and without hisparse, and the exactness check (identical
+tokens, max abs logit difference, every row read compared with the model's own latent;
+--dtype bfloat16 and --kv-rows fp8 say how they are judged). Exit status 1 if the check fails.
 
 Needs the transformers extra: pip install -e '.[transformers]'.
 """
@@ -197,7 +197,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                           "generate may pick another key)"),
     ]
     b, st = x.get("lossy_against_fp32"), x.get("stored_rows")
-    judged_by_stored = st is not None and c["dtype"] == "float32"
+    judged_by_stored = st is not None and st["judged"]
     if st is not None:
         rows.append(("stored rows", f"teacher-forced, the model alone reading the very latents hisparse stored: max "
                                     f"abs logit diff {st['max_abs_logit_diff']:.2e} over {st['steps']} steps; "
@@ -382,10 +382,11 @@ def run(args: argparse.Namespace) -> int:
     if args.min_prompt > args.max_prompt:
         return fail("hisparse generate", f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}; "
                                          "expected min <= max")
-    if (args.max_prompt if args.prompts == 1 else args.min_prompt) <= SECOND_BATCH_SHORTER:  # one prompt: the longest
-        return fail("hisparse generate", f"--min-prompt {args.min_prompt}: the second batch's prompts are "
+    flag, shortest = ("--max-prompt", args.max_prompt) if args.prompts == 1 else ("--min-prompt", args.min_prompt)
+    if shortest <= SECOND_BATCH_SHORTER:           # one prompt is --max-prompt long
+        return fail("hisparse generate", f"{flag} {shortest}: the second batch's prompts are "
                                          f"{SECOND_BATCH_SHORTER} tokens shorter than the first's; expected "
-                                         f"--min-prompt >= {SECOND_BATCH_SHORTER + 1}")
+                                         f"{flag} >= {SECOND_BATCH_SHORTER + 1}")
     if args.shared_prefix is None:
         args.shared_prefix = min(128, args.min_prompt)
     if args.shared_prefix > args.min_prompt:

@@ -433,6 +433,10 @@ def parse_plan(a: argparse.Namespace) -> Plan:
         raise BadSize(f"--layers={a.layers}: expected >= 1")
     if a.fill_chunk < 1:
         raise BadSize(f"--fill-chunk={a.fill_chunk}: expected a positive number of prompt tokens a forward")
+    if a.block_size < 1:
+        raise BadSize(f"--block-size={a.block_size}: expected a positive number of tokens a page")
+    if not a.host_gib > 0 or a.max_context < 1:
+        raise BadSize(f"--host-gib={a.host_gib:g} --max-context={a.max_context}: expected both positive")
     references = reference_alternatives(a.reference_layers, a.layers, a.topk_model)
     resident_by_ref: list[list[tuple[int, ...]]] = []
     whys: list[str] = []
@@ -820,8 +824,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default=None, help="comma list of context lengths (default 32768,131072; --smoke: 160)")
     p.add_argument("--gpu-kv-gib", type=float, default=None,
                    help="GPU KV budget of every mode, indexer keys included (default 24; --smoke: 320 KiB)")
-    p.add_argument("--host-gib", type=float, default=100.0, help="host pool limit (pinned)")
-    p.add_argument("--max-context", type=int, default=131072 + 1024)
+    p.add_argument("--host-gib", type=float, default=None, help="host pool limit (pinned; default 100; --smoke: 0.001)")
+    p.add_argument("--max-context", type=int, default=None, help="default 132096; --smoke: 4096")
     p.add_argument("--batches", default="",
                    help="comma list, 'max' standing for hisparse's largest at each context and 'budget' for "
                         "all-resident's largest at the fixed budget (--gpu-kv-gib); a batch a context cannot "
@@ -849,9 +853,9 @@ def main(argv: list[str] | None = None) -> int:
                         "out of the decode steps (rows labelled <regime>-no-indexer): the difference is the "
                         "indexer's cost, and the gain at the fixed budget without it; '@CONTEXT[+CONTEXT]' limits "
                         "them to those contexts, e.g. max@131072")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None, help="tokens a page (default 64; --smoke: 4)")
     p.add_argument("--hot-rows", type=int, default=0, help="0: 2x top-k")
-    p.add_argument("--fill-chunk", type=int, default=1024)
+    p.add_argument("--fill-chunk", type=int, default=None, help="prompt tokens a prefill forward (default 1024; --smoke: 32)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--topk-model", choices=("indexer", "benign", "code"), default="indexer",
                    help="where the engine modes' decode top-k comes from: the model's indexer (random weights), or "
@@ -899,10 +903,13 @@ def main(argv: list[str] | None = None) -> int:
         a.contexts = a.contexts or "160"
         a.steps = 2 if a.steps is None else a.steps
         a.warmup = 1 if a.warmup is None else a.warmup
-        a.block_size, a.fill_chunk = 4, 32
-        a.host_gib, a.max_context = 1e-3, 4096
         a.gpu_kv_gib = 320 * 1024 / 2**30 if a.gpu_kv_gib is None else a.gpu_kv_gib
         a.dense_ffn_gb = a.dense_ffn_gb and 1e-4
+    # --smoke's tiny geometry fills only what the user left unset
+    for name, full, tiny in (("block_size", 64, 4), ("fill_chunk", 1024, 32), ("host_gib", 100.0, 1e-3),
+                             ("max_context", 131072 + 1024, 4096)):
+        if getattr(a, name) is None:
+            setattr(a, name, tiny if a.smoke else full)
     if a.gpu_kv_gib is None:
         a.gpu_kv_gib = 24.0
     a.contexts = a.contexts or "32768,131072"

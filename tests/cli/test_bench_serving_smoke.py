@@ -189,12 +189,21 @@ def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
 
 
 def test_a_fill_chunk_of_no_tokens_is_one_line() -> None:
-    """Checked before anything is built (without --smoke, which sets its own chunk): a chunk of 0
-    would fill no context."""
+    """Checked before anything is built: a chunk of 0 would fill no context."""
     out = subprocess.run([sys.executable, str(SCRIPT), "--fill-chunk", "0", "--png", ""], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "bench_serving: --fill-chunk=0: expected a positive number of prompt tokens a forward"], out.stderr
+
+
+def test_smoke_keeps_the_page_and_chunk_the_user_gave() -> None:
+    """--smoke's tiny geometry fills only what is unset: a page of 8 tokens and 16-token prefill
+    forwards show in the capacity line and the header."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "1", "--modes", "hisparse",
+                          "--block-size", "8", "--fill-chunk", "16", "--png", ""],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "block 8;" in out.stdout and "--fill-chunk 16" in out.stdout, out.stdout
 
 
 def test_without_a_gpu_and_without_smoke_it_is_one_line() -> None:
@@ -263,6 +272,9 @@ def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     (["--kv-rows", "int8"], "--kv-rows='int8'"),
     (["--kv-rows", "fp8/bf16"], "--kv-rows='bf16'"),
     (["--kv-rows", "fp8", "--modes", "hisparse,replay"], "--kv-rows='fp8' with --modes replay"),
+    (["--fill-chunk", "0"], "--fill-chunk=0"),              # --smoke no longer overrides a chunk the user gave
+    (["--block-size", "0"], "--block-size=0"),
+    (["--host-gib", "0"], "--host-gib=0"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],

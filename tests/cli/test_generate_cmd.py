@@ -152,6 +152,34 @@ def test_new_and_old_budget_flags_give_the_demo_its_budgets(budget: list[str], e
     assert preflight(args, "cpu") == expected
 
 
+@pytest.mark.parametrize(("extra", "refused"), [
+    (["--dtype", "bfloat16"], True),
+    (["--kv-rows", "fp8"], True),
+    ([], False),                      # fp32 model rows: exact on its own, no second run to fit
+])
+def test_a_lossy_runs_offload_check_must_fit_before_anything_runs(extra: list[str], refused: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lossy run (bf16, fp8 rows) runs the same engine a second time with every page resident;
+    where the checked run's budget fits the device and that one does not, preflight says so in one
+    line naming the flags that shrink it (it used to fail after the checked run)."""
+    import hisparse_core.capacity as capacity
+    from hisparse_core.cli import build_parser
+    from hisparse_core.errors import CapacityError
+    from hisparse_transformers.cli import preflight
+
+    # 75 KiB of host RAM (71.25 KiB takeable; the CPU model's device memory too): the checked run's
+    # default budget (58 pages of 384, 512 or 768 B) and a 64 KiB host pool fit; the comparison's
+    # 214 pages (2 x 78 all resident + the floor of 58) of 384 or 512 B do not
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 75 << 10)
+    args = build_parser().parse_args(["generate", *SMALL, "--host", "64KiB", *extra])
+    if not refused:
+        assert preflight(args, "cpu") == (0, 64 / 2**20)
+        return
+    with pytest.raises(CapacityError, match=r"offload check \(the same engine with no page released: 214 pages") as e:
+        preflight(args, "cpu")
+    assert "fewer or shorter prompts (--prompts, --max-prompt, --new-tokens)" in str(e.value)
+
+
 #: Machine figures fixed, so that every error line below is exact on any machine.
 _RAM = {"available_host_bytes": 64 << 30, "total_host_bytes": 128 << 30}
 _NEEDS = "3 prompts with a 16-row hot buffer and --prefill-chunk 8 need"

@@ -260,7 +260,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     )
     from hisparse_core.errors import CapacityError, InvalidInputError
     from hisparse_core.units import ceil_size, floor_size, human_bytes
-    from hisparse_transformers.demo import DemoConfig
+    from hisparse_transformers.demo import DemoConfig, comparison_pages, rounding_of
     from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, required_gpu_blocks
     from hisparse_transformers.kv_rows import LatentRows
     from hisparse_transformers.tiny import TinyShape
@@ -309,6 +309,15 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     fits = ("" if free is None else f" to at most {free // block_bytes}" if args.gpu_kv_pages else
             f" to at most {floor_size(free)}")
     check_device_memory(dev, gpu_bytes, what, remedy=f"lower {gpu_flag}{fits}")
+    rounding = rounding_of(args.dtype, args.kv_rows)
+    if rounding:
+        # the offload check runs the same engine again with every page resident, after the checked run
+        # has released its budget: its pool must fit on its own
+        compare = comparison_pages(all_resident, floor)
+        check_device_memory(dev, compare * block_bytes,
+                            f"the {rounding} run's offload check (the same engine with no page released: "
+                            f"{compare} pages of {block_bytes} B)",
+                            remedy="fewer or shorter prompts (--prompts, --max-prompt, --new-tokens)")
     # --host-pool-gib keeps its own words (a GiB figure) in its messages; --host and the default a size.
     if args.host_pool_gib is not None:
         host_gib, host_flag, shown = args.host_pool_gib, "--host-pool-gib", f"{args.host_pool_gib:g}"

@@ -139,8 +139,20 @@ def _compare(ours: Any, theirs: Any) -> dict[str, Any]:
 
 def lossy_label(c: DemoConfig) -> str | None:
     """What rounds this run's numbers beyond fp32 ("bf16", "fp8 rows", both), or None."""
-    parts = (["bf16"] if c.dtype == "bfloat16" else []) + (["fp8 rows"] if c.kv_rows == "fp8" else [])
+    return rounding_of(c.dtype, c.kv_rows)
+
+
+def rounding_of(dtype: str, kv_rows: str) -> str | None:
+    """`lossy_label` of a run in `dtype` storing `kv_rows` (before a `DemoConfig` exists)."""
+    parts = (["bf16"] if dtype == "bfloat16" else []) + (["fp8 rows"] if kv_rows == "fp8" else [])
     return " + ".join(parts) or None
+
+
+def comparison_pages(all_resident: int, floor: int) -> int:
+    """GPU pages of a lossy run's offload check, the same engine with no page to release: both
+    batches all resident (the second, prefix hits included, may still hold the first's pages) above
+    the engine's floor."""
+    return 2 * all_resident + floor
 
 
 def _max_diff(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> float:
@@ -289,7 +301,7 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
         # what offloading itself does is judged tightly: the same engine with a budget that releases no
         # page (its only misses: prefix-hit pages, which start in the host pool) must give the same logits.
         # eager, as the checked run is (check=True keeps graphs off)
-        with enabled((2 * all_resident + floor) * block_bytes / 2**30, cuda_graphs=False) as hs_all:
+        with enabled(comparison_pages(all_resident, floor) * block_bytes / 2**30, cuda_graphs=False) as hs_all:
             resident_runs = forced_through(hs_all, "teacher-forced, hisparse all resident")
             everywhere = hs_all.stats()
         diff = _max_diff(forced["hisparse"], resident_runs)

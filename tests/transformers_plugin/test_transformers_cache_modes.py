@@ -122,6 +122,50 @@ def test_whole_request_checked_at_admission_and_nothing_leaks(model: torch.nn.Mo
     assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
 
 
+@pytest.mark.parametrize("where", ["add_request:2", "first_resident_page:1", "first_resident_page:2",
+                                   "_check_host_room:1", "Session:1"])
+def test_an_interrupt_during_admission_leaves_nothing_admitted(model: torch.nn.Module, where: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (KeyboardInterrupt) at any point of a batch's admission, the second row's prefix hit
+    among them: no request stays with the coordinator, no host block or state row is taken, the
+    totals do not count it, and the next generate is exact (the admission loop used to leave a
+    request admitted when interrupted between its admission and its row's bookkeeping)."""
+    import hisparse_transformers.engine as engine_mod
+
+    ids, mask = random_prompts([40, 30], seed=6)
+    ids[1, -20:] = ids[0, -20:]                          # nothing shared at the start: no hit; the rerun below has one
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, max_context=128)) as hs:
+        e = hs.engine
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)   # pages for prefix hits
+        free_host, states, totals = e.coordinator.num_free_host_blocks, list(e.free_states), hs.stats()
+        name, nth = where.split(":")
+        owner = e if name == "_check_host_room" else engine_mod if name == "Session" else e.coordinator
+        real, calls = getattr(owner, name), []
+
+        def interrupted(*args: object, **kwargs: object) -> object:
+            calls.append(1)
+            if len(calls) == int(nth):
+                if name == "add_request":            # after the coordinator admitted it
+                    real(*args, **kwargs)
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        monkeypatch.undo()
+        assert len(calls) == int(nth)
+        assert e.session is None and e.free_states == states
+        assert not [r for r in range(e._next_request) if e.coordinator.has_request(f"hf-{r}")]
+        after = hs.stats()
+        assert (after.requests, after.prefix_hit_tokens) == (totals.requests, totals.prefix_hit_tokens)
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
+        # a prefix hit's partial page is copied on the host; a finished request's copy drains at the next step
+        assert e.coordinator.num_free_host_blocks == free_host
+    got = compare(ours, baseline(model, ids, mask, 6, chunk=8))
+    assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+
+
 def test_a_failing_step_returns_every_block(model: torch.nn.Module) -> None:
     """A step refused by the coordinator after its pages were leased (planted on the engine's own
     coordinator), and a generate stopped by the caller mid-decode: the free GPU block count is the

@@ -538,9 +538,13 @@ class HiSparseEngine:
         totals = [len(p) + grow if grow is not None else max_context - pad for p, pad in zip(prompts, pads, strict=False)]
         requests: list[Request] = []
         numerics = _numerics_key(self.device)
+        rids: list[str] = []       # named before admission, so an interrupt anywhere below is undone
+        states = list(self.free_states)
+        counted = (self.totals.requests, self.totals.prefix_hit_tokens)
         try:
             for tokens, pad, total in zip(prompts, pads, totals, strict=False):
                 rid = f"hf-{self._next_request}"
+                rids.append(rid)
                 self._next_request += 1
                 tokens = list(tokens)
                 cap = max(0, len(tokens) - 1) if not self.resident_layers else 0
@@ -551,21 +555,26 @@ class HiSparseEngine:
                 except CapacityError:
                     hit = self.coordinator.add_request(rid, tokens, extra_key=key, max_prefix_tokens=0)
                 first = self.coordinator.first_resident_page(rid)
-                requests.append(Request(rid, self.free_states.pop(), pad, LazyTokens(tokens), len(tokens), hit,
+                requests.append(Request(rid, states[-1 - len(requests)], pad, LazyTokens(tokens), len(tokens), hit,
                                         first, [-1] * first, hit, total))
             self._check_host_room(requests, totals, max_new_tokens)
+            session = Session(self.device, requests)
+            session.max_new_tokens = max_new_tokens
+            self.free_states = states[:len(states) - n]
+            self.totals.requests += n
+            self.totals.prefix_hit_tokens += sum(r.hit for r in requests)
+            self.session = session      # last: once it is set, the batch is whole
         except BaseException:
-            for r in requests:
-                self.coordinator.finish_request(r.request_id)
-                self.free_states.append(r.state_index)
+            # an error or an interrupt (Ctrl-C) anywhere above: nothing stays admitted
+            self.free_states = states
+            self.totals.requests, self.totals.prefix_hit_tokens = counted
+            for rid in rids:
+                if self.coordinator.has_request(rid):
+                    self.coordinator.finish_request(rid)
             raise
-        self.totals.requests += n
-        self.totals.prefix_hit_tokens += sum(r.hit for r in requests)
         if any(r.hit for r in requests):
             logger.info("hisparse: prefix hits from the host pool: %s tokens", [r.hit for r in requests])
-        self.session = Session(self.device, requests)
-        self.session.max_new_tokens = max_new_tokens
-        return self.session
+        return session
 
     def _finish_abandoned(self, session: Session) -> None:
         """Finish the open batch `session` if the cache running it is gone (direct forwards whose

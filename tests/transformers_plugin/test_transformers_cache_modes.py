@@ -634,6 +634,51 @@ def test_enable_under_inference_mode_then_generate_outside_it(model: torch.nn.Mo
         assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
 
 
+@pytest.mark.parametrize("extra", [{}, {"indexer_keys": "fp8"}, {"kv_rows": "fp8"}])
+def test_one_direct_batch_in_and_out_of_inference_mode(model: torch.nn.Module, extra: dict[str, str]) -> None:
+    """The forwards of one direct batch alternate between torch.inference_mode() and
+    torch.no_grad() (either first), as the model's own cache allows: the logits are bit for bit
+    those of the same batch under no_grad alone, and the model's own (model keys and rows). Before: what hisparse built at a forward in inference mode (the check's copies, the
+    indexer's key buffers, the batch's tables) were inference tensors, and the next forward outside
+    that mode failed updating them ("Inplace update to inference tensor outside InferenceMode")."""
+    from transformers import DynamicCache
+
+    ids, mask = random_prompts([23, 11], seed=19)
+    key = cache_kwarg(model)
+
+    def run(cache: object, inside: bool | None) -> torch.Tensor:
+        m, outs, i = mask, [], 0
+
+        def mode() -> object:
+            nonlocal i
+            i += 1
+            return torch.no_grad() if inside is None or (i % 2 == 1) != inside else torch.inference_mode()
+
+        for a in range(0, ids.shape[1], 8):             # prefill in 8-token chunks
+            with mode():
+                out = model(input_ids=ids[:, a:a + 8], attention_mask=m[:, :a + 8], **{key: cache}).logits
+            outs.append(out.clone())
+        for _ in range(4):                               # then decode steps
+            nxt = out[:, -1:].argmax(-1)
+            m = torch.cat([m, torch.ones_like(nxt)], 1)
+            with mode():
+                out = model(input_ids=nxt, attention_mask=m, **{key: cache}).logits
+            outs.append(out.clone())
+        return torch.cat(outs, 1)
+
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, **extra)) as hs:   # check=True
+        outs = []
+        for inside in (True, False, None):           # None: every forward under no_grad
+            cache = hs.new_cache(ids, mask, max_new_tokens=5)
+            outs.append(run(cache, inside))
+            cache.finish()
+        assert hs.stats().checked_entries > 0
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+    if not extra:                # and the model's own cache, in the same pattern (padded positions aside)
+        real = torch.cat([mask, torch.ones_like(mask[:, :4])], 1).bool().unsqueeze(-1)
+        assert float(((outs[0] - run(DynamicCache(config=model.config), True)).abs() * real).max()) <= 1e-4
+
+
 def test_a_dropped_direct_cache_does_not_block_the_next_generate(model: torch.nn.Module) -> None:
     """Direct forwards through a cache dropped without `finish()`: the next generate finishes that
     batch (nobody else can: its cache is gone) and runs. While the cache lives, a generate is refused

@@ -141,18 +141,20 @@ class HiSparseCache(DynamicCache):
             return buf
         limit = max(need, self.hisparse_engine.max_pages * self.hisparse_engine.config.block_size)
         cap = min(limit, max(need, -(-(old + old // 4) // 256) * 256, 64))
-        n = self._indexer_len.get(layer_idx, 0)
-        grown = like.new_empty((like.shape[0], cap, like.shape[-1]))
-        if buf is not None:
-            grown[:, :n] = buf[:, :n]
-        if self._fp8:
-            sbuf = self._scales.get(layer_idx)
-            source = sbuf if sbuf is not None else scales_like
-            assert source is not None
-            scaled = source.new_empty((source.shape[0], cap, source.shape[-1]))
-            if sbuf is not None:
-                scaled[:, :n] = sbuf[:, :n]
-            self._scales[layer_idx] = scaled
+        # normal tensors even in inference mode: the batch's next forward may run outside it
+        with torch.inference_mode(False):
+            n = self._indexer_len.get(layer_idx, 0)
+            grown = like.new_empty((like.shape[0], cap, like.shape[-1]))
+            if buf is not None:
+                grown[:, :n] = buf[:, :n]
+            if self._fp8:
+                sbuf = self._scales.get(layer_idx)
+                source = sbuf if sbuf is not None else scales_like
+                assert source is not None
+                scaled = source.new_empty((source.shape[0], cap, source.shape[-1]))
+                if sbuf is not None:
+                    scaled[:, :n] = sbuf[:, :n]
+                self._scales[layer_idx] = scaled
         self._indexer[layer_idx] = grown
         self.indexer_generation += 1
         return grown

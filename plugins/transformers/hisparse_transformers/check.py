@@ -270,10 +270,12 @@ class ExactnessChecker:
             self._session, self._ref = session, {}
         buf = self._ref.get(layer)
         if buf is None or buf.shape[1] < length:
-            grown = like.new_zeros((like.shape[0], max(length, 2 * (buf.shape[1] if buf is not None else 0), 64),
-                                    like.shape[-1]))
-            if buf is not None:
-                grown[:, :buf.shape[1]] = buf
+            # a normal tensor even in inference mode: the batch's next forward may run outside it
+            with torch.inference_mode(False):
+                grown = like.new_zeros((like.shape[0], max(length, 2 * (buf.shape[1] if buf is not None else 0), 64),
+                                        like.shape[-1]))
+                if buf is not None:
+                    grown[:, :buf.shape[1]] = buf
             buf = self._ref[layer] = grown
         return buf
 

@@ -558,7 +558,8 @@ class HiSparseEngine:
                 requests.append(Request(rid, states[-1 - len(requests)], pad, LazyTokens(tokens), len(tokens), hit,
                                         first, [-1] * first, hit, total))
             self._check_host_room(requests, totals, max_new_tokens)
-            session = Session(self.device, requests)
+            with torch.inference_mode(False):   # its tables outlive this forward's mode (the next may differ)
+                session = Session(self.device, requests)
             session.max_new_tokens = max_new_tokens
             self.free_states = states[:len(states) - n]
             self.totals.requests += n

@@ -74,12 +74,32 @@ def test_fp8_rows_are_laid_out_as_a_straightforward_encoder_writes_them(seed: in
     assert bool(((back.double() - x.double()).abs() <= rows.error_bound(x)).all())
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn, torch.int8])
-def test_fp8_rows_of_another_model_dtype_are_refused_in_one_line(dtype: torch.dtype) -> None:
-    with pytest.raises(InvalidInputError, match=r"^kv_rows='fp8' with a \w+ model: expected bfloat16, float16 or "
+def test_fp8_rows_of_a_float64_model_are_refused_in_one_line() -> None:
+    with pytest.raises(InvalidInputError, match=r"^kv_rows='fp8' with a float64 model: expected bfloat16, float16 or "
                                                 r"float32") as err:
-        LatentRows.of("fp8", dtype, 512, 64)
+        LatentRows.of("fp8", torch.float64, 512, 64)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["model", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
+def test_rows_of_a_quantized_checkpoint_are_refused_in_one_line(kind: str, dtype: torch.dtype) -> None:
+    """An fp8 checkpoint's kv_a_proj_with_mqa weights are float8: stored in their dtype the latent
+    would lose its scale (kv_rows="model" used to do just that, silently)."""
+    with pytest.raises(InvalidInputError, match=rf"^kv_rows='{kind}' with a model whose kv_a_proj_with_mqa weights "
+                                                rf"are {str(dtype).removeprefix('torch.')}: expected weights in "
+                                                r"bfloat16, float16 or float32") as err:
+        LatentRows.of(kind, dtype, 512, 64)
+    assert "\n" not in str(err.value)
+
+
+def test_enable_on_a_model_with_fp8_weights_is_refused_before_anything_is_built() -> None:
+    model = tiny_model("deepseek_v32", shape=SHAPES["deepseek_v32"], seed=3)
+    attn = model.model.layers[0].self_attn
+    attn.kv_a_proj_with_mqa.weight.data = attn.kv_a_proj_with_mqa.weight.data.to(torch.float8_e4m3fn)
+    with pytest.raises(InvalidInputError, match=r"weights are float8_e4m3fn: expected weights in bfloat16"):
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32"))
+    assert "generate" not in model.__dict__ and not hasattr(model, "_hisparse_handle")     # untouched
 
 
 def test_deepseek_geometry_in_bf16_is_fp8_ds_mla() -> None:

@@ -74,6 +74,13 @@ class LatentRows:
     @classmethod
     def of(cls, kind: str, dtype: torch.dtype, lora: int, rope: int) -> LatentRows:
         check_row_kind(kind)
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            # an fp8 (quantized) checkpoint: its latent is computed in another dtype than these weights',
+            # and stored in theirs it would lose its scale
+            raise InvalidInputError(f"kv_rows={kind!r} with a model whose kv_a_proj_with_mqa weights are "
+                                    f"{str(dtype).removeprefix('torch.')}: expected weights in bfloat16, float16 or "
+                                    "float32 (hisparse stores the latent in their dtype; load a quantized checkpoint "
+                                    "dequantized, e.g. with dtype=torch.bfloat16)")
         if kind == "model":
             return cls(kind, dtype, lora, rope, row_format_for(dtype, lora + rope))
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):

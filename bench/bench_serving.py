@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -261,8 +262,10 @@ def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace, 
                         model_cfg.qk_rope_head_dim).fmt
     max_context = context + a.warmup + a.steps + 3 + bs
     if max_context > a.max_context:
-        raise BadSize(f"context {context} (+ {max_context - context} decode and alignment tokens) exceeds "
-                      f"--max-context={a.max_context}: expected contexts <= {a.max_context - (max_context - context)}")
+        room = a.max_context - (max_context - context)
+        raise BadSize(f"context {context} (+ {max_context - context} decode and alignment tokens: --warmup "
+                      f"{a.warmup} + --steps {a.steps} + 3 + --block-size {bs}) exceeds --max-context={a.max_context}: "
+                      "expected " + (f"contexts <= {room} or " if room > 0 else "") + f"--max-context >= {max_context}")
     hot_rows = a.hot_rows or -(-2 * top_k // bs) * bs
     block_bytes = layers * bs * fmt.row_bytes
     idx = layers * context * bytes_per_key(keys, model_cfg.index_head_dim, elem)
@@ -414,29 +417,39 @@ def resident_alternatives(spec: str, layers: int, regime_name: str,
 def parse_plan(a: argparse.Namespace) -> Plan:
     """Every list flag checked before anything is built: one line naming the flag (`BadSize`)."""
     from hisparse_core.errors import InvalidInputError
+    from hisparse_core.geometry import MAX_HOT_ROWS
     from hisparse_transformers.index_keys import check_key_format
     from hisparse_transformers.kv_rows import check_row_kind
 
     contexts = _ints("--contexts", a.contexts)
     assert contexts is not None
     batches = _ints("--batches", a.batches, allow_max=True) if a.batches else None
-    modes = [m.strip() for m in (a.modes or ",".join(MODES) + ",replay").split(",")]
+    modes = [m.strip() for m in (",".join(MODES) + ",replay" if a.modes is None else a.modes).split(",")]
     bad = [m for m in modes if m not in MODES + ("replay",)]
     if bad:
         raise BadSize(f"--modes={a.modes!r}: {bad[0]!r} is not a mode; expected a comma list of "
                       f"{', '.join(MODES + ('replay',))}")
     if a.steps <= 0 or a.warmup < 0:
         raise BadSize(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 0")
-    if a.all_resident_gib is not None and not a.all_resident_gib > 0:
+    if a.all_resident_gib is not None and not 0 < a.all_resident_gib < math.inf:
         raise BadSize(f"--all-resident-gib={a.all_resident_gib:g}: expected a positive number of GiB")
+    if not math.isfinite(a.gpu_kv_gib):
+        raise BadSize(f"--gpu-kv-gib={a.gpu_kv_gib:g}: expected a number of GiB")
+    if a.seed < 0:
+        raise BadSize(f"--seed={a.seed}: expected a seed >= 0")
     if a.layers < 1:
         raise BadSize(f"--layers={a.layers}: expected >= 1")
     if a.fill_chunk < 1:
         raise BadSize(f"--fill-chunk={a.fill_chunk}: expected a positive number of prompt tokens a forward")
     if a.block_size < 1:
         raise BadSize(f"--block-size={a.block_size}: expected a positive number of tokens a page")
-    if not a.host_gib > 0 or a.max_context < 1:
-        raise BadSize(f"--host-gib={a.host_gib:g} --max-context={a.max_context}: expected both positive")
+    if not 0 < a.host_gib < math.inf or a.max_context < 1:
+        raise BadSize(f"--host-gib={a.host_gib:g} --max-context={a.max_context}: expected both positive (and finite)")
+    if a.hot_rows:      # 0: 2x top-k; else whole pages, at least one step's top-k, at most a runtime's limit
+        top_k = (TINY if a.smoke else GEOMETRY)["index_topk"]
+        if a.hot_rows < 0 or a.hot_rows % a.block_size or not top_k <= a.hot_rows <= MAX_HOT_ROWS:
+            raise BadSize(f"--hot-rows={a.hot_rows}: expected 0 (2x top-k) or a multiple of --block-size "
+                          f"{a.block_size} in [{top_k} (the model's top-k), {MAX_HOT_ROWS}]")
     references = reference_alternatives(a.reference_layers, a.layers, a.topk_model)
     resident_by_ref: list[list[tuple[int, ...]]] = []
     whys: list[str] = []

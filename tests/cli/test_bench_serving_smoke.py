@@ -275,6 +275,19 @@ def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     (["--fill-chunk", "0"], "--fill-chunk=0"),              # --smoke no longer overrides a chunk the user gave
     (["--block-size", "0"], "--block-size=0"),
     (["--host-gib", "0"], "--host-gib=0"),
+    # each of these raised a traceback (after the model was built, for --seed and --hot-rows 8)
+    (["--gpu-kv-gib", "nan"], "--gpu-kv-gib=nan"),
+    (["--gpu-kv-gib", "inf"], "--gpu-kv-gib=inf"),
+    (["--all-resident-gib", "inf"], "--all-resident-gib=inf"),
+    (["--host-gib", "inf"], "--host-gib=inf"),
+    (["--seed", "-1"], "--seed=-1"),
+    (["--hot-rows", "-1"], "--hot-rows=-1"),
+    (["--hot-rows", "3"], "--hot-rows=3"),                # not a whole page: it was rounded down to none
+    (["--hot-rows", "18"], "--hot-rows=18"),              # rounded down to 16 silently
+    (["--hot-rows", "8"], "--hot-rows=8"),                # below the tiny model's top-k of 16
+    (["--hot-rows", "40000"], "--hot-rows=40000"),        # above a runtime's 32768 rows
+    (["--block-size", "4096"], "--block-size 4096) exceeds --max-context=4096: expected --max-context >= 4262"),
+    (["--modes", ""], "--modes=''"),                      # ran every mode
 ])
 def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],

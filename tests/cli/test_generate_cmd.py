@@ -538,6 +538,28 @@ def test_one_prompt_is_as_long_as_max_prompt_so_a_short_min_prompt_is_fine() -> 
     assert DemoConfig(prompts=1, min_prompt=4, max_prompt=40, shared_prefix=0).lengths() == [40]
 
 
+def test_one_prompt_is_not_refused_for_the_default_min_prompt() -> None:
+    """With one prompt --min-prompt is not used (the prompt is --max-prompt long): --max-prompt 40
+    was refused as below the default --min-prompt 200, and a --shared-prefix up to the prompt's
+    length as above it; the default prefix is min(128, the prompt's length)."""
+    from hisparse_transformers.demo import DemoConfig
+
+    assert DemoConfig(prompts=1, max_prompt=40, shared_prefix=40).lengths() == [40]
+    for extra, prefix in (([], 40), (["--shared-prefix", "30"], 30)):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["generate", "--prompts", "1", "--max-prompt", "40", "--new-tokens", "2", "--layers", "1",
+                       "--top-k", "8", "--hot-rows", "16", "--block-size", "4", "--prefill-chunk", "8",
+                       "--no-progress", "--json", *extra])
+        assert rc == 0, err.getvalue()
+        r = json.loads(out.getvalue())
+        assert r["config"]["shared_prefix"] == prefix and r["config"]["prompt_lengths"] == [40], r["config"]
+    rc, _, err = _run("--prompts", "1", "--max-prompt", "40", "--shared-prefix", "41")
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "hisparse generate: error: --shared-prefix 41 is above --max-prompt 40 (one prompt, --max-prompt long); "
+        "expected a prefix in [0, --max-prompt]"), err
+
+
 def test_an_all_resident_comparison_that_releases_pages_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """The offload check compares offloading with none: a comparison run that released pages (here
     given the tight run's budget) would compare it with less of it, so the run fails, naming why."""

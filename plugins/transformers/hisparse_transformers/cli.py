@@ -96,7 +96,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="tokens generated per prompt (default: 96)")
     w.add_argument("--shared-prefix", type=int_in(0, 1 << 16), metavar="TOKENS", default=None,
                    help="prefix tokens the second batch shares with the first (default: 128, or --min-prompt "
-                        "where that is shorter)")
+                        "where that is shorter; --max-prompt for one prompt, which is that long)")
     w.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, metavar="N",
                    help="seed of the random model weights and prompts (default: 0)")
     m = p.add_argument_group("model and memory")
@@ -388,19 +388,21 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and alias_value is not None:
             return fail_argument("hisparse generate", alias, f"not allowed with {flag}: both set the {budget}; "
                                                              "expected one of the two")
-    if args.min_prompt > args.max_prompt:
+    # one prompt is --max-prompt long: --min-prompt (its default too) is not used
+    if args.prompts > 1 and args.min_prompt > args.max_prompt:
         return fail("hisparse generate", f"--min-prompt {args.min_prompt} is above --max-prompt {args.max_prompt}; "
                                          "expected min <= max")
     flag, shortest = ("--max-prompt", args.max_prompt) if args.prompts == 1 else ("--min-prompt", args.min_prompt)
-    if shortest <= SECOND_BATCH_SHORTER:           # one prompt is --max-prompt long
+    if shortest <= SECOND_BATCH_SHORTER:
         return fail("hisparse generate", f"{flag} {shortest}: the second batch's prompts are "
                                          f"{SECOND_BATCH_SHORTER} tokens shorter than the first's; expected "
                                          f"{flag} >= {SECOND_BATCH_SHORTER + 1}")
     if args.shared_prefix is None:
-        args.shared_prefix = min(128, args.min_prompt)
-    if args.shared_prefix > args.min_prompt:
-        return fail("hisparse generate", f"--shared-prefix {args.shared_prefix} is above --min-prompt "
-                                         f"{args.min_prompt}; expected a prefix in [0, --min-prompt]")
+        args.shared_prefix = min(128, shortest)
+    if args.shared_prefix > shortest:
+        one = f" (one prompt, {flag} long)" if args.prompts == 1 else ""
+        return fail("hisparse generate", f"--shared-prefix {args.shared_prefix} is above {flag} {shortest}{one}; "
+                                         f"expected a prefix in [0, {flag}]")
     if why := check_backend_name(args.backend) or import_torch("hisparse generate"):
         return fail("hisparse generate", why)
     # Only a device this command runs on, before a backend is selected or a model built: torch

@@ -92,13 +92,15 @@ class DemoConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.min_prompt > self.max_prompt:
+        if self.prompts > 1 and self.min_prompt > self.max_prompt:   # one prompt is max_prompt long
             raise ValueError(f"min_prompt={self.min_prompt} > max_prompt={self.max_prompt}; expected min <= max")
-        if min(self.lengths()) <= SECOND_BATCH_SHORTER:
-            raise ValueError(f"min_prompt={self.min_prompt}: the second batch's prompts are {SECOND_BATCH_SHORTER} "
-                             f"tokens shorter; expected min_prompt >= {SECOND_BATCH_SHORTER + 1}")
-        if not 0 <= self.shared_prefix <= self.min_prompt:
-            raise ValueError(f"shared_prefix={self.shared_prefix}; expected 0 to min_prompt={self.min_prompt}")
+        name = "max_prompt" if self.prompts == 1 else "min_prompt"
+        shortest = min(self.lengths())
+        if shortest <= SECOND_BATCH_SHORTER:
+            raise ValueError(f"{name}={shortest}: the second batch's prompts are {SECOND_BATCH_SHORTER} "
+                             f"tokens shorter; expected {name} >= {SECOND_BATCH_SHORTER + 1}")
+        if not 0 <= self.shared_prefix <= shortest:
+            raise ValueError(f"shared_prefix={self.shared_prefix}; expected 0 to {name}={shortest}")
 
     def lengths(self) -> list[int]:
         n = self.prompts

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 
 import pytest
 
@@ -558,6 +559,24 @@ def test_one_prompt_is_not_refused_for_the_default_min_prompt() -> None:
     assert rc == 2 and err.strip().splitlines()[-1] == (
         "hisparse generate: error: --shared-prefix 41 is above --max-prompt 40 (one prompt, --max-prompt long); "
         "expected a prefix in [0, --max-prompt]"), err
+
+
+def test_the_table_claims_no_rate_or_ratio_it_did_not_measure() -> None:
+    """One new token: no decode step, so no hot-buffer lookup; the hit rate line said 100.00% of
+    0 hits and 0 misses. Prompts this short need fewer pages all resident than hisparse's hot
+    buffer takes: the 'without' line said '0.80x more' (and '1.00x more' where they were equal). The host->device bytes include page
+    restores, not only decode misses (512 B 'by decode misses' beside 0 misses)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["generate", "--prompts", "2", "--min-prompt", "20", "--max-prompt", "24", "--new-tokens", "1",
+                   "--layers", "1", "--top-k", "8", "--hot-rows", "16", "--block-size", "4", "--prefill-chunk", "8",
+                   "--no-progress"])
+    assert rc == 0, err.getvalue()
+    line = {ln.split()[0]: ln for ln in out.getvalue().splitlines() if ln.startswith("  ")}
+    assert "n/a: no lookup went through the hot buffer (0 hits, 0 misses" in line["hit"], line["hit"]
+    ratio = re.search(r"([0-9.]+)x more", line["without"])
+    assert ratio is None or float(ratio.group(1)) > 1, line["without"]
+    assert "by decode misses and page restores" in line["host->device"], line["host->device"]
 
 
 def test_an_all_resident_comparison_that_releases_pages_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:

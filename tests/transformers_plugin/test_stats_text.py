@@ -50,3 +50,11 @@ def test_fp8_rows_are_named_and_their_check_says_within_rounding() -> None:
     assert "checked: 10 rows, max abs diff 0.125 (fp8 rows: within their rounding of the model's latent)" in text
     plain = str(_stats(row_format="hf_mla_bfloat16_576", row_bytes=1152, checked_entries=10))
     assert "rows: hf_mla_bfloat16_576, 1152 B" in plain and "within their rounding" not in plain
+
+
+def test_no_hot_buffer_lookup_is_no_hit_rate() -> None:
+    """Where no lookup went through the hot buffer (every entry resident, or no decode step), the
+    text said '(100.0% hits)' of nothing; it says n/a, as `hisparse run` does (to_json keeps 1.0)."""
+    s = _stats(hits=0, misses=0)
+    assert "0 hot-buffer hits, 0 misses (n/a: no lookup went through the hot buffer)" in str(s), str(s)
+    assert "100.0%" not in str(s) and s.to_json()["hit_rate"] == 1.0

@@ -145,7 +145,7 @@ def _none_released(c: dict, s: dict) -> str:  # type: ignore[type-arg]
 
 
 def _table(result: dict) -> str:  # type: ignore[type-arg]
-    from hisparse_core.replay.report import human_bytes, pct, render_table
+    from hisparse_core.replay.report import hit_rate, human_bytes, pct, render_table
 
     c, e, s, x = result["config"], result["engine"], result["stats"], result["exactness"]
     f1, f2 = x["first_batch"], x["second_batch"]
@@ -169,18 +169,20 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         ("wall time", f"hisparse {result['seconds']['hisparse']:.1f} s, transformers alone "
                       f"{result['seconds']['transformers_alone']:.1f} s"),
         ("hot buffer", ""),
-        ("hit rate", f"{pct(s['hit_rate'])} ({s['hits']} hits, {s['misses']} misses; {s['resident']} entries "
-                     "from resident pages)"),
+        ("hit rate", (f"{pct(s['hit_rate'])} ({s['hits']} hits, {s['misses']} misses; " if s['hits'] + s['misses']
+                      else f"{hit_rate(s['hit_rate'], 0)[:-1]}; ") + f"{s['resident']} entries from resident pages)"),
         ("pages released", f"{s['released_pages']} released, {s['lost_pages']} then host-only (read through the "
                            "hot buffer)"),
         ("prefix hits", f"{s['prefix_hit_tokens']} tokens taken from the host pool"),
         ("bytes moved", ""),
-        ("host->device", f"{human_bytes(s['h2d_bytes'])} by decode misses, {human_bytes(s['prefill_host_bytes'])} "
-                         "read by prefill from the host pool"),
+        ("host->device", f"{human_bytes(s['h2d_bytes'])} by decode misses and page restores, "
+                         f"{human_bytes(s['prefill_host_bytes'])} read by prefill from the host pool"),
         ("device->host", f"{human_bytes(s['d2h_bytes'])} (row mirrors and spills)"),
         (f"{where} KV per request", ""),
         ("with hisparse", f"{human_bytes(per)} (resident pages + hot buffer, at the peak)"),
-        ("without", f"{human_bytes(base)} (every page resident)" + (f": {base / per:.2f}x more" if per else "")),
+        ("without", f"{human_bytes(base)} (every page resident)" + (
+            "" if not per else f": {base / per:.2f}x more" if base > per else ": the same" if base == per else
+            f": hisparse takes {per / base:.2f}x more here (its hot buffer outweighs these short prompts' pages)")),
         ("indexer keys", f"{human_bytes(s['indexer_bytes_per_request'])} (on the {where} either way)"),
         ("exactness", ""),
         *([("reference", "the model alone reading its normed latent rounded to fp8 as hisparse stores it "

@@ -100,7 +100,9 @@ class HiSparseStats:
             f"{self.prefix_hit_tokens} more served by prefix hits), {self.decode_tokens} decoded "
             f"({self.decode_tokens_per_s:.1f}/s)",
             f"  top-k entries: {self.resident} from resident pages, {self.hits} hot-buffer hits, "
-            f"{self.misses} misses ({100 * self.hit_rate:.1f}% hits)",
+            f"{self.misses} misses ("
+            + (f"{100 * self.hit_rate:.1f}% hits)" if self.hits + self.misses else
+               "n/a: no lookup went through the hot buffer)"),
             f"  bytes: {human_bytes(self.h2d_bytes)} host to device, {human_bytes(self.d2h_bytes)} device to host, "
             f"{human_bytes(self.prefill_host_bytes)} read from the host pool by prefill",
             f"  GPU KV per request: {human_bytes(self.gpu_kv_bytes_per_request)} "

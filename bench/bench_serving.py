@@ -26,7 +26,8 @@ outside the planning ahead (begin_step, end_step's acknowledgements and bookkeep
 ahead ms` end_step's planning of the next decode step, which runs while the GPU runs this one
 (`hisparse_core.coordinator.ahead`; `bench_transformers.EngineHostTime`). `overhead` is
 hisparse's step against all-resident's at the same batch; `hit` the hot-buffer hit rate (random
-weights: low locality), `H2D MB/step` the host-to-device bytes a step read. `--topk-model benign|code`
+weights: low locality; n/a where no entry went through the hot buffer: all-resident, or every page
+resident), `H2D MB/step` the host-to-device bytes a step read. `--topk-model benign|code`
 takes the engine modes' decode top-k from the calibrated per-layer locality model of that regime
 (`enable(synthetic_topk=...)`, `hisparse_transformers.model_topk`; the indexer still runs, so its
 cost stays in the step), instead of the random-weight indexer's choice; `--skip-indexer` leaves
@@ -605,7 +606,7 @@ def run_engine(model: Any, s: Sizes, b: int, a: argparse.Namespace, resident: bo
         out["host_critical_ms"], out["host_ahead_ms"] = host.per_step_ms(a.steps)
         st = hs.stats()
         looked = (st.hits - before.hits) + (st.misses - before.misses)
-        out.update(hit_rate=(st.hits - before.hits) / looked if looked else 1.0,
+        out.update(hit_rate=(st.hits - before.hits) / looked if looked else 1.0, hot_lookups=looked,
                    misses_per_step=(st.misses - before.misses) / a.steps,
                    h2d_mb_per_step=(st.h2d_bytes - before.h2d_bytes) / a.steps / 1e6,
                    d2h_mb_per_step=(st.d2h_bytes - before.d2h_bytes) / a.steps / 1e6,
@@ -743,6 +744,7 @@ def run_replay_workload(layers: int, s: Sizes, b: int, a: argparse.Namespace, to
     except HiSparseError as exc:
         return {"mode": "replay", "batch": b, "context": s.context, "error": str(exc)}
     return {"mode": "replay", "batch": b, "context": s.context, "hit_rate": summary["hit_rate"],
+            "hot_lookups": summary["hot_lookups"],
             "step_ms": summary["step_ms_mean"], "gpu_ms": summary["decode_device_ms"],
             "decode_mode": summary["decode_mode"]}
 
@@ -784,7 +786,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         body.append([f"{r['mode']} T={ctx(r['context'])}", label(r), str(r["batch"]), fmt(r.get("step_ms")),
                      fmt(tokens_per_s(r), ".1f") if r["mode"] != "replay" else "-", fmt(gpu), fmt(idle),
                      fmt(r.get("host_critical_ms")), fmt(r.get("host_ahead_ms")), over, fmt(r.get("peak_gib"), ".1f"),
-                     "-" if "hit_rate" not in r else f"{100 * r['hit_rate']:.0f}%", fmt(r.get("h2d_mb_per_step"), ".1f"),
+                     # a rate of nothing is no 100% (all-resident, or every entry read resident)
+                     "-" if "hit_rate" not in r else "n/a" if r.get("hot_lookups") == 0 else
+                     f"{100 * r['hit_rate']:.0f}%", fmt(r.get("h2d_mb_per_step"), ".1f"),
                      fmt(r.get("d2h_mb_per_step"), ".1f"), fmt(r.get("prefetch_h2d_mb_per_step"), ".1f"),
                      str(r.get("released", "-")),
                      str(r.get("decode_mode", "-"))])

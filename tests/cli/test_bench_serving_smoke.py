@@ -204,6 +204,11 @@ def test_smoke_keeps_the_page_and_chunk_the_user_gave() -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "block 8;" in out.stdout and "--fill-chunk 16" in out.stdout, out.stdout
+    # batch 1 keeps every page resident: no entry went through the hot buffer, so no hit rate (it said 100%)
+    row = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith('{"mode": "hisparse"')))
+    assert row["hot_lookups"] == 0 and row["released"] == 0, row
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("hisparse T=160"))
+    assert " n/a " in line and "100%" not in line, line
 
 
 def test_without_a_gpu_and_without_smoke_it_is_one_line() -> None:

@@ -989,6 +989,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise BadSize(f"batch {big[0]} fits no mode at any context (largest per context: "
                               f"{', '.join(f'{ctx(t)} {n}' for t, n in tops.items())}); expected --batches <= "
                               f"{max(tops.values())}")
+            # a batch some mode holds, but none of the modes asked for ('budget' where all-resident holds none)
+            if not any(batches_for(s, "hisparse" if m == "replay" else m, asked) for s in sizes for m in modes):
+                largest = "; ".join(f"{m} " + ", ".join(f"T={s.context} {s.largest('hisparse' if m == 'replay' else m)}"
+                                                      for s in sizes) for m in modes)
+                raise BadSize(f"--batches={a.batches!r} runs nothing with --modes {','.join(modes)} (largest batch "
+                              f"per mode and context: {largest}); expected batches those modes hold")
     except BadSize as exc:
         print(f"bench_serving: {exc}", file=sys.stderr)
         return 2

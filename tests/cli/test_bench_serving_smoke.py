@@ -293,6 +293,10 @@ def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     (["--hot-rows", "40000"], "--hot-rows=40000"),        # above a runtime's 32768 rows
     (["--block-size", "4096"], "--block-size 4096) exceeds --max-context=4096: expected --max-context >= 4262"),
     (["--modes", ""], "--modes=''"),                      # ran every mode
+    # batches no selected mode holds: an empty table and exit status 0
+    (["--kv-rows", "fp8", "--modes", "all-resident", "--batches", "3"], "--batches='3' runs nothing"),  # hisparse's
+    (["--contexts", "1500", "--gpu-kv-gib", "0.0006", "--modes", "hisparse,all-resident", "--batches", "budget"],
+     "--batches='budget' runs nothing"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],

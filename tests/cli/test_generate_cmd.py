@@ -579,6 +579,14 @@ def test_the_table_claims_no_rate_or_ratio_it_did_not_measure() -> None:
     assert "by decode misses and page restores" in line["host->device"], line["host->device"]
 
 
+def test_a_large_batch_is_named_in_a_short_line() -> None:
+    """--prompts 256 listed all 256 prompt lengths in the one-line refusal (about 1,800 characters)."""
+    rc, out, err = _run("--prompts", "256", "--host", "1")
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and out == "" and len(line) < 300, line
+    assert "the batch's 256 prompts of [100, 100, 100, ..., 60] tokens + 24 new need" in line, line
+
+
 def test_an_all_resident_comparison_that_releases_pages_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """The offload check compares offloading with none: a comparison run that released pages (here
     given the tight run's budget) would compare it with less of it, so the run fails, naming why."""

@@ -144,6 +144,11 @@ def _none_released(c: dict, s: dict) -> str:  # type: ignore[type-arg]
     return "; the engine's floor for this batch holds every page, so no page is released: longer prompts offload"
 
 
+def _few(lengths: list[int]) -> str:
+    """Prompt lengths for a line of text: every one of a few, else the first three and the last."""
+    return str(lengths) if len(lengths) <= 6 else f"[{', '.join(map(str, lengths[:3]))}, ..., {lengths[-1]}]"
+
+
 def _table(result: dict) -> str:  # type: ignore[type-arg]
     from hisparse_core.replay.report import hit_rate, human_bytes, pct, render_table
 
@@ -157,8 +162,8 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                   f"{e['index_groups']}, top-k {c['top_k']}, hot buffer {e['hot_rows']} rows, row {e['row_format']} "
                   f"({e['row_bytes']} B" + (f"; the model's own rows {e['model_row_bytes']} B"
                                             if c.get("kv_rows") == "fp8" else "") + ")"),
-        ("batches", f"{c['prompts']} prompts of {c['prompt_lengths']} tokens + {c['new_tokens']} new; then "
-                    f"{c['second_batch_lengths']} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
+        ("batches", f"{c['prompts']} prompts of {_few(c['prompt_lengths'])} tokens + {c['new_tokens']} new; then "
+                    f"{_few(c['second_batch_lengths'])} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
                     "prefix"),
         ("budgets", f"{where} {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
                     "resident" + _none_released(c, s) + f"), host pool {e['host_pool_blocks']} pages"),
@@ -334,7 +339,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
                sum(_cdiv(n + args.new_tokens, bs) for n in lengths))
     if usable < need:
         raise CapacityError(f"{host_flag} {shown} holds {max(usable, 0)} pages of {block_bytes} B; "
-                            f"the batch's {args.prompts} prompts of {lengths} tokens + {args.new_tokens} new need "
+                            f"the batch's {args.prompts} prompts of {_few(lengths)} tokens + {args.new_tokens} new need "
                             f"{need}: expected {host_flag} >= {up((need + 1) * block_bytes)}")
     avail = available_host_bytes()
     fits = f" to at most {down(int(avail * HOST_FRACTION))}" if avail else ""

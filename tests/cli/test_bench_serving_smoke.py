@@ -211,6 +211,19 @@ def test_smoke_keeps_the_page_and_chunk_the_user_gave() -> None:
     assert " n/a " in line and "100%" not in line, line
 
 
+def test_a_fill_chunk_past_the_context_is_sized_as_the_engine_sizes_it() -> None:
+    """No forward holds more than max_context tokens (the engine sizes its pool so): a --fill-chunk
+    past it was counted whole, so --fill-chunk 100000 was refused as needing 0.14 GiB of GPU KV; the
+    engine takes a request at 0.0004 GiB."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "1", "--modes", "hisparse",
+                          "--fill-chunk", "100000", "--gpu-kv-gib", "0.0004", "--steps", "1", "--warmup", "0",
+                          "--png", ""],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # max_context 168 tokens (160 + 1 step + 3 + a page of 4): 42 pages, + 1
+    assert "(--fill-chunk 100000: 43 pages a request writes in a step)" in out.stdout, out.stdout
+
+
 def test_without_a_gpu_and_without_smoke_it_is_one_line() -> None:
     import torch
 

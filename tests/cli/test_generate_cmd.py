@@ -587,6 +587,17 @@ def test_a_large_batch_is_named_in_a_short_line() -> None:
     assert "the batch's 256 prompts of [100, 100, 100, ..., 60] tokens + 24 new need" in line, line
 
 
+def test_a_prefill_chunk_past_the_context_is_sized_as_the_engine_sizes_it() -> None:
+    """No forward holds more than max_context tokens (124 here), so the engine's floor counts a
+    --prefill-chunk past it as 124 tokens: the preflight counted 65536 whole (16385 pages a request
+    and step) and named 196,642 pages as the least budget that fits (the default budget too). The floor it names now is the engine's, and it runs."""
+    rc, out, err = _run("--prefill-chunk", "65536", "--gpu-kv-pages", "1")
+    assert rc == 2 and err.strip().splitlines()[-1].endswith("expected --gpu-kv-pages >= 406 (or 0 for the default)"), err
+    rc, out, err = _run("--prefill-chunk", "65536", "--gpu-kv-pages", "406", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["engine"]["gpu_pool_pages"] == 406
+
+
 def test_an_all_resident_comparison_that_releases_pages_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """The offload check compares offloading with none: a comparison run that released pages (here
     given the tight run's budget) would compare it with less of it, so the run fails, naming why."""

@@ -287,7 +287,9 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     block_bytes = args.layers * bs * row_bytes
     lengths = DemoConfig(prompts=args.prompts, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
                          shared_prefix=0).lengths()
-    floor = required_gpu_blocks(args.prompts, args.hot_rows // bs, _cdiv(args.prefill_chunk, bs) + 1)
+    # no forward holds more than max_context tokens (the engine sizes its pool so)
+    chunk = min(args.prefill_chunk, max(lengths) + args.new_tokens)
+    floor = required_gpu_blocks(args.prompts, args.hot_rows // bs, _cdiv(chunk, bs) + 1)
     needs = f"{args.prompts} prompts with a {args.hot_rows}-row hot buffer and --prefill-chunk {args.prefill_chunk} need"
     if args.gpu_kv is not None:
         given = args.gpu_kv // block_bytes

@@ -230,11 +230,12 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
 
     block_bytes = c.layers * c.block_size * rows_of(model).fmt.row_bytes
     all_resident = sum(-(-(n + c.new_tokens) // c.block_size) for n in lengths)
-    chunk_pages = -(-c.prefill_chunk // c.block_size) + 1
+    max_context = max(lengths) + c.new_tokens
+    # no forward holds more than max_context tokens (the engine sizes its pool so)
+    chunk_pages = -(-min(c.prefill_chunk, max_context) // c.block_size) + 1
     floor = required_gpu_blocks(c.prompts, -(-c.hot_rows // c.block_size), chunk_pages)
     pages = c.gpu_kv_pages or max(floor, int(0.6 * all_resident))
     gpu_gib = pages * block_bytes / 2**30
-    max_context = max(lengths) + c.new_tokens
 
     def enabled(gpu_kv_gib: float, **extra: Any) -> Any:
         return hisparse_transformers.enable(model, host_pool_gib=c.host_pool_gib, gpu_kv_gib=gpu_kv_gib,

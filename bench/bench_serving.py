@@ -419,6 +419,7 @@ def resident_alternatives(spec: str, layers: int, regime_name: str,
 
 def parse_plan(a: argparse.Namespace) -> Plan:
     """Every list flag checked before anything is built: one line naming the flag (`BadSize`)."""
+    from hisparse_core.cli.options import check_backend_name
     from hisparse_core.errors import InvalidInputError
     from hisparse_core.geometry import MAX_HOT_ROWS
     from hisparse_transformers.index_keys import check_key_format
@@ -453,6 +454,10 @@ def parse_plan(a: argparse.Namespace) -> Plan:
         if a.hot_rows < 0 or a.hot_rows % a.block_size or not top_k <= a.hot_rows <= MAX_HOT_ROWS:
             raise BadSize(f"--hot-rows={a.hot_rows}: expected 0 (2x top-k) or a multiple of --block-size "
                           f"{a.block_size} in [{top_k} (the model's top-k), {MAX_HOT_ROWS}]")
+    if set(modes) & {"hisparse", "all-resident", "replay"}:      # the modes that run a hisparse backend
+        why = check_backend_name(None if a.backend in (None, "auto") else a.backend)
+        if why:
+            raise BadSize(why)
     references = reference_alternatives(a.reference_layers, a.layers, a.topk_model)
     resident_by_ref: list[list[tuple[int, ...]]] = []
     whys: list[str] = []

@@ -306,6 +306,7 @@ def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     (["--hot-rows", "40000"], "--hot-rows=40000"),        # above a runtime's 32768 rows
     (["--block-size", "4096"], "--block-size 4096) exceeds --max-context=4096: expected --max-context >= 4262"),
     (["--modes", ""], "--modes=''"),                      # ran every mode
+    (["--backend", "bogus"], "--backend 'bogus': no hisparse backend named 'bogus'"),   # a traceback, after the model
     # batches no selected mode holds: an empty table and exit status 0
     (["--kv-rows", "fp8", "--modes", "all-resident", "--batches", "3"], "--batches='3' runs nothing"),  # hisparse's
     (["--contexts", "1500", "--gpu-kv-gib", "0.0006", "--modes", "hisparse,all-resident", "--batches", "budget"],

@@ -307,6 +307,10 @@ def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     (["--block-size", "4096"], "--block-size 4096) exceeds --max-context=4096: expected --max-context >= 4262"),
     (["--modes", ""], "--modes=''"),                      # ran every mode
     (["--backend", "bogus"], "--backend 'bogus': no hisparse backend named 'bogus'"),   # a traceback, after the model
+    # written after the whole run: a traceback there, every figure lost
+    (["--json", "/nonexistent/r.json"], "--json '/nonexistent/r.json': the folder '/nonexistent' does not exist"),
+    (["--png", "/nonexistent/p.png"], "--png '/nonexistent/p.png': the folder '/nonexistent' does not exist"),
+    (["--png", "p.txt"], "--png 'p.txt': matplotlib cannot write .txt files"),
     # batches no selected mode holds: an empty table and exit status 0
     (["--kv-rows", "fp8", "--modes", "all-resident", "--batches", "3"], "--batches='3' runs nothing"),  # hisparse's
     (["--contexts", "1500", "--gpu-kv-gib", "0.0006", "--modes", "hisparse,all-resident", "--batches", "budget"],

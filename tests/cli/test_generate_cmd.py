@@ -181,6 +181,17 @@ def test_a_lossy_runs_offload_check_must_fit_before_anything_runs(extra: list[st
     assert "fewer or shorter prompts (--prompts, --max-prompt, --new-tokens)" in str(e.value)
 
 
+def test_the_batches_line_says_where_a_prompt_is_all_prefix() -> None:
+    """The second batch's prompts are 16 tokens shorter: a 30-token prefix leaves its 24-token
+    prompt all prefix, and the table says so rather than that it shares 30 tokens."""
+    rc, out, err = _run("--min-prompt", "40", "--max-prompt", "60", "--shared-prefix", "30")
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if x.strip().startswith("batches"))
+    assert "[44, 34, 24] + 6 sharing a 30-token prefix (a prompt shorter than it is all prefix)" in line, line
+    rc, out, err = _run("--min-prompt", "40", "--max-prompt", "60", "--shared-prefix", "24")
+    assert rc == 0 and "all prefix" not in out, out
+
+
 #: Machine figures fixed, so that every error line below is exact on any machine.
 _RAM = {"available_host_bytes": 64 << 30, "total_host_bytes": 128 << 30}
 _NEEDS = "3 prompts with a 16-row hot buffer and --prefill-chunk 8 need"

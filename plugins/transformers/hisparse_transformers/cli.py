@@ -164,7 +164,8 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                                             if c.get("kv_rows") == "fp8" else "") + ")"),
         ("batches", f"{c['prompts']} prompts of {_few(c['prompt_lengths'])} tokens + {c['new_tokens']} new; then "
                     f"{_few(c['second_batch_lengths'])} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
-                    "prefix"),
+                    "prefix" + (" (a prompt shorter than it is all prefix)"
+                                if min(c["second_batch_lengths"]) < c["shared_prefix"] else "")),
         ("budgets", f"{where} {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
                     "resident" + _none_released(c, s) + f"), host pool {e['host_pool_blocks']} pages"),
         ("throughput", ""),

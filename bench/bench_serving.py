@@ -939,6 +939,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
     p.add_argument("--smoke", action="store_true", help="tiny geometry on the CPU (checks this script end to end)")
     a = p.parse_args(argv)
+    if not (math.isfinite(a.dense_ffn_gb) and a.dense_ffn_gb >= 0):   # before --smoke shrinks it
+        print(f"bench_serving: --dense-ffn-gb={a.dense_ffn_gb:g}: expected GB >= 0 (0: no dense FFN)", file=sys.stderr)
+        return 2
     if a.smoke:
         a.contexts = a.contexts or "160"
         a.steps = 2 if a.steps is None else a.steps

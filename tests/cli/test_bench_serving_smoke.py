@@ -292,6 +292,8 @@ def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     (["--kv-rows", "fp8", "--modes", "hisparse,replay"], "--kv-rows='fp8' with --modes replay"),
     (["--fill-chunk", "0"], "--fill-chunk=0"),              # --smoke no longer overrides a chunk the user gave
     (["--block-size", "0"], "--block-size=0"),
+    (["--dense-ffn-gb", "-1"], "--dense-ffn-gb=-1"),
+    (["--dense-ffn-gb", "nan"], "--dense-ffn-gb=nan"),
     (["--host-gib", "0"], "--host-gib=0"),
     # each of these raised a traceback (after the model was built, for --seed and --hot-rows 8)
     (["--gpu-kv-gib", "nan"], "--gpu-kv-gib=nan"),

@@ -756,22 +756,6 @@ def run_replay_workload(layers: int, s: Sizes, b: int, a: argparse.Namespace, to
             "decode_mode": summary["decode_mode"]}
 
 
-def check_output_path(flag: str, path: str | None) -> str | None:
-    """Why `flag path` cannot be written, or None (no path given: nothing to write)."""
-    import os
-
-    if path is None:
-        return None
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return f"{flag} {path!r}: the folder {folder!r} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"{flag} {path!r}: the folder {folder!r} is not writable"
-    if os.path.isdir(path):
-        return f"{flag} {path!r} is a folder; expected a file name"
-    return None
-
-
 def tokens_per_s(r: dict[str, Any]) -> float:
     return 1e3 * r["batch"] / r["step_ms"] if r.get("step_ms") else float("nan")
 
@@ -989,10 +973,10 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             a.png = ""
     # both files are written after the whole run: checked before anything is built
-    from hisparse_core.cli.options import check_plot_path
+    from hisparse_core.cli.options import check_output_path, check_plot_path
 
-    why = (check_plot_path(a.png) or "").replace("--plot", "--png") if a.png else ""
-    why = why or check_output_path("--json", a.json)
+    why = (check_plot_path(a.png, flag="--png") if a.png else None) or (
+        check_output_path("--json", a.json) if a.json is not None else None)
     if why:
         print(f"bench_serving: {why}", file=sys.stderr)
         return 2

@@ -214,28 +214,36 @@ def check_torch_device(flag: str, text: str, command: str) -> str | None:
     return f"{flag} {text!r}: {command} runs on the CPU or a CUDA GPU only; expected {expected}"
 
 
-def check_plot_path(path: str) -> str | None:
-    """Why `--plot path` cannot be written, or None; checked before any work so none is wasted."""
+def check_output_path(flag: str, path: str, *, expected: str = "a file name") -> str | None:
+    """Why the file `flag path` names cannot be written (its folder missing or read-only, or a
+    folder given as the file), or None."""
     import os
 
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"{flag} {path!r}: the folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"{flag} {path!r}: the folder {folder!r} is not writable"
+    if os.path.isdir(path):
+        return f"{flag} {path!r} is a folder; expected {expected}"
+    return None
+
+
+def check_plot_path(path: str, flag: str = "--plot") -> str | None:
+    """Why `flag path` (a plot) cannot be written, or None; checked before any work so none is wasted."""
     if not path:  # `--plot ""` (an unset variable, say): no file to write, said before any work
-        return "--plot '': expected a file name such as plot.png"
+        return f"{flag} '': expected a file name such as plot.png"
     try:
         import matplotlib  # noqa: F401  (only when a plot is asked for)
     except ImportError as exc:
-        return f"--plot needs matplotlib, which cannot be imported ({exc}): pip install 'hisparse[plot]'"
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return f"--plot {path!r}: the folder {folder!r} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"--plot {path!r}: the folder {folder!r} is not writable"
-    if os.path.isdir(path):
-        return f"--plot {path!r} is a folder; expected a file name such as plot.png"
+        return f"{flag} needs matplotlib, which cannot be imported ({exc}): pip install 'hisparse[plot]'"
+    if why := check_output_path(flag, path, expected="a file name such as plot.png"):
+        return why
     from matplotlib.backend_bases import FigureCanvasBase
 
     accepted = sorted(FigureCanvasBase.get_supported_filetypes())
     if plot_format(path) not in accepted:
-        return (f"--plot {path!r}: matplotlib cannot write .{plot_format(path)} files; expected a name ending in "
+        return (f"{flag} {path!r}: matplotlib cannot write .{plot_format(path)} files; expected a name ending in "
                 f"{', '.join('.' + a for a in accepted)} (no extension: PNG)")
     return None
 

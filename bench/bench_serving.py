@@ -427,7 +427,7 @@ def parse_plan(a: argparse.Namespace) -> Plan:
 
     contexts = _ints("--contexts", a.contexts)
     assert contexts is not None
-    batches = _ints("--batches", a.batches, allow_max=True) if a.batches else None
+    batches = _ints("--batches", a.batches, allow_max=True) if a.batches is not None else None
     modes = [m.strip() for m in (",".join(MODES) + ",replay" if a.modes is None else a.modes).split(",")]
     bad = [m for m in modes if m not in MODES + ("replay",)]
     if bad:
@@ -850,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPU KV budget of every mode, indexer keys included (default 24; --smoke: 320 KiB)")
     p.add_argument("--host-gib", type=float, default=None, help="host pool limit (pinned; default 100; --smoke: 0.001)")
     p.add_argument("--max-context", type=int, default=None, help="default 132096; --smoke: 4096")
-    p.add_argument("--batches", default="",
+    p.add_argument("--batches", default=None,
                    help="comma list, 'max' standing for hisparse's largest at each context and 'budget' for "
                         "all-resident's largest at the fixed budget (--gpu-kv-gib); a batch a context cannot "
                         "hold is left out there (refused only where no context can); default: powers of two up to "

@@ -293,6 +293,7 @@ def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     (["--fill-chunk", "0"], "--fill-chunk=0"),              # --smoke no longer overrides a chunk the user gave
     (["--block-size", "0"], "--block-size=0"),
     (["--dense-ffn-gb", "-1"], "--dense-ffn-gb=-1"),
+    (["--batches", ""], "--batches=''"),                   # ran the default batches: '' was the default
     (["--dense-ffn-gb", "nan"], "--dense-ffn-gb=nan"),
     (["--host-gib", "0"], "--host-gib=0"),
     # each of these raised a traceback (after the model was built, for --seed and --hot-rows 8)

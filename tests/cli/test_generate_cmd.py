@@ -192,6 +192,13 @@ def test_the_batches_line_says_where_a_prompt_is_all_prefix() -> None:
     assert rc == 0 and "all prefix" not in out, out
 
 
+def test_the_table_counts_one_layer_and_one_step_in_the_singular() -> None:
+    rc, out, err = _run("--layers", "1", "--new-tokens", "1")
+    assert rc == 0, err
+    assert ": 1 layer in index groups" in out and "over 1 step" in out, out
+    assert "1 layers" not in out and "over 1 steps" not in out, out
+
+
 #: Machine figures fixed, so that every error line below is exact on any machine.
 _RAM = {"available_host_bytes": 64 << 30, "total_host_bytes": 128 << 30}
 _NEEDS = "3 prompts with a 16-row hot buffer and --prefill-chunk 8 need"

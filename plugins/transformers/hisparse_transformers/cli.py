@@ -144,6 +144,11 @@ def _none_released(c: dict, s: dict) -> str:  # type: ignore[type-arg]
     return "; the engine's floor for this batch holds every page, so no page is released: longer prompts offload"
 
 
+def _n(count: int, noun: str) -> str:
+    """`count` `noun`s, the noun singular for one."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _few(lengths: list[int]) -> str:
     """Prompt lengths for a line of text: every one of a few, else the first three and the last."""
     return str(lengths) if len(lengths) <= 6 else f"[{', '.join(map(str, lengths[:3]))}, ..., {lengths[-1]}]"
@@ -158,7 +163,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     where = kv_place(e["device"])
     rows = [
         ("backend", f"{e['backend']} on {e['device']}"),
-        ("model", f"tiny random {c['name']} ({c['model']}, {c['dtype']}): {c['layers']} layers in index groups "
+        ("model", f"tiny random {c['name']} ({c['model']}, {c['dtype']}): {_n(c['layers'], 'layer')} in index groups "
                   f"{e['index_groups']}, top-k {c['top_k']}, hot buffer {e['hot_rows']} rows, row {e['row_format']} "
                   f"({e['row_bytes']} B" + (f"; the model's own rows {e['model_row_bytes']} B"
                                             if c.get("kv_rows") == "fp8" else "") + ")"),
@@ -194,9 +199,9 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         *([("reference", "the model alone reading its normed latent rounded to fp8 as hisparse stores it "
                          "(--kv-rows fp8)")] if c.get("kv_rows") == "fp8" else []),
         ("first batch", f"tokens {'identical' if f1['tokens_identical'] else 'DIFFER'}, max abs logit diff "
-                        f"{f1['max_abs_logit_diff']:.2e} over {f1['steps']} steps"),
+                        f"{f1['max_abs_logit_diff']:.2e} over {_n(f1['steps'], 'step')}"),
         ("second batch", f"tokens {'identical' if f2['tokens_identical'] else 'DIFFER'}, max abs logit diff "
-                         f"{f2['max_abs_logit_diff']:.2e} over {f2['steps']} steps"),
+                         f"{f2['max_abs_logit_diff']:.2e} over {_n(f2['steps'], 'step')}"),
         ("rows checked", f"{x['rows_checked']} rows read, each "
                          f"{'within fp8 rounding of' if c.get('kv_rows') == 'fp8' else 'equal to'} the model's own "
                          f"latent (max abs diff {x['rows_max_abs_diff']:.1e})"),
@@ -208,7 +213,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     judged_by_stored = st is not None and st["judged"]
     if st is not None:
         rows.append(("stored rows", f"teacher-forced, the model alone reading the very latents hisparse stored: max "
-                                    f"abs logit diff {st['max_abs_logit_diff']:.2e} over {st['steps']} steps; "
+                                    f"abs logit diff {st['max_abs_logit_diff']:.2e} over {_n(st['steps'], 'step')}; "
                                     f"the model itself rounds {st['rounding_flips']} of {st['latent_values']} "
                                     "latent values to another fp8 value (float noise at a rounding boundary; "
                                     "padding positions not compared)" + ("" if st.get("judged", True) else
@@ -226,7 +231,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         rows.append(("offload", f"teacher-forced, hisparse at this budget against the same engine under one that "
                                 f"releases no page ({off['all_resident_released_pages']} released; its "
                                 f"{off['all_resident_misses']} misses are prefix-hit pages, which start in the host "
-                                f"pool): max abs logit diff {off['max_abs_logit_diff']:.2e} over {off['steps']} steps"))
+                                f"pool): max abs logit diff {off['max_abs_logit_diff']:.2e} over {_n(off['steps'], 'step')}"))
     causes = []          # every check that failed, the offload check first
     if off is not None and not off["exact"]:
         causes.append(f"offloading moved the logits by {off['max_abs_logit_diff']:.2e}: expected the all-resident "

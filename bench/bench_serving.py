@@ -253,6 +253,7 @@ class Sizes:
 
 def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace, keys: str = "model",
               rows: str = "model") -> Sizes:
+    from hisparse_transformers.engine import chunk_pages_for
     from hisparse_transformers.index_keys import bytes_per_key
     from hisparse_transformers.kv_rows import LatentRows
 
@@ -271,9 +272,8 @@ def sizes_for(model_cfg: Any, layers: int, context: int, a: argparse.Namespace, 
     block_bytes = layers * bs * fmt.row_bytes
     idx = layers * context * bytes_per_key(keys, model_cfg.index_head_dim, elem)
     static = (context + a.warmup + a.steps + 8) * layers * (width * elem + model_cfg.index_head_dim * elem)
-    # pages a request writes in a step: no forward holds more than max_context tokens (the engine's rule)
-    chunk_pages = -(-min(a.fill_chunk, max_context) // bs) + 1
-    return Sizes(context, max_context, block_bytes, -(-max_context // bs), hot_rows // bs, chunk_pages,
+    return Sizes(context, max_context, block_bytes, -(-max_context // bs), hot_rows // bs,
+                 chunk_pages_for(a.fill_chunk, max_context, bs),
                  idx, static, int(a.host_gib * 2**30) // block_bytes - 1, int(a.gpu_kv_gib * 2**30),
                  int((a.all_resident_gib or a.gpu_kv_gib) * 2**30), layers, fmt.row_bytes, indexer_keys=keys,
                  kv_rows=rows)

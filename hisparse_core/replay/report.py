@@ -17,9 +17,13 @@ def pct(x: float) -> str:
     return f"{100.0 * x:.2f}%"
 
 
+#: What a hit rate says where no lookup went through the hot buffer (a rate of nothing is no 100%).
+NO_LOOKUPS = "n/a: no lookup went through the hot buffer"
+
+
 def hit_rate(rate: float, lookups: int) -> str:
-    """A hot-buffer hit rate, or n/a where no lookup went through the buffer (a rate of nothing is no 100%)."""
-    return pct(rate) if lookups else "n/a: no lookup went through the hot buffer (0 hits, 0 misses)"
+    """A hot-buffer hit rate, or n/a where no lookup went through the buffer."""
+    return pct(rate) if lookups else f"{NO_LOOKUPS} (0 hits, 0 misses)"
 
 
 def render_table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:

@@ -155,7 +155,7 @@ def _few(lengths: list[int]) -> str:
 
 
 def _table(result: dict) -> str:  # type: ignore[type-arg]
-    from hisparse_core.replay.report import hit_rate, human_bytes, pct, render_table
+    from hisparse_core.replay.report import NO_LOOKUPS, human_bytes, pct, render_table
 
     c, e, s, x = result["config"], result["engine"], result["stats"], result["exactness"]
     f1, f2 = x["first_batch"], x["second_batch"]
@@ -180,8 +180,8 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         ("wall time", f"hisparse {result['seconds']['hisparse']:.1f} s, transformers alone "
                       f"{result['seconds']['transformers_alone']:.1f} s"),
         ("hot buffer", ""),
-        ("hit rate", (f"{pct(s['hit_rate'])} ({s['hits']} hits, {s['misses']} misses; " if s['hits'] + s['misses']
-                      else f"{hit_rate(s['hit_rate'], 0)[:-1]}; ") + f"{s['resident']} entries from resident pages)"),
+        ("hit rate", (pct(s["hit_rate"]) if s["hits"] + s["misses"] else NO_LOOKUPS)
+                     + f" ({s['hits']} hits, {s['misses']} misses; {s['resident']} entries from resident pages)"),
         ("pages released", f"{s['released_pages']} released, {s['lost_pages']} then host-only (read through the "
                            "hot buffer)"),
         ("prefix hits", f"{s['prefix_hit_tokens']} tokens taken from the host pool"),
@@ -274,7 +274,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     from hisparse_core.errors import CapacityError, InvalidInputError
     from hisparse_core.units import ceil_size, floor_size, human_bytes
     from hisparse_transformers.demo import DemoConfig, comparison_pages, rounding_of
-    from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, required_gpu_blocks
+    from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, chunk_pages_for, required_gpu_blocks
     from hisparse_transformers.kv_rows import LatentRows
     from hisparse_transformers.tiny import TinyShape
 
@@ -293,9 +293,8 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     block_bytes = args.layers * bs * row_bytes
     lengths = DemoConfig(prompts=args.prompts, min_prompt=args.min_prompt, max_prompt=args.max_prompt,
                          shared_prefix=0).lengths()
-    # no forward holds more than max_context tokens (the engine sizes its pool so)
-    chunk = min(args.prefill_chunk, max(lengths) + args.new_tokens)
-    floor = required_gpu_blocks(args.prompts, args.hot_rows // bs, _cdiv(chunk, bs) + 1)
+    floor = required_gpu_blocks(args.prompts, args.hot_rows // bs,
+                                chunk_pages_for(args.prefill_chunk, max(lengths) + args.new_tokens, bs))
     needs = f"{args.prompts} prompts with a {args.hot_rows}-row hot buffer and --prefill-chunk {args.prefill_chunk} need"
     if args.gpu_kv is not None:
         given = args.gpu_kv // block_bytes

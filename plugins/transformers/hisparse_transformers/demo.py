@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from hisparse_core.backend import Backend
-from hisparse_transformers.engine import required_gpu_blocks
+from hisparse_transformers.engine import chunk_pages_for, required_gpu_blocks
 from hisparse_transformers.forced import forced_logits
 from hisparse_transformers.kv_rows import LatentRows, StoredLatents, check_row_kind, model_reads_stored_rows
 from hisparse_transformers.tiny import TinyShape, random_prompts, tiny_model
@@ -231,9 +231,8 @@ def run_demo(c: DemoConfig, progress: Progress | None = None, backend: Backend |
     block_bytes = c.layers * c.block_size * rows_of(model).fmt.row_bytes
     all_resident = sum(-(-(n + c.new_tokens) // c.block_size) for n in lengths)
     max_context = max(lengths) + c.new_tokens
-    # no forward holds more than max_context tokens (the engine sizes its pool so)
-    chunk_pages = -(-min(c.prefill_chunk, max_context) // c.block_size) + 1
-    floor = required_gpu_blocks(c.prompts, -(-c.hot_rows // c.block_size), chunk_pages)
+    floor = required_gpu_blocks(c.prompts, -(-c.hot_rows // c.block_size),
+                                chunk_pages_for(c.prefill_chunk, max_context, c.block_size))
     pages = c.gpu_kv_pages or max(floor, int(0.6 * all_resident))
     gpu_gib = pages * block_bytes / 2**30
 

@@ -130,6 +130,13 @@ def required_gpu_blocks(max_batch: int, hot_blocks: int, chunk_pages: int) -> in
         max_batch, hot_blocks, chunk_pages)
 
 
+def chunk_pages_for(prefill_chunk: int, max_context: int, block_size: int, spec_rows: int = 0) -> int:
+    """The most pages one request writes in a step (`required_gpu_blocks`' `chunk_pages`): a
+    prefill chunk or a verification step's `spec_rows`, never more than `max_context` tokens (no
+    forward holds more), one page more where it straddles a page boundary."""
+    return _cdiv(min(max(prefill_chunk, spec_rows), max_context), block_size) + 1
+
+
 def pressure_watermark(max_batch: int, hot_blocks: int, chunk_pages: int) -> int:
     """Free GPU blocks below which the coordinator releases clean pages: one step's allocations of
     every request plus one hot buffer, since a request leases its hot buffer (from the free
@@ -285,8 +292,7 @@ class HiSparseEngine:
         self.hot_rows = hot_rows
         self.hot_blocks = hot_rows // bs
         self.max_pages = _cdiv(c.max_context, bs)
-        # no forward holds more than max_context tokens, whatever prefill_chunk says
-        self.chunk_pages = _cdiv(min(max(c.prefill_chunk, self.spec_rows), c.max_context), bs) + 1
+        self.chunk_pages = chunk_pages_for(c.prefill_chunk, c.max_context, bs, self.spec_rows)
         L = layout.num_layers
         pf = c.prefetch_next_group
         if not isinstance(pf, bool) and any(g >= len(layout.groups) - 1 for g in pf):

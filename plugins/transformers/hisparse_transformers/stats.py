@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from hisparse_core.replay.report import NO_LOOKUPS
 from hisparse_core.units import human_bytes
 
 
@@ -102,7 +103,7 @@ class HiSparseStats:
             f"  top-k entries: {self.resident} from resident pages, {self.hits} hot-buffer hits, "
             f"{self.misses} misses ("
             + (f"{100 * self.hit_rate:.1f}% hits)" if self.hits + self.misses else
-               "n/a: no lookup went through the hot buffer)"),
+               f"{NO_LOOKUPS})"),
             f"  bytes: {human_bytes(self.h2d_bytes)} host to device, {human_bytes(self.d2h_bytes)} device to host, "
             f"{human_bytes(self.prefill_host_bytes)} read from the host pool by prefill",
             f"  GPU KV per request: {human_bytes(self.gpu_kv_bytes_per_request)} "

@@ -8,10 +8,11 @@ top-k of the step before (not built: what it would buy). Critical misses are the
 for a group's own top-k; prefetch misses are copied while the previous group's attention runs.
 
 The hot buffer and the resident pages per request follow bench_serving.py's sizing of the same
-flags (`--layers`, `--gpu-kv-gib`, DeepSeek-V3.2's geometry, top-k 2048, 2x hot rows): the GPU
-pool less every request's hot buffer and the coordinator's watermark, spread evenly over the
-batch, the active tail among them (`--resident-pages N` overrides; `--indexer-keys` and
-`--fill-chunk` as bench_serving.py takes them). H2D bytes are misses times the row: bf16's 1152
+flags (`--layers`, `--gpu-kv-gib`, DeepSeek-V3.2's geometry, top-k 2048, `--hot-rows`, 0 for 2x
+top-k): the GPU pool less every request's hot buffer and the coordinator's watermark, spread evenly
+over the batch, the active tail among them (`--resident-pages N` overrides; `--indexer-keys`,
+`--fill-chunk` and `--hot-rows` as bench_serving.py takes them; the LRU replay's buffers hold
+`--hot-rows` rows a group). H2D bytes are misses times the row: bf16's 1152
 bytes, or 656 with `--kv-rows fp8` (DeepSeek-V3.2's fp8_ds_mla, `enable(kv_rows="fp8")`), which
 also sizes the pool in those rows.
 
@@ -31,6 +32,8 @@ prefetched MB` within 0.21 ms (least squares, no constant: the critical copies w
 Run:  python bench/bench_prefetch_locality.py
       python bench/bench_prefetch_locality.py --geometries 32768:43 --regimes code --references spread/20,21,22,23
       python bench/bench_prefetch_locality.py --geometries 32768:43 --plans off,next,auto,res,res+next,res+auto
+      python bench/bench_prefetch_locality.py --geometries 32768:132 --references spread --plans off --indexer-keys fp8 \
+          --kv-rows fp8 --hot-rows 2048 --fill-chunk 64 --all-resident-ms ""
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hisparse_core.geometry import MAX_HOT_ROWS  # noqa: E402
 from hisparse_core.replay.locality import parse_reference_layers  # noqa: E402
 from hisparse_core.replay.prefetch_sim import request_trace, simulate  # noqa: E402
 
@@ -83,8 +87,9 @@ def geometry(text: str) -> list[tuple[int, int]]:
 
 
 def resident_per_request(context: int, batch: int, layers: int, gpu_kv_gib: float, keys: str = "model",
-                         rows: str = "model", fill_chunk: int = 1024) -> tuple[int, int, int]:
-    """(resident pages per request, hot rows, row bytes) as bench_serving.py sizes hisparse's pool."""
+                         rows: str = "model", fill_chunk: int = 1024, hot_rows: int = 0) -> tuple[int, int, int]:
+    """(resident pages per request, hot rows, row bytes) as bench_serving.py sizes hisparse's pool
+    (`hot_rows`: bench_serving's --hot-rows, 0 for 2x the model's top-k)."""
     from bench_serving import sizes_for
     from bench_transformers import GEOMETRY
     from transformers import DeepseekV32Config
@@ -92,7 +97,7 @@ def resident_per_request(context: int, batch: int, layers: int, gpu_kv_gib: floa
     from hisparse_transformers.engine import pressure_watermark
 
     cfg = DeepseekV32Config(num_hidden_layers=layers, **GEOMETRY)
-    a = argparse.Namespace(block_size=64, smoke=False, warmup=5, steps=5, max_context=context + 1024, hot_rows=0,
+    a = argparse.Namespace(block_size=64, smoke=False, warmup=5, steps=5, max_context=context + 1024, hot_rows=hot_rows,
                            fill_chunk=fill_chunk, host_gib=100.0, gpu_kv_gib=gpu_kv_gib, all_resident_gib=None)
     s = sizes_for(cfg, layers, context, a, keys, rows)
     if s.largest("hisparse") < batch:
@@ -123,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-kv-gib", type=float, default=3.0)
     p.add_argument("--top-k", type=int, default=2048)
     p.add_argument("--resident-pages", type=int, default=-1,
-                   help="resident pages a request, hot rows 2x top-k, without bench_serving's sizing (-1: from it)")
+                   help="resident pages a request, without bench_serving's sizing (-1: from it)")
+    p.add_argument("--hot-rows", type=int, default=0,
+                   help="hot-buffer rows a request a group, a multiple of 64 in [--top-k, a runtime's limit] "
+                        "(0: 2x top-k), as bench_serving.py takes them: the LRU buffers and the sizing")
     p.add_argument("--kv-rows", default="model", choices=("model", "fp8"),
                    help="how the latent rows are stored: the bytes a miss copies and the pool's sizing")
     p.add_argument("--indexer-keys", default="model", choices=("model", "fp8"), help="the sizing's indexer keys")
@@ -149,13 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         base_ms = all_resident_ms(a.all_resident_ms)
         if a.fill_chunk <= 0:
             raise ValueError(f"--fill-chunk={a.fill_chunk}: expected a positive number of prompt tokens a forward")
+        if a.hot_rows and (a.hot_rows < 0 or a.hot_rows % 64 or not a.top_k <= a.hot_rows <= MAX_HOT_ROWS):
+            raise ValueError(f"--hot-rows={a.hot_rows}: expected 0 (2x top-k) or a multiple of the 64-token block in "
+                             f"[{a.top_k} (--top-k), {MAX_HOT_ROWS}]")
         if a.steps <= 0 or a.warmup < 1:
             raise ValueError(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 1")
         if a.resident_pages >= 0:   # no sizing: e.g. a 61-layer model at the 4-layer bench's pages and hot rows
-            sizing = {g: (a.resident_pages, 2 * a.top_k, row_bytes_of(a.kv_rows)) for g in geos}
+            sizing = {g: (a.resident_pages, a.hot_rows or 2 * a.top_k, row_bytes_of(a.kv_rows)) for g in geos}
         else:
-            sizing = {g: resident_per_request(*g, a.layers, a.gpu_kv_gib, a.indexer_keys, a.kv_rows, a.fill_chunk)
-                      for g in geos}
+            sizing = {g: resident_per_request(*g, a.layers, a.gpu_kv_gib, a.indexer_keys, a.kv_rows, a.fill_chunk,
+                                              a.hot_rows) for g in geos}
     except ValueError as exc:
         print(f"bench_prefetch_locality: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,57 @@
+"""`bench/bench_prefetch_locality.py --hot-rows`: the CPU simulation's hot buffer, as bench_serving.py
+takes it (0: 2x top-k), sizes the pool (fewer hot rows leave more resident pages a request and
+a larger batch) and the LRU replay; a bad value is one line naming the flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_prefetch_locality.py"
+TINY = ["--geometries", "32768:2", "--regimes", "benign", "--references", "spread", "--plans", "off",
+        "--warmup", "1", "--steps", "1", "--indexer-keys", "fp8", "--kv-rows", "fp8", "--all-resident-ms", ""]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+
+
+def footer(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("# 32K batch"))
+
+
+def test_hot_rows_size_the_pool_and_the_buffers() -> None:
+    default, half = run(*TINY), run(*TINY, "--hot-rows", "2048")
+    assert default.returncode == 0 and half.returncode == 0, default.stderr[-2000:] + half.stderr[-2000:]
+    assert footer(default.stdout).endswith(" 4096 hot rows"), default.stdout
+    assert footer(half.stdout).endswith(" 2048 hot rows"), half.stdout
+    # the 32 blocks a request the buffer gives back become resident pages
+    pages = [int(footer(r.stdout).split(": ")[1].split()[0]) for r in (default, half)]
+    assert pages[1] > pages[0], pages
+    # with the sizing bypassed the flag still sets the replay's buffers
+    fixed = run(*TINY, "--resident-pages", "17", "--hot-rows", "2560")
+    assert fixed.returncode == 0 and footer(fixed.stdout).endswith(": 17 resident pages a request (sinks' and active "
+                                                                   "tail's among them), 2560 hot rows"), fixed.stdout
+
+
+def test_fewer_hot_rows_hold_a_larger_batch() -> None:
+    """At 32K, 3 GiB, fp8 keys and rows, 64-token fill chunks: 107 requests with 4096 hot rows, 132
+    with 2048 (bench_serving.py's sizing)."""
+    geo = ["--geometries", "32768:132", "--fill-chunk", "64"]
+    too_many = run(*TINY, *geo)
+    assert too_many.returncode == 2 and "hisparse holds at most 107" in too_many.stderr, too_many.stderr
+    held = run(*TINY, *geo, "--hot-rows", "2048")
+    assert held.returncode == 0, held.stderr[-2000:]
+    assert footer(held.stdout).startswith("# 32K batch 132: 8 resident pages a request"), held.stdout
+
+
+@pytest.mark.parametrize("value", ["100", "1024", "-64", "40960"])
+def test_a_bad_hot_rows_is_one_line(value: str) -> None:
+    out = run(*TINY, "--hot-rows", value)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and f"--hot-rows={value}" in out.stderr, out.stderr

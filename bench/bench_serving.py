@@ -842,6 +842,19 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def print_sizing(sizes: list[Sizes], plan: Plan, stores_alts: list[bool], fill_chunk: int,
+                 key_bytes: dict[str, int]) -> None:
+    """Each context's largest batch per mode at the budget and its capacity line (what a run sizes)."""
+    for s in sizes:
+        extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
+                        for x in plan.resident if x and False in stores_alts)
+        keys = (f" (indexer keys {s.indexer_keys})" if plan.keys != ["model"] else "") + (
+            f" (latent rows {s.kv_rows}, {s.row_bytes} B)" if plan.rows != ["model"] else "")
+        print(f"# T={s.context}{keys}: largest batch hisparse {s.largest('hisparse')}, all-resident "
+              f"{s.largest('all-resident')}, transformers {s.largest('transformers')}{extra}", flush=True)
+        print(s.capacity_line(fill_chunk, key_bytes), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -922,6 +935,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--png", default="bench_serving.png", help="the tokens/s against batch plot")
     p.add_argument("--smoke", action="store_true", help="tiny geometry on the CPU (checks this script end to end)")
+    p.add_argument("--sizing", action="store_true",
+                   help="print each context's largest batches and capacity at the budget, as a run would size them, "
+                        "and exit (no model is built; needs no GPU)")
     a = p.parse_args(argv)
     if not (math.isfinite(a.dense_ffn_gb) and a.dense_ffn_gb >= 0):   # before --smoke shrinks it
         print(f"bench_serving: --dense-ffn-gb={a.dense_ffn_gb:g}: expected GB >= 0 (0: no dense FFN)", file=sys.stderr)
@@ -961,7 +977,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_serving: --skip-indexer needs --topk-model benign or code (the indexer's choice is what "
               "--topk-model indexer attends)", file=sys.stderr)
         return 2
-    if not a.smoke and not torch.cuda.is_available():
+    if a.sizing:
+        a.png, a.json = "", None   # nothing is run, so nothing is written
+    if not a.smoke and not a.sizing and not torch.cuda.is_available():
         print("bench_serving: needs a CUDA GPU (this torch sees none); expected --smoke for the tiny geometry on the "
               "CPU", file=sys.stderr)
         return 2
@@ -1016,6 +1034,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadSize as exc:
         print(f"bench_serving: {exc}", file=sys.stderr)
         return 2
+    if a.sizing:
+        print_sizing(sizes, plan, stores_alts, a.fill_chunk, key_bytes)
+        return 0
     import transformers
 
     model = build_model(geometry, a.layers, max(s.max_context for s in sizes), device,
@@ -1049,14 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# locality model's reference layers (of 61) the model's layers stand for: "
               + " / ".join(f"{x}" + (" (spread)" if not reference_label(x, a.layers) else "") for x in plan.references)
               + " (--reference-layers; all-resident rows take the first)", flush=True)
-    for s in sizes:
-        extra = "".join(f", hisparse with resident layers {list(x)} {s.with_resident(x).largest('hisparse')}"
-                        for x in plan.resident if x and False in stores_alts)
-        keys = (f" (indexer keys {s.indexer_keys})" if plan.keys != ["model"] else "") + (
-            f" (latent rows {s.kv_rows}, {s.row_bytes} B)" if plan.rows != ["model"] else "")
-        print(f"# T={s.context}{keys}: largest batch hisparse {s.largest('hisparse')}, all-resident "
-              f"{s.largest('all-resident')}, transformers {s.largest('transformers')}{extra}", flush=True)
-        print(s.capacity_line(a.fill_chunk, key_bytes), flush=True)
+    print_sizing(sizes, plan, stores_alts, a.fill_chunk, key_bytes)
     rows: list[dict[str, Any]] = []
 
     def emit(r: dict[str, Any], t0: float) -> None:

@@ -324,3 +324,22 @@ def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> N
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.count("\n") == 1 and flag in out.stderr, out.stderr
+
+
+def test_sizing_prints_the_production_capacity_without_a_gpu(tmp_path: Path) -> None:
+    """--sizing: DeepSeek-V3.2's geometry at 32K, fp8 keys and rows, a 2048-row hot buffer, sized as a
+    run would and checked against the arithmetic written out here; nothing is built or written."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--sizing", "--contexts", "32768", "--gpu-kv-gib", "3",
+                          "--indexer-keys", "fp8", "--kv-rows", "fp8", "--hot-rows", "2048", "--fill-chunk", "64"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
+    # A block: 64 tokens x 4 layers x 656 B; keys 32768 x 4 x 132 B. The pages of a request: 32768 + 1024
+    # of max context over 64, + 1 (514). hisparse: 32 hot + 2 tail + 3 x 2 recent + 2 watermark blocks and
+    # its keys each, and one more hot buffer of watermark; all-resident: 514 pages + the same 42 blocks.
+    block, keys, budget = 64 * 4 * 656, 32768 * 4 * 132, 3 * 2**30
+    hisparse = (budget - 32 * block) // (42 * block + keys)
+    all_resident = budget // ((514 + 42) * block + keys)
+    assert (hisparse, all_resident) == (132, 29)
+    assert f"capacity {hisparse / all_resident:.2f}x" in out.stdout, out.stdout
+    assert "-> 132; all-resident a request: 514 pages + the engine's same 42-block minimum" in out.stdout
+    assert list(tmp_path.iterdir()) == []

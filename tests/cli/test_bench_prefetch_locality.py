@@ -25,6 +25,11 @@ def footer(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("# 32K batch"))
 
 
+def critical_misses(stdout: str) -> int:
+    row = next(line for line in stdout.splitlines() if line.startswith("| 32K |"))
+    return int(row.split("|")[6].replace(",", ""))
+
+
 def test_hot_rows_size_the_pool_and_the_buffers() -> None:
     default, half = run(*TINY), run(*TINY, "--hot-rows", "2048")
     assert default.returncode == 0 and half.returncode == 0, default.stderr[-2000:] + half.stderr[-2000:]
@@ -37,6 +42,11 @@ def test_hot_rows_size_the_pool_and_the_buffers() -> None:
     fixed = run(*TINY, "--resident-pages", "17", "--hot-rows", "2560")
     assert fixed.returncode == 0 and footer(fixed.stdout).endswith(": 17 resident pages a request (sinks' and active "
                                                                    "tail's among them), 2560 hot rows"), fixed.stdout
+    # the same resident pages, a smaller LRU buffer: once a few steps' top-k outgrow it, it misses more
+    steps = ["--resident-pages", "17", "--warmup", "4", "--steps", "2"]
+    small, large = run(*TINY, *steps, "--hot-rows", "2048"), run(*TINY, *steps)
+    assert small.returncode == 0 and large.returncode == 0, small.stderr[-2000:] + large.stderr[-2000:]
+    assert critical_misses(small.stdout) > critical_misses(large.stdout), (small.stdout, large.stdout)
 
 
 def test_fewer_hot_rows_hold_a_larger_batch() -> None:

@@ -275,6 +275,14 @@ class _Pass:
             self.broken(plugin, exc, "import")
             return
         try:
+            hash(plugin.module)
+        except TypeError:
+            # pluggy keeps plugins in sets: one unhashable object would fail every plugin's collect.
+            self.broken(plugin, TypeError(
+                f"entry point {ep.value!r} is a {type(plugin.module).__name__} object, which is unhashable; "
+                "expected a module (or a class) holding the @hookimpl hisparse_register_backends"), "register")
+            return
+        try:
             self.pm.register(plugin.module, name=ep.name)
         except Exception as exc:
             self.broken(plugin, exc, "register")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -20,7 +21,14 @@ from core_support import FakeSite, plugin_source
 from hisparse_core.backend import API_VERSION, Backend
 from hisparse_core.cli import main
 from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
-from hisparse_core.registry import BackendStatus, get_registry, resolve_backend_class, select_backend
+from hisparse_core.registry import (
+    ENTRY_POINT_GROUP,
+    BackendRegistry,
+    BackendStatus,
+    get_registry,
+    resolve_backend_class,
+    select_backend,
+)
 
 # --- statuses -------------------------------------------------------------------------------
 
@@ -130,6 +138,22 @@ def test_hookimpl_with_unknown_argument_is_broken(fake_site: FakeSite) -> None:
     entry = fake_site.registry().get("wrongarg")
     assert entry.status is BackendStatus.BROKEN
     assert "registrar" in (entry.reason or "")
+
+
+def test_an_unhashable_entry_point_object_is_broken_and_the_others_still_work(fake_site: FakeSite) -> None:
+    # pluggy keeps plugins in sets; an unhashable one took discovery (and every backend) down.
+    package = fake_site.backend("fine")
+    fake_site.backend("odd", plugin_source_text=(
+        "import types\n\nfrom hisparse_core import hookimpl\n\n\n@hookimpl\n"
+        "def hisparse_register_backends(register):\n    pass\n\n\n"
+        "PLUGIN = types.SimpleNamespace(hisparse_register_backends=hisparse_register_backends)\n"))
+    odd = importlib.metadata.EntryPoint("odd", f"{package.removesuffix('_fine')}_odd.plugin:PLUGIN", ENTRY_POINT_GROUP)
+    fine = [ep for ep in fake_site.entry_points() if ep.name == "fine"]
+    reg = BackendRegistry.discover([*fine, odd], {})
+    entry = reg.get("odd")
+    assert entry.status is BackendStatus.BROKEN
+    assert entry.reason is not None and "SimpleNamespace" in entry.reason and "expected a module" in entry.reason
+    assert reg.get("fine").available
 
 
 def test_invalid_spec_is_rejected_naming_the_bad_value(fake_site: FakeSite) -> None:

@@ -50,6 +50,19 @@ def test_an_unknown_backend_fails_once_with_a_usage_error(tmp_path: Path, args: 
     assert len(output.strip().splitlines()) <= 3 and "Traceback" not in output, output[-3000:]
 
 
+@pytest.mark.parametrize("value", ["", " "], ids=["empty", "blank"])
+def test_an_empty_backend_option_is_a_usage_error_not_reference_cpu(tmp_path: Path, value: str) -> None:
+    """`--hisparse-backend "$BACKEND"` with the variable unset must not test reference_cpu and pass."""
+    proc = run_pytest(["--pyargs", "hisparse_conformance", f"--hisparse-backend={value}", "-q", "-p",
+                       "no:cacheprovider"], tmp_path, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 4, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("ERROR")]
+    assert errors == [f"ERROR: --hisparse-backend is empty ({value!r}); expected a backend name (`hisparse backends` "
+                      "lists them), or leave the option out to test $HISPARSE_BACKEND, else reference_cpu"], output[-3000:]
+    assert "Traceback" not in output and "passed" not in output, output[-3000:]
+
+
 def test_plugin_is_passive_in_unrelated_sessions(tmp_path: Path) -> None:
     """Loaded into every pytest session, it imports neither torch nor a backend there."""
     (tmp_path / "test_unrelated.py").write_text(textwrap.dedent("""

@@ -51,6 +51,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if examples is not None and examples < 1:
         raise pytest.UsageError(f"--hisparse-examples must be >= 1, got {examples}")
     examples_override = examples
+    backend = config.getoption("hisparse_backend")
+    if backend is not None and not backend.strip():
+        # `--hisparse-backend "$BACKEND"` with the variable unset would otherwise test reference_cpu.
+        raise pytest.UsageError(f"--hisparse-backend is empty ({backend!r}); expected a backend name (`hisparse "
+                                f"backends` lists them), or leave the option out to test ${ENV_BACKEND}, else "
+                                f"{DEFAULT_BACKEND}")
     if _suite_requested(config):
         _require_backend(config)
 

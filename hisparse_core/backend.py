@@ -87,6 +87,10 @@ class Backend(ABC):
         """
         from hisparse_core.errors import InvalidInputError
 
+        if Capability.VLLM_OPS in self.capabilities:
+            raise InvalidInputError(f"backend {self.name!r} declares {Capability.VLLM_OPS!r} but does not implement "
+                                    "Backend.vllm_ops(); expected an override returning a "
+                                    "hisparse_core.vllm_ops.VllmHiSparseOps (or drop the capability)")
         raise InvalidInputError(f"backend {self.name!r} does not declare {Capability.VLLM_OPS!r}")
 
     def describe(self) -> dict[str, object]:

@@ -432,6 +432,26 @@ def test_capability_drift_is_reported_once_at_selection(fake_site: FakeSite, cap
     assert reg.spec("drifty").capabilities == frozenset({"index_sharing"})  # the registration as made
 
 
+@pytest.mark.parametrize("capabilities, needle", [
+    (frozenset(), "backend 'plain' does not declare 'vllm_ops'"),
+    (frozenset({"vllm_ops"}), "backend 'plain' declares 'vllm_ops' but does not implement Backend.vllm_ops(); "
+                              "expected an override returning a hisparse_core.vllm_ops.VllmHiSparseOps"),
+], ids=["undeclared", "declared"])
+def test_the_default_vllm_ops_says_whether_the_capability_was_declared(capabilities: frozenset[str],
+                                                                      needle: str) -> None:
+    from hisparse_core.errors import InvalidInputError
+
+    class Plain(Backend):
+        name = "plain"
+        version = "1.0"
+        device = create_host_pool = create_runtime = create_transfer_engine = None
+
+    Plain.capabilities = capabilities
+    with pytest.raises(InvalidInputError) as raised:
+        Plain().vllm_ops()
+    assert str(raised.value).startswith(needle)
+
+
 def test_matching_capabilities_are_silent(fake_site: FakeSite, caplog: pytest.LogCaptureFixture) -> None:
     fake_site.backend("steady")
     with caplog.at_level(logging.WARNING, logger="hisparse_core"):

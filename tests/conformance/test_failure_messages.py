@@ -46,3 +46,42 @@ def test_a_broken_clause_is_named_in_the_failure(tmp_path: Path) -> None:
     assert failed["test_embedded.test_release_is_idempotent_and_final"] == (
         "Failed: contract: layer_view(layer) rejects a negative layer (the call returned instead of raising "
         "InvalidInputError)")
+
+
+@pytest.mark.parametrize("drop, add, message", [
+    ({"speculative_union"}, set(), "capability drift: the BackendSpec advertises ['speculative_union'] that "
+                                   "conftest:Drifty lacks"),
+    (set(), {"cuda_graph"}, "capability drift: conftest:Drifty declares ['cuda_graph'] that the BackendSpec does "
+                            "not advertise"),
+], ids=["class-lacks", "class-adds"])
+def test_capability_drift_names_only_the_side_that_differs(tmp_path: Path, drop: set[str], add: set[str],
+                                                            message: str) -> None:
+    # The registered spec is the reference's set; the class drops or adds a capability.
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+        import pluggy
+        import pytest
+        from hisparse_core import registry
+        from hisparse_core.backend import BackendSpec
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+        class Drifty(ReferenceCpuBackend):
+            name = "drifty"
+            capabilities = (ReferenceCpuBackend.capabilities - {drop!r}) | {add!r}
+
+        registry._registry = registry.BackendRegistry([], {{"drifty": BackendSpec(
+            name="drifty", factory="conftest:Drifty", probe=lambda: None,
+            capabilities=ReferenceCpuBackend.capabilities)}}, pluggy.PluginManager("hisparse"))
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Drifty()
+    """))
+    (tmp_path / "test_embedded.py").write_text(
+        "from hisparse_conformance.test_declaration import *  # noqa: F403\n")
+    report = tmp_path / "report.xml"
+    proc = run_pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
+                      timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    failed = dict(junit_outcomes(report)["failed"])
+    assert failed["test_embedded.test_the_class_declares_what_its_plugin_advertises"].startswith(
+        f"AssertionError: {message}\n"), failed

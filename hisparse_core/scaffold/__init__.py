@@ -10,6 +10,7 @@ modules only.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import keyword
 import os
@@ -64,7 +65,13 @@ def check_name(name: str, installed_backends: Iterable[str]) -> ScaffoldNames:
     if importlib.util.find_spec(names.package) is not None:
         raise InvalidInputError(f"backend name {name!r} clashes with the installed package {names.package!r}; "
                                 f"choose another")
-    return names
+    try:  # looked up as pip normalizes project names: case, `_` and `-` do not tell them apart
+        installed_dist = importlib.metadata.distribution(names.dist).name
+    except importlib.metadata.PackageNotFoundError:
+        return names
+    raise InvalidInputError(f"backend name {name!r} makes the distribution name {names.dist!r}, which pip takes for the "
+                            f"installed distribution {installed_dist!r} (installing it would replace that one); "
+                            f"choose another")
 
 
 #: The environment variable `ci/conformance.sh` takes hisparse from: a checkout's path or a pip

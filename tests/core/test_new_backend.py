@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from core_support import FakeSite
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -168,6 +169,20 @@ def test_a_write_that_fails_names_dir_and_leaves_nothing(tmp_path: Path, existin
         assert target.is_dir() and not any(target.iterdir())
     else:
         assert not (tmp_path / "new").exists()
+
+
+def test_a_name_whose_distribution_pip_takes_for_an_installed_one_is_refused(fake_site: FakeSite) -> None:
+    """pip normalizes project names (case, `_`, `-`): `hisparse-Acme` would replace `hisparse-acme`."""
+    from hisparse_core.errors import InvalidInputError
+
+    package = fake_site.backend("acme")
+    name = package.removeprefix("hisparse_").upper()
+    installed = package.replace("_", "-")
+    with pytest.raises(InvalidInputError) as raised:
+        check_name(name, ["reference_cpu", "acme"])
+    assert str(raised.value) == (
+        f"backend name {name!r} makes the distribution name 'hisparse-{name.replace('_', '-')}', which pip takes for "
+        f"the installed distribution {installed!r} (installing it would replace that one); choose another")
 
 
 @settings(max_examples=60, deadline=None)

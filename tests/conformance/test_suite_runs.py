@@ -63,6 +63,38 @@ def test_an_empty_backend_option_is_a_usage_error_not_reference_cpu(tmp_path: Pa
     assert "Traceback" not in output and "passed" not in output, output[-3000:]
 
 
+def test_rank_one_finds_a_registered_class_made_at_run_time(tmp_path: Path) -> None:
+    """The shared-pool tests' child process imports the class the registry imports (its factory),
+    not `__module__:__qualname__`, which no import finds for a class a function made."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+        import pluggy
+        import pytest
+        from hisparse_core import registry
+        from hisparse_core.backend import BackendSpec
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+        def make(name):
+            class Made(ReferenceCpuBackend):
+                pass
+            Made.name = name
+            return Made
+
+        Acme = make("acme")
+        registry._registry = registry.BackendRegistry([], {"acme": BackendSpec(
+            name="acme", factory="conftest:Acme", probe=lambda: None,
+            capabilities=ReferenceCpuBackend.capabilities)}, pluggy.PluginManager("hisparse"))
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Acme()
+    """))
+    (tmp_path / "test_embedded.py").write_text(
+        "from hisparse_conformance.test_host_pool import test_shared_pool_peers_see_the_writers_bytes  # noqa: F401\n"
+        "from hisparse_conformance.test_host_pool import test_a_reader_rank_restores_pages_into_its_own_device  # noqa: F401\n")
+    proc = run_pytest(["-q", "-p", "no:cacheprovider", "test_embedded.py"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
 def test_plugin_is_passive_in_unrelated_sessions(tmp_path: Path) -> None:
     """Loaded into every pytest session, it imports neither torch nor a backend there."""
     (tmp_path / "test_unrelated.py").write_text(textwrap.dedent("""

@@ -4,7 +4,9 @@ hisparse_core/host_pool.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import json
 import os
 import random
@@ -101,9 +103,40 @@ def test_shared_pool_needs_the_capability(hisparse_backend: Backend) -> None:
         hisparse_backend.create_host_pool(spec)
 
 
+def _imports(factory: str) -> object:
+    module_name, _, qualname = factory.partition(":")
+    try:
+        found: object = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return None
+    return found
+
+
+def _peer_factory(backend: Backend) -> str:
+    """What rank 1 imports: the registered factory where it names this class (a class a function made
+    has a `__qualname__` no import finds), else the class's own `module:qualname`."""
+    from hisparse_core.errors import BackendNotFoundError
+    from hisparse_core.registry import get_registry
+
+    cls = type(backend)
+    candidates = [f"{cls.__module__}:{cls.__qualname__}"]
+    with contextlib.suppress(BackendNotFoundError):
+        candidates.insert(0, get_registry().spec(backend.name).factory)
+    for factory in candidates:
+        if _imports(factory) is cls:
+            return factory
+    tried = " nor ".join(repr(f) for f in candidates)
+    pytest.fail(f"rank 1 of a shared pool runs in a child process that imports the backend class by 'module:Class', "
+                f"and {'neither ' if len(candidates) > 1 else ''}{tried} {'names' if len(candidates) > 1 else 'does not name'} "
+                f"{cls!r}; expected a class that an import finds (defined at module level, or registered under that "
+                "name)", pytrace=False)
+
+
 def _rank_one(backend: Backend, spec: HostPoolSpec, **extra: object) -> dict[str, object]:
     """Run `hisparse_conformance.peer` as rank 1 of `spec`'s shared pool; its JSON report."""
-    factory = f"{type(backend).__module__}:{type(backend).__qualname__}"
+    factory = _peer_factory(backend)
     request = json.dumps({"factory": factory, "spec": {
         "num_layers": spec.num_layers, "num_blocks": spec.num_blocks, "block_size": spec.block_size,
         "row_format": spec.row_format.name, "name": spec.name, "world_size": 2, "rank": 1}, **extra})

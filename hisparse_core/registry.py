@@ -19,9 +19,10 @@ reload=True)` runs it again. Selection:
   `BackendUnavailableError` with every backend's reason.
 
 The chosen backend's `factory` class is imported and instantiated only then. A backend whose class
-fails there (it does not import, is not a concrete `Backend`, or its constructor raises) is listed
-as broken from then on in this process: an explicit selection raises the error, an automatic one
-logs one WARNING and falls back to the next available backend. A class whose `capabilities`
+fails there (it does not import, is not a concrete `Backend`, declares another `name` than its
+spec's or no `version`, or its constructor raises) is listed as broken from then on in this
+process: an explicit selection raises the error, an automatic one logs one WARNING and falls back
+to the next available backend. A class whose `capabilities`
 differ from its `BackendSpec`'s is reported at selection with one WARNING (the class's set is
 what runs, and the listing takes it). A selection logs one INFO line: "hisparse backend 'X'
 selected (explicit: ... | automatic: highest priority among [...]); unavailable: ...", once a
@@ -199,7 +200,7 @@ class BackendRegistry:
             self._mark_broken(entry, reason, format_error(exc), log=log_broken)
             raise BackendUnavailableError(
                 f"hisparse backend {name!r}: {reason}. Run `hisparse backends -v` for details") from exc
-        problem = _class_problem(obj)
+        problem = _class_problem(obj, entry.name)
         if problem is not None:
             self._mark_broken(entry, f"factory {spec.factory!r} {problem}", None, log=log_broken)
             raise BackendUnavailableError(f"hisparse backend {name!r}: factory {spec.factory!r} {problem}")
@@ -300,7 +301,7 @@ class BackendRegistry:
                              for e in self._entries]
 
 
-def _class_problem(obj: object) -> str | None:
+def _class_problem(obj: object, name: str) -> str | None:
     if not isinstance(obj, type) or not issubclass(obj, Backend):
         return f"is {obj!r}, not a subclass of hisparse_core.Backend"
     if inspect.isabstract(obj):
@@ -308,6 +309,15 @@ def _class_problem(obj: object) -> str | None:
         return f"is abstract: it does not implement {missing}"
     if obj.api_version != API_VERSION:
         return (f"declares api_version {obj.api_version}; this hisparse provides API version {API_VERSION}")
+    # A subclass of another backend that keeps its name would be reported, and tested, as that one.
+    declared = getattr(obj, "name", None)
+    if declared != name:
+        said = "declares no name" if declared is None else f"declares name {declared!r}"
+        return f"{said}; expected {name!r}, the name its BackendSpec registers (set the class's `name`)"
+    version = getattr(obj, "version", None)
+    if not isinstance(version, str):
+        said = "declares no version" if version is None else f"declares version {version!r}"
+        return f"{said}; expected a str (the class's `version`, shown with the backend)"
     return None
 
 

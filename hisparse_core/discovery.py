@@ -47,6 +47,11 @@ ENV_PLUGINS = "HISPARSE_PLUGINS"
 #: Comma-separated plugin (entry-point) names never to load.
 ENV_DISABLED_PLUGINS = "HISPARSE_DISABLED_PLUGINS"
 
+#: What vendor code (a plugin's import, its hook, a probe) may raise without ending the process:
+#: an SDK that calls sys.exit() on a machine without its device makes that backend broken or
+#: unavailable, like any other error.
+VENDOR_ERRORS = (Exception, SystemExit)
+
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 _FACTORY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -271,7 +276,7 @@ class _Pass:
             return
         try:
             plugin.module = ep.load()
-        except Exception as exc:
+        except VENDOR_ERRORS as exc:
             self.broken(plugin, exc, "import")
             return
         try:
@@ -304,7 +309,7 @@ class _Pass:
             registrar = _Registrar(plugin, self.claims, self.conflicts)
             try:
                 call(register=registrar)
-            except Exception as exc:
+            except VENDOR_ERRORS as exc:
                 for name in registrar.added:
                     del self.claims[name]
                 self.broken(plugin, exc, "register its backends")
@@ -351,7 +356,7 @@ def _probe(claim: _Claim) -> BackendEntry:
                            f"this hisparse provides API version {API_VERSION}")
     try:
         verdict = spec.probe()
-    except Exception as exc:
+    except VENDOR_ERRORS as exc:
         logger.warning("hisparse backend %r: its probe raised %s; listed as unavailable",
                        spec.name, error_summary(exc))
         return _spec_entry(claim, BackendStatus.UNAVAILABLE, f"probe raised {error_summary(exc)}", format_error(exc))

@@ -48,6 +48,7 @@ from hisparse_core.discovery import (
     ENTRY_POINT_GROUP,
     ENV_DISABLED_PLUGINS,
     ENV_PLUGINS,
+    VENDOR_ERRORS,
     BackendEntry,
     BackendStatus,
     discover,
@@ -195,7 +196,7 @@ class BackendRegistry:
             obj: object = importlib.import_module(module_name)
             for part in qualname.split("."):
                 obj = getattr(obj, part)
-        except Exception as exc:
+        except VENDOR_ERRORS as exc:
             reason = f"factory {spec.factory!r} failed to import: {error_summary(exc)}"
             self._mark_broken(entry, reason, format_error(exc), log=log_broken)
             raise BackendUnavailableError(
@@ -266,7 +267,7 @@ class BackendRegistry:
         cls = self._load_class(name, log_broken=log_broken)
         try:
             return cls()
-        except Exception as exc:
+        except VENDOR_ERRORS as exc:
             reason = f"{cls.__module__}.{cls.__qualname__}() raised {error_summary(exc)}"
             self._mark_broken(self.get(name), reason, format_error(exc), log=log_broken)
             raise BackendUnavailableError(f"hisparse backend {name!r}: {reason}") from exc

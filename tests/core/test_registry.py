@@ -106,6 +106,24 @@ def test_plugin_that_fails_to_import_is_broken_and_the_others_still_work(
     assert "'bad'" in warnings[0].getMessage() and "broken" in warnings[0].getMessage()
 
 
+def test_a_plugin_probe_or_factory_that_calls_sys_exit_is_listed_and_the_others_still_work(
+        fake_site: FakeSite) -> None:
+    # A vendor SDK that exits on a machine without its device must not end every hisparse process.
+    fake_site.backend("good")
+    fake_site.backend("importexit", plugin_source_text="import sys\nsys.exit('acme SDK: no device found')\n")
+    fake_site.backend("probeexit", probe="raise SystemExit(3)")
+    fake_site.backend("classexit", factory_source="raise SystemExit('acme SDK: no device found')\n")
+    reg = fake_site.registry()
+    assert reg.get("importexit").status is BackendStatus.BROKEN
+    assert reg.get("importexit").reason == "SystemExit: acme SDK: no device found"
+    assert reg.get("probeexit").status is BackendStatus.UNAVAILABLE
+    assert reg.get("probeexit").reason == "probe raised SystemExit: 3"
+    with pytest.raises(BackendUnavailableError, match="failed to import: SystemExit: acme SDK: no device found"):
+        reg.select_backend("classexit")
+    assert reg.get("classexit").status is BackendStatus.BROKEN
+    assert reg.get("good").available
+
+
 def test_plugin_without_a_hookimpl_is_broken_with_a_hint(fake_site: FakeSite) -> None:
     fake_site.backend("nohook", plugin_source_text="def hisparse_register_backends(register):\n    pass\n")
     entry = fake_site.registry().get("nohook")

@@ -47,9 +47,9 @@ ENV_PLUGINS = "HISPARSE_PLUGINS"
 #: Comma-separated plugin (entry-point) names never to load.
 ENV_DISABLED_PLUGINS = "HISPARSE_DISABLED_PLUGINS"
 
-#: What vendor code (a plugin's import, its hook, a probe) may raise without ending the process:
-#: an SDK that calls sys.exit() on a machine without its device makes that backend broken or
-#: unavailable, like any other error.
+#: What vendor code (a plugin's import, its hook, a probe, a command's add_parser) may raise without
+#: ending the process: an SDK that calls sys.exit() on a machine without its device makes that
+#: backend (or command) broken or unavailable, like any other error.
 VENDOR_ERRORS = (Exception, SystemExit)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")

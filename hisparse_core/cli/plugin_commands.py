@@ -28,7 +28,7 @@ import types
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from hisparse_core.discovery import error_summary, format_error
+from hisparse_core.discovery import VENDOR_ERRORS, error_summary, format_error
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def add_plugin_commands(sub: Subparsers, reserved: Collection[str],
                 added.append(_add_one(sub, eps[0]))
                 logger.debug("hisparse command %r added from %s", name, sources)
                 continue
-            except Exception as exc:
+            except VENDOR_ERRORS as exc:
                 broken.append(BrokenCommand(name, sources, error_summary(exc), format_error(exc)))
         _add_broken(sub, broken[-1])
     return added, broken

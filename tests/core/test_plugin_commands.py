@@ -162,6 +162,8 @@ def test_a_module_function_entry_point_works_too(modules) -> None:  # type: igno
     (_adds("tool", func="None"), "add_parser set no func on 'tool'"),
     ("VALUE = 1\n", "has no add_parser(subparsers)"),
     ("raise ImportError('its dependency is missing')\n", "ImportError: its dependency is missing"),
+    ("import sys\nsys.exit('acme SDK: no device found')\n", "SystemExit: acme SDK: no device found"),
+    (_adds("tool", fail="    raise SystemExit(3)\n"), "SystemExit: 3"),
 ])
 def test_a_command_that_cannot_be_added_leaves_a_stand_in_only(source: str, reason: str,
                                                                modules, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -50,9 +50,12 @@ class ScaffoldNames:
 
 def check_name(name: str, installed_backends: Iterable[str]) -> ScaffoldNames:
     """The names of a new backend `name`; InvalidInputError when it cannot be one."""
-    if not name.isidentifier() or keyword.iskeyword(name) or not name.isascii():
+    if not name.isidentifier() or keyword.iskeyword(name):
         raise InvalidInputError(f"backend name {name!r} is not a Python identifier (or is a keyword); expected letters, digits "
                                 f"and underscores, not starting with a digit (e.g. acme)")
+    if not name.isascii():  # a project name pip takes is ASCII
+        raise InvalidInputError(f"backend name {name!r} is a Python identifier but not ASCII; expected ASCII letters, "
+                                f"digits and underscores (e.g. acme)")
     if name.endswith("_"):  # `hisparse-acme-`: pip refuses a project name that ends in a dash
         raise InvalidInputError(f"backend name {name!r} ends with an underscore, which makes the distribution name "
                                 f"{ScaffoldNames.of(name).dist!r} that pip refuses (a project name must end in a "

@@ -84,6 +84,7 @@ def test_default_dir_is_the_distribution_name(tmp_path: Path, monkeypatch: pytes
     ("acme-x", "'acme-x' is not a Python identifier"),
     ("class", "'class' is not a Python identifier (or is a keyword)"),
     ("", "'' is not a Python identifier"),
+    ("acmé", "'acmé' is a Python identifier but not ASCII; expected ASCII letters, digits and underscores"),
     ("acme_", "'acme_' ends with an underscore, which makes the distribution name 'hisparse-acme-' that pip refuses"),
     ("_", "'_' ends with an underscore, which makes the distribution name 'hisparse--' that pip refuses"),
     ("reference_cpu", "'reference_cpu' is already taken by an installed backend"),

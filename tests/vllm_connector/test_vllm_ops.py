@@ -315,3 +315,25 @@ def test_the_docs_register_ops_example_runs_on_this_machine() -> None:
     assert len(examples) == 1, examples
     proc = subprocess.run([sys.executable, "-c", examples[0]], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_bad_mode_in_the_plugin_hook_is_one_warning_and_the_connector_still_loads() -> None:
+    """docs/vllm.md: through the general plugin a bad HISPARSE_VLLM_OPS is one WARNING line naming
+    the value and the modes, not a traceback; the ops stay unregistered and the connector loads."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+            "import torch\n"
+            "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+            "assert not hasattr(torch.ops._C_cache_ops, 'hisparse_resolve_residency')\n"
+            "assert 'HiSparseOffloadConnector' in KVConnectorFactory._registry\n")
+    env = dict(os.environ, HISPARSE_VLLM_OPS="replcae", HISPARSE_BACKEND="reference_cpu")
+    env.pop("VLLM_PLUGINS", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "vLLM HiSparse ops:" in line]
+    assert lines == ["WARNING hisparse_vllm.ops: vLLM HiSparse ops: not registered: HISPARSE_VLLM_OPS='replcae'; "
+                     "expected one of auto, replace, off"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

@@ -85,3 +85,28 @@ def test_capability_drift_names_only_the_side_that_differs(tmp_path: Path, drop:
     failed = dict(junit_outcomes(report)["failed"])
     assert failed["test_embedded.test_the_class_declares_what_its_plugin_advertises"].startswith(
         f"AssertionError: {message}\n"), failed
+
+
+def test_a_backend_that_declares_no_row_format_fails_instead_of_skipping_everything(tmp_path: Path) -> None:
+    # Every data-path test needs a row format: without one the suite skipped them all and passed.
+    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+        import pytest
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+        class NoFormat(ReferenceCpuBackend):
+            capabilities = frozenset({"index_sharing"})
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return NoFormat()
+    """))
+    (tmp_path / "test_embedded.py").write_text(
+        "from hisparse_conformance.test_declaration import *  # noqa: F403\n")
+    report = tmp_path / "report.xml"
+    proc = run_pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
+                      timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    failed = dict(junit_outcomes(report)["failed"])
+    assert failed["test_embedded.test_the_backend_serves_a_row_format"].startswith(
+        "AssertionError: the backend declares no row format (capabilities: ['index_sharing']); expected "
+        "row_format:fp8_ds_mla, row_format:bf16_mla or both: every test that moves rows would skip"), failed

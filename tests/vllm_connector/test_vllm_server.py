@@ -37,6 +37,20 @@ METRICS = ("host_to_device_bytes_total", "device_to_host_bytes_total", "prefix_l
 START_TIMEOUT = 420
 
 
+def _pool_files_left(before: set[str]) -> set[str]:
+    """Pool files that appeared since `before` and outlived their creator, as tests/conftest.py
+    judges them. Another process of the machine (a conformance run, another test session) may hold
+    a named pool of its own meanwhile: its creator is alive, so it is not this server's leak."""
+    from hisparse_core import shm
+
+    left = set()
+    for path in set(glob.glob(f"{shm.SHM_DIR}/{shm.FILE_PREFIX}*")) - before:
+        creator = shm.creator_of(path)  # None: gone since the glob, or not a pool file
+        if creator is not None and creator.state() == "dead":
+            left.add(path)
+    return left
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -248,7 +262,7 @@ def test_a_clean_stop_logs_no_error(servers: dict[str, Server]) -> None:
     assert errors == [], "\n".join(errors)
     drained = [line for line in lines if "hisparse worker rank 0 shut down" in line]
     assert len(drained) == 1 and drained[0].endswith("0 still pending; host pool released"), drained
-    assert set(glob.glob("/dev/shm/hisparse_*")) <= server.shm_before, "no shared pool file left"
+    assert not _pool_files_left(server.shm_before), "no shared pool file left"
 
 
 def test_only_vllms_own_shutdown_race_is_told_apart() -> None:
@@ -284,7 +298,7 @@ def test_a_bad_extra_config_stops_the_server_with_one_line_in_its_output(servers
     output = server.output()
     assert output.index("hisparse connector cannot start:") < output.index("Traceback")
     assert "Engine core initialization failed" in output[output.rindex("Traceback"):]
-    assert set(glob.glob("/dev/shm/hisparse_*")) <= server.shm_before, "no shared pool file left"
+    assert not _pool_files_left(server.shm_before), "no shared pool file left"
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ Nothing here imports a backend class: `factory` strings are resolved on selectio
 from __future__ import annotations
 
 import enum
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -51,6 +52,16 @@ ENV_DISABLED_PLUGINS = "HISPARSE_DISABLED_PLUGINS"
 #: ending the process: an SDK that calls sys.exit() on a machine without its device makes that
 #: backend (or command) broken or unavailable, like any other error.
 VENDOR_ERRORS = (Exception, SystemExit)
+
+def import_factory(factory: str) -> object:
+    """The object a `module:qualname` factory names (a `BackendSpec`'s); raises what the import or
+    an attribute lookup raises where it names none."""
+    module_name, _, qualname = factory.partition(":")
+    found: object = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 _FACTORY_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")

@@ -32,7 +32,6 @@ at DEBUG).
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import inspect
 import logging
@@ -54,6 +53,7 @@ from hisparse_core.discovery import (
     discover,
     error_summary,
     format_error,
+    import_factory,
 )
 from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
 
@@ -191,11 +191,8 @@ class BackendRegistry:
     def _load_class(self, name: str, *, log_broken: bool) -> type[Backend]:
         entry = self._require_available(name, "argument")
         spec = self._specs[entry.name]
-        module_name, _, qualname = spec.factory.partition(":")
         try:
-            obj: object = importlib.import_module(module_name)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
+            obj = import_factory(spec.factory)
         except VENDOR_ERRORS as exc:
             reason = f"factory {spec.factory!r} failed to import: {error_summary(exc)}"
             self._mark_broken(entry, reason, format_error(exc), log=log_broken)

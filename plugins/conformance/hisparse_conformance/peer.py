@@ -11,13 +11,13 @@ device block per layer (`restored`), the drain's acknowledgements and the pool's
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import sys
 
 import torch
 
 from hisparse_core.backend import Backend
+from hisparse_core.discovery import import_factory
 from hisparse_core.geometry import RuntimeConfig, row_format
 from hisparse_core.host_pool import HostPool, HostPoolSpec
 from hisparse_core.types import PageTransfer
@@ -46,11 +46,7 @@ def _restore(backend: Backend, pool: HostPool, spec: HostPoolSpec, restores: lis
 
 def main(argv: list[str]) -> int:
     request = json.loads(argv[0])
-    module_name, _, qualname = request["factory"].partition(":")
-    cls: object = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        cls = getattr(cls, part)
-    backend = cls()  # type: ignore[operator]
+    backend = import_factory(request["factory"])()  # type: ignore[operator]
     fields = dict(request["spec"])
     spec = HostPoolSpec(shared=True, row_format=row_format(fields.pop("row_format")), **fields)
     with backend.create_host_pool(spec) as pool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import json
 import os
 import random
@@ -24,6 +23,7 @@ from hisparse_conformance.examples import examples
 from hisparse_conformance.rig import usable_format
 from hisparse_conformance.scenario import random_bytes
 from hisparse_core.backend import Backend, Capability
+from hisparse_core.discovery import import_factory
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
 from hisparse_core.host_pool import HostPoolSpec
@@ -104,14 +104,10 @@ def test_shared_pool_needs_the_capability(hisparse_backend: Backend) -> None:
 
 
 def _imports(factory: str) -> object:
-    module_name, _, qualname = factory.partition(":")
     try:
-        found: object = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            found = getattr(found, part)
+        return import_factory(factory)
     except (ImportError, AttributeError):
         return None
-    return found
 
 
 def _peer_factory(backend: Backend) -> str:

@@ -265,6 +265,20 @@ def padding_topk(rng: random.Random, k: int, seq_len: int) -> list[int]:
     return [rng.randint(-1, seq_len - 1) for _ in range(k)]
 
 
+def out_of_context(step: Step, config: RuntimeConfig, rng: random.Random) -> Step:
+    """`step` with some masked entries (-1) of live rows moved out of context: past their seq_len,
+    past max_context, or below -1 (what `resolve(validate=False)` and `prefetch` mask, not refuse)."""
+    topk = [row[:] for row in step.topk]
+    for r, row in enumerate(topk):
+        if step.row_state[r] < 0:
+            continue
+        for i in range(len(row)):
+            if row[i] == -1 and rng.random() < 0.7:
+                row[i] = rng.choice([step.seq_lens[r] + rng.randint(0, config.block_size),
+                                     config.max_context + rng.randint(0, 3), -rng.randint(2, 9)])
+    return Step(topk, step.row_state, step.seq_lens, step.tables)
+
+
 def as_tensor(values: list[int] | list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 

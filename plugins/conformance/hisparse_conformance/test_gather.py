@@ -15,7 +15,7 @@ from hisparse_conformance.examples import examples
 from hisparse_conformance.lockstep import Lockstep
 from hisparse_conformance.model import ResolverModel
 from hisparse_conformance.rig import Rig, usable_format
-from hisparse_conformance.scenario import Step, build_scenario, random_bytes, scenario_params
+from hisparse_conformance.scenario import build_scenario, out_of_context, random_bytes, scenario_params
 from hisparse_core.backend import Backend, Capability
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import BF16_MLA, FP8_DS_MLA, RowFormat
@@ -29,18 +29,6 @@ FORMATS = [
 def _changed_rows(before: torch.Tensor, after: torch.Tensor, row_bytes: int) -> set[int]:
     diff = (before.reshape(-1, row_bytes) != after.reshape(-1, row_bytes)).any(dim=1)
     return set(diff.nonzero().flatten().tolist())
-
-
-def _out_of_context(step: Step, block_size: int, rng: random.Random) -> Step:
-    """`step` with some masked entries of live rows moved past their seq_len or below -1."""
-    topk = [row[:] for row in step.topk]
-    for r, row in enumerate(topk):
-        if step.row_state[r] < 0:
-            continue
-        for i in range(len(row)):
-            if row[i] == -1 and rng.random() < 0.7:
-                row[i] = rng.choice([step.seq_lens[r] + rng.randint(0, block_size), -rng.randint(2, 9)])
-    return Step(topk, step.row_state, step.seq_lens, step.tables)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -189,7 +177,7 @@ def test_a_prefetch_is_a_resolve_that_copies_every_layer(hisparse_backend: Backe
             Rig(hisparse_backend, scenario.layout, seed=params.seed) as plain:
         for n, (step, work) in enumerate(scenario.steps):
             if rng.random() < 0.5:
-                step = _out_of_context(step, scenario.layout.config.block_size, rng)
+                step = out_of_context(step, scenario.layout.config, rng)
             try:
                 prefetched.runtime.prefetch(prefetched.inputs(step))
             except InvalidInputError as exc:

@@ -23,6 +23,7 @@ from hisparse_conformance.scenario import (
     Step,
     Tables,
     build_scenario,
+    out_of_context,
     padding_topk,
     scenario_params,
 )
@@ -270,13 +271,5 @@ def test_unvalidated_calls_mask_out_of_context_positions(hisparse_backend: Backe
     rng = random.Random(params.seed ^ 0x5EED)
     with Lockstep(hisparse_backend, hisparse_reference, scenario.layout, seed=params.seed) as run:
         for step, _ in scenario.steps:
-            topk = [row[:] for row in step.topk]
-            for r, row in enumerate(topk):
-                if step.row_state[r] < 0:
-                    continue
-                for i in range(len(row)):
-                    if row[i] == -1 and rng.random() < 0.7:
-                        row[i] = rng.choice([step.seq_lens[r] + rng.randint(0, cfg.block_size),
-                                             cfg.max_context + rng.randint(0, 3), -rng.randint(2, 9)])
-            problems = run.resolve(Step(topk, step.row_state, step.seq_lens, step.tables), validate=False)
+            problems = run.resolve(out_of_context(step, cfg, rng), validate=False)
             assert not problems, "\n".join(problems[:10])

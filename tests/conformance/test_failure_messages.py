@@ -10,10 +10,22 @@ import pytest
 from pytest_child import junit_outcomes, run_pytest
 
 
+def failures_of(tmp_path: Path, conftest: str, imports: str) -> dict[str, str]:
+    """Run the suite's tests that `imports` brings in, against the backend `conftest` defines, in a
+    child pytest: each failed test's message (the run must fail)."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent(conftest))
+    (tmp_path / "test_embedded.py").write_text(imports)
+    report = tmp_path / "report.xml"
+    proc = run_pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
+                      timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    return dict(junit_outcomes(report)["failed"])
+
+
 @pytest.mark.slow
 def test_a_broken_clause_is_named_in_the_failure(tmp_path: Path) -> None:
     # Accepts shared pools without declaring shared_host_pool; and its host pools accept layer -1.
-    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+    failed = failures_of(tmp_path, """
         import pytest
         from hisparse_core.backend import Capability
         from hisparse_reference_cpu.backend import ReferenceCpuBackend
@@ -30,15 +42,8 @@ def test_a_broken_clause_is_named_in_the_failure(tmp_path: Path) -> None:
         @pytest.fixture(scope="session")
         def hisparse_backend():
             return Wrong()
-    """))
-    (tmp_path / "test_embedded.py").write_text(
-        "from hisparse_conformance.test_host_pool import test_release_is_idempotent_and_final  # noqa: F401\n"
-        "from hisparse_conformance.test_host_pool import test_shared_pool_needs_the_capability  # noqa: F401\n")
-    report = tmp_path / "report.xml"
-    proc = run_pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
-                      timeout=300)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
-    failed = dict(junit_outcomes(report)["failed"])
+    """, "from hisparse_conformance.test_host_pool import test_release_is_idempotent_and_final  # noqa: F401\n"
+         "from hisparse_conformance.test_host_pool import test_shared_pool_needs_the_capability  # noqa: F401\n")
     assert failed["test_embedded.test_shared_pool_needs_the_capability"] == (
         "Failed: contract: a backend that does not declare shared_host_pool must reject "
         "create_host_pool(HostPoolSpec(shared=True)) with InvalidInputError (the call returned instead of raising "
@@ -57,7 +62,7 @@ def test_a_broken_clause_is_named_in_the_failure(tmp_path: Path) -> None:
 def test_capability_drift_names_only_the_side_that_differs(tmp_path: Path, drop: set[str], add: set[str],
                                                             message: str) -> None:
     # The registered spec is the reference's set; the class drops or adds a capability.
-    (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
+    failed = failures_of(tmp_path, f"""
         import pluggy
         import pytest
         from hisparse_core import registry
@@ -75,21 +80,14 @@ def test_capability_drift_names_only_the_side_that_differs(tmp_path: Path, drop:
         @pytest.fixture(scope="session")
         def hisparse_backend():
             return Drifty()
-    """))
-    (tmp_path / "test_embedded.py").write_text(
-        "from hisparse_conformance.test_declaration import *  # noqa: F403\n")
-    report = tmp_path / "report.xml"
-    proc = run_pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
-                      timeout=300)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
-    failed = dict(junit_outcomes(report)["failed"])
+    """, "from hisparse_conformance.test_declaration import *  # noqa: F403\n")
     assert failed["test_embedded.test_the_class_declares_what_its_plugin_advertises"].startswith(
         f"AssertionError: {message}\n"), failed
 
 
 def test_a_backend_that_declares_no_row_format_fails_instead_of_skipping_everything(tmp_path: Path) -> None:
     # Every data-path test needs a row format: without one the suite skipped them all and passed.
-    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+    failed = failures_of(tmp_path, """
         import pytest
         from hisparse_reference_cpu.backend import ReferenceCpuBackend
 
@@ -99,14 +97,7 @@ def test_a_backend_that_declares_no_row_format_fails_instead_of_skipping_everyth
         @pytest.fixture(scope="session")
         def hisparse_backend():
             return NoFormat()
-    """))
-    (tmp_path / "test_embedded.py").write_text(
-        "from hisparse_conformance.test_declaration import *  # noqa: F403\n")
-    report = tmp_path / "report.xml"
-    proc = run_pytest(["-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_embedded.py"], tmp_path,
-                      timeout=300)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
-    failed = dict(junit_outcomes(report)["failed"])
+    """, "from hisparse_conformance.test_declaration import *  # noqa: F403\n")
     assert failed["test_embedded.test_the_backend_serves_a_row_format"].startswith(
         "AssertionError: the backend declares no row format (capabilities: ['index_sharing']); expected "
         "row_format:fp8_ds_mla, row_format:bf16_mla or both: every test that moves rows would skip"), failed

@@ -75,6 +75,21 @@ class TransferTracker:
             self._host_copies[b] = now
         self.totals.host_copies += len(dst_blocks)
 
+    def withdraw_transfers(self, ids: Iterable[int]) -> None:
+        """Forget transfers just recorded by `submit_transfers` that the engine refused (it raised
+        an error, so it took none of them)."""
+        ids = list(ids)
+        for i in ids:
+            self._transfers.pop(i, None)
+        self.totals.submitted -= len(ids)
+
+    def withdraw_host_copies(self, dst_blocks: Iterable[int]) -> None:
+        """Forget host copies just recorded by `submit_host_copies` that the engine refused."""
+        dst_blocks = list(dst_blocks)
+        for b in dst_blocks:
+            self._host_copies.pop(b, None)
+        self.totals.host_copies -= len(dst_blocks)
+
     def observe(self, progress: TransferProgress, *, backend: str) -> Acknowledgements:
         """Check one report of the engine and retire what it completes."""
         now = time.monotonic()

@@ -261,11 +261,9 @@ class HiSparseWorker:
             for runtime in self._runtimes:
                 runtime.invalidate_host_blocks(command.recycled_host_blocks)
         if command.host_block_copies:
-            engine.submit_host_copies(command.host_block_copies)
-            self._tracker.submit_host_copies(c.dst_block_id for c in command.host_block_copies)
+            self._submit_host_copies(engine, command)
         if before:
-            engine.submit_pages(before)
-            self._tracker.submit_transfers(t.transfer_id for t in before)
+            self._submit_pages(engine, before)
         self._after = _AfterForward(command.row_mirrors, after) if (command.row_mirrors or after) else None
 
     def after_forward(self) -> None:
@@ -280,8 +278,31 @@ class HiSparseWorker:
         if work.mirrors:
             engine.submit_row_mirrors(work.mirrors)
         if work.pages:
-            engine.submit_pages(work.pages)
-            self._tracker.submit_transfers(t.transfer_id for t in work.pages)
+            self._submit_pages(engine, work.pages)
+
+    # The tracker records a submission before the engine takes it: an interrupt (Ctrl-C) between
+    # the two, or in the middle of the engine's copies, then leaves ids the tracker knows and the
+    # engine may never report (pending at shutdown), not ids the engine reports and the tracker
+    # never saw (a ProtocolError at shutdown that hid the interrupt). An engine that refuses a
+    # submission with an error takes none of it, and the tracker forgets it again.
+
+    def _submit_pages(self, engine: TransferEngine, transfers: Sequence[PageTransfer]) -> None:
+        ids = [t.transfer_id for t in transfers]
+        self._tracker.submit_transfers(ids)
+        try:
+            engine.submit_pages(transfers)
+        except Exception:
+            self._tracker.withdraw_transfers(ids)
+            raise
+
+    def _submit_host_copies(self, engine: TransferEngine, command: OffloadCommand) -> None:
+        dsts = [c.dst_block_id for c in command.host_block_copies]
+        self._tracker.submit_host_copies(dsts)
+        try:
+            engine.submit_host_copies(command.host_block_copies)
+        except Exception:
+            self._tracker.withdraw_host_copies(dsts)
+            raise
 
     def wait_for_host_writes(self) -> None:
         """Order this rank's later reads of the host pool (the resolver's miss copies, direct reads

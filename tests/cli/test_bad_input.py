@@ -190,6 +190,27 @@ def test_ctrl_c_during_run_says_where(tmp_path: Path) -> None:
     assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in err), err
 
 
+def test_ctrl_c_in_the_middle_of_a_transfer_is_an_interrupt(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the engine copies a step's pages (it has taken the transfers, the worker has not
+    recorded them yet) is still `interrupted at step N`, exit 130: the worker's shutdown drained
+    ids it never saw submitted and said `error: ... transfer 0 enqueued, but it was never
+    submitted`, exit 2, hiding the interrupt (seen with `timeout -s INT 9 hisparse run ...`)."""
+    from hisparse_reference_cpu.transfer import ReferenceTransferEngine
+
+    take = ReferenceTransferEngine.submit_pages
+
+    def interrupted(self: ReferenceTransferEngine, transfers: object) -> None:
+        take(self, transfers)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ReferenceTransferEngine, "submit_pages", interrupted)
+    assert main(SMALL_RUN) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"hisparse run: interrupted at step \d+", err[-1]), err
+    assert not any("error" in line for line in err), err
+
+
 def _installed(name: str) -> bool:
     """A real installed package (tests/ on sys.path makes folders look like namespace packages)."""
     import importlib.util

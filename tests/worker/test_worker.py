@@ -295,3 +295,20 @@ def test_tracker_rejects_reports_of_unknown_or_repeated_ids() -> None:
     with pytest.raises(ProtocolError, match="transfer id 2 submitted while an earlier"):
         tracker.submit_transfers([2])
     assert tracker.pending_transfers == 1
+
+
+def test_a_submission_the_engine_refuses_is_not_left_pending() -> None:
+    """The tracker records a step's transfers before the engine takes them (so a Ctrl-C in between
+    leaves nothing the engine reports unrecorded); one the engine refuses is forgotten again, so the
+    same ids go through once corrected and nothing is pending at shutdown."""
+    worker, _ = make_worker()
+    bad_host_block = PageTransfer(1, 99, (0,), after_forward=False)  # the pool has 8 blocks
+    with pytest.raises(InvalidInputError, match="host_block_id=99 is out of range"):
+        worker.start_step(OffloadCommand(page_transfers=(bad_host_block,)))
+    assert worker.take_stats().pending_transfers == 0
+    worker.after_forward()
+    worker.start_step(OffloadCommand(page_transfers=(PageTransfer(1, 0, (0,), after_forward=False),)))
+    worker.after_forward()
+    assert worker.take_stats().pending_transfers == 1
+    last = worker.shutdown()
+    assert dict(last.completed) == {1: 1}

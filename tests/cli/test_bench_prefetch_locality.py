@@ -4,8 +4,12 @@ a larger batch) and the LRU replay; a bad value is one line naming the flag."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,8 +21,35 @@ TINY = ["--geometries", "32768:2", "--regimes", "benign", "--references", "sprea
         "--warmup", "1", "--steps", "1", "--indexer-keys", "fp8", "--kv-rows", "fp8", "--all-resident-ms", ""]
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+@dataclass(frozen=True, slots=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def bench():
+    # In process: a fresh interpreter a run (torch and transformers imported anew) cost most of this
+    # module's time; one bad value below still runs the script as a user does.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_prefetch_locality_under_test", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+@pytest.fixture()
+def run(bench):
+    def call(*args: str) -> Result:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = bench.main(list(args))
+        return Result(code, out.getvalue(), err.getvalue())
+    return call
 
 
 def footer(stdout: str) -> str:
@@ -30,7 +61,7 @@ def critical_misses(stdout: str) -> int:
     return int(row.split("|")[6].replace(",", ""))
 
 
-def test_hot_rows_size_the_pool_and_the_buffers() -> None:
+def test_hot_rows_size_the_pool_and_the_buffers(run) -> None:
     default, half = run(*TINY), run(*TINY, "--hot-rows", "2048")
     assert default.returncode == 0 and half.returncode == 0, default.stderr[-2000:] + half.stderr[-2000:]
     assert footer(default.stdout).endswith(" 4096 hot rows"), default.stdout
@@ -49,7 +80,7 @@ def test_hot_rows_size_the_pool_and_the_buffers() -> None:
     assert critical_misses(small.stdout) > critical_misses(large.stdout), (small.stdout, large.stdout)
 
 
-def test_fewer_hot_rows_hold_a_larger_batch() -> None:
+def test_fewer_hot_rows_hold_a_larger_batch(run) -> None:
     """At 32K, 3 GiB, fp8 keys and rows, 64-token fill chunks: 107 requests with 4096 hot rows, 132
     with 2048 (bench_serving.py's sizing)."""
     geo = ["--geometries", "32768:132", "--fill-chunk", "64"]
@@ -61,7 +92,14 @@ def test_fewer_hot_rows_hold_a_larger_batch() -> None:
 
 
 @pytest.mark.parametrize("value", ["100", "1024", "-64", "40960"])
-def test_a_bad_hot_rows_is_one_line(value: str) -> None:
+def test_a_bad_hot_rows_is_one_line(run, value: str) -> None:
     out = run(*TINY, "--hot-rows", value)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and f"--hot-rows={value}" in out.stderr, out.stderr
+
+
+def test_a_bad_hot_rows_from_the_command_line() -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--hot-rows", "100"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and "--hot-rows=100" in out.stderr, out.stderr

@@ -113,7 +113,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w.add_argument("--arrival-every", type=int_in(0, MAX_STEPS), metavar="STEPS",
                    help=f"steps between arrivals, 0: all at once (default: {d['arrival_every']})")
     w.add_argument("--prefix-groups", type=int_in(0, MAX_REQUESTS), metavar="N",
-                   help=f"families sharing a prompt prefix, 0: none (default: {d['prefix_groups']})")
+                   help=f"families sharing a prompt prefix, 0: none (then no --shared-prefix) "
+                        f"(default: {d['prefix_groups']})")
     # Below 1: each request keeps a part of its own (the replay's workload refuses a whole shared prompt).
     w.add_argument("--shared-prefix", type=float_in(0.0, 1.0, hi_open=True), metavar="FRACTION",
                    help=f"fraction of the prompt a family shares, in [0, 1) (default: {d['shared_fraction']:g})")
@@ -125,14 +126,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w.add_argument("--acceptance", type=float_in(0.0, 1.0), metavar="P",
                    help="speculative mode with rejections: each speculative row is accepted with probability P "
                         "while all before it were; rejected rows are read by the step's later rows, then rolled "
-                        f"back and written again (default: {d['acceptance']:g}, every row accepted)")
+                        "back and written again; needs --rows-per-request >= 2 "
+                        f"(default: {d['acceptance']:g}, every row accepted)")
     w.add_argument("--locality", type=float_in(0.0, MAX_LOCALITY, lo_open=True), metavar="X",
                    help=f"time scale of top-k drift; 1 = calibrated to published LRU miss rates, >1 more "
                         f"local (default: 1; in (0, {MAX_LOCALITY:g}])")
     w.add_argument("--topk-model", choices=("benign", "code"), default=None,
                    help="take the top-k from the per-layer locality model of a regime (benign: GLM-5.1 "
                         "LongBench v2; code: DeepSeek-V3.2 SWE-bench, GVR) instead of the one-figure indexer "
-                        "(--locality is then unused)")
+                        "(not with --locality, which scales only that one)")
     w.add_argument("--resident-layers", type=_layer_list, metavar="L,L", default=None,
                    help="layers kept fully resident on the GPU (whole index groups): no hot buffer, no host copy; "
                         "their pages come off the top of --gpu-kv (default: none)")
@@ -164,8 +166,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
+    """'0,1' -> (0, 1). Every item a layer index: `--resident-layers ""` (an unset variable) or `0,,1`
+    is refused as --sweep refuses `8K,,32K`, not taken as no resident layer."""
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, e.g. 0,1; got {text!r}") from None
 
@@ -193,6 +197,39 @@ def _resident_layers_problem(args: argparse.Namespace) -> str | None:
     repeated = sorted({x for x in args.resident_layers if args.resident_layers.count(x) > 1})
     if repeated:
         return f"expected each layer once, got {given} ({', '.join(map(str, repeated))} repeated)"
+    return None
+
+
+def _merged(args: argparse.Namespace, opt: str, field: str) -> tuple[Any, str]:
+    """The value `field` takes in this run (the flag's, else the preset's, else the default) and
+    where it comes from, in the flag's words: `--rows-per-request 1, the default`."""
+    from hisparse_core.replay.presets import preset
+
+    flag = "--" + opt.replace("_", "-")
+    if getattr(args, opt) is not None:
+        return getattr(args, opt), f"{flag} {getattr(args, opt)}"
+    if field in preset(args.preset):
+        value = preset(args.preset)[field]
+        return value, f"{flag} {value} of --preset {args.preset}"
+    return DEFAULTS[field], f"{flag} {DEFAULTS[field]}, the default"
+
+
+def _unused_flag_problem(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(flag, why) for a flag given that this run would ignore, another flag (or the preset) taking
+    away what it acts on, or None: a run that reports `acceptance 0.5` must have had rows to reject."""
+    if args.acceptance is not None:
+        rows, where = _merged(args, "rows_per_request", "rows_per_request")
+        if rows == 1:
+            return "--acceptance", (f"not allowed with {where}: a step has no speculative row to accept or reject; "
+                                    "expected --rows-per-request >= 2, or no --acceptance")
+    if args.locality is not None and args.topk_model is not None:
+        return "--locality", (f"not allowed with --topk-model {args.topk_model}: the locality model draws the top-k, "
+                              "and --locality scales only the one-figure indexer; expected one of the two")
+    if args.shared_prefix is not None:
+        groups, where = _merged(args, "prefix_groups", "prefix_groups")
+        if groups == 0:
+            return "--shared-prefix", (f"not allowed with {where}: no family shares a prompt prefix; expected "
+                                       "--prefix-groups >= 1, or no --shared-prefix")
     return None
 
 
@@ -325,6 +362,8 @@ def _planner_note(s: dict[str, Any], where: str = "GPU") -> str:
 def run(args: argparse.Namespace) -> int:
     if why := _resident_layers_problem(args):
         return fail_argument("hisparse run", "--resident-layers", why)
+    if unused := _unused_flag_problem(args):
+        return fail_argument("hisparse run", *unused)
     if args.plot is not None and (why := check_plot_path(args.plot)):
         return fail("hisparse run", why)
     # The checks that need no torch come first: a bad value fails in a fraction of a second.

@@ -416,6 +416,60 @@ def test_resident_layers_out_of_range_is_said_as_the_parser_says_it(argv: list[s
                                          "(see hisparse run --help)"]
 
 
+@pytest.mark.parametrize("value", ["", " ", ",,", "0,,1", "0,"])
+def test_resident_layers_without_an_index_is_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--resident-layers ""` (an unset variable) and empty items ran with no (or fewer) resident
+    layers than named, silently."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--resident-layers", value, "--layers", "4", "--index-share", "1"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == ["hisparse run: error: argument --resident-layers: expected comma-separated "
+                                         f"layer indices, e.g. 0,1; got {value!r} (see hisparse run --help)"]
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--acceptance", "0.5"], "argument --acceptance: not allowed with --rows-per-request 1, the default: a step "
+                              "has no speculative row to accept or reject; expected --rows-per-request >= 2, or no "
+                              "--acceptance"),
+    (["--preset", "large", "--rows-per-request", "1", "--acceptance", "0.9"],
+     "argument --acceptance: not allowed with --rows-per-request 1: "),
+    (["--topk-model", "code", "--locality", "5"],
+     "argument --locality: not allowed with --topk-model code: the locality model draws the top-k, and --locality "
+     "scales only the one-figure indexer; expected one of the two"),
+    (["--prefix-groups", "0", "--shared-prefix", "0.25"],
+     "argument --shared-prefix: not allowed with --prefix-groups 0: no family shares a prompt prefix; expected "
+     "--prefix-groups >= 1, or no --shared-prefix"),
+])
+def test_a_flag_the_run_would_ignore_is_refused(argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Each ran and reported the flag's value (`speculative ... (acceptance 0.5)`) although nothing
+    used it: no speculative row, the locality model's own top-k, no family to share a prefix."""
+    import hisparse_core.replay.run as replay_run
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(replay_run, "run_replay", must_not_run)
+    assert main(["run", *argv, "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hisparse run: error: {expected}"), lines
+    assert lines[0].endswith(" (see hisparse run --help)")
+
+
+def test_the_flags_a_preset_gives_effect_are_accepted() -> None:
+    """--acceptance with the large preset's 2 rows per request, --shared-prefix with its families."""
+    from hisparse_core.cli.run_cmd import _unused_flag_problem
+
+    parser = build_parser()
+    for argv in (["--preset", "large", "--acceptance", "0.5"], ["--rows-per-request", "2", "--acceptance", "0.5"],
+                 ["--shared-prefix", "0.25"], ["--topk-model", "benign"], ["--locality", "2"]):
+        assert _unused_flag_problem(parser.parse_args(["run", *argv])) is None, argv
+
+
 def test_the_top_k_the_hot_limit_names_is_accepted() -> None:
     from hisparse_core.errors import InvalidInputError
     from hisparse_core.geometry import MAX_HOT_ROWS

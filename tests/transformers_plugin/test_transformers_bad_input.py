@@ -213,3 +213,55 @@ def test_the_budget_a_refusal_names_fits(model: torch.nn.Module, over: dict[str,
     fits = float(one_line(err.value).rsplit(f"expected {name} >= ", 1)[1].split(",")[0])
     hisparse_transformers.enable(model, **{**kw, name: fits}).close()
     assert untouched(model)
+
+
+def test_prompts_that_are_no_token_ids_or_whose_mask_does_not_match_are_refused_in_one_line(
+        model: torch.nn.Module) -> None:
+    """generate and new_cache name input_ids (an integer dtype) and attention_mask (a tensor of
+    their shape) before any forward. Before: float ids failed inside the coordinator's prefix hash
+    (TypeError), a mask list in left_padding (AttributeError), a narrower mask inside the patched
+    attention after a forward had run (RuntimeError); new_cache took float ids and a mask of another
+    shape (its prompts cut at the mask's padding) and raised AttributeError on a list."""
+    ids, mask = random_prompts([12, 9], seed=2)
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3, check=False)) as hs:
+        for call, words in (
+                (lambda: model.generate(ids.float(), attention_mask=mask, max_new_tokens=2),
+                 "input_ids of dtype torch.float32; expected token ids of an integer dtype"),
+                (lambda: model.generate(ids, attention_mask=mask[:, :5], max_new_tokens=2),
+                 "attention_mask of shape (2, 5) for input_ids of shape (2, 12); expected an attention_mask of shape "
+                 "(2, 12)"),
+                (lambda: model.generate(ids, attention_mask=mask[:1], max_new_tokens=2),
+                 "attention_mask of shape (1, 12)"),
+                (lambda: model.generate(ids, attention_mask=mask.tolist(), max_new_tokens=2),
+                 "attention_mask of type list; expected a tensor of shape (2, 12)"),
+                (lambda: hs.new_cache(ids.float(), mask), "new_cache got input_ids of dtype torch.float32"),
+                (lambda: hs.new_cache(ids.tolist(), mask), "new_cache got input_ids of type list"),
+                (lambda: hs.new_cache(ids, mask[:, 3:]), "new_cache got an attention_mask of shape (2, 9)"),
+                (lambda: hs.new_cache(ids, mask.bool().tolist()), "new_cache got an attention_mask of type list"),
+                (lambda: hs.new_cache(attention_mask=mask), "new_cache got no input_ids")):
+            with pytest.raises(InvalidInputError) as err:
+                call()
+            text = one_line(err.value)
+            assert words in text, text
+        assert hs.stats().requests == 0 and hs.stats().prefill_tokens == 0
+        # a mask wider than the prompts is what transformers tolerates: still served
+        wide = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], dim=1)
+        assert model.generate(ids.int(), attention_mask=wide, max_new_tokens=2, do_sample=False).shape == (2, 14)
+
+
+def test_a_length_that_is_no_whole_number_is_refused_before_the_prefill(model: torch.nn.Module) -> None:
+    """transformers generates ceil(2.5) = 3 tokens for max_new_tokens=2.5, but admission reserved
+    int(2.5) = 2. Before: the prefill ran, then a CapacityError mid-generate advised
+    `handle.new_cache(..., max_new_tokens >= 3)`, a call the user never made."""
+    ids, mask = random_prompts([12, 9], seed=2)
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3, check=False)) as hs:
+        for over, words in ((dict(max_new_tokens=2.5), "max_new_tokens=2.5: expected an int >= 1"),
+                            (dict(max_new_tokens="3"), "max_new_tokens='3': expected an int >= 1"),
+                            (dict(max_new_tokens=0), "max_new_tokens=0: expected an int >= 1"),
+                            (dict(max_length=13.5), "max_length=13.5: expected an int >= 1")):
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(ids, attention_mask=mask, do_sample=False, **over)
+            assert one_line(err.value) == words
+        assert hs.stats().requests == 0 and hs.stats().prefill_tokens == 0
+        # whole floats are what transformers reads as ints: served
+        assert model.generate(ids, attention_mask=mask, max_new_tokens=2.0, do_sample=False).shape == (2, 14)

@@ -151,6 +151,30 @@ def moved_rope(position_ids: torch.Tensor | None, pads: Sequence[int], past: int
     return None
 
 
+def _check_prompt_tensors(where: str, input_ids: object, attention_mask: object, *, wider_mask: bool = False) -> None:
+    """One line for prompts hisparse cannot read: `input_ids` not a 2-D tensor of token ids (an
+    integer dtype) with a token a row, or an `attention_mask` (None: none) that is not a tensor of
+    one row per prompt and a column per token (`wider_mask`: at least one, as generate tolerates)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        got = (f"input_ids of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else
+               "no input_ids" if input_ids is None else f"input_ids of type {type(input_ids).__name__}")
+        raise InvalidInputError(f"{where} got {got}; expected a tensor of token ids of shape [batch, tokens] with at "
+                                "least one prompt token a row")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise InvalidInputError(f"{where} got input_ids of dtype {input_ids.dtype}; expected token ids of an integer "
+                                "dtype (torch.long)")
+    if attention_mask is None:
+        return
+    shape = tuple(input_ids.shape)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise InvalidInputError(f"{where} got an attention_mask of type {type(attention_mask).__name__}; expected a "
+                                f"tensor of shape {shape}, as input_ids")
+    given = tuple(attention_mask.shape)
+    if len(given) != 2 or given[0] != shape[0] or (given[1] < shape[1] if wider_mask else given[1] != shape[1]):
+        raise InvalidInputError(f"{where} got an attention_mask of shape {given} for input_ids of shape {shape}; "
+                                f"expected an attention_mask of shape {shape} (one 0/1 a prompt token, left-padded)")
+
+
 def _refuse_empty_rows(pads: Sequence[int], width: int) -> None:
     """One line for a prompt row that is all padding (generate and `new_cache` alike): a row of no
     prompt token decodes from nothing."""
@@ -283,6 +307,7 @@ class HiSparseHandle:
                 if input_ids is None:
                     raise InvalidInputError("the first forward with a HiSparseCache needs input_ids (or go through "
                                             "model.generate, which passes the prompts)")
+                _check_prompt_tensors("the first forward with a HiSparseCache", input_ids, None)
                 mask = kwargs.get("attention_mask")
                 pads = left_padding(mask) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else [0] * batch
                 if any(pad >= num_new for pad in pads):
@@ -393,11 +418,10 @@ class HiSparseHandle:
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                                            or max_new_tokens < 0):
             raise InvalidInputError(f"max_new_tokens must be an int >= 0 or None, got {max_new_tokens!r}")
+        if input_ids is not None or attention_mask is not None:
+            _check_prompt_tensors("new_cache", input_ids, attention_mask)
         cache = HiSparseCache(self.engine, self.model.config)
         if input_ids is not None:
-            if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-                raise InvalidInputError(f"new_cache got input_ids of shape {tuple(input_ids.shape)}; expected "
-                                        "[batch, tokens] with at least one prompt token a row")
             pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
             _refuse_empty_rows(pads, int(input_ids.shape[1]))
             rows = input_ids.detach().to("cpu").tolist()
@@ -493,6 +517,19 @@ def _setting(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:
     return None
 
 
+def _check_lengths(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """One line for a `max_new_tokens` or `max_length` (the call's, else its generation config's)
+    that is not a whole number >= 1: transformers runs 2.5 as 3 tokens, which admission would
+    reserve as 2 and refuse mid-generate."""
+    for name in ("max_new_tokens", "max_length"):
+        value = _setting(model, kwargs, name)
+        if value is None:
+            continue
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not whole or value < 1:
+            raise InvalidInputError(f"{name}={value!r}: expected an int >= 1")
+
+
 def _max_new_tokens(model: torch.nn.Module, kwargs: dict[str, Any], prompt_width: int) -> int | None:
     """The most tokens this generate produces (its `max_new_tokens`, else `max_length` minus the
     padded prompt), None where neither is set."""
@@ -553,6 +590,8 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if input_ids.shape[1] == 0:
         raise InvalidInputError(f"hisparse generate got input_ids of shape {tuple(input_ids.shape)}; expected at least "
                                 "one prompt token a row")
+    _check_prompt_tensors("hisparse generate", input_ids, kwargs.get("attention_mask"), wider_mask=True)
+    _check_lengths(model, kwargs)
     if plan is not None:
         _check_assisted(handle, plan, int(input_ids.shape[0]))
     mask = kwargs.get("attention_mask")

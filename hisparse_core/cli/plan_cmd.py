@@ -233,6 +233,24 @@ def gpu_budget_problem(plan) -> str | None:  # type: ignore[no-untyped-def]
               f"{i.context} with hisparse")
 
 
+def host_budget_problem(plan) -> str | None:  # type: ignore[no-untyped-def]
+    """Why `--host` holds no request at any context (not one usable block: block 0 is the null
+    block), naming the smallest pool that holds one, or None. As `gpu_budget_problem` says for
+    `--gpu-kv`: `--host 1B` for 1GiB is a typo, and its table said 0 with hisparse everywhere."""
+    from hisparse_core.replay.report import human_bytes
+    from hisparse_core.units import ceil_size
+
+    i, g = plan.inputs, plan.inputs.geometry
+    if plan.host_blocks >= 2:
+        return None
+    blocks = "no block" if not plan.host_blocks else "only the null block"
+    return (f"--host {human_bytes(i.host_bytes)} holds {blocks} of {human_bytes(plan.host_block_bytes)} "
+            f"({g.num_layers} layers x {g.block_size} tokens x {g.row_bytes} B), so no request fits at any context; "
+            f"expected --host >= {ceil_size(2 * plan.host_block_bytes)} (one 1-token request: 1 page + the null "
+            f"block), >= {ceil_size((plan.pages_per_request + 1) * plan.host_block_bytes)} for one request of "
+            f"--context {i.context}")
+
+
 def run(args: argparse.Namespace) -> int:
     from hisparse_core.planner import crossover_context
     from hisparse_core.replay.report import dumps, render_grid
@@ -241,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("hisparse plan", why)
     try:
         plan = plan_from_args(args)
-        if why := gpu_budget_problem(plan):
+        if why := gpu_budget_problem(plan) or host_budget_problem(plan):
             return fail("hisparse plan", why)
         sweep = []
         if args.sweep:

@@ -108,6 +108,25 @@ def test_a_gpu_budget_that_holds_no_request_is_refused(extra: list[str], capsys:
         ">= 6.03GiB for one request of --context 131072 with hisparse"]
 
 
+@pytest.mark.parametrize(("host", "holds"), [("1B", "1 B holds no block"), ("3MiB", "3.00 MiB holds only the null block")])
+def test_a_host_pool_that_holds_no_request_is_refused(host: str, holds: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --host 1B` printed a table saying 0 with hisparse (0.00x) at every context and "never"
+    for the crossover, where `--gpu-kv 1B` is refused: no usable host block (block 0 is the null
+    block) holds no request at any context either. The sizes named are the ones that hold one."""
+    assert main(["plan", "--host", host]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"hisparse plan: error: --host {holds} of 2.44 MiB (61 layers x 64 tokens x 656 B), so no request fits at "
+        "any context; expected --host >= 4.89MiB (one 1-token request: 1 page + the null block), >= 4.89GiB for one "
+        "request of --context 131072"]
+    assert main(["plan", "--host", "4.89MiB", "--context", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_concurrency"] == 1
+    assert main(["plan", "--host", "4.89GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_concurrency"] == 1
+
+
 def test_the_smallest_gpu_budget_plan_names_holds_one_request(capsys: pytest.CaptureFixture[str]) -> None:
     """One block (3 MiB) still holds no request; the size named holds one of a token, and the
     figure for --context admits one such request; budgets in between are plans (0 at --context)."""

@@ -87,6 +87,29 @@ def _log_level(args: argparse.Namespace) -> str | None:
     return level
 
 
+class OwnLinesBelowWarning(logging.Filter):
+    """Below WARNING, only the lines of hisparse's own loggers (the core's and every plugin's
+    `hisparse*` package) reach the terminal: `--log-level DEBUG` shows each step of discovery, not a
+    library's (matplotlib's font search under `--plot`: some 2,000 lines), and a library's INFO
+    (torch's FakeTensor cache stats at exit after an interrupted import) never shows at the default
+    level. Warnings and errors pass from every logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.startswith("hisparse")
+
+
+def _configure_logging(level: str) -> None:
+    """The root logger at `level` (plugins read it: `generate` holds the engine's lines back at
+    INFO), its stderr handler filtered by `OwnLinesBelowWarning`. As `logging.basicConfig`, it
+    adds no handler where the root logger has one already (an embedding program's, pytest's)."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for handler in root.handlers:
+        if handler not in before:
+            handler.addFilter(OwnLinesBelowWarning())
+
+
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """`parse_args`, except that an argument the command does not take is reported by that command's
     parser (`hisparse generate: error: unrecognized arguments: --batch 0 (see hisparse generate
@@ -105,7 +128,7 @@ def _run(argv: Sequence[str] | None) -> int:
     level = _log_level(args)
     if level is None:
         return 2
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    _configure_logging(level)
     warn_broken(broken, args.command)
     try:
         return int(args.func(args) or 0)

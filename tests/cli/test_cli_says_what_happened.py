@@ -360,3 +360,23 @@ def test_resident_layers_that_take_the_whole_gpu_budget_name_the_flags(capsys: p
                            "pages for 3 requests of 104 tokens need "), line
     fits = line.split("expected --gpu-kv >= ")[1].split(" ")[0]
     assert main([*argv, "--gpu-kv", fits]) == 0
+
+
+# ------------------------------------------------------------------------------------ logging
+
+
+def test_debug_shows_hisparse_lines_not_a_librarys(tmp_path: Path) -> None:
+    """`plan --plot x.png --log-level DEBUG` printed some 2,000 lines of matplotlib's font search
+    around the one line of hisparse's: below WARNING only hisparse's own loggers reach stderr."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_")}
+    target = tmp_path / "p.png"
+    proc = subprocess.run([sys.executable, "-m", "hisparse_core", "--log-level", "DEBUG", "plan", "--plot",
+                           str(target)], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines == [f"INFO hisparse_core.cli.plan_cmd: plot written to {target} (PNG)"], lines[:5]
+    assert target.stat().st_size > 0

@@ -25,6 +25,7 @@ from hisparse_core.cli.options import (
     HelpFormatter,
     check_backend_name,
     fail,
+    fail_argument,
     float_in,
     import_torch,
     int_in,
@@ -123,8 +124,8 @@ def _table(res: object) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.warmup is not None and args.warmup >= args.steps:
-        return fail("hisparse bench", f"argument --warmup: expected an integer in [0, --steps - 1 = "
-                                      f"{args.steps - 1}], got {args.warmup}")
+        return fail_argument("hisparse bench", "--warmup", f"expected an integer in [0, --steps - 1 = "
+                                                           f"{args.steps - 1}], got {args.warmup}")
     if why := check_backend_name(args.backend) or import_torch("hisparse bench"):
         return fail("hisparse bench", why)
     from hisparse_core.registry import select_backend

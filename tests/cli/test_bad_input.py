@@ -342,6 +342,15 @@ def test_plan_tail_pages_range_is_the_one_it_accepts(capsys: pytest.CaptureFixtu
     assert main(["plan", "--tail-pages", "1", "--json"]) == 0
 
 
+def test_a_warmup_past_the_steps_is_said_as_the_parser_says_a_range(capsys: pytest.CaptureFixture[str]) -> None:
+    """The one range checked after parsing read as the parser's lines do, but without their
+    `(see hisparse bench --help)`."""
+    assert main(["bench", "--steps", "10", "--warmup", "10"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "hisparse bench: error: argument --warmup: expected an integer in [0, --steps - 1 = 9], got 10 "
+        "(see hisparse bench --help)"]
+
+
 @pytest.mark.parametrize(("argv", "needle", "not_said"), [
     (["bench", "--context", "16777216"], "lower --context or --requests", "host pool budget"),
     # (--top-k 65536 --hot 64 is now refused earlier: its hot buffer is over a runtime's row limit.)

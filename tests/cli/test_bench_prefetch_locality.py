@@ -36,9 +36,11 @@ def bench():
     try:
         spec = importlib.util.spec_from_file_location("bench_prefetch_locality_under_test", SCRIPT)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module   # its dataclasses look their module up there
         spec.loader.exec_module(module)
         yield module
     finally:
+        sys.modules.pop("bench_prefetch_locality_under_test", None)
         sys.path.remove(str(SCRIPT.parent))
 
 

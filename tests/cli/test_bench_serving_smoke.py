@@ -5,6 +5,9 @@ budget that holds no request, before anything is built."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -19,6 +22,21 @@ pytest.importorskip("matplotlib")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_serving.py"
 PLOT = SCRIPT.with_name("plot_serving_regimes.py")
+
+
+@pytest.fixture(scope="module")
+def bench_main():
+    """bench_serving.main, imported once (the bench folder on the path, as running the script puts it)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_serving_under_test", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module   # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        yield module.main
+    finally:
+        sys.modules.pop("bench_serving_under_test", None)
+        sys.path.remove(str(SCRIPT.parent))
 
 
 def test_smoke_runs_every_mode(tmp_path: Path) -> None:
@@ -319,7 +337,24 @@ def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
     (["--contexts", "1500", "--gpu-kv-gib", "0.0006", "--modes", "hisparse,all-resident", "--batches", "budget"],
      "--batches='budget' runs nothing"),
 ])
-def test_bad_flags_are_one_line_naming_the_flag(args: list[str], flag: str) -> None:
+def test_bad_flags_are_one_line_naming_the_flag(bench_main, args: list[str], flag: str) -> None:
+    # In process (a fresh interpreter a case cost about 3 s each); an exception escaping main() fails
+    # the test as a traceback would, and the two cases below run the script as a user does.
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = bench_main(["--smoke", "--png", "", *args])
+        except SystemExit as exc:   # argparse's own refusals
+            code = exc.code
+    assert code == 2, err.getvalue()
+    assert err.getvalue().count("\n") == 1 and flag in err.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--batches", "0"], "--batches"),
+    (["--json", "/nonexistent/r.json"], "--json '/nonexistent/r.json': the folder '/nonexistent' does not exist"),
+])
+def test_bad_flags_from_the_command_line(args: list[str], flag: str) -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--png", "", *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr

@@ -142,3 +142,29 @@ def test_embedded_suite_skips_what_the_backend_lacks(tmp_path: Path) -> None:
     assert [name for name, _ in outcomes["skipped"]] == ["test_embedded.test_speculative_union_by_hand"]
     assert "speculative_union" in outcomes["skipped"][0][1]
     assert len(outcomes["passed"]) == 2
+
+
+class _Options:
+    def __init__(self, backend: str | None) -> None:
+        self.backend = backend
+
+    def getoption(self, name: str) -> str | None:
+        assert name == "hisparse_backend", name
+        return self.backend
+
+
+@pytest.mark.parametrize("option, env, expected", [
+    (None, " acme ", "acme"),                 # the registry strips it: the suite names the same backend
+    (None, "   ", "reference_cpu"),           # blank is unset, as the registry reads it
+    (" acme", "other", "acme"),
+    (None, None, "reference_cpu"),
+])
+def test_the_backend_name_is_read_as_the_registry_reads_it(monkeypatch: pytest.MonkeyPatch, option: str | None,
+                                                           env: str | None, expected: str) -> None:
+    from hisparse_conformance.plugin import backend_name
+
+    if env is None:
+        monkeypatch.delenv("HISPARSE_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("HISPARSE_BACKEND", env)
+    assert backend_name(_Options(option)) == expected  # type: ignore[arg-type]

@@ -70,14 +70,18 @@ def _require_backend(config: pytest.Config) -> None:
         selected_backend(config)
     except BackendError as exc:
         source = "--hisparse-backend" if config.getoption("hisparse_backend") else (
-            f"${ENV_BACKEND}" if os.environ.get(ENV_BACKEND) else "the default backend")
+            f"${ENV_BACKEND}" if os.environ.get(ENV_BACKEND, "").strip() else "the default backend")
         raise pytest.UsageError(
             f"hisparse conformance: {source} {backend_name(config)!r} cannot be selected: {exc}") from None
 
 
 def backend_name(config: pytest.Config) -> str:
-    """The backend the suite tests: the option, else the environment, else reference_cpu."""
-    return config.getoption("hisparse_backend") or os.environ.get(ENV_BACKEND) or DEFAULT_BACKEND
+    """The backend the suite tests: the option, else the environment, else reference_cpu.
+
+    Surrounding spaces are dropped and a blank `HISPARSE_BACKEND` is unset, as the registry reads it.
+    """
+    option = config.getoption("hisparse_backend")
+    return (option or "").strip() or os.environ.get(ENV_BACKEND, "").strip() or DEFAULT_BACKEND
 
 
 def selected_backend(config: pytest.Config) -> Backend:

@@ -265,3 +265,45 @@ def test_a_length_that_is_no_whole_number_is_refused_before_the_prefill(model: t
         assert hs.stats().requests == 0 and hs.stats().prefill_tokens == 0
         # whole floats are what transformers reads as ints: served
         assert model.generate(ids, attention_mask=mask, max_new_tokens=2.0, do_sample=False).shape == (2, 14)
+
+
+def test_copying_or_pickling_an_enabled_model_or_its_cache_is_refused_in_one_line(model: torch.nn.Module) -> None:
+    """Before: copy.deepcopy and pickle raised "TypeError: cannot pickle 'module' object" (the
+    family's modeling module, deep in a patched layer), and torch.save "Cannot save multiple tensors
+    or storages that view the same data as different types" (the engine's stores)."""
+    import copy
+    import io
+    import pickle
+
+    from hisparse_transformers.cache import UnsupportedCacheOperation
+
+    hs = hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", check=False))
+    try:
+        for call in (lambda: copy.deepcopy(model), lambda: pickle.dumps(model),
+                     lambda: torch.save(model, io.BytesIO())):
+            with pytest.raises(InvalidInputError) as err:
+                call()
+            text = one_line(err.value)
+            assert text.startswith("a model with hisparse enabled cannot be copied or pickled") and \
+                "expected hs.close() or hisparse_transformers.disable(model) first" in text, text
+        for call in (lambda: copy.deepcopy(hs.new_cache()), lambda: pickle.dumps(hs.new_cache())):
+            with pytest.raises(UnsupportedCacheOperation) as err:
+                call()
+            assert one_line(err.value).startswith("a HiSparseCache cannot be copied or pickled"), err.value
+        assert not hs.closed and model._hisparse_handle is hs            # refused: still enabled
+    finally:
+        hs.close()
+    twin = copy.deepcopy(model)                                           # closed: the model copies as it is
+    assert untouched(model) and untouched(twin)
+
+
+def test_a_pool_name_that_is_no_file_name_part_is_refused_at_enable(model: torch.nn.Module) -> None:
+    """Before: accepted by enable; under tensor parallelism refused by rank 0 only once the ranks had
+    agreed and built their backends ("shared host pool name ..."), naming no keyword; without it,
+    never checked."""
+    for bad in ("a/b", "", "x" * 129, "pool\x00", "../etc"):
+        with pytest.raises(InvalidInputError) as err:
+            hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", pool_name=bad))
+        assert one_line(err.value).startswith(f"pool_name={bad!r}: expected 1-128 of [A-Za-z0-9_.-]"), err.value
+        assert untouched(model)
+    hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", pool_name="a.b-c_1")).close()

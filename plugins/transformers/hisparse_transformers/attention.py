@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hisparse_core.errors import HiSparseError
+from hisparse_core.errors import HiSparseError, InvalidInputError
 from hisparse_core.runtime import ResolveInputs
 from hisparse_transformers.cache import HiSparseCache
 from hisparse_transformers.rows import RowMap
@@ -206,8 +206,22 @@ def absorbed_attention(module: Any, q_pass: torch.Tensor, q_rot: torch.Tensor, k
     return out.reshape(out.shape[0], out.shape[1], heads * vdim)
 
 
+#: Why a model with hisparse enabled is not copied (`copy.deepcopy`, `pickle`, `torch.save`): its
+#: patched layers and hooks hold the engine, whose host pool and device caches have one owner.
+NO_COPY = ("a model with hisparse enabled cannot be copied or pickled (copy.deepcopy, pickle, torch.save): its patched "
+           "attention layers and hooks hold the hisparse engine (host pool, device caches); expected hs.close() or "
+           "hisparse_transformers.disable(model) first, then enable each copy on its own (save_pretrained works "
+           "while enabled)")
+
+
 class HiSparseAttention:
     """The per-instance forward of one patched attention module (see the module docstring)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise InvalidInputError(NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise InvalidInputError(NO_COPY)
 
     def __init__(self, module: Any, layout: DsaLayout, engine: HiSparseEngine, layer: int,
                  checker: ExactnessChecker | None = None) -> None:

@@ -54,6 +54,11 @@ def crop_count(value: object) -> int:
     raise UnsupportedCacheOperation(f"crop takes an int (or a 0-dim integer tensor), got {value!r}")
 
 
+_NO_COPY = ("a HiSparseCache cannot be copied or pickled (copy.deepcopy, pickle): its rows live in hisparse's pages "
+            "and it serves one batch; expected a fresh handle.new_cache() per generate (a later batch whose prompts "
+            "share a prefix takes it from the host pool)")
+
+
 class HiSparseCache(DynamicCache):
     """A fresh cache for one generate; get one from `HiSparseHandle.new_cache()` (or let the
     patched `generate` make one). One batch per cache: it cannot be reused after its generate."""
@@ -192,6 +197,12 @@ class HiSparseCache(DynamicCache):
         self._length += num_new
 
     # ---------------------------------------------------------------- what it cannot do
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise UnsupportedCacheOperation(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UnsupportedCacheOperation(_NO_COPY)
 
     def _unsupported(self, what: str) -> UnsupportedCacheOperation:
         return UnsupportedCacheOperation(f"{what} is not supported by hisparse: each batch row is one hisparse "

@@ -31,7 +31,7 @@ from hisparse_core.backend import Backend
 from hisparse_core.errors import HiSparseError, InvalidInputError
 from hisparse_core.registry import ENV_BACKEND, get_registry, select_backend
 from hisparse_transformers.assisted import AssistedPlan, assisted_plan
-from hisparse_transformers.attention import HiSparseAttention
+from hisparse_transformers.attention import NO_COPY, HiSparseAttention
 from hisparse_transformers.cache import HiSparseCache
 from hisparse_transformers.check import ExactnessChecker
 from hisparse_transformers.engine import EngineConfig, HiSparseEngine, resident_groups
@@ -204,6 +204,12 @@ def _check_first_padding(mask: Any, pads: Sequence[int], num_new: int) -> None:
 
 class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise InvalidInputError(NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise InvalidInputError(NO_COPY)
 
     def __init__(self, model: torch.nn.Module, layout: DsaLayout, engine: HiSparseEngine,
                  cuda_graphs: bool | None = None, checker: ExactnessChecker | None = None) -> None:
@@ -737,6 +743,14 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         raise InvalidInputError(f"share_host_pool must be True or False, got {share_host_pool!r}")
     if pool_name is not None and not isinstance(pool_name, str):
         raise InvalidInputError(f"pool_name must be a str or None, got {pool_name!r}")
+    if pool_name is not None:
+        from hisparse_core.shm import shm_path
+
+        try:   # the file name part of the shared pool, checked here rather than by rank 0 after the ranks agree
+            shm_path(pool_name, "")
+        except InvalidInputError:
+            raise InvalidInputError(f"pool_name={pool_name!r}: expected 1-128 of [A-Za-z0-9_.-] (the shared host "
+                                    "pool's name in /dev/shm), or None for a fresh name rank 0 picks") from None
     if backend is not None and not isinstance(backend, str | Backend):
         raise InvalidInputError(f"backend={backend!r}: expected a hisparse backend's name (hisparse backends lists "
                                 "them), 'auto' or None, or a hisparse Backend instance")

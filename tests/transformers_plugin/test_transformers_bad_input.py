@@ -307,3 +307,22 @@ def test_a_pool_name_that_is_no_file_name_part_is_refused_at_enable(model: torch
         assert one_line(err.value).startswith(f"pool_name={bad!r}: expected 1-128 of [A-Za-z0-9_.-]"), err.value
         assert untouched(model)
     hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", pool_name="a.b-c_1")).close()
+
+
+def test_enabling_a_model_whose_base_model_or_wrapper_is_enabled_is_refused(model: torch.nn.Module) -> None:
+    """The base model and the model around it share their attention layers. Before: both enables
+    were taken, two engines (two host pools) patched the same layers, and closing the first
+    handle removed the second's base-model patch."""
+    for first, second in ((model.base_model, model), (model, model.base_model)):
+        hs = hisparse_transformers.enable(first, **enable_kwargs("deepseek_v32", check=False))
+        try:
+            with pytest.raises(InvalidInputError) as err:
+                hisparse_transformers.enable(second, **enable_kwargs("deepseek_v32", check=False))
+            assert one_line(err.value).startswith("hisparse is already enabled on layer 0's attention, through "
+                                                  "another model that holds it"), err.value
+            assert getattr(second, "_hisparse_handle", None) is None and "generate" not in second.__dict__
+        finally:
+            hs.close()
+        assert untouched(model)
+    hisparse_transformers.enable(model.base_model, **enable_kwargs("deepseek_v32", check=False)).close()
+    assert untouched(model)

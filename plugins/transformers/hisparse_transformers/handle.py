@@ -764,6 +764,13 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                                     "expected check=False and speculative_tokens=0 with it")
     check_key_format(indexer_keys)
     layout = detect(model)
+    for i, attention in enumerate(layout.attentions):
+        patched = [v for v in (attention.__dict__.get("forward"), attention.__dict__.get("_old_forward"))
+                   if isinstance(v, HiSparseAttention) and not v.engine.closed]
+        if patched:
+            raise InvalidInputError(f"hisparse is already enabled on layer {i}'s attention, through another model "
+                                    "that holds it (the base model, or the model around it); close that handle (or "
+                                    "disable() that model) first")
     if indexer_keys == "fp8":
         quant_block(layout.index_head_dim)   # one line where the key cannot be split in blocks
     weight = layout.attentions[0].kv_a_proj_with_mqa.weight

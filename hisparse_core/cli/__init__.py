@@ -8,6 +8,7 @@ hisparse_transformers that way). The core imports no plugin.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -122,9 +123,14 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     return args
 
 
+#: The command `main` is running (once parsed), for the line a write error on stdout gets.
+_RUNNING: list[str] = []
+
+
 def _run(argv: Sequence[str] | None) -> int:
     parser, broken = _build_parser()
     args = _parse(parser, argv)
+    _RUNNING.append(args.command)
     level = _log_level(args)
     if level is None:
         return 2
@@ -143,19 +149,76 @@ def _run(argv: Sequence[str] | None) -> int:
         return 130
 
 
+class OutputError(Exception):
+    """Writing the command's output to stdout failed (`hisparse run --json > out.json` on a full
+    disk, `> /dev/full`); the `OSError` is `.error`. A closed pipe stays a `BrokenPipeError`."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _GuardedStdout:
+    """sys.stdout while a command runs: a write or flush that fails raises `OutputError`, which
+    `main` says in one line, not the traceback of whichever `print` met the full disk."""
+
+    def __init__(self, stream: object) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self.stream.write(text))  # type: ignore[attr-defined]
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()  # type: ignore[attr-defined]
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc) from None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.stream, name)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout's descriptor at /dev/null, so the interpreter's own last flush of what is
+    still buffered is quiet too."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    guarded = sys.stdout = _GuardedStdout(sys.stdout)  # type: ignore[assignment]
     try:
         try:
-            status = _run(argv)
-        finally:
-            sys.stdout.flush()  # a closed pipe shows here (also after --help), not at interpreter exit
-        return status
-    except BrokenPipeError:
-        # `hisparse ... | head`: the reader left. Point stdout at /dev/null so the interpreter's
-        # own last flush is quiet too, and exit as a shell does for a writer killed by SIGPIPE.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141
+            try:
+                status = _run(argv)
+            finally:
+                sys.stdout.flush()  # a closed pipe shows here (also after --help), not at interpreter exit
+            return status
+        except BrokenPipeError:
+            # `hisparse ... | head`: the reader left. Point stdout at /dev/null so the interpreter's
+            # own last flush is quiet too, and exit as a shell does for a writer killed by SIGPIPE.
+            _quiet_stdout()
+            return 141
+        except OutputError as exc:
+            # `hisparse run --json > out.json` on a full disk: one line naming the command, then as
+            # for a closed pipe (what is still buffered cannot be written either).
+            prog = f"hisparse {_RUNNING[-1]}" if _RUNNING else "hisparse"
+            print(f"{prog}: error: cannot write the output to stdout: {exc.error.strerror or exc.error}",
+                  file=sys.stderr)
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # a capture without a descriptor
+                _quiet_stdout()
+            return 1
+    finally:
+        _RUNNING.clear()
+        if sys.stdout is guarded:
+            sys.stdout = guarded.stream  # type: ignore[assignment]
 
 
 if __name__ == "__main__":  # pragma: no cover

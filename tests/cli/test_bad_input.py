@@ -153,6 +153,21 @@ def test_closed_pipe_is_quiet(argv: list[str]) -> None:
     assert writer.returncode in (0, 141)  # 0 when the output fit the pipe before head closed it
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+@pytest.mark.parametrize(("argv", "prog"), [(["plan", "--json"], "hisparse plan"),
+                                            (["backends", "--json"], "hisparse backends"),
+                                            (["--version"], "hisparse")])
+def test_a_full_disk_under_stdout_is_one_line(argv: list[str], prog: str, unbuffered: str) -> None:
+    """`hisparse plan --json > out.json` on a full disk ended in the traceback of the print (or of
+    the last flush) that met it, OSError: [Errno 28]: one line naming the command, exit status 1."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "hisparse_core", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=_env(PYTHONUNBUFFERED=unbuffered), timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [f"{prog}: error: cannot write the output to stdout: No space left on device"]
+
+
 #: A run that lasts for minutes unless interrupted: two small requests decoding 5000 tokens.
 ENDLESS_RUN = ["run", "--backend", "reference_cpu", "--requests", "2", "--context", "64", "--decode-tokens",
                "5000", "--steps", "5000", "--top-k", "16", "--block-size", "16", "--layers", "1",

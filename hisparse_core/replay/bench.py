@@ -179,6 +179,10 @@ def run_bench(config: BenchConfig, backend: Backend,
     # Checked here with bench's own flags (the pool's check would say "lower the host pool budget").
     check_host_memory(spec.nbytes, f"the host pool of {n_req} requests x {pages} pages of {c.context}-token prompts "
                                    f"x {c.layers} layers", remedy="lower --context or --requests")
+    if torch.device(dev).type == "cpu":  # both in host RAM: each fitting alone is not enough
+        check_host_memory(num_dev_blocks * bs * c.layers * fmt.row_bytes + spec.nbytes,
+                          "the device caches and the host pool together (the backend runs on the CPU, so both are in "
+                          "host RAM)", remedy="lower --requests, --context, --top-k, --hot or --tail-pages")
     if on_checked is not None:
         on_checked()
     logger.info("bench: %d requests x %d-token prompts, %d steps, top-k %d, hot buffer %d rows (%.2fx), "

@@ -334,8 +334,9 @@ class ReplayEngine:
         free = device_free_bytes(dev)
         kv_bytes = p.gpu_blocks * p.block_bytes + self.resident_blocks * self.resident_block_bytes
         if dev.type == "cpu" and free is not None:
-            free = int(free * HOST_FRACTION)
-        fits = f" to at most {floor_size(free)}" if free is not None else ""
+            # The host pool is host RAM too: the size named must fit beside it.
+            free = max(0, int(free * HOST_FRACTION) - c.host_bytes)
+        fits = f" to at most {floor_size(free)}" if free else ""
         where = "; the backend runs on the CPU, so the KV pool is in host RAM" if dev.type == "cpu" else ""
         resident = (f" and {self.resident_blocks} resident-layer blocks x {self.resident_block_bytes} B"
                     if c.resident_layers else "")
@@ -343,6 +344,13 @@ class ReplayEngine:
                                            f"{p.block_bytes} B{resident}{where})", remedy=f"lower --gpu-kv{fits}")
         check_host_memory(c.host_bytes, f"--host {human_bytes(c.host_bytes)} (the host pool)",
                           remedy="lower --host")
+        if dev.type == "cpu":  # both pools in host RAM: each fitting alone is not enough
+            avail = device_free_bytes(dev)
+            together = f" so that together they take at most {floor_size(int(avail * HOST_FRACTION))}" if avail else ""
+            check_host_memory(kv_bytes + c.host_bytes,
+                              f"--gpu-kv {human_bytes(c.gpu_kv_bytes)} and --host {human_bytes(c.host_bytes)} together "
+                              "(the backend runs on the CPU, so the KV pool and the host pool are both in host RAM)",
+                              remedy=f"lower --gpu-kv or --host{together}")
         if on_checked is not None:
             on_checked()
         self.gpu = SimpleGpuBlockPool(p.gpu_blocks)

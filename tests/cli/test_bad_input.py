@@ -383,6 +383,43 @@ def test_bench_capacity_errors_name_bench_flags(argv: list[str], needle: str, no
     assert not_said is None or not_said not in err
 
 
+def test_a_cpu_run_checks_both_budgets_against_the_ram_together(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CPU backend the KV pool (--gpu-kv) and the host pool (--host) are both host RAM: each
+    was checked alone, so two budgets that each fit but not together were allocated (the OOM
+    killer, on a real machine). Refused in one line before anything is allocated."""
+    import hisparse_core.capacity as capacity
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 400 << 20)  # the same verdict on any machine
+    argv = ["--gpu-kv", "300MiB", "--host", "300MiB", "--steps", "1"]
+    assert main([*SMALL_RUN[:SMALL_RUN.index("--gpu-kv")], *argv, "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        r"hisparse run: error: --gpu-kv 300\.00 MiB and --host 300\.00 MiB together \(the backend runs on the CPU, so "
+        r"the KV pool and the host pool are both in host RAM\) needs 599\.99 MiB \(629137920 B\) of host RAM; "
+        r"400\.00 MiB is available( of [\d.]+ \w+ total)?, and at most 95% of it \(380\.00 MiB\) may be taken: lower "
+        r"--gpu-kv or --host so that together they take at most 380\.00MiB", lines[0]), lines[0]
+
+
+def test_a_cpu_bench_checks_its_caches_and_pool_against_the_ram_together(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """bench's device caches and host pool, each under the RAM's limit, together over it."""
+    import hisparse_core.capacity as capacity
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 64 << 20)
+    # Device caches 4 x (64 hot + 3 tail) blocks and a host pool of 4 x 64 pages, of 4 layers x 64
+    # rows x 656 B: each under 60.8 MiB, together 84.56 MiB.
+    assert main(["bench", "--context", "4096", "--backend", "reference_cpu", "--no-progress"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "hisparse bench: error: the device caches and the host pool together (the backend runs on the CPU, so both "
+        "are in host RAM) needs 84.56 MiB (88670208 B) of host RAM; 64.00 MiB is available"), err
+    assert err[0].endswith("lower --requests, --context, --top-k, --hot or --tail-pages")
+
+
 def test_log_level_after_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     """`hisparse run --log-level X` works as `hisparse --log-level X run` does."""
     assert main(["backends", "--log-level", "bogus"]) == 2

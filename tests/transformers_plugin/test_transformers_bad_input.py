@@ -326,3 +326,20 @@ def test_enabling_a_model_whose_base_model_or_wrapper_is_enabled_is_refused(mode
         assert untouched(model)
     hisparse_transformers.enable(model.base_model, **enable_kwargs("deepseek_v32", check=False)).close()
     assert untouched(model)
+
+
+def test_the_errors_the_docs_name_are_the_packages_names(model: torch.nn.Module) -> None:
+    """docs/transformers.md names RowMismatch and TopkMismatch side by side, and enable's docstring
+    says bad input raises a HiSparseError. Before: hisparse_transformers.RowMismatch worked, but
+    .TopkMismatch, .HiSparseError and .UnsupportedCacheOperation raised AttributeError (an ImportError
+    for `from hisparse_transformers import ...`)."""
+    from hisparse_transformers import HiSparseError as Base
+    from hisparse_transformers import RowMismatch, TopkMismatch, UnsupportedCacheOperation
+    from hisparse_transformers.cache import UnsupportedCacheOperation as Unsupported
+    from hisparse_transformers.check import TopkMismatch as Mismatch
+
+    assert Base is HiSparseError and TopkMismatch is Mismatch and UnsupportedCacheOperation is Unsupported
+    assert all(issubclass(e, Base) for e in (RowMismatch, TopkMismatch, UnsupportedCacheOperation))
+    assert set(hisparse_transformers.__all__) >= {"HiSparseError", "TopkMismatch", "UnsupportedCacheOperation"}
+    with pytest.raises(hisparse_transformers.HiSparseError):
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", max_batch=0))

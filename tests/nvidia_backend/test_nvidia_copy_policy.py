@@ -1,4 +1,5 @@
-"""Which miss copy follows a resolve, decided on the host (CPU only: no kernel runs here).
+"""Which miss copy follows a resolve, decided on the host (CPU only: no kernel runs here); and the
+backend's on/off knobs, which take 0 or 1 only.
 
 Batches the speculative gather covers in one pass get it alone; a larger batch gets it for as many
 first rows as its blocks fit on the SMs the resolver leaves free, the plan copy taking the rest;
@@ -71,6 +72,38 @@ def test_spec_early_exit_knob(value: str | None, expected: bool | None, monkeypa
     with pytest.raises(InvalidInputError) as err:
         spec_early_exit()
     assert f"HISPARSE_SPEC_EARLY_EXIT={value!r}" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["HISPARSE_OVERLAP_LAUNCH", "HISPARSE_GATHER_FOLLOW", "HISPARSE_SPEC_SPLIT",
+                                  "HISPARSE_SPEC_GATHER"])
+@pytest.mark.parametrize("value", ["false", "off", "no", "", " 0"])
+def test_switch_knobs_refuse_what_is_not_0_or_1(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read as `!= "0"`, `HISPARSE_OVERLAP_LAUNCH=false` (or off, no) left the switch on, silently;
+    each is one line naming the variable, as HISPARSE_SPEC_EARLY_EXIT's bad values are."""
+    from hisparse_nvidia.runtime import copy_switches
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidInputError) as err:
+        copy_switches() if name != "HISPARSE_SPEC_GATHER" else _policy()  # read in __init__ / _speculative_rows
+    assert str(err.value) == f"{name}={value!r}: expected 1 (the default) or 0"
+
+
+@pytest.mark.parametrize("name", ["HISPARSE_OVERLAP_LAUNCH", "HISPARSE_GATHER_FOLLOW", "HISPARSE_SPEC_SPLIT",
+                                  "HISPARSE_SPEC_GATHER"])
+def test_switch_knobs_take_0_and_1(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hisparse_nvidia.runtime import copy_switches, env_switch
+
+    assert env_switch(name) is True and copy_switches() == (True, True, True)
+    for value, on in (("1", True), ("0", False)):
+        monkeypatch.setenv(name, value)
+        assert env_switch(name) is on
+    monkeypatch.setenv(name, "0")
+    if name == "HISPARSE_SPEC_GATHER":
+        assert _policy()._speculative_rows(SMS) == (0, "HISPARSE_SPEC_GATHER=0")
+    else:
+        switches = dict(zip(("HISPARSE_OVERLAP_LAUNCH", "HISPARSE_GATHER_FOLLOW", "HISPARSE_SPEC_SPLIT"),
+                            copy_switches(), strict=True))
+        assert switches == {n: n != name for n in switches}
 
 
 @pytest.mark.parametrize(("value", "expected"), [(None, "auto"), ("slots", "slots"), ("entries", "entries"),
@@ -202,3 +235,22 @@ def test_gather_per_sm_default_and_bad_values(monkeypatch: pytest.MonkeyPatch) -
         with pytest.raises(InvalidInputError) as err:
             rt._gather_shared_memory(227 * 1024)
         assert "HISPARSE_GATHER_PER_SM" in str(err.value) and bad in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, False), ("0", False), ("1", True), ("true", None),
+                                               ("yes", None), ("", None)])
+def test_unregister_at_exit_takes_0_or_1(value: str | None, expected: bool | None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`HISPARSE_UNREGISTER_AT_EXIT=true` was read at exit as `!= "1"`: off, silently. A pool's
+    construction now says a bad value in one line (here the check alone: a pool needs a GPU)."""
+    from hisparse_nvidia.host_pool import unregister_at_exit
+
+    monkeypatch.delenv("HISPARSE_UNREGISTER_AT_EXIT", raising=False)
+    if value is not None:
+        monkeypatch.setenv("HISPARSE_UNREGISTER_AT_EXIT", value)
+    if expected is not None:
+        assert unregister_at_exit() is expected
+        return
+    with pytest.raises(InvalidInputError) as err:
+        unregister_at_exit()
+    assert str(err.value) == f"HISPARSE_UNREGISTER_AT_EXIT={value!r}: expected 0 (the default) or 1"

@@ -150,6 +150,15 @@ class _Registration:
                 pass
 
 
+def unregister_at_exit() -> bool:
+    """`HISPARSE_UNREGISTER_AT_EXIT`: unset or "0" (default) off, "1" on; anything else ("true",
+    "yes") is one line naming it, said when a pool is created (it was read as off, silently)."""
+    value = os.environ.get(ENV_UNREGISTER_AT_EXIT, "0")
+    if value not in ("0", "1"):
+        raise InvalidInputError(f"{ENV_UNREGISTER_AT_EXIT}={value!r}: expected 0 (the default) or 1")
+    return value == "1"
+
+
 def _cleanup(registration: _Registration | None, channel: WriterChannel | None, mm: mmap.mmap | None,
              file: shm.PoolFile | None) -> None:
     if file is not None:
@@ -181,6 +190,7 @@ class NvidiaHostPool(LayerMajorHostPool):
         self._mm: mmap.mmap | None = None
         self._registration: _Registration | None = None
         self._rows: torch.Tensor | None = None
+        unregister_at_exit()  # a bad value is said now, not ignored at exit
         check_host_pool(spec, self._file_bytes() if spec.shared else None)
         if spec.shared:
             path = shm_path(spec.name or "")

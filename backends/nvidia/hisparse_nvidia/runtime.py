@@ -139,12 +139,25 @@ def spec_kernel() -> str:
     return value
 
 
+def env_switch(name: str) -> bool:
+    """A switch that is on by default: unset or "1" on, "0" off; anything else ("false", "off",
+    "no", "") is one line naming it. They were read as `!= "0"`, so `HISPARSE_OVERLAP_LAUNCH=false`
+    left the launch overlap on, silently."""
+    value = os.environ.get(name, "1")
+    if value not in ("0", "1"):
+        raise InvalidInputError(f"{name}={value!r}: expected 1 (the default) or 0")
+    return value == "1"
+
+
+def copy_switches() -> tuple[bool, bool, bool]:
+    """(`HISPARSE_OVERLAP_LAUNCH`, `HISPARSE_GATHER_FOLLOW`, `HISPARSE_SPEC_SPLIT`): each on unless
+    "0", a value other than 0 or 1 one line naming it (`env_switch`)."""
+    return env_switch(ENV_OVERLAP), env_switch(ENV_GATHER_FOLLOW), env_switch(ENV_SPEC_SPLIT)
+
+
 def spec_early_exit() -> bool:
     """`HISPARSE_SPEC_EARLY_EXIT`: "1" (default) or "0"; anything else is one line naming it."""
-    value = os.environ.get(ENV_SPEC_EARLY_EXIT, "1")
-    if value not in ("0", "1"):
-        raise InvalidInputError(f"{ENV_SPEC_EARLY_EXIT}={value!r}: expected 1 (the default) or 0")
-    return value == "1"
+    return env_switch(ENV_SPEC_EARLY_EXIT)
 
 
 def _i32(v: int) -> ctypes.c_int32:
@@ -261,13 +274,12 @@ class NvidiaRuntime(CacheRuntime):
         self._k_inval_blocks = maint_mod.function("hisparse_invalidate_blocks")
         self._k_reset = maint_mod.function("hisparse_reset_rows")
         self._last_rows = 0  # batch rows of the last resolve (rows of the plan to copy)
-        self._overlap = os.environ.get(ENV_OVERLAP, "1") != "0"
+        self._overlap, self._follow, split = copy_switches()
         self._early_exit = spec_early_exit()
         self._spec_rows, why = self._speculative_rows(num_sms)
-        self._follow = os.environ.get(ENV_GATHER_FOLLOW, "1") != "0"
         # Larger batches: the speculative gather for as many first rows as its blocks fit beside the
         # resolver's (`_split_rows`), and the plan copy, following the resolver, for the rest.
-        self._split = self._spec_rows > 0 and self._follow and os.environ.get(ENV_SPEC_SPLIT, "1") != "0"
+        self._split = split and self._spec_rows > 0 and self._follow
         self._gather_blocks = env_int_in(ENV_GATHER_BLOCKS, num_sms, 1, 8 * num_sms,
                                          f"1 to {8 * num_sms} blocks (8 per SM)")
         self._prefetch_blocks = env_int_in(ENV_PREFETCH_GATHER_BLOCKS, max(1, num_sms // 2), 1, 8 * num_sms,
@@ -669,12 +681,13 @@ class NvidiaRuntime(CacheRuntime):
         k = self.config.top_k
         c = self._copy_shape
         per_sm = env_int_in(ENV_SPEC_BLOCKS_PER_SM, _SPEC_BLOCKS_PER_SM, 0, 32, "0 (off) to 32 blocks per SM")
+        gather_on = env_switch(ENV_SPEC_GATHER)  # read first: a bad value is said whatever else turns it off
         rows = per_sm * num_sms * c.threads * c.unroll // (k * c.slots_per_row)
         if k % 32:
             return 0, "top_k is not a multiple of 32"
         if not self._overlap:
             return 0, "programmatic dependent launch is off"
-        if os.environ.get(ENV_SPEC_GATHER, "1") == "0":
+        if not gather_on:
             return 0, f"{ENV_SPEC_GATHER}=0"
         if rows == 0:
             return 0, "top_k is too large for one pass"

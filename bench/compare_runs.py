@@ -15,6 +15,25 @@ EXACT = ("steps", "decode_rows", "hits", "misses", "hit_rate", "resident_entries
          "bytes_d2h", "prefix_hit_tokens", "prefill_tokens_computed", "requests_admitted", "requests_finished",
          "max_concurrency_hisparse_measured", "host_pool_peak_blocks", "attention_entries_checked", "pages")
 SPEED = ("steps_per_s", "step_ms_mean", "decode_device_ms", "decode_mode", "graph_sizes", "wall_s")
+#: Config entries that may differ between two runs of one workload: how the decode step ran
+#: (the backend's graphs, `--eager`, `--validate`), not what it replays.
+NOT_WORKLOAD = ("decode_mode", "graph_sizes", "cuda_graphs", "validate")
+
+
+def _load(path: str) -> dict | str:
+    """The `hisparse run --json` document at `path`, or why it is none (one line)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as exc:
+        return f"{path}: cannot read it ({exc.strerror or exc})"
+    except ValueError as exc:
+        return f"{path}: not JSON ({exc}); expected the output of hisparse run --json"
+    if not isinstance(doc, dict) or not {"backend", "config", "summary"} <= doc.keys():
+        failed = isinstance(doc, dict) and doc.get("check") == "fail"
+        return (f"{path}: " + ("the run failed its check, so it has no figures" if failed else
+                               "not a hisparse run --json document (no backend, config and summary)"))
+    return doc
 
 
 def _text(v: object) -> str:
@@ -29,10 +48,19 @@ def main() -> int:
     p.add_argument("baseline")
     p.add_argument("--expect-backend", help="fail unless RUN used this backend")
     args = p.parse_args()
-    docs = [json.load(open(path)) for path in (args.run, args.baseline)]
+    loaded = [_load(path) for path in (args.run, args.baseline)]
+    problems = [d for d in loaded if isinstance(d, str)]
+    if problems:
+        for why in problems:
+            print(f"compare_runs: {why}")
+        return 2
+    docs: list[dict] = loaded  # type: ignore[assignment]
     names = [d["backend"]["name"] for d in docs]
-    if docs[0]["config"]["requests"] != docs[1]["config"]["requests"]:
-        print(f"compare_runs: the two runs replay different workloads: {args.run} vs {args.baseline}")
+    configs = [{k: v for k, v in d["config"].items() if k not in NOT_WORKLOAD} for d in docs]
+    differ = sorted(k for k in configs[0].keys() | configs[1].keys() if configs[0].get(k) != configs[1].get(k))
+    if differ:  # different workloads: their figures may differ, which says nothing of either backend
+        print(f"compare_runs: the two runs replay different workloads: {args.run} vs {args.baseline} differ in "
+              + ", ".join(f"{k} ({configs[0].get(k)!r} vs {configs[1].get(k)!r})" for k in differ))
         return 2
     rows = [("backend", *names), ("device", *(d["backend"].get("gpu", d["backend"]["device"]) for d in docs))]
     bad = []

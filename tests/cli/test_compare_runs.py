@@ -1,0 +1,77 @@
+"""`bench/compare_runs.py A.json B.json` (docs/cli.md): two `hisparse run --json` documents of one
+workload; a pair of different workloads, or a file that is no such document, is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "compare_runs.py"
+
+EXACT = ("steps", "decode_rows", "hits", "misses", "hit_rate", "resident_entries", "rows_h2d", "bytes_h2d",
+         "bytes_d2h", "prefix_hit_tokens", "prefill_tokens_computed", "requests_admitted", "requests_finished",
+         "max_concurrency_hisparse_measured", "host_pool_peak_blocks", "attention_entries_checked")
+
+
+def _doc(name: str = "reference_cpu", *, hits: int = 10, **config: object) -> dict[str, object]:
+    summary: dict[str, object] = dict.fromkeys(EXACT, 1) | {"hits": hits, "pages": {"spilled": 2}}
+    summary |= {"steps_per_s": 1.0, "step_ms_mean": 1.0, "decode_device_ms": 1.0, "decode_mode": "eager",
+                "graph_sizes": [], "wall_s": 1.0, "phase_ms": {"worker": 1.0}}
+    return {"backend": {"name": name, "device": "cpu"},
+            "config": {"requests": 3, "context": 300, "seed": 0, "decode_mode": "eager", "graph_sizes": [],
+                       "cuda_graphs": True} | config,
+            "summary": summary}
+
+
+def _compare(tmp_path: Path, a: object, b: object) -> subprocess.CompletedProcess[str]:
+    paths = []
+    for i, doc in enumerate((a, b)):
+        path = tmp_path / f"{i}.json"
+        path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+        paths.append(str(path))
+    return subprocess.run([sys.executable, str(SCRIPT), *paths], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def test_one_workload_on_two_backends_is_compared(tmp_path: Path) -> None:
+    proc = _compare(tmp_path, _doc("nvidia", decode_mode="graph", graph_sizes=[3]), _doc())
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.splitlines()[-1] == "compare_runs: every contract figure of nvidia equals reference_cpu's"
+    proc = _compare(tmp_path, _doc("nvidia", hits=11), _doc())
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == (
+        "compare_runs: nvidia and reference_cpu differ in hits")
+
+
+def test_two_workloads_are_not_a_contract_failure(tmp_path: Path) -> None:
+    """Runs of two seeds (same --requests) were compared figure by figure and reported as
+    'reference_cpu and reference_cpu differ in hits, misses, ...', exit 1: a contract failure."""
+    proc = _compare(tmp_path, _doc(seed=5, hits=11), _doc())
+    assert proc.returncode == 2
+    assert proc.stdout.splitlines() == [
+        f"compare_runs: the two runs replay different workloads: {tmp_path / '0.json'} vs {tmp_path / '1.json'} "
+        "differ in seed (5 vs 0)"]
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    ("", "not JSON (Expecting value: line 1 column 1 (char 0)); expected the output of hisparse run --json"),
+    (json.dumps({"check": "fail", "passed": False, "error": "x"}), "the run failed its check, so it has no figures"),
+    ("[1, 2]", "not a hisparse run --json document (no backend, config and summary)"),
+])
+def test_a_file_that_is_no_run_document_is_one_line(content: str, why: str, tmp_path: Path) -> None:
+    """An empty file (the output of a refused run), a failed run's document or other JSON ended in
+    a JSONDecodeError or KeyError traceback."""
+    proc = _compare(tmp_path, content, _doc())
+    assert proc.returncode == 2 and proc.stderr == ""
+    assert proc.stdout.splitlines() == [f"compare_runs: {tmp_path / '0.json'}: {why}"]
+
+
+def test_a_missing_file_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "none.json"), str(tmp_path / "none.json")],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and proc.stderr == ""
+    assert proc.stdout.splitlines() == [f"compare_runs: {tmp_path / 'none.json'}: cannot read it (No such file or "
+                                        "directory)"] * 2

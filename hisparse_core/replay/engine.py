@@ -63,7 +63,7 @@ from hisparse_core.replay.decode import DecodeRunner, graph_choice
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.kvdata import ReferenceKV, RowSource
 from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem, index_groups
-from hisparse_core.replay.locality import REGIMES, LayeredIndexer, reference_layers, regime
+from hisparse_core.replay.locality import REFERENCE_LAYERS, REGIMES, LayeredIndexer, reference_layers, regime
 from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
 from hisparse_core.residency import parse_resident_layers
@@ -137,6 +137,20 @@ class RunConfig:
                 raise InvalidInputError(f"run resident_layers {list(resident)} splits index group {sorted(members)}; "
                                         "expected whole index groups (they share one top-k)")
             first += n
+        if self.topk_model:
+            # Each index group stands for one layer of the 61-layer reference model; two groups on
+            # one layer failed mid-run in LayeredIndexer ("layers must be ascending ...").
+            groups = index_groups(self.layers, self.index_share)
+            leaders = [sum(groups[:g]) for g in range(len(groups))]
+            ref = reference_layers(leaders, self.layers)
+            twice = next((i for i in range(1, len(ref)) if ref[i] <= ref[i - 1]), None)
+            if twice is not None:
+                raise InvalidInputError(
+                    f"run topk_model {self.topk_model} stands each index group for a layer of the "
+                    f"{REFERENCE_LAYERS}-layer reference model; --layers {self.layers} in index groups of "
+                    f"--index-share {self.index_share} makes {len(groups)} groups, and those of layers "
+                    f"{leaders[twice - 1]} and {leaders[twice]} stand for the same one ({ref[twice]}): expected at "
+                    f"most {REFERENCE_LAYERS} index groups spread over it (fewer --layers or a larger --index-share)")
         hot = hot_rows_for(self.top_k, self.hot_multiple, self.block_size)
         if why := hot_rows_limit_problem(self.top_k, self.hot_multiple, self.block_size):
             raise InvalidInputError(why)

@@ -521,6 +521,30 @@ def test_a_flag_the_run_would_ignore_is_refused(argv: list[str], expected: str, 
     assert lines[0].endswith(" (see hisparse run --help)")
 
 
+def test_more_index_groups_than_the_locality_model_has_layers_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`--topk-model code --layers 62 --index-share 1`: two index groups stand for one layer of the
+    61-layer reference model. The run started and failed at the first admission with
+    `error: layers must be ascending reference layers >= 0, got [0, 1, 2, ...]`, naming no flag."""
+    import hisparse_core.replay.run as replay_run
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(replay_run, "run_replay", must_not_run)
+    assert main(["run", "--topk-model", "code", "--layers", "62", "--index-share", "1", "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "hisparse run: error: --topk-model code stands each index group for a layer of the 61-layer reference model; "
+        "--layers 62 in index groups of --index-share 1 makes 62 groups, and those of layers 30 and 31 stand for the "
+        "same one (30): expected at most 61 index groups spread over it (fewer --layers or a larger --index-share)"]
+    from hisparse_core.replay.engine import RunConfig
+
+    RunConfig(topk_model="code", layers=61, index_share=1)  # one group a reference layer
+    RunConfig(topk_model="benign", layers=122, index_share=2)
+
+
 def test_the_flags_a_preset_gives_effect_are_accepted() -> None:
     """--acceptance with the large preset's 2 rows per request, --shared-prefix with its families."""
     from hisparse_core.cli.run_cmd import _unused_flag_problem

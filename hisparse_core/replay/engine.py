@@ -294,7 +294,10 @@ class ReplayEngine:
                 f"--gpu-kv {human_bytes(c.gpu_kv_bytes)} is all taken by --resident-layers "
                 f"{','.join(map(str, c.resident_layers))}: their pages for {c.concurrency or c.requests} requests of "
                 f"{c.max_tokens} tokens need {human_bytes(c.resident_kv_bytes)}; expected --gpu-kv >= {ceil_size(need)} "
-                "(with one admission through hisparse), or a lower --concurrency, or fewer --resident-layers")
+                "(with one admission through hisparse), or "
+                + ("a lower --concurrency" if c.concurrency else
+                   f"--concurrency below {c.requests} (0, the default, charges their pages for all --requests)")
+                + ", or fewer --resident-layers")
         self.plan = c.plan()
         p = self.plan
         bs = c.block_size

@@ -359,6 +359,12 @@ def test_resident_layers_that_take_the_whole_gpu_budget_name_the_flags(capsys: p
     assert line.startswith("hisparse run: error: --gpu-kv 64.00 KiB is all taken by --resident-layers 0,1: their "
                            "pages for 3 requests of 104 tokens need "), line
     fits = line.split("expected --gpu-kv >= ")[1].split(" ")[0]
+    # --concurrency 0 (the default) runs as many as the budget admits: "a lower --concurrency" than 0
+    # named no value; the line says which values charge fewer requests' pages.
+    assert line.endswith("(with one admission through hisparse), or --concurrency below 3 (0, the default, charges "
+                         "their pages for all --requests), or fewer --resident-layers"), line
+    assert main([*argv, "--gpu-kv", "64KiB", "--concurrency", "2"]) == 2
+    assert _err_line(capsys, "hisparse run").endswith("or a lower --concurrency, or fewer --resident-layers")
     assert main([*argv, "--gpu-kv", fits]) == 0
 
 

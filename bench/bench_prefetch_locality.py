@@ -29,6 +29,13 @@ prefetched MB` within 0.21 ms (least squares, no constant: the critical copies w
 `pred. excess ms` column is that; `pred. vs all-resident` divides by `--all-resident-ms` (15.54 for
 32K batch 43 in D3; other geometries need their own figure).
 
+A layer mix (`--subsets`): with many layers (`--layers 61 --references 0,1,...,60`, the
+4-layer bench's pages and hot rows through `--resident-pages` and `--hot-rows`), each row is
+followed by what a `--bench-layers`-layer step would copy if its layers averaged those of a subset:
+`all` (the model's own mix) or a '/'-separated list of reference-layer lists (`0,20,40,60`, the
+4-layer bench's spread). A subset is read only from plans without the prefetch (what a layer
+prefetches depends on its neighbour in this run), `all` from every plan.
+
 Run:  python bench/bench_prefetch_locality.py
       python bench/bench_prefetch_locality.py --geometries 32768:43 --regimes code --references spread/20,21,22,23
       python bench/bench_prefetch_locality.py --geometries 32768:43 --plans off,next,auto,res,res+next,res+auto
@@ -118,6 +125,25 @@ def row_bytes_of(rows: str) -> int:
     return LatentRows.of(rows, torch.bfloat16, GEOMETRY["kv_lora_rank"], GEOMETRY["qk_rope_head_dim"]).fmt.row_bytes
 
 
+def parse_subsets(spec: str, refs: list[list[int]]) -> list[str | list[int]]:
+    """`--subsets`: 'all' or reference-layer lists, each of layers every `--references` list runs."""
+    out: list[str | list[int]] = []
+    for part in filter(None, (x.strip() for x in spec.split("/"))):
+        if part == "all":
+            out.append("all")
+            continue
+        try:
+            layers = [int(x) for x in part.split(",")]
+        except ValueError:
+            raise ValueError(f"--subsets={spec!r}: {part!r} is not 'all' or a comma list of reference layers") from None
+        missing = sorted({x for x in layers for ref in refs if x not in ref})
+        if missing or len(set(layers)) != len(layers):
+            raise ValueError(f"--subsets={spec!r}: {part!r} names layer(s) {missing or 'twice'} not run once by every "
+                             f"--references list; expected layers of each")
+        out.append(layers)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--geometries", default="32768:43,131072:18", help="comma list of CONTEXT:BATCH")
@@ -140,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="measured steps after the warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plans", default="off,next,next+wrap", help=f"comma list of {', '.join(PLANS)} (module docstring)")
+    p.add_argument("--subsets", default="",
+                   help="'/'-separated: 'all' or reference-layer lists of this run, each printed after a row as a "
+                        "--bench-layers-layer step of its average layer (module docstring)")
+    p.add_argument("--bench-layers", type=int, default=4, help="the layers of the bench a --subsets line stands for")
     p.add_argument("--all-resident-ms", default="32768:43=15.54",
                    help="all-resident's measured step per CONTEXT:BATCH, for the predicted ratio (D3: 32768:43=15.54)")
     a = p.parse_args(argv)
@@ -162,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"[{a.top_k} (--top-k), {MAX_HOT_ROWS}]")
         if a.steps <= 0 or a.warmup < 1:
             raise ValueError(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 1")
+        subsets = parse_subsets(a.subsets, refs)
+        if a.bench_layers < 1:
+            raise ValueError(f"--bench-layers={a.bench_layers}: expected a positive number of layers")
         if a.resident_pages >= 0:   # no sizing: e.g. a 61-layer model at the 4-layer bench's pages and hot rows
             sizing = {g: (a.resident_pages, a.hot_rows or 2 * a.top_k, row_bytes_of(a.kv_rows)) for g in geos}
         else:
@@ -204,6 +237,21 @@ def main(argv: list[str] | None = None) -> int:
                           f"{' / '.join(f'{x / n:,.0f}' for x in c.critical_by_group)} | "
                           f"{' / '.join(f'{x / n:,.0f}' for x in c.prefetch_by_group)} | {excess:.2f} | "
                           f"{f'{(ms + excess) / ms:.3f}x' if ms else '-'} |", flush=True)
+                    for subset in subsets:
+                        if subset == "all":
+                            groups = list(range(len(ref)))
+                        elif variant == "off":
+                            groups = [ref.index(x) for x in subset]
+                        else:
+                            continue
+                        scale = a.bench_layers / len(groups) * row_bytes / 1e6 / n
+                        s_crit = sum(c.critical_by_group[g] for g in groups) * scale
+                        s_pre = sum(c.prefetch_by_group[g] for g in groups) * scale
+                        s_excess = CRITICAL_MS_PER_MB * s_crit + PREFETCH_MS_PER_MB * s_pre
+                        what = "every layer" if subset == "all" else f"layers {','.join(map(str, subset))}"
+                        print(f"#   {plan}, {what} as a {a.bench_layers}-layer step: critical {s_crit:.1f} MB, "
+                              f"prefetched {s_pre:.1f} MB, pred. excess {s_excess:.2f} ms"
+                              f"{f', {(ms + s_excess) / ms:.3f}x all-resident' if ms else ''}", flush=True)
         print(f"# {context // 1024}K batch {batch}: {resident} resident pages a request (sinks' and active tail's "
               f"among them), {hot} hot rows", flush=True)
     print(f"# ({time.perf_counter() - t0:.0f} s)")

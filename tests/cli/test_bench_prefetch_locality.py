@@ -105,3 +105,39 @@ def test_a_bad_hot_rows_from_the_command_line() -> None:
                          timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.count("\n") == 1 and "--hot-rows=100" in out.stderr, out.stderr
+
+
+MIX = ["--geometries", "32768:2", "--regimes", "code", "--references", "0,1,2,20,21,22,40,60", "--layers", "8",
+       "--resident-pages", "17", "--warmup", "1", "--steps", "1", "--kv-rows", "fp8", "--all-resident-ms", "32768:2=10"]
+
+
+def test_subsets_are_the_rows_own_groups_averaged_over_a_bench_step(run) -> None:
+    """`--subsets`: each line is the row's own per-group misses, averaged over the subset's layers and
+    counted for a 4-layer step (656 B fp8 rows), through D3's fit; subsets only without the prefetch."""
+    out = run(*MIX, "--plans", "off,auto", "--subsets", "all/0,20,40,60/20,21,22")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for plan, expect in (("off", ["every layer", "layers 0,20,40,60", "layers 20,21,22"]), ("auto", ["every layer"])):
+        i = next(i for i, ln in enumerate(lines) if ln.startswith("| 32K |") and f"| {plan} |" in ln)
+        cells = [c.strip() for c in lines[i].split("|")]
+        crit = [float(x.replace(",", "")) for x in cells[11].split("/")]
+        pre = [float(x.replace(",", "")) for x in cells[12].split("/")]
+        ref = [0, 1, 2, 20, 21, 22, 40, 60]
+        notes = [ln for ln in lines[i + 1:i + 4] if ln.startswith(f"#   {plan},")]
+        assert [n.split(", ")[1].split(" as ")[0] for n in notes] == expect, notes
+        for note, what in zip(notes, expect, strict=True):
+            layers = ref if what == "every layer" else [int(x) for x in what.split()[1].split(",")]
+            groups = [ref.index(x) for x in layers]
+            c_mb = sum(crit[g] for g in groups) / len(groups) * 4 * 656 / 1e6
+            p_mb = sum(pre[g] for g in groups) / len(groups) * 4 * 656 / 1e6
+            excess = 18.8e-3 * c_mb + 11.2e-3 * p_mb
+            assert f"critical {c_mb:.1f} MB, prefetched {p_mb:.1f} MB, pred. excess {excess:.2f} ms, " \
+                   f"{(10 + excess) / 10:.3f}x all-resident" in note, (note, c_mb, p_mb)
+    assert any(float(x.replace(",", "")) > 0 for x in lines[i].split("|")[12].split("/")), lines[i]  # auto prefetched
+
+
+@pytest.mark.parametrize("value, says", [("0,20,41", "[41]"), ("20,20", "twice"), ("x", "'x' is not 'all'")])
+def test_a_bad_subset_is_one_line(run, value: str, says: str) -> None:
+    out = run(*MIX, "--plans", "off", "--subsets", value)
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr.count("\n") == 1 and f"--subsets={value!r}" in out.stderr and says in out.stderr, out.stderr

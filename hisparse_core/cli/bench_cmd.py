@@ -89,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _table(res: object) -> str:
     from hisparse_core.replay.bench import BenchResult
-    from hisparse_core.replay.report import hit_rate, human_bytes, pct, render_table
+    from hisparse_core.replay.report import hit_rate, hot_buffer, human_bytes, pct, render_table
 
     assert isinstance(res, BenchResult)
     s: dict[str, Any] = res.summary()
@@ -97,7 +97,8 @@ def _table(res: object) -> str:
     rows: list[tuple[str, str]] = [
         ("backend", f"{res.backend['name']} {res.backend['version']} on {res.backend['device']}"),
         ("workload", f"{c['requests']} requests x {c['context']} tokens, {c['steps']} steps, top-k {c['top_k']}, "
-                     f"hot {c['hot_rows']} rows ({c['hot_multiple']}x), {c['layers']} layers in index groups "
+                     f"{hot_buffer(c['hot_rows'], c['top_k'], c['hot_multiple'], c['block_size'])}, "
+                     f"{c['layers']} layers in index groups "
                      f"{c['index_groups']}, {c['row_format']}, locality {c['locality']}"),
     ]
     for label, title in (("all", "all steps"), ("steady", f"steady state (after {c['warmup']} warm-up steps)")):

@@ -270,7 +270,7 @@ def in_flag_words(message: str) -> str:
 
 
 def _table(result) -> str:  # type: ignore[no-untyped-def]
-    from hisparse_core.replay.report import human_bytes, pct, render_table
+    from hisparse_core.replay.report import hot_buffer, human_bytes, pct, render_table
 
     s, c = result.summary(), result.config
     per_req = s["gpu_kv_bytes_per_request_measured"]
@@ -280,7 +280,8 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
     rows = [
         ("backend", f"{result.backend['name']} {result.backend['version']} on {result.backend['device']}"),
         ("workload", f"{c['requests']} requests of {c['context']}+{c['decode_tokens']} tokens, {s['steps']} of "
-                     f"{c['steps']} steps, top-k {c['top_k']}, hot {c['hot_rows']} rows ({c['hot_multiple']}x), "
+                     f"{c['steps']} steps, top-k {c['top_k']}, "
+                     f"{hot_buffer(c['hot_rows'], c['top_k'], c['hot_multiple'], c['block_size'])}, "
                      f"{c['rows_per_request']} decode row(s) per request, {c['layers']} layers in index groups "
                      f"{c['index_groups']}, {c['row_format']}"),
         ("budgets", f"{where} KV {human_bytes(c['gpu_kv_bytes'])} ({c['gpu_blocks']} blocks), host pool "

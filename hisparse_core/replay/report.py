@@ -26,6 +26,16 @@ def hit_rate(rate: float, lookups: int) -> str:
     return pct(rate) if lookups else f"{NO_LOOKUPS} (0 hits, 0 misses)"
 
 
+def hot_buffer(hot_rows: int, top_k: int, hot_multiple: float, block_size: int) -> str:
+    """The hot buffer as the tables of `run` and `bench` say it: its rows and their multiple of
+    top-k, and where `--hot` was rounded up to whole blocks, by how much (`--top-k 16 --hot 2` at
+    64-token blocks is 64 rows, 4x top-k: the table said "(2.0x)" beside a log line's "(4.00x)")."""
+    text = f"hot {hot_rows} rows ({hot_rows / top_k:.2f}x top-k"
+    if hot_rows != top_k * hot_multiple:
+        text += f"; --hot {hot_multiple:g} rounded up to whole {block_size}-token blocks"
+    return text + ")"
+
+
 def render_table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
     """Two aligned columns; a row whose value is "" is a section heading."""
     width = max((len(k) for k, _ in rows), default=0)

@@ -386,3 +386,17 @@ def test_debug_shows_hisparse_lines_not_a_librarys(tmp_path: Path) -> None:
     lines = proc.stderr.splitlines()
     assert lines == [f"INFO hisparse_core.cli.plan_cmd: plot written to {target} (PNG)"], lines[:5]
     assert target.stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------ hot buffer
+
+
+def test_the_tables_say_the_hot_buffer_that_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--top-k 20 --hot 2` at 16-token blocks runs a 48-row buffer (2.4x top-k); the tables of run
+    and bench said "hot 48 rows (2.0x)", the multiple asked for, beside the log's "(2.40x)"."""
+    assert main([*TINY, "--top-k", "20", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "hot 48 rows (2.40x top-k; --hot 2 rounded up to whole 16-token blocks)" in out, out
+    assert main(["bench", "--backend", "reference_cpu", "--requests", "1", "--context", "100", "--steps", "1",
+                 "--top-k", "16", "--block-size", "16", "--no-progress"]) == 0
+    assert "hot 32 rows (2.00x top-k)," in capsys.readouterr().out  # no rounding: nothing more said

@@ -97,7 +97,7 @@ def _table(res: object) -> str:
     rows: list[tuple[str, str]] = [
         ("backend", f"{res.backend['name']} {res.backend['version']} on {res.backend['device']}"),
         ("workload", f"{c['requests']} requests x {c['context']} tokens, {c['steps']} steps, top-k {c['top_k']}, "
-                     f"{hot_buffer(c['hot_rows'], c['top_k'], c['hot_multiple'], c['block_size'])}, "
+                     f"{hot_buffer(c['hot_rows'], c['top_k'], c['hot_multiple'], c['block_size'])}, "  # type: ignore[arg-type]
                      f"{c['layers']} layers in index groups "
                      f"{c['index_groups']}, {c['row_format']}, locality {c['locality']}"),
     ]

@@ -5,7 +5,6 @@ a larger batch) and the LRU replay; a bad value is one line naming the flag."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from bench_scripts import imported
 
 pytest.importorskip("transformers")
 
@@ -32,16 +32,8 @@ class Result:
 def bench():
     # In process: a fresh interpreter a run (torch and transformers imported anew) cost most of this
     # module's time; one bad value below still runs the script as a user does.
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_prefetch_locality_under_test", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module   # its dataclasses look their module up there
-        spec.loader.exec_module(module)
+    with imported(SCRIPT) as module:
         yield module
-    finally:
-        sys.modules.pop("bench_prefetch_locality_under_test", None)
-        sys.path.remove(str(SCRIPT.parent))
 
 
 @pytest.fixture()

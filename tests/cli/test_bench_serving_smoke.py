@@ -6,7 +6,6 @@ budget that holds no request, before anything is built."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import subprocess
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import imported
 
 from hisparse_core.registry import get_registry
 
@@ -26,17 +26,9 @@ PLOT = SCRIPT.with_name("plot_serving_regimes.py")
 
 @pytest.fixture(scope="module")
 def bench_main():
-    """bench_serving.main, imported once (the bench folder on the path, as running the script puts it)."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_serving_under_test", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module   # its dataclasses look their module up there
-        spec.loader.exec_module(module)
+    """bench_serving.main, imported once."""
+    with imported(SCRIPT) as module:
         yield module.main
-    finally:
-        sys.modules.pop("bench_serving_under_test", None)
-        sys.path.remove(str(SCRIPT.parent))
 
 
 def test_smoke_runs_every_mode(tmp_path: Path) -> None:

@@ -215,9 +215,10 @@ bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}
     ;;
 tf_tests)  # the transformers integration on the GPU (fp32 exact, bf16 teacher-forced, planted fault, graphs)
-    # TF_TESTS_FILES replaces the two files, TF_TESTS_EXTRA adds files, TF_TESTS_ARGS adds pytest arguments
+    # TF_TESTS_FILES replaces the two files, TF_TESTS_EXTRA adds files, TF_TESTS_ARGS adds pytest arguments.
+    # -v: a run its time limit cuts off still names every test that finished (R1-R2 ran out under -q).
     # shellcheck disable=SC2086
-    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -q -rs -s -p no:cacheprovider ${TF_TESTS_FILES:-tests/transformers_plugin/test_transformers_gpu.py \
+    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -v -rs -s -p no:cacheprovider ${TF_TESTS_FILES:-tests/transformers_plugin/test_transformers_gpu.py \
         tests/transformers_plugin/test_transformers_graphs.py} ${TF_TESTS_EXTRA:-} ${TF_TESTS_ARGS:-}
     ;;
 triton)  # the triton backend compiled: its tests, then the conformance suite on it

@@ -347,6 +347,28 @@ def test_hisparse_draft_is_refused(ds_model: torch.nn.Module) -> None:
         untouched(hd)
 
 
+def test_a_hisparse_draft_of_a_plain_target_is_refused_before_it_drafts(ds_model: torch.nn.Module) -> None:
+    """hisparse on the draft only (the target's generate is transformers' own, so the refusal above
+    cannot run). Before: the draft's first generate ran through hisparse and finished its cache, and
+    transformers' crop of it before the second raised "this hisparse cache's generate has finished;
+    nothing to roll back" mid-generate. Now the draft's generate (generation_config.is_assistant)
+    is refused in one line naming the fix, before it runs."""
+    model, family = ds_model, "deepseek_v32"
+    draft = tiny_model(family, shape=ASSISTED[family], seed=8)
+    draft.generation_config.num_assistant_tokens = 2
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    p = prompts()[1]
+    with hisparse_transformers.enable(draft, **tight_kwargs(family, 1)) as hd:
+        with pytest.raises(InvalidInputError) as err:
+            model.generate(p, max_new_tokens=4, do_sample=False, assistant_model=draft)
+        assert one_line(err.value).startswith("hisparse is enabled on this model, which runs as another model's "
+                                              "assistant_model"), err.value
+        assert "expected hisparse_transformers.disable(draft)" in err.value.args[0]
+        untouched(hd)
+        assert hd.stats().requests == 0
+    assert model.generate(p, max_new_tokens=2, do_sample=False, assistant_model=draft).shape[1] == p.shape[1] + 2
+
+
 def test_crop_beyond_the_last_forward_is_refused(ds_model: torch.nn.Module) -> None:
     model = ds_model
     ids = prompts()[1]

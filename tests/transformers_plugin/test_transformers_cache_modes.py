@@ -454,6 +454,37 @@ def test_a_first_forward_padded_otherwise_than_new_cache_is_refused(model: torch
     assert float(((ours - own.logits).abs() * real).max()) <= 1e-4
 
 
+def test_a_direct_forward_feeding_other_prompt_tokens_than_new_cache_is_refused(model: torch.nn.Module) -> None:
+    """hisparse records a batch's prompt from new_cache and publishes its pages under those tokens.
+    Before: a direct forward feeding other tokens at prompt positions ran, its rows were published
+    under new_cache's prompts, and a later generate of those prompts took them as prefix hits and
+    decoded other tokens than the model's own. Now the forward is refused in one line naming the
+    row and position, before anything runs, and the batch goes on with the right tokens."""
+    ids, mask = random_prompts([21, 14], seed=13)             # row 1: 7 columns of padding
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)                 # roped as generate ropes them: prefixes pass
+    theirs = baseline(model, ids, mask, 3, chunk=8)
+    other = ids.clone()
+    other[1, 12] = 2 + (int(ids[1, 12]) + 1) % 120           # row 1's logical position 5
+    key = cache_kwarg(model)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, gpu_kv_gib=1e-3)) as hs, torch.no_grad():
+        cache = hs.new_cache(ids, mask, max_new_tokens=1)
+        for lo, hi in ((0, 16), (8, 21)):                    # the first forward, then a later chunk
+            if lo:
+                model(input_ids=ids[:, :lo], attention_mask=mask[:, :lo], position_ids=pos[:, :lo], **{key: cache})
+            with pytest.raises(InvalidInputError) as err:
+                model(input_ids=other[:, lo:hi], attention_mask=mask[:, :hi], position_ids=pos[:, lo:hi],
+                      **{key: cache})
+            assert one_line(err.value).startswith("the forward's input_ids feed row 1's prompt token at logical "
+                                                  f"position 5 as {int(other[1, 12])}, but the prompts given to "
+                                                  f"new_cache have {int(ids[1, 12])} there"), err.value
+            assert cache.get_seq_length() == lo
+        model(input_ids=ids[:, 8:], attention_mask=mask, position_ids=pos[:, 8:], **{key: cache})
+        cache.finish()
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=3, **GEN)
+        assert hs.stats().prefix_hit_tokens > 0
+    assert torch.equal(ours.sequences, theirs.sequences)
+
+
 def test_a_crop_into_a_page_a_cancelled_planned_step_sealed_is_refused(model: torch.nn.Module) -> None:
     """Direct forwards: after a 2-token forward the decode step planned ahead seals the page its
     first token completed; a crop of 1 cancels that step, and a second crop of 1, into the sealed

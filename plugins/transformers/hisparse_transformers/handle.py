@@ -202,6 +202,35 @@ def _check_first_padding(mask: Any, pads: Sequence[int], num_new: int) -> None:
                                     "attention_mask for new_cache and the forwards")
 
 
+def _check_prompt_tokens(input_ids: torch.Tensor | None, prompts: Sequence[Sequence[int]], pads: Sequence[int],
+                         past: int) -> None:
+    """Refuse (one line) a direct forward whose `input_ids` (columns from padded position `past`)
+    feed a position whose token hisparse holds already (`prompts[b]`: the prompts given to
+    `new_cache`, or a batch's recorded tokens) another token: hisparse records and publishes the
+    prompt's pages under the tokens it holds, so a later batch sharing them would take this
+    forward's rows as theirs. A host read of the ids, only for forwards that reach into those
+    tokens (never a decode step past them)."""
+    if input_ids is None or input_ids.dim() != 2:
+        return
+    width = int(input_ids.shape[1])
+    spans = [(b, max(0, pad - past), min(width, pad + len(p) - past)) for b, (p, pad) in enumerate(zip(prompts, pads,
+                                                                                                       strict=True))]
+    spans = [(b, lo, hi) for b, lo, hi in spans if hi > lo]
+    if not spans:
+        return
+    ids = input_ids.detach().to("cpu", torch.int64)
+    for b, lo, hi in spans:
+        start = past + lo - pads[b]
+        want = torch.tensor(prompts[b][start:start + hi - lo], dtype=torch.int64)
+        bad = (ids[b, lo:hi] != want).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise InvalidInputError(f"the forward's input_ids feed row {b}'s prompt token at logical position "
+                                    f"{start + i} as {int(ids[b, lo + i])}, but the prompts given to new_cache have "
+                                    f"{int(want[i])} there; expected the same input_ids for new_cache and the "
+                                    "forwards (hisparse publishes the prompt's pages under new_cache's tokens)")
+
+
 class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
 
@@ -306,6 +335,12 @@ class HiSparseHandle:
                num_new: int) -> None:
         """Open the batch's session at its first forward, then begin the engine step of `num_new` tokens."""
         opened, offsets_before = cache.session is None, cache.rope_offsets
+        if not cache.generating and cache.session is not None:
+            # the tokens the engine holds for positions not computed yet: the rest of the prompts
+            _check_prompt_tokens(input_ids, [r.tokens for r in cache.session.requests],
+                                 [r.pad for r in cache.session.requests], cache.session.padded_len)
+        elif not cache.generating and cache.prompts is not None:
+            _check_prompt_tokens(input_ids, *cache.prompts, 0)
         if cache.session is None:
             if cache.prompts is not None:
                 prompts, pads = cache.prompts
@@ -556,6 +591,14 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if given is not None and not isinstance(given, HiSparseCache):
         return original(*args, **kwargs)          # the caller asked for another cache: the model's own path
     handle._require_open()
+    if _setting(model, kwargs, "is_assistant") is True:
+        # transformers' assisted generation calls the draft's generate once a verification step and
+        # crops the cache it returned before the next: a HiSparseCache serves one generate, and the
+        # first crop would fail mid-generate ("this hisparse cache's generate has finished").
+        raise InvalidInputError("hisparse is enabled on this model, which runs as another model's assistant_model "
+                                "(generation_config.is_assistant): transformers keeps a draft's cache across the "
+                                "target's verification steps, and a hisparse cache serves one generate; expected "
+                                "hisparse_transformers.disable(draft) (the draft then runs with its own DynamicCache)")
     if _setting(model, kwargs, "use_cache") is False:
         if given is not None:
             raise InvalidInputError("use_cache=False with a HiSparseCache: a generate without a cache re-feeds the "

@@ -217,7 +217,7 @@ def _merged(args: argparse.Namespace, opt: str, field: str) -> tuple[Any, str]:
 def _unused_flag_problem(args: argparse.Namespace) -> tuple[str, str] | None:
     """(flag, why) for a flag given that this run would ignore, another flag (or the preset) taking
     away what it acts on, or None: a run that reports `acceptance 0.5` must have had rows to reject."""
-    if args.acceptance is not None:
+    if args.acceptance is not None and args.acceptance < 1:  # 1, every row accepted, is true of none too
         rows, where = _merged(args, "rows_per_request", "rows_per_request")
         if rows == 1:
             return "--acceptance", (f"not allowed with {where}: a step has no speculative row to accept or reject; "

@@ -551,7 +551,7 @@ def test_the_flags_a_preset_gives_effect_are_accepted() -> None:
 
     parser = build_parser()
     for argv in (["--preset", "large", "--acceptance", "0.5"], ["--rows-per-request", "2", "--acceptance", "0.5"],
-                 ["--shared-prefix", "0.25"], ["--topk-model", "benign"], ["--locality", "2"]):
+                 ["--shared-prefix", "0.25"], ["--topk-model", "benign"], ["--locality", "2"], ["--acceptance", "1"]):
         assert _unused_flag_problem(parser.parse_args(["run", *argv])) is None, argv
 
 

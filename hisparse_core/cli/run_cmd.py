@@ -312,8 +312,10 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
                         f"{s['speculative_rollbacks']} request steps (acceptance {c['acceptance']:g})"),
         ("prefix-hit tokens", f"{s['prefix_hit_tokens']} (prefill computed {s['prefill_tokens_computed']} tokens)"),
         ("requests", f"{s['requests_admitted']} admitted, {s['requests_finished']} finished"
-                     + (f"; {s['requests_unfinished']} of {c['requests']} unfinished: the run stopped at its "
-                        f"{c['steps']}-step limit (raise --steps to let them finish)"
+                     + (f"; {s['requests_unfinished']} of {c['requests']} unfinished"
+                        + (f" ({int(c['requests']) - s['requests_admitted']} never admitted)"
+                           if s["requests_admitted"] < c["requests"] else "")
+                        + f": the run stopped at its {c['steps']}-step limit (raise --steps to let them finish)"
                         if s["stopped_at_step_limit"] else "")),
         ("memory", ""),
         (f"{where} KV per request", f"{human_bytes(per_req)} at peak concurrency vs {human_bytes(base)} all-resident"

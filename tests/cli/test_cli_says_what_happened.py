@@ -400,3 +400,14 @@ def test_the_tables_say_the_hot_buffer_that_runs(capsys: pytest.CaptureFixture[s
     assert main(["bench", "--backend", "reference_cpu", "--requests", "1", "--context", "100", "--steps", "1",
                  "--top-k", "16", "--block-size", "16", "--no-progress"]) == 0
     assert "hot 32 rows (2.00x top-k)," in capsys.readouterr().out  # no rounding: nothing more said
+
+
+def test_requests_never_admitted_are_counted_apart() -> None:
+    """"1 admitted, 0 finished; 3 of 3 unfinished" read as if three had run: the line says how many
+    of the unfinished were never admitted."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*TINY, "--arrival-every", "100", "--steps", "2"]) == 0
+    line = next(x for x in out.getvalue().splitlines() if x.strip().startswith("requests "))
+    assert line.split(None, 1)[1].strip() == ("1 admitted, 0 finished; 3 of 3 unfinished (2 never admitted): the run "
+                                              "stopped at its 2-step limit (raise --steps to let them finish)"), line

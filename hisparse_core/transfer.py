@@ -44,11 +44,20 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def submit_pages(self, transfers: Sequence[PageTransfer]) -> None:
-        """Enqueue page spills (device to host) and restores (host to device) for every runtime."""
+        """Enqueue page spills (device to host) and restores (host to device) for every runtime.
+
+        Checks the whole submission first (every runtime's `check_pages`, ids not already
+        pending) and raises before enqueuing any of it: a refused submission is taken in none of
+        its parts. The worker records the ids before this call and forgets them when it raises,
+        so an id this engine later reports was always recorded (an interrupt in between leaves
+        ids pending, never ids unknown)."""
 
     @abstractmethod
     def submit_host_copies(self, copies: Sequence[HostBlockCopy]) -> None:
-        """Enqueue host-to-host block copies for every runtime."""
+        """Enqueue host-to-host block copies for every runtime.
+
+        As `submit_pages`: the whole submission is checked first, and a refused one raises having
+        enqueued none of it."""
 
     @abstractmethod
     def poll(self) -> TransferProgress:

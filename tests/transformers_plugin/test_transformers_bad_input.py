@@ -343,3 +343,30 @@ def test_the_errors_the_docs_name_are_the_packages_names(model: torch.nn.Module)
     assert set(hisparse_transformers.__all__) >= {"HiSparseError", "TopkMismatch", "UnsupportedCacheOperation"}
     with pytest.raises(hisparse_transformers.HiSparseError):
         hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", max_batch=0))
+
+
+def test_a_prefill_chunk_size_past_enables_prefill_chunk_is_refused_before_the_prefill(
+        model: torch.nn.Module) -> None:
+    """The GPU pool is sized for prefill forwards of enable's prefill_chunk. Before: generate's own
+    prefill_chunk_size=128 (8 at enable, 66 blocks) ran, and failed mid-prefill with "step 0: its new
+    pages need 78 GPU blocks and 66 are free ...; raise gpu_kv_gib or lower max_batch/prefill_chunk",
+    naming a setting the user never changed."""
+    from transformers import GenerationConfig
+
+    ids, mask = random_prompts([120, 100, 90], seed=0)
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", check=False)) as hs:
+        for over, words in (
+                (dict(prefill_chunk_size=128), "prefill_chunk_size=128 feeds prefill forwards of 120 prompt tokens, "
+                 "but hisparse sized its GPU pool for 8 (enable(..., prefill_chunk=8)): expected prefill_chunk_size "
+                 "<= 8"),
+                (dict(prefill_chunk_size=None), "prefill_chunk_size=None feeds prefill forwards of 120 prompt tokens"),
+                (dict(prefill_chunk_size=0), "prefill_chunk_size=0: expected an int >= 1, or None (no chunking)"),
+                (dict(generation_config=GenerationConfig(prefill_chunk_size=16, max_new_tokens=1)),
+                 "prefill_chunk_size=16 feeds prefill forwards of 16 prompt tokens")):
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(ids, attention_mask=mask, **{"max_new_tokens": 1, **over})
+            assert one_line(err.value).startswith(words), err.value
+        assert hs.stats().requests == 0 and hs.stats().prefill_tokens == 0
+        short, short_mask = random_prompts([6, 5], seed=1)          # a chunk past the prompt: one forward of it
+        assert model.generate(short, attention_mask=short_mask, max_new_tokens=1, prefill_chunk_size=64,
+                              do_sample=False).shape == (2, 7)

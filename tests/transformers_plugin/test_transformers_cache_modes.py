@@ -485,6 +485,30 @@ def test_a_direct_forward_feeding_other_prompt_tokens_than_new_cache_is_refused(
     assert torch.equal(ours.sequences, theirs.sequences)
 
 
+def test_embeddings_that_are_not_the_prompts_are_refused(model: torch.nn.Module) -> None:
+    """generate(input_ids, inputs_embeds=...): transformers' chunked prefill, which hisparse hands
+    the prompt to, feeds input_ids and drops the embeddings. Before: accepted, and the tokens were
+    those of input_ids, not the model's own for those embeddings. A direct forward's inputs_embeds
+    over new_cache's prompt positions must be the model's embeddings of those tokens (the rows are
+    published under them). Before: any embeddings ran. Both refused in one line before anything runs."""
+    ids, mask = random_prompts([14, 9], seed=14)
+    key = cache_kwarg(model)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, gpu_kv_gib=1e-3)) as hs, torch.no_grad():
+        own = model.get_input_embeddings()(ids)
+        with pytest.raises(InvalidInputError) as err:
+            model.generate(input_ids=ids, inputs_embeds=own * 1.5, attention_mask=mask, max_new_tokens=2)
+        assert one_line(err.value).startswith("hisparse generate got inputs_embeds with input_ids"), err.value
+        cache = hs.new_cache(ids, mask, max_new_tokens=1)
+        with pytest.raises(InvalidInputError) as err:
+            model(inputs_embeds=own * 1.5, attention_mask=mask, **{key: cache})
+        assert one_line(err.value).startswith("the forward's inputs_embeds for row 0's prompt positions 0-13 are not "
+                                              "the model's embeddings of the prompts given to new_cache"), err.value
+        assert cache.session is None and hs.stats().requests == 0
+        model(inputs_embeds=own, attention_mask=mask, **{key: cache})          # the prompts' own: served
+        cache.finish()
+        assert hs.stats().requests == 2
+
+
 def test_a_crop_into_a_page_a_cancelled_planned_step_sealed_is_refused(model: torch.nn.Module) -> None:
     """Direct forwards: after a 2-token forward the decode step planned ahead seals the page its
     first token completed; a crop of 1 cancels that step, and a second crop of 1, into the sealed

@@ -231,6 +231,28 @@ def _check_prompt_tokens(input_ids: torch.Tensor | None, prompts: Sequence[Seque
                                     "forwards (hisparse publishes the prompt's pages under new_cache's tokens)")
 
 
+def _check_prompt_embeds(embeds: Any, embedding: Any, prompts: Sequence[Sequence[int]], pads: Sequence[int],
+                         past: int) -> None:
+    """As `_check_prompt_tokens`, for a direct forward given `inputs_embeds` (no input_ids): over the
+    positions whose token hisparse holds, they must be the model's own embeddings of those tokens
+    (`embedding`, its input embedding module), since the rows they give are published under them.
+    One embedding lookup and a host read of the verdict, only for forwards that reach into them."""
+    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or not callable(embedding):
+        return
+    width = int(embeds.shape[1])
+    for b, (p, pad) in enumerate(zip(prompts, pads, strict=True)):
+        lo, hi = max(0, pad - past), min(width, pad + len(p) - past)
+        if hi <= lo:
+            continue
+        start = past + lo - pad
+        want = embedding(torch.tensor(p[start:start + hi - lo], dtype=torch.int64, device=embeds.device))
+        if want.shape != embeds[b, lo:hi].shape or not torch.equal(want.to(embeds.dtype), embeds[b, lo:hi]):
+            raise InvalidInputError(f"the forward's inputs_embeds for row {b}'s prompt positions {start}-"
+                                    f"{start + hi - lo - 1} are not the model's embeddings of the prompts given to "
+                                    "new_cache; expected those embeddings, or input_ids (hisparse publishes the "
+                                    "prompt's pages under new_cache's tokens)")
+
+
 class HiSparseHandle:
     """What `enable` returns: the engine of one model, its patches and its statistics."""
 
@@ -335,12 +357,18 @@ class HiSparseHandle:
                num_new: int) -> None:
         """Open the batch's session at its first forward, then begin the engine step of `num_new` tokens."""
         opened, offsets_before = cache.session is None, cache.rope_offsets
-        if not cache.generating and cache.session is not None:
+        if not cache.generating and (cache.session is not None or cache.prompts is not None):
             # the tokens the engine holds for positions not computed yet: the rest of the prompts
-            _check_prompt_tokens(input_ids, [r.tokens for r in cache.session.requests],
-                                 [r.pad for r in cache.session.requests], cache.session.padded_len)
-        elif not cache.generating and cache.prompts is not None:
-            _check_prompt_tokens(input_ids, *cache.prompts, 0)
+            held: tuple[Sequence[Sequence[int]], Sequence[int], int] = (
+                ([r.tokens for r in cache.session.requests], [r.pad for r in cache.session.requests],
+                 cache.session.padded_len) if cache.session is not None else (*cache.prompts, 0))  # type: ignore[misc]
+            if input_ids is not None:
+                _check_prompt_tokens(input_ids, *held)
+            else:
+                embedding = getattr(self.model, "get_input_embeddings", None)
+                with torch.no_grad():
+                    _check_prompt_embeds(kwargs.get("inputs_embeds"), embedding() if callable(embedding) else None,
+                                         *held)
         if cache.session is None:
             if cache.prompts is not None:
                 prompts, pads = cache.prompts
@@ -571,6 +599,29 @@ def _check_lengths(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
             raise InvalidInputError(f"{name}={value!r}: expected an int >= 1")
 
 
+def _check_prefill_chunk(handle: HiSparseHandle, kwargs: dict[str, Any], width: int) -> None:
+    """One line for a generate whose own `prefill_chunk_size` (the call's or its generation
+    config's; None: no chunking) would feed a prefill forward of more prompt tokens than `enable`'s
+    `prefill_chunk`, for which the GPU pool was sized: it would fail mid-prefill, its CapacityError
+    naming `prefill_chunk`, which the user did not change. None where hisparse passes its own."""
+    if "prefill_chunk_size" in kwargs:
+        chunk = kwargs["prefill_chunk_size"]            # None: the whole prompt in one forward
+    else:
+        chunk = getattr(kwargs.get("generation_config"), "prefill_chunk_size", None)
+        if chunk is None:
+            return                                      # hisparse passes its own prefill_chunk
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise InvalidInputError(f"prefill_chunk_size={chunk!r}: expected an int >= 1, or None (no chunking)")
+    c = handle.engine.config
+    cap = min(c.prefill_chunk, c.max_context)
+    tokens = width if chunk is None else min(chunk, width)
+    if tokens > cap:
+        raise InvalidInputError(f"prefill_chunk_size={chunk!r} feeds prefill forwards of {tokens} prompt tokens, but "
+                                f"hisparse sized its GPU pool for {cap} (enable(..., prefill_chunk={c.prefill_chunk})): "
+                                f"expected prefill_chunk_size <= {cap}, or leave it out (hisparse passes its "
+                                f"prefill_chunk), or enable(..., prefill_chunk >= {tokens})")
+
+
 def _max_new_tokens(model: torch.nn.Module, kwargs: dict[str, Any], prompt_width: int) -> int | None:
     """The most tokens this generate produces (its `max_new_tokens`, else `max_length` minus the
     padded prompt), None where neither is set."""
@@ -640,7 +691,15 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise InvalidInputError(f"hisparse generate got input_ids of shape {tuple(input_ids.shape)}; expected at least "
                                 "one prompt token a row")
     _check_prompt_tensors("hisparse generate", input_ids, kwargs.get("attention_mask"), wider_mask=True)
+    if kwargs.get("inputs_embeds") is not None:
+        # transformers' chunked prefill (which hisparse hands the prompt to) feeds input_ids and drops
+        # them, and rows computed from them would be published under input_ids' tokens anyway.
+        raise InvalidInputError("hisparse generate got inputs_embeds with input_ids: hisparse identifies a prompt's "
+                                "pages by its token ids (prefix hits), and transformers' chunked prefill would "
+                                "feed input_ids, not the embeddings; expected input_ids alone (or pass a "
+                                "DynamicCache to run the model's own attention for this call)")
     _check_lengths(model, kwargs)
+    _check_prefill_chunk(handle, kwargs, int(input_ids.shape[1]))
     if plan is not None:
         _check_assisted(handle, plan, int(input_ids.shape[0]))
     mask = kwargs.get("attention_mask")

@@ -316,3 +316,17 @@ def test_stored_latents_count_each_replay_afresh() -> None:
                 model(ids)
             counts.append((stored.flips, stored.values))
     assert counts[0] == counts[1] and counts[0][1] > 0, counts
+
+
+def test_latent_rows_of_bad_arguments_is_one_line() -> None:
+    """LatentRows.of, as docs/transformers.md calls it. Before: a dtype given as a string raised
+    AttributeError ('str' object has no attribute 'is_floating_point'), kv_lora_rank=0
+    ZeroDivisionError, and qk_rope_head_dim=-1 was taken."""
+    for args, words in ((("fp8", "float32", 16, 8), "LatentRows.of got dtype='float32'; expected a torch.dtype"),
+                        (("fp8", torch.float32, 0, 8), "LatentRows.of got kv_lora_rank=0; expected an int >= 1"),
+                        (("model", torch.float32, 16, -1), "LatentRows.of got qk_rope_head_dim=-1; expected an int"),
+                        (("fp8", torch.float32, 16.0, 8), "LatentRows.of got kv_lora_rank=16.0")):
+        with pytest.raises(InvalidInputError) as err:
+            LatentRows.of(*args)  # type: ignore[arg-type]
+        assert "\n" not in str(err.value) and str(err.value).startswith(words), err.value
+    assert LatentRows.of("fp8", torch.float32, 16, 8).kind == "fp8"

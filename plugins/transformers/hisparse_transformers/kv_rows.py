@@ -74,6 +74,12 @@ class LatentRows:
     @classmethod
     def of(cls, kind: str, dtype: torch.dtype, lora: int, rope: int) -> LatentRows:
         check_row_kind(kind)
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidInputError(f"LatentRows.of got dtype={dtype!r}; expected a torch.dtype (model.dtype)")
+        for name, value in (("kv_lora_rank", lora), ("qk_rope_head_dim", rope)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"LatentRows.of got {name}={value!r}; expected an int >= 1 (the model "
+                                        f"config's {name})")
         if not dtype.is_floating_point or dtype.itemsize < 2:
             # an fp8 (quantized) checkpoint: its latent is computed in another dtype than these weights',
             # and stored in theirs it would lose its scale

@@ -370,3 +370,16 @@ def test_a_prefill_chunk_size_past_enables_prefill_chunk_is_refused_before_the_p
         short, short_mask = random_prompts([6, 5], seed=1)          # a chunk past the prompt: one forward of it
         assert model.generate(short, attention_mask=short_mask, max_new_tokens=1, prefill_chunk_size=64,
                               do_sample=False).shape == (2, 7)
+
+
+def test_a_prompt_past_max_context_names_the_max_context_that_fits(model: torch.nn.Module) -> None:
+    """Before: "... exceeds max_context=48; expected enable(..., max_context >= it)"."""
+    ids, mask = random_prompts([60, 10], seed=3)
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", max_context=48, check=False)) as hs:
+        for call in (lambda: model.generate(ids, attention_mask=mask, max_new_tokens=2),
+                     lambda: model(input_ids=ids, attention_mask=mask, past_key_values=hs.new_cache(ids, mask))):
+            with pytest.raises(CapacityError) as err:
+                call()
+            assert one_line(err.value) == ("a prompt of 60 padded tokens exceeds max_context=48; expected "
+                                           "enable(..., max_context >= 60)"), err.value
+        assert hs.stats().requests == 0

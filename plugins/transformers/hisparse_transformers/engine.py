@@ -531,7 +531,7 @@ class HiSparseEngine:
         longest = max(pad + len(p) for p, pad in zip(prompts, pads, strict=False))
         if longest > max_context:
             raise CapacityError(f"a prompt of {longest} padded tokens exceeds max_context="
-                                f"{max_context}; expected enable(..., max_context >= it)")
+                                f"{max_context}; expected enable(..., max_context >= {longest})")
         # The last generated token is never fed back: its KV is not written.
         grow = max(0, max_new_tokens - 1) + candidates if max_new_tokens is not None else None
         if grow is not None and longest + grow > max_context:

@@ -348,11 +348,12 @@ class ReplayEngine:
             pressure_watermark_blocks=self.admission_blocks)
         _check_host_blocks(c, coordinator_config)
         dev = torch.device(backend.device)
-        free = device_free_bytes(dev)
+        avail = device_free_bytes(dev)
+        free = avail
         kv_bytes = p.gpu_blocks * p.block_bytes + self.resident_blocks * self.resident_block_bytes
-        if dev.type == "cpu" and free is not None:
+        if dev.type == "cpu" and avail is not None:
             # The host pool is host RAM too: the size named must fit beside it.
-            free = max(0, int(free * HOST_FRACTION) - c.host_bytes)
+            free = max(0, int(avail * HOST_FRACTION) - c.host_bytes)
         fits = f" to at most {floor_size(free)}" if free else ""
         where = "; the backend runs on the CPU, so the KV pool is in host RAM" if dev.type == "cpu" else ""
         resident = (f" and {self.resident_blocks} resident-layer blocks x {self.resident_block_bytes} B"
@@ -362,7 +363,6 @@ class ReplayEngine:
         check_host_memory(c.host_bytes, f"--host {human_bytes(c.host_bytes)} (the host pool)",
                           remedy="lower --host")
         if dev.type == "cpu":  # both pools in host RAM: each fitting alone is not enough
-            avail = device_free_bytes(dev)
             together = f" so that together they take at most {floor_size(int(avail * HOST_FRACTION))}" if avail else ""
             check_host_memory(kv_bytes + c.host_bytes,
                               f"--gpu-kv {human_bytes(c.gpu_kv_bytes)} and --host {human_bytes(c.host_bytes)} together "

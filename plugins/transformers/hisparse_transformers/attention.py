@@ -223,6 +223,15 @@ class HiSparseAttention:
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise InvalidInputError(NO_COPY)
 
+    @staticmethod
+    def live_patch(module: Any) -> HiSparseAttention | None:
+        """The patch of an engine still open on `module`, in either slot `__init__` may take, or None."""
+        for slot in ("forward", "_old_forward"):
+            found = module.__dict__.get(slot)
+            if isinstance(found, HiSparseAttention) and not found.engine.closed:
+                return found
+        return None
+
     def __init__(self, module: Any, layout: DsaLayout, engine: HiSparseEngine, layer: int,
                  checker: ExactnessChecker | None = None) -> None:
         self.module = module  # one of layout.attentions: its projections and sizes are read by name

@@ -202,6 +202,19 @@ def _check_first_padding(mask: Any, pads: Sequence[int], num_new: int) -> None:
                                     "attention_mask for new_cache and the forwards")
 
 
+def _held_spans(prompts: Sequence[Sequence[int]], pads: Sequence[int], past: int,
+                width: int) -> list[tuple[int, int, int, int]]:
+    """(row, first column, end column, first logical position) of each row's columns, in a forward
+    of `width` columns from padded position `past`, that feed a prompt token hisparse holds already
+    (`prompts[b]` left-padded by `pads[b]`); rows whose columns feed none are left out."""
+    spans = []
+    for b, (p, pad) in enumerate(zip(prompts, pads, strict=True)):
+        lo, hi = max(0, pad - past), min(width, pad + len(p) - past)
+        if hi > lo:
+            spans.append((b, lo, hi, past + lo - pad))
+    return spans
+
+
 def _check_prompt_tokens(input_ids: torch.Tensor | None, prompts: Sequence[Sequence[int]], pads: Sequence[int],
                          past: int) -> None:
     """Refuse (one line) a direct forward whose `input_ids` (columns from padded position `past`)
@@ -212,15 +225,11 @@ def _check_prompt_tokens(input_ids: torch.Tensor | None, prompts: Sequence[Seque
     tokens (never a decode step past them)."""
     if input_ids is None or input_ids.dim() != 2:
         return
-    width = int(input_ids.shape[1])
-    spans = [(b, max(0, pad - past), min(width, pad + len(p) - past)) for b, (p, pad) in enumerate(zip(prompts, pads,
-                                                                                                       strict=True))]
-    spans = [(b, lo, hi) for b, lo, hi in spans if hi > lo]
+    spans = _held_spans(prompts, pads, past, int(input_ids.shape[1]))
     if not spans:
         return
     ids = input_ids.detach().to("cpu", torch.int64)
-    for b, lo, hi in spans:
-        start = past + lo - pads[b]
+    for b, lo, hi, start in spans:
         want = torch.tensor(prompts[b][start:start + hi - lo], dtype=torch.int64)
         bad = (ids[b, lo:hi] != want).nonzero()
         if bad.numel():
@@ -239,13 +248,8 @@ def _check_prompt_embeds(embeds: Any, embedding: Any, prompts: Sequence[Sequence
     One embedding lookup and a host read of the verdict, only for forwards that reach into them."""
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or not callable(embedding):
         return
-    width = int(embeds.shape[1])
-    for b, (p, pad) in enumerate(zip(prompts, pads, strict=True)):
-        lo, hi = max(0, pad - past), min(width, pad + len(p) - past)
-        if hi <= lo:
-            continue
-        start = past + lo - pad
-        want = embedding(torch.tensor(p[start:start + hi - lo], dtype=torch.int64, device=embeds.device))
+    for b, lo, hi, start in _held_spans(prompts, pads, past, int(embeds.shape[1])):
+        want = embedding(torch.tensor(prompts[b][start:start + hi - lo], dtype=torch.int64, device=embeds.device))
         if want.shape != embeds[b, lo:hi].shape or not torch.equal(want.to(embeds.dtype), embeds[b, lo:hi]):
             raise InvalidInputError(f"the forward's inputs_embeds for row {b}'s prompt positions {start}-"
                                     f"{start + hi - lo - 1} are not the model's embeddings of the prompts given to "
@@ -867,9 +871,7 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     check_key_format(indexer_keys)
     layout = detect(model)
     for i, attention in enumerate(layout.attentions):
-        patched = [v for v in (attention.__dict__.get("forward"), attention.__dict__.get("_old_forward"))
-                   if isinstance(v, HiSparseAttention) and not v.engine.closed]
-        if patched:
+        if HiSparseAttention.live_patch(attention) is not None:
             raise InvalidInputError(f"hisparse is already enabled on layer {i}'s attention, through another model "
                                     "that holds it (the base model, or the model around it); close that handle (or "
                                     "disable() that model) first")

@@ -378,3 +378,27 @@ def test_host_pool_may_take_at_most_95_percent_of_the_available_memory() -> None
         layout.check_host_memory(1.0, 256, pools_on_node=2, available=int(pool_bytes / 0.95) + 1)
     # A pool of no whole block takes no RAM (check_capacity refuses it as too small).
     layout.check_host_memory(1e-7, 256, pools_on_node=1, available=1)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_the_host_pool_sizes_the_lines_suggest_are_accepted(tp_size: int) -> None:
+    """The too-small line's `host_pool_gib >= X` was X rounded to nearest: 0.000854 for a pool that
+    needs 0.0008545 GiB, and starting again with it was refused by the same line ('holds 6 host blocks
+    ... needs at least 7'). Likewise the RAM line's `host_pool_gib <= X` may not round up past what
+    fits. Each suggested value, given back, is accepted."""
+    import re
+
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_vllm.layout import HostTierLayout
+
+    layout = HostTierLayout.from_kv_cache_config(vs.kv_cache_config(32), tp_size=tp_size)
+    for max_len in range(16, 4097, 48):
+        with pytest.raises(InvalidInputError) as too_small:
+            layout.check_capacity(1e-6, max_len)
+        least = float(re.search(r"host_pool_gib >= ([0-9.e+-]+)$", str(too_small.value)).group(1))
+        layout.check_capacity(least, max_len)
+    for available in range(3 * 2**20, 9 * 2**20, 2**20 // 7):
+        with pytest.raises(CapacityError) as too_big:
+            layout.check_host_memory(1.0, 256, pools_on_node=tp_size, available=available)
+        most = float(re.search(r"expected host_pool_gib <= ([0-9.e+-]+)$", str(too_big.value)).group(1))
+        layout.check_host_memory(most, 256, pools_on_node=tp_size, available=available)

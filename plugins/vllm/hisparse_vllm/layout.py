@@ -35,6 +35,7 @@ page size are supported; anything else fails at start-up naming the group.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -46,6 +47,12 @@ from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, register_row_format
 
 _SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def _significant(gib: float, *, up: bool, digits: int = 4) -> float:
+    """`gib` rounded up or down to `digits` significant digits (a suggested size must hold, or fit)."""
+    scale = 10.0 ** (digits - 1 - math.floor(math.log10(gib)))
+    return (math.ceil(gib * scale) if up else math.floor(gib * scale)) / scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,14 +150,17 @@ class HostTierLayout:
         cfg = self.coordinator_config(host_pool_gib, max_model_len)
         need = cfg.min_host_blocks + 1
         if cfg.host_num_blocks < need:
+            # The pool is whole blocks of a truncated byte budget: round up, then past any float shortfall.
+            least = _significant(need * cfg.host_block_stride / 2**30 * host_pool_gib / cfg.host_pool_gib, up=True)
+            while self.coordinator_config(least, max_model_len).host_num_blocks < need:
+                least = _significant(least * (1 + 1e-4), up=True)
             raise InvalidInputError(
                 f"kv_connector_extra_config['host_pool_gib']={host_pool_gib}"
                 f"{'' if cfg.host_pool_gib == host_pool_gib else f' ({cfg.host_pool_gib:.6g} per TP rank)'} "
                 f"holds {cfg.host_num_blocks} host blocks "
                 f"of {cfg.host_block_stride} B ({self.num_layers} layers x {self.block_size} tokens x "
                 f"{self.row_bytes} B); it needs at least {need} (one max_model_len={max_model_len} request, the "
-                f"{cfg.active_tail_pages}-page active tail and the null block): host_pool_gib >= "
-                f"{need * cfg.host_block_stride / 2**30 * host_pool_gib / cfg.host_pool_gib:.6f}")
+                f"{cfg.active_tail_pages}-page active tail and the null block): host_pool_gib >= {least:.4g}")
         return cfg
 
     def check_host_memory(self, host_pool_gib: float, max_model_len: int, pools_on_node: int,
@@ -160,11 +170,16 @@ class HostTierLayout:
         host RAM (`hisparse_core.capacity`, upstream vLLM's rule). Raises `CapacityError` naming
         `host_pool_gib` and the largest value that fits."""
         cfg = self.coordinator_config(host_pool_gib, max_model_len)
-        per_pool = cfg.host_num_blocks * cfg.host_block_stride
+        stride = cfg.host_block_stride
+        per_pool = cfg.host_num_blocks * stride
         avail = capacity.available_host_bytes() if available is None else available
         if avail is None or per_pool == 0:  # no whole block: check_capacity refuses it as too small
             return
-        most = avail * capacity.HOST_FRACTION / pools_on_node / per_pool * host_pool_gib
+        # The largest size whose pools fit: one block more than fits, rounded down, then below any float excess.
+        fits = int(avail * capacity.HOST_FRACTION) // (pools_on_node * stride)
+        most = _significant((fits + 1) * stride / 2**30 * host_pool_gib / cfg.host_pool_gib, up=False)
+        while self.coordinator_config(most, max_model_len).host_num_blocks > fits:
+            most = _significant(most * (1 - 1e-4), up=False)
         pools = "" if pools_on_node == 1 else f" ({pools_on_node} private TP-rank pools on this node)"
         capacity.check_host_memory(per_pool * pools_on_node, f"kv_connector_extra_config['host_pool_gib']="
                                    f"{host_pool_gib}{pools}", available=avail,

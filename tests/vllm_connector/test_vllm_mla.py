@@ -319,3 +319,32 @@ def test_the_rope_check_leaves_the_models_rope_modules_untouched(dtype: torch.dt
     with set_current_vllm_config(config):
         check_rope_is_row_independent(config)  # exact PyTorch RoPE: passes
     assert changes_since(rope, before) == []
+
+
+def test_a_probe_that_changed_the_model_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe reports, as a hisparse bug, a RoPE module it changed and could not restore
+    (issue 27's kind: a model left in another state than vLLM built). That ProtocolError is a
+    RuntimeError, and the check's `except` for RoPE variants of another call shape caught it: it
+    was logged at DEBUG and the engine started on the changed model. It now stops the start."""
+    import types
+
+    from hisparse_core.errors import ProtocolError
+    from hisparse_vllm import engine_checks
+
+    class Unrestorable:
+        head_size, max_position_embeddings = 64, 2048
+
+        def __deepcopy__(self, memo: dict) -> Unrestorable:
+            raise TypeError("no copies: the probe runs on the module itself")
+
+        def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple:
+            return q, k
+
+        def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple:
+            self.cache = torch.zeros(1)  # a tensor the module did not hold: the restore cannot take it back
+            return q, k
+
+    monkeypatch.setattr(engine_checks, "_model_ropes", lambda: [Unrestorable()])
+    config = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=True, model="tiny"))
+    with pytest.raises(ProtocolError, match=r"changed Unrestorable \['attr:cache'\] and could not restore"):
+        engine_checks.check_rope_is_row_independent(config)

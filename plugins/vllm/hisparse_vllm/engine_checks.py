@@ -143,6 +143,8 @@ def check_rope_is_row_independent(vllm_config: Any) -> None:
     for rope in _model_ropes():
         try:
             worst = max(worst, probe_without_side_effects(rope))
+        except ProtocolError:  # the probe changed the model: a RuntimeError, but never a variant to skip
+            raise
         except (RuntimeError, ValueError, TypeError) as exc:  # a RoPE variant with another call shape
             logger.debug("hisparse: RoPE probe skipped %s (%s)", type(rope).__name__, exc)
     if worst > 1e-3:

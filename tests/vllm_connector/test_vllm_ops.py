@@ -366,3 +366,22 @@ def test_register_ops_by_hand_names_its_arguments_not_the_variables(monkeypatch:
     with pytest.raises(InvalidInputError, match=r"'plain' does not declare 'vllm_ops'; choose one that does with "
                                                 r"HISPARSE_BACKEND"):
         hv_ops.register_ops()  # automatic selection (or HISPARSE_BACKEND) picked it
+
+
+@pytest.mark.parametrize(("op", "at", "name"), [
+    ("hisparse_resolve_residency", 1, "hot_cache"), ("hisparse_gather_compact", 1, "hot_cache"),
+    ("hisparse_gather_plan", 1, "hot_cache"), ("hisparse_invalidate_written_slots", 0, "device_global_indices")])
+def test_none_for_the_tensor_the_device_is_read_from_names_it(served: str, op: str, at: int, name: str) -> None:
+    """torch's dispatcher lets None through for these ops' first device tensor, and the registered
+    kernel read `.device` off it before the backend's checks: AttributeError "'NoneType' object has
+    no attribute 'device'", naming nothing. The backend's check names the argument."""
+    case = random_case(5)
+    a = case.resolve_args()
+    args = {"hisparse_resolve_residency": a,
+            "hisparse_gather_compact": [a[0], a[1], a[19], a[20], a[21]],
+            "hisparse_gather_plan": [a[0], a[1], a[19], a[20], a[10], a[7], a[12][:a[19].shape[0]].clone(), a[13]],
+            "hisparse_invalidate_written_slots": [case.dgi.clone(), case.rsi, case.written_req, case.written_slots],
+            }[op]
+    args[at] = None
+    with pytest.raises(InvalidInputError, match=rf"^{op}: {name} must be a torch.Tensor, got NoneType$"):
+        getattr(torch.ops._C_cache_ops, op)(*args)

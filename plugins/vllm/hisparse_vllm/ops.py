@@ -181,9 +181,12 @@ def _not_capable(name: str, *, named: bool) -> str:
 
 
 def _kernels(backend: _FirstCallBackend, name: str) -> dict[str, Callable[..., None]]:
+    import torch
+
     def on_device(op: str, t: Any) -> spec.VllmHiSparseOps:
         ops = backend.ops()
-        if t.device.type != ops.device_type:
+        # Not a tensor (None gets through the dispatcher): the backend's own check names the argument.
+        if isinstance(t, torch.Tensor) and t.device.type != ops.device_type:
             raise spec.InvalidInputError(
                 f"{op}: tensors are on {t.device}; the hisparse backend {name!r} serving the vLLM ops runs on "
                 f"{ops.device_type} (choose another with HISPARSE_BACKEND)")

@@ -145,6 +145,9 @@ class CacheRuntime(ABC):
         table entries in range), which needs a device-to-host read on accelerators: pass
         `validate=False` on the decode path and inside graph capture, where out-of-range
         positions are treated as masked entries instead.
+
+        Returns `result`, the workspace it wrote in place: the same tensors every call (readers and
+        captured CUDA graphs keep them), never new ones.
         """
 
     @abstractmethod
@@ -229,4 +232,5 @@ class CacheRuntime(ABC):
     @property
     @abstractmethod
     def result(self) -> ResolveResult:
-        """The output workspace the resolve calls fill."""
+        """The output workspace the resolve calls fill: allocated with the runtime, and the same
+        tensors for its whole life (the conformance suite checks them after every resolve)."""

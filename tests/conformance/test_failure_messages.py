@@ -101,3 +101,39 @@ def test_a_backend_that_declares_no_row_format_fails_instead_of_skipping_everyth
     assert failed["test_embedded.test_the_backend_serves_a_row_format"].startswith(
         "AssertionError: the backend declares no row format (capabilities: ['index_sharing']); expected "
         "row_format:fp8_ds_mla, row_format:bf16_mla or both: every test that moves rows would skip"), failed
+
+
+@pytest.mark.parametrize("resolve_body, message", [
+    ("out = super().resolve(inputs, gather=gather, validate=validate)\n"
+     "                self._result = ResolveResult(*(t.clone() for t in (out.rows, out.valid_counts, out.plan_host,\n"
+     "                                                                   out.plan_device, out.plan_counts)))\n"
+     "                return self._result",
+     "contract: resolve fills the runtime's result workspace in place, the tensors runtime.result held when the "
+     "runtime was bound (ResolveResult: runtime-owned tensors of fixed shape, rewritten in place, so a captured "
+     "CUDA graph stays valid); after this call runtime.result.rows is not the bound workspace's rows"),
+    ("super().resolve(inputs, gather=gather, validate=validate)",
+     "contract: resolve returns the runtime's result workspace (runtime.result, a ResolveResult); it returned None"),
+], ids=["new-workspace-each-call", "returns-none"])
+def test_a_resolve_outside_the_result_workspace_is_named(tmp_path: Path, resolve_body: str, message: str) -> None:
+    # Right values, in new tensors each call (or returned as None): every check read runtime.result's
+    # values, so the first passed the whole suite and the second failed with "'NoneType' object has
+    # no attribute 'rows'".
+    failed = failures_of(tmp_path, f"""
+        import pytest
+        from hisparse_core.runtime import ResolveResult
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+        from hisparse_reference_cpu.runtime import ReferenceRuntime
+
+        class Fresh(ReferenceRuntime):
+            def resolve(self, inputs, *, gather=True, validate=True):
+                {resolve_body}
+
+        class Wrong(ReferenceCpuBackend):
+            def create_runtime(self, config):
+                return Fresh(config)
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Wrong()
+    """, "from hisparse_conformance.test_resolver import test_lru_victims_and_order_by_hand  # noqa: F401\n")
+    assert failed["test_embedded.test_lru_victims_and_order_by_hand"].startswith(f"AssertionError: {message}"), failed

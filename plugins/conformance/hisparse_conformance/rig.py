@@ -91,6 +91,14 @@ def outcome_difference(got: Outcome, want: Outcome) -> str | None:
     return None
 
 
+_FIELDS = ("rows", "valid_counts", "plan_host", "plan_device", "plan_counts")
+
+
+def _storage(result: ResolveResult) -> tuple[tuple[int, tuple[int, ...], torch.dtype], ...]:
+    """Where each tensor of a `ResolveResult` lives: (data_ptr, shape, dtype) per field."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (getattr(result, name) for name in _FIELDS))
+
+
 def _digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.detach().cpu().contiguous().view(torch.uint8).numpy().data).hexdigest()
 
@@ -123,6 +131,7 @@ class Rig:
                 self.device_layers.append(cache)
             self.runtime: CacheRuntime = backend.create_runtime(cfg)
             self.runtime.bind(self.host_layers, self.device_layers, resident_group=resident_group)
+            self.workspace = _storage(self.runtime.result)
         except BaseException:
             self.pool.release()
             raise
@@ -155,7 +164,26 @@ class Rig:
                              self.hot_table)
 
     def resolve(self, step: Step, *, gather: bool = True, validate: bool = True) -> Outcome:
-        return Outcome.of(self.runtime.resolve(self.inputs(step), gather=gather, validate=validate))
+        returned = self.runtime.resolve(self.inputs(step), gather=gather, validate=validate)
+        assert isinstance(returned, ResolveResult), (
+            "contract: resolve returns the runtime's result workspace (runtime.result, a ResolveResult); it returned "
+            + ("None" if returned is None else f"a {type(returned).__name__}"))
+        self.check_workspace(returned)
+        return Outcome.of(returned)
+
+    def check_workspace(self, returned: ResolveResult | None = None) -> None:
+        """`runtime.result` (and `returned`, what a resolve returned) are still the tensors that
+        `runtime.result` held when the runtime was bound: readers keep them, and a captured CUDA graph
+        writes them."""
+        clause = ("contract: resolve fills the runtime's result workspace in place, the tensors runtime.result "
+                  "held when the runtime was bound (ResolveResult: runtime-owned tensors of fixed shape, "
+                  "rewritten in place, so a captured CUDA graph stays valid)")
+        for who, result in (("runtime.result", self.runtime.result), ("what resolve returned", returned)):
+            if result is None:
+                continue
+            for name, now, bound in zip(_FIELDS, _storage(result), self.workspace, strict=True):
+                assert now == bound, (f"{clause}; after this call {who}.{name} is not the bound workspace's "
+                                      f"{name} (data_ptr, shape, dtype: {now}, expected {bound})")
 
     def apply(self, work: Maintenance) -> None:
         if work.written:

@@ -183,6 +183,7 @@ def test_a_prefetch_is_a_resolve_that_copies_every_layer(hisparse_backend: Backe
             except InvalidInputError as exc:
                 pytest.fail(f"step {n}: prefetch raised {exc}; like resolve(validate=False) it must mask positions "
                             "out of context, not refuse them (docs/resolver-contract.md: Classifying an entry)")
+            prefetched.check_workspace()
             plain.resolve(step, gather=True, validate=False)
             if layers > 1:
                 plain.runtime.replay_plan()

@@ -137,3 +137,33 @@ def test_a_resolve_outside_the_result_workspace_is_named(tmp_path: Path, resolve
             return Wrong()
     """, "from hisparse_conformance.test_resolver import test_lru_victims_and_order_by_hand  # noqa: F401\n")
     assert failed["test_embedded.test_lru_victims_and_order_by_hand"].startswith(f"AssertionError: {message}"), failed
+
+
+def test_capability_drift_is_caught_where_the_factory_names_a_re_export(tmp_path: Path) -> None:
+    # The plugin names the class where its package re-exports it ("alias:Drifty", as a vendor's
+    # "hisparse_acme:AcmeBackend" for hisparse_acme.backend.AcmeBackend): the registry selects that
+    # very class, but the check compared the factory string with the class's own module:qualname,
+    # skipped as "a fixture override" and the run passed with the drift.
+    (tmp_path / "alias.py").write_text("from conftest import Drifty  # noqa: F401\n")
+    failed = failures_of(tmp_path, """
+        import pluggy
+        import pytest
+        from hisparse_core import registry
+        from hisparse_core.backend import BackendSpec
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+        class Drifty(ReferenceCpuBackend):
+            name = "drifty"
+            capabilities = ReferenceCpuBackend.capabilities - {"speculative_union"}
+
+        registry._registry = registry.BackendRegistry([], {"drifty": BackendSpec(
+            name="drifty", factory="alias:Drifty", probe=lambda: None,
+            capabilities=ReferenceCpuBackend.capabilities)}, pluggy.PluginManager("hisparse"))
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Drifty()
+    """, "from hisparse_conformance.test_declaration import *  # noqa: F403\n")
+    assert failed["test_embedded.test_the_class_declares_what_its_plugin_advertises"].startswith(
+        "AssertionError: capability drift: the BackendSpec advertises ['speculative_union'] that alias:Drifty "
+        "lacks\n"), failed

@@ -385,3 +385,24 @@ def test_none_for_the_tensor_the_device_is_read_from_names_it(served: str, op: s
     args[at] = None
     with pytest.raises(InvalidInputError, match=rf"^{op}: {name} must be a torch.Tensor, got NoneType$"):
         getattr(torch.ops._C_cache_ops, op)(*args)
+
+
+@pytest.mark.parametrize(("mode", "shown"), [("auto", []), (
+    "replcae", ["WARNING hisparse_vllm.ops: vLLM HiSparse ops: not registered: HISPARSE_VLLM_OPS='replcae'; "
+                "expected one of auto, replace, off"])])
+def test_the_ops_line_follows_vllms_logging_level_before_vllm_applies_it(mode: str, shown: list[str]) -> None:
+    """With VLLM_LOGGING_LEVEL=WARNING vLLM prints no INFO line, but the general plugin's INFO line
+    ("vLLM HiSparse ops: ... served by ...") still printed in the front end of `LLM()` and the
+    server: logged before vLLM applies its logging config, it went to stderr at INFO whatever
+    level vLLM was told. It is held to that level; a WARNING still prints."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HISPARSE_BACKEND="reference_cpu", HISPARSE_VLLM_OPS=mode, VLLM_LOGGING_LEVEL="warning")
+    env.pop("VLLM_CONFIGURE_LOGGING", None)
+    proc = subprocess.run([sys.executable, "-c", "from vllm.plugins import load_general_plugins; "
+                           "load_general_plugins()"], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "vLLM HiSparse ops:" in line]
+    assert lines == shown, proc.stderr[-3000:]

@@ -16,6 +16,10 @@ a reconfiguration goes through the new handlers:
   `VLLM_CONFIGURE_LOGGING=0`): through those;
 - else: one plain line on stderr.
 
+Until vLLM has handlers, a line below the level `VLLM_LOGGING_LEVEL` names (the level vLLM will
+apply) is dropped, as vLLM's own lines are, unless `VLLM_CONFIGURE_LOGGING=0` leaves the levels
+to the application.
+
 A routed logger stops propagating to the root logger: another library that installs a root
 handler (vLLM's own zentorch helpers call `logging.debug`, which does) would otherwise print
 every hisparse line a second time.
@@ -44,6 +48,8 @@ class VllmOutput(logging.Handler):
                 return
             handlers = vllm.handlers
         else:
+            if record.levelno < _named_level() and os.environ.get("VLLM_CONFIGURE_LOGGING", "1").strip() != "0":
+                return  # the level vLLM applies when it configures its logging, as its own lines will have
             handlers = logging.getLogger().handlers or [_FALLBACK]
         own = _handlers_reached(record.name)  # already handled there (pytest attaches its own to both)
         for handler in handlers:
@@ -66,12 +72,16 @@ def _handlers_reached(name: str) -> set[logging.Handler]:
 _OUTPUT = VllmOutput()
 
 
+def _named_level() -> int:
+    """The level `VLLM_LOGGING_LEVEL` names (INFO when unset or not a level name)."""
+    named = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    return named if isinstance(named, int) else logging.INFO
+
+
 def _level() -> int:
     """INFO, or vLLM's level where that is lower (`VLLM_LOGGING_LEVEL=DEBUG`)."""
     vllm = logging.getLogger("vllm")
-    named = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
-    levels = [logging.INFO, vllm.level or logging.INFO, named if isinstance(named, int) else logging.INFO]
-    return min(levels)
+    return min(logging.INFO, vllm.level or logging.INFO, _named_level())
 
 
 def route_to_vllm_handlers() -> None:

@@ -20,7 +20,7 @@ reload=True)` runs it again. Selection:
 
 The chosen backend's `factory` class is imported and instantiated only then. A backend whose class
 fails there (it does not import, is not a concrete `Backend`, declares another `name` than its
-spec's or no `version`, or its constructor raises) is listed as broken from then on in this
+spec's, no `version` or `capabilities` that are not a set of str, or its constructor raises) is listed as broken from then on in this
 process: an explicit selection raises the error, an automatic one logs one WARNING and falls back
 to the next available backend. A class whose `capabilities`
 differ from its `BackendSpec`'s is reported at selection with one WARNING (the class's set is
@@ -316,6 +316,10 @@ def _class_problem(obj: object, name: str) -> str | None:
     if not isinstance(version, str):
         said = "declares no version" if version is None else f"declares version {version!r}"
         return f"{said}; expected a str (the class's `version`, shown with the backend)"
+    caps = getattr(obj, "capabilities", None)
+    if isinstance(caps, str) or not isinstance(caps, Iterable) or not all(isinstance(c, str) for c in caps):
+        return (f"declares capabilities {caps!r} ({type(caps).__name__}); expected a frozenset of str "
+                "(Capability names)")
     return None
 
 

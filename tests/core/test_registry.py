@@ -355,6 +355,12 @@ def test_factory_that_fails_to_import_marks_the_backend_broken(fake_site: FakeSi
      "declares no name; expected 'shape', the name its BackendSpec registers"),
     (FAKE_BACKEND.format(name="shape").replace('    version = "1.0"\n', ""),
      "declares no version; expected a str"),
+    # A capability named without its frozenset was taken as its characters: a drift warning listing
+    # ['8', ':', '_', 'a', ...], and the class ran declaring none of them.
+    (FAKE_BACKEND.format(name="shape").replace('frozenset({"index_sharing"})', '"index_sharing"'),
+     "declares capabilities 'index_sharing' (str); expected a frozenset of str (Capability names)"),
+    (FAKE_BACKEND.format(name="shape").replace('frozenset({"index_sharing"})', '("index_sharing", 1)'),
+     "declares capabilities ('index_sharing', 1) (tuple); expected a frozenset of str (Capability names)"),
 ])
 def test_factory_must_be_a_concrete_backend_subclass(fake_site: FakeSite, source: str, needle: str) -> None:
     fake_site.backend("shape", factory_source=source)

@@ -63,6 +63,48 @@ def test_an_empty_backend_option_is_a_usage_error_not_reference_cpu(tmp_path: Pa
     assert "Traceback" not in output and "passed" not in output, output[-3000:]
 
 
+def test_a_backend_that_cannot_describe_itself_fails_once_with_a_usage_error(tmp_path: Path) -> None:
+    """A vendor's `device` that raises (torch.device("acme", 0) where torch does not know the device
+    type yet) broke the report header: an INTERNALERROR traceback, or under -q every test run and
+    then a traceback in the closing summary."""
+    site = tmp_path / "site"
+    package = site / "hisparse_nodevice"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent("""
+        from hisparse_core import BackendSpec, hookimpl
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+
+        class NoDevice(ReferenceCpuBackend):
+            name = "nodevice"
+
+            @property
+            def device(self):
+                raise RuntimeError("Expected one of cpu, cuda device type at start of device string: acme")
+
+
+        @hookimpl
+        def hisparse_register_backends(register):
+            register(BackendSpec(name="nodevice", factory="hisparse_nodevice:NoDevice", probe=lambda: None,
+                                 capabilities=ReferenceCpuBackend.capabilities))
+    """))
+    info = site / "hisparse_nodevice-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hisparse-nodevice\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[hisparse.backends]\nnodevice = hisparse_nodevice\n")
+    for quiet in ([], ["-q"]):
+        proc = run_pytest(["--pyargs", "hisparse_conformance", "--hisparse-backend", "nodevice", *quiet, "-p",
+                           "no:cacheprovider"], tmp_path, timeout=300, env={"PYTHONPATH": str(site)})
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 4, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("ERROR")]
+        assert errors == [
+            "ERROR: hisparse conformance: --hisparse-backend 'nodevice' cannot describe itself: its describe() (name, "
+            "version, API version, device, capabilities) raised RuntimeError: Expected one of cpu, cuda device type "
+            "at start of device string: acme"], output[-3000:]
+        assert "Traceback" not in output and "INTERNALERROR" not in output and "passed" not in output, output[-3000:]
+
+
 def test_rank_one_finds_a_registered_class_made_at_run_time(tmp_path: Path) -> None:
     """The shared-pool tests' child process imports the class the registry imports (its factory),
     not `__module__:__qualname__`, which no import finds for a class a function made."""

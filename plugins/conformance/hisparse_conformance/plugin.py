@@ -62,17 +62,26 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _require_backend(config: pytest.Config) -> None:
-    """A session that runs the suite on a backend that cannot be selected fails once, before
-    collection, with the registry's reason (not once per test)."""
+    """A session that runs the suite on a backend that cannot be selected, or whose `describe()`
+    (the report header: its `device` among others) raises, fails once, before collection, with the
+    reason (not once per test, nor in a traceback of the header)."""
     from hisparse_core.errors import BackendError
 
+    source = "--hisparse-backend" if config.getoption("hisparse_backend") else (
+        f"${ENV_BACKEND}" if os.environ.get(ENV_BACKEND, "").strip() else "the default backend")
     try:
-        selected_backend(config)
+        backend = selected_backend(config)
     except BackendError as exc:
-        source = "--hisparse-backend" if config.getoption("hisparse_backend") else (
-            f"${ENV_BACKEND}" if os.environ.get(ENV_BACKEND, "").strip() else "the default backend")
         raise pytest.UsageError(
             f"hisparse conformance: {source} {backend_name(config)!r} cannot be selected: {exc}") from None
+    try:  # what the report header shows; a `device` that raises would otherwise end the run in a traceback
+        backend.describe()
+    except Exception as exc:  # noqa: BLE001 -- the vendor's error, reported in one line
+        from hisparse_core.discovery import error_summary
+
+        raise pytest.UsageError(
+            f"hisparse conformance: {source} {backend_name(config)!r} cannot describe itself: its describe() (name, "
+            f"version, API version, device, capabilities) raised {error_summary(exc)}") from None
 
 
 def backend_name(config: pytest.Config) -> str:

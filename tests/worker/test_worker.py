@@ -312,3 +312,22 @@ def test_a_submission_the_engine_refuses_is_not_left_pending() -> None:
     assert worker.take_stats().pending_transfers == 1
     last = worker.shutdown()
     assert dict(last.completed) == {1: 1}
+
+
+def test_wait_for_host_writes_is_part_of_the_transfer_engine_interface() -> None:
+    """HiSparseWorker.wait_for_host_writes calls the engine's `wait_for_host_writes` where it has one
+    (a shared pool's peers order their reads after rank 0's writes through it); a vendor reading
+    TransferEngine found no such method, so an asynchronous engine without it let a peer read host
+    rows before rank 0's copies landed. It is now a documented method of the interface (a no-op by
+    default, for synchronous engines)."""
+    from hisparse_core.transfer import TransferEngine
+
+    method = vars(TransferEngine).get("wait_for_host_writes")
+    assert method is not None and "HiSparseWorker" in (method.__doc__ or ""), "not part of TransferEngine"
+    assert "shared" in method.__doc__ and "rank 0" in method.__doc__
+    worker, _ = make_worker()
+    try:
+        worker.wait_for_host_writes()  # reference_cpu's synchronous engine keeps the default
+        assert type(worker._require_engine()).wait_for_host_writes is TransferEngine.wait_for_host_writes
+    finally:
+        worker.shutdown()

@@ -81,7 +81,8 @@ class ResolveResult:
 
 @dataclass(frozen=True, slots=True)
 class RuntimeStats:
-    """Counters accumulated since construction or the last `reset_stats`.
+    """Counters accumulated since construction or the last `reset_stats`, as Python ints (read back
+    from the device: reports and `--json` output take them as they are).
 
     `resident` counts entries served from resident pages, `hits` entries found in the hot buffer,
     `misses` unique host rows copied into it (per resolve, once per layer group), `h2d_bytes` and

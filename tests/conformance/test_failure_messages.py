@@ -167,3 +167,32 @@ def test_capability_drift_is_caught_where_the_factory_names_a_re_export(tmp_path
     assert failed["test_embedded.test_the_class_declares_what_its_plugin_advertises"].startswith(
         "AssertionError: capability drift: the BackendSpec advertises ['speculative_union'] that alias:Drifty "
         "lacks\n"), failed
+
+
+def test_counters_that_are_not_ints_are_named(tmp_path: Path) -> None:
+    # Right counts as 0-d tensors (the device counters, not read back): every comparison of the suite
+    # passed, and `hisparse bench --json` then failed with "Object of type Tensor is not JSON serializable".
+    failed = failures_of(tmp_path, """
+        import pytest
+        import torch
+        from hisparse_core.runtime import RuntimeStats
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+        from hisparse_reference_cpu.runtime import ReferenceRuntime
+
+        class TensorCounters(ReferenceRuntime):
+            def stats(self):
+                s = super().stats()
+                return RuntimeStats(*(torch.tensor(v) for v in (s.resident, s.hits, s.misses, s.h2d_bytes,
+                                                                s.d2h_bytes)))
+
+        class Wrong(ReferenceCpuBackend):
+            def create_runtime(self, config):
+                return TensorCounters(config)
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Wrong()
+    """, "from hisparse_conformance.test_state import test_counters_accumulate_and_reset  # noqa: F401\n")
+    assert failed["test_embedded.test_counters_accumulate_and_reset"].startswith(
+        "AssertionError: stats() returns a RuntimeStats of Python ints (read back to the host); got "
+        "resident=Tensor"), failed

@@ -25,6 +25,7 @@ from hisparse_conformance.scenario import (
 )
 from hisparse_core.backend import Backend
 from hisparse_core.geometry import RuntimeConfig
+from hisparse_core.runtime import RuntimeStats
 
 
 def _warm(data: st.DataObject, backend: Backend) -> tuple[Scenario, int]:
@@ -154,6 +155,11 @@ def test_counters_accumulate_and_reset(hisparse_backend: Backend, data: st.DataO
             assert rig.stats() == model.counters.as_tuple(), (
                 "stats() sums every call since construction or reset_stats() (docs/resolver-contract.md: Counters)")
         stats = rig.runtime.stats()
+        fields = ("resident", "hits", "misses", "h2d_bytes", "d2h_bytes")
+        assert isinstance(stats, RuntimeStats) and all(type(getattr(stats, f)) is int for f in fields), (
+            "stats() returns a RuntimeStats of Python ints (read back to the host); got "
+            + (", ".join(f"{f}={type(getattr(stats, f)).__name__}" for f in fields)
+               if isinstance(stats, RuntimeStats) else type(stats).__name__))
         looked_up = stats.hits + stats.misses
         assert stats.hit_rate == (stats.hits / looked_up if looked_up else 1.0), (
             "hit_rate is hits / (hits + misses), 1.0 when nothing was looked up")

@@ -320,6 +320,32 @@ def test_prometheus_metrics_count_and_gauge(model_dir: Path) -> None:
                 REGISTRY.unregister(collector)
 
 
+def test_a_new_engines_metrics_see_its_first_reset_arrive(model_dir: Path) -> None:
+    """An offline `reset_prefix_cache(reset_connector=True)` steps until the metrics observe a
+    higher reset count than before the reset. The count was the process's highest per engine
+    index, so a second `LLM` in one process (a notebook that builds another) reported its first
+    reset as 1 against the first LLM's 1 and the call stepped the idle engine forever. A new
+    engine's metrics count its own resets."""
+    from hisparse_vllm.stats import reset_epochs_observed
+
+    config = vs.vllm_config(model_dir)
+    types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    try:
+        for _ in range(2):  # one LLM, then another in the same process
+            metrics = HiSparseOffloadConnector.build_prom_metrics(config, types, ["model_name", "engine"],
+                                                                  {0: ["tiny", "0"]})
+            seen = reset_epochs_observed()
+            metrics.observe(HiSparseConnectorStats().record(reset_epoch=1).to_dict(), engine_idx=0)
+            assert reset_epochs_observed() > seen, "the reset's stats arrived"
+            for collector, names in list(REGISTRY._collector_to_names.items()):  # as vLLM's next logger does
+                if any(n.startswith("vllm:hisparse_") for n in names):
+                    REGISTRY.unregister(collector)
+    finally:
+        for collector, names in list(REGISTRY._collector_to_names.items()):
+            if any(n.startswith("vllm:hisparse_") for n in names):
+                REGISTRY.unregister(collector)
+
+
 # ----------------------------------------------------------------- layout
 
 

@@ -62,7 +62,8 @@ LEVELS: dict[str, tuple[str, str]] = {
 #: Reported but not exported (for logs and tests). `reset_epoch`: the scheduler's count of
 #: connector resets, so an offline front end can tell when a reset's stats arrived (offline_stats.py).
 INFO_LEVELS = ("host_blocks_used", "host_blocks_total", "reset_epoch")
-#: The highest `reset_epoch` this process's Prometheus metrics observed, per engine index.
+#: The highest `reset_epoch` this process's Prometheus metrics observed, per engine index, since
+#: the metrics of that index were built (each engine counts its resets from 0).
 _RESET_EPOCHS: dict[int, int] = {}
 _PROM_METRICS_BUILT = [0]
 
@@ -143,6 +144,8 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _PROM_METRICS_BUILT[0] += 1
+        for engine_idx in per_engine_labelvalues:  # a new engine (another LLM in this process) counts from 0
+            _RESET_EPOCHS.pop(engine_idx, None)
         self.counters: dict[str, Any] = {
             key: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
                                           per_engine_labelvalues)

@@ -23,12 +23,14 @@ Nothing here imports a backend class: `factory` strings are resolved on selectio
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import importlib.metadata
 import logging
 import os
 import re
+import sys
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +54,14 @@ ENV_DISABLED_PLUGINS = "HISPARSE_DISABLED_PLUGINS"
 #: ending the process: an SDK that calls sys.exit() on a machine without its device makes that
 #: backend (or command) broken or unavailable, like any other error.
 VENDOR_ERRORS = (Exception, SystemExit)
+
+def vendor_output_to_stderr() -> contextlib.AbstractContextManager[object]:
+    """Where vendor code runs (a plugin's import and hook, a probe, a backend class's import and
+    constructor): what it prints goes to stderr, so hisparse's stdout holds only its own output
+    (`hisparse backends --json | jq`). Python-level writes only; a library writing to file
+    descriptor 1 itself is not caught."""
+    return contextlib.redirect_stdout(sys.stderr)
+
 
 def import_factory(factory: str) -> object:
     """The object a `module:qualname` factory names (a `BackendSpec`'s); raises what the import or
@@ -400,10 +410,11 @@ def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None
         entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
     entry_points = list(entry_points)
     state.warn_unmatched_filters({ep.name for ep in entry_points})
-    for ep in sorted(entry_points, key=lambda ep: (ep.name, ep.value)):
-        state.load(ep)
-    state.collect()
-    specs = state.probe_all()
+    with vendor_output_to_stderr():
+        for ep in sorted(entry_points, key=lambda ep: (ep.name, ep.value)):
+            state.load(ep)
+        state.collect()
+        specs = state.probe_all()
     entries = tuple(sorted(state.entries, key=_sort_key))
     summary = ", ".join(f"{e.name}={e.status.value}" for e in entries) or "none"
     logger.debug("hisparse backend discovery: %s", summary)

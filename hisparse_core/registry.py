@@ -54,6 +54,7 @@ from hisparse_core.discovery import (
     error_summary,
     format_error,
     import_factory,
+    vendor_output_to_stderr,
 )
 from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
 
@@ -192,7 +193,8 @@ class BackendRegistry:
         entry = self._require_available(name, "argument")
         spec = self._specs[entry.name]
         try:
-            obj = import_factory(spec.factory)
+            with vendor_output_to_stderr():
+                obj = import_factory(spec.factory)
         except VENDOR_ERRORS as exc:
             reason = f"factory {spec.factory!r} failed to import: {error_summary(exc)}"
             self._mark_broken(entry, reason, format_error(exc), log=log_broken)
@@ -263,7 +265,8 @@ class BackendRegistry:
     def _instantiate(self, name: str, *, log_broken: bool) -> Backend:
         cls = self._load_class(name, log_broken=log_broken)
         try:
-            return cls()
+            with vendor_output_to_stderr():
+                return cls()
         except VENDOR_ERRORS as exc:
             reason = f"{cls.__module__}.{cls.__qualname__}() raised {error_summary(exc)}"
             self._mark_broken(self.get(name), reason, format_error(exc), log=log_broken)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from core_support import FAKE_BACKEND_CLASS as FAKE_BACKEND
 from core_support import FakeSite
 
 from hisparse_core import registry
@@ -88,3 +89,27 @@ def test_installed_listing_shows_nvidia_unavailable_with_its_reason(capsys: pyte
     assert main(["backends", "--json"]) == 0
     nvidia = {d["name"]: d for d in json.loads(capsys.readouterr().out)}["nvidia"]
     assert nvidia["status"] == "unavailable" and nvidia["reason"], nvidia
+
+
+def test_what_vendor_code_prints_goes_to_stderr_not_into_the_json(
+        fake_site: FakeSite, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A vendor SDK that prints a banner when the plugin imports, its probe runs, or its backend
+    class imports and is built: `hisparse backends --json | jq` (what docs/cli.md tells scripts to
+    run) got the banner in front of the JSON and failed to parse it."""
+    package = fake_site.backend("loud", priority=20, probe='print("Acme SDK 3.1: probing"); return None',
+                                factory_source='print("Acme SDK 3.1: loaded")\n'
+                                               + FAKE_BACKEND.format(name="loud").replace(
+                                                   "    @property", "    def __init__(self):\n"
+                                                   "        print('Acme SDK 3.1: device opened')\n\n    @property", 1))
+    plugin = fake_site.root / package / "plugin.py"
+    plugin.write_text('print("Acme SDK 3.1: plugin")\n' + plugin.read_text())
+    monkeypatch.setattr(registry, "_registry", None)
+    monkeypatch.setenv("HISPARSE_PLUGINS", "loud")  # the installed plugins are listed, not loaded
+    assert main(["backends", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [d["name"] for d in json.loads(out) if d["status"] == "available"] == ["loud"], out
+    assert "Acme SDK 3.1: plugin" in err and "Acme SDK 3.1: probing" in err, err
+    assert type(registry.select_backend("loud")).__name__ == "FakeBackend"
+    out, err = capsys.readouterr()
+    assert out == "" and "Acme SDK 3.1: loaded" in err and "Acme SDK 3.1: device opened" in err, (out, err)
+

@@ -59,7 +59,10 @@ class Backend(ABC):
     @property
     @abstractmethod
     def device(self) -> torch.device:
-        """The device runtimes live on (e.g. `cpu`, `cuda:0`)."""
+        """The device runtimes live on (e.g. `cpu`, `cuda:0`): where callers (the worker's tables,
+        the conformance suite's device caches) allocate tensors for this backend. Read often (the
+        worker's log line, `describe()`, the suite's report header), so it is cheap and never raises;
+        a selected backend whose `describe()` raises fails the conformance run before collection."""
 
     @abstractmethod
     def create_host_pool(self, spec: HostPoolSpec) -> HostPool:
@@ -73,11 +76,21 @@ class Backend(ABC):
     @abstractmethod
     def create_runtime(self, config: RuntimeConfig) -> CacheRuntime:
         """Build an unbound runtime for one index group, with its state and workspace allocated
-        on `device`. Raises `InvalidInputError` for a geometry the backend cannot serve."""
+        on `device`. Raises `InvalidInputError` for a geometry the backend cannot serve.
+
+        Called by `HiSparseWorker` once per cache group when it is built, right after
+        `create_host_pool` (a raise here releases that pool); the worker binds the runtime in
+        `register_caches` and owns it. The result workspace allocated here is the one every
+        resolve rewrites (`CacheRuntime.result`)."""
 
     @abstractmethod
     def create_transfer_engine(self, host_pool: HostPool, runtimes: Sequence[CacheRuntime]) -> TransferEngine:
-        """Build the engine that runs offload commands for these bound runtimes."""
+        """Build the engine that runs offload commands for these bound runtimes.
+
+        Called once by `HiSparseWorker.register_caches`, after every runtime is bound, with the
+        worker's pool and runtimes; the engine keeps references to them and frees neither. Raises
+        `InvalidInputError` for a pool or runtime it cannot drive (released, unbound, or another
+        backend's: reference_cpu's engine takes only its own runtimes)."""
 
     def vllm_ops(self) -> VllmHiSparseOps:
         """The `VLLM_OPS` capability (optional): vLLM's HiSparse op set on this backend's device.

@@ -76,7 +76,11 @@ class HostPool(ABC):
 
     @abstractmethod
     def layer_view(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s `[num_blocks * block_size, width]` rows (a view, not a copy)."""
+        """Layer `layer`'s `[num_blocks * block_size, width]` rows of `spec.row_format.dtype`, on
+        the CPU (a view, not a copy: writes through it are the pool's bytes).
+
+        Raises `InvalidInputError` for a layer outside `[0, num_layers)` and on a released pool
+        (`_check_layer` does both)."""
 
     @property
     def is_writer(self) -> bool:
@@ -89,7 +93,10 @@ class HostPool(ABC):
 
     @abstractmethod
     def release(self) -> None:
-        """Unregister and free the buffer. Views must not be used afterwards."""
+        """Unregister and free the buffer. Views must not be used afterwards.
+
+        Called by `HiSparseWorker.shutdown` (and on leaving a `with` block). Idempotent, and
+        leaves nothing behind (registrations, a shared pool's files)."""
 
     @property
     def nbytes(self) -> int:

@@ -196,3 +196,27 @@ def test_counters_that_are_not_ints_are_named(tmp_path: Path) -> None:
     assert failed["test_embedded.test_counters_accumulate_and_reset"].startswith(
         "AssertionError: stats() returns a RuntimeStats of Python ints (read back to the host); got "
         "resident=Tensor"), failed
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("create_host_pool(self, spec)",
+     "AssertionError: contract: Backend.create_host_pool returns a hisparse_core.HostPool; it returned None"),
+    ("create_runtime(self, config)",
+     "AssertionError: contract: Backend.create_runtime returns a hisparse_core.CacheRuntime; it returned None"),
+], ids=["host-pool", "runtime"])
+def test_a_factory_that_returns_no_part_is_named(tmp_path: Path, factory: str, message: str) -> None:
+    # A factory left returning None (a stub, a missing return): the failure read "'NoneType' object
+    # has no attribute 'release'", raised by the suite's own cleanup over the first error.
+    failed = failures_of(tmp_path, f"""
+        import pytest
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+        class Wrong(ReferenceCpuBackend):
+            def {factory}:
+                return None
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Wrong()
+    """, "from hisparse_conformance.test_resolver import test_lru_victims_and_order_by_hand  # noqa: F401\n")
+    assert failed["test_embedded.test_lru_victims_and_order_by_hand"].startswith(message), failed

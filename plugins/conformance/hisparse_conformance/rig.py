@@ -91,6 +91,11 @@ def outcome_difference(got: Outcome, want: Outcome) -> str | None:
     return None
 
 
+def _kind(obj: object) -> str:
+    """How a failure names what a backend returned: None, or the type it is."""
+    return "None" if obj is None else f"a {type(obj).__name__}"
+
+
 _FIELDS = ("rows", "valid_counts", "plan_host", "plan_device", "plan_counts")
 
 
@@ -117,6 +122,8 @@ class Rig:
         self.pool: HostPool = backend.create_host_pool(
             HostPoolSpec(num_layers=cfg.num_layers, num_blocks=layout.host_blocks, block_size=cfg.block_size,
                          row_format=fmt))
+        assert isinstance(self.pool, HostPool), (
+            f"contract: Backend.create_host_pool returns a hisparse_core.HostPool; it returned {_kind(self.pool)}")
         try:
             self.host_layers = self.pool.layer_views()
             host_rows = layout.host_blocks * cfg.block_size
@@ -130,6 +137,9 @@ class Rig:
                 cache.view(torch.uint8).copy_(data.to(self.device))
                 self.device_layers.append(cache)
             self.runtime: CacheRuntime = backend.create_runtime(cfg)
+            assert isinstance(self.runtime, CacheRuntime), (
+                f"contract: Backend.create_runtime returns a hisparse_core.CacheRuntime; it returned "
+                f"{_kind(self.runtime)}")
             self.runtime.bind(self.host_layers, self.device_layers, resident_group=resident_group)
             self.workspace = _storage(self.runtime.result)
         except BaseException:
@@ -166,8 +176,8 @@ class Rig:
     def resolve(self, step: Step, *, gather: bool = True, validate: bool = True) -> Outcome:
         returned = self.runtime.resolve(self.inputs(step), gather=gather, validate=validate)
         assert isinstance(returned, ResolveResult), (
-            "contract: resolve returns the runtime's result workspace (runtime.result, a ResolveResult); it returned "
-            + ("None" if returned is None else f"a {type(returned).__name__}"))
+            f"contract: resolve returns the runtime's result workspace (runtime.result, a ResolveResult); it returned "
+            f"{_kind(returned)}")
         self.check_workspace(returned)
         return Outcome.of(returned)
 

@@ -28,7 +28,7 @@ import types
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from hisparse_core.discovery import VENDOR_ERRORS, error_summary, format_error
+from hisparse_core.discovery import VENDOR_ERRORS, error_summary, format_error, vendor_output_to_stderr
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,13 @@ def _add_one(sub: Subparsers, ep: importlib.metadata.EntryPoint) -> argparse.Arg
     before and the error propagates."""
     choices, actions = dict(sub.choices), len(sub._choices_actions)
     try:
-        loaded = ep.load()
-        add = getattr(loaded, "add_parser", None) if isinstance(loaded, types.ModuleType) else loaded
-        if not callable(add):
-            raise TypeError(f"{ep.value} has no add_parser(subparsers); expected a module with one, "
-                            "or module:function naming one")
-        parser = add(sub)
+        with vendor_output_to_stderr():  # stdout is the command's: `hisparse backends --json`
+            loaded = ep.load()
+            add = getattr(loaded, "add_parser", None) if isinstance(loaded, types.ModuleType) else loaded
+            if not callable(add):
+                raise TypeError(f"{ep.value} has no add_parser(subparsers); expected a module with one, "
+                                "or module:function naming one")
+            parser = add(sub)
         added = sorted(set(sub.choices) - set(choices))
         if added != [ep.name] or sub.choices[ep.name] is not parser:
             raise ValueError(f"{ep.value} add_parser added {added or 'no command'} and returned "

@@ -196,3 +196,16 @@ def test_a_core_name_or_a_name_taken_twice_is_reported(modules) -> None:  # type
     assert "two distributions add a 'tool' command" in by_name["tool"].reason
     assert f"tool = {one} (no distribution) and entry point tool = {two}" in by_name["tool"].source
     assert by_name["tool"].stands_in and "tool" in sub.choices
+
+
+def test_what_a_command_module_prints_while_loading_goes_to_stderr(modules, capsys) -> None:  # type: ignore[no-untyped-def]
+    # Every start of hisparse loads every command module: a banner its import or add_parser printed
+    # landed in front of `hisparse backends --json` (and bench's), which no longer parsed.
+    module = modules('print("Acme tools 2.0")\n'
+                     + _adds("tool").replace("def add_parser(subparsers):\n",
+                                             "def add_parser(subparsers):\n    print('registering tool')\n"))
+    parser, sub = _fresh()
+    added, broken = add_plugin_commands(sub, reserved=COMMANDS, entry_points=[_ep("tool", module)])
+    assert broken == [] and [p.prog for p in added] == ["hisparse tool"]
+    out, err = capsys.readouterr()
+    assert out == "" and "Acme tools 2.0" in err and "registering tool" in err, (out, err)

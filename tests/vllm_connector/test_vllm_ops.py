@@ -406,3 +406,16 @@ def test_the_ops_line_follows_vllms_logging_level_before_vllm_applies_it(mode: s
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "vLLM HiSparse ops:" in line]
     assert lines == shown, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["nvidia", "no-such-backend"])
+def test_register_ops_naming_another_backend_once_registered_is_refused(served: str, backend: str) -> None:
+    """Once the ops were registered in a process (the general plugin does it in every vLLM
+    process), `register_ops("nvidia")` on the CPU returned "hisparse:reference_cpu": the backend
+    asked for was ignored, unknown or unavailable alike, where docs/vllm.md says such a call raises.
+    It is refused in one line naming what serves the ops; naming that backend is still a no-op."""
+    with pytest.raises(InvalidInputError, match=rf"^register_ops\('{backend}'\): vLLM's HiSparse ops are already "
+                                                r"served by hisparse backend 'reference_cpu' in this process"):
+        hv_ops.register_ops(backend)
+    assert hv_ops.served_by() == "hisparse:reference_cpu"
+    assert hv_ops.register_ops("reference_cpu") == hv_ops.register_ops() == "hisparse:reference_cpu"

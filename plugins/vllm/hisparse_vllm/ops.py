@@ -220,7 +220,7 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     """Register the four ops (see the module docstring); idempotent. Returns `served_by()`.
 
     `backend` names the hisparse backend (default: `HISPARSE_BACKEND`, else automatic selection);
-    it must declare `Capability.VLLM_OPS`. Registration only chooses it (a name no available
+    it must declare `Capability.VLLM_OPS`, and once a backend serves the ops in this process, be that one. Registration only chooses it (a name no available
     backend has is refused here); the first call of an op builds it, so that the processes vLLM
     registers in but never calls from (front end, engine core) leave CUDA uninitialized. Raises
     `SchemaMismatchError` for a vLLM whose runtime or compiled ops use another signature,
@@ -233,7 +233,14 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         raise ValueError(f"{given} expected one of {', '.join(MODES)}")
     with _lock:
         if "served_by" in _state:
-            return str(_state["served_by"])
+            served = str(_state["served_by"])
+            if backend is not None and served.startswith("hisparse:") and served != f"hisparse:{backend}":
+                # One backend serves the ops in a process: a call naming another would be silently ignored.
+                raise spec.InvalidInputError(
+                    f"register_ops({backend!r}): vLLM's HiSparse ops are already served by hisparse backend "
+                    f"{served.removeprefix('hisparse:')!r} in this process (registered first, by the "
+                    f"vllm.general_plugins hook or an earlier call); expected that backend or none")
+            return served
         if chosen == "off":
             _state["served_by"] = "off"
             logger.info("vLLM HiSparse ops: not registered (%s=off)", ENV_MODE)

@@ -69,6 +69,11 @@ FRONT_END = [
     ({"host_pool_gib": -1.5}, r"got -1.5"),
     ({"host_pool_gib": "32"}, r"got '32'"),
     ({"host_pool_gib": True}, r"got True"),
+    # Past what a float sizes in bytes: OverflowError (an int past float's range here, 1e300 GiB in
+    # the engine core's sizing), naming nothing.
+    ({"host_pool_gib": 10**400}, r"\['host_pool_gib'\]=1000+ GiB is more than hisparse sizes; expected a number "
+                                 r"> 0 and below 2\*\*64"),
+    ({"host_pool_gib": 1e300}, r"\['host_pool_gib'\]=1e\+300 GiB is more than hisparse sizes"),
     ({"host_pool_gib": 1, "host_pool_gb": 1}, r"unknown key\(s\) \['host_pool_gb'\]"),
     ({"host_pool_gib": 1, "backend": "no-such-backend"}, r"no hisparse backend named 'no-such-backend'"),
     ({"host_pool_gib": 1, "backend": ""}, r"\['backend'\] must be a backend name"),

@@ -2,7 +2,7 @@
 
 Keys:
 
-- `host_pool_gib` (required, number > 0): usable host-cache capacity per data-parallel replica,
+- `host_pool_gib` (required, number > 0 and below 2**64): usable host-cache capacity per data-parallel replica,
   rounded down to whole host blocks.
 - `backend` (optional): hisparse backend name; absent, null or "auto" selects automatically
   (the highest-priority available backend, or `$HISPARSE_BACKEND`).
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from hisparse_core.errors import InvalidInputError
 
 KEYS = ("host_pool_gib", "backend", "hot_buffer_size", "share_host_pool")
+#: Past this, the pool's bytes overflow a float in its sizing; the RAM check refuses far less anyway.
+_MAX_GIB = 2.0**64
 _PREFIX = "kv_connector_extra_config"
 
 
@@ -48,8 +50,12 @@ class ConnectorConfig:
                 f"{_PREFIX}['host_pool_gib'] is required: the host cache capacity in GiB per data-parallel "
                 "replica, e.g. {\"host_pool_gib\": 32}")
         gib = extra["host_pool_gib"]
-        if isinstance(gib, bool) or not isinstance(gib, int | float) or not math.isfinite(gib) or gib <= 0:
+        if isinstance(gib, bool) or not isinstance(gib, int | float) or gib <= 0 \
+                or isinstance(gib, float) and math.isnan(gib):
             raise InvalidInputError(f"{_PREFIX}['host_pool_gib'] must be a number > 0 (GiB), got {gib!r}")
+        if gib >= _MAX_GIB:  # compared exactly, an int past float's range included
+            raise InvalidInputError(f"{_PREFIX}['host_pool_gib']={gib!r} GiB is more than hisparse sizes; expected a "
+                                    "number > 0 and below 2**64 (the engine then checks it against this node's RAM)")
         backend = extra.get("backend")
         if backend is not None and (not isinstance(backend, str) or not backend.strip()):
             raise InvalidInputError(f"{_PREFIX}['backend'] must be a backend name or \"auto\", got {backend!r}")

@@ -419,3 +419,10 @@ def test_register_ops_naming_another_backend_once_registered_is_refused(served: 
         hv_ops.register_ops(backend)
     assert hv_ops.served_by() == "hisparse:reference_cpu"
     assert hv_ops.register_ops("reference_cpu") == hv_ops.register_ops() == "hisparse:reference_cpu"
+
+
+def test_register_ops_with_a_mode_that_is_not_a_string_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`register_ops(mode=1)` raised AttributeError ("'int' object has no attribute 'strip'")."""
+    monkeypatch.delenv(hv_ops.ENV_MODE, raising=False)
+    with pytest.raises(ValueError, match=r"^register_ops\(mode=1\): expected one of auto, replace, off$"):
+        hv_ops.register_ops(mode=1)  # type: ignore[arg-type]

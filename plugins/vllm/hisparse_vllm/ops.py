@@ -226,8 +226,9 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     `SchemaMismatchError` for a vLLM whose runtime or compiled ops use another signature,
     `ValueError` for a bad `HISPARSE_VLLM_OPS`.
     """
-    # Empty or blank (`HISPARSE_VLLM_OPS=`) is unset, as HISPARSE_BACKEND's is.
-    chosen = (mode if mode is not None else os.environ.get(ENV_MODE, "")).strip().lower() or "auto"
+    given_mode: object = mode if mode is not None else os.environ.get(ENV_MODE, "")
+    # Empty or blank (`HISPARSE_VLLM_OPS=`) is unset, as HISPARSE_BACKEND's is; not a str is refused below.
+    chosen = (given_mode.strip().lower() or "auto") if isinstance(given_mode, str) else repr(given_mode)
     if chosen not in MODES:
         given = f"register_ops(mode={mode!r}):" if mode is not None else f"{ENV_MODE}={chosen!r};"
         raise ValueError(f"{given} expected one of {', '.join(MODES)}")

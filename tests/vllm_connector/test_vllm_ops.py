@@ -426,3 +426,14 @@ def test_register_ops_with_a_mode_that_is_not_a_string_names_it(monkeypatch: pyt
     monkeypatch.delenv(hv_ops.ENV_MODE, raising=False)
     with pytest.raises(ValueError, match=r"^register_ops\(mode=1\): expected one of auto, replace, off$"):
         hv_ops.register_ops(mode=1)  # type: ignore[arg-type]
+
+
+def test_register_ops_asking_another_mode_once_registered_is_refused(served: str) -> None:
+    """`register_ops(mode="off")` after the ops were registered returned "hisparse:reference_cpu"
+    and left them registered: the mode asked for was silently ignored. It is refused in one line
+    saying what serves them; a mode that agrees is still a no-op."""
+    with pytest.raises(InvalidInputError, match=r"^register_ops\(mode='off'\): vLLM's HiSparse ops are already served "
+                                                r"by hisparse backend 'reference_cpu' in this process"):
+        hv_ops.register_ops(mode="off")
+    assert hv_ops.register_ops(mode="auto") == hv_ops.register_ops(mode="replace") == "hisparse:reference_cpu"
+    assert hasattr(torch.ops._C_cache_ops, "hisparse_resolve_residency")

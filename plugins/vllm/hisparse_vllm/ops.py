@@ -241,6 +241,12 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
                     f"register_ops({backend!r}): vLLM's HiSparse ops are already served by hisparse backend "
                     f"{served.removeprefix('hisparse:')!r} in this process (registered first, by the "
                     f"vllm.general_plugins hook or an earlier call); expected that backend or none")
+            if mode is not None and ((served == "off") != (chosen == "off") or served == "vllm" and chosen == "replace"):
+                now = ("not registered (off)" if served == "off" else "served by vLLM's compiled kernels"
+                       if served == "vllm" else f"served by hisparse backend {served.removeprefix('hisparse:')!r}")
+                raise spec.InvalidInputError(
+                    f"register_ops(mode={mode!r}): vLLM's HiSparse ops are already {now} in this process "
+                    "(the first registration decides, by the vllm.general_plugins hook or an earlier call)")
             return served
         if chosen == "off":
             _state["served_by"] = "off"

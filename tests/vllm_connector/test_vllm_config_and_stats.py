@@ -433,3 +433,21 @@ def test_the_host_pool_sizes_the_lines_suggest_are_accepted(tp_size: int) -> Non
             layout.check_host_memory(1.0, 256, pools_on_node=tp_size, available=available)
         most = float(re.search(r"expected host_pool_gib <= ([0-9.e+-]+)$", str(too_big.value)).group(1))
         layout.check_host_memory(most, 256, pools_on_node=tp_size, available=available)
+
+
+def test_every_installed_backends_lines_reach_vllms_output() -> None:
+    """The plugin routes hisparse's loggers to vLLM's output, but only those of a fixed list:
+    with `"backend": "triton"` the triton backend's INFO lines (the runtime it built, how the
+    ranks of a shared pool wait) printed nowhere in a vLLM process, nor would a vendor backend's.
+    The top-level package of every installed backend (its `hisparse.backends` entry point) is routed."""
+    import logging
+    from importlib.metadata import entry_points
+
+    from hisparse_core.discovery import ENTRY_POINT_GROUP
+    from hisparse_vllm.logs import VllmOutput, route_to_vllm_handlers
+
+    route_to_vllm_handlers()
+    packages = {ep.value.split(":")[0].split(".")[0] for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    assert "hisparse_triton" in packages
+    for name in packages:
+        assert any(isinstance(h, VllmOutput) for h in logging.getLogger(name).handlers), name

@@ -27,11 +27,13 @@ every hisparse line a second time.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import sys
 
-#: Top-level loggers of the hisparse packages a connector process runs.
+#: Top-level loggers of the hisparse packages a connector process runs; `_loggers()` adds every
+#: installed backend's package (triton's, a vendor's).
 HISPARSE_LOGGERS = ("hisparse_core", "hisparse_vllm", "hisparse_reference_cpu", "hisparse_nvidia")
 
 _FALLBACK = logging.StreamHandler(sys.stderr)
@@ -84,11 +86,19 @@ def _level() -> int:
     return min(logging.INFO, vllm.level or logging.INFO, _named_level())
 
 
+def _loggers() -> tuple[str, ...]:
+    """`HISPARSE_LOGGERS` and the top-level package of each `hisparse.backends` entry point."""
+    from hisparse_core.discovery import ENTRY_POINT_GROUP
+
+    backends = {ep.value.split(":")[0].split(".")[0] for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return (*HISPARSE_LOGGERS, *sorted(backends - set(HISPARSE_LOGGERS)))
+
+
 def route_to_vllm_handlers() -> None:
     """Attach `VllmOutput` to every hisparse logger the application left unconfigured; idempotent
     (a later call only lowers the level to vLLM's, if vLLM was configured more verbose since)."""
     level = _level()
-    for name in HISPARSE_LOGGERS:
+    for name in _loggers():
         logger = logging.getLogger(name)
         if _OUTPUT in logger.handlers:
             logger.setLevel(min(logger.level, level))

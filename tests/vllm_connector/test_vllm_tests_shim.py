@@ -48,6 +48,13 @@ def test_the_cpu_command_runs_the_tests(tmp_path: Path) -> None:
     ({"HISPARSE_BACKEND": "no-such-backend", "HISPARSE_SHIM_DEVICE": "cpu"},
      "HISPARSE_BACKEND='no-such-backend' cannot serve vLLM's HiSparse ops: no hisparse backend "
      "named 'no-such-backend'"),
+    # `off` registered nothing: vLLM's 41 tests all skipped ("not compiled into this build"), exit
+    # status 0; a bad mode was blamed on HISPARSE_BACKEND.
+    ({"HISPARSE_BACKEND": "reference_cpu", "HISPARSE_SHIM_DEVICE": "cpu", "HISPARSE_VLLM_OPS": "off"},
+     "HISPARSE_VLLM_OPS='off': the shim serves vLLM's HiSparse ops from HISPARSE_BACKEND; expected it unset, "
+     "auto or replace"),
+    ({"HISPARSE_BACKEND": "reference_cpu", "HISPARSE_SHIM_DEVICE": "cpu", "HISPARSE_VLLM_OPS": "bogus"},
+     "HISPARSE_VLLM_OPS='bogus': the shim serves"),
 ])
 def test_a_bad_setting_is_one_error_naming_it(tmp_path: Path, env: dict[str, str], line: str) -> None:
     """A bad setting is the probe's one collection error, its line naming the variable and the

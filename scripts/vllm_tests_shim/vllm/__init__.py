@@ -12,7 +12,7 @@ docs/vllm.md, puts this folder on `PYTHONPATH`.
 have no accelerator there, so both become no-ops.
 
 A bad setting (a device other than `cuda` or `cpu`, `cuda` where torch has no CUDA device, a
-backend that cannot serve the ops) ends the pytest run before any test, with one line naming the
+backend that cannot serve the ops, `HISPARSE_VLLM_OPS` other than unset, `auto` or `replace`) ends the pytest run before any test, with one line naming the
 variable, its value and what was expected: pytest reports it as the test file's one collection
 error, `E   vllm.ShimSettingError: ...`, and runs no test (exit status 2).
 """
@@ -49,7 +49,12 @@ if _device == "cuda":
                 "here; on a CPU set HISPARSE_SHIM_DEVICE=cpu with HISPARSE_BACKEND=reference_cpu (or triton under "
                 "TRITON_INTERPRET=1)")
 
-from hisparse_vllm.ops import register_ops  # noqa: E402
+from hisparse_vllm.ops import ENV_MODE, register_ops  # noqa: E402
+
+# `off` would register nothing, and vLLM's tests skip every case ("not compiled into this build").
+if os.environ.get(ENV_MODE, "").strip().lower() not in ("", "auto", "replace"):
+    _refuse(f"{ENV_MODE}={os.environ[ENV_MODE]!r}: the shim serves vLLM's HiSparse ops from HISPARSE_BACKEND; "
+            "expected it unset, auto or replace")
 
 _problem = ""
 try:

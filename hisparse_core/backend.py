@@ -111,6 +111,36 @@ class Backend(ABC):
                 "capabilities": sorted(self.capabilities), "device": str(self.device)}
 
 
+def capabilities_needed(config: RuntimeConfig) -> dict[str, str]:
+    """The capabilities a runtime of `config` needs, each with the setting of `config` that needs it:
+    its row format's where `Capability` names one (a model's own format, such as the transformers
+    plugin's, has none), `SPECULATIVE_UNION` for several rows a request, `INDEX_SHARING` for several
+    layers sharing one top-k."""
+    need = {}
+    fmt = f"row_format:{config.row_format.name}"
+    if fmt in Capability.ALL:
+        need[fmt] = f"row_format={config.row_format.name}"
+    if config.rows_per_request > 1:
+        need[Capability.SPECULATIVE_UNION] = f"rows_per_request={config.rows_per_request}"
+    if config.num_layers > 1:
+        need[Capability.INDEX_SHARING] = f"num_layers={config.num_layers} (layers sharing one top-k)"
+    return need
+
+
+def check_capabilities(backend: Backend, configs: Sequence[RuntimeConfig]) -> None:
+    """Refuse, in one line and before anything is allocated, runtimes of `configs` that need a capability
+    `backend` does not declare (`capabilities_needed`). The worker and the replay bench call it before
+    the host pool; without it such a run failed wherever the backend first met the setting, mid-setup."""
+    from hisparse_core.errors import InvalidInputError
+
+    for config in configs:
+        for cap, why in capabilities_needed(config).items():
+            if cap not in backend.capabilities:
+                raise InvalidInputError(
+                    f"backend {backend.name!r} does not declare capability {cap!r}, which {why} needs; it "
+                    f"declares {', '.join(sorted(backend.capabilities)) or 'none'}")
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
     """How a plugin describes a backend without importing it.

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from hisparse_core.backend import Backend
+from hisparse_core.backend import Backend, check_capabilities
 from hisparse_core.capacity import check_device_memory, check_host_memory
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
@@ -170,6 +170,9 @@ def run_bench(config: BenchConfig, backend: Backend,
     hot_blocks = hot_rows // bs
     tail_slots = c.tail_pages + 1  # resident blocks cycled per request
     num_dev_blocks = n_req * (hot_blocks + tail_slots)
+    check_capabilities(backend, [RuntimeConfig(max_batch_rows=n_req, max_requests=n_req, top_k=k, hot_rows=hot_rows,
+                                               block_size=bs, max_pages=pages, row_format=fmt, num_layers=n)
+                                 for n in group_layers])
     dev = backend.device
     check_device_memory(dev, num_dev_blocks * bs * c.layers * fmt.row_bytes,
                         f"device caches of {num_dev_blocks} blocks x {c.layers} layers ({n_req} requests x "

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse_core.backend import Backend, Capability
+from hisparse_core.backend import Backend, Capability, check_capabilities
 from hisparse_core.capacity import check_host_pool
 from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.host_pool import HostPool, HostPoolSpec
@@ -100,6 +100,7 @@ class HiSparseWorker:
             raise InvalidInputError(f"backend must be a hisparse_core.Backend, got {type(backend).__name__}")
         self._backend = backend
         self._groups = check_groups(groups)
+        check_capabilities(backend, [g.config for g in self._groups])
         self._layer_ranges = host_layer_ranges(self._groups)
         first = self._groups[0].config
         num_layers = sum(g.config.num_layers for g in self._groups)

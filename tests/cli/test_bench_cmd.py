@@ -68,3 +68,20 @@ def test_bench_counters_match_independent_lru_model() -> None:
                 hits, misses = hits + h, misses + m
     s = res.summary()["all"]
     assert (s["hits"], s["misses"], s["resident_entries"]) == (hits, misses, resident)
+
+
+def test_bench_refuses_index_groups_the_backend_does_not_declare() -> None:
+    # --index-share 2 puts two layers in a group, which needs index_sharing: refused before the host pool.
+    from hisparse_core.backend import Capability
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+    class NoSharing(ReferenceCpuBackend):
+        capabilities = ReferenceCpuBackend.capabilities - {Capability.INDEX_SHARING}
+
+        def create_host_pool(self, spec):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+            raise AssertionError("the host pool was created before the refusal")
+
+    with pytest.raises(InvalidInputError, match="index_sharing.*num_layers=2"):
+        run_bench(BenchConfig(requests=1, context=256, steps=2, warmup=0, top_k=16, layers=2, index_share=2,
+                              block_size=16), NoSharing())

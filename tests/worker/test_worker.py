@@ -331,3 +331,35 @@ def test_wait_for_host_writes_is_part_of_the_transfer_engine_interface() -> None
         assert type(worker._require_engine()).wait_for_host_writes is TransferEngine.wait_for_host_writes
     finally:
         worker.shutdown()
+
+
+class _Lacking(ReferenceCpuBackend):
+    """reference_cpu declaring fewer capabilities (`lacking`); records every host pool it creates."""
+
+    pools: list[object]
+
+    def __init__(self, *lacking: str) -> None:
+        super().__init__()
+        self.capabilities = frozenset(ReferenceCpuBackend.capabilities - set(lacking))  # type: ignore[misc]
+        self.pools = []
+
+    def create_host_pool(self, spec):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+        self.pools.append(spec)
+        return super().create_host_pool(spec)
+
+
+@pytest.mark.parametrize(("lacking", "kw", "names"), [
+    (Capability.INDEX_SHARING, {"num_layers": 2}, "num_layers=2"),
+    (Capability.SPECULATIVE_UNION, {"num_layers": 1, "rows_per_request": 2, "max_batch_rows": 4}, "rows_per_request=2"),
+    (Capability.BF16_MLA, {"num_layers": 1, "row_format": BF16_MLA}, "row_format=bf16_mla"),
+])
+def test_a_setting_the_backend_does_not_declare_is_refused_before_the_pool(lacking: str, kw: dict, names: str) -> None:
+    # A vendor backend without, say, index_sharing used to be driven with several layers a group until it failed
+    # wherever it first met them (a replay plan), after the host pool was allocated; now one line, nothing allocated.
+    backend = _Lacking(lacking)
+    with pytest.raises(InvalidInputError) as err:
+        HiSparseWorker(backend, [CacheGroup(config(**kw))], num_host_blocks=8)
+    text = str(err.value)
+    assert lacking in text and names in text and "\n" not in text, text
+    assert backend.pools == []
+    HiSparseWorker(_Lacking(), [CacheGroup(config(**kw))], num_host_blocks=8).shutdown()  # declared: served

@@ -153,7 +153,7 @@ tests_variants)  # the resolver tests again with the page tables gathered per en
     ;;
 conformance)
     run conformance "${T_CONFORMANCE:-150}" python3 -m pytest -q -rs -p no:cacheprovider --pyargs hisparse_conformance \
-        --hisparse-backend nvidia --hisparse-examples 25
+        --hisparse-backend nvidia --hisparse-examples ${CONFORMANCE_EXAMPLES:-25}
     ;;
 memcheck)
     T=tests/nvidia_backend/test_nvidia_runtime.py

@@ -55,11 +55,12 @@ ENV_DISABLED_PLUGINS = "HISPARSE_DISABLED_PLUGINS"
 #: backend (or command) broken or unavailable, like any other error.
 VENDOR_ERRORS = (Exception, SystemExit)
 
+
 def vendor_output_to_stderr() -> contextlib.AbstractContextManager[object]:
     """Where vendor code runs (a plugin's import and hook, a probe, a backend class's import and
-    constructor, a command module's import and `add_parser`): what it prints goes to stderr, so hisparse's stdout holds only its own output
-    (`hisparse backends --json | jq`). Python-level writes only; a library writing to file
-    descriptor 1 itself is not caught."""
+    constructor, a command module's import and `add_parser`): what it prints goes to stderr, so
+    hisparse's stdout holds only its own output (`hisparse backends --json | jq`). Python-level
+    writes only; a library writing to file descriptor 1 itself is not caught."""
     return contextlib.redirect_stdout(sys.stderr)
 
 

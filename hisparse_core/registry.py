@@ -20,14 +20,13 @@ reload=True)` runs it again. Selection:
 
 The chosen backend's `factory` class is imported and instantiated only then. A backend whose class
 fails there (it does not import, is not a concrete `Backend`, declares another `name` than its
-spec's, no `version` or `capabilities` that are not a set of str, or its constructor raises) is listed as broken from then on in this
-process: an explicit selection raises the error, an automatic one logs one WARNING and falls back
-to the next available backend. A class whose `capabilities`
-differ from its `BackendSpec`'s is reported at selection with one WARNING (the class's set is
-what runs, and the listing takes it). A selection logs one INFO line: "hisparse backend 'X'
-selected (explicit: ... | automatic: highest priority among [...]); unavailable: ...", once a
-process (a selection that repeats one already logged, same backend, reason and listing, logs it
-at DEBUG).
+spec's, no `version` or `capabilities` that are not a set of str, or its constructor raises) is
+listed as broken from then on in this process: an explicit selection raises the error, an automatic
+one logs one WARNING and falls back to the next available backend. A class whose `capabilities`
+differ from its `BackendSpec`'s is reported at selection with one WARNING (the class's set is what
+runs, and the listing takes it). A selection logs one INFO line: "hisparse backend 'X' selected
+(explicit: ... | automatic: highest priority among [...]); unavailable: ...", once a process (a
+selection that repeats one already logged, same backend, reason and listing, logs it at DEBUG).
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ class TransferEngine(ABC):
         pending) and raises before enqueuing any of it: a refused submission is taken in none of
         its parts. A transfer one runtime refuses (a block out of range for its resident group, say)
         raises `InvalidInputError`; a transfer id repeated within the call or still unacknowledged
-        from an earlier one raises `ProtocolError`. The worker records the ids before this call and forgets them when it raises,
-        so an id this engine later reports was always recorded (an interrupt in between leaves
+        from an earlier one raises `ProtocolError`. The worker records the ids before this call and
+        forgets them when it raises, so an id this engine later reports was always recorded (an interrupt in between leaves
         ids pending, never ids unknown)."""
 
     @abstractmethod

@@ -219,12 +219,12 @@ def served_by() -> str | None:
 def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     """Register the four ops (see the module docstring); idempotent. Returns `served_by()`.
 
-    `backend` names the hisparse backend (default: `HISPARSE_BACKEND`, else automatic selection);
-    it must declare `Capability.VLLM_OPS`, and once a backend serves the ops in this process, be that one. Registration only chooses it (a name no available
-    backend has is refused here); the first call of an op builds it, so that the processes vLLM
-    registers in but never calls from (front end, engine core) leave CUDA uninitialized. Raises
-    `SchemaMismatchError` for a vLLM whose runtime or compiled ops use another signature,
-    `ValueError` for a bad `HISPARSE_VLLM_OPS`.
+    `backend` names the hisparse backend (default: `HISPARSE_BACKEND`, else automatic selection); it
+    must declare `Capability.VLLM_OPS`, and once a backend serves the ops in this process, be that
+    one. Registration only chooses it (a name no available backend has is refused here); the first
+    call of an op builds it, so that the processes vLLM registers in but never calls from (front
+    end, engine core) leave CUDA uninitialized. Raises `SchemaMismatchError` for a vLLM whose
+    runtime or compiled ops use another signature, `ValueError` for a bad `HISPARSE_VLLM_OPS`.
     """
     given_mode: object = mode if mode is not None else os.environ.get(ENV_MODE, "")
     # Empty or blank (`HISPARSE_VLLM_OPS=`) is unset, as HISPARSE_BACKEND's is; not a str is refused below.

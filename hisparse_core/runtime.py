@@ -157,7 +157,8 @@ class CacheRuntime(ABC):
 
     @abstractmethod
     def replay_plan(self, layers: Sequence[int] | None = None) -> None:
-        """Replay the last miss plan into follower layers (default: every layer but the leader).
+        """Replay the last miss plan into follower layers (default: every layer but the leader; an
+        empty `layers` copies nothing).
 
         Followers share the leader's top-k, hot map and LRU: they only copy the same rows.
         """

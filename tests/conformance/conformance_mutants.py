@@ -89,6 +89,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "every planned miss is copied"),
     Mutant("replay_skips_last_layer", "runtime.py", "chosen = list(range(1, n)) if layers is None",
            "chosen = list(range(1, n - 1)) if layers is None", "replay_plan() copies into every follower"),
+    Mutant("replay_empty_is_every_follower", "runtime.py", "chosen = list(range(1, n)) if layers is None",
+           "chosen = list(range(1, n)) if not layers", "replay_plan([]) copies nothing"),
     Mutant("invalidate_nothing", "runtime.py", "self._hot_map[q][self._hot_map[q] == g] = -1", "pass",
            "invalidate_written_slots empties the slot holding a written row"),
     Mutant("invalidate_first_pair", "runtime.py",

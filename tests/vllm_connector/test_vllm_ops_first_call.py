@@ -52,3 +52,22 @@ def test_a_name_no_backend_has_is_still_refused_at_registration() -> None:
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("BackendNotFoundError no hisparse backend named 'no-such-backend'"), proc.stdout
+
+
+def test_a_vllm_of_another_layout_is_refused_before_the_ops_are_registered() -> None:
+    # enable_vllm_hisparse registered the ops, then found no config gate to patch (another vLLM's layout) and
+    # raised: the ops stayed registered, half of what it applies. Now the layout is checked first.
+    program = textwrap.dedent("""
+        from hisparse_vllm import ops, ops_platform
+        def no_gate(source_file):
+            raise RuntimeError("vLLM 9.9: no gate")
+        ops_platform._config_gate_line = no_gate
+        try:
+            ops_platform.enable_vllm_hisparse("cpu", backend="reference_cpu")
+        except RuntimeError as e:
+            print("refused:", e)
+        print("served:", ops.served_by(), "patched:", sorted(ops_platform._patched))
+    """)
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: vLLM 9.9: no gate" in proc.stdout and "served: None patched: []" in proc.stdout, proc.stdout

@@ -166,9 +166,16 @@ def patch_runtime(device_type: str, *, pin_host: Callable[[Any], None] | None = 
 def enable_vllm_hisparse(device_type: str, *, pin_host: Callable[[Any], None] | None = None,
                          backend: str | None = None) -> str:
     """Everything vLLM's HiSparse needs on `device_type`: the ops (`hisparse_vllm.ops.register_ops`) and
-    patches 1-3. Returns which implementation serves the ops."""
+    patches 1-3. Returns which implementation serves the ops. A vLLM whose layout the patches do not know
+    is refused before the ops are registered or anything is patched."""
+    import vllm.config.vllm as config_module
+    import vllm.v1.attention.backends.mla.index_group  # noqa: F401 - patch 3 rewrites it
+    import vllm.v1.hisparse.runtime  # noqa: F401 - patches 2 and 3 rewrite it
+
     from hisparse_vllm.ops import register_ops
 
+    if "config" not in _patched:
+        _config_gate_line(config_module.__file__)  # raises for another layout, before anything is applied
     served = register_ops(backend)
     allow_hisparse_config()
     patch_runtime(device_type, pin_host=pin_host)

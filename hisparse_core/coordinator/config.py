@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hisparse_core.errors import InvalidInputError
@@ -108,3 +109,16 @@ class CoordinatorConfig:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+def least_gib(need_bytes: int) -> float:
+    """The smallest size in GiB, written with 4 significant digits, whose whole bytes (`int(gib *
+    GIB)`, as `host_budget_bytes` takes them) reach `need_bytes` > 0: what a "too small" line can
+    suggest and have accepted when it is given back."""
+    step = 10.0 ** (math.floor(math.log10(need_bytes / GIB)) - 3)
+    k = math.ceil(need_bytes / GIB / step)
+    while True:
+        gib = float(f"{k * step:.4g}")
+        if int(gib * GIB) >= need_bytes:
+            return gib
+        k += 1

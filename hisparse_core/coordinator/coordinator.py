@@ -65,7 +65,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from hisparse_core.coordinator.acks import Acknowledgements
-from hisparse_core.coordinator.config import GIB, CoordinatorConfig
+from hisparse_core.coordinator.config import GIB, CoordinatorConfig, least_gib
 from hisparse_core.coordinator.engine import GpuBlockAllocator, ScheduledRequest
 from hisparse_core.coordinator.host_blocks import NULL_BLOCK, HostBlockPool
 from hisparse_core.coordinator.imports import ImportBook
@@ -103,12 +103,13 @@ class HiSparseCoordinator:
         usable = num_blocks - 1
         stride = config.host_block_stride
         if config.enabled and usable < config.min_host_blocks:
+            least = least_gib((config.min_host_blocks + 1) * stride)
             raise CapacityError(
                 f"host_pool_gib={config.host_pool_gib} holds {max(num_blocks, 0)} blocks of {stride} bytes "
                 f"({config.num_layers} layers x {config.block_size} tokens x {config.row_bytes} B), {max(usable, 0)} "
                 f"usable after the null block; one max_model_len={config.max_model_len} request plus the "
                 f"{config.active_tail_pages}-page active tail needs {config.min_host_blocks} usable blocks, "
-                f"host_pool_gib >= {(config.min_host_blocks + 1) * stride / GIB:.3f}")
+                f"host_pool_gib >= {least}")
         self._config = config
         self._gpu = gpu
         self._enabled = config.enabled

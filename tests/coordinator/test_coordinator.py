@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -62,6 +63,16 @@ def test_pool_too_small_for_one_request_is_refused_with_numbers() -> None:
     with pytest.raises(CapacityError, match=r"10 blocks of 64 bytes .* 9 usable .* needs 10 usable blocks"):
         HiSparseCoordinator(small_config(host_blocks=10), SimpleGpuBlockPool(8))
     HiSparseCoordinator(small_config(host_blocks=11), SimpleGpuBlockPool(8))
+
+
+def test_the_size_a_too_small_pool_suggests_is_accepted_when_given_back() -> None:
+    # The line suggested `host_pool_gib >= X` with X rounded to 3 decimals: 0.000 for a pool of kilobytes.
+    # Now X has 4 significant digits, rounded up to a size that holds the blocks asked for.
+    with pytest.raises(CapacityError) as err:
+        HiSparseCoordinator(small_config(host_blocks=10), SimpleGpuBlockPool(8))
+    suggested = float(re.search(r"host_pool_gib >= ([0-9.e+-]+)$", str(err.value)).group(1))  # type: ignore[union-attr]
+    assert suggested > 0, str(err.value)
+    HiSparseCoordinator(small_config(host_pool_gib=suggested), SimpleGpuBlockPool(8))
 
 
 @pytest.mark.parametrize("field,value", [("block_size", 0), ("host_pool_gib", -1.0), ("active_tail_pages", 0),

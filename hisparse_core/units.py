@@ -37,3 +37,10 @@ def ceil_size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{math.ceil(100 * nbytes / scale) / 100:.2f}{unit}"
     return f"{nbytes}B"
+
+
+def significant(x: float, *, up: bool, digits: int = 4) -> float:
+    """`x` > 0 rounded up or down to `digits` significant digits: a size a message suggests must hold
+    (up) or fit (down) when it is given back."""
+    scale = 10.0 ** (digits - 1 - math.floor(math.log10(x)))
+    return (math.ceil(x * scale) if up else math.floor(x * scale)) / scale

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from hisparse_core.errors import InvalidInputError
+from hisparse_core.units import significant
 
 GIB = 1 << 30
 
@@ -115,10 +115,7 @@ def least_gib(need_bytes: int) -> float:
     """The smallest size in GiB, written with 4 significant digits, whose whole bytes (`int(gib *
     GIB)`, as `host_budget_bytes` takes them) reach `need_bytes` > 0: what a "too small" line can
     suggest and have accepted when it is given back."""
-    step = 10.0 ** (math.floor(math.log10(need_bytes / GIB)) - 3)
-    k = math.ceil(need_bytes / GIB / step)
-    while True:
-        gib = float(f"{k * step:.4g}")
-        if int(gib * GIB) >= need_bytes:
-            return gib
-        k += 1
+    gib = significant(need_bytes / GIB, up=True)
+    while int(gib * GIB) < need_bytes:  # float rounding of the product: the next 4-digit size
+        gib = significant(gib * (1 + 1e-4), up=True)
+    return gib

@@ -35,7 +35,6 @@ page size are supported; anything else fails at start-up naming the group.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -45,14 +44,9 @@ from hisparse_core import capacity
 from hisparse_core.coordinator import CoordinatorConfig
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, register_row_format
+from hisparse_core.units import significant
 
 _SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
-
-
-def _significant(gib: float, *, up: bool, digits: int = 4) -> float:
-    """`gib` rounded up or down to `digits` significant digits (a suggested size must hold, or fit)."""
-    scale = 10.0 ** (digits - 1 - math.floor(math.log10(gib)))
-    return (math.ceil(gib * scale) if up else math.floor(gib * scale)) / scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +145,9 @@ class HostTierLayout:
         need = cfg.min_host_blocks + 1
         if cfg.host_num_blocks < need:
             # The pool is whole blocks of a truncated byte budget: round up, then past any float shortfall.
-            least = _significant(need * cfg.host_block_stride / 2**30 * host_pool_gib / cfg.host_pool_gib, up=True)
+            least = significant(need * cfg.host_block_stride / 2**30 * host_pool_gib / cfg.host_pool_gib, up=True)
             while self.coordinator_config(least, max_model_len).host_num_blocks < need:
-                least = _significant(least * (1 + 1e-4), up=True)
+                least = significant(least * (1 + 1e-4), up=True)
             raise InvalidInputError(
                 f"kv_connector_extra_config['host_pool_gib']={host_pool_gib}"
                 f"{'' if cfg.host_pool_gib == host_pool_gib else f' ({cfg.host_pool_gib:.6g} per TP rank)'} "
@@ -177,9 +171,9 @@ class HostTierLayout:
             return
         # The largest size whose pools fit: one block more than fits, rounded down, then below any float excess.
         fits = int(avail * capacity.HOST_FRACTION) // (pools_on_node * stride)
-        most = _significant((fits + 1) * stride / 2**30 * host_pool_gib / cfg.host_pool_gib, up=False)
+        most = significant((fits + 1) * stride / 2**30 * host_pool_gib / cfg.host_pool_gib, up=False)
         while self.coordinator_config(most, max_model_len).host_num_blocks > fits:
-            most = _significant(most * (1 - 1e-4), up=False)
+            most = significant(most * (1 - 1e-4), up=False)
         pools = "" if pools_on_node == 1 else f" ({pools_on_node} private TP-rank pools on this node)"
         capacity.check_host_memory(per_pool * pools_on_node, f"kv_connector_extra_config['host_pool_gib']="
                                    f"{host_pool_gib}{pools}", available=avail,

@@ -336,7 +336,7 @@ for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
 done
 [ -f "$OUT/readme.log" ] && { echo "--- readme"; grep -E "^(--- |FAILED|compare_runs)|selected:|  backend |steps per second|hit rate|attention check" "$OUT/readme.log" | tail -40; }
-for stage in tests tests_variants conformance memcheck racecheck tf_tests triton vllm_tests; do
+for stage in tests tests_variants conformance memcheck racecheck tf_tests triton triton_tests triton_conformance triton_conformance_env vllm_tests memcheck_vllm_ops racecheck_vllm_ops; do
     [ -f "$OUT/$stage.log" ] || continue
     echo "--- $stage (tail)"
     grep -E "passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Error|FAILED" "$OUT/$stage.log" | tail -8

@@ -29,10 +29,15 @@ def _load(path: str) -> dict | str:
         return f"{path}: cannot read it ({exc.strerror or exc})"
     except ValueError as exc:
         return f"{path}: not JSON ({exc}); expected the output of hisparse run --json"
-    if not isinstance(doc, dict) or not {"backend", "config", "summary"} <= doc.keys():
-        failed = isinstance(doc, dict) and doc.get("check") == "fail"
-        return (f"{path}: " + ("the run failed its check, so it has no figures" if failed else
-                               "not a hisparse run --json document (no backend, config and summary)"))
+    if isinstance(doc, dict) and doc.get("check") == "fail":
+        return f"{path}: the run failed its check, so it has no figures"
+    parts = [doc.get(k) for k in ("backend", "config", "summary")] if isinstance(doc, dict) else []
+    if isinstance(doc, dict) and isinstance(parts[2], dict) and {"all", "steady"} <= parts[2].keys():
+        # `hisparse bench --json` has a backend, config and summary too, of other figures
+        return f"{path}: a hisparse bench --json document, not a run's; expected the output of hisparse run --json"
+    if not parts or not all(isinstance(p, dict) for p in parts) or "name" not in parts[0] \
+            or not {*EXACT, *SPEED, "phase_ms"} <= parts[2].keys():
+        return f"{path}: not a hisparse run --json document (no backend, config and summary)"
     return doc
 
 

@@ -69,6 +69,35 @@ def test_a_file_that_is_no_run_document_is_one_line(content: str, why: str, tmp_
     assert proc.stdout.splitlines() == [f"compare_runs: {tmp_path / '0.json'}: {why}"]
 
 
+def test_a_bench_document_is_no_run_document(tmp_path: Path) -> None:
+    """`hisparse bench --json` has a backend, a config and a summary too: two of them passed the
+    check and ended in a KeyError traceback ('steps'), and one beside a run's was called another
+    workload, naming some thirty config entries."""
+    bench = {"backend": {"name": "reference_cpu", "device": "cpu"}, "config": {"requests": 4, "steps": 3},
+             "summary": {"all": {"hits": 1}, "steady": {"hits": 1}, "step_ms_mean": 1.0, "wall_s": 1.0}}
+    for pair in ((bench, bench), (_doc(), bench)):
+        proc = _compare(tmp_path, *pair)
+        assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+        which = "0" if pair[0] is bench else "1"
+        assert proc.stdout.splitlines()[0] == (
+            f"compare_runs: {tmp_path / (which + '.json')}: a hisparse bench --json document, not a run's; expected "
+            "the output of hisparse run --json")
+
+
+@pytest.mark.parametrize("doc", [
+    {"backend": "cpu", "config": {}, "summary": {}},
+    {"backend": {"name": "x"}, "config": [], "summary": {}},
+    {"backend": {"name": "x"}, "config": {}, "summary": {"steps": 1}},
+])
+def test_a_document_without_a_run_summary_is_one_line(doc: dict[str, object], tmp_path: Path) -> None:
+    """The three keys present but not a run's backend, config and summary: a TypeError, AttributeError or
+    KeyError traceback."""
+    proc = _compare(tmp_path, doc, _doc())
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines() == [f"compare_runs: {tmp_path / '0.json'}: not a hisparse run --json document "
+                                        "(no backend, config and summary)"]
+
+
 def test_a_missing_file_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "none.json"), str(tmp_path / "none.json")],
                           capture_output=True, text=True, timeout=60, check=False)

@@ -77,7 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--hot", type=float_in(1.0, MAX_HOT, what="a multiple of top-k"), default=2.0, metavar="X",
                    help=f"hot buffer in multiples of top-k, in [1, {MAX_HOT:g}] (default: 2)")
     p.add_argument("--miss-rate", type=float_in(0.0, 1.0), default=None, metavar="FRACTION",
-                   help="misses per looked-up entry, in [0, 1] (default: the published LRU figure for --hot)")
+                   help="misses per looked-up entry, in [0, 1] (default: the published LRU figure for the hot "
+                        "buffer, --hot in whole blocks)")
     p.add_argument("--tail-pages", type=int_in(1, MAX_TOKENS), default=DEFAULT_TAIL_PAGES, metavar="N",
                    help=f"newest pages kept resident (default: {DEFAULT_TAIL_PAGES})")
     p.add_argument("--pcie-gbps", type=float_in(0.0, 1e4, lo_open=True), default=50.0, metavar="GB/S",
@@ -142,11 +143,22 @@ def plan_from_args(args: argparse.Namespace, context: int | None = None):  # typ
     geo = geometry_from_args(args)
     if why := hot_rows_limit_problem(geo.top_k, args.hot, geo.block_size):  # no runtime runs that plan
         raise InvalidInputError(why)
-    miss = args.miss_rate if args.miss_rate is not None else published_miss_rate(args.hot)
+    hot_rows = hot_rows_for(geo.top_k, args.hot, geo.block_size)
+    # The buffer's own multiple: --hot rounded up to whole blocks holds more rows, and misses less.
+    miss = args.miss_rate if args.miss_rate is not None else published_miss_rate(hot_rows / geo.top_k)
     return make_plan(PlanInputs(geo, args.gpu_kv, args.host,
                                 context if context is not None else args.context,
-                                hot_rows_for(geo.top_k, args.hot, geo.block_size), miss, args.tail_pages,
-                                args.pcie_gbps))
+                                hot_rows, miss, args.tail_pages, args.pcie_gbps))
+
+
+def miss_rate_source(args: argparse.Namespace, plan) -> str:  # type: ignore[no-untyped-def]
+    """Where the plan's miss rate comes from, in words: given, or the published figure at the hot
+    buffer's multiple of top-k (the table's `request` line says where whole blocks made it larger)."""
+    if args.miss_rate is not None:
+        return "given"
+    multiple = plan.inputs.hot_rows / plan.inputs.geometry.top_k
+    return f"published LRU figure at {args.hot:g}x top-k" if multiple == args.hot else \
+        f"published LRU figure at the hot buffer's {multiple:.2f}x top-k"
 
 
 def _crossover(plan, crossover: int | None) -> str:  # type: ignore[no-untyped-def]
@@ -161,9 +173,9 @@ def _crossover(plan, crossover: int | None) -> str:  # type: ignore[no-untyped-d
             f"buffer and tail instead of its pages")
 
 
-def _table(plan, miss_source: str, crossover: int | None) -> str:  # type: ignore[no-untyped-def]
+def _table(plan, miss_source: str, crossover: int | None, hot: float) -> str:  # type: ignore[no-untyped-def]
     from hisparse_core.planner import resident_context
-    from hisparse_core.replay.report import human_bytes, pct, render_table
+    from hisparse_core.replay.report import hot_buffer, human_bytes, pct, render_table
 
     i, g = plan.inputs, plan.inputs.geometry
     rows = [
@@ -171,8 +183,9 @@ def _table(plan, miss_source: str, crossover: int | None) -> str:  # type: ignor
                   f"{g.index_layers} layers ({_indexers(g.index_share)}), top-k {g.top_k}, block {g.block_size}"),
         ("memory", f"GPU KV {human_bytes(i.gpu_kv_bytes)} = {plan.gpu_blocks} blocks of "
                    f"{human_bytes(plan.block_bytes)}; host {human_bytes(i.host_bytes)} = {plan.host_blocks} blocks"),
-        ("request", f"{i.context} tokens = {plan.pages_per_request} pages; hot buffer {i.hot_rows} rows "
-                    f"({i.hot_rows / g.top_k:.2f}x top-k); {i.tail_pages} resident tail pages"),
+        ("request", f"{i.context} tokens = {plan.pages_per_request} pages; "
+                    f"{hot_buffer(i.hot_rows, g.top_k, hot, g.block_size).replace('hot', 'hot buffer', 1)}; "
+                    f"{i.tail_pages} resident tail pages"),
         ("GPU KV per request", ""),
         ("all resident (no hisparse)",
          f"{human_bytes(plan.baseline_blocks_per_request * plan.block_bytes)} "
@@ -267,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     except (HiSparseError, ValueError) as exc:
         return fail("hisparse plan", str(exc))
     crossover = crossover_context(plan.inputs, up_to=MAX_TOKENS)
-    source = "given" if args.miss_rate is not None else f"published LRU figure at {args.hot:g}x top-k"
+    source = miss_rate_source(args, plan)
     if args.json:
         doc = plan.to_dict()
         doc["miss_rate_source"] = source
@@ -278,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
                            for s in sweep]
         print(dumps(doc))
     else:
-        print(_table(plan, source, crossover))
+        print(_table(plan, source, crossover, args.hot))
         if sweep:
             print()
             print(render_grid(["context", "without hisparse", "with hisparse", "bound by"],

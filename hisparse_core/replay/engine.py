@@ -197,7 +197,7 @@ class RunConfig:
         for the layers through hisparse and their share of the GPU budget."""
         return make_plan(PlanInputs(self.geometry(), self.gpu_kv_bytes - self.resident_kv_bytes, self.host_bytes,
                                     self.max_tokens,
-                                    self.hot_rows, published_miss_rate(self.hot_multiple) if miss_rate is None
+                                    self.hot_rows, published_miss_rate(self.hot_rows / self.top_k) if miss_rate is None
                                     else miss_rate, self.tail_pages))
 
 

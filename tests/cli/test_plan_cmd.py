@@ -150,3 +150,18 @@ def test_the_smallest_gpu_budget_plan_names_holds_one_request(capsys: pytest.Cap
     assert main(["plan", "--gpu-kv", smallest]) == 0
     assert ("never up to 16777216 tokens: the GPU budget's 2 blocks hold no request past the hot buffer and tail "
             "(one admission of 4225 tokens needs 145)") in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_published_miss_rate_is_the_hot_buffers_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--top-k 100 --hot 1.3` makes a hot buffer of 192 rows (whole 64-token blocks): 1.92x top-k,
+    as the table's `request` line said, while the miss rate applied was the published figure at
+    1.3x (22.11% where 1.92x gives 13.9%)."""
+    assert main(["plan", "--top-k", "100", "--hot", "1.3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["inputs"]["hot_rows"] == 192
+    assert doc["miss_rate"] == pytest.approx(published_miss_rate(1.92))
+    assert doc["miss_rate_source"] == "published LRU figure at the hot buffer's 1.92x top-k"
+    assert main(["plan", "--top-k", "100", "--hot", "1.3"]) == 0
+    assert "hot buffer 192 rows (1.92x top-k; --hot 1.3 rounded up to whole 64-token blocks)" in capsys.readouterr().out
+    assert main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["miss_rate_source"] == "published LRU figure at 2x top-k"

@@ -22,6 +22,9 @@ DATA = ROOT / "docs" / "figures" / "results.json"
 #: One file per plot; docs/results.md links each by this name.
 PLOTS = ("swap_in_vs_copy.png", "no_miss_steps.png", "serving.png", "serving_locality.png", "transformers_step.png")
 
+#: The datasets of results.json the plots read (`serving_locality_32k` is drawn where it is present).
+DATASETS = ("miss_steps", "no_miss_steps", "serving", "serving_locality", "transformers_step")
+
 
 def mean(samples: list[float]) -> float:
     return statistics.fmean(samples)
@@ -181,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"plot_results: error: --data {args.data}: {e}; expected the JSON of docs/figures/results.json",
               file=sys.stderr)
+        return 2
+    missing = [k for k in DATASETS if k not in data] if isinstance(data, dict) else list(DATASETS)
+    if missing:  # another JSON (a `hisparse run --json` document): said before matplotlib is loaded
+        print(f"plot_results: error: --data {args.data}: no {', '.join(missing)} dataset{'s' * (len(missing) > 1)}; "
+              "expected the JSON of docs/figures/results.json", file=sys.stderr)
         return 2
     for path in draw(data, args.out):
         print(path)

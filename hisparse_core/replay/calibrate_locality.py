@@ -14,7 +14,6 @@ refresh, log spread).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Sequence
@@ -45,6 +44,8 @@ CODE_BANDS: dict[str, tuple[range, float]] = {"layers 0-1": (range(0, 2), 0.015)
 #: Context as a multiple of top-k: 16 (32K at 2048) for the benign fit, 68665 / 2048 for GVR's prompt.
 BENIGN_CONTEXT_MULTIPLE = 16.0
 CODE_CONTEXT_MULTIPLE = 68665 / 2048
+#: Steps that fill a buffer before its misses count.
+WARMUP = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,7 @@ def trace(reg: Regime, layers: Sequence[int], *, top_k: int, context_multiple: f
 
 
 def policy_miss(tr: Trace, policy: str, multiple: float, *, layers: Sequence[int] | None = None,
-                warmup: int = 40) -> float:
+                warmup: int = WARMUP) -> float:
     """Misses per lookup of `policy` with a buffer of `multiple` x top-k, pooled over the trace's
     requests and the given indexer layers (positions in `tr.layers`; default all)."""
     miss = looked = 0
@@ -96,7 +97,7 @@ def adjacent_overlap(tr: Trace, g: int) -> float:
 
 
 def benign_figures(reg: Regime, *, top_k: int = 256, steps: int = 200, requests: int = 3, seed: int = 0,
-                   warmup: int = 40) -> dict[tuple[str, int], float]:
+                   warmup: int = WARMUP) -> dict[tuple[str, int], float]:
     tr = trace(reg, [30], top_k=top_k, context_multiple=BENIGN_CONTEXT_MULTIPLE, steps=steps,
                requests=requests, seed=seed)
     return {key: policy_miss(tr, key[0], key[1], warmup=warmup) for key in BENIGN_TARGETS}
@@ -133,14 +134,24 @@ def fit_benign(start: ContentProcess, *, top_k: int, steps: int, requests: int, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hisparse_core.replay.calibrate_locality", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hisparse_core.cli.options import MAX_REQUESTS, MAX_STEPS, MAX_TOP_K, CliParser, HelpFormatter, int_in
+
+    ap = CliParser(prog="python -m hisparse_core.replay.calibrate_locality", description=__doc__,
+                   formatter_class=HelpFormatter)
     ap.add_argument("--fit", action="store_true", help="refit the benign content process first")
-    ap.add_argument("--top-k", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--requests", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=40)
+    # 2 at least: at top-k 1 the sink takes the whole top-k, leaving the content process nothing.
+    ap.add_argument("--top-k", type=int_in(2, MAX_TOP_K), default=256, help="positions per step (default: 256)")
+    ap.add_argument("--steps", type=int_in(WARMUP + 1, MAX_STEPS, f"a step count past the {WARMUP} warm-up steps"),
+                    default=200, help=f"steps per request of the benign figures, the first {WARMUP} uncounted "
+                                      "(default: 200)")
+    ap.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=3,
+                    help="requests of the benign figures (default: 3)")
+    ap.add_argument("--iters", type=int_in(1, 100_000), default=None,
+                    help="Nelder-Mead iterations of --fit (default: 40)")
     args = ap.parse_args(argv)
+    if args.iters is not None and not args.fit:
+        ap.error("argument --iters: not allowed without --fit: only the fit iterates; expected --fit, or no --iters")
+    args.iters = 40 if args.iters is None else args.iters
     reg = REGIMES["benign"]
     if args.fit:
         content = fit_benign(reg.content, top_k=args.top_k, steps=args.steps, requests=args.requests,

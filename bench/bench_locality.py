@@ -52,14 +52,28 @@ def band_rows(tr: Trace, bands: dict[str, list[int]], hot: float, warmup: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--top-k", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=160)
-    ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--hot", type=float, default=2.0, help="hot buffer as a multiple of top-k")
-    ap.add_argument("--requests", type=int, default=2)
-    ap.add_argument("--resident-budget", type=int, default=2, help="layers the residency policy may keep resident")
-    ap.add_argument("--seed", type=int, default=0)
+    from hisparse_core.cli.options import (
+        MAX_HOT,
+        MAX_REQUESTS,
+        MAX_SEED,
+        MAX_STEPS,
+        MAX_TOP_K,
+        CliParser,
+        check_backend_name,
+        float_in,
+        int_in,
+    )
+
+    ap = CliParser(prog="bench_locality", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=256)
+    ap.add_argument("--steps", type=int_in(1, MAX_STEPS), default=160)
+    ap.add_argument("--warmup", type=int_in(0, MAX_STEPS - 1), default=40)
+    ap.add_argument("--hot", type=float_in(1.0, MAX_HOT, what="a multiple of top-k"), default=2.0,
+                    help="hot buffer as a multiple of top-k")
+    ap.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=2)
+    ap.add_argument("--resident-budget", type=int_in(0, 61), default=2,
+                    help="layers the residency policy may keep resident")
+    ap.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
     ap.add_argument("--policies", action=argparse.BooleanOptionalAction, default=True,
                     help="measure the replacement policies and the residency model (CPU; --no-policies: the replay "
                          "engine only)")
@@ -67,10 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the replay engine with and without a resident layer")
     ap.add_argument("--backend", default="reference_cpu", help="the replay engine's backend")
     args = ap.parse_args(argv)
-    if args.top_k <= 0 or args.steps <= args.warmup or args.hot < 1 or args.requests <= 0:
-        print(f"bench_locality: expected --top-k > 0, --steps > --warmup, --hot >= 1, --requests > 0; got "
-              f"{args.top_k}, {args.steps}/{args.warmup}, {args.hot}, {args.requests}", file=sys.stderr)
-        return 2
+    if args.steps <= args.warmup:
+        ap.error(f"argument --steps: expected an integer in [--warmup + 1 = {args.warmup + 1}, {MAX_STEPS}], "
+                 f"got {args.steps}")
+    if not args.policies and not args.replay:
+        ap.error("argument --no-replay: not allowed with --no-policies: nothing would be measured; expected one of "
+                 "the two at most")
+    if args.replay and (why := check_backend_name(args.backend)):
+        ap.exit(2, f"bench_locality: error: {why}\n")
     t0 = time.perf_counter()
     if args.policies:
         policies_and_residency(args)

@@ -220,3 +220,23 @@ def test_a_factory_that_returns_no_part_is_named(tmp_path: Path, factory: str, m
             return Wrong()
     """, "from hisparse_conformance.test_resolver import test_lru_victims_and_order_by_hand  # noqa: F401\n")
     assert failed["test_embedded.test_lru_victims_and_order_by_hand"].startswith(message), failed
+
+
+def test_a_capabilities_fixture_that_returns_a_string_is_named(tmp_path: Path) -> None:
+    # set("index_sharing") is a set of letters: every marked test was skipped as "backend lacks
+    # capability index_sharing", the backend's real capabilities never tested.
+    failed = failures_of(tmp_path, """
+        import pytest
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return ReferenceCpuBackend()
+
+        @pytest.fixture(scope="session")
+        def hisparse_capabilities():
+            return "index_sharing"
+    """, "from hisparse_conformance.test_gather import test_each_layer_is_copied_only_when_asked  # noqa: F401\n")
+    assert failed["test_embedded.test_each_layer_is_copied_only_when_asked"].endswith(
+        "the hisparse_capabilities fixture returned 'index_sharing' (str); expected a frozenset of capability "
+        "names (str)"), failed

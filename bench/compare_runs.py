@@ -87,6 +87,10 @@ def main() -> int:
     if bad:
         print(f"compare_runs: {names[0]} and {names[1]} differ in {', '.join(bad)}")
         return 1
+    if not docs[0]["summary"]["attention_entries_checked"]:  # equal figures of nothing are no pass
+        print("compare_runs: nothing compared: neither run read the KV (0 attention entries checked); expected runs "
+              "that decode (--decode-tokens 2 or more, and --steps to reach them)")
+        return 2
     print(f"compare_runs: every contract figure of {names[0]} equals {names[1]}'s")
     return 0
 

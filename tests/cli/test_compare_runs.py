@@ -98,6 +98,20 @@ def test_a_document_without_a_run_summary_is_one_line(doc: dict[str, object], tm
                                         "(no backend, config and summary)"]
 
 
+def test_two_runs_that_checked_nothing_are_no_pass(tmp_path: Path) -> None:
+    """Two runs that decoded nothing (`--decode-tokens 1 --steps 1`: each says NOTHING CHECKED) were
+    'every contract figure of nvidia equals reference_cpu's', exit 0: a pass of nothing compared."""
+    nothing = {"attention_entries_checked": 0, "decode_rows": 0}
+    a, b = _doc("nvidia"), _doc()
+    for doc in (a, b):
+        doc["summary"] |= nothing  # type: ignore[operator]
+    proc = _compare(tmp_path, a, b)
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        "compare_runs: nothing compared: neither run read the KV (0 attention entries checked); expected runs that "
+        "decode (--decode-tokens 2 or more, and --steps to reach them)")
+
+
 def test_a_missing_file_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "none.json"), str(tmp_path / "none.json")],
                           capture_output=True, text=True, timeout=60, check=False)

@@ -383,3 +383,25 @@ def test_a_prompt_past_max_context_names_the_max_context_that_fits(model: torch.
             assert one_line(err.value) == ("a prompt of 60 padded tokens exceeds max_context=48; expected "
                                            "enable(..., max_context >= 60)"), err.value
         assert hs.stats().requests == 0
+
+
+def test_the_new_tokens_admission_reserves_are_those_transformers_generates(model: torch.nn.Module) -> None:
+    """transformers' `max_new_tokens`, set anywhere, takes precedence over a `max_length` given to
+    the call, and with neither set it generates its default 20 new tokens. Before: admission
+    reserved `max_length` minus the prompt (2 tokens) and the generate failed after its prefill
+    naming `handle.new_cache(..., max_new_tokens >= 3)`; with no length set it reserved up to
+    `max_context`, and a batch past it failed mid-generate after its prefill."""
+    ids, mask = random_prompts([12, 9], seed=2)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    gen = model.generation_config
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", check=False, max_context=24)) as hs:
+        gen.max_new_tokens = 5
+        try:
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_length=14, do_sample=False), want)
+        finally:
+            gen.max_new_tokens = None
+        with pytest.raises(CapacityError) as err:     # 12 + 20 new tokens: past max_context
+            model.generate(ids, attention_mask=mask, do_sample=False)
+        assert "max_context" in one_line(err.value) and "max_new_tokens <= 13" in err.value.args[0]
+        assert hs.stats().prefill_tokens == 21
+

@@ -626,16 +626,23 @@ def _check_prefill_chunk(handle: HiSparseHandle, kwargs: dict[str, Any], width: 
                                 f"prefill_chunk), or enable(..., prefill_chunk >= {tokens})")
 
 
-def _max_new_tokens(model: torch.nn.Module, kwargs: dict[str, Any], prompt_width: int) -> int | None:
-    """The most tokens this generate produces (its `max_new_tokens`, else `max_length` minus the
-    padded prompt), None where neither is set."""
-    if kwargs.get("max_new_tokens") is None and kwargs.get("max_length") is not None:
-        return max(0, int(kwargs["max_length"]) - prompt_width)
+def _max_new_tokens(model: torch.nn.Module, kwargs: dict[str, Any], prompt_width: int) -> int:
+    """The most tokens this generate produces, as transformers resolves it: `max_new_tokens` from
+    wherever it is set (it takes precedence over a `max_length` set anywhere, the call's included),
+    else `max_length` minus the padded prompt, else transformers' default `max_length` (20) taken
+    as new tokens, capped at the model's `max_position_embeddings`."""
     new = _setting(model, kwargs, "max_new_tokens")
     if new is not None:
         return int(new)
     length = _setting(model, kwargs, "max_length")
-    return max(0, int(length) - prompt_width) if length is not None else None
+    if length is not None:
+        return max(0, int(length) - prompt_width)
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    default = int(defaults()["max_length"]) if callable(defaults) else int(GenerationConfig().max_length)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return max(0, min(prompt_width + default, limit) - prompt_width) if limit is not None else default
 
 
 def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -276,7 +276,10 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
     per_req = s["gpu_kv_bytes_per_request_measured"]
     base = s["gpu_kv_bytes_per_request_all_resident"]
     where = kv_place(result.backend["device"])
-    reached = "" if s["gpu_limit_reached"] else f" ({where} limit not reached: offer more requests or steps)"
+    capped = bool(c["concurrency"]) and s["max_concurrency_hisparse_measured"] >= c["concurrency"]
+    # Under a --concurrency that binds, more requests or steps change nothing: the cap is the why.
+    reached = f" (held there by --concurrency {c['concurrency']})" if capped else "" if s["gpu_limit_reached"] \
+        else f" ({where} limit not reached: offer more requests or steps)"
     rows = [
         ("backend", f"{result.backend['name']} {result.backend['version']} on {result.backend['device']}"),
         ("workload", f"{c['requests']} requests of {c['context']}+{c['decode_tokens']} tokens, {s['steps']} of "

@@ -262,6 +262,16 @@ def test_the_planner_figure_says_what_bounds_it_and_why_measured_differs() -> No
     assert _planner_note(s, "cpu device") == " (bound by the cpu device budget; the host pool holds 80)"
 
 
+def test_a_concurrency_cap_is_named_as_what_bounds_the_measured_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--concurrency 1` held the run to one request while the budget held more: the table said
+    `1 measured (cpu device limit not reached: offer more requests or steps)`, advice that changes
+    nothing (the cap binds), and no word of the cap."""
+    assert main([*TINY, "--concurrency", "1"]) == 0
+    row = _row(capsys.readouterr().out, "with hisparse")
+    assert row.split(None, 2)[2].startswith("1 measured (held there by --concurrency 1); planner "), row
+    assert "limit not reached" not in row
+
+
 def test_run_planner_figure_is_the_smaller_of_gpu_and_host() -> None:
     s = _json([*TINY, "--steps", "2", "--host", "1MiB", "--json"])["summary"]
     assert s["max_concurrency_hisparse_planned"] == min(s["max_concurrency_hisparse_planned_gpu"],

@@ -405,3 +405,27 @@ def test_the_new_tokens_admission_reserves_are_those_transformers_generates(mode
         assert "max_context" in one_line(err.value) and "max_new_tokens <= 13" in err.value.args[0]
         assert hs.stats().prefill_tokens == 21
 
+
+def test_a_generation_config_gets_no_deprecation_warning_for_hisparse_s_prefill_chunk(model: torch.nn.Module) -> None:
+    """Before: hisparse passed its `prefill_chunk_size` as a kwarg beside the caller's
+    `generation_config`, and transformers warned that passing both is deprecated, naming a
+    setting the caller never gave."""
+    from transformers import GenerationConfig
+    from transformers.utils import logging as tf_logging
+
+    ids, mask = random_prompts([12, 9], seed=2)
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, attention_mask=mask, generation_config=config)
+    tf_logger = tf_logging.get_logger("transformers.generation.utils")
+    tf_logger.warning_once.cache_clear()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    tf_logger.addHandler(handler)
+    try:
+        with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", check=False)):
+            assert torch.equal(model.generate(ids, attention_mask=mask, generation_config=config), want)
+    finally:
+        tf_logger.removeHandler(handler)
+    assert not [m for m in seen if "deprecated" in m], seen
+    assert config.prefill_chunk_size is None          # the caller's config is left as it was

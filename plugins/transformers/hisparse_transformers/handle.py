@@ -17,6 +17,7 @@ releases the host pool.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -732,7 +733,11 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                       plan.candidates if plan is not None else 0)
     gen = kwargs.get("generation_config")
     if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
-        kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk
+        if gen is None:
+            kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk
+        else:   # on a copy of the caller's config: a kwarg beside it is a transformers deprecation warning
+            gen = kwargs["generation_config"] = copy.deepcopy(gen)
+            gen.prefill_chunk_size = handle.engine.config.prefill_chunk
     t0 = time.perf_counter()
     try:
         return original(*args, **kwargs)

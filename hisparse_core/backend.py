@@ -46,9 +46,9 @@ class Backend(ABC):
 
     A backend class is named by a `BackendSpec` that its plugin registers through the
     `hisparse_register_backends` hook; the registry imports and instantiates it only when it is
-    selected, and only after its probe said it can run here. Construction must be cheap and must
-    not allocate device memory; allocation happens in the factories. One instance serves one
-    worker process.
+    selected, and only after its probe said it can run here and `check_settings()` accepted the
+    backend's own settings. Construction must be cheap and must not allocate device memory;
+    allocation happens in the factories. One instance serves one worker process.
     """
 
     name: ClassVar[str]
@@ -91,6 +91,42 @@ class Backend(ABC):
         worker's pool and runtimes; the engine keeps references to them and frees neither. Raises
         `InvalidInputError` for a pool or runtime it cannot drive (released, unbound, or another
         backend's: reference_cpu's engine takes only its own runtimes)."""
+
+    @classmethod
+    def check_settings(cls) -> None:
+        """Refuse a bad value of the backend's own settings before anything is allocated (optional).
+
+        A backend read by environment variables of its own (tuning knobs, a cache directory) checks
+        every one of them here. The registry calls it on the class, right after importing it and
+        before constructing the backend (`select_backend`), and `hisparse_vllm.ops.register_ops`
+        calls it through the registry when it registers vLLM's op set, where no backend is
+        constructed; so it runs before any host pool, runtime, op registration, kernel compilation
+        or model load, and a deployer's typo costs a fraction of a second instead of a pinned pool
+        of hundreds of GiB or minutes of weight loading. The default does nothing: a backend with
+        no settings of its own keeps it.
+
+        What it must do: read each setting with the same parse function the backend uses when it
+        builds what the setting tunes (one parse function a setting, so the check and the build
+        cannot drift apart), and raise ONE `hisparse_core.errors.InvalidInputError` for the first
+        bad value, in one line naming the variable, the bad value and what was expected
+        (`"ACME_TILE='7' is not a tile size; expected 64, 128 or 256"`). Cross-variable rules that
+        need no device belong here too (a switch that needs another). The registry passes that
+        error on unchanged: it is the user's mistake, so the backend is not listed as broken and
+        automatic selection does not fall back to another backend (the user fixes the variable).
+        Any other exception is a bug of the backend: the registry lists it as broken and raises
+        `BackendUnavailableError` naming `check_settings()`, as for a constructor that raises.
+
+        What it must not do: allocate device or host memory, compile, load kernels, or initialise
+        a device context or the device runtime (vLLM calls it in its front end, which forks the
+        processes that use the GPU afterwards; `torch.cuda.is_available()` already poisons fork
+        there). It is a classmethod for that reason: constructing a backend may touch the device.
+        What it prints goes to stderr, as the constructor's does.
+
+        A setting whose bound depends on the device or on a runtime's shape (`8 * num_sms`
+        blocks) is checked here as far as it can be without them (an integer, at least 1) and
+        checked again, against the exact bound, when the runtime is built.
+        """
+        return None  # nothing of its own to check
 
     def vllm_ops(self) -> VllmHiSparseOps:
         """The `VLLM_OPS` capability (optional): vLLM's HiSparse op set on this backend's device.

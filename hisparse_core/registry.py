@@ -18,11 +18,14 @@ reload=True)` runs it again. Selection:
   WARNING, naming the tie and `HISPARSE_BACKEND` as the way to choose. Nothing available raises
   `BackendUnavailableError` with every backend's reason.
 
-The chosen backend's `factory` class is imported and instantiated only then. A backend whose class
-fails there (it does not import, is not a concrete `Backend`, declares another `name` than its
-spec's, no `version` or `capabilities` that are not a set of str, or its constructor raises) is
-listed as broken from then on in this process: an explicit selection raises the error, an automatic
-one logs one WARNING and falls back to the next available backend. A class whose `capabilities`
+The chosen backend's `factory` class is imported and instantiated only then, after its
+`check_settings()` (the backend's own environment variables): a bad setting raises its
+`InvalidInputError` unchanged, with no fallback and nothing marked, since only the user can fix it.
+A backend whose class fails there (it does not import, is not a concrete `Backend`, declares another
+`name` than its spec's, no `version` or `capabilities` that are not a set of str, defines
+`check_settings` without @classmethod, or its `check_settings()` raises anything else or its
+constructor raises) is listed as broken from then on in this process: an explicit selection raises
+the error, an automatic one logs one WARNING and falls back to the next available backend. A class whose `capabilities`
 differ from its `BackendSpec`'s is reported at selection with one WARNING (the class's set is what
 runs, and the listing takes it). A selection logs one INFO line: "hisparse backend 'X' selected
 (explicit: ... | automatic: highest priority among [...]); unavailable: ...", once a process (a
@@ -55,7 +58,7 @@ from hisparse_core.discovery import (
     import_factory,
     vendor_output_to_stderr,
 )
-from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError
+from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError, InvalidInputError
 
 __all__ = [
     "ENTRY_POINT_GROUP", "ENV_BACKEND", "ENV_DISABLED_PLUGINS", "ENV_PLUGINS", "BackendEntry", "BackendRegistry",
@@ -230,7 +233,8 @@ class BackendRegistry:
 
         Each call constructs a new instance; a worker process selects once and keeps it. In
         automatic selection a backend whose class fails to load is marked broken and the next
-        available one is tried, with one WARNING.
+        available one is tried, with one WARNING. The backend's `check_settings()` runs before it is
+        constructed; its `InvalidInputError` (a bad setting) is raised as is, without a fallback.
         """
         selection = self.choose(name)
         while True:
@@ -261,8 +265,30 @@ class BackendRegistry:
                    selection.name, selection.explanation(), unavailable)
         return backend
 
+    def check_settings(self, name: str) -> None:
+        """Run `check_settings()` of available backend `name` without constructing it (what
+        `hisparse_vllm.ops.register_ops` does, where building a GPU backend would initialise CUDA).
+
+        Imports its class as `resolve_backend_class` does. A bad setting raises the backend's
+        `InvalidInputError` unchanged and leaves the backend available; any other exception marks it
+        broken and raises `BackendUnavailableError` naming `check_settings()`.
+        """
+        self._check_settings(name, self._load_class(name, log_broken=True), log_broken=True)
+
+    def _check_settings(self, name: str, cls: type[Backend], *, log_broken: bool) -> None:
+        try:
+            with vendor_output_to_stderr():
+                cls.check_settings()
+        except InvalidInputError:
+            raise  # the user's setting, not a broken backend: no fallback hides it
+        except VENDOR_ERRORS as exc:
+            reason = f"{cls.__module__}.{cls.__qualname__}.check_settings() raised {error_summary(exc)}"
+            self._mark_broken(self.get(name), reason, format_error(exc), log=log_broken)
+            raise BackendUnavailableError(f"hisparse backend {name!r}: {reason}") from exc
+
     def _instantiate(self, name: str, *, log_broken: bool) -> Backend:
         cls = self._load_class(name, log_broken=log_broken)
+        self._check_settings(name, cls, log_broken=log_broken)
         try:
             with vendor_output_to_stderr():
                 return cls()
@@ -314,6 +340,10 @@ def _class_problem(obj: object, name: str) -> str | None:
     if declared != name:
         said = "declares no name" if declared is None else f"declares name {declared!r}"
         return f"{said}; expected {name!r}, the name its BackendSpec registers (set the class's `name`)"
+    # Called on the class (the registry and vLLM's op registration construct nothing first): an override
+    # without @classmethod would fail there as a vendor bug, so it is said here, naming the fix.
+    if not isinstance(inspect.getattr_static(obj, "check_settings", None), (classmethod, staticmethod)):
+        return "defines check_settings() without @classmethod; expected a classmethod (it runs before construction)"
     version = getattr(obj, "version", None)
     if not isinstance(version, str):
         said = "declares no version" if version is None else f"declares version {version!r}"

@@ -29,7 +29,7 @@ Imports no torch or triton.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hisparse_core.errors import InvalidInputError
@@ -37,6 +37,8 @@ from hisparse_triton import shapes
 from hisparse_triton.shapes import Tuning
 
 AUTO_ENV = "HISPARSE_TRITON_AUTO"
+#: The target `check_target`'s refusals name under Triton's interpreter.
+INTERPRETER = "the interpreter (cpu)"
 #: Every variable `shapes.tuning` reads (an explicit one wins over the auto choice).
 KNOB_ENVS = (shapes.RESOLVER_ENV, shapes.THREADS_ENV, shapes.PLAN_PER_SM_ENV, shapes.FUSE_ENV, shapes.LEAN_ENV,
              shapes.PLAN_ENTRIES_ENV, shapes.CAS_ENV, shapes.SCAN_ENV, shapes.SHIFT_ENV, shapes.ROW_COPY_ENV,
@@ -208,3 +210,31 @@ def choose(env: Mapping[str, str], *, max_batch_rows: int, small: int, pdl: bool
     if not pdl and shapes.PDL_ENV not in explicit:
         notes.append(f"{shapes.PDL_ENV} not picked (no NVIDIA GPU of compute capability 9.0 or later here)")
     return Choice(profiles, f"triton tuning: {AUTO_ENV}=1, {where}" + "".join(f"; {n}" for n in notes))
+
+
+def check_target(tune: Tuning, *, pdl: bool, found: Callable[[], str], rocm_triton: str | None = None) -> None:
+    """Refuse explicit settings (`tune`, `shapes.tuning`) the target cannot run: `shapes.CAS_ENV` where
+    the target is ROCm (`rocm_triton`, its Triton version; None elsewhere) and that Triton cannot compile
+    it; `shapes.PDL_ENV` and `shapes.PDL_CHAIN_ENV` without programmatic dependent launch (`pdl`; `found`
+    names the target, asked only for the message)."""
+    if tune.cas and rocm_triton is not None and not shapes.cas_compiles(rocm_triton, rocm=True):
+        raise InvalidInputError(f"{shapes.CAS_ENV}='1' needs Triton {'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} "
+                                f"or later on ROCm; found Triton {rocm_triton}")
+    for key, on in ((shapes.PDL_ENV, tune.pdl), (shapes.PDL_CHAIN_ENV, tune.pdl_chain)):
+        if on and not pdl:
+            raise InvalidInputError(f"{key}='1' needs an NVIDIA GPU of compute capability 9.0 or later "
+                                    f"(programmatic dependent launch); found {found()}")
+
+
+def check(env: Mapping[str, str], *, pdl: bool, found: Callable[[], str], rocm_triton: str | None = None) -> Tuning:
+    """Every refusal a runtime's construction makes of `env` without a workspace size, in its order:
+    `shapes.tuning`, `check_target`, then `choose`'s (`AUTO_ENV` and the rules across variables). The
+    backend's `check_settings` calls it with what it knows without a device (`pdl` True where only the
+    device can tell: the runtime checks again). `choose` is asked for one batch row: its first profile,
+    the one such a runtime has, exists at every size and holds every split resolver and PDL launch that a
+    larger size's profiles hold (the picks of larger batches are a subset), so it refuses exactly what
+    every size refuses."""
+    tune = shapes.tuning(dict(env))
+    check_target(tune, pdl=pdl, found=found, rocm_triton=rocm_triton)
+    choose(env, max_batch_rows=1, small=small_rows(None, 1), pdl=pdl)
+    return tune

@@ -54,6 +54,26 @@ class TritonBackend(Backend):
             raise InvalidInputError(f"CUDA device {dev.index} does not exist; {torch.cuda.device_count()} found")
         self._device = dev
 
+    @classmethod
+    def check_settings(cls) -> None:
+        """The `HISPARSE_TRITON_*` variables, as a runtime's construction checks them (`auto.check`):
+        each value, the rules across them and `HISPARSE_TRITON_AUTO`. Without a device: under the
+        interpreter and on ROCm there is no programmatic dependent launch; on CUDA only the GPU's
+        compute capability tells, so the runtime checks `HISPARSE_TRITON_PDL` there."""
+        import os
+
+        from hisparse_triton import auto
+
+        if interpreted():
+            pdl, found, rocm = False, auto.INTERPRETER, None
+        elif torch.version.hip:
+            import triton  # its version decides HISPARSE_TRITON_CAS there; importing it compiles nothing
+
+            pdl, found, rocm = False, f"a ROCm GPU (HIP {torch.version.hip})", triton.__version__
+        else:
+            pdl, found, rocm = True, "", None
+        auto.check(os.environ, pdl=pdl, found=lambda: found, rocm_triton=rocm)
+
     @property
     def device(self) -> torch.device:
         return self._device

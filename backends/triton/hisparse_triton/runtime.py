@@ -53,6 +53,13 @@ def _log_once(line: str) -> None:
         logger.info("%s", line)
 
 
+def target_name(device: torch.device) -> str:
+    """`device` as `auto.check_target`'s refusals name it (the GPU's model: asks the device)."""
+    if device.type == "cpu":
+        return auto.INTERPRETER
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
 def warp_size(device: torch.device) -> int:
     """Lanes of one warp (wavefront) of `device`: 32 on NVIDIA, 64 on AMD CDNA (1 in the interpreter)."""
     if device.type != "cuda":
@@ -81,18 +88,10 @@ class TritonRuntime(CacheRuntime):
         cpu = device.type == "cpu"
         env = dict(os.environ)
         tune = shapes.tuning(env)  # the explicit settings, checked before any auto pick
-        if tune.cas and device.type == "cuda" and torch.version.hip and not shapes.cas_compiles(
-                triton.__version__, rocm=True):
-            raise InvalidInputError(f"{shapes.CAS_ENV}='1' needs Triton "
-                                    f"{'.'.join(map(str, shapes.CAS_MIN_TRITON_ROCM))} or later on ROCm; found "
-                                    f"Triton {triton.__version__}")
         pdl = device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
-        for key, on in ((shapes.PDL_ENV, tune.pdl), (shapes.PDL_CHAIN_ENV, tune.pdl_chain)):
-            if on and not pdl:
-                found = ("the interpreter (cpu)" if device.type == "cpu" else
-                         f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device))
-                raise InvalidInputError(f"{key}='1' needs an NVIDIA GPU of compute capability 9.0 or later "
-                                        f"(programmatic dependent launch); found {found}")
+        # What TritonBackend.check_settings said without the device, now against it.
+        auto.check_target(tune, pdl=pdl, found=lambda: target_name(device),
+                          rocm_triton=triton.__version__ if device.type == "cuda" and torch.version.hip else None)
         lanes = warp_size(device)
         sms = None if cpu else int(torch.cuda.get_device_properties(device).multi_processor_count)
         choice = auto.choose(env, max_batch_rows=b, small=auto.small_rows(sms, b), pdl=pdl)

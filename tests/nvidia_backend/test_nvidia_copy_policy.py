@@ -91,7 +91,7 @@ def test_switch_knobs_refuse_what_is_not_0_or_1(name: str, value: str, monkeypat
 @pytest.mark.parametrize("name", ["HISPARSE_OVERLAP_LAUNCH", "HISPARSE_GATHER_FOLLOW", "HISPARSE_SPEC_SPLIT",
                                   "HISPARSE_SPEC_GATHER"])
 def test_switch_knobs_take_0_and_1(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hisparse_nvidia.runtime import copy_switches, env_switch
+    from hisparse_nvidia.settings import copy_switches, env_switch
 
     assert env_switch(name) is True and copy_switches() == (True, True, True)
     for value, on in (("1", True), ("0", False)):

@@ -46,6 +46,16 @@ class NvidiaBackend(Backend):
         self._device = device
         self._props: tuple[int, int, int] | None = None
 
+    @classmethod
+    def check_settings(cls) -> None:
+        """Every `HISPARSE_*` tuning variable of this backend (`hisparse_nvidia.settings.check_settings`):
+        the runtime's, the host pool's, the kernel builds', vLLM's op set's and the kernel cache's, each
+        by the parse function its build uses. Asks no device and imports no CUDA binding: bounds that
+        need the GPU (blocks per SM) are checked again when a runtime is built."""
+        from hisparse_nvidia.settings import check_settings
+
+        check_settings()
+
     @property
     def device(self) -> torch.device:
         return self._device

@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hisparse_core.errors import BackendError
+from hisparse_core.errors import BackendError, InvalidInputError
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +107,20 @@ def supported_archs() -> list[int]:
     return [int(a) for a in _check(nvrtc, "nvrtcGetSupportedArchs", nvrtc.nvrtcGetSupportedArchs())]
 
 
-def _cache_dir() -> Path | None:
+def cache_dir() -> Path | None:
+    """`HISPARSE_KERNEL_CACHE`: the cache directory (created on the first write; default
+    `DEFAULT_CACHE`), None for "off", "0" or "none". A path that exists and is not a directory is one
+    line naming it: every kernel would fail to cache there, with a warning each."""
     value = os.environ.get(ENV_CACHE)
     if value and value.lower() in {"off", "0", "none"}:
         return None
-    return Path(value) if value else DEFAULT_CACHE
+    if not value:
+        return DEFAULT_CACHE
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise InvalidInputError(f"{ENV_CACHE}={value!r} is not a directory; expected a directory for the compiled "
+                                "kernels (created if missing) or off")
+    return path
 
 
 def compile_source(text: str, name: str, options: Sequence[str], output: str = "cubin") -> tuple[bytes, str]:
@@ -176,7 +185,7 @@ def cache_key(build: KernelBuild, target: str) -> str:
 def compile_kernel(build: KernelBuild, arch: int, *, use_cache: bool = True) -> CompiledKernel:
     """Compile (or load from the disk cache) `build` for compute capability `arch` (e.g. 90)."""
     target, output = _targets(arch)
-    folder = _cache_dir() if use_cache else None
+    folder = cache_dir() if use_cache else None
     path = None
     if folder is not None:
         stem = Path(build.source).stem

@@ -45,14 +45,13 @@ from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.host_pool import OS_PAGE, HostPoolSpec, LayerMajorHostPool
 from hisparse_nvidia import driver
 from hisparse_nvidia.ipc import CHANNEL_END, WriterChannel
+from hisparse_nvidia.settings import ENV_UNREGISTER_AT_EXIT, unregister_at_exit  # pools still held at exit
 
 HUGE_PAGE = 2 << 20
 #: Largest single cuMemHostRegister call (bytes, a multiple of 2 MiB).
 REGISTER_CHUNK_BYTES = 32 << 30
 _HEADER = shm.PoolHeader(b"HISPARSE-NVPOOL2")
 assert _HEADER.size <= 512 and CHANNEL_END <= shm.RANKS_OFFSET and OS_PAGE == shm.HEADER_PAGE
-#: Set to 1 to unregister (and unmap) pools still held at interpreter exit.
-ENV_UNREGISTER_AT_EXIT = "HISPARSE_UNREGISTER_AT_EXIT"
 
 # Registered ranges of every live pool of this process: host start -> (bytes, device start).
 _registry_lock = threading.Lock()
@@ -148,15 +147,6 @@ class _Registration:
                 driver.host_unregister(start)
             except driver.CudaError:
                 pass
-
-
-def unregister_at_exit() -> bool:
-    """`HISPARSE_UNREGISTER_AT_EXIT`: unset or "0" (default) off, "1" on; anything else ("true",
-    "yes") is one line naming it, said when a pool is created (it was read as off, silently)."""
-    value = os.environ.get(ENV_UNREGISTER_AT_EXIT, "0")
-    if value not in ("0", "1"):
-        raise InvalidInputError(f"{ENV_UNREGISTER_AT_EXIT}={value!r}: expected 0 (the default) or 1")
-    return value == "1"
 
 
 def _cleanup(registration: _Registration | None, channel: WriterChannel | None, mm: mmap.mmap | None,

@@ -66,6 +66,51 @@ def env_int_in(name: str, default: int, lo: int, hi: int, expected: str) -> int:
     return value
 
 
+def env_int_of(name: str, default: int, allowed: tuple[int, ...], expected: str) -> int:
+    """`env_int(name)`, `default` when unset; a value not in `allowed` is one line naming it and
+    `expected`."""
+    value = env_int(name)
+    value = default if value is None else value
+    if value not in allowed:
+        raise InvalidInputError(f"{name}={value}: expected {expected}")
+    return value
+
+
+def resolve_threads() -> int | None:
+    """`HISPARSE_RESOLVE_THREADS`: the resolver's threads per block, None when unset (the shape's)."""
+    threads = env_int(ENV_RESOLVE_THREADS)
+    if threads is not None and threads not in (128, 256, 512, 1024):
+        raise InvalidInputError(f"{ENV_RESOLVE_THREADS}={threads}: expected 128, 256, 512 or 1024 threads per block")
+    return threads
+
+
+def resolve_smem() -> int:
+    """`HISPARSE_RESOLVE_SMEM` (default `RESOLVE_SMEM_BUDGET`): bytes the resolver may fill; the
+    device's own limit is checked where the runtime is built."""
+    return env_int_in(ENV_RESOLVE_SMEM, RESOLVE_SMEM_BUDGET, 0, 2**31 - 1, "0 or more bytes of shared memory")
+
+
+def resolve_cluster() -> int:
+    """`HISPARSE_RESOLVE_CLUSTER` (default `RESOLVE_CLUSTER`): blocks per group of the small-batch build."""
+    return env_int_of(ENV_RESOLVE_CLUSTER, RESOLVE_CLUSTER, (1, 2, 4, 8), "1, 2, 4 or 8 blocks per group")
+
+
+def copy_threads() -> int:
+    """`HISPARSE_COPY_THREADS` (default `COPY_THREADS`)."""
+    return env_int_of(ENV_COPY_THREADS, COPY_THREADS, (128, 256, 512, 1024),
+                      "128, 256, 512 or 1024 threads per block")
+
+
+def copy_unroll() -> int:
+    """`HISPARSE_COPY_UNROLL` (default `COPY_UNROLL`)."""
+    return env_int_of(ENV_COPY_UNROLL, COPY_UNROLL, (1, 2, 4, 8), "1, 2, 4 or 8 loads in flight a thread")
+
+
+def copy_load() -> int:
+    """`HISPARSE_COPY_LOAD` (default `COPY_LOAD`)."""
+    return env_int_of(ENV_COPY_LOAD, COPY_LOAD, (0, 1, 2, 3), "0, 1, 2 or 3 (a load flavour of cuda/common.cuh)")
+
+
 @dataclass(frozen=True, slots=True)
 class ResolverShape:
     """Launch shape and build of the resolver for one geometry."""
@@ -135,7 +180,7 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
         if n >= 2**31:
             raise InvalidInputError(f"{name} = {n} must stay below 2^31 for the resolver's 32-bit indexing")
     if threads is None:
-        threads = env_int(ENV_RESOLVE_THREADS) or min(1024, max(128, _next_pow2(-(-max(union, h) // 2))))
+        threads = resolve_threads() or min(1024, max(128, _next_pow2(-(-max(union, h) // 2))))
     if threads not in (128, 256, 512, 1024):
         raise InvalidInputError(f"resolver threads per block must be 128, 256, 512 or 1024, got {threads}")
     ept, cpt = -(-union // threads), -(-h // threads)
@@ -143,8 +188,7 @@ def resolver_shape(config: RuntimeConfig, threads: int | None = None, max_smem: 
         raise InvalidInputError(f"RuntimeConfig(top_k={k}, rows_per_request={rpr}, hot_rows={h}) needs more than "
                                 f"32 entries or LRU positions per thread of a {threads}-thread block")
     if max_smem is None:
-        env = env_int(ENV_RESOLVE_SMEM)
-        max_smem = RESOLVE_SMEM_BUDGET if env is None else env
+        max_smem = resolve_smem()
     slots = max(4, _next_pow2(2 * union))
     # hash buckets, hm (padded to 16 bytes), htab, order (i16, padded to 4 bytes), marks (likewise)
     smem = 8 * slots + 4 * -(-h // 4) * 4 + 4 * config.hot_blocks + 2 * (h + (h & 1)) + 4 * -(-h // 4)
@@ -175,12 +219,8 @@ class CopyShape:
 
     @classmethod
     def from_env(cls, row_bytes: int) -> CopyShape:
-        def env(name: str, default: int) -> int:
-            value = env_int(name)
-            return default if value is None else value
-
-        return cls(row_bytes, env(ENV_COPY_THREADS, COPY_THREADS), env(ENV_COPY_UNROLL, COPY_UNROLL),
-                   env(ENV_COPY_LOAD, COPY_LOAD))
+        """The shape `HISPARSE_COPY_THREADS`, `HISPARSE_COPY_UNROLL` and `HISPARSE_COPY_LOAD` set."""
+        return cls(row_bytes, copy_threads(), copy_unroll(), copy_load())
 
     @property
     def slots_per_row(self) -> int:

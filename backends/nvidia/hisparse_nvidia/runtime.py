@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,107 +56,46 @@ from hisparse_nvidia.kernels import (
     ENV_RESOLVE_SMEM,
     MAINTAIN_BUILD,
     MAINTAIN_THREADS,
-    RESOLVE_CLUSTER,
     RESOLVE_SMEM_BUDGET,
     CopyShape,
     LoadedKernels,
     ResolverShape,
     cluster_width_allowed,
-    env_int,
-    env_int_in,
+    resolve_cluster,
     resolver_shape,
+)
+
+# The runtime's variables and their parse functions live in settings.py (NvidiaBackend.check_settings
+# reads them without importing the driver).
+from hisparse_nvidia.settings import (
+    ENV_GATHER_FOLLOW,
+    ENV_GATHER_PER_SM,
+    ENV_PREFETCH_GATHER_BLOCKS,
+    ENV_SPEC_EARLY_EXIT,
+    ENV_SPEC_GATHER,
+    ENV_SPEC_KERNEL,
+    ENV_SPEC_ROWS,
+    ENV_SPEC_SPLIT,
+    copy_switches,
+    gather_blocks,
+    gather_per_sm,
+    prefetch_gather_blocks,
+    spec_blocks_per_sm,
+    spec_early_exit,
+    spec_epb,
+    spec_gather,
+    spec_kernel,
+    spec_rows_cap,
 )
 from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
 
 logger = logging.getLogger(__name__)
 
 _HOST, _DEVICE = 0, 1  # row kinds of hisparse_copy_rows
-#: "0" turns off programmatic dependent launch of the resolver and the plan copies (on by default).
-ENV_OVERLAP = "HISPARSE_OVERLAP_LAUNCH"
-#: "0" turns off the speculative gather after a resolve (on by default where it applies).
-ENV_SPEC_GATHER = "HISPARSE_SPEC_GATHER"
-#: "0": the plan copy after a resolve waits for the whole resolver instead of following the rows
-#: it publishes (on by default).
-ENV_GATHER_FOLLOW = "HISPARSE_GATHER_FOLLOW"
-#: At most this many batch rows get the speculative gather (default: as many as one pass of it covers).
-ENV_SPEC_ROWS = "HISPARSE_SPEC_ROWS"
-#: "0": a batch larger than the speculative gather covers gets only the plan copy, instead of the
-#: speculative gather for its first rows and the plan copy, following the resolver, for the rest.
-ENV_SPEC_SPLIT = "HISPARSE_SPEC_SPLIT"
-#: Blocks of the plan copy's persistent grid (default one per SM), for tuning. Fewer blocks in
-#: flight measured faster right behind the resolver at batch 128 (docs/gpu-validation.md, call P1).
-ENV_GATHER_BLOCKS = "HISPARSE_GATHER_BLOCKS"
-#: Blocks of the plan copy's grid in `prefetch` (default half the SMs): its copies run beside the
-#: attention they overlap, and every block they hold is one an SM's attention waits for. On the
-#: H200, 32K code at batch 75 with the cross-layer prefetch, 66 blocks took 0.36-0.48 ms a step less
-#: than 132 in alternated runs, while a grid of 66 for every plan copy cost the swap-in sweep 13 us
-#: at 34 misses x 128 (docs/gpu-validation.md, calls N2-N3).
-ENV_PREFETCH_GATHER_BLOCKS = "HISPARSE_PREFETCH_GATHER_BLOCKS"
-#: A plan copy that follows a resolver leaving too few free SMs for its whole grid puts at most
-#: this many blocks on one SM (0: no limit), by asking for more shared memory than one more block
-#: would leave room for. Without it the blocks that find no free SM pile onto the first SMs the
-#: resolver's blocks leave, as many as fit (5), and the copy ran on about 30 of the 132 SMs:
-#: 1.26x the copy engine at batch 128 with 274 misses a request against 1.23x (docs/gpu-validation.md,
-#: calls D2-D3). Such a copy waits for the whole resolver rather than following it (`_copy_choice`).
-ENV_GATHER_PER_SM = "HISPARSE_GATHER_PER_SM"
-_GATHER_PER_SM = 1
-#: The speculative gather covers every entry's slots in one pass of at most this many blocks per SM
-#: (`HISPARSE_SPEC_BLOCKS_PER_SM` overrides, for tuning): 11 rows of top-k 2048 on 132 SMs. About
-#: half of them fit beside the resolver; the rest start as its blocks leave. At batch 8 that beat
-#: the plan copy by 8.7 us with 274 misses a request and lost 4.9 us on a step without misses
-#: (docs/gpu-validation.md, calls S1-S5).
-ENV_SPEC_BLOCKS_PER_SM = "HISPARSE_SPEC_BLOCKS_PER_SM"
-#: "0": every block of the speculative gather waits for the resolver; by default a block none of
-#: whose entries can be a miss (no host entry, or each held at its hinted slot while the resolver
-#: refills none of the request's slots) leaves at once, and only block 0 waits. A step without
-#: misses at batch 8 cost the resolve alone + 5.4 us before (issue 28, docs/gpu-validation.md).
-ENV_SPEC_EARLY_EXIT = "HISPARSE_SPEC_EARLY_EXIT"
-#: Which speculative gather: "entries" (a block classifies up to 128 entries and reads only its
-#: likely misses' slots early, so a step without misses is one wave of small blocks), "slots" (every
-#: entry's every 16-byte slot a task of its own, the kernel of issue 15), or "auto" (the default:
-#: slots for a batch of one row, whose 16 entry blocks read the host on too few SMs (274 misses:
-#: 21.9 against 9.2 us), entries above; docs/gpu-validation.md, issue 28).
-ENV_SPEC_KERNEL = "HISPARSE_SPEC_KERNEL"
-_SPEC_KERNELS = ("auto", "entries", "slots")
-#: Entries a block of the entry kernel classifies (1-128), for tuning. By default 32 where the
-#: speculative gather takes the whole batch (batch 8: 137 misses a request 19.4 us against 26.0 with
-#: 128, 274 misses 33.7 against 36.8, no-miss steps equal) and 128 for the first rows of a split
-#: batch (batch 32 and 64, measured only so; docs/gpu-validation.md, issue 28).
-ENV_SPEC_EPB = "HISPARSE_SPEC_EPB"
-_SPEC_EPB_WHOLE, _SPEC_EPB_SPLIT = 32, 128
-_SPEC_BLOCKS_PER_SM = 8
+_SPEC_EPB_WHOLE, _SPEC_EPB_SPLIT = 32, 128  # HISPARSE_SPEC_EPB's defaults (settings.ENV_SPEC_EPB)
 _STAT_H2D, _STAT_D2H = 3, 4
 #: The plan copy keeps its batch rows in its shared memory (one int each, plus one).
 _MAX_PLAN_ROWS = 12 * 1024 - 1
-
-
-def spec_kernel() -> str:
-    """`HISPARSE_SPEC_KERNEL`: "auto" (default), "entries" or "slots"; anything else is one line naming it."""
-    value = os.environ.get(ENV_SPEC_KERNEL, "auto")
-    if value not in _SPEC_KERNELS:
-        raise InvalidInputError(f"{ENV_SPEC_KERNEL}={value!r}: expected auto (the default), entries or slots")
-    return value
-
-
-def env_switch(name: str) -> bool:
-    """A switch that is on by default: unset or "1" on, "0" off; anything else ("false", "off",
-    "no", "") is one line naming it. They were read as `!= "0"`, so `HISPARSE_OVERLAP_LAUNCH=false`
-    left the launch overlap on, silently."""
-    value = os.environ.get(name, "1")
-    if value not in ("0", "1"):
-        raise InvalidInputError(f"{name}={value!r}: expected 1 (the default) or 0")
-    return value == "1"
-
-
-def copy_switches() -> tuple[bool, bool, bool]:
-    """(`HISPARSE_OVERLAP_LAUNCH`, `HISPARSE_GATHER_FOLLOW`, `HISPARSE_SPEC_SPLIT`): each on unless
-    "0", a value other than 0 or 1 one line naming it (`env_switch`)."""
-    return env_switch(ENV_OVERLAP), env_switch(ENV_GATHER_FOLLOW), env_switch(ENV_SPEC_SPLIT)
-
-
-def spec_early_exit() -> bool:
-    """`HISPARSE_SPEC_EARLY_EXIT`: "1" (default) or "0"; anything else is one line naming it."""
-    return env_switch(ENV_SPEC_EARLY_EXIT)
 
 
 def _i32(v: int) -> ctypes.c_int32:
@@ -266,7 +204,7 @@ class NvidiaRuntime(CacheRuntime):
         self._k_gather_entries = copy_mod.function("hisparse_gather_spec_entries")
         # None: 32 entries a block where the speculative gather takes the whole batch, 128 where it
         # takes the first rows of a split batch (the sizes measured in issue 28's sweep).
-        self._spec_epb: int | None = env_int_in(ENV_SPEC_EPB, 0, 0, 128, "0 (the default) or 1 to 128 entries a block") or None
+        self._spec_epb: int | None = spec_epb()
         # Blocks of the slot kernel one SM holds at once (its registers decide): how many first rows
         # of a larger batch the speculative gather takes (`_split_rows`), whichever kernel runs.
         self._spec_per_sm = copy_mod.function("hisparse_gather_spec").max_active_blocks(self._copy_shape.threads, 0)
@@ -280,10 +218,8 @@ class NvidiaRuntime(CacheRuntime):
         # Larger batches: the speculative gather for as many first rows as its blocks fit beside the
         # resolver's (`_split_rows`), and the plan copy, following the resolver, for the rest.
         self._split = split and self._spec_rows > 0 and self._follow
-        self._gather_blocks = env_int_in(ENV_GATHER_BLOCKS, num_sms, 1, 8 * num_sms,
-                                         f"1 to {8 * num_sms} blocks (8 per SM)")
-        self._prefetch_blocks = env_int_in(ENV_PREFETCH_GATHER_BLOCKS, max(1, num_sms // 2), 1, 8 * num_sms,
-                                           f"1 to {8 * num_sms} blocks (8 per SM)")
+        self._gather_blocks = gather_blocks(num_sms)
+        self._prefetch_blocks = prefetch_gather_blocks(num_sms)
         # Blocks of the plan copy one SM holds; and the padded shared memory that limits them (0: none).
         self._gather_fit = self._k_gather.max_active_blocks(self._copy_shape.threads, (b + 1) * 4)
         self._gather_smem, self._gather_per_sm = self._gather_shared_memory(max_smem_per_block)
@@ -658,10 +594,7 @@ class NvidiaRuntime(CacheRuntime):
 
     def _cluster_shape(self, arch: int, num_sms: int, max_smem: int) -> tuple[ResolverShape | None, str]:
         """The resolver's cluster build for small batches (None: one block per group), and why not."""
-        width = env_int(ENV_RESOLVE_CLUSTER)
-        width = RESOLVE_CLUSTER if width is None else width
-        if width not in (1, 2, 4, 8):
-            raise InvalidInputError(f"{ENV_RESOLVE_CLUSTER}={width}: expected 1, 2, 4 or 8 blocks per group")
+        width = resolve_cluster()
         if width == 1:
             return None, f"{ENV_RESOLVE_CLUSTER}=1"
         if arch < 90:
@@ -680,8 +613,9 @@ class NvidiaRuntime(CacheRuntime):
         """The largest batch whose miss copy starts while the resolver runs (0: none), and why not."""
         k = self.config.top_k
         c = self._copy_shape
-        per_sm = env_int_in(ENV_SPEC_BLOCKS_PER_SM, _SPEC_BLOCKS_PER_SM, 0, 32, "0 (off) to 32 blocks per SM")
-        gather_on = env_switch(ENV_SPEC_GATHER)  # read first: a bad value is said whatever else turns it off
+        per_sm = spec_blocks_per_sm()
+        gather_on = spec_gather()  # read first: a bad value is said whatever else turns it off
+        cap = spec_rows_cap()
         rows = per_sm * num_sms * c.threads * c.unroll // (k * c.slots_per_row)
         if k % 32:
             return 0, "top_k is not a multiple of 32"
@@ -691,10 +625,7 @@ class NvidiaRuntime(CacheRuntime):
             return 0, f"{ENV_SPEC_GATHER}=0"
         if rows == 0:
             return 0, "top_k is too large for one pass"
-        cap = env_int(ENV_SPEC_ROWS)
         if cap is not None:
-            if cap < 0:
-                raise InvalidInputError(f"{ENV_SPEC_ROWS}={cap}: expected 0 (off) or more batch rows")
             if cap == 0:
                 return 0, f"{ENV_SPEC_ROWS}=0"
             rows = min(rows, cap)
@@ -746,7 +677,7 @@ class NvidiaRuntime(CacheRuntime):
         k = self._k_gather
         threads = self._copy_shape.threads
         base = (self.config.max_batch_rows + 1) * 4
-        per_sm = env_int_in(ENV_GATHER_PER_SM, _GATHER_PER_SM, 0, 32, "0 (as many as fit) to 32 blocks per SM")
+        per_sm = gather_per_sm()
         fits = self._gather_fit
         if per_sm == 0 or per_sm >= fits:
             return 0, fits  # nothing to limit

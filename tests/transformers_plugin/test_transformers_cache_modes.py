@@ -923,3 +923,26 @@ def test_prefix_hits_only_between_batches_run_under_the_same_autocast(model: tor
     first, plain, again = hits
     assert first == [0, 0] and plain == [0, 0], hits
     assert again is not None and min(again) > 0, hits
+
+
+def test_pages_computed_before_the_weights_changed_are_no_prefix_hits(caplog: pytest.LogCaptureFixture) -> None:
+    """A page's rows are the weights' of the batch that wrote it. Before: after load_state_dict (or
+    any in-place update) a later generate of the same prompts took the old rows as prefix hits and
+    decoded other tokens than the model's own."""
+    model = tiny_model(FAMILY, shape=SHAPES[FAMILY], seed=6)
+    ids, mask = random_prompts([15, 11], seed=22)
+    with hisparse_transformers.enable(model, **enable_kwargs(FAMILY, check=False)) as hs:
+        hits: list[list[int]] = []      # each batch's prefix hits, at its first step
+        hs.on_step = lambda handle, step: (hits.append([r.hit for r in handle.engine.session.requests])
+                                           if step.past == 0 else None)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, **GEN)
+        model.load_state_dict(tiny_model(FAMILY, shape=SHAPES[FAMILY], seed=7).state_dict())
+        with caplog.at_level("INFO", logger="hisparse_transformers.handle"):
+            ours = model.generate(ids, attention_mask=mask, max_new_tokens=3, **GEN)
+            again = model.generate(ids, attention_mask=mask, max_new_tokens=3, **GEN)
+    theirs = baseline(model, ids, mask, 3, chunk=8)
+    for run in (ours, again):
+        got = compare(run, theirs)
+        assert got.tokens_equal and got.max_logit_diff <= 1e-4, got
+    assert hits[1] == [0, 0] and min(hits[2]) > 0, hits
+    assert sum("weights changed" in r.getMessage() for r in caplog.records) == 1

@@ -422,6 +422,9 @@ class HiSparseEngine:
         self.topk_model: ModelTopk | None = None
         #: Called with (session, tokens removed) after each rollback (the checker's copies follow it).
         self.rollback_listeners: list[Callable[[Session, int], None]] = []
+        #: Bumped by the model side whenever the model's weights changed since the last batch: part of
+        #: the prefix identity, so pages computed with other weights are no batch's hits.
+        self.weights_epoch = 0
         self.prefetch = (NextGroupPrefetch(self.runtimes, self.group_tables, placement.group_device, placement.devices,
                                            sources=None if isinstance(pf, bool) else pf)
                          if pf else None)
@@ -511,7 +514,8 @@ class HiSparseEngine:
         its logical positions, as generate ropes them): a row takes hits only from rows roped alike.
         An offset of None in the list (positions that are not one offset) shares with no other row.
         It includes the autocast state of the engine's device too (`_numerics_key`): rows computed
-        under `torch.autocast` are hits only for a batch opened under the same autocast.
+        under `torch.autocast` are hits only for a batch opened under the same autocast; and
+        `weights_epoch`, so rows computed before the model's weights changed are no later batch's.
 
         The whole of every request must fit before anything runs: each row's prompt plus
         `max_new_tokens` (None: as far as `max_context` allows) against `max_context` and against
@@ -543,7 +547,8 @@ class HiSparseEngine:
                 f"{max_context - longest + 1 - candidates} or enable(..., max_context >= {longest + grow})")
         totals = [len(p) + grow if grow is not None else max_context - pad for p, pad in zip(prompts, pads, strict=False)]
         requests: list[Request] = []
-        numerics = _numerics_key(self.device)
+        numerics = _prefix_key(_numerics_key(self.device),
+                               f"weights:{self.weights_epoch}".encode() if self.weights_epoch else None)
         rids: list[str] = []       # named before admission, so an interrupt anywhere below is undone
         states = list(self.free_states)
         counted = (self.totals.requests, self.totals.prefix_hit_tokens)

@@ -152,6 +152,14 @@ def moved_rope(position_ids: torch.Tensor | None, pads: Sequence[int], past: int
     return None
 
 
+def _weights_seen(model: torch.nn.Module) -> tuple[tuple[int, int, int], ...]:
+    """Each parameter's identity, version counter (bumped by every in-place update: load_state_dict,
+    an optimizer step, ops under no_grad) and storage: a change means rows computed before are not
+    the model's now. Updates through `.data`, and those of a parameter made under inference_mode
+    (it has no version counter), bypass the counter and are not seen."""
+    return tuple((id(p), 0 if p.is_inference() else p._version, p.data_ptr()) for p in model.parameters())
+
+
 def _check_prompt_tensors(where: str, input_ids: object, attention_mask: object, *, wider_mask: bool = False) -> None:
     """One line for prompts hisparse cannot read: `input_ids` not a 2-D tensor of token ids (an
     integer dtype) with a token a row, or an `attention_mask` (None: none) that is not a tensor of
@@ -285,6 +293,7 @@ class HiSparseHandle:
         self.cache_kwarg = cache_kwarg(model)
         self._hooks: list[Any] = []
         self._generate: Callable[..., Any] | None = None
+        self._weights = _weights_seen(model)
         self.closed = False
         self._install()
 
@@ -394,6 +403,12 @@ class HiSparseHandle:
                                         "hisparse runs one request per row (num_beams=1, num_return_sequences=1)")
             if cache.prompts is not None and not cache.generating:
                 _check_first_padding(kwargs.get("attention_mask"), pads, num_new)
+            weights = _weights_seen(self.model)
+            if weights != self._weights:
+                self._weights = weights
+                self.engine.weights_epoch += 1
+                logger.info("hisparse: the model's weights changed since its last batch (a parameter updated in place "
+                            "or replaced): pages published before are no prefix hits for later batches")
             # A row's latent carries its rope position: its pages are shared only with rows roped alike.
             offsets = cache.rope_offsets
             if offsets is None:

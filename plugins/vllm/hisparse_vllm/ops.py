@@ -223,8 +223,11 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     must declare `Capability.VLLM_OPS`, and once a backend serves the ops in this process, be that
     one. Registration only chooses it (a name no available backend has is refused here); the first
     call of an op builds it, so that the processes vLLM registers in but never calls from (front
-    end, engine core) leave CUDA uninitialized. Raises `SchemaMismatchError` for a vLLM whose
-    runtime or compiled ops use another signature, `ValueError` for a bad `HISPARSE_VLLM_OPS`.
+    end, engine core) leave CUDA uninitialized. The chosen backend's `check_settings()` runs here
+    (on its class), so a bad tuning variable of the backend is refused before vLLM loads the model.
+    Raises `SchemaMismatchError` for a vLLM whose runtime or compiled ops use another signature,
+    `ValueError` for a bad `HISPARSE_VLLM_OPS` (`InvalidInputError`, a `ValueError`, for a bad
+    setting of the backend).
     """
     given_mode: object = mode if mode is not None else os.environ.get(ENV_MODE, "")
     # Empty or blank (`HISPARSE_VLLM_OPS=`) is unset, as HISPARSE_BACKEND's is; not a str is refused below.
@@ -277,6 +280,9 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         chosen = registry.choose(backend).name   # an unknown or unavailable name is refused here
         if Capability.VLLM_OPS not in registry.get(chosen).capabilities:
             raise spec.InvalidInputError(_not_capable(chosen, named=backend is not None))
+        # The backend's own settings (nvidia's HISPARSE_VLLM_GATHER, ...), checked on its class: here,
+        # before vLLM loads the weights, not at the first op call; nothing is constructed.
+        registry.check_settings(chosen)
         kernels = _kernels(_FirstCallBackend(backend, chosen), chosen)
         if present:
             # Replace: our kernel under vLLM's schema, for the device vLLM compiled it for (its CUDA

@@ -120,8 +120,17 @@ def test_right_padding_and_too_many_prompts(model: torch.nn.Module) -> None:
     with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3)):
         ids = torch.randint(2, 100, (2, 6))
         right = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
-        with pytest.raises(InvalidInputError, match="row 1 is \\[1, 1, 1, 1, 0, 0\\]; expected left padding"):
+        with pytest.raises(InvalidInputError, match="row 1 has a 0 at column 4 after a 1 at column 0 \\(of 6\\); "
+                           "expected left padding"):
             model.generate(ids, attention_mask=right, max_new_tokens=2)
+        # named by column: before, the whole row was printed (a line as long as the prompt)
+        long_ids = torch.randint(2, 100, (1, 200))
+        for mask, words in ((torch.ones(1, 200, dtype=torch.long).index_fill_(1, torch.tensor([150]), 0),
+                             "row 0 has a 0 at column 150 after a 1 at column 0 (of 200); expected left padding"),
+                            (torch.full((1, 200), 2), "row 0 holds 2 at column 0; expected left padding")):
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(long_ids, attention_mask=mask, max_new_tokens=2)
+            assert words in one_line(err.value) and len(str(err.value)) < 200
         with pytest.raises(CapacityError, match="batch of 4 prompts; expected 1 to max_batch=3"):
             model.generate(torch.randint(2, 100, (4, 6)), max_new_tokens=2)
         out = model.generate(ids, max_new_tokens=2, do_sample=False)      # still usable

@@ -96,8 +96,13 @@ def left_padding(attention_mask: torch.Tensor) -> list[int]:
     pads = []
     for b, row in enumerate(mask.tolist()):
         pad = next((i for i, v in enumerate(row) if v), len(row))
-        if any(v == 0 for v in row[pad:]) or any(v not in (0, 1) for v in row):
-            raise InvalidInputError(f"attention_mask row {b} is {row}; expected left padding (zeros, then ones): "
+        # named by column, not printed whole: a row is as long as the prompt
+        odd = next((i for i, v in enumerate(row) if v not in (0, 1)), None)
+        gap = next((i for i, v in enumerate(row[pad:], pad) if v == 0), None)
+        if odd is not None or gap is not None:
+            what = (f"holds {row[odd]} at column {odd}" if odd is not None else
+                    f"has a 0 at column {gap} after a 1 at column {pad} (of {len(row)})")
+            raise InvalidInputError(f"attention_mask row {b} {what}; expected left padding (zeros, then ones): "
                                     "hisparse strips left padding only (tokenizer padding_side='left')")
         pads.append(pad)
     return pads

@@ -8,6 +8,7 @@ Light on purpose: `build_parser` imports this for every command, `--help` and `b
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import math
 import re
@@ -266,11 +267,14 @@ def import_torch(prog: str) -> str | None:
     """Import torch; why it cannot be, in one line, or None. A broken install raises more than
     ImportError (an OSError for a missing shared library, a RuntimeError from a CUDA mismatch):
     each is named here rather than given as a traceback."""
-    try:
-        import torch  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - whatever a broken torch raises, said in one line
-        detail = " ".join(str(exc).split()) or "no message"
-        return f"torch cannot be imported ({type(exc).__name__}: {detail}): {TORCH_FIX}"
+    # numpy first, from Python: torch's C extension imports it and clears whatever that raises, a
+    # Ctrl-C included (the command then ran on, or failed on a numpy half imported).
+    for name, fix in (("numpy", "reinstall it (pip install --force-reinstall 'numpy>=1.26')"), ("torch", TORCH_FIX)):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - whatever a broken install raises, said in one line
+            detail = " ".join(str(exc).split()) or "no message"
+            return f"{name} cannot be imported ({type(exc).__name__}: {detail}): {fix}"
     return None
 
 

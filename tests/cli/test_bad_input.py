@@ -226,6 +226,39 @@ def test_ctrl_c_in_the_middle_of_a_transfer_is_an_interrupt(capsys: pytest.Captu
     assert not any("error" in line for line in err), err
 
 
+#: One Ctrl-C, raised where the import of numpy starts (a meta-path finder asked for it first).
+_CTRL_C_IN_NUMPY = """
+import sys
+
+class CtrlC:
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and not CtrlC.fired:
+            CtrlC.fired = True
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from hisparse_core.cli.options import import_torch
+try:
+    import_torch("hisparse run")
+except KeyboardInterrupt:
+    print("interrupted")
+else:
+    print("went on")
+"""
+
+
+def test_ctrl_c_while_torch_imports_numpy_is_an_interrupt() -> None:
+    """torch's C extension imports numpy and clears whatever that raises: a Ctrl-C there (`timeout -s
+    INT 0.7 hisparse run`) was swallowed, and the run went on for its whole 40 s, exit 0, or ended
+    in `AttributeError: module 'numpy' has no attribute 'multiply'` (a numpy half imported)."""
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_NUMPY], capture_output=True, text=True, timeout=120,
+                          env=_env(), check=False)
+    assert proc.stdout == "interrupted\n", proc.stdout + proc.stderr
+
+
 def _installed(name: str) -> bool:
     """A real installed package (tests/ on sys.path makes folders look like namespace packages)."""
     import importlib.util

@@ -1,10 +1,11 @@
 """What the backend says about itself: the class's capabilities (what the suite gates on and what
 runs) are the ones its plugin's `BackendSpec` advertises in `hisparse backends`, and name a row
-format."""
+format; its `check_settings()` accepts the run's environment and allocates nothing."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hisparse_core.backend import Backend, Capability
 from hisparse_core.discovery import import_factory
@@ -42,3 +43,15 @@ def test_the_backend_serves_a_row_format(hisparse_capabilities: frozenset[str]) 
     assert hisparse_capabilities & set(formats), (
         f"the backend declares no row format (capabilities: {sorted(hisparse_capabilities)}); expected "
         f"{', '.join(formats)} or both: every test that moves rows would skip")
+
+
+def test_check_settings_accepts_the_runs_environment_and_allocates_nothing(hisparse_backend: Backend) -> None:
+    # The registry ran it before constructing the backend under test, so the run's variables are accepted;
+    # called again, on the class as vLLM's op registration calls it, it must say so and touch no memory.
+    device = torch.device(hisparse_backend.device)
+    on_gpu = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if on_gpu else 0
+    assert type(hisparse_backend).check_settings() is None, "check_settings() returns None when it accepts"
+    assert hisparse_backend.check_settings() is None
+    if on_gpu:
+        assert torch.cuda.memory_allocated(device) == before, "check_settings() allocated device memory"

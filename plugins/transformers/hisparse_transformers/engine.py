@@ -312,21 +312,22 @@ class HiSparseEngine:
         #: positions of one state row in a resident layer's store (`[max_batch * capacity, width]`)
         self.resident_capacity = _cdiv(c.max_context, bs) * bs
         self.resident_bytes = len(self.resident_layers) * c.max_batch * self.resident_capacity * self.fmt.row_bytes
-        if self.resident_bytes and self.resident_bytes >= c.gpu_kv_bytes:
-            raise CapacityError(
-                f"resident_layers={list(self.resident_layers)} keep {self.resident_bytes} B on the GPU (max_batch="
-                f"{c.max_batch} x max_context={self.resident_capacity} x {self.fmt.row_bytes} B per layer), all of "
-                f"gpu_kv_gib={c.gpu_kv_gib:g}: expected gpu_kv_gib > {ceil_gib(self.resident_bytes)} plus the hot "
-                "buffers' pool, or fewer resident layers")
         # gpu_kv_gib is each device's budget (less the resident layers' stores): a block holds one page
         # of that device's offloaded layers, so the device with the most of them decides how many fit.
         widest = max(range(len(placement.devices)),
                      key=lambda d: len([x for x in placement.layers_on(d) if x not in self.resident_layers]))
         device_layers = len([x for x in placement.layers_on(widest) if x not in self.resident_layers])
         device_block_bytes = device_layers * bs * self.fmt.row_bytes
+        need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
+        if self.resident_bytes and self.resident_bytes >= c.gpu_kv_bytes:
+            raise CapacityError(
+                f"resident_layers={list(self.resident_layers)} keep {self.resident_bytes} B on the GPU (max_batch="
+                f"{c.max_batch} x max_context={self.resident_capacity} x {self.fmt.row_bytes} B per layer), all of "
+                f"gpu_kv_gib={c.gpu_kv_gib:g}: expected gpu_kv_gib >= "
+                f"{ceil_gib(need * device_block_bytes + self.resident_bytes)} (the stores and the {need} blocks "
+                "max_batch's hot buffers and prefill need), or fewer resident layers")
         self.gpu_blocks = (c.gpu_kv_bytes - self.resident_bytes) // device_block_bytes
         self.watermark = pressure_watermark(c.max_batch, self.hot_blocks, self.chunk_pages)
-        need = required_gpu_blocks(c.max_batch, self.hot_blocks, self.chunk_pages)
         if self.gpu_blocks < need:
             where = f" on {placement.devices[widest]}" if placement.spread else ""
             kept = (f" (less {self.resident_bytes} B for resident_layers={list(self.resident_layers)})"

@@ -16,20 +16,29 @@ import subprocess
 import sys
 import time
 
-COMMANDS: list[tuple[str, list[str]]] = [
-    ("python -c pass", ["-c", "pass"]),
-    ("hisparse --help", ["-m", "hisparse_core", "--help"]),
-    ("hisparse --version", ["-m", "hisparse_core", "--version"]),
-    ("hisparse backends", ["-m", "hisparse_core", "backends"]),
-    ("hisparse run --help", ["-m", "hisparse_core", "run", "--help"]),
-    ("hisparse run --hot inf", ["-m", "hisparse_core", "run", "--hot", "inf"]),
+#: (label, the interpreter's arguments, the exit status it must end with).
+COMMANDS: list[tuple[str, list[str], int]] = [
+    ("python -c pass", ["-c", "pass"], 0),
+    ("hisparse --help", ["-m", "hisparse_core", "--help"], 0),
+    ("hisparse --version", ["-m", "hisparse_core", "--version"], 0),
+    ("hisparse backends", ["-m", "hisparse_core", "backends"], 0),
+    ("hisparse run --help", ["-m", "hisparse_core", "run", "--help"], 0),
+    ("hisparse run --hot inf", ["-m", "hisparse_core", "run", "--hot", "inf"], 2),
 ]
 
 
-def wall(argv: list[str]) -> float:
+class Failed(Exception):
+    """A command ended with another exit status than its own: its time is no start-up's."""
+
+
+def wall(label: str, argv: list[str], status: int) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, *argv], capture_output=True, check=False)
-    return time.perf_counter() - start
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=False)
+    took = time.perf_counter() - start
+    if proc.returncode != status:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Failed(f"{label} exited {proc.returncode}, expected {status}: {last}")
+    return took
 
 
 def imports_torch(argv: list[str]) -> bool:
@@ -37,18 +46,27 @@ def imports_torch(argv: list[str]) -> bool:
     return any(line.rstrip().endswith("| torch") for line in proc.stderr.splitlines())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeat", type=int, default=7)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    from hisparse_core.cli.options import CliParser, int_in
+
+    parser = CliParser(prog="bench_cli_startup", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int_in(1, 1000), default=7)
+    args = parser.parse_args(argv)
     rows = []
-    for label, argv in COMMANDS:
-        times = [wall(argv) for _ in range(args.repeat)]  # interleaving would mix caches; each warms its own
-        rows.append((label, statistics.median(times), min(times), imports_torch(argv)))
+    try:
+        for label, command, status in COMMANDS:
+            # interleaving would mix caches; each warms its own
+            times = [wall(label, command, status) for _ in range(args.repeat)]
+            rows.append((label, statistics.median(times), min(times), imports_torch(command)))
+    except Failed as exc:
+        print(f"bench_cli_startup: error: {exc}", file=sys.stderr)
+        return 1
     print(f"{'command':26} {'median s':>9} {'min s':>7}  torch")
     for label, med, low, torch in rows:
         print(f"{label:26} {med:9.3f} {low:7.3f}  {'yes' if torch else 'no'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

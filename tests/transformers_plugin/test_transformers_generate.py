@@ -102,6 +102,27 @@ def test_explicit_cache_and_disable(model: torch.nn.Module, family: str) -> None
     assert hs.closed and "generate" not in model.__dict__
 
 
+
+def test_close_puts_back_what_the_instances_held_before_enable() -> None:
+    """An accelerate hook on the base model (its `forward` an instance attribute, as a device_map
+    whose key is the whole base model leaves it), a caller's own `generate` and an attention layer's
+    instance `forward` are the model's again after close. Before: close deleted each of them, so the
+    hook no longer ran and the caller's generate was gone."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    family = "deepseek_v32"
+    m = tiny_model(family, shape=SHAPES[family], seed=3)
+    add_hook_to_module(m.model, ModelHook())
+    attention = m.model.layers[1].self_attn
+    attention.forward = attention.forward              # an instance forward of no accelerate hook
+    m.generate = lambda *args, **kwargs: "mine"        # type: ignore[method-assign]
+    held = (m.model.__dict__["forward"], attention.__dict__["forward"], m.__dict__["generate"])
+    with hisparse_transformers.enable(m, **enable_kwargs(family, check=False)):
+        assert m.__dict__["generate"] is not held[2]
+    assert (m.model.__dict__["forward"], attention.__dict__["forward"], m.__dict__["generate"]) == held
+    assert "forward" not in m.model.layers[0].self_attn.__dict__ and not hasattr(m, "_hisparse_handle")
+
+
 def _plant_in_decode(hs: hisparse_transformers.HiSparseHandle, layer: int, planted: dict[str, int]) -> None:
     """After a decode step, corrupt the host row of a position this step read from a host-only page,
     and drop its hot copy (as a recycled host block would be), so the next read misses and reloads."""

@@ -297,6 +297,7 @@ class HiSparseHandle:
         self.graphs = DecodeGraphs(engine, cuda_graphs, model, checking=checker is not None)
         self.cache_kwarg = cache_kwarg(model)
         self._hooks: list[Any] = []
+        self._held: dict[tuple[int, str], Any] = {}
         self._generate: Callable[..., Any] | None = None
         self._weights = _weights_seen(model)
         self.closed = False
@@ -305,6 +306,10 @@ class HiSparseHandle:
     # ------------------------------------------------------------------ patches
 
     def _install(self) -> None:
+        # what the instances held before (an accelerate hook's forward, a caller's own generate): put back at close
+        self._held = {(id(obj), name): obj.__dict__[name] for obj, name in
+                      [(a.module, a.slot) for a in self._attn] + [(self._base, "forward"), (self.model, "generate")]
+                      if name in obj.__dict__}
         for a in self._attn:
             setattr(a.module, a.slot, a)
         original = self._base.forward
@@ -325,20 +330,25 @@ class HiSparseHandle:
             self.model.generate = types.MethodType(_patched_generate, self.model)
         setattr(self.model, _ATTR, self)
 
+    def _restore(self, obj: Any, name: str) -> None:
+        """Put back the instance attribute `name` of `obj` as it was before `_install` (none: deleted)."""
+        held = self._held.get((id(obj), name))
+        if held is not None:
+            setattr(obj, name, held)
+        elif name in obj.__dict__:
+            delattr(obj, name)
+
     def _uninstall(self) -> None:
         for a in self._attn:
             if a.module.__dict__.get(a.slot) is a:
-                if a.slot == "forward":
-                    del a.module.forward
-                else:
-                    setattr(a.module, a.slot, a.original)
+                self._restore(a.module, a.slot)
         if "forward" in self._base.__dict__:
-            del self._base.forward
+            self._restore(self._base, "forward")
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         if self._generate is not None and "generate" in self.model.__dict__:
-            del self.model.generate
+            self._restore(self.model, "generate")
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
 

@@ -177,7 +177,11 @@ def test_the_log_says_why_the_hot_buffer_has_its_size(model: torch.nn.Module,
     for over, words in ((dict(hot_rows=None), "hot buffer 32 rows (the default: 2 x index_topk)"),
                         (dict(hot_rows=None, speculative_tokens=3),
                          "hot buffer 80 rows (the default: (speculative_tokens + 2) x index_topk)"),
-                        (dict(hot_rows=48), "hot buffer 48 rows (hot_rows=48)")):
+                        (dict(hot_rows=48), "hot buffer 48 rows (hot_rows=48)"),
+                        # before: "hot buffer 64 rows (the default: 2 x index_topk)", with index_topk 16
+                        (dict(hot_rows=None, block_size=64),
+                         "hot buffer 64 rows (the default: 2 x index_topk = 32, rounded up to whole pages of "
+                         "block_size=64)")):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hisparse_transformers.engine"):
             hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3, **over)).close()

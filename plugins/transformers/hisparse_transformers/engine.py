@@ -260,11 +260,13 @@ class HiSparseEngine:
         self.spec_rows = spec + 1          # query rows per request a verification step resolves as one union
         # Default: 2 x top-k, and (k + 2) x top-k for k speculative tokens (the production shape of
         # 3 tokens is 5 x top-k): the union of the k + 1 rows plus one top-k of reuse across steps.
-        hot_rows = c.hot_rows if c.hot_rows is not None else _cdiv(max(2, spec + 2) * top_k, bs) * bs
+        base = max(2, spec + 2) * top_k
+        hot_rows = c.hot_rows if c.hot_rows is not None else _cdiv(base, bs) * bs
+        rounded = f" = {base}, rounded up to whole pages of block_size={bs}" if hot_rows != base else ""
         #: why the hot buffer has its size (the engine's log line says it)
         self.hot_rows_reason = (f"hot_rows={c.hot_rows}" if c.hot_rows is not None else
-                                "the default: (speculative_tokens + 2) x index_topk" if spec else
-                                "the default: 2 x index_topk")
+                                f"the default: (speculative_tokens + 2) x index_topk{rounded}" if spec else
+                                f"the default: 2 x index_topk{rounded}")
         if hot_rows % bs:
             raise InvalidInputError(f"hot_rows={hot_rows} must be a multiple of block_size={bs}")
         largest = MAX_HOT_ROWS // bs * bs
@@ -274,7 +276,7 @@ class HiSparseEngine:
                                         f"expected hot_rows <= {largest}")
             raise InvalidInputError(
                 f"speculative_tokens={spec} makes the default hot buffer ({spec} + 2) x index_topk={top_k} = "
-                f"{hot_rows} rows, over a runtime's {MAX_HOT_ROWS}-row hot buffer: expected speculative_tokens <= "
+                f"{base} rows{f' ({hot_rows} in whole pages)' if rounded else ''}, over a runtime's {MAX_HOT_ROWS}-row hot buffer: expected speculative_tokens <= "
                 f"{max(0, largest // top_k - 2)}, or hot_rows between (speculative_tokens + 1) x index_topk and "
                 f"{largest}")
         if spec and hot_rows < self.spec_rows * top_k:

@@ -24,17 +24,38 @@ COLOR = {"hisparse": "tab:blue", "all-resident": "tab:orange"}
 TARGET = {"benign": 1.05, "code": 1.15}
 
 
+#: What every row drawn must carry (bench_serving.py's rows do).
+NEEDED = ("mode", "context", "batch", "step_ms")
+
+
 def load(paths: list[str]) -> list[dict[str, Any]]:
+    """The hisparse and all-resident rows of bench_serving.py's files; ValueError naming the file
+    and the row where one is not such a file."""
     rows: list[dict[str, Any]] = []
     for p in paths:
         text = Path(p).read_text()
-        if text.lstrip().startswith("["):
+        try:
             data = json.loads(text)
-        else:   # bench_serving.py's stdout: one JSON row a line as it goes (what a cut-short run leaves)
-            data = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        except ValueError:   # bench_serving.py's stdout: one JSON row a line as it goes (a cut-short run's)
+            data = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.startswith("{"):
+                    try:
+                        data.append(json.loads(line))
+                    except ValueError as exc:
+                        raise ValueError(f"{p}: line {n} is not JSON ({exc}); expected the JSON list "
+                                         "bench_serving.py --json writes, or its stdout") from None
         if not isinstance(data, list):
-            raise ValueError(f"{p}: expected the JSON list bench_serving.py --json writes, or its stdout")
-        rows += [r for r in data if r.get("step_ms") and r.get("mode") in COLOR]
+            raise ValueError(f"{p}: a JSON {'object' if isinstance(data, dict) else type(data).__name__}; "
+                             "expected the JSON list bench_serving.py --json writes, or its stdout")
+        for n, r in enumerate(data, 1):
+            if not isinstance(r, dict):
+                raise ValueError(f"{p}: row {n} is {json.dumps(r)[:40]}; expected an object of bench_serving.py")
+            if r.get("step_ms") and r.get("mode") in COLOR:
+                if missing := [k for k in NEEDED if k not in r]:
+                    raise ValueError(f"{p}: row {n} has no {', '.join(sorted(missing))}; expected the fields of "
+                                     "bench_serving.py's rows")
+                rows.append(r)
     if not rows:
         raise ValueError(f"no hisparse or all-resident rows with a step time in {paths}")
     return rows
@@ -99,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = load(a.json)
     except (OSError, ValueError) as exc:
         print(f"plot_serving_regimes: {exc}", file=sys.stderr)
+        return 2
+    from hisparse_core.cli.options import check_output_path, check_plot_path
+
+    # Before the table: a plot or fragment that cannot be written would end the run after it.
+    if why := check_plot_path(a.png, "--png") or (
+            a.results_fragment and check_output_path("--results-fragment", a.results_fragment)):
+        print(f"plot_serving_regimes: {why}", file=sys.stderr)
         return 2
     import matplotlib
 

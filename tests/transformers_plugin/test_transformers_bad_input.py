@@ -278,6 +278,11 @@ def test_a_length_that_is_no_whole_number_is_refused_before_the_prefill(model: t
         assert hs.stats().requests == 0 and hs.stats().prefill_tokens == 0
         # whole floats are what transformers reads as ints: served
         assert model.generate(ids, attention_mask=mask, max_new_tokens=2.0, do_sample=False).shape == (2, 14)
+        # and so are a numpy integer and a 0-dim integer tensor (before: refused, "expected an int >= 1")
+        import numpy as np
+
+        for two in (np.int64(2), torch.tensor(2)):
+            assert model.generate(ids, attention_mask=mask, max_new_tokens=two, do_sample=False).shape == (2, 14)
 
 
 def test_copying_or_pickling_an_enabled_model_or_its_cache_is_refused_in_one_line(model: torch.nn.Module) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import os
 import time
 import types
@@ -629,9 +630,22 @@ def _check_lengths(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
         value = _setting(model, kwargs, name)
         if value is None:
             continue
-        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        if isinstance(value, bool) or not whole or value < 1:
+        whole = _whole(value)
+        if whole is None or whole < 1:
             raise InvalidInputError(f"{name}={value!r}: expected an int >= 1")
+
+
+def _whole(value: object) -> int | None:
+    """`value` as the int transformers reads it as (an int, a whole float, a numpy integer or a
+    one-element integer tensor), else None (a bool, a fraction, anything else)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    try:
+        return operator.index(value)   # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _check_prefill_chunk(handle: HiSparseHandle, kwargs: dict[str, Any], width: int) -> None:

@@ -123,6 +123,21 @@ def test_close_puts_back_what_the_instances_held_before_enable() -> None:
     assert "forward" not in m.model.layers[0].self_attn.__dict__ and not hasattr(m, "_hisparse_handle")
 
 
+
+def test_the_padding_a_generation_config_names_is_masked_as_transformers_masks_it(model: torch.nn.Module,
+                                                                                   family: str) -> None:
+    """No attention_mask: generate infers it from the pad token of the generation_config passed.
+    Before: hisparse read the model's own pad token (0) and the call's kwargs only, took the
+    padding (5) for prompt tokens, and decoded other tokens than the model's own."""
+    from transformers import GenerationConfig
+
+    ids, _ = random_prompts([9, 6], seed=4, pad_id=5)
+    config = GenerationConfig(pad_token_id=5, max_new_tokens=3, do_sample=False)
+    theirs = model.generate(ids, generation_config=config)
+    with hisparse_transformers.enable(model, **enable_kwargs(family, check=False)):
+        assert torch.equal(model.generate(ids, generation_config=config), theirs)
+
+
 def _plant_in_decode(hs: hisparse_transformers.HiSparseHandle, layer: int, planted: dict[str, int]) -> None:
     """After a decode step, corrupt the host row of a position this step read from a host-only page,
     and drop its hot copy (as a recycled host block would be), so the next read misses and reloads."""

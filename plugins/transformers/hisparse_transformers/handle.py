@@ -587,10 +587,10 @@ class HiSparseHandle:
 
 
 def _prompt_mask(model: torch.nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-    """The attention mask generate would infer when none is given (padding tokens, unless pad == eos)."""
-    gen = getattr(model, "generation_config", None)
-    pad = kwargs.get("pad_token_id", getattr(gen, "pad_token_id", None))
-    eos = kwargs.get("eos_token_id", getattr(gen, "eos_token_id", None))
+    """The attention mask generate would infer when none is given (padding tokens, unless pad ==
+    eos), from the settings as generate resolves them (the call's, its generation_config's, the model's)."""
+    pad = _setting(model, kwargs, "pad_token_id")
+    eos = _setting(model, kwargs, "eos_token_id")
     eos_ids = set(eos if isinstance(eos, Sequence) else [eos]) if eos is not None else set()
     if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
         return (input_ids != pad).to(torch.long)

@@ -145,14 +145,17 @@ def parse_subsets(spec: str, refs: list[list[int]]) -> list[str | list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hisparse_core.cli.options import MAX_SEED, MAX_TOP_K, CliParser, float_in, int_in
+
+    p = CliParser(prog="bench_prefetch_locality", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--geometries", default="32768:43,131072:18", help="comma list of CONTEXT:BATCH")
     p.add_argument("--regimes", default="code,benign")
     p.add_argument("--references", default="spread/20,21,22,23",
                    help="'/'-separated reference-layer lists ('spread' or LAYERS ascending layers of 61)")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--gpu-kv-gib", type=float, default=3.0)
-    p.add_argument("--top-k", type=int, default=2048)
+    p.add_argument("--gpu-kv-gib", type=float_in(0.0, 65536.0, lo_open=True), default=3.0)
+    p.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=2048)
     p.add_argument("--resident-pages", type=int, default=-1,
                    help="resident pages a request, without bench_serving's sizing (-1: from it)")
     p.add_argument("--hot-rows", type=int, default=0,
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fill-chunk", type=int, default=1024, help="the sizing's prefill chunk (bench_serving's)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="measured steps after the warm-up")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
     p.add_argument("--plans", default="off,next,next+wrap", help=f"comma list of {', '.join(PLANS)} (module docstring)")
     p.add_argument("--subsets", default="",
                    help="'/'-separated: 'all' or reference-layer lists of this run, each printed after a row as a "

@@ -133,3 +133,21 @@ def test_a_bad_subset_is_one_line(run, value: str, says: str) -> None:
     out = run(*MIX, "--plans", "off", "--subsets", value)
     assert out.returncode == 2 and out.stdout == "", out.stdout
     assert out.stderr.count("\n") == 1 and f"--subsets={value!r}" in out.stderr and says in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--top-k", "0", "expected an integer in [1, 65536], got 0"),
+    ("--seed", "-1", "expected an integer in [0, 4294967295], got -1"),
+    ("--gpu-kv-gib", "nan", "expected a number in (0, 65536], got nan"),
+    ("--gpu-kv-gib", "inf", "expected a number in (0, 65536], got inf"),
+])
+def test_a_bad_number_is_one_line_naming_the_flag(bench, capsys: pytest.CaptureFixture[str], flag: str, value: str,
+                                                  says: str) -> None:
+    """`--top-k 0`, `--seed -1` and `--gpu-kv-gib inf` ended in a ValueError or OverflowError traceback;
+    `--gpu-kv-gib nan` in 'cannot convert float NaN to integer', naming no flag."""
+    with pytest.raises(SystemExit) as exit_:
+        bench.main([*TINY, flag, value])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"bench_prefetch_locality: error: argument {flag}: {says} (see bench_prefetch_locality " \
+                                "--help)\n"

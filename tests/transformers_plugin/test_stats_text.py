@@ -33,6 +33,7 @@ def test_the_text_is_short_and_names_the_figures() -> None:
         assert str(getattr(s, name)) in text, name
     assert "resident layers" not in text and "prefetched" not in text and "assisted" not in text
     assert repr(s).startswith("HiSparseStats(backend='nvidia'")   # the repr keeps every field
+    assert ": 1 request, decode" in str(_stats(requests=1))         # before: "1 requests"
 
 
 def test_optional_lines_appear_when_their_feature_ran() -> None:

@@ -96,7 +96,8 @@ class HiSparseStats:
     def __str__(self) -> str:
         """A few lines for `print(hs.stats())`; the fields themselves (and `to_json`) hold every figure."""
         lines = [
-            f"hisparse on {self.backend} ({self.device}): {self.requests} requests, decode {self.decode_mode}",
+            f"hisparse on {self.backend} ({self.device}): {self.requests} request{'' if self.requests == 1 else 's'}, "
+            f"decode {self.decode_mode}",
             f"  tokens: {self.prefill_tokens} prefilled ({self.prefill_tokens_per_s:.1f}/s, "
             f"{self.prefix_hit_tokens} more served by prefix hits), {self.decode_tokens} decoded "
             f"({self.decode_tokens_per_s:.1f}/s)",

@@ -121,6 +121,10 @@ def test_close_puts_back_what_the_instances_held_before_enable() -> None:
         assert m.__dict__["generate"] is not held[2]
     assert (m.model.__dict__["forward"], attention.__dict__["forward"], m.__dict__["generate"]) == held
     assert "forward" not in m.model.layers[0].self_attn.__dict__ and not hasattr(m, "_hisparse_handle")
+    # a generate the caller set while enabled is theirs: close leaves it
+    with hisparse_transformers.enable(m, **enable_kwargs(family, check=False)):
+        m.generate = later = lambda *args, **kwargs: "later"   # type: ignore[method-assign]
+    assert m.__dict__["generate"] is later
 
 
 

@@ -298,7 +298,8 @@ class HiSparseHandle:
         self.graphs = DecodeGraphs(engine, cuda_graphs, model, checking=checker is not None)
         self.cache_kwarg = cache_kwarg(model)
         self._hooks: list[Any] = []
-        self._held: dict[tuple[int, str], Any] = {}
+        self._held: dict[tuple[int, str], Any] = {}         # what the instances held before `_install`
+        self._installed: dict[str, Any] = {}                # what `_install` put on the base model and the model
         self._generate: Callable[..., Any] | None = None
         self._weights = _weights_seen(model)
         self.closed = False
@@ -323,12 +324,12 @@ class HiSparseHandle:
                 return self._split_forward(original, cache, kwargs)
             return self.graphs.forward(original, cache, args, kwargs)
 
-        self._base.forward = base_forward
+        self._base.forward = self._installed["forward"] = base_forward
         self._hooks.append(self._base.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._hooks.append(self._base.register_forward_hook(self._post_forward, with_kwargs=True))
         if hasattr(self.model, "generate"):
             self._generate = self.model.generate
-            self.model.generate = types.MethodType(_patched_generate, self.model)
+            self.model.generate = self._installed["generate"] = types.MethodType(_patched_generate, self.model)
         setattr(self.model, _ATTR, self)
 
     def _restore(self, obj: Any, name: str) -> None:
@@ -343,12 +344,12 @@ class HiSparseHandle:
         for a in self._attn:
             if a.module.__dict__.get(a.slot) is a:
                 self._restore(a.module, a.slot)
-        if "forward" in self._base.__dict__:
+        if self._base.__dict__.get("forward") is self._installed.get("forward"):
             self._restore(self._base, "forward")
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._generate is not None and "generate" in self.model.__dict__:
+        if "generate" in self._installed and self.model.__dict__.get("generate") is self._installed["generate"]:
             self._restore(self.model, "generate")
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)

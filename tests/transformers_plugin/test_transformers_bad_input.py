@@ -116,6 +116,16 @@ def test_a_backend_that_is_no_name_or_instance_names_the_keyword(model: torch.nn
     assert text.startswith(f"backend={bad!r}: expected a hisparse backend's name"), text
     assert untouched(model)
 
+
+def test_an_unknown_backend_name_names_the_keyword(model: torch.nn.Module) -> None:
+    """Before: "no hisparse backend named 'nope'; available: ..." (the registry's words, without the keyword)."""
+    from hisparse_core.errors import BackendNotFoundError
+
+    with pytest.raises(BackendNotFoundError) as err:
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", backend="nope"))
+    assert one_line(err.value).startswith("backend='nope': no hisparse backend named 'nope'"), str(err.value)
+    assert untouched(model)
+
 def test_right_padding_and_too_many_prompts(model: torch.nn.Module) -> None:
     with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3)):
         ids = torch.randint(2, 100, (2, 6))

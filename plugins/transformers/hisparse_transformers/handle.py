@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hisparse_core.backend import Backend
-from hisparse_core.errors import HiSparseError, InvalidInputError
+from hisparse_core.errors import BackendError, HiSparseError, InvalidInputError
 from hisparse_core.registry import ENV_BACKEND, get_registry, select_backend
 from hisparse_transformers.assisted import AssistedPlan, assisted_plan
 from hisparse_transformers.attention import NO_COPY, HiSparseAttention
@@ -963,8 +963,13 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
         chosen = backend
     elif backend in (None, "auto") and not _backend_env():
         chosen = _auto_backend_on(weight.device)
+    elif backend in (None, "auto"):
+        chosen = select_backend(None)       # $HISPARSE_BACKEND: its error names the variable
     else:
-        chosen = select_backend(None if backend in (None, "auto") else backend)
+        try:
+            chosen = select_backend(backend)
+        except BackendError as exc:
+            raise type(exc)(f"backend={backend!r}: {exc}") from None
     backends = [_backend_on(chosen, dev, placement.spread) for dev in placement.devices]
     ranks = tensor_parallel(model, tp, share_host_pool, pool_name)
     if synthetic_topk is not None and (placement.spread or ranks is not None):

@@ -686,7 +686,7 @@ def _max_new_tokens(model: torch.nn.Module, kwargs: dict[str, Any], prompt_width
     from transformers import GenerationConfig
 
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
-    default = int(defaults()["max_length"]) if callable(defaults) else int(GenerationConfig().max_length)
+    default = int(defaults()["max_length"]) if callable(defaults) else int(GenerationConfig().max_length or 20)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return max(0, min(prompt_width + default, limit) - prompt_width) if limit is not None else default
 

@@ -173,8 +173,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if (smoke or args.fp32) else torch.bfloat16
     geometry = TINY if smoke else GEOMETRY
-    contexts = [int(x) for x in args.contexts.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    contexts, batches = args.contexts, args.batches
     model = build_model(geometry, args.layers, max(contexts) + args.new + 64, device, dtype)
     if device == "cuda" and dtype == torch.float32:
         # torch's float32 grouped_mm reads its group offsets on the host, so no decode step could be
@@ -253,28 +252,66 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
+    """argparse type: comma-separated integers, each in [lo, hi]."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or not all(lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers in [{lo}, {hi}], got {text!r}")
+        return values
+
+    return parse
+
+
+#: What --smoke sets (a tiny geometry on the CPU) where the flag is not given.
+SMOKE = {"contexts": [120], "batches": [1, 3], "new": 8, "layers": 2, "block_size": 4, "prefill_chunk": 16,
+         "gpu_slack": 8, "backend": "reference_cpu"}
+#: The defaults without --smoke.
+DEFAULTS = {"contexts": [32768], "batches": [1, 8], "new": 64, "layers": 4, "block_size": 64, "prefill_chunk": 256,
+            "gpu_slack": 64, "backend": "auto"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", default="32768")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--k", type=int, default=3, help="candidate tokens per verification step")
-    p.add_argument("--ngram", type=int, default=2, help="tokens the lookup matches")
-    p.add_argument("--new", type=int, default=64, help="tokens decoded per row")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--gpu-slack", type=int, default=64, help="GPU blocks above the smallest budget the engine accepts")
-    p.add_argument("--backend", default="auto")
+    from hisparse_core.cli.options import (
+        MAX_BLOCK_SIZE,
+        MAX_LAYERS,
+        MAX_REQUESTS,
+        MAX_SEED,
+        MAX_TOKENS,
+        CliParser,
+        check_output_path,
+        int_in,
+    )
+
+    d = DEFAULTS
+    p = CliParser(prog="bench_assisted", description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int_list(1, MAX_TOKENS), help=f"default: {d['contexts'][0]}")
+    p.add_argument("--batches", type=int_list(1, MAX_REQUESTS), help="default: 1,8")
+    p.add_argument("--k", type=int_in(1, 64), default=3, help="candidate tokens per verification step")
+    p.add_argument("--ngram", type=int_in(1, MAX_TOKENS), default=2, help="tokens the lookup matches")
+    p.add_argument("--new", type=int_in(1, MAX_TOKENS), help=f"tokens decoded per row (default: {d['new']})")
+    p.add_argument("--layers", type=int_in(1, MAX_LAYERS), help=f"default: {d['layers']}")
+    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), help=f"default: {d['block_size']}")
+    p.add_argument("--prefill-chunk", type=int_in(1, MAX_TOKENS), help=f"default: {d['prefill_chunk']}")
+    p.add_argument("--gpu-slack", type=int_in(0, 1 << 24),
+                   help=f"GPU blocks above the smallest budget the engine accepts (default: {d['gpu_slack']})")
+    p.add_argument("--backend", help=f"default: {d['backend']}")
     p.add_argument("--fp32", action="store_true", help="fp32 weights (default bf16)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
     p.add_argument("--json", help="write every figure to this file")
-    p.add_argument("--smoke", action="store_true", help="tiny geometry on the CPU, short contexts (a smoke test)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny geometry on the CPU, short contexts (a smoke test); flags given override its values")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.contexts, args.batches, args.new, args.layers = "120", "1,3", 8, 2
-        args.block_size, args.prefill_chunk, args.gpu_slack = 4, 16, 8
-        args.backend = "reference_cpu"
-    elif not torch.cuda.is_available():
+    if args.json and (why := check_output_path("--json", args.json)):
+        p.exit(2, f"bench_assisted: error: {why} (see bench_assisted --help)\n")
+    for key, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not args.smoke and not torch.cuda.is_available():
         print("bench_assisted: no CUDA device; run with --smoke for the CPU smoke test", file=sys.stderr)
         return 2
     results = run(args)

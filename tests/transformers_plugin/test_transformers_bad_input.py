@@ -457,3 +457,21 @@ def test_a_generation_config_gets_no_deprecation_warning_for_hisparse_s_prefill_
         tf_logger.removeHandler(handler)
     assert not [m for m in seen if "deprecated" in m], seen
     assert config.prefill_chunk_size is None          # the caller's config is left as it was
+
+
+def test_a_generation_config_given_by_position_is_read_as_the_keyword_is(model: torch.nn.Module) -> None:
+    """`model.generate(ids, config)`: generate's second parameter is `generation_config`. Before:
+    hisparse read only the keyword, so admission reserved transformers' default 20 new tokens
+    (a CapacityError after the prefill, naming handle.new_cache) and beam search was refused late,
+    as a batch of 4 rows for 2 prompts."""
+    from transformers import GenerationConfig
+
+    ids, mask = random_prompts([12, 9], seed=2)
+    config = GenerationConfig(max_new_tokens=22, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, config, attention_mask=mask)
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", check=False)) as hs:
+        assert torch.equal(model.generate(ids, config, attention_mask=mask), want)
+        with pytest.raises(InvalidInputError) as err:
+            model.generate(ids, GenerationConfig(max_new_tokens=2, num_beams=2, pad_token_id=0), attention_mask=mask)
+        assert one_line(err.value).startswith("num_beams=2: hisparse runs one request per prompt row")
+        assert hs.stats().requests == 2

@@ -18,6 +18,7 @@ releases the host pool.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import operator
 import os
@@ -691,10 +692,27 @@ def _max_new_tokens(model: torch.nn.Module, kwargs: dict[str, Any], prompt_width
     return max(0, min(prompt_width + default, limit) - prompt_width) if limit is not None else default
 
 
+def _by_name(generate: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`generate`'s arguments with each positional one after the prompts given by its name, so that
+    a `generation_config` (or `assistant_model`) passed by position is read as the keyword is; as
+    they came where the names do not fit (transformers then raises its own TypeError)."""
+    if len(args) < 2:
+        return args, kwargs
+    try:
+        named = list(inspect.signature(generate).parameters.values())[1:len(args)]
+    except (TypeError, ValueError):
+        return args, kwargs
+    if len(named) < len(args) - 1 or any(p.kind is not p.POSITIONAL_OR_KEYWORD or p.name in kwargs for p in named):
+        return args, kwargs
+    return args[:1], {**kwargs, **{p.name: value for p, value in zip(named, args[1:], strict=True)}}
+
+
 def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     handle: HiSparseHandle = getattr(model, _ATTR)
     original = handle._generate
     assert original is not None
+    args, kwargs = _by_name(original, args, kwargs)
     given = kwargs.get("cache", kwargs.get("past_key_values"))
     if given is not None and not isinstance(given, HiSparseCache):
         return original(*args, **kwargs)          # the caller asked for another cache: the model's own path

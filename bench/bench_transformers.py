@@ -521,30 +521,83 @@ def table(rows: list[dict[str, Any]]) -> str:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batches", default="1,4,16")
-    p.add_argument("--contexts", default="32768,131072")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--hot-rows", type=int, default=0, help="0: 2x top-k")
-    p.add_argument("--fill-chunk", type=int, default=256, help="tokens per fill step (also the engine's prefill chunk)")
+def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
+    """argparse type: comma-separated integers, each in [lo, hi]."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or not all(lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers in [{lo}, {hi}], got {text!r}")
+        return values
+
+    return parse
+
+
+MODES = ("hisparse", "hisparse-eager", "transformers")
+#: What --tiny sets (a tiny geometry on the CPU) where the flag is not given, and the defaults without it.
+TINY_ARGS = {"batches": [1, 2], "contexts": [256], "block_size": 4, "steps": 3, "warmup": 1, "fill_chunk": 32}
+DEFAULTS = {"batches": [1, 4, 16], "contexts": [32768, 131072], "block_size": 64, "steps": 10, "warmup": 3,
+            "fill_chunk": 256}
+
+
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, every one checked (one line and exit 2 for a bad one), --tiny's values filling
+    only those not given."""
+    from hisparse_core.cli.options import (
+        MAX_BLOCK_SIZE,
+        MAX_LAYERS,
+        MAX_REQUESTS,
+        MAX_SEED,
+        MAX_STEPS,
+        MAX_TOKENS,
+        CliParser,
+        check_output_path,
+        int_in,
+    )
+    from hisparse_core.geometry import MAX_HOT_ROWS
+
+    def modes(text: str) -> list[str]:
+        if not text or not set(text.split(",")) <= set(MODES):
+            raise argparse.ArgumentTypeError(f"expected comma-separated modes of {', '.join(MODES)}, got {text!r}")
+        return text.split(",")
+
+    d = DEFAULTS
+    p = CliParser(prog="bench_transformers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int_in(1, MAX_LAYERS), default=4)
+    p.add_argument("--batches", type=int_list(1, MAX_REQUESTS), help="default: 1,4,16")
+    p.add_argument("--contexts", type=int_list(1, MAX_TOKENS), help="default: 32768,131072")
+    p.add_argument("--steps", type=int_in(1, MAX_STEPS), help=f"default: {d['steps']}")
+    p.add_argument("--warmup", type=int_in(0, MAX_STEPS), help=f"default: {d['warmup']}")
+    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), help=f"default: {d['block_size']}")
+    p.add_argument("--hot-rows", type=int_in(0, MAX_HOT_ROWS), default=0, help="0: 2x top-k")
+    p.add_argument("--fill-chunk", type=int_in(1, MAX_TOKENS),
+                   help=f"tokens per fill step (also the engine's prefill chunk; default: {d['fill_chunk']})")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--modes", default="hisparse,transformers",
+    p.add_argument("--modes", type=modes, default="hisparse,transformers",
                    help="of hisparse (decode captured in CUDA graphs where it can be), hisparse-eager, transformers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
     p.add_argument("--json", help="write every figure to this file")
-    p.add_argument("--tiny", action="store_true", help="tiny geometry on the CPU (a smoke test of this script)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny geometry on the CPU (a smoke test of this script); flags given override its values")
     a = p.parse_args(argv)
+    for key, value in (TINY_ARGS if a.tiny else DEFAULTS).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.hot_rows % a.block_size:
+        p.error(f"argument --hot-rows: expected 0 (2x top-k) or a multiple of --block-size {a.block_size}, "
+                f"got {a.hot_rows}")
+    if a.json and (why := check_output_path("--json", a.json)):
+        p.exit(2, f"bench_transformers: error: {why} (see bench_transformers --help)\n")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = options(argv)
     device = "cpu" if a.tiny else "cuda"
-    if a.tiny:
-        a.batches, a.contexts, a.block_size, a.steps, a.warmup = "1,2", "256", 4, 3, 1
-        a.fill_chunk = min(a.fill_chunk, 32)
-    batches = [int(x) for x in a.batches.split(",")]
-    contexts = [int(x) for x in a.contexts.split(",")]
-    modes = a.modes.split(",")
+    batches, contexts, modes = a.batches, a.contexts, a.modes
     import transformers
 
     model = build_model(TINY if a.tiny else GEOMETRY, a.layers, max(contexts) + 64, device,

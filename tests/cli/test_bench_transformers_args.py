@@ -1,0 +1,45 @@
+"""`python bench/bench_transformers.py --tiny` (the script's CPU smoke test): a bad value is one line
+naming the flag, exit 2, before the model is built; flags given beside --tiny are the ones that run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bench_scripts import imported
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_transformers.py"
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--steps", "0"], "argument --steps: expected an integer in [1, 16777216], got 0"),
+    (["--layers", "-1"], "argument --layers: expected an integer in [1, 1024], got -1"),
+    (["--batches", "abc"], "argument --batches: expected comma-separated integers in [1, 65536], got 'abc'"),
+    (["--modes", "hisparse,fast"], "argument --modes: expected comma-separated modes of hisparse, hisparse-eager, "
+                                   "transformers, got 'hisparse,fast'"),
+    (["--hot-rows", "10"], "argument --hot-rows: expected 0 (2x top-k) or a multiple of --block-size 4, got 10"),
+    (["--json", "/nonexistent-folder/x.json"], "--json '/nonexistent-folder/x.json': the folder "
+                                               "'/nonexistent-folder' does not exist"),
+])
+def test_a_bad_value_is_one_line_before_any_work(argv: list[str], line: str, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--steps 0`, `--layers -1`, `--batches abc` and `--modes hisparse,fast` ended in tracebacks (the
+    model built first for most); `--json` into a missing folder in a FileNotFoundError's after the run."""
+    with imported(SCRIPT) as script:
+        monkeypatch.setattr(script, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+        with pytest.raises(SystemExit) as exit_:
+            script.main(["--tiny", *argv])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"bench_transformers: error: {line} (see bench_transformers --help)\n"
+
+
+def test_flags_given_beside_tiny_are_the_ones_that_run() -> None:
+    """`--tiny --steps 7 --batches 4 --fill-chunk 64` ran 3 steps at batches 1,2 and a fill chunk of 32:
+    every flag given was dropped without a word."""
+    with imported(SCRIPT) as script:
+        a = script.options(["--tiny", "--steps", "7", "--batches", "4", "--fill-chunk", "64"])
+    assert (a.steps, a.batches, a.fill_chunk) == (7, [4], 64)
+    assert (a.contexts, a.block_size, a.warmup) == ([256], 4, 1)  # the tiny's

@@ -478,6 +478,11 @@ def fmt_ms(x: Any) -> str:
     return "-" if x is None or x != x else f"{x:.2f}"
 
 
+def config_label(batch: int, context: int) -> str:
+    """`B=8 T=32K`; a context below 1K in tokens (--tiny's 256 read `T=0K`)."""
+    return f"B={batch} T={context // 1024}K" if context >= 1024 and not context % 1024 else f"B={batch} T={context}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     from hisparse_core.replay.report import human_bytes, render_grid
 
@@ -496,7 +501,7 @@ def table(rows: list[dict[str, Any]]) -> str:
               if "kv_bytes_per_request" in h and "kv_bytes_per_request" in base else "-")
         share = (f"{100 * (h['resolve_ms'] + h['gather_ms']) / h['step_ms']:.1f}%"
                  if "step_ms" in h and "resolve_ms" in h else "-")
-        body.append([f"B={b} T={t // 1024}K", ms(h), ms(e) if e else "-", ms(base) if base else "-", speed,
+        body.append([config_label(b, t), ms(h), ms(e) if e else "-", ms(base) if base else "-", speed,
                      "-" if "peak_gib" not in h else f"{h['peak_gib']:.1f}",
                      "OOM" if "oom" in base else ("-" if "peak_gib" not in base else f"{base['peak_gib']:.1f}"),
                      human_bytes(h["kv_bytes_per_request"]) if "kv_bytes_per_request" in h else "-",
@@ -514,7 +519,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                  "host_ahead")
         out += "\n\nhisparse eager, GPU timeline per step (ms, CUDA events around each part, launch gaps included)\n"
         out += render_grid(["config", *(n.replace("_", " ") for n in names)],
-                           [[f"B={b} T={t // 1024}K", *(fmt_ms(r.get(f"{n}_ms")) for n in names)] for b, t, r in eager])
+                           [[config_label(b, t), *(fmt_ms(r.get(f"{n}_ms")) for n in names)] for b, t, r in eager])
     out += ("\n\nhost critical: the engine's host ms per step outside the planning ahead (begin_step, end_step's "
             "acknowledgements and bookkeeping)\nhost ahead: end_step's planning of the next decode step, which runs "
             "after this step's forward is launched, while the device runs it (hisparse_core.coordinator.ahead)")

@@ -43,3 +43,9 @@ def test_flags_given_beside_tiny_are_the_ones_that_run() -> None:
         a = script.options(["--tiny", "--steps", "7", "--batches", "4", "--fill-chunk", "64"])
     assert (a.steps, a.batches, a.fill_chunk) == (7, [4], 64)
     assert (a.contexts, a.block_size, a.warmup) == ([256], 4, 1)  # the tiny's
+
+
+def test_a_context_below_1k_is_labelled_in_tokens() -> None:
+    """`--tiny`'s 256-token context was labelled `T=0K` in every row of the table."""
+    with imported(SCRIPT) as script:
+        assert [script.config_label(2, t) for t in (256, 32768, 1536)] == ["B=2 T=256", "B=2 T=32K", "B=2 T=1536"]

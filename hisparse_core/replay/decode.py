@@ -40,12 +40,14 @@ def capture_sizes(max_rows: int) -> list[int]:
 
 def graph_choice(backend: Backend, *, enabled: bool, validate: bool) -> tuple[bool, str]:
     """(capture CUDA graphs, why) for this backend and run."""
+    # What the backend cannot do first: where it cannot capture, --eager decides nothing.
+    flag = "" if enabled else "; --eager asks the same"
+    if Capability.CUDA_GRAPH not in backend.capabilities:
+        return False, f"backend {backend.name!r} does not declare {Capability.CUDA_GRAPH!r}{flag}"
+    if backend.device.type != "cuda":
+        return False, f"backend {backend.name!r} runs on {backend.device}, not a CUDA device{flag}"
     if not enabled:
         return False, "graphs turned off (--eager)"
-    if Capability.CUDA_GRAPH not in backend.capabilities:
-        return False, f"backend {backend.name!r} does not declare {Capability.CUDA_GRAPH!r}"
-    if backend.device.type != "cuda":
-        return False, f"backend {backend.name!r} runs on {backend.device}, not a CUDA device"
     if validate:
         return False, "--validate reads input values on the host, which a captured graph cannot"
     return True, f"backend {backend.name!r} declares {Capability.CUDA_GRAPH!r}"

@@ -421,3 +421,20 @@ def test_requests_never_admitted_are_counted_apart() -> None:
     line = next(x for x in out.getvalue().splitlines() if x.strip().startswith("requests "))
     assert line.split(None, 1)[1].strip() == ("1 admitted, 0 finished; 3 of 3 unfinished (2 never admitted): the run "
                                               "stopped at its 2-step limit (raise --steps to let them finish)"), line
+
+
+def test_the_decode_mode_is_put_down_to_what_decided_it() -> None:
+    """`hisparse run --eager` on reference_cpu logged `run eagerly (graphs turned off (--eager))`: the
+    backend cannot capture a graph, so the flag decided nothing; the log now names the backend, and
+    the flag beside it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hisparse_core.replay.decode import graph_choice
+
+    cpu = SimpleNamespace(name="reference_cpu", capabilities=frozenset(), device=torch.device("cpu"))
+    assert graph_choice(cpu, enabled=False, validate=False) == (  # type: ignore[arg-type]
+        False, "backend 'reference_cpu' does not declare 'cuda_graph'; --eager asks the same")
+    assert graph_choice(cpu, enabled=True, validate=True) == (  # type: ignore[arg-type]
+        False, "backend 'reference_cpu' does not declare 'cuda_graph'")

@@ -32,7 +32,6 @@ Run: python bench/bench_coordinator.py [--requests 256] [--context 131072] [--st
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
@@ -197,13 +196,15 @@ def measure(engine: BenchEngine, steps: int, workers: int) -> dict[str, float]:
                 **{k: v / steps for k, v in totals.items()})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--steps", type=int, default=512)
-    ap.add_argument("--workers", type=int, default=8)
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    from hisparse_core.cli.options import MAX_REQUESTS, MAX_STEPS, MAX_TOKENS, CliParser, int_in
+
+    ap = CliParser(prog="bench_coordinator", description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=256)
+    ap.add_argument("--context", type=int_in(1, MAX_TOKENS), default=131072)
+    ap.add_argument("--steps", type=int_in(1, MAX_STEPS), default=512)
+    ap.add_argument("--workers", type=int_in(1, 1024), default=8)
+    args = ap.parse_args(argv)
     pages = -(-(args.context + 1024) // 64)
     rows = []
     for name, pressure in (("resident", False), ("pressure", True)):

@@ -150,17 +150,29 @@ def decode_step(engine: Any, session: Any, token: torch.Tensor, resolve: bool) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=43)
-    p.add_argument("--context", type=int, default=32768)
+    from hisparse_core.cli.options import (
+        MAX_REQUESTS,
+        MAX_STEPS,
+        MAX_TOKENS,
+        CliParser,
+        check_backend_name,
+        float_in,
+        int_in,
+    )
+
+    p = CliParser(prog="bench_engine_host", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int_in(1, MAX_REQUESTS), default=43)
+    p.add_argument("--context", type=int_in(1, MAX_TOKENS), default=32768)
     p.add_argument("--mode", choices=("hisparse", "all-resident"), default="hisparse")
-    p.add_argument("--gpu-kv-gib", type=float, default=3.0)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--gpu-kv-gib", type=float_in(0.0, 65536.0, lo_open=True), default=3.0)
+    p.add_argument("--warmup", type=int_in(0, MAX_STEPS), default=5)
+    p.add_argument("--steps", type=int_in(1, MAX_STEPS), default=20)
     p.add_argument("--backend", default="reference_cpu")
     p.add_argument("--no-resolve", action="store_true", help="skip the resolver (host work only)")
-    p.add_argument("--profile", type=int, default=0, help="print cProfile's top N of the timed steps")
+    p.add_argument("--profile", type=int_in(0, 10_000), default=0, help="print cProfile's top N of the timed steps")
     a = p.parse_args(argv)
+    if why := check_backend_name(a.backend):
+        p.exit(2, f"bench_engine_host: error: {why}\n")
     t0 = time.perf_counter()
     engine = build(a.batch, a.context, a.mode, a.warmup + a.steps, a.gpu_kv_gib, a.backend)
     session = fill(engine, a.batch, a.context)

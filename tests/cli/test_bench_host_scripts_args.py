@@ -1,0 +1,32 @@
+"""`bench/bench_coordinator.py` and `bench/bench_engine_host.py` (CPU benchmarks of the host work): a bad
+value is one line naming the flag, exit 2, before anything is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bench_scripts import imported
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize(("script", "argv", "line"), [
+    ("bench_coordinator", ["--steps", "0"], "argument --steps: expected an integer in [1, 16777216], got 0"),
+    ("bench_coordinator", ["--requests", "0"], "argument --requests: expected an integer in [1, 65536], got 0"),
+    ("bench_coordinator", ["--workers", "0"], "argument --workers: expected an integer in [1, 1024], got 0"),
+    ("bench_coordinator", ["--context", "-1"], "argument --context: expected an integer in [1, 16777216], got -1"),
+    ("bench_engine_host", ["--steps", "0"], "argument --steps: expected an integer in [1, 16777216], got 0"),
+    ("bench_engine_host", ["--batch", "0"], "argument --batch: expected an integer in [1, 65536], got 0"),
+    ("bench_engine_host", ["--warmup", "-1"], "argument --warmup: expected an integer in [0, 16777216], got -1"),
+    ("bench_engine_host", ["--gpu-kv-gib", "nan"], "argument --gpu-kv-gib: expected a number in (0, 65536], got nan"),
+    ("bench_engine_host", ["--backend", "nope"], "--backend 'nope': no hisparse backend named 'nope'"),
+])
+def test_a_bad_value_is_one_line(script: str, argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each ended in a traceback (StatisticsError, InvalidInputError, ZeroDivisionError, ValueError,
+    BackendNotFoundError), or ran (`--context -1`, `--warmup -1`) on a value that means nothing."""
+    with imported(BENCH / f"{script}.py") as module, pytest.raises(SystemExit) as exit_:
+        module.main(argv)
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"{script}: error: {line}"), err

@@ -149,6 +149,13 @@ def decode_step(engine: Any, session: Any, token: torch.Tensor, resolve: bool) -
     engine.end_step(session)
 
 
+def hits_text(hits: int, looked: int) -> str:
+    """`hits 81.21%`, or n/a where no lookup went through the hot buffer (every entry resident)."""
+    from hisparse_core.replay.report import hit_rate
+
+    return f"hits {hit_rate(hits / looked if looked else 1.0, looked)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from hisparse_core.cli.options import (
         MAX_REQUESTS,
@@ -204,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     looked = (w["hits"] - stats0["hits"]) + (w["misses"] - stats0["misses"])
     print(f"{a.mode} B={a.batch} T={a.context}: GPU pool {engine.gpu_blocks} blocks; host critical {crit:.3f} ms, "
           f"ahead {ahead:.3f} ms per step (median of {a.steps}); released pages {engine.coordinator.stats().released_pages - released0} "
-          f"in {4 * a.steps} steps; hits {100 * (w['hits'] - stats0['hits']) / max(1, looked):.0f}%; "
+          f"in {4 * a.steps} steps; {hits_text(w['hits'] - stats0['hits'], looked)}; "
           f"total {time.perf_counter() - t0:.0f} s")
     print(f"  per step, host ms (mean) / tensor ops: engine critical {ms[0]:.3f} / {ops[0]:.0f}, worker after_forward "
           f"(backend mirrors) {ms[1]:.3f} / {ops[1]:.0f}, planning ahead {ms[2]:.3f} / {ops[2]:.0f}, top-k fill "

@@ -30,3 +30,11 @@ def test_a_bad_value_is_one_line(script: str, argv: list[str], line: str, capsys
     assert exit_.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"{script}: error: {line}"), err
+
+
+def test_a_hit_rate_of_no_lookup_is_not_0_percent() -> None:
+    """bench_engine_host printed `hits 0%` for a run where every entry was resident (no lookup went
+    through the hot buffer): a rate of nothing."""
+    with imported(BENCH / "bench_engine_host.py") as module:
+        assert module.hits_text(0, 0) == "hits n/a: no lookup went through the hot buffer (0 hits, 0 misses)"
+        assert module.hits_text(3, 4) == "hits 75.00%"

@@ -137,7 +137,9 @@ def test_right_padding_and_too_many_prompts(model: torch.nn.Module) -> None:
         long_ids = torch.randint(2, 100, (1, 200))
         for mask, words in ((torch.ones(1, 200, dtype=torch.long).index_fill_(1, torch.tensor([150]), 0),
                              "row 0 has a 0 at column 150 after a 1 at column 0 (of 200); expected left padding"),
-                            (torch.full((1, 200), 2), "row 0 holds 2 at column 0; expected left padding")):
+                            (torch.full((1, 200), 2), "row 0 holds 2 at column 0; expected left padding"),
+                            # before: cast to ints, 0.5 read as padding (a row of no prompt token)
+                            (torch.full((1, 200), 0.5), "row 0 holds 0.5 at column 0; expected left padding")):
             with pytest.raises(InvalidInputError) as err:
                 model.generate(long_ids, attention_mask=mask, max_new_tokens=2)
             assert words in one_line(err.value) and len(str(err.value)) < 200

@@ -92,7 +92,9 @@ def _auto_backend_on(device: torch.device) -> Backend:
 
 def left_padding(attention_mask: torch.Tensor) -> list[int]:
     """Left padding of each row of a 2-D 0/1 mask; `InvalidInputError` if a row is not left-padded."""
-    mask = attention_mask.detach().to("cpu", torch.int64)
+    mask = attention_mask.detach().to("cpu")
+    # a float mask keeps its values: cast to ints, 0.5 would read as padding (transformers attends to it)
+    mask = mask.to(torch.float64 if mask.is_floating_point() else torch.int64)
     if mask.dim() != 2:
         raise InvalidInputError(f"attention_mask has shape {tuple(mask.shape)}; expected [batch, tokens]")
     pads = []

@@ -82,6 +82,16 @@ def test_output_attentions_and_cache_implementation_are_refused(model: torch.nn.
             model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
         one_line(err.value)
         assert hs.engine.gpu.num_free_blocks == free and hs.stats().requests == 0
+        # the model's own setting is named as such; "hybrid", which transformers drops, is served (before: refused)
+        gen = model.generation_config
+        try:
+            gen.cache_implementation = "static"
+            with pytest.raises(InvalidInputError, match=r"^cache_implementation='static' \(from model.generation_config\)"):
+                model.generate(ids, attention_mask=mask, max_new_tokens=3)
+            gen.cache_implementation = "hybrid"
+            assert model.generate(ids, attention_mask=mask, max_new_tokens=3).shape == (2, 17)
+        finally:
+            gen.cache_implementation = None
         # The model's own attention still returns them when asked with its own cache.
         from transformers import DynamicCache
 

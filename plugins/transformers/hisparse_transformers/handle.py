@@ -747,10 +747,13 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                                     f"expected {name}=1, or pass your own cache (a DynamicCache) to run the model's "
                                     "own attention for this call")
     implementation = _setting(model, kwargs, "cache_implementation")
-    if implementation is not None:
-        raise InvalidInputError(f"cache_implementation={implementation!r} asks transformers to build its own cache, "
-                                "but hisparse supplies the cache; drop cache_implementation (or pass your own cache "
-                                "to run the model's own attention)")
+    if implementation not in (None, "hybrid"):        # transformers itself drops "hybrid" (a hub default)
+        where = ("" if kwargs.get("cache_implementation") is not None else " (from the generation_config passed)"
+                 if getattr(kwargs.get("generation_config"), "cache_implementation", None) is not None else
+                 " (from model.generation_config)")
+        raise InvalidInputError(f"cache_implementation={implementation!r}{where} asks transformers to build its own "
+                                "cache, but hisparse supplies the cache; drop cache_implementation (or pass your own "
+                                "cache to run the model's own attention)")
     plan = assisted_plan(model, kwargs, lambda name: _setting(model, kwargs, name))
     cache = given if given is not None else handle.new_cache()
     if cache.hisparse_engine is not handle.engine or cache.session is not None:

@@ -475,5 +475,6 @@ def test_a_generation_config_given_by_position_is_read_as_the_keyword_is(model: 
         assert torch.equal(model.generate(ids, config, attention_mask=mask), want)
         with pytest.raises(InvalidInputError) as err:
             model.generate(ids, GenerationConfig(max_new_tokens=2, num_beams=2, pad_token_id=0), attention_mask=mask)
-        assert one_line(err.value).startswith("num_beams=2: hisparse runs one request per prompt row")
+        assert one_line(err.value).startswith("num_beams=2 (from the generation_config passed): hisparse runs one "
+                                              "request per prompt row")
         assert hs.stats().requests == 2

@@ -626,6 +626,14 @@ def _setting(model: torch.nn.Module, kwargs: dict[str, Any], name: str) -> Any:
     return None
 
 
+def _source(kwargs: dict[str, Any], name: str) -> str:
+    """Where `_setting` found `name`, for a refusal: nothing for the call's own keyword."""
+    if kwargs.get(name) is not None:
+        return ""
+    given = getattr(kwargs.get("generation_config"), name, None) is not None
+    return " (from the generation_config passed)" if given else " (from model.generation_config)"
+
+
 def _check_lengths(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """One line for a `max_new_tokens` or `max_length` (the call's, else its generation config's)
     that is not a whole number >= 1: transformers runs 2.5 as 3 tokens, which admission would
@@ -742,18 +750,15 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     for name in ("num_beams", "num_return_sequences"):
         value = _setting(model, kwargs, name)
         if value is not None and value != 1:
-            raise InvalidInputError(f"{name}={value!r}: hisparse runs one request per prompt row and cannot copy or "
-                                    f"reorder a request's cached rows (beam search, several sequences a prompt); "
-                                    f"expected {name}=1, or pass your own cache (a DynamicCache) to run the model's "
-                                    "own attention for this call")
+            raise InvalidInputError(f"{name}={value!r}{_source(kwargs, name)}: hisparse runs one request per prompt "
+                                    "row and cannot copy or reorder a request's cached rows (beam search, several "
+                                    f"sequences a prompt); expected {name}=1, or pass your own cache (a DynamicCache) "
+                                    "to run the model's own attention for this call")
     implementation = _setting(model, kwargs, "cache_implementation")
     if implementation not in (None, "hybrid"):        # transformers itself drops "hybrid" (a hub default)
-        where = ("" if kwargs.get("cache_implementation") is not None else " (from the generation_config passed)"
-                 if getattr(kwargs.get("generation_config"), "cache_implementation", None) is not None else
-                 " (from model.generation_config)")
-        raise InvalidInputError(f"cache_implementation={implementation!r}{where} asks transformers to build its own "
-                                "cache, but hisparse supplies the cache; drop cache_implementation (or pass your own "
-                                "cache to run the model's own attention)")
+        raise InvalidInputError(f"cache_implementation={implementation!r}{_source(kwargs, 'cache_implementation')} "
+                                "asks transformers to build its own cache, but hisparse supplies the cache; drop "
+                                "cache_implementation (or pass your own cache to run the model's own attention)")
     plan = assisted_plan(model, kwargs, lambda name: _setting(model, kwargs, name))
     cache = given if given is not None else handle.new_cache()
     if cache.hisparse_engine is not handle.engine or cache.session is not None:

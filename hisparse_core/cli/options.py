@@ -240,12 +240,22 @@ def check_plot_path(path: str, flag: str = "--plot") -> str | None:
         return f"{flag} needs matplotlib, which cannot be imported ({exc}): pip install 'hisparse[plot]'"
     if why := check_output_path(flag, path, expected="a file name such as plot.png"):
         return why
+    import shutil
+
+    import matplotlib
     from matplotlib.backend_bases import FigureCanvasBase
 
     accepted = sorted(FigureCanvasBase.get_supported_filetypes())
+    # matplotlib writes .pgf through a TeX system; without one its savefig raises after the work.
+    tex = str(matplotlib.rcParams["pgf.texsystem"])
+    if not shutil.which(tex):
+        accepted.remove("pgf")
+    names = f"{', '.join('.' + a for a in accepted)} (no extension: PNG)"
+    if plot_format(path) == "pgf" and "pgf" not in accepted:
+        return f"{flag} {path!r}: matplotlib writes .pgf files through {tex}, which is not on PATH; expected a " \
+               f"name ending in {names}"
     if plot_format(path) not in accepted:
-        return (f"{flag} {path!r}: matplotlib cannot write .{plot_format(path)} files; expected a name ending in "
-                f"{', '.join('.' + a for a in accepted)} (no extension: PNG)")
+        return f"{flag} {path!r}: matplotlib cannot write .{plot_format(path)} files; expected a name ending in {names}"
     return None
 
 

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             write_plan_plot(plan, args.plot, sweep, plot_format(args.plot))
-        except (HiSparseError, OSError) as exc:
+        except (HiSparseError, OSError, RuntimeError, ValueError) as exc:  # a writer's own (a broken TeX)
             return fail("hisparse plan", f"--plot failed (figures above): {exc}")
         logger.info("plot written to %s (%s)", args.plot, plot_format(args.plot).upper())
     return 0

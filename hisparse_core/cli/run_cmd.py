@@ -426,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             write_plot(result, config, args.plot, plot_format(args.plot))
-        except (HiSparseError, OSError) as exc:
+        except (HiSparseError, OSError, RuntimeError, ValueError) as exc:  # a writer's own (a broken TeX)
             return fail("hisparse run", f"the run finished (figures above) but --plot failed: {exc}")
         logger.info("plot written to %s (%s)", args.plot, plot_format(args.plot).upper())
     return 0

@@ -60,6 +60,50 @@ def test_an_unsupported_plot_extension_is_refused_before_any_work(
 
 
 @pytest.mark.parametrize("command", [TINY, ["plan"]], ids=["run", "plan"])
+def test_a_pgf_plot_without_its_tex_is_refused_before_any_work(
+        command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib lists .pgf among the formats it writes, but writes it through a TeX system (xelatex):
+    without one, `plan --plot x.pgf` printed the table, then a RuntimeError traceback ('xelatex' not
+    found), and `run --plot x.pgf` did so after the whole run."""
+    pytest.importorskip("matplotlib")
+    import hisparse_core.planner as planner
+    import hisparse_core.replay.run as replay_run
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the work started although --plot cannot be written")
+
+    monkeypatch.setattr(replay_run, "run_replay", must_not_run)
+    monkeypatch.setattr(planner, "make_plan", must_not_run)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no TeX system on it
+    target = tmp_path / "x.pgf"
+    assert main([*command, "--plot", str(target)]) == 2
+    line = _err_line(capsys, f"hisparse {command[0]}")
+    assert f"--plot {str(target)!r}: matplotlib writes .pgf files through xelatex, which is not on PATH; " \
+           "expected a name ending in " in line, line
+    assert ".png" in line and ".pgf" not in line.split("expected", 1)[1]
+    assert not target.exists()
+
+
+def test_a_plot_writer_that_raises_after_the_table_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A matplotlib writer that fails with a RuntimeError (a TeX system that is there but broken) was a
+    traceback after the table; the docs promise one line there."""
+    pytest.importorskip("matplotlib")
+    import hisparse_core.planner_plot as planner_plot
+
+    def tex_fails(*args: object) -> None:
+        raise RuntimeError("xelatex failed: LaTeX Error: File `fontspec.sty' not found")
+
+    monkeypatch.setattr(planner_plot, "write_plan_plot", tex_fails)
+    assert main(["plan", "--plot", str(tmp_path / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "hisparse plan" in captured.out and "with hisparse" in captured.out
+    assert captured.err.splitlines() == ["hisparse plan: error: --plot failed (figures above): xelatex failed: LaTeX "
+                                         "Error: File `fontspec.sty' not found"]
+
+
+@pytest.mark.parametrize("command", [TINY, ["plan"]], ids=["run", "plan"])
 def test_an_empty_plot_name_is_refused_not_ignored(command: list[str], capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """`--plot ""` (an unset shell variable) used to run the whole command and write no plot, silently."""

@@ -54,3 +54,21 @@ def test_no_backend_on_the_device_leaves_the_registry_choice(monkeypatch: pytest
     monkeypatch.setattr(handle, "get_registry", lambda: _Registry(["gpu_a"]))
     monkeypatch.setattr(handle, "select_backend", lambda name=None: _Backend("gpu_a", torch.device("cuda", 0)))
     assert handle._auto_backend_on(torch.device("cpu")).name == "gpu_a"  # enable() then names the mismatch
+
+
+def test_a_bad_setting_of_a_backend_on_the_device_is_raised_not_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The registry raises a backend's check_settings refusal (HISPARSE_TRITON_SPLIT='7' ...) unchanged;
+    # passed over with an INFO line, the user's typo went unseen and another backend ran.
+    from hisparse_core.errors import InvalidInputError
+
+    devices = {"gpu_a": torch.device("cuda", 0), "cpu_tuned": torch.device("cpu"), "cpu_ref": torch.device("cpu")}
+
+    def select(name: str | None = None) -> _Backend:
+        if name == "cpu_tuned":
+            raise InvalidInputError("CPU_TUNED_KNOB='7' is not a knob value; expected 1 or 2")
+        return _Backend(name or "gpu_a", devices[name or "gpu_a"])
+
+    monkeypatch.setattr(handle, "get_registry", lambda: _Registry(["gpu_a", "cpu_tuned", "cpu_ref"]))
+    monkeypatch.setattr(handle, "select_backend", select)
+    with pytest.raises(InvalidInputError, match="CPU_TUNED_KNOB='7'"):
+        handle._auto_backend_on(torch.device("cpu"))

@@ -78,6 +78,8 @@ def _auto_backend_on(device: torch.device) -> Backend:
             continue
         try:
             candidate = select_backend(entry.name)
+        except InvalidInputError:
+            raise  # a bad setting of the backend's own (its check_settings): the user's to fix, not passed over
         except HiSparseError as exc:
             skipped.append(f"{entry.name} ({exc})")
             continue

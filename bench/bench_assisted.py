@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         MAX_SEED,
         MAX_TOKENS,
         CliParser,
+        check_backend_name,
         check_output_path,
         int_in,
     )
@@ -311,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.backend != "auto" and (why := check_backend_name(args.backend)):
+        p.exit(2, f"bench_assisted: error: {why}\n")
     if not args.smoke and not torch.cuda.is_available():
         print("bench_assisted: no CUDA device; run with --smoke for the CPU smoke test", file=sys.stderr)
         return 2

@@ -559,6 +559,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
         MAX_STEPS,
         MAX_TOKENS,
         CliParser,
+        check_backend_name,
         check_output_path,
         int_in,
     )
@@ -596,6 +597,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
                 f"got {a.hot_rows}")
     if a.json and (why := check_output_path("--json", a.json)):
         p.exit(2, f"bench_transformers: error: {why} (see bench_transformers --help)\n")
+    if a.backend != "auto" and (why := check_backend_name(a.backend)):
+        p.exit(2, f"bench_transformers: error: {why}\n")
     return a
 
 

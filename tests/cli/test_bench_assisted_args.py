@@ -22,6 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_assisted.py"
     (["--seed", "-1"], "argument --seed: expected an integer in [0, 4294967295], got -1"),
     (["--json", "/nonexistent-folder/x.json"], "--json '/nonexistent-folder/x.json': the folder "
                                                "'/nonexistent-folder' does not exist"),
+    (["--backend", "nope"], "--backend 'nope': no hisparse backend named 'nope'"),
 ])
 def test_a_bad_value_is_one_line_before_any_work(argv: list[str], line: str, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,7 +34,7 @@ def test_a_bad_value_is_one_line_before_any_work(argv: list[str], line: str, cap
             script.main(["--smoke", *argv])
     assert exit_.value.code == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == f"bench_assisted: error: {line} (see bench_assisted --help)\n"
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"bench_assisted: error: {line}"), err
 
 
 def test_flags_given_beside_smoke_are_the_ones_that_run(monkeypatch: pytest.MonkeyPatch) -> None:

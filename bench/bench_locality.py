@@ -171,4 +171,6 @@ def replay_residency(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hisparse_core.cli.options import quiet_when_the_reader_leaves
+
+    sys.exit(quiet_when_the_reader_leaves(main))

@@ -262,4 +262,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hisparse_core.cli.options import quiet_when_the_reader_leaves
+
+    sys.exit(quiet_when_the_reader_leaves(main))

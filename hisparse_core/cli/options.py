@@ -131,6 +131,21 @@ def size_in(lo: int, hi: int = MAX_BYTES) -> Callable[[str], int]:
     return parse
 
 
+def quiet_when_the_reader_leaves(main: Callable[[], int | None]) -> int:
+    """`main()`'s exit status, or 141 without a traceback where the reader of stdout left (a script's
+    `... | head -1`), as `hisparse` itself ends: stdout is pointed at /dev/null so the interpreter's
+    own last flush is quiet too."""
+    import os
+
+    try:
+        status = main()
+        sys.stdout.flush()
+        return int(status or 0)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
 def kv_place(device: str) -> str:
     """What the output calls the memory of the KV pool on `device`: "GPU" on a CUDA device, else
     the device itself ("cpu device"), so a CPU-only run never reports GPU pages."""

@@ -184,4 +184,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    from hisparse_core.cli.options import quiet_when_the_reader_leaves
+
+    sys.exit(quiet_when_the_reader_leaves(main))

@@ -1,0 +1,31 @@
+"""The documented CPU scripts stop quietly when their reader leaves (`... | head -1`), as `hisparse`
+does: no BrokenPipeError traceback, exit 141."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "hisparse_core.replay.calibrate_locality", "--top-k", "16", "--steps", "50", "--requests", "1"],
+    [str(ROOT / "bench" / "bench_locality.py"), "--no-replay", "--top-k", "16", "--steps", "50"],
+], ids=["calibrate_locality", "bench_locality"])
+def test_a_reader_that_leaves_ends_the_script_quietly(argv: list[str]) -> None:
+    """With PYTHONUNBUFFERED=1 (each print a write), `calibrate_locality | head -1` and
+    `bench_locality.py | head -1` ended in a BrokenPipeError traceback, exit 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_")} | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=ROOT)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves after one line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

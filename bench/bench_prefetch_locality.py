@@ -262,6 +262,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hisparse_core.cli.options import quiet_when_the_reader_leaves
+    from hisparse_core.cli.options import run_script
 
-    sys.exit(quiet_when_the_reader_leaves(main))
+    sys.exit(run_script(main))

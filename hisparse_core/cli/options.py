@@ -131,10 +131,10 @@ def size_in(lo: int, hi: int = MAX_BYTES) -> Callable[[str], int]:
     return parse
 
 
-def quiet_when_the_reader_leaves(main: Callable[[], int | None]) -> int:
-    """`main()`'s exit status, or 141 without a traceback where the reader of stdout left (a script's
-    `... | head -1`), as `hisparse` itself ends: stdout is pointed at /dev/null so the interpreter's
-    own last flush is quiet too."""
+def run_script(main: Callable[[], int | None]) -> int:
+    """`main()`'s exit status for a script, ended as `hisparse` ends: 141 without a traceback where the
+    reader of stdout left (`... | head -1`; stdout then points at /dev/null so the interpreter's own
+    last flush is quiet too), and 130 with one line, `SCRIPT: interrupted`, on Ctrl-C."""
     import os
 
     try:
@@ -144,6 +144,9 @@ def quiet_when_the_reader_leaves(main: Callable[[], int | None]) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except KeyboardInterrupt:
+        print(f"{os.path.splitext(os.path.basename(sys.argv[0]))[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 def kv_place(device: str) -> str:

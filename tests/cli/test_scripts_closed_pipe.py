@@ -29,3 +29,19 @@ def test_a_reader_that_leaves_ends_the_script_quietly(argv: list[str]) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_ctrl_c_ends_the_script_in_one_line() -> None:
+    """Ctrl-C during `bench_locality.py` ended in a KeyboardInterrupt traceback from wherever numpy was."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_")} | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bench_locality.py"), "--no-replay"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout is not None
+    assert proc.stdout.readline()  # under way
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.decode().splitlines() == ["bench_locality: interrupted"]

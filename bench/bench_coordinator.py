@@ -234,4 +234,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hisparse_core.cli.options import run_script
+
+    raise SystemExit(run_script(main))

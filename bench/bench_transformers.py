@@ -44,7 +44,6 @@ import gc
 import inspect
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -635,4 +634,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hisparse_core.cli.options import run_script
+
+    raise SystemExit(run_script(main))

@@ -213,4 +213,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hisparse_core.cli.options import run_script
+
+    raise SystemExit(run_script(main))

@@ -141,7 +141,8 @@ def _nearest_existing(path: Path) -> Path:
 def write(names: ScaffoldNames, target: Path, source: str | None = None, *, label: str = "target") -> list[Path]:
     """Write the distribution into `target` (checked by `check_target` first); the paths written.
     A write that fails (a full disk, say) removes what it wrote, folders it created included, and
-    raises `InvalidInputError` naming `label`, the target and the file."""
+    raises `InvalidInputError` naming `label`, the target and the file; one interrupted (Ctrl-C)
+    removes it too and lets the interrupt through."""
     check_target(target, label)
     rendered = render(names, source)  # every template is read and filled before anything is written
     existed = target.is_dir()
@@ -162,6 +163,9 @@ def write(names: ScaffoldNames, target: Path, source: str | None = None, *, labe
         detail = exc.strerror or str(exc)
         raise InvalidInputError(f"{label} {str(target)!r}: cannot write {rel} ({detail}); expected a new or empty "
                                 "folder that can be written (nothing was left behind)") from exc
+    except BaseException:  # Ctrl-C mid-write: no half-written distribution left behind either
+        _remove_written(target if existed else created, keep_root=existed)
+        raise
     return written
 
 

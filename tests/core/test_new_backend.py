@@ -172,6 +172,36 @@ def test_a_write_that_fails_names_dir_and_leaves_nothing(tmp_path: Path, existin
         assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["new folders", "an empty folder"])
+def test_a_write_interrupted_by_ctrl_c_leaves_nothing(tmp_path: Path, existing: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C halfway through the files: the interrupt goes through, and what was written is removed
+    as after a failed write (only an OSError removed it: a half-written distribution was left)."""
+    from hisparse_core.scaffold import write
+
+    target = tmp_path / "empty" if existing else tmp_path / "new" / "dist"
+    if existing:
+        target.mkdir()
+    real = Path.write_text
+    calls = []
+
+    def interrupted(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        calls.append(self)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, text, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write(ScaffoldNames.of("acme"), target)
+    monkeypatch.undo()
+    assert len(calls) == 3
+    if existing:
+        assert target.is_dir() and not any(target.iterdir())
+    else:
+        assert not (tmp_path / "new").exists()
+
+
 def test_a_name_whose_distribution_pip_takes_for_an_installed_one_is_refused(fake_site: FakeSite) -> None:
     """pip normalizes project names (case, `_`, `-`): `hisparse-Acme` would replace `hisparse-acme`."""
     from hisparse_core.errors import InvalidInputError

@@ -199,6 +199,13 @@ def test_the_table_counts_one_layer_and_one_step_in_the_singular() -> None:
     assert "1 layers" not in out and "over 1 steps" not in out, out
 
 
+def test_the_table_counts_one_prompt_in_the_singular() -> None:
+    rc, out, err = _run("--prompts", "1")
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if x.strip().startswith("batches"))
+    assert " 1 prompt of " in line and "1 prompts" not in out, line
+
+
 #: Machine figures fixed, so that every error line below is exact on any machine.
 _RAM = {"available_host_bytes": 64 << 30, "total_host_bytes": 128 << 30}
 _NEEDS = "3 prompts with a 16-row hot buffer and --prefill-chunk 8 need"

@@ -167,7 +167,8 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                   f"{e['index_groups']}, top-k {c['top_k']}, hot buffer {e['hot_rows']} rows, row {e['row_format']} "
                   f"({e['row_bytes']} B" + (f"; the model's own rows {e['model_row_bytes']} B"
                                             if c.get("kv_rows") == "fp8" else "") + ")"),
-        ("batches", f"{c['prompts']} prompts of {_few(c['prompt_lengths'])} tokens + {c['new_tokens']} new; then "
+        ("batches", f"{c['prompts']} prompt{'' if c['prompts'] == 1 else 's'} of {_few(c['prompt_lengths'])} tokens + "
+                    f"{c['new_tokens']} new; then "
                     f"{_few(c['second_batch_lengths'])} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
                     "prefix" + (" (a prompt shorter than it is all prefix)"
                                 if min(c["second_batch_lengths"]) < c["shared_prefix"] else "")),
@@ -346,7 +347,8 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
                sum(_cdiv(n + args.new_tokens, bs) for n in lengths))
     if usable < need:
         raise CapacityError(f"{host_flag} {shown} holds {max(usable, 0)} pages of {block_bytes} B; "
-                            f"the batch's {args.prompts} prompts of {_few(lengths)} tokens + {args.new_tokens} new need "
+                            f"the batch's {args.prompts} prompt{'' if args.prompts == 1 else 's'} of {_few(lengths)} "
+                            f"tokens + {args.new_tokens} new need "
                             f"{need}: expected {host_flag} >= {up((need + 1) * block_bytes)}")
     avail = available_host_bytes()
     fits = f" to at most {down(int(avail * HOST_FRACTION))}" if avail else ""

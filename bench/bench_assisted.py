@@ -252,20 +252,6 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
-    """argparse type: comma-separated integers, each in [lo, hi]."""
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(x) for x in text.split(",")]
-        except ValueError:
-            values = []
-        if not values or not all(lo <= v <= hi for v in values):
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers in [{lo}, {hi}], got {text!r}")
-        return values
-
-    return parse
-
 
 #: What --smoke sets (a tiny geometry on the CPU) where the flag is not given.
 SMOKE = {"contexts": [120], "batches": [1, 3], "new": 8, "layers": 2, "block_size": 4, "prefill_chunk": 16,
@@ -286,12 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         check_backend_name,
         check_output_path,
         int_in,
+        int_list_in,
     )
 
     d = DEFAULTS
     p = CliParser(prog="bench_assisted", description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int_list(1, MAX_TOKENS), help=f"default: {d['contexts'][0]}")
-    p.add_argument("--batches", type=int_list(1, MAX_REQUESTS), help="default: 1,8")
+    p.add_argument("--contexts", type=int_list_in(1, MAX_TOKENS), help=f"default: {d['contexts'][0]}")
+    p.add_argument("--batches", type=int_list_in(1, MAX_REQUESTS), help="default: 1,8")
     p.add_argument("--k", type=int_in(1, 64), default=3, help="candidate tokens per verification step")
     p.add_argument("--ngram", type=int_in(1, MAX_TOKENS), default=2, help="tokens the lookup matches")
     p.add_argument("--new", type=int_in(1, MAX_TOKENS), help=f"tokens decoded per row (default: {d['new']})")

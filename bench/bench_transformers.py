@@ -525,20 +525,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     return out
 
 
-def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
-    """argparse type: comma-separated integers, each in [lo, hi]."""
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(x) for x in text.split(",")]
-        except ValueError:
-            values = []
-        if not values or not all(lo <= v <= hi for v in values):
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers in [{lo}, {hi}], got {text!r}")
-        return values
-
-    return parse
-
 
 MODES = ("hisparse", "hisparse-eager", "transformers")
 #: What --tiny sets (a tiny geometry on the CPU) where the flag is not given, and the defaults without it.
@@ -561,6 +547,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
         check_backend_name,
         check_output_path,
         int_in,
+        int_list_in,
     )
     from hisparse_core.geometry import MAX_HOT_ROWS
 
@@ -572,8 +559,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     d = DEFAULTS
     p = CliParser(prog="bench_transformers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int_in(1, MAX_LAYERS), default=4)
-    p.add_argument("--batches", type=int_list(1, MAX_REQUESTS), help="default: 1,4,16")
-    p.add_argument("--contexts", type=int_list(1, MAX_TOKENS), help="default: 32768,131072")
+    p.add_argument("--batches", type=int_list_in(1, MAX_REQUESTS), help="default: 1,4,16")
+    p.add_argument("--contexts", type=int_list_in(1, MAX_TOKENS), help="default: 32768,131072")
     p.add_argument("--steps", type=int_in(1, MAX_STEPS), help=f"default: {d['steps']}")
     p.add_argument("--warmup", type=int_in(0, MAX_STEPS), help=f"default: {d['warmup']}")
     p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), help=f"default: {d['block_size']}")

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from hisparse_core.cli.options import CliParser, HelpFormatter
+from hisparse_core.cli.options import CliParser, HelpFormatter, quiet_stdout
 from hisparse_core.cli.plugin_commands import BrokenCommand, add_plugin_commands, warn_broken
 
 #: The core's sub-command name -> module. Each module's top level and `add_parser` import nothing
@@ -185,13 +185,6 @@ class _GuardedStdout:
         return getattr(self.stream, name)
 
 
-def _quiet_stdout() -> None:
-    """Point stdout's descriptor at /dev/null, so the interpreter's own last flush of what is
-    still buffered is quiet too."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     guarded = sys.stdout = _GuardedStdout(sys.stdout)  # type: ignore[assignment]
     try:
@@ -204,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BrokenPipeError:
             # `hisparse ... | head`: the reader left. Point stdout at /dev/null so the interpreter's
             # own last flush is quiet too, and exit as a shell does for a writer killed by SIGPIPE.
-            _quiet_stdout()
+            quiet_stdout()
             return 141
         except OutputError as exc:
             # `hisparse run --json > out.json` on a full disk: one line naming the command, then as
@@ -213,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{prog}: error: cannot write the output to stdout: {exc.error.strerror or exc.error}",
                   file=sys.stderr)
             with contextlib.suppress(OSError, ValueError, AttributeError):  # a capture without a descriptor
-                _quiet_stdout()
+                quiet_stdout()
             return 1
     finally:
         _RUNNING.clear()

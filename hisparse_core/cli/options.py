@@ -86,6 +86,21 @@ def int_in(lo: int, hi: int, what: str = "an integer") -> Callable[[str], int]:
     return parse
 
 
+def int_list_in(lo: int, hi: int) -> Callable[[str], list[int]]:
+    """argparse type: comma-separated integers, each in [lo, hi]."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or not all(lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers in [{lo}, {hi}], got {text!r}")
+        return values
+
+    return parse
+
+
 def float_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
              what: str = "a number") -> Callable[[str], float]:
     """argparse type: a finite float in [lo, hi] (`lo_open`: lo excluded, `hi_open`: hi excluded)."""
@@ -131,6 +146,14 @@ def size_in(lo: int, hi: int = MAX_BYTES) -> Callable[[str], int]:
     return parse
 
 
+def quiet_stdout() -> None:
+    """Point stdout's descriptor at /dev/null once its reader has left, so that the interpreter's own
+    last flush of what is still buffered is quiet too (`hisparse` and `run_script` both end so)."""
+    import os
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def run_script(main: Callable[[], int | None]) -> int:
     """`main()`'s exit status for a script, ended as `hisparse` ends: 141 without a traceback where the
     reader of stdout left (`... | head -1`; stdout then points at /dev/null so the interpreter's own
@@ -142,7 +165,7 @@ def run_script(main: Callable[[], int | None]) -> int:
         sys.stdout.flush()
         return int(status or 0)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        quiet_stdout()
         return 141
     except KeyboardInterrupt:
         print(f"{os.path.splitext(os.path.basename(sys.argv[0]))[0]}: interrupted", file=sys.stderr)

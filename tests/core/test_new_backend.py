@@ -142,6 +142,22 @@ def test_dir_under_a_file_names_dir_and_creates_nothing(tmp_path: Path) -> None:
                                               "existing folder"]
 
 
+def _third_write_raises(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list[Path]:
+    """Files written from now on: the third write raises `error` (a disk that fills, a Ctrl-C)
+    halfway through the distribution; the paths asked to be written."""
+    real = Path.write_text
+    calls: list[Path] = []
+
+    def third_raises(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        calls.append(self)
+        if len(calls) == 3:
+            raise error
+        return real(self, text, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", third_raises)
+    return calls
+
+
 @pytest.mark.parametrize("existing", [False, True], ids=["new folders", "an empty folder"])
 def test_a_write_that_fails_names_dir_and_leaves_nothing(tmp_path: Path, existing: bool,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,16 +166,7 @@ def test_a_write_that_fails_names_dir_and_leaves_nothing(tmp_path: Path, existin
     target = tmp_path / "empty" if existing else tmp_path / "new" / "dist"
     if existing:
         target.mkdir()
-    real = Path.write_text
-    calls = []
-
-    def fills_up(self: Path, text: str, *args: object, **kwargs: object) -> int:
-        calls.append(self)
-        if len(calls) == 3:
-            raise OSError(28, "No space left on device")
-        return real(self, text, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "write_text", fills_up)
+    _third_write_raises(monkeypatch, OSError(28, "No space left on device"))
     code, out, err = new_backend("acme", str(target))
     monkeypatch.undo()
     assert code == 2 and out == ""
@@ -182,16 +189,7 @@ def test_a_write_interrupted_by_ctrl_c_leaves_nothing(tmp_path: Path, existing: 
     target = tmp_path / "empty" if existing else tmp_path / "new" / "dist"
     if existing:
         target.mkdir()
-    real = Path.write_text
-    calls = []
-
-    def interrupted(self: Path, text: str, *args: object, **kwargs: object) -> int:
-        calls.append(self)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(self, text, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "write_text", interrupted)
+    calls = _third_write_raises(monkeypatch, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         write(ScaffoldNames.of("acme"), target)
     monkeypatch.undo()

@@ -358,6 +358,36 @@ def test_enabling_a_model_whose_base_model_or_wrapper_is_enabled_is_refused(mode
     assert untouched(model)
 
 
+def test_a_generate_around_an_enabled_base_model_warns_that_it_runs_without_hisparse(
+        model: torch.nn.Module, caplog: pytest.LogCaptureFixture) -> None:
+    """enable(model.model): the base model has no generate, and the ForCausalLM's generate builds
+    its own DynamicCache. Before: that generate ran the model's own attention, silently (0 requests
+    through hisparse)."""
+    ids, mask = random_prompts([12, 9], seed=2)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    warned = lambda: [r.getMessage() for r in caplog.records  # noqa: E731
+                      if r.levelno == logging.WARNING and r.name.startswith("hisparse")]
+    with caplog.at_level(logging.WARNING, logger="hisparse_transformers"):
+        with hisparse_transformers.enable(model.base_model, **enable_kwargs("deepseek_v32", check=False)) as hs:
+            for _ in range(2):      # the model's own tokens, and one warning a handle
+                assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False), want)
+            cache = hs.new_cache(ids, mask, max_new_tokens=2)    # a forward given hisparse's cache: served
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            cache.finish()
+            assert hs.stats().requests == 2
+        lines = warned()
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert lines[0].startswith("hisparse: a forward of DeepseekV32Model brought its own cache (DynamicCache), "
+                                   "so it ran the model's own attention and nothing went through hisparse") and \
+            "expected enable() on the model whose generate you call (the DeepseekV32ForCausalLM" in lines[0], lines
+        caplog.clear()
+        with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", check=False)) as hs:
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False), want)
+            assert hs.stats().requests == 2
+        assert warned() == []
+    assert untouched(model)
+
+
 def test_the_errors_the_docs_name_are_the_packages_names(model: torch.nn.Module) -> None:
     """docs/transformers.md names RowMismatch and TopkMismatch side by side, and enable's docstring
     says bad input raises a HiSparseError. Before: hisparse_transformers.RowMismatch worked, but

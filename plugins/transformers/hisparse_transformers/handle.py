@@ -306,6 +306,7 @@ class HiSparseHandle:
         self._held: dict[tuple[int, str], Any] = {}         # what the instances held before `_install`
         self._installed: dict[str, Any] = {}                # what `_install` put on the base model and the model
         self._generate: Callable[..., Any] | None = None
+        self._warned_own_cache = False    # `_note_own_cache`: its WARNING is logged once a handle
         self._weights = _weights_seen(model)
         self.closed = False
         self._install()
@@ -324,6 +325,7 @@ class HiSparseHandle:
         def base_forward(*args: Any, **kwargs: Any) -> Any:
             cache = self._cache_of(kwargs)
             if cache is None:
+                self._note_own_cache(kwargs)
                 return original(*args, **kwargs)
             if cache.split_forward:
                 return self._split_forward(original, cache, kwargs)
@@ -336,6 +338,26 @@ class HiSparseHandle:
             self._generate = self.model.generate
             self.model.generate = self._installed["generate"] = types.MethodType(_patched_generate, self.model)
         setattr(self.model, _ATTR, self)
+
+    def _note_own_cache(self, kwargs: dict[str, Any]) -> None:
+        """One WARNING (once a handle) where hisparse was enabled on a model with no `generate` (the
+        base model inside a ...ForCausalLM) and a forward brings a cache of its own: the generate of
+        the model around it builds a DynamicCache, which the base model cannot tell from one a caller
+        passes to run the model's own attention, and nothing holds the model around it to patch its
+        generate. So that generate runs without hisparse; the warning names the model to enable."""
+        if self._warned_own_cache or "generate" in self._installed:
+            return
+        given = kwargs.get("cache", kwargs.get("past_key_values"))
+        if given is None or isinstance(given, HiSparseCache):
+            return
+        self._warned_own_cache = True
+        name = type(self.model).__name__
+        outer = f"{name[:-len('Model')]}ForCausalLM" if name.endswith("Model") else "the ...ForCausalLM around it"
+        logger.warning("hisparse: a forward of %s brought its own cache (%s), so it ran the model's own attention and "
+                       "nothing went through hisparse: hisparse was enabled on %s, which has no generate, and the "
+                       "generate of a model around it builds its own cache; expected enable() on the model whose "
+                       "generate you call (the %s, not its .model), or hs.new_cache() passed to each forward",
+                       name, type(given).__name__, name, outer)
 
     def _restore(self, obj: Any, name: str) -> None:
         """Put back the instance attribute `name` of `obj` as it was before `_install` (none: deleted)."""

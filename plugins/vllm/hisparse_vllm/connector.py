@@ -89,16 +89,22 @@ def _check_extra_config(vllm_config: VllmConfig) -> tuple[ConnectorConfig, Selec
 
 def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, Selection]:
     """Every check of `kv_connector_extra_config` that needs no KV cache: keys, values, no hot
-    buffer, the backend installed and available on this node."""
+    buffer, the backend installed and available on this node, and the backend's own settings
+    (its `check_settings()`, on its class, as `hisparse_vllm.ops.register_ops` runs it: nothing is
+    constructed, so CUDA is left alone)."""
     config = ConnectorConfig.from_extra_config(extra)
     config.check_stock_attention()
+    registry = get_registry()
     try:
-        selection = get_registry().choose(config.backend)
+        selection = registry.choose(config.backend)
     except BackendError as exc:
         # Unset or "auto" defers to HISPARSE_BACKEND, which the registry's line names when it set the name.
         key = (f"kv_connector_extra_config['backend']={config.backend!r}" if config.backend is not None
                else "kv_connector_extra_config['backend'] is \"auto\"")
         raise InvalidInputError(f"{key}: {exc}") from exc
+    # A bad tuning variable (HISPARSE_TRITON_SPLIT, nvidia's, ...) is refused here, in the front end and
+    # when either role is built, before vLLM loads the weights: not first in register_kv_caches after it.
+    registry.check_settings(selection.name)
     return config, selection
 
 

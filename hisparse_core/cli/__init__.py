@@ -7,16 +7,23 @@ hisparse_transformers that way). The core imports no plugin.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import importlib
-import logging
-import os
 import sys
-from collections.abc import Sequence
 
-from hisparse_core.cli.options import CliParser, HelpFormatter, quiet_stdout
-from hisparse_core.cli.plugin_commands import BrokenCommand, add_plugin_commands, warn_broken
+try:
+    import argparse
+    import contextlib
+    import importlib
+    import logging
+    import os
+    from collections.abc import Sequence
+
+    from hisparse_core.cli.options import CliParser, HelpFormatter, quiet_stdout
+    from hisparse_core.cli.plugin_commands import BrokenCommand, add_plugin_commands, warn_broken
+except KeyboardInterrupt:
+    # Ctrl-C while the `hisparse` launcher still imports this module (its first ~0.1 s): ended as
+    # `main` ends one later, one line and exit status 130, not the traceback of whichever import it hit.
+    print("hisparse: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 #: The core's sub-command name -> module. Each module's top level and `add_parser` import nothing
 #: heavy (no torch), so `hisparse --help` and `hisparse backends` start fast and work with a broken
@@ -199,6 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             # own last flush is quiet too, and exit as a shell does for a writer killed by SIGPIPE.
             quiet_stdout()
             return 141
+        except KeyboardInterrupt:
+            # Before a command runs (main still imports the commands and plugins, or parses): as `_run`
+            # says it for a command that runs, without the command's name where none is parsed yet.
+            print(f"hisparse{f' {_RUNNING[-1]}' if _RUNNING else ''}: interrupted", file=sys.stderr)
+            return 130
         except OutputError as exc:
             # `hisparse run --json > out.json` on a full disk: one line naming the command, then as
             # for a closed pipe (what is still buffered cannot be written either).

@@ -64,6 +64,13 @@ def check_name(name: str, installed_backends: Iterable[str]) -> ScaffoldNames:
     if name in installed:
         raise InvalidInputError(f"backend name {name!r} is already taken by an installed backend "
                                 f"(installed: {', '.join(installed)}); choose another")
+    # The registry compares names exactly, so `NVIDIA` would be another backend than `nvidia`: one that
+    # HISPARSE_BACKEND=nvidia does not pick, and whose package is the other's on a case-insensitive disk.
+    same = [b for b in installed if b.casefold() == name.casefold()]
+    if same:
+        raise InvalidInputError(f"backend name {name!r} differs only in case from the installed backend {same[0]!r} "
+                                f"(installed: {', '.join(installed)}); expected a name that differs from each installed "
+                                f"backend's in more than case")
     names = ScaffoldNames.of(name)
     if importlib.util.find_spec(names.package) is not None:
         raise InvalidInputError(f"backend name {name!r} clashes with the installed package {names.package!r}; "

@@ -88,6 +88,10 @@ def test_default_dir_is_the_distribution_name(tmp_path: Path, monkeypatch: pytes
     ("acme_", "'acme_' ends with an underscore, which makes the distribution name 'hisparse-acme-' that pip refuses"),
     ("_", "'_' ends with an underscore, which makes the distribution name 'hisparse--' that pip refuses"),
     ("reference_cpu", "'reference_cpu' is already taken by an installed backend"),
+    # Only the case differs: HISPARSE_BACKEND=NVIDIA would not pick it, and hisparse_NVIDIA is
+    # hisparse_nvidia on a case-insensitive file system.
+    ("NVIDIA", "'NVIDIA' differs only in case from the installed backend 'nvidia'"),
+    ("Reference_CPU", "'Reference_CPU' differs only in case from the installed backend 'reference_cpu'"),
     ("core", "clashes with the installed package 'hisparse_core'"),
     ("conformance", "clashes with the installed package 'hisparse_conformance'"),
 ])

@@ -7,6 +7,7 @@ call is then a no-op).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -15,6 +16,19 @@ import torch
 from hisparse_core.errors import InvalidInputError
 
 _T = TypeVar("_T")
+
+
+def as_index(value: object) -> int | None:
+    """`value` as the plain int `operator.index` makes of it (an int, a numpy integer, a
+    one-element integer tensor), else None: a bool (an int subclass, but never meant as a count;
+    a bool tensor too), a float (even a whole one), anything else. For the user-facing counts of
+    an API (sizes, token counts), which a caller may well hold as numpy or torch integers."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)   # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def check_int(name: str, value: object, lo: int, hi: int) -> int:

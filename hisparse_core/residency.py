@@ -34,8 +34,12 @@ def parse_resident_layers(spec: str | Sequence[int], num_layers: int) -> tuple[i
         except TypeError:
             raise InvalidInputError(f"resident layers {spec!r}: expected a sequence of layer indices or a "
                                     "comma-separated string, e.g. (0, 1) or '0,1' (() for none)") from None
-        if any(isinstance(x, bool) or not isinstance(x, int) for x in layers):
+        from hisparse_core.checks import as_index  # here: checks imports torch, this module does not
+
+        ints = [as_index(x) for x in layers]      # a numpy integer or an integer tensor is one; a bool is not
+        if any(x is None for x in ints):
             raise InvalidInputError(f"resident layers {layers!r}: expected ints")
+        layers = [x for x in ints if x is not None]
     bad = [x for x in layers if not 0 <= x < num_layers]
     if bad:
         raise InvalidInputError(f"resident layers {bad} out of range: expected indices in [0, {num_layers})")

@@ -297,6 +297,62 @@ def test_a_length_that_is_no_whole_number_is_refused_before_the_prefill(model: t
             assert model.generate(ids, attention_mask=mask, max_new_tokens=two, do_sample=False).shape == (2, 14)
 
 
+def test_counts_take_any_integral_value_and_refuse_bools_floats_and_negatives(model: torch.nn.Module) -> None:
+    """Counts are taken as `operator.index` takes them. Before: `new_cache(max_new_tokens=np.int64(5))`,
+    enable's counts and generate's `prefill_chunk_size` or `prompt_lookup_num_tokens` as numpy
+    integers were refused ("must be an int ..."); a numpy `prefill_chunk_size` then failed inside
+    transformers' own prefill split."""
+    import numpy as np
+
+    ids, mask = random_prompts([12, 9], seed=2)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    counts = dict(block_size=np.int64(4), hot_rows=np.int64(32), max_batch=np.int32(3), max_context=np.uint16(256),
+                  prefill_chunk=torch.tensor(8), speculative_tokens=np.int8(1), prefetch_next_group=[np.int64(0)])
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3, check=False,
+                                                             **counts)) as hs:
+        c = hs.engine.config
+        assert [(getattr(c, k), type(getattr(c, k))) for k in counts if k != "prefetch_next_group"] == \
+            [(4, int), (32, int), (3, int), (256, int), (8, int), (1, int)] and c.prefetch_next_group == (0,)
+        assert type(c.prefetch_next_group[0]) is int
+        for five in (np.int64(5), np.uint8(5), torch.tensor(5)):
+            cache = hs.new_cache(ids, mask, max_new_tokens=five)
+            assert cache.max_new_tokens == 5 and type(cache.max_new_tokens) is int
+            cache.finish()
+        for bad in (True, 5.0, -1, np.float64(5), torch.tensor(True), "5"):
+            with pytest.raises(InvalidInputError) as err:
+                hs.new_cache(ids, mask, max_new_tokens=bad)
+            assert one_line(err.value) == f"max_new_tokens must be an int >= 0 or None, got {bad!r}"
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                                          prefill_chunk_size=np.int64(4)), want)
+        for bad in (True, 4.0, np.int64(0)):
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(ids, attention_mask=mask, max_new_tokens=2, prefill_chunk_size=bad)
+            assert one_line(err.value) == f"prefill_chunk_size={bad!r}: expected an int >= 1, or None (no chunking)"
+        one, one_mask = ids[:1], mask[:1]
+        assert model.generate(one, attention_mask=one_mask, max_new_tokens=2, do_sample=False,
+                              prompt_lookup_num_tokens=np.int64(1)).shape == (1, 14)
+        for bad in (True, 1.0):
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(one, attention_mask=one_mask, max_new_tokens=2, prompt_lookup_num_tokens=bad)
+            assert one_line(err.value) == f"prompt_lookup_num_tokens must be an int >= 1, got {bad!r}"
+        assert hs.stats().requests == 3
+    for name, bad, words in (("block_size", True, "block_size must be a positive int, got True"),
+                             ("max_batch", 3.0, "max_batch must be a positive int, got 3.0"),
+                             ("max_context", np.int64(-4), "max_context must be a positive int, got np.int64(-4)"),
+                             ("hot_rows", np.float32(16), "hot_rows must be a positive int or None, got np.float32(16.0)"),
+                             ("speculative_tokens", -1, "speculative_tokens must be an int >= 0"),
+                             ("resident_layers", [np.bool_(True)], "resident_layers=[np.True_]: resident layers "
+                              "[np.True_]: expected ints")):
+        with pytest.raises(InvalidInputError) as err:
+            hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", **{name: bad}))
+        assert one_line(err.value).startswith(words), err.value
+        assert untouched(model)
+    with pytest.raises(CapacityError) as cap:     # a numpy layer is a layer: refused only for its budget
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", resident_layers=[np.int64(0)]))
+    assert one_line(cap.value).startswith("resident_layers=[0] keep"), cap.value
+    assert untouched(model)
+
+
 def test_copying_or_pickling_an_enabled_model_or_its_cache_is_refused_in_one_line(model: torch.nn.Module) -> None:
     """Before: copy.deepcopy and pickle raised "TypeError: cannot pickle 'module' object" (the
     family's modeling module, deep in a patched layer), and torch.save "Cannot save multiple tensors

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hisparse_core.checks import as_index
 from hisparse_core.errors import InvalidInputError
 
 #: Draft-length schedules that grow the number of candidates past its starting value.
@@ -32,11 +33,12 @@ class AssistedPlan:
 
 
 def _int_setting(name: str, value: Any, minimum: int = 0, *, whole_floats: bool = True) -> int:
-    """`value` as an int >= `minimum` (`whole_floats`: 3.0 passes as 3, as transformers reads it)."""
-    kinds = (int, float) if whole_floats else (int,)
-    if isinstance(value, bool) or not isinstance(value, kinds) or int(value) != value or value < minimum:
+    """`value` as an int >= `minimum`: any integral value (`as_index`: a numpy integer, a 0-dim
+    integer tensor), not a bool (`whole_floats`: 3.0 passes as 3, as transformers reads it)."""
+    whole = int(value) if whole_floats and isinstance(value, float) and value.is_integer() else as_index(value)
+    if whole is None or whole < minimum:
         raise InvalidInputError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
+    return whole
 
 
 def draft_cache_problem(draft: Any) -> str | None:

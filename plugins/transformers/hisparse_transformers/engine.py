@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from hisparse_core.backend import Backend
+from hisparse_core.checks import as_index
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.ahead import StepAhead
 from hisparse_core.coordinator.config import GIB
@@ -174,21 +175,32 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
                 raise InvalidInputError(f"{name} must be a positive number of GiB, got {v!r}")
+        # Counts are any integral value (`as_index`: a numpy integer, a 0-dim integer tensor), stored
+        # as plain ints; a bool or a float is refused.
         for name in ("block_size", "max_batch", "max_context", "prefill_chunk"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            n = as_index(v)
+            if n is None or n <= 0:
                 raise InvalidInputError(f"{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, n)
         v = self.speculative_tokens
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        n = as_index(v)
+        if n is None or n < 0:
             raise InvalidInputError(f"speculative_tokens must be an int >= 0 (0: no assisted generation), got {v!r}")
+        object.__setattr__(self, "speculative_tokens", n)
         pf = self.prefetch_next_group
-        if not isinstance(pf, bool) and not (isinstance(pf, tuple) and all(
-                isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in pf) and len(set(pf)) == len(pf)):
+        groups = [as_index(g) for g in pf] if isinstance(pf, tuple) else []
+        if not isinstance(pf, bool) and not (isinstance(pf, tuple) and all(g is not None and g >= 0 for g in groups)
+                                             and len(set(groups)) == len(groups)):
             raise InvalidInputError(f"prefetch_next_group must be True or False, or a tuple of distinct index groups "
                                     f"(ints >= 0) whose successor is prefetched, got {pf!r}")
-        if self.hot_rows is not None and (isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int)
-                                          or self.hot_rows <= 0):
-            raise InvalidInputError(f"hot_rows must be a positive int or None, got {self.hot_rows!r}")
+        if isinstance(pf, tuple):
+            object.__setattr__(self, "prefetch_next_group", tuple(groups))
+        if self.hot_rows is not None:
+            n = as_index(self.hot_rows)
+            if n is None or n <= 0:
+                raise InvalidInputError(f"hot_rows must be a positive int or None, got {self.hot_rows!r}")
+            object.__setattr__(self, "hot_rows", n)
 
     @property
     def host_pool_bytes(self) -> int:

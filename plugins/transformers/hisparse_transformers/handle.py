@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import operator
 import os
 import time
 import types
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from hisparse_core.backend import Backend
+from hisparse_core.checks import as_index
 from hisparse_core.errors import BackendError, HiSparseError, InvalidInputError
 from hisparse_core.registry import ENV_BACKEND, get_registry, select_backend
 from hisparse_transformers.assisted import AssistedPlan, assisted_plan
@@ -548,9 +548,11 @@ class HiSparseHandle:
         `max_new_tokens` (tokens fed after the prompt, plus one) bounds the host blocks admission
         asks for (None: every row up to `max_context`)."""
         self._require_open()
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens < 0):
-            raise InvalidInputError(f"max_new_tokens must be an int >= 0 or None, got {max_new_tokens!r}")
+        if max_new_tokens is not None:
+            new = as_index(max_new_tokens)        # a numpy integer or a 0-dim integer tensor is one
+            if new is None or new < 0:
+                raise InvalidInputError(f"max_new_tokens must be an int >= 0 or None, got {max_new_tokens!r}")
+            max_new_tokens = new
         if input_ids is not None or attention_mask is not None:
             _check_prompt_tensors("new_cache", input_ids, attention_mask)
         cache = HiSparseCache(self.engine, self.model.config)
@@ -674,29 +676,27 @@ def _check_lengths(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
 def _whole(value: object) -> int | None:
     """`value` as the int transformers reads it as (an int, a whole float, a numpy integer or a
     one-element integer tensor), else None (a bool, a fraction, anything else)."""
-    if isinstance(value, bool):
-        return None
     if isinstance(value, float):
         return int(value) if value.is_integer() else None
-    try:
-        return operator.index(value)   # type: ignore[arg-type]
-    except TypeError:
-        return None
+    return as_index(value)
 
 
-def _check_prefill_chunk(handle: HiSparseHandle, kwargs: dict[str, Any], width: int) -> None:
+def _check_prefill_chunk(handle: HiSparseHandle, kwargs: dict[str, Any], width: int) -> int | None:
     """One line for a generate whose own `prefill_chunk_size` (the call's or its generation
     config's; None: no chunking) would feed a prefill forward of more prompt tokens than `enable`'s
     `prefill_chunk`, for which the GPU pool was sized: it would fail mid-prefill, its CapacityError
-    naming `prefill_chunk`, which the user did not change. None where hisparse passes its own."""
+    naming `prefill_chunk`, which the user did not change. Returns the chunk as a plain int (a numpy
+    integer or an integer tensor is one: transformers' own split takes only ints), None for None or
+    where hisparse passes its own."""
     if "prefill_chunk_size" in kwargs:
-        chunk = kwargs["prefill_chunk_size"]            # None: the whole prompt in one forward
+        given = kwargs["prefill_chunk_size"]            # None: the whole prompt in one forward
     else:
-        chunk = getattr(kwargs.get("generation_config"), "prefill_chunk_size", None)
-        if chunk is None:
-            return                                      # hisparse passes its own prefill_chunk
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise InvalidInputError(f"prefill_chunk_size={chunk!r}: expected an int >= 1, or None (no chunking)")
+        given = getattr(kwargs.get("generation_config"), "prefill_chunk_size", None)
+        if given is None:
+            return None                                 # hisparse passes its own prefill_chunk
+    chunk = None if given is None else as_index(given)
+    if given is not None and (chunk is None or chunk < 1):
+        raise InvalidInputError(f"prefill_chunk_size={given!r}: expected an int >= 1, or None (no chunking)")
     c = handle.engine.config
     cap = min(c.prefill_chunk, c.max_context)
     tokens = width if chunk is None else min(chunk, width)
@@ -705,6 +705,7 @@ def _check_prefill_chunk(handle: HiSparseHandle, kwargs: dict[str, Any], width: 
                                 f"hisparse sized its GPU pool for {cap} (enable(..., prefill_chunk={c.prefill_chunk})): "
                                 f"expected prefill_chunk_size <= {cap}, or leave it out (hisparse passes its "
                                 f"prefill_chunk), or enable(..., prefill_chunk >= {tokens})")
+    return chunk
 
 
 def _max_new_tokens(model: torch.nn.Module, kwargs: dict[str, Any], prompt_width: int) -> int:
@@ -808,7 +809,9 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                                 "feed input_ids, not the embeddings; expected input_ids alone (or pass a "
                                 "DynamicCache to run the model's own attention for this call)")
     _check_lengths(model, kwargs)
-    _check_prefill_chunk(handle, kwargs, int(input_ids.shape[1]))
+    chunk = _check_prefill_chunk(handle, kwargs, int(input_ids.shape[1]))
+    if kwargs.get("prefill_chunk_size") is not None:
+        kwargs["prefill_chunk_size"] = chunk            # a plain int: transformers' split takes no numpy integer
     if plan is not None:
         _check_assisted(handle, plan, int(input_ids.shape[0]))
     mask = kwargs.get("attention_mask")
@@ -1033,9 +1036,12 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
     if ranks is not None:
         ranks.agree({"family": layout.family, "layers": str(layout.num_layers), "row": f"{weight.dtype}x{layout.width}",
                      "host_pool_gib": repr(float(host_pool_gib)), "gpu_kv_gib": repr(float(gpu_kv_gib)),
-                     "block_size": str(block_size), "hot_rows": str(hot_rows), "max_batch": str(max_batch),
-                     "max_context": str(max_context), "prefill_chunk": str(prefill_chunk), "backend": chosen.name,
-                     "speculative_tokens": str(speculative_tokens), "prefetch_next_group": str(prefetch_next_group),
+                     # the counts as EngineConfig holds them (plain ints), whatever integer type a rank passed
+                     "block_size": str(config.block_size), "hot_rows": str(config.hot_rows),
+                     "max_batch": str(config.max_batch), "max_context": str(config.max_context),
+                     "prefill_chunk": str(config.prefill_chunk), "backend": chosen.name,
+                     "speculative_tokens": str(config.speculative_tokens),
+                     "prefetch_next_group": str(config.prefetch_next_group),
                      "share_host_pool": str(share_host_pool), "devices": str(len(placement.devices)),
                      "indexer_keys": indexer_keys, "kv_rows": kv_rows})
         logger.info("hisparse: %s", ranks.describe())

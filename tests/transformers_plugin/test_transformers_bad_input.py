@@ -478,7 +478,8 @@ def test_a_prefill_chunk_size_past_enables_prefill_chunk_is_refused_before_the_p
                 (dict(prefill_chunk_size=None), "prefill_chunk_size=None feeds prefill forwards of 120 prompt tokens"),
                 (dict(prefill_chunk_size=0), "prefill_chunk_size=0: expected an int >= 1, or None (no chunking)"),
                 (dict(generation_config=GenerationConfig(prefill_chunk_size=16, max_new_tokens=1)),
-                 "prefill_chunk_size=16 feeds prefill forwards of 16 prompt tokens")):
+                 "prefill_chunk_size=16 (from the generation_config passed) feeds prefill forwards of 16 prompt "
+                 "tokens")):
             with pytest.raises(InvalidInputError) as err:
                 model.generate(ids, attention_mask=mask, **{"max_new_tokens": 1, **over})
             assert one_line(err.value).startswith(words), err.value
@@ -486,6 +487,47 @@ def test_a_prefill_chunk_size_past_enables_prefill_chunk_is_refused_before_the_p
         short, short_mask = random_prompts([6, 5], seed=1)          # a chunk past the prompt: one forward of it
         assert model.generate(short, attention_mask=short_mask, max_new_tokens=1, prefill_chunk_size=64,
                               do_sample=False).shape == (2, 7)
+
+
+def test_a_prefill_chunk_size_on_model_generation_config_is_honoured_as_the_keyword_is(
+        model: torch.nn.Module) -> None:
+    """transformers reads `prefill_chunk_size` from the call, else the generation_config passed, else
+    `model.generation_config`. Before: hisparse read only the first two, and passed enable's own
+    prefill_chunk over the model's (prefill forwards of 8 and 4 tokens where it asked for 4), and a
+    model's 16, past enable's 8, ran without the refusal the keyword gets."""
+    import numpy as np
+    from transformers import GenerationConfig
+
+    ids, mask = random_prompts([12, 9], seed=2)
+    gen = model.generation_config
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", check=False)) as hs:
+        widths: list[int] = []
+        hs.on_step = lambda _, step: widths.append(step.num_new) if step.prefill else None
+        try:
+            gen.prefill_chunk_size = 4
+            model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+            model.generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=1))
+            assert widths == [4, 4, 4] * 2
+            widths.clear()
+            gen.prefill_chunk_size = 16
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(ids, attention_mask=mask, max_new_tokens=1)
+            assert one_line(err.value).startswith("prefill_chunk_size=16 (from model.generation_config) feeds prefill "
+                                                  "forwards of 12 prompt tokens, but hisparse sized its GPU pool for 8 "
+                                                  "(enable(..., prefill_chunk=8)): expected prefill_chunk_size <= 8")
+            gen.prefill_chunk_size = 4.0
+            with pytest.raises(InvalidInputError) as err:
+                model.generate(ids, attention_mask=mask, max_new_tokens=1)
+            assert one_line(err.value) == ("prefill_chunk_size=4.0 (from model.generation_config): expected an int "
+                                           ">= 1, or None (no chunking)")
+            assert widths == [] and hs.stats().requests == 4
+            model.generate(ids, attention_mask=mask, max_new_tokens=1, prefill_chunk_size=8)   # the call's first
+            config = GenerationConfig(max_new_tokens=1, prefill_chunk_size=np.int64(6))
+            model.generate(ids, attention_mask=mask, generation_config=config)    # the config passed over the model's
+            assert widths == [8, 4, 6, 6] and config.prefill_chunk_size == 6 and type(config.prefill_chunk_size) \
+                is np.int64
+        finally:
+            gen.prefill_chunk_size = None
 
 
 def test_a_prompt_past_max_context_names_the_max_context_that_fits(model: torch.nn.Module) -> None:

@@ -1,10 +1,10 @@
 """`enable(model, ...)`: one call that makes a loaded DSA model decode through hisparse.
 
 After it, plain `model.generate(...)` runs through hisparse: the instance's `generate` hands
-transformers' own generate a fresh `HiSparseCache` (and, unless given, `prefill_chunk_size`, so
-transformers' chunked prefill builds only `[chunk, T]` masks). A `HiSparseCache` from
-`handle.new_cache()` may also be passed explicitly; any other cache (say a `DynamicCache`), a
-forward without a cache and `generate(use_cache=False)` run the model's own attention, unchanged.
+transformers' own generate a fresh `HiSparseCache` (and, unless the call or a generation config
+sets one, `prefill_chunk_size`, so transformers' chunked prefill builds only `[chunk, T]` masks).
+A `HiSparseCache` from `handle.new_cache()` may also be passed explicitly; any other cache (say a
+`DynamicCache`), a forward without a cache and `generate(use_cache=False)` run the model's own attention, unchanged.
 What a cache cannot serve is refused with one line before anything runs: `use_cache=False` with a
 `HiSparseCache`, `output_attentions=True` (hisparse attends to the top-k rows only: no weights over
 the context exist), `cache_implementation` (transformers would build its own cache). Each attention module is patched per instance
@@ -681,28 +681,30 @@ def _whole(value: object) -> int | None:
     return as_index(value)
 
 
-def _check_prefill_chunk(handle: HiSparseHandle, kwargs: dict[str, Any], width: int) -> int | None:
-    """One line for a generate whose own `prefill_chunk_size` (the call's or its generation
-    config's; None: no chunking) would feed a prefill forward of more prompt tokens than `enable`'s
+def _prefill_chunk(handle: HiSparseHandle, model: torch.nn.Module, kwargs: dict[str, Any], width: int) -> int | None:
+    """The `prefill_chunk_size` this generate hands transformers: the one it sets, as generate
+    resolves it (the call's keyword, None included: no chunking; else the generation_config
+    passed, else `model.generation_config`), as a plain int (a numpy integer or an integer tensor
+    is one: transformers' own split takes only ints); else `enable`'s `prefill_chunk`. One line
+    for a chunk that would feed a prefill forward of more prompt tokens than `enable`'s
     `prefill_chunk`, for which the GPU pool was sized: it would fail mid-prefill, its CapacityError
-    naming `prefill_chunk`, which the user did not change. Returns the chunk as a plain int (a numpy
-    integer or an integer tensor is one: transformers' own split takes only ints), None for None or
-    where hisparse passes its own."""
+    naming `prefill_chunk`, which the user did not change."""
+    c = handle.engine.config
     if "prefill_chunk_size" in kwargs:
-        given = kwargs["prefill_chunk_size"]            # None: the whole prompt in one forward
+        given, source = kwargs["prefill_chunk_size"], ""    # None: the whole prompt in one forward
     else:
-        given = getattr(kwargs.get("generation_config"), "prefill_chunk_size", None)
+        given = _setting(model, kwargs, "prefill_chunk_size")
         if given is None:
-            return None                                 # hisparse passes its own prefill_chunk
+            return c.prefill_chunk                          # none set: hisparse passes its own
+        source = _source(kwargs, "prefill_chunk_size")
     chunk = None if given is None else as_index(given)
     if given is not None and (chunk is None or chunk < 1):
-        raise InvalidInputError(f"prefill_chunk_size={given!r}: expected an int >= 1, or None (no chunking)")
-    c = handle.engine.config
+        raise InvalidInputError(f"prefill_chunk_size={given!r}{source}: expected an int >= 1, or None (no chunking)")
     cap = min(c.prefill_chunk, c.max_context)
     tokens = width if chunk is None else min(chunk, width)
     if tokens > cap:
-        raise InvalidInputError(f"prefill_chunk_size={chunk!r} feeds prefill forwards of {tokens} prompt tokens, but "
-                                f"hisparse sized its GPU pool for {cap} (enable(..., prefill_chunk={c.prefill_chunk})): "
+        raise InvalidInputError(f"prefill_chunk_size={chunk!r}{source} feeds prefill forwards of {tokens} prompt "
+                                f"tokens, but hisparse sized its GPU pool for {cap} (enable(..., prefill_chunk={c.prefill_chunk})): "
                                 f"expected prefill_chunk_size <= {cap}, or leave it out (hisparse passes its "
                                 f"prefill_chunk), or enable(..., prefill_chunk >= {tokens})")
     return chunk
@@ -809,9 +811,7 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                                 "feed input_ids, not the embeddings; expected input_ids alone (or pass a "
                                 "DynamicCache to run the model's own attention for this call)")
     _check_lengths(model, kwargs)
-    chunk = _check_prefill_chunk(handle, kwargs, int(input_ids.shape[1]))
-    if kwargs.get("prefill_chunk_size") is not None:
-        kwargs["prefill_chunk_size"] = chunk            # a plain int: transformers' split takes no numpy integer
+    chunk = _prefill_chunk(handle, model, kwargs, int(input_ids.shape[1]))
     if plan is not None:
         _check_assisted(handle, plan, int(input_ids.shape[0]))
     mask = kwargs.get("attention_mask")
@@ -831,13 +831,14 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     # A verification step writes up to `candidates` tokens past the last token it keeps.
     cache.set_prompts([row[pad:] for row, pad in zip(rows, pads, strict=False)], pads, new,
                       plan.candidates if plan is not None else 0)
+    # The chunk resolved above (the user's, as a plain int, or enable's), where transformers reads it.
     gen = kwargs.get("generation_config")
-    if "prefill_chunk_size" not in kwargs and getattr(gen, "prefill_chunk_size", None) is None:
-        if gen is None:
-            kwargs["prefill_chunk_size"] = handle.engine.config.prefill_chunk
-        else:   # on a copy of the caller's config: a kwarg beside it is a transformers deprecation warning
-            gen = kwargs["generation_config"] = copy.deepcopy(gen)
-            gen.prefill_chunk_size = handle.engine.config.prefill_chunk
+    if "prefill_chunk_size" in kwargs or gen is None:
+        kwargs["prefill_chunk_size"] = chunk
+    elif not (type(getattr(gen, "prefill_chunk_size", None)) is int and gen.prefill_chunk_size == chunk):
+        # on a copy of the caller's config: a kwarg beside it is a transformers deprecation warning
+        gen = kwargs["generation_config"] = copy.deepcopy(gen)
+        gen.prefill_chunk_size = chunk
     t0 = time.perf_counter()
     try:
         return original(*args, **kwargs)

@@ -53,6 +53,13 @@ def total_host_bytes() -> int | None:
         return None
 
 
+def host_limit(available: int | None = None) -> int | None:
+    """The most host RAM one allocation may take now (`HOST_FRACTION` of `available`, default:
+    `available_host_bytes()`), what `check_host_memory` allows; None where unknown."""
+    avail = available_host_bytes() if available is None else available
+    return None if avail is None else int(avail * HOST_FRACTION)
+
+
 def check_host_memory(nbytes: int, what: str, *, fraction: float = HOST_FRACTION,
                       available: int | None = None, remedy: str = "lower the budget") -> None:
     """Raise `CapacityError` unless `nbytes` of host RAM fit in `fraction` of what is available.
@@ -119,6 +126,12 @@ def device_free_bytes(device: torch.device) -> int | None:
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(free + max(0, cached))
     return None
+
+
+def device_limit(device: torch.device) -> int | None:
+    """The most bytes of tensors one allocation may take on `device`, what `check_device_memory`
+    allows (CPU: `host_limit()`; CUDA: what is free); None where it cannot be asked."""
+    return host_limit() if device.type == "cpu" else device_free_bytes(device)
 
 
 def check_device_memory(device: torch.device, nbytes: int, what: str, *, remedy: str = "lower the budget") -> None:

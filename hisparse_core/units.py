@@ -4,6 +4,7 @@ and the benches."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -29,6 +30,13 @@ def floor_size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{math.floor(100 * nbytes / scale) / 100:.2f}{unit}"
     return f"{nbytes}B"
+
+
+def at_most(limit: int | None, fmt: Callable[[int], str] = str) -> str:
+    """What a refusal's `lower --FLAG` is followed by where the largest value that fits is known:
+    " to at most LIMIT" (`fmt(limit)`: `floor_size` for a size flag, a count as it is); "" where
+    none fits or it is unknown (0 or None)."""
+    return f" to at most {fmt(limit)}" if limit else ""
 
 
 def ceil_size(nbytes: int) -> str:

@@ -350,15 +350,13 @@ def check_backend_name(name: str | None) -> str | None:
 def check_host_budget(flag: str, nbytes: int) -> str | None:
     """Why a host budget of `nbytes` (given by `flag`) cannot fit this machine's RAM, naming the
     largest that does, or None. The rule of `capacity.check_host_memory`, torch-free."""
-    from hisparse_core.capacity import HOST_FRACTION, available_host_bytes, check_host_memory
+    from hisparse_core.capacity import check_host_memory, host_limit
     from hisparse_core.errors import CapacityError
     from hisparse_core.replay.report import human_bytes
-    from hisparse_core.units import floor_size
+    from hisparse_core.units import at_most, floor_size
 
-    avail = available_host_bytes()
-    fits = f" to at most {floor_size(int(avail * HOST_FRACTION))}" if avail else ""
     try:
-        check_host_memory(nbytes, f"{flag} {human_bytes(nbytes)}", remedy=f"lower {flag}{fits}")
+        check_host_memory(nbytes, f"{flag} {human_bytes(nbytes)}", remedy=f"lower {flag}{at_most(host_limit(), floor_size)}")
     except CapacityError as exc:
         return str(exc)
     return None

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hisparse_core.backend import Backend, check_capabilities
-from hisparse_core.capacity import check_device_memory, check_host_memory
+from hisparse_core.capacity import check_device_memory, check_host_memory, device_limit, host_limit
 from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.host_pool import HostPoolSpec
@@ -33,6 +33,7 @@ from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem, index_groups
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, RuntimeStats
 from hisparse_core.types import RowMirror
+from hisparse_core.units import at_most
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,46 @@ def _fill_pattern(view: torch.Tensor, block_size: int, gen: torch.Generator) -> 
     raw.copy_(pattern.expand_as(raw))
 
 
+#: The flags that shrink each request's device caches, for bench's refusals.
+_HOT = "--top-k, --hot or --tail-pages"
+
+
+@dataclass(frozen=True, slots=True)
+class _Fits:
+    """The largest --requests (the rest as given) and --context (the rest as given) whose device
+    caches and host pool fit the memory checks of `run_bench`, for its refusals to name, as `hisparse
+    run`'s name the largest --gpu-kv or --host that fits (`units.at_most`); 0 where none does or the
+    memory is unknown. Where the backend runs on the CPU both are host RAM and each figure fits
+    every check at once."""
+
+    requests: int
+    context: int
+
+    @classmethod
+    def of(cls, c: BenchConfig, device: torch.device, device_blocks_per_request: int) -> _Fits:
+        page = c.block_size * c.layers * c.fmt.row_bytes  # one block (page) of every layer
+        device_per_request = device_blocks_per_request * page
+        host_per_request = c.max_pages * page
+        host, on_device = host_limit(), device_limit(device)
+        if host is None or on_device is None:
+            return cls(0, 0)
+        if device.type == "cpu":  # one limit for both: each request takes its caches and its pages there
+            requests = host // (device_per_request + host_per_request)
+            pages = max(0, host - c.requests * device_per_request) // (c.requests * page)
+        else:
+            requests = min(on_device // device_per_request, host // host_per_request)
+            pages = host // (c.requests * page)
+        return cls(min(requests, c.requests - 1), max(0, min(pages * c.block_size - c.steps, c.context - 1)))
+
+    def remedy(self, plain: str, *, context: bool = False, others: str = "") -> str:
+        """`lower --requests to at most R, or --context to at most C, or OTHERS` (--context where
+        `context`), naming each figure that fits; `plain` where none does."""
+        sized = [f"--requests{at_most(self.requests)}"] if self.requests else []
+        if context and self.context:
+            sized.append(f"--context{at_most(self.context)}")
+        return "lower " + ", or ".join(sized + ([others] if others else [])) if sized else plain
+
+
 def run_bench(config: BenchConfig, backend: Backend,
               on_step: Callable[[int, StepSample], None] | None = None,
               on_checked: Callable[[], None] | None = None) -> BenchResult:
@@ -174,18 +215,20 @@ def run_bench(config: BenchConfig, backend: Backend,
                                                block_size=bs, max_pages=pages, row_format=fmt, num_layers=n)
                                  for n in group_layers])
     dev = backend.device
+    fits = _Fits.of(c, torch.device(dev), hot_blocks + tail_slots)
     check_device_memory(dev, num_dev_blocks * bs * c.layers * fmt.row_bytes,
                         f"device caches of {num_dev_blocks} blocks x {c.layers} layers ({n_req} requests x "
                         f"({hot_blocks} hot + {tail_slots} tail blocks))",
-                        remedy="lower --requests, --top-k, --hot or --tail-pages")
+                        remedy=fits.remedy("lower --requests, --top-k, --hot or --tail-pages", others=_HOT))
     spec = HostPoolSpec(num_layers=c.layers, num_blocks=n_req * pages, block_size=bs, row_format=fmt)
     # Checked here with bench's own flags (the pool's check would say "lower the host pool budget").
     check_host_memory(spec.nbytes, f"the host pool of {n_req} requests x {pages} pages of {c.context}-token prompts "
-                                   f"x {c.layers} layers", remedy="lower --context or --requests")
+                                   f"x {c.layers} layers", remedy=fits.remedy("lower --context or --requests", context=True))
     if torch.device(dev).type == "cpu":  # both in host RAM: each fitting alone is not enough
         check_host_memory(num_dev_blocks * bs * c.layers * fmt.row_bytes + spec.nbytes,
                           "the device caches and the host pool together (the backend runs on the CPU, so both are in "
-                          "host RAM)", remedy="lower --requests, --context, --top-k, --hot or --tail-pages")
+                          "host RAM)", remedy=fits.remedy("lower --requests, --context, --top-k, --hot or --tail-pages",
+                                                          context=True, others=_HOT))
     if on_checked is not None:
         on_checked()
     logger.info("bench: %d requests x %d-token prompts, %d steps, top-k %d, hot buffer %d rows (%.2fx), "

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from hisparse_core.backend import Backend
-from hisparse_core.capacity import HOST_FRACTION, check_device_memory, check_host_memory, device_free_bytes
+from hisparse_core.capacity import check_device_memory, check_host_memory, device_limit
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.ahead import StepAhead
 from hisparse_core.coordinator.config import GIB
@@ -68,7 +68,7 @@ from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
 from hisparse_core.residency import parse_resident_layers
 from hisparse_core.types import OffloadCommand
-from hisparse_core.units import ceil_size, floor_size, human_bytes
+from hisparse_core.units import at_most, ceil_size, floor_size, human_bytes
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 
 logger = logging.getLogger(__name__)
@@ -348,13 +348,12 @@ class ReplayEngine:
             pressure_watermark_blocks=self.admission_blocks)
         _check_host_blocks(c, coordinator_config)
         dev = torch.device(backend.device)
-        avail = device_free_bytes(dev)
-        free = avail
+        limit = free = device_limit(dev)
         kv_bytes = p.gpu_blocks * p.block_bytes + self.resident_blocks * self.resident_block_bytes
-        if dev.type == "cpu" and avail is not None:
+        if dev.type == "cpu" and limit is not None:
             # The host pool is host RAM too: the size named must fit beside it.
-            free = max(0, int(avail * HOST_FRACTION) - c.host_bytes)
-        fits = f" to at most {floor_size(free)}" if free else ""
+            free = max(0, limit - c.host_bytes)
+        fits = at_most(free, floor_size)
         where = "; the backend runs on the CPU, so the KV pool is in host RAM" if dev.type == "cpu" else ""
         resident = (f" and {self.resident_blocks} resident-layer blocks x {self.resident_block_bytes} B"
                     if c.resident_layers else "")
@@ -363,7 +362,7 @@ class ReplayEngine:
         check_host_memory(c.host_bytes, f"--host {human_bytes(c.host_bytes)} (the host pool)",
                           remedy="lower --host")
         if dev.type == "cpu":  # both pools in host RAM: each fitting alone is not enough
-            together = f" so that together they take at most {floor_size(int(avail * HOST_FRACTION))}" if avail else ""
+            together = f" so that together they take at most {floor_size(limit)}" if limit else ""
             check_host_memory(kv_bytes + c.host_bytes,
                               f"--gpu-kv {human_bytes(c.gpu_kv_bytes)} and --host {human_bytes(c.host_bytes)} together "
                               "(the backend runs on the CPU, so the KV pool and the host pool are both in host RAM)",

@@ -400,9 +400,13 @@ def test_a_warmup_past_the_steps_is_said_as_the_parser_says_a_range(capsys: pyte
 
 
 @pytest.mark.parametrize(("argv", "needle", "not_said"), [
-    (["bench", "--context", "16777216"], "lower --context or --requests", "host pool budget"),
+    # As run's refusals do, each names what would fit (the rest as given): not even one request of
+    # 16777216 tokens does, so only --context; 384408 tokens (6007 pages of 64 with the 40 steps)
+    # would, beside the 4 requests' device caches (both in host RAM: the backend runs on the CPU).
+    (["bench", "--context", "16777216"], "lower --context to at most 384408", "host pool budget"),
     # (--top-k 65536 --hot 64 is now refused earlier: its hot buffer is over a runtime's row limit.)
-    (["bench", "--requests", "65536", "--top-k", "16384"], "lower --requests, --top-k, --hot or --tail-pages", None),
+    (["bench", "--requests", "65536", "--top-k", "16384"],
+     "lower --requests to at most 31, or --top-k, --hot or --tail-pages", None),
 ])
 def test_bench_capacity_errors_name_bench_flags(argv: list[str], needle: str, not_said: str | None,
                                                 monkeypatch: pytest.MonkeyPatch,
@@ -450,7 +454,51 @@ def test_a_cpu_bench_checks_its_caches_and_pool_against_the_ram_together(monkeyp
     assert len(err) == 1 and err[0].startswith(
         "hisparse bench: error: the device caches and the host pool together (the backend runs on the CPU, so both "
         "are in host RAM) needs 84.56 MiB (88670208 B) of host RAM; 64.00 MiB is available"), err
-    assert err[0].endswith("lower --requests, --context, --top-k, --hot or --tail-pages")
+    assert err[0].endswith("lower --requests to at most 2, or --context to at most 1688, or --top-k, --hot or "
+                           "--tail-pages")
+
+
+class _Checked(Exception):
+    """Raised where `run_bench` says its memory checks passed, before it allocates anything."""
+
+
+def _bench_fits(**config: int) -> bool:
+    from hisparse_core.errors import CapacityError
+    from hisparse_core.registry import select_backend
+    from hisparse_core.replay.bench import BenchConfig, run_bench
+
+    def checked() -> None:
+        raise _Checked
+
+    try:
+        run_bench(BenchConfig(**config), select_backend("reference_cpu"), on_checked=checked)
+    except _Checked:
+        return True
+    except CapacityError:
+        return False
+    raise AssertionError("run_bench ran past its checks without calling on_checked")
+
+
+@pytest.mark.parametrize(("config", "avail"), [
+    ({"context": 16777216}, 4 << 30),
+    ({"requests": 65536, "top_k": 16384}, 4 << 30),
+    ({"context": 4096}, 64 << 20),
+])
+def test_what_a_bench_refusal_says_would_fit_does_and_no_more(config: dict[str, int], avail: int,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Each `--FLAG to at most N` of bench's memory refusals, given back with the rest as it was,
+    passes all of bench's memory checks; N + 1 does not (the figure is the largest)."""
+    import hisparse_core.capacity as capacity
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: avail)
+    argv = [a for k, v in config.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    assert main(["bench", *argv, "--backend", "reference_cpu", "--no-progress"]) == 2
+    named = re.findall(r"--(requests|context) to at most (\d+)", capsys.readouterr().err)
+    assert named
+    for flag, value in named:
+        assert _bench_fits(**(config | {flag: int(value)}))
+        assert not _bench_fits(**(config | {flag: int(value) + 1}))
 
 
 def test_log_level_after_the_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -107,6 +107,6 @@ def test_the_cli_turns_a_budget_that_does_not_fit_into_one_line(command: str) ->
     assert len(lines) == 1, lines
     # Each names its own flags: run's --host (checked before torch), bench's --context and --requests.
     said = {"run": ("hisparse run: error: --host ", "lower --host to at most "),
-            "bench": ("hisparse bench: error: the host pool of ", "lower --context or --requests")}[command]
+            "bench": ("hisparse bench: error: the host pool of ", "lower --requests to at most ")}[command]
     assert lines[0].startswith(said[0]) and "of host RAM" in lines[0] and said[1] in lines[0], lines[0]
     assert "Traceback" not in err.getvalue() and out.getvalue() == ""

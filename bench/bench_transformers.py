@@ -31,7 +31,8 @@ row mirrors and spills on the copy stream, indexer, attention; CUDA events, laun
 included). Both modes report the engine's host work per step in two parts: `host critical`, its
 begin_step and end_step outside the planning ahead, and `host ahead`, end_step's planning of the
 next decode step, which runs while the device runs this one (`EngineHostTime`). A configuration
-that runs out of memory says OOM.
+that runs out of memory says OOM. A figure not measured (peak GPU memory on the CPU) is `-` in
+the table and null in the JSON rows (stdout, `--json`).
 
 Run (on a GPU):  python bench/bench_transformers.py [--layers 4] [--batches 1,4,16] [--contexts 32768,131072]
 CPU smoke test:  python bench/bench_transformers.py --tiny
@@ -43,6 +44,7 @@ import argparse
 import gc
 import inspect
 import json
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -265,9 +267,28 @@ def instrument(hs: Any, timers: Timers) -> Callable[[], None]:
     return undo
 
 
-def median(times: list[dict[str, float]], name: str) -> float:
+def median(times: list[dict[str, float]], name: str) -> float | None:
+    """The median of `name` over the timed steps; None (JSON's null: not measured) where none was."""
     vals = [t.get(name, 0.0) for t in times]
-    return statistics.median(vals) if vals else float("nan")
+    return statistics.median(vals) if vals else None
+
+
+def peak_gib(dev: torch.device) -> float | None:
+    """The device's peak allocation since the last reset, in GiB; None (JSON's null) where none is
+    measured (a CPU has no such counter)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+
+
+def not_measured_is_null(value: Any) -> Any:
+    """`value` with every float that is not finite (NaN, inf: a figure that was not measured)
+    replaced by None, so that the JSON written is JSON (which has no NaN) and says null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: not_measured_is_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [not_measured_is_null(v) for v in value]
+    return value
 
 
 def run_transformers(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -281,7 +302,7 @@ def run_transformers(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[
         out["kv_bytes_per_request"] = transformers_cache_bytes(cache) / b
         times = decode(model, cache, b, t, a.steps, a.warmup, Timers(dev))
         out["step_ms"] = median(times, "step")
-        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+        out["peak_gib"] = peak_gib(dev)
     except torch.OutOfMemoryError as exc:
         out["oom"] = str(exc).split(".")[0]
     finally:
@@ -408,7 +429,7 @@ def run_hisparse(model: Any, b: int, t: int, a: argparse.Namespace, *, graphs: b
         times = decode(model, cache, b, t, a.steps, a.warmup, timers)
         out["step_ms"] = median(times, "step")
         out["host_critical_ms"], out["host_ahead_ms"] = host.per_step_ms(a.steps + a.warmup)
-        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+        out["peak_gib"] = peak_gib(dev)
         s = hs.stats()
         out["decode_mode"], out["graph_captures"] = s.decode_mode, s.graph_captures
         if hs.graphs.enabled and profiled:
@@ -473,8 +494,9 @@ class EngineHostTime:
         del self.engine.begin_step, self.engine.end_step, self.engine._plan_next
 
 
-def fmt_ms(x: Any) -> str:
-    return "-" if x is None or x != x else f"{x:.2f}"
+def fmt_ms(x: Any, spec: str = ".2f") -> str:
+    """`x` to `spec`; "-" where it was not measured (None, or NaN)."""
+    return "-" if x is None or x != x else f"{x:{spec}}"
 
 
 def config_label(batch: int, context: int) -> str:
@@ -494,15 +516,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     body = []
     for b, t in configs:
         h, e, base = (by.get((b, t, m), {}) for m in ("hisparse", "hisparse-eager", "transformers"))
-        speed = (f"{base['step_ms'] / h['step_ms']:.1f}x" if "step_ms" in h and "step_ms" in base else
+        speed = (f"{base['step_ms'] / h['step_ms']:.1f}x" if h.get("step_ms") and base.get("step_ms") is not None else
                  ("tf OOM" if "oom" in base else "-"))
         kv = (f"{100 * h['kv_bytes_per_request'] / base['kv_bytes_per_request']:.1f}%"
               if "kv_bytes_per_request" in h and "kv_bytes_per_request" in base else "-")
         share = (f"{100 * (h['resolve_ms'] + h['gather_ms']) / h['step_ms']:.1f}%"
-                 if "step_ms" in h and "resolve_ms" in h else "-")
+                 if h.get("step_ms") and h.get("resolve_ms") is not None and h.get("gather_ms") is not None
+                 else "-")
         body.append([config_label(b, t), ms(h), ms(e) if e else "-", ms(base) if base else "-", speed,
-                     "-" if "peak_gib" not in h else f"{h['peak_gib']:.1f}",
-                     "OOM" if "oom" in base else ("-" if "peak_gib" not in base else f"{base['peak_gib']:.1f}"),
+                     fmt_ms(h.get("peak_gib"), ".1f"), "OOM" if "oom" in base else fmt_ms(base.get("peak_gib"), ".1f"),
                      human_bytes(h["kv_bytes_per_request"]) if "kv_bytes_per_request" in h else "-",
                      human_bytes(base["kv_bytes_per_request"]) if "kv_bytes_per_request" in base else "-", kv,
                      fmt_ms(h.get("resolve_ms")), fmt_ms(h.get("gather_ms")), fmt_ms(h.get("kernels_ms")),
@@ -611,12 +633,12 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     r = run_hisparse(model, b, t, a, graphs=mode == "hisparse")
                 r["wall_s"] = time.perf_counter() - t0
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+                rows.append(r := not_measured_is_null(r))
+                print(json.dumps(r, allow_nan=False), flush=True)
     print(table(rows))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows, f, indent=1, allow_nan=False)
     return 0
 
 

@@ -50,3 +50,24 @@ def test_a_context_below_1k_is_labelled_in_tokens() -> None:
     """`--tiny`'s 256-token context was labelled `T=0K` in every row of the table."""
     with imported(SCRIPT) as script:
         assert [script.config_label(2, t) for t in (256, 32768, 1536)] == ["B=2 T=256", "B=2 T=32K", "B=2 T=1536"]
+
+
+def test_the_json_says_null_for_what_a_cpu_does_not_measure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CPU `--json` held `"peak_gib": NaN` (each row on stdout too), which is not JSON: strict
+    readers (`jq`, JavaScript's JSON.parse) refused the file. Now null, and `-` in the table."""
+    import json
+
+    def strict(text: str) -> object:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+
+    out = tmp_path / "tf.json"
+    with imported(SCRIPT) as script:
+        assert script.main(["--tiny", "--batches", "1", "--layers", "1", "--steps", "1", "--warmup", "0",
+                            "--modes", "hisparse-eager,transformers", "--json", str(out)]) == 0
+    rows = strict(out.read_text())
+    assert isinstance(rows, list) and [r["mode"] for r in rows] == ["hisparse-eager", "transformers"]
+    assert all(r["peak_gib"] is None and r["step_ms"] > 0 for r in rows)
+    printed = capsys.readouterr().out.splitlines()
+    assert [strict(line) for line in printed if line.startswith("{")] == rows
+    grid = next(line for line in printed if line.startswith("B=1 T=256")).split()
+    assert grid[5:7] == ["-", "-"], grid  # hs GiB, tf GiB

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from hisparse_core.replay.report import kv_place as kv_place  # the commands' name for it (run, generate)
+
 #: The size units `--gpu-kv`, `--host` and friends accept (`planner.parse_bytes`), for help texts.
 SIZE_UNITS = "B, K/KiB, M/MiB, G/GiB, T/TiB (binary), KB, MB, GB, TB (decimal); e.g. 40GiB, 1.5G, 512MiB"
 
@@ -170,12 +172,6 @@ def run_script(main: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"{os.path.splitext(os.path.basename(sys.argv[0]))[0]}: interrupted", file=sys.stderr)
         return 130
-
-
-def kv_place(device: str) -> str:
-    """What the output calls the memory of the KV pool on `device`: "GPU" on a CUDA device, else
-    the device itself ("cpu device"), so a CPU-only run never reports GPU pages."""
-    return "GPU" if str(device).startswith("cuda") else f"{device} device"
 
 
 def fail(prog: str, message: str) -> int:

@@ -133,12 +133,12 @@ class HiSparseCoordinator:
             return
         logger.info(
             "HiSparse host pool: %d blocks (%d usable + null) = %d tokens, %s of the %s budget; "
-            "block stride %d B (%d layers x %d tokens x %d B, aligned to %d); room for %.1f max_model_len "
-            "requests; GPU pressure watermark %d of %d blocks",
+            "block stride %d B (%d layers x %d tokens x %d B, aligned to %d); room for %.1f requests of %d tokens "
+            "(max_model_len); device KV pool pressure watermark %d of %d blocks",
             num_blocks, usable, usable * config.block_size, human_bytes(num_blocks * stride),
             human_bytes(config.host_pool_gib * GIB),
             stride, config.num_layers, config.block_size, config.row_bytes, config.stride_alignment,
-            usable / config.max_pages_per_request, self._policy.watermark, gpu.num_blocks)
+            usable / config.max_pages_per_request, config.max_model_len, self._policy.watermark, gpu.num_blocks)
 
     # -- properties ------------------------------------------------------------------------
 

@@ -64,6 +64,7 @@ from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.kvdata import ReferenceKV, RowSource
 from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem, index_groups
 from hisparse_core.replay.locality import REFERENCE_LAYERS, REGIMES, LayeredIndexer, reference_layers, regime
+from hisparse_core.replay.report import kv_place
 from hisparse_core.replay.timing import PhaseTimer
 from hisparse_core.replay.workload import RequestSpec, make_workload
 from hisparse_core.residency import parse_resident_layers
@@ -424,14 +425,15 @@ class ReplayEngine:
         # Plan each pure decode step at the end of the step before (hisparse_core.coordinator.ahead).
         self.plan_ahead = c.plan_ahead
         self.ahead = StepAhead(start_step=self.worker.start_step, close_step=self.worker.after_forward)
+        place = kv_place(dev)  # "GPU" on CUDA, else the device's ("cpu device"): a CPU run's pool is host RAM
         logger.info(
-            "replay: %d layers in index groups %s, top-k %d, hot buffer %d rows, %s; GPU pool %d blocks of %d B, "
+            "replay: %d layers in index groups %s, top-k %d, hot buffer %d rows, %s; %s KV pool %d blocks of %d B, "
             "admission needs %d free (%d pages + %d indexer + %d hot); host pool %d blocks; state rows %d (%s), "
             "%d decode rows per request%s",
-            c.layers, self.group_layers, c.top_k, c.hot_rows, self.fmt.name, p.gpu_blocks, p.block_bytes,
+            c.layers, self.group_layers, c.top_k, c.hot_rows, self.fmt.name, place, p.gpu_blocks, p.block_bytes,
             self.admission_blocks, self.pages_per_request, self.indexer_blocks, admission_hot,
             self.coordinator.host_num_blocks, self.max_running,
-            "--concurrency" if c.concurrency else "GPU blocks / smallest per-request footprint", c.rows_per_request,
+            "--concurrency" if c.concurrency else f"{place} blocks / smallest per-request footprint", c.rows_per_request,
             f"; requests of {c.max_tokens} tokens fit the {c.hot_rows}-row hot buffer and {c.tail_pages}-page tail, "
             "so they stay resident "
             "(no hot buffer, no host prefix hits)" if p.stays_resident else "")

@@ -10,6 +10,12 @@ from typing import Any
 
 from hisparse_core.units import human_bytes
 
+
+def kv_place(device: object) -> str:
+    """What the output calls the memory of the KV pool on `device`: "GPU" on a CUDA device, else
+    the device itself ("cpu device"), so a CPU-only run never reports GPU pages."""
+    return "GPU" if str(device).startswith("cuda") else f"{device} device"
+
 __all__ = ["dumps", "human_bytes", "pct", "render_grid", "render_table"]
 
 

@@ -72,3 +72,24 @@ def test_host_pool_line_formats_size_and_budget_alike(caplog: pytest.LogCaptureF
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("HiSparse host pool:"))
     assert re.search(r", \d+\.\d\d MiB of the 51\.20 MiB budget;", line), line
     assert not re.search(r"\d\.\d{5,}", line), line
+
+
+def test_a_cpu_runs_log_lines_name_no_gpu(caplog: pytest.LogCaptureFixture) -> None:
+    """On a CPU-only `hisparse run` the coordinator's line said `GPU pressure watermark` and `room for
+    N max_model_len requests` (vLLM's word; the run has --context and --decode-tokens), the replay's
+    `GPU pool N blocks` and `state rows N (GPU blocks / ...)`: the KV pool is in host RAM there."""
+    from hisparse_core.cli import main
+
+    argv = ["run", "--backend", "reference_cpu", "--requests", "1", "--context", "32", "--decode-tokens", "2",
+            "--steps", "1", "--top-k", "16", "--block-size", "16", "--layers", "1",
+            "--index-share", "1", "--gpu-kv", "1MiB", "--host", "4MiB", "--no-progress"]
+    with caplog.at_level(logging.INFO, logger="hisparse_core"):
+        assert main(argv) == 0
+    lines = [r.getMessage() for r in caplog.records
+             if r.name in ("hisparse_core.coordinator.coordinator", "hisparse_core.replay.engine")]
+    pool = next(line for line in lines if line.startswith("HiSparse host pool:"))
+    replay = next(line for line in lines if line.startswith("replay: 1 layers"))
+    assert not [line for line in lines if "GPU" in line or "max_model_len requests" in line], lines
+    assert re.search(r"; room for \d+\.\d requests of 34 tokens \(max_model_len\); device KV pool pressure "
+                     r"watermark \d+ of \d+ blocks$", pool), pool
+    assert re.search(r"; cpu device KV pool \d+ blocks of \d+ B, .*state rows \d+ \(cpu device blocks / ", replay), replay

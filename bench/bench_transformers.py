@@ -44,7 +44,6 @@ import argparse
 import gc
 import inspect
 import json
-import math
 import statistics
 import time
 from collections import defaultdict
@@ -277,18 +276,6 @@ def peak_gib(dev: torch.device) -> float | None:
     """The device's peak allocation since the last reset, in GiB; None (JSON's null) where none is
     measured (a CPU has no such counter)."""
     return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-
-
-def not_measured_is_null(value: Any) -> Any:
-    """`value` with every float that is not finite (NaN, inf: a figure that was not measured)
-    replaced by None, so that the JSON written is JSON (which has no NaN) and says null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: not_measured_is_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [not_measured_is_null(v) for v in value]
-    return value
 
 
 def run_transformers(model: Any, b: int, t: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -611,6 +598,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hisparse_core.replay.report import json_safe
+
     a = options(argv)
     device = "cpu" if a.tiny else "cuda"
     batches, contexts, modes = a.batches, a.contexts, a.modes
@@ -633,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     r = run_hisparse(model, b, t, a, graphs=mode == "hisparse")
                 r["wall_s"] = time.perf_counter() - t0
-                rows.append(r := not_measured_is_null(r))
+                rows.append(r := json_safe(r))   # a figure not measured (NaN) is null: JSON has no NaN
                 print(json.dumps(r, allow_nan=False), flush=True)
     print(table(rows))
     if a.json:

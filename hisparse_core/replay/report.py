@@ -67,14 +67,18 @@ def render_grid(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
+def json_safe(x: Any) -> Any:
+    """`x` with NaN/inf (a figure not measured) as None, JSON's null, so any JSON reader accepts it
+    (JSON has no NaN); dict keys as str."""
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 def dumps(obj: Any) -> str:
     """JSON with NaN/inf spelled as null, so any JSON reader accepts it."""
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-            return None
-        if isinstance(x, dict):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-    return json.dumps(clean(obj), indent=2, sort_keys=False)
+    return json.dumps(json_safe(obj), indent=2, sort_keys=False)

@@ -1,5 +1,5 @@
 import sys
 
-from hisparse_core.cli import main
+from hisparse_core.launcher import main
 
 sys.exit(main())

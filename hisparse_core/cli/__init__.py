@@ -7,23 +7,16 @@ hisparse_transformers that way). The core imports no plugin.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import importlib
+import logging
+import os
 import sys
+from collections.abc import Sequence
 
-try:
-    import argparse
-    import contextlib
-    import importlib
-    import logging
-    import os
-    from collections.abc import Sequence
-
-    from hisparse_core.cli.options import CliParser, HelpFormatter, quiet_stdout
-    from hisparse_core.cli.plugin_commands import BrokenCommand, add_plugin_commands, warn_broken
-except KeyboardInterrupt:
-    # Ctrl-C while the `hisparse` launcher still imports this module (its first ~0.1 s): ended as
-    # `main` ends one later, one line and exit status 130, not the traceback of whichever import it hit.
-    print("hisparse: interrupted", file=sys.stderr)
-    raise SystemExit(130) from None
+from hisparse_core.cli.options import CliParser, HelpFormatter, quiet_stdout
+from hisparse_core.cli.plugin_commands import BrokenCommand, add_plugin_commands, warn_broken
 
 #: The core's sub-command name -> module. Each module's top level and `add_parser` import nothing
 #: heavy (no torch), so `hisparse --help` and `hisparse backends` start fast and work with a broken

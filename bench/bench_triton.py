@@ -59,6 +59,8 @@ from typing import Any
 
 import torch
 
+from hisparse_core.replay.report import json_safe
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from graph_timing import median_replay_us  # noqa: E402
@@ -349,9 +351,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{f(r.copy_us, 9)} {vc}{more}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rows": [asdict(r) | {"vs_nvidia": r.vs_nvidia} for r in rows], "variants": resolvers,
-                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": __import__("triton").__version__}, fh, indent=1)
+            # A variant that failed at a batch timed NaN: null in the file (JSON has no NaN).
+            json.dump(json_safe({"rows": [asdict(r) | {"vs_nvidia": r.vs_nvidia} for r in rows], "variants": resolvers,
+                                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                 "triton": __import__("triton").__version__}), fh, indent=1, allow_nan=False)
     for line in bench.copy_failures[:20]:
         print(f"bench_triton: {line}", file=sys.stderr)
     if bench.copy_failures:

@@ -197,8 +197,9 @@ def test_the_log_says_why_the_hot_buffer_has_its_size(model: torch.nn.Module,
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hisparse_transformers.engine"):
             hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-3, **over)).close()
-        lines = [r.getMessage() for r in caplog.records if "hot buffer" in r.getMessage() and "GPU pool" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records if "hot buffer" in r.getMessage() and "KV pool" in r.getMessage()]
         assert len(lines) == 1 and words in lines[0], lines
+        assert "cpu device KV pool" in lines[0] and "GPU" not in lines[0], lines  # a CPU model says so
 
 
 def test_a_prefill_chunk_past_max_context_asks_no_more_gpu(model: torch.nn.Module) -> None:

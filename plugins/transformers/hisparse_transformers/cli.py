@@ -273,7 +273,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
         device_free_bytes,
     )
     from hisparse_core.errors import CapacityError, InvalidInputError
-    from hisparse_core.units import ceil_size, floor_size, human_bytes
+    from hisparse_core.units import at_most, ceil_size, floor_size, human_bytes
     from hisparse_transformers.demo import DemoConfig, comparison_pages, rounding_of
     from hisparse_transformers.engine import ACTIVE_TAIL_PAGES, chunk_pages_for, required_gpu_blocks
     from hisparse_transformers.kv_rows import LatentRows
@@ -321,8 +321,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     free = device_free_bytes(dev)
     if free is not None and dev.type == "cpu":
         free = int(free * HOST_FRACTION)
-    fits = ("" if free is None else f" to at most {free // block_bytes}" if args.gpu_kv_pages else
-            f" to at most {floor_size(free)}")
+    fits = "" if free is None else at_most(free // block_bytes) if args.gpu_kv_pages else at_most(free, floor_size)
     check_device_memory(dev, gpu_bytes, what, remedy=f"lower {gpu_flag}{fits}")
     rounding = rounding_of(args.dtype, args.kv_rows)
     if rounding:
@@ -351,7 +350,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
                             f"tokens + {args.new_tokens} new need "
                             f"{need}: expected {host_flag} >= {up((need + 1) * block_bytes)}")
     avail = available_host_bytes()
-    fits = f" to at most {down(int(avail * HOST_FRACTION))}" if avail else ""
+    fits = at_most(int(avail * HOST_FRACTION), down) if avail else ""
     check_host_memory(host_bytes, f"{host_flag} {shown}", remedy=f"lower {host_flag}{fits}")
     return given, host_gib
 

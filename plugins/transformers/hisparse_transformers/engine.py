@@ -53,6 +53,7 @@ from hisparse_core.coordinator.config import GIB
 from hisparse_core.coordinator.tables import apply_table_updates
 from hisparse_core.errors import CapacityError, InvalidInputError
 from hisparse_core.geometry import MAX_HOT_ROWS, RuntimeConfig
+from hisparse_core.replay.report import kv_place
 from hisparse_core.residency import parse_resident_layers
 from hisparse_core.runtime import CacheRuntime
 from hisparse_core.types import OffloadCommand
@@ -450,9 +451,9 @@ class HiSparseEngine:
                         spec, self.spec_rows, hot_rows, self.spec_rows)
         logger.info(
             "hisparse transformers engine: %s, %d layers in %d index group(s), row %s (%d B), top-k %d, hot buffer "
-            "%d rows (%s); GPU pool %d blocks of %d B (watermark %d), host pool %d blocks; %d state rows, max context "
-            "%d, prefill chunk %d; backend %s on %s", layout.family, L, len(layout.groups), self.fmt.name,
-            self.fmt.row_bytes, top_k, hot_rows, self.hot_rows_reason, self.gpu_blocks, self.block_bytes, self.watermark,
+            "%d rows (%s); %s KV pool %d blocks of %d B (watermark %d), host pool %d blocks; %d state rows, max "
+            "context %d, prefill chunk %d; backend %s on %s", layout.family, L, len(layout.groups), self.fmt.name,
+            self.fmt.row_bytes, top_k, hot_rows, self.hot_rows_reason, kv_place(placement.devices[0]), self.gpu_blocks, self.block_bytes, self.watermark,
             self.coordinator.host_num_blocks, c.max_batch, self.max_pages * bs, c.prefill_chunk, self.backend.name,
             ", ".join(str(d) for d in placement.devices))
         if placement.spread:

@@ -17,7 +17,7 @@ cell's outputs and hot state are compared between the two backends (they must be
 triton variant's layer-0 copy against nvidia's: its plan's rows hold nvidia's bytes and no other hot row
 is written (a difference is reported after the table and the exit status is 1).
 
-    python bench/bench_triton.py [--replays 30] [--json out.json] [--no-nvidia] [--variants gather,scratch:p4]
+    python bench/bench_triton.py [--replays 30] [--json out.json] [--no-nvidia] [--variants gather,scratch:p4] [--resolve-alone]
 
 `--variants` times the triton backend once per variant, side by side in one run: the first is
 "triton us", the others get a column each. A variant is a resolver (`gather` or `scratch`,
@@ -44,6 +44,10 @@ of before for every knob the variant leaves unset; 1, the default: the runtime's
 before the seventeenth session, `scratch:p4:a0` the backend as it was before the gather resolver,
 `gather:f1:l0:a0` the default of call G3.
 
+`--resolve-alone` adds two columns: each backend's step without its layer-0 copy
+(`resolve(gather=False)`, the first variant for triton), so a cell's time splits into the resolver
+and what the copy adds behind it.
+
 Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia backend
 (`--no-nvidia`, or no cuda-python) the tr/nv column is left empty.
 """
@@ -55,6 +59,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass
+from dataclasses import field as dc_field
 from typing import Any
 
 import torch
@@ -119,6 +124,7 @@ class Row:
     nvidia_us: float | None
     copy_us: float | None
     others: dict[str, float]  # us per step of the further resolver variants
+    alone: dict[str, float] = dc_field(default_factory=dict)  # --resolve-alone: backend -> us without the copy
 
 
     @property
@@ -127,11 +133,12 @@ class Row:
 
 
 class Bench:
-    def __init__(self, replays: int, with_nvidia: bool, variants: list[str]) -> None:
+    def __init__(self, replays: int, with_nvidia: bool, variants: list[str], resolve_alone: bool = False) -> None:
         from hisparse_core.host_pool import HostPoolSpec
         from hisparse_triton.backend import TritonBackend
 
         self.replays = replays
+        self.resolve_alone = resolve_alone
         self.resolvers = variants
         self.backends: dict[str, Any] = {"triton": TritonBackend()}
         if with_nvidia:
@@ -193,17 +200,18 @@ class Bench:
     def time_graph(self, graph: torch.cuda.CUDAGraph, steps: int) -> float:
         return median_replay_us(graph, self.replays, steps, 3)
 
-    def resolve_us(self, name: str, b: int, inputs: list, resolver: str | None = None) -> tuple[float, int]:
+    def resolve_us(self, name: str, b: int, inputs: list, resolver: str | None = None,
+                   gather: bool = True) -> tuple[float, int]:
         """(us per step, misses per request and step) of one backend (triton: with `resolver`) over
-        the cycle `inputs`."""
+        the cycle `inputs`; `gather=False`: the resolver without its layer-0 copy."""
         rt = self.runtime(name, b, resolver)
         for inp in inputs:  # warm the LRU to its steady state, and compile
-            rt.resolve(inp, gather=True, validate=False)
+            rt.resolve(inp, gather=gather, validate=False)
         rt.reset_stats()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for inp in inputs:
-                rt.resolve(inp, gather=True, validate=False)
+                rt.resolve(inp, gather=gather, validate=False)
         g.replay()
         torch.cuda.synchronize()
         misses = rt.stats().misses // (b * len(inputs))
@@ -285,7 +293,10 @@ class Bench:
                 others[v] = float("nan")
         nv = self.resolve_us("nvidia", b, inputs)[0] if "nvidia" in self.backends else None
         copy = None if resident else self.copy_us(b * got * 656, steps)
-        return Row("resident" if resident else f"{misses} misses", b, got, tr, nv, copy, others)
+        alone = {}
+        if self.resolve_alone:
+            alone = {name: self.resolve_us(name, b, inputs, gather=False)[0] for name in self.backends}
+        return Row("resident" if resident else f"{misses} misses", b, got, tr, nv, copy, others, alone)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replays", type=int, default=30, help="timed graph replays per figure (median)")
     ap.add_argument("--json", help="also write the table as JSON to this path")
     ap.add_argument("--no-nvidia", action="store_true", help="time the triton backend and the copy only")
+    ap.add_argument("--resolve-alone", action="store_true",
+                    help="also time each backend's resolver without its layer-0 copy (two more columns)")
     ap.add_argument("--cells", metavar="M:B[,M:B]",
                     help="only these cells (misses per request, or R for the resident step : batch), e.g. 0:1,R:128 "
                          "(default: the whole sweep)")
@@ -330,9 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             print(f"bench_triton: nvidia backend unavailable ({why}); timing triton alone", file=sys.stderr)
             with_nvidia = False
-    bench = Bench(args.replays, with_nvidia, resolvers)
+    bench = Bench(args.replays, with_nvidia, resolvers, args.resolve_alone)
     rows: list[Row] = []
     extra = "".join(f" {v[:10]:>10} {'/nv':>6}" for v in resolvers[1:])
+    if args.resolve_alone:
+        extra += f" {'tr alone':>9}" + (f" {'nv alone':>9}" if with_nvidia else "")
     print(f"triton variant: {resolvers[0]}" + (f"; also {', '.join(resolvers[1:])}" if resolvers[1:] else ""))
     print(f"{'scenario':>14} {'batch':>5} {'misses':>6} {'triton us':>10} {'nvidia us':>10} {'tr/nv':>6} "
           f"{'copy us':>9} {'tr/copy':>7}{extra}")
@@ -347,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         vc = f"{r.triton_us / r.copy_us:7.2f}" if r.copy_us else "      -"
         more = "".join(f" {f(us, 10)} " + (f"{us / r.nvidia_us:6.2f}" if r.nvidia_us else "     -")
                        for us in r.others.values())
+        more += "".join(f" {f(us, 9)}" for us in r.alone.values())
         print(f"{r.scenario:>14} {b:5d} {r.misses:6d} {f(r.triton_us, 10)} {f(r.nvidia_us, 10)} {vs} "
               f"{f(r.copy_us, 9)} {vc}{more}", flush=True)
     if args.json:

@@ -75,6 +75,13 @@ def check_name(name: str, installed_backends: Iterable[str]) -> ScaffoldNames:
     if importlib.util.find_spec(names.package) is not None:
         raise InvalidInputError(f"backend name {name!r} clashes with the installed package {names.package!r}; "
                                 f"choose another")
+    # `Core` would make hisparse_Core beside hisparse_core: one folder on a case-insensitive disk.
+    # Installed top-level packages, editable installs included (their finders hide them from pkgutil).
+    folded = [p for p in importlib.metadata.packages_distributions() if p.casefold() == names.package.casefold()]
+    if folded:
+        raise InvalidInputError(f"backend name {name!r} makes the package {names.package!r}, which differs only in "
+                                f"case from the installed package {folded[0]!r}; expected a name whose package "
+                                f"differs from each installed one in more than case")
     try:  # looked up as pip normalizes project names: case, `_` and `-` do not tell them apart
         installed_dist = importlib.metadata.distribution(names.dist).name
     except importlib.metadata.PackageNotFoundError:

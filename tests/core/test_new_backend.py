@@ -94,6 +94,9 @@ def test_default_dir_is_the_distribution_name(tmp_path: Path, monkeypatch: pytes
     ("Reference_CPU", "'Reference_CPU' differs only in case from the installed backend 'reference_cpu'"),
     ("core", "clashes with the installed package 'hisparse_core'"),
     ("conformance", "clashes with the installed package 'hisparse_conformance'"),
+    # hisparse_Core beside hisparse_core: one folder on a case-insensitive disk.
+    ("Core", "makes the package 'hisparse_Core', which differs only in case from the installed package 'hisparse_core'"),
+    ("Transformers", "differs only in case from the installed package 'hisparse_transformers'"),
 ])
 def test_bad_name_is_one_line_exit_2_nothing_written(tmp_path: Path, name: str, expected: str) -> None:
     target = tmp_path / "d"

@@ -437,3 +437,37 @@ def test_register_ops_asking_another_mode_once_registered_is_refused(served: str
         hv_ops.register_ops(mode="off")
     assert hv_ops.register_ops(mode="auto") == hv_ops.register_ops(mode="replace") == "hisparse:reference_cpu"
     assert hasattr(torch.ops._C_cache_ops, "hisparse_resolve_residency")
+
+
+@pytest.mark.parametrize("device_type", ["gpu", "CPU", "cuda:0", " cpu", 0])
+def test_enable_vllm_hisparse_refuses_what_is_not_a_device_type_before_anything(
+        monkeypatch: pytest.MonkeyPatch, device_type: object) -> None:
+    """`enable_vllm_hisparse("gpu")` (a typo for cuda) took any name torch has no module for as a
+    device without streams: it registered the ops and gave vLLM's runtime streams and events that
+    order nothing, which on a GPU leaves its copies unordered. Refused now, before the ops are
+    registered or anything is patched, naming the argument, the value and what is expected."""
+    from hisparse_vllm import ops_platform
+
+    monkeypatch.setattr(ops_platform, "_patched", set())
+    monkeypatch.setattr(ops_platform, "_applied", {}, raising=False)
+    monkeypatch.setattr(hv_ops, "_state", {})
+    with pytest.raises(ValueError, match=rf"^enable_vllm_hisparse\(device_type={device_type!r}\): expected a torch "
+                                         r"device type such as 'cpu', 'cuda' or 'xpu'"):
+        enable_vllm_hisparse(device_type)  # type: ignore[arg-type]
+    assert ops_platform._patched == set() and hv_ops.served_by() is None
+
+
+def test_enable_vllm_hisparse_again_for_another_platform_is_refused(served: str) -> None:
+    """A second call asking for another device type or `pin_host` returned as if applied: the first
+    call's patches stayed (they are once a process) and the pin function was never installed. It is
+    refused in one line naming what is in place; the same call again is still a no-op."""
+    import vllm.v1.hisparse.runtime as runtime
+
+    pin = runtime.pin_tensor
+    with pytest.raises(ValueError, match=r"^enable_vllm_hisparse\('cpu', pin_host=print\): vLLM's HiSparse is already "
+                                         r"enabled in this process for 'cpu' with pin_host=None; expected the same"):
+        enable_vllm_hisparse("cpu", pin_host=print)
+    with pytest.raises(ValueError, match=r"^enable_vllm_hisparse\('cuda', pin_host=None\): .* for 'cpu'"):
+        enable_vllm_hisparse("cuda")
+    assert runtime.pin_tensor is pin
+    assert enable_vllm_hisparse("cpu", backend="reference_cpu") == served

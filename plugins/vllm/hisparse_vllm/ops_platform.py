@@ -22,7 +22,10 @@ vLLM 0.32 has no platform hook for HiSparse. Besides the four ops (`hisparse_vll
 5. `_check_residency_shared_memory` runs only for `device.type == "cuda"`; a backend checks its own
    limits when it builds its kernels; not patched.
 
-`enable_vllm_hisparse(device_type)` applies 1-3; each step is idempotent and logged.
+`enable_vllm_hisparse(device_type)` applies 1-3; each step is idempotent and logged. It takes a torch
+device type (`cpu`, `xpu`, ...; a typo such as `gpu` is refused, not taken for a device without
+streams), once a process: a later call with another device type or `pin_host` is refused, naming
+what was applied, since the patches are not undone.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 CONFIG_GATE_MESSAGE = "HiSparse currently requires NVIDIA CUDA."
 _patched: set[str] = set()
+#: What the first `enable_vllm_hisparse` applied: its device type and `pin_host`.
+_applied: dict[str, Any] = {}
 
 
 class HostOrderedStream:
@@ -174,9 +179,40 @@ def enable_vllm_hisparse(device_type: str, *, pin_host: Callable[[Any], None] | 
 
     from hisparse_vllm.ops import register_ops
 
+    _check_device_type(device_type)
+    if _applied:  # once a process: the patches are not undone, so a call asking for others is refused
+        if _applied["device_type"] != device_type or not _same_callable(_applied["pin_host"], pin_host):
+            raise ValueError(
+                f"enable_vllm_hisparse({device_type!r}, pin_host={_name(pin_host)}): vLLM's HiSparse is already "
+                f"enabled in this process for {_applied['device_type']!r} with pin_host={_name(_applied['pin_host'])}; "
+                "expected the same device type and pin_host (one platform a process)")
     if "config" not in _patched:
         _config_gate_line(config_module.__file__)  # raises for another layout, before anything is applied
     served = register_ops(backend)
     allow_hisparse_config()
     patch_runtime(device_type, pin_host=pin_host)
+    _applied.update(device_type=device_type, pin_host=pin_host)
     return served
+
+
+def _check_device_type(device_type: object) -> None:
+    """A torch device type (`cpu`, `cuda`, `xpu`, ...), not a device (`cuda:0`) or a typo: any other
+    string would be taken for a device without streams, and its work left unordered."""
+    import torch
+
+    try:
+        ok = isinstance(device_type, str) and torch.device(device_type).type == device_type
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"enable_vllm_hisparse(device_type={device_type!r}): expected a torch device type such as "
+                         "'cpu', 'cuda' or 'xpu' (what torch.device() takes, without an index)")
+
+
+def _same_callable(a: Callable[[Any], None] | None, b: Callable[[Any], None] | None) -> bool:
+    """The same function, or two made by the same definition (a lambda written once, called twice)."""
+    return a is b or a is not None and b is not None and getattr(a, "__code__", a) is getattr(b, "__code__", b)
+
+
+def _name(fn: Callable[[Any], None] | None) -> str:
+    return "None" if fn is None else getattr(fn, "__qualname__", repr(fn))

@@ -471,3 +471,20 @@ def test_enable_vllm_hisparse_again_for_another_platform_is_refused(served: str)
         enable_vllm_hisparse("cuda")
     assert runtime.pin_tensor is pin
     assert enable_vllm_hisparse("cpu", backend="reference_cpu") == served
+
+
+@pytest.mark.parametrize(("mode", "env", "said"), [
+    ("off", None, "register_ops(mode='off')"), (None, "Off", "HISPARSE_VLLM_OPS=off"),
+    ("off", "auto", "register_ops(mode='off')")])
+def test_the_off_line_names_what_turned_the_ops_off(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                                     mode: str | None, env: str | None, said: str) -> None:
+    """`register_ops(mode="off")` logged "not registered (HISPARSE_VLLM_OPS=off)" with the variable
+    unset or set to another mode: the line named a setting the caller had not made."""
+    monkeypatch.setattr(hv_ops, "_state", {})
+    if env is None:
+        monkeypatch.delenv(hv_ops.ENV_MODE, raising=False)
+    else:
+        monkeypatch.setenv(hv_ops.ENV_MODE, env)
+    with caplog.at_level("INFO", logger="hisparse_vllm.ops"):
+        assert hv_ops.register_ops(mode=mode) == "off"
+    assert [r.getMessage() for r in caplog.records] == [f"vLLM HiSparse ops: not registered ({said})"]

@@ -235,6 +235,8 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     if chosen not in MODES:
         given = f"register_ops(mode={mode!r}):" if mode is not None else f"{ENV_MODE}={chosen!r};"
         raise ValueError(f"{given} expected one of {', '.join(MODES)}")
+    # What set the mode, for the log line: the argument when given (the variable is then not read).
+    set_by = f"register_ops(mode={mode!r})" if mode is not None else f"{ENV_MODE}={chosen}"
     with _lock:
         if "served_by" in _state:
             served = str(_state["served_by"])
@@ -253,7 +255,7 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
             return served
         if chosen == "off":
             _state["served_by"] = "off"
-            logger.info("vLLM HiSparse ops: not registered (%s=off)", ENV_MODE)
+            logger.info("vLLM HiSparse ops: not registered (%s)", set_by)
             return "off"
         version = vllm_version()
         source = runtime_source()
@@ -291,7 +293,7 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
             lib = torch.library.Library(spec.NAMESPACE, "IMPL")
             for op, fn in kernels.items():
                 lib.impl(op, fn, "CUDA")
-            why = f"replacing {version}'s compiled kernels ({ENV_MODE}=replace)"
+            why = f"replacing {version}'s compiled kernels ({set_by})"
         else:
             lib = torch.library.Library(spec.NAMESPACE, "FRAGMENT")
             for op, fn in kernels.items():

@@ -79,3 +79,17 @@ def test_without_the_cpu_setting_on_a_machine_without_cuda_it_says_so(tmp_path: 
     assert errors == [f"E   vllm.ShimSettingError: HISPARSE_SHIM_DEVICE is unset, so cuda, but torch "
                       f"{torch.__version__} sees no CUDA device here; on a CPU set HISPARSE_SHIM_DEVICE=cpu with "
                       "HISPARSE_BACKEND=reference_cpu (or triton under TRITON_INTERPRET=1)"], out[-3000:]
+
+
+def test_a_backend_on_another_device_than_the_tests_is_one_error(tmp_path: Path) -> None:
+    """docs/vllm.md sets `HISPARSE_SHIM_DEVICE=cpu` "only on a machine without a GPU": on a GPU
+    machine, `HISPARSE_BACKEND=reference_cpu` registered the ops and vLLM's 41 tests each failed
+    at their first op call ("tensors are on cuda:0; ... runs on cpu"). The shim compares the device
+    the backend serves the ops on with the tests' and refuses once. A CUDA device is faked here."""
+    (tmp_path / "conftest.py").write_text("import torch\ntorch.cuda.is_available = lambda: True\n")
+    rc, out = _run(tmp_path, HISPARSE_BACKEND="reference_cpu")
+    assert rc == 2, out[-3000:]
+    errors = [x for x in out.splitlines() if x.startswith("E   ")]
+    assert errors == ["E   vllm.ShimSettingError: HISPARSE_SHIM_DEVICE is unset, so cuda, but "
+                      "HISPARSE_BACKEND='reference_cpu' serves the ops on cpu, so every test would fail; expected "
+                      "HISPARSE_SHIM_DEVICE=cpu or a backend that runs on cuda"], out[-3000:]

@@ -216,6 +216,13 @@ def served_by() -> str | None:
     return _state.get("served_by")
 
 
+def serving_device_type() -> str | None:
+    """The device type of the tensors the ops take where a hisparse backend serves them (None
+    elsewhere). Builds the backend, as the first op call would, and keeps it for the calls."""
+    backend = _state.get("backend")
+    return None if backend is None else backend.ops().device_type
+
+
 def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     """Register the four ops (see the module docstring); idempotent. Returns `served_by()`.
 
@@ -285,7 +292,8 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         # The backend's own settings (nvidia's HISPARSE_VLLM_GATHER, ...), checked on its class: here,
         # before vLLM loads the weights, not at the first op call; nothing is constructed.
         registry.check_settings(chosen)
-        kernels = _kernels(_FirstCallBackend(backend, chosen), chosen)
+        first_call = _FirstCallBackend(backend, chosen)
+        kernels = _kernels(first_call, chosen)
         if present:
             # Replace: our kernel under vLLM's schema, for the device vLLM compiled it for (its CUDA
             # build, ROCm's included, registers them under the CUDA key). A backend that runs on
@@ -302,6 +310,7 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
                 lib.impl(op, _fake, "Meta")
             why = f"{version} has no compiled HiSparse ops"
         _state["lib"] = lib
+        _state["backend"] = first_call
         _state["served_by"] = f"hisparse:{chosen}"
         logger.info("vLLM HiSparse ops: torch.ops.%s.hisparse_* served by hisparse backend %r (%s; built at "
                     "the first call)", spec.NAMESPACE, chosen, why)

@@ -12,7 +12,8 @@ docs/vllm.md, puts this folder on `PYTHONPATH`.
 have no accelerator there, so both become no-ops.
 
 A bad setting (a device other than `cuda` or `cpu`, `cuda` where torch has no CUDA device, a
-backend that cannot serve the ops, `HISPARSE_VLLM_OPS` other than unset, `auto` or `replace`) ends the pytest run before any test, with one line naming the
+backend that cannot serve the ops or serves them on another device than `HISPARSE_SHIM_DEVICE`,
+`HISPARSE_VLLM_OPS` other than unset, `auto` or `replace`) ends the pytest run before any test, with one line naming the
 variable, its value and what was expected: pytest reports it as the test file's one collection
 error, `E   vllm.ShimSettingError: ...`, and runs no test (exit status 2).
 """
@@ -49,7 +50,7 @@ if _device == "cuda":
                 "here; on a CPU set HISPARSE_SHIM_DEVICE=cpu with HISPARSE_BACKEND=reference_cpu (or triton under "
                 "TRITON_INTERPRET=1)")
 
-from hisparse_vllm.ops import ENV_MODE, register_ops  # noqa: E402
+from hisparse_vllm.ops import ENV_MODE, register_ops, serving_device_type  # noqa: E402
 
 # `off` would register nothing, and vLLM's tests skip every case ("not compiled into this build").
 if os.environ.get(ENV_MODE, "").strip().lower() not in ("", "auto", "replace"):
@@ -59,10 +60,15 @@ if os.environ.get(ENV_MODE, "").strip().lower() not in ("", "auto", "replace"):
 _problem = ""
 try:
     register_ops(os.environ.get("HISPARSE_BACKEND", "").strip() or "nvidia")
+    _served_on = serving_device_type()  # builds the backend: the tests' tensors must be on its device
 except Exception as exc:  # noqa: BLE001 -- the reason is the line
     _problem = f"{_setting('HISPARSE_BACKEND', 'nvidia')} cannot serve vLLM's HiSparse ops: {exc}"
 if _problem:
     _refuse(_problem)  # outside the handler: one error, not two chained
+if _served_on is not None and _served_on != _device:
+    _refuse(f"{_setting('HISPARSE_SHIM_DEVICE', 'cuda')}, but {_setting('HISPARSE_BACKEND', 'nvidia')} serves the "
+            f"ops on {_served_on}, so every test would fail; expected HISPARSE_SHIM_DEVICE={_served_on} or a backend "
+            f"that runs on {_device}")
 
 if _device == "cpu":
     import torch

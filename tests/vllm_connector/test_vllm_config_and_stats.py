@@ -144,6 +144,19 @@ def test_the_scheduler_names_its_backend_once(model_dir: Path, caplog: pytest.Lo
         and "backend 'reference_cpu' (automatic: " in said[0], said
 
 
+def test_the_line_names_the_key_that_chose_the_backend(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """With `backend` set in the extra config the line said only "(explicit)", so a deployer whose
+    HISPARSE_BACKEND names another backend could not tell from the log which setting won."""
+    monkeypatch.setenv("HISPARSE_BACKEND", "triton")
+    with caplog.at_level("INFO"):
+        vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002, "backend": "reference_cpu"}),
+                     num_workers=0)
+    said = [m for m in caplog.messages if m.startswith("HiSparseOffloadConnector (scheduler): ")]
+    assert len(said) == 1 and "backend 'reference_cpu' (explicit: kv_connector_extra_config['backend']=" \
+        "reference_cpu)" in said[0], said
+
+
 def test_the_worker_line_says_why_its_pool_is_private(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The worker's line said "private: sharing not requested" with `share_host_pool` at its
     default, true: the plugin had folded every reason (one rank, sharded KV heads, pipeline

@@ -23,6 +23,7 @@ complete, and every finished transfer is reported once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,6 +103,8 @@ def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, S
         key = (f"kv_connector_extra_config['backend']={config.backend!r}" if config.backend is not None
                else "kv_connector_extra_config['backend'] is \"auto\"")
         raise InvalidInputError(f"{key}: {exc}") from exc
+    if selection.source == "argument":  # the log line names the key ("explicit: ...['backend']=NAME"), not "explicit"
+        selection = dataclasses.replace(selection, source="kv_connector_extra_config['backend']")
     # A bad tuning variable (HISPARSE_TRITON_SPLIT, nvidia's, ...) is refused here, in the front end and
     # when either role is built, before vLLM loads the weights: not first in register_kv_caches after it.
     registry.check_settings(selection.name)

@@ -105,6 +105,17 @@ def test_a_bad_key_or_value_fails_while_vllm_builds_its_config(model_dir: Path, 
     assert len(errors) == 1 and "\n" not in errors[0] and errors[0].startswith("hisparse connector cannot start: ")
 
 
+def test_an_optional_key_set_to_null_takes_its_default(model_dir: Path) -> None:
+    """`backend` and `hot_buffer_size` took null as their default, `share_host_pool` refused it
+    ("must be true or false, got None"): a config template that writes null for what it leaves
+    unset failed on that one key."""
+    from hisparse_vllm.config import ConnectorConfig
+
+    extra = {"host_pool_gib": 1, "backend": None, "hot_buffer_size": None, "share_host_pool": None}
+    assert ConnectorConfig.from_extra_config(extra) == ConnectorConfig(1.0)
+    vs.vllm_config(model_dir, extra=extra)  # the front end's check passes it
+
+
 @pytest.mark.parametrize("backend", [None, "auto"])
 def test_a_bad_hisparse_backend_under_an_auto_backend_is_named_as_the_env_var(
         model_dir: Path, backend: str | None, monkeypatch: pytest.MonkeyPatch,

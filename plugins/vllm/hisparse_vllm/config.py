@@ -13,7 +13,8 @@ Keys:
 - `share_host_pool` (optional, bool, default true): tensor-parallel ranks of one node map one
   physical pool where the backend can.
 
-Any other key is rejected, so a typo fails at start-up instead of being ignored.
+An optional key set to null takes its default. Any other key is rejected, so a typo fails at
+start-up instead of being ignored.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class ConnectorConfig:
         if isinstance(hot, bool) or not isinstance(hot, int) or hot < 0:
             raise InvalidInputError(f"{_PREFIX}['hot_buffer_size'] must be an int >= 0 (rows per request), "
                                     f"got {hot!r}")
-        share = extra.get("share_host_pool", True)
+        share = extra.get("share_host_pool")
+        if share is None:  # null is the default, as for the other optional keys
+            share = True
         if not isinstance(share, bool):
             raise InvalidInputError(f"{_PREFIX}['share_host_pool'] must be true or false, got {share!r}")
         return cls(float(gib), backend.strip() if isinstance(backend, str) else None, hot, share)

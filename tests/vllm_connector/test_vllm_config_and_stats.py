@@ -239,6 +239,25 @@ def test_the_first_hook_vllm_calls_with_the_config_checks_it(model_dir: Path,
                       "'share_host_pool']"]
 
 
+def test_pipeline_parallelism_is_refused_before_a_worker_allocates_its_pool(model_dir: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """docs/vllm.md: with pipeline_parallel_size > 1 the engine core refuses to start. Only the
+    scheduler role refused it, and vLLM builds that after the workers built theirs and allocated
+    their host pools in register_kv_caches. The engine core's layout query and the worker role
+    refuse it now, with the same one line."""
+    config = vs.vllm_config(model_dir)
+    config.parallel_config.pipeline_parallel_size = 2
+    line = ("hisparse connector: pipeline_parallel_size=2 is not supported; expected 1 (every worker must hold every "
+            "layer of a host block)")
+    with pytest.raises(ValueError) as layout:
+        HiSparseOffloadConnector.get_required_kvcache_layout(config)
+    with pytest.raises(ValueError) as worker:
+        HiSparseOffloadConnector(config, KVConnectorRole.WORKER, vs.kv_cache_config(32))
+    assert str(layout.value) == str(worker.value) == line
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"hisparse connector cannot start: {line}"] * 2
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     ({"host_pool_gib": 0}, r"\['host_pool_gib'\] must be a number > 0"),
     ({"host_pool_gib": 1, "host_pool_gb": 1}, r"unknown key\(s\) \['host_pool_gb'\]"),

@@ -82,10 +82,17 @@ def _one_line_errors() -> Iterator[None]:
 
 def _check_extra_config(vllm_config: VllmConfig) -> tuple[ConnectorConfig, Selection]:
     """Parse and check `kv_connector_extra_config`; an unknown or unavailable backend fails now,
-    in every role, not at the first step."""
+    in every role, not at the first step. Pipeline parallelism is refused here too: in the engine
+    core's layout query and when a worker builds its role, before any host pool is allocated (the
+    scheduler role, which refused it alone, is built after the workers allocated theirs)."""
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "the connector is only built from a kv_transfer_config"
-    return check_extra_config(transfer.kv_connector_extra_config)
+    checked = check_extra_config(transfer.kv_connector_extra_config)
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise InvalidInputError(f"hisparse connector: pipeline_parallel_size={pp} is not supported; expected 1 "
+                                "(every worker must hold every layer of a host block)")
+    return checked
 
 
 def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, Selection]:

@@ -111,10 +111,7 @@ class SchedulerSide:
     """Scheduler-role state of the connector (one per engine core)."""
 
     def __init__(self, vllm_config: Any, config: ConnectorConfig, layout: HostTierLayout) -> None:
-        pc = vllm_config.parallel_config
-        if pc.pipeline_parallel_size > 1:
-            raise ProtocolError(f"hisparse connector: pipeline_parallel_size={pc.pipeline_parallel_size} is not "
-                                "supported; expected 1 (every worker must hold every layer of a host block)")
+        pc = vllm_config.parallel_config  # pipeline parallelism is refused before this role is built (connector.py)
         self._config = config
         self._layout = layout
         self._bs = layout.block_size

@@ -488,3 +488,19 @@ def test_the_off_line_names_what_turned_the_ops_off(monkeypatch: pytest.MonkeyPa
     with caplog.at_level("INFO", logger="hisparse_vllm.ops"):
         assert hv_ops.register_ops(mode=mode) == "off"
     assert [r.getMessage() for r in caplog.records] == [f"vLLM HiSparse ops: not registered ({said})"]
+
+
+@pytest.mark.parametrize(("name", "how"), [
+    ("reference_cpu", "register_ops named it; name one that runs on meta"), (None, "choose another with HISPARSE_BACKEND")])
+def test_tensors_on_another_device_name_the_setting_that_chose_the_backend(name: str | None, how: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors on another device than the serving backend's were told "(choose another with
+    HISPARSE_BACKEND)" also where `register_ops` had been given the backend's name, which that
+    variable does not override. (The kernel is called as the dispatcher would for such tensors.)"""
+    monkeypatch.delenv("HISPARSE_BACKEND", raising=False)
+    kernels = hv_ops._kernels(hv_ops._FirstCallBackend(name, "reference_cpu"), "reference_cpu")
+    t = torch.empty(2, 3, dtype=torch.int32, device="meta")
+    with pytest.raises(InvalidInputError) as err:
+        kernels[spec.INVALIDATE](t, t[0], t[0], t[0].long())
+    assert str(err.value) == (f"{spec.INVALIDATE}: tensors are on meta; the hisparse backend 'reference_cpu' serving "
+                              f"the vLLM ops runs on cpu ({how})")

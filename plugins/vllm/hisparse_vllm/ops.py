@@ -149,6 +149,11 @@ class _FirstCallBackend:
         self._ops: spec.VllmHiSparseOps | None = None
         self._lock = threading.Lock()
 
+    @property
+    def named(self) -> bool:
+        """Whether `register_ops` was given the backend's name (HISPARSE_BACKEND is then not read)."""
+        return self._name is not None
+
     def ops(self) -> spec.VllmHiSparseOps:
         if self._ops is None:
             with self._lock:
@@ -187,9 +192,11 @@ def _kernels(backend: _FirstCallBackend, name: str) -> dict[str, Callable[..., N
         ops = backend.ops()
         # Not a tensor (None gets through the dispatcher): the backend's own check names the argument.
         if isinstance(t, torch.Tensor) and t.device.type != ops.device_type:
+            how = (f"register_ops named it; name one that runs on {t.device.type}" if backend.named
+                   else "choose another with HISPARSE_BACKEND")
             raise spec.InvalidInputError(
                 f"{op}: tensors are on {t.device}; the hisparse backend {name!r} serving the vLLM ops runs on "
-                f"{ops.device_type} (choose another with HISPARSE_BACKEND)")
+                f"{ops.device_type} ({how})")
         return ops
 
     def resolve(*args: Any) -> None:

@@ -61,12 +61,21 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
+def _as_the_ranks_load(saved: str, device: str) -> torch.nn.Module:
+    """The saved model, loaded as `tp_ranks.run_rank` loads it: the weights the ranks run. Not
+    `tiny_model(..., device="cuda")`, whose init on the GPU draws other weights (from the CUDA
+    generator) than the CPU init `saved` holds: the one-GPU test failed its first GPU run on that."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).to(device).eval()
+
+
 def _diff(logits: list, want: tuple) -> float:
     return max(float((torch.as_tensor(a) - b.float().cpu()).abs().max()) for a, b in zip(logits, want, strict=True))
 
 
 def test_two_ranks_on_one_gpu_share_the_nvidia_pool_exact_against_one_rank(saved: str) -> None:
-    model = tiny_model(FAMILY, shape=SHAPE, seed=3, device="cuda")
+    model = _as_the_ranks_load(saved, "cuda")
     ids, mask = random_prompts(LENGTHS, seed=1)
     ids, mask = ids.cuda(), mask.cuda()
     theirs = baseline(model, ids, mask, NEW, chunk=CHUNK)
@@ -119,7 +128,7 @@ def test_device_map_across_two_gpus_matches_the_model(saved: str) -> None:
 def test_tp2_on_two_gpus_shares_one_pool_exact_and_survives_kill_9(saved: str, victim: int,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("accelerate", reason="tp_plan needs accelerate (pip install 'hisparse[transformers]')")
-    model = tiny_model(FAMILY, shape=SHAPE, seed=3, device="cuda:0")
+    model = _as_the_ranks_load(saved, "cuda:0")
     ids, mask = random_prompts(LENGTHS, seed=1)
     theirs = baseline(model, ids.cuda(), mask.cuda(), NEW, chunk=CHUNK)          # one process, one GPU
     del model

@@ -46,7 +46,9 @@ class TinyShape:
 def tiny_model(family: str = "deepseek_v32", *, shape: TinyShape | None = None, seed: int = 0,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                attn_implementation: str = "eager") -> CausalLM:
-    """A random-weight model of `family` in eval mode, deterministic for a given seed."""
+    """A random-weight model of `family` in eval mode, deterministic for a given seed and device: the
+    weights are drawn on `device`, so a CUDA device's generator gives other weights than the CPU's
+    (`tiny_model(seed=s).to("cuda")` is the CPU's model on the GPU)."""
     import transformers
 
     if family not in FAMILY_CLASSES:

@@ -19,3 +19,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture
+def constructed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A fresh backend registry; returns the names of the backends it constructs, in order (a
+    settings check must construct none)."""
+    from hisparse_core import registry
+
+    monkeypatch.setattr(registry, "_registry", None)
+    names: list[str] = []
+    instantiate = registry.BackendRegistry._instantiate
+
+    def counting(self: registry.BackendRegistry, name: str, **kw: bool) -> object:
+        names.append(name)
+        return instantiate(self, name, **kw)
+
+    monkeypatch.setattr(registry.BackendRegistry, "_instantiate", counting)
+    return names

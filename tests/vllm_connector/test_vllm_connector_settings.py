@@ -25,23 +25,14 @@ EXTRA = {"host_pool_gib": 0.002, "backend": "triton"}
 
 
 @pytest.fixture
-def built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def built(monkeypatch: pytest.MonkeyPatch, constructed: list[str]) -> list[str]:
     """Triton available (interpreted), the op set off and a fresh registry; returns the names of the
     backends the registry constructs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HISPARSE_VLLM_OPS", "off")
     monkeypatch.delenv("HISPARSE_TRITON_SPLIT", raising=False)
     monkeypatch.delenv("HISPARSE_BACKEND", raising=False)
-    monkeypatch.setattr(registry, "_registry", None)
-    names: list[str] = []
-    instantiate = registry.BackendRegistry._instantiate
-
-    def counting(self: registry.BackendRegistry, name: str, **kw: bool) -> object:
-        names.append(name)
-        return instantiate(self, name, **kw)
-
-    monkeypatch.setattr(registry.BackendRegistry, "_instantiate", counting)
-    return names
+    return constructed
 
 
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -19,7 +19,7 @@ LINE = "HISPARSE_TRITON_SPLIT='7' is not a program count; expected 0 (off) or on
 
 
 @pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def fresh(monkeypatch: pytest.MonkeyPatch, constructed: list[str]) -> list[str]:
     """A process where no op is registered yet, triton available (interpreted) and a bad variable of
     its set; returns the names of the backends the registry constructs."""
     monkeypatch.setattr(ops, "_state", {})
@@ -28,16 +28,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setenv("HISPARSE_TRITON_SPLIT", "7")
     monkeypatch.delenv("HISPARSE_BACKEND", raising=False)
     monkeypatch.delenv(ops.ENV_MODE, raising=False)
-    monkeypatch.setattr(registry, "_registry", None)
-    built: list[str] = []
-    instantiate = registry.BackendRegistry._instantiate
-
-    def counting(self: registry.BackendRegistry, name: str, **kw: bool) -> object:
-        built.append(name)
-        return instantiate(self, name, **kw)
-
-    monkeypatch.setattr(registry.BackendRegistry, "_instantiate", counting)
-    return built
+    return constructed
 
 
 def test_register_ops_refuses_a_bad_setting_of_the_backend_before_registering(fresh: list[str]) -> None:

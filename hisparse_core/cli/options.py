@@ -16,8 +16,6 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from hisparse_core.replay.report import kv_place as kv_place  # the commands' name for it (run, generate)
-
 #: The size units `--gpu-kv`, `--host` and friends accept (`planner.parse_bytes`), for help texts.
 SIZE_UNITS = "B, K/KiB, M/MiB, G/GiB, T/TiB (binary), KB, MB, GB, TB (decimal); e.g. 40GiB, 1.5G, 512MiB"
 

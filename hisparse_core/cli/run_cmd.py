@@ -51,12 +51,12 @@ from hisparse_core.cli.options import (
     float_in,
     import_torch,
     int_in,
-    kv_place,
     plot_format,
     size_in,
 )
 from hisparse_core.errors import HiSparseError, InvalidInputError
 from hisparse_core.progress import ProgressBar
+from hisparse_core.replay.report import kv_place
 
 logger = logging.getLogger(__name__)
 

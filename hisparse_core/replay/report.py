@@ -16,7 +16,7 @@ def kv_place(device: object) -> str:
     the device itself ("cpu device"), so a CPU-only run never reports GPU pages."""
     return "GPU" if str(device).startswith("cuda") else f"{device} device"
 
-__all__ = ["dumps", "human_bytes", "pct", "render_grid", "render_table"]
+__all__ = ["dumps", "human_bytes", "json_safe", "kv_place", "pct", "render_grid", "render_table"]
 
 
 def pct(x: float) -> str:

@@ -23,11 +23,11 @@ from hisparse_core.cli.options import (
     float_in,
     import_torch,
     int_in,
-    kv_place,
     size_in,
 )
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
+from hisparse_core.replay.report import kv_place
 
 DESCRIPTION = """\
 A real transformers model decodes through hisparse, checked against itself.

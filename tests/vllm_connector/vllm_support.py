@@ -74,7 +74,7 @@ def write_tiny_llama(directory: Path) -> Path:
 def vllm_config(model_dir: Path, *, extra: dict[str, Any] | None = None, world_size: int = 1,
                 max_num_seqs: int = 4, max_model_len: int = 256, batched_tokens: int = 128,
                 connector: str = hisparse_vllm.CONNECTOR_NAME, module_path: str | None = None,
-                prefix_caching: bool = True) -> VllmConfig:
+                prefix_caching: bool = True, kv_role: str = "kv_both") -> VllmConfig:
     extra = {"host_pool_gib": 0.002, "backend": "reference_cpu"} if extra is None else extra
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0,
@@ -84,7 +84,7 @@ def vllm_config(model_dir: Path, *, extra: dict[str, Any] | None = None, world_s
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         parallel_config=ParallelConfig(tensor_parallel_size=world_size),
-        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_both",
+        kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role=kv_role,
                                             kv_connector_extra_config=extra, kv_connector_module_path=module_path),
         device_config=DeviceConfig("cpu"),
     )

@@ -4,8 +4,9 @@ Keys:
 
 - `host_pool_gib` (required, number > 0 and below 2**64): usable host-cache capacity per data-parallel replica,
   rounded down to whole host blocks.
-- `backend` (optional): hisparse backend name; absent, null or "auto" selects automatically
-  (the highest-priority available backend, or `$HISPARSE_BACKEND`).
+- `backend` (optional): hisparse backend name; absent, null or "auto" defers to `$HISPARSE_BACKEND`,
+  else (unset or "auto" too) selects automatically: the highest-priority available backend. The
+  backend must run on the engine's device (checked when the worker role is built).
 - `hot_buffer_size` (optional, int >= 0, default 0): hot-buffer rows (tokens) per request. Only
   attention that reads host-backed pages through a hot buffer (sparse attention) uses one. vLLM's
   attention backends read resident GPU pages only, so the connector takes no hot buffer and any
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from hisparse_core.errors import InvalidInputError
 
 KEYS = ("host_pool_gib", "backend", "hot_buffer_size", "share_host_pool")
+#: The one `kv_role` the connector serves (`connector.check_kv_role` says why).
+KV_ROLE = "kv_both"
 #: Past this, the pool's bytes overflow a float in its sizing; the RAM check refuses far less anyway.
 _MAX_GIB = 2.0**64
 _PREFIX = "kv_connector_extra_config"

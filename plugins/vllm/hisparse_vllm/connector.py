@@ -49,11 +49,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from hisparse_core.backend import Capability
 from hisparse_core.errors import BackendError, HiSparseError, InvalidInputError, ProtocolError
 from hisparse_core.registry import Selection, get_registry
-from hisparse_vllm.config import ConnectorConfig
+from hisparse_vllm import CONNECTOR_NAME
+from hisparse_vllm.config import KV_ROLE, ConnectorConfig
 from hisparse_vllm.layout import HostTierLayout
 from hisparse_vllm.logs import route_to_vllm_handlers
 from hisparse_vllm.metadata import HiSparseConnectorMetadata
 from hisparse_vllm.scheduler_side import SchedulerSide
+from hisparse_vllm.selection import accept_auto_env
 from hisparse_vllm.stats import HiSparseConnectorStats, HiSparsePromMetrics
 from hisparse_vllm.worker_side import WorkerSide, shares_host_pool
 
@@ -87,12 +89,31 @@ def _check_extra_config(vllm_config: VllmConfig) -> tuple[ConnectorConfig, Selec
     scheduler role, which refused it alone, is built after the workers allocated theirs)."""
     transfer = vllm_config.kv_transfer_config
     assert transfer is not None, "the connector is only built from a kv_transfer_config"
-    checked = check_extra_config(transfer.kv_connector_extra_config)
+    checked = check_kv_transfer(transfer)
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp > 1:
         raise InvalidInputError(f"hisparse connector: pipeline_parallel_size={pp} is not supported; expected 1 "
                                 "(every worker must hold every layer of a host block)")
     return checked
+
+
+def check_kv_role(kv_role: object) -> None:
+    """The connector is a host tier of one engine: it saves that engine's KV to its host pool and
+    loads it back there, and moves none between engines, so it has no producer or consumer side
+    (`kv_producer` / `kv_consumer` are disaggregated prefill's roles). Anything but `kv_both` is
+    refused rather than run as `kv_both`."""
+    if kv_role != KV_ROLE:
+        raise InvalidInputError(
+            f"kv_role={kv_role!r}: {CONNECTOR_NAME} is a host tier of one engine (it saves and loads that engine's "
+            f"own KV and moves none between engines), so it has no producer or consumer side; expected "
+            f"{KV_ROLE!r} (its own entry's kv_role where a MultiConnector holds it)")
+
+
+def check_kv_transfer(transfer: Any) -> tuple[ConnectorConfig, Selection]:
+    """Every check of a `KVTransferConfig` that needs no KV cache: `kv_role`, then
+    `kv_connector_extra_config` (`check_extra_config`)."""
+    check_kv_role(transfer.kv_role)
+    return check_extra_config(transfer.kv_connector_extra_config)
 
 
 def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, Selection]:
@@ -102,6 +123,7 @@ def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, S
     constructed, so CUDA is left alone)."""
     config = ConnectorConfig.from_extra_config(extra)
     config.check_stock_attention()
+    accept_auto_env()  # HISPARSE_BACKEND=auto: automatic, as the key's "auto" (the registry reads it as a name)
     registry = get_registry()
     try:
         selection = registry.choose(config.backend)
@@ -152,7 +174,7 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = SchedulerSide(vllm_config, self._hs_config, self._layout)
             elif role == KVConnectorRole.WORKER:
-                self._worker = WorkerSide(vllm_config, self._hs_config, self._layout)
+                self._worker = WorkerSide(vllm_config, self._hs_config, self._layout, selection)
             else:
                 raise ProtocolError(f"unsupported KV connector role {role!r}; expected SCHEDULER or WORKER")
         logger.info("HiSparseOffloadConnector (%s): host_pool_gib=%s, backend %r (%s), no hot buffer (vLLM's "
@@ -171,7 +193,7 @@ class HiSparseOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         engine process starts or any weight loads, on every platform and with `enforce_eager`."""
         route_to_vllm_handlers()
         with _one_line_errors():
-            check_extra_config(kv_transfer_config.kv_connector_extra_config)
+            check_kv_transfer(kv_transfer_config)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

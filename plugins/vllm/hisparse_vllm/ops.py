@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hisparse_core import vllm_ops as spec
+from hisparse_vllm.selection import accept_auto_env, backend_name
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class _FirstCallBackend:
         from hisparse_core.backend import Capability
         from hisparse_core.registry import select_backend
 
+        accept_auto_env()
         be = select_backend(self._name)
         if Capability.VLLM_OPS not in be.capabilities:
             raise spec.InvalidInputError(_not_capable(be.name, named=self._name is not None))
@@ -233,7 +235,8 @@ def serving_device_type() -> str | None:
 def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     """Register the four ops (see the module docstring); idempotent. Returns `served_by()`.
 
-    `backend` names the hisparse backend (default: `HISPARSE_BACKEND`, else automatic selection); it
+    `backend` names the hisparse backend (default, or "auto": `HISPARSE_BACKEND`, else automatic
+    selection; `HISPARSE_BACKEND=auto` is automatic selection too, `hisparse_vllm.selection`); it
     must declare `Capability.VLLM_OPS`, and once a backend serves the ops in this process, be that
     one. Registration only chooses it (a name no available backend has is refused here); the first
     call of an op builds it, so that the processes vLLM registers in but never calls from (front
@@ -251,6 +254,8 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         raise ValueError(f"{given} expected one of {', '.join(MODES)}")
     # What set the mode, for the log line: the argument when given (the variable is then not read).
     set_by = f"register_ops(mode={mode!r})" if mode is not None else f"{ENV_MODE}={chosen}"
+    # "auto" is the registry's automatic choice, as the connector's key and HISPARSE_BACKEND=auto are.
+    backend = backend_name(backend)
     with _lock:
         if "served_by" in _state:
             served = str(_state["served_by"])
@@ -293,7 +298,9 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         from hisparse_core.registry import get_registry
 
         registry = get_registry()
-        chosen = registry.choose(backend).name   # an unknown or unavailable name is refused here
+        accept_auto_env()   # HISPARSE_BACKEND=auto: the automatic choice (the registry reads it as a name)
+        selection = registry.choose(backend)   # an unknown or unavailable name is refused here
+        chosen = selection.name
         if Capability.VLLM_OPS not in registry.get(chosen).capabilities:
             raise spec.InvalidInputError(_not_capable(chosen, named=backend is not None))
         # The backend's own settings (nvidia's HISPARSE_VLLM_GATHER, ...), checked on its class: here,
@@ -319,8 +326,10 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         _state["lib"] = lib
         _state["backend"] = first_call
         _state["served_by"] = f"hisparse:{chosen}"
-        logger.info("vLLM HiSparse ops: torch.ops.%s.hisparse_* served by hisparse backend %r (%s; built at "
-                    "the first call)", spec.NAMESPACE, chosen, why)
+        picked = (f"explicit: register_ops(backend={backend!r})" if selection.source == "argument"
+                  else selection.explanation())
+        logger.info("vLLM HiSparse ops: torch.ops.%s.hisparse_* served by hisparse backend %r (%s; %s; built at "
+                    "the first call)", spec.NAMESPACE, chosen, picked, why)
         return str(_state["served_by"])
 
 

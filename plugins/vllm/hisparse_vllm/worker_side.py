@@ -1,6 +1,7 @@
 """The connector's worker role: a `HiSparseWorker` driven by vLLM's per-step worker hooks.
 
-    register_kv_caches   -> select the backend, build and bind the HiSparseWorker (host pool)
+    (construction)       -> build the backend; refuse one on another device type than the engine's
+    register_kv_caches   -> build and bind the HiSparseWorker (host pool) on that backend
     start_load_kv        -> worker.start_step(command)    (before or after the forward launch)
     wait_for_save        -> worker.after_forward()        (after the forward and the drafter)
     build_connector_worker_meta -> worker.build_metadata()  (each id once; None when empty)
@@ -24,15 +25,18 @@ import torch
 from hisparse_core.backend import Capability
 from hisparse_core.errors import InvalidInputError, ProtocolError
 from hisparse_core.geometry import RuntimeConfig
-from hisparse_core.registry import select_backend
+from hisparse_core.registry import Selection, select_backend
 from hisparse_core.worker import CacheGroup, HiSparseWorker
 from hisparse_vllm.config import ConnectorConfig
 from hisparse_vllm.engine_checks import check_rope_is_row_independent
 from hisparse_vllm.layout import HostTierLayout
 from hisparse_vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
+from hisparse_vllm.selection import check_engine_device
 from hisparse_vllm.stats import HiSparseConnectorStats
 
 logger = logging.getLogger(__name__)
+
+BACKEND_KEY = "kv_connector_extra_config['backend']"
 
 
 def host_pool_sharing(config: ConnectorConfig, layout: HostTierLayout, parallel_config: Any,
@@ -77,7 +81,13 @@ def _parallel_rank() -> tuple[int, int]:
 class WorkerSide:
     """Worker-role state of the connector (one per worker process)."""
 
-    def __init__(self, vllm_config: Any, config: ConnectorConfig, layout: HostTierLayout) -> None:
+    def __init__(self, vllm_config: Any, config: ConnectorConfig, layout: HostTierLayout,
+                 selection: Selection) -> None:
+        # The backend is built here, in the worker (building a GPU backend initialises CUDA, which the front
+        # end and the engine core must not do), and must run where vLLM puts the KV cache: refused now, before
+        # vLLM allocates its KV cache and before any host pool or /dev/shm file exists.
+        self._backend = select_backend(config.backend)
+        check_engine_device(self._backend, vllm_config.device_config.device_type, selection, BACKEND_KEY)
         # The model is built in this process by now: check the KV it computes can be loaded.
         check_rope_is_row_independent(vllm_config)
         self._vllm_config = vllm_config
@@ -99,7 +109,7 @@ class WorkerSide:
             raise ProtocolError("register_kv_caches called twice; the host pool is bound once per worker")
         layout, cfg, vc = self._layout, self._config, self._vllm_config
         views = layout.device_views(kv_caches)  # validate the tensors before allocating anything
-        backend = select_backend(cfg.backend)
+        backend = self._backend
         for name, view in ((n, v) for names, vs in zip(layout.group_layers, views, strict=False) for n, v in zip(names, vs, strict=False)):
             if view.device != backend.device:  # before the host pool exists: nothing to release
                 raise InvalidInputError(f"KV cache of layer {name!r} is on {view.device}; backend {backend.name!r} "

@@ -10,6 +10,7 @@ Discovery (`hisparse_core.discovery`) runs once per process, on first use; `get_
 reload=True)` runs it again. Selection:
 
 - **Explicit**: the `name` argument, else `HISPARSE_BACKEND`. It must name an available backend;
+  `auto` (any case) in either asks for automatic selection, as leaving both unset does;
   an unknown name raises `BackendNotFoundError`, an unavailable or broken one
   `BackendUnavailableError`. Both messages list the available backends and why every other one
   is not.
@@ -61,14 +62,23 @@ from hisparse_core.discovery import (
 from hisparse_core.errors import BackendNotFoundError, BackendUnavailableError, InvalidInputError
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "ENV_BACKEND", "ENV_DISABLED_PLUGINS", "ENV_PLUGINS", "BackendEntry", "BackendRegistry",
-    "BackendStatus", "Selection", "get_registry", "list_backends", "resolve_backend_class", "select_backend",
+    "AUTO", "ENTRY_POINT_GROUP", "ENV_BACKEND", "ENV_DISABLED_PLUGINS", "ENV_PLUGINS", "BackendEntry", "BackendRegistry",
+    "BackendStatus", "Selection", "get_registry", "is_auto", "list_backends", "resolve_backend_class",
+    "select_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: Names the backend to use, as if passed to `select_backend(name)`.
 ENV_BACKEND = "HISPARSE_BACKEND"
+#: The name that asks for automatic selection wherever a backend name is taken (`HISPARSE_BACKEND`,
+#: `select_backend(name)`, the plugins' backend settings): a user writes it where a setting needs a value.
+AUTO = "auto"
+
+
+def is_auto(value: object) -> bool:
+    """Whether `value` asks for automatic selection (`auto`, any case, surrounding blanks ignored)."""
+    return isinstance(value, str) and value.strip().lower() == AUTO
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +172,11 @@ class BackendRegistry:
         """
         env = os.environ if environ is None else environ
         source = "argument"
+        if is_auto(name):
+            name = None
         if name is None:
-            name = env.get(ENV_BACKEND, "").strip() or None
+            value = env.get(ENV_BACKEND, "").strip()
+            name = None if is_auto(value) else value or None
             source = ENV_BACKEND
         if name is not None:
             entry = self._require_available(name, source)

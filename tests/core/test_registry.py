@@ -315,6 +315,31 @@ def test_hisparse_backend_variable_selects(fake_site: FakeSite, monkeypatch: pyt
     assert reg.select_backend("high").name == "high"
 
 
+@pytest.mark.parametrize(("variable", "argument", "expected"), [
+    (" Auto ", None, "high"),      # the variable's auto: automatic, as unset
+    ("AUTO", "auto", "high"),      # both auto
+    ("low", "auto", "low"),        # the argument's auto defers to the variable
+    (None, " auto", "high"),
+])
+def test_auto_asks_for_automatic_selection_wherever_a_name_is_taken(
+        fake_site: FakeSite, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        variable: str | None, argument: str | None, expected: str) -> None:
+    """`HISPARSE_BACKEND=auto` was refused ("no hisparse backend named 'auto'") while the vLLM
+    connector's key, `hisparse_transformers.enable(backend="auto")` and the docs took `auto` as the
+    automatic choice. The registry reads it so, in the variable and the argument alike."""
+    fake_site.backend("low", priority=1)
+    fake_site.backend("high", priority=50)
+    reg = fake_site.registry()
+    if variable is None:
+        monkeypatch.delenv("HISPARSE_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("HISPARSE_BACKEND", variable)
+    with caplog.at_level(logging.INFO, logger="hisparse_core.registry"):
+        assert reg.select_backend(argument).name == expected
+    why = "explicit: HISPARSE_BACKEND=low" if expected == "low" else "automatic: highest priority among [high (50)"
+    assert f"hisparse backend {expected!r} selected ({why}" in caplog.text
+
+
 def test_hisparse_backend_naming_an_unknown_backend_says_where_the_name_came_from(
         fake_site: FakeSite, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_site.backend("only")

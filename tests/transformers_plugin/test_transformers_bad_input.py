@@ -117,6 +117,18 @@ def test_a_backend_that_is_no_name_or_instance_names_the_keyword(model: torch.nn
     assert untouched(model)
 
 
+@pytest.mark.parametrize("backend", [None, "auto", " AUTO"])
+def test_hisparse_backend_auto_is_the_automatic_choice(model: torch.nn.Module, backend: str | None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`HISPARSE_BACKEND=auto` was refused ("no hisparse backend named 'auto'") though `backend="auto"`
+    was the automatic choice: the variable's `auto` is that choice too (here reference_cpu, the
+    model being on the CPU)."""
+    monkeypatch.setenv("HISPARSE_BACKEND", " Auto ")
+    with hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", backend=backend)) as hs:
+        assert hs.engine.backend.name == "reference_cpu"
+    assert untouched(model)
+
+
 def test_an_unknown_backend_name_names_the_keyword(model: torch.nn.Module) -> None:
     """Before: "no hisparse backend named 'nope'; available: ..." (the registry's words, without the keyword)."""
     from hisparse_core.errors import BackendNotFoundError

@@ -32,7 +32,7 @@ import torch
 from hisparse_core.backend import Backend
 from hisparse_core.checks import as_index
 from hisparse_core.errors import BackendError, HiSparseError, InvalidInputError
-from hisparse_core.registry import ENV_BACKEND, get_registry, select_backend
+from hisparse_core.registry import ENV_BACKEND, get_registry, is_auto, select_backend
 from hisparse_transformers.assisted import AssistedPlan, assisted_plan
 from hisparse_transformers.attention import NO_COPY, HiSparseAttention
 from hisparse_transformers.cache import HiSparseCache
@@ -61,7 +61,9 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _backend_env() -> bool:
-    return bool(os.environ.get(ENV_BACKEND, "").strip())
+    """Whether `HISPARSE_BACKEND` names a backend (unset, blank and `auto` leave the choice automatic)."""
+    value = os.environ.get(ENV_BACKEND, "").strip()
+    return bool(value) and not is_auto(value)
 
 
 def _auto_backend_on(device: torch.device) -> Backend:
@@ -1017,9 +1019,9 @@ def enable(model: torch.nn.Module, *, host_pool_gib: float, gpu_kv_gib: float, b
                                 "on one device, or resident_layers=()")
     if isinstance(backend, Backend):
         chosen = backend
-    elif backend in (None, "auto") and not _backend_env():
+    elif (backend is None or is_auto(backend)) and not _backend_env():
         chosen = _auto_backend_on(weight.device)
-    elif backend in (None, "auto"):
+    elif backend is None or is_auto(backend):
         chosen = select_backend(None)       # $HISPARSE_BACKEND: its error names the variable
     else:
         try:

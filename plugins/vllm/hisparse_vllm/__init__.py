@@ -43,8 +43,6 @@ def register() -> None:
     # vLLM's logger is configured by now (importing vLLM does it): connect hisparse's loggers to
     # it before the ops are registered, so their one line (which implementation, and why) shows.
     route_to_vllm_handlers()
-    # HISPARSE_BACKEND=auto means automatic selection, in this process and those vLLM starts from it.
-    importlib.import_module("hisparse_vllm.selection").accept_auto_env()
     with _lock:
         if CONNECTOR_NAME in KVConnectorFactory._registry:
             return

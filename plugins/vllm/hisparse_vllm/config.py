@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hisparse_core.errors import InvalidInputError
+from hisparse_core.registry import is_auto
 
 KEYS = ("host_pool_gib", "backend", "hot_buffer_size", "share_host_pool")
 #: The one `kv_role` the connector serves (`connector.check_kv_role` says why).
@@ -63,7 +64,7 @@ class ConnectorConfig:
         backend = extra.get("backend")
         if backend is not None and (not isinstance(backend, str) or not backend.strip()):
             raise InvalidInputError(f"{_PREFIX}['backend'] must be a backend name or \"auto\", got {backend!r}")
-        if isinstance(backend, str) and backend.strip().lower() == "auto":
+        if is_auto(backend):
             backend = None
         hot = extra.get("hot_buffer_size")
         if hot is None:

@@ -55,7 +55,6 @@ from hisparse_vllm.layout import HostTierLayout
 from hisparse_vllm.logs import route_to_vllm_handlers
 from hisparse_vllm.metadata import HiSparseConnectorMetadata
 from hisparse_vllm.scheduler_side import SchedulerSide
-from hisparse_vllm.selection import accept_auto_env
 from hisparse_vllm.stats import HiSparseConnectorStats, HiSparsePromMetrics
 from hisparse_vllm.worker_side import WorkerSide, shares_host_pool
 
@@ -123,7 +122,6 @@ def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, S
     constructed, so CUDA is left alone)."""
     config = ConnectorConfig.from_extra_config(extra)
     config.check_stock_attention()
-    accept_auto_env()  # HISPARSE_BACKEND=auto: automatic, as the key's "auto" (the registry reads it as a name)
     registry = get_registry()
     try:
         selection = registry.choose(config.backend)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hisparse_core import vllm_ops as spec
-from hisparse_vllm.selection import accept_auto_env, backend_name
+from hisparse_vllm.selection import backend_name
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,6 @@ class _FirstCallBackend:
         from hisparse_core.backend import Capability
         from hisparse_core.registry import select_backend
 
-        accept_auto_env()
         be = select_backend(self._name)
         if Capability.VLLM_OPS not in be.capabilities:
             raise spec.InvalidInputError(_not_capable(be.name, named=self._name is not None))
@@ -298,7 +297,6 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         from hisparse_core.registry import get_registry
 
         registry = get_registry()
-        accept_auto_env()   # HISPARSE_BACKEND=auto: the automatic choice (the registry reads it as a name)
         selection = registry.choose(backend)   # an unknown or unavailable name is refused here
         chosen = selection.name
         if Capability.VLLM_OPS not in registry.get(chosen).capabilities:

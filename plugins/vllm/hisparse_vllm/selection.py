@@ -1,14 +1,9 @@
-"""`auto` as a backend name in vLLM's processes, and the device check of the connector's backend.
+"""`auto` as a backend name in the vLLM plugin, and the device check of the connector's backend.
 
-`auto` means the registry's automatic choice wherever the vLLM plugin takes a backend name: the
-connector's `backend` key, `register_ops(backend=...)` / `enable_vllm_hisparse(backend=...)` and
-`HISPARSE_BACKEND`, as `hisparse_transformers.enable(backend="auto")` does. The registry itself
-reads `HISPARSE_BACKEND` as a backend name, and would refuse `auto` ("no hisparse backend named
-'auto'"). So `accept_auto_env()`, called where the plugin starts in a process (the general plugin's
-`register()`) and before each choice it makes, removes `HISPARSE_BACKEND=auto` from the process's
-environment, the meaning being the same (unset: automatic), and says so in one INFO line; the
-processes vLLM starts afterwards inherit the environment without it and say nothing more. The
-registry's own line (and the connector's, and the op set's) then names the backend and why.
+`auto` (the registry's `AUTO`, any case) means the registry's automatic choice wherever the vLLM
+plugin takes a backend name: the connector's `backend` key, `register_ops(backend=...)` /
+`enable_vllm_hisparse(backend=...)` and `HISPARSE_BACKEND` (which the registry itself reads), as
+`hisparse_transformers.enable(backend="auto")` does.
 
 `check_engine_device` refuses, in one line, a connector backend that runs on another device type
 than the engine's KV cache (`nvidia` on vLLM's CPU platform; `reference_cpu`, or `triton` under
@@ -21,41 +16,15 @@ the connector's worker role, before vLLM allocates its KV cache and before any h
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from typing import Any
 
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.registry import ENV_BACKEND, Selection
-
-logger = logging.getLogger(__name__)
-
-AUTO = "auto"
-_lock = threading.Lock()
-
-
-def is_auto(value: object) -> bool:
-    """Whether `value` asks for automatic selection (`auto`, any case, surrounding blanks ignored)."""
-    return isinstance(value, str) and value.strip().lower() == AUTO
+from hisparse_core.registry import ENV_BACKEND, Selection, is_auto
 
 
 def backend_name(name: str | None) -> str | None:
     """A backend name as the registry takes it: `auto` is None (then `HISPARSE_BACKEND`, else automatic)."""
     return None if name is None or is_auto(name) else name
-
-
-def accept_auto_env() -> None:
-    """`HISPARSE_BACKEND=auto`: remove it from this process's environment (the registry's automatic
-    choice, as when it is unset), with one INFO line. Anything else is left as it is: the registry
-    refuses a name it does not know, naming the variable."""
-    with _lock:
-        value = os.environ.get(ENV_BACKEND)
-        if value is None or not is_auto(value):
-            return
-        del os.environ[ENV_BACKEND]
-    logger.info("%s=%r: hisparse backends are chosen automatically, as when it is unset (the highest-priority "
-                "available backend; the line naming it says why)", ENV_BACKEND, value)
 
 
 def chosen_by(selection: Selection, key: str) -> str:

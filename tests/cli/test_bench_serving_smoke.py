@@ -1,7 +1,13 @@
 """`bench/bench_serving.py --smoke`: the serving benchmark end to end on the CPU (tiny geometry),
 every mode and the replay's workload, its table and plot, the engine modes' top-k from the code
 locality model, and the results page's regime plot of its JSON; and its one-line refusal of a
-budget that holds no request, before anything is built."""
+budget that holds no request, before anything is built.
+
+The first test runs both scripts from the command line, as a user does (so do the two cases of
+`test_bad_flags_from_the_command_line`); the others call their `main(argv)` in process (a fresh
+interpreter imports torch and transformers anew, 3-5 s a run), reading what the script printed
+(`run_main`), and fail on an exception escaping `main()` as the script would end in a traceback.
+Two tests read one run (`reference_layers_run`): the prefetch's rows are a part of that run's."""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ import io
 import json
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,6 +38,44 @@ def bench_main():
     """bench_serving.main, imported once."""
     with imported(SCRIPT) as module:
         yield module.main
+
+
+@pytest.fixture(scope="module")
+def plot_main():
+    """plot_serving_regimes.main, imported once."""
+    with imported(PLOT) as module:
+        yield module.main
+
+
+@dataclass
+class Ran:
+    """What a script's `main(argv)` returned and printed, as a run from the command line gives them."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(main: Callable[[list[str]], int], argv: list[str], capfd: pytest.CaptureFixture[str] | None) -> Ran:
+    """`main(argv)` in process: its exit status (argparse's SystemExit included) and what it wrote to
+    stdout and stderr meanwhile (at the file descriptors with `capfd`, else `sys.stdout`/`sys.stderr`,
+    for a fixture wider than a test); every warning is shown, even one this process has shown before,
+    as a fresh interpreter would."""
+    out, err = io.StringIO(), io.StringIO()
+    if capfd is not None:
+        capfd.readouterr()
+    with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+        warnings.simplefilter("always")
+        if capfd is None:
+            stack.enter_context(contextlib.redirect_stdout(out))
+            stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            code = main(argv)
+        except SystemExit as exc:   # argparse's own refusals
+            code = exc.code if isinstance(exc.code, int) else 1
+    if capfd is None:
+        return Ran(code, out.getvalue(), err.getvalue())
+    return Ran(code, *capfd.readouterr())
 
 
 def test_smoke_runs_every_mode(tmp_path: Path) -> None:
@@ -54,22 +101,20 @@ def test_smoke_runs_every_mode(tmp_path: Path) -> None:
     assert "| 160 | code | 1 |" in plot.stdout and (tmp_path / "g.png").stat().st_size > 10_000
 
 
-def test_a_budget_without_room_for_one_request_is_one_line() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--gpu-kv-gib", "1e-6", "--png", ""],
-                         capture_output=True, text=True, timeout=120)
+def test_a_budget_without_room_for_one_request_is_one_line(bench_main, capfd: pytest.CaptureFixture[str]) -> None:
+    out = run_main(bench_main, ["--smoke", "--gpu-kv-gib", "1e-6", "--png", ""], capfd)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.count("\n") == 1 and "cannot hold one hisparse request" in out.stderr, out.stderr
 
 
-def test_smoke_runs_issue_42s_flags(tmp_path: Path) -> None:
+def test_smoke_runs_issue_42s_flags(bench_main, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Two contexts in one run, 'max' batches, untimed warm-up steps, all-resident at hisparse's
     batches under a larger budget, hisparse with and without the code regime's resident layer, and
     the rows without the indexer at each mode's largest batch."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--contexts", "160,96", "--batches", "max",
-                          "--modes", "hisparse,all-resident", "--topk-model", "code", "--resident-layers", "none/auto",
-                          "--indexer-share", "max", "--all-resident-gib", "0.002", "--warmup", "2", "--steps", "1",
-                          "--png", "", "--json", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=600)
+    out = run_main(bench_main, ["--smoke", "--contexts", "160,96", "--batches", "max",
+                                "--modes", "hisparse,all-resident", "--topk-model", "code", "--resident-layers", "none/auto",
+                                "--indexer-share", "max", "--all-resident-gib", "0.002", "--warmup", "2", "--steps", "1",
+                                "--png", "", "--json", str(tmp_path / "r.json")], capfd)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "r.json").read_text())
     assert "layers [0] (standing for the reference layers 0-1" in out.stdout
@@ -92,37 +137,43 @@ def test_smoke_runs_issue_42s_flags(tmp_path: Path) -> None:
     assert "at the fixed budget" in out.stdout
 
 
-def test_smoke_runs_the_prefetch_both_ways(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def reference_layers_run(bench_main, plot_main, tmp_path_factory: pytest.TempPathFactory) -> tuple[Ran, list, Ran]:
+    """One run under `--reference-layers spread/20,21,22,23 --prefetch-next-group off/on --resident-layers
+    none/auto` (its rows, and the regime plot of its JSON), which two tests read: its spread rows without
+    resident layers are those of the same command without the last two flags."""
+    folder = tmp_path_factory.mktemp("reference_layers")
+    run = run_main(bench_main, ["--smoke", "--batches", "2", "--modes", "hisparse,all-resident",
+                                "--topk-model", "code", "--reference-layers", "spread/20,21,22,23",
+                                "--prefetch-next-group", "off/on", "--resident-layers", "none/auto",
+                                "--all-resident-gib", "0.002", "--png", "", "--json", str(folder / "r.json")], None)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads((folder / "r.json").read_text())
+    plot = run_main(plot_main, [str(folder / "r.json"), "--png", str(folder / "g.png")], None)
+    return run, rows, plot
+
+
+def test_smoke_runs_the_prefetch_both_ways(reference_layers_run: tuple[Ran, list, Ran]) -> None:
     """`--prefetch-next-group off/on`: every hisparse row without and with the prefetch (labelled
     +prefetch, compared with the same all-resident rows), the prefetches' misses given apart."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "2", "--modes", "hisparse,all-resident",
-                          "--topk-model", "code", "--prefetch-next-group", "off/on", "--all-resident-gib", "0.002",
-                          "--png", "", "--json", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.loads((tmp_path / "r.json").read_text())
+    out, every, plot = reference_layers_run
+    spread = [0, 20, 40, 60]
+    rows = [r for r in every if r["reference_layers"] == spread and "resident0" not in r["topk"]]
     assert {(r["mode"], r["topk"]) for r in rows} == {("hisparse", "code"), ("hisparse", "code+prefetch"),
                                                       ("all-resident", "code")}
     pre = [r for r in rows if r["topk"] == "code+prefetch"]
-    assert all(r["critical_misses_per_step"] == r["misses_per_step"] - r["prefetch_misses_per_step"] for r in pre)
+    assert pre and all(r["critical_misses_per_step"] == r["misses_per_step"] - r["prefetch_misses_per_step"]
+                       for r in pre)
     assert all("prefetch_misses_per_step" not in r for r in rows if r["topk"] == "code")
     assert "prefetch MB/step" in out.stdout and "T=160 (code+prefetch)" in out.stdout
-    plot = subprocess.run([sys.executable, str(PLOT), str(tmp_path / "r.json"), "--png", str(tmp_path / "g.png")],
-                          capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0 and "| 160 | code+prefetch | 2 |" in plot.stdout, plot.stdout + plot.stderr[-2000:]
 
 
-def test_smoke_runs_reference_layers_side_by_side(tmp_path: Path) -> None:
+def test_smoke_runs_reference_layers_side_by_side(reference_layers_run: tuple[Ran, list, Ran]) -> None:
     """`--reference-layers spread/20,21,22,23`: every hisparse row under both lists (the adjacent
     one labelled +ref20,21,22,23, with and without the prefetch), all-resident once under the first;
     the log names the lists once and every engine row records its list."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "2", "--modes", "hisparse,all-resident",
-                          "--topk-model", "code", "--reference-layers", "spread/20,21,22,23",
-                          "--prefetch-next-group", "off/on", "--resident-layers", "none/auto",
-                          "--all-resident-gib", "0.002", "--png", "", "--json", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.loads((tmp_path / "r.json").read_text())
+    out, rows, plot = reference_layers_run
     got = {(r["mode"], r["topk"], tuple(r["reference_layers"])) for r in rows}
     spread, adjacent = (0, 20, 40, 60), (20, 21, 22, 23)
     # 'auto' keeps layer 0 (reference layer 0) resident under spread, nothing under 20-23 (no poor layer)
@@ -133,23 +184,22 @@ def test_smoke_runs_reference_layers_side_by_side(tmp_path: Path) -> None:
     assert out.stdout.count("reference layers (of 61) the model's layers stand for: [0, 20, 40, 60] (spread) / "
                             "[20, 21, 22, 23]") == 1, out.stdout[:3000]
     assert "T=160 (code+ref20,21,22,23+prefetch)" in out.stdout
-    plot = subprocess.run([sys.executable, str(PLOT), str(tmp_path / "r.json"), "--png", str(tmp_path / "g.png")],
-                          capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0 and "| 160 | code+ref20,21,22,23+prefetch | 2 |" in plot.stdout, (
         plot.stdout + plot.stderr[-2000:])
 
 
-def test_smoke_runs_the_prefetch_from_good_layers_and_stores_outside_the_budget(tmp_path: Path) -> None:
+def test_smoke_runs_the_prefetch_from_good_layers_and_stores_outside_the_budget(bench_main, tmp_path: Path,
+                                                                                 capfd: pytest.CaptureFixture[str]) -> None:
     """`--prefetch-next-group off/on/auto` under code and spread layers: auto prefetches from layers
     1-2 only (layer 0 stands for reference layer 0, whose top-k predicts nothing), labelled
     +prefetch-from1,2, with and without the resident layer; `--resident-stores inside/outside` runs
     the resident alternative with its store inside the budget (at its own largest batch, and
     all-resident there too) and on top of it (at hisparse's batches without resident layers)."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--contexts", "320", "--batches", "max", "--modes",
-                          "all-resident,hisparse", "--topk-model", "code", "--prefetch-next-group", "off/on/auto",
-                          "--resident-layers", "none/auto", "--resident-stores", "inside/outside",
-                          "--all-resident-gib", "0.002", "--png", "",
-                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=900)
+    out = run_main(bench_main, ["--smoke", "--contexts", "320", "--batches", "max", "--modes",
+                                "all-resident,hisparse", "--topk-model", "code", "--prefetch-next-group", "off/on/auto",
+                                "--resident-layers", "none/auto", "--resident-stores", "inside/outside",
+                                "--all-resident-gib", "0.002", "--png", "",
+                                "--json", str(tmp_path / "r.json")], capfd)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "r.json").read_text())
     got = {(r["mode"], r["topk"], r["batch"]) for r in rows}
@@ -170,21 +220,21 @@ def test_smoke_runs_the_prefetch_from_good_layers_and_stores_outside_the_budget(
     assert all(r["prefetch_misses_per_step"] >= 0 and "critical_misses_per_step" in r for r in auto), auto
     assert "their stores inside it / on top of the budget" in out.stdout
     # benign has no poor layer: auto is every layer, the same rows as on (run once)
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "2", "--modes", "hisparse",
-                          "--topk-model", "benign", "--prefetch-next-group", "off/on/auto", "--png", "",
-                          "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=600)
+    out = run_main(bench_main, ["--smoke", "--batches", "2", "--modes", "hisparse",
+                                "--topk-model", "benign", "--prefetch-next-group", "off/on/auto", "--png", "",
+                                "--json", str(tmp_path / "b.json")], capfd)
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(r["topk"] for r in json.loads((tmp_path / "b.json").read_text())) == ["benign", "benign+prefetch"]
 
 
-def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
+def test_smoke_runs_fp8_indexer_keys_beside_the_models(bench_main, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """--indexer-keys fp8/model: every engine row under each format, each with its own largest
     batches at the budget (fp8 keys hold more requests), the capacity arithmetic printed once per
     context and format, and rows labelled by format; the ratio column pairs rows of one format."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "max,budget", "--modes",
-                          "hisparse,all-resident", "--topk-model", "code", "--indexer-keys", "fp8/model",
-                          "--all-resident-gib", "0.002", "--warmup", "1", "--steps", "1", "--png", "",
-                          "--json", str(tmp_path / "k.json")], capture_output=True, text=True, timeout=600)
+    out = run_main(bench_main, ["--smoke", "--batches", "max,budget", "--modes",
+                                "hisparse,all-resident", "--topk-model", "code", "--indexer-keys", "fp8/model",
+                                "--all-resident-gib", "0.002", "--warmup", "1", "--steps", "1", "--png", "",
+                                "--json", str(tmp_path / "k.json")], capfd)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "k.json").read_text())
     by = {(r["mode"], r["indexer_keys"]): sorted(x["batch"] for x in rows if x["mode"] == r["mode"]
@@ -198,20 +248,18 @@ def test_smoke_runs_fp8_indexer_keys_beside_the_models(tmp_path: Path) -> None:
     assert "T=160 (code:fp8): best tokens/s" in out.stdout
 
 
-def test_a_fill_chunk_of_no_tokens_is_one_line() -> None:
+def test_a_fill_chunk_of_no_tokens_is_one_line(bench_main, capfd: pytest.CaptureFixture[str]) -> None:
     """Checked before anything is built: a chunk of 0 would fill no context."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--fill-chunk", "0", "--png", ""], capture_output=True,
-                         text=True, timeout=120)
+    out = run_main(bench_main, ["--fill-chunk", "0", "--png", ""], capfd)
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "bench_serving: --fill-chunk=0: expected a positive number of prompt tokens a forward"], out.stderr
 
 
-def test_smoke_keeps_the_page_and_chunk_the_user_gave() -> None:
+def test_smoke_keeps_the_page_and_chunk_the_user_gave(bench_main, capfd: pytest.CaptureFixture[str]) -> None:
     """--smoke's tiny geometry fills only what is unset: a page of 8 tokens and 16-token prefill
     forwards show in the capacity line and the header."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "1", "--modes", "hisparse",
-                          "--block-size", "8", "--fill-chunk", "16", "--png", ""],
-                         capture_output=True, text=True, timeout=300)
+    out = run_main(bench_main, ["--smoke", "--batches", "1", "--modes", "hisparse",
+                                "--block-size", "8", "--fill-chunk", "16", "--png", ""], capfd)
     assert out.returncode == 0, out.stderr
     assert "block 8;" in out.stdout and "--fill-chunk 16" in out.stdout, out.stdout
     # batch 1 keeps every page resident: no entry went through the hot buffer, so no hit rate (it said 100%)
@@ -221,48 +269,48 @@ def test_smoke_keeps_the_page_and_chunk_the_user_gave() -> None:
     assert " n/a " in line and "100%" not in line, line
 
 
-def test_a_fill_chunk_past_the_context_is_sized_as_the_engine_sizes_it() -> None:
+def test_a_fill_chunk_past_the_context_is_sized_as_the_engine_sizes_it(bench_main, capfd: pytest.CaptureFixture[str]) -> None:
     """No forward holds more than max_context tokens (the engine sizes its pool so): a --fill-chunk
     past it was counted whole, so --fill-chunk 100000 was refused as needing 0.14 GiB of GPU KV; the
     engine takes a request at 0.0004 GiB."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "1", "--modes", "hisparse",
-                          "--fill-chunk", "100000", "--gpu-kv-gib", "0.0004", "--steps", "1", "--warmup", "0",
-                          "--png", ""],
-                         capture_output=True, text=True, timeout=300)
+    out = run_main(bench_main, ["--smoke", "--batches", "1", "--modes", "hisparse",
+                                "--fill-chunk", "100000", "--gpu-kv-gib", "0.0004", "--steps", "1", "--warmup", "0",
+                                "--png", ""], capfd)
     assert out.returncode == 0, out.stderr[-2000:]
     # max_context 168 tokens (160 + 1 step + 3 + a page of 4): 42 pages, + 1
     assert "(--fill-chunk 100000: 43 pages a request writes in a step)" in out.stdout, out.stdout
 
 
-def test_without_a_gpu_and_without_smoke_it_is_one_line() -> None:
+def test_without_a_gpu_and_without_smoke_it_is_one_line(bench_main, capfd: pytest.CaptureFixture[str]) -> None:
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: the bench would run")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--png", ""], capture_output=True, text=True, timeout=120)
+    out = run_main(bench_main, ["--png", ""], capfd)
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "bench_serving: needs a CUDA GPU (this torch sees none); expected --smoke for the tiny geometry on the CPU"], (
         out.stderr)
 
 
-def test_without_matplotlib_the_plot_is_left_out_in_one_line(tmp_path: Path) -> None:
-    code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
-            f"sys.argv = [{str(SCRIPT)!r}, '--smoke', '--batches', '1', '--modes', 'hisparse', '--steps', '1', "
-            f"'--warmup', '0', '--png', {str(tmp_path / 'p.png')!r}]; "
-            f"sys.exit(runpy.run_path({str(SCRIPT)!r}, run_name='__main__'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def test_without_matplotlib_the_plot_is_left_out_in_one_line(bench_main, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # what `import matplotlib` finds where it is not installed: an ImportError (matplotlib.pyplot too)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    out = run_main(bench_main, ["--smoke", "--batches", "1", "--modes", "hisparse", "--steps", "1", "--warmup", "0",
+                                "--png", str(tmp_path / "p.png")], capfd)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "matplotlib is not installed (pip install -e '.[plot]'), so no plot is drawn" in out.stdout
     assert not (tmp_path / "p.png").exists() and "# plot:" not in out.stdout
 
 
-def test_smoke_runs_fp8_rows_beside_the_models(tmp_path: Path) -> None:
+def test_smoke_runs_fp8_rows_beside_the_models(bench_main, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """--kv-rows fp8/model: every engine row under each row format, the fp8 rows (64 B here, the
     tiny geometry's fp32 rows 96 B) holding more requests at the budget, rows labelled by format."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--batches", "max", "--modes",
-                          "hisparse,all-resident", "--topk-model", "code", "--kv-rows", "fp8/model",
-                          "--all-resident-gib", "0.002", "--warmup", "1", "--steps", "1", "--png", "",
-                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
+    out = run_main(bench_main, ["--smoke", "--batches", "max", "--modes",
+                                "hisparse,all-resident", "--topk-model", "code", "--kv-rows", "fp8/model",
+                                "--all-resident-gib", "0.002", "--warmup", "1", "--steps", "1", "--png", "",
+                                "--json", str(tmp_path / "r.json")], capfd)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "r.json").read_text())
     by = {(r["mode"], r["kv_rows"]): sorted(x["batch"] for x in rows if x["mode"] == r["mode"]
@@ -353,12 +401,13 @@ def test_bad_flags_from_the_command_line(args: list[str], flag: str) -> None:
     assert out.stderr.count("\n") == 1 and flag in out.stderr, out.stderr
 
 
-def test_sizing_prints_the_production_capacity_without_a_gpu(tmp_path: Path) -> None:
+def test_sizing_prints_the_production_capacity_without_a_gpu(bench_main, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """--sizing: DeepSeek-V3.2's geometry at 32K, fp8 keys and rows, a 2048-row hot buffer, sized as a
     run would and checked against the arithmetic written out here; nothing is built or written."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--sizing", "--contexts", "32768", "--gpu-kv-gib", "3",
-                          "--indexer-keys", "fp8", "--kv-rows", "fp8", "--hot-rows", "2048", "--fill-chunk", "64"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    out = run_main(bench_main, ["--sizing", "--contexts", "32768", "--gpu-kv-gib", "3", "--indexer-keys", "fp8",
+                                "--kv-rows", "fp8", "--hot-rows", "2048", "--fill-chunk", "64"], capfd)
     assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
     # A block: 64 tokens x 4 layers x 656 B; keys 32768 x 4 x 132 B. The pages of a request: 32768 + 1024
     # of max context over 64, + 1 (514). hisparse: 32 hot + 2 tail + 3 x 2 recent + 2 watermark blocks and

@@ -509,6 +509,14 @@ def test_split_refuses_the_builds_it_has_not(backend, env: dict[str, str], line:
     assert line in str(err.value) and "\n" not in str(err.value)
 
 
+class _Launched(list[str]):
+    """The names of the kernels launched, in order, and each kernel's launch parameters (`metas`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metas: dict[str, list[dict[str, object]]] = {}
+
+
 def _split_rows_and_launches(mp: pytest.MonkeyPatch, split_rows: Callable[[int], int]) -> list[str]:
     """Every `TritonRuntime` built from here on takes the split resolver, in each batch-size profile that
     has it, for batches of up to `split_rows(max_batch_rows)` rows (whatever the device: its own rule is
@@ -518,10 +526,11 @@ def _split_rows_and_launches(mp: pytest.MonkeyPatch, split_rows: Callable[[int],
 
     mod = sys.modules[KERNELS]
     real_launch, real_init = mod.launch, TritonRuntime.__init__
-    names: list[str] = []
+    names = _Launched()
 
     def launch(kernel: object, name: str, *args: object, **meta: object) -> None:
         names.append(name)
+        names.metas.setdefault(name, []).append(meta)
         real_launch(kernel, name, *args, **meta)
 
     def init(self: TritonRuntime, config: RuntimeConfig, device: torch.device) -> None:
@@ -690,6 +699,48 @@ def test_split_keep_with_short_and_long_lists_matches_the_reference(backend, see
                 problems += run.apply(work)
                 assert not problems, "\n".join(problems[:10])
     assert "resolve_split_kernel" in names and "resolve_gather_kernel" not in names, names
+    assert all(m.get("KEEP") == 1 for m in names.metas["resolve_split_kernel"]), names.metas["resolve_split_kernel"][0]
+
+
+@pytest.mark.parametrize("env", [{}, {"HISPARSE_TRITON_SPLIT": "4"},
+                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_KEEP": "1"},
+                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_TAIL": "1"}],
+                         ids=["gather", "split4", "split4_keep", "split4_tail"])
+@pytest.mark.parametrize("seed", [3, 8])
+def test_stale_slot_hints_take_the_held_row_lookup(backend, env: dict[str, str], seed: int) -> None:  # noqa: ANN001
+    """A slot hint is believed only where its slot holds the entry's row, so any hints must give the
+    reference's results. Before each step every hint is scrambled: a held row's entry then misses its
+    hint and must be found by the held-slot lookup in the candidates' hash table (the path the other
+    scenarios, whose hints are mostly right, barely reach: a lookup probing one bucket too few
+    passed them)."""
+    from hisparse_triton.runtime import TritonRuntime
+
+    real_resolve = TritonRuntime.resolve
+    gen = torch.Generator().manual_seed(seed)
+
+    def resolve(self: TritonRuntime, inputs: ResolveInputs, **kw: object) -> object:
+        h = self.config.hot_rows
+        noise = torch.randint(-1, h, self._pos_slot.shape, generator=gen).to(self._pos_slot.dtype)
+        self._pos_slot.copy_(noise.to(self._pos_slot.device))
+        return real_resolve(self, inputs, **kw)  # type: ignore[arg-type]
+
+    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
+                       rows_per_request=2, extra_batch_rows=1, num_layers=2, steps=5, locality=0.9,
+                       resident_share=0.2, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
+                       maintenance_share=0.25, seed=seed)
+    sc = build_scenario(p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HISPARSE_TRITON_AUTO", "0")
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mp.setattr(TritonRuntime, "resolve", resolve)
+        names = _split_rows_and_launches(mp, lambda b: b) if env else []
+        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+            for step, work in sc.steps:
+                problems = run.resolve(step, replay=True)
+                problems += run.apply(work)
+                assert not problems, "\n".join(problems[:10])
+    assert not env or "resolve_split_kernel" in names, names
 
 
 @pytest.mark.parametrize(("seed", "locality", "rows", "early"),
@@ -796,6 +847,23 @@ def test_cas_build_needs_triton_39_on_rocm(version: str, rocm: bool, compiles: b
     from hisparse_triton import shapes
 
     assert shapes.cas_compiles(version, rocm=rocm) is compiles
+
+
+@pytest.mark.parametrize(("rocm_triton", "refused"), [("3.6.0", True), ("3.9.0", False), (None, False)])
+def test_the_cas_build_is_refused_on_rocm_before_triton_39(rocm_triton: str | None, refused: bool) -> None:
+    """The build that claims buckets by compare-and-swap fails to compile on ROCm under Triton 3.6: a
+    runtime asking for it there is refused in one line naming the variable (CUDA: any Triton)."""
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_triton import auto, shapes
+
+    key = shapes.CAS_ENV
+    tune = shapes.tuning({key: "1"})
+    if refused:
+        with pytest.raises(InvalidInputError, match=f"^{key}='1' needs Triton 3.9 or later on ROCm; found Triton "
+                                                    f"{rocm_triton}$"):
+            auto.check_target(tune, pdl=False, found=lambda: "a GPU", rocm_triton=rocm_triton)
+    else:
+        auto.check_target(tune, pdl=False, found=lambda: "a GPU", rocm_triton=rocm_triton)
 
 
 def _random_plans(counts: torch.Tensor, k: int, dst_rows: int,

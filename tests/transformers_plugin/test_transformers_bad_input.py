@@ -619,3 +619,18 @@ def test_a_generation_config_given_by_position_is_read_as_the_keyword_is(model: 
         assert one_line(err.value).startswith("num_beams=2 (from the generation_config passed): hisparse runs one "
                                               "request per prompt row")
         assert hs.stats().requests == 2
+
+
+@pytest.mark.parametrize("over", [{}, {"hot_rows": 40000}, {"speculative_tokens": 2}])
+def test_a_block_size_past_the_runtime_hot_buffer_names_block_size(model: torch.nn.Module,
+                                                                    over: dict[str, object]) -> None:
+    """Before: block_size=40000 (no hot_rows) was refused as "speculative_tokens=0 makes the default hot
+    buffer ... expected speculative_tokens <= 0, or hot_rows between ... and 0", naming two keywords
+    the caller had left alone and a range ending at 0; with hot_rows=40000 "expected hot_rows <= 0"."""
+    with pytest.raises(InvalidInputError) as err:
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=0.5, block_size=40000,
+                                                            **over))
+    text = one_line(err.value)
+    assert text.startswith("block_size=40000") and "expected block_size <= 32768" in text, text
+    assert "speculative_tokens" not in text and "<= 0" not in text, text
+    assert untouched(model)

@@ -280,6 +280,9 @@ class HiSparseEngine:
         self.hot_rows_reason = (f"hot_rows={c.hot_rows}" if c.hot_rows is not None else
                                 f"the default: (speculative_tokens + 2) x index_topk{rounded}" if spec else
                                 f"the default: 2 x index_topk{rounded}")
+        if bs > MAX_HOT_ROWS:   # no hot buffer of whole pages fits a runtime: name block_size, not what it rounds
+            raise InvalidInputError(f"block_size={bs}: the hot buffer is whole pages, and a runtime's holds at most "
+                                    f"{MAX_HOT_ROWS} rows; expected block_size <= {MAX_HOT_ROWS}")
         if hot_rows % bs:
             raise InvalidInputError(f"hot_rows={hot_rows} must be a multiple of block_size={bs}")
         largest = MAX_HOT_ROWS // bs * bs

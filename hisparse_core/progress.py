@@ -12,11 +12,48 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
-from typing import TextIO
+from typing import Any, TextIO
 
 #: Units timed after the first one before an ETA is shown.
 ETA_AFTER = 3
+
+
+#: Whether Python swallowed a KeyboardInterrupt while `interrupts_kept` is active (cleared when it exits).
+_INTERRUPT = {"pending": False}
+
+
+def raise_pending_interrupt() -> None:
+    """Raise KeyboardInterrupt, once, if Python swallowed one under `interrupts_kept`."""
+    if _INTERRUPT["pending"]:
+        _INTERRUPT["pending"] = False
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def interrupts_kept() -> Iterator[None]:
+    """Ctrl-C is never lost while this is active. Python raises the KeyboardInterrupt wherever the
+    main thread is; where that is a weakref callback or a `__del__` (an import's module-lock
+    callback, a tensor's finalizer) it cannot propagate: Python hands it to `sys.unraisablehook`,
+    which printed "Exception ignored in ... KeyboardInterrupt" with a traceback, and the run went on
+    to its end and exit status 0. Here that hook records it instead (printing nothing), and
+    `ProgressBar.update` (each step) and `raise_pending_interrupt` raise it again."""
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _INTERRUPT["pending"] = True   # raised again at the next step
+            return
+        previous_hook(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous_hook
+        _INTERRUPT["pending"] = False
 
 
 class ProgressBar:
@@ -41,6 +78,7 @@ class ProgressBar:
         self._next_milestone = 0  # quarter marks printed when not a terminal
 
     def update(self, n: int = 1, *, note: str | None = None) -> None:
+        raise_pending_interrupt()   # a Ctrl-C Python swallowed since the last step (`interrupts_kept`)
         self.done = min(self.total, self.done + n)
         if note is not None:
             self.note = note

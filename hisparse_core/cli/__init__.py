@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from hisparse_core.cli.options import CliParser, HelpFormatter, quiet_stdout
 from hisparse_core.cli.plugin_commands import BrokenCommand, add_plugin_commands, warn_broken
+from hisparse_core.progress import interrupts_kept, raise_pending_interrupt
 
 #: The core's sub-command name -> module. Each module's top level and `add_parser` import nothing
 #: heavy (no torch), so `hisparse --help` and `hisparse backends` start fast and work with a broken
@@ -137,7 +138,10 @@ def _run(argv: Sequence[str] | None) -> int:
     _configure_logging(level)
     warn_broken(broken, args.command)
     try:
-        return int(args.func(args) or 0)
+        with interrupts_kept():   # a Ctrl-C Python swallows (in a finalizer) is not lost
+            status = int(args.func(args) or 0)
+            raise_pending_interrupt()   # one swallowed after the last step
+        return status
     except ImportError as exc:
         # A dependency that fails to import (a broken torch, say): one line, and where to look.
         what = f"cannot import {exc.name}" if exc.name else "an import failed"

@@ -60,6 +60,12 @@ def check_name(name: str, installed_backends: Iterable[str]) -> ScaffoldNames:
         raise InvalidInputError(f"backend name {name!r} ends with an underscore, which makes the distribution name "
                                 f"{ScaffoldNames.of(name).dist!r} that pip refuses (a project name must end in a "
                                 f"letter or digit); expected a name ending in a letter or digit (e.g. acme)")
+    from hisparse_core.registry import AUTO, is_auto
+
+    if is_auto(name):   # --backend auto / HISPARSE_BACKEND=auto ask for automatic selection: never this backend
+        raise InvalidInputError(f"backend name {name!r} is reserved: {AUTO!r}, in any case, asks for automatic "
+                                f"selection wherever a backend name is taken (--backend, HISPARSE_BACKEND, "
+                                f"select_backend), so no backend of that name could be selected; choose another")
     installed = sorted(installed_backends)
     if name in installed:
         raise InvalidInputError(f"backend name {name!r} is already taken by an installed backend "

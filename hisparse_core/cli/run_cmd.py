@@ -269,6 +269,16 @@ def in_flag_words(message: str) -> str:
     return f"{flag}{sep}{tail}" if flag else message
 
 
+def _saving(per_req: float, base: float) -> str:
+    """How the measured KV per request compares with all-resident, in words that are true either way
+    (the same where no page was saved, not "1.00x less")."""
+    if not (per_req == per_req and per_req > 0 and base > 0):   # NaN or 0: nothing ran at peak
+        return ""
+    if per_req == base:
+        return " (the same)"
+    return f" ({base / per_req:.2f}x less)" if per_req < base else f" ({per_req / base:.2f}x more)"
+
+
 def _table(result) -> str:  # type: ignore[no-untyped-def]
     from hisparse_core.replay.report import hot_buffer, human_bytes, pct, render_table
 
@@ -322,7 +332,7 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
                         if s["stopped_at_step_limit"] else "")),
         ("memory", ""),
         (f"{where} KV per request", f"{human_bytes(per_req)} at peak concurrency vs {human_bytes(base)} all-resident"
-                               + (f" ({base / per_req:.2f}x less)" if per_req == per_req and per_req else "")),
+                               + _saving(per_req, base)),
         ("max concurrency", ""),
         ("with hisparse", f"{s['max_concurrency_hisparse_measured']} measured{reached}; planner "
                           f"{s['max_concurrency_hisparse_planned']}{_planner_note(s, where)}"),

@@ -309,6 +309,7 @@ class HiSparseHandle:
         self._installed: dict[str, Any] = {}                # what `_install` put on the base model and the model
         self._generate: Callable[..., Any] | None = None
         self._warned_own_cache = False    # `_note_own_cache`: its WARNING is logged once a handle
+        self._said_no_cache = False       # generate(use_cache=False): its INFO line is logged once a handle
         self._weights = _weights_seen(model)
         self.closed = False
         self._install()
@@ -771,8 +772,10 @@ def _patched_generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                                     "or the cache")
         # No cache: every step recomputes the whole sequence with the model's own attention (the
         # patched layers see no HiSparseCache), so the output is the model's own; hisparse holds nothing.
-        logger.info("hisparse: generate(use_cache=False) keeps no KV cache, so the model's own attention runs "
-                    "(nothing goes through hisparse)")
+        if not handle._said_no_cache:   # once a handle, not once a generate of a loop
+            handle._said_no_cache = True
+            logger.info("hisparse: generate(use_cache=False) keeps no KV cache, so the model's own attention runs "
+                        "(nothing goes through hisparse; said once)")
         return original(*args, **kwargs)
     if _wants_attentions(model, {"output_attentions": _setting(model, kwargs, "output_attentions")}):
         raise InvalidInputError(_NO_ATTENTIONS)

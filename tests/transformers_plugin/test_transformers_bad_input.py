@@ -222,7 +222,7 @@ def test_a_prefill_chunk_past_max_context_asks_no_more_gpu(model: torch.nn.Modul
         with pytest.raises(CapacityError) as err:
             hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", gpu_kv_gib=1e-7, max_context=64,
                                                                 prefill_chunk=chunk))
-        return float(one_line(err.value).rsplit("expected gpu_kv_gib >= ", 1)[1])
+        return float(one_line(err.value).rsplit("expected gpu_kv_gib >= ", 1)[1].split(",")[0])
 
     fits = smallest(64)
     assert smallest(512) == fits
@@ -633,4 +633,26 @@ def test_a_block_size_past_the_runtime_hot_buffer_names_block_size(model: torch.
     text = one_line(err.value)
     assert text.startswith("block_size=40000") and "expected block_size <= 32768" in text, text
     assert "speculative_tokens" not in text and "<= 0" not in text, text
+    assert untouched(model)
+
+
+@pytest.mark.parametrize(("over", "key"), [
+    ({"host_pool_gib": 0.001, "max_context": 10**7}, "max_context"),
+    ({"gpu_kv_gib": 0.002, "max_batch": 10**4}, "max_batch"),
+])
+def test_a_budget_refusal_also_names_the_count_that_fits_the_budget_given(model: torch.nn.Module,
+                                                                          over: dict[str, object], key: str) -> None:
+    """Before: max_context=10**7 (or max_batch=10**4) was refused only with 'expected host_pool_gib >= 3.58'
+    (or gpu_kv_gib >= 2.8), whatever the machine holds: a budget of 10**12 tokens named 3.58e+05 GiB. Now
+    the line also names the largest max_context (max_batch) the budget given holds, and that one fits."""
+    with pytest.raises(CapacityError) as err:
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", **over))
+    text = one_line(err.value)
+    assert f", or {key} <= " in text, text
+    fits = int(text.rsplit(f"{key} <= ", 1)[1])
+    assert untouched(model)
+    hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", **{**over, key: fits})).close()
+    step = enable_kwargs("deepseek_v32")["block_size"] if key == "max_context" else 1
+    with pytest.raises(CapacityError):
+        hisparse_transformers.enable(model, **enable_kwargs("deepseek_v32", **{**over, key: fits + step}))
     assert untouched(model)

@@ -132,6 +132,19 @@ def required_gpu_blocks(max_batch: int, hot_blocks: int, chunk_pages: int) -> in
         max_batch, hot_blocks, chunk_pages)
 
 
+def _largest_batch(gpu_blocks: int, hot_blocks: int, chunk_pages: int, below: int) -> int:
+    """The largest max_batch under `below` whose `required_gpu_blocks` fit `gpu_blocks` (0: none);
+    the requirement grows with the batch, so a bisection finds it."""
+    lo, hi = 0, below - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if required_gpu_blocks(mid, hot_blocks, chunk_pages) <= gpu_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def chunk_pages_for(prefill_chunk: int, max_context: int, block_size: int, spec_rows: int = 0) -> int:
     """The most pages one request writes in a step (`required_gpu_blocks`' `chunk_pages`): a
     prefill chunk or a verification step's `spec_rows`, never more than `max_context` tokens (no
@@ -355,7 +368,9 @@ class HiSparseEngine:
                 f"({device_layers} layers x {bs} tokens x {self.fmt.row_bytes} B); "
                 f"max_batch={c.max_batch} with a {self.hot_blocks}-block hot buffer and prefill_chunk={c.prefill_chunk} "
                 f"needs at least {need}: expected gpu_kv_gib >= "
-                f"{ceil_gib(need * device_block_bytes + self.resident_bytes)}")
+                f"{ceil_gib(need * device_block_bytes + self.resident_bytes)}"
+                + (f", or max_batch <= {fits}" if (fits := _largest_batch(self.gpu_blocks, self.hot_blocks,
+                                                                           self.chunk_pages, c.max_batch)) else ""))
         host_blocks = c.host_pool_bytes // self.block_bytes - 1          # the coordinator keeps a null block
         host_need = self.max_pages + ACTIVE_TAIL_PAGES
         if host_blocks < host_need:
@@ -363,7 +378,9 @@ class HiSparseEngine:
                 f"host_pool_gib={c.host_pool_gib:g} holds {max(host_blocks, 0)} usable blocks of {self.block_bytes} B; "
                 f"one request of max_context={self.max_pages * bs} tokens needs {host_need} (its pages plus the "
                 f"{ACTIVE_TAIL_PAGES}-page active tail): expected host_pool_gib >= "
-                f"{ceil_gib((host_need + 1) * self.block_bytes, 3)}")
+                f"{ceil_gib((host_need + 1) * self.block_bytes, 3)}"
+                + (f", or max_context <= {(host_blocks - ACTIVE_TAIL_PAGES) * bs}"
+                   if host_blocks > ACTIVE_TAIL_PAGES else ""))
         self.gpu = SimpleGpuBlockPool(self.gpu_blocks)
         self.coordinator = HiSparseCoordinator(CoordinatorConfig(
             host_pool_gib=c.host_pool_bytes / GIB, num_layers=len(offloaded), block_size=bs, row_bytes=self.fmt.row_bytes,

@@ -395,6 +395,24 @@ class _QuietEngine:
                 logging.getLogger(n).setLevel(level)
 
 
+def _transformers_missing() -> str | None:
+    """Why this command cannot run transformers (not installed, or a release outside the tested
+    range), or None; checked before a backend is selected, so the refusal is the only line."""
+    import importlib.util
+
+    from hisparse_transformers.version import UnsupportedVersionError, check_version
+
+    try:
+        if importlib.util.find_spec("transformers") is None:
+            return "transformers is not installed; expected the transformers extra (pip install -e '.[transformers]')"
+        check_version()
+    except UnsupportedVersionError as exc:
+        return str(exc)
+    except (ImportError, ValueError):   # a broken install: transformers' own import says why, later
+        return None
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     # Each budget's size flag and its older name, which sets the same budget in other units.
     for flag, value, alias, alias_value, budget in (
@@ -418,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
         one = f" (one prompt, {flag} long)" if args.prompts == 1 else ""
         return fail("hisparse generate", f"--shared-prefix {args.shared_prefix} is above {flag} {shortest}{one}; "
                                          f"expected a prefix in [0, {flag}]")
-    if why := check_backend_name(args.backend) or import_torch("hisparse generate"):
+    if why := check_backend_name(args.backend) or import_torch("hisparse generate") or _transformers_missing():
         return fail("hisparse generate", why)
     # Only a device this command runs on, before a backend is selected or a model built: torch
     # accepts `meta` and builds a model there, and on a torch without CUDA `cuda` fails deep in

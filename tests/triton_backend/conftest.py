@@ -1,7 +1,15 @@
 """Starts the AMD/sm_90 compile check (`hisparse_triton.compile_targets`, several minutes of CPU)
 as soon as collection ends, in a child process beside the rest of the run, so that
 test_compile_targets.py's fixture finds it done or nearly done instead of compiling while
-every other test waits. Nothing starts when that file's tests are not selected."""
+every other test waits. Nothing starts when that file's tests are not selected.
+
+The child takes half the CPUs, and this process's torch keeps to the other half for the rest of
+the session (`torch.set_num_threads`; its default is one thread a CPU): on 2 cores, torch's two
+threads beside the child ran the in-process torch tests about 2x slower than one thread did
+(tests/cli/test_generate_cmd.py's exactness runs: 14.5 s against 6.7 s, the second core busy;
+test_generate_cmd.py, tests/transformers_plugin and test_compile_targets.py together, back to back on
+2 cores shared with another job: 703 s against 380 s, of which 169 s waiting for the child).
+The whole session, not only while the child runs, so that every test computes under one setting."""
 
 from __future__ import annotations
 
@@ -32,7 +40,11 @@ class CompileChild:
         env["TRITON_CACHE_DIR"] = str(self.folder / "triton_cache")
         env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; the kernels do integer work
         # Half the CPUs: the rest of the test run keeps the other half.
-        jobs = max(1, len(os.sched_getaffinity(0)) // 2)
+        cpus = len(os.sched_getaffinity(0))
+        jobs = max(1, cpus // 2)
+        import torch
+
+        torch.set_num_threads(max(1, cpus - jobs))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hisparse_triton.compile_targets", "--jobs", str(jobs), "--json", str(self.report)],

@@ -172,6 +172,10 @@ INTERPRETED_SPEC_SLOTS = 2
 #: Candidates the split resolver's last program handles at once: one a thread compiled (a smaller
 #: list costs a thread the same); a few under the interpreter, so that tests walk several chunks.
 INTERPRETED_SPLIT_CHUNK = 4
+#: ... and at most this many chunks a group's entries long under the interpreter, whose cost is per
+#: chunk (a pass over a chunk is some thirty numpy calls): top-k 2048 at 4 a chunk took about 30 s a
+#: conformance example, 300 chunks a pass.
+INTERPRETED_SPLIT_CHUNKS = 32
 #: Lanes of one row of the two-level scans under the interpreter (no warps; small, so that the
 #: small geometries of the tests still scan several rows).
 INTERPRETED_SCAN_ROW = 4
@@ -447,10 +451,11 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
                 if scan and variant == "gather" else 0)
     bs = config.block_size
     ns = min(split, gp * kp) if variant == "gather" else 0
-    chunk = min(threads if compiled else INTERPRETED_SPLIT_CHUNK, gp * kp) if ns else 0
+    interpreted_chunk = max(INTERPRETED_SPLIT_CHUNK, gp * kp // INTERPRETED_SPLIT_CHUNKS)
+    chunk = min(threads if compiled else interpreted_chunk, gp * kp) if ns else 0
     tail = bool(ns and split_tail)
     hot_threads = min(threads, max(128, hp // min(ns, hp))) if tail else 0
-    hot_chunk = min(hot_threads if compiled else INTERPRETED_SPLIT_CHUNK, gp * kp) if tail else 0
+    hot_chunk = min(hot_threads if compiled else interpreted_chunk, gp * kp) if tail else 0
     return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
                          scan_row, shift and variant == "gather" and bs & (bs - 1) == 0, ns, chunk, tail,
                          hot_threads, hot_chunk, bool(ns and split_keep and not tail))

@@ -235,7 +235,7 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
     """Register the four ops (see the module docstring); idempotent. Returns `served_by()`.
 
     `backend` names the hisparse backend (default, or "auto": `HISPARSE_BACKEND`, else automatic
-    selection; `HISPARSE_BACKEND=auto` is automatic selection too, `hisparse_vllm.selection`); it
+    selection; `HISPARSE_BACKEND=auto` is automatic selection too, as the registry reads it); it
     must declare `Capability.VLLM_OPS`, and once a backend serves the ops in this process, be that
     one. Registration only chooses it (a name no available backend has is refused here); the first
     call of an op builds it, so that the processes vLLM registers in but never calls from (front

@@ -10,7 +10,8 @@ Discovery (`hisparse_core.discovery`) runs once per process, on first use; `get_
 reload=True)` runs it again. Selection:
 
 - **Explicit**: the `name` argument, else `HISPARSE_BACKEND`. It must name an available backend;
-  `auto` (any case) in either asks for automatic selection, as leaving both unset does;
+  `auto` (any case) counts as unset in either (an argument `auto` defers to the variable, and
+  `HISPARSE_BACKEND=auto` leaves the choice automatic);
   an unknown name raises `BackendNotFoundError`, an unavailable or broken one
   `BackendUnavailableError`. Both messages list the available backends and why every other one
   is not.

@@ -94,11 +94,7 @@ def test_lockstep_with_odd_geometries(backend, top_k: int, rows: int, seed: int,
                        resident_share=0.3, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
                        maintenance_share=0.25, seed=seed)
     sc = build_scenario(p)
-    with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
-        for step, work in sc.steps:
-            problems = run.resolve(step, replay=True)
-            problems += run.apply(work)
-            assert not problems, "\n".join(problems[:10])
+    _lockstep_with_reference(backend, sc, seed)
 
 
 def _runtime(backend, *, max_requests: int = 2):  # noqa: ANN001, ANN202
@@ -438,11 +434,7 @@ def test_lockstep_with_each_resolver_variant(backend, env: dict[str, str], seed:
         mp.setenv("HISPARSE_TRITON_AUTO", "0")
         for k, v in env.items():
             mp.setenv(k, v)
-        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
-            for step, work in sc.steps:
-                problems = run.resolve(step, replay=True)
-                problems += run.apply(work)
-                assert not problems, "\n".join(problems[:10])
+        _lockstep_with_reference(backend, sc, seed)
 
 
 @pytest.mark.parametrize(("key", "value", "expected"), [
@@ -509,6 +501,16 @@ def test_split_refuses_the_builds_it_has_not(backend, env: dict[str, str], line:
     assert line in str(err.value) and "\n" not in str(err.value)
 
 
+def _lockstep_with_reference(backend, sc, seed: int) -> None:  # noqa: ANN001
+    """Every step of scenario `sc` resolved (layer 0 copied, the rest replayed) and its work applied on
+    `backend` and reference_cpu alike; any difference fails with its first ten lines."""
+    with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
+        for step, work in sc.steps:
+            problems = run.resolve(step, replay=True)
+            problems += run.apply(work)
+            assert not problems, "\n".join(problems[:10])
+
+
 class _Launched(list[str]):
     """The names of the kernels launched, in order, and each kernel's launch parameters (`metas`)."""
 
@@ -517,7 +519,7 @@ class _Launched(list[str]):
         self.metas: dict[str, list[dict[str, object]]] = {}
 
 
-def _split_rows_and_launches(mp: pytest.MonkeyPatch, split_rows: Callable[[int], int]) -> list[str]:
+def _split_rows_and_launches(mp: pytest.MonkeyPatch, split_rows: Callable[[int], int]) -> _Launched:
     """Every `TritonRuntime` built from here on takes the split resolver, in each batch-size profile that
     has it, for batches of up to `split_rows(max_batch_rows)` rows (whatever the device: its own rule is
     a wave of programs on a GPU, half the workspace rows interpreted); returns the names of the kernels
@@ -577,11 +579,7 @@ def test_split_resolver_shares_a_state_with_the_one_program_resolver(backend, se
         mp.setenv("HISPARSE_TRITON_SPLIT", split)
         mp.setenv("HISPARSE_TRITON_SPLIT_TAIL", tail)
         names = _split_rows_and_launches(mp, lambda b: max(1, b // 2))
-        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
-            for step, work in sc.steps:
-                problems = run.resolve(step, replay=True)
-                problems += run.apply(work)
-                assert not problems, "\n".join(problems[:10])
+        _lockstep_with_reference(backend, sc, seed)
     assert "resolve_split_kernel" in names and "resolve_gather_kernel" in names, names
     assert ("resolve_split_hot_kernel" in names) == (tail == "1"), names
 
@@ -629,11 +627,7 @@ def test_auto_default_runs_each_batch_profile_in_lockstep(backend, seed: int, ro
         mp.setattr(sys.modules[KERNELS], "launch", launch)
         mp.setattr(TritonRuntime, "_launches_for", pick)
         mp.setattr(auto, "small_rows", lambda multiprocessors, max_batch_rows: max(1, max_batch_rows // 2))
-        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
-            for step, work in sc.steps:
-                problems = run.resolve(step, replay=True)
-                problems += run.apply(work)
-                assert not problems, "\n".join(problems[:10])
+        _lockstep_with_reference(backend, sc, seed)
     ran: dict[str, set[str]] = {"one": set(), "spec": set(), "large": set()}
     last: tuple[int, launches.Launches, int] | None = None
     for name, what in events:
@@ -693,21 +687,20 @@ def test_split_keep_with_short_and_long_lists_matches_the_reference(backend, see
         mp.setenv("HISPARSE_TRITON_SPLIT", "4")
         mp.setenv("HISPARSE_TRITON_SPLIT_KEEP", "1")
         names = _split_rows_and_launches(mp, lambda b: b)
-        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
-            for step, work in sc.steps:
-                problems = run.resolve(step, replay=True)
-                problems += run.apply(work)
-                assert not problems, "\n".join(problems[:10])
+        _lockstep_with_reference(backend, sc, seed)
     assert "resolve_split_kernel" in names and "resolve_gather_kernel" not in names, names
     assert all(m.get("KEEP") == 1 for m in names.metas["resolve_split_kernel"]), names.metas["resolve_split_kernel"][0]
 
 
-@pytest.mark.parametrize("env", [{}, {"HISPARSE_TRITON_SPLIT": "4"},
-                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_KEEP": "1"},
-                                 {"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_TAIL": "1"}],
-                         ids=["gather", "split4", "split4_keep", "split4_tail"])
+@pytest.mark.parametrize(("env", "kernel"), [
+    ({}, "resolve_gather_kernel"),
+    ({"HISPARSE_TRITON_SPLIT": "4"}, "resolve_split_kernel"),
+    ({"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_KEEP": "1"}, "resolve_split_kernel"),
+    ({"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_TAIL": "1"}, "resolve_split_hot_kernel")],
+    ids=["gather", "split4", "split4_keep", "split4_tail"])
 @pytest.mark.parametrize("seed", [3, 8])
-def test_stale_slot_hints_take_the_held_row_lookup(backend, env: dict[str, str], seed: int) -> None:  # noqa: ANN001
+def test_stale_slot_hints_take_the_held_row_lookup(backend, env: dict[str, str], kernel: str,  # noqa: ANN001
+                                                   seed: int) -> None:
     """A slot hint is believed only where its slot holds the entry's row, so any hints must give the
     reference's results. Before each step every hint is scrambled: a held row's entry then misses its
     hint and must be found by the held-slot lookup in the candidates' hash table (the path the other
@@ -734,13 +727,13 @@ def test_stale_slot_hints_take_the_held_row_lookup(backend, env: dict[str, str],
         for k, v in env.items():
             mp.setenv(k, v)
         mp.setattr(TritonRuntime, "resolve", resolve)
-        names = _split_rows_and_launches(mp, lambda b: b) if env else []
-        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
-            for step, work in sc.steps:
-                problems = run.resolve(step, replay=True)
-                problems += run.apply(work)
-                assert not problems, "\n".join(problems[:10])
-    assert not env or "resolve_split_kernel" in names, names
+        names = _split_rows_and_launches(mp, lambda b: b)
+        _lockstep_with_reference(backend, sc, seed)
+    # The build named is the one that resolved (and, with KEEP, was launched with it).
+    assert kernel in names, names
+    assert ("resolve_split_kernel" in names) is (kernel != "resolve_gather_kernel"), names
+    if "HISPARSE_TRITON_SPLIT_KEEP" in env:
+        assert all(m.get("KEEP") == 1 for m in names.metas["resolve_split_kernel"]), names.metas
 
 
 @pytest.mark.parametrize(("seed", "locality", "rows", "early"),
@@ -789,11 +782,7 @@ def test_spec_copy_matches_the_reference(backend, seed: int, locality: float, ro
             real_launch(kernel, name, *args, **meta)
 
         mp.setattr(sys.modules[KERNELS], "launch", launch)
-        with Lockstep(backend, ReferenceCpuBackend(), sc.layout, seed=seed) as run:
-            for step, work in sc.steps:
-                problems = run.resolve(step, replay=True)
-                problems += run.apply(work)
-                assert not problems, "\n".join(problems[:10])
+        _lockstep_with_reference(backend, sc, seed)
     assert "copy_spec_kernel" in names and "resolve_gather_kernel" not in names, names
     # Layer 0 is the speculative copy's after every split resolve (layer 1 the plan copy's, replayed).
     order = [n for n in names if n in ("resolve_split_kernel", "copy_spec_kernel")]

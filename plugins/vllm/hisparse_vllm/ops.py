@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hisparse_core import vllm_ops as spec
-from hisparse_vllm.selection import backend_name
+from hisparse_core.registry import is_auto
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +253,8 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         raise ValueError(f"{given} expected one of {', '.join(MODES)}")
     # What set the mode, for the log line: the argument when given (the variable is then not read).
     set_by = f"register_ops(mode={mode!r})" if mode is not None else f"{ENV_MODE}={chosen}"
-    # "auto" is the registry's automatic choice, as the connector's key and HISPARSE_BACKEND=auto are.
-    backend = backend_name(backend)
+    # "auto" is as unset (the registry reads it so), also for the check against the backend already serving.
+    backend = None if is_auto(backend) else backend
     with _lock:
         if "served_by" in _state:
             served = str(_state["served_by"])

@@ -1,9 +1,4 @@
-"""`auto` as a backend name in the vLLM plugin, and the device check of the connector's backend.
-
-`auto` (the registry's `AUTO`, any case) means the registry's automatic choice wherever the vLLM
-plugin takes a backend name: the connector's `backend` key, `register_ops(backend=...)` /
-`enable_vllm_hisparse(backend=...)` and `HISPARSE_BACKEND` (which the registry itself reads), as
-`hisparse_transformers.enable(backend="auto")` does.
+"""What chose the connector's backend, in the user's words, and the device check of that backend.
 
 `check_engine_device` refuses, in one line, a connector backend that runs on another device type
 than the engine's KV cache (`nvidia` on vLLM's CPU platform; `reference_cpu`, or `triton` under
@@ -19,12 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hisparse_core.errors import InvalidInputError
-from hisparse_core.registry import ENV_BACKEND, Selection, is_auto
-
-
-def backend_name(name: str | None) -> str | None:
-    """A backend name as the registry takes it: `auto` is None (then `HISPARSE_BACKEND`, else automatic)."""
-    return None if name is None or is_auto(name) else name
+from hisparse_core.registry import ENV_BACKEND, Selection
 
 
 def chosen_by(selection: Selection, key: str) -> str:

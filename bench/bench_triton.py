@@ -17,7 +17,7 @@ cell's outputs and hot state are compared between the two backends (they must be
 triton variant's layer-0 copy against nvidia's: its plan's rows hold nvidia's bytes and no other hot row
 is written (a difference is reported after the table and the exit status is 1).
 
-    python bench/bench_triton.py [--replays 30] [--json out.json] [--no-nvidia] [--variants gather,scratch:p4] [--resolve-alone]
+    python bench/bench_triton.py [--replays 30] [--json out.json] [--no-nvidia] [--variants gather,scratch:p4] [--resolve-alone] [--timeline]
 
 `--variants` times the triton backend once per variant, side by side in one run: the first is
 "triton us", the others get a column each. A variant is a resolver (`gather` or `scratch`,
@@ -43,6 +43,10 @@ of before for every knob the variant leaves unset; 1, the default: the runtime's
 `HISPARSE_TRITON_AUTO`), set while its runtimes are built. `gather` is the default, `gather:a0` the default
 before the seventeenth session, `scratch:p4:a0` the backend as it was before the gather resolver,
 `gather:f1:l0:a0` the default of call G3.
+
+`--timeline` prints, after each cell, each backend's kernels from a few profiled replays
+(`kernel_timeline.py`): every kernel's duration and where it starts against the end of the one before
+(negative: a programmatic dependent launch overlapping its primary).
 
 `--resolve-alone` adds two columns: each backend's step without its layer-0 copy
 (`resolve(gather=False)`, the first variant for triton), so a cell's time splits into the resolver
@@ -204,6 +208,12 @@ class Bench:
                    gather: bool = True) -> tuple[float, int]:
         """(us per step, misses per request and step) of one backend (triton: with `resolver`) over
         the cycle `inputs`; `gather=False`: the resolver without its layer-0 copy."""
+        g, misses = self.graph(name, b, inputs, resolver, gather)
+        return self.time_graph(g, len(inputs)), misses
+
+    def graph(self, name: str, b: int, inputs: list, resolver: str | None = None,
+              gather: bool = True) -> tuple[torch.cuda.CUDAGraph, int]:
+        """The captured cycle `inputs` of one backend, replayed once, and its misses per request and step."""
         rt = self.runtime(name, b, resolver)
         for inp in inputs:  # warm the LRU to its steady state, and compile
             rt.resolve(inp, gather=gather, validate=False)
@@ -214,8 +224,20 @@ class Bench:
                 rt.resolve(inp, gather=gather, validate=False)
         g.replay()
         torch.cuda.synchronize()
-        misses = rt.stats().misses // (b * len(inputs))
-        return self.time_graph(g, len(inputs)), misses
+        return g, rt.stats().misses // (b * len(inputs))
+
+    def timeline(self, b: int, misses: int | None) -> list[str]:
+        """`--timeline`: each backend's kernels in one cell (the first variant for triton), from the profiler."""
+        from kernel_timeline import graph_kernels, summary
+
+        resident = misses is None
+        shift = 0 if misses is None else misses
+        inputs = self.steps(b, 8 if resident else steps_for(shift), shift, resident=resident)
+        lines = []
+        for name in self.backends:
+            g, _ = self.graph(name, b, inputs)
+            lines += [f"  {name} timeline: {line}" for line in summary(graph_kernels(g))]
+        return lines
 
     def check_equal(self, b: int, inputs: list) -> None:
         """The two backends (triton with each resolver) agree on every output and on the hot state
@@ -306,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-nvidia", action="store_true", help="time the triton backend and the copy only")
     ap.add_argument("--resolve-alone", action="store_true",
                     help="also time each backend's resolver without its layer-0 copy (two more columns)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="after each cell, each backend's kernels on a timeline (durations, overlaps; torch.profiler)")
     ap.add_argument("--cells", metavar="M:B[,M:B]",
                     help="only these cells (misses per request, or R for the resident step : batch), e.g. 0:1,R:128 "
                          "(default: the whole sweep)")
@@ -365,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         more += "".join(f" {f(us, 9)}" for us in r.alone.values())
         print(f"{r.scenario:>14} {b:5d} {r.misses:6d} {f(r.triton_us, 10)} {f(r.nvidia_us, 10)} {vs} "
               f"{f(r.copy_us, 9)} {vc}{more}", flush=True)
+        if args.timeline:
+            print("\n".join(bench.timeline(b, misses)), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             # A variant that failed at a batch timed NaN: null in the file (JSON has no NaN).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 #: Summary figures that depend only on the workload (docs/resolver-contract.md, replay/acks.py).
@@ -54,9 +55,13 @@ def main() -> int:
     p.add_argument("--expect-backend", help="fail unless RUN used this backend")
     args = p.parse_args()
     loaded = [_load(path) for path in (args.run, args.baseline)]
-    problems = [d for d in loaded if isinstance(d, str)]
+    # one file named twice (`x.json x.json`, `x.json ./x.json`) has one problem: say it once
+    problems: dict[str, str] = {}
+    for path, d in zip((args.run, args.baseline), loaded, strict=True):
+        if isinstance(d, str):
+            problems.setdefault(os.path.realpath(path), d)
     if problems:
-        for why in problems:
+        for why in problems.values():
             print(f"compare_runs: {why}")
         return 2
     docs: list[dict] = loaded  # type: ignore[assignment]

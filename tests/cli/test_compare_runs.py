@@ -113,8 +113,21 @@ def test_two_runs_that_checked_nothing_are_no_pass(tmp_path: Path) -> None:
 
 
 def test_a_missing_file_is_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "none.json"), str(tmp_path / "none.json")],
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "none.json"), str(tmp_path / "other.json")],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and proc.stderr == ""
-    assert proc.stdout.splitlines() == [f"compare_runs: {tmp_path / 'none.json'}: cannot read it (No such file or "
-                                        "directory)"] * 2
+    assert proc.stdout.splitlines() == [f"compare_runs: {tmp_path / name}.json: cannot read it (No such file or "
+                                        "directory)" for name in ("none", "other")]
+
+
+@pytest.mark.parametrize("content", [None, "{", "[]"])
+def test_one_bad_file_named_twice_is_one_line(content: str | None, tmp_path: Path) -> None:
+    """`compare_runs.py x.json x.json` (or `x.json ./x.json`) with x.json missing or no run's document
+    printed the same line twice: one file has one problem."""
+    path = tmp_path / "x.json"
+    if content is not None:
+        path.write_text(content)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "./x.json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"compare_runs: {path}: "), proc.stdout

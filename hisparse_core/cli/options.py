@@ -251,17 +251,33 @@ def check_torch_device(flag: str, text: str, command: str) -> str | None:
 
 
 def check_output_path(flag: str, path: str, *, expected: str = "a file name") -> str | None:
-    """Why the file `flag path` names cannot be written (its folder missing or read-only, or a
-    folder given as the file), or None."""
+    """Why the file `flag path` names cannot be written (its folder missing or read-only, its name
+    too long, or a folder given as the file), or None. Leaves nothing behind."""
+    import errno
     import os
+    import tempfile
 
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        return f"{flag} {path!r}: the folder {folder!r} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"{flag} {path!r}: the folder {folder!r} is not writable"
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        return f"{flag} {path!r}: the folder {folder!r} {what}"
     if os.path.isdir(path):
         return f"{flag} {path!r} is a folder; expected {expected}"
+    name = os.fsencode(os.path.basename(path))
+    try:
+        longest = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    if len(name) > longest:
+        return f"{flag} {path!r}: the file name is {len(name)} bytes long; expected at most {longest}"
+    # os.access answers yes to root everywhere (/proc, a read-only mount under some kernels): only
+    # creating a file there tells
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:  # procfs answers ENOENT, which would read as the folder missing
+        detail = "" if exc.errno == errno.ENOENT else f" ({exc.strerror or exc})"
+        return f"{flag} {path!r}: the folder {folder!r} is not writable{detail}"
     return None
 
 

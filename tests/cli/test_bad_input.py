@@ -295,6 +295,32 @@ def test_plot_into_missing_folder_fails_before_the_run(tmp_path: Path, capsys: p
                                          f"{str(target.parent)!r} does not exist"]
 
 
+@pytest.mark.parametrize("case", ["file as folder", "name too long", "unwritable folder"])
+def test_plot_that_cannot_be_written_fails_before_the_run(case: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of these passed the check and failed after the whole run: a file where the folder
+    should be was 'does not exist', a name over NAME_MAX and procfs (which os.access calls writable
+    for root) were `the run finished (figures above) but --plot failed`."""
+    import hisparse_core.replay.run as replay_run
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started although --plot cannot be written")
+
+    monkeypatch.setattr(replay_run, "run_replay", must_not_run)
+    (tmp_path / "f.png").write_text("")
+    target, why = {
+        "file as folder": (tmp_path / "f.png" / "x.png", f"the folder {str(tmp_path / 'f.png')!r} is not a folder"),
+        "name too long": (tmp_path / ("a" * 300 + ".png"), "the file name is 304 bytes long; expected at most 255"),
+        "unwritable folder": (Path("/proc/x.png"), "the folder '/proc' is not writable"),
+    }[case]
+    assert main([*SMALL_RUN, "--plot", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"hisparse run: error: --plot {str(target)!r}: {why}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.png"]  # the check left nothing
+
+
 def test_plot_without_matplotlib_fails_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed

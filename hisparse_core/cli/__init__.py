@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _log_level(args: argparse.Namespace) -> str | None:
     """The level to use, or None after printing the one error line."""
+    # an empty variable is unset, as an empty HISPARSE_BACKEND is
     given, source = (args.log_level, "--log-level") if args.log_level is not None else (
-        os.environ.get("HISPARSE_LOG_LEVEL", "INFO"), "$HISPARSE_LOG_LEVEL")
+        os.environ.get("HISPARSE_LOG_LEVEL", "").strip() or "INFO", "$HISPARSE_LOG_LEVEL")
     level = given.strip().upper()
     if level not in LOG_LEVELS:
         print(f"hisparse: error: {source} {given!r} is not a logging level; expected one of "

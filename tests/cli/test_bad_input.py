@@ -129,6 +129,22 @@ def test_log_level_is_case_blind(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert main(["backends"]) == 0
 
 
+@pytest.mark.parametrize("value", ["", " "])
+def test_empty_log_level_variable_is_unset(value: str, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`HISPARSE_LOG_LEVEL= hisparse backends` was `$HISPARSE_LOG_LEVEL '' is not a logging level`,
+    exit 2, where an empty HISPARSE_BACKEND means automatic selection."""
+    monkeypatch.setenv("HISPARSE_LOG_LEVEL", value)
+    assert main(["backends"]) == 0
+    assert "is not a logging level" not in capsys.readouterr().err
+
+
+def test_empty_log_level_flag_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--log-level", "", "backends"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["hisparse: error: --log-level '' is not a logging level; "
+                                                    "expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL"]
+
+
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_")}
     env.update(extra)

@@ -27,7 +27,7 @@ A backend whose class fails there (it does not import, is not a concrete `Backen
 `name` than its spec's, no `version` or `capabilities` that are not a set of str, defines
 `check_settings` without @classmethod, or its `check_settings()` raises anything else or its
 constructor raises) is listed as broken from then on in this process: an explicit selection raises
-the error, an automatic one logs one WARNING and falls back to the next available backend. A class whose `capabilities`
+the error (and logs nothing: the caller's one line says it), an automatic one logs one WARNING and falls back to the next available backend. A class whose `capabilities`
 differ from its `BackendSpec`'s is reported at selection with one WARNING (the class's set is what
 runs, and the listing takes it). A selection logs one INFO line: "hisparse backend 'X' selected
 (explicit: ... | automatic: highest priority among [...]); unavailable: ...", once a process (a
@@ -201,11 +201,11 @@ class BackendRegistry:
         Raises `BackendNotFoundError` for an unknown name and `BackendUnavailableError` for one
         that is unavailable or broken, or whose factory does not import, is not a concrete
         `hisparse_core.Backend` subclass, or declares another API version. A factory failure
-        marks the backend broken for the rest of the process (logged at WARNING).
+        marks the backend broken for the rest of the process (not logged: the error says it).
         """
-        return self._load_class(name, log_broken=True)
+        return self._load_class(name)
 
-    def _load_class(self, name: str, *, log_broken: bool) -> type[Backend]:
+    def _load_class(self, name: str) -> type[Backend]:
         entry = self._require_available(name, "argument")
         spec = self._specs[entry.name]
         try:
@@ -213,12 +213,12 @@ class BackendRegistry:
                 obj = import_factory(spec.factory)
         except VENDOR_ERRORS as exc:
             reason = f"factory {spec.factory!r} failed to import: {error_summary(exc)}"
-            self._mark_broken(entry, reason, format_error(exc), log=log_broken)
+            self._mark_broken(entry, reason, format_error(exc))
             raise BackendUnavailableError(
                 f"hisparse backend {name!r}: {reason}. Run `hisparse backends -v` for details") from exc
         problem = _class_problem(obj, entry.name)
         if problem is not None:
-            self._mark_broken(entry, f"factory {spec.factory!r} {problem}", None, log=log_broken)
+            self._mark_broken(entry, f"factory {spec.factory!r} {problem}", None)
             raise BackendUnavailableError(f"hisparse backend {name!r}: factory {spec.factory!r} {problem}")
         assert isinstance(obj, type) and issubclass(obj, Backend)
         self._check_capabilities(entry, spec, obj)
@@ -253,7 +253,7 @@ class BackendRegistry:
         selection = self.choose(name)
         while True:
             try:
-                backend = self._instantiate(selection.name, log_broken=selection.explicit)
+                backend = self._instantiate(selection.name)
                 break
             except BackendUnavailableError as exc:
                 if selection.explicit:
@@ -287,9 +287,9 @@ class BackendRegistry:
         `InvalidInputError` unchanged and leaves the backend available; any other exception marks it
         broken and raises `BackendUnavailableError` naming `check_settings()`.
         """
-        self._check_settings(name, self._load_class(name, log_broken=True), log_broken=True)
+        self._check_settings(name, self._load_class(name))
 
-    def _check_settings(self, name: str, cls: type[Backend], *, log_broken: bool) -> None:
+    def _check_settings(self, name: str, cls: type[Backend]) -> None:
         try:
             with vendor_output_to_stderr():
                 cls.check_settings()
@@ -297,18 +297,18 @@ class BackendRegistry:
             raise  # the user's setting, not a broken backend: no fallback hides it
         except VENDOR_ERRORS as exc:
             reason = f"{cls.__module__}.{cls.__qualname__}.check_settings() raised {error_summary(exc)}"
-            self._mark_broken(self.get(name), reason, format_error(exc), log=log_broken)
+            self._mark_broken(self.get(name), reason, format_error(exc))
             raise BackendUnavailableError(f"hisparse backend {name!r}: {reason}") from exc
 
-    def _instantiate(self, name: str, *, log_broken: bool) -> Backend:
-        cls = self._load_class(name, log_broken=log_broken)
-        self._check_settings(name, cls, log_broken=log_broken)
+    def _instantiate(self, name: str) -> Backend:
+        cls = self._load_class(name)
+        self._check_settings(name, cls)
         try:
             with vendor_output_to_stderr():
                 return cls()
         except VENDOR_ERRORS as exc:
             reason = f"{cls.__module__}.{cls.__qualname__}() raised {error_summary(exc)}"
-            self._mark_broken(self.get(name), reason, format_error(exc), log=log_broken)
+            self._mark_broken(self.get(name), reason, format_error(exc))
             raise BackendUnavailableError(f"hisparse backend {name!r}: {reason}") from exc
 
     def _require_available(self, name: str, source: str) -> BackendEntry:
@@ -333,9 +333,9 @@ class BackendRegistry:
             text += "; not available: " + ", ".join(_why_not(e) for e in others)
         return text
 
-    def _mark_broken(self, entry: BackendEntry, reason: str, error: str | None, *, log: bool = True) -> None:
-        if log:
-            logger.warning("hisparse backend %r is now listed as broken: %s", entry.name, reason)
+    def _mark_broken(self, entry: BackendEntry, reason: str, error: str | None) -> None:
+        # Not logged: every caller raises the reason (an automatic selection's fallback logs it), and a
+        # WARNING too would say it twice above the caller's one line (`hisparse run`, the conformance run).
         with self._lock:
             self._entries = [replace(e, status=BackendStatus.BROKEN, reason=reason, error=error) if e is entry else e
                              for e in self._entries]

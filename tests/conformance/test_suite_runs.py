@@ -105,6 +105,64 @@ def test_a_backend_that_cannot_describe_itself_fails_once_with_a_usage_error(tmp
         assert "Traceback" not in output and "INTERNALERROR" not in output and "passed" not in output, output[-3000:]
 
 
+VENDOR_PLUGIN = """
+    from hisparse_core import BackendSpec, hookimpl
+    from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+    from hisparse_acme.backend import Acme  # noqa: F401
+
+
+    @hookimpl
+    def hisparse_register_backends(register):
+        register(BackendSpec(name="acme", factory="hisparse_acme.backend:Acme", probe=lambda: None,
+                             capabilities=ReferenceCpuBackend.capabilities))
+"""
+VENDOR_BACKEND = """
+    from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+
+    class Acme(ReferenceCpuBackend):
+        name = "acme"
+"""
+
+
+@pytest.mark.parametrize("plugin, backend, reason", [
+    (VENDOR_PLUGIN.replace("from hisparse_acme.backend import Acme", "import acme_sdk"), VENDOR_BACKEND,
+     "hisparse backend 'acme' is broken: ModuleNotFoundError: No module named 'acme_sdk'"),
+    (VENDOR_PLUGIN.replace("from hisparse_acme.backend import Acme  # noqa: F401", ""), """
+        from hisparse_core.backend import Backend
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+
+        class Acme(Backend):  # create_runtime forgotten
+            name, version, capabilities = "acme", "1.0", ReferenceCpuBackend.capabilities
+            device = create_host_pool = create_transfer_engine = None
+     """, "hisparse backend 'acme': factory 'hisparse_acme.backend:Acme' is abstract: it does not implement "
+          "create_runtime"),
+], ids=["entry-point-import-error", "missing-method"])
+def test_a_vendor_backend_that_cannot_be_selected_is_one_line(tmp_path: Path, plugin: str, backend: str,
+                                                              reason: str) -> None:
+    """Two of a vendor's likely mistakes: the entry point's module does not import, or the class lacks
+    a method. The usage error said it below a WARNING of discovery, or of the registry, saying the same."""
+    site = tmp_path / "site"
+    package = site / "hisparse_acme"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "plugin.py").write_text(textwrap.dedent(plugin))
+    (package / "backend.py").write_text(textwrap.dedent(backend))
+    info = site / "hisparse_acme-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hisparse-acme\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[hisparse.backends]\nacme = hisparse_acme.plugin\n")
+    proc = run_pytest(["--pyargs", "hisparse_conformance", "--hisparse-backend", "acme", "-q", "-p", "no:cacheprovider"],
+                      tmp_path, timeout=300, env={"PYTHONPATH": str(site)})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 4, output[-3000:]
+    lines = output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"ERROR: hisparse conformance: --hisparse-backend 'acme' cannot be selected: {reason}"), output[-3000:]
+
+
 def test_rank_one_finds_a_registered_class_made_at_run_time(tmp_path: Path) -> None:
     """The shared-pool tests' child process imports the class the registry imports (its factory),
     not `__module__:__qualname__`, which no import finds for a class a function made."""

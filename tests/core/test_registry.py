@@ -448,6 +448,29 @@ def test_a_constructor_that_raises_is_broken_and_skipped_too(fake_site: FakeSite
     assert reg.get("picky").status is BackendStatus.BROKEN
 
 
+CONSTRUCTOR_RAISES = FAKE_BACKEND.format(name="picky") + "\n    def __init__(self):\n        raise RuntimeError('no card')\n"
+
+
+@pytest.mark.parametrize(("call", "source", "needle"), [
+    *((call, MISSING_MODULE, "ModuleNotFoundError: No module named 'hisparse_acme_sdk_that_is_not_installed'")
+      for call in ("select_backend", "resolve_backend_class", "check_settings")),
+    *((call, FAKE_BACKEND.format(name="picky").replace("    def create_runtime", "    def create_runtime_"),
+       "is abstract: it does not implement create_runtime")
+      for call in ("select_backend", "resolve_backend_class", "check_settings")),
+    ("select_backend", CONSTRUCTOR_RAISES, "RuntimeError: no card"),  # only selection constructs
+])
+def test_an_explicit_selection_that_fails_raises_the_reason_and_logs_nothing(
+        fake_site: FakeSite, caplog: pytest.LogCaptureFixture, source: str, needle: str, call: str) -> None:
+    # The caller prints the error in one line (`hisparse run --backend picky`, the conformance run's usage
+    # error, the vLLM connector's ERROR line); a WARNING of the registry said the same above it.
+    fake_site.backend("picky", priority=9, factory_source=source)
+    reg = fake_site.registry()
+    with caplog.at_level(logging.DEBUG, logger="hisparse_core"), pytest.raises(BackendUnavailableError, match=needle):
+        getattr(reg, call)("picky")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert reg.get("picky").status is BackendStatus.BROKEN
+
+
 def test_when_every_class_fails_the_error_lists_each_failure(fake_site: FakeSite) -> None:
     fake_site.backend("one", priority=2, factory_source=MISSING_MODULE)
     fake_site.backend("two", priority=1, factory_source="FakeBackend = 42\n")

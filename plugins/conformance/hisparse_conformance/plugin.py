@@ -8,8 +8,10 @@ Nothing here imports torch or a backend until a fixture asks for one. Disable it
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +73,8 @@ def _require_backend(config: pytest.Config) -> None:
     source = "--hisparse-backend" if config.getoption("hisparse_backend") else (
         f"${ENV_BACKEND}" if os.environ.get(ENV_BACKEND, "").strip() else "the default backend")
     try:
-        backend = selected_backend(config)
+        with _logs_held_unless_it_fails():
+            backend = selected_backend(config)
     except BackendError as exc:
         raise pytest.UsageError(
             f"hisparse conformance: {source} {backend_name(config)!r} cannot be selected: {exc}") from None
@@ -83,6 +86,34 @@ def _require_backend(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"hisparse conformance: {source} {backend_name(config)!r} cannot describe itself: its describe() (name, "
             f"version, API version, device, capabilities) raised {error_summary(exc)}") from None
+
+
+class _Held(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def _logs_held_unless_it_fails() -> Iterator[None]:
+    """Hold what hisparse logs while the backend under test is discovered and selected: logged as
+    usual if selection succeeds, dropped if it fails. Then the usage error names the reason and
+    every other backend's, so a WARNING of discovery (a plugin that does not import) or of the
+    registry would only say the same above it."""
+    logger = logging.getLogger("hisparse_core")
+    held, propagate = _Held(), logger.propagate
+    logger.addHandler(held)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(held)
+        logger.propagate = propagate
+    for record in held.records:
+        logging.getLogger(record.name).handle(record)
 
 
 def backend_name(config: pytest.Config) -> str:

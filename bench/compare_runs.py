@@ -54,6 +54,9 @@ def main() -> int:
     p.add_argument("baseline")
     p.add_argument("--expect-backend", help="fail unless RUN used this backend")
     args = p.parse_args()
+    if args.expect_backend is not None and not args.expect_backend.strip():  # `"$UNSET"`: no check at all
+        print(f"compare_runs: --expect-backend {args.expect_backend!r}: expected a backend name, such as nvidia")
+        return 2
     loaded = [_load(path) for path in (args.run, args.baseline)]
     # one file named twice (`x.json x.json`, `x.json ./x.json`) has one problem: say it once
     problems: dict[str, str] = {}
@@ -63,6 +66,9 @@ def main() -> int:
     if problems:
         for why in problems.values():
             print(f"compare_runs: {why}")
+        return 2
+    if os.path.samefile(args.run, args.baseline):  # equal to itself in every figure: a pass of nothing
+        print(f"compare_runs: {args.run} and {args.baseline} are the same file; expected two runs of one workload")
         return 2
     docs: list[dict] = loaded  # type: ignore[assignment]
     names = [d["backend"]["name"] for d in docs]

@@ -131,3 +131,29 @@ def test_one_bad_file_named_twice_is_one_line(content: str | None, tmp_path: Pat
                           text=True, timeout=60, check=False)
     assert proc.returncode == 2 and proc.stderr == "", proc.stderr
     assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(f"compare_runs: {path}: "), proc.stdout
+
+
+def test_a_run_compared_with_itself_is_no_pass(tmp_path: Path) -> None:
+    """`compare_runs.py run.json run.json` (a typo for the baseline) was 'every contract figure of
+    reference_cpu equals reference_cpu's', exit 0: a file equals itself, so nothing was compared."""
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_doc()))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "./run.json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines() == [f"compare_runs: {path} and ./run.json are the same file; expected two runs "
+                                        "of one workload"]
+
+
+@pytest.mark.parametrize("name", ["", " "])
+def test_an_empty_expected_backend_is_refused(name: str, tmp_path: Path) -> None:
+    """`--expect-backend "$BACKEND"` with the variable unset checked no backend and passed."""
+    paths = []
+    for i, doc in enumerate((_doc("nvidia"), _doc())):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, str(SCRIPT), *map(str, paths), "--expect-backend", name],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines() == [f"compare_runs: --expect-backend {name!r}: expected a backend name, such as "
+                                        "nvidia"]

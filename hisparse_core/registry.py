@@ -37,6 +37,7 @@ selection that repeats one already logged, same backend, reason and listing, log
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import inspect
 import logging
 import os
@@ -316,7 +317,7 @@ class BackendRegistry:
         matches = [e for e in self.entries() if e.name == name]
         if not matches:
             raise BackendNotFoundError(
-                f"no hisparse backend named {name!r}{via}; {self._inventory(exclude=None)}")
+                f"no hisparse backend named {name!r}{via}; {self._inventory(exclude=None)}{_uninstalled_hint(name)}")
         entry = self.get(name)
         if not entry.available:
             raise BackendUnavailableError(
@@ -339,6 +340,25 @@ class BackendRegistry:
         with self._lock:
             self._entries = [replace(e, status=BackendStatus.BROKEN, reason=reason, error=error) if e is entry else e
                              for e in self._entries]
+
+
+def _uninstalled_hint(name: str) -> str:
+    """Where a vendor's `hisparse_<name>` imports but registered nothing (the package put on
+    `PYTHONPATH`, or its entry points changed without a reinstall), "no backend named" said nothing
+    of why."""
+    package = f"hisparse_{name}"
+    if not package.isidentifier():
+        return ""
+    try:
+        found = importlib.util.find_spec(package)  # a top-level name: found without importing it
+    except (ImportError, ValueError):
+        return ""
+    if found is None or "hisparse" in importlib.metadata.packages_distributions().get(package, []):
+        return ""  # hisparse's own packages (hisparse_core, hisparse_vllm, ...) are no backend's
+    where = f" (at {found.origin})" if found.origin else ""
+    return (f". Package {package} imports{where} but no installed distribution has a {ENTRY_POINT_GROUP!r} entry "
+            f"point that registers {name!r}: install its distribution (pip install -e DIR). Entry points are read "
+            "from installed metadata, not from PYTHONPATH, and an editable install rereads them only when reinstalled")
 
 
 def _class_problem(obj: object, name: str) -> str | None:

@@ -284,6 +284,27 @@ def test_explicit_unknown_backend_lists_what_is_available_and_why_not(fake_site:
     assert isinstance(info.value, LookupError)
 
 
+@pytest.mark.parametrize("name", ["acme", "core"], ids=["vendor-package", "hisparse-own-package"])
+def test_an_unknown_backend_whose_package_imports_says_to_install_it(
+        fake_site: FakeSite, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    # A vendor's scaffold on PYTHONPATH (not pip-installed) imports, but has no entry point: "no backend
+    # named 'acme'" gave no reason. hisparse's own packages (hisparse_core for 'core') are no backend's.
+    fake_site.backend("ok")
+    package = fake_site.root / "pythonpath" / f"hisparse_{name}"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    if name != "core":
+        monkeypatch.syspath_prepend(str(package.parent))
+    with pytest.raises(BackendNotFoundError) as info:
+        fake_site.registry().select_backend(name)
+    hint = (f". Package hisparse_{name} imports (at {package / '__init__.py'}) but no installed distribution has a "
+            f"'hisparse.backends' entry point that registers '{name}': install its distribution (pip install -e DIR). "
+            "Entry points are read from installed metadata, not from PYTHONPATH, and an editable install rereads them "
+            "only when reinstalled")
+    assert str(info.value) == f"no hisparse backend named '{name}'; available: ok (priority 10)" + (
+        hint if name != "core" else "")
+
+
 def test_explicit_unavailable_backend_fails_with_its_reason_and_the_alternatives(fake_site: FakeSite) -> None:
     fake_site.backend("ok", priority=3)
     fake_site.backend("nope", probe="return 'needs an Acme card'")

@@ -139,11 +139,19 @@ VENDOR_BACKEND = """
             device = create_host_pool = create_transfer_engine = None
      """, "hisparse backend 'acme': factory 'hisparse_acme.backend:Acme' is abstract: it does not implement "
           "create_runtime"),
-], ids=["entry-point-import-error", "missing-method"])
+    # Its own setting refused by check_settings(): an INTERNALERROR traceback, exit status 3.
+    (VENDOR_PLUGIN, VENDOR_BACKEND + """
+        @classmethod
+        def check_settings(cls):
+            from hisparse_core.errors import InvalidInputError
+            raise InvalidInputError("ACME_SPLIT='7': expected 0 (off), 2 or 4")
+     """, "ACME_SPLIT='7': expected 0 (off), 2 or 4"),
+], ids=["entry-point-import-error", "missing-method", "bad-setting"])
 def test_a_vendor_backend_that_cannot_be_selected_is_one_line(tmp_path: Path, plugin: str, backend: str,
                                                               reason: str) -> None:
-    """Two of a vendor's likely mistakes: the entry point's module does not import, or the class lacks
-    a method. The usage error said it below a WARNING of discovery, or of the registry, saying the same."""
+    """A vendor's likely mistakes: the entry point's module does not import, or the class lacks a method
+    (the usage error said it below a WARNING of discovery, or of the registry, saying the same); and a
+    bad value of the backend's own setting."""
     site = tmp_path / "site"
     package = site / "hisparse_acme"
     package.mkdir(parents=True)

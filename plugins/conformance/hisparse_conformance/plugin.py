@@ -68,14 +68,14 @@ def _require_backend(config: pytest.Config) -> None:
     """A session that runs the suite on a backend that cannot be selected, or whose `describe()`
     (the report header: its `device` among others) raises, fails once, before collection, with the
     reason (not once per test, nor in a traceback of the header)."""
-    from hisparse_core.errors import BackendError
+    from hisparse_core.errors import HiSparseError
 
     source = "--hisparse-backend" if config.getoption("hisparse_backend") else (
         f"${ENV_BACKEND}" if os.environ.get(ENV_BACKEND, "").strip() else "the default backend")
     try:
         with _logs_held_unless_it_fails():
             backend = selected_backend(config)
-    except BackendError as exc:
+    except HiSparseError as exc:  # unknown, unavailable, broken, or a bad setting of its own (check_settings())
         raise pytest.UsageError(
             f"hisparse conformance: {source} {backend_name(config)!r} cannot be selected: {exc}") from None
     try:  # what the report header shows; a `device` that raises would otherwise end the run in a traceback

@@ -30,6 +30,7 @@ FILES: dict[str, str] = {
     "plugin.py.tmpl": "{package}/plugin.py",
     "backend.py.tmpl": "{package}/backend.py",
     "conformance.sh.tmpl": "ci/conformance.sh",
+    "gitignore.tmpl": ".gitignore",
 }
 EXECUTABLE = frozenset({"ci/conformance.sh"})
 

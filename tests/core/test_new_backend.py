@@ -39,7 +39,10 @@ def test_writes_a_complete_distribution(tmp_path: Path) -> None:
     assert "PRIORITY = -20" in readme and "raise\n`PRIORITY` in `hisparse_tpu_x/plugin.py`" in readme
     written = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
     assert written == sorted(["pyproject.toml", "README.md", "ci/conformance.sh", "hisparse_tpu_x/__init__.py",
-                              "hisparse_tpu_x/plugin.py", "hisparse_tpu_x/backend.py"])
+                              "hisparse_tpu_x/plugin.py", "hisparse_tpu_x/backend.py", ".gitignore"])
+    # What ci/conformance.sh leaves behind (hypothesis's database, Python's caches) is no source to commit.
+    ignored = (target / ".gitignore").read_text().splitlines()
+    assert {".hypothesis/", "__pycache__/", "*.egg-info/"} <= set(ignored)
     meta = tomllib.loads((target / "pyproject.toml").read_text())
     assert meta["project"]["name"] == "hisparse-tpu-x"
     assert meta["project"]["entry-points"]["hisparse.backends"] == {"tpu_x": "hisparse_tpu_x.plugin"}

@@ -5,7 +5,9 @@ otherwise (CI logs stay short). `enabled=False` makes every call a no-op.
 
 The ETA is the rate since the first unit finished (the first carries the warm-up: allocation,
 compilation, caches), and is shown only once `ETA_AFTER` units have been timed that way: an ETA
-from one step is a guess, often off by orders of magnitude.
+from one step is a guess, often off by orders of magnitude. Work whose units differ in cost (the
+steps of several runs, one several times slower) passes `eta=False`: a rate from the first units
+would be off by that factor.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class ProgressBar:
     """`with ProgressBar(total, "decode") as bar: ... bar.update(1, note="hit 87%")`."""
 
     def __init__(self, total: int, label: str, *, enabled: bool = True, stream: TextIO | None = None,
-                 width: int = 30, min_interval_s: float = 0.1) -> None:
+                 width: int = 30, min_interval_s: float = 0.1, eta: bool = True) -> None:
         if total < 0:
             raise ValueError(f"ProgressBar total must be >= 0, got {total}")
         self.total = total
@@ -69,6 +71,7 @@ class ProgressBar:
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.min_interval_s = min_interval_s
+        self.shows_eta = eta
         self.done = 0
         self.note = ""
         self._start = time.perf_counter()
@@ -112,8 +115,8 @@ class ProgressBar:
 
     def eta(self, now: float | None = None) -> float | None:
         """Seconds left at the rate since the first unit, or None until `ETA_AFTER` units after
-        it were timed (and once everything is done)."""
-        if self._first is None or self.done >= self.total:
+        it were timed (and once everything is done, and always where made with `eta=False`)."""
+        if not self.shows_eta or self._first is None or self.done >= self.total:
             return None
         since, at = self._first
         timed = self.done - at

@@ -642,3 +642,15 @@ def test_an_all_resident_comparison_that_releases_pages_fails_the_run(monkeypatc
     assert rc == 1 and len(budgets) == 2
     result = next(ln for ln in out.splitlines() if ln.strip().startswith("result"))
     assert "the all-resident comparison released" in result and "expected none" in result, result
+
+
+def test_the_progress_bar_shows_no_eta() -> None:
+    """generate's steps are those of the model alone, then of hisparse, several times slower on the
+    CPU: the ETA from the first ones said 1.2 s with 10 s left (default workload, 2 cores)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["generate", *(a for a in SMALL if a != "--no-progress")])
+    assert rc == 0, err.getvalue()
+    bar = [ln for ln in err.getvalue().splitlines() if ln.startswith("generate [")]
+    assert len(bar) >= 3, err.getvalue()  # the quarter milestones (stderr is no terminal here)
+    assert not any(" eta " in ln for ln in bar), bar

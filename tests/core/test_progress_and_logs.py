@@ -59,6 +59,18 @@ def test_a_drawn_line_shows_the_eta_once_it_is_meaningful(monkeypatch: pytest.Mo
     assert re.search(r" eta 90\.0s", last), last  # 45 steps left at 2 s each
 
 
+def test_a_bar_made_without_eta_never_shows_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(progress.time, "perf_counter", clock)
+    out = io.StringIO()
+    bar = ProgressBar(8, "generate", stream=out, eta=False)
+    for _ in range(7):
+        clock.now += 1.0
+        bar.update(1)
+        assert bar.eta() is None
+    assert out.getvalue().count("generate [") == 4 and " eta " not in out.getvalue(), out.getvalue()
+
+
 def test_host_pool_line_formats_size_and_budget_alike(caplog: pytest.LogCaptureFixture) -> None:
     """`0.050 GiB of the 0.049999999813735485 GiB budget` used to be printed: both in one format."""
     from hisparse_core.coordinator import HiSparseCoordinator

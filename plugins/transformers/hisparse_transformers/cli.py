@@ -473,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
                             prefill_chunk=args.prefill_chunk, gpu_kv_pages=gpu_kv_pages,
                             host_pool_gib=host_pool_gib, shared_prefix=args.shared_prefix, seed=args.seed,
                             device=device, dtype=args.dtype, kv_rows=args.kv_rows)
-        bar = ProgressBar(total_steps(config), "generate", enabled=not args.no_progress)
+        # no ETA: a hisparse step on the CPU costs several times one of the model alone, which come first
+        bar = ProgressBar(total_steps(config), "generate", enabled=not args.no_progress, eta=False)
         import torch
 
         # The instance selected above where it runs on the model's device: selected (and logged) once.

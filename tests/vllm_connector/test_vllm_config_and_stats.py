@@ -116,7 +116,7 @@ def test_an_optional_key_set_to_null_takes_its_default(model_dir: Path) -> None:
     vs.vllm_config(model_dir, extra=extra)  # the front end's check passes it
 
 
-@pytest.mark.parametrize("backend", [None, "auto"])
+@pytest.mark.parametrize("backend", [None, "auto", "AUTO"])
 def test_a_bad_hisparse_backend_under_an_auto_backend_is_named_as_the_env_var(
         model_dir: Path, backend: str | None, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -124,7 +124,9 @@ def test_a_bad_hisparse_backend_under_an_auto_backend_is_named_as_the_env_var(
     value, not `kv_connector_extra_config['backend']=None`, a key the deployer did not set."""
     monkeypatch.setenv("HISPARSE_BACKEND", "no-such-backend")
     extra: dict[str, object] = {"host_pool_gib": 1} if backend is None else {"host_pool_gib": 1, "backend": backend}
-    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['backend'\] is \"auto\": no hisparse backend "
+    # It said `is "auto"` where the key was unset.
+    said = "unset" if backend is None else repr(backend)
+    with pytest.raises(ValueError, match=rf"kv_connector_extra_config\['backend'\] is {said}: no hisparse backend "
                                          r"named 'no-such-backend' \(from HISPARSE_BACKEND\); available: "):
         vs.vllm_config(model_dir, extra=extra)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and r.name.startswith("hisparse")]

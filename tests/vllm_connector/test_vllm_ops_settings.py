@@ -5,7 +5,9 @@ triton under its interpreter, with `HISPARSE_TRITON_SPLIT=7`."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -45,4 +47,41 @@ def test_the_plugin_hook_says_it_in_one_warning(fresh: list[str], monkeypatch: p
     with caplog.at_level(logging.WARNING, logger="hisparse_vllm"):
         ops.register_from_plugin()
     assert [r.getMessage() for r in caplog.records] == [f"vLLM HiSparse ops: not registered: {LINE}"]
+    assert ops.served_by() is None and fresh == []
+
+
+VENDOR_PLUGIN = """
+from hisparse_core import BackendSpec, hookimpl
+from hisparse_core.backend import Capability
+
+
+@hookimpl
+def hisparse_register_backends(register):
+    register(BackendSpec(name="acme", factory="hisparse_acme_no_ops:Acme", probe=lambda: None, priority=5,
+                         capabilities=frozenset({Capability.FP8_DS_MLA, Capability.INDEX_SHARING})))
+"""
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["automatic", "named"])
+def test_a_backend_without_the_ops_names_why_it_was_chosen_and_what_can_serve_here(
+        fresh: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, named: bool) -> None:
+    """A vendor's backend whose priority was raised above reference_cpu's, as docs/vendors.md says to, is
+    the automatic choice, but lacks the ops. The line said only "choose one that does with
+    HISPARSE_BACKEND (reference_cpu, nvidia, triton)": not why it was chosen, and naming two backends
+    this machine cannot run."""
+    (tmp_path / "hisparse_acme_no_ops.py").write_text(VENDOR_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET")  # triton unavailable, as nvidia is, on a machine without a GPU
+    vendor = importlib.metadata.EntryPoint(name="acme", value="hisparse_acme_no_ops", group=registry.ENTRY_POINT_GROUP)
+    found = registry.BackendRegistry.discover([*importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP),
+                                               vendor], {})
+    monkeypatch.setattr(registry, "_registry", found)
+    capable = [e.name for e in found.available() if "vllm_ops" in e.capabilities]
+    assert found.choose().name == "acme" and "nvidia" not in capable and "triton" not in capable
+    with pytest.raises(InvalidInputError) as err:
+        ops.register_ops("acme" if named else None)
+    why = "" if named else " (automatic: highest priority among [acme (5), reference_cpu (0)])"
+    how = "expected one that does" if named else "choose one that does with HISPARSE_BACKEND"
+    assert str(err.value) == (f"hisparse backend 'acme'{why} does not declare 'vllm_ops'; {how} (available here: "
+                              f"{', '.join(capable)})")
     assert ops.served_by() is None and fresh == []

@@ -177,13 +177,19 @@ class _FirstCallBackend:
         return be.vllm_ops()
 
 
-def _not_capable(name: str, *, named: bool) -> str:
-    """`named`: the caller passed the backend to `register_ops`, so HISPARSE_BACKEND is not the fix."""
+def _not_capable(name: str, *, named: bool, why: str = "") -> str:
+    """`named`: the caller passed the backend to `register_ops`, so HISPARSE_BACKEND is not the fix.
+    `why`: what chose it, where the caller knows (a vendor backend whose priority was raised above
+    reference_cpu's is the automatic choice, though it lacks the ops)."""
     from hisparse_core.backend import Capability
+    from hisparse_core.registry import get_registry
 
     how = "expected one that does" if named else "choose one that does with HISPARSE_BACKEND"
-    return (f"hisparse backend {name!r} does not declare {Capability.VLLM_OPS!r}; {how} "
-            f"(reference_cpu, nvidia, triton)")
+    # The ones that can serve here: a fixed list named nvidia and triton on machines without their GPU.
+    capable = [e.name for e in get_registry().available() if Capability.VLLM_OPS in e.capabilities]
+    among = f"available here: {', '.join(capable)}" if capable else "none available here does"
+    chosen = f" ({why})" if why else ""
+    return f"hisparse backend {name!r}{chosen} does not declare {Capability.VLLM_OPS!r}; {how} ({among})"
 
 
 def _kernels(backend: _FirstCallBackend, name: str) -> dict[str, Callable[..., None]]:
@@ -300,7 +306,8 @@ def register_ops(backend: str | None = None, *, mode: str | None = None) -> str:
         selection = registry.choose(backend)   # an unknown or unavailable name is refused here
         chosen = selection.name
         if Capability.VLLM_OPS not in registry.get(chosen).capabilities:
-            raise spec.InvalidInputError(_not_capable(chosen, named=backend is not None))
+            raise spec.InvalidInputError(_not_capable(chosen, named=backend is not None,
+                                                      why="" if backend is not None else selection.explanation()))
         # The backend's own settings (nvidia's HISPARSE_VLLM_GATHER, ...), checked on its class: here,
         # before vLLM loads the weights, not at the first op call; nothing is constructed.
         registry.check_settings(chosen)

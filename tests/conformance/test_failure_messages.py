@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -164,6 +167,39 @@ def test_a_resolve_outside_the_result_workspace_is_named(tmp_path: Path, resolve
             return Wrong()
     """, "from hisparse_conformance.test_resolver import test_lru_victims_and_order_by_hand  # noqa: F401\n")
     assert failed["test_embedded.test_lru_victims_and_order_by_hand"].startswith(f"AssertionError: {message}"), failed
+
+
+def test_a_property_failure_prints_its_reproduce_failure_blob(tmp_path: Path) -> None:
+    """docs/conformance.md promises a `@reproduce_failure` line; hypothesis prints one only with
+    print_blob, which this repository's test profiles set and a vendor's run (no profile) did not."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+        import pytest
+        from hisparse_reference_cpu.backend import ReferenceCpuBackend
+        from hisparse_reference_cpu.runtime import ReferenceRuntime
+
+        class OffByOne(ReferenceRuntime):
+            def resolve(self, inputs, *, gather=True, validate=True):
+                out = super().resolve(inputs, gather=gather, validate=validate)
+                out.valid_counts[0] += 1
+                return out
+
+        class Wrong(ReferenceCpuBackend):
+            def create_runtime(self, config):
+                return OffByOne(config)
+
+        @pytest.fixture(scope="session")
+        def hisparse_backend():
+            return Wrong()
+    """))
+    (tmp_path / "test_embedded.py").write_text(
+        "from hisparse_conformance.test_gather import test_gathered_rows_hold_host_bytes  # noqa: F401\n")
+    # No --hypothesis-profile (run_pytest passes this session's ci profile, whose print_blob would hide it).
+    child = {k: v for k, v in os.environ.items() if not k.startswith(("HISPARSE_", "PYTEST_", "HYPOTHESIS"))}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "test_embedded.py"],
+                          cwd=tmp_path, env=child, capture_output=True, text=True, timeout=300, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "@reproduce_failure(" in output and "ScenarioParams(" in output, output[-3000:]
 
 
 def test_capability_drift_is_caught_where_the_factory_names_a_re_export(tmp_path: Path) -> None:

@@ -199,6 +199,16 @@ def test_the_table_counts_one_layer_and_one_step_in_the_singular() -> None:
     assert "1 layers" not in out and "over 1 steps" not in out, out
 
 
+def test_the_table_gives_no_decode_rate_where_nothing_was_decoded() -> None:
+    """--new-tokens 1: each prompt's one token comes from its prefill; the table said 'decode
+    0.0 tokens/s (0 tokens; ...)', a throughput of nothing."""
+    rc, out, err = _run("--new-tokens", "1")
+    assert rc == 0, err
+    decode = next(ln for ln in out.splitlines() if ln.strip().startswith("decode "))
+    assert decode.split(None, 1)[1] == ("n/a: no decode step ran (--new-tokens 1: each prompt's one new token "
+                                        "comes from its prefill)"), decode
+
+
 def test_the_table_counts_one_prompt_in_the_singular() -> None:
     rc, out, err = _run("--prompts", "1")
     assert rc == 0, err

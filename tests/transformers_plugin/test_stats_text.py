@@ -36,6 +36,13 @@ def test_the_text_is_short_and_names_the_figures() -> None:
     assert ": 1 request, decode" in str(_stats(requests=1))         # before: "1 requests"
 
 
+def test_no_decode_rate_where_nothing_was_decoded() -> None:
+    """A generate of one new token a prompt (its prefill makes it) decodes nothing: the line said
+    '0 decoded (0.0/s)', a rate that was never measured."""
+    text = str(_stats(decode_tokens=0, decode_tokens_per_s=0.0))
+    assert "0 decoded\n" in text + "\n" and "(0.0/s)" not in text, text
+
+
 def test_optional_lines_appear_when_their_feature_ran() -> None:
     text = str(_stats(resident_layers=(0, 1), resident_store_bytes=3 << 20, prefetch_misses=12,
                       prefetch_h2d_bytes=2048, verify_steps=4, verify_rows=16, rollbacks=2, rolled_back_tokens=5))

@@ -177,7 +177,8 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                     "resident" + _none_released(c, s) + f"), host pool {e['host_pool_blocks']} pages"),
         ("throughput", ""),
         ("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s ({s['decode_tokens']} tokens; steps "
-                   f"{s.get('decode_mode', 'eager')})"),
+                   f"{s.get('decode_mode', 'eager')})" if s["decode_tokens"] else
+                   "n/a: no decode step ran (--new-tokens 1: each prompt's one new token comes from its prefill)"),
         ("prefill", f"{s['prefill_tokens_per_s']:.1f} tokens/s ({s['prefill_tokens']} tokens)"),
         ("wall time", f"hisparse {result['seconds']['hisparse']:.1f} s, transformers alone "
                       f"{result['seconds']['transformers_alone']:.1f} s"),

@@ -99,8 +99,8 @@ class HiSparseStats:
             f"hisparse on {self.backend} ({self.device}): {self.requests} request{'' if self.requests == 1 else 's'}, "
             f"decode {self.decode_mode}",
             f"  tokens: {self.prefill_tokens} prefilled ({self.prefill_tokens_per_s:.1f}/s, "
-            f"{self.prefix_hit_tokens} more served by prefix hits), {self.decode_tokens} decoded "
-            f"({self.decode_tokens_per_s:.1f}/s)",
+            f"{self.prefix_hit_tokens} more served by prefix hits), {self.decode_tokens} decoded"
+            + (f" ({self.decode_tokens_per_s:.1f}/s)" if self.decode_tokens else ""),
             f"  top-k entries: {self.resident} from resident pages, {self.hits} hot-buffer hits, "
             f"{self.misses} misses ("
             + (f"{100 * self.hit_rate:.1f}% hits)" if self.hits + self.misses else

@@ -36,8 +36,8 @@ def _load(path: str) -> dict | str:
     if isinstance(doc, dict) and isinstance(parts[2], dict) and {"all", "steady"} <= parts[2].keys():
         # `hisparse bench --json` has a backend, config and summary too, of other figures
         return f"{path}: a hisparse bench --json document, not a run's; expected the output of hisparse run --json"
-    if not parts or not all(isinstance(p, dict) for p in parts) or "name" not in parts[0] \
-            or not {*EXACT, *SPEED, "phase_ms"} <= parts[2].keys():
+    if not parts or not all(isinstance(p, dict) for p in parts) or not {"name", "device"} <= parts[0].keys() \
+            or not {*EXACT, *SPEED, "phase_ms"} <= parts[2].keys() or not isinstance(parts[2]["phase_ms"], dict):
         return f"{path}: not a hisparse run --json document (no backend, config and summary)"
     return doc
 
@@ -46,6 +46,10 @@ def _text(v: object) -> str:
     if isinstance(v, dict):
         return " ".join(f"{k}={x}" for k, x in v.items())
     return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _ms(v: object) -> str:
+    return f"{v:.2f}" if isinstance(v, int | float) else "-" if v is None else str(v)
 
 
 def main() -> int:
@@ -87,8 +91,10 @@ def main() -> int:
             bad.append(key)
     for key in SPEED:
         rows.append((key, *(_text(d["summary"][key]) for d in docs)))
-    for phase in docs[0]["summary"]["phase_ms"]:
-        rows.append((f"ms/step {phase}", *(f"{d['summary']['phase_ms'][phase]:.2f}" for d in docs)))
+    # each run's own phases: one of another hisparse release may time others
+    phases = dict.fromkeys([*docs[0]["summary"]["phase_ms"], *docs[1]["summary"]["phase_ms"]])
+    for phase in phases:
+        rows.append((f"ms/step {phase}", *(_ms(d["summary"]["phase_ms"].get(phase)) for d in docs)))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print(f"{r[0].ljust(width[0])}  {r[1].ljust(width[1])}  {r[2]}")

@@ -88,6 +88,9 @@ def test_a_bench_document_is_no_run_document(tmp_path: Path) -> None:
     {"backend": "cpu", "config": {}, "summary": {}},
     {"backend": {"name": "x"}, "config": [], "summary": {}},
     {"backend": {"name": "x"}, "config": {}, "summary": {"steps": 1}},
+    # a KeyError and a TypeError traceback after the checks
+    {**_doc(), "backend": {"name": "reference_cpu"}},
+    {**_doc(), "summary": {**_doc()["summary"], "phase_ms": 5}},  # type: ignore[dict-item]
 ])
 def test_a_document_without_a_run_summary_is_one_line(doc: dict[str, object], tmp_path: Path) -> None:
     """The three keys present but not a run's backend, config and summary: a TypeError, AttributeError or
@@ -157,3 +160,14 @@ def test_an_empty_expected_backend_is_refused(name: str, tmp_path: Path) -> None
     assert proc.returncode == 2 and proc.stderr == "", proc.stderr
     assert proc.stdout.splitlines() == [f"compare_runs: --expect-backend {name!r}: expected a backend name, such as "
                                         "nvidia"]
+
+
+def test_runs_that_time_other_phases_are_compared(tmp_path: Path) -> None:
+    """A run of another hisparse release timing other phases (`check` added, say) was a KeyError
+    traceback: each run's phases are shown, '-' where it has none."""
+    a, b = _doc("nvidia"), _doc()
+    b["summary"]["phase_ms"] = {"worker": 1.0, "check": 2.5}  # type: ignore[index]
+    proc = _compare(tmp_path, a, b)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("ms/step")]
+    assert rows == [["ms/step", "worker", "1.00", "1.00"], ["ms/step", "check", "-", "2.50"]], proc.stdout

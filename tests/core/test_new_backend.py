@@ -281,6 +281,28 @@ def test_the_scaffold_names_where_hisparse_comes_from(tmp_path: Path) -> None:
     assert "pip install -e 'path/to/hisparse'" in wheel_readme
 
 
+def test_ci_script_refuses_a_hisparse_source_path_that_is_not_here(tmp_path: Path) -> None:
+    """The default HISPARSE_SOURCE is the checkout on the machine new-backend ran on: on a vendor's CI
+    machine it is not there, and pip said only "Invalid requirement: '/work/...'". One line, exit 2,
+    and pip is not run. A stand-in `python` has torch and lacks hisparse, and logs what it is asked."""
+    new_backend("civendor", str(tmp_path / "d"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    fake = bin_dir / "python"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in *"import torch"*) exit 0;; esac\nexit 1\n')
+    fake.chmod(0o755)
+    missing = tmp_path / "elsewhere" / "hisparse"
+    proc = subprocess.run(["bash", str(tmp_path / "d" / "ci" / "conformance.sh")], capture_output=True, text=True,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HISPARSE_SOURCE": str(missing)}, timeout=60,
+                          check=False)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"ci/conformance.sh: hisparse is not installed in this environment and HISPARSE_SOURCE={missing} does not "
+        "exist on this machine; expected a hisparse checkout here (a path) or a pip requirement (git+https://...)"]
+    assert "pip" not in calls.read_text()
+
+
 @pytest.mark.slow
 def test_ci_script_installs_hisparse_into_an_environment_without_it(tmp_path: Path) -> None:
     """A fresh virtual environment that has torch and the other dependencies but not hisparse (as

@@ -113,6 +113,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from hisparse_core.cli.options import run_script
-
+    try:
+        from hisparse_core.cli.options import run_script
+    except ModuleNotFoundError:  # a Python without hisparse (not the venv's): the comparison needs only json
+        sys.exit(main())
     sys.exit(run_script(main))

@@ -171,3 +171,17 @@ def test_runs_that_time_other_phases_are_compared(tmp_path: Path) -> None:
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("ms/step")]
     assert rows == [["ms/step", "worker", "1.00", "1.00"], ["ms/step", "check", "-", "2.50"]], proc.stdout
+
+
+def test_a_python_without_hisparse_compares_too(tmp_path: Path) -> None:
+    """`python3 bench/compare_runs.py A B` outside the venv was a ModuleNotFoundError traceback
+    (hisparse_core, for the Ctrl-C handling only): the comparison itself needs only json."""
+    paths = []
+    for i, doc in enumerate((_doc("nvidia"), _doc())):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    # -S: no site-packages, so neither hisparse nor its editable install's path
+    proc = subprocess.run([sys.executable, "-S", str(SCRIPT), *map(str, paths)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines()[-1] == "compare_runs: every contract figure of nvidia equals reference_cpu's"

@@ -38,8 +38,7 @@ in 32-bit block arithmetic and 16-byte accesses, `HISPARSE_TRITON_LEAN_COPY`) an
 resolver's last program keeps a one-chunk candidate list in registers, `HISPARSE_TRITON_SPLIT_KEEP`) and `:xN` (N = 32, 64, 128:
 behind the split resolver, layer 0's copy reads the likely misses' host rows while the resolver runs, N entries a program;
 `:x0` off, the default: `HISPARSE_TRITON_SPEC_COPY`) and `:w0` / `:w1` (1: the split resolver itself a programmatic
-dependent launch of the copy before it, `HISPARSE_TRITON_PDL_CHAIN`) and `:oN` (N = 64, 128, with `:nN`: the split
-resolver's last program takes a list of at most N candidates on chip, sorted, `HISPARSE_TRITON_SPLIT_SORT`) and `:a0` / `:a1` (0: the fixed defaults
+dependent launch of the copy before it, `HISPARSE_TRITON_PDL_CHAIN`) and `:a0` / `:a1` (0: the fixed defaults
 of before for every knob the variant leaves unset; 1, the default: the runtime's choice per batch size,
 `HISPARSE_TRITON_AUTO`), set while its runtimes are built. `gather` is the default, `gather:a0` the default
 before the seventeenth session, `scratch:p4:a0` the backend as it was before the gather resolver,
@@ -100,7 +99,7 @@ def variant_env(variant: str) -> dict[str, str | None]:
         if key is None:
             raise ValueError(f"{variant!r} has the part {knob!r}; expected tTHREADS, pPROGRAMS_PER_SM, f0/f1, l0/l1, "
                              f"eENTRIES, c0/c1, s0/s1, b0/b1, r0/r1, d0/d1, nPROGRAMS, h0/h1, v0/v1, k0/k1, xENTRIES, "
-                             f"w0/w1, oN or a0/a1")
+                             f"w0/w1 or a0/a1")
         env[key] = knob[1:]
     try:
         set_env = {k: v for k, v in env.items() if v is not None}
@@ -337,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="gather", metavar="V[,V]",
                     help="triton variants to time, each "
                          "RESOLVER[:tTHREADS][:pPLAN_PER_SM][:f0|:f1][:l0|:l1][:eENTRIES][:c0|:c1][:s0|:s1][:b0|:b1][:r0|:r1][:d0|:d1][:nN][:h0|:h1][:v0|:v1]"
-                         "[:k0|:k1][:xN][:w0|:w1][:oN][:a0|:a1] (e.g. gather,gather:a0,gather:c1,scratch:p4:a0; unset knobs: the runtime's "
+                         "[:k0|:k1][:xN][:w0|:w1][:a0|:a1] (e.g. gather,gather:a0,gather:c1,scratch:p4:a0; unset knobs: the runtime's "
                          "choice per batch size unless :a0); "
                          "the first is 'triton us'")
     args = ap.parse_args(argv)

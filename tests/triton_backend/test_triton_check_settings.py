@@ -45,7 +45,6 @@ BAD: dict[str, tuple[str, ...]] = {
     shapes.SPLIT_KEEP_ENV: ("keep",),
     shapes.SPEC_COPY_ENV: ("16", "256"),
     shapes.PDL_CHAIN_ENV: ("2",),
-    shapes.SPLIT_SORT_ENV: ("32", "1", "sort"),
     auto.AUTO_ENV: ("2", "auto"),
 }
 #: Settings each of whose values is good alone but that do not go together (or not on this target):
@@ -62,8 +61,6 @@ RULES: list[tuple[dict[str, str], str]] = [
     ({shapes.PDL_CHAIN_ENV: "1", shapes.PDL_ENV: "0"}, shapes.PDL_CHAIN_ENV),
     ({shapes.PDL_ENV: "1"}, shapes.PDL_ENV),  # the interpreter has no programmatic dependent launch
     ({shapes.PDL_CHAIN_ENV: "1"}, shapes.PDL_CHAIN_ENV),
-    ({shapes.SPLIT_ENV: "0", shapes.SPLIT_SORT_ENV: "64"}, shapes.SPLIT_SORT_ENV),
-    ({shapes.SPLIT_ENV: "8", shapes.SPLIT_TAIL_ENV: "1", shapes.SPLIT_SORT_ENV: "128"}, shapes.SPLIT_SORT_ENV),
 ]
 
 
@@ -113,7 +110,6 @@ VALUES = {name: ("", *values) for name, values in {
     shapes.LEAN_ENV: ("0", "1"), shapes.CAS_ENV: ("1",), shapes.SCAN_ENV: ("0", "1"), shapes.PDL_ENV: ("0", "1"),
     shapes.SPLIT_ENV: ("0", "8"), shapes.SPLIT_TAIL_ENV: ("0", "1"), shapes.SPLIT_KEEP_ENV: ("1",),
     shapes.SPEC_COPY_ENV: ("0", "32"), shapes.PDL_CHAIN_ENV: ("0", "1"), shapes.PLAN_ENTRIES_ENV: ("4",),
-    shapes.SPLIT_SORT_ENV: ("0", "64"),
     auto.AUTO_ENV: ("0", "1"),
 }.items()}
 

@@ -692,46 +692,20 @@ def test_split_keep_with_short_and_long_lists_matches_the_reference(backend, see
     assert all(m.get("KEEP") == 1 for m in names.metas["resolve_split_kernel"]), names.metas["resolve_split_kernel"][0]
 
 
-@pytest.mark.parametrize(("seed", "locality", "keep"), [(4, 0.0, "0"), (9, 0.0, "1"), (4, 0.9, "0"), (9, 0.9, "1"),
-                                                     (13, 0.5, "0")])
-def test_split_sort_with_short_and_long_lists_matches_the_reference(backend, seed: int, locality: float,  # noqa: ANN001
-                                                                    keep: str) -> None:
-    """`HISPARSE_TRITON_SPLIT_SORT=64`: a list of at most 64 candidates (here at most the group's 32
-    entries interpreted, 128 compiled: every list interpreted, the longer ones compiled take the hash table)
-    is taken on chip, sorted, without the hash table; steps with many misses and few,
-    duplicate rows (the prefix share), padding and maintenance, in lockstep with reference_cpu, with and
-    without KEEP (which then never runs), and the split kernel ran with the sorted path built."""
-    p = ScenarioParams(block_size=4, top_k=16, extra_hot_blocks=1, max_requests=2, max_pages=8,
-                       rows_per_request=2, extra_batch_rows=1, num_layers=2, steps=5, locality=locality,
-                       resident_share=0.2, null_share=0.1, prefix_share=0.25, mask_share=0.15, padding_share=0.2,
-                       maintenance_share=0.25, seed=seed)
-    sc = build_scenario(p)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HISPARSE_TRITON_AUTO", "0")
-        mp.setenv("HISPARSE_TRITON_SPLIT", "4")
-        mp.setenv("HISPARSE_TRITON_SPLIT_SORT", "64")
-        mp.setenv("HISPARSE_TRITON_SPLIT_KEEP", keep)
-        names = _split_rows_and_launches(mp, lambda b: b)
-        _lockstep_with_reference(backend, sc, seed)
-    assert all(m["CS"] == min(64, m["GP"] * m["KP"]) for m in names.metas["resolve_split_kernel"]), \
-        names.metas["resolve_split_kernel"][0]
-
-
 @pytest.mark.parametrize(("env", "kernel"), [
     ({}, "resolve_gather_kernel"),
     ({"HISPARSE_TRITON_SPLIT": "4"}, "resolve_split_kernel"),
     ({"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_KEEP": "1"}, "resolve_split_kernel"),
-    ({"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_TAIL": "1"}, "resolve_split_hot_kernel"),
-    ({"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_SORT": "64"}, "resolve_split_kernel")],
-    ids=["gather", "split4", "split4_keep", "split4_tail", "split4_sort"])
+    ({"HISPARSE_TRITON_SPLIT": "4", "HISPARSE_TRITON_SPLIT_TAIL": "1"}, "resolve_split_hot_kernel")],
+    ids=["gather", "split4", "split4_keep", "split4_tail"])
 @pytest.mark.parametrize("seed", [3, 8])
 def test_stale_slot_hints_take_the_held_row_lookup(backend, env: dict[str, str], kernel: str,  # noqa: ANN001
                                                    seed: int) -> None:
     """A slot hint is believed only where its slot holds the entry's row, so any hints must give the
     reference's results. Before each step every hint is scrambled: a held row's entry then misses its
-    hint and must be found by the held-slot lookup in the candidates' hash table, or with SPLIT_SORT by
-    the binary search over the sorted candidates (the path the other scenarios, whose hints are mostly
-    right, barely reach: a lookup probing one bucket too few passed them)."""
+    hint and must be found by the held-slot lookup in the candidates' hash table (the path the other
+    scenarios, whose hints are mostly right, barely reach: a lookup probing one bucket too few
+    passed them)."""
     from hisparse_triton.runtime import TritonRuntime
 
     real_resolve = TritonRuntime.resolve
@@ -760,8 +734,6 @@ def test_stale_slot_hints_take_the_held_row_lookup(backend, env: dict[str, str],
     assert ("resolve_split_kernel" in names) is (kernel != "resolve_gather_kernel"), names
     if "HISPARSE_TRITON_SPLIT_KEEP" in env:
         assert all(m.get("KEEP") == 1 for m in names.metas["resolve_split_kernel"]), names.metas
-    if "HISPARSE_TRITON_SPLIT_SORT" in env:  # every list (at most the group's entries) on chip
-        assert all(m["CS"] == min(64, m["GP"] * m["KP"]) for m in names.metas["resolve_split_kernel"]), names.metas
 
 
 @pytest.mark.parametrize(("seed", "locality", "rows", "early"),

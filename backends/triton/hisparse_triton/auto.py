@@ -43,7 +43,7 @@ INTERPRETER = "the interpreter (cpu)"
 KNOB_ENVS = (shapes.RESOLVER_ENV, shapes.THREADS_ENV, shapes.PLAN_PER_SM_ENV, shapes.FUSE_ENV, shapes.LEAN_ENV,
              shapes.PLAN_ENTRIES_ENV, shapes.CAS_ENV, shapes.SCAN_ENV, shapes.SHIFT_ENV, shapes.ROW_COPY_ENV,
              shapes.PDL_ENV, shapes.SPLIT_ENV, shapes.SPLIT_TAIL_ENV, shapes.LEAN_COPY_ENV, shapes.SPLIT_KEEP_ENV,
-             shapes.SPEC_COPY_ENV, shapes.PDL_CHAIN_ENV, shapes.SPLIT_SORT_ENV)
+             shapes.SPEC_COPY_ENV, shapes.PDL_CHAIN_ENV)
 #: The split resolver's programs a batch row at small batches; "small" is where they fit one wave.
 AUTO_SPLIT = 8
 #: Picks at small batches, in order (a pick joins only if the settings so far plus it pass `shapes.tuning`).
@@ -67,7 +67,7 @@ SUFFIXES = ((shapes.THREADS_ENV, "t"), (shapes.PLAN_PER_SM_ENV, "p"), (shapes.FU
             (shapes.PLAN_ENTRIES_ENV, "e"), (shapes.CAS_ENV, "c"), (shapes.SCAN_ENV, "s"), (shapes.SHIFT_ENV, "b"),
             (shapes.ROW_COPY_ENV, "r"), (shapes.PDL_ENV, "d"), (shapes.SPLIT_ENV, "n"), (shapes.SPLIT_TAIL_ENV, "h"),
             (shapes.LEAN_COPY_ENV, "v"), (shapes.SPLIT_KEEP_ENV, "k"), (shapes.SPEC_COPY_ENV, "x"),
-            (shapes.PDL_CHAIN_ENV, "w"), (shapes.SPLIT_SORT_ENV, "o"))
+            (shapes.PDL_CHAIN_ENV, "w"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +125,7 @@ def variant(t: Tuning) -> str:
               shapes.LEAN_COPY_ENV: (t.lean_copy, base.lean_copy),
               shapes.SPLIT_KEEP_ENV: (t.split_keep, base.split_keep),
               shapes.SPEC_COPY_ENV: (t.spec_copy, base.spec_copy),
-              shapes.PDL_CHAIN_ENV: (t.pdl_chain, base.pdl_chain),
-              shapes.SPLIT_SORT_ENV: (t.split_sort, base.split_sort)}
+              shapes.PDL_CHAIN_ENV: (t.pdl_chain, base.pdl_chain)}
     for key, suffix in SUFFIXES:
         value, default = values[key]
         if value != default:

@@ -759,89 +759,6 @@ def _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_
 
 
 @triton.jit
-def _split_evict(hit_pos, smask, order, ii, n_miss, vb, lru_row, stats, H, SH: tl.constexpr, HP: tl.constexpr):  # noqa: ANN001, ANN202
-    """The split resolver's new LRU order (hit positions `hit_pos` to the back, in order; the first
-    `n_miss` evictable ones become the misses' victims, stored at `vb` by miss rank, and go just
-    before the hits), its hit and miss counters; returns the victims used."""
-    evict_pos = smask & ~hit_pos
-    ev = evict_pos.to(tl.int32)
-    e_rank = _exclusive_ranks(ev, SH, HP)
-    n_evict = tl.reduce(ev, 0, _SUM)
-    h_rank = ii - e_rank
-    tl.atomic_add(stats + 1, (H - n_evict).to(tl.int64), sem="relaxed")
-    tl.atomic_add(stats + 2, n_miss.to(tl.int64), sem="relaxed")
-    n_used = tl.minimum(n_miss, n_evict)
-    tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
-    new_pos = tl.where(hit_pos, n_evict + h_rank, tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
-    tl.store(lru_row + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
-    return n_used
-
-
-@triton.jit
-def _split_sorted_tail(held, held_row, order, marked, slot_ok, smask, ii, n_cand, q, b, gg, rmask, old_plan_g, ctx,
-                       counts, scr_crow, scr_cee, scr_cpos, lst, ts, vb, lru_row, stats, hot_table, hot_map,
-                       out_rows, pos_slot, plan_host, plan_device, plan_counts, miss_mask, H, HB, K, BS, LBS,
-                       NS: tl.constexpr, ES: tl.constexpr, PW: tl.constexpr, CS: tl.constexpr, KP: tl.constexpr,
-                       HP: tl.constexpr, SH: tl.constexpr, MASK: tl.constexpr, SB: tl.constexpr):  # noqa: ANN001, ANN202
-    """The split resolver's last program for a list of 1 to `CS` candidates (`shapes.SPLIT_SORT_ENV`):
-    the hash-table passes' results, on chip. Sorted by (row, list index), the candidates give each
-    row's first reference as the head of its run (list order is entry order); a held slot finds its
-    row among them by binary search; miss ranks come from a [CS, CS] comparison. Only held slots whose
-    row is a candidate's (a slot hint that did not hold its row) pass through global memory: the first
-    `CS` buckets of the request's `ts` (empty between calls, left empty)."""
-    u = tl.arange(0, CS)
-    um = u < n_cand
-    at = _split_list_at(counts, u, lst, NS, ES, PW)
-    crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
-    cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
-    cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
-    # Keys are (row, list index), distinct; the padding's row is int32's largest, above every host row
-    # (host rows are below host_limit). Each key's rank is the count of smaller keys, and the sorted list
-    # picks by rank: two [CS, CS] comparisons (`tl.sort` is a @jit helper the interpreter cannot call).
-    key = (tl.where(um, crow, 0x7FFFFFFF).to(tl.int64) << 32) | u.to(tl.int64)
-    rank = tl.reduce((key[None, :] < key[:, None]).to(tl.int32), 1, _SUM)
-    sk = tl.reduce(tl.where(rank[None, :] == u[:, None], key[None, :], -1), 1, _MAX)
-    srow = (sk >> 32).to(tl.int32)
-    su = tl.where(um, (sk & 0xFFFFFFFF).to(tl.int32), 0)
-    scee = tl.gather(cee, su, 0)
-    scpos = tl.gather(cpos, su, 0)
-    head = um & ((u == 0) | (tl.gather(srow, tl.maximum(u - 1, 0), 0) != srow))
-    run = tl.reduce(tl.where(head[None, :] & (u[None, :] <= u[:, None]), u[None, :], 0), 1, _MAX)  # its run's head
-    # Held slots: the first sorted index whose row is not below the slot's (binary search over CS).
-    lo = ii * 0
-    for step in tl.static_range(16):
-        if (CS >> (step + 1)) > 0:
-            lo = tl.where(tl.gather(srow, lo + (CS >> (step + 1)) - 1, 0) < held_row, lo + (CS >> (step + 1)), lo)
-    found = held & (lo < n_cand) & (tl.gather(srow, tl.minimum(lo, CS - 1), 0) == held_row)
-    n_found = tl.reduce(found.to(tl.int32), 0, _SUM)
-    hit_slot = u * 0 - 1
-    if n_found > 0:
-        tl.store(ts + lo, order, mask=found)
-        tl.debug_barrier()
-        hit_slot = tl.load(ts + u, volatile=True)
-    # First references of missed rows, ranked in list order.
-    mflag = head & (hit_slot < 0)
-    m_rank = tl.reduce((mflag[None, :] & (su[None, :] < su[:, None])).to(tl.int32), 1, _SUM)
-    n_miss = tl.reduce(mflag.to(tl.int32), 0, _SUM)
-    g_s = scee // KP
-    row_miss = tl.reduce(((g_s[:, None] == gg[None, :]) & mflag[:, None]).to(tl.int32), 0, _SUM)
-    n_used = _split_evict(slot_ok & (marked | found), smask, order, ii, n_miss, vb, lru_row, stats, H, SH, HP)
-    r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss
-    tl.debug_barrier()  # the victims are stored
-    run_slot = tl.gather(hit_slot, run, 0)
-    missed = um & (run_slot < 0)
-    m = tl.gather(m_rank, run, 0)
-    victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
-    _split_publish(um, missed, m, run_slot, victim, tl.gather(scee, run, 0), scee, srow, scpos, q, b, gg, r_start, ctx,
-                   hot_table, hot_map, out_rows, pos_slot, plan_host, plan_device, miss_mask, HB, K, BS, H, LBS, KP,
-                   MASK, SB)
-    tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
-    if n_found > 0:
-        tl.debug_barrier()  # every lane has read its slot
-        tl.store(ts + u, tl.full((CS,), -1, tl.int32))
-
-
-@triton.jit
 def _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP: tl.constexpr):  # noqa: ANN001, ANN202
     """The candidates' hash table left empty for the next call: every bucket in use is a candidate's."""
     for c0 in range(0, n_cand, CP):
@@ -863,7 +780,7 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                          LOG_TP: tl.constexpr, MASK: tl.constexpr, HG: tl.constexpr, LR: tl.constexpr,
                          NS: tl.constexpr, ES: tl.constexpr, CP: tl.constexpr, PW: tl.constexpr,
                          SH: tl.constexpr = 1, SB: tl.constexpr = 0, TAIL: tl.constexpr = 0, PDL: tl.constexpr = 0,
-                         KEEP: tl.constexpr = 0, CS: tl.constexpr = 0):
+                         KEEP: tl.constexpr = 0):
     """`resolve_gather_kernel`'s results from `NS` programs a batch row (`shapes.SPLIT_ENV`), for small
     batches, where one program a request leaves most multiprocessors idle:
 
@@ -887,8 +804,6 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
     registers from the claim to the table's clearing: its buckets, rows, entries, positions and first
     references are not stored to and reloaded from the list scratch (five dependent global round
     trips fewer on the last program's path); longer lists take the chunked passes.
-    With `CS` (`shapes.SPLIT_SORT_ENV`), a list of at most `CS` candidates skips the hash table: the last
-    program takes it on chip (`_split_sorted_tail`); longer lists take the table.
 
     The grid is `B * NS` programs and one more for each workspace row past the batch (padding).
     Data another program wrote is read volatile (past any L1 line). The ticket is reset by the
@@ -1037,127 +952,127 @@ def resolve_split_kernel(topk, row_state, seq_lens, source_table, resident_table
                         tf = tbl_first + b * TP
                         ts = tbl_slot + b * TP
                         lst = b * NS * ES  # the request's list scratch (list index u)
-                        short = False
-                        if CS:
-                            short = n_cand <= CS
-                        if short:  # on chip (`_split_sorted_tail`)
-                            _split_sorted_tail(held, held_row, order, marked, slot_ok, smask, ii, n_cand, q, b, gg, rmask,
-                                               old_plan_g, ctx, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee,
-                                               scr_cpos, lst, ts, scr_victim + b * HP, lru + q * H, stats, hot_table,
-                                               hot_map, out_rows, pos_slot, plan_host, plan_device, plan_counts,
-                                               miss_mask, H, HB, K, BS, LBS, NS, ES, PW, CS + (CS == 0), KP, HP, SH,
-                                               MASK, SB)  # CS >= 1: Triton 3.6 compiles the branch not taken
+                        uu = tl.arange(0, CP)
+                        if KEEP:
+                            one = n_cand <= CP
+                            many = uu * 0 + n_cand > CP  # lanes wide (the interpreter masks by lanes only)
                         else:
-                            uu = tl.arange(0, CP)
-                            if KEEP:
-                                one = n_cand <= CP
-                                many = uu * 0 + n_cand > CP  # lanes wide (the interpreter masks by lanes only)
-                            else:
-                                one = False
-                            # 1. The candidates claim buckets (as the gather resolver's), CP at a time, in list
-                            #    order; each keeps its bucket and its segment address for the later passes (in
-                            #    registers where the list is one chunk: `one`).
-                            if one:
-                                k_bkt, k_at, k_crow, k_cee, k_home = _split_claim_chunk(
-                                    tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, lst, uu, uu < n_cand, NS,
-                                    ES, PW, TP, LOG_TP)
-                                k_cpos = tl.load(scr_cpos + k_at, mask=uu < n_cand, other=0, volatile=True)
-                                rounds = tl.reduce(tl.where(uu < n_cand, (k_bkt - k_home) & (TP - 1), 0), 0, _MAX) + 1
-                            else:
-                                k_bkt = uu * 0
-                                k_crow = k_bkt
-                                k_cee = k_bkt
-                                k_cpos = k_bkt
-                                rounds = _split_claim(tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, scr_cbkt,
-                                                      scr_cat, lst, n_cand, NS, ES, PW, CP, TP, LOG_TP)
-                            k_fee = k_bkt
-                            # 2. Every held slot looks its row up (a row sits at most `rounds - 1` past its home).
+                            one = False
+                        # 1. The candidates claim buckets (as the gather resolver's), CP at a time, in list
+                        #    order; each keeps its bucket and its segment address for the later passes (in
+                        #    registers where the list is one chunk: `one`).
+                        if one:
+                            k_bkt, k_at, k_crow, k_cee, k_home = _split_claim_chunk(
+                                tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, lst, uu, uu < n_cand, NS,
+                                ES, PW, TP, LOG_TP)
+                            k_cpos = tl.load(scr_cpos + k_at, mask=uu < n_cand, other=0, volatile=True)
+                            rounds = tl.reduce(tl.where(uu < n_cand, (k_bkt - k_home) & (TP - 1), 0), 0, _MAX) + 1
+                        else:
+                            k_bkt = uu * 0
+                            k_crow = k_bkt
+                            k_cee = k_bkt
+                            k_cpos = k_bkt
+                            rounds = _split_claim(tk, tf, scr_part + b * NS * PW + GP + 1, scr_crow, scr_cee, scr_cbkt,
+                                                  scr_cat, lst, n_cand, NS, ES, PW, CP, TP, LOG_TP)
+                        k_fee = k_bkt
+                        # 2. Every held slot looks its row up (a row sits at most `rounds - 1` past its home).
+                        if LR:
+                            tab = tl.load(tk + tl.arange(0, TP))
+                        found = held & (held_row < 0)
+                        s_home = _fib_bucket(held_row, LOG_TP)
+                        s_bkt = s_home
+                        for r in range(0, rounds):
+                            bk = (s_home + r) & (TP - 1)
                             if LR:
-                                tab = tl.load(tk + tl.arange(0, TP))
-                            found = held & (held_row < 0)
-                            s_home = _fib_bucket(held_row, LOG_TP)
-                            s_bkt = s_home
-                            for r in range(0, rounds):
-                                bk = (s_home + r) & (TP - 1)
-                                if LR:
-                                    key = tl.gather(tab, bk, 0)
-                                else:
-                                    key = tl.load(tk + bk, mask=held & ~found, other=EMPTY)
-                                now = held & ~found & (key == held_row)
-                                s_bkt = tl.where(now, bk, s_bkt)
-                                found = found | now
-                            tl.store(ts + s_bkt, order, mask=found)
-                            tl.debug_barrier()
-                            # 3. First references, misses and their ranks in list order; a missed row's bucket
-                            #    takes -2 - its miss rank (a held row's holds its slot).
-                            n_miss = n_cand * 0
-                            row_miss = gg * 0
-                            for c0 in range(0, n_cand, CP):
-                                u = c0 + uu
-                                um = u < n_cand
-                                if KEEP:  # a one-chunk list from registers (no load issues: its mask is off)
-                                    lm = um & many
-                                    e_bkt = tl.where(one, k_bkt, tl.load(scr_cbkt + lst + u, mask=lm, other=0))
-                                    at = tl.load(scr_cat + lst + u, mask=lm, other=0)
-                                    cee = tl.where(one, tl.where(um, k_cee, -1),
-                                                   tl.load(scr_cee + at, mask=lm, other=-1, volatile=True))
-                                else:
-                                    e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                                    at = tl.load(scr_cat + lst + u, mask=um, other=0)
-                                    cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
-                                f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
-                                if KEEP:
-                                    k_fee = f_ee
-                                hit_slot = tl.load(ts + e_bkt, mask=um, other=-1)
-                                mflag = um & (f_ee == cee) & (hit_slot < 0)
-                                mf = mflag.to(tl.int32)
-                                m_rank = n_miss + tl.associative_scan(mf, 0, _SUM) - mf
-                                tl.store(ts + e_bkt, -2 - m_rank, mask=mflag)
-                                g_u = cee // KP
-                                row_miss += tl.reduce(((g_u[:, None] == gg[None, :]) & mflag[:, None]).to(tl.int32), 0, _SUM)
-                                n_miss += tl.reduce(mf, 0, _SUM)
-                            vb = scr_victim + b * HP
-                            n_used = _split_evict(slot_ok & (marked | found), smask, order, ii, n_miss, vb, lru + q * H,
-                                                  stats, H, SH, HP)
-                            r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss
-                            tl.debug_barrier()
-                            # 4. Every candidate's slot (its row's, or its row's victim), outputs, hint, plan.
-                            for c0 in range(0, n_cand, CP):
-                                u = c0 + uu
-                                um = u < n_cand
-                                if KEEP:
-                                    lm = um & many
-                                    e_bkt = tl.where(one, k_bkt, tl.load(scr_cbkt + lst + u, mask=lm, other=0))
-                                    at = tl.load(scr_cat + lst + u, mask=lm, other=0)
-                                    crow = tl.where(one, k_crow, tl.load(scr_crow + at, mask=lm, other=0, volatile=True))
-                                    cee = tl.where(one, k_cee, tl.load(scr_cee + at, mask=lm, other=0, volatile=True))
-                                    cpos = tl.where(one, k_cpos, tl.load(scr_cpos + at, mask=lm, other=0, volatile=True))
-                                    v = tl.load(ts + e_bkt, mask=um, other=-1)
-                                    f_ee = tl.where(one, k_fee, tl.load(tf + e_bkt, mask=lm, other=-2, volatile=True))
-                                else:
-                                    e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
-                                    at = tl.load(scr_cat + lst + u, mask=um, other=0)
-                                    crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
-                                    cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
-                                    cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
-                                    v = tl.load(ts + e_bkt, mask=um, other=-1)
-                                    f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
-                                missed = um & (v < 0)
-                                m = -2 - v
-                                victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
-                                _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_start, ctx, hot_table, hot_map,
-                                               out_rows, pos_slot, plan_host, plan_device, miss_mask, HB, K, BS, H, LBS, KP, MASK, SB)
-                            tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
-                            tl.debug_barrier()
-                            # 5. The table left empty for the next call: only the buckets this call used.
-                            if one:
-                                um = uu < n_cand
-                                tl.store(tk + k_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
-                                tl.store(tf + k_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
-                                tl.store(ts + k_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+                                key = tl.gather(tab, bk, 0)
                             else:
-                                _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
-                            tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
+                                key = tl.load(tk + bk, mask=held & ~found, other=EMPTY)
+                            now = held & ~found & (key == held_row)
+                            s_bkt = tl.where(now, bk, s_bkt)
+                            found = found | now
+                        tl.store(ts + s_bkt, order, mask=found)
+                        tl.debug_barrier()
+                        # 3. First references, misses and their ranks in list order; a missed row's bucket
+                        #    takes -2 - its miss rank (a held row's holds its slot).
+                        n_miss = n_cand * 0
+                        row_miss = gg * 0
+                        for c0 in range(0, n_cand, CP):
+                            u = c0 + uu
+                            um = u < n_cand
+                            if KEEP:  # a one-chunk list from registers (no load issues: its mask is off)
+                                lm = um & many
+                                e_bkt = tl.where(one, k_bkt, tl.load(scr_cbkt + lst + u, mask=lm, other=0))
+                                at = tl.load(scr_cat + lst + u, mask=lm, other=0)
+                                cee = tl.where(one, tl.where(um, k_cee, -1),
+                                               tl.load(scr_cee + at, mask=lm, other=-1, volatile=True))
+                            else:
+                                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                                at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                                cee = tl.load(scr_cee + at, mask=um, other=-1, volatile=True)
+                            f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                            if KEEP:
+                                k_fee = f_ee
+                            hit_slot = tl.load(ts + e_bkt, mask=um, other=-1)
+                            mflag = um & (f_ee == cee) & (hit_slot < 0)
+                            mf = mflag.to(tl.int32)
+                            m_rank = n_miss + tl.associative_scan(mf, 0, _SUM) - mf
+                            tl.store(ts + e_bkt, -2 - m_rank, mask=mflag)
+                            g_u = cee // KP
+                            row_miss += tl.reduce(((g_u[:, None] == gg[None, :]) & mflag[:, None]).to(tl.int32), 0, _SUM)
+                            n_miss += tl.reduce(mf, 0, _SUM)
+                        hit_pos = slot_ok & (marked | found)
+                        evict_pos = smask & ~hit_pos
+                        ev = evict_pos.to(tl.int32)
+                        e_rank = _exclusive_ranks(ev, SH, HP)
+                        n_evict = tl.reduce(ev, 0, _SUM)
+                        h_rank = ii - e_rank
+                        tl.atomic_add(stats + 1, (H - n_evict).to(tl.int64), sem="relaxed")
+                        tl.atomic_add(stats + 2, n_miss.to(tl.int64), sem="relaxed")
+                        n_used = tl.minimum(n_miss, n_evict)
+                        vb = scr_victim + b * HP
+                        tl.store(vb + e_rank, order, mask=evict_pos & (e_rank < n_miss))
+                        new_pos = tl.where(hit_pos, n_evict + h_rank,
+                                           tl.where(e_rank < n_used, n_evict - n_used + e_rank, e_rank - n_used))
+                        tl.store(lru + q * H + new_pos, order, mask=smask & (new_pos >= 0) & (new_pos < H) & (new_pos != ii))
+                        r_start = tl.associative_scan(row_miss, 0, _SUM) - row_miss
+                        tl.debug_barrier()
+                        # 4. Every candidate's slot (its row's, or its row's victim), outputs, hint, plan.
+                        for c0 in range(0, n_cand, CP):
+                            u = c0 + uu
+                            um = u < n_cand
+                            if KEEP:
+                                lm = um & many
+                                e_bkt = tl.where(one, k_bkt, tl.load(scr_cbkt + lst + u, mask=lm, other=0))
+                                at = tl.load(scr_cat + lst + u, mask=lm, other=0)
+                                crow = tl.where(one, k_crow, tl.load(scr_crow + at, mask=lm, other=0, volatile=True))
+                                cee = tl.where(one, k_cee, tl.load(scr_cee + at, mask=lm, other=0, volatile=True))
+                                cpos = tl.where(one, k_cpos, tl.load(scr_cpos + at, mask=lm, other=0, volatile=True))
+                                v = tl.load(ts + e_bkt, mask=um, other=-1)
+                                f_ee = tl.where(one, k_fee, tl.load(tf + e_bkt, mask=lm, other=-2, volatile=True))
+                            else:
+                                e_bkt = tl.load(scr_cbkt + lst + u, mask=um, other=0)
+                                at = tl.load(scr_cat + lst + u, mask=um, other=0)
+                                crow = tl.load(scr_crow + at, mask=um, other=0, volatile=True)
+                                cee = tl.load(scr_cee + at, mask=um, other=0, volatile=True)
+                                cpos = tl.load(scr_cpos + at, mask=um, other=0, volatile=True)
+                                v = tl.load(ts + e_bkt, mask=um, other=-1)
+                                f_ee = tl.load(tf + e_bkt, mask=um, other=-2, volatile=True)
+                            missed = um & (v < 0)
+                            m = -2 - v
+                            victim = tl.load(vb + m, mask=missed & (m < n_used), other=-1)
+                            _split_publish(um, missed, m, v, victim, f_ee, cee, crow, cpos, q, b, gg, r_start, ctx, hot_table, hot_map,
+                                           out_rows, pos_slot, plan_host, plan_device, miss_mask, HB, K, BS, H, LBS, KP, MASK, SB)
+                        tl.store(plan_counts + b + gg, row_miss, mask=rmask & (row_miss != old_plan_g))
+                        tl.debug_barrier()
+                        # 5. The table left empty for the next call: only the buckets this call used.
+                        if one:
+                            um = uu < n_cand
+                            tl.store(tk + k_bkt, tl.full((CP,), EMPTY, tl.int32), mask=um)
+                            tl.store(tf + k_bkt, tl.full((CP,), NO_ENTRY, tl.int32), mask=um)
+                            tl.store(ts + k_bkt, tl.full((CP,), -1, tl.int32), mask=um)
+                        else:
+                            _split_clear_table(tk, tf, ts, scr_cbkt, lst, n_cand, uu, CP)
+                        tl.store(ts + s_bkt, tl.full((HP,), -1, tl.int32), mask=found)
             tl.store(scr_ticket + b, 0)
 
 

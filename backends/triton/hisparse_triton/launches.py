@@ -46,7 +46,7 @@ def build(config: RuntimeConfig, profile: Profile, *, lanes: int, multiprocessor
     shape = shapes.resolver_shape(config, compiled=not cpu, variant=tune.resolver, threads=tune.threads,
                                   lean=tune.lean, cas=tune.cas, scan=tune.scan, shift=tune.shift,
                                   warp_size=lanes, split=tune.split, split_tail=tune.split_tail,
-                                  split_keep=tune.split_keep, split_sort=tune.split_sort)
+                                  split_keep=tune.split_keep)
     # The split resolver serves batches whose programs fit one wave (a multiprocessor each; in the
     # interpreter, batches up to half the workspace, so tests mix both resolvers on one state);
     # larger ones take the one-program resolver of the same switches.

@@ -140,14 +140,6 @@ SPLIT_TAIL_ENV = "HISPARSE_TRITON_SPLIT_TAIL"
 #: the last program's path at 34 and 274 misses at B = 8 has five dependent global round trips fewer
 #: (of about fifteen). Longer lists take the chunked passes. 0, the default; not yet timed on a GPU.
 SPLIT_KEEP_ENV = "HISPARSE_TRITON_SPLIT_KEEP"
-#: N (64 or 128, with `SPLIT_ENV`, not with `SPLIT_TAIL_ENV`; 0, the default: off): the split resolver's last
-#: program takes a list of at most N candidates on chip (`kernels._split_sorted_tail`): sorted by row, the
-#: candidates give their rows' first references as runs, held slots find their rows by binary search,
-#: and miss ranks come from an N x N comparison; the hash table's claim, probes, first-reference reads
-#: and clearing (about eleven of its dependent global round trips at 34 misses, B = 8) are not done.
-#: Longer lists take the hash table.
-SPLIT_SORT_ENV = "HISPARSE_TRITON_SPLIT_SORT"
-SPLIT_SORT_LISTS = (64, 128)
 #: N (32, 64 or 128; 0, the fixed default: off; the auto default picks 128 from half its small-batch line up to
 #: it, `auto.SPEC_PICKS`): behind the split resolver, layer 0's plan copy is
 #: `kernels.copy_spec_kernel`, N entries of a batch row a program: it reads the host rows of the
@@ -235,14 +227,12 @@ class Tuning:
     split_keep: bool = False
     spec_copy: int = 0
     pdl_chain: bool = False
-    split_sort: int = 0
 
 
 def tuning(env: dict[str, str]) -> Tuning:
     """The knobs `env` sets (`RESOLVER_ENV`, `THREADS_ENV`, `PLAN_PER_SM_ENV`, `FUSE_ENV`, `LEAN_ENV`,
     `PLAN_ENTRIES_ENV`, `CAS_ENV`, `SCAN_ENV`, `SHIFT_ENV`, `ROW_COPY_ENV`, `PDL_ENV`, `SPLIT_ENV`, `SPLIT_TAIL_ENV`,
-    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`, `PDL_CHAIN_ENV`, `SPLIT_SORT_ENV`); one clear error per bad
-    value."""
+    `LEAN_COPY_ENV`, `SPLIT_KEEP_ENV`, `SPEC_COPY_ENV`, `PDL_CHAIN_ENV`); one clear error per bad value."""
     threads = env.get(THREADS_ENV) or None
     if threads is not None and (not threads.isdigit() or int(threads) not in (64, 128, 256, 512, 1024)):
         raise InvalidInputError(f"{THREADS_ENV}={threads!r} is not a thread count; expected 64, 128, 256, 512 or 1024")
@@ -300,16 +290,6 @@ def tuning(env: dict[str, str]) -> Tuning:
     if keep == "1" and split_tail == "1":
         raise InvalidInputError(f"{SPLIT_KEEP_ENV}={keep!r} does not combine with {SPLIT_TAIL_ENV}='1' (the hot-row "
                                 f"kernels read the list scratch); expected {SPLIT_KEEP_ENV}=0 or {SPLIT_TAIL_ENV}=0")
-    sort = env.get(SPLIT_SORT_ENV) or "0"
-    if sort not in ("0", *map(str, SPLIT_SORT_LISTS)):
-        raise InvalidInputError(f"{SPLIT_SORT_ENV}={sort!r} is not a list length; expected 0 (off) or one of "
-                                f"{', '.join(map(str, SPLIT_SORT_LISTS))}")
-    if sort != "0" and split == "0":
-        raise InvalidInputError(f"{SPLIT_SORT_ENV}={sort!r} needs the split resolver; {SPLIT_ENV} is 0 (off), "
-                                f"expected one of {', '.join(map(str, SPLITS))}")
-    if sort != "0" and split_tail == "1":
-        raise InvalidInputError(f"{SPLIT_SORT_ENV}={sort!r} does not combine with {SPLIT_TAIL_ENV}='1' (the hot-row "
-                                f"kernels take the candidates there); expected {SPLIT_SORT_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     chain = env.get(PDL_CHAIN_ENV) or "0"
     if chain not in ("0", "1"):
         raise InvalidInputError(f"{PDL_CHAIN_ENV}={chain!r} is not a switch; expected 0 or 1")
@@ -324,7 +304,7 @@ def tuning(env: dict[str, str]) -> Tuning:
                                 f"follows the hot-row kernels there); expected {PDL_CHAIN_ENV}=0 or {SPLIT_TAIL_ENV}=0")
     return Tuning(resolver, int(threads) if threads else None, int(per_sm), fuse == "1", lean == "1", int(entries),
                   cas == "1", scan == "1", shift == "1", row_copy == "1", pdl == "1", int(split), split_tail == "1",
-                  lean_copy == "1", keep == "1", int(spec), chain == "1", int(sort))
+                  lean_copy == "1", keep == "1", int(spec), chain == "1")
 
 
 def pow2(n: int) -> int:
@@ -363,7 +343,6 @@ class ResolverShape:
     hot_threads: int = 0  # threads of a program of the hot-row kernels (`tail`)
     hot_chunk: int = 0  # candidates the hot-row kernel's last program takes at once
     keep: bool = False  # a one-chunk candidate list stays in registers (`SPLIT_KEEP_ENV`)
-    sort: int = 0  # the longest candidate list taken on chip (`SPLIT_SORT_ENV`; 0: none)
 
     @property
     def kernel(self) -> str:
@@ -379,7 +358,7 @@ class ResolverShape:
                         HG=int(hp_ok), LR=int(self.tg <= MAX_ROW_LANES), NS=self.split,
                         ES=self.gp * self.kp // self.split, CP=self.chunk, PW=self.pw,
                         SH=max(1, self.hp // self.scan_row) if self.scan_row else 1, SB=int(self.shift),
-                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep), CS=self.sort)
+                        TAIL=int(self.tail), PDL=0, KEEP=int(self.keep))
         if self.variant == "scratch":
             return dict(KP=self.kp, GP=self.gp, HP=self.hp, TP=self.tp, LOG_TP=self.tp.bit_length() - 1)
         fits = self.hp <= MAX_ROW_LANES and self.gp * self.kp <= MAX_ROW_LANES
@@ -447,14 +426,13 @@ def resolver_variant(name: str | None) -> str:
 def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str = "gather",
                    threads: int | None = None, lean: bool = True, cas: bool = False,
                    scan: bool = False, shift: bool = False, warp_size: int = 1, split: int = 0,
-                   split_tail: bool = False, split_keep: bool = False, split_sort: int = 0) -> ResolverShape:
+                   split_tail: bool = False, split_keep: bool = False) -> ResolverShape:
     """Padded lanes of one group, its hash table (at least twice the rows it can hold), threads
     (`threads`, or about four lanes a thread); `split` programs a batch row (at most one a group's
     entry), each taking an equal share of the group's padded entries; `split_tail`: the hot-row
     kernels' programs as many (at most one a hot row), a slice of the hot rows each, one lane a
     thread (at least 128 threads, at most the resolver's); `split_keep`: the split resolver keeps a
-    one-chunk candidate list in registers (without the tail); `split_sort`: the longest candidate list
-    the split resolver's last program takes on chip (without the tail; at most the group's entries)."""
+    one-chunk candidate list in registers (without the tail)."""
     k, h, g = config.top_k, config.hot_rows, config.rows_per_request
     floor = MIN_LANES if compiled else dict.fromkeys(MIN_LANES, 1)
     kp, gp, hp = max(pow2(k), floor["KP"]), pow2(g), max(pow2(h), floor["HP"])
@@ -480,8 +458,7 @@ def resolver_shape(config: RuntimeConfig, *, compiled: bool = True, variant: str
     hot_chunk = min(hot_threads if compiled else interpreted_chunk, gp * kp) if tail else 0
     return ResolverShape(kp, gp, hp, tp, threads, variant, min(tg, tp), pt, lean, cas and variant == "gather",
                          scan_row, shift and variant == "gather" and bs & (bs - 1) == 0, ns, chunk, tail,
-                         hot_threads, hot_chunk, bool(ns and split_keep and not tail),
-                         min(split_sort, gp * kp) if ns and not tail else 0)
+                         hot_threads, hot_chunk, bool(ns and split_keep and not tail))
 
 
 def hint_dtype_name(config: RuntimeConfig) -> str:
@@ -516,8 +493,6 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
                                         split=SPLIT_BUILD, split_tail=True))
         resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
                                         split=SPLIT_BUILD, split_keep=True))
-        resolvers.append(resolver_shape(config, variant="gather", scan=True, shift=True, warp_size=warp_size,
-                                        split=SPLIT_BUILD, split_sort=SPLIT_SORT_LISTS[0]))
     word, words = row_words(config.row_format.row_bytes)
     i32p = "*i32"
     resolve_sig = dict.fromkeys(("topk", "row_state", "seq_lens", "source_table", "resident_table", "hot_table", "hot_map"), i32p)
@@ -616,8 +591,7 @@ def kernel_specs(config: RuntimeConfig, warp_size: int, *, lru_dtype: str = "i32
         if t.split_tail or t.fuse or t.row_copy:
             raise ValueError(f"kernel_specs builds no split tail, fused or row-assigned copy for a tuning; got {t}")
         r = resolver_shape(config, variant=t.resolver, threads=t.threads, lean=t.lean, cas=t.cas, scan=t.scan,
-                           shift=t.shift, warp_size=warp_size, split=t.split, split_keep=t.split_keep,
-                           split_sort=t.split_sort)
+                           shift=t.shift, warp_size=warp_size, split=t.split, split_keep=t.split_keep)
         pdl = dict(PDL=int(t.pdl)) if r.variant == "gather" else {}
         # The speculative copy (`SPEC_COPY_ENV`) reads the split resolver's miss mask: that build writes it.
         spec = bool(t.spec_copy and r.split)

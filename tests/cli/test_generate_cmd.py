@@ -153,12 +153,14 @@ def test_new_and_old_budget_flags_give_the_demo_its_budgets(budget: list[str], e
     assert preflight(args, "cpu") == expected
 
 
-@pytest.mark.parametrize(("extra", "refused"), [
-    (["--dtype", "bfloat16"], True),
-    (["--kv-rows", "fp8"], True),
-    ([], False),                      # fp32 model rows: exact on its own, no second run to fit
+@pytest.mark.parametrize(("extra", "refused", "ram_kib"), [
+    (["--dtype", "bfloat16"], True, 75),
+    (["--kv-rows", "fp8"], True, 75),
+    # fp32 model rows: exact on its own, no second run to fit; its 43.5 KiB pool and the 64 KiB host
+    # pool are both RAM on the CPU, which 75 KiB does not hold together (enable refuses that pair)
+    ([], False, 128),
 ])
-def test_a_lossy_runs_offload_check_must_fit_before_anything_runs(extra: list[str], refused: bool,
+def test_a_lossy_runs_offload_check_must_fit_before_anything_runs(extra: list[str], refused: bool, ram_kib: int,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A lossy run (bf16, fp8 rows) runs the same engine a second time with every page resident;
     where the checked run's budget fits the device and that one does not, preflight says so in one
@@ -171,7 +173,7 @@ def test_a_lossy_runs_offload_check_must_fit_before_anything_runs(extra: list[st
     # 75 KiB of host RAM (71.25 KiB takeable; the CPU model's device memory too): the checked run's
     # default budget (58 pages of 384, 512 or 768 B) and a 64 KiB host pool fit; the comparison's
     # 214 pages (2 x 78 all resident + the floor of 58) of 384 or 512 B do not
-    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 75 << 10)
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: ram_kib << 10)
     args = build_parser().parse_args(["generate", *SMALL, "--host", "64KiB", *extra])
     if not refused:
         assert preflight(args, "cpu") == (0, 64 / 2**20)
@@ -721,3 +723,24 @@ def test_generate_holds_back_every_installed_backends_info_lines() -> None:
         assert all(logging.getLogger(f"{p}.runtime").isEnabledFor(logging.INFO) for p in packages)
     finally:
         root.setLevel(before)
+
+
+@pytest.mark.parametrize("host", [["--host", "40MiB"], ["--host-pool-gib", "0.04"]])
+def test_budgets_that_fit_the_ram_only_one_at_a_time_are_refused_together(host: list[str],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU model both pools are host RAM: each budget was checked alone, and the pair was
+    refused by enable in its words (gpu_kv_gib=..., host_pool_gib=... taken first) after the model
+    was built and had generated alone."""
+    import hisparse_core.capacity as capacity
+    from hisparse_core.cli import build_parser
+    from hisparse_core.errors import CapacityError
+    from hisparse_transformers.cli import preflight
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 64 << 20)  # 60.8 MiB takeable
+    args = build_parser().parse_args(["generate", *SMALL, "--gpu-kv", "40MiB", *host])
+    with pytest.raises(CapacityError) as e:
+        preflight(args, "cpu")
+    why = str(e.value)
+    assert why.startswith("--gpu-kv 40.00 MiB ") and f"and {host[0]} " in why and "together" in why, why
+    assert why.endswith(f"lower --gpu-kv or {host[0]} so that together they take at most 60.79MiB"), why
+    assert "gpu_kv_gib" not in why and "host_pool_gib" not in why, why

@@ -358,6 +358,11 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     avail = available_host_bytes()
     fits = at_most(int(avail * HOST_FRACTION), down) if avail else ""
     check_host_memory(host_bytes, f"{host_flag} {shown}", remedy=f"lower {host_flag}{fits}")
+    if dev.type == "cpu":  # both pools in host RAM: enable refused the pair after the model alone had run
+        together = f" so that together they take at most {floor_size(int(avail * HOST_FRACTION))}" if avail else ""
+        check_host_memory(gpu_bytes + host_bytes, f"{what} and {host_flag} {shown} together (the model runs on the "
+                          "CPU, so the KV pool and the host pool are both in host RAM)",
+                          remedy=f"lower {gpu_flag} or {host_flag}{together}")
     return given, host_gib
 
 

@@ -744,3 +744,20 @@ def test_budgets_that_fit_the_ram_only_one_at_a_time_are_refused_together(host: 
     assert why.startswith("--gpu-kv 40.00 MiB ") and f"and {host[0]} " in why and "together" in why, why
     assert why.endswith(f"lower --gpu-kv or {host[0]} so that together they take at most 60.79MiB"), why
     assert "gpu_kv_gib" not in why and "host_pool_gib" not in why, why
+
+
+def test_a_lossy_runs_offload_check_must_fit_beside_the_host_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offload check's second engine (214 pages of 384 B, bf16) has its own host pool of --host:
+    on the CPU both are RAM. Each fit alone at 128 KiB, so the run went through the whole checked run
+    and was refused at that engine's enable."""
+    import hisparse_core.capacity as capacity
+    from hisparse_core.cli import build_parser
+    from hisparse_core.errors import CapacityError
+    from hisparse_transformers.cli import preflight
+
+    monkeypatch.setattr(capacity, "available_host_bytes", lambda: 128 << 10)  # 121.6 KiB takeable
+    args = build_parser().parse_args(["generate", *SMALL, "--host", "64KiB", "--dtype", "bfloat16"])
+    with pytest.raises(CapacityError, match=r"^the bf16 run's offload check \(214 pages of 384 B, no page "
+                                            r"released\) and --host 64.00 KiB together .*: lower --host, or fewer "
+                                            r"or shorter prompts"):
+        preflight(args, "cpu")

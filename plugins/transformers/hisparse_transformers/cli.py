@@ -363,6 +363,12 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
         check_host_memory(gpu_bytes + host_bytes, f"{what} and {host_flag} {shown} together (the model runs on the "
                           "CPU, so the KV pool and the host pool are both in host RAM)",
                           remedy=f"lower {gpu_flag} or {host_flag}{together}")
+        if rounding:  # the offload check's engine has a host pool of the same size beside its pages
+            check_host_memory(compare * block_bytes + host_bytes,
+                              f"the {rounding} run's offload check ({compare} pages of {block_bytes} B, no page "
+                              f"released) and {host_flag} {shown} together (both in host RAM on the CPU)",
+                              remedy=f"lower {host_flag}, or fewer or shorter prompts (--prompts, --max-prompt, "
+                                     "--new-tokens)")
     return given, host_gib
 
 

@@ -726,3 +726,36 @@ def test_a_cuda_torch_without_a_device_says_so(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     assert options.check_torch_device("--device", "cuda", "hisparse generate") == (
         "--device 'cuda': this torch has CUDA but sees no CUDA device; expected cpu")
+
+
+@pytest.mark.parametrize(("lacking", "argv", "setting", "instead"), [
+    ("index_sharing", ["--index-share", "2"], "--index-share 2 (layers sharing one top-k)", "--index-share 1"),
+    ("speculative_union", ["--rows-per-request", "2"], "--rows-per-request 2", "--rows-per-request 1"),
+    ("row_format:bf16_mla", ["--row-format", "bf16_mla"], "--row-format bf16_mla", "another --row-format"),
+])
+def test_a_setting_the_backend_lacks_is_refused_in_the_flags_words_before_any_work(
+        lacking: str, argv: list[str], setting: str, instead: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--backend X --index-share 2` with an X without index_sharing logged the coordinator's
+    `HiSparse host pool: ...` INFO line, then the worker's refusal naming `num_layers=2`, no flag."""
+    import hisparse_core.registry as registry
+    import hisparse_core.replay.engine as engine
+    from hisparse_reference_cpu.backend import ReferenceCpuBackend
+
+    class Lacking(ReferenceCpuBackend):
+        capabilities = ReferenceCpuBackend.capabilities - {lacking}
+
+    def must_not_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the coordinator was built before the refusal")
+
+    monkeypatch.setattr(registry, "select_backend", lambda name=None: Lacking())
+    monkeypatch.setattr(engine, "HiSparseCoordinator", must_not_build)
+    assert main(["run", *argv, "--layers", "2", "--requests", "2", "--context", "256", "--top-k", "16",
+                 "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"hisparse run: error: {setting} needs capability {lacking!r}, which backend "
+                               "'reference_cpu' does not declare"), lines
+    assert lines[0].endswith(f"expected {instead}, or a backend that declares it"), lines

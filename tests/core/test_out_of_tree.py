@@ -232,6 +232,25 @@ def test_selecting_the_broken_backend_explicitly_fails_listing_the_alternatives(
     assert "available: reference_cpu (priority 0)" in last
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_naming_the_broken_backend_on_the_command_line_is_one_line(broken_site: Path, tmp_path: Path,
+                                                                   command: str) -> None:
+    """`hisparse run --backend broken` printed discovery's WARNING (failed to import) above its error
+    line saying the same; a run that selects another backend still gets the WARNING."""
+    proc = run_python(["-m", "hisparse_core", command, "--backend", "broken", "--no-progress"], broken_site, tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"hisparse {command}: error: --backend 'broken': hisparse backend 'broken' is broken: "
+                               "RuntimeError: acme driver exploded"), lines
+    if command != "run":
+        return
+    proc = run_python(["-m", "hisparse_core", "run", "--backend", "reference_cpu", "--host", "1"], broken_site,
+                      tmp_path)  # the choice made, then refused: the WARNING passed on
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("WARNING hisparse_core.discovery: hisparse backend plugin 'broken'"), proc.stderr
+
+
 def test_disabled_plugins_variable_hides_the_broken_backend(broken_site: Path, tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "hisparse_core", "backends", "--json"],
                           env=subprocess_env(broken_site, HISPARSE_DISABLED_PLUGINS="broken"), cwd=tmp_path,

@@ -172,11 +172,12 @@ class _Fits:
 
     requests: int
     context: int
+    tail_pages: int = 0
 
     @classmethod
-    def of(cls, c: BenchConfig, device: torch.device, device_blocks_per_request: int) -> _Fits:
+    def of(cls, c: BenchConfig, device: torch.device, hot_blocks: int) -> _Fits:
         page = c.block_size * c.layers * c.fmt.row_bytes  # one block (page) of every layer
-        device_per_request = device_blocks_per_request * page
+        device_per_request = (hot_blocks + c.tail_pages + 1) * page
         host_per_request = c.max_pages * page
         host, on_device = host_limit(), device_limit(device)
         if host is None or on_device is None:
@@ -184,17 +185,25 @@ class _Fits:
         if device.type == "cpu":  # one limit for both: each request takes its caches and its pages there
             requests = host // (device_per_request + host_per_request)
             pages = max(0, host - c.requests * device_per_request) // (c.requests * page)
+            device_blocks = max(0, host - c.requests * host_per_request) // (c.requests * page)
         else:
             requests = min(on_device // device_per_request, host // host_per_request)
             pages = host // (c.requests * page)
-        return cls(min(requests, c.requests - 1), max(0, min(pages * c.block_size - c.steps, c.context - 1)))
+            device_blocks = on_device // (c.requests * page)
+        tail = device_blocks - hot_blocks - 1  # each request cycles tail_pages + 1 resident blocks
+        return cls(min(requests, c.requests - 1), max(0, min(pages * c.block_size - c.steps, c.context - 1)),
+                   max(0, min(tail, c.tail_pages - 1)))
 
-    def remedy(self, plain: str, *, context: bool = False, others: str = "") -> str:
-        """`lower --requests to at most R, or --context to at most C, or OTHERS` (--context where
-        `context`), naming each figure that fits; `plain` where none does."""
+    def remedy(self, plain: str, *, context: bool = False, tail: bool = False, others: str = "") -> str:
+        """`lower --requests to at most R, or --context to at most C, or --tail-pages to at most T,
+        or OTHERS` (--context where `context`, --tail-pages where `tail`, then dropped from
+        `others`), naming each figure that fits; `plain` where none does."""
         sized = [f"--requests{at_most(self.requests)}"] if self.requests else []
         if context and self.context:
             sized.append(f"--context{at_most(self.context)}")
+        if tail and self.tail_pages:
+            sized.append(f"--tail-pages{at_most(self.tail_pages)}")
+            others = others.replace(", --hot or --tail-pages", " or --hot")
         return "lower " + ", or ".join(sized + ([others] if others else [])) if sized else plain
 
 
@@ -215,11 +224,11 @@ def run_bench(config: BenchConfig, backend: Backend,
                                                block_size=bs, max_pages=pages, row_format=fmt, num_layers=n)
                                  for n in group_layers])
     dev = backend.device
-    fits = _Fits.of(c, torch.device(dev), hot_blocks + tail_slots)
+    fits = _Fits.of(c, torch.device(dev), hot_blocks)
     check_device_memory(dev, num_dev_blocks * bs * c.layers * fmt.row_bytes,
                         f"device caches of {num_dev_blocks} blocks x {c.layers} layers ({n_req} requests x "
                         f"({hot_blocks} hot + {tail_slots} tail blocks))",
-                        remedy=fits.remedy("lower --requests, --top-k, --hot or --tail-pages", others=_HOT))
+                        remedy=fits.remedy("lower --requests, --top-k, --hot or --tail-pages", tail=True, others=_HOT))
     spec = HostPoolSpec(num_layers=c.layers, num_blocks=n_req * pages, block_size=bs, row_format=fmt)
     # Checked here with bench's own flags (the pool's check would say "lower the host pool budget").
     check_host_memory(spec.nbytes, f"the host pool of {n_req} requests x {pages} pages of {c.context}-token prompts "
@@ -228,7 +237,7 @@ def run_bench(config: BenchConfig, backend: Backend,
         check_host_memory(num_dev_blocks * bs * c.layers * fmt.row_bytes + spec.nbytes,
                           "the device caches and the host pool together (the backend runs on the CPU, so both are in "
                           "host RAM)", remedy=fits.remedy("lower --requests, --context, --top-k, --hot or --tail-pages",
-                                                          context=True, others=_HOT))
+                                                          context=True, tail=True, others=_HOT))
     if on_checked is not None:
         on_checked()
     logger.info("bench: %d requests x %d-token prompts, %d steps, top-k %d, hot buffer %d rows (%.2fx), "

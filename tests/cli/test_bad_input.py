@@ -449,6 +449,8 @@ def test_a_warmup_past_the_steps_is_said_as_the_parser_says_a_range(capsys: pyte
     # (--top-k 65536 --hot 64 is now refused earlier: its hot buffer is over a runtime's row limit.)
     (["bench", "--requests", "65536", "--top-k", "16384"],
      "lower --requests to at most 31, or --top-k, --hot or --tail-pages", None),
+    # Not one request's caches fit with 9999999 tail pages: the most that do with the rest as given.
+    (["bench", "--tail-pages", "9999999"], "lower --tail-pages to at most 5752, or --top-k or --hot", None),
 ])
 def test_bench_capacity_errors_name_bench_flags(argv: list[str], needle: str, not_said: str | None,
                                                 monkeypatch: pytest.MonkeyPatch,
@@ -525,6 +527,7 @@ def _bench_fits(**config: int) -> bool:
     ({"context": 16777216}, 4 << 30),
     ({"requests": 65536, "top_k": 16384}, 4 << 30),
     ({"context": 4096}, 64 << 20),
+    ({"tail_pages": 9999999}, 4 << 30),
 ])
 def test_what_a_bench_refusal_says_would_fit_does_and_no_more(config: dict[str, int], avail: int,
                                                                monkeypatch: pytest.MonkeyPatch,
@@ -536,9 +539,9 @@ def test_what_a_bench_refusal_says_would_fit_does_and_no_more(config: dict[str, 
     monkeypatch.setattr(capacity, "available_host_bytes", lambda: avail)
     argv = [a for k, v in config.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     assert main(["bench", *argv, "--backend", "reference_cpu", "--no-progress"]) == 2
-    named = re.findall(r"--(requests|context) to at most (\d+)", capsys.readouterr().err)
+    named = re.findall(r"--(requests|context|tail-pages) to at most (\d+)", capsys.readouterr().err)
     assert named
-    for flag, value in named:
+    for flag, value in ((f.replace("-", "_"), v) for f, v in named):
         assert _bench_fits(**(config | {flag: int(value)}))
         assert not _bench_fits(**(config | {flag: int(value) + 1}))
 

@@ -89,16 +89,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _table(res: object) -> str:
     from hisparse_core.replay.bench import BenchResult
-    from hisparse_core.replay.report import hit_rate, hot_buffer, human_bytes, pct, render_table
+    from hisparse_core.replay.report import counted, hit_rate, hot_buffer, human_bytes, pct, render_table
 
     assert isinstance(res, BenchResult)
     s: dict[str, Any] = res.summary()
     c = res.config
     rows: list[tuple[str, str]] = [
         ("backend", f"{res.backend['name']} {res.backend['version']} on {res.backend['device']}"),
-        ("workload", f"{c['requests']} requests x {c['context']} tokens, {c['steps']} steps, top-k {c['top_k']}, "
+        ("workload", f"{counted(c['requests'], 'request')} x {c['context']} tokens, {counted(c['steps'], 'step')}, "  # type: ignore[arg-type]
+                     f"top-k {c['top_k']}, "
                      f"{hot_buffer(c['hot_rows'], c['top_k'], c['hot_multiple'], c['block_size'])}, "  # type: ignore[arg-type]
-                     f"{c['layers']} layers in index groups "
+                     f"{counted(c['layers'], 'layer')} in index groups "  # type: ignore[arg-type]
                      f"{c['index_groups']}, {c['row_format']}, locality {c['locality']}"),
     ]
     for label, title in (("all", "all steps"), ("steady", f"steady state (after {c['warmup']} warm-up steps)")):

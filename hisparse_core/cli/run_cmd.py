@@ -280,7 +280,7 @@ def _saving(per_req: float, base: float) -> str:
 
 
 def _table(result) -> str:  # type: ignore[no-untyped-def]
-    from hisparse_core.replay.report import hot_buffer, human_bytes, pct, render_table
+    from hisparse_core.replay.report import counted, hot_buffer, human_bytes, pct, render_table
 
     s, c = result.summary(), result.config
     per_req = s["gpu_kv_bytes_per_request_measured"]
@@ -292,10 +292,11 @@ def _table(result) -> str:  # type: ignore[no-untyped-def]
         else f" ({where} limit not reached: offer more requests or steps)"
     rows = [
         ("backend", f"{result.backend['name']} {result.backend['version']} on {result.backend['device']}"),
-        ("workload", f"{c['requests']} requests of {c['context']}+{c['decode_tokens']} tokens, {s['steps']} of "
-                     f"{c['steps']} steps, top-k {c['top_k']}, "
+        ("workload", f"{counted(c['requests'], 'request')} of {c['context']}+{c['decode_tokens']} tokens, "
+                     f"{s['steps']} of {counted(c['steps'], 'step')}, top-k {c['top_k']}, "
                      f"{hot_buffer(c['hot_rows'], c['top_k'], c['hot_multiple'], c['block_size'])}, "
-                     f"{c['rows_per_request']} decode row(s) per request, {c['layers']} layers in index groups "
+                     f"{counted(c['rows_per_request'], 'decode row')} per request, "
+                     f"{counted(c['layers'], 'layer')} in index groups "
                      f"{c['index_groups']}, {c['row_format']}"),
         ("budgets", f"{where} KV {human_bytes(c['gpu_kv_bytes'])} ({c['gpu_blocks']} blocks), host pool "
                     f"{human_bytes(c['host_bytes'])} ({c['host_blocks']} blocks)"),

@@ -31,6 +31,7 @@ from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.host_pool import HostPoolSpec
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem, index_groups
+from hisparse_core.replay.report import counted
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, RuntimeStats
 from hisparse_core.types import RowMirror
 from hisparse_core.units import at_most
@@ -226,13 +227,14 @@ def run_bench(config: BenchConfig, backend: Backend,
     dev = backend.device
     fits = _Fits.of(c, torch.device(dev), hot_blocks)
     check_device_memory(dev, num_dev_blocks * bs * c.layers * fmt.row_bytes,
-                        f"device caches of {num_dev_blocks} blocks x {c.layers} layers ({n_req} requests x "
+                        f"device caches of {num_dev_blocks} blocks x {counted(c.layers, 'layer')} "
+                        f"({counted(n_req, 'request')} x "
                         f"({hot_blocks} hot + {tail_slots} tail blocks))",
                         remedy=fits.remedy("lower --requests, --top-k, --hot or --tail-pages", tail=True, others=_HOT))
     spec = HostPoolSpec(num_layers=c.layers, num_blocks=n_req * pages, block_size=bs, row_format=fmt)
     # Checked here with bench's own flags (the pool's check would say "lower the host pool budget").
-    check_host_memory(spec.nbytes, f"the host pool of {n_req} requests x {pages} pages of {c.context}-token prompts "
-                                   f"x {c.layers} layers", remedy=fits.remedy("lower --context or --requests", context=True))
+    check_host_memory(spec.nbytes, f"the host pool of {counted(n_req, 'request')} x {counted(pages, 'page')} of "
+                                   f"{c.context}-token prompts x {counted(c.layers, 'layer')}", remedy=fits.remedy("lower --context or --requests", context=True))
     if torch.device(dev).type == "cpu":  # both in host RAM: each fitting alone is not enough
         check_host_memory(num_dev_blocks * bs * c.layers * fmt.row_bytes + spec.nbytes,
                           "the device caches and the host pool together (the backend runs on the CPU, so both are in "
@@ -240,10 +242,11 @@ def run_bench(config: BenchConfig, backend: Backend,
                                                           context=True, tail=True, others=_HOT))
     if on_checked is not None:
         on_checked()
-    logger.info("bench: %d requests x %d-token prompts, %d steps, top-k %d, hot buffer %d rows (%.2fx), "
-                "%d layers in %d index group(s) %s, %s rows of %d B, %d resident tail pages, locality %.2f",
-                n_req, c.context, c.steps, k, hot_rows, hot_rows / k, c.layers, len(group_layers), group_layers,
-                fmt.name, fmt.row_bytes, c.tail_pages, c.locality)
+    logger.info("bench: %s of %d tokens, %s, top-k %d, hot buffer %d rows (%.2fx), "
+                "%s in %s %s, %s rows of %d B, %s resident, locality %.2f",
+                counted(n_req, "request"), c.context, counted(c.steps, "step"), k, hot_rows, hot_rows / k,
+                counted(c.layers, "layer"), counted(len(group_layers), "index group"), group_layers,
+                fmt.name, fmt.row_bytes, counted(c.tail_pages, "tail page"), c.locality)
     pool = backend.create_host_pool(spec)
     try:
         gen = torch.Generator().manual_seed(c.seed)

@@ -16,7 +16,12 @@ def kv_place(device: object) -> str:
     the device itself ("cpu device"), so a CPU-only run never reports GPU pages."""
     return "GPU" if str(device).startswith("cuda") else f"{device} device"
 
-__all__ = ["dumps", "human_bytes", "json_safe", "kv_place", "pct", "render_grid", "render_table"]
+__all__ = ["counted", "dumps", "human_bytes", "json_safe", "kv_place", "pct", "render_grid", "render_table"]
+
+
+def counted(count: int, noun: str) -> str:
+    """`count` `noun`s, the noun singular for one: "1 layer", "4 layers"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def pct(x: float) -> str:

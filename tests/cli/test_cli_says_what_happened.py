@@ -482,3 +482,30 @@ def test_the_decode_mode_is_put_down_to_what_decided_it() -> None:
         False, "backend 'reference_cpu' does not declare 'cuda_graph'; --eager asks the same")
     assert graph_choice(cpu, enabled=True, validate=True) == (  # type: ignore[arg-type]
         False, "backend 'reference_cpu' does not declare 'cuda_graph'")
+
+
+# ------------------------------------------------------------------------------- counted nouns
+
+
+@pytest.mark.parametrize(("argv", "one", "many"), [
+    (["run", "--backend", "reference_cpu", "--context", "100", "--decode-tokens", "4", "--top-k", "16",
+      "--block-size", "16", "--gpu-kv", "3MiB", "--host", "8MiB", "--no-progress"],
+     ["--requests", "1", "--steps", "1", "--layers", "1", "--rows-per-request", "1"],
+     ["--requests", "2", "--steps", "2", "--layers", "2", "--rows-per-request", "2"]),
+    (["bench", "--backend", "reference_cpu", "--context", "256", "--top-k", "16", "--block-size", "16",
+      "--warmup", "0", "--no-progress"],
+     ["--requests", "1", "--steps", "1", "--layers", "1"], ["--requests", "2", "--steps", "2", "--layers", "2"]),
+], ids=["run", "bench"])
+def test_the_workload_line_counts_one_in_the_singular(argv: list[str], one: list[str], many: list[str],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The tables said "1 requests x 256 tokens", "1 layers", "1 decode row(s) per request"."""
+    def workload(extra: list[str]) -> str:
+        assert main([*argv, *extra]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("workload"))
+
+    line = workload(one)
+    assert "1 request " in line and "1 layer in" in line and "row(s)" not in line, line
+    assert ("1 of 1 step," in line and "1 decode row per request" in line) if argv[0] == "run" else "1 step," in line
+    line = workload(many)
+    assert "2 requests " in line and "2 layers in" in line, line
+    assert ("2 decode rows per request" in line) if argv[0] == "run" else "2 steps," in line

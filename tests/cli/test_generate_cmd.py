@@ -189,9 +189,26 @@ def test_the_batches_line_says_where_a_prompt_is_all_prefix() -> None:
     rc, out, err = _run("--min-prompt", "40", "--max-prompt", "60", "--shared-prefix", "30")
     assert rc == 0, err
     line = next(x for x in out.splitlines() if x.strip().startswith("batches"))
-    assert "[44, 34, 24] + 6 sharing a 30-token prefix (a prompt shorter than it is all prefix)" in line, line
+    assert ("then 3 prompts of [44, 34, 24] tokens + 6 new, sharing a 30-token prefix (a prompt shorter than it is "
+            "all prefix)") in line, line
     rc, out, err = _run("--min-prompt", "40", "--max-prompt", "60", "--shared-prefix", "24")
     assert rc == 0 and "all prefix" not in out, out
+
+
+@pytest.mark.parametrize(("lengths", "shared", "expected"), [
+    # --min-prompt 17 --max-prompt 17 --prompts 2 --new-tokens 4: "then [1, 1] + 1 sharing a 17-token prefix"
+    ([1, 1], 17, "2 prompts of [1, 1] tokens + 1 new, each the start of the 17-token shared prefix"),
+    ([1], 17, "1 prompt of [1] tokens + 1 new, the start of the 17-token shared prefix"),
+    ([44, 34, 24], 30, "3 prompts of [44, 34, 24] tokens + 1 new, sharing a 30-token prefix (a prompt shorter than it "
+                       "is all prefix)"),
+    ([44, 34, 24], 24, "3 prompts of [44, 34, 24] tokens + 1 new, sharing a 24-token prefix"),
+])
+def test_the_second_batch_reads_as_prompts_and_what_of_them_is_shared(lengths: list[int], shared: int,
+                                                                      expected: str) -> None:
+    from hisparse_transformers.cli import _second_batch
+
+    assert _second_batch({"second_batch_lengths": lengths, "second_batch_new_tokens": 1,
+                          "shared_prefix": shared}) == expected
 
 
 def test_the_table_counts_one_layer_and_one_step_in_the_singular() -> None:

@@ -155,6 +155,17 @@ def _few(lengths: list[int]) -> str:
     return str(lengths) if len(lengths) <= 6 else f"[{', '.join(map(str, lengths[:3]))}, ..., {lengths[-1]}]"
 
 
+def _second_batch(c: dict) -> str:  # type: ignore[type-arg]
+    """The second batch in words: its prompts and new tokens, and what of them the prefix is (where
+    every prompt is shorter than the prefix, each is a start of it: it shares no whole prefix)."""
+    lengths, shared = c["second_batch_lengths"], c["shared_prefix"]
+    text = f"{_n(len(lengths), 'prompt')} of {_few(lengths)} tokens + {c['second_batch_new_tokens']} new, "
+    if max(lengths) <= shared:
+        return text + ("the start" if len(lengths) == 1 else "each the start") + f" of the {shared}-token shared prefix"
+    return text + f"sharing a {shared}-token prefix" + (" (a prompt shorter than it is all prefix)"
+                                                        if min(lengths) < shared else "")
+
+
 def _table(result: dict) -> str:  # type: ignore[type-arg]
     from hisparse_core.replay.report import NO_LOOKUPS, human_bytes, pct, render_table
 
@@ -169,10 +180,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
                   f"({e['row_bytes']} B" + (f"; the model's own rows {e['model_row_bytes']} B"
                                             if c.get("kv_rows") == "fp8" else "") + ")"),
         ("batches", f"{c['prompts']} prompt{'' if c['prompts'] == 1 else 's'} of {_few(c['prompt_lengths'])} tokens + "
-                    f"{c['new_tokens']} new; then "
-                    f"{_few(c['second_batch_lengths'])} + {c['second_batch_new_tokens']} sharing a {c['shared_prefix']}-token "
-                    "prefix" + (" (a prompt shorter than it is all prefix)"
-                                if min(c["second_batch_lengths"]) < c["shared_prefix"] else "")),
+                    f"{c['new_tokens']} new; then " + _second_batch(c)),
         ("budgets", f"{where} {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
                     "resident" + _none_released(c, s) + f"), host pool {e['host_pool_blocks']} pages"),
         ("throughput", ""),

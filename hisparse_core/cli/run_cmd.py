@@ -395,12 +395,13 @@ def run(args: argparse.Namespace) -> int:
     from hisparse_core.replay.report import dumps, pct
     from hisparse_core.replay.run import run_replay
 
-    acc = {"hits": 0, "misses": 0, "step": 0}
+    acc = {"hits": 0, "misses": 0, "step": 0, "steps": 0}
     # The registry's "backend selected" line waits for the budget checks, which need the
     # backend's device: a refused value is the only line on stderr.
     held = HeldSelectionLog()
     try:
         config = config_from_args(args)
+        acc["steps"] = config.steps
         backend = select_backend(args.backend)
         with ProgressBar(config.steps, "run", enabled=not args.no_progress) as bar:
 
@@ -416,7 +417,9 @@ def run(args: argparse.Namespace) -> int:
             result = run_replay(config, backend, on_step=on_step, on_checked=held.release)
     except KeyboardInterrupt:
         held.release()
-        print(f"hisparse run: interrupted at step {acc['step']}", file=sys.stderr)
+        # As bench and generate say it: the step reached of the most the run would take (--steps).
+        print(f"hisparse run: interrupted at step {acc['step']}" + (f" of {acc['steps']}" if acc["steps"] else ""),
+              file=sys.stderr)
         return 130
     except AttentionMismatch as exc:
         held.release()

@@ -217,7 +217,7 @@ def _interrupt_after_first_progress_line(argv: list[str], label: str) -> tuple[i
 def test_ctrl_c_during_run_says_where(tmp_path: Path) -> None:
     rc, err = _interrupt_after_first_progress_line(ENDLESS_RUN, "run")
     assert rc == 130, err
-    assert re.fullmatch(r"hisparse run: interrupted at step \d+", err[-1]), err
+    assert re.fullmatch(r"hisparse run: interrupted at step \d+ of \d+", err[-1]), err
     assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in err), err
 
 
@@ -238,7 +238,7 @@ def test_ctrl_c_in_the_middle_of_a_transfer_is_an_interrupt(capsys: pytest.Captu
     monkeypatch.setattr(ReferenceTransferEngine, "submit_pages", interrupted)
     assert main(SMALL_RUN) == 130
     err = capsys.readouterr().err.splitlines()
-    assert re.fullmatch(r"hisparse run: interrupted at step \d+", err[-1]), err
+    assert re.fullmatch(r"hisparse run: interrupted at step \d+ of \d+", err[-1]), err
     assert not any("error" in line for line in err), err
 
 

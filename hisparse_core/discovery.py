@@ -40,6 +40,7 @@ import pluggy
 
 from hisparse_core import hookspecs
 from hisparse_core.backend import API_VERSION, BackendSpec, Capability
+from hisparse_core.errors import a_or_an
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ class _Pass:
         except TypeError:
             # pluggy keeps plugins in sets: one unhashable object would fail every plugin's collect.
             self.broken(plugin, TypeError(
-                f"entry point {ep.value!r} is a {type(plugin.module).__name__} object, which is unhashable; "
+                f"entry point {ep.value!r} is {a_or_an(type(plugin.module).__name__)} object, which is unhashable; "
                 "expected a module (or a class) holding the @hookimpl hisparse_register_backends"), "register")
             return
         try:

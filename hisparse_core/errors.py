@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def a_or_an(noun: str) -> str:
+    """`noun` with its indefinite article for a message: "an AcmeRuntime", "an int", "a ReferenceRuntime"
+    (by its first letter: the names in these messages are type names, read as spelled)."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 class HiSparseError(Exception):
     """Base class of every hisparse error."""
 

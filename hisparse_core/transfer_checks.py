@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from hisparse_core.errors import InvalidInputError, ProtocolError
+from hisparse_core.errors import InvalidInputError, ProtocolError, a_or_an
 
 if TYPE_CHECKING:  # it loads torch; the checks themselves do not need it
     from hisparse_core.host_pool import HostPool
@@ -44,7 +44,7 @@ def check_engine_runtimes(runtimes: object, kind: type[_R], expected: str,
         raise InvalidInputError(f"runtimes must be a non-empty sequence of runtimes, got {runtimes!r}")
     for i, rt in enumerate(runtimes):
         if not isinstance(rt, kind):
-            raise InvalidInputError(f"runtimes[{i}] is a {type(rt).__name__}; expected {expected}")
+            raise InvalidInputError(f"runtimes[{i}] is {a_or_an(type(rt).__name__)}; expected {expected}")
         if not rt.bound:
             raise InvalidInputError(f"runtimes[{i}] is not bound; bind it before building the engine")
         if each is not None:

@@ -140,7 +140,7 @@ def test_engine_runtimes_run_the_backend_hook_per_runtime_in_order() -> None:
     assert calls == [0, 1]
     with pytest.raises(InvalidInputError, match=r"runtimes\[0\] is not bound"):
         check_engine_runtimes([_Rt(False)], _Rt, "a _Rt")
-    with pytest.raises(InvalidInputError, match=r"runtimes\[0\] is a int; expected a _Rt"):
+    with pytest.raises(InvalidInputError, match=r"runtimes\[0\] is an int; expected a _Rt"):
         check_engine_runtimes([1], _Rt, "a _Rt")
 
 

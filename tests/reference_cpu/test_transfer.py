@@ -203,6 +203,12 @@ def test_engine_needs_bound_reference_runtimes() -> None:
         backend.create_transfer_engine(pool, [backend.create_runtime(small_config())])
     with pytest.raises(InvalidInputError, match="non-empty"):
         ReferenceTransferEngine(pool, [])
+
+    class AcmeRuntime:  # another backend's runtime: named with its article ("is a AcmeRuntime" before)
+        bound = True
+
+    with pytest.raises(InvalidInputError, match=r"^runtimes\[0\] is an AcmeRuntime; expected a ReferenceRuntime$"):
+        backend.create_transfer_engine(pool, [AcmeRuntime()])  # type: ignore[list-item]
     pool.release()
     with pytest.raises(InvalidInputError, match="released"):
         ReferenceTransferEngine(pool, [])

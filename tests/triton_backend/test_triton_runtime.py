@@ -870,3 +870,21 @@ def _random_plans(counts: torch.Tensor, k: int, dst_rows: int,
         plan_dev[r, :c] = dsts[at:at + c]
         at += c
     return plan_host, plan_dev
+
+
+def test_the_runtime_line_is_logged_once_a_process_for_the_same_content(backend, caplog,  # noqa: ANN001
+                                                                          monkeypatch) -> None:  # noqa: ANN001
+    """`hisparse run --backend triton --layers 2 --index-share 1` builds a runtime a layer group: each
+    logged the same `triton runtime on cpu ...` INFO line. Once now; a runtime of another size says its own."""
+    import logging
+
+    import hisparse_triton.runtime as runtime
+
+    monkeypatch.setattr(runtime, "_logged", set())
+    cfg = RuntimeConfig(max_batch_rows=2, max_requests=2, top_k=4, hot_rows=4, block_size=2, max_pages=4)
+    with caplog.at_level(logging.INFO, logger="hisparse_triton.runtime"):
+        backend.create_runtime(cfg)
+        backend.create_runtime(cfg)
+        backend.create_runtime(dataclasses.replace(cfg, top_k=3))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("triton runtime on ")]
+    assert len(lines) == 2 and "top_k=4 " in lines[0] and "top_k=3 " in lines[1], lines

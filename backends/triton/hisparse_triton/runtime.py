@@ -150,11 +150,12 @@ class TritonRuntime(CacheRuntime):
         self._host_rows = 0
         self._dev_rows = 0
         self._resident_group = 0
-        logger.info("triton runtime on %s (%s): top_k=%d rows_per_request=%d hot_rows=%d block_size=%d; a group's "
-                    "entries take %d lanes, its hot rows %d, its hash table %d buckets, %d threads (warp of %d); rows move "
-                    "as %d %s words", device, "; ".join(f"{x.shape.kernel} up to {x.max_rows} rows" for x in self._launches),
-                    k, config.rows_per_request, h, config.block_size, gp * kp, hp, tp, shape.threads, lanes, self._words,
-                    str(self._word).removeprefix("torch."))
+        # Once a process for the same line: a model (or `hisparse run --index-share 1`) builds one runtime a
+        # layer group, each of which logged it again.
+        _log_once(f"triton runtime on {device} ({'; '.join(f'{x.shape.kernel} up to {x.max_rows} rows' for x in self._launches)}): "
+                  f"top_k={k} rows_per_request={config.rows_per_request} hot_rows={h} block_size={config.block_size}; a "
+                  f"group's entries take {gp * kp} lanes, its hot rows {hp}, its hash table {tp} buckets, {shape.threads} "
+                  f"threads (warp of {lanes}); rows move as {self._words} {str(self._word).removeprefix('torch.')} words")
 
     def _clear_tables(self) -> None:
         s = self._scratch

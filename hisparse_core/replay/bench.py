@@ -30,7 +30,7 @@ from hisparse_core.errors import InvalidInputError
 from hisparse_core.geometry import RowFormat, RuntimeConfig, row_format
 from hisparse_core.host_pool import HostPoolSpec
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
-from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem, index_groups
+from hisparse_core.replay.layout import check_flag_capabilities, hot_rows_for, hot_rows_limit_problem, index_groups
 from hisparse_core.replay.report import counted
 from hisparse_core.runtime import CacheRuntime, ResolveInputs, RuntimeStats
 from hisparse_core.types import RowMirror
@@ -221,6 +221,8 @@ def run_bench(config: BenchConfig, backend: Backend,
     hot_blocks = hot_rows // bs
     tail_slots = c.tail_pages + 1  # resident blocks cycled per request
     num_dev_blocks = n_req * (hot_blocks + tail_slots)
+    check_flag_capabilities(backend, group_layers, index_share=c.index_share, rows_per_request=1,
+                            row_format_name=fmt.name)  # in the flags' words, then the runtimes' own
     check_capabilities(backend, [RuntimeConfig(max_batch_rows=n_req, max_requests=n_req, top_k=k, hot_rows=hot_rows,
                                                block_size=bs, max_pages=pages, row_format=fmt, num_layers=n)
                                  for n in group_layers])

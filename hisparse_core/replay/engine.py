@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from hisparse_core.backend import Backend, Capability
+from hisparse_core.backend import Backend
 from hisparse_core.capacity import check_device_memory, check_host_memory, device_limit
 from hisparse_core.coordinator import CoordinatorConfig, HiSparseCoordinator, SimpleGpuBlockPool, StepRequest
 from hisparse_core.coordinator.ahead import StepAhead
@@ -62,7 +62,7 @@ from hisparse_core.replay.attention import check_layer
 from hisparse_core.replay.decode import DecodeRunner, graph_choice
 from hisparse_core.replay.indexer import DEFAULT_LOCALITY, SyntheticIndexer
 from hisparse_core.replay.kvdata import ReferenceKV, RowSource
-from hisparse_core.replay.layout import hot_rows_for, hot_rows_limit_problem, index_groups
+from hisparse_core.replay.layout import check_flag_capabilities, hot_rows_for, hot_rows_limit_problem, index_groups
 from hisparse_core.replay.locality import REFERENCE_LAYERS, REGIMES, LayeredIndexer, reference_layers, regime
 from hisparse_core.replay.report import kv_place
 from hisparse_core.replay.timing import PhaseTimer
@@ -276,27 +276,6 @@ def _check_host_blocks(c: RunConfig, config: CoordinatorConfig) -> None:
         f"{config.min_host_blocks}: expected --host >= {ceil_size(need)}, or a shorter --context")
 
 
-def _check_capabilities(c: RunConfig, backend: Backend, offloaded_group_layers: list[int]) -> None:
-    """Refuse, in the flags' words and before anything is built, a run needing a capability the
-    backend does not declare. The worker checks the same later in `RuntimeConfig`'s words
-    (`num_layers=2`), after the coordinator had built its host pool and logged it."""
-    needs = []
-    if any(n > 1 for n in offloaded_group_layers):
-        needs.append((Capability.INDEX_SHARING, f"--index-share {c.index_share} (layers sharing one top-k)",
-                      "--index-share 1"))
-    if c.rows_per_request > 1:
-        needs.append((Capability.SPECULATIVE_UNION, f"--rows-per-request {c.rows_per_request}",
-                      "--rows-per-request 1"))
-    if f"row_format:{c.fmt.name}" in Capability.ALL:
-        needs.append((f"row_format:{c.fmt.name}", f"--row-format {c.fmt.name}", "another --row-format"))
-    for cap, setting, instead in needs:
-        if cap not in backend.capabilities:
-            raise InvalidInputError(
-                f"{setting} needs capability {cap!r}, which backend {backend.name!r} does not declare (it declares "
-                f"{', '.join(sorted(backend.capabilities)) or 'none'}); expected {instead}, or a backend that "
-                "declares it")
-
-
 class ReplayEngine:
     """One replay: build with a config and a backend, call `step()` `config.steps` times, `close()`."""
 
@@ -330,7 +309,8 @@ class ReplayEngine:
                                          if first in c.resident_layers)
         self.offloaded_groups = [g for g in range(len(self.group_layers)) if g not in self.resident_groups]
         self.layer_group = [(g, li) for g, n in enumerate(self.group_layers) for li in range(n)]
-        _check_capabilities(c, backend, [self.group_layers[g] for g in self.offloaded_groups])
+        check_flag_capabilities(backend, [self.group_layers[g] for g in self.offloaded_groups], index_share=c.index_share,
+                                rows_per_request=c.rows_per_request, row_format_name=c.fmt.name)
         self.reference_layers = reference_layers(self.group_first_layer, c.layers)
         self.pages_per_request = p.pages_per_request
         self.indexer_blocks = p.indexer_blocks_per_request

@@ -3,8 +3,35 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from hisparse_core.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from hisparse_core.backend import Backend
+
+
+def check_flag_capabilities(backend: Backend, group_layers: list[int], *, index_share: int, rows_per_request: int,
+                            row_format_name: str) -> None:
+    """Refuse, in the flags' words (`hisparse run` and `bench`) and before anything is built, index
+    groups of `group_layers` that need a capability `backend` does not declare. The worker and
+    `backend.check_capabilities` say the same in `RuntimeConfig`'s words (`num_layers=2`), later."""
+    from hisparse_core.backend import Capability
+
+    needs = []
+    if any(n > 1 for n in group_layers):
+        needs.append((Capability.INDEX_SHARING, f"--index-share {index_share} (layers sharing one top-k)",
+                      "--index-share 1"))
+    if rows_per_request > 1:
+        needs.append((Capability.SPECULATIVE_UNION, f"--rows-per-request {rows_per_request}", "--rows-per-request 1"))
+    if f"row_format:{row_format_name}" in Capability.ALL:
+        needs.append((f"row_format:{row_format_name}", f"--row-format {row_format_name}", "another --row-format"))
+    for cap, setting, instead in needs:
+        if cap not in backend.capabilities:
+            raise InvalidInputError(
+                f"{setting} needs capability {cap!r}, which backend {backend.name!r} does not declare (it declares "
+                f"{', '.join(sorted(backend.capabilities)) or 'none'}); expected {instead}, or a backend that "
+                "declares it")
 
 
 def index_groups(num_layers: int, index_share: int) -> list[int]:

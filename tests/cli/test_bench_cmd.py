@@ -82,6 +82,7 @@ def test_bench_refuses_index_groups_the_backend_does_not_declare() -> None:
         def create_host_pool(self, spec):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
             raise AssertionError("the host pool was created before the refusal")
 
-    with pytest.raises(InvalidInputError, match="index_sharing.*num_layers=2"):
+    with pytest.raises(InvalidInputError, match=r"^--index-share 2 \(layers sharing one top-k\) needs capability "
+                                                "'index_sharing', which backend 'reference_cpu' does not declare"):
         run_bench(BenchConfig(requests=1, context=256, steps=2, warmup=0, top_k=16, layers=2, index_share=2,
                               block_size=16), NoSharing())

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
-from hisparse_core.errors import InvalidCommandError
+from hisparse_core.errors import InvalidCommandError, a_or_an
 from hisparse_core.pd.errors import StaleHandshakeError
 
 #: Version of the handshake and request wire format. A peer with another version is rejected.
@@ -148,7 +148,7 @@ class PrefillHandshake:
             raise InvalidCommandError(f"{owner}.regions must be a non-empty tuple of KvRegion (one per layer)")
         for i, region in enumerate(self.regions):
             if not isinstance(region, KvRegion):
-                raise InvalidCommandError(f"{owner}.regions[{i}] is a {type(region).__name__}; expected KvRegion")
+                raise InvalidCommandError(f"{owner}.regions[{i}] is {a_or_an(type(region).__name__)}; expected KvRegion")
             if region.layer != i:
                 raise InvalidCommandError(f"{owner}.regions[{i}] is for layer {region.layer}; expected layer {i}")
             if region.page_stride < self.page_bytes:

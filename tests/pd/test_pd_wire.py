@@ -66,6 +66,8 @@ def test_handshake_rejects_malformed_input_by_name() -> None:
         PrefillHandshake.from_dict(d)
     with pytest.raises(InvalidCommandError, match=r"regions\[1\] is for layer 2; expected layer 1"):
         handshake(regions=(KvRegion(0, 4096, 4, 64 * 656), KvRegion(2, 8192, 4, 64 * 656)))
+    with pytest.raises(InvalidCommandError, match=r"regions\[1\] is an int; expected KvRegion"):
+        handshake(regions=(KvRegion(0, 4096, 4, 64 * 656), 7))
     with pytest.raises(InvalidCommandError, match="page_stride=100 is smaller than a page"):
         handshake(regions=(KvRegion(0, 4096, 4, 100),))
     with pytest.raises(InvalidCommandError, match="mem_type is 'HBM'"):

@@ -343,32 +343,21 @@ def check_backend_name(name: str | None) -> str | None:
     """Why `--backend NAME` (or $HISPARSE_BACKEND) cannot be used here, or None. Asks the
     registry's entry-point metadata and the plugins' light probes only: no torch."""
     from hisparse_core.errors import HiSparseError
+    from hisparse_core.log_hold import held_unless_it_fails
     from hisparse_core.registry import ENV_BACKEND, get_registry
 
     # Discovery's WARNINGs (a plugin that does not import) are held until the choice is made: where
     # it fails, the one error line names the backend and why it is broken; where it succeeds they pass.
-    discovery = logging.getLogger("hisparse_core.discovery")
-    held: list[logging.LogRecord] = []
-
-    def hold(record: logging.LogRecord) -> bool:
-        held.append(record)
-        return False
-
-    discovery.addFilter(hold)
     try:
-        get_registry().choose(name)
+        with held_unless_it_fails("hisparse_core.discovery"):
+            get_registry().choose(name)
     except HiSparseError as exc:
-        held.clear()
         import os
 
         source = f"--backend {name!r}" if name is not None else (
             f"${ENV_BACKEND}={os.environ.get(ENV_BACKEND, '')!r}" if os.environ.get(ENV_BACKEND, "").strip()
             else "backend selection")
         return f"{source}: {exc}"
-    finally:
-        discovery.removeFilter(hold)
-        for record in held:
-            discovery.handle(record)
     return None
 
 

@@ -160,7 +160,12 @@ def _fill_pattern(view: torch.Tensor, block_size: int, gen: torch.Generator) -> 
 
 
 #: The flags that shrink each request's device caches, for bench's refusals.
-_HOT = "--top-k, --hot or --tail-pages"
+_HOT = ("--top-k", "--hot", "--tail-pages")
+
+
+def _either(flags: tuple[str, ...]) -> str:
+    """"A", "A or B", "A, B or C"."""
+    return ", ".join(flags[:-1]) + " or " + flags[-1] if len(flags) > 1 else "".join(flags)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,17 +200,17 @@ class _Fits:
         return cls(min(requests, c.requests - 1), max(0, min(pages * c.block_size - c.steps, c.context - 1)),
                    max(0, min(tail, c.tail_pages - 1)))
 
-    def remedy(self, plain: str, *, context: bool = False, tail: bool = False, others: str = "") -> str:
+    def remedy(self, plain: str, *, context: bool = False, others: tuple[str, ...] = ()) -> str:
         """`lower --requests to at most R, or --context to at most C, or --tail-pages to at most T,
-        or OTHERS` (--context where `context`, --tail-pages where `tail`, then dropped from
-        `others`), naming each figure that fits; `plain` where none does."""
+        or OTHERS` (--context where `context`, --tail-pages where `others` names it, then left out
+        of them), naming each figure that fits; `plain` where none does."""
         sized = [f"--requests{at_most(self.requests)}"] if self.requests else []
         if context and self.context:
             sized.append(f"--context{at_most(self.context)}")
-        if tail and self.tail_pages:
+        if "--tail-pages" in others and self.tail_pages:
             sized.append(f"--tail-pages{at_most(self.tail_pages)}")
-            others = others.replace(", --hot or --tail-pages", " or --hot")
-        return "lower " + ", or ".join(sized + ([others] if others else [])) if sized else plain
+            others = tuple(f for f in others if f != "--tail-pages")
+        return "lower " + ", or ".join(sized + ([_either(others)] if others else [])) if sized else plain
 
 
 def run_bench(config: BenchConfig, backend: Backend,
@@ -232,7 +237,7 @@ def run_bench(config: BenchConfig, backend: Backend,
                         f"device caches of {num_dev_blocks} blocks x {counted(c.layers, 'layer')} "
                         f"({counted(n_req, 'request')} x "
                         f"({hot_blocks} hot + {tail_slots} tail blocks))",
-                        remedy=fits.remedy("lower --requests, --top-k, --hot or --tail-pages", tail=True, others=_HOT))
+                        remedy=fits.remedy("lower --requests, --top-k, --hot or --tail-pages", others=_HOT))
     spec = HostPoolSpec(num_layers=c.layers, num_blocks=n_req * pages, block_size=bs, row_format=fmt)
     # Checked here with bench's own flags (the pool's check would say "lower the host pool budget").
     check_host_memory(spec.nbytes, f"the host pool of {counted(n_req, 'request')} x {counted(pages, 'page')} of "
@@ -241,7 +246,7 @@ def run_bench(config: BenchConfig, backend: Backend,
         check_host_memory(num_dev_blocks * bs * c.layers * fmt.row_bytes + spec.nbytes,
                           "the device caches and the host pool together (the backend runs on the CPU, so both are in "
                           "host RAM)", remedy=fits.remedy("lower --requests, --context, --top-k, --hot or --tail-pages",
-                                                          context=True, tail=True, others=_HOT))
+                                                          context=True, others=_HOT))
     if on_checked is not None:
         on_checked()
     logger.info("bench: %s of %d tokens, %s, top-k %d, hot buffer %d rows (%.2fx), "

@@ -8,10 +8,8 @@ Nothing here imports torch or a backend until a fixture asks for one. Disable it
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,11 +67,13 @@ def _require_backend(config: pytest.Config) -> None:
     (the report header: its `device` among others) raises, fails once, before collection, with the
     reason (not once per test, nor in a traceback of the header)."""
     from hisparse_core.errors import HiSparseError
+    from hisparse_core.log_hold import held_unless_it_fails
 
     source = "--hisparse-backend" if config.getoption("hisparse_backend") else (
         f"${ENV_BACKEND}" if os.environ.get(ENV_BACKEND, "").strip() else "the default backend")
     try:
-        with _logs_held_unless_it_fails():
+        # Discovery's and the registry's WARNINGs would say the reason again above the usage error.
+        with held_unless_it_fails("hisparse_core"):
             backend = selected_backend(config)
     except HiSparseError as exc:  # unknown, unavailable, broken, or a bad setting of its own (check_settings())
         raise pytest.UsageError(
@@ -86,34 +86,6 @@ def _require_backend(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"hisparse conformance: {source} {backend_name(config)!r} cannot describe itself: its describe() (name, "
             f"version, API version, device, capabilities) raised {error_summary(exc)}") from None
-
-
-class _Held(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@contextmanager
-def _logs_held_unless_it_fails() -> Iterator[None]:
-    """Hold what hisparse logs while the backend under test is discovered and selected: logged as
-    usual if selection succeeds, dropped if it fails. Then the usage error names the reason and
-    every other backend's, so a WARNING of discovery (a plugin that does not import) or of the
-    registry would only say the same above it."""
-    logger = logging.getLogger("hisparse_core")
-    held, propagate = _Held(), logger.propagate
-    logger.addHandler(held)
-    logger.propagate = False
-    try:
-        yield
-    finally:
-        logger.removeHandler(held)
-        logger.propagate = propagate
-    for record in held.records:
-        logging.getLogger(record.name).handle(record)
 
 
 def backend_name(config: pytest.Config) -> str:

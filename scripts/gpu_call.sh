@@ -38,9 +38,11 @@ for item in ${SEQ:-}; do
     if [ "$stage" != "$item" ]; then
         tf_root=$PWD
         [ -d .before/plugins/transformers/hisparse_transformers ] && tf_root=$PWD/.before
+        dir=before_$stage; n=1
+        while [ -e "$WORK/$dir" ]; do n=$((n + 1)); dir=before_$stage$n; done  # named twice: a second sample
         NVIDIA_ROOT=$PWD/.before TRANSFORMERS_ROOT=$tf_root BENCH_ARGS=${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-}} \
-            OUT=$WORK/before_$stage bash scripts/gpu_validate.sh "$stage" > "$WORK/before_$stage.summary" 2>&1
-        sed -n '/==== summary ====/,$p' "$WORK/before_$stage.summary"
+            OUT=$WORK/$dir bash scripts/gpu_validate.sh "$stage" > "$WORK/$dir.summary" 2>&1
+        sed -n '/==== summary ====/,$p' "$WORK/$dir.summary"
         continue
     fi
     dir=$stage; n=1

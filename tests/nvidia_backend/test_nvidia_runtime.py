@@ -184,14 +184,17 @@ def test_speculative_gather_early_exit_matches_reference(seed: int, monkeypatch:
     batches the speculative gather covers: blocks that can hold no miss leave without waiting for
     the resolver (the victims flag, copy.cu), the rest copy the resolver's misses. Odd seeds turn
     the early exit off (HISPARSE_SPEC_EARLY_EXIT=0), seeds 2 and 3 mod 4 run the slot kernel
-    (HISPARSE_SPEC_KERNEL=slots), seeds 4 and 8 entry blocks of 8 and 37 entries; the bytes must be the
-    reference's in every case."""
+    (HISPARSE_SPEC_KERNEL=slots), seeds 4 and 8 entry blocks of 8 and 37 entries (37: runs of one
+    entry), seeds 5 and 9 runs of one entry and consecutive entries a block (HISPARSE_SPEC_RUN=1, 0);
+    the bytes must be the reference's in every case."""
     if seed % 2:
         monkeypatch.setenv("HISPARSE_SPEC_EARLY_EXIT", "0")
     kernel = "slots" if seed % 4 >= 2 else "entries"
     monkeypatch.setenv("HISPARSE_SPEC_KERNEL", kernel)
     if seed in (4, 8):  # entry blocks of a few entries: many partial blocks
         monkeypatch.setenv("HISPARSE_SPEC_EPB", str((8, 37)[seed // 8]))
+    if seed in (5, 9):  # a block's entries every nb-th of the row, or all consecutive
+        monkeypatch.setenv("HISPARSE_SPEC_RUN", str((1, 0)[seed // 8]))
     rng = random.Random(9100 + seed)
     bs = rng.choice([4, 16])
     k = rng.choice([64, 256])

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -86,6 +87,7 @@ from hisparse_nvidia.settings import (
     spec_gather,
     spec_kernel,
     spec_rows_cap,
+    spec_run,
 )
 from hisparse_nvidia.validation import check_shapes, check_tensor, check_values
 
@@ -205,6 +207,7 @@ class NvidiaRuntime(CacheRuntime):
         # None: 32 entries a block where the speculative gather takes the whole batch, 128 where it
         # takes the first rows of a split batch (the sizes measured in issue 28's sweep).
         self._spec_epb: int | None = spec_epb()
+        self._spec_run = spec_run()
         # Blocks of the slot kernel one SM holds at once (its registers decide): how many first rows
         # of a larger batch the speculative gather takes (`_split_rows`), whichever kernel runs.
         self._spec_per_sm = copy_mod.function("hisparse_gather_spec").max_active_blocks(self._copy_shape.threads, 0)
@@ -512,8 +515,8 @@ class NvidiaRuntime(CacheRuntime):
         if entries:
             kernel = self._k_gather_entries
             epb = self._spec_epb or (_SPEC_EPB_WHOLE if rows == self._last_rows else _SPEC_EPB_SPLIT)
-            blocks = -(-rows * cfg.top_k // epb)
-            extra = [_i32(epb)]
+            blocks = rows * -(-cfg.top_k // epb)  # every nb-th run of a row a block (copy.cu)
+            extra = [_i32(epb), _i32(math.gcd(self._spec_run or epb, epb))]
         else:
             blocks = -(-rows * cfg.top_k * c.slots_per_row // (c.threads * c.unroll))
         kernel.launch(
@@ -545,6 +548,7 @@ class NvidiaRuntime(CacheRuntime):
                 "prefetch_gather_blocks": self._prefetch_blocks, "gather_follow": self._follow, "spec_split": self._split, "spec_blocks_per_sm": self._spec_per_sm,
                 "spec_early_exit": self._early_exit, "spec_kernel": self._spec_kernel,
                 "spec_entries_per_block": self._spec_epb or 0,
+                "spec_run": self._spec_run,
                 "resolve_registers": self._k_resolve.registers,
                 "cluster_registers": self._k_resolve_cluster.registers if self._k_resolve_cluster is not None else 0,
                 "plan_copy_registers": self._k_gather.registers, "plan_copy_per_sm": self._gather_fit,

@@ -74,6 +74,13 @@ SPEC_KERNELS = ("auto", "entries", "slots")
 #: 128, 274 misses 33.7 against 36.8, no-miss steps equal) and 128 for the first rows of a split
 #: batch (batch 32 and 64, measured only so; docs/gpu-validation.md, issue 28).
 ENV_SPEC_EPB = "HISPARSE_SPEC_EPB"
+#: Consecutive entries a block of the entry kernel takes together (its runs; every nb-th run of a row
+#: is the block's), for tuning: 0 takes the block's entries all consecutive (the layout before the
+#: thirty-fifth session). A decode's misses sit together in its top-k, and a block reads only
+#: HS_SEARLY of its likely misses before the resolver ends; runs of 8 spread them over the row's
+#: blocks and keep one 32-byte sector per 8 entries. The runtime uses gcd(run, entries a block).
+ENV_SPEC_RUN = "HISPARSE_SPEC_RUN"
+SPEC_RUN = 8
 #: Set to 1 to unregister (and unmap) pools still held at interpreter exit (host_pool.py).
 ENV_UNREGISTER_AT_EXIT = "HISPARSE_UNREGISTER_AT_EXIT"
 
@@ -129,6 +136,11 @@ def spec_epb() -> int | None:
     """`HISPARSE_SPEC_EPB`: entries a block of the entry kernel classifies; None (unset or 0) for the
     runtime's choice."""
     return env_int_in(ENV_SPEC_EPB, 0, 0, 128, "0 (the default) or 1 to 128 entries a block") or None
+
+
+def spec_run() -> int:
+    """`HISPARSE_SPEC_RUN` (default `SPEC_RUN`): 0 for consecutive entries a block, else 1 to 128."""
+    return env_int_in(ENV_SPEC_RUN, SPEC_RUN, 0, 128, "0 (consecutive) or 1 to 128 entries a run")
 
 
 def gather_per_sm() -> int:
@@ -188,6 +200,7 @@ def check_settings() -> None:
     spec_rows_cap()
     spec_blocks_per_sm()
     spec_epb()
+    spec_run()
     gather_per_sm()
     gather_blocks(None)
     prefetch_gather_blocks(None)

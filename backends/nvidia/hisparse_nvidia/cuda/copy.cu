@@ -546,15 +546,16 @@ struct HsLocalPair {
 };
 
 // The speculative gather by entries (the default; HISPARSE_SPEC_KERNEL=slots is hisparse_gather_spec
-// above): the same contract and launch, but a block first classifies `epb` consecutive entries,
-// one a thread of its first half (three round trips, as there), and only the block's likely misses
+// above): the same contract and launch, but a block first classifies `epb` entries of one row
+// (runs of `run`, every nb-th run, nb = ceil(K / epb)), one a thread of its first half (three round trips, as there), and only the block's likely misses
 // become 16-byte tasks, HS_UNROLL a thread, read into registers before griddepcontrol.wait. After
 // it, each classified entry reads the resolver's verdict (count, mask bit, output row) once; the
 // early reads of misses are stored, and the misses not read early (guessed hits, or past what the
 // registers hold) are copied then. A step without misses costs a grid of rows * K / HS_SEPB blocks
 // that fits beside the resolver in one wave (64 blocks at batch 8 of top-k 2048), where the slot
 // kernel's rows * K * HS_SLOTS / (HS_GNT * HS_UNROLL) blocks (768) took several. The early exit
-// (victims) is the slot kernel's. `epb` (1..HS_SEPB) entries a block; grid: (ceil(rows * K / epb), 1, 1).
+// (victims) is the slot kernel's. `epb` (1..HS_SEPB) entries a block, in runs of `run` (a divisor of epb);
+// grid: (rows * ceil(K / epb), 1, 1).
 #define HS_SEPB (HS_GNT / 2)
 #define HS_SEARLY ((HS_GNT * HS_UNROLL) / HS_SLOTS)  // likely misses a block reads early
 extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec_entries(
@@ -563,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec_entrie
     const i32* hot_map, const i32* __restrict__ out_rows, const i32* __restrict__ plan_counts,
     const u32* __restrict__ miss_mask, i32 rows, i32 K, i32 bs, i32 P, i32 H, const i64* __restrict__ host_bases,
     const i64* __restrict__ dev_bases, const i64* __restrict__ dev_block_strides, i64 host_rows, i64 dev_rows,
-    u64* __restrict__ stats, const i32* victims, i32 epb) {
+    u64* __restrict__ stats, const i32* victims, i32 epb, i32 run) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     const HsRows src = hs_rows(HS_KIND_HOST, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
     const HsRows dst = hs_rows(HS_KIND_DEVICE, 0, host_bases, dev_bases, dev_block_strides, host_rows, dev_rows);
@@ -572,9 +573,17 @@ extern "C" __global__ void __launch_bounds__(HS_GNT) hisparse_gather_spec_entrie
     __shared__ i32 s_list[HS_SEPB];   // likely misses, then the misses not read early (local indices)
     __shared__ i32 s_warp[HS_GNT / 32];
     const i32 tid = threadIdx.x;
-    const i32 total = rows * K;       // < 2^31 (max_batch_rows * top_k, checked by the host)
-    const i32 E = blockIdx.x * epb + tid;
-    const bool mine = tid < epb && E < total;
+    // A block's entries are runs of `run` consecutive entries of one row, every nb-th run, not epb
+    // consecutive entries: a step's misses often sit together in the top-k (a decode's new positions),
+    // and a cluster of them longer than HS_SEARLY in one block was read after the wait. A run of 8 keeps
+    // the per-entry loads at one 32-byte sector per 8 entries, as consecutive entries have them.
+    // run divides epb (the host's gcd); run == epb is the consecutive layout. rows * nb blocks;
+    // rows * K < 2^31 (checked by the host).
+    const i32 nb = (K + epb - 1) / epb;
+    const i32 row = blockIdx.x / nb;
+    const i32 k = ((tid / run) * nb + blockIdx.x % nb) * run + tid % run;
+    const i32 E = row * K + k;
+    const bool mine = tid < epb && row < rows && k < K;
 
     // ---- 1. Classify the block's entries (three round trips) ----------------------------------
     i32 q = -1, t = -1, len = 0;

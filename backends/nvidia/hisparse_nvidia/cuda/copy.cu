@@ -547,9 +547,10 @@ struct HsLocalPair {
 
 // The speculative gather by entries (the default; HISPARSE_SPEC_KERNEL=slots is hisparse_gather_spec
 // above): the same contract and launch, but a block first classifies `epb` entries of one row
-// (runs of `run`, every nb-th run, nb = ceil(K / epb)), one a thread of its first half (three round trips, as there), and only the block's likely misses
-// become 16-byte tasks, HS_UNROLL a thread, read into registers before griddepcontrol.wait. After
-// it, each classified entry reads the resolver's verdict (count, mask bit, output row) once; the
+// (runs of `run`, every nb-th run, nb = ceil(K / epb)), one a thread of its first half (three round
+// trips, as there), and only the block's likely misses become 16-byte tasks, HS_UNROLL a thread,
+// read into registers before griddepcontrol.wait. After it, each classified entry reads the
+// resolver's verdict (count, mask bit, output row) once; the
 // early reads of misses are stored, and the misses not read early (guessed hits, or past what the
 // registers hold) are copied then. A step without misses costs a grid of rows * K / HS_SEPB blocks
 // that fits beside the resolver in one wave (64 blocks at batch 8 of top-k 2048), where the slot

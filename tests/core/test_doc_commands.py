@@ -242,7 +242,9 @@ class _Parsed(BaseException):
 
 @contextlib.contextmanager
 def stop_after_parsing(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[argparse.ArgumentParser]]:
-    """Yields the parsers that parse, in order (the top level's, then a sub-command's)."""
+    """Yields the parsers that parse, in order (the top level's, then a sub-command's). The first
+    parse stops the script: one that parsed twice (a pre-parser's parse_known_args first) would fail
+    here on the pre-parser's leftovers, not pass unchecked. No script of the docs does now."""
     original: Callable[..., Any] = argparse.ArgumentParser.parse_known_args
     parsers: list[argparse.ArgumentParser] = []
     depth = [0]

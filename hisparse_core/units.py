@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from fractions import Fraction
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -18,7 +19,15 @@ def human_bytes(n: float | None) -> str:
     while abs(v) >= 1024 and i < len(_UNITS) - 1:
         v /= 1024
         i += 1
-    return f"{int(v)} B" if i == 0 else f"{v:.2f} {_UNITS[i]}"
+    if i == 0:
+        return f"{int(v)} B"
+    if isinstance(n, int):
+        # Rounded from the exact ratio: float(n) is inexact past 2**53 (8 PiB), where a value just
+        # above a tie such as 52.625 PiB would read back 52.62, more than half a unit off.
+        hundredths = round(Fraction(n, 1 << (10 * i)) * 100)   # half to even, as float formatting
+        whole, frac = divmod(abs(hundredths), 100)
+        return f"{'-' if hundredths < 0 else ''}{whole}.{frac:02d} {_UNITS[i]}"
+    return f"{v:.2f} {_UNITS[i]}"
 
 
 _FLAG_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))

@@ -22,6 +22,16 @@ def test_figures(n: float | None, text: str) -> None:
     assert human_bytes(n) == text
 
 
+def test_integers_past_2_53_round_from_their_exact_value() -> None:
+    """52.625 PiB plus one byte is above the tie, so 52.63; `float(n)` (exact only up to 2**53)
+    dropped the byte and the tie rounded to even, 52.62: more than half a unit off."""
+    tie = 421 << 47   # 52.625 PiB
+    assert human_bytes(tie) == "52.62 PiB"   # an exact tie: half to even, as float formatting
+    assert human_bytes(tie + 1) == "52.63 PiB"
+    assert human_bytes(tie - 1) == "52.62 PiB"
+    assert human_bytes(-(tie + 1)) == "-52.63 PiB"
+
+
 @given(st.integers(0, 1 << 62))
 def test_reads_back_within_rounding(n: int) -> None:
     value, unit = human_bytes(n).split()

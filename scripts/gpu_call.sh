@@ -30,6 +30,12 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 echo "=== side by side: ${PAR:-none} in $((SECONDS - t0)) s"
 for stage in ${PAR:-}; do sed -n '/==== summary ====/,$p' "$WORK/$stage.summary"; done
+# A stage's folder under $WORK: NAME, or NAME2, NAME3, ... where a stage is named twice (a second sample).
+fresh_dir() {
+    local dir=$1 n=1
+    while [ -e "$WORK/$dir" ]; do n=$((n + 1)); dir=$1$n; done
+    echo "$dir"
+}
 for item in ${SEQ:-}; do
     # "before:STAGE": the stage on the backends/nvidia (and, where .before/ has it, the
     # plugins/transformers) of the tree under .before/ (git archive of an earlier commit), with
@@ -38,16 +44,13 @@ for item in ${SEQ:-}; do
     if [ "$stage" != "$item" ]; then
         tf_root=$PWD
         [ -d .before/plugins/transformers/hisparse_transformers ] && tf_root=$PWD/.before
-        dir=before_$stage; n=1
-        while [ -e "$WORK/$dir" ]; do n=$((n + 1)); dir=before_$stage$n; done  # named twice: a second sample
+        dir=$(fresh_dir "before_$stage")
         NVIDIA_ROOT=$PWD/.before TRANSFORMERS_ROOT=$tf_root BENCH_ARGS=${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-}} \
             OUT=$WORK/$dir bash scripts/gpu_validate.sh "$stage" > "$WORK/$dir.summary" 2>&1
-        sed -n '/==== summary ====/,$p' "$WORK/$dir.summary"
-        continue
+    else
+        dir=$(fresh_dir "$stage")
+        OUT=$WORK/$dir bash scripts/gpu_validate.sh "$stage" > "$WORK/$dir.summary" 2>&1
     fi
-    dir=$stage; n=1
-    while [ -e "$WORK/$dir" ]; do n=$((n + 1)); dir=$stage$n; done  # a stage named twice: a second sample
-    OUT=$WORK/$dir bash scripts/gpu_validate.sh "$stage" > "$WORK/$dir.summary" 2>&1
     sed -n '/==== summary ====/,$p' "$WORK/$dir.summary"
 done
 echo "=== all in $((SECONDS - t0)) s"

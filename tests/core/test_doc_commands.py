@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_scripts import imported
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -268,30 +269,22 @@ def stop_after_parsing(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[argpars
 
 @contextlib.contextmanager
 def entry_point(target: str) -> Iterator[Callable[..., Any]]:
-    """`main` of a repository script (imported as running it does, its folder on sys.path) or module."""
+    """`main` of a repository script (imported as running it does, `bench_scripts.imported`) or module."""
     script = ROOT / target
-    name = f"{script.stem}_doc_command"
-    saved_path = list(sys.path)
+    saved_path = list(sys.path)  # the scripts put their own folders on it when imported
     try:
-        try:
-            if target.endswith(".py"):
-                sys.path.insert(0, str(script.parent))
-                spec = importlib.util.spec_from_file_location(name, script)
-                assert spec is not None and spec.loader is not None, script
-                module: ModuleType = importlib.util.module_from_spec(spec)
-                sys.modules[name] = module
-                spec.loader.exec_module(module)
-            else:
-                module = importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            top = (exc.name or "").split(".")[0]
-            if _module_file(top) is not None or (script.parent / f"{top}.py").is_file():
-                raise
-            # an optional extra (triton, transformers, ...) that is not installed here
-            pytest.skip(f"{target} cannot be imported here: {exc}")
-        yield module.main
+        with contextlib.ExitStack() as stack:
+            try:
+                module: ModuleType = (stack.enter_context(imported(script)) if target.endswith(".py")
+                                      else importlib.import_module(target))
+            except ModuleNotFoundError as exc:
+                top = (exc.name or "").split(".")[0]
+                if _module_file(top) is not None or (script.parent / f"{top}.py").is_file():
+                    raise
+                # an optional extra (triton, transformers, ...) that is not installed here
+                pytest.skip(f"{target} cannot be imported here: {exc}")
+            yield module.main
     finally:
-        sys.modules.pop(name, None)
         sys.path[:] = saved_path
 
 

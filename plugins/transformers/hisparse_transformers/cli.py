@@ -27,7 +27,7 @@ from hisparse_core.cli.options import (
 )
 from hisparse_core.errors import HiSparseError
 from hisparse_core.progress import ProgressBar
-from hisparse_core.replay.report import kv_place
+from hisparse_core.replay.report import counted, kv_place
 
 DESCRIPTION = """\
 A real transformers model decodes through hisparse, checked against itself.
@@ -145,11 +145,6 @@ def _none_released(c: dict, s: dict) -> str:  # type: ignore[type-arg]
     return "; the engine's floor for this batch holds every page, so no page is released: longer prompts offload"
 
 
-def _n(count: int, noun: str) -> str:
-    """`count` `noun`s, the noun singular for one."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def _few(lengths: list[int]) -> str:
     """Prompt lengths for a line of text: every one of a few, else the first three and the last."""
     return str(lengths) if len(lengths) <= 6 else f"[{', '.join(map(str, lengths[:3]))}, ..., {lengths[-1]}]"
@@ -159,7 +154,7 @@ def _second_batch(c: dict) -> str:  # type: ignore[type-arg]
     """The second batch in words: its prompts and new tokens, and what of them the prefix is (where
     every prompt is shorter than the prefix, each is a start of it: it shares no whole prefix)."""
     lengths, shared = c["second_batch_lengths"], c["shared_prefix"]
-    text = f"{_n(len(lengths), 'prompt')} of {_few(lengths)} tokens + {c['second_batch_new_tokens']} new, "
+    text = f"{counted(len(lengths), 'prompt')} of {_few(lengths)} tokens + {c['second_batch_new_tokens']} new, "
     if max(lengths) <= shared:
         return text + ("the start" if len(lengths) == 1 else "each the start") + f" of the {shared}-token shared prefix"
     return text + f"sharing a {shared}-token prefix" + (" (a prompt shorter than it is all prefix)"
@@ -175,11 +170,11 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     where = kv_place(e["device"])
     rows = [
         ("backend", f"{e['backend']} on {e['device']}"),
-        ("model", f"tiny random {c['name']} ({c['model']}, {c['dtype']}): {_n(c['layers'], 'layer')} in index groups "
+        ("model", f"tiny random {c['name']} ({c['model']}, {c['dtype']}): {counted(c['layers'], 'layer')} in index groups "
                   f"{e['index_groups']}, top-k {c['top_k']}, hot buffer {e['hot_rows']} rows, row {e['row_format']} "
                   f"({e['row_bytes']} B" + (f"; the model's own rows {e['model_row_bytes']} B"
                                             if c.get("kv_rows") == "fp8" else "") + ")"),
-        ("batches", f"{c['prompts']} prompt{'' if c['prompts'] == 1 else 's'} of {_few(c['prompt_lengths'])} tokens + "
+        ("batches", f"{counted(c['prompts'], 'prompt')} of {_few(c['prompt_lengths'])} tokens + "
                     f"{c['new_tokens']} new; then " + _second_batch(c)),
         ("budgets", f"{where} {e['gpu_pool_pages']} pages (the first batch needs {e['all_resident_pages']} all "
                     "resident" + _none_released(c, s) + f"), host pool {e['host_pool_blocks']} pages"),
@@ -210,9 +205,9 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         *([("reference", "the model alone reading its normed latent rounded to fp8 as hisparse stores it "
                          "(--kv-rows fp8)")] if c.get("kv_rows") == "fp8" else []),
         ("first batch", f"tokens {'identical' if f1['tokens_identical'] else 'DIFFER'}, max abs logit diff "
-                        f"{f1['max_abs_logit_diff']:.2e} over {_n(f1['steps'], 'step')}"),
+                        f"{f1['max_abs_logit_diff']:.2e} over {counted(f1['steps'], 'step')}"),
         ("second batch", f"tokens {'identical' if f2['tokens_identical'] else 'DIFFER'}, max abs logit diff "
-                         f"{f2['max_abs_logit_diff']:.2e} over {_n(f2['steps'], 'step')}"),
+                         f"{f2['max_abs_logit_diff']:.2e} over {counted(f2['steps'], 'step')}"),
         ("rows checked", f"{x['rows_checked']} rows read, each "
                          f"{'within fp8 rounding of' if c.get('kv_rows') == 'fp8' else 'equal to'} the model's own "
                          f"latent (max abs diff {x['rows_max_abs_diff']:.1e})"),
@@ -224,7 +219,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
     judged_by_stored = st is not None and st["judged"]
     if st is not None:
         rows.append(("stored rows", f"teacher-forced, the model alone reading the very latents hisparse stored: max "
-                                    f"abs logit diff {st['max_abs_logit_diff']:.2e} over {_n(st['steps'], 'step')}; "
+                                    f"abs logit diff {st['max_abs_logit_diff']:.2e} over {counted(st['steps'], 'step')}; "
                                     f"the model itself rounds {st['rounding_flips']} of {st['latent_values']} "
                                     "latent values to another fp8 value (float noise at a rounding boundary; "
                                     "padding positions not compared)" + ("" if st.get("judged", True) else
@@ -242,7 +237,7 @@ def _table(result: dict) -> str:  # type: ignore[type-arg]
         rows.append(("offload", f"teacher-forced, hisparse at this budget against the same engine under one that "
                                 f"releases no page ({off['all_resident_released_pages']} released; its "
                                 f"{off['all_resident_misses']} misses are prefix-hit pages, which start in the host "
-                                f"pool): max abs logit diff {off['max_abs_logit_diff']:.2e} over {_n(off['steps'], 'step')}"))
+                                f"pool): max abs logit diff {off['max_abs_logit_diff']:.2e} over {counted(off['steps'], 'step')}"))
     causes = []          # every check that failed, the offload check first
     if off is not None and not off["exact"]:
         causes.append(f"offloading moved the logits by {off['max_abs_logit_diff']:.2e}: expected the all-resident "
@@ -314,7 +309,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
     if args.gpu_kv is not None:
         given = args.gpu_kv // block_bytes
         if given < floor:
-            raise CapacityError(f"--gpu-kv {human_bytes(args.gpu_kv)} holds {given} page{'' if given == 1 else 's'} of "
+            raise CapacityError(f"--gpu-kv {human_bytes(args.gpu_kv)} holds {counted(given, 'page')} of "
                                 f"{block_bytes} B (--layers {args.layers} x --block-size {bs} x {row_bytes} B), below "
                                 f"the {floor} that {needs}; expected --gpu-kv >= {ceil_size(floor * block_bytes)}")
     else:
@@ -360,7 +355,7 @@ def preflight(args: argparse.Namespace, device: str) -> tuple[int, float]:
                sum(_cdiv(n + args.new_tokens, bs) for n in lengths))
     if usable < need:
         raise CapacityError(f"{host_flag} {shown} holds {max(usable, 0)} pages of {block_bytes} B; "
-                            f"the batch's {args.prompts} prompt{'' if args.prompts == 1 else 's'} of {_few(lengths)} "
+                            f"the batch's {counted(args.prompts, 'prompt')} of {_few(lengths)} "
                             f"tokens + {args.new_tokens} new need "
                             f"{need}: expected {host_flag} >= {up((need + 1) * block_bytes)}")
     avail = available_host_bytes()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from hisparse_core.replay.report import NO_LOOKUPS
+from hisparse_core.replay.report import NO_LOOKUPS, counted
 from hisparse_core.units import human_bytes
 
 
@@ -96,7 +96,7 @@ class HiSparseStats:
     def __str__(self) -> str:
         """A few lines for `print(hs.stats())`; the fields themselves (and `to_json`) hold every figure."""
         lines = [
-            f"hisparse on {self.backend} ({self.device}): {self.requests} request{'' if self.requests == 1 else 's'}, "
+            f"hisparse on {self.backend} ({self.device}): {counted(self.requests, 'request')}, "
             f"decode {self.decode_mode}",
             f"  tokens: {self.prefill_tokens} prefilled ({self.prefill_tokens_per_s:.1f}/s, "
             f"{self.prefix_hit_tokens} more served by prefix hits), {self.decode_tokens} decoded"

@@ -35,7 +35,9 @@ costs `m * top_k * num_layers * row_bytes` host-to-device, and mirroring its new
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, replace
+from fractions import Fraction
 
 from hisparse_core.errors import InvalidInputError
 
@@ -326,9 +328,19 @@ def parse_bytes(text: str) -> int:
         raise InvalidInputError(f"cannot read {text!r} as a size; expected a number with an optional unit "
                                 f"({', '.join(u for u in units if u)})")
     try:
-        value = float(num)
+        approx = float(num)
     except ValueError:
         raise InvalidInputError(f"cannot read {text!r} as a size: {num!r} is not a number") from None
-    if value < 0:
+    if approx < 0:
         raise InvalidInputError(f"size {text!r} is negative")
-    return int(value * units[unit])
+    if not math.isfinite(approx):
+        raise InvalidInputError(f"size {text!r} is too large; expected at most {sys.float_info.max:.3g} of its unit")
+    if approx == 0:  # also a tiny exponent such as 1e-999999999, which Fraction would expand in full
+        return 0
+    # Exact (a float product is off by more than a byte past 2**53, so a size that `floor_size` or
+    # `ceil_size` printed would no longer read back as at most or at least the bytes it stood for).
+    try:
+        exact = Fraction(num)
+    except ValueError:  # a spelling float() reads and Fraction() does not: the float's own value
+        exact = Fraction(approx)
+    return int(exact * units[unit])

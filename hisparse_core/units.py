@@ -33,11 +33,18 @@ def human_bytes(n: float | None) -> str:
 _FLAG_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
+def _hundredths(h: int, unit: str) -> str:
+    # Integer arithmetic throughout: past 2**53 a float quotient can round onto the next hundredth,
+    # and a rounded-down size would no longer fit (or a rounded-up one no longer suffice).
+    whole, frac = divmod(h, 100)
+    return f"{whole}.{frac:02d}{unit}"
+
+
 def floor_size(nbytes: int) -> str:
     """`nbytes` as a size the CLI's size flags accept, rounded down (so that, given back, it still fits)."""
     for unit, scale in _FLAG_UNITS:
         if nbytes >= scale:
-            return f"{math.floor(100 * nbytes / scale) / 100:.2f}{unit}"
+            return _hundredths(100 * nbytes // scale, unit)
     return f"{nbytes}B"
 
 
@@ -52,7 +59,7 @@ def ceil_size(nbytes: int) -> str:
     """`nbytes` as a size the CLI's size flags accept, rounded up (so that, given back, it is enough)."""
     for unit, scale in _FLAG_UNITS:
         if nbytes >= scale:
-            return f"{math.ceil(100 * nbytes / scale) / 100:.2f}{unit}"
+            return _hundredths(-(-100 * nbytes // scale), unit)
     return f"{nbytes}B"
 
 

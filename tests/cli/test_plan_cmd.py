@@ -6,6 +6,8 @@ import json
 import math
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from hisparse_core.cli import main
 from hisparse_core.errors import InvalidInputError
@@ -18,6 +20,7 @@ from hisparse_core.planner import (
     parse_bytes,
     published_miss_rate,
 )
+from hisparse_core.units import ceil_size, floor_size
 
 TINY = ModelGeometry("tiny", num_layers=2, row_bytes=656, indexer_bytes=132, top_k=64, block_size=16, index_share=2)
 
@@ -165,3 +168,22 @@ def test_the_published_miss_rate_is_the_hot_buffers_own(capsys: pytest.CaptureFi
     assert "hot buffer 192 rows (1.92x top-k; --hot 1.3 rounded up to whole 64-token blocks)" in capsys.readouterr().out
     assert main(["plan", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["miss_rate_source"] == "published LRU figure at 2x top-k"
+
+
+def test_parse_bytes_refuses_an_infinite_size() -> None:
+    """'1e400' overflowed a float and raised OverflowError (a traceback); it is one refusal now."""
+    with pytest.raises(InvalidInputError, match=r"size '1e400' is too large"):
+        parse_bytes("1e400")
+    assert parse_bytes("1e-999999999") == 0   # underflows: no Fraction of a billion-digit denominator
+
+
+@given(st.integers(0, 1 << 100))
+@example((1 << 93) + 1)
+@example(10**30 + 7)
+def test_printed_sizes_read_back_on_their_side(n: int) -> None:
+    """`floor_size` promises a size that still fits when given back, `ceil_size` one that is enough:
+    exact past 2**53, where float quotients and products are off by more than a byte."""
+    down, up = parse_bytes(floor_size(n)), parse_bytes(ceil_size(n))
+    assert down <= n <= up
+    unit = max([1] + [s for s in (1 << 10, 1 << 20, 1 << 30, 1 << 40) if n >= s])
+    assert n - down < unit / 100 + 1 and up - n < unit / 100 + 1

@@ -215,11 +215,18 @@ bench)
     run bench "${T_BENCH:-170}" python3 bench/bench_nvidia.py --json "$OUT/bench.json" ${BENCH_ARGS:-}
     ;;
 tf_tests)  # the transformers integration on the GPU (fp32 exact, bf16 teacher-forced, planted fault, graphs)
-    # TF_TESTS_FILES replaces the two files, TF_TESTS_EXTRA adds files, TF_TESTS_ARGS adds pytest arguments.
-    # -v: a run its time limit cuts off still names every test that finished (R1-R2 ran out under -q).
+    # TF_TESTS_FILES replaces the two files (`all`: the nine files with GPU tests, the rule after a change to
+    # the plugin; a brace pattern is not expanded here), TF_TESTS_EXTRA adds files, TF_TESTS_ARGS adds
+    # pytest arguments. -v: a run its time limit cuts off still names every test that finished (R1-R2 ran
+    # out under -q).
+    tf_files=${TF_TESTS_FILES:-tests/transformers_plugin/test_transformers_gpu.py tests/transformers_plugin/test_transformers_graphs.py}
+    if [ "$tf_files" = all ]; then
+        tf_files=$(printf 'tests/transformers_plugin/test_transformers_%s.py ' gpu graphs assisted_gpu indexer_keys \
+            resident_layers prefetch cache_modes kv_rows gpu_ranks)
+    fi
     # shellcheck disable=SC2086
-    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -v -rs -s -p no:cacheprovider ${TF_TESTS_FILES:-tests/transformers_plugin/test_transformers_gpu.py \
-        tests/transformers_plugin/test_transformers_graphs.py} ${TF_TESTS_EXTRA:-} ${TF_TESTS_ARGS:-}
+    run tf_tests "${T_TF_TESTS:-200}" python3 -m pytest -v -rs -s -p no:cacheprovider $tf_files ${TF_TESTS_EXTRA:-} \
+        ${TF_TESTS_ARGS:-}
     ;;
 triton)  # the triton backend compiled: its tests, then the conformance suite on it
     run triton "${T_TRITON:-300}" bash -c '

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -66,6 +67,7 @@ from tp_shared_support import (
     shm_used_bytes,
 )
 
+from hisparse_core.cli.options import MAX_SEED
 from hisparse_core.errors import HiSparseError
 
 PARTS = ("a", "b", "c", "d", "e")
@@ -521,8 +523,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         bad(f"--context {args.context}: {exc}")
     for name, lo in (("replays", 1), ("min_seconds", 0.0), ("delay", 0.05), ("peer_timeout", 1.0),
                      ("time_limit", 10.0), ("cost_tolerance", 0.0)):
-        if getattr(args, name) < lo:
-            bad(f"--{name.replace('_', '-')} {getattr(args, name)}: expected at least {lo}")
+        # NaN compares false either way (`nan < lo` let it through, and a deadline of nan never came)
+        if not lo <= getattr(args, name) < math.inf:
+            bad(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a finite number, at least {lo}")
+    if not 0 <= args.seed <= MAX_SEED:  # torch's manual_seed overflowed in each rank, after the pools were made
+        bad(f"--seed {args.seed}: expected an integer in [0, {MAX_SEED}]")
     try:
         args.devices = parse_devices(args.devices) if args.devices else None
     except ValueError as exc:

@@ -109,6 +109,30 @@ def test_bad_arguments_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         assert len(lines) == 1 and lines[0].startswith("bench_tp_shared: error: ") and want in lines[0], lines
 
 
+@pytest.mark.parametrize(("args", "want"), [
+    (["--delay", "nan"], "--delay nan: expected a finite number, at least 0.05"),
+    (["--time-limit", "nan"], "--time-limit nan: expected a finite number, at least 10.0"),
+    (["--peer-timeout", "nan"], "--peer-timeout nan: expected a finite number, at least 1.0"),
+    (["--cost-tolerance", "nan"], "--cost-tolerance nan: expected a finite number, at least 0.0"),
+    (["--min-seconds", "inf"], "--min-seconds inf: expected a finite number, at least 0.0"),
+    (["--delay", "1e400"], "--delay inf: expected a finite number, at least 0.05"),
+    (["--seed", str(10**30)], f"--seed {10**30}: expected an integer in [0, 4294967295]"),
+    (["--seed", "-1"], "--seed -1: expected an integer in [0, 4294967295]"),
+])
+def test_nan_inf_and_a_seed_torch_cannot_take_are_one_line(args: list[str], want: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`nan < lo` is false, so NaN passed the range check (a --time-limit of nan never ran out), and
+    `--seed 10**30` overflowed torch's manual_seed in both ranks after the shared pool was made (a
+    traceback each, and the pool left in /dev/shm)."""
+    import bench_tp_shared
+
+    with pytest.raises(SystemExit) as exc:
+        bench_tp_shared.parse_args(["--backend", "reference_cpu", *args])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"bench_tp_shared: error: {want}"]
+
+
 # ----------------------------------------------------------------------------- CPU: helpers
 
 

@@ -84,14 +84,37 @@ def parts(engine: Any, session: Any, token: torch.Tensor, steps: int, resolve: b
     return [crit / steps, d["_after_forward"] / steps, d["_plan_next"] / steps, d["fill"] / steps]
 
 
-def serving_blocks(batch: int, context: int, budget_gib: float, steps: int, mode: str) -> tuple[int, int]:
-    """(GPU blocks, pages per request) of bench_serving's row at this batch on the H200 geometry."""
+def serving_sizes(context: int, budget_gib: float, steps: int) -> Any:
+    """bench_serving's `Sizes` of a request of `context` tokens on the H200 geometry at this budget."""
     from bench_serving import sizes_for
     from transformers import DeepseekV32Config
 
     a = SimpleNamespace(block_size=64, smoke=False, warmup=0, steps=steps, max_context=context + steps + 1024,
                         hot_rows=0, fill_chunk=1024, host_gib=1e4, gpu_kv_gib=budget_gib, all_resident_gib=1e3)
-    s = sizes_for(DeepseekV32Config(num_hidden_layers=4, **GEOMETRY), 4, context, a)
+    return sizes_for(DeepseekV32Config(num_hidden_layers=4, **GEOMETRY), 4, context, a)
+
+
+def budget_problem(batch: int, context: int, budget_gib: float, steps: int) -> str | None:
+    """Why `--gpu-kv-gib` cannot hold hisparse's floor for `--batch` (its hot buffers, tails and
+    prefill pages, after the batch's indexer keys), in the flags' words, or None. The engine refused
+    it after the parse, in its own terms (its scaled-down gpu_kv_gib), as a traceback."""
+    from hisparse_core.units import significant
+
+    s = serving_sizes(context, budget_gib, steps)
+    if s.fits("hisparse", batch):
+        return None
+    blocks, need = (s.budget - batch * s.indexer_bytes) // s.block_bytes, s.hisparse_blocks(batch)
+    smallest = significant((need * s.block_bytes + batch * s.indexer_bytes) / 2**30, up=True)
+    largest = s.largest("hisparse")
+    return (f"--gpu-kv-gib {budget_gib:g} holds {max(blocks, 0)} blocks once the indexer keys of --batch {batch} at "
+            f"--context {context} are taken, below the {need} its hot buffers, tails and prefill need; expected "
+            + " or ".join(([f"--gpu-kv-gib >= {smallest:g}"] if smallest <= 65536 else [])
+                          + ([f"--batch <= {largest}"] if largest else [])))
+
+
+def serving_blocks(batch: int, context: int, budget_gib: float, steps: int, mode: str) -> tuple[int, int]:
+    """(GPU blocks, pages per request) of bench_serving's row at this batch on the H200 geometry."""
+    s = serving_sizes(context, budget_gib, steps)
     if mode == "all-resident":
         return s.resident_blocks(batch), s.pages
     return (s.budget - batch * s.indexer_bytes) // s.block_bytes, s.pages
@@ -166,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         float_in,
         int_in,
     )
+    from hisparse_core.errors import HiSparseError
 
     p = CliParser(prog="bench_engine_host", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int_in(1, MAX_REQUESTS), default=43)
@@ -178,10 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resolve", action="store_true", help="skip the resolver (host work only)")
     p.add_argument("--profile", type=int_in(0, 10_000), default=0, help="print cProfile's top N of the timed steps")
     a = p.parse_args(argv)
-    if why := check_backend_name(a.backend):
+    if why := check_backend_name(a.backend) or (a.mode == "hisparse" and budget_problem(
+            a.batch, a.context, a.gpu_kv_gib, a.warmup + a.steps)):
         p.exit(2, f"bench_engine_host: error: {why}\n")
     t0 = time.perf_counter()
-    engine = build(a.batch, a.context, a.mode, a.warmup + a.steps, a.gpu_kv_gib, a.backend)
+    try:
+        engine = build(a.batch, a.context, a.mode, a.warmup + a.steps, a.gpu_kv_gib, a.backend)
+    except HiSparseError as exc:  # the engine's own checks (a host pool past the RAM): before any work
+        p.exit(2, f"bench_engine_host: error: --batch {a.batch} at --context {a.context} + {a.warmup + a.steps} "
+                  f"steps (--warmup + --steps): {exc}\n")
     session = fill(engine, a.batch, a.context)
     token = torch.full((a.batch, 1), 5, dtype=torch.long)
     for _ in range(a.warmup):

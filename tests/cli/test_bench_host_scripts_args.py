@@ -21,6 +21,14 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
     ("bench_engine_host", ["--warmup", "-1"], "argument --warmup: expected an integer in [0, 16777216], got -1"),
     ("bench_engine_host", ["--gpu-kv-gib", "nan"], "argument --gpu-kv-gib: expected a number in (0, 65536], got nan"),
     ("bench_engine_host", ["--backend", "nope"], "--backend 'nope': no hisparse backend named 'nope'"),
+    # the engine's CapacityError, a traceback in its own terms (gpu_kv_gib=0.0642242, max_batch=43)
+    ("bench_engine_host", ["--gpu-kv-gib", "2.5"], "--gpu-kv-gib 2.5 holds 4209 blocks once the indexer keys of "
+                                                   "--batch 43 at --context 32768 are taken, below the 5826 its hot "
+                                                   "buffers, tails and prefill need; expected --gpu-kv-gib >= 2.944 "
+                                                   "or --batch <= 36"),
+    ("bench_engine_host", ["--gpu-kv-gib", "1e-9"], "--gpu-kv-gib 1e-09 holds 0 blocks"),
+    ("bench_engine_host", ["--mode", "all-resident", "--batch", "65536", "--context", "16777216"],
+     "--batch 65536 at --context 16777216 + 25 steps (--warmup + --steps): "),
 ])
 def test_a_bad_value_is_one_line(script: str, argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Each ended in a traceback (StatisticsError, InvalidInputError, ZeroDivisionError, ValueError,

@@ -472,12 +472,17 @@ def _part_b_one(buf: Buffer, k: Kernels, reps: int, steps: int, gen: torch.Gener
     return results
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=40)
+def main(argv: list[str] | None = None) -> int:
+    from hisparse_core.cli.options import CliParser, check_output_path, int_in
+
+    # Bounded at parse time, as every bench's flags are: `--reps 0` was the median of no timing.
+    ap = CliParser(prog="bench_host_reads", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int_in(1, 10_000), default=7)
+    ap.add_argument("--steps", type=int_in(1, 10_000), default=40)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.json is not None and (why := check_output_path("--json", args.json)):  # written after every part ran
+        ap.error(why)
     if not torch.cuda.is_available():
         print("bench_host_reads: no CUDA device", file=sys.stderr)
         return 1

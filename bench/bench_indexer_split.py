@@ -15,7 +15,6 @@ Needs a CUDA GPU and transformers with DeepseekV32.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections import defaultdict
@@ -49,13 +48,17 @@ class _Keys:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=75)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--parts", default="1,2,4")
-    ap.add_argument("--replays", type=int, default=20)
+    from hisparse_core.cli.options import MAX_REQUESTS, MAX_TOKENS, CliParser, int_in, int_list_in
+
+    # Bounded at parse time, before the GPU check: `--parts 1,,2` was a ValueError traceback (an
+    # int() of ''), and `--replays 0` the median of no replay once the model was built.
+    ap = CliParser(prog="bench_indexer_split", description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int_in(1, MAX_REQUESTS), default=75)
+    ap.add_argument("--context", type=int_in(1, MAX_TOKENS), default=32768)
+    ap.add_argument("--parts", type=int_list_in(1, MAX_REQUESTS), default=[1, 2, 4])
+    ap.add_argument("--replays", type=int_in(1, 100_000), default=20)
     a = ap.parse_args(argv)
-    parts = [int(x) for x in a.parts.split(",")]
+    parts = a.parts
     if not torch.cuda.is_available():
         print("bench_indexer_split: needs a CUDA GPU", file=sys.stderr)
         return 2

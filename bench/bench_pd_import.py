@@ -22,7 +22,6 @@ first-touch page faults are not what this measures). Needs nixl==1.5.1 (`pip ins
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -35,6 +34,8 @@ from typing import Any
 
 GIB = 1 << 30
 MIB = 1 << 20
+#: Pages the untimed warm-up import reads (connection setup and first-use costs stay out of the timings).
+WARMUP_PAGES = 4
 
 
 def _prefill_main(conn: Any, num_layers: int, num_pages: int, block_size: int, env: dict[str, str]) -> None:
@@ -91,18 +92,41 @@ class Case:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gib", type=float, default=1.0, help="bytes of KV pages to import (default 1 GiB)")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    from hisparse_core.capacity import check_host_memory, host_limit
+    from hisparse_core.cli.options import MAX_BLOCK_SIZE, MAX_LAYERS, CliParser, float_in, int_in
+    from hisparse_core.errors import CapacityError
+    from hisparse_core.geometry import FP8_DS_MLA
+    from hisparse_core.replay.report import counted
+    from hisparse_core.units import significant
+
+    # Bounded at parse time: `--gib nan` or `--layers 0` ended in a traceback (ValueError,
+    # ZeroDivisionError), and `--block-size -1` or `--repeats 0` after the prefill process was started.
+    ap = CliParser(prog="bench_pd_import", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float_in(0.0, 1024.0, lo_open=True), default=1.0,
+                    help="bytes of KV pages to import (default 1 GiB)")
+    ap.add_argument("--layers", type=int_in(1, MAX_LAYERS), default=8)
+    ap.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=64)
+    ap.add_argument("--repeats", type=int_in(1, 1000), default=3)
     ap.add_argument("--ucx-tls", default=None, help="restrict UCX transports on both sides (e.g. tcp)")
     ap.add_argument("--json", action="store_true", help="print the table as JSON")
     args = ap.parse_args(argv)
+    page_bytes = args.block_size * FP8_DS_MLA.row_bytes
+    num_pages = -(-int(args.gib * GIB) // (args.layers * page_bytes))
+    if num_pages < WARMUP_PAGES:  # the warm-up import alone reads that many
+        smallest = significant(((WARMUP_PAGES - 1) * args.layers * page_bytes + 1) / GIB, up=True)
+        ap.error(f"argument --gib: {args.gib:g} holds {counted(num_pages, 'page')} of --layers {args.layers} x "
+                 f"--block-size {args.block_size} rows; expected --gib >= {smallest:g} ({WARMUP_PAGES} pages)")
+    # Held at once: the prefill side's pages, the decoder's pool and the memcpy case's two copies.
+    total = args.layers * num_pages * page_bytes
+    try:
+        check_host_memory(4 * total, f"--gib {args.gib:g} (the prefill's pages, the decoder's pool and the memcpy "
+                                     "case's two copies: 4x the pages)",
+                          remedy=f"lower --gib to at most {(host_limit() or 0) / 4 / GIB:.3g}")
+    except CapacityError as exc:
+        ap.error(str(exc))
 
     import torch
 
-    from hisparse_core.geometry import FP8_DS_MLA
     from hisparse_core.host_pool import HostPoolSpec
     from hisparse_core.pd.handshake import PrefillHandshake, RemotePrefill
     from hisparse_core.pd.messages import HostImportJob
@@ -118,9 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = {"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}
     os.environ.update(env)
-    page_bytes = args.block_size * FP8_DS_MLA.row_bytes
-    num_pages = -(-int(args.gib * GIB) // (args.layers * page_bytes))
-    total = args.layers * num_pages * page_bytes
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -171,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             return dt, transport.stats().reads_posted - before
 
         # Warm up: connection setup and first-use costs stay out of the timings.
-        run_import(conn_rx, list(range(4)), list(range(1, 5)))
+        run_import(conn_rx, list(range(WARMUP_PAGES)), list(range(1, WARMUP_PAGES + 1)))
 
         src = torch.empty(total, dtype=torch.uint8).random_(0, 256)
         dst = torch.empty_like(src).fill_(1)

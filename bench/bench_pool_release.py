@@ -91,21 +91,37 @@ def measure(way: str, gib: float, chunk_gib: float) -> dict[str, object]:
     return report
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gib", type=float, default=64.0, help="pool size in GiB (default 64)")
-    parser.add_argument("--chunk-gib", type=float, default=32.0,
+def main(argv: list[str] | None = None) -> int:
+    from hisparse_core.cli.options import CliParser, check_output_path, float_in
+
+    parser = CliParser(prog="bench_pool_release", description=__doc__.split("\n\n")[0])
+    # At least one block of the 61-layer pool, and a chunk of at least the 2 MiB registration unit
+    # (a chunk that rounds down to 0 bytes never ends the registration loop).
+    parser.add_argument("--gib", type=float_in(0.01, 65536.0), default=64.0, help="pool size in GiB (default 64)")
+    parser.add_argument("--chunk-gib", type=float_in(0.002, 65536.0), default=32.0,
                         help="largest cuMemHostRegister call in GiB (default 32, the backend's)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--child", choices=WAYS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         return child(args.child, args.gib, args.chunk_gib)
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     bad = sorted(set(ways) - set(WAYS))
-    if bad:
-        parser.error(f"--ways: unknown {bad}; expected some of {list(WAYS)}")
+    if bad or not ways:
+        parser.error(f"argument --ways: expected some of {', '.join(WAYS)}, got {args.ways!r}")
+    if args.json is not None and (why := check_output_path("--json", args.json)):  # written after every way ran
+        parser.error(why)
+    # Each way's child registers its pool on GPU 0: without one, each ended in a traceback of its own.
+    try:
+        from hisparse_nvidia.plugin import probe
+
+        why = probe()
+    except ImportError as exc:
+        why = f"the nvidia backend cannot be imported ({exc})"
+    if why is not None:
+        print(f"bench_pool_release: error: needs an NVIDIA GPU: {why}", file=sys.stderr)
+        return 2
     rows = []
     print(f"registered host pool of {args.gib:g} GiB, cuMemHostRegister chunks of {args.chunk_gib:g} GiB", flush=True)
     print(f"{'way':<18}{'register s':>12}{'release s':>12}{'signal->exit s':>16}{'exit code':>11}", flush=True)

@@ -1,0 +1,73 @@
+"""The flags of bench scripts that need a GPU (or NIXL) to measure anything: `bench_pool_release`,
+`bench_indexer_split`, `bench_host_reads` and `bench_pd_import`. A bad value is one line naming the
+flag, the value and what was expected, exit 2, before any GPU is asked for or any process started;
+`bench_pool_release` without a GPU refuses in one line instead of starting a child per way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bench_scripts import imported
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize(("script", "argv", "line"), [
+    # each child ended in a traceback (cannot convert float NaN to integer, HostPoolSpec's
+    # InvalidInputError), and a chunk that rounds to 0 bytes would never end the registration loop
+    ("bench_pool_release", ["--gib", "nan"], "argument --gib: expected a number in [0.01, 65536], got nan"),
+    ("bench_pool_release", ["--gib", "-1"], "argument --gib: expected a number in [0.01, 65536], got -1"),
+    ("bench_pool_release", ["--chunk-gib", "0"], "argument --chunk-gib: expected a number in [0.002, 65536], got 0"),
+    ("bench_pool_release", ["--chunk-gib", "inf"], "argument --chunk-gib: expected a number in [0.002, 65536], got inf"),
+    ("bench_pool_release", ["--ways", ""], "argument --ways: expected some of release, exit, exit-unregister, "
+                                           "sigterm-default, sigkill, got ''"),
+    ("bench_pool_release", ["--json", "/nonexistent/x.json"], "--json '/nonexistent/x.json': the folder "
+                                                              "'/nonexistent' does not exist"),
+    # a ValueError traceback (int('')) before the GPU check
+    ("bench_indexer_split", ["--parts", "1,,2"], "argument --parts: expected comma-separated integers in [1, 65536], "
+                                                 "got '1,,2'"),
+    ("bench_indexer_split", ["--parts", "x"], "argument --parts: expected comma-separated integers"),
+    ("bench_indexer_split", ["--replays", "0"], "argument --replays: expected an integer in [1, 100000], got 0"),
+    ("bench_indexer_split", ["--batch", "-1"], "argument --batch: expected an integer in [1, 65536], got -1"),
+    ("bench_host_reads", ["--reps", "0"], "argument --reps: expected an integer in [1, 10000], got 0"),
+    ("bench_host_reads", ["--steps", "-1"], "argument --steps: expected an integer in [1, 10000], got -1"),
+    ("bench_host_reads", ["--json", "/nonexistent/x.json"], "--json '/nonexistent/x.json': the folder '/nonexistent' "
+                                                            "does not exist"),
+    # NIXL runs on the CPU: these were tracebacks (ValueError, OverflowError, ZeroDivisionError), or
+    # came after the prefill process had started (HostPoolSpec's InvalidInputError, an EOFError)
+    ("bench_pd_import", ["--gib", "nan"], "argument --gib: expected a number in (0, 1024], got nan"),
+    ("bench_pd_import", ["--gib", "1e400"], "argument --gib: expected a number in (0, 1024], got 1e400"),
+    ("bench_pd_import", ["--gib", "0"], "argument --gib: expected a number in (0, 1024], got 0"),
+    ("bench_pd_import", ["--gib", "1e-9"], "argument --gib: 1e-09 holds 1 page of --layers 8 x --block-size 64 rows; "
+                                           "expected --gib >= 0.0009385 (4 pages)"),
+    ("bench_pd_import", ["--layers", "0"], "argument --layers: expected an integer in [1, 1024], got 0"),
+    ("bench_pd_import", ["--block-size", "-1"], "argument --block-size: expected an integer in [1, 4096], got -1"),
+    ("bench_pd_import", ["--repeats", "0"], "argument --repeats: expected an integer in [1, 1000], got 0"),
+    ("bench_pd_import", ["--gib", "1024"], "--gib 1024 (the prefill's pages, the decoder's pool and the memcpy case's "
+                                           "two copies: 4x the pages) needs 4.00 TiB"),
+])
+def test_a_bad_value_is_one_line(script: str, argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with imported(BENCH / f"{script}.py") as module, pytest.raises(SystemExit) as exit_:
+        module.main(argv)
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"{script}: error: {line}"), err
+
+
+def test_pool_release_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each of the five ways started a child that ended in its own traceback (no CUDA driver), and the
+    script exited 0 after a table of `child exited with 1 before registering`."""
+    with imported(BENCH / "bench_pool_release.py") as module:
+        try:
+            from hisparse_nvidia.plugin import probe
+
+            why = probe()
+        except ImportError:
+            why = "not installed"
+        if why is None:
+            pytest.skip("an NVIDIA GPU is usable here: the script would measure")
+        assert module.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert err.startswith("bench_pool_release: error: needs an NVIDIA GPU: "), err

@@ -46,6 +46,7 @@ Run:  python bench/bench_prefetch_locality.py
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -77,19 +78,28 @@ def all_resident_ms(text: str) -> dict[tuple[int, int], float]:
         try:
             (t, b), step = geometry(key)[0], float(ms)
         except ValueError:
-            raise ValueError(f"--all-resident-ms={text!r}: {part!r} is not CONTEXT:BATCH=MS; expected e.g. "
-                             "32768:43=15.54") from None
+            step = math.nan
+        if not 0 < step < math.inf:  # nan passed, and the ratio column read `nanx`
+            raise ValueError(f"--all-resident-ms={text!r}: {part!r} is not CONTEXT:BATCH=MS with MS a positive number "
+                             "of milliseconds; expected e.g. 32768:43=15.54")
         out[(t, b)] = step
     return out
 
 
 def geometry(text: str) -> list[tuple[int, int]]:
     out = []
+    from hisparse_core.cli.options import MAX_REQUESTS, MAX_TOKENS
+
     for part in text.split(","):
         t, _, b = part.partition(":")
-        if not (t.isdigit() and b.isdigit() and int(t) > 0 and int(b) > 0):
-            raise ValueError(f"--geometries={text!r}: {part!r} is not CONTEXT:BATCH; expected e.g. 32768:43,131072:18")
-        out.append((int(t), int(b)))
+        try:  # isdigit() alone let '²' through to int()
+            context, batch = int(t), int(b)
+        except ValueError:
+            context = batch = 0
+        if not (t.isdigit() and b.isdigit() and 0 < context <= MAX_TOKENS and 0 < batch <= MAX_REQUESTS):
+            raise ValueError(f"--geometries={text!r}: {part!r} is not CONTEXT:BATCH with a context in [1, {MAX_TOKENS}] "
+                             f"and a batch in [1, {MAX_REQUESTS}]; expected e.g. 32768:43,131072:18")
+        out.append((context, batch))
     return out
 
 
@@ -145,7 +155,16 @@ def parse_subsets(spec: str, refs: list[list[int]]) -> list[str | list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hisparse_core.cli.options import MAX_SEED, MAX_TOP_K, CliParser, float_in, int_in
+    from hisparse_core.cli.options import (
+        MAX_LAYERS,
+        MAX_SEED,
+        MAX_STEPS,
+        MAX_TOKENS,
+        MAX_TOP_K,
+        CliParser,
+        float_in,
+        int_in,
+    )
 
     p = CliParser(prog="bench_prefetch_locality", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regimes", default="code,benign")
     p.add_argument("--references", default="spread/20,21,22,23",
                    help="'/'-separated reference-layer lists ('spread' or LAYERS ascending layers of 61)")
-    p.add_argument("--layers", type=int, default=4)
+    # Every count bounded (10**30 steps ran until memory ran out); a layer per reference layer of 61.
+    p.add_argument("--layers", type=int_in(1, 61), default=4)
     p.add_argument("--gpu-kv-gib", type=float_in(0.0, 65536.0, lo_open=True), default=3.0)
     p.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=2048)
-    p.add_argument("--resident-pages", type=int, default=-1,
+    p.add_argument("--resident-pages", type=int_in(-1, MAX_TOKENS), default=-1,
                    help="resident pages a request, without bench_serving's sizing (-1: from it)")
     p.add_argument("--hot-rows", type=int, default=0,
                    help="hot-buffer rows a request a group, a multiple of 64 in [--top-k, a runtime's limit] "
@@ -164,15 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-rows", default="model", choices=("model", "fp8"),
                    help="how the latent rows are stored: the bytes a miss copies and the pool's sizing")
     p.add_argument("--indexer-keys", default="model", choices=("model", "fp8"), help="the sizing's indexer keys")
-    p.add_argument("--fill-chunk", type=int, default=1024, help="the sizing's prefill chunk (bench_serving's)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--steps", type=int, default=10, help="measured steps after the warm-up")
+    p.add_argument("--fill-chunk", type=int_in(1, MAX_TOKENS), default=1024, help="the sizing's prefill chunk (bench_serving's)")
+    p.add_argument("--warmup", type=int_in(1, MAX_STEPS), default=5)
+    p.add_argument("--steps", type=int_in(1, MAX_STEPS), default=10, help="measured steps after the warm-up")
     p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
     p.add_argument("--plans", default="off,next,next+wrap", help=f"comma list of {', '.join(PLANS)} (module docstring)")
     p.add_argument("--subsets", default="",
                    help="'/'-separated: 'all' or reference-layer lists of this run, each printed after a row as a "
                         "--bench-layers-layer step of its average layer (module docstring)")
-    p.add_argument("--bench-layers", type=int, default=4, help="the layers of the bench a --subsets line stands for")
+    p.add_argument("--bench-layers", type=int_in(1, MAX_LAYERS), default=4, help="the layers of the bench a --subsets line stands for")
     p.add_argument("--all-resident-ms", default="32768:43=15.54",
                    help="all-resident's measured step per CONTEXT:BATCH, for the predicted ratio (D3: 32768:43=15.54)")
     a = p.parse_args(argv)
@@ -188,16 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise ValueError(f"--plans={a.plans!r}: {bad[0]!r} is not a plan; expected a comma list of {', '.join(PLANS)}")
         base_ms = all_resident_ms(a.all_resident_ms)
-        if a.fill_chunk <= 0:
-            raise ValueError(f"--fill-chunk={a.fill_chunk}: expected a positive number of prompt tokens a forward")
         if a.hot_rows and (a.hot_rows < 0 or a.hot_rows % 64 or not a.top_k <= a.hot_rows <= MAX_HOT_ROWS):
             raise ValueError(f"--hot-rows={a.hot_rows}: expected 0 (2x top-k) or a multiple of the 64-token block in "
                              f"[{a.top_k} (--top-k), {MAX_HOT_ROWS}]")
-        if a.steps <= 0 or a.warmup < 1:
-            raise ValueError(f"--steps={a.steps} --warmup={a.warmup}: expected --steps >= 1 and --warmup >= 1")
         subsets = parse_subsets(a.subsets, refs)
-        if a.bench_layers < 1:
-            raise ValueError(f"--bench-layers={a.bench_layers}: expected a positive number of layers")
         if a.resident_pages >= 0:   # no sizing: e.g. a 61-layer model at the 4-layer bench's pages and hot rows
             sizing = {g: (a.resident_pages, a.hot_rows or 2 * a.top_k, row_bytes_of(a.kv_rows)) for g in geos}
         else:

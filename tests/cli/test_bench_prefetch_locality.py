@@ -140,6 +140,13 @@ def test_a_bad_subset_is_one_line(run, value: str, says: str) -> None:
     ("--seed", "-1", "expected an integer in [0, 4294967295], got -1"),
     ("--gpu-kv-gib", "nan", "expected a number in (0, 65536], got nan"),
     ("--gpu-kv-gib", "inf", "expected a number in (0, 65536], got inf"),
+    # unbounded ints: 10**30 steps ran until the memory ran out, --resident-pages -5 was taken as -1
+    ("--steps", str(10**30), f"expected an integer in [1, 16777216], got {10**30}"),
+    ("--warmup", "0", "expected an integer in [1, 16777216], got 0"),
+    ("--layers", "0", "expected an integer in [1, 61], got 0"),
+    ("--resident-pages", "-5", "expected an integer in [-1, 16777216], got -5"),
+    ("--fill-chunk", "2.5", "expected an integer in [1, 16777216], got '2.5'"),
+    ("--bench-layers", "0", "expected an integer in [1, 1024], got 0"),
 ])
 def test_a_bad_number_is_one_line_naming_the_flag(bench, capsys: pytest.CaptureFixture[str], flag: str, value: str,
                                                   says: str) -> None:
@@ -151,3 +158,18 @@ def test_a_bad_number_is_one_line_naming_the_flag(bench, capsys: pytest.CaptureF
     out, err = capsys.readouterr()
     assert out == "" and err == f"bench_prefetch_locality: error: argument {flag}: {says} (see bench_prefetch_locality " \
                                 "--help)\n"
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--all-resident-ms", "32768:2=nan", "'32768:2=nan' is not CONTEXT:BATCH=MS with MS a positive number"),
+    ("--all-resident-ms", "32768:2=0", "'32768:2=0' is not CONTEXT:BATCH=MS with MS a positive number"),
+    ("--geometries", "\u00b2:43", "'\u00b2:43' is not CONTEXT:BATCH with a context in [1, 16777216]"),
+    ("--geometries", f"{10**22}:1", f"'{10**22}:1' is not CONTEXT:BATCH with a context in [1, 16777216]"),
+])
+def test_a_bad_list_item_is_one_line(run, flag: str, value: str, says: str) -> None:
+    """`--all-resident-ms 32768:2=nan` ran and printed `nanx` in the ratio column; `--geometries '\u00b2:43'`
+    (a digit to isdigit(), not to int()) said `invalid literal for int()`, naming no flag, and a
+    context of 10**22 tokens ran until the memory ran out."""
+    out = run(*TINY, flag, value)
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr.count("\n") == 1 and f"{flag}={value!r}: {says}" in out.stderr, out.stderr

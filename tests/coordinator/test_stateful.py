@@ -321,38 +321,51 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self.admit(data)
         self.steps(data, steps)
 
+    def _room(self, r: Req, end: int, host_free: int) -> bool:
+        """Whether the host blocks left and the GPU pool can back a step bringing `r` to `end` tokens."""
+        missing = -(-end // BS) - len(r.table[0])
+        return (self.coord.host_blocks_needed(r.rid, end) <= host_free
+                and missing * self.G <= self.gpu.num_free_blocks)
+
     def _step(self, data: st.DataObject) -> None:
         running = sorted(self.reqs)
-        chosen = data.draw(st.lists(st.sampled_from(running), unique=True)) if running else []
-        leaving = [rid for rid in running if rid not in chosen and data.draw(st.integers(0, 9)) == 0]
-        finished = tuple(rid for rid in leaving if data.draw(st.booleans()))
-        preempted = tuple(rid for rid in leaving if rid not in finished)
         views: list[StepRequest] = []
         writes: list[tuple[Req, int, int]] = []
         host_free = self.coord.num_free_host_blocks
-        for rid in chosen:
+        chosen: list[str] = []
+        # The engine schedules requests one at a time, each drawn from those the pools can still
+        # back by one more token (a full request, at MAX_LEN, waits until it leaves), until it stops
+        # (after three on average) or none is left. Drawing from a list of all running requests and
+        # skipping those without room wasted a third of the picks, and most steps scheduled nothing.
+        while True:
+            room = [rid for rid in running if rid not in chosen and self.reqs[rid].num_computed < MAX_LEN
+                    and self._room(self.reqs[rid], self.reqs[rid].num_computed + 1, host_free)]
+            if not room or not data.draw(st.integers(0, 3)):
+                break
+            rid = data.draw(st.sampled_from(room))
+            chosen.append(rid)
             r = self.reqs[rid]
-            if r.num_computed >= MAX_LEN:
-                continue
             if r.num_computed < r.prompt_len:
                 n = min(data.draw(st.integers(1, 9)), r.prompt_len - r.num_computed)
             else:
                 n = 1
+            while not self._room(r, r.num_computed + n, host_free):   # a prompt chunk shrinks to fit
+                n -= 1
             while len(r.tokens) < r.num_computed + n:
                 r.tokens.append(data.draw(st.integers(0, 10)))
             end = r.num_computed + n
             pages = -(-end // BS)
-            need_host = self.coord.host_blocks_needed(rid, end)
             missing = pages - len(r.table[0])
-            if need_host > host_free or missing * self.G > self.gpu.num_free_blocks:
-                continue
-            host_free -= need_host
+            host_free -= self.coord.host_blocks_needed(rid, end)
             for row in r.table:
                 if missing > 0:
                     row.extend(self.gpu.acquire(missing))
             views.append(StepRequest(rid, r.state_index, r.num_computed, n, tuple(r.tokens),
                                      tuple(tuple(row) for row in r.table)))
             writes.append((r, r.num_computed, end))
+        leaving = [rid for rid in running if rid not in chosen and data.draw(st.integers(0, 9)) == 0]
+        finished = tuple(rid for rid in leaving if data.draw(st.booleans()))
+        preempted = tuple(rid for rid in leaving if rid not in finished)
         for rid in leaving:
             r = self.reqs.pop(rid)
             self._engine_release(r)
@@ -367,33 +380,68 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for r, _, end in writes:
             r.num_computed = end
 
-    @precondition(lambda self: self.reqs)
+    def _oversized_core(self, order: list[Req]) -> list[tuple[Req, int]] | None:
+        """Requests of `order` in turn, each grown as far as the GPU blocks left can back (to MAX_LEN at
+        most), until together they need more host blocks than are free; None if they never do."""
+        gpu_left, need, core = self.gpu.num_free_blocks, 0, []
+        for r in order:
+            hi = min(MAX_LEN, (len(r.table[0]) + gpu_left // self.G) * BS)
+            if hi <= r.num_computed:
+                continue
+            gpu_left -= max(0, -(-hi // BS) - len(r.table[0])) * self.G
+            core.append((r, hi))
+            need += self.coord.host_blocks_needed(r.rid, hi)
+            if need > self.coord.num_free_host_blocks:
+                return core
+        return None
+
+    def _oversized_possible(self) -> bool:
+        return self._oversized_core([self.reqs[rid] for rid in sorted(self.reqs)]) is not None
+
+    @precondition(_oversized_possible)
     @rule(data=st.data())
     def oversized_step(self, data: st.DataObject) -> None:
-        """A step that needs more host blocks than the pool has is refused and changes nothing."""
-        chosen = data.draw(st.lists(st.sampled_from(sorted(self.reqs)), min_size=1, unique=True))
+        """A step that needs more host blocks than the pool has is refused and changes nothing.
+
+        Drawn directly: requests in a drawn order, grown until the step is oversized, then any
+        of the others, then each one's end lowered within the margin that keeps it oversized."""
+        order = [self.reqs[rid] for rid in data.draw(st.permutations(sorted(self.reqs)))]
+        # The precondition found a core in sorted order; a drawn order may run out of GPU blocks first.
+        core = self._oversized_core(order) or self._oversized_core(sorted(order, key=lambda r: r.rid))
+        assert core is not None
+        members = dict(core)
+        gpu_left = self.gpu.num_free_blocks - sum(max(0, -(-hi // BS) - len(r.table[0])) * self.G
+                                                  for r, hi in core)
+        for r in order:   # any of the others too, at a drawn end the GPU blocks left can back
+            if r in members or not data.draw(st.booleans()):
+                continue
+            hi = min(MAX_LEN, (len(r.table[0]) + gpu_left // self.G) * BS)
+            if hi <= r.num_computed:
+                continue
+            members[r] = data.draw(st.integers(r.num_computed + 1, hi))
+            gpu_left -= max(0, -(-members[r] // BS) - len(r.table[0])) * self.G
+        free = self.coord.num_free_host_blocks
+        need = sum(self.coord.host_blocks_needed(r.rid, end) for r, end in members.items())
+        for r, hi in core:   # lower the core's ends while the step still needs more than is free
+            full = self.coord.host_blocks_needed(r.rid, hi)
+            lo = next(e for e in range(r.num_computed + 1, hi + 1)
+                      if need - full + self.coord.host_blocks_needed(r.rid, e) > free)
+            members[r] = data.draw(st.integers(lo, hi))
+            need += self.coord.host_blocks_needed(r.rid, members[r]) - full
+        assert need > free
         grown: list[tuple[Req, int]] = []
         views: list[StepRequest] = []
-        need = 0
-        for rid in chosen:
-            r = self.reqs[rid]
-            end = min(MAX_LEN, r.num_computed + data.draw(st.integers(1, MAX_LEN)))
-            if end <= r.num_computed:
-                continue
-            missing = -(-end // BS) - len(r.table[0])
-            if missing * self.G > self.gpu.num_free_blocks:
-                continue
-            need += self.coord.host_blocks_needed(rid, end)
-            grown.append((r, len(r.table[0])))
-            for row in r.table:
-                if missing > 0:
-                    row.extend(self.gpu.acquire(missing))
-            toks = tuple(r.tokens) + (0,) * max(0, end - len(r.tokens))
-            views.append(StepRequest(rid, r.state_index, r.num_computed, end - r.num_computed, toks,
-                                     tuple(tuple(row) for row in r.table)))
         try:
-            if need <= self.coord.num_free_host_blocks:
-                return
+            for r in (r for r in order if r in members):   # the step lists them in the drawn order
+                end = members[r]
+                missing = -(-end // BS) - len(r.table[0])
+                grown.append((r, len(r.table[0])))
+                for row in r.table:
+                    if missing > 0:
+                        row.extend(self.gpu.acquire(missing))
+                toks = tuple(r.tokens) + (0,) * max(0, end - len(r.tokens))
+                views.append(StepRequest(r.rid, r.state_index, r.num_computed, end - r.num_computed, toks,
+                                         tuple(tuple(row) for row in r.table)))
             before = self._snapshot() + (self._host_state(),)
             with pytest.raises(CapacityError):
                 self.coord.schedule_step(views)
@@ -462,10 +510,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def bad_acknowledgement(self, data: st.DataObject) -> None:
         before = self._snapshot()
-        kind = data.draw(st.sampled_from(["unknown", "excess", "copy"]))
+        # An excess count needs a transfer in flight to exceed.
+        kind = data.draw(st.sampled_from(["unknown", "copy"] + (["excess"] if self.transfers else [])))
         if kind == "unknown":
             meta = WorkerMetadata.report(enqueued=[10_000_000])
-        elif kind == "excess" and self.transfers:
+        elif kind == "excess":
             tid = data.draw(st.sampled_from(sorted(self.transfers)))
             meta = WorkerMetadata({tid: self.W - self.enq_count[tid] + 1})
         else:
@@ -477,7 +526,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def bad_engine_input(self, data: st.DataObject) -> None:
         before = self._snapshot()
-        kind = data.draw(st.sampled_from(["schedule", "finish", "preempt", "rewrite"]))
+        # Rewriting sealed rows needs a request with a sealed page.
+        sealed = [r for r in self.reqs.values() if self.coord._requests[r.rid].num_sealed > 0]
+        kind = data.draw(st.sampled_from(["schedule", "finish", "preempt"] + (["rewrite"] if sealed else [])))
+        rewritten = data.draw(st.sampled_from(sealed)) if kind == "rewrite" else None
         with pytest.raises(InvalidInputError):
             if kind == "schedule":
                 self.coord.schedule_step([StepRequest("nobody", 0, 0, 1, (1,), ((0,),) * self.G)])
@@ -486,10 +538,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
             elif kind == "preempt":
                 self.coord.schedule_step([], preempted=["nobody"])
             else:
-                sealed = [r for r in self.reqs.values() if self.coord._requests[r.rid].num_sealed > 0]
-                if not sealed:
-                    raise InvalidInputError("nothing to rewrite")
-                r = sealed[0]
+                assert rewritten is not None
+                r = rewritten
                 self.coord.schedule_step([StepRequest(r.rid, r.state_index, 0, 1, tuple(r.tokens),
                                                       tuple(tuple(row) for row in r.table))])
         assert self._snapshot() == before

@@ -405,6 +405,8 @@ def resident_alternatives(spec: str, layers: int, regime_name: str,
                    f"regime standing for reference layers {refs} is below the hot buffer's reach)")
         else:
             try:
+                if not all(x.strip() for x in alt.split(",")):  # `0,,1` (parse_resident_layers skips the gap)
+                    raise InvalidInputError(f"resident layers {alt!r} have an empty item")
                 chosen = parse_resident_layers(alt, layers)
             except InvalidInputError as exc:
                 raise BadSize(f"--resident-layers={spec!r}: {exc}; expected 'none', 'auto' or a comma list of "
@@ -419,7 +421,7 @@ def resident_alternatives(spec: str, layers: int, regime_name: str,
 
 def parse_plan(a: argparse.Namespace) -> Plan:
     """Every list flag checked before anything is built: one line naming the flag (`BadSize`)."""
-    from hisparse_core.cli.options import check_backend_name
+    from hisparse_core.cli.options import MAX_SEED, check_backend_name
     from hisparse_core.errors import InvalidInputError
     from hisparse_core.geometry import MAX_HOT_ROWS
     from hisparse_transformers.index_keys import check_key_format
@@ -439,8 +441,8 @@ def parse_plan(a: argparse.Namespace) -> Plan:
         raise BadSize(f"--all-resident-gib={a.all_resident_gib:g}: expected a positive number of GiB")
     if not math.isfinite(a.gpu_kv_gib):
         raise BadSize(f"--gpu-kv-gib={a.gpu_kv_gib:g}: expected a number of GiB")
-    if a.seed < 0:
-        raise BadSize(f"--seed={a.seed}: expected a seed >= 0")
+    if not 0 <= a.seed <= MAX_SEED:  # a larger one overflowed torch's manual_seed once the model was built
+        raise BadSize(f"--seed={a.seed}: expected a seed in [0, {MAX_SEED}]")
     if a.layers < 1:
         raise BadSize(f"--layers={a.layers}: expected >= 1")
     if a.fill_chunk < 1:

@@ -360,6 +360,9 @@ def test_smoke_runs_fp8_rows_beside_the_models(bench_main, tmp_path: Path, capfd
     (["--all-resident-gib", "inf"], "--all-resident-gib=inf"),
     (["--host-gib", "inf"], "--host-gib=inf"),
     (["--seed", "-1"], "--seed=-1"),
+    (["--seed", str(10**14)], f"--seed={10**14}: expected a seed in [0, 4294967295]"),  # manual_seed overflowed
+    (["--resident-layers", "1,,2"], "--resident-layers='1,,2': resident layers '1,,2' have an empty item"),  # ran [1, 2]
+    (["--resident-layers", "none/,1"], "--resident-layers='none/,1'"),                       # ran [1]
     (["--hot-rows", "-1"], "--hot-rows=-1"),
     (["--hot-rows", "3"], "--hot-rows=3"),                # not a whole page: it was rounded down to none
     (["--hot-rows", "18"], "--hot-rows=18"),              # rounded down to 16 silently

@@ -9,9 +9,11 @@ Needs matplotlib (`pip install -e '.[plot]'`).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -173,11 +175,27 @@ def draw(data: dict[str, Any], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DATA, help=f"the figures (default: {DATA.relative_to(ROOT)})")
-    ap.add_argument("--out", type=Path, default=DATA.parent, help="folder for the PNGs (default: the data's)")
+    # Strings, not Paths: Path('') is '.', so `--out ""` (an unset variable) wrote the PNGs into the
+    # current folder and `--data ""` was reported as the folder '.'.
+    ap.add_argument("--data", default=str(DATA), help=f"the figures (default: {DATA.relative_to(ROOT)})")
+    ap.add_argument("--out", default=str(DATA.parent), help="folder for the PNGs (default: the data's)")
     args = ap.parse_args(argv)
+    for flag, value in (("--data", args.data), ("--out", args.out)):
+        if not value:
+            print(f"plot_results: error: {flag} '': expected a {'file' if flag == '--data' else 'folder'} name",
+                  file=sys.stderr)
+            return 2
+    args.data, args.out = Path(args.data), Path(args.out)
     if not args.out.is_dir():
         print(f"plot_results: error: --out {args.out}: no such folder; expected an existing folder", file=sys.stderr)
+        return 2
+    try:  # tried, not read from the permissions (root may not write in /proc): savefig failed after the drawing
+        with tempfile.TemporaryFile(dir=args.out):
+            pass
+    except OSError as exc:  # procfs answers ENOENT, which would read as the folder missing
+        detail = "" if exc.errno == errno.ENOENT else f" ({exc.strerror or exc})"
+        print(f"plot_results: error: --out {args.out}: the folder is not writable{detail}; expected a folder the PNGs "
+              "can be written to", file=sys.stderr)
         return 2
     try:
         data = json.loads(args.data.read_text())

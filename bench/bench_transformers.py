@@ -45,6 +45,7 @@ import gc
 import inspect
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -601,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     from hisparse_core.replay.report import json_safe
 
     a = options(argv)
+    if not a.tiny and not torch.cuda.is_available():  # build_model's AssertionError (no CUDA) was a traceback
+        print("bench_transformers: error: needs a CUDA GPU (this torch sees none); expected --tiny for the tiny "
+              "geometry on the CPU", file=sys.stderr)
+        return 2
     device = "cpu" if a.tiny else "cuda"
     batches, contexts, modes = a.batches, a.contexts, a.modes
     import transformers

@@ -37,6 +37,21 @@ def test_a_bad_value_is_one_line_before_any_work(argv: list[str], line: str, cap
     assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"bench_transformers: error: {line}"), err
 
 
+def test_without_a_gpu_and_without_tiny_it_is_one_line(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --tiny the model was built on `cuda`: an AssertionError traceback (Torch not compiled with
+    CUDA enabled) on a machine without a GPU."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with imported(SCRIPT) as script:
+        monkeypatch.setattr(script, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+        assert script.main(["--batches", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == ["bench_transformers: error: needs a CUDA GPU (this torch sees none); "
+                                              "expected --tiny for the tiny geometry on the CPU"]
+
+
 def test_flags_given_beside_tiny_are_the_ones_that_run() -> None:
     """`--tiny --steps 7 --batches 4 --fill-chunk 64` ran 3 steps at batches 1,2 and a fill chunk of 32:
     every flag given was dropped without a word."""

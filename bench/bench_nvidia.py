@@ -717,8 +717,10 @@ def vllm_reference(misses: int, b: int) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replays", type=int, default=30, help="timed graph replays per figure (median)")
+    from hisparse_core.cli.options import CliParser, int_in, int_list_in
+
+    ap = CliParser(prog="bench_nvidia", description=__doc__.splitlines()[0])
+    ap.add_argument("--replays", type=int_in(1, 100_000), default=30, help="timed graph replays per figure (median)")
     ap.add_argument("--json", help="also write the tables as JSON to this path")
     ap.add_argument("--profile-target", action="store_true",
                     help="only run a few eager resolves and gathers (hits B=1 and 64, resident B=64, 274 misses "
@@ -742,21 +744,57 @@ def main(argv: list[str] | None = None) -> int:
                     help="--vllm-ops cells: batches, comma-separated")
     ap.add_argument("--vllm-ops-rows", default="1,4", help="--vllm-ops cells: rows a request, comma-separated")
     args = ap.parse_args(argv)
+    # Every list read before the GPU is asked for: each was an int() or dict() of the text (a
+    # ValueError traceback on a GPU machine for `--variant-cells 0:x` or `--variant X`).
+
+    def misses(text: str) -> int:
+        m = RESIDENT if text.strip() == "R" else int(text)
+        if m != RESIDENT and not 0 <= m <= K:
+            raise ValueError(text)
+        return m
+
+    def batch(text: str) -> int:
+        b = int(text)
+        if not 1 <= b <= MAX_REQ:
+            raise ValueError(text)
+        return b
+
+    try:
+        user_variants = [dict(v.split("=", 1) for v in spec.split(",")) for spec in args.variant]
+        if not all(k.strip() for env in user_variants for k in env):
+            raise ValueError(args.variant)
+    except ValueError:
+        ap.error(f"argument --variant: expected VAR=V[,VAR=V] (e.g. HISPARSE_GATHER_BLOCKS=264), got {args.variant!r}")
+    variant_cells: list[tuple[int, int]] | None = None
+    if args.variant_cells:
+        try:
+            variant_cells = [(misses(m), batch(b)) for m, b in (c.split(":") for c in args.variant_cells.split(","))]
+        except ValueError:
+            ap.error(f"argument --variant-cells: expected M:B pairs, M misses per request in [0, {K}] or R, B a batch "
+                     f"in [1, {MAX_REQ}] (e.g. 0:1,R:128), got {args.variant_cells!r}")
+    try:
+        misses_list = [misses(m) for m in args.vllm_ops_misses.split(",")]
+    except ValueError:
+        ap.error(f"argument --vllm-ops-misses: expected misses per request in [0, {K}] or R, comma-separated, got "
+                 f"{args.vllm_ops_misses!r}")
+    try:
+        batches = [batch(x) for x in args.vllm_ops_batches.split(",")]
+    except ValueError:
+        ap.error(f"argument --vllm-ops-batches: expected batches in [1, {MAX_REQ}], comma-separated, got "
+                 f"{args.vllm_ops_batches!r}")
+    rows_list = int_list_in(1, 64)
+    try:
+        rows_per_request = rows_list(args.vllm_ops_rows)
+    except argparse.ArgumentTypeError as exc:
+        ap.error(f"argument --vllm-ops-rows: {exc}")
     if not torch.cuda.is_available():
         print("bench_nvidia: no CUDA device", file=sys.stderr)
         return 2
     bench = Bench(args.replays)
-    user_variants = [dict(v.split("=", 1) for v in spec.split(",")) for spec in args.variant]
-    variant_cells: list[tuple[int, int]] | None = None
-    if args.variant_cells:
-        variant_cells = [(RESIDENT if m == "R" else int(m), int(b))
-                         for m, b in (c.split(":") for c in args.variant_cells.split(","))]
     if args.vllm_ops:
-        misses_list = [RESIDENT if m == "R" else int(m) for m in args.vllm_ops_misses.split(",")]
-        batches = [int(x) for x in args.vllm_ops_batches.split(",")]
         print(f"{'scenario':<30} {'M':>4} {'rpr':>3} {'B':>3} {'us':>9} {'native':>9} {'x nat':>6} "
               f"{'vLLM':>8} {'x vLLM':>6}  target / note")
-        for rpr in [int(x) for x in args.vllm_ops_rows.split(",")]:
+        for rpr in rows_per_request:
             for m in misses_list:
                 for b in batches:
                     vrows = vllm_ops_rows(bench, m, b, rpr)

@@ -858,7 +858,10 @@ def print_sizing(sizes: list[Sizes], plan: Plan, stores_alts: list[bool], fill_c
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hisparse_core.cli.options import CliParser
+
+    # One line a value argparse refuses (the stock parser printed its usage, some 20 lines, first).
+    p = CliParser(prog="bench_serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--contexts", default=None, help="comma list of context lengths (default 32768,131072; --smoke: 160)")
     p.add_argument("--gpu-kv-gib", type=float, default=None,

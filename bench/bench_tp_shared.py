@@ -67,7 +67,7 @@ from tp_shared_support import (
     shm_used_bytes,
 )
 
-from hisparse_core.cli.options import MAX_SEED
+from hisparse_core.cli.options import MAX_SEED, CliParser
 from hisparse_core.errors import HiSparseError
 
 PARTS = ("a", "b", "c", "d", "e")
@@ -477,7 +477,8 @@ def report_faults(runs: list[dict], rep: Report, *, gpu: bool) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # One line a value argparse refuses (the stock parser printed its usage first).
+    ap = CliParser(prog="bench_tp_shared", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a short run: fewer steps, an 8K context, fewer replays")
     ap.add_argument("--json", metavar="FILE", help="also write every figure and verdict to FILE")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts to run (default: all of a-e)")

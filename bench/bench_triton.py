@@ -58,7 +58,6 @@ Needs a CUDA GPU and `pip install 'hisparse[triton,nvidia]'`; without the nvidia
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -322,8 +321,11 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replays", type=int, default=30, help="timed graph replays per figure (median)")
+    from hisparse_core.cli.options import CliParser, int_in
+
+    # One line a bad value (the stock parser printed its usage first); --replays 0 was the median of none.
+    ap = CliParser(prog="bench_triton", description=__doc__.splitlines()[0])
+    ap.add_argument("--replays", type=int_in(1, 100_000), default=30, help="timed graph replays per figure (median)")
     ap.add_argument("--json", help="also write the table as JSON to this path")
     ap.add_argument("--no-nvidia", action="store_true", help="time the triton backend and the copy only")
     ap.add_argument("--resolve-alone", action="store_true",

@@ -106,7 +106,10 @@ def fragment(rows: list[dict[str, Any]], source: str, command: str) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hisparse_core.cli.options import CliParser
+
+    # One line a value argparse refuses (the stock parser printed its usage first).
+    ap = CliParser(prog="plot_serving_regimes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+")
     ap.add_argument("--png", default="serving_regimes.png")
     ap.add_argument("--results-fragment", default="",

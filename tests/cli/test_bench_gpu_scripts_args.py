@@ -46,6 +46,20 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
     ("bench_pd_import", ["--repeats", "0"], "argument --repeats: expected an integer in [1, 1000], got 0"),
     ("bench_pd_import", ["--gib", "1024"], "--gib 1024 (the prefill's pages, the decoder's pool and the memcpy case's "
                                            "two copies: 4x the pages) needs 4.00 TiB"),
+    # read after the GPU check: int() and dict() tracebacks on a GPU machine; --replays 0 the median of none
+    ("bench_nvidia", ["--variant", "HISPARSE_GATHER_BLOCKS"], "argument --variant: expected VAR=V[,VAR=V]"),
+    ("bench_nvidia", ["--variant-cells", "0:x"], "argument --variant-cells: expected M:B pairs, M misses per request "
+                                                 "in [0, 2048] or R, B a batch in [1, 128] (e.g. 0:1,R:128), got '0:x'"),
+    ("bench_nvidia", ["--vllm-ops-misses", "1,,2"], "argument --vllm-ops-misses: expected misses per request in "
+                                                    "[0, 2048] or R, comma-separated, got '1,,2'"),
+    ("bench_nvidia", ["--vllm-ops-batches", "0"], "argument --vllm-ops-batches: expected batches in [1, 128]"),
+    ("bench_nvidia", ["--vllm-ops-rows", ""], "argument --vllm-ops-rows: expected comma-separated integers in [1, 64]"),
+    ("bench_nvidia", ["--replays", "0"], "argument --replays: expected an integer in [1, 100000], got 0"),
+    ("bench_triton", ["--replays", "-1"], "argument --replays: expected an integer in [1, 100000], got -1"),
+    # the stock parser printed its usage (some 20 lines for bench_serving) before the error
+    ("bench_triton", ["--cells", "x"], "--cells 'x': expected M:B pairs"),
+    ("bench_serving", ["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    ("plot_serving_regimes", [], "the following arguments are required: json"),
 ])
 def test_a_bad_value_is_one_line(script: str, argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
     with imported(BENCH / f"{script}.py") as module, pytest.raises(SystemExit) as exit_:

@@ -81,8 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "buffer, --hot in whole blocks)")
     p.add_argument("--tail-pages", type=int_in(1, MAX_TOKENS), default=DEFAULT_TAIL_PAGES, metavar="N",
                    help=f"newest pages kept resident (default: {DEFAULT_TAIL_PAGES})")
-    p.add_argument("--pcie-gbps", type=float_in(0.0, 1e4, lo_open=True), default=50.0, metavar="GB/S",
-                   help="host-to-device bandwidth for the time estimate, GB/s, in (0, 10000] (default: 50)")
+    # At least 1 MB/s: a bandwidth such as 5e-324 GB/s made the time per step overflow to `inf ms`.
+    p.add_argument("--pcie-gbps", type=float_in(1e-3, 1e4), default=50.0, metavar="GB/S",
+                   help="host-to-device bandwidth for the time estimate, GB/s, in [0.001, 10000] (default: 50)")
     p.add_argument("--sweep", type=parse_sweep, default=None, metavar="CTX,CTX,...",
                    help="also print concurrency for these context lengths, tokens with an optional K or M "
                         "(x1024) suffix (e.g. 8K,32K,128K)")

@@ -177,6 +177,19 @@ def test_parse_bytes_refuses_an_infinite_size() -> None:
     assert parse_bytes("1e-999999999") == 0   # underflows: no Fraction of a billion-digit denominator
 
 
+@pytest.mark.parametrize("value", ["5e-324", "1e-300", "0.0009"])
+def test_a_bandwidth_too_small_to_time_a_step_is_refused(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--pcie-gbps 5e-324` (in the old range (0, 10000]) made the time per step overflow: the table said
+    `inf ms at 4.94066e-324 GB/s` and --json `pcie_ms_per_step: null`, exit status 0."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--pcie-gbps", value])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [
+        f"hisparse plan: error: argument --pcie-gbps: expected a number in [0.001, 10000], got {value} (see hisparse "
+        "plan --help)"]
+
+
 @given(st.integers(0, 1 << 100))
 @example((1 << 93) + 1)
 @example(10**30 + 7)

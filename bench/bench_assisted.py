@@ -153,12 +153,16 @@ def generate_lookup(model: Any, hs: Any, prompt: list[int], new: int, k: int, de
                 kept=0, tokens_per_s=new / seconds if seconds > 0 else float("inf"))
 
 
+#: Each row's prompt is this many tokens shorter than the one before (`make_prompts`).
+PROMPT_STEP = 8
+
+
 def make_prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
     """Random tokens, the last quarter a copy of an earlier stretch (something for lookup to find)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(batch):
-        n = context - 8 * i                                    # lengths differ a little: left padding
+        n = context - PROMPT_STEP * i                          # lengths differ a little: left padding
         head = torch.randint(2, vocab, (n - n // 4,), generator=g).tolist()
         start = len(head) // 3
         out.append(head + head[start:start + n // 4])
@@ -299,6 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    # Row i's prompt is 8 x i tokens shorter than --contexts (make_prompts): one left without a token
+    # was a RuntimeError traceback (a tensor of negative dimension) once the model was built.
+    shortest = min(args.contexts) - PROMPT_STEP * (max(args.batches) - 1)
+    if shortest < 1:
+        p.error(f"argument --contexts: a batch of {max(args.batches)} (--batches) makes its last prompt "
+                f"{PROMPT_STEP} x {max(args.batches) - 1} tokens shorter than --contexts {min(args.contexts)}, so no "
+                f"token is left; expected --contexts >= {PROMPT_STEP * (max(args.batches) - 1) + 1}, or --batches <= "
+                f"{(min(args.contexts) - 1) // PROMPT_STEP + 1}")
     if args.backend != "auto" and (why := check_backend_name(args.backend)):
         p.exit(2, f"bench_assisted: error: {why}\n")
     if not args.smoke and not torch.cuda.is_available():

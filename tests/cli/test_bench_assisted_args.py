@@ -23,6 +23,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_assisted.py"
     (["--json", "/nonexistent-folder/x.json"], "--json '/nonexistent-folder/x.json': the folder "
                                                "'/nonexistent-folder' does not exist"),
     (["--backend", "nope"], "--backend 'nope': no hisparse backend named 'nope'"),
+    # row i's prompt is 8 x i tokens shorter: a RuntimeError (a tensor of negative dimension) once the model was built
+    (["--contexts", "1"], "argument --contexts: a batch of 3 (--batches) makes its last prompt 8 x 2 tokens shorter "
+                          "than --contexts 1, so no token is left; expected --contexts >= 17, or --batches <= 1"),
+    (["--batches", "65536"], "argument --contexts: a batch of 65536 (--batches) makes its last prompt"),
 ])
 def test_a_bad_value_is_one_line_before_any_work(argv: list[str], line: str, capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:

@@ -263,6 +263,8 @@ def check_output_path(flag: str, path: str, *, expected: str = "a file name") ->
         return f"{flag} {path!r}: the folder {folder!r} {what}"
     if os.path.isdir(path):
         return f"{flag} {path!r} is a folder; expected {expected}"
+    if path.endswith(("/", os.sep)):  # abspath drops the slash: 'x.png/' passed, and the write failed after the work
+        return f"{flag} {path!r} ends with a '/', which names a folder; expected {expected}"
     name = os.fsencode(os.path.basename(path))
     try:
         longest = os.pathconf(folder, "PC_NAME_MAX")

@@ -337,6 +337,27 @@ def test_plot_that_cannot_be_written_fails_before_the_run(case: str, tmp_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.png"]  # the check left nothing
 
 
+@pytest.mark.parametrize("cmd", ["run", "plan"])
+def test_a_plot_name_ending_in_a_slash_fails_before_the_work(cmd: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--plot out/x.png/` passed the check (abspath drops the slash, and no such folder exists yet)
+    and failed after the whole run: `--plot failed (figures above): [Errno 21] Is a directory`."""
+    import hisparse_core.replay.run as replay_run
+
+    def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started although --plot cannot be written")
+
+    monkeypatch.setattr(replay_run, "run_replay", must_not_run)
+    target = f"{tmp_path / 'x.png'}/"
+    assert main([*(SMALL_RUN if cmd == "run" else ["plan"]), "--plot", target]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [f"hisparse {cmd}: error: --plot {target!r} ends with a '/', which names a "
+                                         "folder; expected a file name such as plot.png"]
+    assert not list(tmp_path.iterdir())
+
+
 def test_plot_without_matplotlib_fails_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed

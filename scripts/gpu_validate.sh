@@ -11,6 +11,7 @@
 #                                                             #         serving_locality locality tf_resident (issue 42: under the calibrated locality model, not in the defaults)
 #                                                             #         memcheck_vllm_ops racecheck_vllm_ops ncu_vllm_ops ncu_triton triton_ipc (issues 39, 40)
 #                                                             #         tp_shared (issue 20: two ranks sharing one host pool, not in the defaults)
+#                                                             #         bench_smoke (every GPU bench script once, small: after a change to their flags)
 #
 # TESTS_K selects tests of the tests stage by a pytest -k expression.
 # Stage time limits (seconds) come from T_ENV, T_README, T_TESTS, T_CONFORMANCE, T_MEMCHECK,
@@ -332,6 +333,24 @@ pool_release)  # release() and SIGTERM-to-exit of a registered pool (64 GiB unle
     run pool_release "${T_POOL_RELEASE:-500}" python3 bench/bench_pool_release.py --json "$OUT/pool_release.json" \
         ${POOL_RELEASE_ARGS:-}
     ;;
+bench_smoke)  # every GPU bench script once, small (after a change to their flags): rc 0 each, nothing timed
+    RC[bench_smoke]=0
+    smoke() {  # smoke NAME LIMIT ARGS...: bench/NAME.py ARGS
+        local name=$1 limit=$2; shift 2
+        run "smoke_$name" "$limit" python3 "bench/$name.py" "$@"
+        RC[bench_smoke]=$(( RC[bench_smoke] | RC[smoke_$name] ))
+    }
+    smoke bench_nvidia 60 --vllm-ops --replays 3 --vllm-ops-misses 0,34 --vllm-ops-batches 1,8 --vllm-ops-rows 1
+    smoke bench_triton 90 --replays 3 --cells 34:8
+    smoke bench_pool_release 60 --gib 1 --chunk-gib 0.5
+    smoke bench_host_reads 40 --reps 2 --steps 2
+    smoke bench_engine_host 60 --batch 4 --context 4096 --warmup 1 --steps 3
+    smoke bench_indexer_split 60 --batch 2 --context 4096 --parts 1,2 --replays 2
+    smoke bench_transformers 60 --layers 2 --batches 1 --contexts 4096 --steps 2 --warmup 1
+    smoke bench_serving 60 --layers 2 --contexts 4096 --batches 1 --steps 2 --warmup 1 --seed 3 --modes hisparse,all-resident
+    smoke bench_assisted 60 --contexts 2048 --batches 1 --new 8 --layers 2
+    smoke bench_tp_shared 60 --quick --parts a --devices 0,0
+    ;;
 *)
     echo "unknown stage $stage" ;;
 esac
@@ -341,6 +360,9 @@ echo
 echo "==================== summary ===================="
 for stage in $STAGES; do
     echo "$stage: rc=${RC[$stage]:-not run}"
+done
+for name in $(printf '%s\n' "${!RC[@]}" | grep '^smoke_' | sort); do
+    echo "  $name: rc=${RC[$name]}"; [ "${RC[$name]}" = 0 ] || tail -5 "$OUT/$name.log"
 done
 [ -f "$OUT/readme.log" ] && { echo "--- readme"; grep -E "^(--- |FAILED|compare_runs)|selected:|  backend |steps per second|hit rate|attention check" "$OUT/readme.log" | tail -40; }
 for stage in tests tests_variants conformance memcheck racecheck tf_tests triton triton_tests triton_conformance triton_conformance_env vllm_tests memcheck_vllm_ops racecheck_vllm_ops; do

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from hisparse_core.replay.calibrate_locality import (
     BENIGN_CONTEXT_MULTIPLE,
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.policies and not args.replay:
         ap.error("argument --no-replay: not allowed with --no-policies: nothing would be measured; expected one of "
                  "the two at most")
-    if args.replay and (why := check_backend_name(args.backend)):
+    if args.replay and (why := check_backend_name(args.backend) or replay_problem(args)):
         ap.exit(2, f"bench_locality: error: {why}\n")
     t0 = time.perf_counter()
     if args.policies:
@@ -129,15 +130,10 @@ def policies_and_residency(args: argparse.Namespace) -> None:
               f"the GPU (layers {sorted(layers)})")
 
 
-def replay_residency(args: argparse.Namespace) -> None:
-    """The replay engine (the real coordinator, worker and backend, every entry checked against the
-    all-resident copy off) under the code regime, 4 layers standing for reference layers 0, 20, 40,
-    60: none resident, then layer 0 resident with the same hisparse pool (the 3 other layers'
-    blocks) plus its own pages. Misses and host-to-device bytes per decode step, step time (host
-    Python, mostly), and the decode step's time on the device."""
-    from hisparse_core.registry import select_backend
+def replay_configs(args: argparse.Namespace) -> list[Any]:
+    """The replay's two runs (`RunConfig`s): none resident, then layer 0 resident with the same
+    hisparse pool (the 3 other layers' blocks) plus its own pages. Raises `HiSparseError`."""
     from hisparse_core.replay.engine import RunConfig
-    from hisparse_core.replay.run import run_replay
 
     k = args.top_k
     base = dict(requests=args.requests * 2, context=32 * k, decode_tokens=24, steps=60, top_k=k, block_size=16,
@@ -147,17 +143,67 @@ def replay_residency(args: argparse.Namespace) -> None:
     probe = RunConfig(**base)  # type: ignore[arg-type]
     # a pool holding the pages of half the requests and a fifth: the next admission makes the coordinator
     # release pages, which are then read through the hot buffer
-    per_request = -(-probe.max_tokens // 16) * 4 * 16 * probe.fmt.row_bytes
+    pages = -(-probe.max_tokens // 16)
+    per_request = pages * 4 * 16 * probe.fmt.row_bytes
     pool = max(per_request * (probe.requests // 2) + per_request // 5, per_request * 3 // 2)
+    # every request at once holds all its pages (and the active tail) in the host pool: 1 GiB held them
+    # only up to a point (--requests 200 at --top-k 512 failed mid-run, `host pool has 25574 ... blocks`)
+    base["host_bytes"] = max(1 << 30, (probe.requests * (pages + probe.tail_pages) + 1) * per_request // pages)
     res = RunConfig(**{**base, "resident_layers": (0,)}).resident_kv_bytes  # type: ignore[arg-type]
+    return [RunConfig(**{**base, "resident_layers": layers, "gpu_kv_bytes": budget})  # type: ignore[arg-type]
+            for layers, budget in (((), pool), ((0,), pool * 3 // 4 + res))]
+
+
+class _Checked(Exception):
+    """Raised by `replay_problem` once a replay's budgets have passed the engine's checks."""
+
+
+def replay_problem(args: argparse.Namespace) -> str | None:
+    """Why the replay cannot run here (its budgets follow from --requests and --top-k), in this
+    script's flags, or None; checked before the policy tables, with nothing allocated (the engine's
+    own checks, stopped where they pass). The engine's refusals, which name `hisparse run`'s flags,
+    were a traceback after the policy tables."""
+    from hisparse_core.errors import HiSparseError
+    from hisparse_core.registry import select_backend
+    from hisparse_core.replay.engine import ReplayEngine
+
+    def passed() -> None:
+        raise _Checked
+
+    try:
+        configs = replay_configs(args)
+        backend = select_backend(args.backend)
+        for config in configs:
+            try:
+                ReplayEngine(config, backend, on_checked=passed)
+            except _Checked:
+                pass
+    except HiSparseError as exc:
+        return (f"--requests {args.requests} and --top-k {args.top_k} make a replay of {2 * args.requests} requests "
+                f"of {32 * args.top_k}+24 tokens that cannot run here ({exc}); expected a smaller --requests or "
+                "--top-k, or --no-replay")
+    return None
+
+
+def replay_residency(args: argparse.Namespace) -> None:
+    """The replay engine (the real coordinator, worker and backend, every entry checked against the
+    all-resident copy off) under the code regime, 4 layers standing for reference layers 0, 20, 40,
+    60: none resident, then layer 0 resident with the same hisparse pool (the 3 other layers'
+    blocks) plus its own pages. Misses and host-to-device bytes per decode step, step time (host
+    Python, mostly), and the decode step's time on the device."""
+    from hisparse_core.registry import select_backend
+    from hisparse_core.replay.run import run_replay
+
+    k = args.top_k
+    configs = replay_configs(args)
     backend = select_backend(args.backend)
     print(f"replay engine ({backend.name}), code regime, 4 layers (reference 0/20/40/60), top-k {k}, "
-          f"{base['requests']} requests of {base['context']}+24 tokens, hot 2x:")
+          f"{configs[0].requests} requests of {configs[0].context}+24 tokens, hot 2x:")
     print("  resident      misses/step  H2D KiB/step  step ms  decode device ms  (ratios)  hit rate (hisparse layers)")
     first = None
-    for layers, budget in (((), pool), ((0,), pool * 3 // 4 + res)):
-        s = run_replay(RunConfig(**{**base, "resident_layers": layers, "gpu_kv_bytes": budget}),  # type: ignore[arg-type]
-                       backend).summary()
+    for config in configs:
+        layers = config.resident_layers
+        s = run_replay(config, backend).summary()
         steps = max(1, int(s["decode_steps"]))  # type: ignore[call-overload]
         row = (s["misses"] / steps, s["bytes_h2d"] / steps / 1024, s["step_ms_mean"],  # type: ignore[operator]
                s["decode_device_ms"])

@@ -196,8 +196,14 @@ def measure(engine: BenchEngine, steps: int, workers: int) -> dict[str, float]:
                 **{k: v / steps for k, v in totals.items()})
 
 
+#: Host RAM the bookkeeping takes a GPU block, rounded up from the 2.7 KiB measured (see `main`).
+BOOKKEEPING_BYTES = 3 << 10
+
+
 def main(argv: list[str] | None = None) -> None:
+    from hisparse_core.capacity import check_host_memory
     from hisparse_core.cli.options import MAX_REQUESTS, MAX_STEPS, MAX_TOKENS, CliParser, int_in
+    from hisparse_core.errors import CapacityError
 
     ap = CliParser(prog="bench_coordinator", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=256)
@@ -206,6 +212,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int_in(1, 1024), default=8)
     args = ap.parse_args(argv)
     pages = -(-(args.context + 1024) // 64)
+    # The coordinator's and the engine's bookkeeping (Python lists of blocks and tokens) takes about
+    # 2.7 KiB a GPU block (measured at 64 requests x 131072 tokens), and the second scenario's is built
+    # while the first's is still held: --requests 65536 --context 16777216 was a MemoryError traceback.
+    hot = args.requests * 64
+    blocks = (args.requests * pages + hot + 8192) + (args.requests * pages * 3 // 4 + hot)
+    try:
+        check_host_memory(blocks * BOOKKEEPING_BYTES, f"--requests {args.requests} x --context {args.context} "
+                          f"({blocks} GPU blocks of bookkeeping over both scenarios, about {BOOKKEEPING_BYTES} B each)",
+                          remedy="expected fewer --requests or a shorter --context")
+    except CapacityError as exc:
+        ap.error(str(exc))
     rows = []
     for name, pressure in (("resident", False), ("pressure", True)):
         # Resident: room for every page and hot buffer. Pressure: room for three quarters of the

@@ -16,6 +16,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
     ("bench_coordinator", ["--requests", "0"], "argument --requests: expected an integer in [1, 65536], got 0"),
     ("bench_coordinator", ["--workers", "0"], "argument --workers: expected an integer in [1, 1024], got 0"),
     ("bench_coordinator", ["--context", "-1"], "argument --context: expected an integer in [1, 16777216], got -1"),
+    # a MemoryError traceback while building the block tables
+    ("bench_coordinator", ["--requests", "65536", "--context", "16777216"],
+     "--requests 65536 x --context 16777216 (30075002880 GPU blocks of bookkeeping over both scenarios, about 3072 B "
+     "each) needs 84.03 TiB"),
     ("bench_engine_host", ["--steps", "0"], "argument --steps: expected an integer in [1, 16777216], got 0"),
     ("bench_engine_host", ["--batch", "0"], "argument --batch: expected an integer in [1, 65536], got 0"),
     ("bench_engine_host", ["--warmup", "-1"], "argument --warmup: expected an integer in [0, 16777216], got -1"),

@@ -350,6 +350,7 @@ bench_smoke)  # every GPU bench script once, small (after a change to their flag
     smoke bench_serving 60 --layers 2 --contexts 4096 --batches 1 --steps 2 --warmup 1 --seed 3 --modes hisparse,all-resident
     smoke bench_assisted 60 --contexts 2048 --batches 1 --new 8 --layers 2
     smoke bench_tp_shared 60 --quick --parts a --devices 0,0
+    smoke bench_locality 90 --no-policies --backend nvidia --top-k 512 --requests 4 --steps 8 --warmup 2
     ;;
 *)
     echo "unknown stage $stage" ;;

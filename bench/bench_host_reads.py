@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None and (why := check_output_path("--json", args.json)):  # written after every part ran
         ap.error(why)
     if not torch.cuda.is_available():
-        print("bench_host_reads: no CUDA device", file=sys.stderr)
-        return 1
+        print("bench_host_reads: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2  # a refusal, as every bench script's
     from hisparse_nvidia import driver
 
     torch.zeros(1, device="cuda")  # PyTorch creates the primary context; the driver calls use it

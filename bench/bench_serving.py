@@ -405,8 +405,6 @@ def resident_alternatives(spec: str, layers: int, regime_name: str,
                    f"regime standing for reference layers {refs} is below the hot buffer's reach)")
         else:
             try:
-                if not all(x.strip() for x in alt.split(",")):  # `0,,1` (parse_resident_layers skips the gap)
-                    raise InvalidInputError(f"resident layers {alt!r} have an empty item")
                 chosen = parse_resident_layers(alt, layers)
             except InvalidInputError as exc:
                 raise BadSize(f"--resident-layers={spec!r}: {exc}; expected 'none', 'auto' or a comma list of "

@@ -22,7 +22,10 @@ from hisparse_core.errors import InvalidInputError
 def parse_resident_layers(spec: str | Sequence[int], num_layers: int) -> tuple[int, ...]:
     """`"0,1"` or `[0, 1]` -> `(0, 1)`, every index in `[0, num_layers)`, no repeats; `""` -> `()`."""
     if isinstance(spec, str):
-        parts = [p.strip() for p in spec.split(",") if p.strip()]
+        parts = [p.strip() for p in spec.split(",")] if spec.strip() else []
+        if "" in parts:  # `0,,1` or `0,`: a gap is a typo, not "no layer there" (the CLIs refuse it too)
+            raise InvalidInputError(f"resident layers {spec!r} have an empty item; expected comma-separated "
+                                    "layer indices, e.g. 0,1 ('' for none)")
         try:
             layers = [int(p) for p in parts]
         except ValueError:

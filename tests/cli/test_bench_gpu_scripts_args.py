@@ -85,3 +85,15 @@ def test_pool_release_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[st
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1
     assert err.startswith("bench_pool_release: error: needs an NVIDIA GPU: "), err
+
+
+def test_host_reads_without_a_gpu_is_a_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 2 and one line, as every bench script refuses a machine it cannot run on (it was exit 1)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: bench_host_reads would run")
+    with imported(BENCH / "bench_host_reads.py") as module:
+        assert module.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "bench_host_reads: needs a CUDA GPU (torch.cuda.is_available() is False)\n"

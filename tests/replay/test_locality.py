@@ -152,7 +152,9 @@ def test_unknown_policy_and_warmup() -> None:
 def test_resident_layers_by_config_and_by_hit_rate() -> None:
     assert parse_resident_layers("1, 0", 4) == (0, 1)
     assert parse_resident_layers("", 4) == ()
-    for bad, msg in (("0,4", "out of range"), ("0,0", "repeat"), ("a", "comma-separated")):
+    assert parse_resident_layers("  ", 4) == ()
+    for bad, msg in (("0,4", "out of range"), ("0,0", "repeat"), ("a", "comma-separated"), ("0,,1", "empty item"),
+                     ("0,", "empty item"), (",", "empty item")):
         with pytest.raises(InvalidInputError, match=msg):
             parse_resident_layers(bad, 4)
     hits = [0.05, 0.02, 0.6, 0.3, 0.7]

@@ -63,6 +63,7 @@ from tp_shared_support import (
     main_plan,
     meminfo_shmem,
     parse_devices,
+    remove_leftovers,
     shm_size_bytes,
     shm_used_bytes,
 )
@@ -224,6 +225,7 @@ def main_run(args: argparse.Namespace, mapping: DeviceMapping) -> dict:
             ranks.kill(r)
     out["exit_codes"] = ranks.close()
     out["leftovers"] = leftover_files(list(pools.values()))
+    remove_leftovers(out["leftovers"])
     return out
 
 
@@ -275,6 +277,7 @@ def fault_run(args: argparse.Namespace, mapping: DeviceMapping, key: str, fault:
     out["leftovers"] = leftover_files([name])
     after = shm_used_bytes()
     out["shm_growth_after"] = None if shm_before is None or after is None else after - shm_before
+    remove_leftovers(out["leftovers"])  # after the growth is measured: the verdict sees what the run left
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -287,6 +288,17 @@ def leftover_files(names: Sequence[str], directory: str = shm.SHM_DIR) -> list[s
     for name in names:
         found += glob.glob(os.path.join(directory, f"{shm.FILE_PREFIX}{glob.escape(name)}.*"))
     return sorted(found)
+
+
+def remove_leftovers(paths: Sequence[str]) -> None:
+    """Unlinks the files a run left (already recorded, and reported as a failure), so that a failed run
+    does not keep a pool's memory in /dev/shm after the bench exits; says so on stderr, a line a file."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        print(f"bench_tp_shared: removed {path}, which the run left behind", file=sys.stderr)
 
 
 def format_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

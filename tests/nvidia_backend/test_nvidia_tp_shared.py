@@ -295,6 +295,18 @@ def test_leftover_files_name_only_that_pool(tmp_path: Path) -> None:
     assert sup.leftover_files(["tpx1a"], str(tmp_path)) == [str(tmp_path / "hisparse_tpx1a.nvpool")]
 
 
+def test_a_run_s_leftovers_are_removed_after_they_are_recorded(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank that died in setup left its pool in /dev/shm after the bench exited (the verdict named it,
+    nothing removed it); the bench unlinks what it recorded, a line each, and only that."""
+    (tmp_path / "hisparse_tpx1a.nvpool").write_bytes(b"x")
+    (tmp_path / "hisparse_other.pool").write_bytes(b"")
+    found = sup.leftover_files(["tpx1a"], str(tmp_path))
+    sup.remove_leftovers(found + [str(tmp_path / "hisparse_gone.pool")])   # one already gone: no error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hisparse_other.pool"]
+    assert capsys.readouterr().err == f"bench_tp_shared: removed {found[0]}, which the run left behind\n"
+
+
 def test_the_schedule_is_the_same_in_every_process_and_valid() -> None:
     """Two schedules of one seed give identical plans; the reference, validating every resolve,
     runs them, with releases under the reads and misses served from the host pool."""

@@ -39,7 +39,6 @@ not decide it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -742,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="--vllm-ops cells: misses per request (R: every page resident), comma-separated")
     ap.add_argument("--vllm-ops-batches", default=",".join(map(str, VLLM_OPS_BATCHES)),
                     help="--vllm-ops cells: batches, comma-separated")
-    ap.add_argument("--vllm-ops-rows", default="1,4", help="--vllm-ops cells: rows a request, comma-separated")
+    ap.add_argument("--vllm-ops-rows", type=int_list_in(1, 64), default="1,4",
+                    help="--vllm-ops cells: rows a request, comma-separated")
     args = ap.parse_args(argv)
     # Every list read before the GPU is asked for: each was an int() or dict() of the text (a
     # ValueError traceback on a GPU machine for `--variant-cells 0:x` or `--variant X`).
@@ -782,11 +782,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"argument --vllm-ops-batches: expected batches in [1, {MAX_REQ}], comma-separated, got "
                  f"{args.vllm_ops_batches!r}")
-    rows_list = int_list_in(1, 64)
-    try:
-        rows_per_request = rows_list(args.vllm_ops_rows)
-    except argparse.ArgumentTypeError as exc:
-        ap.error(f"argument --vllm-ops-rows: {exc}")
     if not torch.cuda.is_available():
         print("bench_nvidia: no CUDA device", file=sys.stderr)
         return 2
@@ -794,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm_ops:
         print(f"{'scenario':<30} {'M':>4} {'rpr':>3} {'B':>3} {'us':>9} {'native':>9} {'x nat':>6} "
               f"{'vLLM':>8} {'x vLLM':>6}  target / note")
-        for rpr in rows_per_request:
+        for rpr in args.vllm_ops_rows:
             for m in misses_list:
                 for b in batches:
                     vrows = vllm_ops_rows(bench, m, b, rpr)

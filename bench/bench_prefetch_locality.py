@@ -87,9 +87,9 @@ def all_resident_ms(text: str) -> dict[tuple[int, int], float]:
 
 
 def geometry(text: str) -> list[tuple[int, int]]:
-    out = []
     from hisparse_core.cli.options import MAX_REQUESTS, MAX_TOKENS
 
+    out = []
     for part in text.split(","):
         t, _, b = part.partition(":")
         try:  # isdigit() alone let '²' through to int()

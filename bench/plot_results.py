@@ -9,11 +9,9 @@ Needs matplotlib (`pip install -e '.[plot]'`).
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -174,6 +172,8 @@ def draw(data: dict[str, Any], out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hisparse_core.cli.options import unwritable
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # Strings, not Paths: Path('') is '.', so `--out ""` (an unset variable) wrote the PNGs into the
     # current folder and `--data ""` was reported as the folder '.'.
@@ -189,13 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.is_dir():
         print(f"plot_results: error: --out {args.out}: no such folder; expected an existing folder", file=sys.stderr)
         return 2
-    try:  # tried, not read from the permissions (root may not write in /proc): savefig failed after the drawing
-        with tempfile.TemporaryFile(dir=args.out):
-            pass
-    except OSError as exc:  # procfs answers ENOENT, which would read as the folder missing
-        detail = "" if exc.errno == errno.ENOENT else f" ({exc.strerror or exc})"
-        print(f"plot_results: error: --out {args.out}: the folder is not writable{detail}; expected a folder the PNGs "
-              "can be written to", file=sys.stderr)
+    if why := unwritable(str(args.out)):  # savefig failed after the drawing (/proc, say)
+        print(f"plot_results: error: --out {args.out}: the folder is {why}; expected a folder the PNGs can be "
+              "written to", file=sys.stderr)
         return 2
     try:
         data = json.loads(args.data.read_text())

@@ -253,9 +253,7 @@ def check_torch_device(flag: str, text: str, command: str) -> str | None:
 def check_output_path(flag: str, path: str, *, expected: str = "a file name") -> str | None:
     """Why the file `flag path` names cannot be written (its folder missing or read-only, its name
     too long, or a folder given as the file), or None. Leaves nothing behind."""
-    import errno
     import os
-    import tempfile
 
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
@@ -272,14 +270,23 @@ def check_output_path(flag: str, path: str, *, expected: str = "a file name") ->
         longest = 255
     if len(name) > longest:
         return f"{flag} {path!r}: the file name is {len(name)} bytes long; expected at most {longest}"
+    why = unwritable(folder)
+    return None if why is None else f"{flag} {path!r}: the folder {folder!r} is {why}"
+
+
+def unwritable(folder: str) -> str | None:
+    """Why no file can be created in the existing folder `folder` ("not writable", with the OS's
+    reason where it is not procfs's misleading ENOENT), or None. Leaves nothing behind."""
+    import errno
+    import tempfile
+
     # os.access answers yes to root everywhere (/proc, a read-only mount under some kernels): only
     # creating a file there tells
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:  # procfs answers ENOENT, which would read as the folder missing
-        detail = "" if exc.errno == errno.ENOENT else f" ({exc.strerror or exc})"
-        return f"{flag} {path!r}: the folder {folder!r} is not writable{detail}"
+        return "not writable" + ("" if exc.errno == errno.ENOENT else f" ({exc.strerror or exc})")
     return None
 
 
